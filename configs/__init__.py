@@ -1,0 +1,173 @@
+"""Recipes: schema defaults <- YAML recipe <- command-line dot-list, with errors that name the key.
+
+    cfg = load_config("configs/demo.yaml", ["train.max_steps=10"])
+    cfg.train.max_steps  # 10
+"""
+
+import dataclasses
+import difflib
+import os
+import typing
+from pathlib import Path
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from configs.schema import TesseraConfig
+
+CONFIG_DIR = Path(__file__).resolve().parent
+DEFAULT_RECIPE = CONFIG_DIR / "demo.yaml"
+
+
+class ConfigError(ValueError):
+    """A recipe or override that does not fit the schema; the message names the key."""
+
+
+def _schema_keys(cls, prefix="") -> dict[str, type]:
+    """Every dotted key of the schema with its declared type, e.g. {'train.max_steps': int}."""
+    keys = {}
+    for f in dataclasses.fields(cls):
+        name = prefix + f.name
+        if dataclasses.is_dataclass(f.type):
+            keys[name] = f.type
+            keys.update(_schema_keys(f.type, name + "."))
+        else:
+            keys[name] = f.type
+    return keys
+
+
+SCHEMA_KEYS = _schema_keys(TesseraConfig)
+
+
+def _type_name(tp) -> str:
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is typing.Union and type(None) in args:
+        return f"{_type_name(next(a for a in args if a is not type(None)))} or null"
+    if typing.get_origin(tp) is list:
+        return f"a list of {_type_name(args[0])}"
+    if dataclasses.is_dataclass(tp):
+        return "a section (mapping)"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _closest(key: str) -> str:
+    match = difflib.get_close_matches(key, SCHEMA_KEYS, n=1, cutoff=0.5)
+    if not match:  # compare the last part alone: 'max_step' -> 'train.max_steps'
+        leaf = key.rsplit(".", 1)[-1]
+        leaves = {k.rsplit(".", 1)[-1]: k for k in SCHEMA_KEYS}
+        close = difflib.get_close_matches(leaf, leaves, n=1, cutoff=0.6)
+        match = [leaves[close[0]]] if close else []
+    return f"; did you mean '{match[0]}'?" if match else ""
+
+
+def _check_keys(node, prefix: str, source: str) -> None:
+    """Reject keys the schema does not declare, before OmegaConf merges anything."""
+    if not isinstance(node, (dict, DictConfig)):
+        return
+    for key in node:
+        full = f"{prefix}{key}"
+        if full not in SCHEMA_KEYS:
+            raise ConfigError(f"unknown key '{full}' in {source}{_closest(full)}")
+        value = node[key]
+        if dataclasses.is_dataclass(SCHEMA_KEYS[full]):
+            if not isinstance(value, (dict, DictConfig)):
+                raise ConfigError(f"'{full}' in {source} must be a section (mapping), got {value!r}")
+            _check_keys(value, full + ".", source)
+
+
+def _parse_overrides(overrides: list[str]) -> DictConfig:
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(
+                f"override '{item}' is not of the form key=value (for example train.max_steps=100)"
+            )
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"could not parse the command-line overrides {overrides}: {e}") from None
+
+
+def load_config(recipe: str | os.PathLike | None = None, overrides: list[str] | tuple = ()) -> DictConfig:
+    """Merge schema defaults, the recipe (default: configs/demo.yaml) and dot-list overrides."""
+    recipe = Path(recipe) if recipe is not None else DEFAULT_RECIPE
+    if not recipe.is_file():
+        raise ConfigError(f"recipe '{recipe}' does not exist (recipes live in {CONFIG_DIR})")
+    try:
+        recipe_cfg = OmegaConf.load(recipe)
+    except Exception as e:  # YAML syntax errors
+        raise ConfigError(f"could not read recipe '{recipe}': {e}") from None
+    if not isinstance(recipe_cfg, DictConfig):
+        raise ConfigError(f"recipe '{recipe}' must be a mapping of sections, not {type(recipe_cfg).__name__}")
+    cli_cfg = _parse_overrides(list(overrides))
+    _check_keys(recipe_cfg, "", f"recipe '{recipe}'")
+    _check_keys(cli_cfg, "", "the command-line overrides")
+
+    cfg = OmegaConf.structured(TesseraConfig)
+    for source, layer in ((f"recipe '{recipe}'", recipe_cfg), ("the command-line overrides", cli_cfg)):
+        try:
+            cfg = OmegaConf.merge(cfg, layer)
+        except OmegaConfBaseException as e:
+            key = getattr(e, "full_key", None) or "?"
+            expected = _type_name(SCHEMA_KEYS.get(key, object))
+            value = OmegaConf.select(layer, key, default="?") if key != "?" else "?"
+            if isinstance(value, (DictConfig, ListConfig)):
+                value = OmegaConf.to_container(value)
+            raise ConfigError(f"'{key}' in {source} must be {expected}, got {value!r}") from None
+    validate(cfg)
+    return cfg
+
+
+CHOICES = {
+    "model.attention_backend": ("sdpa", "math", "xformers", "flash"),
+    "vae.kind": ("identity", "kl", "wan"),
+    "text_encoder.kind": ("t5", "umt5", "clip"),
+    "train.precision": ("auto", "fp32", "bf16"),
+    "logging.wandb_mode": ("offline", "online", "disabled"),
+}
+
+
+def validate(cfg: DictConfig) -> None:
+    """Checks of values that types alone cannot express."""
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"'{key}' is {value!r}; choose one of {', '.join(allowed)}")
+    positive = ["data.frames", "data.height", "data.width", "train.batch_size", "train.log_every",
+                "train.checkpoint_every", "sample.steps", "text_encoder.max_length", "train.keep_checkpoints"]
+    for key in positive:
+        if OmegaConf.select(cfg, key) < 1:
+            raise ConfigError(f"'{key}' must be at least 1, got {OmegaConf.select(cfg, key)}")
+    for key in ("train.max_steps", "train.warmup_steps", "train.sample_every", "data.num_workers"):
+        if OmegaConf.select(cfg, key) < 0:
+            raise ConfigError(f"'{key}' must be 0 or more, got {OmegaConf.select(cfg, key)}")
+    if len(cfg.model.patch_size) != 3 or min(cfg.model.patch_size) < 1:
+        raise ConfigError(f"'model.patch_size' must be three positive sizes (time, height, width), "
+                          f"got {list(cfg.model.patch_size)}")
+    if not 0.0 <= cfg.train.text_dropout < 1.0:
+        raise ConfigError(f"'train.text_dropout' must be in [0, 1), got {cfg.train.text_dropout}")
+    if not 0.0 <= cfg.train.ema_decay < 1.0:
+        raise ConfigError(f"'train.ema_decay' must be in [0, 1), got {cfg.train.ema_decay}")
+    if len(cfg.train.betas) != 2:
+        raise ConfigError(f"'train.betas' must be two numbers, got {list(cfg.train.betas)}")
+    from models.dit import DiT_models  # light import: the model code needs only torch
+
+    if cfg.model.size not in DiT_models:
+        raise ConfigError(f"'model.size' is '{cfg.model.size}'; choose one of {', '.join(DiT_models)}")
+
+
+def save_config(cfg: DictConfig, path: str | os.PathLike) -> None:
+    OmegaConf.save(cfg, path, resolve=True)
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+_OVERRIDE = __import__("re").compile(r"^[A-Za-z_]\w*(\.\w+)+=")
+
+
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Separate dot-list overrides (`section.key=value`) from the other command-line arguments, so they
+    can follow options that take several values (`--prompt "a" "b" parallel.dp=2`)."""
+    overrides = [a for a in argv if _OVERRIDE.match(a)]
+    return [a for a in argv if not _OVERRIDE.match(a)], overrides

@@ -1,0 +1,133 @@
+"""The typed schema: every recipe key and its default.
+
+Recipes (`configs/*.yaml`) hold only what differs from these defaults; command-line dot-list
+overrides (`train.max_steps=10`) come last. `configs.load_config` merges the three and turns
+unknown keys and wrong types into errors that name the key.
+"""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = "runs/default"  # the run directory: config, metrics, checkpoints, samples
+
+
+@dataclass
+class ModelConfig:
+    size: str = "DiT-S"  # a key of models.dit.DiT_models
+    patch_size: list[int] = field(default_factory=lambda: [1, 2, 2])  # (time, height, width)
+    mlp_ratio: float = 4.0
+    qk_norm: bool = True
+    attention_backend: str = "sdpa"  # sdpa | math | xformers | flash
+    rope_theta: float = 10000.0
+
+
+@dataclass
+class VAEConfig:
+    kind: str = "identity"  # identity (pixel space) | kl (diffusers AutoencoderKL, images) | wan (AutoencoderKLWan, video)
+    pretrained: Optional[str] = None  # a local folder for from_pretrained; None builds a tiny random VAE
+    seed: int = 0  # seed of the tiny random VAE, so training and sampling build the same one
+    tiny_base_dim: int = 16  # width of the tiny random VAE
+    tiny_latent_channels: int = 4
+
+
+@dataclass
+class TextEncoderConfig:
+    kind: str = "t5"  # t5 | umt5 | clip
+    pretrained: Optional[str] = None  # a local folder; None builds a tiny random T5 with the ByT5 tokenizer
+    max_length: int = 64  # tokens kept per prompt (longer prompts are truncated)
+    seed: int = 0  # seed of the tiny random encoder
+    tiny_d_model: int = 32
+    tiny_layers: int = 2
+    cache_size: int = 4096  # prompt embeddings kept in memory
+
+
+@dataclass
+class DataConfig:
+    manifest: Optional[str] = None  # JSONL (path, caption); None uses the synthetic demo generator
+    frames: int = 9  # every training clip is resized and centre-cropped to frames x height x width
+    height: int = 32
+    width: int = 32
+    fps: Optional[float] = None  # resample videos to this rate; None keeps the file's rate
+    num_workers: int = 2
+    synthetic_samples: int = 4096  # size of one epoch of the synthetic dataset
+    synthetic_seed: int = 0
+
+
+@dataclass
+class FlowConfig:
+    logit_mean: float = 0.0  # logit-normal timestep density (SD3: lognorm(0, 1))
+    logit_std: float = 1.0
+    shift: float = 1.0  # timestep shift at shift_reference_tokens tokens
+    shift_reference_tokens: int = 256  # shift grows with sqrt(tokens / this) (SD3, section 5.3.2)
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 1000
+    batch_size: int = 8  # per data-parallel rank
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 100
+    grad_clip: float = 1.0
+    ema_decay: float = 0.999
+    text_dropout: float = 0.1  # probability of training on the empty prompt (classifier-free guidance)
+    log_every: int = 10
+    checkpoint_every: int = 500
+    keep_checkpoints: int = 3  # older step_<N> folders are deleted once a newer one is complete
+    sample_every: int = 0  # 0: only at the end
+    seed: int = 0
+    resume: str = "auto"  # auto (continue from latest if present) | none | a checkpoint folder
+    activation_checkpointing: bool = False
+    compile: bool = False
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+
+
+@dataclass
+class SampleConfig:
+    steps: int = 30
+    guidance: float = 5.0
+    negative_prompt: str = ""
+    use_ema: bool = True
+    prompts: list[str] = field(default_factory=lambda: ["a red square moving left"])  # previews during training
+    frames: Optional[int] = None  # None: data.frames
+    height: Optional[int] = None  # None: data.height
+    width: Optional[int] = None  # None: data.width
+    fps: int = 8  # frame rate of written videos
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = -1  # data parallel (FSDP2); -1: whatever the other degrees leave of the world size
+    cfg: int = 1  # classifier-free-guidance parallel (sampling only)
+    pipefusion: int = 1  # PipeFusion stages (sampling only)
+    ulysses: int = 1  # Ulysses sequence parallel
+    ring: int = 1  # Ring sequence parallel
+    timeout_s: float = 600.0  # timeout of every collective on the training process groups
+    control_timeout_s: float = 1800.0  # the gloo control group that fences long single-rank work
+    preflight_timeout_s: float = 60.0  # the first collective at start-up; a hang here is a transport problem
+    max_message_mb: float = 256.0  # collectives above this size are split into chunks
+
+
+@dataclass
+class LoggingConfig:
+    wandb: bool = True
+    wandb_mode: str = "offline"  # offline | online | disabled
+    wandb_project: str = "tessera"
+
+
+@dataclass
+class TesseraConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    vae: VAEConfig = field(default_factory=VAEConfig)
+    text_encoder: TextEncoderConfig = field(default_factory=TextEncoderConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    flow: FlowConfig = field(default_factory=FlowConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

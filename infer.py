@@ -1,0 +1,117 @@
+"""Sample videos (or images, with --frames 1) from a trained DiT.
+
+    torchrun --nproc_per_node N infer.py --config configs/X.yaml --prompt "a red square moving left" \\
+        --frames 24 --output out.mp4 [section.key=value ...]
+
+The output format follows the extension: .mp4, .gif, .png (an image, or one file per frame) or .npy
+(float32 [frames, height, width, 3] in [0, 1], unquantised). With several prompts, files are numbered
+(out_000.mp4, ...). With N processes and data parallelism, the prompts are split across ranks.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from configs import DEFAULT_RECIPE, load_config, split_overrides
+from data.media import OUTPUT_EXTENSIONS, write_video
+from models.dit import DiT_models
+from models.flow import RectifiedFlow
+from models.pipeline import build_frozen, build_model, generate
+from models.vae import vae_latent_space
+from parallel.checkpoint import CheckpointError, load_weights, resolve_checkpoint
+from parallel.layout import ParallelLayout
+from parallel.runtime import init_runtime, run_entrypoint, world_from_env
+
+
+def parse_args(argv):
+    args, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(DEFAULT_RECIPE), help="recipe YAML (default: the demo)")
+    p.add_argument("--checkpoint", default=None, help="a step_<N> folder (default: the recipe run's latest)")
+    p.add_argument("--prompt", nargs="+", default=None, help="one or more prompts (default: sample.prompts)")
+    p.add_argument("--negative-prompt", default=None, help="default: sample.negative_prompt")
+    p.add_argument("--frames", type=int, default=None, help="default: sample.frames, else data.frames")
+    p.add_argument("--height", type=int, default=None)
+    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None, help="default: sample.steps")
+    p.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale; 1 turns it off")
+    p.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i")
+    p.add_argument("--output", default="outputs/sample.mp4", help=f"file to write ({', '.join(OUTPUT_EXTENSIONS)})")
+    p.add_argument("--random-weights", action="store_true", help="sample from an untrained model (tests, benchmarks)")
+    p.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA weights")
+    parsed = p.parse_args(args)
+    parsed.overrides = overrides
+    return parsed
+
+
+def output_paths(output: str, count: int) -> list[Path]:
+    path = Path(output)
+    if path.suffix.lower() not in OUTPUT_EXTENSIONS:
+        raise ValueError(f"--output {output}: the extension must be one of {', '.join(OUTPUT_EXTENSIONS)}")
+    if count == 1:
+        return [path]
+    return [path.with_name(f"{path.stem}_{i:03d}{path.suffix}") for i in range(count)]
+
+
+def find_checkpoint(cfg, checkpoint: str | None, random_weights: bool):
+    if random_weights:
+        return None
+    found = resolve_checkpoint(checkpoint or "auto", cfg.run.output_dir)
+    if found is None:
+        raise CheckpointError(f"no checkpoint found in {Path(cfg.run.output_dir) / 'checkpoints'}: train first "
+                              f"(train.py with the same recipe), pass --checkpoint, or use --random-weights")
+    return found
+
+
+def load_sampler(cfg, runtime, checkpoint, use_ema: bool = True):
+    """The frozen components and the DiT, with the checkpoint's weights unless it is None."""
+    text_encoder, vae = build_frozen(cfg, runtime.device)
+    model = build_model(cfg, text_encoder, vae).to(runtime.device).eval()
+    if checkpoint is not None:
+        load_weights(checkpoint, model, use_ema=use_ema)
+    return model, vae, text_encoder
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    sc = cfg.sample
+    prompts = args.prompt or list(sc.prompts)
+    frames = args.frames or sc.frames or cfg.data.frames
+    height, width = args.height or sc.height or cfg.data.height, args.width or sc.width or cfg.data.width
+    guidance = sc.guidance if args.guidance is None else args.guidance
+    steps = args.steps or sc.steps
+    if steps < 1:
+        raise ValueError(f"--steps must be at least 1, got {steps}")
+    # Every refusal comes before any model is built or any collective is issued.
+    outputs = output_paths(args.output, len(prompts))
+    _, world_size, _ = world_from_env()
+    layout = ParallelLayout.from_config(cfg.parallel, world_size, DiT_models[cfg.model.size]["num_heads"], "sample")
+    vae_latent_space(cfg.vae).latent_shape(frames, height, width, cfg.model.patch_size)
+    checkpoint = find_checkpoint(cfg, args.checkpoint, args.random_weights)
+
+    runtime = init_runtime(cfg.parallel, layout)
+    model, vae, text_encoder = load_sampler(cfg, runtime, checkpoint, use_ema=not args.no_ema)
+    mine = list(range(layout.dp_rank(runtime.rank), len(prompts), layout.dp))  # prompts split over dp ranks
+    if not mine:
+        return
+    bar = tqdm(total=steps, desc="sample", disable=not runtime.is_main, dynamic_ncols=True)
+    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and runtime.device.type == "cuda")
+    videos = generate(model, vae, text_encoder, RectifiedFlow(cfg.flow, cfg.model.patch_size), [prompts[i] for i in mine],
+                      frames, height, width, steps, guidance,
+                      sc.negative_prompt if args.negative_prompt is None else args.negative_prompt,
+                      seeds=[args.seed + i for i in mine], autocast_dtype=torch.bfloat16 if bf16 else None,
+                      progress=lambda done, total: bar.update(1))
+    bar.close()
+    is_sp_leader = runtime.rank == layout.dp_rank(runtime.rank) * (world_size // layout.dp)
+    if is_sp_leader:  # one writer per data-parallel group
+        for i, video in zip(mine, videos):
+            for path in write_video(outputs[i], video, fps=sc.fps):
+                print(f"[tessera] wrote {path}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(run_entrypoint(main))

@@ -1,0 +1,106 @@
+"""Distributed checkpoints that never lose work.
+
+Layout of a run directory's `checkpoints/`:
+    step_<N>/        torch.distributed.checkpoint files of model, EMA and optimizer, plus
+                     trainer_rank<R>.pt per rank (step, random states, data position)
+    latest           a text file naming the newest complete step_<N>
+
+Every rank writes its shards into a hidden temporary folder; only when all ranks have finished
+does rank 0 rename it to step_<N> and then replace `latest`, so a crash mid-save leaves the
+previous checkpoint intact and `latest` never names a partial one. The fences use the gloo
+control group (long timeout): a slow filesystem does not trip the training watchdog.
+"""
+
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def checkpoint_dir(run_dir) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def find_latest(run_dir) -> Path | None:
+    pointer = checkpoint_dir(run_dir) / "latest"
+    if not pointer.is_file():
+        return None
+    path = checkpoint_dir(run_dir) / pointer.read_text().strip()
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"{pointer} names {path.name}, which is missing or incomplete; point 'latest' at a "
+                              f"complete step_<N> folder or start fresh with train.resume=none")
+    return path
+
+
+def resolve_checkpoint(spec: str, run_dir) -> Path | None:
+    """train.resume / --checkpoint: 'auto' (latest if any), 'none', or a folder."""
+    if spec == "none":
+        return None
+    if spec in ("auto", "latest"):
+        return find_latest(run_dir)
+    path = Path(spec)
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"checkpoint '{spec}' is not a complete tessera checkpoint folder (no .metadata in it)")
+    return path
+
+
+def save_checkpoint(runtime, run_dir, step: int, model, ema, optimizer, trainer_state: dict, keep: int) -> Path:
+    root = checkpoint_dir(run_dir)
+    final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
+    if runtime.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    runtime.fence()
+    state = {"model": get_model_state_dict(model), "ema": get_model_state_dict(ema),
+             "optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.save(state, checkpoint_id=tmp)
+    torch.save(trainer_state, tmp / f"trainer_rank{runtime.rank}.pt")
+    runtime.fence()
+    if runtime.is_main:
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        pointer_tmp = root / "latest.tmp"
+        pointer_tmp.write_text(final.name + "\n")
+        pointer_tmp.replace(root / "latest")
+        complete = sorted((p for p in root.glob("step_*") if (p / ".metadata").is_file()),
+                          key=lambda p: int(p.name.split("_")[1]))
+        for old in complete[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    runtime.fence()
+    return final
+
+
+def load_checkpoint(runtime, path, model, ema, optimizer) -> dict:
+    """Restore model, EMA and optimizer in place; return this rank's trainer state."""
+    path = Path(path)
+    trainer_file = path / f"trainer_rank{runtime.rank}.pt"
+    if not trainer_file.is_file():
+        written = len(list(path.glob("trainer_rank*.pt")))
+        raise CheckpointError(f"{path} was written by {written} processes and has no state for rank {runtime.rank}; "
+                              f"resume with {written} processes, or start fresh with train.resume=none")
+    state = {"model": get_model_state_dict(model), "ema": get_model_state_dict(ema),
+             "optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_model_state_dict(ema, state["ema"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    return torch.load(trainer_file, weights_only=False)
+
+
+def load_weights(path, model, use_ema: bool = True) -> None:
+    """Load the (EMA) weights of a training checkpoint into an unsharded model, e.g. for sampling."""
+    key = "ema" if use_ema else "model"
+    state = {key: model.state_dict()}
+    dcp.load(state, checkpoint_id=Path(path))
+    model.load_state_dict(state[key])

@@ -1,0 +1,35 @@
+"""Apply distribution to a single-device DiT from the outside: activation checkpointing, then
+torch.compile, then FSDP2 (`fully_shard`) per block and on the root (as torchtitan does)."""
+
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def parallelize_dit(model: nn.Module, dp_mesh, param_dtype: torch.dtype = torch.float32,
+                    activation_checkpointing: bool = False, compile: bool = False) -> nn.Module:
+    """Shard `model` (built with identical weights on every rank) over the data-parallel mesh.
+    With param_dtype=bf16, parameters are all-gathered and computed in bf16 while the sharded
+    master weights, gradients' reduction and the optimizer stay in float32."""
+    blocks = model.blocks
+    for i, block in enumerate(blocks):
+        if activation_checkpointing:
+            block = checkpoint_wrapper(block, preserve_rng_state=False)  # blocks have no dropout
+        if compile:
+            block.compile()  # in place: state-dict keys stay the same
+        blocks[i] = block
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again at once for backward: keep them gathered.
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
+    return model
+
+
+@torch.no_grad()
+def update_ema(ema: nn.Module, model: nn.Module, decay: float) -> None:
+    """ema <- decay * ema + (1 - decay) * model, shard by shard (both are sharded the same way)."""
+    ema_params = [p.to_local() if hasattr(p, "to_local") else p for p in ema.parameters()]
+    params = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    torch._foreach_lerp_(ema_params, params, 1.0 - decay)

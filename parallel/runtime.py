@@ -1,0 +1,140 @@
+"""Process groups and devices for one run: started once by train.py / infer.py.
+
+`torchrun` or plain `python` both work: without torchrun's environment this sets up a one-process
+group on a free local port, so one code path (FSDP, distributed checkpoints) serves every run.
+CUDA machines get NCCL and bf16; CPU machines get gloo and float32.
+"""
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout
+
+from parallel import comm
+from parallel.layout import ParallelLayout
+
+NCCL_HINT = (
+    "This is usually the transport, not tessera: on PCIe machines try NCCL_P2P_LEVEL=NVL (or NCCL_P2P_DISABLE=1), "
+    "check that every node can reach MASTER_ADDR:MASTER_PORT, and run with NCCL_DEBUG=INFO to see which step stalls."
+)
+
+
+@dataclass
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    layout: ParallelLayout
+    dp_mesh: object  # a 1-D DeviceMesh over the data-parallel ranks
+    control_group: object  # gloo group with a long timeout, to fence long single-rank work
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_mesh.get_local_rank()
+
+    def fence(self) -> None:
+        """Wait for every rank on the control group (gloo, long timeout): use around long work that
+        one rank does alone, so the others do not sit in a collective with a short deadline."""
+        comm.barrier(self.control_group)
+
+
+def world_from_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) for plain python."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pick_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_runtime(parallel_cfg, layout: ParallelLayout) -> Runtime:
+    """Create the process groups for an already validated layout and run a preflight collective."""
+    rank, world_size, local_rank = world_from_env()
+    if layout.world_size != world_size:
+        raise ValueError(f"layout {layout.describe()} is for {layout.world_size} processes, not {world_size}")
+    # Plain `python train.py` (no torchrun environment): a private one-process group on a free port.
+    init_method = None if "MASTER_ADDR" in os.environ else f"tcp://127.0.0.1:{_free_port()}"
+    device = pick_device(local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    comm.configure(parallel_cfg.max_message_mb)
+
+    # Start with the short preflight timeout: a transport that cannot connect shows up here, in seconds.
+    preflight = datetime.timedelta(seconds=parallel_cfg.preflight_timeout_s)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=preflight,
+                            device_id=device if device.type == "cuda" else None)
+    try:
+        probe = torch.ones(1, device=device)
+        comm.all_reduce(probe)
+        if int(probe.item()) != world_size:
+            raise RuntimeError(f"preflight all-reduce returned {probe.item()}, expected {world_size}")
+    except Exception as e:
+        raise RuntimeError(f"rank {rank}: the preflight all-reduce across {world_size} processes failed within "
+                           f"{parallel_cfg.preflight_timeout_s:.0f}s ({e}). {NCCL_HINT}") from e
+    _set_pg_timeout(datetime.timedelta(seconds=parallel_cfg.timeout_s))
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp_mesh = init_device_mesh(device.type, (layout.dp,), mesh_dim_names=("dp",))
+    # Groups made from a device mesh do not inherit the init timeout: set it explicitly.
+    _set_pg_timeout(datetime.timedelta(seconds=parallel_cfg.timeout_s), dp_mesh.get_group())
+    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=parallel_cfg.control_timeout_s))
+    return Runtime(rank, world_size, local_rank, device, backend, layout, dp_mesh, control)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# Errors a user can fix from the message alone: printed without a traceback, exit code 2.
+def _user_errors():
+    from configs import ConfigError
+    from models.attention import AttentionBackendUnavailable
+    from parallel.checkpoint import CheckpointError
+    from parallel.layout import LayoutError
+
+    return (ConfigError, LayoutError, CheckpointError, AttentionBackendUnavailable, FileNotFoundError, ValueError)
+
+
+def run_entrypoint(main, argv=None) -> int:
+    """Run an entry point: a user error prints `error: ...` and exits 2 on every rank; any other
+    failure writes this rank's recent collectives to the run's failures/ folder before the traceback."""
+    import sys
+
+    rank = world_from_env()[0]
+    try:
+        main(argv)
+        return 0
+    except _user_errors() as e:
+        if os.environ.get("TESSERA_DEBUG"):
+            raise
+        prefix = f"[rank {rank}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
+        print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except BaseException as e:
+        folder = comm.failure_dir()
+        if folder is not None and dist.is_initialized() and not isinstance(e, (KeyboardInterrupt, SystemExit)):
+            path = comm.dump_records(folder, rank, repr(e))
+            print(f"[rank {rank}] recent collectives written to {path}", file=sys.stderr, flush=True)
+        raise
+    finally:
+        shutdown()

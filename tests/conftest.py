@@ -1,0 +1,32 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "tests" / "tiny.yaml"
+sys.path.insert(0, str(ROOT))  # train.py and infer.py live at the root
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+
+def torchrun(nproc: int, script: str, *args: str, timeout: float = 240, env: dict | None = None):
+    """Run `torchrun --nproc_per_node nproc script args` from the repo root; a hang fails at `timeout`."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(ROOT / script), *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def run_main(module, argv: list[str]) -> int:
+    """Run an entry point in this process (saves seconds of imports per run) and return its exit code."""
+    from parallel.runtime import run_entrypoint
+
+    return run_entrypoint(module.main, argv)
+
+
+@pytest.fixture
+def tiny_args(tmp_path):
+    return ["--config", str(TINY), f"run.output_dir={tmp_path / 'run'}"]

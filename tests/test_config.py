@@ -1,0 +1,79 @@
+import pytest
+
+from configs import CONFIG_DIR, ConfigError, load_config, split_overrides
+from configs.schema import TesseraConfig
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in CONFIG_DIR.glob("*.yaml")))
+def test_every_shipped_recipe_loads(recipe):
+    cfg = load_config(CONFIG_DIR / recipe)
+    assert cfg.train.max_steps >= 1
+
+
+def test_overrides_come_last_and_keep_types():
+    cfg = load_config(None, ["train.max_steps=7", "train.lr=0.5", "model.patch_size=[1,2,2]", "data.manifest=x.jsonl"])
+    assert cfg.train.max_steps == 7 and isinstance(cfg.train.max_steps, int)
+    assert cfg.train.lr == 0.5
+    assert list(cfg.model.patch_size) == [1, 2, 2]
+    assert cfg.data.manifest == "x.jsonl"
+    # untouched keys keep the schema default
+    assert cfg.train.ema_decay == load_config(None).train.ema_decay
+
+
+def test_recipe_holds_only_differences(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train:\n  max_steps: 3\n")
+    cfg = load_config(recipe)
+    assert cfg.train.max_steps == 3
+    assert cfg.train.batch_size == TesseraConfig().train.batch_size
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("train.max_step=5", "did you mean 'train.max_steps'"),
+    ("trian.max_steps=5", "did you mean 'train.max_steps'"),
+    ("parallel.ulysess=2", "did you mean 'parallel.ulysses'"),
+])
+def test_misspelt_key_names_the_closest(override, expected):
+    with pytest.raises(ConfigError, match=expected) as e:
+        load_config(None, [override])
+    assert override.split("=")[0] in str(e.value)
+
+
+def test_misspelt_key_in_recipe(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train:\n  checkpoint_evry: 5\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'train.checkpoint_evry'.*'train.checkpoint_every'"):
+        load_config(recipe)
+
+
+@pytest.mark.parametrize("override, key, expected", [
+    ("train.max_steps=abc", "train.max_steps", "int"),
+    ("train.lr=fast", "train.lr", "float"),
+    ("logging.wandb=maybe", "logging.wandb", "bool"),
+])
+def test_wrong_type_names_key_and_type(override, key, expected):
+    with pytest.raises(ConfigError, match=rf"'{key}'.*must be {expected}"):
+        load_config(None, [override])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("vae.kind=vqgan", "choose one of identity, kl, wan"),
+    ("model.size=DiT-huge", "choose one of DiT-tiny"),
+    ("train.batch_size=0", "at least 1"),
+    ("model.patch_size=[1,2]", "three positive sizes"),
+    ("train", "not of the form key=value"),
+])
+def test_bad_values(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_missing_recipe():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("configs/nope.yaml")
+
+
+def test_split_overrides_leaves_prompts_alone():
+    args, overrides = split_overrides(["--prompt", "a red square", "b=c", "parallel.dp=2", "--frames", "9"])
+    assert overrides == ["parallel.dp=2"]
+    assert args == ["--prompt", "a red square", "b=c", "--frames", "9"]

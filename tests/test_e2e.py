@@ -1,0 +1,165 @@
+"""The whole program: train.py and infer.py from the command line contract, in this process where
+possible (imports cost seconds per process) and under torchrun for the multi-process runs."""
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+import infer
+import train
+from configs import load_config
+from configs.rundir import read_metrics
+from data.media import read_video
+from tests.conftest import TINY, run_main, torchrun
+
+pytestmark = pytest.mark.slow
+
+
+def losses(run_dir):
+    return {m["step"]: m["loss"] for m in read_metrics(run_dir)}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One tiny training run of 6 steps with checkpoints at 3 and 6, wandb offline."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    assert run_main(train, ["--config", str(TINY), f"run.output_dir={run_dir}", "logging.wandb=true"]) == 0
+    return run_dir
+
+
+def test_run_directory_contract(trained):
+    cfg = load_config(trained / "config.yaml")  # the resolved config is itself a valid recipe
+    assert cfg.train.max_steps == 6
+    metrics = read_metrics(trained)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    for key in ("step", "loss", "lr", "step_time", "samples_per_s", "tokens_per_s"):
+        assert all(key in m for m in metrics), key
+    assert (trained / "checkpoints" / "latest").read_text().strip() == "step_6"
+    for step in (3, 6):
+        assert (trained / "checkpoints" / f"step_{step}" / ".metadata").is_file()
+    assert not list((trained / "checkpoints").glob(".*.tmp"))
+    assert read_video(trained / "samples" / "step_6_0.mp4").shape == (4, 16, 16, 3)
+    assert (trained / "wandb").is_dir()
+
+
+def test_resume_gives_the_same_losses_as_a_straight_run(trained, tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["--config", str(TINY), f"run.output_dir={run_dir}"]
+    assert run_main(train, args + ["train.max_steps=3"]) == 0
+    assert run_main(train, args + ["train.max_steps=6", "train.resume=auto"]) == 0
+    assert losses(run_dir) == losses(trained)  # bit for bit
+
+
+def test_loss_falls(tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_main(train, ["--config", str(TINY), f"run.output_dir={run_dir}", "train.max_steps=40",
+                            "train.log_every=10", "train.checkpoint_every=40", "train.lr=3e-3",
+                            "data.synthetic_samples=8"]) == 0
+    curve = losses(run_dir)
+    assert curve[40] < 0.6 * curve[10], curve
+
+
+@pytest.mark.parametrize("ext", [".npy", ".mp4", ".gif", ".png"])
+def test_infer_writes_each_format(trained, tmp_path, ext):
+    out = tmp_path / f"video{ext}"
+    argv = ["--config", str(TINY), f"run.output_dir={trained}", "--prompt", "a red square moving left",
+            "a blue circle moving up", "--steps", "2", "--frames", "4", "--output", str(out)]
+    assert run_main(infer, argv) == 0
+    first = tmp_path / f"video_000{ext}"
+    if ext == ".npy":
+        video = np.load(first)
+        assert video.shape == (4, 16, 16, 3) and video.dtype == np.float32
+        assert 0.0 <= video.min() and video.max() <= 1.0
+    elif ext == ".png":
+        assert len(list(tmp_path.glob("video_001_*.png"))) == 4
+    else:
+        assert read_video(first).shape == (4, 16, 16, 3)
+        assert (tmp_path / f"video_001{ext}").is_file()
+
+
+def test_infer_is_reproducible_and_uses_the_checkpoint(trained, tmp_path):
+    base = ["--config", str(TINY), f"run.output_dir={trained}", "--steps", "3", "--prompt", "a red square moving left"]
+    for name, extra in (("a", []), ("b", []), ("random", ["--random-weights"])):
+        assert run_main(infer, base + extra + ["--output", str(tmp_path / f"{name}.npy")]) == 0
+    a, b, random = (np.load(tmp_path / f"{n}.npy") for n in ("a", "b", "random"))
+    assert np.array_equal(a, b)
+    assert not np.allclose(a, random, atol=1e-3)
+
+
+def never_called(*args, **kwargs):
+    raise AssertionError("process groups were started before the request was validated")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["vae.kind=wan", "--frames", "8", "--height", "32", "--width", "32"], "1 + k*4 frames"),
+    (["--height", "18"], "height=18 must be a multiple of 4"),
+    (["--output", "x.avi"], "extension must be one of"),
+    ([], "no checkpoint found"),
+    (["--checkpoint", "nowhere"], "not a complete tessera checkpoint"),
+])
+def test_infer_refuses_impossible_requests_before_building(tmp_path, monkeypatch, capsys, extra, message):
+    monkeypatch.setattr(infer, "init_runtime", never_called)
+    monkeypatch.setattr(infer, "load_sampler", never_called)
+    argv = ["--config", str(TINY), f"run.output_dir={tmp_path}"] + extra
+    assert run_main(infer, argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_invalid_layout_exits_before_any_collective(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setattr(train, "init_runtime", never_called)
+    assert run_main(train, ["--config", str(TINY), f"run.output_dir={tmp_path}", "parallel.dp=2"]) == 2
+    err = capsys.readouterr().err
+    assert "dp=2 x cfg=1 x pipefusion=1 x ulysses=1 x ring=1 = 2, but there are 3 processes" in err
+    assert "Valid layouts for 3 processes" in err
+
+
+def test_latent_vae_and_manifest_data(tmp_path):
+    """The tiny causal video VAE as the latent space, trained from real mp4 files through a manifest."""
+    sys.path.insert(0, str(TINY.parents[1] / "scripts"))
+    from make_demo_data import make_demo_data
+
+    manifest = make_demo_data(tmp_path / "data", samples=8, frames=9, size=32)
+    run_dir = tmp_path / "run"
+    common = ["--config", str(TINY), f"run.output_dir={run_dir}", "vae.kind=wan", "data.frames=9", "data.height=32",
+              "data.width=32", "model.patch_size=[1,2,2]"]
+    assert run_main(train, common + [f"data.manifest={manifest}", "train.max_steps=2", "train.batch_size=2"]) == 0
+    assert run_main(infer, common + ["--output", str(tmp_path / "v.npy"), "--steps", "2"]) == 0
+    assert np.load(tmp_path / "v.npy").shape == (9, 32, 32, 3)
+
+
+def test_two_processes_match_one(tmp_path):
+    """2-process FSDP training (batch 2 per rank) gives the losses of 1 process with batch 4, and
+    2-process sampling (prompts split across ranks) gives the single-process videos."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    common = ["--config", str(TINY), "train.max_steps=4", "train.checkpoint_every=4"]
+    assert run_main(train, common + [f"run.output_dir={one}", "train.batch_size=4"]) == 0
+    result = torchrun(2, "train.py", *common, f"run.output_dir={two}", "train.batch_size=2", timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    a, b = losses(one), losses(two)
+    assert a.keys() == b.keys()
+    assert all(b[s] == pytest.approx(a[s], rel=1e-4) for s in a), (a, b)
+    for rank in (0, 1):
+        assert (two / "checkpoints" / "step_4" / f"trainer_rank{rank}.pt").is_file()
+
+    prompts = ["--prompt", "a red square moving left", "a green circle moving up", "a blue square moving down"]
+    sample = ["--config", str(TINY), "--steps", "2", *prompts]
+    assert run_main(infer, sample + [f"run.output_dir={one}", "--output", str(tmp_path / "one.npy")]) == 0
+    result = torchrun(2, "infer.py", *sample, f"run.output_dir={one}", "--output", str(tmp_path / "two.npy"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    for i in range(3):
+        assert np.allclose(np.load(tmp_path / f"one_{i:03d}.npy"), np.load(tmp_path / f"two_{i:03d}.npy"), atol=1e-5)
+
+
+def test_torchrun_bad_layout_fails_fast_on_every_rank(tmp_path):
+    result = torchrun(2, "train.py", "--config", str(TINY), f"run.output_dir={tmp_path}", "parallel.dp=3", timeout=120)
+    assert result.returncode != 0
+    assert result.stderr.count("error: invalid parallel layout") == 2, result.stderr[-2000:]
+    assert not (tmp_path / "config.yaml").exists()  # nothing started
+
+
+def test_print_config(capsys):
+    assert run_main(train, ["--config", str(TINY), "--print-config", "train.max_steps=11"]) == 0
+    assert "max_steps: 11" in capsys.readouterr().out

@@ -1,0 +1,152 @@
+"""Train a DiT from a recipe.
+
+    torchrun --nproc_per_node N train.py --config configs/X.yaml [section.key=value ...]
+    python train.py --config configs/demo.yaml train.max_steps=100     # one process
+
+Everything a run writes goes to `run.output_dir` (see configs/rundir.py). The loop below reads top to
+bottom: model, EMA and optimizer; resume; then step, log, checkpoint, preview.
+"""
+
+import argparse
+import copy
+import math
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from configs import DEFAULT_RECIPE, load_config, split_overrides, to_yaml
+from configs.rundir import RunDirectory
+from data.loader import build_dataset, build_loader
+from data.media import write_video
+from data.sampler import DistributedEpochSampler, sample_seed
+from models.dit import DiT_models, count_parameters
+from models.flow import RectifiedFlow
+from models.pipeline import build_frozen, build_model, generate
+from models.vae import num_tokens, vae_latent_space
+from parallel import comm
+from parallel.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from parallel.fsdp import parallelize_dit, update_ema
+from parallel.layout import ParallelLayout
+from parallel.runtime import init_runtime, run_entrypoint, world_from_env
+
+
+def parse_args(argv):
+    args, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(DEFAULT_RECIPE), help="recipe YAML (default: the demo)")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
+    parsed = parser.parse_args(args)
+    parsed.overrides = overrides
+    return parsed
+
+
+def learning_rate(train_cfg, step: int) -> float:
+    return train_cfg.lr * min(1.0, (step + 1) / max(1, train_cfg.warmup_steps))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        print(to_yaml(cfg))
+        return
+    tc = cfg.train
+    # Everything that can be refused is checked before the first collective.
+    rank, world_size, _ = world_from_env()
+    layout = ParallelLayout.from_config(cfg.parallel, world_size, DiT_models[cfg.model.size]["num_heads"], "train")
+    latent_shape = vae_latent_space(cfg.vae).latent_shape(cfg.data.frames, cfg.data.height, cfg.data.width,
+                                                          cfg.model.patch_size)
+    dataset = build_dataset(cfg.data)
+    sampler = DistributedEpochSampler(len(dataset), tc.batch_size, layout.dp_rank(rank), layout.dp, tc.seed)
+    checkpoint = resolve_checkpoint(tc.resume, cfg.run.output_dir)
+
+    runtime = init_runtime(cfg.parallel, layout)
+    device = runtime.device
+    bf16 = tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
+    run = RunDirectory(cfg.run.output_dir, runtime.is_main)
+    run.write_config(cfg)
+    comm.set_failure_dir(run.failures)
+    text_encoder, vae = build_frozen(cfg, device)
+    model = build_model(cfg, text_encoder, vae)
+    if runtime.is_main:
+        print(f"[tessera] {cfg.model.size}: {count_parameters(model) / 1e6:.2f}M parameters; layout "
+              f"{layout.describe()}; {device.type} ({runtime.backend}, {'bf16' if bf16 else 'fp32'}); "
+              f"latent {tuple(latent_shape)} = {num_tokens(latent_shape, cfg.model.patch_size)} tokens", flush=True)
+    ema = copy.deepcopy(model).requires_grad_(False)
+    model = parallelize_dit(model, runtime.dp_mesh, torch.bfloat16 if bf16 else torch.float32,
+                            tc.activation_checkpointing, tc.compile)
+    ema = parallelize_dit(ema, runtime.dp_mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
+    flow = RectifiedFlow(cfg.flow, cfg.model.patch_size)
+
+    start_step = 0
+    if checkpoint is not None:
+        state = load_checkpoint(runtime, checkpoint, model, ema, optimizer)
+        sampler.check_resume(state["sampler"])
+        start_step = state["step"]
+        if runtime.is_main:
+            print(f"[tessera] resumed from {checkpoint} at step {start_step}", flush=True)
+    sampler.start_step = start_step  # O(1): the sampler computes its position from the step
+    batches = iter(build_loader(dataset, sampler, cfg.data.num_workers))
+    run.start_wandb(cfg)
+
+    global_batch = tc.batch_size * layout.dp
+    tokens = num_tokens(latent_shape, cfg.model.patch_size)
+    progress = tqdm(total=tc.max_steps, initial=start_step, disable=not runtime.is_main, dynamic_ncols=True,
+                    desc="train", mininterval=1.0)
+    model.train()
+    for step in range(start_step, tc.max_steps):
+        started = time.perf_counter()
+        batch = next(batches)
+        # Text dropout, noise and timestep of each sample come from its own (seed, step, sample) generator.
+        rngs = [torch.Generator().manual_seed(sample_seed(tc.seed, step, i)) for i in batch["index"]]
+        captions = ["" if torch.rand(1, generator=g).item() < tc.text_dropout else c for g, c in zip(rngs, batch["caption"])]
+        y, y_mask = text_encoder(captions, device)
+        x0 = vae.encode(batch["video"].to(device, non_blocking=True))
+        noise, t = flow.draw(x0.shape[1:], rngs)
+        loss = flow.training_loss(model, x0, y, y_mask, noise, t)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        lr = learning_rate(tc, step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        update_ema(ema, model, tc.ema_decay)
+        done = step + 1
+
+        if done % tc.log_every == 0 or done == tc.max_steps:
+            mean_loss = comm.all_reduce(loss.detach().float().clone()).item() / runtime.world_size
+            if not math.isfinite(mean_loss):
+                raise FloatingPointError(f"loss is {mean_loss} at step {done}; lower train.lr or check the data")
+            step_time = time.perf_counter() - started
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            run.log_metrics({"step": done, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm),
+                             "step_time": step_time, "samples_per_s": global_batch / step_time,
+                             "tokens_per_s": global_batch * tokens / step_time, "epoch": step // sampler.steps_per_epoch})
+            progress.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{global_batch / step_time:.1f}", refresh=False)
+        progress.update(1)
+        if done % tc.checkpoint_every == 0 or done == tc.max_steps:
+            trainer_state = {"step": done, "sampler": sampler.state_dict(done), "world_size": runtime.world_size}
+            save_checkpoint(runtime, run.path, done, model, ema, optimizer, trainer_state, tc.keep_checkpoints)
+        if (tc.sample_every and done % tc.sample_every == 0) or done == tc.max_steps:
+            write_previews(cfg, runtime, run, ema, vae, text_encoder, flow, done)
+    progress.close()
+    run.finish()
+
+
+def write_previews(cfg, runtime, run, ema, vae, text_encoder, flow, step):
+    """Every rank samples (the EMA model is sharded, so its forward needs all of them); rank 0 writes."""
+    sc = cfg.sample
+    videos = generate(ema.eval(), vae, text_encoder, flow, list(sc.prompts), sc.frames or cfg.data.frames,
+                      sc.height or cfg.data.height, sc.width or cfg.data.width, sc.steps, sc.guidance,
+                      sc.negative_prompt, seeds=[cfg.train.seed + i for i in range(len(sc.prompts))])
+    if runtime.is_main:
+        for i, video in enumerate(videos):
+            write_video(run.samples / f"step_{step}_{i}.mp4", video, fps=sc.fps)
+
+
+if __name__ == "__main__":
+    sys.exit(run_entrypoint(main))
