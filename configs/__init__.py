@@ -66,9 +66,12 @@ def _check_keys(node, prefix: str, source: str) -> None:
         return
     for key in node:
         full = f"{prefix}{key}"
-        if full not in SCHEMA_KEYS:
-            raise ConfigError(f"unknown key '{full}' in {source}{_closest(full)}")
         value = node[key]
+        if full not in SCHEMA_KEYS:
+            while isinstance(value, (dict, DictConfig)) and len(value):  # a misspelt section: name a whole key
+                sub = next(iter(value))
+                full, value = f"{full}.{sub}", value[sub]
+            raise ConfigError(f"unknown key '{full}' in {source}{_closest(full)}")
         if dataclasses.is_dataclass(SCHEMA_KEYS[full]):
             if not isinstance(value, (dict, DictConfig)):
                 raise ConfigError(f"'{full}' in {source} must be a section (mapping), got {value!r}")

@@ -54,11 +54,11 @@ def test_resume_gives_the_same_losses_as_a_straight_run(trained, tmp_path):
 
 def test_loss_falls(tmp_path):
     run_dir = tmp_path / "run"
-    assert run_main(train, ["--config", str(TINY), f"run.output_dir={run_dir}", "train.max_steps=40",
-                            "train.log_every=10", "train.checkpoint_every=40", "train.lr=3e-3",
-                            "data.synthetic_samples=8"]) == 0
-    curve = losses(run_dir)
-    assert curve[40] < 0.6 * curve[10], curve
+    assert run_main(train, ["--config", str(TINY), f"run.output_dir={run_dir}", "train.max_steps=80",
+                            "train.checkpoint_every=80", "train.lr=3e-3", "data.synthetic_samples=8"]) == 0
+    curve = list(losses(run_dir).values())
+    first, last = sum(curve[:10]) / 10, sum(curve[-10:]) / 10  # single steps are noisy (random timesteps)
+    assert last < 0.6 * first, (first, last)
 
 
 @pytest.mark.parametrize("ext", [".npy", ".mp4", ".gif", ".png"])
@@ -81,11 +81,13 @@ def test_infer_writes_each_format(trained, tmp_path, ext):
 
 def test_infer_is_reproducible_and_uses_the_checkpoint(trained, tmp_path):
     base = ["--config", str(TINY), f"run.output_dir={trained}", "--steps", "3", "--prompt", "a red square moving left"]
-    for name, extra in (("a", []), ("b", []), ("random", ["--random-weights"])):
+    runs = (("a", []), ("b", []), ("raw", ["--no-ema"]), ("random", ["--random-weights"]))
+    for name, extra in runs:
         assert run_main(infer, base + extra + ["--output", str(tmp_path / f"{name}.npy")]) == 0
-    a, b, random = (np.load(tmp_path / f"{n}.npy") for n in ("a", "b", "random"))
+    a, b, raw, random = (np.load(tmp_path / f"{n}.npy") for n, _ in runs)
     assert np.array_equal(a, b)
-    assert not np.allclose(a, random, atol=1e-3)
+    # after 6 steps the EMA weights (decay 0.999) have barely moved; the raw weights have
+    assert np.abs(raw - random).max() > 10 * np.abs(a - random).max() > 0
 
 
 def never_called(*args, **kwargs):
