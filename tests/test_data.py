@@ -7,7 +7,14 @@ import torch
 from data.manifest import ManifestDataset, write_manifest
 from data.media import read_video, to_training_clip, write_video
 from data.sampler import DistributedEpochSampler
-from data.synthetic import ALL_COMBOS, HELD_OUT, TRAIN_COMBOS, SyntheticVideoDataset, dominant_color, motion_direction
+from data.synthetic import (
+    ALL_COMBOS,
+    HELD_OUT,
+    TRAIN_COMBOS,
+    SyntheticVideoDataset,
+    dominant_color,
+    motion_direction,
+)
 
 
 def test_synthetic_is_deterministic_and_holds_out_combos():
