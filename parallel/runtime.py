@@ -115,12 +115,22 @@ def _user_errors():
     return (ConfigError, LayoutError, CheckpointError, AttentionBackendUnavailable, FileNotFoundError, ValueError)
 
 
+class Terminated(BaseException):
+    """SIGTERM, e.g. from torchrun stopping the survivors after one rank failed."""
+
+
+def _terminate(signum, frame):
+    raise Terminated(f"received signal {signum}")
+
+
 def run_entrypoint(main, argv=None) -> int:
     """Run an entry point: a user error prints `error: ...` and exits 2 on every rank; any other
-    failure writes this rank's recent collectives to the run's failures/ folder before the traceback."""
+    failure, or SIGTERM, writes this rank's recent collectives to the run's failures/ folder first."""
+    import signal
     import sys
 
     rank = world_from_env()[0]
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         main(argv)
         return 0
@@ -135,6 +145,10 @@ def run_entrypoint(main, argv=None) -> int:
         if folder is not None and dist.is_initialized() and not isinstance(e, (KeyboardInterrupt, SystemExit)):
             path = comm.dump_records(folder, rank, repr(e))
             print(f"[rank {rank}] recent collectives written to {path}", file=sys.stderr, flush=True)
+        if isinstance(e, Terminated):
+            print(f"[rank {rank}] stopped: {e}", file=sys.stderr, flush=True)
+            return 128 + signal.SIGTERM
         raise
     finally:
+        signal.signal(signal.SIGTERM, previous)
         shutdown()

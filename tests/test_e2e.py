@@ -1,6 +1,7 @@
 """The whole program: train.py and infer.py from the command line contract, in this process where
 possible (imports cost seconds per process) and under torchrun for the multi-process runs."""
 
+import json
 import sys
 
 import numpy as np
@@ -164,3 +165,18 @@ def test_torchrun_bad_layout_fails_fast_on_every_rank(tmp_path):
 def test_print_config(capsys):
     assert run_main(train, ["--config", str(TINY), "--print-config", "train.max_steps=11"]) == 0
     assert "max_steps: 11" in capsys.readouterr().out
+
+
+def test_failure_writes_the_recent_collectives(tmp_path, monkeypatch):
+    """A crash mid-run leaves each rank's recent ops in failures/ for diagnosis."""
+    def explode(*args, **kwargs):
+        raise RuntimeError("simulated crash while saving")
+
+    monkeypatch.setattr(train, "save_checkpoint", explode)
+    run_dir = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_main(train, ["--config", str(TINY), f"run.output_dir={run_dir}", "train.max_steps=1"])
+    report = json.loads((run_dir / "failures" / "comm_rank0.json").read_text())
+    assert "simulated crash" in report["reason"]
+    assert [r["kind"] for r in report["records"]][:1] == ["all_reduce"]  # the preflight came first
+    assert all(r["end"] is not None for r in report["records"])
