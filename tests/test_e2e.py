@@ -180,3 +180,12 @@ def test_failure_writes_the_recent_collectives(tmp_path, monkeypatch):
     assert "simulated crash" in report["reason"]
     assert [r["kind"] for r in report["records"]][:1] == ["all_reduce"]  # the preflight came first
     assert all(r["end"] is not None for r in report["records"])
+
+
+@pytest.mark.parametrize("switches", [["train.activation_checkpointing=true"],
+                                      ["train.activation_checkpointing=true", "train.compile=true"]])
+def test_activation_checkpointing_and_compile_keep_the_losses(trained, tmp_path, switches):
+    run_dir = tmp_path / "run"
+    assert run_main(train, ["--config", str(TINY), f"run.output_dir={run_dir}", "train.max_steps=3", *switches]) == 0
+    reference, got = losses(trained), losses(run_dir)
+    assert all(got[s] == pytest.approx(reference[s], rel=1e-4) for s in got), (got, reference)
