@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -81,6 +82,15 @@ def save_checkpoint(runtime, run_dir, step: int, model, ema, optimizer, trainer_
     return final
 
 
+def _load(state: dict, path: Path) -> None:
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CheckpointError(f"{path} does not fit this model ({type(e).__name__}: {str(e)[:300]}); was it written "
+                              f"with another model.size, model.patch_size, VAE or text encoder? Use the recipe it was "
+                              f"trained with, or train.resume=none") from e
+
+
 def load_checkpoint(runtime, path, model, ema, optimizer) -> dict:
     """Restore model, EMA and optimizer in place; return this rank's trainer state."""
     path = Path(path)
@@ -91,7 +101,7 @@ def load_checkpoint(runtime, path, model, ema, optimizer) -> dict:
                               f"resume with {written} processes, or start fresh with train.resume=none")
     state = {"model": get_model_state_dict(model), "ema": get_model_state_dict(ema),
              "optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=path)
+    _load(state, path)
     set_model_state_dict(model, state["model"])
     set_model_state_dict(ema, state["ema"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
@@ -102,5 +112,5 @@ def load_weights(path, model, use_ema: bool = True) -> None:
     """Load the (EMA) weights of a training checkpoint into an unsharded model, e.g. for sampling."""
     key = "ema" if use_ema else "model"
     state = {key: model.state_dict()}
-    dcp.load(state, checkpoint_id=Path(path))
+    _load(state, Path(path))
     model.load_state_dict(state[key])

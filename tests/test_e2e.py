@@ -189,3 +189,9 @@ def test_activation_checkpointing_and_compile_keep_the_losses(trained, tmp_path,
     assert run_main(train, ["--config", str(TINY), f"run.output_dir={run_dir}", "train.max_steps=3", *switches]) == 0
     reference, got = losses(trained), losses(run_dir)
     assert all(got[s] == pytest.approx(reference[s], rel=1e-4) for s in got), (got, reference)
+
+
+def test_checkpoint_of_another_model_is_a_clear_error(trained, tmp_path, capsys):
+    argv = ["--config", str(TINY), f"run.output_dir={trained}", "model.size=DiT-demo", "--output", str(tmp_path / "x.npy")]
+    assert run_main(infer, argv) == 2
+    assert "does not fit this model" in capsys.readouterr().err
