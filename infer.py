@@ -21,6 +21,7 @@ from models.dit import DiT_models
 from models.flow import RectifiedFlow
 from models.pipeline import build_frozen, build_model, generate
 from models.vae import vae_latent_space
+from parallel import comm
 from parallel.checkpoint import CheckpointError, load_weights, resolve_checkpoint
 from parallel.layout import ParallelLayout
 from parallel.runtime import init_runtime, run_entrypoint, world_from_env
@@ -80,12 +81,13 @@ def main(argv=None):
     cfg = load_config(args.config, args.overrides)
     sc = cfg.sample
     prompts = args.prompt or list(sc.prompts)
-    frames = args.frames or sc.frames or cfg.data.frames
-    height, width = args.height or sc.height or cfg.data.height, args.width or sc.width or cfg.data.width
-    guidance = sc.guidance if args.guidance is None else args.guidance
-    steps = args.steps or sc.steps
-    if steps < 1:
-        raise ValueError(f"--steps must be at least 1, got {steps}")
+    first = lambda *values: next(v for v in values if v is not None)  # noqa: E731  (0 is a value, not a default)
+    frames = first(args.frames, sc.frames, cfg.data.frames)
+    height, width = first(args.height, sc.height, cfg.data.height), first(args.width, sc.width, cfg.data.width)
+    guidance, steps = first(args.guidance, sc.guidance), first(args.steps, sc.steps)
+    for name, value in (("--steps", steps), ("--frames", frames), ("--height", height), ("--width", width)):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
     # Every refusal comes before any model is built or any collective is issued.
     outputs = output_paths(args.output, len(prompts))
     _, world_size, _ = world_from_env()
@@ -93,8 +95,9 @@ def main(argv=None):
     vae_latent_space(cfg.vae).latent_shape(frames, height, width, cfg.model.patch_size)
     checkpoint = find_checkpoint(cfg, args.checkpoint, args.random_weights)
 
+    comm.set_failure_dir(Path(cfg.run.output_dir) / "failures")
     runtime = init_runtime(cfg.parallel, layout)
-    model, vae, text_encoder = load_sampler(cfg, runtime, checkpoint, use_ema=not args.no_ema)
+    model, vae, text_encoder = load_sampler(cfg, runtime, checkpoint, use_ema=sc.use_ema and not args.no_ema)
     mine = list(range(layout.dp_rank(runtime.rank), len(prompts), layout.dp))  # prompts split over dp ranks
     if not mine:
         return

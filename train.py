@@ -8,10 +8,10 @@ bottom: model, EMA and optimizer; resume; then step, log, checkpoint, preview.
 """
 
 import argparse
-import copy
 import math
 import sys
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -58,26 +58,34 @@ def main(argv=None):
     layout = ParallelLayout.from_config(cfg.parallel, world_size, DiT_models[cfg.model.size]["num_heads"], "train")
     latent_shape = vae_latent_space(cfg.vae).latent_shape(cfg.data.frames, cfg.data.height, cfg.data.width,
                                                           cfg.model.patch_size)
+    preview_space = vae_latent_space(cfg.vae)
+    try:
+        preview_space.latent_shape(cfg.sample.frames or cfg.data.frames, cfg.sample.height or cfg.data.height,
+                                   cfg.sample.width or cfg.data.width, cfg.model.patch_size)
+    except ValueError as e:
+        raise ValueError(f"the preview size in sample.frames/height/width: {e}") from None
+    if not cfg.sample.prompts:
+        raise ValueError("sample.prompts is empty: training previews need at least one prompt")
     dataset = build_dataset(cfg.data)
     sampler = DistributedEpochSampler(len(dataset), tc.batch_size, layout.dp_rank(rank), layout.dp, tc.seed)
     checkpoint = resolve_checkpoint(tc.resume, cfg.run.output_dir)
 
+    comm.set_failure_dir(Path(cfg.run.output_dir) / "failures")
     runtime = init_runtime(cfg.parallel, layout)
     device = runtime.device
     bf16 = tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
     run = RunDirectory(cfg.run.output_dir, runtime.is_main)
     run.write_config(cfg)
-    comm.set_failure_dir(run.failures)
     text_encoder, vae = build_frozen(cfg, device)
     model = build_model(cfg, text_encoder, vae)
     if runtime.is_main:
         print(f"[tessera] {cfg.model.size}: {count_parameters(model) / 1e6:.2f}M parameters; layout "
               f"{layout.describe()}; {device.type} ({runtime.backend}, {'bf16' if bf16 else 'fp32'}); "
               f"latent {tuple(latent_shape)} = {num_tokens(latent_shape, cfg.model.patch_size)} tokens", flush=True)
-    ema = copy.deepcopy(model).requires_grad_(False)
     model = parallelize_dit(model, runtime.dp_mesh, torch.bfloat16 if bf16 else torch.float32,
                             tc.activation_checkpointing, tc.compile)
-    ema = parallelize_dit(ema, runtime.dp_mesh)
+    # Built again (same seed, same weights) after the model is sharded: one full copy on the host at a time.
+    ema = parallelize_dit(build_model(cfg, text_encoder, vae).requires_grad_(False), runtime.dp_mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
     flow = RectifiedFlow(cfg.flow, cfg.model.patch_size)
 
@@ -132,17 +140,19 @@ def main(argv=None):
             trainer_state = {"step": done, "sampler": sampler.state_dict(done), "world_size": runtime.world_size}
             save_checkpoint(runtime, run.path, done, model, ema, optimizer, trainer_state, tc.keep_checkpoints)
         if (tc.sample_every and done % tc.sample_every == 0) or done == tc.max_steps:
-            write_previews(cfg, runtime, run, ema, vae, text_encoder, flow, done)
+            write_previews(cfg, runtime, run, ema if cfg.sample.use_ema else model, vae, text_encoder, flow, done)
     progress.close()
     run.finish()
 
 
-def write_previews(cfg, runtime, run, ema, vae, text_encoder, flow, step):
-    """Every rank samples (the EMA model is sharded, so its forward needs all of them); rank 0 writes."""
+def write_previews(cfg, runtime, run, model, vae, text_encoder, flow, step):
+    """Every rank samples (the model is sharded, so its forward needs all of them); rank 0 writes."""
     sc = cfg.sample
-    videos = generate(ema.eval(), vae, text_encoder, flow, list(sc.prompts), sc.frames or cfg.data.frames,
+    was_training = model.training
+    videos = generate(model.eval(), vae, text_encoder, flow, list(sc.prompts), sc.frames or cfg.data.frames,
                       sc.height or cfg.data.height, sc.width or cfg.data.width, sc.steps, sc.guidance,
                       sc.negative_prompt, seeds=[cfg.train.seed + i for i in range(len(sc.prompts))])
+    model.train(was_training)
     if runtime.is_main:
         for i, video in enumerate(videos):
             write_video(run.samples / f"step_{step}_{i}.mp4", video, fps=sc.fps)

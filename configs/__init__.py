@@ -140,6 +140,13 @@ def validate(cfg: DictConfig) -> None:
     for key in positive:
         if OmegaConf.select(cfg, key) < 1:
             raise ConfigError(f"'{key}' must be at least 1, got {OmegaConf.select(cfg, key)}")
+    for key in ("train.lr", "train.grad_clip", "flow.shift", "parallel.timeout_s", "parallel.preflight_timeout_s",
+                "parallel.control_timeout_s", "parallel.max_message_mb", "sample.fps", "flow.shift_reference_tokens",
+                "text_encoder.cache_size"):
+        if OmegaConf.select(cfg, key) <= 0:
+            raise ConfigError(f"'{key}' must be greater than 0, got {OmegaConf.select(cfg, key)}")
+    if cfg.data.fps is not None and cfg.data.fps <= 0:
+        raise ConfigError(f"'data.fps' must be greater than 0 or null (keep the file's rate), got {cfg.data.fps}")
     for key in ("train.max_steps", "train.warmup_steps", "train.sample_every", "data.num_workers"):
         if OmegaConf.select(cfg, key) < 0:
             raise ConfigError(f"'{key}' must be 0 or more, got {OmegaConf.select(cfg, key)}")
@@ -166,7 +173,7 @@ def to_yaml(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(cfg, resolve=True)
 
 
-_OVERRIDE = __import__("re").compile(r"^[A-Za-z_]\w*(\.\w+)+=")
+_OVERRIDE = __import__("re").compile(r"^[A-Za-z_]\w*(\.\w+)*=")
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:

@@ -47,7 +47,7 @@ class RunDirectory:
 
             self._wandb = wandb.init(project=cfg.logging.wandb_project, dir=str(self.path), mode=cfg.logging.wandb_mode,
                                      config=OmegaConf.to_container(cfg, resolve=True), name=self.path.name,
-                                     resume="allow", id=f"{self.path.name}-{abs(hash(str(self.path.resolve()))) % 10**8}")
+                                     resume="allow", id=f"{self.path.name}-{_stable_id(self.path)}")
         except Exception as e:  # logging must never cost a training run
             warnings.warn(f"wandb could not start ({e}); metrics still go to metrics.jsonl", stacklevel=1)
 
@@ -63,6 +63,13 @@ class RunDirectory:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+def _stable_id(path: Path) -> str:
+    """The same wandb run id for the same run directory in every process (str hash() is salted)."""
+    import hashlib
+
+    return hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
 
 
 def read_metrics(path) -> list[dict]:

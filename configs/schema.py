@@ -41,7 +41,7 @@ class TextEncoderConfig:
     seed: int = 0  # seed of the tiny random encoder
     tiny_d_model: int = 32
     tiny_layers: int = 2
-    cache_size: int = 4096  # prompt embeddings kept in memory
+    cache_size: int = 256  # prompt embeddings kept in memory (a UMT5-XXL prompt is 4 MiB at 256 tokens)
 
 
 @dataclass

@@ -28,13 +28,15 @@ def read_video(path, max_frames: int | None = None, fps: float | None = None) ->
     a 1/fps time grid (drops or repeats frames to resample the rate)."""
     import av
 
-    frames, next_time = [], 0.0
+    frames, next_time, start = [], 0.0, None
     with av.open(str(path)) as container:
         stream = container.streams.video[0]
         stream.thread_type = "AUTO"
         source_dt = 1.0 / float(stream.average_rate or fps or 1)
         for i, frame in enumerate(container.decode(stream)):
             t = float(frame.time) if frame.time is not None else i * source_dt
+            start = t if start is None else start
+            t -= start  # clips cut from longer videos need not start at 0
             # without fps every frame counts once; with fps, a frame fills every grid time it is nearest to
             repeats = 1
             if fps is not None:

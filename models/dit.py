@@ -211,6 +211,8 @@ class DiT(nn.Module):
     def forward(self, x, t, y, y_mask):
         """x: (B, C, T, H, W) latents; t: (B,) in [0, 1]; y: (B, L, text_dim) text tokens; y_mask: (B, L) bool."""
         self.check_input_shape(*x.shape[2:])
+        dtype = self.x_embedder.proj.weight.dtype  # bf16 under mixed precision; t stays float32
+        x, y = x.to(dtype), y.to(dtype)
         x, grid = self.x_embedder(x)  # (B, N, D)
         rope = self.rope(grid, x.device)  # (N, Dh/2, 2)
         x, rope = self.sequence.shard(x, rope)  # (B, N_local, D); the identity on one device

@@ -68,7 +68,7 @@ class RectifiedFlow:
             if guided:
                 v_cond, v_uncond = v.chunk(2)
                 v = v_uncond + guidance * (v_cond - v_uncond)
-            x = scheduler.step(v, t, x).prev_sample
+            x = scheduler.step(v.float(), t, x).prev_sample  # the latent stays float32 under autocast
             if progress is not None:
                 progress(i + 1, steps)
         return x

@@ -65,7 +65,7 @@ def save_checkpoint(runtime, run_dir, step: int, model, ema, optimizer, trainer_
     runtime.fence()
     state = {"model": get_model_state_dict(model), "ema": get_model_state_dict(ema),
              "optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(state, checkpoint_id=tmp)
+    dcp.save(state, checkpoint_id=tmp, process_group=runtime.control_group)  # gloo, long timeout: I/O is slow
     torch.save(trainer_state, tmp / f"trainer_rank{runtime.rank}.pt")
     runtime.fence()
     if runtime.is_main:
@@ -82,10 +82,10 @@ def save_checkpoint(runtime, run_dir, step: int, model, ema, optimizer, trainer_
     return final
 
 
-def _load(state: dict, path: Path) -> None:
+def _load(state: dict, path: Path, group=None) -> None:
     try:
-        dcp.load(state, checkpoint_id=path)
-    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        dcp.load(state, checkpoint_id=path, process_group=group)
+    except CheckpointException as e:  # DCP's planning errors (missing keys, size mismatches); a BaseException
         raise CheckpointError(f"{path} does not fit this model ({type(e).__name__}: {str(e)[:300]}); was it written "
                               f"with another model.size, model.patch_size, VAE or text encoder? Use the recipe it was "
                               f"trained with, or train.resume=none") from e
@@ -101,7 +101,7 @@ def load_checkpoint(runtime, path, model, ema, optimizer) -> dict:
                               f"resume with {written} processes, or start fresh with train.resume=none")
     state = {"model": get_model_state_dict(model), "ema": get_model_state_dict(ema),
              "optimizer": get_optimizer_state_dict(model, optimizer)}
-    _load(state, path)
+    _load(state, path, runtime.control_group)
     set_model_state_dict(model, state["model"])
     set_model_state_dict(ema, state["ema"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])

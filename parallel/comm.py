@@ -101,6 +101,8 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)
         for chunk in _chunks(flat):
             dist.all_reduce(chunk, op=op, group=group, async_op=True).wait()
+            if chunk.is_cuda:  # wait() only orders the CUDA stream; the host must wait before queueing more
+                torch.cuda.current_stream().synchronize()
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
     return tensor

@@ -19,7 +19,9 @@ def parallelize_dit(model: nn.Module, dp_mesh, param_dtype: torch.dtype = torch.
         if compile:
             block.compile()  # in place: state-dict keys stay the same
         blocks[i] = block
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # cast_forward_inputs=False: the DiT casts x and y itself, and the timestep must stay float32
+    # (bf16 would round t=0.9987 to 1.0 while x_t was built with the exact t).
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once for backward: keep them gathered.
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=i < len(blocks) - 1)

@@ -84,7 +84,8 @@ def _rule_violations(layout: ParallelLayout, num_heads: int, mode: str) -> list[
 
 def valid_layouts(world_size: int, num_heads: int, mode: str = "train") -> list[ParallelLayout]:
     layouts = []
-    for dp, cfg, pipefusion, ulysses in itertools.product(range(1, world_size + 1), repeat=4):
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    for dp, cfg, pipefusion, ulysses in itertools.product(divisors, repeat=4):
         rest = dp * cfg * pipefusion * ulysses
         if world_size % rest:
             continue

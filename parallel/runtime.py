@@ -8,6 +8,7 @@ CUDA machines get NCCL and bf16; CPU machines get gloo and float32.
 import datetime
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,10 @@ def _free_port() -> int:
 
 def pick_device(local_rank: int) -> torch.device:
     if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"local rank {local_rank} has no GPU: this node shows {torch.cuda.device_count()} "
+                             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at most "
+                             f"that many processes per node")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -79,11 +84,18 @@ def init_runtime(parallel_cfg, layout: ParallelLayout) -> Runtime:
 
     # Start with the short preflight timeout: a transport that cannot connect shows up here, in seconds.
     preflight = datetime.timedelta(seconds=parallel_cfg.preflight_timeout_s)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=preflight,
-                            device_id=device if device.type == "cuda" else None)
     try:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=preflight,
+                                device_id=device if device.type == "cuda" else None)
         probe = torch.ones(1, device=device)
-        comm.all_reduce(probe)
+        # Poll instead of blocking: on NCCL a hung transport would block .item() until the watchdog
+        # kills the process from C++, and this message would never be printed.
+        work = dist.all_reduce(probe, async_op=True)
+        deadline = time.monotonic() + 0.9 * parallel_cfg.preflight_timeout_s
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise TimeoutError("no answer from every rank")
+            time.sleep(0.01)
         if int(probe.item()) != world_size:
             raise RuntimeError(f"preflight all-reduce returned {probe.item()}, expected {world_size}")
     except Exception as e:

@@ -74,6 +74,17 @@ def test_missing_recipe():
 
 
 def test_split_overrides_leaves_prompts_alone():
-    args, overrides = split_overrides(["--prompt", "a red square", "b=c", "parallel.dp=2", "--frames", "9"])
-    assert overrides == ["parallel.dp=2"]
-    assert args == ["--prompt", "a red square", "b=c", "--frames", "9"]
+    args, overrides = split_overrides(["--prompt", "a red square", "x = y", "parallel.dp=2", "--frames", "9", "lr=1"])
+    assert overrides == ["parallel.dp=2", "lr=1"]
+    assert args == ["--prompt", "a red square", "x = y", "--frames", "9"]
+
+
+def test_key_without_section_names_the_full_key():
+    with pytest.raises(ConfigError, match="unknown key 'max_steps'.*did you mean 'train.max_steps'"):
+        load_config(None, ["max_steps=5"])
+
+
+@pytest.mark.parametrize("override", ["data.fps=0", "sample.fps=0", "flow.shift_reference_tokens=0", "train.grad_clip=0"])
+def test_values_that_would_divide_by_zero_or_stall(override):
+    with pytest.raises(ConfigError, match=override.split("=")[0]):
+        load_config(None, [override])

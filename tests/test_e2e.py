@@ -147,12 +147,16 @@ def test_two_processes_match_one(tmp_path):
         assert (two / "checkpoints" / "step_4" / f"trainer_rank{rank}.pt").is_file()
 
     prompts = ["--prompt", "a red square moving left", "a green circle moving up", "a blue square moving down"]
-    sample = ["--config", str(TINY), "--steps", "2", *prompts]
+    sample = ["--config", str(TINY), "--steps", "2", "--no-ema", *prompts]  # raw weights depend on the prompt
     assert run_main(infer, sample + [f"run.output_dir={one}", "--output", str(tmp_path / "one.npy")]) == 0
     result = torchrun(2, "infer.py", *sample, f"run.output_dir={one}", "--output", str(tmp_path / "two.npy"))
     assert result.returncode == 0, result.stderr[-3000:]
     for i in range(3):
         assert np.allclose(np.load(tmp_path / f"one_{i:03d}.npy"), np.load(tmp_path / f"two_{i:03d}.npy"), atol=1e-5)
+    # the comparison can tell prompts apart: the same seed with another prompt gives another video
+    assert run_main(infer, sample[:5] + ["--prompt", prompts[2], f"run.output_dir={one}",
+                                         "--output", str(tmp_path / "swapped.npy")]) == 0
+    assert not np.allclose(np.load(tmp_path / "swapped.npy"), np.load(tmp_path / "one_000.npy"), atol=1e-4)
 
 
 def test_torchrun_bad_layout_fails_fast_on_every_rank(tmp_path):

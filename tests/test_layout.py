@@ -43,6 +43,10 @@ def test_dp_rank_is_outermost():
     assert [layout.dp_rank(r) for r in range(2)] == [0, 1]
 
 
-def test_valid_layouts_multiply_to_world():
-    for layout in valid_layouts(6, 12):
-        assert layout.world_size == 6
+def test_valid_layouts_are_listed_quickly_for_large_worlds():
+    import time
+
+    assert valid_layouts(6, 12) == [ParallelLayout(dp=6)]  # only data parallelism runs in this version
+    started = time.perf_counter()
+    assert valid_layouts(1024, 16) == [ParallelLayout(dp=1024)]
+    assert time.perf_counter() - started < 5
