@@ -105,8 +105,8 @@ def main(argv=None):
     progress = tqdm(total=tc.max_steps, initial=start_step, disable=not runtime.is_main, dynamic_ncols=True,
                     desc="train", mininterval=1.0)
     model.train()
+    window_start, window_step = time.perf_counter(), start_step  # throughput is averaged between log steps
     for step in range(start_step, tc.max_steps):
-        started = time.perf_counter()
         batch = next(batches)
         # Text dropout, noise and timestep of each sample come from its own (seed, step, sample) generator.
         rngs = [torch.Generator().manual_seed(sample_seed(tc.seed, step, i)) for i in batch["index"]]
@@ -129,7 +129,8 @@ def main(argv=None):
             mean_loss = comm.all_reduce(loss.detach().float().clone()).item() / runtime.world_size
             if not math.isfinite(mean_loss):
                 raise FloatingPointError(f"loss is {mean_loss} at step {done}; lower train.lr or check the data")
-            step_time = time.perf_counter() - started
+            step_time = (time.perf_counter() - window_start) / (done - window_step)  # .item() above synchronised
+            window_start, window_step = time.perf_counter(), done
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             run.log_metrics({"step": done, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm),
                              "step_time": step_time, "samples_per_s": global_batch / step_time,

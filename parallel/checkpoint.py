@@ -69,11 +69,15 @@ def save_checkpoint(runtime, run_dir, step: int, model, ema, optimizer, trainer_
     torch.save(trainer_state, tmp / f"trainer_rank{runtime.rank}.pt")
     runtime.fence()
     if runtime.is_main:
-        shutil.rmtree(final, ignore_errors=True)
+        replaced = root / f".step_{step}.old"  # re-saving a step: keep the old copy until the new one is in place
+        shutil.rmtree(replaced, ignore_errors=True)
+        if final.exists():
+            final.rename(replaced)
         tmp.rename(final)
         pointer_tmp = root / "latest.tmp"
         pointer_tmp.write_text(final.name + "\n")
         pointer_tmp.replace(root / "latest")
+        shutil.rmtree(replaced, ignore_errors=True)
         complete = sorted((p for p in root.glob("step_*") if (p / ".metadata").is_file()),
                           key=lambda p: int(p.name.split("_")[1]))
         for old in complete[:-keep]:
