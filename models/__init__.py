@@ -1,2 +1,2 @@
 """Single-device model code: the DiT, attention operators, VAE and text-encoder wrappers, and the
-rectified-flow objective. Nothing in this package imports torch.distributed."""
+rectified-flow objective. Single-device code: nothing here knows about processes or collectives."""
