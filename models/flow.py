@@ -12,6 +12,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from models.vae import num_tokens
+
 
 class RectifiedFlow:
     def __init__(self, flow_cfg, patch_size):
@@ -22,7 +24,7 @@ class RectifiedFlow:
         self.patch_size = tuple(patch_size)
 
     def num_tokens(self, latent: torch.Tensor) -> int:
-        return math.prod(s // p for s, p in zip(latent.shape[2:], self.patch_size))
+        return num_tokens(latent.shape[1:], self.patch_size)
 
     def shift_for(self, num_tokens: int) -> float:
         return self.shift_base * math.sqrt(num_tokens / self.shift_reference_tokens)
@@ -35,7 +37,7 @@ class RectifiedFlow:
     def draw(self, latent_shape, generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
         """Noise (B, *latent_shape) and timesteps (B,), sample i drawn from generators[i] alone: a sample's
         noise does not depend on the batch size, the rank it lands on or the parallel layout."""
-        tokens = math.prod(s // p for s, p in zip(latent_shape[1:], self.patch_size))
+        tokens = num_tokens(latent_shape, self.patch_size)
         t = torch.tensor([self.sample_timestep(tokens, g) for g in generators])
         noise = torch.stack([torch.randn(tuple(latent_shape), generator=g) for g in generators])
         return noise, t

@@ -59,11 +59,6 @@ def stats() -> dict:
     return {"bytes": dict(_State.bytes_by_kind), "ops": dict(_State.ops_by_kind)}
 
 
-def reset_stats() -> None:
-    _State.bytes_by_kind.clear()
-    _State.ops_by_kind.clear()
-
-
 def _group_name(group) -> str:
     if group is None:
         return "world"
@@ -111,20 +106,6 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.
 def barrier(group=None) -> None:
     with _recorded("barrier", group, None):
         dist.barrier(group=group)
-
-
-def broadcast_object(obj, src: int = 0, group=None):
-    with _recorded("broadcast_object", group, None):
-        box = [obj]
-        dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
-
-
-def all_gather_object(obj, group=None) -> list:
-    with _recorded("all_gather_object", group, None):
-        out = [None] * dist.get_world_size(group)
-        dist.all_gather_object(out, obj, group=group)
-    return out
 
 
 def dump_records(folder, rank: int, reason: str) -> Path:
