@@ -78,6 +78,9 @@ def load_pretrained_text_encoder(kind: str, path: str):
         from transformers import CLIPTextModel as cls
     tokenizer_dir = folder / "tokenizer" if (folder / "tokenizer").is_dir() else folder
     model_dir = folder / "text_encoder" if (folder / "text_encoder").is_dir() else folder  # a pipeline folder works too
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"text_encoder.pretrained='{path}' has no config.json; save the encoder with "
+                                f"save_pretrained() into that folder (and its tokenizer beside it or in tokenizer/)")
     return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True), \
         cls.from_pretrained(model_dir, local_files_only=True)
 

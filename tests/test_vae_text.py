@@ -56,6 +56,9 @@ def test_missing_pretrained_folder_is_a_clear_error(tmp_path):
         build_vae(vae_cfg(kind="kl", pretrained=str(tmp_path / "missing")))
     with pytest.raises(FileNotFoundError, match="not a local folder"):
         build_text_encoder(text_cfg(pretrained="google/t5-v1_1-xxl"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        build_text_encoder(text_cfg(pretrained=str(tmp_path / "empty")))
 
 
 def test_text_encoder_masks_and_caches(tmp_path):
