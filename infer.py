@@ -24,7 +24,8 @@ from models.vae import vae_latent_space
 from parallel import comm
 from parallel.checkpoint import CheckpointError, load_weights, resolve_checkpoint
 from parallel.layout import ParallelLayout
-from parallel.runtime import init_runtime, run_entrypoint, world_from_env
+from parallel.sequence import apply_sequence_parallel
+from parallel.runtime import init_runtime, local_world_size, run_entrypoint, world_from_env
 
 
 def parse_args(argv):
@@ -70,7 +71,7 @@ def find_checkpoint(cfg, checkpoint: str | None, random_weights: bool):
 def load_sampler(cfg, runtime, checkpoint, use_ema: bool = True):
     """The frozen components and the DiT, with the checkpoint's weights unless it is None."""
     text_encoder, vae = build_frozen(cfg, runtime.device)
-    model = build_model(cfg, text_encoder, vae).to(runtime.device).eval()
+    model = apply_sequence_parallel(build_model(cfg, text_encoder, vae), runtime.sequence).to(runtime.device).eval()
     if checkpoint is not None:
         load_weights(checkpoint, model, use_ema=use_ema)
     return model, vae, text_encoder
@@ -91,7 +92,8 @@ def main(argv=None):
     # Every refusal comes before any model is built or any collective is issued.
     outputs = output_paths(args.output, len(prompts))
     _, world_size, _ = world_from_env()
-    layout = ParallelLayout.from_config(cfg.parallel, world_size, DiT_models[cfg.model.size]["num_heads"], "sample")
+    layout = ParallelLayout.from_config(cfg.parallel, world_size, DiT_models[cfg.model.size]["num_heads"], "sample",
+                                        local_world_size())
     vae_latent_space(cfg.vae).latent_shape(frames, height, width, cfg.model.patch_size)
     checkpoint = find_checkpoint(cfg, args.checkpoint, args.random_weights)
 

@@ -29,7 +29,8 @@ from parallel import comm
 from parallel.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from parallel.fsdp import parallelize_dit, update_ema
 from parallel.layout import ParallelLayout
-from parallel.runtime import init_runtime, run_entrypoint, world_from_env
+from parallel.sequence import apply_sequence_parallel
+from parallel.runtime import init_runtime, local_world_size, run_entrypoint, world_from_env
 
 
 def parse_args(argv):
@@ -55,7 +56,8 @@ def main(argv=None):
     tc = cfg.train
     # Everything that can be refused is checked before the first collective.
     rank, world_size, _ = world_from_env()
-    layout = ParallelLayout.from_config(cfg.parallel, world_size, DiT_models[cfg.model.size]["num_heads"], "train")
+    layout = ParallelLayout.from_config(cfg.parallel, world_size, DiT_models[cfg.model.size]["num_heads"], "train",
+                                        local_world_size())
     latent_shape = vae_latent_space(cfg.vae).latent_shape(cfg.data.frames, cfg.data.height, cfg.data.width,
                                                           cfg.model.patch_size)
     preview_space = vae_latent_space(cfg.vae)
@@ -77,15 +79,16 @@ def main(argv=None):
     run = RunDirectory(cfg.run.output_dir, runtime.is_main)
     run.write_config(cfg)
     text_encoder, vae = build_frozen(cfg, device)
-    model = build_model(cfg, text_encoder, vae)
+    model = apply_sequence_parallel(build_model(cfg, text_encoder, vae), runtime.sequence)
     if runtime.is_main:
         print(f"[tessera] {cfg.model.size}: {count_parameters(model) / 1e6:.2f}M parameters; layout "
               f"{layout.describe()}; {device.type} ({runtime.backend}, {'bf16' if bf16 else 'fp32'}); "
               f"latent {tuple(latent_shape)} = {num_tokens(latent_shape, cfg.model.patch_size)} tokens", flush=True)
-    model = parallelize_dit(model, runtime.dp_mesh, torch.bfloat16 if bf16 else torch.float32,
+    model = parallelize_dit(model, runtime.fsdp_mesh, torch.bfloat16 if bf16 else torch.float32,
                             tc.activation_checkpointing, tc.compile)
     # Built again (same seed, same weights) after the model is sharded: one full copy on the host at a time.
-    ema = parallelize_dit(build_model(cfg, text_encoder, vae).requires_grad_(False), runtime.dp_mesh)
+    ema = apply_sequence_parallel(build_model(cfg, text_encoder, vae).requires_grad_(False), runtime.sequence)
+    ema = parallelize_dit(ema, runtime.fsdp_mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
     flow = RectifiedFlow(cfg.flow, cfg.model.patch_size)
 

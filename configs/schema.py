@@ -106,6 +106,7 @@ class ParallelConfig:
     pipefusion: int = 1  # PipeFusion stages (sampling only)
     ulysses: int = 1  # Ulysses sequence parallel
     ring: int = 1  # Ring sequence parallel
+    auto: bool = False  # choose ulysses/ring for the processes dp leaves (ulysses inside a node first)
     timeout_s: float = 600.0  # timeout of every collective on the training process groups
     control_timeout_s: float = 1800.0  # the gloo control group that fences long single-rank work
     preflight_timeout_s: float = 60.0  # the first collective at start-up; a hang here is a transport problem

@@ -1,4 +1,5 @@
-"""Every collective in tessera goes through here.
+"""Every collective and point-to-point op in tessera goes through here (FSDP2's own all-gathers and
+reduce-scatters, and torch.distributed.checkpoint's planning, are inside PyTorch and bypass it).
 
 - Messages above `parallel.max_message_mb` are split into chunks, and each chunk is waited on before
   the next is queued: the watchdog clock starts when an op is queued, so chunks queued back to back
@@ -30,6 +31,11 @@ class OpRecord:
     bytes: int
     start: float
     end: float | None = None
+
+
+# torch 2.13 renamed these (the old names warn); keep working on older releases.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class _State:
@@ -90,17 +96,119 @@ def _chunks(flat: torch.Tensor):
     return flat.split(per_chunk)
 
 
+def _column_ranges(columns: int, rows: int, element_size: int):
+    """Split a (rows, columns) message by columns so that each piece stays under the cap. Used for
+    all-to-all / all-gather / reduce-scatter, where row i is the block that goes to (or comes from) rank i."""
+    per_piece = max(1, _State.max_message_bytes // max(1, rows * element_size))
+    return [(start, min(columns, start + per_piece)) for start in range(0, columns, per_piece)]
+
+
+def _wait(work, tensor: torch.Tensor) -> None:
+    work.wait()
+    if tensor.is_cuda:  # wait() only orders the CUDA stream; the host must wait before queueing more
+        torch.cuda.current_stream().synchronize()
+
+
 def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
     """In-place all-reduce, chunked above the message cap."""
     with _recorded("all_reduce", group, tensor):
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)
         for chunk in _chunks(flat):
-            dist.all_reduce(chunk, op=op, group=group, async_op=True).wait()
-            if chunk.is_cuda:  # wait() only orders the CUDA stream; the host must wait before queueing more
-                torch.cuda.current_stream().synchronize()
+            _wait(dist.all_reduce(chunk, op=op, group=group, async_op=True), chunk)
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
     return tensor
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group) -> torch.Tensor:
+    """Block i of `input` (split along dim 0 into group-size equal blocks) goes to rank i; block j of
+    `output` comes from rank j. Above the cap, every block is cut into the same column ranges and
+    the pieces are exchanged one range at a time."""
+    size = dist.get_world_size(group)
+    if input.shape[0] % size or output.shape != input.shape:
+        raise ValueError(f"all_to_all_single: dim 0 of {tuple(input.shape)} must split into {size} equal blocks "
+                         f"and the output must have the same shape, got {tuple(output.shape)}")
+    with _recorded("all_to_all", group, input):
+        send, recv = input.reshape(size, -1), output.view(size, -1)
+        ranges = _column_ranges(send.shape[1], size, input.element_size())
+        if len(ranges) == 1:
+            _wait(dist.all_to_all_single(recv, send.contiguous(), group=group, async_op=True), recv)
+        else:
+            for start, end in ranges:
+                piece = torch.empty((size, end - start), dtype=recv.dtype, device=recv.device)
+                _wait(dist.all_to_all_single(piece, send[:, start:end].contiguous(), group=group, async_op=True),
+                      piece)
+                recv[:, start:end] = piece
+    return output
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group) -> torch.Tensor:
+    """output (size * input.numel() elements) = the inputs of every rank, in rank order."""
+    size = dist.get_world_size(group)
+    with _recorded("all_gather", group, input):
+        flat, out = input.reshape(-1), output.view(size, -1)
+        ranges = _column_ranges(flat.numel(), size, input.element_size())
+        if len(ranges) == 1:
+            _wait(_all_gather(output.view(-1), flat.contiguous(), group=group, async_op=True), output)
+        else:
+            for start, end in ranges:
+                piece = torch.empty(size * (end - start), dtype=out.dtype, device=out.device)
+                _wait(_all_gather(piece, flat[start:end].contiguous(), group=group, async_op=True), piece)
+                out[:, start:end] = piece.view(size, -1)
+    return output
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """output = block `rank` of the element-wise reduction of every rank's input (size blocks along dim 0)."""
+    size = dist.get_world_size(group)
+    with _recorded("reduce_scatter", group, input):
+        send, out = input.reshape(size, -1), output.view(-1)
+        ranges = _column_ranges(send.shape[1], size, input.element_size())
+        if len(ranges) == 1:
+            _wait(_reduce_scatter(out, send.reshape(-1).contiguous(), op=op, group=group, async_op=True), out)
+        else:
+            for start, end in ranges:
+                _wait(_reduce_scatter(out[start:end], send[:, start:end].contiguous().view(-1), op=op, group=group,
+                                      async_op=True), out)
+    return output
+
+
+class PendingExchange:
+    """Point-to-point transfers in flight; `wait()` before reading what was received."""
+
+    def __init__(self, works, record, tensor):
+        self.works, self.record, self.tensor = works, record, tensor
+
+    def wait(self) -> None:
+        for work in self.works:
+            _wait(work, self.tensor)
+        self.works = []
+        if self.record.end is None:
+            self.record.end = time.time()
+
+
+def exchange(send: torch.Tensor, to_rank: int, recv: torch.Tensor, from_rank: int, group) -> PendingExchange:
+    """Send `send` to global rank `to_rank` while receiving `recv` from `from_rank`, in one
+    batch_isend_irecv (a lone send may block until its receive is posted). Returns at once when the
+    message is under the cap, so the caller can compute while it travels; above the cap the message
+    goes piece by piece, each waited on, and the exchange is complete on return."""
+    if send.shape != recv.shape:
+        raise ValueError(f"exchange: sent {tuple(send.shape)} and received {tuple(recv.shape)} shapes differ")
+    record = _recorded("send_recv", group, send).record
+    flat_send, flat_recv = send.reshape(-1), recv.view(-1)
+    pieces = list(zip(_chunks(flat_send), _chunks(flat_recv)))
+
+    def post(out_piece, in_piece):
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend, out_piece, to_rank, group),
+                                       dist.P2POp(dist.irecv, in_piece, from_rank, group)])
+
+    if len(pieces) == 1:
+        return PendingExchange(post(flat_send.contiguous(), flat_recv), record, recv)
+    for out_piece, in_piece in pieces:
+        for work in post(out_piece.contiguous(), in_piece):
+            _wait(work, in_piece)
+    record.end = time.time()
+    return PendingExchange([], record, recv)
 
 
 def barrier(group=None) -> None:

@@ -7,9 +7,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
-def parallelize_dit(model: nn.Module, dp_mesh, param_dtype: torch.dtype = torch.float32,
+def parallelize_dit(model: nn.Module, mesh, param_dtype: torch.dtype = torch.float32,
                     activation_checkpointing: bool = False, compile: bool = False) -> nn.Module:
-    """Shard `model` (built with identical weights on every rank) over the data-parallel mesh.
+    """Shard `model` (built with identical weights on every rank) over `mesh`.
     With param_dtype=bf16, parameters are all-gathered and computed in bf16 while the sharded
     master weights, gradients' reduction and the optimizer stay in float32."""
     blocks = model.blocks
@@ -24,8 +24,8 @@ def parallelize_dit(model: nn.Module, dp_mesh, param_dtype: torch.dtype = torch.
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once for backward: keep them gathered.
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=i < len(blocks) - 1)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     return model
 
 

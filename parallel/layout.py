@@ -10,9 +10,12 @@ import itertools
 from dataclasses import dataclass
 
 DEGREES = ("dp", "cfg", "pipefusion", "ulysses", "ring")
-# Degrees above 1 that this version can run. Sequence parallelism and PipeFusion arrive with their
-# own issues; until then a request for them is refused up front rather than ignored.
-IMPLEMENTED = {"dp"}
+# The order of the axes in rank space, outermost first: consecutive ranks share a ulysses group (its
+# all-to-alls want the fastest links, inside a node), ring groups stride across them, dp is outermost.
+RANK_ORDER = ("dp", "cfg", "pipefusion", "ring", "ulysses")
+# Degrees above 1 that this version can run. PipeFusion (and cfg parallel) arrive with their own
+# issues; until then a request for them is refused up front rather than ignored.
+IMPLEMENTED = {"dp", "ulysses", "ring"}
 
 
 class LayoutError(ValueError):
@@ -35,12 +38,51 @@ class ParallelLayout:
         """dp is the outermost axis: consecutive blocks of world_size / dp ranks share a dp rank."""
         return rank // (self.world_size // self.dp)
 
+    @property
+    def sequence_parallel(self) -> int:
+        """Processes that share one sample's tokens (ulysses x ring)."""
+        return self.ulysses * self.ring
+
     def describe(self) -> str:
         return ", ".join(f"{name}={getattr(self, name)}" for name in DEGREES)
 
+    def groups(self, *axes: str) -> list[list[int]]:
+        """Every group of ranks that differ only along `axes` (e.g. groups("ulysses", "ring") are the
+        sequence-parallel groups). The one rank generator: every process builds every group from it, in
+        the same order, so the groups always agree."""
+        unknown = [a for a in axes if a not in DEGREES]
+        if unknown:
+            raise ValueError(f"unknown parallel axes {unknown}; axes are {', '.join(DEGREES)}")
+        sizes = [getattr(self, a) for a in RANK_ORDER]
+        kept = [a for a in RANK_ORDER if a not in axes]
+        varied = [a for a in RANK_ORDER if a in axes]  # in rank order, so each group lists its ranks ascending
+        groups = []
+        for fixed in itertools.product(*(range(getattr(self, a)) for a in kept)):
+            coordinate = dict(zip(kept, fixed))
+            group = []
+            for moving in itertools.product(*(range(getattr(self, a)) for a in varied)):
+                coordinate.update(zip(varied, moving))
+                rank = 0
+                for axis, size in zip(RANK_ORDER, sizes):
+                    rank = rank * size + coordinate[axis]
+                group.append(rank)
+            groups.append(group)
+        return groups
+
+    def group_of(self, rank: int, *axes: str) -> list[int]:
+        return next(g for g in self.groups(*axes) if rank in g)
+
     @classmethod
-    def from_config(cls, parallel_cfg, world_size: int, num_heads: int, mode: str = "train") -> "ParallelLayout":
-        """Validate the recipe's `parallel` section against the world size; dp=-1 takes what is left."""
+    def from_config(cls, parallel_cfg, world_size: int, num_heads: int, mode: str = "train",
+                    local_world_size: int | None = None) -> "ParallelLayout":
+        """Validate the recipe's `parallel` section against the world size; dp=-1 takes what is left.
+        With parallel.auto=true the sequence-parallel degrees are chosen here (see `auto_layout`)."""
+        if getattr(parallel_cfg, "auto", False):
+            dp = int(parallel_cfg.dp)
+            if dp != -1 and (dp < 1 or world_size % dp):
+                raise LayoutError(f"parallel.auto=true with parallel.dp={dp}: dp must divide the {world_size} "
+                                  f"processes (or be -1). {valid_layouts_message(world_size, num_heads, mode)}")
+            return auto_layout(world_size, num_heads, local_world_size or world_size, dp=1 if dp == -1 else dp)
         degrees = {name: int(getattr(parallel_cfg, name)) for name in DEGREES}
         for name, value in degrees.items():
             if value < 1 and not (name == "dp" and value == -1):
@@ -82,6 +124,15 @@ def _rule_violations(layout: ParallelLayout, num_heads: int, mode: str) -> list[
     return problems
 
 
+def auto_layout(world_size: int, num_heads: int, local_world_size: int, dp: int = 1) -> ParallelLayout:
+    """The processes left after `dp` go to sequence parallelism: ulysses as large as the heads and one
+    node allow (its all-to-alls want the fast intra-node links), ring for the rest (ring takes any
+    degree: the sequence is padded)."""
+    sp = world_size // dp
+    ulysses = max(d for d in range(1, sp + 1) if sp % d == 0 and num_heads % d == 0 and d <= local_world_size)
+    return ParallelLayout(dp=dp, ulysses=ulysses, ring=sp // ulysses)
+
+
 def valid_layouts(world_size: int, num_heads: int, mode: str = "train") -> list[ParallelLayout]:
     layouts = []
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
@@ -92,10 +143,14 @@ def valid_layouts(world_size: int, num_heads: int, mode: str = "train") -> list[
         layout = ParallelLayout(dp, cfg, pipefusion, ulysses, world_size // rest)
         if not _rule_violations(layout, num_heads, mode):
             layouts.append(layout)
-    return layouts
+    # Most data parallelism first, then the cheapest sequence parallelism (ulysses before ring).
+    return sorted(layouts, key=lambda o: (-o.dp, -o.cfg, -o.pipefusion, -o.ulysses))
 
 
-def valid_layouts_message(world_size: int, num_heads: int, mode: str) -> str:
+def valid_layouts_message(world_size: int, num_heads: int, mode: str, limit: int = 16) -> str:
     options = valid_layouts(world_size, num_heads, mode)
-    listed = "; ".join(f"({o.describe()})" for o in options) or "none"
-    return f"Valid layouts for {world_size} processes and {num_heads} heads: {listed}."
+    listed = ", ".join("(" + ",".join(str(getattr(o, name)) for name in DEGREES) + ")" for o in options[:limit])
+    if len(options) > limit:
+        listed += f" and {len(options) - limit} more"
+    return (f"{world_size} processes, {num_heads} heads: valid ({', '.join(DEGREES)}) = {listed or 'none'}"
+            f"{'' if mode == 'train' else ' (for sampling)'}.")

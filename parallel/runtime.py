@@ -17,6 +17,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from parallel import comm
 from parallel.layout import ParallelLayout
+from parallel.sequence import SequenceGroups
 
 NCCL_HINT = (
     "This is usually the transport, not tessera: on PCIe machines try NCCL_P2P_LEVEL=NVL (or NCCL_P2P_DISABLE=1), "
@@ -32,8 +33,11 @@ class Runtime:
     device: torch.device
     backend: str
     layout: ParallelLayout
-    dp_mesh: object  # a 1-D DeviceMesh over the data-parallel ranks
+    # FSDP shards over every rank that trains (dp x ulysses x ring): sequence-parallel ranks hold
+    # partial gradients of the same samples, and FSDP's average over all of them is the dp mean.
+    fsdp_mesh: object
     control_group: object  # gloo group with a long timeout, to fence long single-rank work
+    sequence: SequenceGroups  # this rank's ulysses / ring / sequence-parallel groups
 
     @property
     def is_main(self) -> bool:
@@ -41,7 +45,7 @@ class Runtime:
 
     @property
     def dp_rank(self) -> int:
-        return self.dp_mesh.get_local_rank()
+        return self.layout.dp_rank(self.rank)
 
     def fence(self) -> None:
         """Wait for every rank on the control group (gloo, long timeout): use around long work that
@@ -52,6 +56,11 @@ class Runtime:
 def world_from_env() -> tuple[int, int, int]:
     """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) for plain python."""
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def local_world_size() -> int:
+    """Processes on this node (torchrun sets LOCAL_WORLD_SIZE); used by parallel.auto to keep ulysses in a node."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
 
 
 def _free_port() -> int:
@@ -105,11 +114,30 @@ def init_runtime(parallel_cfg, layout: ParallelLayout) -> Runtime:
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    dp_mesh = init_device_mesh(device.type, (layout.dp,), mesh_dim_names=("dp",))
+    timeout = datetime.timedelta(seconds=parallel_cfg.timeout_s)
+    fsdp_mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",))
     # Groups made from a device mesh do not inherit the init timeout: set it explicitly.
-    _set_pg_timeout(datetime.timedelta(seconds=parallel_cfg.timeout_s), dp_mesh.get_group())
+    _set_pg_timeout(timeout, fsdp_mesh.get_group())
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=parallel_cfg.control_timeout_s))
-    return Runtime(rank, world_size, local_rank, device, backend, layout, dp_mesh, control)
+    sequence = _sequence_groups(layout, rank, timeout)
+    return Runtime(rank, world_size, local_rank, device, backend, layout, fsdp_mesh, control, sequence)
+
+
+def _sequence_groups(layout: ParallelLayout, rank: int, timeout) -> SequenceGroups:
+    """Every process creates every group, in the same order, from the layout's one rank generator."""
+    def my_group(*axes):
+        ranks = layout.group_of(rank, *axes)
+        if len(ranks) == 1:
+            return None, ranks
+        group, _ = dist.new_subgroups_by_enumeration(layout.groups(*axes), timeout=timeout,
+                                                     group_desc="+".join(axes))
+        return group, ranks
+
+    ulysses_group, ulysses_ranks = my_group("ulysses")
+    ring_group, ring_ranks = my_group("ring")
+    sp_group, sp_ranks = my_group("ulysses", "ring")
+    return SequenceGroups(ulysses_group, len(ulysses_ranks), ulysses_ranks.index(rank), ring_group, ring_ranks,
+                          ring_ranks.index(rank), sp_group, len(sp_ranks), sp_ranks.index(rank))
 
 
 def shutdown() -> None:

@@ -115,7 +115,7 @@ def test_invalid_layout_exits_before_any_collective(tmp_path, monkeypatch, capsy
     assert run_main(train, ["--config", str(TINY), f"run.output_dir={tmp_path}", "parallel.dp=2"]) == 2
     err = capsys.readouterr().err
     assert "dp=2 x cfg=1 x pipefusion=1 x ulysses=1 x ring=1 = 2, but there are 3 processes" in err
-    assert "Valid layouts for 3 processes" in err
+    assert "3 processes, 4 heads: valid (dp, cfg, pipefusion, ulysses, ring) = (3,1,1,1,1), (1,1,1,1,3)." in err
 
 
 def test_latent_vae_and_manifest_data(tmp_path):

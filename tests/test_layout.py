@@ -20,12 +20,48 @@ def test_product_mismatch_names_every_factor_and_lists_valid_layouts():
     message = str(e.value)
     for part in ("dp=2", "cfg=1", "pipefusion=1", "ulysses=1", "ring=1", "3 processes"):
         assert part in message
-    assert "Valid layouts for 3 processes and 12 heads: (dp=3, cfg=1, pipefusion=1, ulysses=1, ring=1)" in message
+    assert ("3 processes, 12 heads: valid (dp, cfg, pipefusion, ulysses, ring) = (3,1,1,1,1), (1,1,1,3,1), "
+            "(1,1,1,1,3).") in message
 
 
 def test_unimplemented_degrees_are_refused_not_ignored():
-    with pytest.raises(LayoutError, match="ulysses=2 is not implemented"):
-        ParallelLayout.from_config(parallel(ulysses=2), world_size=2, num_heads=4)
+    with pytest.raises(LayoutError, match="pipefusion=2 is not implemented"):
+        ParallelLayout.from_config(parallel(pipefusion=2), world_size=2, num_heads=4, mode="sample")
+
+
+def test_heads_must_divide_by_ulysses():
+    with pytest.raises(LayoutError) as e:
+        ParallelLayout.from_config(parallel(ulysses=3), world_size=3, num_heads=4)
+    assert "4 attention heads do not divide by ulysses=3" in str(e.value)
+    assert "(3,1,1,1,1), (1,1,1,1,3)." in str(e.value)  # ring takes any degree: the tokens are padded
+
+
+def test_sequence_parallel_layouts_are_accepted():
+    layout = ParallelLayout.from_config(parallel(ulysses=2, ring=2), world_size=8, num_heads=4)
+    assert (layout.dp, layout.ulysses, layout.ring, layout.sequence_parallel) == (2, 2, 2, 4)
+
+
+def test_one_rank_generator_ulysses_innermost_dp_outermost():
+    layout = ParallelLayout(dp=2, ulysses=2, ring=2)
+    assert layout.groups("ulysses") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.groups("ring") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.groups("ulysses", "ring") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert layout.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [layout.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    for axes in (("dp",), ("ring",), ("ulysses",), ("ulysses", "ring")):  # every axis partitions the ranks
+        assert sorted(r for g in layout.groups(*axes) for r in g) == list(range(8))
+    with pytest.raises(ValueError, match="unknown parallel axes"):
+        layout.groups("tensor")
+
+
+def test_auto_prefers_ulysses_inside_a_node_then_ring():
+    pick = ParallelLayout.from_config
+    assert pick(parallel(auto=True), 8, 16, local_world_size=4) == ParallelLayout(ulysses=4, ring=2)
+    assert pick(parallel(auto=True), 8, 16, local_world_size=8) == ParallelLayout(ulysses=8)
+    assert pick(parallel(auto=True), 3, 4) == ParallelLayout(ring=3)  # 4 heads do not divide by 3
+    assert pick(parallel(auto=True, dp=2), 8, 6, local_world_size=8) == ParallelLayout(dp=2, ulysses=2, ring=2)
+    with pytest.raises(LayoutError, match="dp must divide"):
+        pick(parallel(auto=True, dp=3), 8, 16)
 
 
 def test_sampling_only_degrees_in_training():
@@ -46,7 +82,10 @@ def test_dp_rank_is_outermost():
 def test_valid_layouts_are_listed_quickly_for_large_worlds():
     import time
 
-    assert valid_layouts(6, 12) == [ParallelLayout(dp=6)]  # only data parallelism runs in this version
+    assert set(valid_layouts(6, 4)) == {ParallelLayout(dp=6), ParallelLayout(dp=3, ring=2), ParallelLayout(dp=3, ulysses=2),
+                                        ParallelLayout(dp=2, ring=3), ParallelLayout(ring=6),
+                                        ParallelLayout(ulysses=2, ring=3)}
     started = time.perf_counter()
-    assert valid_layouts(1024, 16) == [ParallelLayout(dp=1024)]
+    layouts = valid_layouts(1024, 16)
+    assert ParallelLayout(dp=64, ulysses=16) in layouts and ParallelLayout(dp=1024) in layouts
     assert time.perf_counter() - started < 5

@@ -1,0 +1,359 @@
+"""Sequence parallelism: one sample's tokens split over `ulysses x ring` processes.
+
+The DiT stays single-device code. `apply_sequence_parallel` changes it from the outside:
+- `model.sequence` becomes a `ShardedSequence`: after patch embedding it pads the tokens to a multiple
+  of the degree and keeps this rank's slice (RoPE angles too); before the final layer it gathers them.
+- each block's `attn.inner_attention` becomes a `SequenceParallelAttention`, which sees the local
+  queries, keys and values and returns the local output, as if attention ran over the whole sequence:
+  * Ulysses: one all-to-all (q, k, v packed) turns sequence shards into head shards; attention runs on
+    the full sequence for H/ulysses heads; a second all-to-all turns the output back.
+  * Ring: K/V blocks travel around the ring (`batch_isend_irecv`, the next transfer posted before the
+    current block is computed) and the partial outputs merge through their log-sum-exp in float32.
+  * Both (USP): Ulysses inside each ring position, then Ring across positions.
+Padded keys are always masked, so the output equals the unpadded computation.
+
+Rank order inside a sequence-parallel group: ulysses is innermost (see parallel/layout.py), and the
+token slice of a rank is `ring_rank * ulysses + ulysses_rank`, so gathering over the group in rank
+order restores the sequence.
+
+Gradients: every rank of a group computes the same loss on the gathered output; the gather's backward
+is a reduce-scatter, so the parameter gradients of the group's ranks add up to the group's total.
+FSDP then averages over all ranks (dp x sequence parallel), which gives the data-parallel mean.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from parallel import comm
+
+
+@dataclass
+class SequenceGroups:
+    """This rank's place in its sequence-parallel groups (process groups built by parallel/runtime.py)."""
+
+    ulysses_group: object
+    ulysses_size: int
+    ulysses_rank: int
+    ring_group: object
+    ring_ranks: list  # global ranks of this rank's ring, in ring order
+    ring_rank: int
+    sp_group: object  # ulysses x ring
+    sp_size: int
+    sp_rank: int
+
+    @property
+    def ring_size(self) -> int:
+        return len(self.ring_ranks)
+
+
+class SequenceState:
+    """Set by ShardedSequence.shard for the current forward, read by the attention operators."""
+
+    tokens: int = 0  # the real (unpadded) token count of the whole sequence
+
+
+# ---------------------------------------------------------------------------------------------------
+# Attention kernels that return the log-sum-exp, and their backward, for one (query, key block) pair.
+
+
+def _key_mask(valid: int, keys: int, dtype, device):
+    """Additive mask (1, 1, 1, keys): 0 for the first `valid` keys, -inf for padding. None if all valid."""
+    if valid >= keys:
+        return None
+    mask = torch.zeros(keys, dtype=dtype, device=device)
+    mask[valid:] = float("-inf")
+    return mask.view(1, 1, 1, keys)
+
+
+class MathKernel:
+    """softmax attention written out in float32: any device, memory O(queries x keys)."""
+
+    @staticmethod
+    def forward(q, k, v, valid):
+        scale = q.shape[-1] ** -0.5
+        scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+        mask = _key_mask(valid, k.shape[-2], torch.float32, q.device)
+        if mask is not None:
+            scores = scores + mask
+        lse = torch.logsumexp(scores, dim=-1)
+        return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float()), lse
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, valid):
+        """Gradients of this block given the *merged* output and log-sum-exp: its exact share of dq, and
+        its dk, dv."""
+        scale = q.shape[-1] ** -0.5
+        qf, kf, vf, dof = q.float(), k.float(), v.float(), dout.float()
+        scores = torch.matmul(qf, kf.transpose(-2, -1)) * scale
+        mask = _key_mask(valid, k.shape[-2], torch.float32, q.device)
+        if mask is not None:
+            scores = scores + mask
+        p = torch.exp(scores - lse.unsqueeze(-1))
+        dv = torch.matmul(p.transpose(-2, -1), dof)
+        dp = torch.matmul(dof, vf.transpose(-2, -1))
+        delta = (dof * out.float()).sum(-1, keepdim=True)
+        ds = p * (dp - delta) * scale
+        return torch.matmul(ds, kf), torch.matmul(ds.transpose(-2, -1), qf), dv
+
+
+class CPUFlashKernel:
+    """PyTorch's CPU flash-attention op: memory O(queries + keys), returns the log-sum-exp."""
+
+    @staticmethod
+    def forward(q, k, v, valid):
+        mask = _key_mask(valid, k.shape[-2], q.dtype, q.device)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask)
+        return out, lse.float()
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, valid):
+        mask = _key_mask(valid, k.shape[-2], q.dtype, q.device)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.to(q.dtype).contiguous(), q, k, v, out.to(q.dtype), lse, 0.0, False, attn_mask=mask)
+
+
+class CUDAEfficientKernel:
+    """PyTorch's memory-efficient CUDA attention with log-sum-exp (private aten op: checked once
+    against MathKernel before use, see `kernel_for`)."""
+
+    @staticmethod
+    def forward(q, k, v, valid):
+        bias = _key_mask(valid, k.shape[-2], q.dtype, q.device)
+        if bias is not None:
+            bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[-2])
+        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True)
+        return out, lse[..., : q.shape[-2]].float()
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, valid):
+        bias = _key_mask(valid, k.shape[-2], q.dtype, q.device)
+        if bias is not None:
+            bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[-2])
+        # The op may expect its log-sum-exp padded to a multiple of 32 queries.
+        padded = -(-q.shape[-2] // 32) * 32
+        lse_full = F.pad(lse, (0, padded - lse.shape[-1]))
+        seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout.to(q.dtype).contiguous(), q, k, v, bias, out.to(q.dtype), lse_full.contiguous(), seed, offset, 0.0,
+            [True, True, True, False], False)
+        return dq, dk, dv
+
+
+_checked_kernels: dict = {}
+
+
+def _kernel_agrees(kernel, device, dtype) -> bool:
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=g).to(device, dtype) for _ in range(3))
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    try:
+        out, lse = kernel.forward(q, k, v, 33)
+        ref_out, ref_lse = MathKernel.forward(q, k, v, 33)
+        dout = torch.randn(q.shape, generator=g).to(device, dtype)
+        grads = kernel.backward(dout, q, k, v, ref_out, ref_lse, 33)
+        ref_grads = MathKernel.backward(dout, q, k, v, ref_out, ref_lse, 33)
+    except Exception:
+        return False
+    pairs = [(out, ref_out), (lse, ref_lse), *zip(grads, ref_grads)]
+    return all(torch.allclose(a.float(), b.float(), atol=tolerance, rtol=tolerance) for a, b in pairs)
+
+
+def kernel_for(device: torch.device, dtype: torch.dtype):
+    """The fastest LSE kernel that agrees with MathKernel on this device and dtype (checked once)."""
+    key = (device.type, dtype)
+    if key not in _checked_kernels:
+        candidate = {"cpu": CPUFlashKernel, "cuda": CUDAEfficientKernel}.get(device.type)
+        _checked_kernels[key] = candidate if candidate and _kernel_agrees(candidate, device, dtype) else MathKernel
+    return _checked_kernels[key]
+
+
+def merge_partial(out, lse, block_out, block_lse):
+    """Merge a block's attention into the running result (float32, numerically stable form)."""
+    if out is None:
+        return block_out.float(), block_lse
+    weight = torch.sigmoid(block_lse - lse).unsqueeze(-1)
+    return out - weight * (out - block_out.float()), lse - F.logsigmoid(lse - block_lse)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ring attention.
+
+
+def _valid_keys(block: int, block_len: int, tokens: int) -> int:
+    """Real (unpadded) keys in ring block `block`, which holds positions [block*block_len, ...)."""
+    return max(0, min(block_len, tokens - block * block_len))
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, groups: SequenceGroups, tokens: int):
+        kernel = kernel_for(q.device, q.dtype)
+        size, me, ranks = groups.ring_size, groups.ring_rank, groups.ring_ranks
+        to_rank, from_rank = ranks[(me + 1) % size], ranks[(me - 1) % size]
+        kv = torch.stack((k, v)).contiguous()
+        block_len = k.shape[-2]
+        out = lse = None
+        for step in range(size):
+            pending = None
+            if step < size - 1:  # post the next block's transfer before computing this one
+                incoming = torch.empty_like(kv)
+                pending = comm.exchange(kv, to_rank, incoming, from_rank, groups.ring_group)
+            block = (me - step) % size  # the ring position whose K/V we hold now
+            valid = _valid_keys(block, block_len, tokens)
+            if valid > 0:
+                out, lse = merge_partial(out, lse, *kernel.forward(q, kv[0], kv[1], valid))
+            if pending is not None:
+                pending.wait()
+                kv = incoming
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.groups, ctx.tokens, ctx.kernel = groups, tokens, kernel
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        groups, kernel = ctx.groups, ctx.kernel
+        size, me, ranks = groups.ring_size, groups.ring_rank, groups.ring_ranks
+        to_rank, from_rank = ranks[(me + 1) % size], ranks[(me - 1) % size]
+        kv = torch.stack((k, v)).contiguous()
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # travels with its K/V block
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        block_len = k.shape[-2]
+        for step in range(size):
+            pending = None
+            if step < size - 1:
+                incoming = torch.empty_like(kv)
+                pending = comm.exchange(kv, to_rank, incoming, from_rank, groups.ring_group)
+            block = (me - step) % size
+            valid = _valid_keys(block, block_len, ctx.tokens)
+            if valid > 0:
+                dq_block, dk_block, dv_block = kernel.backward(dout, q, kv[0], kv[1], out, lse, valid)
+                dq += dq_block
+                dkv[0] += dk_block
+                dkv[1] += dv_block
+            # The gradient of the block we hold moves on with it; after `size` hops it is home.
+            dkv_incoming = torch.empty_like(dkv)
+            comm.exchange(dkv, to_rank, dkv_incoming, from_rank, groups.ring_group).wait()
+            dkv = dkv_incoming
+            if pending is not None:
+                pending.wait()
+                kv = incoming
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ulysses all-to-all and the sequence gather, as autograd functions.
+
+
+def all_to_all_dims(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
+    """Split x along scatter_dim into group-size parts, send part i to rank i, and concatenate what
+    arrives along gather_dim (in rank order). Its own inverse with the dims swapped."""
+    return _AllToAll.apply(x, scatter_dim, gather_dim, group)
+
+
+def _all_to_all_forward(x, scatter_dim, gather_dim, group):
+    size = dist.get_world_size(group)
+    send = torch.stack(x.chunk(size, dim=scatter_dim)).contiguous()
+    recv = torch.empty_like(send)
+    comm.all_to_all_single(recv, send, group)
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scatter_dim, gather_dim, group):
+        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
+        return _all_to_all_forward(x, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all_forward(grad, gather_dim, scatter_dim, ctx.group), None, None, None
+
+
+class _GatherTokens(torch.autograd.Function):
+    """(B, n, D) per rank -> (B, size*n, D) in rank order; backward: sum over ranks, keep my slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        size = dist.get_world_size(group)
+        local = x.transpose(0, 1).contiguous()  # (n, B, D): the gathered blocks stack along tokens
+        out = torch.empty((size * local.shape[0], *local.shape[1:]), dtype=x.dtype, device=x.device)
+        comm.all_gather_into_tensor(out, local, group)
+        return out.transpose(0, 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        size = dist.get_world_size(ctx.group)
+        full = grad.transpose(0, 1).contiguous()
+        out = torch.empty((full.shape[0] // size, *full.shape[1:]), dtype=grad.dtype, device=grad.device)
+        comm.reduce_scatter_tensor(out, full, ctx.group)
+        return out.transpose(0, 1), None
+
+
+# ---------------------------------------------------------------------------------------------------
+# The modules assigned into the DiT.
+
+
+class ShardedSequence(nn.Module):
+    """Replaces DiT.sequence: pads tokens to a multiple of the degree, keeps this rank's slice, and
+    gathers (then unpads) before the final layer."""
+
+    def __init__(self, groups: SequenceGroups, state: SequenceState):
+        super().__init__()
+        self.groups, self.state = groups, state
+
+    def shard(self, x, rope):
+        size, tokens = self.groups.sp_size, x.shape[1]
+        padded = -(-tokens // size) * size
+        self.state.tokens = tokens
+        x = F.pad(x, (0, 0, 0, padded - tokens))
+        rope = F.pad(rope, (0, 0, 0, 0, 0, padded - tokens))
+        n, start = padded // size, self.groups.sp_rank * (padded // size)
+        return x[:, start:start + n], rope[start:start + n]
+
+    def gather(self, x):
+        return _GatherTokens.apply(x, self.groups.sp_group)[:, : self.state.tokens]
+
+
+class SequenceParallelAttention(nn.Module):
+    """Replaces SelfAttention.inner_attention: local (B, H, n, Dh) q, k, v in, local output out."""
+
+    def __init__(self, groups: SequenceGroups, state: SequenceState, local_attention: nn.Module):
+        super().__init__()
+        self.groups, self.state = groups, state
+        self.local_attention = local_attention  # the model's own kernel, used when nothing is padded
+
+    def forward(self, q, k, v):
+        g = self.groups
+        if g.ulysses_size > 1:  # heads sharded, sequence (this ring position's part) whole
+            q, k, v = all_to_all_dims(torch.stack((q, k, v)), 2, 3, g.ulysses_group).unbind(0)
+        if g.ring_size > 1:
+            out = _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), g, self.state.tokens)
+        elif q.shape[-2] > self.state.tokens:  # the whole padded sequence is here: mask the padding
+            mask = torch.arange(k.shape[-2], device=k.device) < self.state.tokens
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.view(1, 1, 1, -1))
+        else:
+            out = self.local_attention(q, k, v)
+        if g.ulysses_size > 1:
+            out = all_to_all_dims(out, 2, 1, g.ulysses_group)
+        return out
+
+
+def apply_sequence_parallel(model: nn.Module, groups: SequenceGroups) -> nn.Module:
+    """Make a single-device DiT sequence parallel over `groups` (before FSDP, compile or AC wrap it)."""
+    if groups.sp_size == 1:
+        return model
+    if model.num_heads % groups.ulysses_size:
+        raise ValueError(f"{model.num_heads} heads do not divide by ulysses={groups.ulysses_size}")
+    state = SequenceState()
+    model.sequence = ShardedSequence(groups, state)
+    for block in model.blocks:
+        block.attn.inner_attention = SequenceParallelAttention(groups, state, block.attn.inner_attention)
+    return model
