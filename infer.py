@@ -20,12 +20,13 @@ from data.media import OUTPUT_EXTENSIONS, write_video
 from models.dit import DiT_models
 from models.flow import RectifiedFlow
 from models.pipeline import build_frozen, build_model, generate
+from models.util import seeded
 from models.vae import vae_latent_space
 from parallel import comm
 from parallel.checkpoint import CheckpointError, load_weights, resolve_checkpoint
 from parallel.layout import ParallelLayout
-from parallel.sequence import apply_sequence_parallel
 from parallel.runtime import init_runtime, local_world_size, run_entrypoint, world_from_env
+from parallel.sequence import apply_sequence_parallel
 
 
 def parse_args(argv):
@@ -42,7 +43,8 @@ def parse_args(argv):
     p.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale; 1 turns it off")
     p.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i")
     p.add_argument("--output", default="outputs/sample.mp4", help=f"file to write ({', '.join(OUTPUT_EXTENSIONS)})")
-    p.add_argument("--random-weights", action="store_true", help="sample from an untrained model (tests, benchmarks)")
+    p.add_argument("--random-weights", action="store_true",
+                   help="sample from an untrained model whose every layer is active (tests, benchmarks)")
     p.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA weights")
     parsed = p.parse_args(args)
     parsed.overrides = overrides
@@ -74,6 +76,9 @@ def load_sampler(cfg, runtime, checkpoint, use_ema: bool = True):
     model = apply_sequence_parallel(build_model(cfg, text_encoder, vae), runtime.sequence).to(runtime.device).eval()
     if checkpoint is not None:
         load_weights(checkpoint, model, use_ema=use_ema)
+    else:  # adaLN-Zero's zeros would make the output 0 whatever the other weights (and the layout) do
+        with seeded(cfg.train.seed):
+            model.init_weights(zero_init=False)
     return model, vae, text_encoder
 
 
@@ -99,6 +104,8 @@ def main(argv=None):
 
     comm.set_failure_dir(Path(cfg.run.output_dir) / "failures")
     runtime = init_runtime(cfg.parallel, layout)
+    if runtime.is_main:
+        print(f"[tessera] layout {layout.describe()}{' (parallel.auto)' if cfg.parallel.auto else ''}", flush=True)
     model, vae, text_encoder = load_sampler(cfg, runtime, checkpoint, use_ema=sc.use_ema and not args.no_ema)
     mine = list(range(layout.dp_rank(runtime.rank), len(prompts), layout.dp))  # prompts split over dp ranks
     if not mine:

@@ -29,8 +29,8 @@ from parallel import comm
 from parallel.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from parallel.fsdp import parallelize_dit, update_ema
 from parallel.layout import ParallelLayout
-from parallel.sequence import apply_sequence_parallel
 from parallel.runtime import init_runtime, local_world_size, run_entrypoint, world_from_env
+from parallel.sequence import apply_sequence_parallel
 
 
 def parse_args(argv):
@@ -82,7 +82,7 @@ def main(argv=None):
     model = apply_sequence_parallel(build_model(cfg, text_encoder, vae), runtime.sequence)
     if runtime.is_main:
         print(f"[tessera] {cfg.model.size}: {count_parameters(model) / 1e6:.2f}M parameters; layout "
-              f"{layout.describe()}; {device.type} ({runtime.backend}, {'bf16' if bf16 else 'fp32'}); "
+              f"{layout.describe()}{' (parallel.auto)' if cfg.parallel.auto else ''}; {device.type} ({runtime.backend}, {'bf16' if bf16 else 'fp32'}); "
               f"latent {tuple(latent_shape)} = {num_tokens(latent_shape, cfg.model.patch_size)} tokens", flush=True)
     model = parallelize_dit(model, runtime.fsdp_mesh, torch.bfloat16 if bf16 else torch.float32,
                             tc.activation_checkpointing, tc.compile)

@@ -232,8 +232,10 @@ class DiT(nn.Module):
         return x.reshape(B, self.in_channels, t * pt, h * ph, w * pw)
 
     @torch.no_grad()
-    def init_weights(self):
-        """(Re-)initialise every parameter; also used after building on the meta device."""
+    def init_weights(self, zero_init: bool = True):
+        """(Re-)initialise every parameter; also used after building on the meta device.
+        zero_init=False replaces adaLN-Zero's zeros with small random weights, so that an untrained
+        model's output depends on every weight (tests and benchmarks of parallel sampling)."""
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.xavier_uniform_(m.weight)
@@ -246,14 +248,15 @@ class DiT(nn.Module):
         for layer in (self.t_embedder.mlp[0], self.t_embedder.mlp[2]):
             nn.init.normal_(layer.weight, std=0.02)
         # adaLN-Zero: every block starts as the identity, and so does the text path into it.
+        zero_or_small = nn.init.zeros_ if zero_init else (lambda w: nn.init.normal_(w, std=0.05))
         for block in self.blocks:
-            nn.init.zeros_(block.adaLN_modulation[-1].weight)
-            nn.init.zeros_(block.adaLN_modulation[-1].bias)
-            nn.init.zeros_(block.cross_attn.proj.weight)
-        nn.init.zeros_(self.final_layer.adaLN_modulation[-1].weight)
-        nn.init.zeros_(self.final_layer.adaLN_modulation[-1].bias)
-        nn.init.zeros_(self.final_layer.linear.weight)
-        nn.init.zeros_(self.final_layer.linear.bias)
+            zero_or_small(block.adaLN_modulation[-1].weight)
+            zero_or_small(block.adaLN_modulation[-1].bias)
+            zero_or_small(block.cross_attn.proj.weight)
+        zero_or_small(self.final_layer.adaLN_modulation[-1].weight)
+        zero_or_small(self.final_layer.adaLN_modulation[-1].bias)
+        zero_or_small(self.final_layer.linear.weight)
+        zero_or_small(self.final_layer.linear.bias)
 
 
 def masked_mean(y, mask):

@@ -34,3 +34,59 @@ def test_three_process_ring():
     passed = _passed(torchrun(3, "tests/sp_worker.py", timeout=150))
     assert sum(line.startswith("ok attention u1r3 ") for line in passed) == 12
     assert sum(line.startswith("ok DiT u1r3 ") for line in passed) == 4
+
+
+# --- The whole programs under sequence-parallel layouts, against one process. ---------------------
+
+import numpy as np  # noqa: E402
+
+import infer  # noqa: E402
+import train  # noqa: E402
+from tests.conftest import TINY, run_main  # noqa: E402
+from tests.test_e2e import losses  # noqa: E402
+
+# 3 x 5 x 3 = 45 tokens: divisible by neither 2 nor 4, so the padded path runs in every layout.
+SAMPLE = ["--config", str(TINY), "--random-weights", "--steps", "2", "--frames", "3", "--height", "20",
+          "--width", "12", "--prompt", "a red square moving left", "a green circle moving up"]
+
+
+@pytest.fixture(scope="module")
+def single_process_videos(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("single")
+    assert run_main(infer, SAMPLE + [f"run.output_dir={folder}", "--output", str(folder / "x.npy")]) == 0
+    videos = [np.load(folder / f"x_{i:03d}.npy") for i in range(2)]
+    assert np.abs(videos[0] - videos[1]).max() > 1e-2  # the prompts (and seeds) give different videos
+    return videos
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("nproc,layout", [
+    (2, ["parallel.ulysses=2"]),
+    (2, ["parallel.ring=2"]),
+    (3, ["parallel.ring=3"]),
+    (4, ["parallel.ulysses=2", "parallel.ring=2"]),
+    (4, ["parallel.dp=2", "parallel.ring=2"]),
+])
+def test_infer_under_layout_equals_one_process(tmp_path, single_process_videos, nproc, layout):
+    result = torchrun(nproc, "infer.py", *SAMPLE, f"run.output_dir={tmp_path}", "--output", str(tmp_path / "x.npy"),
+                      *layout, timeout=200)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for i, expected in enumerate(single_process_videos):
+        assert np.abs(np.load(tmp_path / f"x_{i:03d}.npy") - expected).max() < 1e-5
+
+
+@pytest.mark.timeout(360)
+def test_training_under_ulysses_and_ring_equals_one_process(tmp_path):
+    """Same recipe, same data: the sequence-parallel ranks of one group share each sample."""
+    common = ["--config", str(TINY), "train.max_steps=3", "train.checkpoint_every=3", "train.sample_every=0",
+              "data.frames=3", "data.height=20", "data.width=12"]  # 45 tokens: padded under every layout
+    assert run_main(train, common + [f"run.output_dir={tmp_path / 'one'}"]) == 0
+    reference = losses(tmp_path / "one")
+    for layout in ("parallel.ulysses=2", "parallel.ring=2"):
+        run_dir = tmp_path / layout.replace("=", "")
+        result = torchrun(2, "train.py", *common, f"run.output_dir={run_dir}", layout, timeout=170)
+        assert result.returncode == 0, result.stderr[-4000:]
+        assert "ulysses=2" in result.stdout or "ring=2" in result.stdout  # the layout is logged
+        got = losses(run_dir)
+        assert got.keys() == reference.keys()
+        assert all(got[s] == pytest.approx(reference[s], rel=1e-4) for s in reference), (layout, reference, got)
