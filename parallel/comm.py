@@ -7,7 +7,9 @@ reduce-scatters, and torch.distributed.checkpoint's planning, are inside PyTorch
 - Each op is recorded (sequence number, kind, group, shape, dtype, bytes, start, end) in a small
   per-rank ring buffer, written out by `dump_records` when a run fails, so that the ranks' histories
   can be compared to find the first op where they disagree or the rank that never arrived.
-- Bytes and op counts per kind are kept for benchmarks.
+- Bytes and op counts per kind are kept for benchmarks: `bytes` is the size of the tensors handed to
+  each op, `sent` what this rank sends to other ranks (the part of an all-to-all that stays home is
+  not sent; an all-gather sends its input to every peer; ring all-reduce sends 2(P-1)/P of it).
 """
 
 import collections
@@ -43,6 +45,7 @@ class _State:
     records: collections.deque = collections.deque(maxlen=256)
     seq = 0
     bytes_by_kind: collections.Counter = collections.Counter()
+    sent_by_kind: collections.Counter = collections.Counter()
     ops_by_kind: collections.Counter = collections.Counter()
     failure_dir: Path | None = None
 
@@ -62,7 +65,20 @@ def configure(max_message_mb: float, history: int = 256) -> None:
 
 
 def stats() -> dict:
-    return {"bytes": dict(_State.bytes_by_kind), "ops": dict(_State.ops_by_kind)}
+    return {"bytes": dict(_State.bytes_by_kind), "sent": dict(_State.sent_by_kind), "ops": dict(_State.ops_by_kind)}
+
+
+def reset_stats() -> None:
+    _State.bytes_by_kind.clear()
+    _State.sent_by_kind.clear()
+    _State.ops_by_kind.clear()
+
+
+def _sent_fraction(kind: str, peers: int) -> float:
+    """Bytes sent to other ranks per byte of the op's input, for a group of `peers + 1` ranks."""
+    size = peers + 1
+    return {"all_to_all": peers / size, "all_gather": peers, "reduce_scatter": peers / size,
+            "all_reduce": 2 * peers / size, "send_recv": 1.0}.get(kind, 0.0)
 
 
 def _group_name(group) -> str:
@@ -81,6 +97,8 @@ class _recorded:
                                str(tensor.dtype) if tensor is not None else "", nbytes, time.time())
         _State.records.append(self.record)
         _State.bytes_by_kind[kind] += nbytes
+        if nbytes and dist.is_initialized():
+            _State.sent_by_kind[kind] += int(nbytes * _sent_fraction(kind, dist.get_world_size(group) - 1))
         _State.ops_by_kind[kind] += 1
 
     def __enter__(self):
@@ -122,24 +140,33 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group) -> torch.Tensor:
     """Block i of `input` (split along dim 0 into group-size equal blocks) goes to rank i; block j of
-    `output` comes from rank j. Above the cap, every block is cut into the same column ranges and
-    the pieces are exchanged one range at a time."""
+    `output` comes from rank j. Above the cap, the exchange runs as group-size - 1 pairwise rounds
+    (round i: send to rank + i, receive from rank - i), each cut into contiguous pieces under the cap
+    and waited on: no copies, and the same bytes as one all-to-all."""
     size = dist.get_world_size(group)
     if input.shape[0] % size or output.shape != input.shape:
         raise ValueError(f"all_to_all_single: dim 0 of {tuple(input.shape)} must split into {size} equal blocks "
                          f"and the output must have the same shape, got {tuple(output.shape)}")
     with _recorded("all_to_all", group, input):
-        send, recv = input.reshape(size, -1), output.view(size, -1)
-        ranges = _column_ranges(send.shape[1], size, input.element_size())
-        if len(ranges) == 1:
-            _wait(dist.all_to_all_single(recv, send.contiguous(), group=group, async_op=True), recv)
-        else:
-            for start, end in ranges:
-                piece = torch.empty((size, end - start), dtype=recv.dtype, device=recv.device)
-                _wait(dist.all_to_all_single(piece, send[:, start:end].contiguous(), group=group, async_op=True),
-                      piece)
-                recv[:, start:end] = piece
+        send, recv = input.contiguous().view(size, -1), output.view(size, -1)
+        if send.numel() * send.element_size() <= _State.max_message_bytes:
+            _wait(dist.all_to_all_single(recv, send, group=group, async_op=True), recv)
+            return output
+        me = dist.get_rank(group)
+        recv[me] = send[me]
+        for shift in range(1, size):
+            to, source = (me + shift) % size, (me - shift) % size
+            to_global, source_global = (_global_rank(group, r) for r in (to, source))
+            for out_piece, in_piece in zip(_chunks(send[to]), _chunks(recv[source])):
+                works = dist.batch_isend_irecv([dist.P2POp(dist.isend, out_piece, to_global, group),
+                                                dist.P2POp(dist.irecv, in_piece, source_global, group)])
+                for work in works:
+                    _wait(work, in_piece)
     return output
+
+
+def _global_rank(group, group_rank: int) -> int:
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group) -> torch.Tensor:
