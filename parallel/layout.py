@@ -129,7 +129,8 @@ def auto_layout(world_size: int, num_heads: int, local_world_size: int, dp: int 
     node allow (its all-to-alls want the fast intra-node links), ring for the rest (ring takes any
     degree: the sequence is padded)."""
     sp = world_size // dp
-    ulysses = max(d for d in range(1, sp + 1) if sp % d == 0 and num_heads % d == 0 and d <= local_world_size)
+    # d divides the node size, so no ulysses group straddles two nodes.
+    ulysses = max(d for d in range(1, sp + 1) if sp % d == 0 and num_heads % d == 0 and local_world_size % d == 0)
     return ParallelLayout(dp=dp, ulysses=ulysses, ring=sp // ulysses)
 
 

@@ -16,11 +16,14 @@ Rank order inside a sequence-parallel group: ulysses is innermost (see parallel/
 token slice of a rank is `ring_rank * ulysses + ulysses_rank`, so gathering over the group in rank
 order restores the sequence.
 
-Gradients: every rank of a group computes the same loss on the gathered output; the gather's backward
-is a reduce-scatter, so the parameter gradients of the group's ranks add up to the group's total.
-FSDP then averages over all ranks (dp x sequence parallel), which gives the data-parallel mean.
+Gradients: every rank of a group computes the same loss on the gathered output, and the gather's
+backward is a reduce-scatter, so the parameter gradients of a group's P ranks add up to P times the
+gradient of that loss. FSDP averages over all dp x P ranks, dividing by P as well: the result is
+exactly the data-parallel mean. (Sharding over dp alone, or a gather whose backward keeps only the
+local slice, would scale the gradients wrongly; tests/test_sequence_parallel.py compares grad norms.)
 """
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -146,28 +149,38 @@ class CUDAEfficientKernel:
 _checked_kernels: dict = {}
 
 
-def _kernel_agrees(kernel, device, dtype) -> bool:
+def _kernel_agrees(kernel, device, dtype, head_dim) -> bool:
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 40, 16, generator=g).to(device, dtype) for _ in range(3))
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2
-    try:
-        out, lse = kernel.forward(q, k, v, 33)
-        ref_out, ref_lse = MathKernel.forward(q, k, v, 33)
-        dout = torch.randn(q.shape, generator=g).to(device, dtype)
-        grads = kernel.backward(dout, q, k, v, ref_out, ref_lse, 33)
-        ref_grads = MathKernel.backward(dout, q, k, v, ref_out, ref_lse, 33)
-    except Exception:
-        return False
-    pairs = [(out, ref_out), (lse, ref_lse), *zip(grads, ref_grads)]
-    return all(torch.allclose(a.float(), b.float(), atol=tolerance, rtol=tolerance) for a, b in pairs)
+    for valid in (40, 33):  # unmasked and masked blocks
+        q, k, v, dout = (torch.randn(2, 2, 40, head_dim, generator=g).to(device, dtype) for _ in range(4))
+        try:
+            out, lse = kernel.forward(q, k, v, valid)
+            ref_out, ref_lse = MathKernel.forward(q, k, v, valid)
+            grads = kernel.backward(dout, q, k, v, ref_out, ref_lse, valid)
+            ref_grads = MathKernel.backward(dout, q, k, v, ref_out, ref_lse, valid)
+        except Exception:
+            return False
+        pairs = [(out, ref_out), (lse, ref_lse), *zip(grads, ref_grads)]
+        if not all(torch.allclose(a.float(), b.float(), atol=tolerance, rtol=tolerance) for a, b in pairs):
+            return False
+    return True
 
 
-def kernel_for(device: torch.device, dtype: torch.dtype):
-    """The fastest LSE kernel that agrees with MathKernel on this device and dtype (checked once)."""
-    key = (device.type, dtype)
+def kernel_for(q: torch.Tensor, group=None):
+    """The fastest LSE kernel that agrees with MathKernel for q's device, dtype and head dim (checked once;
+    the ranks of `group` agree on the verdict, so they cannot run different kernels)."""
+    key = (q.device.type, q.dtype, q.shape[-1])
     if key not in _checked_kernels:
-        candidate = {"cpu": CPUFlashKernel, "cuda": CUDAEfficientKernel}.get(device.type)
-        _checked_kernels[key] = candidate if candidate and _kernel_agrees(candidate, device, dtype) else MathKernel
+        candidate = {"cpu": CPUFlashKernel, "cuda": CUDAEfficientKernel}.get(q.device.type)
+        agrees = candidate is not None and _kernel_agrees(candidate, q.device, q.dtype, q.shape[-1])
+        if group is not None and dist.is_initialized():
+            vote = torch.tensor([1.0 if agrees else 0.0], device=q.device)
+            agrees = comm.all_reduce(vote, op=dist.ReduceOp.MIN, group=group).item() == 1.0
+        _checked_kernels[key] = candidate if agrees else MathKernel
+        if not agrees and candidate is not None:
+            warnings.warn(f"ring attention: {candidate.__name__} disagrees with the float32 reference for "
+                          f"{key}; using MathKernel (memory grows with block length squared)")
     return _checked_kernels[key]
 
 
@@ -191,7 +204,17 @@ def _valid_keys(block: int, block_len: int, tokens: int) -> int:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, groups: SequenceGroups, tokens: int):
-        kernel = kernel_for(q.device, q.dtype)
+        with torch.autocast(q.device.type, enabled=False):  # the merge is float32 on purpose
+            return _RingAttention._forward(ctx, q, k, v, groups, tokens)
+
+    @staticmethod
+    def backward(ctx, dout):
+        with torch.autocast(dout.device.type, enabled=False):
+            return _RingAttention._backward(ctx, dout)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, groups: SequenceGroups, tokens: int):
+        kernel = kernel_for(q, groups.ring_group)
         size, me, ranks = groups.ring_size, groups.ring_rank, groups.ring_ranks
         to_rank, from_rank = ranks[(me + 1) % size], ranks[(me - 1) % size]
         kv = torch.stack((k, v)).contiguous()
@@ -215,34 +238,42 @@ class _RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, dout):
+    def _backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         groups, kernel = ctx.groups, ctx.kernel
         size, me, ranks = groups.ring_size, groups.ring_rank, groups.ring_ranks
         to_rank, from_rank = ranks[(me + 1) % size], ranks[(me - 1) % size]
         kv = torch.stack((k, v)).contiguous()
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # travels with its K/V block
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         block_len = k.shape[-2]
+        # dkv is the float32 gradient of the K/V block we hold; it travels with the block and is home
+        # after `size` hops. Its transfer overlaps the next block's compute.
+        dkv, dkv_pending, dkv_incoming = None, None, None
         for step in range(size):
-            pending = None
+            kv_pending = None
             if step < size - 1:
-                incoming = torch.empty_like(kv)
-                pending = comm.exchange(kv, to_rank, incoming, from_rank, groups.ring_group)
+                kv_incoming = torch.empty_like(kv)
+                kv_pending = comm.exchange(kv, to_rank, kv_incoming, from_rank, groups.ring_group)
             block = (me - step) % size
             valid = _valid_keys(block, block_len, ctx.tokens)
             if valid > 0:
                 dq_block, dk_block, dv_block = kernel.backward(dout, q, kv[0], kv[1], out, lse, valid)
                 dq += dq_block
+            if dkv_pending is not None:  # the previous block's gradient, now ours to add to
+                dkv_pending.wait()
+                dkv = dkv_incoming
+            else:
+                dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            if valid > 0:
                 dkv[0] += dk_block
                 dkv[1] += dv_block
-            # The gradient of the block we hold moves on with it; after `size` hops it is home.
             dkv_incoming = torch.empty_like(dkv)
-            comm.exchange(dkv, to_rank, dkv_incoming, from_rank, groups.ring_group).wait()
-            dkv = dkv_incoming
-            if pending is not None:
-                pending.wait()
-                kv = incoming
+            dkv_pending = comm.exchange(dkv, to_rank, dkv_incoming, from_rank, groups.ring_group)
+            if kv_pending is not None:
+                kv_pending.wait()
+                kv = kv_incoming
+        dkv_pending.wait()
+        dkv = dkv_incoming
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
@@ -330,6 +361,7 @@ class SequenceParallelAttention(nn.Module):
         self.groups, self.state = groups, state
         self.local_attention = local_attention  # the model's own kernel, used when nothing is padded
 
+    @torch.compiler.disable  # collectives and comm records: keep them out of compiled graphs
     def forward(self, q, k, v):
         g = self.groups
         if g.ulysses_size > 1:  # heads sharded, sequence (this ring position's part) whole

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parallel import comm  # noqa: E402
 from parallel.layout import ParallelLayout  # noqa: E402
-from parallel.sequence import SequenceParallelAttention, SequenceState, kernel_for  # noqa: E402
+from parallel.sequence import SequenceParallelAttention, SequenceState  # noqa: E402
 
 LAYOUTS = {1: [ParallelLayout()], 2: [ParallelLayout(ulysses=2), ParallelLayout(ring=2)],
            4: [ParallelLayout(ulysses=4), ParallelLayout(ring=4), ParallelLayout(ulysses=2, ring=2)]}

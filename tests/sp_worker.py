@@ -45,8 +45,9 @@ def check(name, error, tolerance=TOLERANCE):
         print(f"ok {name} ({error:.1e})", flush=True)
 
 
-def check_operator(layout, groups, tokens, heads=4, batch=2, head_dim=8, dtype=torch.float32):
-    name = f"attention u{layout.ulysses}r{layout.ring} N={tokens}"
+def check_operator(layout, groups, tokens, heads=4, batch=2, head_dim=8, dtype=torch.float32, label=""):
+    name = f"attention u{layout.ulysses}r{layout.ring} N={tokens}{label}"
+    tolerance = TOLERANCE if dtype == torch.float32 else 2e-2
     g = torch.Generator().manual_seed(tokens)
     q, k, v, weight = (torch.randn(batch, heads, tokens, head_dim, generator=g, dtype=torch.float64) for _ in range(4))
     q64, k64, v64 = (t.clone().requires_grad_() for t in (q, k, v))
@@ -67,14 +68,14 @@ def check_operator(layout, groups, tokens, heads=4, batch=2, head_dim=8, dtype=t
     n = ql.shape[-2]
     start = groups.sp_rank * n
     real = max(0, min(n, tokens - start))  # this rank's unpadded queries
-    check(f"{name} forward", relative_error(out[:, :, :real], reference[:, :, start:start + real].detach()))
+    check(f"{name} forward", relative_error(out[:, :, :real], reference[:, :, start:start + real].detach()), tolerance)
     (out[:, :, :real] * weight[:, :, start:start + real].to(dtype)).sum().backward()
     for label, mine, full in (("dq", ql, q64), ("dk", kl, k64), ("dv", vl, v64)):
         if mine.grad.dtype != dtype:
             raise AssertionError(f"{name} {label}: gradient dtype {mine.grad.dtype}, expected {dtype}")
         error = relative_error(mine.grad[:, :, :real], full.grad[:, :, start:start + real])
         padded_grad = mine.grad[:, :, real:].abs().max().item() if real < n else 0.0
-        check(f"{name} {label}", max(error, padded_grad))
+        check(f"{name} {label}", max(error, padded_grad), tolerance)
 
 
 def check_model(layout, groups, frames, height=8, width=8):
@@ -110,6 +111,23 @@ def check_model(layout, groups, frames, height=8, width=8):
     check(f"{name} parameter gradients", worst, MODEL_TOLERANCE)
 
 
+def check_ring_variants(layout, groups):
+    """The float32 reference kernel (the fallback when a fast kernel disagrees), p2p messages cut into
+    pieces, and bfloat16 inputs (gradients must come back in bfloat16)."""
+    from parallel import sequence
+
+    saved = dict(sequence._checked_kernels)
+    sequence._checked_kernels.update({("cpu", torch.float32, 8): sequence.MathKernel})
+    comm.configure(0.0005)  # ~130 floats: every K/V and dK/dV transfer goes in several pieces
+    try:
+        check_operator(layout, groups, 6 * layout.sequence_parallel - 1, label=" math kernel, chunked p2p")
+    finally:
+        comm.configure(256)
+        sequence._checked_kernels.clear()
+        sequence._checked_kernels.update(saved)
+    check_operator(layout, groups, 6 * layout.sequence_parallel - 1, dtype=torch.bfloat16, label=" bf16")
+
+
 def check_chunking(group):
     """Chunked and unchunked collectives give identical results."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -126,6 +144,14 @@ def check_chunking(group):
         results.append((a2a, gathered, scattered))
     comm.configure(256)
     identical = all(torch.equal(a, b) for a, b in zip(*results))
+    # paired send/receive around the ring, whole and in pieces
+    to_rank, from_rank = (rank + 1) % size, (rank - 1) % size
+    for cap_mb in (256, 0.001):
+        comm.configure(cap_mb)
+        received = torch.empty_like(data)
+        comm.exchange(data, to_rank, received, from_rank, group).wait()
+        identical &= torch.equal(received, torch.arange(size * 1000, dtype=torch.float32) + 10000 * from_rank)
+    comm.configure(256)
     expected_a2a = torch.cat([torch.arange(rank * 1000, (rank + 1) * 1000, dtype=torch.float32) + 10000 * j
                               for j in range(size)])
     if not identical or not torch.equal(results[0][0], expected_a2a):
@@ -151,6 +177,9 @@ def main():
             check_operator(layout, groups, tokens)
         check_model(layout, groups, frames=3)  # 3x4x4 = 48 tokens
         check_model(layout, groups, frames=1, height=6, width=10)  # 15 tokens: padded
+        check_model(layout, groups, frames=1, height=2, width=10)  # 5 tokens: at P=4 a rank holds only padding
+        if layout.ring > 1:
+            check_ring_variants(layout, groups)
     check_chunking(dist.group.WORLD)
     stats = comm.stats()
     if rank == 0:

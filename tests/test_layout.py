@@ -59,6 +59,8 @@ def test_auto_prefers_ulysses_inside_a_node_then_ring():
     assert pick(parallel(auto=True), 8, 16, local_world_size=4) == ParallelLayout(ulysses=4, ring=2)
     assert pick(parallel(auto=True), 8, 16, local_world_size=8) == ParallelLayout(ulysses=8)
     assert pick(parallel(auto=True), 3, 4) == ParallelLayout(ring=3)  # 4 heads do not divide by 3
+    # 2 nodes x 6: ulysses=4 would put ranks 4-7 on both nodes; 2 keeps every group inside one
+    assert pick(parallel(auto=True), 12, 16, local_world_size=6) == ParallelLayout(ulysses=2, ring=6)
     assert pick(parallel(auto=True, dp=2), 8, 6, local_world_size=8) == ParallelLayout(dp=2, ulysses=2, ring=2)
     with pytest.raises(LayoutError, match="dp must divide"):
         pick(parallel(auto=True, dp=3), 8, 16)
