@@ -157,12 +157,22 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group) -> torch
         for shift in range(1, size):
             to, source = (me + shift) % size, (me - shift) % size
             to_global, source_global = (_global_rank(group, r) for r in (to, source))
-            for out_piece, in_piece in zip(_chunks(send[to]), _chunks(recv[source])):
-                works = dist.batch_isend_irecv([dist.P2POp(dist.isend, out_piece, to_global, group),
-                                                dist.P2POp(dist.irecv, in_piece, source_global, group)])
-                for work in works:
-                    _wait(work, in_piece)
+            _exchange_in_pieces(send[to], to_global, recv[source], source_global, group)
     return output
+
+
+def _post_pair(send: torch.Tensor, to_rank: int, recv: torch.Tensor, from_rank: int, group):
+    """One send and its matching receive in a single batch (a lone send may block until the peer's
+    receive is posted)."""
+    return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, to_rank, group),
+                                   dist.P2POp(dist.irecv, recv, from_rank, group)])
+
+
+def _exchange_in_pieces(send: torch.Tensor, to_rank: int, recv: torch.Tensor, from_rank: int, group) -> None:
+    """Contiguous 1-D send/recv, cut into pieces under the cap, each waited on before the next."""
+    for out_piece, in_piece in zip(_chunks(send), _chunks(recv)):
+        for work in _post_pair(out_piece, to_rank, in_piece, from_rank, group):
+            _wait(work, in_piece)
 
 
 def _global_rank(group, group_rank: int) -> int:
@@ -222,18 +232,10 @@ def exchange(send: torch.Tensor, to_rank: int, recv: torch.Tensor, from_rank: in
     if send.shape != recv.shape:
         raise ValueError(f"exchange: sent {tuple(send.shape)} and received {tuple(recv.shape)} shapes differ")
     record = _recorded("send_recv", group, send).record
-    flat_send, flat_recv = send.reshape(-1), recv.view(-1)
-    pieces = list(zip(_chunks(flat_send), _chunks(flat_recv)))
-
-    def post(out_piece, in_piece):
-        return dist.batch_isend_irecv([dist.P2POp(dist.isend, out_piece, to_rank, group),
-                                       dist.P2POp(dist.irecv, in_piece, from_rank, group)])
-
-    if len(pieces) == 1:
-        return PendingExchange(post(flat_send.contiguous(), flat_recv), record, recv)
-    for out_piece, in_piece in pieces:
-        for work in post(out_piece.contiguous(), in_piece):
-            _wait(work, in_piece)
+    flat_send, flat_recv = send.reshape(-1).contiguous(), recv.view(-1)
+    if flat_send.numel() * flat_send.element_size() <= _State.max_message_bytes:
+        return PendingExchange(_post_pair(flat_send, to_rank, flat_recv, from_rank, group), record, recv)
+    _exchange_in_pieces(flat_send, to_rank, flat_recv, from_rank, group)
     record.end = time.time()
     return PendingExchange([], record, recv)
 

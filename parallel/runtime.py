@@ -119,11 +119,11 @@ def init_runtime(parallel_cfg, layout: ParallelLayout) -> Runtime:
     # Groups made from a device mesh do not inherit the init timeout: set it explicitly.
     _set_pg_timeout(timeout, fsdp_mesh.get_group())
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=parallel_cfg.control_timeout_s))
-    sequence = _sequence_groups(layout, rank, timeout)
+    sequence = sequence_groups(layout, rank, timeout)
     return Runtime(rank, world_size, local_rank, device, backend, layout, fsdp_mesh, control, sequence)
 
 
-def _sequence_groups(layout: ParallelLayout, rank: int, timeout) -> SequenceGroups:
+def sequence_groups(layout: ParallelLayout, rank: int, timeout) -> SequenceGroups:
     """Every process creates every group, in the same order, from the layout's one rank generator."""
     def my_group(*axes):
         ranks = layout.group_of(rank, *axes)

@@ -164,7 +164,7 @@ def measure_chunking(args, device):
 
 
 def worker(rank, world, port, args, out_path):
-    from parallel.runtime import _sequence_groups
+    from parallel.runtime import sequence_groups
 
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -177,7 +177,7 @@ def worker(rank, world, port, args, out_path):
                             world_size=world, timeout=datetime.timedelta(seconds=600))
     rows = []
     for layout in LAYOUTS[world]:
-        groups = _sequence_groups(layout, rank, datetime.timedelta(seconds=600))
+        groups = sequence_groups(layout, rank, datetime.timedelta(seconds=600))
         row = {"layout": f"ulysses={layout.ulysses} ring={layout.ring}", "P": layout.sequence_parallel}
         for part in args.parts:
             if part == "bytes" and world > 1:

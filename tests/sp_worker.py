@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models.dit import DiT  # noqa: E402
 from parallel import comm  # noqa: E402
 from parallel.layout import ParallelLayout  # noqa: E402
-from parallel.runtime import _sequence_groups  # noqa: E402
+from parallel.runtime import sequence_groups  # noqa: E402
 from models.attention import SDPAAttention  # noqa: E402
 from parallel.sequence import SequenceParallelAttention, SequenceState, ShardedSequence  # noqa: E402
 
@@ -171,7 +171,7 @@ def main():
         2: [ParallelLayout(ulysses=2), ParallelLayout(ring=2)],
     }[world]
     for layout in layouts:
-        groups = _sequence_groups(layout, rank, timeout)
+        groups = sequence_groups(layout, rank, timeout)
         p = layout.sequence_parallel
         for tokens in (6 * p, 6 * p - 1, p + 1):  # divisible, not divisible, almost all padding
             check_operator(layout, groups, tokens)
