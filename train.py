@@ -18,13 +18,13 @@ from tqdm import tqdm
 
 from configs import DEFAULT_RECIPE, load_config, split_overrides, to_yaml
 from configs.rundir import RunDirectory
-from data.loader import build_dataset, build_loader
-from data.media import write_video
-from data.sampler import DistributedEpochSampler, sample_seed
+from data.loader import build_buckets, build_dataset, build_loader, build_sampler, check_same_plan
+from data.media import to_model_range, write_video
+from data.sampler import sample_seed
 from models.dit import DiT_models, count_parameters
 from models.flow import RectifiedFlow
 from models.pipeline import build_frozen, build_model, generate
-from models.vae import num_tokens, vae_latent_space
+from models.vae import vae_latent_space
 from parallel import comm
 from parallel.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from parallel.fsdp import parallelize_dit, update_ema
@@ -58,8 +58,7 @@ def main(argv=None):
     rank, world_size, _ = world_from_env()
     layout = ParallelLayout.from_config(cfg.parallel, world_size, DiT_models[cfg.model.size]["num_heads"], "train",
                                         local_world_size())
-    latent_shape = vae_latent_space(cfg.vae).latent_shape(cfg.data.frames, cfg.data.height, cfg.data.width,
-                                                          cfg.model.patch_size)
+    buckets = build_buckets(cfg)
     preview_space = vae_latent_space(cfg.vae)
     try:
         preview_space.latent_shape(cfg.sample.frames or cfg.data.frames, cfg.sample.height or cfg.data.height,
@@ -68,8 +67,8 @@ def main(argv=None):
         raise ValueError(f"the preview size in sample.frames/height/width: {e}") from None
     if not cfg.sample.prompts:
         raise ValueError("sample.prompts is empty: training previews need at least one prompt")
-    dataset = build_dataset(cfg.data)
-    sampler = DistributedEpochSampler(len(dataset), tc.batch_size, layout.dp_rank(rank), layout.dp, tc.seed)
+    dataset = build_dataset(cfg, buckets)
+    sampler = build_sampler(cfg, dataset, buckets, layout.dp_rank(rank), layout.dp)
     checkpoint = resolve_checkpoint(tc.resume, cfg.run.output_dir)
 
     comm.set_failure_dir(Path(cfg.run.output_dir) / "failures")
@@ -82,8 +81,9 @@ def main(argv=None):
     model = apply_sequence_parallel(build_model(cfg, text_encoder, vae), runtime.sequence)
     if runtime.is_main:
         print(f"[tessera] {cfg.model.size}: {count_parameters(model) / 1e6:.2f}M parameters; layout "
-              f"{layout.describe()}{' (parallel.auto)' if cfg.parallel.auto else ''}; {device.type} ({runtime.backend}, {'bf16' if bf16 else 'fp32'}); "
-              f"latent {tuple(latent_shape)} = {num_tokens(latent_shape, cfg.model.patch_size)} tokens", flush=True)
+              f"{layout.describe()}{' (parallel.auto)' if cfg.parallel.auto else ''}; {device.type} ({runtime.backend}, "
+              f"{'bf16' if bf16 else 'fp32'})\n[tessera] data: {dataset.summary()}\n[tessera] {sampler.steps_per_epoch} "
+              f"steps per epoch ({sampler.num_batches} batches{_padding_note(sampler)})", flush=True)
     model = parallelize_dit(model, runtime.fsdp_mesh, torch.bfloat16 if bf16 else torch.float32,
                             tc.activation_checkpointing, tc.compile)
     # Built again (same seed, same weights) after the model is sharded: one full copy on the host at a time.
@@ -95,27 +95,29 @@ def main(argv=None):
     start_step = 0
     if checkpoint is not None:
         state = load_checkpoint(runtime, checkpoint, model, ema, optimizer)
-        sampler.check_resume(state["sampler"])
-        start_step = state["step"]
+        start_step = sampler.load_state_dict(state["sampler"])
         if runtime.is_main:
             print(f"[tessera] resumed from {checkpoint} at step {start_step}", flush=True)
+    check_same_plan(sampler, start_step, runtime.control_group)  # a skewed rank fails here, not in a hang later
     sampler.start_step = start_step  # O(1): the sampler computes its position from the step
     batches = iter(build_loader(dataset, sampler, cfg.data.num_workers))
     run.start_wandb(cfg)
 
-    global_batch = tc.batch_size * layout.dp
-    tokens = num_tokens(latent_shape, cfg.model.patch_size)
+    sequence_degree = runtime.world_size // layout.dp  # ranks that share each batch
+    first_of_group = rank % sequence_degree == 0  # dp groups are blocks of consecutive ranks; one logs its failures
+    window = torch.zeros(4 + len(buckets), dtype=torch.float64)  # loss sum, samples, tokens, replaced, batches per bucket
+    reported = set()
     progress = tqdm(total=tc.max_steps, initial=start_step, disable=not runtime.is_main, dynamic_ncols=True,
                     desc="train", mininterval=1.0)
     model.train()
     window_start, window_step = time.perf_counter(), start_step  # throughput is averaged between log steps
+    replaced_total = 0
     for step in range(start_step, tc.max_steps):
         batch = next(batches)
         # Text dropout, noise and timestep of each sample come from its own (seed, step, sample) generator.
         rngs = [torch.Generator().manual_seed(sample_seed(tc.seed, step, i)) for i in batch["index"]]
-        captions = ["" if torch.rand(1, generator=g).item() < tc.text_dropout else c for g, c in zip(rngs, batch["caption"])]
-        y, y_mask = text_encoder(captions, device)
-        x0 = vae.encode(batch["video"].to(device, non_blocking=True))
+        dropped = [torch.rand(1, generator=g).item() < tc.text_dropout for g in rngs]
+        x0, y, y_mask = encode_batch(batch, dropped, text_encoder, vae, device)
         noise, t = flow.draw(x0.shape[1:], rngs)
         loss = flow.training_loss(model, x0, y, y_mask, noise, t)
         loss.backward()
@@ -127,18 +129,33 @@ def main(argv=None):
         optimizer.zero_grad(set_to_none=True)
         update_ema(ema, model, tc.ema_decay)
         done = step + 1
+        window[1:4] += torch.tensor([len(batch["index"]), len(batch["index"]) * buckets.tokens[batch["bucket"]],
+                                     len(batch["failures"])])
+        window[4 + batch["bucket"]] += 1
+        for path, why in batch["failures"]:
+            if first_of_group and path not in reported:
+                reported.add(path)
+                print(f"[tessera] rank {rank}: replaced {path} by another sample of its bucket ({why})", flush=True)
 
         if done % tc.log_every == 0 or done == tc.max_steps:
-            mean_loss = comm.all_reduce(loss.detach().float().clone()).item() / runtime.world_size
+            window[0] = loss.detach().double().item()  # this step's loss; SP ranks hold the same one
+            totals = comm.all_reduce(window.clone()) / sequence_degree  # .item() above synchronised the device
+            mean_loss = totals[0].item() / layout.dp
             if not math.isfinite(mean_loss):
                 raise FloatingPointError(f"loss is {mean_loss} at step {done}; lower train.lr or check the data")
-            step_time = (time.perf_counter() - window_start) / (done - window_step)  # .item() above synchronised
-            window_start, window_step = time.perf_counter(), done
+            elapsed = time.perf_counter() - window_start
+            step_time = elapsed / (done - window_step)
+            mix = {buckets.buckets[b].name: int(n) for b, n in enumerate(totals[4:].tolist()) if n}
+            replaced_total = replaced_total + int(totals[3])
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             run.log_metrics({"step": done, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm),
-                             "step_time": step_time, "samples_per_s": global_batch / step_time,
-                             "tokens_per_s": global_batch * tokens / step_time, "epoch": step // sampler.steps_per_epoch})
-            progress.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{global_batch / step_time:.1f}", refresh=False)
+                             "step_time": step_time, "samples_per_s": totals[1].item() / elapsed,
+                             "tokens_per_s": totals[2].item() / elapsed, "epoch": sampler.position(step)[0],
+                             "buckets": mix, "replaced_samples": replaced_total})
+            progress.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{totals[1].item() / elapsed:.1f}",
+                                 buckets=_bucket_mix(mix), refresh=False)
+            window.zero_()
+            window_start, window_step = time.perf_counter(), done
         progress.update(1)
         if done % tc.checkpoint_every == 0 or done == tc.max_steps:
             trainer_state = {"step": done, "sampler": sampler.state_dict(done), "world_size": runtime.world_size}
@@ -147,6 +164,34 @@ def main(argv=None):
             write_previews(cfg, runtime, run, ema if cfg.sample.use_ema else model, vae, text_encoder, flow, done)
     progress.close()
     run.finish()
+
+
+def encode_batch(batch, dropped: list[bool], text_encoder, vae, device):
+    """(x0 latents, text embeddings, text mask) of a batch: encoded now from pixels and captions, or read
+    from precomputed latents (data.latents), where a dropped caption becomes the empty prompt's embedding."""
+    if "latent" in batch:
+        y, y_mask = batch["text"].to(device), batch["text_mask"].to(device)
+        if any(dropped):
+            empty, empty_mask = text_encoder([""], device)
+            y[torch.tensor(dropped)], y_mask[torch.tensor(dropped)] = empty, empty_mask
+        return batch["latent"].to(device), y, y_mask
+    y, y_mask = text_encoder(["" if d else c for d, c in zip(dropped, batch["caption"])], device)
+    return vae.encode(to_model_range(batch["video"].to(device, non_blocking=True))), y, y_mask
+
+
+def _padding_note(sampler) -> str:
+    if sampler.padding_batches > 0:
+        return f" + {sampler.padding_batches} repeated to fill every rank"
+    if sampler.padding_batches < 0:
+        return f", {-sampler.padding_batches} dropped to fit every rank"
+    return ""
+
+
+def _bucket_mix(mix: dict) -> str:
+    """The three most frequent buckets of the window, as shares: '8x32x32 50% 4x28x36 30% ...'."""
+    total = sum(mix.values()) or 1
+    top = sorted(mix.items(), key=lambda kv: -kv[1])
+    return " ".join(f"{name} {100 * n / total:.0f}%" for name, n in top[:3]) + (" ..." if len(top) > 3 else "")
 
 
 def write_previews(cfg, runtime, run, model, vae, text_encoder, flow, step):

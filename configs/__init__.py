@@ -126,6 +126,7 @@ CHOICES = {
     "text_encoder.kind": ("t5", "umt5", "clip"),
     "train.precision": ("auto", "fp32", "bf16"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
+    "data.epoch_remainder": ("pad", "drop"),
 }
 
 
@@ -147,7 +148,13 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"'{key}' must be greater than 0, got {OmegaConf.select(cfg, key)}")
     if cfg.data.fps is not None and cfg.data.fps <= 0:
         raise ConfigError(f"'data.fps' must be greater than 0 or null (keep the file's rate), got {cfg.data.fps}")
-    for key in ("train.max_steps", "train.warmup_steps", "train.sample_every", "data.num_workers"):
+    if cfg.data.max_upscale < 1.0:
+        raise ConfigError(f"'data.max_upscale' must be at least 1.0 (1.0: never enlarge), got {cfg.data.max_upscale}")
+    for key in ("data.resolutions", "data.frame_counts"):
+        if any(v < 1 for v in OmegaConf.select(cfg, key)):
+            raise ConfigError(f"'{key}' must hold positive numbers, got {list(OmegaConf.select(cfg, key))}")
+    for key in ("train.max_steps", "train.warmup_steps", "train.sample_every", "data.num_workers",
+                "data.tokens_per_batch", "data.max_batch_size"):
         if OmegaConf.select(cfg, key) < 0:
             raise ConfigError(f"'{key}' must be 0 or more, got {OmegaConf.select(cfg, key)}")
     if len(cfg.model.patch_size) != 3 or min(cfg.model.patch_size) < 1:
@@ -159,7 +166,14 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"'train.ema_decay' must be in [0, 1), got {cfg.train.ema_decay}")
     if len(cfg.train.betas) != 2:
         raise ConfigError(f"'train.betas' must be two numbers, got {list(cfg.train.betas)}")
+    from data.buckets import parse_aspect_ratio
     from models.dit import DiT_models  # light import: the model code needs only torch
+
+    for ratio in cfg.data.aspect_ratios:
+        try:
+            parse_aspect_ratio(ratio)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     if cfg.model.size not in DiT_models:
         raise ConfigError(f"'model.size' is '{cfg.model.size}'; choose one of {', '.join(DiT_models)}")

@@ -46,10 +46,19 @@ class TextEncoderConfig:
 
 @dataclass
 class DataConfig:
-    manifest: Optional[str] = None  # JSONL (path, caption); None uses the synthetic demo generator
-    frames: int = 9  # every training clip is resized and centre-cropped to frames x height x width
+    manifest: Optional[str] = None  # JSONL manifest or a folder of media with .txt captions; None: the synthetic demo
+    latents: Optional[str] = None  # a folder from scripts/precompute_latents.py: train on latents, no decoding
+    frames: int = 9  # the default clip size (and preview size): frames x height x width
     height: int = 32
     width: int = 32
+    # Buckets (data/buckets.py); left empty, the one bucket is frames x height x width.
+    resolutions: list[int] = field(default_factory=list)  # pixel budgets as the side of a square: 256 = 256x256 pixels
+    aspect_ratios: list[str] = field(default_factory=list)  # width:height, e.g. ["1:1", "16:9", "9:16"]
+    frame_counts: list[int] = field(default_factory=list)  # clip lengths (1: images); each must suit the VAE
+    max_upscale: float = 1.0  # a sample is never enlarged by more than this to reach its bucket (1.0: never)
+    tokens_per_batch: int = 0  # per-rank batch size of a bucket = this // its tokens; 0: train.batch_size for all
+    max_batch_size: int = 0  # cap on every bucket's batch size; 0: no cap
+    epoch_remainder: str = "pad"  # batches beyond a multiple of dp: pad (repeat whole batches) | drop
     fps: Optional[float] = None  # resample videos to this rate; None keeps the file's rate
     num_workers: int = 2
     synthetic_samples: int = 4096  # size of one epoch of the synthetic dataset

@@ -1,28 +1,81 @@
-"""The training data pipeline: dataset -> distributed sampler -> DataLoader."""
+"""The training data pipeline: buckets -> dataset -> global-plan sampler -> DataLoader."""
+
+from collections import defaultdict
 
 import torch
 from torch.utils.data import DataLoader
 
-from data.sampler import DistributedEpochSampler
+from data.buckets import BucketTable
+from data.dataset import BucketedDataset, collate
+from data.sampler import BucketSampler
 
 
-def build_dataset(data_cfg):
-    if data_cfg.manifest:
-        from data.manifest import ManifestDataset
+def build_buckets(cfg) -> BucketTable:
+    from models.vae import vae_latent_space
 
-        return ManifestDataset(data_cfg.manifest, data_cfg.frames, data_cfg.height, data_cfg.width, data_cfg.fps)
+    return BucketTable(cfg.data, vae_latent_space(cfg.vae), cfg.model.patch_size, cfg.train.batch_size)
+
+
+def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
+    """Latents (data.latents), media (data.manifest: a JSONL file or a captioned folder), or the
+    synthetic demo generator. Every rank builds the same dataset from the same files."""
+    dc = cfg.data
+    if dc.latents:
+        from data.dataset import LatentDataset
+        from data.latents import read_latent_index
+
+        return LatentDataset(read_latent_index(dc.latents, cfg), table, cfg.text_encoder.max_length, cfg.train.seed)
+    if dc.manifest:
+        from data.dataset import MediaDataset
+        from data.manifest import complete_metadata, read_manifest
+
+        entries, unreadable = complete_metadata(read_manifest(dc.manifest))
+        for path, why in list(unreadable.items())[:5]:
+            print(f"[tessera] left out {path}: {why}", flush=True)
+        dataset = MediaDataset(entries, table, dc.fps, cfg.train.seed)
+        if unreadable:
+            dataset.dropped["unreadable"] += len(unreadable)
+        return dataset
+    from data.dataset import SyntheticDataset
     from data.synthetic import SyntheticVideoDataset
 
-    return SyntheticVideoDataset(data_cfg.synthetic_samples, data_cfg.frames, data_cfg.height, data_cfg.width,
-                                 seed=data_cfg.synthetic_seed)
+    generator = SyntheticVideoDataset(dc.synthetic_samples, max(table.frame_counts), dc.height, dc.width,
+                                      seed=dc.synthetic_seed, min_frames=min(table.frame_counts))
+    return SyntheticDataset(generator, table, cfg.train.seed)
 
 
-def collate(samples: list[dict]) -> dict:
-    return {"video": torch.stack([s["video"] for s in samples]), "caption": [s["caption"] for s in samples],
-            "index": [s["index"] for s in samples]}
+def build_sampler(cfg, dataset: BucketedDataset, table: BucketTable, dp_rank: int, dp_size: int) -> BucketSampler:
+    return BucketSampler(dataset.bucket_of, table.batch_sizes, dp_rank, dp_size, cfg.train.seed,
+                         cfg.data.epoch_remainder)
 
 
-def build_loader(dataset, sampler: DistributedEpochSampler, num_workers: int) -> DataLoader:
+def check_same_plan(sampler: BucketSampler, step: int, group=None) -> None:
+    """One small all-gather: every rank must have the same steps per epoch and the same plan, or the job
+    would hang later in a collective that one rank never reaches. A mismatch names the ranks."""
+    import torch.distributed as dist
+
+    from parallel import comm
+
+    steps, digest = sampler.fingerprint(step)
+    world = dist.get_world_size(group)
+    mine = torch.tensor([steps, int(digest[:15], 16)], dtype=torch.int64)
+    everyone = comm.all_gather_into_tensor(torch.empty(2 * world, dtype=torch.int64), mine, group).view(world, 2)
+    variants = defaultdict(list)
+    for rank, (rank_steps, rank_hash) in enumerate(everyone.tolist()):
+        variants[(rank_steps, rank_hash)].append(rank)
+    if len(variants) > 1:
+        described = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {s} steps per epoch, plan "
+                              f"{h:015x}" for (s, h), r in variants.items())
+        raise RuntimeError(f"the data plan differs between ranks ({described}). Every rank must read the same "
+                           f"manifest with the same recipe; a file that only some ranks could probe changes their "
+                           f"buckets")
+
+
+def _worker_init(_):
+    torch.set_num_threads(1)  # workers resize on the CPU; N workers x all cores would oversubscribe
+
+
+def build_loader(dataset: BucketedDataset, sampler: BucketSampler, num_workers: int) -> DataLoader:
     return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate,
                       persistent_workers=num_workers > 0, pin_memory=torch.cuda.is_available(),
-                      prefetch_factor=2 if num_workers > 0 else None)
+                      prefetch_factor=2 if num_workers > 0 else None, worker_init_fn=_worker_init)

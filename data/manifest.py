@@ -1,18 +1,30 @@
-"""Real data: a JSONL manifest of images and videos with captions.
+"""Manifests: JSONL files with one sample per line, and plain folders of media with `.txt` captions.
 
-One JSON object per line: {"path": "clips/0001.mp4", "caption": "..."}; optional keys (width,
-height, num_frames, fps) are kept for later use by bucketing. Paths are relative to the manifest's
-folder. Every sample is decoded, resized and centre-cropped to the recipe's fixed size.
+A line: {"path": "clips/0001.mp4", "caption": "...", "width": 640, "height": 360, "num_frames": 97,
+"fps": 24}. Paths are relative to the manifest's folder. The size keys let bucketing assign samples
+without opening a file; lines without them are probed at start-up (in parallel), and
+`scripts/index_folder.py` writes them once for a folder.
 """
 
 import json
+import os
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from data.media import read_media, to_training_clip
+from tqdm import tqdm
+
+from data.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, probe_media
+
+SIZE_KEYS = ("width", "height", "num_frames")
 
 
 def read_manifest(path) -> list[dict]:
     path = Path(path)
+    if path.is_dir():
+        entries, _ = index_folder(path)
+        if not entries:
+            raise ValueError(f"data.manifest='{path}' is a folder without captioned media (a .txt beside each file)")
+        return entries
     if not path.is_file():
         raise FileNotFoundError(f"data.manifest='{path}' does not exist")
     entries = []
@@ -27,30 +39,68 @@ def read_manifest(path) -> list[dict]:
             missing = [k for k in ("path", "caption") if k not in entry]
             if missing:
                 raise ValueError(f"{path}:{line_number}: missing key(s) {missing}; every line needs 'path' and 'caption'")
-            entry["path"] = str((path.parent / entry["path"]).resolve())
+            entry["path"] = os.path.join(path.parent, entry["path"])
             entries.append(entry)
     if not entries:
         raise ValueError(f"{path}: the manifest has no samples")
     return entries
 
 
-class ManifestDataset:
-    def __init__(self, manifest, frames: int, height: int, width: int, fps: float | None = None):
-        self.entries = read_manifest(manifest)
-        self.frames, self.height, self.width, self.fps = frames, height, width, fps
-
-    def __len__(self):
-        return len(self.entries)
-
-    def __getitem__(self, index: int) -> dict:
-        entry = self.entries[index]
-        pixels = read_media(entry["path"], max_frames=self.frames, fps=self.fps)
-        return {"video": to_training_clip(pixels, self.frames, self.height, self.width), "caption": entry["caption"], "index": index}
-
-
 def write_manifest(path, entries: list[dict]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
         for entry in entries:
             f.write(json.dumps(entry) + "\n")
+    os.replace(tmp, path)  # a manifest is complete or absent
+
+
+def _probe(path: str) -> dict:
+    try:
+        return probe_media(path)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is reported by name, not raised
+        return {"error": f"{type(e).__name__}: {e}".strip()}
+
+
+def probe_all(paths: list[str], workers: int | None = None, desc: str = "probe") -> list[dict]:
+    """probe_media over many files in parallel; failures come back as {'error': reason}."""
+    workers = workers or min(16, os.cpu_count() or 1)
+    if workers <= 1 or len(paths) < 32:
+        return [_probe(p) for p in tqdm(paths, desc=desc, disable=len(paths) < 200)]
+    with ProcessPoolExecutor(workers) as pool:
+        return list(tqdm(pool.map(_probe, paths, chunksize=16), total=len(paths), desc=desc))
+
+
+def complete_metadata(entries: list[dict], workers: int | None = None) -> tuple[list[dict], dict[str, str]]:
+    """Probe the entries whose size keys are missing. Returns (entries with sizes, {path: why} of those
+    that could not be probed, which are left out)."""
+    todo = [e for e in entries if any(e.get(k) is None for k in SIZE_KEYS)]
+    if not todo:
+        return entries, {}
+    if len(todo) > 1000:
+        print(f"[tessera] probing {len(todo)} files without width/height/num_frames in the manifest; "
+              f"scripts/index_folder.py writes them once", flush=True)
+    failed = {}
+    for entry, info in zip(todo, probe_all([e["path"] for e in todo])):
+        if "error" in info:
+            failed[entry["path"]] = info["error"]
+        else:
+            entry.update({k: v for k, v in info.items() if entry.get(k) is None})
+    return [e for e in entries if e["path"] not in failed], failed
+
+
+def index_folder(folder, workers: int | None = None) -> tuple[list[dict], dict[str, str]]:
+    """Every image or video under `folder` with a sidecar caption (a.mp4 + a.txt), probed in parallel.
+    Returns (entries with absolute paths, {path: why it was left out})."""
+    folder = Path(folder)
+    media = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS)
+    entries, skipped = [], {}
+    for p in media:
+        caption = p.with_suffix(".txt")
+        if caption.is_file():
+            entries.append({"path": str(p), "caption": caption.read_text().strip()})
+        else:
+            skipped[str(p)] = f"no caption file {caption.name}"
+    entries, failed = complete_metadata(entries, workers)
+    return entries, {**skipped, **failed}

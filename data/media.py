@@ -1,8 +1,9 @@
 """Reading and writing images and videos, and the fixed-size clip transform.
 
-Videos are decoded with PyAV (its wheels bundle FFmpeg with x264), images with Pillow. Pixels
-are float32 in [0, 1] as (frames, height, width, 3) at the edges; training clips are tensors
-(3, frames, height, width) in [-1, 1].
+Videos are decoded with PyAV (its wheels bundle FFmpeg with x264), images with Pillow. Whole
+files read for inspection are float32 in [0, 1] as (frames, height, width, 3); training clips are
+uint8 (frames, height, width, 3), a quarter of the bytes between loader workers and the trainer,
+and become [-1, 1] floats on the device (`to_model_range`).
 """
 
 from pathlib import Path
@@ -62,20 +63,120 @@ def read_media(path, max_frames=None, fps=None) -> np.ndarray:
                      f"videos: {sorted(VIDEO_EXTENSIONS)})")
 
 
-def to_training_clip(pixels: np.ndarray, frames: int, height: int, width: int) -> torch.Tensor:
-    """(T, H, W, 3) in [0, 1] -> (3, frames, height, width) in [-1, 1]: the first `frames` frames (the
-    last frame repeats if the clip is shorter), resized so that it covers the target, centre-cropped."""
-    video = torch.from_numpy(np.ascontiguousarray(pixels[:frames])).permute(0, 3, 1, 2)  # (T, 3, H, W)
-    if video.shape[0] < frames:
-        video = torch.cat([video, video[-1:].expand(frames - video.shape[0], -1, -1, -1)])
-    h, w = video.shape[-2:]
-    scale = max(height / h, width / w)
+def cover_size(height: int, width: int, target_h: int, target_w: int) -> tuple[int, int]:
+    """The smallest size with the source's aspect ratio that covers the target (resize, then centre-crop)."""
+    scale = max(target_h / height, target_w / width)
+    return max(target_h, round(height * scale)), max(target_w, round(width * scale))
+
+
+def centre_crop(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
+    """(..., H, W, 3) -> (..., height, width, 3), keeping the centre."""
+    top, left = (pixels.shape[-3] - height) // 2, (pixels.shape[-2] - width) // 2
+    return pixels[..., top:top + height, left:left + width, :]
+
+
+def fit_to_bucket(pixels: np.ndarray, frames: int, height: int, width: int) -> np.ndarray:
+    """(T, H, W, 3) float in [0, 1] or uint8 -> (frames, height, width, 3) uint8: the first `frames`
+    frames (a clip that is too short is an error), resized to cover the size, centre-cropped."""
+    if pixels.shape[0] < frames:
+        raise ValueError(f"too short: {pixels.shape[0]} frames, the bucket needs {frames}")
+    video = torch.from_numpy(np.ascontiguousarray(pixels[:frames]))
+    video = video.float() / 255.0 if video.dtype == torch.uint8 else video.float()
+    h, w = video.shape[1:3]
     if (h, w) != (height, width):
-        new_h, new_w = max(height, round(h * scale)), max(width, round(w * scale))
-        video = F.interpolate(video, size=(new_h, new_w), mode="bilinear", antialias=True, align_corners=False)
-        top, left = (new_h - height) // 2, (new_w - width) // 2
-        video = video[:, :, top:top + height, left:left + width]
-    return (video.clamp(0, 1) * 2 - 1).permute(1, 0, 2, 3).contiguous()  # (3, T, H, W)
+        new_h, new_w = cover_size(h, w, height, width)
+        video = F.interpolate(video.permute(0, 3, 1, 2), size=(new_h, new_w), mode="bilinear", antialias=True,
+                              align_corners=False).permute(0, 2, 3, 1)
+        video = centre_crop(video, height, width)
+    return (video.clamp(0, 1) * 255.0 + 0.5).to(torch.uint8).numpy()
+
+
+def to_model_range(video: torch.Tensor) -> torch.Tensor:
+    """uint8 pixels (any layout) -> float32 in [-1, 1], the range the VAEs and the pixel-space DiT use."""
+    return video.float() / 127.5 - 1.0
+
+
+def probe_media(path) -> dict:
+    """width, height, num_frames and fps (None for images) from the file's headers, without decoding
+    (a video whose container does not store its frame count is counted by demuxing, still not decoding)."""
+    ext = Path(path).suffix.lower()
+    if ext in IMAGE_EXTENSIONS:
+        from PIL import Image
+
+        with Image.open(path) as im:
+            return {"width": im.width, "height": im.height, "num_frames": 1, "fps": None}
+    if ext not in VIDEO_EXTENSIONS:
+        raise ValueError(f"unsupported file type '{ext}'")
+    import av
+
+    with av.open(str(path)) as container:
+        if not container.streams.video:
+            raise ValueError("no video stream")
+        stream = container.streams.video[0]
+        rate = float(stream.average_rate or stream.guessed_rate or 0)
+        frames = stream.frames
+        if not frames:
+            frames = sum(1 for packet in container.demux(stream) if packet.size)
+        return {"width": stream.codec_context.width, "height": stream.codec_context.height, "num_frames": int(frames),
+                "fps": rate or None}
+
+
+def read_clip(path, frames: int, height: int, width: int, fps: float | None = None,
+              rng: np.random.Generator | None = None) -> np.ndarray:
+    """One training clip as (frames, height, width, 3) uint8, resized to cover the size and centre-cropped.
+
+    Videos: the clip starts at a time drawn from `rng` (at 0 without one), the decoder seeks to the
+    key frame before it and decodes only until the clip is complete; with `fps` each time on the
+    1/fps grid takes the frame nearest to it (frames are dropped or repeated), without it frames
+    are consecutive. Each frame is scaled by FFmpeg straight to the cover size, so memory holds
+    `frames` small frames, never the source resolution. A clip that is too short raises ValueError.
+    """
+    ext = Path(path).suffix.lower()
+    if ext in IMAGE_EXTENSIONS:
+        if frames != 1:
+            raise ValueError(f"an image cannot fill a {frames}-frame bucket")
+        return fit_to_bucket(read_image(path), 1, height, width)
+    if ext not in VIDEO_EXTENSIONS:
+        raise ValueError(f"unsupported file type '{ext}'")
+    import av
+
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"
+        rate = float(stream.average_rate or stream.guessed_rate or 0) or fps or 24.0
+        frame_dt, grid_dt = 1.0 / rate, 1.0 / (fps or rate)
+        base = float(stream.start_time * stream.time_base) if stream.start_time is not None else 0.0
+        length = stream.frames or (round(float(stream.duration * stream.time_base) * rate) if stream.duration else 0)
+        span = (frames - 1) * grid_dt
+        last = (length - 1) * frame_dt if length else None
+        if last is not None and span > last + frame_dt / 2 + 1e-6:
+            raise ValueError(f"too short: {length} frames at {rate:g} fps, the bucket needs {frames} at {fps or rate:g} fps")
+        start = 0.0
+        if rng is not None and last is not None and last > span:
+            start = float(rng.uniform(0.0, last - span))
+            if fps is None:
+                start = round(start * rate) * frame_dt  # on a frame: consecutive frames, none repeated
+        if start > 0:
+            container.seek(int((start + base) / stream.time_base), stream=stream, backward=True, any_frame=False)
+        cover = cover_size(stream.codec_context.height, stream.codec_context.width, height, width)
+        interpolation = "AREA" if cover[0] < stream.codec_context.height else "BICUBIC"
+        grid = start + grid_dt * np.arange(frames)
+        out, pending = [], 0
+        for i, frame in enumerate(container.decode(stream)):
+            t = float(frame.time) - base if frame.time is not None else i * frame_dt
+            picked = None
+            # a frame is the nearest one to every grid time in (t - dt/2, t + dt/2]
+            while pending < frames and grid[pending] <= t + frame_dt / 2 + 1e-9:
+                if picked is None:
+                    picked = centre_crop(frame.to_ndarray(format="rgb24", width=cover[1], height=cover[0],
+                                                          interpolation=interpolation), height, width)
+                out.append(picked)
+                pending += 1
+            if pending == frames:
+                break
+    if len(out) < frames:
+        raise ValueError(f"too short: {len(out)} of {frames} frames decoded from {start:.2f} s")
+    return np.stack(out)
 
 
 def write_video(path, video: np.ndarray, fps: int = 8) -> list[Path]:

@@ -1,8 +1,8 @@
 """A synthetic captioned video dataset that needs no download: one coloured shape moving in one
 direction on a black background, e.g. "a red square moving left".
 
-Clips come in several aspect ratios and lengths (the loader resizes and crops them like real
-videos). A fixed set of (colour, shape, direction) combinations is held out of training so that
+Clips come in several aspect ratios and lengths, so the demo exercises the buckets (the loader
+resizes and crops them like real videos). A fixed set of (colour, shape, direction) combinations is held out of training so that
 `scripts/eval_demo.py` can test on prompts the model never saw.
 """
 
@@ -67,14 +67,17 @@ def render_clip(color, shape, direction, frames, height, width, rng: np.random.G
 
 
 class SyntheticVideoDataset:
-    """Sample i is fully determined by (seed, i): the same on every rank and in every run."""
+    """Sample i is fully determined by (seed, i): the same on every rank and in every run. Clips are
+    min_frames to frames + extra_frames long (min_frames defaults to frames); their shorter side is
+    max(height, width). data/dataset.py's SyntheticDataset puts them into buckets."""
 
     def __init__(self, num_samples: int, frames: int, height: int, width: int, seed: int = 0,
-                 extra_frames: int = 4, combos=None):
+                 extra_frames: int = 4, combos=None, min_frames: int | None = None):
         self.num_samples = num_samples
         self.frames, self.height, self.width = frames, height, width
         self.seed = seed
-        self.extra_frames = extra_frames  # clips are between frames and frames + extra_frames long
+        self.min_frames = min(min_frames or frames, frames)
+        self.extra_frames = extra_frames
         self.combos = list(combos or TRAIN_COMBOS)
 
     def __len__(self):
@@ -88,7 +91,7 @@ class SyntheticVideoDataset:
         short = max(self.height, self.width)
         scale = short / min(aspect_w, aspect_h)
         return dict(color=color, shape=shape, direction=direction, caption=caption(color, shape, direction),
-                    frames=self.frames + int(rng.integers(self.extra_frames + 1)),
+                    frames=int(rng.integers(self.min_frames, self.frames + self.extra_frames + 1)),
                     height=int(round(aspect_h * scale)), width=int(round(aspect_w * scale)),
                     render_seed=int(rng.integers(2**31)))
 
@@ -97,12 +100,6 @@ class SyntheticVideoDataset:
         rng = np.random.default_rng(d["render_seed"])
         clip = render_clip(d["color"], d["shape"], d["direction"], d["frames"], d["height"], d["width"], rng)
         return clip, d["caption"]
-
-    def __getitem__(self, index: int) -> dict:
-        from data.media import to_training_clip
-
-        clip, text = self.render(index)
-        return {"video": to_training_clip(clip, self.frames, self.height, self.width), "caption": text, "index": index}
 
 
 def dominant_color(video: np.ndarray, threshold: float = 0.35) -> str | None:

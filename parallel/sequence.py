@@ -180,7 +180,7 @@ def kernel_for(q: torch.Tensor, group=None):
         _checked_kernels[key] = candidate if agrees else MathKernel
         if not agrees and candidate is not None:
             warnings.warn(f"ring attention: {candidate.__name__} disagrees with the float32 reference for "
-                          f"{key}; using MathKernel (memory grows with block length squared)")
+                          f"{key}; using MathKernel (memory grows with block length squared)", stacklevel=2)
     return _checked_kernels[key]
 
 

@@ -16,11 +16,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from models.attention import SDPAAttention  # noqa: E402
 from models.dit import DiT  # noqa: E402
 from parallel import comm  # noqa: E402
 from parallel.layout import ParallelLayout  # noqa: E402
 from parallel.runtime import sequence_groups  # noqa: E402
-from models.attention import SDPAAttention  # noqa: E402
 from parallel.sequence import SequenceParallelAttention, SequenceState, ShardedSequence  # noqa: E402
 
 TOLERANCE = 1e-5  # the attention operator: max abs error relative to the reference's scale
@@ -103,7 +103,7 @@ def check_model(layout, groups, frames, height=8, width=8):
     check(f"{name} forward", relative_error(out.detach(), expected.detach()), MODEL_TOLERANCE)
     ((out - target) ** 2).mean().backward()
     worst = 0.0
-    for (param_name, p), ref in zip(model.named_parameters(), reference_model.parameters()):
+    for (_name, p), ref in zip(model.named_parameters(), reference_model.parameters()):
         grad = p.grad.clone()
         comm.all_reduce(grad, group=groups.sp_group)
         grad /= groups.sp_size  # every rank's loss is the whole loss: the group's sum is sp_size times it

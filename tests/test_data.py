@@ -1,12 +1,13 @@
-import json
 
 import numpy as np
 import pytest
 import torch
 
-from data.manifest import ManifestDataset, write_manifest
-from data.media import read_video, to_training_clip, write_video
-from data.sampler import DistributedEpochSampler
+from configs import load_config
+from data.dataset import MediaDataset
+from data.loader import build_buckets
+from data.manifest import complete_metadata, read_manifest, write_manifest
+from data.media import fit_to_bucket, read_video, write_video
 from data.synthetic import (
     ALL_COMBOS,
     HELD_OUT,
@@ -15,11 +16,12 @@ from data.synthetic import (
     dominant_color,
     motion_direction,
 )
+from tests.conftest import TINY
 
 
 def test_synthetic_is_deterministic_and_holds_out_combos():
     a, b = SyntheticVideoDataset(20, 4, 16, 16, seed=3), SyntheticVideoDataset(20, 4, 16, 16, seed=3)
-    assert all(torch.equal(a[i]["video"], b[i]["video"]) and a[i]["caption"] == b[i]["caption"] for i in range(20))
+    assert all(np.array_equal(a.render(i)[0], b.render(i)[0]) and a.render(i)[1] == b.render(i)[1] for i in range(20))
     assert len(HELD_OUT) == 12 and not set(TRAIN_COMBOS) & HELD_OUT
     shapes = {(a.describe(i)["height"], a.describe(i)["width"], a.describe(i)["frames"]) for i in range(20)}
     assert len(shapes) > 3  # several aspect ratios and clip lengths
@@ -29,7 +31,7 @@ def test_eval_metrics_read_ground_truth_correctly():
     data = SyntheticVideoDataset(120, 8, 32, 32, seed=1, combos=ALL_COMBOS)
     for i in range(120):
         d = data.describe(i)
-        video = (data[i]["video"].permute(1, 2, 3, 0).numpy() + 1) / 2
+        video = fit_to_bucket(data.render(i)[0], 8, 32, 32) / 255.0  # what training sees
         assert dominant_color(video) == d["color"]
         assert motion_direction(video) == d["direction"]
     assert dominant_color(np.zeros((2, 8, 8, 3))) is None
@@ -38,10 +40,11 @@ def test_eval_metrics_read_ground_truth_correctly():
 def test_resize_and_centre_crop():
     pixels = np.zeros((3, 20, 40, 3), dtype=np.float32)
     pixels[:, :, 6:34] = 1.0  # a white band wider than the centre crop
-    clip = to_training_clip(pixels, frames=5, height=8, width=8)
-    assert clip.shape == (3, 5, 8, 8)
-    assert clip.min() == pytest.approx(1.0, abs=1e-3)  # only the white band survives the crop
-    assert torch.equal(clip[:, 3], clip[:, 4])  # short clips repeat their last frame
+    clip = fit_to_bucket(pixels, frames=2, height=8, width=8)
+    assert clip.shape == (2, 8, 8, 3) and clip.dtype == np.uint8
+    assert clip.min() == 255  # only the white band survives the crop
+    with pytest.raises(ValueError, match="too short: 3 frames, the bucket needs 5"):
+        fit_to_bucket(pixels, frames=5, height=8, width=8)
 
 
 @pytest.mark.parametrize("ext", [".mp4", ".gif", ".png", ".npy"])
@@ -77,10 +80,12 @@ def test_manifest_dataset_reads_videos_and_images(tmp_path):
     Image.fromarray((clip[0] * 255).astype(np.uint8)).save(tmp_path / "media" / "b.png")
     write_manifest(tmp_path / "m.jsonl", [{"path": "media/a.mp4", "caption": caption},
                                           {"path": "media/b.png", "caption": "an image"}])
-    dataset = ManifestDataset(tmp_path / "m.jsonl", frames=4, height=16, width=16)
-    video = dataset[0]
-    assert video["video"].shape == (3, 4, 16, 16) and video["caption"] == caption
-    assert dataset[1]["video"].shape == (3, 4, 16, 16)
+    cfg = load_config(TINY, ["data.frame_counts=[1,4]"])
+    entries, _ = complete_metadata(read_manifest(tmp_path / "m.jsonl"))  # no sizes in the manifest: probed
+    dataset = MediaDataset(entries, build_buckets(cfg))
+    video = dataset[(0, 0)]
+    assert video["video"].shape == (3, 4, 16, 16) and video["video"].dtype == torch.uint8 and video["caption"] == caption
+    assert dataset[(1, 0)]["video"].shape == (3, 1, 16, 16)  # an image is a 1-frame sample
 
 
 @pytest.mark.parametrize("line, message", [
@@ -90,31 +95,4 @@ def test_manifest_dataset_reads_videos_and_images(tmp_path):
 def test_manifest_errors_name_the_line(tmp_path, line, message):
     (tmp_path / "m.jsonl").write_text('{"path": "a.png", "caption": "ok"}\n' + line + "\n")
     with pytest.raises(ValueError, match=f"m.jsonl:2: {message}"):
-        ManifestDataset(tmp_path / "m.jsonl", 1, 8, 8)
-
-
-@pytest.mark.parametrize("size, batch, dp", [(10, 2, 3), (64, 4, 2), (7, 1, 7)])
-def test_sampler_gives_every_rank_equal_disjoint_batches(size, batch, dp):
-    samplers = [DistributedEpochSampler(size, batch, r, dp, seed=5) for r in range(dp)]
-    steps = samplers[0].steps_per_epoch
-    assert steps == size // (batch * dp)
-    epoch = [b for s in samplers for b in (s.batch_at(i) for i in range(steps))]
-    flat = [i for b in epoch for i in b]
-    assert len(flat) == len(set(flat)) == steps * batch * dp
-    assert all(len(b) == batch for b in epoch)
-
-
-def test_sampler_resume_is_the_continuation():
-    full = DistributedEpochSampler(30, 4, 1, 2, seed=1)
-    straight = [b for _, b in zip(range(20), iter(full))]
-    resumed = DistributedEpochSampler(30, 4, 1, 2, seed=1, start_step=13)
-    assert [b for _, b in zip(range(7), iter(resumed))] == straight[13:]
-
-
-def test_sampler_refuses_a_changed_resume():
-    state = DistributedEpochSampler(30, 4, 0, 2).state_dict(10)
-    with pytest.raises(ValueError, match="dp_size=2 and this run has dp_size=1"):
-        DistributedEpochSampler(30, 4, 0, 1).check_resume(state)
-    with pytest.raises(ValueError, match="fewer than one global batch"):
-        DistributedEpochSampler(3, 4, 0, 1)
-    json.dumps(state)  # the state is plain data
+        read_manifest(tmp_path / "m.jsonl")

@@ -135,9 +135,10 @@ def test_latent_vae_and_manifest_data(tmp_path):
 
 def test_two_processes_match_one(tmp_path):
     """2-process FSDP training (batch 2 per rank) gives the losses of 1 process with batch 4, and
-    2-process sampling (prompts split across ranks) gives the single-process videos."""
+    2-process sampling (prompts split across ranks) gives the single-process videos. With 4 samples
+    an epoch is one batch of 4 on one process and two batches of 2 on two: the same samples per step."""
     one, two = tmp_path / "one", tmp_path / "two"
-    common = ["--config", str(TINY), "train.max_steps=4", "train.checkpoint_every=4"]
+    common = ["--config", str(TINY), "train.max_steps=4", "train.checkpoint_every=4", "data.synthetic_samples=4"]
     assert run_main(train, common + [f"run.output_dir={one}", "train.batch_size=4"]) == 0
     result = torchrun(2, "train.py", *common, f"run.output_dir={two}", "train.batch_size=2", timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -45,8 +45,8 @@ import numpy as np  # noqa: E402
 
 import infer  # noqa: E402
 import train  # noqa: E402
-from tests.conftest import TINY, run_main  # noqa: E402
 from configs.rundir import read_metrics  # noqa: E402
+from tests.conftest import TINY, run_main  # noqa: E402
 
 # 3 x 5 x 3 = 45 tokens: divisible by neither 2 nor 4, so the padded path runs in every layout.
 SAMPLE = ["--config", str(TINY), "--random-weights", "--steps", "2", "--frames", "3", "--height", "20",

@@ -1,0 +1,156 @@
+"""Bucketed datasets: media from a manifest, the synthetic demo generator, and precomputed latents.
+
+Each sample is assigned to a bucket once, at start-up, from its size alone (no decoding); samples
+that fit no bucket are left out and counted. `dataset[(index, epoch)]` loads sample `index` into
+its bucket (the epoch varies which part of a long clip is taken). A sample that is missing,
+corrupt or too short is replaced by another sample of the same bucket, chosen from (seed, epoch,
+index), so the batch keeps its shape and the step count never changes; the replaced file and the
+reason travel with the batch, for the trainer to log once and count.
+"""
+
+from collections import Counter
+
+import numpy as np
+import torch
+
+from data.buckets import Bucket, BucketTable
+
+
+def _reason(error: Exception) -> str:
+    text = f"{type(error).__name__}: {error}".strip()
+    return text if len(text) < 300 else text[:297] + "..."
+
+
+class BucketedDataset:
+    max_replacements = 8  # a bucket this broken is a data problem worth stopping for
+
+    def __init__(self, entries: list[dict], table: BucketTable, seed: int = 0):
+        self.table, self.seed = table, seed
+        kept, buckets, self.dropped = [], [], Counter()
+        for entry in entries:
+            bucket, why = self.assign(entry)
+            if bucket is None:
+                self.dropped[why] += 1
+            else:
+                kept.append(entry)
+                buckets.append(bucket)
+        if not kept:
+            raise ValueError(f"no sample fits a bucket ({dict(self.dropped)}); check data.resolutions, "
+                             f"data.aspect_ratios, data.frame_counts and data.max_upscale")
+        self.entries = kept
+        self.bucket_of = np.asarray(buckets, dtype=np.int64)
+        self.members = [np.flatnonzero(self.bucket_of == b) for b in range(len(table))]
+
+    def assign(self, entry: dict) -> tuple[int | None, str]:
+        raise NotImplementedError
+
+    def load(self, entry: dict, bucket: Bucket, rng: np.random.Generator) -> dict:
+        """The sample's tensors in the bucket's size; raises if the file cannot give them."""
+        raise NotImplementedError
+
+    def __len__(self):
+        return len(self.entries)
+
+    def summary(self) -> str:
+        counts = Counter(self.bucket_of.tolist())
+        dropped = (f"; left out {sum(self.dropped.values())}: " + ", ".join(f"{n} {why}" for why, n in self.dropped.items())
+                   if self.dropped else "")
+        return f"{len(self)} samples in {len(counts)} of {len(self.table)} buckets{dropped}\n" + self.table.describe(counts)
+
+    def __getitem__(self, key) -> dict:
+        index, epoch = key
+        bucket_id = int(self.bucket_of[index])
+        bucket = self.table.buckets[bucket_id]
+        failures, tried, candidate = [], set(), index
+        while True:
+            entry = self.entries[candidate]
+            try:
+                item = self.load(entry, bucket, np.random.default_rng([self.seed, epoch, candidate]))
+                break
+            except Exception as e:  # noqa: BLE001 - any unreadable sample is replaced, named and counted
+                failures.append((entry["path"], _reason(e)))
+                tried.add(candidate)
+            others = [m for m in self.members[bucket_id].tolist() if m not in tried]
+            if not others or len(failures) > self.max_replacements:
+                listed = "; ".join(f"{p} ({why})" for p, why in failures)
+                raise RuntimeError(f"bucket {bucket.name}: {len(failures)} samples in a row could not be loaded and "
+                                   f"{'none is left to replace them' if not others else 'the bucket looks broken'}: "
+                                   f"{listed}")
+            pick = np.random.default_rng([self.seed, epoch, index, len(failures)]).integers(len(others))
+            candidate = others[pick]
+        item.update(caption=entry["caption"], index=index, bucket=bucket_id, failures=failures)
+        return item
+
+
+class MediaDataset(BucketedDataset):
+    """Images and videos listed in a manifest (see data/manifest.py)."""
+
+    def __init__(self, entries, table, fps: float | None = None, seed: int = 0):
+        self.fps = fps
+        super().__init__(entries, table, seed)
+
+    def assign(self, entry):
+        return self.table.assign(entry["width"], entry["height"], entry["num_frames"], entry.get("fps"), self.fps)
+
+    def load(self, entry, bucket, rng):
+        from data.media import read_clip
+
+        clip = read_clip(entry["path"], bucket.frames, bucket.height, bucket.width, self.fps, rng)
+        return {"video": torch.from_numpy(clip).permute(3, 0, 1, 2).contiguous()}  # (3, T, H, W) uint8
+
+
+class SyntheticDataset(BucketedDataset):
+    """The demo generator (data/synthetic.py) through the same buckets as real media."""
+
+    def __init__(self, generator, table, seed: int = 0):
+        self.generator = generator
+        entries = []
+        for i in range(len(generator)):
+            d = generator.describe(i)
+            entries.append({"path": f"synthetic:{i}", "caption": d["caption"], "width": d["width"],
+                            "height": d["height"], "num_frames": d["frames"], "synthetic_index": i})
+        super().__init__(entries, table, seed)
+
+    def assign(self, entry):
+        return self.table.assign(entry["width"], entry["height"], entry["num_frames"])
+
+    def load(self, entry, bucket, rng):
+        from data.media import fit_to_bucket
+
+        clip, _ = self.generator.render(entry["synthetic_index"])
+        clip = fit_to_bucket(clip, bucket.frames, bucket.height, bucket.width)
+        return {"video": torch.from_numpy(clip).permute(3, 0, 1, 2).contiguous()}
+
+
+class LatentDataset(BucketedDataset):
+    """Latents and prompt embeddings written by scripts/precompute_latents.py; each keeps the bucket
+    it was encoded in."""
+
+    def __init__(self, entries, table, text_length: int, seed: int = 0):
+        self.text_length = text_length
+        super().__init__(entries, table, seed)
+
+    def assign(self, entry):
+        bucket = Bucket(entry["frames"], entry["height"], entry["width"])
+        if bucket not in self.table.index:
+            return None, f"encoded at {bucket.name}, not a bucket of this recipe"
+        return self.table.index[bucket], ""
+
+    def load(self, entry, bucket, rng):
+        from safetensors.torch import load_file
+
+        tensors = load_file(entry["path"])
+        text = tensors["text"].float()
+        padded = torch.zeros(self.text_length, text.shape[1])
+        padded[:len(text)] = text[:self.text_length]
+        mask = torch.zeros(self.text_length, dtype=torch.bool)
+        mask[:len(text)] = True
+        return {"latent": tensors["latent"].float(), "text": padded, "text_mask": mask}
+
+
+def collate(samples: list[dict]) -> dict:
+    """Stack the tensors of one bucket's samples; keep captions, indices and failures as lists."""
+    batch = {key: torch.stack([s[key] for s in samples]) for key in samples[0] if torch.is_tensor(samples[0][key])}
+    batch.update(caption=[s["caption"] for s in samples], index=[s["index"] for s in samples],
+                 bucket=samples[0]["bucket"], failures=[f for s in samples for f in s["failures"]])
+    return batch

@@ -1,0 +1,48 @@
+"""The folder of precomputed latents that scripts/precompute_latents.py writes and data.latents reads.
+
+    <folder>/meta.json          the VAE, text encoder and fps they were made with
+    <folder>/index.jsonl        one line per sample: path, caption, frames, height, width (its bucket), source
+    <folder>/latents/<n>.safetensors   "latent" (C, t, h, w) float32, "text" (tokens, dim) float32
+
+Latents encode one clip per sample (the clip the loader takes in epoch 0) in the bucket the recipe
+assigns; training reads them into the same buckets and the same sampler as media.
+"""
+
+import json
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+META_KEYS = {"vae": ("kind", "pretrained", "seed", "tiny_base_dim", "tiny_latent_channels"),
+             "text_encoder": ("kind", "pretrained", "max_length", "seed", "tiny_d_model", "tiny_layers"),
+             "data": ("fps",)}
+
+
+def latent_meta(cfg) -> dict:
+    """What the latents depend on, besides the samples themselves."""
+    return {section: {k: OmegaConf.to_container(cfg, resolve=True)[section][k] for k in keys}
+            for section, keys in META_KEYS.items()}
+
+
+def read_latent_index(folder, cfg) -> list[dict]:
+    folder = Path(folder)
+    if not (folder / "index.jsonl").is_file() or not (folder / "meta.json").is_file():
+        raise FileNotFoundError(f"data.latents='{folder}' has no index.jsonl and meta.json; write it with "
+                                f"torchrun scripts/precompute_latents.py --config <recipe> --out {folder}")
+    made_with = json.loads((folder / "meta.json").read_text())
+    now = latent_meta(cfg)
+    differ = [f"{s}.{k}: {made_with.get(s, {}).get(k)!r} there, {now[s][k]!r} here"
+              for s in now for k in now[s] if made_with.get(s, {}).get(k) != now[s][k]]
+    if differ:
+        raise ValueError(f"data.latents='{folder}' was made with another VAE, text encoder or fps ({'; '.join(differ)}); "
+                         f"recompute it with this recipe or change the recipe back")
+    entries = []
+    with open(folder / "index.jsonl") as f:
+        for line in f:
+            if line.strip():
+                entry = json.loads(line)
+                entry["path"] = str(folder / entry["path"])
+                entries.append(entry)
+    if not entries:
+        raise ValueError(f"data.latents='{folder}': index.jsonl lists no samples")
+    return entries

@@ -1,0 +1,111 @@
+"""Encode a dataset once: videos/images with the VAE, prompts with the text encoder, sharded over ranks.
+
+    torchrun --nproc_per_node 8 scripts/precompute_latents.py --config configs/video.yaml --out latents/video480
+    torchrun --nproc_per_node 8 train.py --config configs/video.yaml data.latents=latents/video480
+
+Every sample is encoded in the bucket the recipe assigns it, from the clip that epoch 0 would take.
+Rank r encodes samples r, r + N, ...; loader workers (data.num_workers) decode ahead of the encoder.
+Finished files are kept: a rerun after a crash encodes only what is missing. Samples that cannot be
+read are left out of the index and listed. The folder layout is described in data/latents.py.
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from configs import load_config, split_overrides  # noqa: E402
+from data.latents import latent_meta  # noqa: E402
+from data.loader import build_buckets, build_dataset  # noqa: E402
+from data.media import to_model_range  # noqa: E402
+from models.pipeline import build_frozen  # noqa: E402
+from parallel.layout import ParallelLayout  # noqa: E402
+from parallel.runtime import init_runtime, run_entrypoint, world_from_env  # noqa: E402
+
+
+class _Shard:
+    """This rank's samples, decoded in loader workers; a failure comes back as its reason."""
+
+    def __init__(self, dataset, indices, seed):
+        self.dataset, self.indices, self.seed = dataset, indices, seed
+
+    def __len__(self):
+        return len(self.indices)
+
+    def __getitem__(self, i):
+        index = self.indices[i]
+        entry = self.dataset.entries[index]
+        bucket = self.dataset.table.buckets[self.dataset.bucket_of[index]]
+        try:  # epoch 0's clip, the one training from media would take first
+            return index, self.dataset.load(entry, bucket, np.random.default_rng([self.seed, 0, index])), None
+        except Exception as e:  # noqa: BLE001 - reported by name, left out of the index
+            return index, None, f"{type(e).__name__}: {e}"
+
+
+def main(argv=None):
+    args, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="the recipe that will train on the latents")
+    parser.add_argument("--out", required=True, help="the folder to write (data.latents=<this> trains on it)")
+    args = parser.parse_args(args)
+    cfg = load_config(args.config, overrides + ["data.latents=null"])  # this script reads the media
+    rank, world_size, _ = world_from_env()
+    table = build_buckets(cfg)
+    dataset = build_dataset(cfg, table)
+    if rank == 0:
+        print(f"[precompute] {dataset.summary()}", flush=True)
+    out = Path(args.out)
+    layout = ParallelLayout(dp=world_size)
+    runtime = init_runtime(cfg.parallel, layout)
+    text_encoder, vae = build_frozen(cfg, runtime.device)
+    (out / "latents").mkdir(parents=True, exist_ok=True)
+
+    from safetensors.torch import save_file
+    from torch.utils.data import DataLoader
+
+    indices = list(range(rank, len(dataset), world_size))
+    loader = DataLoader(_Shard(dataset, indices, cfg.train.seed), batch_size=None, num_workers=cfg.data.num_workers)
+    lines, failed = [], {}
+    for index, item, error in tqdm(loader, total=len(indices), desc="encode", disable=not runtime.is_main):
+        entry, bucket = dataset.entries[index], table.buckets[dataset.bucket_of[index]]
+        name = f"latents/{index:09d}.safetensors"
+        if error is not None:
+            failed[entry["path"]] = error
+            continue
+        if not (out / name).is_file():
+            latent = vae.encode(to_model_range(item["video"][None].to(runtime.device)))[0]
+            y, mask = text_encoder([entry["caption"]], runtime.device)
+            tmp = out / (name + ".tmp")
+            save_file({"latent": latent.float().cpu().contiguous(),
+                       "text": y[0, :int(mask[0].sum())].float().cpu().contiguous()}, str(tmp))
+            os.replace(tmp, out / name)  # a file is complete or absent: a rerun skips it safely
+        lines.append({"index": index, "path": name, "caption": entry["caption"], "frames": bucket.frames,
+                      "height": bucket.height, "width": bucket.width, "source": entry["path"]})
+    (out / f"index.part{rank}.json").write_text(json.dumps({"lines": lines, "failed": failed}))
+    runtime.fence()  # every part is written (gloo, long timeout: ranks may finish far apart)
+    if runtime.is_main:
+        parts = [json.loads((out / f"index.part{r}.json").read_text()) for r in range(world_size)]
+        lines = sorted((line for p in parts for line in p["lines"]), key=lambda line: line["index"])
+        failed = {k: v for p in parts for k, v in p["failed"].items()}
+        tmp = out / "index.jsonl.tmp"
+        tmp.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        os.replace(tmp, out / "index.jsonl")
+        (out / "meta.json").write_text(json.dumps(latent_meta(cfg), indent=1))
+        for r in range(world_size):
+            (out / f"index.part{r}.json").unlink()
+        for path, why in failed.items():
+            print(f"[precompute] left out {path}: {why}", flush=True)
+        print(f"[precompute] {len(lines)} samples encoded into {out} ({len(failed)} left out); train with "
+              f"data.latents={out}", flush=True)
+    runtime.fence()
+
+
+if __name__ == "__main__":
+    sys.exit(run_entrypoint(main))
