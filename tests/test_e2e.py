@@ -132,6 +132,20 @@ def test_latent_vae_and_manifest_data(tmp_path):
     assert run_main(infer, common + ["--output", str(tmp_path / "v.npy"), "--steps", "2"]) == 0
     assert np.load(tmp_path / "v.npy").shape == (9, 32, 32, 3)
 
+    # The same training from latents precomputed by 2 processes: the same clips, so the same losses.
+    latents = tmp_path / "latents"
+    result = torchrun(2, "scripts/precompute_latents.py", *common[:2], "vae.kind=wan", "data.frames=9",
+                      "data.height=32", "data.width=32", "model.patch_size=[1,2,2]", f"data.manifest={manifest}",
+                      "--out", str(latents), timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "8 samples encoded" in result.stdout and len(list((latents / "latents").iterdir())) == 8
+    from_latents = tmp_path / "from_latents"
+    common[2] = f"run.output_dir={from_latents}"
+    assert run_main(train, common + [f"data.latents={latents}", "train.max_steps=2", "train.batch_size=2"]) == 0
+    a, b = losses(run_dir), losses(from_latents)
+    assert a.keys() == b.keys() and all(b[s] == pytest.approx(a[s], rel=1e-4) for s in a), (a, b)
+    assert run_main(train, common + [f"data.latents={latents}", "vae.tiny_base_dim=8", "train.resume=none"]) == 2
+
 
 def test_two_processes_match_one(tmp_path):
     """2-process FSDP training (batch 2 per rank) gives the losses of 1 process with batch 4, and

@@ -1,0 +1,146 @@
+"""Clip decoding (PyAV seek + fps grid + resize/crop), probing, folder indexing, and the
+replacement of unreadable samples."""
+
+import sys
+
+import numpy as np
+import pytest
+
+from configs import load_config
+from data.dataset import MediaDataset
+from data.loader import build_buckets
+from data.manifest import index_folder, read_manifest
+from data.media import probe_media, read_clip
+from tests.conftest import ROOT, TINY
+
+
+def write_counter_video(path, frames: int, fps: int, height: int = 32, width: int = 48, gop: int = 6):
+    """Frame k is flat grey at level 8 + 5k (so the decoded level gives k back); key frames every `gop`
+    frames, so a seek lands in the middle of the file."""
+    import av
+
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.height, stream.width, stream.pix_fmt = height, width, "yuv420p"
+        stream.options = {"crf": "0", "g": str(gop), "keyint_min": str(gop), "sc_threshold": "0"}
+        for k in range(frames):
+            image = np.full((height, width, 3), 8 + 5 * k, dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def frame_numbers(clip: np.ndarray) -> list[int]:
+    return [round((float(f.mean()) - 8) / 5) for f in clip]
+
+
+@pytest.fixture(scope="module")
+def counter(tmp_path_factory):
+    return write_counter_video(tmp_path_factory.mktemp("v") / "counter.mp4", frames=40, fps=8)
+
+
+def test_probe_reads_size_frames_and_rate(counter):
+    assert probe_media(counter) == {"width": 48, "height": 32, "num_frames": 40, "fps": 8.0}
+
+
+def test_consecutive_frames_from_a_seeked_start(counter):
+    assert frame_numbers(read_clip(counter, 5, 16, 16)) == [0, 1, 2, 3, 4]  # no rng: the start of the file
+    starts = set()
+    for seed in range(12):
+        got = frame_numbers(read_clip(counter, 5, 16, 16, rng=np.random.default_rng(seed)))
+        assert got == list(range(got[0], got[0] + 5)) and 0 <= got[0] <= 35
+        starts.add(got[0])
+    assert len(starts) > 4 and max(starts) > 12  # starts beyond the second key frame: the seek path runs
+
+
+def test_fps_resampling_picks_the_nearest_frames(counter):
+    assert frame_numbers(read_clip(counter, 5, 16, 16, fps=4)) == [0, 2, 4, 6, 8]  # 8 -> 4 fps
+    assert frame_numbers(read_clip(counter, 6, 16, 16, fps=16)) == [0, 0, 1, 1, 2, 2]  # 8 -> 16 fps repeats
+    got = frame_numbers(read_clip(counter, 4, 16, 16, fps=2, rng=np.random.default_rng(3)))
+    assert [b - a for a, b in zip(got, got[1:])] == [4, 4, 4]
+    assert frame_numbers(read_clip(counter, 20, 16, 16, fps=4))[-1] == 38  # the longest clip 40 frames hold at 4 fps
+    with pytest.raises(ValueError, match="too short"):
+        read_clip(counter, 21, 16, 16, fps=4)
+
+
+def test_resize_to_cover_and_centre_crop(tmp_path):
+    import av
+
+    path = tmp_path / "bands.mp4"
+    with av.open(str(path), mode="w") as container:  # 64 x 32: a white centre band between black sides
+        stream = container.add_stream("libx264", rate=8)
+        stream.height, stream.width, stream.pix_fmt, stream.options = 32, 64, "yuv420p", {"crf": "0"}
+        image = np.zeros((32, 64, 3), dtype=np.uint8)
+        image[:, 16:48] = 255
+        for _ in range(3):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    clip = read_clip(path, 2, 16, 16)  # 64x32 -> 32x16 covers 16x16; the crop keeps the white centre
+    assert clip.shape == (2, 16, 16, 3) and clip.dtype == np.uint8 and clip.min() > 240
+    assert read_clip(path, 2, 16, 32).mean() < 200  # a wider crop reaches the black sides
+
+
+def test_images_fill_one_frame_buckets_only(tmp_path):
+    from PIL import Image
+
+    Image.fromarray(np.full((20, 30, 3), 77, dtype=np.uint8)).save(tmp_path / "a.png")
+    assert read_clip(tmp_path / "a.png", 1, 8, 8).shape == (1, 8, 8, 3)
+    with pytest.raises(ValueError, match="an image cannot fill a 5-frame bucket"):
+        read_clip(tmp_path / "a.png", 5, 8, 8)
+
+
+@pytest.fixture
+def messy_folder(tmp_path):
+    """Four good clips, a corrupt one, one that is too short, one without a caption."""
+    folder = tmp_path / "media"
+    folder.mkdir()
+    for i in range(4):
+        write_counter_video(folder / f"good{i}.mp4", frames=12 + i, fps=8)
+        (folder / f"good{i}.txt").write_text(f"clip {i}\n")
+    (folder / "corrupt.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + bytes(range(256)) * 20)
+    (folder / "corrupt.txt").write_text("broken")
+    write_counter_video(folder / "short.mp4", frames=3, fps=8)
+    (folder / "short.txt").write_text("short")
+    write_counter_video(folder / "nocaption.mp4", frames=12, fps=8)
+    return folder
+
+
+def test_index_folder_probes_and_names_what_it_leaves_out(messy_folder, tmp_path):
+    entries, skipped = index_folder(messy_folder)
+    assert sorted(e["path"].rsplit("/", 1)[1] for e in entries) == ["good0.mp4", "good1.mp4", "good2.mp4",
+                                                                    "good3.mp4", "short.mp4"]
+    assert entries[0]["caption"] == "clip 0" and entries[0]["num_frames"] == 12 and entries[0]["fps"] == 8.0
+    assert {p.rsplit("/", 1)[1] for p in skipped} == {"corrupt.mp4", "nocaption.mp4"}
+    assert "no caption file nocaption.txt" in skipped[str(messy_folder / "nocaption.mp4")]
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import index_folder as script
+
+    assert script.main([str(messy_folder), "--out", str(tmp_path / "m.jsonl")]) == 0
+    written = read_manifest(tmp_path / "m.jsonl")
+    assert [e["path"] for e in written] == [e["path"] for e in entries]  # paths relative to the manifest resolve back
+
+
+def test_unreadable_samples_are_replaced_from_their_bucket_deterministically(messy_folder):
+    cfg = load_config(TINY, ["data.frame_counts=[8]"])
+    entries, _ = index_folder(messy_folder)
+    entries.append({"path": str(messy_folder / "gone.mp4"), "caption": "missing", "width": 48, "height": 32,
+                    "num_frames": 20, "fps": 8})  # listed with sizes, deleted since
+    entries.append({"path": str(messy_folder / "corrupt.mp4"), "caption": "broken", "width": 48, "height": 32,
+                    "num_frames": 20, "fps": 8})
+    dataset = MediaDataset(entries, build_buckets(cfg))
+    assert dict(dataset.dropped) == {"too short (fewer than 8 frames)": 1}  # short.mp4, at indexing time
+    good = {e["caption"] for e in dataset.entries if e["caption"].startswith("clip")}
+    for index, name in ((4, "gone.mp4"), (5, "corrupt.mp4")):
+        item = dataset[(index, 0)]
+        assert item["index"] == index and item["caption"] in good  # another sample of the same bucket
+        assert item["video"].shape == (3, 8, 16, 16)
+        assert [p.rsplit("/", 1)[1] for p, _ in item["failures"]] == [name]
+        again = dataset[(index, 0)]
+        assert again["caption"] == item["caption"] and (again["video"] == item["video"]).all()
+    assert "FileNotFoundError" in dataset[(4, 0)]["failures"][0][1] or "No such file" in dataset[(4, 0)]["failures"][0][1]
+    assert dataset[(0, 0)]["failures"] == []
