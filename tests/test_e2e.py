@@ -198,7 +198,7 @@ def test_failure_writes_the_recent_collectives(tmp_path, monkeypatch):
         run_main(train, ["--config", str(TINY), f"run.output_dir={run_dir}", "train.max_steps=1"])
     report = json.loads((run_dir / "failures" / "comm_rank0.json").read_text())
     assert "simulated crash" in report["reason"]
-    assert [r["kind"] for r in report["records"]][:1] == ["all_reduce"]  # the preflight came first
+    assert [r["kind"] for r in report["records"]][:1] == ["all_gather"]  # the data-plan check came first
     assert all(r["end"] is not None for r in report["records"])
 
 

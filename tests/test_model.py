@@ -138,12 +138,14 @@ def test_short_overfit_lowers_the_loss():
     from omegaconf import OmegaConf
 
     from configs.schema import FlowConfig
+    from data.media import fit_to_bucket, to_model_range
     from data.synthetic import SyntheticVideoDataset
     from models.flow import RectifiedFlow
 
     torch.manual_seed(0)
     data = SyntheticVideoDataset(2, frames=2, height=8, width=8)
-    x0 = torch.stack([data[i]["video"] for i in range(2)])
+    x0 = torch.stack([to_model_range(torch.from_numpy(fit_to_bucket(data.render(i)[0], 2, 8, 8))).permute(3, 0, 1, 2)
+                      for i in range(2)])
     y, mask = text(2)
     model = tiny_dit(hidden_size=64)
     flow = RectifiedFlow(OmegaConf.structured(FlowConfig()), (1, 2, 2))

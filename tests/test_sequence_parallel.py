@@ -83,7 +83,8 @@ def test_training_under_ulysses_and_ring_equals_one_process(tmp_path):
     """Same recipe, same data: the sequence-parallel ranks of one group share each sample, and FSDP over
     dp x ring gives the single-process gradients (grad norm) and losses."""
     common = ["--config", str(TINY), "train.max_steps=3", "train.checkpoint_every=3", "train.sample_every=0",
-              "data.frames=3", "data.height=20", "data.width=12"]  # 45 tokens: padded under every layout
+              "data.frames=3", "data.height=20", "data.width=12",  # 45 tokens: padded under every layout
+              "data.synthetic_samples=4"]  # one batch of 4 per epoch, or two of 2 under dp=2: the same samples
     assert run_main(train, common + [f"run.output_dir={tmp_path / 'one'}"]) == 0
     reference = loss_and_grad_norm(tmp_path / "one")
     for nproc, layout in ((2, ["parallel.ulysses=2"]), (2, ["parallel.ring=2"]),
