@@ -26,7 +26,7 @@ from models.flow import RectifiedFlow
 from models.pipeline import build_frozen, build_model, generate
 from models.vae import vae_latent_space
 from parallel import comm
-from parallel.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from parallel.checkpoint import load_checkpoint, read_trainer_state, resolve_checkpoint, save_checkpoint
 from parallel.fsdp import parallelize_dit, update_ema
 from parallel.layout import ParallelLayout
 from parallel.runtime import init_runtime, local_world_size, run_entrypoint, world_from_env
@@ -70,6 +70,9 @@ def main(argv=None):
     dataset = build_dataset(cfg, buckets)
     sampler = build_sampler(cfg, dataset, buckets, layout.dp_rank(rank), layout.dp)
     checkpoint = resolve_checkpoint(tc.resume, cfg.run.output_dir)
+    # A resume under another dp size or with other data is refused here, on every rank alike.
+    start_step = sampler.load_state_dict(read_trainer_state(checkpoint)["sampler"]) if checkpoint else 0
+    sampler.start_step = start_step  # O(1): the sampler computes its position from the step
 
     comm.set_failure_dir(Path(cfg.run.output_dir) / "failures")
     runtime = init_runtime(cfg.parallel, layout)
@@ -92,14 +95,11 @@ def main(argv=None):
     optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
     flow = RectifiedFlow(cfg.flow, cfg.model.patch_size)
 
-    start_step = 0
     if checkpoint is not None:
-        state = load_checkpoint(runtime, checkpoint, model, ema, optimizer)
-        start_step = sampler.load_state_dict(state["sampler"])
+        load_checkpoint(runtime, checkpoint, model, ema, optimizer)
         if runtime.is_main:
             print(f"[tessera] resumed from {checkpoint} at step {start_step}", flush=True)
     check_same_plan(sampler, start_step, runtime.control_group)  # a skewed rank fails here, not in a hang later
-    sampler.start_step = start_step  # O(1): the sampler computes its position from the step
     batches = iter(build_loader(dataset, sampler, cfg.data.num_workers))
     run.start_wandb(cfg)
 

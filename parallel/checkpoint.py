@@ -2,7 +2,8 @@
 
 Layout of a run directory's `checkpoints/`:
     step_<N>/        torch.distributed.checkpoint files of model, EMA and optimizer, plus
-                     trainer_rank<R>.pt per rank (step, random states, data position)
+                     trainer_rank<R>.pt per rank (step, data position, world size; the same on
+                     every rank, so a resume reads rank 0's before any process group exists)
     latest           a text file naming the newest complete step_<N>
 
 Every rank writes its shards into a hidden temporary folder; only when all ranks have finished
@@ -95,21 +96,25 @@ def _load(state: dict, path: Path, group=None) -> None:
                               f"trained with, or train.resume=none") from e
 
 
-def load_checkpoint(runtime, path, model, ema, optimizer) -> dict:
-    """Restore model, EMA and optimizer in place; return this rank's trainer state."""
-    path = Path(path)
-    trainer_file = path / f"trainer_rank{runtime.rank}.pt"
+def read_trainer_state(path) -> dict:
+    """The step and data position of a checkpoint, read from files alone: every rank reads the same
+    file, so a resume that cannot continue (another dp size, other data) fails on all ranks alike,
+    before any process group, model or collective."""
+    trainer_file = Path(path) / "trainer_rank0.pt"
     if not trainer_file.is_file():
-        written = len(list(path.glob("trainer_rank*.pt")))
-        raise CheckpointError(f"{path} was written by {written} processes and has no state for rank {runtime.rank}; "
-                              f"resume with {written} processes, or start fresh with train.resume=none")
+        raise CheckpointError(f"{path} has no trainer_rank0.pt (the step and data position); it is not a complete "
+                              f"tessera training checkpoint: pick another or start fresh with train.resume=none")
+    return torch.load(trainer_file, weights_only=True)
+
+
+def load_checkpoint(runtime, path, model, ema, optimizer) -> None:
+    """Restore model, EMA and optimizer in place (resharded by DCP to this run's layout)."""
     state = {"model": get_model_state_dict(model), "ema": get_model_state_dict(ema),
              "optimizer": get_optimizer_state_dict(model, optimizer)}
-    _load(state, path, runtime.control_group)
+    _load(state, Path(path), runtime.control_group)
     set_model_state_dict(model, state["model"])
     set_model_state_dict(ema, state["ema"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    return torch.load(trainer_file, weights_only=False)
 
 
 def load_weights(path, model, use_ema: bool = True) -> None:

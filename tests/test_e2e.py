@@ -175,6 +175,28 @@ def test_two_processes_match_one(tmp_path):
     assert not np.allclose(np.load(tmp_path / "swapped.npy"), np.load(tmp_path / "one_000.npy"), atol=1e-4)
 
 
+def test_resume_under_another_layout(tmp_path):
+    """A 1-process checkpoint resumed with dp=2 is refused on every rank before anything starts (the data
+    plan would change under it); resumed under ulysses=2 (still one data-parallel rank, now 2 processes)
+    it continues at the same data position, DCP reshards weights and optimizer, and the losses are those
+    of a straight run."""
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    common = ["--config", str(TINY), "train.checkpoint_every=3"]
+    assert run_main(train, common + [f"run.output_dir={straight}", "train.max_steps=6"]) == 0
+    assert run_main(train, common + [f"run.output_dir={run}", "train.max_steps=3"]) == 0
+    config_before = (run / "config.yaml").read_text()
+    resume = [*common, f"run.output_dir={run}", "train.max_steps=6"]
+    result = torchrun(2, "train.py", *resume, "parallel.dp=2", timeout=120)
+    assert result.returncode != 0
+    assert result.stderr.count("written with 1 data-parallel ranks and this run has 2") == 2, result.stderr[-2000:]
+    assert (run / "config.yaml").read_text() == config_before and not list(run.glob("config.*.yaml"))
+    result = torchrun(2, "train.py", *resume, "parallel.ulysses=2", timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout and "at step 3" in result.stdout
+    a, b = losses(straight), losses(run)
+    assert a.keys() == b.keys() and all(b[s] == pytest.approx(a[s], rel=1e-4) for s in a), (a, b)
+
+
 def test_torchrun_bad_layout_fails_fast_on_every_rank(tmp_path):
     result = torchrun(2, "train.py", "--config", str(TINY), f"run.output_dir={tmp_path}", "parallel.dp=3", timeout=120)
     assert result.returncode != 0
