@@ -95,7 +95,7 @@ class MediaDataset(BucketedDataset):
     def load(self, entry, bucket, rng):
         from data.media import read_clip
 
-        clip = read_clip(entry["path"], bucket.frames, bucket.height, bucket.width, self.fps, rng)
+        clip = read_clip(entry["path"], bucket.frames, bucket.height, bucket.width, self.fps, rng, entry["num_frames"])
         return {"video": torch.from_numpy(clip).permute(3, 0, 1, 2).contiguous()}  # (3, T, H, W) uint8
 
 

@@ -17,50 +17,102 @@ VIDEO_EXTENSIONS = {".mp4", ".mov", ".mkv", ".webm", ".avi", ".gif"}
 OUTPUT_EXTENSIONS = (".mp4", ".gif", ".png", ".npy")
 
 
-def read_image(path) -> np.ndarray:
-    from PIL import Image
+def _open_image(path):
+    """A Pillow image turned upright by its EXIF orientation (phones store portrait shots sideways)."""
+    from PIL import Image, ImageOps
 
     with Image.open(path) as im:
-        return (np.asarray(im.convert("RGB"), dtype=np.float32) / 255.0)[None]  # (1, H, W, 3)
+        return ImageOps.exif_transpose(im).convert("RGB")
+
+
+def read_image(path) -> np.ndarray:
+    return (np.asarray(_open_image(path), dtype=np.float32) / 255.0)[None]  # (1, H, W, 3)
+
+
+def _decoder_threads() -> int:
+    """One thread inside a DataLoader worker (the workers are the parallelism); FFmpeg's choice elsewhere."""
+    from torch.utils.data import get_worker_info
+
+    return 1 if get_worker_info() is not None else 0
+
+
+def _open_video(path):
+    import av
+
+    container = av.open(str(path))
+    if not container.streams.video:
+        container.close()
+        raise ValueError("no video stream")
+    stream = container.streams.video[0]
+    stream.thread_type = "AUTO"
+    stream.codec_context.thread_count = _decoder_threads()
+    return container, stream
+
+
+def _frame_rate(stream, fallback: float | None = None) -> float:
+    return float(stream.average_rate or stream.guessed_rate or 0) or fallback or 24.0
+
+
+def _header_frame_count(stream, rate: float) -> int:
+    """Frames shown, from the headers (0 if they do not say). An mp4 cut with stream copy counts the
+    pre-roll packets its edit list hides, so the stream's duration caps the count."""
+    counted = stream.frames or 0
+    shown = round(float(stream.duration * stream.time_base) * rate) if stream.duration else 0
+    return min(counted, shown) if counted and shown else counted or shown
+
+
+def _nearest_frames(decoded, grid: np.ndarray, frame_dt: float, take):
+    """For each time of the ascending `grid`, the decoded frame nearest to it, as `take(frame)`; a frame
+    nearest to several grid times is repeated. Frames come as (time, frame); the midpoint between
+    neighbours decides, so variable frame rates are resampled correctly. Stops once the grid is full."""
+    out, previous = [], None
+    for t, frame in decoded:
+        if previous is not None:
+            boundary, picked = (previous[0] + t) / 2, None
+            while len(out) < len(grid) and grid[len(out)] <= boundary + 1e-9:
+                picked = take(previous[1]) if picked is None else picked
+                out.append(picked)
+            if len(out) == len(grid):
+                return out
+        previous = (t, frame)
+    if previous is not None:  # the last frame covers half a frame after it
+        picked = None
+        while len(out) < len(grid) and grid[len(out)] <= previous[0] + frame_dt / 2 + 1e-9:
+            picked = take(previous[1]) if picked is None else picked
+            out.append(picked)
+    return out
+
+
+def _timed_frames(container, stream, frame_dt: float):
+    """(seconds since the stream's start, frame) of every decoded frame from the current position."""
+    base = float(stream.start_time * stream.time_base) if stream.start_time is not None else 0.0
+    for i, frame in enumerate(container.decode(stream)):
+        yield (float(frame.time) - base if frame.time is not None else i * frame_dt), frame
+
+
+def _upright(pixels: np.ndarray, rotation: int) -> np.ndarray:
+    """Apply a stream's display rotation (degrees counter-clockwise, as phones record portrait video)."""
+    turns = round(rotation / 90) % 4
+    return np.ascontiguousarray(np.rot90(pixels, turns)) if turns else pixels
 
 
 def read_video(path, max_frames: int | None = None, fps: float | None = None) -> np.ndarray:
-    """Decode from the start, keeping at most max_frames frames; with fps, keep the frames nearest to
-    a 1/fps time grid (drops or repeats frames to resample the rate)."""
-    import av
-
-    frames, next_time, start = [], 0.0, None
-    with av.open(str(path)) as container:
-        stream = container.streams.video[0]
-        stream.thread_type = "AUTO"
-        source_dt = 1.0 / float(stream.average_rate or fps or 1)
-        for i, frame in enumerate(container.decode(stream)):
-            t = float(frame.time) if frame.time is not None else i * source_dt
-            start = t if start is None else start
-            t -= start  # clips cut from longer videos need not start at 0
-            # without fps every frame counts once; with fps, a frame fills every grid time it is nearest to
-            repeats = 1
-            if fps is not None:
-                repeats = 0
-                while next_time <= t + source_dt / 2:
-                    repeats, next_time = repeats + 1, next_time + 1.0 / fps
-            if repeats:
-                frames.extend([frame.to_ndarray(format="rgb24")] * repeats)
-            if max_frames and len(frames) >= max_frames:
-                break
-    if not frames:
+    """The whole video (at most max_frames frames) at its native size, float32 in [0, 1]; with fps,
+    the frames nearest to a 1/fps time grid (frames are dropped or repeated to resample the rate)."""
+    container, stream = _open_video(path)
+    with container:
+        rate = _frame_rate(stream, fps)
+        decoded = _timed_frames(container, stream, 1.0 / rate)
+        if fps is None:
+            frames = [f for _, (_, f) in zip(range(max_frames or 2**62), decoded)]
+        else:
+            length = _header_frame_count(stream, rate) or 2**20
+            count = max_frames or 1 + int((length - 1) / rate * fps + 1e-6)
+            frames = _nearest_frames(decoded, np.arange(count) / fps, 1.0 / rate, lambda f: f)
+        arrays = [_upright(f.to_ndarray(format="rgb24"), f.rotation) for f in frames]
+    if not arrays:
         raise ValueError(f"{path}: no video frames could be decoded")
-    return np.stack(frames[:max_frames] if max_frames else frames).astype(np.float32) / 255.0
-
-
-def read_media(path, max_frames=None, fps=None) -> np.ndarray:
-    ext = Path(path).suffix.lower()
-    if ext in IMAGE_EXTENSIONS:
-        return read_image(path)
-    if ext in VIDEO_EXTENSIONS:
-        return read_video(path, max_frames, fps)
-    raise ValueError(f"{path}: unsupported file type '{ext}' (images: {sorted(IMAGE_EXTENSIONS)}, "
-                     f"videos: {sorted(VIDEO_EXTENSIONS)})")
+    return np.stack(arrays).astype(np.float32) / 255.0
 
 
 def cover_size(height: int, width: int, target_h: int, target_w: int) -> tuple[int, int]:
@@ -97,39 +149,46 @@ def to_model_range(video: torch.Tensor) -> torch.Tensor:
 
 
 def probe_media(path) -> dict:
-    """width, height, num_frames and fps (None for images) from the file's headers, without decoding
-    (a video whose container does not store its frame count is counted by demuxing, still not decoding)."""
+    """width and height as displayed (after EXIF orientation or a video's display rotation), num_frames
+    and fps (None for images). Videos: the headers, capped by the stream's duration; a container that
+    stores no count (mkv, webm) is counted by demuxing; only the first frame is decoded (its rotation)."""
     ext = Path(path).suffix.lower()
     if ext in IMAGE_EXTENSIONS:
         from PIL import Image
 
         with Image.open(path) as im:
-            return {"width": im.width, "height": im.height, "num_frames": 1, "fps": None}
+            sideways = im.getexif().get(0x0112) in (5, 6, 7, 8)  # EXIF orientations that swap the axes
+            width, height = (im.height, im.width) if sideways else (im.width, im.height)
+        return {"width": width, "height": height, "num_frames": 1, "fps": None}
     if ext not in VIDEO_EXTENSIONS:
         raise ValueError(f"unsupported file type '{ext}'")
-    import av
-
-    with av.open(str(path)) as container:
-        if not container.streams.video:
-            raise ValueError("no video stream")
-        stream = container.streams.video[0]
-        rate = float(stream.average_rate or stream.guessed_rate or 0)
-        frames = stream.frames
+    container, stream = _open_video(path)
+    with container:
+        rate = _frame_rate(stream)
+        frames = _header_frame_count(stream, rate)
         if not frames:
             frames = sum(1 for packet in container.demux(stream) if packet.size)
-        return {"width": stream.codec_context.width, "height": stream.codec_context.height, "num_frames": int(frames),
-                "fps": rate or None}
+            container.seek(0)
+        first = next(container.decode(stream), None)
+        if first is None:
+            raise ValueError("no video frame could be decoded")
+        width, height = stream.codec_context.width, stream.codec_context.height
+        if round(first.rotation / 90) % 2:
+            width, height = height, width
+        return {"width": width, "height": height, "num_frames": int(frames),
+                "fps": float(stream.average_rate or stream.guessed_rate or 0) or None}
 
 
 def read_clip(path, frames: int, height: int, width: int, fps: float | None = None,
-              rng: np.random.Generator | None = None) -> np.ndarray:
+              rng: np.random.Generator | None = None, num_frames: int | None = None) -> np.ndarray:
     """One training clip as (frames, height, width, 3) uint8, resized to cover the size and centre-cropped.
 
-    Videos: the clip starts at a time drawn from `rng` (at 0 without one), the decoder seeks to the
-    key frame before it and decodes only until the clip is complete; with `fps` each time on the
-    1/fps grid takes the frame nearest to it (frames are dropped or repeated), without it frames
-    are consecutive. Each frame is scaled by FFmpeg straight to the cover size, so memory holds
-    `frames` small frames, never the source resolution. A clip that is too short raises ValueError.
+    Videos: the clip starts at a point drawn from `rng` (at 0 without one) within the video's
+    `num_frames` (the manifest's count; the headers' without it); the decoder seeks to the key frame
+    before it and decodes only until the clip is complete. Without `fps` the frames are consecutive;
+    with it each time on the 1/fps grid takes the frame nearest to it (frames are dropped or
+    repeated). Each frame is scaled by FFmpeg straight to the cover size, so memory holds `frames`
+    small frames, never the source resolution. A clip that is too short raises ValueError.
     """
     ext = Path(path).suffix.lower()
     if ext in IMAGE_EXTENSIONS:
@@ -138,44 +197,46 @@ def read_clip(path, frames: int, height: int, width: int, fps: float | None = No
         return fit_to_bucket(read_image(path), 1, height, width)
     if ext not in VIDEO_EXTENSIONS:
         raise ValueError(f"unsupported file type '{ext}'")
-    import av
-
-    with av.open(str(path)) as container:
-        stream = container.streams.video[0]
-        stream.thread_type = "AUTO"
-        rate = float(stream.average_rate or stream.guessed_rate or 0) or fps or 24.0
-        frame_dt, grid_dt = 1.0 / rate, 1.0 / (fps or rate)
-        base = float(stream.start_time * stream.time_base) if stream.start_time is not None else 0.0
-        length = stream.frames or (round(float(stream.duration * stream.time_base) * rate) if stream.duration else 0)
-        span = (frames - 1) * grid_dt
-        last = (length - 1) * frame_dt if length else None
-        if last is not None and span > last + frame_dt / 2 + 1e-6:
-            raise ValueError(f"too short: {length} frames at {rate:g} fps, the bucket needs {frames} at {fps or rate:g} fps")
-        start = 0.0
-        if rng is not None and last is not None and last > span:
-            start = float(rng.uniform(0.0, last - span))
-            if fps is None:
-                start = round(start * rate) * frame_dt  # on a frame: consecutive frames, none repeated
+    container, stream = _open_video(path)
+    with container:
+        rate = _frame_rate(stream, fps)
+        frame_dt = 1.0 / rate
+        length = num_frames or _header_frame_count(stream, rate)
+        if fps is None:  # consecutive frames: the start is a frame index
+            if length and length < frames:
+                raise ValueError(f"too short: {length} frames, the bucket needs {frames}")
+            start = frame_dt * (int(rng.integers(0, length - frames + 1)) if rng is not None and length else 0)
+        else:
+            span, last = (frames - 1) / fps, (length - 1) * frame_dt if length else None
+            if last is not None and span > last + frame_dt / 2 + 1e-6:
+                raise ValueError(f"too short: {length} frames at {rate:g} fps, the bucket needs {frames} at {fps:g} fps")
+            start = float(rng.uniform(0.0, last - span)) if rng is not None and last is not None and last > span else 0.0
         if start > 0:
+            base = float(stream.start_time * stream.time_base) if stream.start_time is not None else 0.0
             container.seek(int((start + base) / stream.time_base), stream=stream, backward=True, any_frame=False)
-        cover = cover_size(stream.codec_context.height, stream.codec_context.width, height, width)
-        interpolation = "AREA" if cover[0] < stream.codec_context.height else "BICUBIC"
-        grid = start + grid_dt * np.arange(frames)
-        out, pending = [], 0
-        for i, frame in enumerate(container.decode(stream)):
-            t = float(frame.time) - base if frame.time is not None else i * frame_dt
-            picked = None
-            # a frame is the nearest one to every grid time in (t - dt/2, t + dt/2]
-            while pending < frames and grid[pending] <= t + frame_dt / 2 + 1e-9:
-                if picked is None:
-                    picked = centre_crop(frame.to_ndarray(format="rgb24", width=cover[1], height=cover[0],
-                                                          interpolation=interpolation), height, width)
-                out.append(picked)
-                pending += 1
-            if pending == frames:
-                break
+        source_h, source_w = stream.codec_context.height, stream.codec_context.width
+        cover, scaled = None, None
+
+        def take(frame):
+            nonlocal cover, scaled
+            if cover is None:  # the display rotation swaps the axes FFmpeg scales
+                sideways = round(frame.rotation / 90) % 2
+                cover = cover_size(*((source_w, source_h) if sideways else (source_h, source_w)), height, width)
+                scaled = cover[::-1] if sideways else cover
+            pixels = frame.to_ndarray(format="rgb24", width=scaled[1], height=scaled[0],
+                                      interpolation="AREA" if scaled[0] < source_h else "BICUBIC")
+            return centre_crop(_upright(pixels, frame.rotation), height, width)
+
+        decoded = _timed_frames(container, stream, frame_dt)
+        if fps is None:
+            first = (f for t, f in decoded if t >= start - frame_dt / 2)
+            out = [take(f) for _, f in zip(range(frames), first)]
+        else:
+            out = _nearest_frames(decoded, start + np.arange(frames) / fps, frame_dt, take)
     if len(out) < frames:
-        raise ValueError(f"too short: {len(out)} of {frames} frames decoded from {start:.2f} s")
+        if start > 0:  # the count or the rate overstated the length (variable frame rate): the file's start
+            return read_clip(path, frames, height, width, fps, None, num_frames)
+        raise ValueError(f"too short: {len(out)} of {frames} frames decoded")
     return np.stack(out)
 
 

@@ -14,22 +14,47 @@ from data.media import probe_media, read_clip
 from tests.conftest import ROOT, TINY
 
 
-def write_counter_video(path, frames: int, fps: int, height: int = 32, width: int = 48, gop: int = 6):
+def write_counter_video(path, frames: int, fps: int, height: int = 32, width: int = 48, gop: int = 6,
+                        times_ms: list[int] | None = None):
     """Frame k is flat grey at level 8 + 5k (so the decoded level gives k back); key frames every `gop`
-    frames, so a seek lands in the middle of the file."""
+    frames, so a seek lands in the middle of the file. `times_ms` gives each frame its own time (a
+    variable frame rate)."""
+    from fractions import Fraction
+
     import av
 
     with av.open(str(path), mode="w") as container:
         stream = container.add_stream("libx264", rate=fps)
         stream.height, stream.width, stream.pix_fmt = height, width, "yuv420p"
         stream.options = {"crf": "0", "g": str(gop), "keyint_min": str(gop), "sc_threshold": "0"}
+        if times_ms is not None:
+            stream.codec_context.time_base = Fraction(1, 1000)
         for k in range(frames):
             image = np.full((height, width, 3), 8 + 5 * k, dtype=np.uint8)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
+            frame = av.VideoFrame.from_ndarray(image, format="rgb24")
+            if times_ms is not None:
+                frame.pts, frame.time_base = times_ms[k], Fraction(1, 1000)
+            for packet in stream.encode(frame):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
     return path
+
+
+def cut_by_stream_copy(source, target, skip: int, fps: int):
+    """What `ffmpeg -ss ... -c copy` makes: the first `skip` frames stay in the file as pre-roll (negative
+    times, hidden by an mp4 edit list), yet the headers still count them."""
+    import av
+
+    with av.open(str(source)) as src, av.open(str(target), "w") as dst:
+        stream = src.streams.video[0]
+        out = dst.add_stream_from_template(stream)
+        shift = int(skip / fps / stream.time_base)
+        for packet in src.demux(stream):
+            if packet.pts is not None:
+                packet.pts, packet.dts, packet.stream = packet.pts - shift, packet.dts - shift, out
+                dst.mux(packet)
+    return target
 
 
 def frame_numbers(clip: np.ndarray) -> list[int]:
@@ -63,6 +88,64 @@ def test_fps_resampling_picks_the_nearest_frames(counter):
     assert frame_numbers(read_clip(counter, 20, 16, 16, fps=4))[-1] == 38  # the longest clip 40 frames hold at 4 fps
     with pytest.raises(ValueError, match="too short"):
         read_clip(counter, 21, 16, 16, fps=4)
+
+
+def test_a_cut_file_counts_the_frames_it_shows(tmp_path):
+    source = write_counter_video(tmp_path / "source.mp4", frames=40, fps=8, gop=12)
+    cut = cut_by_stream_copy(source, tmp_path / "cut.mp4", skip=5, fps=8)
+    assert probe_media(cut)["num_frames"] == 35  # the headers say 40
+    assert frame_numbers(read_clip(cut, 5, 16, 16)) == [5, 6, 7, 8, 9]
+    for seed in range(10):  # every start fits: no clip runs past the end
+        got = frame_numbers(read_clip(cut, 30, 16, 16, rng=np.random.default_rng(seed), num_frames=35))
+        assert got == list(range(got[0], got[0] + 30))
+
+
+def test_matroska_without_a_frame_count_in_its_headers(tmp_path):
+    mkv = write_counter_video(tmp_path / "counter.mkv", frames=40, fps=8)
+    info = probe_media(mkv)
+    assert info["num_frames"] == 40 and info["fps"] == 8.0
+    starts = {frame_numbers(read_clip(mkv, 5, 16, 16, rng=np.random.default_rng(s), num_frames=40))[0]
+              for s in range(10)}
+    assert len(starts) > 4  # random starts from the manifest's count, not always frame 0
+
+
+def test_variable_frame_rate(tmp_path):
+    """20 frames 125 ms apart, then 20 frames 500 ms apart."""
+    times = [125 * k for k in range(20)] + [125 * 19 + 500 * (k + 1) for k in range(20)]
+    vfr = write_counter_video(tmp_path / "vfr.mp4", frames=40, fps=8, times_ms=times)
+    for seed in range(6):  # without data.fps: consecutive frames, whatever the rate
+        got = frame_numbers(read_clip(vfr, 10, 16, 16, rng=np.random.default_rng(seed), num_frames=40))
+        assert got == list(range(got[0], got[0] + 10))
+    # at 4 fps (every 250 ms) the nearest frames: every second frame, then each slow frame twice
+    assert frame_numbers(read_clip(vfr, 14, 16, 16, fps=4)) == [0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 19, 20, 20, 21]
+
+
+def test_display_rotation_and_exif_orientation(tmp_path):
+    from PIL import Image
+
+    import av
+
+    image = np.zeros((32, 64, 3), dtype=np.uint8)
+    image[:, :16] = 255  # a white band on the stored left side
+    video = tmp_path / "portrait.mp4"  # shown turned 90 degrees counter-clockwise: the band at the bottom
+    with av.open(str(video), mode="w") as container:
+        stream = container.add_stream("libx264", rate=8)
+        stream.height, stream.width, stream.pix_fmt, stream.options = 32, 64, "yuv420p", {"crf": "0"}
+        stream.set_display_rotation(90)
+        for _ in range(3):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    assert probe_media(video)["width"] == 32 and probe_media(video)["height"] == 64
+    shown = read_clip(video, 2, 64, 32)[1, ..., 0].astype(float)
+    assert shown[52:].mean() > 230 and shown[:44].mean() < 25
+    exif = Image.new("RGB", (1, 1)).getexif()
+    exif[0x0112] = 6  # shown turned 90 degrees clockwise: the band comes out on top
+    Image.fromarray(image).save(tmp_path / "phone.jpg", exif=exif, quality=95)
+    assert probe_media(tmp_path / "phone.jpg") == {"width": 32, "height": 64, "num_frames": 1, "fps": None}
+    shown = read_clip(tmp_path / "phone.jpg", 1, 64, 32)[0, ..., 0].astype(float)
+    assert shown[:12].mean() > 230 and shown[20:].mean() < 25
 
 
 def test_resize_to_cover_and_centre_crop(tmp_path):
