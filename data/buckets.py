@@ -54,10 +54,12 @@ class BucketTable:
         if self.max_upscale < 1.0:
             raise ValueError(f"data.max_upscale must be at least 1.0 (1.0: never enlarge), got {self.max_upscale}")
         ratios = [parse_aspect_ratio(r) for r in data_cfg.aspect_ratios] or [data_cfg.width / data_cfg.height]
-        budgets = [r * r for r in data_cfg.resolutions] or [data_cfg.height * data_cfg.width]
-        if min(budgets) < 1:
+        if any(r < 1 for r in data_cfg.resolutions):
             raise ValueError(f"data.resolutions must be positive sides in pixels, got {list(data_cfg.resolutions)}")
+        budgets = [r * r for r in data_cfg.resolutions] or [data_cfg.height * data_cfg.width]
         frame_counts = sorted(set(data_cfg.frame_counts or [data_cfg.frames]))
+        if frame_counts[0] < 1:
+            raise ValueError(f"data.frame_counts must be positive (1: images), got {list(data_cfg.frame_counts)}")
         for frames in frame_counts:  # the VAE's rule, with its own suggestion of valid counts
             try:
                 latent_space.latent_shape(frames, side_h, side_w, patch_size)
@@ -69,8 +71,8 @@ class BucketTable:
                       for a, ratio in enumerate(self.ratios) for b, budget in enumerate(sorted(budgets))}
         self.buckets = sorted({Bucket(f, h, w) for f in frame_counts for (h, w) in self.sizes.values()})
         self.index = {b: i for i, b in enumerate(self.buckets)}
-        self.tokens = [num_tokens(latent_space.latent_shape(b.frames, b.height, b.width, patch_size), patch_size)
-                       for b in self.buckets]
+        self.latent_shapes = [latent_space.latent_shape(b.frames, b.height, b.width, patch_size) for b in self.buckets]
+        self.tokens = [num_tokens(shape, patch_size) for shape in self.latent_shapes]
         budget = data_cfg.tokens_per_batch
         sizes = [max(1, budget // t) if budget else default_batch_size for t in self.tokens]
         self.batch_sizes = [min(s, data_cfg.max_batch_size) if data_cfg.max_batch_size else s for s in sizes]

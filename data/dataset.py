@@ -4,16 +4,19 @@ Each sample is assigned to a bucket once, at start-up, from its size alone (no d
 that fit no bucket are left out and counted. `dataset[(index, epoch)]` loads sample `index` into
 its bucket (the epoch varies which part of a long clip is taken). A sample that is missing,
 corrupt or too short is replaced by another sample of the same bucket, chosen from (seed, epoch,
-index), so the batch keeps its shape and the step count never changes; the replaced file and the
-reason travel with the batch, for the trainer to log once and count.
+index), so the batch keeps its shape and the step count never changes; when none of the bucket
+is left, a sample of another bucket that holds enough frames is resized into it. The replaced
+file and the reason travel with the batch, for the trainer to log once and count.
 """
 
+import hashlib
 from collections import Counter
 
 import numpy as np
 import torch
 
 from data.buckets import Bucket, BucketTable
+from data.entries import Entries
 
 
 def _reason(error: Exception) -> str:
@@ -26,23 +29,36 @@ class BucketedDataset:
 
     def __init__(self, entries: list[dict], table: BucketTable, seed: int = 0):
         self.table, self.seed = table, seed
-        kept, buckets, self.dropped = [], [], Counter()
+        kept, buckets, self.dropped, self.examples = [], [], Counter(), {}
         for entry in entries:
             bucket, why = self.assign(entry)
             if bucket is None:
-                self.dropped[why] += 1
+                self.leave_out(entry["path"], why)
             else:
                 kept.append(entry)
                 buckets.append(bucket)
         if not kept:
             raise ValueError(f"no sample fits a bucket ({dict(self.dropped)}); check data.resolutions, "
                              f"data.aspect_ratios, data.frame_counts and data.max_upscale")
-        self.entries = kept
+        self.entries = Entries(kept)  # columns: no Python object per sample for loader workers to copy
         self.bucket_of = np.asarray(buckets, dtype=np.int64)
         self.members = [np.flatnonzero(self.bucket_of == b) for b in range(len(table))]
 
     def assign(self, entry: dict) -> tuple[int | None, str]:
         raise NotImplementedError
+
+    def can_fill(self, entry: dict, bucket: Bucket) -> bool:
+        """Whether a sample of another bucket can stand in for this bucket's samples (resized into it)."""
+        return False
+
+    def digest(self) -> str:
+        """What every rank must agree on besides the plan: the samples (captions, sizes; not the paths,
+        which may differ between machines that mount the data elsewhere), their buckets, the buckets'
+        sizes and batch sizes."""
+        h = hashlib.sha1(self.entries.digest(exclude=("path", "source")).encode())
+        h.update(self.bucket_of.tobytes())
+        h.update(repr([(b.name, n) for b, n in zip(self.table.buckets, self.table.batch_sizes)]).encode())
+        return h.hexdigest()[:16]
 
     def load(self, entry: dict, bucket: Bucket, rng: np.random.Generator) -> dict:
         """The sample's tensors in the bucket's size; raises if the file cannot give them."""
@@ -51,11 +67,19 @@ class BucketedDataset:
     def __len__(self):
         return len(self.entries)
 
+    def leave_out(self, path: str, category: str, detail: str = "") -> None:
+        """Count a sample left out at start-up; the first few are named in the summary."""
+        self.dropped[category] += 1
+        if len(self.examples) < 5:
+            self.examples[path] = detail or category
+
     def summary(self) -> str:
         counts = Counter(self.bucket_of.tolist())
         dropped = (f"; left out {sum(self.dropped.values())}: " + ", ".join(f"{n} {why}" for why, n in self.dropped.items())
                    if self.dropped else "")
-        return f"{len(self)} samples in {len(counts)} of {len(self.table)} buckets{dropped}\n" + self.table.describe(counts)
+        named = "".join(f"\n  left out {path}: {why}" for path, why in self.examples.items())
+        return (f"{len(self)} samples in {len(counts)} of {len(self.table)} buckets{dropped}{named}\n"
+                + self.table.describe(counts))
 
     def __getitem__(self, key) -> dict:
         index, epoch = key
@@ -70,16 +94,21 @@ class BucketedDataset:
             except Exception as e:  # noqa: BLE001 - any unreadable sample is replaced, named and counted
                 failures.append((entry["path"], _reason(e)))
                 tried.add(candidate)
-            others = [m for m in self.members[bucket_id].tolist() if m not in tried]
+            others = [m for m in self.members[bucket_id].tolist() if m not in tried] or self._stand_ins(bucket, tried)
             if not others or len(failures) > self.max_replacements:
                 listed = "; ".join(f"{p} ({why})" for p, why in failures)
                 raise RuntimeError(f"bucket {bucket.name}: {len(failures)} samples in a row could not be loaded and "
-                                   f"{'none is left to replace them' if not others else 'the bucket looks broken'}: "
+                                   f"{'none is left to replace them' if not others else 'the data looks broken'}: "
                                    f"{listed}")
             pick = np.random.default_rng([self.seed, epoch, index, len(failures)]).integers(len(others))
             candidate = others[pick]
         item.update(caption=entry["caption"], index=index, bucket=bucket_id, failures=failures)
         return item
+
+    def _stand_ins(self, bucket: Bucket, tried: set) -> list[int]:
+        """Samples of other buckets that can fill this one, for a bucket none of whose samples loads
+        (a bucket of one sample whose file was deleted must not stop a run). Rare: a linear scan."""
+        return [i for i in range(len(self)) if i not in tried and self.can_fill(self.entries[i], bucket)]
 
 
 class MediaDataset(BucketedDataset):
@@ -91,6 +120,9 @@ class MediaDataset(BucketedDataset):
 
     def assign(self, entry):
         return self.table.assign(entry["width"], entry["height"], entry["num_frames"], entry.get("fps"), self.fps)
+
+    def can_fill(self, entry, bucket):
+        return self.table.available_frames(entry["num_frames"], entry.get("fps"), self.fps) >= bucket.frames
 
     def load(self, entry, bucket, rng):
         from data.media import read_clip
@@ -113,6 +145,9 @@ class SyntheticDataset(BucketedDataset):
 
     def assign(self, entry):
         return self.table.assign(entry["width"], entry["height"], entry["num_frames"])
+
+    def can_fill(self, entry, bucket):
+        return entry["num_frames"] >= bucket.frames
 
     def load(self, entry, bucket, rng):
         from data.media import fit_to_bucket
@@ -140,6 +175,9 @@ class LatentDataset(BucketedDataset):
         from safetensors.torch import load_file
 
         tensors = load_file(entry["path"])
+        expected = tuple(self.table.latent_shapes[self.table.index[bucket]])
+        if tuple(tensors["latent"].shape) != expected:  # a stale file: replaced like an unreadable one
+            raise ValueError(f"latent of shape {tuple(tensors['latent'].shape)}, bucket {bucket.name} needs {expected}")
         text = tensors["text"].float()
         padded = torch.zeros(self.text_length, text.shape[1])
         padded[:len(text)] = text[:self.text_length]

@@ -36,14 +36,34 @@ def read_manifest(path) -> list[dict]:
                 entry = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{line_number}: not valid JSON ({e})") from None
-            missing = [k for k in ("path", "caption") if k not in entry]
-            if missing:
-                raise ValueError(f"{path}:{line_number}: missing key(s) {missing}; every line needs 'path' and 'caption'")
+            problem = _check_line(entry)
+            if problem:
+                raise ValueError(f"{path}:{line_number}: {problem}")
             entry["path"] = os.path.join(path.parent, entry["path"])
             entries.append(entry)
     if not entries:
         raise ValueError(f"{path}: the manifest has no samples")
     return entries
+
+
+def _check_line(entry) -> str:
+    """What is wrong with one manifest line ('' if nothing)."""
+    if not isinstance(entry, dict):
+        return "a line must be a JSON object"
+    missing = [k for k in ("path", "caption") if k not in entry]
+    if missing:
+        return f"missing key(s) {missing}; every line needs 'path' and 'caption'"
+    for key in ("path", "caption"):
+        if not isinstance(entry[key], str):
+            return f"'{key}' must be text, got {entry[key]!r}"
+    for key in SIZE_KEYS:
+        value = entry.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            return f"'{key}' must be a positive whole number or null, got {value!r}"
+    fps = entry.get("fps")
+    if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0):
+        return f"'fps' must be a positive number or null, got {fps!r}"
+    return ""
 
 
 def write_manifest(path, entries: list[dict]) -> None:
@@ -72,17 +92,23 @@ def probe_all(paths: list[str], workers: int | None = None, desc: str = "probe")
         return list(tqdm(pool.map(_probe, paths, chunksize=16), total=len(paths), desc=desc))
 
 
-def complete_metadata(entries: list[dict], workers: int | None = None) -> tuple[list[dict], dict[str, str]]:
-    """Probe the entries whose size keys are missing. Returns (entries with sizes, {path: why} of those
-    that could not be probed, which are left out)."""
-    todo = [e for e in entries if any(e.get(k) is None for k in SIZE_KEYS)]
-    if not todo:
-        return entries, {}
-    if len(todo) > 1000:
-        print(f"[tessera] probing {len(todo)} files without width/height/num_frames in the manifest; "
-              f"scripts/index_folder.py writes them once", flush=True)
+def complete_metadata(entries: list[dict], workers: int | None = None,
+                      need_fps: bool = False) -> tuple[list[dict], dict[str, str]]:
+    """Probe the entries whose size keys are missing (and, with need_fps, videos without an fps: the
+    frames a clip holds at data.fps depend on it). Returns (entries with sizes, {path: why} of those
+    left out: an unsupported file type, or a file that could not be probed)."""
     failed = {}
-    for entry, info in zip(todo, probe_all([e["path"] for e in todo])):
+    for e in entries:
+        ext = os.path.splitext(e["path"])[1].lower()
+        if ext not in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS:
+            failed[e["path"]] = f"unsupported file type '{ext}'"
+    todo = [e for e in entries if e["path"] not in failed and (
+        any(e.get(k) is None for k in SIZE_KEYS)
+        or (need_fps and e.get("fps") is None and os.path.splitext(e["path"])[1].lower() in VIDEO_EXTENSIONS))]
+    if len(todo) > 1000:
+        print(f"[tessera] probing {len(todo)} files without width/height/num_frames/fps in the manifest; "
+              f"scripts/index_folder.py writes them once", flush=True)
+    for entry, info in zip(todo, probe_all([e["path"] for e in todo], workers)):
         if "error" in info:
             failed[entry["path"]] = info["error"]
         else:

@@ -96,3 +96,23 @@ def test_manifest_errors_name_the_line(tmp_path, line, message):
     (tmp_path / "m.jsonl").write_text('{"path": "a.png", "caption": "ok"}\n' + line + "\n")
     with pytest.raises(ValueError, match=f"m.jsonl:2: {message}"):
         read_manifest(tmp_path / "m.jsonl")
+
+
+def test_a_latent_file_of_another_shape_is_replaced(tmp_path):
+    """A stale latent (say, from an earlier recipe) is treated like an unreadable file: replaced by another
+    sample of its bucket, never stacked into a batch it does not fit."""
+    from safetensors.torch import save_file
+
+    from data.dataset import LatentDataset
+
+    cfg = load_config(TINY)
+    table = build_buckets(cfg)  # one bucket, 4 x 16 x 16 pixels, identity VAE: latents (3, 4, 16, 16)
+    entries = []
+    for i, shape in enumerate([(3, 4, 16, 16), (3, 4, 16, 16), (3, 2, 8, 8)]):
+        save_file({"latent": torch.full(shape, float(i)), "text": torch.ones(5, 32)}, str(tmp_path / f"{i}.safetensors"))
+        entries.append({"path": str(tmp_path / f"{i}.safetensors"), "caption": f"c{i}", "frames": 4, "height": 16,
+                        "width": 16})
+    dataset = LatentDataset(entries, table, text_length=8)
+    item = dataset[(2, 0)]
+    assert item["latent"].shape == (3, 4, 16, 16) and item["latent"].unique().item() in (0.0, 1.0)
+    assert "latent of shape (3, 2, 8, 8), bucket 4x16x16 needs (3, 4, 16, 16)" in item["failures"][0][1]

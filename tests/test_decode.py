@@ -5,6 +5,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from configs import load_config
 from data.dataset import MediaDataset
@@ -227,3 +228,63 @@ def test_unreadable_samples_are_replaced_from_their_bucket_deterministically(mes
         assert again["caption"] == item["caption"] and (again["video"] == item["video"]).all()
     assert "FileNotFoundError" in dataset[(4, 0)]["failures"][0][1] or "No such file" in dataset[(4, 0)]["failures"][0][1]
     assert dataset[(0, 0)]["failures"] == []
+
+
+def test_worker_processes_load_what_the_main_process_loads(messy_folder):
+    """Replacements depend on (seed, epoch, index) alone: two loader workers give the batches that
+    loading in this process gives, failures included."""
+    from data.loader import build_loader
+    from data.sampler import BucketSampler
+
+    cfg = load_config(TINY, ["data.frame_counts=[8]"])
+    entries, _ = index_folder(messy_folder)
+    entries.append({"path": str(messy_folder / "gone.mp4"), "caption": "missing", "width": 48, "height": 32,
+                    "num_frames": 20, "fps": 8})
+    dataset = MediaDataset(entries, build_buckets(cfg), seed=5)
+    sampler = BucketSampler(dataset.bucket_of, [2], seed=5)
+    batches = [b for _, b in zip(range(6), build_loader(dataset, sampler, num_workers=2))]
+    for step, batch in enumerate(batches):
+        items = [dataset[key] for key in sampler.batch_at(step)]
+        assert batch["index"] == [it["index"] for it in items] and batch["caption"] == [it["caption"] for it in items]
+        assert (batch["video"] == torch.stack([it["video"] for it in items])).all()
+        assert batch["failures"] == [f for it in items for f in it["failures"]]
+    assert any(batch["failures"] for batch in batches)  # the missing file came up
+
+
+def test_a_bucket_with_nothing_readable_left_borrows_from_a_bucket_with_enough_frames(messy_folder):
+    cfg = load_config(TINY, ["data.frame_counts=[4,8]", 'data.aspect_ratios=["1:1","3:2"]', "data.resolutions=[16]"])
+    entries, _ = index_folder(messy_folder)  # 48 x 32 clips: the 3:2 buckets
+    entries.append({"path": str(messy_folder / "gone.mp4"), "caption": "alone", "width": 16, "height": 16,
+                    "num_frames": 20, "fps": 8})  # the only 1:1 sample, deleted since
+    dataset = MediaDataset(entries, build_buckets(cfg))
+    alone = len(dataset) - 1
+    assert dataset.table.buckets[dataset.bucket_of[alone]].name == "8x16x16"
+    item = dataset[(alone, 0)]
+    assert item["video"].shape == (3, 8, 16, 16) and item["caption"].startswith("clip")  # an 8-frame clip, cropped
+    assert [p.rsplit("/", 1)[1] for p, _ in item["failures"]] == ["gone.mp4"]
+
+
+def test_manifest_lines_are_checked_and_unusable_files_left_out(tmp_path, messy_folder):
+    from data.loader import build_dataset
+    from data.manifest import write_manifest
+
+    for line, message in (({"path": "a.mp4", "caption": "x", "width": "640"}, "'width' must be a positive whole number"),
+                          ({"path": "a.mp4", "caption": "x", "num_frames": 0}, "'num_frames' must be a positive"),
+                          ({"path": "a.mp4", "caption": 3}, "'caption' must be text"),
+                          ({"path": "a.mp4", "caption": "x", "fps": -1}, "'fps' must be a positive number")):
+        write_manifest(tmp_path / "bad.jsonl", [{"path": "b.png", "caption": "ok"}, line])
+        with pytest.raises(ValueError, match=f"bad.jsonl:2: {message}"):
+            read_manifest(tmp_path / "bad.jsonl")
+    # A 24 fps clip of 12 frames holds 4 frames at data.fps=8, not 8: its rate is probed when the line lacks it.
+    write_counter_video(messy_folder / "fast.mp4", frames=12, fps=24)
+    write_manifest(messy_folder / "m.jsonl", [
+        {"path": "good0.mp4", "caption": "a"},
+        {"path": "fast.mp4", "caption": "b", "width": 48, "height": 32, "num_frames": 12},  # no fps
+        {"path": "clip.ts", "caption": "c", "width": 48, "height": 32, "num_frames": 12, "fps": 8}])
+    cfg = load_config(TINY, [f"data.manifest={messy_folder / 'm.jsonl'}", "data.frame_counts=[4,8]", "data.fps=8"])
+    dataset = build_dataset(cfg, build_buckets(cfg))
+    assert dict(dataset.dropped) == {"unsupported file type": 1}
+    assert "clip.ts: unsupported file type '.ts'" in dataset.summary()
+    fast = next(i for i in range(len(dataset)) if dataset.entries[i]["path"].endswith("fast.mp4"))
+    assert dataset.entries[fast]["fps"] == 24.0 and dataset.table.buckets[dataset.bucket_of[fast]].frames == 4
+    assert dataset[(fast, 0)]["failures"] == []
