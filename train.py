@@ -70,12 +70,15 @@ def main(argv=None):
     dataset = build_dataset(cfg, buckets)
     sampler = build_sampler(cfg, dataset, buckets, layout.dp_rank(rank), layout.dp)
     checkpoint = resolve_checkpoint(tc.resume, cfg.run.output_dir)
-    # A resume under another dp size or with other data is refused here, on every rank alike.
-    start_step = sampler.load_state_dict(read_trainer_state(checkpoint)["sampler"]) if checkpoint else 0
-    sampler.start_step = start_step  # O(1): the sampler computes its position from the step
+    resume = read_trainer_state(checkpoint)["sampler"] if checkpoint else None
 
     comm.set_failure_dir(Path(cfg.run.output_dir) / "failures")
     runtime = init_runtime(cfg.parallel, layout)
+    # Ranks that read other data fail here, by name, not in a hang later; then every rank judges the
+    # checkpoint's data position alike (another dp size or other data: refused, or data.on_plan_change).
+    check_same_plan(sampler, dataset, resume["step"] if resume else 0, runtime.control_group)
+    start_step, replanned = sampler.load_state_dict(resume, cfg.data.on_plan_change) if resume else (0, "")
+    sampler.start_step = start_step  # O(1): the sampler computes its position from the step
     device = runtime.device
     bf16 = tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
     run = RunDirectory(cfg.run.output_dir, runtime.is_main)
@@ -98,8 +101,8 @@ def main(argv=None):
     if checkpoint is not None:
         load_checkpoint(runtime, checkpoint, model, ema, optimizer)
         if runtime.is_main:
-            print(f"[tessera] resumed from {checkpoint} at step {start_step}", flush=True)
-    check_same_plan(sampler, start_step, runtime.control_group)  # a skewed rank fails here, not in a hang later
+            print(f"[tessera] resumed from {checkpoint} at step {start_step}"
+                  f"{'; the data plan changed: ' + replanned if replanned else ''}", flush=True)
     batches = iter(build_loader(dataset, sampler, cfg.data.num_workers))
     run.start_wandb(cfg)
 

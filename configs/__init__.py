@@ -127,6 +127,7 @@ CHOICES = {
     "train.precision": ("auto", "fp32", "bf16"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
     "data.epoch_remainder": ("pad", "drop"),
+    "data.on_plan_change": ("error", "new_epoch"),
 }
 
 

@@ -59,6 +59,7 @@ class DataConfig:
     tokens_per_batch: int = 0  # per-rank batch size of a bucket = this // its tokens; 0: train.batch_size for all
     max_batch_size: int = 0  # cap on every bucket's batch size; 0: no cap
     epoch_remainder: str = "pad"  # batches beyond a multiple of dp: pad (repeat whole batches) | drop
+    on_plan_change: str = "error"  # resuming after dp or the data changed: error | new_epoch (skip the epoch's rest)
     fps: Optional[float] = None  # resample videos to this rate; None keeps the file's rate
     num_workers: int = 2
     synthetic_samples: int = 4096  # size of one epoch of the synthetic dataset

@@ -29,12 +29,13 @@ def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
         from data.dataset import MediaDataset
         from data.manifest import complete_metadata, read_manifest
 
-        entries, unreadable = complete_metadata(read_manifest(dc.manifest))
-        for path, why in list(unreadable.items())[:5]:
-            print(f"[tessera] left out {path}: {why}", flush=True)
+        entries, unreadable = complete_metadata(read_manifest(dc.manifest), need_fps=dc.fps is not None)
+        if not entries:
+            named = "; ".join(f"{p}: {why}" for p, why in list(unreadable.items())[:3])
+            raise ValueError(f"data.manifest='{dc.manifest}': none of its {len(unreadable)} files can be read ({named} ...)")
         dataset = MediaDataset(entries, table, dc.fps, cfg.train.seed)
-        if unreadable:
-            dataset.dropped["unreadable"] += len(unreadable)
+        for path, why in unreadable.items():
+            dataset.leave_out(path, "unsupported file type" if why.startswith("unsupported") else "unreadable", why)
         return dataset
     from data.dataset import SyntheticDataset
     from data.synthetic import SyntheticVideoDataset
@@ -49,26 +50,26 @@ def build_sampler(cfg, dataset: BucketedDataset, table: BucketTable, dp_rank: in
                          cfg.data.epoch_remainder)
 
 
-def check_same_plan(sampler: BucketSampler, step: int, group=None) -> None:
-    """One small all-gather: every rank must have the same steps per epoch and the same plan, or the job
-    would hang later in a collective that one rank never reaches. A mismatch names the ranks."""
+def check_same_plan(sampler: BucketSampler, dataset: BucketedDataset, step: int, group=None) -> None:
+    """One small all-gather: every rank must have the same steps per epoch, the same plan and the same
+    data, or the job would hang later in a collective that one rank never reaches (or train each rank
+    on other samples). A mismatch is an error on every rank that names the ranks."""
     import torch.distributed as dist
 
     from parallel import comm
 
-    steps, digest = sampler.fingerprint(step)
+    steps, plan_hash = sampler.fingerprint(step)
     world = dist.get_world_size(group)
-    mine = torch.tensor([steps, int(digest[:15], 16)], dtype=torch.int64)
-    everyone = comm.all_gather_into_tensor(torch.empty(2 * world, dtype=torch.int64), mine, group).view(world, 2)
+    mine = torch.tensor([steps, int(plan_hash[:15], 16), int(dataset.digest()[:15], 16)], dtype=torch.int64)
+    everyone = comm.all_gather_into_tensor(torch.empty(3 * world, dtype=torch.int64), mine, group).view(world, 3)
     variants = defaultdict(list)
-    for rank, (rank_steps, rank_hash) in enumerate(everyone.tolist()):
-        variants[(rank_steps, rank_hash)].append(rank)
+    for rank, row in enumerate(everyone.tolist()):
+        variants[tuple(row)].append(rank)
     if len(variants) > 1:
         described = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {s} steps per epoch, plan "
-                              f"{h:015x}" for (s, h), r in variants.items())
-        raise RuntimeError(f"the data plan differs between ranks ({described}). Every rank must read the same "
-                           f"manifest with the same recipe; a file that only some ranks could probe changes their "
-                           f"buckets")
+                              f"{p:015x}, data {d:015x}" for (s, p, d), r in variants.items())
+        raise ValueError(f"the data differs between ranks ({described}). Every rank must read the same manifest "
+                         f"with the same recipe; a file that only some ranks could probe changes their buckets")
 
 
 def _worker_init(_):

@@ -11,7 +11,8 @@ same batch.
 
 The number of batches per epoch does not depend on e, so step s is batch s mod steps_per_epoch of
 epoch s div steps_per_epoch: resuming computes one plan and starts there, in O(1) steps, without
-reading or decoding a sample.
+reading or decoding a sample. (A resume that had to re-plan, `data.on_plan_change=new_epoch`, moves
+the origin: step s0 starts epoch e0, and positions count from there.)
 """
 
 import hashlib
@@ -19,6 +20,26 @@ import hashlib
 import numpy as np
 
 REMAINDER_MODES = ("pad", "drop")
+PLAN_CHANGE_MODES = ("error", "new_epoch")
+
+
+class Plan:
+    """One epoch's global batches: batch k is `samples[starts[k]:ends[k]]` (sample indices of one bucket)."""
+
+    def __init__(self, samples: np.ndarray, starts: np.ndarray, ends: np.ndarray):
+        self.samples, self.starts, self.ends = samples, starts, ends
+        lengths = ends - starts
+        # the plan's samples in batch order, gathered without a Python loop over batches
+        flat = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths) + np.repeat(starts, lengths)
+        digest = hashlib.sha1(lengths.astype(np.int64).tobytes())
+        digest.update(samples[flat].astype(np.int64).tobytes())
+        self.hash = digest.hexdigest()[:16]
+
+    def __len__(self):
+        return len(self.starts)
+
+    def __getitem__(self, k: int) -> np.ndarray:
+        return self.samples[self.starts[k]:self.ends[k]]
 
 
 class BucketSampler:
@@ -44,33 +65,38 @@ class BucketSampler:
         whole = self.num_batches // dp_size if remainder == "drop" else -(-self.num_batches // dp_size)
         self.steps_per_epoch = whole
         self.padding_batches = whole * dp_size - self.num_batches  # negative: dropped
-        self._plan_epoch, self._plan = None, None
+        # Step `origin_step` is the start of epoch `origin_epoch`: (0, 0) unless a resume re-planned the data.
+        self.origin_step, self.origin_epoch = 0, 0
+        self._plans = {}  # two epochs: loader prefetch crosses an epoch boundary before a checkpoint asks
 
-    def plan(self, epoch: int) -> tuple[list[np.ndarray], str]:
-        """The epoch's global list of batches (steps_per_epoch * dp of them) and its hash."""
-        if self._plan_epoch == epoch:
-            return self._plan
-        rng = np.random.default_rng([self.seed, epoch])
-        batches = []
-        for members, size in zip(self.members, self.batch_sizes):
-            shuffled = members[rng.permutation(len(members))]
-            batches.extend(shuffled[i:i + size] for i in range(0, len(shuffled), size))
-        order = rng.permutation(len(batches))
-        total = self.steps_per_epoch * self.dp_size
-        plan = [batches[order[i % len(batches)]] for i in range(total)]  # pad by wrapping, or drop the tail
-        digest = hashlib.sha1(np.array([len(b) for b in plan], dtype=np.int64).tobytes())
-        digest.update(np.concatenate(plan).astype(np.int64).tobytes())
-        self._plan_epoch, self._plan = epoch, (plan, digest.hexdigest()[:16])
-        return self._plan
+    def plan(self, epoch: int) -> Plan:
+        """The epoch's global list of batches (steps_per_epoch * dp of them)."""
+        if epoch not in self._plans:
+            rng = np.random.default_rng([self.seed, epoch])
+            shuffled = [members[rng.permutation(len(members))] for members in self.members]
+            starts, ends, offset = [], [], 0
+            for members, size in zip(shuffled, self.batch_sizes):
+                cuts = np.arange(0, len(members), size)
+                starts.append(offset + cuts)
+                ends.append(offset + np.minimum(cuts + size, len(members)))
+                offset += len(members)
+            starts, ends = np.concatenate(starts), np.concatenate(ends)
+            order = rng.permutation(len(starts))
+            order = order[np.arange(self.steps_per_epoch * self.dp_size) % len(order)]  # pad by wrapping, or drop
+            if len(self._plans) >= 2:
+                self._plans.pop(min(self._plans))
+            self._plans[epoch] = Plan(np.concatenate(shuffled), starts[order], ends[order])
+        return self._plans[epoch]
 
     def position(self, step: int) -> tuple[int, int]:
         """(epoch, step in epoch) of a global step."""
-        return divmod(step, self.steps_per_epoch)
+        epochs, in_epoch = divmod(step - self.origin_step, self.steps_per_epoch)
+        return self.origin_epoch + epochs, in_epoch
 
     def batch_at(self, step: int) -> list[tuple[int, int]]:
         """This rank's batch at a global step, as (sample index, epoch) pairs."""
         epoch, in_epoch = self.position(step)
-        batch = self.plan(epoch)[0][in_epoch * self.dp_size + self.dp_rank]
+        batch = self.plan(epoch)[in_epoch * self.dp_size + self.dp_rank]
         return [(int(i), epoch) for i in batch]
 
     def __iter__(self):
@@ -81,37 +107,48 @@ class BucketSampler:
 
     def fingerprint(self, step: int) -> tuple[int, str]:
         """(steps per epoch, plan hash at this step's epoch): equal on every rank or the data differs."""
-        return self.steps_per_epoch, self.plan(self.position(step)[0])[1]
+        return self.steps_per_epoch, self.plan(self.position(step)[0]).hash
 
     def state_dict(self, step: int) -> dict:
         epoch, in_epoch = self.position(step)
-        return dict(seed=self.seed, epoch=epoch, step_in_epoch=in_epoch, step=step, plan_hash=self.plan(epoch)[1],
-                    dp_size=self.dp_size, steps_per_epoch=self.steps_per_epoch, dataset_size=self.dataset_size)
+        return dict(seed=self.seed, epoch=epoch, step_in_epoch=in_epoch, step=step, plan_hash=self.plan(epoch).hash,
+                    dp_size=self.dp_size, steps_per_epoch=self.steps_per_epoch, dataset_size=self.dataset_size,
+                    origin_step=self.origin_step, origin_epoch=self.origin_epoch)
 
-    def load_state_dict(self, state: dict) -> int:
-        """Check that the checkpoint's data position means the same here, and return the step to start at.
-
-        A different dp size or a different plan (other data, buckets, batch sizes or seed) is an
-        error: continuing would silently repeat or skip samples."""
-        missing = [k for k in ("seed", "epoch", "step_in_epoch", "plan_hash", "dp_size") if k not in state]
+    def load_state_dict(self, state: dict, on_change: str = "error") -> tuple[int, str]:
+        """Continue from a checkpoint's data position: returns (the step to start at, '' or why the plan
+        was changed). If the plan is the checkpoint's (same seed, dp size, data, buckets and batch sizes)
+        training continues at the exact batch. If not, continuing would silently repeat or skip samples:
+        on_change='error' refuses; 'new_epoch' starts the next epoch under this run's plan, at the
+        checkpoint's step (the rest of the interrupted epoch is skipped)."""
+        if on_change not in PLAN_CHANGE_MODES:
+            raise ValueError(f"data.on_plan_change must be one of {PLAN_CHANGE_MODES}, got {on_change!r}")
+        missing = [k for k in ("seed", "epoch", "step_in_epoch", "step", "plan_hash", "dp_size") if k not in state]
         if missing:
             raise ValueError(f"the checkpoint's sampler state lacks {missing} (written by an older tessera); "
                              f"start fresh with train.resume=none")
-        hint = "resume with the same data, recipe and GPU count, or start fresh with train.resume=none"
+        step = int(state["step"])
         if state["dp_size"] != self.dp_size:
-            raise ValueError(f"cannot resume the data position: the checkpoint was written with {state['dp_size']} "
-                             f"data-parallel ranks and this run has {self.dp_size}; {hint}")
-        if state["seed"] != self.seed:
-            raise ValueError(f"cannot resume the data position: the checkpoint used train.seed={state['seed']}, "
-                             f"this run {self.seed}; {hint}")
-        if state.get("steps_per_epoch", self.steps_per_epoch) != self.steps_per_epoch:
-            raise ValueError(f"cannot resume the data position: an epoch had {state['steps_per_epoch']} steps when "
-                             f"the checkpoint was written and has {self.steps_per_epoch} now (the data, buckets or "
-                             f"batch sizes changed); {hint}")
-        if self.plan(state["epoch"])[1] != state["plan_hash"]:
-            raise ValueError(f"cannot resume the data position: epoch {state['epoch']}'s batch plan differs from the "
-                             f"checkpoint's (the data, bucket assignment or batch sizes changed); {hint}")
-        return state["epoch"] * self.steps_per_epoch + state["step_in_epoch"]
+            why = f"it was written with {state['dp_size']} data-parallel ranks and this run has {self.dp_size}"
+        elif state["seed"] != self.seed:
+            why = f"it used train.seed={state['seed']} and this run {self.seed}"
+        elif state.get("steps_per_epoch") != self.steps_per_epoch:
+            why = (f"an epoch had {state.get('steps_per_epoch')} steps then and has {self.steps_per_epoch} now (the data, "
+                   f"buckets or batch sizes changed)")
+        else:
+            self.origin_step, self.origin_epoch = state.get("origin_step", 0), state.get("origin_epoch", 0)
+            if self.position(step) == (state["epoch"], state["step_in_epoch"]) and \
+                    self.plan(state["epoch"]).hash == state["plan_hash"]:
+                return step, ""
+            why = f"epoch {state['epoch']}'s batch plan differs from the checkpoint's (the data, bucket assignment or " \
+                  f"batch sizes changed)"
+        if on_change == "error":
+            raise ValueError(f"cannot resume the data position: {why}. Resume with the same data, recipe and number of "
+                             f"data-parallel ranks; or set data.on_plan_change=new_epoch to start epoch "
+                             f"{state['epoch'] + 1} under the new plan (the rest of epoch {state['epoch']} is skipped); "
+                             f"or start fresh with train.resume=none")
+        self.origin_step, self.origin_epoch = step, int(state["epoch"]) + 1
+        return step, f"{why}: epoch {self.origin_epoch} starts at step {step} under the new plan"
 
 
 def sample_seed(seed: int, step: int, index: int) -> int:

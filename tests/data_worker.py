@@ -1,42 +1,47 @@
 """Run under torchrun (3 processes) by tests/test_data_parallel.py: the start-up check that every rank
-has the same data plan passes when they agree and, when one rank's data differs, fails on every rank
-with a message that names the ranks (instead of a hang in a later collective)."""
+has the same data passes when they agree and, when one rank's data differs (another bucket for one
+file, more files, other captions), fails on every rank with a message that names the ranks (instead
+of a hang in a later collective, or ranks silently training on different samples)."""
 
 import datetime
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data.loader import check_same_plan  # noqa: E402
-from data.sampler import BucketSampler  # noqa: E402
+from configs import load_config  # noqa: E402
+from data.dataset import MediaDataset  # noqa: E402
+from data.loader import build_buckets, build_sampler, check_same_plan  # noqa: E402
+from tests.conftest import TINY  # noqa: E402
 
 
 def main():
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     rank, world = dist.get_rank(), dist.get_world_size()
-    buckets = np.repeat([0, 1], [7, 1])
-    check_same_plan(BucketSampler(buckets, [2, 2], rank, world, seed=3), step=5)  # agree: no error
-    print(f"rank {rank}: same plan ok", flush=True)
+    cfg = load_config(TINY, ["data.frame_counts=[4,8]", "train.batch_size=2", "train.seed=3"])
+    table = build_buckets(cfg)
 
-    skewed = buckets.copy()
-    if rank == 2:
-        skewed[0] = 1  # one file probed differently on this rank: same steps, another plan
-    try:
-        check_same_plan(BucketSampler(skewed, [2, 2], rank, world, seed=3), step=5)
-        print(f"rank {rank}: mismatch NOT detected", flush=True)
-    except RuntimeError as e:
-        print(f"rank {rank}: detected: {e}", flush=True)
+    def dataset(long=7, short=1, caption="clip", first_frames=10):
+        """Manifest lines with their sizes: bucketed without opening a file. Long clips fill 8 frames."""
+        lines = [{"path": f"long{i}.mp4", "caption": f"{caption} {i}", "width": 16, "height": 16, "fps": 8,
+                  "num_frames": first_frames if i == 0 else 10} for i in range(long)]
+        lines += [{"path": f"short{i}.mp4", "caption": f"short {i}", "width": 16, "height": 16, "fps": 8,
+                   "num_frames": 5} for i in range(short)]
+        return MediaDataset(lines, table)
 
-    fewer = np.repeat([0, 1], [7, 1]) if rank != 1 else np.repeat([0, 1], [11, 1])  # more batches on rank 1
-    try:
-        check_same_plan(BucketSampler(fewer, [2, 2], rank, world, seed=3), step=0)
-        print(f"rank {rank}: step mismatch NOT detected", flush=True)
-    except RuntimeError as e:
-        print(f"rank {rank}: detected steps: {e}", flush=True)
+    def check(data, step, label):
+        try:
+            check_same_plan(build_sampler(cfg, data, table, rank, world), data, step)
+            print(f"rank {rank}: {label} ok", flush=True)
+        except ValueError as e:
+            print(f"rank {rank}: detected {label}: {e}", flush=True)
+
+    check(dataset(), 5, "same")
+    check(dataset(first_frames=5 if rank == 2 else 10), 5, "plan")  # probed shorter here: same steps, other plan
+    check(dataset(long=11 if rank == 1 else 7), 0, "steps")  # more batches on rank 1
+    check(dataset(caption="other" if rank == 0 else "clip"), 0, "data")  # same plan, other captions
     dist.barrier()  # every rank is still in step after the errors: nobody hung
     dist.destroy_process_group()
 

@@ -127,8 +127,8 @@ def test_resuming_at_any_step_yields_exactly_the_remaining_batches(sizes, data, 
         straight = [b for _, b in zip(range(horizon), iter(sampler))]
         state = json.loads(json.dumps(sampler.state_dict(resume_at)))  # it goes through a checkpoint
         fresh = BucketSampler(bucket_of, batch_sizes, r, dp, seed)
-        fresh.start_step = fresh.load_state_dict(state)
-        assert fresh.start_step == resume_at
+        fresh.start_step, why = fresh.load_state_dict(state)
+        assert fresh.start_step == resume_at and why == ""
         assert [b for _, b in zip(range(horizon - resume_at), iter(fresh))] == straight[resume_at:]
 
 
@@ -142,6 +142,33 @@ def test_resume_refuses_another_dp_size_or_other_data():
         BucketSampler(bucket_of[::-1].copy(), [2, 2], 0, 3).load_state_dict(state)
     with pytest.raises(ValueError, match="an epoch had 2 steps"):
         BucketSampler(np.zeros(30, dtype=int), [2, 2], 0, 3).load_state_dict(state)
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=distributions, data=st.data(), dp=st.integers(1, 8), new_dp=st.integers(1, 8), seed=st.integers(0, 99))
+def test_a_replanned_resume_starts_a_new_epoch_and_resumes_exactly_again(sizes, data, dp, new_dp, seed):
+    """data.on_plan_change=new_epoch: another dp size continues at the checkpoint's step with the next
+    epoch under the new plan, the same on every rank; a later checkpoint of that run resumes exactly."""
+    batch_sizes = data.draw(st.lists(st.integers(1, 8), min_size=len(sizes), max_size=len(sizes)))
+    old, bucket_of = samplers(sizes, batch_sizes, dp, seed)
+    at = data.draw(st.integers(0, 3 * old[0].steps_per_epoch))
+    state = json.loads(json.dumps(old[0].state_dict(at)))
+    new = [BucketSampler(bucket_of, batch_sizes, r, new_dp, seed) for r in range(new_dp)]
+    outcomes = [s.load_state_dict(state, on_change="new_epoch") for s in new]
+    if new_dp == dp:
+        assert outcomes == [(at, "")] * dp  # nothing changed: the exact position
+        return
+    assert all(step == at and "data-parallel ranks" in why for step, why in outcomes)
+    epoch = state["epoch"] + 1
+    steps = new[0].steps_per_epoch
+    for r, sampler in enumerate(new):  # the next epoch from its first batch, then the one after
+        assert sampler.position(at) == (epoch, 0) and sampler.position(at + steps) == (epoch + 1, 0)
+        assert [i for i, _ in sampler.batch_at(at)] == sampler.plan(epoch)[r].tolist()
+    later = at + data.draw(st.integers(0, 2 * steps))
+    for r, sampler in enumerate(new):
+        again = BucketSampler(bucket_of, batch_sizes, r, new_dp, seed)
+        assert again.load_state_dict(json.loads(json.dumps(sampler.state_dict(later)))) == (later, "")
+        assert again.batch_at(later + 1) == sampler.batch_at(later + 1)
 
 
 def test_the_skewed_example_pads_to_equal_steps():

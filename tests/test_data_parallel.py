@@ -15,10 +15,13 @@ def test_plan_check_names_the_ranks_that_differ():
     result = torchrun(3, "tests/data_worker.py", timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
-    assert out.count("same plan ok") == 3 and "NOT detected" not in out, out
-    assert out.count("rank 2: detected:") == 1 and out.count(": detected:") == 3
-    assert "ranks 0, 1: 2 steps per epoch" in out and "rank 2: 2 steps per epoch" in out
-    assert out.count(": detected steps:") == 3 and "rank 1: 3 steps per epoch" in out, out
+    assert out.count(": same ok") == 3 and "detected same" not in out, out
+    for label in ("plan", "steps", "data"):  # every rank reports each mismatch, none passes it
+        assert out.count(f": detected {label}:") == 3 and f": {label} ok" not in out, out
+    assert "ranks 0, 1: 2 steps per epoch" in out and "rank 2: 2 steps per epoch" in out  # the plan case
+    assert "rank 1: 3 steps per epoch" in out, out
+    data_lines = [line for line in out.splitlines() if ": detected data:" in line]
+    assert all("rank 0: 2 steps per epoch" in line and "ranks 1, 2: 2 steps per epoch" in line for line in data_lines)
 
 
 def test_three_processes_train_several_epochs_on_a_skewed_dataset(tmp_path):

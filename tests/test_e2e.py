@@ -52,6 +52,22 @@ def test_resume_gives_the_same_losses_as_a_straight_run(trained, tmp_path):
     assert losses(run_dir) == losses(trained)  # bit for bit
 
 
+def test_resume_after_the_data_changed(tmp_path, capfd):
+    """More data since the checkpoint changes the plan: refused, naming the cause, without touching the
+    run; with data.on_plan_change=new_epoch the run continues at its step with the next epoch."""
+    run_dir = tmp_path / "run"
+    args = ["--config", str(TINY), f"run.output_dir={run_dir}", "train.checkpoint_every=3"]
+    assert run_main(train, args + ["train.max_steps=3"]) == 0  # 64 samples, batch 4: 16 steps per epoch
+    capfd.readouterr()
+    more = args + ["train.max_steps=6", "data.synthetic_samples=80"]
+    assert run_main(train, more) == 2
+    assert "an epoch had 16 steps then and has 20 now" in capfd.readouterr().err
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3] and not list(run_dir.glob("config.*.yaml"))
+    assert run_main(train, more + ["data.on_plan_change=new_epoch"]) == 0
+    assert "epoch 1 starts at step 3 under the new plan" in capfd.readouterr().out
+    assert [(m["step"], m["epoch"]) for m in read_metrics(run_dir)][2:] == [(3, 0), (4, 1), (5, 1), (6, 1)]
+
+
 def test_loss_falls(tmp_path):
     run_dir = tmp_path / "run"
     assert run_main(train, ["--config", str(TINY), f"run.output_dir={run_dir}", "train.max_steps=80",
@@ -119,7 +135,7 @@ def test_invalid_layout_exits_before_any_collective(tmp_path, monkeypatch, capsy
     assert "3 processes, 4 heads: valid (dp, cfg, pipefusion, ulysses, ring) = (3,1,1,1,1), (1,1,1,1,3)." in err
 
 
-def test_latent_vae_and_manifest_data(tmp_path):
+def test_latent_vae_and_manifest_data(tmp_path, capfd):
     """The tiny causal video VAE as the latent space, trained from real mp4 files through a manifest."""
     sys.path.insert(0, str(TINY.parents[1] / "scripts"))
     from make_demo_data import make_demo_data
@@ -145,6 +161,18 @@ def test_latent_vae_and_manifest_data(tmp_path):
     a, b = losses(run_dir), losses(from_latents)
     assert a.keys() == b.keys() and all(b[s] == pytest.approx(a[s], rel=1e-4) for s in a), (a, b)
     assert run_main(train, common + [f"data.latents={latents}", "vae.tiny_base_dim=8", "train.resume=none"]) == 2
+
+    # A rerun encodes nothing already there; a rerun with another VAE into the same folder is refused.
+    import precompute_latents
+
+    files = {p.name: p.stat().st_mtime_ns for p in (latents / "latents").iterdir()}
+    again = [*common[:2], *common[3:], f"data.manifest={manifest}", "--out", str(latents)]
+    assert run_main(precompute_latents, again) == 0
+    assert {p.name: p.stat().st_mtime_ns for p in (latents / "latents").iterdir()} == files
+    capfd.readouterr()
+    assert run_main(precompute_latents, again + ["vae.tiny_base_dim=8"]) == 2
+    assert "holds latents made with another VAE" in capfd.readouterr().err
+    assert {p.name: p.stat().st_mtime_ns for p in (latents / "latents").iterdir()} == files
 
 
 def test_two_processes_match_one(tmp_path):
