@@ -5,11 +5,15 @@
 
 Every sample is encoded in the bucket the recipe assigns it, from the clip that epoch 0 would take.
 Rank r encodes samples r, r + N, ...; loader workers (data.num_workers) decode ahead of the encoder.
-Finished files are kept: a rerun after a crash encodes only what is missing. Samples that cannot be
-read are left out of the index and listed. The folder layout is described in data/latents.py.
+Finished files are kept, named by what they hold (source file, caption, bucket): a rerun after a
+crash, or after samples were added, encodes only what is missing, and never reuses a file for other
+content. A folder made with another VAE, text encoder or fps is refused before anything is encoded.
+Samples that cannot be read are left out of the index and listed. The folder layout is described in
+data/latents.py.
 """
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -23,7 +27,7 @@ from tqdm import tqdm  # noqa: E402
 
 from configs import load_config, split_overrides  # noqa: E402
 from data.latents import latent_meta  # noqa: E402
-from data.loader import build_buckets, build_dataset  # noqa: E402
+from data.loader import build_buckets, build_dataset, build_sampler, check_same_plan  # noqa: E402
 from data.media import to_model_range  # noqa: E402
 from models.pipeline import build_frozen  # noqa: E402
 from parallel.layout import ParallelLayout  # noqa: E402
@@ -57,15 +61,23 @@ def main(argv=None):
     args = parser.parse_args(args)
     cfg = load_config(args.config, overrides + ["data.latents=null"])  # this script reads the media
     rank, world_size, _ = world_from_env()
+    out = Path(args.out)
+    meta = latent_meta(cfg)
+    if (out / "meta.json").is_file() and json.loads((out / "meta.json").read_text()) != meta:
+        raise ValueError(f"--out {out} holds latents made with another VAE, text encoder or fps (its meta.json); "
+                         f"write to another folder, or delete it to start over")
     table = build_buckets(cfg)
     dataset = build_dataset(cfg, table)
     if rank == 0:
         print(f"[precompute] {dataset.summary()}", flush=True)
-    out = Path(args.out)
-    layout = ParallelLayout(dp=world_size)
-    runtime = init_runtime(cfg.parallel, layout)
+    runtime = init_runtime(cfg.parallel, ParallelLayout(dp=world_size))
+    # every rank must have indexed the same samples, or the shards would overlap or miss some
+    check_same_plan(build_sampler(cfg, dataset, table, rank, world_size), dataset, 0, runtime.control_group)
     text_encoder, vae = build_frozen(cfg, runtime.device)
-    (out / "latents").mkdir(parents=True, exist_ok=True)
+    if runtime.is_main:
+        (out / "latents").mkdir(parents=True, exist_ok=True)
+        (out / "meta.json").write_text(json.dumps(meta, indent=1))  # before any latent: a rerun checks it
+    runtime.fence()
 
     from safetensors.torch import save_file
     from torch.utils.data import DataLoader
@@ -75,7 +87,8 @@ def main(argv=None):
     lines, failed = [], {}
     for index, item, error in tqdm(loader, total=len(indices), desc="encode", disable=not runtime.is_main):
         entry, bucket = dataset.entries[index], table.buckets[dataset.bucket_of[index]]
-        name = f"latents/{index:09d}.safetensors"
+        content = hashlib.sha1(json.dumps([entry["path"], entry["caption"], bucket.name]).encode()).hexdigest()[:20]
+        name = f"latents/{content}.safetensors"
         if error is not None:
             failed[entry["path"]] = error
             continue
@@ -97,7 +110,6 @@ def main(argv=None):
         tmp = out / "index.jsonl.tmp"
         tmp.write_text("".join(json.dumps(line) + "\n" for line in lines))
         os.replace(tmp, out / "index.jsonl")
-        (out / "meta.json").write_text(json.dumps(latent_meta(cfg), indent=1))
         for r in range(world_size):
             (out / f"index.part{r}.json").unlink()
         for path, why in failed.items():
