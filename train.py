@@ -30,7 +30,7 @@ from parallel.checkpoint import load_checkpoint, read_trainer_state, resolve_che
 from parallel.fsdp import parallelize_dit, update_ema
 from parallel.layout import ParallelLayout
 from parallel.runtime import init_runtime, local_world_size, run_entrypoint, world_from_env
-from parallel.sequence import apply_sequence_parallel
+from parallel.sequence import apply_sequence_parallel, share_batch
 
 
 def parse_args(argv):
@@ -103,11 +103,11 @@ def main(argv=None):
         if runtime.is_main:
             print(f"[tessera] resumed from {checkpoint} at step {start_step}"
                   f"{'; the data plan changed: ' + replanned if replanned else ''}", flush=True)
-    batches = iter(build_loader(dataset, sampler, cfg.data.num_workers))
+    # One rank per sequence-parallel group reads, encodes and counts the data; share_batch gives it to the rest.
+    reader = runtime.sequence.sp_rank == 0
+    batches = iter(build_loader(dataset, sampler, cfg.data.num_workers)) if reader else None
     run.start_wandb(cfg)
 
-    sequence_degree = runtime.world_size // layout.dp  # ranks that share each batch
-    first_of_group = rank % sequence_degree == 0  # dp groups are blocks of consecutive ranks; one logs its failures
     window = torch.zeros(4 + len(buckets), dtype=torch.float64)  # loss sum, samples, tokens, replaced, batches per bucket
     reported = set()
     progress = tqdm(total=tc.max_steps, initial=start_step, disable=not runtime.is_main, dynamic_ncols=True,
@@ -116,11 +116,20 @@ def main(argv=None):
     window_start, window_step = time.perf_counter(), start_step  # throughput is averaged between log steps
     replaced_total = 0
     for step in range(start_step, tc.max_steps):
-        batch = next(batches)
+        samples = [i for i, _ in sampler.batch_at(step)]  # from the plan: the same on every rank of a group
+        bucket, n = int(dataset.bucket_of[samples[0]]), len(samples)
         # Text dropout, noise and timestep of each sample come from its own (seed, step, sample) generator.
-        rngs = [torch.Generator().manual_seed(sample_seed(tc.seed, step, i)) for i in batch["index"]]
+        rngs = [torch.Generator().manual_seed(sample_seed(tc.seed, step, i)) for i in samples]
         dropped = [torch.rand(1, generator=g).item() < tc.text_dropout for g in rngs]
-        x0, y, y_mask = encode_batch(batch, dropped, text_encoder, vae, device)
+        x0 = y = y_mask = None
+        if reader:
+            batch = next(batches)
+            if batch["index"] != samples:
+                raise RuntimeError(f"step {step}: the loader gave samples {batch['index']}, the plan {samples}")
+            x0, y, y_mask = encode_batch(batch, dropped, text_encoder, vae, device)
+        shapes = [(n, *buckets.latent_shapes[bucket]), (n, text_encoder.max_length, text_encoder.dim),
+                  (n, text_encoder.max_length)]
+        x0, y, y_mask = share_batch(runtime.sequence, x0, y, y_mask, shapes, device)
         noise, t = flow.draw(x0.shape[1:], rngs)
         loss = flow.training_loss(model, x0, y, y_mask, noise, t)
         loss.backward()
@@ -132,17 +141,17 @@ def main(argv=None):
         optimizer.zero_grad(set_to_none=True)
         update_ema(ema, model, tc.ema_decay)
         done = step + 1
-        window[1:4] += torch.tensor([len(batch["index"]), len(batch["index"]) * buckets.tokens[batch["bucket"]],
-                                     len(batch["failures"])])
-        window[4 + batch["bucket"]] += 1
-        for path, why in batch["failures"]:
-            if first_of_group and path not in reported:
-                reported.add(path)
-                print(f"[tessera] rank {rank}: replaced {path} by another sample of its bucket ({why})", flush=True)
+        if reader:
+            window[1:4] += torch.tensor([n, n * buckets.tokens[bucket], len(batch["failures"])])
+            window[4 + bucket] += 1
+            for path, why in batch["failures"]:
+                if path not in reported:
+                    reported.add(path)
+                    print(f"[tessera] rank {rank}: replaced {path} by another sample ({why})", flush=True)
 
         if done % tc.log_every == 0 or done == tc.max_steps:
-            window[0] = loss.detach().double().item()  # this step's loss; SP ranks hold the same one
-            totals = comm.all_reduce(window.clone()) / sequence_degree  # .item() above synchronised the device
+            window[0] = loss.detach().double().item() if reader else 0.0  # this step's loss, once per group
+            totals = comm.all_reduce(window.clone())  # .item() above synchronised the device
             mean_loss = totals[0].item() / layout.dp
             if not math.isfinite(mean_loss):
                 raise FloatingPointError(f"loss is {mean_loss} at step {done}; lower train.lr or check the data")

@@ -240,6 +240,15 @@ def exchange(send: torch.Tensor, to_rank: int, recv: torch.Tensor, from_rank: in
     return PendingExchange([], record, recv)
 
 
+def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
+    """In-place broadcast from global rank `src`, chunked above the message cap."""
+    with _recorded("broadcast", group, tensor):
+        flat = tensor.view(-1)
+        for chunk in _chunks(flat):
+            _wait(dist.broadcast(chunk, src=src, group=group, async_op=True), chunk)
+    return tensor
+
+
 def barrier(group=None) -> None:
     with _recorded("barrier", group, None):
         dist.barrier(group=group)

@@ -151,6 +151,9 @@ def check_chunking(group):
         received = torch.empty_like(data)
         comm.exchange(data, to_rank, received, from_rank, group).wait()
         identical &= torch.equal(received, torch.arange(size * 1000, dtype=torch.float32) + 10000 * from_rank)
+        shared = data.clone()  # broadcast from the group's last rank, whole and in pieces
+        comm.broadcast(shared, dist.get_global_rank(group, size - 1), group)
+        identical &= torch.equal(shared, torch.arange(size * 1000, dtype=torch.float32) + 10000 * (size - 1))
     comm.configure(256)
     expected_a2a = torch.cat([torch.arange(rank * 1000, (rank + 1) * 1000, dtype=torch.float32) + 10000 * j
                               for j in range(size)])
