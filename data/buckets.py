@@ -15,6 +15,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
+
 from models.vae import num_tokens
 
 
@@ -80,11 +82,17 @@ class BucketTable:
     def __len__(self):
         return len(self.buckets)
 
-    def available_frames(self, num_frames: int, source_fps: float | None, target_fps: float | None) -> int:
-        """Frames a clip yields at the target rate: grid times 0, 1/fps, ... within its span."""
-        if num_frames <= 1 or not target_fps or not source_fps:
+    @staticmethod
+    def available_frames(num_frames, source_fps, target_fps: float | None):
+        """Frames a clip yields at the target rate: grid times 0, 1/fps, ... within its span. Numbers or
+        numpy arrays (a missing source rate is None or NaN: the clip is taken as it is)."""
+        num_frames = np.asarray(num_frames, dtype=np.int64)
+        if not target_fps:
             return num_frames
-        return 1 + math.floor((num_frames - 1) * target_fps / source_fps + 1e-6)
+        source = np.asarray(np.nan if source_fps is None else source_fps, dtype=np.float64)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            resampled = 1 + np.floor((num_frames - 1) * target_fps / source + 1e-6)
+        return np.where((num_frames > 1) & (source > 0), resampled, num_frames).astype(np.int64)
 
     def assign(self, width: int, height: int, num_frames: int, source_fps: float | None = None,
                target_fps: float | None = None) -> tuple[int | None, str]:

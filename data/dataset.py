@@ -47,9 +47,9 @@ class BucketedDataset:
     def assign(self, entry: dict) -> tuple[int | None, str]:
         raise NotImplementedError
 
-    def can_fill(self, entry: dict, bucket: Bucket) -> bool:
-        """Whether a sample of another bucket can stand in for this bucket's samples (resized into it)."""
-        return False
+    def can_fill(self, bucket: Bucket) -> np.ndarray:
+        """Which samples (a boolean per sample) can stand in for this bucket's, resized into it."""
+        return np.zeros(len(self), dtype=bool)
 
     def digest(self) -> str:
         """What every rank must agree on besides the plan: the samples (captions, sizes; not the paths,
@@ -107,8 +107,8 @@ class BucketedDataset:
 
     def _stand_ins(self, bucket: Bucket, tried: set) -> list[int]:
         """Samples of other buckets that can fill this one, for a bucket none of whose samples loads
-        (a bucket of one sample whose file was deleted must not stop a run). Rare: a linear scan."""
-        return [i for i in range(len(self)) if i not in tried and self.can_fill(self.entries[i], bucket)]
+        (a bucket of one sample whose file was deleted must not stop a run)."""
+        return [i for i in np.flatnonzero(self.can_fill(bucket)).tolist() if i not in tried]
 
 
 class MediaDataset(BucketedDataset):
@@ -121,8 +121,9 @@ class MediaDataset(BucketedDataset):
     def assign(self, entry):
         return self.table.assign(entry["width"], entry["height"], entry["num_frames"], entry.get("fps"), self.fps)
 
-    def can_fill(self, entry, bucket):
-        return self.table.available_frames(entry["num_frames"], entry.get("fps"), self.fps) >= bucket.frames
+    def can_fill(self, bucket):
+        fps = self.entries.numbers("fps") if "fps" in self.entries.columns else None
+        return self.table.available_frames(self.entries.numbers("num_frames"), fps, self.fps) >= bucket.frames
 
     def load(self, entry, bucket, rng):
         from data.media import read_clip
@@ -146,8 +147,8 @@ class SyntheticDataset(BucketedDataset):
     def assign(self, entry):
         return self.table.assign(entry["width"], entry["height"], entry["num_frames"])
 
-    def can_fill(self, entry, bucket):
-        return entry["num_frames"] >= bucket.frames
+    def can_fill(self, bucket):
+        return self.entries.numbers("num_frames") >= bucket.frames
 
     def load(self, entry, bucket, rng):
         from data.media import fit_to_bucket

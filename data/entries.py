@@ -77,6 +77,10 @@ class Entries:
     def __iter__(self):
         return (self[i] for i in range(self.length))
 
+    def numbers(self, key: str) -> np.ndarray:
+        """A number column as one array (missing values: NaN for decimals, the int64 minimum for whole numbers)."""
+        return self.columns[key].data
+
     def digest(self, exclude: tuple[str, ...] = ()) -> str:
         """A hash of every column but `exclude`: equal on two ranks only if they read the same samples."""
         h = hashlib.sha1()
