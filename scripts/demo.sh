@@ -10,6 +10,6 @@ RUN=${DEMO_RUN:-runs/demo}
 "$PY" infer.py --config configs/demo.yaml "run.output_dir=$RUN" "$@" --output "$RUN/demo.mp4" \
   --prompt "a red square moving left" "a green circle moving right" "a blue triangle moving up" "a yellow square moving down"
 "$PY" infer.py --config configs/demo.yaml "run.output_dir=$RUN" "$@" --output "$RUN/demo.gif" \
-  --prompt "a magenta triangle moving left"
+  --height 24 --width 44 --prompt "a magenta triangle moving left"   # the 16:9 bucket
 "$PY" scripts/eval_demo.py --config configs/demo.yaml "run.output_dir=$RUN" "$@"
 echo "[demo] videos in $RUN (demo_000.mp4 ... demo_003.mp4, demo.gif), metrics in $RUN/metrics.jsonl"
