@@ -52,16 +52,10 @@ class BucketTable:
     def __init__(self, data_cfg, latent_space, patch_size, default_batch_size: int):
         pt, ph, pw = patch_size
         side_h, side_w = latent_space.spatial_stride * ph, latent_space.spatial_stride * pw
-        self.max_upscale = float(data_cfg.max_upscale)
-        if self.max_upscale < 1.0:
-            raise ValueError(f"data.max_upscale must be at least 1.0 (1.0: never enlarge), got {self.max_upscale}")
+        self.max_upscale = float(data_cfg.max_upscale)  # signs and ranges: checked by configs.validate
         ratios = [parse_aspect_ratio(r) for r in data_cfg.aspect_ratios] or [data_cfg.width / data_cfg.height]
-        if any(r < 1 for r in data_cfg.resolutions):
-            raise ValueError(f"data.resolutions must be positive sides in pixels, got {list(data_cfg.resolutions)}")
         budgets = [r * r for r in data_cfg.resolutions] or [data_cfg.height * data_cfg.width]
         frame_counts = sorted(set(data_cfg.frame_counts or [data_cfg.frames]))
-        if frame_counts[0] < 1:
-            raise ValueError(f"data.frame_counts must be positive (1: images), got {list(data_cfg.frame_counts)}")
         for frames in frame_counts:  # the VAE's rule, with its own suggestion of valid counts
             try:
                 latent_space.latent_shape(frames, side_h, side_w, patch_size)

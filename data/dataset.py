@@ -19,6 +19,10 @@ from data.buckets import Bucket, BucketTable
 from data.entries import Entries
 
 
+class DataError(ValueError):
+    """The data is broken beyond replacing a sample (a user error: the message names the files)."""
+
+
 def _reason(error: Exception) -> str:
     text = f"{type(error).__name__}: {error}".strip()
     return text if len(text) < 300 else text[:297] + "..."
@@ -97,7 +101,7 @@ class BucketedDataset:
             others = [m for m in self.members[bucket_id].tolist() if m not in tried] or self._stand_ins(bucket, tried)
             if not others or len(failures) > self.max_replacements:
                 listed = "; ".join(f"{p} ({why})" for p, why in failures)
-                raise RuntimeError(f"bucket {bucket.name}: {len(failures)} samples in a row could not be loaded and "
+                raise DataError(f"bucket {bucket.name}: {len(failures)} samples in a row could not be loaded and "
                                    f"{'none is left to replace them' if not others else 'the data looks broken'}: "
                                    f"{listed}")
             pick = np.random.default_rng([self.seed, epoch, index, len(failures)]).integers(len(others))

@@ -16,14 +16,17 @@ _MISSING_INT = np.iinfo(np.int64).min
 
 class _Strings:
     def __init__(self, values: list[str | None]):
-        encoded = [b"" if v is None else v.encode() for v in values]
+        # surrogateescape: a file name that is not UTF-8 survives the round trip unchanged
+        encoded = [b"" if v is None else v.encode(errors="surrogateescape") for v in values]
         self.offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
         np.cumsum([len(e) for e in encoded], out=self.offsets[1:])
         self.buffer = np.frombuffer(b"".join(encoded), dtype=np.uint8)
         self.present = np.array([v is not None for v in values], dtype=bool)
 
     def __getitem__(self, i: int) -> str | None:
-        return self.buffer[self.offsets[i]:self.offsets[i + 1]].tobytes().decode() if self.present[i] else None
+        if not self.present[i]:
+            return None
+        return self.buffer[self.offsets[i]:self.offsets[i + 1]].tobytes().decode(errors="surrogateescape")
 
     def arrays(self):
         return self.buffer, self.offsets, self.present
@@ -59,10 +62,13 @@ class Entries:
         for key in keys:
             values = [d.get(key) for d in dicts]
             present = [v for v in values if v is not None]
-            if all(isinstance(v, str) for v in present):
+            if present and all(isinstance(v, str) for v in present):
                 self.columns[key] = _Strings(values)
             elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in present):
-                self.columns[key] = _Numbers(values, integer=all(isinstance(v, int) for v in present))
+                try:  # all missing (images have no fps) is a number column of NaN
+                    self.columns[key] = _Numbers(values, integer=bool(present) and all(isinstance(v, int) for v in present))
+                except OverflowError:  # a whole number beyond int64: metadata tessera does not read
+                    pass
         self.length = len(dicts)
 
     def __len__(self) -> int:

@@ -10,6 +10,11 @@ from data.dataset import BucketedDataset, collate
 from data.sampler import BucketSampler
 
 
+# How the start-up summary counts the files a manifest or folder lists but training cannot use.
+LEFT_OUT_CATEGORIES = (("unsupported file type", "unsupported file type"), ("no caption file", "no caption"),
+                       ("caption file", "caption not UTF-8"))
+
+
 def build_buckets(cfg) -> BucketTable:
     from models.vae import vae_latent_space
 
@@ -29,13 +34,16 @@ def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
         from data.dataset import MediaDataset
         from data.manifest import complete_metadata, read_manifest
 
-        entries, unreadable = complete_metadata(read_manifest(dc.manifest), need_fps=dc.fps is not None)
+        skipped = {}  # a folder's files without a caption or that could not be probed
+        entries, unreadable = complete_metadata(read_manifest(dc.manifest, skipped), need_fps=dc.fps is not None)
+        unreadable.update(skipped)
         if not entries:
             named = "; ".join(f"{p}: {why}" for p, why in list(unreadable.items())[:3])
             raise ValueError(f"data.manifest='{dc.manifest}': none of its {len(unreadable)} files can be read ({named} ...)")
         dataset = MediaDataset(entries, table, dc.fps, cfg.train.seed)
         for path, why in unreadable.items():
-            dataset.leave_out(path, "unsupported file type" if why.startswith("unsupported") else "unreadable", why)
+            category = next((name for prefix, name in LEFT_OUT_CATEGORIES if why.startswith(prefix)), "unreadable")
+            dataset.leave_out(path, category, why)
         return dataset
     from data.dataset import SyntheticDataset
     from data.synthetic import SyntheticVideoDataset
@@ -50,26 +58,30 @@ def build_sampler(cfg, dataset: BucketedDataset, table: BucketTable, dp_rank: in
                          cfg.data.epoch_remainder)
 
 
-def check_same_plan(sampler: BucketSampler, dataset: BucketedDataset, step: int, group=None) -> None:
-    """One small all-gather: every rank must have the same steps per epoch, the same plan and the same
-    data, or the job would hang later in a collective that one rank never reaches (or train each rank
-    on other samples). A mismatch is an error on every rank that names the ranks."""
+def check_same_plan(sampler: BucketSampler, dataset: BucketedDataset, resume_step: int | None, group=None) -> None:
+    """One small all-gather: every rank must have the same steps per epoch, the same plan, the same
+    data and the same checkpoint to resume from (None: none), or the job would hang later in a
+    collective that one rank never reaches (or train each rank on other samples). A mismatch is an
+    error on every rank that names the ranks."""
     import torch.distributed as dist
 
     from parallel import comm
 
-    steps, plan_hash = sampler.fingerprint(step)
+    steps, plan_hash = sampler.fingerprint(resume_step or 0)
     world = dist.get_world_size(group)
-    mine = torch.tensor([steps, int(plan_hash[:15], 16), int(dataset.digest()[:15], 16)], dtype=torch.int64)
-    everyone = comm.all_gather_into_tensor(torch.empty(3 * world, dtype=torch.int64), mine, group).view(world, 3)
+    mine = torch.tensor([steps, int(plan_hash[:15], 16), int(dataset.digest()[:15], 16),
+                         -1 if resume_step is None else resume_step], dtype=torch.int64)
+    everyone = comm.all_gather_into_tensor(torch.empty(4 * world, dtype=torch.int64), mine, group).view(world, 4)
     variants = defaultdict(list)
     for rank, row in enumerate(everyone.tolist()):
         variants[tuple(row)].append(rank)
     if len(variants) > 1:
         described = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {s} steps per epoch, plan "
-                              f"{p:015x}, data {d:015x}" for (s, p, d), r in variants.items())
-        raise ValueError(f"the data differs between ranks ({described}). Every rank must read the same manifest "
-                         f"with the same recipe; a file that only some ranks could probe changes their buckets")
+                              f"{p:015x}, data {d:015x}, {'no checkpoint' if at < 0 else f'resuming at step {at}'}"
+                              for (s, p, d, at), r in variants.items())
+        raise ValueError(f"the data or the checkpoint differs between ranks ({described}). Every rank must read the "
+                         f"same manifest with the same recipe and see the same run directory; a file that only some "
+                         f"ranks could probe changes their buckets")
 
 
 def _worker_init(_):

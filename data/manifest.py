@@ -18,17 +18,21 @@ from data.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, probe_media
 SIZE_KEYS = ("width", "height", "num_frames")
 
 
-def read_manifest(path) -> list[dict]:
+def read_manifest(path, left_out: dict | None = None) -> list[dict]:
+    """The entries of a JSONL manifest, or of a folder of captioned media (what a folder's indexing
+    leaves out goes into `left_out`, {path: why}, when given)."""
     path = Path(path)
     if path.is_dir():
-        entries, _ = index_folder(path)
+        entries, skipped = index_folder(path)
         if not entries:
             raise ValueError(f"data.manifest='{path}' is a folder without captioned media (a .txt beside each file)")
+        if left_out is not None:
+            left_out.update(skipped)
         return entries
     if not path.is_file():
         raise FileNotFoundError(f"data.manifest='{path}' does not exist")
     entries = []
-    with open(path) as f:
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:  # file names need not be UTF-8
         for line_number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -124,9 +128,12 @@ def index_folder(folder, workers: int | None = None) -> tuple[list[dict], dict[s
     entries, skipped = [], {}
     for p in media:
         caption = p.with_suffix(".txt")
-        if caption.is_file():
-            entries.append({"path": str(p), "caption": caption.read_text().strip()})
-        else:
+        if not caption.is_file():
             skipped[str(p)] = f"no caption file {caption.name}"
+            continue
+        try:
+            entries.append({"path": str(p), "caption": caption.read_text(encoding="utf-8").strip()})
+        except UnicodeDecodeError as e:
+            skipped[str(p)] = f"caption file {caption.name} is not UTF-8 text ({e.reason} at byte {e.start})"
     entries, failed = complete_metadata(entries, workers)
     return entries, {**skipped, **failed}
