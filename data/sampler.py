@@ -123,12 +123,13 @@ class BucketSampler:
         checkpoint's step (the rest of the interrupted epoch is skipped)."""
         if on_change not in PLAN_CHANGE_MODES:
             raise ValueError(f"data.on_plan_change must be one of {PLAN_CHANGE_MODES}, got {on_change!r}")
-        missing = [k for k in ("seed", "epoch", "step_in_epoch", "step", "plan_hash", "dp_size") if k not in state]
-        if missing:
-            raise ValueError(f"the checkpoint's sampler state lacks {missing} (written by an older tessera); "
-                             f"start fresh with train.resume=none")
+        if "step" not in state:
+            raise ValueError("the checkpoint's sampler state has no step; start fresh with train.resume=none")
         step = int(state["step"])
-        if state["dp_size"] != self.dp_size:
+        missing = [k for k in ("seed", "epoch", "step_in_epoch", "plan_hash", "dp_size") if k not in state]
+        if missing:
+            why = f"its data position lacks {missing} (it was written by an older tessera)"
+        elif state["dp_size"] != self.dp_size:
             why = f"it was written with {state['dp_size']} data-parallel ranks and this run has {self.dp_size}"
         elif state["seed"] != self.seed:
             why = f"it used train.seed={state['seed']} and this run {self.seed}"
@@ -142,12 +143,13 @@ class BucketSampler:
                 return step, ""
             why = f"epoch {state['epoch']}'s batch plan differs from the checkpoint's (the data, bucket assignment or " \
                   f"batch sizes changed)"
+        epoch = int(state.get("epoch", 0))
         if on_change == "error":
             raise ValueError(f"cannot resume the data position: {why}. Resume with the same data, recipe and number of "
-                             f"data-parallel ranks; or set data.on_plan_change=new_epoch to start epoch "
-                             f"{state['epoch'] + 1} under the new plan (the rest of epoch {state['epoch']} is skipped); "
-                             f"or start fresh with train.resume=none")
-        self.origin_step, self.origin_epoch = step, int(state["epoch"]) + 1
+                             f"data-parallel ranks; or set data.on_plan_change=new_epoch to start epoch {epoch + 1} "
+                             f"under the new plan (the rest of epoch {epoch} is skipped); or start fresh with "
+                             f"train.resume=none")
+        self.origin_step, self.origin_epoch = step, epoch + 1
         return step, f"{why}: epoch {self.origin_epoch} starts at step {step} under the new plan"
 
 
