@@ -76,7 +76,7 @@ def main(argv=None):
     runtime = init_runtime(cfg.parallel, layout)
     # Ranks that read other data fail here, by name, not in a hang later; then every rank judges the
     # checkpoint's data position alike (another dp size or other data: refused, or data.on_plan_change).
-    check_same_plan(sampler, dataset, resume["step"] if resume else 0, runtime.control_group)
+    check_same_plan(sampler, dataset, resume["step"] if resume else None, runtime.control_group)
     start_step, replanned = sampler.load_state_dict(resume, cfg.data.on_plan_change) if resume else (0, "")
     sampler.start_step = start_step  # O(1): the sampler computes its position from the step
     device = runtime.device

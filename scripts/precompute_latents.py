@@ -5,11 +5,11 @@
 
 Every sample is encoded in the bucket the recipe assigns it, from the clip that epoch 0 would take.
 Rank r encodes samples r, r + N, ...; loader workers (data.num_workers) decode ahead of the encoder.
-Finished files are kept, named by what they hold (source file, caption, bucket): a rerun after a
-crash, or after samples were added, encodes only what is missing, and never reuses a file for other
-content. A folder made with another VAE, text encoder or fps is refused before anything is encoded.
-Samples that cannot be read are left out of the index and listed. The folder layout is described in
-data/latents.py.
+Finished files are kept, named by what they hold (source file with its size and modification time,
+caption, bucket, seed): a rerun after a crash, or after samples were added, encodes only what is
+missing, and never reuses a file for other content. A folder made with another VAE, text encoder or
+fps is refused before anything is encoded. Samples that cannot be read are left out of the index and
+listed. The folder layout is described in data/latents.py.
 """
 
 import argparse
@@ -53,6 +53,17 @@ class _Shard:
             return index, None, f"{type(e).__name__}: {e}"
 
 
+def content_key(entry: dict, bucket: str, seed: int) -> str:
+    """What a latent file holds: the source file as it is now (path, size, modification time), the
+    caption, the bucket and the seed that picks epoch 0's clip. A rerun reuses a file only if all match."""
+    try:
+        stat = os.stat(entry["path"])
+        version = (stat.st_size, stat.st_mtime_ns)
+    except OSError:  # the synthetic generator's samples are not files
+        version = None
+    return hashlib.sha1(json.dumps([entry["path"], version, entry["caption"], bucket, seed]).encode()).hexdigest()[:20]
+
+
 def main(argv=None):
     args, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,7 +83,7 @@ def main(argv=None):
         print(f"[precompute] {dataset.summary()}", flush=True)
     runtime = init_runtime(cfg.parallel, ParallelLayout(dp=world_size))
     # every rank must have indexed the same samples, or the shards would overlap or miss some
-    check_same_plan(build_sampler(cfg, dataset, table, rank, world_size), dataset, 0, runtime.control_group)
+    check_same_plan(build_sampler(cfg, dataset, table, rank, world_size), dataset, None, runtime.control_group)
     text_encoder, vae = build_frozen(cfg, runtime.device)
     if runtime.is_main:
         (out / "latents").mkdir(parents=True, exist_ok=True)
@@ -87,8 +98,7 @@ def main(argv=None):
     lines, failed = [], {}
     for index, item, error in tqdm(loader, total=len(indices), desc="encode", disable=not runtime.is_main):
         entry, bucket = dataset.entries[index], table.buckets[dataset.bucket_of[index]]
-        content = hashlib.sha1(json.dumps([entry["path"], entry["caption"], bucket.name]).encode()).hexdigest()[:20]
-        name = f"latents/{content}.safetensors"
+        name = f"latents/{content_key(entry, bucket.name, cfg.train.seed)}.safetensors"
         if error is not None:
             failed[entry["path"]] = error
             continue

@@ -1,6 +1,6 @@
 """Run under torchrun (3 processes) by tests/test_data_parallel.py: the start-up check that every rank
 has the same data passes when they agree and, when one rank's data differs (another bucket for one
-file, more files, other captions), fails on every rank with a message that names the ranks (instead
+file, more files, other captions, a checkpoint it does not see), fails on every rank with a message that names the ranks (instead
 of a hang in a later collective, or ranks silently training on different samples)."""
 
 import datetime
@@ -42,6 +42,7 @@ def main():
     check(dataset(first_frames=5 if rank == 2 else 10), 5, "plan")  # probed shorter here: same steps, other plan
     check(dataset(long=11 if rank == 1 else 7), 0, "steps")  # more batches on rank 1
     check(dataset(caption="other" if rank == 0 else "clip"), 0, "data")  # same plan, other captions
+    check(dataset(), None if rank == 2 else 1, "checkpoint")  # rank 2 does not see the checkpoint (same epoch)
     dist.barrier()  # every rank is still in step after the errors: nobody hung
     dist.destroy_process_group()
 

@@ -16,12 +16,13 @@ def test_plan_check_names_the_ranks_that_differ():
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert out.count(": same ok") == 3 and "detected same" not in out, out
-    for label in ("plan", "steps", "data"):  # every rank reports each mismatch, none passes it
+    for label in ("plan", "steps", "data", "checkpoint"):  # every rank reports each mismatch, none passes it
         assert out.count(f": detected {label}:") == 3 and f": {label} ok" not in out, out
     assert "ranks 0, 1: 2 steps per epoch" in out and "rank 2: 2 steps per epoch" in out  # the plan case
     assert "rank 1: 3 steps per epoch" in out, out
     data_lines = [line for line in out.splitlines() if ": detected data:" in line]
     assert all("rank 0: 2 steps per epoch" in line and "ranks 1, 2: 2 steps per epoch" in line for line in data_lines)
+    assert "ranks 0, 1: 2 steps per epoch" in out and "resuming at step 1; rank 2:" in out and "no checkpoint)" in out
 
 
 def test_three_processes_train_several_epochs_on_a_skewed_dataset(tmp_path):
