@@ -6,6 +6,7 @@ uint8 (frames, height, width, 3), a quarter of the bytes between loader workers 
 and become [-1, 1] floats on the device (`to_model_range`).
 """
 
+import collections
 from pathlib import Path
 
 import numpy as np
@@ -49,8 +50,28 @@ def _open_video(path):
     return container, stream
 
 
+def _native_rate(stream) -> float | None:
+    return float(stream.average_rate or stream.guessed_rate or 0) or None
+
+
 def _frame_rate(stream, fallback: float | None = None) -> float:
-    return float(stream.average_rate or stream.guessed_rate or 0) or fallback or 24.0
+    return _native_rate(stream) or fallback or 24.0
+
+
+def _stream_start(stream) -> float:
+    """When the stream's first frame is shown: clips cut from longer videos need not start at 0."""
+    return float(stream.start_time * stream.time_base) if stream.start_time is not None else 0.0
+
+
+def _seek(container, stream, seconds: float) -> None:
+    """To the key frame at or before `seconds` after the stream's start."""
+    container.seek(int((seconds + _stream_start(stream)) / stream.time_base), stream=stream, backward=True,
+                   any_frame=False)
+
+
+def _sideways(rotation: int) -> bool:
+    """A display rotation of 90 or 270 degrees swaps width and height."""
+    return round(rotation / 90) % 2 == 1
 
 
 def _header_frame_count(stream, rate: float) -> int:
@@ -85,7 +106,7 @@ def _nearest_frames(decoded, grid: np.ndarray, frame_dt: float, take):
 
 def _timed_frames(container, stream, frame_dt: float):
     """(seconds since the stream's start, frame) of every decoded frame from the current position."""
-    base = float(stream.start_time * stream.time_base) if stream.start_time is not None else 0.0
+    base = _stream_start(stream)
     for i, frame in enumerate(container.decode(stream)):
         yield (float(frame.time) - base if frame.time is not None else i * frame_dt), frame
 
@@ -173,10 +194,9 @@ def probe_media(path) -> dict:
         if first is None:
             raise ValueError("no video frame could be decoded")
         width, height = stream.codec_context.width, stream.codec_context.height
-        if round(first.rotation / 90) % 2:
+        if _sideways(first.rotation):
             width, height = height, width
-        return {"width": width, "height": height, "num_frames": int(frames),
-                "fps": float(stream.average_rate or stream.guessed_rate or 0) or None}
+        return {"width": width, "height": height, "num_frames": int(frames), "fps": _native_rate(stream)}
 
 
 def read_clip(path, frames: int, height: int, width: int, fps: float | None = None,
@@ -184,8 +204,10 @@ def read_clip(path, frames: int, height: int, width: int, fps: float | None = No
     """One training clip as (frames, height, width, 3) uint8, resized to cover the size and centre-cropped.
 
     Videos: the clip starts at a point drawn from `rng` (at 0 without one) within the video's
-    `num_frames` (the manifest's count; the headers' without it); the decoder seeks to the key frame
-    before it and decodes only until the clip is complete. Without `fps` the frames are consecutive;
+    `num_frames` (the manifest's count; the headers' without it), converted to a time at the average
+    rate (so in a variable-rate video starts are uniform in time, not in frames); the decoder seeks
+    to the key frame before it and decodes only until the clip is complete; a start that runs past
+    the real end gives the clip that ends at the last frame. Without `fps` the frames are consecutive;
     with it each time on the 1/fps grid takes the frame nearest to it (frames are dropped or
     repeated). Each frame is scaled by FFmpeg straight to the cover size, so memory holds `frames`
     small frames, never the source resolution. A clip that is too short raises ValueError.
@@ -212,15 +234,14 @@ def read_clip(path, frames: int, height: int, width: int, fps: float | None = No
                 raise ValueError(f"too short: {length} frames at {rate:g} fps, the bucket needs {frames} at {fps:g} fps")
             start = float(rng.uniform(0.0, last - span)) if rng is not None and last is not None and last > span else 0.0
         if start > 0:
-            base = float(stream.start_time * stream.time_base) if stream.start_time is not None else 0.0
-            container.seek(int((start + base) / stream.time_base), stream=stream, backward=True, any_frame=False)
+            _seek(container, stream, start)
         source_h, source_w = stream.codec_context.height, stream.codec_context.width
         cover, scaled = None, None
 
         def take(frame):
             nonlocal cover, scaled
             if cover is None:  # the display rotation swaps the axes FFmpeg scales
-                sideways = round(frame.rotation / 90) % 2
+                sideways = _sideways(frame.rotation)
                 cover = cover_size(*((source_w, source_h) if sideways else (source_h, source_w)), height, width)
                 scaled = cover[::-1] if sideways else cover
             pixels = frame.to_ndarray(format="rgb24", width=scaled[1], height=scaled[0],
@@ -233,11 +254,30 @@ def read_clip(path, frames: int, height: int, width: int, fps: float | None = No
             out = [take(f) for _, f in zip(range(frames), first)]
         else:
             out = _nearest_frames(decoded, start + np.arange(frames) / fps, frame_dt, take)
+        if len(out) < frames and start > 0:
+            # The count or the average rate overstated where a variable-rate video ends: take the clip
+            # that ends at its last frame (not the file's start, which would bias the starts).
+            out = _clip_at_end(container, stream, frames, fps, frame_dt, start, take)
     if len(out) < frames:
-        if start > 0:  # the count or the rate overstated the length (variable frame rate): the file's start
-            return read_clip(path, frames, height, width, fps, None, num_frames)
         raise ValueError(f"too short: {len(out)} of {frames} frames decoded")
     return np.stack(out)
+
+
+def _clip_at_end(container, stream, frames: int, fps: float | None, frame_dt: float, start: float, take) -> list:
+    """The clip that ends at the video's last frame: the last `frames` frames, or the fps grid whose
+    last time is the last frame's. Decodes to the end from before `start` (from the file's start if
+    that is not early enough), keeping at most `frames` frames."""
+    for earlier in (max(0.0, start - 2 * frames * frame_dt), 0.0):
+        _seek(container, stream, earlier)
+        tail = collections.deque(_timed_frames(container, stream, frame_dt), maxlen=frames)
+        if fps is not None and tail:  # the last frame's time is known now: the grid that ends there
+            begin = max(0.0, tail[-1][0] - (frames - 1) / fps)
+            _seek(container, stream, begin)
+            return _nearest_frames(_timed_frames(container, stream, frame_dt), begin + np.arange(frames) / fps,
+                                   frame_dt, take)
+        if len(tail) == frames or earlier == 0.0:
+            return [take(f) for _, f in tail]
+    return []
 
 
 def write_video(path, video: np.ndarray, fps: int = 8) -> list[Path]:

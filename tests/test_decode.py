@@ -114,9 +114,13 @@ def test_variable_frame_rate(tmp_path):
     """20 frames 125 ms apart, then 20 frames 500 ms apart."""
     times = [125 * k for k in range(20)] + [125 * 19 + 500 * (k + 1) for k in range(20)]
     vfr = write_counter_video(tmp_path / "vfr.mp4", frames=40, fps=8, times_ms=times)
-    for seed in range(6):  # without data.fps: consecutive frames, whatever the rate
+    starts = []
+    for seed in range(20):  # without data.fps: consecutive frames, whatever the rate
         got = frame_numbers(read_clip(vfr, 10, 16, 16, rng=np.random.default_rng(seed), num_frames=40))
         assert got == list(range(got[0], got[0] + 10))
+        starts.append(got[0])
+    # a start past the real end (the average rate overstates it) gives the clip ending at the last frame
+    assert 30 in starts and starts.count(0) <= 2, starts
     # at 4 fps (every 250 ms) the nearest frames: every second frame, then each slow frame twice
     assert frame_numbers(read_clip(vfr, 14, 16, 16, fps=4)) == [0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 19, 20, 20, 21]
 
@@ -262,6 +266,19 @@ def test_a_bucket_with_nothing_readable_left_borrows_from_a_bucket_with_enough_f
     item = dataset[(alone, 0)]
     assert item["video"].shape == (3, 8, 16, 16) and item["caption"].startswith("clip")  # an 8-frame clip, cropped
     assert [p.rsplit("/", 1)[1] for p, _ in item["failures"]] == ["gone.mp4"]
+
+    # images only (no fps anywhere): the same
+    from PIL import Image
+
+    Image.fromarray(np.full((32, 48, 3), 90, dtype=np.uint8)).save(messy_folder / "wide.png")
+    images = MediaDataset([{"path": str(messy_folder / "wide.png"), "caption": "wide", "width": 48, "height": 32,
+                            "num_frames": 1, "fps": None},
+                           {"path": str(messy_folder / "gone.png"), "caption": "gone", "width": 16, "height": 16,
+                            "num_frames": 1, "fps": None}],
+                          build_buckets(load_config(TINY, ["data.frame_counts=[1]", 'data.aspect_ratios=["1:1","3:2"]',
+                                                           "data.resolutions=[16]"])))
+    item = images[(1, 0)]
+    assert item["video"].shape == (3, 1, 16, 16) and item["caption"] == "wide"
 
 
 def test_manifest_lines_are_checked_and_unusable_files_left_out(tmp_path, messy_folder):
