@@ -2,7 +2,8 @@
 
     <folder>/meta.json          the VAE, text encoder and fps they were made with
     <folder>/index.jsonl        one line per sample: path, caption, frames, height, width (its bucket), source
-    <folder>/latents/<n>.safetensors   "latent" (C, t, h, w) float32, "text" (tokens, dim) float32
+    <folder>/latents/<key>.safetensors "latent" (C, t, h, w) float32, "text" (tokens, dim) float32; <key>
+                                       is a hash of what it holds (scripts/precompute_latents.py)
 
 Latents encode one clip per sample (the clip the loader takes in epoch 0) in the bucket the recipe
 assigns; training reads them into the same buckets and the same sampler as media.
