@@ -151,13 +151,13 @@ def main(argv=None):
 
         if done % tc.log_every == 0 or done == tc.max_steps:
             window[0] = loss.detach().double().item() if reader else 0.0  # this step's loss, once per group
-            totals = comm.all_reduce(window.clone())  # .item() above synchronised the device
+            totals = comm.all_reduce(window.to(device, copy=True)).cpu()  # on the device: NCCL takes no CPU tensors
             mean_loss = totals[0].item() / layout.dp
             if not math.isfinite(mean_loss):
                 raise FloatingPointError(f"loss is {mean_loss} at step {done}; lower train.lr or check the data")
             elapsed = time.perf_counter() - window_start
             step_time = elapsed / (done - window_step)
-            mix = {buckets.buckets[b].name: int(n) for b, n in enumerate(totals[4:].tolist()) if n}
+            mix = {buckets.buckets[b].name: int(count) for b, count in enumerate(totals[4:].tolist()) if count}
             replaced_total = replaced_total + int(totals[3])
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             run.log_metrics({"step": done, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm),
