@@ -102,8 +102,8 @@ class BucketedDataset:
             if not others or len(failures) > self.max_replacements:
                 listed = "; ".join(f"{p} ({why})" for p, why in failures)
                 raise DataError(f"bucket {bucket.name}: {len(failures)} samples in a row could not be loaded and "
-                                   f"{'none is left to replace them' if not others else 'the data looks broken'}: "
-                                   f"{listed}")
+                                f"{'none is left to replace them' if not others else 'the data looks broken'}: "
+                                f"{listed}")
             pick = np.random.default_rng([self.seed, epoch, index, len(failures)]).integers(len(others))
             candidate = others[pick]
         item.update(caption=entry["caption"], index=index, bucket=bucket_id, failures=failures)

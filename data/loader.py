@@ -9,7 +9,6 @@ from data.buckets import BucketTable
 from data.dataset import BucketedDataset, collate
 from data.sampler import BucketSampler
 
-
 # How the start-up summary counts the files a manifest or folder lists but training cannot use.
 LEFT_OUT_CATEGORIES = (("unsupported file type", "unsupported file type"), ("no caption file", "no caption"),
                        ("caption file", "caption not UTF-8"))

@@ -22,7 +22,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from configs import load_config, split_overrides  # noqa: E402

@@ -126,9 +126,8 @@ def test_variable_frame_rate(tmp_path):
 
 
 def test_display_rotation_and_exif_orientation(tmp_path):
-    from PIL import Image
-
     import av
+    from PIL import Image
 
     image = np.zeros((32, 64, 3), dtype=np.uint8)
     image[:, :16] = 255  # a white band on the stored left side
