@@ -15,8 +15,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-import numpy as np
-
+from data.media import frames_at_rate
 from models.vae import num_tokens
 
 
@@ -76,24 +75,12 @@ class BucketTable:
     def __len__(self):
         return len(self.buckets)
 
-    @staticmethod
-    def available_frames(num_frames, source_fps, target_fps: float | None):
-        """Frames a clip yields at the target rate: grid times 0, 1/fps, ... within its span. Numbers or
-        numpy arrays (a missing source rate is None or NaN: the clip is taken as it is)."""
-        num_frames = np.asarray(num_frames, dtype=np.int64)
-        if not target_fps:
-            return num_frames
-        source = np.asarray(np.nan if source_fps is None else source_fps, dtype=np.float64)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            resampled = 1 + np.floor((num_frames - 1) * target_fps / source + 1e-6)
-        return np.where((num_frames > 1) & (source > 0), resampled, num_frames).astype(np.int64)
-
     def assign(self, width: int, height: int, num_frames: int, source_fps: float | None = None,
                target_fps: float | None = None) -> tuple[int | None, str]:
         """(bucket index, '') or (None, why the sample fits no bucket)."""
         if width < 1 or height < 1 or num_frames < 1:
             return None, "no size or frame count"
-        available = self.available_frames(num_frames, source_fps, target_fps)
+        available = frames_at_rate(num_frames, source_fps, target_fps)
         frames = [f for f in self.frame_counts if f <= available]
         if not frames:
             return None, f"too short (fewer than {self.frame_counts[0]} frames)"

@@ -17,6 +17,7 @@ import torch
 
 from data.buckets import Bucket, BucketTable
 from data.entries import Entries
+from data.media import frames_at_rate
 
 
 class DataError(ValueError):
@@ -127,7 +128,7 @@ class MediaDataset(BucketedDataset):
 
     def can_fill(self, bucket):
         fps = self.entries.numbers("fps") if "fps" in self.entries.columns else None
-        return self.table.available_frames(self.entries.numbers("num_frames"), fps, self.fps) >= bucket.frames
+        return frames_at_rate(self.entries.numbers("num_frames"), fps, self.fps) >= bucket.frames
 
     def load(self, entry, bucket, rng):
         from data.media import read_clip

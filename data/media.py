@@ -74,6 +74,19 @@ def _sideways(rotation: int) -> bool:
     return round(rotation / 90) % 2 == 1
 
 
+def frames_at_rate(num_frames, source_fps, target_fps: float | None):
+    """Frames a clip of `num_frames` at `source_fps` yields on a 1/target_fps grid within its span:
+    numbers or numpy arrays (a missing source rate, None or NaN, or no target: the clip as it is).
+    The one rule for bucket assignment, stand-ins and the loader's too-short check."""
+    num_frames = np.asarray(num_frames, dtype=np.int64)
+    if not target_fps:
+        return num_frames
+    source = np.asarray(np.nan if source_fps is None else source_fps, dtype=np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        resampled = 1 + np.floor((num_frames - 1) * target_fps / source + 1e-6)
+    return np.where((num_frames > 1) & (source > 0), resampled, num_frames).astype(np.int64)
+
+
 def _header_frame_count(stream, rate: float) -> int:
     """Frames shown, from the headers (0 if they do not say). An mp4 cut with stream copy counts the
     pre-roll packets its edit list hides, so the stream's duration caps the count."""
@@ -127,8 +140,7 @@ def read_video(path, max_frames: int | None = None, fps: float | None = None) ->
         if fps is None:
             frames = [f for _, (_, f) in zip(range(max_frames or 2**62), decoded)]
         else:
-            length = _header_frame_count(stream, rate) or 2**20
-            count = max_frames or 1 + int((length - 1) / rate * fps + 1e-6)
+            count = max_frames or int(frames_at_rate(_header_frame_count(stream, rate) or 2**20, rate, fps))
             frames = _nearest_frames(decoded, np.arange(count) / fps, 1.0 / rate, lambda f: f)
         arrays = [_upright(f.to_ndarray(format="rgb24"), f.rotation) for f in frames]
     if not arrays:
@@ -229,9 +241,9 @@ def read_clip(path, frames: int, height: int, width: int, fps: float | None = No
                 raise ValueError(f"too short: {length} frames, the bucket needs {frames}")
             start = frame_dt * (int(rng.integers(0, length - frames + 1)) if rng is not None and length else 0)
         else:
-            span, last = (frames - 1) / fps, (length - 1) * frame_dt if length else None
-            if last is not None and span > last + frame_dt / 2 + 1e-6:
+            if length and frames > frames_at_rate(length, rate, fps):
                 raise ValueError(f"too short: {length} frames at {rate:g} fps, the bucket needs {frames} at {fps:g} fps")
+            span, last = (frames - 1) / fps, (length - 1) * frame_dt if length else None
             start = float(rng.uniform(0.0, last - span)) if rng is not None and last is not None and last > span else 0.0
         if start > 0:
             _seek(container, stream, start)
