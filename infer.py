@@ -103,13 +103,14 @@ def main(argv=None):
     checkpoint = find_checkpoint(cfg, args.checkpoint, args.random_weights)
 
     comm.set_failure_dir(Path(cfg.run.output_dir) / "failures")
-    runtime = init_runtime(cfg.parallel, layout)
+    runtime = init_runtime(cfg.parallel, layout, cfg.run.output_dir)
     if runtime.is_main:
         print(f"[tessera] layout {layout.describe()}{' (parallel.auto)' if cfg.parallel.auto else ''}", flush=True)
     model, vae, text_encoder = load_sampler(cfg, runtime, checkpoint, use_ema=sc.use_ema and not args.no_ema)
     mine = list(range(layout.dp_rank(runtime.rank), len(prompts), layout.dp))  # prompts split over dp ranks
     if not mine:
         return
+    runtime.watchdog.mark("sampling")
     bar = tqdm(total=steps, desc="sample", disable=not runtime.is_main, dynamic_ncols=True)
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and runtime.device.type == "cuda")
     videos = generate(model, vae, text_encoder, RectifiedFlow(cfg.flow, cfg.model.patch_size), [prompts[i] for i in mine],

@@ -9,6 +9,7 @@ bottom: model, EMA and optimizer; resume; then step, log, checkpoint, preview.
 
 import argparse
 import math
+import signal
 import sys
 import time
 from pathlib import Path
@@ -25,12 +26,13 @@ from models.dit import DiT_models, count_parameters
 from models.flow import RectifiedFlow
 from models.pipeline import build_frozen, build_model, generate
 from models.vae import vae_latent_space
-from parallel import comm
+from parallel import comm, faults
 from parallel.checkpoint import load_checkpoint, read_trainer_state, resolve_checkpoint, save_checkpoint
 from parallel.fsdp import parallelize_dit, update_ema
 from parallel.layout import ParallelLayout
 from parallel.runtime import init_runtime, local_world_size, run_entrypoint, world_from_env
 from parallel.sequence import apply_sequence_parallel, share_batch
+from parallel.watchdog import Stopped, stop_request
 
 
 def parse_args(argv):
@@ -73,7 +75,8 @@ def main(argv=None):
     resume = read_trainer_state(checkpoint)["sampler"] if checkpoint else None
 
     comm.set_failure_dir(Path(cfg.run.output_dir) / "failures")
-    runtime = init_runtime(cfg.parallel, layout)
+    runtime = init_runtime(cfg.parallel, layout, cfg.run.output_dir)
+    phase = runtime.watchdog.mark  # the watchdog names the phase a rank stalls or fails in
     # Ranks that read other data fail here, by name, not in a hang later; then every rank judges the
     # checkpoint's data position alike (another dp size or other data: refused, or data.on_plan_change).
     check_same_plan(sampler, dataset, resume["step"] if resume else None, runtime.control_group)
@@ -114,8 +117,11 @@ def main(argv=None):
                     desc="train", mininterval=1.0)
     model.train()
     window_start, window_step = time.perf_counter(), start_step  # throughput is averaged between log steps
-    replaced_total = 0
+    replaced_total, saved_step = 0, start_step
+    stop_request.accepting = True  # from here on, SIGTERM / SIGUSR1 / Ctrl-C stop after a step, with a checkpoint
     for step in range(start_step, tc.max_steps):
+        runtime.watchdog.begin_step(step + 1, long=step == start_step)  # the first step compiles: long deadline
+        faults.at_step(rank, step + 1)  # tests only (TESSERA_FAULT)
         samples = [i for i, _ in sampler.batch_at(step)]  # from the plan: the same on every rank of a group
         bucket, n = int(dataset.bucket_of[samples[0]]), len(samples)
         # Text dropout, noise and timestep of each sample come from its own (seed, step, sample) generator.
@@ -131,8 +137,11 @@ def main(argv=None):
                   (n, text_encoder.max_length)]
         x0, y, y_mask = share_batch(runtime.sequence, x0, y, y_mask, shapes, device)
         noise, t = flow.draw(x0.shape[1:], rngs)
+        phase("forward")
         loss = flow.training_loss(model, x0, y, y_mask, noise, t)
+        phase("backward")
         loss.backward()
+        phase("optimizer")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
         lr = learning_rate(tc, step)
         for group in optimizer.param_groups:
@@ -150,6 +159,7 @@ def main(argv=None):
                     print(f"[tessera] rank {rank}: replaced {path} by another sample ({why})", flush=True)
 
         if done % tc.log_every == 0 or done == tc.max_steps:
+            phase("log")
             window[0] = loss.detach().double().item() if reader else 0.0  # this step's loss, once per group
             totals = comm.all_reduce(window.to(device, copy=True)).cpu()  # on the device: NCCL takes no CPU tensors
             mean_loss = totals[0].item() / layout.dp
@@ -169,11 +179,24 @@ def main(argv=None):
             window.zero_()
             window_start, window_step = time.perf_counter(), done
         progress.update(1)
-        if done % tc.checkpoint_every == 0 or done == tc.max_steps:
+        stop = runtime.agreed_stop_signal() if done < tc.max_steps else 0  # the same answer on every rank
+        if stop and runtime.is_main:
+            print(f"[tessera] {signal.Signals(stop).name} received: saving step {done}, then stopping", flush=True)
+        if done % tc.checkpoint_every == 0 or done == tc.max_steps or (stop and saved_step != done):
+            phase("checkpoint")
             trainer_state = {"step": done, "sampler": sampler.state_dict(done), "world_size": runtime.world_size}
             save_checkpoint(runtime, run.path, done, model, ema, optimizer, trainer_state, tc.keep_checkpoints)
+            saved_step = done
+        if stop:
+            progress.close()
+            if runtime.is_main:
+                print(f"stopped at step {done} by {signal.Signals(stop).name}; saved {run.path / 'checkpoints' / f'step_{done}'}"
+                      f"; run the same command to resume", file=sys.stderr, flush=True)
+            raise Stopped(stop)
         if (tc.sample_every and done % tc.sample_every == 0) or done == tc.max_steps:
+            phase("preview")
             write_previews(cfg, runtime, run, ema if cfg.sample.use_ema else model, vae, text_encoder, flow, done)
+    stop_request.accepting = False
     progress.close()
     run.finish()
 

@@ -117,7 +117,9 @@ class ParallelConfig:
     ulysses: int = 1  # Ulysses sequence parallel
     ring: int = 1  # Ring sequence parallel
     auto: bool = False  # choose ulysses/ring for the processes dp leaves (ulysses inside a node first)
-    timeout_s: float = 600.0  # timeout of every collective on the training process groups
+    timeout_s: float = 600.0  # timeout of every collective; also the deadline of start-up, the first step, checkpoints, previews
+    stall_timeout_s: Optional[float] = None  # a later step making no progress this long is a stall; None: 300 GPU, 120 CPU
+    heartbeat_timeout_s: float = 10.0  # a rank whose heartbeat is silent this long is gone (killed, stopped, host lost)
     control_timeout_s: float = 1800.0  # the gloo control group that fences long single-rank work
     preflight_timeout_s: float = 60.0  # the first collective at start-up; a hang here is a transport problem
     max_message_mb: float = 256.0  # collectives above this size are split into chunks

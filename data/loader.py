@@ -84,10 +84,39 @@ def check_same_plan(sampler: BucketSampler, dataset: BucketedDataset, resume_ste
 
 
 def _worker_init(_):
+    import signal
+
     torch.set_num_threads(1)  # workers resize on the CPU; N workers x all cores would oversubscribe
+    # A stop signal (Ctrl-C reaches the whole terminal's process group, SLURM every process) is the
+    # training process's to handle, at a step boundary; the workers end with it.
+    for name in ("SIGINT", "SIGTERM", "SIGUSR1"):
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+
+class _FaultyCollate:
+    """collate, raising a DataError in the worker at the step named by TESSERA_FAULT=loader@<rank>:<step>
+    (parallel/faults.py; the failure tests run one worker, so its batches are the steps in order)."""
+
+    def __init__(self, start_step: int):
+        self.step = start_step + 1  # counted from 1, as in metrics.jsonl
+
+    def __call__(self, samples):
+        import os
+
+        from data.dataset import DataError
+        from parallel import faults
+
+        step, self.step = self.step, self.step + 1
+        if faults.loader_should_fail(int(os.environ.get("RANK", 0)), step):
+            raise DataError(f"injected loader fault in step {step}")
+        return collate(samples)
 
 
 def build_loader(dataset: BucketedDataset, sampler: BucketSampler, num_workers: int) -> DataLoader:
-    return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate,
+    import os
+
+    faulty = os.environ.get("TESSERA_FAULT", "").startswith("loader@")
+    return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                      collate_fn=_FaultyCollate(sampler.start_step) if faulty else collate,
                       persistent_workers=num_workers > 0, pin_memory=torch.cuda.is_available(),
                       prefetch_factor=2 if num_workers > 0 else None, worker_init_fn=_worker_init)

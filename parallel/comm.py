@@ -1,5 +1,7 @@
-"""Every collective and point-to-point op in tessera goes through here (FSDP2's own all-gathers and
-reduce-scatters, and torch.distributed.checkpoint's planning, are inside PyTorch and bypass it).
+"""Every collective and point-to-point op in tessera goes through here. FSDP2's all-gathers and
+reduce-scatters are recorded through its custom-collective hooks (parallel/fsdp.py), and a
+torch.distributed.checkpoint save or load is recorded as one op on the group it runs on
+(parallel/checkpoint.py); the collectives inside them are PyTorch's own.
 
 - Messages above `parallel.max_message_mb` are split into chunks, and each chunk is waited on before
   the next is queued: the watchdog clock starts when an op is queued, so chunks queued back to back
@@ -7,6 +9,8 @@ reduce-scatters, and torch.distributed.checkpoint's planning, are inside PyTorch
 - Each op is recorded (sequence number, kind, group, shape, dtype, bytes, start, end) in a small
   per-rank ring buffer, written out by `dump_records` when a run fails, so that the ranks' histories
   can be compared to find the first op where they disagree or the rank that never arrived.
+- Every group has a name (`name_group`: fsdp, ulysses, ring, sequence, control, world), so a record
+  says which collective a rank waited in; parallel/watchdog.py reads the op in flight from here.
 - Bytes and op counts per kind are kept for benchmarks: `bytes` is the size of the tensors handed to
   each op, `sent` what this rank sends to other ranks (the part of an all-to-all that stays home is
   not sent; an all-gather sends its input to every peer; ring all-reduce sends 2(P-1)/P of it).
@@ -15,6 +19,7 @@ reduce-scatters, and torch.distributed.checkpoint's planning, are inside PyTorch
 import collections
 import json
 import os
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,6 +38,7 @@ class OpRecord:
     bytes: int
     start: float
     end: float | None = None
+    error: str | None = None  # the op raised (a peer gone, a timeout)
 
 
 # torch 2.13 renamed these (the old names warn); keep working on older releases.
@@ -42,8 +48,11 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 class _State:
     max_message_bytes = 256 * 2**20
-    records: collections.deque = collections.deque(maxlen=256)
+    records: collections.deque = collections.deque(maxlen=1024)
+    lock = threading.Lock()  # the watchdog thread reads the records while the main thread appends
     seq = 0
+    last_activity = time.monotonic()  # when an op last started or ended (the watchdog's progress signal)
+    group_names: dict = {}
     bytes_by_kind: collections.Counter = collections.Counter()
     sent_by_kind: collections.Counter = collections.Counter()
     ops_by_kind: collections.Counter = collections.Counter()
@@ -59,9 +68,32 @@ def failure_dir() -> Path | None:
     return _State.failure_dir
 
 
-def configure(max_message_mb: float, history: int = 256) -> None:
+def configure(max_message_mb: float, history: int = 1024) -> None:
     _State.max_message_bytes = max(1, int(max_message_mb * 2**20))
-    _State.records = collections.deque(maxlen=history)
+    with _State.lock:
+        _State.records = collections.deque(maxlen=history)
+
+
+def name_group(group, name: str) -> None:
+    """The name records and error messages use for `group` (groups from a device mesh have none)."""
+    if group is not None:
+        _State.group_names[group] = name
+
+
+def last_activity() -> float:
+    """time.monotonic() of the last op start or end on this rank."""
+    return _State.last_activity
+
+
+def last_record() -> "OpRecord | None":
+    """The newest op; it is still in flight (waited in, or queued) when its `end` is None."""
+    with _State.lock:
+        return _State.records[-1] if _State.records else None
+
+
+def records() -> list:
+    with _State.lock:
+        return list(_State.records)
 
 
 def stats() -> dict:
@@ -84,18 +116,26 @@ def _sent_fraction(kind: str, peers: int) -> float:
 def _group_name(group) -> str:
     if group is None:
         return "world"
-    return getattr(group, "group_desc", None) or str(dist.get_process_group_ranks(group))
+    if group in _State.group_names:
+        return _State.group_names[group]
+    if group is dist.GroupMember.WORLD:
+        return "world"
+    desc = getattr(group, "group_desc", None)
+    return desc if desc and desc != "undefined" else str(dist.get_process_group_ranks(group))
 
 
-class _recorded:
-    """Context manager that records one op and its duration."""
+class recorded:
+    """Context manager that records one op and its duration (ops that bypass the functions below,
+    such as FSDP2's collectives or a checkpoint save, are recorded with it too)."""
 
     def __init__(self, kind, group, tensor: torch.Tensor | None):
         nbytes = tensor.numel() * tensor.element_size() if tensor is not None else 0
-        _State.seq += 1
-        self.record = OpRecord(_State.seq, kind, _group_name(group), tuple(tensor.shape) if tensor is not None else (),
+        self.record = OpRecord(_State.seq + 1, kind, _group_name(group), tuple(tensor.shape) if tensor is not None else (),
                                str(tensor.dtype) if tensor is not None else "", nbytes, time.time())
-        _State.records.append(self.record)
+        with _State.lock:
+            _State.seq += 1
+            _State.records.append(self.record)
+        _State.last_activity = time.monotonic()
         _State.bytes_by_kind[kind] += nbytes
         if nbytes and dist.is_initialized():
             _State.sent_by_kind[kind] += int(nbytes * _sent_fraction(kind, dist.get_world_size(group) - 1))
@@ -104,9 +144,13 @@ class _recorded:
     def __enter__(self):
         return self.record
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
+        if exc is not None:
+            self.record.error = f"{type(exc).__name__}: {str(exc)[:200]}"
         self.record.end = time.time()
+        _State.last_activity = time.monotonic()
         return False
+
 
 
 def _chunks(flat: torch.Tensor):
@@ -129,7 +173,7 @@ def _wait(work, tensor: torch.Tensor) -> None:
 
 def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
     """In-place all-reduce, chunked above the message cap."""
-    with _recorded("all_reduce", group, tensor):
+    with recorded("all_reduce", group, tensor):
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)
         for chunk in _chunks(flat):
             _wait(dist.all_reduce(chunk, op=op, group=group, async_op=True), chunk)
@@ -147,7 +191,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group) -> torch
     if input.shape[0] % size or output.shape != input.shape:
         raise ValueError(f"all_to_all_single: dim 0 of {tuple(input.shape)} must split into {size} equal blocks "
                          f"and the output must have the same shape, got {tuple(output.shape)}")
-    with _recorded("all_to_all", group, input):
+    with recorded("all_to_all", group, input):
         send, recv = input.contiguous().view(size, -1), output.view(size, -1)
         if send.numel() * send.element_size() <= _State.max_message_bytes:
             _wait(dist.all_to_all_single(recv, send, group=group, async_op=True), recv)
@@ -182,7 +226,7 @@ def _global_rank(group, group_rank: int) -> int:
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group) -> torch.Tensor:
     """output (size * input.numel() elements) = the inputs of every rank, in rank order."""
     size = dist.get_world_size(group)
-    with _recorded("all_gather", group, input):
+    with recorded("all_gather", group, input):
         flat, out = input.reshape(-1), output.view(size, -1)
         ranges = _column_ranges(flat.numel(), size, input.element_size())
         if len(ranges) == 1:
@@ -198,7 +242,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group) -> 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """output = block `rank` of the element-wise reduction of every rank's input (size blocks along dim 0)."""
     size = dist.get_world_size(group)
-    with _recorded("reduce_scatter", group, input):
+    with recorded("reduce_scatter", group, input):
         send, out = input.reshape(size, -1), output.view(-1)
         ranges = _column_ranges(send.shape[1], size, input.element_size())
         if len(ranges) == 1:
@@ -231,7 +275,7 @@ def exchange(send: torch.Tensor, to_rank: int, recv: torch.Tensor, from_rank: in
     goes piece by piece, each waited on, and the exchange is complete on return."""
     if send.shape != recv.shape:
         raise ValueError(f"exchange: sent {tuple(send.shape)} and received {tuple(recv.shape)} shapes differ")
-    record = _recorded("send_recv", group, send).record
+    record = recorded("send_recv", group, send).record
     flat_send, flat_recv = send.reshape(-1).contiguous(), recv.view(-1)
     if flat_send.numel() * flat_send.element_size() <= _State.max_message_bytes:
         return PendingExchange(_post_pair(flat_send, to_rank, flat_recv, from_rank, group), record, recv)
@@ -242,7 +286,7 @@ def exchange(send: torch.Tensor, to_rank: int, recv: torch.Tensor, from_rank: in
 
 def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
     """In-place broadcast from global rank `src`, chunked above the message cap."""
-    with _recorded("broadcast", group, tensor):
+    with recorded("broadcast", group, tensor):
         flat = tensor.view(-1)
         for chunk in _chunks(flat):
             _wait(dist.broadcast(chunk, src=src, group=group, async_op=True), chunk)
@@ -250,16 +294,19 @@ def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
 
 
 def barrier(group=None) -> None:
-    with _recorded("barrier", group, None):
+    with recorded("barrier", group, None):
         dist.barrier(group=group)
 
 
-def dump_records(folder, rank: int, reason: str) -> Path:
-    """Write this rank's recent ops (the last is the one in flight if it has no end time)."""
+def dump_records(folder, rank: int, reason: str, **extra) -> Path:
+    """Write this rank's recent ops (the last is the one in flight if it has no end time), with
+    whatever else the caller knows (the watchdog adds the step, the phase and every rank's heartbeat)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"comm_rank{rank}.json"
-    with open(path, "w") as f:
-        json.dump({"rank": rank, "pid": os.getpid(), "reason": reason, "time": time.time(),
-                   "records": [asdict(r) for r in _State.records]}, f, indent=1)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"rank": rank, "pid": os.getpid(), "reason": reason, "time": time.time(), **extra,
+                   "records": [asdict(r) for r in records()]}, f, indent=1, default=str)
+    tmp.replace(path)  # diagnose.py never reads half a file
     return path

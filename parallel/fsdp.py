@@ -6,6 +6,13 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from parallel import comm
+
+try:  # FSDP2's default collectives (private module): subclassed only to record each call
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+except ImportError:  # another torch layout: FSDP's collectives then go unrecorded
+    DefaultAllGather = DefaultReduceScatter = None
+
 
 def parallelize_dit(model: nn.Module, mesh, param_dtype: torch.dtype = torch.float32,
                     activation_checkpointing: bool = False, compile: bool = False) -> nn.Module:
@@ -26,7 +33,32 @@ def parallelize_dit(model: nn.Module, mesh, param_dtype: torch.dtype = torch.flo
         # The last block's parameters are needed again at once for backward: keep them gathered.
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=i < len(blocks) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    record_fsdp_collectives(model)
     return model
+
+
+if DefaultAllGather is not None:
+    class RecordedAllGather(DefaultAllGather):
+        """FSDP2's all-gather, recorded by the comm layer (kind all_gather, group fsdp), so that a rank
+        stuck in one shows it in failures/ and in the watchdog's message."""
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            with comm.recorded("all_gather", group, input_tensor):  # async: recorded until queued
+                return super().__call__(output_tensor, input_tensor, group, async_op)
+
+    class RecordedReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            with comm.recorded("reduce_scatter", group, input_tensor):
+                return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+
+def record_fsdp_collectives(model: nn.Module) -> None:
+    if DefaultAllGather is None:
+        return
+    for module in model.modules():
+        if hasattr(module, "set_custom_all_gather"):  # every fully_shard-ed module
+            module.set_custom_all_gather(RecordedAllGather())
+            module.set_custom_reduce_scatter(RecordedReduceScatter())
 
 
 @torch.no_grad()

@@ -7,17 +7,20 @@ CUDA machines get NCCL and bf16; CPU machines get gloo and float32.
 
 import datetime
 import os
+import signal
 import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from parallel import comm
+from parallel import comm, watchdog
 from parallel.layout import ParallelLayout
 from parallel.sequence import SequenceGroups
+from parallel.watchdog import Deadlines, Stopped, Terminated, Watchdog, stop_request
 
 NCCL_HINT = (
     "This is usually the transport, not tessera: on PCIe machines try NCCL_P2P_LEVEL=NVL (or NCCL_P2P_DISABLE=1), "
@@ -38,6 +41,7 @@ class Runtime:
     fsdp_mesh: object
     control_group: object  # gloo group with a long timeout, to fence long single-rank work
     sequence: SequenceGroups  # this rank's ulysses / ring / sequence-parallel groups
+    watchdog: Watchdog  # heartbeats, stall detection and the shared abort (parallel/watchdog.py)
 
     @property
     def is_main(self) -> bool:
@@ -51,6 +55,14 @@ class Runtime:
         """Wait for every rank on the control group (gloo, long timeout): use around long work that
         one rank does alone, so the others do not sit in a collective with a short deadline."""
         comm.barrier(self.control_group)
+
+    def agreed_stop_signal(self) -> int:
+        """0, or the stop signal (SIGTERM, SIGUSR1, SIGINT) that any rank received: one tiny all-reduce
+        on the gloo control group, so every rank gets the same answer after the same step."""
+        flag = torch.tensor([stop_request.signum], dtype=torch.int32)
+        if self.world_size > 1:
+            comm.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control_group)
+        return int(flag.item())
 
 
 def world_from_env() -> tuple[int, int, int]:
@@ -80,8 +92,28 @@ def pick_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_runtime(parallel_cfg, layout: ParallelLayout) -> Runtime:
-    """Create the process groups for an already validated layout and run a preflight collective."""
+def deadlines(parallel_cfg, device_type: str) -> Deadlines:
+    stall = parallel_cfg.stall_timeout_s
+    if stall is None:  # minutes on GPU (a 14B step at 32k tokens takes tens of seconds); CPU runs are small
+        stall = 300.0 if device_type == "cuda" else 120.0
+    return Deadlines(long_s=parallel_cfg.timeout_s, stall_s=min(stall, parallel_cfg.timeout_s),
+                     silence_s=parallel_cfg.heartbeat_timeout_s)
+
+
+def _connect_store(world_size: int, timeout_s: float):
+    """A client of the c10d store that torchrun runs (or rank 0 hosts): the heartbeats' channel, apart
+    from the main thread's own client so a slow store call never blocks a collective set-up."""
+    if world_size == 1 or "MASTER_ADDR" not in os.environ:
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return dist.PrefixStore(f"tessera/{run}/", store)
+
+
+def init_runtime(parallel_cfg, layout: ParallelLayout, run_dir=None) -> Runtime:
+    """Create the process groups for an already validated layout, run a preflight collective and start
+    the watchdog (heartbeats in `run_dir`'s name; failures written to run_dir/failures)."""
     rank, world_size, local_rank = world_from_env()
     if layout.world_size != world_size:
         raise ValueError(f"layout {layout.describe()} is for {layout.world_size} processes, not {world_size}")
@@ -90,6 +122,13 @@ def init_runtime(parallel_cfg, layout: ParallelLayout) -> Runtime:
     device = pick_device(local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     comm.configure(parallel_cfg.max_message_mb)
+    if backend == "nccl" and run_dir is not None:
+        # PyTorch's flight recorder: every NCCL collective of every group, dumped on a timeout into
+        # failures/ (and by the watchdog when it ends the run). Not on gloo: the comm layer records those.
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        (Path(run_dir) / "failures").mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(Path(run_dir) / "failures" / "nccl_trace_rank"))
 
     # Start with the short preflight timeout: a transport that cannot connect shows up here, in seconds.
     preflight = datetime.timedelta(seconds=parallel_cfg.preflight_timeout_s)
@@ -118,9 +157,18 @@ def init_runtime(parallel_cfg, layout: ParallelLayout) -> Runtime:
     fsdp_mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",))
     # Groups made from a device mesh do not inherit the init timeout: set it explicitly.
     _set_pg_timeout(timeout, fsdp_mesh.get_group())
-    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=parallel_cfg.control_timeout_s))
+    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=parallel_cfg.control_timeout_s),
+                             group_desc="control")
     sequence = sequence_groups(layout, rank, timeout)
-    return Runtime(rank, world_size, local_rank, device, backend, layout, fsdp_mesh, control, sequence)
+    for group, name in ((fsdp_mesh.get_group(), "fsdp"), (control, "control"), (sequence.ulysses_group, "ulysses"),
+                        (sequence.ring_group, "ring"), (sequence.sp_group, "sequence")):
+        comm.name_group(group, name)
+    limits = deadlines(parallel_cfg, device.type)
+    store = _connect_store(world_size, max(5.0, limits.silence_s / 2))
+    monitor = Watchdog(rank, world_size, store, run_dir or comm.failure_dir() or ".", limits, backend).start()
+    if rank == 0 and world_size > 1:
+        print(f"[tessera] {limits.describe()}", flush=True)
+    return Runtime(rank, world_size, local_rank, device, backend, layout, fsdp_mesh, control, sequence, monitor)
 
 
 def sequence_groups(layout: ParallelLayout, rank: int, timeout) -> SequenceGroups:
@@ -141,6 +189,9 @@ def sequence_groups(layout: ParallelLayout, rank: int, timeout) -> SequenceGroup
 
 
 def shutdown() -> None:
+    monitor = watchdog.active()
+    if monitor is not None:
+        monitor.finish()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -155,40 +206,56 @@ def _user_errors():
     return (ConfigError, LayoutError, CheckpointError, AttentionBackendUnavailable, FileNotFoundError, ValueError)
 
 
-class Terminated(BaseException):
-    """SIGTERM, e.g. from torchrun stopping the survivors after one rank failed."""
-
-
-def _terminate(signum, frame):
-    raise Terminated(f"received signal {signum}")
-
-
 def run_entrypoint(main, argv=None) -> int:
     """Run an entry point: a user error prints `error: ...` and exits 2 on every rank; any other
-    failure, or SIGTERM, writes this rank's recent collectives to the run's failures/ folder first."""
-    import signal
+    failure, or SIGTERM, writes this rank's recent collectives to the run's failures/ folder first.
+    With several ranks, the first line printed names the rank that caused the failure (parallel/watchdog.py)."""
     import sys
 
     rank = world_from_env()[0]
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    restore_signals = stop_request.install()
     try:
         main(argv)
         return 0
+    except Stopped as e:
+        return 128 + e.signum
     except _user_errors() as e:
         if os.environ.get("TESSERA_DEBUG"):
             raise
+        monitor = watchdog.active()
+        if monitor is not None:
+            monitor.report_failure(e)  # the other ranks stop waiting for this one
         prefix = f"[rank {rank}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
-        print(f"{prefix}error: {e}", file=sys.stderr, flush=True)
+        print(f"{prefix}error: {watchdog.error_message(e)}", file=sys.stderr, flush=True)
         return 2
     except BaseException as e:
-        folder = comm.failure_dir()
-        if folder is not None and dist.is_initialized() and not isinstance(e, (KeyboardInterrupt, SystemExit)):
-            path = comm.dump_records(folder, rank, repr(e))
-            print(f"[rank {rank}] recent collectives written to {path}", file=sys.stderr, flush=True)
-        if isinstance(e, Terminated):
-            print(f"[rank {rank}] stopped: {e}", file=sys.stderr, flush=True)
-            return 128 + signal.SIGTERM
-        raise
+        monitor = watchdog.active()
+        if monitor is None or monitor.world_size == 1 or isinstance(e, (KeyboardInterrupt, SystemExit)):
+            _dump_on_failure(rank, e)
+            if isinstance(e, Terminated):
+                print(f"[rank {rank}] stopped: {e}", file=sys.stderr, flush=True)
+                return 128 + signal.SIGTERM
+            raise
+        # Several ranks: the first line printed names the rank that caused the failure.
+        blamed = monitor.explain(e) if watchdog.is_peer_error(e) or isinstance(e, Terminated) else None
+        line = blamed or monitor.report_failure(e)
+        print(line, file=sys.stderr, flush=True)
+        _dump_on_failure(rank, e, monitor, line)
+        if blamed is None and not isinstance(e, Terminated) or os.environ.get("TESSERA_DEBUG"):
+            raise  # this rank's own failure: its traceback follows the line
+        # Another rank's failure: this rank's traceback (a failed collective) adds nothing, and its
+        # communicators may still wait on the peer: abort them rather than shut down cleanly.
+        watchdog.hard_exit(128 + signal.SIGTERM if isinstance(e, Terminated) else 1, monitor.backend)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        restore_signals()
         shutdown()
+
+
+def _dump_on_failure(rank: int, error: BaseException, monitor: Watchdog | None = None, line: str = "") -> None:
+    import sys
+
+    folder = comm.failure_dir()
+    if folder is None or not dist.is_initialized() or isinstance(error, (KeyboardInterrupt, SystemExit)):
+        return
+    path = monitor.dump(line) if monitor is not None else comm.dump_records(folder, rank, repr(error))
+    print(f"[rank {rank}] recent collectives written to {path}", file=sys.stderr, flush=True)

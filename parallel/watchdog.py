@@ -1,0 +1,480 @@
+"""Heartbeats and a shared abort, outside the collectives; stop requests agreed at a step boundary.
+
+A collective cannot say who is missing: a rank waiting in one learns only, when its timeout expires,
+that somebody did not come. So every rank runs a small thread that, each second, publishes its
+progress (step, phase, the comm layer's op in flight) on the c10d store torchrun already runs, a
+channel that no training collective depends on, and watches three things:
+
+- a few peers' heartbeats: a rank silent for `parallel.heartbeat_timeout_s` is gone (killed, stopped,
+  its host lost). On NCCL this is the only way to learn it: a dead peer resets no socket.
+- its own main thread: no progress (no phase change, no comm op) for longer than the phase's deadline
+  while outside any collective is a stall. It writes every thread's stack to failures/ and tells the
+  others. A rank that has waited inside one collective that long compares every rank's heartbeat: the
+  ranks that are elsewhere, or waiting in another collective, are named.
+- the shared abort key: the first reason written there (a rank that failed, a silent or stalled rank,
+  ranks waiting in different collectives) ends every rank within about a second, each printing one
+  `error:` line that names the rank, the step, the phase and the op this rank waited in.
+
+Deadlines come in two phases: `parallel.timeout_s` through start-up, the first step (compile),
+checkpoints and previews; `parallel.stall_timeout_s` for every later step.
+
+Preemption: SIGTERM, SIGUSR1 or SIGINT during training only sets a flag (`StopRequest`); the train
+loop exchanges it once per step on the gloo control group, so every rank stops after the same step,
+saves a checkpoint and exits.
+"""
+
+import faulthandler
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from parallel import comm
+
+WATCHED_PEERS = 4  # each rank watches the next few ranks: O(1) store reads per rank, whatever the world size
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    long_s: float  # start-up, the first step (compile), checkpoints, previews
+    stall_s: float  # every later step
+    silence_s: float  # a rank whose heartbeat thread says nothing for this long is gone
+
+    def describe(self) -> str:
+        return (f"deadlines: {self.long_s:.0f} s for start-up, the first step, checkpoints and previews "
+                f"(parallel.timeout_s); {self.stall_s:.0f} s for a later step (parallel.stall_timeout_s); "
+                f"{self.silence_s:.0f} s of silence from a rank (parallel.heartbeat_timeout_s)")
+
+
+LONG_PHASES = ("start-up", "checkpoint", "preview", "sampling")
+# Errors that mean "a collective failed", most often because of another rank: the watchdog is asked
+# who, before anything is printed.
+PEER_ERROR_WORDS = ("connection reset", "connection closed", "connection refused", "broken pipe", "timed out",
+                    "timeout", "nccl", "gloo", "socket", "peer")
+
+
+class Watchdog:
+    def __init__(self, rank: int, world_size: int, store, run_dir, deadlines: Deadlines, backend: str = "gloo",
+                 interval_s: float | None = None):
+        self.rank, self.world_size, self.store = rank, world_size, store
+        self.run_dir = Path(run_dir)
+        self.deadlines, self.backend = deadlines, backend
+        self.interval = interval_s or max(0.05, min(1.0, deadlines.silence_s / 5))
+        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.step: int | None = None
+        self.phase = "start-up"
+        self._long_step = True
+        self._progress = time.monotonic()
+        self._state = "running"
+        self._beat = 0
+        self._exit_lock = threading.Lock()
+        self._exiting = False  # set once: by the thread when it ends the process, or by the main thread's error path
+        self._held = threading.Event()  # the main thread is handling an exception and asks for a verdict
+        self.verdict: str | None = None
+        self._verdict_ready = threading.Event()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._peers: dict[int, tuple[int, float, dict]] = {}  # rank -> (beat, when it last changed, payload)
+        self._store_failing_since: float | None = None
+        self.watched = [(rank + i) % world_size for i in range(1, min(world_size, WATCHED_PEERS + 1))]
+        self._thread = threading.Thread(target=self._run, name="tessera-watchdog", daemon=True)
+
+    # ------------------------------------------------------------------------------------------
+    # The main thread's side.
+
+    def start(self) -> "Watchdog":
+        global _active
+        _active = self
+        self._publish()
+        self._thread.start()
+        return self
+
+    def begin_step(self, step: int, long: bool = False) -> None:
+        """Step number `step` (counted from 1, as in metrics.jsonl and step_<N>) begins; `long` gives it
+        the long deadline (the first step: compile, warm-up)."""
+        self.step, self._long_step = step, long
+        self.mark("data")
+        self._wake.set()  # publish the new step now rather than at the next beat
+
+    def mark(self, phase: str) -> None:
+        """The main thread made progress and is now in `phase`."""
+        self.phase = phase
+        self._progress = time.monotonic()
+
+    @property
+    def deadline(self) -> float:
+        long = self._long_step or self.phase in LONG_PHASES
+        return self.deadlines.long_s if long else self.deadlines.stall_s
+
+    def finish(self, state: str = "finished") -> None:
+        """This rank leaves on purpose (done, stopped, failed): its silence from now on is no alarm."""
+        global _active
+        self._state = state
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.interval + 1)
+        self._publish()
+        if _active is self:
+            _active = None
+
+    def report_failure(self, error: BaseException) -> str:
+        """This rank is about to exit with `error`: tell the others first, so they stop waiting for it.
+        Returns the `error:` line for this rank to print."""
+        self._exiting = True
+        reason = f"rank {self.rank} ({self.host}:{self.pid}) failed at {self._where()}: {_one_line(error)}"
+        self._claim_abort(reason)
+        self._state = "failed"
+        try:
+            self._publish()
+        except Exception:
+            pass
+        return self._line(reason)
+
+    def explain(self, error: BaseException) -> str | None:
+        """The main thread caught `error` from a collective: wait (at most the silence deadline and a
+        little) for the cause: a reason another rank published, or a rank that went silent. Returns the
+        `error:` line to print, or None if no other rank is to blame."""
+        if self.store is None:  # one process: nobody else to blame
+            return None
+        self._held.set()
+        deadline = time.monotonic() + self.deadlines.silence_s + 3 * self.interval + 1
+        while time.monotonic() < deadline and self._thread.is_alive():
+            if self._verdict_ready.wait(timeout=self.interval):
+                return self.verdict
+        reason = self._read_abort() or self._compare_everyone(own_error=error)
+        return self._line(reason) if reason else None
+
+    # ------------------------------------------------------------------------------------------
+    # The thread.
+
+    def _run(self) -> None:
+        next_tick = time.monotonic() + self.interval
+        while not self._stop.is_set():
+            if self._wake.wait(timeout=max(0.0, next_tick - time.monotonic())):
+                self._wake.clear()
+                if self.store is not None and time.monotonic() < next_tick:
+                    self._publish_quietly()
+                    continue
+            next_tick = time.monotonic() + self.interval
+            try:
+                self._tick()
+            except Exception as e:  # the watchdog must never take a healthy run down
+                print(f"[rank {self.rank}] watchdog: {_one_line(e)}", file=sys.stderr, flush=True)
+
+    def _tick(self) -> None:
+        if self._exiting and not self._held.is_set():
+            return
+        self._beat += 1
+        try:
+            self._publish()
+            reason = self._read_abort() or self._check_peers()
+            self._store_failing_since = None
+        except Exception as e:  # the store is gone: its host (rank 0 or the first node's agent) is
+            now = time.monotonic()
+            self._store_failing_since = self._store_failing_since or now
+            if now - self._store_failing_since < self.deadlines.silence_s:
+                return
+            host = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
+            reason = (f"the rendezvous store at {host[0]}:{host[1]} stopped answering ({_one_line(e)}); it runs in "
+                      f"the torchrun agent of the first node (or in rank 0): that node or process is gone")
+        if reason is None:
+            reason = self._check_self()
+        if reason is not None:
+            self._conclude(reason)
+
+    def _check_peers(self) -> str | None:
+        """A watched peer whose heartbeat has not changed for the silence deadline."""
+        now = time.monotonic()
+        keys = [f"hb/{r}" for r in self.watched]
+        present = [r for r, k in zip(self.watched, keys) if self.store.check([k])]
+        if not present:
+            return None
+        for r, raw in zip(present, self.store.multi_get([f"hb/{r}" for r in present])):
+            beat = json.loads(raw)
+            seen = self._peers.get(r)
+            if seen is None or seen[0] != beat["beat"]:
+                self._peers[r] = (beat["beat"], now, beat)
+            elif beat["state"] == "running" and now - seen[1] > self.deadlines.silence_s:
+                return (f"rank {r} ({beat['host']}:{beat['pid']}) stopped responding at {_where(beat)}: its "
+                        f"heartbeat has been silent for {now - seen[1]:.0f} s (killed, stopped or its host lost)")
+        return None
+
+    def _check_self(self) -> str | None:
+        """No progress for longer than the deadline: stalled outside a collective, or waiting in one."""
+        age = time.monotonic() - max(self._progress, comm.last_activity())
+        if self._exiting or self._held.is_set() or age <= self.deadline:
+            return None
+        op = comm.last_record()
+        if not _in_op(op):  # not in a collective: this rank itself is stuck
+            stacks = self._dump_stacks()
+            return (f"rank {self.rank} ({self.host}:{self.pid}) made no progress for {age:.0f} s at {self._where()} "
+                    f"outside any collective; its threads' stacks are in {stacks}")
+        # Inside a collective: give a stalled peer's own watchdog the first word (it writes its stacks).
+        if age > self.deadline + self.deadlines.silence_s:
+            return self._compare_everyone()
+        return None
+
+    def _compare_everyone(self, own_error: BaseException | None = None) -> str | None:
+        """Read every rank's heartbeat once and name the ranks that are not where this one waits."""
+        beats = self._read_all()
+        waiting = {r: b for r, b in beats.items() if b.get("open")}
+        elsewhere = {r: b for r, b in beats.items() if not b.get("open") and b["state"] == "running" and r != self.rank}
+        if elsewhere and (_in_op(comm.last_record()) or own_error is not None):
+            r, b = min(elsewhere.items())
+            return (f"rank {r} ({b['host']}:{b['pid']}) is not in the collective the others wait in: it is at "
+                    f"{_where(b)}, {b['age']:.0f} s after its last progress")
+        ops = {r: (b["seq"], b["op"][0], b["op"][1]) for r, b in waiting.items() if b.get("op")}
+        if len(set(ops.values())) > 1:
+            described = "; ".join(f"rank {r} in {kind} on {group} (seq {seq})" for r, (seq, kind, group) in sorted(ops.items()))
+            return f"the ranks wait in different collectives ({described}): one rank issued a collective the others did not"
+        if own_error is None and ops and len(waiting) == len(beats):
+            seq, kind, group = next(iter(ops.values()))
+            from parallel.runtime import NCCL_HINT
+
+            return f"every rank has waited in {kind} on {group} (seq {seq}) for over {self.deadline:.0f} s. {NCCL_HINT}"
+        return None
+
+    def _conclude(self, reason: str) -> None:
+        """Publish `reason` (the first one written wins), then end this process, or hand the verdict to
+        the main thread if it is already handling an exception."""
+        winner = self._claim_abort(reason)
+        if " failed at " in winner and not self._held.is_set():
+            # Another rank's error, e.g. a refusal every rank raises at once: let this rank's main thread
+            # reach its own copy of it first, so each rank prints the error itself.
+            time.sleep(2 * self.interval)
+        line = self._line(winner)
+        if self._held.is_set():
+            self.verdict = line
+            self._verdict_ready.set()
+            self._stop.set()
+            return
+        with self._exit_lock:
+            if self._exiting:
+                return
+            self._exiting = True
+        print(line, file=sys.stderr, flush=True)
+        self.dump(winner)
+        hard_exit(1, self.backend)
+
+    # ------------------------------------------------------------------------------------------
+    # Messages, dumps and the store.
+
+    def _where(self) -> str:
+        return _where({"step": self.step, "phase": self.phase})
+
+    def _line(self, reason: str) -> str:
+        op = comm.last_record()
+        if _in_op(op):
+            here = f"this rank (rank {self.rank}) waited in {op.kind} on {op.group} (seq {op.seq})"
+        else:
+            here = f"this rank (rank {self.rank}) was at {self._where()}"
+        if reason.startswith(f"rank {self.rank} ("):
+            here = f"this is rank {self.rank}"
+        return (f"error: {reason}; {here}; latest checkpoint: {latest_checkpoint(self.run_dir)}; "
+                f"details: python scripts/diagnose.py {self.run_dir}")
+
+    def dump(self, reason: str) -> Path | None:
+        """failures/comm_rank<R>.json: the recent ops, where this rank is, and every rank's heartbeat."""
+        try:
+            beats = self._read_all() if self.store is not None else {}
+        except Exception:
+            beats = {}
+        dump_nccl_trace(self.run_dir / "failures", self.rank, self.backend)
+        try:
+            return comm.dump_records(self.run_dir / "failures", self.rank, reason, host=self.host, step=self.step,
+                                     phase=self.phase, heartbeats={str(r): b for r, b in beats.items()})
+        except OSError:
+            return None
+
+    def _dump_stacks(self) -> Path:
+        folder = self.run_dir / "failures"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"stacks_rank{self.rank}.txt"
+        frames = sys._current_frames()
+        with open(path, "w") as f:
+            f.write(f"rank {self.rank} ({self.host}:{self.pid}) at {self._where()}, {time.ctime()}\n\n")
+            for thread in threading.enumerate():  # named, the main thread first
+                if thread.ident in frames:
+                    f.write(f"--- thread {thread.name} (most recent call last) ---\n")
+                    f.write("".join(traceback.format_stack(frames[thread.ident])) + "\n")
+            f.write("--- faulthandler, every thread (most recent call first) ---\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        return path
+
+    def _payload(self) -> dict:
+        op = comm.last_record()
+        return {"beat": self._beat, "state": self._state, "step": self.step, "phase": self.phase,
+                "deadline": self.deadline, "age": time.monotonic() - max(self._progress, comm.last_activity()),
+                "seq": op.seq if op else 0, "op": [op.kind, op.group, list(op.shape)] if op else None,
+                "open": _in_op(op), "host": self.host, "pid": self.pid, "time": time.time()}
+
+    def _publish(self) -> None:
+        if self.store is not None:
+            self.store.set(f"hb/{self.rank}", json.dumps(self._payload()))
+
+    def _publish_quietly(self) -> None:
+        try:
+            self._publish()
+        except Exception:  # the next beat reports a store that stays unreachable
+            pass
+
+    def _read_all(self) -> dict[int, dict]:
+        keys = [f"hb/{r}" for r in range(self.world_size)]
+        present = [r for r, k in zip(range(self.world_size), keys) if self.store.check([k])]
+        return {r: json.loads(v) for r, v in zip(present, self.store.multi_get([f"hb/{r}" for r in present]))}
+
+    def _read_abort(self) -> str | None:
+        if self.store is None or not self.store.check(["abort"]):
+            return None
+        return self.store.get("abort").decode()
+
+    def _claim_abort(self, reason: str) -> str:
+        """Write `reason` unless another rank's is there already; return the one that stands."""
+        if self.store is None:
+            return reason
+        try:
+            return self.store.compare_set("abort", "", reason).decode() or reason
+        except Exception:
+            return reason
+
+
+_active: Watchdog | None = None
+
+
+def active() -> Watchdog | None:
+    """The running watchdog of this process, if any (run_entrypoint asks it about failures)."""
+    return _active
+
+
+def _in_op(record) -> bool:
+    """Whether the newest op is still in flight, or failed (a collective that raised is where the rank was)."""
+    return record is not None and (record.end is None or record.error is not None)
+
+
+def _where(beat: dict) -> str:
+    step = beat.get("step")
+    return f"{'start-up' if step is None else f'step {step}'} (phase: {beat.get('phase')})"
+
+
+def error_message(error: BaseException) -> str:
+    """The message of `error`; for one re-raised from a DataLoader worker, the worker's own error
+    (its last line) rather than the wrapper and the worker's traceback."""
+    message = str(error)
+    if "Original Traceback" in message:
+        last = [line for line in message.splitlines() if line.strip()][-1]
+        return last.split(": ", 1)[1] if f"{type(error).__name__}: " in last else last
+    return message
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(f"{type(error).__name__}: {error_message(error)}".split())
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
+def is_peer_error(error: BaseException) -> bool:
+    """Whether `error` is a failed collective or store call, likely caused by another rank."""
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(word in text for word in PEER_ERROR_WORDS)
+
+
+def latest_checkpoint(run_dir) -> str:
+    pointer = Path(run_dir) / "checkpoints" / "latest"
+    try:
+        return str(pointer.parent / pointer.read_text().strip())
+    except OSError:
+        return "none yet (this run starts from scratch again)"
+
+
+def dump_nccl_trace(folder: Path, rank: int, backend: str) -> None:
+    """On NCCL, PyTorch's flight recorder (TORCH_NCCL_TRACE_BUFFER_SIZE, set by the runtime) holds
+    every collective of every group with its state: write it beside the comm layer's records."""
+    if backend != "nccl":
+        return
+    try:
+        import torch
+
+        trace = torch._C._distributed_c10d._dump_nccl_trace()
+        (Path(folder) / f"nccl_trace_rank{rank}.pkl").write_bytes(trace)
+    except Exception:
+        pass
+
+
+def hard_exit(code: int, backend: str) -> None:
+    """End the process now, from any thread. The main thread may be blocked inside a collective: on
+    NCCL the communicators are aborted first so that no kernel stays blocked on the GPU; on gloo the
+    process exit closes the sockets, which wakes the peers."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    if backend == "nccl":
+        threading.Timer(10.0, os._exit, args=(code,)).start()  # an abort that hangs must not keep us here
+        try:
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()
+        except Exception:
+            pass
+    os._exit(code)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Stop requests (preemption).
+
+
+class StopRequest:
+    """SIGTERM / SIGUSR1 / SIGINT while training: remember the signal and let the train loop stop after
+    the step it is in, with a checkpoint. Outside the loop (start-up), or a second signal more than a
+    few seconds after the first, stops at once: there is nothing to save, or the user insists."""
+
+    SIGNALS = tuple(s for s in (getattr(signal, n, None) for n in ("SIGTERM", "SIGUSR1", "SIGINT")) if s)
+    INSIST_AFTER_S = 3.0  # torchrun forwards the signal it got: the copy arriving right after is no second request
+
+    def __init__(self):
+        self.accepting = False
+        self.signum = 0
+        self.received_at = 0.0
+
+    def handler(self, signum, frame):
+        now = time.monotonic()
+        if self.accepting and (not self.signum or now - self.received_at < self.INSIST_AFTER_S):
+            if not self.signum:  # no message here: torchrun also sends SIGTERM when another rank died
+                self.signum, self.received_at = signum, now
+            return
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Terminated(f"received {signal.Signals(signum).name}")
+
+    def install(self):
+        self.accepting, self.signum, self.received_at = False, 0, 0.0
+        previous = {s: signal.signal(s, self.handler) for s in self.SIGNALS}
+        return lambda: [signal.signal(s, h) for s, h in previous.items()]
+
+
+class Terminated(BaseException):
+    """A stop signal outside the training loop, e.g. torchrun stopping the survivors after a rank failed."""
+
+
+class Stopped(BaseException):
+    """The training loop stopped on request after saving; run_entrypoint exits with 128 + signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+stop_request = StopRequest()
+

@@ -1,0 +1,215 @@
+"""Failures in the middle of a run (parallel/watchdog.py): a stalled, dead, failing or desynchronised
+rank ends the run in seconds with an `error:` line that names it, and a stop signal ends it with a
+checkpoint. Faults are injected with TESSERA_FAULT (parallel/faults.py); each run is bounded by a
+timeout so a regression fails here instead of hanging the suite."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import train
+from configs.rundir import read_metrics
+from tests.conftest import ROOT, TINY, run_main
+
+pytestmark = pytest.mark.slow
+
+SILENCE_S = 5  # parallel.heartbeat_timeout_s in these runs
+# 4 samples and batch 2 per rank: one epoch is one step of both ranks, so a 2-process run takes the
+# samples of a 1-process run with batch 4 (compared in test_e2e), and the losses can be checked.
+TWO_RANKS = ["--config", str(TINY), "data.synthetic_samples=4", "train.batch_size=2", "train.checkpoint_every=3",
+             f"parallel.heartbeat_timeout_s={SILENCE_S}", "parallel.preflight_timeout_s=60"]
+ENV = {"OMP_NUM_THREADS": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}
+
+
+class Launch:
+    """A torchrun (or several agents) whose stderr lines are time-stamped as they arrive."""
+
+    def __init__(self, commands: list[list[str]], env: dict | None = None):
+        self.start = time.monotonic()
+        self.lines: list[tuple[float, int, str]] = []  # (seconds since start, agent index, line)
+        self.procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                       env={**os.environ, **ENV, **(env or {})}) for cmd in commands]
+        self.readers = [threading.Thread(target=self._read, args=(i, p), daemon=True) for i, p in enumerate(self.procs)]
+        for reader in self.readers:
+            reader.start()
+
+    def _read(self, index, proc):
+        for line in proc.stderr:
+            self.lines.append((time.monotonic() - self.start, index, line.rstrip("\n")))
+
+    def wait(self, timeout: float) -> list[int]:
+        deadline = self.start + timeout
+        try:
+            codes = [p.wait(timeout=max(0.1, deadline - time.monotonic())) for p in self.procs]
+        except subprocess.TimeoutExpired:
+            for p in self.procs:
+                p.kill()
+            raise AssertionError("the run did not end in time:\n" + self.text()[-4000:]) from None
+        for reader in self.readers:
+            reader.join(timeout=5)
+        self.elapsed = time.monotonic() - self.start
+        return codes
+
+    def text(self) -> str:
+        return "\n".join(line for _, _, line in self.lines)
+
+    def first(self, pattern: str) -> tuple[float, str]:
+        found = [(t, line) for t, _, line in self.lines if pattern in line]
+        assert found, f"no line with {pattern!r} in:\n{self.text()[-4000:]}"
+        return found[0]
+
+
+def torchrun(nproc: int, *args: str, env: dict | None = None) -> Launch:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(ROOT / "train.py"), *args]
+    return Launch([cmd], env)
+
+
+def seconds_from_fault_to_error(run: Launch, fault: str) -> float:
+    fault_time, _ = run.first(f"[fault] rank 1: {fault}")
+    error_time, line = run.first("error: ")
+    first_traceback = [t for t, _, text in run.lines if text.startswith("Traceback")]
+    assert not first_traceback or first_traceback[0] >= error_time, "a traceback came before the error line"
+    return error_time - fault_time
+
+
+def losses(run_dir):
+    return {m["step"]: m["loss"] for m in read_metrics(run_dir)}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The reference: 16 uninterrupted steps in one process (the samples of the 2-rank runs)."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    assert run_main(train, ["--config", str(TINY), "data.synthetic_samples=4", "train.batch_size=4",
+                            "train.max_steps=16", "train.checkpoint_every=16", f"run.output_dir={run_dir}"]) == 0
+    return losses(run_dir)
+
+
+def resume_and_compare(run_dir, straight, steps: int = 9):
+    """Resume the run from its `latest` with the same command and check it ends as a straight run."""
+    run = torchrun(2, *TWO_RANKS, f"run.output_dir={run_dir}", f"train.max_steps={steps}")
+    assert run.wait(timeout=150) == [0], run.text()[-3000:]
+    got = losses(run_dir)
+    assert set(got) == set(range(1, steps + 1)), sorted(got)
+    assert all(got[s] == pytest.approx(straight[s], rel=1e-4) for s in got), (got, straight)
+
+
+def test_stopped_rank_is_named_by_the_survivor(tmp_path):
+    """SIGSTOP on rank 1 (a hung process): rank 0 names it, its step and phase, and the op it waited in."""
+    run = torchrun(2, *TWO_RANKS, f"run.output_dir={tmp_path}", "train.max_steps=6", env={"TESSERA_FAULT": "stop@1:5"})
+    codes = run.wait(timeout=120)
+    assert codes[0] != 0
+    delay = seconds_from_fault_to_error(run, "stop in step 5")
+    assert delay <= SILENCE_S + 15, delay
+    _, line = run.first("error: ")
+    assert "error: rank 1 (" in line and "stopped responding at step 5 (phase: data)" in line, line
+    assert "this rank (rank 0) waited in" in line and f"latest checkpoint: {tmp_path / 'checkpoints' / 'step_3'}" in line
+
+
+def test_hung_main_thread_writes_its_stacks(tmp_path):
+    """Rank 1's main thread hangs with its watchdog alive (a stuck read, a deadlocked loader): after
+    parallel.stall_timeout_s it writes every thread's stack and both ranks stop, naming it; diagnose.py
+    shows the stack."""
+    run = torchrun(2, *TWO_RANKS, f"run.output_dir={tmp_path}", "train.max_steps=6", "parallel.stall_timeout_s=4",
+                   env={"TESSERA_FAULT": "hang@1:5"})
+    codes = run.wait(timeout=120)
+    assert codes[0] != 0
+    assert seconds_from_fault_to_error(run, "hang in step 5") <= 4 + 15
+    _, line = run.first("error: ")
+    assert "rank 1 (" in line and "made no progress" in line and "at step 5 (phase: data)" in line, line
+    stacks = tmp_path / "failures" / "stacks_rank1.txt"
+    assert "faults.py" in stacks.read_text()
+    report = subprocess.run([sys.executable, "scripts/diagnose.py", str(tmp_path)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert report.returncode == 0, report.stderr
+    assert "stalled rank's stack" in report.stdout and "faults.py" in report.stdout
+    assert f"resume from: {tmp_path / 'checkpoints' / 'step_3'}" in report.stdout
+
+
+def test_killed_rank_is_named_and_latest_resumes_exactly(tmp_path, straight):
+    run = torchrun(2, *TWO_RANKS, f"run.output_dir={tmp_path}", "train.max_steps=9", env={"TESSERA_FAULT": "kill@1:5"})
+    codes = run.wait(timeout=120)
+    assert codes[0] != 0
+    assert seconds_from_fault_to_error(run, "kill in step 5") <= 15
+    _, line = run.first("error: ")
+    assert "error: rank 1 (" in line and "stopped responding at step 5" in line, line
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_3"
+    resume_and_compare(tmp_path, straight)
+
+
+def test_killed_rank_on_another_node_is_named(tmp_path):
+    """Two torchrun agents ("nodes") on this machine with c10d rendezvous; node 1's worker is killed."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    commands = [[sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+                 "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                 "--rdzv-id=failures", str(ROOT / "train.py"), *TWO_RANKS, f"run.output_dir={tmp_path}",
+                 "train.max_steps=9"] for node in (0, 1)]
+    run = Launch(commands[:1], {"TESSERA_FAULT": "kill@1:5"})
+    time.sleep(1.0)  # node 0's agent hosts the rendezvous store
+    second = Launch(commands[1:], {"TESSERA_FAULT": "kill@1:5"})
+    codes = run.wait(timeout=150) + second.wait(timeout=30)
+    assert codes[0] != 0 and codes[1] != 0
+    fault_time, _ = second.first("[fault] rank 1: kill in step 5")
+    error_time, line = run.first("error: ")
+    assert (run.start + error_time) - (second.start + fault_time) <= 15
+    assert "error: rank 1 (" in line and "stopped responding at step 5" in line, line
+
+
+def test_loader_error_on_one_rank_stops_every_rank(tmp_path):
+    run = torchrun(2, *TWO_RANKS, f"run.output_dir={tmp_path}", "train.max_steps=6", "data.num_workers=1",
+                   env={"TESSERA_FAULT": "loader@1:5"})
+    codes = run.wait(timeout=120)
+    assert codes[0] != 0
+    assert "[rank 1] error: injected loader fault in step 5" in run.text()  # the failing rank's own message
+    _, line = run.first("error: rank 1 (")
+    assert "failed at step 5 (phase: data): DataError: injected loader fault in step 5" in line, line
+    assert "this rank (rank 0)" in line
+
+
+def test_extra_collective_on_one_rank_is_named(tmp_path):
+    run = torchrun(2, *TWO_RANKS, f"run.output_dir={tmp_path}", "train.max_steps=6", "parallel.stall_timeout_s=4",
+                   env={"TESSERA_FAULT": "collective@1:5"})
+    codes = run.wait(timeout=120)
+    assert codes[0] != 0
+    assert seconds_from_fault_to_error(run, "collective in step 5") <= 4 + SILENCE_S + 15
+    _, line = run.first("error: ")
+    assert "the ranks wait in different collectives" in line, line
+    assert "rank 0 in all_gather on fsdp" in line and "rank 1 in all_reduce on world" in line, line
+    report = subprocess.run([sys.executable, "scripts/diagnose.py", str(tmp_path)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert "first op where the ranks disagree" in report.stdout, report.stdout
+
+
+def test_sigterm_to_torchrun_saves_and_resumes_exactly(tmp_path, straight):
+    """SIGTERM to torchrun (as Ctrl-C, SLURM or a spot reclaim send it): every rank stops after the same
+    step, a checkpoint of that step is saved, and resuming gives the losses of a straight run."""
+    run = torchrun(2, *TWO_RANKS, f"run.output_dir={tmp_path}", "train.max_steps=200", "train.checkpoint_every=100",
+                   env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "30"})  # torchrun's default grace period
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 4):
+        assert time.monotonic() < deadline and run.procs[0].poll() is None, run.text()[-3000:]
+        time.sleep(0.05)
+    logged = len(metrics.read_text().splitlines())
+    run.procs[0].send_signal(signal.SIGTERM)
+    signalled = time.monotonic() - run.start
+    codes = run.wait(timeout=60)
+    assert codes[0] != 0
+    stop_time, line = run.first("stopped at step")
+    assert stop_time - signalled < 30  # inside torchrun's grace period
+    step = int((tmp_path / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    assert logged <= step <= logged + 2, (logged, step)  # the step in progress, or the next: no step lost
+    assert f"stopped at step {step} by SIGTERM; saved {tmp_path / 'checkpoints' / f'step_{step}'}" in line
+    assert "run the same command to resume" in line
+    assert step + 2 <= max(straight)
+    resume_and_compare(tmp_path, straight, steps=step + 2)
