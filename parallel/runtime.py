@@ -166,7 +166,7 @@ def init_runtime(parallel_cfg, layout: ParallelLayout, run_dir=None) -> Runtime:
     limits = deadlines(parallel_cfg, device.type)
     store = _connect_store(world_size, max(5.0, limits.silence_s / 2))
     monitor = Watchdog(rank, world_size, store, run_dir or comm.failure_dir() or ".", limits, backend).start()
-    if rank == 0 and world_size > 1:
+    if rank == 0:
         print(f"[tessera] {limits.describe()}", flush=True)
     return Runtime(rank, world_size, local_rank, device, backend, layout, fsdp_mesh, control, sequence, monitor)
 

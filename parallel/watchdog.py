@@ -26,6 +26,7 @@ saves a checkpoint and exits.
 import faulthandler
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -372,7 +373,7 @@ def error_message(error: BaseException) -> str:
     message = str(error)
     if "Original Traceback" in message:
         last = [line for line in message.splitlines() if line.strip()][-1]
-        return last.split(": ", 1)[1] if f"{type(error).__name__}: " in last else last
+        return re.sub(r"^[\w.]*(Error|Exception): ", "", last)
     return message
 
 

@@ -1,0 +1,80 @@
+"""What the failure handling costs a training step (parallel/watchdog.py): the per-step stop-flag
+exchange on the gloo control group, and the watchdog thread's work each second (publish a heartbeat,
+read the abort key and the watched peers' heartbeats on the c10d store).
+
+    python scripts/bench_watchdog.py [--ranks 2] [--calls 300]
+
+Spawns the ranks itself (gloo on 127.0.0.1, a TCPStore as torchrun's agent would host it) and prints
+the median cost of each, next to the demo's step time for scale.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+DEMO_STEP_S = 0.25  # the demo's median step time on the 2-core CPU machine (BENCHMARKS.md)
+
+
+def worker(rank, world, port, calls, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    from parallel.runtime import Runtime, _connect_store
+    from parallel.watchdog import Deadlines, Watchdog
+
+    control = dist.new_group(backend="gloo")
+    client = _connect_store(world, 5.0)
+    dog = Watchdog(rank, world, client, Path(out).parent, Deadlines(600, 300, 10), interval_s=3600)  # ticks by hand
+    runtime = Runtime(rank, world, 0, torch.device("cpu"), "gloo", None, None, control, None, dog)
+
+    flag_s, tick_s = [], []
+    for _ in range(calls):
+        dist.barrier(control)
+        start = time.perf_counter()
+        runtime.agreed_stop_signal()
+        flag_s.append(time.perf_counter() - start)
+    dog.start()
+    for _ in range(calls):
+        start = time.perf_counter()
+        dog._tick()
+        tick_s.append(time.perf_counter() - start)
+    dog.finish()
+    if rank == 0:
+        Path(out).write_text(json.dumps({"flag_ms": 1e3 * statistics.median(flag_s),
+                                         "tick_ms": 1e3 * statistics.median(tick_s)}))
+    dist.barrier(control)
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--calls", type=int, default=300)
+    args = parser.parse_args()
+    from parallel.runtime import _free_port
+
+    out = Path("/tmp") / f"bench_watchdog_{os.getpid()}.json"
+    torch.set_num_threads(1)
+    mp.spawn(worker, args=(args.ranks, _free_port(), args.calls, str(out)), nprocs=args.ranks, join=True)
+    result = json.loads(out.read_text())
+    flag, tick = result["flag_ms"], result["tick_ms"]
+    print(f"{args.ranks} ranks, gloo on 127.0.0.1, median of {args.calls} calls")
+    print(f"stop-flag exchange per step: {flag:.3f} ms = {100 * flag / 1e3 / DEMO_STEP_S:.2f}% of a "
+          f"{DEMO_STEP_S:.2f} s demo step")
+    print(f"watchdog tick (once a second, on its own thread): {tick:.3f} ms = {tick / 10:.3f}% of one core")
+    print(f"together, per demo step: {100 * (flag + tick * DEMO_STEP_S) / 1e3 / DEMO_STEP_S:.2f}%")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The watchdog's decisions in one process, on an in-memory store, driven tick by tick: who is named
+when a rank goes silent, fails or stalls (the multi-process runs are in tests/test_failures.py)."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallel import comm, watchdog
+from parallel.watchdog import Deadlines, Watchdog
+
+
+def pair(tmp_path, silence=0.3, stall=0.5):
+    store = dist.HashStore()
+    dogs = [Watchdog(r, 2, store, tmp_path, Deadlines(long_s=5, stall_s=stall, silence_s=silence), interval_s=0.05)
+            for r in (0, 1)]
+    for dog in dogs:
+        dog._held.set()  # verdicts go to .verdict instead of ending this (pytest's) process
+        dog._publish()
+    return dogs
+
+
+def test_a_silent_rank_is_named_with_its_step_and_phase(tmp_path):
+    survivor, silent = pair(tmp_path)
+    silent.begin_step(74)
+    silent.mark("backward")
+    silent._tick()  # its last heartbeat: step 74, backward; then nothing
+    survivor._tick()
+    assert survivor.verdict is None
+    time.sleep(0.4)
+    survivor._tick()
+    assert "error: rank 1 (" in survivor.verdict and "stopped responding at step 74 (phase: backward)" in survivor.verdict
+    assert "latest checkpoint: none yet" in survivor.verdict
+
+
+def test_a_rank_that_keeps_beating_is_not_named(tmp_path):
+    survivor, peer = pair(tmp_path)
+    for _ in range(8):
+        peer._tick()
+        survivor._tick()
+        time.sleep(0.05)
+    assert survivor.verdict is None and peer.verdict is None
+
+
+def test_a_failed_rank_is_named_by_the_others_with_its_reason(tmp_path):
+    survivor, failing = pair(tmp_path)
+    failing.begin_step(3)
+    line = failing.report_failure(ValueError("bad manifest line 7"))
+    assert line.startswith("error: rank 1 (") and "this is rank 1" in line
+    survivor._tick()
+    assert "rank 1 (" in survivor.verdict and "failed at step 3 (phase: data): ValueError: bad manifest line 7" \
+        in survivor.verdict
+    # the first reason published stands: a later one does not replace it
+    assert survivor._claim_abort("something else") == failing._claim_abort("another") != "something else"
+
+
+def test_a_rank_stuck_outside_collectives_names_itself_and_writes_its_stacks(tmp_path):
+    stuck, _ = pair(tmp_path)
+    stuck.begin_step(5)
+    stuck._long_step = False
+    comm.configure(256)  # no op in flight
+    time.sleep(0.6)
+    stuck._held.clear()  # the main thread is not handling an exception: this is a stall
+    reasons = []
+    stuck._conclude = reasons.append  # keep the verdict instead of ending the process
+    stuck._tick()
+    assert reasons and "rank 0 (" in reasons[0] and "made no progress" in reasons[0] and "step 5 (phase: data)" in reasons[0]
+    stacks = (tmp_path / "failures" / "stacks_rank0.txt").read_text()
+    assert "--- thread MainThread" in stacks and "test_watchdog.py" in stacks
+
+
+def test_ranks_in_different_collectives_are_named(tmp_path):
+    a, b = pair(tmp_path)
+    a._publish()
+    payload = b._payload()
+    payload.update(open=True, seq=20, op=["all_reduce", "world", [3]])
+    a.store.set("hb/1", __import__("json").dumps(payload))
+    with comm.recorded("all_gather", None, torch.zeros(4)):  # rank 0 waits in an all-gather
+        comm.last_record().seq = 20
+        a._publish()
+        reason = a._compare_everyone()
+    assert "the ranks wait in different collectives" in reason
+    assert "rank 0 in all_gather on world (seq 20)" in reason and "rank 1 in all_reduce on world (seq 20)" in reason
+
+
+def test_error_messages_and_peer_errors():
+    wrapped = ValueError("Caught DataError in DataLoader worker process 0.\nOriginal Traceback (most recent call "
+                         "last):\n  File \"x.py\", line 1\ndata.dataset.DataError: 3 samples in a row could not be loaded")
+    assert watchdog.error_message(wrapped) == "3 samples in a row could not be loaded"
+    assert watchdog.is_peer_error(dist.DistBackendError("NCCL communicator was aborted"))
+    assert watchdog.is_peer_error(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
+    assert not watchdog.is_peer_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGUSR1"])
+def test_a_stop_signal_in_the_loop_only_sets_the_flag(signum):
+    import signal
+
+    request = watchdog.StopRequest()
+    restore = request.install()
+    try:
+        with pytest.raises(watchdog.Terminated):  # start-up: nothing to save, stop at once
+            request.handler(getattr(signal, signum), None)
+        request.accepting = True
+        request.handler(getattr(signal, signum), None)
+        assert request.signum == getattr(signal, signum)
+        request.handler(getattr(signal, signum), None)  # torchrun's forwarded copy, right after: no second request
+        request.received_at -= 10
+        with pytest.raises(watchdog.Terminated):  # a second request seconds later: stop at once
+            request.handler(getattr(signal, signum), None)
+    finally:
+        restore()
