@@ -75,6 +75,8 @@ def seconds_from_fault_to_error(run: Launch, fault: str) -> float:
     error_time, line = run.first("error: ")
     first_traceback = [t for t, _, text in run.lines if text.startswith("Traceback")]
     assert not first_traceback or first_traceback[0] >= error_time, "a traceback came before the error line"
+    print(f"[measured] {fault}: named {error_time - fault_time:.1f} s after the fault; run ended after "
+          f"{run.elapsed:.1f} s")  # for BENCHMARKS.md (pytest -s)
     return error_time - fault_time
 
 
@@ -161,7 +163,9 @@ def test_killed_rank_on_another_node_is_named(tmp_path):
     assert codes[0] != 0 and codes[1] != 0
     fault_time, _ = second.first("[fault] rank 1: kill in step 5")
     error_time, line = run.first("error: ")
-    assert (run.start + error_time) - (second.start + fault_time) <= 15
+    delay = (run.start + error_time) - (second.start + fault_time)
+    print(f"[measured] kill on node 1: named {delay:.1f} s after the fault")
+    assert delay <= 15
     assert "error: rank 1 (" in line and "stopped responding at step 5" in line, line
 
 
@@ -206,6 +210,7 @@ def test_sigterm_to_torchrun_saves_and_resumes_exactly(tmp_path, straight):
     codes = run.wait(timeout=60)
     assert codes[0] != 0
     stop_time, line = run.first("stopped at step")
+    print(f"[measured] SIGTERM: saved and stopped {stop_time - signalled:.1f} s after the signal")
     assert stop_time - signalled < 30  # inside torchrun's grace period
     step = int((tmp_path / "checkpoints" / "latest").read_text().strip().split("_")[1])
     assert logged <= step <= logged + 2, (logged, step)  # the step in progress, or the next: no step lost
