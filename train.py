@@ -83,12 +83,13 @@ def main(argv=None):
     bf16 = tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
     run = RunDirectory(cfg.run.output_dir, runtime.is_main)
     run.write_config(cfg)
+    run.start_data_report(dataset.left_out_files(), start_step)
     text_encoder, vae = build_frozen(cfg, device)
     model = apply_sequence_parallel(build_model(cfg, text_encoder, vae), runtime.sequence)
     if runtime.is_main:
         print(f"[tessera] {cfg.model.size}: {count_parameters(model) / 1e6:.2f}M parameters; layout "
               f"{layout.describe()}{' (parallel.auto)' if cfg.parallel.auto else ''}; {device.type} ({runtime.backend}, "
-              f"{'bf16' if bf16 else 'fp32'})\n[tessera] data: {dataset.summary()}\n[tessera] {sampler.steps_per_epoch} "
+              f"{'bf16' if bf16 else 'fp32'})\n[tessera] data: {dataset.summary(run.data_report)}\n[tessera] {sampler.steps_per_epoch} "
               f"steps per epoch ({sampler.num_batches} batches{_padding_note(sampler)})", flush=True)
     model = parallelize_dit(model, runtime.fsdp_mesh, torch.bfloat16 if bf16 else torch.float32,
                             tc.activation_checkpointing, tc.compile)
@@ -148,6 +149,7 @@ def main(argv=None):
                 if path not in reported:
                     reported.add(path)
                     print(f"[tessera] rank {rank}: replaced {path} by another sample ({why})", flush=True)
+                    run.report_replaced(rank, path, why, done)
 
         if done % tc.log_every == 0 or done == tc.max_steps:
             window[0] = loss.detach().double().item() if reader else 0.0  # this step's loss, once per group

@@ -9,9 +9,10 @@ from data.buckets import BucketTable
 from data.dataset import BucketedDataset, collate
 from data.sampler import BucketSampler
 
-# How the start-up summary counts the files a manifest or folder lists but training cannot use.
+# How the start-up summary counts the files a manifest or folder lists but training cannot use
+# (anything else that failed to probe is 'unreadable').
 LEFT_OUT_CATEGORIES = (("unsupported file type", "unsupported file type"), ("no caption file", "no caption"),
-                       ("caption file", "caption not UTF-8"))
+                       ("caption file", "caption not UTF-8"), ("FileNotFoundError", "missing"))
 
 
 def build_buckets(cfg) -> BucketTable:
