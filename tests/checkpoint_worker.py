@@ -2,6 +2,7 @@
 checkpoint's files and all reach the same verdict, even on a file only one of them read."""
 
 import datetime
+import os
 import sys
 from pathlib import Path
 
@@ -30,7 +31,8 @@ def main(paths):
             verdict = "ok"
         except checkpoint.CheckpointError as e:
             verdict = f"refused: {e}"
-        print(f"rank {rank}: {Path(path).parent.parent.name}: read {sorted(read)}: {verdict}", flush=True)
+        line = f"rank {rank}: {Path(path).parent.parent.name}: read {sorted(read)}: {verdict}\n"
+        os.write(1, line.encode())  # one write: print() writes the text and the newline apart, and ranks interleave
     dist.barrier()
     dist.destroy_process_group()
 
