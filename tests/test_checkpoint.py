@@ -6,6 +6,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -45,9 +46,9 @@ def killed(tmp_path_factory):
             procs[point] = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *COMMON,
                                              f"run.output_dir={base / point}"], cwd=ROOT, env=env, text=True,
                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        results = {}
+        results, deadline = {}, time.monotonic() + 240  # one bound for the three: a hang fails, not stalls
         for point, proc in procs.items():
-            output, _ = proc.communicate(timeout=240)
+            output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
             results[point] = (base / point, proc.returncode, output)
         return results
     finally:
