@@ -90,7 +90,9 @@ class BucketedDataset:
         """Samples per bucket, and what was left out: counted by category, the first few named (missing and
         unreadable files first), and where the full list is (`listed_in`, the run's data_report.jsonl)."""
         counts = Counter(self.bucket_of.tolist())
-        dropped = (f"; left out {sum(self.dropped.values())}: " + ", ".join(f"{n} {why}" for why, n in self.dropped.items())
+        first = {category: i for i, category in enumerate(self.broken_first)}
+        categories = sorted(self.dropped.items(), key=lambda item: first.get(item[0], len(first)))
+        dropped = (f"; left out {sum(self.dropped.values())}: " + ", ".join(f"{n} {why}" for why, n in categories)
                    if self.dropped else "")
         left_out = self.left_out_files()
         named = "".join(f"\n  left out {path}: {why}" for path, _, why in left_out[:self.named_in_summary])
