@@ -33,7 +33,8 @@ def parse_args(argv):
     args, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(DEFAULT_RECIPE), help="recipe YAML (default: the demo)")
-    p.add_argument("--checkpoint", default=None, help="a step_<N> folder (default: the recipe run's latest)")
+    p.add_argument("--checkpoint", default=None, help="a step_<N> folder, a `latest` pointer file, a checkpoints/ folder or a "
+                   "run directory (default: the recipe run's latest)")
     p.add_argument("--prompt", nargs="+", default=None, help="one or more prompts (default: sample.prompts)")
     p.add_argument("--negative-prompt", default=None, help="default: sample.negative_prompt")
     p.add_argument("--frames", type=int, default=None, help="default: sample.frames, else data.frames")

@@ -27,7 +27,13 @@ from models.flow import RectifiedFlow
 from models.pipeline import build_frozen, build_model, generate
 from models.vae import vae_latent_space
 from parallel import comm, faults
-from parallel.checkpoint import load_checkpoint, read_trainer_state, resolve_checkpoint, save_checkpoint
+from parallel.checkpoint import (
+    load_checkpoint,
+    read_trainer_state,
+    resolve_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from parallel.fsdp import parallelize_dit, update_ema
 from parallel.layout import ParallelLayout
 from parallel.runtime import init_runtime, local_world_size, run_entrypoint, world_from_env
@@ -81,17 +87,20 @@ def main(argv=None):
     # checkpoint's data position alike (another dp size or other data: refused, or data.on_plan_change).
     check_same_plan(sampler, dataset, resume["step"] if resume else None, runtime.control_group)
     start_step, replanned = sampler.load_state_dict(resume, cfg.data.on_plan_change) if resume else (0, "")
+    if checkpoint is not None:  # a damaged file is refused by name now, before any model is built
+        verify_checkpoint(checkpoint, runtime.control_group)
     sampler.start_step = start_step  # O(1): the sampler computes its position from the step
     device = runtime.device
     bf16 = tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
     run = RunDirectory(cfg.run.output_dir, runtime.is_main)
     run.write_config(cfg)
+    run.start_data_report(dataset.left_out_files(), start_step)
     text_encoder, vae = build_frozen(cfg, device)
     model = apply_sequence_parallel(build_model(cfg, text_encoder, vae), runtime.sequence)
     if runtime.is_main:
         print(f"[tessera] {cfg.model.size}: {count_parameters(model) / 1e6:.2f}M parameters; layout "
               f"{layout.describe()}{' (parallel.auto)' if cfg.parallel.auto else ''}; {device.type} ({runtime.backend}, "
-              f"{'bf16' if bf16 else 'fp32'})\n[tessera] data: {dataset.summary()}\n[tessera] {sampler.steps_per_epoch} "
+              f"{'bf16' if bf16 else 'fp32'})\n[tessera] data: {dataset.summary(run.data_report)}\n[tessera] {sampler.steps_per_epoch} "
               f"steps per epoch ({sampler.num_batches} batches{_padding_note(sampler)})", flush=True)
     model = parallelize_dit(model, runtime.fsdp_mesh, torch.bfloat16 if bf16 else torch.float32,
                             tc.activation_checkpointing, tc.compile)
@@ -102,7 +111,7 @@ def main(argv=None):
     flow = RectifiedFlow(cfg.flow, cfg.model.patch_size)
 
     if checkpoint is not None:
-        load_checkpoint(runtime, checkpoint, model, ema, optimizer)
+        load_checkpoint(runtime, checkpoint, model, ema, optimizer, verified=True)
         if runtime.is_main:
             print(f"[tessera] resumed from {checkpoint} at step {start_step}"
                   f"{'; the data plan changed: ' + replanned if replanned else ''}", flush=True)
@@ -157,6 +166,7 @@ def main(argv=None):
                 if path not in reported:
                     reported.add(path)
                     print(f"[tessera] rank {rank}: replaced {path} by another sample ({why})", flush=True)
+                    run.report_replaced(rank, path, why, done)
 
         if done % tc.log_every == 0 or done == tc.max_steps:
             phase("log")

@@ -6,9 +6,12 @@
     samples/           preview videos written during training
     failures/          per-rank records of recent collectives, written when a run fails
     wandb/             offline wandb logs (sync later with `wandb sync`)
+    data_report.jsonl  every file left out at start-up and every file replaced during training, with
+                       the reason; data_report_rank<R>.jsonl: the files rank R (R > 0) replaced
 """
 
 import json
+import os
 import time
 import warnings
 from pathlib import Path
@@ -59,6 +62,38 @@ class RunDirectory:
         if self._wandb is not None:
             self._wandb.log(metrics, step=metrics["step"])
 
+    @property
+    def data_report(self) -> Path:
+        return self.path / "data_report.jsonl"
+
+    def start_data_report(self, left_out: list[tuple[str, str, str]], start_step: int) -> None:
+        """Main rank, at start-up: data_report.jsonl lists every file left out now ((path, category,
+        reason), missing and unreadable first), then the files replaced by earlier processes of this run
+        up to the step it resumes from (those after it will be replaced, and listed, again), gathered
+        from every rank's file. No rank appends before this: the first append follows the first
+        training step, whose collectives wait for this rank."""
+        if not self.is_main:
+            return
+        kept = [r for r in read_data_report(self.path) if r.get("kind") == "replaced" and r.get("step", 0) <= start_step]
+        lines = [{"kind": "left_out", "path": path, "category": category, "reason": why}
+                 for path, category, why in left_out] + kept
+        tmp = self.path / "data_report.jsonl.tmp"
+        self.path.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(line) + "\n" for line in lines)
+        os.replace(tmp, self.data_report)
+        for old in self.path.glob("data_report_rank*.jsonl"):
+            old.unlink()
+
+    def report_replaced(self, rank: int, path: str, reason: str, step: int) -> None:
+        """A file that could not be loaded and was replaced by another sample, from the rank that read it.
+        One writer per file (rank 0: data_report.jsonl, rank R: data_report_rank<R>.jsonl), so ranks never
+        interleave their lines, also on network filesystems where appends from several hosts are not atomic."""
+        name = "data_report.jsonl" if rank == 0 else f"data_report_rank{rank}.jsonl"
+        self.path.mkdir(parents=True, exist_ok=True)
+        with open(self.path / name, "a") as f:
+            f.write(json.dumps({"kind": "replaced", "path": path, "reason": reason, "step": step, "rank": rank}) + "\n")
+
     def finish(self) -> None:
         if self._wandb is not None:
             self._wandb.finish()
@@ -75,3 +110,20 @@ def _stable_id(path: Path) -> str:
 def read_metrics(path) -> list[dict]:
     with open(Path(path) / "metrics.jsonl") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def read_data_report(path) -> list[dict]:
+    """Every line of a run's data report: data_report.jsonl, then each rank's file in rank order (a line
+    cut short by a kill is skipped)."""
+    path = Path(path)
+    files = [path / "data_report.jsonl"] + sorted(path.glob("data_report_rank*.jsonl"),
+                                                  key=lambda p: int(p.stem.removeprefix("data_report_rank")))
+    lines = []
+    for file in files:
+        if file.is_file():
+            for line in file.read_text(errors="surrogateescape").splitlines():
+                try:
+                    lines.append(json.loads(line))
+                except ValueError:
+                    continue
+    return lines

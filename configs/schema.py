@@ -90,7 +90,7 @@ class TrainConfig:
     keep_checkpoints: int = 3  # older step_<N> folders are deleted once a newer one is complete
     sample_every: int = 0  # 0: only at the end
     seed: int = 0
-    resume: str = "auto"  # auto (continue from latest if present) | none | a checkpoint folder
+    resume: str = "auto"  # auto (continue from latest if present) | none | a step_<N> folder, latest file, checkpoints/ or run dir
     activation_checkpointing: bool = False
     compile: bool = False
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16

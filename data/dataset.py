@@ -6,7 +6,8 @@ its bucket (the epoch varies which part of a long clip is taken). A sample that 
 corrupt or too short is replaced by another sample of the same bucket, chosen from (seed, epoch,
 index), so the batch keeps its shape and the step count never changes; when none of the bucket
 is left, a sample of another bucket that holds enough frames is resized into it. The replaced
-file and the reason travel with the batch, for the trainer to log once and count.
+file and the reason travel with the batch, for the trainer to log once, count, and list in the run's
+data_report.jsonl beside every file left out at start-up.
 """
 
 import hashlib
@@ -31,10 +32,12 @@ def _reason(error: Exception) -> str:
 
 class BucketedDataset:
     max_replacements = 8  # a bucket this broken is a data problem worth stopping for
+    named_in_summary = 10  # left-out files named in the start-up summary; data_report.jsonl lists them all
+    broken_first = ("missing", "unreadable")  # named before the files left out by choice (no caption, size...)
 
     def __init__(self, entries: list[dict], table: BucketTable, seed: int = 0):
         self.table, self.seed = table, seed
-        kept, buckets, self.dropped, self.examples = [], [], Counter(), {}
+        kept, buckets, self.dropped, self.left_out = [], [], Counter(), []
         for entry in entries:
             bucket, why = self.assign(entry)
             if bucket is None:
@@ -73,16 +76,30 @@ class BucketedDataset:
         return len(self.entries)
 
     def leave_out(self, path: str, category: str, detail: str = "") -> None:
-        """Count a sample left out at start-up; the first few are named in the summary."""
+        """Count and keep a sample left out at start-up (a category such as 'missing', 'unreadable',
+        'no caption' or a bucket rule, and the detailed reason)."""
         self.dropped[category] += 1
-        if len(self.examples) < 5:
-            self.examples[path] = detail or category
+        self.left_out.append((path, category, detail or category))
 
-    def summary(self) -> str:
+    def left_out_files(self) -> list[tuple[str, str, str]]:
+        """(path, category, reason) of every sample left out at start-up, missing and unreadable files first."""
+        rank = {category: i for i, category in enumerate(self.broken_first)}
+        return sorted(self.left_out, key=lambda left: rank.get(left[1], len(rank)))  # stable: file order within
+
+    def summary(self, listed_in=None) -> str:
+        """Samples per bucket, and what was left out: counted by category, the first few named (missing and
+        unreadable files first), and where the full list is (`listed_in`, the run's data_report.jsonl)."""
         counts = Counter(self.bucket_of.tolist())
-        dropped = (f"; left out {sum(self.dropped.values())}: " + ", ".join(f"{n} {why}" for why, n in self.dropped.items())
+        first = {category: i for i, category in enumerate(self.broken_first)}
+        categories = sorted(self.dropped.items(), key=lambda item: first.get(item[0], len(first)))
+        dropped = (f"; left out {sum(self.dropped.values())}: " + ", ".join(f"{n} {why}" for why, n in categories)
                    if self.dropped else "")
-        named = "".join(f"\n  left out {path}: {why}" for path, why in self.examples.items())
+        left_out = self.left_out_files()
+        named = "".join(f"\n  left out {path}: {why}" for path, _, why in left_out[:self.named_in_summary])
+        if len(left_out) > self.named_in_summary:
+            named += f"\n  ... and {len(left_out) - self.named_in_summary} more"
+        if left_out and listed_in is not None:
+            named += f"\n  every file left out, and every file replaced during training, is listed in {listed_in}"
         return (f"{len(self)} samples in {len(counts)} of {len(self.table)} buckets{dropped}{named}\n"
                 + self.table.describe(counts))
 

@@ -9,9 +9,10 @@ from data.buckets import BucketTable
 from data.dataset import BucketedDataset, collate
 from data.sampler import BucketSampler
 
-# How the start-up summary counts the files a manifest or folder lists but training cannot use.
+# How the start-up summary counts the files a manifest or folder lists but training cannot use
+# (anything else that failed to probe is 'unreadable').
 LEFT_OUT_CATEGORIES = (("unsupported file type", "unsupported file type"), ("no caption file", "no caption"),
-                       ("caption file", "caption not UTF-8"))
+                       ("caption file", "caption not UTF-8"), ("FileNotFoundError", "missing"))
 
 
 def build_buckets(cfg) -> BucketTable:
@@ -115,7 +116,7 @@ class _FaultyCollate:
 def build_loader(dataset: BucketedDataset, sampler: BucketSampler, num_workers: int) -> DataLoader:
     import os
 
-    faulty = os.environ.get("TESSERA_FAULT", "").startswith("loader@")
+    faulty = "loader" in os.environ.get("TESSERA_FAULT", "")
     return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                       collate_fn=_FaultyCollate(sampler.start_step) if faulty else collate,
                       persistent_workers=num_workers > 0, pin_memory=torch.cuda.is_available(),

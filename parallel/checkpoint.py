@@ -3,19 +3,31 @@
 Layout of a run directory's `checkpoints/`:
     step_<N>/        torch.distributed.checkpoint files of model, EMA and optimizer, plus
                      trainer_rank<R>.pt per rank (step, data position, world size; the same on
-                     every rank, so a resume reads rank 0's before any process group exists)
+                     every rank, so a resume reads rank 0's before any process group exists), and
+                     checksums.json: the size and crc32 of every file, as each rank wrote it
     latest           a text file naming the newest complete step_<N>
 
-Every rank writes its shards into a hidden temporary folder; only when all ranks have finished
-does rank 0 rename it to step_<N> and then replace `latest`, so a crash mid-save leaves the
-previous checkpoint intact and `latest` never names a partial one. The fences use the gloo
-control group (long timeout): a slow filesystem does not trip the training watchdog.
+Every rank writes its shards into a hidden temporary folder, then reads back and fsyncs the files
+it wrote and records their sizes and crc32s; only when all ranks have finished does rank 0 rename
+the folder to step_<N>, fsync the parent folder, and then replace (and fsync) `latest`. A kill at
+any point of a save leaves `latest` naming a complete checkpoint; the hidden leftovers
+(.step_<N>.tmp, .step_<N>.old) are removed by the next save, after its `latest` has moved. A load
+first checks every file against checksums.json (the work split over the ranks), so a truncated or
+corrupted shard is refused by name, with the previous checkpoint suggested, before any weight is
+read. The fences use the gloo control group (long timeout): a slow filesystem does not trip the
+training watchdog.
 """
 
+import errno
+import json
+import os
+import re
 import shutil
+import zlib
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
@@ -24,6 +36,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from parallel import comm, faults
+
+CHECKSUMS = "checksums.json"
+_POINTER = re.compile(r"step_(\d+)")
 
 
 class CheckpointError(RuntimeError):
@@ -34,62 +51,249 @@ def checkpoint_dir(run_dir) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def _step_of(path: Path) -> int | None:
+    """N of a step_<N> folder (or of the hidden .step_<N>.old copy a killed re-save leaves)."""
+    match = re.fullmatch(r"\.?step_(\d+)(\.old)?", path.name)
+    return int(match.group(1)) if match else None
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / ".metadata").is_file()
+
+
+def previous_checkpoint(path) -> Path | None:
+    """The newest complete step_<N> beside `path` that is older than it (the one to fall back on)."""
+    path = Path(path)
+    step = _step_of(path)
+    older = [(n, p) for p in path.parent.glob("step_*")
+             if (n := _step_of(p)) is not None and (step is None or n < step) and p != path and _is_complete(p)]
+    return max(older)[1] if older else None
+
+
+def _fallback_hint(path) -> str:
+    previous = previous_checkpoint(path)
+    if previous is None:
+        return "no earlier complete checkpoint is left beside it: start fresh with train.resume=none"
+    return (f"the previous complete checkpoint is {previous}: resume from it with train.resume={previous} "
+            f"(infer.py --checkpoint {previous})")
+
+
+def _follow(pointer: Path) -> Path:
+    """The step folder a `latest` pointer file names."""
+    try:
+        name = pointer.read_text(errors="replace").strip() if pointer.stat().st_size < 1024 else ""
+    except OSError as e:
+        raise CheckpointError(f"cannot read {pointer}: {e}") from None
+    if not _POINTER.fullmatch(name):
+        raise CheckpointError(f"{pointer} is not a tessera `latest` pointer (a file holding one line, step_<N>)")
+    path = pointer.parent / name
+    if _is_complete(path):
+        return path
+    # A re-save of step N killed between moving the old step_N aside and renaming the new one in:
+    # the old copy is still complete, under the name the save gave it.
+    replaced = pointer.parent / f".{name}.old"
+    if _is_complete(replaced):
+        return replaced
+    raise CheckpointError(f"{pointer} names {name}, which is missing or incomplete; {_fallback_hint(path)}")
+
+
 def find_latest(run_dir) -> Path | None:
     pointer = checkpoint_dir(run_dir) / "latest"
-    if not pointer.is_file():
-        return None
-    path = checkpoint_dir(run_dir) / pointer.read_text().strip()
-    if not (path / ".metadata").is_file():
-        raise CheckpointError(f"{pointer} names {path.name}, which is missing or incomplete; point 'latest' at a "
-                              f"complete step_<N> folder or start fresh with train.resume=none")
-    return path
+    return _follow(pointer) if pointer.is_file() else None
 
 
 def resolve_checkpoint(spec: str, run_dir) -> Path | None:
-    """train.resume / --checkpoint: 'auto' (latest if any), 'none', or a folder."""
+    """train.resume / --checkpoint: 'auto' (the run's latest, if any), 'none', or a path: a step_<N>
+    folder, a `latest` pointer file, a checkpoints/ folder or a run directory (their latest)."""
     if spec == "none":
         return None
     if spec in ("auto", "latest"):
         return find_latest(run_dir)
     path = Path(spec)
-    if not (path / ".metadata").is_file():
-        raise CheckpointError(f"checkpoint '{spec}' is not a complete tessera checkpoint folder (no .metadata in it)")
-    return path
+    if path.is_file():
+        return _follow(path)
+    if _is_complete(path):
+        return path
+    for pointer in (path / "latest", checkpoint_dir(path) / "latest"):
+        if pointer.is_file():
+            return _follow(pointer)
+    raise CheckpointError(f"checkpoint '{spec}' is not a complete tessera checkpoint folder (no .metadata in it), nor "
+                          f"a `latest` pointer, a checkpoints/ folder or a run directory with one")
+
+
+# The points of a save where the failure tests kill a process (TESSERA_FAULT=save_<point>, parallel/faults.py):
+# before_shards (the temporary folder made, nothing written), after_shards (every rank's files written
+# and checksummed, not yet renamed), after_rename (step_<N> in place, `latest` not yet moved).
+FAULT_POINTS = ("before_shards", "after_shards", "after_rename")
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make renames and new entries in a folder durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some network filesystems cannot fsync a folder; their renames are synchronous
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _size_and_crc(path: Path, sync: bool = False) -> tuple[int, int]:
+    """(size, crc32) of a file, read in 16 MiB pieces; with sync, also fsync it (it was just written,
+    so the read comes from the page cache)."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while piece := f.read(16 << 20):
+            crc, size = zlib.crc32(piece, crc), size + len(piece)
+        if sync:
+            os.fsync(f.fileno())
+    return size, crc
+
+
+def _write_durably(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _seal(folder: Path, rank: int) -> None:
+    """fsync the files this rank wrote and record their size and crc32 in a part file of its own
+    (DCP names its files __<rank>_<i>.distcp; rank 0 also wrote .metadata)."""
+    mine = sorted(folder.glob(f"__{rank}_*")) + [folder / f"trainer_rank{rank}.pt"]
+    if rank == 0:
+        mine.append(folder / ".metadata")
+    files = {p.name: dict(zip(("size", "crc32"), _size_and_crc(p, sync=True))) for p in mine}
+    _write_durably(folder / f".checksums_rank{rank}.json", json.dumps(files))
+
+
+def _merge_checksums(folder: Path, world_size: int) -> None:
+    """Rank 0: one checksums.json from every rank's part; a file no rank claimed is hashed here."""
+    files = {}
+    for rank in range(world_size):
+        part = folder / f".checksums_rank{rank}.json"
+        files.update(json.loads(part.read_text()))
+        part.unlink()
+    for p in sorted(folder.iterdir()):
+        if p.is_file() and p.name not in files:
+            files[p.name] = dict(zip(("size", "crc32"), _size_and_crc(p, sync=True)))
+    _write_durably(folder / CHECKSUMS, json.dumps({"format": 1, "files": files}, indent=1, sort_keys=True))
+    _fsync_dir(folder)
+
+
+def _clear(path: Path) -> None:
+    """Remove a step folder so that it vanishes at once (renamed hidden first): a kill mid-way leaves
+    no half-deleted step_<N> that still looks complete."""
+    hidden = path.with_name(f".{path.name}.deleted")
+    shutil.rmtree(hidden, ignore_errors=True)
+    path.rename(hidden)
+    shutil.rmtree(hidden, ignore_errors=True)
 
 
 def save_checkpoint(runtime, run_dir, step: int, model, ema, optimizer, trainer_state: dict, keep: int) -> Path:
     root = checkpoint_dir(run_dir)
     final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
     if runtime.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a killed save of this step left it
         tmp.mkdir(parents=True)
     runtime.fence()
+    faults.at_save("before_shards", runtime.rank, step)
     state = {"model": get_model_state_dict(model), "ema": get_model_state_dict(ema),
              "optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(state, checkpoint_id=tmp, process_group=runtime.control_group)  # gloo, long timeout: I/O is slow
+    with comm.recorded("checkpoint_save", runtime.control_group, None):  # DCP's own collectives run inside
+        dcp.save(state, checkpoint_id=tmp, process_group=runtime.control_group)  # gloo, long timeout: I/O is slow
     torch.save(trainer_state, tmp / f"trainer_rank{runtime.rank}.pt")
+    _seal(tmp, runtime.rank)
     runtime.fence()
+    if runtime.is_main:
+        _merge_checksums(tmp, runtime.world_size)
+    faults.at_save("after_shards", runtime.rank, step)
     if runtime.is_main:
         replaced = root / f".step_{step}.old"  # re-saving a step: keep the old copy until the new one is in place
         shutil.rmtree(replaced, ignore_errors=True)
         if final.exists():
             final.rename(replaced)
         tmp.rename(final)
+        _fsync_dir(root)
+        faults.at_save("after_rename", runtime.rank, step)
         pointer_tmp = root / "latest.tmp"
-        pointer_tmp.write_text(final.name + "\n")
+        _write_durably(pointer_tmp, final.name + "\n")
         pointer_tmp.replace(root / "latest")
-        shutil.rmtree(replaced, ignore_errors=True)
-        complete = sorted((p for p in root.glob("step_*") if (p / ".metadata").is_file()),
-                          key=lambda p: int(p.name.split("_")[1]))
+        _fsync_dir(root)
+        # `latest` has moved: what killed saves left behind is no longer needed by anyone.
+        for pattern in (".step_*.tmp", ".step_*.old", ".step_*.deleted"):
+            for leftover in root.glob(pattern):
+                shutil.rmtree(leftover, ignore_errors=True)
+        complete = sorted((p for p in root.glob("step_*") if _is_complete(p)), key=_step_of)
         for old in complete[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old != final:
+                _clear(old)
     runtime.fence()
     return final
 
 
+def _checksums(path: Path) -> dict | None:
+    """{file name: {size, crc32}} as written, or None for a checkpoint older than checksums.json."""
+    listing = path / CHECKSUMS
+    if not listing.is_file():
+        return None
+    try:
+        return json.loads(listing.read_text())["files"]
+    except (ValueError, KeyError, OSError) as e:
+        raise CheckpointError(f"checkpoint {path} is damaged: {listing} cannot be read ({e}); "
+                              f"{_fallback_hint(path)}") from None
+
+
+def verify_checkpoint(path, group=None) -> None:
+    """Check every file of a checkpoint against the sizes and crc32s recorded when it was written,
+    before anything is loaded from it. With a process group, the files are split over its ranks (each
+    read once, the largest first to the least loaded rank) and their findings all-reduced, so every
+    rank reaches the same verdict; without one, this process checks them all. A damaged checkpoint
+    is a CheckpointError naming the files and the previous complete checkpoint. Checkpoints written
+    before checksums.json existed are not checked."""
+    path = Path(path)
+    files = _checksums(path)
+    if files is None:
+        return
+    names = sorted(files)
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    load = [0] * world
+    found = torch.zeros(len(names), 3, dtype=torch.int64)  # per file: checked by a rank, size (-1: missing), crc32
+    for i in sorted(range(len(names)), key=lambda i: (-files[names[i]]["size"], names[i])):
+        owner = min(range(world), key=lambda r: load[r])
+        load[owner] += files[names[i]]["size"]
+        if owner != rank:
+            continue
+        file = path / names[i]
+        if not file.is_file():
+            found[i] = torch.tensor([1, -1, 0])
+        elif file.stat().st_size != files[names[i]]["size"]:
+            found[i] = torch.tensor([1, file.stat().st_size, 0])
+        else:
+            found[i] = torch.tensor([1, *_size_and_crc(file)])
+    if group is not None:
+        comm.all_reduce(found, group=group)
+    problems = []
+    for name, (_, size, crc) in zip(names, found.tolist()):
+        written = files[name]
+        if size < 0:
+            problems.append(f"{name} is missing")
+        elif size < written["size"]:
+            problems.append(f"{name} is truncated ({size} of the {written['size']} bytes written)")
+        elif size != written["size"]:
+            problems.append(f"{name} has {size} bytes, {written['size']} were written")
+        elif crc != written["crc32"]:
+            problems.append(f"{name} is corrupt (crc32 {crc:08x}, {written['crc32']:08x} when written)")
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is damaged, nothing was loaded from it: {'; '.join(problems)}; "
+                              f"{_fallback_hint(path)}")
+
+
 def _load(state: dict, path: Path, group=None) -> None:
     try:
-        dcp.load(state, checkpoint_id=path, process_group=group)
+        with comm.recorded("checkpoint_load", group, None):  # DCP's own collectives run inside
+            dcp.load(state, checkpoint_id=path, process_group=group)
     except CheckpointException as e:  # DCP's planning errors (missing keys, size mismatches); a BaseException
         raise CheckpointError(f"{path} does not fit this model ({type(e).__name__}: {str(e)[:300]}); was it written "
                               f"with another model.size, model.patch_size, VAE or text encoder? Use the recipe it was "
@@ -104,11 +308,21 @@ def read_trainer_state(path) -> dict:
     if not trainer_file.is_file():
         raise CheckpointError(f"{path} has no trainer_rank0.pt (the step and data position); it is not a complete "
                               f"tessera training checkpoint: pick another or start fresh with train.resume=none")
-    return torch.load(trainer_file, weights_only=True)
+    written = (_checksums(Path(path)) or {}).get(trainer_file.name)
+    if written is not None and _size_and_crc(trainer_file) != (written["size"], written["crc32"]):
+        raise CheckpointError(f"checkpoint {path} is damaged, nothing was loaded from it: {trainer_file.name} is not "
+                              f"the file written at save (its size or crc32 differ); {_fallback_hint(path)}")
+    try:
+        return torch.load(trainer_file, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a checkpoint from before checksums.json, damaged
+        raise CheckpointError(f"{trainer_file} cannot be read ({type(e).__name__}: {e}); {_fallback_hint(path)}") from e
 
 
-def load_checkpoint(runtime, path, model, ema, optimizer) -> None:
-    """Restore model, EMA and optimizer in place (resharded by DCP to this run's layout)."""
+def load_checkpoint(runtime, path, model, ema, optimizer, verified: bool = False) -> None:
+    """Restore model, EMA and optimizer in place (resharded by DCP to this run's layout), once every
+    file of the checkpoint has been checked (by all ranks together; `verified`: done already)."""
+    if not verified:
+        verify_checkpoint(path, runtime.control_group)
     state = {"model": get_model_state_dict(model), "ema": get_model_state_dict(ema),
              "optimizer": get_optimizer_state_dict(model, optimizer)}
     _load(state, Path(path), runtime.control_group)
@@ -119,6 +333,7 @@ def load_checkpoint(runtime, path, model, ema, optimizer) -> None:
 
 def load_weights(path, model, use_ema: bool = True) -> None:
     """Load the (EMA) weights of a training checkpoint into an unsharded model, e.g. for sampling."""
+    verify_checkpoint(path)  # every file, here: this process has no group to share the reading with
     key = "ema" if use_ema else "model"
     state = {key: model.state_dict()}
     _load(state, Path(path))

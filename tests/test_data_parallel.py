@@ -1,9 +1,11 @@
 """The data pipeline across processes: the plan check, and 3 processes training for several epochs on
 a deliberately skewed dataset (7 clips in one bucket, 1 in another, a corrupt file) without a hang."""
 
+import json
+
 import pytest
 
-from configs.rundir import read_metrics
+from configs.rundir import read_data_report, read_metrics
 from data.manifest import write_manifest
 from tests.conftest import TINY, torchrun
 from tests.test_decode import write_counter_video
@@ -56,3 +58,10 @@ def test_three_processes_train_several_epochs_on_a_skewed_dataset(tmp_path):
     assert metrics[-1]["replaced_samples"] >= 4
     replaced_lines = [line for line in log.splitlines() if "replaced" in line and "corrupt.mp4" in line]
     assert 1 <= len(replaced_lines) <= 3 and len({line.split(":")[0] for line in replaced_lines}) == len(replaced_lines)
+    # ... and lists it in the run's data report, each rank in its own file (no interleaved writers)
+    reported = [r for r in read_data_report(run) if r["kind"] == "replaced"]
+    assert sorted(r["rank"] for r in reported) == sorted(int(line.split(":")[0].split()[-1]) for line in replaced_lines)
+    assert all(r["path"].endswith("corrupt.mp4") and 1 <= r["step"] <= 8 for r in reported)
+    for r in reported:
+        own = run / ("data_report.jsonl" if r["rank"] == 0 else f"data_report_rank{r['rank']}.jsonl")
+        assert [json.loads(line)["rank"] for line in own.read_text().splitlines()] == [r["rank"]]
