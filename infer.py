@@ -118,7 +118,7 @@ def main(argv=None):
                       frames, height, width, steps, guidance,
                       sc.negative_prompt if args.negative_prompt is None else args.negative_prompt,
                       seeds=[args.seed + i for i in mine], autocast_dtype=torch.bfloat16 if bf16 else None,
-                      progress=lambda done, total: bar.update(1))
+                      progress=lambda done, total: (bar.update(1), runtime.watchdog.mark("sampling")))
     bar.close()
     is_sp_leader = runtime.rank == layout.dp_rank(runtime.rank) * (world_size // layout.dp)
     if is_sp_leader:  # one writer per data-parallel group

@@ -191,7 +191,9 @@ def main(argv=None):
         progress.update(1)
         stop = runtime.agreed_stop_signal() if done < tc.max_steps else 0  # the same answer on every rank
         if stop and runtime.is_main:
-            print(f"[tessera] {signal.Signals(stop).name} received: saving step {done}, then stopping", flush=True)
+            arrived = stop_request.received_in_step or "another rank's step"
+            print(f"[tessera] {signal.Signals(stop).name} received in step {arrived}: saving step {done}, then stopping",
+                  flush=True)
         if done % tc.checkpoint_every == 0 or done == tc.max_steps or (stop and saved_step != done):
             phase("checkpoint")
             trainer_state = {"step": done, "sampler": sampler.state_dict(done), "world_size": runtime.world_size}
@@ -206,7 +208,9 @@ def main(argv=None):
         if (tc.sample_every and done % tc.sample_every == 0) or done == tc.max_steps:
             phase("preview")
             write_previews(cfg, runtime, run, ema if cfg.sample.use_ema else model, vae, text_encoder, flow, done)
+            runtime.fence()  # rank 0 writes the files alone: the others wait here, not in the next step
     stop_request.accepting = False
+    runtime.watchdog.end_loop()
     progress.close()
     run.finish()
 

@@ -129,6 +129,7 @@ class recorded:
     such as FSDP2's collectives or a checkpoint save, are recorded with it too)."""
 
     def __init__(self, kind, group, tensor: torch.Tensor | None):
+        self.on_cuda = tensor is not None and tensor.is_cuda
         nbytes = tensor.numel() * tensor.element_size() if tensor is not None else 0
         self.record = OpRecord(_State.seq + 1, kind, _group_name(group), tuple(tensor.shape) if tensor is not None else (),
                                str(tensor.dtype) if tensor is not None else "", nbytes, time.time())
@@ -147,6 +148,9 @@ class recorded:
     def __exit__(self, exc_type, exc, tb):
         if exc is not None:
             self.record.error = f"{type(exc).__name__}: {str(exc)[:200]}"
+        elif self.on_cuda:  # queued, not done: the watchdog asks this event whether the stream got past it
+            self.record.done_event = torch.cuda.Event()
+            self.record.done_event.record()
         self.record.end = time.time()
         _State.last_activity = time.monotonic()
         return False

@@ -7,7 +7,6 @@ CUDA machines get NCCL and bf16; CPU machines get gloo and float32.
 
 import datetime
 import os
-import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -97,7 +96,8 @@ def deadlines(parallel_cfg, device_type: str) -> Deadlines:
     if stall is None:  # minutes on GPU (a 14B step at 32k tokens takes tens of seconds); CPU runs are small
         stall = 300.0 if device_type == "cuda" else 120.0
     return Deadlines(long_s=parallel_cfg.timeout_s, stall_s=min(stall, parallel_cfg.timeout_s),
-                     silence_s=parallel_cfg.heartbeat_timeout_s)
+                     silence_s=parallel_cfg.heartbeat_timeout_s,
+                     save_s=max(parallel_cfg.timeout_s, parallel_cfg.control_timeout_s))
 
 
 def _connect_store(world_size: int, timeout_s: float):
@@ -164,11 +164,24 @@ def init_runtime(parallel_cfg, layout: ParallelLayout, run_dir=None) -> Runtime:
                         (sequence.ring_group, "ring"), (sequence.sp_group, "sequence")):
         comm.name_group(group, name)
     limits = deadlines(parallel_cfg, device.type)
+    if rank == 0 and run_dir is not None:
+        _archive_failures(Path(run_dir) / "failures")
     store = _connect_store(world_size, max(5.0, limits.silence_s / 2))
     monitor = Watchdog(rank, world_size, store, run_dir or comm.failure_dir() or ".", limits, backend).start()
     if rank == 0:
         print(f"[tessera] {limits.describe()}", flush=True)
     return Runtime(rank, world_size, local_rank, device, backend, layout, fsdp_mesh, control, sequence, monitor)
+
+
+def _archive_failures(folder: Path) -> None:
+    """Records of an earlier failure of this run move to failures.<time>/, so that diagnose.py reads
+    only this attempt's (NCCL's flight-recorder files, written on a timeout, stay)."""
+    old = [p for p in folder.glob("*") if p.suffix in (".json", ".txt")] if folder.is_dir() else []
+    if old:
+        archive = folder.with_name(f"failures.{time.strftime('%Y%m%d-%H%M%S')}")
+        archive.mkdir(parents=True, exist_ok=True)
+        for path in old:
+            path.replace(archive / path.name)
 
 
 def sequence_groups(layout: ParallelLayout, rank: int, timeout) -> SequenceGroups:
@@ -234,18 +247,22 @@ def run_entrypoint(main, argv=None) -> int:
             _dump_on_failure(rank, e)
             if isinstance(e, Terminated):
                 print(f"[rank {rank}] stopped: {e}", file=sys.stderr, flush=True)
-                return 128 + signal.SIGTERM
+                return 128 + e.signum
             raise
         # Several ranks: the first line printed names the rank that caused the failure.
         blamed = monitor.explain(e) if watchdog.is_peer_error(e) or isinstance(e, Terminated) else None
+        if blamed is None and isinstance(e, Terminated):  # stopped from outside, nobody failed
+            monitor.finish("stopped")
+            print(f"[rank {rank}] stopped: {e}", file=sys.stderr, flush=True)
+            return 128 + e.signum
         line = blamed or monitor.report_failure(e)
         print(line, file=sys.stderr, flush=True)
         _dump_on_failure(rank, e, monitor, line)
-        if blamed is None and not isinstance(e, Terminated) or os.environ.get("TESSERA_DEBUG"):
+        if blamed is None or os.environ.get("TESSERA_DEBUG"):
             raise  # this rank's own failure: its traceback follows the line
         # Another rank's failure: this rank's traceback (a failed collective) adds nothing, and its
         # communicators may still wait on the peer: abort them rather than shut down cleanly.
-        watchdog.hard_exit(128 + signal.SIGTERM if isinstance(e, Terminated) else 1, monitor.backend)
+        watchdog.hard_exit(128 + e.signum if isinstance(e, Terminated) else 1, monitor.backend)
     finally:
         restore_signals()
         shutdown()

@@ -45,21 +45,21 @@ WATCHED_PEERS = 4  # each rank watches the next few ranks: O(1) store reads per 
 
 @dataclass(frozen=True)
 class Deadlines:
-    long_s: float  # start-up, the first step (compile), checkpoints, previews
+    long_s: float  # the first step (compile, warm-up) and previews
     stall_s: float  # every later step
     silence_s: float  # a rank whose heartbeat thread says nothing for this long is gone
+    save_s: float = 1800.0  # a checkpoint save (slow storage; the control group's timeout)
 
     def describe(self) -> str:
-        return (f"deadlines: {self.long_s:.0f} s for start-up, the first step, checkpoints and previews "
-                f"(parallel.timeout_s); {self.stall_s:.0f} s for a later step (parallel.stall_timeout_s); "
-                f"{self.silence_s:.0f} s of silence from a rank (parallel.heartbeat_timeout_s)")
+        return (f"deadlines: {self.long_s:.0f} s for the first step and previews (parallel.timeout_s); "
+                f"{self.save_s:.0f} s for a checkpoint (parallel.control_timeout_s); {self.stall_s:.0f} s for "
+                f"a later step (parallel.stall_timeout_s); {self.silence_s:.0f} s of silence from a rank "
+                f"(parallel.heartbeat_timeout_s)")
 
 
-LONG_PHASES = ("start-up", "checkpoint", "preview", "sampling")
 # Errors that mean "a collective failed", most often because of another rank: the watchdog is asked
-# who, before anything is printed.
-PEER_ERROR_WORDS = ("connection reset", "connection closed", "connection refused", "broken pipe", "timed out",
-                    "timeout", "nccl", "gloo", "socket", "peer")
+# who, before anything is printed. (Not plain "timed out": a DataLoader timeout is this rank's own.)
+PEER_ERROR_WORDS = ("connection reset", "connection closed", "connection refused", "broken pipe", "gloo", "nccl")
 
 
 class Watchdog:
@@ -73,6 +73,8 @@ class Watchdog:
         self.step: int | None = None
         self.phase = "start-up"
         self._long_step = True
+        self._in_loop = False  # self-stalls are judged in the training loop only (begin_step)
+        self._warned_stall = False
         self._progress = time.monotonic()
         self._state = "running"
         self._beat = 0
@@ -101,7 +103,7 @@ class Watchdog:
     def begin_step(self, step: int, long: bool = False) -> None:
         """Step number `step` (counted from 1, as in metrics.jsonl and step_<N>) begins; `long` gives it
         the long deadline (the first step: compile, warm-up)."""
-        self.step, self._long_step = step, long
+        self.step, self._long_step, self._in_loop = step, long, True
         self.mark("data")
         self._wake.set()  # publish the new step now rather than at the next beat
 
@@ -110,10 +112,18 @@ class Watchdog:
         self.phase = phase
         self._progress = time.monotonic()
 
+    def end_loop(self) -> None:
+        """Training is over: what follows (wandb, shutdown) has no step deadline."""
+        self._in_loop = False
+        self.mark("finishing")
+
     @property
     def deadline(self) -> float:
-        long = self._long_step or self.phase in LONG_PHASES
-        return self.deadlines.long_s if long else self.deadlines.stall_s
+        if self.phase == "checkpoint":
+            return self.deadlines.save_s
+        if self._long_step or self.phase == "preview" or not self._in_loop:
+            return self.deadlines.long_s
+        return self.deadlines.stall_s
 
     def finish(self, state: str = "finished") -> None:
         """This rank leaves on purpose (done, stopped, failed): its silence from now on is no alarm."""
@@ -142,11 +152,16 @@ class Watchdog:
 
     def explain(self, error: BaseException) -> str | None:
         """The main thread caught `error` from a collective: wait (at most the silence deadline and a
-        little) for the cause: a reason another rank published, or a rank that went silent. Returns the
-        `error:` line to print, or None if no other rank is to blame."""
+        little) for the cause: a reason another rank published, or a rank that went silent. For a stop
+        signal (torchrun stopping the survivors) only a reason already published is looked for. Returns
+        the `error:` line to print, or None if no other rank is to blame."""
         if self.store is None:  # one process: nobody else to blame
             return None
         self._held.set()
+        if isinstance(error, Terminated):
+            time.sleep(2 * self.interval)
+            reason = self._read_abort()
+            return self._line(reason) if reason else None
         deadline = time.monotonic() + self.deadlines.silence_s + 3 * self.interval + 1
         while time.monotonic() < deadline and self._thread.is_alive():
             if self._verdict_ready.wait(timeout=self.interval):
@@ -210,15 +225,25 @@ class Watchdog:
         return None
 
     def _check_self(self) -> str | None:
-        """No progress for longer than the deadline: stalled outside a collective, or waiting in one."""
+        """No progress for longer than the deadline in the training loop: stalled outside a collective,
+        or waiting in one. (Outside the loop, long work of one rank, such as encoding latents or
+        sampling, has no progress marks; a peer that dies meanwhile is still found by its silence.)"""
         age = time.monotonic() - max(self._progress, comm.last_activity())
-        if self._exiting or self._held.is_set() or age <= self.deadline:
+        if not self._in_loop or self._exiting or self._held.is_set() or age <= self.deadline:
+            self._warned_stall = self._warned_stall and age > self.deadline
             return None
         op = comm.last_record()
         if not _in_op(op):  # not in a collective: this rank itself is stuck
+            if self._warned_stall:
+                return None
             stacks = self._dump_stacks()
-            return (f"rank {self.rank} ({self.host}:{self.pid}) made no progress for {age:.0f} s at {self._where()} "
-                    f"outside any collective; its threads' stacks are in {stacks}")
+            message = (f"rank {self.rank} ({self.host}:{self.pid}) made no progress for {age:.0f} s at "
+                       f"{self._where()} outside any collective; its threads' stacks are in {stacks}")
+            if self.store is None:  # one process: nobody waits for it, so warn and let it go on
+                self._warned_stall = True
+                print(f"[tessera] warning: {message}", file=sys.stderr, flush=True)
+                return None
+            return message
         # Inside a collective: give a stalled peer's own watchdog the first word (it writes its stacks).
         if age > self.deadline + self.deadlines.silence_s:
             return self._compare_everyone()
@@ -229,7 +254,7 @@ class Watchdog:
         beats = self._read_all()
         waiting = {r: b for r, b in beats.items() if b.get("open")}
         elsewhere = {r: b for r, b in beats.items() if not b.get("open") and b["state"] == "running" and r != self.rank}
-        if elsewhere and (_in_op(comm.last_record()) or own_error is not None):
+        if elsewhere and _in_op(comm.last_record()):  # only a rank that waits in a collective may blame
             r, b = min(elsewhere.items())
             return (f"rank {r} ({b['host']}:{b['pid']}) is not in the collective the others wait in: it is at "
                     f"{_where(b)}, {b['age']:.0f} s after its last progress")
@@ -358,8 +383,14 @@ def active() -> Watchdog | None:
 
 
 def _in_op(record) -> bool:
-    """Whether the newest op is still in flight, or failed (a collective that raised is where the rank was)."""
-    return record is not None and (record.end is None or record.error is not None)
+    """Whether the newest op is still in flight, or failed (a collective that raised is where the rank was).
+    On CUDA an op returns once queued: it is in flight until the stream passes the event recorded after it."""
+    if record is None:
+        return False
+    if record.end is None or record.error is not None:
+        return True
+    event = getattr(record, "done_event", None)
+    return event is not None and not event.query()
 
 
 def _where(beat: dict) -> str:
@@ -406,8 +437,9 @@ def dump_nccl_trace(folder: Path, rank: int, backend: str) -> None:
     try:
         import torch
 
-        trace = torch._C._distributed_c10d._dump_nccl_trace()
-        (Path(folder) / f"nccl_trace_rank{rank}.pkl").write_bytes(trace)
+        c10d = torch._C._distributed_c10d
+        dump = getattr(c10d, "_dump_fr_trace", None) or c10d._dump_nccl_trace  # renamed in 2.x
+        (Path(folder) / f"nccl_trace_rank{rank}.pkl").write_bytes(dump())
     except Exception:
         pass
 
@@ -448,25 +480,31 @@ class StopRequest:
         self.accepting = False
         self.signum = 0
         self.received_at = 0.0
+        self.received_in_step: int | None = None
 
     def handler(self, signum, frame):
         now = time.monotonic()
         if self.accepting and (not self.signum or now - self.received_at < self.INSIST_AFTER_S):
             if not self.signum:  # no message here: torchrun also sends SIGTERM when another rank died
                 self.signum, self.received_at = signum, now
+                self.received_in_step = _active.step if _active is not None else None
             return
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
-        raise Terminated(f"received {signal.Signals(signum).name}")
+        raise Terminated(signum)
 
     def install(self):
-        self.accepting, self.signum, self.received_at = False, 0, 0.0
+        self.accepting, self.signum, self.received_at, self.received_in_step = False, 0, 0.0, None
         previous = {s: signal.signal(s, self.handler) for s in self.SIGNALS}
         return lambda: [signal.signal(s, h) for s, h in previous.items()]
 
 
 class Terminated(BaseException):
     """A stop signal outside the training loop, e.g. torchrun stopping the survivors after a rank failed."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"received {signal.Signals(signum).name}")
+        self.signum = signum
 
 
 class Stopped(BaseException):

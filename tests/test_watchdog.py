@@ -111,3 +111,26 @@ def test_a_stop_signal_in_the_loop_only_sets_the_flag(signum):
             request.handler(getattr(signal, signum), None)
     finally:
         restore()
+
+
+def test_one_process_that_stalls_only_warns(tmp_path, capsys):
+    alone = Watchdog(0, 1, None, tmp_path, Deadlines(long_s=5, stall_s=0.2, silence_s=0.3), interval_s=0.05)
+    alone.begin_step(2)
+    alone._long_step = False
+    comm.configure(256)
+    time.sleep(0.3)
+    alone._conclude = lambda reason: pytest.fail(f"a single process was ended: {reason}")
+    alone._tick()
+    assert "warning: rank 0 (" in capsys.readouterr().err and (tmp_path / "failures" / "stacks_rank0.txt").is_file()
+    alone._tick()  # once per stall
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_outside_the_training_loop_there_is_no_step_deadline(tmp_path):
+    a, b = pair(tmp_path, stall=0.1)
+    comm.configure(256)
+    time.sleep(0.3)
+    a._held.clear()
+    a._conclude = lambda reason: pytest.fail(f"start-up work was called a stall: {reason}")
+    a._tick()  # start-up: one rank may encode or load for long
+    assert a._compare_everyone(own_error=RuntimeError("x")) is None  # not in a collective: blames nobody
