@@ -10,12 +10,24 @@ Every rank writes its shards into a hidden temporary folder; only when all ranks
 does rank 0 rename it to step_<N> and then replace `latest`, so a crash mid-save leaves the
 previous checkpoint intact and `latest` never names a partial one. The fences use the gloo
 control group (long timeout): a slow filesystem does not trip the training watchdog.
+
+DCP's planning collectives run on a gloo group made for the one save or load and destroyed after
+it. Gloo runs its collectives on its own worker threads, and its gather copies the pickled plans
+there with an ATen op large enough to open an OpenMP region; libgomp then gives each of those
+threads its own team, which lives as long as the thread. On a machine with no spare cores that
+leaves more OpenMP threads than CPUs, libgomp cuts every team's spin-wait to ~100 iterations
+(GOMP_SPINCOUNT's "throttled" value), and each training op after the checkpoint paid a futex
+wake-up: steps were 30-70% slower for the rest of the run (BENCHMARKS.md, issue 12). Destroying
+the group joins its threads, libgomp frees their teams, and spinning comes back.
 """
 
+import contextlib
+import datetime
 import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
@@ -57,6 +69,22 @@ def resolve_checkpoint(spec: str, run_dir) -> Path | None:
     return path
 
 
+def _on_io_group(control_group, call):
+    """call(group) with a short-lived gloo group like `control_group` (same ranks and timeout). The
+    group is destroyed and its last reference dropped on return: that is what ends its threads."""
+    if not dist.is_initialized():
+        return call(None)
+    timeout = datetime.timedelta(minutes=30)
+    with contextlib.suppress(Exception):  # private API; the 30-minute default is fine without it
+        timeout = control_group._get_backend(torch.device("cpu")).options._timeout
+    group = dist.new_group(dist.get_process_group_ranks(control_group), backend="gloo", timeout=timeout)
+    try:
+        return call(group)
+    finally:
+        dist.destroy_process_group(group)
+        del group
+
+
 def save_checkpoint(runtime, run_dir, step: int, model, ema, optimizer, trainer_state: dict, keep: int) -> Path:
     root = checkpoint_dir(run_dir)
     final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
@@ -66,7 +94,8 @@ def save_checkpoint(runtime, run_dir, step: int, model, ema, optimizer, trainer_
     runtime.fence()
     state = {"model": get_model_state_dict(model), "ema": get_model_state_dict(ema),
              "optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.save(state, checkpoint_id=tmp, process_group=runtime.control_group)  # gloo, long timeout: I/O is slow
+    # gloo, long timeout (I/O is slow), on a group of its own: see the docstring
+    _on_io_group(runtime.control_group, lambda group: dcp.save(state, checkpoint_id=tmp, process_group=group))
     torch.save(trainer_state, tmp / f"trainer_rank{runtime.rank}.pt")
     runtime.fence()
     if runtime.is_main:
@@ -111,7 +140,7 @@ def load_checkpoint(runtime, path, model, ema, optimizer) -> None:
     """Restore model, EMA and optimizer in place (resharded by DCP to this run's layout)."""
     state = {"model": get_model_state_dict(model), "ema": get_model_state_dict(ema),
              "optimizer": get_optimizer_state_dict(model, optimizer)}
-    _load(state, Path(path), runtime.control_group)
+    _on_io_group(runtime.control_group, lambda group: _load(state, Path(path), group))
     set_model_state_dict(model, state["model"])
     set_model_state_dict(ema, state["ema"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
