@@ -245,7 +245,7 @@ def main(argv=None):
               f"{args.probe_tokens} tokens, {probe['tflops'] * 1e3:.1f} GFLOP/s of an estimated "
               f"{probe['cpu_peak_tflops'] * 1e3:.0f}) and assumed to carry over to the {args.gpu}: [CPU-scaled]")
     else:
-        efficiency, flag = args.block_efficiency, "GPU-measured"
+        efficiency, flag = args.block_efficiency, "efficiency as given"
     results = {"efficiency": efficiency, "flag": flag, "probe": probe, "best": [], "anchors": []}
     print(f"\n| recipe | GPUs | best layout | s/step | s/sample | MFU | exposed SP s | FSDP s | GB/GPU | [{flag}]")
     print("|---|---|---|---|---|---|---|---|---|")
