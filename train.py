@@ -193,7 +193,7 @@ def main(argv=None):
         if stop and runtime.is_main:
             arrived = stop_request.received_in_step or "another rank's step"
             print(f"[tessera] {signal.Signals(stop).name} received in step {arrived}: saving step {done}, then stopping",
-                  flush=True)
+                  file=sys.stderr, flush=True)
         if done % tc.checkpoint_every == 0 or done == tc.max_steps or (stop and saved_step != done):
             phase("checkpoint")
             trainer_state = {"step": done, "sampler": sampler.state_dict(done), "world_size": runtime.world_size}

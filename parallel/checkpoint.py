@@ -16,8 +16,19 @@ first checks every file against checksums.json (the work split over the ranks), 
 corrupted shard is refused by name, with the previous checkpoint suggested, before any weight is
 read. The fences use the gloo control group (long timeout): a slow filesystem does not trip the
 training watchdog.
+
+DCP's planning collectives run on a gloo group made for the one save or load and destroyed after
+it. Gloo runs its collectives on its own worker threads, and its gather copies the pickled plans
+there with an ATen op large enough to open an OpenMP region; libgomp then gives each of those
+threads its own team, which lives as long as the thread. On a machine with no spare cores that
+leaves more OpenMP threads than CPUs, libgomp cuts every team's spin-wait to ~100 iterations
+(GOMP_SPINCOUNT's "throttled" value), and each training op after the checkpoint paid a futex
+wake-up: steps were 30-70% slower for the rest of the run (BENCHMARKS.md, issue 12). Destroying
+the group joins its threads, libgomp frees their teams, and spinning comes back.
 """
 
+import contextlib
+import datetime
 import errno
 import json
 import os
@@ -191,6 +202,22 @@ def _clear(path: Path) -> None:
     shutil.rmtree(hidden, ignore_errors=True)
 
 
+def _on_io_group(control_group, call):
+    """call(group) with a short-lived gloo group like `control_group` (same ranks and timeout). The
+    group is destroyed and its last reference dropped on return: that is what ends its threads."""
+    if not dist.is_initialized():
+        return call(None)
+    timeout = datetime.timedelta(minutes=30)
+    with contextlib.suppress(Exception):  # private API; the 30-minute default is fine without it
+        timeout = control_group._get_backend(torch.device("cpu")).options._timeout
+    group = dist.new_group(dist.get_process_group_ranks(control_group), backend="gloo", timeout=timeout)
+    try:
+        return call(group)
+    finally:
+        dist.destroy_process_group(group)
+        del group
+
+
 def save_checkpoint(runtime, run_dir, step: int, model, ema, optimizer, trainer_state: dict, keep: int) -> Path:
     root = checkpoint_dir(run_dir)
     final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
@@ -201,8 +228,9 @@ def save_checkpoint(runtime, run_dir, step: int, model, ema, optimizer, trainer_
     faults.at_save("before_shards", runtime.rank, step)
     state = {"model": get_model_state_dict(model), "ema": get_model_state_dict(ema),
              "optimizer": get_optimizer_state_dict(model, optimizer)}
-    with comm.recorded("checkpoint_save", runtime.control_group, None):  # DCP's own collectives run inside
-        dcp.save(state, checkpoint_id=tmp, process_group=runtime.control_group)  # gloo, long timeout: I/O is slow
+    # gloo, long timeout (I/O is slow), on a group of its own (see the docstring); DCP's collectives run inside
+    with comm.recorded("checkpoint_save", runtime.control_group, None):
+        _on_io_group(runtime.control_group, lambda group: dcp.save(state, checkpoint_id=tmp, process_group=group))
     torch.save(trainer_state, tmp / f"trainer_rank{runtime.rank}.pt")
     _seal(tmp, runtime.rank)
     runtime.fence()
@@ -325,7 +353,7 @@ def load_checkpoint(runtime, path, model, ema, optimizer, verified: bool = False
         verify_checkpoint(path, runtime.control_group)
     state = {"model": get_model_state_dict(model), "ema": get_model_state_dict(ema),
              "optimizer": get_optimizer_state_dict(model, optimizer)}
-    _load(state, Path(path), runtime.control_group)
+    _on_io_group(runtime.control_group, lambda group: _load(state, Path(path), group))
     set_model_state_dict(model, state["model"])
     set_model_state_dict(ema, state["ema"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])

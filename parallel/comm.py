@@ -169,9 +169,18 @@ def _column_ranges(columns: int, rows: int, element_size: int):
     return [(start, min(columns, start + per_piece)) for start in range(0, columns, per_piece)]
 
 
-def _wait(work, tensor: torch.Tensor) -> None:
+def _wait(work, tensor: torch.Tensor, between_chunks: bool = False) -> None:
+    """Order the stream after `work` (on CUDA, wait() does only that; the host runs on). Between the
+    chunks of an oversized message the host waits too, so that the next chunk is queued, and its
+    watchdog clock started, only once this one is done. A message under the cap is never waited on by
+    the host: the next kernels queue behind it, and a ring exchange overlaps the compute after it."""
     work.wait()
-    if tensor.is_cuda:  # wait() only orders the CUDA stream; the host must wait before queueing more
+    if between_chunks:
+        _host_sync(tensor)
+
+
+def _host_sync(tensor: torch.Tensor) -> None:
+    if tensor.is_cuda:
         torch.cuda.current_stream().synchronize()
 
 
@@ -179,8 +188,9 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.
     """In-place all-reduce, chunked above the message cap."""
     with recorded("all_reduce", group, tensor):
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)
-        for chunk in _chunks(flat):
-            _wait(dist.all_reduce(chunk, op=op, group=group, async_op=True), chunk)
+        chunks = _chunks(flat)
+        for chunk in chunks:
+            _wait(dist.all_reduce(chunk, op=op, group=group, async_op=True), chunk, len(chunks) > 1)
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
     return tensor
@@ -220,7 +230,7 @@ def _exchange_in_pieces(send: torch.Tensor, to_rank: int, recv: torch.Tensor, fr
     """Contiguous 1-D send/recv, cut into pieces under the cap, each waited on before the next."""
     for out_piece, in_piece in zip(_chunks(send), _chunks(recv)):
         for work in _post_pair(out_piece, to_rank, in_piece, from_rank, group):
-            _wait(work, in_piece)
+            _wait(work, in_piece, between_chunks=True)
 
 
 def _global_rank(group, group_rank: int) -> int:
@@ -238,7 +248,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group) -> 
         else:
             for start, end in ranges:
                 piece = torch.empty(size * (end - start), dtype=out.dtype, device=out.device)
-                _wait(_all_gather(piece, flat[start:end].contiguous(), group=group, async_op=True), piece)
+                _wait(_all_gather(piece, flat[start:end].contiguous(), group=group, async_op=True), piece, True)
                 out[:, start:end] = piece.view(size, -1)
     return output
 
@@ -254,7 +264,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group, op=d
         else:
             for start, end in ranges:
                 _wait(_reduce_scatter(out[start:end], send[:, start:end].contiguous().view(-1), op=op, group=group,
-                                      async_op=True), out)
+                                      async_op=True), out, True)
     return output
 
 
@@ -292,8 +302,9 @@ def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
     """In-place broadcast from global rank `src`, chunked above the message cap."""
     with recorded("broadcast", group, tensor):
         flat = tensor.view(-1)
-        for chunk in _chunks(flat):
-            _wait(dist.broadcast(chunk, src=src, group=group, async_op=True), chunk)
+        chunks = _chunks(flat)
+        for chunk in chunks:
+            _wait(dist.broadcast(chunk, src=src, group=group, async_op=True), chunk, len(chunks) > 1)
     return tensor
 
 

@@ -1,0 +1,369 @@
+"""Everything GPU-specific, measured on one device in one command (issue 12).
+
+    python scripts/bench_gpu.py [--out runs/bench_gpu] [--tiny] [--variants eager,ac,compile,compile+ac]
+
+On a CUDA device it runs the real sizes in bf16 (FSDP2 mixed precision on a one-device mesh, as
+train.py does); with no CUDA device, or with --tiny, the same code runs tiny sizes in float32 on CPU
+(what the test does), so the script is known to work before a GPU is lent. It writes results.json
+and results.md (a table to paste into BENCHMARKS.md) under --out, with the device, torch/CUDA
+versions and the date.
+
+Parts:
+- train: time per training step (forward, backward, AdamW), tokens/s, MFU and peak memory for
+  DiT-XL at 256 px (32 x 32 latent, 256 tokens, batch 32) and a DiT with Wan2.1-1.3B's dims (1536 wide,
+  30 layers, 12 heads, FFN 8960) at 33 x 480 x 832 (9 x 60 x 104 latent -> 14,040 tokens), each with
+  and without torch.compile and activation checkpointing;
+- wan: the same step for diffusers' WanTransformer3DModel at the Wan dims, and tessera / diffusers;
+- sp: parallel.sequence.SequenceParallelAttention at degree 1 against plain SDPA, forward + backward;
+- lse: the log-sum-exp kernel ring attention uses (CUDA memory-efficient op / CPU flash op): its
+  self-check against the float32 reference, and its forward + backward time against SDPA;
+- nccl: init_runtime at world size 1 (process group + preflight all-reduce; gloo on CPU);
+- sampler: RectifiedFlow.sample time per Euler step (guidance 5: batch of 2).
+
+FLOPs are counted by `dit_flops` below, matmuls only (2 per multiply-add), forward x 3 for a training
+step; activation checkpointing's recomputation is not counted (model FLOPs, as MFU is usually
+reported). The peak is the device's dense bf16 figure from PEAK_TFLOPS; on CPU an estimate from the
+clock (flagged), so CPU MFU is only a sanity check of the arithmetic.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+# Dense bf16 peak, TFLOP/s, by a substring of torch.cuda.get_device_name (first match wins).
+PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0), ("B200", 2250.0),
+               ("A100", 312.0), ("L40S", 362.0), ("A10G", 70.0), ("A10", 125.0), ("4090", 165.0)]
+
+# name: model dims, latent (C, T, H, W), batch, text (tokens, dim)
+FULL_CASES = {
+    "DiT-XL 256px": dict(depth=28, hidden=1152, heads=16, ffn=4608, latent=(4, 1, 32, 32), batch=32, text=(120, 4096)),
+    "Wan2.1-1.3B dims 33x480x832": dict(depth=30, hidden=1536, heads=12, ffn=8960, latent=(16, 9, 60, 104), batch=1,
+                                        text=(512, 4096), wan=True),
+}
+TINY_CASES = {
+    "tiny image": dict(depth=2, hidden=64, heads=4, ffn=256, latent=(4, 1, 8, 8), batch=4, text=(8, 32)),
+    "tiny video (Wan-shaped)": dict(depth=2, hidden=96, heads=4, ffn=560, latent=(16, 3, 6, 8), batch=1,
+                                    text=(16, 32), wan=True),
+}
+PATCH = (1, 2, 2)
+
+
+def dit_flops(depth, hidden, ffn, tokens, text_tokens, batch, in_channels, text_dim, patch=PATCH) -> float:
+    """Forward FLOPs of one batch, written out per layer (multiply-add = 2)."""
+    N, L, D, Fh = tokens, text_tokens, hidden, ffn
+    patch_volume = in_channels * patch[0] * patch[1] * patch[2]
+    per_block = (2 * N * D * 3 * D        # self-attention q, k, v
+                 + 2 * 2 * N * N * D      # q k^T and attention x v
+                 + 2 * N * D * D          # self-attention output projection
+                 + 2 * N * D * D          # cross-attention q
+                 + 2 * L * D * 2 * D      # cross-attention k, v of the text
+                 + 2 * 2 * N * L * D      # cross-attention scores and values
+                 + 2 * N * D * D          # cross-attention output projection
+                 + 2 * 2 * N * D * Fh     # MLP up and down
+                 + 2 * D * 6 * D)         # adaLN modulation (once per sample)
+    embed = (2 * N * patch_volume * D * 2          # patch embedding in, final projection out
+             + 2 * L * text_dim * D + 2 * L * D * D  # text projection (two layers)
+             + 2 * D * 2 * D)                       # final adaLN
+    return batch * (depth * per_block + embed)
+
+
+def device_info(device):
+    info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = next((tf for key, tf in PEAK_TFLOPS if key in name), None)
+        info.update(device=name, peak_tflops=peak, peak_note="dense bf16, vendor figure" if peak else "unknown device")
+    else:
+        cores = len(os.sched_getaffinity(0))
+        mhz = 2000.0
+        try:
+            mhz = max(float(line.split(":")[1]) for line in open("/proc/cpuinfo") if line.startswith("cpu MHz"))
+        except (OSError, ValueError):
+            pass
+        # AVX2: two 8-wide float32 FMA pipes = 32 FLOP/cycle/core at best (Zen 1: 16); take 16.
+        info.update(device=f"CPU, {cores} cores ({platform.processor() or platform.machine()})",
+                    peak_tflops=cores * mhz * 1e6 * 16 / 1e12,
+                    peak_note="ESTIMATE: cores x clock x 16 float32 FLOP/cycle; not a bf16 GPU peak")
+    return info
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device, steps, warmup):
+    """Median seconds per call of fn() after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def peak_memory(device):
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def reset_memory(device):
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def build_tessera(case, runtime, param_dtype, ac, compile):
+    from models.dit import DiT
+    from parallel.fsdp import parallelize_dit
+
+    torch.manual_seed(0)
+    with torch.device(runtime.device):
+        model = DiT(case["latent"][0], case["text"][1], depth=case["depth"], hidden_size=case["hidden"],
+                    num_heads=case["heads"], patch_size=PATCH, mlp_ratio=case["ffn"] / case["hidden"])
+    return parallelize_dit(model, runtime.fsdp_mesh, param_dtype, ac, compile)
+
+
+class WanAdapter(torch.nn.Module):
+    """diffusers' WanTransformer3DModel behind tessera's forward(x, t, y, y_mask)."""
+
+    def __init__(self, case):
+        super().__init__()
+        from diffusers import WanTransformer3DModel
+
+        self.inner = WanTransformer3DModel(
+            patch_size=PATCH, num_attention_heads=case["heads"], attention_head_dim=case["hidden"] // case["heads"],
+            in_channels=case["latent"][0], out_channels=case["latent"][0], text_dim=case["text"][1],
+            ffn_dim=case["ffn"], num_layers=case["depth"])
+        self.blocks = self.inner.blocks  # parallelize_dit shards, checkpoints and compiles these
+
+    def forward(self, x, t, y, y_mask):
+        dtype = self.inner.patch_embedding.weight.dtype
+        return self.inner(x.to(dtype), t * 1000, y.to(dtype), return_dict=False)[0]
+
+
+def build_wan(case, runtime, param_dtype, ac, compile):
+    from parallel.fsdp import parallelize_dit
+
+    torch.manual_seed(0)
+    with torch.device(runtime.device):
+        model = WanAdapter(case)
+    return parallelize_dit(model, runtime.fsdp_mesh, param_dtype, ac, compile)
+
+
+def bench_train(name, case, build, runtime, param_dtype, variant, args, info):
+    device = runtime.device
+    ac, compile = "ac" in variant.split("+"), "compile" in variant
+    reset_memory(device)
+    model = build(case, runtime, param_dtype, ac, compile)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    C, T, H, W = case["latent"]
+    B, (L, text_dim) = case["batch"], case["text"]
+    g = torch.Generator(device=device).manual_seed(0)
+    x0 = torch.randn(B, C, T, H, W, device=device, generator=g)
+    noise = torch.randn(B, C, T, H, W, device=device, generator=g)
+    y = torch.randn(B, L, text_dim, device=device, generator=g)
+    y_mask = torch.ones(B, L, dtype=torch.bool, device=device)
+    t = torch.rand(B, device=device, generator=g)
+
+    def step():
+        t_ = t.view(-1, 1, 1, 1, 1)
+        v = model((1 - t_) * x0 + t_ * noise, t, y, y_mask)
+        F.mse_loss(v.float(), noise - x0).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    seconds = timed(step, device, args.steps, args.warmup + (2 if compile else 0))
+    tokens = B * T * H * W // (PATCH[0] * PATCH[1] * PATCH[2])
+    flops = 3 * dit_flops(case["depth"], case["hidden"], case["ffn"], tokens // B, L, B, C, text_dim)
+    row = dict(case=name, variant=variant, seconds=seconds, tokens_per_s=tokens / seconds,
+               tflops=flops / seconds / 1e12, mfu=flops / seconds / 1e12 / info["peak_tflops"] if info["peak_tflops"] else None,
+               peak_gib=peak_memory(device), tokens=tokens, batch=B)
+    return row  # model and optimizer go with this frame: the next case starts from free memory
+
+
+def bench_sp(runtime, shape, args):
+    """SequenceParallelAttention with every degree 1 against F.scaled_dot_product_attention."""
+    from models.attention import SDPAAttention
+    from parallel.sequence import SequenceGroups, SequenceParallelAttention, SequenceState
+
+    device, dtype = runtime.device, runtime_dtype(runtime)
+    groups = SequenceGroups(None, 1, 0, None, [runtime.rank], 0, None, 1, 0)
+    state = SequenceState()
+    state.tokens = shape[2]
+    op = SequenceParallelAttention(groups, state, SDPAAttention())
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(shape, device=device, dtype=dtype)
+
+    def run(fn):
+        return lambda: torch.autograd.backward(fn(q, k, v), grad)
+
+    sp = timed(run(op), device, args.steps, args.warmup)
+    sdpa = timed(run(F.scaled_dot_product_attention), device, args.steps, args.warmup)
+    return dict(shape=list(shape), sp_seconds=sp, sdpa_seconds=sdpa, ratio=sp / sdpa)
+
+
+def bench_lse(runtime, shape, args):
+    from parallel.sequence import CPUFlashKernel, CUDAEfficientKernel, _kernel_agrees
+
+    device, dtype = runtime.device, runtime_dtype(runtime)
+    kernel = CUDAEfficientKernel if device.type == "cuda" else CPUFlashKernel
+    agrees = _kernel_agrees(kernel, device, dtype, shape[-1])
+    q, k, v, dout = (torch.randn(shape, device=device, dtype=dtype) for _ in range(4))
+
+    def lse_step():
+        out, lse = kernel.forward(q, k, v, shape[2])
+        kernel.backward(dout, q, k, v, out, lse, shape[2])
+
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    lse_s = timed(lse_step, device, args.steps, args.warmup)
+    sdpa_s = timed(lambda: torch.autograd.backward(F.scaled_dot_product_attention(qg, kg, vg), dout),
+                   device, args.steps, args.warmup)
+    return dict(kernel=kernel.__name__, self_check=agrees, shape=list(shape), lse_seconds=lse_s, sdpa_seconds=sdpa_s,
+                ratio=lse_s / sdpa_s)
+
+
+def bench_sampler(case, runtime, param_dtype, args):
+    from configs import load_config
+    from models.flow import RectifiedFlow
+
+    device = runtime.device
+    model = build_tessera(case, runtime, param_dtype, False, False)
+    flow = RectifiedFlow(load_config().flow, PATCH)
+    C, T, H, W = case["latent"]
+    L, text_dim = case["text"]
+    noise = torch.randn(1, C, T, H, W, device=device)
+    y, y_mask = torch.randn(1, L, text_dim, device=device), torch.ones(1, L, dtype=torch.bool, device=device)
+    steps = args.sampler_steps
+    seconds = timed(lambda: flow.sample(model, noise, y, y_mask, torch.zeros_like(y), y_mask, steps=steps,
+                                        guidance=5.0), device, 1, 1)
+    return dict(case=case["name"], steps=steps, seconds_per_step=seconds / steps, guidance=5.0)
+
+
+def runtime_dtype(runtime):
+    return torch.bfloat16 if runtime.device.type == "cuda" else torch.float32
+
+
+def init(args):
+    """init_runtime at world size 1, timed: process group + preflight all-reduce (NCCL on CUDA)."""
+    from configs import load_config
+    from parallel.layout import ParallelLayout
+    from parallel.runtime import init_runtime
+
+    cfg = load_config()
+    synchronize(torch.device("cuda")) if torch.cuda.is_available() and not args.tiny else None
+    t0 = time.perf_counter()
+    runtime = init_runtime(cfg.parallel, ParallelLayout())
+    return runtime, time.perf_counter() - t0
+
+
+def markdown(results) -> str:
+    info = results["info"]
+    lines = [f"Device: {info['device']}; torch {info['torch']}, CUDA {info['cuda']}; {info['date']}; "
+             f"mode {results['mode']}; peak {info['peak_tflops']:.3g} TFLOP/s ({info['peak_note']}).", "",
+             "| model | variant | tokens/step | s/step | tokens/s | TFLOP/s | MFU | peak GiB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results["train"]:
+        if "error" in r:
+            lines.append(f"| {r['case']} | {r['variant']} | | {r['error']} | | | | |")
+            continue
+        mem = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        lines.append(f"| {r['case']} | {r['variant']} | {r['tokens']:,} | {r['seconds']:.4f} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['tflops']:.3g} | {mfu} | {mem} |")
+    for w in results.get("wan_ratio", []):
+        lines.append(f"\ntessera / diffusers Wan, {w['variant']}: diffusers {w['wan_seconds']:.4f} s, tessera "
+                     f"{w['tessera_seconds']:.4f} s, speed ratio **{w['speedup']:.2f}x** (target >= 1.2)")
+    if "sp" in results:
+        s = results["sp"]
+        lines.append(f"\nSP operator at degree 1 vs SDPA, fwd+bwd {s['shape']}: {1e3 * s['sp_seconds']:.3f} ms vs "
+                     f"{1e3 * s['sdpa_seconds']:.3f} ms, **{s['ratio']:.3f}x** (target <= 1.05)")
+    if "lse" in results:
+        s = results["lse"]
+        lines.append(f"\nLSE kernel {s['kernel']}: self-check {'passed' if s['self_check'] else 'FAILED'}; fwd+bwd "
+                     f"{1e3 * s['lse_seconds']:.3f} ms vs SDPA {1e3 * s['sdpa_seconds']:.3f} ms ({s['ratio']:.2f}x)")
+    if "init_seconds" in results:
+        lines.append(f"\ninit_runtime at world size 1 ({results['backend']}, process group + preflight): "
+                     f"{results['init_seconds']:.2f} s")
+    if "sampler" in results:
+        s = results["sampler"]
+        lines.append(f"\nsampler, {s['case']}, guidance {s['guidance']}: {1e3 * s['seconds_per_step']:.1f} ms per step")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/bench_gpu")
+    p.add_argument("--tiny", action="store_true", help="tiny sizes (automatic without CUDA; float32 on CPU)")
+    p.add_argument("--variants", default="eager,ac,compile,compile+ac")
+    p.add_argument("--parts", default="train,wan,sp,lse,sampler")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--sampler-steps", type=int, default=5)
+    args = p.parse_args(argv)
+    args.tiny = args.tiny or not torch.cuda.is_available()
+    parts, variants = args.parts.split(","), args.variants.split(",")
+    cases = TINY_CASES if args.tiny else FULL_CASES
+    runtime, init_seconds = init(args)
+    param_dtype = runtime_dtype(runtime)
+    info = device_info(runtime.device)
+    results = {"mode": "tiny" if args.tiny else "full", "info": info, "backend": runtime.backend,
+               "init_seconds": init_seconds, "train": [], "wan_ratio": []}
+    print(f"{info['device']}: init_runtime {init_seconds:.2f} s", flush=True)
+    for name, case in cases.items():
+        case = {**case, "name": name}
+        models = [("tessera", build_tessera)] + ([("diffusers Wan", build_wan)] if "wan" in parts and case.get("wan") else [])
+        for variant in variants if "train" in parts else []:
+            by_model = {}
+            for label, build in models:
+                try:
+                    row = bench_train(f"{name} ({label})", case, build, runtime, param_dtype, variant, args, info)
+                except torch.OutOfMemoryError as e:
+                    row = dict(case=f"{name} ({label})", variant=variant, error=f"out of memory: {str(e)[:80]}")
+                results["train"].append(row)
+                by_model[label] = row
+                print(row, flush=True)
+            if "seconds" in by_model.get("diffusers Wan", {}) and "seconds" in by_model["tessera"]:
+                results["wan_ratio"].append(dict(case=name, variant=variant, wan_seconds=by_model["diffusers Wan"]["seconds"],
+                                                 tessera_seconds=by_model["tessera"]["seconds"],
+                                                 speedup=by_model["diffusers Wan"]["seconds"] / by_model["tessera"]["seconds"]))
+    video = list(cases.values())[-1]
+    heads, head_dim = video["heads"], video["hidden"] // video["heads"]
+    tokens = video["latent"][1] * video["latent"][2] * video["latent"][3] // 4
+    if "sp" in parts:
+        results["sp"] = bench_sp(runtime, (1, heads, tokens, head_dim), args)
+        print("sp", results["sp"], flush=True)
+    if "lse" in parts:
+        results["lse"] = bench_lse(runtime, (1, heads, tokens, head_dim), args)
+        print("lse", results["lse"], flush=True)
+    if "sampler" in parts:
+        results["sampler"] = bench_sampler({**video, "name": list(cases)[-1]}, runtime, param_dtype, args)
+        print("sampler", results["sampler"], flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.md").write_text(markdown(results))
+    print(markdown(results))
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return results
+
+
+if __name__ == "__main__":
+    main()
