@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The demo: train the tiny pixel-space DiT on the synthetic shapes dataset (CPU is enough), sample
-# videos from prompts it never saw, and measure how often the colour matches the prompt.
+# videos from prompts it never saw, and judge them from the frames: one object (coherent), of the asked colour
+# and shape, moving the asked way. Writes a contact sheet of the held-out prompts beside the videos.
 # Extra arguments are recipe overrides, e.g. `bash scripts/demo.sh train.max_steps=200`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,4 +13,5 @@ RUN=${DEMO_RUN:-runs/demo}
 "$PY" infer.py --config configs/demo.yaml "run.output_dir=$RUN" "$@" --output "$RUN/demo.gif" \
   --height 24 --width 44 --prompt "a magenta triangle moving left"   # the 16:9 bucket
 "$PY" scripts/eval_demo.py --config configs/demo.yaml "run.output_dir=$RUN" "$@"
-echo "[demo] videos in $RUN (demo_000.mp4 ... demo_003.mp4, demo.gif), metrics in $RUN/metrics.jsonl"
+echo "[demo] videos in $RUN (demo_000.mp4 ... demo_003.mp4, demo.gif), contact sheet $RUN/contact_sheet.png," \
+  "evaluation $RUN/eval_demo.json, training metrics $RUN/metrics.jsonl"

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from configs import load_config
-from data.dataset import MediaDataset
+from data.dataset import MediaDataset, SyntheticDataset
 from data.loader import build_buckets
 from data.manifest import complete_metadata, read_manifest, write_manifest
 from data.media import fit_to_bucket, read_video, write_video
@@ -13,8 +13,7 @@ from data.synthetic import (
     HELD_OUT,
     TRAIN_COMBOS,
     SyntheticVideoDataset,
-    dominant_color,
-    motion_direction,
+    read_clip,
 )
 from tests.conftest import TINY
 
@@ -27,14 +26,35 @@ def test_synthetic_is_deterministic_and_holds_out_combos():
     assert len(shapes) > 3  # several aspect ratios and clip lengths
 
 
-def test_eval_metrics_read_ground_truth_correctly():
-    data = SyntheticVideoDataset(120, 8, 32, 32, seed=1, combos=ALL_COMBOS)
-    for i in range(120):
-        d = data.describe(i)
-        video = fit_to_bucket(data.render(i)[0], 8, 32, 32) / 255.0  # what training sees
-        assert dominant_color(video) == d["color"]
-        assert motion_direction(video) == d["direction"]
-    assert dominant_color(np.zeros((2, 8, 8, 3))) is None
+def test_read_clip_reads_ground_truth_in_every_bucket():
+    """The demo's judge (scripts/eval_demo.py) on rendered clips, fitted to the demo's buckets as training
+    sees them: colour, direction and coherence always right, the shape classifier nearly always."""
+    buckets = build_buckets(load_config("configs/demo.yaml"))
+    data = SyntheticVideoDataset(144, max(buckets.frame_counts), 32, 32, seed=1, combos=ALL_COMBOS,
+                                 min_frames=min(buckets.frame_counts))
+    dataset = SyntheticDataset(data, buckets)
+    shapes_right = 0
+    for i in range(len(data)):
+        d, bucket = data.describe(i), buckets.buckets[dataset.bucket_of[i]]
+        video = fit_to_bucket(data.render(i)[0], bucket.frames, bucket.height, bucket.width) / 255.0
+        seen = read_clip(video)
+        assert (seen["color"], seen["direction"], seen["coherent"]) == (d["color"], d["direction"], True), (i, seen)
+        shapes_right += seen["shape"] == d["shape"]
+    assert shapes_right / len(data) >= 0.95
+
+
+def test_read_clip_fails_fragments():
+    video = np.zeros((4, 32, 32, 3), dtype=np.float32)
+    video[:, 4:12, 4:12, 0] = 1.0  # one red square...
+    assert read_clip(video)["coherent"] and read_clip(video)["shape"] == "square"
+    two = video.copy()
+    two[:, 20:27, 20:27, 0] = 1.0  # ...and a second one: 43% of the bright pixels outside the largest
+    assert not read_clip(two)["coherent"]
+    shrinking = video.copy()
+    shrinking[3] = 0
+    shrinking[3, 4:7, 4:7, 0] = 1.0  # the object shrinks to a ninth in the last frame
+    assert not read_clip(shrinking)["coherent"]
+    assert read_clip(np.zeros((2, 8, 8, 3)))["color"] is None and not read_clip(np.zeros((2, 8, 8, 3)))["coherent"]
 
 
 def test_resize_and_centre_crop():

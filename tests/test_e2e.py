@@ -3,6 +3,7 @@ possible (imports cost seconds per process) and under torchrun for the multi-pro
 
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -105,6 +106,23 @@ def test_infer_is_reproducible_and_uses_the_checkpoint(trained, tmp_path):
     # the checkpoint's EMA weights, its raw weights and --random-weights (every layer active) all differ
     assert np.abs(raw - a).max() > 1e-4
     assert np.abs(random - a).max() > 1e-2 and np.abs(random - raw).max() > 1e-2
+
+
+def test_eval_demo_reports_every_rate_and_a_contact_sheet(trained, tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import eval_demo
+    from PIL import Image
+
+    argv = ["--config", str(TINY), f"run.output_dir={trained}", "--seeds", "1", "--output", str(tmp_path / "r.json"),
+            "--sheet", str(tmp_path / "sheet.png")]
+    assert run_main(eval_demo, argv) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["samples"] == 12 and len(report["rows"]) == 12
+    for rate in ("color", "coherent", "direction", "shape", "all"):
+        assert 0.0 <= report[f"{rate}_accuracy"] <= 1.0
+    assert report["all_accuracy"] <= min(report[f"{r}_accuracy"] for r in ("color", "coherent", "direction", "shape"))
+    with Image.open(tmp_path / "sheet.png") as sheet:
+        assert sheet.height >= 12 * 16  # a row per held-out prompt
 
 
 def never_called(*args, **kwargs):
