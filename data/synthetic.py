@@ -115,11 +115,13 @@ class SyntheticVideoDataset:
 # what tests check against the generator. A pixel is "bright" when its brightest channel exceeds
 # BRIGHT (the background is black, objects are saturated). A frame is coherent when its largest
 # 4-connected bright component holds at least COHERENT of the frame's bright pixels and at least
-# MIN_AREA of its area; a clip is coherent when every frame is and that component's area stays
-# within a factor AREA_RATIO of the clip's median (no shrinking or flickering object).
+# MIN_AREA and at most MAX_AREA of its area (an object covers at most ~16% of the frame here: a larger
+# bright region is a lit background, not an object); a clip is coherent when every frame is and that
+# component's area stays within a factor AREA_RATIO of the clip's median (no shrinking or flickering object).
 BRIGHT = 0.5
 COHERENT = 0.8
 MIN_AREA = 0.01
+MAX_AREA = 0.35
 AREA_RATIO = 2.0
 
 
@@ -176,7 +178,7 @@ def read_clip(video: np.ndarray, threshold: float = BRIGHT) -> dict:
         areas.append(int(mask.sum()))
         fractions.append(areas[-1] / total if total else 0.0)
     median = float(np.median(areas))
-    coherent = bool(median >= MIN_AREA * height * width and min(fractions) >= COHERENT
+    coherent = bool(MIN_AREA * height * width <= median <= MAX_AREA * height * width and min(fractions) >= COHERENT
                     and all(median / AREA_RATIO <= a <= median * AREA_RATIO for a in areas))
     out = {"coherent": coherent, "color": None, "shape": None, "direction": None,
            "min_fraction": round(min(fractions), 3), "areas": areas}

@@ -105,6 +105,14 @@ def resume_and_compare(run_dir, straight, steps: int = 9):
 def test_stopped_rank_is_named_by_the_survivor(tmp_path):
     """SIGSTOP on rank 1 (a hung process): rank 0 names it, its step and phase, and the op it waited in."""
     run = torchrun(2, *TWO_RANKS, f"run.output_dir={tmp_path}", "train.max_steps=6", env={"TESSERA_FAULT": "stop@1:5"})
+    deadline = time.monotonic() + 120
+    while not any("error: rank 1 (" in line for _, _, line in list(run.lines)):
+        assert time.monotonic() < deadline and run.procs[0].poll() is None, run.text()[-3000:]
+        time.sleep(0.1)
+    time.sleep(1)
+    _, line = run.first("error: ")
+    frozen = int(line.split("error: rank 1 (")[1].split(")")[0].split(":")[1])
+    os.kill(frozen, signal.SIGKILL)  # frozen: torchrun would wait 30 s before it kills it (not measured here)
     codes = run.wait(timeout=120)
     assert codes[0] != 0
     delay = seconds_from_fault_to_error(run, "stop in step 5")
