@@ -22,6 +22,13 @@ class ModelConfig:
     qk_norm: bool = True
     attention_backend: str = "sdpa"  # sdpa | math | xformers | flash
     rope_theta: float = 10000.0
+    # Architecture options; None takes the size's choice (the Wan* sizes set the Wan ones), else the
+    # tessera default shown after the colon.
+    ffn_dim: Optional[int] = None  # MLP width: hidden_size x mlp_ratio
+    adaln: Optional[str] = None  # zero (a Linear(D, 6D) per block) | single (shared projection + per-block table): zero
+    qk_norm_across_heads: Optional[bool] = None  # QK RMSNorm over all heads at once (Wan): false
+    pooled_text: Optional[bool] = None  # the mean text token joins the time embedding: true
+    text_mask: Optional[bool] = None  # mask padded text tokens (false: zero them and attend, as Wan): true
 
 
 @dataclass

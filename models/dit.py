@@ -4,6 +4,16 @@ Follows DiT (Peebles & Xie, https://arxiv.org/abs/2212.09748) with adaLN-Zero co
 timestep, plus what video models added since: 3D patches, 3D rotary positions (any frame count and
 aspect ratio), cross-attention to text tokens (PixArt-alpha, https://arxiv.org/abs/2310.00426) and
 QK-normalisation. Single-device code: nothing here knows about processes.
+
+Four options make it Wan 2.1/2.2 exactly (the `Wan*` sizes set them; `models/wan.py` maps the weights):
+- adaln="single": one shared projection of the time embedding to (6, D) plus a learnt (1, 6, D) table
+  per block (PixArt-alpha's adaLN-single) instead of a Linear(D, 6D) per block; the final layer adds
+  its (1, 2, D) table to the time embedding itself;
+- qk_norm_across_heads: QK RMSNorm over the whole projection (weight of size D) before the head split;
+- pooled_text=False: no mean text token in the conditioning;
+- text_mask=False: cross-attention attends every text token; padded tokens are zeroed instead (Wan
+  trims each prompt to its length and zero-pads).
+Norms and modulation run in float32 in every configuration, as Wan's do.
 """
 
 import math
@@ -26,10 +36,27 @@ DiT_models = {
     "DiT-2B": dict(depth=28, hidden_size=2048, num_heads=16),
     "DiT-5B": dict(depth=32, hidden_size=3072, num_heads=24),
 }
+WAN_OPTIONS = dict(adaln="single", qk_norm_across_heads=True, pooled_text=False, text_mask=False)
+DiT_models.update({  # Wan's text encoder is UMT5-XXL (4096 wide); Wan2.2-5B needs its 48-channel VAE
+    "Wan2.1-1.3B": dict(depth=30, hidden_size=1536, num_heads=12, ffn_dim=8960, **WAN_OPTIONS),
+    "Wan2.1-14B": dict(depth=40, hidden_size=5120, num_heads=40, ffn_dim=13824, **WAN_OPTIONS),
+    "Wan2.2-5B": dict(depth=30, hidden_size=3072, num_heads=24, ffn_dim=14336, **WAN_OPTIONS),
+})
 
 
-def modulate(x, shift, scale):
-    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+def modulate(norm, x, shift, scale):
+    """norm(x) * (1 + scale) + shift in float32, back in x's dtype; shift and scale are (B, 1, D)."""
+    return (norm(x.float()) * (1 + scale) + shift).to(x.dtype)
+
+
+class FP32LayerNorm(nn.LayerNorm):
+    """LayerNorm computed in float32 whatever the dtype of its input and weights (bf16 under FSDP's
+    mixed precision); returns float32."""
+
+    def forward(self, x):
+        weight = self.weight.float() if self.weight is not None else None
+        bias = self.bias.float() if self.bias is not None else None
+        return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps)
 
 
 def apply_rope(x, rope):
@@ -93,79 +120,114 @@ class TimestepEmbedder(nn.Module):
         return self.mlp(emb.to(self.mlp[0].weight.dtype))
 
 
+def qk_norm_layer(hidden_size, num_heads, enabled, across_heads):
+    """RMSNorm of queries or keys: per head (weight of size head_dim) or across heads (size D, before
+    the head split, as Wan does)."""
+    if not enabled:
+        return nn.Identity()
+    return nn.RMSNorm(hidden_size if across_heads else hidden_size // num_heads, eps=1e-6)
+
+
+def split_heads(x, num_heads):
+    """(B, N, D) -> (B, H, N, Dh)."""
+    B, N, D = x.shape
+    return x.view(B, N, num_heads, D // num_heads).transpose(1, 2)
+
+
+def norm_heads(x, norm, num_heads, across_heads):
+    """(B, N, D) -> normalised (B, H, N, Dh)."""
+    return split_heads(norm(x), num_heads) if across_heads else norm(split_heads(x, num_heads))
+
+
 class SelfAttention(nn.Module):
-    def __init__(self, hidden_size, num_heads, qk_norm, attention_backend):
+    def __init__(self, hidden_size, num_heads, qk_norm, attention_backend, qk_norm_across_heads=False):
         super().__init__()
-        self.num_heads = num_heads
-        head_dim = hidden_size // num_heads
+        self.num_heads, self.across_heads = num_heads, qk_norm_across_heads
         self.qkv = nn.Linear(hidden_size, 3 * hidden_size)
-        self.q_norm = nn.RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.q_norm = qk_norm_layer(hidden_size, num_heads, qk_norm, qk_norm_across_heads)
+        self.k_norm = qk_norm_layer(hidden_size, num_heads, qk_norm, qk_norm_across_heads)
         self.inner_attention = make_attention(attention_backend)  # swappable: (B, H, N, Dh) contract
         self.proj = nn.Linear(hidden_size, hidden_size)
 
     def forward(self, x, rope):
         B, N, D = x.shape
-        q, k, v = self.qkv(x).view(B, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)  # 3 x (B, H, N, Dh)
-        q, k = apply_rope(self.q_norm(q), rope), apply_rope(self.k_norm(k), rope)
-        x = self.inner_attention(q, k, v)  # (B, H, N, Dh)
+        q, k, v = self.qkv(x).chunk(3, dim=-1)  # 3 x (B, N, D): the norms run on this rank's tokens
+        H, across = self.num_heads, self.across_heads
+        q = apply_rope(norm_heads(q, self.q_norm, H, across), rope)  # (B, H, N, Dh)
+        k = apply_rope(norm_heads(k, self.k_norm, H, across), rope)
+        x = self.inner_attention(q, k, split_heads(v, self.num_heads))  # (B, H, N, Dh)
         return self.proj(x.transpose(1, 2).reshape(B, N, D))
 
 
 class CrossAttention(nn.Module):
-    """Image/video tokens attend to text tokens; padded text tokens are masked out."""
+    """Image/video tokens attend to text tokens; padded text tokens are masked out (y_mask None: none)."""
 
-    def __init__(self, hidden_size, num_heads, qk_norm):
+    def __init__(self, hidden_size, num_heads, qk_norm, qk_norm_across_heads=False):
         super().__init__()
-        self.num_heads = num_heads
-        head_dim = hidden_size // num_heads
+        self.num_heads, self.across_heads = num_heads, qk_norm_across_heads
         self.q = nn.Linear(hidden_size, hidden_size)
         self.kv = nn.Linear(hidden_size, 2 * hidden_size)
-        self.q_norm = nn.RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.q_norm = qk_norm_layer(hidden_size, num_heads, qk_norm, qk_norm_across_heads)
+        self.k_norm = qk_norm_layer(hidden_size, num_heads, qk_norm, qk_norm_across_heads)
         self.proj = nn.Linear(hidden_size, hidden_size)
 
     def forward(self, x, y, y_mask):
         B, N, D = x.shape
-        L = y.shape[1]
-        q = self.q_norm(self.q(x).view(B, N, self.num_heads, -1).transpose(1, 2))  # (B, H, N, Dh)
-        k, v = self.kv(y).view(B, L, 2, self.num_heads, -1).permute(2, 0, 3, 1, 4)  # 2 x (B, H, L, Dh)
-        x = F.scaled_dot_product_attention(q, self.k_norm(k), v, attn_mask=y_mask[:, None, None, :])
+        k, v = self.kv(y).chunk(2, dim=-1)  # 2 x (B, L, D)
+        mask = None if y_mask is None else y_mask[:, None, None, :]
+        H, across = self.num_heads, self.across_heads
+        q, k = norm_heads(self.q(x), self.q_norm, H, across), norm_heads(k, self.k_norm, H, across)
+        x = F.scaled_dot_product_attention(q, k, split_heads(v, H), attn_mask=mask)
         return self.proj(x.transpose(1, 2).reshape(B, N, D))
 
 
 class DiTBlock(nn.Module):
-    def __init__(self, hidden_size, num_heads, mlp_ratio, qk_norm, attention_backend):
+    def __init__(self, hidden_size, num_heads, mlp_hidden, qk_norm, attention_backend, adaln="zero",
+                 qk_norm_across_heads=False):
         super().__init__()
-        self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        self.attn = SelfAttention(hidden_size, num_heads, qk_norm, attention_backend)
-        self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=True, eps=1e-6)
-        self.cross_attn = CrossAttention(hidden_size, num_heads, qk_norm)
-        self.norm3 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        hidden_mlp = int(hidden_size * mlp_ratio)
+        self.norm1 = FP32LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.attn = SelfAttention(hidden_size, num_heads, qk_norm, attention_backend, qk_norm_across_heads)
+        self.norm2 = FP32LayerNorm(hidden_size, elementwise_affine=True, eps=1e-6)
+        self.cross_attn = CrossAttention(hidden_size, num_heads, qk_norm, qk_norm_across_heads)
+        self.norm3 = FP32LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.mlp = nn.Sequential(
-            nn.Linear(hidden_size, hidden_mlp), nn.GELU(approximate="tanh"), nn.Linear(hidden_mlp, hidden_size)
+            nn.Linear(hidden_size, mlp_hidden), nn.GELU(approximate="tanh"), nn.Linear(mlp_hidden, hidden_size)
         )
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
+        if adaln == "zero":
+            self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
+        else:
+            self.scale_shift_table = nn.Parameter(torch.randn(1, 6, hidden_size) / hidden_size**0.5)
+
+    def modulation(self, c):
+        """Six (B, 1, D) float32 tensors: shift, scale and gate of the attention, then of the MLP.
+        c is the time embedding (B, D) for adaLN-Zero, the shared projection (B, 6, D) for adaLN-single."""
+        if hasattr(self, "adaLN_modulation"):
+            return self.adaLN_modulation(c).float().unflatten(1, (6, -1)).chunk(6, dim=1)
+        return (self.scale_shift_table.float() + c.float()).chunk(6, dim=1)
 
     def forward(self, x, c, y, y_mask, rope):
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
-        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa), rope)
-        x = x + self.cross_attn(self.norm2(x), y, y_mask)
-        x = x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm3(x), shift_mlp, scale_mlp))
-        return x
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.modulation(c)
+        x = (x.float() + self.attn(modulate(self.norm1, x, shift_msa, scale_msa), rope) * gate_msa).to(x.dtype)
+        x = x + self.cross_attn(self.norm2(x).to(x.dtype), y, y_mask)
+        return (x.float() + self.mlp(modulate(self.norm3, x, shift_mlp, scale_mlp)) * gate_mlp).to(x.dtype)
 
 
 class FinalLayer(nn.Module):
-    def __init__(self, hidden_size, patch_volume, out_channels):
+    def __init__(self, hidden_size, patch_volume, out_channels, adaln="zero"):
         super().__init__()
-        self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.norm_final = FP32LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.linear = nn.Linear(hidden_size, patch_volume * out_channels)
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
+        if adaln == "zero":
+            self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
+        else:
+            self.scale_shift_table = nn.Parameter(torch.randn(1, 2, hidden_size) / hidden_size**0.5)
 
-    def forward(self, x, c):
-        shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
-        return self.linear(modulate(self.norm_final(x), shift, scale))
+    def forward(self, x, temb):
+        if hasattr(self, "adaLN_modulation"):
+            shift, scale = self.adaLN_modulation(temb).float().unflatten(1, (2, -1)).chunk(2, dim=1)
+        else:
+            shift, scale = (self.scale_shift_table.float() + temb.float().unsqueeze(1)).chunk(2, dim=1)
+        return self.linear(modulate(self.norm_final, x, shift, scale))
 
 
 class WholeSequence(nn.Module):
@@ -181,24 +243,33 @@ class WholeSequence(nn.Module):
 
 class DiT(nn.Module):
     def __init__(self, in_channels, text_dim, depth, hidden_size, num_heads, patch_size=(1, 2, 2),
-                 mlp_ratio=4.0, qk_norm=True, attention_backend="sdpa", rope_theta=10000.0):
+                 mlp_ratio=4.0, qk_norm=True, attention_backend="sdpa", rope_theta=10000.0, ffn_dim=None,
+                 adaln="zero", qk_norm_across_heads=False, pooled_text=True, text_mask=True):
         super().__init__()
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
+        if adaln not in ("zero", "single"):
+            raise ValueError(f"adaln must be 'zero' or 'single', got '{adaln}'")
         self.in_channels = in_channels
         self.patch_size = tuple(patch_size)
         self.num_heads = num_heads
+        self.text_mask = text_mask
         self.x_embedder = PatchEmbed3D(patch_size, in_channels, hidden_size)
         self.t_embedder = TimestepEmbedder(hidden_size)
         self.y_embedder = nn.Sequential(nn.Linear(text_dim, hidden_size), nn.GELU(approximate="tanh"),
                                         nn.Linear(hidden_size, hidden_size))
-        self.pooled_embedder = nn.Linear(hidden_size, hidden_size)  # the mean text token joins the timestep in c
+        # the mean text token joins the time embedding
+        self.pooled_embedder = nn.Linear(hidden_size, hidden_size) if pooled_text else None
+        # adaLN-single: one projection of the time embedding, shared by every block
+        self.time_proj = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size)) if adaln == "single" else None
         self.rope = RotaryEmbedding3D(hidden_size // num_heads, rope_theta)
         self.sequence = WholeSequence()
+        mlp_hidden = ffn_dim or int(hidden_size * mlp_ratio)
         self.blocks = nn.ModuleList(
-            [DiTBlock(hidden_size, num_heads, mlp_ratio, qk_norm, attention_backend) for _ in range(depth)]
+            [DiTBlock(hidden_size, num_heads, mlp_hidden, qk_norm, attention_backend, adaln, qk_norm_across_heads)
+             for _ in range(depth)]
         )
-        self.final_layer = FinalLayer(hidden_size, math.prod(self.patch_size), in_channels)
+        self.final_layer = FinalLayer(hidden_size, math.prod(self.patch_size), in_channels, adaln)
         self.init_weights()
 
     def check_input_shape(self, frames, height, width):
@@ -216,12 +287,17 @@ class DiT(nn.Module):
         x, grid = self.x_embedder(x)  # (B, N, D)
         rope = self.rope(grid, x.device)  # (N, Dh/2, 2)
         x, rope = self.sequence.shard(x, rope)  # (B, N_local, D); the identity on one device
+        if not self.text_mask:  # Wan: padding tokens are zeros, and attended
+            y = y * y_mask.unsqueeze(-1).to(y.dtype)
         y = self.y_embedder(y)  # (B, L, D)
-        c = self.t_embedder(t) + self.pooled_embedder(masked_mean(y, y_mask))  # (B, D)
+        temb = self.t_embedder(t)  # (B, D)
+        if self.pooled_embedder is not None:
+            temb = temb + self.pooled_embedder(masked_mean(y, y_mask))
+        c = temb if self.time_proj is None else self.time_proj(temb).unflatten(1, (6, -1))  # (B, D) or (B, 6, D)
         for block in self.blocks:
-            x = block(x, c, y, y_mask, rope)  # (B, N_local, D)
+            x = block(x, c, y, y_mask if self.text_mask else None, rope)  # (B, N_local, D)
         x = self.sequence.gather(x)  # (B, N, D)
-        x = self.final_layer(x, c)  # (B, N, pt*ph*pw*C)
+        x = self.final_layer(x, temb)  # (B, N, pt*ph*pw*C)
         return self.unpatchify(x, grid)  # (B, C, T, H, W)
 
     def unpatchify(self, x, grid):
@@ -247,14 +323,19 @@ class DiT(nn.Module):
         nn.init.zeros_(self.x_embedder.proj.bias)
         for layer in (self.t_embedder.mlp[0], self.t_embedder.mlp[2]):
             nn.init.normal_(layer.weight, std=0.02)
-        # adaLN-Zero: every block starts as the identity, and so does the text path into it.
+        # adaLN-Zero: every block starts as the identity, and so does the text path into it. adaLN-single
+        # (PixArt-alpha, Wan): random tables of scale 1/sqrt(D), a small shared projection.
         zero_or_small = nn.init.zeros_ if zero_init else (lambda w: nn.init.normal_(w, std=0.05))
+        for module in (*self.blocks, self.final_layer):
+            if hasattr(module, "adaLN_modulation"):
+                zero_or_small(module.adaLN_modulation[-1].weight)
+                zero_or_small(module.adaLN_modulation[-1].bias)
+            else:
+                nn.init.normal_(module.scale_shift_table, std=module.scale_shift_table.shape[-1] ** -0.5)
+        if self.time_proj is not None:
+            nn.init.normal_(self.time_proj[-1].weight, std=0.02)
         for block in self.blocks:
-            zero_or_small(block.adaLN_modulation[-1].weight)
-            zero_or_small(block.adaLN_modulation[-1].bias)
             zero_or_small(block.cross_attn.proj.weight)
-        zero_or_small(self.final_layer.adaLN_modulation[-1].weight)
-        zero_or_small(self.final_layer.adaLN_modulation[-1].bias)
         zero_or_small(self.final_layer.linear.weight)
         zero_or_small(self.final_layer.linear.bias)
 
@@ -264,14 +345,21 @@ def masked_mean(y, mask):
     return (y * m).sum(1) / m.sum(1).clamp(min=1.0)
 
 
+ARCHITECTURE_OPTIONS = ("ffn_dim", "adaln", "qk_norm_across_heads", "pooled_text", "text_mask")
+
+
 def build_dit(model_cfg, in_channels: int, text_dim: int) -> DiT:
-    """The DiT named by a recipe's `model` section."""
+    """The DiT named by a recipe's `model` section: the size's dims and options, then the recipe's
+    options that are set (not None)."""
     if model_cfg.size not in DiT_models:
         raise ValueError(f"unknown model size '{model_cfg.size}'; choose one of {', '.join(DiT_models)}")
+    arch = dict(DiT_models[model_cfg.size])
+    arch.update({key: model_cfg[key] for key in ARCHITECTURE_OPTIONS if model_cfg.get(key) is not None})
+    if arch.get("adaln", "zero") not in ("zero", "single"):
+        raise ValueError(f"model.adaln must be 'zero' or 'single', got '{arch['adaln']}'")
     return DiT(in_channels=in_channels, text_dim=text_dim, patch_size=tuple(model_cfg.patch_size),
                mlp_ratio=model_cfg.mlp_ratio, qk_norm=model_cfg.qk_norm,
-               attention_backend=model_cfg.attention_backend, rope_theta=model_cfg.rope_theta,
-               **DiT_models[model_cfg.size])
+               attention_backend=model_cfg.attention_backend, rope_theta=model_cfg.rope_theta, **arch)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -128,15 +128,22 @@ def reset_memory(device):
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def build_tessera(case, runtime, param_dtype, ac, compile):
+def build_tessera(case, runtime, param_dtype, ac, compile, options=None):
     from models.dit import DiT
     from parallel.fsdp import parallelize_dit
 
     torch.manual_seed(0)
     with torch.device(runtime.device):
         model = DiT(case["latent"][0], case["text"][1], depth=case["depth"], hidden_size=case["hidden"],
-                    num_heads=case["heads"], patch_size=PATCH, mlp_ratio=case["ffn"] / case["hidden"])
+                    num_heads=case["heads"], patch_size=PATCH, ffn_dim=case["ffn"], **(options or {}))
     return parallelize_dit(model, runtime.fsdp_mesh, param_dtype, ac, compile)
+
+
+def build_tessera_wan(case, runtime, param_dtype, ac, compile):
+    """tessera's DiT with Wan's options (adaLN-single, ...): the same parameters as diffusers' Wan."""
+    from models.dit import WAN_OPTIONS
+
+    return build_tessera(case, runtime, param_dtype, ac, compile, WAN_OPTIONS)
 
 
 class WanAdapter(torch.nn.Module):
@@ -288,7 +295,7 @@ def markdown(results) -> str:
         lines.append(f"| {r['case']} | {r['variant']} | {r['tokens']:,} | {r['seconds']:.4f} | {r['tokens_per_s']:,.0f} | "
                      f"{r['tflops']:.3g} | {mfu} | {mem} |")
     for w in results.get("wan_ratio", []):
-        lines.append(f"\ntessera / diffusers Wan, {w['variant']}: diffusers {w['wan_seconds']:.4f} s, tessera "
+        lines.append(f"\n{w.get('model', 'tessera')} / diffusers Wan, {w['variant']}: diffusers {w['wan_seconds']:.4f} s, tessera "
                      f"{w['tessera_seconds']:.4f} s, speed ratio **{w['speedup']:.2f}x** (target >= 1.2)")
     if "sp" in results:
         s = results["sp"]
@@ -339,7 +346,9 @@ def main(argv=None):
     print(f"{info['device']}: init_runtime {init_seconds:.2f} s", flush=True)
     for name, case in cases.items():
         case = {**case, "name": name}
-        models = [("tessera", build_tessera)] + ([("diffusers Wan", build_wan)] if "wan" in parts and case.get("wan") else [])
+        models = [("tessera", build_tessera)]
+        if "wan" in parts and case.get("wan"):
+            models += [("tessera, Wan options", build_tessera_wan), ("diffusers Wan", build_wan)]
         for variant in variants if "train" in parts else []:
             by_model = {}
             for label, build in models:
@@ -356,10 +365,12 @@ def main(argv=None):
                 by_model[label] = row
                 print(row, flush=True)
                 save(results, args.out)
-            if "seconds" in by_model.get("diffusers Wan", {}) and "seconds" in by_model["tessera"]:
-                results["wan_ratio"].append(dict(case=name, variant=variant, wan_seconds=by_model["diffusers Wan"]["seconds"],
-                                                 tessera_seconds=by_model["tessera"]["seconds"],
-                                                 speedup=by_model["diffusers Wan"]["seconds"] / by_model["tessera"]["seconds"]))
+            for label in ("tessera", "tessera, Wan options"):
+                if "seconds" in by_model.get("diffusers Wan", {}) and "seconds" in by_model.get(label, {}):
+                    results["wan_ratio"].append(dict(case=name, variant=variant, model=label,
+                                                     wan_seconds=by_model["diffusers Wan"]["seconds"],
+                                                     tessera_seconds=by_model[label]["seconds"],
+                                                     speedup=by_model["diffusers Wan"]["seconds"] / by_model[label]["seconds"]))
     video = list(cases.values())[-1]
     heads, head_dim = video["heads"], video["hidden"] // video["heads"]
     tokens = video["latent"][1] * video["latent"][2] * video["latent"][3] // 4

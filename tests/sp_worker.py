@@ -17,7 +17,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.attention import SDPAAttention  # noqa: E402
-from models.dit import DiT  # noqa: E402
+from models.dit import WAN_OPTIONS, DiT  # noqa: E402
 from parallel import comm  # noqa: E402
 from parallel.layout import ParallelLayout  # noqa: E402
 from parallel.runtime import sequence_groups  # noqa: E402
@@ -78,15 +78,19 @@ def check_operator(layout, groups, tokens, heads=4, batch=2, head_dim=8, dtype=t
         check(f"{name} {label}", max(error, padded_grad), tolerance)
 
 
-def check_model(layout, groups, frames, height=8, width=8):
+def check_model(layout, groups, frames, height=8, width=8, wan=False):
     """A whole DiT: the output equals the single-process one, and the parameter gradients averaged over
-    the sequence-parallel group (what FSDP's mean does) equal the single-process gradients."""
-    name = f"DiT u{layout.ulysses}r{layout.ring} grid {frames}x{height // 2}x{width // 2}"
+    the sequence-parallel group (what FSDP's mean does) equal the single-process gradients. wan: with
+    Wan's options (adaLN-single, QK norm across heads, unmasked text), exact against diffusers in
+    tests/test_wan.py."""
+    name = f"{'WanDiT' if wan else 'DiT'} u{layout.ulysses}r{layout.ring} grid {frames}x{height // 2}x{width // 2}"
+    options = dict(WAN_OPTIONS, ffn_dim=48) if wan else {}
     torch.manual_seed(0)
-    reference_model = DiT(in_channels=4, text_dim=16, depth=2, hidden_size=32, num_heads=4, patch_size=(1, 2, 2))
+    reference_model = DiT(in_channels=4, text_dim=16, depth=2, hidden_size=32, num_heads=4, patch_size=(1, 2, 2),
+                          **options)
     for p in reference_model.parameters():  # adaLN-Zero starts as the identity: make every path count
         torch.nn.init.normal_(p, std=0.2)
-    model = DiT(in_channels=4, text_dim=16, depth=2, hidden_size=32, num_heads=4, patch_size=(1, 2, 2))
+    model = DiT(in_channels=4, text_dim=16, depth=2, hidden_size=32, num_heads=4, patch_size=(1, 2, 2), **options)
     model.load_state_dict(reference_model.state_dict())
     from parallel.sequence import apply_sequence_parallel
 
@@ -181,6 +185,7 @@ def main():
         check_model(layout, groups, frames=3)  # 3x4x4 = 48 tokens
         check_model(layout, groups, frames=1, height=6, width=10)  # 15 tokens: padded
         check_model(layout, groups, frames=1, height=2, width=10)  # 5 tokens: at P=4 a rank holds only padding
+        check_model(layout, groups, frames=3, height=6, width=8, wan=True)  # 36 tokens
         if layout.ring > 1:
             check_ring_variants(layout, groups)
     check_chunking(dist.group.WORLD)
