@@ -20,7 +20,6 @@ from data.media import OUTPUT_EXTENSIONS, write_video
 from models.dit import DiT_models
 from models.flow import RectifiedFlow
 from models.pipeline import build_frozen, build_model, generate
-from models.util import seeded
 from models.vae import vae_latent_space
 from parallel import comm
 from parallel.checkpoint import CheckpointError, load_weights, resolve_checkpoint
@@ -65,6 +64,8 @@ def find_checkpoint(cfg, checkpoint: str | None, random_weights: bool):
     if random_weights:
         return None
     found = resolve_checkpoint(checkpoint or "auto", cfg.run.output_dir)
+    if found is None and checkpoint is None and cfg.model.get("pretrained"):
+        return None  # sample from the pretrained weights themselves
     if found is None:
         raise CheckpointError(f"no checkpoint found in {Path(cfg.run.output_dir) / 'checkpoints'}: train first "
                               f"(train.py with the same recipe), pass --checkpoint, or use --random-weights")
@@ -77,9 +78,8 @@ def load_sampler(cfg, runtime, checkpoint, use_ema: bool = True):
     model = apply_sequence_parallel(build_model(cfg, text_encoder, vae), runtime.sequence).to(runtime.device).eval()
     if checkpoint is not None:
         load_weights(checkpoint, model, use_ema=use_ema)
-    else:  # adaLN-Zero's zeros would make the output 0 whatever the other weights (and the layout) do
-        with seeded(cfg.train.seed):
-            model.init_weights(zero_init=False)
+    elif not cfg.model.get("pretrained"):  # adaLN-Zero's zeros would make the output 0 whatever the layout does
+        model.init_weights(zero_init=False, seed=cfg.train.seed)
     return model, vae, text_encoder
 
 

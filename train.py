@@ -24,7 +24,7 @@ from data.media import to_model_range, write_video
 from data.sampler import sample_seed
 from models.dit import DiT_models, count_parameters
 from models.flow import RectifiedFlow
-from models.pipeline import build_frozen, build_model, generate
+from models.pipeline import build_frozen, build_model, generate, open_pretrained
 from models.vae import vae_latent_space
 from parallel import comm, faults
 from parallel.checkpoint import (
@@ -35,6 +35,7 @@ from parallel.checkpoint import (
     verify_checkpoint,
 )
 from parallel.fsdp import parallelize_dit, update_ema
+from parallel.init import materialize
 from parallel.layout import ParallelLayout
 from parallel.runtime import init_runtime, local_world_size, run_entrypoint, world_from_env
 from parallel.sequence import apply_sequence_parallel, share_batch
@@ -96,7 +97,10 @@ def main(argv=None):
     run.write_config(cfg)
     run.start_data_report(dataset.left_out_files(), start_step)
     text_encoder, vae = build_frozen(cfg, device)
-    model = apply_sequence_parallel(build_model(cfg, text_encoder, vae), runtime.sequence)
+    # Built on the meta device and sharded before any weight exists; then each rank fills only its shard
+    # (from train.seed, or read from model.pretrained): no rank ever holds the whole model.
+    model = apply_sequence_parallel(build_model(cfg, text_encoder, vae, weights=False), runtime.sequence)
+    pretrained = open_pretrained(cfg, model)
     if runtime.is_main:
         print(f"[tessera] {cfg.model.size}: {count_parameters(model) / 1e6:.2f}M parameters; layout "
               f"{layout.describe()}{' (parallel.auto)' if cfg.parallel.auto else ''}; {device.type} ({runtime.backend}, "
@@ -104,9 +108,11 @@ def main(argv=None):
               f"steps per epoch ({sampler.num_batches} batches{_padding_note(sampler)})", flush=True)
     model = parallelize_dit(model, runtime.fsdp_mesh, torch.bfloat16 if bf16 else torch.float32,
                             tc.activation_checkpointing, tc.compile)
-    # Built again (same seed, same weights) after the model is sharded: one full copy on the host at a time.
-    ema = apply_sequence_parallel(build_model(cfg, text_encoder, vae).requires_grad_(False), runtime.sequence)
+    materialize(model, device, tc.seed, pretrained)
+    ema = apply_sequence_parallel(build_model(cfg, text_encoder, vae, weights=False).requires_grad_(False),
+                                  runtime.sequence)
     ema = parallelize_dit(ema, runtime.fsdp_mesh)
+    materialize(ema, device, tc.seed, pretrained)  # the same weights as the model's
     optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
     flow = RectifiedFlow(cfg.flow, cfg.model.patch_size)
 

@@ -29,6 +29,9 @@ class ModelConfig:
     qk_norm_across_heads: Optional[bool] = None  # QK RMSNorm over all heads at once (Wan): false
     pooled_text: Optional[bool] = None  # the mean text token joins the time embedding: true
     text_mask: Optional[bool] = None  # mask padded text tokens (false: zero them and attend, as Wan): true
+    # A diffusers WanTransformer3DModel folder (config.json + safetensors): its weights, read shard by shard;
+    # the recipe must build the same architecture (e.g. model.size=Wan2.1-1.3B).
+    pretrained: Optional[str] = None
 
 
 @dataclass

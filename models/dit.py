@@ -17,6 +17,7 @@ Norms and modulation run in float32 in every configuration, as Wan's do.
 """
 
 import math
+import zlib
 
 import torch
 import torch.nn as nn
@@ -254,6 +255,11 @@ class DiT(nn.Module):
         self.patch_size = tuple(patch_size)
         self.num_heads = num_heads
         self.text_mask = text_mask
+        mlp_hidden = ffn_dim or int(hidden_size * mlp_ratio)
+        self._architecture = dict(in_channels=in_channels, text_dim=text_dim, depth=depth, hidden_size=hidden_size,
+                                  num_heads=num_heads, patch_size=self.patch_size, ffn_dim=mlp_hidden, adaln=adaln,
+                                  qk_norm_across_heads=qk_norm_across_heads, pooled_text=pooled_text,
+                                  text_mask=text_mask)
         self.x_embedder = PatchEmbed3D(patch_size, in_channels, hidden_size)
         self.t_embedder = TimestepEmbedder(hidden_size)
         self.y_embedder = nn.Sequential(nn.Linear(text_dim, hidden_size), nn.GELU(approximate="tanh"),
@@ -264,13 +270,16 @@ class DiT(nn.Module):
         self.time_proj = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size)) if adaln == "single" else None
         self.rope = RotaryEmbedding3D(hidden_size // num_heads, rope_theta)
         self.sequence = WholeSequence()
-        mlp_hidden = ffn_dim or int(hidden_size * mlp_ratio)
         self.blocks = nn.ModuleList(
             [DiTBlock(hidden_size, num_heads, mlp_hidden, qk_norm, attention_backend, adaln, qk_norm_across_heads)
              for _ in range(depth)]
         )
         self.final_layer = FinalLayer(hidden_size, math.prod(self.patch_size), in_channels, adaln)
         self.init_weights()
+
+    def architecture(self) -> dict:
+        """What the model was built with: dims, patch size and options (compared with a pretrained folder's)."""
+        return dict(self._architecture)
 
     def check_input_shape(self, frames, height, width):
         """Raise if a latent of this size cannot be cut into whole patches."""
@@ -308,36 +317,46 @@ class DiT(nn.Module):
         return x.reshape(B, self.in_channels, t * pt, h * ph, w * pw)
 
     @torch.no_grad()
-    def init_weights(self, zero_init: bool = True):
+    def init_weights(self, zero_init: bool = True, seed: int | None = None):
         """(Re-)initialise every parameter; also used after building on the meta device.
         zero_init=False replaces adaLN-Zero's zeros with small random weights, so that an untrained
-        model's output depends on every weight (tests and benchmarks of parallel sampling)."""
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.xavier_uniform_(m.weight)
-                nn.init.zeros_(m.bias)
-            elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
-                m.reset_parameters()
-        w = self.x_embedder.proj.weight
-        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
-        nn.init.zeros_(self.x_embedder.proj.bias)
-        for layer in (self.t_embedder.mlp[0], self.t_embedder.mlp[2]):
-            nn.init.normal_(layer.weight, std=0.02)
-        # adaLN-Zero: every block starts as the identity, and so does the text path into it. adaLN-single
-        # (PixArt-alpha, Wan): random tables of scale 1/sqrt(D), a small shared projection.
-        zero_or_small = nn.init.zeros_ if zero_init else (lambda w: nn.init.normal_(w, std=0.05))
-        for module in (*self.blocks, self.final_layer):
-            if hasattr(module, "adaLN_modulation"):
-                zero_or_small(module.adaLN_modulation[-1].weight)
-                zero_or_small(module.adaLN_modulation[-1].bias)
-            else:
-                nn.init.normal_(module.scale_shift_table, std=module.scale_shift_table.shape[-1] ** -0.5)
-        if self.time_proj is not None:
-            nn.init.normal_(self.time_proj[-1].weight, std=0.02)
-        for block in self.blocks:
-            zero_or_small(block.cross_attn.proj.weight)
-        zero_or_small(self.final_layer.linear.weight)
-        zero_or_small(self.final_layer.linear.bias)
+        model's output depends on every weight (tests and benchmarks of parallel sampling). With a seed,
+        each parameter draws from its own generator, seeded by (seed, its name): the weights then do not
+        depend on how the model is split, and parallel/init.py makes the same ones shard by shard."""
+        for name, p in self.named_parameters():
+            module = self.get_submodule(name.rpartition(".")[0])
+            init_parameter(name, p, module, zero_init, parameter_generator(seed, name) if seed is not None else None)
+
+
+def parameter_generator(seed: int, name: str) -> torch.Generator:
+    """The CPU generator of one parameter: the same for a name and seed in every process and layout."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+
+
+@torch.no_grad()
+def init_parameter(name: str, tensor: torch.Tensor, module: nn.Module, zero_init: bool = True, generator=None):
+    """The DiT's initialisation of one parameter (`name` as in DiT.named_parameters(), `module` the one
+    that owns it), in place. The one place the init rules live."""
+    kind = name.rpartition(".")[2]
+    if kind == "scale_shift_table":  # adaLN-single (PixArt-alpha, Wan): random tables of scale 1/sqrt(D)
+        nn.init.normal_(tensor, std=tensor.shape[-1] ** -0.5, generator=generator)
+    elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        nn.init.ones_(tensor) if kind == "weight" else nn.init.zeros_(tensor)
+    elif (".adaLN_modulation." in f".{name}" or name.startswith("final_layer.linear.")
+          or name.endswith("cross_attn.proj.weight")):
+        # adaLN-Zero: every block starts as the identity, and so does the text path into it
+        if zero_init:
+            nn.init.zeros_(tensor)
+        else:
+            nn.init.normal_(tensor, std=0.05, generator=generator)
+    elif kind == "bias":
+        nn.init.zeros_(tensor)
+    elif name.startswith(("t_embedder.mlp.", "time_proj.")):
+        nn.init.normal_(tensor, std=0.02, generator=generator)
+    else:  # Linear and the patch embedding's Conv3d: Xavier-uniform over (out, everything else)
+        fan_out, fan_in = tensor.shape[0], tensor[0].numel()
+        bound = math.sqrt(6.0 / (fan_in + fan_out))
+        nn.init.uniform_(tensor, -bound, bound, generator=generator)
 
 
 def masked_mean(y, mask):

@@ -9,7 +9,6 @@ import torch
 from models.dit import DiT, build_dit
 from models.flow import RectifiedFlow
 from models.text_encoder import TextEncoder, build_text_encoder
-from models.util import seeded
 from models.vae import LatentSpace, build_vae
 
 
@@ -18,10 +17,51 @@ def build_frozen(cfg, device) -> tuple[TextEncoder, LatentSpace]:
     return build_text_encoder(cfg.text_encoder).to(device), build_vae(cfg.vae).to(device)
 
 
-def build_model(cfg, text_encoder: TextEncoder, vae: LatentSpace) -> DiT:
-    """The DiT with weights fixed by train.seed alone: every rank and every run builds the same one."""
-    with seeded(cfg.train.seed):
-        return build_dit(cfg.model, in_channels=vae.latent_channels, text_dim=text_encoder.dim)
+def build_model(cfg, text_encoder: TextEncoder, vae: LatentSpace, weights: bool = True) -> DiT:
+    """The DiT of the recipe, with weights fixed by train.seed alone (every rank and every run builds the
+    same ones) or read from model.pretrained. weights=False: on the meta device, with none (train.py
+    shards it first, then parallel/init.py fills each rank's shard)."""
+    with torch.device("meta"):
+        model = build_dit(cfg.model, in_channels=vae.latent_channels, text_dim=text_encoder.dim)
+    pretrained = open_pretrained(cfg, model)
+    if not weights:
+        return model
+    model.to_empty(device="cpu")
+    if pretrained is None:
+        model.init_weights(seed=cfg.train.seed)
+    else:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(pretrained.read(name, 0, param.shape[0]).view(param.shape))
+    return model
+
+
+def open_pretrained(cfg, model: DiT):
+    """model.pretrained as a models.wan.WanWeights, after checking that the recipe builds the same
+    architecture (a disagreement is an error naming the key); None without model.pretrained."""
+    if not cfg.model.get("pretrained"):
+        return None
+    from models.dit import ARCHITECTURE_OPTIONS, DiT_models
+    from models.wan import WanWeights
+
+    weights = WanWeights(cfg.model.pretrained)
+    folder = weights.dit_kwargs
+    ours = model.architecture()
+    keys = {"in_channels": "the VAE's latent channels (vae.*)", "text_dim": "the text encoder's width (text_encoder.*)",
+            "patch_size": "model.patch_size", **{k: f"model.{k} (or model.size)" for k in ARCHITECTURE_OPTIONS}}
+    wrong = [f"{keys.get(k, 'model.size')}: {k}={ours[k]!r}, the folder has {folder[k]!r}"
+             for k in folder if k in ours and tuple(np.atleast_1d(ours[k])) != tuple(np.atleast_1d(folder[k]))]
+    if wrong:
+        dims = ("depth", "hidden_size", "num_heads", "ffn_dim")
+        same = [name for name, size in DiT_models.items() if all(size.get(k, ours.get(k)) == folder[k] for k in dims)]
+        fixes = [f"model.{k}={str(folder[k]).lower() if isinstance(folder[k], bool) else folder[k]}"
+                 for k in ARCHITECTURE_OPTIONS if k in ours and ours[k] != folder[k]]
+        if all(ours[k] == folder[k] for k in dims) and fixes:
+            hint = "; set " + " ".join(fixes)
+        else:
+            hint = f"; model.size={same[0]} has its dimensions and options" if same else ""
+        raise ValueError(f"model.pretrained={cfg.model.pretrained} disagrees with the recipe: " + "; ".join(wrong) + hint)
+    return weights
 
 
 @torch.no_grad()

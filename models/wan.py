@@ -17,7 +17,9 @@ condition_embedder.time_proj -> time_proj.1, condition_embedder.text_embedder.li
 scale_shift_table -> final_layer.scale_shift_table, proj_out -> final_layer.linear.
 """
 
+import json
 import re
+from pathlib import Path
 
 import torch
 
@@ -72,32 +74,86 @@ def dit_kwargs_from_diffusers_config(config: dict) -> dict:
                 ffn_dim=config["ffn_dim"], **WAN_OPTIONS)
 
 
-def tessera_state_dict_from_diffusers(state_dict: dict) -> dict:
-    """diffusers WanTransformer3DModel keys -> tessera DiT keys (tensors are not copied, except where
-    two or three projections are concatenated into one). Unknown keys are an error naming them."""
-    out, used = {}, set()
+def tessera_sources(diffusers_keys) -> dict:
+    """{tessera name: [diffusers keys, concatenated along dim 0 in this order]} for a diffusers
+    WanTransformer3DModel's keys. Unknown keys are an error naming them."""
+    keys = set(diffusers_keys)
+    sources, used = {}, set()
     for template, projections, target in _CONCATENATED:
         first = re.compile(re.escape(template).replace(r"\{i\}", r"(\d+)").replace(r"\{kind\}", "(weight|bias)")
                            .replace(r"\{p\}", re.escape(projections[0])))
-        for key in list(state_dict):
+        for key in sorted(keys):
             match = first.fullmatch(key)
             if not match:
                 continue
             i, kind = match.groups()
             parts = [template.format(i=i, p=p, kind=kind) for p in projections]
-            missing = [part for part in parts if part not in state_dict]
+            missing = [part for part in parts if part not in keys]
             if missing:
                 raise WanFormatError(f"Wan state dict has {key} but not {', '.join(missing)}")
-            out[target.format(i=i, kind=kind)] = torch.cat([state_dict[part] for part in parts], dim=0)
+            sources[target.format(i=i, kind=kind)] = parts
             used.update(parts)
-    for key, tensor in state_dict.items():
-        if key in used:
-            continue
+    for key in sorted(keys - used):
         for pattern, target in _RENAMES:
             if re.fullmatch(pattern, key):
-                out[re.sub("^" + pattern + "$", target, key)] = tensor
+                sources[re.sub("^" + pattern + "$", target, key)] = [key]
                 break
         else:
             raise WanFormatError(f"Wan state dict key '{key}' has no tessera counterpart (image-to-video weights "
                                  "and other variants are not supported)")
-    return out
+    return sources
+
+
+def tessera_state_dict_from_diffusers(state_dict: dict) -> dict:
+    """diffusers WanTransformer3DModel state dict -> tessera DiT state dict (tensors are not copied,
+    except where two or three projections are concatenated into one)."""
+    return {name: state_dict[keys[0]] if len(keys) == 1 else torch.cat([state_dict[k] for k in keys], dim=0)
+            for name, keys in tessera_sources(state_dict).items()}
+
+
+class WanWeights:
+    """A diffusers WanTransformer3DModel folder (config.json and one or more .safetensors files), read
+    lazily: `read(name, start, stop)` returns rows start:stop (along dim 0) of one tessera parameter and
+    reads only those bytes, so a rank of a sharded model reads only its own shard."""
+
+    def __init__(self, folder):
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        config = self.folder / "config.json"
+        if not config.is_file():
+            raise WanFormatError(f"model.pretrained={folder}: no config.json there (expected a diffusers "
+                                 "WanTransformer3DModel folder, e.g. <Wan2.1-T2V-1.3B-Diffusers>/transformer)")
+        self.config = json.loads(config.read_text())
+        self.dit_kwargs = dit_kwargs_from_diffusers_config(self.config)
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            raise WanFormatError(f"model.pretrained={folder}: no .safetensors files there")
+        self._files, self._key_file = [], {}
+        for file in files:
+            handle = safe_open(str(file), framework="pt")
+            self._files.append(handle)
+            for key in handle.keys():
+                self._key_file[key] = handle
+        self.sources = tessera_sources(self._key_file)
+
+    def shape(self, name: str) -> tuple:
+        keys = self.sources[name]
+        shapes = [tuple(self._key_file[k].get_slice(k).get_shape()) for k in keys]
+        return (sum(s[0] for s in shapes), *shapes[0][1:])
+
+    def read(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start:stop of tessera parameter `name` (float32)."""
+        if name not in self.sources:
+            raise WanFormatError(f"model.pretrained={self.folder} has no weights for '{name}'")
+        pieces, offset = [], 0
+        for key in self.sources[name]:
+            part = self._key_file[key].get_slice(key)
+            rows = part.get_shape()[0]
+            lo, hi = max(start, offset), min(stop, offset + rows)
+            if lo < hi:
+                pieces.append(part[lo - offset:hi - offset].float())
+            offset += rows
+        if not pieces:  # an empty shard
+            return torch.empty((0, *self.shape(name)[1:]), dtype=torch.float32)
+        return torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]

@@ -1,0 +1,58 @@
+"""Weights for a DiT that was built on the meta device and sharded with FSDP2, filled one parameter at
+a time so that no rank ever holds the whole model (a 14B model is 56 GB in float32):
+
+- from train.seed: each parameter is made whole on the host from its own generator (models.dit
+  init_parameter and parameter_generator), then only this rank's rows are kept. The weights are those
+  of `DiT.init_weights(seed=...)` on one process, whatever the layout;
+- from model.pretrained: each rank reads only its rows from the safetensors files (models.wan.WanWeights).
+"""
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from models.dit import init_parameter, parameter_generator
+
+# Wrappers that parallel/fsdp.py may put around a block; state-dict names leave them out.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def canonical_name(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def local_rows(param: torch.Tensor) -> tuple[int, int]:
+    """The rows (along dim 0) of the whole parameter that this rank holds."""
+    if not isinstance(param, DTensor):
+        return 0, param.shape[0] if param.dim() else 1
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    if any(offset[1:]) or tuple(shape[1:]) != tuple(param.shape[1:]):
+        raise NotImplementedError(f"parameter sharded along a dimension other than 0: {param.placements}")
+    return offset[0], offset[0] + shape[0]
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device, seed: int, pretrained=None, zero_init: bool = True) -> None:
+    """Allocate `model`'s (sharded) parameters on `device` and fill them: from `pretrained` (a
+    models.wan.WanWeights) if given, else from `seed`."""
+    model.to_empty(device=device)
+    for name, param in model.named_parameters():
+        canonical = canonical_name(name)
+        local = param.to_local() if isinstance(param, DTensor) else param.data
+        start, stop = local_rows(param)
+        if pretrained is not None:
+            expected = tuple(pretrained.shape(canonical))
+            if expected != tuple(param.shape):
+                raise ValueError(f"model.pretrained: '{canonical}' has shape {expected} in {pretrained.folder}, "
+                                 f"the model expects {tuple(param.shape)}")
+            rows = pretrained.read(canonical, start, stop)
+        else:
+            whole = torch.empty(param.shape, dtype=torch.float32)
+            init_parameter(canonical, whole, model.get_submodule(name.rpartition(".")[0]), zero_init,
+                           parameter_generator(seed, canonical))
+            rows = whole[start:stop]
+        local.copy_(rows.view(local.shape).to(local.dtype))
