@@ -13,10 +13,12 @@ Parts:
   DiT-XL at 256 px (32 x 32 latent, 256 tokens, batch 32) and a DiT with Wan2.1-1.3B's dims (1536 wide,
   30 layers, 12 heads, FFN 8960) at 33 x 480 x 832 (9 x 60 x 104 latent -> 14,040 tokens), each with
   and without torch.compile and activation checkpointing;
-- wan: the same step for diffusers' WanTransformer3DModel at the Wan dims, and tessera / diffusers;
+- wan: the same step for tessera's DiT with Wan's options (adaLN-single, ...) and for diffusers'
+  WanTransformer3DModel at the Wan dims, and tessera / diffusers;
 - sp: parallel.sequence.SequenceParallelAttention at degree 1 against plain SDPA, forward + backward;
-- lse: the log-sum-exp kernel ring attention uses (CUDA memory-efficient op / CPU flash op): its
-  self-check against the float32 reference, and its forward + backward time against SDPA;
+- lse: the log-sum-exp kernels ring attention can use (CUDA: cuDNN, flash, memory-efficient op; CPU:
+  flash op): each one's self-check against the float32 reference, and the chosen one's forward +
+  backward time against SDPA;
 - nccl: init_runtime at world size 1 (process group + preflight all-reduce; gloo on CPU);
 - sampler: RectifiedFlow.sample time per Euler step (guidance 5: batch of 2).
 
@@ -242,7 +244,7 @@ def bench_lse(runtime, shape, args):
     lse_s = timed(lse_step, device, args.steps, args.warmup)
     sdpa_s = timed(lambda: torch.autograd.backward(F.scaled_dot_product_attention(qg, kg, vg), dout),
                    device, args.steps, args.warmup)
-    return dict(kernel=kernel.__name__, self_check=checks.get(kernel.__name__, True), checks=checks, shape=list(shape), lse_seconds=lse_s, sdpa_seconds=sdpa_s,
+    return dict(kernel=kernel.__name__, self_check=checks.get(kernel.__name__, False), checks=checks, shape=list(shape), lse_seconds=lse_s, sdpa_seconds=sdpa_s,
                 ratio=lse_s / sdpa_s)
 
 
@@ -280,15 +282,24 @@ def init(args):
     return runtime, time.perf_counter() - t0
 
 
+def _fmt(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
+def _one_line(error: str) -> str:
+    """An error message fit for a markdown table cell."""
+    return " ".join(str(error).split()).replace("|", "/")[:200]
+
+
 def markdown(results) -> str:
     info = results["info"]
     lines = [f"Device: {info['device']}; torch {info['torch']}, CUDA {info['cuda']}; {info['date']}; "
-             f"mode {results['mode']}; peak {info['peak_tflops']:.3g} TFLOP/s ({info['peak_note']}).", "",
+             f"mode {results['mode']}; peak {_fmt(info['peak_tflops'], '.3g')} TFLOP/s ({info['peak_note']}).", "",
              "| model | variant | tokens/step | s/step | tokens/s | TFLOP/s | MFU | peak GiB |",
              "|---|---|---|---|---|---|---|---|"]
     for r in results["train"]:
         if "error" in r:
-            lines.append(f"| {r['case']} | {r['variant']} | | {r['error']} | | | | |")
+            lines.append(f"| {r['case']} | {r['variant']} | | {_one_line(r['error'])} | | | | |")
             continue
         mem = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
@@ -313,7 +324,7 @@ def markdown(results) -> str:
         s = results["sampler"]
         lines.append(f"\nsampler, {s['case']}, guidance {s['guidance']}: {1e3 * s['seconds_per_step']:.1f} ms per step")
     for part, error in results.get("errors", {}).items():
-        lines.append(f"\n{part}: failed: {error}")
+        lines.append(f"\n{part}: failed: {_one_line(error)}")
     return "\n".join(lines) + "\n"
 
 
@@ -387,6 +398,7 @@ def main(argv=None):
                     raise
             print(part, results.get(part, results.get("errors", {}).get(part)), flush=True)
             save(results, args.out)
+    save(results, args.out)  # also when no part above ran (e.g. --parts nccl)
     print(markdown(results))
     import torch.distributed as dist
 
