@@ -1,0 +1,79 @@
+"""Peak host memory per rank while the DiT and its EMA are built and sharded (issue 11).
+
+    python scripts/bench_startup_memory.py [--size DiT-XL] [--nproc 2] [--path both|whole|meta]
+
+Each path runs in fresh processes (torchrun-like spawn, gloo, CPU) so that ru_maxrss measures it alone:
+- whole: the start-up before issue 11, every rank builds the whole model with its weights, then
+  shards it with FSDP2; the EMA likewise, after;
+- meta: today's train.py: built on the meta device, sharded, then parallel/init.py fills each rank's
+  shard one parameter at a time.
+Prints one line per path with the peak resident set size per rank (GiB) and the model's float32 size.
+"""
+
+import argparse
+import os
+import resource
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+
+def worker(rank, world, port, size, path, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from models.dit import DiT, DiT_models
+    from parallel.fsdp import parallelize_dit
+    from parallel.init import materialize
+
+    mesh = init_device_mesh("cpu", (world,))
+    kwargs = dict(in_channels=16, text_dim=4096, patch_size=(1, 2, 2), **DiT_models[size])
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    models = []
+    for _ in ("model", "ema"):
+        if path == "whole":
+            model = DiT(**kwargs)
+            model.init_weights(seed=0)
+            models.append(parallelize_dit(model, mesh))
+            del model
+        else:
+            with torch.device("meta"):
+                model = DiT(**kwargs)
+            model = parallelize_dit(model, mesh)
+            materialize(model, "cpu", seed=0)
+            models.append(model)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    results[rank] = (baseline / 2**20, peak / 2**20)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="DiT-XL")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--path", default="both", choices=["both", "whole", "meta"])
+    args = p.parse_args()
+    from models.dit import DiT, DiT_models, count_parameters
+
+    with torch.device("meta"):
+        params = count_parameters(DiT(16, 4096, patch_size=(1, 2, 2), **DiT_models[args.size]))
+    print(f"{args.size}: {params / 1e9:.2f}B parameters, {params * 4 / 2**30:.1f} GiB in float32; "
+          f"{args.nproc} ranks; model + EMA", flush=True)
+    for i, path in enumerate(["whole", "meta"] if args.path == "both" else [args.path]):
+        results = mp.Manager().dict()
+        mp.start_processes(worker, args=(args.nproc, 29600 + i, args.size, path, results), nprocs=args.nproc,
+                           start_method="spawn")
+        peaks = [results[r][1] for r in range(args.nproc)]
+        print(f"{path:5s}: peak resident memory per rank {', '.join(f'{p:.2f}' for p in peaks)} GiB "
+              f"(after imports: {results[0][0]:.2f} GiB)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
