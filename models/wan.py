@@ -74,6 +74,22 @@ def dit_kwargs_from_diffusers_config(config: dict) -> dict:
                 ffn_dim=config["ffn_dim"], **WAN_OPTIONS)
 
 
+def diffusers_config_from_dit(architecture: dict) -> dict:
+    """The WanTransformer3DModel config of a DiT built with Wan's options (DiT.architecture()); a DiT
+    without them is an error naming the options to set."""
+    wrong = [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in WAN_OPTIONS.items()
+             if architecture[k] != v]
+    if wrong:
+        raise WanFormatError("only a DiT with Wan's architecture options exports to a WanTransformer3DModel; this "
+                             "one was trained without " + " ".join(wrong))
+    heads = architecture["num_heads"]
+    return dict(patch_size=list(architecture["patch_size"]), num_attention_heads=heads,
+                attention_head_dim=architecture["hidden_size"] // heads, in_channels=architecture["in_channels"],
+                out_channels=architecture["in_channels"], text_dim=architecture["text_dim"], freq_dim=256,
+                ffn_dim=architecture["ffn_dim"], num_layers=architecture["depth"], cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", eps=1e-6)
+
+
 def tessera_sources(diffusers_keys) -> dict:
     """{tessera name: [diffusers keys, concatenated along dim 0 in this order]} for a diffusers
     WanTransformer3DModel's keys. Unknown keys are an error naming them."""
@@ -109,6 +125,18 @@ def tessera_state_dict_from_diffusers(state_dict: dict) -> dict:
     except where two or three projections are concatenated into one)."""
     return {name: state_dict[keys[0]] if len(keys) == 1 else torch.cat([state_dict[k] for k in keys], dim=0)
             for name, keys in tessera_sources(state_dict).items()}
+
+
+def diffusers_state_dict_from_tessera(state_dict: dict, diffusers_keys) -> dict:
+    """tessera DiT state dict -> the state dict of a WanTransformer3DModel whose keys are
+    `diffusers_keys` (concatenated projections are split back into equal parts)."""
+    out = {}
+    for name, keys in tessera_sources(diffusers_keys).items():
+        if name not in state_dict:
+            raise WanFormatError(f"the tessera weights have no '{name}' (needed for {', '.join(keys)})")
+        for key, part in zip(keys, state_dict[name].chunk(len(keys), dim=0)):
+            out[key] = part.contiguous()
+    return out
 
 
 class WanWeights:

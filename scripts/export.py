@@ -1,0 +1,92 @@
+"""Export a tessera checkpoint's DiT to a diffusers WanTransformer3DModel folder (config.json and
+safetensors, sharded by size), which `WanTransformer3DModel.from_pretrained(folder)` loads and
+`model.pretrained=<folder>` trains from again.
+
+    python scripts/export.py --checkpoint RUN_DIR|checkpoints/|latest|step_N --output FOLDER [--no-ema]
+        [--config RECIPE] [--max-shard-size 5GB]
+
+The EMA weights are exported unless --no-ema. The recipe is the run's config.yaml (or --config); the
+DiT must have Wan's architecture options (the Wan* sizes, or model.adaln=single,
+qk_norm_across_heads=true, pooled_text=false, text_mask=false). One process; it holds the whole model.
+Not yet: a whole WanPipeline folder (VAE, text encoder, tokenizer, scheduler).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from configs import load_config  # noqa: E402
+from models.dit import build_dit  # noqa: E402
+from models.wan import diffusers_config_from_dit, diffusers_state_dict_from_tessera  # noqa: E402
+from parallel.checkpoint import CheckpointError, load_weights, resolve_checkpoint  # noqa: E402
+
+
+def checkpoint_dims(path: Path, prefix: str) -> tuple[int, int]:
+    """(latent channels, text width) of the DiT in a checkpoint, from DCP's metadata alone (no text
+    encoder or VAE is built)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    sizes = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    try:
+        patch = sizes[f"{prefix}.x_embedder.proj.weight"].size  # (D, C, pt, ph, pw)
+        text = sizes[f"{prefix}.y_embedder.0.weight"].size  # (D, text_dim)
+    except KeyError as e:
+        raise CheckpointError(f"{path} holds no tessera DiT weights ({e.args[0]} missing)") from None
+    return patch[1], text[1]
+
+
+def export(checkpoint: Path, output: Path, cfg, use_ema: bool = True, max_shard_size: str = "5GB") -> dict:
+    from diffusers import WanTransformer3DModel
+
+    in_channels, text_dim = checkpoint_dims(checkpoint, "ema" if use_ema else "model")
+    with torch.device("meta"):
+        model = build_dit(cfg.model, in_channels=in_channels, text_dim=text_dim)
+    config = diffusers_config_from_dit(model.architecture())  # refuses a non-Wan DiT before reading weights
+    if cfg.model.rope_theta != 10000.0:
+        raise ValueError(f"model.rope_theta={cfg.model.rope_theta}: Wan's rotary embedding uses 10000")
+    if not cfg.model.qk_norm:
+        raise ValueError("model.qk_norm=false: Wan normalises queries and keys")
+    model.to_empty(device="cpu")
+    load_weights(checkpoint, model, use_ema=use_ema)
+    with torch.device("meta"):
+        wan = WanTransformer3DModel(**config)
+    state = diffusers_state_dict_from_tessera(model.state_dict(), wan.state_dict().keys())
+    wan.load_state_dict(state, strict=True, assign=True)
+    output.mkdir(parents=True, exist_ok=True)
+    wan.save_pretrained(output, max_shard_size=max_shard_size)
+    return config
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="a run directory, its checkpoints/ folder, latest or a step_N")
+    p.add_argument("--output", required=True)
+    p.add_argument("--config", default=None, help="the recipe (default: the run's config.yaml)")
+    p.add_argument("--no-ema", action="store_true", help="export the raw weights instead of the EMA weights")
+    p.add_argument("--max-shard-size", default="5GB")
+    args = p.parse_args(argv)
+    spec = Path(args.checkpoint)
+    checkpoint = resolve_checkpoint(str(spec), spec)
+    if checkpoint is None:
+        raise CheckpointError(f"no checkpoint at {spec}")
+    run_dir = checkpoint.parent.parent  # <run>/checkpoints/step_N
+    recipe = Path(args.config) if args.config else run_dir / "config.yaml"
+    if not recipe.is_file():
+        raise CheckpointError(f"no recipe: {recipe} does not exist; pass --config with the recipe it was trained with")
+    cfg = load_config(recipe)
+    config = export(checkpoint, Path(args.output), cfg, use_ema=not args.no_ema, max_shard_size=args.max_shard_size)
+    print(f"[export] {checkpoint} ({'raw' if args.no_ema else 'EMA'} weights) -> {args.output}: WanTransformer3DModel, "
+          f"{config['num_layers']} layers, {config['num_attention_heads']} heads of {config['attention_head_dim']}")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (ValueError, CheckpointError) as e:  # bad input: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
