@@ -12,8 +12,11 @@ Four options make it Wan 2.1/2.2 exactly (the `Wan*` sizes set them; `models/wan
 - qk_norm_across_heads: QK RMSNorm over the whole projection (weight of size D) before the head split;
 - pooled_text=False: no mean text token in the conditioning;
 - text_mask=False: cross-attention attends every text token; padded tokens are zeroed instead (Wan
-  trims each prompt to its length and zero-pads).
-Norms and modulation run in float32 in every configuration, as Wan's do.
+  trims each prompt to its length and zero-pads to 512 tokens: as padding is attended, the output
+  depends on the padded length, so text_encoder.max_length=512 is what matches Wan).
+The time embedder, the LayerNorms and the modulation run in float32 in every configuration, as Wan's do
+(the QK RMSNorms run in the parameter dtype, as Wan's do). Wan2.2-5B here is its text-to-video use: one
+timestep per sample, not TI2V's per-token timesteps.
 """
 
 import math
@@ -38,7 +41,7 @@ DiT_models = {
     "DiT-5B": dict(depth=32, hidden_size=3072, num_heads=24),
 }
 WAN_OPTIONS = dict(adaln="single", qk_norm_across_heads=True, pooled_text=False, text_mask=False)
-DiT_models.update({  # Wan's text encoder is UMT5-XXL (4096 wide); Wan2.2-5B needs its 48-channel VAE
+DiT_models.update({  # Wan's text encoder is UMT5-XXL (4096 wide, 512 tokens); Wan2.2-5B needs its 48-channel VAE
     "Wan2.1-1.3B": dict(depth=30, hidden_size=1536, num_heads=12, ffn_dim=8960, **WAN_OPTIONS),
     "Wan2.1-14B": dict(depth=40, hidden_size=5120, num_heads=40, ffn_dim=13824, **WAN_OPTIONS),
     "Wan2.2-5B": dict(depth=30, hidden_size=3072, num_heads=24, ffn_dim=14336, **WAN_OPTIONS),
@@ -106,7 +109,8 @@ class PatchEmbed3D(nn.Module):
 
 
 class TimestepEmbedder(nn.Module):
-    """t in [0, 1] -> sinusoidal features of 1000*t -> MLP."""
+    """t in [0, 1] -> sinusoidal features of 1000*t -> MLP, in float32 whatever the parameter dtype (bf16
+    under FSDP's mixed precision) or autocast says, as Wan keeps its time embedder; returns float32."""
 
     def __init__(self, hidden_size, frequency_size=256):
         super().__init__()
@@ -118,7 +122,10 @@ class TimestepEmbedder(nn.Module):
         freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
         args = 1000 * t.float()[:, None] * freqs[None]
         emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
-        return self.mlp(emb.to(self.mlp[0].weight.dtype))
+        first, activation, second = self.mlp
+        with torch.autocast(t.device.type, enabled=False):
+            h = activation(F.linear(emb, first.weight.float(), first.bias.float()))
+            return F.linear(h, second.weight.float(), second.bias.float())
 
 
 def qk_norm_layer(hidden_size, num_heads, enabled, across_heads):
@@ -299,7 +306,7 @@ class DiT(nn.Module):
         if not self.text_mask:  # Wan: padding tokens are zeros, and attended
             y = y * y_mask.unsqueeze(-1).to(y.dtype)
         y = self.y_embedder(y)  # (B, L, D)
-        temb = self.t_embedder(t)  # (B, D)
+        temb = self.t_embedder(t).to(dtype)  # (B, D), computed in float32
         if self.pooled_embedder is not None:
             temb = temb + self.pooled_embedder(masked_mean(y, y_mask))
         c = temb if self.time_proj is None else self.time_proj(temb).unflatten(1, (6, -1))  # (B, D) or (B, 6, D)

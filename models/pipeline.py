@@ -2,6 +2,7 @@
 Shared by train.py (previews), infer.py and scripts/eval_demo.py."""
 
 import contextlib
+import warnings
 
 import numpy as np
 import torch
@@ -23,6 +24,10 @@ def build_model(cfg, text_encoder: TextEncoder, vae: LatentSpace, weights: bool 
     shards it first, then parallel/init.py fills each rank's shard)."""
     with torch.device("meta"):
         model = build_dit(cfg.model, in_channels=vae.latent_channels, text_dim=text_encoder.dim)
+    if not model.text_mask and cfg.text_encoder.max_length != 512:
+        warnings.warn(f"text_encoder.max_length={cfg.text_encoder.max_length} with unmasked text (model.text_mask "
+                      "false, as Wan): padding is attended, so the model sees other inputs than Wan's 512-token "
+                      "padding; set text_encoder.max_length=512 to match Wan", stacklevel=2)
     pretrained = open_pretrained(cfg, model)
     if not weights:
         return model

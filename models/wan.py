@@ -115,8 +115,9 @@ def tessera_sources(diffusers_keys) -> dict:
                 sources[re.sub("^" + pattern + "$", target, key)] = [key]
                 break
         else:
-            raise WanFormatError(f"Wan state dict key '{key}' has no tessera counterpart (image-to-video weights "
-                                 "and other variants are not supported)")
+            raise WanFormatError(f"Wan state dict key '{key}' has no tessera counterpart: tessera reads the "
+                                 "diffusers layout of Wan's text-to-video transformer (image-to-video weights, other "
+                                 "variants and the original Wan checkpoint layout are not supported)")
     return sources
 
 
@@ -148,11 +149,16 @@ class WanWeights:
         from safetensors import safe_open
 
         self.folder = Path(folder)
+        if not (self.folder / "config.json").is_file() and (self.folder / "transformer" / "config.json").is_file():
+            self.folder = self.folder / "transformer"  # a whole WanPipeline folder
         config = self.folder / "config.json"
         if not config.is_file():
             raise WanFormatError(f"model.pretrained={folder}: no config.json there (expected a diffusers "
-                                 "WanTransformer3DModel folder, e.g. <Wan2.1-T2V-1.3B-Diffusers>/transformer)")
+                                 "WanTransformer3DModel folder, or a WanPipeline folder with transformer/ in it)")
         self.config = json.loads(config.read_text())
+        if self.config.get("_class_name", "WanTransformer3DModel") != "WanTransformer3DModel":
+            raise WanFormatError(f"model.pretrained={folder}: config.json describes a {self.config['_class_name']}, "
+                                 "not a WanTransformer3DModel")
         self.dit_kwargs = dit_kwargs_from_diffusers_config(self.config)
         files = sorted(self.folder.glob("*.safetensors"))
         if not files:

@@ -324,7 +324,8 @@ def _load(state: dict, path: Path, group=None) -> None:
             dcp.load(state, checkpoint_id=path, process_group=group)
     except CheckpointException as e:  # DCP's planning errors (missing keys, size mismatches); a BaseException
         raise CheckpointError(f"{path} does not fit this model ({type(e).__name__}: {str(e)[:300]}); was it written "
-                              f"with another model.size, model.patch_size, VAE or text encoder? Use the recipe it was "
+                              f"with another model.size, model.patch_size, model.adaln/ffn_dim/qk_norm_across_heads/pooled_text, "
+                              f"VAE or text encoder? Use the recipe it was "
                               f"trained with, or train.resume=none") from e
 
 

@@ -108,3 +108,19 @@ def test_unknown_or_unsupported_wan_weights_are_named():
                                            "blocks.0.attn1.to_k.weight": torch.zeros(1)})
     with pytest.raises(WanFormatError, match="image_dim"):
         dit_kwargs_from_diffusers_config(dict(TINY_WAN, image_dim=1280))
+
+
+def test_a_pipeline_folder_is_read_through_its_transformer_subfolder(saved_wan, tmp_path):
+    import shutil
+
+    from models.wan import WanWeights
+
+    _, folder = saved_wan
+    shutil.copytree(folder, tmp_path / "pipeline" / "transformer")
+    weights = WanWeights(tmp_path / "pipeline")
+    assert weights.folder == tmp_path / "pipeline" / "transformer"
+    assert weights.dit_kwargs == WanWeights(folder).dit_kwargs
+    (tmp_path / "vace").mkdir()
+    (tmp_path / "vace" / "config.json").write_text(json.dumps({"_class_name": "WanVACETransformer3DModel"}))
+    with pytest.raises(WanFormatError, match="describes a WanVACETransformer3DModel"):
+        WanWeights(tmp_path / "vace")
