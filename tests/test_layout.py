@@ -2,7 +2,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from configs.schema import ParallelConfig
-from parallel.layout import LayoutError, ParallelLayout, valid_layouts
+from parallel.layout import LayoutError, ParallelLayout, auto_layout, valid_layouts
 
 
 def parallel(**kw):
@@ -91,3 +91,18 @@ def test_valid_layouts_are_listed_quickly_for_large_worlds():
     layouts = valid_layouts(1024, 16)
     assert ParallelLayout(dp=64, ulysses=16) in layouts and ParallelLayout(dp=1024) in layouts
     assert time.perf_counter() - started < 5
+
+
+@pytest.mark.parametrize("size, world, expected", [
+    ("Wan2.1-1.3B", 8, (4, 2)),    # 12 heads: ulysses 4 (divides 12 and the node), ring 2
+    ("Wan2.1-14B", 8, (8, 1)),     # 40 heads: ulysses 8 of {2, 4, 5, 8}
+    ("Wan2.1-14B", 64, (8, 8)),    # ulysses never leaves the 8-GPU node
+    ("Wan2.2-5B", 16, (8, 2)),     # 24 heads
+])
+def test_auto_layout_for_wan_head_counts(size, world, expected):
+    from models.dit import DiT_models
+
+    heads = DiT_models[size]["num_heads"]
+    layout = auto_layout(world, heads, local_world_size=8)
+    assert (layout.ulysses, layout.ring) == expected
+    assert heads % layout.ulysses == 0 and layout.ulysses * layout.ring == world
