@@ -64,7 +64,7 @@ def find_checkpoint(cfg, checkpoint: str | None, random_weights: bool):
     if random_weights:
         return None
     found = resolve_checkpoint(checkpoint or "auto", cfg.run.output_dir)
-    if found is None and checkpoint is None and cfg.model.get("pretrained"):
+    if found is None and checkpoint in (None, "none") and cfg.model.get("pretrained"):
         return None  # sample from the pretrained weights themselves
     if found is None:
         raise CheckpointError(f"no checkpoint found in {Path(cfg.run.output_dir) / 'checkpoints'}: train first "
@@ -72,15 +72,23 @@ def find_checkpoint(cfg, checkpoint: str | None, random_weights: bool):
     return found
 
 
-def load_sampler(cfg, runtime, checkpoint, use_ema: bool = True):
-    """The frozen components and the DiT, with the checkpoint's weights unless it is None."""
+def load_sampler(cfg, runtime, checkpoint, use_ema: bool = True, random_weights: bool = False):
+    """The frozen components and the DiT, with the checkpoint's weights; without a checkpoint, the
+    pretrained ones (model.pretrained) or, with random_weights, random ones from train.seed."""
     text_encoder, vae = build_frozen(cfg, runtime.device)
-    model = apply_sequence_parallel(build_model(cfg, text_encoder, vae), runtime.sequence).to(runtime.device).eval()
+    weights = "none" if checkpoint is not None or random_weights else "recipe"
+    model = build_model(cfg, text_encoder, vae, weights=weights)
     if checkpoint is not None:
+        model.to_empty(device="cpu")
         load_weights(checkpoint, model, use_ema=use_ema)
-    elif not cfg.model.get("pretrained"):  # adaLN-Zero's zeros would make the output 0 whatever the layout does
+    elif random_weights:  # adaLN-Zero's zeros would make the output 0 whatever the layout does
+        model.to_empty(device="cpu")
         model.init_weights(zero_init=False, seed=cfg.train.seed)
-    return model, vae, text_encoder
+    return model_on(model, runtime), vae, text_encoder
+
+
+def model_on(model, runtime):
+    return apply_sequence_parallel(model, runtime.sequence).to(runtime.device).eval()
 
 
 def main(argv=None):
@@ -107,7 +115,8 @@ def main(argv=None):
     runtime = init_runtime(cfg.parallel, layout, cfg.run.output_dir)
     if runtime.is_main:
         print(f"[tessera] layout {layout.describe()}{' (parallel.auto)' if cfg.parallel.auto else ''}", flush=True)
-    model, vae, text_encoder = load_sampler(cfg, runtime, checkpoint, use_ema=sc.use_ema and not args.no_ema)
+    model, vae, text_encoder = load_sampler(cfg, runtime, checkpoint, use_ema=sc.use_ema and not args.no_ema,
+                                            random_weights=args.random_weights)
     mine = list(range(layout.dp_rank(runtime.rank), len(prompts), layout.dp))  # prompts split over dp ranks
     if not mine:
         return

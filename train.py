@@ -35,7 +35,7 @@ from parallel.checkpoint import (
     verify_checkpoint,
 )
 from parallel.fsdp import parallelize_dit, update_ema
-from parallel.init import materialize
+from parallel.init import copy_shards, materialize
 from parallel.layout import ParallelLayout
 from parallel.runtime import init_runtime, local_world_size, run_entrypoint, world_from_env
 from parallel.sequence import apply_sequence_parallel, share_batch
@@ -99,8 +99,9 @@ def main(argv=None):
     text_encoder, vae = build_frozen(cfg, device)
     # Built on the meta device and sharded before any weight exists; then each rank fills only its shard
     # (from train.seed, or read from model.pretrained): no rank ever holds the whole model.
-    model = apply_sequence_parallel(build_model(cfg, text_encoder, vae, weights=False), runtime.sequence)
-    pretrained = open_pretrained(cfg, model)
+    model = apply_sequence_parallel(build_model(cfg, text_encoder, vae, weights="none"), runtime.sequence)
+    # A resume takes every weight from its checkpoint: the pretrained folder is then neither needed nor read.
+    pretrained = open_pretrained(cfg, model) if checkpoint is None else None
     if runtime.is_main:
         print(f"[tessera] {cfg.model.size}: {count_parameters(model) / 1e6:.2f}M parameters; layout "
               f"{layout.describe()}{' (parallel.auto)' if cfg.parallel.auto else ''}; {device.type} ({runtime.backend}, "
@@ -108,11 +109,15 @@ def main(argv=None):
               f"steps per epoch ({sampler.num_batches} batches{_padding_note(sampler)})", flush=True)
     model = parallelize_dit(model, runtime.fsdp_mesh, torch.bfloat16 if bf16 else torch.float32,
                             tc.activation_checkpointing, tc.compile)
-    materialize(model, device, tc.seed, pretrained)
-    ema = apply_sequence_parallel(build_model(cfg, text_encoder, vae, weights=False).requires_grad_(False),
+    if checkpoint is None:
+        materialize(model, device, tc.seed, pretrained)
+    else:
+        model.to_empty(device=device)  # load_checkpoint fills every weight below
+    del pretrained  # closes the safetensors files
+    ema = apply_sequence_parallel(build_model(cfg, text_encoder, vae, weights="none").requires_grad_(False),
                                   runtime.sequence)
     ema = parallelize_dit(ema, runtime.fsdp_mesh)
-    materialize(ema, device, tc.seed, pretrained)  # the same weights as the model's
+    copy_shards(ema, model, device)  # the EMA starts as the model
     optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
     flow = RectifiedFlow(cfg.flow, cfg.model.patch_size)
 

@@ -264,9 +264,9 @@ class DiT(nn.Module):
         self.text_mask = text_mask
         mlp_hidden = ffn_dim or int(hidden_size * mlp_ratio)
         self._architecture = dict(in_channels=in_channels, text_dim=text_dim, depth=depth, hidden_size=hidden_size,
-                                  num_heads=num_heads, patch_size=self.patch_size, ffn_dim=mlp_hidden, adaln=adaln,
-                                  qk_norm_across_heads=qk_norm_across_heads, pooled_text=pooled_text,
-                                  text_mask=text_mask)
+                                  num_heads=num_heads, patch_size=self.patch_size, ffn_dim=mlp_hidden, qk_norm=qk_norm,
+                                  rope_theta=rope_theta, adaln=adaln, qk_norm_across_heads=qk_norm_across_heads,
+                                  pooled_text=pooled_text, text_mask=text_mask)
         self.x_embedder = PatchEmbed3D(patch_size, in_channels, hidden_size)
         self.t_embedder = TimestepEmbedder(hidden_size)
         self.y_embedder = nn.Sequential(nn.Linear(text_dim, hidden_size), nn.GELU(approximate="tanh"),
@@ -332,7 +332,12 @@ class DiT(nn.Module):
         depend on how the model is split, and parallel/init.py makes the same ones shard by shard."""
         for name, p in self.named_parameters():
             module = self.get_submodule(name.rpartition(".")[0])
-            init_parameter(name, p, module, zero_init, parameter_generator(seed, name) if seed is not None else None)
+            if seed is None:
+                init_parameter(name, p, module, zero_init)
+            else:  # drawn on the host in float32 (a CPU generator), so equal on every device
+                whole = torch.empty(p.shape, dtype=torch.float32)
+                init_parameter(name, whole, module, zero_init, parameter_generator(seed, name))
+                p.copy_(whole)
 
 
 def parameter_generator(seed: int, name: str) -> torch.Generator:

@@ -18,32 +18,47 @@ def build_frozen(cfg, device) -> tuple[TextEncoder, LatentSpace]:
     return build_text_encoder(cfg.text_encoder).to(device), build_vae(cfg.vae).to(device)
 
 
-def build_model(cfg, text_encoder: TextEncoder, vae: LatentSpace, weights: bool = True) -> DiT:
-    """The DiT of the recipe, with weights fixed by train.seed alone (every rank and every run builds the
-    same ones) or read from model.pretrained. weights=False: on the meta device, with none (train.py
-    shards it first, then parallel/init.py fills each rank's shard)."""
+def build_model(cfg, text_encoder: TextEncoder, vae: LatentSpace, weights: str = "recipe") -> DiT:
+    """The DiT of the recipe, on the meta device, then with weights:
+    - "recipe": model.pretrained's if set (checked against the recipe), else fixed by train.seed alone
+      (every rank and every run builds the same ones);
+    - "seed": from train.seed, ignoring model.pretrained (--random-weights);
+    - "none": none yet, the caller fills them (train.py shards first, then parallel/init.py fills each
+      rank's shard; a checkpoint load overwrites every weight)."""
     with torch.device("meta"):
         model = build_dit(cfg.model, in_channels=vae.latent_channels, text_dim=text_encoder.dim)
     if not model.text_mask and cfg.text_encoder.max_length != 512:
         warnings.warn(f"text_encoder.max_length={cfg.text_encoder.max_length} with unmasked text (model.text_mask "
                       "false, as Wan): padding is attended, so the model sees other inputs than Wan's 512-token "
                       "padding; set text_encoder.max_length=512 to match Wan", stacklevel=2)
-    pretrained = open_pretrained(cfg, model)
-    if not weights:
+    if weights == "none":
         return model
+    pretrained = open_pretrained(cfg, model) if weights == "recipe" else None
     model.to_empty(device="cpu")
     if pretrained is None:
         model.init_weights(seed=cfg.train.seed)
     else:
+        check_same_parameters(model, pretrained)
         with torch.no_grad():
             for name, param in model.named_parameters():
                 param.copy_(pretrained.read(name, 0, param.shape[0]).view(param.shape))
     return model
 
 
+def check_same_parameters(model: torch.nn.Module, pretrained) -> None:
+    """Every weight of the pretrained folder has a place in the model and every parameter has a weight."""
+    from parallel.init import canonical_name
+
+    ours = {canonical_name(name) for name, _ in model.named_parameters()}
+    theirs = set(pretrained.sources)
+    if ours != theirs:
+        raise ValueError(f"model.pretrained={pretrained.folder} does not fit the model: weights without a place "
+                         f"{sorted(theirs - ours)[:5]}, parameters without a weight {sorted(ours - theirs)[:5]}")
+
+
 def open_pretrained(cfg, model: DiT):
     """model.pretrained as a models.wan.WanWeights, after checking that the recipe builds the same
-    architecture (a disagreement is an error naming the key); None without model.pretrained."""
+    architecture (a disagreement is an error naming the keys and the fix); None without model.pretrained."""
     if not cfg.model.get("pretrained"):
         return None
     from models.dit import ARCHITECTURE_OPTIONS, DiT_models
@@ -53,18 +68,19 @@ def open_pretrained(cfg, model: DiT):
     folder = weights.dit_kwargs
     ours = model.architecture()
     keys = {"in_channels": "the VAE's latent channels (vae.*)", "text_dim": "the text encoder's width (text_encoder.*)",
-            "patch_size": "model.patch_size", **{k: f"model.{k} (or model.size)" for k in ARCHITECTURE_OPTIONS}}
-    wrong = [f"{keys.get(k, 'model.size')}: {k}={ours[k]!r}, the folder has {folder[k]!r}"
-             for k in folder if k in ours and tuple(np.atleast_1d(ours[k])) != tuple(np.atleast_1d(folder[k]))]
-    if wrong:
-        dims = ("depth", "hidden_size", "num_heads", "ffn_dim")
-        same = [name for name, size in DiT_models.items() if all(size.get(k, ours.get(k)) == folder[k] for k in dims)]
-        fixes = [f"model.{k}={str(folder[k]).lower() if isinstance(folder[k], bool) else folder[k]}"
-                 for k in ARCHITECTURE_OPTIONS if k in ours and ours[k] != folder[k]]
-        if all(ours[k] == folder[k] for k in dims) and fixes:
-            hint = "; set " + " ".join(fixes)
-        else:
-            hint = f"; model.size={same[0]} has its dimensions and options" if same else ""
+            "patch_size": "model.patch_size", "qk_norm": "model.qk_norm", "rope_theta": "model.rope_theta",
+            **{k: f"model.{k} (or model.size)" for k in ARCHITECTURE_OPTIONS}}
+    differs = [k for k in folder if k in ours and tuple(np.atleast_1d(ours[k])) != tuple(np.atleast_1d(folder[k]))]
+    if differs:
+        wrong = [f"{keys.get(k, 'model.size')}: {k}={ours[k]!r}, the folder has {folder[k]!r}" for k in differs]
+        dims = ("depth", "hidden_size", "num_heads")
+        value = lambda v: str(v).lower() if isinstance(v, bool) else list(v) if isinstance(v, tuple) else v  # noqa: E731
+        fixes = [f"model.{k}={value(folder[k])}".replace(" ", "") for k in differs
+                 if k in ("patch_size", "qk_norm", "rope_theta", *ARCHITECTURE_OPTIONS)]
+        if any(k in differs for k in dims):
+            same = [name for name, size in DiT_models.items() if all(size.get(k) == folder[k] for k in (*dims, "ffn_dim"))]
+            fixes = ([f"model.size={same[0]}"] if same else []) + [f for f in fixes if not f.startswith("model.ffn_dim")]
+        hint = "; set " + " ".join(fixes) if fixes else ""
         raise ValueError(f"model.pretrained={cfg.model.pretrained} disagrees with the recipe: " + "; ".join(wrong) + hint)
     return weights
 

@@ -71,7 +71,7 @@ def dit_kwargs_from_diffusers_config(config: dict) -> dict:
     heads, head_dim = config["num_attention_heads"], config["attention_head_dim"]
     return dict(in_channels=config["in_channels"], text_dim=config["text_dim"], depth=config["num_layers"],
                 hidden_size=heads * head_dim, num_heads=heads, patch_size=tuple(config["patch_size"]),
-                ffn_dim=config["ffn_dim"], **WAN_OPTIONS)
+                ffn_dim=config["ffn_dim"], qk_norm=True, rope_theta=10000.0, **WAN_OPTIONS)
 
 
 def diffusers_config_from_dit(architecture: dict) -> dict:

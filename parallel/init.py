@@ -40,6 +40,10 @@ def materialize(model: nn.Module, device, seed: int, pretrained=None, zero_init:
     """Allocate `model`'s (sharded) parameters on `device` and fill them: from `pretrained` (a
     models.wan.WanWeights) if given, else from `seed`."""
     model.to_empty(device=device)
+    if pretrained is not None:
+        from models.pipeline import check_same_parameters
+
+        check_same_parameters(model, pretrained)
     for name, param in model.named_parameters():
         canonical = canonical_name(name)
         local = param.to_local() if isinstance(param, DTensor) else param.data
@@ -56,3 +60,16 @@ def materialize(model: nn.Module, device, seed: int, pretrained=None, zero_init:
                            parameter_generator(seed, canonical))
             rows = whole[start:stop]
         local.copy_(rows.view(local.shape).to(local.dtype))
+
+
+@torch.no_grad()
+def copy_shards(target: nn.Module, source: nn.Module, device) -> None:
+    """Allocate `target` on `device` and give it `source`'s weights, shard by shard (the EMA at start-up:
+    sharded the same way, so no communication; no second pass of generators or file reads)."""
+    target.to_empty(device=device)
+    sources = {canonical_name(name): param for name, param in source.named_parameters()}
+    for name, param in target.named_parameters():
+        src = sources[canonical_name(name)]
+        local = param.to_local() if isinstance(param, DTensor) else param.data
+        local.copy_(src.to_local() if isinstance(src, DTensor) else src.data)
+

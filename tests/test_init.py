@@ -2,10 +2,13 @@
 own shard from train.seed or from a pretrained diffusers Wan folder (parallel/init.py)."""
 
 import re
+import shutil
 
+import numpy as np
 import pytest
 import torch
 
+import infer
 import train
 from tests.conftest import TINY, run_main, torchrun
 from tests.test_wan import TINY_WAN
@@ -69,6 +72,21 @@ def test_train_starts_from_pretrained_weights(tmp_path):
         load_weights(run / "checkpoints" / "step_1", model, use_ema=use_ema)
         for name, param in model.named_parameters():
             assert torch.allclose(param, expected[name], rtol=0, atol=1e-8), (use_ema, name)
+    # infer.py samples from the pretrained weights when the run has no checkpoint, and --random-weights
+    # really means random ones
+    fresh = tmp_path / "fresh"
+    common = ["--config", str(TINY), f"run.output_dir={fresh}", "--steps", "2", "--prompt", "a red square", *options]
+    assert run_main(infer, [*common, "--output", str(tmp_path / "pretrained.npy")]) == 0
+    assert run_main(infer, [*common, "--random-weights", "--output", str(tmp_path / "random.npy")]) == 0
+    assert run_main(infer, [*common[:-len(options)], *options[:-1], "--random-weights",
+                            "--output", str(tmp_path / "random_no_folder.npy")]) == 0
+    pretrained, random = np.load(tmp_path / "pretrained.npy"), np.load(tmp_path / "random.npy")
+    assert np.array_equal(random, np.load(tmp_path / "random_no_folder.npy"))
+    assert not np.allclose(pretrained, random)
+    # a resume takes every weight from the checkpoint: the folder may be gone
+    shutil.rmtree(folder)
+    assert run_main(train, ["--config", str(TINY), f"run.output_dir={run}", "train.max_steps=2",
+                            "train.checkpoint_every=1", "train.lr=1e-10", *options]) == 0
 
 
 def test_a_recipe_that_disagrees_with_the_pretrained_folder_is_named(tmp_path, capsys):
@@ -79,6 +97,14 @@ def test_a_recipe_that_disagrees_with_the_pretrained_folder_is_named(tmp_path, c
     line = next(line for line in err.splitlines() if line.startswith("error:"))
     assert "disagrees with the recipe" in line and "model.adaln (or model.size)" in line, line
     assert "model.pooled_text (or model.size)" in line and "model.text_mask (or model.size)" in line, line
+    assert line.endswith("set model.adaln=single model.qk_norm_across_heads=true model.pooled_text=false "
+                         "model.text_mask=false"), line
+    # options without a shape to betray them are compared too
+    code = run_main(train, ["--config", str(TINY), f"run.output_dir={tmp_path / 'run'}", f"model.pretrained={folder}",
+                            "model.adaln=single", "model.qk_norm_across_heads=true", "model.pooled_text=false",
+                            "model.text_mask=false", "model.qk_norm=false", "model.rope_theta=500"])
+    line = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("error:"))
+    assert code != 0 and "model.qk_norm: qk_norm=False" in line and "model.rope_theta: rope_theta=500.0" in line, line
 
 
 def test_from_scratch_weights_do_not_depend_on_the_meta_path():
