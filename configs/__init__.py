@@ -143,10 +143,13 @@ def validate(cfg: DictConfig) -> None:
         if OmegaConf.select(cfg, key) < 1:
             raise ConfigError(f"'{key}' must be at least 1, got {OmegaConf.select(cfg, key)}")
     for key in ("train.lr", "train.grad_clip", "flow.shift", "parallel.timeout_s", "parallel.preflight_timeout_s",
-                "parallel.control_timeout_s", "parallel.max_message_mb", "parallel.heartbeat_timeout_s", "sample.fps", "flow.shift_reference_tokens",
+                "parallel.control_timeout_s", "parallel.max_message_mb", "parallel.heartbeat_timeout_s", "sample.fps",
                 "text_encoder.cache_size"):
         if OmegaConf.select(cfg, key) <= 0:
             raise ConfigError(f"'{key}' must be greater than 0, got {OmegaConf.select(cfg, key)}")
+    if cfg.flow.shift_reference_tokens < 0:
+        raise ConfigError(f"'flow.shift_reference_tokens' must be greater than 0, or 0 for a fixed shift (Wan's), "
+                          f"got {cfg.flow.shift_reference_tokens}")
     if cfg.parallel.stall_timeout_s is not None and cfg.parallel.stall_timeout_s <= 0:
         raise ConfigError(f"'parallel.stall_timeout_s' must be greater than 0 or null (the default for the device), "
                           f"got {cfg.parallel.stall_timeout_s}")

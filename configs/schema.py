@@ -81,7 +81,7 @@ class FlowConfig:
     logit_mean: float = 0.0  # logit-normal timestep density (SD3: lognorm(0, 1))
     logit_std: float = 1.0
     shift: float = 1.0  # timestep shift at shift_reference_tokens tokens
-    shift_reference_tokens: int = 256  # shift grows with sqrt(tokens / this) (SD3, section 5.3.2)
+    shift_reference_tokens: int = 256  # shift grows with sqrt(tokens / this) (SD3, section 5.3.2); 0: fixed (Wan)
 
 
 @dataclass

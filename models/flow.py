@@ -27,6 +27,8 @@ class RectifiedFlow:
         return num_tokens(latent.shape[1:], self.patch_size)
 
     def shift_for(self, num_tokens: int) -> float:
+        if self.shift_reference_tokens == 0:  # a fixed shift, as Wan's pipeline uses (3.0 at 480p, 5.0 at 720p)
+            return self.shift_base
         return self.shift_base * math.sqrt(num_tokens / self.shift_reference_tokens)
 
     def sample_timestep(self, num_tokens: int, generator: torch.Generator) -> float:

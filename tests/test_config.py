@@ -84,7 +84,7 @@ def test_key_without_section_names_the_full_key():
         load_config(None, ["max_steps=5"])
 
 
-@pytest.mark.parametrize("override", ["data.fps=0", "sample.fps=0", "flow.shift_reference_tokens=0", "train.grad_clip=0"])
+@pytest.mark.parametrize("override", ["data.fps=0", "sample.fps=0", "flow.shift_reference_tokens=-1", "train.grad_clip=0"])
 def test_values_that_would_divide_by_zero_or_stall(override):
     with pytest.raises(ConfigError, match=override.split("=")[0]):
         load_config(None, [override])

@@ -18,6 +18,11 @@ def test_shift_grows_with_resolution():
     assert flow.shift_for(1024) == pytest.approx(6.0)
 
 
+def test_a_zero_reference_fixes_the_shift_as_wan_does():
+    flow = make_flow(shift=3.0, shift_reference_tokens=0)
+    assert flow.shift_for(256) == flow.shift_for(32_760) == 3.0
+
+
 def test_timesteps_follow_the_shifted_logit_normal():
     flow = make_flow(shift=3.0, shift_reference_tokens=16)
     g = torch.Generator().manual_seed(0)
