@@ -5,10 +5,15 @@ safetensors, sharded by size), which `WanTransformer3DModel.from_pretrained(fold
     python scripts/export.py --checkpoint RUN_DIR|checkpoints/|latest|step_N --output FOLDER [--no-ema]
         [--config RECIPE] [--max-shard-size 5GB]
 
+With --pipeline, a whole WanPipeline folder instead: the transformer, the recipe's VAE (vae.kind=wan)
+and text encoder (text_encoder.kind=umt5) with its tokenizer from their local folders, and a
+FlowMatchEulerDiscreteScheduler with the recipe's fixed shift (flow.shift_reference_tokens=0), so that
+`WanPipeline.from_pretrained(FOLDER)(..., max_sequence_length=<text_encoder.max_length>)` samples
+what `infer.py` samples.
+
 The EMA weights are exported unless --no-ema. The recipe is the run's config.yaml (or --config); the
 DiT must have Wan's architecture options (the Wan* sizes, or model.adaln=single,
 qk_norm_across_heads=true, pooled_text=false, text_mask=false). One process; it holds the whole model.
-Not yet: a whole WanPipeline folder (VAE, text encoder, tokenizer, scheduler).
 """
 
 import argparse
@@ -39,25 +44,55 @@ def checkpoint_dims(path: Path, prefix: str) -> tuple[int, int]:
     return patch[1], text[1]
 
 
-def export(checkpoint: Path, output: Path, cfg, use_ema: bool = True, max_shard_size: str = "5GB") -> dict:
+def check_pipeline_recipe(cfg) -> None:
+    """What a WanPipeline folder needs from the recipe, checked before any weight is read."""
+    wrong = []
+    if cfg.vae.kind != "wan" or not cfg.vae.pretrained:
+        wrong.append(f"vae.kind=wan with vae.pretrained set (got kind {cfg.vae.kind}, pretrained {cfg.vae.pretrained})")
+    if cfg.text_encoder.kind != "umt5" or not cfg.text_encoder.pretrained:
+        wrong.append(f"text_encoder.kind=umt5 with text_encoder.pretrained set (got kind {cfg.text_encoder.kind}, "
+                     f"pretrained {cfg.text_encoder.pretrained})")
+    if cfg.flow.shift_reference_tokens != 0:
+        wrong.append("a fixed shift, flow.shift_reference_tokens=0 (WanPipeline's scheduler does not scale it with "
+                     f"the token count; got {cfg.flow.shift_reference_tokens})")
+    if wrong:
+        raise ValueError("--pipeline needs " + "; ".join(wrong))
+
+
+def export(checkpoint: Path, output: Path, cfg, use_ema: bool = True, max_shard_size: str = "5GB",
+           pipeline: bool = False) -> dict:
     from diffusers import WanTransformer3DModel
 
     in_channels, text_dim = checkpoint_dims(checkpoint, "ema" if use_ema else "model")
     with torch.device("meta"):
         model = build_dit(cfg.model, in_channels=in_channels, text_dim=text_dim)
     config = diffusers_config_from_dit(model.architecture())  # refuses a non-Wan DiT before reading weights
+    if pipeline:
+        check_pipeline_recipe(cfg)
     if cfg.model.rope_theta != 10000.0:
         raise ValueError(f"model.rope_theta={cfg.model.rope_theta}: Wan's rotary embedding uses 10000")
     if not cfg.model.qk_norm:
         raise ValueError("model.qk_norm=false: Wan normalises queries and keys")
     model.to_empty(device="cpu")
     load_weights(checkpoint, model, use_ema=use_ema)
-    with torch.device("meta"):
-        wan = WanTransformer3DModel(**config)
+    wan = WanTransformer3DModel(**config)
     state = diffusers_state_dict_from_tessera(model.state_dict(), wan.state_dict().keys())
-    wan.load_state_dict(state, strict=True, assign=True)
+    wan.load_state_dict(state, strict=True)
+    del model, state
     output.mkdir(parents=True, exist_ok=True)
-    wan.save_pretrained(output, max_shard_size=max_shard_size)
+    if not pipeline:
+        wan.save_pretrained(output, max_shard_size=max_shard_size)
+        return config
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+
+    from models.text_encoder import load_pretrained_text_encoder
+    from models.vae import load_pretrained_vae
+
+    tokenizer, text_encoder = load_pretrained_text_encoder(cfg.text_encoder.kind, cfg.text_encoder.pretrained)
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=wan,
+                       vae=load_pretrained_vae(cfg.vae.kind, cfg.vae.pretrained),
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=cfg.flow.shift))
+    pipe.save_pretrained(output, max_shard_size=max_shard_size)
     return config
 
 
@@ -68,6 +103,8 @@ def main(argv=None):
     p.add_argument("--config", default=None, help="the recipe (default: the run's config.yaml)")
     p.add_argument("--no-ema", action="store_true", help="export the raw weights instead of the EMA weights")
     p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--pipeline", action="store_true", help="a whole WanPipeline folder (VAE, text encoder, tokenizer, "
+                                                            "scheduler from the recipe)")
     args = p.parse_args(argv)
     spec = Path(args.checkpoint)
     checkpoint = resolve_checkpoint(str(spec), spec)
@@ -78,8 +115,10 @@ def main(argv=None):
     if not recipe.is_file():
         raise CheckpointError(f"no recipe: {recipe} does not exist; pass --config with the recipe it was trained with")
     cfg = load_config(recipe)
-    config = export(checkpoint, Path(args.output), cfg, use_ema=not args.no_ema, max_shard_size=args.max_shard_size)
-    print(f"[export] {checkpoint} ({'raw' if args.no_ema else 'EMA'} weights) -> {args.output}: WanTransformer3DModel, "
+    config = export(checkpoint, Path(args.output), cfg, use_ema=not args.no_ema, max_shard_size=args.max_shard_size,
+                    pipeline=args.pipeline)
+    kind = "WanPipeline" if args.pipeline else "WanTransformer3DModel"
+    print(f"[export] {checkpoint} ({'raw' if args.no_ema else 'EMA'} weights) -> {args.output}: {kind}, "
           f"{config['num_layers']} layers, {config['num_attention_heads']} heads of {config['attention_head_dim']}")
     return 0
 

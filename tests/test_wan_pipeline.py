@@ -4,11 +4,18 @@ shift 3), the same prompt, negative prompt, seed, steps and guidance give the sa
 tessera's noise draw, Wan's fixed shift, the trimmed and zero-padded text, the guidance and the VAE's
 latent normalisation to diffusers'."""
 
+import sys
+
 import numpy as np
+import pytest
 import torch
 
 import infer
-from tests.conftest import run_main
+import train
+from tests.conftest import ROOT, run_main
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import export  # noqa: E402
 
 RECIPE = """
 model:
@@ -33,12 +40,41 @@ flow:
 sample:
   steps: 3
   guidance: 5.0
+  prompts: ["a red square moving left"]
+data:
+  frames: 5      # 1 + 4k for the causal VAE
+  height: 32
+  width: 32
+  synthetic_samples: 8
+  num_workers: 0
+train:
+  max_steps: 2
+  batch_size: 2
+  lr: 1.0e-3
+  warmup_steps: 1
+  checkpoint_every: 2
 logging:
   wandb: false
 """
+PROMPT = "a red square moving left"
 
 
-def test_infer_equals_wan_pipeline(tmp_path):
+def pipeline_sample(folder) -> np.ndarray:
+    from diffusers import WanPipeline
+
+    return WanPipeline.from_pretrained(folder)(
+        PROMPT, negative_prompt="", height=32, width=32, num_frames=5, num_inference_steps=3, guidance_scale=5.0,
+        generator=torch.Generator().manual_seed(0), output_type="np", max_sequence_length=40).frames[0]
+
+
+def infer_sample(recipe, run, out, *extra) -> np.ndarray:
+    assert run_main(infer, ["--config", str(recipe), f"run.output_dir={run}", "--frames", "5", "--height", "32",
+                            "--width", "32", "--prompt", PROMPT, "--output", str(out), *extra]) == 0
+    return np.load(out)
+
+
+@pytest.fixture(scope="module")
+def tiny_pipeline(tmp_path_factory):
     from diffusers import (
         AutoencoderKLWan,
         FlowMatchEulerDiscreteScheduler,
@@ -60,21 +96,42 @@ def test_infer_equals_wan_pipeline(tmp_path):
                            latents_std=[1.5, 0.8, 1.2, 1.0])
     text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=384, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4,
                                                relative_attention_num_buckets=8))
-    pipe_dir = tmp_path / "pipe"
+    root = tmp_path_factory.mktemp("wanpipe")
     WanPipeline(tokenizer=ByT5Tokenizer(), text_encoder=text_encoder, vae=vae, transformer=transformer,
-                scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0)).save_pretrained(pipe_dir)
+                scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0)).save_pretrained(root / "pipe")
+    recipe = root / "wan.yaml"
+    recipe.write_text(RECIPE.format(pipe=root / "pipe"))
+    return root / "pipe", recipe
 
-    prompt = "a red square moving left"
-    expected = WanPipeline.from_pretrained(pipe_dir)(
-        prompt, negative_prompt="", height=32, width=32, num_frames=5, num_inference_steps=3, guidance_scale=5.0,
-        generator=torch.Generator().manual_seed(0), output_type="np", max_sequence_length=40).frames[0]
 
-    recipe = tmp_path / "wan.yaml"
-    recipe.write_text(RECIPE.format(pipe=pipe_dir))
-    out = tmp_path / "tessera.npy"
-    assert run_main(infer, ["--config", str(recipe), f"run.output_dir={tmp_path / 'run'}", "--frames", "5",
-                            "--height", "32", "--width", "32", "--prompt", prompt, "--output", str(out)]) == 0
-    video = np.load(out)
+def test_infer_equals_wan_pipeline(tiny_pipeline, tmp_path):
+    pipe_dir, recipe = tiny_pipeline
+    expected = pipeline_sample(pipe_dir)
+    video = infer_sample(recipe, tmp_path / "run", tmp_path / "tessera.npy")
     assert video.shape == expected.shape == (5, 32, 32, 3)
     assert expected.std() > 0.05  # not a flat video that anything would match
     assert np.abs(video - expected).max() <= 1e-4  # measured 2.4e-7; the issue's bound is 1e-3
+
+
+def test_fine_tuned_and_exported_pipeline_samples_what_infer_samples(tiny_pipeline, tmp_path):
+    """Fine-tune from the pipeline folder, export the run as a whole WanPipeline (raw weights): diffusers samples from
+    it what infer.py samples from the checkpoint, and not what the untouched pipeline samples."""
+    pipe_dir, recipe = tiny_pipeline
+    run = tmp_path / "run"
+    assert run_main(train, ["--config", str(recipe), f"run.output_dir={run}"]) == 0
+    # the raw weights (the EMA, at decay 0.999, has barely moved in two steps)
+    assert export.main(["--checkpoint", str(run), "--output", str(tmp_path / "exported"), "--pipeline",
+                        "--no-ema"]) == 0
+    exported = pipeline_sample(tmp_path / "exported")
+    tessera = infer_sample(recipe, run, tmp_path / "tessera.npy", "--no-ema")  # the checkpoint wins over model.pretrained
+    assert np.abs(exported - tessera).max() <= 1e-4
+    assert np.abs(exported - pipeline_sample(pipe_dir)).max() > 1e-3  # two steps of training show
+    with pytest.raises(ValueError, match="flow.shift_reference_tokens=0"):
+        export.main(["--checkpoint", str(run), "--output", str(tmp_path / "x"), "--pipeline",
+                     "--config", str(write_scaled_shift(recipe, tmp_path))])
+
+
+def write_scaled_shift(recipe, tmp_path):
+    scaled = tmp_path / "scaled.yaml"
+    scaled.write_text(recipe.read_text().replace("shift_reference_tokens: 0", "shift_reference_tokens: 256"))
+    return scaled
