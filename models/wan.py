@@ -52,6 +52,49 @@ _CONCATENATED = [  # (diffusers name template, the projections in order, tessera
 ]
 
 
+# The original Wan checkpoint layout (Wan-AI's own code) -> diffusers names, as diffusers' converter
+# (scripts/convert_wan_to_diffusers.py) renames them; original checkpoints may prefix every key with
+# "model.diffusion_model.". The original calls the cross-attention's affine norm norm3 (its norm2, the
+# MLP's, has no weights).
+_ORIGINAL_RENAMES = [
+    (r"time_embedding\.0\.", "condition_embedder.time_embedder.linear_1."),
+    (r"time_embedding\.2\.", "condition_embedder.time_embedder.linear_2."),
+    (r"text_embedding\.0\.", "condition_embedder.text_embedder.linear_1."),
+    (r"text_embedding\.2\.", "condition_embedder.text_embedder.linear_2."),
+    (r"time_projection\.1\.", "condition_embedder.time_proj."),
+    (r"^head\.modulation$", "scale_shift_table"),
+    (r"^head\.head\.", "proj_out."),
+    (r"\.modulation$", ".scale_shift_table"),
+    (r"\.ffn\.0\.", ".ffn.net.0.proj."),
+    (r"\.ffn\.2\.", ".ffn.net.2."),
+    (r"\.norm3\.", ".norm2."),
+    (r"\.self_attn\.o\.", ".attn1.to_out.0."),
+    (r"\.self_attn\.([qkv])\.", r".attn1.to_\1."),
+    (r"\.self_attn\.", ".attn1."),
+    (r"\.cross_attn\.o\.", ".attn2.to_out.0."),
+    (r"\.cross_attn\.([qkv])\.", r".attn2.to_\1."),
+    (r"\.cross_attn\.", ".attn2."),
+]
+
+
+def diffusers_name_from_original(key: str) -> str:
+    key = key.removeprefix("model.diffusion_model.")
+    for pattern, target in _ORIGINAL_RENAMES:
+        key = re.sub(pattern, target, key)
+    return key
+
+
+def diffusers_config_from_original(config: dict) -> dict:
+    """A WanTransformer3DModel config from the original layout's config.json (dim, num_heads, ...)."""
+    if config.get("model_type", "t2v") != "t2v":
+        raise WanFormatError(f"Wan model_type={config['model_type']!r} is not supported (text-to-video only)")
+    return dict(patch_size=config.get("patch_size", [1, 2, 2]), num_attention_heads=config["num_heads"],
+                attention_head_dim=config["dim"] // config["num_heads"], in_channels=config["in_dim"],
+                out_channels=config.get("out_dim", config["in_dim"]), text_dim=config.get("text_dim", 4096),
+                freq_dim=config.get("freq_dim", 256), ffn_dim=config["ffn_dim"], num_layers=config["num_layers"],
+                eps=config.get("eps", 1e-6), qk_norm="rms_norm_across_heads", cross_attn_norm=True)
+
+
 class WanFormatError(ValueError):
     """A folder or state dict that is not a Wan transformer tessera can load."""
 
@@ -156,6 +199,9 @@ class WanWeights:
             raise WanFormatError(f"model.pretrained={folder}: no config.json there (expected a diffusers "
                                  "WanTransformer3DModel folder, or a WanPipeline folder with transformer/ in it)")
         self.config = json.loads(config.read_text())
+        self.original = "num_heads" in self.config and "num_attention_heads" not in self.config
+        if self.original:  # Wan-AI's own layout (config.json with dim, num_heads, ...)
+            self.config = diffusers_config_from_original(self.config)
         if self.config.get("_class_name", "WanTransformer3DModel") != "WanTransformer3DModel":
             raise WanFormatError(f"model.pretrained={folder}: config.json describes a {self.config['_class_name']}, "
                                  "not a WanTransformer3DModel")
@@ -163,17 +209,22 @@ class WanWeights:
         files = sorted(self.folder.glob("*.safetensors"))
         if not files:
             raise WanFormatError(f"model.pretrained={folder}: no .safetensors files there")
-        self._files, self._key_file = [], {}
+        self._files, self._key_file, self._file_key = [], {}, {}
         for file in files:
             handle = safe_open(str(file), framework="pt")
             self._files.append(handle)
             for key in handle.keys():
-                self._key_file[key] = handle
+                name = diffusers_name_from_original(key) if self.original else key
+                self._key_file[name] = handle
+                self._file_key[name] = key  # the diffusers name -> the key in the file
         self.sources = tessera_sources(self._key_file)
+        if self.original:  # its config.json does not say the text width (4096 for UMT5-XXL): the weights do
+            self.config["text_dim"] = self.shape("y_embedder.0.weight")[1]
+            self.dit_kwargs = dit_kwargs_from_diffusers_config(self.config)
 
     def shape(self, name: str) -> tuple:
         keys = self.sources[name]
-        shapes = [tuple(self._key_file[k].get_slice(k).get_shape()) for k in keys]
+        shapes = [tuple(self._key_file[k].get_slice(self._file_key[k]).get_shape()) for k in keys]
         return (sum(s[0] for s in shapes), *shapes[0][1:])
 
     def read(self, name: str, start: int, stop: int) -> torch.Tensor:
@@ -182,7 +233,7 @@ class WanWeights:
             raise WanFormatError(f"model.pretrained={self.folder} has no weights for '{name}'")
         pieces, offset = [], 0
         for key in self.sources[name]:
-            part = self._key_file[key].get_slice(key)
+            part = self._key_file[key].get_slice(self._file_key[key])
             rows = part.get_shape()[0]
             lo, hi = max(start, offset), min(stop, offset + rows)
             if lo < hi:

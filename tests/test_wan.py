@@ -124,3 +124,43 @@ def test_a_pipeline_folder_is_read_through_its_transformer_subfolder(saved_wan, 
     (tmp_path / "vace" / "config.json").write_text(json.dumps({"_class_name": "WanVACETransformer3DModel"}))
     with pytest.raises(WanFormatError, match="describes a WanVACETransformer3DModel"):
         WanWeights(tmp_path / "vace")
+
+
+def original_name(key: str) -> str:
+    """diffusers -> the original Wan layout, written out here from Wan's own module names."""
+    for old, new in [("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
+                     ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+                     ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
+                     ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+                     ("condition_embedder.time_proj", "time_projection.1"), ("proj_out", "head.head"),
+                     ("attn1.to_out.0", "self_attn.o"), ("attn2.to_out.0", "cross_attn.o"),
+                     ("attn1.to_", "self_attn."), ("attn2.to_", "cross_attn."), ("attn1.", "self_attn."),
+                     ("attn2.", "cross_attn."), ("norm2", "norm3"), ("ffn.net.0.proj", "ffn.0"), ("ffn.net.2", "ffn.2")]:
+        key = key.replace(old, new)
+    key = "head.modulation" if key == "scale_shift_table" else key.replace("scale_shift_table", "modulation")
+    return "model.diffusion_model." + key
+
+
+def test_the_original_wan_layout_reads_as_the_diffusers_one(saved_wan, tmp_path):
+    """A folder in Wan-AI's own layout (its config.json fields and key names, as diffusers' converter
+    maps them) gives the same weights and architecture. Written here from the diffusers folder: no
+    real original checkpoint is available offline."""
+    from safetensors.torch import save_file
+
+    from models.wan import WanWeights
+
+    _, folder = saved_wan
+    state = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(file))
+    (tmp_path / "orig").mkdir()
+    save_file({original_name(k): v.contiguous() for k, v in state.items()}, tmp_path / "orig" / "model.safetensors")
+    (tmp_path / "orig" / "config.json").write_text(json.dumps({
+        "_class_name": "WanModel", "model_type": "t2v", "dim": 24, "ffn_dim": 32, "freq_dim": 256, "in_dim": 4,
+        "out_dim": 4, "num_heads": 2, "num_layers": 2, "eps": 1e-6, "text_len": 512}))
+    original, diffusers = WanWeights(tmp_path / "orig"), WanWeights(folder)
+    assert original.original and original.dit_kwargs == diffusers.dit_kwargs
+    assert original.sources.keys() == diffusers.sources.keys()
+    for name in diffusers.sources:
+        rows = diffusers.shape(name)[0]
+        assert torch.equal(original.read(name, 0, rows), diffusers.read(name, 0, rows)), name
