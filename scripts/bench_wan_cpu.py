@@ -16,8 +16,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
 from bench_gpu import WanAdapter  # noqa: E402
+
 from models.dit import WAN_OPTIONS, DiT, count_parameters  # noqa: E402
 
 CASE = dict(depth=4, hidden=384, heads=6, ffn=1536, latent=(16, 1, 64, 64), text=(64, 4096))
@@ -42,7 +42,7 @@ def main(rounds: int = 5, steps: int = 5):
             model = make()
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-            def step():
+            def step(model=model, optimizer=optimizer):
                 v = model((1 - tt) * x0 + tt * noise, t, y, mask)
                 F.mse_loss(v.float(), noise - x0).backward()
                 optimizer.step()
