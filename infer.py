@@ -23,6 +23,7 @@ from models.pipeline import build_frozen, build_model, generate
 from models.vae import vae_latent_space
 from parallel import comm
 from parallel.checkpoint import CheckpointError, load_weights, resolve_checkpoint
+from parallel.init import materialize
 from parallel.layout import ParallelLayout
 from parallel.runtime import init_runtime, local_world_size, run_entrypoint, world_from_env
 from parallel.sequence import apply_sequence_parallel
@@ -76,19 +77,13 @@ def load_sampler(cfg, runtime, checkpoint, use_ema: bool = True, random_weights:
     """The frozen components and the DiT, with the checkpoint's weights; without a checkpoint, the
     pretrained ones (model.pretrained) or, with random_weights, random ones from train.seed."""
     text_encoder, vae = build_frozen(cfg, runtime.device)
-    weights = "none" if checkpoint is not None or random_weights else "recipe"
-    model = build_model(cfg, text_encoder, vae, weights=weights)
+    model = build_model(cfg, text_encoder, vae, weights=checkpoint is None and not random_weights)
     if checkpoint is not None:
         model.to_empty(device="cpu")
         load_weights(checkpoint, model, use_ema=use_ema)
     elif random_weights:  # adaLN-Zero's zeros would make the output 0 whatever the layout does
-        model.to_empty(device="cpu")
-        model.init_weights(zero_init=False, seed=cfg.train.seed)
-    return model_on(model, runtime), vae, text_encoder
-
-
-def model_on(model, runtime):
-    return apply_sequence_parallel(model, runtime.sequence).to(runtime.device).eval()
+        materialize(model, "cpu", cfg.train.seed, zero_init=False)
+    return apply_sequence_parallel(model, runtime.sequence).to(runtime.device).eval(), vae, text_encoder
 
 
 def main(argv=None):

@@ -99,7 +99,7 @@ def main(argv=None):
     text_encoder, vae = build_frozen(cfg, device)
     # Built on the meta device and sharded before any weight exists; then each rank fills only its shard
     # (from train.seed, or read from model.pretrained): no rank ever holds the whole model.
-    model = apply_sequence_parallel(build_model(cfg, text_encoder, vae, weights="none"), runtime.sequence)
+    model = apply_sequence_parallel(build_model(cfg, text_encoder, vae, weights=False), runtime.sequence)
     # A resume takes every weight from its checkpoint: the pretrained folder is then neither needed nor read.
     pretrained = open_pretrained(cfg, model) if checkpoint is None else None
     if runtime.is_main:
@@ -114,7 +114,7 @@ def main(argv=None):
     else:
         model.to_empty(device=device)  # load_checkpoint fills every weight below
     del pretrained  # closes the safetensors files
-    ema = apply_sequence_parallel(build_model(cfg, text_encoder, vae, weights="none").requires_grad_(False),
+    ema = apply_sequence_parallel(build_model(cfg, text_encoder, vae, weights=False).requires_grad_(False),
                                   runtime.sequence)
     ema = parallelize_dit(ema, runtime.fsdp_mesh)
     copy_shards(ema, model, device)  # the EMA starts as the model

@@ -11,6 +11,7 @@ from models.dit import DiT, build_dit
 from models.flow import RectifiedFlow
 from models.text_encoder import TextEncoder, build_text_encoder
 from models.vae import LatentSpace, build_vae
+from parallel.init import materialize
 
 
 def build_frozen(cfg, device) -> tuple[TextEncoder, LatentSpace]:
@@ -18,42 +19,20 @@ def build_frozen(cfg, device) -> tuple[TextEncoder, LatentSpace]:
     return build_text_encoder(cfg.text_encoder).to(device), build_vae(cfg.vae).to(device)
 
 
-def build_model(cfg, text_encoder: TextEncoder, vae: LatentSpace, weights: str = "recipe") -> DiT:
-    """The DiT of the recipe, on the meta device, then with weights:
-    - "recipe": model.pretrained's if set (checked against the recipe), else fixed by train.seed alone
-      (every rank and every run builds the same ones);
-    - "seed": from train.seed, ignoring model.pretrained (--random-weights);
-    - "none": none yet, the caller fills them (train.py shards first, then parallel/init.py fills each
-      rank's shard; a checkpoint load overwrites every weight)."""
+def build_model(cfg, text_encoder: TextEncoder, vae: LatentSpace, weights: bool = True) -> DiT:
+    """The DiT of the recipe, built on the meta device. weights=True: on the host, with model.pretrained's
+    weights if set (checked against the recipe), else with weights fixed by train.seed alone (every rank
+    and every run builds the same ones). weights=False: none yet; train.py shards it first, then
+    parallel/init.py fills each rank's shard (a checkpoint load overwrites every weight)."""
     with torch.device("meta"):
         model = build_dit(cfg.model, in_channels=vae.latent_channels, text_dim=text_encoder.dim)
     if not model.text_mask and cfg.text_encoder.max_length != 512:
         warnings.warn(f"text_encoder.max_length={cfg.text_encoder.max_length} with unmasked text (model.text_mask "
                       "false, as Wan): padding is attended, so the model sees other inputs than Wan's 512-token "
                       "padding; set text_encoder.max_length=512 to match Wan", stacklevel=2)
-    if weights == "none":
-        return model
-    pretrained = open_pretrained(cfg, model) if weights == "recipe" else None
-    model.to_empty(device="cpu")
-    if pretrained is None:
-        model.init_weights(seed=cfg.train.seed)
-    else:
-        check_same_parameters(model, pretrained)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                param.copy_(pretrained.read(name, 0, param.shape[0]).view(param.shape))
+    if weights:
+        materialize(model, "cpu", cfg.train.seed, open_pretrained(cfg, model))
     return model
-
-
-def check_same_parameters(model: torch.nn.Module, pretrained) -> None:
-    """Every weight of the pretrained folder has a place in the model and every parameter has a weight."""
-    from parallel.init import canonical_name
-
-    ours = {canonical_name(name) for name, _ in model.named_parameters()}
-    theirs = set(pretrained.sources)
-    if ours != theirs:
-        raise ValueError(f"model.pretrained={pretrained.folder} does not fit the model: weights without a place "
-                         f"{sorted(theirs - ours)[:5]}, parameters without a weight {sorted(ours - theirs)[:5]}")
 
 
 def open_pretrained(cfg, model: DiT):

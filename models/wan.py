@@ -209,18 +209,25 @@ class WanWeights:
         files = sorted(self.folder.glob("*.safetensors"))
         if not files:
             raise WanFormatError(f"model.pretrained={folder}: no .safetensors files there")
-        self._files, self._key_file, self._file_key = [], {}, {}
+        self._key_file, self._file_key = {}, {}  # the diffusers name -> its file's handle, its key in the file
         for file in files:
             handle = safe_open(str(file), framework="pt")
-            self._files.append(handle)
             for key in handle.keys():
                 name = diffusers_name_from_original(key) if self.original else key
                 self._key_file[name] = handle
-                self._file_key[name] = key  # the diffusers name -> the key in the file
+                self._file_key[name] = key
         self.sources = tessera_sources(self._key_file)
         if self.original:  # its config.json does not say the text width (4096 for UMT5-XXL): the weights do
             self.config["text_dim"] = self.shape("y_embedder.0.weight")[1]
             self.dit_kwargs = dit_kwargs_from_diffusers_config(self.config)
+
+    def check_parameters(self, names) -> None:
+        """Every weight of the folder has a place among the model's parameter `names` (state-dict names)
+        and every parameter has a weight."""
+        ours, theirs = set(names), set(self.sources)
+        if ours != theirs:
+            raise WanFormatError(f"model.pretrained={self.folder} does not fit the model: weights without a place "
+                                 f"{sorted(theirs - ours)[:5]}, parameters without a weight {sorted(ours - theirs)[:5]}")
 
     def shape(self, name: str) -> tuple:
         keys = self.sources[name]

@@ -41,9 +41,7 @@ def materialize(model: nn.Module, device, seed: int, pretrained=None, zero_init:
     models.wan.WanWeights) if given, else from `seed`."""
     model.to_empty(device=device)
     if pretrained is not None:
-        from models.pipeline import check_same_parameters
-
-        check_same_parameters(model, pretrained)
+        pretrained.check_parameters(canonical_name(name) for name, _ in model.named_parameters())
     for name, param in model.named_parameters():
         canonical = canonical_name(name)
         local = param.to_local() if isinstance(param, DTensor) else param.data

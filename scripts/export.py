@@ -126,6 +126,6 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except (ValueError, CheckpointError) as e:  # bad input: one line, no traceback
+    except (ValueError, CheckpointError, OSError) as e:  # bad input or a missing folder: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
