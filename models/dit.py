@@ -21,6 +21,7 @@ timestep per sample, not TI2V's per-token timesteps.
 
 import math
 import zlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -238,6 +239,14 @@ class FinalLayer(nn.Module):
         return self.linear(modulate(self.norm_final, x, shift, scale))
 
 
+@dataclass
+class Conditioning:
+    temb: torch.Tensor  # (B, D) time (and pooled text) embedding: the final layer's modulation input
+    c: torch.Tensor  # the blocks' modulation input: temb, or adaLN-single's shared (B, 6, D) projection
+    y: torch.Tensor  # (B, L, D) embedded text tokens
+    block_mask: torch.Tensor | None  # (B, L) text mask for cross-attention; None: every text token attended
+
+
 class WholeSequence(nn.Module):
     """Where the token sequence is split across processes and gathered again. On one device both are
     the identity; `parallel/` assigns a sequence-parallel replacement to `DiT.sequence`."""
@@ -297,12 +306,28 @@ class DiT(nn.Module):
 
     def forward(self, x, t, y, y_mask):
         """x: (B, C, T, H, W) latents; t: (B,) in [0, 1]; y: (B, L, text_dim) text tokens; y_mask: (B, L) bool."""
+        tokens, grid = self.embed(x)  # (B, N, D)
+        rope = self.rope(grid, tokens.device)  # (N, Dh/2, 2)
+        tokens, rope = self.sequence.shard(tokens, rope)  # (B, N_local, D); the identity on one device
+        cond = self.condition(t, y, y_mask)
+        for block in self.blocks:
+            tokens = block(tokens, cond.c, cond.y, cond.block_mask, rope)  # (B, N_local, D)
+        tokens = self.sequence.gather(tokens)  # (B, N, D)
+        return self.unpatchify(self.final_layer(tokens, cond.temb), grid)  # (B, C, T, H, W)
+
+    # The pieces of `forward`, also run one by one by parallel/pipefusion.py, whose stages hold only some
+    # of the blocks and see one patch of tokens at a time.
+
+    def embed(self, x):
+        """Latents (B, C, T, H, W) -> tokens (B, N, D) in (t, h, w) order, and the token grid (t, h, w)."""
         self.check_input_shape(*x.shape[2:])
-        dtype = self.x_embedder.proj.weight.dtype  # bf16 under mixed precision; t stays float32
-        x, y = x.to(dtype), y.to(dtype)
-        x, grid = self.x_embedder(x)  # (B, N, D)
-        rope = self.rope(grid, x.device)  # (N, Dh/2, 2)
-        x, rope = self.sequence.shard(x, rope)  # (B, N_local, D); the identity on one device
+        return self.x_embedder(x.to(self.x_embedder.proj.weight.dtype))
+
+    def condition(self, t, y, y_mask) -> "Conditioning":
+        """What every block reads besides its tokens: the time embedding, its modulation input and the
+        embedded text. Needs no block and no x_embedder, so every PipeFusion stage can compute it."""
+        dtype = self.y_embedder[0].weight.dtype  # bf16 under mixed precision; t stays float32
+        y = y.to(dtype)
         if not self.text_mask:  # Wan: padding tokens are zeros, and attended
             y = y * y_mask.unsqueeze(-1).to(y.dtype)
         y = self.y_embedder(y)  # (B, L, D)
@@ -310,11 +335,7 @@ class DiT(nn.Module):
         if self.pooled_embedder is not None:
             temb = temb + self.pooled_embedder(masked_mean(y, y_mask))
         c = temb if self.time_proj is None else self.time_proj(temb).unflatten(1, (6, -1))  # (B, D) or (B, 6, D)
-        for block in self.blocks:
-            x = block(x, c, y, y_mask if self.text_mask else None, rope)  # (B, N_local, D)
-        x = self.sequence.gather(x)  # (B, N, D)
-        x = self.final_layer(x, temb)  # (B, N, pt*ph*pw*C)
-        return self.unpatchify(x, grid)  # (B, C, T, H, W)
+        return Conditioning(temb, c, y, y_mask if self.text_mask else None)
 
     def unpatchify(self, x, grid):
         B = x.shape[0]

@@ -52,27 +52,49 @@ class RectifiedFlow:
         v = model(x_t, t, y, y_mask)
         return F.mse_loss(v.float(), (noise - x0).float())
 
-    @torch.no_grad()
-    def sample(self, model, noise, y, y_mask, neg_y=None, neg_mask=None, steps: int = 30, guidance: float = 1.0,
-               progress=None):
-        """Euler integration from noise (t=1) to data (t=0). With guidance != 1, the conditional and the
-        negative/unconditional branches run as one batch of 2B."""
+    def sigmas(self, noise, steps: int) -> torch.Tensor:
+        """The noise levels of `steps` Euler steps, then 0: (steps + 1,) float32, from diffusers'
+        FlowMatchEulerDiscreteScheduler on the shift for this latent's token count."""
         from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
 
         scheduler = FlowMatchEulerDiscreteScheduler(shift=self.shift_for(self.num_tokens(noise)))
         scheduler.set_timesteps(steps, device=noise.device)
-        guided = guidance != 1.0
-        if guided:
-            y, y_mask = torch.cat([y, neg_y]), torch.cat([y_mask, neg_mask])
+        return scheduler.sigmas.to(noise.device)
+
+    @staticmethod
+    def euler_step(x, v, sigmas, i: int):
+        """x at sigmas[i + 1] from x at sigmas[i] and the velocity v, in float32 (the latent stays float32
+        under autocast): the scheduler's Euler step, applied by PipeFusion patch by patch too."""
+        return x.float() + (sigmas[i + 1] - sigmas[i]) * v.float()
+
+    @torch.no_grad()
+    def sample(self, model, noise, y, y_mask, neg_y=None, neg_mask=None, steps: int = 30, guidance: float = 1.0,
+               progress=None, velocity=None):
+        """Euler integration from noise (t=1) to data (t=0). With guidance != 1, the conditional and the
+        negative/unconditional branches run as one batch of 2B. `velocity(x, sigma)`, if given, replaces
+        the guided model call (CFG parallel: parallel/pipefusion.py's `cfg_velocity`)."""
+        sigmas = self.sigmas(noise, steps)
+        if velocity is None:
+            velocity = guided_velocity(model, y, y_mask, neg_y, neg_mask, guidance)
         x = noise
-        for i, t in enumerate(scheduler.timesteps):
-            sigma = scheduler.sigmas[i].to(noise.device).expand(y.shape[0])
-            x_in = torch.cat([x, x]) if guided else x
-            v = model(x_in, sigma, y, y_mask)
-            if guided:
-                v_cond, v_uncond = v.chunk(2)
-                v = v_uncond + guidance * (v_cond - v_uncond)
-            x = scheduler.step(v.float(), t, x).prev_sample  # the latent stays float32 under autocast
+        for i in range(steps):
+            x = self.euler_step(x, velocity(x, sigmas[i]), sigmas, i)
             if progress is not None:
                 progress(i + 1, steps)
         return x
+
+
+def guided_velocity(model, y, y_mask, neg_y, neg_mask, guidance: float):
+    """velocity(x, sigma) of the serial sampler: with guidance != 1 both branches run as one batch."""
+    guided = guidance != 1.0
+    if guided:
+        y, y_mask = torch.cat([y, neg_y]), torch.cat([y_mask, neg_mask])
+
+    def velocity(x, sigma):
+        v = model(torch.cat([x, x]) if guided else x, sigma.expand(y.shape[0]), y, y_mask)
+        if not guided:
+            return v
+        v_cond, v_uncond = v.chunk(2)
+        return v_uncond + guidance * (v_cond - v_uncond)
+
+    return velocity
