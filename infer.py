@@ -19,13 +19,14 @@ from configs import DEFAULT_RECIPE, load_config, split_overrides
 from data.media import OUTPUT_EXTENSIONS, write_video
 from models.dit import DiT_models
 from models.flow import RectifiedFlow
-from models.pipeline import build_frozen, build_model, generate
+from models.pipeline import build_frozen, build_model, generate, open_pretrained
 from models.vae import vae_latent_space
 from parallel import comm
 from parallel.checkpoint import CheckpointError, load_weights, resolve_checkpoint
 from parallel.init import materialize
 from parallel.layout import ParallelLayout
-from parallel.runtime import init_runtime, local_world_size, run_entrypoint, world_from_env
+from parallel.pipefusion import ParallelSampler, keep_stage
+from parallel.runtime import init_runtime, links_are_slow, local_world_size, run_entrypoint, world_from_env
 from parallel.sequence import apply_sequence_parallel
 
 
@@ -73,17 +74,30 @@ def find_checkpoint(cfg, checkpoint: str | None, random_weights: bool):
     return found
 
 
-def load_sampler(cfg, runtime, checkpoint, use_ema: bool = True, random_weights: bool = False):
-    """The frozen components and the DiT, with the checkpoint's weights; without a checkpoint, the
-    pretrained ones (model.pretrained) or, with random_weights, random ones from train.seed."""
+def load_sampler(cfg, runtime, checkpoint, use_ema: bool = True, random_weights: bool = False, patches: int = 1):
+    """The frozen components, the DiT with the checkpoint's weights (without a checkpoint, the pretrained
+    ones, model.pretrained, or with random_weights random ones from train.seed), and the sampler that
+    runs it across the layout (None: flow.sample on this process). Under PipeFusion the DiT is this
+    rank's stage: only its blocks are ever allocated and filled."""
     text_encoder, vae = build_frozen(cfg, runtime.device)
-    model = build_model(cfg, text_encoder, vae, weights=checkpoint is None and not random_weights)
+    model = build_model(cfg, text_encoder, vae, weights=False)
+    layout, groups = runtime.layout, runtime.sampling
+    pretrained = open_pretrained(cfg, model) if checkpoint is None and not random_weights else None
+    if layout.pipefusion > 1:
+        model = keep_stage(model, groups.stage, groups.stages)
     if checkpoint is not None:
         model.to_empty(device="cpu")
         load_weights(checkpoint, model, use_ema=use_ema)
-    elif random_weights:  # adaLN-Zero's zeros would make the output 0 whatever the layout does
-        materialize(model, "cpu", cfg.train.seed, zero_init=False)
-    return apply_sequence_parallel(model, runtime.sequence).to(runtime.device).eval(), vae, text_encoder
+    else:  # random weights: adaLN-Zero's zeros would make the output 0 whatever the layout does
+        materialize(model, "cpu", cfg.train.seed, pretrained, zero_init=not random_weights,
+                    partial=layout.pipefusion > 1)
+    if layout.pipefusion == 1:
+        model = apply_sequence_parallel(model, runtime.sequence)
+    model = model.to(runtime.device).eval()
+    sampler = None
+    if layout.cfg * layout.pipefusion > 1:
+        sampler = ParallelSampler(model, groups, patches, cfg.parallel.pipefusion_warmup)
+    return model, vae, text_encoder, sampler
 
 
 def main(argv=None):
@@ -101,34 +115,44 @@ def main(argv=None):
     # Every refusal comes before any model is built or any collective is issued.
     outputs = output_paths(args.output, len(prompts))
     _, world_size, _ = world_from_env()
-    layout = ParallelLayout.from_config(cfg.parallel, world_size, DiT_models[cfg.model.size]["num_heads"], "sample",
-                                        local_world_size())
-    vae_latent_space(cfg.vae).latent_shape(frames, height, width, cfg.model.patch_size)
+    size = DiT_models[cfg.model.size]
+    slow_links, links = links_are_slow() if cfg.parallel.auto else (False, "")
+    layout = ParallelLayout.from_config(cfg.parallel, world_size, size["num_heads"], "sample", local_world_size(),
+                                        depth=size["depth"], guided=guidance != 1.0,
+                                        slow_links=slow_links)
+    latent = vae_latent_space(cfg.vae).latent_shape(frames, height, width, cfg.model.patch_size)
+    patches = layout.check_patches(cfg.parallel, [s // p for s, p in zip(latent[1:], cfg.model.patch_size)])
     checkpoint = find_checkpoint(cfg, args.checkpoint, args.random_weights)
 
     comm.set_failure_dir(Path(cfg.run.output_dir) / "failures")
     runtime = init_runtime(cfg.parallel, layout, cfg.run.output_dir)
     if runtime.is_main:
-        print(f"[tessera] layout {layout.describe()}{' (parallel.auto)' if cfg.parallel.auto else ''}", flush=True)
-    model, vae, text_encoder = load_sampler(cfg, runtime, checkpoint, use_ema=sc.use_ema and not args.no_ema,
-                                            random_weights=args.random_weights)
+        chosen = f" (parallel.auto: {links})" if cfg.parallel.auto else ""
+        pipeline = (f"; PipeFusion: {patches} patches, {cfg.parallel.pipefusion_warmup} warm-up step(s)"
+                    if layout.pipefusion > 1 else "")
+        print(f"[tessera] layout {layout.describe()}{chosen}{pipeline}", flush=True)
+    model, vae, text_encoder, sampler = load_sampler(cfg, runtime, checkpoint, use_ema=sc.use_ema and not args.no_ema,
+                                                     random_weights=args.random_weights, patches=patches)
     mine = list(range(layout.dp_rank(runtime.rank), len(prompts), layout.dp))  # prompts split over dp ranks
-    if not mine:
-        return
-    runtime.watchdog.mark("sampling")
-    bar = tqdm(total=steps, desc="sample", disable=not runtime.is_main, dynamic_ncols=True)
-    bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and runtime.device.type == "cuda")
-    videos = generate(model, vae, text_encoder, RectifiedFlow(cfg.flow, cfg.model.patch_size), [prompts[i] for i in mine],
-                      frames, height, width, steps, guidance,
-                      sc.negative_prompt if args.negative_prompt is None else args.negative_prompt,
-                      seeds=[args.seed + i for i in mine], autocast_dtype=torch.bfloat16 if bf16 else None,
-                      progress=lambda done, total: (bar.update(1), runtime.watchdog.mark("sampling")))
-    bar.close()
-    is_sp_leader = runtime.rank == layout.dp_rank(runtime.rank) * (world_size // layout.dp)
-    if is_sp_leader:  # one writer per data-parallel group
-        for i, video in zip(mine, videos):
-            for path in write_video(outputs[i], video, fps=sc.fps):
-                print(f"[tessera] wrote {path}", flush=True)
+    if mine:
+        runtime.watchdog.mark("sampling")
+        bar = tqdm(total=steps, desc="sample", disable=not runtime.is_main, dynamic_ncols=True)
+        bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and runtime.device.type == "cuda")
+        videos = generate(model, vae, text_encoder, RectifiedFlow(cfg.flow, cfg.model.patch_size),
+                          [prompts[i] for i in mine], frames, height, width, steps, guidance,
+                          sc.negative_prompt if args.negative_prompt is None else args.negative_prompt,
+                          seeds=[args.seed + i for i in mine], autocast_dtype=torch.bfloat16 if bf16 else None,
+                          progress=lambda done, total: (bar.update(1), runtime.watchdog.mark("sampling")),
+                          sampler=sampler, decode_group=runtime.sampling.replica_group)
+        bar.close()
+        if runtime.rank == layout.replica_leader(runtime.rank):  # one writer per data-parallel replica
+            runtime.watchdog.mark("writing")
+            for i, video in zip(mine, videos):
+                for path in write_video(outputs[i], video, fps=sc.fps):
+                    print(f"[tessera] wrote {path}", flush=True)
+    # Every rank waits for the writers on the control group (gloo, long timeout): a rank that has
+    # finished never sits in a short-deadline collective while another encodes a long video.
+    runtime.fence()
 
 
 if __name__ == "__main__":

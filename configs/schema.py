@@ -123,7 +123,9 @@ class SampleConfig:
 class ParallelConfig:
     dp: int = -1  # data parallel (FSDP2); -1: whatever the other degrees leave of the world size
     cfg: int = 1  # classifier-free-guidance parallel (sampling only)
-    pipefusion: int = 1  # PipeFusion stages (sampling only)
+    pipefusion: int = 1  # PipeFusion stages (sampling only): the blocks split into this many contiguous stages
+    pipefusion_patches: Optional[int] = None  # patches of whole token rows pipelined through the stages; None: pipefusion
+    pipefusion_warmup: int = 1  # first steps run whole-sequence (synchronous), filling every layer's K/V buffer
     ulysses: int = 1  # Ulysses sequence parallel
     ring: int = 1  # Ring sequence parallel
     auto: bool = False  # choose ulysses/ring for the processes dp leaves (ulysses inside a node first)

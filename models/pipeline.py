@@ -67,9 +67,12 @@ def open_pretrained(cfg, model: DiT):
 @torch.no_grad()
 def generate(model, vae: LatentSpace, text_encoder: TextEncoder, flow: RectifiedFlow, prompts: list[str],
              frames: int, height: int, width: int, steps: int, guidance: float, negative_prompt: str = "",
-             seeds: list[int] | None = None, autocast_dtype=None, progress=None) -> np.ndarray:
+             seeds: list[int] | None = None, autocast_dtype=None, progress=None, sampler=None,
+             decode_group=None) -> np.ndarray:
     """Videos (B, frames, height, width, 3) as float32 in [0, 1]. Prompt i starts from noise seeded by
-    seeds[i] (default: i), so a video does not depend on which other prompts share its batch or rank."""
+    seeds[i] (default: i), so a video does not depend on which other prompts share its batch or rank.
+    `sampler` replaces flow.sample(model, ...) (parallel/pipefusion.py's ParallelSampler: PipeFusion, CFG
+    parallel); `decode_group` shares the VAE decode among its ranks (parallel/vae.py)."""
     seeds = list(range(len(prompts))) if seeds is None else seeds
     device = next(model.parameters()).device
     latent_shape = vae.latent_shape(frames, height, width, flow.patch_size)
@@ -80,7 +83,11 @@ def generate(model, vae: LatentSpace, text_encoder: TextEncoder, flow: Rectified
     autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
                 else contextlib.nullcontext())
     with autocast:
-        latents = flow.sample(model, noise, y, y_mask, neg_y, neg_mask, steps=steps, guidance=guidance,
+        if sampler is None:
+            latents = flow.sample(model, noise, y, y_mask, neg_y, neg_mask, steps=steps, guidance=guidance,
+                                  progress=progress)
+        else:
+            latents = sampler(flow, noise, y, y_mask, neg_y, neg_mask, steps=steps, guidance=guidance,
                               progress=progress)
     videos = vae.decode(latents.float())  # (B, 3, T, H, W) in [-1, 1]
     return ((videos.clamp(-1, 1) + 1) / 2).permute(0, 2, 3, 4, 1).float().cpu().numpy()

@@ -110,7 +110,7 @@ def _sent_fraction(kind: str, peers: int) -> float:
     """Bytes sent to other ranks per byte of the op's input, for a group of `peers + 1` ranks."""
     size = peers + 1
     return {"all_to_all": peers / size, "all_gather": peers, "reduce_scatter": peers / size,
-            "all_reduce": 2 * peers / size, "send_recv": 1.0}.get(kind, 0.0)
+            "all_reduce": 2 * peers / size, "send_recv": 1.0, "send": 1.0}.get(kind, 0.0)
 
 
 def _group_name(group) -> str:
@@ -296,6 +296,41 @@ def exchange(send: torch.Tensor, to_rank: int, recv: torch.Tensor, from_rank: in
     _exchange_in_pieces(flat_send, to_rank, flat_recv, from_rank, group)
     record.end = time.time()
     return PendingExchange([], record, recv)
+
+
+class PendingOps:
+    """Point-to-point sends and receives posted by `post`; `wait()` waits for them (every piece)."""
+
+    def __init__(self, works, records):
+        self.works, self.records = works, records
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works = []
+        now = time.time()
+        for record in self.records:
+            if record.end is None:
+                record.end = now
+
+
+def post(sends=(), recvs=(), group=None) -> PendingOps:
+    """Post sends [(tensor, global rank)] and receives [(tensor, global rank)] together, in one
+    batch_isend_irecv, and return at once. Each message above the cap goes as several pieces (every piece
+    its own op in the same batch), so no single op is larger than `parallel.max_message_mb`. Batching a
+    send with the receive posted next keeps them from waiting on each other (a lone NCCL send may block
+    until the peer's receive is posted). Receives of one peer match its sends in posting order."""
+    ops, records = [], []
+    for kind, op, pairs in (("send", dist.isend, sends), ("recv", dist.irecv, recvs)):
+        for tensor, peer in pairs:
+            if not tensor.is_contiguous():
+                raise ValueError(f"post: {kind} buffers must be contiguous, got {tuple(tensor.shape)}")
+            records.append(recorded(kind, group, tensor).record)
+            ops += [dist.P2POp(op, piece, peer, group) for piece in _chunks(tensor.view(-1))]
+    return PendingOps(dist.batch_isend_irecv(ops) if ops else [], records)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:

@@ -36,12 +36,14 @@ def local_rows(param: torch.Tensor) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device, seed: int, pretrained=None, zero_init: bool = True) -> None:
+def materialize(model: nn.Module, device, seed: int, pretrained=None, zero_init: bool = True,
+                partial: bool = False) -> None:
     """Allocate `model`'s (sharded) parameters on `device` and fill them: from `pretrained` (a
-    models.wan.WanWeights) if given, else from `seed`."""
+    models.wan.WanWeights) if given, else from `seed`. `partial`: the model holds only some of the
+    pretrained weights (a PipeFusion stage)."""
     model.to_empty(device=device)
     if pretrained is not None:
-        pretrained.check_parameters(canonical_name(name) for name, _ in model.named_parameters())
+        pretrained.check_parameters((canonical_name(name) for name, _ in model.named_parameters()), partial)
     for name, param in model.named_parameters():
         canonical = canonical_name(name)
         local = param.to_local() if isinstance(param, DTensor) else param.data

@@ -13,9 +13,6 @@ DEGREES = ("dp", "cfg", "pipefusion", "ulysses", "ring")
 # The order of the axes in rank space, outermost first: consecutive ranks share a ulysses group (its
 # all-to-alls want the fastest links, inside a node), ring groups stride across them, dp is outermost.
 RANK_ORDER = ("dp", "cfg", "pipefusion", "ring", "ulysses")
-# Degrees above 1 that this version can run. PipeFusion (and cfg parallel) arrive with their own
-# issues; until then a request for them is refused up front rather than ignored.
-IMPLEMENTED = {"dp", "ulysses", "ring"}
 
 
 class LayoutError(ValueError):
@@ -37,6 +34,10 @@ class ParallelLayout:
     def dp_rank(self, rank: int) -> int:
         """dp is the outermost axis: consecutive blocks of world_size / dp ranks share a dp rank."""
         return rank // (self.world_size // self.dp)
+
+    def replica_leader(self, rank: int) -> int:
+        """The first rank of `rank`'s data-parallel replica (the ranks that work on the same samples)."""
+        return self.dp_rank(rank) * (self.world_size // self.dp)
 
     @property
     def sequence_parallel(self) -> int:
@@ -74,15 +75,19 @@ class ParallelLayout:
 
     @classmethod
     def from_config(cls, parallel_cfg, world_size: int, num_heads: int, mode: str = "train",
-                    local_world_size: int | None = None) -> "ParallelLayout":
+                    local_world_size: int | None = None, depth: int | None = None, guided: bool = True,
+                    slow_links: bool = False) -> "ParallelLayout":
         """Validate the recipe's `parallel` section against the world size; dp=-1 takes what is left.
-        With parallel.auto=true the sequence-parallel degrees are chosen here (see `auto_layout`)."""
+        With parallel.auto=true the degrees are chosen here (see `auto_layout`). For sampling, `depth`
+        (the model's blocks) bounds pipefusion and `guided` (guidance != 1) allows cfg=2."""
+        limits = dict(depth=depth, guided=guided)
         if getattr(parallel_cfg, "auto", False):
             dp = int(parallel_cfg.dp)
             if dp != -1 and (dp < 1 or world_size % dp):
                 raise LayoutError(f"parallel.auto=true with parallel.dp={dp}: dp must divide the {world_size} "
-                                  f"processes (or be -1). {valid_layouts_message(world_size, num_heads, mode)}")
-            return auto_layout(world_size, num_heads, local_world_size or world_size, dp=1 if dp == -1 else dp)
+                                  f"processes (or be -1). {valid_layouts_message(world_size, num_heads, mode, **limits)}")
+            return auto_layout(world_size, num_heads, local_world_size or world_size, dp=1 if dp == -1 else dp,
+                               mode=mode, slow_links=slow_links, **limits)
         degrees = {name: int(getattr(parallel_cfg, name)) for name in DEGREES}
         for name, value in degrees.items():
             if value < 1 and not (name == "dp" and value == -1):
@@ -93,48 +98,85 @@ class ParallelLayout:
                 raise LayoutError(
                     f"{world_size} processes cannot be split as dp x cfg={degrees['cfg']} x pipefusion="
                     f"{degrees['pipefusion']} x ulysses={degrees['ulysses']} x ring={degrees['ring']}: {world_size} "
-                    f"is not a multiple of {others}. {valid_layouts_message(world_size, num_heads, mode)}")
+                    f"is not a multiple of {others}. {valid_layouts_message(world_size, num_heads, mode, **limits)}")
             degrees["dp"] = world_size // others
         layout = cls(**degrees)
-        layout.check(world_size, num_heads, mode)
+        layout.check(world_size, num_heads, mode, **limits)
         return layout
 
-    def check(self, world_size: int, num_heads: int, mode: str) -> None:
+    def check(self, world_size: int, num_heads: int, mode: str, depth: int | None = None, guided: bool = True) -> None:
         problems = []
         if self.world_size != world_size:
             problems.append(f"dp={self.dp} x cfg={self.cfg} x pipefusion={self.pipefusion} x ulysses={self.ulysses} "
                             f"x ring={self.ring} = {self.world_size}, but there are {world_size} processes")
-        problems += _rule_violations(self, num_heads, mode)
+        problems += _rule_violations(self, num_heads, mode, depth, guided)
         if problems:
             raise LayoutError(f"invalid parallel layout: {'; '.join(problems)}. "
-                              f"{valid_layouts_message(world_size, num_heads, mode)}")
+                              f"{valid_layouts_message(world_size, num_heads, mode, depth, guided)}")
+
+    def check_patches(self, parallel_cfg, grid) -> int:
+        """PipeFusion's patch count for a token grid (t, h, w), or a LayoutError: at least one patch per
+        stage (a stage with nothing to do each step would idle the pipeline), at most one per patch row."""
+        if self.pipefusion == 1:
+            return 1
+        patches = parallel_cfg.pipefusion_patches or self.pipefusion
+        rows = grid[0] * grid[1]
+        if patches < self.pipefusion:
+            raise LayoutError(f"parallel.pipefusion_patches={patches} is fewer than the pipefusion={self.pipefusion} "
+                              f"stages: use {self.pipefusion} to {rows} patches (default: one per stage)")
+        if patches > rows:
+            raise LayoutError(f"parallel.pipefusion_patches={patches}: the latent has only {rows} rows of patches "
+                              f"({grid[0]} x {grid[1]}, each {grid[2]} tokens wide); use {self.pipefusion} to {rows}")
+        if parallel_cfg.pipefusion_warmup < 0:
+            raise LayoutError(f"parallel.pipefusion_warmup={parallel_cfg.pipefusion_warmup}: use 0 or more "
+                              f"whole-sequence steps (default 1)")
+        return patches
 
 
-def _rule_violations(layout: ParallelLayout, num_heads: int, mode: str) -> list[str]:
+def _rule_violations(layout: ParallelLayout, num_heads: int, mode: str, depth: int | None = None,
+                     guided: bool = True) -> list[str]:
     problems = []
-    for name in DEGREES:
-        if getattr(layout, name) > 1 and name not in IMPLEMENTED:
-            problems.append(f"parallel.{name}={getattr(layout, name)} is not implemented in this version of tessera")
     if num_heads % layout.ulysses:
         problems.append(f"the model's {num_heads} attention heads do not divide by ulysses={layout.ulysses}")
     if layout.cfg not in (1, 2):
         problems.append(f"cfg={layout.cfg}: guidance has two branches, so cfg is 1 or 2")
     if mode == "train" and (layout.cfg > 1 or layout.pipefusion > 1):
         problems.append("cfg and pipefusion parallelism are for sampling only; set them to 1 for training")
+    if mode == "sample" and depth is not None and layout.pipefusion > depth:
+        problems.append(f"pipefusion={layout.pipefusion} stages for the model's {depth} blocks: at most one stage per block")
+    if mode == "sample" and layout.cfg > 1 and not guided:
+        problems.append("cfg=2 runs the conditional and unconditional branches side by side, but guidance is 1 "
+                        "(no unconditional branch): use cfg=1, or a guidance scale other than 1")
     return problems
 
 
-def auto_layout(world_size: int, num_heads: int, local_world_size: int, dp: int = 1) -> ParallelLayout:
-    """The processes left after `dp` go to sequence parallelism: ulysses as large as the heads and one
-    node allow (its all-to-alls want the fast intra-node links), ring for the rest (ring takes any
-    degree: the sequence is padded)."""
-    sp = world_size // dp
+def auto_layout(world_size: int, num_heads: int, local_world_size: int, dp: int = 1, mode: str = "train",
+                depth: int | None = None, guided: bool = True, slow_links: bool = False) -> ParallelLayout:
+    """The processes left after `dp`. For sampling with guidance, cfg=2 first (one small all-gather per
+    step). Then ulysses, as large as the heads and one node allow (its all-to-alls want the fast
+    intra-node links). The rest is ring inside a node; for sampling, PipeFusion takes the part that
+    crosses nodes, or all of it when the links inside a node are slow too (`slow_links`: PCIe): it moves
+    O(tokens x hidden) per step, ring that much in every layer (the latency model in
+    scripts/bench_sampling.py)."""
+    rest = world_size // dp
+    cfg = 2 if mode == "sample" and guided and rest % 2 == 0 else 1
+    rest //= cfg
     # d divides the node size, so no ulysses group straddles two nodes.
-    ulysses = max(d for d in range(1, sp + 1) if sp % d == 0 and num_heads % d == 0 and local_world_size % d == 0)
-    return ParallelLayout(dp=dp, ulysses=ulysses, ring=sp // ulysses)
+    ulysses = max(d for d in range(1, rest + 1)
+                  if rest % d == 0 and num_heads % d == 0 and local_world_size % d == 0)
+    rest //= ulysses
+    pipefusion = 1
+    if mode == "sample":
+        in_node = 1 if slow_links else max(d for d in range(1, rest + 1)
+                                           if rest % d == 0 and (local_world_size // ulysses) % d == 0)
+        # the axis outside the node (or every one, on PCIe) goes to pipefusion, at most one stage per block
+        pipefusion = max(d for d in range(1, rest // in_node + 1)
+                         if (rest // in_node) % d == 0 and (depth is None or d <= depth))
+    return ParallelLayout(dp=dp, cfg=cfg, pipefusion=pipefusion, ulysses=ulysses, ring=rest // pipefusion)
 
 
-def valid_layouts(world_size: int, num_heads: int, mode: str = "train") -> list[ParallelLayout]:
+def valid_layouts(world_size: int, num_heads: int, mode: str = "train", depth: int | None = None,
+                  guided: bool = True) -> list[ParallelLayout]:
     layouts = []
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
     for dp, cfg, pipefusion, ulysses in itertools.product(divisors, repeat=4):
@@ -142,14 +184,15 @@ def valid_layouts(world_size: int, num_heads: int, mode: str = "train") -> list[
         if world_size % rest:
             continue
         layout = ParallelLayout(dp, cfg, pipefusion, ulysses, world_size // rest)
-        if not _rule_violations(layout, num_heads, mode):
+        if not _rule_violations(layout, num_heads, mode, depth, guided):
             layouts.append(layout)
     # Most data parallelism first, then the cheapest sequence parallelism (ulysses before ring).
     return sorted(layouts, key=lambda o: (-o.dp, -o.cfg, -o.pipefusion, -o.ulysses))
 
 
-def valid_layouts_message(world_size: int, num_heads: int, mode: str, limit: int = 16) -> str:
-    options = valid_layouts(world_size, num_heads, mode)
+def valid_layouts_message(world_size: int, num_heads: int, mode: str, depth: int | None = None, guided: bool = True,
+                          limit: int = 16) -> str:
+    options = valid_layouts(world_size, num_heads, mode, depth, guided)
     listed = ", ".join("(" + ",".join(str(getattr(o, name)) for name in DEGREES) + ")" for o in options[:limit])
     if len(options) > limit:
         listed += f" and {len(options) - limit} more"

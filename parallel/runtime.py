@@ -18,6 +18,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from parallel import comm, watchdog
 from parallel.layout import ParallelLayout
+from parallel.pipefusion import SamplingGroups
 from parallel.sequence import SequenceGroups
 from parallel.watchdog import Deadlines, Stopped, Terminated, Watchdog, stop_request
 
@@ -41,6 +42,7 @@ class Runtime:
     control_group: object  # gloo group with a long timeout, to fence long single-rank work
     sequence: SequenceGroups  # this rank's ulysses / ring / sequence-parallel groups
     watchdog: Watchdog  # heartbeats, stall detection and the shared abort (parallel/watchdog.py)
+    sampling: SamplingGroups | None = None  # cfg / PipeFusion groups and the replica (parallel/pipefusion.py)
 
     @property
     def is_main(self) -> bool:
@@ -72,6 +74,31 @@ def world_from_env() -> tuple[int, int, int]:
 def local_world_size() -> int:
     """Processes on this node (torchrun sets LOCAL_WORLD_SIZE); used by parallel.auto to keep ulysses in a node."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+
+
+def links_are_slow() -> tuple[bool, str]:
+    """Whether the GPUs inside a node lack NVLink (PCIe only), and a description of the links for the
+    layout line: parallel.auto then gives PipeFusion, not ring, the axis that ulysses leaves (between
+    nodes PipeFusion is chosen anyway). Read before any process group exists; NVLink is looked up
+    through NVML when it is installed."""
+    world, local = int(os.environ.get("WORLD_SIZE", 1)), local_world_size()
+    nodes = f"{max(1, world // max(local, 1))} node(s) of {local} process(es)"
+    if not torch.cuda.is_available():
+        return False, f"{nodes}, no GPU"
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("LOCAL_RANK", 0)))
+        for link in range(18):  # NVML_NVLINK_MAX_LINKS
+            try:
+                if pynvml.nvmlDeviceGetNvLinkState(handle, link):
+                    return False, f"{nodes}, NVLink"
+            except pynvml.NVMLError:
+                break
+        return True, f"{nodes}, GPUs without NVLink (PCIe)"
+    except Exception:  # no NVML: assume the usual NVLink server
+        return False, f"{nodes}, NVLink assumed (pynvml is not installed)"
 
 
 def _free_port() -> int:
@@ -160,6 +187,7 @@ def init_runtime(parallel_cfg, layout: ParallelLayout, run_dir=None) -> Runtime:
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=parallel_cfg.control_timeout_s),
                              group_desc="control")
     sequence = sequence_groups(layout, rank, timeout)
+    sampling = sampling_groups(layout, rank, timeout, sequence)
     for group, name in ((fsdp_mesh.get_group(), "fsdp"), (control, "control"), (sequence.ulysses_group, "ulysses"),
                         (sequence.ring_group, "ring"), (sequence.sp_group, "sequence")):
         comm.name_group(group, name)
@@ -170,7 +198,8 @@ def init_runtime(parallel_cfg, layout: ParallelLayout, run_dir=None) -> Runtime:
     monitor = Watchdog(rank, world_size, store, run_dir or comm.failure_dir() or ".", limits, backend).start()
     if rank == 0:
         print(f"[tessera] {limits.describe()}", flush=True)
-    return Runtime(rank, world_size, local_rank, device, backend, layout, fsdp_mesh, control, sequence, monitor)
+    return Runtime(rank, world_size, local_rank, device, backend, layout, fsdp_mesh, control, sequence, monitor,
+                   sampling)
 
 
 def _archive_failures(folder: Path) -> None:
@@ -184,21 +213,40 @@ def _archive_failures(folder: Path) -> None:
             path.replace(archive / path.name)
 
 
-def sequence_groups(layout: ParallelLayout, rank: int, timeout) -> SequenceGroups:
-    """Every process creates every group, in the same order, from the layout's one rank generator."""
-    def my_group(*axes):
-        ranks = layout.group_of(rank, *axes)
-        if len(ranks) == 1:
-            return None, ranks
-        group, _ = dist.new_subgroups_by_enumeration(layout.groups(*axes), timeout=timeout,
-                                                     group_desc="+".join(axes))
-        return group, ranks
+def _my_group(layout: ParallelLayout, rank: int, timeout, *axes):
+    """(this rank's process group along `axes`, its ranks); every process creates every such group, in
+    the same order, from the layout's one rank generator. A one-rank group is None (nothing to create)."""
+    ranks = layout.group_of(rank, *axes)
+    if len(ranks) == 1:
+        return None, ranks
+    group, _ = dist.new_subgroups_by_enumeration(layout.groups(*axes), timeout=timeout, group_desc="+".join(axes))
+    return group, ranks
 
-    ulysses_group, ulysses_ranks = my_group("ulysses")
-    ring_group, ring_ranks = my_group("ring")
-    sp_group, sp_ranks = my_group("ulysses", "ring")
+
+def sequence_groups(layout: ParallelLayout, rank: int, timeout) -> SequenceGroups:
+    ulysses_group, ulysses_ranks = _my_group(layout, rank, timeout, "ulysses")
+    ring_group, ring_ranks = _my_group(layout, rank, timeout, "ring")
+    sp_group, sp_ranks = _my_group(layout, rank, timeout, "ulysses", "ring")
     return SequenceGroups(ulysses_group, len(ulysses_ranks), ulysses_ranks.index(rank), ring_group, ring_ranks,
                           ring_ranks.index(rank), sp_group, len(sp_ranks), sp_ranks.index(rank))
+
+
+def sampling_groups(layout: ParallelLayout, rank: int, timeout, sequence: SequenceGroups) -> SamplingGroups:
+    """The cfg and PipeFusion groups (parallel/pipefusion.py). PipeFusion's two directions get two process
+    groups over the same ranks: two NCCL communicators, so a receive posted early in one direction never
+    queues ahead of a send in the other."""
+    cfg_group, cfg_ranks = _my_group(layout, rank, timeout, "cfg")
+    forward_group, pipeline_ranks = _my_group(layout, rank, timeout, "pipefusion")
+    return_group, _ = _my_group(layout, rank, timeout, "pipefusion")
+    if layout.cfg * layout.pipefusion > 1:
+        replica_group, replica_ranks = _my_group(layout, rank, timeout, "cfg", "pipefusion", "ring", "ulysses")
+    else:
+        replica_group, replica_ranks = sequence.sp_group, layout.group_of(rank, "ring", "ulysses")
+    for group, name in ((cfg_group, "cfg"), (forward_group, "pipefusion"), (return_group, "pipefusion-return"),
+                        (replica_group, "replica")):
+        comm.name_group(group, name)
+    return SamplingGroups(cfg_group, len(cfg_ranks), cfg_ranks.index(rank), forward_group, return_group,
+                          pipeline_ranks, pipeline_ranks.index(rank), sequence, replica_group, len(replica_ranks))
 
 
 def shutdown() -> None:
@@ -215,8 +263,10 @@ def _user_errors():
     from models.attention import AttentionBackendUnavailable
     from parallel.checkpoint import CheckpointError
     from parallel.layout import LayoutError
+    from parallel.pipefusion import PipeFusionError
 
-    return (ConfigError, LayoutError, CheckpointError, AttentionBackendUnavailable, FileNotFoundError, ValueError)
+    return (ConfigError, LayoutError, CheckpointError, AttentionBackendUnavailable, FileNotFoundError, ValueError,
+            PipeFusionError)
 
 
 def run_entrypoint(main, argv=None) -> int:

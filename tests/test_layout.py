@@ -24,9 +24,41 @@ def test_product_mismatch_names_every_factor_and_lists_valid_layouts():
             "(1,1,1,1,3).") in message
 
 
-def test_unimplemented_degrees_are_refused_not_ignored():
-    with pytest.raises(LayoutError, match="pipefusion=2 is not implemented"):
-        ParallelLayout.from_config(parallel(pipefusion=2), world_size=2, num_heads=4, mode="sample")
+def test_sampling_layouts_are_checked_against_the_model_and_guidance():
+    layout = ParallelLayout.from_config(parallel(cfg=2, pipefusion=2), world_size=4, num_heads=4, mode="sample",
+                                        depth=4, guided=True)
+    assert (layout.cfg, layout.pipefusion, layout.dp) == (2, 2, 1)
+    with pytest.raises(LayoutError) as e:
+        ParallelLayout.from_config(parallel(pipefusion=4), world_size=4, num_heads=4, mode="sample", depth=2)
+    assert "pipefusion=4 stages for the model's 2 blocks" in str(e.value)
+    assert "(1,1,2,1,2)" in str(e.value) and "(1,1,4,1,1)" not in str(e.value)  # valid ones listed, 4 stages not
+    with pytest.raises(LayoutError, match="guidance is 1"):
+        ParallelLayout.from_config(parallel(cfg=2), world_size=2, num_heads=4, mode="sample", depth=2, guided=False)
+
+
+def test_pipefusion_patches_are_checked_against_the_latent():
+    layout = ParallelLayout(pipefusion=2)
+    assert layout.check_patches(parallel(pipefusion=2), (3, 5, 3)) == 2  # default: one patch per stage
+    assert layout.check_patches(parallel(pipefusion=2, pipefusion_patches=15), (3, 5, 3)) == 15
+    with pytest.raises(LayoutError, match="fewer than the pipefusion=2 stages"):
+        layout.check_patches(parallel(pipefusion=2, pipefusion_patches=1), (3, 5, 3))
+    with pytest.raises(LayoutError, match="only 15 rows of patches"):
+        layout.check_patches(parallel(pipefusion=2, pipefusion_patches=16), (3, 5, 3))
+    with pytest.raises(LayoutError, match="pipefusion_warmup=-1"):
+        layout.check_patches(parallel(pipefusion=2, pipefusion_warmup=-1), (3, 5, 3))
+
+
+def test_auto_sampling_layout_cfg_first_then_ulysses_then_ring_or_pipefusion_across_slow_links():
+    pick = ParallelLayout.from_config
+    auto = parallel(auto=True)
+    assert pick(auto, 8, 12, "sample", 8, depth=30) == ParallelLayout(cfg=2, ulysses=4)
+    assert pick(auto, 8, 12, "sample", 8, depth=30, guided=False) == ParallelLayout(ulysses=4, ring=2)
+    assert pick(auto, 16, 12, "sample", 8, depth=30) == ParallelLayout(cfg=2, ulysses=4, ring=2)
+    assert pick(auto, 16, 12, "sample", 8, depth=30, slow_links=True) == ParallelLayout(cfg=2, ulysses=4, pipefusion=2)
+    # 4 nodes of 8, no guidance: ulysses 4 and ring 2 inside each node, pipefusion 4 across the nodes
+    assert pick(auto, 32, 12, "sample", 8, depth=30, guided=False) == ParallelLayout(pipefusion=4, ulysses=4, ring=2)
+    assert pick(auto, 32, 12, "sample", 8, depth=2, guided=False) == ParallelLayout(pipefusion=2, ulysses=4, ring=4)
+    assert pick(auto, 8, 16, "train", 8) == ParallelLayout(ulysses=8)  # training: never cfg or pipefusion
 
 
 def test_heads_must_divide_by_ulysses():

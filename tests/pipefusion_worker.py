@@ -1,0 +1,172 @@
+"""PipeFusion and CFG-parallel sampling checks run by tests/test_pipefusion.py under torchrun (4 processes,
+gloo, CPU).
+
+One launch runs every layout: the process group is made once, and each case builds its own cfg /
+PipeFusion / sequence groups from its layout (as parallel/runtime.py does) and samples through
+infer.load_sampler and models.pipeline.generate, the code infer.py runs. Every rank computes the
+serial reference itself (flow.sample on the whole model, one process). Token grid 3 x 5 x 3 = 45
+tokens in 15 rows: 2 and 4 patches are 7/8 and 3/4/4/4 rows, which no sequence-parallel degree
+divides, so padded patches run too. Prints `ok <case> ...` per passed check; a mismatch raises.
+"""
+
+import datetime
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from configs import load_config  # noqa: E402
+from infer import load_sampler  # noqa: E402
+from models.flow import RectifiedFlow  # noqa: E402
+from models.pipeline import build_frozen, build_model, generate  # noqa: E402
+from parallel.init import materialize  # noqa: E402
+from parallel.layout import ParallelLayout  # noqa: E402
+from parallel.runtime import sampling_groups, sequence_groups  # noqa: E402
+
+TINY = Path(__file__).resolve().parent / "tiny.yaml"
+STEPS, FRAMES, HEIGHT, WIDTH, GUIDANCE = 3, 3, 20, 12, 2.0
+PROMPTS = ["a red square moving left", "a green circle moving up"]
+EXACT = 1e-5  # the issue's bound against the serial sampler, on pixels in [0, 1]
+
+
+def config(patches=None, warmup=1):
+    return load_config(TINY, ["model.size=DiT-demo", f"parallel.pipefusion_patches={patches or 'null'}",
+                              f"parallel.pipefusion_warmup={warmup}"])
+
+
+def sample(cfg, model, vae, text_encoder, sampler=None):
+    return generate(model, vae, text_encoder, RectifiedFlow(cfg.flow, cfg.model.patch_size), PROMPTS, FRAMES, HEIGHT,
+                    WIDTH, STEPS, GUIDANCE, seeds=[0, 1], sampler=sampler)
+
+
+def serial_reference():
+    cfg = config()
+    text_encoder, vae = build_frozen(cfg, "cpu")
+    model = build_model(cfg, text_encoder, vae, weights=False)
+    materialize(model, "cpu", cfg.train.seed, zero_init=False)  # as infer.py --random-weights
+    return torch.from_numpy(sample(cfg, model.eval(), vae, text_encoder))
+
+
+def stale_kv_reference(patches: int, warmup: int):
+    """PipeFusion's result written out on one process, independently of parallel/pipefusion.py: after the
+    warm-up steps the patches run one after the other through the whole model, and every layer attends
+    to a full-sequence K/V buffer that holds this step's K/V for the patches done so far and the previous
+    step's for the others (keys never written are masked)."""
+    import torch.nn.functional as F
+
+    cfg = config()
+    text_encoder, vae = build_frozen(cfg, "cpu")
+    model = build_model(cfg, text_encoder, vae, weights=False)
+    materialize(model, "cpu", cfg.train.seed, zero_init=False)
+    flow = RectifiedFlow(cfg.flow, cfg.model.patch_size)
+    current = {}
+
+    class BufferedAttention(torch.nn.Module):
+        keys = values = written = None
+
+        def forward(self, q, k, v):
+            if self.keys is None:
+                self.keys = k.new_zeros((*k.shape[:2], current["tokens"], k.shape[3]))
+                self.values, self.written = torch.zeros_like(self.keys), torch.zeros(current["tokens"], dtype=torch.bool)
+            a, b = current["range"]
+            self.keys[:, :, a:b], self.values[:, :, a:b], self.written[a:b] = k, v, True
+            return F.scaled_dot_product_attention(q, self.keys, self.values, attn_mask=self.written.view(1, 1, 1, -1))
+
+    for block in model.blocks:
+        block.attn.inner_attention = BufferedAttention()
+    with torch.no_grad():
+        latent_shape = vae.latent_shape(FRAMES, HEIGHT, WIDTH, flow.patch_size)
+        x = torch.stack([torch.randn(latent_shape, generator=torch.Generator().manual_seed(s)) for s in (0, 1)])
+        y, y_mask = text_encoder(PROMPTS, "cpu")
+        neg_y, neg_mask = text_encoder([""] * 2, "cpu")
+        y, y_mask = torch.cat([y, neg_y]), torch.cat([y_mask, neg_mask])
+        sigmas = flow.sigmas(x, STEPS)
+        pt, ph, pw = model.patch_size
+        grid = (x.shape[2] // pt, x.shape[3] // ph, x.shape[4] // pw)
+        current["tokens"] = tokens = grid[0] * grid[1] * grid[2]
+        rows = grid[0] * grid[1]
+        bounds = [rows * i // patches * grid[2] for i in range(patches + 1)]
+        for i in range(STEPS):
+            embedded, _ = model.embed(torch.cat([x, x]))
+            rope = model.rope(grid, "cpu")
+            cond = model.condition(sigmas[i].expand(4), y, y_mask)
+            outputs = []
+            for a, b in ([(0, tokens)] if i < warmup else zip(bounds, bounds[1:])):
+                current["range"] = (a, b)
+                h = embedded[:, a:b]
+                for block in model.blocks:
+                    h = block(h, cond.c, cond.y, cond.block_mask, rope[a:b])
+                outputs.append(model.final_layer(h, cond.temb))
+            v_cond, v_uncond = torch.cat(outputs, dim=1).chunk(2)
+            v = model.unpatchify(v_uncond + GUIDANCE * (v_cond - v_uncond), grid)
+            x = flow.euler_step(x, v, sigmas, i)
+        return torch.from_numpy(((vae.decode(x).clamp(-1, 1) + 1) / 2).permute(0, 2, 3, 4, 1).numpy())
+
+
+def run_case(layout: ParallelLayout, patches=None, warmup=1):
+    rank = dist.get_rank()
+    timeout = datetime.timedelta(seconds=60)
+    sequence = sequence_groups(layout, rank, timeout)
+    runtime = SimpleNamespace(layout=layout, sequence=sequence, device=torch.device("cpu"),
+                              sampling=sampling_groups(layout, rank, timeout, sequence))
+    cfg = config(patches, warmup)
+    model, vae, text_encoder, sampler = load_sampler(cfg, runtime, None, random_weights=True,
+                                                     patches=patches or layout.pipefusion)
+    if layout.pipefusion > 1:  # a stage holds only its blocks
+        kept = sum(not hasattr(b, "stage") for b in model.blocks)
+        assert kept == 4 // layout.pipefusion, (kept, layout)
+    return torch.from_numpy(sample(cfg, model, vae, text_encoder, sampler))
+
+
+def report(name, error, bound=None):
+    if bound is not None and not error <= bound:
+        raise AssertionError(f"{name}: max abs difference {error:.2e} > {bound:.0e}")
+    if dist.get_rank() == 0:
+        print(f"ok {name} maxabs={error:.2e}", flush=True)
+
+
+def main():
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    reference = serial_reference()
+    full = STEPS  # warm-up over every step: the whole sequence each step, which must equal serial exactly
+    exact_cases = [
+        ("pf4 M=4", ParallelLayout(pipefusion=4), 4),
+        ("pf4 M=8", ParallelLayout(pipefusion=4), 8),
+        ("pf2 M=2", ParallelLayout(dp=2, pipefusion=2), 2),
+        ("pf2 M=4", ParallelLayout(dp=2, pipefusion=2), 4),
+        ("pf2xu2", ParallelLayout(pipefusion=2, ulysses=2), 2),
+        ("pf2xr2", ParallelLayout(pipefusion=2, ring=2), 4),
+        ("pf2xcfg2", ParallelLayout(cfg=2, pipefusion=2), 2),
+        ("cfg2", ParallelLayout(dp=2, cfg=2), None),
+        ("cfg2xu2", ParallelLayout(cfg=2, ulysses=2), None),
+    ]
+    for name, layout, patches in exact_cases:
+        report(f"{name} warmup=all vs serial", (run_case(layout, patches, warmup=full) - reference).abs().max().item(),
+               EXACT if layout.pipefusion > 1 or layout.cfg > 1 else None)
+    # Warm-up 1: stale K/V. The result depends on the patches and the warm-up only, not on how many
+    # stages the blocks are split into nor on what runs inside a stage.
+    pipelined = run_case(ParallelLayout(dp=2, pipefusion=2), 4, warmup=1)
+    report("pf2 M=4 warmup=1 vs serial", (pipelined - reference).abs().max().item())
+    report("pf2 M=4 warmup=1 vs the stale-K/V reference",
+           (pipelined - stale_kv_reference(patches=4, warmup=1)).abs().max().item(), EXACT)
+    if (pipelined - reference).abs().max() < 1e-4:
+        raise AssertionError("warm-up 1 gave the serial result: the patches did not run with stale K/V")
+    for name, layout in [("pf4", ParallelLayout(pipefusion=4)), ("pf2xu2", ParallelLayout(pipefusion=2, ulysses=2)),
+                         ("pf2xr2", ParallelLayout(pipefusion=2, ring=2)), ("pf2xcfg2", ParallelLayout(cfg=2, pipefusion=2))]:
+        report(f"{name} M=4 warmup=1 vs pf2 M=4 warmup=1", (run_case(layout, 4, warmup=1) - pipelined).abs().max().item(),
+               EXACT)
+    for warmup in (0, 2):
+        result = run_case(ParallelLayout(pipefusion=4), 4, warmup=warmup)
+        report(f"pf4 M=4 warmup={warmup} vs serial", (result - reference).abs().max().item())
+        report(f"pf4 M=4 warmup={warmup} vs the stale-K/V reference",
+               (result - stale_kv_reference(patches=4, warmup=warmup)).abs().max().item(), EXACT)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
