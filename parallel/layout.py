@@ -82,6 +82,11 @@ class ParallelLayout:
         (the model's blocks) bounds pipefusion and `guided` (guidance != 1) allows cfg=2."""
         limits = dict(depth=depth, guided=guided)
         if getattr(parallel_cfg, "auto", False):
+            given = [f"parallel.{name}={getattr(parallel_cfg, name)}" for name in DEGREES[1:]
+                     if int(getattr(parallel_cfg, name)) != 1]
+            if given:  # never silently replaced by auto's choice
+                raise LayoutError(f"parallel.auto=true chooses the degrees itself, but {' '.join(given)} is set: "
+                                  f"add parallel.auto=false to use your degrees, or drop them")
             dp = int(parallel_cfg.dp)
             if dp != -1 and (dp < 1 or world_size % dp):
                 raise LayoutError(f"parallel.auto=true with parallel.dp={dp}: dp must divide the {world_size} "
@@ -152,26 +157,31 @@ def _rule_violations(layout: ParallelLayout, num_heads: int, mode: str, depth: i
 
 def auto_layout(world_size: int, num_heads: int, local_world_size: int, dp: int = 1, mode: str = "train",
                 depth: int | None = None, guided: bool = True, slow_links: bool = False) -> ParallelLayout:
-    """The processes left after `dp`. For sampling with guidance, cfg=2 first (one small all-gather per
-    step). Then ulysses, as large as the heads and one node allow (its all-to-alls want the fast
-    intra-node links). The rest is ring inside a node; for sampling, PipeFusion takes the part that
-    crosses nodes, or all of it when the links inside a node are slow too (`slow_links`: PCIe): it moves
-    O(tokens x hidden) per step, ring that much in every layer (the latency model in
-    scripts/bench_sampling.py)."""
+    """The processes left after `dp`, as the sampling latency model (scripts/bench_sampling.py,
+    BENCHMARKS.md) ranks them:
+    - sampling with guidance: cfg=2 first (one small all-gather per step; every fastest layout has it);
+    - ulysses inside a node, as large as the heads and the node allow, on fast links (NVLink); none on
+      PCIe (`slow_links`), where its all-to-alls are the slowest choice;
+    - inside a node, ring for the rest; on PCIe, pipefusion and ring share it (pipefusion the smaller,
+      so its warm-up steps, which run the stages one after another, stay cheap);
+    - across nodes, pipefusion for sampling (O(tokens x hidden) per step, not per layer), ring for training.
+    Training gets only ulysses and ring."""
     rest = world_size // dp
-    cfg = 2 if mode == "sample" and guided and rest % 2 == 0 else 1
+    sample = mode == "sample"
+    cfg = 2 if sample and guided and rest % 2 == 0 else 1
     rest //= cfg
+    divisors = lambda n: [d for d in range(1, n + 1) if n % d == 0]  # noqa: E731
     # d divides the node size, so no ulysses group straddles two nodes.
-    ulysses = max(d for d in range(1, rest + 1)
-                  if rest % d == 0 and num_heads % d == 0 and local_world_size % d == 0)
+    ulysses = 1 if sample and slow_links else max(d for d in divisors(rest)
+                                                  if num_heads % d == 0 and local_world_size % d == 0)
     rest //= ulysses
-    pipefusion = 1
-    if mode == "sample":
-        in_node = 1 if slow_links else max(d for d in range(1, rest + 1)
-                                           if rest % d == 0 and (local_world_size // ulysses) % d == 0)
-        # the axis outside the node (or every one, on PCIe) goes to pipefusion, at most one stage per block
-        pipefusion = max(d for d in range(1, rest // in_node + 1)
-                         if (rest // in_node) % d == 0 and (depth is None or d <= depth))
+    if not sample:
+        return ParallelLayout(dp=dp, ulysses=ulysses, ring=rest)
+    in_node = max(d for d in divisors(rest) if (local_world_size // ulysses) % d == 0) if local_world_size % ulysses == 0 else 1
+    across = rest // in_node  # the part of the rest that crosses nodes
+    inner_pipefusion = max(d for d in divisors(in_node) if d * d <= in_node) if slow_links else 1
+    fits = [d for d in divisors(rest) if d <= (depth or rest) and d % across == 0 and d <= across * inner_pipefusion]
+    pipefusion = max(fits) if fits else max(d for d in divisors(rest) if d <= (depth or rest))
     return ParallelLayout(dp=dp, cfg=cfg, pipefusion=pipefusion, ulysses=ulysses, ring=rest // pipefusion)
 
 

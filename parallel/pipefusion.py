@@ -440,6 +440,9 @@ class PipeFusionSampler:
         comm.all_gather_into_tensor(everyone, plan.as_tensor().to(device), g.forward_group)
         self.plans = [MessagePlan.from_tensor(row) for row in everyone.cpu()]
         check_plans(self.plans, g.pipeline_ranks)
+        # NCCL: a group's first op must include all its ranks, and only stage 0 and the last stage ever
+        # post point-to-point ops on the return group; one tiny all-reduce starts its communicator.
+        comm.all_reduce(torch.zeros(1, device=device), group=g.return_group)
 
     def _check_counts(self, device) -> None:
         """Every rank learns what every rank of the pipeline sent and received (one small all-gather) and

@@ -54,7 +54,9 @@ def test_auto_sampling_layout_cfg_first_then_ulysses_then_ring_or_pipefusion_acr
     assert pick(auto, 8, 12, "sample", 8, depth=30) == ParallelLayout(cfg=2, ulysses=4)
     assert pick(auto, 8, 12, "sample", 8, depth=30, guided=False) == ParallelLayout(ulysses=4, ring=2)
     assert pick(auto, 16, 12, "sample", 8, depth=30) == ParallelLayout(cfg=2, ulysses=4, ring=2)
-    assert pick(auto, 16, 12, "sample", 8, depth=30, slow_links=True) == ParallelLayout(cfg=2, ulysses=4, pipefusion=2)
+    # PCIe inside the node: no ulysses; pipefusion and ring share what cfg leaves
+    assert pick(auto, 8, 40, "sample", 8, depth=40, slow_links=True) == ParallelLayout(cfg=2, pipefusion=2, ring=2)
+    assert pick(auto, 8, 40, "sample", 8, depth=40, guided=False, slow_links=True) == ParallelLayout(pipefusion=2, ring=4)
     # 4 nodes of 8, no guidance: ulysses 4 and ring 2 inside each node, pipefusion 4 across the nodes
     assert pick(auto, 32, 12, "sample", 8, depth=30, guided=False) == ParallelLayout(pipefusion=4, ulysses=4, ring=2)
     assert pick(auto, 32, 12, "sample", 8, depth=2, guided=False) == ParallelLayout(pipefusion=2, ulysses=4, ring=4)
@@ -96,6 +98,8 @@ def test_auto_prefers_ulysses_inside_a_node_then_ring():
     assert pick(parallel(auto=True, dp=2), 8, 6, local_world_size=8) == ParallelLayout(dp=2, ulysses=2, ring=2)
     with pytest.raises(LayoutError, match="dp must divide"):
         pick(parallel(auto=True, dp=3), 8, 16)
+    with pytest.raises(LayoutError, match="but parallel.cfg=2 parallel.ring=2 is set: add parallel.auto=false"):
+        pick(parallel(auto=True, cfg=2, ring=2), 8, 16, "sample")
 
 
 def test_sampling_only_degrees_in_training():
