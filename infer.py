@@ -150,9 +150,11 @@ def main(argv=None):
             for i, video in zip(mine, videos):
                 for path in write_video(outputs[i], video, fps=sc.fps):
                     print(f"[tessera] wrote {path}", flush=True)
-    # Every rank waits for the writers on the control group (gloo, long timeout): a rank that has
-    # finished never sits in a short-deadline collective while another encodes a long video.
-    runtime.fence()
+        # The replica's other ranks wait for its writer on gloo with the control timeout, so none of them
+        # leaves (or sits in a short-deadline collective) while a long video is encoded. Replicas are not
+        # fenced against each other: one with no prompts must not wait out another's sampling.
+        if runtime.sampling.replica_control is not None:
+            comm.barrier(runtime.sampling.replica_control)
 
 
 if __name__ == "__main__":

@@ -126,6 +126,10 @@ class ParallelLayout:
             return 1
         patches = parallel_cfg.pipefusion_patches or self.pipefusion
         rows = grid[0] * grid[1]
+        if self.pipefusion > rows:
+            raise LayoutError(f"pipefusion={self.pipefusion} needs at least {self.pipefusion} patches, but the latent "
+                              f"has only {rows} rows of patches ({grid[0]} x {grid[1]}, each {grid[2]} tokens wide): "
+                              f"use pipefusion <= {rows}, or more frames or a larger height")
         if patches < self.pipefusion:
             raise LayoutError(f"parallel.pipefusion_patches={patches} is fewer than the pipefusion={self.pipefusion} "
                               f"stages: use {self.pipefusion} to {rows} patches (default: one per stage)")

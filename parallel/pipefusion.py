@@ -64,6 +64,7 @@ class SamplingGroups:
     sequence: SequenceGroups  # ulysses / ring inside the stage
     replica_group: object  # every rank that works on the same samples (cfg x pipefusion x ulysses x ring)
     replica_size: int
+    replica_control: object = None  # the same ranks on gloo with the control timeout: fences the replica's writer
 
     @property
     def stages(self) -> int:
@@ -241,6 +242,7 @@ class PipeFusionAttention(nn.Module):
 
     def reset(self) -> None:
         self.keys = self.values = self.written = None
+        self.complete = False
 
     @torch.compiler.disable
     def forward(self, q, k, v):
@@ -253,11 +255,16 @@ class PipeFusionAttention(nn.Module):
         if self.keys is None or self.keys.shape[0] != k.shape[0]:
             shape = (k.shape[0], k.shape[1], state.tokens, k.shape[3])
             self.keys, self.values = k.new_zeros(shape), v.new_zeros(shape)
-            self.written = torch.zeros(state.tokens, dtype=torch.bool, device=k.device)
+            self.written = torch.zeros(state.tokens, dtype=torch.bool)  # on the host: no device sync to read it
+            self.complete = False
         self.keys[:, :, state.start:state.end] = k[:, :, :real]
         self.values[:, :, state.start:state.end] = v[:, :, :real]
-        self.written[state.start:state.end] = True
-        mask = None if bool(self.written.all()) else self.written.view(1, 1, 1, -1)
+        mask = None
+        if not self.complete:
+            self.written[state.start:state.end] = True
+            self.complete = bool(self.written.all())
+            mask = None if self.complete else self.written.to(k.device, non_blocking=True).view(1, 1, 1, -1)
+        # Plain SDPA whatever model.attention_backend says: the queries are a patch, the keys the sequence.
         out = F.scaled_dot_product_attention(q, self.keys, self.values, attn_mask=mask)
         if g.ulysses_size > 1:
             out = all_to_all_dims(out, 2, 1, g.ulysses_group)
@@ -359,8 +366,8 @@ class PipeFusionSampler:
                     returns.append((returned, buffer, comm.post(recvs=[(buffer, g.pipeline_ranks[-1])],
                                                                 group=g.return_group)))
                     self.received["return"] += 1
-            sigma = sigmas[item.step].expand(batch)
-            cond = model.condition(sigma, branch_y, branch_mask)
+            if index == 0 or items[index - 1].step != item.step:  # the conditioning changes with the step only
+                cond = model.condition(sigmas[item.step].expand(batch), branch_y, branch_mask)
             offset, local = local_share(item, seq.sp_size, seq.sp_rank)
             item_rope = _pad_tokens(rope[item.start:item.end], offset + local)[offset:offset + local]
             if first:
@@ -411,7 +418,9 @@ class PipeFusionSampler:
                     self.received["forward"] += 1
             if progress is not None and (following is None or following.step != item.step):
                 progress(item.step + 1, steps)
-            pending_sends = [ops for ops in pending_sends if not ops.is_completed()]
+            for ops in [ops for ops in pending_sends if ops.is_completed()]:
+                ops.wait()  # returns at once; stamps the records' end for failure dumps
+            pending_sends = [ops for ops in pending_sends if ops.works]
         self._check_counts(device)  # before waiting: an unplanned send would never complete
         for ops in pending_sends:  # no process leaves with a send in flight
             ops.wait()

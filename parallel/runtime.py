@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from parallel import comm, watchdog
-from parallel.layout import ParallelLayout
+from parallel.layout import DEGREES, LayoutError, ParallelLayout
 from parallel.pipefusion import SamplingGroups
 from parallel.sequence import SequenceGroups
 from parallel.watchdog import Deadlines, Stopped, Terminated, Watchdog, stop_request
@@ -177,6 +177,7 @@ def init_runtime(parallel_cfg, layout: ParallelLayout, run_dir=None) -> Runtime:
         raise RuntimeError(f"rank {rank}: the preflight all-reduce across {world_size} processes failed within "
                            f"{parallel_cfg.preflight_timeout_s:.0f}s ({e}). {NCCL_HINT}") from e
     _set_pg_timeout(datetime.timedelta(seconds=parallel_cfg.timeout_s))
+    _check_same_layout(layout, rank, world_size, device)
 
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -187,7 +188,8 @@ def init_runtime(parallel_cfg, layout: ParallelLayout, run_dir=None) -> Runtime:
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=parallel_cfg.control_timeout_s),
                              group_desc="control")
     sequence = sequence_groups(layout, rank, timeout)
-    sampling = sampling_groups(layout, rank, timeout, sequence)
+    sampling = sampling_groups(layout, rank, timeout, sequence,
+                               datetime.timedelta(seconds=parallel_cfg.control_timeout_s))
     for group, name in ((fsdp_mesh.get_group(), "fsdp"), (control, "control"), (sequence.ulysses_group, "ulysses"),
                         (sequence.ring_group, "ring"), (sequence.sp_group, "sequence")):
         comm.name_group(group, name)
@@ -202,6 +204,23 @@ def init_runtime(parallel_cfg, layout: ParallelLayout, run_dir=None) -> Runtime:
                    sampling)
 
 
+def _check_same_layout(layout: ParallelLayout, rank: int, world_size: int, device) -> None:
+    """Every rank must build the same groups from the same layout, or group creation waits forever. A rank
+    can see another one (parallel.auto reading another GPU's links, other command-line overrides): one
+    small all-gather before any group exists turns that into an error naming the ranks."""
+    if world_size == 1:
+        return
+    mine = torch.tensor([getattr(layout, name) for name in DEGREES], dtype=torch.int64, device=device)
+    everyone = torch.empty((world_size, len(DEGREES)), dtype=torch.int64, device=device)
+    comm.all_gather_into_tensor(everyone, mine, None)
+    layouts = [tuple(row) for row in everyone.cpu().tolist()]
+    if len(set(layouts)) > 1:
+        differ = ", ".join(f"rank {r}: ({','.join(map(str, lay))})" for r, lay in enumerate(layouts) if lay != layouts[0])
+        raise LayoutError(f"the ranks chose different layouts ({', '.join(DEGREES)}): rank 0: "
+                          f"({','.join(map(str, layouts[0]))}), {differ}; every rank must get the same command, "
+                          f"recipe and environment (with parallel.auto, the same kind of links)")
+
+
 def _archive_failures(folder: Path) -> None:
     """Records of an earlier failure of this run move to failures.<time>/, so that diagnose.py reads
     only this attempt's (NCCL's flight-recorder files, written on a timeout, stay)."""
@@ -213,13 +232,14 @@ def _archive_failures(folder: Path) -> None:
             path.replace(archive / path.name)
 
 
-def _my_group(layout: ParallelLayout, rank: int, timeout, *axes):
+def _my_group(layout: ParallelLayout, rank: int, timeout, *axes, backend=None):
     """(this rank's process group along `axes`, its ranks); every process creates every such group, in
     the same order, from the layout's one rank generator. A one-rank group is None (nothing to create)."""
     ranks = layout.group_of(rank, *axes)
     if len(ranks) == 1:
         return None, ranks
-    group, _ = dist.new_subgroups_by_enumeration(layout.groups(*axes), timeout=timeout, group_desc="+".join(axes))
+    group, _ = dist.new_subgroups_by_enumeration(layout.groups(*axes), timeout=timeout, backend=backend,
+                                                 group_desc="+".join(axes))
     return group, ranks
 
 
@@ -231,10 +251,12 @@ def sequence_groups(layout: ParallelLayout, rank: int, timeout) -> SequenceGroup
                           ring_ranks.index(rank), sp_group, len(sp_ranks), sp_ranks.index(rank))
 
 
-def sampling_groups(layout: ParallelLayout, rank: int, timeout, sequence: SequenceGroups) -> SamplingGroups:
+def sampling_groups(layout: ParallelLayout, rank: int, timeout, sequence: SequenceGroups,
+                    control_timeout=None) -> SamplingGroups:
     """The cfg and PipeFusion groups (parallel/pipefusion.py). PipeFusion's two directions get two process
     groups over the same ranks: two NCCL communicators, so a receive posted early in one direction never
-    queues ahead of a send in the other."""
+    queues ahead of a send in the other. With `control_timeout`, also a gloo group per replica with that
+    timeout, to fence the replica's writer (infer.py)."""
     cfg_group, cfg_ranks = _my_group(layout, rank, timeout, "cfg")
     forward_group, pipeline_ranks = _my_group(layout, rank, timeout, "pipefusion")
     return_group, _ = _my_group(layout, rank, timeout, "pipefusion")
@@ -242,11 +264,16 @@ def sampling_groups(layout: ParallelLayout, rank: int, timeout, sequence: Sequen
         replica_group, replica_ranks = _my_group(layout, rank, timeout, "cfg", "pipefusion", "ring", "ulysses")
     else:
         replica_group, replica_ranks = sequence.sp_group, layout.group_of(rank, "ring", "ulysses")
+    replica_control = None
+    if control_timeout is not None:
+        replica_control, _ = _my_group(layout, rank, control_timeout, "cfg", "pipefusion", "ring", "ulysses",
+                                       backend="gloo")
     for group, name in ((cfg_group, "cfg"), (forward_group, "pipefusion"), (return_group, "pipefusion-return"),
-                        (replica_group, "replica")):
+                        (replica_group, "replica"), (replica_control, "replica-control")):
         comm.name_group(group, name)
     return SamplingGroups(cfg_group, len(cfg_ranks), cfg_ranks.index(rank), forward_group, return_group,
-                          pipeline_ranks, pipeline_ranks.index(rank), sequence, replica_group, len(replica_ranks))
+                          pipeline_ranks, pipeline_ranks.index(rank), sequence, replica_group, len(replica_ranks),
+                          replica_control)
 
 
 def shutdown() -> None:

@@ -92,11 +92,11 @@ def main(argv=None):
     checkpoint = find_checkpoint(cfg, args.checkpoint, random_weights=False)
     layout = ParallelLayout.from_config(cfg.parallel, 1, DiT_models[cfg.model.size]["num_heads"], "sample")
     runtime = init_runtime(cfg.parallel, layout)
-    model, vae, text_encoder = load_sampler(cfg, runtime, checkpoint, use_ema=cfg.sample.use_ema)
+    model, vae, text_encoder, sampler = load_sampler(cfg, runtime, checkpoint, use_ema=cfg.sample.use_ema)
     prompts = [prompt for prompt in held_out_prompts() for _ in range(args.seeds)]
     videos = generate(model, vae, text_encoder, RectifiedFlow(cfg.flow, cfg.model.patch_size), prompts,
                       cfg.data.frames, cfg.data.height, cfg.data.width, cfg.sample.steps, cfg.sample.guidance,
-                      cfg.sample.negative_prompt, seeds=list(range(len(prompts))))
+                      cfg.sample.negative_prompt, seeds=list(range(len(prompts))), sampler=sampler)
     rows = [judge(prompt, video) for prompt, video in zip(prompts, videos)]
     report = {"checkpoint": str(checkpoint), **summarise(rows), "rows": rows}
     run_dir = Path(cfg.run.output_dir)

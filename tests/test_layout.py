@@ -44,6 +44,8 @@ def test_pipefusion_patches_are_checked_against_the_latent():
         layout.check_patches(parallel(pipefusion=2, pipefusion_patches=1), (3, 5, 3))
     with pytest.raises(LayoutError, match="only 15 rows of patches"):
         layout.check_patches(parallel(pipefusion=2, pipefusion_patches=16), (3, 5, 3))
+    with pytest.raises(LayoutError, match="pipefusion=4 needs at least 4 patches, but the latent has only 2 rows"):
+        ParallelLayout(pipefusion=4).check_patches(parallel(pipefusion=4), (1, 2, 4))
     with pytest.raises(LayoutError, match="pipefusion_warmup=-1"):
         layout.check_patches(parallel(pipefusion=2, pipefusion_warmup=-1), (3, 5, 3))
 

@@ -132,3 +132,14 @@ def test_ranks_whose_messages_disagree_stop_with_a_named_error(tmp_path, fault, 
     assert "[rank0]: Traceback" not in result.stderr and "[rank1]: Traceback" not in result.stderr
     assert elapsed < 60, elapsed  # seconds, not a watchdog timeout
     assert not (tmp_path / "x.npy").exists()
+
+
+@pytest.mark.timeout(90)
+def test_a_replica_without_prompts_does_not_wait_for_the_others(tmp_path):
+    """dp=2 and one prompt: rank 1 has nothing to sample and leaves at once; it must not sit in a barrier
+    whose control timeout (1 s here) runs out while rank 0 samples, which would abort rank 0's run."""
+    result = torchrun(2, "infer.py", *SAMPLE[:-2], "a red square", "--steps", "12", "model.size=DiT-demo",
+                      f"run.output_dir={tmp_path}", "--output", str(tmp_path / "x.npy"), "parallel.control_timeout_s=1",
+                      timeout=80)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "x.npy").exists()
