@@ -116,12 +116,13 @@ def main(argv=None):
     outputs = output_paths(args.output, len(prompts))
     _, world_size, _ = world_from_env()
     size = DiT_models[cfg.model.size]
+    latent = vae_latent_space(cfg.vae).latent_shape(frames, height, width, cfg.model.patch_size)
+    grid = [s // p for s, p in zip(latent[1:], cfg.model.patch_size)]
     slow_links, links = links_are_slow() if cfg.parallel.auto else (False, "")
     layout = ParallelLayout.from_config(cfg.parallel, world_size, size["num_heads"], "sample", local_world_size(),
-                                        depth=size["depth"], guided=guidance != 1.0,
-                                        slow_links=slow_links)
-    latent = vae_latent_space(cfg.vae).latent_shape(frames, height, width, cfg.model.patch_size)
-    patches = layout.check_patches(cfg.parallel, [s // p for s, p in zip(latent[1:], cfg.model.patch_size)])
+                                        depth=size["depth"], guided=guidance != 1.0, slow_links=slow_links,
+                                        tokens=grid[0] * grid[1] * grid[2])
+    patches = layout.check_patches(cfg.parallel, grid)
     checkpoint = find_checkpoint(cfg, args.checkpoint, args.random_weights)
 
     comm.set_failure_dir(Path(cfg.run.output_dir) / "failures")
@@ -143,7 +144,8 @@ def main(argv=None):
                           sc.negative_prompt if args.negative_prompt is None else args.negative_prompt,
                           seeds=[args.seed + i for i in mine], autocast_dtype=torch.bfloat16 if bf16 else None,
                           progress=lambda done, total: (bar.update(1), runtime.watchdog.mark("sampling")),
-                          sampler=sampler, decode_group=runtime.sampling.replica_group)
+                          sampler=sampler, decode_group=runtime.sampling.replica_group,
+                          decode_fence=runtime.sampling.replica_control)
         bar.close()
         if runtime.rank == layout.replica_leader(runtime.rank):  # one writer per data-parallel replica
             runtime.watchdog.mark("writing")

@@ -7,16 +7,20 @@ import warnings
 import numpy as np
 import torch
 
+from configs.schema import VAEConfig
 from models.dit import DiT, build_dit
 from models.flow import RectifiedFlow
 from models.text_encoder import TextEncoder, build_text_encoder
 from models.vae import LatentSpace, build_vae
+from parallel import vae as parallel_vae
 from parallel.init import materialize
 
 
 def build_frozen(cfg, device) -> tuple[TextEncoder, LatentSpace]:
-    """The text encoder and the VAE (frozen, on `device`)."""
-    return build_text_encoder(cfg.text_encoder).to(device), build_vae(cfg.vae).to(device)
+    """The text encoder and the VAE (frozen, on `device`); the VAE carries the recipe's decode tiles."""
+    vae = build_vae(cfg.vae).to(device)
+    vae.tile_latent, vae.tile_overlap = cfg.vae.tile_latent, cfg.vae.tile_overlap
+    return build_text_encoder(cfg.text_encoder).to(device), vae
 
 
 def build_model(cfg, text_encoder: TextEncoder, vae: LatentSpace, weights: bool = True) -> DiT:
@@ -68,11 +72,13 @@ def open_pretrained(cfg, model: DiT):
 def generate(model, vae: LatentSpace, text_encoder: TextEncoder, flow: RectifiedFlow, prompts: list[str],
              frames: int, height: int, width: int, steps: int, guidance: float, negative_prompt: str = "",
              seeds: list[int] | None = None, autocast_dtype=None, progress=None, sampler=None,
-             decode_group=None) -> np.ndarray:
+             decode_group=None, decode_fence=None) -> np.ndarray:
     """Videos (B, frames, height, width, 3) as float32 in [0, 1]. Prompt i starts from noise seeded by
     seeds[i] (default: i), so a video does not depend on which other prompts share its batch or rank.
     `sampler` replaces flow.sample(model, ...) (parallel/pipefusion.py's ParallelSampler: PipeFusion, CFG
-    parallel); `decode_group` shares the VAE decode among its ranks (parallel/vae.py)."""
+    parallel); `decode_group` shares the VAE decode's tiles among its ranks, `decode_fence` (a gloo group
+    with a long timeout) is where a rank done with its tiles waits for the others (parallel/vae.py). The
+    tiles come from the recipe (vae.tile_latent, vae.tile_overlap), never from the number of ranks."""
     seeds = list(range(len(prompts))) if seeds is None else seeds
     device = next(model.parameters()).device
     latent_shape = vae.latent_shape(frames, height, width, flow.patch_size)
@@ -89,5 +95,7 @@ def generate(model, vae: LatentSpace, text_encoder: TextEncoder, flow: Rectified
         else:
             latents = sampler(flow, noise, y, y_mask, neg_y, neg_mask, steps=steps, guidance=guidance,
                               progress=progress)
-    videos = vae.decode(latents.float())  # (B, 3, T, H, W) in [-1, 1]
+    tiles = dict(tile=getattr(vae, "tile_latent", VAEConfig.tile_latent),
+                 overlap=getattr(vae, "tile_overlap", VAEConfig.tile_overlap))
+    videos = parallel_vae.decode(vae, latents.float(), decode_group, control_group=decode_fence, **tiles)  # [-1, 1]
     return ((videos.clamp(-1, 1) + 1) / 2).permute(0, 2, 3, 4, 1).float().cpu().numpy()

@@ -76,7 +76,7 @@ class ParallelLayout:
     @classmethod
     def from_config(cls, parallel_cfg, world_size: int, num_heads: int, mode: str = "train",
                     local_world_size: int | None = None, depth: int | None = None, guided: bool = True,
-                    slow_links: bool = False) -> "ParallelLayout":
+                    slow_links: bool = False, tokens: int | None = None) -> "ParallelLayout":
         """Validate the recipe's `parallel` section against the world size; dp=-1 takes what is left.
         With parallel.auto=true the degrees are chosen here (see `auto_layout`). For sampling, `depth`
         (the model's blocks) bounds pipefusion and `guided` (guidance != 1) allows cfg=2."""
@@ -92,7 +92,7 @@ class ParallelLayout:
                 raise LayoutError(f"parallel.auto=true with parallel.dp={dp}: dp must divide the {world_size} "
                                   f"processes (or be -1). {valid_layouts_message(world_size, num_heads, mode, **limits)}")
             return auto_layout(world_size, num_heads, local_world_size or world_size, dp=1 if dp == -1 else dp,
-                               mode=mode, slow_links=slow_links, **limits)
+                               mode=mode, slow_links=slow_links, tokens=tokens, **limits)
         degrees = {name: int(getattr(parallel_cfg, name)) for name in DEGREES}
         for name, value in degrees.items():
             if value < 1 and not (name == "dp" and value == -1):
@@ -159,15 +159,24 @@ def _rule_violations(layout: ParallelLayout, num_heads: int, mode: str, depth: i
     return problems
 
 
+# Below this many tokens ring's transfers on PCIe (25 GB/s) outlast the attention they overlap, and
+# pipefusion x ring beats ring in the latency model (Wan2.1-14B dims on 8 GPUs: best at 4k tokens, 3%
+# behind ring at 8k; BENCHMARKS.md, "Sampling across GPUs").
+PIPEFUSION_TOKENS_ON_PCIE = 6144
+
+
 def auto_layout(world_size: int, num_heads: int, local_world_size: int, dp: int = 1, mode: str = "train",
-                depth: int | None = None, guided: bool = True, slow_links: bool = False) -> ParallelLayout:
+                depth: int | None = None, guided: bool = True, slow_links: bool = False,
+                tokens: int | None = None) -> ParallelLayout:
     """The processes left after `dp`, as the sampling latency model (scripts/bench_sampling.py,
     BENCHMARKS.md) ranks them:
     - sampling with guidance: cfg=2 first (one small all-gather per step; every fastest layout has it);
     - ulysses inside a node, as large as the heads and the node allow, on fast links (NVLink); none on
       PCIe (`slow_links`), where its all-to-alls are the slowest choice;
-    - inside a node, ring for the rest; on PCIe, pipefusion and ring share it (pipefusion the smaller,
-      so its warm-up steps, which run the stages one after another, stay cheap);
+    - inside a node, ring for the rest; on PCIe with a short sequence (an image: fewer than
+      PIPEFUSION_TOKENS_ON_PCIE tokens, where ring's transfers no longer hide behind its attention),
+      pipefusion and ring share it (pipefusion the smaller, so its warm-up steps, which run the stages
+      one after another, stay cheap);
     - across nodes, pipefusion for sampling (O(tokens x hidden) per step, not per layer), ring for training.
     Training gets only ulysses and ring."""
     rest = world_size // dp
@@ -183,7 +192,8 @@ def auto_layout(world_size: int, num_heads: int, local_world_size: int, dp: int 
         return ParallelLayout(dp=dp, ulysses=ulysses, ring=rest)
     in_node = max(d for d in divisors(rest) if (local_world_size // ulysses) % d == 0) if local_world_size % ulysses == 0 else 1
     across = rest // in_node  # the part of the rest that crosses nodes
-    inner_pipefusion = max(d for d in divisors(in_node) if d * d <= in_node) if slow_links else 1
+    short = tokens is None or tokens < PIPEFUSION_TOKENS_ON_PCIE
+    inner_pipefusion = max(d for d in divisors(in_node) if d * d <= in_node) if slow_links and short else 1
     fits = [d for d in divisors(rest) if d <= (depth or rest) and d % across == 0 and d <= across * inner_pipefusion]
     pipefusion = max(fits) if fits else max(d for d in divisors(rest) if d <= (depth or rest))
     return ParallelLayout(dp=dp, cfg=cfg, pipefusion=pipefusion, ulysses=ulysses, ring=rest // pipefusion)

@@ -294,6 +294,23 @@ def step_time(degrees, tokens, gpu, bandwidth, latency, efficiency, patches=None
     return (compute + comm) / steps, comm / steps
 
 
+MEMORY = {"H100": 80e9, "L40": 48e9}
+
+
+def memory_per_gpu(degrees, tokens):
+    """Bytes a rank holds that the layout decides: the bf16 weights of its blocks (1/N under PipeFusion) and
+    PipeFusion's K/V buffers (every layer of the stage, the whole sequence, its heads: ring does not divide
+    them). Activations of one layer at a time are left out (a few x tokens/sp x hidden)."""
+    from models.dit import DiT_models
+
+    m = WAN14B
+    cfg, pf, u = degrees.get("cfg", 1), degrees.get("pipefusion", 1), degrees.get("ulysses", 1)
+    b = 2 // cfg
+    weights = 14.29e9 * 2 / pf if DiT_models["Wan2.1-14B"]["depth"] == m["depth"] else None
+    kv = (m["depth"] / pf) * 2 * b * tokens * m["hidden"] / u * 2 if pf > 1 else 0.0
+    return weights + kv
+
+
 def model_tables(world=8):
     from parallel.layout import auto_layout, valid_layouts
 
@@ -310,25 +327,36 @@ def model_tables(world=8):
                 if layout.dp != 1:
                     continue
                 degrees = {k: getattr(layout, k) for k in ("cfg", "pipefusion", "ulysses", "ring") if getattr(layout, k) > 1}
+                if memory_per_gpu(degrees, tokens) > 0.9 * MEMORY[gpu]:
+                    continue  # does not fit beside activations and the VAE
                 total, comm = step_time(degrees, tokens, gpu, bandwidth, latency, efficiency)
                 options.append((total, comm, layout))
             options.sort(key=lambda o: o[0])
             auto = auto_layout(world, WAN14B["heads"], world, mode="sample", depth=WAN14B["depth"], guided=True,
-                               slow_links=gpu == "L40")
-            auto_time = next(t for t, _, lay in options if lay == auto)
+                               slow_links=gpu == "L40", tokens=tokens)
+            auto_fits = memory_per_gpu({k: getattr(auto, k) for k in ("cfg", "pipefusion", "ulysses", "ring")}, tokens)
+            auto_time = step_time({k: getattr(auto, k) for k in ("cfg", "pipefusion", "ulysses", "ring")}, tokens, gpu,
+                                  bandwidth, latency, efficiency)[0]
             lines += ["", f"**{case}, 8 x {gpu}, {link}** (one GPU: {single:.3f} s per step)", "",
-                      "| layout (cfg, pipefusion, ulysses, ring) | s per step | of which exposed communication | speed-up |",
-                      "|---|---|---|---|"]
+                      "| layout (cfg, pipefusion, ulysses, ring) | s per step | of which exposed communication | speed-up "
+                      "| GB per GPU (weights + K/V) |", "|---|---|---|---|---|"]
+
+            def gb(degrees, tokens=tokens):
+                return f"{memory_per_gpu(degrees, tokens) / 1e9:.0f}"
+
             for total, comm, layout in options[:6]:
+                degrees = {k: getattr(layout, k) for k in ("cfg", "pipefusion", "ulysses", "ring")}
                 lines.append(f"| {layout.cfg}, {layout.pipefusion}, {layout.ulysses}, {layout.ring} | {total:.4f} | "
-                             f"{comm:.4f} | {single / total:.2f}x |")
+                             f"{comm:.4f} | {single / total:.2f}x | {gb(degrees)} |")
             for name, degrees in (("ulysses=8", dict(ulysses=8)), ("ring=8", dict(ring=8)),
                                   ("pipefusion=8", dict(pipefusion=8))):
                 total, comm = step_time(degrees, tokens, gpu, bandwidth, latency, efficiency)
-                lines.append(f"| {name} | {total:.4f} | {comm:.4f} | {single / total:.2f}x |")
+                lines.append(f"| {name} | {total:.4f} | {comm:.4f} | {single / total:.2f}x | {gb(degrees)} |")
+            fits = "" if auto_fits <= 0.9 * MEMORY[gpu] else " **does not fit**"
             lines.append(f"| parallel.auto: {auto.cfg}, {auto.pipefusion}, {auto.ulysses}, {auto.ring} | {auto_time:.4f} | "
-                         f"| {single / auto_time:.2f}x (best: {single / options[0][0]:.2f}x) |")
-            verdicts[(link, case)] = (options[0][2], auto, auto_time / options[0][0])
+                         f"| {single / auto_time:.2f}x (best that fits: {single / options[0][0]:.2f}x) | "
+                         f"{auto_fits / 1e9:.0f}{fits} |")
+            verdicts[(link, case)] = (options[0][2], auto, auto_time / options[0][0], auto_fits <= 0.9 * MEMORY[gpu])
     return lines, verdicts
 
 
@@ -390,7 +418,8 @@ def main():
         lines, verdicts = model_tables()
         report += ["### Weights per rank under PipeFusion (meta device)", "", *weights_table(), "",
                    "### Latency model, 8 GPUs", "", *lines, ""]
-        results["model"] = {f"{k[0]} / {k[1]}": dict(best=v[0].describe(), auto=v[1].describe(), auto_over_best=v[2])
+        results["model"] = {f"{k[0]} / {k[1]}": dict(best=v[0].describe(), auto=v[1].describe(), auto_over_best=v[2],
+                                                     auto_fits=v[3])
                             for k, v in verdicts.items()}
     print("\n".join(report))
     if args.json:

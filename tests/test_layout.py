@@ -59,6 +59,8 @@ def test_auto_sampling_layout_cfg_first_then_ulysses_then_ring_or_pipefusion_acr
     # PCIe inside the node: no ulysses; pipefusion and ring share what cfg leaves
     assert pick(auto, 8, 40, "sample", 8, depth=40, slow_links=True) == ParallelLayout(cfg=2, pipefusion=2, ring=2)
     assert pick(auto, 8, 40, "sample", 8, depth=40, guided=False, slow_links=True) == ParallelLayout(pipefusion=2, ring=4)
+    # ... for an image; a long video's attention hides ring's transfers even on PCIe
+    assert pick(auto, 8, 40, "sample", 8, depth=40, slow_links=True, tokens=75_600) == ParallelLayout(cfg=2, ring=4)
     # 4 nodes of 8, no guidance: ulysses 4 and ring 2 inside each node, pipefusion 4 across the nodes
     assert pick(auto, 32, 12, "sample", 8, depth=30, guided=False) == ParallelLayout(pipefusion=4, ulysses=4, ring=2)
     assert pick(auto, 32, 12, "sample", 8, depth=2, guided=False) == ParallelLayout(pipefusion=2, ulysses=4, ring=4)

@@ -143,3 +143,19 @@ def test_a_replica_without_prompts_does_not_wait_for_the_others(tmp_path):
                       timeout=80)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "x.npy").exists()
+
+
+@pytest.mark.timeout(120)
+def test_infer_shares_the_vae_tiles_and_equals_one_process(tmp_path):
+    """A kl VAE with small tiles (a 5 x 3 latent in 2 x 2 tiles overlapping by 1): under cfg=2 the two
+    ranks decode half the tiles each and gather them; the video equals the one-process tiled decode."""
+    import infer
+    from tests.conftest import run_main
+
+    vae = ["vae.kind=kl", "vae.tile_latent=2", "vae.tile_overlap=1", "model.patch_size=[1,1,1]"]
+    args = [*SAMPLE[:-2], "a red square", *vae]
+    assert run_main(infer, args + [f"run.output_dir={tmp_path / 'one'}", "--output", str(tmp_path / "one.npy")]) == 0
+    result = torchrun(2, "infer.py", *args, f"run.output_dir={tmp_path / 'two'}", "--output", str(tmp_path / "two.npy"),
+                      "parallel.cfg=2", timeout=100)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert np.abs(np.load(tmp_path / "two.npy") - np.load(tmp_path / "one.npy")).max() <= 1e-5
