@@ -147,6 +147,15 @@ def validate(cfg: DictConfig) -> None:
                 "text_encoder.cache_size"):
         if OmegaConf.select(cfg, key) <= 0:
             raise ConfigError(f"'{key}' must be greater than 0, got {OmegaConf.select(cfg, key)}")
+    if cfg.vae.tile_latent < 1 or not 0 <= cfg.vae.tile_overlap < cfg.vae.tile_latent:
+        raise ConfigError(f"'vae.tile_latent'={cfg.vae.tile_latent} and 'vae.tile_overlap'={cfg.vae.tile_overlap}: "
+                          f"a tile is at least 1 latent pixel and overlaps its neighbour by 0 to tile_latent - 1; "
+                          f"the default is 32 and 8")
+    if cfg.parallel.pipefusion_patches is not None and cfg.parallel.pipefusion_patches < 1:
+        raise ConfigError(f"'parallel.pipefusion_patches' must be at least 1 or null (one per stage), "
+                          f"got {cfg.parallel.pipefusion_patches}")
+    if cfg.parallel.pipefusion_warmup < 0:
+        raise ConfigError(f"'parallel.pipefusion_warmup' must be 0 or more, got {cfg.parallel.pipefusion_warmup}")
     if cfg.flow.shift_reference_tokens < 0:
         raise ConfigError(f"'flow.shift_reference_tokens' must be greater than 0, or 0 for a fixed shift (Wan's), "
                           f"got {cfg.flow.shift_reference_tokens}")

@@ -41,6 +41,14 @@ class VAEConfig:
     seed: int = 0  # seed of the tiny random VAE, so training and sampling build the same one
     tiny_base_dim: int = 16  # width of the tiny random VAE
     tiny_latent_channels: int = 4
+    # Decode (and encode) in spatial tiles, dealt across ranks (parallel/vae.py): the largest tile side and the
+    # overlap blended between neighbours, in latent pixels. 32 / 8 is diffusers' AutoencoderKLWan tiling (256 px
+    # tiles, 192 px stride at stride 8): Wan's 480 x 832 latent (60 x 104) becomes 3 x 4 = 12 tiles, enough for
+    # 2, 3, 4, 6 or 12 ranks to share evenly. For the SD-family VAEs (also stride 8) diffusers tiles at 512 px with
+    # 25% overlap: tile_latent=64, tile_overlap=16 matches that. A latent no larger than one tile is decoded
+    # whole (the tiny demo VAEs always are), so a large tile_latent turns tiling off.
+    tile_latent: int = 32
+    tile_overlap: int = 8
 
 
 @dataclass
@@ -128,7 +136,7 @@ class ParallelConfig:
     pipefusion_warmup: int = 1  # first steps run whole-sequence (synchronous), filling every layer's K/V buffer
     ulysses: int = 1  # Ulysses sequence parallel
     ring: int = 1  # Ring sequence parallel
-    auto: bool = False  # choose ulysses/ring for the processes dp leaves (ulysses inside a node first)
+    auto: bool = False  # choose the degrees dp leaves: ulysses then ring (training); cfg, ulysses, ring, pipefusion (sampling)
     timeout_s: float = 600.0  # timeout of every collective; also the deadline of start-up, the first step, checkpoints, previews
     stall_timeout_s: Optional[float] = None  # a later step making no progress this long is a stall; None: 300 GPU, 120 CPU
     heartbeat_timeout_s: float = 10.0  # a rank whose heartbeat is silent this long is gone (killed, stopped, host lost)

@@ -29,6 +29,7 @@ from data.latents import latent_meta  # noqa: E402
 from data.loader import build_buckets, build_dataset, build_sampler, check_same_plan  # noqa: E402
 from data.media import to_model_range  # noqa: E402
 from models.pipeline import build_frozen  # noqa: E402
+from parallel import vae as parallel_vae  # noqa: E402
 from parallel.layout import ParallelLayout  # noqa: E402
 from parallel.runtime import init_runtime, run_entrypoint, world_from_env  # noqa: E402
 
@@ -102,7 +103,10 @@ def main(argv=None):
             failed[entry["path"]] = error
             continue
         if not (out / name).is_file():
-            latent = vae.encode(to_model_range(item["video"][None].to(runtime.device)))[0]
+            # in the tiles a decode would use, so a large clip's memory is bounded by one tile; ranks already
+            # share the samples, so each encodes its own alone (group None)
+            video = to_model_range(item["video"][None].to(runtime.device))
+            latent = parallel_vae.encode(vae, video, tile=cfg.vae.tile_latent, overlap=cfg.vae.tile_overlap)[0]
             y, mask = text_encoder([entry["caption"]], runtime.device)
             tmp = out / (name + ".tmp")
             save_file({"latent": latent.float().cpu().contiguous(),
