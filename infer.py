@@ -28,6 +28,7 @@ from parallel.layout import ParallelLayout
 from parallel.pipefusion import ParallelSampler, keep_stage
 from parallel.runtime import init_runtime, links_are_slow, local_world_size, run_entrypoint, world_from_env
 from parallel.sequence import apply_sequence_parallel
+from parallel.vae import plan_tiles
 
 
 def parse_args(argv):
@@ -131,7 +132,9 @@ def main(argv=None):
         chosen = f" (parallel.auto: {links})" if cfg.parallel.auto else ""
         pipeline = (f"; PipeFusion: {patches} patches, {cfg.parallel.pipefusion_warmup} warm-up step(s)"
                     if layout.pipefusion > 1 else "")
-        print(f"[tessera] layout {layout.describe()}{chosen}{pipeline}", flush=True)
+        tiles = len(plan_tiles(vae_latent_space(cfg.vae), latent[1:], cfg.vae.tile_latent, cfg.vae.tile_overlap))
+        print(f"[tessera] layout {layout.describe()}{chosen}{pipeline}; VAE decode: {tiles} tile(s) over "
+              f"{runtime.sampling.replica_size} rank(s)", flush=True)
     model, vae, text_encoder, sampler = load_sampler(cfg, runtime, checkpoint, use_ema=sc.use_ema and not args.no_ema,
                                                      random_weights=args.random_weights, patches=patches)
     mine = list(range(layout.dp_rank(runtime.rank), len(prompts), layout.dp))  # prompts split over dp ranks

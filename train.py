@@ -27,6 +27,7 @@ from models.flow import RectifiedFlow
 from models.pipeline import build_frozen, build_model, generate, open_pretrained
 from models.vae import vae_latent_space
 from parallel import comm, faults
+from parallel import vae as parallel_vae
 from parallel.checkpoint import (
     load_checkpoint,
     read_trainer_state,
@@ -236,7 +237,9 @@ def encode_batch(batch, dropped: list[bool], text_encoder, vae, device):
             y[torch.tensor(dropped)], y_mask[torch.tensor(dropped)] = empty, empty_mask
         return batch["latent"].to(device), y, y_mask
     y, y_mask = text_encoder(["" if d else c for d, c in zip(dropped, batch["caption"])], device)
-    return vae.encode(to_model_range(batch["video"].to(device, non_blocking=True))), y, y_mask
+    video = to_model_range(batch["video"].to(device, non_blocking=True))
+    # in the tiles precompute_latents.py uses, so media and precomputed latents are the same latents
+    return parallel_vae.encode(vae, video, tile=vae.tile_latent, overlap=vae.tile_overlap), y, y_mask
 
 
 def _padding_note(sampler) -> str:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-META_KEYS = {"vae": ("kind", "pretrained", "seed", "tiny_base_dim", "tiny_latent_channels"),
+META_KEYS = {"vae": ("kind", "pretrained", "seed", "tiny_base_dim", "tiny_latent_channels", "tile_latent",
+                     "tile_overlap"),
              "text_encoder": ("kind", "pretrained", "max_length", "seed", "tiny_d_model", "tiny_layers"),
              "data": ("fps",)}
 

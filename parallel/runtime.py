@@ -89,7 +89,11 @@ def links_are_slow() -> tuple[bool, str]:
         import pynvml
 
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("LOCAL_RANK", 0)))
+        index = int(os.environ.get("LOCAL_RANK", 0))
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+        if index < len(visible) and visible[index].strip().isdigit():  # NVML counts every GPU, not the visible ones
+            index = int(visible[index])
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         for link in range(18):  # NVML_NVLINK_MAX_LINKS
             try:
                 if pynvml.nvmlDeviceGetNvLinkState(handle, link):

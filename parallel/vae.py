@@ -14,8 +14,10 @@ all-gather through parallel/comm.py (recorded, chunked under the message cap) br
 every rank, and every rank blends the same pieces in the same order: the result equals the serial
 tiled decode. Tiles see other GroupNorm statistics and receptive fields than the whole latent, so a
 tiled decode differs from an untiled one (tests/test_parallel_vae.py measures it for the tiny VAEs).
-Peak memory is one tile's decode plus the video, on 1 or P ranks alike: sharing saves time, not
-memory (xDiT's DistVAE row sharding would save memory too; FIELD_NOTES.md).
+Memory per rank: the video, plus, when shared, the one gather's buffer of every tile (padded to one
+size: about the video times the tiles' overlap factor, 1.3-1.9x; 1.5 GB for Wan at 720p x 81 in
+float32) and this rank's own tiles. Sharing saves time, not memory; one gather keeps the collective
+count fixed (xDiT's DistVAE row sharding would save memory too; FIELD_NOTES.md).
 """
 
 import math
@@ -160,6 +162,8 @@ def _tiled(apply, source: torch.Tensor, boxes_in: list[Box], boxes_out: list[Box
             piece = _run_piece(apply, source, boxes_in[i], boxes_out[i], channels)
             send[(slot, *_index([(0, n) for n in piece.shape[2:]]))] = piece
         if control_group is not None:  # wait for the slowest rank on the long-timeout group, not in `group`
+            if source.is_cuda:  # the decode is queued, not done: wait for it before saying so
+                torch.cuda.current_stream(source.device).synchronize()
             comm.barrier(control_group)
         received = torch.empty(ranks * slots, *send.shape[1:], device=source.device)
         comm.all_gather_into_tensor(received, send, group)

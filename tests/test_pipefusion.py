@@ -8,8 +8,20 @@ import pytest
 import torch
 
 from models.dit import DiT
-from parallel.pipefusion import (DroppedBlock, Item, MessagePlan, PipeFusionError, check_plans, keep_stage, message_plan,
-                                 patch_ranges, patchify, schedule, stage_blocks, unpatchify)
+from parallel.pipefusion import (
+    DroppedBlock,
+    Item,
+    MessagePlan,
+    PipeFusionError,
+    check_plans,
+    keep_stage,
+    message_plan,
+    patch_ranges,
+    patchify,
+    schedule,
+    stage_blocks,
+    unpatchify,
+)
 from tests.conftest import TINY, torchrun
 
 
@@ -147,8 +159,9 @@ def test_a_replica_without_prompts_does_not_wait_for_the_others(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_infer_shares_the_vae_tiles_and_equals_one_process(tmp_path):
-    """A kl VAE with small tiles (a 5 x 3 latent in 2 x 2 tiles overlapping by 1): under cfg=2 the two
-    ranks decode half the tiles each and gather them; the video equals the one-process tiled decode."""
+    """A kl VAE with small tiles (a 5 x 3 latent in 8 tiles of 2 x 2, overlapping by 1): under cfg=2 the two
+    ranks decode half the tiles each and gather them (tests/vae_worker.py checks the sharing itself);
+    the video equals the one-process tiled decode."""
     import infer
     from tests.conftest import run_main
 
@@ -158,4 +171,5 @@ def test_infer_shares_the_vae_tiles_and_equals_one_process(tmp_path):
     result = torchrun(2, "infer.py", *args, f"run.output_dir={tmp_path / 'two'}", "--output", str(tmp_path / "two.npy"),
                       "parallel.cfg=2", timeout=100)
     assert result.returncode == 0, result.stderr[-4000:]
+    assert "VAE decode: 8 tile(s) over 2 rank(s)" in result.stdout
     assert np.abs(np.load(tmp_path / "two.npy") - np.load(tmp_path / "one.npy")).max() <= 1e-5
