@@ -268,21 +268,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group, op=d
     return output
 
 
-class PendingExchange:
-    """Point-to-point transfers in flight; `wait()` before reading what was received."""
-
-    def __init__(self, works, record, tensor):
-        self.works, self.record, self.tensor = works, record, tensor
-
-    def wait(self) -> None:
-        for work in self.works:
-            _wait(work, self.tensor)
-        self.works = []
-        if self.record.end is None:
-            self.record.end = time.time()
-
-
-def exchange(send: torch.Tensor, to_rank: int, recv: torch.Tensor, from_rank: int, group) -> PendingExchange:
+def exchange(send: torch.Tensor, to_rank: int, recv: torch.Tensor, from_rank: int, group) -> "PendingOps":
     """Send `send` to global rank `to_rank` while receiving `recv` from `from_rank`, in one
     batch_isend_irecv (a lone send may block until its receive is posted). Returns at once when the
     message is under the cap, so the caller can compute while it travels; above the cap the message
@@ -292,14 +278,15 @@ def exchange(send: torch.Tensor, to_rank: int, recv: torch.Tensor, from_rank: in
     record = recorded("send_recv", group, send).record
     flat_send, flat_recv = send.reshape(-1).contiguous(), recv.view(-1)
     if flat_send.numel() * flat_send.element_size() <= _State.max_message_bytes:
-        return PendingExchange(_post_pair(flat_send, to_rank, flat_recv, from_rank, group), record, recv)
+        return PendingOps(_post_pair(flat_send, to_rank, flat_recv, from_rank, group), [record])
     _exchange_in_pieces(flat_send, to_rank, flat_recv, from_rank, group)
     record.end = time.time()
-    return PendingExchange([], record, recv)
+    return PendingOps([], [record])
 
 
 class PendingOps:
-    """Point-to-point sends and receives posted by `post`; `wait()` waits for them (every piece)."""
+    """Point-to-point transfers in flight (`exchange`, `post`); `wait()` before reading what was received
+    (on CUDA it orders the stream after them; the host runs on)."""
 
     def __init__(self, works, records):
         self.works, self.records = works, records

@@ -190,7 +190,7 @@ def auto_layout(world_size: int, num_heads: int, local_world_size: int, dp: int 
     rest //= ulysses
     if not sample:
         return ParallelLayout(dp=dp, ulysses=ulysses, ring=rest)
-    in_node = max(d for d in divisors(rest) if (local_world_size // ulysses) % d == 0) if local_world_size % ulysses == 0 else 1
+    in_node = max(d for d in divisors(rest) if (local_world_size // ulysses) % d == 0)  # ulysses divides the node
     across = rest // in_node  # the part of the rest that crosses nodes
     short = tokens is None or tokens < PIPEFUSION_TOKENS_ON_PCIE
     inner_pipefusion = max(d for d in divisors(in_node) if d * d <= in_node) if slow_links and short else 1

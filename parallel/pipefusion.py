@@ -188,10 +188,9 @@ def message_plan(items: list[Item], stage: int, stages: int, steps: int, warmup:
                  tokens: int) -> MessagePlan:
     first, last = stage == 0, stage == stages - 1
     returned = sum(item.step < steps - 1 for item in items)  # the final step's latent stays on the last stage
-    plan = MessagePlan(forward_sends=0 if last else len(items), forward_recvs=0 if first else len(items),
+    return MessagePlan(forward_sends=0 if last else len(items), forward_recvs=0 if first else len(items),
                        return_sends=returned if last else 0, return_recvs=returned if first else 0,
                        steps=steps, warmup=warmup, patches=patches, tokens=tokens)
-    return plan
 
 
 def check_plans(plans: list[MessagePlan], pipeline_ranks: list[int]) -> None:
@@ -304,9 +303,6 @@ class PipeFusionSampler:
             stage_model.blocks[index].attn.inner_attention = operator
         self.sent = self.received = None
 
-    def parameters(self):
-        return self.model.parameters()
-
     @torch.no_grad()
     def sample(self, flow, noise, y, y_mask, neg_y=None, neg_mask=None, steps: int = 30, guidance: float = 1.0,
                progress=None):
@@ -378,7 +374,7 @@ class PipeFusionSampler:
                 # The patch embedding of the whole latent, then the item's tokens: exactly the serial
                 # embedding (a conv over a smaller input could round differently); it costs about
                 # (C*pt*ph*pw) / (24 * hidden * blocks per stage) of the stage's work per patch.
-                latent = unpatchify(x, model.patch_size, grid)
+                latent = model.unpatchify(x, grid)
                 if guided and g.cfg_size == 1:
                     latent = torch.cat([latent, latent])
                 h = model.embed(latent)[0][:, item.start:item.end]
@@ -427,7 +423,7 @@ class PipeFusionSampler:
         # The last stage holds the final latent; every stage gets it (for the parallel VAE decode).
         if g.stages > 1:
             comm.broadcast(x, g.pipeline_ranks[-1], g.forward_group)
-        return unpatchify(x, model.patch_size, grid)
+        return model.unpatchify(x, grid)
 
     def _guide(self, v, guidance, guided):
         """The guided velocity of the patch, as the serial sampler computes it (in the model's output dtype)."""
@@ -490,20 +486,13 @@ def _pad_tokens(x, length, dim=0):
 
 
 def patchify(latent, patch_size):
-    """(B, C, T, H, W) -> (B, N, pt*ph*pw*C): token order (t, h, w), channels as DiT.unpatchify expects."""
+    """(B, C, T, H, W) -> (B, N, pt*ph*pw*C): token order (t, h, w), channels as DiT.unpatchify expects
+    (its inverse)."""
     B, C, T, H, W = latent.shape
     pt, ph, pw = patch_size
     x = latent.view(B, C, T // pt, pt, H // ph, ph, W // pw, pw)
     x = x.permute(0, 2, 4, 6, 3, 5, 7, 1)  # (B, t, h, w, pt, ph, pw, C)
     return x.reshape(B, (T // pt) * (H // ph) * (W // pw), pt * ph * pw * C)
-
-
-def unpatchify(x, patch_size, grid):
-    """The inverse of `patchify`."""
-    B, (t, h, w), (pt, ph, pw) = x.shape[0], grid, patch_size
-    C = x.shape[-1] // (pt * ph * pw)
-    x = x.view(B, t, h, w, pt, ph, pw, C).permute(0, 7, 1, 4, 2, 5, 3, 6)
-    return x.reshape(B, C, t * pt, h * ph, w * pw)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -363,6 +363,7 @@ def model_tables(world=8):
 def weights_table(sizes=("Wan2.1-1.3B", "Wan2.1-14B"), stages=(2, 4, 8)):
     """Parameters each PipeFusion stage holds, counted on the meta device (nothing allocated)."""
     import torch
+    from omegaconf import OmegaConf
 
     from models.dit import build_dit
     from parallel.pipefusion import keep_stage
@@ -370,22 +371,15 @@ def weights_table(sizes=("Wan2.1-1.3B", "Wan2.1-14B"), stages=(2, 4, 8)):
     rows = ["| model | pipefusion | parameters per stage (largest), share of the whole |", "|---|---|---|"]
     for size in sizes:
         with torch.device("meta"):
-            model = build_dit(_ModelConfig(size), in_channels=16, text_dim=4096)
+            model = build_dit(OmegaConf.create(dict(size=size, patch_size=[1, 2, 2], mlp_ratio=4.0, qk_norm=True,
+                                                    attention_backend="sdpa", rope_theta=10000.0)),
+                              in_channels=16, text_dim=4096)
         whole = sum(p.numel() for p in model.parameters())
         for n in stages:
             largest = max(sum(p.numel() for p in keep_stage(model, s, n).parameters()) for s in range(n))
             rows.append(f"| {size} ({whole / 1e9:.2f}B) | {n} | {largest / 1e9:.3f}B, {largest / whole:.3f} "
                         f"(1/N = {1 / n:.3f}) |")
     return rows
-
-
-class _ModelConfig(dict):
-    """The `model` section build_dit reads, for a named size with its own options."""
-
-    def __init__(self, size):
-        super().__init__(size=size, patch_size=[1, 2, 2], mlp_ratio=4.0, qk_norm=True, attention_backend="sdpa",
-                         rope_theta=10000.0)
-        self.__dict__ = self
 
 
 def main():
