@@ -41,7 +41,8 @@ DiT_models = {
     "DiT-2B": dict(depth=28, hidden_size=2048, num_heads=16),
     "DiT-5B": dict(depth=32, hidden_size=3072, num_heads=24),
 }
-WAN_OPTIONS = dict(adaln="single", qk_norm_across_heads=True, pooled_text=False, text_mask=False)
+WAN_OPTIONS = dict(adaln="single", qk_norm_across_heads=True, pooled_text=False, text_mask=False,
+                   absolute_positions=False)
 DiT_models.update({  # Wan's text encoder is UMT5-XXL (4096 wide, 512 tokens); Wan2.2-5B needs its 48-channel VAE
     "Wan2.1-1.3B": dict(depth=30, hidden_size=1536, num_heads=12, ffn_dim=8960, **WAN_OPTIONS),
     "Wan2.1-14B": dict(depth=40, hidden_size=5120, num_heads=40, ffn_dim=13824, **WAN_OPTIONS),
@@ -95,6 +96,27 @@ class RotaryEmbedding3D(nn.Module):
             angles.append(axis_angles.view(shape).expand(*grid, n))
         angles = torch.cat(angles, dim=-1).reshape(-1, sum(self.axis_pairs))  # (N, Dh/2)
         return torch.stack((angles.cos(), angles.sin()), dim=-1)  # (N, Dh/2, 2)
+
+
+def absolute_position_embedding(grid: tuple[int, int, int], dim: int, device) -> torch.Tensor:
+    """Fixed sin-cos features of each token's absolute place (N, dim), added to the patch tokens
+    (the original DiT's, in 3-D). RoPE alone is relative: attention then looks the same from every
+    token, and a small model trained briefly cannot tell where in the frame it is, so it scatters
+    fragments of an object that belongs in one place. Space is counted from the grid's centre (buckets
+    centre-crop) and time from the first frame (buckets keep a clip's first frames), so a place means
+    the same in every bucket. Each axis gets its own share of channels, as in RotaryEmbedding3D."""
+    per_axis = (dim - 2 * (dim // 3), dim // 3, dim // 3)
+    features = []
+    for axis, (size, n) in enumerate(zip(grid, per_axis)):
+        half = n // 2
+        freqs = 10000.0 ** (-torch.arange(half, dtype=torch.float32, device=device) / max(half, 1))
+        pos = torch.arange(size, dtype=torch.float32, device=device) - (0 if axis == 0 else (size - 1) / 2)
+        angles = torch.outer(pos, freqs)  # (size, half)
+        axis_features = torch.cat([angles.sin(), angles.cos(), angles.new_zeros(size, n - 2 * half)], dim=-1)
+        shape = [1, 1, 1, n]
+        shape[axis] = size
+        features.append(axis_features.view(shape).expand(*grid, n))
+    return torch.cat(features, dim=-1).reshape(-1, dim)
 
 
 class PatchEmbed3D(nn.Module):
@@ -261,7 +283,8 @@ class WholeSequence(nn.Module):
 class DiT(nn.Module):
     def __init__(self, in_channels, text_dim, depth, hidden_size, num_heads, patch_size=(1, 2, 2),
                  mlp_ratio=4.0, qk_norm=True, attention_backend="sdpa", rope_theta=10000.0, ffn_dim=None,
-                 adaln="zero", qk_norm_across_heads=False, pooled_text=True, text_mask=True):
+                 adaln="zero", qk_norm_across_heads=False, pooled_text=True, text_mask=True,
+                 absolute_positions=False):
         super().__init__()
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
@@ -271,11 +294,13 @@ class DiT(nn.Module):
         self.patch_size = tuple(patch_size)
         self.num_heads = num_heads
         self.text_mask = text_mask
+        self.absolute_positions = absolute_positions
         mlp_hidden = ffn_dim or int(hidden_size * mlp_ratio)
         self._architecture = dict(in_channels=in_channels, text_dim=text_dim, depth=depth, hidden_size=hidden_size,
                                   num_heads=num_heads, patch_size=self.patch_size, ffn_dim=mlp_hidden, qk_norm=qk_norm,
                                   rope_theta=rope_theta, adaln=adaln, qk_norm_across_heads=qk_norm_across_heads,
-                                  pooled_text=pooled_text, text_mask=text_mask)
+                                  pooled_text=pooled_text, text_mask=text_mask,
+                                  absolute_positions=absolute_positions)
         self.x_embedder = PatchEmbed3D(patch_size, in_channels, hidden_size)
         self.t_embedder = TimestepEmbedder(hidden_size)
         self.y_embedder = nn.Sequential(nn.Linear(text_dim, hidden_size), nn.GELU(approximate="tanh"),
@@ -321,7 +346,10 @@ class DiT(nn.Module):
     def embed(self, x):
         """Latents (B, C, T, H, W) -> tokens (B, N, D) in (t, h, w) order, and the token grid (t, h, w)."""
         self.check_input_shape(*x.shape[2:])
-        return self.x_embedder(x.to(self.x_embedder.proj.weight.dtype))
+        tokens, grid = self.x_embedder(x.to(self.x_embedder.proj.weight.dtype))
+        if self.absolute_positions:
+            tokens = tokens + absolute_position_embedding(grid, tokens.shape[-1], tokens.device).to(tokens.dtype)
+        return tokens, grid
 
     def condition(self, t, y, y_mask) -> "Conditioning":
         """What every block reads besides its tokens: the time embedding, its modulation input and the
@@ -397,7 +425,7 @@ def masked_mean(y, mask):
     return (y * m).sum(1) / m.sum(1).clamp(min=1.0)
 
 
-ARCHITECTURE_OPTIONS = ("ffn_dim", "adaln", "qk_norm_across_heads", "pooled_text", "text_mask")
+ARCHITECTURE_OPTIONS = ("ffn_dim", "adaln", "qk_norm_across_heads", "pooled_text", "text_mask", "absolute_positions")
 
 
 def build_dit(model_cfg, in_channels: int, text_dim: int) -> DiT:

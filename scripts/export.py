@@ -13,7 +13,8 @@ what `infer.py` samples.
 
 The EMA weights are exported unless --no-ema. The recipe is the run's config.yaml (or --config); the
 DiT must have Wan's architecture options (the Wan* sizes, or model.adaln=single,
-qk_norm_across_heads=true, pooled_text=false, text_mask=false). One process; it holds the whole model.
+qk_norm_across_heads=true, pooled_text=false, text_mask=false, absolute_positions=false). One process; it holds
+the whole model.
 """
 
 import argparse

@@ -34,8 +34,8 @@ EXACT = 1e-5  # the issue's bound against the serial sampler, on pixels in [0, 1
 
 
 def config(patches=None, warmup=1):
-    return load_config(TINY, ["model.size=DiT-demo", f"parallel.pipefusion_patches={patches or 'null'}",
-                              f"parallel.pipefusion_warmup={warmup}"])
+    return load_config(TINY, ["model.size=DiT-demo", "model.absolute_positions=true",  # as the demo samples
+                              f"parallel.pipefusion_patches={patches or 'null'}", f"parallel.pipefusion_warmup={warmup}"])
 
 
 def sample(cfg, model, vae, text_encoder, sampler=None):

@@ -82,9 +82,9 @@ def check_model(layout, groups, frames, height=8, width=8, wan=False):
     """A whole DiT: the output equals the single-process one, and the parameter gradients averaged over
     the sequence-parallel group (what FSDP's mean does) equal the single-process gradients. wan: with
     Wan's options (adaLN-single, QK norm across heads, unmasked text), exact against diffusers in
-    tests/test_wan.py."""
+    tests/test_wan.py; otherwise with absolute positions, added before the sequence is split."""
     name = f"{'WanDiT' if wan else 'DiT'} u{layout.ulysses}r{layout.ring} grid {frames}x{height // 2}x{width // 2}"
-    options = dict(WAN_OPTIONS, ffn_dim=48) if wan else {}
+    options = dict(WAN_OPTIONS, ffn_dim=48) if wan else dict(absolute_positions=True)
     torch.manual_seed(0)
     reference_model = DiT(in_channels=4, text_dim=16, depth=2, hidden_size=32, num_heads=4, patch_size=(1, 2, 2),
                           **options)

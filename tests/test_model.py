@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from models.attention import ATTENTION_BACKENDS, AttentionBackendUnavailable, MathAttention, make_attention
-from models.dit import DiT, DiT_models, RotaryEmbedding3D, apply_rope
+from models.dit import DiT, DiT_models, RotaryEmbedding3D, absolute_position_embedding, apply_rope
 from models.util import seeded
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,6 +67,26 @@ def test_rope_relative_positions():
 
     assert score((0, 0, 0), (1, 2, 1)) == pytest.approx(score((1, 1, 2), (2, 3, 3)), abs=1e-5)
     assert score((0, 0, 0), (1, 2, 1)) != pytest.approx(score((0, 0, 0), (1, 1, 2)), abs=1e-3)
+
+
+def test_absolute_positions_mean_the_same_place_in_every_bucket():
+    """Space is counted from the grid's centre and time from the first frame: the centre token of a 4x5x7
+    grid and of a 2x9x3 grid get the same features, so do two first-frame tokens one row above the centre,
+    and every token of a grid gets its own. The option adds no parameter (checkpoints stay compatible)."""
+    a = absolute_position_embedding((4, 5, 7), 48, "cpu").view(4, 5, 7, 48)
+    b = absolute_position_embedding((2, 9, 3), 48, "cpu").view(2, 9, 3, 48)
+    assert torch.equal(a[1, 2, 3], b[1, 4, 1]) and torch.equal(a[0, 1, 3], b[0, 3, 1])
+    assert not torch.allclose(a[1, 2, 3], a[2, 2, 3]) and not torch.allclose(a[1, 2, 3], a[1, 2, 4])
+    assert torch.cdist(a.view(-1, 48), a.view(-1, 48)).add(torch.eye(140) * 9).min() > 0.1
+    x, t = torch.randn(2, 3, 2, 8, 8), torch.rand(2)
+    y, mask = text()
+    plain, placed = tiny_dit(), tiny_dit(absolute_positions=True)
+    assert plain.state_dict().keys() == placed.state_dict().keys()
+    for p in placed.parameters():  # adaLN-Zero starts as the identity: make every path count
+        torch.nn.init.normal_(p, std=0.2)
+    plain.load_state_dict(placed.state_dict())
+    with torch.no_grad():
+        assert not torch.allclose(plain(x, t, y, mask), placed(x, t, y, mask), atol=1e-3)
 
 
 @pytest.mark.parametrize("backend", sorted(ATTENTION_BACKENDS))
