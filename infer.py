@@ -22,7 +22,7 @@ from models.flow import RectifiedFlow
 from models.pipeline import build_frozen, build_model, generate, open_pretrained
 from models.vae import vae_latent_space
 from parallel import comm
-from parallel.checkpoint import CheckpointError, load_weights, resolve_checkpoint
+from parallel.checkpoint import CheckpointError, check_architecture, load_weights, resolve_checkpoint
 from parallel.init import materialize
 from parallel.layout import ParallelLayout
 from parallel.pipefusion import ParallelSampler, keep_stage
@@ -46,6 +46,8 @@ def parse_args(argv):
     p.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale; 1 turns it off")
     p.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i")
     p.add_argument("--output", default="outputs/sample.mp4", help=f"file to write ({', '.join(OUTPUT_EXTENSIONS)})")
+    p.add_argument("--upscale", type=int, default=1,
+                   help="enlarge the written frames N times, nearest neighbour, to watch tiny videos (not .npy)")
     p.add_argument("--random-weights", action="store_true",
                    help="sample from an untrained model whose every layer is active (tests, benchmarks)")
     p.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA weights")
@@ -87,6 +89,7 @@ def load_sampler(cfg, runtime, checkpoint, use_ema: bool = True, random_weights:
     if layout.pipefusion > 1:
         model = keep_stage(model, groups.stage, groups.stages)
     if checkpoint is not None:
+        check_architecture(checkpoint, model.architecture())
         model.to_empty(device="cpu")
         load_weights(checkpoint, model, use_ema=use_ema)
     else:  # random weights: adaLN-Zero's zeros would make the output 0 whatever the layout does
@@ -110,7 +113,8 @@ def main(argv=None):
     frames = first(args.frames, sc.frames, cfg.data.frames)
     height, width = first(args.height, sc.height, cfg.data.height), first(args.width, sc.width, cfg.data.width)
     guidance, steps = first(args.guidance, sc.guidance), first(args.steps, sc.steps)
-    for name, value in (("--steps", steps), ("--frames", frames), ("--height", height), ("--width", width)):
+    for name, value in (("--steps", steps), ("--frames", frames), ("--height", height), ("--width", width),
+                        ("--upscale", args.upscale)):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
     # Every refusal comes before any model is built or any collective is issued.
@@ -153,7 +157,7 @@ def main(argv=None):
         if runtime.rank == layout.replica_leader(runtime.rank):  # one writer per data-parallel replica
             runtime.watchdog.mark("writing")
             for i, video in zip(mine, videos):
-                for path in write_video(outputs[i], video, fps=sc.fps):
+                for path in write_video(outputs[i], video, fps=sc.fps, scale=args.upscale):
                     print(f"[tessera] wrote {path}", flush=True)
         # The replica's other ranks wait for its writer on gloo with the control timeout, so none of them
         # leaves (or sits in a short-deadline collective) while a long video is encoded. Replicas are not

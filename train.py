@@ -29,6 +29,7 @@ from models.vae import vae_latent_space
 from parallel import comm, faults
 from parallel import vae as parallel_vae
 from parallel.checkpoint import (
+    check_architecture,
     load_checkpoint,
     read_trainer_state,
     resolve_checkpoint,
@@ -54,7 +55,12 @@ def parse_args(argv):
 
 
 def learning_rate(train_cfg, step: int) -> float:
-    return train_cfg.lr * min(1.0, (step + 1) / max(1, train_cfg.warmup_steps))
+    """Linear warm-up, then constant or (train.lr_decay=cosine) down to 0 at train.max_steps."""
+    warmup = max(1, train_cfg.warmup_steps)
+    if step < warmup or train_cfg.lr_decay == "constant":
+        return train_cfg.lr * min(1.0, (step + 1) / warmup)
+    progress = min(1.0, (step - warmup) / max(1, train_cfg.max_steps - warmup))
+    return train_cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def main(argv=None):
@@ -101,6 +107,9 @@ def main(argv=None):
     # Built on the meta device and sharded before any weight exists; then each rank fills only its shard
     # (from train.seed, or read from model.pretrained): no rank ever holds the whole model.
     model = apply_sequence_parallel(build_model(cfg, text_encoder, vae, weights=False), runtime.sequence)
+    architecture = model.architecture()  # recorded in every checkpoint, checked on resume and sampling
+    if checkpoint is not None:
+        check_architecture(checkpoint, architecture)
     # A resume takes every weight from its checkpoint: the pretrained folder is then neither needed nor read.
     pretrained = open_pretrained(cfg, model) if checkpoint is None else None
     if runtime.is_main:
@@ -208,7 +217,8 @@ def main(argv=None):
                   file=sys.stderr, flush=True)
         if done % tc.checkpoint_every == 0 or done == tc.max_steps or (stop and saved_step != done):
             phase("checkpoint")
-            trainer_state = {"step": done, "sampler": sampler.state_dict(done), "world_size": runtime.world_size}
+            trainer_state = {"step": done, "sampler": sampler.state_dict(done), "world_size": runtime.world_size,
+                             "architecture": architecture}
             save_checkpoint(runtime, run.path, done, model, ema, optimizer, trainer_state, tc.keep_checkpoints)
             saved_step = done
         if stop:

@@ -125,6 +125,7 @@ CHOICES = {
     "vae.kind": ("identity", "kl", "wan"),
     "text_encoder.kind": ("t5", "umt5", "clip"),
     "train.precision": ("auto", "fp32", "bf16"),
+    "train.lr_decay": ("constant", "cosine"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
     "data.epoch_remainder": ("pad", "drop"),
     "data.on_plan_change": ("error", "new_epoch"),

@@ -29,6 +29,8 @@ class ModelConfig:
     qk_norm_across_heads: Optional[bool] = None  # QK RMSNorm over all heads at once (Wan): false
     pooled_text: Optional[bool] = None  # the mean text token joins the time embedding: true
     text_mask: Optional[bool] = None  # mask padded text tokens (false: zero them and attend, as Wan): true
+    # add fixed sin-cos absolute positions to the tokens (the original DiT's), besides RoPE: false
+    absolute_positions: Optional[bool] = None
     # A diffusers WanTransformer3DModel folder (config.json + safetensors): its weights, read shard by shard;
     # the recipe must build the same architecture (e.g. model.size=Wan2.1-1.3B).
     pretrained: Optional[str] = None
@@ -100,6 +102,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 100
+    # after warm-up: constant | cosine (down to 0 at max_steps; raising max_steps on a resume moves the curve)
+    lr_decay: str = "constant"
     grad_clip: float = 1.0
     ema_decay: float = 0.999
     text_dropout: float = 0.1  # probability of training on the empty prompt (classifier-free guidance)

@@ -292,8 +292,10 @@ def _clip_at_end(container, stream, frames: int, fps: float | None, frame_dt: fl
     return []
 
 
-def write_video(path, video: np.ndarray, fps: int = 8) -> list[Path]:
+def write_video(path, video: np.ndarray, fps: int = 8, scale: int = 1) -> list[Path]:
     """Write (T, H, W, 3) float in [0, 1]; the format follows the extension. Returns the files written.
+    scale > 1 enlarges each frame that many times (nearest neighbour) so that tiny videos can be watched;
+    a .npy keeps the array as sampled.
 
     .mp4 (H.264 through PyAV), .gif, .png (one image, or one numbered file per frame), .npy (the
     float32 array itself, unquantised, for exact comparisons)."""
@@ -306,6 +308,8 @@ def write_video(path, video: np.ndarray, fps: int = 8) -> list[Path]:
     if ext == ".npy":
         np.save(path, video)
         return [path]
+    if scale > 1:
+        video = video.repeat(scale, axis=1).repeat(scale, axis=2)
     frames8 = (np.clip(video, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
     if ext == ".png":
         from PIL import Image

@@ -347,6 +347,22 @@ def read_trainer_state(path) -> dict:
         raise CheckpointError(f"{trainer_file} cannot be read ({type(e).__name__}: {e}); {_fallback_hint(path)}") from e
 
 
+def check_architecture(path, architecture: dict) -> None:
+    """Refuse a checkpoint trained with another DiT (DiT.architecture(), recorded at save). Loading catches
+    differences of shape; this also catches the options that hold no weight (model.absolute_positions,
+    model.text_mask, model.rope_theta), which would load silently and sample nonsense. Checkpoints from
+    before the architecture was recorded are not checked."""
+    saved = read_trainer_state(path).get("architecture")
+    if saved is None:
+        return
+    plain = lambda v: list(v) if isinstance(v, (tuple, list)) else v  # noqa: E731
+    differs = [f"{k}={plain(v)!r} there, {plain(architecture.get(k))!r} here" for k, v in saved.items()
+               if plain(v) != plain(architecture.get(k))]
+    if differs:
+        raise CheckpointError(f"checkpoint {path} was trained with another model: {'; '.join(differs)}. Use the recipe "
+                              f"it was trained with (its run's config.yaml), or set the model keys to match")
+
+
 def load_checkpoint(runtime, path, model, ema, optimizer, verified: bool = False) -> None:
     """Restore model, EMA and optimizer in place (resharded by DCP to this run's layout), once every
     file of the checkpoint has been checked (by all ranks together; `verified`: done already)."""

@@ -88,3 +88,19 @@ def test_key_without_section_names_the_full_key():
 def test_values_that_would_divide_by_zero_or_stall(override):
     with pytest.raises(ConfigError, match=override.split("=")[0]):
         load_config(None, [override])
+
+
+def test_learning_rate_warms_up_then_stays_or_follows_a_cosine_to_zero():
+    import train
+
+    constant = load_config(overrides=["train.lr=1e-3", "train.warmup_steps=10", "train.max_steps=110"])
+    cosine = load_config(overrides=["train.lr=1e-3", "train.warmup_steps=10", "train.max_steps=110",
+                                    "train.lr_decay=cosine"])
+    for cfg in (constant, cosine):
+        assert train.learning_rate(cfg.train, 0) == pytest.approx(1e-4)  # warm-up is the same for both
+        assert train.learning_rate(cfg.train, 10) == pytest.approx(1e-3)
+    assert train.learning_rate(constant.train, 109) == pytest.approx(1e-3)
+    assert train.learning_rate(cosine.train, 60) == pytest.approx(5e-4)  # half way down
+    assert train.learning_rate(cosine.train, 109) < 1e-6 and train.learning_rate(cosine.train, 500) == 0.0
+    with pytest.raises(ConfigError, match="'train.lr_decay' is 'linear'; choose one of constant, cosine"):
+        load_config(overrides=["train.lr_decay=linear"])

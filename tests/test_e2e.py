@@ -69,6 +69,26 @@ def test_resume_after_the_data_changed(tmp_path, capfd):
     assert [(m["step"], m["epoch"]) for m in read_metrics(run_dir)][2:] == [(3, 0), (4, 1), (5, 1), (6, 1)]
 
 
+def test_a_checkpoint_of_another_architecture_is_refused(trained, tmp_path, capfd):
+    """model.absolute_positions holds no weight, so its checkpoint would load into a model without it and
+    sample nonsense: the architecture recorded at save refuses that on sampling and on resume, naming it."""
+    argv = ["--config", str(TINY), f"run.output_dir={trained}", "--steps", "1", "--prompt", "a red square",
+            "--output", str(tmp_path / "x.npy"), "model.absolute_positions=true"]
+    capfd.readouterr()
+    assert run_main(infer, argv) != 0
+    line = next(line for line in capfd.readouterr().err.splitlines() if line.startswith("error:"))
+    assert "was trained with another model: absolute_positions=False there, True here" in line, line
+    assert not (tmp_path / "x.npy").exists()
+    assert run_main(infer, argv[:-1]) == 0  # the recipe it was trained with samples
+    run_dir = tmp_path / "run"
+    args = ["--config", str(TINY), f"run.output_dir={run_dir}", "train.max_steps=3", "train.checkpoint_every=3"]
+    assert run_main(train, args) == 0
+    capfd.readouterr()
+    assert run_main(train, [*args[:-2], "train.max_steps=6", "model.absolute_positions=true"]) != 0
+    assert "absolute_positions=False there, True here" in capfd.readouterr().err
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
+
+
 def test_loss_falls(tmp_path):
     run_dir = tmp_path / "run"
     assert run_main(train, ["--config", str(TINY), f"run.output_dir={run_dir}", "train.max_steps=80",
