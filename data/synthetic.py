@@ -44,15 +44,18 @@ def render_clip(color, shape, direction, frames, height, width, rng: np.random.G
                 span: int | None = None) -> np.ndarray:
     """(frames, height, width, 3) float32 in [0, 1]. The object moves at a constant speed per frame, so
     any first-k-frames crop (what a bucket takes) shows the same motion; it is large and fast so that
-    shape and direction are visible at the demo's 32 pixels and a few frames. Its path over the first
+    shape and direction are visible at the demo's 24 pixels and a few frames. Its path over the first
     `span` frames (default: all) stays inside the central square of the frame, so a centre crop to any
     aspect ratio keeps it in view; frames beyond `span` (never used by a bucket) may leave it."""
     side = min(height, width)
     span = max(min(span or frames, frames), 2)
     # Size, speed and path vary only a little: the caption then nearly fixes the clip, so a model trained
-    # for minutes on a CPU learns one coherent object on its path instead of scattered fragments.
-    radius = side * rng.uniform(0.19, 0.21)
-    # About 2.4 px a frame at 32 px, capped so the path over `span` frames fits beside the object.
+    # for minutes on a CPU learns one coherent object on its path instead of scattered fragments. Half the
+    # side wide, so that corners (square or not) span pixels a small model draws: at 0.19-0.21 squares came
+    # out rounded more often (BENCHMARKS.md, issue 13).
+    radius = side * rng.uniform(0.24, 0.26)
+    # About 1.6 px a frame at 24 px: 0.07-0.08 of the side, capped so the path over `span` frames fits beside
+    # the object.
     step = min(side * rng.uniform(0.07, 0.08), (side - 2 * radius - 1) / (span - 1))
     travel = step * (span - 1)
     dx, dy = DIRECTIONS[direction]
@@ -115,7 +118,7 @@ class SyntheticVideoDataset:
 # what tests check against the generator. A pixel is "bright" when its brightest channel exceeds
 # BRIGHT (the background is black, objects are saturated). A frame is coherent when its largest
 # 4-connected bright component holds at least COHERENT of the frame's bright pixels and at least
-# MIN_AREA and at most MAX_AREA of its area (an object covers at most ~16% of the frame here: a larger
+# MIN_AREA and at most MAX_AREA of its area (an object covers at most ~25% of the frame here: a larger
 # bright region is a lit background, not an object); a clip is coherent when every frame is and that
 # component's area stays within a factor AREA_RATIO of the clip's median (no shrinking or flickering object).
 BRIGHT = 0.5
@@ -150,19 +153,37 @@ def largest_component(frame: np.ndarray, threshold: float = BRIGHT) -> tuple[np.
     return labels == ids[np.argmax(counts)], int(bright.sum())
 
 
+def fill_holes(mask: np.ndarray) -> np.ndarray:
+    """The mask with every enclosed hole filled: dark specks inside an object are texture, not outline."""
+    padded = np.pad(mask, 1)
+    labels = label_components(~padded)
+    outside = labels == labels[0, 0]  # the background connected to the border
+    return ~outside[1:-1, 1:-1]
+
+
+def shape_templates(height: int, width: int, cy: float, cx: float, area: float) -> dict:
+    """Masks of the three shapes as render_clip draws them (axis-aligned, triangle apex up), each of the
+    given area with its centroid at (cy, cx), on a (height, width) pixel grid."""
+    ys, xs = np.mgrid[0:height, 0:width].astype(np.float64) + 0.5
+    side = np.sqrt(area) / 2  # half the square's side
+    radius = np.sqrt(area / np.pi)
+    half = np.sqrt(area / 2)  # the triangle's half height (its base is as wide as it is high)
+    v = ys - (cy - half / 3)  # a triangle's centroid lies a third of its half height below its box's middle
+    return {"square": (np.abs(ys - cy) <= side) & (np.abs(xs - cx) <= side),
+            "circle": (ys - cy) ** 2 + (xs - cx) ** 2 <= radius ** 2,
+            "triangle": (v >= -half) & (v <= half) & (np.abs(xs - cx) <= (v + half) / 2)}
+
+
 def classify_shape(mask: np.ndarray) -> str | None:
-    """square, circle or triangle from a component's geometry: a triangle (apex up) puts most of its
-    mass in the lower half of its bounding box; a square fills its box, a circle about pi/4 of it."""
+    """square, circle or triangle: the shape whose template of the same area, placed on the component's
+    centroid, overlaps it best (intersection over union). Holes are filled first (specks inside are texture,
+    not outline); a stray pixel at the edge moves the answer little, where a bounding box would jump."""
+    mask = fill_holes(mask)
     ys, xs = np.nonzero(mask)
     if len(ys) < 4:
         return None
-    box_h, box_w = ys.max() - ys.min() + 1, xs.max() - xs.min() + 1
-    fill = len(ys) / (box_h * box_w)
-    mid = (ys.min() + ys.max()) / 2
-    lower = ((ys > mid).sum() + 0.5 * (ys == mid).sum()) / len(ys)
-    if lower > 0.62 or fill < 0.62:
-        return "triangle"
-    return "square" if fill > 0.88 else "circle"
+    templates = shape_templates(*mask.shape, ys.mean() + 0.5, xs.mean() + 0.5, float(len(ys)))
+    return max(SHAPES, key=lambda name: (templates[name] & mask).sum() / (templates[name] | mask).sum())
 
 
 def read_clip(video: np.ndarray, threshold: float = BRIGHT) -> dict:

@@ -8,10 +8,10 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 RUN=${DEMO_RUN:-runs/demo}
 "$PY" train.py --config configs/demo.yaml "run.output_dir=$RUN" "$@"
-"$PY" infer.py --config configs/demo.yaml "run.output_dir=$RUN" "$@" --output "$RUN/demo.mp4" \
+"$PY" infer.py --config configs/demo.yaml "run.output_dir=$RUN" "$@" --output "$RUN/demo.mp4" --upscale 8 \
   --prompt "a red square moving left" "a green circle moving right" "a blue triangle moving up" "a yellow square moving down"
-"$PY" infer.py --config configs/demo.yaml "run.output_dir=$RUN" "$@" --output "$RUN/demo.gif" \
-  --height 24 --width 44 --prompt "a magenta triangle moving left"   # the 16:9 bucket
+"$PY" infer.py --config configs/demo.yaml "run.output_dir=$RUN" "$@" --output "$RUN/demo.gif" --upscale 8 \
+  --height 18 --width 33 --prompt "a magenta triangle moving left"   # the 16:9 bucket
 "$PY" scripts/eval_demo.py --config configs/demo.yaml "run.output_dir=$RUN" "$@"
 echo "[demo] videos in $RUN (demo_000.mp4 ... demo_003.mp4, demo.gif), contact sheet $RUN/contact_sheet.png," \
   "evaluation $RUN/eval_demo.json, training metrics $RUN/metrics.jsonl"

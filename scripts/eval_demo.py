@@ -8,7 +8,8 @@ never seen in training) with several seeds and reads each clip back with data.sy
   at least 80% of the bright pixels and at least 1% of the frame, and its area stays within a factor
   2 of the clip's median: scattered fragments, several objects or a flickering one fail;
 - colour: the palette colour nearest to the mean colour of that component;
-- shape: square, circle or triangle from its geometry (bounding-box fill, mass in the lower half);
+- shape: square, circle or triangle: the template of the same area on its centroid that overlaps it best
+  (holes filled first; robust to a few stray or missing edge pixels, where a bounding box is not);
 - direction: the sign of the larger least-squares slope of its centroid over the frames.
 
 The report gives each rate and the joint rate (all four right at once), and a contact sheet (one row
@@ -53,11 +54,13 @@ def summarise(rows: list[dict]) -> dict:
     return {"samples": len(rows), **rates}
 
 
-def contact_sheet(path, prompts: list[str], videos: np.ndarray, rows: list[dict], scale: int = 3) -> None:
-    """A PNG with one row per clip: the prompt and what was read from the clip, then its frames."""
+def contact_sheet(path, prompts: list[str], videos: np.ndarray, rows: list[dict], scale: int | None = None) -> None:
+    """A PNG with one row per clip: the prompt and what was read from the clip, then its frames, enlarged
+    (default: to about 96 pixels high)."""
     from PIL import Image, ImageDraw
 
     frames, height, width = videos.shape[1:4]
+    scale = scale or max(1, 96 // height)
     text_w, gap = 330, 2
     cell_h = max(height * scale, 30) + gap
     sheet = Image.new("RGB", (text_w + frames * (width * scale + gap), len(prompts) * cell_h), (40, 40, 40))
