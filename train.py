@@ -100,9 +100,6 @@ def main(argv=None):
     sampler.start_step = start_step  # O(1): the sampler computes its position from the step
     device = runtime.device
     bf16 = tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
-    run = RunDirectory(cfg.run.output_dir, runtime.is_main)
-    run.write_config(cfg)
-    run.start_data_report(dataset.left_out_files(), start_step)
     text_encoder, vae = build_frozen(cfg, device)
     # Built on the meta device and sharded before any weight exists; then each rank fills only its shard
     # (from train.seed, or read from model.pretrained): no rank ever holds the whole model.
@@ -110,6 +107,10 @@ def main(argv=None):
     architecture = model.architecture()  # recorded in every checkpoint, checked on resume and sampling
     if checkpoint is not None:
         check_architecture(checkpoint, architecture)
+    # Only a run that will go on replaces the run directory's config.yaml (the old one is kept beside it).
+    run = RunDirectory(cfg.run.output_dir, runtime.is_main)
+    run.write_config(cfg)
+    run.start_data_report(dataset.left_out_files(), start_step)
     # A resume takes every weight from its checkpoint: the pretrained folder is then neither needed nor read.
     pretrained = open_pretrained(cfg, model) if checkpoint is None else None
     if runtime.is_main:

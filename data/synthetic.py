@@ -174,21 +174,27 @@ def shape_templates(height: int, width: int, cy: float, cx: float, area: float) 
             "triangle": (v >= -half) & (v <= half) & (np.abs(xs - cx) <= (v + half) / 2)}
 
 
+SHAPE_IOU = 0.6  # below this overlap with the best template a component has no shape (rendered ones: >= 0.95)
+
+
 def classify_shape(mask: np.ndarray) -> str | None:
     """square, circle or triangle: the shape whose template of the same area, placed on the component's
-    centroid, overlaps it best (intersection over union). Holes are filled first (specks inside are texture,
-    not outline); a stray pixel at the edge moves the answer little, where a bounding box would jump."""
+    centroid, overlaps it best (intersection over union), if that overlap reaches SHAPE_IOU; else None.
+    Holes are filled first (specks inside are texture, not outline); a stray pixel at the edge moves the
+    answer little, where a bounding box would jump."""
     mask = fill_holes(mask)
     ys, xs = np.nonzero(mask)
     if len(ys) < 4:
         return None
     templates = shape_templates(*mask.shape, ys.mean() + 0.5, xs.mean() + 0.5, float(len(ys)))
-    return max(SHAPES, key=lambda name: (templates[name] & mask).sum() / (templates[name] | mask).sum())
+    overlap = {name: (templates[name] & mask).sum() / (templates[name] | mask).sum() for name in SHAPES}
+    best = max(SHAPES, key=overlap.get)
+    return best if overlap[best] >= SHAPE_IOU else None
 
 
 def read_clip(video: np.ndarray, threshold: float = BRIGHT) -> dict:
     """What a (T, H, W, 3) clip in [0, 1] shows: the object's colour (palette colour nearest to the mean
-    of its largest component's pixels), shape (majority over frames), direction (the sign of the larger
+    of its largest component's pixels), shape (the most frequent over frames; None on a tie), direction (the sign of the larger
     least-squares slope of that component's centroid over frames, if it moves at least a pixel over the
     clip) and whether it is coherent (see COHERENT above). Fields are None where nothing can be read."""
     frames, height, width = video.shape[:3]
@@ -210,8 +216,9 @@ def read_clip(video: np.ndarray, threshold: float = BRIGHT) -> dict:
     out["color"] = min(COLORS, key=lambda n: np.linalg.norm(mean - np.asarray(COLORS[n])))
     shapes = [classify_shape(m) for m in masks if m.any()]
     shapes = [s for s in shapes if s]
-    if shapes:
-        out["shape"] = max(SHAPES, key=shapes.count)
+    counts = sorted((shapes.count(s), s) for s in SHAPES)
+    if counts[-1][0] > counts[-2][0]:  # the frames' most frequent reading; a tie reads as no shape
+        out["shape"] = counts[-1][1]
     seen = [f for f in range(frames) if areas[f]]
     if len(seen) >= 2:
         t = np.asarray(seen, dtype=np.float64)

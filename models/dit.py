@@ -428,6 +428,13 @@ def masked_mean(y, mask):
 ARCHITECTURE_OPTIONS = ("ffn_dim", "adaln", "qk_norm_across_heads", "pooled_text", "text_mask", "absolute_positions")
 
 
+def recipe_key(name: str) -> str:
+    """The recipe key that sets an entry of DiT.architecture(), for error messages."""
+    return {"in_channels": "the VAE's latent channels (vae.*)", "text_dim": "the text encoder's width (text_encoder.*)",
+            "depth": "model.size", "hidden_size": "model.size", "num_heads": "model.size"}.get(
+        name, f"model.{name} (or model.size)" if name in ARCHITECTURE_OPTIONS else f"model.{name}")
+
+
 def build_dit(model_cfg, in_channels: int, text_dim: int) -> DiT:
     """The DiT named by a recipe's `model` section: the size's dims and options, then the recipe's
     options that are set (not None)."""

@@ -44,18 +44,15 @@ def open_pretrained(cfg, model: DiT):
     architecture (a disagreement is an error naming the keys and the fix); None without model.pretrained."""
     if not cfg.model.get("pretrained"):
         return None
-    from models.dit import ARCHITECTURE_OPTIONS, DiT_models
+    from models.dit import ARCHITECTURE_OPTIONS, DiT_models, recipe_key
     from models.wan import WanWeights
 
     weights = WanWeights(cfg.model.pretrained)
     folder = weights.dit_kwargs
     ours = model.architecture()
-    keys = {"in_channels": "the VAE's latent channels (vae.*)", "text_dim": "the text encoder's width (text_encoder.*)",
-            "patch_size": "model.patch_size", "qk_norm": "model.qk_norm", "rope_theta": "model.rope_theta",
-            **{k: f"model.{k} (or model.size)" for k in ARCHITECTURE_OPTIONS}}
     differs = [k for k in folder if k in ours and tuple(np.atleast_1d(ours[k])) != tuple(np.atleast_1d(folder[k]))]
     if differs:
-        wrong = [f"{keys.get(k, 'model.size')}: {k}={ours[k]!r}, the folder has {folder[k]!r}" for k in differs]
+        wrong = [f"{recipe_key(k)}: {k}={ours[k]!r}, the folder has {folder[k]!r}" for k in differs]
         dims = ("depth", "hidden_size", "num_heads")
         value = lambda v: str(v).lower() if isinstance(v, bool) else list(v) if isinstance(v, tuple) else v  # noqa: E731
         fixes = [f"model.{k}={value(folder[k])}".replace(" ", "") for k in differs

@@ -355,12 +355,14 @@ def check_architecture(path, architecture: dict) -> None:
     saved = read_trainer_state(path).get("architecture")
     if saved is None:
         return
+    from models.dit import recipe_key
+
     plain = lambda v: list(v) if isinstance(v, (tuple, list)) else v  # noqa: E731
-    differs = [f"{k}={plain(v)!r} there, {plain(architecture.get(k))!r} here" for k, v in saved.items()
-               if plain(v) != plain(architecture.get(k))]
+    differs = [f"{recipe_key(k)}: {k}={plain(saved.get(k))!r} there, {plain(architecture.get(k))!r} here"
+               for k in sorted(set(saved) | set(architecture)) if plain(saved.get(k)) != plain(architecture.get(k))]
     if differs:
         raise CheckpointError(f"checkpoint {path} was trained with another model: {'; '.join(differs)}. Use the recipe "
-                              f"it was trained with (its run's config.yaml), or set the model keys to match")
+                              f"it was trained with (its run's config.yaml), or set these keys to match")
 
 
 def load_checkpoint(runtime, path, model, ema, optimizer, verified: bool = False) -> None:

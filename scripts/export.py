@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from configs import load_config  # noqa: E402
 from models.dit import build_dit  # noqa: E402
 from models.wan import diffusers_config_from_dit, diffusers_state_dict_from_tessera  # noqa: E402
-from parallel.checkpoint import CheckpointError, load_weights, resolve_checkpoint  # noqa: E402
+from parallel.checkpoint import CheckpointError, check_architecture, load_weights, resolve_checkpoint  # noqa: E402
 
 
 def checkpoint_dims(path: Path, prefix: str) -> tuple[int, int]:
@@ -75,6 +75,7 @@ def export(checkpoint: Path, output: Path, cfg, use_ema: bool = True, max_shard_
     if not cfg.model.qk_norm:
         raise ValueError("model.qk_norm=false: Wan normalises queries and keys")
     model.to_empty(device="cpu")
+    check_architecture(checkpoint, model.architecture())  # options without weights would export silently
     load_weights(checkpoint, model, use_ema=use_ema)
     wan = WanTransformer3DModel(**config)
     state = diffusers_state_dict_from_tessera(model.state_dict(), wan.state_dict().keys())

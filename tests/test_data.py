@@ -31,20 +31,18 @@ def test_synthetic_is_deterministic_and_holds_out_combos():
 
 def test_read_clip_reads_ground_truth_in_every_bucket():
     """The demo's judge (scripts/eval_demo.py) on rendered clips, fitted to the demo's buckets as training
-    sees them: colour, direction and coherence always right, the shape classifier nearly always."""
+    sees them: colour, shape, direction and coherence always right."""
     demo = load_config("configs/demo.yaml")
     buckets = build_buckets(demo)
     data = SyntheticVideoDataset(144, max(buckets.frame_counts), demo.data.height, demo.data.width, seed=1, combos=ALL_COMBOS,
                                  min_frames=min(buckets.frame_counts))
     dataset = SyntheticDataset(data, buckets)
-    shapes_right = 0
     for i in range(len(data)):
         d, bucket = data.describe(i), buckets.buckets[dataset.bucket_of[i]]
         video = fit_to_bucket(data.render(i)[0], bucket.frames, bucket.height, bucket.width) / 255.0
         seen = read_clip(video)
-        assert (seen["color"], seen["direction"], seen["coherent"]) == (d["color"], d["direction"], True), (i, seen)
-        shapes_right += seen["shape"] == d["shape"]
-    assert shapes_right / len(data) >= 0.95
+        assert (seen["color"], seen["shape"], seen["direction"], seen["coherent"]) == (
+            d["color"], d["shape"], d["direction"], True), (i, seen)
     # and at the size the demo samples and judges (data.frames x height x width), one clip per combination
     rng = np.random.default_rng(2)
     for color, shape, direction in ALL_COMBOS:
@@ -89,6 +87,9 @@ def test_read_clip_fails_fragments():
     shrinking[3, 4:7, 4:7, 0] = 1.0  # the object shrinks to a ninth in the last frame
     assert not read_clip(shrinking)["coherent"]
     assert read_clip(np.zeros((2, 8, 8, 3)))["color"] is None and not read_clip(np.zeros((2, 8, 8, 3)))["coherent"]
+    bar = np.zeros((4, 32, 32, 3), dtype=np.float32)
+    bar[:, 4:28, 14:17, 1] = 1.0  # a coherent thing that is no square, circle or triangle: no shape is read
+    assert read_clip(bar)["coherent"] and read_clip(bar)["shape"] is None
 
 
 def test_resize_and_centre_crop():

@@ -84,9 +84,11 @@ def test_a_checkpoint_of_another_architecture_is_refused(trained, tmp_path, capf
     args = ["--config", str(TINY), f"run.output_dir={run_dir}", "train.max_steps=3", "train.checkpoint_every=3"]
     assert run_main(train, args) == 0
     capfd.readouterr()
+    config = (run_dir / "config.yaml").read_text()
     assert run_main(train, [*args[:-2], "train.max_steps=6", "model.absolute_positions=true"]) != 0
-    assert "absolute_positions=False there, True here" in capfd.readouterr().err
+    assert "model.absolute_positions (or model.size): absolute_positions=False there, True here" in capfd.readouterr().err
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
+    assert (run_dir / "config.yaml").read_text() == config and not list(run_dir.glob("config.*.yaml"))
 
 
 def test_loss_falls(tmp_path):
@@ -302,7 +304,8 @@ def test_activation_checkpointing_and_compile_keep_the_losses(trained, tmp_path,
 def test_checkpoint_of_another_model_is_a_clear_error(trained, tmp_path, capsys):
     argv = ["--config", str(TINY), f"run.output_dir={trained}", "model.size=DiT-demo", "--output", str(tmp_path / "x.npy")]
     assert run_main(infer, argv) == 2
-    assert "does not fit this model" in capsys.readouterr().err
+    line = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("error:"))
+    assert "was trained with another model: model.size: depth=2 there, 4 here" in line, line
 
 
 def test_bf16_mixed_precision_tracks_float32(trained, tmp_path):
