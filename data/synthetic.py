@@ -194,9 +194,10 @@ def classify_shape(mask: np.ndarray) -> str | None:
 
 def read_clip(video: np.ndarray, threshold: float = BRIGHT) -> dict:
     """What a (T, H, W, 3) clip in [0, 1] shows: the object's colour (palette colour nearest to the mean
-    of its largest component's pixels), shape (the most frequent over frames; None on a tie), direction (the sign of the larger
-    least-squares slope of that component's centroid over frames, if it moves at least a pixel over the
-    clip) and whether it is coherent (see COHERENT above). Fields are None where nothing can be read."""
+    of its largest component's pixels), shape (the most frequent over frames; None on a tie), direction
+    (the sign of the larger least-squares slope of that component's centroid over frames, if it moves at
+    least a pixel over the clip) and whether it is coherent (see COHERENT above). Fields are None where
+    nothing can be read."""
     frames, height, width = video.shape[:3]
     masks, fractions, areas = [], [], []
     for frame in video:

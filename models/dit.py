@@ -428,6 +428,12 @@ def masked_mean(y, mask):
 ARCHITECTURE_OPTIONS = ("ffn_dim", "adaln", "qk_norm_across_heads", "pooled_text", "text_mask", "absolute_positions")
 
 
+def architecture_differences(ours: dict, theirs: dict) -> list[str]:
+    """The DiT.architecture() entries that both dicts hold and that differ (a tuple equals a list)."""
+    plain = lambda v: list(v) if isinstance(v, (tuple, list)) else v  # noqa: E731
+    return [k for k in theirs if k in ours and plain(ours[k]) != plain(theirs[k])]
+
+
 def recipe_key(name: str) -> str:
     """The recipe key that sets an entry of DiT.architecture(), for error messages."""
     return {"in_channels": "the VAE's latent channels (vae.*)", "text_dim": "the text encoder's width (text_encoder.*)",

@@ -44,13 +44,13 @@ def open_pretrained(cfg, model: DiT):
     architecture (a disagreement is an error naming the keys and the fix); None without model.pretrained."""
     if not cfg.model.get("pretrained"):
         return None
-    from models.dit import ARCHITECTURE_OPTIONS, DiT_models, recipe_key
+    from models.dit import ARCHITECTURE_OPTIONS, DiT_models, architecture_differences, recipe_key
     from models.wan import WanWeights
 
     weights = WanWeights(cfg.model.pretrained)
     folder = weights.dit_kwargs
     ours = model.architecture()
-    differs = [k for k in folder if k in ours and tuple(np.atleast_1d(ours[k])) != tuple(np.atleast_1d(folder[k]))]
+    differs = architecture_differences(ours, folder)
     if differs:
         wrong = [f"{recipe_key(k)}: {k}={ours[k]!r}, the folder has {folder[k]!r}" for k in differs]
         dims = ("depth", "hidden_size", "num_heads")

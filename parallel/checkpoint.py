@@ -351,15 +351,14 @@ def check_architecture(path, architecture: dict) -> None:
     """Refuse a checkpoint trained with another DiT (DiT.architecture(), recorded at save). Loading catches
     differences of shape; this also catches the options that hold no weight (model.absolute_positions,
     model.text_mask, model.rope_theta), which would load silently and sample nonsense. Checkpoints from
-    before the architecture was recorded are not checked."""
+    before the architecture was recorded are not checked, nor entries added to it since."""
     saved = read_trainer_state(path).get("architecture")
     if saved is None:
         return
-    from models.dit import recipe_key
+    from models.dit import architecture_differences, recipe_key
 
-    plain = lambda v: list(v) if isinstance(v, (tuple, list)) else v  # noqa: E731
-    differs = [f"{recipe_key(k)}: {k}={plain(saved.get(k))!r} there, {plain(architecture.get(k))!r} here"
-               for k in sorted(set(saved) | set(architecture)) if plain(saved.get(k)) != plain(architecture.get(k))]
+    differs = [f"{recipe_key(k)}: {k}={saved[k]!r} there, {architecture[k]!r} here"
+               for k in architecture_differences(architecture, saved)]
     if differs:
         raise CheckpointError(f"checkpoint {path} was trained with another model: {'; '.join(differs)}. Use the recipe "
                               f"it was trained with (its run's config.yaml), or set these keys to match")
