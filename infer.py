@@ -8,6 +8,10 @@ The output format follows the extension: .mp4, .gif, .png (an image, or one file
 (out_000.mp4, ...). With N processes and data parallelism, the prompts are split across ranks.
 """
 
+import parallel.cpp_log  # noqa: F401  (first: before torch loads)
+
+# isort: split
+
 import argparse
 import sys
 from pathlib import Path
@@ -19,14 +23,27 @@ from configs import DEFAULT_RECIPE, load_config, split_overrides
 from data.media import OUTPUT_EXTENSIONS, write_video
 from models.dit import DiT_models
 from models.flow import RectifiedFlow
-from models.pipeline import build_frozen, build_model, generate, open_pretrained
+from models.pipeline import build_frozen, build_model, check_pretrained, generate, open_pretrained
 from models.vae import vae_latent_space
-from parallel import comm
-from parallel.checkpoint import CheckpointError, check_architecture, load_weights, resolve_checkpoint
+from parallel import comm, faults
+from parallel.checkpoint import (
+    CheckpointError,
+    check_architecture,
+    check_checkpoint_files,
+    load_weights,
+    resolve_checkpoint,
+)
 from parallel.init import materialize
 from parallel.layout import ParallelLayout
 from parallel.pipefusion import ParallelSampler, keep_stage
-from parallel.runtime import init_runtime, links_are_slow, local_world_size, run_entrypoint, world_from_env
+from parallel.runtime import (
+    exit_process,
+    init_runtime,
+    links_are_slow,
+    local_world_size,
+    run_entrypoint,
+    world_from_env,
+)
 from parallel.sequence import apply_sequence_parallel
 from parallel.vae import plan_tiles
 
@@ -129,9 +146,13 @@ def main(argv=None):
                                         tokens=grid[0] * grid[1] * grid[2])
     patches = layout.check_patches(cfg.parallel, grid)
     checkpoint = find_checkpoint(cfg, args.checkpoint, args.random_weights)
+    if checkpoint is not None:
+        check_checkpoint_files(checkpoint)
+    elif not args.random_weights:
+        check_pretrained(cfg)
 
     comm.set_failure_dir(Path(cfg.run.output_dir) / "failures")
-    runtime = init_runtime(cfg.parallel, layout, cfg.run.output_dir)
+    runtime = init_runtime(cfg.parallel, layout, cfg.run.output_dir, task="sample")
     if runtime.is_main:
         chosen = f" (parallel.auto: {links})" if cfg.parallel.auto else ""
         pipeline = (f"; PipeFusion: {patches} patches, {cfg.parallel.pipefusion_warmup} warm-up step(s)"
@@ -143,14 +164,15 @@ def main(argv=None):
                                                      random_weights=args.random_weights, patches=patches)
     mine = list(range(layout.dp_rank(runtime.rank), len(prompts), layout.dp))  # prompts split over dp ranks
     if mine:
-        runtime.watchdog.mark("sampling")
+        runtime.watchdog.sampling_progress(0, steps)  # each denoising step has a deadline from here on
         bar = tqdm(total=steps, desc="sample", disable=not runtime.is_main, dynamic_ncols=True)
         bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and runtime.device.type == "cuda")
         videos = generate(model, vae, text_encoder, RectifiedFlow(cfg.flow, cfg.model.patch_size),
                           [prompts[i] for i in mine], frames, height, width, steps, guidance,
                           sc.negative_prompt if args.negative_prompt is None else args.negative_prompt,
                           seeds=[args.seed + i for i in mine], autocast_dtype=torch.bfloat16 if bf16 else None,
-                          progress=lambda done, total: (bar.update(1), runtime.watchdog.mark("sampling")),
+                          progress=lambda done, total: (bar.update(1), runtime.watchdog.sampling_progress(done, total),
+                                                        faults.at_sampling_step(runtime.rank, done + 1, total)),
                           sampler=sampler, decode_group=runtime.sampling.replica_group,
                           decode_fence=runtime.sampling.replica_control)
         bar.close()
@@ -164,7 +186,12 @@ def main(argv=None):
         # fenced against each other: one with no prompts must not wait out another's sampling.
         if runtime.sampling.replica_control is not None:
             comm.barrier(runtime.sampling.replica_control)
+    # Every rank waits for every other before leaving (gloo, the control timeout): a rank that died or
+    # failed meanwhile is then named by the survivors, not only by torchrun's summary of exit codes.
+    if runtime.world_size > 1:
+        runtime.watchdog.mark("finishing")
+        runtime.fence()
 
 
 if __name__ == "__main__":
-    sys.exit(run_entrypoint(main))
+    exit_process(run_entrypoint(main))

@@ -39,6 +39,7 @@ class OpRecord:
     start: float
     end: float | None = None
     error: str | None = None  # the op raised (a peer gone, a timeout)
+    posted: bool = False  # a transfer posted to complete later (exchange, post): waited on in PendingOps.wait
 
 
 # torch 2.13 renamed these (the old names warn); keep working on older releases.
@@ -52,6 +53,7 @@ class _State:
     lock = threading.Lock()  # the watchdog thread reads the records while the main thread appends
     seq = 0
     last_activity = time.monotonic()  # when an op last started or ended (the watchdog's progress signal)
+    waiting: "OpRecord | None" = None  # the posted transfer the main thread waits for (PendingOps.wait)
     group_names: dict = {}
     bytes_by_kind: collections.Counter = collections.Counter()
     sent_by_kind: collections.Counter = collections.Counter()
@@ -89,6 +91,25 @@ def last_record() -> "OpRecord | None":
     """The newest op; it is still in flight (waited in, or queued) when its `end` is None."""
     with _State.lock:
         return _State.records[-1] if _State.records else None
+
+
+def blocked_in() -> "OpRecord | None":
+    """The op this rank's main thread waits in, if any: a collective it is inside, posted transfers it
+    waits for, an op that failed (the rank stopped there), or on CUDA an op the stream has not passed yet
+    (ops return once queued there: the host blocks later). Transfers posted ahead of time, which the rank
+    computes beside, are not waited in (PipeFusion posts its receives early)."""
+    waiting = _State.waiting
+    if waiting is not None:
+        return waiting
+    with _State.lock:
+        recent = list(_State.records)[-8:]
+    if recent and (recent[-1].error is not None or (recent[-1].end is None and not recent[-1].posted)):
+        return recent[-1]
+    for record in reversed(recent):
+        event = getattr(record, "done_event", None)
+        if event is not None and not event.query():
+            return record
+    return None
 
 
 def records() -> list:
@@ -276,9 +297,10 @@ def exchange(send: torch.Tensor, to_rank: int, recv: torch.Tensor, from_rank: in
     if send.shape != recv.shape:
         raise ValueError(f"exchange: sent {tuple(send.shape)} and received {tuple(recv.shape)} shapes differ")
     record = recorded("send_recv", group, send).record
+    record.posted = True
     flat_send, flat_recv = send.reshape(-1).contiguous(), recv.view(-1)
     if flat_send.numel() * flat_send.element_size() <= _State.max_message_bytes:
-        return PendingOps(_post_pair(flat_send, to_rank, flat_recv, from_rank, group), [record])
+        return PendingOps(_post_pair(flat_send, to_rank, flat_recv, from_rank, group), [record], send.is_cuda)
     _exchange_in_pieces(flat_send, to_rank, flat_recv, from_rank, group)
     record.end = time.time()
     return PendingOps([], [record])
@@ -288,20 +310,32 @@ class PendingOps:
     """Point-to-point transfers in flight (`exchange`, `post`); `wait()` before reading what was received
     (on CUDA it orders the stream after them; the host runs on)."""
 
-    def __init__(self, works, records):
-        self.works, self.records = works, records
+    def __init__(self, works, records, on_cuda: bool = False):
+        self.works, self.records, self._on_cuda = works, records, on_cuda
 
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self.works)
 
     def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-        self.works = []
+        _State.waiting = self.records[0] if self.works and self.records else None
+        try:
+            for work in self.works:
+                work.wait()
+        except BaseException as e:
+            for record in self.records:
+                record.error = record.error or f"{type(e).__name__}: {str(e)[:200]}"
+            raise
+        finally:
+            _State.waiting = None
         now = time.time()
         for record in self.records:
             if record.end is None:
                 record.end = now
+                if self._on_cuda and self.works:
+                    record.done_event = torch.cuda.Event()  # the stream waits for the transfer from here
+                    record.done_event.record()
+        self.works = []
+        _State.last_activity = time.monotonic()
 
 
 def post(sends=(), recvs=(), group=None) -> PendingOps:
@@ -316,8 +350,10 @@ def post(sends=(), recvs=(), group=None) -> PendingOps:
             if not tensor.is_contiguous():
                 raise ValueError(f"post: {kind} buffers must be contiguous, got {tuple(tensor.shape)}")
             records.append(recorded(kind, group, tensor).record)
+            records[-1].posted = True
             ops += [dist.P2POp(op, piece, peer, group) for piece in _chunks(tensor.view(-1))]
-    return PendingOps(dist.batch_isend_irecv(ops) if ops else [], records)
+    on_cuda = any(tensor.is_cuda for tensor, _ in (*sends, *recvs))
+    return PendingOps(dist.batch_isend_irecv(ops) if ops else [], records, on_cuda)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
@@ -347,3 +383,11 @@ def dump_records(folder, rank: int, reason: str, **extra) -> Path:
                    "records": [asdict(r) for r in records()]}, f, indent=1, default=str)
     tmp.replace(path)  # diagnose.py never reads half a file
     return path
+
+
+def dump_records_safely(folder, rank: int, reason: str, **extra) -> str:
+    """`dump_records` for failure paths: the path written, or why nothing could be (never raises)."""
+    try:
+        return str(dump_records(folder, rank, reason, **extra))
+    except OSError as e:
+        return f"nowhere: {Path(folder) / f'comm_rank{rank}.json'} could not be written ({e.strerror or e})"

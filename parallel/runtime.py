@@ -6,9 +6,14 @@ CUDA machines get NCCL and bf16; CPU machines get gloo and float32.
 """
 
 import datetime
+import gc
 import os
+import signal
 import socket
+import sys
+import threading
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from parallel import comm, watchdog
+from parallel import comm, faults, watchdog
 from parallel.layout import DEGREES, LayoutError, ParallelLayout
 from parallel.pipefusion import SamplingGroups
 from parallel.sequence import SequenceGroups
@@ -142,9 +147,10 @@ def _connect_store(world_size: int, timeout_s: float):
     return dist.PrefixStore(f"tessera/{run}/", store)
 
 
-def init_runtime(parallel_cfg, layout: ParallelLayout, run_dir=None) -> Runtime:
+def init_runtime(parallel_cfg, layout: ParallelLayout, run_dir=None, task: str = "train") -> Runtime:
     """Create the process groups for an already validated layout, run a preflight collective and start
-    the watchdog (heartbeats in `run_dir`'s name; failures written to run_dir/failures)."""
+    the watchdog (heartbeats in `run_dir`'s name; failures written to run_dir/failures). `task` (train,
+    sample, encode) words its messages: only training has checkpoints to resume from."""
     rank, world_size, local_rank = world_from_env()
     if layout.world_size != world_size:
         raise ValueError(f"layout {layout.describe()} is for {layout.world_size} processes, not {world_size}")
@@ -201,9 +207,11 @@ def init_runtime(parallel_cfg, layout: ParallelLayout, run_dir=None) -> Runtime:
     if rank == 0 and run_dir is not None:
         _archive_failures(Path(run_dir) / "failures")
     store = _connect_store(world_size, max(5.0, limits.silence_s / 2))
-    monitor = Watchdog(rank, world_size, store, run_dir or comm.failure_dir() or ".", limits, backend).start()
+    monitor = Watchdog(rank, world_size, store, run_dir or comm.failure_dir() or ".", limits, backend,
+                       task=task).start()
     if rank == 0:
         print(f"[tessera] {limits.describe()}", flush=True)
+    faults.at_startup(rank)  # tests only (TESSERA_FAULT)
     return Runtime(rank, world_size, local_rank, device, backend, layout, fsdp_mesh, control, sequence, monitor,
                    sampling)
 
@@ -297,63 +305,134 @@ def _user_errors():
     from parallel.pipefusion import PipeFusionError
 
     return (ConfigError, LayoutError, CheckpointError, AttentionBackendUnavailable, FileNotFoundError, ValueError,
-            PipeFusionError)
+            PipeFusionError, TrainingDiverged)
+
+
+class TrainingDiverged(ArithmeticError):
+    """The loss or the weights became non-finite (train.py); the message names the step and what to try."""
+
+
+SHUTDOWN_S = 20.0  # a failed process that has not finished shutting down after this long exits anyway
 
 
 def run_entrypoint(main, argv=None) -> int:
-    """Run an entry point: a user error prints `error: ...` and exits 2 on every rank; any other
-    failure, or SIGTERM, writes this rank's recent collectives to the run's failures/ folder first.
-    With several ranks, the first line printed names the rank that caused the failure (parallel/watchdog.py)."""
-    import sys
-
+    """Run an entry point and return its exit code; it never raises, so nothing (a traceback's frames
+    holding DataLoader workers, a stop signal, a full disk) stands between a failure and its `error:` line.
+    0: done; 2: a user error, one `error:` line on every rank; 1: any other failure, the `error:` line
+    first (with several ranks it names the rank that caused it, parallel/watchdog.py), then this rank's
+    traceback, and its recent collectives in the run's failures/ folder; 128 + signal: stopped by a signal.
+    From the first exception on, stop signals are only noted: torchrun's SIGTERM, which follows another
+    rank's failure within milliseconds, cannot pre-empt the line. A shutdown that hangs (a communicator
+    waiting on a dead peer) ends the process after SHUTDOWN_S."""
     rank = world_from_env()[0]
     restore_signals = stop_request.install()
     try:
         main(argv)
-        return 0
-    except Stopped as e:
-        return 128 + e.signum
-    except _user_errors() as e:
-        if os.environ.get("TESSERA_DEBUG"):
-            raise
-        monitor = watchdog.active()
-        if monitor is not None:
-            monitor.report_failure(e)  # the other ranks stop waiting for this one
-        prefix = f"[rank {rank}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
-        print(f"{prefix}error: {watchdog.error_message(e)}", file=sys.stderr, flush=True)
-        return 2
+        code = 0
     except BaseException as e:
-        monitor = watchdog.active()
-        if monitor is None or monitor.world_size == 1 or isinstance(e, (KeyboardInterrupt, SystemExit)):
-            _dump_on_failure(rank, e)
-            if isinstance(e, Terminated):
-                print(f"[rank {rank}] stopped: {e}", file=sys.stderr, flush=True)
-                return 128 + e.signum
-            raise
-        # Several ranks: the first line printed names the rank that caused the failure.
-        blamed = monitor.explain(e) if watchdog.is_peer_error(e) or isinstance(e, Terminated) else None
-        if blamed is None and isinstance(e, Terminated):  # stopped from outside, nobody failed
-            monitor.finish("stopped")
-            print(f"[rank {rank}] stopped: {e}", file=sys.stderr, flush=True)
-            return 128 + e.signum
-        line = blamed or monitor.report_failure(e)
-        print(line, file=sys.stderr, flush=True)
-        _dump_on_failure(rank, e, monitor, line)
-        if blamed is None or os.environ.get("TESSERA_DEBUG"):
-            raise  # this rank's own failure: its traceback follows the line
-        # Another rank's failure: this rank's traceback (a failed collective) adds nothing, and its
-        # communicators may still wait on the peer: abort them rather than shut down cleanly.
-        watchdog.hard_exit(128 + e.signum if isinstance(e, Terminated) else 1, monitor.backend)
+        stop_request.hold()
+        code = _report_failure(e, rank)
+        traceback.clear_frames(e.__traceback__)  # its frames hold the data loader (and its workers) alive
+        del e
     finally:
         restore_signals()
+    if code == 0:
         shutdown()
+        return 0
+    deadline = threading.Timer(SHUTDOWN_S, _exit_now, args=(code, rank))
+    deadline.daemon = True
+    deadline.start()
+    try:
+        shutdown()
+    except Exception:  # the run has failed already; its error line is out
+        pass
+    finally:
+        deadline.cancel()
+    gc.collect()  # a data loader iterator in a reference cycle ends its workers now, not at exit
+    return code
+
+
+def _report_failure(e: BaseException, rank: int) -> int:
+    """Print the `error:` (or `stopped:`) line for `e` and return the exit code (see run_entrypoint)."""
+    if isinstance(e, Stopped):
+        return 128 + e.signum
+    if isinstance(e, SystemExit):  # argparse: its own message is printed already
+        return e.code if isinstance(e.code, int) else 1
+    e = _as_storage_error(e)
+    monitor = watchdog.active()
+    several = monitor is not None and monitor.world_size > 1
+    prefix = f"[rank {rank}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
+    if isinstance(e, _user_errors()):
+        if monitor is not None:
+            monitor.report_failure(e)  # the other ranks stop waiting for this one
+        _print(f"{prefix}error: {watchdog.error_message(e)}")
+        if os.environ.get("TESSERA_DEBUG"):
+            traceback.print_exception(e)
+        return 2
+    if isinstance(e, (Terminated, KeyboardInterrupt)):
+        signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
+        blamed = monitor.explain(e) if several else None  # torchrun stops every rank when one failed or died
+        if blamed is None:  # stopped from outside, nobody failed
+            if monitor is not None:
+                monitor.finish("stopped")
+            _print(f"[rank {rank}] stopped: received {signal.Signals(signum).name}")
+            return 128 + signum
+        _print(blamed)
+        _dump_on_failure(rank, e, monitor, blamed)
+        watchdog.hard_exit(128 + signum, monitor.backend)  # its communicators may wait on the failed rank
+    if not several:
+        _print(f"{prefix}error: {watchdog.one_line(e)} (a failure inside tessera or a library: the traceback follows)")
+        _dump_on_failure(rank, e, monitor, repr(e))
+        traceback.print_exception(e)
+        return 1
+    # Several ranks: the first line printed names the rank that caused the failure.
+    blamed = monitor.explain(e) if watchdog.is_peer_error(e) else None
+    line = blamed or monitor.report_failure(e)
+    _print(line)
+    _dump_on_failure(rank, e, monitor, line)
+    if blamed is None or os.environ.get("TESSERA_DEBUG"):
+        traceback.print_exception(e)  # this rank's own failure: its traceback follows the line
+    if blamed is not None:
+        # Another rank's failure: this rank's communicators may still wait on the peer: abort them rather
+        # than shut down cleanly.
+        watchdog.hard_exit(1, monitor.backend)
+    return 1
+
+
+_print = watchdog.print_line
+
+
+def _as_storage_error(e: BaseException) -> BaseException:
+    """A write the file system refused anywhere (metrics, samples, failure records; checkpoints say so
+    themselves) becomes a StorageError naming the file system, the file and the free space."""
+    from parallel.checkpoint import StorageError, storage_message, storage_problem
+
+    problem = storage_problem(e) if isinstance(e, OSError) else None
+    if problem is None:
+        return e
+    failures = comm.failure_dir()
+    root = failures.parent / "checkpoints" if failures is not None else Path(problem[1] or ".").parent
+    return StorageError(storage_message(problem, root))
+
+
+def _exit_now(code: int, rank: int) -> None:
+    _print(f"[rank {rank}] shutting down took over {SHUTDOWN_S:.0f} s: exiting without waiting for it")
+    watchdog.hard_exit(code, dist.get_backend() if dist.is_initialized() else "gloo")
+
+
+def exit_process(code: int) -> None:
+    """The entry points' exit: sys.exit(0) after a run that finished; after a failure or a stop (whose
+    line and records are out), end at once: DataLoader workers ignore stop signals (the main process
+    owns them), so multiprocessing's exit hook, which terminates and joins them, would wait forever,
+    and library exit hooks (wandb) may wait on a network. hard_exit kills the workers first."""
+    if code == 0:
+        sys.exit(0)
+    watchdog.hard_exit(code, "gloo")  # the process group is destroyed by now
 
 
 def _dump_on_failure(rank: int, error: BaseException, monitor: Watchdog | None = None, line: str = "") -> None:
-    import sys
-
     folder = comm.failure_dir()
     if folder is None or not dist.is_initialized() or isinstance(error, (KeyboardInterrupt, SystemExit)):
         return
-    path = monitor.dump(line) if monitor is not None else comm.dump_records(folder, rank, repr(error))
-    print(f"[rank {rank}] recent collectives written to {path}", file=sys.stderr, flush=True)
+    where = monitor.dump(line) if monitor is not None else comm.dump_records_safely(folder, rank, line or repr(error))
+    _print(f"[rank {rank}] recent collectives written to {where}")

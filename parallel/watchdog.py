@@ -23,6 +23,7 @@ loop exchanges it once per step on the gloo control group, so every rank stops a
 saves a checkpoint and exits.
 """
 
+import _thread
 import faulthandler
 import json
 import os
@@ -41,6 +42,7 @@ import torch.distributed as dist
 from parallel import comm
 
 WATCHED_PEERS = 4  # each rank watches the next few ranks: O(1) store reads per rank, whatever the world size
+PUBLISH_EVERY_S = 0.1  # a phase change is published at once, but no more often than this (store load)
 
 
 @dataclass(frozen=True)
@@ -60,20 +62,25 @@ class Deadlines:
 # Errors that mean "a collective failed", most often because of another rank: the watchdog is asked
 # who, before anything is printed. (Not plain "timed out": a DataLoader timeout is this rank's own.)
 PEER_ERROR_WORDS = ("connection reset", "connection closed", "connection refused", "broken pipe", "gloo", "nccl")
+# A store call that failed this way found no server: the store's host process is gone (not slow).
+STORE_CLOSED_WORDS = ("broken pipe", "connection reset", "connection refused", "got 0 bytes", "connection was likely closed")
 
 
 class Watchdog:
     def __init__(self, rank: int, world_size: int, store, run_dir, deadlines: Deadlines, backend: str = "gloo",
-                 interval_s: float | None = None):
+                 interval_s: float | None = None, task: str = "train"):
         self.rank, self.world_size, self.store = rank, world_size, store
         self.run_dir = Path(run_dir)
         self.deadlines, self.backend = deadlines, backend
+        self.task = task  # train | sample | encode: only training has checkpoints to name
         self.interval = interval_s or max(0.05, min(1.0, deadlines.silence_s / 5))
         self.host, self.pid = socket.gethostname(), os.getpid()
-        self.step: int | None = None
+        self.step: int | None = None  # the training step
+        self.sampling: tuple[int, int] | None = None  # (denoising step, steps) while sampling
         self.phase = "start-up"
         self._long_step = True
-        self._in_loop = False  # self-stalls are judged in the training loop only (begin_step)
+        self._in_loop = False  # self-stalls are judged in the training loop and while sampling only
+        self._published_at = 0.0
         self._warned_stall = False
         self._progress = time.monotonic()
         self._state = "running"
@@ -103,14 +110,23 @@ class Watchdog:
     def begin_step(self, step: int, long: bool = False) -> None:
         """Step number `step` (counted from 1, as in metrics.jsonl and step_<N>) begins; `long` gives it
         the long deadline (the first step: compile, warm-up)."""
-        self.step, self._long_step, self._in_loop = step, long, True
+        self.step, self._long_step, self._in_loop, self.sampling = step, long, True, None
         self.mark("data")
-        self._wake.set()  # publish the new step now rather than at the next beat
+
+    def sampling_progress(self, done: int, total: int) -> None:
+        """`done` of `total` denoising steps are complete (0: sampling begins). Each step gets the stall
+        deadline, the first one the long deadline (compile, warm-up); after the last comes the VAE decode
+        (long deadline). During training (previews) the phase stays `preview`."""
+        self.sampling, self._in_loop = (min(done + 1, total), total), True
+        self.mark("preview" if self.step is not None else "sampling" if done < total else "decode")
+        self._wake.set()  # publish the new step now (at most every PUBLISH_EVERY_S)
 
     def mark(self, phase: str) -> None:
         """The main thread made progress and is now in `phase`."""
-        self.phase = phase
+        changed, self.phase = phase != self.phase, phase
         self._progress = time.monotonic()
+        if changed:
+            self._wake.set()  # publish the new phase now (at most every PUBLISH_EVERY_S), not at the next beat
 
     def end_loop(self) -> None:
         """Training is over: what follows (wandb, shutdown) has no step deadline."""
@@ -121,7 +137,9 @@ class Watchdog:
     def deadline(self) -> float:
         if self.phase == "checkpoint":
             return self.deadlines.save_s
-        if self._long_step or self.phase == "preview" or not self._in_loop:
+        if self.sampling is not None and self.phase in ("sampling", "preview"):
+            return self.deadlines.long_s if self.sampling[0] <= 1 else self.deadlines.stall_s
+        if self._long_step or self.phase == "preview" or not self._in_loop or self.sampling is not None:
             return self.deadlines.long_s
         return self.deadlines.stall_s
 
@@ -141,7 +159,7 @@ class Watchdog:
         """This rank is about to exit with `error`: tell the others first, so they stop waiting for it.
         Returns the `error:` line for this rank to print."""
         self._exiting = True
-        reason = f"rank {self.rank} ({self.host}:{self.pid}) failed at {self._where()}: {_one_line(error)}"
+        reason = f"rank {self.rank} ({self.host}:{self.pid}) failed {self._where()}: {one_line(error)}"
         self._claim_abort(reason)
         self._state = "failed"
         try:
@@ -159,8 +177,7 @@ class Watchdog:
             return None
         self._held.set()
         if isinstance(error, Terminated):
-            time.sleep(2 * self.interval)
-            reason = self._read_abort()
+            reason = self._stopped_peer(wait_s=3 * self.interval)
             return self._line(reason) if reason else None
         deadline = time.monotonic() + self.deadlines.silence_s + 3 * self.interval + 1
         while time.monotonic() < deadline and self._thread.is_alive():
@@ -168,6 +185,34 @@ class Watchdog:
                 return self.verdict
         reason = self._read_abort() or self._compare_everyone(own_error=error)
         return self._line(reason) if reason else None
+
+    def _stopped_peer(self, wait_s: float) -> str | None:
+        """torchrun stopped this rank, which it does to every rank when one failed or died: the reason a
+        failed rank published, or a rank whose heartbeat did not advance for `wait_s` while every live
+        rank beats each interval (a killed rank publishes nothing). None: nobody failed."""
+        try:
+            before, deadline = self._read_all(), time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                reason = self._read_abort()
+                if reason:
+                    return reason
+                time.sleep(self.interval / 2)
+            reason, after = self._read_abort(), self._read_all()
+        except Exception as e:  # the store went with its host
+            return self._store_gone(e)
+        if reason:
+            return reason
+        for r, beat in sorted(after.items()):
+            if r != self.rank and beat["state"] == "running" and before.get(r, {}).get("beat") == beat["beat"]:
+                return (f"rank {r} ({beat['host']}:{beat['pid']}) stopped responding {_where(beat)}: its heartbeat "
+                        f"stopped (killed, or its host lost), and torchrun then stopped the other ranks")
+        return None
+
+    @staticmethod
+    def _store_gone(error: BaseException) -> str:
+        host, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
+        return (f"the rendezvous store at {host}:{port} stopped answering ({one_line(error)}); it runs in "
+                f"the torchrun agent of the first node (or in rank 0): that node or process is gone")
 
     # ------------------------------------------------------------------------------------------
     # The thread.
@@ -178,13 +223,14 @@ class Watchdog:
             if self._wake.wait(timeout=max(0.0, next_tick - time.monotonic())):
                 self._wake.clear()
                 if self.store is not None and time.monotonic() < next_tick:
+                    time.sleep(max(0.0, self._published_at + PUBLISH_EVERY_S - time.monotonic()))
                     self._publish_quietly()
                     continue
             next_tick = time.monotonic() + self.interval
             try:
                 self._tick()
             except Exception as e:  # the watchdog must never take a healthy run down
-                print(f"[rank {self.rank}] watchdog: {_one_line(e)}", file=sys.stderr, flush=True)
+                print(f"[rank {self.rank}] watchdog: {one_line(e)}", file=sys.stderr, flush=True)
 
     def _tick(self) -> None:
         if self._exiting and not self._held.is_set():
@@ -194,14 +240,13 @@ class Watchdog:
             self._publish()
             reason = self._read_abort() or self._check_peers()
             self._store_failing_since = None
-        except Exception as e:  # the store is gone: its host (rank 0 or the first node's agent) is
+        except Exception as e:  # the store is gone with its host (rank 0 or the first node's agent), or slow
             now = time.monotonic()
             self._store_failing_since = self._store_failing_since or now
-            if now - self._store_failing_since < self.deadlines.silence_s:
+            closed = any(word in str(e).lower() for word in STORE_CLOSED_WORDS)  # no server: no point waiting
+            if not closed and now - self._store_failing_since < self.deadlines.silence_s:
                 return
-            host = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
-            reason = (f"the rendezvous store at {host[0]}:{host[1]} stopped answering ({_one_line(e)}); it runs in "
-                      f"the torchrun agent of the first node (or in rank 0): that node or process is gone")
+            reason = self._store_gone(e)
         if reason is None:
             reason = self._check_self()
         if reason is not None:
@@ -220,24 +265,24 @@ class Watchdog:
             if seen is None or seen[0] != beat["beat"]:
                 self._peers[r] = (beat["beat"], now, beat)
             elif beat["state"] == "running" and now - seen[1] > self.deadlines.silence_s:
-                return (f"rank {r} ({beat['host']}:{beat['pid']}) stopped responding at {_where(beat)}: its "
+                return (f"rank {r} ({beat['host']}:{beat['pid']}) stopped responding {_where(beat)}: its "
                         f"heartbeat has been silent for {now - seen[1]:.0f} s (killed, stopped or its host lost)")
         return None
 
     def _check_self(self) -> str | None:
-        """No progress for longer than the deadline in the training loop: stalled outside a collective,
-        or waiting in one. (Outside the loop, long work of one rank, such as encoding latents or
-        sampling, has no progress marks; a peer that dies meanwhile is still found by its silence.)"""
+        """No progress for longer than the deadline: stalled outside a collective (judged in the training
+        loop and while sampling, where every step marks progress), or waiting in one (judged always).
+        Outside those phases long work of one rank, such as reading weights or encoding latents, has no
+        progress marks; a peer that dies meanwhile is still found by its silence."""
         age = time.monotonic() - max(self._progress, comm.last_activity())
-        if not self._in_loop or self._exiting or self._held.is_set() or age <= self.deadline:
+        if self._exiting or self._held.is_set() or age <= self.deadline:
             self._warned_stall = self._warned_stall and age > self.deadline
             return None
-        op = comm.last_record()
-        if not _in_op(op):  # not in a collective: this rank itself is stuck
-            if self._warned_stall:
+        if comm.blocked_in() is None:  # not waiting in a collective: this rank itself is stuck
+            if self._warned_stall or not self._in_loop:
                 return None
             stacks = self._dump_stacks()
-            message = (f"rank {self.rank} ({self.host}:{self.pid}) made no progress for {age:.0f} s at "
+            message = (f"rank {self.rank} ({self.host}:{self.pid}) made no progress for {age:.0f} s "
                        f"{self._where()} outside any collective; its threads' stacks are in {stacks}")
             if self.store is None:  # one process: nobody waits for it, so warn and let it go on
                 self._warned_stall = True
@@ -245,7 +290,7 @@ class Watchdog:
                 return None
             return message
         # Inside a collective: give a stalled peer's own watchdog the first word (it writes its stacks).
-        if age > self.deadline + self.deadlines.silence_s:
+        if age > self.deadline + self.deadlines.silence_s and self.store is not None:
             return self._compare_everyone()
         return None
 
@@ -254,9 +299,9 @@ class Watchdog:
         beats = self._read_all()
         waiting = {r: b for r, b in beats.items() if b.get("open")}
         elsewhere = {r: b for r, b in beats.items() if not b.get("open") and b["state"] == "running" and r != self.rank}
-        if elsewhere and _in_op(comm.last_record()):  # only a rank that waits in a collective may blame
+        if elsewhere and comm.blocked_in() is not None:  # only a rank that waits in a collective may blame
             r, b = min(elsewhere.items())
-            return (f"rank {r} ({b['host']}:{b['pid']}) is not in the collective the others wait in: it is at "
+            return (f"rank {r} ({b['host']}:{b['pid']}) is not in the collective the others wait in: it is "
                     f"{_where(b)}, {b['age']:.0f} s after its last progress")
         ops = {r: (b["seq"], b["op"][0], b["op"][1]) for r, b in waiting.items() if b.get("op")}
         if len(set(ops.values())) > 1:
@@ -287,7 +332,9 @@ class Watchdog:
             if self._exiting:
                 return
             self._exiting = True
-        print(line, file=sys.stderr, flush=True)
+        print_line(line)
+        if winner.startswith(f"rank {self.rank} (") and " failed " not in winner:
+            self._dump_stacks()  # the others named this rank (not in their collective, or silent): where is it?
         self.dump(winner)
         hard_exit(1, self.backend)
 
@@ -295,57 +342,62 @@ class Watchdog:
     # Messages, dumps and the store.
 
     def _where(self) -> str:
-        return _where({"step": self.step, "phase": self.phase})
+        return _where({"step": self.step, "phase": self.phase, "sampling": self.sampling})
 
     def _line(self, reason: str) -> str:
-        op = comm.last_record()
-        if _in_op(op):
+        op = comm.blocked_in()
+        if op is not None:
             here = f"this rank (rank {self.rank}) waited in {op.kind} on {op.group} (seq {op.seq})"
         else:
-            here = f"this rank (rank {self.rank}) was at {self._where()}"
+            here = f"this rank (rank {self.rank}) was {self._where()}"
         if reason.startswith(f"rank {self.rank} ("):
             here = f"this is rank {self.rank}"
-        return (f"error: {reason}; {here}; latest checkpoint: {latest_checkpoint(self.run_dir)}; "
-                f"details: python scripts/diagnose.py {self.run_dir}")
+        resume = f"latest checkpoint: {latest_checkpoint(self.run_dir)}; " if self.task == "train" else ""
+        return f"error: {reason}; {here}; {resume}details: python scripts/diagnose.py {self.run_dir}"
 
-    def dump(self, reason: str) -> Path | None:
-        """failures/comm_rank<R>.json: the recent ops, where this rank is, and every rank's heartbeat."""
+    def dump(self, reason: str) -> str:
+        """failures/comm_rank<R>.json: the recent ops, where this rank is, and every rank's heartbeat.
+        Returns the path, or why nothing was written (it never raises: a full disk is a common cause)."""
         try:
             beats = self._read_all() if self.store is not None else {}
         except Exception:
             beats = {}
         dump_nccl_trace(self.run_dir / "failures", self.rank, self.backend)
-        try:
-            return comm.dump_records(self.run_dir / "failures", self.rank, reason, host=self.host, step=self.step,
-                                     phase=self.phase, heartbeats={str(r): b for r, b in beats.items()})
-        except OSError:
-            return None
+        return comm.dump_records_safely(self.run_dir / "failures", self.rank, reason, host=self.host, step=self.step,
+                                        phase=self.phase, heartbeats={str(r): b for r, b in beats.items()})
 
-    def _dump_stacks(self) -> Path:
-        folder = self.run_dir / "failures"
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"stacks_rank{self.rank}.txt"
+    def _dump_stacks(self) -> str:
+        """Every thread's stack in failures/stacks_rank<R>.txt; returns the path, or why it could not be
+        written (a full disk must not stop the report)."""
+        path = self.run_dir / "failures" / f"stacks_rank{self.rank}.txt"
         frames = sys._current_frames()
-        with open(path, "w") as f:
-            f.write(f"rank {self.rank} ({self.host}:{self.pid}) at {self._where()}, {time.ctime()}\n\n")
-            for thread in threading.enumerate():  # named, the main thread first
-                if thread.ident in frames:
-                    f.write(f"--- thread {thread.name} (most recent call last) ---\n")
-                    f.write("".join(traceback.format_stack(frames[thread.ident])) + "\n")
-            f.write("--- faulthandler, every thread (most recent call first) ---\n")
-            f.flush()
-            faulthandler.dump_traceback(file=f, all_threads=True)
-        return path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "w") as f:
+                f.write(f"rank {self.rank} ({self.host}:{self.pid}) {self._where()}, {time.ctime()}\n\n")
+                for thread in threading.enumerate():  # named, the main thread first
+                    if thread.ident in frames:
+                        f.write(f"--- thread {thread.name} (most recent call last) ---\n")
+                        f.write("".join(traceback.format_stack(frames[thread.ident])) + "\n")
+                f.write("--- faulthandler, every thread (most recent call first) ---\n")
+                f.flush()
+                faulthandler.dump_traceback(file=f, all_threads=True)
+        except OSError as e:
+            return f"nowhere: {path} could not be written ({e.strerror or e})"
+        return str(path)
 
     def _payload(self) -> dict:
-        op = comm.last_record()
+        waiting = comm.blocked_in()
+        op = waiting or comm.last_record()
         return {"beat": self._beat, "state": self._state, "step": self.step, "phase": self.phase,
-                "deadline": self.deadline, "age": time.monotonic() - max(self._progress, comm.last_activity()),
+                "sampling": self.sampling, "deadline": self.deadline,
+                "age": time.monotonic() - max(self._progress, comm.last_activity()),
                 "seq": op.seq if op else 0, "op": [op.kind, op.group, list(op.shape)] if op else None,
-                "open": _in_op(op), "host": self.host, "pid": self.pid, "time": time.time()}
+                "open": waiting is not None, "host": self.host, "pid": self.pid, "time": time.time()}
 
     def _publish(self) -> None:
         if self.store is not None:
+            self._published_at = time.monotonic()
             self.store.set(f"hb/{self.rank}", json.dumps(self._payload()))
 
     def _publish_quietly(self) -> None:
@@ -382,20 +434,16 @@ def active() -> Watchdog | None:
     return _active
 
 
-def _in_op(record) -> bool:
-    """Whether the newest op is still in flight, or failed (a collective that raised is where the rank was).
-    On CUDA an op returns once queued: it is in flight until the stream passes the event recorded after it."""
-    if record is None:
-        return False
-    if record.end is None or record.error is not None:
-        return True
-    event = getattr(record, "done_event", None)
-    return event is not None and not event.query()
-
-
 def _where(beat: dict) -> str:
-    step = beat.get("step")
-    return f"{'start-up' if step is None else f'step {step}'} (phase: {beat.get('phase')})"
+    """Where a rank is, for messages: 'at step 5 (phase: forward)', 'during sampling (step 3 of 30)',
+    'at step 200 (phase: preview, sampling step 3 of 30)', 'at start-up (phase: ...)'."""
+    step, phase, sampling = beat.get("step"), beat.get("phase"), beat.get("sampling")
+    if step is None and sampling:
+        k, n = sampling
+        return f"during sampling ({f'step {k} of {n}' if phase == 'sampling' else f'{phase}, after step {n}'})"
+    if step is None:
+        return f"at start-up (phase: {phase})"
+    return f"at step {step} (phase: {phase}{f', sampling step {sampling[0]} of {sampling[1]}' if sampling else ''})"
 
 
 def error_message(error: BaseException) -> str:
@@ -408,7 +456,7 @@ def error_message(error: BaseException) -> str:
     return message
 
 
-def _one_line(error: BaseException) -> str:
+def one_line(error: BaseException) -> str:
     text = " ".join(f"{type(error).__name__}: {error_message(error)}".split())
     return text if len(text) <= 400 else text[:397] + "..."
 
@@ -444,15 +492,39 @@ def dump_nccl_trace(folder: Path, rank: int, backend: str) -> None:
         pass
 
 
+def print_line(line: str) -> None:
+    """An error line on a line of its own: a progress bar's unfinished line (tqdm) is ended first, and the
+    bars are silenced so that closing them later does not draw them again below the error. Ranks share
+    one terminal and only rank 0 draws a bar, so the other ranks start their line with a newline."""
+    bars = []
+    try:
+        from tqdm import tqdm
+
+        bars = [bar for bar in list(getattr(tqdm, "_instances", ())) if not bar.disable]
+        for bar in bars:
+            bar.disable = True
+    except Exception:
+        pass
+    others_bar = int(os.environ.get("WORLD_SIZE", 1)) > 1 and int(os.environ.get("RANK", 0)) != 0
+    print(("\n" if bars or others_bar else "") + line, file=sys.stderr, flush=True)
+
+
 def hard_exit(code: int, backend: str) -> None:
-    """End the process now, from any thread. The main thread may be blocked inside a collective: on
-    NCCL the communicators are aborted first so that no kernel stays blocked on the GPU; on gloo the
-    process exit closes the sockets, which wakes the peers."""
+    """End the process now, from any thread, with its child processes (DataLoader workers). The main
+    thread may be blocked inside a collective: on NCCL the communicators are aborted first so that no
+    kernel stays blocked on the GPU; on gloo the process exit closes the sockets, which wakes the peers."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:
             pass
+    try:  # DataLoader workers ignore stop signals (their parent owns them) and would outlive it by seconds
+        import multiprocessing
+
+        for child in multiprocessing.active_children():
+            child.kill()
+    except Exception:
+        pass
     if backend == "nccl":
         threading.Timer(10.0, os._exit, args=(code,)).start()  # an abort that hangs must not keep us here
         try:
@@ -470,20 +542,29 @@ def hard_exit(code: int, backend: str) -> None:
 
 class StopRequest:
     """SIGTERM / SIGUSR1 / SIGINT while training: remember the signal and let the train loop stop after
-    the step it is in, with a checkpoint. Outside the loop (start-up), or a second signal more than a
-    few seconds after the first, stops at once: there is nothing to save, or the user insists."""
+    the step it is in, with a checkpoint. Outside the loop a signal stops the process: SIGINT (Ctrl-C) at
+    once, SIGTERM after DEFER_S, because torchrun sends SIGTERM to every rank when one of them failed,
+    and a rank that is about to reach the same refusal, or to learn which rank failed, must print that
+    first. A second signal more than a few seconds after the first stops at once: the user insists.
+    While a failure is being reported (`hold`), signals are only noted: nothing pre-empts the error line."""
 
     SIGNALS = tuple(s for s in (getattr(signal, n, None) for n in ("SIGTERM", "SIGUSR1", "SIGINT")) if s)
     INSIST_AFTER_S = 3.0  # torchrun forwards the signal it got: the copy arriving right after is no second request
+    DEFER_S = 2.0  # SIGTERM outside the training loop: the time left to reach this rank's own error line
 
     def __init__(self):
         self.accepting = False
+        self.held = False
         self.signum = 0
         self.received_at = 0.0
         self.received_in_step: int | None = None
+        self._deferred: threading.Timer | None = None
 
     def handler(self, signum, frame):
         now = time.monotonic()
+        if self.held:
+            self.signum = self.signum or signum
+            return
         if self.accepting and (not self.signum or now - self.received_at < self.INSIST_AFTER_S):
             if not self.signum:  # no message here: torchrun also sends SIGTERM when another rank died
                 self.signum, self.received_at = signum, now
@@ -491,12 +572,33 @@ class StopRequest:
             return
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
+        if signum == signal.SIGTERM and self._deferred is None:
+            self.signum, self.received_at = signum, now
+            # interrupt_main runs this handler again in the main thread, which then raises
+            self._deferred = threading.Timer(self.DEFER_S, _thread.interrupt_main, args=(signum,))
+            self._deferred.daemon = True
+            self._deferred.start()
+            return
         raise Terminated(signum)
 
+    def hold(self) -> None:
+        """A failure is being reported: from now on stop signals are noted, never raised."""
+        self.held = True
+        if self._deferred is not None:
+            self._deferred.cancel()
+
     def install(self):
-        self.accepting, self.signum, self.received_at, self.received_in_step = False, 0, 0.0, None
+        self.accepting, self.held, self.signum, self.received_at, self.received_in_step = False, False, 0, 0.0, None
+        self._deferred = None
         previous = {s: signal.signal(s, self.handler) for s in self.SIGNALS}
-        return lambda: [signal.signal(s, h) for s, h in previous.items()]
+
+        def restore():
+            if self._deferred is not None:
+                self._deferred.cancel()
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+        return restore
 
 
 class Terminated(BaseException):

@@ -27,12 +27,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import parallel.cpp_log  # noqa: E402, F401  (before torch loads)
+
+# isort: split
+
 from configs import DEFAULT_RECIPE, load_config, split_overrides  # noqa: E402
 from data.synthetic import DIRECTIONS, SHAPES, held_out_prompts, prompt_color, read_clip  # noqa: E402
 from models.dit import DiT_models  # noqa: E402
 from models.flow import RectifiedFlow  # noqa: E402
 from parallel.layout import ParallelLayout  # noqa: E402
-from parallel.runtime import init_runtime, run_entrypoint  # noqa: E402
+from parallel.runtime import exit_process, init_runtime, run_entrypoint  # noqa: E402
 
 CHECKS = ("color", "coherent", "direction", "shape")
 
@@ -94,7 +98,7 @@ def main(argv=None):
 
     checkpoint = find_checkpoint(cfg, args.checkpoint, random_weights=False)
     layout = ParallelLayout.from_config(cfg.parallel, 1, DiT_models[cfg.model.size]["num_heads"], "sample")
-    runtime = init_runtime(cfg.parallel, layout)
+    runtime = init_runtime(cfg.parallel, layout, task="sample")
     model, vae, text_encoder, sampler = load_sampler(cfg, runtime, checkpoint, use_ema=cfg.sample.use_ema)
     prompts = [prompt for prompt in held_out_prompts() for _ in range(args.seeds)]
     videos = generate(model, vae, text_encoder, RectifiedFlow(cfg.flow, cfg.model.patch_size), prompts,
@@ -114,4 +118,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(run_entrypoint(main))
+    exit_process(run_entrypoint(main))

@@ -21,6 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import parallel.cpp_log  # noqa: E402, F401  (before torch loads)
+
+# isort: split
+
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -31,7 +35,7 @@ from data.media import to_model_range  # noqa: E402
 from models.pipeline import build_frozen  # noqa: E402
 from parallel import vae as parallel_vae  # noqa: E402
 from parallel.layout import ParallelLayout  # noqa: E402
-from parallel.runtime import init_runtime, run_entrypoint, world_from_env  # noqa: E402
+from parallel.runtime import exit_process, init_runtime, run_entrypoint, world_from_env  # noqa: E402
 
 
 class _Shard:
@@ -81,7 +85,7 @@ def main(argv=None):
     dataset = build_dataset(cfg, table)
     if rank == 0:
         print(f"[precompute] {dataset.summary()}", flush=True)
-    runtime = init_runtime(cfg.parallel, ParallelLayout(dp=world_size))
+    runtime = init_runtime(cfg.parallel, ParallelLayout(dp=world_size), task="encode")
     # every rank must have indexed the same samples, or the shards would overlap or miss some
     check_same_plan(build_sampler(cfg, dataset, table, rank, world_size), dataset, None, runtime.control_group)
     text_encoder, vae = build_frozen(cfg, runtime.device)
@@ -133,4 +137,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(run_entrypoint(main))
+    exit_process(run_entrypoint(main))

@@ -278,15 +278,19 @@ def test_print_config(capsys):
     assert "max_steps: 11" in capsys.readouterr().out
 
 
-def test_failure_writes_the_recent_collectives(tmp_path, monkeypatch):
-    """A crash mid-run leaves each rank's recent ops in failures/ for diagnosis."""
+def test_failure_writes_the_recent_collectives(tmp_path, monkeypatch, capsys):
+    """A crash mid-run (a bug: not a user error) prints the `error:` line first, then its traceback, exits
+    1, and leaves each rank's recent ops in failures/ for diagnosis."""
     def explode(*args, **kwargs):
         raise RuntimeError("simulated crash while saving")
 
     monkeypatch.setattr(train, "save_checkpoint", explode)
     run_dir = tmp_path / "run"
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        run_main(train, ["--config", str(TINY), f"run.output_dir={run_dir}", "train.max_steps=1"])
+    assert run_main(train, ["--config", str(TINY), f"run.output_dir={run_dir}", "train.max_steps=1"]) == 1
+    err = capsys.readouterr().err
+    first = next(line for line in err.splitlines() if "error:" in line or "Traceback" in line)
+    assert first.startswith("error: RuntimeError: simulated crash while saving"), err
+    assert "Traceback" in err and err.index("Traceback") > err.index("error: RuntimeError")
     report = json.loads((run_dir / "failures" / "comm_rank0.json").read_text())
     assert "simulated crash" in report["reason"]
     assert [r["kind"] for r in report["records"]][:1] == ["all_gather"]  # the data-plan check came first

@@ -1,6 +1,8 @@
 """The watchdog's decisions in one process, on an in-memory store, driven tick by tick: who is named
 when a rank goes silent, fails or stalls (the multi-process runs are in tests/test_failures.py)."""
 
+import json
+import threading
 import time
 
 import pytest
@@ -98,10 +100,14 @@ def test_a_stop_signal_in_the_loop_only_sets_the_flag(signum):
     import signal
 
     request = watchdog.StopRequest()
+    request.DEFER_S = 0.2
     restore = request.install()
     try:
-        with pytest.raises(watchdog.Terminated):  # start-up: nothing to save, stop at once
+        with pytest.raises(watchdog.Terminated):  # start-up: nothing to save, stop (SIGTERM: after DEFER_S)
             request.handler(getattr(signal, signum), None)
+            assert signum == "SIGTERM"  # deferred: this rank may still reach its own error line first
+            time.sleep(5)
+        request._deferred = None
         request.accepting = True
         request.handler(getattr(signal, signum), None)
         assert request.signum == getattr(signal, signum)
@@ -109,6 +115,22 @@ def test_a_stop_signal_in_the_loop_only_sets_the_flag(signum):
         request.received_at -= 10
         with pytest.raises(watchdog.Terminated):  # a second request seconds later: stop at once
             request.handler(getattr(signal, signum), None)
+    finally:
+        restore()
+
+
+def test_a_stop_signal_while_a_failure_is_reported_is_only_noted():
+    """torchrun's SIGTERM follows another rank's failure within milliseconds: it must not pre-empt the
+    `error:` line this rank is about to print (run_entrypoint holds signals from its first exception)."""
+    import signal
+
+    request = watchdog.StopRequest()
+    restore = request.install()
+    try:
+        request.hold()
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGTERM):
+            request.handler(signum, None)  # no exception
+        assert request.signum == signal.SIGTERM
     finally:
         restore()
 
@@ -134,3 +156,71 @@ def test_outside_the_training_loop_there_is_no_step_deadline(tmp_path):
     a._conclude = lambda reason: pytest.fail(f"start-up work was called a stall: {reason}")
     a._tick()  # start-up: one rank may encode or load for long
     assert a._compare_everyone(own_error=RuntimeError("x")) is None  # not in a collective: blames nobody
+
+
+def test_a_rank_stopped_by_torchrun_names_the_rank_whose_heartbeat_stopped(tmp_path):
+    """torchrun sends SIGTERM to every rank when one died: the survivor names the rank whose heartbeat
+    stopped advancing (a killed rank publishes no reason), and blames nobody when every rank beats."""
+    survivor, dead = pair(tmp_path)
+    dead.begin_step(7)
+    dead._tick()  # its last heartbeat
+    survivor._held.clear()
+    assert "rank 1 (" in survivor._stopped_peer(wait_s=0.2) and "at step 7 (phase: data)" in \
+        survivor._stopped_peer(wait_s=0.2)
+    beating = threading.Event()
+
+    def beat():
+        while not beating.is_set():  # its heartbeat thread alive (publishing only: no verdicts of its own)
+            dead._beat += 1
+            dead._publish()
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=beat)
+    thread.start()
+    try:
+        assert survivor._stopped_peer(wait_s=0.2) is None  # a user's stop: every rank alive
+    finally:
+        beating.set()
+        thread.join()
+
+
+def test_sampling_steps_have_deadlines_and_are_named(tmp_path):
+    dog, _ = pair(tmp_path, stall=0.5)
+    dog.sampling_progress(0, 8)
+    assert dog.deadline == 5 and dog._where() == "during sampling (step 1 of 8)"  # the first: compile, warm-up
+    dog.sampling_progress(2, 8)
+    assert dog.deadline == 0.5 and dog._where() == "during sampling (step 3 of 8)"
+    dog.sampling_progress(8, 8)
+    assert dog.deadline == 5 and dog._where() == "during sampling (decode, after step 8)"
+    assert "latest checkpoint: " in dog._line("x")  # training: the checkpoint to resume from
+    dog.task = "sample"  # infer.py: no checkpoints to talk about
+    assert "checkpoint" not in dog._line("rank 1 (h:1) stopped responding during sampling (step 3 of 8)")
+    trainer, _ = pair(tmp_path)
+    trainer.begin_step(40)
+    trainer.sampling_progress(2, 30)  # a preview
+    assert trainer._where() == "at step 40 (phase: preview, sampling step 3 of 30)"
+
+
+def test_a_stalled_sampling_step_is_named(tmp_path):
+    stuck, _ = pair(tmp_path, stall=0.2)
+    stuck.sampling_progress(3, 8)
+    comm.configure(256)
+    time.sleep(0.4)
+    stuck._held.clear()
+    reasons = []
+    stuck._conclude = reasons.append
+    stuck._tick()
+    assert reasons and "made no progress" in reasons[0] and "during sampling (step 4 of 8)" in reasons[0]
+
+
+def test_a_phase_change_is_published_at_once(tmp_path):
+    store = dist.HashStore()
+    dog = Watchdog(0, 2, store, tmp_path, Deadlines(long_s=5, stall_s=1, silence_s=10))  # beats every 1 s
+    dog.start()
+    try:
+        time.sleep(0.3)
+        dog.mark("backward")
+        time.sleep(0.3)
+        assert json.loads(store.get("hb/0"))["phase"] == "backward"
+    finally:
+        dog.finish()
