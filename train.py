@@ -7,6 +7,10 @@ Everything a run writes goes to `run.output_dir` (see configs/rundir.py). The lo
 bottom: model, EMA and optimizer; resume; then step, log, checkpoint, preview.
 """
 
+import parallel.cpp_log  # noqa: F401  (first: before torch loads)
+
+# isort: split
+
 import argparse
 import math
 import signal
@@ -24,12 +28,15 @@ from data.media import to_model_range, write_video
 from data.sampler import sample_seed
 from models.dit import DiT_models, count_parameters
 from models.flow import RectifiedFlow
-from models.pipeline import build_frozen, build_model, generate, open_pretrained
+from models.pipeline import build_frozen, build_model, check_pretrained, generate, open_pretrained
 from models.vae import vae_latent_space
 from parallel import comm, faults
 from parallel import vae as parallel_vae
 from parallel.checkpoint import (
+    NonFiniteWeights,
     check_architecture,
+    check_checkpoint_files,
+    find_latest_quietly,
     load_checkpoint,
     read_trainer_state,
     resolve_checkpoint,
@@ -39,7 +46,14 @@ from parallel.checkpoint import (
 from parallel.fsdp import parallelize_dit, update_ema
 from parallel.init import copy_shards, materialize
 from parallel.layout import ParallelLayout
-from parallel.runtime import init_runtime, local_world_size, run_entrypoint, world_from_env
+from parallel.runtime import (
+    TrainingDiverged,
+    exit_process,
+    init_runtime,
+    local_world_size,
+    run_entrypoint,
+    world_from_env,
+)
 from parallel.sequence import apply_sequence_parallel, share_batch
 from parallel.watchdog import Stopped, stop_request
 
@@ -61,6 +75,62 @@ def learning_rate(train_cfg, step: int) -> float:
         return train_cfg.lr * min(1.0, (step + 1) / warmup)
     progress = min(1.0, (step - warmup) / max(1, train_cfg.max_steps - warmup))
     return train_cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class NonFiniteGuard:
+    """Every step's gradient norm is checked for NaN and inf. The norm is the whole model's (clipping
+    all-reduces it), the same on every rank, so every rank decides alike without a collective of its own.
+
+    train.on_nonfinite=stop (the default): the first non-finite step is kept on the device, which costs
+    no host sync, and read at log steps and before every checkpoint and preview: the run then stops,
+    naming that step, before anything non-finite is saved. skip: the norm is read on the host every step
+    (one sync), and a non-finite step changes nothing (no optimizer step, no EMA update); MAX_SKIPPED
+    such steps in a row stop the run."""
+
+    MAX_SKIPPED = 20
+
+    def __init__(self, train_cfg, device, run_dir, is_main: bool, bf16: bool):
+        self.cfg, self.run_dir, self.is_main, self.bf16 = train_cfg, run_dir, is_main, bf16
+        self.first_bad = torch.zeros((), dtype=torch.int64, device=device)  # 0: none yet
+        self.skipped = self.in_a_row = 0
+
+    def skip(self, step: int, grad_norm: torch.Tensor) -> bool:
+        """Record step `step`'s norm; True: skip this step's update (train.on_nonfinite=skip only)."""
+        finite = torch.isfinite(grad_norm)
+        if self.cfg.on_nonfinite == "stop":
+            self.first_bad = torch.where(finite | (self.first_bad > 0), self.first_bad, step)
+            return False
+        if bool(finite):
+            self.in_a_row = 0
+            return False
+        self.skipped, self.in_a_row = self.skipped + 1, self.in_a_row + 1
+        if self.is_main:
+            print(f"[tessera] step {step}: the gradient norm is {float(grad_norm)}; step skipped "
+                  f"(train.on_nonfinite=skip; {self.skipped} so far)", file=sys.stderr, flush=True)
+        if self.in_a_row >= self.MAX_SKIPPED:
+            raise TrainingDiverged(f"training diverged: the gradient norm was not finite in the last {self.in_a_row} "
+                                   f"steps (up to step {step}), all skipped; {self.advice()}")
+        return True
+
+    def check(self, step: int, loss: float | None = None) -> None:
+        """Stop if a step so far had a non-finite gradient norm, or `loss` (the logged loss) is not finite."""
+        first = int(self.first_bad)  # the host sync: log steps, checkpoints and previews only
+        if first:
+            what = f"the gradient norm was not finite at step {first}"
+        elif loss is not None and not math.isfinite(loss):
+            what = f"the loss was {loss} at step {step}"
+        else:
+            return
+        raise TrainingDiverged(f"training diverged: {what}; stopped at step {step} before saving anything non-finite; "
+                               f"{self.advice()}")
+
+    def advice(self) -> str:
+        tc, latest = self.cfg, find_latest_quietly(Path(self.run_dir) / "checkpoints")
+        resume = (f"the last good checkpoint is {latest} (the same command resumes from it)" if latest else
+                  "no checkpoint was written before it")
+        fp32 = ", train.precision=fp32" if self.bf16 else ""
+        return (f"{resume}; try a lower train.lr (now {tc.lr:g}) or train.grad_clip (now {tc.grad_clip:g}){fp32}, "
+                f"or train.on_nonfinite=skip")
 
 
 def main(argv=None):
@@ -87,6 +157,10 @@ def main(argv=None):
     sampler = build_sampler(cfg, dataset, buckets, layout.dp_rank(rank), layout.dp)
     checkpoint = resolve_checkpoint(tc.resume, cfg.run.output_dir)
     resume = read_trainer_state(checkpoint)["sampler"] if checkpoint else None
+    if checkpoint is not None:  # file sizes here; every crc32 below, the reading shared by the ranks
+        check_checkpoint_files(checkpoint)
+    else:  # a resume takes every weight from its checkpoint and never reads the folder
+        check_pretrained(cfg)
 
     comm.set_failure_dir(Path(cfg.run.output_dir) / "failures")
     runtime = init_runtime(cfg.parallel, layout, cfg.run.output_dir)
@@ -111,6 +185,7 @@ def main(argv=None):
     run = RunDirectory(cfg.run.output_dir, runtime.is_main)
     run.write_config(cfg)
     run.start_data_report(dataset.left_out_files(), start_step)
+    run.trim_metrics(start_step)  # a resume logs the steps after its checkpoint again
     # A resume takes every weight from its checkpoint: the pretrained folder is then neither needed nor read.
     pretrained = open_pretrained(cfg, model) if checkpoint is None else None
     if runtime.is_main:
@@ -149,6 +224,7 @@ def main(argv=None):
     model.train()
     window_start, window_step = time.perf_counter(), start_step  # throughput is averaged between log steps
     replaced_total, saved_step = 0, start_step
+    guard = NonFiniteGuard(tc, device, run.path, runtime.is_main, bf16)
     stop_request.accepting = True  # from here on, SIGTERM / SIGUSR1 / Ctrl-C stop after a step, with a checkpoint
     for step in range(start_step, tc.max_steps):
         runtime.watchdog.begin_step(step + 1, long=step == start_step)  # the first step compiles: long deadline
@@ -169,18 +245,21 @@ def main(argv=None):
         x0, y, y_mask = share_batch(runtime.sequence, x0, y, y_mask, shapes, device)
         noise, t = flow.draw(x0.shape[1:], rngs)
         phase("forward")
-        loss = flow.training_loss(model, x0, y, y_mask, noise, t)
+        loss = faults.nan_loss(flow.training_loss(model, x0, y, y_mask, noise, t), rank, step + 1)  # tests only
         phase("backward")
         loss.backward()
         phase("optimizer")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+        grad_norm = grad_norm.to_local() if hasattr(grad_norm, "to_local") else grad_norm  # replicated: the whole norm
         lr = learning_rate(tc, step)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        update_ema(ema, model, tc.ema_decay)
         done = step + 1
+        skipped = guard.skip(done, grad_norm)
+        if not skipped:
+            optimizer.step()
+            update_ema(ema, model, tc.ema_decay)
+        optimizer.zero_grad(set_to_none=True)
         if reader:
             window[1:4] += torch.tensor([n, n * buckets.tokens[bucket], len(batch["failures"])])
             window[4 + bucket] += 1
@@ -195,17 +274,16 @@ def main(argv=None):
             window[0] = loss.detach().double().item() if reader else 0.0  # this step's loss, once per group
             totals = comm.all_reduce(window.to(device, copy=True)).cpu()  # on the device: NCCL takes no CPU tensors
             mean_loss = totals[0].item() / layout.dp
-            if not math.isfinite(mean_loss):
-                raise FloatingPointError(f"loss is {mean_loss} at step {done}; lower train.lr or check the data")
+            guard.check(done, None if skipped else mean_loss)
             elapsed = time.perf_counter() - window_start
             step_time = elapsed / (done - window_step)
             mix = {buckets.buckets[b].name: int(count) for b, count in enumerate(totals[4:].tolist()) if count}
             replaced_total = replaced_total + int(totals[3])
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            run.log_metrics({"step": done, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm),
-                             "step_time": step_time, "samples_per_s": totals[1].item() / elapsed,
-                             "tokens_per_s": totals[2].item() / elapsed, "epoch": sampler.position(step)[0],
-                             "buckets": mix, "replaced_samples": replaced_total})
+            metrics = {"step": done, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm),
+                       "step_time": step_time, "samples_per_s": totals[1].item() / elapsed,
+                       "tokens_per_s": totals[2].item() / elapsed, "epoch": sampler.position(step)[0],
+                       "buckets": mix, "replaced_samples": replaced_total}
+            run.log_metrics(metrics | ({"skipped_steps": guard.skipped} if tc.on_nonfinite == "skip" else {}))
             progress.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{totals[1].item() / elapsed:.1f}",
                                  buckets=_bucket_mix(mix), refresh=False)
             window.zero_()
@@ -218,9 +296,13 @@ def main(argv=None):
                   file=sys.stderr, flush=True)
         if done % tc.checkpoint_every == 0 or done == tc.max_steps or (stop and saved_step != done):
             phase("checkpoint")
+            guard.check(done)
             trainer_state = {"step": done, "sampler": sampler.state_dict(done), "world_size": runtime.world_size,
                              "architecture": architecture}
-            save_checkpoint(runtime, run.path, done, model, ema, optimizer, trainer_state, tc.keep_checkpoints)
+            try:
+                save_checkpoint(runtime, run.path, done, model, ema, optimizer, trainer_state, tc.keep_checkpoints)
+            except NonFiniteWeights as e:  # weights that overflowed while every gradient norm was finite
+                raise TrainingDiverged(f"training diverged: {e}; {guard.advice()}") from None
             saved_step = done
         if stop:
             progress.close()
@@ -230,6 +312,7 @@ def main(argv=None):
             raise Stopped(stop)
         if (tc.sample_every and done % tc.sample_every == 0) or done == tc.max_steps:
             phase("preview")
+            guard.check(done)
             write_previews(cfg, runtime, run, ema if cfg.sample.use_ema else model, vae, text_encoder, flow, done)
             runtime.fence()  # rank 0 writes the files alone: the others wait here, not in the next step
     stop_request.accepting = False
@@ -272,9 +355,11 @@ def write_previews(cfg, runtime, run, model, vae, text_encoder, flow, step):
     """Every rank samples (the model is sharded, so its forward needs all of them); rank 0 writes."""
     sc = cfg.sample
     was_training = model.training
+    runtime.watchdog.sampling_progress(0, sc.steps)  # a deadline per denoising step
     videos = generate(model.eval(), vae, text_encoder, flow, list(sc.prompts), sc.frames or cfg.data.frames,
                       sc.height or cfg.data.height, sc.width or cfg.data.width, sc.steps, sc.guidance,
-                      sc.negative_prompt, seeds=[cfg.train.seed + i for i in range(len(sc.prompts))])
+                      sc.negative_prompt, seeds=[cfg.train.seed + i for i in range(len(sc.prompts))],
+                      progress=runtime.watchdog.sampling_progress)
     model.train(was_training)
     if runtime.is_main:
         for i, video in enumerate(videos):
@@ -282,4 +367,4 @@ def write_previews(cfg, runtime, run, model, vae, text_encoder, flow, step):
 
 
 if __name__ == "__main__":
-    sys.exit(run_entrypoint(main))
+    exit_process(run_entrypoint(main))

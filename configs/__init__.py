@@ -6,6 +6,7 @@
 
 import dataclasses
 import difflib
+import math
 import os
 import typing
 from pathlib import Path
@@ -126,14 +127,26 @@ CHOICES = {
     "text_encoder.kind": ("t5", "umt5", "clip"),
     "train.precision": ("auto", "fp32", "bf16"),
     "train.lr_decay": ("constant", "cosine"),
+    "train.on_nonfinite": ("stop", "skip"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
     "data.epoch_remainder": ("pad", "drop"),
     "data.on_plan_change": ("error", "new_epoch"),
 }
 
 
+def _holds_floats(tp) -> bool:
+    """float, Optional[float] or list[float]."""
+    return tp is float or float in typing.get_args(tp)
+
+
 def validate(cfg: DictConfig) -> None:
     """Checks of values that types alone cannot express."""
+    for key, tp in SCHEMA_KEYS.items():  # nan and inf parse as floats; no key means them
+        if _holds_floats(tp):
+            value = OmegaConf.select(cfg, key)
+            for v in value if isinstance(value, ListConfig) else [value]:
+                if v is not None and not math.isfinite(v):
+                    raise ConfigError(f"'{key}' must be a finite number, got {v}")
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
@@ -179,6 +192,13 @@ def validate(cfg: DictConfig) -> None:
                           f"got {list(cfg.model.patch_size)}")
     if not 0.0 <= cfg.train.text_dropout < 1.0:
         raise ConfigError(f"'train.text_dropout' must be in [0, 1), got {cfg.train.text_dropout}")
+    for key in ("model.mlp_ratio", "model.rope_theta", "flow.logit_std"):
+        if OmegaConf.select(cfg, key) <= 0:
+            raise ConfigError(f"'{key}' must be greater than 0, got {OmegaConf.select(cfg, key)}")
+    if cfg.train.weight_decay < 0:
+        raise ConfigError(f"'train.weight_decay' must be 0 or more, got {cfg.train.weight_decay}")
+    if not all(0.0 <= b < 1.0 for b in cfg.train.betas):
+        raise ConfigError(f"'train.betas' must be two numbers in [0, 1), got {list(cfg.train.betas)}")
     if not 0.0 <= cfg.train.ema_decay < 1.0:
         raise ConfigError(f"'train.ema_decay' must be in [0, 1), got {cfg.train.ema_decay}")
     if len(cfg.train.betas) != 2:

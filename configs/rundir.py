@@ -85,6 +85,19 @@ class RunDirectory:
         for old in self.path.glob("data_report_rank*.jsonl"):
             old.unlink()
 
+    def trim_metrics(self, start_step: int) -> None:
+        """Main rank, at start-up: drop the metrics of steps after `start_step` (logged by an earlier process
+        after the checkpoint it resumes from; they are logged again), so that every step appears once."""
+        path = self.path / "metrics.jsonl"
+        if not self.is_main or not path.is_file():
+            return
+        lines = path.read_text(errors="surrogateescape").splitlines(keepends=True)
+        kept = [line for line in lines if _logged_step(line) <= start_step]
+        if len(kept) != len(lines):
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(kept), errors="surrogateescape")
+            os.replace(tmp, path)
+
     def report_replaced(self, rank: int, path: str, reason: str, step: int) -> None:
         """A file that could not be loaded and was replaced by another sample, from the rank that read it.
         One writer per file (rank 0: data_report.jsonl, rank R: data_report_rank<R>.jsonl), so ranks never
@@ -105,6 +118,14 @@ def _stable_id(path: Path) -> str:
     import hashlib
 
     return hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
+
+
+def _logged_step(line: str) -> float:
+    """The step of a metrics.jsonl line; a line cut short by a kill counts as after every step."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
 
 
 def read_metrics(path) -> list[dict]:

@@ -116,6 +116,9 @@ class TrainConfig:
     activation_checkpointing: bool = False
     compile: bool = False
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
+    # a step whose gradient norm is NaN or inf: stop (the run ends, naming it, before saving anything
+    # non-finite) | skip (no update for that step; costs one host sync per step; 20 in a row stop the run)
+    on_nonfinite: str = "stop"
 
 
 @dataclass

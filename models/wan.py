@@ -183,6 +183,43 @@ def diffusers_state_dict_from_tessera(state_dict: dict, diffusers_keys) -> dict:
     return out
 
 
+# What dit_kwargs_from_diffusers_config reads from a diffusers config.json.
+CONFIG_KEYS = ("in_channels", "num_attention_heads", "attention_head_dim", "text_dim", "ffn_dim", "num_layers",
+               "patch_size")
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_text())
+    except OSError as e:
+        raise WanFormatError(f"model.pretrained: {path} cannot be read ({e.strerror or e})") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise WanFormatError(f"model.pretrained: {path} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise WanFormatError(f"model.pretrained: {path} holds a JSON {type(config).__name__}, not an object of settings")
+    return config
+
+
+def check_safetensors(file: Path) -> None:
+    """A safetensors file holds an 8-byte header length, the JSON header, then the tensors' bytes: check
+    that the file is as long as its header says (a download or copy cut short is not), reading a few KB."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < length <= min(size - 8, 100 << 20):
+            raise WanFormatError(f"model.pretrained: {file} is not a safetensors file, or is truncated ({size} bytes, "
+                                 f"too short for the header it announces)")
+        try:
+            header = json.loads(f.read(length))
+            end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            raise WanFormatError(f"model.pretrained: {file} has a damaged safetensors header") from None
+    if 8 + length + end > size:
+        raise WanFormatError(f"model.pretrained: {file} is truncated: {size} bytes, its header describes "
+                             f"{8 + length + end} (an interrupted download or copy?)")
+
+
 class WanWeights:
     """A diffusers WanTransformer3DModel folder (config.json and one or more .safetensors files), read
     lazily: `read(name, start, stop)` returns rows start:stop (along dim 0) of one tessera parameter and
@@ -198,20 +235,29 @@ class WanWeights:
         if not config.is_file():
             raise WanFormatError(f"model.pretrained={folder}: no config.json there (expected a diffusers "
                                  "WanTransformer3DModel folder, or a WanPipeline folder with transformer/ in it)")
-        self.config = json.loads(config.read_text())
+        self.config = _read_config(config)
         self.original = "num_heads" in self.config and "num_attention_heads" not in self.config
-        if self.original:  # Wan-AI's own layout (config.json with dim, num_heads, ...)
-            self.config = diffusers_config_from_original(self.config)
-        if self.config.get("_class_name", "WanTransformer3DModel") != "WanTransformer3DModel":
-            raise WanFormatError(f"model.pretrained={folder}: config.json describes a {self.config['_class_name']}, "
-                                 "not a WanTransformer3DModel")
-        self.dit_kwargs = dit_kwargs_from_diffusers_config(self.config)
+        try:
+            if self.original:  # Wan-AI's own layout (config.json with dim, num_heads, ...)
+                self.config = diffusers_config_from_original(self.config)
+            if self.config.get("_class_name", "WanTransformer3DModel") != "WanTransformer3DModel":
+                raise WanFormatError(f"model.pretrained={folder}: config.json describes a {self.config['_class_name']}, "
+                                     "not a WanTransformer3DModel")
+            self.dit_kwargs = dit_kwargs_from_diffusers_config(self.config)
+        except KeyError as e:
+            raise WanFormatError(f"model.pretrained: {config} has no '{e.args[0]}'; a WanTransformer3DModel config.json "
+                                 f"lists {', '.join(CONFIG_KEYS)} (or, in Wan-AI's layout, dim, num_heads, "
+                                 f"in_dim, ffn_dim and num_layers)") from None
         files = sorted(self.folder.glob("*.safetensors"))
         if not files:
             raise WanFormatError(f"model.pretrained={folder}: no .safetensors files there")
         self._key_file, self._file_key = {}, {}  # the diffusers name -> its file's handle, its key in the file
         for file in files:
-            handle = safe_open(str(file), framework="pt")
+            check_safetensors(file)
+            try:
+                handle = safe_open(str(file), framework="pt")
+            except Exception as e:  # noqa: BLE001 - safetensors' own error type
+                raise WanFormatError(f"model.pretrained: {file} cannot be read as safetensors ({e})") from None
             for key in handle.keys():
                 name = diffusers_name_from_original(key) if self.original else key
                 self._key_file[name] = handle

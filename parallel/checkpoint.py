@@ -58,6 +58,14 @@ class CheckpointError(RuntimeError):
     pass
 
 
+class NonFiniteWeights(CheckpointError):
+    """A save refused because the weights (or the EMA, or the optimizer state) hold NaN or inf."""
+
+
+class StorageError(CheckpointError):
+    """A save that the file system cannot hold (full, over quota, read-only, not writable)."""
+
+
 def checkpoint_dir(run_dir) -> Path:
     return Path(run_dir) / "checkpoints"
 
@@ -219,18 +227,38 @@ def _on_io_group(control_group, call):
 
 
 def save_checkpoint(runtime, run_dir, step: int, model, ema, optimizer, trainer_state: dict, keep: int) -> Path:
+    """Write step_<N> and move `latest` to it (see the module docstring). Refused before a byte is written,
+    alike on every rank: weights that are not finite (NonFiniteWeights) and a checkpoint larger than the
+    free space (StorageError). A file system that fails during the save (full, over quota, read-only) is a
+    StorageError naming it, the file and the previous checkpoint, which stays `latest`."""
     root = checkpoint_dir(run_dir)
     final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
+    state = {"model": get_model_state_dict(model), "ema": get_model_state_dict(ema),
+             "optimizer": get_optimizer_state_dict(model, optimizer)}
+    needed = _check_before_save(runtime, state, root, step, keep)
+    try:
+        _write(runtime, state, root, final, tmp, step, trainer_state, keep)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        problem = storage_problem(e, root)
+        if problem is None:
+            raise
+        if runtime.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # give the space back; `latest` still names the previous one
+        raise StorageError(storage_message(problem, root, needed)) from None
+    return final
+
+
+def _write(runtime, state, root: Path, final: Path, tmp: Path, step: int, trainer_state: dict, keep: int) -> None:
     if runtime.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # a killed save of this step left it
         tmp.mkdir(parents=True)
     runtime.fence()
     faults.at_save("before_shards", runtime.rank, step)
-    state = {"model": get_model_state_dict(model), "ema": get_model_state_dict(ema),
-             "optimizer": get_optimizer_state_dict(model, optimizer)}
+    writer = faults.full_disk_writer(tmp, runtime.rank, step)  # tests only (TESSERA_FAULT=enospc); else None
     # gloo, long timeout (I/O is slow), on a group of its own (see the docstring); DCP's collectives run inside
     with comm.recorded("checkpoint_save", runtime.control_group, None):
-        _on_io_group(runtime.control_group, lambda group: dcp.save(state, checkpoint_id=tmp, process_group=group))
+        _on_io_group(runtime.control_group, lambda group: dcp.save(state, checkpoint_id=tmp, process_group=group,
+                                                                  storage_writer=writer))
     torch.save(trainer_state, tmp / f"trainer_rank{runtime.rank}.pt")
     _seal(tmp, runtime.rank)
     runtime.fence()
@@ -258,7 +286,126 @@ def save_checkpoint(runtime, run_dir, step: int, model, ema, optimizer, trainer_
             if old != final:
                 _clear(old)
     runtime.fence()
-    return final
+
+
+def _local_tensors(state):
+    """Every tensor of a (nested) state dict, as this rank holds it (a DTensor's local shard)."""
+    if isinstance(state, dict):
+        for value in state.values():
+            yield from _local_tensors(value)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            yield from _local_tensors(value)
+    elif isinstance(state, torch.Tensor):
+        yield state.to_local() if hasattr(state, "to_local") else state
+
+
+def _check_before_save(runtime, state: dict, root: Path, step: int, keep: int) -> int:
+    """One small all-gather on the control group before anything is written: each rank's count of
+    non-finite tensors (model, EMA, optimizer), the bytes it will write and the space free where it
+    writes. Every rank reaches the same verdict from the same numbers. Returns the checkpoint's bytes.
+    The space check assumes, as DCP's resume does, that every rank writes to one shared folder."""
+    sections = ("model", "ema", "optimizer")
+    counts, written = [], 0
+    for section in sections:
+        tensors = [t for t in _local_tensors(state[section]) if t.is_floating_point() and t.numel()]
+        written += sum(t.numel() * t.element_size() for t in _local_tensors(state[section]))
+        counts.append(int(torch.stack([~torch.isfinite(t).all() for t in tensors]).sum()) if tensors else 0)
+    root.mkdir(parents=True, exist_ok=True)
+    mine = torch.tensor([*counts, written, shutil.disk_usage(root).free], dtype=torch.int64)
+    everyone = mine.view(1, -1)
+    if runtime.world_size > 1:
+        everyone = torch.empty((runtime.world_size, len(mine)), dtype=torch.int64)
+        comm.all_gather_into_tensor(everyone, mine, runtime.control_group)
+    bad = everyone[:, :3].sum(0).tolist()
+    needed, free = int(everyone[:, 3].sum()), int(everyone[:, 4].min())
+    latest = find_latest_quietly(root)
+    if any(bad):
+        which = ", ".join(f"{n} {name} tensor{'s' * (n > 1)}" for n, name in zip(bad, sections) if n)
+        raise NonFiniteWeights(f"refusing to save step {step}: NaN or inf in {which}; nothing was written, and "
+                               f"the last good checkpoint is {latest or 'none (no checkpoint was written yet)'}")
+    margin = int(0.02 * needed) + (16 << 20)  # the trainer state, checksums and DCP's metadata
+    if free < needed + margin:
+        raise StorageError(f"not enough space to save step {step} in {root} ({_file_system(root)}): "
+                           f"{_size(free)} free, the checkpoint needs ~{_size(needed)}; nothing was written, and "
+                           f"{_intact(latest)}. Free space there, or lower train.keep_checkpoints (now {keep}: the "
+                           f"{keep} newest are kept, and a new one is written before the oldest is removed)")
+    return needed
+
+
+# errno -> how a message names what the file system refused
+_STORAGE_ERRNOS = {errno.ENOSPC: "no space left on", errno.EDQUOT: "disk quota exceeded on",
+                   errno.EROFS: "read-only file system at", errno.EACCES: "permission denied on",
+                   errno.EPERM: "operation not permitted on"}
+
+
+def storage_problem(error: BaseException, folder: Path | None = None) -> tuple[int, str | None] | None:
+    """(errno, file) when `error` (or what it wraps: its cause, DCP's per-rank failures) is the file system
+    refusing a write: full, over quota, read-only, not writable. Some writers lose the errno (torch's
+    zip writer on a full disk says 'unexpected pos ...'): then a `folder` with almost no free space is taken
+    as full. None: not a storage problem."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _STORAGE_ERRNOS:
+            return e.errno, e.filename
+        if "No space left on device" in str(e.args[0] if isinstance(e, CheckpointException) else e):
+            return errno.ENOSPC, None
+        todo += [e.__cause__, e.__context__]
+        if isinstance(e, CheckpointException):
+            todo += [failure[0] for failure in e.failures.values()]
+    if folder is not None:
+        try:
+            if shutil.disk_usage(folder).free < (1 << 20):
+                return errno.ENOSPC, None
+        except OSError:
+            pass
+    return None
+
+
+def storage_message(problem: tuple[int, str | None], root: Path, needed: int | None = None) -> str:
+    """The `error:` text for a write the file system refused; `root`: the run's checkpoints/ folder."""
+    number, file = problem
+    where = root if root.exists() else Path(file).parent if file else root
+    free = shutil.disk_usage(where).free if where.exists() else 0
+    need = f", the checkpoint needs ~{_size(needed)}" if needed else ""
+    return (f"{_STORAGE_ERRNOS[number]} {_file_system(where)} while writing {file or root}; {_size(free)} free{need}; "
+            f"{_intact(find_latest_quietly(root))}. Free space there (or lower train.keep_checkpoints), then run "
+            f"the same command to resume")
+
+
+def _intact(latest: Path | None) -> str:
+    return f"the previous checkpoint {latest} is intact" if latest else "no earlier checkpoint exists"
+
+
+def find_latest_quietly(root: Path) -> Path | None:
+    """The checkpoint `latest` names under a checkpoints/ folder, or None (also if it cannot be read)."""
+    try:
+        return find_latest(root.parent)
+    except CheckpointError:
+        return None
+
+
+def _file_system(path: Path) -> str:
+    """'/mnt/data (/dev/sdb1)': the mount point holding `path`, and its device when /proc/mounts says."""
+    mount = Path(os.path.abspath(path))
+    while not os.path.ismount(mount) and mount != mount.parent:
+        mount = mount.parent
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            device, point = line.split()[:2]
+            if point == str(mount):
+                return f"{mount} ({device})"
+    except OSError:
+        pass
+    return str(mount)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
 
 
 def _checksums(path: Path) -> dict | None:
@@ -273,6 +420,47 @@ def _checksums(path: Path) -> dict | None:
                               f"{_fallback_hint(path)}") from None
 
 
+def check_checkpoint_files(path) -> None:
+    """Cheap checks from file sizes alone, made on every rank before any collective: every file that
+    checksums.json lists (or, in a checkpoint written before it, that DCP's .metadata points into) is
+    there and at least as long as it must be. The crc32s are read later, shared over the ranks
+    (verify_checkpoint). A damaged checkpoint is a CheckpointError naming the file."""
+    path = Path(path)
+    files = _checksums(path)
+    if files is not None:
+        needed = {name: entry["size"] for name, entry in files.items()}
+    else:
+        needed = _sizes_from_metadata(path)
+    problems = []
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{name} is missing")
+        elif file.stat().st_size < size:
+            problems.append(f"{name} is truncated ({file.stat().st_size} of at least {size} bytes)")
+        elif files is not None and file.stat().st_size != size:
+            problems.append(f"{name} has {file.stat().st_size} bytes, {size} were written")
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is damaged, nothing was loaded from it: {'; '.join(problems)}; "
+                              f"{_fallback_hint(path)}")
+
+
+def _sizes_from_metadata(path: Path) -> dict[str, int]:
+    """{file: the bytes DCP's .metadata says it holds at least} (a checkpoint without checksums.json)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign .metadata
+        raise CheckpointError(f"checkpoint {path} is damaged, nothing was loaded from it: its .metadata cannot be read "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                              f"{_fallback_hint(path)}") from None
+    sizes: dict[str, int] = {}
+    for info in storage.values():
+        sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), info.offset + info.length)
+    return sizes
+
+
 def verify_checkpoint(path, group=None) -> None:
     """Check every file of a checkpoint against the sizes and crc32s recorded when it was written,
     before anything is loaded from it. With a process group, the files are split over its ranks (each
@@ -282,7 +470,8 @@ def verify_checkpoint(path, group=None) -> None:
     before checksums.json existed are not checked."""
     path = Path(path)
     files = _checksums(path)
-    if files is None:
+    if files is None:  # written before checksums.json: the sizes DCP's metadata implies, at least
+        check_checkpoint_files(path)
         return
     names = sorted(files)
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
@@ -323,10 +512,18 @@ def _load(state: dict, path: Path, group=None) -> None:
         with comm.recorded("checkpoint_load", group, None):  # DCP's own collectives run inside
             dcp.load(state, checkpoint_id=path, process_group=group)
     except CheckpointException as e:  # DCP's planning errors (missing keys, size mismatches); a BaseException
-        raise CheckpointError(f"{path} does not fit this model ({type(e).__name__}: {str(e)[:300]}); was it written "
+        raise CheckpointError(f"{path} does not fit this model ({_first_failure(e)}); was it written "
                               f"with another model.size, model.patch_size, model.adaln/ffn_dim/qk_norm_across_heads/pooled_text, "
                               f"VAE or text encoder? Use the recipe it was "
                               f"trained with, or train.resume=none") from e
+
+
+def _first_failure(error: CheckpointException) -> str:
+    """'KeyError: ...' of the first rank's failure inside a DCP exception, without DCP's tracebacks."""
+    for exc, _ in error.failures.values():
+        text = str(exc).strip().splitlines()
+        return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
+    return str(error.args[0])[:300] if error.args else type(error).__name__
 
 
 def read_trainer_state(path) -> dict:

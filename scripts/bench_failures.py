@@ -1,0 +1,297 @@
+"""The failures users meet every week, injected into tiny runs on this machine, and how each run ends.
+
+    python scripts/bench_failures.py [--only NAME,NAME] [--out runs/bench_failures] [--list]
+
+Each scenario starts train.py or infer.py (plain python, torchrun, or two torchrun agents that
+rendezvous on 127.0.0.1), injects one fault with TESSERA_FAULT (parallel/faults.py) and records:
+
+- the first line that contains `error:`, and the seconds from the fault (the `[fault]` line the
+  injecting rank prints) to it; whether a traceback came before it;
+- the seconds from the fault until every process was gone (torchrun, every rank, every DataLoader
+  worker: each launch tags its processes' environment, and /proc is searched for the tag), and each
+  launcher's exit code;
+- whether `latest` names a complete checkpoint whose weights, EMA and optimizer state are all finite.
+
+results.json and results.md (the table BENCHMARKS.md quotes, section "Failures") go to --out.
+tests/test_failures.py runs the same scenarios (SCENARIOS) and asserts on what they record.
+"""
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "tests" / "tiny.yaml"
+SILENCE_S = 5  # parallel.heartbeat_timeout_s in these runs
+STALL_S = 4  # parallel.stall_timeout_s where a stall is injected
+# 4 samples and batch 2 per rank: an epoch is one step of both ranks.
+TWO_RANKS = ["--config", str(TINY), "data.synthetic_samples=4", "train.batch_size=2", "train.checkpoint_every=3",
+             f"parallel.heartbeat_timeout_s={SILENCE_S}", "parallel.preflight_timeout_s=60"]
+SAMPLING = ["--config", str(TINY), "--random-weights", "--steps", "8", f"parallel.heartbeat_timeout_s={SILENCE_S}",
+            "parallel.preflight_timeout_s=60"]
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+
+
+@dataclass
+class Scenario:
+    name: str
+    row: str  # what the user did
+    script: str  # train.py or infer.py
+    args: list  # after the script; {run} is the run directory, {out} the scenario's folder
+    nproc: int = 2  # 1: plain python
+    fault: str = ""  # TESSERA_FAULT
+    nodes: int = 1  # 2: two torchrun agents (the fault's rank decides which node)
+    expect: str = ""  # in the first `error:` line
+    code: int | None = None  # every launcher's exit code, when it is known in advance
+    bound_s: float = 5.0  # the target for fault -> error line
+    env: dict = field(default_factory=dict)
+
+
+SCENARIOS = {s.name: s for s in [
+    Scenario("nan-lr-1proc", "the loss went NaN (train.lr=1e30), 1 process, a DataLoader worker", "train.py",
+             ["--config", str(TINY), "run.output_dir={run}", "train.lr=1e30", "train.max_steps=20", "train.log_every=10",
+              "train.checkpoint_every=5", "data.num_workers=1"], nproc=1,
+             expect="training diverged: the gradient norm was not finite at step", code=2),
+    Scenario("nan-2ranks", "a NaN loss on rank 1 in step 4, 2 ranks (checkpoint_every=3, log_every=10)", "train.py",
+             [*TWO_RANKS, "run.output_dir={run}", "train.max_steps=9", "train.log_every=10", "data.num_workers=1"],
+             fault="nan@1:4", expect="training diverged: the gradient norm was not finite at step 4", code=2),
+    Scenario("enospc-2ranks", "the disk filled during the save of step 6, 2 ranks", "train.py",
+             [*TWO_RANKS, "run.output_dir={run}", "train.max_steps=9", "data.num_workers=1"],
+             fault="enospc@1:6", expect="no space left on", code=2),
+    Scenario("enospc-1proc", "the disk filled during the save of step 6, 1 process", "train.py",
+             ["--config", str(TINY), "run.output_dir={run}", "train.max_steps=9", "data.num_workers=1"], nproc=1,
+             fault="enospc@0:6", expect="no space left on", code=2),
+    Scenario("kill-sampling-pipefusion", "rank 1 killed in sampling step 3 (PipeFusion, 2 stages)", "infer.py",
+             [*SAMPLING, "run.output_dir={run}", "--output", "{out}/v.npy", "parallel.pipefusion=2"],
+             fault="sample_kill@1:3", expect="rank 1 (", bound_s=SILENCE_S + 5),
+    Scenario("kill-sampling-dp", "rank 1 killed in sampling step 3 (data parallel, 2 prompts)", "infer.py",
+             [*SAMPLING, "run.output_dir={run}", "--output", "{out}/v.npy", "--prompt", "a red square", "a blue circle",
+              "parallel.dp=2"], fault="sample_kill@1:3", expect="rank 1 (", bound_s=SILENCE_S + 5),
+    Scenario("hang-sampling", "rank 1's main thread hung in sampling step 3, its watchdog alive (PipeFusion)",
+             "infer.py", [*SAMPLING, "run.output_dir={run}", "--output", "{out}/v.npy", "parallel.pipefusion=2",
+                          f"parallel.stall_timeout_s={STALL_S}"],
+             fault="sample_hang@1:3", expect="rank 1 (", bound_s=STALL_S + 5),
+    Scenario("kill-startup", "rank 1 killed at start-up (process groups made, before the first step)", "train.py",
+             [*TWO_RANKS, "run.output_dir={run}", "train.max_steps=6"], fault="startup_kill@1",
+             expect="rank 1 (", bound_s=SILENCE_S + 5),
+    Scenario("store-host-lost", "the node hosting the c10d store lost its worker (2 torchrun agents)", "train.py",
+             [*TWO_RANKS, "run.output_dir={run}", "train.max_steps=9"], nproc=1, nodes=2, fault="kill@0:5",
+             expect="the rendezvous store at", bound_s=SILENCE_S + 5),
+]}
+
+
+class Launch:
+    """Commands (one per torchrun agent) whose stderr lines are time-stamped as they arrive. Every
+    process they start carries TESSERA_LAUNCH_TAG in its environment, so leftovers can be found."""
+
+    def __init__(self, commands: list[list[str]], env: dict | None = None, stagger_s: float = 0.0):
+        self.tag = uuid.uuid4().hex
+        self.start = time.monotonic()
+        self.lines: list[tuple[float, int, str]] = []  # (seconds since start, command index, line)
+        self.procs = []
+        for i, cmd in enumerate(commands):
+            if i and stagger_s:
+                time.sleep(stagger_s)  # the first node's agent hosts the rendezvous store
+            self.procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                               text=True, env={**os.environ, **ENV, **(env or {}),
+                                                               "TESSERA_LAUNCH_TAG": self.tag}))
+        self.readers = [threading.Thread(target=self._read, args=(i, p), daemon=True) for i, p in enumerate(self.procs)]
+        for reader in self.readers:
+            reader.start()
+        self.ended: float | None = None
+
+    def _read(self, index, proc):
+        for line in proc.stderr:
+            self.lines.append((time.monotonic() - self.start, index, line.rstrip("\n")))
+
+    def wait(self, timeout: float) -> list[int | None]:
+        """Exit codes; None for a launcher still running at `timeout` (then every tagged process is killed)."""
+        deadline = self.start + timeout
+        codes = []
+        for p in self.procs:
+            try:
+                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+        while self.leftovers() and time.monotonic() < deadline:  # workers may outlive their launcher briefly
+            time.sleep(0.1)
+        self.ended = time.monotonic() - self.start
+        if None in codes or self.leftovers():
+            self.kill_all()
+        for reader in self.readers:
+            reader.join(timeout=5)
+        return codes
+
+    def leftovers(self) -> list[int]:
+        """Live processes (not zombies) that carry this launch's tag."""
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if f"TESSERA_LAUNCH_TAG={self.tag}".encode() in (entry / "environ").read_bytes():
+                    if (entry / "stat").read_text().split(")")[-1].split()[0] != "Z":
+                        found.append(int(entry.name))
+            except OSError:
+                continue
+        return found
+
+    def kill_all(self) -> None:
+        for p in self.procs:
+            p.kill()
+        for pid in self.leftovers():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+    def text(self) -> str:
+        return "\n".join(line for _, _, line in self.lines)
+
+    def first(self, pattern: str) -> tuple[float, str] | None:
+        found = [(t, line) for t, _, line in self.lines if pattern in line]
+        return found[0] if found else None
+
+
+def command(scenario: Scenario, run_dir: Path, out: Path, node: int = 0, port: int = 0) -> list[str]:
+    args = [a.format(run=run_dir, out=out) for a in scenario.args]
+    script = str(ROOT / scenario.script)
+    if scenario.nodes > 1:
+        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={scenario.nodes}", f"--node-rank={node}",
+                f"--nproc-per-node={scenario.nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                f"--rdzv-id={scenario.name}", script, *args]
+    if scenario.nproc == 1:
+        return [sys.executable, script, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={scenario.nproc}",
+            script, *args]
+
+
+def rank_codes(text: str) -> dict[int, int]:
+    """{rank: exit code} of the ranks torchrun reports as failed (a rank that exited 0 is not listed)."""
+    return {int(rank): int(code) for rank, code in
+            re.findall(r"rank\s+: (\d+) \(local_rank: \d+\)\s+exitcode\s+: (-?\d+)", text)}
+
+
+def latest_state(run_dir: Path) -> dict:
+    """{'latest': the step folder `latest` names or None, 'finite': whether every weight in it is finite}."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from parallel.checkpoint import CheckpointError, find_latest, verify_checkpoint
+
+    try:
+        latest = find_latest(run_dir)
+    except CheckpointError as e:
+        return {"latest": None, "finite": None, "problem": str(e)}
+    if latest is None:
+        return {"latest": None, "finite": None}
+    verify_checkpoint(latest)
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    state = _load_state_dict_from_keys(checkpoint_id=str(latest))
+    tensors = [t for t in _tensors(state) if t.is_floating_point()]
+    return {"latest": str(latest), "finite": all(bool(torch.isfinite(t).all()) for t in tensors),
+            "tensors": len(tensors)}
+
+
+def _tensors(state):
+    import torch
+
+    if isinstance(state, dict):
+        for value in state.values():
+            yield from _tensors(value)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            yield from _tensors(value)
+    elif isinstance(state, torch.Tensor):
+        yield state
+
+
+def run_scenario(scenario: Scenario, out: Path, timeout: float = 150.0) -> dict:
+    """Run one scenario in `out` (a fresh folder) and return what happened."""
+    out.mkdir(parents=True, exist_ok=True)
+    run_dir = out / "run"
+    env = {**scenario.env, "TESSERA_FAULT": scenario.fault} if scenario.fault else scenario.env
+    if scenario.nodes > 1:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        launch = Launch([command(scenario, run_dir, out, node, port) for node in range(scenario.nodes)], env,
+                        stagger_s=1.0)
+    else:
+        launch = Launch([command(scenario, run_dir, out)], env)
+    codes = launch.wait(timeout)
+    fault = launch.first("[fault] ")
+    error = launch.first("error:")
+    start = fault[0] if fault else 0.0
+    # tracebacks printed by the launcher that printed the error line (the other node's torchrun reports
+    # its own lost worker first, with a traceback of its own)
+    agent = next((i for t, i, line in launch.lines if "error:" in line), None)
+    traceback_first = [t for t, i, line in launch.lines if "Traceback" in line and i == agent]
+    result = {
+        "name": scenario.name, "row": scenario.row, "fault": scenario.fault or None,
+        "codes": codes, "rank_codes": rank_codes(launch.text()), "error_line": error[1] if error else None,
+        "fault_to_error_s": round(error[0] - start, 1) if error else None,
+        "fault_to_exit_s": round(launch.ended - start, 1),
+        "timed_from": "the fault" if fault else "the launch",
+        "traceback_before_error": bool(error and traceback_first and traceback_first[0] < error[0]),
+        "left_running": launch.leftovers(), "bound_s": scenario.bound_s, "expect": scenario.expect,
+        "stderr_tail": launch.text()[-6000:],
+    }
+    result.update(latest_state(run_dir) if (run_dir / "checkpoints").is_dir() else {"latest": None, "finite": None})
+    return result
+
+
+def markdown(results: list[dict]) -> str:
+    lines = ["| what the user did | first line (shortened) | fault -> `error:` | fault -> every process gone | exit codes "
+             "| `latest` |", "|---|---|---|---|---|---|"]
+    for r in results:
+        line = (r["error_line"] or "(none)").split("; this")[0]
+        line = re.sub(r"\(\S+:\d+\)", "(host:pid)", line)[:150].replace("|", "/")
+        latest = "none written" if r["latest"] is None else \
+            f"{Path(r['latest']).name}, {'finite' if r['finite'] else 'NOT FINITE'}"
+        lines.append(f"| {r['row']} | `{line}` | {r['fault_to_error_s']} s (target {r['bound_s']:g}) | "
+                     f"{r['fault_to_exit_s']} s | {', '.join(map(str, r['codes']))} | {latest} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="runs/bench_failures")
+    parser.add_argument("--only", default="", help="comma-separated scenario names (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    args = parser.parse_args(argv)
+    if args.list:
+        for s in SCENARIOS.values():
+            print(f"{s.name}: {s.row}")
+        return 0
+    names = [n for n in args.only.split(",") if n] or list(SCENARIOS)
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        print(f"error: unknown scenario(s) {', '.join(unknown)}; --list shows them", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    results = []
+    for name in names:
+        result = run_scenario(SCENARIOS[name], out / name)
+        results.append(result)
+        print(f"{name}: error after {result['fault_to_error_s']} s, gone after {result['fault_to_exit_s']} s, "
+              f"codes {result['codes']}, left running {result['left_running']}: {result['error_line']}", flush=True)
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        (out / "results.md").write_text(markdown(results))
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
