@@ -171,12 +171,13 @@ class Watchdog:
     def explain(self, error: BaseException) -> str | None:
         """The main thread caught `error` from a collective: wait (at most the silence deadline and a
         little) for the cause: a reason another rank published, or a rank that went silent. For a stop
-        signal (torchrun stopping the survivors) only a reason already published is looked for. Returns
-        the `error:` line to print, or None if no other rank is to blame."""
+        signal (torchrun stopping the survivors, Ctrl-C) a published reason or a heartbeat that stopped
+        within a few beats is looked for. Returns the `error:` line to print, or None if no other rank
+        is to blame."""
         if self.store is None:  # one process: nobody else to blame
             return None
         self._held.set()
-        if isinstance(error, Terminated):
+        if isinstance(error, (Terminated, KeyboardInterrupt)):
             reason = self._stopped_peer(wait_s=3 * self.interval)
             return self._line(reason) if reason else None
         deadline = time.monotonic() + self.deadlines.silence_s + 3 * self.interval + 1
@@ -574,7 +575,9 @@ class StopRequest:
             raise KeyboardInterrupt
         if signum == signal.SIGTERM and self._deferred is None:
             self.signum, self.received_at = signum, now
-            # interrupt_main runs this handler again in the main thread, which then raises
+            # interrupt_main runs this handler again in the main thread, which then raises. (On NCCL the
+            # main thread may be blocked in a CUDA wait, where no Python handler runs: a peer that died
+            # is then named by this rank's watchdog thread, from its silence.)
             self._deferred = threading.Timer(self.DEFER_S, _thread.interrupt_main, args=(signum,))
             self._deferred.daemon = True
             self._deferred.start()
