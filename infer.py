@@ -8,7 +8,7 @@ The output format follows the extension: .mp4, .gif, .png (an image, or one file
 (out_000.mp4, ...). With N processes and data parallelism, the prompts are split across ranks.
 """
 
-import parallel.cpp_log  # noqa: F401  (first: before torch loads)
+import parallel.startup  # noqa: F401  (first: before torch loads)
 
 # isort: split
 

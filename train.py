@@ -7,7 +7,7 @@ Everything a run writes goes to `run.output_dir` (see configs/rundir.py). The lo
 bottom: model, EMA and optimizer; resume; then step, log, checkpoint, preview.
 """
 
-import parallel.cpp_log  # noqa: F401  (first: before torch loads)
+import parallel.startup  # noqa: F401  (first: before torch loads)
 
 # isort: split
 

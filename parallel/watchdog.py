@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from parallel import comm
+from parallel import comm, startup
 
 WATCHED_PEERS = 4  # each rank watches the next few ranks: O(1) store reads per rank, whatever the world size
 PUBLISH_EVERY_S = 0.1  # a phase change is published at once, but no more often than this (store load)
@@ -594,6 +594,8 @@ class StopRequest:
         self.accepting, self.held, self.signum, self.received_at, self.received_in_step = False, False, 0, 0.0, None
         self._deferred = None
         previous = {s: signal.signal(s, self.handler) for s in self.SIGNALS}
+        if startup.take_noted():  # a SIGTERM during the imports: deferred from now, as if it came now
+            self.handler(signal.SIGTERM, None)
 
         def restore():
             if self._deferred is not None:

@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -40,6 +41,8 @@ TWO_RANKS = ["--config", str(TINY), "data.synthetic_samples=4", "train.batch_siz
 SAMPLING = ["--config", str(TINY), "--random-weights", "--steps", "8", f"parallel.heartbeat_timeout_s={SILENCE_S}",
             "parallel.preflight_timeout_s=60"]
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+WAN_OPTIONS = ["model.adaln=single", "model.qk_norm_across_heads=true", "model.pooled_text=false",
+               "model.text_mask=false"]  # tiny.yaml's DiT with Wan's architecture options
 
 
 @dataclass
@@ -55,6 +58,7 @@ class Scenario:
     code: int | None = None  # every launcher's exit code, when it is known in advance
     bound_s: float = 5.0  # the target for fault -> error line
     env: dict = field(default_factory=dict)
+    prepare: str = ""  # a function below that damages something in the scenario's folder first
 
 
 SCENARIOS = {s.name: s for s in [
@@ -62,6 +66,10 @@ SCENARIOS = {s.name: s for s in [
              ["--config", str(TINY), "run.output_dir={run}", "train.lr=1e30", "train.max_steps=20", "train.log_every=10",
               "train.checkpoint_every=5", "data.num_workers=1"], nproc=1,
              expect="training diverged: the gradient norm was not finite at step", code=2),
+    Scenario("nan-1proc", "a NaN loss in step 4, 1 process, a DataLoader worker (checkpoint_every=5, log_every=10)",
+             "train.py", ["--config", str(TINY), "run.output_dir={run}", "train.max_steps=20", "train.log_every=10",
+                          "train.checkpoint_every=5", "data.num_workers=1"], nproc=1, fault="nan@0:4",
+             expect="training diverged: the gradient norm was not finite at step 4", code=2),
     Scenario("nan-2ranks", "a NaN loss on rank 1 in step 4, 2 ranks (checkpoint_every=3, log_every=10)", "train.py",
              [*TWO_RANKS, "run.output_dir={run}", "train.max_steps=9", "train.log_every=10", "data.num_workers=1"],
              fault="nan@1:4", expect="training diverged: the gradient norm was not finite at step 4", code=2),
@@ -87,7 +95,38 @@ SCENARIOS = {s.name: s for s in [
     Scenario("store-host-lost", "the node hosting the c10d store lost its worker (2 torchrun agents)", "train.py",
              [*TWO_RANKS, "run.output_dir={run}", "train.max_steps=9"], nproc=1, nodes=2, fault="kill@0:5",
              expect="the rendezvous store at", bound_s=SILENCE_S + 5),
+    Scenario("truncated-pretrained", "model.pretrained holds a truncated safetensors file, 2 ranks", "train.py",
+             [*TWO_RANKS, "run.output_dir={run}", "model.pretrained={out}/wan", *WAN_OPTIONS],
+             expect="is truncated: ", code=2, prepare="truncated_pretrained"),
+    Scenario("damaged-checkpoint", "a checkpoint with checksums.json missing and a truncated shard, 2 ranks",
+             "train.py", [*TWO_RANKS, "run.output_dir={run}", "train.max_steps=6"],
+             expect="__0_0.distcp is truncated", code=2, prepare="damaged_checkpoint"),
+    Scenario("lr-nan", "train.lr=nan, 2 ranks", "train.py", [*TWO_RANKS, "run.output_dir={run}", "train.lr=nan"],
+             expect="'train.lr' must be a finite number, got nan", code=2),
 ]}
+
+
+def truncated_pretrained(out: Path) -> None:
+    """A diffusers Wan folder that fits tests/tiny.yaml's DiT (with WAN_OPTIONS), its last shard cut short."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    WanTransformer3DModel(patch_size=(1, 4, 4), num_attention_heads=4, attention_head_dim=16, in_channels=3,
+                          out_channels=3, text_dim=32, ffn_dim=256, num_layers=2,
+                          rope_max_seq_len=64).save_pretrained(out / "wan", max_shard_size="20KB")
+    last = sorted((out / "wan").glob("*.safetensors"))[-1]
+    os.truncate(last, last.stat().st_size - 10)
+
+
+def damaged_checkpoint(out: Path) -> None:
+    """Three steps trained, then the checkpoint's checksums.json lost and a shard cut in half."""
+    args = [a.format(run=out / "run", out=out) for a in SCENARIOS["damaged-checkpoint"].args]
+    subprocess.run([sys.executable, str(ROOT / "train.py"), *args[:-1], "train.max_steps=3", "train.batch_size=4"],
+                   cwd=ROOT, env={**os.environ, **ENV}, check=True, capture_output=True, timeout=120)
+    step = out / "run" / "checkpoints" / "step_3"
+    (step / "checksums.json").unlink()
+    os.truncate(step / "__0_0.distcp", (step / "__0_0.distcp").stat().st_size // 2)
 
 
 class Launch:
@@ -195,7 +234,10 @@ def latest_state(run_dir: Path) -> dict:
         return {"latest": None, "finite": None, "problem": str(e)}
     if latest is None:
         return {"latest": None, "finite": None}
-    verify_checkpoint(latest)
+    try:
+        verify_checkpoint(latest)
+    except CheckpointError as e:  # the damaged-checkpoint scenario's own damage
+        return {"latest": str(latest), "finite": None, "problem": str(e)}
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     state = _load_state_dict_from_keys(checkpoint_id=str(latest))
@@ -218,9 +260,12 @@ def _tensors(state):
 
 
 def run_scenario(scenario: Scenario, out: Path, timeout: float = 150.0) -> dict:
-    """Run one scenario in `out` (a fresh folder) and return what happened."""
-    out.mkdir(parents=True, exist_ok=True)
+    """Run one scenario in `out` (emptied first) and return what happened."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
     run_dir = out / "run"
+    if scenario.prepare:
+        globals()[scenario.prepare](out)
     env = {**scenario.env, "TESSERA_FAULT": scenario.fault} if scenario.fault else scenario.env
     if scenario.nodes > 1:
         with socket.socket() as s:
@@ -253,15 +298,18 @@ def run_scenario(scenario: Scenario, out: Path, timeout: float = 150.0) -> dict:
 
 
 def markdown(results: list[dict]) -> str:
-    lines = ["| what the user did | first line (shortened) | fault -> `error:` | fault -> every process gone | exit codes "
-             "| `latest` |", "|---|---|---|---|---|---|"]
+    lines = ["| what the user did | first line (shortened) | fault -> `error:` | fault -> every process gone | "
+             "exit codes (each rank's, as torchrun reports them) | `latest` |", "|---|---|---|---|---|---|"]
     for r in results:
         line = (r["error_line"] or "(none)").split("; this")[0]
         line = re.sub(r"\(\S+:\d+\)", "(host:pid)", line)[:150].replace("|", "/")
         latest = "none written" if r["latest"] is None else \
-            f"{Path(r['latest']).name}, {'finite' if r['finite'] else 'NOT FINITE'}"
-        lines.append(f"| {r['row']} | `{line}` | {r['fault_to_error_s']} s (target {r['bound_s']:g}) | "
-                     f"{r['fault_to_exit_s']} s | {', '.join(map(str, r['codes']))} | {latest} |")
+            f"{Path(r['latest']).name}, {'finite' if r['finite'] else 'damaged (as injected)' if r.get('problem') else 'NOT FINITE'}"
+        since = "" if r["timed_from"] == "the fault" else " from the launch, start-up included"
+        codes = ", ".join(f"rank {k}: {v}" for k, v in sorted(r["rank_codes"].items())) or \
+            ", ".join(map(str, r["codes"]))
+        lines.append(f"| {r['row']} | `{line}` | {r['fault_to_error_s']} s{since} (target {r['bound_s']:g}) | "
+                     f"{r['fault_to_exit_s']} s{since} | {codes} | {latest} |")
     return "\n".join(lines) + "\n"
 
 

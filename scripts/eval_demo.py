@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import parallel.cpp_log  # noqa: E402, F401  (before torch loads)
+import parallel.startup  # noqa: E402, F401  (before torch loads)
 
 # isort: split
 

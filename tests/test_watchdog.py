@@ -224,3 +224,17 @@ def test_a_phase_change_is_published_at_once(tmp_path):
         assert json.loads(store.get("hb/0"))["phase"] == "backward"
     finally:
         dog.finish()
+
+
+@pytest.mark.timeout(120)
+def test_bench_watchdog_runs():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, str(root / "scripts" / "bench_watchdog.py"), "--calls", "5"], cwd=root,
+                            capture_output=True, text=True, timeout=100, env={**__import__("os").environ,
+                                                                              "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "stop-flag exchange per step" in result.stdout and "a phase published at once" in result.stdout
