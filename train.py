@@ -250,7 +250,8 @@ def main(argv=None):
         loss.backward()
         phase("optimizer")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-        grad_norm = grad_norm.to_local() if hasattr(grad_norm, "to_local") else grad_norm  # replicated: the whole norm
+        # the whole model's norm on every rank (no communication when it is already replicated, as on torch 2.13)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         lr = learning_rate(tc, step)
         for group in optimizer.param_groups:
             group["lr"] = lr

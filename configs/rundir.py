@@ -1,7 +1,9 @@
 """The run directory (`run.output_dir`): what a run leaves behind.
 
     config.yaml        the resolved recipe (an earlier, different one is kept as config.<time>.yaml)
-    metrics.jsonl      one JSON object per logged step: step, loss, lr, step_time, samples_per_s, ...
+    metrics.jsonl      one JSON object per logged step: step, loss, lr, step_time, samples_per_s, ...; once
+                       per step (a resume keeps the earlier file's lines up to its checkpoint, and the
+                       whole earlier file as metrics.<time>.jsonl)
     checkpoints/       step_<N>/ (torch.distributed.checkpoint) and `latest`
     samples/           preview videos written during training
     failures/          per-rank records of recent collectives, written when a run fails
@@ -86,14 +88,21 @@ class RunDirectory:
             old.unlink()
 
     def trim_metrics(self, start_step: int) -> None:
-        """Main rank, at start-up: drop the metrics of steps after `start_step` (logged by an earlier process
-        after the checkpoint it resumes from; they are logged again), so that every step appears once."""
+        """Main rank, at start-up: metrics.jsonl keeps the steps up to `start_step` only (an earlier process
+        logged steps after the checkpoint this one resumes from, and they are logged again; a fresh start
+        keeps none). The whole earlier file is kept beside it as metrics.<time>.jsonl."""
         path = self.path / "metrics.jsonl"
         if not self.is_main or not path.is_file():
             return
         lines = path.read_text(errors="surrogateescape").splitlines(keepends=True)
         kept = [line for line in lines if _logged_step(line) <= start_step]
         if len(kept) != len(lines):
+            stamp, n = time.strftime("%Y%m%d-%H%M%S"), 0
+            aside = self.path / f"metrics.{stamp}.jsonl"
+            while aside.exists():  # two starts within a second
+                n += 1
+                aside = self.path / f"metrics.{stamp}-{n}.jsonl"
+            path.rename(aside)
             tmp = path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(kept), errors="surrogateescape")
             os.replace(tmp, path)

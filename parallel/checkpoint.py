@@ -235,24 +235,27 @@ def save_checkpoint(runtime, run_dir, step: int, model, ema, optimizer, trainer_
     final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
     state = {"model": get_model_state_dict(model), "ema": get_model_state_dict(ema),
              "optimizer": get_optimizer_state_dict(model, optimizer)}
-    needed = _check_before_save(runtime, state, root, step, keep)
+    if runtime.is_main:  # what killed or failed saves left: never named by `latest`, and it takes space
+        for pattern in (".step_*.tmp", ".step_*.deleted"):
+            for leftover in root.glob(pattern):
+                shutil.rmtree(leftover, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    runtime.fence()  # every rank measures the free space after the clean-up
+    needed = None
     try:
+        needed = _check_before_save(runtime, state, root, step, keep)
         _write(runtime, state, root, final, tmp, step, trainer_state, keep)
     except BaseException as e:  # DCP's CheckpointException is a BaseException
-        problem = storage_problem(e, root)
-        if problem is None:
-            raise
         if runtime.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # give the space back; `latest` still names the previous one
+        problem = storage_problem(e, root) if not isinstance(e, CheckpointError) else None
+        if problem is None:
+            raise
         raise StorageError(storage_message(problem, root, needed)) from None
     return final
 
 
 def _write(runtime, state, root: Path, final: Path, tmp: Path, step: int, trainer_state: dict, keep: int) -> None:
-    if runtime.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)  # a killed save of this step left it
-        tmp.mkdir(parents=True)
-    runtime.fence()
     faults.at_save("before_shards", runtime.rank, step)
     writer = faults.full_disk_writer(tmp, runtime.rank, step)  # tests only (TESSERA_FAULT=enospc); else None
     # gloo, long timeout (I/O is slow), on a group of its own (see the docstring); DCP's collectives run inside
@@ -300,6 +303,16 @@ def _local_tensors(state):
         yield state.to_local() if hasattr(state, "to_local") else state
 
 
+def _count_non_finite(tensors) -> int:
+    """How many of `tensors` hold a NaN or an inf: one flag per tensor, stacked per device (AdamW keeps
+    its `step` on the CPU beside CUDA moments, and tensors of two devices cannot be stacked), one host
+    read per device."""
+    by_device: dict = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(~torch.isfinite(t).all())
+    return sum(int(torch.stack(flags).sum()) for flags in by_device.values())
+
+
 def _check_before_save(runtime, state: dict, root: Path, step: int, keep: int) -> int:
     """One small all-gather on the control group before anything is written: each rank's count of
     non-finite tensors (model, EMA, optimizer), the bytes it will write and the space free where it
@@ -310,8 +323,7 @@ def _check_before_save(runtime, state: dict, root: Path, step: int, keep: int) -
     for section in sections:
         tensors = [t for t in _local_tensors(state[section]) if t.is_floating_point() and t.numel()]
         written += sum(t.numel() * t.element_size() for t in _local_tensors(state[section]))
-        counts.append(int(torch.stack([~torch.isfinite(t).all() for t in tensors]).sum()) if tensors else 0)
-    root.mkdir(parents=True, exist_ok=True)
+        counts.append(_count_non_finite(tensors))
     mine = torch.tensor([*counts, written, shutil.disk_usage(root).free], dtype=torch.int64)
     everyone = mine.view(1, -1)
     if runtime.world_size > 1:
@@ -366,15 +378,23 @@ def storage_problem(error: BaseException, folder: Path | None = None) -> tuple[i
     return None
 
 
-def storage_message(problem: tuple[int, str | None], root: Path, needed: int | None = None) -> str:
-    """The `error:` text for a write the file system refused; `root`: the run's checkpoints/ folder."""
+def storage_message(problem: tuple[int, str | None], root: Path, needed: int | None = None,
+                    training: bool = True) -> str:
+    """The `error:` text for a write the file system refused. `root`: the run's checkpoints/ folder (for
+    a training run, the previous checkpoint is named and resuming advised); the file system named is
+    the failing file's."""
     number, file = problem
-    where = root if root.exists() else Path(file).parent if file else root
-    free = shutil.disk_usage(where).free if where.exists() else 0
+    where = next((p for p in ([Path(file).parent] if file else []) + [root] if p.exists()), Path("."))
+    free = shutil.disk_usage(where).free
     need = f", the checkpoint needs ~{_size(needed)}" if needed else ""
-    return (f"{_STORAGE_ERRNOS[number]} {_file_system(where)} while writing {file or root}; {_size(free)} free{need}; "
-            f"{_intact(find_latest_quietly(root))}. Free space there (or lower train.keep_checkpoints), then run "
-            f"the same command to resume")
+    message = f"{_STORAGE_ERRNOS[number]} {_file_system(where)} while writing {file or root}; {_size(free)} free{need}"
+    if training:
+        message += f"; {_intact(find_latest_quietly(root))}"
+    if number in (errno.ENOSPC, errno.EDQUOT):
+        fix = "free space there" + (" (or lower train.keep_checkpoints)" if training else "")
+    else:
+        fix = "make it writable, or write elsewhere (run.output_dir" + (")" if training else ", --output)")
+    return f"{message}. {fix[0].upper()}{fix[1:]}, then run the same command" + (" to resume" if training else "")
 
 
 def _intact(latest: Path | None) -> str:

@@ -103,7 +103,10 @@ def blocked_in() -> "OpRecord | None":
         return waiting
     with _State.lock:
         recent = list(_State.records)[-8:]
-    if recent and (recent[-1].error is not None or (recent[-1].end is None and not recent[-1].posted)):
+    failed = [record for record in recent if record.error is not None]
+    if failed:  # the run is failing there (a transfer posted earlier may be the one that raised)
+        return failed[-1]
+    if recent and recent[-1].end is None and not recent[-1].posted:
         return recent[-1]
     for record in reversed(recent):
         event = getattr(record, "done_event", None)
@@ -297,9 +300,9 @@ def exchange(send: torch.Tensor, to_rank: int, recv: torch.Tensor, from_rank: in
     if send.shape != recv.shape:
         raise ValueError(f"exchange: sent {tuple(send.shape)} and received {tuple(recv.shape)} shapes differ")
     record = recorded("send_recv", group, send).record
-    record.posted = True
     flat_send, flat_recv = send.reshape(-1).contiguous(), recv.view(-1)
     if flat_send.numel() * flat_send.element_size() <= _State.max_message_bytes:
+        record.posted = True  # in flight while the caller computes; waited in only in PendingOps.wait
         return PendingOps(_post_pair(flat_send, to_rank, flat_recv, from_rank, group), [record], send.is_cuda)
     _exchange_in_pieces(flat_send, to_rank, flat_recv, from_rank, group)
     record.end = time.time()
@@ -378,8 +381,10 @@ def dump_records(folder, rank: int, reason: str, **extra) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"comm_rank{rank}.json"
     tmp = path.with_suffix(".tmp")
+    waiting = blocked_in()
     with open(tmp, "w") as f:
         json.dump({"rank": rank, "pid": os.getpid(), "reason": reason, "time": time.time(), **extra,
+                   "waiting_seq": waiting.seq if waiting is not None else None,
                    "records": [asdict(r) for r in records()]}, f, indent=1, default=str)
     tmp.replace(path)  # diagnose.py never reads half a file
     return path

@@ -327,27 +327,26 @@ def run_entrypoint(main, argv=None) -> int:
     rank = world_from_env()[0]
     restore_signals = stop_request.install()
     try:
-        main(argv)
-        code = 0
-    except BaseException as e:
-        stop_request.hold()
-        code = _report_failure(e, rank)
-        traceback.clear_frames(e.__traceback__)  # its frames hold the data loader (and its workers) alive
-        del e
+        try:
+            main(argv)
+            code = 0
+        except BaseException as e:
+            stop_request.hold()
+            code = _report_failure(e, rank)
+            traceback.clear_frames(e.__traceback__)  # its frames hold the data loader (and its workers) alive
+            del e
+        stop_request.hold()  # the shutdown too: torchrun's SIGTERM, after a peer's exit, must not change the code
+        deadline = threading.Timer(SHUTDOWN_S, _exit_now, args=(code, rank))
+        deadline.daemon = True
+        deadline.start()
+        try:
+            shutdown()
+        except BaseException as e:  # the run's outcome is decided: report, keep its code
+            _print(f"[rank {rank}] warning: shutting down failed ({watchdog.one_line(e)})")
+        finally:
+            deadline.cancel()
     finally:
         restore_signals()
-    if code == 0:
-        shutdown()
-        return 0
-    deadline = threading.Timer(SHUTDOWN_S, _exit_now, args=(code, rank))
-    deadline.daemon = True
-    deadline.start()
-    try:
-        shutdown()
-    except Exception:  # the run has failed already; its error line is out
-        pass
-    finally:
-        deadline.cancel()
     gc.collect()  # a data loader iterator in a reference cycle ends its workers now, not at exit
     return code
 
@@ -357,7 +356,7 @@ def _report_failure(e: BaseException, rank: int) -> int:
     if isinstance(e, Stopped):
         return 128 + e.signum
     if isinstance(e, SystemExit):  # argparse: its own message is printed already
-        return e.code if isinstance(e.code, int) else 1
+        return e.code if isinstance(e.code, int) else 0 if e.code is None else 1
     e = _as_storage_error(e)
     monitor = watchdog.active()
     several = monitor is not None and monitor.world_size > 1
@@ -379,12 +378,17 @@ def _report_failure(e: BaseException, rank: int) -> int:
             return 128 + signum
         _print(blamed)
         _dump_on_failure(rank, e, monitor, blamed)
+        monitor.leave("stopped")  # not taken for another dead rank by the others
         watchdog.hard_exit(128 + signum, monitor.backend)  # its communicators may wait on the failed rank
     if not several:
         _print(f"{prefix}error: {watchdog.one_line(e)} (a failure inside tessera or a library: the traceback follows)")
         _dump_on_failure(rank, e, monitor, repr(e))
         traceback.print_exception(e)
         return 1
+    if watchdog.is_peer_error(e) and (stop_request.signum or monitor.peers_stopped()):
+        # A stop signal reached the ranks at different moments (a user's stop during start-up): a peer that
+        # left on it broke this collective. A stop, not a failure, unless a rank is to blame after all.
+        return _report_failure(Terminated(stop_request.signum or signal.SIGTERM), rank)
     # Several ranks: the first line printed names the rank that caused the failure.
     blamed = monitor.explain(e) if watchdog.is_peer_error(e) else None
     line = blamed or monitor.report_failure(e)
@@ -403,16 +407,20 @@ _print = watchdog.print_line
 
 
 def _as_storage_error(e: BaseException) -> BaseException:
-    """A write the file system refused anywhere (metrics, samples, failure records; checkpoints say so
-    themselves) becomes a StorageError naming the file system, the file and the free space."""
+    """A full, over-quota or read-only file system anywhere (metrics, samples, outputs, failure records;
+    checkpoints say so themselves, with permissions too) becomes a StorageError naming the file system,
+    the file and the free space. (A permission error elsewhere may be a read: it keeps its own message.)"""
+    import errno
+
     from parallel.checkpoint import StorageError, storage_message, storage_problem
 
     problem = storage_problem(e) if isinstance(e, OSError) else None
-    if problem is None:
+    if problem is None or problem[0] not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
         return e
     failures = comm.failure_dir()
     root = failures.parent / "checkpoints" if failures is not None else Path(problem[1] or ".").parent
-    return StorageError(storage_message(problem, root))
+    monitor = watchdog.active()
+    return StorageError(storage_message(problem, root, training=monitor is not None and monitor.task == "train"))
 
 
 def _exit_now(code: int, rank: int) -> None:

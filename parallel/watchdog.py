@@ -23,7 +23,6 @@ loop exchanges it once per step on the gloo control group, so every rank stops a
 saves a checkpoint and exits.
 """
 
-import _thread
 import faulthandler
 import json
 import os
@@ -42,7 +41,10 @@ import torch.distributed as dist
 from parallel import comm, startup
 
 WATCHED_PEERS = 4  # each rank watches the next few ranks: O(1) store reads per rank, whatever the world size
-PUBLISH_EVERY_S = 0.1  # a phase change is published at once, but no more often than this (store load)
+PUBLISH_EVERY_S = 0.25  # a phase change is published at once, but no more often than this (store load)
+# Groups whose waits may last as long as other ranks' long work (their timeout is parallel.control_timeout_s):
+# a rank waiting there is judged against that, not against the step's deadline.
+FENCE_GROUPS = ("control", "replica-control")
 
 
 @dataclass(frozen=True)
@@ -53,9 +55,10 @@ class Deadlines:
     save_s: float = 1800.0  # a checkpoint save (slow storage; the control group's timeout)
 
     def describe(self) -> str:
-        return (f"deadlines: {self.long_s:.0f} s for the first step and previews (parallel.timeout_s); "
-                f"{self.save_s:.0f} s for a checkpoint (parallel.control_timeout_s); {self.stall_s:.0f} s for "
-                f"a later step (parallel.stall_timeout_s); {self.silence_s:.0f} s of silence from a rank "
+        return (f"deadlines: {self.long_s:.0f} s for the first step, the first denoising step and a VAE decode "
+                f"(parallel.timeout_s); {self.save_s:.0f} s for a checkpoint or a wait for other ranks' long work "
+                f"(parallel.control_timeout_s); {self.stall_s:.0f} s for a later step or denoising step "
+                f"(parallel.stall_timeout_s); {self.silence_s:.0f} s of silence from a rank "
                 f"(parallel.heartbeat_timeout_s)")
 
 
@@ -63,6 +66,7 @@ class Deadlines:
 # who, before anything is printed. (Not plain "timed out": a DataLoader timeout is this rank's own.)
 PEER_ERROR_WORDS = ("connection reset", "connection closed", "connection refused", "broken pipe", "gloo", "nccl")
 # A store call that failed this way found no server: the store's host process is gone (not slow).
+_FAILED = re.compile(r"rank \d+ \([^)]*\) failed ")  # a reason report_failure published
 STORE_CLOSED_WORDS = ("broken pipe", "connection reset", "connection refused", "got 0 bytes", "connection was likely closed")
 
 
@@ -77,6 +81,7 @@ class Watchdog:
         self.host, self.pid = socket.gethostname(), os.getpid()
         self.step: int | None = None  # the training step
         self.sampling: tuple[int, int] | None = None  # (denoising step, steps) while sampling
+        self._sampled_all = False  # every denoising step is done: the VAE decode and writing follow
         self.phase = "start-up"
         self._long_step = True
         self._in_loop = False  # self-stalls are judged in the training loop and while sampling only
@@ -117,7 +122,7 @@ class Watchdog:
         """`done` of `total` denoising steps are complete (0: sampling begins). Each step gets the stall
         deadline, the first one the long deadline (compile, warm-up); after the last comes the VAE decode
         (long deadline). During training (previews) the phase stays `preview`."""
-        self.sampling, self._in_loop = (min(done + 1, total), total), True
+        self.sampling, self._in_loop, self._sampled_all = (min(done + 1, total), total), True, done >= total
         self.mark("preview" if self.step is not None else "sampling" if done < total else "decode")
         self._wake.set()  # publish the new step now (at most every PUBLISH_EVERY_S)
 
@@ -137,7 +142,7 @@ class Watchdog:
     def deadline(self) -> float:
         if self.phase == "checkpoint":
             return self.deadlines.save_s
-        if self.sampling is not None and self.phase in ("sampling", "preview"):
+        if self.sampling is not None and self.phase in ("sampling", "preview") and not self._sampled_all:
             return self.deadlines.long_s if self.sampling[0] <= 1 else self.deadlines.stall_s
         if self._long_step or self.phase == "preview" or not self._in_loop or self.sampling is not None:
             return self.deadlines.long_s
@@ -154,6 +159,12 @@ class Watchdog:
         self._publish()
         if _active is self:
             _active = None
+
+    def leave(self, state: str) -> None:
+        """This rank is about to exit on a verdict: publish it, so no other rank takes its silence for a
+        death (best effort: the store may be gone)."""
+        self._state = state
+        self._publish_quietly()
 
     def report_failure(self, error: BaseException) -> str:
         """This rank is about to exit with `error`: tell the others first, so they stop waiting for it.
@@ -187,6 +198,14 @@ class Watchdog:
         reason = self._read_abort() or self._compare_everyone(own_error=error)
         return self._line(reason) if reason else None
 
+    def peers_stopped(self) -> bool:
+        """Whether another rank left on a stop signal (its state `stopped`): a collective that fails then is
+        a user's stop reaching the ranks at different moments, not a failure."""
+        try:
+            return any(b["state"] == "stopped" for r, b in self._read_all().items() if r != self.rank)
+        except Exception:
+            return False
+
     def _stopped_peer(self, wait_s: float) -> str | None:
         """torchrun stopped this rank, which it does to every rank when one failed or died: the reason a
         failed rank published, or a rank whose heartbeat did not advance for `wait_s` while every live
@@ -203,11 +222,13 @@ class Watchdog:
             return self._store_gone(e)
         if reason:
             return reason
-        for r, beat in sorted(after.items()):
-            if r != self.rank and beat["state"] == "running" and before.get(r, {}).get("beat") == beat["beat"]:
-                return (f"rank {r} ({beat['host']}:{beat['pid']}) stopped responding {_where(beat)}: its heartbeat "
-                        f"stopped (killed, or its host lost), and torchrun then stopped the other ranks")
-        return None
+        frozen = [(beat.get("time", 0.0), r, beat) for r, beat in after.items()
+                  if r != self.rank and beat["state"] == "running" and before.get(r, {}).get("beat") == beat["beat"]]
+        if not frozen:
+            return None
+        _, r, beat = min(frozen)  # the heartbeat that stopped first
+        return (f"rank {r} ({beat['host']}:{beat['pid']}) stopped responding {_where(beat)}: its heartbeat "
+                f"stopped (killed, or its host lost), and torchrun then stopped the other ranks")
 
     @staticmethod
     def _store_gone(error: BaseException) -> str:
@@ -276,10 +297,12 @@ class Watchdog:
         Outside those phases long work of one rank, such as reading weights or encoding latents, has no
         progress marks; a peer that dies meanwhile is still found by its silence."""
         age = time.monotonic() - max(self._progress, comm.last_activity())
-        if self._exiting or self._held.is_set() or age <= self.deadline:
-            self._warned_stall = self._warned_stall and age > self.deadline
+        waiting = comm.blocked_in()
+        deadline = self.deadlines.save_s if waiting is not None and waiting.group in FENCE_GROUPS else self.deadline
+        if self._exiting or self._held.is_set() or age <= deadline:
+            self._warned_stall = self._warned_stall and age > deadline
             return None
-        if comm.blocked_in() is None:  # not waiting in a collective: this rank itself is stuck
+        if waiting is None:  # not waiting in a collective: this rank itself is stuck
             if self._warned_stall or not self._in_loop:
                 return None
             stacks = self._dump_stacks()
@@ -291,7 +314,7 @@ class Watchdog:
                 return None
             return message
         # Inside a collective: give a stalled peer's own watchdog the first word (it writes its stacks).
-        if age > self.deadline + self.deadlines.silence_s and self.store is not None:
+        if age > deadline + self.deadlines.silence_s and self.store is not None:
             return self._compare_everyone()
         return None
 
@@ -319,7 +342,7 @@ class Watchdog:
         """Publish `reason` (the first one written wins), then end this process, or hand the verdict to
         the main thread if it is already handling an exception."""
         winner = self._claim_abort(reason)
-        if " failed at " in winner and not self._held.is_set():
+        if _FAILED.match(winner) and not self._held.is_set():
             # Another rank's error, e.g. a refusal every rank raises at once: let this rank's main thread
             # reach its own copy of it first, so each rank prints the error itself.
             time.sleep(2 * self.interval)
@@ -334,9 +357,10 @@ class Watchdog:
                 return
             self._exiting = True
         print_line(line)
-        if winner.startswith(f"rank {self.rank} (") and " failed " not in winner:
+        if winner.startswith(f"rank {self.rank} (") and not _FAILED.match(winner):
             self._dump_stacks()  # the others named this rank (not in their collective, or silent): where is it?
         self.dump(winner)
+        self.leave("failed" if winner.startswith(f"rank {self.rank} (") else "stopped")
         hard_exit(1, self.backend)
 
     # ------------------------------------------------------------------------------------------
@@ -560,9 +584,15 @@ class StopRequest:
         self.received_at = 0.0
         self.received_in_step: int | None = None
         self._deferred: threading.Timer | None = None
+        self._redelivering = False
 
     def handler(self, signum, frame):
         now = time.monotonic()
+        if self._redelivering:  # the deferred SIGTERM, sent again to the main thread after DEFER_S
+            self._redelivering = False
+            if self.held or self.accepting:  # reporting a failure, or the loop (it stops after this step)
+                return
+            raise Terminated(signum)
         if self.held:
             self.signum = self.signum or signum
             return
@@ -573,16 +603,20 @@ class StopRequest:
             return
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
-        if signum == signal.SIGTERM and self._deferred is None:
+        if signum == signal.SIGTERM and self._deferred is None and not self.accepting:
             self.signum, self.received_at = signum, now
-            # interrupt_main runs this handler again in the main thread, which then raises. (On NCCL the
-            # main thread may be blocked in a CUDA wait, where no Python handler runs: a peer that died
-            # is then named by this rank's watchdog thread, from its silence.)
-            self._deferred = threading.Timer(self.DEFER_S, _thread.interrupt_main, args=(signum,))
+            # The signal comes again to the main thread after DEFER_S (a real signal interrupts a sleep or
+            # a gloo wait) and this handler then raises. (On NCCL the main thread may be blocked in a CUDA
+            # wait, where no Python handler runs: a peer that died is named by the watchdog thread.)
+            self._deferred = threading.Timer(self.DEFER_S, self._redeliver, args=(signum,))
             self._deferred.daemon = True
             self._deferred.start()
             return
         raise Terminated(signum)
+
+    def _redeliver(self, signum: int) -> None:
+        self._redelivering = True
+        signal.pthread_kill(threading.main_thread().ident, signum)
 
     def hold(self) -> None:
         """A failure is being reported: from now on stop signals are noted, never raised."""

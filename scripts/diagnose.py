@@ -48,8 +48,12 @@ def first_disagreement(dumps: dict[int, dict]) -> tuple[int, dict[int, dict]] | 
 
 
 def in_flight(dump: dict) -> dict | None:
+    """The op the rank waited in: as the comm layer judged it when it wrote the dump (waiting_seq), or,
+    in an older dump, its newest op if it had not ended (transfers posted ahead of time excepted)."""
     records = dump["records"]
-    if records and (records[-1]["end"] is None or records[-1].get("error")):
+    if "waiting_seq" in dump:
+        return next((r for r in records if r["seq"] == dump["waiting_seq"]), None)
+    if records and (records[-1].get("error") or (records[-1]["end"] is None and not records[-1].get("posted"))):
         return records[-1]
     return None
 

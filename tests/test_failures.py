@@ -264,3 +264,21 @@ def test_bench_failures_runs_and_writes_its_table(tmp_path):
     assert "the disk filled during the save of step 6, 1 process" in table and "step_3, finite" in table
     cost = bench_failures.guard_cost(tmp_path, steps=12)
     assert cost["check_us"] > 0 and cost["demo_step_ms"] > 0, cost
+
+
+def test_a_stop_during_start_up_is_a_stop_on_every_rank(tmp_path):
+    """SIGTERM to torchrun while rank 1 is still busy starting (here: hung) and rank 0 waits for it in a
+    collective: rank 1 leaves on the signal, which breaks rank 0's collective; rank 0 must see a stop,
+    not blame itself or rank 1 for a failure."""
+    run = torchrun(2, *TWO_RANKS, f"run.output_dir={tmp_path}", "train.max_steps=6",
+                   env={"TESSERA_FAULT": "startup_hang@1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "30"})
+    deadline = time.monotonic() + 90
+    while not any("[fault] rank 1: startup_hang" in line for _, _, line in list(run.lines)):
+        assert time.monotonic() < deadline and run.procs[0].poll() is None, run.text()[-3000:]
+        time.sleep(0.1)
+    time.sleep(1.0)
+    run.procs[0].send_signal(signal.SIGTERM)
+    run.wait(timeout=60)
+    assert "error:" not in run.text(), run.text()[-3000:]
+    assert "[rank 0] stopped: received SIGTERM" in run.text() and "[rank 1] stopped: received SIGTERM" in run.text()
+    assert run.leftovers() == []

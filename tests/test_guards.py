@@ -237,3 +237,14 @@ def test_a_resume_logs_each_step_once(trained, tmp_path):
     assert run_main(train, [*RUN, f"run.output_dir={run_dir}", "train.max_steps=6", "train.log_every=1",
                             f"train.resume={run_dir / 'checkpoints' / 'step_3'}"]) == 0
     assert [m["step"] for m in read_metrics(run_dir)] == [3, 4, 5, 6]
+    earlier = sorted(run_dir.glob("metrics.*.jsonl"))
+    assert len(earlier) == 1 and [json.loads(line)["step"] for line in earlier[0].read_text().splitlines()] == [3, 4, 5]
+
+
+def test_non_finite_tensors_are_counted_per_device():
+    """AdamW keeps `step` as a CPU scalar beside the moments (on the GPU in a GPU run): the count stacks
+    flags per device, never across devices. Here every tensor is on the CPU: the arithmetic is checked."""
+    tensors = [torch.tensor(3.0), torch.ones(4, 5), torch.tensor([1.0, float("nan")]), torch.full((2, 2), float("-inf")),
+               torch.zeros(7, dtype=torch.bfloat16)]
+    assert checkpoint._count_non_finite(tensors) == 2
+    assert checkpoint._count_non_finite([]) == 0

@@ -103,11 +103,13 @@ def test_a_stop_signal_in_the_loop_only_sets_the_flag(signum):
     request.DEFER_S = 0.2
     restore = request.install()
     try:
+        start = time.monotonic()
         with pytest.raises(watchdog.Terminated):  # start-up: nothing to save, stop (SIGTERM: after DEFER_S)
             request.handler(getattr(signal, signum), None)
             assert signum == "SIGTERM"  # deferred: this rank may still reach its own error line first
-            time.sleep(5)
-        request._deferred = None
+            time.sleep(5)  # the signal comes again after DEFER_S and interrupts the sleep
+        assert time.monotonic() - start < 2
+        request._deferred, request.signum = None, 0
         request.accepting = True
         request.handler(getattr(signal, signum), None)
         assert request.signum == getattr(signal, signum)
@@ -199,6 +201,25 @@ def test_sampling_steps_have_deadlines_and_are_named(tmp_path):
     trainer.begin_step(40)
     trainer.sampling_progress(2, 30)  # a preview
     assert trainer._where() == "at step 40 (phase: preview, sampling step 3 of 30)"
+    trainer._long_step = False
+    assert trainer.deadline == 0.5  # a later denoising step of a preview
+    trainer.sampling_progress(30, 30)
+    assert trainer.deadline == 5  # its VAE decode and the writing: parallel.timeout_s
+
+
+def test_a_wait_in_a_fence_is_judged_against_the_control_timeout(tmp_path):
+    """A rank whose replica is done waits in a gloo fence while another replica samples on: not a stall
+    after the step deadline, only after parallel.control_timeout_s (Deadlines.save_s)."""
+    waiting, _ = pair(tmp_path, stall=0.1)
+    waiting.deadlines = Deadlines(long_s=0.1, stall_s=0.1, silence_s=0.1, save_s=30)
+    waiting.sampling_progress(8, 8)
+    waiting.mark("finishing")
+    waiting._held.clear()
+    waiting._conclude = lambda reason: pytest.fail(f"a fence wait was called a stall: {reason}")
+    with comm.recorded("barrier", None, None) as record:
+        record.group = "control"
+        time.sleep(0.3)
+        waiting._tick()
 
 
 def test_a_stalled_sampling_step_is_named(tmp_path):
