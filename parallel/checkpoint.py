@@ -291,14 +291,14 @@ def _write(runtime, state, root: Path, final: Path, tmp: Path, step: int, traine
     runtime.fence()
 
 
-def _local_tensors(state):
+def local_tensors(state):
     """Every tensor of a (nested) state dict, as this rank holds it (a DTensor's local shard)."""
     if isinstance(state, dict):
         for value in state.values():
-            yield from _local_tensors(value)
+            yield from local_tensors(value)
     elif isinstance(state, (list, tuple)):
         for value in state:
-            yield from _local_tensors(value)
+            yield from local_tensors(value)
     elif isinstance(state, torch.Tensor):
         yield state.to_local() if hasattr(state, "to_local") else state
 
@@ -321,8 +321,8 @@ def _check_before_save(runtime, state: dict, root: Path, step: int, keep: int) -
     sections = ("model", "ema", "optimizer")
     counts, written = [], 0
     for section in sections:
-        tensors = [t for t in _local_tensors(state[section]) if t.is_floating_point() and t.numel()]
-        written += sum(t.numel() * t.element_size() for t in _local_tensors(state[section]))
+        tensors = [t for t in local_tensors(state[section]) if t.is_floating_point() and t.numel()]
+        written += sum(t.numel() * t.element_size() for t in local_tensors(state[section]))
         counts.append(_count_non_finite(tensors))
     mine = torch.tensor([*counts, written, shutil.disk_usage(root).free], dtype=torch.int64)
     everyone = mine.view(1, -1)

@@ -21,7 +21,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 noted: tuple[int, float] | None = None  # (signal, time.monotonic()) of a SIGTERM during start-up
 
 
-def _note(signum, frame):
+def note(signum, frame):
     global noted
     noted = noted or (signum, time.monotonic())
 
@@ -36,4 +36,4 @@ def take_noted() -> tuple[int, float] | None:
 # Only in a process started as one of them (not, say, in pytest, which imports train.py for its tests).
 ENTRY_POINTS = ("train.py", "infer.py", "eval_demo.py", "precompute_latents.py")
 if Path(getattr(sys.modules.get("__main__"), "__file__", None) or "").name in ENTRY_POINTS:
-    signal.signal(signal.SIGTERM, _note)
+    signal.signal(signal.SIGTERM, note)

@@ -1,9 +1,10 @@
 """Heartbeats and a shared abort, outside the collectives; stop requests agreed at a step boundary.
 
 A collective cannot say who is missing: a rank waiting in one learns only, when its timeout expires,
-that somebody did not come. So every rank runs a small thread that, each second, publishes its
-progress (step, phase, the comm layer's op in flight) on the c10d store torchrun already runs, a
-channel that no training collective depends on, and watches three things:
+that somebody did not come. So every rank runs a small thread that, each second and at each phase
+change (at most every PUBLISH_EVERY_S), publishes its progress (step, phase, the comm layer's op in
+flight) on the c10d store torchrun already runs, a channel that no training collective depends on, and
+watches three things:
 
 - a few peers' heartbeats: a rank silent for `parallel.heartbeat_timeout_s` is gone (killed, stopped,
   its host lost). On NCCL this is the only way to learn it: a dead peer resets no socket.
@@ -15,12 +16,14 @@ channel that no training collective depends on, and watches three things:
   ranks waiting in different collectives) ends every rank within about a second, each printing one
   `error:` line that names the rank, the step, the phase and the op this rank waited in.
 
-Deadlines come in two phases: `parallel.timeout_s` through start-up, the first step (compile),
-checkpoints and previews; `parallel.stall_timeout_s` for every later step.
+Deadlines: `parallel.timeout_s` through start-up, the first training step and the first denoising step
+(compile), and a VAE decode; `parallel.stall_timeout_s` for every later training or denoising step;
+`parallel.control_timeout_s` for a checkpoint and for a wait in a gloo fence (other ranks' long work).
 
-Preemption: SIGTERM, SIGUSR1 or SIGINT during training only sets a flag (`StopRequest`); the train
+Stop signals: SIGTERM, SIGUSR1 or SIGINT during training only sets a flag (`StopRequest`); the train
 loop exchanges it once per step on the gloo control group, so every rank stops after the same step,
-saves a checkpoint and exits.
+saves a checkpoint and exits. Outside the loop a signal stops the process (SIGTERM after a short
+delay), and while a failure is being reported signals are only noted: see StopRequest.
 """
 
 import faulthandler
@@ -628,6 +631,8 @@ class StopRequest:
         self.accepting, self.held, self.signum, self.received_at, self.received_in_step = False, False, 0, 0.0, None
         self._deferred = None
         previous = {s: signal.signal(s, self.handler) for s in self.SIGNALS}
+        # startup.py's handler only bridged the imports: after the run a SIGTERM ends the process again
+        previous = {s: signal.SIG_DFL if h is startup.note else h for s, h in previous.items()}
         if startup.take_noted():  # a SIGTERM during the imports: deferred from now, as if it came now
             self.handler(signal.SIGTERM, None)
 

@@ -226,7 +226,7 @@ def latest_state(run_dir: Path) -> dict:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from parallel.checkpoint import CheckpointError, find_latest, verify_checkpoint
+    from parallel.checkpoint import CheckpointError, find_latest, local_tensors, verify_checkpoint
 
     try:
         latest = find_latest(run_dir)
@@ -241,22 +241,9 @@ def latest_state(run_dir: Path) -> dict:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     state = _load_state_dict_from_keys(checkpoint_id=str(latest))
-    tensors = [t for t in _tensors(state) if t.is_floating_point()]
+    tensors = [t for t in local_tensors(state) if t.is_floating_point()]
     return {"latest": str(latest), "finite": all(bool(torch.isfinite(t).all()) for t in tensors),
             "tensors": len(tensors)}
-
-
-def _tensors(state):
-    import torch
-
-    if isinstance(state, dict):
-        for value in state.values():
-            yield from _tensors(value)
-    elif isinstance(state, (list, tuple)):
-        for value in state:
-            yield from _tensors(value)
-    elif isinstance(state, torch.Tensor):
-        yield state
 
 
 def run_scenario(scenario: Scenario, out: Path, timeout: float = 150.0) -> dict:

@@ -37,14 +37,7 @@ def latest_is_finite(run_dir: Path):
     if latest is None:
         return None, True
     state = _load_state_dict_from_keys(checkpoint_id=str(latest))
-    tensors = []
-    stack = [state]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            stack += list(item.values())
-        elif isinstance(item, torch.Tensor) and item.is_floating_point():
-            tensors.append(item)
+    tensors = [t for t in checkpoint.local_tensors(state) if t.is_floating_point()]
     return int(latest.name.split("_")[1]), all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
