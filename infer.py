@@ -37,11 +37,10 @@ from parallel.init import materialize
 from parallel.layout import ParallelLayout
 from parallel.pipefusion import ParallelSampler, keep_stage
 from parallel.runtime import (
-    exit_process,
     init_runtime,
     links_are_slow,
     local_world_size,
-    run_entrypoint,
+    run_as_process,
     world_from_env,
 )
 from parallel.sequence import apply_sequence_parallel
@@ -194,4 +193,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    exit_process(run_entrypoint(main))
+    run_as_process(main)

@@ -48,10 +48,9 @@ from parallel.init import copy_shards, materialize
 from parallel.layout import ParallelLayout
 from parallel.runtime import (
     TrainingDiverged,
-    exit_process,
     init_runtime,
     local_world_size,
-    run_entrypoint,
+    run_as_process,
     world_from_env,
 )
 from parallel.sequence import apply_sequence_parallel, share_batch
@@ -368,4 +367,4 @@ def write_previews(cfg, runtime, run, model, vae, text_encoder, flow, step):
 
 
 if __name__ == "__main__":
-    exit_process(run_entrypoint(main))
+    run_as_process(main)

@@ -246,8 +246,11 @@ def save_checkpoint(runtime, run_dir, step: int, model, ema, optimizer, trainer_
         needed = _check_before_save(runtime, state, root, step, keep)
         _write(runtime, state, root, final, tmp, step, trainer_state, keep)
     except BaseException as e:  # DCP's CheckpointException is a BaseException
-        if runtime.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)  # give the space back; `latest` still names the previous one
+        if runtime.is_main and isinstance(e, (CheckpointError, CheckpointException)):
+            # a refusal or a DCP failure, which every rank shares: give the space back (`latest` still names
+            # the previous checkpoint). A failure of one rank's own files leaves the folder to the next
+            # save's clean-up: the other ranks may still be reading theirs back.
+            shutil.rmtree(tmp, ignore_errors=True)
         problem = storage_problem(e, root) if not isinstance(e, CheckpointError) else None
         if problem is None:
             raise
@@ -270,8 +273,8 @@ def _write(runtime, state, root: Path, final: Path, tmp: Path, step: int, traine
     faults.at_save("after_shards", runtime.rank, step)
     if runtime.is_main:
         replaced = root / f".step_{step}.old"  # re-saving a step: keep the old copy until the new one is in place
-        shutil.rmtree(replaced, ignore_errors=True)
-        if final.exists():
+        if final.exists():  # (without step_<N>, `latest` may resolve to a .old left by a killed re-save: keep it)
+            shutil.rmtree(replaced, ignore_errors=True)
             final.rename(replaced)
         tmp.rename(final)
         _fsync_dir(root)

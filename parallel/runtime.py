@@ -315,7 +315,7 @@ class TrainingDiverged(ArithmeticError):
 SHUTDOWN_S = 20.0  # a failed process that has not finished shutting down after this long exits anyway
 
 
-def run_entrypoint(main, argv=None) -> int:
+def run_entrypoint(main, argv=None, hold_to_exit: bool = False) -> int:
     """Run an entry point and return its exit code; it never raises, so nothing (a traceback's frames
     holding DataLoader workers, a stop signal, a full disk) stands between a failure and its `error:` line.
     0: done; 2: a user error, one `error:` line on every rank; 1: any other failure, the `error:` line
@@ -323,30 +323,37 @@ def run_entrypoint(main, argv=None) -> int:
     traceback, and its recent collectives in the run's failures/ folder; 128 + signal: stopped by a signal.
     From the first exception on, stop signals are only noted: torchrun's SIGTERM, which follows another
     rank's failure within milliseconds, cannot pre-empt the line. A shutdown that hangs (a communicator
-    waiting on a dead peer) ends the process after SHUTDOWN_S."""
+    waiting on a dead peer) ends the process after SHUTDOWN_S. `hold_to_exit` (run_as_process): after a
+    failure the signals stay held, since the process ends right after."""
     rank = world_from_env()[0]
     restore_signals = stop_request.install()
+    code = 1
     try:
         try:
             main(argv)
             code = 0
         except BaseException as e:
+            stop_request.held = True  # first, as a plain store: no signal handler runs before it
             stop_request.hold()
             code = _report_failure(e, rank)
             traceback.clear_frames(e.__traceback__)  # its frames hold the data loader (and its workers) alive
             del e
         stop_request.hold()  # the shutdown too: torchrun's SIGTERM, after a peer's exit, must not change the code
-        deadline = threading.Timer(SHUTDOWN_S, _exit_now, args=(code, rank))
-        deadline.daemon = True
-        deadline.start()
+        deadline = None
+        if code != 0:  # a failed run's communicators may wait on a dead peer
+            deadline = threading.Timer(SHUTDOWN_S, _exit_now, args=(code, rank))
+            deadline.daemon = True
+            deadline.start()
         try:
             shutdown()
         except BaseException as e:  # the run's outcome is decided: report, keep its code
             _print(f"[rank {rank}] warning: shutting down failed ({watchdog.one_line(e)})")
         finally:
-            deadline.cancel()
+            if deadline is not None:
+                deadline.cancel()
     finally:
-        restore_signals()
+        if not (hold_to_exit and stop_request.held and code != 0):
+            restore_signals()
     gc.collect()  # a data loader iterator in a reference cycle ends its workers now, not at exit
     return code
 
@@ -385,9 +392,12 @@ def _report_failure(e: BaseException, rank: int) -> int:
         _dump_on_failure(rank, e, monitor, repr(e))
         traceback.print_exception(e)
         return 1
-    if watchdog.is_peer_error(e) and (stop_request.signum or monitor.peers_stopped()):
-        # A stop signal reached the ranks at different moments (a user's stop during start-up): a peer that
-        # left on it broke this collective. A stop, not a failure, unless a rank is to blame after all.
+    stopping = (stop_request.signum and not stop_request.accepting) or monitor.peers_stopped()
+    if watchdog.is_peer_error(e) and stopping:
+        # A stop signal outside the training loop reached the ranks at different moments (a user's stop
+        # during start-up): a peer that left on it broke this collective. A stop, not a failure, unless a
+        # rank is to blame after all. (In the loop a stop is agreed at a step boundary: a collective that
+        # fails there is a failure, reported below.)
         return _report_failure(Terminated(stop_request.signum or signal.SIGTERM), rank)
     # Several ranks: the first line printed names the rank that caused the failure.
     blamed = monitor.explain(e) if watchdog.is_peer_error(e) else None
@@ -426,6 +436,13 @@ def _as_storage_error(e: BaseException) -> BaseException:
 def _exit_now(code: int, rank: int) -> None:
     _print(f"[rank {rank}] shutting down took over {SHUTDOWN_S:.0f} s: exiting without waiting for it")
     watchdog.hard_exit(code, dist.get_backend() if dist.is_initialized() else "gloo")
+
+
+def run_as_process(main) -> None:
+    """The `__main__` of train.py, infer.py and the scripts that start process groups: run_entrypoint,
+    then exit with its code. After a failure the stop signals stay held until the exit: torchrun's
+    SIGTERM, which follows a peer's exit, must not turn this rank's code into -15 in between."""
+    exit_process(run_entrypoint(main, hold_to_exit=True))
 
 
 def exit_process(code: int) -> None:

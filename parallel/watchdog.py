@@ -159,7 +159,7 @@ class Watchdog:
         self._wake.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.interval + 1)
-        self._publish()
+        self._publish_quietly()  # the store may be gone (its host lost): leaving must not raise
         if _active is self:
             _active = None
 
@@ -318,10 +318,10 @@ class Watchdog:
             return message
         # Inside a collective: give a stalled peer's own watchdog the first word (it writes its stacks).
         if age > deadline + self.deadlines.silence_s and self.store is not None:
-            return self._compare_everyone()
+            return self._compare_everyone(waited_s=deadline)
         return None
 
-    def _compare_everyone(self, own_error: BaseException | None = None) -> str | None:
+    def _compare_everyone(self, own_error: BaseException | None = None, waited_s: float | None = None) -> str | None:
         """Read every rank's heartbeat once and name the ranks that are not where this one waits."""
         beats = self._read_all()
         waiting = {r: b for r, b in beats.items() if b.get("open")}
@@ -338,7 +338,8 @@ class Watchdog:
             seq, kind, group = next(iter(ops.values()))
             from parallel.runtime import NCCL_HINT
 
-            return f"every rank has waited in {kind} on {group} (seq {seq}) for over {self.deadline:.0f} s. {NCCL_HINT}"
+            waited = self.deadline if waited_s is None else waited_s
+            return f"every rank has waited in {kind} on {group} (seq {seq}) for over {waited:.0f} s. {NCCL_HINT}"
         return None
 
     def _conclude(self, reason: str) -> None:
@@ -363,7 +364,8 @@ class Watchdog:
         if winner.startswith(f"rank {self.rank} (") and not _FAILED.match(winner):
             self._dump_stacks()  # the others named this rank (not in their collective, or silent): where is it?
         self.dump(winner)
-        self.leave("failed" if winner.startswith(f"rank {self.rank} (") else "stopped")
+        if not winner.startswith("the rendezvous store"):  # no store to tell (a call would wait its timeout)
+            self.leave("failed" if winner.startswith(f"rank {self.rank} (") else "stopped")
         hard_exit(1, self.backend)
 
     # ------------------------------------------------------------------------------------------
@@ -578,7 +580,7 @@ class StopRequest:
 
     SIGNALS = tuple(s for s in (getattr(signal, n, None) for n in ("SIGTERM", "SIGUSR1", "SIGINT")) if s)
     INSIST_AFTER_S = 3.0  # torchrun forwards the signal it got: the copy arriving right after is no second request
-    DEFER_S = 2.0  # SIGTERM outside the training loop: the time left to reach this rank's own error line
+    DEFER_S = 5.0  # SIGTERM outside the training loop: the time left to reach this rank's own error line
 
     def __init__(self):
         self.accepting = False
@@ -624,12 +626,18 @@ class StopRequest:
     def hold(self) -> None:
         """A failure is being reported: from now on stop signals are noted, never raised."""
         self.held = True
+        self._stop_deferral()
+
+    def _stop_deferral(self) -> None:
+        """Cancel the deferred SIGTERM and wait for its thread: once this returns it cannot arrive."""
         if self._deferred is not None:
             self._deferred.cancel()
+            if self._deferred is not threading.current_thread():
+                self._deferred.join()
 
     def install(self):
         self.accepting, self.held, self.signum, self.received_at, self.received_in_step = False, False, 0, 0.0, None
-        self._deferred = None
+        self._deferred, self._redelivering = None, False
         previous = {s: signal.signal(s, self.handler) for s in self.SIGNALS}
         # startup.py's handler only bridged the imports: after the run a SIGTERM ends the process again
         previous = {s: signal.SIG_DFL if h is startup.note else h for s, h in previous.items()}
@@ -637,8 +645,7 @@ class StopRequest:
             self.handler(signal.SIGTERM, None)
 
         def restore():
-            if self._deferred is not None:
-                self._deferred.cancel()
+            self._stop_deferral()
             for s, h in previous.items():
                 signal.signal(s, h)
 

@@ -36,7 +36,7 @@ from data.synthetic import DIRECTIONS, SHAPES, held_out_prompts, prompt_color, r
 from models.dit import DiT_models  # noqa: E402
 from models.flow import RectifiedFlow  # noqa: E402
 from parallel.layout import ParallelLayout  # noqa: E402
-from parallel.runtime import exit_process, init_runtime, run_entrypoint  # noqa: E402
+from parallel.runtime import init_runtime, run_as_process  # noqa: E402
 
 CHECKS = ("color", "coherent", "direction", "shape")
 
@@ -118,4 +118,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    exit_process(run_entrypoint(main))
+    run_as_process(main)

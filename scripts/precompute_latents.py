@@ -35,7 +35,7 @@ from data.media import to_model_range  # noqa: E402
 from models.pipeline import build_frozen  # noqa: E402
 from parallel import vae as parallel_vae  # noqa: E402
 from parallel.layout import ParallelLayout  # noqa: E402
-from parallel.runtime import exit_process, init_runtime, run_entrypoint, world_from_env  # noqa: E402
+from parallel.runtime import init_runtime, run_as_process, world_from_env  # noqa: E402
 
 
 class _Shard:
@@ -137,4 +137,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    exit_process(run_entrypoint(main))
+    run_as_process(main)

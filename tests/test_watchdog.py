@@ -210,6 +210,7 @@ def test_sampling_steps_have_deadlines_and_are_named(tmp_path):
 def test_a_wait_in_a_fence_is_judged_against_the_control_timeout(tmp_path):
     """A rank whose replica is done waits in a gloo fence while another replica samples on: not a stall
     after the step deadline, only after parallel.control_timeout_s (Deadlines.save_s)."""
+    comm.configure(256)  # no records of earlier tests (a failed one would be taken for the op waited in)
     waiting, _ = pair(tmp_path, stall=0.1)
     waiting.deadlines = Deadlines(long_s=0.1, stall_s=0.1, silence_s=0.1, save_s=30)
     waiting.sampling_progress(8, 8)
@@ -259,3 +260,31 @@ def test_bench_watchdog_runs():
                                                                               "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "stop-flag exchange per step" in result.stdout and "a phase published at once" in result.stdout
+
+
+def test_a_broken_collective_is_a_stop_only_outside_the_loop(tmp_path, capsys, monkeypatch):
+    """A preemption signal pending in the training loop must not turn this rank's failed collective into a
+    silent 'stopped' (no error line, no checkpoint said missing); a stop during start-up, which reached a
+    peer first, must not be reported as a failure."""
+    import signal
+
+    from parallel import runtime
+
+    comm.configure(256)
+    monitor, _ = pair(tmp_path)
+    monkeypatch.setattr(watchdog, "_active", monitor)
+    monkeypatch.setattr(watchdog, "hard_exit", lambda code, backend: pytest.fail("hard_exit"))
+    broken = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    request = watchdog.stop_request
+    monkeypatch.setattr(request, "signum", signal.SIGTERM)
+    monkeypatch.setattr(request, "accepting", True)  # in the loop: agreed at the step boundary, not yet
+    assert runtime._report_failure(broken, 0) == 1
+    err = capsys.readouterr().err
+    assert "error: rank 0 (" in err and "failed" in err and "Connection closed by peer" in err, err
+    monitor2, peer = pair(tmp_path / "again")
+    peer.leave("stopped")  # the peer left on the stop signal, which broke this rank's collective
+    monkeypatch.setattr(watchdog, "_active", monitor2)
+    monkeypatch.setattr(request, "accepting", False)  # start-up
+    assert runtime._report_failure(broken, 0) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert "[rank 0] stopped: received SIGTERM" in err and "error:" not in err, err
