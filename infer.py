@@ -23,8 +23,9 @@ from configs import DEFAULT_RECIPE, load_config, split_overrides
 from data.media import OUTPUT_EXTENSIONS, write_video
 from models.dit import DiT_models
 from models.flow import RectifiedFlow
-from models.pipeline import build_frozen, build_model, check_pretrained, generate, open_pretrained
+from models.pipeline import build_frozen, build_model, generate, open_pretrained
 from models.vae import vae_latent_space
+from models.wan import check_wan_folder
 from parallel import comm, faults
 from parallel.checkpoint import (
     CheckpointError,
@@ -147,8 +148,8 @@ def main(argv=None):
     checkpoint = find_checkpoint(cfg, args.checkpoint, args.random_weights)
     if checkpoint is not None:
         check_checkpoint_files(checkpoint)
-    elif not args.random_weights:
-        check_pretrained(cfg)
+    elif cfg.model.pretrained and not args.random_weights:
+        check_wan_folder(cfg.model.pretrained)
 
     comm.set_failure_dir(Path(cfg.run.output_dir) / "failures")
     runtime = init_runtime(cfg.parallel, layout, cfg.run.output_dir, task="sample")

@@ -28,26 +28,26 @@ from data.media import to_model_range, write_video
 from data.sampler import sample_seed
 from models.dit import DiT_models, count_parameters
 from models.flow import RectifiedFlow
-from models.pipeline import build_frozen, build_model, check_pretrained, generate, open_pretrained
+from models.pipeline import build_frozen, build_model, generate, open_pretrained
 from models.vae import vae_latent_space
+from models.wan import check_wan_folder
 from parallel import comm, faults
 from parallel import vae as parallel_vae
 from parallel.checkpoint import (
     NonFiniteWeights,
     check_architecture,
     check_checkpoint_files,
-    find_latest_quietly,
     load_checkpoint,
     read_trainer_state,
     resolve_checkpoint,
     save_checkpoint,
     verify_checkpoint,
 )
+from parallel.divergence import NonFiniteGuard
 from parallel.fsdp import parallelize_dit, update_ema
 from parallel.init import copy_shards, materialize
 from parallel.layout import ParallelLayout
 from parallel.runtime import (
-    TrainingDiverged,
     init_runtime,
     local_world_size,
     run_as_process,
@@ -76,62 +76,6 @@ def learning_rate(train_cfg, step: int) -> float:
     return train_cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-class NonFiniteGuard:
-    """Every step's gradient norm is checked for NaN and inf. The norm is the whole model's (clipping
-    all-reduces it), the same on every rank, so every rank decides alike without a collective of its own.
-
-    train.on_nonfinite=stop (the default): the first non-finite step is kept on the device, which costs
-    no host sync, and read at log steps and before every checkpoint and preview: the run then stops,
-    naming that step, before anything non-finite is saved. skip: the norm is read on the host every step
-    (one sync), and a non-finite step changes nothing (no optimizer step, no EMA update); MAX_SKIPPED
-    such steps in a row stop the run."""
-
-    MAX_SKIPPED = 20
-
-    def __init__(self, train_cfg, device, run_dir, is_main: bool, bf16: bool):
-        self.cfg, self.run_dir, self.is_main, self.bf16 = train_cfg, run_dir, is_main, bf16
-        self.first_bad = torch.zeros((), dtype=torch.int64, device=device)  # 0: none yet
-        self.skipped = self.in_a_row = 0
-
-    def skip(self, step: int, grad_norm: torch.Tensor) -> bool:
-        """Record step `step`'s norm; True: skip this step's update (train.on_nonfinite=skip only)."""
-        finite = torch.isfinite(grad_norm)
-        if self.cfg.on_nonfinite == "stop":
-            self.first_bad = torch.where(finite | (self.first_bad > 0), self.first_bad, step)
-            return False
-        if bool(finite):
-            self.in_a_row = 0
-            return False
-        self.skipped, self.in_a_row = self.skipped + 1, self.in_a_row + 1
-        if self.is_main:
-            print(f"[tessera] step {step}: the gradient norm is {float(grad_norm)}; step skipped "
-                  f"(train.on_nonfinite=skip; {self.skipped} so far)", file=sys.stderr, flush=True)
-        if self.in_a_row >= self.MAX_SKIPPED:
-            raise TrainingDiverged(f"training diverged: the gradient norm was not finite in the last {self.in_a_row} "
-                                   f"steps (up to step {step}), all skipped; {self.advice()}")
-        return True
-
-    def check(self, step: int, loss: float | None = None) -> None:
-        """Stop if a step so far had a non-finite gradient norm, or `loss` (the logged loss) is not finite."""
-        first = int(self.first_bad)  # the host sync: log steps, checkpoints and previews only
-        if first:
-            what = f"the gradient norm was not finite at step {first}"
-        elif loss is not None and not math.isfinite(loss):
-            what = f"the loss was {loss} at step {step}"
-        else:
-            return
-        raise TrainingDiverged(f"training diverged: {what}; stopped at step {step} before saving anything non-finite; "
-                               f"{self.advice()}")
-
-    def advice(self) -> str:
-        tc, latest = self.cfg, find_latest_quietly(Path(self.run_dir) / "checkpoints")
-        resume = (f"the last good checkpoint is {latest} (the same command resumes from it)" if latest else
-                  "no checkpoint was written before it")
-        fp32 = ", train.precision=fp32" if self.bf16 else ""
-        return (f"{resume}; try a lower train.lr (now {tc.lr:g}) or train.grad_clip (now {tc.grad_clip:g}){fp32}, "
-                f"or train.on_nonfinite=skip")
-
-
 def main(argv=None):
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
@@ -158,8 +102,8 @@ def main(argv=None):
     resume = read_trainer_state(checkpoint)["sampler"] if checkpoint else None
     if checkpoint is not None:  # file sizes here; every crc32 below, the reading shared by the ranks
         check_checkpoint_files(checkpoint)
-    else:  # a resume takes every weight from its checkpoint and never reads the folder
-        check_pretrained(cfg)
+    elif cfg.model.pretrained:  # a resume takes every weight from its checkpoint and never reads the folder
+        check_wan_folder(cfg.model.pretrained)
 
     comm.set_failure_dir(Path(cfg.run.output_dir) / "failures")
     runtime = init_runtime(cfg.parallel, layout, cfg.run.output_dir)
@@ -302,7 +246,7 @@ def main(argv=None):
             try:
                 save_checkpoint(runtime, run.path, done, model, ema, optimizer, trainer_state, tc.keep_checkpoints)
             except NonFiniteWeights as e:  # weights that overflowed while every gradient norm was finite
-                raise TrainingDiverged(f"training diverged: {e}; {guard.advice()}") from None
+                raise guard.diverged(str(e)) from None
             saved_step = done
         if stop:
             progress.close()

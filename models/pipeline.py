@@ -39,15 +39,6 @@ def build_model(cfg, text_encoder: TextEncoder, vae: LatentSpace, weights: bool 
     return model
 
 
-def check_pretrained(cfg) -> None:
-    """model.pretrained's config.json and safetensors headers, read before any process group exists (a few
-    KB a file): a missing, truncated or unreadable file is a WanFormatError naming it, on every rank."""
-    if cfg.model.get("pretrained"):
-        from models.wan import WanWeights
-
-        WanWeights(cfg.model.pretrained)
-
-
 def open_pretrained(cfg, model: DiT):
     """model.pretrained as a models.wan.WanWeights, after checking that the recipe builds the same
     architecture (a disagreement is an error naming the keys and the fix); None without model.pretrained."""

@@ -297,3 +297,9 @@ class WanWeights:
         if not pieces:  # an empty shard
             return torch.empty((0, *self.shape(name)[1:]), dtype=torch.float32)
         return torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
+
+
+def check_wan_folder(folder) -> None:
+    """Read a Wan folder's config.json and every safetensors header (a few KB a file), so that a missing,
+    truncated or unreadable file is a WanFormatError naming it before any process group exists."""
+    WanWeights(folder)

@@ -324,9 +324,9 @@ def _check_before_save(runtime, state: dict, root: Path, step: int, keep: int) -
     sections = ("model", "ema", "optimizer")
     counts, written = [], 0
     for section in sections:
-        tensors = [t for t in local_tensors(state[section]) if t.is_floating_point() and t.numel()]
-        written += sum(t.numel() * t.element_size() for t in local_tensors(state[section]))
-        counts.append(_count_non_finite(tensors))
+        tensors = list(local_tensors(state[section]))
+        written += sum(t.numel() * t.element_size() for t in tensors)
+        counts.append(_count_non_finite([t for t in tensors if t.is_floating_point() and t.numel()]))
     mine = torch.tensor([*counts, written, shutil.disk_usage(root).free], dtype=torch.int64)
     everyone = mine.view(1, -1)
     if runtime.world_size > 1:

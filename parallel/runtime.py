@@ -301,15 +301,12 @@ def _user_errors():
     from configs import ConfigError
     from models.attention import AttentionBackendUnavailable
     from parallel.checkpoint import CheckpointError
+    from parallel.divergence import TrainingDiverged
     from parallel.layout import LayoutError
     from parallel.pipefusion import PipeFusionError
 
     return (ConfigError, LayoutError, CheckpointError, AttentionBackendUnavailable, FileNotFoundError, ValueError,
             PipeFusionError, TrainingDiverged)
-
-
-class TrainingDiverged(ArithmeticError):
-    """The loss or the weights became non-finite (train.py); the message names the step and what to try."""
 
 
 SHUTDOWN_S = 20.0  # a failed process that has not finished shutting down after this long exits anyway
@@ -352,7 +349,7 @@ def run_entrypoint(main, argv=None, hold_to_exit: bool = False) -> int:
             if deadline is not None:
                 deadline.cancel()
     finally:
-        if not (hold_to_exit and stop_request.held and code != 0):
+        if not (hold_to_exit and code != 0):
             restore_signals()
     gc.collect()  # a data loader iterator in a reference cycle ends its workers now, not at exit
     return code
@@ -439,17 +436,13 @@ def _exit_now(code: int, rank: int) -> None:
 
 
 def run_as_process(main) -> None:
-    """The `__main__` of train.py, infer.py and the scripts that start process groups: run_entrypoint,
-    then exit with its code. After a failure the stop signals stay held until the exit: torchrun's
-    SIGTERM, which follows a peer's exit, must not turn this rank's code into -15 in between."""
-    exit_process(run_entrypoint(main, hold_to_exit=True))
-
-
-def exit_process(code: int) -> None:
-    """The entry points' exit: sys.exit(0) after a run that finished; after a failure or a stop (whose
-    line and records are out), end at once: DataLoader workers ignore stop signals (the main process
-    owns them), so multiprocessing's exit hook, which terminates and joins them, would wait forever,
-    and library exit hooks (wandb) may wait on a network. hard_exit kills the workers first."""
+    """The `__main__` of train.py, infer.py and the scripts that start process groups: run_entrypoint, then
+    exit with its code. After a failure or a stop (its line and records are out) the process ends at once
+    (hard_exit kills the DataLoader workers first): the workers ignore stop signals (the main process owns
+    them), so multiprocessing's exit hook, which terminates and joins them, would wait forever, and library
+    exit hooks (wandb) may wait on a network. The stop signals stay held until then: torchrun's SIGTERM,
+    which follows a peer's exit, must not turn this rank's code into -15 in between."""
+    code = run_entrypoint(main, hold_to_exit=True)
     if code == 0:
         sys.exit(0)
     watchdog.hard_exit(code, "gloo")  # the process group is destroyed by now

@@ -68,8 +68,8 @@ class Deadlines:
 # Errors that mean "a collective failed", most often because of another rank: the watchdog is asked
 # who, before anything is printed. (Not plain "timed out": a DataLoader timeout is this rank's own.)
 PEER_ERROR_WORDS = ("connection reset", "connection closed", "connection refused", "broken pipe", "gloo", "nccl")
-# A store call that failed this way found no server: the store's host process is gone (not slow).
 _FAILED = re.compile(r"rank \d+ \([^)]*\) failed ")  # a reason report_failure published
+# A store call that failed this way found no server: the store's host process is gone (not slow).
 STORE_CLOSED_WORDS = ("broken pipe", "connection reset", "connection refused", "got 0 bytes", "connection was likely closed")
 
 

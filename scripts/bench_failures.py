@@ -301,7 +301,7 @@ def markdown(results: list[dict]) -> str:
 
 
 def guard_cost(out: Path, steps: int = 40) -> dict:
-    """What train.py's per-step finiteness check (NonFiniteGuard.skip, train.on_nonfinite=stop) costs
+    """What the per-step finiteness check (parallel/divergence.py, NonFiniteGuard.skip, stop mode) costs
     against the demo's step time: the check timed alone over 20,000 calls, the step time from a short
     demo run in this process (the demo recipe, `steps` steps, logged every 10; the first window, which
     holds start-up, is left out)."""
@@ -313,9 +313,10 @@ def guard_cost(out: Path, steps: int = 40) -> dict:
     import train
     from configs import load_config
     from configs.rundir import read_metrics
+    from parallel.divergence import NonFiniteGuard
     from parallel.runtime import run_entrypoint
 
-    guard = train.NonFiniteGuard(load_config(None).train, torch.device("cpu"), out, False, False)
+    guard = NonFiniteGuard(load_config(None).train, torch.device("cpu"), out, False, False)
     norm = torch.tensor(1.5)
     calls = 20_000
     check_s = timeit.timeit(lambda: guard.skip(7, norm), number=calls) / calls
