@@ -52,21 +52,36 @@ def parse_args(argv):
     args, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(DEFAULT_RECIPE), help="recipe YAML (default: the demo)")
-    p.add_argument("--checkpoint", default=None, help="a step_<N> folder, a `latest` pointer file, a checkpoints/ folder or a "
-                   "run directory (default: the recipe run's latest)")
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="a step_<N> folder, a `latest` pointer file, a checkpoints/ folder or a "
+        "run directory (default: the recipe run's latest)",
+    )
     p.add_argument("--prompt", nargs="+", default=None, help="one or more prompts (default: sample.prompts)")
     p.add_argument("--negative-prompt", default=None, help="default: sample.negative_prompt")
     p.add_argument("--frames", type=int, default=None, help="default: sample.frames, else data.frames")
     p.add_argument("--height", type=int, default=None)
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="default: sample.steps")
-    p.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale; 1 turns it off")
+    p.add_argument(
+        "--guidance", type=float, default=None, help="classifier-free guidance scale; 1 turns it off"
+    )
     p.add_argument("--seed", type=int, default=0, help="prompt i uses seed + i")
-    p.add_argument("--output", default="outputs/sample.mp4", help=f"file to write ({', '.join(OUTPUT_EXTENSIONS)})")
-    p.add_argument("--upscale", type=int, default=1,
-                   help="enlarge the written frames N times, nearest neighbour, to watch tiny videos (not .npy)")
-    p.add_argument("--random-weights", action="store_true",
-                   help="sample from an untrained model whose every layer is active (tests, benchmarks)")
+    p.add_argument(
+        "--output", default="outputs/sample.mp4", help=f"file to write ({', '.join(OUTPUT_EXTENSIONS)})"
+    )
+    p.add_argument(
+        "--upscale",
+        type=int,
+        default=1,
+        help="enlarge the written frames N times, nearest neighbour, to watch tiny videos (not .npy)",
+    )
+    p.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="sample from an untrained model whose every layer is active (tests, benchmarks)",
+    )
     p.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA weights")
     parsed = p.parse_args(args)
     parsed.overrides = overrides
@@ -89,12 +104,16 @@ def find_checkpoint(cfg, checkpoint: str | None, random_weights: bool):
     if found is None and checkpoint in (None, "none") and cfg.model.get("pretrained"):
         return None  # sample from the pretrained weights themselves
     if found is None:
-        raise CheckpointError(f"no checkpoint found in {Path(cfg.run.output_dir) / 'checkpoints'}: train first "
-                              f"(train.py with the same recipe), pass --checkpoint, or use --random-weights")
+        raise CheckpointError(
+            f"no checkpoint found in {Path(cfg.run.output_dir) / 'checkpoints'}: train first "
+            f"(train.py with the same recipe), pass --checkpoint, or use --random-weights"
+        )
     return found
 
 
-def load_sampler(cfg, runtime, checkpoint, use_ema: bool = True, random_weights: bool = False, patches: int = 1):
+def load_sampler(
+    cfg, runtime, checkpoint, use_ema: bool = True, random_weights: bool = False, patches: int = 1
+):
     """The frozen components, the DiT with the checkpoint's weights (without a checkpoint, the pretrained
     ones, model.pretrained, or with random_weights random ones from train.seed), and the sampler that
     runs it across the layout (None: flow.sample on this process). Under PipeFusion the DiT is this
@@ -110,8 +129,14 @@ def load_sampler(cfg, runtime, checkpoint, use_ema: bool = True, random_weights:
         model.to_empty(device="cpu")
         load_weights(checkpoint, model, use_ema=use_ema)
     else:  # random weights: adaLN-Zero's zeros would make the output 0 whatever the layout does
-        materialize(model, "cpu", cfg.train.seed, pretrained, zero_init=not random_weights,
-                    partial=layout.pipefusion > 1)
+        materialize(
+            model,
+            "cpu",
+            cfg.train.seed,
+            pretrained,
+            zero_init=not random_weights,
+            partial=layout.pipefusion > 1,
+        )
     if layout.pipefusion == 1:
         model = apply_sequence_parallel(model, runtime.sequence)
     model = model.to(runtime.device).eval()
@@ -128,10 +153,18 @@ def main(argv=None):
     prompts = args.prompt or list(sc.prompts)
     first = lambda *values: next(v for v in values if v is not None)  # noqa: E731  (0 is a value, not a default)
     frames = first(args.frames, sc.frames, cfg.data.frames)
-    height, width = first(args.height, sc.height, cfg.data.height), first(args.width, sc.width, cfg.data.width)
+    height, width = (
+        first(args.height, sc.height, cfg.data.height),
+        first(args.width, sc.width, cfg.data.width),
+    )
     guidance, steps = first(args.guidance, sc.guidance), first(args.steps, sc.steps)
-    for name, value in (("--steps", steps), ("--frames", frames), ("--height", height), ("--width", width),
-                        ("--upscale", args.upscale)):
+    for name, value in (
+        ("--steps", steps),
+        ("--frames", frames),
+        ("--height", height),
+        ("--width", width),
+        ("--upscale", args.upscale),
+    ):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
     # Every refusal comes before any model is built or any collective is issued.
@@ -141,9 +174,17 @@ def main(argv=None):
     latent = vae_latent_space(cfg.vae).latent_shape(frames, height, width, cfg.model.patch_size)
     grid = [s // p for s, p in zip(latent[1:], cfg.model.patch_size)]
     slow_links, links = links_are_slow() if cfg.parallel.auto else (False, "")
-    layout = ParallelLayout.from_config(cfg.parallel, world_size, size["num_heads"], "sample", local_world_size(),
-                                        depth=size["depth"], guided=guidance != 1.0, slow_links=slow_links,
-                                        tokens=grid[0] * grid[1] * grid[2])
+    layout = ParallelLayout.from_config(
+        cfg.parallel,
+        world_size,
+        size["num_heads"],
+        "sample",
+        local_world_size(),
+        depth=size["depth"],
+        guided=guidance != 1.0,
+        slow_links=slow_links,
+        tokens=grid[0] * grid[1] * grid[2],
+    )
     patches = layout.check_patches(cfg.parallel, grid)
     checkpoint = find_checkpoint(cfg, args.checkpoint, args.random_weights)
     if checkpoint is not None:
@@ -155,26 +196,57 @@ def main(argv=None):
     runtime = init_runtime(cfg.parallel, layout, cfg.run.output_dir, task="sample")
     if runtime.is_main:
         chosen = f" (parallel.auto: {links})" if cfg.parallel.auto else ""
-        pipeline = (f"; PipeFusion: {patches} patches, {cfg.parallel.pipefusion_warmup} warm-up step(s)"
-                    if layout.pipefusion > 1 else "")
-        tiles = len(plan_tiles(vae_latent_space(cfg.vae), latent[1:], cfg.vae.tile_latent, cfg.vae.tile_overlap))
-        print(f"[tessera] layout {layout.describe()}{chosen}{pipeline}; VAE decode: {tiles} tile(s) over "
-              f"{runtime.sampling.replica_size} rank(s)", flush=True)
-    model, vae, text_encoder, sampler = load_sampler(cfg, runtime, checkpoint, use_ema=sc.use_ema and not args.no_ema,
-                                                     random_weights=args.random_weights, patches=patches)
+        pipeline = (
+            f"; PipeFusion: {patches} patches, {cfg.parallel.pipefusion_warmup} warm-up step(s)"
+            if layout.pipefusion > 1
+            else ""
+        )
+        tiles = len(
+            plan_tiles(vae_latent_space(cfg.vae), latent[1:], cfg.vae.tile_latent, cfg.vae.tile_overlap)
+        )
+        print(
+            f"[tessera] layout {layout.describe()}{chosen}{pipeline}; VAE decode: {tiles} tile(s) over "
+            f"{runtime.sampling.replica_size} rank(s)",
+            flush=True,
+        )
+    model, vae, text_encoder, sampler = load_sampler(
+        cfg,
+        runtime,
+        checkpoint,
+        use_ema=sc.use_ema and not args.no_ema,
+        random_weights=args.random_weights,
+        patches=patches,
+    )
     mine = list(range(layout.dp_rank(runtime.rank), len(prompts), layout.dp))  # prompts split over dp ranks
     if mine:
         runtime.watchdog.sampling_progress(0, steps)  # each denoising step has a deadline from here on
         bar = tqdm(total=steps, desc="sample", disable=not runtime.is_main, dynamic_ncols=True)
-        bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and runtime.device.type == "cuda")
-        videos = generate(model, vae, text_encoder, RectifiedFlow(cfg.flow, cfg.model.patch_size),
-                          [prompts[i] for i in mine], frames, height, width, steps, guidance,
-                          sc.negative_prompt if args.negative_prompt is None else args.negative_prompt,
-                          seeds=[args.seed + i for i in mine], autocast_dtype=torch.bfloat16 if bf16 else None,
-                          progress=lambda done, total: (bar.update(1), runtime.watchdog.sampling_progress(done, total),
-                                                        faults.at_sampling_step(runtime.rank, done + 1, total)),
-                          sampler=sampler, decode_group=runtime.sampling.replica_group,
-                          decode_fence=runtime.sampling.replica_control)
+        bf16 = cfg.train.precision == "bf16" or (
+            cfg.train.precision == "auto" and runtime.device.type == "cuda"
+        )
+        videos = generate(
+            model,
+            vae,
+            text_encoder,
+            RectifiedFlow(cfg.flow, cfg.model.patch_size),
+            [prompts[i] for i in mine],
+            frames,
+            height,
+            width,
+            steps,
+            guidance,
+            sc.negative_prompt if args.negative_prompt is None else args.negative_prompt,
+            seeds=[args.seed + i for i in mine],
+            autocast_dtype=torch.bfloat16 if bf16 else None,
+            progress=lambda done, total: (
+                bar.update(1),
+                runtime.watchdog.sampling_progress(done, total),
+                faults.at_sampling_step(runtime.rank, done + 1, total),
+            ),
+            sampler=sampler,
+            decode_group=runtime.sampling.replica_group,
+            decode_fence=runtime.sampling.replica_control,
+        )
         bar.close()
         if runtime.rank == layout.replica_leader(runtime.rank):  # one writer per data-parallel replica
             runtime.watchdog.mark("writing")

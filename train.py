@@ -59,7 +59,9 @@ from parallel.watchdog import Stopped, stop_request
 
 def parse_args(argv):
     args, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", default=str(DEFAULT_RECIPE), help="recipe YAML (default: the demo)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved recipe and exit")
     parsed = parser.parse_args(args)
@@ -85,13 +87,18 @@ def main(argv=None):
     tc = cfg.train
     # Everything that can be refused is checked before the first collective.
     rank, world_size, _ = world_from_env()
-    layout = ParallelLayout.from_config(cfg.parallel, world_size, DiT_models[cfg.model.size]["num_heads"], "train",
-                                        local_world_size())
+    layout = ParallelLayout.from_config(
+        cfg.parallel, world_size, DiT_models[cfg.model.size]["num_heads"], "train", local_world_size()
+    )
     buckets = build_buckets(cfg)
     preview_space = vae_latent_space(cfg.vae)
     try:
-        preview_space.latent_shape(cfg.sample.frames or cfg.data.frames, cfg.sample.height or cfg.data.height,
-                                   cfg.sample.width or cfg.data.width, cfg.model.patch_size)
+        preview_space.latent_shape(
+            cfg.sample.frames or cfg.data.frames,
+            cfg.sample.height or cfg.data.height,
+            cfg.sample.width or cfg.data.width,
+            cfg.model.patch_size,
+        )
     except ValueError as e:
         raise ValueError(f"the preview size in sample.frames/height/width: {e}") from None
     if not cfg.sample.prompts:
@@ -132,45 +139,71 @@ def main(argv=None):
     # A resume takes every weight from its checkpoint: the pretrained folder is then neither needed nor read.
     pretrained = open_pretrained(cfg, model) if checkpoint is None else None
     if runtime.is_main:
-        print(f"[tessera] {cfg.model.size}: {count_parameters(model) / 1e6:.2f}M parameters; layout "
-              f"{layout.describe()}{' (parallel.auto)' if cfg.parallel.auto else ''}; {device.type} ({runtime.backend}, "
-              f"{'bf16' if bf16 else 'fp32'})\n[tessera] data: {dataset.summary(run.data_report)}\n[tessera] {sampler.steps_per_epoch} "
-              f"steps per epoch ({sampler.num_batches} batches{_padding_note(sampler)})", flush=True)
-    model = parallelize_dit(model, runtime.fsdp_mesh, torch.bfloat16 if bf16 else torch.float32,
-                            tc.activation_checkpointing, tc.compile)
+        print(
+            f"[tessera] {cfg.model.size}: {count_parameters(model) / 1e6:.2f}M parameters; layout "
+            f"{layout.describe()}{' (parallel.auto)' if cfg.parallel.auto else ''}; {device.type} ({runtime.backend}, "
+            f"{'bf16' if bf16 else 'fp32'})\n[tessera] data: {dataset.summary(run.data_report)}\n[tessera] {sampler.steps_per_epoch} "
+            f"steps per epoch ({sampler.num_batches} batches{_padding_note(sampler)})",
+            flush=True,
+        )
+    model = parallelize_dit(
+        model,
+        runtime.fsdp_mesh,
+        torch.bfloat16 if bf16 else torch.float32,
+        tc.activation_checkpointing,
+        tc.compile,
+    )
     if checkpoint is None:
         materialize(model, device, tc.seed, pretrained)
     else:
         model.to_empty(device=device)  # load_checkpoint fills every weight below
     del pretrained  # closes the safetensors files
-    ema = apply_sequence_parallel(build_model(cfg, text_encoder, vae, weights=False).requires_grad_(False),
-                                  runtime.sequence)
+    ema = apply_sequence_parallel(
+        build_model(cfg, text_encoder, vae, weights=False).requires_grad_(False), runtime.sequence
+    )
     ema = parallelize_dit(ema, runtime.fsdp_mesh)
     copy_shards(ema, model, device)  # the EMA starts as the model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay
+    )
     flow = RectifiedFlow(cfg.flow, cfg.model.patch_size)
 
     if checkpoint is not None:
         load_checkpoint(runtime, checkpoint, model, ema, optimizer, verified=True)
         if runtime.is_main:
-            print(f"[tessera] resumed from {checkpoint} at step {start_step}"
-                  f"{'; the data plan changed: ' + replanned if replanned else ''}", flush=True)
+            print(
+                f"[tessera] resumed from {checkpoint} at step {start_step}"
+                f"{'; the data plan changed: ' + replanned if replanned else ''}",
+                flush=True,
+            )
     # One rank per sequence-parallel group reads, encodes and counts the data; share_batch gives it to the rest.
     reader = runtime.sequence.sp_rank == 0
     batches = iter(build_loader(dataset, sampler, cfg.data.num_workers)) if reader else None
     run.start_wandb(cfg)
 
-    window = torch.zeros(4 + len(buckets), dtype=torch.float64)  # loss sum, samples, tokens, replaced, batches per bucket
+    window = torch.zeros(
+        4 + len(buckets), dtype=torch.float64
+    )  # loss sum, samples, tokens, replaced, batches per bucket
     reported = set()
-    progress = tqdm(total=tc.max_steps, initial=start_step, disable=not runtime.is_main, dynamic_ncols=True,
-                    desc="train", mininterval=1.0)
+    progress = tqdm(
+        total=tc.max_steps,
+        initial=start_step,
+        disable=not runtime.is_main,
+        dynamic_ncols=True,
+        desc="train",
+        mininterval=1.0,
+    )
     model.train()
     window_start, window_step = time.perf_counter(), start_step  # throughput is averaged between log steps
     replaced_total, saved_step = 0, start_step
     guard = NonFiniteGuard(tc, device, run.path, runtime.is_main, bf16)
-    stop_request.accepting = True  # from here on, SIGTERM / SIGUSR1 / Ctrl-C stop after a step, with a checkpoint
+    stop_request.accepting = (
+        True  # from here on, SIGTERM / SIGUSR1 / Ctrl-C stop after a step, with a checkpoint
+    )
     for step in range(start_step, tc.max_steps):
-        runtime.watchdog.begin_step(step + 1, long=step == start_step)  # the first step compiles: long deadline
+        runtime.watchdog.begin_step(
+            step + 1, long=step == start_step
+        )  # the first step compiles: long deadline
         faults.at_step(rank, step + 1)  # tests only (TESSERA_FAULT)
         samples = [i for i, _ in sampler.batch_at(step)]  # from the plan: the same on every rank of a group
         bucket, n = int(dataset.bucket_of[samples[0]]), len(samples)
@@ -181,14 +214,21 @@ def main(argv=None):
         if reader:
             batch = next(batches)
             if batch["index"] != samples:
-                raise RuntimeError(f"step {step}: the loader gave samples {batch['index']}, the plan {samples}")
+                raise RuntimeError(
+                    f"step {step}: the loader gave samples {batch['index']}, the plan {samples}"
+                )
             x0, y, y_mask = encode_batch(batch, dropped, text_encoder, vae, device)
-        shapes = [(n, *buckets.latent_shapes[bucket]), (n, text_encoder.max_length, text_encoder.dim),
-                  (n, text_encoder.max_length)]
+        shapes = [
+            (n, *buckets.latent_shapes[bucket]),
+            (n, text_encoder.max_length, text_encoder.dim),
+            (n, text_encoder.max_length),
+        ]
         x0, y, y_mask = share_batch(runtime.sequence, x0, y, y_mask, shapes, device)
         noise, t = flow.draw(x0.shape[1:], rngs)
         phase("forward")
-        loss = faults.nan_loss(flow.training_loss(model, x0, y, y_mask, noise, t), rank, step + 1)  # tests only
+        loss = faults.nan_loss(
+            flow.training_loss(model, x0, y, y_mask, noise, t), rank, step + 1
+        )  # tests only
         phase("backward")
         loss.backward()
         phase("optimizer")
@@ -216,48 +256,79 @@ def main(argv=None):
         if done % tc.log_every == 0 or done == tc.max_steps:
             phase("log")
             window[0] = loss.detach().double().item() if reader else 0.0  # this step's loss, once per group
-            totals = comm.all_reduce(window.to(device, copy=True)).cpu()  # on the device: NCCL takes no CPU tensors
+            totals = comm.all_reduce(
+                window.to(device, copy=True)
+            ).cpu()  # on the device: NCCL takes no CPU tensors
             mean_loss = totals[0].item() / layout.dp
             guard.check(done, None if skipped else mean_loss)
             elapsed = time.perf_counter() - window_start
             step_time = elapsed / (done - window_step)
-            mix = {buckets.buckets[b].name: int(count) for b, count in enumerate(totals[4:].tolist()) if count}
+            mix = {
+                buckets.buckets[b].name: int(count) for b, count in enumerate(totals[4:].tolist()) if count
+            }
             replaced_total = replaced_total + int(totals[3])
-            metrics = {"step": done, "loss": mean_loss, "lr": lr, "grad_norm": float(grad_norm),
-                       "step_time": step_time, "samples_per_s": totals[1].item() / elapsed,
-                       "tokens_per_s": totals[2].item() / elapsed, "epoch": sampler.position(step)[0],
-                       "buckets": mix, "replaced_samples": replaced_total}
+            metrics = {
+                "step": done,
+                "loss": mean_loss,
+                "lr": lr,
+                "grad_norm": float(grad_norm),
+                "step_time": step_time,
+                "samples_per_s": totals[1].item() / elapsed,
+                "tokens_per_s": totals[2].item() / elapsed,
+                "epoch": sampler.position(step)[0],
+                "buckets": mix,
+                "replaced_samples": replaced_total,
+            }
             run.log_metrics(metrics | ({"skipped_steps": guard.skipped} if tc.on_nonfinite == "skip" else {}))
-            progress.set_postfix(loss=f"{mean_loss:.4f}", samples_s=f"{totals[1].item() / elapsed:.1f}",
-                                 buckets=_bucket_mix(mix), refresh=False)
+            progress.set_postfix(
+                loss=f"{mean_loss:.4f}",
+                samples_s=f"{totals[1].item() / elapsed:.1f}",
+                buckets=_bucket_mix(mix),
+                refresh=False,
+            )
             window.zero_()
             window_start, window_step = time.perf_counter(), done
         progress.update(1)
         stop = runtime.agreed_stop_signal() if done < tc.max_steps else 0  # the same answer on every rank
         if stop and runtime.is_main:
             arrived = stop_request.received_in_step or "another rank's step"
-            print(f"[tessera] {signal.Signals(stop).name} received in step {arrived}: saving step {done}, then stopping",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[tessera] {signal.Signals(stop).name} received in step {arrived}: saving step {done}, then stopping",
+                file=sys.stderr,
+                flush=True,
+            )
         if done % tc.checkpoint_every == 0 or done == tc.max_steps or (stop and saved_step != done):
             phase("checkpoint")
             guard.check(done)
-            trainer_state = {"step": done, "sampler": sampler.state_dict(done), "world_size": runtime.world_size,
-                             "architecture": architecture}
+            trainer_state = {
+                "step": done,
+                "sampler": sampler.state_dict(done),
+                "world_size": runtime.world_size,
+                "architecture": architecture,
+            }
             try:
-                save_checkpoint(runtime, run.path, done, model, ema, optimizer, trainer_state, tc.keep_checkpoints)
+                save_checkpoint(
+                    runtime, run.path, done, model, ema, optimizer, trainer_state, tc.keep_checkpoints
+                )
             except NonFiniteWeights as e:  # weights that overflowed while every gradient norm was finite
                 raise guard.diverged(str(e)) from None
             saved_step = done
         if stop:
             progress.close()
             if runtime.is_main:
-                print(f"stopped at step {done} by {signal.Signals(stop).name}; saved {run.path / 'checkpoints' / f'step_{done}'}"
-                      f"; run the same command to resume", file=sys.stderr, flush=True)
+                print(
+                    f"stopped at step {done} by {signal.Signals(stop).name}; saved {run.path / 'checkpoints' / f'step_{done}'}"
+                    f"; run the same command to resume",
+                    file=sys.stderr,
+                    flush=True,
+                )
             raise Stopped(stop)
         if (tc.sample_every and done % tc.sample_every == 0) or done == tc.max_steps:
             phase("preview")
             guard.check(done)
-            write_previews(cfg, runtime, run, ema if cfg.sample.use_ema else model, vae, text_encoder, flow, done)
+            write_previews(
+                cfg, runtime, run, ema if cfg.sample.use_ema else model, vae, text_encoder, flow, done
+            )
             runtime.fence()  # rank 0 writes the files alone: the others wait here, not in the next step
     stop_request.accepting = False
     runtime.watchdog.end_loop()
@@ -292,7 +363,9 @@ def _bucket_mix(mix: dict) -> str:
     """The three most frequent buckets of the window, as shares: '8x32x32 50% 4x28x36 30% ...'."""
     total = sum(mix.values()) or 1
     top = sorted(mix.items(), key=lambda kv: -kv[1])
-    return " ".join(f"{name} {100 * n / total:.0f}%" for name, n in top[:3]) + (" ..." if len(top) > 3 else "")
+    return " ".join(f"{name} {100 * n / total:.0f}%" for name, n in top[:3]) + (
+        " ..." if len(top) > 3 else ""
+    )
 
 
 def write_previews(cfg, runtime, run, model, vae, text_encoder, flow, step):
@@ -300,10 +373,21 @@ def write_previews(cfg, runtime, run, model, vae, text_encoder, flow, step):
     sc = cfg.sample
     was_training = model.training
     runtime.watchdog.sampling_progress(0, sc.steps)  # a deadline per denoising step
-    videos = generate(model.eval(), vae, text_encoder, flow, list(sc.prompts), sc.frames or cfg.data.frames,
-                      sc.height or cfg.data.height, sc.width or cfg.data.width, sc.steps, sc.guidance,
-                      sc.negative_prompt, seeds=[cfg.train.seed + i for i in range(len(sc.prompts))],
-                      progress=runtime.watchdog.sampling_progress)
+    videos = generate(
+        model.eval(),
+        vae,
+        text_encoder,
+        flow,
+        list(sc.prompts),
+        sc.frames or cfg.data.frames,
+        sc.height or cfg.data.height,
+        sc.width or cfg.data.width,
+        sc.steps,
+        sc.guidance,
+        sc.negative_prompt,
+        seeds=[cfg.train.seed + i for i in range(len(sc.prompts))],
+        progress=runtime.watchdog.sampling_progress,
+    )
     model.train(was_training)
     if runtime.is_main:
         for i, video in enumerate(videos):

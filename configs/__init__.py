@@ -1,7 +1,7 @@
 """Recipes: schema defaults <- YAML recipe <- command-line dot-list, with errors that name the key.
 
-    cfg = load_config("configs/demo.yaml", ["train.max_steps=10"])
-    cfg.train.max_steps  # 10
+cfg = load_config("configs/demo.yaml", ["train.max_steps=10"])
+cfg.train.max_steps  # 10
 """
 
 import dataclasses
@@ -69,7 +69,9 @@ def _check_keys(node, prefix: str, source: str) -> None:
         full = f"{prefix}{key}"
         value = node[key]
         if full not in SCHEMA_KEYS:
-            while isinstance(value, (dict, DictConfig)) and len(value):  # a misspelt section: name a whole key
+            while isinstance(value, (dict, DictConfig)) and len(
+                value
+            ):  # a misspelt section: name a whole key
                 sub = next(iter(value))
                 full, value = f"{full}.{sub}", value[sub]
             raise ConfigError(f"unknown key '{full}' in {source}{_closest(full)}")
@@ -151,45 +153,85 @@ def validate(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
             raise ConfigError(f"'{key}' is {value!r}; choose one of {', '.join(allowed)}")
-    positive = ["data.frames", "data.height", "data.width", "train.batch_size", "train.log_every",
-                "train.checkpoint_every", "sample.steps", "text_encoder.max_length", "train.keep_checkpoints"]
+    positive = [
+        "data.frames",
+        "data.height",
+        "data.width",
+        "train.batch_size",
+        "train.log_every",
+        "train.checkpoint_every",
+        "sample.steps",
+        "text_encoder.max_length",
+        "train.keep_checkpoints",
+    ]
     for key in positive:
         if OmegaConf.select(cfg, key) < 1:
             raise ConfigError(f"'{key}' must be at least 1, got {OmegaConf.select(cfg, key)}")
-    for key in ("train.lr", "train.grad_clip", "flow.shift", "parallel.timeout_s", "parallel.preflight_timeout_s",
-                "parallel.control_timeout_s", "parallel.max_message_mb", "parallel.heartbeat_timeout_s", "sample.fps",
-                "text_encoder.cache_size"):
+    for key in (
+        "train.lr",
+        "train.grad_clip",
+        "flow.shift",
+        "parallel.timeout_s",
+        "parallel.preflight_timeout_s",
+        "parallel.control_timeout_s",
+        "parallel.max_message_mb",
+        "parallel.heartbeat_timeout_s",
+        "sample.fps",
+        "text_encoder.cache_size",
+    ):
         if OmegaConf.select(cfg, key) <= 0:
             raise ConfigError(f"'{key}' must be greater than 0, got {OmegaConf.select(cfg, key)}")
     if cfg.vae.tile_latent < 1 or not 0 <= cfg.vae.tile_overlap < cfg.vae.tile_latent:
-        raise ConfigError(f"'vae.tile_latent'={cfg.vae.tile_latent} and 'vae.tile_overlap'={cfg.vae.tile_overlap}: "
-                          f"a tile is at least 1 latent pixel and overlaps its neighbour by 0 to tile_latent - 1; "
-                          f"the default is 32 and 8")
+        raise ConfigError(
+            f"'vae.tile_latent'={cfg.vae.tile_latent} and 'vae.tile_overlap'={cfg.vae.tile_overlap}: "
+            f"a tile is at least 1 latent pixel and overlaps its neighbour by 0 to tile_latent - 1; "
+            f"the default is 32 and 8"
+        )
     if cfg.parallel.pipefusion_patches is not None and cfg.parallel.pipefusion_patches < 1:
-        raise ConfigError(f"'parallel.pipefusion_patches' must be at least 1 or null (one per stage), "
-                          f"got {cfg.parallel.pipefusion_patches}")
+        raise ConfigError(
+            f"'parallel.pipefusion_patches' must be at least 1 or null (one per stage), "
+            f"got {cfg.parallel.pipefusion_patches}"
+        )
     if cfg.parallel.pipefusion_warmup < 0:
-        raise ConfigError(f"'parallel.pipefusion_warmup' must be 0 or more, got {cfg.parallel.pipefusion_warmup}")
+        raise ConfigError(
+            f"'parallel.pipefusion_warmup' must be 0 or more, got {cfg.parallel.pipefusion_warmup}"
+        )
     if cfg.flow.shift_reference_tokens < 0:
-        raise ConfigError(f"'flow.shift_reference_tokens' must be greater than 0, or 0 for a fixed shift (Wan's), "
-                          f"got {cfg.flow.shift_reference_tokens}")
+        raise ConfigError(
+            f"'flow.shift_reference_tokens' must be greater than 0, or 0 for a fixed shift (Wan's), "
+            f"got {cfg.flow.shift_reference_tokens}"
+        )
     if cfg.parallel.stall_timeout_s is not None and cfg.parallel.stall_timeout_s <= 0:
-        raise ConfigError(f"'parallel.stall_timeout_s' must be greater than 0 or null (the default for the device), "
-                          f"got {cfg.parallel.stall_timeout_s}")
+        raise ConfigError(
+            f"'parallel.stall_timeout_s' must be greater than 0 or null (the default for the device), "
+            f"got {cfg.parallel.stall_timeout_s}"
+        )
     if cfg.data.fps is not None and cfg.data.fps <= 0:
-        raise ConfigError(f"'data.fps' must be greater than 0 or null (keep the file's rate), got {cfg.data.fps}")
+        raise ConfigError(
+            f"'data.fps' must be greater than 0 or null (keep the file's rate), got {cfg.data.fps}"
+        )
     if cfg.data.max_upscale < 1.0:
-        raise ConfigError(f"'data.max_upscale' must be at least 1.0 (1.0: never enlarge), got {cfg.data.max_upscale}")
+        raise ConfigError(
+            f"'data.max_upscale' must be at least 1.0 (1.0: never enlarge), got {cfg.data.max_upscale}"
+        )
     for key in ("data.resolutions", "data.frame_counts"):
         if any(v < 1 for v in OmegaConf.select(cfg, key)):
             raise ConfigError(f"'{key}' must hold positive numbers, got {list(OmegaConf.select(cfg, key))}")
-    for key in ("train.max_steps", "train.warmup_steps", "train.sample_every", "data.num_workers",
-                "data.tokens_per_batch", "data.max_batch_size"):
+    for key in (
+        "train.max_steps",
+        "train.warmup_steps",
+        "train.sample_every",
+        "data.num_workers",
+        "data.tokens_per_batch",
+        "data.max_batch_size",
+    ):
         if OmegaConf.select(cfg, key) < 0:
             raise ConfigError(f"'{key}' must be 0 or more, got {OmegaConf.select(cfg, key)}")
     if len(cfg.model.patch_size) != 3 or min(cfg.model.patch_size) < 1:
-        raise ConfigError(f"'model.patch_size' must be three positive sizes (time, height, width), "
-                          f"got {list(cfg.model.patch_size)}")
+        raise ConfigError(
+            f"'model.patch_size' must be three positive sizes (time, height, width), "
+            f"got {list(cfg.model.patch_size)}"
+        )
     if not 0.0 <= cfg.train.text_dropout < 1.0:
         raise ConfigError(f"'train.text_dropout' must be in [0, 1), got {cfg.train.text_dropout}")
     for key in ("model.mlp_ratio", "model.rope_theta", "flow.logit_std"):

@@ -1,15 +1,15 @@
 """The run directory (`run.output_dir`): what a run leaves behind.
 
-    config.yaml        the resolved recipe (an earlier, different one is kept as config.<time>.yaml)
-    metrics.jsonl      one JSON object per logged step: step, loss, lr, step_time, samples_per_s, ...; once
-                       per step (a resume keeps the earlier file's lines up to its checkpoint, and the
-                       whole earlier file as metrics.<time>.jsonl)
-    checkpoints/       step_<N>/ (torch.distributed.checkpoint) and `latest`
-    samples/           preview videos written during training
-    failures/          per-rank records of recent collectives, written when a run fails
-    wandb/             offline wandb logs (sync later with `wandb sync`)
-    data_report.jsonl  every file left out at start-up and every file replaced during training, with
-                       the reason; data_report_rank<R>.jsonl: the files rank R (R > 0) replaced
+config.yaml        the resolved recipe (an earlier, different one is kept as config.<time>.yaml)
+metrics.jsonl      one JSON object per logged step: step, loss, lr, step_time, samples_per_s, ...; once
+                   per step (a resume keeps the earlier file's lines up to its checkpoint, and the
+                   whole earlier file as metrics.<time>.jsonl)
+checkpoints/       step_<N>/ (torch.distributed.checkpoint) and `latest`
+samples/           preview videos written during training
+failures/          per-rank records of recent collectives, written when a run fails
+wandb/             offline wandb logs (sync later with `wandb sync`)
+data_report.jsonl  every file left out at start-up and every file replaced during training, with
+                   the reason; data_report_rank<R>.jsonl: the files rank R (R > 0) replaced
 """
 
 import json
@@ -50,9 +50,15 @@ class RunDirectory:
             os.environ.setdefault("WANDB_SILENT", "true")
             from omegaconf import OmegaConf
 
-            self._wandb = wandb.init(project=cfg.logging.wandb_project, dir=str(self.path), mode=cfg.logging.wandb_mode,
-                                     config=OmegaConf.to_container(cfg, resolve=True), name=self.path.name,
-                                     resume="allow", id=f"{self.path.name}-{_stable_id(self.path)}")
+            self._wandb = wandb.init(
+                project=cfg.logging.wandb_project,
+                dir=str(self.path),
+                mode=cfg.logging.wandb_mode,
+                config=OmegaConf.to_container(cfg, resolve=True),
+                name=self.path.name,
+                resume="allow",
+                id=f"{self.path.name}-{_stable_id(self.path)}",
+            )
         except Exception as e:  # logging must never cost a training run
             warnings.warn(f"wandb could not start ({e}); metrics still go to metrics.jsonl", stacklevel=1)
 
@@ -76,9 +82,15 @@ class RunDirectory:
         training step, whose collectives wait for this rank."""
         if not self.is_main:
             return
-        kept = [r for r in read_data_report(self.path) if r.get("kind") == "replaced" and r.get("step", 0) <= start_step]
-        lines = [{"kind": "left_out", "path": path, "category": category, "reason": why}
-                 for path, category, why in left_out] + kept
+        kept = [
+            r
+            for r in read_data_report(self.path)
+            if r.get("kind") == "replaced" and r.get("step", 0) <= start_step
+        ]
+        lines = [
+            {"kind": "left_out", "path": path, "category": category, "reason": why}
+            for path, category, why in left_out
+        ] + kept
         tmp = self.path / "data_report.jsonl.tmp"
         self.path.mkdir(parents=True, exist_ok=True)
         with open(tmp, "w") as f:
@@ -114,7 +126,10 @@ class RunDirectory:
         name = "data_report.jsonl" if rank == 0 else f"data_report_rank{rank}.jsonl"
         self.path.mkdir(parents=True, exist_ok=True)
         with open(self.path / name, "a") as f:
-            f.write(json.dumps({"kind": "replaced", "path": path, "reason": reason, "step": step, "rank": rank}) + "\n")
+            f.write(
+                json.dumps({"kind": "replaced", "path": path, "reason": reason, "step": step, "rank": rank})
+                + "\n"
+            )
 
     def finish(self) -> None:
         if self._wandb is not None:
@@ -146,8 +161,9 @@ def read_data_report(path) -> list[dict]:
     """Every line of a run's data report: data_report.jsonl, then each rank's file in rank order (a line
     cut short by a kill is skipped)."""
     path = Path(path)
-    files = [path / "data_report.jsonl"] + sorted(path.glob("data_report_rank*.jsonl"),
-                                                  key=lambda p: int(p.stem.removeprefix("data_report_rank")))
+    files = [path / "data_report.jsonl"] + sorted(
+        path.glob("data_report_rank*.jsonl"), key=lambda p: int(p.stem.removeprefix("data_report_rank"))
+    )
     lines = []
     for file in files:
         if file.is_file():

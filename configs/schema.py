@@ -25,7 +25,9 @@ class ModelConfig:
     # Architecture options; None takes the size's choice (the Wan* sizes set the Wan ones), else the
     # tessera default shown after the colon.
     ffn_dim: Optional[int] = None  # MLP width: hidden_size x mlp_ratio
-    adaln: Optional[str] = None  # zero (a Linear(D, 6D) per block) | single (shared projection + per-block table): zero
+    adaln: Optional[str] = (
+        None  # zero (a Linear(D, 6D) per block) | single (shared projection + per-block table): zero
+    )
     qk_norm_across_heads: Optional[bool] = None  # QK RMSNorm over all heads at once (Wan): false
     pooled_text: Optional[bool] = None  # the mean text token joins the time embedding: true
     text_mask: Optional[bool] = None  # mask padded text tokens (false: zero them and attend, as Wan): true
@@ -66,20 +68,30 @@ class TextEncoderConfig:
 
 @dataclass
 class DataConfig:
-    manifest: Optional[str] = None  # JSONL manifest or a folder of media with .txt captions; None: the synthetic demo
-    latents: Optional[str] = None  # a folder from scripts/precompute_latents.py: train on latents, no decoding
+    manifest: Optional[str] = (
+        None  # JSONL manifest or a folder of media with .txt captions; None: the synthetic demo
+    )
+    latents: Optional[str] = (
+        None  # a folder from scripts/precompute_latents.py: train on latents, no decoding
+    )
     frames: int = 9  # the default clip size (and preview size): frames x height x width
     height: int = 32
     width: int = 32
     # Buckets (data/buckets.py); left empty, the one bucket is frames x height x width.
-    resolutions: list[int] = field(default_factory=list)  # pixel budgets as the side of a square: 256 = 256x256 pixels
+    resolutions: list[int] = field(
+        default_factory=list
+    )  # pixel budgets as the side of a square: 256 = 256x256 pixels
     aspect_ratios: list[str] = field(default_factory=list)  # width:height, e.g. ["1:1", "16:9", "9:16"]
     frame_counts: list[int] = field(default_factory=list)  # clip lengths (1: images); each must suit the VAE
     max_upscale: float = 1.0  # a sample is never enlarged by more than this to reach its bucket (1.0: never)
-    tokens_per_batch: int = 0  # per-rank batch size of a bucket = this // its tokens; 0: train.batch_size for all
+    tokens_per_batch: int = (
+        0  # per-rank batch size of a bucket = this // its tokens; 0: train.batch_size for all
+    )
     max_batch_size: int = 0  # cap on every bucket's batch size; 0: no cap
     epoch_remainder: str = "pad"  # batches beyond a multiple of dp: pad (repeat whole batches) | drop
-    on_plan_change: str = "error"  # resuming after dp or the data changed: error | new_epoch (skip the epoch's rest)
+    on_plan_change: str = (
+        "error"  # resuming after dp or the data changed: error | new_epoch (skip the epoch's rest)
+    )
     fps: Optional[float] = None  # resample videos to this rate; None keeps the file's rate
     num_workers: int = 2
     synthetic_samples: int = 4096  # size of one epoch of the synthetic dataset
@@ -91,7 +103,9 @@ class FlowConfig:
     logit_mean: float = 0.0  # logit-normal timestep density (SD3: lognorm(0, 1))
     logit_std: float = 1.0
     shift: float = 1.0  # timestep shift at shift_reference_tokens tokens
-    shift_reference_tokens: int = 256  # shift grows with sqrt(tokens / this) (SD3, section 5.3.2); 0: fixed (Wan)
+    shift_reference_tokens: int = (
+        256  # shift grows with sqrt(tokens / this) (SD3, section 5.3.2); 0: fixed (Wan)
+    )
 
 
 @dataclass
@@ -127,7 +141,9 @@ class SampleConfig:
     guidance: float = 5.0
     negative_prompt: str = ""
     use_ema: bool = True
-    prompts: list[str] = field(default_factory=lambda: ["a red square moving left"])  # previews during training
+    prompts: list[str] = field(
+        default_factory=lambda: ["a red square moving left"]
+    )  # previews during training
     frames: Optional[int] = None  # None: data.frames
     height: Optional[int] = None  # None: data.height
     width: Optional[int] = None  # None: data.width
@@ -138,15 +154,25 @@ class SampleConfig:
 class ParallelConfig:
     dp: int = -1  # data parallel (FSDP2); -1: whatever the other degrees leave of the world size
     cfg: int = 1  # classifier-free-guidance parallel (sampling only)
-    pipefusion: int = 1  # PipeFusion stages (sampling only): the blocks split into this many contiguous stages
-    pipefusion_patches: Optional[int] = None  # patches of whole token rows pipelined through the stages; None: pipefusion
-    pipefusion_warmup: int = 1  # first steps run whole-sequence (synchronous), filling every layer's K/V buffer
+    pipefusion: int = (
+        1  # PipeFusion stages (sampling only): the blocks split into this many contiguous stages
+    )
+    pipefusion_patches: Optional[int] = (
+        None  # patches of whole token rows pipelined through the stages; None: pipefusion
+    )
+    pipefusion_warmup: int = (
+        1  # first steps run whole-sequence (synchronous), filling every layer's K/V buffer
+    )
     ulysses: int = 1  # Ulysses sequence parallel
     ring: int = 1  # Ring sequence parallel
     auto: bool = False  # choose the degrees dp leaves: ulysses then ring (training); cfg, ulysses, ring, pipefusion (sampling)
     timeout_s: float = 600.0  # timeout of every collective; also the deadline of start-up, the first step, checkpoints, previews
-    stall_timeout_s: Optional[float] = None  # a later step making no progress this long is a stall; None: 300 GPU, 120 CPU
-    heartbeat_timeout_s: float = 10.0  # a rank whose heartbeat is silent this long is gone (killed, stopped, host lost)
+    stall_timeout_s: Optional[float] = (
+        None  # a later step making no progress this long is a stall; None: 300 GPU, 120 CPU
+    )
+    heartbeat_timeout_s: float = (
+        10.0  # a rank whose heartbeat is silent this long is gone (killed, stopped, host lost)
+    )
     control_timeout_s: float = 1800.0  # the gloo control group that fences long single-rank work
     preflight_timeout_s: float = 60.0  # the first collective at start-up; a hang here is a transport problem
     max_message_mb: float = 256.0  # collectives above this size are split into chunks

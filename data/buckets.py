@@ -37,7 +37,9 @@ def parse_aspect_ratio(text: str) -> float:
         if w <= 0 or h <= 0:
             raise ValueError
     except ValueError:
-        raise ValueError(f"data.aspect_ratios: '{text}' is not width:height with positive numbers, e.g. '16:9'") from None
+        raise ValueError(
+            f"data.aspect_ratios: '{text}' is not width:height with positive numbers, e.g. '16:9'"
+        ) from None
     return w / h
 
 
@@ -62,11 +64,16 @@ class BucketTable:
                 raise ValueError(f"data.frame_counts: {e}") from None
         self.ratios, self.frame_counts = sorted(set(ratios)), frame_counts
         # (ratio index, budget index) -> pixel size, budgets ascending
-        self.sizes = {(a, b): (_snap(math.sqrt(budget / ratio), side_h), _snap(math.sqrt(budget * ratio), side_w))
-                      for a, ratio in enumerate(self.ratios) for b, budget in enumerate(sorted(budgets))}
+        self.sizes = {
+            (a, b): (_snap(math.sqrt(budget / ratio), side_h), _snap(math.sqrt(budget * ratio), side_w))
+            for a, ratio in enumerate(self.ratios)
+            for b, budget in enumerate(sorted(budgets))
+        }
         self.buckets = sorted({Bucket(f, h, w) for f in frame_counts for (h, w) in self.sizes.values()})
         self.index = {b: i for i, b in enumerate(self.buckets)}
-        self.latent_shapes = [latent_space.latent_shape(b.frames, b.height, b.width, patch_size) for b in self.buckets]
+        self.latent_shapes = [
+            latent_space.latent_shape(b.frames, b.height, b.width, patch_size) for b in self.buckets
+        ]
         self.tokens = [num_tokens(shape, patch_size) for shape in self.latent_shapes]
         budget = data_cfg.tokens_per_batch
         sizes = [max(1, budget // t) if budget else default_batch_size for t in self.tokens]
@@ -75,8 +82,14 @@ class BucketTable:
     def __len__(self):
         return len(self.buckets)
 
-    def assign(self, width: int, height: int, num_frames: int, source_fps: float | None = None,
-               target_fps: float | None = None) -> tuple[int | None, str]:
+    def assign(
+        self,
+        width: int,
+        height: int,
+        num_frames: int,
+        source_fps: float | None = None,
+        target_fps: float | None = None,
+    ) -> tuple[int | None, str]:
         """(bucket index, '') or (None, why the sample fits no bucket)."""
         if width < 1 or height < 1 or num_frames < 1:
             return None, "no size or frame count"
@@ -86,8 +99,11 @@ class BucketTable:
             return None, f"too short (fewer than {self.frame_counts[0]} frames)"
         ratio = width / height
         a = min(range(len(self.ratios)), key=lambda i: abs(math.log(self.ratios[i] / ratio)))
-        fitting = [(h, w) for (ai, _), (h, w) in self.sizes.items() if ai == a
-                   and max(h / height, w / width) <= self.max_upscale + 1e-9]
+        fitting = [
+            (h, w)
+            for (ai, _), (h, w) in self.sizes.items()
+            if ai == a and max(h / height, w / width) <= self.max_upscale + 1e-9
+        ]
         if not fitting:
             return None, f"too small (would need more than {self.max_upscale:g}x upscaling)"
         h, w = fitting[-1]  # the largest class it reaches (budgets are ascending)

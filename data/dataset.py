@@ -33,7 +33,10 @@ def _reason(error: Exception) -> str:
 class BucketedDataset:
     max_replacements = 8  # a bucket this broken is a data problem worth stopping for
     named_in_summary = 10  # left-out files named in the start-up summary; data_report.jsonl lists them all
-    broken_first = ("missing", "unreadable")  # named before the files left out by choice (no caption, size...)
+    broken_first = (
+        "missing",
+        "unreadable",
+    )  # named before the files left out by choice (no caption, size...)
 
     def __init__(self, entries: list[dict], table: BucketTable, seed: int = 0):
         self.table, self.seed = table, seed
@@ -46,8 +49,10 @@ class BucketedDataset:
                 kept.append(entry)
                 buckets.append(bucket)
         if not kept:
-            raise ValueError(f"no sample fits a bucket ({dict(self.dropped)}); check data.resolutions, "
-                             f"data.aspect_ratios, data.frame_counts and data.max_upscale")
+            raise ValueError(
+                f"no sample fits a bucket ({dict(self.dropped)}); check data.resolutions, "
+                f"data.aspect_ratios, data.frame_counts and data.max_upscale"
+            )
         self.entries = Entries(kept)  # columns: no Python object per sample for loader workers to copy
         self.bucket_of = np.asarray(buckets, dtype=np.int64)
         self.members = [np.flatnonzero(self.bucket_of == b) for b in range(len(table))]
@@ -84,7 +89,9 @@ class BucketedDataset:
     def left_out_files(self) -> list[tuple[str, str, str]]:
         """(path, category, reason) of every sample left out at start-up, missing and unreadable files first."""
         rank = {category: i for i, category in enumerate(self.broken_first)}
-        return sorted(self.left_out, key=lambda left: rank.get(left[1], len(rank)))  # stable: file order within
+        return sorted(
+            self.left_out, key=lambda left: rank.get(left[1], len(rank))
+        )  # stable: file order within
 
     def summary(self, listed_in=None) -> str:
         """Samples per bucket, and what was left out: counted by category, the first few named (missing and
@@ -92,16 +99,23 @@ class BucketedDataset:
         counts = Counter(self.bucket_of.tolist())
         first = {category: i for i, category in enumerate(self.broken_first)}
         categories = sorted(self.dropped.items(), key=lambda item: first.get(item[0], len(first)))
-        dropped = (f"; left out {sum(self.dropped.values())}: " + ", ".join(f"{n} {why}" for why, n in categories)
-                   if self.dropped else "")
+        dropped = (
+            f"; left out {sum(self.dropped.values())}: " + ", ".join(f"{n} {why}" for why, n in categories)
+            if self.dropped
+            else ""
+        )
         left_out = self.left_out_files()
-        named = "".join(f"\n  left out {path}: {why}" for path, _, why in left_out[:self.named_in_summary])
+        named = "".join(f"\n  left out {path}: {why}" for path, _, why in left_out[: self.named_in_summary])
         if len(left_out) > self.named_in_summary:
             named += f"\n  ... and {len(left_out) - self.named_in_summary} more"
         if left_out and listed_in is not None:
-            named += f"\n  every file left out, and every file replaced during training, is listed in {listed_in}"
-        return (f"{len(self)} samples in {len(counts)} of {len(self.table)} buckets{dropped}{named}\n"
-                + self.table.describe(counts))
+            named += (
+                f"\n  every file left out, and every file replaced during training, is listed in {listed_in}"
+            )
+        return (
+            f"{len(self)} samples in {len(counts)} of {len(self.table)} buckets{dropped}{named}\n"
+            + self.table.describe(counts)
+        )
 
     def __getitem__(self, key) -> dict:
         index, epoch = key
@@ -116,12 +130,16 @@ class BucketedDataset:
             except Exception as e:  # noqa: BLE001 - any unreadable sample is replaced, named and counted
                 failures.append((entry["path"], _reason(e)))
                 tried.add(candidate)
-            others = [m for m in self.members[bucket_id].tolist() if m not in tried] or self._stand_ins(bucket, tried)
+            others = [m for m in self.members[bucket_id].tolist() if m not in tried] or self._stand_ins(
+                bucket, tried
+            )
             if not others or len(failures) > self.max_replacements:
                 listed = "; ".join(f"{p} ({why})" for p, why in failures)
-                raise DataError(f"bucket {bucket.name}: {len(failures)} samples in a row could not be loaded and "
-                                f"{'none is left to replace them' if not others else 'the data looks broken'}: "
-                                f"{listed}")
+                raise DataError(
+                    f"bucket {bucket.name}: {len(failures)} samples in a row could not be loaded and "
+                    f"{'none is left to replace them' if not others else 'the data looks broken'}: "
+                    f"{listed}"
+                )
             pick = np.random.default_rng([self.seed, epoch, index, len(failures)]).integers(len(others))
             candidate = others[pick]
         item.update(caption=entry["caption"], index=index, bucket=bucket_id, failures=failures)
@@ -141,7 +159,9 @@ class MediaDataset(BucketedDataset):
         super().__init__(entries, table, seed)
 
     def assign(self, entry):
-        return self.table.assign(entry["width"], entry["height"], entry["num_frames"], entry.get("fps"), self.fps)
+        return self.table.assign(
+            entry["width"], entry["height"], entry["num_frames"], entry.get("fps"), self.fps
+        )
 
     def can_fill(self, bucket):
         fps = self.entries.numbers("fps") if "fps" in self.entries.columns else None
@@ -150,7 +170,9 @@ class MediaDataset(BucketedDataset):
     def load(self, entry, bucket, rng):
         from data.media import read_clip
 
-        clip = read_clip(entry["path"], bucket.frames, bucket.height, bucket.width, self.fps, rng, entry["num_frames"])
+        clip = read_clip(
+            entry["path"], bucket.frames, bucket.height, bucket.width, self.fps, rng, entry["num_frames"]
+        )
         return {"video": torch.from_numpy(clip).permute(3, 0, 1, 2).contiguous()}  # (3, T, H, W) uint8
 
 
@@ -162,8 +184,16 @@ class SyntheticDataset(BucketedDataset):
         entries = []
         for i in range(len(generator)):
             d = generator.describe(i)
-            entries.append({"path": f"synthetic:{i}", "caption": d["caption"], "width": d["width"],
-                            "height": d["height"], "num_frames": d["frames"], "synthetic_index": i})
+            entries.append(
+                {
+                    "path": f"synthetic:{i}",
+                    "caption": d["caption"],
+                    "width": d["width"],
+                    "height": d["height"],
+                    "num_frames": d["frames"],
+                    "synthetic_index": i,
+                }
+            )
         super().__init__(entries, table, seed)
 
     def assign(self, entry):
@@ -200,18 +230,26 @@ class LatentDataset(BucketedDataset):
         tensors = load_file(entry["path"])
         expected = tuple(self.table.latent_shapes[self.table.index[bucket]])
         if tuple(tensors["latent"].shape) != expected:  # a stale file: replaced like an unreadable one
-            raise ValueError(f"latent of shape {tuple(tensors['latent'].shape)}, bucket {bucket.name} needs {expected}")
+            raise ValueError(
+                f"latent of shape {tuple(tensors['latent'].shape)}, bucket {bucket.name} needs {expected}"
+            )
         text = tensors["text"].float()
         padded = torch.zeros(self.text_length, text.shape[1])
-        padded[:len(text)] = text[:self.text_length]
+        padded[: len(text)] = text[: self.text_length]
         mask = torch.zeros(self.text_length, dtype=torch.bool)
-        mask[:len(text)] = True
+        mask[: len(text)] = True
         return {"latent": tensors["latent"].float(), "text": padded, "text_mask": mask}
 
 
 def collate(samples: list[dict]) -> dict:
     """Stack the tensors of one bucket's samples; keep captions, indices and failures as lists."""
-    batch = {key: torch.stack([s[key] for s in samples]) for key in samples[0] if torch.is_tensor(samples[0][key])}
-    batch.update(caption=[s["caption"] for s in samples], index=[s["index"] for s in samples],
-                 bucket=samples[0]["bucket"], failures=[f for s in samples for f in s["failures"]])
+    batch = {
+        key: torch.stack([s[key] for s in samples]) for key in samples[0] if torch.is_tensor(samples[0][key])
+    }
+    batch.update(
+        caption=[s["caption"] for s in samples],
+        index=[s["index"] for s in samples],
+        bucket=samples[0]["bucket"],
+        failures=[f for s in samples for f in s["failures"]],
+    )
     return batch

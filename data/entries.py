@@ -26,7 +26,7 @@ class _Strings:
     def __getitem__(self, i: int) -> str | None:
         if not self.present[i]:
             return None
-        return self.buffer[self.offsets[i]:self.offsets[i + 1]].tobytes().decode(errors="surrogateescape")
+        return self.buffer[self.offsets[i] : self.offsets[i + 1]].tobytes().decode(errors="surrogateescape")
 
     def arrays(self):
         return self.buffer, self.offsets, self.present
@@ -66,7 +66,9 @@ class Entries:
                 self.columns[key] = _Strings(values)
             elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in present):
                 try:  # all missing (images have no fps) is a number column of NaN
-                    self.columns[key] = _Numbers(values, integer=bool(present) and all(isinstance(v, int) for v in present))
+                    self.columns[key] = _Numbers(
+                        values, integer=bool(present) and all(isinstance(v, int) for v in present)
+                    )
                 except OverflowError:  # a whole number beyond int64: metadata tessera does not read
                     pass
         self.length = len(dicts)

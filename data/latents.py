@@ -14,30 +14,49 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-META_KEYS = {"vae": ("kind", "pretrained", "seed", "tiny_base_dim", "tiny_latent_channels", "tile_latent",
-                     "tile_overlap"),
-             "text_encoder": ("kind", "pretrained", "max_length", "seed", "tiny_d_model", "tiny_layers"),
-             "data": ("fps",)}
+META_KEYS = {
+    "vae": (
+        "kind",
+        "pretrained",
+        "seed",
+        "tiny_base_dim",
+        "tiny_latent_channels",
+        "tile_latent",
+        "tile_overlap",
+    ),
+    "text_encoder": ("kind", "pretrained", "max_length", "seed", "tiny_d_model", "tiny_layers"),
+    "data": ("fps",),
+}
 
 
 def latent_meta(cfg) -> dict:
     """What the latents depend on, besides the samples themselves."""
-    return {section: {k: OmegaConf.to_container(cfg, resolve=True)[section][k] for k in keys}
-            for section, keys in META_KEYS.items()}
+    return {
+        section: {k: OmegaConf.to_container(cfg, resolve=True)[section][k] for k in keys}
+        for section, keys in META_KEYS.items()
+    }
 
 
 def read_latent_index(folder, cfg) -> list[dict]:
     folder = Path(folder)
     if not (folder / "index.jsonl").is_file() or not (folder / "meta.json").is_file():
-        raise FileNotFoundError(f"data.latents='{folder}' has no index.jsonl and meta.json; write it with "
-                                f"torchrun scripts/precompute_latents.py --config <recipe> --out {folder}")
+        raise FileNotFoundError(
+            f"data.latents='{folder}' has no index.jsonl and meta.json; write it with "
+            f"torchrun scripts/precompute_latents.py --config <recipe> --out {folder}"
+        )
     made_with = json.loads((folder / "meta.json").read_text())
     now = latent_meta(cfg)
-    differ = [f"{s}.{k}: {made_with.get(s, {}).get(k)!r} there, {now[s][k]!r} here"
-              for s in now for k in now[s] if made_with.get(s, {}).get(k) != now[s][k]]
+    differ = [
+        f"{s}.{k}: {made_with.get(s, {}).get(k)!r} there, {now[s][k]!r} here"
+        for s in now
+        for k in now[s]
+        if made_with.get(s, {}).get(k) != now[s][k]
+    ]
     if differ:
-        raise ValueError(f"data.latents='{folder}' was made with another VAE, text encoder or fps ({'; '.join(differ)}); "
-                         f"recompute it with this recipe or change the recipe back")
+        raise ValueError(
+            f"data.latents='{folder}' was made with another VAE, text encoder or fps ({'; '.join(differ)}); "
+            f"recompute it with this recipe or change the recipe back"
+        )
     entries = []
     with open(folder / "index.jsonl") as f:
         for line in f:

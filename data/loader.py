@@ -11,8 +11,12 @@ from data.sampler import BucketSampler
 
 # How the start-up summary counts the files a manifest or folder lists but training cannot use
 # (anything else that failed to probe is 'unreadable').
-LEFT_OUT_CATEGORIES = (("unsupported file type", "unsupported file type"), ("no caption file", "no caption"),
-                       ("caption file", "caption not UTF-8"), ("FileNotFoundError", "missing"))
+LEFT_OUT_CATEGORIES = (
+    ("unsupported file type", "unsupported file type"),
+    ("no caption file", "no caption"),
+    ("caption file", "caption not UTF-8"),
+    ("FileNotFoundError", "missing"),
+)
 
 
 def build_buckets(cfg) -> BucketTable:
@@ -29,36 +33,55 @@ def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
         from data.dataset import LatentDataset
         from data.latents import read_latent_index
 
-        return LatentDataset(read_latent_index(dc.latents, cfg), table, cfg.text_encoder.max_length, cfg.train.seed)
+        return LatentDataset(
+            read_latent_index(dc.latents, cfg), table, cfg.text_encoder.max_length, cfg.train.seed
+        )
     if dc.manifest:
         from data.dataset import MediaDataset
         from data.manifest import complete_metadata, read_manifest
 
         skipped = {}  # a folder's files without a caption or that could not be probed
-        entries, unreadable = complete_metadata(read_manifest(dc.manifest, skipped), need_fps=dc.fps is not None)
+        entries, unreadable = complete_metadata(
+            read_manifest(dc.manifest, skipped), need_fps=dc.fps is not None
+        )
         unreadable.update(skipped)
         if not entries:
             named = "; ".join(f"{p}: {why}" for p, why in list(unreadable.items())[:3])
-            raise ValueError(f"data.manifest='{dc.manifest}': none of its {len(unreadable)} files can be read ({named} ...)")
+            raise ValueError(
+                f"data.manifest='{dc.manifest}': none of its {len(unreadable)} files can be read ({named} ...)"
+            )
         dataset = MediaDataset(entries, table, dc.fps, cfg.train.seed)
         for path, why in unreadable.items():
-            category = next((name for prefix, name in LEFT_OUT_CATEGORIES if why.startswith(prefix)), "unreadable")
+            category = next(
+                (name for prefix, name in LEFT_OUT_CATEGORIES if why.startswith(prefix)), "unreadable"
+            )
             dataset.leave_out(path, category, why)
         return dataset
     from data.dataset import SyntheticDataset
     from data.synthetic import SyntheticVideoDataset
 
-    generator = SyntheticVideoDataset(dc.synthetic_samples, max(table.frame_counts), dc.height, dc.width,
-                                      seed=dc.synthetic_seed, min_frames=min(table.frame_counts))
+    generator = SyntheticVideoDataset(
+        dc.synthetic_samples,
+        max(table.frame_counts),
+        dc.height,
+        dc.width,
+        seed=dc.synthetic_seed,
+        min_frames=min(table.frame_counts),
+    )
     return SyntheticDataset(generator, table, cfg.train.seed)
 
 
-def build_sampler(cfg, dataset: BucketedDataset, table: BucketTable, dp_rank: int, dp_size: int) -> BucketSampler:
-    return BucketSampler(dataset.bucket_of, table.batch_sizes, dp_rank, dp_size, cfg.train.seed,
-                         cfg.data.epoch_remainder)
+def build_sampler(
+    cfg, dataset: BucketedDataset, table: BucketTable, dp_rank: int, dp_size: int
+) -> BucketSampler:
+    return BucketSampler(
+        dataset.bucket_of, table.batch_sizes, dp_rank, dp_size, cfg.train.seed, cfg.data.epoch_remainder
+    )
 
 
-def check_same_plan(sampler: BucketSampler, dataset: BucketedDataset, resume_step: int | None, group=None) -> None:
+def check_same_plan(
+    sampler: BucketSampler, dataset: BucketedDataset, resume_step: int | None, group=None
+) -> None:
     """One small all-gather: every rank must have the same steps per epoch, the same plan, the same
     data and the same checkpoint to resume from (None: none), or the job would hang later in a
     collective that one rank never reaches (or train each rank on other samples). A mismatch is an
@@ -69,19 +92,32 @@ def check_same_plan(sampler: BucketSampler, dataset: BucketedDataset, resume_ste
 
     steps, plan_hash = sampler.fingerprint(resume_step or 0)
     world = dist.get_world_size(group)
-    mine = torch.tensor([steps, int(plan_hash[:15], 16), int(dataset.digest()[:15], 16),
-                         -1 if resume_step is None else resume_step], dtype=torch.int64)
-    everyone = comm.all_gather_into_tensor(torch.empty(4 * world, dtype=torch.int64), mine, group).view(world, 4)
+    mine = torch.tensor(
+        [
+            steps,
+            int(plan_hash[:15], 16),
+            int(dataset.digest()[:15], 16),
+            -1 if resume_step is None else resume_step,
+        ],
+        dtype=torch.int64,
+    )
+    everyone = comm.all_gather_into_tensor(torch.empty(4 * world, dtype=torch.int64), mine, group).view(
+        world, 4
+    )
     variants = defaultdict(list)
     for rank, row in enumerate(everyone.tolist()):
         variants[tuple(row)].append(rank)
     if len(variants) > 1:
-        described = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {s} steps per epoch, plan "
-                              f"{p:015x}, data {d:015x}, {'no checkpoint' if at < 0 else f'resuming at step {at}'}"
-                              for (s, p, d, at), r in variants.items())
-        raise ValueError(f"the data or the checkpoint differs between ranks ({described}). Every rank must read the "
-                         f"same manifest with the same recipe and see the same run directory; a file that only some "
-                         f"ranks could probe changes their buckets")
+        described = "; ".join(
+            f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {s} steps per epoch, plan "
+            f"{p:015x}, data {d:015x}, {'no checkpoint' if at < 0 else f'resuming at step {at}'}"
+            for (s, p, d, at), r in variants.items()
+        )
+        raise ValueError(
+            f"the data or the checkpoint differs between ranks ({described}). Every rank must read the "
+            f"same manifest with the same recipe and see the same run directory; a file that only some "
+            f"ranks could probe changes their buckets"
+        )
 
 
 def _worker_init(_):
@@ -117,7 +153,13 @@ def build_loader(dataset: BucketedDataset, sampler: BucketSampler, num_workers: 
     import os
 
     faulty = "loader" in os.environ.get("TESSERA_FAULT", "")
-    return DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                      collate_fn=_FaultyCollate(sampler.start_step) if faulty else collate,
-                      persistent_workers=num_workers > 0, pin_memory=torch.cuda.is_available(),
-                      prefetch_factor=2 if num_workers > 0 else None, worker_init_fn=_worker_init)
+    return DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        collate_fn=_FaultyCollate(sampler.start_step) if faulty else collate,
+        persistent_workers=num_workers > 0,
+        pin_memory=torch.cuda.is_available(),
+        prefetch_factor=2 if num_workers > 0 else None,
+        worker_init_fn=_worker_init,
+    )

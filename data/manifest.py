@@ -25,7 +25,9 @@ def read_manifest(path, left_out: dict | None = None) -> list[dict]:
     if path.is_dir():
         entries, skipped = index_folder(path)
         if not entries:
-            raise ValueError(f"data.manifest='{path}' is a folder without captioned media (a .txt beside each file)")
+            raise ValueError(
+                f"data.manifest='{path}' is a folder without captioned media (a .txt beside each file)"
+            )
         if left_out is not None:
             left_out.update(skipped)
         return entries
@@ -96,8 +98,9 @@ def probe_all(paths: list[str], workers: int | None = None, desc: str = "probe")
         return list(tqdm(pool.map(_probe, paths, chunksize=16), total=len(paths), desc=desc))
 
 
-def complete_metadata(entries: list[dict], workers: int | None = None,
-                      need_fps: bool = False) -> tuple[list[dict], dict[str, str]]:
+def complete_metadata(
+    entries: list[dict], workers: int | None = None, need_fps: bool = False
+) -> tuple[list[dict], dict[str, str]]:
     """Probe the entries whose size keys are missing (and, with need_fps, videos without an fps: the
     frames a clip holds at data.fps depend on it). Returns (entries with sizes, {path: why} of those
     left out: an unsupported file type, or a file that could not be probed)."""
@@ -106,12 +109,25 @@ def complete_metadata(entries: list[dict], workers: int | None = None,
         ext = os.path.splitext(e["path"])[1].lower()
         if ext not in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS:
             failed[e["path"]] = f"unsupported file type '{ext}'"
-    todo = [e for e in entries if e["path"] not in failed and (
-        any(e.get(k) is None for k in SIZE_KEYS)
-        or (need_fps and e.get("fps") is None and os.path.splitext(e["path"])[1].lower() in VIDEO_EXTENSIONS))]
+    todo = [
+        e
+        for e in entries
+        if e["path"] not in failed
+        and (
+            any(e.get(k) is None for k in SIZE_KEYS)
+            or (
+                need_fps
+                and e.get("fps") is None
+                and os.path.splitext(e["path"])[1].lower() in VIDEO_EXTENSIONS
+            )
+        )
+    ]
     if len(todo) > 1000:
-        print(f"[tessera] probing {len(todo)} files without width/height/num_frames/fps in the manifest; "
-              f"scripts/index_folder.py writes them once", flush=True)
+        print(
+            f"[tessera] probing {len(todo)} files without width/height/num_frames/fps in the manifest; "
+            f"scripts/index_folder.py writes them once",
+            flush=True,
+        )
     for entry, info in zip(todo, probe_all([e["path"] for e in todo], workers)):
         if "error" in info:
             failed[entry["path"]] = info["error"]

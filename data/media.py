@@ -65,8 +65,12 @@ def _stream_start(stream) -> float:
 
 def _seek(container, stream, seconds: float) -> None:
     """To the key frame at or before `seconds` after the stream's start."""
-    container.seek(int((seconds + _stream_start(stream)) / stream.time_base), stream=stream, backward=True,
-                   any_frame=False)
+    container.seek(
+        int((seconds + _stream_start(stream)) / stream.time_base),
+        stream=stream,
+        backward=True,
+        any_frame=False,
+    )
 
 
 def _sideways(rotation: int) -> bool:
@@ -157,7 +161,7 @@ def cover_size(height: int, width: int, target_h: int, target_w: int) -> tuple[i
 def centre_crop(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
     """(..., H, W, 3) -> (..., height, width, 3), keeping the centre."""
     top, left = (pixels.shape[-3] - height) // 2, (pixels.shape[-2] - width) // 2
-    return pixels[..., top:top + height, left:left + width, :]
+    return pixels[..., top : top + height, left : left + width, :]
 
 
 def fit_to_bucket(pixels: np.ndarray, frames: int, height: int, width: int) -> np.ndarray:
@@ -170,8 +174,13 @@ def fit_to_bucket(pixels: np.ndarray, frames: int, height: int, width: int) -> n
     h, w = video.shape[1:3]
     if (h, w) != (height, width):
         new_h, new_w = cover_size(h, w, height, width)
-        video = F.interpolate(video.permute(0, 3, 1, 2), size=(new_h, new_w), mode="bilinear", antialias=True,
-                              align_corners=False).permute(0, 2, 3, 1)
+        video = F.interpolate(
+            video.permute(0, 3, 1, 2),
+            size=(new_h, new_w),
+            mode="bilinear",
+            antialias=True,
+            align_corners=False,
+        ).permute(0, 2, 3, 1)
         video = centre_crop(video, height, width)
     return (video.clamp(0, 1) * 255.0 + 0.5).to(torch.uint8).numpy()
 
@@ -211,8 +220,15 @@ def probe_media(path) -> dict:
         return {"width": width, "height": height, "num_frames": int(frames), "fps": _native_rate(stream)}
 
 
-def read_clip(path, frames: int, height: int, width: int, fps: float | None = None,
-              rng: np.random.Generator | None = None, num_frames: int | None = None) -> np.ndarray:
+def read_clip(
+    path,
+    frames: int,
+    height: int,
+    width: int,
+    fps: float | None = None,
+    rng: np.random.Generator | None = None,
+    num_frames: int | None = None,
+) -> np.ndarray:
     """One training clip as (frames, height, width, 3) uint8, resized to cover the size and centre-cropped.
 
     Videos: the clip starts at a point drawn from `rng` (at 0 without one) within the video's
@@ -239,12 +255,20 @@ def read_clip(path, frames: int, height: int, width: int, fps: float | None = No
         if fps is None:  # consecutive frames: the start is a frame index
             if length and length < frames:
                 raise ValueError(f"too short: {length} frames, the bucket needs {frames}")
-            start = frame_dt * (int(rng.integers(0, length - frames + 1)) if rng is not None and length else 0)
+            start = frame_dt * (
+                int(rng.integers(0, length - frames + 1)) if rng is not None and length else 0
+            )
         else:
             if length and frames > frames_at_rate(length, rate, fps):
-                raise ValueError(f"too short: {length} frames at {rate:g} fps, the bucket needs {frames} at {fps:g} fps")
+                raise ValueError(
+                    f"too short: {length} frames at {rate:g} fps, the bucket needs {frames} at {fps:g} fps"
+                )
             span, last = (frames - 1) / fps, (length - 1) * frame_dt if length else None
-            start = float(rng.uniform(0.0, last - span)) if rng is not None and last is not None and last > span else 0.0
+            start = (
+                float(rng.uniform(0.0, last - span))
+                if rng is not None and last is not None and last > span
+                else 0.0
+            )
         if start > 0:
             _seek(container, stream, start)
         source_h, source_w = stream.codec_context.height, stream.codec_context.width
@@ -254,10 +278,16 @@ def read_clip(path, frames: int, height: int, width: int, fps: float | None = No
             nonlocal cover, scaled
             if cover is None:  # the display rotation swaps the axes FFmpeg scales
                 sideways = _sideways(frame.rotation)
-                cover = cover_size(*((source_w, source_h) if sideways else (source_h, source_w)), height, width)
+                cover = cover_size(
+                    *((source_w, source_h) if sideways else (source_h, source_w)), height, width
+                )
                 scaled = cover[::-1] if sideways else cover
-            pixels = frame.to_ndarray(format="rgb24", width=scaled[1], height=scaled[0],
-                                      interpolation="AREA" if scaled[0] < source_h else "BICUBIC")
+            pixels = frame.to_ndarray(
+                format="rgb24",
+                width=scaled[1],
+                height=scaled[0],
+                interpolation="AREA" if scaled[0] < source_h else "BICUBIC",
+            )
             return centre_crop(_upright(pixels, frame.rotation), height, width)
 
         decoded = _timed_frames(container, stream, frame_dt)
@@ -275,7 +305,9 @@ def read_clip(path, frames: int, height: int, width: int, fps: float | None = No
     return np.stack(out)
 
 
-def _clip_at_end(container, stream, frames: int, fps: float | None, frame_dt: float, start: float, take) -> list:
+def _clip_at_end(
+    container, stream, frames: int, fps: float | None, frame_dt: float, start: float, take
+) -> list:
     """The clip that ends at the video's last frame: the last `frames` frames, or the fps grid whose
     last time is the last frame's. Decodes to the end from before `start` (from the file's start if
     that is not early enough), keeping at most `frames` frames."""
@@ -285,8 +317,9 @@ def _clip_at_end(container, stream, frames: int, fps: float | None, frame_dt: fl
         if fps is not None and tail:  # the last frame's time is known now: the grid that ends there
             begin = max(0.0, tail[-1][0] - (frames - 1) / fps)
             _seek(container, stream, begin)
-            return _nearest_frames(_timed_frames(container, stream, frame_dt), begin + np.arange(frames) / fps,
-                                   frame_dt, take)
+            return _nearest_frames(
+                _timed_frames(container, stream, frame_dt), begin + np.arange(frames) / fps, frame_dt, take
+            )
         if len(tail) == frames or earlier == 0.0:
             return [take(f) for _, f in tail]
     return []
@@ -302,7 +335,9 @@ def write_video(path, video: np.ndarray, fps: int = 8, scale: int = 1) -> list[P
     path = Path(path)
     ext = path.suffix.lower()
     if ext not in OUTPUT_EXTENSIONS:
-        raise ValueError(f"unsupported output extension '{ext}' for {path}; use one of {', '.join(OUTPUT_EXTENSIONS)}")
+        raise ValueError(
+            f"unsupported output extension '{ext}' for {path}; use one of {', '.join(OUTPUT_EXTENSIONS)}"
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     video = np.asarray(video, dtype=np.float32)
     if ext == ".npy":

@@ -30,7 +30,11 @@ class Plan:
         self.samples, self.starts, self.ends = samples, starts, ends
         lengths = ends - starts
         # the plan's samples in batch order, gathered without a Python loop over batches
-        flat = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths) + np.repeat(starts, lengths)
+        flat = (
+            np.arange(lengths.sum())
+            - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            + np.repeat(starts, lengths)
+        )
         digest = hashlib.sha1(lengths.astype(np.int64).tobytes())
         digest.update(samples[flat].astype(np.int64).tobytes())
         self.hash = digest.hexdigest()[:16]
@@ -39,12 +43,20 @@ class Plan:
         return len(self.starts)
 
     def __getitem__(self, k: int) -> np.ndarray:
-        return self.samples[self.starts[k]:self.ends[k]]
+        return self.samples[self.starts[k] : self.ends[k]]
 
 
 class BucketSampler:
-    def __init__(self, bucket_of, batch_sizes: list[int], dp_rank: int = 0, dp_size: int = 1, seed: int = 0,
-                 remainder: str = "pad", start_step: int = 0):
+    def __init__(
+        self,
+        bucket_of,
+        batch_sizes: list[int],
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        seed: int = 0,
+        remainder: str = "pad",
+        start_step: int = 0,
+    ):
         """bucket_of[i] is sample i's bucket; batch_sizes[b] is bucket b's per-rank batch size."""
         if remainder not in REMAINDER_MODES:
             raise ValueError(f"data.epoch_remainder must be one of {REMAINDER_MODES}, got {remainder!r}")
@@ -58,8 +70,10 @@ class BucketSampler:
         self.batches_per_bucket = [-(-len(m) // bs) for m, bs in zip(self.members, self.batch_sizes)]
         self.num_batches = sum(self.batches_per_bucket)  # before padding or dropping, the same every epoch
         if remainder == "drop" and self.num_batches < dp_size:
-            raise ValueError(f"data.epoch_remainder=drop: the dataset makes {self.num_batches} batches per epoch, "
-                             f"fewer than the {dp_size} data-parallel ranks; use data.epoch_remainder=pad or add data")
+            raise ValueError(
+                f"data.epoch_remainder=drop: the dataset makes {self.num_batches} batches per epoch, "
+                f"fewer than the {dp_size} data-parallel ranks; use data.epoch_remainder=pad or add data"
+            )
         self.dataset_size, self.dp_rank, self.dp_size = len(bucket_of), dp_rank, dp_size
         self.seed, self.remainder, self.start_step = seed, remainder, start_step
         whole = self.num_batches // dp_size if remainder == "drop" else -(-self.num_batches // dp_size)
@@ -82,7 +96,9 @@ class BucketSampler:
                 offset += len(members)
             starts, ends = np.concatenate(starts), np.concatenate(ends)
             order = rng.permutation(len(starts))
-            order = order[np.arange(self.steps_per_epoch * self.dp_size) % len(order)]  # pad by wrapping, or drop
+            order = order[
+                np.arange(self.steps_per_epoch * self.dp_size) % len(order)
+            ]  # pad by wrapping, or drop
             if len(self._plans) >= 2:
                 self._plans.pop(min(self._plans))
             self._plans[epoch] = Plan(np.concatenate(shuffled), starts[order], ends[order])
@@ -111,9 +127,18 @@ class BucketSampler:
 
     def state_dict(self, step: int) -> dict:
         epoch, in_epoch = self.position(step)
-        return dict(seed=self.seed, epoch=epoch, step_in_epoch=in_epoch, step=step, plan_hash=self.plan(epoch).hash,
-                    dp_size=self.dp_size, steps_per_epoch=self.steps_per_epoch, dataset_size=self.dataset_size,
-                    origin_step=self.origin_step, origin_epoch=self.origin_epoch)
+        return dict(
+            seed=self.seed,
+            epoch=epoch,
+            step_in_epoch=in_epoch,
+            step=step,
+            plan_hash=self.plan(epoch).hash,
+            dp_size=self.dp_size,
+            steps_per_epoch=self.steps_per_epoch,
+            dataset_size=self.dataset_size,
+            origin_step=self.origin_step,
+            origin_epoch=self.origin_epoch,
+        )
 
     def load_state_dict(self, state: dict, on_change: str = "error") -> tuple[int, str]:
         """Continue from a checkpoint's data position: returns (the step to start at, '' or why the plan
@@ -130,25 +155,35 @@ class BucketSampler:
         if missing:
             why = f"its data position lacks {missing} (it was written by an older tessera)"
         elif state["dp_size"] != self.dp_size:
-            why = f"it was written with {state['dp_size']} data-parallel ranks and this run has {self.dp_size}"
+            why = (
+                f"it was written with {state['dp_size']} data-parallel ranks and this run has {self.dp_size}"
+            )
         elif state["seed"] != self.seed:
             why = f"it used train.seed={state['seed']} and this run {self.seed}"
         elif state.get("steps_per_epoch") != self.steps_per_epoch:
-            why = (f"an epoch had {state.get('steps_per_epoch')} steps then and has {self.steps_per_epoch} now (the data, "
-                   f"buckets or batch sizes changed)")
+            why = (
+                f"an epoch had {state.get('steps_per_epoch')} steps then and has {self.steps_per_epoch} now (the data, "
+                f"buckets or batch sizes changed)"
+            )
         else:
             self.origin_step, self.origin_epoch = state.get("origin_step", 0), state.get("origin_epoch", 0)
-            if self.position(step) == (state["epoch"], state["step_in_epoch"]) and \
-                    self.plan(state["epoch"]).hash == state["plan_hash"]:
+            if (
+                self.position(step) == (state["epoch"], state["step_in_epoch"])
+                and self.plan(state["epoch"]).hash == state["plan_hash"]
+            ):
                 return step, ""
-            why = f"epoch {state['epoch']}'s batch plan differs from the checkpoint's (the data, bucket assignment or " \
-                  f"batch sizes changed)"
+            why = (
+                f"epoch {state['epoch']}'s batch plan differs from the checkpoint's (the data, bucket assignment or "
+                f"batch sizes changed)"
+            )
         epoch = int(state.get("epoch", 0))
         if on_change == "error":
-            raise ValueError(f"cannot resume the data position: {why}. Resume with the same data, recipe and number of "
-                             f"data-parallel ranks; or set data.on_plan_change=new_epoch to start epoch {epoch + 1} "
-                             f"under the new plan (the rest of epoch {epoch} is skipped); or start fresh with "
-                             f"train.resume=none")
+            raise ValueError(
+                f"cannot resume the data position: {why}. Resume with the same data, recipe and number of "
+                f"data-parallel ranks; or set data.on_plan_change=new_epoch to start epoch {epoch + 1} "
+                f"under the new plan (the rest of epoch {epoch} is skipped); or start fresh with "
+                f"train.resume=none"
+            )
         self.origin_step, self.origin_epoch = step, epoch + 1
         return step, f"{why}: epoch {self.origin_epoch} starts at step {step} under the new plan"
 

@@ -40,8 +40,9 @@ def prompt_color(prompt: str) -> str:
     return next(c for c in COLORS if f" {c} " in f" {prompt} ")
 
 
-def render_clip(color, shape, direction, frames, height, width, rng: np.random.Generator,
-                span: int | None = None) -> np.ndarray:
+def render_clip(
+    color, shape, direction, frames, height, width, rng: np.random.Generator, span: int | None = None
+) -> np.ndarray:
     """(frames, height, width, 3) float32 in [0, 1]. The object moves at a constant speed per frame, so
     any first-k-frames crop (what a bucket takes) shows the same motion; it is large and fast so that
     shape and direction are visible at the demo's 24 pixels and a few frames. Its path over the first
@@ -82,8 +83,17 @@ class SyntheticVideoDataset:
     min_frames to frames + extra_frames long (min_frames defaults to frames); their shorter side is
     max(height, width). data/dataset.py's SyntheticDataset puts them into buckets."""
 
-    def __init__(self, num_samples: int, frames: int, height: int, width: int, seed: int = 0,
-                 extra_frames: int = 4, combos=None, min_frames: int | None = None):
+    def __init__(
+        self,
+        num_samples: int,
+        frames: int,
+        height: int,
+        width: int,
+        seed: int = 0,
+        extra_frames: int = 4,
+        combos=None,
+        min_frames: int | None = None,
+    ):
         self.num_samples = num_samples
         self.frames, self.height, self.width = frames, height, width
         self.seed = seed
@@ -101,16 +111,30 @@ class SyntheticVideoDataset:
         aspect_w, aspect_h = ASPECT_RATIOS[rng.integers(len(ASPECT_RATIOS))]
         short = max(self.height, self.width)
         scale = short / min(aspect_w, aspect_h)
-        return dict(color=color, shape=shape, direction=direction, caption=caption(color, shape, direction),
-                    frames=int(rng.integers(self.min_frames, self.frames + self.extra_frames + 1)),
-                    height=int(round(aspect_h * scale)), width=int(round(aspect_w * scale)),
-                    render_seed=int(rng.integers(2**31)))
+        return dict(
+            color=color,
+            shape=shape,
+            direction=direction,
+            caption=caption(color, shape, direction),
+            frames=int(rng.integers(self.min_frames, self.frames + self.extra_frames + 1)),
+            height=int(round(aspect_h * scale)),
+            width=int(round(aspect_w * scale)),
+            render_seed=int(rng.integers(2**31)),
+        )
 
     def render(self, index: int) -> tuple[np.ndarray, str]:
         d = self.describe(index)
         rng = np.random.default_rng(d["render_seed"])
-        clip = render_clip(d["color"], d["shape"], d["direction"], d["frames"], d["height"], d["width"], rng,
-                           span=self.frames)  # buckets take at most self.frames frames
+        clip = render_clip(
+            d["color"],
+            d["shape"],
+            d["direction"],
+            d["frames"],
+            d["height"],
+            d["width"],
+            rng,
+            span=self.frames,
+        )  # buckets take at most self.frames frames
         return clip, d["caption"]
 
 
@@ -136,7 +160,9 @@ def label_components(mask: np.ndarray) -> np.ndarray:
     labels = np.where(mask, np.arange(1, h * w + 1).reshape(h, w), big)
     while True:
         padded = np.pad(labels, 1, constant_values=big)
-        nearest = np.minimum.reduce([labels, padded[:-2, 1:-1], padded[2:, 1:-1], padded[1:-1, :-2], padded[1:-1, 2:]])
+        nearest = np.minimum.reduce(
+            [labels, padded[:-2, 1:-1], padded[2:, 1:-1], padded[1:-1, :-2], padded[1:-1, 2:]]
+        )
         nearest = np.where(mask, nearest, big)
         if np.array_equal(nearest, labels):
             return np.where(mask, labels, 0)
@@ -169,9 +195,11 @@ def shape_templates(height: int, width: int, cy: float, cx: float, area: float) 
     radius = np.sqrt(area / np.pi)
     half = np.sqrt(area / 2)  # the triangle's half height (its base is as wide as it is high)
     v = ys - (cy - half / 3)  # a triangle's centroid lies a third of its half height below its box's middle
-    return {"square": (np.abs(ys - cy) <= side) & (np.abs(xs - cx) <= side),
-            "circle": (ys - cy) ** 2 + (xs - cx) ** 2 <= radius ** 2,
-            "triangle": (v >= -half) & (v <= half) & (np.abs(xs - cx) <= (v + half) / 2)}
+    return {
+        "square": (np.abs(ys - cy) <= side) & (np.abs(xs - cx) <= side),
+        "circle": (ys - cy) ** 2 + (xs - cx) ** 2 <= radius**2,
+        "triangle": (v >= -half) & (v <= half) & (np.abs(xs - cx) <= (v + half) / 2),
+    }
 
 
 SHAPE_IOU = 0.6  # below this overlap with the best template a component has no shape (rendered ones: >= 0.95)
@@ -206,10 +234,19 @@ def read_clip(video: np.ndarray, threshold: float = BRIGHT) -> dict:
         areas.append(int(mask.sum()))
         fractions.append(areas[-1] / total if total else 0.0)
     median = float(np.median(areas))
-    coherent = bool(MIN_AREA * height * width <= median <= MAX_AREA * height * width and min(fractions) >= COHERENT
-                    and all(median / AREA_RATIO <= a <= median * AREA_RATIO for a in areas))
-    out = {"coherent": coherent, "color": None, "shape": None, "direction": None,
-           "min_fraction": round(min(fractions), 3), "areas": areas}
+    coherent = bool(
+        MIN_AREA * height * width <= median <= MAX_AREA * height * width
+        and min(fractions) >= COHERENT
+        and all(median / AREA_RATIO <= a <= median * AREA_RATIO for a in areas)
+    )
+    out = {
+        "coherent": coherent,
+        "color": None,
+        "shape": None,
+        "direction": None,
+        "min_fraction": round(min(fractions), 3),
+        "areas": areas,
+    }
     if not any(areas):
         return out
     pixels = video[np.stack(masks)]
@@ -227,5 +264,7 @@ def read_clip(video: np.ndarray, threshold: float = BRIGHT) -> dict:
         cy = np.array([np.nonzero(masks[f])[0].mean() for f in seen])
         sx, sy = np.polyfit(t, cx, 1)[0], np.polyfit(t, cy, 1)[0]
         if max(abs(sx), abs(sy)) * (frames - 1) >= 1.0:
-            out["direction"] = ("right" if sx > 0 else "left") if abs(sx) >= abs(sy) else ("down" if sy > 0 else "up")
+            out["direction"] = (
+                ("right" if sx > 0 else "left") if abs(sx) >= abs(sy) else ("down" if sy > 0 else "up")
+            )
     return out

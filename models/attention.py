@@ -92,5 +92,7 @@ ATTENTION_BACKENDS = {
 
 def make_attention(backend: str) -> nn.Module:
     if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend '{backend}'; choose one of {', '.join(ATTENTION_BACKENDS)}")
+        raise ValueError(
+            f"unknown attention backend '{backend}'; choose one of {', '.join(ATTENTION_BACKENDS)}"
+        )
     return ATTENTION_BACKENDS[backend]()

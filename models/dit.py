@@ -41,13 +41,16 @@ DiT_models = {
     "DiT-2B": dict(depth=28, hidden_size=2048, num_heads=16),
     "DiT-5B": dict(depth=32, hidden_size=3072, num_heads=24),
 }
-WAN_OPTIONS = dict(adaln="single", qk_norm_across_heads=True, pooled_text=False, text_mask=False,
-                   absolute_positions=False)
-DiT_models.update({  # Wan's text encoder is UMT5-XXL (4096 wide, 512 tokens); Wan2.2-5B needs its 48-channel VAE
-    "Wan2.1-1.3B": dict(depth=30, hidden_size=1536, num_heads=12, ffn_dim=8960, **WAN_OPTIONS),
-    "Wan2.1-14B": dict(depth=40, hidden_size=5120, num_heads=40, ffn_dim=13824, **WAN_OPTIONS),
-    "Wan2.2-5B": dict(depth=30, hidden_size=3072, num_heads=24, ffn_dim=14336, **WAN_OPTIONS),
-})
+WAN_OPTIONS = dict(
+    adaln="single", qk_norm_across_heads=True, pooled_text=False, text_mask=False, absolute_positions=False
+)
+DiT_models.update(
+    {  # Wan's text encoder is UMT5-XXL (4096 wide, 512 tokens); Wan2.2-5B needs its 48-channel VAE
+        "Wan2.1-1.3B": dict(depth=30, hidden_size=1536, num_heads=12, ffn_dim=8960, **WAN_OPTIONS),
+        "Wan2.1-14B": dict(depth=40, hidden_size=5120, num_heads=40, ffn_dim=13824, **WAN_OPTIONS),
+        "Wan2.2-5B": dict(depth=30, hidden_size=3072, num_heads=24, ffn_dim=14336, **WAN_OPTIONS),
+    }
+)
 
 
 def modulate(norm, x, shift, scale):
@@ -138,7 +141,9 @@ class TimestepEmbedder(nn.Module):
     def __init__(self, hidden_size, frequency_size=256):
         super().__init__()
         self.frequency_size = frequency_size
-        self.mlp = nn.Sequential(nn.Linear(frequency_size, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size))
+        self.mlp = nn.Sequential(
+            nn.Linear(frequency_size, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size)
+        )
 
     def forward(self, t):
         half = self.frequency_size // 2
@@ -213,8 +218,16 @@ class CrossAttention(nn.Module):
 
 
 class DiTBlock(nn.Module):
-    def __init__(self, hidden_size, num_heads, mlp_hidden, qk_norm, attention_backend, adaln="zero",
-                 qk_norm_across_heads=False):
+    def __init__(
+        self,
+        hidden_size,
+        num_heads,
+        mlp_hidden,
+        qk_norm,
+        attention_backend,
+        adaln="zero",
+        qk_norm_across_heads=False,
+    ):
         super().__init__()
         self.norm1 = FP32LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.attn = SelfAttention(hidden_size, num_heads, qk_norm, attention_backend, qk_norm_across_heads)
@@ -222,7 +235,9 @@ class DiTBlock(nn.Module):
         self.cross_attn = CrossAttention(hidden_size, num_heads, qk_norm, qk_norm_across_heads)
         self.norm3 = FP32LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.mlp = nn.Sequential(
-            nn.Linear(hidden_size, mlp_hidden), nn.GELU(approximate="tanh"), nn.Linear(mlp_hidden, hidden_size)
+            nn.Linear(hidden_size, mlp_hidden),
+            nn.GELU(approximate="tanh"),
+            nn.Linear(mlp_hidden, hidden_size),
         )
         if adaln == "zero":
             self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
@@ -238,7 +253,9 @@ class DiTBlock(nn.Module):
 
     def forward(self, x, c, y, y_mask, rope):
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.modulation(c)
-        x = (x.float() + self.attn(modulate(self.norm1, x, shift_msa, scale_msa), rope) * gate_msa).to(x.dtype)
+        x = (x.float() + self.attn(modulate(self.norm1, x, shift_msa, scale_msa), rope) * gate_msa).to(
+            x.dtype
+        )
         x = x + self.cross_attn(self.norm2(x).to(x.dtype), y, y_mask)
         return (x.float() + self.mlp(modulate(self.norm3, x, shift_mlp, scale_mlp)) * gate_mlp).to(x.dtype)
 
@@ -281,10 +298,25 @@ class WholeSequence(nn.Module):
 
 
 class DiT(nn.Module):
-    def __init__(self, in_channels, text_dim, depth, hidden_size, num_heads, patch_size=(1, 2, 2),
-                 mlp_ratio=4.0, qk_norm=True, attention_backend="sdpa", rope_theta=10000.0, ffn_dim=None,
-                 adaln="zero", qk_norm_across_heads=False, pooled_text=True, text_mask=True,
-                 absolute_positions=False):
+    def __init__(
+        self,
+        in_channels,
+        text_dim,
+        depth,
+        hidden_size,
+        num_heads,
+        patch_size=(1, 2, 2),
+        mlp_ratio=4.0,
+        qk_norm=True,
+        attention_backend="sdpa",
+        rope_theta=10000.0,
+        ffn_dim=None,
+        adaln="zero",
+        qk_norm_across_heads=False,
+        pooled_text=True,
+        text_mask=True,
+        absolute_positions=False,
+    ):
         super().__init__()
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
@@ -296,24 +328,48 @@ class DiT(nn.Module):
         self.text_mask = text_mask
         self.absolute_positions = absolute_positions
         mlp_hidden = ffn_dim or int(hidden_size * mlp_ratio)
-        self._architecture = dict(in_channels=in_channels, text_dim=text_dim, depth=depth, hidden_size=hidden_size,
-                                  num_heads=num_heads, patch_size=self.patch_size, ffn_dim=mlp_hidden, qk_norm=qk_norm,
-                                  rope_theta=rope_theta, adaln=adaln, qk_norm_across_heads=qk_norm_across_heads,
-                                  pooled_text=pooled_text, text_mask=text_mask,
-                                  absolute_positions=absolute_positions)
+        self._architecture = dict(
+            in_channels=in_channels,
+            text_dim=text_dim,
+            depth=depth,
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            patch_size=self.patch_size,
+            ffn_dim=mlp_hidden,
+            qk_norm=qk_norm,
+            rope_theta=rope_theta,
+            adaln=adaln,
+            qk_norm_across_heads=qk_norm_across_heads,
+            pooled_text=pooled_text,
+            text_mask=text_mask,
+            absolute_positions=absolute_positions,
+        )
         self.x_embedder = PatchEmbed3D(patch_size, in_channels, hidden_size)
         self.t_embedder = TimestepEmbedder(hidden_size)
-        self.y_embedder = nn.Sequential(nn.Linear(text_dim, hidden_size), nn.GELU(approximate="tanh"),
-                                        nn.Linear(hidden_size, hidden_size))
+        self.y_embedder = nn.Sequential(
+            nn.Linear(text_dim, hidden_size), nn.GELU(approximate="tanh"), nn.Linear(hidden_size, hidden_size)
+        )
         # the mean text token joins the time embedding
         self.pooled_embedder = nn.Linear(hidden_size, hidden_size) if pooled_text else None
         # adaLN-single: one projection of the time embedding, shared by every block
-        self.time_proj = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size)) if adaln == "single" else None
+        self.time_proj = (
+            nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size)) if adaln == "single" else None
+        )
         self.rope = RotaryEmbedding3D(hidden_size // num_heads, rope_theta)
         self.sequence = WholeSequence()
         self.blocks = nn.ModuleList(
-            [DiTBlock(hidden_size, num_heads, mlp_hidden, qk_norm, attention_backend, adaln, qk_norm_across_heads)
-             for _ in range(depth)]
+            [
+                DiTBlock(
+                    hidden_size,
+                    num_heads,
+                    mlp_hidden,
+                    qk_norm,
+                    attention_backend,
+                    adaln,
+                    qk_norm_across_heads,
+                )
+                for _ in range(depth)
+            ]
         )
         self.final_layer = FinalLayer(hidden_size, math.prod(self.patch_size), in_channels, adaln)
         self.init_weights()
@@ -326,8 +382,10 @@ class DiT(nn.Module):
         """Raise if a latent of this size cannot be cut into whole patches."""
         for name, size, p in zip(("frames", "height", "width"), (frames, height, width), self.patch_size):
             if size % p:
-                raise ValueError(f"latent {name} {size} is not divisible by the patch size {p} "
-                                 f"(model.patch_size={list(self.patch_size)})")
+                raise ValueError(
+                    f"latent {name} {size} is not divisible by the patch size {p} "
+                    f"(model.patch_size={list(self.patch_size)})"
+                )
 
     def forward(self, x, t, y, y_mask):
         """x: (B, C, T, H, W) latents; t: (B,) in [0, 1]; y: (B, L, text_dim) text tokens; y_mask: (B, L) bool."""
@@ -348,7 +406,9 @@ class DiT(nn.Module):
         self.check_input_shape(*x.shape[2:])
         tokens, grid = self.x_embedder(x.to(self.x_embedder.proj.weight.dtype))
         if self.absolute_positions:
-            tokens = tokens + absolute_position_embedding(grid, tokens.shape[-1], tokens.device).to(tokens.dtype)
+            tokens = tokens + absolute_position_embedding(grid, tokens.shape[-1], tokens.device).to(
+                tokens.dtype
+            )
         return tokens, grid
 
     def condition(self, t, y, y_mask) -> "Conditioning":
@@ -362,7 +422,9 @@ class DiT(nn.Module):
         temb = self.t_embedder(t).to(dtype)  # (B, D), computed in float32
         if self.pooled_embedder is not None:
             temb = temb + self.pooled_embedder(masked_mean(y, y_mask))
-        c = temb if self.time_proj is None else self.time_proj(temb).unflatten(1, (6, -1))  # (B, D) or (B, 6, D)
+        c = (
+            temb if self.time_proj is None else self.time_proj(temb).unflatten(1, (6, -1))
+        )  # (B, D) or (B, 6, D)
         return Conditioning(temb, c, y, y_mask if self.text_mask else None)
 
     def unpatchify(self, x, grid):
@@ -395,7 +457,9 @@ def parameter_generator(seed: int, name: str) -> torch.Generator:
 
 
 @torch.no_grad()
-def init_parameter(name: str, tensor: torch.Tensor, module: nn.Module, zero_init: bool = True, generator=None):
+def init_parameter(
+    name: str, tensor: torch.Tensor, module: nn.Module, zero_init: bool = True, generator=None
+):
     """The DiT's initialisation of one parameter (`name` as in DiT.named_parameters(), `module` the one
     that owns it), in place. The one place the init rules live."""
     kind = name.rpartition(".")[2]
@@ -403,8 +467,11 @@ def init_parameter(name: str, tensor: torch.Tensor, module: nn.Module, zero_init
         nn.init.normal_(tensor, std=tensor.shape[-1] ** -0.5, generator=generator)
     elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         nn.init.ones_(tensor) if kind == "weight" else nn.init.zeros_(tensor)
-    elif (".adaLN_modulation." in f".{name}" or name.startswith("final_layer.linear.")
-          or name.endswith("cross_attn.proj.weight")):
+    elif (
+        ".adaLN_modulation." in f".{name}"
+        or name.startswith("final_layer.linear.")
+        or name.endswith("cross_attn.proj.weight")
+    ):
         # adaLN-Zero: every block starts as the identity, and so does the text path into it
         if zero_init:
             nn.init.zeros_(tensor)
@@ -425,7 +492,14 @@ def masked_mean(y, mask):
     return (y * m).sum(1) / m.sum(1).clamp(min=1.0)
 
 
-ARCHITECTURE_OPTIONS = ("ffn_dim", "adaln", "qk_norm_across_heads", "pooled_text", "text_mask", "absolute_positions")
+ARCHITECTURE_OPTIONS = (
+    "ffn_dim",
+    "adaln",
+    "qk_norm_across_heads",
+    "pooled_text",
+    "text_mask",
+    "absolute_positions",
+)
 
 
 def architecture_differences(ours: dict, theirs: dict) -> list[str]:
@@ -436,9 +510,13 @@ def architecture_differences(ours: dict, theirs: dict) -> list[str]:
 
 def recipe_key(name: str) -> str:
     """The recipe key that sets an entry of DiT.architecture(), for error messages."""
-    return {"in_channels": "the VAE's latent channels (vae.*)", "text_dim": "the text encoder's width (text_encoder.*)",
-            "depth": "model.size", "hidden_size": "model.size", "num_heads": "model.size"}.get(
-        name, f"model.{name} (or model.size)" if name in ARCHITECTURE_OPTIONS else f"model.{name}")
+    return {
+        "in_channels": "the VAE's latent channels (vae.*)",
+        "text_dim": "the text encoder's width (text_encoder.*)",
+        "depth": "model.size",
+        "hidden_size": "model.size",
+        "num_heads": "model.size",
+    }.get(name, f"model.{name} (or model.size)" if name in ARCHITECTURE_OPTIONS else f"model.{name}")
 
 
 def build_dit(model_cfg, in_channels: int, text_dim: int) -> DiT:
@@ -450,9 +528,16 @@ def build_dit(model_cfg, in_channels: int, text_dim: int) -> DiT:
     arch.update({key: model_cfg[key] for key in ARCHITECTURE_OPTIONS if model_cfg.get(key) is not None})
     if arch.get("adaln", "zero") not in ("zero", "single"):
         raise ValueError(f"model.adaln must be 'zero' or 'single', got '{arch['adaln']}'")
-    return DiT(in_channels=in_channels, text_dim=text_dim, patch_size=tuple(model_cfg.patch_size),
-               mlp_ratio=model_cfg.mlp_ratio, qk_norm=model_cfg.qk_norm,
-               attention_backend=model_cfg.attention_backend, rope_theta=model_cfg.rope_theta, **arch)
+    return DiT(
+        in_channels=in_channels,
+        text_dim=text_dim,
+        patch_size=tuple(model_cfg.patch_size),
+        mlp_ratio=model_cfg.mlp_ratio,
+        qk_norm=model_cfg.qk_norm,
+        attention_backend=model_cfg.attention_backend,
+        rope_theta=model_cfg.rope_theta,
+        **arch,
+    )
 
 
 def count_parameters(model: nn.Module) -> int:

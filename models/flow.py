@@ -27,7 +27,9 @@ class RectifiedFlow:
         return num_tokens(latent.shape[1:], self.patch_size)
 
     def shift_for(self, num_tokens: int) -> float:
-        if self.shift_reference_tokens == 0:  # a fixed shift, as Wan's pipeline uses (3.0 at 480p, 5.0 at 720p)
+        if (
+            self.shift_reference_tokens == 0
+        ):  # a fixed shift, as Wan's pipeline uses (3.0 at 480p, 5.0 at 720p)
             return self.shift_base
         return self.shift_base * math.sqrt(num_tokens / self.shift_reference_tokens)
 
@@ -68,8 +70,19 @@ class RectifiedFlow:
         return x.float() + (sigmas[i + 1] - sigmas[i]) * v.float()
 
     @torch.no_grad()
-    def sample(self, model, noise, y, y_mask, neg_y=None, neg_mask=None, steps: int = 30, guidance: float = 1.0,
-               progress=None, velocity=None):
+    def sample(
+        self,
+        model,
+        noise,
+        y,
+        y_mask,
+        neg_y=None,
+        neg_mask=None,
+        steps: int = 30,
+        guidance: float = 1.0,
+        progress=None,
+        velocity=None,
+    ):
         """Euler integration from noise (t=1) to data (t=0). With guidance != 1, the conditional and the
         negative/unconditional branches run as one batch of 2B. `velocity(x, sigma)`, if given, replaces
         the guided model call (CFG parallel: parallel/pipefusion.py's `cfg_velocity`)."""

@@ -31,9 +31,12 @@ def build_model(cfg, text_encoder: TextEncoder, vae: LatentSpace, weights: bool 
     with torch.device("meta"):
         model = build_dit(cfg.model, in_channels=vae.latent_channels, text_dim=text_encoder.dim)
     if not model.text_mask and cfg.text_encoder.max_length != 512:
-        warnings.warn(f"text_encoder.max_length={cfg.text_encoder.max_length} with unmasked text (model.text_mask "
-                      "false, as Wan): padding is attended, so the model sees other inputs than Wan's 512-token "
-                      "padding; set text_encoder.max_length=512 to match Wan", stacklevel=2)
+        warnings.warn(
+            f"text_encoder.max_length={cfg.text_encoder.max_length} with unmasked text (model.text_mask "
+            "false, as Wan): padding is attended, so the model sees other inputs than Wan's 512-token "
+            "padding; set text_encoder.max_length=512 to match Wan",
+            stacklevel=2,
+        )
     if weights:
         materialize(model, "cpu", cfg.train.seed, open_pretrained(cfg, model))
     return model
@@ -55,21 +58,47 @@ def open_pretrained(cfg, model: DiT):
         wrong = [f"{recipe_key(k)}: {k}={ours[k]!r}, the folder has {folder[k]!r}" for k in differs]
         dims = ("depth", "hidden_size", "num_heads")
         value = lambda v: str(v).lower() if isinstance(v, bool) else list(v) if isinstance(v, tuple) else v  # noqa: E731
-        fixes = [f"model.{k}={value(folder[k])}".replace(" ", "") for k in differs
-                 if k in ("patch_size", "qk_norm", "rope_theta", *ARCHITECTURE_OPTIONS)]
+        fixes = [
+            f"model.{k}={value(folder[k])}".replace(" ", "")
+            for k in differs
+            if k in ("patch_size", "qk_norm", "rope_theta", *ARCHITECTURE_OPTIONS)
+        ]
         if any(k in differs for k in dims):
-            same = [name for name, size in DiT_models.items() if all(size.get(k) == folder[k] for k in (*dims, "ffn_dim"))]
-            fixes = ([f"model.size={same[0]}"] if same else []) + [f for f in fixes if not f.startswith("model.ffn_dim")]
+            same = [
+                name
+                for name, size in DiT_models.items()
+                if all(size.get(k) == folder[k] for k in (*dims, "ffn_dim"))
+            ]
+            fixes = ([f"model.size={same[0]}"] if same else []) + [
+                f for f in fixes if not f.startswith("model.ffn_dim")
+            ]
         hint = "; set " + " ".join(fixes) if fixes else ""
-        raise ValueError(f"model.pretrained={cfg.model.pretrained} disagrees with the recipe: " + "; ".join(wrong) + hint)
+        raise ValueError(
+            f"model.pretrained={cfg.model.pretrained} disagrees with the recipe: " + "; ".join(wrong) + hint
+        )
     return weights
 
 
 @torch.no_grad()
-def generate(model, vae: LatentSpace, text_encoder: TextEncoder, flow: RectifiedFlow, prompts: list[str],
-             frames: int, height: int, width: int, steps: int, guidance: float, negative_prompt: str = "",
-             seeds: list[int] | None = None, autocast_dtype=None, progress=None, sampler=None,
-             decode_group=None, decode_fence=None) -> np.ndarray:
+def generate(
+    model,
+    vae: LatentSpace,
+    text_encoder: TextEncoder,
+    flow: RectifiedFlow,
+    prompts: list[str],
+    frames: int,
+    height: int,
+    width: int,
+    steps: int,
+    guidance: float,
+    negative_prompt: str = "",
+    seeds: list[int] | None = None,
+    autocast_dtype=None,
+    progress=None,
+    sampler=None,
+    decode_group=None,
+    decode_fence=None,
+) -> np.ndarray:
     """Videos (B, frames, height, width, 3) as float32 in [0, 1]. Prompt i starts from noise seeded by
     seeds[i] (default: i), so a video does not depend on which other prompts share its batch or rank.
     `sampler` replaces flow.sample(model, ...) (parallel/pipefusion.py's ParallelSampler: PipeFusion, CFG
@@ -79,20 +108,30 @@ def generate(model, vae: LatentSpace, text_encoder: TextEncoder, flow: Rectified
     seeds = list(range(len(prompts))) if seeds is None else seeds
     device = next(model.parameters()).device
     latent_shape = vae.latent_shape(frames, height, width, flow.patch_size)
-    noise = torch.stack([torch.randn(latent_shape, generator=torch.Generator().manual_seed(s))
-                         for s in seeds]).to(device)
+    noise = torch.stack(
+        [torch.randn(latent_shape, generator=torch.Generator().manual_seed(s)) for s in seeds]
+    ).to(device)
     y, y_mask = text_encoder(prompts, device)
     neg_y, neg_mask = text_encoder([negative_prompt] * len(prompts), device)
-    autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype is not None
-                else contextlib.nullcontext())
+    autocast = (
+        torch.autocast(device.type, dtype=autocast_dtype)
+        if autocast_dtype is not None
+        else contextlib.nullcontext()
+    )
     with autocast:
         if sampler is None:
-            latents = flow.sample(model, noise, y, y_mask, neg_y, neg_mask, steps=steps, guidance=guidance,
-                                  progress=progress)
+            latents = flow.sample(
+                model, noise, y, y_mask, neg_y, neg_mask, steps=steps, guidance=guidance, progress=progress
+            )
         else:
-            latents = sampler(flow, noise, y, y_mask, neg_y, neg_mask, steps=steps, guidance=guidance,
-                              progress=progress)
-    tiles = dict(tile=getattr(vae, "tile_latent", VAEConfig.tile_latent),
-                 overlap=getattr(vae, "tile_overlap", VAEConfig.tile_overlap))
-    videos = parallel_vae.decode(vae, latents.float(), decode_group, control_group=decode_fence, **tiles)  # [-1, 1]
+            latents = sampler(
+                flow, noise, y, y_mask, neg_y, neg_mask, steps=steps, guidance=guidance, progress=progress
+            )
+    tiles = dict(
+        tile=getattr(vae, "tile_latent", VAEConfig.tile_latent),
+        overlap=getattr(vae, "tile_overlap", VAEConfig.tile_overlap),
+    )
+    videos = parallel_vae.decode(
+        vae, latents.float(), decode_group, control_group=decode_fence, **tiles
+    )  # [-1, 1]
     return ((videos.clamp(-1, 1) + 1) / 2).permute(0, 2, 3, 4, 1).float().cpu().numpy()

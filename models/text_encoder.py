@@ -32,8 +32,9 @@ class TextEncoder(nn.Module):
 
     @torch.no_grad()
     def _encode_uncached(self, prompts: list[str]):
-        tokens = self.tokenizer(prompts, padding="max_length", truncation=True, max_length=self.max_length,
-                                return_tensors="pt")
+        tokens = self.tokenizer(
+            prompts, padding="max_length", truncation=True, max_length=self.max_length, return_tensors="pt"
+        )
         device = next(self.model.parameters()).device
         ids, mask = tokens.input_ids.to(device), tokens.attention_mask.to(device)
         hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
@@ -57,16 +58,25 @@ class TextEncoder(nn.Module):
 def tiny_t5(d_model: int = 32, num_layers: int = 2):
     from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
 
-    config = T5Config(vocab_size=384, d_model=d_model, d_kv=8, d_ff=2 * d_model, num_layers=num_layers,
-                      num_heads=4, dropout_rate=0.0)
+    config = T5Config(
+        vocab_size=384,
+        d_model=d_model,
+        d_kv=8,
+        d_ff=2 * d_model,
+        num_layers=num_layers,
+        num_heads=4,
+        dropout_rate=0.0,
+    )
     return ByT5Tokenizer(), T5EncoderModel(config)
 
 
 def load_pretrained_text_encoder(kind: str, path: str):
     folder = Path(path)
     if not folder.is_dir():
-        raise FileNotFoundError(f"text_encoder.pretrained='{path}' is not a local folder; tessera never downloads "
-                                f"weights: save the encoder and tokenizer with save_pretrained() and point to that folder")
+        raise FileNotFoundError(
+            f"text_encoder.pretrained='{path}' is not a local folder; tessera never downloads "
+            f"weights: save the encoder and tokenizer with save_pretrained() and point to that folder"
+        )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
@@ -77,12 +87,17 @@ def load_pretrained_text_encoder(kind: str, path: str):
     else:
         from transformers import CLIPTextModel as cls
     tokenizer_dir = folder / "tokenizer" if (folder / "tokenizer").is_dir() else folder
-    model_dir = folder / "text_encoder" if (folder / "text_encoder").is_dir() else folder  # a pipeline folder works too
+    model_dir = (
+        folder / "text_encoder" if (folder / "text_encoder").is_dir() else folder
+    )  # a pipeline folder works too
     if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"text_encoder.pretrained='{path}' has no config.json; save the encoder with "
-                                f"save_pretrained() into that folder (and its tokenizer beside it or in tokenizer/)")
-    return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True), \
-        cls.from_pretrained(model_dir, local_files_only=True)
+        raise FileNotFoundError(
+            f"text_encoder.pretrained='{path}' has no config.json; save the encoder with "
+            f"save_pretrained() into that folder (and its tokenizer beside it or in tokenizer/)"
+        )
+    return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True), cls.from_pretrained(
+        model_dir, local_files_only=True
+    )
 
 
 def build_text_encoder(text_cfg) -> TextEncoder:
@@ -90,8 +105,10 @@ def build_text_encoder(text_cfg) -> TextEncoder:
         tokenizer, model = load_pretrained_text_encoder(text_cfg.kind, text_cfg.pretrained)
     else:
         if text_cfg.kind != "t5":
-            raise ValueError(f"text_encoder.kind={text_cfg.kind} needs text_encoder.pretrained (a local folder); "
-                             f"only the tiny random t5 can be built without one")
+            raise ValueError(
+                f"text_encoder.kind={text_cfg.kind} needs text_encoder.pretrained (a local folder); "
+                f"only the tiny random t5 can be built without one"
+            )
         with seeded(text_cfg.seed):
             tokenizer, model = tiny_t5(text_cfg.tiny_d_model, text_cfg.tiny_layers)
     return TextEncoder(tokenizer, model, text_cfg.max_length, text_cfg.cache_size)

@@ -33,28 +33,41 @@ class LatentSpace(nn.Module):
             return False
         return (frames - 1) % self.temporal_stride == 0 if self.causal else frames % self.temporal_stride == 0
 
-    def latent_shape(self, frames: int, height: int, width: int, patch_size=(1, 1, 1)) -> tuple[int, int, int, int]:
+    def latent_shape(
+        self, frames: int, height: int, width: int, patch_size=(1, 1, 1)
+    ) -> tuple[int, int, int, int]:
         """(C, t, h, w) of the latent for a pixel video, or a ValueError naming what to ask for instead."""
         pt, ph, pw = patch_size
         problems = []
-        frame_ok = [f for f in range(1, 4 * max(frames, 1) + 8 * self.temporal_stride * pt)
-                    if self.valid_frames(f) and self.latent_frames(f) % pt == 0]
+        frame_ok = [
+            f
+            for f in range(1, 4 * max(frames, 1) + 8 * self.temporal_stride * pt)
+            if self.valid_frames(f) and self.latent_frames(f) % pt == 0
+        ]
         if frames not in frame_ok:
             nearest = sorted(frame_ok, key=lambda f: (abs(f - frames), f))[:2]
-            rule = (f"1 + k*{self.temporal_stride}" if self.causal else f"a multiple of {self.temporal_stride}")
-            problems.append(f"frames={frames} cannot be represented: the VAE needs {rule} frames and the latent "
-                            f"frame count must divide by the time patch {pt}; try --frames {' or '.join(map(str, sorted(nearest)))}")
+            rule = f"1 + k*{self.temporal_stride}" if self.causal else f"a multiple of {self.temporal_stride}"
+            problems.append(
+                f"frames={frames} cannot be represented: the VAE needs {rule} frames and the latent "
+                f"frame count must divide by the time patch {pt}; try --frames {' or '.join(map(str, sorted(nearest)))}"
+            )
         for name, size, p in (("height", height, ph), ("width", width, pw)):
             multiple = self.spatial_stride * p
             if size < multiple or size % multiple:
                 lower, upper = max(multiple, size // multiple * multiple), (size // multiple + 1) * multiple
                 options = sorted({lower, upper})
-                problems.append(f"{name}={size} must be a multiple of {multiple} (VAE stride {self.spatial_stride} x "
-                                f"patch {p}); try {' or '.join(map(str, options))}")
+                problems.append(
+                    f"{name}={size} must be a multiple of {multiple} (VAE stride {self.spatial_stride} x "
+                    f"patch {p}); try {' or '.join(map(str, options))}"
+                )
         if problems:
             raise ValueError("; ".join(problems))
-        return (self.latent_channels, self.latent_frames(frames), height // self.spatial_stride,
-                width // self.spatial_stride)
+        return (
+            self.latent_channels,
+            self.latent_frames(frames),
+            height // self.spatial_stride,
+            width // self.spatial_stride,
+        )
 
 
 class IdentityVAE(LatentSpace):
@@ -128,21 +141,36 @@ def tiny_vae_module(kind: str, base_dim: int, latent_channels: int) -> nn.Module
     if kind == "kl":
         from diffusers import AutoencoderKL
 
-        return AutoencoderKL(in_channels=3, out_channels=3, latent_channels=latent_channels,
-                             down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
-                             block_out_channels=(base_dim,) * 3, layers_per_block=1, norm_num_groups=min(8, base_dim))
+        return AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            latent_channels=latent_channels,
+            down_block_types=("DownEncoderBlock2D",) * 3,
+            up_block_types=("UpDecoderBlock2D",) * 3,
+            block_out_channels=(base_dim,) * 3,
+            layers_per_block=1,
+            norm_num_groups=min(8, base_dim),
+        )
     from diffusers import AutoencoderKLWan
 
-    return AutoencoderKLWan(base_dim=base_dim, z_dim=latent_channels, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                            temperal_downsample=[False, True, True], latents_mean=[0.0] * latent_channels,
-                            latents_std=[1.0] * latent_channels)
+    return AutoencoderKLWan(
+        base_dim=base_dim,
+        z_dim=latent_channels,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.0] * latent_channels,
+        latents_std=[1.0] * latent_channels,
+    )
 
 
 def _pretrained_folder(path: str) -> Path:
     folder = Path(path)
     if not folder.is_dir():
-        raise FileNotFoundError(f"vae.pretrained='{path}' is not a local folder; tessera never downloads weights: "
-                                f"save the VAE with save_pretrained() (or download it yourself) and point to that folder")
+        raise FileNotFoundError(
+            f"vae.pretrained='{path}' is not a local folder; tessera never downloads weights: "
+            f"save the VAE with save_pretrained() (or download it yourself) and point to that folder"
+        )
     if (folder / "vae" / "config.json").is_file():  # a whole pipeline folder works too
         folder = folder / "vae"
     if not (folder / "config.json").is_file():
@@ -182,8 +210,12 @@ def vae_latent_space(vae_cfg) -> LatentSpace:
         with open(folder / "config.json") as f:
             return latent_space(vae_cfg.kind, json.load(f))
     if vae_cfg.kind == "kl":
-        return latent_space("kl", {"latent_channels": vae_cfg.tiny_latent_channels, "block_out_channels": [0] * 3})
-    return latent_space("wan", {"z_dim": vae_cfg.tiny_latent_channels, "temperal_downsample": [False, True, True]})
+        return latent_space(
+            "kl", {"latent_channels": vae_cfg.tiny_latent_channels, "block_out_channels": [0] * 3}
+        )
+    return latent_space(
+        "wan", {"z_dim": vae_cfg.tiny_latent_channels, "temperal_downsample": [False, True, True]}
+    )
 
 
 def num_tokens(latent_shape, patch_size) -> int:

@@ -88,11 +88,20 @@ def diffusers_config_from_original(config: dict) -> dict:
     """A WanTransformer3DModel config from the original layout's config.json (dim, num_heads, ...)."""
     if config.get("model_type", "t2v") != "t2v":
         raise WanFormatError(f"Wan model_type={config['model_type']!r} is not supported (text-to-video only)")
-    return dict(patch_size=config.get("patch_size", [1, 2, 2]), num_attention_heads=config["num_heads"],
-                attention_head_dim=config["dim"] // config["num_heads"], in_channels=config["in_dim"],
-                out_channels=config.get("out_dim", config["in_dim"]), text_dim=config.get("text_dim", 4096),
-                freq_dim=config.get("freq_dim", 256), ffn_dim=config["ffn_dim"], num_layers=config["num_layers"],
-                eps=config.get("eps", 1e-6), qk_norm="rms_norm_across_heads", cross_attn_norm=True)
+    return dict(
+        patch_size=config.get("patch_size", [1, 2, 2]),
+        num_attention_heads=config["num_heads"],
+        attention_head_dim=config["dim"] // config["num_heads"],
+        in_channels=config["in_dim"],
+        out_channels=config.get("out_dim", config["in_dim"]),
+        text_dim=config.get("text_dim", 4096),
+        freq_dim=config.get("freq_dim", 256),
+        ffn_dim=config["ffn_dim"],
+        num_layers=config["num_layers"],
+        eps=config.get("eps", 1e-6),
+        qk_norm="rms_norm_across_heads",
+        cross_attn_norm=True,
+    )
 
 
 class WanFormatError(ValueError):
@@ -102,35 +111,67 @@ class WanFormatError(ValueError):
 def dit_kwargs_from_diffusers_config(config: dict) -> dict:
     """DiT(...) keyword arguments for a diffusers WanTransformer3DModel config (its config.json)."""
     unsupported = {
-        "image_dim": None, "added_kv_proj_dim": None, "pos_embed_seq_len": None,  # image-to-video
-        "qk_norm": "rms_norm_across_heads", "cross_attn_norm": True, "eps": 1e-6, "freq_dim": 256,
+        "image_dim": None,
+        "added_kv_proj_dim": None,
+        "pos_embed_seq_len": None,  # image-to-video
+        "qk_norm": "rms_norm_across_heads",
+        "cross_attn_norm": True,
+        "eps": 1e-6,
+        "freq_dim": 256,
     }
     for key, expected in unsupported.items():
         if config.get(key, expected) != expected:
-            raise WanFormatError(f"Wan config {key}={config[key]!r} is not supported (tessera expects {expected!r})")
+            raise WanFormatError(
+                f"Wan config {key}={config[key]!r} is not supported (tessera expects {expected!r})"
+            )
     out_channels = config.get("out_channels") or config["in_channels"]
     if out_channels != config["in_channels"]:
-        raise WanFormatError(f"Wan config in_channels={config['in_channels']} and out_channels={out_channels} differ")
+        raise WanFormatError(
+            f"Wan config in_channels={config['in_channels']} and out_channels={out_channels} differ"
+        )
     heads, head_dim = config["num_attention_heads"], config["attention_head_dim"]
-    return dict(in_channels=config["in_channels"], text_dim=config["text_dim"], depth=config["num_layers"],
-                hidden_size=heads * head_dim, num_heads=heads, patch_size=tuple(config["patch_size"]),
-                ffn_dim=config["ffn_dim"], qk_norm=True, rope_theta=10000.0, **WAN_OPTIONS)
+    return dict(
+        in_channels=config["in_channels"],
+        text_dim=config["text_dim"],
+        depth=config["num_layers"],
+        hidden_size=heads * head_dim,
+        num_heads=heads,
+        patch_size=tuple(config["patch_size"]),
+        ffn_dim=config["ffn_dim"],
+        qk_norm=True,
+        rope_theta=10000.0,
+        **WAN_OPTIONS,
+    )
 
 
 def diffusers_config_from_dit(architecture: dict) -> dict:
     """The WanTransformer3DModel config of a DiT built with Wan's options (DiT.architecture()); a DiT
     without them is an error naming the options to set."""
-    wrong = [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in WAN_OPTIONS.items()
-             if architecture[k] != v]
+    wrong = [
+        f"model.{k}={str(v).lower() if isinstance(v, bool) else v}"
+        for k, v in WAN_OPTIONS.items()
+        if architecture[k] != v
+    ]
     if wrong:
-        raise WanFormatError("only a DiT with Wan's architecture options exports to a WanTransformer3DModel; this "
-                             "one was trained without " + " ".join(wrong))
+        raise WanFormatError(
+            "only a DiT with Wan's architecture options exports to a WanTransformer3DModel; this "
+            "one was trained without " + " ".join(wrong)
+        )
     heads = architecture["num_heads"]
-    return dict(patch_size=list(architecture["patch_size"]), num_attention_heads=heads,
-                attention_head_dim=architecture["hidden_size"] // heads, in_channels=architecture["in_channels"],
-                out_channels=architecture["in_channels"], text_dim=architecture["text_dim"], freq_dim=256,
-                ffn_dim=architecture["ffn_dim"], num_layers=architecture["depth"], cross_attn_norm=True,
-                qk_norm="rms_norm_across_heads", eps=1e-6)
+    return dict(
+        patch_size=list(architecture["patch_size"]),
+        num_attention_heads=heads,
+        attention_head_dim=architecture["hidden_size"] // heads,
+        in_channels=architecture["in_channels"],
+        out_channels=architecture["in_channels"],
+        text_dim=architecture["text_dim"],
+        freq_dim=256,
+        ffn_dim=architecture["ffn_dim"],
+        num_layers=architecture["depth"],
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+    )
 
 
 def tessera_sources(diffusers_keys) -> dict:
@@ -139,8 +180,12 @@ def tessera_sources(diffusers_keys) -> dict:
     keys = set(diffusers_keys)
     sources, used = {}, set()
     for template, projections, target in _CONCATENATED:
-        first = re.compile(re.escape(template).replace(r"\{i\}", r"(\d+)").replace(r"\{kind\}", "(weight|bias)")
-                           .replace(r"\{p\}", re.escape(projections[0])))
+        first = re.compile(
+            re.escape(template)
+            .replace(r"\{i\}", r"(\d+)")
+            .replace(r"\{kind\}", "(weight|bias)")
+            .replace(r"\{p\}", re.escape(projections[0]))
+        )
         for key in sorted(keys):
             match = first.fullmatch(key)
             if not match:
@@ -158,17 +203,21 @@ def tessera_sources(diffusers_keys) -> dict:
                 sources[re.sub("^" + pattern + "$", target, key)] = [key]
                 break
         else:
-            raise WanFormatError(f"Wan state dict key '{key}' has no tessera counterpart: tessera reads the "
-                                 "diffusers layout of Wan's text-to-video transformer (image-to-video weights, other "
-                                 "variants and the original Wan checkpoint layout are not supported)")
+            raise WanFormatError(
+                f"Wan state dict key '{key}' has no tessera counterpart: tessera reads the "
+                "diffusers layout of Wan's text-to-video transformer (image-to-video weights, other "
+                "variants and the original Wan checkpoint layout are not supported)"
+            )
     return sources
 
 
 def tessera_state_dict_from_diffusers(state_dict: dict) -> dict:
     """diffusers WanTransformer3DModel state dict -> tessera DiT state dict (tensors are not copied,
     except where two or three projections are concatenated into one)."""
-    return {name: state_dict[keys[0]] if len(keys) == 1 else torch.cat([state_dict[k] for k in keys], dim=0)
-            for name, keys in tessera_sources(state_dict).items()}
+    return {
+        name: state_dict[keys[0]] if len(keys) == 1 else torch.cat([state_dict[k] for k in keys], dim=0)
+        for name, keys in tessera_sources(state_dict).items()
+    }
 
 
 def diffusers_state_dict_from_tessera(state_dict: dict, diffusers_keys) -> dict:
@@ -184,8 +233,15 @@ def diffusers_state_dict_from_tessera(state_dict: dict, diffusers_keys) -> dict:
 
 
 # What dit_kwargs_from_diffusers_config reads from a diffusers config.json.
-CONFIG_KEYS = ("in_channels", "num_attention_heads", "attention_head_dim", "text_dim", "ffn_dim", "num_layers",
-               "patch_size")
+CONFIG_KEYS = (
+    "in_channels",
+    "num_attention_heads",
+    "attention_head_dim",
+    "text_dim",
+    "ffn_dim",
+    "num_layers",
+    "patch_size",
+)
 
 
 def _read_config(path: Path) -> dict:
@@ -196,7 +252,9 @@ def _read_config(path: Path) -> dict:
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise WanFormatError(f"model.pretrained: {path} is not valid JSON ({e})") from None
     if not isinstance(config, dict):
-        raise WanFormatError(f"model.pretrained: {path} holds a JSON {type(config).__name__}, not an object of settings")
+        raise WanFormatError(
+            f"model.pretrained: {path} holds a JSON {type(config).__name__}, not an object of settings"
+        )
     return config
 
 
@@ -208,16 +266,23 @@ def check_safetensors(file: Path) -> None:
         head = f.read(8)
         length = int.from_bytes(head, "little") if len(head) == 8 else -1
         if not 0 < length <= min(size - 8, 100 << 20):
-            raise WanFormatError(f"model.pretrained: {file} is not a safetensors file, or is truncated ({size} bytes, "
-                                 f"too short for the header it announces)")
+            raise WanFormatError(
+                f"model.pretrained: {file} is not a safetensors file, or is truncated ({size} bytes, "
+                f"too short for the header it announces)"
+            )
         try:
             header = json.loads(f.read(length))
-            end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+            end = max(
+                (entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"),
+                default=0,
+            )
         except (ValueError, KeyError, TypeError, IndexError, AttributeError):
             raise WanFormatError(f"model.pretrained: {file} has a damaged safetensors header") from None
     if 8 + length + end > size:
-        raise WanFormatError(f"model.pretrained: {file} is truncated: {size} bytes, its header describes "
-                             f"{8 + length + end} (an interrupted download or copy?)")
+        raise WanFormatError(
+            f"model.pretrained: {file} is truncated: {size} bytes, its header describes "
+            f"{8 + length + end} (an interrupted download or copy?)"
+        )
 
 
 class WanWeights:
@@ -229,35 +294,49 @@ class WanWeights:
         from safetensors import safe_open
 
         self.folder = Path(folder)
-        if not (self.folder / "config.json").is_file() and (self.folder / "transformer" / "config.json").is_file():
+        if (
+            not (self.folder / "config.json").is_file()
+            and (self.folder / "transformer" / "config.json").is_file()
+        ):
             self.folder = self.folder / "transformer"  # a whole WanPipeline folder
         config = self.folder / "config.json"
         if not config.is_file():
-            raise WanFormatError(f"model.pretrained={folder}: no config.json there (expected a diffusers "
-                                 "WanTransformer3DModel folder, or a WanPipeline folder with transformer/ in it)")
+            raise WanFormatError(
+                f"model.pretrained={folder}: no config.json there (expected a diffusers "
+                "WanTransformer3DModel folder, or a WanPipeline folder with transformer/ in it)"
+            )
         self.config = _read_config(config)
         self.original = "num_heads" in self.config and "num_attention_heads" not in self.config
         try:
             if self.original:  # Wan-AI's own layout (config.json with dim, num_heads, ...)
                 self.config = diffusers_config_from_original(self.config)
             if self.config.get("_class_name", "WanTransformer3DModel") != "WanTransformer3DModel":
-                raise WanFormatError(f"model.pretrained={folder}: config.json describes a {self.config['_class_name']}, "
-                                     "not a WanTransformer3DModel")
+                raise WanFormatError(
+                    f"model.pretrained={folder}: config.json describes a {self.config['_class_name']}, "
+                    "not a WanTransformer3DModel"
+                )
             self.dit_kwargs = dit_kwargs_from_diffusers_config(self.config)
         except KeyError as e:
-            raise WanFormatError(f"model.pretrained: {config} has no '{e.args[0]}'; a WanTransformer3DModel config.json "
-                                 f"lists {', '.join(CONFIG_KEYS)} (or, in Wan-AI's layout, dim, num_heads, "
-                                 f"in_dim, ffn_dim and num_layers)") from None
+            raise WanFormatError(
+                f"model.pretrained: {config} has no '{e.args[0]}'; a WanTransformer3DModel config.json "
+                f"lists {', '.join(CONFIG_KEYS)} (or, in Wan-AI's layout, dim, num_heads, "
+                f"in_dim, ffn_dim and num_layers)"
+            ) from None
         files = sorted(self.folder.glob("*.safetensors"))
         if not files:
             raise WanFormatError(f"model.pretrained={folder}: no .safetensors files there")
-        self._key_file, self._file_key = {}, {}  # the diffusers name -> its file's handle, its key in the file
+        self._key_file, self._file_key = (
+            {},
+            {},
+        )  # the diffusers name -> its file's handle, its key in the file
         for file in files:
             check_safetensors(file)
             try:
                 handle = safe_open(str(file), framework="pt")
             except Exception as e:  # noqa: BLE001 - safetensors' own error type
-                raise WanFormatError(f"model.pretrained: {file} cannot be read as safetensors ({e})") from None
+                raise WanFormatError(
+                    f"model.pretrained: {file} cannot be read as safetensors ({e})"
+                ) from None
             for key in handle.keys():
                 name = diffusers_name_from_original(key) if self.original else key
                 self._key_file[name] = handle
@@ -273,9 +352,11 @@ class WanWeights:
         every parameter has a weight."""
         ours, theirs = set(names), set(self.sources)
         if ours - theirs or (not partial and theirs - ours):
-            raise WanFormatError(f"model.pretrained={self.folder} does not fit the model: weights without a place "
-                                 f"{sorted(theirs - ours)[:5] if not partial else []}, parameters without a weight "
-                                 f"{sorted(ours - theirs)[:5]}")
+            raise WanFormatError(
+                f"model.pretrained={self.folder} does not fit the model: weights without a place "
+                f"{sorted(theirs - ours)[:5] if not partial else []}, parameters without a weight "
+                f"{sorted(ours - theirs)[:5]}"
+            )
 
     def shape(self, name: str) -> tuple:
         keys = self.sources[name]
@@ -292,7 +373,7 @@ class WanWeights:
             rows = part.get_shape()[0]
             lo, hi = max(start, offset), min(stop, offset + rows)
             if lo < hi:
-                pieces.append(part[lo - offset:hi - offset].float())
+                pieces.append(part[lo - offset : hi - offset].float())
             offset += rows
         if not pieces:  # an empty shard
             return torch.empty((0, *self.shape(name)[1:]), dtype=torch.float32)

@@ -84,8 +84,11 @@ def previous_checkpoint(path) -> Path | None:
     """The newest complete step_<N> beside `path` that is older than it (the one to fall back on)."""
     path = Path(path)
     step = _step_of(path)
-    older = [(n, p) for p in path.parent.glob("step_*")
-             if (n := _step_of(p)) is not None and (step is None or n < step) and p != path and _is_complete(p)]
+    older = [
+        (n, p)
+        for p in path.parent.glob("step_*")
+        if (n := _step_of(p)) is not None and (step is None or n < step) and p != path and _is_complete(p)
+    ]
     return max(older)[1] if older else None
 
 
@@ -93,8 +96,10 @@ def _fallback_hint(path) -> str:
     previous = previous_checkpoint(path)
     if previous is None:
         return "no earlier complete checkpoint is left beside it: start fresh with train.resume=none"
-    return (f"the previous complete checkpoint is {previous}: resume from it with train.resume={previous} "
-            f"(infer.py --checkpoint {previous})")
+    return (
+        f"the previous complete checkpoint is {previous}: resume from it with train.resume={previous} "
+        f"(infer.py --checkpoint {previous})"
+    )
 
 
 def _follow(pointer: Path) -> Path:
@@ -104,7 +109,9 @@ def _follow(pointer: Path) -> Path:
     except OSError as e:
         raise CheckpointError(f"cannot read {pointer}: {e}") from None
     if not _POINTER.fullmatch(name):
-        raise CheckpointError(f"{pointer} is not a tessera `latest` pointer (a file holding one line, step_<N>)")
+        raise CheckpointError(
+            f"{pointer} is not a tessera `latest` pointer (a file holding one line, step_<N>)"
+        )
     path = pointer.parent / name
     if _is_complete(path):
         return path
@@ -136,8 +143,10 @@ def resolve_checkpoint(spec: str, run_dir) -> Path | None:
     for pointer in (path / "latest", checkpoint_dir(path) / "latest"):
         if pointer.is_file():
             return _follow(pointer)
-    raise CheckpointError(f"checkpoint '{spec}' is not a complete tessera checkpoint folder (no .metadata in it), nor "
-                          f"a `latest` pointer, a checkpoints/ folder or a run directory with one")
+    raise CheckpointError(
+        f"checkpoint '{spec}' is not a complete tessera checkpoint folder (no .metadata in it), nor "
+        f"a `latest` pointer, a checkpoints/ folder or a run directory with one"
+    )
 
 
 # The points of a save where the failure tests kill a process (TESSERA_FAULT=save_<point>, parallel/faults.py):
@@ -226,15 +235,20 @@ def _on_io_group(control_group, call):
         del group
 
 
-def save_checkpoint(runtime, run_dir, step: int, model, ema, optimizer, trainer_state: dict, keep: int) -> Path:
+def save_checkpoint(
+    runtime, run_dir, step: int, model, ema, optimizer, trainer_state: dict, keep: int
+) -> Path:
     """Write step_<N> and move `latest` to it (see the module docstring). Refused before a byte is written,
     alike on every rank: weights that are not finite (NonFiniteWeights) and a checkpoint larger than the
     free space (StorageError). A file system that fails during the save (full, over quota, read-only) is a
     StorageError naming it, the file and the previous checkpoint, which stays `latest`."""
     root = checkpoint_dir(run_dir)
     final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
-    state = {"model": get_model_state_dict(model), "ema": get_model_state_dict(ema),
-             "optimizer": get_optimizer_state_dict(model, optimizer)}
+    state = {
+        "model": get_model_state_dict(model),
+        "ema": get_model_state_dict(ema),
+        "optimizer": get_optimizer_state_dict(model, optimizer),
+    }
     if runtime.is_main:  # what killed or failed saves left: never named by `latest`, and it takes space
         for pattern in (".step_*.tmp", ".step_*.deleted"):
             for leftover in root.glob(pattern):
@@ -258,13 +272,17 @@ def save_checkpoint(runtime, run_dir, step: int, model, ema, optimizer, trainer_
     return final
 
 
-def _write(runtime, state, root: Path, final: Path, tmp: Path, step: int, trainer_state: dict, keep: int) -> None:
+def _write(
+    runtime, state, root: Path, final: Path, tmp: Path, step: int, trainer_state: dict, keep: int
+) -> None:
     faults.at_save("before_shards", runtime.rank, step)
     writer = faults.full_disk_writer(tmp, runtime.rank, step)  # tests only (TESSERA_FAULT=enospc); else None
     # gloo, long timeout (I/O is slow), on a group of its own (see the docstring); DCP's collectives run inside
     with comm.recorded("checkpoint_save", runtime.control_group, None):
-        _on_io_group(runtime.control_group, lambda group: dcp.save(state, checkpoint_id=tmp, process_group=group,
-                                                                  storage_writer=writer))
+        _on_io_group(
+            runtime.control_group,
+            lambda group: dcp.save(state, checkpoint_id=tmp, process_group=group, storage_writer=writer),
+        )
     torch.save(trainer_state, tmp / f"trainer_rank{runtime.rank}.pt")
     _seal(tmp, runtime.rank)
     runtime.fence()
@@ -272,8 +290,12 @@ def _write(runtime, state, root: Path, final: Path, tmp: Path, step: int, traine
         _merge_checksums(tmp, runtime.world_size)
     faults.at_save("after_shards", runtime.rank, step)
     if runtime.is_main:
-        replaced = root / f".step_{step}.old"  # re-saving a step: keep the old copy until the new one is in place
-        if final.exists():  # (without step_<N>, `latest` may resolve to a .old left by a killed re-save: keep it)
+        replaced = (
+            root / f".step_{step}.old"
+        )  # re-saving a step: keep the old copy until the new one is in place
+        if (
+            final.exists()
+        ):  # (without step_<N>, `latest` may resolve to a .old left by a killed re-save: keep it)
             shutil.rmtree(replaced, ignore_errors=True)
             final.rename(replaced)
         tmp.rename(final)
@@ -337,21 +359,29 @@ def _check_before_save(runtime, state: dict, root: Path, step: int, keep: int) -
     latest = find_latest_quietly(root)
     if any(bad):
         which = ", ".join(f"{n} {name} tensor{'s' * (n > 1)}" for n, name in zip(bad, sections) if n)
-        raise NonFiniteWeights(f"refusing to save step {step}: NaN or inf in {which}; nothing was written, and "
-                               f"the last good checkpoint is {latest or 'none (no checkpoint was written yet)'}")
+        raise NonFiniteWeights(
+            f"refusing to save step {step}: NaN or inf in {which}; nothing was written, and "
+            f"the last good checkpoint is {latest or 'none (no checkpoint was written yet)'}"
+        )
     margin = int(0.02 * needed) + (16 << 20)  # the trainer state, checksums and DCP's metadata
     if free < needed + margin:
-        raise StorageError(f"not enough space to save step {step} in {root} ({_file_system(root)}): "
-                           f"{_size(free)} free, the checkpoint needs ~{_size(needed)}; nothing was written, and "
-                           f"{_intact(latest)}. Free space there, or lower train.keep_checkpoints (now {keep}: the "
-                           f"{keep} newest are kept, and a new one is written before the oldest is removed)")
+        raise StorageError(
+            f"not enough space to save step {step} in {root} ({_file_system(root)}): "
+            f"{_size(free)} free, the checkpoint needs ~{_size(needed)}; nothing was written, and "
+            f"{_intact(latest)}. Free space there, or lower train.keep_checkpoints (now {keep}: the "
+            f"{keep} newest are kept, and a new one is written before the oldest is removed)"
+        )
     return needed
 
 
 # errno -> how a message names what the file system refused
-_STORAGE_ERRNOS = {errno.ENOSPC: "no space left on", errno.EDQUOT: "disk quota exceeded on",
-                   errno.EROFS: "read-only file system at", errno.EACCES: "permission denied on",
-                   errno.EPERM: "operation not permitted on"}
+_STORAGE_ERRNOS = {
+    errno.ENOSPC: "no space left on",
+    errno.EDQUOT: "disk quota exceeded on",
+    errno.EROFS: "read-only file system at",
+    errno.EACCES: "permission denied on",
+    errno.EPERM: "operation not permitted on",
+}
 
 
 def storage_problem(error: BaseException, folder: Path | None = None) -> tuple[int, str | None] | None:
@@ -381,8 +411,9 @@ def storage_problem(error: BaseException, folder: Path | None = None) -> tuple[i
     return None
 
 
-def storage_message(problem: tuple[int, str | None], root: Path, needed: int | None = None,
-                    training: bool = True) -> str:
+def storage_message(
+    problem: tuple[int, str | None], root: Path, needed: int | None = None, training: bool = True
+) -> str:
     """The `error:` text for a write the file system refused. `root`: the run's checkpoints/ folder (for
     a training run, the previous checkpoint is named and resuming advised); the file system named is
     the failing file's."""
@@ -397,7 +428,9 @@ def storage_message(problem: tuple[int, str | None], root: Path, needed: int | N
         fix = "free space there" + (" (or lower train.keep_checkpoints)" if training else "")
     else:
         fix = "make it writable, or write elsewhere (run.output_dir" + (")" if training else ", --output)")
-    return f"{message}. {fix[0].upper()}{fix[1:]}, then run the same command" + (" to resume" if training else "")
+    return f"{message}. {fix[0].upper()}{fix[1:]}, then run the same command" + (
+        " to resume" if training else ""
+    )
 
 
 def _intact(latest: Path | None) -> str:
@@ -439,8 +472,9 @@ def _checksums(path: Path) -> dict | None:
     try:
         return json.loads(listing.read_text())["files"]
     except (ValueError, KeyError, OSError) as e:
-        raise CheckpointError(f"checkpoint {path} is damaged: {listing} cannot be read ({e}); "
-                              f"{_fallback_hint(path)}") from None
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: {listing} cannot be read ({e}); {_fallback_hint(path)}"
+        ) from None
 
 
 def check_checkpoint_files(path) -> None:
@@ -464,8 +498,10 @@ def check_checkpoint_files(path) -> None:
         elif files is not None and file.stat().st_size != size:
             problems.append(f"{name} has {file.stat().st_size} bytes, {size} were written")
     if problems:
-        raise CheckpointError(f"checkpoint {path} is damaged, nothing was loaded from it: {'; '.join(problems)}; "
-                              f"{_fallback_hint(path)}")
+        raise CheckpointError(
+            f"checkpoint {path} is damaged, nothing was loaded from it: {'; '.join(problems)}; "
+            f"{_fallback_hint(path)}"
+        )
 
 
 def _sizes_from_metadata(path: Path) -> dict[str, int]:
@@ -475,9 +511,11 @@ def _sizes_from_metadata(path: Path) -> dict[str, int]:
     try:
         storage = FileSystemReader(str(path)).read_metadata().storage_data
     except Exception as e:  # noqa: BLE001 - a truncated or foreign .metadata
-        raise CheckpointError(f"checkpoint {path} is damaged, nothing was loaded from it: its .metadata cannot be read "
-                              f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
-                              f"{_fallback_hint(path)}") from None
+        raise CheckpointError(
+            f"checkpoint {path} is damaged, nothing was loaded from it: its .metadata cannot be read "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+            f"{_fallback_hint(path)}"
+        ) from None
     sizes: dict[str, int] = {}
     for info in storage.values():
         sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), info.offset + info.length)
@@ -499,7 +537,9 @@ def verify_checkpoint(path, group=None) -> None:
     names = sorted(files)
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     load = [0] * world
-    found = torch.zeros(len(names), 3, dtype=torch.int64)  # per file: checked by a rank, size (-1: missing), crc32
+    found = torch.zeros(
+        len(names), 3, dtype=torch.int64
+    )  # per file: checked by a rank, size (-1: missing), crc32
     for i in sorted(range(len(names)), key=lambda i: (-files[names[i]]["size"], names[i])):
         owner = min(range(world), key=lambda r: load[r])
         load[owner] += files[names[i]]["size"]
@@ -526,8 +566,10 @@ def verify_checkpoint(path, group=None) -> None:
         elif crc != written["crc32"]:
             problems.append(f"{name} is corrupt (crc32 {crc:08x}, {written['crc32']:08x} when written)")
     if problems:
-        raise CheckpointError(f"checkpoint {path} is damaged, nothing was loaded from it: {'; '.join(problems)}; "
-                              f"{_fallback_hint(path)}")
+        raise CheckpointError(
+            f"checkpoint {path} is damaged, nothing was loaded from it: {'; '.join(problems)}; "
+            f"{_fallback_hint(path)}"
+        )
 
 
 def _load(state: dict, path: Path, group=None) -> None:
@@ -535,10 +577,12 @@ def _load(state: dict, path: Path, group=None) -> None:
         with comm.recorded("checkpoint_load", group, None):  # DCP's own collectives run inside
             dcp.load(state, checkpoint_id=path, process_group=group)
     except CheckpointException as e:  # DCP's planning errors (missing keys, size mismatches); a BaseException
-        raise CheckpointError(f"{path} does not fit this model ({_first_failure(e)}); was it written "
-                              f"with another model.size, model.patch_size, model.adaln/ffn_dim/qk_norm_across_heads/pooled_text, "
-                              f"VAE or text encoder? Use the recipe it was "
-                              f"trained with, or train.resume=none") from e
+        raise CheckpointError(
+            f"{path} does not fit this model ({_first_failure(e)}); was it written "
+            f"with another model.size, model.patch_size, model.adaln/ffn_dim/qk_norm_across_heads/pooled_text, "
+            f"VAE or text encoder? Use the recipe it was "
+            f"trained with, or train.resume=none"
+        ) from e
 
 
 def _first_failure(error: CheckpointException) -> str:
@@ -555,16 +599,22 @@ def read_trainer_state(path) -> dict:
     before any process group, model or collective."""
     trainer_file = Path(path) / "trainer_rank0.pt"
     if not trainer_file.is_file():
-        raise CheckpointError(f"{path} has no trainer_rank0.pt (the step and data position); it is not a complete "
-                              f"tessera training checkpoint: pick another or start fresh with train.resume=none")
+        raise CheckpointError(
+            f"{path} has no trainer_rank0.pt (the step and data position); it is not a complete "
+            f"tessera training checkpoint: pick another or start fresh with train.resume=none"
+        )
     written = (_checksums(Path(path)) or {}).get(trainer_file.name)
     if written is not None and _size_and_crc(trainer_file) != (written["size"], written["crc32"]):
-        raise CheckpointError(f"checkpoint {path} is damaged, nothing was loaded from it: {trainer_file.name} is not "
-                              f"the file written at save (its size or crc32 differ); {_fallback_hint(path)}")
+        raise CheckpointError(
+            f"checkpoint {path} is damaged, nothing was loaded from it: {trainer_file.name} is not "
+            f"the file written at save (its size or crc32 differ); {_fallback_hint(path)}"
+        )
     try:
         return torch.load(trainer_file, weights_only=True)
     except Exception as e:  # noqa: BLE001 - a checkpoint from before checksums.json, damaged
-        raise CheckpointError(f"{trainer_file} cannot be read ({type(e).__name__}: {e}); {_fallback_hint(path)}") from e
+        raise CheckpointError(
+            f"{trainer_file} cannot be read ({type(e).__name__}: {e}); {_fallback_hint(path)}"
+        ) from e
 
 
 def check_architecture(path, architecture: dict) -> None:
@@ -577,11 +627,15 @@ def check_architecture(path, architecture: dict) -> None:
         return
     from models.dit import architecture_differences, recipe_key
 
-    differs = [f"{recipe_key(k)}: {k}={saved[k]!r} there, {architecture[k]!r} here"
-               for k in architecture_differences(architecture, saved)]
+    differs = [
+        f"{recipe_key(k)}: {k}={saved[k]!r} there, {architecture[k]!r} here"
+        for k in architecture_differences(architecture, saved)
+    ]
     if differs:
-        raise CheckpointError(f"checkpoint {path} was trained with another model: {'; '.join(differs)}. Use the recipe "
-                              f"it was trained with (its run's config.yaml), or set these keys to match")
+        raise CheckpointError(
+            f"checkpoint {path} was trained with another model: {'; '.join(differs)}. Use the recipe "
+            f"it was trained with (its run's config.yaml), or set these keys to match"
+        )
 
 
 def load_checkpoint(runtime, path, model, ema, optimizer, verified: bool = False) -> None:
@@ -589,8 +643,11 @@ def load_checkpoint(runtime, path, model, ema, optimizer, verified: bool = False
     file of the checkpoint has been checked (by all ranks together; `verified`: done already)."""
     if not verified:
         verify_checkpoint(path, runtime.control_group)
-    state = {"model": get_model_state_dict(model), "ema": get_model_state_dict(ema),
-             "optimizer": get_optimizer_state_dict(model, optimizer)}
+    state = {
+        "model": get_model_state_dict(model),
+        "ema": get_model_state_dict(ema),
+        "optimizer": get_optimizer_state_dict(model, optimizer),
+    }
     _on_io_group(runtime.control_group, lambda group: _load(state, Path(path), group))
     set_model_state_dict(model, state["model"])
     set_model_state_dict(ema, state["ema"])

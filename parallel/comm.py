@@ -121,7 +121,11 @@ def records() -> list:
 
 
 def stats() -> dict:
-    return {"bytes": dict(_State.bytes_by_kind), "sent": dict(_State.sent_by_kind), "ops": dict(_State.ops_by_kind)}
+    return {
+        "bytes": dict(_State.bytes_by_kind),
+        "sent": dict(_State.sent_by_kind),
+        "ops": dict(_State.ops_by_kind),
+    }
 
 
 def reset_stats() -> None:
@@ -133,8 +137,14 @@ def reset_stats() -> None:
 def _sent_fraction(kind: str, peers: int) -> float:
     """Bytes sent to other ranks per byte of the op's input, for a group of `peers + 1` ranks."""
     size = peers + 1
-    return {"all_to_all": peers / size, "all_gather": peers, "reduce_scatter": peers / size,
-            "all_reduce": 2 * peers / size, "send_recv": 1.0, "send": 1.0}.get(kind, 0.0)
+    return {
+        "all_to_all": peers / size,
+        "all_gather": peers,
+        "reduce_scatter": peers / size,
+        "all_reduce": 2 * peers / size,
+        "send_recv": 1.0,
+        "send": 1.0,
+    }.get(kind, 0.0)
 
 
 def _group_name(group) -> str:
@@ -155,8 +165,15 @@ class recorded:
     def __init__(self, kind, group, tensor: torch.Tensor | None):
         self.on_cuda = tensor is not None and tensor.is_cuda
         nbytes = tensor.numel() * tensor.element_size() if tensor is not None else 0
-        self.record = OpRecord(_State.seq + 1, kind, _group_name(group), tuple(tensor.shape) if tensor is not None else (),
-                               str(tensor.dtype) if tensor is not None else "", nbytes, time.time())
+        self.record = OpRecord(
+            _State.seq + 1,
+            kind,
+            _group_name(group),
+            tuple(tensor.shape) if tensor is not None else (),
+            str(tensor.dtype) if tensor is not None else "",
+            nbytes,
+            time.time(),
+        )
         with _State.lock:
             _State.seq += 1
             _State.records.append(self.record)
@@ -178,7 +195,6 @@ class recorded:
         self.record.end = time.time()
         _State.last_activity = time.monotonic()
         return False
-
 
 
 def _chunks(flat: torch.Tensor):
@@ -227,8 +243,10 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group) -> torch
     and waited on: no copies, and the same bytes as one all-to-all."""
     size = dist.get_world_size(group)
     if input.shape[0] % size or output.shape != input.shape:
-        raise ValueError(f"all_to_all_single: dim 0 of {tuple(input.shape)} must split into {size} equal blocks "
-                         f"and the output must have the same shape, got {tuple(output.shape)}")
+        raise ValueError(
+            f"all_to_all_single: dim 0 of {tuple(input.shape)} must split into {size} equal blocks "
+            f"and the output must have the same shape, got {tuple(output.shape)}"
+        )
     with recorded("all_to_all", group, input):
         send, recv = input.contiguous().view(size, -1), output.view(size, -1)
         if send.numel() * send.element_size() <= _State.max_message_bytes:
@@ -246,8 +264,9 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group) -> torch
 def _post_pair(send: torch.Tensor, to_rank: int, recv: torch.Tensor, from_rank: int, group):
     """One send and its matching receive in a single batch (a lone send may block until the peer's
     receive is posted)."""
-    return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, to_rank, group),
-                                   dist.P2POp(dist.irecv, recv, from_rank, group)])
+    return dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, send, to_rank, group), dist.P2POp(dist.irecv, recv, from_rank, group)]
+    )
 
 
 def _exchange_in_pieces(send: torch.Tensor, to_rank: int, recv: torch.Tensor, from_rank: int, group) -> None:
@@ -272,12 +291,16 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group) -> 
         else:
             for start, end in ranges:
                 piece = torch.empty(size * (end - start), dtype=out.dtype, device=out.device)
-                _wait(_all_gather(piece, flat[start:end].contiguous(), group=group, async_op=True), piece, True)
+                _wait(
+                    _all_gather(piece, flat[start:end].contiguous(), group=group, async_op=True), piece, True
+                )
                 out[:, start:end] = piece.view(size, -1)
     return output
 
 
-def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+def reduce_scatter_tensor(
+    output: torch.Tensor, input: torch.Tensor, group, op=dist.ReduceOp.SUM
+) -> torch.Tensor:
     """output = block `rank` of the element-wise reduction of every rank's input (size blocks along dim 0)."""
     size = dist.get_world_size(group)
     with recorded("reduce_scatter", group, input):
@@ -287,8 +310,17 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group, op=d
             _wait(_reduce_scatter(out, send.reshape(-1).contiguous(), op=op, group=group, async_op=True), out)
         else:
             for start, end in ranges:
-                _wait(_reduce_scatter(out[start:end], send[:, start:end].contiguous().view(-1), op=op, group=group,
-                                      async_op=True), out, True)
+                _wait(
+                    _reduce_scatter(
+                        out[start:end],
+                        send[:, start:end].contiguous().view(-1),
+                        op=op,
+                        group=group,
+                        async_op=True,
+                    ),
+                    out,
+                    True,
+                )
     return output
 
 
@@ -383,9 +415,20 @@ def dump_records(folder, rank: int, reason: str, **extra) -> Path:
     tmp = path.with_suffix(".tmp")
     waiting = blocked_in()
     with open(tmp, "w") as f:
-        json.dump({"rank": rank, "pid": os.getpid(), "reason": reason, "time": time.time(), **extra,
-                   "waiting_seq": waiting.seq if waiting is not None else None,
-                   "records": [asdict(r) for r in records()]}, f, indent=1, default=str)
+        json.dump(
+            {
+                "rank": rank,
+                "pid": os.getpid(),
+                "reason": reason,
+                "time": time.time(),
+                **extra,
+                "waiting_seq": waiting.seq if waiting is not None else None,
+                "records": [asdict(r) for r in records()],
+            },
+            f,
+            indent=1,
+            default=str,
+        )
     tmp.replace(path)  # diagnose.py never reads half a file
     return path
 

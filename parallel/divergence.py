@@ -43,11 +43,17 @@ class NonFiniteGuard:
             return False
         self.skipped, self.in_a_row = self.skipped + 1, self.in_a_row + 1
         if self.is_main:
-            print(f"[tessera] step {step}: the gradient norm is {float(grad_norm)}; step skipped "
-                  f"(train.on_nonfinite=skip; {self.skipped} so far)", file=sys.stderr, flush=True)
+            print(
+                f"[tessera] step {step}: the gradient norm is {float(grad_norm)}; step skipped "
+                f"(train.on_nonfinite=skip; {self.skipped} so far)",
+                file=sys.stderr,
+                flush=True,
+            )
         if self.in_a_row >= self.MAX_SKIPPED:
-            raise self.diverged(f"the gradient norm was not finite in the last {self.in_a_row} steps (up to step "
-                                f"{step}), all skipped")
+            raise self.diverged(
+                f"the gradient norm was not finite in the last {self.in_a_row} steps (up to step "
+                f"{step}), all skipped"
+            )
         return True
 
     def check(self, step: int, loss: float | None = None) -> None:
@@ -67,8 +73,13 @@ class NonFiniteGuard:
 
     def advice(self) -> str:
         tc, latest = self.cfg, find_latest_quietly(Path(self.run_dir) / "checkpoints")
-        resume = (f"the last good checkpoint is {latest} (the same command resumes from it)" if latest else
-                  "no checkpoint was written before it")
+        resume = (
+            f"the last good checkpoint is {latest} (the same command resumes from it)"
+            if latest
+            else "no checkpoint was written before it"
+        )
         fp32 = ", train.precision=fp32" if self.bf16 else ""
-        return (f"{resume}; try a lower train.lr (now {tc.lr:g}) or train.grad_clip (now {tc.grad_clip:g}){fp32}, "
-                f"or train.on_nonfinite=skip")
+        return (
+            f"{resume}; try a lower train.lr (now {tc.lr:g}) or train.grad_clip (now {tc.grad_clip:g}){fp32}, "
+            f"or train.on_nonfinite=skip"
+        )

@@ -29,7 +29,9 @@ def planned(fault: str, rank: int, step: int) -> bool:
     for spec in filter(None, os.environ.get("TESSERA_FAULT", "").split(",")):
         match = _SPEC.match(spec.strip())
         if match is None:
-            raise ValueError(f"TESSERA_FAULT={spec!r}: expected <fault>[@<rank>][:<step>] (see parallel/faults.py)")
+            raise ValueError(
+                f"TESSERA_FAULT={spec!r}: expected <fault>[@<rank>][:<step>] (see parallel/faults.py)"
+            )
         name, at_rank, at_step = match.groups()
         if name == fault and at_rank in (None, str(rank)) and at_step in (None, str(step)):
             return True
@@ -37,7 +39,9 @@ def planned(fault: str, rank: int, step: int) -> bool:
 
 
 def _announce(fault: str, rank: int, step: int) -> None:
-    print(f"[fault] rank {rank}: {fault} in step {step}", file=sys.stderr, flush=True)  # the tests time from here
+    print(
+        f"[fault] rank {rank}: {fault} in step {step}", file=sys.stderr, flush=True
+    )  # the tests time from here
 
 
 def at_step(rank: int, step: int) -> None:

@@ -14,8 +14,13 @@ except ImportError:  # another torch layout: FSDP's collectives then go unrecord
     DefaultAllGather = DefaultReduceScatter = None
 
 
-def parallelize_dit(model: nn.Module, mesh, param_dtype: torch.dtype = torch.float32,
-                    activation_checkpointing: bool = False, compile: bool = False) -> nn.Module:
+def parallelize_dit(
+    model: nn.Module,
+    mesh,
+    param_dtype: torch.dtype = torch.float32,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
+) -> nn.Module:
     """Shard `model` (built with identical weights on every rank) over `mesh`.
     With param_dtype=bf16, parameters are all-gathered and computed in bf16 while the sharded
     master weights, gradients' reduction and the optimizer stay in float32."""
@@ -28,7 +33,9 @@ def parallelize_dit(model: nn.Module, mesh, param_dtype: torch.dtype = torch.flo
         blocks[i] = block
     # cast_forward_inputs=False: the DiT casts x and y itself, and the timestep must stay float32
     # (bf16 would round t=0.9987 to 1.0 while x_t was built with the exact t).
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once for backward: keep them gathered.
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=i < len(blocks) - 1)
@@ -38,6 +45,7 @@ def parallelize_dit(model: nn.Module, mesh, param_dtype: torch.dtype = torch.flo
 
 
 if DefaultAllGather is not None:
+
     class RecordedAllGather(DefaultAllGather):
         """FSDP2's all-gather, recorded by the comm layer (kind all_gather, group fsdp), so that a rank
         stuck in one shows it in failures/ and in the watchdog's message."""

@@ -36,8 +36,9 @@ def local_rows(param: torch.Tensor) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device, seed: int, pretrained=None, zero_init: bool = True,
-                partial: bool = False) -> None:
+def materialize(
+    model: nn.Module, device, seed: int, pretrained=None, zero_init: bool = True, partial: bool = False
+) -> None:
     """Allocate `model`'s (sharded) parameters on `device` and fill them: from `pretrained` (a
     models.wan.WanWeights) if given, else from `seed`. `partial`: the model holds only some of the
     pretrained weights (a PipeFusion stage)."""
@@ -51,13 +52,20 @@ def materialize(model: nn.Module, device, seed: int, pretrained=None, zero_init:
         if pretrained is not None:
             expected = tuple(pretrained.shape(canonical))
             if expected != tuple(param.shape):
-                raise ValueError(f"model.pretrained: '{canonical}' has shape {expected} in {pretrained.folder}, "
-                                 f"the model expects {tuple(param.shape)}")
+                raise ValueError(
+                    f"model.pretrained: '{canonical}' has shape {expected} in {pretrained.folder}, "
+                    f"the model expects {tuple(param.shape)}"
+                )
             rows = pretrained.read(canonical, start, stop)
         else:
             whole = torch.empty(param.shape, dtype=torch.float32)
-            init_parameter(canonical, whole, model.get_submodule(name.rpartition(".")[0]), zero_init,
-                           parameter_generator(seed, canonical))
+            init_parameter(
+                canonical,
+                whole,
+                model.get_submodule(name.rpartition(".")[0]),
+                zero_init,
+                parameter_generator(seed, canonical),
+            )
             rows = whole[start:stop]
         local.copy_(rows.view(local.shape).to(local.dtype))
 
@@ -72,4 +80,3 @@ def copy_shards(target: nn.Module, source: nn.Module, device) -> None:
         src = sources[canonical_name(name)]
         local = param.to_local() if isinstance(param, DTensor) else param.data
         local.copy_(src.to_local() if isinstance(src, DTensor) else src.data)
-

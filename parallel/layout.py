@@ -56,7 +56,9 @@ class ParallelLayout:
             raise ValueError(f"unknown parallel axes {unknown}; axes are {', '.join(DEGREES)}")
         sizes = [getattr(self, a) for a in RANK_ORDER]
         kept = [a for a in RANK_ORDER if a not in axes]
-        varied = [a for a in RANK_ORDER if a in axes]  # in rank order, so each group lists its ranks ascending
+        varied = [
+            a for a in RANK_ORDER if a in axes
+        ]  # in rank order, so each group lists its ranks ascending
         groups = []
         for fixed in itertools.product(*(range(getattr(self, a)) for a in kept)):
             coordinate = dict(zip(kept, fixed))
@@ -74,50 +76,83 @@ class ParallelLayout:
         return next(g for g in self.groups(*axes) if rank in g)
 
     @classmethod
-    def from_config(cls, parallel_cfg, world_size: int, num_heads: int, mode: str = "train",
-                    local_world_size: int | None = None, depth: int | None = None, guided: bool = True,
-                    slow_links: bool = False, tokens: int | None = None) -> "ParallelLayout":
+    def from_config(
+        cls,
+        parallel_cfg,
+        world_size: int,
+        num_heads: int,
+        mode: str = "train",
+        local_world_size: int | None = None,
+        depth: int | None = None,
+        guided: bool = True,
+        slow_links: bool = False,
+        tokens: int | None = None,
+    ) -> "ParallelLayout":
         """Validate the recipe's `parallel` section against the world size; dp=-1 takes what is left.
         With parallel.auto=true the degrees are chosen here (see `auto_layout`). For sampling, `depth`
         (the model's blocks) bounds pipefusion and `guided` (guidance != 1) allows cfg=2."""
         limits = dict(depth=depth, guided=guided)
         if getattr(parallel_cfg, "auto", False):
-            given = [f"parallel.{name}={getattr(parallel_cfg, name)}" for name in DEGREES[1:]
-                     if int(getattr(parallel_cfg, name)) != 1]
+            given = [
+                f"parallel.{name}={getattr(parallel_cfg, name)}"
+                for name in DEGREES[1:]
+                if int(getattr(parallel_cfg, name)) != 1
+            ]
             if given:  # never silently replaced by auto's choice
-                raise LayoutError(f"parallel.auto=true chooses the degrees itself, but {' '.join(given)} is set: "
-                                  f"add parallel.auto=false to use your degrees, or drop them")
+                raise LayoutError(
+                    f"parallel.auto=true chooses the degrees itself, but {' '.join(given)} is set: "
+                    f"add parallel.auto=false to use your degrees, or drop them"
+                )
             dp = int(parallel_cfg.dp)
             if dp != -1 and (dp < 1 or world_size % dp):
-                raise LayoutError(f"parallel.auto=true with parallel.dp={dp}: dp must divide the {world_size} "
-                                  f"processes (or be -1). {valid_layouts_message(world_size, num_heads, mode, **limits)}")
-            return auto_layout(world_size, num_heads, local_world_size or world_size, dp=1 if dp == -1 else dp,
-                               mode=mode, slow_links=slow_links, tokens=tokens, **limits)
+                raise LayoutError(
+                    f"parallel.auto=true with parallel.dp={dp}: dp must divide the {world_size} "
+                    f"processes (or be -1). {valid_layouts_message(world_size, num_heads, mode, **limits)}"
+                )
+            return auto_layout(
+                world_size,
+                num_heads,
+                local_world_size or world_size,
+                dp=1 if dp == -1 else dp,
+                mode=mode,
+                slow_links=slow_links,
+                tokens=tokens,
+                **limits,
+            )
         degrees = {name: int(getattr(parallel_cfg, name)) for name in DEGREES}
         for name, value in degrees.items():
             if value < 1 and not (name == "dp" and value == -1):
-                raise LayoutError(f"parallel.{name}={value}: every degree must be at least 1 (dp may be -1: fill)")
+                raise LayoutError(
+                    f"parallel.{name}={value}: every degree must be at least 1 (dp may be -1: fill)"
+                )
         others = degrees["cfg"] * degrees["pipefusion"] * degrees["ulysses"] * degrees["ring"]
         if degrees["dp"] == -1:
             if world_size % others:
                 raise LayoutError(
                     f"{world_size} processes cannot be split as dp x cfg={degrees['cfg']} x pipefusion="
                     f"{degrees['pipefusion']} x ulysses={degrees['ulysses']} x ring={degrees['ring']}: {world_size} "
-                    f"is not a multiple of {others}. {valid_layouts_message(world_size, num_heads, mode, **limits)}")
+                    f"is not a multiple of {others}. {valid_layouts_message(world_size, num_heads, mode, **limits)}"
+                )
             degrees["dp"] = world_size // others
         layout = cls(**degrees)
         layout.check(world_size, num_heads, mode, **limits)
         return layout
 
-    def check(self, world_size: int, num_heads: int, mode: str, depth: int | None = None, guided: bool = True) -> None:
+    def check(
+        self, world_size: int, num_heads: int, mode: str, depth: int | None = None, guided: bool = True
+    ) -> None:
         problems = []
         if self.world_size != world_size:
-            problems.append(f"dp={self.dp} x cfg={self.cfg} x pipefusion={self.pipefusion} x ulysses={self.ulysses} "
-                            f"x ring={self.ring} = {self.world_size}, but there are {world_size} processes")
+            problems.append(
+                f"dp={self.dp} x cfg={self.cfg} x pipefusion={self.pipefusion} x ulysses={self.ulysses} "
+                f"x ring={self.ring} = {self.world_size}, but there are {world_size} processes"
+            )
         problems += _rule_violations(self, num_heads, mode, depth, guided)
         if problems:
-            raise LayoutError(f"invalid parallel layout: {'; '.join(problems)}. "
-                              f"{valid_layouts_message(world_size, num_heads, mode, depth, guided)}")
+            raise LayoutError(
+                f"invalid parallel layout: {'; '.join(problems)}. "
+                f"{valid_layouts_message(world_size, num_heads, mode, depth, guided)}"
+            )
 
     def check_patches(self, parallel_cfg, grid) -> int:
         """PipeFusion's patch count for a token grid (t, h, w), or a LayoutError: at least one patch per
@@ -127,23 +162,32 @@ class ParallelLayout:
         patches = parallel_cfg.pipefusion_patches or self.pipefusion
         rows = grid[0] * grid[1]
         if self.pipefusion > rows:
-            raise LayoutError(f"pipefusion={self.pipefusion} needs at least {self.pipefusion} patches, but the latent "
-                              f"has only {rows} rows of patches ({grid[0]} x {grid[1]}, each {grid[2]} tokens wide): "
-                              f"use pipefusion <= {rows}, or more frames or a larger height")
+            raise LayoutError(
+                f"pipefusion={self.pipefusion} needs at least {self.pipefusion} patches, but the latent "
+                f"has only {rows} rows of patches ({grid[0]} x {grid[1]}, each {grid[2]} tokens wide): "
+                f"use pipefusion <= {rows}, or more frames or a larger height"
+            )
         if patches < self.pipefusion:
-            raise LayoutError(f"parallel.pipefusion_patches={patches} is fewer than the pipefusion={self.pipefusion} "
-                              f"stages: use {self.pipefusion} to {rows} patches (default: one per stage)")
+            raise LayoutError(
+                f"parallel.pipefusion_patches={patches} is fewer than the pipefusion={self.pipefusion} "
+                f"stages: use {self.pipefusion} to {rows} patches (default: one per stage)"
+            )
         if patches > rows:
-            raise LayoutError(f"parallel.pipefusion_patches={patches}: the latent has only {rows} rows of patches "
-                              f"({grid[0]} x {grid[1]}, each {grid[2]} tokens wide); use {self.pipefusion} to {rows}")
+            raise LayoutError(
+                f"parallel.pipefusion_patches={patches}: the latent has only {rows} rows of patches "
+                f"({grid[0]} x {grid[1]}, each {grid[2]} tokens wide); use {self.pipefusion} to {rows}"
+            )
         if parallel_cfg.pipefusion_warmup < 0:
-            raise LayoutError(f"parallel.pipefusion_warmup={parallel_cfg.pipefusion_warmup}: use 0 or more "
-                              f"whole-sequence steps (default 1)")
+            raise LayoutError(
+                f"parallel.pipefusion_warmup={parallel_cfg.pipefusion_warmup}: use 0 or more "
+                f"whole-sequence steps (default 1)"
+            )
         return patches
 
 
-def _rule_violations(layout: ParallelLayout, num_heads: int, mode: str, depth: int | None = None,
-                     guided: bool = True) -> list[str]:
+def _rule_violations(
+    layout: ParallelLayout, num_heads: int, mode: str, depth: int | None = None, guided: bool = True
+) -> list[str]:
     problems = []
     if num_heads % layout.ulysses:
         problems.append(f"the model's {num_heads} attention heads do not divide by ulysses={layout.ulysses}")
@@ -152,10 +196,14 @@ def _rule_violations(layout: ParallelLayout, num_heads: int, mode: str, depth: i
     if mode == "train" and (layout.cfg > 1 or layout.pipefusion > 1):
         problems.append("cfg and pipefusion parallelism are for sampling only; set them to 1 for training")
     if mode == "sample" and depth is not None and layout.pipefusion > depth:
-        problems.append(f"pipefusion={layout.pipefusion} stages for the model's {depth} blocks: at most one stage per block")
+        problems.append(
+            f"pipefusion={layout.pipefusion} stages for the model's {depth} blocks: at most one stage per block"
+        )
     if mode == "sample" and layout.cfg > 1 and not guided:
-        problems.append("cfg=2 runs the conditional and unconditional branches side by side, but guidance is 1 "
-                        "(no unconditional branch): use cfg=1, or a guidance scale other than 1")
+        problems.append(
+            "cfg=2 runs the conditional and unconditional branches side by side, but guidance is 1 "
+            "(no unconditional branch): use cfg=1, or a guidance scale other than 1"
+        )
     return problems
 
 
@@ -165,9 +213,17 @@ def _rule_violations(layout: ParallelLayout, num_heads: int, mode: str, depth: i
 PIPEFUSION_TOKENS_ON_PCIE = 6144
 
 
-def auto_layout(world_size: int, num_heads: int, local_world_size: int, dp: int = 1, mode: str = "train",
-                depth: int | None = None, guided: bool = True, slow_links: bool = False,
-                tokens: int | None = None) -> ParallelLayout:
+def auto_layout(
+    world_size: int,
+    num_heads: int,
+    local_world_size: int,
+    dp: int = 1,
+    mode: str = "train",
+    depth: int | None = None,
+    guided: bool = True,
+    slow_links: bool = False,
+    tokens: int | None = None,
+) -> ParallelLayout:
     """The processes left after `dp`, as the sampling latency model (scripts/bench_sampling.py,
     BENCHMARKS.md) ranks them:
     - sampling with guidance: cfg=2 first (one small all-gather per step; every fastest layout has it);
@@ -185,22 +241,32 @@ def auto_layout(world_size: int, num_heads: int, local_world_size: int, dp: int 
     rest //= cfg
     divisors = lambda n: [d for d in range(1, n + 1) if n % d == 0]  # noqa: E731
     # d divides the node size, so no ulysses group straddles two nodes.
-    ulysses = 1 if sample and slow_links else max(d for d in divisors(rest)
-                                                  if num_heads % d == 0 and local_world_size % d == 0)
+    ulysses = (
+        1
+        if sample and slow_links
+        else max(d for d in divisors(rest) if num_heads % d == 0 and local_world_size % d == 0)
+    )
     rest //= ulysses
     if not sample:
         return ParallelLayout(dp=dp, ulysses=ulysses, ring=rest)
-    in_node = max(d for d in divisors(rest) if (local_world_size // ulysses) % d == 0)  # ulysses divides the node
+    in_node = max(
+        d for d in divisors(rest) if (local_world_size // ulysses) % d == 0
+    )  # ulysses divides the node
     across = rest // in_node  # the part of the rest that crosses nodes
     short = tokens is None or tokens < PIPEFUSION_TOKENS_ON_PCIE
     inner_pipefusion = max(d for d in divisors(in_node) if d * d <= in_node) if slow_links and short else 1
-    fits = [d for d in divisors(rest) if d <= (depth or rest) and d % across == 0 and d <= across * inner_pipefusion]
+    fits = [
+        d
+        for d in divisors(rest)
+        if d <= (depth or rest) and d % across == 0 and d <= across * inner_pipefusion
+    ]
     pipefusion = max(fits) if fits else max(d for d in divisors(rest) if d <= (depth or rest))
     return ParallelLayout(dp=dp, cfg=cfg, pipefusion=pipefusion, ulysses=ulysses, ring=rest // pipefusion)
 
 
-def valid_layouts(world_size: int, num_heads: int, mode: str = "train", depth: int | None = None,
-                  guided: bool = True) -> list[ParallelLayout]:
+def valid_layouts(
+    world_size: int, num_heads: int, mode: str = "train", depth: int | None = None, guided: bool = True
+) -> list[ParallelLayout]:
     layouts = []
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
     for dp, cfg, pipefusion, ulysses in itertools.product(divisors, repeat=4):
@@ -214,11 +280,16 @@ def valid_layouts(world_size: int, num_heads: int, mode: str = "train", depth: i
     return sorted(layouts, key=lambda o: (-o.dp, -o.cfg, -o.pipefusion, -o.ulysses))
 
 
-def valid_layouts_message(world_size: int, num_heads: int, mode: str, depth: int | None = None, guided: bool = True,
-                          limit: int = 16) -> str:
+def valid_layouts_message(
+    world_size: int, num_heads: int, mode: str, depth: int | None = None, guided: bool = True, limit: int = 16
+) -> str:
     options = valid_layouts(world_size, num_heads, mode, depth, guided)
-    listed = ", ".join("(" + ",".join(str(getattr(o, name)) for name in DEGREES) + ")" for o in options[:limit])
+    listed = ", ".join(
+        "(" + ",".join(str(getattr(o, name)) for name in DEGREES) + ")" for o in options[:limit]
+    )
     if len(options) > limit:
         listed += f" and {len(options) - limit} more"
-    return (f"{world_size} processes, {num_heads} heads: valid ({', '.join(DEGREES)}) = {listed or 'none'}"
-            f"{'' if mode == 'train' else ' (for sampling)'}.")
+    return (
+        f"{world_size} processes, {num_heads} heads: valid ({', '.join(DEGREES)}) = {listed or 'none'}"
+        f"{'' if mode == 'train' else ' (for sampling)'}."
+    )

@@ -64,7 +64,9 @@ class SamplingGroups:
     sequence: SequenceGroups  # ulysses / ring inside the stage
     replica_group: object  # every rank that works on the same samples (cfg x pipefusion x ulysses x ring)
     replica_size: int
-    replica_control: object = None  # the same ranks on gloo with the control timeout: fences the replica's writer
+    replica_control: object = (
+        None  # the same ranks on gloo with the control timeout: fences the replica's writer
+    )
 
     @property
     def stages(self) -> int:
@@ -96,8 +98,10 @@ def patch_ranges(grid, patches: int) -> list[tuple[int, int]]:
     t, h, w = grid
     rows = t * h
     if not 1 <= patches <= rows:
-        raise LayoutError(f"parallel.pipefusion_patches={patches}: the latent has {rows} patch rows "
-                          f"({t} x {h} of {w} tokens); use at most {rows} patches")
+        raise LayoutError(
+            f"parallel.pipefusion_patches={patches}: the latent has {rows} patch rows "
+            f"({t} x {h} of {w} tokens); use at most {rows} patches"
+        )
     bounds = [rows * i // patches for i in range(patches + 1)]
     return [(a * w, b * w) for a, b in zip(bounds, bounds[1:])]
 
@@ -123,8 +127,9 @@ def keep_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
     part._modules = dict(model._modules)  # noqa: SLF001  (a shallow copy must not share the module table)
     ranges = stage_blocks(len(model.blocks), stages)
     owner = {i: s for s, r in enumerate(ranges) for i in r}
-    part.blocks = nn.ModuleList([block if owner[i] == stage else DroppedBlock(i, owner[i])
-                                 for i, block in enumerate(model.blocks)])
+    part.blocks = nn.ModuleList(
+        [block if owner[i] == stage else DroppedBlock(i, owner[i]) for i, block in enumerate(model.blocks)]
+    )
     if stage != 0:
         part.x_embedder = None
     if stage != stages - 1:
@@ -184,13 +189,21 @@ class MessagePlan:
         return cls(*[int(v) for v in values])
 
 
-def message_plan(items: list[Item], stage: int, stages: int, steps: int, warmup: int, patches: int,
-                 tokens: int) -> MessagePlan:
+def message_plan(
+    items: list[Item], stage: int, stages: int, steps: int, warmup: int, patches: int, tokens: int
+) -> MessagePlan:
     first, last = stage == 0, stage == stages - 1
     returned = sum(item.step < steps - 1 for item in items)  # the final step's latent stays on the last stage
-    return MessagePlan(forward_sends=0 if last else len(items), forward_recvs=0 if first else len(items),
-                       return_sends=returned if last else 0, return_recvs=returned if first else 0,
-                       steps=steps, warmup=warmup, patches=patches, tokens=tokens)
+    return MessagePlan(
+        forward_sends=0 if last else len(items),
+        forward_recvs=0 if first else len(items),
+        return_sends=returned if last else 0,
+        return_recvs=returned if first else 0,
+        steps=steps,
+        warmup=warmup,
+        patches=patches,
+        tokens=tokens,
+    )
 
 
 def check_plans(plans: list[MessagePlan], pipeline_ranks: list[int]) -> None:
@@ -202,17 +215,26 @@ def check_plans(plans: list[MessagePlan], pipeline_ranks: list[int]) -> None:
     for stage in range(stages):
         mine, nxt = plans[stage], plans[(stage + 1) % stages]
         if stage < stages - 1 and mine.forward_sends != nxt.forward_recvs:
-            problems.append(f"rank {pipeline_ranks[stage]} (stage {stage}) plans {mine.forward_sends} messages to rank "
-                            f"{pipeline_ranks[stage + 1]}, which plans to receive {nxt.forward_recvs}")
+            problems.append(
+                f"rank {pipeline_ranks[stage]} (stage {stage}) plans {mine.forward_sends} messages to rank "
+                f"{pipeline_ranks[stage + 1]}, which plans to receive {nxt.forward_recvs}"
+            )
     if plans[-1].return_sends != plans[0].return_recvs:
-        problems.append(f"rank {pipeline_ranks[-1]} (last stage) plans {plans[-1].return_sends} latent patches to rank "
-                        f"{pipeline_ranks[0]} (stage 0), which plans to receive {plans[0].return_recvs}")
+        problems.append(
+            f"rank {pipeline_ranks[-1]} (last stage) plans {plans[-1].return_sends} latent patches to rank "
+            f"{pipeline_ranks[0]} (stage 0), which plans to receive {plans[0].return_recvs}"
+        )
     schedules = {(p.steps, p.warmup, p.patches, p.tokens) for p in plans}
     if problems or len(schedules) > 1:
-        described = "; ".join(f"rank {r}: steps={p.steps} warmup={p.warmup} patches={p.patches} tokens={p.tokens}"
-                              for r, p in zip(pipeline_ranks, plans))
-        raise PipeFusionError("PipeFusion message plans disagree" + (f": {'; '.join(problems)}" if problems else "")
-                              + f" ({described}); every rank must run the same command and recipe")
+        described = "; ".join(
+            f"rank {r}: steps={p.steps} warmup={p.warmup} patches={p.patches} tokens={p.tokens}"
+            for r, p in zip(pipeline_ranks, plans)
+        )
+        raise PipeFusionError(
+            "PipeFusion message plans disagree"
+            + (f": {'; '.join(problems)}" if problems else "")
+            + f" ({described}); every rank must run the same command and recipe"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -254,13 +276,15 @@ class PipeFusionAttention(nn.Module):
         if self.keys is None or self.keys.shape[0] != k.shape[0]:
             shape = (k.shape[0], k.shape[1], state.tokens, k.shape[3])
             self.keys, self.values = k.new_zeros(shape), v.new_zeros(shape)
-            self.written = torch.zeros(state.tokens, dtype=torch.bool)  # on the host: no device sync to read it
+            self.written = torch.zeros(
+                state.tokens, dtype=torch.bool
+            )  # on the host: no device sync to read it
             self.complete = False
-        self.keys[:, :, state.start:state.end] = k[:, :, :real]
-        self.values[:, :, state.start:state.end] = v[:, :, :real]
+        self.keys[:, :, state.start : state.end] = k[:, :, :real]
+        self.values[:, :, state.start : state.end] = v[:, :, :real]
         mask = None
         if not self.complete:
-            self.written[state.start:state.end] = True
+            self.written[state.start : state.end] = True
             self.complete = bool(self.written.all())
             mask = None if self.complete else self.written.to(k.device, non_blocking=True).view(1, 1, 1, -1)
         # Plain SDPA whatever model.attention_backend says: the queries are a patch, the keys the sequence.
@@ -304,8 +328,18 @@ class PipeFusionSampler:
         self.sent = self.received = None
 
     @torch.no_grad()
-    def sample(self, flow, noise, y, y_mask, neg_y=None, neg_mask=None, steps: int = 30, guidance: float = 1.0,
-               progress=None):
+    def sample(
+        self,
+        flow,
+        noise,
+        y,
+        y_mask,
+        neg_y=None,
+        neg_mask=None,
+        steps: int = 30,
+        guidance: float = 1.0,
+        progress=None,
+    ):
         """The latents (on every rank of the replica): the same contract as RectifiedFlow.sample."""
         g, model = self.groups, self.model
         seq = g.sequence
@@ -317,8 +351,15 @@ class PipeFusionSampler:
         plan_steps = steps
         if faults.planned("pipefusion_count", int(os.environ.get("RANK", 0)), 0):
             plan_steps = steps + 1  # the failure tests: one rank plans as if started with another --steps
-        plan = message_plan(schedule(plan_steps, self.warmup, patch_ranges(grid, self.patches), tokens), g.stage,
-                            g.stages, plan_steps, self.warmup, self.patches, tokens)
+        plan = message_plan(
+            schedule(plan_steps, self.warmup, patch_ranges(grid, self.patches), tokens),
+            g.stage,
+            g.stages,
+            plan_steps,
+            self.warmup,
+            self.patches,
+            tokens,
+        )
         self._share_and_check(plan, device)
         # the failure tests: one rank deviates from its (agreed) plan at the end, as xDiT's last stage did
         extra_send = faults.planned("pipefusion_extra_send", int(os.environ.get("RANK", 0)), 0)
@@ -345,8 +386,11 @@ class PipeFusionSampler:
         next_rank = g.pipeline_ranks[g.stage + 1] if not last else None
 
         def hidden_buffer(item):
-            return torch.empty((batch, local_share(item, seq.sp_size, seq.sp_rank)[1], width), dtype=hidden_dtype,
-                               device=device)
+            return torch.empty(
+                (batch, local_share(item, seq.sp_size, seq.sp_rank)[1], width),
+                dtype=hidden_dtype,
+                device=device,
+            )
 
         incoming = None  # (buffer, PendingOps) of the next item's hidden states
         if not first:
@@ -357,28 +401,38 @@ class PipeFusionSampler:
             if first and item.step < steps - 1 and (index == 0 or items[index - 1].step != item.step):
                 # this step's returned patches, posted before the last stage can send any of them
                 for returned in (it for it in items if it.step == item.step):
-                    buffer = torch.empty((x.shape[0], returned.end - returned.start, x.shape[2]), dtype=torch.float32,
-                                         device=device)
-                    returns.append((returned, buffer, comm.post(recvs=[(buffer, g.pipeline_ranks[-1])],
-                                                                group=g.return_group)))
+                    buffer = torch.empty(
+                        (x.shape[0], returned.end - returned.start, x.shape[2]),
+                        dtype=torch.float32,
+                        device=device,
+                    )
+                    returns.append(
+                        (
+                            returned,
+                            buffer,
+                            comm.post(recvs=[(buffer, g.pipeline_ranks[-1])], group=g.return_group),
+                        )
+                    )
                     self.received["return"] += 1
-            if index == 0 or items[index - 1].step != item.step:  # the conditioning changes with the step only
+            if (
+                index == 0 or items[index - 1].step != item.step
+            ):  # the conditioning changes with the step only
                 cond = model.condition(sigmas[item.step].expand(batch), branch_y, branch_mask)
             offset, local = local_share(item, seq.sp_size, seq.sp_rank)
-            item_rope = _pad_tokens(rope[item.start:item.end], offset + local)[offset:offset + local]
+            item_rope = _pad_tokens(rope[item.start : item.end], offset + local)[offset : offset + local]
             if first:
                 while returns and returns[0][0].step < item.step and returns[0][0].start < item.end:
                     returned, buffer, ops = returns.pop(0)
                     ops.wait()
-                    x[:, returned.start:returned.end] = buffer
+                    x[:, returned.start : returned.end] = buffer
                 # The patch embedding of the whole latent, then the item's tokens: exactly the serial
                 # embedding (a conv over a smaller input could round differently); it costs about
                 # (C*pt*ph*pw) / (24 * hidden * blocks per stage) of the stage's work per patch.
                 latent = model.unpatchify(x, grid)
                 if guided and g.cfg_size == 1:
                     latent = torch.cat([latent, latent])
-                h = model.embed(latent)[0][:, item.start:item.end]
-                h = _pad_tokens(h, offset + local, dim=1)[:, offset:offset + local]
+                h = model.embed(latent)[0][:, item.start : item.end]
+                h = _pad_tokens(h, offset + local, dim=1)[:, offset : offset + local]
             else:
                 buffer, ops = incoming
                 ops.wait()
@@ -402,10 +456,16 @@ class PipeFusionSampler:
                 v = model.final_layer(h, cond.temb)  # (B or 2B, n, C*pt*ph*pw)
                 v = self._guide(v, guidance, guided)
                 v = _gather_sequence(v, seq)[:, : item.end - item.start]
-                x[:, item.start:item.end] = flow.euler_step(x[:, item.start:item.end], v, sigmas, item.step)
-                if item.step < steps - 1 or extra_send:  # the final step's latent stays here (xDiT #147: not so)
-                    ops = comm.post(sends=[(x[:, item.start:item.end].contiguous(), g.pipeline_ranks[0])],
-                                    group=g.return_group)
+                x[:, item.start : item.end] = flow.euler_step(
+                    x[:, item.start : item.end], v, sigmas, item.step
+                )
+                if (
+                    item.step < steps - 1 or extra_send
+                ):  # the final step's latent stays here (xDiT #147: not so)
+                    ops = comm.post(
+                        sends=[(x[:, item.start : item.end].contiguous(), g.pipeline_ranks[0])],
+                        group=g.return_group,
+                    )
                     self.sent["return"] += 1
                     pending_sends.append(ops)
                 if not first and following is not None:
@@ -454,19 +514,27 @@ class PipeFusionSampler:
         compares it with the plans: a rank that deviated is named by all of them alike, so they all stop
         with the same `error:` line instead of one waiting for a message that never comes."""
         g = self.groups
-        mine = torch.tensor([self.sent["forward"], self.received["forward"], self.sent["return"],
-                             self.received["return"]], dtype=torch.int64, device=device)
+        mine = torch.tensor(
+            [self.sent["forward"], self.received["forward"], self.sent["return"], self.received["return"]],
+            dtype=torch.int64,
+            device=device,
+        )
         everyone = torch.empty((g.stages, 4), dtype=torch.int64, device=device)
         comm.all_gather_into_tensor(everyone, mine, g.forward_group)
         problems = []
         for stage, (actual, plan) in enumerate(zip(everyone.cpu().tolist(), self.plans)):
             planned = [plan.forward_sends, plan.forward_recvs, plan.return_sends, plan.return_recvs]
             if actual != planned:
-                problems.append(f"rank {g.pipeline_ranks[stage]} (stage {stage}) posted (forward sends, forward receives, "
-                                f"return sends, return receives) = {tuple(actual)}, but planned {tuple(planned)}")
+                problems.append(
+                    f"rank {g.pipeline_ranks[stage]} (stage {stage}) posted (forward sends, forward receives, "
+                    f"return sends, return receives) = {tuple(actual)}, but planned {tuple(planned)}"
+                )
         if problems:
-            raise PipeFusionError("PipeFusion messages at the end of sampling differ from the plan: " + "; ".join(problems)
-                                  + " (a message that no rank will receive: stopping instead of waiting for it)")
+            raise PipeFusionError(
+                "PipeFusion messages at the end of sampling differ from the plan: "
+                + "; ".join(problems)
+                + " (a message that no rank will receive: stopping instead of waiting for it)"
+            )
 
 
 def _activation_dtype(model, device) -> torch.dtype:
@@ -525,12 +593,25 @@ class ParallelSampler:
         self.pipefusion = PipeFusionSampler(model, groups, patches, warmup) if groups.stages > 1 else None
         self.model = model
 
-    def __call__(self, flow, noise, y, y_mask, neg_y=None, neg_mask=None, steps=30, guidance=1.0, progress=None):
+    def __call__(
+        self, flow, noise, y, y_mask, neg_y=None, neg_mask=None, steps=30, guidance=1.0, progress=None
+    ):
         if self.pipefusion is not None:
-            return self.pipefusion.sample(flow, noise, y, y_mask, neg_y, neg_mask, steps=steps, guidance=guidance,
-                                          progress=progress)
+            return self.pipefusion.sample(
+                flow, noise, y, y_mask, neg_y, neg_mask, steps=steps, guidance=guidance, progress=progress
+            )
         velocity = None
         if self.groups.cfg_size > 1:
             velocity = cfg_velocity(self.model, self.groups, y, y_mask, neg_y, neg_mask, guidance)
-        return flow.sample(self.model, noise, y, y_mask, neg_y, neg_mask, steps=steps, guidance=guidance,
-                           progress=progress, velocity=velocity)
+        return flow.sample(
+            self.model,
+            noise,
+            y,
+            y_mask,
+            neg_y,
+            neg_mask,
+            steps=steps,
+            guidance=guidance,
+            progress=progress,
+            velocity=velocity,
+        )

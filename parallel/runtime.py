@@ -73,7 +73,11 @@ class Runtime:
 
 def world_from_env() -> tuple[int, int, int]:
     """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) for plain python."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+    return (
+        int(os.environ.get("RANK", 0)),
+        int(os.environ.get("WORLD_SIZE", 1)),
+        int(os.environ.get("LOCAL_RANK", 0)),
+    )
 
 
 def local_world_size() -> int:
@@ -96,7 +100,9 @@ def links_are_slow() -> tuple[bool, str]:
         pynvml.nvmlInit()
         index = int(os.environ.get("LOCAL_RANK", 0))
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-        if index < len(visible) and visible[index].strip().isdigit():  # NVML counts every GPU, not the visible ones
+        if (
+            index < len(visible) and visible[index].strip().isdigit()
+        ):  # NVML counts every GPU, not the visible ones
             index = int(visible[index])
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         for link in range(18):  # NVML_NVLINK_MAX_LINKS
@@ -119,9 +125,11 @@ def _free_port() -> int:
 def pick_device(local_rank: int) -> torch.device:
     if torch.cuda.is_available():
         if local_rank >= torch.cuda.device_count():
-            raise ValueError(f"local rank {local_rank} has no GPU: this node shows {torch.cuda.device_count()} "
-                             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at most "
-                             f"that many processes per node")
+            raise ValueError(
+                f"local rank {local_rank} has no GPU: this node shows {torch.cuda.device_count()} "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at most "
+                f"that many processes per node"
+            )
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -131,9 +139,12 @@ def deadlines(parallel_cfg, device_type: str) -> Deadlines:
     stall = parallel_cfg.stall_timeout_s
     if stall is None:  # minutes on GPU (a 14B step at 32k tokens takes tens of seconds); CPU runs are small
         stall = 300.0 if device_type == "cuda" else 120.0
-    return Deadlines(long_s=parallel_cfg.timeout_s, stall_s=min(stall, parallel_cfg.timeout_s),
-                     silence_s=parallel_cfg.heartbeat_timeout_s,
-                     save_s=max(parallel_cfg.timeout_s, parallel_cfg.control_timeout_s))
+    return Deadlines(
+        long_s=parallel_cfg.timeout_s,
+        stall_s=min(stall, parallel_cfg.timeout_s),
+        silence_s=parallel_cfg.heartbeat_timeout_s,
+        save_s=max(parallel_cfg.timeout_s, parallel_cfg.control_timeout_s),
+    )
 
 
 def _connect_store(world_size: int, timeout_s: float):
@@ -141,9 +152,17 @@ def _connect_store(world_size: int, timeout_s: float):
     from the main thread's own client so a slow store call never blocks a collective set-up."""
     if world_size == 1 or "MASTER_ADDR" not in os.environ:
         return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
-                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
-    run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+    run = (
+        f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    )
     return dist.PrefixStore(f"tessera/{run}/", store)
 
 
@@ -170,8 +189,14 @@ def init_runtime(parallel_cfg, layout: ParallelLayout, run_dir=None, task: str =
     # Start with the short preflight timeout: a transport that cannot connect shows up here, in seconds.
     preflight = datetime.timedelta(seconds=parallel_cfg.preflight_timeout_s)
     try:
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=preflight,
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=preflight,
+            device_id=device if device.type == "cuda" else None,
+        )
         probe = torch.ones(1, device=device)
         # Poll instead of blocking: on NCCL a hung transport would block .item() until the watchdog
         # kills the process from C++, and this message would never be printed.
@@ -184,8 +209,10 @@ def init_runtime(parallel_cfg, layout: ParallelLayout, run_dir=None, task: str =
         if int(probe.item()) != world_size:
             raise RuntimeError(f"preflight all-reduce returned {probe.item()}, expected {world_size}")
     except Exception as e:
-        raise RuntimeError(f"rank {rank}: the preflight all-reduce across {world_size} processes failed within "
-                           f"{parallel_cfg.preflight_timeout_s:.0f}s ({e}). {NCCL_HINT}") from e
+        raise RuntimeError(
+            f"rank {rank}: the preflight all-reduce across {world_size} processes failed within "
+            f"{parallel_cfg.preflight_timeout_s:.0f}s ({e}). {NCCL_HINT}"
+        ) from e
     _set_pg_timeout(datetime.timedelta(seconds=parallel_cfg.timeout_s))
     _check_same_layout(layout, rank, world_size, device)
 
@@ -195,25 +222,36 @@ def init_runtime(parallel_cfg, layout: ParallelLayout, run_dir=None, task: str =
     fsdp_mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",))
     # Groups made from a device mesh do not inherit the init timeout: set it explicitly.
     _set_pg_timeout(timeout, fsdp_mesh.get_group())
-    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=parallel_cfg.control_timeout_s),
-                             group_desc="control")
+    control = dist.new_group(
+        backend="gloo",
+        timeout=datetime.timedelta(seconds=parallel_cfg.control_timeout_s),
+        group_desc="control",
+    )
     sequence = sequence_groups(layout, rank, timeout)
-    sampling = sampling_groups(layout, rank, timeout, sequence,
-                               datetime.timedelta(seconds=parallel_cfg.control_timeout_s))
-    for group, name in ((fsdp_mesh.get_group(), "fsdp"), (control, "control"), (sequence.ulysses_group, "ulysses"),
-                        (sequence.ring_group, "ring"), (sequence.sp_group, "sequence")):
+    sampling = sampling_groups(
+        layout, rank, timeout, sequence, datetime.timedelta(seconds=parallel_cfg.control_timeout_s)
+    )
+    for group, name in (
+        (fsdp_mesh.get_group(), "fsdp"),
+        (control, "control"),
+        (sequence.ulysses_group, "ulysses"),
+        (sequence.ring_group, "ring"),
+        (sequence.sp_group, "sequence"),
+    ):
         comm.name_group(group, name)
     limits = deadlines(parallel_cfg, device.type)
     if rank == 0 and run_dir is not None:
         _archive_failures(Path(run_dir) / "failures")
     store = _connect_store(world_size, max(5.0, limits.silence_s / 2))
-    monitor = Watchdog(rank, world_size, store, run_dir or comm.failure_dir() or ".", limits, backend,
-                       task=task).start()
+    monitor = Watchdog(
+        rank, world_size, store, run_dir or comm.failure_dir() or ".", limits, backend, task=task
+    ).start()
     if rank == 0:
         print(f"[tessera] {limits.describe()}", flush=True)
     faults.at_startup(rank)  # tests only (TESSERA_FAULT)
-    return Runtime(rank, world_size, local_rank, device, backend, layout, fsdp_mesh, control, sequence, monitor,
-                   sampling)
+    return Runtime(
+        rank, world_size, local_rank, device, backend, layout, fsdp_mesh, control, sequence, monitor, sampling
+    )
 
 
 def _check_same_layout(layout: ParallelLayout, rank: int, world_size: int, device) -> None:
@@ -227,10 +265,14 @@ def _check_same_layout(layout: ParallelLayout, rank: int, world_size: int, devic
     comm.all_gather_into_tensor(everyone, mine, None)
     layouts = [tuple(row) for row in everyone.cpu().tolist()]
     if len(set(layouts)) > 1:
-        differ = ", ".join(f"rank {r}: ({','.join(map(str, lay))})" for r, lay in enumerate(layouts) if lay != layouts[0])
-        raise LayoutError(f"the ranks chose different layouts ({', '.join(DEGREES)}): rank 0: "
-                          f"({','.join(map(str, layouts[0]))}), {differ}; every rank must get the same command, "
-                          f"recipe and environment (with parallel.auto, the same kind of links)")
+        differ = ", ".join(
+            f"rank {r}: ({','.join(map(str, lay))})" for r, lay in enumerate(layouts) if lay != layouts[0]
+        )
+        raise LayoutError(
+            f"the ranks chose different layouts ({', '.join(DEGREES)}): rank 0: "
+            f"({','.join(map(str, layouts[0]))}), {differ}; every rank must get the same command, "
+            f"recipe and environment (with parallel.auto, the same kind of links)"
+        )
 
 
 def _archive_failures(folder: Path) -> None:
@@ -250,8 +292,9 @@ def _my_group(layout: ParallelLayout, rank: int, timeout, *axes, backend=None):
     ranks = layout.group_of(rank, *axes)
     if len(ranks) == 1:
         return None, ranks
-    group, _ = dist.new_subgroups_by_enumeration(layout.groups(*axes), timeout=timeout, backend=backend,
-                                                 group_desc="+".join(axes))
+    group, _ = dist.new_subgroups_by_enumeration(
+        layout.groups(*axes), timeout=timeout, backend=backend, group_desc="+".join(axes)
+    )
     return group, ranks
 
 
@@ -259,12 +302,22 @@ def sequence_groups(layout: ParallelLayout, rank: int, timeout) -> SequenceGroup
     ulysses_group, ulysses_ranks = _my_group(layout, rank, timeout, "ulysses")
     ring_group, ring_ranks = _my_group(layout, rank, timeout, "ring")
     sp_group, sp_ranks = _my_group(layout, rank, timeout, "ulysses", "ring")
-    return SequenceGroups(ulysses_group, len(ulysses_ranks), ulysses_ranks.index(rank), ring_group, ring_ranks,
-                          ring_ranks.index(rank), sp_group, len(sp_ranks), sp_ranks.index(rank))
+    return SequenceGroups(
+        ulysses_group,
+        len(ulysses_ranks),
+        ulysses_ranks.index(rank),
+        ring_group,
+        ring_ranks,
+        ring_ranks.index(rank),
+        sp_group,
+        len(sp_ranks),
+        sp_ranks.index(rank),
+    )
 
 
-def sampling_groups(layout: ParallelLayout, rank: int, timeout, sequence: SequenceGroups,
-                    control_timeout=None) -> SamplingGroups:
+def sampling_groups(
+    layout: ParallelLayout, rank: int, timeout, sequence: SequenceGroups, control_timeout=None
+) -> SamplingGroups:
     """The cfg and PipeFusion groups (parallel/pipefusion.py). PipeFusion's two directions get two process
     groups over the same ranks: two NCCL communicators, so a receive posted early in one direction never
     queues ahead of a send in the other. With `control_timeout`, also a gloo group per replica with that
@@ -273,19 +326,37 @@ def sampling_groups(layout: ParallelLayout, rank: int, timeout, sequence: Sequen
     forward_group, pipeline_ranks = _my_group(layout, rank, timeout, "pipefusion")
     return_group, _ = _my_group(layout, rank, timeout, "pipefusion")
     if layout.cfg * layout.pipefusion > 1:
-        replica_group, replica_ranks = _my_group(layout, rank, timeout, "cfg", "pipefusion", "ring", "ulysses")
+        replica_group, replica_ranks = _my_group(
+            layout, rank, timeout, "cfg", "pipefusion", "ring", "ulysses"
+        )
     else:
         replica_group, replica_ranks = sequence.sp_group, layout.group_of(rank, "ring", "ulysses")
     replica_control = None
     if control_timeout is not None:
-        replica_control, _ = _my_group(layout, rank, control_timeout, "cfg", "pipefusion", "ring", "ulysses",
-                                       backend="gloo")
-    for group, name in ((cfg_group, "cfg"), (forward_group, "pipefusion"), (return_group, "pipefusion-return"),
-                        (replica_group, "replica"), (replica_control, "replica-control")):
+        replica_control, _ = _my_group(
+            layout, rank, control_timeout, "cfg", "pipefusion", "ring", "ulysses", backend="gloo"
+        )
+    for group, name in (
+        (cfg_group, "cfg"),
+        (forward_group, "pipefusion"),
+        (return_group, "pipefusion-return"),
+        (replica_group, "replica"),
+        (replica_control, "replica-control"),
+    ):
         comm.name_group(group, name)
-    return SamplingGroups(cfg_group, len(cfg_ranks), cfg_ranks.index(rank), forward_group, return_group,
-                          pipeline_ranks, pipeline_ranks.index(rank), sequence, replica_group, len(replica_ranks),
-                          replica_control)
+    return SamplingGroups(
+        cfg_group,
+        len(cfg_ranks),
+        cfg_ranks.index(rank),
+        forward_group,
+        return_group,
+        pipeline_ranks,
+        pipeline_ranks.index(rank),
+        sequence,
+        replica_group,
+        len(replica_ranks),
+        replica_control,
+    )
 
 
 def shutdown() -> None:
@@ -305,8 +376,16 @@ def _user_errors():
     from parallel.layout import LayoutError
     from parallel.pipefusion import PipeFusionError
 
-    return (ConfigError, LayoutError, CheckpointError, AttentionBackendUnavailable, FileNotFoundError, ValueError,
-            PipeFusionError, TrainingDiverged)
+    return (
+        ConfigError,
+        LayoutError,
+        CheckpointError,
+        AttentionBackendUnavailable,
+        FileNotFoundError,
+        ValueError,
+        PipeFusionError,
+        TrainingDiverged,
+    )
 
 
 SHUTDOWN_S = 20.0  # a failed process that has not finished shutting down after this long exits anyway
@@ -385,7 +464,9 @@ def _report_failure(e: BaseException, rank: int) -> int:
         monitor.leave("stopped")  # not taken for another dead rank by the others
         watchdog.hard_exit(128 + signum, monitor.backend)  # its communicators may wait on the failed rank
     if not several:
-        _print(f"{prefix}error: {watchdog.one_line(e)} (a failure inside tessera or a library: the traceback follows)")
+        _print(
+            f"{prefix}error: {watchdog.one_line(e)} (a failure inside tessera or a library: the traceback follows)"
+        )
         _dump_on_failure(rank, e, monitor, repr(e))
         traceback.print_exception(e)
         return 1
@@ -427,7 +508,9 @@ def _as_storage_error(e: BaseException) -> BaseException:
     failures = comm.failure_dir()
     root = failures.parent / "checkpoints" if failures is not None else Path(problem[1] or ".").parent
     monitor = watchdog.active()
-    return StorageError(storage_message(problem, root, training=monitor is not None and monitor.task == "train"))
+    return StorageError(
+        storage_message(problem, root, training=monitor is not None and monitor.task == "train")
+    )
 
 
 def _exit_now(code: int, rank: int) -> None:
@@ -448,9 +531,15 @@ def run_as_process(main) -> None:
     watchdog.hard_exit(code, "gloo")  # the process group is destroyed by now
 
 
-def _dump_on_failure(rank: int, error: BaseException, monitor: Watchdog | None = None, line: str = "") -> None:
+def _dump_on_failure(
+    rank: int, error: BaseException, monitor: Watchdog | None = None, line: str = ""
+) -> None:
     folder = comm.failure_dir()
     if folder is None or not dist.is_initialized() or isinstance(error, (KeyboardInterrupt, SystemExit)):
         return
-    where = monitor.dump(line) if monitor is not None else comm.dump_records_safely(folder, rank, line or repr(error))
+    where = (
+        monitor.dump(line)
+        if monitor is not None
+        else comm.dump_records_safely(folder, rank, line or repr(error))
+    )
     _print(f"[rank {rank}] recent collectives written to {where}")

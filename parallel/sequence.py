@@ -109,14 +109,17 @@ class CPUFlashKernel:
     @staticmethod
     def forward(q, k, v, valid):
         mask = _key_mask(valid, k.shape[-2], q.dtype, q.device)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=mask
+        )
         return out, lse.float()
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, valid):
         mask = _key_mask(valid, k.shape[-2], q.dtype, q.device)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.to(q.dtype).contiguous(), q, k, v, out.to(q.dtype), lse, 0.0, False, attn_mask=mask)
+            dout.to(q.dtype).contiguous(), q, k, v, out.to(q.dtype), lse, 0.0, False, attn_mask=mask
+        )
 
 
 class CUDAEfficientKernel:
@@ -144,8 +147,19 @@ class CUDAEfficientKernel:
         # (batch, heads, tokens, dim)-contiguous one gives wrong dq and dk in half precision (H100, torch 2.11).
         out = out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dout.to(q.dtype).contiguous(), q, k, v, bias, out, lse_full.contiguous(), seed, offset, 0.0,
-            [True, True, True, False], False)
+            dout.to(q.dtype).contiguous(),
+            q,
+            k,
+            v,
+            bias,
+            out,
+            lse_full.contiguous(),
+            seed,
+            offset,
+            0.0,
+            [True, True, True, False],
+            False,
+        )
         return dq, dk, dv
 
 
@@ -171,8 +185,21 @@ class CUDAFlashKernel:
         k, v = CUDAFlashKernel._cut(k, v, valid)
         # None for the varlen offsets and the dropout seed, as the forward op returns them here
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout.to(q.dtype).contiguous(), q, k, v, out.to(q.dtype).contiguous(), lse.float().contiguous(),
-            None, None, q.shape[-2], k.shape[-2], 0.0, False, None, None)
+            dout.to(q.dtype).contiguous(),
+            q,
+            k,
+            v,
+            out.to(q.dtype).contiguous(),
+            lse.float().contiguous(),
+            None,
+            None,
+            q.shape[-2],
+            k.shape[-2],
+            0.0,
+            False,
+            None,
+            None,
+        )
         if valid < keys:
             dk, dv = (F.pad(g, (0, 0, 0, keys - valid)) for g in (dk, dv))
         return dq, dk, dv
@@ -186,7 +213,9 @@ class CUDACuDNNKernel:
     @staticmethod
     def forward(q, k, v, valid):
         k, v = CUDAFlashKernel._cut(k, v, valid)
-        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, False, False)[:2]
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, False, False)[
+            :2
+        ]
         return out, lse.float().reshape(q.shape[:3])
 
     @staticmethod
@@ -195,8 +224,22 @@ class CUDACuDNNKernel:
         k, v = CUDAFlashKernel._cut(k, v, valid)
         seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dout.to(q.dtype).contiguous(), q, k, v, out.to(q.dtype).contiguous(), lse.float().unsqueeze(-1).contiguous(),
-            seed, offset, None, None, None, q.shape[-2], k.shape[-2], 0.0, False)
+            dout.to(q.dtype).contiguous(),
+            q,
+            k,
+            v,
+            out.to(q.dtype).contiguous(),
+            lse.float().unsqueeze(-1).contiguous(),
+            seed,
+            offset,
+            None,
+            None,
+            None,
+            q.shape[-2],
+            k.shape[-2],
+            0.0,
+            False,
+        )
         if valid < keys:
             dk, dv = (F.pad(g, (0, 0, 0, keys - valid)) for g in (dk, dv))
         return dq, dk, dv
@@ -249,10 +292,13 @@ def kernel_for(q: torch.Tensor, group=None):
         _checked_kernels[key] = chosen
         failed = [kernel.__name__ for kernel, ok in zip(candidates, agrees) if not ok]
         if failed:
-            warnings.warn(f"ring attention: {', '.join(failed)} failed the self-check against the float32 reference "
-                          f"(wrong or unsupported, on this or another rank of the ring) for {key}; "
-                          f"using {chosen.__name__}" + (" (memory grows with block length squared)"
-                                                         if chosen is MathKernel else ""), stacklevel=2)
+            warnings.warn(
+                f"ring attention: {', '.join(failed)} failed the self-check against the float32 reference "
+                f"(wrong or unsupported, on this or another rank of the ring) for {key}; "
+                f"using {chosen.__name__}"
+                + (" (memory grows with block length squared)" if chosen is MathKernel else ""),
+                stacklevel=2,
+            )
     return _checked_kernels[key]
 
 
@@ -419,7 +465,7 @@ class ShardedSequence(nn.Module):
         x = F.pad(x, (0, 0, 0, padded - tokens))
         rope = F.pad(rope, (0, 0, 0, 0, 0, padded - tokens))
         n, start = padded // size, self.groups.sp_rank * (padded // size)
-        return x[:, start:start + n], rope[start:start + n]
+        return x[:, start : start + n], rope[start : start + n]
 
     def gather(self, x):
         return _GatherTokens.apply(x, self.groups.sp_group)[:, : self.state.tokens]
@@ -462,11 +508,15 @@ def share_batch(groups: SequenceGroups, x0, y, y_mask, shapes, device):
     if groups.sp_rank == 0:
         buffers = [x0.float().contiguous(), y.float().contiguous(), y_mask.to(torch.uint8).contiguous()]
     else:
-        buffers = [torch.empty(shape, dtype=dtype, device=device)
-                   for shape, dtype in zip(shapes, (torch.float32, torch.float32, torch.uint8))]
+        buffers = [
+            torch.empty(shape, dtype=dtype, device=device)
+            for shape, dtype in zip(shapes, (torch.float32, torch.float32, torch.uint8))
+        ]
     for buffer, shape in zip(buffers, shapes):
         if tuple(buffer.shape) != tuple(shape):
-            raise RuntimeError(f"share_batch: a tensor of shape {tuple(buffer.shape)} where the plan gives {tuple(shape)}")
+            raise RuntimeError(
+                f"share_batch: a tensor of shape {tuple(buffer.shape)} where the plan gives {tuple(shape)}"
+            )
         comm.broadcast(buffer, src, groups.sp_group)
     return buffers[0], buffers[1], buffers[2].bool()
 

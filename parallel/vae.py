@@ -45,11 +45,15 @@ class Tile:
 def check_tiling(tile: int, overlap: int) -> None:
     """A ValueError naming the key and the fix for a tile config that cannot cut a latent."""
     if tile < 1:
-        raise ValueError(f"vae.tile_latent={tile}: a tile must be at least 1 latent pixel; set vae.tile_latent="
-                         f"{DEFAULT_TILE} (the default), or a value larger than the latent to decode it whole")
+        raise ValueError(
+            f"vae.tile_latent={tile}: a tile must be at least 1 latent pixel; set vae.tile_latent="
+            f"{DEFAULT_TILE} (the default), or a value larger than the latent to decode it whole"
+        )
     if not 0 <= overlap < tile:
-        raise ValueError(f"vae.tile_overlap={overlap} must be at least 0 and less than vae.tile_latent={tile} "
-                         f"(neighbouring tiles must advance); set vae.tile_overlap={tile // 4}")
+        raise ValueError(
+            f"vae.tile_overlap={overlap} must be at least 0 and less than vae.tile_latent={tile} "
+            f"(neighbouring tiles must advance); set vae.tile_overlap={tile // 4}"
+        )
 
 
 def axis_tiles(size: int, tile: int, overlap: int) -> list[tuple[int, int]]:
@@ -72,7 +76,9 @@ def _pixel_frames(vae: LatentSpace, frames: int) -> int:
     return 1 + (frames - 1) * vae.temporal_stride if vae.causal else frames * vae.temporal_stride
 
 
-def plan_tiles(vae: LatentSpace, latent_thw, tile: int = DEFAULT_TILE, overlap: int = DEFAULT_OVERLAP) -> list[Tile]:
+def plan_tiles(
+    vae: LatentSpace, latent_thw, tile: int = DEFAULT_TILE, overlap: int = DEFAULT_OVERLAP
+) -> list[Tile]:
     """The pieces of a latent of (t, h, w), from the shapes and the config alone (the same on every rank,
     whatever their number). kl/wan: spatial tiles, time whole; identity: one piece per frame."""
     check_tiling(tile, overlap)
@@ -81,8 +87,11 @@ def plan_tiles(vae: LatentSpace, latent_thw, tile: int = DEFAULT_TILE, overlap: 
         return [Tile(((f, f + 1), (0, h), (0, w)), ((f, f + 1), (0, h), (0, w))) for f in range(t)]
     s = vae.spatial_stride
     latent_frames, video_frames = (0, t), (0, _pixel_frames(vae, t))
-    return [Tile((latent_frames, (h0, h1), (w0, w1)), (video_frames, (h0 * s, h1 * s), (w0 * s, w1 * s)))
-            for h0, h1 in axis_tiles(h, tile, overlap) for w0, w1 in axis_tiles(w, tile, overlap)]
+    return [
+        Tile((latent_frames, (h0, h1), (w0, w1)), (video_frames, (h0 * s, h1 * s), (w0 * s, w1 * s)))
+        for h0, h1 in axis_tiles(h, tile, overlap)
+        for w0, w1 in axis_tiles(w, tile, overlap)
+    ]
 
 
 def _volume(box: Box) -> int:
@@ -139,15 +148,18 @@ def _run_piece(apply, source: torch.Tensor, box_in: Box, box_out: Box, channels:
     piece = apply(source[_index(box_in)].contiguous()).float()
     expected = (source.shape[0], channels, *(end - start for start, end in box_out))
     if tuple(piece.shape) != expected:  # every rank sized the gather from this arithmetic
-        raise RuntimeError(f"the VAE turned a piece of shape {tuple(source[_index(box_in)].shape)} into "
-                           f"{tuple(piece.shape)}, expected {expected} from its strides in models/vae.py "
-                           f"(LatentSpace); tiles need a VAE whose output size follows them")
+        raise RuntimeError(
+            f"the VAE turned a piece of shape {tuple(source[_index(box_in)].shape)} into "
+            f"{tuple(piece.shape)}, expected {expected} from its strides in models/vae.py "
+            f"(LatentSpace); tiles need a VAE whose output size follows them"
+        )
     return piece
 
 
 @torch.no_grad()
-def _tiled(apply, source: torch.Tensor, boxes_in: list[Box], boxes_out: list[Box], out_shape, group,
-           control_group) -> torch.Tensor:
+def _tiled(
+    apply, source: torch.Tensor, boxes_in: list[Box], boxes_out: list[Box], out_shape, group, control_group
+) -> torch.Tensor:
     """Apply `apply` to each input box of `source` and blend the results into `out_shape`, sharing the
     boxes across `group` (None: this process does them all)."""
     channels = out_shape[1]
@@ -178,8 +190,14 @@ def _tiled(apply, source: torch.Tensor, boxes_in: list[Box], boxes_out: list[Box
     return out
 
 
-def decode(vae: LatentSpace, z: torch.Tensor, group=None, tile: int = DEFAULT_TILE, overlap: int = DEFAULT_OVERLAP,
-           control_group=None) -> torch.Tensor:
+def decode(
+    vae: LatentSpace,
+    z: torch.Tensor,
+    group=None,
+    tile: int = DEFAULT_TILE,
+    overlap: int = DEFAULT_OVERLAP,
+    control_group=None,
+) -> torch.Tensor:
     """Latents (B, C, t, h, w) -> video (B, 3, T, H, W) float32 in [-1, 1], as `vae.decode`, on every rank
     of `group` (None: this process alone decodes every tile). `z` must be the same on every rank.
     `control_group` (optional, e.g. the runtime's gloo control group): ranks that finish their tiles
@@ -189,12 +207,25 @@ def decode(vae: LatentSpace, z: torch.Tensor, group=None, tile: int = DEFAULT_TI
         return vae.decode(z).float()
     channels = z.shape[1] if isinstance(vae, IdentityVAE) else 3
     T, H, W = (max(piece.pixel[d][1] for piece in tiles) for d in range(3))
-    return _tiled(vae.decode, z, [piece.latent for piece in tiles], [piece.pixel for piece in tiles],
-                  (z.shape[0], channels, T, H, W), group, control_group)
+    return _tiled(
+        vae.decode,
+        z,
+        [piece.latent for piece in tiles],
+        [piece.pixel for piece in tiles],
+        (z.shape[0], channels, T, H, W),
+        group,
+        control_group,
+    )
 
 
-def encode(vae: LatentSpace, x: torch.Tensor, group=None, tile: int = DEFAULT_TILE, overlap: int = DEFAULT_OVERLAP,
-           control_group=None) -> torch.Tensor:
+def encode(
+    vae: LatentSpace,
+    x: torch.Tensor,
+    group=None,
+    tile: int = DEFAULT_TILE,
+    overlap: int = DEFAULT_OVERLAP,
+    control_group=None,
+) -> torch.Tensor:
     """Video (B, 3, T, H, W) in [-1, 1] -> latents (B, C, t, h, w), as `vae.encode`, in the tiles `decode`
     uses for that latent (cut in pixel space, blended in latent space). An input that fits one tile is
     encoded whole."""
@@ -208,5 +239,12 @@ def encode(vae: LatentSpace, x: torch.Tensor, group=None, tile: int = DEFAULT_TI
     if len(tiles) == 1:
         return vae.encode(x).float()
     channels = C if isinstance(vae, IdentityVAE) else latent_channels
-    return _tiled(vae.encode, x, [piece.pixel for piece in tiles], [piece.latent for piece in tiles],
-                  (B, channels, t, h, w), group, control_group)
+    return _tiled(
+        vae.encode,
+        x,
+        [piece.pixel for piece in tiles],
+        [piece.latent for piece in tiles],
+        (B, channels, t, h, w),
+        group,
+        control_group,
+    )

@@ -58,24 +58,48 @@ class Deadlines:
     save_s: float = 1800.0  # a checkpoint save (slow storage; the control group's timeout)
 
     def describe(self) -> str:
-        return (f"deadlines: {self.long_s:.0f} s for the first step, the first denoising step and a VAE decode "
-                f"(parallel.timeout_s); {self.save_s:.0f} s for a checkpoint or a wait for other ranks' long work "
-                f"(parallel.control_timeout_s); {self.stall_s:.0f} s for a later step or denoising step "
-                f"(parallel.stall_timeout_s); {self.silence_s:.0f} s of silence from a rank "
-                f"(parallel.heartbeat_timeout_s)")
+        return (
+            f"deadlines: {self.long_s:.0f} s for the first step, the first denoising step and a VAE decode "
+            f"(parallel.timeout_s); {self.save_s:.0f} s for a checkpoint or a wait for other ranks' long work "
+            f"(parallel.control_timeout_s); {self.stall_s:.0f} s for a later step or denoising step "
+            f"(parallel.stall_timeout_s); {self.silence_s:.0f} s of silence from a rank "
+            f"(parallel.heartbeat_timeout_s)"
+        )
 
 
 # Errors that mean "a collective failed", most often because of another rank: the watchdog is asked
 # who, before anything is printed. (Not plain "timed out": a DataLoader timeout is this rank's own.)
-PEER_ERROR_WORDS = ("connection reset", "connection closed", "connection refused", "broken pipe", "gloo", "nccl")
+PEER_ERROR_WORDS = (
+    "connection reset",
+    "connection closed",
+    "connection refused",
+    "broken pipe",
+    "gloo",
+    "nccl",
+)
 _FAILED = re.compile(r"rank \d+ \([^)]*\) failed ")  # a reason report_failure published
 # A store call that failed this way found no server: the store's host process is gone (not slow).
-STORE_CLOSED_WORDS = ("broken pipe", "connection reset", "connection refused", "got 0 bytes", "connection was likely closed")
+STORE_CLOSED_WORDS = (
+    "broken pipe",
+    "connection reset",
+    "connection refused",
+    "got 0 bytes",
+    "connection was likely closed",
+)
 
 
 class Watchdog:
-    def __init__(self, rank: int, world_size: int, store, run_dir, deadlines: Deadlines, backend: str = "gloo",
-                 interval_s: float | None = None, task: str = "train"):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        store,
+        run_dir,
+        deadlines: Deadlines,
+        backend: str = "gloo",
+        interval_s: float | None = None,
+        task: str = "train",
+    ):
         self.rank, self.world_size, self.store = rank, world_size, store
         self.run_dir = Path(run_dir)
         self.deadlines, self.backend = deadlines, backend
@@ -94,7 +118,9 @@ class Watchdog:
         self._state = "running"
         self._beat = 0
         self._exit_lock = threading.Lock()
-        self._exiting = False  # set once: by the thread when it ends the process, or by the main thread's error path
+        self._exiting = (
+            False  # set once: by the thread when it ends the process, or by the main thread's error path
+        )
         self._held = threading.Event()  # the main thread is handling an exception and asks for a verdict
         self.verdict: str | None = None
         self._verdict_ready = threading.Event()
@@ -225,19 +251,26 @@ class Watchdog:
             return self._store_gone(e)
         if reason:
             return reason
-        frozen = [(beat.get("time", 0.0), r, beat) for r, beat in after.items()
-                  if r != self.rank and beat["state"] == "running" and before.get(r, {}).get("beat") == beat["beat"]]
+        frozen = [
+            (beat.get("time", 0.0), r, beat)
+            for r, beat in after.items()
+            if r != self.rank and beat["state"] == "running" and before.get(r, {}).get("beat") == beat["beat"]
+        ]
         if not frozen:
             return None
         _, r, beat = min(frozen)  # the heartbeat that stopped first
-        return (f"rank {r} ({beat['host']}:{beat['pid']}) stopped responding {_where(beat)}: its heartbeat "
-                f"stopped (killed, or its host lost), and torchrun then stopped the other ranks")
+        return (
+            f"rank {r} ({beat['host']}:{beat['pid']}) stopped responding {_where(beat)}: its heartbeat "
+            f"stopped (killed, or its host lost), and torchrun then stopped the other ranks"
+        )
 
     @staticmethod
     def _store_gone(error: BaseException) -> str:
         host, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
-        return (f"the rendezvous store at {host}:{port} stopped answering ({one_line(error)}); it runs in "
-                f"the torchrun agent of the first node (or in rank 0): that node or process is gone")
+        return (
+            f"the rendezvous store at {host}:{port} stopped answering ({one_line(error)}); it runs in "
+            f"the torchrun agent of the first node (or in rank 0): that node or process is gone"
+        )
 
     # ------------------------------------------------------------------------------------------
     # The thread.
@@ -290,8 +323,10 @@ class Watchdog:
             if seen is None or seen[0] != beat["beat"]:
                 self._peers[r] = (beat["beat"], now, beat)
             elif beat["state"] == "running" and now - seen[1] > self.deadlines.silence_s:
-                return (f"rank {r} ({beat['host']}:{beat['pid']}) stopped responding {_where(beat)}: its "
-                        f"heartbeat has been silent for {now - seen[1]:.0f} s (killed, stopped or its host lost)")
+                return (
+                    f"rank {r} ({beat['host']}:{beat['pid']}) stopped responding {_where(beat)}: its "
+                    f"heartbeat has been silent for {now - seen[1]:.0f} s (killed, stopped or its host lost)"
+                )
         return None
 
     def _check_self(self) -> str | None:
@@ -301,7 +336,9 @@ class Watchdog:
         progress marks; a peer that dies meanwhile is still found by its silence."""
         age = time.monotonic() - max(self._progress, comm.last_activity())
         waiting = comm.blocked_in()
-        deadline = self.deadlines.save_s if waiting is not None and waiting.group in FENCE_GROUPS else self.deadline
+        deadline = (
+            self.deadlines.save_s if waiting is not None and waiting.group in FENCE_GROUPS else self.deadline
+        )
         if self._exiting or self._held.is_set() or age <= deadline:
             self._warned_stall = self._warned_stall and age > deadline
             return None
@@ -309,8 +346,10 @@ class Watchdog:
             if self._warned_stall or not self._in_loop:
                 return None
             stacks = self._dump_stacks()
-            message = (f"rank {self.rank} ({self.host}:{self.pid}) made no progress for {age:.0f} s "
-                       f"{self._where()} outside any collective; its threads' stacks are in {stacks}")
+            message = (
+                f"rank {self.rank} ({self.host}:{self.pid}) made no progress for {age:.0f} s "
+                f"{self._where()} outside any collective; its threads' stacks are in {stacks}"
+            )
             if self.store is None:  # one process: nobody waits for it, so warn and let it go on
                 self._warned_stall = True
                 print(f"[tessera] warning: {message}", file=sys.stderr, flush=True)
@@ -321,25 +360,35 @@ class Watchdog:
             return self._compare_everyone(waited_s=deadline)
         return None
 
-    def _compare_everyone(self, own_error: BaseException | None = None, waited_s: float | None = None) -> str | None:
+    def _compare_everyone(
+        self, own_error: BaseException | None = None, waited_s: float | None = None
+    ) -> str | None:
         """Read every rank's heartbeat once and name the ranks that are not where this one waits."""
         beats = self._read_all()
         waiting = {r: b for r, b in beats.items() if b.get("open")}
-        elsewhere = {r: b for r, b in beats.items() if not b.get("open") and b["state"] == "running" and r != self.rank}
+        elsewhere = {
+            r: b for r, b in beats.items() if not b.get("open") and b["state"] == "running" and r != self.rank
+        }
         if elsewhere and comm.blocked_in() is not None:  # only a rank that waits in a collective may blame
             r, b = min(elsewhere.items())
-            return (f"rank {r} ({b['host']}:{b['pid']}) is not in the collective the others wait in: it is "
-                    f"{_where(b)}, {b['age']:.0f} s after its last progress")
+            return (
+                f"rank {r} ({b['host']}:{b['pid']}) is not in the collective the others wait in: it is "
+                f"{_where(b)}, {b['age']:.0f} s after its last progress"
+            )
         ops = {r: (b["seq"], b["op"][0], b["op"][1]) for r, b in waiting.items() if b.get("op")}
         if len(set(ops.values())) > 1:
-            described = "; ".join(f"rank {r} in {kind} on {group} (seq {seq})" for r, (seq, kind, group) in sorted(ops.items()))
+            described = "; ".join(
+                f"rank {r} in {kind} on {group} (seq {seq})" for r, (seq, kind, group) in sorted(ops.items())
+            )
             return f"the ranks wait in different collectives ({described}): one rank issued a collective the others did not"
         if own_error is None and ops and len(waiting) == len(beats):
             seq, kind, group = next(iter(ops.values()))
             from parallel.runtime import NCCL_HINT
 
             waited = self.deadline if waited_s is None else waited_s
-            return f"every rank has waited in {kind} on {group} (seq {seq}) for over {waited:.0f} s. {NCCL_HINT}"
+            return (
+                f"every rank has waited in {kind} on {group} (seq {seq}) for over {waited:.0f} s. {NCCL_HINT}"
+            )
         return None
 
     def _conclude(self, reason: str) -> None:
@@ -393,8 +442,15 @@ class Watchdog:
         except Exception:
             beats = {}
         dump_nccl_trace(self.run_dir / "failures", self.rank, self.backend)
-        return comm.dump_records_safely(self.run_dir / "failures", self.rank, reason, host=self.host, step=self.step,
-                                        phase=self.phase, heartbeats={str(r): b for r, b in beats.items()})
+        return comm.dump_records_safely(
+            self.run_dir / "failures",
+            self.rank,
+            reason,
+            host=self.host,
+            step=self.step,
+            phase=self.phase,
+            heartbeats={str(r): b for r, b in beats.items()},
+        )
 
     def _dump_stacks(self) -> str:
         """Every thread's stack in failures/stacks_rank<R>.txt; returns the path, or why it could not be
@@ -419,11 +475,21 @@ class Watchdog:
     def _payload(self) -> dict:
         waiting = comm.blocked_in()
         op = waiting or comm.last_record()
-        return {"beat": self._beat, "state": self._state, "step": self.step, "phase": self.phase,
-                "sampling": self.sampling, "deadline": self.deadline,
-                "age": time.monotonic() - max(self._progress, comm.last_activity()),
-                "seq": op.seq if op else 0, "op": [op.kind, op.group, list(op.shape)] if op else None,
-                "open": waiting is not None, "host": self.host, "pid": self.pid, "time": time.time()}
+        return {
+            "beat": self._beat,
+            "state": self._state,
+            "step": self.step,
+            "phase": self.phase,
+            "sampling": self.sampling,
+            "deadline": self.deadline,
+            "age": time.monotonic() - max(self._progress, comm.last_activity()),
+            "seq": op.seq if op else 0,
+            "op": [op.kind, op.group, list(op.shape)] if op else None,
+            "open": waiting is not None,
+            "host": self.host,
+            "pid": self.pid,
+            "time": time.time(),
+        }
 
     def _publish(self) -> None:
         if self.store is not None:
@@ -470,7 +536,9 @@ def _where(beat: dict) -> str:
     step, phase, sampling = beat.get("step"), beat.get("phase"), beat.get("sampling")
     if step is None and sampling:
         k, n = sampling
-        return f"during sampling ({f'step {k} of {n}' if phase == 'sampling' else f'{phase}, after step {n}'})"
+        return (
+            f"during sampling ({f'step {k} of {n}' if phase == 'sampling' else f'{phase}, after step {n}'})"
+        )
     if step is None:
         return f"at start-up (phase: {phase})"
     return f"at step {step} (phase: {phase}{f', sampling step {sampling[0]} of {sampling[1]}' if sampling else ''})"
@@ -579,7 +647,9 @@ class StopRequest:
     While a failure is being reported (`hold`), signals are only noted: nothing pre-empts the error line."""
 
     SIGNALS = tuple(s for s in (getattr(signal, n, None) for n in ("SIGTERM", "SIGUSR1", "SIGINT")) if s)
-    INSIST_AFTER_S = 3.0  # torchrun forwards the signal it got: the copy arriving right after is no second request
+    INSIST_AFTER_S = (
+        3.0  # torchrun forwards the signal it got: the copy arriving right after is no second request
+    )
     DEFER_S = 5.0  # SIGTERM outside the training loop: the time left to reach this rank's own error line
 
     def __init__(self):
@@ -636,7 +706,13 @@ class StopRequest:
                 self._deferred.join()
 
     def install(self):
-        self.accepting, self.held, self.signum, self.received_at, self.received_in_step = False, False, 0, 0.0, None
+        self.accepting, self.held, self.signum, self.received_at, self.received_in_step = (
+            False,
+            False,
+            0,
+            0.0,
+            None,
+        )
         self._deferred, self._redelivering = None, False
         previous = {s: signal.signal(s, self.handler) for s in self.SIGNALS}
         # startup.py's handler only bridged the imports: after the run a SIGTERM ends the process again
@@ -669,4 +745,3 @@ class Stopped(BaseException):
 
 
 stop_request = StopRequest()
-

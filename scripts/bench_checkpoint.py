@@ -43,7 +43,9 @@ def worker_sleeps() -> int:
             continue
         try:
             with open(f"/proc/self/task/{tid}/status") as f:
-                total += next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+                total += next(
+                    int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches")
+                )
         except (FileNotFoundError, StopIteration):  # a thread that ended meanwhile
             pass
     return total
@@ -55,8 +57,9 @@ def main():
     args = p.parse_args()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     torch.manual_seed(0)
-    model = parallelize_dit(DiT(3, 64, depth=4, hidden_size=128, num_heads=4, patch_size=(2, 4, 4)),
-                            init_device_mesh("cpu", (1,)))
+    model = parallelize_dit(
+        DiT(3, 64, depth=4, hidden_size=128, num_heads=4, patch_size=(2, 4, 4)), init_device_mesh("cpu", (1,))
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x, y, mask = torch.randn(8, 3, 8, 32, 32), torch.randn(8, 40, 64), torch.ones(8, 40, dtype=torch.bool)
     rows = {}
@@ -72,10 +75,17 @@ def main():
             optimizer.zero_grad()
             compute.append(t1 - t0)
             update.append(time.perf_counter() - t1)
-        rows[label] = (statistics.median(compute) * 1000, statistics.median(update) * 1000,
-                       (worker_sleeps() - sleeps) / args.steps, len(os.listdir("/proc/self/task")))
-        print(f"{label:40s} forward+backward {rows[label][0]:7.1f} ms   optimizer {rows[label][1]:6.1f} ms   "
-              f"worker sleeps/step {rows[label][2]:6.0f}   threads {rows[label][3]}", flush=True)
+        rows[label] = (
+            statistics.median(compute) * 1000,
+            statistics.median(update) * 1000,
+            (worker_sleeps() - sleeps) / args.steps,
+            len(os.listdir("/proc/self/task")),
+        )
+        print(
+            f"{label:40s} forward+backward {rows[label][0]:7.1f} ms   optimizer {rows[label][1]:6.1f} ms   "
+            f"worker sleeps/step {rows[label][2]:6.0f}   threads {rows[label][3]}",
+            flush=True,
+        )
 
     def state():
         return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
@@ -84,7 +94,10 @@ def main():
     bench("before")
     folder = tempfile.mkdtemp()
     try:
-        _on_io_group(dist.group.WORLD, lambda group: dcp.save(state(), checkpoint_id=f"{folder}/a", process_group=group))
+        _on_io_group(
+            dist.group.WORLD,
+            lambda group: dcp.save(state(), checkpoint_id=f"{folder}/a", process_group=group),
+        )
         bench("after dcp.save, short-lived group (fix)")
         kept = dist.new_group(backend="gloo")  # the control group before issue 12: alive for the whole run
         dcp.save(state(), checkpoint_id=f"{folder}/b", process_group=kept)
@@ -92,11 +105,19 @@ def main():
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     dist.destroy_process_group()
-    before, fixed, old = rows["before"], rows["after dcp.save, short-lived group (fix)"], rows["after dcp.save, long-lived group (old)"]
-    print(f"after/before, forward+backward: fix {fixed[0] / before[0]:.2f}, old {old[0] / before[0]:.2f}; "
-          f"worker sleeps: fix {fixed[2] / max(before[2], 1):.2f}, old {old[2] / max(before[2], 1):.2f}")
-    print(f"threads {torch.get_num_threads()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
-          f"load average {os.getloadavg()[0]:.2f}")
+    before, fixed, old = (
+        rows["before"],
+        rows["after dcp.save, short-lived group (fix)"],
+        rows["after dcp.save, long-lived group (old)"],
+    )
+    print(
+        f"after/before, forward+backward: fix {fixed[0] / before[0]:.2f}, old {old[0] / before[0]:.2f}; "
+        f"worker sleeps: fix {fixed[2] / max(before[2], 1):.2f}, old {old[2] / max(before[2], 1):.2f}"
+    )
+    print(
+        f"threads {torch.get_num_threads()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -30,11 +30,22 @@ from data.loader import build_buckets, build_dataset, build_loader, build_sample
 from data.manifest import write_manifest  # noqa: E402
 
 # One bucket, 24 x 256 x 256 (the bucket keys of the default recipe, the demo's, are cleared).
-RECIPE = ["data.frames=24", "data.height=256", "data.width=256", "data.resolutions=[]", "data.aspect_ratios=[]",
-          "data.frame_counts=[]", "data.tokens_per_batch=0", "model.patch_size=[1,2,2]", "train.batch_size=4"]
+RECIPE = [
+    "data.frames=24",
+    "data.height=256",
+    "data.width=256",
+    "data.resolutions=[]",
+    "data.aspect_ratios=[]",
+    "data.frame_counts=[]",
+    "data.tokens_per_batch=0",
+    "model.patch_size=[1,2,2]",
+    "train.batch_size=4",
+]
 
 
-def make_sources(folder: Path, count: int, frames: int = 120, height: int = 256, width: int = 456, fps: int = 24):
+def make_sources(
+    folder: Path, count: int, frames: int = 120, height: int = 256, width: int = 456, fps: int = 24
+):
     """Smooth moving gradients with grain: compresses like camera footage, not like flat colour."""
     import av
 
@@ -53,7 +64,9 @@ def make_sources(folder: Path, count: int, frames: int = 120, height: int = 256,
             stream.options = {"crf": "23", "preset": "veryfast"}
             for k in range(frames):
                 phase = k / frames * 2 * np.pi
-                image = np.stack([np.sin(xs / 40 + phase + v), np.cos(ys / 30 - phase), np.sin((xs + ys) / 50 + v)], -1)
+                image = np.stack(
+                    [np.sin(xs / 40 + phase + v), np.cos(ys / 30 - phase), np.sin((xs + ys) / 50 + v)], -1
+                )
                 image = (127 + 100 * image + rng.normal(0, 6, image.shape)).clip(0, 255).astype(np.uint8)
                 for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
                     container.mux(packet)
@@ -63,8 +76,17 @@ def make_sources(folder: Path, count: int, frames: int = 120, height: int = 256,
 
 
 def manifest_for(folder: Path, paths, size: int) -> Path:
-    entries = [{"path": paths[i % len(paths)].name, "caption": f"clip {i}", "width": 456, "height": 256,
-                "num_frames": 120, "fps": 24.0} for i in range(size)]
+    entries = [
+        {
+            "path": paths[i % len(paths)].name,
+            "caption": f"clip {i}",
+            "width": 456,
+            "height": 256,
+            "num_frames": 120,
+            "fps": 24.0,
+        }
+        for i in range(size)
+    ]
     write_manifest(folder / f"manifest_{size}.jsonl", entries)
     return folder / f"manifest_{size}.jsonl"
 
@@ -88,7 +110,9 @@ def clips_per_second(paths, seconds: float) -> float:
 
 def bench_decode(folder, paths, args):
     per_worker = clips_per_second(paths, args.seconds)
-    print(f"decode: {per_worker:.1f} clips/s in one process (24 x 256 x 256 from 456 x 256 H.264)", flush=True)
+    print(
+        f"decode: {per_worker:.1f} clips/s in one process (24 x 256 x 256 from 456 x 256 H.264)", flush=True
+    )
     hd = clips_per_second(make_sources(folder, 4, frames=96, height=720, width=1280), args.seconds)
     print(f"decode: {hd:.1f} clips/s in one process (24 x 256 x 256 from 1280 x 720 H.264)", flush=True)
     cfg = load_config(None, RECIPE + [f"data.manifest={manifest_for(folder, paths, 4096)}"])
@@ -104,13 +128,19 @@ def bench_decode(folder, paths, args):
             clips += len(batch["index"])
         rate = clips / (time.perf_counter() - start)
         results[f"loader_clips_per_s_{workers}_workers"] = rate
-        print(f"loader, {workers} worker(s): {rate:.1f} clips/s of {tuple(batch['video'].shape[1:])} uint8, in "
-              f"batches of {len(batch['index'])}", flush=True)
+        print(
+            f"loader, {workers} worker(s): {rate:.1f} clips/s of {tuple(batch['video'].shape[1:])} uint8, in "
+            f"batches of {len(batch['index'])}",
+            flush=True,
+        )
         del loader
     need = args.batch / args.step_time
     results["needed_clips_per_s"] = need
-    print(f"a step of {args.step_time} s at batch {args.batch} consumes {need:.1f} clips/s: "
-          f"{need / per_worker:.1f} workers' worth of decoding at the single-process rate", flush=True)
+    print(
+        f"a step of {args.step_time} s at batch {args.batch} consumes {need:.1f} clips/s: "
+        f"{need / per_worker:.1f} workers' worth of decoding at the single-process rate",
+        flush=True,
+    )
     return results
 
 
@@ -128,12 +158,17 @@ def bench_memory(folder, paths, args):
         next(loader)
         if b % max(1, args.batches // 10) == 0:
             samples.append((b, [rss_mb(p) for p in pids], rss_mb(os.getpid())))
-            print(f"memory after {b} batches: workers {', '.join(f'{m:.0f}' for m in samples[-1][1])} MiB, "
-                  f"main {samples[-1][2]:.0f} MiB", flush=True)
+            print(
+                f"memory after {b} batches: workers {', '.join(f'{m:.0f}' for m in samples[-1][1])} MiB, "
+                f"main {samples[-1][2]:.0f} MiB",
+                flush=True,
+            )
     first, last = samples[0], samples[-1]
     growth = [b - a for a, b in zip(first[1], last[1])]
-    print(f"worker RSS growth from batch {first[0]} to {last[0]}: {', '.join(f'{g:+.1f}' for g in growth)} MiB",
-          flush=True)
+    print(
+        f"worker RSS growth from batch {first[0]} to {last[0]}: {', '.join(f'{g:+.1f}' for g in growth)} MiB",
+        flush=True,
+    )
     return {"rss_samples": samples, "worker_growth_mb": growth}
 
 
@@ -157,7 +192,9 @@ def bench_resume(folder, paths, args):
         print(f"resume at step {step:>9,}: first batch after {times[step][-1]:.2f} s", flush=True)
     best = {s: min(t) for s, t in times.items()}
     ratio = best[1_000_000] / best[0]
-    print(f"{args.manifest_size:,} samples: step 1,000,000 / step 0 = {ratio:.3f} (best of 2 each)", flush=True)
+    print(
+        f"{args.manifest_size:,} samples: step 1,000,000 / step 0 = {ratio:.3f} (best of 2 each)", flush=True
+    )
     return {"manifest_size": args.manifest_size, "seconds": times, "ratio": ratio}
 
 
@@ -167,9 +204,15 @@ def main():
     p.add_argument("--folder", default=None, help="where to write the source clips (default: a temp folder)")
     p.add_argument("--seconds", type=float, default=15.0, help="duration of each throughput measurement")
     p.add_argument("--batches", type=int, default=1000, help="batches for the memory measurement")
-    p.add_argument("--manifest-size", type=int, default=1_000_000, help="manifest lines for the resume measurement")
-    p.add_argument("--memory-manifest-size", type=int, default=100_000, help="manifest lines for the memory one")
-    p.add_argument("--step-time", type=float, default=1.0, help="seconds per training step to compare against")
+    p.add_argument(
+        "--manifest-size", type=int, default=1_000_000, help="manifest lines for the resume measurement"
+    )
+    p.add_argument(
+        "--memory-manifest-size", type=int, default=100_000, help="manifest lines for the memory one"
+    )
+    p.add_argument(
+        "--step-time", type=float, default=1.0, help="seconds per training step to compare against"
+    )
     p.add_argument("--batch", type=int, default=8, help="clips per rank per step to compare against")
     p.add_argument("--json", default=None, help="also write the figures here")
     args = p.parse_args()

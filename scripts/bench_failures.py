@@ -36,13 +36,31 @@ TINY = ROOT / "tests" / "tiny.yaml"
 SILENCE_S = 5  # parallel.heartbeat_timeout_s in these runs
 STALL_S = 4  # parallel.stall_timeout_s where a stall is injected
 # 4 samples and batch 2 per rank: an epoch is one step of both ranks.
-TWO_RANKS = ["--config", str(TINY), "data.synthetic_samples=4", "train.batch_size=2", "train.checkpoint_every=3",
-             f"parallel.heartbeat_timeout_s={SILENCE_S}", "parallel.preflight_timeout_s=60"]
-SAMPLING = ["--config", str(TINY), "--random-weights", "--steps", "8", f"parallel.heartbeat_timeout_s={SILENCE_S}",
-            "parallel.preflight_timeout_s=60"]
+TWO_RANKS = [
+    "--config",
+    str(TINY),
+    "data.synthetic_samples=4",
+    "train.batch_size=2",
+    "train.checkpoint_every=3",
+    f"parallel.heartbeat_timeout_s={SILENCE_S}",
+    "parallel.preflight_timeout_s=60",
+]
+SAMPLING = [
+    "--config",
+    str(TINY),
+    "--random-weights",
+    "--steps",
+    "8",
+    f"parallel.heartbeat_timeout_s={SILENCE_S}",
+    "parallel.preflight_timeout_s=60",
+]
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
-WAN_OPTIONS = ["model.adaln=single", "model.qk_norm_across_heads=true", "model.pooled_text=false",
-               "model.text_mask=false"]  # tiny.yaml's DiT with Wan's architecture options
+WAN_OPTIONS = [
+    "model.adaln=single",
+    "model.qk_norm_across_heads=true",
+    "model.pooled_text=false",
+    "model.text_mask=false",
+]  # tiny.yaml's DiT with Wan's architecture options
 
 
 @dataclass
@@ -61,49 +79,170 @@ class Scenario:
     prepare: str = ""  # a function below that damages something in the scenario's folder first
 
 
-SCENARIOS = {s.name: s for s in [
-    Scenario("nan-lr-1proc", "the loss went NaN (train.lr=1e30), 1 process, a DataLoader worker", "train.py",
-             ["--config", str(TINY), "run.output_dir={run}", "train.lr=1e30", "train.max_steps=20", "train.log_every=10",
-              "train.checkpoint_every=5", "data.num_workers=1"], nproc=1,
-             expect="training diverged: the gradient norm was not finite at step", code=2),
-    Scenario("nan-1proc", "a NaN loss in step 4, 1 process, a DataLoader worker (checkpoint_every=5, log_every=10)",
-             "train.py", ["--config", str(TINY), "run.output_dir={run}", "train.max_steps=20", "train.log_every=10",
-                          "train.checkpoint_every=5", "data.num_workers=1"], nproc=1, fault="nan@0:4",
-             expect="training diverged: the gradient norm was not finite at step 4", code=2),
-    Scenario("nan-2ranks", "a NaN loss on rank 1 in step 4, 2 ranks (checkpoint_every=3, log_every=10)", "train.py",
-             [*TWO_RANKS, "run.output_dir={run}", "train.max_steps=9", "train.log_every=10", "data.num_workers=1"],
-             fault="nan@1:4", expect="training diverged: the gradient norm was not finite at step 4", code=2),
-    Scenario("enospc-2ranks", "the disk filled during the save of step 6, 2 ranks", "train.py",
-             [*TWO_RANKS, "run.output_dir={run}", "train.max_steps=9", "data.num_workers=1"],
-             fault="enospc@1:6", expect="no space left on", code=2),
-    Scenario("enospc-1proc", "the disk filled during the save of step 6, 1 process", "train.py",
-             ["--config", str(TINY), "run.output_dir={run}", "train.max_steps=9", "data.num_workers=1"], nproc=1,
-             fault="enospc@0:6", expect="no space left on", code=2),
-    Scenario("kill-sampling-pipefusion", "rank 1 killed in sampling step 3 (PipeFusion, 2 stages)", "infer.py",
-             [*SAMPLING, "run.output_dir={run}", "--output", "{out}/v.npy", "parallel.pipefusion=2"],
-             fault="sample_kill@1:3", expect="rank 1 (", bound_s=SILENCE_S + 5),
-    Scenario("kill-sampling-dp", "rank 1 killed in sampling step 3 (data parallel, 2 prompts)", "infer.py",
-             [*SAMPLING, "run.output_dir={run}", "--output", "{out}/v.npy", "--prompt", "a red square", "a blue circle",
-              "parallel.dp=2"], fault="sample_kill@1:3", expect="rank 1 (", bound_s=SILENCE_S + 5),
-    Scenario("hang-sampling", "rank 1's main thread hung in sampling step 3, its watchdog alive (PipeFusion)",
-             "infer.py", [*SAMPLING, "run.output_dir={run}", "--output", "{out}/v.npy", "parallel.pipefusion=2",
-                          f"parallel.stall_timeout_s={STALL_S}"],
-             fault="sample_hang@1:3", expect="rank 1 (", bound_s=STALL_S + 5),
-    Scenario("kill-startup", "rank 1 killed at start-up (process groups made, before the first step)", "train.py",
-             [*TWO_RANKS, "run.output_dir={run}", "train.max_steps=6"], fault="startup_kill@1",
-             expect="rank 1 (", bound_s=SILENCE_S + 5),
-    Scenario("store-host-lost", "the node hosting the c10d store lost its worker (2 torchrun agents)", "train.py",
-             [*TWO_RANKS, "run.output_dir={run}", "train.max_steps=9"], nproc=1, nodes=2, fault="kill@0:5",
-             expect="the rendezvous store at", bound_s=SILENCE_S + 5),
-    Scenario("truncated-pretrained", "model.pretrained holds a truncated safetensors file, 2 ranks", "train.py",
-             [*TWO_RANKS, "run.output_dir={run}", "model.pretrained={out}/wan", *WAN_OPTIONS],
-             expect="is truncated: ", code=2, prepare="truncated_pretrained"),
-    Scenario("damaged-checkpoint", "a checkpoint with checksums.json missing and a truncated shard, 2 ranks",
-             "train.py", [*TWO_RANKS, "run.output_dir={run}", "train.max_steps=6"],
-             expect="__0_0.distcp is truncated", code=2, prepare="damaged_checkpoint"),
-    Scenario("lr-nan", "train.lr=nan, 2 ranks", "train.py", [*TWO_RANKS, "run.output_dir={run}", "train.lr=nan"],
-             expect="'train.lr' must be a finite number, got nan", code=2),
-]}
+SCENARIOS = {
+    s.name: s
+    for s in [
+        Scenario(
+            "nan-lr-1proc",
+            "the loss went NaN (train.lr=1e30), 1 process, a DataLoader worker",
+            "train.py",
+            [
+                "--config",
+                str(TINY),
+                "run.output_dir={run}",
+                "train.lr=1e30",
+                "train.max_steps=20",
+                "train.log_every=10",
+                "train.checkpoint_every=5",
+                "data.num_workers=1",
+            ],
+            nproc=1,
+            expect="training diverged: the gradient norm was not finite at step",
+            code=2,
+        ),
+        Scenario(
+            "nan-1proc",
+            "a NaN loss in step 4, 1 process, a DataLoader worker (checkpoint_every=5, log_every=10)",
+            "train.py",
+            [
+                "--config",
+                str(TINY),
+                "run.output_dir={run}",
+                "train.max_steps=20",
+                "train.log_every=10",
+                "train.checkpoint_every=5",
+                "data.num_workers=1",
+            ],
+            nproc=1,
+            fault="nan@0:4",
+            expect="training diverged: the gradient norm was not finite at step 4",
+            code=2,
+        ),
+        Scenario(
+            "nan-2ranks",
+            "a NaN loss on rank 1 in step 4, 2 ranks (checkpoint_every=3, log_every=10)",
+            "train.py",
+            [
+                *TWO_RANKS,
+                "run.output_dir={run}",
+                "train.max_steps=9",
+                "train.log_every=10",
+                "data.num_workers=1",
+            ],
+            fault="nan@1:4",
+            expect="training diverged: the gradient norm was not finite at step 4",
+            code=2,
+        ),
+        Scenario(
+            "enospc-2ranks",
+            "the disk filled during the save of step 6, 2 ranks",
+            "train.py",
+            [*TWO_RANKS, "run.output_dir={run}", "train.max_steps=9", "data.num_workers=1"],
+            fault="enospc@1:6",
+            expect="no space left on",
+            code=2,
+        ),
+        Scenario(
+            "enospc-1proc",
+            "the disk filled during the save of step 6, 1 process",
+            "train.py",
+            ["--config", str(TINY), "run.output_dir={run}", "train.max_steps=9", "data.num_workers=1"],
+            nproc=1,
+            fault="enospc@0:6",
+            expect="no space left on",
+            code=2,
+        ),
+        Scenario(
+            "kill-sampling-pipefusion",
+            "rank 1 killed in sampling step 3 (PipeFusion, 2 stages)",
+            "infer.py",
+            [*SAMPLING, "run.output_dir={run}", "--output", "{out}/v.npy", "parallel.pipefusion=2"],
+            fault="sample_kill@1:3",
+            expect="rank 1 (",
+            bound_s=SILENCE_S + 5,
+        ),
+        Scenario(
+            "kill-sampling-dp",
+            "rank 1 killed in sampling step 3 (data parallel, 2 prompts)",
+            "infer.py",
+            [
+                *SAMPLING,
+                "run.output_dir={run}",
+                "--output",
+                "{out}/v.npy",
+                "--prompt",
+                "a red square",
+                "a blue circle",
+                "parallel.dp=2",
+            ],
+            fault="sample_kill@1:3",
+            expect="rank 1 (",
+            bound_s=SILENCE_S + 5,
+        ),
+        Scenario(
+            "hang-sampling",
+            "rank 1's main thread hung in sampling step 3, its watchdog alive (PipeFusion)",
+            "infer.py",
+            [
+                *SAMPLING,
+                "run.output_dir={run}",
+                "--output",
+                "{out}/v.npy",
+                "parallel.pipefusion=2",
+                f"parallel.stall_timeout_s={STALL_S}",
+            ],
+            fault="sample_hang@1:3",
+            expect="rank 1 (",
+            bound_s=STALL_S + 5,
+        ),
+        Scenario(
+            "kill-startup",
+            "rank 1 killed at start-up (process groups made, before the first step)",
+            "train.py",
+            [*TWO_RANKS, "run.output_dir={run}", "train.max_steps=6"],
+            fault="startup_kill@1",
+            expect="rank 1 (",
+            bound_s=SILENCE_S + 5,
+        ),
+        Scenario(
+            "store-host-lost",
+            "the node hosting the c10d store lost its worker (2 torchrun agents)",
+            "train.py",
+            [*TWO_RANKS, "run.output_dir={run}", "train.max_steps=9"],
+            nproc=1,
+            nodes=2,
+            fault="kill@0:5",
+            expect="the rendezvous store at",
+            bound_s=SILENCE_S + 5,
+        ),
+        Scenario(
+            "truncated-pretrained",
+            "model.pretrained holds a truncated safetensors file, 2 ranks",
+            "train.py",
+            [*TWO_RANKS, "run.output_dir={run}", "model.pretrained={out}/wan", *WAN_OPTIONS],
+            expect="is truncated: ",
+            code=2,
+            prepare="truncated_pretrained",
+        ),
+        Scenario(
+            "damaged-checkpoint",
+            "a checkpoint with checksums.json missing and a truncated shard, 2 ranks",
+            "train.py",
+            [*TWO_RANKS, "run.output_dir={run}", "train.max_steps=6"],
+            expect="__0_0.distcp is truncated",
+            code=2,
+            prepare="damaged_checkpoint",
+        ),
+        Scenario(
+            "lr-nan",
+            "train.lr=nan, 2 ranks",
+            "train.py",
+            [*TWO_RANKS, "run.output_dir={run}", "train.lr=nan"],
+            expect="'train.lr' must be a finite number, got nan",
+            code=2,
+        ),
+    ]
+}
 
 
 def truncated_pretrained(out: Path) -> None:
@@ -112,9 +251,17 @@ def truncated_pretrained(out: Path) -> None:
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(0)
-    WanTransformer3DModel(patch_size=(1, 4, 4), num_attention_heads=4, attention_head_dim=16, in_channels=3,
-                          out_channels=3, text_dim=32, ffn_dim=256, num_layers=2,
-                          rope_max_seq_len=64).save_pretrained(out / "wan", max_shard_size="20KB")
+    WanTransformer3DModel(
+        patch_size=(1, 4, 4),
+        num_attention_heads=4,
+        attention_head_dim=16,
+        in_channels=3,
+        out_channels=3,
+        text_dim=32,
+        ffn_dim=256,
+        num_layers=2,
+        rope_max_seq_len=64,
+    ).save_pretrained(out / "wan", max_shard_size="20KB")
     last = sorted((out / "wan").glob("*.safetensors"))[-1]
     os.truncate(last, last.stat().st_size - 10)
 
@@ -122,8 +269,14 @@ def truncated_pretrained(out: Path) -> None:
 def damaged_checkpoint(out: Path) -> None:
     """Three steps trained, then the checkpoint's checksums.json lost and a shard cut in half."""
     args = [a.format(run=out / "run", out=out) for a in SCENARIOS["damaged-checkpoint"].args]
-    subprocess.run([sys.executable, str(ROOT / "train.py"), *args[:-1], "train.max_steps=3", "train.batch_size=4"],
-                   cwd=ROOT, env={**os.environ, **ENV}, check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args[:-1], "train.max_steps=3", "train.batch_size=4"],
+        cwd=ROOT,
+        env={**os.environ, **ENV},
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     step = out / "run" / "checkpoints" / "step_3"
     (step / "checksums.json").unlink()
     os.truncate(step / "__0_0.distcp", (step / "__0_0.distcp").stat().st_size // 2)
@@ -141,10 +294,19 @@ class Launch:
         for i, cmd in enumerate(commands):
             if i and stagger_s:
                 time.sleep(stagger_s)  # the first node's agent hosts the rendezvous store
-            self.procs.append(subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                               text=True, env={**os.environ, **ENV, **(env or {}),
-                                                               "TESSERA_LAUNCH_TAG": self.tag}))
-        self.readers = [threading.Thread(target=self._read, args=(i, p), daemon=True) for i, p in enumerate(self.procs)]
+            self.procs.append(
+                subprocess.Popen(
+                    cmd,
+                    cwd=ROOT,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env={**os.environ, **ENV, **(env or {}), "TESSERA_LAUNCH_TAG": self.tag},
+                )
+            )
+        self.readers = [
+            threading.Thread(target=self._read, args=(i, p), daemon=True) for i, p in enumerate(self.procs)
+        ]
         for reader in self.readers:
             reader.start()
         self.ended: float | None = None
@@ -206,19 +368,38 @@ def command(scenario: Scenario, run_dir: Path, out: Path, node: int = 0, port: i
     args = [a.format(run=run_dir, out=out) for a in scenario.args]
     script = str(ROOT / scenario.script)
     if scenario.nodes > 1:
-        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={scenario.nodes}", f"--node-rank={node}",
-                f"--nproc-per-node={scenario.nproc}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                f"--rdzv-id={scenario.name}", script, *args]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={scenario.nodes}",
+            f"--node-rank={node}",
+            f"--nproc-per-node={scenario.nproc}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id={scenario.name}",
+            script,
+            *args,
+        ]
     if scenario.nproc == 1:
         return [sys.executable, script, *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={scenario.nproc}",
-            script, *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={scenario.nproc}",
+        script,
+        *args,
+    ]
 
 
 def rank_codes(text: str) -> dict[int, int]:
     """{rank: exit code} of the ranks torchrun reports as failed (a rank that exited 0 is not listed)."""
-    return {int(rank): int(code) for rank, code in
-            re.findall(r"rank\s+: (\d+) \(local_rank: \d+\)\s+exitcode\s+: (-?\d+)", text)}
+    return {
+        int(rank): int(code)
+        for rank, code in re.findall(r"rank\s+: (\d+) \(local_rank: \d+\)\s+exitcode\s+: (-?\d+)", text)
+    }
 
 
 def latest_state(run_dir: Path) -> dict:
@@ -242,8 +423,11 @@ def latest_state(run_dir: Path) -> dict:
 
     state = _load_state_dict_from_keys(checkpoint_id=str(latest))
     tensors = [t for t in local_tensors(state) if t.is_floating_point()]
-    return {"latest": str(latest), "finite": all(bool(torch.isfinite(t).all()) for t in tensors),
-            "tensors": len(tensors)}
+    return {
+        "latest": str(latest),
+        "finite": all(bool(torch.isfinite(t).all()) for t in tensors),
+        "tensors": len(tensors),
+    }
 
 
 def run_scenario(scenario: Scenario, out: Path, timeout: float = 150.0) -> dict:
@@ -258,8 +442,11 @@ def run_scenario(scenario: Scenario, out: Path, timeout: float = 150.0) -> dict:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        launch = Launch([command(scenario, run_dir, out, node, port) for node in range(scenario.nodes)], env,
-                        stagger_s=1.0)
+        launch = Launch(
+            [command(scenario, run_dir, out, node, port) for node in range(scenario.nodes)],
+            env,
+            stagger_s=1.0,
+        )
     else:
         launch = Launch([command(scenario, run_dir, out)], env)
     codes = launch.wait(timeout)
@@ -271,32 +458,49 @@ def run_scenario(scenario: Scenario, out: Path, timeout: float = 150.0) -> dict:
     agent = next((i for t, i, line in launch.lines if "error:" in line), None)
     traceback_first = [t for t, i, line in launch.lines if "Traceback" in line and i == agent]
     result = {
-        "name": scenario.name, "row": scenario.row, "fault": scenario.fault or None,
-        "codes": codes, "rank_codes": rank_codes(launch.text()), "error_line": error[1] if error else None,
+        "name": scenario.name,
+        "row": scenario.row,
+        "fault": scenario.fault or None,
+        "codes": codes,
+        "rank_codes": rank_codes(launch.text()),
+        "error_line": error[1] if error else None,
         "fault_to_error_s": round(error[0] - start, 1) if error else None,
         "fault_to_exit_s": round(launch.ended - start, 1),
         "timed_from": "the fault" if fault else "the launch",
         "traceback_before_error": bool(error and traceback_first and traceback_first[0] < error[0]),
-        "left_running": launch.leftovers(), "bound_s": scenario.bound_s, "expect": scenario.expect,
+        "left_running": launch.leftovers(),
+        "bound_s": scenario.bound_s,
+        "expect": scenario.expect,
         "stderr_tail": launch.text()[-6000:],
     }
-    result.update(latest_state(run_dir) if (run_dir / "checkpoints").is_dir() else {"latest": None, "finite": None})
+    result.update(
+        latest_state(run_dir) if (run_dir / "checkpoints").is_dir() else {"latest": None, "finite": None}
+    )
     return result
 
 
 def markdown(results: list[dict]) -> str:
-    lines = ["| what the user did | first line (shortened) | fault -> `error:` | fault -> every process gone | "
-             "exit codes (each rank's, as torchrun reports them) | `latest` |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| what the user did | first line (shortened) | fault -> `error:` | fault -> every process gone | "
+        "exit codes (each rank's, as torchrun reports them) | `latest` |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in results:
         line = (r["error_line"] or "(none)").split("; this")[0]
         line = re.sub(r"\(\S+:\d+\)", "(host:pid)", line)[:150].replace("|", "/")
-        latest = "none written" if r["latest"] is None else \
-            f"{Path(r['latest']).name}, {'finite' if r['finite'] else 'damaged (as injected)' if r.get('problem') else 'NOT FINITE'}"
+        latest = (
+            "none written"
+            if r["latest"] is None
+            else f"{Path(r['latest']).name}, {'finite' if r['finite'] else 'damaged (as injected)' if r.get('problem') else 'NOT FINITE'}"
+        )
         since = "" if r["timed_from"] == "the fault" else " from the launch, start-up included"
-        codes = ", ".join(f"rank {k}: {v}" for k, v in sorted(r["rank_codes"].items())) or \
-            ", ".join(map(str, r["codes"]))
-        lines.append(f"| {r['row']} | `{line}` | {r['fault_to_error_s']} s{since} (target {r['bound_s']:g}) | "
-                     f"{r['fault_to_exit_s']} s{since} | {codes} | {latest} |")
+        codes = ", ".join(f"rank {k}: {v}" for k, v in sorted(r["rank_codes"].items())) or ", ".join(
+            map(str, r["codes"])
+        )
+        lines.append(
+            f"| {r['row']} | `{line}` | {r['fault_to_error_s']} s{since} (target {r['bound_s']:g}) | "
+            f"{r['fault_to_exit_s']} s{since} | {codes} | {latest} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -321,22 +525,41 @@ def guard_cost(out: Path, steps: int = 40) -> dict:
     calls = 20_000
     check_s = timeit.timeit(lambda: guard.skip(7, norm), number=calls) / calls
     run_dir = out / "guard_cost_run"
-    code = run_entrypoint(train.main, ["--config", str(ROOT / "configs" / "demo.yaml"), f"run.output_dir={run_dir}",
-                                       f"train.max_steps={steps}", "train.log_every=10", "logging.wandb=false",
-                                       f"train.checkpoint_every={steps}", "train.resume=none", "data.num_workers=0"])
+    code = run_entrypoint(
+        train.main,
+        [
+            "--config",
+            str(ROOT / "configs" / "demo.yaml"),
+            f"run.output_dir={run_dir}",
+            f"train.max_steps={steps}",
+            "train.log_every=10",
+            "logging.wandb=false",
+            f"train.checkpoint_every={steps}",
+            "train.resume=none",
+            "data.num_workers=0",
+        ],
+    )
     windows = [m["step_time"] for m in read_metrics(run_dir)][1:]
     step_s = sorted(windows)[len(windows) // 2] if code == 0 and windows else float("nan")
-    return {"check_us": round(check_s * 1e6, 1), "demo_step_ms": round(step_s * 1e3, 1),
-            "share_percent": round(100 * check_s / step_s, 4)}
+    return {
+        "check_us": round(check_s * 1e6, 1),
+        "demo_step_ms": round(step_s * 1e3, 1),
+        "share_percent": round(100 * check_s / step_s, 4),
+    }
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", default="runs/bench_failures")
     parser.add_argument("--only", default="", help="comma-separated scenario names (default: all)")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
-    parser.add_argument("--guard-cost", action="store_true",
-                        help="only time the per-step finiteness check against the demo's step time")
+    parser.add_argument(
+        "--guard-cost",
+        action="store_true",
+        help="only time the per-step finiteness check against the demo's step time",
+    )
     args = parser.parse_args(argv)
     if args.list:
         for s in SCENARIOS.values():
@@ -344,8 +567,10 @@ def main(argv=None) -> int:
         return 0
     if args.guard_cost:
         cost = guard_cost(Path(args.out))
-        print(f"finiteness check: {cost['check_us']} us per step; demo step {cost['demo_step_ms']} ms; "
-              f"{cost['share_percent']}% of the step (target <= 1%)")
+        print(
+            f"finiteness check: {cost['check_us']} us per step; demo step {cost['demo_step_ms']} ms; "
+            f"{cost['share_percent']}% of the step (target <= 1%)"
+        )
         return 0
     names = [n for n in args.only.split(",") if n] or list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
@@ -357,8 +582,11 @@ def main(argv=None) -> int:
     for name in names:
         result = run_scenario(SCENARIOS[name], out / name)
         results.append(result)
-        print(f"{name}: error after {result['fault_to_error_s']} s, gone after {result['fault_to_exit_s']} s, "
-              f"codes {result['codes']}, left running {result['left_running']}: {result['error_line']}", flush=True)
+        print(
+            f"{name}: error after {result['fault_to_error_s']} s, gone after {result['fault_to_exit_s']} s, "
+            f"codes {result['codes']}, left running {result['left_running']}: {result['error_line']}",
+            flush=True,
+        )
         (out / "results.json").write_text(json.dumps(results, indent=1))
         (out / "results.md").write_text(markdown(results))
     print(markdown(results))

@@ -44,19 +44,40 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 # Dense bf16 peak, TFLOP/s, by a substring of torch.cuda.get_device_name (first match wins).
-PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0), ("B200", 2250.0),
-               ("A100", 312.0), ("L40S", 362.0), ("A10G", 70.0), ("A10", 125.0), ("4090", 165.0)]
+PEAK_TFLOPS = [
+    ("H100 PCIe", 756.0),
+    ("H100", 989.0),
+    ("H200", 989.0),
+    ("GH200", 989.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("A10G", 70.0),
+    ("A10", 125.0),
+    ("4090", 165.0),
+]
 
 # name: model dims, latent (C, T, H, W), batch, text (tokens, dim)
 FULL_CASES = {
-    "DiT-XL 256px": dict(depth=28, hidden=1152, heads=16, ffn=4608, latent=(4, 1, 32, 32), batch=32, text=(120, 4096)),
-    "Wan2.1-1.3B dims 33x480x832": dict(depth=30, hidden=1536, heads=12, ffn=8960, latent=(16, 9, 60, 104), batch=1,
-                                        text=(512, 4096), wan=True),
+    "DiT-XL 256px": dict(
+        depth=28, hidden=1152, heads=16, ffn=4608, latent=(4, 1, 32, 32), batch=32, text=(120, 4096)
+    ),
+    "Wan2.1-1.3B dims 33x480x832": dict(
+        depth=30,
+        hidden=1536,
+        heads=12,
+        ffn=8960,
+        latent=(16, 9, 60, 104),
+        batch=1,
+        text=(512, 4096),
+        wan=True,
+    ),
 }
 TINY_CASES = {
     "tiny image": dict(depth=2, hidden=64, heads=4, ffn=256, latent=(4, 1, 8, 8), batch=4, text=(8, 32)),
-    "tiny video (Wan-shaped)": dict(depth=2, hidden=96, heads=4, ffn=560, latent=(16, 3, 6, 8), batch=1,
-                                    text=(16, 32), wan=True),
+    "tiny video (Wan-shaped)": dict(
+        depth=2, hidden=96, heads=4, ffn=560, latent=(16, 3, 6, 8), batch=1, text=(16, 32), wan=True
+    ),
 }
 PATCH = (1, 2, 2)
 
@@ -65,39 +86,54 @@ def dit_flops(depth, hidden, ffn, tokens, text_tokens, batch, in_channels, text_
     """Forward FLOPs of one batch, written out per layer (multiply-add = 2)."""
     N, L, D, Fh = tokens, text_tokens, hidden, ffn
     patch_volume = in_channels * patch[0] * patch[1] * patch[2]
-    per_block = (2 * N * D * 3 * D        # self-attention q, k, v
-                 + 2 * 2 * N * N * D      # q k^T and attention x v
-                 + 2 * N * D * D          # self-attention output projection
-                 + 2 * N * D * D          # cross-attention q
-                 + 2 * L * D * 2 * D      # cross-attention k, v of the text
-                 + 2 * 2 * N * L * D      # cross-attention scores and values
-                 + 2 * N * D * D          # cross-attention output projection
-                 + 2 * 2 * N * D * Fh     # MLP up and down
-                 + 2 * D * 6 * D)         # adaLN modulation (once per sample)
-    embed = (2 * N * patch_volume * D * 2          # patch embedding in, final projection out
-             + 2 * L * text_dim * D + 2 * L * D * D  # text projection (two layers)
-             + 2 * D * 2 * D)                       # final adaLN
+    per_block = (
+        2 * N * D * 3 * D  # self-attention q, k, v
+        + 2 * 2 * N * N * D  # q k^T and attention x v
+        + 2 * N * D * D  # self-attention output projection
+        + 2 * N * D * D  # cross-attention q
+        + 2 * L * D * 2 * D  # cross-attention k, v of the text
+        + 2 * 2 * N * L * D  # cross-attention scores and values
+        + 2 * N * D * D  # cross-attention output projection
+        + 2 * 2 * N * D * Fh  # MLP up and down
+        + 2 * D * 6 * D
+    )  # adaLN modulation (once per sample)
+    embed = (
+        2 * N * patch_volume * D * 2  # patch embedding in, final projection out
+        + 2 * L * text_dim * D
+        + 2 * L * D * D  # text projection (two layers)
+        + 2 * D * 2 * D
+    )  # final adaLN
     return batch * (depth * per_block + embed)
 
 
 def device_info(device):
-    info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         peak = next((tf for key, tf in PEAK_TFLOPS if key in name), None)
-        info.update(device=name, peak_tflops=peak, peak_note="dense bf16, vendor figure" if peak else "unknown device")
+        info.update(
+            device=name, peak_tflops=peak, peak_note="dense bf16, vendor figure" if peak else "unknown device"
+        )
     else:
         cores = len(os.sched_getaffinity(0))
         mhz = 2000.0
         try:
-            mhz = max(float(line.split(":")[1]) for line in open("/proc/cpuinfo") if line.startswith("cpu MHz"))
+            mhz = max(
+                float(line.split(":")[1]) for line in open("/proc/cpuinfo") if line.startswith("cpu MHz")
+            )
         except (OSError, ValueError):
             pass
         # AVX2: two 8-wide float32 FMA pipes = 32 FLOP/cycle/core at best (Zen 1: 16); take 16.
-        info.update(device=f"CPU, {cores} cores ({platform.processor() or platform.machine()})",
-                    peak_tflops=cores * mhz * 1e6 * 16 / 1e12,
-                    peak_note="ESTIMATE: cores x clock x 16 float32 FLOP/cycle; not a bf16 GPU peak")
+        info.update(
+            device=f"CPU, {cores} cores ({platform.processor() or platform.machine()})",
+            peak_tflops=cores * mhz * 1e6 * 16 / 1e12,
+            peak_note="ESTIMATE: cores x clock x 16 float32 FLOP/cycle; not a bf16 GPU peak",
+        )
     return info
 
 
@@ -136,8 +172,16 @@ def build_tessera(case, runtime, param_dtype, ac, compile, options=None):
 
     torch.manual_seed(0)
     with torch.device(runtime.device):
-        model = DiT(case["latent"][0], case["text"][1], depth=case["depth"], hidden_size=case["hidden"],
-                    num_heads=case["heads"], patch_size=PATCH, ffn_dim=case["ffn"], **(options or {}))
+        model = DiT(
+            case["latent"][0],
+            case["text"][1],
+            depth=case["depth"],
+            hidden_size=case["hidden"],
+            num_heads=case["heads"],
+            patch_size=PATCH,
+            ffn_dim=case["ffn"],
+            **(options or {}),
+        )
     return parallelize_dit(model, runtime.fsdp_mesh, param_dtype, ac, compile)
 
 
@@ -156,9 +200,15 @@ class WanAdapter(torch.nn.Module):
         from diffusers import WanTransformer3DModel
 
         self.inner = WanTransformer3DModel(
-            patch_size=PATCH, num_attention_heads=case["heads"], attention_head_dim=case["hidden"] // case["heads"],
-            in_channels=case["latent"][0], out_channels=case["latent"][0], text_dim=case["text"][1],
-            ffn_dim=case["ffn"], num_layers=case["depth"])
+            patch_size=PATCH,
+            num_attention_heads=case["heads"],
+            attention_head_dim=case["hidden"] // case["heads"],
+            in_channels=case["latent"][0],
+            out_channels=case["latent"][0],
+            text_dim=case["text"][1],
+            ffn_dim=case["ffn"],
+            num_layers=case["depth"],
+        )
         self.blocks = self.inner.blocks  # parallelize_dit shards, checkpoints and compiles these
 
     def forward(self, x, t, y, y_mask):
@@ -200,9 +250,17 @@ def bench_train(name, case, build, runtime, param_dtype, variant, args, info):
     seconds = timed(step, device, args.steps, args.warmup + (2 if compile else 0))
     tokens = B * T * H * W // (PATCH[0] * PATCH[1] * PATCH[2])
     flops = 3 * dit_flops(case["depth"], case["hidden"], case["ffn"], tokens // B, L, B, C, text_dim)
-    row = dict(case=name, variant=variant, seconds=seconds, tokens_per_s=tokens / seconds,
-               tflops=flops / seconds / 1e12, mfu=flops / seconds / 1e12 / info["peak_tflops"] if info["peak_tflops"] else None,
-               peak_gib=peak_memory(device), tokens=tokens, batch=B)
+    row = dict(
+        case=name,
+        variant=variant,
+        seconds=seconds,
+        tokens_per_s=tokens / seconds,
+        tflops=flops / seconds / 1e12,
+        mfu=flops / seconds / 1e12 / info["peak_tflops"] if info["peak_tflops"] else None,
+        peak_gib=peak_memory(device),
+        tokens=tokens,
+        batch=B,
+    )
     return row  # model and optimizer go with this frame: the next case starts from free memory
 
 
@@ -231,9 +289,13 @@ def bench_lse(runtime, shape, args):
     from parallel.sequence import MathKernel, _kernel_agrees, kernel_candidates
 
     device, dtype = runtime.device, runtime_dtype(runtime)
-    checks = {kernel.__name__: _kernel_agrees(kernel, device, dtype, shape[-1])
-              for kernel in kernel_candidates(device.type, dtype, shape[-1])}
-    kernel = next((k for k in kernel_candidates(device.type, dtype, shape[-1]) if checks[k.__name__]), MathKernel)
+    checks = {
+        kernel.__name__: _kernel_agrees(kernel, device, dtype, shape[-1])
+        for kernel in kernel_candidates(device.type, dtype, shape[-1])
+    }
+    kernel = next(
+        (k for k in kernel_candidates(device.type, dtype, shape[-1]) if checks[k.__name__]), MathKernel
+    )
     q, k, v, dout = (torch.randn(shape, device=device, dtype=dtype) for _ in range(4))
 
     def lse_step():
@@ -242,10 +304,21 @@ def bench_lse(runtime, shape, args):
 
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     lse_s = timed(lse_step, device, args.steps, args.warmup)
-    sdpa_s = timed(lambda: torch.autograd.backward(F.scaled_dot_product_attention(qg, kg, vg), dout),
-                   device, args.steps, args.warmup)
-    return dict(kernel=kernel.__name__, self_check=checks.get(kernel.__name__, False), checks=checks, shape=list(shape), lse_seconds=lse_s, sdpa_seconds=sdpa_s,
-                ratio=lse_s / sdpa_s)
+    sdpa_s = timed(
+        lambda: torch.autograd.backward(F.scaled_dot_product_attention(qg, kg, vg), dout),
+        device,
+        args.steps,
+        args.warmup,
+    )
+    return dict(
+        kernel=kernel.__name__,
+        self_check=checks.get(kernel.__name__, False),
+        checks=checks,
+        shape=list(shape),
+        lse_seconds=lse_s,
+        sdpa_seconds=sdpa_s,
+        ratio=lse_s / sdpa_s,
+    )
 
 
 def bench_sampler(case, runtime, param_dtype, args):
@@ -260,8 +333,12 @@ def bench_sampler(case, runtime, param_dtype, args):
     noise = torch.randn(1, C, T, H, W, device=device)
     y, y_mask = torch.randn(1, L, text_dim, device=device), torch.ones(1, L, dtype=torch.bool, device=device)
     steps = args.sampler_steps
-    seconds = timed(lambda: flow.sample(model, noise, y, y_mask, torch.zeros_like(y), y_mask, steps=steps,
-                                        guidance=5.0), device, 1, 1)
+    seconds = timed(
+        lambda: flow.sample(model, noise, y, y_mask, torch.zeros_like(y), y_mask, steps=steps, guidance=5.0),
+        device,
+        1,
+        1,
+    )
     return dict(case=case["name"], steps=steps, seconds_per_step=seconds / steps, guidance=5.0)
 
 
@@ -293,36 +370,51 @@ def _one_line(error: str) -> str:
 
 def markdown(results) -> str:
     info = results["info"]
-    lines = [f"Device: {info['device']}; torch {info['torch']}, CUDA {info['cuda']}; {info['date']}; "
-             f"mode {results['mode']}; peak {_fmt(info['peak_tflops'], '.3g')} TFLOP/s ({info['peak_note']}).", "",
-             "| model | variant | tokens/step | s/step | tokens/s | TFLOP/s | MFU | peak GiB |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Device: {info['device']}; torch {info['torch']}, CUDA {info['cuda']}; {info['date']}; "
+        f"mode {results['mode']}; peak {_fmt(info['peak_tflops'], '.3g')} TFLOP/s ({info['peak_note']}).",
+        "",
+        "| model | variant | tokens/step | s/step | tokens/s | TFLOP/s | MFU | peak GiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in results["train"]:
         if "error" in r:
             lines.append(f"| {r['case']} | {r['variant']} | | {_one_line(r['error'])} | | | | |")
             continue
         mem = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
-        lines.append(f"| {r['case']} | {r['variant']} | {r['tokens']:,} | {r['seconds']:.4f} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['tflops']:.3g} | {mfu} | {mem} |")
+        lines.append(
+            f"| {r['case']} | {r['variant']} | {r['tokens']:,} | {r['seconds']:.4f} | {r['tokens_per_s']:,.0f} | "
+            f"{r['tflops']:.3g} | {mfu} | {mem} |"
+        )
     for w in results.get("wan_ratio", []):
-        lines.append(f"\n{w.get('model', 'tessera')} / diffusers Wan, {w['variant']}: diffusers {w['wan_seconds']:.4f} s, tessera "
-                     f"{w['tessera_seconds']:.4f} s, speed ratio **{w['speedup']:.2f}x** (target >= 1.2)")
+        lines.append(
+            f"\n{w.get('model', 'tessera')} / diffusers Wan, {w['variant']}: diffusers {w['wan_seconds']:.4f} s, tessera "
+            f"{w['tessera_seconds']:.4f} s, speed ratio **{w['speedup']:.2f}x** (target >= 1.2)"
+        )
     if "sp" in results:
         s = results["sp"]
-        lines.append(f"\nSP operator at degree 1 vs SDPA, fwd+bwd {s['shape']}: {1e3 * s['sp_seconds']:.3f} ms vs "
-                     f"{1e3 * s['sdpa_seconds']:.3f} ms, **{s['ratio']:.3f}x** (target <= 1.05)")
+        lines.append(
+            f"\nSP operator at degree 1 vs SDPA, fwd+bwd {s['shape']}: {1e3 * s['sp_seconds']:.3f} ms vs "
+            f"{1e3 * s['sdpa_seconds']:.3f} ms, **{s['ratio']:.3f}x** (target <= 1.05)"
+        )
     if "lse" in results:
         s = results["lse"]
         checks = ", ".join(f"{k} {'passed' if ok else 'FAILED'}" for k, ok in s.get("checks", {}).items())
-        lines.append(f"\nLSE kernels' self-checks: {checks}. Ring attention's choice, {s['kernel']}: fwd+bwd "
-                     f"{1e3 * s['lse_seconds']:.3f} ms vs SDPA {1e3 * s['sdpa_seconds']:.3f} ms ({s['ratio']:.2f}x)")
+        lines.append(
+            f"\nLSE kernels' self-checks: {checks}. Ring attention's choice, {s['kernel']}: fwd+bwd "
+            f"{1e3 * s['lse_seconds']:.3f} ms vs SDPA {1e3 * s['sdpa_seconds']:.3f} ms ({s['ratio']:.2f}x)"
+        )
     if "init_seconds" in results:
-        lines.append(f"\ninit_runtime at world size 1 ({results['backend']}, process group + preflight): "
-                     f"{results['init_seconds']:.2f} s")
+        lines.append(
+            f"\ninit_runtime at world size 1 ({results['backend']}, process group + preflight): "
+            f"{results['init_seconds']:.2f} s"
+        )
     if "sampler" in results:
         s = results["sampler"]
-        lines.append(f"\nsampler, {s['case']}, guidance {s['guidance']}: {1e3 * s['seconds_per_step']:.1f} ms per step")
+        lines.append(
+            f"\nsampler, {s['case']}, guidance {s['guidance']}: {1e3 * s['seconds_per_step']:.1f} ms per step"
+        )
     for part, error in results.get("errors", {}).items():
         lines.append(f"\n{part}: failed: {_one_line(error)}")
     return "\n".join(lines) + "\n"
@@ -352,8 +444,14 @@ def main(argv=None):
     runtime, init_seconds = init(args)
     param_dtype = runtime_dtype(runtime)
     info = device_info(runtime.device)
-    results = {"mode": "tiny" if args.tiny else "full", "info": info, "backend": runtime.backend,
-               "init_seconds": init_seconds, "train": [], "wan_ratio": []}
+    results = {
+        "mode": "tiny" if args.tiny else "full",
+        "info": info,
+        "backend": runtime.backend,
+        "init_seconds": init_seconds,
+        "train": [],
+        "wan_ratio": [],
+    }
     print(f"{info['device']}: init_runtime {init_seconds:.2f} s", flush=True)
     for name, case in cases.items():
         case = {**case, "name": name}
@@ -364,30 +462,45 @@ def main(argv=None):
             by_model = {}
             for label, build in models:
                 try:
-                    row = bench_train(f"{name} ({label})", case, build, runtime, param_dtype, variant, args, info)
+                    row = bench_train(
+                        f"{name} ({label})", case, build, runtime, param_dtype, variant, args, info
+                    )
                 except torch.OutOfMemoryError as e:
-                    row = dict(case=f"{name} ({label})", variant=variant, error=f"out of memory: {str(e)[:80]}")
+                    row = dict(
+                        case=f"{name} ({label})", variant=variant, error=f"out of memory: {str(e)[:80]}"
+                    )
                 except Exception as e:  # one broken variant (a compile failure, say) must not lose the others
                     if args.tiny:  # on CPU (the test) a failure is a bug, not a device quirk
                         raise
-                    row = dict(case=f"{name} ({label})", variant=variant,
-                               error=f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
+                    row = dict(
+                        case=f"{name} ({label})",
+                        variant=variant,
+                        error=f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}",
+                    )
                 results["train"].append(row)
                 by_model[label] = row
                 print(row, flush=True)
                 save(results, args.out)
             for label in ("tessera", "tessera, Wan options"):
                 if "seconds" in by_model.get("diffusers Wan", {}) and "seconds" in by_model.get(label, {}):
-                    results["wan_ratio"].append(dict(case=name, variant=variant, model=label,
-                                                     wan_seconds=by_model["diffusers Wan"]["seconds"],
-                                                     tessera_seconds=by_model[label]["seconds"],
-                                                     speedup=by_model["diffusers Wan"]["seconds"] / by_model[label]["seconds"]))
+                    results["wan_ratio"].append(
+                        dict(
+                            case=name,
+                            variant=variant,
+                            model=label,
+                            wan_seconds=by_model["diffusers Wan"]["seconds"],
+                            tessera_seconds=by_model[label]["seconds"],
+                            speedup=by_model["diffusers Wan"]["seconds"] / by_model[label]["seconds"],
+                        )
+                    )
     video = list(cases.values())[-1]
     heads, head_dim = video["heads"], video["hidden"] // video["heads"]
     tokens = video["latent"][1] * video["latent"][2] * video["latent"][3] // 4
-    extra = {"sp": lambda: bench_sp(runtime, (1, heads, tokens, head_dim), args),
-             "lse": lambda: bench_lse(runtime, (1, heads, tokens, head_dim), args),
-             "sampler": lambda: bench_sampler({**video, "name": list(cases)[-1]}, runtime, param_dtype, args)}
+    extra = {
+        "sp": lambda: bench_sp(runtime, (1, heads, tokens, head_dim), args),
+        "lse": lambda: bench_lse(runtime, (1, heads, tokens, head_dim), args),
+        "sampler": lambda: bench_sampler({**video, "name": list(cases)[-1]}, runtime, param_dtype, args),
+    }
     for part, bench in extra.items():
         if part in parts:
             try:

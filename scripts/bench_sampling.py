@@ -79,8 +79,12 @@ def _runtime(layout):
 
     rank, timeout = dist.get_rank(), dt.timedelta(seconds=120)
     sequence = sequence_groups(layout, rank, timeout)
-    return SimpleNamespace(layout=layout, sequence=sequence, device=torch.device("cpu"),
-                           sampling=sampling_groups(layout, rank, timeout, sequence))
+    return SimpleNamespace(
+        layout=layout,
+        sequence=sequence,
+        device=torch.device("cpu"),
+        sampling=sampling_groups(layout, rank, timeout, sequence),
+    )
 
 
 def _sample(cfg, layout, patches, warmup, checkpoint, prompts, steps, guidance):
@@ -92,11 +96,24 @@ def _sample(cfg, layout, patches, warmup, checkpoint, prompts, steps, guidance):
 
     cfg.parallel.pipefusion_warmup = warmup
     runtime = _runtime(layout)
-    model, vae, text_encoder, sampler = load_sampler(cfg, runtime, checkpoint, random_weights=checkpoint is None,
-                                                     patches=patches or 1)
+    model, vae, text_encoder, sampler = load_sampler(
+        cfg, runtime, checkpoint, random_weights=checkpoint is None, patches=patches or 1
+    )
     weights = sum(p.numel() for p in model.parameters())
-    videos = generate(model, vae, text_encoder, RectifiedFlow(cfg.flow, cfg.model.patch_size), prompts, FRAMES, SIZE,
-                      SIZE, steps, guidance, seeds=list(range(len(prompts))), sampler=sampler)
+    videos = generate(
+        model,
+        vae,
+        text_encoder,
+        RectifiedFlow(cfg.flow, cfg.model.patch_size),
+        prompts,
+        FRAMES,
+        SIZE,
+        SIZE,
+        steps,
+        guidance,
+        seeds=list(range(len(prompts))),
+        sampler=sampler,
+    )
     return torch.from_numpy(videos), weights
 
 
@@ -125,8 +142,15 @@ def worker(args):
             gathered = [None] * world
             dist.all_gather_object(gathered, (sent, weights))
             if rank == 0:
-                out["bytes"].append(dict(layout=name, degrees=degrees, patches=patches,
-                                         sent=[s for s, _ in gathered], weights=[w for _, w in gathered]))
+                out["bytes"].append(
+                    dict(
+                        layout=name,
+                        degrees=degrees,
+                        patches=patches,
+                        sent=[s for s, _ in gathered],
+                        weights=[w for _, w in gathered],
+                    )
+                )
     if "quality" in args.parts and args.checkpoint:
         from infer import find_checkpoint
 
@@ -141,10 +165,17 @@ def worker(args):
                 mse = (videos.double() - serial.double()).pow(2).mean().item()
                 relative = ((videos.double() - serial.double()).norm() / serial.double().norm()).item()
                 if rank == 0:
-                    out["quality"].append(dict(stages=stages, patches=patches, warmup=warmup, steps=steps,
-                                               psnr=10 * math.log10(1 / mse) if mse > 0 else float("inf"),
-                                               relative_error=relative,
-                                               max_abs=(videos - serial).abs().max().item()))
+                    out["quality"].append(
+                        dict(
+                            stages=stages,
+                            patches=patches,
+                            warmup=warmup,
+                            steps=steps,
+                            psnr=10 * math.log10(1 / mse) if mse > 0 else float("inf"),
+                            relative_error=relative,
+                            max_abs=(videos - serial).abs().max().item(),
+                        )
+                    )
     if rank == 0:
         Path(args.worker_out).write_text(json.dumps(out))
     dist.barrier()
@@ -155,8 +186,9 @@ def worker(args):
 # Theory of the bytes part.
 
 
-def theory_sent(degrees, patches, stage, sp_rank, steps, warmup, tokens, grid, hidden, depth, cp, guided=True,
-                element=4):
+def theory_sent(
+    degrees, patches, stage, sp_rank, steps, warmup, tokens, grid, hidden, depth, cp, guided=True, element=4
+):
     """Bytes one rank sends in a sampling run, per the formulas in the module docstring."""
     from parallel.pipefusion import local_share, patch_ranges, schedule, stage_blocks
 
@@ -166,11 +198,16 @@ def theory_sent(degrees, patches, stage, sp_rank, steps, warmup, tokens, grid, h
     b = 2 if guided and cfg == 1 else 1
     if pf == 1:
         n = -(-tokens // sp)
-        per_step = depth * (4 * b * n * hidden * (u - 1) / u + 2 * b * n * hidden * (r - 1)) + (sp - 1) * b * n * hidden
+        per_step = (
+            depth * (4 * b * n * hidden * (u - 1) / u + 2 * b * n * hidden * (r - 1))
+            + (sp - 1) * b * n * hidden
+        )
         per_step += (cfg - 1) * tokens * cp  # the velocity all-gather
         return steps * per_step * element
     layers = len(stage_blocks(depth, pf)[stage])
-    total = (pf - 1) * (64 + 32) + 2 * (pf - 1) / pf * 4  # plan and count all-gathers, the return group's start
+    total = (pf - 1) * (64 + 32) + 2 * (
+        pf - 1
+    ) / pf * 4  # plan and count all-gathers, the return group's start
     for item in schedule(steps, warmup, patch_ranges(grid, patches), tokens):
         n = local_share(item, sp, sp_rank)[1]
         total += layers * (4 * b * n * hidden * (u - 1) / u + 2 * b * n * hidden * (r - 1)) * element
@@ -192,8 +229,11 @@ def bytes_table(results):
     pt, ph, pw = cfg.model.patch_size
     grid = (FRAMES // pt, SIZE // ph, SIZE // pw)
     tokens, cp = math.prod(grid), 3 * pt * ph * pw
-    rows = ["| layout | bytes sent per rank per step: measured (per rank) | theory | measured / theory | weights per rank "
-            "(share of the whole DiT) |", "|---|---|---|---|---|"]
+    rows = [
+        "| layout | bytes sent per rank per step: measured (per rank) | theory | measured / theory | weights per rank "
+        "(share of the whole DiT) |",
+        "|---|---|---|---|---|",
+    ]
     whole = max(max(entry["weights"]) for entry in results)
     for entry in results:
         degrees, patches = entry["degrees"], entry["patches"]
@@ -207,23 +247,43 @@ def bytes_table(results):
             pf = degrees.get("pipefusion", 1)
             sp_rank = local % (u * r)
             stage = (local // (u * r)) % pf
-            theory.append(theory_sent(degrees, patches or 1, stage, sp_rank, STEPS_BYTES, 1, tokens, grid,
-                                      size["hidden_size"], size["depth"], cp))
+            theory.append(
+                theory_sent(
+                    degrees,
+                    patches or 1,
+                    stage,
+                    sp_rank,
+                    STEPS_BYTES,
+                    1,
+                    tokens,
+                    grid,
+                    size["hidden_size"],
+                    size["depth"],
+                    cp,
+                )
+            )
         measured = [s / STEPS_BYTES for s in entry["sent"]]
         theory = [t / STEPS_BYTES for t in theory]
         ratio = [m / t if t else (1.0 if m == 0 else float("inf")) for m, t in zip(measured, theory)]
         share = sorted({f"{w / whole:.2f}" for w in entry["weights"]})
-        rows.append(f"| {entry['layout']} | {' / '.join(f'{m / 1024:.1f}' for m in measured)} KiB | "
-                    f"{' / '.join(f'{t / 1024:.1f}' for t in theory)} KiB | {min(ratio):.3f}-{max(ratio):.3f} | "
-                    f"{', '.join(share)} |")
+        rows.append(
+            f"| {entry['layout']} | {' / '.join(f'{m / 1024:.1f}' for m in measured)} KiB | "
+            f"{' / '.join(f'{t / 1024:.1f}' for t in theory)} KiB | {min(ratio):.3f}-{max(ratio):.3f} | "
+            f"{', '.join(share)} |"
+        )
     return rows
 
 
 def quality_table(results):
-    rows = ["| stages N | patches M | warm-up | PSNR vs serial (dB) | relative error | max abs |", "|---|---|---|---|---|---|"]
+    rows = [
+        "| stages N | patches M | warm-up | PSNR vs serial (dB) | relative error | max abs |",
+        "|---|---|---|---|---|---|",
+    ]
     for q in results:
-        rows.append(f"| {q['stages']} | {q['patches']} | {q['warmup']} of {q['steps']} | {q['psnr']:.1f} | "
-                    f"{q['relative_error']:.2e} | {q['max_abs']:.2e} |")
+        rows.append(
+            f"| {q['stages']} | {q['patches']} | {q['warmup']} of {q['steps']} | {q['psnr']:.1f} | "
+            f"{q['relative_error']:.2e} | {q['max_abs']:.2e} |"
+        )
     return rows
 
 
@@ -236,7 +296,10 @@ H100_STEP_S, H100_STEP_CASE = 0.443, dict(depth=30, hidden=1536, ffn=8960, token
 PEAK = {"H100": 989e12, "L40": 181e12}  # dense bf16, vendor figures
 LINK = {"NVLink (H100-class)": ("H100", 450e9, 20e-6), "PCIe (L40-class)": ("L40", 25e9, 30e-6)}
 WAN14B = dict(depth=40, hidden=5120, heads=40, ffn=13_824, in_channels=16, text=512)
-CASES = {"1024 x 1024 image": 64 * 64, "720p x 81 frames": 21 * 45 * 80}  # tokens: latent / 8, patch 1 x 2 x 2
+CASES = {
+    "1024 x 1024 image": 64 * 64,
+    "720p x 81 frames": 21 * 45 * 80,
+}  # tokens: latent / 8, patch 1 x 2 x 2
 SAMPLING_STEPS, WARMUP = 50, 1
 
 
@@ -249,11 +312,14 @@ def forward_flops(depth, hidden, ffn, tokens, batch=1, text=512):
 def measured_efficiency():
     """The fraction of the H100's peak that tessera's sampler reached (forward, bf16)."""
     c = H100_STEP_CASE
-    return forward_flops(c["depth"], c["hidden"], c["ffn"], c["tokens"], c["batch"]) / H100_STEP_S / PEAK["H100"]
+    return (
+        forward_flops(c["depth"], c["hidden"], c["ffn"], c["tokens"], c["batch"]) / H100_STEP_S / PEAK["H100"]
+    )
 
 
-def step_time(degrees, tokens, gpu, bandwidth, latency, efficiency, patches=None, steps=SAMPLING_STEPS,
-              warmup=WARMUP):
+def step_time(
+    degrees, tokens, gpu, bandwidth, latency, efficiency, patches=None, steps=SAMPLING_STEPS, warmup=WARMUP
+):
     """(seconds per denoising step averaged over the run, of which exposed communication), guidance on
     (both branches). Compute divides perfectly over the ranks that share a sample; a layer's attention
     share is counted from its FLOPs. Ulysses' all-to-alls are exposed; ring's transfers hide behind the
@@ -278,7 +344,9 @@ def step_time(degrees, tokens, gpu, bandwidth, latency, efficiency, patches=None
         hidden_behind = attention_share * layer * (item_tokens / tokens) / sp
         return ulysses + max(0.0, ring - hidden_behind), ulysses + ring
 
-    cfg_gather = (tokens * 64 * element / bandwidth + latency) if cfg > 1 else 0.0  # the velocity, Cp = 16 x 4
+    cfg_gather = (
+        (tokens * 64 * element / bandwidth + latency) if cfg > 1 else 0.0
+    )  # the velocity, Cp = 16 x 4
     if pf == 1:
         gather = ((sp - 1) * b * tokens / sp * D * element / bandwidth + latency) if sp > 1 else 0.0
         comm = L * layer_comm(tokens)[0] + gather + cfg_gather
@@ -287,10 +355,14 @@ def step_time(degrees, tokens, gpu, bandwidth, latency, efficiency, patches=None
     layers = L / pf
     patch_compute = layers * layer / sp / patches  # one patch through one stage
     send = b * tokens / sp / patches * D * element / bandwidth + latency
-    per_patch_comm = layers * layer_comm(tokens / patches)[0] + max(0.0, send - patch_compute) + cfg_gather / patches
+    per_patch_comm = (
+        layers * layer_comm(tokens / patches)[0] + max(0.0, send - patch_compute) + cfg_gather / patches
+    )
     items = (steps - warmup) * patches + pf - 1  # the pipeline fills once after the warm-up
     compute = items * patch_compute + warmup * pf * patches * patch_compute
-    comm = items * per_patch_comm + warmup * pf * (layers * layer_comm(tokens)[1] + send * patches + cfg_gather)
+    comm = items * per_patch_comm + warmup * pf * (
+        layers * layer_comm(tokens)[1] + send * patches + cfg_gather
+    )
     return (compute + comm) / steps, comm / steps
 
 
@@ -315,48 +387,89 @@ def model_tables(world=8):
     from parallel.layout import auto_layout, valid_layouts
 
     efficiency = measured_efficiency()
-    lines = [f"Inputs: forward efficiency {efficiency:.1%} of peak (measured on the H100, see above), Wan2.1-14B dims "
-             f"(40 layers, 5120 wide, 40 heads), guidance on, {SAMPLING_STEPS} steps, warm-up {WARMUP}, "
-             f"M = N patches; peaks H100 989, L40 181 TFLOP/s; the L40 is assumed to reach the same fraction."]
+    lines = [
+        f"Inputs: forward efficiency {efficiency:.1%} of peak (measured on the H100, see above), Wan2.1-14B dims "
+        f"(40 layers, 5120 wide, 40 heads), guidance on, {SAMPLING_STEPS} steps, warm-up {WARMUP}, "
+        f"M = N patches; peaks H100 989, L40 181 TFLOP/s; the L40 is assumed to reach the same fraction."
+    ]
     verdicts = {}
     for link, (gpu, bandwidth, latency) in LINK.items():
         for case, tokens in CASES.items():
-            single = step_time({}, tokens, gpu, bandwidth, latency, efficiency)[0] * 1  # one GPU: both branches
+            single = (
+                step_time({}, tokens, gpu, bandwidth, latency, efficiency)[0] * 1
+            )  # one GPU: both branches
             options = []
             for layout in valid_layouts(world, WAN14B["heads"], "sample", WAN14B["depth"], True):
                 if layout.dp != 1:
                     continue
-                degrees = {k: getattr(layout, k) for k in ("cfg", "pipefusion", "ulysses", "ring") if getattr(layout, k) > 1}
+                degrees = {
+                    k: getattr(layout, k)
+                    for k in ("cfg", "pipefusion", "ulysses", "ring")
+                    if getattr(layout, k) > 1
+                }
                 if memory_per_gpu(degrees, tokens) > 0.9 * MEMORY[gpu]:
                     continue  # does not fit beside activations and the VAE
                 total, comm = step_time(degrees, tokens, gpu, bandwidth, latency, efficiency)
                 options.append((total, comm, layout))
             options.sort(key=lambda o: o[0])
-            auto = auto_layout(world, WAN14B["heads"], world, mode="sample", depth=WAN14B["depth"], guided=True,
-                               slow_links=gpu == "L40", tokens=tokens)
-            auto_fits = memory_per_gpu({k: getattr(auto, k) for k in ("cfg", "pipefusion", "ulysses", "ring")}, tokens)
-            auto_time = step_time({k: getattr(auto, k) for k in ("cfg", "pipefusion", "ulysses", "ring")}, tokens, gpu,
-                                  bandwidth, latency, efficiency)[0]
-            lines += ["", f"**{case}, 8 x {gpu}, {link}** (one GPU: {single:.3f} s per step)", "",
-                      "| layout (cfg, pipefusion, ulysses, ring) | s per step | of which exposed communication | speed-up "
-                      "| GB per GPU (weights + K/V) |", "|---|---|---|---|---|"]
+            auto = auto_layout(
+                world,
+                WAN14B["heads"],
+                world,
+                mode="sample",
+                depth=WAN14B["depth"],
+                guided=True,
+                slow_links=gpu == "L40",
+                tokens=tokens,
+            )
+            auto_fits = memory_per_gpu(
+                {k: getattr(auto, k) for k in ("cfg", "pipefusion", "ulysses", "ring")}, tokens
+            )
+            auto_time = step_time(
+                {k: getattr(auto, k) for k in ("cfg", "pipefusion", "ulysses", "ring")},
+                tokens,
+                gpu,
+                bandwidth,
+                latency,
+                efficiency,
+            )[0]
+            lines += [
+                "",
+                f"**{case}, 8 x {gpu}, {link}** (one GPU: {single:.3f} s per step)",
+                "",
+                "| layout (cfg, pipefusion, ulysses, ring) | s per step | of which exposed communication | speed-up "
+                "| GB per GPU (weights + K/V) |",
+                "|---|---|---|---|---|",
+            ]
 
             def gb(degrees, tokens=tokens):
                 return f"{memory_per_gpu(degrees, tokens) / 1e9:.0f}"
 
             for total, comm, layout in options[:6]:
                 degrees = {k: getattr(layout, k) for k in ("cfg", "pipefusion", "ulysses", "ring")}
-                lines.append(f"| {layout.cfg}, {layout.pipefusion}, {layout.ulysses}, {layout.ring} | {total:.4f} | "
-                             f"{comm:.4f} | {single / total:.2f}x | {gb(degrees)} |")
-            for name, degrees in (("ulysses=8", dict(ulysses=8)), ("ring=8", dict(ring=8)),
-                                  ("pipefusion=8", dict(pipefusion=8))):
+                lines.append(
+                    f"| {layout.cfg}, {layout.pipefusion}, {layout.ulysses}, {layout.ring} | {total:.4f} | "
+                    f"{comm:.4f} | {single / total:.2f}x | {gb(degrees)} |"
+                )
+            for name, degrees in (
+                ("ulysses=8", dict(ulysses=8)),
+                ("ring=8", dict(ring=8)),
+                ("pipefusion=8", dict(pipefusion=8)),
+            ):
                 total, comm = step_time(degrees, tokens, gpu, bandwidth, latency, efficiency)
                 lines.append(f"| {name} | {total:.4f} | {comm:.4f} | {single / total:.2f}x | {gb(degrees)} |")
             fits = "" if auto_fits <= 0.9 * MEMORY[gpu] else " **does not fit**"
-            lines.append(f"| parallel.auto: {auto.cfg}, {auto.pipefusion}, {auto.ulysses}, {auto.ring} | {auto_time:.4f} | "
-                         f"| {single / auto_time:.2f}x (best that fits: {single / options[0][0]:.2f}x) | "
-                         f"{auto_fits / 1e9:.0f}{fits} |")
-            verdicts[(link, case)] = (options[0][2], auto, auto_time / options[0][0], auto_fits <= 0.9 * MEMORY[gpu])
+            lines.append(
+                f"| parallel.auto: {auto.cfg}, {auto.pipefusion}, {auto.ulysses}, {auto.ring} | {auto_time:.4f} | "
+                f"| {single / auto_time:.2f}x (best that fits: {single / options[0][0]:.2f}x) | "
+                f"{auto_fits / 1e9:.0f}{fits} |"
+            )
+            verdicts[(link, case)] = (
+                options[0][2],
+                auto,
+                auto_time / options[0][0],
+                auto_fits <= 0.9 * MEMORY[gpu],
+            )
     return lines, verdicts
 
 
@@ -371,20 +484,35 @@ def weights_table(sizes=("Wan2.1-1.3B", "Wan2.1-14B"), stages=(2, 4, 8)):
     rows = ["| model | pipefusion | parameters per stage (largest), share of the whole |", "|---|---|---|"]
     for size in sizes:
         with torch.device("meta"):
-            model = build_dit(OmegaConf.create(dict(size=size, patch_size=[1, 2, 2], mlp_ratio=4.0, qk_norm=True,
-                                                    attention_backend="sdpa", rope_theta=10000.0)),
-                              in_channels=16, text_dim=4096)
+            model = build_dit(
+                OmegaConf.create(
+                    dict(
+                        size=size,
+                        patch_size=[1, 2, 2],
+                        mlp_ratio=4.0,
+                        qk_norm=True,
+                        attention_backend="sdpa",
+                        rope_theta=10000.0,
+                    )
+                ),
+                in_channels=16,
+                text_dim=4096,
+            )
         whole = sum(p.numel() for p in model.parameters())
         for n in stages:
             largest = max(sum(p.numel() for p in keep_stage(model, s, n).parameters()) for s in range(n))
-            rows.append(f"| {size} ({whole / 1e9:.2f}B) | {n} | {largest / 1e9:.3f}B, {largest / whole:.3f} "
-                        f"(1/N = {1 / n:.3f}) |")
+            rows.append(
+                f"| {size} ({whole / 1e9:.2f}B) | {n} | {largest / 1e9:.3f}B, {largest / whole:.3f} "
+                f"(1/N = {1 / n:.3f}) |"
+            )
     return rows
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", nargs="+", default=["bytes", "quality", "model"], choices=["bytes", "quality", "model"])
+    p.add_argument(
+        "--parts", nargs="+", default=["bytes", "quality", "model"], choices=["bytes", "quality", "model"]
+    )
     p.add_argument("--checkpoint", default=None, help="a run directory of configs/demo.yaml (quality)")
     p.add_argument("--json", default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -394,27 +522,62 @@ def main():
     if args.worker:
         return worker(args)
     report, results = [], {}
-    if {"bytes", "quality"} & set(args.parts) and ("quality" not in args.parts or args.checkpoint or "bytes" in args.parts):
+    if {"bytes", "quality"} & set(args.parts) and (
+        "quality" not in args.parts or args.checkpoint or "bytes" in args.parts
+    ):
         out = Path(args.scratch) / "worker.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", __file__,
-                   "--worker", "--worker-out", str(out), "--scratch", args.scratch, "--parts", *args.parts]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=4",
+            __file__,
+            "--worker",
+            "--worker-out",
+            str(out),
+            "--scratch",
+            args.scratch,
+            "--parts",
+            *args.parts,
+        ]
         if args.checkpoint:
             command += ["--checkpoint", args.checkpoint]
         subprocess.run(command, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
         results = json.loads(out.read_text())
         if results["bytes"]:
-            report += ["### Bytes and weights per rank (4 processes, gloo)", "", *bytes_table(results["bytes"]), ""]
+            report += [
+                "### Bytes and weights per rank (4 processes, gloo)",
+                "",
+                *bytes_table(results["bytes"]),
+                "",
+            ]
         if results["quality"]:
-            report += ["### PipeFusion against the serial sampler (trained demo checkpoint)", "",
-                       *quality_table(results["quality"]), ""]
+            report += [
+                "### PipeFusion against the serial sampler (trained demo checkpoint)",
+                "",
+                *quality_table(results["quality"]),
+                "",
+            ]
     if "model" in args.parts:
         lines, verdicts = model_tables()
-        report += ["### Weights per rank under PipeFusion (meta device)", "", *weights_table(), "",
-                   "### Latency model, 8 GPUs", "", *lines, ""]
-        results["model"] = {f"{k[0]} / {k[1]}": dict(best=v[0].describe(), auto=v[1].describe(), auto_over_best=v[2],
-                                                     auto_fits=v[3])
-                            for k, v in verdicts.items()}
+        report += [
+            "### Weights per rank under PipeFusion (meta device)",
+            "",
+            *weights_table(),
+            "",
+            "### Latency model, 8 GPUs",
+            "",
+            *lines,
+            "",
+        ]
+        results["model"] = {
+            f"{k[0]} / {k[1]}": dict(
+                best=v[0].describe(), auto=v[1].describe(), auto_over_best=v[2], auto_fits=v[3]
+            )
+            for k, v in verdicts.items()
+        }
     print("\n".join(report))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))

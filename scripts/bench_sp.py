@@ -36,8 +36,11 @@ from parallel import comm  # noqa: E402
 from parallel.layout import ParallelLayout  # noqa: E402
 from parallel.sequence import SequenceParallelAttention, SequenceState  # noqa: E402
 
-LAYOUTS = {1: [ParallelLayout()], 2: [ParallelLayout(ulysses=2), ParallelLayout(ring=2)],
-           4: [ParallelLayout(ulysses=4), ParallelLayout(ring=4), ParallelLayout(ulysses=2, ring=2)]}
+LAYOUTS = {
+    1: [ParallelLayout()],
+    2: [ParallelLayout(ulysses=2), ParallelLayout(ring=2)],
+    4: [ParallelLayout(ulysses=4), ParallelLayout(ring=4), ParallelLayout(ulysses=2, ring=2)],
+}
 
 
 def theory_bytes(tokens, hidden, u, r, element_size):
@@ -52,7 +55,9 @@ def local_qkv(tokens, heads, head_dim, groups, device, dtype, seed=0):
     """This rank's slice of q, k, v (B=1, H, N/P, Dh), as the model would hand them over."""
     n = -(-tokens // groups.sp_size)
     g = torch.Generator().manual_seed(seed + groups.sp_rank)
-    return [torch.randn(1, heads, n, head_dim, generator=g).to(device, dtype).requires_grad_() for _ in range(3)]
+    return [
+        torch.randn(1, heads, n, head_dim, generator=g).to(device, dtype).requires_grad_() for _ in range(3)
+    ]
 
 
 def make_operator(groups, tokens):
@@ -72,8 +77,15 @@ def measure_bytes(groups, layout, args, device, dtype):
     comm.reset_stats()
     out.backward(torch.ones_like(out))
     backward = sum(comm.stats()["sent"].values())
-    theory = theory_bytes(args.tokens, args.heads * args.head_dim, layout.ulysses, layout.ring, q.element_size())
-    return {"forward": forward, "backward": backward, "theory_forward": theory[0], "theory_backward": theory[1]}
+    theory = theory_bytes(
+        args.tokens, args.heads * args.head_dim, layout.ulysses, layout.ring, q.element_size()
+    )
+    return {
+        "forward": forward,
+        "backward": backward,
+        "theory_forward": theory[0],
+        "theory_backward": theory[1],
+    }
 
 
 def measure_memory(groups, layout, args, device, dtype):
@@ -121,7 +133,10 @@ def measure_time(groups, layout, args, device, dtype):
         out = op(q, k, v) if groups.sp_size > 1 else torch.nn.functional.scaled_dot_product_attention(q, k, v)
         out.sum().backward()
 
-    result = {"forward_s": timed(forward, args.repeats), "forward_backward_s": timed(forward_backward, args.repeats)}
+    result = {
+        "forward_s": timed(forward, args.repeats),
+        "forward_backward_s": timed(forward_backward, args.repeats),
+    }
     result.update(measure_step(groups, args, device, dtype))
     return result
 
@@ -132,13 +147,22 @@ def measure_step(groups, args, device, dtype):
     from parallel.sequence import apply_sequence_parallel
 
     torch.manual_seed(0)
-    model = DiT(in_channels=4, text_dim=32, depth=2, hidden_size=args.heads * args.head_dim, num_heads=args.heads,
-                patch_size=(1, 2, 2)).to(device, dtype)
+    model = DiT(
+        in_channels=4,
+        text_dim=32,
+        depth=2,
+        hidden_size=args.heads * args.head_dim,
+        num_heads=args.heads,
+        patch_size=(1, 2, 2),
+    ).to(device, dtype)
     apply_sequence_parallel(model, groups)
     side = int((args.time_tokens // 4) ** 0.5) * 2  # 4 frames of side/2 x side/2 patches
     x = torch.randn(1, 4, 4, side, side, device=device, dtype=dtype)
-    t, y, mask = torch.rand(1, device=device), torch.randn(1, 8, 32, device=device), torch.ones(1, 8, dtype=torch.bool,
-                                                                                                  device=device)
+    t, y, mask = (
+        torch.rand(1, device=device),
+        torch.randn(1, 8, 32, device=device),
+        torch.ones(1, 8, dtype=torch.bool, device=device),
+    )
 
     def step():
         model(x, t, y, mask).square().mean().backward()
@@ -173,8 +197,13 @@ def worker(rank, world, port, args, out_path):
     if cuda:
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if cuda else torch.float32
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=600),
+    )
     rows = []
     for layout in LAYOUTS[world]:
         groups = sequence_groups(layout, rank, datetime.timedelta(seconds=600))
@@ -204,7 +233,9 @@ def free_port():
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--parts", nargs="+", default=["bytes", "memory", "time", "chunking"])
     parser.add_argument("--worlds", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--tokens", type=int, default=4096, help="sequence for the bytes count")
@@ -214,7 +245,9 @@ def main():
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk-mb", type=float, default=256, help="all-to-all size per rank for chunking")
-    parser.add_argument("--chunk-cap-mb", type=float, default=32, help="parallel.max_message_mb for the chunked run")
+    parser.add_argument(
+        "--chunk-cap-mb", type=float, default=32, help="parallel.max_message_mb for the chunked run"
+    )
     args = parser.parse_args()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -228,18 +261,24 @@ def main():
 
 
 def report(results, args):
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores, gloo)"
+    device = (
+        torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores, gloo)"
+    )
     print(f"\n{device}; heads={args.heads}, head_dim={args.head_dim}, batch 1\n")
     rows = [r for world in results.values() for r in world if "layout" in r]
     if "bytes" in args.parts:
         print(f"Bytes sent per rank per attention layer, N={args.tokens}\n")
-        print("| layout | forward | theory | ratio | backward | theory | ratio |\n|---|---|---|---|---|---|---|")
+        print(
+            "| layout | forward | theory | ratio | backward | theory | ratio |\n|---|---|---|---|---|---|---|"
+        )
         for r in rows:
             if "bytes" in r:
                 b = r["bytes"]
-                print(f"| {r['layout']} | {b['forward'] / 2**20:.2f} MiB | {b['theory_forward'] / 2**20:.2f} MiB | "
-                      f"{b['forward'] / b['theory_forward']:.2f} | {b['backward'] / 2**20:.2f} MiB | "
-                      f"{b['theory_backward'] / 2**20:.2f} MiB | {b['backward'] / b['theory_backward']:.2f} |")
+                print(
+                    f"| {r['layout']} | {b['forward'] / 2**20:.2f} MiB | {b['theory_forward'] / 2**20:.2f} MiB | "
+                    f"{b['forward'] / b['theory_forward']:.2f} | {b['backward'] / 2**20:.2f} MiB | "
+                    f"{b['theory_backward'] / 2**20:.2f} MiB | {b['backward'] / b['theory_backward']:.2f} |"
+                )
     if "memory" in args.parts:
         base = next((r["memory"]["saved_bytes"] for r in rows if r["P"] == 1 and "memory" in r), None)
         print(f"\nAttention activations saved for backward per rank, N={args.memory_tokens}\n")
@@ -250,21 +289,31 @@ def report(results, args):
                 ratio = f"{saved / base:.3f}" if base else "-"
                 print(f"| {r['layout']} | {saved / 2**20:.1f} MiB | {ratio} | {1.2 / r['P']:.3f} |")
     if "time" in args.parts:
-        print(f"\nTime (median of {args.repeats}, slowest rank), attention N={args.time_tokens}; DiT step = "
-              f"2 blocks forward+backward\n")
-        print("| layout | attention fwd | attention fwd+bwd | DiT step | step tokens |\n|---|---|---|---|---|")
+        print(
+            f"\nTime (median of {args.repeats}, slowest rank), attention N={args.time_tokens}; DiT step = "
+            f"2 blocks forward+backward\n"
+        )
+        print(
+            "| layout | attention fwd | attention fwd+bwd | DiT step | step tokens |\n|---|---|---|---|---|"
+        )
         for r in rows:
             if "time" in r:
                 t = r["time"]
-                print(f"| {r['layout']} | {t['forward_s'] * 1e3:.1f} ms | {t['forward_backward_s'] * 1e3:.1f} ms | "
-                      f"{t['step_s'] * 1e3:.1f} ms | {t['step_tokens']} |")
+                print(
+                    f"| {r['layout']} | {t['forward_s'] * 1e3:.1f} ms | {t['forward_backward_s'] * 1e3:.1f} ms | "
+                    f"{t['step_s'] * 1e3:.1f} ms | {t['step_tokens']} |"
+                )
     chunking = [(w, r["chunking"]) for w, rs in results.items() for r in rs if "chunking" in r]
     if chunking:
-        print(f"\nall_to_all of {args.chunk_mb:.0f} MB per rank, unchunked vs chunked at {args.chunk_cap_mb:.0f} MB\n")
+        print(
+            f"\nall_to_all of {args.chunk_mb:.0f} MB per rank, unchunked vs chunked at {args.chunk_cap_mb:.0f} MB\n"
+        )
         print("| processes | unchunked | chunked | pieces | overhead |\n|---|---|---|---|---|")
         for world, c in chunking:
-            print(f"| {world} | {c['unchunked'] * 1e3:.0f} ms | {c['chunked'] * 1e3:.0f} ms | {c['pieces']} | "
-                  f"{(c['chunked'] / c['unchunked'] - 1) * 100:+.1f}% |")
+            print(
+                f"| {world} | {c['unchunked'] * 1e3:.0f} ms | {c['chunked'] * 1e3:.0f} ms | {c['pieces']} | "
+                f"{(c['chunked'] / c['unchunked'] - 1) * 100:+.1f}% |"
+            )
 
 
 if __name__ == "__main__":

@@ -64,15 +64,25 @@ def main():
 
     with torch.device("meta"):
         params = count_parameters(DiT(16, 4096, patch_size=(1, 2, 2), **DiT_models[args.size]))
-    print(f"{args.size}: {params / 1e9:.2f}B parameters, {params * 4 / 2**30:.1f} GiB in float32; "
-          f"{args.nproc} ranks; model + EMA", flush=True)
+    print(
+        f"{args.size}: {params / 1e9:.2f}B parameters, {params * 4 / 2**30:.1f} GiB in float32; "
+        f"{args.nproc} ranks; model + EMA",
+        flush=True,
+    )
     for i, path in enumerate(["whole", "meta"] if args.path == "both" else [args.path]):
         results = mp.Manager().dict()
-        mp.start_processes(worker, args=(args.nproc, 29600 + i, args.size, path, results), nprocs=args.nproc,
-                           start_method="spawn")
+        mp.start_processes(
+            worker,
+            args=(args.nproc, 29600 + i, args.size, path, results),
+            nprocs=args.nproc,
+            start_method="spawn",
+        )
         peaks = [results[r][1] for r in range(args.nproc)]
-        print(f"{path:5s}: peak resident memory per rank {', '.join(f'{p:.2f}' for p in peaks)} GiB "
-              f"(after imports: {results[0][0]:.2f} GiB)", flush=True)
+        print(
+            f"{path:5s}: peak resident memory per rank {', '.join(f'{p:.2f}' for p in peaks)} GiB "
+            f"(after imports: {results[0][0]:.2f} GiB)",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -58,7 +58,9 @@ def median_time(fn, repeats) -> tuple[float, float]:
 def measure(kind, args, device, size) -> dict:
     """This rank's figures for one VAE kind; every rank's tiled time comes back in rank_times."""
     vae = build_vae(OmegaConf.structured(VAEConfig(kind=kind, tiny_base_dim=args.base_dim))).to(device)
-    z = torch.randn(1, vae.latent_channels, *args.latent, generator=torch.Generator().manual_seed(0)).to(device)
+    z = torch.randn(1, vae.latent_channels, *args.latent, generator=torch.Generator().manual_seed(0)).to(
+        device
+    )
     tiles = parallel_vae.plan_tiles(vae, z.shape[2:], args.tile, args.overlap)
     owned = parallel_vae.deal([math.prod(end - start for start, end in t.pixel) for t in tiles], size)
     figures = {}
@@ -67,8 +69,9 @@ def measure(kind, args, device, size) -> dict:
         tiled = median_time(lambda: parallel_vae.decode(vae, z, None, args.tile, args.overlap), args.repeats)
     else:
         comm.reset_stats()
-        tiled = median_time(lambda: parallel_vae.decode(vae, z, dist.group.WORLD, args.tile, args.overlap),
-                            args.repeats)
+        tiled = median_time(
+            lambda: parallel_vae.decode(vae, z, dist.group.WORLD, args.tile, args.overlap), args.repeats
+        )
         figures["sent_mb"] = comm.stats()["sent"].get("all_gather", 0) / (args.repeats + 1) / 2**20
     every = torch.tensor(tiled, dtype=torch.float64, device=device)
     if size > 1:
@@ -76,9 +79,17 @@ def measure(kind, args, device, size) -> dict:
         comm.all_gather_into_tensor(every, mine, dist.group.WORLD)
     every = every.view(size, 2).tolist()
     pixels = tuple(max(t.pixel[d][1] for t in tiles) for d in range(3))
-    return {"kind": kind, "processes": size, "latent": list(z.shape), "pixels": pixels, "tiles": len(tiles),
-            "tiles_per_rank": [len(o) for o in owned] if len(tiles) > 1 else "each rank all", "rank_times": [w for w, _ in every],
-            "rank_cpu": [c for _, c in every], **figures}
+    return {
+        "kind": kind,
+        "processes": size,
+        "latent": list(z.shape),
+        "pixels": pixels,
+        "tiles": len(tiles),
+        "tiles_per_rank": [len(o) for o in owned] if len(tiles) > 1 else "each rank all",
+        "rank_times": [w for w, _ in every],
+        "rank_cpu": [c for _, c in every],
+        **figures,
+    }
 
 
 def worker(args):
@@ -95,31 +106,66 @@ def worker(args):
 
 
 def launch(args, processes, result):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
-           str(Path(__file__).resolve()), "--worker", "--result", result, "--kinds", *args.kinds,
-           "--latent", *map(str, args.latent), "--tile", str(args.tile), "--overlap", str(args.overlap),
-           "--repeats", str(args.repeats), "--base-dim", str(args.base_dim)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={processes}",
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--result",
+        result,
+        "--kinds",
+        *args.kinds,
+        "--latent",
+        *map(str, args.latent),
+        "--tile",
+        str(args.tile),
+        "--overlap",
+        str(args.overlap),
+        "--repeats",
+        str(args.repeats),
+        "--base-dim",
+        str(args.base_dim),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode:
-        raise SystemExit(f"torchrun with {processes} processes failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
+        raise SystemExit(
+            f"torchrun with {processes} processes failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
+        )
     return json.loads(Path(result).read_text())
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--kinds", nargs="+", default=["wan", "kl"], choices=["wan", "kl", "identity"])
     parser.add_argument("--processes", nargs="+", type=int, default=[1, 2])
-    parser.add_argument("--latent", nargs=3, type=int, default=[3, 32, 48], metavar=("T", "H", "W"),
-                        help="latent frames, height, width (batch 1)")
-    parser.add_argument("--tile", type=int, default=20, help="vae.tile_latent (the default 32 is for real VAEs)")
+    parser.add_argument(
+        "--latent",
+        nargs=3,
+        type=int,
+        default=[3, 32, 48],
+        metavar=("T", "H", "W"),
+        help="latent frames, height, width (batch 1)",
+    )
+    parser.add_argument(
+        "--tile", type=int, default=20, help="vae.tile_latent (the default 32 is for real VAEs)"
+    )
     parser.add_argument("--overlap", type=int, default=4, help="vae.tile_overlap")
     parser.add_argument("--base-dim", type=int, default=16, help="width of the tiny random VAE")
     parser.add_argument("--threads", type=int, default=1, help="OMP threads per process")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="launch every process count this many times, alternating, and keep each one's fastest "
-                             "launch: on a shared machine, the launch least disturbed by other work")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="launch every process count this many times, alternating, and keep each one's fastest "
+        "launch: on a shared machine, the launch least disturbed by other work",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -133,16 +179,28 @@ def main():
             for p in args.processes:
                 launches[p].append(launch(args, p, str(Path(folder) / f"p{p}.json")))
     # per process count and VAE, the launch whose slowest rank was fastest
-    runs = {p: [min((results[i] for results in launches[p]), key=lambda r: max(r["rank_times"]))
-                for i in range(len(args.kinds))] for p in args.processes}
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else \
-        f"{os.cpu_count()}-core CPU ({platform.processor() or platform.machine()}), gloo"
-    print(f"VAE decode, {device}, {args.threads} thread(s) per process, torch {torch.__version__}; "
-          f"tile {args.tile} overlap {args.overlap} (latent px); median of {args.repeats}, best of {args.rounds} "
-          f"launch(es); 1-min load average "
-          f"{load_before:.1f} before the runs\n")
-    print("| VAE | latent (B, C, t, h, w) | video (T, H, W) | tiles | processes | tiles per rank | "
-          "wall s per rank | vs serial tiled | CPU s per rank | vs serial tiled | sent per rank, MiB |")
+    runs = {
+        p: [
+            min((results[i] for results in launches[p]), key=lambda r: max(r["rank_times"]))
+            for i in range(len(args.kinds))
+        ]
+        for p in args.processes
+    }
+    device = (
+        torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else f"{os.cpu_count()}-core CPU ({platform.processor() or platform.machine()}), gloo"
+    )
+    print(
+        f"VAE decode, {device}, {args.threads} thread(s) per process, torch {torch.__version__}; "
+        f"tile {args.tile} overlap {args.overlap} (latent px); median of {args.repeats}, best of {args.rounds} "
+        f"launch(es); 1-min load average "
+        f"{load_before:.1f} before the runs\n"
+    )
+    print(
+        "| VAE | latent (B, C, t, h, w) | video (T, H, W) | tiles | processes | tiles per rank | "
+        "wall s per rank | vs serial tiled | CPU s per rank | vs serial tiled | sent per rank, MiB |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for i, kind in enumerate(args.kinds):
         serial = runs[1][i] if 1 in runs else None
@@ -150,14 +208,20 @@ def main():
             r = results[i]
             shape, pixels = "x".join(map(str, r["latent"])), "x".join(map(str, r["pixels"]))
             if p == 1:
-                print(f"| {kind} | {shape} | {pixels} | 1 (whole) | 1 | 1 | {r['whole']:.2f} | "
-                      f"{r['whole'] / r['rank_times'][0]:.2f} | {r['whole_cpu']:.2f} | "
-                      f"{r['whole_cpu'] / r['rank_cpu'][0]:.2f} | 0 |")
+                print(
+                    f"| {kind} | {shape} | {pixels} | 1 (whole) | 1 | 1 | {r['whole']:.2f} | "
+                    f"{r['whole'] / r['rank_times'][0]:.2f} | {r['whole_cpu']:.2f} | "
+                    f"{r['whole_cpu'] / r['rank_cpu'][0]:.2f} | 0 |"
+                )
             wall, cpu = (" / ".join(f"{t:.2f}" for t in r[key]) for key in ("rank_times", "rank_cpu"))
-            wall_ratio, cpu_ratio = (f"{max(r[key]) / serial[key][0]:.2f}" if serial else "-"
-                                     for key in ("rank_times", "rank_cpu"))
-            print(f"| {kind} | {shape} | {pixels} | {r['tiles']} | {p} | {r['tiles_per_rank']} | {wall} | "
-                  f"{wall_ratio} | {cpu} | {cpu_ratio} | {r.get('sent_mb', 0):.1f} |")
+            wall_ratio, cpu_ratio = (
+                f"{max(r[key]) / serial[key][0]:.2f}" if serial else "-" for key in ("rank_times", "rank_cpu")
+            )
+            print(
+                f"| {kind} | {shape} | {pixels} | {r['tiles']} | {p} | {r['tiles_per_rank']} | {wall} | "
+                f"{wall_ratio} | {cpu} | {cpu_ratio} | {r.get('sent_mb', 0):.1f} |"
+            )
+
 
 if __name__ == "__main__":
     main()

@@ -29,11 +29,18 @@ def tessera(options):
 
 def main(rounds: int = 5, steps: int = 5):
     torch.set_num_threads(2)
-    models = {"tessera default (adaLN-Zero)": lambda: tessera({}), "tessera, Wan options": lambda: tessera(WAN_OPTIONS),
-              "diffusers WanTransformer3DModel": lambda: WanAdapter(CASE)}
+    models = {
+        "tessera default (adaLN-Zero)": lambda: tessera({}),
+        "tessera, Wan options": lambda: tessera(WAN_OPTIONS),
+        "diffusers WanTransformer3DModel": lambda: WanAdapter(CASE),
+    }
     g = torch.Generator().manual_seed(0)
     x0, noise = torch.randn(1, 16, 1, 64, 64, generator=g), torch.randn(1, 16, 1, 64, 64, generator=g)
-    y, mask, t = torch.randn(1, 64, 4096, generator=g), torch.ones(1, 64, dtype=torch.bool), torch.rand(1, generator=g)
+    y, mask, t = (
+        torch.randn(1, 64, 4096, generator=g),
+        torch.ones(1, 64, dtype=torch.bool),
+        torch.rand(1, generator=g),
+    )
     tt = t.view(-1, 1, 1, 1, 1)
     results = {}
     for round_ in range(rounds):
@@ -59,12 +66,16 @@ def main(rounds: int = 5, steps: int = 5):
             if round_ == 0:
                 print(f"{name}: {count_parameters(model) / 1e6:.2f}M parameters", flush=True)
     for name, seconds in results.items():
-        print(f"{name}: best {1e3 * min(seconds):.0f} ms, median {1e3 * statistics.median(seconds):.0f} ms a step "
-              f"(rounds {', '.join(f'{1e3 * s:.0f}' for s in seconds)})")
+        print(
+            f"{name}: best {1e3 * min(seconds):.0f} ms, median {1e3 * statistics.median(seconds):.0f} ms a step "
+            f"(rounds {', '.join(f'{1e3 * s:.0f}' for s in seconds)})"
+        )
     reference = results["diffusers WanTransformer3DModel"]
     for name in list(models)[:2]:
-        print(f"{name} / diffusers speed: {statistics.median(reference) / statistics.median(results[name]):.2f}x "
-              f"(medians), {min(reference) / min(results[name]):.2f}x (best rounds)")
+        print(
+            f"{name} / diffusers speed: {statistics.median(reference) / statistics.median(results[name]):.2f}x "
+            f"(medians), {min(reference) / min(results[name]):.2f}x (best rounds)"
+        )
 
 
 if __name__ == "__main__":

@@ -28,14 +28,18 @@ DEMO_STEP_S = 0.25  # the demo's median step time on the 2-core CPU machine (BEN
 
 def worker(rank, world, port, calls, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=30))
+    store = dist.TCPStore(
+        "127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=30)
+    )
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     from parallel.runtime import Runtime, _connect_store
     from parallel.watchdog import Deadlines, Watchdog
 
     control = dist.new_group(backend="gloo")
     client = _connect_store(world, 5.0)
-    dog = Watchdog(rank, world, client, Path(out).parent, Deadlines(600, 300, 10), interval_s=3600)  # ticks by hand
+    dog = Watchdog(
+        rank, world, client, Path(out).parent, Deadlines(600, 300, 10), interval_s=3600
+    )  # ticks by hand
     runtime = Runtime(rank, world, 0, torch.device("cpu"), "gloo", None, None, control, None, dog)
 
     flag_s, tick_s = [], []
@@ -56,15 +60,23 @@ def worker(rank, world, port, calls, out):
         publish_s.append(time.perf_counter() - start)
     dog.finish()
     if rank == 0:
-        Path(out).write_text(json.dumps({"flag_ms": 1e3 * statistics.median(flag_s),
-                                         "tick_ms": 1e3 * statistics.median(tick_s),
-                                         "publish_ms": 1e3 * statistics.median(publish_s)}))
+        Path(out).write_text(
+            json.dumps(
+                {
+                    "flag_ms": 1e3 * statistics.median(flag_s),
+                    "tick_ms": 1e3 * statistics.median(tick_s),
+                    "publish_ms": 1e3 * statistics.median(publish_s),
+                }
+            )
+        )
     dist.barrier(control)
     dist.destroy_process_group()
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--calls", type=int, default=300)
     args = parser.parse_args()
@@ -79,10 +91,14 @@ def main():
     flag, tick, publish = result["flag_ms"], result["tick_ms"], result["publish_ms"]
     thread = tick + publish / PUBLISH_EVERY_S  # ms of the thread's work per second, at most
     print(f"{args.ranks} ranks, gloo on 127.0.0.1, median of {args.calls} calls")
-    print(f"stop-flag exchange per step: {flag:.3f} ms = {100 * flag / 1e3 / DEMO_STEP_S:.2f}% of a "
-          f"{DEMO_STEP_S:.2f} s demo step")
-    print(f"watchdog tick (once a second, on its own thread): {tick:.3f} ms; a phase published at once: "
-          f"{publish:.3f} ms, at most {1 / PUBLISH_EVERY_S:.0f} a second: at most {thread / 10:.3f}% of one core")
+    print(
+        f"stop-flag exchange per step: {flag:.3f} ms = {100 * flag / 1e3 / DEMO_STEP_S:.2f}% of a "
+        f"{DEMO_STEP_S:.2f} s demo step"
+    )
+    print(
+        f"watchdog tick (once a second, on its own thread): {tick:.3f} ms; a phase published at once: "
+        f"{publish:.3f} ms, at most {1 / PUBLISH_EVERY_S:.0f} a second: at most {thread / 10:.3f}% of one core"
+    )
     print(f"together, per demo step: {100 * (flag + thread * DEMO_STEP_S) / 1e3 / DEMO_STEP_S:.2f}%")
 
 

@@ -53,7 +53,9 @@ def in_flight(dump: dict) -> dict | None:
     records = dump["records"]
     if "waiting_seq" in dump:
         return next((r for r in records if r["seq"] == dump["waiting_seq"]), None)
-    if records and (records[-1].get("error") or (records[-1]["end"] is None and not records[-1].get("posted"))):
+    if records and (
+        records[-1].get("error") or (records[-1]["end"] is None and not records[-1].get("posted"))
+    ):
         return records[-1]
     return None
 
@@ -88,8 +90,10 @@ def diagnose(run_dir: Path) -> int:
     folder = run_dir / "failures"
     dumps = load_dumps(folder) if folder.is_dir() else {}
     if not dumps:
-        print(f"{run_dir}: no failure records in {folder} (the run did not fail, or failed before its process "
-              f"groups existed: see its log)")
+        print(
+            f"{run_dir}: no failure records in {folder} (the run did not fail, or failed before its process "
+            f"groups existed: see its log)"
+        )
         return 1
     beats = heartbeats(dumps)
     world = max([*dumps, *beats]) + 1
@@ -104,11 +108,15 @@ def diagnose(run_dir: Path) -> int:
         if dump is not None:
             op = in_flight(dump)
             where = f"step {dump.get('step')} (phase: {dump.get('phase')})"
-            print(f"  rank {rank} ({dump.get('host', '?')}:{dump.get('pid')}): {where}; "
-                  f"{'waiting in ' + describe(op) if op else 'in no collective'}")
+            print(
+                f"  rank {rank} ({dump.get('host', '?')}:{dump.get('pid')}): {where}; "
+                f"{'waiting in ' + describe(op) if op else 'in no collective'}"
+            )
         else:
-            print(f"  rank {rank} ({beat.get('host', '?')}:{beat.get('pid', '?')}): no record (killed, stopped or "
-                  f"lost); its last heartbeat: {where}, state {beat.get('state', '?')}")
+            print(
+                f"  rank {rank} ({beat.get('host', '?')}:{beat.get('pid', '?')}): no record (killed, stopped or "
+                f"lost); its last heartbeat: {where}, state {beat.get('state', '?')}"
+            )
 
     print()
     disagreement = first_disagreement(dumps)
@@ -128,8 +136,10 @@ def diagnose(run_dir: Path) -> int:
         for ranks in groups.values():
             record = waits[ranks[0]]
             absent = [r for r in range(world) if r not in ranks]
-            print(f"ranks {', '.join(map(str, sorted(ranks)))} waited in {describe(record)}; never arrived there: "
-                  f"{', '.join(map(str, absent)) if absent else 'none'}")
+            print(
+                f"ranks {', '.join(map(str, sorted(ranks)))} waited in {describe(record)}; never arrived there: "
+                f"{', '.join(map(str, absent)) if absent else 'none'}"
+            )
 
     for stacks in sorted(folder.glob("stacks_rank*.txt")):
         print(f"\nstalled rank's stack ({stacks.name}, main thread):")
@@ -138,15 +148,19 @@ def diagnose(run_dir: Path) -> int:
     pointer = run_dir / "checkpoints" / "latest"
     print()
     if pointer.is_file():
-        print(f"resume from: {run_dir / 'checkpoints' / pointer.read_text().strip()} (run the same command: "
-              f"train.resume=auto takes it)")
+        print(
+            f"resume from: {run_dir / 'checkpoints' / pointer.read_text().strip()} (run the same command: "
+            f"train.resume=auto takes it)"
+        )
     else:
         print("resume from: no checkpoint was written; the run starts again from step 0")
     return 0
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("run_dir", help="the run directory (run.output_dir)")
     args = parser.parse_args(argv)
     return diagnose(Path(args.run_dir))

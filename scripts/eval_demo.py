@@ -45,10 +45,16 @@ def judge(prompt: str, video: np.ndarray) -> dict:
     """read_clip of one (T, H, W, 3) clip in [0, 1], scored against its prompt."""
     seen = read_clip(video)
     words = prompt.split()
-    row = {"prompt": prompt, **{k: seen[k] for k in ("color", "shape", "direction", "coherent", "min_fraction")}}
-    row.update(color_ok=seen["color"] == prompt_color(prompt), coherent_ok=seen["coherent"],
-               direction_ok=seen["direction"] == next(d for d in DIRECTIONS if d in words),
-               shape_ok=seen["shape"] == next(s for s in SHAPES if s in words))
+    row = {
+        "prompt": prompt,
+        **{k: seen[k] for k in ("color", "shape", "direction", "coherent", "min_fraction")},
+    }
+    row.update(
+        color_ok=seen["color"] == prompt_color(prompt),
+        coherent_ok=seen["coherent"],
+        direction_ok=seen["direction"] == next(d for d in DIRECTIONS if d in words),
+        shape_ok=seen["shape"] == next(s for s in SHAPES if s in words),
+    )
     row["all_ok"] = all(row[f"{k}_ok"] for k in CHECKS)
     return row
 
@@ -58,7 +64,9 @@ def summarise(rows: list[dict]) -> dict:
     return {"samples": len(rows), **rates}
 
 
-def contact_sheet(path, prompts: list[str], videos: np.ndarray, rows: list[dict], scale: int | None = None) -> None:
+def contact_sheet(
+    path, prompts: list[str], videos: np.ndarray, rows: list[dict], scale: int | None = None
+) -> None:
     """A PNG with one row per clip: the prompt and what was read from the clip, then its frames, enlarged
     (default: to about 96 pixels high)."""
     from PIL import Image, ImageDraw
@@ -74,7 +82,11 @@ def contact_sheet(path, prompts: list[str], videos: np.ndarray, rows: list[dict]
         seen = " ".join(str(row[k]) for k in ("color", "shape", "direction"))
         verdict = "ok" if row["all_ok"] else "wrong: " + ", ".join(k for k in CHECKS if not row[f"{k}_ok"])
         draw.text((6, y + 4), prompt, fill=(255, 255, 255))
-        draw.text((6, y + 16), f"read: {seen}; {verdict}", fill=(150, 230, 150) if row["all_ok"] else (240, 150, 150))
+        draw.text(
+            (6, y + 16),
+            f"read: {seen}; {verdict}",
+            fill=(150, 230, 150) if row["all_ok"] else (240, 150, 150),
+        )
         for f, frame in enumerate(video):
             tile = Image.fromarray((frame.clip(0, 1) * 255 + 0.5).astype(np.uint8))
             tile = tile.resize((width * scale, height * scale), Image.NEAREST)
@@ -101,9 +113,21 @@ def main(argv=None):
     runtime = init_runtime(cfg.parallel, layout, task="sample")
     model, vae, text_encoder, sampler = load_sampler(cfg, runtime, checkpoint, use_ema=cfg.sample.use_ema)
     prompts = [prompt for prompt in held_out_prompts() for _ in range(args.seeds)]
-    videos = generate(model, vae, text_encoder, RectifiedFlow(cfg.flow, cfg.model.patch_size), prompts,
-                      cfg.data.frames, cfg.data.height, cfg.data.width, cfg.sample.steps, cfg.sample.guidance,
-                      cfg.sample.negative_prompt, seeds=list(range(len(prompts))), sampler=sampler)
+    videos = generate(
+        model,
+        vae,
+        text_encoder,
+        RectifiedFlow(cfg.flow, cfg.model.patch_size),
+        prompts,
+        cfg.data.frames,
+        cfg.data.height,
+        cfg.data.width,
+        cfg.sample.steps,
+        cfg.sample.guidance,
+        cfg.sample.negative_prompt,
+        seeds=list(range(len(prompts))),
+        sampler=sampler,
+    )
     rows = [judge(prompt, video) for prompt, video in zip(prompts, videos)]
     report = {"checkpoint": str(checkpoint), **summarise(rows), "rows": rows}
     run_dir = Path(cfg.run.output_dir)
@@ -113,8 +137,10 @@ def main(argv=None):
     first = list(range(0, len(prompts), args.seeds))  # the first seed of each prompt
     contact_sheet(sheet, [prompts[i] for i in first], videos[first], [rows[i] for i in first])
     rates = ", ".join(f"{k} {report[f'{k}_accuracy']:.1%}" for k in (*CHECKS, "all"))
-    print(f"[eval] {len(rows)} samples of {len(set(prompts))} held-out prompts: {rates} "
-          f"(report: {out}, contact sheet: {sheet})")
+    print(
+        f"[eval] {len(rows)} samples of {len(set(prompts))} held-out prompts: {rates} "
+        f"(report: {out}, contact sheet: {sheet})"
+    )
 
 
 if __name__ == "__main__":

@@ -49,19 +49,31 @@ def check_pipeline_recipe(cfg) -> None:
     """What a WanPipeline folder needs from the recipe, checked before any weight is read."""
     wrong = []
     if cfg.vae.kind != "wan" or not cfg.vae.pretrained:
-        wrong.append(f"vae.kind=wan with vae.pretrained set (got kind {cfg.vae.kind}, pretrained {cfg.vae.pretrained})")
+        wrong.append(
+            f"vae.kind=wan with vae.pretrained set (got kind {cfg.vae.kind}, pretrained {cfg.vae.pretrained})"
+        )
     if cfg.text_encoder.kind != "umt5" or not cfg.text_encoder.pretrained:
-        wrong.append(f"text_encoder.kind=umt5 with text_encoder.pretrained set (got kind {cfg.text_encoder.kind}, "
-                     f"pretrained {cfg.text_encoder.pretrained})")
+        wrong.append(
+            f"text_encoder.kind=umt5 with text_encoder.pretrained set (got kind {cfg.text_encoder.kind}, "
+            f"pretrained {cfg.text_encoder.pretrained})"
+        )
     if cfg.flow.shift_reference_tokens != 0:
-        wrong.append("a fixed shift, flow.shift_reference_tokens=0 (WanPipeline's scheduler does not scale it with "
-                     f"the token count; got {cfg.flow.shift_reference_tokens})")
+        wrong.append(
+            "a fixed shift, flow.shift_reference_tokens=0 (WanPipeline's scheduler does not scale it with "
+            f"the token count; got {cfg.flow.shift_reference_tokens})"
+        )
     if wrong:
         raise ValueError("--pipeline needs " + "; ".join(wrong))
 
 
-def export(checkpoint: Path, output: Path, cfg, use_ema: bool = True, max_shard_size: str = "5GB",
-           pipeline: bool = False) -> dict:
+def export(
+    checkpoint: Path,
+    output: Path,
+    cfg,
+    use_ema: bool = True,
+    max_shard_size: str = "5GB",
+    pipeline: bool = False,
+) -> dict:
     from diffusers import WanTransformer3DModel
 
     in_channels, text_dim = checkpoint_dims(checkpoint, "ema" if use_ema else "model")
@@ -91,22 +103,31 @@ def export(checkpoint: Path, output: Path, cfg, use_ema: bool = True, max_shard_
     from models.vae import load_pretrained_vae
 
     tokenizer, text_encoder = load_pretrained_text_encoder(cfg.text_encoder.kind, cfg.text_encoder.pretrained)
-    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=wan,
-                       vae=load_pretrained_vae(cfg.vae.kind, cfg.vae.pretrained),
-                       scheduler=FlowMatchEulerDiscreteScheduler(shift=cfg.flow.shift))
+    pipe = WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        transformer=wan,
+        vae=load_pretrained_vae(cfg.vae.kind, cfg.vae.pretrained),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=cfg.flow.shift),
+    )
     pipe.save_pretrained(output, max_shard_size=max_shard_size)
     return config
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="a run directory, its checkpoints/ folder, latest or a step_N")
+    p.add_argument(
+        "--checkpoint", required=True, help="a run directory, its checkpoints/ folder, latest or a step_N"
+    )
     p.add_argument("--output", required=True)
     p.add_argument("--config", default=None, help="the recipe (default: the run's config.yaml)")
     p.add_argument("--no-ema", action="store_true", help="export the raw weights instead of the EMA weights")
     p.add_argument("--max-shard-size", default="5GB")
-    p.add_argument("--pipeline", action="store_true", help="a whole WanPipeline folder (VAE, text encoder, tokenizer, "
-                                                            "scheduler from the recipe)")
+    p.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="a whole WanPipeline folder (VAE, text encoder, tokenizer, scheduler from the recipe)",
+    )
     args = p.parse_args(argv)
     spec = Path(args.checkpoint)
     checkpoint = resolve_checkpoint(str(spec), spec)
@@ -115,19 +136,33 @@ def main(argv=None):
     run_dir = checkpoint.parent.parent  # <run>/checkpoints/step_N
     recipe = Path(args.config) if args.config else run_dir / "config.yaml"
     if not recipe.is_file():
-        raise CheckpointError(f"no recipe: {recipe} does not exist; pass --config with the recipe it was trained with")
+        raise CheckpointError(
+            f"no recipe: {recipe} does not exist; pass --config with the recipe it was trained with"
+        )
     cfg = load_config(recipe)
-    config = export(checkpoint, Path(args.output), cfg, use_ema=not args.no_ema, max_shard_size=args.max_shard_size,
-                    pipeline=args.pipeline)
+    config = export(
+        checkpoint,
+        Path(args.output),
+        cfg,
+        use_ema=not args.no_ema,
+        max_shard_size=args.max_shard_size,
+        pipeline=args.pipeline,
+    )
     kind = "WanPipeline" if args.pipeline else "WanTransformer3DModel"
-    print(f"[export] {checkpoint} ({'raw' if args.no_ema else 'EMA'} weights) -> {args.output}: {kind}, "
-          f"{config['num_layers']} layers, {config['num_attention_heads']} heads of {config['attention_head_dim']}")
+    print(
+        f"[export] {checkpoint} ({'raw' if args.no_ema else 'EMA'} weights) -> {args.output}: {kind}, "
+        f"{config['num_layers']} layers, {config['num_attention_heads']} heads of {config['attention_head_dim']}"
+    )
     return 0
 
 
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except (ValueError, CheckpointError, OSError) as e:  # bad input or a missing folder: one line, no traceback
+    except (
+        ValueError,
+        CheckpointError,
+        OSError,
+    ) as e:  # bad input or a missing folder: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -27,8 +27,16 @@ def make_demo_data(out, samples: int, frames: int = 8, size: int = 32, seed: int
         clip, caption = dataset.render(i)
         name = f"clips/{i:06d}.mp4"
         write_video(out / name, clip, fps=fps)
-        entries.append({"path": name, "caption": caption, "num_frames": clip.shape[0], "height": clip.shape[1],
-                        "width": clip.shape[2], "fps": fps})
+        entries.append(
+            {
+                "path": name,
+                "caption": caption,
+                "num_frames": clip.shape[0],
+                "height": clip.shape[1],
+                "width": clip.shape[2],
+                "fps": fps,
+            }
+        )
     write_manifest(out / "manifest.jsonl", entries)
     return out / "manifest.jsonl"
 
@@ -38,7 +46,9 @@ if __name__ == "__main__":
     p.add_argument("--out", default="demo_data")
     p.add_argument("--samples", type=int, default=512)
     p.add_argument("--frames", type=int, default=8)
-    p.add_argument("--size", type=int, default=32, help="the shorter side; clips come in several aspect ratios")
+    p.add_argument(
+        "--size", type=int, default=32, help="the shorter side; clips come in several aspect ratios"
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     print(f"wrote {make_demo_data(args.out, args.samples, args.frames, args.size, args.seed)}")

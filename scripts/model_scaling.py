@@ -66,7 +66,9 @@ class Recipe:
     @property
     def params(self) -> float:
         D, F = self.hidden, self.ffn
-        per_block = 3 * D * D + D * D + D * D + 2 * D * D + D * D + 2 * D * F + 6 * D * D  # attn, cross, MLP, adaLN
+        per_block = (
+            3 * D * D + D * D + D * D + 2 * D * D + D * D + 2 * D * F + 6 * D * D
+        )  # attn, cross, MLP, adaLN
         return self.depth * per_block + self.text_dim * D + D * D
 
 
@@ -92,16 +94,19 @@ class Layout:
         return self.ulysses * self.ring
 
     def describe(self) -> str:
-        return (f"dp={self.dp} ulysses={self.ulysses} ring={self.ring}{' +AC' if self.ac else ''}"
-                f"{' HSDP*' if self.hsdp else ''}")
+        return (
+            f"dp={self.dp} ulysses={self.ulysses} ring={self.ring}{' +AC' if self.ac else ''}"
+            f"{' HSDP*' if self.hsdp else ''}"
+        )
 
 
 def block_flops(r: Recipe, tokens: int) -> float:
     """Forward FLOPs of one block for one sample of `tokens` tokens (bench_gpu's formula, one block)."""
     from bench_gpu import dit_flops
 
-    return dit_flops(1, r.hidden, r.ffn, tokens, r.text_tokens, 1, r.in_channels, r.text_dim) - \
-        dit_flops(0, r.hidden, r.ffn, tokens, r.text_tokens, 1, r.in_channels, r.text_dim)
+    return dit_flops(1, r.hidden, r.ffn, tokens, r.text_tokens, 1, r.in_channels, r.text_dim) - dit_flops(
+        0, r.hidden, r.ffn, tokens, r.text_tokens, 1, r.in_channels, r.text_dim
+    )
 
 
 def attention_flops(r: Recipe, tokens: int) -> float:
@@ -136,8 +141,14 @@ def measure_cpu_efficiency(hidden: int, heads: int, ffn: int, tokens: int = 256,
     r = Recipe("probe", 1, hidden, heads, ffn, tokens, 16, 1, text_dim=hidden)
     flops = 3 * block_flops(r, tokens)
     peak = device_info(torch.device("cpu"))["peak_tflops"] * 1e12
-    return dict(seconds=seconds, tflops=flops / seconds / 1e12, cpu_peak_tflops=peak / 1e12,
-                efficiency=min(1.0, flops / seconds / peak), hidden=hidden, tokens=tokens)
+    return dict(
+        seconds=seconds,
+        tflops=flops / seconds / 1e12,
+        cpu_peak_tflops=peak / 1e12,
+        efficiency=min(1.0, flops / seconds / peak),
+        hidden=hidden,
+        tokens=tokens,
+    )
 
 
 def link_bandwidth(span: int, link: str) -> tuple[float, float]:
@@ -158,7 +169,9 @@ def sp_bytes(r: Recipe, layout: Layout, element: int = BF16) -> dict:
     return dict(ulysses_fwd=ulysses, ulysses_bwd=ulysses, ring_fwd=ring_fwd, ring_bwd=ring_bwd)
 
 
-def predict(r: Recipe, gpus: int, layout: Layout, efficiency: float, gpu: str = "H100", link: str = "nvlink") -> dict | None:
+def predict(
+    r: Recipe, gpus: int, layout: Layout, efficiency: float, gpu: str = "H100", link: str = "nvlink"
+) -> dict | None:
     peak, memory = GPU[gpu]["peak"], GPU[gpu]["memory"]
     if layout.dp * layout.sp != gpus or r.heads % layout.ulysses or layout.ulysses > NODE:
         return None
@@ -169,7 +182,9 @@ def predict(r: Recipe, gpus: int, layout: Layout, efficiency: float, gpu: str = 
     # memory per GPU
     shard = min(gpus, NODE) if layout.hsdp else gpus  # ranks one copy of the weights is sharded over
     states = 16 * r.params / shard
-    activations = (2 * n * r.hidden * r.depth + 40 * n * r.hidden) if layout.ac else 40 * n * r.hidden * r.depth
+    activations = (
+        (2 * n * r.hidden * r.depth + 40 * n * r.hidden) if layout.ac else 40 * n * r.hidden * r.depth
+    )
     if states + activations * BF16 / 2 > 0.9 * memory:
         return None
     # compute per sample on this rank: its share of every block
@@ -181,9 +196,13 @@ def predict(r: Recipe, gpus: int, layout: Layout, efficiency: float, gpu: str = 
     u_bw, u_lat = link_bandwidth(layout.ulysses, link)
     r_bw, r_lat = link_bandwidth(layout.sp, link)
     ulysses_time = ((b["ulysses_fwd"] + b["ulysses_bwd"]) / u_bw + 4 * u_lat) if layout.ulysses > 1 else 0.0
-    ring_time = ((b["ring_fwd"] + b["ring_bwd"]) / r_bw + 3 * (layout.ring - 1) * r_lat) if layout.ring > 1 else 0.0
+    ring_time = (
+        ((b["ring_fwd"] + b["ring_bwd"]) / r_bw + 3 * (layout.ring - 1) * r_lat) if layout.ring > 1 else 0.0
+    )
     exposed_block = ulysses_time + max(0.0, ring_time - attention_block)
-    outside_blocks = (model_flops(r) - 3 * r.depth * block_flops(r, r.tokens)) / layout.sp / (peak * efficiency)
+    outside_blocks = (
+        (model_flops(r) - 3 * r.depth * block_flops(r, r.tokens)) / layout.sp / (peak * efficiency)
+    )
     per_sample = r.depth * (compute_block + exposed_block) + outside_blocks  # + embedders and final layer
     compute = samples * per_sample
     # FSDP over the shard group, once per step: bf16 all-gather x 2 + float32 reduce-scatter; with
@@ -195,9 +214,19 @@ def predict(r: Recipe, gpus: int, layout: Layout, efficiency: float, gpu: str = 
         fsdp_time += 2 * (replicas - 1) / replicas * r.params / shard * FP32 / IB + r.depth * LATENCY_IB
     step = max(compute, fsdp_time)
     mfu = model_flops(r) * r.global_batch / (step * gpus * peak)
-    return dict(recipe=r.name, gpus=gpus, layout=layout.describe(), step_s=step, per_sample_s=step / r.global_batch,
-                mfu=mfu, compute_s=compute, fsdp_s=fsdp_time, exposed_sp_s=samples * r.depth * exposed_block,
-                memory_gb=(states + activations * BF16 / 2) / 1e9, sp_bytes_per_block=b)
+    return dict(
+        recipe=r.name,
+        gpus=gpus,
+        layout=layout.describe(),
+        step_s=step,
+        per_sample_s=step / r.global_batch,
+        mfu=mfu,
+        compute_s=compute,
+        fsdp_s=fsdp_time,
+        exposed_sp_s=samples * r.depth * exposed_block,
+        memory_gb=(states + activations * BF16 / 2) / 1e9,
+        sp_bytes_per_block=b,
+    )
 
 
 def layouts(gpus: int):
@@ -213,15 +242,30 @@ def best(r: Recipe, gpus: int, efficiency: float, gpu="H100", link="nvlink") -> 
 
 
 ANCHORS = [
-    dict(what="torchtitan, Llama 3.1 8B, 8 x H100, FSDP + compile + float8 off, seq 8k", mfu="33-39%",
-         source="torchtitan, arXiv:2410.06511 and docs/performance.md",
-         compare=("Wan2.1-1.3B dims, 33x480x832", 8, "H100")),
-    dict(what="DeepSpeed-Ulysses, long-sequence GPT on A100s", mfu="54% of peak (175 TFLOP/s per A100)",
-         source="Jacobs et al., arXiv:2309.14509", compare=("DiT-5B, 208k tokens", 64, "A100")),
-    dict(what="USP (Ulysses x Ring), Llama-3 8B at 208k tokens, 2 x 8 A800", mfu="47%",
-         source="Fang & Zhao, arXiv:2405.07719", compare=("DiT-5B, 208k tokens", 16, "A100")),
-    dict(what="NeMo, Wan2.1 14B at 37k tokens, 128 x H100", mfu="326 TFLOP/s per GPU = 33% of 989",
-         source="NVIDIA NeMo performance summary (DiT/Wan)", compare=("Wan2.1-14B dims, 37k tokens", 128, "H100")),
+    dict(
+        what="torchtitan, Llama 3.1 8B, 8 x H100, FSDP + compile + float8 off, seq 8k",
+        mfu="33-39%",
+        source="torchtitan, arXiv:2410.06511 and docs/performance.md",
+        compare=("Wan2.1-1.3B dims, 33x480x832", 8, "H100"),
+    ),
+    dict(
+        what="DeepSpeed-Ulysses, long-sequence GPT on A100s",
+        mfu="54% of peak (175 TFLOP/s per A100)",
+        source="Jacobs et al., arXiv:2309.14509",
+        compare=("DiT-5B, 208k tokens", 64, "A100"),
+    ),
+    dict(
+        what="USP (Ulysses x Ring), Llama-3 8B at 208k tokens, 2 x 8 A800",
+        mfu="47%",
+        source="Fang & Zhao, arXiv:2405.07719",
+        compare=("DiT-5B, 208k tokens", 16, "A100"),
+    ),
+    dict(
+        what="NeMo, Wan2.1 14B at 37k tokens, 128 x H100",
+        mfu="326 TFLOP/s per GPU = 33% of 989",
+        source="NVIDIA NeMo performance summary (DiT/Wan)",
+        compare=("Wan2.1-14B dims, 37k tokens", 128, "H100"),
+    ),
 ]
 
 
@@ -230,9 +274,13 @@ def main(argv=None):
     p.add_argument("--gpus", type=int, nargs="+", default=[8, 64, 256, 1024])
     p.add_argument("--gpu", choices=list(GPU), default="H100")
     p.add_argument("--link", choices=list(LINKS), default="nvlink", help="the link inside a node")
-    p.add_argument("--block-efficiency", type=float, default=None,
-                   help="fraction of bf16 peak a block reaches on the GPU (from scripts/bench_gpu.py); "
-                        "unset: measured on this CPU and scaled by the peak ratio (flagged)")
+    p.add_argument(
+        "--block-efficiency",
+        type=float,
+        default=None,
+        help="fraction of bf16 peak a block reaches on the GPU (from scripts/bench_gpu.py); "
+        "unset: measured on this CPU and scaled by the peak ratio (flagged)",
+    )
     p.add_argument("--probe-tokens", type=int, default=256)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -241,13 +289,17 @@ def main(argv=None):
     if args.block_efficiency is None:
         probe = measure_cpu_efficiency(1152, 16, 4608, args.probe_tokens)
         efficiency, flag = probe["efficiency"], "CPU-scaled"
-        print(f"block efficiency: {100 * efficiency:.0f}% of peak, MEASURED ON CPU (one 1152-wide block, "
-              f"{args.probe_tokens} tokens, {probe['tflops'] * 1e3:.1f} GFLOP/s of an estimated "
-              f"{probe['cpu_peak_tflops'] * 1e3:.0f}) and assumed to carry over to the {args.gpu}: [CPU-scaled]")
+        print(
+            f"block efficiency: {100 * efficiency:.0f}% of peak, MEASURED ON CPU (one 1152-wide block, "
+            f"{args.probe_tokens} tokens, {probe['tflops'] * 1e3:.1f} GFLOP/s of an estimated "
+            f"{probe['cpu_peak_tflops'] * 1e3:.0f}) and assumed to carry over to the {args.gpu}: [CPU-scaled]"
+        )
     else:
         efficiency, flag = args.block_efficiency, "efficiency as given"
     results = {"efficiency": efficiency, "flag": flag, "probe": probe, "best": [], "anchors": []}
-    print(f"\n| recipe | GPUs | best layout | s/step | s/sample | MFU | exposed SP s | FSDP s | GB/GPU | [{flag}]")
+    print(
+        f"\n| recipe | GPUs | best layout | s/step | s/sample | MFU | exposed SP s | FSDP s | GB/GPU | [{flag}]"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in RECIPES:
         for gpus in args.gpus:
@@ -256,17 +308,23 @@ def main(argv=None):
                 print(f"| {r.name} | {gpus} | none fits | | | | | | |")
                 continue
             results["best"].append(b)
-            print(f"| {r.name} | {gpus} | {b['layout']} | {b['step_s']:.3f} | {b['per_sample_s'] * 1e3:.2f} ms | "
-                  f"{100 * b['mfu']:.0f}% | {b['exposed_sp_s']:.3f} | {b['fsdp_s']:.3f} | {b['memory_gb']:.0f} |")
-    print("\nPublished anchors next to this model's prediction for a comparable case (not like for like: "
-          "the anchors are LLMs or other code):")
+            print(
+                f"| {r.name} | {gpus} | {b['layout']} | {b['step_s']:.3f} | {b['per_sample_s'] * 1e3:.2f} ms | "
+                f"{100 * b['mfu']:.0f}% | {b['exposed_sp_s']:.3f} | {b['fsdp_s']:.3f} | {b['memory_gb']:.0f} |"
+            )
+    print(
+        "\nPublished anchors next to this model's prediction for a comparable case (not like for like: "
+        "the anchors are LLMs or other code):"
+    )
     for a in ANCHORS:
         name, gpus, gpu = a["compare"]
         recipe = next(r for r in RECIPES if r.name == name)
         b = best(recipe, gpus, efficiency, gpu, args.link)
         predicted = f"{100 * b['mfu']:.0f}% ({b['layout']})" if b else "none fits"
         results["anchors"].append({**a, "predicted": predicted})
-        print(f"- {a['what']}: {a['mfu']} [{a['source']}]; model, {name} on {gpus} x {gpu}: {predicted} [{flag}]")
+        print(
+            f"- {a['what']}: {a['mfu']} [{a['source']}]; model, {name} on {gpus} x {gpu}: {predicted} [{flag}]"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=lambda o: asdict(o)))
     return results

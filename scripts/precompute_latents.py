@@ -65,12 +65,16 @@ def content_key(entry: dict, bucket: str, seed: int) -> str:
         version = (stat.st_size, stat.st_mtime_ns)
     except OSError:  # the synthetic generator's samples are not files
         version = None
-    return hashlib.sha1(json.dumps([entry["path"], version, entry["caption"], bucket, seed]).encode()).hexdigest()[:20]
+    return hashlib.sha1(
+        json.dumps([entry["path"], version, entry["caption"], bucket, seed]).encode()
+    ).hexdigest()[:20]
 
 
 def main(argv=None):
     args, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", required=True, help="the recipe that will train on the latents")
     parser.add_argument("--out", required=True, help="the folder to write (data.latents=<this> trains on it)")
     args = parser.parse_args(args)
@@ -79,15 +83,19 @@ def main(argv=None):
     out = Path(args.out)
     meta = latent_meta(cfg)
     if (out / "meta.json").is_file() and json.loads((out / "meta.json").read_text()) != meta:
-        raise ValueError(f"--out {out} holds latents made with another VAE, text encoder or fps (its meta.json); "
-                         f"write to another folder, or delete it to start over")
+        raise ValueError(
+            f"--out {out} holds latents made with another VAE, text encoder or fps (its meta.json); "
+            f"write to another folder, or delete it to start over"
+        )
     table = build_buckets(cfg)
     dataset = build_dataset(cfg, table)
     if rank == 0:
         print(f"[precompute] {dataset.summary()}", flush=True)
     runtime = init_runtime(cfg.parallel, ParallelLayout(dp=world_size), task="encode")
     # every rank must have indexed the same samples, or the shards would overlap or miss some
-    check_same_plan(build_sampler(cfg, dataset, table, rank, world_size), dataset, None, runtime.control_group)
+    check_same_plan(
+        build_sampler(cfg, dataset, table, rank, world_size), dataset, None, runtime.control_group
+    )
     text_encoder, vae = build_frozen(cfg, runtime.device)
     if runtime.is_main:
         (out / "latents").mkdir(parents=True, exist_ok=True)
@@ -98,7 +106,9 @@ def main(argv=None):
     from torch.utils.data import DataLoader
 
     indices = list(range(rank, len(dataset), world_size))
-    loader = DataLoader(_Shard(dataset, indices, cfg.train.seed), batch_size=None, num_workers=cfg.data.num_workers)
+    loader = DataLoader(
+        _Shard(dataset, indices, cfg.train.seed), batch_size=None, num_workers=cfg.data.num_workers
+    )
     lines, failed = [], {}
     for index, item, error in tqdm(loader, total=len(indices), desc="encode", disable=not runtime.is_main):
         entry, bucket = dataset.entries[index], table.buckets[dataset.bucket_of[index]]
@@ -110,14 +120,30 @@ def main(argv=None):
             # in the tiles a decode would use, so a large clip's memory is bounded by one tile; ranks already
             # share the samples, so each encodes its own alone (group None)
             video = to_model_range(item["video"][None].to(runtime.device))
-            latent = parallel_vae.encode(vae, video, tile=cfg.vae.tile_latent, overlap=cfg.vae.tile_overlap)[0]
+            latent = parallel_vae.encode(vae, video, tile=cfg.vae.tile_latent, overlap=cfg.vae.tile_overlap)[
+                0
+            ]
             y, mask = text_encoder([entry["caption"]], runtime.device)
             tmp = out / (name + ".tmp")
-            save_file({"latent": latent.float().cpu().contiguous(),
-                       "text": y[0, :int(mask[0].sum())].float().cpu().contiguous()}, str(tmp))
+            save_file(
+                {
+                    "latent": latent.float().cpu().contiguous(),
+                    "text": y[0, : int(mask[0].sum())].float().cpu().contiguous(),
+                },
+                str(tmp),
+            )
             os.replace(tmp, out / name)  # a file is complete or absent: a rerun skips it safely
-        lines.append({"index": index, "path": name, "caption": entry["caption"], "frames": bucket.frames,
-                      "height": bucket.height, "width": bucket.width, "source": entry["path"]})
+        lines.append(
+            {
+                "index": index,
+                "path": name,
+                "caption": entry["caption"],
+                "frames": bucket.frames,
+                "height": bucket.height,
+                "width": bucket.width,
+                "source": entry["path"],
+            }
+        )
     (out / f"index.part{rank}.json").write_text(json.dumps({"lines": lines, "failed": failed}))
     runtime.fence()  # every part is written (gloo, long timeout: ranks may finish far apart)
     if runtime.is_main:
@@ -131,8 +157,11 @@ def main(argv=None):
             (out / f"index.part{r}.json").unlink()
         for path, why in failed.items():
             print(f"[precompute] left out {path}: {why}", flush=True)
-        print(f"[precompute] {len(lines)} samples encoded into {out} ({len(failed)} left out); train with "
-              f"data.latents={out}", flush=True)
+        print(
+            f"[precompute] {len(lines)} samples encoded into {out} ({len(failed)} left out); train with "
+            f"data.latents={out}",
+            flush=True,
+        )
     runtime.fence()
 
 

@@ -32,7 +32,9 @@ def main(paths):
         except checkpoint.CheckpointError as e:
             verdict = f"refused: {e}"
         line = f"rank {rank}: {Path(path).parent.parent.name}: read {sorted(read)}: {verdict}\n"
-        os.write(1, line.encode())  # one write: print() writes the text and the newline apart, and ranks interleave
+        os.write(
+            1, line.encode()
+        )  # one write: print() writes the text and the newline apart, and ranks interleave
     dist.barrier()
     dist.destroy_process_group()
 

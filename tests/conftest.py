@@ -14,8 +14,15 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 def torchrun(nproc: int, script: str, *args: str, timeout: float = 240, env: dict | None = None):
     """Run `torchrun --nproc_per_node nproc script args` from the repo root; a hang fails at `timeout`."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(ROOT / script),
+        *args,
+    ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
 

@@ -25,10 +25,28 @@ def main():
 
     def dataset(long=7, short=1, caption="clip", first_frames=10):
         """Manifest lines with their sizes: bucketed without opening a file. Long clips fill 8 frames."""
-        lines = [{"path": f"long{i}.mp4", "caption": f"{caption} {i}", "width": 16, "height": 16, "fps": 8,
-                  "num_frames": first_frames if i == 0 else 10} for i in range(long)]
-        lines += [{"path": f"short{i}.mp4", "caption": f"short {i}", "width": 16, "height": 16, "fps": 8,
-                   "num_frames": 5} for i in range(short)]
+        lines = [
+            {
+                "path": f"long{i}.mp4",
+                "caption": f"{caption} {i}",
+                "width": 16,
+                "height": 16,
+                "fps": 8,
+                "num_frames": first_frames if i == 0 else 10,
+            }
+            for i in range(long)
+        ]
+        lines += [
+            {
+                "path": f"short{i}.mp4",
+                "caption": f"short {i}",
+                "width": 16,
+                "height": 16,
+                "fps": 8,
+                "num_frames": 5,
+            }
+            for i in range(short)
+        ]
         return MediaDataset(lines, table)
 
     def check(data, step, label):
@@ -39,10 +57,14 @@ def main():
             print(f"rank {rank}: detected {label}: {e}", flush=True)
 
     check(dataset(), 5, "same")
-    check(dataset(first_frames=5 if rank == 2 else 10), 5, "plan")  # probed shorter here: same steps, other plan
+    check(
+        dataset(first_frames=5 if rank == 2 else 10), 5, "plan"
+    )  # probed shorter here: same steps, other plan
     check(dataset(long=11 if rank == 1 else 7), 0, "steps")  # more batches on rank 1
     check(dataset(caption="other" if rank == 0 else "clip"), 0, "data")  # same plan, other captions
-    check(dataset(), None if rank == 2 else 1, "checkpoint")  # rank 2 does not see the checkpoint (same epoch)
+    check(
+        dataset(), None if rank == 2 else 1, "checkpoint"
+    )  # rank 2 does not see the checkpoint (same epoch)
     dist.barrier()  # every rank is still in step after the errors: nobody hung
     dist.destroy_process_group()
 

@@ -40,7 +40,10 @@ def compare(label, model, expected: dict):
         names += 1
     assert names == len(expected), (names, len(expected))
     if rank == 0:
-        print(f"{'ok' if worst == 0.0 else 'FAIL'} {label}: {names} parameters, max difference {worst}", flush=True)
+        print(
+            f"{'ok' if worst == 0.0 else 'FAIL'} {label}: {names} parameters, max difference {worst}",
+            flush=True,
+        )
 
 
 def main():
@@ -54,7 +57,11 @@ def main():
         for ac in (False, True):
             model = sharded({**TINY, **options}, mesh, ac)
             materialize(model, "cpu", seed=7)
-            compare(f"seed {'adaLN-single' if options else 'adaLN-Zero'} ac={ac}", model, dict(reference.named_parameters()))
+            compare(
+                f"seed {'adaLN-single' if options else 'adaLN-Zero'} ac={ac}",
+                model,
+                dict(reference.named_parameters()),
+            )
     # From a pretrained diffusers folder, reading only this rank's rows.
     folder = Path(sys.argv[1])
     weights = WanWeights(folder)
@@ -73,7 +80,10 @@ def main():
     counts = [None] * dist.get_world_size()
     dist.all_gather_object(counts, partial)
     if dist.get_rank() == 0:
-        print(f"ok pretrained reads only own rows: {len(reads)} reads, {counts} of them partial per rank", flush=True)
+        print(
+            f"ok pretrained reads only own rows: {len(reads)} reads, {counts} of them partial per rank",
+            flush=True,
+        )
     dist.destroy_process_group()
 
 

@@ -34,13 +34,32 @@ EXACT = 1e-5  # the issue's bound against the serial sampler, on pixels in [0, 1
 
 
 def config(patches=None, warmup=1):
-    return load_config(TINY, ["model.size=DiT-demo", "model.absolute_positions=true",  # as the demo samples
-                              f"parallel.pipefusion_patches={patches or 'null'}", f"parallel.pipefusion_warmup={warmup}"])
+    return load_config(
+        TINY,
+        [
+            "model.size=DiT-demo",
+            "model.absolute_positions=true",  # as the demo samples
+            f"parallel.pipefusion_patches={patches or 'null'}",
+            f"parallel.pipefusion_warmup={warmup}",
+        ],
+    )
 
 
 def sample(cfg, model, vae, text_encoder, sampler=None):
-    return generate(model, vae, text_encoder, RectifiedFlow(cfg.flow, cfg.model.patch_size), PROMPTS, FRAMES, HEIGHT,
-                    WIDTH, STEPS, GUIDANCE, seeds=[0, 1], sampler=sampler)
+    return generate(
+        model,
+        vae,
+        text_encoder,
+        RectifiedFlow(cfg.flow, cfg.model.patch_size),
+        PROMPTS,
+        FRAMES,
+        HEIGHT,
+        WIDTH,
+        STEPS,
+        GUIDANCE,
+        seeds=[0, 1],
+        sampler=sampler,
+    )
 
 
 def serial_reference():
@@ -71,16 +90,23 @@ def stale_kv_reference(patches: int, warmup: int):
         def forward(self, q, k, v):
             if self.keys is None:
                 self.keys = k.new_zeros((*k.shape[:2], current["tokens"], k.shape[3]))
-                self.values, self.written = torch.zeros_like(self.keys), torch.zeros(current["tokens"], dtype=torch.bool)
+                self.values, self.written = (
+                    torch.zeros_like(self.keys),
+                    torch.zeros(current["tokens"], dtype=torch.bool),
+                )
             a, b = current["range"]
             self.keys[:, :, a:b], self.values[:, :, a:b], self.written[a:b] = k, v, True
-            return F.scaled_dot_product_attention(q, self.keys, self.values, attn_mask=self.written.view(1, 1, 1, -1))
+            return F.scaled_dot_product_attention(
+                q, self.keys, self.values, attn_mask=self.written.view(1, 1, 1, -1)
+            )
 
     for block in model.blocks:
         block.attn.inner_attention = BufferedAttention()
     with torch.no_grad():
         latent_shape = vae.latent_shape(FRAMES, HEIGHT, WIDTH, flow.patch_size)
-        x = torch.stack([torch.randn(latent_shape, generator=torch.Generator().manual_seed(s)) for s in (0, 1)])
+        x = torch.stack(
+            [torch.randn(latent_shape, generator=torch.Generator().manual_seed(s)) for s in (0, 1)]
+        )
         y, y_mask = text_encoder(PROMPTS, "cpu")
         neg_y, neg_mask = text_encoder([""] * 2, "cpu")
         y, y_mask = torch.cat([y, neg_y]), torch.cat([y_mask, neg_mask])
@@ -95,7 +121,7 @@ def stale_kv_reference(patches: int, warmup: int):
             rope = model.rope(grid, "cpu")
             cond = model.condition(sigmas[i].expand(4), y, y_mask)
             outputs = []
-            for a, b in ([(0, tokens)] if i < warmup else zip(bounds, bounds[1:])):
+            for a, b in [(0, tokens)] if i < warmup else zip(bounds, bounds[1:]):
                 current["range"] = (a, b)
                 h = embedded[:, a:b]
                 for block in model.blocks:
@@ -111,11 +137,16 @@ def run_case(layout: ParallelLayout, patches=None, warmup=1):
     rank = dist.get_rank()
     timeout = datetime.timedelta(seconds=60)
     sequence = sequence_groups(layout, rank, timeout)
-    runtime = SimpleNamespace(layout=layout, sequence=sequence, device=torch.device("cpu"),
-                              sampling=sampling_groups(layout, rank, timeout, sequence))
+    runtime = SimpleNamespace(
+        layout=layout,
+        sequence=sequence,
+        device=torch.device("cpu"),
+        sampling=sampling_groups(layout, rank, timeout, sequence),
+    )
     cfg = config(patches, warmup)
-    model, vae, text_encoder, sampler = load_sampler(cfg, runtime, None, random_weights=True,
-                                                     patches=patches or layout.pipefusion)
+    model, vae, text_encoder, sampler = load_sampler(
+        cfg, runtime, None, random_weights=True, patches=patches or layout.pipefusion
+    )
     if layout.pipefusion > 1:  # a stage holds only its blocks
         kept = sum(not hasattr(b, "stage") for b in model.blocks)
         assert kept == 4 // layout.pipefusion, (kept, layout)
@@ -145,25 +176,41 @@ def main():
         ("cfg2xu2", ParallelLayout(cfg=2, ulysses=2), None),
     ]
     for name, layout, patches in exact_cases:
-        report(f"{name} warmup=all vs serial", (run_case(layout, patches, warmup=full) - reference).abs().max().item(),
-               EXACT if layout.pipefusion > 1 or layout.cfg > 1 else None)
+        report(
+            f"{name} warmup=all vs serial",
+            (run_case(layout, patches, warmup=full) - reference).abs().max().item(),
+            EXACT if layout.pipefusion > 1 or layout.cfg > 1 else None,
+        )
     # Warm-up 1: stale K/V. The result depends on the patches and the warm-up only, not on how many
     # stages the blocks are split into nor on what runs inside a stage.
     pipelined = run_case(ParallelLayout(dp=2, pipefusion=2), 4, warmup=1)
     report("pf2 M=4 warmup=1 vs serial", (pipelined - reference).abs().max().item())
-    report("pf2 M=4 warmup=1 vs the stale-K/V reference",
-           (pipelined - stale_kv_reference(patches=4, warmup=1)).abs().max().item(), EXACT)
+    report(
+        "pf2 M=4 warmup=1 vs the stale-K/V reference",
+        (pipelined - stale_kv_reference(patches=4, warmup=1)).abs().max().item(),
+        EXACT,
+    )
     if (pipelined - reference).abs().max() < 1e-4:
         raise AssertionError("warm-up 1 gave the serial result: the patches did not run with stale K/V")
-    for name, layout in [("pf4", ParallelLayout(pipefusion=4)), ("pf2xu2", ParallelLayout(pipefusion=2, ulysses=2)),
-                         ("pf2xr2", ParallelLayout(pipefusion=2, ring=2)), ("pf2xcfg2", ParallelLayout(cfg=2, pipefusion=2))]:
-        report(f"{name} M=4 warmup=1 vs pf2 M=4 warmup=1", (run_case(layout, 4, warmup=1) - pipelined).abs().max().item(),
-               EXACT)
+    for name, layout in [
+        ("pf4", ParallelLayout(pipefusion=4)),
+        ("pf2xu2", ParallelLayout(pipefusion=2, ulysses=2)),
+        ("pf2xr2", ParallelLayout(pipefusion=2, ring=2)),
+        ("pf2xcfg2", ParallelLayout(cfg=2, pipefusion=2)),
+    ]:
+        report(
+            f"{name} M=4 warmup=1 vs pf2 M=4 warmup=1",
+            (run_case(layout, 4, warmup=1) - pipelined).abs().max().item(),
+            EXACT,
+        )
     for warmup in (0, 2):
         result = run_case(ParallelLayout(pipefusion=4), 4, warmup=warmup)
         report(f"pf4 M=4 warmup={warmup} vs serial", (result - reference).abs().max().item())
-        report(f"pf4 M=4 warmup={warmup} vs the stale-K/V reference",
-               (result - stale_kv_reference(patches=4, warmup=warmup)).abs().max().item(), EXACT)
+        report(
+            f"pf4 M=4 warmup={warmup} vs the stale-K/V reference",
+            (result - stale_kv_reference(patches=4, warmup=warmup)).abs().max().item(),
+            EXACT,
+        )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -49,7 +49,9 @@ def check_operator(layout, groups, tokens, heads=4, batch=2, head_dim=8, dtype=t
     name = f"attention u{layout.ulysses}r{layout.ring} N={tokens}{label}"
     tolerance = TOLERANCE if dtype == torch.float32 else 2e-2
     g = torch.Generator().manual_seed(tokens)
-    q, k, v, weight = (torch.randn(batch, heads, tokens, head_dim, generator=g, dtype=torch.float64) for _ in range(4))
+    q, k, v, weight = (
+        torch.randn(batch, heads, tokens, head_dim, generator=g, dtype=torch.float64) for _ in range(4)
+    )
     q64, k64, v64 = (t.clone().requires_grad_() for t in (q, k, v))
     reference = reference_attention(q64, k64, v64)
     (reference * weight).sum().backward()
@@ -68,12 +70,16 @@ def check_operator(layout, groups, tokens, heads=4, batch=2, head_dim=8, dtype=t
     n = ql.shape[-2]
     start = groups.sp_rank * n
     real = max(0, min(n, tokens - start))  # this rank's unpadded queries
-    check(f"{name} forward", relative_error(out[:, :, :real], reference[:, :, start:start + real].detach()), tolerance)
-    (out[:, :, :real] * weight[:, :, start:start + real].to(dtype)).sum().backward()
+    check(
+        f"{name} forward",
+        relative_error(out[:, :, :real], reference[:, :, start : start + real].detach()),
+        tolerance,
+    )
+    (out[:, :, :real] * weight[:, :, start : start + real].to(dtype)).sum().backward()
     for label, mine, full in (("dq", ql, q64), ("dk", kl, k64), ("dv", vl, v64)):
         if mine.grad.dtype != dtype:
             raise AssertionError(f"{name} {label}: gradient dtype {mine.grad.dtype}, expected {dtype}")
-        error = relative_error(mine.grad[:, :, :real], full.grad[:, :, start:start + real])
+        error = relative_error(mine.grad[:, :, :real], full.grad[:, :, start : start + real])
         padded_grad = mine.grad[:, :, real:].abs().max().item() if real < n else 0.0
         check(f"{name} {label}", max(error, padded_grad), tolerance)
 
@@ -86,11 +92,14 @@ def check_model(layout, groups, frames, height=8, width=8, wan=False):
     name = f"{'WanDiT' if wan else 'DiT'} u{layout.ulysses}r{layout.ring} grid {frames}x{height // 2}x{width // 2}"
     options = dict(WAN_OPTIONS, ffn_dim=48) if wan else dict(absolute_positions=True)
     torch.manual_seed(0)
-    reference_model = DiT(in_channels=4, text_dim=16, depth=2, hidden_size=32, num_heads=4, patch_size=(1, 2, 2),
-                          **options)
+    reference_model = DiT(
+        in_channels=4, text_dim=16, depth=2, hidden_size=32, num_heads=4, patch_size=(1, 2, 2), **options
+    )
     for p in reference_model.parameters():  # adaLN-Zero starts as the identity: make every path count
         torch.nn.init.normal_(p, std=0.2)
-    model = DiT(in_channels=4, text_dim=16, depth=2, hidden_size=32, num_heads=4, patch_size=(1, 2, 2), **options)
+    model = DiT(
+        in_channels=4, text_dim=16, depth=2, hidden_size=32, num_heads=4, patch_size=(1, 2, 2), **options
+    )
     model.load_state_dict(reference_model.state_dict())
     from parallel.sequence import apply_sequence_parallel
 
@@ -159,8 +168,9 @@ def check_chunking(group):
         comm.broadcast(shared, dist.get_global_rank(group, size - 1), group)
         identical &= torch.equal(shared, torch.arange(size * 1000, dtype=torch.float32) + 10000 * (size - 1))
     comm.configure(256)
-    expected_a2a = torch.cat([torch.arange(rank * 1000, (rank + 1) * 1000, dtype=torch.float32) + 10000 * j
-                              for j in range(size)])
+    expected_a2a = torch.cat(
+        [torch.arange(rank * 1000, (rank + 1) * 1000, dtype=torch.float32) + 10000 * j for j in range(size)]
+    )
     if not identical or not torch.equal(results[0][0], expected_a2a):
         raise AssertionError("chunked collectives differ from unchunked ones")
     if dist.get_rank() == 0:
@@ -172,8 +182,13 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     timeout = datetime.timedelta(seconds=60)
     layouts = {
-        4: [ParallelLayout(ulysses=4), ParallelLayout(ring=4), ParallelLayout(ulysses=2, ring=2),
-            ParallelLayout(dp=2, ulysses=2), ParallelLayout(dp=2, ring=2)],
+        4: [
+            ParallelLayout(ulysses=4),
+            ParallelLayout(ring=4),
+            ParallelLayout(ulysses=2, ring=2),
+            ParallelLayout(dp=2, ulysses=2),
+            ParallelLayout(dp=2, ring=2),
+        ],
         3: [ParallelLayout(ring=3)],
         2: [ParallelLayout(ulysses=2), ParallelLayout(ring=2)],
     }[world]
@@ -184,7 +199,9 @@ def main():
             check_operator(layout, groups, tokens)
         check_model(layout, groups, frames=3)  # 3x4x4 = 48 tokens
         check_model(layout, groups, frames=1, height=6, width=10)  # 15 tokens: padded
-        check_model(layout, groups, frames=1, height=2, width=10)  # 5 tokens: at P=4 a rank holds only padding
+        check_model(
+            layout, groups, frames=1, height=2, width=10
+        )  # 5 tokens: at P=4 a rank holds only padding
         check_model(layout, groups, frames=3, height=6, width=8, wan=True)  # 36 tokens
         if layout.ring > 1:
             check_ring_variants(layout, groups)

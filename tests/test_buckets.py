@@ -28,8 +28,12 @@ def test_default_recipe_is_one_bucket_of_the_data_size():
 
 
 def test_buckets_snap_to_the_vae_and_patch_and_keep_area_and_ratio():
-    t = table(*WAN, "data.resolutions=[256,512]", 'data.aspect_ratios=["16:9","1:1","9:16","4:3"]',
-              "data.frame_counts=[1,9,17]")
+    t = table(
+        *WAN,
+        "data.resolutions=[256,512]",
+        'data.aspect_ratios=["16:9","1:1","9:16","4:3"]',
+        "data.frame_counts=[1,9,17]",
+    )
     assert len(t) == 3 * 2 * 4
     for b in t.buckets:
         assert b.height % 16 == 0 and b.width % 16 == 0
@@ -40,23 +44,37 @@ def test_buckets_snap_to_the_vae_and_patch_and_keep_area_and_ratio():
 
 
 def test_frame_counts_must_suit_the_vae():
-    with pytest.raises(ValueError, match=r"data.frame_counts: frames=8 cannot be represented: the VAE needs 1 \+ k\*4"):
+    with pytest.raises(
+        ValueError, match=r"data.frame_counts: frames=8 cannot be represented: the VAE needs 1 \+ k\*4"
+    ):
         table(*WAN, "data.frame_counts=[1,8]")
     with pytest.raises(ValueError, match="not width:height"):
         load_config(TINY, ['data.aspect_ratios=["wide"]'])
 
 
 def test_assignment_nearest_ratio_longest_clip_largest_class_without_upscaling():
-    t = table(*WAN, "data.resolutions=[256,512]", 'data.aspect_ratios=["16:9","1:1"]', "data.frame_counts=[1,9,17,33]")
+    t = table(
+        *WAN,
+        "data.resolutions=[256,512]",
+        'data.aspect_ratios=["16:9","1:1"]',
+        "data.frame_counts=[1,9,17,33]",
+    )
     name = lambda a: t.buckets[a[0]].name if a[0] is not None else a[1]
     # 100 frames at 30 fps resampled to 15 fps hold 50 frames: the 33-frame bucket, 16:9 at the 512 class
     assert name(t.assign(1920, 1080, 100, 30, 15)) == "33x384x688"
     assert name(t.assign(1920, 1080, 40, 30, 15)) == "17x384x688"  # 20 frames at 15 fps
     assert name(t.assign(400, 380, 12)) == "9x256x256"  # 1:1; 512 would need 1.35x
     assert name(t.assign(300, 200, 1)) == "too small (would need more than 1x upscaling)"
-    assert name(t.assign(640, 360, 5)) == "1x192x336"  # 5 frames hold only the 1-frame bucket; 512 needs 1.08x
-    lenient = table(*WAN, "data.resolutions=[256]", 'data.aspect_ratios=["16:9","1:1"]', "data.frame_counts=[9]",
-                    "data.max_upscale=1.2")
+    assert (
+        name(t.assign(640, 360, 5)) == "1x192x336"
+    )  # 5 frames hold only the 1-frame bucket; 512 needs 1.08x
+    lenient = table(
+        *WAN,
+        "data.resolutions=[256]",
+        'data.aspect_ratios=["16:9","1:1"]',
+        "data.frame_counts=[9]",
+        "data.max_upscale=1.2",
+    )
     assert lenient.buckets[lenient.assign(300, 200, 9)[0]].name == "9x192x336"  # 1.12x enlargement allowed
     assert lenient.assign(300, 200, 5) == (None, "too short (fewer than 9 frames)")
 
@@ -66,8 +84,13 @@ def test_batch_size_from_the_token_budget_with_a_cap():
     # 256x256 -> 32x32 latent -> 16x16 patches = 256 tokens per latent frame; 17 frames -> 5 latent frames
     assert dict(zip([b.name for b in t.buckets], t.tokens)) == {"1x256x256": 256, "17x256x256": 1280}
     assert t.batch_sizes == [16, 3]
-    assert table(*WAN, "data.resolutions=[256]", "data.frame_counts=[1,17]", "data.tokens_per_batch=4096",
-                 "data.max_batch_size=8").batch_sizes == [8, 3]
+    assert table(
+        *WAN,
+        "data.resolutions=[256]",
+        "data.frame_counts=[1,17]",
+        "data.tokens_per_batch=4096",
+        "data.max_batch_size=8",
+    ).batch_sizes == [8, 3]
 
 
 # ---- the sampler -----------------------------------------------------------------------------------
@@ -83,8 +106,13 @@ distributions = st.lists(st.integers(0, 40), min_size=1, max_size=6).filter(lamb
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(sizes=distributions, data=st.data(), dp=st.integers(1, 16), seed=st.integers(0, 2**16),
-       remainder=st.sampled_from(["pad", "drop"]))
+@given(
+    sizes=distributions,
+    data=st.data(),
+    dp=st.integers(1, 16),
+    seed=st.integers(0, 2**16),
+    remainder=st.sampled_from(["pad", "drop"]),
+)
 def test_every_rank_takes_the_same_steps_and_sees_each_sample_once(sizes, data, dp, seed, remainder):
     batch_sizes = data.draw(st.lists(st.integers(1, 8), min_size=len(sizes), max_size=len(sizes)))
     num_batches = sum(-(-n // b) for n, b in zip(sizes, batch_sizes))
@@ -108,7 +136,9 @@ def test_every_rank_takes_the_same_steps_and_sees_each_sample_once(sizes, data, 
         padding = ranks[0].padding_batches
         if remainder == "pad":
             assert set(seen) == set(range(len(bucket_of)))  # every sample trains every epoch
-            assert sum(seen.values()) - len(bucket_of) <= padding * max(batch_sizes)  # repeats only as padding
+            assert sum(seen.values()) - len(bucket_of) <= padding * max(
+                batch_sizes
+            )  # repeats only as padding
             assert padding < dp
         else:
             assert max(seen.values()) == 1  # nothing repeats
@@ -134,7 +164,11 @@ def test_resuming_at_any_step_yields_exactly_the_remaining_batches(sizes, data, 
 def test_resume_refuses_another_dp_size_or_other_data():
     ranks, bucket_of = samplers([7, 1], [2, 2], 3)
     state = ranks[0].state_dict(5)
-    assert (state["epoch"], state["step_in_epoch"], state["dp_size"]) == (2, 1, 3)  # 5 batches + 1 padding = 2 steps
+    assert (state["epoch"], state["step_in_epoch"], state["dp_size"]) == (
+        2,
+        1,
+        3,
+    )  # 5 batches + 1 padding = 2 steps
     with pytest.raises(ValueError, match="written with 3 data-parallel ranks and this run has 2"):
         BucketSampler(bucket_of, [2, 2], 0, 2).load_state_dict(state)
     with pytest.raises(ValueError, match="batch plan differs"):
@@ -144,7 +178,13 @@ def test_resume_refuses_another_dp_size_or_other_data():
 
 
 @settings(max_examples=40, deadline=None)
-@given(sizes=distributions, data=st.data(), dp=st.integers(1, 8), new_dp=st.integers(1, 8), seed=st.integers(0, 99))
+@given(
+    sizes=distributions,
+    data=st.data(),
+    dp=st.integers(1, 8),
+    new_dp=st.integers(1, 8),
+    seed=st.integers(0, 99),
+)
 def test_a_replanned_resume_starts_a_new_epoch_and_resumes_exactly_again(sizes, data, dp, new_dp, seed):
     """data.on_plan_change=new_epoch: another dp size continues at the checkpoint's step with the next
     epoch under the new plan, the same on every rank; a later checkpoint of that run resumes exactly."""
@@ -171,8 +211,12 @@ def test_a_replanned_resume_starts_a_new_epoch_and_resumes_exactly_again(sizes, 
 
 
 def test_a_checkpoint_from_before_the_plan_continues_only_with_a_new_epoch():
-    old_format = dict(seed=0, step=7, epoch=1, dataset_size=10, batch_size=2, dp_size=1)  # issue 2's sampler state
-    with pytest.raises(ValueError, match=r"lacks \['step_in_epoch', 'plan_hash'\].*data.on_plan_change=new_epoch"):
+    old_format = dict(
+        seed=0, step=7, epoch=1, dataset_size=10, batch_size=2, dp_size=1
+    )  # issue 2's sampler state
+    with pytest.raises(
+        ValueError, match=r"lacks \['step_in_epoch', 'plan_hash'\].*data.on_plan_change=new_epoch"
+    ):
         BucketSampler(np.zeros(10, dtype=int), [2]).load_state_dict(old_format)
     sampler = BucketSampler(np.zeros(10, dtype=int), [2])
     assert sampler.load_state_dict(old_format, on_change="new_epoch")[0] == 7

@@ -43,9 +43,14 @@ def killed(tmp_path_factory):
     try:
         for point in FAULT_POINTS:
             env = {**os.environ, "OMP_NUM_THREADS": "1", "TESSERA_FAULT": f"save_{point}:4"}
-            procs[point] = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *COMMON,
-                                             f"run.output_dir={base / point}"], cwd=ROOT, env=env, text=True,
-                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            procs[point] = subprocess.Popen(
+                [sys.executable, str(ROOT / "train.py"), *COMMON, f"run.output_dir={base / point}"],
+                cwd=ROOT,
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
         results, deadline = {}, time.monotonic() + 240  # one bound for the three: a hang fails, not stalls
         for point, proc in procs.items():
             output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
@@ -64,8 +69,11 @@ def test_a_kill_during_a_save_loses_nothing_beyond_the_previous_checkpoint(strai
     assert f"[fault] rank 0: save_{point} in step 4" in output
     root = run_dir / "checkpoints"
     assert (root / "latest").read_text() == "step_2\n"
-    leftover = {"before_shards": root / ".step_4.tmp", "after_shards": root / ".step_4.tmp",
-                "after_rename": root / "step_4"}[point]
+    leftover = {
+        "before_shards": root / ".step_4.tmp",
+        "after_shards": root / ".step_4.tmp",
+        "after_rename": root / "step_4",
+    }[point]
     assert leftover.is_dir()  # what the kill interrupted is still there for the next save to handle
     assert checkpoint.find_latest(run_dir) == root / "step_2"
     checkpoint.verify_checkpoint(root / "step_2")  # every file as it was written
@@ -94,10 +102,10 @@ def test_a_resave_killed_between_its_renames_keeps_the_old_copy(straight, tmp_pa
 def damage(path, how: str) -> None:
     data = bytearray(path.read_bytes())
     if how == "truncated":
-        del data[len(data) // 2:]
+        del data[len(data) // 2 :]
     else:  # the same size, eight bytes flipped in the middle
         middle = len(data) // 2
-        data[middle:middle + 8] = bytes(b ^ 0xFF for b in data[middle:middle + 8])
+        data[middle : middle + 8] = bytes(b ^ 0xFF for b in data[middle : middle + 8])
     path.write_bytes(data)
 
 
@@ -105,10 +113,13 @@ def never_called(*args, **kwargs):
     raise AssertionError("weights were read from a damaged checkpoint")
 
 
-@pytest.mark.parametrize("how, message", [("truncated", "__0_0.distcp is truncated ("),
-                                          ("corrupt", "__0_0.distcp is corrupt (crc32 ")])
-def test_a_damaged_shard_is_refused_by_name_before_any_weight_is_read(straight, tmp_path, monkeypatch, capfd,
-                                                                     how, message):
+@pytest.mark.parametrize(
+    "how, message",
+    [("truncated", "__0_0.distcp is truncated ("), ("corrupt", "__0_0.distcp is corrupt (crc32 ")],
+)
+def test_a_damaged_shard_is_refused_by_name_before_any_weight_is_read(
+    straight, tmp_path, monkeypatch, capfd, how, message
+):
     run_dir = tmp_path / "run"
     shutil.copytree(straight, run_dir)
     root = run_dir / "checkpoints"
@@ -137,8 +148,13 @@ def test_the_ranks_split_the_reading_and_share_the_verdict(straight, tmp_path):
     run_dir = tmp_path / "damaged"
     shutil.copytree(straight / "checkpoints", run_dir / "checkpoints")
     damage(run_dir / "checkpoints" / "step_4" / ".metadata", "corrupt")
-    result = torchrun(2, "tests/checkpoint_worker.py", str(straight / "checkpoints" / "step_4"),
-                      str(run_dir / "checkpoints" / "step_4"), timeout=120)
+    result = torchrun(
+        2,
+        "tests/checkpoint_worker.py",
+        str(straight / "checkpoints" / "step_4"),
+        str(run_dir / "checkpoints" / "step_4"),
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "rank 0: run: read ['__0_0.distcp']: ok" in out, out
@@ -146,10 +162,14 @@ def test_the_ranks_split_the_reading_and_share_the_verdict(straight, tmp_path):
     for rank in (0, 1):
         line = next(line for line in out.splitlines() if line.startswith(f"rank {rank}: damaged:"))
         assert ": refused: checkpoint " in line and ".metadata is corrupt (crc32 " in line, line
-        assert "__0_0.distcp is" not in line and f"train.resume={run_dir / 'checkpoints' / 'step_2'}" in line, line
+        assert (
+            "__0_0.distcp is" not in line and f"train.resume={run_dir / 'checkpoints' / 'step_2'}" in line
+        ), line
 
 
-def test_a_checkpoint_is_named_by_its_folder_its_pointer_its_checkpoints_folder_or_its_run(straight, tmp_path, capfd):
+def test_a_checkpoint_is_named_by_its_folder_its_pointer_its_checkpoints_folder_or_its_run(
+    straight, tmp_path, capfd
+):
     root = straight / "checkpoints"
     for spec in (root / "step_4", root / "latest", root, straight):
         assert checkpoint.resolve_checkpoint(str(spec), tmp_path) == root / "step_4", spec
@@ -169,6 +189,11 @@ def test_a_checkpoint_is_named_by_its_folder_its_pointer_its_checkpoints_folder_
     assert run_main(infer, sample + [str(tmp_path / "w.npy"), "--checkpoint", str(root / "step_4")]) == 0
     assert np.array_equal(np.load(out), np.load(tmp_path / "w.npy"))
     capfd.readouterr()
-    assert run_main(train, COMMON + [f"run.output_dir={tmp_path / 'next'}", "train.max_steps=4",
-                                     f"train.resume={straight}"]) == 0
+    assert (
+        run_main(
+            train,
+            COMMON + [f"run.output_dir={tmp_path / 'next'}", "train.max_steps=4", f"train.resume={straight}"],
+        )
+        == 0
+    )
     assert f"resumed from {root / 'step_4'} at step 4" in capfd.readouterr().out

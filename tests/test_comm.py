@@ -58,7 +58,9 @@ class _Done:
 
 def test_small_ring_exchange_stays_asynchronous(world_of_one, monkeypatch):
     # gloo cannot send to itself: a loopback pair stands in for the peer (one work for the send, one for the receive)
-    monkeypatch.setattr(comm, "_post_pair", lambda send, to, recv, source, group: (recv.copy_(send), [_Done(), _Done()])[1])
+    monkeypatch.setattr(
+        comm, "_post_pair", lambda send, to, recv, source, group: (recv.copy_(send), [_Done(), _Done()])[1]
+    )
     comm.configure(CAP_ELEMENTS * 4 / 2**20)
     send, recv = torch.arange(CAP_ELEMENTS, dtype=torch.float32), torch.empty(CAP_ELEMENTS)
     comm.exchange(send, 0, recv, 0, None).wait()

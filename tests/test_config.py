@@ -11,7 +11,9 @@ def test_every_shipped_recipe_loads(recipe):
 
 
 def test_overrides_come_last_and_keep_types():
-    cfg = load_config(None, ["train.max_steps=7", "train.lr=0.5", "model.patch_size=[1,2,2]", "data.manifest=x.jsonl"])
+    cfg = load_config(
+        None, ["train.max_steps=7", "train.lr=0.5", "model.patch_size=[1,2,2]", "data.manifest=x.jsonl"]
+    )
     assert cfg.train.max_steps == 7 and isinstance(cfg.train.max_steps, int)
     assert cfg.train.lr == 0.5
     assert list(cfg.model.patch_size) == [1, 2, 2]
@@ -28,11 +30,14 @@ def test_recipe_holds_only_differences(tmp_path):
     assert cfg.train.batch_size == TesseraConfig().train.batch_size
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("train.max_step=5", "did you mean 'train.max_steps'"),
-    ("trian.max_steps=5", "did you mean 'train.max_steps'"),
-    ("parallel.ulysess=2", "did you mean 'parallel.ulysses'"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.max_step=5", "did you mean 'train.max_steps'"),
+        ("trian.max_steps=5", "did you mean 'train.max_steps'"),
+        ("parallel.ulysess=2", "did you mean 'parallel.ulysses'"),
+    ],
+)
 def test_misspelt_key_names_the_closest(override, expected):
     with pytest.raises(ConfigError, match=expected) as e:
         load_config(None, [override])
@@ -46,23 +51,29 @@ def test_misspelt_key_in_recipe(tmp_path):
         load_config(recipe)
 
 
-@pytest.mark.parametrize("override, key, expected", [
-    ("train.max_steps=abc", "train.max_steps", "int"),
-    ("train.lr=fast", "train.lr", "float"),
-    ("logging.wandb=maybe", "logging.wandb", "bool"),
-])
+@pytest.mark.parametrize(
+    "override, key, expected",
+    [
+        ("train.max_steps=abc", "train.max_steps", "int"),
+        ("train.lr=fast", "train.lr", "float"),
+        ("logging.wandb=maybe", "logging.wandb", "bool"),
+    ],
+)
 def test_wrong_type_names_key_and_type(override, key, expected):
     with pytest.raises(ConfigError, match=rf"'{key}'.*must be {expected}"):
         load_config(None, [override])
 
 
-@pytest.mark.parametrize("override, message", [
-    ("vae.kind=vqgan", "choose one of identity, kl, wan"),
-    ("model.size=DiT-huge", "choose one of DiT-tiny"),
-    ("train.batch_size=0", "at least 1"),
-    ("model.patch_size=[1,2]", "three positive sizes"),
-    ("train", "not of the form key=value"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("vae.kind=vqgan", "choose one of identity, kl, wan"),
+        ("model.size=DiT-huge", "choose one of DiT-tiny"),
+        ("train.batch_size=0", "at least 1"),
+        ("model.patch_size=[1,2]", "three positive sizes"),
+        ("train", "not of the form key=value"),
+    ],
+)
 def test_bad_values(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
@@ -74,7 +85,9 @@ def test_missing_recipe():
 
 
 def test_split_overrides_leaves_prompts_alone():
-    args, overrides = split_overrides(["--prompt", "a red square", "x = y", "parallel.dp=2", "--frames", "9", "lr=1"])
+    args, overrides = split_overrides(
+        ["--prompt", "a red square", "x = y", "parallel.dp=2", "--frames", "9", "lr=1"]
+    )
     assert overrides == ["parallel.dp=2", "lr=1"]
     assert args == ["--prompt", "a red square", "x = y", "--frames", "9"]
 
@@ -84,7 +97,9 @@ def test_key_without_section_names_the_full_key():
         load_config(None, ["max_steps=5"])
 
 
-@pytest.mark.parametrize("override", ["data.fps=0", "sample.fps=0", "flow.shift_reference_tokens=-1", "train.grad_clip=0"])
+@pytest.mark.parametrize(
+    "override", ["data.fps=0", "sample.fps=0", "flow.shift_reference_tokens=-1", "train.grad_clip=0"]
+)
 def test_values_that_would_divide_by_zero_or_stall(override):
     with pytest.raises(ConfigError, match=override.split("=")[0]):
         load_config(None, [override])
@@ -94,8 +109,9 @@ def test_learning_rate_warms_up_then_stays_or_follows_a_cosine_to_zero():
     import train
 
     constant = load_config(overrides=["train.lr=1e-3", "train.warmup_steps=10", "train.max_steps=110"])
-    cosine = load_config(overrides=["train.lr=1e-3", "train.warmup_steps=10", "train.max_steps=110",
-                                    "train.lr_decay=cosine"])
+    cosine = load_config(
+        overrides=["train.lr=1e-3", "train.warmup_steps=10", "train.max_steps=110", "train.lr_decay=cosine"]
+    )
     for cfg in (constant, cosine):
         assert train.learning_rate(cfg.train, 0) == pytest.approx(1e-4)  # warm-up is the same for both
         assert train.learning_rate(cfg.train, 10) == pytest.approx(1e-3)

@@ -1,4 +1,3 @@
-
 import numpy as np
 import pytest
 import torch
@@ -23,7 +22,9 @@ from tests.conftest import TINY
 
 def test_synthetic_is_deterministic_and_holds_out_combos():
     a, b = SyntheticVideoDataset(20, 4, 16, 16, seed=3), SyntheticVideoDataset(20, 4, 16, 16, seed=3)
-    assert all(np.array_equal(a.render(i)[0], b.render(i)[0]) and a.render(i)[1] == b.render(i)[1] for i in range(20))
+    assert all(
+        np.array_equal(a.render(i)[0], b.render(i)[0]) and a.render(i)[1] == b.render(i)[1] for i in range(20)
+    )
     assert len(HELD_OUT) == 12 and not set(TRAIN_COMBOS) & HELD_OUT
     shapes = {(a.describe(i)["height"], a.describe(i)["width"], a.describe(i)["frames"]) for i in range(20)}
     assert len(shapes) > 3  # several aspect ratios and clip lengths
@@ -34,21 +35,33 @@ def test_read_clip_reads_ground_truth_in_every_bucket():
     sees them: colour, shape, direction and coherence always right."""
     demo = load_config("configs/demo.yaml")
     buckets = build_buckets(demo)
-    data = SyntheticVideoDataset(144, max(buckets.frame_counts), demo.data.height, demo.data.width, seed=1, combos=ALL_COMBOS,
-                                 min_frames=min(buckets.frame_counts))
+    data = SyntheticVideoDataset(
+        144,
+        max(buckets.frame_counts),
+        demo.data.height,
+        demo.data.width,
+        seed=1,
+        combos=ALL_COMBOS,
+        min_frames=min(buckets.frame_counts),
+    )
     dataset = SyntheticDataset(data, buckets)
     for i in range(len(data)):
         d, bucket = data.describe(i), buckets.buckets[dataset.bucket_of[i]]
         video = fit_to_bucket(data.render(i)[0], bucket.frames, bucket.height, bucket.width) / 255.0
         seen = read_clip(video)
         assert (seen["color"], seen["shape"], seen["direction"], seen["coherent"]) == (
-            d["color"], d["shape"], d["direction"], True), (i, seen)
+            d["color"],
+            d["shape"],
+            d["direction"],
+            True,
+        ), (i, seen)
     # and at the size the demo samples and judges (data.frames x height x width), one clip per combination
     rng = np.random.default_rng(2)
     for color, shape, direction in ALL_COMBOS:
         video = render_clip(color, shape, direction, demo.data.frames, demo.data.height, demo.data.width, rng)
         assert read_clip(video) | {"min_fraction": None, "areas": None} == dict(
-            color=color, shape=shape, direction=direction, coherent=True, min_fraction=None, areas=None)
+            color=color, shape=shape, direction=direction, coherent=True, min_fraction=None, areas=None
+        )
 
 
 def test_shape_reading_survives_ragged_edges_and_specks():
@@ -86,7 +99,10 @@ def test_read_clip_fails_fragments():
     shrinking[3] = 0
     shrinking[3, 4:7, 4:7, 0] = 1.0  # the object shrinks to a ninth in the last frame
     assert not read_clip(shrinking)["coherent"]
-    assert read_clip(np.zeros((2, 8, 8, 3)))["color"] is None and not read_clip(np.zeros((2, 8, 8, 3)))["coherent"]
+    assert (
+        read_clip(np.zeros((2, 8, 8, 3)))["color"] is None
+        and not read_clip(np.zeros((2, 8, 8, 3)))["coherent"]
+    )
     bar = np.zeros((4, 32, 32, 3), dtype=np.float32)
     bar[:, 4:28, 14:17, 1] = 1.0  # a coherent thing that is no square, circle or triangle: no shape is read
     assert read_clip(bar)["coherent"] and read_clip(bar)["shape"] is None
@@ -121,9 +137,11 @@ def test_video_round_trip_is_close(tmp_path):
     decoded = read_video(tmp_path / "c.mp4", max_frames=6)
     clip = clip[:6]
     assert decoded.shape == (6, clip.shape[1] + clip.shape[1] % 2, clip.shape[2] + clip.shape[2] % 2, 3)
-    assert np.abs(decoded[:, :clip.shape[1], :clip.shape[2]] - clip).mean() < 0.03
+    assert np.abs(decoded[:, : clip.shape[1], : clip.shape[2]] - clip).mean() < 0.03
     full = SyntheticVideoDataset(1, 6, 32, 32).render(0)[0].shape[0]
-    assert read_video(tmp_path / "c.mp4", fps=4).shape[0] == (full + 1) // 2  # 8 fps -> 4 fps halves the frames
+    assert (
+        read_video(tmp_path / "c.mp4", fps=4).shape[0] == (full + 1) // 2
+    )  # 8 fps -> 4 fps halves the frames
     # enlarged for watching (infer.py --upscale): each pixel becomes a 4 x 4 block; a .npy stays as sampled
     write_video(tmp_path / "big.gif", clip, fps=8, scale=4)
     big = read_video(tmp_path / "big.gif", max_frames=6)
@@ -146,20 +164,29 @@ def test_manifest_dataset_reads_videos_and_images(tmp_path):
     clip, caption = data.render(0)
     write_video(tmp_path / "media" / "a.mp4", clip, fps=8)
     Image.fromarray((clip[0] * 255).astype(np.uint8)).save(tmp_path / "media" / "b.png")
-    write_manifest(tmp_path / "m.jsonl", [{"path": "media/a.mp4", "caption": caption},
-                                          {"path": "media/b.png", "caption": "an image"}])
+    write_manifest(
+        tmp_path / "m.jsonl",
+        [{"path": "media/a.mp4", "caption": caption}, {"path": "media/b.png", "caption": "an image"}],
+    )
     cfg = load_config(TINY, ["data.frame_counts=[1,4]"])
     entries, _ = complete_metadata(read_manifest(tmp_path / "m.jsonl"))  # no sizes in the manifest: probed
     dataset = MediaDataset(entries, build_buckets(cfg))
     video = dataset[(0, 0)]
-    assert video["video"].shape == (3, 4, 16, 16) and video["video"].dtype == torch.uint8 and video["caption"] == caption
+    assert (
+        video["video"].shape == (3, 4, 16, 16)
+        and video["video"].dtype == torch.uint8
+        and video["caption"] == caption
+    )
     assert dataset[(1, 0)]["video"].shape == (3, 1, 16, 16)  # an image is a 1-frame sample
 
 
-@pytest.mark.parametrize("line, message", [
-    ('{"caption": "x"}', "missing key"),
-    ("{not json", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"caption": "x"}', "missing key"),
+        ("{not json", "not valid JSON"),
+    ],
+)
 def test_manifest_errors_name_the_line(tmp_path, line, message):
     (tmp_path / "m.jsonl").write_text('{"path": "a.png", "caption": "ok"}\n' + line + "\n")
     with pytest.raises(ValueError, match=f"m.jsonl:2: {message}"):
@@ -177,9 +204,19 @@ def test_a_latent_file_of_another_shape_is_replaced(tmp_path):
     table = build_buckets(cfg)  # one bucket, 4 x 16 x 16 pixels, identity VAE: latents (3, 4, 16, 16)
     entries = []
     for i, shape in enumerate([(3, 4, 16, 16), (3, 4, 16, 16), (3, 2, 8, 8)]):
-        save_file({"latent": torch.full(shape, float(i)), "text": torch.ones(5, 32)}, str(tmp_path / f"{i}.safetensors"))
-        entries.append({"path": str(tmp_path / f"{i}.safetensors"), "caption": f"c{i}", "frames": 4, "height": 16,
-                        "width": 16})
+        save_file(
+            {"latent": torch.full(shape, float(i)), "text": torch.ones(5, 32)},
+            str(tmp_path / f"{i}.safetensors"),
+        )
+        entries.append(
+            {
+                "path": str(tmp_path / f"{i}.safetensors"),
+                "caption": f"c{i}",
+                "frames": 4,
+                "height": 16,
+                "width": 16,
+            }
+        )
     dataset = LatentDataset(entries, table, text_length=8)
     item = dataset[(2, 0)]
     assert item["latent"].shape == (3, 4, 16, 16) and item["latent"].unique().item() in (0.0, 1.0)

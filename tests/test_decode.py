@@ -15,8 +15,15 @@ from data.media import probe_media, read_clip
 from tests.conftest import ROOT, TINY
 
 
-def write_counter_video(path, frames: int, fps: int, height: int = 32, width: int = 48, gop: int = 6,
-                        times_ms: list[int] | None = None):
+def write_counter_video(
+    path,
+    frames: int,
+    fps: int,
+    height: int = 32,
+    width: int = 48,
+    gop: int = 6,
+    times_ms: list[int] | None = None,
+):
     """Frame k is flat grey at level 8 + 5k (so the decoded level gives k back); key frames every `gop`
     frames, so a seek lands in the middle of the file. `times_ms` gives each frame its own time (a
     variable frame rate)."""
@@ -86,7 +93,9 @@ def test_fps_resampling_picks_the_nearest_frames(counter):
     assert frame_numbers(read_clip(counter, 6, 16, 16, fps=16)) == [0, 0, 1, 1, 2, 2]  # 8 -> 16 fps repeats
     got = frame_numbers(read_clip(counter, 4, 16, 16, fps=2, rng=np.random.default_rng(3)))
     assert [b - a for a, b in zip(got, got[1:])] == [4, 4, 4]
-    assert frame_numbers(read_clip(counter, 20, 16, 16, fps=4))[-1] == 38  # the longest clip 40 frames hold at 4 fps
+    assert (
+        frame_numbers(read_clip(counter, 20, 16, 16, fps=4))[-1] == 38
+    )  # the longest clip 40 frames hold at 4 fps
     with pytest.raises(ValueError, match="too short"):
         read_clip(counter, 21, 16, 16, fps=4)
 
@@ -105,8 +114,10 @@ def test_matroska_without_a_frame_count_in_its_headers(tmp_path):
     mkv = write_counter_video(tmp_path / "counter.mkv", frames=40, fps=8)
     info = probe_media(mkv)
     assert info["num_frames"] == 40 and info["fps"] == 8.0
-    starts = {frame_numbers(read_clip(mkv, 5, 16, 16, rng=np.random.default_rng(s), num_frames=40))[0]
-              for s in range(10)}
+    starts = {
+        frame_numbers(read_clip(mkv, 5, 16, 16, rng=np.random.default_rng(s), num_frames=40))[0]
+        for s in range(10)
+    }
     assert len(starts) > 4  # random starts from the manifest's count, not always frame 0
 
 
@@ -122,7 +133,22 @@ def test_variable_frame_rate(tmp_path):
     # a start past the real end (the average rate overstates it) gives the clip ending at the last frame
     assert 30 in starts and starts.count(0) <= 2, starts
     # at 4 fps (every 250 ms) the nearest frames: every second frame, then each slow frame twice
-    assert frame_numbers(read_clip(vfr, 14, 16, 16, fps=4)) == [0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 19, 20, 20, 21]
+    assert frame_numbers(read_clip(vfr, 14, 16, 16, fps=4)) == [
+        0,
+        2,
+        4,
+        6,
+        8,
+        10,
+        12,
+        14,
+        16,
+        18,
+        19,
+        20,
+        20,
+        21,
+    ]
 
 
 def test_display_rotation_and_exif_orientation(tmp_path):
@@ -198,8 +224,13 @@ def messy_folder(tmp_path):
 
 def test_index_folder_probes_and_names_what_it_leaves_out(messy_folder, tmp_path):
     entries, skipped = index_folder(messy_folder)
-    assert sorted(e["path"].rsplit("/", 1)[1] for e in entries) == ["good0.mp4", "good1.mp4", "good2.mp4",
-                                                                    "good3.mp4", "short.mp4"]
+    assert sorted(e["path"].rsplit("/", 1)[1] for e in entries) == [
+        "good0.mp4",
+        "good1.mp4",
+        "good2.mp4",
+        "good3.mp4",
+        "short.mp4",
+    ]
     assert entries[0]["caption"] == "clip 0" and entries[0]["num_frames"] == 12 and entries[0]["fps"] == 8.0
     assert {p.rsplit("/", 1)[1] for p in skipped} == {"corrupt.mp4", "nocaption.mp4"}
     assert "no caption file nocaption.txt" in skipped[str(messy_folder / "nocaption.mp4")]
@@ -209,16 +240,34 @@ def test_index_folder_probes_and_names_what_it_leaves_out(messy_folder, tmp_path
 
     assert script.main([str(messy_folder), "--out", str(tmp_path / "m.jsonl")]) == 0
     written = read_manifest(tmp_path / "m.jsonl")
-    assert [e["path"] for e in written] == [e["path"] for e in entries]  # paths relative to the manifest resolve back
+    assert [e["path"] for e in written] == [
+        e["path"] for e in entries
+    ]  # paths relative to the manifest resolve back
 
 
 def test_unreadable_samples_are_replaced_from_their_bucket_deterministically(messy_folder):
     cfg = load_config(TINY, ["data.frame_counts=[8]"])
     entries, _ = index_folder(messy_folder)
-    entries.append({"path": str(messy_folder / "gone.mp4"), "caption": "missing", "width": 48, "height": 32,
-                    "num_frames": 20, "fps": 8})  # listed with sizes, deleted since
-    entries.append({"path": str(messy_folder / "corrupt.mp4"), "caption": "broken", "width": 48, "height": 32,
-                    "num_frames": 20, "fps": 8})
+    entries.append(
+        {
+            "path": str(messy_folder / "gone.mp4"),
+            "caption": "missing",
+            "width": 48,
+            "height": 32,
+            "num_frames": 20,
+            "fps": 8,
+        }
+    )  # listed with sizes, deleted since
+    entries.append(
+        {
+            "path": str(messy_folder / "corrupt.mp4"),
+            "caption": "broken",
+            "width": 48,
+            "height": 32,
+            "num_frames": 20,
+            "fps": 8,
+        }
+    )
     dataset = MediaDataset(entries, build_buckets(cfg))
     assert dict(dataset.dropped) == {"too short (fewer than 8 frames)": 1}  # short.mp4, at indexing time
     good = {e["caption"] for e in dataset.entries if e["caption"].startswith("clip")}
@@ -229,7 +278,10 @@ def test_unreadable_samples_are_replaced_from_their_bucket_deterministically(mes
         assert [p.rsplit("/", 1)[1] for p, _ in item["failures"]] == [name]
         again = dataset[(index, 0)]
         assert again["caption"] == item["caption"] and (again["video"] == item["video"]).all()
-    assert "FileNotFoundError" in dataset[(4, 0)]["failures"][0][1] or "No such file" in dataset[(4, 0)]["failures"][0][1]
+    assert (
+        "FileNotFoundError" in dataset[(4, 0)]["failures"][0][1]
+        or "No such file" in dataset[(4, 0)]["failures"][0][1]
+    )
     assert dataset[(0, 0)]["failures"] == []
 
 
@@ -241,41 +293,82 @@ def test_worker_processes_load_what_the_main_process_loads(messy_folder):
 
     cfg = load_config(TINY, ["data.frame_counts=[8]"])
     entries, _ = index_folder(messy_folder)
-    entries.append({"path": str(messy_folder / "gone.mp4"), "caption": "missing", "width": 48, "height": 32,
-                    "num_frames": 20, "fps": 8})
+    entries.append(
+        {
+            "path": str(messy_folder / "gone.mp4"),
+            "caption": "missing",
+            "width": 48,
+            "height": 32,
+            "num_frames": 20,
+            "fps": 8,
+        }
+    )
     dataset = MediaDataset(entries, build_buckets(cfg), seed=5)
     sampler = BucketSampler(dataset.bucket_of, [2], seed=5)
     batches = [b for _, b in zip(range(6), build_loader(dataset, sampler, num_workers=2))]
     for step, batch in enumerate(batches):
         items = [dataset[key] for key in sampler.batch_at(step)]
-        assert batch["index"] == [it["index"] for it in items] and batch["caption"] == [it["caption"] for it in items]
+        assert batch["index"] == [it["index"] for it in items] and batch["caption"] == [
+            it["caption"] for it in items
+        ]
         assert (batch["video"] == torch.stack([it["video"] for it in items])).all()
         assert batch["failures"] == [f for it in items for f in it["failures"]]
     assert any(batch["failures"] for batch in batches)  # the missing file came up
 
 
 def test_a_bucket_with_nothing_readable_left_borrows_from_a_bucket_with_enough_frames(messy_folder):
-    cfg = load_config(TINY, ["data.frame_counts=[4,8]", 'data.aspect_ratios=["1:1","3:2"]', "data.resolutions=[16]"])
+    cfg = load_config(
+        TINY, ["data.frame_counts=[4,8]", 'data.aspect_ratios=["1:1","3:2"]', "data.resolutions=[16]"]
+    )
     entries, _ = index_folder(messy_folder)  # 48 x 32 clips: the 3:2 buckets
-    entries.append({"path": str(messy_folder / "gone.mp4"), "caption": "alone", "width": 16, "height": 16,
-                    "num_frames": 20, "fps": 8})  # the only 1:1 sample, deleted since
+    entries.append(
+        {
+            "path": str(messy_folder / "gone.mp4"),
+            "caption": "alone",
+            "width": 16,
+            "height": 16,
+            "num_frames": 20,
+            "fps": 8,
+        }
+    )  # the only 1:1 sample, deleted since
     dataset = MediaDataset(entries, build_buckets(cfg))
     alone = len(dataset) - 1
     assert dataset.table.buckets[dataset.bucket_of[alone]].name == "8x16x16"
     item = dataset[(alone, 0)]
-    assert item["video"].shape == (3, 8, 16, 16) and item["caption"].startswith("clip")  # an 8-frame clip, cropped
+    assert item["video"].shape == (3, 8, 16, 16) and item["caption"].startswith(
+        "clip"
+    )  # an 8-frame clip, cropped
     assert [p.rsplit("/", 1)[1] for p, _ in item["failures"]] == ["gone.mp4"]
 
     # images only (no fps anywhere): the same
     from PIL import Image
 
     Image.fromarray(np.full((32, 48, 3), 90, dtype=np.uint8)).save(messy_folder / "wide.png")
-    images = MediaDataset([{"path": str(messy_folder / "wide.png"), "caption": "wide", "width": 48, "height": 32,
-                            "num_frames": 1, "fps": None},
-                           {"path": str(messy_folder / "gone.png"), "caption": "gone", "width": 16, "height": 16,
-                            "num_frames": 1, "fps": None}],
-                          build_buckets(load_config(TINY, ["data.frame_counts=[1]", 'data.aspect_ratios=["1:1","3:2"]',
-                                                           "data.resolutions=[16]"])))
+    images = MediaDataset(
+        [
+            {
+                "path": str(messy_folder / "wide.png"),
+                "caption": "wide",
+                "width": 48,
+                "height": 32,
+                "num_frames": 1,
+                "fps": None,
+            },
+            {
+                "path": str(messy_folder / "gone.png"),
+                "caption": "gone",
+                "width": 16,
+                "height": 16,
+                "num_frames": 1,
+                "fps": None,
+            },
+        ],
+        build_buckets(
+            load_config(
+                TINY, ["data.frame_counts=[1]", 'data.aspect_ratios=["1:1","3:2"]', "data.resolutions=[16]"]
+            )
+        ),
+    )
     item = images[(1, 0)]
     assert item["video"].shape == (3, 1, 16, 16) and item["caption"] == "wide"
 
@@ -284,20 +377,28 @@ def test_manifest_lines_are_checked_and_unusable_files_left_out(tmp_path, messy_
     from data.loader import build_dataset
     from data.manifest import write_manifest
 
-    for line, message in (({"path": "a.mp4", "caption": "x", "width": "640"}, "'width' must be a positive whole number"),
-                          ({"path": "a.mp4", "caption": "x", "num_frames": 0}, "'num_frames' must be a positive"),
-                          ({"path": "a.mp4", "caption": 3}, "'caption' must be text"),
-                          ({"path": "a.mp4", "caption": "x", "fps": -1}, "'fps' must be a positive number")):
+    for line, message in (
+        ({"path": "a.mp4", "caption": "x", "width": "640"}, "'width' must be a positive whole number"),
+        ({"path": "a.mp4", "caption": "x", "num_frames": 0}, "'num_frames' must be a positive"),
+        ({"path": "a.mp4", "caption": 3}, "'caption' must be text"),
+        ({"path": "a.mp4", "caption": "x", "fps": -1}, "'fps' must be a positive number"),
+    ):
         write_manifest(tmp_path / "bad.jsonl", [{"path": "b.png", "caption": "ok"}, line])
         with pytest.raises(ValueError, match=f"bad.jsonl:2: {message}"):
             read_manifest(tmp_path / "bad.jsonl")
     # A 24 fps clip of 12 frames holds 4 frames at data.fps=8, not 8: its rate is probed when the line lacks it.
     write_counter_video(messy_folder / "fast.mp4", frames=12, fps=24)
-    write_manifest(messy_folder / "m.jsonl", [
-        {"path": "good0.mp4", "caption": "a"},
-        {"path": "fast.mp4", "caption": "b", "width": 48, "height": 32, "num_frames": 12},  # no fps
-        {"path": "clip.ts", "caption": "c", "width": 48, "height": 32, "num_frames": 12, "fps": 8}])
-    cfg = load_config(TINY, [f"data.manifest={messy_folder / 'm.jsonl'}", "data.frame_counts=[4,8]", "data.fps=8"])
+    write_manifest(
+        messy_folder / "m.jsonl",
+        [
+            {"path": "good0.mp4", "caption": "a"},
+            {"path": "fast.mp4", "caption": "b", "width": 48, "height": 32, "num_frames": 12},  # no fps
+            {"path": "clip.ts", "caption": "c", "width": 48, "height": 32, "num_frames": 12, "fps": 8},
+        ],
+    )
+    cfg = load_config(
+        TINY, [f"data.manifest={messy_folder / 'm.jsonl'}", "data.frame_counts=[4,8]", "data.fps=8"]
+    )
     dataset = build_dataset(cfg, build_buckets(cfg))
     assert dict(dataset.dropped) == {"unsupported file type": 1}
     assert "clip.ts: unsupported file type '.ts'" in dataset.summary()

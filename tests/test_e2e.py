@@ -72,30 +72,64 @@ def test_resume_after_the_data_changed(tmp_path, capfd):
 def test_a_checkpoint_of_another_architecture_is_refused(trained, tmp_path, capfd):
     """model.absolute_positions holds no weight, so its checkpoint would load into a model without it and
     sample nonsense: the architecture recorded at save refuses that on sampling and on resume, naming it."""
-    argv = ["--config", str(TINY), f"run.output_dir={trained}", "--steps", "1", "--prompt", "a red square",
-            "--output", str(tmp_path / "x.npy"), "model.absolute_positions=true"]
+    argv = [
+        "--config",
+        str(TINY),
+        f"run.output_dir={trained}",
+        "--steps",
+        "1",
+        "--prompt",
+        "a red square",
+        "--output",
+        str(tmp_path / "x.npy"),
+        "model.absolute_positions=true",
+    ]
     capfd.readouterr()
     assert run_main(infer, argv) != 0
     line = next(line for line in capfd.readouterr().err.splitlines() if line.startswith("error:"))
-    assert ("was trained with another model: model.absolute_positions (or model.size): absolute_positions=False there, "
-            "True here" in line), line
+    assert (
+        "was trained with another model: model.absolute_positions (or model.size): absolute_positions=False there, "
+        "True here" in line
+    ), line
     assert not (tmp_path / "x.npy").exists()
     assert run_main(infer, argv[:-1]) == 0  # the recipe it was trained with samples
     run_dir = tmp_path / "run"
-    args = ["--config", str(TINY), f"run.output_dir={run_dir}", "train.max_steps=3", "train.checkpoint_every=3"]
+    args = [
+        "--config",
+        str(TINY),
+        f"run.output_dir={run_dir}",
+        "train.max_steps=3",
+        "train.checkpoint_every=3",
+    ]
     assert run_main(train, args) == 0
     capfd.readouterr()
     config = (run_dir / "config.yaml").read_text()
     assert run_main(train, [*args[:-2], "train.max_steps=6", "model.absolute_positions=true"]) != 0
-    assert "model.absolute_positions (or model.size): absolute_positions=False there, True here" in capfd.readouterr().err
+    assert (
+        "model.absolute_positions (or model.size): absolute_positions=False there, True here"
+        in capfd.readouterr().err
+    )
     assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3]
     assert (run_dir / "config.yaml").read_text() == config and not list(run_dir.glob("config.*.yaml"))
 
 
 def test_loss_falls(tmp_path):
     run_dir = tmp_path / "run"
-    assert run_main(train, ["--config", str(TINY), f"run.output_dir={run_dir}", "train.max_steps=80",
-                            "train.checkpoint_every=80", "train.lr=3e-3", "data.synthetic_samples=8"]) == 0
+    assert (
+        run_main(
+            train,
+            [
+                "--config",
+                str(TINY),
+                f"run.output_dir={run_dir}",
+                "train.max_steps=80",
+                "train.checkpoint_every=80",
+                "train.lr=3e-3",
+                "data.synthetic_samples=8",
+            ],
+        )
+        == 0
+    )
     curve = list(losses(run_dir).values())
     first, last = sum(curve[:10]) / 10, sum(curve[-10:]) / 10  # single steps are noisy (random timesteps)
     assert last < 0.6 * first, (first, last)
@@ -104,8 +138,20 @@ def test_loss_falls(tmp_path):
 @pytest.mark.parametrize("ext", [".npy", ".mp4", ".gif", ".png"])
 def test_infer_writes_each_format(trained, tmp_path, ext):
     out = tmp_path / f"video{ext}"
-    argv = ["--config", str(TINY), f"run.output_dir={trained}", "--prompt", "a red square moving left",
-            "a blue circle moving up", "--steps", "2", "--frames", "4", "--output", str(out)]
+    argv = [
+        "--config",
+        str(TINY),
+        f"run.output_dir={trained}",
+        "--prompt",
+        "a red square moving left",
+        "a blue circle moving up",
+        "--steps",
+        "2",
+        "--frames",
+        "4",
+        "--output",
+        str(out),
+    ]
     assert run_main(infer, argv) == 0
     first = tmp_path / f"video_000{ext}"
     if ext == ".npy":
@@ -120,7 +166,15 @@ def test_infer_writes_each_format(trained, tmp_path, ext):
 
 
 def test_infer_is_reproducible_and_uses_the_checkpoint(trained, tmp_path):
-    base = ["--config", str(TINY), f"run.output_dir={trained}", "--steps", "3", "--prompt", "a red square moving left"]
+    base = [
+        "--config",
+        str(TINY),
+        f"run.output_dir={trained}",
+        "--steps",
+        "3",
+        "--prompt",
+        "a red square moving left",
+    ]
     runs = (("a", []), ("b", []), ("raw", ["--no-ema"]), ("random", ["--random-weights"]))
     for name, extra in runs:
         assert run_main(infer, base + extra + ["--output", str(tmp_path / f"{name}.npy")]) == 0
@@ -136,14 +190,25 @@ def test_eval_demo_reports_every_rate_and_a_contact_sheet(trained, tmp_path):
     import eval_demo
     from PIL import Image
 
-    argv = ["--config", str(TINY), f"run.output_dir={trained}", "--seeds", "1", "--output", str(tmp_path / "r.json"),
-            "--sheet", str(tmp_path / "sheet.png")]
+    argv = [
+        "--config",
+        str(TINY),
+        f"run.output_dir={trained}",
+        "--seeds",
+        "1",
+        "--output",
+        str(tmp_path / "r.json"),
+        "--sheet",
+        str(tmp_path / "sheet.png"),
+    ]
     assert run_main(eval_demo, argv) == 0
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["samples"] == 12 and len(report["rows"]) == 12
     for rate in ("color", "coherent", "direction", "shape", "all"):
         assert 0.0 <= report[f"{rate}_accuracy"] <= 1.0
-    assert report["all_accuracy"] <= min(report[f"{r}_accuracy"] for r in ("color", "coherent", "direction", "shape"))
+    assert report["all_accuracy"] <= min(
+        report[f"{r}_accuracy"] for r in ("color", "coherent", "direction", "shape")
+    )
     with Image.open(tmp_path / "sheet.png") as sheet:
         assert sheet.height >= 12 * 16  # a row per held-out prompt
 
@@ -152,13 +217,16 @@ def never_called(*args, **kwargs):
     raise AssertionError("process groups were started before the request was validated")
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["vae.kind=wan", "--frames", "8", "--height", "32", "--width", "32"], "1 + k*4 frames"),
-    (["--height", "18"], "height=18 must be a multiple of 4"),
-    (["--output", "x.avi"], "extension must be one of"),
-    ([], "no checkpoint found"),
-    (["--checkpoint", "nowhere"], "not a complete tessera checkpoint"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["vae.kind=wan", "--frames", "8", "--height", "32", "--width", "32"], "1 + k*4 frames"),
+        (["--height", "18"], "height=18 must be a multiple of 4"),
+        (["--output", "x.avi"], "extension must be one of"),
+        ([], "no checkpoint found"),
+        (["--checkpoint", "nowhere"], "not a complete tessera checkpoint"),
+    ],
+)
 def test_infer_refuses_impossible_requests_before_building(tmp_path, monkeypatch, capsys, extra, message):
     monkeypatch.setattr(infer, "init_runtime", never_called)
     monkeypatch.setattr(infer, "load_sampler", never_called)
@@ -173,7 +241,9 @@ def test_invalid_layout_exits_before_any_collective(tmp_path, monkeypatch, capsy
     assert run_main(train, ["--config", str(TINY), f"run.output_dir={tmp_path}", "parallel.dp=2"]) == 2
     err = capsys.readouterr().err
     assert "dp=2 x cfg=1 x pipefusion=1 x ulysses=1 x ring=1 = 2, but there are 3 processes" in err
-    assert "3 processes, 4 heads: valid (dp, cfg, pipefusion, ulysses, ring) = (3,1,1,1,1), (1,1,1,1,3)." in err
+    assert (
+        "3 processes, 4 heads: valid (dp, cfg, pipefusion, ulysses, ring) = (3,1,1,1,1), (1,1,1,1,3)." in err
+    )
 
 
 def test_latent_vae_and_manifest_data(tmp_path, capfd):
@@ -183,25 +253,51 @@ def test_latent_vae_and_manifest_data(tmp_path, capfd):
 
     manifest = make_demo_data(tmp_path / "data", samples=8, frames=9, size=32)
     run_dir = tmp_path / "run"
-    common = ["--config", str(TINY), f"run.output_dir={run_dir}", "vae.kind=wan", "data.frames=9", "data.height=32",
-              "data.width=32", "model.patch_size=[1,2,2]"]
-    assert run_main(train, common + [f"data.manifest={manifest}", "train.max_steps=2", "train.batch_size=2"]) == 0
+    common = [
+        "--config",
+        str(TINY),
+        f"run.output_dir={run_dir}",
+        "vae.kind=wan",
+        "data.frames=9",
+        "data.height=32",
+        "data.width=32",
+        "model.patch_size=[1,2,2]",
+    ]
+    assert (
+        run_main(train, common + [f"data.manifest={manifest}", "train.max_steps=2", "train.batch_size=2"])
+        == 0
+    )
     assert run_main(infer, common + ["--output", str(tmp_path / "v.npy"), "--steps", "2"]) == 0
     assert np.load(tmp_path / "v.npy").shape == (9, 32, 32, 3)
 
     # The same training from latents precomputed by 2 processes: the same clips, so the same losses.
     latents = tmp_path / "latents"
-    result = torchrun(2, "scripts/precompute_latents.py", *common[:2], "vae.kind=wan", "data.frames=9",
-                      "data.height=32", "data.width=32", "model.patch_size=[1,2,2]", f"data.manifest={manifest}",
-                      "--out", str(latents), timeout=180)
+    result = torchrun(
+        2,
+        "scripts/precompute_latents.py",
+        *common[:2],
+        "vae.kind=wan",
+        "data.frames=9",
+        "data.height=32",
+        "data.width=32",
+        "model.patch_size=[1,2,2]",
+        f"data.manifest={manifest}",
+        "--out",
+        str(latents),
+        timeout=180,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "8 samples encoded" in result.stdout and len(list((latents / "latents").iterdir())) == 8
     from_latents = tmp_path / "from_latents"
     common[2] = f"run.output_dir={from_latents}"
-    assert run_main(train, common + [f"data.latents={latents}", "train.max_steps=2", "train.batch_size=2"]) == 0
+    assert (
+        run_main(train, common + [f"data.latents={latents}", "train.max_steps=2", "train.batch_size=2"]) == 0
+    )
     a, b = losses(run_dir), losses(from_latents)
     assert a.keys() == b.keys() and all(b[s] == pytest.approx(a[s], rel=1e-4) for s in a), (a, b)
-    assert run_main(train, common + [f"data.latents={latents}", "vae.tiny_base_dim=8", "train.resume=none"]) == 2
+    assert (
+        run_main(train, common + [f"data.latents={latents}", "vae.tiny_base_dim=8", "train.resume=none"]) == 2
+    )
 
     # A rerun encodes nothing already there; a rerun with another VAE into the same folder is refused.
     import precompute_latents
@@ -221,7 +317,13 @@ def test_two_processes_match_one(tmp_path):
     2-process sampling (prompts split across ranks) gives the single-process videos. With 4 samples
     an epoch is one batch of 4 on one process and two batches of 2 on two: the same samples per step."""
     one, two = tmp_path / "one", tmp_path / "two"
-    common = ["--config", str(TINY), "train.max_steps=4", "train.checkpoint_every=4", "data.synthetic_samples=4"]
+    common = [
+        "--config",
+        str(TINY),
+        "train.max_steps=4",
+        "train.checkpoint_every=4",
+        "data.synthetic_samples=4",
+    ]
     assert run_main(train, common + [f"run.output_dir={one}", "train.batch_size=4"]) == 0
     result = torchrun(2, "train.py", *common, f"run.output_dir={two}", "train.batch_size=2", timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -231,16 +333,29 @@ def test_two_processes_match_one(tmp_path):
     for rank in (0, 1):
         assert (two / "checkpoints" / "step_4" / f"trainer_rank{rank}.pt").is_file()
 
-    prompts = ["--prompt", "a red square moving left", "a green circle moving up", "a blue square moving down"]
+    prompts = [
+        "--prompt",
+        "a red square moving left",
+        "a green circle moving up",
+        "a blue square moving down",
+    ]
     sample = ["--config", str(TINY), "--steps", "2", "--no-ema", *prompts]  # raw weights depend on the prompt
     assert run_main(infer, sample + [f"run.output_dir={one}", "--output", str(tmp_path / "one.npy")]) == 0
     result = torchrun(2, "infer.py", *sample, f"run.output_dir={one}", "--output", str(tmp_path / "two.npy"))
     assert result.returncode == 0, result.stderr[-3000:]
     for i in range(3):
-        assert np.allclose(np.load(tmp_path / f"one_{i:03d}.npy"), np.load(tmp_path / f"two_{i:03d}.npy"), atol=1e-5)
+        assert np.allclose(
+            np.load(tmp_path / f"one_{i:03d}.npy"), np.load(tmp_path / f"two_{i:03d}.npy"), atol=1e-5
+        )
     # the comparison can tell prompts apart: the same seed with another prompt gives another video
-    assert run_main(infer, sample[:5] + ["--prompt", prompts[2], f"run.output_dir={one}",
-                                         "--output", str(tmp_path / "swapped.npy")]) == 0
+    assert (
+        run_main(
+            infer,
+            sample[:5]
+            + ["--prompt", prompts[2], f"run.output_dir={one}", "--output", str(tmp_path / "swapped.npy")],
+        )
+        == 0
+    )
     assert not np.allclose(np.load(tmp_path / "swapped.npy"), np.load(tmp_path / "one_000.npy"), atol=1e-4)
 
 
@@ -257,7 +372,9 @@ def test_resume_under_another_layout(tmp_path):
     resume = [*common, f"run.output_dir={run}", "train.max_steps=6"]
     result = torchrun(2, "train.py", *resume, "parallel.dp=2", timeout=120)
     assert result.returncode != 0
-    assert result.stderr.count("written with 1 data-parallel ranks and this run has 2") == 2, result.stderr[-2000:]
+    assert result.stderr.count("written with 1 data-parallel ranks and this run has 2") == 2, result.stderr[
+        -2000:
+    ]
     assert (run / "config.yaml").read_text() == config_before and not list(run.glob("config.*.yaml"))
     result = torchrun(2, "train.py", *resume, "parallel.ulysses=2", timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -267,7 +384,9 @@ def test_resume_under_another_layout(tmp_path):
 
 
 def test_torchrun_bad_layout_fails_fast_on_every_rank(tmp_path):
-    result = torchrun(2, "train.py", "--config", str(TINY), f"run.output_dir={tmp_path}", "parallel.dp=3", timeout=120)
+    result = torchrun(
+        2, "train.py", "--config", str(TINY), f"run.output_dir={tmp_path}", "parallel.dp=3", timeout=120
+    )
     assert result.returncode != 0
     assert result.stderr.count("error: invalid parallel layout") == 2, result.stderr[-2000:]
     assert not (tmp_path / "config.yaml").exists()  # nothing started
@@ -281,6 +400,7 @@ def test_print_config(capsys):
 def test_failure_writes_the_recent_collectives(tmp_path, monkeypatch, capsys):
     """A crash mid-run (a bug: not a user error) prints the `error:` line first, then its traceback, exits
     1, and leaves each rank's recent ops in failures/ for diagnosis."""
+
     def explode(*args, **kwargs):
         raise RuntimeError("simulated crash while saving")
 
@@ -297,17 +417,29 @@ def test_failure_writes_the_recent_collectives(tmp_path, monkeypatch, capsys):
     assert all(r["end"] is not None for r in report["records"])
 
 
-@pytest.mark.parametrize("switches", [["train.activation_checkpointing=true"],
-                                      ["train.activation_checkpointing=true", "train.compile=true"]])
+@pytest.mark.parametrize(
+    "switches",
+    [["train.activation_checkpointing=true"], ["train.activation_checkpointing=true", "train.compile=true"]],
+)
 def test_activation_checkpointing_and_compile_keep_the_losses(trained, tmp_path, switches):
     run_dir = tmp_path / "run"
-    assert run_main(train, ["--config", str(TINY), f"run.output_dir={run_dir}", "train.max_steps=3", *switches]) == 0
+    assert (
+        run_main(train, ["--config", str(TINY), f"run.output_dir={run_dir}", "train.max_steps=3", *switches])
+        == 0
+    )
     reference, got = losses(trained), losses(run_dir)
     assert all(got[s] == pytest.approx(reference[s], rel=1e-4) for s in got), (got, reference)
 
 
 def test_checkpoint_of_another_model_is_a_clear_error(trained, tmp_path, capsys):
-    argv = ["--config", str(TINY), f"run.output_dir={trained}", "model.size=DiT-demo", "--output", str(tmp_path / "x.npy")]
+    argv = [
+        "--config",
+        str(TINY),
+        f"run.output_dir={trained}",
+        "model.size=DiT-demo",
+        "--output",
+        str(tmp_path / "x.npy"),
+    ]
     assert run_main(infer, argv) == 2
     line = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("error:"))
     assert "was trained with another model: model.size: depth=2 there, 4 here" in line, line
@@ -316,8 +448,13 @@ def test_checkpoint_of_another_model_is_a_clear_error(trained, tmp_path, capsys)
 def test_bf16_mixed_precision_tracks_float32(trained, tmp_path):
     """The GPU precision path (bf16 compute, float32 master weights and reductions) runs on CPU too."""
     run_dir = tmp_path / "run"
-    assert run_main(train, ["--config", str(TINY), f"run.output_dir={run_dir}", "train.max_steps=3",
-                            "train.precision=bf16"]) == 0
+    assert (
+        run_main(
+            train,
+            ["--config", str(TINY), f"run.output_dir={run_dir}", "train.max_steps=3", "train.precision=bf16"],
+        )
+        == 0
+    )
     reference, got = losses(trained), losses(run_dir)
     assert all(got[s] == pytest.approx(reference[s], rel=0.05) for s in got), (got, reference)
     assert any(got[s] != reference[s] for s in got)  # it really ran in bf16

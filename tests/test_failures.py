@@ -40,8 +40,15 @@ class Launch(bench_failures.Launch):
 
 
 def torchrun(nproc: int, *args: str, env: dict | None = None) -> Launch:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / "train.py"), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(ROOT / "train.py"),
+        *args,
+    ]
     return Launch([cmd], {**ENV, **(env or {})})
 
 
@@ -50,8 +57,10 @@ def seconds_from_fault_to_error(run: Launch, fault: str) -> float:
     error_time, line = run.first("error: ")
     first_traceback = [t for t, _, text in run.lines if text.startswith("Traceback")]
     assert not first_traceback or first_traceback[0] >= error_time, "a traceback came before the error line"
-    print(f"[measured] {fault}: named {error_time - fault_time:.1f} s after the fault; run ended after "
-          f"{run.ended:.1f} s")  # for BENCHMARKS.md (pytest -s)
+    print(
+        f"[measured] {fault}: named {error_time - fault_time:.1f} s after the fault; run ended after "
+        f"{run.ended:.1f} s"
+    )  # for BENCHMARKS.md (pytest -s)
     return error_time - fault_time
 
 
@@ -63,8 +72,21 @@ def losses(run_dir):
 def straight(tmp_path_factory):
     """The reference: 16 uninterrupted steps in one process (the samples of the 2-rank runs)."""
     run_dir = tmp_path_factory.mktemp("straight") / "run"
-    assert run_main(train, ["--config", str(TINY), "data.synthetic_samples=4", "train.batch_size=4",
-                            "train.max_steps=16", "train.checkpoint_every=16", f"run.output_dir={run_dir}"]) == 0
+    assert (
+        run_main(
+            train,
+            [
+                "--config",
+                str(TINY),
+                "data.synthetic_samples=4",
+                "train.batch_size=4",
+                "train.max_steps=16",
+                "train.checkpoint_every=16",
+                f"run.output_dir={run_dir}",
+            ],
+        )
+        == 0
+    )
     return losses(run_dir)
 
 
@@ -81,7 +103,9 @@ def resume_and_compare(run_dir, straight, steps: int = 9, first_logged: int = 1)
 
 def test_stopped_rank_is_named_by_the_survivor(tmp_path):
     """SIGSTOP on rank 1 (a hung process): rank 0 names it, its step and phase, and the op it waited in."""
-    run = torchrun(2, *TWO_RANKS, f"run.output_dir={tmp_path}", "train.max_steps=6", env={"TESSERA_FAULT": "stop@1:5"})
+    run = torchrun(
+        2, *TWO_RANKS, f"run.output_dir={tmp_path}", "train.max_steps=6", env={"TESSERA_FAULT": "stop@1:5"}
+    )
     deadline = time.monotonic() + 120
     while not any("error: rank 1 (" in line for _, _, line in list(run.lines)):
         assert time.monotonic() < deadline and run.procs[0].poll() is None, run.text()[-3000:]
@@ -96,15 +120,24 @@ def test_stopped_rank_is_named_by_the_survivor(tmp_path):
     assert delay <= SILENCE_S + 15, delay
     _, line = run.first("error: ")
     assert "error: rank 1 (" in line and "stopped responding at step 5 (phase: data)" in line, line
-    assert "this rank (rank 0) waited in" in line and f"latest checkpoint: {tmp_path / 'checkpoints' / 'step_3'}" in line
+    assert (
+        "this rank (rank 0) waited in" in line
+        and f"latest checkpoint: {tmp_path / 'checkpoints' / 'step_3'}" in line
+    )
 
 
 def test_hung_main_thread_writes_its_stacks(tmp_path):
     """Rank 1's main thread hangs with its watchdog alive (a stuck read, a deadlocked loader): after
     parallel.stall_timeout_s it writes every thread's stack and both ranks stop, naming it; diagnose.py
     shows the stack."""
-    run = torchrun(2, *TWO_RANKS, f"run.output_dir={tmp_path}", "train.max_steps=6", "parallel.stall_timeout_s=4",
-                   env={"TESSERA_FAULT": "hang@1:5"})
+    run = torchrun(
+        2,
+        *TWO_RANKS,
+        f"run.output_dir={tmp_path}",
+        "train.max_steps=6",
+        "parallel.stall_timeout_s=4",
+        env={"TESSERA_FAULT": "hang@1:5"},
+    )
     codes = run.wait(timeout=120)
     assert codes[0] != 0
     assert seconds_from_fault_to_error(run, "hang in step 5") <= 4 + 15
@@ -112,15 +145,22 @@ def test_hung_main_thread_writes_its_stacks(tmp_path):
     assert "rank 1 (" in line and "made no progress" in line and "at step 5 (phase: data)" in line, line
     stacks = tmp_path / "failures" / "stacks_rank1.txt"
     assert "faults.py" in stacks.read_text()
-    report = subprocess.run([sys.executable, "scripts/diagnose.py", str(tmp_path)], cwd=ROOT, capture_output=True,
-                            text=True, timeout=60)
+    report = subprocess.run(
+        [sys.executable, "scripts/diagnose.py", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert report.returncode == 0, report.stderr
     assert "stalled rank's stack" in report.stdout and "faults.py" in report.stdout
     assert f"resume from: {tmp_path / 'checkpoints' / 'step_3'}" in report.stdout
 
 
 def test_killed_rank_is_named_and_latest_resumes_exactly(tmp_path, straight):
-    run = torchrun(2, *TWO_RANKS, f"run.output_dir={tmp_path}", "train.max_steps=9", env={"TESSERA_FAULT": "kill@1:5"})
+    run = torchrun(
+        2, *TWO_RANKS, f"run.output_dir={tmp_path}", "train.max_steps=9", env={"TESSERA_FAULT": "kill@1:5"}
+    )
     codes = run.wait(timeout=120)
     assert codes[0] != 0
     assert seconds_from_fault_to_error(run, "kill in step 5") <= 15
@@ -137,10 +177,24 @@ def test_killed_rank_on_another_node_is_named(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    commands = [[sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
-                 "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                 "--rdzv-id=failures", str(ROOT / "train.py"), *TWO_RANKS, f"run.output_dir={tmp_path}",
-                 "train.max_steps=9"] for node in (0, 1)]
+    commands = [
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            f"--node-rank={node}",
+            "--nproc-per-node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=failures",
+            str(ROOT / "train.py"),
+            *TWO_RANKS,
+            f"run.output_dir={tmp_path}",
+            "train.max_steps=9",
+        ]
+        for node in (0, 1)
+    ]
     run = Launch(commands[:1], {**ENV, "TESSERA_FAULT": "kill@1:5"})
     time.sleep(1.0)  # node 0's agent hosts the rendezvous store
     second = Launch(commands[1:], {**ENV, "TESSERA_FAULT": "kill@1:5"})
@@ -155,8 +209,14 @@ def test_killed_rank_on_another_node_is_named(tmp_path):
 
 
 def test_loader_error_on_one_rank_stops_every_rank(tmp_path):
-    run = torchrun(2, *TWO_RANKS, f"run.output_dir={tmp_path}", "train.max_steps=6", "data.num_workers=1",
-                   env={"TESSERA_FAULT": "loader@1:5"})
+    run = torchrun(
+        2,
+        *TWO_RANKS,
+        f"run.output_dir={tmp_path}",
+        "train.max_steps=6",
+        "data.num_workers=1",
+        env={"TESSERA_FAULT": "loader@1:5"},
+    )
     codes = run.wait(timeout=120)
     assert codes[0] != 0
     assert "[rank 1] error: injected loader fault in step 5" in run.text()  # the failing rank's own message
@@ -166,24 +226,41 @@ def test_loader_error_on_one_rank_stops_every_rank(tmp_path):
 
 
 def test_extra_collective_on_one_rank_is_named(tmp_path):
-    run = torchrun(2, *TWO_RANKS, f"run.output_dir={tmp_path}", "train.max_steps=6", "parallel.stall_timeout_s=4",
-                   env={"TESSERA_FAULT": "collective@1:5"})
+    run = torchrun(
+        2,
+        *TWO_RANKS,
+        f"run.output_dir={tmp_path}",
+        "train.max_steps=6",
+        "parallel.stall_timeout_s=4",
+        env={"TESSERA_FAULT": "collective@1:5"},
+    )
     codes = run.wait(timeout=120)
     assert codes[0] != 0
     assert seconds_from_fault_to_error(run, "collective in step 5") <= 4 + SILENCE_S + 15
     _, line = run.first("error: ")
     assert "the ranks wait in different collectives" in line, line
     assert "rank 0 in all_gather on fsdp" in line and "rank 1 in all_reduce on world" in line, line
-    report = subprocess.run([sys.executable, "scripts/diagnose.py", str(tmp_path)], cwd=ROOT, capture_output=True,
-                            text=True, timeout=60)
+    report = subprocess.run(
+        [sys.executable, "scripts/diagnose.py", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert "first op where the ranks disagree" in report.stdout, report.stdout
 
 
 def test_sigterm_to_torchrun_saves_and_resumes_exactly(tmp_path, straight):
     """SIGTERM to torchrun (as Ctrl-C, SLURM or a spot reclaim send it): every rank stops after the same
     step, a checkpoint of that step is saved, and resuming gives the losses of a straight run."""
-    run = torchrun(2, *TWO_RANKS, f"run.output_dir={tmp_path}", "train.max_steps=200", "train.checkpoint_every=100",
-                   env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "30"})  # torchrun's default grace period
+    run = torchrun(
+        2,
+        *TWO_RANKS,
+        f"run.output_dir={tmp_path}",
+        "train.max_steps=200",
+        "train.checkpoint_every=100",
+        env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "30"},
+    )  # torchrun's default grace period
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 4):
@@ -236,14 +313,18 @@ def test_everyday_failure_ends_the_run_named(name, tmp_path):
     elif result["latest"] is not None:
         assert result["finite"], result
     if scenario.script == "infer.py":  # a sampling run has no checkpoints to talk about
-        assert "checkpoint" not in result["error_line"] and "start-up" not in result["error_line"], result["error_line"]
+        assert "checkpoint" not in result["error_line"] and "start-up" not in result["error_line"], result[
+            "error_line"
+        ]
         assert "during sampling (step 3 of 8)" in result["error_line"], result["error_line"]
     if name == "hang-sampling":  # the stalled rank names itself and writes where it is
         assert "made no progress" in result["error_line"] and "outside any collective" in result["error_line"]
         stacks = (tmp_path / "run" / "failures" / "stacks_rank1.txt").read_text()
         assert "faults.py" in stacks and "during sampling (step 3 of 8)" in stacks
-    print(f"[measured] {name}: error after {result['fault_to_error_s']} s, every process gone after "
-          f"{result['fault_to_exit_s']} s")
+    print(
+        f"[measured] {name}: error after {result['fault_to_error_s']} s, every process gone after "
+        f"{result['fault_to_exit_s']} s"
+    )
 
 
 @pytest.mark.parametrize("name, first_logged", [("nan-2ranks", 4), ("enospc-2ranks", 1)])
@@ -270,8 +351,13 @@ def test_a_stop_during_start_up_is_a_stop_on_every_rank(tmp_path):
     """SIGTERM to torchrun while rank 1 is still busy starting (here: hung) and rank 0 waits for it in a
     collective: rank 1 leaves on the signal, which breaks rank 0's collective; rank 0 must see a stop,
     not blame itself or rank 1 for a failure."""
-    run = torchrun(2, *TWO_RANKS, f"run.output_dir={tmp_path}", "train.max_steps=6",
-                   env={"TESSERA_FAULT": "startup_hang@1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "30"})
+    run = torchrun(
+        2,
+        *TWO_RANKS,
+        f"run.output_dir={tmp_path}",
+        "train.max_steps=6",
+        env={"TESSERA_FAULT": "startup_hang@1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "30"},
+    )
     deadline = time.monotonic() + 90
     while not any("[fault] rank 1: startup_hang" in line for _, _, line in list(run.lines)):
         assert time.monotonic() < deadline and run.procs[0].poll() is None, run.text()[-3000:]
@@ -280,5 +366,8 @@ def test_a_stop_during_start_up_is_a_stop_on_every_rank(tmp_path):
     run.procs[0].send_signal(signal.SIGTERM)
     run.wait(timeout=60)
     assert "error:" not in run.text(), run.text()[-3000:]
-    assert "[rank 0] stopped: received SIGTERM" in run.text() and "[rank 1] stopped: received SIGTERM" in run.text()
+    assert (
+        "[rank 0] stopped: received SIGTERM" in run.text()
+        and "[rank 1] stopped: received SIGTERM" in run.text()
+    )
     assert run.leftovers() == []

@@ -64,7 +64,9 @@ def test_sampler_with_exact_velocity_reaches_the_data(guidance):
     y, neg = torch.ones(1, 1, 1), -torch.ones(1, 1, 1)
     mask = torch.ones(1, 1, dtype=torch.bool)
     out = flow.sample(model, torch.randn(1, 3, 1, 4, 4), y, mask, neg, mask, steps=10, guidance=guidance)
-    expected = target["uncond"] + guidance * (target["cond"] - target["uncond"]) if guidance != 1 else target["cond"]
+    expected = (
+        target["uncond"] + guidance * (target["cond"] - target["uncond"]) if guidance != 1 else target["cond"]
+    )
     # with guidance, the update is linear in the two exact velocities, so it stays exact
     assert torch.allclose(out, expected, atol=1e-4), (out.mean().item(), expected.mean().item())
     assert math.isfinite(out.abs().max().item())

@@ -43,8 +43,19 @@ def latest_is_finite(run_dir: Path):
 
 # (the step whose loss is NaN, the step the run stops at): a checkpoint step, a log step or the last
 # step, whichever comes first after it; "term" adds a preemption notice in the same step.
-@pytest.mark.parametrize("nan_at, stops_at, term", [(1, 3, False), (2, 3, False), (3, 3, False), (4, 4, False),
-                                                    (5, 6, False), (7, 8, False), (8, 8, False), (5, 5, True)])
+@pytest.mark.parametrize(
+    "nan_at, stops_at, term",
+    [
+        (1, 3, False),
+        (2, 3, False),
+        (3, 3, False),
+        (4, 4, False),
+        (5, 6, False),
+        (7, 8, False),
+        (8, 8, False),
+        (5, 5, True),
+    ],
+)
 def test_a_nan_never_reaches_a_checkpoint(tmp_path, monkeypatch, capsys, nan_at, stops_at, term):
     fault = f"nan@0:{nan_at}" + (f",term@0:{nan_at}" if term else "")
     monkeypatch.setenv("TESSERA_FAULT", fault)
@@ -55,7 +66,9 @@ def test_a_nan_never_reaches_a_checkpoint(tmp_path, monkeypatch, capsys, nan_at,
     step, finite = latest_is_finite(run_dir)
     assert finite and (step is None or step < nan_at), (step, finite)
     good = checkpoint.find_latest(run_dir)
-    assert (f"the last good checkpoint is {good}" if good else "no checkpoint was written before it") in line, line
+    assert (
+        f"the last good checkpoint is {good}" if good else "no checkpoint was written before it"
+    ) in line, line
     assert "train.lr (now 0.001)" in line and "train.on_nonfinite=skip" in line, line
 
 
@@ -74,7 +87,9 @@ def test_non_finite_weights_with_a_finite_gradient_are_not_saved(tmp_path, monke
     run_dir = tmp_path / "run"
     assert run_main(train, [*RUN, f"run.output_dir={run_dir}"]) == 2
     line = first_error(capsys.readouterr().err)
-    assert "training diverged: refusing to save step 3: NaN or inf in 1 ema tensor; nothing was written" in line, line
+    assert (
+        "training diverged: refusing to save step 3: NaN or inf in 1 ema tensor; nothing was written" in line
+    ), line
     assert "no checkpoint was written before it" in line and checkpoint.find_latest(run_dir) is None, line
     assert not list((run_dir / "checkpoints").glob("*step_3*"))
 
@@ -82,9 +97,15 @@ def test_non_finite_weights_with_a_finite_gradient_are_not_saved(tmp_path, monke
 def test_skipping_non_finite_steps_keeps_training(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TESSERA_FAULT", "nan@0:2,nan@0:5")
     run_dir = tmp_path / "run"
-    assert run_main(train, [*RUN, f"run.output_dir={run_dir}", "train.on_nonfinite=skip", "train.log_every=1"]) == 0
+    assert (
+        run_main(train, [*RUN, f"run.output_dir={run_dir}", "train.on_nonfinite=skip", "train.log_every=1"])
+        == 0
+    )
     err = capsys.readouterr().err
-    assert "step 2: the gradient norm is nan; step skipped" in err and "(train.on_nonfinite=skip; 2 so far)" in err
+    assert (
+        "step 2: the gradient norm is nan; step skipped" in err
+        and "(train.on_nonfinite=skip; 2 so far)" in err
+    )
     metrics = read_metrics(run_dir)
     assert [m["skipped_steps"] for m in metrics] == [0, 1, 1, 1, 2, 2, 2, 2]
     assert all(m["loss"] == m["loss"] for m in metrics if m["step"] not in (2, 5))  # NaN only where skipped
@@ -98,10 +119,17 @@ def test_a_checkpoint_larger_than_the_free_space_is_refused_before_writing(tmp_p
     monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: real(p)._replace(free=1_000_000))
     assert run_main(train, [*RUN, f"run.output_dir={run_dir}", "train.max_steps=6"]) == 2
     line = first_error(capsys.readouterr().err)
-    assert "not enough space to save step 6 in" in line and "1.0 MB free, the checkpoint needs ~3.7 MB" in line, line
-    assert f"nothing was written, and the previous checkpoint {run_dir / 'checkpoints' / 'step_3'} is intact" in line
+    assert (
+        "not enough space to save step 6 in" in line and "1.0 MB free, the checkpoint needs ~3.7 MB" in line
+    ), line
+    assert (
+        f"nothing was written, and the previous checkpoint {run_dir / 'checkpoints' / 'step_3'} is intact"
+        in line
+    )
     assert "train.keep_checkpoints (now 3" in line
-    assert checkpoint.find_latest(run_dir).name == "step_3" and not list((run_dir / "checkpoints").glob(".step_6*"))
+    assert checkpoint.find_latest(run_dir).name == "step_3" and not list(
+        (run_dir / "checkpoints").glob(".step_6*")
+    )
 
 
 def test_storage_errors_are_recognised_through_dcp_and_without_an_errno(tmp_path, monkeypatch):
@@ -113,11 +141,17 @@ def test_storage_errors_are_recognised_through_dcp_and_without_an_errno(tmp_path
         wrapped = CheckpointException("save failed", {1: _wrap_exception(e)})
     assert checkpoint.storage_problem(wrapped) == (errno.ENOSPC, "/ckpt/__1_0.distcp")
     assert checkpoint.storage_problem(PermissionError(errno.EROFS, "Read-only file system"))[0] == errno.EROFS
-    assert checkpoint.storage_problem(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), tmp_path) is None
+    assert (
+        checkpoint.storage_problem(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), tmp_path)
+        is None
+    )
     # torch's zip writer on a full disk loses the errno ("unexpected pos 704 vs 598"): the free space tells
     real = shutil.disk_usage
     monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: real(p)._replace(free=4096))
-    assert checkpoint.storage_problem(RuntimeError("unexpected pos 704 vs 598"), tmp_path) == (errno.ENOSPC, None)
+    assert checkpoint.storage_problem(RuntimeError("unexpected pos 704 vs 598"), tmp_path) == (
+        errno.ENOSPC,
+        None,
+    )
 
 
 def test_failure_records_never_raise_on_a_full_or_unwritable_disk(tmp_path):
@@ -142,7 +176,9 @@ def test_a_full_disk_outside_checkpoints_is_named(tmp_path, monkeypatch, capsys)
     run_dir = tmp_path / "run"
     assert run_main(train, [*RUN, f"run.output_dir={run_dir}"]) == 2
     line = first_error(capsys.readouterr().err)
-    assert line.startswith("error: no space left on ") and f"while writing {run_dir / 'metrics.jsonl'}" in line, line
+    assert (
+        line.startswith("error: no space left on ") and f"while writing {run_dir / 'metrics.jsonl'}" in line
+    ), line
 
 
 @pytest.fixture(scope="module")
@@ -162,12 +198,17 @@ def test_a_damaged_checkpoint_without_checksums_is_named(trained, tmp_path, caps
     shard = step / "__0_0.distcp"
     size = shard.stat().st_size
     os.truncate(shard, size // 2)
-    for module, argv in ((train, [*RUN, f"run.output_dir={run_dir}", "train.max_steps=6"]),
-                         (infer, ["--config", str(TINY), f"run.output_dir={run_dir}", "--output", str(tmp_path / "v.npy")])):
+    for module, argv in (
+        (train, [*RUN, f"run.output_dir={run_dir}", "train.max_steps=6"]),
+        (infer, ["--config", str(TINY), f"run.output_dir={run_dir}", "--output", str(tmp_path / "v.npy")]),
+    ):
         assert run_main(module, argv) == 2
         line = first_error(capsys.readouterr().err)
-        assert f"checkpoint {step} is damaged, nothing was loaded from it: __0_0.distcp is truncated ({size // 2} of" \
-               in line and "does not fit" not in line, line
+        assert (
+            f"checkpoint {step} is damaged, nothing was loaded from it: __0_0.distcp is truncated ({size // 2} of"
+            in line
+            and "does not fit" not in line
+        ), line
     assert not dist.is_initialized()
 
 
@@ -177,16 +218,23 @@ def wan_folder(tmp_path):
     return tiny_wan_for_the_tiny_recipe(tmp_path / "wan")
 
 
-WAN_OPTIONS = ["model.adaln=single", "model.qk_norm_across_heads=true", "model.pooled_text=false",
-               "model.text_mask=false"]
+WAN_OPTIONS = [
+    "model.adaln=single",
+    "model.qk_norm_across_heads=true",
+    "model.pooled_text=false",
+    "model.text_mask=false",
+]
 
 
-@pytest.mark.parametrize("damage, expected", [
-    ("truncate", "is truncated: {size} bytes, its header describes"),
-    ("garbage", "is not a safetensors file, or is truncated"),
-    ("config_key", "config.json has no 'num_layers'; a WanTransformer3DModel config.json lists"),
-    ("config_json", "config.json is not valid JSON (Expecting"),
-])
+@pytest.mark.parametrize(
+    "damage, expected",
+    [
+        ("truncate", "is truncated: {size} bytes, its header describes"),
+        ("garbage", "is not a safetensors file, or is truncated"),
+        ("config_key", "config.json has no 'num_layers'; a WanTransformer3DModel config.json lists"),
+        ("config_json", "config.json is not valid JSON (Expecting"),
+    ],
+)
 def test_a_damaged_pretrained_folder_is_named_before_start_up(tmp_path, capsys, damage, expected):
     folder = wan_folder(tmp_path)
     file = sorted(folder.glob("*.safetensors"))[-1]
@@ -203,18 +251,35 @@ def test_a_damaged_pretrained_folder_is_named_before_start_up(tmp_path, capsys, 
         config.write_text(config.read_text()[:-5])
     run_dir = tmp_path / "run"
     for module, extra in ((train, []), (infer, ["--output", str(tmp_path / "v.npy")])):
-        code = run_main(module, ["--config", str(TINY), f"run.output_dir={run_dir}", f"model.pretrained={folder}",
-                                 *WAN_OPTIONS, *extra])
+        code = run_main(
+            module,
+            [
+                "--config",
+                str(TINY),
+                f"run.output_dir={run_dir}",
+                f"model.pretrained={folder}",
+                *WAN_OPTIONS,
+                *extra,
+            ],
+        )
         line = first_error(capsys.readouterr().err)
         assert code == 2, line
         named = file if damage in ("truncate", "garbage") else config
-        assert f"model.pretrained: {named} " in line and expected.format(size=file.stat().st_size) in line, line
+        assert f"model.pretrained: {named} " in line and expected.format(size=file.stat().st_size) in line, (
+            line
+        )
         assert not (run_dir / "config.yaml").exists() and not dist.is_initialized()  # before the run started
 
 
-@pytest.mark.parametrize("override, key", [("train.lr=nan", "train.lr"), ("parallel.timeout_s=inf", "parallel.timeout_s"),
-                                           ("train.betas=[0.9,nan]", "train.betas"),
-                                           ("parallel.heartbeat_timeout_s=-5", "parallel.heartbeat_timeout_s")])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.lr=nan", "train.lr"),
+        ("parallel.timeout_s=inf", "parallel.timeout_s"),
+        ("train.betas=[0.9,nan]", "train.betas"),
+        ("parallel.heartbeat_timeout_s=-5", "parallel.heartbeat_timeout_s"),
+    ],
+)
 def test_a_non_finite_or_negative_number_is_refused_by_key(tmp_path, capsys, override, key):
     run_dir = tmp_path / "run"
     assert run_main(train, ["--config", str(TINY), f"run.output_dir={run_dir}", override]) == 2
@@ -227,17 +292,35 @@ def test_a_resume_logs_each_step_once(trained, tmp_path):
     shutil.copytree(trained, run_dir)
     assert run_main(train, [*RUN, f"run.output_dir={run_dir}", "train.max_steps=5", "train.log_every=1"]) == 0
     # the checkpoint of step 3 is resumed again: steps 4 and 5 were logged already
-    assert run_main(train, [*RUN, f"run.output_dir={run_dir}", "train.max_steps=6", "train.log_every=1",
-                            f"train.resume={run_dir / 'checkpoints' / 'step_3'}"]) == 0
+    assert (
+        run_main(
+            train,
+            [
+                *RUN,
+                f"run.output_dir={run_dir}",
+                "train.max_steps=6",
+                "train.log_every=1",
+                f"train.resume={run_dir / 'checkpoints' / 'step_3'}",
+            ],
+        )
+        == 0
+    )
     assert [m["step"] for m in read_metrics(run_dir)] == [3, 4, 5, 6]
     earlier = sorted(run_dir.glob("metrics.*.jsonl"))
-    assert len(earlier) == 1 and [json.loads(line)["step"] for line in earlier[0].read_text().splitlines()] == [3, 4, 5]
+    assert len(earlier) == 1 and [
+        json.loads(line)["step"] for line in earlier[0].read_text().splitlines()
+    ] == [3, 4, 5]
 
 
 def test_non_finite_tensors_are_counted_per_device():
     """AdamW keeps `step` as a CPU scalar beside the moments (on the GPU in a GPU run): the count stacks
     flags per device, never across devices. Here every tensor is on the CPU: the arithmetic is checked."""
-    tensors = [torch.tensor(3.0), torch.ones(4, 5), torch.tensor([1.0, float("nan")]), torch.full((2, 2), float("-inf")),
-               torch.zeros(7, dtype=torch.bfloat16)]
+    tensors = [
+        torch.tensor(3.0),
+        torch.ones(4, 5),
+        torch.tensor([1.0, float("nan")]),
+        torch.full((2, 2), float("-inf")),
+        torch.zeros(7, dtype=torch.bfloat16),
+    ]
     assert checkpoint._count_non_finite(tensors) == 2
     assert checkpoint._count_non_finite([]) == 0

@@ -44,8 +44,17 @@ def test_sharded_start_up_equals_one_process_and_reads_only_own_rows(tmp_path):
 def tiny_wan_for_the_tiny_recipe(folder):
     # tests/tiny.yaml: DiT-tiny (2 x 64 wide, 4 heads, FFN 256), patch 1x4x4, pixel space (3 channels),
     # the tiny T5 (32 wide)
-    return save_wan(folder, patch_size=(1, 4, 4), num_attention_heads=4, attention_head_dim=16, in_channels=3,
-                    out_channels=3, text_dim=32, ffn_dim=256, num_layers=2)
+    return save_wan(
+        folder,
+        patch_size=(1, 4, 4),
+        num_attention_heads=4,
+        attention_head_dim=16,
+        in_channels=3,
+        out_channels=3,
+        text_dim=32,
+        ffn_dim=256,
+        num_layers=2,
+    )
 
 
 def test_train_starts_from_pretrained_weights(tmp_path):
@@ -59,10 +68,28 @@ def test_train_starts_from_pretrained_weights(tmp_path):
 
     folder = tiny_wan_for_the_tiny_recipe(tmp_path / "wan")
     run = tmp_path / "run"
-    options = ["model.adaln=single", "model.qk_norm_across_heads=true", "model.pooled_text=false",
-               "model.text_mask=false", f"model.pretrained={folder}"]
-    assert run_main(train, ["--config", str(TINY), f"run.output_dir={run}", "train.max_steps=1",
-                            "train.checkpoint_every=1", "train.lr=1e-10", *options]) == 0
+    options = [
+        "model.adaln=single",
+        "model.qk_norm_across_heads=true",
+        "model.pooled_text=false",
+        "model.text_mask=false",
+        f"model.pretrained={folder}",
+    ]
+    assert (
+        run_main(
+            train,
+            [
+                "--config",
+                str(TINY),
+                f"run.output_dir={run}",
+                "train.max_steps=1",
+                "train.checkpoint_every=1",
+                "train.lr=1e-10",
+                *options,
+            ],
+        )
+        == 0
+    )
     state = {}
     for file in sorted(folder.glob("*.safetensors")):
         state.update(load_file(file))
@@ -75,36 +102,86 @@ def test_train_starts_from_pretrained_weights(tmp_path):
     # infer.py samples from the pretrained weights when the run has no checkpoint, and --random-weights
     # really means random ones
     fresh = tmp_path / "fresh"
-    common = ["--config", str(TINY), f"run.output_dir={fresh}", "--steps", "2", "--prompt", "a red square", *options]
+    common = [
+        "--config",
+        str(TINY),
+        f"run.output_dir={fresh}",
+        "--steps",
+        "2",
+        "--prompt",
+        "a red square",
+        *options,
+    ]
     assert run_main(infer, [*common, "--output", str(tmp_path / "pretrained.npy")]) == 0
     assert run_main(infer, [*common, "--random-weights", "--output", str(tmp_path / "random.npy")]) == 0
-    assert run_main(infer, [*common[:-len(options)], *options[:-1], "--random-weights",
-                            "--output", str(tmp_path / "random_no_folder.npy")]) == 0
+    assert (
+        run_main(
+            infer,
+            [
+                *common[: -len(options)],
+                *options[:-1],
+                "--random-weights",
+                "--output",
+                str(tmp_path / "random_no_folder.npy"),
+            ],
+        )
+        == 0
+    )
     pretrained, random = np.load(tmp_path / "pretrained.npy"), np.load(tmp_path / "random.npy")
     assert np.array_equal(random, np.load(tmp_path / "random_no_folder.npy"))
     assert not np.allclose(pretrained, random)
     # a resume takes every weight from the checkpoint: the folder may be gone
     shutil.rmtree(folder)
-    assert run_main(train, ["--config", str(TINY), f"run.output_dir={run}", "train.max_steps=2",
-                            "train.checkpoint_every=1", "train.lr=1e-10", *options]) == 0
+    assert (
+        run_main(
+            train,
+            [
+                "--config",
+                str(TINY),
+                f"run.output_dir={run}",
+                "train.max_steps=2",
+                "train.checkpoint_every=1",
+                "train.lr=1e-10",
+                *options,
+            ],
+        )
+        == 0
+    )
 
 
 def test_a_recipe_that_disagrees_with_the_pretrained_folder_is_named(tmp_path, capsys):
     folder = tiny_wan_for_the_tiny_recipe(tmp_path / "wan")
-    code = run_main(train, ["--config", str(TINY), f"run.output_dir={tmp_path / 'run'}", f"model.pretrained={folder}"])
+    code = run_main(
+        train, ["--config", str(TINY), f"run.output_dir={tmp_path / 'run'}", f"model.pretrained={folder}"]
+    )
     err = capsys.readouterr().err
     assert code != 0
     line = next(line for line in err.splitlines() if line.startswith("error:"))
     assert "disagrees with the recipe" in line and "model.adaln (or model.size)" in line, line
     assert "model.pooled_text (or model.size)" in line and "model.text_mask (or model.size)" in line, line
-    assert line.endswith("set model.adaln=single model.qk_norm_across_heads=true model.pooled_text=false "
-                         "model.text_mask=false"), line
+    assert line.endswith(
+        "set model.adaln=single model.qk_norm_across_heads=true model.pooled_text=false model.text_mask=false"
+    ), line
     # options without a shape to betray them are compared too
-    code = run_main(train, ["--config", str(TINY), f"run.output_dir={tmp_path / 'run'}", f"model.pretrained={folder}",
-                            "model.adaln=single", "model.qk_norm_across_heads=true", "model.pooled_text=false",
-                            "model.text_mask=false", "model.qk_norm=false", "model.rope_theta=500"])
+    code = run_main(
+        train,
+        [
+            "--config",
+            str(TINY),
+            f"run.output_dir={tmp_path / 'run'}",
+            f"model.pretrained={folder}",
+            "model.adaln=single",
+            "model.qk_norm_across_heads=true",
+            "model.pooled_text=false",
+            "model.text_mask=false",
+            "model.qk_norm=false",
+            "model.rope_theta=500",
+        ],
+    )
     line = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("error:"))
-    assert code != 0 and "model.qk_norm: qk_norm=False" in line and "model.rope_theta: rope_theta=500.0" in line, line
+    assert (
+        code != 0 and "model.qk_norm: qk_norm=False" in line and "model.rope_theta: rope_theta=500.0" in line
+    ), line
 
 
 def test_from_scratch_weights_do_not_depend_on_the_meta_path():

@@ -26,11 +26,14 @@ def text(batch=2, length=5, dim=16):
     return y, mask
 
 
-@pytest.mark.parametrize("shape, patch", [
-    ((2, 3, 1, 16, 16), (1, 2, 2)),   # image
-    ((2, 3, 5, 8, 12), (1, 2, 2)),    # video, odd frame count, landscape
-    ((2, 3, 4, 12, 8), (2, 4, 4)),    # temporal patches, portrait
-])
+@pytest.mark.parametrize(
+    "shape, patch",
+    [
+        ((2, 3, 1, 16, 16), (1, 2, 2)),  # image
+        ((2, 3, 5, 8, 12), (1, 2, 2)),  # video, odd frame count, landscape
+        ((2, 3, 4, 12, 8), (2, 4, 4)),  # temporal patches, portrait
+    ],
+)
 def test_output_shape_matches_input(shape, patch):
     model = tiny_dit(patch_size=patch)
     out = model(torch.randn(shape), torch.rand(shape[0]), *text())
@@ -63,7 +66,9 @@ def test_rope_relative_positions():
     q, k = torch.randn(1, 1, 1, 24), torch.randn(1, 1, 1, 24)
 
     def score(p1, p2):
-        return (apply_rope(q, angles[p1].view(1, -1, 2)) * apply_rope(k, angles[p2].view(1, -1, 2))).sum().item()
+        return (
+            (apply_rope(q, angles[p1].view(1, -1, 2)) * apply_rope(k, angles[p2].view(1, -1, 2))).sum().item()
+        )
 
     assert score((0, 0, 0), (1, 2, 1)) == pytest.approx(score((1, 1, 2), (2, 3, 3)), abs=1e-5)
     assert score((0, 0, 0), (1, 2, 1)) != pytest.approx(score((0, 0, 0), (1, 1, 2)), abs=1e-3)
@@ -148,7 +153,10 @@ def test_meta_build_then_init_weights_is_rerunnable():
 
 def test_sizes_dict_spans_tiny_to_billions():
     with torch.device("meta"):
-        counts = {name: sum(p.numel() for p in DiT(16, 4096, **size).parameters()) for name, size in DiT_models.items()}
+        counts = {
+            name: sum(p.numel() for p in DiT(16, 4096, **size).parameters())
+            for name, size in DiT_models.items()
+        }
     assert counts["DiT-tiny"] < 1e6
     assert max(counts.values()) > 3e9
 
@@ -164,8 +172,12 @@ def test_short_overfit_lowers_the_loss():
 
     torch.manual_seed(0)
     data = SyntheticVideoDataset(2, frames=2, height=8, width=8)
-    x0 = torch.stack([to_model_range(torch.from_numpy(fit_to_bucket(data.render(i)[0], 2, 8, 8))).permute(3, 0, 1, 2)
-                      for i in range(2)])
+    x0 = torch.stack(
+        [
+            to_model_range(torch.from_numpy(fit_to_bucket(data.render(i)[0], 2, 8, 8))).permute(3, 0, 1, 2)
+            for i in range(2)
+        ]
+    )
     y, mask = text(2)
     model = tiny_dit(hidden_size=64)
     flow = RectifiedFlow(OmegaConf.structured(FlowConfig()), (1, 2, 2))
@@ -174,7 +186,9 @@ def test_short_overfit_lowers_the_loss():
     noise, t = flow.draw(x0.shape[1:], fixed)
     start = flow.training_loss(model, x0, y, mask, noise, t).item()
     for step in range(150):
-        noise, t = flow.draw(x0.shape[1:], [torch.Generator().manual_seed(100 + 2 * step + i) for i in range(2)])
+        noise, t = flow.draw(
+            x0.shape[1:], [torch.Generator().manual_seed(100 + 2 * step + i) for i in range(2)]
+        )
         loss = flow.training_loss(model, x0, y, mask, noise, t)
         loss.backward()
         optimizer.step()

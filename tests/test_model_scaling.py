@@ -12,8 +12,10 @@ import model_scaling as ms  # noqa: E402
 MIB = 2**20
 
 
-@pytest.mark.parametrize("ulysses, ring, forward_mib, backward_mib", [
-    (2, 1, 2.0, 2.0), (1, 2, 2.0, 6.0), (4, 1, 1.5, 1.5), (1, 4, 3.0, 7.0), (2, 2, 2.0, 4.0)])
+@pytest.mark.parametrize(
+    "ulysses, ring, forward_mib, backward_mib",
+    [(2, 1, 2.0, 2.0), (1, 2, 2.0, 6.0), (4, 1, 1.5, 1.5), (1, 4, 3.0, 7.0), (2, 2, 2.0, 4.0)],
+)
 def test_sp_bytes_match_the_comm_counters(ulysses, ring, forward_mib, backward_mib):
     """BENCHMARKS.md (issue 4): bytes each rank sent per attention layer, counted by parallel.comm.stats()
     in scripts/bench_sp.py, N = 4096 tokens, h = 128, float32."""

@@ -37,10 +37,16 @@ class PointwiseVAE(LatentSpace):
 
     def decode(self, z):
         z = torch.cat([z[:, :, :1], z[:, :, 1:].repeat_interleave(self.temporal_stride, 2)], 2)
-        return torch.tanh(z[:, :3]).repeat_interleave(self.spatial_stride, 3).repeat_interleave(self.spatial_stride, 4)
+        return (
+            torch.tanh(z[:, :3])
+            .repeat_interleave(self.spatial_stride, 3)
+            .repeat_interleave(self.spatial_stride, 4)
+        )
 
     def encode(self, x):
-        x = torch.cat([x[:, :, :1], x[:, :, 1::self.temporal_stride]], 2)[:, :, :, ::self.spatial_stride, ::self.spatial_stride]
+        x = torch.cat([x[:, :, :1], x[:, :, 1 :: self.temporal_stride]], 2)[
+            :, :, :, :: self.spatial_stride, :: self.spatial_stride
+        ]
         return torch.cat([x, x[:, :1]], 1)
 
 
@@ -65,12 +71,17 @@ def test_axis_tiles_cover_overlap_and_stay_within_the_tile():
 def test_deal_balances_area_and_ignores_nothing():
     assert parallel_vae.deal([4] * 12, 5) == [[0, 5, 10], [1, 6, 11], [2, 7], [3, 8], [4, 9]]
     assert parallel_vae.deal([1, 1], 3) == [[0], [1], []]  # rank 2 has no tile and still joins the gather
-    assert parallel_vae.deal([9, 1, 1, 1, 5, 5], 2) == [[0, 1, 2], [3, 4, 5]]  # largest first: loads 11 and 11
+    assert parallel_vae.deal([9, 1, 1, 1, 5, 5], 2) == [
+        [0, 1, 2],
+        [3, 4, 5],
+    ]  # largest first: loads 11 and 11
     assert sorted(i for rank in parallel_vae.deal(list(range(1, 30)), 4) for i in rank) == list(range(29))
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("size, tile, overlap", [((40, 56), 6, 2), ((20, 20), 8, 6), ((9, 31), 5, 1), ((7, 7), 8, 2)])
+@pytest.mark.parametrize(
+    "size, tile, overlap", [((40, 56), 6, 2), ((20, 20), 8, 6), ((9, 31), 5, 1), ((7, 7), 8, 2)]
+)
 def test_blend_weights_sum_to_one_and_fade_at_tile_edges(size, tile, overlap):
     tiles = parallel_vae.plan_tiles(PointwiseVAE(), (3, *size), tile, overlap)
     boxes = [t.pixel for t in tiles]
@@ -93,11 +104,13 @@ def test_tiling_a_pointwise_vae_changes_nothing(size, tile, overlap):
     vae = PointwiseVAE()
     z = torch.randn(2, 4, 3, *size)
     assert len(parallel_vae.plan_tiles(vae, z.shape[2:], tile, overlap)) > 1
-    torch.testing.assert_close(parallel_vae.decode(vae, z, tile=tile, overlap=overlap), vae.decode(z),
-                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        parallel_vae.decode(vae, z, tile=tile, overlap=overlap), vae.decode(z), atol=1e-6, rtol=0
+    )
     x = vae.decode(z)
-    torch.testing.assert_close(parallel_vae.encode(vae, x, tile=tile, overlap=overlap), vae.encode(x),
-                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        parallel_vae.encode(vae, x, tile=tile, overlap=overlap), vae.encode(x), atol=1e-6, rtol=0
+    )
 
 
 @pytest.mark.timeout(60)
@@ -111,8 +124,9 @@ def test_tiled_decode_is_close_to_untiled(kind):
     assert tiled.shape == whole.shape and tiled.dtype == torch.float32
     difference = (tiled - whole).abs()
     max_tolerance, mean_tolerance = TILED_TOLERANCE[kind]
-    assert difference.max() <= max_tolerance and difference.mean() <= mean_tolerance, \
+    assert difference.max() <= max_tolerance and difference.mean() <= mean_tolerance, (
         f"{kind}: max abs {difference.max():.3f}, mean abs {difference.mean():.4f}"
+    )
     # a latent that fits one tile is the plain decode, bit for bit (the tiny demo VAEs at 32 x 32 px)
     assert torch.equal(parallel_vae.decode(vae, z, tile=max(shape[3:]), overlap=overlap), whole)
 
@@ -131,11 +145,18 @@ def test_tiled_encode_shapes_and_untiled_path():
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("tile, overlap, match", [
-    (0, 0, r"vae.tile_latent=0: a tile must be at least 1 latent pixel; set vae.tile_latent=32"),
-    (8, 8, r"vae.tile_overlap=8 must be at least 0 and less than vae.tile_latent=8 .*set vae.tile_overlap=2"),
-    (8, -1, r"vae.tile_overlap=-1 must be at least 0"),
-])
+@pytest.mark.parametrize(
+    "tile, overlap, match",
+    [
+        (0, 0, r"vae.tile_latent=0: a tile must be at least 1 latent pixel; set vae.tile_latent=32"),
+        (
+            8,
+            8,
+            r"vae.tile_overlap=8 must be at least 0 and less than vae.tile_latent=8 .*set vae.tile_overlap=2",
+        ),
+        (8, -1, r"vae.tile_overlap=-1 must be at least 0"),
+    ],
+)
 def test_bad_tile_config_is_a_clear_error(tile, overlap, match):
     z = torch.randn(1, 3, 2, 8, 8)
     with pytest.raises(ValueError, match=match):
@@ -153,9 +174,20 @@ def _passed(result):
 @pytest.mark.parametrize("processes", [2, 3])
 def test_parallel_decode_equals_serial(processes):
     passed = _passed(torchrun(processes, "tests/vae_worker.py", timeout=80))
-    for kind, tiles in (("kl", 6), ("kl", 2), ("kl", 3), ("kl", 1), ("wan", 8), ("wan", 2),
-                        ("identity", 5), ("identity", 2)):
-        assert any(line.startswith(f"ok decode {kind} {tiles} tiles P={processes} (") for line in passed), (kind, tiles)
+    for kind, tiles in (
+        ("kl", 6),
+        ("kl", 2),
+        ("kl", 3),
+        ("kl", 1),
+        ("wan", 8),
+        ("wan", 2),
+        ("identity", 5),
+        ("identity", 2),
+    ):
+        assert any(line.startswith(f"ok decode {kind} {tiles} tiles P={processes} (") for line in passed), (
+            kind,
+            tiles,
+        )
     assert any(line.startswith(f"ok encode kl P={processes} (") for line in passed)
     assert any(line.startswith(f"ok decode kl chunked, fenced P={processes} (") for line in passed)
     assert any(line.startswith("ok all checks") for line in passed)

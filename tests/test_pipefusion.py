@@ -48,10 +48,16 @@ def test_keep_stage_holds_only_its_blocks_under_their_own_names():
     stages = [keep_stage(model, s, 2) for s in range(2)]
     parts = [{n for n, _ in stage.named_parameters()} for stage in stages]
     assert not parts[0] & {n for n in parts[1] if n.startswith("blocks.")}
-    assert {n for n in parts[0] | parts[1]} == names  # every weight on some stage, under the whole model's name
-    assert any(n.startswith("blocks.2.") for n in parts[0]) and any(n.startswith("blocks.3.") for n in parts[1])
+    assert {
+        n for n in parts[0] | parts[1]
+    } == names  # every weight on some stage, under the whole model's name
+    assert any(n.startswith("blocks.2.") for n in parts[0]) and any(
+        n.startswith("blocks.3.") for n in parts[1]
+    )
     assert stages[0].final_layer is None and stages[1].x_embedder is None
-    assert len(model.blocks) == 5 and not isinstance(model.blocks[4], DroppedBlock)  # the original is untouched
+    assert len(model.blocks) == 5 and not isinstance(
+        model.blocks[4], DroppedBlock
+    )  # the original is untouched
     with pytest.raises(RuntimeError, match="block 4 lives on PipeFusion stage 1"):
         stages[0].blocks[4]()
 
@@ -88,7 +94,17 @@ def test_every_sampling_layout_against_the_serial_sampler():
     result = torchrun(4, "tests/pipefusion_worker.py", timeout=130)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     passed = [line for line in result.stdout.splitlines() if line.startswith("ok ")]
-    for case in ("pf4 M=4", "pf4 M=8", "pf2 M=2", "pf2 M=4", "pf2xu2", "pf2xr2", "pf2xcfg2", "cfg2", "cfg2xu2"):
+    for case in (
+        "pf4 M=4",
+        "pf4 M=8",
+        "pf2 M=2",
+        "pf2 M=4",
+        "pf2xu2",
+        "pf2xr2",
+        "pf2xcfg2",
+        "cfg2",
+        "cfg2xu2",
+    ):
         assert any(line.startswith(f"ok {case} warmup=all vs serial") for line in passed), case
     for case in ("pf4", "pf2xu2", "pf2xr2", "pf2xcfg2"):
         assert any(line.startswith(f"ok {case} M=4 warmup=1 vs pf2 M=4 warmup=1") for line in passed), case
@@ -97,8 +113,22 @@ def test_every_sampling_layout_against_the_serial_sampler():
     assert 1e-4 < float(stale.rpartition("=")[2]) < 0.1, stale  # stale K/V: close to serial, not equal
 
 
-SAMPLE = ["--config", str(TINY), "--random-weights", "--steps", "3", "--frames", "3", "--height", "20", "--width",
-          "12", "--prompt", "a red square moving left", "a green circle moving up"]
+SAMPLE = [
+    "--config",
+    str(TINY),
+    "--random-weights",
+    "--steps",
+    "3",
+    "--frames",
+    "3",
+    "--height",
+    "20",
+    "--width",
+    "12",
+    "--prompt",
+    "a red square moving left",
+    "a green circle moving up",
+]
 
 
 @pytest.fixture(scope="module")
@@ -112,13 +142,24 @@ def serial_videos(tmp_path_factory):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("nproc,layout", [
-    (4, ["parallel.pipefusion=2", "parallel.cfg=2", "parallel.pipefusion_warmup=3"]),
-    (2, ["parallel.pipefusion=2", "parallel.pipefusion_patches=4", "parallel.pipefusion_warmup=3"]),
-])
+@pytest.mark.parametrize(
+    "nproc,layout",
+    [
+        (4, ["parallel.pipefusion=2", "parallel.cfg=2", "parallel.pipefusion_warmup=3"]),
+        (2, ["parallel.pipefusion=2", "parallel.pipefusion_patches=4", "parallel.pipefusion_warmup=3"]),
+    ],
+)
 def test_infer_under_pipefusion_equals_one_process(tmp_path, serial_videos, nproc, layout):
-    result = torchrun(nproc, "infer.py", *SAMPLE, f"run.output_dir={tmp_path}", "--output", str(tmp_path / "x.npy"),
-                      *layout, timeout=100)
+    result = torchrun(
+        nproc,
+        "infer.py",
+        *SAMPLE,
+        f"run.output_dir={tmp_path}",
+        "--output",
+        str(tmp_path / "x.npy"),
+        *layout,
+        timeout=100,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "PipeFusion: " in result.stdout and "pipefusion=2" in result.stdout
     for i, expected in enumerate(serial_videos):
@@ -127,15 +168,34 @@ def test_infer_under_pipefusion_equals_one_process(tmp_path, serial_videos, npro
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("fault,message", [
-    ("pipefusion_count@1", "PipeFusion message plans disagree: rank 0 (stage 0) plans 5 messages to rank 1, "
-                           "which plans to receive 7"),
-    ("pipefusion_extra_send@1", "PipeFusion messages at the end of sampling differ from the plan: rank 1 (stage 1)"),
-])
+@pytest.mark.parametrize(
+    "fault,message",
+    [
+        (
+            "pipefusion_count@1",
+            "PipeFusion message plans disagree: rank 0 (stage 0) plans 5 messages to rank 1, "
+            "which plans to receive 7",
+        ),
+        (
+            "pipefusion_extra_send@1",
+            "PipeFusion messages at the end of sampling differ from the plan: rank 1 (stage 1)",
+        ),
+    ],
+)
 def test_ranks_whose_messages_disagree_stop_with_a_named_error(tmp_path, fault, message):
     started = time.monotonic()
-    result = torchrun(2, "infer.py", *SAMPLE[:-2], "a red square", f"run.output_dir={tmp_path}", "--output",
-                      str(tmp_path / "x.npy"), "parallel.pipefusion=2", timeout=80, env={"TESSERA_FAULT": fault})
+    result = torchrun(
+        2,
+        "infer.py",
+        *SAMPLE[:-2],
+        "a red square",
+        f"run.output_dir={tmp_path}",
+        "--output",
+        str(tmp_path / "x.npy"),
+        "parallel.pipefusion=2",
+        timeout=80,
+        env={"TESSERA_FAULT": fault},
+    )
     elapsed = time.monotonic() - started
     assert result.returncode != 0
     assert result.stderr.count(f"error: {message}") == 2, result.stderr[-3000:]  # both ranks say the same
@@ -148,9 +208,20 @@ def test_ranks_whose_messages_disagree_stop_with_a_named_error(tmp_path, fault, 
 def test_a_replica_without_prompts_does_not_wait_for_the_others(tmp_path):
     """dp=2 and one prompt: rank 1 has nothing to sample and leaves at once; it must not sit in a barrier
     whose control timeout (1 s here) runs out while rank 0 samples, which would abort rank 0's run."""
-    result = torchrun(2, "infer.py", *SAMPLE[:-2], "a red square", "--steps", "12", "model.size=DiT-demo",
-                      f"run.output_dir={tmp_path}", "--output", str(tmp_path / "x.npy"), "parallel.control_timeout_s=1",
-                      timeout=80)
+    result = torchrun(
+        2,
+        "infer.py",
+        *SAMPLE[:-2],
+        "a red square",
+        "--steps",
+        "12",
+        "model.size=DiT-demo",
+        f"run.output_dir={tmp_path}",
+        "--output",
+        str(tmp_path / "x.npy"),
+        "parallel.control_timeout_s=1",
+        timeout=80,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "x.npy").exists()
 
@@ -165,9 +236,20 @@ def test_infer_shares_the_vae_tiles_and_equals_one_process(tmp_path):
 
     vae = ["vae.kind=kl", "vae.tile_latent=2", "vae.tile_overlap=1", "model.patch_size=[1,1,1]"]
     args = [*SAMPLE[:-2], "a red square", *vae]
-    assert run_main(infer, args + [f"run.output_dir={tmp_path / 'one'}", "--output", str(tmp_path / "one.npy")]) == 0
-    result = torchrun(2, "infer.py", *args, f"run.output_dir={tmp_path / 'two'}", "--output", str(tmp_path / "two.npy"),
-                      "parallel.cfg=2", timeout=100)
+    assert (
+        run_main(infer, args + [f"run.output_dir={tmp_path / 'one'}", "--output", str(tmp_path / "one.npy")])
+        == 0
+    )
+    result = torchrun(
+        2,
+        "infer.py",
+        *args,
+        f"run.output_dir={tmp_path / 'two'}",
+        "--output",
+        str(tmp_path / "two.npy"),
+        "parallel.cfg=2",
+        timeout=100,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "VAE decode: 8 tile(s) over 2 rank(s)" in result.stdout
     assert np.abs(np.load(tmp_path / "two.npy") - np.load(tmp_path / "one.npy")).max() <= 1e-5

@@ -23,8 +23,9 @@ def test_four_processes_ulysses_ring_and_hybrid():
         p = 4 if layout in ("u4r1", "u1r4", "u2r2") else 2
         for tokens in (6 * p, 6 * p - 1, p + 1):
             for part in ("forward", "dq", "dk", "dv"):
-                assert any(line.startswith(f"ok attention {layout} N={tokens} {part} (") for line in passed), \
-                    (layout, tokens, part)
+                assert any(
+                    line.startswith(f"ok attention {layout} N={tokens} {part} (") for line in passed
+                ), (layout, tokens, part)
         assert sum(line.startswith(f"ok DiT {layout} ") for line in passed) == 6, layout
         assert sum(line.startswith(f"ok WanDiT {layout} ") for line in passed) == 2, layout  # Wan's options
         if "r1" not in layout:  # ring layouts: the reference kernel with chunked p2p, and bf16
@@ -51,8 +52,22 @@ from configs.rundir import read_metrics  # noqa: E402
 from tests.conftest import TINY, run_main  # noqa: E402
 
 # 3 x 5 x 3 = 45 tokens: divisible by neither 2 nor 4, so the padded path runs in every layout.
-SAMPLE = ["--config", str(TINY), "--random-weights", "--steps", "2", "--frames", "3", "--height", "20",
-          "--width", "12", "--prompt", "a red square moving left", "a green circle moving up"]
+SAMPLE = [
+    "--config",
+    str(TINY),
+    "--random-weights",
+    "--steps",
+    "2",
+    "--frames",
+    "3",
+    "--height",
+    "20",
+    "--width",
+    "12",
+    "--prompt",
+    "a red square moving left",
+    "a green circle moving up",
+]
 
 
 @pytest.fixture(scope="module")
@@ -65,16 +80,27 @@ def single_process_videos(tmp_path_factory):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("nproc,layout", [
-    (2, ["parallel.ulysses=2"]),
-    (2, ["parallel.ring=2"]),
-    (3, ["parallel.ring=3"]),
-    (4, ["parallel.ulysses=2", "parallel.ring=2"]),
-    (4, ["parallel.dp=2", "parallel.ring=2"]),
-])
+@pytest.mark.parametrize(
+    "nproc,layout",
+    [
+        (2, ["parallel.ulysses=2"]),
+        (2, ["parallel.ring=2"]),
+        (3, ["parallel.ring=3"]),
+        (4, ["parallel.ulysses=2", "parallel.ring=2"]),
+        (4, ["parallel.dp=2", "parallel.ring=2"]),
+    ],
+)
 def test_infer_under_layout_equals_one_process(tmp_path, single_process_videos, nproc, layout):
-    result = torchrun(nproc, "infer.py", *SAMPLE, f"run.output_dir={tmp_path}", "--output", str(tmp_path / "x.npy"),
-                      *layout, timeout=200)
+    result = torchrun(
+        nproc,
+        "infer.py",
+        *SAMPLE,
+        f"run.output_dir={tmp_path}",
+        "--output",
+        str(tmp_path / "x.npy"),
+        *layout,
+        timeout=200,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     for i, expected in enumerate(single_process_videos):
         assert np.abs(np.load(tmp_path / f"x_{i:03d}.npy") - expected).max() < 1e-5
@@ -84,13 +110,24 @@ def test_infer_under_layout_equals_one_process(tmp_path, single_process_videos, 
 def test_training_under_ulysses_and_ring_equals_one_process(tmp_path):
     """Same recipe, same data: the sequence-parallel ranks of one group share each sample, and FSDP over
     dp x ring gives the single-process gradients (grad norm) and losses."""
-    common = ["--config", str(TINY), "train.max_steps=3", "train.checkpoint_every=3", "train.sample_every=0",
-              "data.frames=3", "data.height=20", "data.width=12",  # 45 tokens: padded under every layout
-              "data.synthetic_samples=4"]  # one batch of 4 per epoch, or two of 2 under dp=2: the same samples
+    common = [
+        "--config",
+        str(TINY),
+        "train.max_steps=3",
+        "train.checkpoint_every=3",
+        "train.sample_every=0",
+        "data.frames=3",
+        "data.height=20",
+        "data.width=12",  # 45 tokens: padded under every layout
+        "data.synthetic_samples=4",
+    ]  # one batch of 4 per epoch, or two of 2 under dp=2: the same samples
     assert run_main(train, common + [f"run.output_dir={tmp_path / 'one'}"]) == 0
     reference = loss_and_grad_norm(tmp_path / "one")
-    for nproc, layout in ((2, ["parallel.ulysses=2"]), (2, ["parallel.ring=2"]),
-                          (4, ["parallel.dp=2", "parallel.ring=2", "train.batch_size=2"])):  # same 4 samples
+    for nproc, layout in (
+        (2, ["parallel.ulysses=2"]),
+        (2, ["parallel.ring=2"]),
+        (4, ["parallel.dp=2", "parallel.ring=2", "train.batch_size=2"]),
+    ):  # same 4 samples
         run_dir = tmp_path / "_".join(layout).replace("=", "")
         result = torchrun(nproc, "train.py", *common, f"run.output_dir={run_dir}", *layout, timeout=170)
         assert result.returncode == 0, result.stderr[-4000:]
@@ -98,7 +135,11 @@ def test_training_under_ulysses_and_ring_equals_one_process(tmp_path):
         got = loss_and_grad_norm(run_dir)
         assert got.keys() == reference.keys()
         # AdamW barely sees a gradient scale error; the grad norm does.
-        assert all(got[s] == pytest.approx(reference[s], rel=1e-4) for s in reference), (layout, reference, got)
+        assert all(got[s] == pytest.approx(reference[s], rel=1e-4) for s in reference), (
+            layout,
+            reference,
+            got,
+        )
 
 
 def loss_and_grad_norm(run_dir):

@@ -34,12 +34,35 @@ def test_sigusr1_saves_stops_and_requeues(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     run_dir, log = tmp_path / "run", tmp_path / "scontrol.log"
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "42", "SLURM_JOB_NUM_NODES": "1",
-           "SLURM_JOB_NODELIST": "localhost", "SLURM_GPUS_ON_NODE": "2", "SLURM_SUBMIT_DIR": str(ROOT),
-           "TESSERA_RDZV_PORT": str(port), "SCONTROL_LOG": str(log), "OMP_NUM_THREADS": "1"}
-    script = subprocess.Popen(["bash", "scripts/slurm.sh", str(TINY), f"run.output_dir={run_dir}", "train.max_steps=500",
-                               "train.checkpoint_every=500", "data.synthetic_samples=4", "train.batch_size=2"],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "42",
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_GPUS_ON_NODE": "2",
+        "SLURM_SUBMIT_DIR": str(ROOT),
+        "TESSERA_RDZV_PORT": str(port),
+        "SCONTROL_LOG": str(log),
+        "OMP_NUM_THREADS": "1",
+    }
+    script = subprocess.Popen(
+        [
+            "bash",
+            "scripts/slurm.sh",
+            str(TINY),
+            f"run.output_dir={run_dir}",
+            "train.max_steps=500",
+            "train.checkpoint_every=500",
+            "data.synthetic_samples=4",
+            "train.batch_size=2",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 150
     while not ((run_dir / "metrics.jsonl").is_file() and len(read_metrics(run_dir)) >= 3):
         assert time.monotonic() < deadline and script.poll() is None, script.stdout.read()[-3000:]

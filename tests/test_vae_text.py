@@ -47,8 +47,9 @@ def test_tiny_vae_round_trip_shapes_and_from_pretrained(kind, frames, tmp_path):
     vae.vae.save_pretrained(tmp_path / "vae")
     loaded = build_vae(vae_cfg(kind=kind, pretrained=str(tmp_path / "vae")))
     assert torch.allclose(loaded.encode(x), z, atol=1e-6)
-    assert vae_latent_space(vae_cfg(kind=kind, pretrained=str(tmp_path / "vae"))).latent_shape(frames, 32, 32) == \
-        tuple(z.shape[1:])
+    assert vae_latent_space(vae_cfg(kind=kind, pretrained=str(tmp_path / "vae"))).latent_shape(
+        frames, 32, 32
+    ) == tuple(z.shape[1:])
 
 
 def test_missing_pretrained_folder_is_a_clear_error(tmp_path):

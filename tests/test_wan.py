@@ -14,9 +14,20 @@ from safetensors.torch import load_file
 from models.dit import DiT, DiT_models, build_dit, count_parameters
 from models.wan import WanFormatError, dit_kwargs_from_diffusers_config, tessera_state_dict_from_diffusers
 
-TINY_WAN = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
-                text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
-                qk_norm="rms_norm_across_heads", rope_max_seq_len=64)
+TINY_WAN = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=12,
+    in_channels=4,
+    out_channels=4,
+    text_dim=16,
+    freq_dim=256,
+    ffn_dim=32,
+    num_layers=2,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    rope_max_seq_len=64,
+)
 
 
 def relative_error(a, b):
@@ -76,13 +87,25 @@ def test_wan_sizes_match_diffusers_parameter_for_parameter():
 
     from configs import load_config
 
-    config = dict(TINY_WAN, num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
-                  text_dim=4096, ffn_dim=8960, num_layers=30)
+    config = dict(
+        TINY_WAN,
+        num_attention_heads=12,
+        attention_head_dim=128,
+        in_channels=16,
+        out_channels=16,
+        text_dim=4096,
+        ffn_dim=8960,
+        num_layers=30,
+    )
     with torch.device("meta"):
         reference = WanTransformer3DModel(**config)
-        ours = build_dit(load_config(overrides=["model.size=Wan2.1-1.3B", "model.patch_size=[1,2,2]"]).model, 16, 4096)
+        ours = build_dit(
+            load_config(overrides=["model.size=Wan2.1-1.3B", "model.patch_size=[1,2,2]"]).model, 16, 4096
+        )
     mapped = tessera_state_dict_from_diffusers(reference.state_dict())
-    assert {k: tuple(v.shape) for k, v in mapped.items()} == {k: tuple(v.shape) for k, v in ours.state_dict().items()}
+    assert {k: tuple(v.shape) for k, v in mapped.items()} == {
+        k: tuple(v.shape) for k, v in ours.state_dict().items()
+    }
     assert count_parameters(ours) == count_parameters(reference) == 1_418_996_800
     assert DiT_models["Wan2.1-14B"]["hidden_size"] == 5120 and DiT_models["Wan2.2-5B"]["ffn_dim"] == 14336
 
@@ -91,7 +114,9 @@ def test_recipe_options_override_the_size():
     from configs import load_config
 
     with torch.device("meta"):
-        wan_zero = build_dit(load_config(overrides=["model.size=Wan2.1-1.3B", "model.adaln=zero"]).model, 16, 4096)
+        wan_zero = build_dit(
+            load_config(overrides=["model.size=Wan2.1-1.3B", "model.adaln=zero"]).model, 16, 4096
+        )
         default = build_dit(load_config(overrides=["model.size=DiT-S"]).model, 16, 4096)
     assert wan_zero.time_proj is None and hasattr(wan_zero.blocks[0], "adaLN_modulation")
     assert wan_zero.pooled_embedder is None and not wan_zero.text_mask  # the size's other options stay
@@ -104,8 +129,9 @@ def test_unknown_or_unsupported_wan_weights_are_named():
     with pytest.raises(WanFormatError, match="condition_embedder.image_embedder.norm1.weight"):
         tessera_state_dict_from_diffusers({"condition_embedder.image_embedder.norm1.weight": torch.zeros(1)})
     with pytest.raises(WanFormatError, match="not blocks.0.attn1.to_v.weight"):
-        tessera_state_dict_from_diffusers({"blocks.0.attn1.to_q.weight": torch.zeros(1),
-                                           "blocks.0.attn1.to_k.weight": torch.zeros(1)})
+        tessera_state_dict_from_diffusers(
+            {"blocks.0.attn1.to_q.weight": torch.zeros(1), "blocks.0.attn1.to_k.weight": torch.zeros(1)}
+        )
     with pytest.raises(WanFormatError, match="image_dim"):
         dit_kwargs_from_diffusers_config(dict(TINY_WAN, image_dim=1280))
 
@@ -128,14 +154,23 @@ def test_a_pipeline_folder_is_read_through_its_transformer_subfolder(saved_wan, 
 
 def original_name(key: str) -> str:
     """diffusers -> the original Wan layout, written out here from Wan's own module names."""
-    for old, new in [("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
-                     ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
-                     ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
-                     ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
-                     ("condition_embedder.time_proj", "time_projection.1"), ("proj_out", "head.head"),
-                     ("attn1.to_out.0", "self_attn.o"), ("attn2.to_out.0", "cross_attn.o"),
-                     ("attn1.to_", "self_attn."), ("attn2.to_", "cross_attn."), ("attn1.", "self_attn."),
-                     ("attn2.", "cross_attn."), ("norm2", "norm3"), ("ffn.net.0.proj", "ffn.0"), ("ffn.net.2", "ffn.2")]:
+    for old, new in [
+        ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
+        ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+        ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
+        ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+        ("condition_embedder.time_proj", "time_projection.1"),
+        ("proj_out", "head.head"),
+        ("attn1.to_out.0", "self_attn.o"),
+        ("attn2.to_out.0", "cross_attn.o"),
+        ("attn1.to_", "self_attn."),
+        ("attn2.to_", "cross_attn."),
+        ("attn1.", "self_attn."),
+        ("attn2.", "cross_attn."),
+        ("norm2", "norm3"),
+        ("ffn.net.0.proj", "ffn.0"),
+        ("ffn.net.2", "ffn.2"),
+    ]:
         key = key.replace(old, new)
     key = "head.modulation" if key == "scale_shift_table" else key.replace("scale_shift_table", "modulation")
     return "model.diffusion_model." + key
@@ -154,10 +189,26 @@ def test_the_original_wan_layout_reads_as_the_diffusers_one(saved_wan, tmp_path)
     for file in sorted(folder.glob("*.safetensors")):
         state.update(load_file(file))
     (tmp_path / "orig").mkdir()
-    save_file({original_name(k): v.contiguous() for k, v in state.items()}, tmp_path / "orig" / "model.safetensors")
-    (tmp_path / "orig" / "config.json").write_text(json.dumps({
-        "_class_name": "WanModel", "model_type": "t2v", "dim": 24, "ffn_dim": 32, "freq_dim": 256, "in_dim": 4,
-        "out_dim": 4, "num_heads": 2, "num_layers": 2, "eps": 1e-6, "text_len": 512}))
+    save_file(
+        {original_name(k): v.contiguous() for k, v in state.items()}, tmp_path / "orig" / "model.safetensors"
+    )
+    (tmp_path / "orig" / "config.json").write_text(
+        json.dumps(
+            {
+                "_class_name": "WanModel",
+                "model_type": "t2v",
+                "dim": 24,
+                "ffn_dim": 32,
+                "freq_dim": 256,
+                "in_dim": 4,
+                "out_dim": 4,
+                "num_heads": 2,
+                "num_layers": 2,
+                "eps": 1e-6,
+                "text_len": 512,
+            }
+        )
+    )
     original, diffusers = WanWeights(tmp_path / "orig"), WanWeights(folder)
     assert original.original and original.dit_kwargs == diffusers.dit_kwargs
     assert original.sources.keys() == diffusers.sources.keys()

@@ -63,13 +63,42 @@ def pipeline_sample(folder) -> np.ndarray:
     from diffusers import WanPipeline
 
     return WanPipeline.from_pretrained(folder)(
-        PROMPT, negative_prompt="", height=32, width=32, num_frames=5, num_inference_steps=3, guidance_scale=5.0,
-        generator=torch.Generator().manual_seed(0), output_type="np", max_sequence_length=40).frames[0]
+        PROMPT,
+        negative_prompt="",
+        height=32,
+        width=32,
+        num_frames=5,
+        num_inference_steps=3,
+        guidance_scale=5.0,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+        max_sequence_length=40,
+    ).frames[0]
 
 
 def infer_sample(recipe, run, out, *extra) -> np.ndarray:
-    assert run_main(infer, ["--config", str(recipe), f"run.output_dir={run}", "--frames", "5", "--height", "32",
-                            "--width", "32", "--prompt", PROMPT, "--output", str(out), *extra]) == 0
+    assert (
+        run_main(
+            infer,
+            [
+                "--config",
+                str(recipe),
+                f"run.output_dir={run}",
+                "--frames",
+                "5",
+                "--height",
+                "32",
+                "--width",
+                "32",
+                "--prompt",
+                PROMPT,
+                "--output",
+                str(out),
+                *extra,
+            ],
+        )
+        == 0
+    )
     return np.load(out)
 
 
@@ -85,20 +114,50 @@ def tiny_pipeline(tmp_path_factory):
 
     torch.manual_seed(0)
     transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4,
-        text_dim=16, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32)
+        patch_size=(1, 2, 2),
+        num_attention_heads=4,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=256,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
     with torch.no_grad():  # zero-initialised layers would make the output constant
         for p in transformer.parameters():
             p.add_(torch.randn_like(p) * 0.1)
-    vae = AutoencoderKLWan(base_dim=3, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                           temperal_downsample=[False, True, True], latents_mean=[0.1, -0.2, 0.05, 0.0],
-                           latents_std=[1.5, 0.8, 1.2, 1.0])
-    text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=384, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4,
-                                               relative_attention_num_buckets=8))
+    vae = AutoencoderKLWan(
+        base_dim=3,
+        z_dim=4,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=[0.1, -0.2, 0.05, 0.0],
+        latents_std=[1.5, 0.8, 1.2, 1.0],
+    )
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=384,
+            d_model=16,
+            d_kv=4,
+            d_ff=32,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+        )
+    )
     root = tmp_path_factory.mktemp("wanpipe")
-    WanPipeline(tokenizer=ByT5Tokenizer(), text_encoder=text_encoder, vae=vae, transformer=transformer,
-                scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0)).save_pretrained(root / "pipe")
+    WanPipeline(
+        tokenizer=ByT5Tokenizer(),
+        text_encoder=text_encoder,
+        vae=vae,
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+    ).save_pretrained(root / "pipe")
     recipe = root / "wan.yaml"
     recipe.write_text(RECIPE.format(pipe=root / "pipe"))
     return root / "pipe", recipe
@@ -120,15 +179,30 @@ def test_fine_tuned_and_exported_pipeline_samples_what_infer_samples(tiny_pipeli
     run = tmp_path / "run"
     assert run_main(train, ["--config", str(recipe), f"run.output_dir={run}"]) == 0
     # the raw weights (the EMA, at decay 0.999, has barely moved in two steps)
-    assert export.main(["--checkpoint", str(run), "--output", str(tmp_path / "exported"), "--pipeline",
-                        "--no-ema"]) == 0
+    assert (
+        export.main(
+            ["--checkpoint", str(run), "--output", str(tmp_path / "exported"), "--pipeline", "--no-ema"]
+        )
+        == 0
+    )
     exported = pipeline_sample(tmp_path / "exported")
-    tessera = infer_sample(recipe, run, tmp_path / "tessera.npy", "--no-ema")  # the checkpoint wins over model.pretrained
+    tessera = infer_sample(
+        recipe, run, tmp_path / "tessera.npy", "--no-ema"
+    )  # the checkpoint wins over model.pretrained
     assert np.abs(exported - tessera).max() <= 1e-4
     assert np.abs(exported - pipeline_sample(pipe_dir)).max() > 1e-3  # two steps of training show
     with pytest.raises(ValueError, match="flow.shift_reference_tokens=0"):
-        export.main(["--checkpoint", str(run), "--output", str(tmp_path / "x"), "--pipeline",
-                     "--config", str(write_scaled_shift(recipe, tmp_path))])
+        export.main(
+            [
+                "--checkpoint",
+                str(run),
+                "--output",
+                str(tmp_path / "x"),
+                "--pipeline",
+                "--config",
+                str(write_scaled_shift(recipe, tmp_path)),
+            ]
+        )
 
 
 def write_scaled_shift(recipe, tmp_path):

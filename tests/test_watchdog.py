@@ -15,8 +15,12 @@ from parallel.watchdog import Deadlines, Watchdog
 
 def pair(tmp_path, silence=0.3, stall=0.5):
     store = dist.HashStore()
-    dogs = [Watchdog(r, 2, store, tmp_path, Deadlines(long_s=5, stall_s=stall, silence_s=silence), interval_s=0.05)
-            for r in (0, 1)]
+    dogs = [
+        Watchdog(
+            r, 2, store, tmp_path, Deadlines(long_s=5, stall_s=stall, silence_s=silence), interval_s=0.05
+        )
+        for r in (0, 1)
+    ]
     for dog in dogs:
         dog._held.set()  # verdicts go to .verdict instead of ending this (pytest's) process
         dog._publish()
@@ -32,7 +36,10 @@ def test_a_silent_rank_is_named_with_its_step_and_phase(tmp_path):
     assert survivor.verdict is None
     time.sleep(0.4)
     survivor._tick()
-    assert "error: rank 1 (" in survivor.verdict and "stopped responding at step 74 (phase: backward)" in survivor.verdict
+    assert (
+        "error: rank 1 (" in survivor.verdict
+        and "stopped responding at step 74 (phase: backward)" in survivor.verdict
+    )
     assert "latest checkpoint: none yet" in survivor.verdict
 
 
@@ -51,8 +58,10 @@ def test_a_failed_rank_is_named_by_the_others_with_its_reason(tmp_path):
     line = failing.report_failure(ValueError("bad manifest line 7"))
     assert line.startswith("error: rank 1 (") and "this is rank 1" in line
     survivor._tick()
-    assert "rank 1 (" in survivor.verdict and "failed at step 3 (phase: data): ValueError: bad manifest line 7" \
-        in survivor.verdict
+    assert (
+        "rank 1 (" in survivor.verdict
+        and "failed at step 3 (phase: data): ValueError: bad manifest line 7" in survivor.verdict
+    )
     # the first reason published stands: a later one does not replace it
     assert survivor._claim_abort("something else") == failing._claim_abort("another") != "something else"
 
@@ -67,7 +76,12 @@ def test_a_rank_stuck_outside_collectives_names_itself_and_writes_its_stacks(tmp
     reasons = []
     stuck._conclude = reasons.append  # keep the verdict instead of ending the process
     stuck._tick()
-    assert reasons and "rank 0 (" in reasons[0] and "made no progress" in reasons[0] and "step 5 (phase: data)" in reasons[0]
+    assert (
+        reasons
+        and "rank 0 (" in reasons[0]
+        and "made no progress" in reasons[0]
+        and "step 5 (phase: data)" in reasons[0]
+    )
     stacks = (tmp_path / "failures" / "stacks_rank0.txt").read_text()
     assert "--- thread MainThread" in stacks and "test_watchdog.py" in stacks
 
@@ -83,12 +97,17 @@ def test_ranks_in_different_collectives_are_named(tmp_path):
         a._publish()
         reason = a._compare_everyone()
     assert "the ranks wait in different collectives" in reason
-    assert "rank 0 in all_gather on world (seq 20)" in reason and "rank 1 in all_reduce on world (seq 20)" in reason
+    assert (
+        "rank 0 in all_gather on world (seq 20)" in reason
+        and "rank 1 in all_reduce on world (seq 20)" in reason
+    )
 
 
 def test_error_messages_and_peer_errors():
-    wrapped = ValueError("Caught DataError in DataLoader worker process 0.\nOriginal Traceback (most recent call "
-                         "last):\n  File \"x.py\", line 1\ndata.dataset.DataError: 3 samples in a row could not be loaded")
+    wrapped = ValueError(
+        "Caught DataError in DataLoader worker process 0.\nOriginal Traceback (most recent call "
+        'last):\n  File "x.py", line 1\ndata.dataset.DataError: 3 samples in a row could not be loaded'
+    )
     assert watchdog.error_message(wrapped) == "3 samples in a row could not be loaded"
     assert watchdog.is_peer_error(dist.DistBackendError("NCCL communicator was aborted"))
     assert watchdog.is_peer_error(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
@@ -113,7 +132,9 @@ def test_a_stop_signal_in_the_loop_only_sets_the_flag(signum):
         request.accepting = True
         request.handler(getattr(signal, signum), None)
         assert request.signum == getattr(signal, signum)
-        request.handler(getattr(signal, signum), None)  # torchrun's forwarded copy, right after: no second request
+        request.handler(
+            getattr(signal, signum), None
+        )  # torchrun's forwarded copy, right after: no second request
         request.received_at -= 10
         with pytest.raises(watchdog.Terminated):  # a second request seconds later: stop at once
             request.handler(getattr(signal, signum), None)
@@ -145,7 +166,10 @@ def test_one_process_that_stalls_only_warns(tmp_path, capsys):
     time.sleep(0.3)
     alone._conclude = lambda reason: pytest.fail(f"a single process was ended: {reason}")
     alone._tick()
-    assert "warning: rank 0 (" in capsys.readouterr().err and (tmp_path / "failures" / "stacks_rank0.txt").is_file()
+    assert (
+        "warning: rank 0 (" in capsys.readouterr().err
+        and (tmp_path / "failures" / "stacks_rank0.txt").is_file()
+    )
     alone._tick()  # once per stall
     assert "warning" not in capsys.readouterr().err
 
@@ -167,8 +191,9 @@ def test_a_rank_stopped_by_torchrun_names_the_rank_whose_heartbeat_stopped(tmp_p
     dead.begin_step(7)
     dead._tick()  # its last heartbeat
     survivor._held.clear()
-    assert "rank 1 (" in survivor._stopped_peer(wait_s=0.2) and "at step 7 (phase: data)" in \
-        survivor._stopped_peer(wait_s=0.2)
+    assert "rank 1 (" in survivor._stopped_peer(
+        wait_s=0.2
+    ) and "at step 7 (phase: data)" in survivor._stopped_peer(wait_s=0.2)
     beating = threading.Event()
 
     def beat():
@@ -189,7 +214,9 @@ def test_a_rank_stopped_by_torchrun_names_the_rank_whose_heartbeat_stopped(tmp_p
 def test_sampling_steps_have_deadlines_and_are_named(tmp_path):
     dog, _ = pair(tmp_path, stall=0.5)
     dog.sampling_progress(0, 8)
-    assert dog.deadline == 5 and dog._where() == "during sampling (step 1 of 8)"  # the first: compile, warm-up
+    assert (
+        dog.deadline == 5 and dog._where() == "during sampling (step 1 of 8)"
+    )  # the first: compile, warm-up
     dog.sampling_progress(2, 8)
     assert dog.deadline == 0.5 and dog._where() == "during sampling (step 3 of 8)"
     dog.sampling_progress(8, 8)
@@ -255,9 +282,14 @@ def test_bench_watchdog_runs():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, str(root / "scripts" / "bench_watchdog.py"), "--calls", "5"], cwd=root,
-                            capture_output=True, text=True, timeout=100, env={**__import__("os").environ,
-                                                                              "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(
+        [sys.executable, str(root / "scripts" / "bench_watchdog.py"), "--calls", "5"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "stop-flag exchange per step" in result.stdout and "a phase published at once" in result.stdout
 

@@ -60,20 +60,37 @@ def main():
         serial = parallel_vae.decode(vae, z, None, tile=tile, overlap=overlap)
         issued = comm.stats()["ops"].get("all_gather", 0) - gathers
         if issued != (tiles > 1):  # one gather, on every rank, whenever there is more than one tile
-            raise AssertionError(f"{name}: {issued} all-gathers on rank {dist.get_rank()}, expected {int(tiles > 1)}")
+            raise AssertionError(
+                f"{name}: {issued} all-gathers on rank {dist.get_rank()}, expected {int(tiles > 1)}"
+            )
         check(name, (shared - serial).abs().max().item())
 
     # encode: the same tiles in pixel space, shared; and a gather chunked under a tiny message cap,
     # with the control group fence
     vae = vaes["kl"]
     x = torch.rand(1, 3, 2, 40, 56, generator=torch.Generator().manual_seed(1)) * 2 - 1
-    check(f"encode kl P={size}", (parallel_vae.encode(vae, x, world, tile=6, overlap=2)
-                                  - parallel_vae.encode(vae, x, None, tile=6, overlap=2)).abs().max().item())
+    check(
+        f"encode kl P={size}",
+        (
+            parallel_vae.encode(vae, x, world, tile=6, overlap=2)
+            - parallel_vae.encode(vae, x, None, tile=6, overlap=2)
+        )
+        .abs()
+        .max()
+        .item(),
+    )
     comm.configure(max_message_mb=0.01)
     z = torch.randn(1, 4, 2, 10, 14, generator=torch.Generator().manual_seed(2))
-    check(f"decode kl chunked, fenced P={size}",
-          (parallel_vae.decode(vae, z, world, tile=6, overlap=2, control_group=world)
-           - parallel_vae.decode(vae, z, None, tile=6, overlap=2)).abs().max().item())
+    check(
+        f"decode kl chunked, fenced P={size}",
+        (
+            parallel_vae.decode(vae, z, world, tile=6, overlap=2, control_group=world)
+            - parallel_vae.decode(vae, z, None, tile=6, overlap=2)
+        )
+        .abs()
+        .max()
+        .item(),
+    )
     if dist.get_rank() == 0:
         print(f"ok all checks; comm ops {comm.stats()['ops']}", flush=True)
     dist.destroy_process_group()
