@@ -23,10 +23,12 @@ from configs import DEFAULT_RECIPE, load_config, split_overrides
 from data.media import OUTPUT_EXTENSIONS, write_video
 from models.dit import DiT_models
 from models.flow import RectifiedFlow
-from models.pipeline import build_frozen, build_model, generate, open_pretrained
+from models.pipeline import generate
+from models.tiling import plan_tiles
 from models.vae import vae_latent_space
 from models.wan import check_wan_folder
-from parallel import comm, faults
+from parallel import comm
+from parallel import vae as parallel_vae
 from parallel.checkpoint import (
     CheckpointError,
     check_architecture,
@@ -34,18 +36,14 @@ from parallel.checkpoint import (
     load_weights,
     resolve_checkpoint,
 )
+from parallel.components import build_frozen, build_model, open_pretrained
+from parallel.entrypoint import run_as_process
 from parallel.init import materialize
 from parallel.layout import ParallelLayout
-from parallel.pipefusion import ParallelSampler, keep_stage
-from parallel.runtime import (
-    init_runtime,
-    links_are_slow,
-    local_world_size,
-    run_as_process,
-    world_from_env,
-)
+from parallel.pipefusion import ParallelSampler
+from parallel.pipefusion_plan import keep_stage
+from parallel.runtime import init_runtime, links_are_slow, local_world_size, world_from_env
 from parallel.sequence import apply_sequence_parallel
-from parallel.vae import plan_tiles
 
 
 def parse_args(argv):
@@ -142,11 +140,11 @@ def load_sampler(
     model = model.to(runtime.device).eval()
     sampler = None
     if layout.cfg * layout.pipefusion > 1:
-        sampler = ParallelSampler(model, groups, patches, cfg.parallel.pipefusion_warmup)
+        sampler = ParallelSampler(model, groups, patches, cfg.parallel.pipefusion_warmup, runtime.faults)
     return model, vae, text_encoder, sampler
 
 
-def main(argv=None):
+def main(argv=None, session=None):
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     sc = cfg.sample
@@ -192,8 +190,7 @@ def main(argv=None):
     elif cfg.model.pretrained and not args.random_weights:
         check_wan_folder(cfg.model.pretrained)
 
-    comm.set_failure_dir(Path(cfg.run.output_dir) / "failures")
-    runtime = init_runtime(cfg.parallel, layout, cfg.run.output_dir, task="sample")
+    runtime = init_runtime(cfg.parallel, layout, cfg.run.output_dir, task="sample", session=session)
     if runtime.is_main:
         chosen = f" (parallel.auto: {links})" if cfg.parallel.auto else ""
         pipeline = (
@@ -221,9 +218,7 @@ def main(argv=None):
     if mine:
         runtime.watchdog.sampling_progress(0, steps)  # each denoising step has a deadline from here on
         bar = tqdm(total=steps, desc="sample", disable=not runtime.is_main, dynamic_ncols=True)
-        bf16 = cfg.train.precision == "bf16" or (
-            cfg.train.precision == "auto" and runtime.device.type == "cuda"
-        )
+        replica = runtime.sampling
         videos = generate(
             model,
             vae,
@@ -237,15 +232,16 @@ def main(argv=None):
             guidance,
             sc.negative_prompt if args.negative_prompt is None else args.negative_prompt,
             seeds=[args.seed + i for i in mine],
-            autocast_dtype=torch.bfloat16 if bf16 else None,
+            autocast_dtype=torch.bfloat16 if runtime.bf16(cfg.train.precision) else None,
             progress=lambda done, total: (
                 bar.update(1),
                 runtime.watchdog.sampling_progress(done, total),
-                faults.at_sampling_step(runtime.rank, done + 1, total),
+                runtime.faults.at_sampling_step(done + 1, total),
             ),
             sampler=sampler,
-            decode_group=runtime.sampling.replica_group,
-            decode_fence=runtime.sampling.replica_control,
+            decode=parallel_vae.shared_decoder(
+                vae, replica.replica_group, replica.replica_control, vae.tile_latent, vae.tile_overlap
+            ),
         )
         bar.close()
         if runtime.rank == layout.replica_leader(runtime.rank):  # one writer per data-parallel replica

@@ -3,8 +3,9 @@
     torchrun --nproc_per_node N train.py --config configs/X.yaml [section.key=value ...]
     python train.py --config configs/demo.yaml train.max_steps=100     # one process
 
-Everything a run writes goes to `run.output_dir` (see configs/rundir.py). The loop below reads top to
-bottom: model, EMA and optimizer; resume; then step, log, checkpoint, preview.
+Everything a run writes goes to `run.output_dir` (see configs/rundir.py). `main` reads top to bottom:
+check the recipe, start the process groups, build the model, EMA and optimizer (or resume them), then
+the loop: step, log, checkpoint, preview.
 """
 
 import parallel.startup  # noqa: F401  (first: before torch loads)
@@ -16,7 +17,7 @@ import math
 import signal
 import sys
 import time
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -26,13 +27,13 @@ from configs.rundir import RunDirectory
 from data.loader import build_buckets, build_dataset, build_loader, build_sampler, check_same_plan
 from data.media import to_model_range, write_video
 from data.sampler import sample_seed
+from models import tiling
 from models.dit import DiT_models, count_parameters
 from models.flow import RectifiedFlow
-from models.pipeline import build_frozen, build_model, generate, open_pretrained
+from models.pipeline import generate
 from models.vae import vae_latent_space
 from models.wan import check_wan_folder
-from parallel import comm, faults
-from parallel import vae as parallel_vae
+from parallel import comm
 from parallel.checkpoint import (
     NonFiniteWeights,
     check_architecture,
@@ -43,18 +44,15 @@ from parallel.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
+from parallel.components import build_frozen, build_model, open_pretrained
 from parallel.divergence import NonFiniteGuard
+from parallel.entrypoint import run_as_process
 from parallel.fsdp import parallelize_dit, update_ema
 from parallel.init import copy_shards, materialize
 from parallel.layout import ParallelLayout
-from parallel.runtime import (
-    init_runtime,
-    local_world_size,
-    run_as_process,
-    world_from_env,
-)
+from parallel.preemption import Stopped
+from parallel.runtime import init_runtime, local_world_size, world_from_env
 from parallel.sequence import apply_sequence_parallel, share_batch
-from parallel.watchdog import Stopped, stop_request
 
 
 def parse_args(argv):
@@ -78,113 +76,137 @@ def learning_rate(train_cfg, step: int) -> float:
     return train_cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def main(argv=None):
+def main(argv=None, session=None):
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
         print(to_yaml(cfg))
         return
-    tc = cfg.train
-    # Everything that can be refused is checked before the first collective.
+    plan = check_before_start(cfg)
+    runtime = init_runtime(cfg.parallel, plan.layout, cfg.run.output_dir, session=session)
+    start_step = agree_on_data(cfg, plan, runtime)
+    trainer = build_trainer(cfg, plan, runtime, start_step)
+    train_loop(cfg, plan, runtime, trainer, start_step)
+
+
+@dataclass
+class Plan:
+    """What the recipe and the run directory decide before any process group exists."""
+
+    layout: ParallelLayout
+    buckets: object  # data.buckets.BucketTable
+    dataset: object  # data.dataset.BucketedDataset
+    sampler: object  # data.sampler.BucketSampler
+    checkpoint: object  # the step_<N> folder to resume from, or None
+    resume: dict | None  # the checkpoint's sampler state
+
+
+def check_before_start(cfg) -> Plan:
+    """Everything that can be refused, checked before the first collective: the layout, the buckets and
+    the preview size, the data, and the checkpoint's files (or the pretrained folder)."""
     rank, world_size, _ = world_from_env()
     layout = ParallelLayout.from_config(
         cfg.parallel, world_size, DiT_models[cfg.model.size]["num_heads"], "train", local_world_size()
     )
     buckets = build_buckets(cfg)
-    preview_space = vae_latent_space(cfg.vae)
+    sc, data = cfg.sample, cfg.data
     try:
-        preview_space.latent_shape(
-            cfg.sample.frames or cfg.data.frames,
-            cfg.sample.height or cfg.data.height,
-            cfg.sample.width or cfg.data.width,
-            cfg.model.patch_size,
+        vae_latent_space(cfg.vae).latent_shape(
+            sc.frames or data.frames, sc.height or data.height, sc.width or data.width, cfg.model.patch_size
         )
     except ValueError as e:
         raise ValueError(f"the preview size in sample.frames/height/width: {e}") from None
-    if not cfg.sample.prompts:
+    if not sc.prompts:
         raise ValueError("sample.prompts is empty: training previews need at least one prompt")
     dataset = build_dataset(cfg, buckets)
     sampler = build_sampler(cfg, dataset, buckets, layout.dp_rank(rank), layout.dp)
-    checkpoint = resolve_checkpoint(tc.resume, cfg.run.output_dir)
+    checkpoint = resolve_checkpoint(cfg.train.resume, cfg.run.output_dir)
     resume = read_trainer_state(checkpoint)["sampler"] if checkpoint else None
     if checkpoint is not None:  # file sizes here; every crc32 below, the reading shared by the ranks
         check_checkpoint_files(checkpoint)
     elif cfg.model.pretrained:  # a resume takes every weight from its checkpoint and never reads the folder
         check_wan_folder(cfg.model.pretrained)
+    return Plan(layout, buckets, dataset, sampler, checkpoint, resume)
 
-    comm.set_failure_dir(Path(cfg.run.output_dir) / "failures")
-    runtime = init_runtime(cfg.parallel, layout, cfg.run.output_dir)
-    phase = runtime.watchdog.mark  # the watchdog names the phase a rank stalls or fails in
-    # Ranks that read other data fail here, by name, not in a hang later; then every rank judges the
-    # checkpoint's data position alike (another dp size or other data: refused, or data.on_plan_change).
-    check_same_plan(sampler, dataset, resume["step"] if resume else None, runtime.control_group)
+
+def agree_on_data(cfg, plan: Plan, runtime) -> int:
+    """The step to start from. Ranks that read other data fail here, by name, not in a hang later; then
+    every rank judges the checkpoint's data position alike (another dp size or other data: refused, or
+    data.on_plan_change), and a damaged checkpoint file is refused before any model is built."""
+    sampler, resume = plan.sampler, plan.resume
+    check_same_plan(sampler, plan.dataset, resume["step"] if resume else None, runtime.control_group)
     start_step, replanned = sampler.load_state_dict(resume, cfg.data.on_plan_change) if resume else (0, "")
-    if checkpoint is not None:  # a damaged file is refused by name now, before any model is built
-        verify_checkpoint(checkpoint, runtime.control_group)
+    if plan.checkpoint is not None:
+        verify_checkpoint(plan.checkpoint, runtime.control_group)
+        if runtime.is_main and replanned:
+            print(f"[tessera] the data plan changed: {replanned}", flush=True)
     sampler.start_step = start_step  # O(1): the sampler computes its position from the step
-    device = runtime.device
-    bf16 = tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
+    return start_step
+
+
+@dataclass
+class Trainer:
+    """The model and everything that trains it, built once by build_trainer."""
+
+    model: torch.nn.Module
+    ema: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    flow: RectifiedFlow
+    text_encoder: object
+    vae: object
+    run: RunDirectory
+    architecture: dict  # recorded in every checkpoint, checked on resume and sampling
+    guard: NonFiniteGuard
+    batches: object  # this rank's loader iterator; None on ranks that get their batch from share_batch
+
+
+def build_trainer(cfg, plan: Plan, runtime, start_step: int) -> Trainer:
+    """The DiT is built on the meta device and sharded before any weight exists; then each rank fills
+    only its shard (from train.seed, model.pretrained, or the checkpoint): no rank holds the whole model."""
+    tc, device, checkpoint = cfg.train, runtime.device, plan.checkpoint
+    bf16 = runtime.bf16(tc.precision)
     text_encoder, vae = build_frozen(cfg, device)
-    # Built on the meta device and sharded before any weight exists; then each rank fills only its shard
-    # (from train.seed, or read from model.pretrained): no rank ever holds the whole model.
     model = apply_sequence_parallel(build_model(cfg, text_encoder, vae, weights=False), runtime.sequence)
-    architecture = model.architecture()  # recorded in every checkpoint, checked on resume and sampling
+    architecture = model.architecture()
     if checkpoint is not None:
         check_architecture(checkpoint, architecture)
     # Only a run that will go on replaces the run directory's config.yaml (the old one is kept beside it).
     run = RunDirectory(cfg.run.output_dir, runtime.is_main)
     run.write_config(cfg)
-    run.start_data_report(dataset.left_out_files(), start_step)
+    run.start_data_report(plan.dataset.left_out_files(), start_step)
     run.trim_metrics(start_step)  # a resume logs the steps after its checkpoint again
-    # A resume takes every weight from its checkpoint: the pretrained folder is then neither needed nor read.
     pretrained = open_pretrained(cfg, model) if checkpoint is None else None
     if runtime.is_main:
-        print(
-            f"[tessera] {cfg.model.size}: {count_parameters(model) / 1e6:.2f}M parameters; layout "
-            f"{layout.describe()}{' (parallel.auto)' if cfg.parallel.auto else ''}; {device.type} ({runtime.backend}, "
-            f"{'bf16' if bf16 else 'fp32'})\n[tessera] data: {dataset.summary(run.data_report)}\n[tessera] {sampler.steps_per_epoch} "
-            f"steps per epoch ({sampler.num_batches} batches{_padding_note(sampler)})",
-            flush=True,
-        )
-    model = parallelize_dit(
-        model,
-        runtime.fsdp_mesh,
-        torch.bfloat16 if bf16 else torch.float32,
-        tc.activation_checkpointing,
-        tc.compile,
-    )
+        print(_summary(cfg, plan, runtime, model, run, bf16), flush=True)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    model = parallelize_dit(model, runtime.fsdp_mesh, dtype, tc.activation_checkpointing, tc.compile)
     if checkpoint is None:
         materialize(model, device, tc.seed, pretrained)
     else:
         model.to_empty(device=device)  # load_checkpoint fills every weight below
     del pretrained  # closes the safetensors files
-    ema = apply_sequence_parallel(
-        build_model(cfg, text_encoder, vae, weights=False).requires_grad_(False), runtime.sequence
-    )
-    ema = parallelize_dit(ema, runtime.fsdp_mesh)
+    ema = build_model(cfg, text_encoder, vae, weights=False).requires_grad_(False)
+    ema = parallelize_dit(apply_sequence_parallel(ema, runtime.sequence), runtime.fsdp_mesh)
     copy_shards(ema, model, device)  # the EMA starts as the model
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay
     )
-    flow = RectifiedFlow(cfg.flow, cfg.model.patch_size)
-
     if checkpoint is not None:
         load_checkpoint(runtime, checkpoint, model, ema, optimizer, verified=True)
         if runtime.is_main:
-            print(
-                f"[tessera] resumed from {checkpoint} at step {start_step}"
-                f"{'; the data plan changed: ' + replanned if replanned else ''}",
-                flush=True,
-            )
+            print(f"[tessera] resumed from {checkpoint} at step {start_step}", flush=True)
     # One rank per sequence-parallel group reads, encodes and counts the data; share_batch gives it to the rest.
-    reader = runtime.sequence.sp_rank == 0
-    batches = iter(build_loader(dataset, sampler, cfg.data.num_workers)) if reader else None
+    loader = build_loader(plan.dataset, plan.sampler, cfg.data.num_workers, runtime.faults)
+    batches = iter(loader) if runtime.sequence.sp_rank == 0 else None
     run.start_wandb(cfg)
+    guard = NonFiniteGuard(tc, device, run.path, runtime.is_main, bf16)
+    flow = RectifiedFlow(cfg.flow, cfg.model.patch_size)
+    return Trainer(model, ema, optimizer, flow, text_encoder, vae, run, architecture, guard, batches)
 
-    window = torch.zeros(
-        4 + len(buckets), dtype=torch.float64
-    )  # loss sum, samples, tokens, replaced, batches per bucket
-    reported = set()
+
+def train_loop(cfg, plan: Plan, runtime, t: Trainer, start_step: int) -> None:
+    tc, sampler = cfg.train, plan.sampler
+    window = Window(len(plan.buckets), start_step)
     progress = tqdm(
         total=tc.max_steps,
         initial=start_step,
@@ -193,147 +215,206 @@ def main(argv=None):
         desc="train",
         mininterval=1.0,
     )
-    model.train()
-    window_start, window_step = time.perf_counter(), start_step  # throughput is averaged between log steps
-    replaced_total, saved_step = 0, start_step
-    guard = NonFiniteGuard(tc, device, run.path, runtime.is_main, bf16)
-    stop_request.accepting = (
-        True  # from here on, SIGTERM / SIGUSR1 / Ctrl-C stop after a step, with a checkpoint
-    )
+    t.model.train()
+    saved_step, reported = start_step, set()
+    runtime.stop.accepting = True  # from here on, SIGTERM / SIGUSR1 / Ctrl-C stop after a step, with a save
     for step in range(start_step, tc.max_steps):
-        runtime.watchdog.begin_step(
-            step + 1, long=step == start_step
-        )  # the first step compiles: long deadline
-        faults.at_step(rank, step + 1)  # tests only (TESSERA_FAULT)
+        done = step + 1  # steps are counted from 1 in metrics.jsonl, step_<N> and messages
+        runtime.watchdog.begin_step(done, long=step == start_step)  # the first step compiles: long deadline
+        runtime.faults.at_step(done)  # tests only (TESSERA_FAULT)
         samples = [i for i, _ in sampler.batch_at(step)]  # from the plan: the same on every rank of a group
-        bucket, n = int(dataset.bucket_of[samples[0]]), len(samples)
-        # Text dropout, noise and timestep of each sample come from its own (seed, step, sample) generator.
-        rngs = [torch.Generator().manual_seed(sample_seed(tc.seed, step, i)) for i in samples]
-        dropped = [torch.rand(1, generator=g).item() < tc.text_dropout for g in rngs]
-        x0 = y = y_mask = None
-        if reader:
-            batch = next(batches)
-            if batch["index"] != samples:
-                raise RuntimeError(
-                    f"step {step}: the loader gave samples {batch['index']}, the plan {samples}"
-                )
-            x0, y, y_mask = encode_batch(batch, dropped, text_encoder, vae, device)
-        shapes = [
-            (n, *buckets.latent_shapes[bucket]),
-            (n, text_encoder.max_length, text_encoder.dim),
-            (n, text_encoder.max_length),
-        ]
-        x0, y, y_mask = share_batch(runtime.sequence, x0, y, y_mask, shapes, device)
-        noise, t = flow.draw(x0.shape[1:], rngs)
-        phase("forward")
-        loss = faults.nan_loss(
-            flow.training_loss(model, x0, y, y_mask, noise, t), rank, step + 1
-        )  # tests only
-        phase("backward")
-        loss.backward()
-        phase("optimizer")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
-        # the whole model's norm on every rank (no communication when it is already replicated, as on torch 2.13)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        lr = learning_rate(tc, step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        done = step + 1
-        skipped = guard.skip(done, grad_norm)
-        if not skipped:
-            optimizer.step()
-            update_ema(ema, model, tc.ema_decay)
-        optimizer.zero_grad(set_to_none=True)
-        if reader:
-            window[1:4] += torch.tensor([n, n * buckets.tokens[bucket], len(batch["failures"])])
-            window[4 + bucket] += 1
-            for path, why in batch["failures"]:
-                if path not in reported:
-                    reported.add(path)
-                    print(f"[tessera] rank {rank}: replaced {path} by another sample ({why})", flush=True)
-                    run.report_replaced(rank, path, why, done)
-
+        batch, inputs = load_batch(cfg, plan, runtime, t, step, samples)
+        loss, grad_norm, skipped = train_step(cfg, runtime, t, step, inputs)
+        if batch is not None:
+            window.add(len(samples), plan.buckets, int(plan.dataset.bucket_of[samples[0]]), batch["failures"])
+            report_replaced(runtime, t.run, batch["failures"], reported, done)
         if done % tc.log_every == 0 or done == tc.max_steps:
-            phase("log")
-            window[0] = loss.detach().double().item() if reader else 0.0  # this step's loss, once per group
-            totals = comm.all_reduce(
-                window.to(device, copy=True)
-            ).cpu()  # on the device: NCCL takes no CPU tensors
-            mean_loss = totals[0].item() / layout.dp
-            guard.check(done, None if skipped else mean_loss)
-            elapsed = time.perf_counter() - window_start
-            step_time = elapsed / (done - window_step)
-            mix = {
-                buckets.buckets[b].name: int(count) for b, count in enumerate(totals[4:].tolist()) if count
-            }
-            replaced_total = replaced_total + int(totals[3])
-            metrics = {
-                "step": done,
-                "loss": mean_loss,
-                "lr": lr,
-                "grad_norm": float(grad_norm),
-                "step_time": step_time,
-                "samples_per_s": totals[1].item() / elapsed,
-                "tokens_per_s": totals[2].item() / elapsed,
-                "epoch": sampler.position(step)[0],
-                "buckets": mix,
-                "replaced_samples": replaced_total,
-            }
-            run.log_metrics(metrics | ({"skipped_steps": guard.skipped} if tc.on_nonfinite == "skip" else {}))
+            runtime.watchdog.mark("log")
+            metrics = window.summarize(runtime, plan, loss if batch is not None else None, done)
+            t.guard.check(done, None if skipped else metrics["loss"])
+            metrics |= {"lr": learning_rate(tc, step), "grad_norm": float(grad_norm)}
+            metrics["epoch"] = sampler.position(step)[0]
+            extra = {"skipped_steps": t.guard.skipped} if tc.on_nonfinite == "skip" else {}
+            t.run.log_metrics(_ordered(metrics) | extra)
             progress.set_postfix(
-                loss=f"{mean_loss:.4f}",
-                samples_s=f"{totals[1].item() / elapsed:.1f}",
-                buckets=_bucket_mix(mix),
+                loss=f"{metrics['loss']:.4f}",
+                samples_s=f"{metrics['samples_per_s']:.1f}",
+                buckets=_bucket_mix(metrics["buckets"]),
                 refresh=False,
             )
-            window.zero_()
-            window_start, window_step = time.perf_counter(), done
         progress.update(1)
         stop = runtime.agreed_stop_signal() if done < tc.max_steps else 0  # the same answer on every rank
         if stop and runtime.is_main:
-            arrived = stop_request.received_in_step or "another rank's step"
-            print(
-                f"[tessera] {signal.Signals(stop).name} received in step {arrived}: saving step {done}, then stopping",
-                file=sys.stderr,
-                flush=True,
+            arrived = runtime.stop.received_in_step or "another rank's step"
+            say(
+                f"[tessera] {signal.Signals(stop).name} received in step {arrived}: saving step {done}, then stopping"
             )
         if done % tc.checkpoint_every == 0 or done == tc.max_steps or (stop and saved_step != done):
-            phase("checkpoint")
-            guard.check(done)
-            trainer_state = {
-                "step": done,
-                "sampler": sampler.state_dict(done),
-                "world_size": runtime.world_size,
-                "architecture": architecture,
-            }
-            try:
-                save_checkpoint(
-                    runtime, run.path, done, model, ema, optimizer, trainer_state, tc.keep_checkpoints
-                )
-            except NonFiniteWeights as e:  # weights that overflowed while every gradient norm was finite
-                raise guard.diverged(str(e)) from None
+            save(runtime, plan, t, done, tc.keep_checkpoints)
             saved_step = done
         if stop:
             progress.close()
             if runtime.is_main:
-                print(
-                    f"stopped at step {done} by {signal.Signals(stop).name}; saved {run.path / 'checkpoints' / f'step_{done}'}"
-                    f"; run the same command to resume",
-                    file=sys.stderr,
-                    flush=True,
+                saved = t.run.path / "checkpoints" / f"step_{done}"
+                say(
+                    f"stopped at step {done} by {signal.Signals(stop).name}; saved {saved}; run the same command to resume"
                 )
             raise Stopped(stop)
         if (tc.sample_every and done % tc.sample_every == 0) or done == tc.max_steps:
-            phase("preview")
-            guard.check(done)
-            write_previews(
-                cfg, runtime, run, ema if cfg.sample.use_ema else model, vae, text_encoder, flow, done
-            )
+            runtime.watchdog.mark("preview")
+            t.guard.check(done)
+            write_previews(cfg, runtime, t.run, t.ema if cfg.sample.use_ema else t.model, t, done)
             runtime.fence()  # rank 0 writes the files alone: the others wait here, not in the next step
-    stop_request.accepting = False
+    runtime.stop.accepting = False
     runtime.watchdog.end_loop()
     progress.close()
-    run.finish()
+    t.run.finish()
+
+
+def load_batch(cfg, plan: Plan, runtime, t: Trainer, step: int, samples: list[int]):
+    """(the loader's batch or None, (x0, y, y_mask, noise, t)) for `step`, on every rank of the group.
+    Text dropout, noise and timestep of each sample come from its own (seed, step, sample) generator."""
+    tc, n = cfg.train, len(samples)
+    rngs = [torch.Generator().manual_seed(sample_seed(tc.seed, step, i)) for i in samples]
+    dropped = [torch.rand(1, generator=g).item() < tc.text_dropout for g in rngs]
+    batch = x0 = y = y_mask = None
+    if t.batches is not None:
+        batch = next(t.batches)
+        if batch["index"] != samples:
+            raise RuntimeError(f"step {step}: the loader gave samples {batch['index']}, the plan {samples}")
+        x0, y, y_mask = encode_batch(batch, dropped, t.text_encoder, t.vae, runtime.device)
+    bucket = int(plan.dataset.bucket_of[samples[0]])
+    shapes = [
+        (n, *plan.buckets.latent_shapes[bucket]),
+        (n, t.text_encoder.max_length, t.text_encoder.dim),
+        (n, t.text_encoder.max_length),
+    ]
+    x0, y, y_mask = share_batch(runtime.sequence, x0, y, y_mask, shapes, runtime.device)
+    noise, timesteps = t.flow.draw(x0.shape[1:], rngs)
+    return batch, (x0, y, y_mask, noise, timesteps)
+
+
+def train_step(cfg, runtime, t: Trainer, step: int, inputs):
+    """Forward, backward, clip, and (unless the guard skips a non-finite step) AdamW and the EMA.
+    Returns (loss, the whole model's gradient norm, skipped)."""
+    tc, phase = cfg.train, runtime.watchdog.mark
+    phase("forward")
+    loss = t.flow.training_loss(t.model, *inputs)
+    loss = runtime.faults.nan_loss(loss, step + 1)  # tests only
+    phase("backward")
+    loss.backward()
+    phase("optimizer")
+    grad_norm = torch.nn.utils.clip_grad_norm_(t.model.parameters(), tc.grad_clip)
+    # the whole model's norm on every rank (no communication when it is already replicated, as on torch 2.13)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    for group in t.optimizer.param_groups:
+        group["lr"] = learning_rate(tc, step)
+    skipped = t.guard.skip(step + 1, grad_norm)
+    if not skipped:
+        t.optimizer.step()
+        update_ema(t.ema, t.model, tc.ema_decay)
+    t.optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm, skipped
+
+
+@dataclass
+class Window:
+    """What the ranks add up between two log steps, summed in one all-reduce at the log step."""
+
+    num_buckets: int
+    start_step: int
+    samples: float = 0.0
+    tokens: float = 0.0
+    replaced: float = 0.0
+    per_bucket: list = field(default_factory=list)  # batches per bucket
+    started: float = field(default_factory=time.perf_counter)
+    replaced_total: int = 0  # over the whole run, for metrics.jsonl
+
+    def __post_init__(self):
+        self.per_bucket = [0.0] * self.num_buckets
+
+    def add(self, n: int, buckets, bucket: int, failures) -> None:
+        self.samples += n
+        self.tokens += n * buckets.tokens[bucket]
+        self.replaced += len(failures)
+        self.per_bucket[bucket] += 1
+
+    def summarize(self, runtime, plan: Plan, loss, done: int) -> dict:
+        """The window's metrics, summed over every rank (each group's reader adds its step loss once),
+        then a new window begins."""
+        own_loss = loss.detach().double().item() if loss is not None else 0.0
+        packed = torch.tensor(
+            [own_loss, self.samples, self.tokens, self.replaced, *self.per_bucket], dtype=torch.float64
+        )
+        totals = comm.all_reduce(packed.to(runtime.device)).cpu()  # on the device: NCCL takes no CPU tensors
+        summed_loss, samples, tokens, replaced = totals[:4].tolist()
+        elapsed = time.perf_counter() - self.started
+        self.replaced_total += int(replaced)
+        mix = {plan.buckets.buckets[b].name: int(n) for b, n in enumerate(totals[4:].tolist()) if n}
+        metrics = {
+            "step": done,
+            "loss": summed_loss / plan.layout.dp,
+            "step_time": elapsed / (done - self.start_step),
+            "samples_per_s": samples / elapsed,
+            "tokens_per_s": tokens / elapsed,
+            "buckets": mix,
+            "replaced_samples": self.replaced_total,
+        }
+        self.samples = self.tokens = self.replaced = 0.0
+        self.per_bucket = [0.0] * self.num_buckets
+        self.started, self.start_step = time.perf_counter(), done
+        return metrics
+
+
+_METRIC_ORDER = ("step", "loss", "lr", "grad_norm", "step_time", "samples_per_s", "tokens_per_s", "epoch")
+
+
+def _ordered(metrics: dict) -> dict:
+    """metrics.jsonl keeps one key order, whatever order the values were computed in."""
+    return {k: metrics[k] for k in _METRIC_ORDER} | {
+        k: v for k, v in metrics.items() if k not in _METRIC_ORDER
+    }
+
+
+def report_replaced(runtime, run: RunDirectory, failures, reported: set, step: int) -> None:
+    """Samples the loader could not read and replaced: said once per file, and kept in the data report."""
+    for path, why in failures:
+        if path not in reported:
+            reported.add(path)
+            print(f"[tessera] rank {runtime.rank}: replaced {path} by another sample ({why})", flush=True)
+            run.report_replaced(runtime.rank, path, why, step)
+
+
+def save(runtime, plan: Plan, t: Trainer, done: int, keep: int) -> None:
+    runtime.watchdog.mark("checkpoint")
+    t.guard.check(done)
+    trainer_state = {
+        "step": done,
+        "sampler": plan.sampler.state_dict(done),
+        "world_size": runtime.world_size,
+        "architecture": t.architecture,
+    }
+    try:
+        save_checkpoint(runtime, t.run.path, done, t.model, t.ema, t.optimizer, trainer_state, keep)
+    except NonFiniteWeights as e:  # weights that overflowed while every gradient norm was finite
+        raise t.guard.diverged(str(e)) from None
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _summary(cfg, plan: Plan, runtime, model, run: RunDirectory, bf16: bool) -> str:
+    auto = " (parallel.auto)" if cfg.parallel.auto else ""
+    device = f"{runtime.device.type} ({runtime.backend}, {'bf16' if bf16 else 'fp32'})"
+    sampler = plan.sampler
+    return (
+        f"[tessera] {cfg.model.size}: {count_parameters(model) / 1e6:.2f}M parameters; layout "
+        f"{plan.layout.describe()}{auto}; {device}\n"
+        f"[tessera] data: {plan.dataset.summary(run.data_report)}\n"
+        f"[tessera] {sampler.steps_per_epoch} steps per epoch ({sampler.num_batches} batches"
+        f"{_padding_note(sampler)})"
+    )
 
 
 def encode_batch(batch, dropped: list[bool], text_encoder, vae, device):
@@ -348,7 +429,7 @@ def encode_batch(batch, dropped: list[bool], text_encoder, vae, device):
     y, y_mask = text_encoder(["" if d else c for d, c in zip(dropped, batch["caption"])], device)
     video = to_model_range(batch["video"].to(device, non_blocking=True))
     # in the tiles precompute_latents.py uses, so media and precomputed latents are the same latents
-    return parallel_vae.encode(vae, video, tile=vae.tile_latent, overlap=vae.tile_overlap), y, y_mask
+    return tiling.encode(vae, video, vae.tile_latent, vae.tile_overlap), y, y_mask
 
 
 def _padding_note(sampler) -> str:
@@ -368,16 +449,16 @@ def _bucket_mix(mix: dict) -> str:
     )
 
 
-def write_previews(cfg, runtime, run, model, vae, text_encoder, flow, step):
+def write_previews(cfg, runtime, run, model, t: Trainer, step):
     """Every rank samples (the model is sharded, so its forward needs all of them); rank 0 writes."""
     sc = cfg.sample
     was_training = model.training
     runtime.watchdog.sampling_progress(0, sc.steps)  # a deadline per denoising step
     videos = generate(
         model.eval(),
-        vae,
-        text_encoder,
-        flow,
+        t.vae,
+        t.text_encoder,
+        t.flow,
         list(sc.prompts),
         sc.frames or cfg.data.frames,
         sc.height or cfg.data.height,

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from configs.schema import TesseraConfig
+from models.tiling import check_tiling
 
 CONFIG_DIR = Path(__file__).resolve().parent
 DEFAULT_RECIPE = CONFIG_DIR / "demo.yaml"
@@ -181,12 +182,10 @@ def validate(cfg: DictConfig) -> None:
     ):
         if OmegaConf.select(cfg, key) <= 0:
             raise ConfigError(f"'{key}' must be greater than 0, got {OmegaConf.select(cfg, key)}")
-    if cfg.vae.tile_latent < 1 or not 0 <= cfg.vae.tile_overlap < cfg.vae.tile_latent:
-        raise ConfigError(
-            f"'vae.tile_latent'={cfg.vae.tile_latent} and 'vae.tile_overlap'={cfg.vae.tile_overlap}: "
-            f"a tile is at least 1 latent pixel and overlaps its neighbour by 0 to tile_latent - 1; "
-            f"the default is 32 and 8"
-        )
+    try:
+        check_tiling(cfg.vae.tile_latent, cfg.vae.tile_overlap)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cfg.parallel.pipefusion_patches is not None and cfg.parallel.pipefusion_patches < 1:
         raise ConfigError(
             f"'parallel.pipefusion_patches' must be at least 1 or null (one per stage), "
@@ -245,7 +244,6 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"'train.ema_decay' must be in [0, 1), got {cfg.train.ema_decay}")
     if len(cfg.train.betas) != 2:
         raise ConfigError(f"'train.betas' must be two numbers, got {list(cfg.train.betas)}")
-    from data.buckets import parse_aspect_ratio
     from models.dit import DiT_models  # light import: the model code needs only torch
 
     for ratio in cfg.data.aspect_ratios:
@@ -256,6 +254,19 @@ def validate(cfg: DictConfig) -> None:
 
     if cfg.model.size not in DiT_models:
         raise ConfigError(f"'model.size' is '{cfg.model.size}'; choose one of {', '.join(DiT_models)}")
+
+
+def parse_aspect_ratio(text: str) -> float:
+    """'16:9' -> 16/9 (width over height)."""
+    try:
+        w, h = (float(x) for x in str(text).split(":"))
+        if w <= 0 or h <= 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(
+            f"data.aspect_ratios: '{text}' is not width:height with positive numbers, e.g. '16:9'"
+        ) from None
+    return w / h
 
 
 def save_config(cfg: DictConfig, path: str | os.PathLike) -> None:

@@ -8,6 +8,8 @@ unknown keys and wrong types into errors that name the key.
 from dataclasses import dataclass, field
 from typing import Optional
 
+from models.vae import DEFAULT_OVERLAP, DEFAULT_TILE
+
 
 @dataclass
 class RunConfig:
@@ -45,14 +47,14 @@ class VAEConfig:
     seed: int = 0  # seed of the tiny random VAE, so training and sampling build the same one
     tiny_base_dim: int = 16  # width of the tiny random VAE
     tiny_latent_channels: int = 4
-    # Decode (and encode) in spatial tiles, dealt across ranks (parallel/vae.py): the largest tile side and the
-    # overlap blended between neighbours, in latent pixels. 32 / 8 is diffusers' AutoencoderKLWan tiling (256 px
-    # tiles, 192 px stride at stride 8): Wan's 480 x 832 latent (60 x 104) becomes 3 x 4 = 12 tiles, enough for
-    # 2, 3, 4, 6 or 12 ranks to share evenly. For the SD-family VAEs (also stride 8) diffusers tiles at 512 px with
-    # 25% overlap: tile_latent=64, tile_overlap=16 matches that. A latent no larger than one tile is decoded
-    # whole (the tiny demo VAEs always are), so a large tile_latent turns tiling off.
-    tile_latent: int = 32
-    tile_overlap: int = 8
+    # Decode (and encode) in spatial tiles (models/tiling.py), dealt across ranks (parallel/vae.py): the
+    # largest tile side and the overlap blended between neighbours, in latent pixels. 32 / 8 is diffusers'
+    # AutoencoderKLWan tiling (256 px tiles, 192 px stride at stride 8): Wan's 480 x 832 latent becomes
+    # 3 x 4 = 12 tiles, enough for 2, 3, 4, 6 or 12 ranks to share evenly. For the SD-family VAEs diffusers
+    # tiles at 512 px with 25% overlap: tile_latent=64, tile_overlap=16 matches that. A latent no larger
+    # than one tile is decoded whole (the tiny demo VAEs always are): a large tile_latent turns tiling off.
+    tile_latent: int = DEFAULT_TILE
+    tile_overlap: int = DEFAULT_OVERLAP
 
 
 @dataclass

@@ -15,6 +15,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
+from configs import parse_aspect_ratio
 from data.media import frames_at_rate
 from models.vae import num_tokens
 
@@ -28,19 +29,6 @@ class Bucket:
     @property
     def name(self) -> str:
         return f"{self.frames}x{self.height}x{self.width}"
-
-
-def parse_aspect_ratio(text: str) -> float:
-    """'16:9' -> 16/9 (width over height)."""
-    try:
-        w, h = (float(x) for x in str(text).split(":"))
-        if w <= 0 or h <= 0:
-            raise ValueError
-    except ValueError:
-        raise ValueError(
-            f"data.aspect_ratios: '{text}' is not width:height with positive numbers, e.g. '16:9'"
-        ) from None
-    return w / h
 
 
 def _snap(size: float, multiple: int) -> int:

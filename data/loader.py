@@ -134,30 +134,29 @@ class _FaultyCollate:
     """collate, raising a DataError in the worker at the step named by TESSERA_FAULT=loader@<rank>:<step>
     (parallel/faults.py; the failure tests run one worker, so its batches are the steps in order)."""
 
-    def __init__(self, start_step: int):
+    def __init__(self, start_step: int, faults):
         self.step = start_step + 1  # counted from 1, as in metrics.jsonl
+        self.faults = faults
 
     def __call__(self, samples):
-        import os
-
         from data.dataset import DataError
-        from parallel import faults
 
         step, self.step = self.step, self.step + 1
-        if faults.loader_should_fail(int(os.environ.get("RANK", 0)), step):
+        if self.faults.loader_should_fail(step):
             raise DataError(f"injected loader fault in step {step}")
         return collate(samples)
 
 
-def build_loader(dataset: BucketedDataset, sampler: BucketSampler, num_workers: int) -> DataLoader:
-    import os
-
-    faulty = "loader" in os.environ.get("TESSERA_FAULT", "")
+def build_loader(
+    dataset: BucketedDataset, sampler: BucketSampler, num_workers: int, faults=None
+) -> DataLoader:
+    """`faults` (parallel/faults.py, the failure tests): a loader fault planned there wraps the collate."""
+    faulty = faults is not None and faults.named("loader")
     return DataLoader(
         dataset,
         batch_sampler=sampler,
         num_workers=num_workers,
-        collate_fn=_FaultyCollate(sampler.start_step) if faulty else collate,
+        collate_fn=_FaultyCollate(sampler.start_step, faults) if faulty else collate,
         persistent_workers=num_workers > 0,
         pin_memory=torch.cuda.is_available(),
         prefetch_factor=2 if num_workers > 0 else None,

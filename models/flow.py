@@ -107,7 +107,11 @@ def guided_velocity(model, y, y_mask, neg_y, neg_mask, guidance: float):
         v = model(torch.cat([x, x]) if guided else x, sigma.expand(y.shape[0]), y, y_mask)
         if not guided:
             return v
-        v_cond, v_uncond = v.chunk(2)
-        return v_uncond + guidance * (v_cond - v_uncond)
+        return guide(*v.chunk(2), guidance)
 
     return velocity
+
+
+def guide(v_cond, v_uncond, guidance: float):
+    """Classifier-free guidance: the unconditional velocity moved `guidance` times towards the conditional."""
+    return v_uncond + guidance * (v_cond - v_uncond)

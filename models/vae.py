@@ -16,6 +16,11 @@ import torch.nn as nn
 
 from models.util import seeded
 
+# Decode tiles (models/tiling.py), in latent pixels: the recipe's defaults (configs/schema.py VAEConfig).
+# 32 / 8 is diffusers' AutoencoderKLWan tiling: Wan's 480 x 832 latent (60 x 104) becomes 3 x 4 = 12 tiles.
+DEFAULT_TILE = 32
+DEFAULT_OVERLAP = 8
+
 
 class LatentSpace(nn.Module):
     """Shape arithmetic shared by every VAE."""
@@ -24,6 +29,8 @@ class LatentSpace(nn.Module):
     temporal_stride: int = 1
     spatial_stride: int = 1
     causal: bool = False  # a causal video VAE keeps the first frame alone: frames = 1 + k * stride
+    tile_latent: int = DEFAULT_TILE  # the decode tiles generate() uses (the recipe's: build_frozen)
+    tile_overlap: int = DEFAULT_OVERLAP
 
     def latent_frames(self, frames: int) -> int:
         return 1 + (frames - 1) // self.temporal_stride if self.causal else frames // self.temporal_stride

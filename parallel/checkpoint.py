@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from parallel import comm, faults
+from parallel import comm
 
 CHECKSUMS = "checksums.json"
 _POINTER = re.compile(r"step_(\d+)")
@@ -275,8 +275,8 @@ def save_checkpoint(
 def _write(
     runtime, state, root: Path, final: Path, tmp: Path, step: int, trainer_state: dict, keep: int
 ) -> None:
-    faults.at_save("before_shards", runtime.rank, step)
-    writer = faults.full_disk_writer(tmp, runtime.rank, step)  # tests only (TESSERA_FAULT=enospc); else None
+    runtime.faults.at_save("before_shards", step)
+    writer = runtime.faults.full_disk_writer(tmp, step)  # tests only (TESSERA_FAULT=enospc); else None
     # gloo, long timeout (I/O is slow), on a group of its own (see the docstring); DCP's collectives run inside
     with comm.recorded("checkpoint_save", runtime.control_group, None):
         _on_io_group(
@@ -288,7 +288,7 @@ def _write(
     runtime.fence()
     if runtime.is_main:
         _merge_checksums(tmp, runtime.world_size)
-    faults.at_save("after_shards", runtime.rank, step)
+    runtime.faults.at_save("after_shards", step)
     if runtime.is_main:
         replaced = (
             root / f".step_{step}.old"
@@ -300,7 +300,7 @@ def _write(
             final.rename(replaced)
         tmp.rename(final)
         _fsync_dir(root)
-        faults.at_save("after_rename", runtime.rank, step)
+        runtime.faults.at_save("after_rename", step)
         pointer_tmp = root / "latest.tmp"
         _write_durably(pointer_tmp, final.name + "\n")
         pointer_tmp.replace(root / "latest")

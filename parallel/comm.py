@@ -21,6 +21,7 @@ import json
 import os
 import threading
 import time
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -47,91 +48,156 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class _State:
-    max_message_bytes = 256 * 2**20
-    records: collections.deque = collections.deque(maxlen=1024)
-    lock = threading.Lock()  # the watchdog thread reads the records while the main thread appends
-    seq = 0
-    last_activity = time.monotonic()  # when an op last started or ended (the watchdog's progress signal)
-    waiting: "OpRecord | None" = None  # the posted transfer the main thread waits for (PendingOps.wait)
-    group_names: dict = {}
-    bytes_by_kind: collections.Counter = collections.Counter()
-    sent_by_kind: collections.Counter = collections.Counter()
-    ops_by_kind: collections.Counter = collections.Counter()
-    failure_dir: Path | None = None
+class CommLog:
+    """One runtime's record of its ops: the ring buffer of recent ops, the op the main thread waits in,
+    the byte counters, the group names and the message cap. The Runtime owns one (parallel/runtime.py)
+    and adopts its groups into it; an op finds the log through the group it runs on (`log_of`), so two
+    runtimes in one process keep apart. The watchdog thread reads it while the main thread appends."""
+
+    def __init__(self, max_message_mb: float = 256, history: int = 1024, failure_dir=None):
+        self.max_message_bytes = max(1, int(max_message_mb * 2**20))
+        self.records: collections.deque = collections.deque(maxlen=history)
+        self.lock = threading.Lock()
+        self.seq = 0
+        self.last_activity = time.monotonic()  # when an op last started or ended (the watchdog's progress)
+        self.waiting: OpRecord | None = None  # the posted transfer the main thread waits for
+        self.group_names = weakref.WeakKeyDictionary()
+        self.bytes_by_kind: collections.Counter = collections.Counter()
+        self.sent_by_kind: collections.Counter = collections.Counter()
+        self.ops_by_kind: collections.Counter = collections.Counter()
+        self.failure_dir = Path(failure_dir) if failure_dir is not None else None
+
+    def adopt(self, group, name: str) -> None:
+        """Record `group`'s ops here, under `name` (None: the default group). Groups from a device mesh
+        have no name of their own."""
+        group = _default_group() if group is None else group
+        if group is not None:
+            _LOGS[group] = self
+            self.group_names[group] = name
+
+    def last_record(self) -> "OpRecord | None":
+        """The newest op; it is still in flight (waited in, or queued) when its `end` is None."""
+        with self.lock:
+            return self.records[-1] if self.records else None
+
+    def blocked_in(self) -> "OpRecord | None":
+        """The op this rank's main thread waits in, if any: a collective it is inside, posted transfers it
+        waits for, an op that failed (the rank stopped there), or on CUDA an op the stream has not passed
+        yet (ops return once queued there: the host blocks later). Transfers posted ahead of time, which
+        the rank computes beside, are not waited in (PipeFusion posts its receives early)."""
+        waiting = self.waiting
+        if waiting is not None:
+            return waiting
+        with self.lock:
+            recent = list(self.records)[-8:]
+        failed = [record for record in recent if record.error is not None]
+        if failed:  # the run is failing there (a transfer posted earlier may be the one that raised)
+            return failed[-1]
+        if recent and recent[-1].end is None and not recent[-1].posted:
+            return recent[-1]
+        for record in reversed(recent):
+            event = getattr(record, "done_event", None)
+            if event is not None and not event.query():
+                return record
+        return None
+
+    def snapshot(self) -> list:
+        with self.lock:
+            return list(self.records)
+
+    def stats(self) -> dict:
+        return {
+            "bytes": dict(self.bytes_by_kind),
+            "sent": dict(self.sent_by_kind),
+            "ops": dict(self.ops_by_kind),
+        }
+
+    def reset_stats(self) -> None:
+        self.bytes_by_kind.clear()
+        self.sent_by_kind.clear()
+        self.ops_by_kind.clear()
+
+    def group_name(self, group) -> str:
+        if group is None or group is dist.GroupMember.WORLD:
+            return self.group_names.get(_default_group(), "world") if dist.is_initialized() else "world"
+        if group in self.group_names:
+            return self.group_names[group]
+        desc = getattr(group, "group_desc", None)
+        return desc if desc and desc != "undefined" else str(dist.get_process_group_ranks(group))
+
+    def dump(self, folder, rank: int, reason: str, **extra) -> Path:
+        """Write this rank's recent ops (the last is the one in flight if it has no end time), with
+        whatever else the caller knows (the watchdog adds the step, the phase and every rank's heartbeat)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"comm_rank{rank}.json"
+        tmp = path.with_suffix(".tmp")
+        waiting = self.blocked_in()
+        with open(tmp, "w") as f:
+            json.dump(
+                {
+                    "rank": rank,
+                    "pid": os.getpid(),
+                    "reason": reason,
+                    "time": time.time(),
+                    **extra,
+                    "waiting_seq": waiting.seq if waiting is not None else None,
+                    "records": [asdict(r) for r in self.snapshot()],
+                },
+                f,
+                indent=1,
+                default=str,
+            )
+        tmp.replace(path)  # diagnose.py never reads half a file
+        return path
+
+    def dump_safely(self, folder, rank: int, reason: str, **extra) -> str:
+        """`dump` for failure paths: the path written, or why nothing could be (never raises)."""
+        try:
+            return str(self.dump(folder, rank, reason, **extra))
+        except OSError as e:
+            return (
+                f"nowhere: {Path(folder) / f'comm_rank{rank}.json'} could not be written ({e.strerror or e})"
+            )
 
 
-def set_failure_dir(folder) -> None:
-    """Where `dump_records` writes when an entry point fails (the run directory's failures/)."""
-    _State.failure_dir = Path(folder)
+# group -> the CommLog that adopted it. Weak: a destroyed group's entry goes with it.
+_LOGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def failure_dir() -> Path | None:
-    return _State.failure_dir
+def _default_group():
+    return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
 
 
-def configure(max_message_mb: float, history: int = 1024) -> None:
-    _State.max_message_bytes = max(1, int(max_message_mb * 2**20))
-    with _State.lock:
-        _State.records = collections.deque(maxlen=history)
+def log_of(group=None) -> CommLog:
+    """The log `group`'s ops record into: the one that adopted it, else the default group's (a group
+    made outside a runtime, in a test or a benchmark), created on first use."""
+    log = _LOGS.get(group) if group is not None else None
+    if log is None:
+        default = _default_group()
+        log = _LOGS.get(default) if default is not None else None
+        if log is None:
+            log = _LOGS.setdefault(default, CommLog()) if default is not None else _DETACHED
+    return log
 
 
-def name_group(group, name: str) -> None:
-    """The name records and error messages use for `group` (groups from a device mesh have none)."""
-    if group is not None:
-        _State.group_names[group] = name
+_DETACHED = CommLog()  # ops before any process group exists (none can run; the records stay empty)
 
 
-def last_activity() -> float:
-    """time.monotonic() of the last op start or end on this rank."""
-    return _State.last_activity
+def configure(max_message_mb: float, group=None) -> None:
+    """Set the message cap of `group`'s log and clear its records (benchmarks and tests)."""
+    log = log_of(group)
+    log.max_message_bytes = max(1, int(max_message_mb * 2**20))
+    with log.lock:
+        log.records.clear()
 
 
-def last_record() -> "OpRecord | None":
-    """The newest op; it is still in flight (waited in, or queued) when its `end` is None."""
-    with _State.lock:
-        return _State.records[-1] if _State.records else None
+def stats(group=None) -> dict:
+    return log_of(group).stats()
 
 
-def blocked_in() -> "OpRecord | None":
-    """The op this rank's main thread waits in, if any: a collective it is inside, posted transfers it
-    waits for, an op that failed (the rank stopped there), or on CUDA an op the stream has not passed yet
-    (ops return once queued there: the host blocks later). Transfers posted ahead of time, which the rank
-    computes beside, are not waited in (PipeFusion posts its receives early)."""
-    waiting = _State.waiting
-    if waiting is not None:
-        return waiting
-    with _State.lock:
-        recent = list(_State.records)[-8:]
-    failed = [record for record in recent if record.error is not None]
-    if failed:  # the run is failing there (a transfer posted earlier may be the one that raised)
-        return failed[-1]
-    if recent and recent[-1].end is None and not recent[-1].posted:
-        return recent[-1]
-    for record in reversed(recent):
-        event = getattr(record, "done_event", None)
-        if event is not None and not event.query():
-            return record
-    return None
-
-
-def records() -> list:
-    with _State.lock:
-        return list(_State.records)
-
-
-def stats() -> dict:
-    return {
-        "bytes": dict(_State.bytes_by_kind),
-        "sent": dict(_State.sent_by_kind),
-        "ops": dict(_State.ops_by_kind),
-    }
-
-
-def reset_stats() -> None:
-    _State.bytes_by_kind.clear()
-    _State.sent_by_kind.clear()
-    _State.ops_by_kind.clear()
+def reset_stats(group=None) -> None:
+    log_of(group).reset_stats()
 
 
 def _sent_fraction(kind: str, peers: int) -> float:
@@ -147,41 +213,24 @@ def _sent_fraction(kind: str, peers: int) -> float:
     }.get(kind, 0.0)
 
 
-def _group_name(group) -> str:
-    if group is None:
-        return "world"
-    if group in _State.group_names:
-        return _State.group_names[group]
-    if group is dist.GroupMember.WORLD:
-        return "world"
-    desc = getattr(group, "group_desc", None)
-    return desc if desc and desc != "undefined" else str(dist.get_process_group_ranks(group))
-
-
 class recorded:
-    """Context manager that records one op and its duration (ops that bypass the functions below,
-    such as FSDP2's collectives or a checkpoint save, are recorded with it too)."""
+    """Context manager that records one op and its duration in `group`'s log (ops that bypass the
+    functions below, such as FSDP2's collectives or a checkpoint save, are recorded with it too)."""
 
-    def __init__(self, kind, group, tensor: torch.Tensor | None):
+    def __init__(self, kind, group, tensor: torch.Tensor | None, log: CommLog | None = None):
+        self.log = log = log or log_of(group)
         self.on_cuda = tensor is not None and tensor.is_cuda
         nbytes = tensor.numel() * tensor.element_size() if tensor is not None else 0
-        self.record = OpRecord(
-            _State.seq + 1,
-            kind,
-            _group_name(group),
-            tuple(tensor.shape) if tensor is not None else (),
-            str(tensor.dtype) if tensor is not None else "",
-            nbytes,
-            time.time(),
-        )
-        with _State.lock:
-            _State.seq += 1
-            _State.records.append(self.record)
-        _State.last_activity = time.monotonic()
-        _State.bytes_by_kind[kind] += nbytes
+        shape, dtype = (tuple(tensor.shape), str(tensor.dtype)) if tensor is not None else ((), "")
+        with log.lock:
+            log.seq += 1
+            self.record = OpRecord(log.seq, kind, log.group_name(group), shape, dtype, nbytes, time.time())
+            log.records.append(self.record)
+        log.last_activity = time.monotonic()
+        log.bytes_by_kind[kind] += nbytes
         if nbytes and dist.is_initialized():
-            _State.sent_by_kind[kind] += int(nbytes * _sent_fraction(kind, dist.get_world_size(group) - 1))
-        _State.ops_by_kind[kind] += 1
+            log.sent_by_kind[kind] += int(nbytes * _sent_fraction(kind, dist.get_world_size(group) - 1))
+        log.ops_by_kind[kind] += 1
 
     def __enter__(self):
         return self.record
@@ -193,19 +242,19 @@ class recorded:
             self.record.done_event = torch.cuda.Event()
             self.record.done_event.record()
         self.record.end = time.time()
-        _State.last_activity = time.monotonic()
+        self.log.last_activity = time.monotonic()
         return False
 
 
-def _chunks(flat: torch.Tensor):
-    per_chunk = max(1, _State.max_message_bytes // flat.element_size())
+def _chunks(flat: torch.Tensor, group):
+    per_chunk = max(1, log_of(group).max_message_bytes // flat.element_size())
     return flat.split(per_chunk)
 
 
-def _column_ranges(columns: int, rows: int, element_size: int):
+def _column_ranges(columns: int, rows: int, element_size: int, group):
     """Split a (rows, columns) message by columns so that each piece stays under the cap. Used for
     all-to-all / all-gather / reduce-scatter, where row i is the block that goes to (or comes from) rank i."""
-    per_piece = max(1, _State.max_message_bytes // max(1, rows * element_size))
+    per_piece = max(1, log_of(group).max_message_bytes // max(1, rows * element_size))
     return [(start, min(columns, start + per_piece)) for start in range(0, columns, per_piece)]
 
 
@@ -228,7 +277,7 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.
     """In-place all-reduce, chunked above the message cap."""
     with recorded("all_reduce", group, tensor):
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)
-        chunks = _chunks(flat)
+        chunks = _chunks(flat, group)
         for chunk in chunks:
             _wait(dist.all_reduce(chunk, op=op, group=group, async_op=True), chunk, len(chunks) > 1)
         if flat.data_ptr() != tensor.data_ptr():
@@ -249,7 +298,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group) -> torch
         )
     with recorded("all_to_all", group, input):
         send, recv = input.contiguous().view(size, -1), output.view(size, -1)
-        if send.numel() * send.element_size() <= _State.max_message_bytes:
+        if send.numel() * send.element_size() <= log_of(group).max_message_bytes:
             _wait(dist.all_to_all_single(recv, send, group=group, async_op=True), recv)
             return output
         me = dist.get_rank(group)
@@ -271,7 +320,7 @@ def _post_pair(send: torch.Tensor, to_rank: int, recv: torch.Tensor, from_rank: 
 
 def _exchange_in_pieces(send: torch.Tensor, to_rank: int, recv: torch.Tensor, from_rank: int, group) -> None:
     """Contiguous 1-D send/recv, cut into pieces under the cap, each waited on before the next."""
-    for out_piece, in_piece in zip(_chunks(send), _chunks(recv)):
+    for out_piece, in_piece in zip(_chunks(send, group), _chunks(recv, group)):
         for work in _post_pair(out_piece, to_rank, in_piece, from_rank, group):
             _wait(work, in_piece, between_chunks=True)
 
@@ -285,7 +334,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group) -> 
     size = dist.get_world_size(group)
     with recorded("all_gather", group, input):
         flat, out = input.reshape(-1), output.view(size, -1)
-        ranges = _column_ranges(flat.numel(), size, input.element_size())
+        ranges = _column_ranges(flat.numel(), size, input.element_size(), group)
         if len(ranges) == 1:
             _wait(_all_gather(output.view(-1), flat.contiguous(), group=group, async_op=True), output)
         else:
@@ -305,7 +354,7 @@ def reduce_scatter_tensor(
     size = dist.get_world_size(group)
     with recorded("reduce_scatter", group, input):
         send, out = input.reshape(size, -1), output.view(-1)
-        ranges = _column_ranges(send.shape[1], size, input.element_size())
+        ranges = _column_ranges(send.shape[1], size, input.element_size(), group)
         if len(ranges) == 1:
             _wait(_reduce_scatter(out, send.reshape(-1).contiguous(), op=op, group=group, async_op=True), out)
         else:
@@ -333,26 +382,27 @@ def exchange(send: torch.Tensor, to_rank: int, recv: torch.Tensor, from_rank: in
         raise ValueError(f"exchange: sent {tuple(send.shape)} and received {tuple(recv.shape)} shapes differ")
     record = recorded("send_recv", group, send).record
     flat_send, flat_recv = send.reshape(-1).contiguous(), recv.view(-1)
-    if flat_send.numel() * flat_send.element_size() <= _State.max_message_bytes:
+    if flat_send.numel() * flat_send.element_size() <= log_of(group).max_message_bytes:
         record.posted = True  # in flight while the caller computes; waited in only in PendingOps.wait
-        return PendingOps(_post_pair(flat_send, to_rank, flat_recv, from_rank, group), [record], send.is_cuda)
+        pairs = _post_pair(flat_send, to_rank, flat_recv, from_rank, group)
+        return PendingOps(pairs, [record], log_of(group), send.is_cuda)
     _exchange_in_pieces(flat_send, to_rank, flat_recv, from_rank, group)
     record.end = time.time()
-    return PendingOps([], [record])
+    return PendingOps([], [record], log_of(group))
 
 
 class PendingOps:
     """Point-to-point transfers in flight (`exchange`, `post`); `wait()` before reading what was received
     (on CUDA it orders the stream after them; the host runs on)."""
 
-    def __init__(self, works, records, on_cuda: bool = False):
-        self.works, self.records, self._on_cuda = works, records, on_cuda
+    def __init__(self, works, records, log: CommLog, on_cuda: bool = False):
+        self.works, self.records, self.log, self._on_cuda = works, records, log, on_cuda
 
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self.works)
 
     def wait(self) -> None:
-        _State.waiting = self.records[0] if self.works and self.records else None
+        self.log.waiting = self.records[0] if self.works and self.records else None
         try:
             for work in self.works:
                 work.wait()
@@ -361,7 +411,7 @@ class PendingOps:
                 record.error = record.error or f"{type(e).__name__}: {str(e)[:200]}"
             raise
         finally:
-            _State.waiting = None
+            self.log.waiting = None
         now = time.time()
         for record in self.records:
             if record.end is None:
@@ -370,7 +420,7 @@ class PendingOps:
                     record.done_event = torch.cuda.Event()  # the stream waits for the transfer from here
                     record.done_event.record()
         self.works = []
-        _State.last_activity = time.monotonic()
+        self.log.last_activity = time.monotonic()
 
 
 def post(sends=(), recvs=(), group=None) -> PendingOps:
@@ -386,16 +436,16 @@ def post(sends=(), recvs=(), group=None) -> PendingOps:
                 raise ValueError(f"post: {kind} buffers must be contiguous, got {tuple(tensor.shape)}")
             records.append(recorded(kind, group, tensor).record)
             records[-1].posted = True
-            ops += [dist.P2POp(op, piece, peer, group) for piece in _chunks(tensor.view(-1))]
+            ops += [dist.P2POp(op, piece, peer, group) for piece in _chunks(tensor.view(-1), group)]
     on_cuda = any(tensor.is_cuda for tensor, _ in (*sends, *recvs))
-    return PendingOps(dist.batch_isend_irecv(ops) if ops else [], records, on_cuda)
+    return PendingOps(dist.batch_isend_irecv(ops) if ops else [], records, log_of(group), on_cuda)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
     """In-place broadcast from global rank `src`, chunked above the message cap."""
     with recorded("broadcast", group, tensor):
         flat = tensor.view(-1)
-        chunks = _chunks(flat)
+        chunks = _chunks(flat, group)
         for chunk in chunks:
             _wait(dist.broadcast(chunk, src=src, group=group, async_op=True), chunk, len(chunks) > 1)
     return tensor
@@ -404,38 +454,3 @@ def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
 def barrier(group=None) -> None:
     with recorded("barrier", group, None):
         dist.barrier(group=group)
-
-
-def dump_records(folder, rank: int, reason: str, **extra) -> Path:
-    """Write this rank's recent ops (the last is the one in flight if it has no end time), with
-    whatever else the caller knows (the watchdog adds the step, the phase and every rank's heartbeat)."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"comm_rank{rank}.json"
-    tmp = path.with_suffix(".tmp")
-    waiting = blocked_in()
-    with open(tmp, "w") as f:
-        json.dump(
-            {
-                "rank": rank,
-                "pid": os.getpid(),
-                "reason": reason,
-                "time": time.time(),
-                **extra,
-                "waiting_seq": waiting.seq if waiting is not None else None,
-                "records": [asdict(r) for r in records()],
-            },
-            f,
-            indent=1,
-            default=str,
-        )
-    tmp.replace(path)  # diagnose.py never reads half a file
-    return path
-
-
-def dump_records_safely(folder, rank: int, reason: str, **extra) -> str:
-    """`dump_records` for failure paths: the path written, or why nothing could be (never raises)."""
-    try:
-        return str(dump_records(folder, rank, reason, **extra))
-    except OSError as e:
-        return f"nowhere: {Path(folder) / f'comm_rank{rank}.json'} could not be written ({e.strerror or e})"

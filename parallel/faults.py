@@ -21,57 +21,96 @@ import re
 import signal
 import sys
 import time
+from dataclasses import dataclass
 
 _SPEC = re.compile(r"^(\w+)(?:@(\d+))?(?::(\d+))?$")
 
 
-def planned(fault: str, rank: int, step: int) -> bool:
-    for spec in filter(None, os.environ.get("TESSERA_FAULT", "").split(",")):
-        match = _SPEC.match(spec.strip())
-        if match is None:
-            raise ValueError(
-                f"TESSERA_FAULT={spec!r}: expected <fault>[@<rank>][:<step>] (see parallel/faults.py)"
+@dataclass(frozen=True)
+class Faults:
+    """The faults planned for this rank, parsed once at start-up (a malformed spec fails there, before
+    any work). Empty outside the failure tests; every method is then a no-op. Picklable: the data
+    loader's workers take it along."""
+
+    rank: int = 0
+    specs: tuple = ()  # (fault, rank or None, step or None)
+
+    @classmethod
+    def from_env(cls, rank: int) -> "Faults":
+        specs = []
+        for spec in filter(None, os.environ.get("TESSERA_FAULT", "").split(",")):
+            match = _SPEC.match(spec.strip())
+            if match is None:
+                raise ValueError(
+                    f"TESSERA_FAULT={spec!r}: expected <fault>[@<rank>][:<step>] (see parallel/faults.py)"
+                )
+            name, at_rank, at_step = match.groups()
+            specs.append(
+                (name, None if at_rank is None else int(at_rank), None if at_step is None else int(at_step))
             )
-        name, at_rank, at_step = match.groups()
-        if name == fault and at_rank in (None, str(rank)) and at_step in (None, str(step)):
-            return True
-    return False
+        return cls(rank, tuple(specs))
 
+    def planned(self, fault: str, step: int = 0) -> bool:
+        return any(
+            name == fault and at_rank in (None, self.rank) and at_step in (None, step)
+            for name, at_rank, at_step in self.specs
+        )
 
-def _announce(fault: str, rank: int, step: int) -> None:
-    print(
-        f"[fault] rank {rank}: {fault} in step {step}", file=sys.stderr, flush=True
-    )  # the tests time from here
+    def named(self, fault: str) -> bool:
+        """Whether `fault` is planned at all, on any rank or step."""
+        return any(name == fault for name, _, _ in self.specs)
 
+    def _announce(self, fault: str, step: int) -> None:
+        print(
+            f"[fault] rank {self.rank}: {fault} in step {step}", file=sys.stderr, flush=True
+        )  # tests time from here
 
-def at_step(rank: int, step: int) -> None:
-    if "TESSERA_FAULT" not in os.environ:
-        return
-    for fault in ("stop", "kill", "hang", "raise", "collective", "term"):
-        if planned(fault, rank, step):
-            _announce(fault, rank, step)
-            _act(fault, f"step {step}")
+    def at_step(self, step: int) -> None:
+        for fault in ("stop", "kill", "hang", "raise", "collective", "term"):
+            if self.planned(fault, step):
+                self._announce(fault, step)
+                _act(fault, f"step {step}")
 
+    def at_sampling_step(self, step: int, total: int) -> None:
+        """`sample_stop`, `sample_kill`, `sample_hang` at the start of denoising step `step` (2 or later)."""
+        if step > total:
+            return
+        for fault in ("stop", "kill", "hang"):
+            if self.planned(f"sample_{fault}", step):
+                self._announce(f"sample_{fault}", step)
+                _act(fault, f"sampling step {step}")
 
-def at_sampling_step(rank: int, step: int, total: int) -> None:
-    """`sample_stop`, `sample_kill`, `sample_hang` at the start of denoising step `step` (2 or later)."""
-    if "TESSERA_FAULT" not in os.environ or step > total:
-        return
-    for fault in ("stop", "kill", "hang"):
-        if planned(f"sample_{fault}", rank, step):
-            _announce(f"sample_{fault}", rank, step)
-            _act(fault, f"sampling step {step}")
+    def at_startup(self) -> None:
+        """`startup_stop`, `startup_kill`, `startup_hang`, `startup_raise` once the process groups exist
+        (counted as step 0)."""
+        for fault in ("stop", "kill", "hang", "raise"):
+            if self.planned(f"startup_{fault}", 0):
+                self._announce(f"startup_{fault}", 0)
+                _act(fault, "start-up")
 
+    def at_save(self, point: str, step: int) -> None:
+        """SIGKILL at `point` (before_shards, after_shards, after_rename) of the save of step `step`."""
+        if self.planned(f"save_{point}", step):
+            self._announce(f"save_{point}", step)
+            os.kill(os.getpid(), signal.SIGKILL)
 
-def at_startup(rank: int) -> None:
-    """`startup_stop`, `startup_kill`, `startup_hang`, `startup_raise` once the process groups exist
-    (counted as step 0)."""
-    if "TESSERA_FAULT" not in os.environ:
-        return
-    for fault in ("stop", "kill", "hang", "raise"):
-        if planned(f"startup_{fault}", rank, 0):
-            _announce(f"startup_{fault}", rank, 0)
-            _act(fault, "start-up")
+    def loader_should_fail(self, step: int) -> bool:
+        return self.planned("loader", step)
+
+    def nan_loss(self, loss, step: int):
+        """The loss, or NaN at the step named by nan@<rank>:<step> (a diverging run)."""
+        if self.planned("nan", step):
+            self._announce("nan", step)
+            return loss * float("nan")
+        return loss
+
+    def full_disk_writer(self, path, step: int):
+        """A DCP storage writer whose files fail with ENOSPC after 4 KiB, for the save named by
+        enospc@<rank>:<step>; None (DCP's own writer) otherwise."""
+        if not self.planned("enospc", step):
+            return None
+        self._announce("enospc", step)
+        return _full_disk_writer(path)
 
 
 def _act(fault: str, where: str) -> None:
@@ -96,38 +135,13 @@ def _act(fault: str, where: str) -> None:
         comm.all_reduce(torch.zeros(3))
 
 
-def at_save(point: str, rank: int, step: int) -> None:
-    """SIGKILL at `point` (before_shards, after_shards, after_rename) of the save of step `step`."""
-    if "TESSERA_FAULT" in os.environ and planned(f"save_{point}", rank, step):
-        _announce(f"save_{point}", rank, step)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def loader_should_fail(rank: int, step: int) -> bool:
-    return "TESSERA_FAULT" in os.environ and planned("loader", rank, step)
-
-
-def nan_loss(loss, rank: int, step: int):
-    """The loss, or NaN at the step named by TESSERA_FAULT=nan@<rank>:<step> (a diverging run)."""
-    if "TESSERA_FAULT" in os.environ and planned("nan", rank, step):
-        _announce("nan", rank, step)
-        return loss * float("nan")
-    return loss
-
-
-def full_disk_writer(path, rank: int, step: int):
-    """A DCP storage writer whose files fail with ENOSPC after 4 KiB, for the save named by
-    TESSERA_FAULT=enospc@<rank>:<step>; None (DCP's own writer) otherwise."""
-    if "TESSERA_FAULT" not in os.environ or not planned("enospc", rank, step):
-        return None
+def _full_disk_writer(path):
     import contextlib
     import errno
     import io
 
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.filesystem import FileSystem
-
-    _announce("enospc", rank, step)
 
     class FillingStream(io.RawIOBase):
         """A file that takes `budget` bytes, then fails as a full disk does."""

@@ -36,206 +36,25 @@ their last stages combine each patch with one all-gather.
 CFG parallel alone (`cfg_velocity`): each half of the ranks runs one branch, one all-gather per step.
 """
 
-import copy
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parallel import comm, faults
-from parallel.layout import LayoutError
-from parallel.sequence import SequenceGroups, all_to_all_dims
-
-
-@dataclass
-class SamplingGroups:
-    """This rank's place in the sampling layout (built by parallel/runtime.py)."""
-
-    cfg_group: object  # the ranks that differ only in the guidance branch (None when cfg=1)
-    cfg_size: int
-    cfg_rank: int  # 0: the conditional branch, 1: the unconditional/negative one (the serial batch order)
-    forward_group: object  # the ranks of this pipeline (differ only in stage), for stage -> stage + 1
-    return_group: object  # the same ranks, a second communicator, for last stage -> stage 0
-    pipeline_ranks: list  # global ranks of this pipeline, in stage order
-    stage: int
-    sequence: SequenceGroups  # ulysses / ring inside the stage
-    replica_group: object  # every rank that works on the same samples (cfg x pipefusion x ulysses x ring)
-    replica_size: int
-    replica_control: object = (
-        None  # the same ranks on gloo with the control timeout: fences the replica's writer
-    )
-
-    @property
-    def stages(self) -> int:
-        return len(self.pipeline_ranks)
-
-
-class PipeFusionError(RuntimeError):
-    """Ranks of a pipeline that disagree on their messages: reported as an `error:` line, no traceback."""
-
-
-# ---------------------------------------------------------------------------------------------------
-# The split of the model and of the sequence.
-
-
-def stage_blocks(depth: int, stages: int) -> list[range]:
-    """Contiguous block ranges, sizes differing by at most one (the earlier stages take the extra)."""
-    base, extra = divmod(depth, stages)
-    ranges, start = [], 0
-    for stage in range(stages):
-        size = base + (stage < extra)
-        ranges.append(range(start, start + size))
-        start += size
-    return ranges
-
-
-def patch_ranges(grid, patches: int) -> list[tuple[int, int]]:
-    """Token ranges [start, end) of `patches` patches of whole patch rows (t*h rows of w tokens), sizes
-    differing by at most one row."""
-    t, h, w = grid
-    rows = t * h
-    if not 1 <= patches <= rows:
-        raise LayoutError(
-            f"parallel.pipefusion_patches={patches}: the latent has {rows} patch rows "
-            f"({t} x {h} of {w} tokens); use at most {rows} patches"
-        )
-    bounds = [rows * i // patches for i in range(patches + 1)]
-    return [(a * w, b * w) for a, b in zip(bounds, bounds[1:])]
-
-
-class DroppedBlock(nn.Module):
-    """A block that lives on another PipeFusion stage: holds no weights; calling it is a bug."""
-
-    def __init__(self, index: int, stage: int):
-        super().__init__()
-        self.index, self.stage = index, stage
-
-    def forward(self, *args, **kwargs):
-        raise RuntimeError(f"block {self.index} lives on PipeFusion stage {self.stage}, not on this one")
-
-
-def keep_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
-    """A copy of `model` (sharing its modules, not duplicating them) that holds only stage `stage`'s blocks:
-    the others become DroppedBlocks, so the kept blocks keep their names (checkpoint keys, pretrained
-    rows and per-parameter seeds address the same weights as in the whole model). The patch embedding
-    stays on stage 0 only, the final layer on the last stage only. Works on a meta-device model, before
-    any weight is allocated."""
-    part = copy.copy(model)
-    part._modules = dict(model._modules)  # noqa: SLF001  (a shallow copy must not share the module table)
-    ranges = stage_blocks(len(model.blocks), stages)
-    owner = {i: s for s, r in enumerate(ranges) for i in r}
-    part.blocks = nn.ModuleList(
-        [block if owner[i] == stage else DroppedBlock(i, owner[i]) for i, block in enumerate(model.blocks)]
-    )
-    if stage != 0:
-        part.x_embedder = None
-    if stage != stages - 1:
-        part.final_layer = None
-    part.stage_range = ranges[stage]
-    return part
-
-
-# ---------------------------------------------------------------------------------------------------
-# The message plan.
-
-
-@dataclass(frozen=True)
-class Item:
-    """One pass through the stages: a step's whole sequence (warm-up) or one patch of it."""
-
-    step: int
-    start: int
-    end: int
-
-
-def schedule(steps: int, warmup: int, patches: list[tuple[int, int]], tokens: int) -> list[Item]:
-    items = []
-    for step in range(steps):
-        if step < warmup:
-            items.append(Item(step, 0, tokens))
-        else:
-            items += [Item(step, a, b) for a, b in patches]
-    return items
-
-
-def local_share(item: Item, sp_size: int, sp_rank: int) -> tuple[int, int]:
-    """(offset in the padded item, local length): the item's tokens, padded to a multiple of the
-    sequence-parallel degree, are cut into equal slices as ShardedSequence cuts the whole sequence."""
-    local = -(-(item.end - item.start) // sp_size)
-    return sp_rank * local, local
-
-
-@dataclass(frozen=True)
-class MessagePlan:
-    """What one rank sends and receives, from the layout and the schedule alone."""
-
-    forward_sends: int  # hidden states to the next stage
-    forward_recvs: int  # from the previous stage
-    return_sends: int  # latent patches, last stage -> stage 0
-    return_recvs: int
-    steps: int
-    warmup: int
-    patches: int
-    tokens: int
-
-    def as_tensor(self) -> torch.Tensor:
-        return torch.tensor([getattr(self, f) for f in self.__dataclass_fields__], dtype=torch.int64)
-
-    @classmethod
-    def from_tensor(cls, values) -> "MessagePlan":
-        return cls(*[int(v) for v in values])
-
-
-def message_plan(
-    items: list[Item], stage: int, stages: int, steps: int, warmup: int, patches: int, tokens: int
-) -> MessagePlan:
-    first, last = stage == 0, stage == stages - 1
-    returned = sum(item.step < steps - 1 for item in items)  # the final step's latent stays on the last stage
-    return MessagePlan(
-        forward_sends=0 if last else len(items),
-        forward_recvs=0 if first else len(items),
-        return_sends=returned if last else 0,
-        return_recvs=returned if first else 0,
-        steps=steps,
-        warmup=warmup,
-        patches=patches,
-        tokens=tokens,
-    )
-
-
-def check_plans(plans: list[MessagePlan], pipeline_ranks: list[int]) -> None:
-    """Every rank of a pipeline checks every rank's plan against its neighbours' before the first message:
-    a stage that would send more or fewer messages than its peer receives would hang the other at the
-    end of sampling (xDiT #147). The error names the ranks and what each of them planned."""
-    stages = len(plans)
-    problems = []
-    for stage in range(stages):
-        mine, nxt = plans[stage], plans[(stage + 1) % stages]
-        if stage < stages - 1 and mine.forward_sends != nxt.forward_recvs:
-            problems.append(
-                f"rank {pipeline_ranks[stage]} (stage {stage}) plans {mine.forward_sends} messages to rank "
-                f"{pipeline_ranks[stage + 1]}, which plans to receive {nxt.forward_recvs}"
-            )
-    if plans[-1].return_sends != plans[0].return_recvs:
-        problems.append(
-            f"rank {pipeline_ranks[-1]} (last stage) plans {plans[-1].return_sends} latent patches to rank "
-            f"{pipeline_ranks[0]} (stage 0), which plans to receive {plans[0].return_recvs}"
-        )
-    schedules = {(p.steps, p.warmup, p.patches, p.tokens) for p in plans}
-    if problems or len(schedules) > 1:
-        described = "; ".join(
-            f"rank {r}: steps={p.steps} warmup={p.warmup} patches={p.patches} tokens={p.tokens}"
-            for r, p in zip(pipeline_ranks, plans)
-        )
-        raise PipeFusionError(
-            "PipeFusion message plans disagree"
-            + (f": {'; '.join(problems)}" if problems else "")
-            + f" ({described}); every rank must run the same command and recipe"
-        )
-
+from parallel import comm
+from parallel.cfg import SamplingGroups, branch_text, cfg_velocity, guided
+from parallel.faults import Faults
+from parallel.pipefusion_plan import (
+    MessagePlan,
+    PipeFusionError,
+    check_plans,
+    local_share,
+    message_plan,
+    patch_ranges,
+    schedule,
+)
+from parallel.sequence import SequenceGroups, all_to_all_dims, gather_tokens
 
 # ---------------------------------------------------------------------------------------------------
 # Attention with a K/V buffer.
@@ -271,7 +90,7 @@ class PipeFusionAttention(nn.Module):
         if g.ulysses_size > 1:  # (B, H, n, Dh) -> (B, H/u, u*n, Dh): heads for tokens
             q, k, v = all_to_all_dims(torch.stack((q, k, v)), 2, 3, g.ulysses_group).unbind(0)
         if g.ring_size > 1:  # the ring's slices of the patch's K/V, in token order
-            k, v = _gather_tokens(torch.stack((k, v)), g.ring_group).unbind(0)
+            k, v = gather_tokens(torch.stack((k, v)), g.ring_group, dim=-2).unbind(0)
         real = state.end - state.start
         if self.keys is None or self.keys.shape[0] != k.shape[0]:
             shape = (k.shape[0], k.shape[1], state.tokens, k.shape[3])
@@ -294,209 +113,189 @@ class PipeFusionAttention(nn.Module):
         return out
 
 
-def _gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
-    """(..., n, Dh) per rank -> (..., size*n, Dh), the ranks' slices in rank order along tokens."""
-    size = dist.get_world_size(group)
-    local = x.movedim(-2, 0).contiguous()
-    out = torch.empty((size * local.shape[0], *local.shape[1:]), dtype=x.dtype, device=x.device)
-    comm.all_gather_into_tensor(out, local, group)
-    return out.movedim(0, -2)
-
-
-def _gather_sequence(x: torch.Tensor, groups: SequenceGroups) -> torch.Tensor:
-    """(B, n, C) local slice -> (B, sp*n, C), the padded item, on every rank of the sequence group."""
-    if groups.sp_size == 1:
-        return x
-    return _gather_tokens(x, groups.sp_group)
-
-
 # ---------------------------------------------------------------------------------------------------
 # The sampler.
 
 
+@dataclass
+class _Sampling:
+    """One call of PipeFusionSampler.sample: its inputs and what is in flight."""
+
+    items: list  # the passes through the stages, in order (schedule)
+    steps: int
+    guidance: float
+    x: torch.Tensor  # (B, N, C*pt*ph*pw): the latent in token order (the last stage's is current)
+    sigmas: torch.Tensor
+    grid: tuple
+    rope: torch.Tensor
+    text: tuple  # (y, y_mask) of this rank's branch(es)
+    hidden: tuple  # (batch, width, dtype) of the hidden states between stages
+    extra_send: bool  # the failure tests: deviate from the agreed plan at the end
+    pending_sends: list = field(default_factory=list)
+    returns: list = field(default_factory=list)  # (item, buffer, PendingOps) posted by stage 0
+    incoming: tuple | None = None  # (buffer, PendingOps) of the next item's hidden states
+
+
 class PipeFusionSampler:
     """Runs flow-matching sampling for this rank's stage. `stage_model` comes from `keep_stage`; it is
-    changed in place (its attention operators hold the K/V buffers)."""
+    changed in place (its attention operators hold the K/V buffers). `faults` (tests only) can make
+    this rank plan, or send, what the others do not."""
 
-    def __init__(self, stage_model: nn.Module, groups: SamplingGroups, patches: int, warmup: int):
+    def __init__(
+        self, stage_model: nn.Module, groups: SamplingGroups, patches: int, warmup: int, faults=None
+    ):
         self.model, self.groups = stage_model, groups
         self.patches, self.warmup = patches, warmup
+        self.faults = faults or Faults()
         self.state = PatchState(0)
         self.attention = [PipeFusionAttention(groups.sequence, self.state) for _ in stage_model.stage_range]
         for index, operator in zip(stage_model.stage_range, self.attention):
             stage_model.blocks[index].attn.inner_attention = operator
+        self.first, self.last = groups.stage == 0, groups.stage == groups.stages - 1
         self.sent = self.received = None
 
     @torch.no_grad()
     def sample(
-        self,
-        flow,
-        noise,
-        y,
-        y_mask,
-        neg_y=None,
-        neg_mask=None,
-        steps: int = 30,
-        guidance: float = 1.0,
-        progress=None,
+        self, flow, noise, y, y_mask, neg_y=None, neg_mask=None, steps: int = 30, guidance=1.0, progress=None
     ):
         """The latents (on every rank of the replica): the same contract as RectifiedFlow.sample."""
-        g, model = self.groups, self.model
-        seq = g.sequence
-        first, last = g.stage == 0, g.stage == g.stages - 1
-        device = noise.device
+        run = self._begin(flow, noise, (y, y_mask, neg_y, neg_mask), steps, guidance)
+        model, items = self.model, run.items
+        for index, item in enumerate(items):
+            following = items[index + 1] if index + 1 < len(items) else None
+            if index == 0 or items[index - 1].step != item.step:  # a new step
+                if self.first and item.step < steps - 1:
+                    self._post_returns(run, item.step)
+                batch = run.hidden[0]
+                cond = model.condition(run.sigmas[item.step].expand(batch), *run.text)
+            offset, local = local_share(item, self.groups.sequence.sp_size, self.groups.sequence.sp_rank)
+            rope = _pad_tokens(run.rope[item.start : item.end], offset + local)[offset : offset + local]
+            h = self._stage_input(run, item, offset, local)
+            self.state.start, self.state.end = item.start, item.end
+            for block_index in model.stage_range:
+                h = model.blocks[block_index](h, cond.c, cond.y, cond.block_mask, rope)
+            if not self.last:
+                self._send_forward(run, h, following)
+            else:
+                self._finish_patch(run, flow, item, model.final_layer(h, cond.temb))
+                self._post_forward_recv(run, following)
+            if progress is not None and (following is None or following.step != item.step):
+                progress(item.step + 1, steps)
+            for ops in [ops for ops in run.pending_sends if ops.is_completed()]:
+                ops.wait()  # returns at once; stamps the records' end for failure dumps
+            run.pending_sends = [ops for ops in run.pending_sends if ops.works]
+        self._check_counts(noise.device)  # before waiting: an unplanned send would never complete
+        for ops in run.pending_sends:  # no process leaves with a send in flight
+            ops.wait()
+        # The last stage holds the final latent; every stage gets it (for the parallel VAE decode).
+        if self.groups.stages > 1:
+            comm.broadcast(run.x, self.groups.pipeline_ranks[-1], self.groups.forward_group)
+        return model.unpatchify(run.x, run.grid)
+
+    def _begin(self, flow, noise, text, steps: int, guidance: float) -> _Sampling:
+        """Agree on the message plan with the pipeline, reset the K/V buffers, and post the first receive."""
+        g, model, device = self.groups, self.model, noise.device
         grid = tuple(s // p for s, p in zip(noise.shape[2:], model.patch_size))
         tokens = grid[0] * grid[1] * grid[2]
-        items = schedule(steps, self.warmup, patch_ranges(grid, self.patches), tokens)
-        plan_steps = steps
-        if faults.planned("pipefusion_count", int(os.environ.get("RANK", 0)), 0):
-            plan_steps = steps + 1  # the failure tests: one rank plans as if started with another --steps
-        plan = message_plan(
-            schedule(plan_steps, self.warmup, patch_ranges(grid, self.patches), tokens),
-            g.stage,
-            g.stages,
-            plan_steps,
-            self.warmup,
-            self.patches,
-            tokens,
-        )
+        patches = patch_ranges(grid, self.patches)
+        plan_steps = steps + 1 if self.faults.planned("pipefusion_count") else steps  # tests: another --steps
+        plan_items = schedule(plan_steps, self.warmup, patches, tokens)
+        plan = message_plan(plan_items, g.stage, g.stages, plan_steps, self.warmup, self.patches, tokens)
         self._share_and_check(plan, device)
-        # the failure tests: one rank deviates from its (agreed) plan at the end, as xDiT's last stage did
-        extra_send = faults.planned("pipefusion_extra_send", int(os.environ.get("RANK", 0)), 0)
-
-        branch_y, branch_mask = (y, y_mask)
-        if g.cfg_size > 1 and g.cfg_rank == 1:
-            branch_y, branch_mask = neg_y, neg_mask
-        guided = guidance != 1.0
-        if guided and g.cfg_size == 1:  # both branches in one batch, as the serial sampler does
-            branch_y, branch_mask = torch.cat([y, neg_y]), torch.cat([y_mask, neg_mask])
-        sigmas = flow.sigmas(noise, steps).to(device)
-        batch = branch_y.shape[0]
-        x = patchify(noise.float(), model.patch_size)  # (B, N, C*pt*ph*pw): the latent in token order
-        rope = model.rope(grid, device)
-        hidden_dtype = _activation_dtype(model, device)
-        width = model.architecture()["hidden_size"]
+        branch = branch_text(g, *text, guidance)
+        hidden = (branch[0].shape[0], model.architecture()["hidden_size"], _activation_dtype(model, device))
+        run = _Sampling(
+            items=schedule(steps, self.warmup, patches, tokens),
+            steps=steps,
+            guidance=guidance,
+            x=patchify(noise.float(), model.patch_size),
+            sigmas=flow.sigmas(noise, steps).to(device),
+            grid=grid,
+            rope=model.rope(grid, device),
+            text=branch,
+            hidden=hidden,
+            extra_send=self.faults.planned("pipefusion_extra_send"),
+        )
         self.state.tokens = tokens
         for operator in self.attention:
             operator.reset()
-
-        pending_sends, returns = [], []  # returns: (item, buffer, PendingOps) posted by stage 0
         self.sent, self.received = {"forward": 0, "return": 0}, {"forward": 0, "return": 0}
-        prev_rank = g.pipeline_ranks[g.stage - 1] if not first else None
-        next_rank = g.pipeline_ranks[g.stage + 1] if not last else None
+        if not self.first:
+            self._post_forward_recv(run, run.items[0])
+        return run
 
-        def hidden_buffer(item):
-            return torch.empty(
-                (batch, local_share(item, seq.sp_size, seq.sp_rank)[1], width),
-                dtype=hidden_dtype,
-                device=device,
-            )
+    def _hidden_buffer(self, run: _Sampling, item) -> torch.Tensor:
+        batch, width, dtype = run.hidden
+        seq = self.groups.sequence
+        local = local_share(item, seq.sp_size, seq.sp_rank)[1]
+        return torch.empty((batch, local, width), dtype=dtype, device=run.x.device)
 
-        incoming = None  # (buffer, PendingOps) of the next item's hidden states
-        if not first:
-            buffer = hidden_buffer(items[0])
-            incoming = (buffer, comm.post(recvs=[(buffer, prev_rank)], group=g.forward_group))
-            self.received["forward"] += 1
-        for index, item in enumerate(items):
-            if first and item.step < steps - 1 and (index == 0 or items[index - 1].step != item.step):
-                # this step's returned patches, posted before the last stage can send any of them
-                for returned in (it for it in items if it.step == item.step):
-                    buffer = torch.empty(
-                        (x.shape[0], returned.end - returned.start, x.shape[2]),
-                        dtype=torch.float32,
-                        device=device,
-                    )
-                    returns.append(
-                        (
-                            returned,
-                            buffer,
-                            comm.post(recvs=[(buffer, g.pipeline_ranks[-1])], group=g.return_group),
-                        )
-                    )
-                    self.received["return"] += 1
-            if (
-                index == 0 or items[index - 1].step != item.step
-            ):  # the conditioning changes with the step only
-                cond = model.condition(sigmas[item.step].expand(batch), branch_y, branch_mask)
-            offset, local = local_share(item, seq.sp_size, seq.sp_rank)
-            item_rope = _pad_tokens(rope[item.start : item.end], offset + local)[offset : offset + local]
-            if first:
-                while returns and returns[0][0].step < item.step and returns[0][0].start < item.end:
-                    returned, buffer, ops = returns.pop(0)
-                    ops.wait()
-                    x[:, returned.start : returned.end] = buffer
-                # The patch embedding of the whole latent, then the item's tokens: exactly the serial
-                # embedding (a conv over a smaller input could round differently); it costs about
-                # (C*pt*ph*pw) / (24 * hidden * blocks per stage) of the stage's work per patch.
-                latent = model.unpatchify(x, grid)
-                if guided and g.cfg_size == 1:
-                    latent = torch.cat([latent, latent])
-                h = model.embed(latent)[0][:, item.start : item.end]
-                h = _pad_tokens(h, offset + local, dim=1)[:, offset : offset + local]
-            else:
-                buffer, ops = incoming
-                ops.wait()
-                h = buffer
-            self.state.start, self.state.end = item.start, item.end
-            for block_index in model.stage_range:
-                h = model.blocks[block_index](h, cond.c, cond.y, cond.block_mask, item_rope)
-            following = items[index + 1] if index + 1 < len(items) else None
-            if not last:
-                sends = [(h.to(hidden_dtype).contiguous(), next_rank)]
-                recvs = []
-                if not first and following is not None:
-                    buffer = hidden_buffer(following)
-                    recvs = [(buffer, prev_rank)]
-                    self.received["forward"] += 1
-                ops = comm.post(sends, recvs, g.forward_group)
-                self.sent["forward"] += 1
-                pending_sends.append(ops)
-                incoming = (recvs[0][0], ops) if recvs else None
-            else:
-                v = model.final_layer(h, cond.temb)  # (B or 2B, n, C*pt*ph*pw)
-                v = self._guide(v, guidance, guided)
-                v = _gather_sequence(v, seq)[:, : item.end - item.start]
-                x[:, item.start : item.end] = flow.euler_step(
-                    x[:, item.start : item.end], v, sigmas, item.step
-                )
-                if (
-                    item.step < steps - 1 or extra_send
-                ):  # the final step's latent stays here (xDiT #147: not so)
-                    ops = comm.post(
-                        sends=[(x[:, item.start : item.end].contiguous(), g.pipeline_ranks[0])],
-                        group=g.return_group,
-                    )
-                    self.sent["return"] += 1
-                    pending_sends.append(ops)
-                if not first and following is not None:
-                    buffer = hidden_buffer(following)
-                    incoming = (buffer, comm.post(recvs=[(buffer, prev_rank)], group=g.forward_group))
-                    self.received["forward"] += 1
-            if progress is not None and (following is None or following.step != item.step):
-                progress(item.step + 1, steps)
-            for ops in [ops for ops in pending_sends if ops.is_completed()]:
-                ops.wait()  # returns at once; stamps the records' end for failure dumps
-            pending_sends = [ops for ops in pending_sends if ops.works]
-        self._check_counts(device)  # before waiting: an unplanned send would never complete
-        for ops in pending_sends:  # no process leaves with a send in flight
+    def _post_forward_recv(self, run: _Sampling, item) -> None:
+        """Post the receive of `item`'s hidden states from the previous stage (none on stage 0)."""
+        if self.first or item is None:
+            return
+        buffer = self._hidden_buffer(run, item)
+        previous = self.groups.pipeline_ranks[self.groups.stage - 1]
+        run.incoming = (buffer, comm.post(recvs=[(buffer, previous)], group=self.groups.forward_group))
+        self.received["forward"] += 1
+
+    def _post_returns(self, run: _Sampling, step: int) -> None:
+        """Stage 0: this step's returned patches, posted before the last stage can send any of them."""
+        x, g = run.x, self.groups
+        for returned in (it for it in run.items if it.step == step):
+            buffer = torch.empty((x.shape[0], returned.end - returned.start, x.shape[2]), device=x.device)
+            ops = comm.post(recvs=[(buffer, g.pipeline_ranks[-1])], group=g.return_group)
+            run.returns.append((returned, buffer, ops))
+            self.received["return"] += 1
+
+    def _stage_input(self, run: _Sampling, item, offset: int, local: int) -> torch.Tensor:
+        """This rank's slice of `item`'s hidden states: embedded from the latent on stage 0 (after the
+        patches it needs came back), received from the previous stage elsewhere."""
+        if not self.first:
+            buffer, ops = run.incoming
             ops.wait()
-        # The last stage holds the final latent; every stage gets it (for the parallel VAE decode).
-        if g.stages > 1:
-            comm.broadcast(x, g.pipeline_ranks[-1], g.forward_group)
-        return model.unpatchify(x, grid)
+            return buffer
+        x = run.x
+        while run.returns and run.returns[0][0].step < item.step and run.returns[0][0].start < item.end:
+            returned, buffer, ops = run.returns.pop(0)
+            ops.wait()
+            x[:, returned.start : returned.end] = buffer
+        # The patch embedding of the whole latent, then the item's tokens: exactly the serial embedding
+        # (a conv over a smaller input could round differently); it costs about
+        # (C*pt*ph*pw) / (24 * hidden * blocks per stage) of the stage's work per patch.
+        latent = self.model.unpatchify(x, run.grid)
+        if run.guidance != 1.0 and self.groups.cfg_size == 1:
+            latent = torch.cat([latent, latent])
+        h = self.model.embed(latent)[0][:, item.start : item.end]
+        return _pad_tokens(h, offset + local, dim=1)[:, offset : offset + local]
 
-    def _guide(self, v, guidance, guided):
-        """The guided velocity of the patch, as the serial sampler computes it (in the model's output dtype)."""
-        if not guided:
-            return v
+    def _send_forward(self, run: _Sampling, h: torch.Tensor, following) -> None:
+        """Send the hidden states to the next stage, batched with the receive of the next item's."""
         g = self.groups
-        if g.cfg_size > 1:
-            both = torch.empty((2, *v.shape), dtype=v.dtype, device=v.device)
-            comm.all_gather_into_tensor(both, v.contiguous(), g.cfg_group)
-            v_cond, v_uncond = both.unbind(0)
-        else:
-            v_cond, v_uncond = v.chunk(2)
-        return v_uncond + guidance * (v_cond - v_uncond)
+        sends, recvs = [(h.to(run.hidden[2]).contiguous(), g.pipeline_ranks[g.stage + 1])], []
+        if not self.first and following is not None:
+            recvs = [(self._hidden_buffer(run, following), g.pipeline_ranks[g.stage - 1])]
+            self.received["forward"] += 1
+        ops = comm.post(sends, recvs, g.forward_group)
+        self.sent["forward"] += 1
+        run.pending_sends.append(ops)
+        run.incoming = (recvs[0][0], ops) if recvs else None
+
+    def _finish_patch(self, run: _Sampling, flow, item, v: torch.Tensor) -> None:
+        """The last stage: guide the patch's velocity, take its Euler step, send the patch back to stage 0
+        (the final step's latent stays here; xDiT #147: not so)."""
+        g = self.groups
+        v = guided(v, run.guidance, g)
+        if g.sequence.sp_size > 1:  # the padded item, on every rank of the sequence group
+            v = gather_tokens(v, g.sequence.sp_group)
+        v = v[:, : item.end - item.start]
+        run.x[:, item.start : item.end] = flow.euler_step(
+            run.x[:, item.start : item.end], v, run.sigmas, item.step
+        )
+        if item.step < run.steps - 1 or run.extra_send:
+            patch = run.x[:, item.start : item.end].contiguous()
+            run.pending_sends.append(comm.post(sends=[(patch, g.pipeline_ranks[0])], group=g.return_group))
+            self.sent["return"] += 1
 
     def _share_and_check(self, plan: MessagePlan, device) -> None:
         """Every rank of the pipeline gets every rank's plan (one small all-gather) and checks them all."""
@@ -563,34 +362,16 @@ def patchify(latent, patch_size):
     return x.reshape(B, (T // pt) * (H // ph) * (W // pw), pt * ph * pw * C)
 
 
-# ---------------------------------------------------------------------------------------------------
-# CFG parallel, and the one entry point infer.py uses.
-
-
-def cfg_velocity(model, groups: SamplingGroups, y, y_mask, neg_y, neg_mask, guidance: float):
-    """velocity(x, sigma) for RectifiedFlow.sample under cfg=2: this half of the ranks runs one branch
-    (cfg rank 0 the conditional one, 1 the negative one: the serial batch order), and one all-gather per
-    step brings both predictions to every rank, which all apply the guidance alike."""
-    branch_y, branch_mask = (y, y_mask) if groups.cfg_rank == 0 else (neg_y, neg_mask)
-
-    def velocity(x, sigma):
-        v = model(x, sigma.expand(x.shape[0]), branch_y, branch_mask).contiguous()
-        both = torch.empty((2, *v.shape), dtype=v.dtype, device=v.device)
-        comm.all_gather_into_tensor(both, v, groups.cfg_group)
-        v_cond, v_uncond = both.unbind(0)
-        return v_uncond + guidance * (v_cond - v_uncond)
-
-    return velocity
-
-
 class ParallelSampler:
     """sampler(flow, noise, y, y_mask, neg_y, neg_mask, steps=, guidance=, progress=) -> latents on every
     rank of the replica, for models.pipeline.generate: PipeFusion when parallel.pipefusion > 1, else
     the serial loop with CFG parallel (ulysses/ring, if any, are inside `model` already)."""
 
-    def __init__(self, model, groups: SamplingGroups, patches: int, warmup: int):
+    def __init__(self, model, groups: SamplingGroups, patches: int, warmup: int, faults=None):
         self.groups = groups
-        self.pipefusion = PipeFusionSampler(model, groups, patches, warmup) if groups.stages > 1 else None
+        self.pipefusion = None
+        if groups.stages > 1:
+            self.pipefusion = PipeFusionSampler(model, groups, patches, warmup, faults)
         self.model = model
 
     def __call__(

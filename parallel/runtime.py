@@ -6,14 +6,9 @@ CUDA machines get NCCL and bf16; CPU machines get gloo and float32.
 """
 
 import datetime
-import gc
 import os
-import signal
 import socket
-import sys
-import threading
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,16 +16,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from parallel import comm, faults, watchdog
+from parallel import comm, faults
+from parallel.cfg import SamplingGroups
+from parallel.exits import NCCL_HINT
 from parallel.layout import DEGREES, LayoutError, ParallelLayout
-from parallel.pipefusion import SamplingGroups
+from parallel.preemption import StopRequest
 from parallel.sequence import SequenceGroups
-from parallel.watchdog import Deadlines, Stopped, Terminated, Watchdog, stop_request
-
-NCCL_HINT = (
-    "This is usually the transport, not tessera: on PCIe machines try NCCL_P2P_LEVEL=NVL (or NCCL_P2P_DISABLE=1), "
-    "check that every node can reach MASTER_ADDR:MASTER_PORT, and run with NCCL_DEBUG=INFO to see which step stalls."
-)
+from parallel.watchdog import Deadlines, Watchdog
 
 
 @dataclass
@@ -47,6 +39,10 @@ class Runtime:
     control_group: object  # gloo group with a long timeout, to fence long single-rank work
     sequence: SequenceGroups  # this rank's ulysses / ring / sequence-parallel groups
     watchdog: Watchdog  # heartbeats, stall detection and the shared abort (parallel/watchdog.py)
+    stop: StopRequest  # the process's stop signals, agreed at step boundaries (parallel/preemption.py)
+    comm: comm.CommLog  # the record of this runtime's ops, read by the watchdog and failure dumps
+    faults: faults.Faults  # what tests asked to go wrong (TESSERA_FAULT), read once at start-up
+    run_dir: Path | None = None
     sampling: SamplingGroups | None = None  # cfg / PipeFusion groups and the replica (parallel/pipefusion.py)
 
     @property
@@ -57,6 +53,10 @@ class Runtime:
     def dp_rank(self) -> int:
         return self.layout.dp_rank(self.rank)
 
+    def bf16(self, precision: str) -> bool:
+        """Whether train.precision (bf16 | fp32 | auto: bf16 on a GPU) computes in bf16 on this device."""
+        return precision == "bf16" or (precision == "auto" and self.device.type == "cuda")
+
     def fence(self) -> None:
         """Wait for every rank on the control group (gloo, long timeout): use around long work that
         one rank does alone, so the others do not sit in a collective with a short deadline."""
@@ -65,7 +65,7 @@ class Runtime:
     def agreed_stop_signal(self) -> int:
         """0, or the stop signal (SIGTERM, SIGUSR1, SIGINT) that any rank received: one tiny all-reduce
         on the gloo control group, so every rank gets the same answer after the same step."""
-        flag = torch.tensor([stop_request.signum], dtype=torch.int32)
+        flag = torch.tensor([self.stop.signum], dtype=torch.int32)
         if self.world_size > 1:
             comm.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control_group)
         return int(flag.item())
@@ -166,10 +166,13 @@ def _connect_store(world_size: int, timeout_s: float):
     return dist.PrefixStore(f"tessera/{run}/", store)
 
 
-def init_runtime(parallel_cfg, layout: ParallelLayout, run_dir=None, task: str = "train") -> Runtime:
+def init_runtime(
+    parallel_cfg, layout: ParallelLayout, run_dir=None, task: str = "train", session=None
+) -> Runtime:
     """Create the process groups for an already validated layout, run a preflight collective and start
     the watchdog (heartbeats in `run_dir`'s name; failures written to run_dir/failures). `task` (train,
-    sample, encode) words its messages: only training has checkpoints to resume from."""
+    sample, encode) words its messages: only training has checkpoints to resume from. `session` (from
+    run_entrypoint, parallel/entrypoint.py) gets the runtime, so that a failure's report can reach it."""
     rank, world_size, local_rank = world_from_env()
     if layout.world_size != world_size:
         raise ValueError(f"layout {layout.describe()} is for {layout.world_size} processes, not {world_size}")
@@ -177,7 +180,8 @@ def init_runtime(parallel_cfg, layout: ParallelLayout, run_dir=None, task: str =
     init_method = None if "MASTER_ADDR" in os.environ else f"tcp://127.0.0.1:{_free_port()}"
     device = pick_device(local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    comm.configure(parallel_cfg.max_message_mb)
+    log = comm.CommLog(parallel_cfg.max_message_mb)
+    stop = session.stop if session is not None else StopRequest()
     if backend == "nccl" and run_dir is not None:
         # PyTorch's flight recorder: every NCCL collective of every group, dumped on a timeout into
         # failures/ (and by the watchdog when it ends the run). Not on gloo: the comm layer records those.
@@ -229,7 +233,7 @@ def init_runtime(parallel_cfg, layout: ParallelLayout, run_dir=None, task: str =
     )
     sequence = sequence_groups(layout, rank, timeout)
     sampling = sampling_groups(
-        layout, rank, timeout, sequence, datetime.timedelta(seconds=parallel_cfg.control_timeout_s)
+        layout, rank, timeout, sequence, datetime.timedelta(seconds=parallel_cfg.control_timeout_s), log
     )
     for group, name in (
         (fsdp_mesh.get_group(), "fsdp"),
@@ -238,20 +242,38 @@ def init_runtime(parallel_cfg, layout: ParallelLayout, run_dir=None, task: str =
         (sequence.ring_group, "ring"),
         (sequence.sp_group, "sequence"),
     ):
-        comm.name_group(group, name)
+        log.adopt(group, name)
+    log.adopt(None, "world")
     limits = deadlines(parallel_cfg, device.type)
     if rank == 0 and run_dir is not None:
         _archive_failures(Path(run_dir) / "failures")
     store = _connect_store(world_size, max(5.0, limits.silence_s / 2))
-    monitor = Watchdog(
-        rank, world_size, store, run_dir or comm.failure_dir() or ".", limits, backend, task=task
-    ).start()
+    monitor = Watchdog(rank, world_size, store, run_dir or ".", limits, backend, task=task, comm=log).start()
+    stop.watchdog = monitor  # a stop signal in the loop notes the step it arrived in
     if rank == 0:
         print(f"[tessera] {limits.describe()}", flush=True)
-    faults.at_startup(rank)  # tests only (TESSERA_FAULT)
-    return Runtime(
-        rank, world_size, local_rank, device, backend, layout, fsdp_mesh, control, sequence, monitor, sampling
+    injected = faults.Faults.from_env(rank)  # tests only (TESSERA_FAULT)
+    runtime = Runtime(
+        rank,
+        world_size,
+        local_rank,
+        device,
+        backend,
+        layout,
+        fsdp_mesh,
+        control,
+        sequence,
+        monitor,
+        stop,
+        log,
+        injected,
+        Path(run_dir) if run_dir is not None else None,
+        sampling,
     )
+    if session is not None:
+        session.runtime = runtime
+    injected.at_startup()
+    return runtime
 
 
 def _check_same_layout(layout: ParallelLayout, rank: int, world_size: int, device) -> None:
@@ -316,7 +338,7 @@ def sequence_groups(layout: ParallelLayout, rank: int, timeout) -> SequenceGroup
 
 
 def sampling_groups(
-    layout: ParallelLayout, rank: int, timeout, sequence: SequenceGroups, control_timeout=None
+    layout: ParallelLayout, rank: int, timeout, sequence: SequenceGroups, control_timeout=None, log=None
 ) -> SamplingGroups:
     """The cfg and PipeFusion groups (parallel/pipefusion.py). PipeFusion's two directions get two process
     groups over the same ranks: two NCCL communicators, so a receive posted early in one direction never
@@ -343,7 +365,8 @@ def sampling_groups(
         (replica_group, "replica"),
         (replica_control, "replica-control"),
     ):
-        comm.name_group(group, name)
+        if group is not None:
+            (log or comm.log_of(group)).adopt(group, name)
     return SamplingGroups(
         cfg_group,
         len(cfg_ranks),
@@ -357,189 +380,3 @@ def sampling_groups(
         len(replica_ranks),
         replica_control,
     )
-
-
-def shutdown() -> None:
-    monitor = watchdog.active()
-    if monitor is not None:
-        monitor.finish()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-# Errors a user can fix from the message alone: printed without a traceback, exit code 2.
-def _user_errors():
-    from configs import ConfigError
-    from models.attention import AttentionBackendUnavailable
-    from parallel.checkpoint import CheckpointError
-    from parallel.divergence import TrainingDiverged
-    from parallel.layout import LayoutError
-    from parallel.pipefusion import PipeFusionError
-
-    return (
-        ConfigError,
-        LayoutError,
-        CheckpointError,
-        AttentionBackendUnavailable,
-        FileNotFoundError,
-        ValueError,
-        PipeFusionError,
-        TrainingDiverged,
-    )
-
-
-SHUTDOWN_S = 20.0  # a failed process that has not finished shutting down after this long exits anyway
-
-
-def run_entrypoint(main, argv=None, hold_to_exit: bool = False) -> int:
-    """Run an entry point and return its exit code; it never raises, so nothing (a traceback's frames
-    holding DataLoader workers, a stop signal, a full disk) stands between a failure and its `error:` line.
-    0: done; 2: a user error, one `error:` line on every rank; 1: any other failure, the `error:` line
-    first (with several ranks it names the rank that caused it, parallel/watchdog.py), then this rank's
-    traceback, and its recent collectives in the run's failures/ folder; 128 + signal: stopped by a signal.
-    From the first exception on, stop signals are only noted: torchrun's SIGTERM, which follows another
-    rank's failure within milliseconds, cannot pre-empt the line. A shutdown that hangs (a communicator
-    waiting on a dead peer) ends the process after SHUTDOWN_S. `hold_to_exit` (run_as_process): after a
-    failure the signals stay held, since the process ends right after."""
-    rank = world_from_env()[0]
-    restore_signals = stop_request.install()
-    code = 1
-    try:
-        try:
-            main(argv)
-            code = 0
-        except BaseException as e:
-            stop_request.held = True  # first, as a plain store: no signal handler runs before it
-            stop_request.hold()
-            code = _report_failure(e, rank)
-            traceback.clear_frames(e.__traceback__)  # its frames hold the data loader (and its workers) alive
-            del e
-        stop_request.hold()  # the shutdown too: torchrun's SIGTERM, after a peer's exit, must not change the code
-        deadline = None
-        if code != 0:  # a failed run's communicators may wait on a dead peer
-            deadline = threading.Timer(SHUTDOWN_S, _exit_now, args=(code, rank))
-            deadline.daemon = True
-            deadline.start()
-        try:
-            shutdown()
-        except BaseException as e:  # the run's outcome is decided: report, keep its code
-            _print(f"[rank {rank}] warning: shutting down failed ({watchdog.one_line(e)})")
-        finally:
-            if deadline is not None:
-                deadline.cancel()
-    finally:
-        if not (hold_to_exit and code != 0):
-            restore_signals()
-    gc.collect()  # a data loader iterator in a reference cycle ends its workers now, not at exit
-    return code
-
-
-def _report_failure(e: BaseException, rank: int) -> int:
-    """Print the `error:` (or `stopped:`) line for `e` and return the exit code (see run_entrypoint)."""
-    if isinstance(e, Stopped):
-        return 128 + e.signum
-    if isinstance(e, SystemExit):  # argparse: its own message is printed already
-        return e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-    e = _as_storage_error(e)
-    monitor = watchdog.active()
-    several = monitor is not None and monitor.world_size > 1
-    prefix = f"[rank {rank}] " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
-    if isinstance(e, _user_errors()):
-        if monitor is not None:
-            monitor.report_failure(e)  # the other ranks stop waiting for this one
-        _print(f"{prefix}error: {watchdog.error_message(e)}")
-        if os.environ.get("TESSERA_DEBUG"):
-            traceback.print_exception(e)
-        return 2
-    if isinstance(e, (Terminated, KeyboardInterrupt)):
-        signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
-        blamed = monitor.explain(e) if several else None  # torchrun stops every rank when one failed or died
-        if blamed is None:  # stopped from outside, nobody failed
-            if monitor is not None:
-                monitor.finish("stopped")
-            _print(f"[rank {rank}] stopped: received {signal.Signals(signum).name}")
-            return 128 + signum
-        _print(blamed)
-        _dump_on_failure(rank, e, monitor, blamed)
-        monitor.leave("stopped")  # not taken for another dead rank by the others
-        watchdog.hard_exit(128 + signum, monitor.backend)  # its communicators may wait on the failed rank
-    if not several:
-        _print(
-            f"{prefix}error: {watchdog.one_line(e)} (a failure inside tessera or a library: the traceback follows)"
-        )
-        _dump_on_failure(rank, e, monitor, repr(e))
-        traceback.print_exception(e)
-        return 1
-    stopping = (stop_request.signum and not stop_request.accepting) or monitor.peers_stopped()
-    if watchdog.is_peer_error(e) and stopping:
-        # A stop signal outside the training loop reached the ranks at different moments (a user's stop
-        # during start-up): a peer that left on it broke this collective. A stop, not a failure, unless a
-        # rank is to blame after all. (In the loop a stop is agreed at a step boundary: a collective that
-        # fails there is a failure, reported below.)
-        return _report_failure(Terminated(stop_request.signum or signal.SIGTERM), rank)
-    # Several ranks: the first line printed names the rank that caused the failure.
-    blamed = monitor.explain(e) if watchdog.is_peer_error(e) else None
-    line = blamed or monitor.report_failure(e)
-    _print(line)
-    _dump_on_failure(rank, e, monitor, line)
-    if blamed is None or os.environ.get("TESSERA_DEBUG"):
-        traceback.print_exception(e)  # this rank's own failure: its traceback follows the line
-    if blamed is not None:
-        # Another rank's failure: this rank's communicators may still wait on the peer: abort them rather
-        # than shut down cleanly.
-        watchdog.hard_exit(1, monitor.backend)
-    return 1
-
-
-_print = watchdog.print_line
-
-
-def _as_storage_error(e: BaseException) -> BaseException:
-    """A full, over-quota or read-only file system anywhere (metrics, samples, outputs, failure records;
-    checkpoints say so themselves, with permissions too) becomes a StorageError naming the file system,
-    the file and the free space. (A permission error elsewhere may be a read: it keeps its own message.)"""
-    import errno
-
-    from parallel.checkpoint import StorageError, storage_message, storage_problem
-
-    problem = storage_problem(e) if isinstance(e, OSError) else None
-    if problem is None or problem[0] not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
-        return e
-    failures = comm.failure_dir()
-    root = failures.parent / "checkpoints" if failures is not None else Path(problem[1] or ".").parent
-    monitor = watchdog.active()
-    return StorageError(
-        storage_message(problem, root, training=monitor is not None and monitor.task == "train")
-    )
-
-
-def _exit_now(code: int, rank: int) -> None:
-    _print(f"[rank {rank}] shutting down took over {SHUTDOWN_S:.0f} s: exiting without waiting for it")
-    watchdog.hard_exit(code, dist.get_backend() if dist.is_initialized() else "gloo")
-
-
-def run_as_process(main) -> None:
-    """The `__main__` of train.py, infer.py and the scripts that start process groups: run_entrypoint, then
-    exit with its code. After a failure or a stop (its line and records are out) the process ends at once
-    (hard_exit kills the DataLoader workers first): the workers ignore stop signals (the main process owns
-    them), so multiprocessing's exit hook, which terminates and joins them, would wait forever, and library
-    exit hooks (wandb) may wait on a network. The stop signals stay held until then: torchrun's SIGTERM,
-    which follows a peer's exit, must not turn this rank's code into -15 in between."""
-    code = run_entrypoint(main, hold_to_exit=True)
-    if code == 0:
-        sys.exit(0)
-    watchdog.hard_exit(code, "gloo")  # the process group is destroyed by now
-
-
-def _dump_on_failure(
-    rank: int, error: BaseException, monitor: Watchdog | None = None, line: str = ""
-) -> None:
-    folder = comm.failure_dir()
-    if folder is None or not dist.is_initialized() or isinstance(error, (KeyboardInterrupt, SystemExit)):
-        return
-    where = (
-        monitor.dump(line)
-        if monitor is not None
-        else comm.dump_records_safely(folder, rank, line or repr(error))
-    )
-    _print(f"[rank {rank}] recent collectives written to {where}")

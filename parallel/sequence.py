@@ -425,17 +425,22 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all_forward(grad, gather_dim, scatter_dim, ctx.group), None, None, None
 
 
+def gather_tokens(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """Every rank's slice of the tokens (along `dim`), concatenated in rank order, on every rank."""
+    size = dist.get_world_size(group)
+    local = x.movedim(dim, 0).contiguous()  # the gathered blocks stack along the tokens
+    out = torch.empty((size * local.shape[0], *local.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather_into_tensor(out, local, group)
+    return out.movedim(0, dim)
+
+
 class _GatherTokens(torch.autograd.Function):
     """(B, n, D) per rank -> (B, size*n, D) in rank order; backward: sum over ranks, keep my slice."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        size = dist.get_world_size(group)
-        local = x.transpose(0, 1).contiguous()  # (n, B, D): the gathered blocks stack along tokens
-        out = torch.empty((size * local.shape[0], *local.shape[1:]), dtype=x.dtype, device=x.device)
-        comm.all_gather_into_tensor(out, local, group)
-        return out.transpose(0, 1)
+        return gather_tokens(x, group, dim=1)
 
     @staticmethod
     def backward(ctx, grad):

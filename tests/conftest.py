@@ -29,7 +29,7 @@ def torchrun(nproc: int, script: str, *args: str, timeout: float = 240, env: dic
 
 def run_main(module, argv: list[str]) -> int:
     """Run an entry point in this process (saves seconds of imports per run) and return its exit code."""
-    from parallel.runtime import run_entrypoint
+    from parallel.entrypoint import run_entrypoint
 
     return run_entrypoint(module.main, argv)
 

@@ -22,7 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from configs import load_config  # noqa: E402
 from infer import load_sampler  # noqa: E402
 from models.flow import RectifiedFlow  # noqa: E402
-from models.pipeline import build_frozen, build_model, generate  # noqa: E402
+from models.pipeline import generate  # noqa: E402
+from parallel.components import build_frozen, build_model  # noqa: E402
+from parallel.faults import Faults  # noqa: E402
 from parallel.init import materialize  # noqa: E402
 from parallel.layout import ParallelLayout  # noqa: E402
 from parallel.runtime import sampling_groups, sequence_groups  # noqa: E402
@@ -142,6 +144,7 @@ def run_case(layout: ParallelLayout, patches=None, warmup=1):
         sequence=sequence,
         device=torch.device("cpu"),
         sampling=sampling_groups(layout, rank, timeout, sequence),
+        faults=Faults.from_env(rank),
     )
     cfg = config(patches, warmup)
     model, vae, text_encoder, sampler = load_sampler(

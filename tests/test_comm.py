@@ -75,19 +75,19 @@ def test_small_ring_exchange_stays_asynchronous(world_of_one, monkeypatch):
 def test_transfers_posted_ahead_are_not_waited_in():
     """PipeFusion posts receives before it computes: a rank computing beside them is not 'in an op'
     (else a stalled stage would be taken for one waiting in a collective); waiting for them is."""
-    comm.configure(256)
-    record = comm.recorded("recv", None, torch.zeros(4)).record
+    log = comm.CommLog()
+    record = comm.recorded("recv", None, torch.zeros(4), log=log).record
     record.posted = True  # as comm.post marks what it posts
     seen = []
 
     class Work:  # a transfer that completes when waited for, noting where the rank was meanwhile
         def wait(self):
-            seen.append(comm.blocked_in())
+            seen.append(log.blocked_in())
 
         def is_completed(self):
             return bool(seen)
 
-    pending = comm.PendingOps([Work()], [record])
-    assert comm.blocked_in() is None  # posted, computing beside it
+    pending = comm.PendingOps([Work()], [record], log)
+    assert log.blocked_in() is None  # posted, computing beside it
     pending.wait()
-    assert seen == [record] and record.end is not None and comm.blocked_in() is None
+    assert seen == [record] and record.end is not None and log.blocked_in() is None

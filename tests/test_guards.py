@@ -159,7 +159,7 @@ def test_failure_records_never_raise_on_a_full_or_unwritable_disk(tmp_path):
 
     blocked = tmp_path / "failures"
     blocked.write_text("a file where the folder should be")
-    where = comm.dump_records_safely(blocked, 0, "reason")
+    where = comm.CommLog().dump_safely(blocked, 0, "reason")
     assert where.startswith("nowhere: ") and "could not be written" in where
     dog = Watchdog(0, 1, None, tmp_path, Deadlines(long_s=5, stall_s=1, silence_s=1))
     assert dog.dump("reason").startswith("nowhere: ") and dog._dump_stacks().startswith("nowhere: ")

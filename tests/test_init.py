@@ -188,7 +188,7 @@ def test_from_scratch_weights_do_not_depend_on_the_meta_path():
     """build_model's one-process weights (infer.py's) equal what parallel/init.py makes shard by shard
     (tests/init_worker.py checks the sharded side against init_weights(seed))."""
     from configs import load_config
-    from models.pipeline import build_frozen, build_model
+    from parallel.components import build_frozen, build_model
 
     cfg = load_config(TINY)
     text_encoder, vae = build_frozen(cfg, torch.device("cpu"))

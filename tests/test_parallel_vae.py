@@ -9,6 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from configs.schema import VAEConfig
+from models import tiling
 from models.vae import LatentSpace, build_vae
 from parallel import vae as parallel_vae
 from tests.conftest import torchrun
@@ -55,7 +56,7 @@ def test_axis_tiles_cover_overlap_and_stay_within_the_tile():
     for tile in range(1, 13):
         for overlap in range(tile):
             for size in range(1, 60):
-                spans = parallel_vae.axis_tiles(size, tile, overlap)
+                spans = tiling.axis_tiles(size, tile, overlap)
                 assert spans[0][0] == 0 and spans[-1][1] == size, (size, tile, overlap, spans)
                 assert len({end - start for start, end in spans}) == 1  # one length: one gather slot size
                 assert all(end - start <= tile for start, end in spans)
@@ -83,9 +84,9 @@ def test_deal_balances_area_and_ignores_nothing():
     "size, tile, overlap", [((40, 56), 6, 2), ((20, 20), 8, 6), ((9, 31), 5, 1), ((7, 7), 8, 2)]
 )
 def test_blend_weights_sum_to_one_and_fade_at_tile_edges(size, tile, overlap):
-    tiles = parallel_vae.plan_tiles(PointwiseVAE(), (3, *size), tile, overlap)
+    tiles = tiling.plan_tiles(PointwiseVAE(), (3, *size), tile, overlap)
     boxes = [t.pixel for t in tiles]
-    weights = list(parallel_vae.blend_weights(boxes))
+    weights = list(tiling.blend_weights(boxes))
     canvas = torch.zeros(max(b[0][1] for b in boxes), size[0] * 4, size[1] * 4, dtype=torch.float64)
     for box, weight in zip(boxes, weights):
         assert weight.shape == tuple(end - start for start, end in box) and weight.min() > 0
@@ -103,7 +104,7 @@ def test_blend_weights_sum_to_one_and_fade_at_tile_edges(size, tile, overlap):
 def test_tiling_a_pointwise_vae_changes_nothing(size, tile, overlap):
     vae = PointwiseVAE()
     z = torch.randn(2, 4, 3, *size)
-    assert len(parallel_vae.plan_tiles(vae, z.shape[2:], tile, overlap)) > 1
+    assert len(tiling.plan_tiles(vae, z.shape[2:], tile, overlap)) > 1
     torch.testing.assert_close(
         parallel_vae.decode(vae, z, tile=tile, overlap=overlap), vae.decode(z), atol=1e-6, rtol=0
     )

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from models.dit import DiT
-from parallel.pipefusion import (
+from parallel.pipefusion import patchify
+from parallel.pipefusion_plan import (
     DroppedBlock,
     Item,
     MessagePlan,
@@ -17,7 +18,6 @@ from parallel.pipefusion import (
     keep_stage,
     message_plan,
     patch_ranges,
-    patchify,
     schedule,
     stage_blocks,
 )

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel import comm, watchdog
+from parallel import comm, entrypoint, exits
+from parallel.preemption import StopRequest, Terminated
 from parallel.watchdog import Deadlines, Watchdog
 
 
@@ -70,7 +71,6 @@ def test_a_rank_stuck_outside_collectives_names_itself_and_writes_its_stacks(tmp
     stuck, _ = pair(tmp_path)
     stuck.begin_step(5)
     stuck._long_step = False
-    comm.configure(256)  # no op in flight
     time.sleep(0.6)
     stuck._held.clear()  # the main thread is not handling an exception: this is a stall
     reasons = []
@@ -92,8 +92,8 @@ def test_ranks_in_different_collectives_are_named(tmp_path):
     payload = b._payload()
     payload.update(open=True, seq=20, op=["all_reduce", "world", [3]])
     a.store.set("hb/1", __import__("json").dumps(payload))
-    with comm.recorded("all_gather", None, torch.zeros(4)):  # rank 0 waits in an all-gather
-        comm.last_record().seq = 20
+    with comm.recorded("all_gather", None, torch.zeros(4), log=a.comm):  # rank 0 waits in an all-gather
+        a.comm.last_record().seq = 20
         a._publish()
         reason = a._compare_everyone()
     assert "the ranks wait in different collectives" in reason
@@ -108,22 +108,22 @@ def test_error_messages_and_peer_errors():
         "Caught DataError in DataLoader worker process 0.\nOriginal Traceback (most recent call "
         'last):\n  File "x.py", line 1\ndata.dataset.DataError: 3 samples in a row could not be loaded'
     )
-    assert watchdog.error_message(wrapped) == "3 samples in a row could not be loaded"
-    assert watchdog.is_peer_error(dist.DistBackendError("NCCL communicator was aborted"))
-    assert watchdog.is_peer_error(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
-    assert not watchdog.is_peer_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert exits.error_message(wrapped) == "3 samples in a row could not be loaded"
+    assert exits.is_peer_error(dist.DistBackendError("NCCL communicator was aborted"))
+    assert exits.is_peer_error(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
+    assert not exits.is_peer_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
 
 
 @pytest.mark.parametrize("signum", ["SIGTERM", "SIGUSR1"])
 def test_a_stop_signal_in_the_loop_only_sets_the_flag(signum):
     import signal
 
-    request = watchdog.StopRequest()
+    request = StopRequest()
     request.DEFER_S = 0.2
     restore = request.install()
     try:
         start = time.monotonic()
-        with pytest.raises(watchdog.Terminated):  # start-up: nothing to save, stop (SIGTERM: after DEFER_S)
+        with pytest.raises(Terminated):  # start-up: nothing to save, stop (SIGTERM: after DEFER_S)
             request.handler(getattr(signal, signum), None)
             assert signum == "SIGTERM"  # deferred: this rank may still reach its own error line first
             time.sleep(5)  # the signal comes again after DEFER_S and interrupts the sleep
@@ -136,7 +136,7 @@ def test_a_stop_signal_in_the_loop_only_sets_the_flag(signum):
             getattr(signal, signum), None
         )  # torchrun's forwarded copy, right after: no second request
         request.received_at -= 10
-        with pytest.raises(watchdog.Terminated):  # a second request seconds later: stop at once
+        with pytest.raises(Terminated):  # a second request seconds later: stop at once
             request.handler(getattr(signal, signum), None)
     finally:
         restore()
@@ -147,7 +147,7 @@ def test_a_stop_signal_while_a_failure_is_reported_is_only_noted():
     `error:` line this rank is about to print (run_entrypoint holds signals from its first exception)."""
     import signal
 
-    request = watchdog.StopRequest()
+    request = StopRequest()
     restore = request.install()
     try:
         request.hold()
@@ -162,7 +162,6 @@ def test_one_process_that_stalls_only_warns(tmp_path, capsys):
     alone = Watchdog(0, 1, None, tmp_path, Deadlines(long_s=5, stall_s=0.2, silence_s=0.3), interval_s=0.05)
     alone.begin_step(2)
     alone._long_step = False
-    comm.configure(256)
     time.sleep(0.3)
     alone._conclude = lambda reason: pytest.fail(f"a single process was ended: {reason}")
     alone._tick()
@@ -176,7 +175,6 @@ def test_one_process_that_stalls_only_warns(tmp_path, capsys):
 
 def test_outside_the_training_loop_there_is_no_step_deadline(tmp_path):
     a, b = pair(tmp_path, stall=0.1)
-    comm.configure(256)
     time.sleep(0.3)
     a._held.clear()
     a._conclude = lambda reason: pytest.fail(f"start-up work was called a stall: {reason}")
@@ -237,14 +235,13 @@ def test_sampling_steps_have_deadlines_and_are_named(tmp_path):
 def test_a_wait_in_a_fence_is_judged_against_the_control_timeout(tmp_path):
     """A rank whose replica is done waits in a gloo fence while another replica samples on: not a stall
     after the step deadline, only after parallel.control_timeout_s (Deadlines.save_s)."""
-    comm.configure(256)  # no records of earlier tests (a failed one would be taken for the op waited in)
     waiting, _ = pair(tmp_path, stall=0.1)
     waiting.deadlines = Deadlines(long_s=0.1, stall_s=0.1, silence_s=0.1, save_s=30)
     waiting.sampling_progress(8, 8)
     waiting.mark("finishing")
     waiting._held.clear()
     waiting._conclude = lambda reason: pytest.fail(f"a fence wait was called a stall: {reason}")
-    with comm.recorded("barrier", None, None) as record:
+    with comm.recorded("barrier", None, None, log=waiting.comm) as record:
         record.group = "control"
         time.sleep(0.3)
         waiting._tick()
@@ -253,7 +250,6 @@ def test_a_wait_in_a_fence_is_judged_against_the_control_timeout(tmp_path):
 def test_a_stalled_sampling_step_is_named(tmp_path):
     stuck, _ = pair(tmp_path, stall=0.2)
     stuck.sampling_progress(3, 8)
-    comm.configure(256)
     time.sleep(0.4)
     stuck._held.clear()
     reasons = []
@@ -299,24 +295,23 @@ def test_a_broken_collective_is_a_stop_only_outside_the_loop(tmp_path, capsys, m
     silent 'stopped' (no error line, no checkpoint said missing); a stop during start-up, which reached a
     peer first, must not be reported as a failure."""
     import signal
+    from types import SimpleNamespace
 
-    from parallel import runtime
-
-    comm.configure(256)
     monitor, _ = pair(tmp_path)
-    monkeypatch.setattr(watchdog, "_active", monitor)
-    monkeypatch.setattr(watchdog, "hard_exit", lambda code, backend: pytest.fail("hard_exit"))
+    session = entrypoint.Session()
+    session.runtime = SimpleNamespace(watchdog=monitor, run_dir=tmp_path, comm=monitor.comm)
+    monkeypatch.setattr(entrypoint, "hard_exit", lambda code, backend: pytest.fail("hard_exit"))
     broken = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
-    request = watchdog.stop_request
-    monkeypatch.setattr(request, "signum", signal.SIGTERM)
-    monkeypatch.setattr(request, "accepting", True)  # in the loop: agreed at the step boundary, not yet
-    assert runtime._report_failure(broken, 0) == 1
+    request = session.stop
+    request.signum = signal.SIGTERM
+    request.accepting = True  # in the loop: agreed at the step boundary, not yet
+    assert entrypoint._report_failure(broken, 0, session) == 1
     err = capsys.readouterr().err
     assert "error: rank 0 (" in err and "failed" in err and "Connection closed by peer" in err, err
     monitor2, peer = pair(tmp_path / "again")
     peer.leave("stopped")  # the peer left on the stop signal, which broke this rank's collective
-    monkeypatch.setattr(watchdog, "_active", monitor2)
-    monkeypatch.setattr(request, "accepting", False)  # start-up
-    assert runtime._report_failure(broken, 0) == 128 + signal.SIGTERM
+    session.runtime.watchdog = monitor2
+    request.accepting = False  # start-up
+    assert entrypoint._report_failure(broken, 0, session) == 128 + signal.SIGTERM
     err = capsys.readouterr().err
     assert "[rank 0] stopped: received SIGTERM" in err and "error:" not in err, err

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs.schema import VAEConfig  # noqa: E402
+from models import tiling  # noqa: E402
 from models.vae import build_vae  # noqa: E402
 from parallel import comm  # noqa: E402
 from parallel import vae as parallel_vae  # noqa: E402
@@ -53,7 +54,7 @@ def main():
     for kind, shape, tile, overlap in CASES:
         vae = vaes[kind]
         z = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape)))
-        tiles = len(parallel_vae.plan_tiles(vae, shape[2:], tile, overlap))
+        tiles = len(tiling.plan_tiles(vae, shape[2:], tile, overlap))
         name = f"decode {kind} {tiles} tiles P={size}"
         gathers = comm.stats()["ops"].get("all_gather", 0)
         shared = parallel_vae.decode(vae, z, world, tile=tile, overlap=overlap)
