@@ -29,13 +29,8 @@ from models.vae import vae_latent_space
 from models.wan import check_wan_folder
 from parallel import comm
 from parallel import vae as parallel_vae
-from parallel.checkpoint import (
-    CheckpointError,
-    check_architecture,
-    check_checkpoint_files,
-    load_weights,
-    resolve_checkpoint,
-)
+from parallel.checkpoint import check_architecture, load_weights
+from parallel.checkpoint_files import CheckpointError, check_checkpoint_files, resolve_checkpoint
 from parallel.components import build_frozen, build_model, open_pretrained
 from parallel.entrypoint import run_as_process
 from parallel.init import materialize

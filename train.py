@@ -34,14 +34,11 @@ from models.pipeline import generate
 from models.vae import vae_latent_space
 from models.wan import check_wan_folder
 from parallel import comm
-from parallel.checkpoint import (
-    NonFiniteWeights,
-    check_architecture,
+from parallel.checkpoint import check_architecture, load_checkpoint, save_checkpoint
+from parallel.checkpoint_files import (
     check_checkpoint_files,
-    load_checkpoint,
     read_trainer_state,
     resolve_checkpoint,
-    save_checkpoint,
     verify_checkpoint,
 )
 from parallel.components import build_frozen, build_model, open_pretrained
@@ -53,6 +50,7 @@ from parallel.layout import ParallelLayout
 from parallel.preemption import Stopped
 from parallel.runtime import init_runtime, local_world_size, world_from_env
 from parallel.sequence import apply_sequence_parallel, share_batch
+from parallel.storage import NonFiniteWeights
 
 
 def parse_args(argv):

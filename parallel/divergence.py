@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from parallel.checkpoint import find_latest_quietly
+from parallel.checkpoint_files import find_latest_quietly
 
 
 class TrainingDiverged(ArithmeticError):

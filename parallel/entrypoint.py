@@ -52,7 +52,7 @@ def _rank() -> int:
 def _user_errors():
     from configs import ConfigError
     from models.attention import AttentionBackendUnavailable
-    from parallel.checkpoint import CheckpointError
+    from parallel.checkpoint_files import CheckpointError
     from parallel.divergence import TrainingDiverged
     from parallel.layout import LayoutError
     from parallel.pipefusion_plan import PipeFusionError
@@ -178,7 +178,7 @@ def _as_storage_error(e: BaseException, session: Session) -> BaseException:
     """A full, over-quota or read-only file system anywhere (metrics, samples, outputs, failure records;
     checkpoints say so themselves, with permissions too) becomes a StorageError naming the file system,
     the file and the free space. (A permission error elsewhere may be a read: it keeps its own message.)"""
-    from parallel.checkpoint import StorageError, storage_message, storage_problem
+    from parallel.storage import StorageError, storage_message, storage_problem
 
     problem = storage_problem(e) if isinstance(e, OSError) else None
     if problem is None or problem[0] not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):

@@ -10,26 +10,26 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from parallel import checkpoint  # noqa: E402
+from parallel import checkpoint_files  # noqa: E402
 
 
 def main(paths):
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     read = []
-    size_and_crc = checkpoint._size_and_crc
+    size_and_crc = checkpoint_files._size_and_crc
 
     def recorded(path, sync=False):
         read.append(Path(path).name)
         return size_and_crc(path, sync)
 
-    checkpoint._size_and_crc = recorded
+    checkpoint_files._size_and_crc = recorded
     for path in paths:
         read.clear()
         try:
-            checkpoint.verify_checkpoint(path, dist.group.WORLD)
+            checkpoint_files.verify_checkpoint(path, dist.group.WORLD)
             verdict = "ok"
-        except checkpoint.CheckpointError as e:
+        except checkpoint_files.CheckpointError as e:
             verdict = f"refused: {e}"
         line = f"rank {rank}: {Path(path).parent.parent.name}: read {sorted(read)}: {verdict}\n"
         os.write(

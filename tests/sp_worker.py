@@ -127,17 +127,17 @@ def check_model(layout, groups, frames, height=8, width=8, wan=False):
 def check_ring_variants(layout, groups):
     """The float32 reference kernel (the fallback when a fast kernel disagrees), p2p messages cut into
     pieces, and bfloat16 inputs (gradients must come back in bfloat16)."""
-    from parallel import sequence
+    from parallel import ring
 
-    saved = dict(sequence._checked_kernels)
-    sequence._checked_kernels.update({("cpu", torch.float32, 8): sequence.MathKernel})
+    saved = dict(ring._checked_kernels)
+    ring._checked_kernels.update({("cpu", torch.float32, 8): ring.MathKernel})
     comm.configure(0.0005)  # ~130 floats: every K/V and dK/dV transfer goes in several pieces
     try:
         check_operator(layout, groups, 6 * layout.sequence_parallel - 1, label=" math kernel, chunked p2p")
     finally:
         comm.configure(256)
-        sequence._checked_kernels.clear()
-        sequence._checked_kernels.update(saved)
+        ring._checked_kernels.clear()
+        ring._checked_kernels.update(saved)
     check_operator(layout, groups, 6 * layout.sequence_parallel - 1, dtype=torch.bfloat16, label=" bf16")
 
 

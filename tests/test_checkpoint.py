@@ -14,7 +14,7 @@ import pytest
 import infer
 import train
 from configs.rundir import read_metrics
-from parallel import checkpoint
+from parallel import checkpoint, checkpoint_files
 from parallel.checkpoint import FAULT_POINTS
 from tests.conftest import ROOT, TINY, run_main, torchrun
 
@@ -75,14 +75,14 @@ def test_a_kill_during_a_save_loses_nothing_beyond_the_previous_checkpoint(strai
         "after_rename": root / "step_4",
     }[point]
     assert leftover.is_dir()  # what the kill interrupted is still there for the next save to handle
-    assert checkpoint.find_latest(run_dir) == root / "step_2"
-    checkpoint.verify_checkpoint(root / "step_2")  # every file as it was written
+    assert checkpoint_files.find_latest(run_dir) == root / "step_2"
+    checkpoint_files.verify_checkpoint(root / "step_2")  # every file as it was written
 
     assert run_main(train, COMMON + [f"run.output_dir={run_dir}"]) == 0
     assert f"resumed from {root / 'step_2'} at step 2" in capfd.readouterr().out
     assert losses(run_dir) == losses(straight)  # bit for bit
     assert (root / "latest").read_text() == "step_4\n"
-    checkpoint.verify_checkpoint(root / "step_4")
+    checkpoint_files.verify_checkpoint(root / "step_4")
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_2", "step_4"]  # no leftovers
 
 
@@ -94,9 +94,9 @@ def test_a_resave_killed_between_its_renames_keeps_the_old_copy(straight, tmp_pa
     root = run_dir / "checkpoints"
     (root / "step_4").rename(root / ".step_4.old")
     (root / ".step_4.tmp").mkdir()  # the new copy, unfinished
-    assert checkpoint.find_latest(run_dir) == root / ".step_4.old"
-    checkpoint.verify_checkpoint(root / ".step_4.old")
-    assert checkpoint.read_trainer_state(root / ".step_4.old")["step"] == 4
+    assert checkpoint_files.find_latest(run_dir) == root / ".step_4.old"
+    checkpoint_files.verify_checkpoint(root / ".step_4.old")
+    assert checkpoint_files.read_trainer_state(root / ".step_4.old")["step"] == 4
 
 
 def damage(path, how: str) -> None:
@@ -172,15 +172,15 @@ def test_a_checkpoint_is_named_by_its_folder_its_pointer_its_checkpoints_folder_
 ):
     root = straight / "checkpoints"
     for spec in (root / "step_4", root / "latest", root, straight):
-        assert checkpoint.resolve_checkpoint(str(spec), tmp_path) == root / "step_4", spec
-    assert checkpoint.resolve_checkpoint("auto", straight) == root / "step_4"
-    assert checkpoint.resolve_checkpoint("none", straight) is None
-    assert checkpoint.resolve_checkpoint("auto", tmp_path) is None  # nothing there yet: a fresh start
-    with pytest.raises(checkpoint.CheckpointError, match="not a complete tessera checkpoint folder"):
-        checkpoint.resolve_checkpoint(str(tmp_path), tmp_path)
+        assert checkpoint_files.resolve_checkpoint(str(spec), tmp_path) == root / "step_4", spec
+    assert checkpoint_files.resolve_checkpoint("auto", straight) == root / "step_4"
+    assert checkpoint_files.resolve_checkpoint("none", straight) is None
+    assert checkpoint_files.resolve_checkpoint("auto", tmp_path) is None  # nothing there yet: a fresh start
+    with pytest.raises(checkpoint_files.CheckpointError, match="not a complete tessera checkpoint folder"):
+        checkpoint_files.resolve_checkpoint(str(tmp_path), tmp_path)
     (tmp_path / "notes.txt").write_text("hello\n")
-    with pytest.raises(checkpoint.CheckpointError, match="is not a tessera `latest` pointer"):
-        checkpoint.resolve_checkpoint(str(tmp_path / "notes.txt"), tmp_path)
+    with pytest.raises(checkpoint_files.CheckpointError, match="is not a tessera `latest` pointer"):
+        checkpoint_files.resolve_checkpoint(str(tmp_path / "notes.txt"), tmp_path)
 
     # From the command line: the pointer the README describes, and a run directory to resume from.
     out = tmp_path / "v.npy"

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import infer
 import train
 from configs.rundir import read_metrics
-from parallel import checkpoint, comm
+from parallel import checkpoint_files, comm, storage
 from tests.conftest import TINY, run_main
 
 # checkpoint_every=3 and log_every=4 over 8 steps: saves at 3, 6, 8 (the end), logs at 4 and 8
@@ -33,11 +33,11 @@ def latest_is_finite(run_dir: Path):
     """(the step `latest` names or None, whether every tensor of it is finite)."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    latest = checkpoint.find_latest(run_dir)
+    latest = checkpoint_files.find_latest(run_dir)
     if latest is None:
         return None, True
     state = _load_state_dict_from_keys(checkpoint_id=str(latest))
-    tensors = [t for t in checkpoint.local_tensors(state) if t.is_floating_point()]
+    tensors = [t for t in storage.local_tensors(state) if t.is_floating_point()]
     return int(latest.name.split("_")[1]), all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
@@ -65,7 +65,7 @@ def test_a_nan_never_reaches_a_checkpoint(tmp_path, monkeypatch, capsys, nan_at,
     assert f"the gradient norm was not finite at step {nan_at}; stopped at step {stops_at}" in line, line
     step, finite = latest_is_finite(run_dir)
     assert finite and (step is None or step < nan_at), (step, finite)
-    good = checkpoint.find_latest(run_dir)
+    good = checkpoint_files.find_latest(run_dir)
     assert (
         f"the last good checkpoint is {good}" if good else "no checkpoint was written before it"
     ) in line, line
@@ -90,7 +90,7 @@ def test_non_finite_weights_with_a_finite_gradient_are_not_saved(tmp_path, monke
     assert (
         "training diverged: refusing to save step 3: NaN or inf in 1 ema tensor; nothing was written" in line
     ), line
-    assert "no checkpoint was written before it" in line and checkpoint.find_latest(run_dir) is None, line
+    assert "no checkpoint was written before it" in line and checkpoint_files.find_latest(run_dir) is None, line
     assert not list((run_dir / "checkpoints").glob("*step_3*"))
 
 
@@ -116,7 +116,7 @@ def test_a_checkpoint_larger_than_the_free_space_is_refused_before_writing(tmp_p
     run_dir = tmp_path / "run"
     assert run_main(train, [*RUN, f"run.output_dir={run_dir}", "train.max_steps=3"]) == 0
     real = shutil.disk_usage
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: real(p)._replace(free=1_000_000))
+    monkeypatch.setattr(storage.shutil, "disk_usage", lambda p: real(p)._replace(free=1_000_000))
     assert run_main(train, [*RUN, f"run.output_dir={run_dir}", "train.max_steps=6"]) == 2
     line = first_error(capsys.readouterr().err)
     assert (
@@ -127,7 +127,7 @@ def test_a_checkpoint_larger_than_the_free_space_is_refused_before_writing(tmp_p
         in line
     )
     assert "train.keep_checkpoints (now 3" in line
-    assert checkpoint.find_latest(run_dir).name == "step_3" and not list(
+    assert checkpoint_files.find_latest(run_dir).name == "step_3" and not list(
         (run_dir / "checkpoints").glob(".step_6*")
     )
 
@@ -139,16 +139,16 @@ def test_storage_errors_are_recognised_through_dcp_and_without_an_errno(tmp_path
         raise OSError(errno.ENOSPC, "No space left on device", "/ckpt/__1_0.distcp")
     except OSError as e:
         wrapped = CheckpointException("save failed", {1: _wrap_exception(e)})
-    assert checkpoint.storage_problem(wrapped) == (errno.ENOSPC, "/ckpt/__1_0.distcp")
-    assert checkpoint.storage_problem(PermissionError(errno.EROFS, "Read-only file system"))[0] == errno.EROFS
+    assert storage.storage_problem(wrapped) == (errno.ENOSPC, "/ckpt/__1_0.distcp")
+    assert storage.storage_problem(PermissionError(errno.EROFS, "Read-only file system"))[0] == errno.EROFS
     assert (
-        checkpoint.storage_problem(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), tmp_path)
+        storage.storage_problem(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), tmp_path)
         is None
     )
     # torch's zip writer on a full disk loses the errno ("unexpected pos 704 vs 598"): the free space tells
     real = shutil.disk_usage
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: real(p)._replace(free=4096))
-    assert checkpoint.storage_problem(RuntimeError("unexpected pos 704 vs 598"), tmp_path) == (
+    monkeypatch.setattr(storage.shutil, "disk_usage", lambda p: real(p)._replace(free=4096))
+    assert storage.storage_problem(RuntimeError("unexpected pos 704 vs 598"), tmp_path) == (
         errno.ENOSPC,
         None,
     )
@@ -322,5 +322,5 @@ def test_non_finite_tensors_are_counted_per_device():
         torch.full((2, 2), float("-inf")),
         torch.zeros(7, dtype=torch.bfloat16),
     ]
-    assert checkpoint._count_non_finite(tensors) == 2
-    assert checkpoint._count_non_finite([]) == 0
+    assert storage._count_non_finite(tensors) == 2
+    assert storage._count_non_finite([]) == 0

@@ -1,0 +1,311 @@
+"""A checkpoint folder on disk: the step_<N> folders and the `latest` pointer, files written durably and
+sealed with their sizes and crc32s (checksums.json), and the checks that refuse a damaged checkpoint
+by name, with the previous one suggested, before anything is read from it.
+"""
+
+import errno
+import json
+import os
+import re
+import shutil
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from parallel import comm
+
+CHECKSUMS = "checksums.json"
+_POINTER = re.compile(r"step_(\d+)")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def checkpoint_dir(run_dir) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def _step_of(path: Path) -> int | None:
+    """N of a step_<N> folder (or of the hidden .step_<N>.old copy a killed re-save leaves)."""
+    match = re.fullmatch(r"\.?step_(\d+)(\.old)?", path.name)
+    return int(match.group(1)) if match else None
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / ".metadata").is_file()
+
+
+def previous_checkpoint(path) -> Path | None:
+    """The newest complete step_<N> beside `path` that is older than it (the one to fall back on)."""
+    path = Path(path)
+    step = _step_of(path)
+    older = [
+        (n, p)
+        for p in path.parent.glob("step_*")
+        if (n := _step_of(p)) is not None and (step is None or n < step) and p != path and _is_complete(p)
+    ]
+    return max(older)[1] if older else None
+
+
+def _fallback_hint(path) -> str:
+    previous = previous_checkpoint(path)
+    if previous is None:
+        return "no earlier complete checkpoint is left beside it: start fresh with train.resume=none"
+    return (
+        f"the previous complete checkpoint is {previous}: resume from it with train.resume={previous} "
+        f"(infer.py --checkpoint {previous})"
+    )
+
+
+def _follow(pointer: Path) -> Path:
+    """The step folder a `latest` pointer file names."""
+    try:
+        name = pointer.read_text(errors="replace").strip() if pointer.stat().st_size < 1024 else ""
+    except OSError as e:
+        raise CheckpointError(f"cannot read {pointer}: {e}") from None
+    if not _POINTER.fullmatch(name):
+        raise CheckpointError(
+            f"{pointer} is not a tessera `latest` pointer (a file holding one line, step_<N>)"
+        )
+    path = pointer.parent / name
+    if _is_complete(path):
+        return path
+    # A re-save of step N killed between moving the old step_N aside and renaming the new one in:
+    # the old copy is still complete, under the name the save gave it.
+    replaced = pointer.parent / f".{name}.old"
+    if _is_complete(replaced):
+        return replaced
+    raise CheckpointError(f"{pointer} names {name}, which is missing or incomplete; {_fallback_hint(path)}")
+
+
+def find_latest(run_dir) -> Path | None:
+    pointer = checkpoint_dir(run_dir) / "latest"
+    return _follow(pointer) if pointer.is_file() else None
+
+
+def find_latest_quietly(root: Path) -> Path | None:
+    """The checkpoint `latest` names under a checkpoints/ folder, or None (also if it cannot be read)."""
+    try:
+        return find_latest(root.parent)
+    except CheckpointError:
+        return None
+
+
+def resolve_checkpoint(spec: str, run_dir) -> Path | None:
+    """train.resume / --checkpoint: 'auto' (the run's latest, if any), 'none', or a path: a step_<N>
+    folder, a `latest` pointer file, a checkpoints/ folder or a run directory (their latest)."""
+    if spec == "none":
+        return None
+    if spec in ("auto", "latest"):
+        return find_latest(run_dir)
+    path = Path(spec)
+    if path.is_file():
+        return _follow(path)
+    if _is_complete(path):
+        return path
+    for pointer in (path / "latest", checkpoint_dir(path) / "latest"):
+        if pointer.is_file():
+            return _follow(pointer)
+    raise CheckpointError(
+        f"checkpoint '{spec}' is not a complete tessera checkpoint folder (no .metadata in it), nor "
+        f"a `latest` pointer, a checkpoints/ folder or a run directory with one"
+    )
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make renames and new entries in a folder durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some network filesystems cannot fsync a folder; their renames are synchronous
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _size_and_crc(path: Path, sync: bool = False) -> tuple[int, int]:
+    """(size, crc32) of a file, read in 16 MiB pieces; with sync, also fsync it (it was just written,
+    so the read comes from the page cache)."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while piece := f.read(16 << 20):
+            crc, size = zlib.crc32(piece, crc), size + len(piece)
+        if sync:
+            os.fsync(f.fileno())
+    return size, crc
+
+
+def _write_durably(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _seal(folder: Path, rank: int) -> None:
+    """fsync the files this rank wrote and record their size and crc32 in a part file of its own
+    (DCP names its files __<rank>_<i>.distcp; rank 0 also wrote .metadata)."""
+    mine = sorted(folder.glob(f"__{rank}_*")) + [folder / f"trainer_rank{rank}.pt"]
+    if rank == 0:
+        mine.append(folder / ".metadata")
+    files = {p.name: dict(zip(("size", "crc32"), _size_and_crc(p, sync=True))) for p in mine}
+    _write_durably(folder / f".checksums_rank{rank}.json", json.dumps(files))
+
+
+def _merge_checksums(folder: Path, world_size: int) -> None:
+    """Rank 0: one checksums.json from every rank's part; a file no rank claimed is hashed here."""
+    files = {}
+    for rank in range(world_size):
+        part = folder / f".checksums_rank{rank}.json"
+        files.update(json.loads(part.read_text()))
+        part.unlink()
+    for p in sorted(folder.iterdir()):
+        if p.is_file() and p.name not in files:
+            files[p.name] = dict(zip(("size", "crc32"), _size_and_crc(p, sync=True)))
+    _write_durably(folder / CHECKSUMS, json.dumps({"format": 1, "files": files}, indent=1, sort_keys=True))
+    _fsync_dir(folder)
+
+
+def _clear(path: Path) -> None:
+    """Remove a step folder so that it vanishes at once (renamed hidden first): a kill mid-way leaves
+    no half-deleted step_<N> that still looks complete."""
+    hidden = path.with_name(f".{path.name}.deleted")
+    shutil.rmtree(hidden, ignore_errors=True)
+    path.rename(hidden)
+    shutil.rmtree(hidden, ignore_errors=True)
+
+
+def _checksums(path: Path) -> dict | None:
+    """{file name: {size, crc32}} as written, or None for a checkpoint older than checksums.json."""
+    listing = path / CHECKSUMS
+    if not listing.is_file():
+        return None
+    try:
+        return json.loads(listing.read_text())["files"]
+    except (ValueError, KeyError, OSError) as e:
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: {listing} cannot be read ({e}); {_fallback_hint(path)}"
+        ) from None
+
+
+def check_checkpoint_files(path) -> None:
+    """Cheap checks from file sizes alone, made on every rank before any collective: every file that
+    checksums.json lists (or, in a checkpoint written before it, that DCP's .metadata points into) is
+    there and at least as long as it must be. The crc32s are read later, shared over the ranks
+    (verify_checkpoint). A damaged checkpoint is a CheckpointError naming the file."""
+    path = Path(path)
+    files = _checksums(path)
+    if files is not None:
+        needed = {name: entry["size"] for name, entry in files.items()}
+    else:
+        needed = _sizes_from_metadata(path)
+    problems = []
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{name} is missing")
+        elif file.stat().st_size < size:
+            problems.append(f"{name} is truncated ({file.stat().st_size} of at least {size} bytes)")
+        elif files is not None and file.stat().st_size != size:
+            problems.append(f"{name} has {file.stat().st_size} bytes, {size} were written")
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {path} is damaged, nothing was loaded from it: {'; '.join(problems)}; "
+            f"{_fallback_hint(path)}"
+        )
+
+
+def _sizes_from_metadata(path: Path) -> dict[str, int]:
+    """{file: the bytes DCP's .metadata says it holds at least} (a checkpoint without checksums.json)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign .metadata
+        raise CheckpointError(
+            f"checkpoint {path} is damaged, nothing was loaded from it: its .metadata cannot be read "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+            f"{_fallback_hint(path)}"
+        ) from None
+    sizes: dict[str, int] = {}
+    for info in storage.values():
+        sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), info.offset + info.length)
+    return sizes
+
+
+def verify_checkpoint(path, group=None) -> None:
+    """Check every file of a checkpoint against the sizes and crc32s recorded when it was written,
+    before anything is loaded from it. With a process group, the files are split over its ranks (each
+    read once, the largest first to the least loaded rank) and their findings all-reduced, so every
+    rank reaches the same verdict; without one, this process checks them all. A damaged checkpoint
+    is a CheckpointError naming the files and the previous complete checkpoint. Checkpoints written
+    before checksums.json existed are not checked."""
+    path = Path(path)
+    files = _checksums(path)
+    if files is None:  # written before checksums.json: the sizes DCP's metadata implies, at least
+        check_checkpoint_files(path)
+        return
+    names = sorted(files)
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    load = [0] * world
+    found = torch.zeros(
+        len(names), 3, dtype=torch.int64
+    )  # per file: checked by a rank, size (-1: missing), crc32
+    for i in sorted(range(len(names)), key=lambda i: (-files[names[i]]["size"], names[i])):
+        owner = min(range(world), key=lambda r: load[r])
+        load[owner] += files[names[i]]["size"]
+        if owner != rank:
+            continue
+        file = path / names[i]
+        if not file.is_file():
+            found[i] = torch.tensor([1, -1, 0])
+        elif file.stat().st_size != files[names[i]]["size"]:
+            found[i] = torch.tensor([1, file.stat().st_size, 0])
+        else:
+            found[i] = torch.tensor([1, *_size_and_crc(file)])
+    if group is not None:
+        comm.all_reduce(found, group=group)
+    problems = []
+    for name, (_, size, crc) in zip(names, found.tolist()):
+        written = files[name]
+        if size < 0:
+            problems.append(f"{name} is missing")
+        elif size < written["size"]:
+            problems.append(f"{name} is truncated ({size} of the {written['size']} bytes written)")
+        elif size != written["size"]:
+            problems.append(f"{name} has {size} bytes, {written['size']} were written")
+        elif crc != written["crc32"]:
+            problems.append(f"{name} is corrupt (crc32 {crc:08x}, {written['crc32']:08x} when written)")
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {path} is damaged, nothing was loaded from it: {'; '.join(problems)}; "
+            f"{_fallback_hint(path)}"
+        )
+
+
+def read_trainer_state(path) -> dict:
+    """The step and data position of a checkpoint, read from files alone: every rank reads the same
+    file, so a resume that cannot continue (another dp size, other data) fails on all ranks alike,
+    before any process group, model or collective."""
+    trainer_file = Path(path) / "trainer_rank0.pt"
+    if not trainer_file.is_file():
+        raise CheckpointError(
+            f"{path} has no trainer_rank0.pt (the step and data position); it is not a complete "
+            f"tessera training checkpoint: pick another or start fresh with train.resume=none"
+        )
+    written = (_checksums(Path(path)) or {}).get(trainer_file.name)
+    if written is not None and _size_and_crc(trainer_file) != (written["size"], written["crc32"]):
+        raise CheckpointError(
+            f"checkpoint {path} is damaged, nothing was loaded from it: {trainer_file.name} is not "
+            f"the file written at save (its size or crc32 differ); {_fallback_hint(path)}"
+        )
+    try:
+        return torch.load(trainer_file, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a checkpoint from before checksums.json, damaged
+        raise CheckpointError(
+            f"{trainer_file} cannot be read ({type(e).__name__}: {e}); {_fallback_hint(path)}"
+        ) from e
