@@ -1,18 +1,10 @@
 """The distributed bucket sampler: one global plan per epoch, the same on every rank.
 
-For epoch e the plan is a pure function of (seed, e, the samples' buckets, the batch sizes):
-shuffle each bucket, cut it into that bucket's batches (the last one may be short), shuffle the
-list of batches, then pad it with whole batches from its start (or drop its tail, with
-`data.epoch_remainder=drop`) to a multiple of the data-parallel size. Batch i*dp + r goes to rank r.
-Every data-parallel rank therefore takes exactly the same number of steps in every epoch, for any
-bucket distribution and any world size (Sana's per-rank greedy grouping does not, and its jobs
-hang in the second epoch). All ranks of a sequence-parallel group share a dp rank and get the
-same batch.
-
-The number of batches per epoch does not depend on e, so step s is batch s mod steps_per_epoch of
-epoch s div steps_per_epoch: resuming computes one plan and starts there, in O(1) steps, without
-reading or decoding a sample. (A resume that had to re-plan, `data.on_plan_change=new_epoch`, moves
-the origin: step s0 starts epoch e0, and positions count from there.)
+The plan of epoch e is a pure function of (seed, e, the samples' buckets, the batch sizes): each
+bucket shuffled and cut into batches, the batches shuffled, then padded with whole batches (or cut,
+`data.epoch_remainder=drop`) to a multiple of the data-parallel size; batch i*dp + r goes to rank r.
+Every rank takes the same number of steps in every epoch, whatever the buckets, and a resume starts
+at step s in O(1), without reading a sample. docs/internals.md has the details.
 """
 
 import hashlib

@@ -1,22 +1,9 @@
-"""A Diffusion Transformer for images (1 frame) and videos.
+"""A Diffusion Transformer for images (1 frame) and videos; single-device code.
 
-Follows DiT (Peebles & Xie, https://arxiv.org/abs/2212.09748) with adaLN-Zero conditioning on the
-timestep, plus what video models added since: 3D patches, 3D rotary positions (any frame count and
-aspect ratio), cross-attention to text tokens (PixArt-alpha, https://arxiv.org/abs/2310.00426) and
-QK-normalisation. Single-device code: nothing here knows about processes.
-
-Four options make it Wan 2.1/2.2 exactly (the `Wan*` sizes set them; `models/wan.py` maps the weights):
-- adaln="single": one shared projection of the time embedding to (6, D) plus a learnt (1, 6, D) table
-  per block (PixArt-alpha's adaLN-single) instead of a Linear(D, 6D) per block; the final layer adds
-  its (1, 2, D) table to the time embedding itself;
-- qk_norm_across_heads: QK RMSNorm over the whole projection (weight of size D) before the head split;
-- pooled_text=False: no mean text token in the conditioning;
-- text_mask=False: cross-attention attends every text token; padded tokens are zeroed instead (Wan
-  trims each prompt to its length and zero-pads to 512 tokens: as padding is attended, the output
-  depends on the padded length, so text_encoder.max_length=512 is what matches Wan).
-The time embedder, the LayerNorms and the modulation run in float32 in every configuration, as Wan's do
-(the QK RMSNorms run in the parameter dtype, as Wan's do). Wan2.2-5B here is its text-to-video use: one
-timestep per sample, not TI2V's per-token timesteps.
+DiT (Peebles & Xie) with adaLN-Zero timestep conditioning, plus 3D patches, 3D rotary positions,
+cross-attention to text tokens (PixArt-alpha) and QK-normalisation. Four options (adaln="single",
+qk_norm_across_heads, pooled_text=False, text_mask=False), set by the `Wan*` sizes, make it Wan 2.1/2.2
+exactly; models/wan.py maps the weights. docs/internals.md says what each option changes.
 """
 
 import math

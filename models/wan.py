@@ -1,20 +1,6 @@
 """Wan 2.1/2.2 weights in tessera's DiT: the architecture from a diffusers `WanTransformer3DModel`
-config, and its state dict under tessera's names. Single-device code; `models/dit.py` has the options
-(adaln="single", QK norm across heads, no pooled text, unmasked text) that make the DiT Wan exactly.
-
-Key map (diffusers -> tessera), per block i:
-    attn1.to_q | to_k | to_v      -> blocks.i.attn.qkv            (concatenated, q first)
-    attn1.to_out.0                -> blocks.i.attn.proj
-    attn1.norm_q | norm_k         -> blocks.i.attn.q_norm | k_norm
-    attn2.to_q                    -> blocks.i.cross_attn.q
-    attn2.to_k | to_v             -> blocks.i.cross_attn.kv        (concatenated, k first)
-    attn2.to_out.0, norm_q/k      -> blocks.i.cross_attn.proj, q_norm/k_norm
-    norm2 (the only affine norm)  -> blocks.i.norm2
-    ffn.net.0.proj | ffn.net.2    -> blocks.i.mlp.0 | mlp.2
-    scale_shift_table             -> blocks.i.scale_shift_table
-and patch_embedding -> x_embedder.proj, condition_embedder.time_embedder.linear_1/2 -> t_embedder.mlp.0/2,
-condition_embedder.time_proj -> time_proj.1, condition_embedder.text_embedder.linear_1/2 -> y_embedder.0/2,
-scale_shift_table -> final_layer.scale_shift_table, proj_out -> final_layer.linear.
+config, and its state dict under tessera's names (q, k and v concatenated into one projection; the
+whole key map is in docs/internals.md). Single-device code.
 """
 
 import json

@@ -1,30 +1,11 @@
-"""Distributed checkpoints that never lose work.
+"""Distributed checkpoints that never lose work: save and load.
 
-Layout of a run directory's `checkpoints/`:
-    step_<N>/        torch.distributed.checkpoint files of model, EMA and optimizer, plus
-                     trainer_rank<R>.pt per rank (step, data position, world size; the same on
-                     every rank, so a resume reads rank 0's before any process group exists), and
-                     checksums.json: the size and crc32 of every file, as each rank wrote it
-    latest           a text file naming the newest complete step_<N>
-
-Every rank writes its shards into a hidden temporary folder, then reads back and fsyncs the files
-it wrote and records their sizes and crc32s; only when all ranks have finished does rank 0 rename
-the folder to step_<N>, fsync the parent folder, and then replace (and fsync) `latest`. A kill at
-any point of a save leaves `latest` naming a complete checkpoint; the hidden leftovers
-(.step_<N>.tmp, .step_<N>.old) are removed by the next save, after its `latest` has moved. A load
-first checks every file against checksums.json (the work split over the ranks), so a truncated or
-corrupted shard is refused by name, with the previous checkpoint suggested, before any weight is
-read. The fences use the gloo control group (long timeout): a slow filesystem does not trip the
-training watchdog.
-
-DCP's planning collectives run on a gloo group made for the one save or load and destroyed after
-it. Gloo runs its collectives on its own worker threads, and its gather copies the pickled plans
-there with an ATen op large enough to open an OpenMP region; libgomp then gives each of those
-threads its own team, which lives as long as the thread. On a machine with no spare cores that
-leaves more OpenMP threads than CPUs, libgomp cuts every team's spin-wait to ~100 iterations
-(GOMP_SPINCOUNT's "throttled" value), and each training op after the checkpoint paid a futex
-wake-up: steps were 30-70% slower for the rest of the run (BENCHMARKS.md, issue 12). Destroying
-the group joins its threads, libgomp frees their teams, and spinning comes back.
+Each rank writes its shards into a hidden temporary folder and seals them (sizes and crc32s,
+parallel/checkpoint_files.py); when every rank is done rank 0 renames it to step_<N> and moves
+`latest`. A kill at any point leaves `latest` naming a complete checkpoint. A save is refused
+before a byte is written when the weights are not finite or the disk cannot hold it
+(parallel/storage.py); a load checks every file first. DCP's planning runs on a short-lived gloo
+group (docs/internals.md: long-lived gloo threads slowed training by 30-70%).
 """
 
 import contextlib

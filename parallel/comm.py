@@ -1,19 +1,11 @@
-"""Every collective and point-to-point op in tessera goes through here. FSDP2's all-gathers and
-reduce-scatters are recorded through its custom-collective hooks (parallel/fsdp.py), and a
-torch.distributed.checkpoint save or load is recorded as one op on the group it runs on
-(parallel/checkpoint.py); the collectives inside them are PyTorch's own.
+"""Every collective and point-to-point op in tessera goes through here.
 
-- Messages above `parallel.max_message_mb` are split into chunks, and each chunk is waited on before
-  the next is queued: the watchdog clock starts when an op is queued, so chunks queued back to back
-  would share one deadline.
-- Each op is recorded (sequence number, kind, group, shape, dtype, bytes, start, end) in a small
-  per-rank ring buffer, written out by `dump_records` when a run fails, so that the ranks' histories
-  can be compared to find the first op where they disagree or the rank that never arrived.
-- Every group has a name (`name_group`: fsdp, ulysses, ring, sequence, control, world), so a record
-  says which collective a rank waited in; parallel/watchdog.py reads the op in flight from here.
-- Bytes and op counts per kind are kept for benchmarks: `bytes` is the size of the tensors handed to
-  each op, `sent` what this rank sends to other ranks (the part of an all-to-all that stays home is
-  not sent; an all-gather sends its input to every peer; ring all-reduce sends 2(P-1)/P of it).
+- Messages above `parallel.max_message_mb` go in chunks, each waited on before the next is queued
+  (chunks queued back to back would share one watchdog deadline).
+- Each op is recorded (seq, kind, group, shape, bytes, start, end) in the runtime's CommLog, dumped to
+  failures/ when a run fails, so the ranks' histories show where they disagree or who never arrived.
+- Bytes and op counts per kind are kept for benchmarks (`stats`).
+FSDP2's collectives (parallel/fsdp.py) and DCP saves and loads (parallel/checkpoint.py) are recorded too.
 """
 
 import collections

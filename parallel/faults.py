@@ -1,19 +1,11 @@
-"""Fault injection for the failure tests (tests/test_failures.py, tests/test_checkpoint.py), off unless
-TESSERA_FAULT is set:
+"""Fault injection for the failure tests, off unless TESSERA_FAULT is set, and read once at start-up:
 
-    TESSERA_FAULT="<fault>[@<rank>][:<step>]"      several comma-separated; no rank: every rank; no step: every step
-    e.g. "stop@1:3": rank 1 sends itself SIGSTOP in step 3 (steps counted from 1, as in metrics.jsonl)
+    TESSERA_FAULT="<fault>[@<rank>][:<step>]"   several comma-separated; no rank: every rank; no step: every step
 
-At the start of a training step: `stop` (SIGSTOP: a hung process), `kill` (SIGKILL), `hang` (the main
-thread sleeps forever, its watchdog alive: a deadlocked loader, a stuck read), `raise` (an exception),
-`collective` (an extra all-reduce the other ranks never issue), `term` (SIGTERM to itself: a
-preemption notice). `sample_stop`, `sample_kill`, `sample_hang`: the same at the start of a denoising
-step of infer.py; `startup_stop`, `startup_kill`, `startup_hang`, `startup_raise`: once the process
-groups exist (step 0). `loader`: the data loader raises a DataError while loading that step's batch.
-`save_before_shards`, `save_after_shards`, `save_after_rename`: SIGKILL at that point of the checkpoint
-save of that step, as a power cut or the OOM killer would. `enospc`: the checkpoint save of that step
-fails with "No space left on device" after its first 4 KiB, as a disk that fills up during the save.
-`nan`: the loss of that step is NaN.
+Faults: at a training step `stop`, `kill`, `hang`, `raise`, `collective`, `term`, `nan`, `loader`; at a
+denoising step `sample_stop|kill|hang`; once the groups exist `startup_stop|kill|hang|raise`; in a
+checkpoint save `save_before_shards|after_shards|after_rename` (SIGKILL) and `enospc` (a full disk);
+in PipeFusion `pipefusion_count` and `pipefusion_extra_send`. docs/internals.md says what each does.
 """
 
 import os

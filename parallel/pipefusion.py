@@ -1,39 +1,11 @@
-"""Sampling across GPUs: PipeFusion patch pipelining and classifier-free-guidance (CFG) parallelism.
+"""PipeFusion sampling (Fang et al., arXiv:2405.14430), `parallel.pipefusion=N`: the DiT's blocks in N
+stages, the tokens in patches; after `parallel.pipefusion_warmup` full steps each patch flows through
+the stages, attending to one-step-stale K/V for the other patches, and the last stage takes the
+patch's Euler step and sends it back to stage 0. Only one activation per patch crosses a stage.
 
-PipeFusion (Fang et al., https://arxiv.org/abs/2405.14430), `parallel.pipefusion=N`:
-- the DiT's blocks are split into N contiguous stages; stage r keeps only its blocks' weights
-  (`keep_stage`), so weights per rank are about 1/N;
-- the token sequence is cut into M = `parallel.pipefusion_patches` patches of whole patch rows, in
-  (t, h, w) order, so images and videos are cut alike (`patch_ranges`);
-- the first W = `parallel.pipefusion_warmup` steps run synchronously: the whole sequence passes through
-  the stages and fills every layer's K/V buffer;
-- after that each patch flows through the stages. A layer attends with fresh K/V for the patch and
-  one-step-stale K/V for the others, from the full-sequence K/V buffer its stage owns. The last stage
-  applies the guidance and the Euler step to the patch and sends the patch's latent back to stage 0.
-Only one activation per patch crosses each stage boundary: O(tokens x hidden) bytes per step, whatever
-the depth (sequence parallelism moves that much in every layer).
-
-Messages, and why none can hang:
-- every message's shape follows from the layout, the latent size and the step/patch schedule
-  (`MessagePlan`), so receives are posted ahead with the right shape: no shape handshake;
-- the forward direction (stage r -> r+1: hidden states) and the return direction (last stage -> stage
-  0: updated latent patches) use two process groups, hence two NCCL communicators: a receive posted
-  early on one never queues ahead of a send on the other (NCCL runs one communicator's ops in order);
-- on the forward group, a stage posts its send of patch k together with its receive of patch k+1
-  (one batch_isend_irecv): neither can wait on the other. Stage 0 posts each step's return receives
-  at the start of the step, before the last stage can send them;
-- before the first message every rank of a pipeline shares its plan (message counts and the schedule
-  that produced them) and checks it against every other rank's: ranks that disagree stop with an
-  `error:` naming them, before any message is sent. At the end each rank checks that it sent and
-  received exactly what it planned, and waits for its last sends: no process exits with a send pending;
-- every message goes through parallel/comm.py (recorded; pieces under `parallel.max_message_mb`).
-
-Inside a stage, ulysses/ring split each patch's tokens as they split the whole sequence elsewhere:
-Ulysses exchanges heads for tokens, and Ring gathers the patch's K/V over the ring (the buffer holds
-the whole sequence anyway). With `parallel.cfg=2` the two guidance branches are two pipelines, and
-their last stages combine each patch with one all-gather.
-
-CFG parallel alone (`cfg_velocity`): each half of the ranks runs one branch, one all-gather per step.
+No message can hang: every message's shape follows from the plan (parallel/pipefusion_plan.py), which
+the ranks compare before the first message and check against what was sent at the end; the two
+directions use two process groups. docs/internals.md has the whole protocol.
 """
 
 from dataclasses import dataclass, field

@@ -1,26 +1,11 @@
 """Sequence parallelism: one sample's tokens split over `ulysses x ring` processes.
 
-The DiT stays single-device code. `apply_sequence_parallel` changes it from the outside:
-- `model.sequence` becomes a `ShardedSequence`: after patch embedding it pads the tokens to a multiple
-  of the degree and keeps this rank's slice (RoPE angles too); before the final layer it gathers them.
-- each block's `attn.inner_attention` becomes a `SequenceParallelAttention`, which sees the local
-  queries, keys and values and returns the local output, as if attention ran over the whole sequence:
-  * Ulysses: one all-to-all (q, k, v packed) turns sequence shards into head shards; attention runs on
-    the full sequence for H/ulysses heads; a second all-to-all turns the output back.
-  * Ring: K/V blocks travel around the ring (`batch_isend_irecv`, the next transfer posted before the
-    current block is computed) and the partial outputs merge through their log-sum-exp in float32.
-  * Both (USP): Ulysses inside each ring position, then Ring across positions.
-Padded keys are always masked, so the output equals the unpadded computation.
-
-Rank order inside a sequence-parallel group: ulysses is innermost (see parallel/layout.py), and the
-token slice of a rank is `ring_rank * ulysses + ulysses_rank`, so gathering over the group in rank
-order restores the sequence.
-
-Gradients: every rank of a group computes the same loss on the gathered output, and the gather's
-backward is a reduce-scatter, so the parameter gradients of a group's P ranks add up to P times the
-gradient of that loss. FSDP averages over all dp x P ranks, dividing by P as well: the result is
-exactly the data-parallel mean. (Sharding over dp alone, or a gather whose backward keeps only the
-local slice, would scale the gradients wrongly; tests/test_sequence_parallel.py compares grad norms.)
+The DiT stays single-device code; `apply_sequence_parallel` changes it from the outside: the
+sequence is padded and sliced after the patch embedding and gathered before the final layer, and
+each attention becomes a SequenceParallelAttention: Ulysses (all-to-all, heads for tokens), Ring
+(parallel/ring.py) or both. Padded keys are masked, so the output equals the unpadded computation,
+and the gather's backward is a reduce-scatter, so FSDP's mean over dp x sp ranks is exactly the
+data-parallel mean. docs/internals.md has the rank order and the gradient argument.
 """
 
 from dataclasses import dataclass

@@ -1,23 +1,9 @@
 """VAE decode (and encode) in tiles, shared across the ranks of a group.
 
-Decoding a whole video on every rank costs each rank the full time and memory, and decoding it on one
-rank while the others wait in a collective is the classic watchdog timeout (DESIGN.md: no rank does
-long work alone). Here the latent is cut into pieces whose layout depends only on the shapes and the
-tile config, never on the number of ranks, so 1 and P processes decode the same pieces:
-
-- `kl` and `wan`: overlapping spatial tiles over (h, w); time is never split (Wan's VAE is causal).
-  Neighbouring tiles are blended with linear ramps across their overlap, in pixel space.
-- identity: one piece per frame (nothing to blend; the same share-and-gather path).
-
-Each rank decodes its share of the pieces (dealt by area, the same deal on every rank), then one
-all-gather through parallel/comm.py (recorded, chunked under the message cap) brings every piece to
-every rank, and every rank blends the same pieces in the same order: the result equals the serial
-tiled decode. Tiles see other GroupNorm statistics and receptive fields than the whole latent, so a
-tiled decode differs from an untiled one (tests/test_parallel_vae.py measures it for the tiny VAEs).
-Memory per rank: the video, plus, when shared, the one gather's buffer of every tile (padded to one
-size: about the video times the tiles' overlap factor, 1.3-1.9x; 1.5 GB for Wan at 720p x 81 in
-float32) and this rank's own tiles. Sharing saves time, not memory; one gather keeps the collective
-count fixed (xDiT's DistVAE row sharding would save memory too; FIELD_NOTES.md).
+The pieces come from the shapes and the tile config alone (models/tiling.py), never from the number
+of ranks: each rank decodes its share (dealt by area), one all-gather brings every piece to every
+rank, and every rank blends the same pieces in the same order, so the result equals the one-process
+tiled decode. No rank decodes a whole video while the others wait in a collective.
 """
 
 import torch

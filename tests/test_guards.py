@@ -90,7 +90,9 @@ def test_non_finite_weights_with_a_finite_gradient_are_not_saved(tmp_path, monke
     assert (
         "training diverged: refusing to save step 3: NaN or inf in 1 ema tensor; nothing was written" in line
     ), line
-    assert "no checkpoint was written before it" in line and checkpoint_files.find_latest(run_dir) is None, line
+    assert "no checkpoint was written before it" in line and checkpoint_files.find_latest(run_dir) is None, (
+        line
+    )
     assert not list((run_dir / "checkpoints").glob("*step_3*"))
 
 
@@ -142,8 +144,7 @@ def test_storage_errors_are_recognised_through_dcp_and_without_an_errno(tmp_path
     assert storage.storage_problem(wrapped) == (errno.ENOSPC, "/ckpt/__1_0.distcp")
     assert storage.storage_problem(PermissionError(errno.EROFS, "Read-only file system"))[0] == errno.EROFS
     assert (
-        storage.storage_problem(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), tmp_path)
-        is None
+        storage.storage_problem(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), tmp_path) is None
     )
     # torch's zip writer on a full disk loses the errno ("unexpected pos 704 vs 598"): the free space tells
     real = shutil.disk_usage

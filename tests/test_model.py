@@ -1,4 +1,3 @@
-import ast
 import importlib.util
 from pathlib import Path
 
@@ -196,19 +195,3 @@ def test_short_overfit_lowers_the_loss():
     noise, t = flow.draw(x0.shape[1:], [torch.Generator().manual_seed(i) for i in range(2)])
     end = flow.training_loss(model, x0, y, mask, noise, t).item()
     assert end < 0.5 * start, (start, end)
-
-
-def test_models_never_import_torch_distributed():
-    offenders = []
-    for path in (ROOT / "models").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
-            if any(n.startswith("torch.distributed") or n == "torch.distributed" for n in names):
-                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-            if isinstance(node, ast.Attribute) and node.attr == "distributed":
-                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-    assert not offenders, f"torch.distributed used in models/: {offenders}"

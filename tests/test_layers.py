@@ -1,0 +1,105 @@
+"""The import layers, read from every module's imports (ast): scripts -> train.py/infer.py -> data ->
+parallel -> configs -> models. An arrow may point down or stay in its layer, never up; models/ never
+touches torch.distributed; and no modules import each other in a circle. A lazy (function-level)
+import that points up is allowed only if ALLOWED_UP names it, with its reason."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = {"scripts": 6, "train": 5, "infer": 5, "data": 4, "parallel": 3, "configs": 2, "models": 1}
+# (importing file, imported module): why the arrow may point up. Keep this short.
+ALLOWED_UP: dict[tuple[str, str], str] = {}
+
+
+def _modules():
+    for path in sorted(ROOT.rglob("*.py")):
+        relative = path.relative_to(ROOT)
+        if relative.parts[0] in ("tests", "build") or relative.parts[0].startswith("."):
+            continue
+        yield relative, ast.parse(path.read_text(), filename=str(relative))
+
+
+def _layer(name: str) -> int | None:
+    return LAYERS.get(name.split(".")[0])
+
+
+def _imports(tree):
+    """(imported module, lazy) for every import of the file; lazy: inside a function."""
+    lazy_nodes = {
+        id(node)
+        for function in ast.walk(tree)
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for node in ast.walk(function)
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, id(node) in lazy_nodes
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+            yield node.module, id(node) in lazy_nodes
+            for name in names:  # `from parallel import comm` imports the module parallel.comm
+                if (ROOT / (name.replace(".", "/") + ".py")).is_file():
+                    yield name, id(node) in lazy_nodes
+
+
+def test_arrows_only_point_down():
+    up = []
+    for relative, tree in _modules():
+        mine = _layer(relative.parts[0] if len(relative.parts) > 1 else relative.stem)
+        if mine is None:
+            continue
+        for module, lazy in _imports(tree):
+            theirs = _layer(module)
+            if theirs is None or theirs <= mine:
+                continue
+            if lazy and (str(relative), module) in ALLOWED_UP:
+                continue
+            up.append(f"{relative} imports {module} ({'lazily' if lazy else 'at the top'})")
+    assert not up, "imports that point up a layer:\n" + "\n".join(up)
+
+
+def test_models_are_single_device():
+    found = []
+    for relative, tree in _modules():
+        if relative.parts[0] != "models":
+            continue
+        found += [f"{relative} imports {m}" for m, _ in _imports(tree) if m.startswith("torch.distributed")]
+        found += [  # torch.distributed.<x> reached without an import of its own
+            f"{relative}:{node.lineno} uses torch.distributed"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr == "distributed"
+        ]
+    assert not found, "\n".join(found)
+
+
+def test_no_circles_between_modules():
+    graph = {}
+    for relative, tree in _modules():
+        name = ".".join(relative.with_suffix("").parts).removesuffix(".__init__")
+        graph[name] = {m for m, lazy in _imports(tree) if not lazy and _layer(m) is not None}
+    state, circles = {}, []
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in graph:
+                continue
+            if state.get(nxt) == "open":
+                circles.append(" -> ".join(path[path.index(nxt) :] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not circles, "modules that import each other:\n" + "\n".join(circles)
+
+
+def test_the_check_sees_an_upward_arrow():
+    """The parser itself: an import of parallel from models is found (and a lazy one too)."""
+    tree = ast.parse("import torch\nfrom parallel import comm\ndef f():\n    from data.media import x\n")
+    found = dict(_imports(tree))
+    assert found["parallel"] is False and found["parallel.comm"] is False and found["data.media"] is True
