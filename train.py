@@ -193,7 +193,8 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int) -> Trainer:
         load_checkpoint(runtime, checkpoint, model, ema, optimizer, verified=True)
         if runtime.is_main:
             print(f"[tessera] resumed from {checkpoint} at step {start_step}", flush=True)
-    # One rank per sequence-parallel group reads, encodes and counts the data; share_batch gives it to the rest.
+    # One rank per sequence-parallel group reads, encodes and counts the data; share_batch gives it to the
+    # rest.
     loader = build_loader(plan.dataset, plan.sampler, cfg.data.num_workers, runtime.faults)
     batches = iter(loader) if runtime.sequence.sp_rank == 0 else None
     run.start_wandb(cfg)
@@ -245,7 +246,8 @@ def train_loop(cfg, plan: Plan, runtime, t: Trainer, start_step: int) -> None:
         if stop and runtime.is_main:
             arrived = runtime.stop.received_in_step or "another rank's step"
             say(
-                f"[tessera] {signal.Signals(stop).name} received in step {arrived}: saving step {done}, then stopping"
+                f"[tessera] {signal.Signals(stop).name} received in step {arrived}: saving step {done}, "
+                "then stopping"
             )
         if done % tc.checkpoint_every == 0 or done == tc.max_steps or (stop and saved_step != done):
             save(runtime, plan, t, done, tc.keep_checkpoints)
@@ -255,7 +257,8 @@ def train_loop(cfg, plan: Plan, runtime, t: Trainer, start_step: int) -> None:
             if runtime.is_main:
                 saved = t.run.path / "checkpoints" / f"step_{done}"
                 say(
-                    f"stopped at step {done} by {signal.Signals(stop).name}; saved {saved}; run the same command to resume"
+                    f"stopped at step {done} by {signal.Signals(stop).name}; saved {saved}; run the same "
+                    "command to resume"
                 )
             raise Stopped(stop)
         if (tc.sample_every and done % tc.sample_every == 0) or done == tc.max_steps:

@@ -122,7 +122,8 @@ class RunDirectory:
     def report_replaced(self, rank: int, path: str, reason: str, step: int) -> None:
         """A file that could not be loaded and was replaced by another sample, from the rank that read it.
         One writer per file (rank 0: data_report.jsonl, rank R: data_report_rank<R>.jsonl), so ranks never
-        interleave their lines, also on network filesystems where appends from several hosts are not atomic."""
+        interleave their lines, also on network filesystems where appends from several hosts are not
+        atomic."""
         name = "data_report.jsonl" if rank == 0 else f"data_report_rank{rank}.jsonl"
         self.path.mkdir(parents=True, exist_ok=True)
         with open(self.path / name, "a") as f:

@@ -42,7 +42,8 @@ class ModelConfig:
 
 @dataclass
 class VAEConfig:
-    kind: str = "identity"  # identity (pixel space) | kl (diffusers AutoencoderKL, images) | wan (AutoencoderKLWan, video)
+    # identity (pixel space) | kl (diffusers AutoencoderKL, images) | wan (AutoencoderKLWan, video)
+    kind: str = "identity"
     pretrained: Optional[str] = None  # a local folder for from_pretrained; None builds a tiny random VAE
     seed: int = 0  # seed of the tiny random VAE, so training and sampling build the same one
     tiny_base_dim: int = 16  # width of the tiny random VAE
@@ -128,7 +129,8 @@ class TrainConfig:
     keep_checkpoints: int = 3  # older step_<N> folders are deleted once a newer one is complete
     sample_every: int = 0  # 0: only at the end
     seed: int = 0
-    resume: str = "auto"  # auto (continue from latest if present) | none | a step_<N> folder, latest file, checkpoints/ or run dir
+    # auto (continue from latest if present) | none | a step_<N> folder, latest file, checkpoints/ or run dir
+    resume: str = "auto"
     activation_checkpointing: bool = False
     compile: bool = False
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
@@ -167,8 +169,10 @@ class ParallelConfig:
     )
     ulysses: int = 1  # Ulysses sequence parallel
     ring: int = 1  # Ring sequence parallel
-    auto: bool = False  # choose the degrees dp leaves: ulysses then ring (training); cfg, ulysses, ring, pipefusion (sampling)
-    timeout_s: float = 600.0  # timeout of every collective; also the deadline of start-up, the first step, checkpoints, previews
+    # choose the degrees dp leaves: ulysses then ring (training); cfg, ulysses, ring, pipefusion (sampling)
+    auto: bool = False
+    # timeout of every collective; also the deadline of start-up, the first step, checkpoints, previews
+    timeout_s: float = 600.0
     stall_timeout_s: Optional[float] = (
         None  # a later step making no progress this long is a stall; None: 300 GPU, 120 CPU
     )

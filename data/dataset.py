@@ -87,7 +87,8 @@ class BucketedDataset:
         self.left_out.append((path, category, detail or category))
 
     def left_out_files(self) -> list[tuple[str, str, str]]:
-        """(path, category, reason) of every sample left out at start-up, missing and unreadable files first."""
+        """(path, category, reason) of every sample left out at start-up, missing and unreadable files
+        first."""
         rank = {category: i for i, category in enumerate(self.broken_first)}
         return sorted(
             self.left_out, key=lambda left: rank.get(left[1], len(rank))

@@ -86,7 +86,8 @@ class Entries:
         return (self[i] for i in range(self.length))
 
     def numbers(self, key: str) -> np.ndarray:
-        """A number column as one array (missing values: NaN for decimals, the int64 minimum for whole numbers)."""
+        """A number column as one array (missing values: NaN for decimals, the int64 minimum for whole
+        numbers)."""
         return self.columns[key].data
 
     def digest(self, exclude: tuple[str, ...] = ()) -> str:

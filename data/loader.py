@@ -48,7 +48,8 @@ def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
         if not entries:
             named = "; ".join(f"{p}: {why}" for p, why in list(unreadable.items())[:3])
             raise ValueError(
-                f"data.manifest='{dc.manifest}': none of its {len(unreadable)} files can be read ({named} ...)"
+                f"data.manifest='{dc.manifest}': none of its {len(unreadable)} files can be read "
+                f"({named} ...)"
             )
         dataset = MediaDataset(entries, table, dc.fps, cfg.train.seed)
         for path, why in unreadable.items():

@@ -154,8 +154,8 @@ class BucketSampler:
             why = f"it used train.seed={state['seed']} and this run {self.seed}"
         elif state.get("steps_per_epoch") != self.steps_per_epoch:
             why = (
-                f"an epoch had {state.get('steps_per_epoch')} steps then and has {self.steps_per_epoch} now (the data, "
-                f"buckets or batch sizes changed)"
+                f"an epoch had {state.get('steps_per_epoch')} steps then and has {self.steps_per_epoch} now "
+                "(the data, buckets or batch sizes changed)"
             )
         else:
             self.origin_step, self.origin_epoch = state.get("origin_step", 0), state.get("origin_epoch", 0)
@@ -165,8 +165,8 @@ class BucketSampler:
             ):
                 return step, ""
             why = (
-                f"epoch {state['epoch']}'s batch plan differs from the checkpoint's (the data, bucket assignment or "
-                f"batch sizes changed)"
+                f"epoch {state['epoch']}'s batch plan differs from the checkpoint's (the data, "
+                "bucket assignment or batch sizes changed)"
             )
         epoch = int(state.get("epoch", 0))
         if on_change == "error":

@@ -2,7 +2,8 @@
 direction on a black background, e.g. "a red square moving left".
 
 Clips come in several aspect ratios and lengths, so the demo exercises the buckets (the loader
-resizes and crops them like real videos). A fixed set of (colour, shape, direction) combinations is held out of training so that
+resizes and crops them like real videos). A fixed set of (colour, shape, direction) combinations is held out
+of training so that
 `scripts/eval_demo.py` can test on prompts the model never saw.
 """
 

@@ -46,7 +46,8 @@ class XFormersAttention(nn.Module):
         if importlib.util.find_spec("xformers") is None:
             raise AttentionBackendUnavailable(
                 "model.attention_backend=xformers but xformers is not installed; "
-                "install it with `pip install -e .[xformers]` (GPU machines) or use model.attention_backend=sdpa"
+                "install it with `pip install -e .[xformers]` (GPU machines) or use "
+                "model.attention_backend=sdpa"
             )
         import xformers.ops
 
@@ -67,7 +68,8 @@ class FlashAttention(nn.Module):
         if importlib.util.find_spec("flash_attn") is None:
             raise AttentionBackendUnavailable(
                 "model.attention_backend=flash but flash-attn is not installed; "
-                "install it with `pip install -e .[flash]` on a CUDA machine or use model.attention_backend=sdpa"
+                "install it with `pip install -e .[flash]` on a CUDA machine or use "
+                "model.attention_backend=sdpa"
             )
         from flash_attn import flash_attn_func
 

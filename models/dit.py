@@ -362,7 +362,8 @@ class DiT(nn.Module):
         self.init_weights()
 
     def architecture(self) -> dict:
-        """What the model was built with: dims, patch size and options (compared with a pretrained folder's)."""
+        """What the model was built with: dims, patch size and options (compared with a pretrained
+        folder's)."""
         return dict(self._architecture)
 
     def check_input_shape(self, frames, height, width):
@@ -375,7 +376,8 @@ class DiT(nn.Module):
                 )
 
     def forward(self, x, t, y, y_mask):
-        """x: (B, C, T, H, W) latents; t: (B,) in [0, 1]; y: (B, L, text_dim) text tokens; y_mask: (B, L) bool."""
+        """x: (B, C, T, H, W) latents; t: (B,) in [0, 1]; y: (B, L, text_dim) text tokens; y_mask: (B, L)
+        bool."""
         tokens, grid = self.embed(x)  # (B, N, D)
         rope = self.rope(grid, tokens.device)  # (N, Dh/2, 2)
         tokens, rope = self.sequence.shard(tokens, rope)  # (B, N_local, D); the identity on one device

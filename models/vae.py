@@ -56,7 +56,8 @@ class LatentSpace(nn.Module):
             rule = f"1 + k*{self.temporal_stride}" if self.causal else f"a multiple of {self.temporal_stride}"
             problems.append(
                 f"frames={frames} cannot be represented: the VAE needs {rule} frames and the latent "
-                f"frame count must divide by the time patch {pt}; try --frames {' or '.join(map(str, sorted(nearest)))}"
+                f"frame count must divide by the time patch {pt}; try --frames "
+                f"{' or '.join(map(str, sorted(nearest)))}"
             )
         for name, size, p in (("height", height, ph), ("width", width, pw)):
             multiple = self.spatial_stride * p

@@ -40,7 +40,8 @@ from parallel.checkpoint_files import (
 )
 from parallel.storage import StorageError, check_before_save, storage_message, storage_problem
 
-# The points of a save where the failure tests kill a process (TESSERA_FAULT=save_<point>, parallel/faults.py):
+# The points of a save where the failure tests kill a process (TESSERA_FAULT=save_<point>,
+# parallel/faults.py):
 # before_shards (the temporary folder made, nothing written), after_shards (every rank's files written
 # and checksummed, not yet renamed), after_rename (step_<N> in place, `latest` not yet moved).
 FAULT_POINTS = ("before_shards", "after_shards", "after_rename")
@@ -104,7 +105,8 @@ def _write(
 ) -> None:
     runtime.faults.at_save("before_shards", step)
     writer = runtime.faults.full_disk_writer(tmp, step)  # tests only (TESSERA_FAULT=enospc); else None
-    # gloo, long timeout (I/O is slow), on a group of its own (see the docstring); DCP's collectives run inside
+    # gloo, long timeout (I/O is slow), on a group of its own (see the docstring); DCP's collectives run
+    # inside
     with comm.recorded("checkpoint_save", runtime.control_group, None):
         _on_io_group(
             runtime.control_group,
@@ -150,7 +152,8 @@ def _load(state: dict, path: Path, group=None) -> None:
     except CheckpointException as e:  # DCP's planning errors (missing keys, size mismatches); a BaseException
         raise CheckpointError(
             f"{path} does not fit this model ({_first_failure(e)}); was it written "
-            f"with another model.size, model.patch_size, model.adaln/ffn_dim/qk_norm_across_heads/pooled_text, "
+            "with another model.size, model.patch_size, "
+            "model.adaln/ffn_dim/qk_norm_across_heads/pooled_text, "
             f"VAE or text encoder? Use the recipe it was "
             f"trained with, or train.resume=none"
         ) from e

@@ -80,6 +80,7 @@ class NonFiniteGuard:
         )
         fp32 = ", train.precision=fp32" if self.bf16 else ""
         return (
-            f"{resume}; try a lower train.lr (now {tc.lr:g}) or train.grad_clip (now {tc.grad_clip:g}){fp32}, "
+            f"{resume}; try a lower train.lr (now {tc.lr:g}) or train.grad_clip (now "
+            f"{tc.grad_clip:g}){fp32}, "
             f"or train.on_nonfinite=skip"
         )

@@ -1,6 +1,7 @@
 """Fault injection for the failure tests, off unless TESSERA_FAULT is set, and read once at start-up:
 
-    TESSERA_FAULT="<fault>[@<rank>][:<step>]"   several comma-separated; no rank: every rank; no step: every step
+    TESSERA_FAULT="<fault>[@<rank>][:<step>]"   several comma-separated; no rank: every rank; no step: every
+    step
 
 Faults: at a training step `stop`, `kill`, `hang`, `raise`, `collective`, `term`, `nan`, `loader`; at a
 denoising step `sample_stop|kill|hang`; once the groups exist `startup_stop|kill|hang|raise`; in a

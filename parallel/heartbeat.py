@@ -128,4 +128,5 @@ def where(beat: dict) -> str:
         )
     if step is None:
         return f"at start-up (phase: {phase})"
-    return f"at step {step} (phase: {phase}{f', sampling step {sampling[0]} of {sampling[1]}' if sampling else ''})"
+    preview = f", sampling step {sampling[0]} of {sampling[1]}" if sampling else ""
+    return f"at step {step} (phase: {phase}{preview})"

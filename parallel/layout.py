@@ -130,8 +130,9 @@ class ParallelLayout:
             if world_size % others:
                 raise LayoutError(
                     f"{world_size} processes cannot be split as dp x cfg={degrees['cfg']} x pipefusion="
-                    f"{degrees['pipefusion']} x ulysses={degrees['ulysses']} x ring={degrees['ring']}: {world_size} "
-                    f"is not a multiple of {others}. {valid_layouts_message(world_size, num_heads, mode, **limits)}"
+                    f"{degrees['pipefusion']} x ulysses={degrees['ulysses']} x ring={degrees['ring']}: "
+                    f"{world_size} is not a multiple of {others}. "
+                    f"{valid_layouts_message(world_size, num_heads, mode, **limits)}"
                 )
             degrees["dp"] = world_size // others
         layout = cls(**degrees)
@@ -197,7 +198,8 @@ def _rule_violations(
         problems.append("cfg and pipefusion parallelism are for sampling only; set them to 1 for training")
     if mode == "sample" and depth is not None and layout.pipefusion > depth:
         problems.append(
-            f"pipefusion={layout.pipefusion} stages for the model's {depth} blocks: at most one stage per block"
+            f"pipefusion={layout.pipefusion} stages for the model's {depth} blocks: at most one "
+            "stage per block"
         )
     if mode == "sample" and layout.cfg > 1 and not guided:
         problems.append(

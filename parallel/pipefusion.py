@@ -297,8 +297,9 @@ class PipeFusionSampler:
             planned = [plan.forward_sends, plan.forward_recvs, plan.return_sends, plan.return_recvs]
             if actual != planned:
                 problems.append(
-                    f"rank {g.pipeline_ranks[stage]} (stage {stage}) posted (forward sends, forward receives, "
-                    f"return sends, return receives) = {tuple(actual)}, but planned {tuple(planned)}"
+                    f"rank {g.pipeline_ranks[stage]} (stage {stage}) posted (forward sends, "
+                    f"forward receives, return sends, return receives) = {tuple(actual)}, "
+                    f"but planned {tuple(planned)}"
                 )
         if problems:
             raise PipeFusionError(

@@ -97,7 +97,8 @@ class CUDAEfficientKernel:
         lse_full = F.pad(lse, (0, padded - lse.shape[-1]))
         seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)
         # `out` must be laid out as the forward op returns it, (batch, tokens, heads, dim) in memory: a
-        # (batch, heads, tokens, dim)-contiguous one gives wrong dq and dk in half precision (H100, torch 2.11).
+        # (batch, heads, tokens, dim)-contiguous one gives wrong dq and dk in half precision (H100, torch
+        # 2.11).
         out = out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
             dout.to(q.dtype).contiguous(),

@@ -81,7 +81,8 @@ def world_from_env() -> tuple[int, int, int]:
 
 
 def local_world_size() -> int:
-    """Processes on this node (torchrun sets LOCAL_WORLD_SIZE); used by parallel.auto to keep ulysses in a node."""
+    """Processes on this node (torchrun sets LOCAL_WORLD_SIZE); used by parallel.auto to keep ulysses in a
+    node."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
 
 

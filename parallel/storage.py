@@ -129,7 +129,8 @@ def storage_message(
     where = next((p for p in ([Path(file).parent] if file else []) + [root] if p.exists()), Path("."))
     free = shutil.disk_usage(where).free
     need = f", the checkpoint needs ~{_size(needed)}" if needed else ""
-    message = f"{_STORAGE_ERRNOS[number]} {_file_system(where)} while writing {file or root}; {_size(free)} free{need}"
+    what = f"{_STORAGE_ERRNOS[number]} {_file_system(where)}"
+    message = f"{what} while writing {file or root}; {_size(free)} free{need}"
     if training:
         message += f"; {_intact(find_latest_quietly(root))}"
     if number in (errno.ENOSPC, errno.EDQUOT):

@@ -42,7 +42,8 @@ class Deadlines:
     def describe(self) -> str:
         return (
             f"deadlines: {self.long_s:.0f} s for the first step, the first denoising step and a VAE decode "
-            f"(parallel.timeout_s); {self.save_s:.0f} s for a checkpoint or a wait for other ranks' long work "
+            f"(parallel.timeout_s); {self.save_s:.0f} s for a checkpoint or a wait for other ranks' "
+            "long work "
             f"(parallel.control_timeout_s); {self.stall_s:.0f} s for a later step or denoising step "
             f"(parallel.stall_timeout_s); {self.silence_s:.0f} s of silence from a rank "
             f"(parallel.heartbeat_timeout_s)"
@@ -124,7 +125,8 @@ class Watchdog(HeartbeatChannel):
         changed, self.phase = phase != self.phase, phase
         self._progress = time.monotonic()
         if changed:
-            self._wake.set()  # publish the new phase now (at most every PUBLISH_EVERY_S), not at the next beat
+            # publish the new phase now (at most every PUBLISH_EVERY_S), not at the next beat
+            self._wake.set()
 
     def end_loop(self) -> None:
         """Training is over: what follows (wandb, shutdown) has no step deadline."""
@@ -279,7 +281,10 @@ class Watchdog(HeartbeatChannel):
             described = "; ".join(
                 f"rank {r} in {kind} on {group} (seq {seq})" for r, (seq, kind, group) in sorted(ops.items())
             )
-            return f"the ranks wait in different collectives ({described}): one rank issued a collective the others did not"
+            return (
+                f"the ranks wait in different collectives ({described}): one rank issued a collective "
+                "the others did not"
+            )
         if own_error is None and ops and len(waiting) == len(beats):
             seq, kind, group = next(iter(ops.values()))
             waited = self.deadline if waited_s is None else waited_s
@@ -308,7 +313,8 @@ class Watchdog(HeartbeatChannel):
             self._exiting = True
         print_line(line)
         if winner.startswith(f"rank {self.rank} (") and not _FAILED.match(winner):
-            self._dump_stacks()  # the others named this rank (not in their collective, or silent): where is it?
+            # the others named this rank (not in their collective, or silent): where is it?
+            self._dump_stacks()
         self.dump(winner)
         if not winner.startswith("the rendezvous store"):  # no store to tell (a call would wait its timeout)
             self.leave("failed" if winner.startswith(f"rank {self.rank} (") else "stopped")

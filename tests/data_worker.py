@@ -1,6 +1,7 @@
 """Run under torchrun (3 processes) by tests/test_data_parallel.py: the start-up check that every rank
 has the same data passes when they agree and, when one rank's data differs (another bucket for one
-file, more files, other captions, a checkpoint it does not see), fails on every rank with a message that names the ranks (instead
+file, more files, other captions, a checkpoint it does not see), fails on every rank with a message that names
+the ranks (instead
 of a hang in a later collective, or ranks silently training on different samples)."""
 
 import datetime

@@ -89,7 +89,8 @@ def check_model(layout, groups, frames, height=8, width=8, wan=False):
     the sequence-parallel group (what FSDP's mean does) equal the single-process gradients. wan: with
     Wan's options (adaLN-single, QK norm across heads, unmasked text), exact against diffusers in
     tests/test_wan.py; otherwise with absolute positions, added before the sequence is split."""
-    name = f"{'WanDiT' if wan else 'DiT'} u{layout.ulysses}r{layout.ring} grid {frames}x{height // 2}x{width // 2}"
+    model_name = "WanDiT" if wan else "DiT"
+    name = f"{model_name} u{layout.ulysses}r{layout.ring} grid {frames}x{height // 2}x{width // 2}"
     options = dict(WAN_OPTIONS, ffn_dim=48) if wan else dict(absolute_positions=True)
     torch.manual_seed(0)
     reference_model = DiT(

@@ -57,7 +57,8 @@ class _Done:
 
 
 def test_small_ring_exchange_stays_asynchronous(world_of_one, monkeypatch):
-    # gloo cannot send to itself: a loopback pair stands in for the peer (one work for the send, one for the receive)
+    # gloo cannot send to itself: a loopback pair stands in for the peer (one work for the send, one for the
+    # receive)
     monkeypatch.setattr(
         comm, "_post_pair", lambda send, to, recv, source, group: (recv.copy_(send), [_Done(), _Done()])[1]
     )

@@ -48,7 +48,8 @@ def test_three_processes_train_several_epochs_on_a_skewed_dataset(tmp_path):
     )  # sizes listed, so it is not probed: it fails when loaded
     write_manifest(data / "manifest.jsonl", entries)
     run = tmp_path / "run"
-    # bucket 8x16x16: 8 samples -> 4 batches of 2; bucket 4x16x16: 1 batch of 1; 5 batches padded to 6 = 2 steps
+    # bucket 8x16x16: 8 samples -> 4 batches of 2; bucket 4x16x16: 1 batch of 1; 5 batches padded to 6 = 2
+    # steps
     result = torchrun(
         3,
         "train.py",

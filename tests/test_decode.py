@@ -386,7 +386,8 @@ def test_manifest_lines_are_checked_and_unusable_files_left_out(tmp_path, messy_
         write_manifest(tmp_path / "bad.jsonl", [{"path": "b.png", "caption": "ok"}, line])
         with pytest.raises(ValueError, match=f"bad.jsonl:2: {message}"):
             read_manifest(tmp_path / "bad.jsonl")
-    # A 24 fps clip of 12 frames holds 4 frames at data.fps=8, not 8: its rate is probed when the line lacks it.
+    # A 24 fps clip of 12 frames holds 4 frames at data.fps=8, not 8: its rate is probed when the line lacks
+    # it.
     write_counter_video(messy_folder / "fast.mp4", frames=12, fps=24)
     write_manifest(
         messy_folder / "m.jsonl",

@@ -88,7 +88,8 @@ def test_a_checkpoint_of_another_architecture_is_refused(trained, tmp_path, capf
     assert run_main(infer, argv) != 0
     line = next(line for line in capfd.readouterr().err.splitlines() if line.startswith("error:"))
     assert (
-        "was trained with another model: model.absolute_positions (or model.size): absolute_positions=False there, "
+        "was trained with another model: model.absolute_positions (or model.size): absolute_positions=False "
+        "there, "
         "True here" in line
     ), line
     assert not (tmp_path / "x.npy").exists()

@@ -206,7 +206,8 @@ def test_a_damaged_checkpoint_without_checksums_is_named(trained, tmp_path, caps
         assert run_main(module, argv) == 2
         line = first_error(capsys.readouterr().err)
         assert (
-            f"checkpoint {step} is damaged, nothing was loaded from it: __0_0.distcp is truncated ({size // 2} of"
+            f"checkpoint {step} is damaged, nothing was loaded from it: __0_0.distcp is truncated "
+            f"({size // 2} of"
             in line
             and "does not fit" not in line
         ), line

@@ -173,7 +173,8 @@ def test_infer_equals_wan_pipeline(tiny_pipeline, tmp_path):
 
 
 def test_fine_tuned_and_exported_pipeline_samples_what_infer_samples(tiny_pipeline, tmp_path):
-    """Fine-tune from the pipeline folder, export the run as a whole WanPipeline (raw weights): diffusers samples from
+    """Fine-tune from the pipeline folder, export the run as a whole WanPipeline (raw weights): diffusers
+    samples from
     it what infer.py samples from the checkpoint, and not what the untouched pipeline samples."""
     pipe_dir, recipe = tiny_pipeline
     run = tmp_path / "run"
