@@ -94,7 +94,7 @@ def find_checkpoint(cfg, checkpoint: str | None, random_weights: bool):
     if random_weights:
         return None
     found = resolve_checkpoint(checkpoint or "auto", cfg.run.output_dir)
-    if found is None and checkpoint in (None, "none") and cfg.model.get("pretrained"):
+    if found is None and checkpoint in (None, "none") and cfg.model.pretrained:
         return None  # sample from the pretrained weights themselves
     if found is None:
         raise CheckpointError(

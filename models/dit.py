@@ -514,7 +514,7 @@ def build_dit(model_cfg, in_channels: int, text_dim: int) -> DiT:
     if model_cfg.size not in DiT_models:
         raise ValueError(f"unknown model size '{model_cfg.size}'; choose one of {', '.join(DiT_models)}")
     arch = dict(DiT_models[model_cfg.size])
-    arch.update({key: model_cfg[key] for key in ARCHITECTURE_OPTIONS if model_cfg.get(key) is not None})
+    arch.update({key: model_cfg[key] for key in ARCHITECTURE_OPTIONS if model_cfg[key] is not None})
     if arch.get("adaln", "zero") not in ("zero", "single"):
         raise ValueError(f"model.adaln must be 'zero' or 'single', got '{arch['adaln']}'")
     return DiT(

@@ -43,7 +43,7 @@ def build_model(cfg, text_encoder: TextEncoder, vae: LatentSpace, weights: bool 
 def open_pretrained(cfg, model: DiT):
     """model.pretrained as a models.wan.WanWeights, after checking that the recipe builds the same
     architecture (a disagreement is an error naming the keys and the fix); None without model.pretrained."""
-    if not cfg.model.get("pretrained"):
+    if not cfg.model.pretrained:
         return None
     weights = WanWeights(cfg.model.pretrained)
     folder = weights.dit_kwargs

@@ -1,6 +1,7 @@
 import pytest
 from omegaconf import OmegaConf
 
+from configs import ConfigError, load_config
 from configs.schema import ParallelConfig
 from parallel.layout import LayoutError, ParallelLayout, auto_layout, valid_layouts
 
@@ -55,8 +56,8 @@ def test_pipefusion_patches_are_checked_against_the_latent():
         LayoutError, match="pipefusion=4 needs at least 4 patches, but the latent has only 2 rows"
     ):
         ParallelLayout(pipefusion=4).check_patches(parallel(pipefusion=4), (1, 2, 4))
-    with pytest.raises(LayoutError, match="pipefusion_warmup=-1"):
-        layout.check_patches(parallel(pipefusion=2, pipefusion_warmup=-1), (3, 5, 3))
+    with pytest.raises(ConfigError, match="'parallel.pipefusion_warmup' must be 0 or more, got -1"):
+        load_config(overrides=["parallel.pipefusion_warmup=-1"])
 
 
 def test_auto_sampling_layout_cfg_first_then_ulysses_then_ring_or_pipefusion_across_slow_links():
