@@ -92,3 +92,19 @@ def test_transfers_posted_ahead_are_not_waited_in():
     assert log.blocked_in() is None  # posted, computing beside it
     pending.wait()
     assert seen == [record] and record.end is not None and log.blocked_in() is None
+
+
+def test_two_runtimes_keep_their_own_records(world_of_one):
+    """Each runtime's CommLog holds the ops of the groups it adopted, and only those: two in one
+    process (as tests build them) need no global reset between them."""
+    first, second = comm.CommLog(max_message_mb=1), comm.CommLog(max_message_mb=2)
+    group_a, group_b = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
+    first.adopt(group_a, "a")
+    second.adopt(group_b, "b")
+    comm.all_reduce(torch.ones(3), group=group_a)
+    comm.all_reduce(torch.ones(5), group=group_b)
+    comm.all_reduce(torch.ones(7), group=group_b)
+    assert [(r.group, r.shape) for r in first.snapshot()] == [("a", (3,))]
+    assert [(r.group, r.shape) for r in second.snapshot()] == [("b", (5,)), ("b", (7,))]
+    assert first.stats()["ops"] == {"all_reduce": 1} and second.stats()["ops"] == {"all_reduce": 2}
+    assert comm.log_of(group_a) is first and comm.log_of(group_b) is second
