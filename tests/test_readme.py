@@ -20,6 +20,7 @@ And for the prose: every --flag in inline code is in the --help of one of those 
 scripts/ and docs/ path exists, and every timing or percentage is one BENCHMARKS.md holds.
 """
 
+import json
 import os
 import re
 import shlex
@@ -106,10 +107,40 @@ def flags(args: list[str]) -> set[str]:
     return {a.split("=", 1)[0] for a in args if a.startswith("--")}
 
 
-def help_argv(program: str) -> list[str]:
-    if program == TORCHRUN:
-        return [sys.executable, "-m", "torch.distributed.run", "--help"]
-    return [sys.executable, program, "--help"]
+# Each program's --help runs in a child forked from one process that has imported torch and the other
+# heavy libraries once: a few seconds in all, where a process per program takes a few seconds each.
+HELP_SERVER = r"""
+import json, os, runpy, sys
+import diffusers, torch, torch._dynamo, torch.distributed.run, torch.distributed.tensor  # noqa
+results = {}
+for program in sys.argv[1:]:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the program with --help, its stdout into the pipe, then gone
+        os.close(read)
+        os.dup2(write, 1)
+        sys.argv, code = [program, "--help"], 1
+        try:
+            if program == "torchrun":
+                runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+            else:
+                sys.path.insert(0, os.path.dirname(os.path.abspath(program)))  # as `python program` does
+                runpy.run_path(program, run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        except BaseException:
+            import traceback
+            traceback.print_exc(file=sys.stdout)
+        finally:
+            sys.stdout.flush()
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as out:
+        text = out.read()
+    results[program] = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), text]
+print(json.dumps(results))
+"""
 
 
 def run(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
@@ -132,20 +163,24 @@ def programs_with_flags() -> set[str]:
 
 @pytest.fixture(scope="module")
 def outputs() -> dict:
-    """Every cheap command and every --help needed, run once, two at a time (a 2-core CI machine)."""
-    jobs = {cmd.text: (cmd.argv(), cmd.env) for cmd in COMMANDS if cmd.cheap}
-    jobs |= {f"help:{p}": (help_argv(p), {}) for p in programs_with_flags()}
-    key = lambda argv, env: (tuple(argv), tuple(sorted(env.items())))  # noqa: E731
-    unique = {key(argv, env) for argv, env in jobs.values()}  # `python infer.py --help` runs once
+    """Every cheap command, as written, and the --help of every program that README gives flags to,
+    two at a time (the CI machine has 2 cores)."""
+    cheap = {cmd.text: cmd for cmd in COMMANDS if cmd.cheap}
+    programs = sorted(programs_with_flags())
     with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {job: pool.submit(run, list(job[0]), dict(job[1])) for job in unique}
-        results = {job: f.result() for job, f in futures.items()}
-    return {name: results[key(argv, env)] for name, (argv, env) in jobs.items()}
+        helps = pool.submit(run, [sys.executable, "-c", HELP_SERVER, *programs])
+        futures = {text: pool.submit(run, cmd.argv(), cmd.env) for text, cmd in cheap.items()}
+        results = {text: f.result() for text, f in futures.items()}
+        server = helps.result()
+    assert server.returncode == 0, f"the --help runs failed:\n{server.stderr[-2000:]}"
+    for program, (code, text) in json.loads(server.stdout).items():
+        results[f"help:{program}"] = subprocess.CompletedProcess([program, "--help"], code, text, "")
+    return results
 
 
 def help_flags(outputs: dict, program: str) -> set[str]:
     result = outputs[f"help:{program}"]
-    assert result.returncode == 0, f"{program} --help failed:\n{result.stderr[-2000:]}"
+    assert result.returncode == 0, f"{program} --help exited {result.returncode}:\n{result.stdout[-2000:]}"
     return set(re.findall(r"--[\w-]+", result.stdout))
 
 
