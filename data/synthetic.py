@@ -54,7 +54,7 @@ def render_clip(
     # Size, speed and path vary only a little: the caption then nearly fixes the clip, so a model trained
     # for minutes on a CPU learns one coherent object on its path instead of scattered fragments. Half the
     # side wide, so that corners (square or not) span pixels a small model draws: at 0.19-0.21 squares came
-    # out rounded more often (BENCHMARKS.md, issue 13).
+    # out rounded more often (docs/benchmarks_history.md, issue 13).
     radius = side * rng.uniform(0.24, 0.26)
     # About 1.6 px a frame at 24 px: 0.07-0.08 of the side, capped so the path over `span` frames fits beside
     # the object.
