@@ -82,8 +82,8 @@ def main(argv=None, session=None):
         return
     plan = check_before_start(cfg)
     runtime = init_runtime(cfg.parallel, plan.layout, cfg.run.output_dir, session=session)
-    start_step = agree_on_data(cfg, plan, runtime)
-    trainer = build_trainer(cfg, plan, runtime, start_step)
+    start_step, replanned = agree_on_data(cfg, plan, runtime)
+    trainer = build_trainer(cfg, plan, runtime, start_step, replanned)
     train_loop(cfg, plan, runtime, trainer, start_step)
 
 
@@ -127,19 +127,18 @@ def check_before_start(cfg) -> Plan:
     return Plan(layout, buckets, dataset, sampler, checkpoint, resume)
 
 
-def agree_on_data(cfg, plan: Plan, runtime) -> int:
-    """The step to start from. Ranks that read other data fail here, by name, not in a hang later; then
-    every rank judges the checkpoint's data position alike (another dp size or other data: refused, or
-    data.on_plan_change), and a damaged checkpoint file is refused before any model is built."""
+def agree_on_data(cfg, plan: Plan, runtime) -> tuple[int, str]:
+    """The step to start from, and why the data plan changed ("" if it did not). Ranks that read other
+    data fail here, by name, not in a hang later; then every rank judges the checkpoint's data position
+    alike (another dp size or other data: refused, or data.on_plan_change), and a damaged checkpoint
+    file is refused before any model is built."""
     sampler, resume = plan.sampler, plan.resume
     check_same_plan(sampler, plan.dataset, resume["step"] if resume else None, runtime.control_group)
     start_step, replanned = sampler.load_state_dict(resume, cfg.data.on_plan_change) if resume else (0, "")
     if plan.checkpoint is not None:
         verify_checkpoint(plan.checkpoint, runtime.control_group)
-        if runtime.is_main and replanned:
-            print(f"[tessera] the data plan changed: {replanned}", flush=True)
     sampler.start_step = start_step  # O(1): the sampler computes its position from the step
-    return start_step
+    return start_step, replanned
 
 
 @dataclass
@@ -158,7 +157,7 @@ class Trainer:
     batches: object  # this rank's loader iterator; None on ranks that get their batch from share_batch
 
 
-def build_trainer(cfg, plan: Plan, runtime, start_step: int) -> Trainer:
+def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = "") -> Trainer:
     """The DiT is built on the meta device and sharded before any weight exists; then each rank fills
     only its shard (from train.seed, model.pretrained, or the checkpoint): no rank holds the whole model."""
     tc, device, checkpoint = cfg.train, runtime.device, plan.checkpoint
@@ -192,7 +191,8 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int) -> Trainer:
     if checkpoint is not None:
         load_checkpoint(runtime, checkpoint, model, ema, optimizer, verified=True)
         if runtime.is_main:
-            print(f"[tessera] resumed from {checkpoint} at step {start_step}", flush=True)
+            why = f"; the data plan changed: {replanned}" if replanned else ""
+            print(f"[tessera] resumed from {checkpoint} at step {start_step}{why}", flush=True)
     # One rank per sequence-parallel group reads, encodes and counts the data; share_batch gives it to the
     # rest.
     loader = build_loader(plan.dataset, plan.sampler, cfg.data.num_workers, runtime.faults)
@@ -241,6 +241,7 @@ def train_loop(cfg, plan: Plan, runtime, t: Trainer, start_step: int) -> None:
                 buckets=_bucket_mix(metrics["buckets"]),
                 refresh=False,
             )
+            window.restart(done)
         progress.update(1)
         stop = runtime.agreed_stop_signal() if done < tc.max_steps else 0  # the same answer on every rank
         if stop and runtime.is_main:
@@ -341,8 +342,7 @@ class Window:
         self.per_bucket[bucket] += 1
 
     def summarize(self, runtime, plan: Plan, loss, done: int) -> dict:
-        """The window's metrics, summed over every rank (each group's reader adds its step loss once),
-        then a new window begins."""
+        """The window's metrics, summed over every rank (each group's reader adds its step loss once)."""
         own_loss = loss.detach().double().item() if loss is not None else 0.0
         packed = torch.tensor(
             [own_loss, self.samples, self.tokens, self.replaced, *self.per_bucket], dtype=torch.float64
@@ -361,10 +361,13 @@ class Window:
             "buckets": mix,
             "replaced_samples": self.replaced_total,
         }
+        return metrics
+
+    def restart(self, done: int) -> None:
+        """A new window begins after step `done` (its logging included in the window that ends)."""
         self.samples = self.tokens = self.replaced = 0.0
         self.per_bucket = [0.0] * self.num_buckets
         self.started, self.start_step = time.perf_counter(), done
-        return metrics
 
 
 _METRIC_ORDER = ("step", "loss", "lr", "grad_norm", "step_time", "samples_per_s", "tokens_per_s", "epoch")

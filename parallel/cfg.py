@@ -38,13 +38,11 @@ class SamplingGroups:
 def guided(v, guidance: float, groups: SamplingGroups):
     """The guided velocity from this rank's prediction `v`: under cfg=2 `v` is one branch and the other
     comes in one all-gather; otherwise `v` holds both branches as one batch (the serial order)."""
-    if guidance == 1.0:
-        return v
-    if groups.cfg_size > 1:
+    if groups.cfg_size > 1:  # every rank ends with the same velocity, whatever the scale
         both = torch.empty((2, *v.shape), dtype=v.dtype, device=v.device)
         comm.all_gather_into_tensor(both, v.contiguous(), groups.cfg_group)
         return guide(*both.unbind(0), guidance)
-    return guide(*v.chunk(2), guidance)
+    return v if guidance == 1.0 else guide(*v.chunk(2), guidance)
 
 
 def branch_text(groups: SamplingGroups, y, y_mask, neg_y, neg_mask, guidance: float):

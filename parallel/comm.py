@@ -59,13 +59,14 @@ class CommLog:
         self.ops_by_kind: collections.Counter = collections.Counter()
         self.failure_dir = Path(failure_dir) if failure_dir is not None else None
 
-    def adopt(self, group, name: str) -> None:
-        """Record `group`'s ops here, under `name` (None: the default group). Groups from a device mesh
-        have no name of their own."""
+    def adopt(self, group, name: str | None = None) -> None:
+        """Record `group`'s ops here, under `name` (groups from a device mesh have none of their own).
+        None: the default group, whose ops say `world` when called without a group."""
         group = _default_group() if group is None else group
         if group is not None:
             _LOGS[group] = self
-            self.group_names[group] = name
+            if name is not None:
+                self.group_names[group] = name
 
     def last_record(self) -> "OpRecord | None":
         """The newest op; it is still in flight (waited in, or queued) when its `end` is None."""
@@ -110,10 +111,12 @@ class CommLog:
         self.ops_by_kind.clear()
 
     def group_name(self, group) -> str:
-        if group is None or group is dist.GroupMember.WORLD:
-            return self.group_names.get(_default_group(), "world") if dist.is_initialized() else "world"
-        if group in self.group_names:
+        if group is None:
+            return "world"
+        if group in self.group_names:  # FSDP's mesh group may be the default group: it says `fsdp`
             return self.group_names[group]
+        if group is dist.GroupMember.WORLD:
+            return "world"
         desc = getattr(group, "group_desc", None)
         return desc if desc and desc != "undefined" else str(dist.get_process_group_ranks(group))
 

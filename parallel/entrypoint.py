@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from parallel.comm import log_of
 from parallel.exits import error_message, hard_exit, is_peer_error, one_line, print_line
 from parallel.preemption import Stopped, StopRequest, Terminated
 
@@ -27,14 +28,12 @@ class Session:
     def __init__(self):
         self.stop = StopRequest()
         self.runtime = None
-
-    @property
-    def watchdog(self):
-        return self.runtime.watchdog if self.runtime is not None else None
+        # Set by init_runtime as each comes to exist, so that a failure during start-up is reported
+        # with them too: the run directory, the comm log (once a process group exists), the watchdog.
+        self.run_dir = self.comm = self.watchdog = None
 
     def failure_dir(self) -> Path | None:
-        run_dir = self.runtime.run_dir if self.runtime is not None else None
-        return Path(run_dir) / "failures" if run_dir is not None else None
+        return Path(self.run_dir) / "failures" if self.run_dir is not None else None
 
     def close(self) -> None:
         """Stop the watchdog (this rank leaves on purpose) and destroy the process groups."""
@@ -216,6 +215,6 @@ def _dump_on_failure(rank: int, error: BaseException, session: Session, line: st
     where = (
         monitor.dump(line)
         if monitor is not None
-        else session.runtime.comm.dump_safely(folder, rank, line or repr(error))
+        else (session.comm or log_of(None)).dump_safely(folder, rank, line or repr(error))
     )
     _print(f"[rank {rank}] recent collectives written to {where}")

@@ -215,7 +215,8 @@ class PipeFusionSampler:
         """Stage 0: this step's returned patches, posted before the last stage can send any of them."""
         x, g = run.x, self.groups
         for returned in (it for it in run.items if it.step == step):
-            buffer = torch.empty((x.shape[0], returned.end - returned.start, x.shape[2]), device=x.device)
+            shape = (x.shape[0], returned.end - returned.start, x.shape[2])
+            buffer = torch.empty(shape, dtype=x.dtype, device=x.device)
             ops = comm.post(recvs=[(buffer, g.pipeline_ranks[-1])], group=g.return_group)
             run.returns.append((returned, buffer, ops))
             self.received["return"] += 1

@@ -175,6 +175,7 @@ def init_runtime(
     sample, encode) words its messages: only training has checkpoints to resume from. `session` (from
     run_entrypoint, parallel/entrypoint.py) gets the runtime, so that a failure's report can reach it."""
     rank, world_size, local_rank = world_from_env()
+    injected = faults.Faults.from_env(rank)  # tests only (TESSERA_FAULT): a malformed spec fails here
     if layout.world_size != world_size:
         raise ValueError(f"layout {layout.describe()} is for {layout.world_size} processes, not {world_size}")
     # Plain `python train.py` (no torchrun environment): a private one-process group on a free port.
@@ -183,6 +184,8 @@ def init_runtime(
     backend = "nccl" if device.type == "cuda" else "gloo"
     log = comm.CommLog(parallel_cfg.max_message_mb)
     stop = session.stop if session is not None else StopRequest()
+    if session is not None:  # from here on a failure's report finds the run's folder and records
+        session.run_dir, session.comm = run_dir, log
     if backend == "nccl" and run_dir is not None:
         # PyTorch's flight recorder: every NCCL collective of every group, dumped on a timeout into
         # failures/ (and by the watchdog when it ends the run). Not on gloo: the comm layer records those.
@@ -218,6 +221,7 @@ def init_runtime(
             f"rank {rank}: the preflight all-reduce across {world_size} processes failed within "
             f"{parallel_cfg.preflight_timeout_s:.0f}s ({e}). {NCCL_HINT}"
         ) from e
+    log.adopt(None)  # from the first collective on, the default group's ops are this runtime's
     _set_pg_timeout(datetime.timedelta(seconds=parallel_cfg.timeout_s))
     _check_same_layout(layout, rank, world_size, device)
 
@@ -243,17 +247,18 @@ def init_runtime(
         (sequence.ring_group, "ring"),
         (sequence.sp_group, "sequence"),
     ):
-        log.adopt(group, name)
-    log.adopt(None, "world")
+        if group is not None:  # None: a one-rank group, nothing to create
+            log.adopt(group, name)
     limits = deadlines(parallel_cfg, device.type)
     if rank == 0 and run_dir is not None:
         _archive_failures(Path(run_dir) / "failures")
     store = _connect_store(world_size, max(5.0, limits.silence_s / 2))
     monitor = Watchdog(rank, world_size, store, run_dir or ".", limits, backend, task=task, comm=log).start()
     stop.watchdog = monitor  # a stop signal in the loop notes the step it arrived in
+    if session is not None:
+        session.watchdog = monitor
     if rank == 0:
         print(f"[tessera] {limits.describe()}", flush=True)
-    injected = faults.Faults.from_env(rank)  # tests only (TESSERA_FAULT)
     runtime = Runtime(
         rank,
         world_size,

@@ -295,11 +295,10 @@ def test_a_broken_collective_is_a_stop_only_outside_the_loop(tmp_path, capsys, m
     silent 'stopped' (no error line, no checkpoint said missing); a stop during start-up, which reached a
     peer first, must not be reported as a failure."""
     import signal
-    from types import SimpleNamespace
 
     monitor, _ = pair(tmp_path)
     session = entrypoint.Session()
-    session.runtime = SimpleNamespace(watchdog=monitor, run_dir=tmp_path, comm=monitor.comm)
+    session.watchdog, session.run_dir, session.comm = monitor, tmp_path, monitor.comm
     monkeypatch.setattr(entrypoint, "hard_exit", lambda code, backend: pytest.fail("hard_exit"))
     broken = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
     request = session.stop
@@ -310,7 +309,7 @@ def test_a_broken_collective_is_a_stop_only_outside_the_loop(tmp_path, capsys, m
     assert "error: rank 0 (" in err and "failed" in err and "Connection closed by peer" in err, err
     monitor2, peer = pair(tmp_path / "again")
     peer.leave("stopped")  # the peer left on the stop signal, which broke this rank's collective
-    session.runtime.watchdog = monitor2
+    session.watchdog = monitor2
     request.accepting = False  # start-up
     assert entrypoint._report_failure(broken, 0, session) == 128 + signal.SIGTERM
     err = capsys.readouterr().err
