@@ -128,7 +128,7 @@ def measure_cpu_efficiency(hidden: int, heads: int, ffn: int, tokens: int = 256,
     from models.dit import DiTBlock, RotaryEmbedding3D
 
     torch.manual_seed(0)
-    block = DiTBlock(hidden, heads, ffn / hidden, True, "sdpa")
+    block = DiTBlock(hidden, heads, ffn, True, "sdpa")  # mlp_hidden is a width, not a ratio
     x = torch.randn(1, tokens, hidden, requires_grad=True)
     c, y, y_mask = torch.randn(1, hidden), torch.randn(1, 16, hidden), torch.ones(1, 16, dtype=torch.bool)
     rope = RotaryEmbedding3D(hidden // heads)((1, 16, tokens // 16), "cpu")
