@@ -180,8 +180,7 @@ def measure_chunking(args, device):
 def worker(rank, world, port, args, out_path):
     from parallel.runtime import sequence_groups
 
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // world)))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
@@ -238,7 +237,11 @@ def main(argv=None):
         for world in args.worlds:
             out = Path(tmp) / f"world{world}.json"
             started = time.perf_counter()
-            mp.spawn(worker, args=(world, benchlib.free_port(), args, str(out)), nprocs=world, join=True)
+            spawned = (world, benchlib.free_port(), args, str(out))
+            if world == 1:
+                worker(0, *spawned)  # one process: this one
+            else:
+                mp.spawn(worker, args=spawned, nprocs=world, join=True)
             results[world] = json.loads(out.read_text())
             print(f"[bench_sp] {world} process(es): {time.perf_counter() - started:.0f}s", file=sys.stderr)
     report(results, args)

@@ -5,12 +5,13 @@
     python scripts/bench_vae.py --kinds wan --processes 1 2 4 --latent 3 32 48 --tile 20 --overlap 4
     python scripts/bench_vae.py --tiny                   # 8-wide VAEs, a 1 x 8 x 12 latent in 6 tiles
 
-Launches itself under torchrun once per process count (gloo on CPU, NCCL on GPU), times each rank's
-`parallel.vae.decode` call (median of --repeats after one warm-up; every rank starts after a barrier)
-and prints one markdown table for BENCHMARKS.md: wall and CPU seconds per rank, each slowest rank's
-compared with the serial tiled decode. A P-process decode can approach 1/P of the serial wall time only
-when each process has cores of its own and the machine is otherwise idle (the table prints the load
-average); CPU seconds per rank show each rank's share of the work either way.
+Decodes serially in this process, and launches itself under torchrun once per larger process count
+(gloo on CPU, NCCL on GPU); times each rank's `parallel.vae.decode` call (median of --repeats after one
+warm-up; every rank starts after a barrier) and prints one markdown table for BENCHMARKS.md: wall and
+CPU seconds per rank, each slowest rank's compared with the serial tiled decode. A P-process decode can
+approach 1/P of the serial wall time only when each process has cores of its own and the machine is
+otherwise idle (the table prints the load average); CPU seconds per rank show each rank's share of the
+work either way.
 """
 
 import argparse
@@ -98,6 +99,10 @@ def worker(args):
 
 
 def launch(args, processes, result):
+    if processes == 1:  # the serial decodes need no process group: this process, with a worker's threads
+        torch.set_num_threads(args.threads)
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        return [measure(kind, args, device, 1) for kind in args.kinds]
     worker_args = [
         "--worker",
         "--result",
