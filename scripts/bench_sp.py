@@ -250,9 +250,7 @@ def main(argv=None):
 
 
 def report(results, args):
-    device = (
-        torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores, gloo)"
-    )
+    device = benchlib.machine()["device"] + ("" if torch.cuda.is_available() else ", gloo")
     print(f"\n{device}; heads={args.heads}, head_dim={args.head_dim}, batch 1\n")
     rows = [r for world in results.values() for r in world if "layout" in r]
 

@@ -18,7 +18,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -171,11 +170,7 @@ def main(argv=None):
         ]
         for p in args.processes
     }
-    device = (
-        torch.cuda.get_device_name()
-        if torch.cuda.is_available()
-        else f"{os.cpu_count()}-core CPU ({platform.processor() or platform.machine()}), gloo"
-    )
+    device = benchlib.machine()["device"] + ("" if torch.cuda.is_available() else ", gloo")
     print(
         f"VAE decode, {device}, {args.threads} thread(s) per process, torch {torch.__version__}; "
         f"tile {args.tile} overlap {args.overlap} (latent px); median of {args.repeats}, "
