@@ -9,10 +9,10 @@ spin-wait libgomp has throttled sleeps on a futex after nearly every region. Tha
 property of the process, not of how busy the machine is, so it shows the cause on a shared machine
 where wall times swing.
 
-    python scripts/bench_checkpoint.py [--steps 15]
+    python scripts/bench_checkpoint.py [--steps 15] [--json out.json]
+    python scripts/bench_checkpoint.py --tiny      # a 2-block, 32-wide DiT, 2 steps each: seconds
 """
 
-import argparse
 import os
 import shutil
 import statistics
@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import benchlib  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
@@ -32,7 +33,10 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from models.dit import DiT  # noqa: E402
 from parallel.checkpoint import _on_io_group  # noqa: E402
 from parallel.fsdp import parallelize_dit  # noqa: E402
-from parallel.runtime import _free_port  # noqa: E402
+
+# (DiT dims, batch, clip (frames, height, width)): the demo's DiT on 8 x 32 x 32 pixels, or --tiny's
+DEMO = (dict(depth=4, hidden_size=128, num_heads=4), 8, (8, 32, 32))
+TINY = (dict(depth=2, hidden_size=32, num_heads=2), 2, (4, 16, 16))
 
 
 def worker_sleeps() -> int:
@@ -51,17 +55,18 @@ def worker_sleeps() -> int:
     return total
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__)
+def main(argv=None):
+    p = benchlib.parser(__doc__)
     p.add_argument("--steps", type=int, default=15)
-    args = p.parse_args()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    args = benchlib.parse_args(p, argv, tiny=dict(steps=2))
+    dims, batch, clip = TINY if args.tiny else DEMO
+    port = benchlib.free_port()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     torch.manual_seed(0)
-    model = parallelize_dit(
-        DiT(3, 64, depth=4, hidden_size=128, num_heads=4, patch_size=(2, 4, 4)), init_device_mesh("cpu", (1,))
-    )
+    model = parallelize_dit(DiT(3, 64, patch_size=(2, 4, 4), **dims), init_device_mesh("cpu", (1,)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x, y, mask = torch.randn(8, 3, 8, 32, 32), torch.randn(8, 40, 64), torch.ones(8, 40, dtype=torch.bool)
+    x, y = torch.randn(batch, 3, *clip), torch.randn(batch, 40, 64)
+    mask = torch.ones(batch, 40, dtype=torch.bool)
     rows = {}
 
     def bench(label):
@@ -69,21 +74,20 @@ def main():
         sleeps = worker_sleeps()
         for _ in range(args.steps):
             t0 = time.perf_counter()
-            model(x, torch.rand(8), y, mask).square().mean().backward()
+            model(x, torch.rand(batch), y, mask).square().mean().backward()
             t1 = time.perf_counter()
             optimizer.step()
             optimizer.zero_grad()
             compute.append(t1 - t0)
             update.append(time.perf_counter() - t1)
-        rows[label] = (
-            statistics.median(compute) * 1000,
-            statistics.median(update) * 1000,
-            (worker_sleeps() - sleeps) / args.steps,
-            len(os.listdir("/proc/self/task")),
+        rows[label] = dict(
+            forward_backward_ms=statistics.median(compute) * 1000,
+            optimizer_ms=statistics.median(update) * 1000,
+            worker_sleeps_per_step=(worker_sleeps() - sleeps) / args.steps,
+            threads=len(os.listdir("/proc/self/task")),
         )
         print(
-            f"{label:40s} forward+backward {rows[label][0]:7.1f} ms   optimizer {rows[label][1]:6.1f} ms   "
-            f"worker sleeps/step {rows[label][2]:6.0f}   threads {rows[label][3]}",
+            f"[bench_checkpoint] {label}: {rows[label]['forward_backward_ms']:.1f} ms forward+backward",
             flush=True,
         )
 
@@ -105,19 +109,34 @@ def main():
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     dist.destroy_process_group()
+    print()
+    print(
+        benchlib.table(
+            ["state", "forward+backward", "optimizer", "worker sleeps/step", "threads"],
+            [
+                [label, f"{r['forward_backward_ms']:,.1f} ms", f"{r['optimizer_ms']:,.1f} ms"]
+                + [f"{r['worker_sleeps_per_step']:,.0f}", r["threads"]]
+                for label, r in rows.items()
+            ],
+        )
+    )
     before, fixed, old = (
         rows["before"],
         rows["after dcp.save, short-lived group (fix)"],
         rows["after dcp.save, long-lived group (old)"],
     )
+    compute, sleeps = "forward_backward_ms", "worker_sleeps_per_step"
     print(
-        f"after/before, forward+backward: fix {fixed[0] / before[0]:.2f}, old {old[0] / before[0]:.2f}; "
-        f"worker sleeps: fix {fixed[2] / max(before[2], 1):.2f}, old {old[2] / max(before[2], 1):.2f}"
+        f"\nafter/before, forward+backward: fix {fixed[compute] / before[compute]:.2f}, "
+        f"old {old[compute] / before[compute]:.2f}; worker sleeps: "
+        f"fix {fixed[sleeps] / max(before[sleeps], 1):.2f}, old {old[sleeps] / max(before[sleeps], 1):.2f}"
     )
     print(
         f"threads {torch.get_num_threads()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
         f"load average {os.getloadavg()[0]:.2f}"
     )
+    if args.json:
+        benchlib.write_json(args.json, {"steps": args.steps, "tiny": args.tiny, "rows": rows})
 
 
 if __name__ == "__main__":

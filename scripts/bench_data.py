@@ -2,6 +2,7 @@
 
     python scripts/bench_data.py                    # all three, figures for BENCHMARKS.md
     python scripts/bench_data.py --only resume --manifest-size 1000000
+    python scripts/bench_data.py --tiny             # 8 x 32 x 32 clips from small sources, short runs
 
 1. decode: 24-frame 256x256 clips from H.264 mp4 (16:9 sources at 24 fps, 456x256 and 1280x720, random
    start, fps resampling off), clips per second in one process (= one loader worker), then the
@@ -13,39 +14,53 @@
    plan, load the first batch) when resuming at step 0 and at step 1,000,000: the target ratio is <= 1.1.
 """
 
-import argparse
-import json
 import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import benchlib  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import load_config  # noqa: E402
 from data.loader import build_buckets, build_dataset, build_loader, build_sampler  # noqa: E402
 from data.manifest import write_manifest  # noqa: E402
 
-# One bucket, 24 x 256 x 256 (the bucket keys of the default recipe, the demo's, are cleared).
-RECIPE = [
-    "data.frames=24",
-    "data.height=256",
-    "data.width=256",
-    "data.resolutions=[]",
-    "data.aspect_ratios=[]",
-    "data.frame_counts=[]",
-    "data.tokens_per_batch=0",
-    "model.patch_size=[1,2,2]",
-    "train.batch_size=4",
-]
+
+@dataclass(frozen=True)
+class Sizes:
+    """(frames, height, width) of a training clip and of the 24 fps H.264 sources it is cut from."""
+
+    clip: tuple = (24, 256, 256)
+    source: tuple = (120, 256, 456)  # 5 s, 16:9
+    hd: tuple = (96, 720, 1280)  # 4 s, 720p
+    sources: int = 8
 
 
-def make_sources(
-    folder: Path, count: int, frames: int = 120, height: int = 256, width: int = 456, fps: int = 24
-):
+SIZES, TINY_SIZES = Sizes(), Sizes(clip=(8, 32, 32), source=(16, 36, 64), hd=(16, 72, 128), sources=2)
+
+
+def recipe(sizes: Sizes) -> list[str]:
+    """One bucket of the clip's size (the bucket keys of the default recipe, the demo's, are cleared)."""
+    frames, height, width = sizes.clip
+    return [
+        f"data.frames={frames}",
+        f"data.height={height}",
+        f"data.width={width}",
+        "data.resolutions=[]",
+        "data.aspect_ratios=[]",
+        "data.frame_counts=[]",
+        "data.tokens_per_batch=0",
+        "model.patch_size=[1,2,2]",
+        "train.batch_size=4",
+    ]
+
+
+def make_sources(folder: Path, count: int, frames: int, height: int, width: int, fps: int = 24):
     """Smooth moving gradients with grain: compresses like camera footage, not like flat colour."""
     import av
 
@@ -75,14 +90,15 @@ def make_sources(
     return paths
 
 
-def manifest_for(folder: Path, paths, size: int) -> Path:
+def manifest_for(folder: Path, paths, size: int, sizes: Sizes) -> Path:
+    frames, height, width = sizes.source
     entries = [
         {
             "path": paths[i % len(paths)].name,
             "caption": f"clip {i}",
-            "width": 456,
-            "height": 256,
-            "num_frames": 120,
+            "width": width,
+            "height": height,
+            "num_frames": frames,
             "fps": 24.0,
         }
         for i in range(size)
@@ -96,26 +112,30 @@ def rss_mb(pid: int) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
-def clips_per_second(paths, seconds: float) -> float:
+def clips_per_second(paths, seconds: float, clip: tuple) -> float:
     from data.media import read_clip
 
     rng = np.random.default_rng(0)
-    read_clip(paths[0], 24, 256, 256, rng=rng)  # warm the file cache and the codec
+    read_clip(paths[0], *clip, rng=rng)  # warm the file cache and the codec
     start, n = time.perf_counter(), 0
     while time.perf_counter() - start < seconds:
-        read_clip(paths[n % len(paths)], 24, 256, 256, rng=rng)
+        read_clip(paths[n % len(paths)], *clip, rng=rng)
         n += 1
     return n / (time.perf_counter() - start)
 
 
 def bench_decode(folder, paths, args):
-    per_worker = clips_per_second(paths, args.seconds)
+    sizes = args.sizes
+    clip = " x ".join(map(str, sizes.clip))
+    per_worker = clips_per_second(paths, args.seconds, sizes.clip)
     print(
-        f"decode: {per_worker:.1f} clips/s in one process (24 x 256 x 256 from 456 x 256 H.264)", flush=True
+        f"decode: {per_worker:.1f} clips/s in one process ({clip} from {source_name(sizes.source)})",
+        flush=True,
     )
-    hd = clips_per_second(make_sources(folder, 4, frames=96, height=720, width=1280), args.seconds)
-    print(f"decode: {hd:.1f} clips/s in one process (24 x 256 x 256 from 1280 x 720 H.264)", flush=True)
-    cfg = load_config(None, RECIPE + [f"data.manifest={manifest_for(folder, paths, 4096)}"])
+    hd_paths = make_sources(folder, max(1, sizes.sources // 2), *sizes.hd)
+    hd = clips_per_second(hd_paths, args.seconds, sizes.clip)
+    print(f"decode: {hd:.1f} clips/s in one process ({clip} from {source_name(sizes.hd)})", flush=True)
+    cfg = load_config(None, recipe(sizes) + [f"data.manifest={manifest_for(folder, paths, 4096, sizes)}"])
     results = {"clips_per_s_one_process": per_worker, "clips_per_s_one_process_720p": hd}
     for workers in (1, 2):
         table = build_buckets(cfg)
@@ -145,11 +165,11 @@ def bench_decode(folder, paths, args):
 
 
 def bench_memory(folder, paths, args):
-    manifest = manifest_for(folder, paths, args.memory_manifest_size)
-    cfg = load_config(None, RECIPE + [f"data.manifest={manifest}", "train.batch_size=2"])
+    manifest = manifest_for(folder, paths, args.memory_manifest_size, args.sizes)
+    cfg = load_config(None, recipe(args.sizes) + [f"data.manifest={manifest}", "train.batch_size=2"])
     table = build_buckets(cfg)
     dataset = build_dataset(cfg, table)
-    assert [b.name for b in table.buckets] == ["24x256x256"], table.buckets
+    assert [b.name for b in table.buckets] == ["x".join(map(str, args.sizes.clip))], table.buckets
     loader = iter(build_loader(dataset, build_sampler(cfg, dataset, table, 0, 1), 2))
     next(loader)
     pids = [w.pid for w in loader._workers]  # the DataLoader's worker processes
@@ -164,12 +184,16 @@ def bench_memory(folder, paths, args):
                 flush=True,
             )
     first, last = samples[0], samples[-1]
-    growth = [b - a for a, b in zip(first[1], last[1])]
+    growth = [b - a for a, b in zip(first[1], last[1], strict=True)]
     print(
         f"worker RSS growth from batch {first[0]} to {last[0]}: {', '.join(f'{g:+.1f}' for g in growth)} MiB",
         flush=True,
     )
     return {"rss_samples": samples, "worker_growth_mb": growth}
+
+
+def source_name(source: tuple) -> str:
+    return f"{source[2]} x {source[1]} H.264"
 
 
 def time_to_first_batch(cfg, step: int) -> float:
@@ -184,8 +208,8 @@ def time_to_first_batch(cfg, step: int) -> float:
 
 
 def bench_resume(folder, paths, args):
-    manifest = manifest_for(folder, paths, args.manifest_size)
-    cfg = load_config(None, RECIPE + [f"data.manifest={manifest}"])
+    manifest = manifest_for(folder, paths, args.manifest_size, args.sizes)
+    cfg = load_config(None, recipe(args.sizes) + [f"data.manifest={manifest}"])
     times = {}
     for step in (0, 1_000_000, 0, 1_000_000):
         times.setdefault(step, []).append(time_to_first_batch(cfg, step))
@@ -198,8 +222,8 @@ def bench_resume(folder, paths, args):
     return {"manifest_size": args.manifest_size, "seconds": times, "ratio": ratio}
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    p = benchlib.parser(__doc__)
     p.add_argument("--only", choices=["decode", "memory", "resume"], default=None)
     p.add_argument("--folder", default=None, help="where to write the source clips (default: a temp folder)")
     p.add_argument("--seconds", type=float, default=15.0, help="duration of each throughput measurement")
@@ -214,16 +238,17 @@ def main():
         "--step-time", type=float, default=1.0, help="seconds per training step to compare against"
     )
     p.add_argument("--batch", type=int, default=8, help="clips per rank per step to compare against")
-    p.add_argument("--json", default=None, help="also write the figures here")
-    args = p.parse_args()
+    tiny = dict(seconds=0.5, batches=10, manifest_size=1000, memory_manifest_size=100)
+    args = benchlib.parse_args(p, argv, tiny=tiny)
+    args.sizes = TINY_SIZES if args.tiny else SIZES
     folder = Path(args.folder or tempfile.mkdtemp(prefix="bench_data_"))
-    paths = make_sources(folder, 8)
+    paths = make_sources(folder, args.sizes.sources, *args.sizes.source)
     results = {}
     for name, bench in (("decode", bench_decode), ("memory", bench_memory), ("resume", bench_resume)):
         if args.only in (None, name):
             results[name] = bench(folder, paths, args)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        benchlib.write_json(args.json, {"sizes": args.sizes, **results})
 
 
 if __name__ == "__main__":

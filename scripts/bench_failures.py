@@ -1,6 +1,7 @@
 """The failures users meet every week, injected into tiny runs on this machine, and how each run ends.
 
     python scripts/bench_failures.py [--only NAME,NAME] [--out runs/bench_failures] [--list]
+    python scripts/bench_failures.py --tiny [--guard-cost]   # one quick scenario; a 12-step guard cost
 
 Each scenario starts train.py or infer.py (plain python, torchrun, or two torchrun agents that
 rendezvous on 127.0.0.1), injects one fault with TESSERA_FAULT (parallel/faults.py) and records:
@@ -16,13 +17,11 @@ results.json and results.md (the table BENCHMARKS.md quotes, section "Failures")
 tests/test_failures.py runs the same scenarios (SCENARIOS) and asserts on what they record.
 """
 
-import argparse
 import json
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import benchlib
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "tiny.yaml"
@@ -316,7 +317,8 @@ class Launch:
             self.lines.append((time.monotonic() - self.start, index, line.rstrip("\n")))
 
     def wait(self, timeout: float) -> list[int | None]:
-        """Exit codes; None for a launcher still running at `timeout` (then every tagged process is killed)."""
+        """Exit codes; None for a launcher still running at `timeout` (then every tagged process is
+        killed)."""
         deadline = self.start + timeout
         codes = []
         for p in self.procs:
@@ -383,15 +385,7 @@ def command(scenario: Scenario, run_dir: Path, out: Path, node: int = 0, port: i
         ]
     if scenario.nproc == 1:
         return [sys.executable, script, *args]
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={scenario.nproc}",
-        script,
-        *args,
-    ]
+    return benchlib.torchrun_command(scenario.nproc, script, args)
 
 
 def rank_codes(text: str) -> dict[int, int]:
@@ -439,9 +433,7 @@ def run_scenario(scenario: Scenario, out: Path, timeout: float = 150.0) -> dict:
         globals()[scenario.prepare](out)
     env = {**scenario.env, "TESSERA_FAULT": scenario.fault} if scenario.fault else scenario.env
     if scenario.nodes > 1:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = benchlib.free_port()
         launch = Launch(
             [command(scenario, run_dir, out, node, port) for node in range(scenario.nodes)],
             env,
@@ -480,28 +472,26 @@ def run_scenario(scenario: Scenario, out: Path, timeout: float = 150.0) -> dict:
 
 
 def markdown(results: list[dict]) -> str:
-    lines = [
-        "| what the user did | first line (shortened) | fault -> `error:` | fault -> every process gone | "
-        "exit codes (each rank's, as torchrun reports them) | `latest` |",
-        "|---|---|---|---|---|---|",
-    ]
+    rows = []
     for r in results:
         line = (r["error_line"] or "(none)").split("; this")[0]
         line = re.sub(r"\(\S+:\d+\)", "(host:pid)", line)[:150].replace("|", "/")
-        latest = (
-            "none written"
-            if r["latest"] is None
-            else f"{Path(r['latest']).name}, {'finite' if r['finite'] else 'damaged (as injected)' if r.get('problem') else 'NOT FINITE'}"
-        )
+        state = "finite" if r["finite"] else "damaged (as injected)" if r.get("problem") else "NOT FINITE"
+        latest = "none written" if r["latest"] is None else f"{Path(r['latest']).name}, {state}"
         since = "" if r["timed_from"] == "the fault" else " from the launch, start-up included"
         codes = ", ".join(f"rank {k}: {v}" for k, v in sorted(r["rank_codes"].items())) or ", ".join(
             map(str, r["codes"])
         )
-        lines.append(
-            f"| {r['row']} | `{line}` | {r['fault_to_error_s']} s{since} (target {r['bound_s']:g}) | "
-            f"{r['fault_to_exit_s']} s{since} | {codes} | {latest} |"
-        )
-    return "\n".join(lines) + "\n"
+        error = f"{r['fault_to_error_s']} s{since} (target {r['bound_s']:g})"
+        rows.append([r["row"], f"`{line}`", error, f"{r['fault_to_exit_s']} s{since}", codes, latest])
+    header = [
+        "what the user did",
+        "first line (shortened)",
+        "fault -> `error:`",
+        "fault -> every process gone",
+    ]
+    header += ["exit codes (each rank's, as torchrun reports them)", "`latest`"]
+    return benchlib.table(header, rows) + "\n"
 
 
 def guard_cost(out: Path, steps: int = 40) -> dict:
@@ -549,9 +539,7 @@ def guard_cost(out: Path, steps: int = 40) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = benchlib.parser(__doc__, json_output=False)  # results.json and results.md go to --out
     parser.add_argument("--out", default="runs/bench_failures")
     parser.add_argument("--only", default="", help="comma-separated scenario names (default: all)")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
@@ -560,13 +548,14 @@ def main(argv=None) -> int:
         action="store_true",
         help="only time the per-step finiteness check against the demo's step time",
     )
-    args = parser.parse_args(argv)
+    parser.add_argument("--guard-steps", type=int, default=40, help="demo steps for --guard-cost")
+    args = benchlib.parse_args(parser, argv, tiny=dict(only="enospc-1proc", guard_steps=12))
     if args.list:
         for s in SCENARIOS.values():
             print(f"{s.name}: {s.row}")
         return 0
     if args.guard_cost:
-        cost = guard_cost(Path(args.out))
+        cost = guard_cost(Path(args.out), args.guard_steps)
         print(
             f"finiteness check: {cost['check_us']} us per step; demo step {cost['demo_step_ms']} ms; "
             f"{cost['share_percent']}% of the step (target <= 1%)"

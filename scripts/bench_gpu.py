@@ -28,18 +28,17 @@ reported). The peak is the device's dense bf16 figure from PEAK_TFLOPS; on CPU a
 clock (flagged), so CPU MFU is only a sanity check of the arithmetic.
 """
 
-import argparse
 import datetime
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import benchlib  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -137,23 +136,10 @@ def device_info(device):
     return info
 
 
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed(fn, device, steps, warmup):
     """Median seconds per call of fn() after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+    return benchlib.measure(fn, steps, warmup, after=sync).median
 
 
 def peak_memory(device):
@@ -353,7 +339,8 @@ def init(args):
     from parallel.runtime import init_runtime
 
     cfg = load_config()
-    synchronize(torch.device("cuda")) if torch.cuda.is_available() and not args.tiny else None
+    if torch.cuda.is_available() and not args.tiny:
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     runtime = init_runtime(cfg.parallel, ParallelLayout())
     return runtime, time.perf_counter() - t0
@@ -370,27 +357,29 @@ def _one_line(error: str) -> str:
 
 def markdown(results) -> str:
     info = results["info"]
+    rows = []
+    for r in results["train"]:
+        if "error" in r:
+            rows.append([r["case"], r["variant"], "", _one_line(r["error"]), "", "", "", ""])
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        rows.append(
+            [r["case"], r["variant"], f"{r['tokens']:,}", f"{r['seconds']:.4f}", f"{r['tokens_per_s']:,.0f}"]
+            + [f"{r['tflops']:.3g}", mfu, _fmt(r["peak_gib"], ".1f")]
+        )
     lines = [
         f"Device: {info['device']}; torch {info['torch']}, CUDA {info['cuda']}; {info['date']}; "
         f"mode {results['mode']}; peak {_fmt(info['peak_tflops'], '.3g')} TFLOP/s ({info['peak_note']}).",
         "",
-        "| model | variant | tokens/step | s/step | tokens/s | TFLOP/s | MFU | peak GiB |",
-        "|---|---|---|---|---|---|---|---|",
+        benchlib.table(
+            ["model", "variant", "tokens/step", "s/step", "tokens/s", "TFLOP/s", "MFU", "peak GiB"], rows
+        ),
     ]
-    for r in results["train"]:
-        if "error" in r:
-            lines.append(f"| {r['case']} | {r['variant']} | | {_one_line(r['error'])} | | | | |")
-            continue
-        mem = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
-        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
-        lines.append(
-            f"| {r['case']} | {r['variant']} | {r['tokens']:,} | {r['seconds']:.4f} | {r['tokens_per_s']:,.0f} | "
-            f"{r['tflops']:.3g} | {mfu} | {mem} |"
-        )
     for w in results.get("wan_ratio", []):
         lines.append(
-            f"\n{w.get('model', 'tessera')} / diffusers Wan, {w['variant']}: diffusers {w['wan_seconds']:.4f} s, tessera "
-            f"{w['tessera_seconds']:.4f} s, speed ratio **{w['speedup']:.2f}x** (target >= 1.2)"
+            f"\n{w.get('model', 'tessera')} / diffusers Wan, {w['variant']}: "
+            f"diffusers {w['wan_seconds']:.4f} s, tessera {w['tessera_seconds']:.4f} s, "
+            f"speed ratio **{w['speedup']:.2f}x** (target >= 1.2)"
         )
     if "sp" in results:
         s = results["sp"]
@@ -429,9 +418,8 @@ def save(results, out):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = benchlib.parser(__doc__, json_output=False)  # --tiny: automatic without CUDA; float32 on CPU
     p.add_argument("--out", default="runs/bench_gpu")
-    p.add_argument("--tiny", action="store_true", help="tiny sizes (automatic without CUDA; float32 on CPU)")
     p.add_argument("--variants", default="eager,ac,compile,compile+ac")
     p.add_argument("--parts", default="train,wan,sp,lse,sampler")
     p.add_argument("--steps", type=int, default=10)

@@ -1,16 +1,18 @@
 """Sampling across processes: bytes per rank, weights per rank, PipeFusion's quality, and a latency model.
 
     python scripts/bench_sampling.py [--checkpoint RUN_DIR] [--parts bytes quality model] [--json out.json]
+    python scripts/bench_sampling.py --tiny     # bytes on 2 processes (the layouts that fit), the model
 
-Parts (bytes and quality start one 4-process torchrun group themselves: gloo, CPU):
+Parts (bytes and quality start one torchrun group of --processes, 4, themselves: gloo, CPU):
 - bytes: every sampling layout on 4 processes (pipefusion 2 and 4, M = N and 2N, with ulysses / ring /
   cfg inside; cfg alone; ulysses, ring, usp for comparison), the demo DiT with random weights, 8 x 32 x
   32 (256 tokens), guidance 7: bytes each rank sends per denoising step, measured by parallel/comm.py
   (`comm.stats()["sent"]`), against the theory below; and the weights each rank holds.
 - quality: PipeFusion against the serial sampler on a trained demo checkpoint (--checkpoint, a run
-  directory of configs/demo.yaml), the demo's prompts, 20 steps: PSNR and relative error of the
-  videos for warm-up 0-4 and M = 2, 4, 8 (the result depends on M and the warm-up only, not on N:
-  tests/test_pipefusion.py checks that, so M = 2 runs on 2 stages and M = 4, 8 on 4).
+  directory of configs/demo.yaml; its config.yaml is the recipe), the recipe's prompts, sampling steps
+  and preview size: PSNR and relative error of the videos for warm-up 0-4 and M = 2, 4, 8 (the result
+  depends on M and the warm-up only, not on N: tests/test_pipefusion.py checks that, so M = 2 runs on 2
+  stages and M = 4, 8 on 4).
 - model: time per denoising step on 8 GPUs for a 1024 x 1024 image and a 720p x 81-frame video with
   Wan2.1-14B's dims, on PCIe (L40-class, 25 GB/s per GPU) and NVLink (H100-class, 450 GB/s), from the
   measured H100 forward throughput (BENCHMARKS.md: 443 ms per guided Euler step at Wan2.1-1.3B dims,
@@ -35,8 +37,6 @@ import argparse
 import datetime
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -44,9 +44,14 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import benchlib  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS_BYTES = 4
-FRAMES, SIZE = 8, 32  # the demo's preview size: 4 x 8 x 8 = 256 tokens at patch (2, 4, 4)
+# The bytes part's model: the demo DiT as BENCHMARKS.md measured it (issue 10), 8 x 32 x 32 pixels in
+# patches of 2 x 4 x 4 = 256 tokens. Pinned here: the demo recipe has moved on (24 px, patch 2 x 3 x 3).
+BYTES_RECIPE = ["model.patch_size=[2,4,4]", "model.absolute_positions=false"]
+FRAMES, SIZE = 8, 32
 LAYOUTS_4 = [  # (name, degrees, patches); dp fills the 4 processes
     ("pipefusion=2, M=2", dict(pipefusion=2), 2),
     ("pipefusion=2, M=4", dict(pipefusion=2), 4),
@@ -87,7 +92,7 @@ def _runtime(layout):
     )
 
 
-def _sample(cfg, layout, patches, warmup, checkpoint, prompts, steps, guidance):
+def _sample(cfg, layout, patches, warmup, checkpoint, prompts, steps, guidance, size=(FRAMES, SIZE, SIZE)):
     import torch
 
     from infer import load_sampler
@@ -106,9 +111,7 @@ def _sample(cfg, layout, patches, warmup, checkpoint, prompts, steps, guidance):
         text_encoder,
         RectifiedFlow(cfg.flow, cfg.model.patch_size),
         prompts,
-        FRAMES,
-        SIZE,
-        SIZE,
+        *size,
         steps,
         guidance,
         seeds=list(range(len(prompts))),
@@ -128,11 +131,13 @@ def worker(args):
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {"bytes": [], "quality": []}
     if "bytes" in args.parts:
-        cfg = load_config(ROOT / "configs" / "demo.yaml", [f"run.output_dir={args.scratch}"])
+        cfg = load_config(ROOT / "configs" / "demo.yaml", [f"run.output_dir={args.scratch}", *BYTES_RECIPE])
         prompts = ["a red square moving left"]
         total = None
         for name, degrees, patches in LAYOUTS_4:
             others = math.prod(degrees.values())
+            if world % others:
+                continue  # does not fit this many processes
             layout = ParallelLayout(dp=world // others, **degrees)
             comm.reset_stats()
             _, weights = _sample(cfg, layout, patches, 1, None, prompts, STEPS_BYTES, 7.0)
@@ -154,14 +159,21 @@ def worker(args):
     if "quality" in args.parts and args.checkpoint:
         from infer import find_checkpoint
 
-        cfg = load_config(ROOT / "configs" / "demo.yaml", [f"run.output_dir={args.checkpoint}"])
+        # the recipe the checkpoint was trained with (the run's own config.yaml), at its preview size
+        recipe = Path(args.checkpoint) / "config.yaml"
+        if not recipe.is_file():
+            recipe = ROOT / "configs" / "demo.yaml"
+        cfg = load_config(recipe, [f"run.output_dir={args.checkpoint}"])
         checkpoint = find_checkpoint(cfg, None, False)
         prompts, steps, guidance = list(cfg.sample.prompts), cfg.sample.steps, cfg.sample.guidance
-        serial, _ = _sample(cfg, ParallelLayout(dp=world), None, 1, checkpoint, prompts, steps, guidance)
-        for stages, patches in QUALITY_PATCHES:
+        size = (cfg.data.frames, cfg.data.height, cfg.data.width)
+        serial, _ = _sample(
+            cfg, ParallelLayout(dp=world), None, 1, checkpoint, prompts, steps, guidance, size
+        )
+        for stages, patches in (q for q in QUALITY_PATCHES if world % q[0] == 0):
             for warmup in QUALITY_WARMUPS:
                 layout = ParallelLayout(dp=world // stages, pipefusion=stages)
-                videos, _ = _sample(cfg, layout, patches, warmup, checkpoint, prompts, steps, guidance)
+                videos, _ = _sample(cfg, layout, patches, warmup, checkpoint, prompts, steps, guidance, size)
                 mse = (videos.double() - serial.double()).pow(2).mean().item()
                 relative = ((videos.double() - serial.double()).norm() / serial.double().norm()).item()
                 if rank == 0:
@@ -224,16 +236,12 @@ def bytes_table(results):
     from configs import load_config
     from models.dit import DiT_models
 
-    cfg = load_config(ROOT / "configs" / "demo.yaml")
+    cfg = load_config(ROOT / "configs" / "demo.yaml", BYTES_RECIPE)
     size = DiT_models[cfg.model.size]
     pt, ph, pw = cfg.model.patch_size
     grid = (FRAMES // pt, SIZE // ph, SIZE // pw)
     tokens, cp = math.prod(grid), 3 * pt * ph * pw
-    rows = [
-        "| layout | bytes sent per rank per step: measured (per rank) | theory | measured / theory | weights per rank "
-        "(share of the whole DiT) |",
-        "|---|---|---|---|---|",
-    ]
+    rows = []
     whole = max(max(entry["weights"]) for entry in results)
     for entry in results:
         degrees, patches = entry["degrees"], entry["patches"]
@@ -264,27 +272,28 @@ def bytes_table(results):
             )
         measured = [s / STEPS_BYTES for s in entry["sent"]]
         theory = [t / STEPS_BYTES for t in theory]
-        ratio = [m / t if t else (1.0 if m == 0 else float("inf")) for m, t in zip(measured, theory)]
+        ratio = [
+            m / t if t else (1.0 if m == 0 else float("inf")) for m, t in zip(measured, theory, strict=True)
+        ]
+        entry["theory"], entry["measured_over_theory"] = theory, ratio  # for --json
         share = sorted({f"{w / whole:.2f}" for w in entry["weights"]})
         rows.append(
-            f"| {entry['layout']} | {' / '.join(f'{m / 1024:.1f}' for m in measured)} KiB | "
-            f"{' / '.join(f'{t / 1024:.1f}' for t in theory)} KiB | {min(ratio):.3f}-{max(ratio):.3f} | "
-            f"{', '.join(share)} |"
+            [entry["layout"], " / ".join(f"{m / 1024:.1f}" for m in measured) + " KiB"]
+            + [" / ".join(f"{t / 1024:.1f}" for t in theory) + " KiB", f"{min(ratio):.3f}-{max(ratio):.3f}"]
+            + [", ".join(share)]
         )
-    return rows
+    header = ["layout", "bytes sent per rank per step: measured (per rank)", "theory", "measured / theory"]
+    return benchlib.table(header + ["weights per rank (share of the whole DiT)"], rows)
 
 
 def quality_table(results):
     rows = [
-        "| stages N | patches M | warm-up | PSNR vs serial (dB) | relative error | max abs |",
-        "|---|---|---|---|---|---|",
+        [q["stages"], q["patches"], f"{q['warmup']} of {q['steps']}", f"{q['psnr']:.1f}"]
+        + [f"{q['relative_error']:.2e}", f"{q['max_abs']:.2e}"]
+        for q in results
     ]
-    for q in results:
-        rows.append(
-            f"| {q['stages']} | {q['patches']} | {q['warmup']} of {q['steps']} | {q['psnr']:.1f} | "
-            f"{q['relative_error']:.2e} | {q['max_abs']:.2e} |"
-        )
-    return rows
+    header = ["stages N", "patches M", "warm-up", "PSNR vs serial (dB)", "relative error", "max abs"]
+    return benchlib.table(header, rows)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -337,7 +346,8 @@ def step_time(
     attention_share = (4 * tokens * tokens * D) / (flops / b / L)
 
     def layer_comm(item_tokens):
-        """(exposed, total) seconds of one layer's sequence-parallel traffic for an item of this many tokens."""
+        """(exposed, total) seconds of one layer's sequence-parallel traffic, for an item of this many
+        tokens."""
         n = item_tokens / sp
         ulysses = (4 * b * n * D * (u - 1) / u * element / bandwidth + 2 * latency) if u > 1 else 0.0
         ring = (2 * b * n * D * (r - 1) * element / bandwidth + (r - 1) * latency) if r > 1 else 0.0
@@ -388,9 +398,10 @@ def model_tables(world=8):
 
     efficiency = measured_efficiency()
     lines = [
-        f"Inputs: forward efficiency {efficiency:.1%} of peak (measured on the H100, see above), Wan2.1-14B dims "
-        f"(40 layers, 5120 wide, 40 heads), guidance on, {SAMPLING_STEPS} steps, warm-up {WARMUP}, "
-        f"M = N patches; peaks H100 989, L40 181 TFLOP/s; the L40 is assumed to reach the same fraction."
+        f"Inputs: forward efficiency {efficiency:.1%} of peak (measured on the H100, see above), "
+        f"Wan2.1-14B dims (40 layers, 5120 wide, 40 heads), guidance on, {SAMPLING_STEPS} steps, "
+        f"warm-up {WARMUP}, M = N patches; peaks H100 989, L40 181 TFLOP/s; the L40 is assumed to reach the "
+        "same fraction."
     ]
     verdicts = {}
     for link, (gpu, bandwidth, latency) in LINK.items():
@@ -433,37 +444,45 @@ def model_tables(world=8):
                 latency,
                 efficiency,
             )[0]
-            lines += [
-                "",
-                f"**{case}, 8 x {gpu}, {link}** (one GPU: {single:.3f} s per step)",
-                "",
-                "| layout (cfg, pipefusion, ulysses, ring) | s per step | of which exposed communication | speed-up "
-                "| GB per GPU (weights + K/V) |",
-                "|---|---|---|---|---|",
-            ]
 
-            def gb(degrees, tokens=tokens):
-                return f"{memory_per_gpu(degrees, tokens) / 1e9:.0f}"
+            def row(name, degrees, total, comm, tokens=tokens, single=single):
+                gb = f"{memory_per_gpu(degrees, tokens) / 1e9:.0f}"
+                return [name, f"{total:.4f}", f"{comm:.4f}", f"{single / total:.2f}x", gb]
 
-            for total, comm, layout in options[:6]:
-                degrees = {k: getattr(layout, k) for k in ("cfg", "pipefusion", "ulysses", "ring")}
-                lines.append(
-                    f"| {layout.cfg}, {layout.pipefusion}, {layout.ulysses}, {layout.ring} | {total:.4f} | "
-                    f"{comm:.4f} | {single / total:.2f}x | {gb(degrees)} |"
+            rows = [
+                row(
+                    f"{layout.cfg}, {layout.pipefusion}, {layout.ulysses}, {layout.ring}",
+                    {k: getattr(layout, k) for k in ("cfg", "pipefusion", "ulysses", "ring")},
+                    total,
+                    comm,
                 )
+                for total, comm, layout in options[:6]
+            ]
             for name, degrees in (
                 ("ulysses=8", dict(ulysses=8)),
                 ("ring=8", dict(ring=8)),
                 ("pipefusion=8", dict(pipefusion=8)),
             ):
-                total, comm = step_time(degrees, tokens, gpu, bandwidth, latency, efficiency)
-                lines.append(f"| {name} | {total:.4f} | {comm:.4f} | {single / total:.2f}x | {gb(degrees)} |")
+                rows.append(
+                    row(name, degrees, *step_time(degrees, tokens, gpu, bandwidth, latency, efficiency))
+                )
             fits = "" if auto_fits <= 0.9 * MEMORY[gpu] else " **does not fit**"
-            lines.append(
-                f"| parallel.auto: {auto.cfg}, {auto.pipefusion}, {auto.ulysses}, {auto.ring} | {auto_time:.4f} | "
-                f"| {single / auto_time:.2f}x (best that fits: {single / options[0][0]:.2f}x) | "
-                f"{auto_fits / 1e9:.0f}{fits} |"
+            rows.append(
+                [
+                    f"parallel.auto: {auto.cfg}, {auto.pipefusion}, {auto.ulysses}, {auto.ring}",
+                    f"{auto_time:.4f}",
+                ]
+                + ["", f"{single / auto_time:.2f}x (best that fits: {single / options[0][0]:.2f}x)"]
+                + [f"{auto_fits / 1e9:.0f}{fits}"]
             )
+            header = [
+                "layout (cfg, pipefusion, ulysses, ring)",
+                "s per step",
+                "of which exposed communication",
+            ]
+            header += ["speed-up", "GB per GPU (weights + K/V)"]
+            lines += ["", f"**{case}, 8 x {gpu}, {link}** (one GPU: {single:.3f} s per step)", ""]
+            lines.append(benchlib.table(header, rows))
             verdicts[(link, case)] = (
                 options[0][2],
                 auto,
@@ -481,7 +500,7 @@ def weights_table(sizes=("Wan2.1-1.3B", "Wan2.1-14B"), stages=(2, 4, 8)):
     from models.dit import build_dit
     from parallel.pipefusion import keep_stage
 
-    rows = ["| model | pipefusion | parameters per stage (largest), share of the whole |", "|---|---|---|"]
+    rows = []
     for size in sizes:
         with torch.device("meta"):
             model = build_dit(
@@ -501,24 +520,22 @@ def weights_table(sizes=("Wan2.1-1.3B", "Wan2.1-14B"), stages=(2, 4, 8)):
         whole = sum(p.numel() for p in model.parameters())
         for n in stages:
             largest = max(sum(p.numel() for p in keep_stage(model, s, n).parameters()) for s in range(n))
-            rows.append(
-                f"| {size} ({whole / 1e9:.2f}B) | {n} | {largest / 1e9:.3f}B, {largest / whole:.3f} "
-                f"(1/N = {1 / n:.3f}) |"
-            )
-    return rows
+            share = f"{largest / 1e9:.3f}B, {largest / whole:.3f} (1/N = {1 / n:.3f})"
+            rows.append([f"{size} ({whole / 1e9:.2f}B)", n, share])
+    return benchlib.table(["model", "pipefusion", "parameters per stage (largest), share of the whole"], rows)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    p = benchlib.parser(__doc__)
     p.add_argument(
         "--parts", nargs="+", default=["bytes", "quality", "model"], choices=["bytes", "quality", "model"]
     )
     p.add_argument("--checkpoint", default=None, help="a run directory of configs/demo.yaml (quality)")
-    p.add_argument("--json", default=None)
+    p.add_argument("--processes", type=int, default=4, help="of the bytes and quality parts' group")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--scratch", default="/tmp/tessera_bench_sampling", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = benchlib.parse_args(p, argv, tiny=dict(parts=["bytes", "model"], processes=2))
     if args.worker:
         return worker(args)
     report, results = [], {}
@@ -527,13 +544,7 @@ def main():
     ):
         out = Path(args.scratch) / "worker.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=4",
-            __file__,
+        worker_args = [
             "--worker",
             "--worker-out",
             str(out),
@@ -543,29 +554,21 @@ def main():
             *args.parts,
         ]
         if args.checkpoint:
-            command += ["--checkpoint", args.checkpoint]
-        subprocess.run(command, check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            worker_args += ["--checkpoint", args.checkpoint]
+        benchlib.torchrun(args.processes, __file__, worker_args)
         results = json.loads(out.read_text())
         if results["bytes"]:
-            report += [
-                "### Bytes and weights per rank (4 processes, gloo)",
-                "",
-                *bytes_table(results["bytes"]),
-                "",
-            ]
+            title = f"### Bytes and weights per rank ({args.processes} processes, gloo)"
+            report += [title, "", bytes_table(results["bytes"]), ""]
         if results["quality"]:
-            report += [
-                "### PipeFusion against the serial sampler (trained demo checkpoint)",
-                "",
-                *quality_table(results["quality"]),
-                "",
-            ]
+            title = "### PipeFusion against the serial sampler (trained demo checkpoint)"
+            report += [title, "", quality_table(results["quality"]), ""]
     if "model" in args.parts:
         lines, verdicts = model_tables()
         report += [
             "### Weights per rank under PipeFusion (meta device)",
             "",
-            *weights_table(),
+            weights_table(),
             "",
             "### Latency model, 8 GPUs",
             "",
@@ -580,7 +583,7 @@ def main():
         }
     print("\n".join(report))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+        benchlib.write_json(args.json, results)
 
 
 if __name__ == "__main__":

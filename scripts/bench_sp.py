@@ -2,6 +2,7 @@
 
     python scripts/bench_sp.py                       # everything, CPU (gloo), 1, 2 and 4 processes
     python scripts/bench_sp.py --parts bytes chunking --tokens 4096
+    python scripts/bench_sp.py --tiny                # 1 and 2 processes, 256 tokens, a 1 MB all-to-all
 
 Starts its own process groups (torch.multiprocessing, gloo on CPU / NCCL on GPU) and prints one table
 per part, in markdown, for BENCHMARKS.md.
@@ -15,17 +16,15 @@ P = u*r, n = N/P local tokens):
   the input dtype + 2*n*h*r float32 elements.
 """
 
-import argparse
 import datetime
 import json
 import os
-import socket
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import benchlib
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -108,17 +107,8 @@ def measure_memory(groups, layout, args, device, dtype):
 
 
 def timed(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """Median seconds of fn(), every rank starting together (after a barrier)."""
+    return benchlib.measure(fn, repeats, warmup=0, before=dist.barrier, after=benchlib.cuda_sync()).median
 
 
 def measure_time(groups, layout, args, device, dtype):
@@ -190,8 +180,7 @@ def measure_chunking(args, device):
 def worker(rank, world, port, args, out_path):
     from parallel.runtime import sequence_groups
 
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // world)))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
@@ -223,19 +212,12 @@ def worker(rank, world, port, args, out_path):
         rows.append({"chunking": measure_chunking(args, device)})
     if rank == 0:
         Path(out_path).write_text(json.dumps(rows))
+    dist.barrier()  # a rank that tears gloo down while its peer still writes aborts now and then at exit
     dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def main():
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def main(argv=None):
+    parser = benchlib.parser(__doc__)
     parser.add_argument("--parts", nargs="+", default=["bytes", "memory", "time", "chunking"])
     parser.add_argument("--worlds", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--tokens", type=int, default=4096, help="sequence for the bytes count")
@@ -248,72 +230,75 @@ def main():
     parser.add_argument(
         "--chunk-cap-mb", type=float, default=32, help="parallel.max_message_mb for the chunked run"
     )
-    args = parser.parse_args()
+    tiny = dict(worlds=[1, 2], tokens=256, memory_tokens=256, time_tokens=256, repeats=1)
+    args = benchlib.parse_args(parser, argv, tiny={**tiny, "chunk_mb": 1.0, "chunk_cap_mb": 0.25})
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for world in args.worlds:
             out = Path(tmp) / f"world{world}.json"
             started = time.perf_counter()
-            mp.spawn(worker, args=(world, free_port(), args, str(out)), nprocs=world, join=True)
+            spawned = (world, benchlib.free_port(), args, str(out))
+            if world == 1:
+                worker(0, *spawned)  # one process: this one
+            else:
+                mp.spawn(worker, args=spawned, nprocs=world, join=True)
             results[world] = json.loads(out.read_text())
             print(f"[bench_sp] {world} process(es): {time.perf_counter() - started:.0f}s", file=sys.stderr)
     report(results, args)
+    if args.json:
+        benchlib.write_json(args.json, {"args": vars(args), "worlds": results})
 
 
 def report(results, args):
-    device = (
-        torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores, gloo)"
-    )
+    device = benchlib.machine()["device"] + ("" if torch.cuda.is_available() else ", gloo")
     print(f"\n{device}; heads={args.heads}, head_dim={args.head_dim}, batch 1\n")
     rows = [r for world in results.values() for r in world if "layout" in r]
+
+    def mib(n, digits=2):
+        return f"{n / 2**20:.{digits}f} MiB"
+
     if "bytes" in args.parts:
         print(f"Bytes sent per rank per attention layer, N={args.tokens}\n")
-        print(
-            "| layout | forward | theory | ratio | backward | theory | ratio |\n|---|---|---|---|---|---|---|"
-        )
-        for r in rows:
-            if "bytes" in r:
-                b = r["bytes"]
-                print(
-                    f"| {r['layout']} | {b['forward'] / 2**20:.2f} MiB | {b['theory_forward'] / 2**20:.2f} MiB | "
-                    f"{b['forward'] / b['theory_forward']:.2f} | {b['backward'] / 2**20:.2f} MiB | "
-                    f"{b['theory_backward'] / 2**20:.2f} MiB | {b['backward'] / b['theory_backward']:.2f} |"
-                )
+        lines = []
+        for r in (r for r in rows if "bytes" in r):
+            b = r["bytes"]
+            forward, backward = b["forward"] / b["theory_forward"], b["backward"] / b["theory_backward"]
+            lines.append([r["layout"], mib(b["forward"]), mib(b["theory_forward"]), f"{forward:.2f}"])
+            lines[-1] += [mib(b["backward"]), mib(b["theory_backward"]), f"{backward:.2f}"]
+        print(benchlib.table(["layout", "forward", "theory", "ratio", "backward", "theory", "ratio"], lines))
     if "memory" in args.parts:
         base = next((r["memory"]["saved_bytes"] for r in rows if r["P"] == 1 and "memory" in r), None)
         print(f"\nAttention activations saved for backward per rank, N={args.memory_tokens}\n")
-        print("| layout | saved | x degree 1 | target (1.2/P) |\n|---|---|---|---|")
-        for r in rows:
-            if "memory" in r:
-                saved = r["memory"]["saved_bytes"]
-                ratio = f"{saved / base:.3f}" if base else "-"
-                print(f"| {r['layout']} | {saved / 2**20:.1f} MiB | {ratio} | {1.2 / r['P']:.3f} |")
+        lines = []
+        for r in (r for r in rows if "memory" in r):
+            saved = r["memory"]["saved_bytes"]
+            ratio = f"{saved / base:.3f}" if base else "-"
+            lines.append([r["layout"], mib(saved, 1), ratio, f"{1.2 / r['P']:.3f}"])
+        print(benchlib.table(["layout", "saved", "x degree 1", "target (1.2/P)"], lines))
     if "time" in args.parts:
         print(
             f"\nTime (median of {args.repeats}, slowest rank), attention N={args.time_tokens}; DiT step = "
             f"2 blocks forward+backward\n"
         )
-        print(
-            "| layout | attention fwd | attention fwd+bwd | DiT step | step tokens |\n|---|---|---|---|---|"
-        )
-        for r in rows:
-            if "time" in r:
-                t = r["time"]
-                print(
-                    f"| {r['layout']} | {t['forward_s'] * 1e3:.1f} ms | {t['forward_backward_s'] * 1e3:.1f} ms | "
-                    f"{t['step_s'] * 1e3:.1f} ms | {t['step_tokens']} |"
-                )
+        lines = [
+            [r["layout"]]
+            + [f"{r['time'][key] * 1e3:.1f} ms" for key in ("forward_s", "forward_backward_s", "step_s")]
+            + [r["time"]["step_tokens"]]
+            for r in rows
+            if "time" in r
+        ]
+        header = ["layout", "attention fwd", "attention fwd+bwd", "DiT step", "step tokens"]
+        print(benchlib.table(header, lines))
     chunking = [(w, r["chunking"]) for w, rs in results.items() for r in rs if "chunking" in r]
     if chunking:
-        print(
-            f"\nall_to_all of {args.chunk_mb:.0f} MB per rank, unchunked vs chunked at {args.chunk_cap_mb:.0f} MB\n"
-        )
-        print("| processes | unchunked | chunked | pieces | overhead |\n|---|---|---|---|---|")
-        for world, c in chunking:
-            print(
-                f"| {world} | {c['unchunked'] * 1e3:.0f} ms | {c['chunked'] * 1e3:.0f} ms | {c['pieces']} | "
-                f"{(c['chunked'] / c['unchunked'] - 1) * 100:+.1f}% |"
-            )
+        sizes = f"{args.chunk_mb:g} MB per rank, unchunked vs chunked at {args.chunk_cap_mb:g} MB"
+        print(f"\nall_to_all of {sizes}\n")
+        lines = [
+            [world, f"{c['unchunked'] * 1e3:.0f} ms", f"{c['chunked'] * 1e3:.0f} ms", c["pieces"]]
+            + [f"{(c['chunked'] / c['unchunked'] - 1) * 100:+.1f}%"]
+            for world, c in chunking
+        ]
+        print(benchlib.table(["processes", "unchunked", "chunked", "pieces", "overhead"], lines))
 
 
 if __name__ == "__main__":

@@ -1,16 +1,16 @@
 """Peak host memory per rank while the DiT and its EMA are built and sharded (issue 11).
 
-    python scripts/bench_startup_memory.py [--size DiT-XL] [--nproc 2] [--path both|whole|meta]
+    python scripts/bench_startup_memory.py [--size DiT-XL] [--nproc 2] [--path both|whole|meta] [--json FILE]
+    python scripts/bench_startup_memory.py --tiny    # DiT-tiny on 2 ranks: seconds
 
 Each path runs in fresh processes (torchrun-like spawn, gloo, CPU) so that ru_maxrss measures it alone:
 - whole: the start-up before issue 11, every rank builds the whole model with its weights, then
   shards it with FSDP2; the EMA likewise, after;
 - meta: today's train.py: built on the meta device, sharded, then parallel/init.py fills each rank's
   shard one parameter at a time.
-Prints one line per path with the peak resident set size per rank (GiB) and the model's float32 size.
+Prints a table: per path, the peak resident set size per rank (GiB); and the model's float32 size.
 """
 
-import argparse
 import os
 import resource
 import sys
@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import benchlib  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
@@ -54,12 +55,12 @@ def worker(rank, world, port, size, path, results):
     dist.destroy_process_group()
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None):
+    p = benchlib.parser(__doc__)
     p.add_argument("--size", default="DiT-XL")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--path", default="both", choices=["both", "whole", "meta"])
-    args = p.parse_args()
+    args = benchlib.parse_args(p, argv, tiny=dict(size="DiT-tiny"))
     from models.dit import DiT, DiT_models, count_parameters
 
     with torch.device("meta"):
@@ -69,19 +70,28 @@ def main():
         f"{args.nproc} ranks; model + EMA",
         flush=True,
     )
-    for i, path in enumerate(["whole", "meta"] if args.path == "both" else [args.path]):
+    peaks = {}
+    for path in ["whole", "meta"] if args.path == "both" else [args.path]:
         results = mp.Manager().dict()
         mp.start_processes(
             worker,
-            args=(args.nproc, 29600 + i, args.size, path, results),
+            args=(args.nproc, benchlib.free_port(), args.size, path, results),
             nprocs=args.nproc,
             start_method="spawn",
         )
-        peaks = [results[r][1] for r in range(args.nproc)]
-        print(
-            f"{path:5s}: peak resident memory per rank {', '.join(f'{p:.2f}' for p in peaks)} GiB "
-            f"(after imports: {results[0][0]:.2f} GiB)",
-            flush=True,
+        peaks[path] = {
+            "after_imports_gib": results[0][0],
+            "peak_gib": [results[r][1] for r in range(args.nproc)],
+        }
+        print(f"{path}: done", flush=True)
+    rows = [
+        [path, ", ".join(f"{p:.2f}" for p in r["peak_gib"]), f"{r['after_imports_gib']:.2f}"]
+        for path, r in peaks.items()
+    ]
+    print(benchlib.table(["path", "peak resident memory per rank, GiB", "after imports (rank 0), GiB"], rows))
+    if args.json:
+        benchlib.write_json(
+            args.json, {"size": args.size, "parameters": params, "nproc": args.nproc, **peaks}
         )
 
 

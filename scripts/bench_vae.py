@@ -3,27 +3,26 @@
     python scripts/bench_vae.py                          # tiny Wan and KL VAEs, P = 1, 2, CPU (gloo)
     python scripts/bench_vae.py --rounds 3               # on a shared machine: best of 3 launches each
     python scripts/bench_vae.py --kinds wan --processes 1 2 4 --latent 3 32 48 --tile 20 --overlap 4
+    python scripts/bench_vae.py --tiny                   # 8-wide VAEs, a 1 x 8 x 12 latent in 6 tiles
 
-Launches itself under torchrun once per process count (gloo on CPU, NCCL on GPU), times each rank's
-`parallel.vae.decode` call (median of --repeats after one warm-up; every rank starts after a barrier)
-and prints one markdown table for BENCHMARKS.md: wall and CPU seconds per rank, each slowest rank's
-compared with the serial tiled decode. A P-process decode can approach 1/P of the serial wall time only
-when each process has cores of its own and the machine is otherwise idle (the table prints the load
-average); CPU seconds per rank show each rank's share of the work either way.
+Decodes serially in this process, and launches itself under torchrun once per larger process count
+(gloo on CPU, NCCL on GPU); times each rank's `parallel.vae.decode` call (median of --repeats after one
+warm-up; every rank starts after a barrier) and prints one markdown table for BENCHMARKS.md: wall and
+CPU seconds per rank, each slowest rank's compared with the serial tiled decode. A P-process decode can
+approach 1/P of the serial wall time only when each process has cores of its own and the machine is
+otherwise idle (the table prints the load average); CPU seconds per rank show each rank's share of the
+work either way.
 """
 
 import argparse
 import json
 import math
 import os
-import platform
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+import benchlib
 import torch
 import torch.distributed as dist
 
@@ -39,20 +38,12 @@ from parallel import vae as parallel_vae  # noqa: E402
 
 
 def median_time(fn, repeats) -> tuple[float, float]:
-    """Median wall and CPU seconds of fn() on this rank. CPU seconds (all of the process's threads) count
-    the work a rank does whatever else runs on the machine; wall seconds are what a user waits."""
-    fn()  # warm-up: allocator, first-call overheads
-    wall, cpu = [], []
-    for _ in range(repeats):
-        if dist.is_initialized():
-            comm.barrier()  # every rank starts together, so the slowest rank's time is the wall time
-        start, start_cpu = time.perf_counter(), time.process_time()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        wall.append(time.perf_counter() - start)
-        cpu.append(time.process_time() - start_cpu)
-    return statistics.median(wall), statistics.median(cpu)
+    """Median wall and CPU seconds of fn() on this rank, after a warm-up. CPU seconds (all of the process's
+    threads) count the work a rank does whatever else runs on the machine; wall seconds are what a user
+    waits. Every rank starts together, so the slowest rank's time is the wall time."""
+    barrier = comm.barrier if dist.is_initialized() else None
+    timing = benchlib.measure(fn, repeats, before=barrier, after=benchlib.cuda_sync())
+    return timing.median, timing.cpu_median
 
 
 def measure(kind, args, device, size) -> dict:
@@ -102,17 +93,16 @@ def worker(args):
     results = [measure(kind, args, device, dist.get_world_size()) for kind in args.kinds]
     if dist.get_rank() == 0:
         Path(args.result).write_text(json.dumps(results))
+    dist.barrier()  # a rank that tears gloo down while its peer still writes aborts now and then at exit
     dist.destroy_process_group()
 
 
 def launch(args, processes, result):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={processes}",
-        str(Path(__file__).resolve()),
+    if processes == 1:  # the serial decodes need no process group: this process, with a worker's threads
+        torch.set_num_threads(args.threads)
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        return [measure(kind, args, device, 1) for kind in args.kinds]
+    worker_args = [
         "--worker",
         "--result",
         result,
@@ -129,19 +119,12 @@ def launch(args, processes, result):
         "--base-dim",
         str(args.base_dim),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if done.returncode:
-        raise SystemExit(
-            f"torchrun with {processes} processes failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
-        )
+    benchlib.torchrun(processes, Path(__file__).resolve(), worker_args, threads=args.threads)
     return json.loads(Path(result).read_text())
 
 
-def main():
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def main(argv=None):
+    parser = benchlib.parser(__doc__)
     parser.add_argument("--kinds", nargs="+", default=["wan", "kl"], choices=["wan", "kl", "identity"])
     parser.add_argument("--processes", nargs="+", type=int, default=[1, 2])
     parser.add_argument(
@@ -168,7 +151,8 @@ def main():
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    tiny = dict(latent=[1, 8, 12], tile=6, overlap=2, base_dim=8, repeats=1)
+    args = benchlib.parse_args(parser, argv, tiny=tiny)
     if args.worker:
         return worker(args)
 
@@ -186,41 +170,43 @@ def main():
         ]
         for p in args.processes
     }
-    device = (
-        torch.cuda.get_device_name()
-        if torch.cuda.is_available()
-        else f"{os.cpu_count()}-core CPU ({platform.processor() or platform.machine()}), gloo"
-    )
+    device = benchlib.machine()["device"] + ("" if torch.cuda.is_available() else ", gloo")
     print(
         f"VAE decode, {device}, {args.threads} thread(s) per process, torch {torch.__version__}; "
-        f"tile {args.tile} overlap {args.overlap} (latent px); median of {args.repeats}, best of {args.rounds} "
-        f"launch(es); 1-min load average "
-        f"{load_before:.1f} before the runs\n"
+        f"tile {args.tile} overlap {args.overlap} (latent px); median of {args.repeats}, "
+        f"best of {args.rounds} launch(es); 1-min load average {load_before:.1f} before the runs\n"
     )
-    print(
-        "| VAE | latent (B, C, t, h, w) | video (T, H, W) | tiles | processes | tiles per rank | "
-        "wall s per rank | vs serial tiled | CPU s per rank | vs serial tiled | sent per rank, MiB |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    rows = []
     for i, kind in enumerate(args.kinds):
         serial = runs[1][i] if 1 in runs else None
         for p, results in runs.items():
             r = results[i]
             shape, pixels = "x".join(map(str, r["latent"])), "x".join(map(str, r["pixels"]))
             if p == 1:
-                print(
-                    f"| {kind} | {shape} | {pixels} | 1 (whole) | 1 | 1 | {r['whole']:.2f} | "
-                    f"{r['whole'] / r['rank_times'][0]:.2f} | {r['whole_cpu']:.2f} | "
-                    f"{r['whole_cpu'] / r['rank_cpu'][0]:.2f} | 0 |"
-                )
+                whole = [
+                    f"{r['whole']:.2f}",
+                    f"{r['whole'] / r['rank_times'][0]:.2f}",
+                    f"{r['whole_cpu']:.2f}",
+                ]
+                rows.append([kind, shape, pixels, "1 (whole)", 1, 1, *whole])
+                rows[-1] += [f"{r['whole_cpu'] / r['rank_cpu'][0]:.2f}", 0]
             wall, cpu = (" / ".join(f"{t:.2f}" for t in r[key]) for key in ("rank_times", "rank_cpu"))
             wall_ratio, cpu_ratio = (
                 f"{max(r[key]) / serial[key][0]:.2f}" if serial else "-" for key in ("rank_times", "rank_cpu")
             )
-            print(
-                f"| {kind} | {shape} | {pixels} | {r['tiles']} | {p} | {r['tiles_per_rank']} | {wall} | "
-                f"{wall_ratio} | {cpu} | {cpu_ratio} | {r.get('sent_mb', 0):.1f} |"
-            )
+            rows.append([kind, shape, pixels, r["tiles"], p, r["tiles_per_rank"], wall, wall_ratio, cpu])
+            rows[-1] += [cpu_ratio, f"{r.get('sent_mb', 0):.1f}"]
+    header = ["VAE", "latent (B, C, t, h, w)", "video (T, H, W)", "tiles", "processes", "tiles per rank"]
+    header += [
+        "wall s per rank",
+        "vs serial tiled",
+        "CPU s per rank",
+        "vs serial tiled",
+        "sent per rank, MiB",
+    ]
+    print(benchlib.table(header, rows))
+    if args.json:
+        benchlib.write_json(args.json, {"args": vars(args), "runs": runs})
 
 
 if __name__ == "__main__":

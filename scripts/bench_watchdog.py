@@ -2,23 +2,22 @@
 exchange on the gloo control group, and the watchdog thread's work each second (publish a heartbeat,
 read the abort key and the watched peers' heartbeats on the c10d store).
 
-    python scripts/bench_watchdog.py [--ranks 2] [--calls 300]
+    python scripts/bench_watchdog.py [--ranks 2] [--calls 300] [--json FILE]
+    python scripts/bench_watchdog.py --tiny      # 5 calls each
 
 Spawns the ranks itself (gloo on 127.0.0.1, a TCPStore as torchrun's agent would host it) and prints
 the median cost of each, next to the demo's step time for scale.
 """
 
-import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import benchlib  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
@@ -42,50 +41,31 @@ def worker(rank, world, port, calls, out):
     )  # ticks by hand
     runtime = Runtime(rank, world, 0, torch.device("cpu"), "gloo", None, None, control, None, dog)
 
-    flag_s, tick_s = [], []
-    for _ in range(calls):
-        dist.barrier(control)
-        start = time.perf_counter()
-        runtime.agreed_stop_signal()
-        flag_s.append(time.perf_counter() - start)
+    flag = benchlib.measure(runtime.agreed_stop_signal, calls, warmup=0, before=lambda: dist.barrier(control))
     dog.start()
-    for _ in range(calls):
-        start = time.perf_counter()
-        dog._tick()
-        tick_s.append(time.perf_counter() - start)
-    publish_s = []
-    for _ in range(calls):  # what a phase change costs the thread (at most PUBLISH_EVERY_S apart)
-        start = time.perf_counter()
-        dog._publish()
-        publish_s.append(time.perf_counter() - start)
+    tick = benchlib.measure(dog._tick, calls, warmup=0)
+    publish = benchlib.measure(
+        dog._publish, calls, warmup=0
+    )  # a phase change (at most PUBLISH_EVERY_S apart)
     dog.finish()
     if rank == 0:
-        Path(out).write_text(
-            json.dumps(
-                {
-                    "flag_ms": 1e3 * statistics.median(flag_s),
-                    "tick_ms": 1e3 * statistics.median(tick_s),
-                    "publish_ms": 1e3 * statistics.median(publish_s),
-                }
-            )
-        )
+        medians = {"flag_ms": flag.median, "tick_ms": tick.median, "publish_ms": publish.median}
+        Path(out).write_text(json.dumps({key: 1e3 * seconds for key, seconds in medians.items()}))
     dist.barrier(control)
     dist.destroy_process_group()
 
 
-def main():
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def main(argv=None):
+    parser = benchlib.parser(__doc__)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--calls", type=int, default=300)
-    args = parser.parse_args()
-    from parallel.runtime import _free_port
-
+    args = benchlib.parse_args(parser, argv, tiny=dict(calls=5))
     out = Path("/tmp") / f"bench_watchdog_{os.getpid()}.json"
     torch.set_num_threads(1)
-    mp.spawn(worker, args=(args.ranks, _free_port(), args.calls, str(out)), nprocs=args.ranks, join=True)
+    spawned = (args.ranks, benchlib.free_port(), args.calls, str(out))
+    mp.spawn(worker, args=spawned, nprocs=args.ranks, join=True)
     result = json.loads(out.read_text())
+    out.unlink()
     from parallel.watchdog import PUBLISH_EVERY_S
 
     flag, tick, publish = result["flag_ms"], result["tick_ms"], result["publish_ms"]
@@ -97,9 +77,15 @@ def main():
     )
     print(
         f"watchdog tick (once a second, on its own thread): {tick:.3f} ms; a phase published at once: "
-        f"{publish:.3f} ms, at most {1 / PUBLISH_EVERY_S:.0f} a second: at most {thread / 10:.3f}% of one core"
+        f"{publish:.3f} ms, at most {1 / PUBLISH_EVERY_S:.0f} a second: "
+        f"at most {thread / 10:.3f}% of one core"
     )
-    print(f"together, per demo step: {100 * (flag + thread * DEMO_STEP_S) / 1e3 / DEMO_STEP_S:.2f}%")
+    together = 100 * (flag + thread * DEMO_STEP_S) / 1e3 / DEMO_STEP_S
+    print(f"together, per demo step: {together:.2f}%")
+    if args.json:
+        benchlib.write_json(
+            args.json, {"ranks": args.ranks, "calls": args.calls, **result, "percent": together}
+        )
 
 
 if __name__ == "__main__":

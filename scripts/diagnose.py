@@ -63,7 +63,8 @@ def in_flight(dump: dict) -> dict | None:
 def describe(record: dict) -> str:
     shape = "x".join(map(str, record["shape"])) or "-"
     error = f", failed: {record['error']}" if record.get("error") else ""
-    return f"{record['kind']} on {record['group']} (seq {record['seq']}, shape {shape}, {record['dtype'] or '-'}{error})"
+    dtype = record["dtype"] or "-"
+    return f"{record['kind']} on {record['group']} (seq {record['seq']}, shape {shape}, {dtype}{error})"
 
 
 def heartbeats(dumps: dict[int, dict]) -> dict[int, dict]:
@@ -114,8 +115,8 @@ def diagnose(run_dir: Path) -> int:
             )
         else:
             print(
-                f"  rank {rank} ({beat.get('host', '?')}:{beat.get('pid', '?')}): no record (killed, stopped or "
-                f"lost); its last heartbeat: {where}, state {beat.get('state', '?')}"
+                f"  rank {rank} ({beat.get('host', '?')}:{beat.get('pid', '?')}): no record (killed, stopped "
+                f"or lost); its last heartbeat: {where}, state {beat.get('state', '?')}"
             )
 
     print()
@@ -137,8 +138,8 @@ def diagnose(run_dir: Path) -> int:
             record = waits[ranks[0]]
             absent = [r for r in range(world) if r not in ranks]
             print(
-                f"ranks {', '.join(map(str, sorted(ranks)))} waited in {describe(record)}; never arrived there: "
-                f"{', '.join(map(str, absent)) if absent else 'none'}"
+                f"ranks {', '.join(map(str, sorted(ranks)))} waited in {describe(record)}; "
+                f"never arrived there: {', '.join(map(str, absent)) if absent else 'none'}"
             )
 
     for stacks in sorted(folder.glob("stacks_rank*.txt")):

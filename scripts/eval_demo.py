@@ -77,7 +77,7 @@ def contact_sheet(
     cell_h = max(height * scale, 30) + gap
     sheet = Image.new("RGB", (text_w + frames * (width * scale + gap), len(prompts) * cell_h), (40, 40, 40))
     draw = ImageDraw.Draw(sheet)
-    for i, (prompt, video, row) in enumerate(zip(prompts, videos, rows)):
+    for i, (prompt, video, row) in enumerate(zip(prompts, videos, rows, strict=True)):
         y = i * cell_h
         seen = " ".join(str(row[k]) for k in ("color", "shape", "direction"))
         verdict = "ok" if row["all_ok"] else "wrong: " + ", ".join(k for k in CHECKS if not row[f"{k}_ok"])
@@ -128,7 +128,7 @@ def main(argv=None):
         seeds=list(range(len(prompts))),
         sampler=sampler,
     )
-    rows = [judge(prompt, video) for prompt, video in zip(prompts, videos)]
+    rows = [judge(prompt, video) for prompt, video in zip(prompts, videos, strict=True)]
     report = {"checkpoint": str(checkpoint), **summarise(rows), "rows": rows}
     run_dir = Path(cfg.run.output_dir)
     out = Path(args.output or run_dir / "eval_demo.json")

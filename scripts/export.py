@@ -13,8 +13,8 @@ what `infer.py` samples.
 
 The EMA weights are exported unless --no-ema. The recipe is the run's config.yaml (or --config); the
 DiT must have Wan's architecture options (the Wan* sizes, or model.adaln=single,
-qk_norm_across_heads=true, pooled_text=false, text_mask=false, absolute_positions=false). One process; it holds
-the whole model.
+qk_norm_across_heads=true, pooled_text=false, text_mask=false, absolute_positions=false). One process;
+it holds the whole model.
 """
 
 import argparse
@@ -151,7 +151,8 @@ def main(argv=None):
     kind = "WanPipeline" if args.pipeline else "WanTransformer3DModel"
     print(
         f"[export] {checkpoint} ({'raw' if args.no_ema else 'EMA'} weights) -> {args.output}: {kind}, "
-        f"{config['num_layers']} layers, {config['num_attention_heads']} heads of {config['attention_head_dim']}"
+        f"{config['num_layers']} layers, {config['num_attention_heads']} heads "
+        f"of {config['attention_head_dim']}"
     )
     return 0
 

@@ -41,7 +41,7 @@ def make_demo_data(out, samples: int, frames: int = 8, size: int = 32, seed: int
     return out / "manifest.jsonl"
 
 
-if __name__ == "__main__":
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="demo_data")
     p.add_argument("--samples", type=int, default=512)
@@ -50,5 +50,10 @@ if __name__ == "__main__":
         "--size", type=int, default=32, help="the shorter side; clips come in several aspect ratios"
     )
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     print(f"wrote {make_demo_data(args.out, args.samples, args.frames, args.size, args.seed)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,7 @@
 """A scaling model for training: time per step and MFU of a recipe under a layout on 8-1,024 GPUs.
 
     python scripts/model_scaling.py [--gpus 8 64 256 1024] [--block-efficiency 0.55] [--json out.json]
+    python scripts/model_scaling.py --tiny     # the CPU probe on a 64-wide block, 8 and 64 GPUs: seconds
 
 What goes in:
 - compute: the model FLOPs of a block (scripts/bench_gpu.py's `dit_flops`) at the GPU's dense bf16
@@ -30,17 +31,16 @@ It prints, per recipe and GPU count, the best layout (shortest time per sample) 
 anchors with their sources next to the model's own prediction for a comparable case.
 """
 
-import argparse
 import itertools
-import json
 import math
 import sys
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import benchlib  # noqa: E402
 
 GPU = {"H100": dict(peak=989e12, memory=80e9), "A100": dict(peak=312e12, memory=80e9)}
 LINKS = {"nvlink": 450e9, "pcie": 25e9}
@@ -48,6 +48,8 @@ IB = 400e9 / 8  # 400 Gb/s per GPU
 NODE = 8
 LATENCY_NODE, LATENCY_IB = 20e-6, 50e-6
 BF16, FP32 = 2, 4
+# The CPU probe's block: DiT-XL's (width, heads, MLP width); --tiny probes a 64-wide one
+PROBE, TINY_PROBE = (1152, 16, 4608), (64, 4, 256)
 
 
 @dataclass
@@ -121,23 +123,19 @@ def model_flops(r: Recipe) -> float:
 
 
 def measure_cpu_efficiency(hidden: int, heads: int, ffn: int, tokens: int = 256, repeats: int = 3) -> dict:
-    """One DiT block, forward + backward in float32 on this CPU: achieved FLOP/s over the CPU's estimated peak."""
+    """One DiT block, forward + backward in float32 on this CPU: achieved FLOP/s over the CPU's estimated
+    peak."""
     import torch
     from bench_gpu import device_info
 
     from models.dit import DiTBlock, RotaryEmbedding3D
 
     torch.manual_seed(0)
-    block = DiTBlock(hidden, heads, ffn / hidden, True, "sdpa")
+    block = DiTBlock(hidden, heads, ffn, True, "sdpa")  # mlp_hidden is a width, not a ratio
     x = torch.randn(1, tokens, hidden, requires_grad=True)
     c, y, y_mask = torch.randn(1, hidden), torch.randn(1, 16, hidden), torch.ones(1, 16, dtype=torch.bool)
     rope = RotaryEmbedding3D(hidden // heads)((1, 16, tokens // 16), "cpu")
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        block(x, c, y, y_mask, rope).sum().backward()
-        times.append(time.perf_counter() - t0)
-    seconds = sorted(times[1:])[len(times[1:]) // 2]
+    seconds = benchlib.measure(lambda: block(x, c, y, y_mask, rope).sum().backward(), repeats).median
     r = Recipe("probe", 1, hidden, heads, ffn, tokens, 16, 1, text_dim=hidden)
     flops = 3 * block_flops(r, tokens)
     peak = device_info(torch.device("cpu"))["peak_tflops"] * 1e12
@@ -270,7 +268,7 @@ ANCHORS = [
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = benchlib.parser(__doc__)
     p.add_argument("--gpus", type=int, nargs="+", default=[8, 64, 256, 1024])
     p.add_argument("--gpu", choices=list(GPU), default="H100")
     p.add_argument("--link", choices=list(LINKS), default="nvlink", help="the link inside a node")
@@ -282,36 +280,47 @@ def main(argv=None):
         "unset: measured on this CPU and scaled by the peak ratio (flagged)",
     )
     p.add_argument("--probe-tokens", type=int, default=256)
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
+    args = benchlib.parse_args(p, argv, tiny=dict(gpus=[8, 64], probe_tokens=64))
 
     probe = None
     if args.block_efficiency is None:
-        probe = measure_cpu_efficiency(1152, 16, 4608, args.probe_tokens)
+        hidden, heads, ffn = TINY_PROBE if args.tiny else PROBE
+        probe = measure_cpu_efficiency(hidden, heads, ffn, args.probe_tokens)
         efficiency, flag = probe["efficiency"], "CPU-scaled"
         print(
-            f"block efficiency: {100 * efficiency:.0f}% of peak, MEASURED ON CPU (one 1152-wide block, "
+            f"block efficiency: {100 * efficiency:.0f}% of peak, MEASURED ON CPU (one {hidden}-wide block, "
             f"{args.probe_tokens} tokens, {probe['tflops'] * 1e3:.1f} GFLOP/s of an estimated "
             f"{probe['cpu_peak_tflops'] * 1e3:.0f}) and assumed to carry over to the {args.gpu}: [CPU-scaled]"
         )
     else:
         efficiency, flag = args.block_efficiency, "efficiency as given"
     results = {"efficiency": efficiency, "flag": flag, "probe": probe, "best": [], "anchors": []}
-    print(
-        f"\n| recipe | GPUs | best layout | s/step | s/sample | MFU | exposed SP s | FSDP s | GB/GPU | [{flag}]"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
+    rows = []
     for r in RECIPES:
         for gpus in args.gpus:
             b = best(r, gpus, efficiency, args.gpu, args.link)
             if b is None:
-                print(f"| {r.name} | {gpus} | none fits | | | | | | |")
+                rows.append([r.name, gpus, "none fits", "", "", "", "", "", ""])
                 continue
             results["best"].append(b)
-            print(
-                f"| {r.name} | {gpus} | {b['layout']} | {b['step_s']:.3f} | {b['per_sample_s'] * 1e3:.2f} ms | "
-                f"{100 * b['mfu']:.0f}% | {b['exposed_sp_s']:.3f} | {b['fsdp_s']:.3f} | {b['memory_gb']:.0f} |"
+            rows.append(
+                [r.name, gpus, b["layout"], f"{b['step_s']:.3f}", f"{b['per_sample_s'] * 1e3:.2f} ms"]
+                + [f"{100 * b['mfu']:.0f}%", f"{b['exposed_sp_s']:.3f}", f"{b['fsdp_s']:.3f}"]
+                + [f"{b['memory_gb']:.0f}"]
             )
+    print(f"\nBest layout per recipe and GPU count [{flag}]:\n")
+    header = [
+        "recipe",
+        "GPUs",
+        "best layout",
+        "s/step",
+        "s/sample",
+        "MFU",
+        "exposed SP s",
+        "FSDP s",
+        "GB/GPU",
+    ]
+    print(benchlib.table(header, rows))
     print(
         "\nPublished anchors next to this model's prediction for a comparable case (not like for like: "
         "the anchors are LLMs or other code):"
@@ -322,11 +331,10 @@ def main(argv=None):
         b = best(recipe, gpus, efficiency, gpu, args.link)
         predicted = f"{100 * b['mfu']:.0f}% ({b['layout']})" if b else "none fits"
         results["anchors"].append({**a, "predicted": predicted})
-        print(
-            f"- {a['what']}: {a['mfu']} [{a['source']}]; model, {name} on {gpus} x {gpu}: {predicted} [{flag}]"
-        )
+        model = f"model, {name} on {gpus} x {gpu}: {predicted} [{flag}]"
+        print(f"- {a['what']}: {a['mfu']} [{a['source']}]; {model}")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1, default=lambda o: asdict(o)))
+        benchlib.write_json(args.json, results)
     return results
 
 

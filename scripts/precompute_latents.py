@@ -1,6 +1,7 @@
 """Encode a dataset once: videos/images with the VAE, prompts with the text encoder, sharded over ranks.
 
-    torchrun --nproc_per_node 8 scripts/precompute_latents.py --config configs/video.yaml --out latents/video480
+    torchrun --nproc_per_node 8 scripts/precompute_latents.py --config configs/video.yaml \
+        --out latents/video480
     torchrun --nproc_per_node 8 train.py --config configs/video.yaml data.latents=latents/video480
 
 Every sample is encoded in the bucket the recipe assigns it, from the clip that epoch 0 would take.

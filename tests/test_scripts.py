@@ -1,0 +1,208 @@
+"""Every script in scripts/ runs in the suite, so none can rot unnoticed (issue 20).
+
+The benchmarks run here in their tiny mode (`--tiny`, or TESSERA_TINY=1: tiny sizes on CPU, seconds),
+each in its own process under a timeout, and each is checked on what it wrote (its --json and a row of
+its table), not only on its exit code. The scripts another test already runs are listed in COVERED with
+that test; the shell scripts users run by hand are listed in NOT_RUN with the reason. A script added to
+scripts/ that is in none of these places fails test_every_script_has_a_test.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import benchlib  # noqa: E402
+
+SCRIPTS = ROOT / "scripts"
+TINY = [  # run below
+    "bench_checkpoint.py",
+    "bench_data.py",
+    "bench_sampling.py",
+    "bench_sp.py",
+    "bench_startup_memory.py",
+    "bench_vae.py",
+    "model_scaling.py",  # its functions: tests/test_model_scaling.py
+    "make_demo_data.py",  # a user tool: its command line on a few small clips
+    "benchlib.py",  # the benchmarks' shared helper: test_benchlib_*
+]
+COVERED = {  # script: the test that runs it (at tiny sizes)
+    "bench_failures.py": "tests/test_failures.py::test_bench_failures_runs_and_writes_its_table (its --tiny)",
+    "bench_gpu.py": "tests/test_bench_gpu.py::test_runs_tiny_on_cpu (--tiny)",
+    "bench_watchdog.py": "tests/test_watchdog.py::test_bench_watchdog_runs (--calls 5, what --tiny sets)",
+    "diagnose.py": "tests/test_failures.py (the records of failed runs: a stall, an extra collective)",
+    "eval_demo.py": "tests/test_e2e.py::test_eval_demo_reports_every_rate_and_a_contact_sheet",
+    "export.py": "tests/test_export.py and tests/test_wan_pipeline.py",
+    "index_folder.py": "tests/test_decode.py::test_index_folder_probes_and_names_what_it_leaves_out",
+    "precompute_latents.py": "tests/test_e2e.py::test_latent_vae_and_manifest_data (torchrun, 2 processes)",
+    "slurm.sh": "tests/test_slurm.py (under a stand-in srun and scontrol)",
+}
+NOT_RUN = {  # the README's commands: what they run is tested piece by piece
+    "demo.sh": "trains the demo for about 7 minutes; train.py, infer.py and eval_demo.py run in test_e2e.py",
+    "install.sh": "installs packages with pip",
+    "test.sh": "runs install.sh, then this suite",
+}
+
+
+def test_every_script_has_a_test():
+    scripts = {p.name for p in SCRIPTS.iterdir() if p.suffix in (".py", ".sh")}
+    listed = [*TINY, *COVERED, *NOT_RUN]
+    assert sorted(listed) == sorted(scripts), "each script in exactly one of TINY, COVERED, NOT_RUN"
+    for script, where in COVERED.items():  # the covering test exists and still runs the script
+        test_file = ROOT / where.split("::")[0].split(" ")[0]
+        assert script.rsplit(".", 1)[0] in test_file.read_text(), (script, where)
+
+
+def run(script: str, *args: str, timeout: float = 120) -> str:
+    """Run scripts/<script> from the repository root; its stdout, after asserting that it exited 0."""
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, (
+        f"{script} {' '.join(args)} failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
+    )
+    return done.stdout
+
+
+def run_tiny(script: str, tmp_path: Path, *args: str) -> tuple[str, dict]:
+    """`script --tiny --json FILE args`: its stdout and what it wrote."""
+    out = run(script, "--tiny", "--json", str(tmp_path / "results.json"), *args)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["machine"]["torch"]  # benchlib.write_json says where it ran
+    return out, results
+
+
+@pytest.mark.slow
+def test_model_scaling_tiny_probes_the_cpu_and_predicts(tmp_path):
+    """The CPU probe (the script's default path, which crashed on a changed DiTBlock signature)."""
+    out, results = run_tiny("model_scaling.py", tmp_path)
+    probe, efficiency = results["probe"], results["efficiency"]
+    assert probe["hidden"] == 64 and probe["seconds"] > 0 and 0 < efficiency <= 1
+    assert results["flag"] == "CPU-scaled" and "MEASURED ON CPU" in out
+    assert len(results["best"]) == 5 * 2  # every recipe fits on 8 and on 64 GPUs
+    assert all(0 < b["mfu"] <= efficiency + 1e-9 for b in results["best"])
+    assert len(results["anchors"]) == 4 and "| DiT-XL 256px | 8 | dp=8 " in out
+
+
+@pytest.mark.slow
+def test_bench_sp_tiny_bytes_match_theory_and_memory_divides(tmp_path):
+    out, results = run_tiny("bench_sp.py", tmp_path)
+    two = [r for r in results["worlds"]["2"] if "layout" in r]
+    assert [r["layout"] for r in two] == ["ulysses=2 ring=1", "ulysses=1 ring=2"]
+    for r in two:
+        b = r["bytes"]
+        assert b["forward"] == pytest.approx(b["theory_forward"], rel=1e-3), r
+        assert b["backward"] == pytest.approx(b["theory_backward"], rel=1e-3), r
+        assert r["time"]["step_s"] > 0
+    alone = results["worlds"]["1"][0]["memory"]["saved_bytes"]
+    assert all(r["memory"]["saved_bytes"] <= 1.2 / 2 * alone for r in two)
+    assert "| ulysses=2 ring=1 | 0.12 MiB | 0.12 MiB | 1.00 |" in out
+    assert results["worlds"]["2"][-1]["chunking"]["pieces"] == 4  # 1 MB in 0.25 MB pieces
+
+
+@pytest.mark.slow
+def test_bench_sampling_tiny_bytes_match_theory(tmp_path):
+    out, results = run_tiny("bench_sampling.py", tmp_path, "--scratch", str(tmp_path / "scratch"))
+    layouts = {b["layout"]: b for b in results["bytes"]}
+    assert set(layouts) == {"pipefusion=2, M=2", "pipefusion=2, M=4", "cfg=2"}  # those that fit 2 processes
+    for b in layouts.values():
+        assert b["measured_over_theory"] == pytest.approx([1.0, 1.0], abs=1e-6), b
+    assert layouts["pipefusion=2, M=2"]["weights"][0] < layouts["cfg=2"]["weights"][0]  # a stage holds less
+    assert len(results["model"]) == 4 and all(m["auto_fits"] for m in results["model"].values())
+    assert "| Wan2.1-14B (14.29B) | 8 |" in out
+
+
+@pytest.mark.slow
+def test_bench_vae_tiny_shares_the_tiles(tmp_path):
+    out, results = run_tiny("bench_vae.py", tmp_path)
+    for serial, shared in zip(results["runs"]["1"], results["runs"]["2"], strict=True):
+        assert serial["kind"] == shared["kind"] and serial["tiles"] == shared["tiles"] == 6
+        assert serial["whole"] > 0 and serial["tiles_per_rank"] == [6] and shared["tiles_per_rank"] == [3, 3]
+        assert len(shared["rank_times"]) == 2 and shared["sent_mb"] > 0
+    assert "| kl | 1x4x1x8x12 | 1x32x48 | 6 | 2 | [3, 3] |" in out
+
+
+@pytest.mark.slow
+def test_bench_checkpoint_tiny_leaves_no_threads_behind(tmp_path):
+    """The issue-12 fix: a save on a short-lived gloo group leaves the process's thread count as it was."""
+    out, results = run_tiny("bench_checkpoint.py", tmp_path)
+    rows = results["rows"]
+    before, fixed = rows["before"], rows["after dcp.save, short-lived group (fix)"]
+    assert fixed["threads"] == before["threads"], rows
+    assert all(r["forward_backward_ms"] > 0 and r["optimizer_ms"] > 0 for r in rows.values())
+    assert "| after dcp.save, long-lived group (old) |" in out
+
+
+@pytest.mark.slow
+def test_bench_startup_memory_tiny_measures_both_paths(tmp_path):
+    out, results = run_tiny("bench_startup_memory.py", tmp_path)
+    assert results["size"] == "DiT-tiny" and results["nproc"] == 2
+    for path in ("whole", "meta"):
+        peaks = results[path]["peak_gib"]
+        assert len(peaks) == 2 and all(p >= results[path]["after_imports_gib"] > 0 for p in peaks)
+    assert "| meta | " in out
+
+
+@pytest.mark.slow
+def test_bench_data_tiny_decodes_loads_and_resumes(tmp_path):
+    out, results = run_tiny("bench_data.py", tmp_path, "--folder", str(tmp_path / "sources"))
+    decode, memory, resume = results["decode"], results["memory"], results["resume"]
+    assert results["sizes"]["clip"] == [8, 32, 32]
+    assert decode["clips_per_s_one_process"] > 0 and decode["loader_clips_per_s_2_workers"] > 0
+    assert len(memory["worker_growth_mb"]) == 2 and len(memory["rss_samples"]) == 10
+    assert resume["manifest_size"] == 1000 and resume["ratio"] > 0
+    assert "loader, 2 worker(s):" in out and "of (3, 8, 32, 32) uint8" in out
+
+
+@pytest.mark.slow
+def test_make_demo_data_writes_clips_and_a_manifest(tmp_path):
+    out = run("make_demo_data.py", "--out", str(tmp_path), "--samples", "4", "--frames", "4", "--size", "16")
+    lines = [json.loads(line) for line in (tmp_path / "manifest.jsonl").read_text().splitlines()]
+    assert f"wrote {tmp_path / 'manifest.jsonl'}" in out and len(lines) == 4
+    assert all((tmp_path / e["path"]).stat().st_size > 0 and e["caption"].startswith("a ") for e in lines)
+
+
+def test_benchlib_tiny_defaults_give_way_to_given_options(monkeypatch):
+    p = benchlib.parser("doc")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--size", default="big")
+    tiny = dict(steps=2, size="small")
+    assert vars(benchlib.parse_args(p, [], tiny)) == dict(tiny=False, json=None, steps=10, size="big")
+    assert vars(benchlib.parse_args(p, ["--tiny", "--steps", "5"], tiny)) == dict(
+        tiny=True, json=None, steps=5, size="small"
+    )
+    monkeypatch.setenv(benchlib.TINY_ENV, "1")  # the environment's switch, read when the parser is made
+    p = benchlib.parser("doc", json_output=False)
+    p.add_argument("--steps", type=int, default=10)
+    assert vars(benchlib.parse_args(p, [], dict(steps=2))) == dict(tiny=True, steps=2)
+
+
+def test_benchlib_measure_table_and_json(tmp_path):
+    calls, order = [], []
+    timing = benchlib.measure(
+        lambda: calls.append(1),
+        repeats=3,
+        warmup=2,
+        before=lambda: order.append("b"),
+        after=lambda: order.append("a"),
+    )
+    assert len(calls) == 5 and len(timing.wall) == len(timing.cpu) == 3
+    assert order == ["a", "a"] + ["b", "a"] * 3  # `after` follows every call, `before` only the timed ones
+    assert 0 <= timing.min <= timing.median and timing.cpu_median >= 0
+    assert (
+        benchlib.table(["a", "b"], [[1, "x"], [2.5, ""]]) == "| a | b |\n| --- | --- |\n| 1 | x |\n| 2.5 |  |"
+    )
+    benchlib.write_json(tmp_path / "sub" / "r.json", {"timing": timing, "n": 1})
+    written = json.loads((tmp_path / "sub" / "r.json").read_text())
+    assert written["n"] == 1 and written["timing"]["wall"] == timing.wall and written["machine"]["device"]
