@@ -401,7 +401,8 @@ def latest_state(run_dir: Path) -> dict:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from parallel.checkpoint import CheckpointError, find_latest, local_tensors, verify_checkpoint
+    from parallel.checkpoint_files import CheckpointError, find_latest, verify_checkpoint
+    from parallel.storage import local_tensors
 
     try:
         latest = find_latest(run_dir)
@@ -508,7 +509,7 @@ def guard_cost(out: Path, steps: int = 40) -> dict:
     from configs import load_config
     from configs.rundir import read_metrics
     from parallel.divergence import NonFiniteGuard
-    from parallel.runtime import run_entrypoint
+    from parallel.entrypoint import run_entrypoint
 
     guard = NonFiniteGuard(load_config(None).train, torch.device("cpu"), out, False, False)
     norm = torch.tensor(1.5)

@@ -272,7 +272,7 @@ def bench_sp(runtime, shape, args):
 
 
 def bench_lse(runtime, shape, args):
-    from parallel.sequence import MathKernel, _kernel_agrees, kernel_candidates
+    from parallel.ring import MathKernel, _kernel_agrees, kernel_candidates
 
     device, dtype = runtime.device, runtime_dtype(runtime)
     checks = {
@@ -503,6 +503,7 @@ def main(argv=None):
     print(markdown(results))
     import torch.distributed as dist
 
+    runtime.watchdog.finish()  # this rank leaves on purpose
     dist.destroy_process_group()
     return results
 

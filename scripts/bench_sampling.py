@@ -80,6 +80,7 @@ def _runtime(layout):
     import torch
     import torch.distributed as dist
 
+    from parallel.faults import Faults
     from parallel.runtime import sampling_groups, sequence_groups
 
     rank, timeout = dist.get_rank(), dt.timedelta(seconds=120)
@@ -89,6 +90,7 @@ def _runtime(layout):
         sequence=sequence,
         device=torch.device("cpu"),
         sampling=sampling_groups(layout, rank, timeout, sequence),
+        faults=Faults(rank),
     )
 
 
@@ -202,7 +204,7 @@ def theory_sent(
     degrees, patches, stage, sp_rank, steps, warmup, tokens, grid, hidden, depth, cp, guided=True, element=4
 ):
     """Bytes one rank sends in a sampling run, per the formulas in the module docstring."""
-    from parallel.pipefusion import local_share, patch_ranges, schedule, stage_blocks
+    from parallel.pipefusion_plan import local_share, patch_ranges, schedule, stage_blocks
 
     cfg, pf = degrees.get("cfg", 1), degrees.get("pipefusion", 1)
     u, r = degrees.get("ulysses", 1), degrees.get("ring", 1)
@@ -498,7 +500,7 @@ def weights_table(sizes=("Wan2.1-1.3B", "Wan2.1-14B"), stages=(2, 4, 8)):
     from omegaconf import OmegaConf
 
     from models.dit import build_dit
-    from parallel.pipefusion import keep_stage
+    from parallel.pipefusion_plan import keep_stage
 
     rows = []
     for size in sizes:

@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 from omegaconf import OmegaConf  # noqa: E402
 
 from configs.schema import VAEConfig  # noqa: E402
+from models import tiling  # noqa: E402
 from models.vae import build_vae  # noqa: E402
 from parallel import comm  # noqa: E402
 from parallel import vae as parallel_vae  # noqa: E402
@@ -52,7 +53,7 @@ def measure(kind, args, device, size) -> dict:
     z = torch.randn(1, vae.latent_channels, *args.latent, generator=torch.Generator().manual_seed(0)).to(
         device
     )
-    tiles = parallel_vae.plan_tiles(vae, z.shape[2:], args.tile, args.overlap)
+    tiles = tiling.plan_tiles(vae, z.shape[2:], args.tile, args.overlap)
     owned = parallel_vae.deal([math.prod(end - start for start, end in t.pixel) for t in tiles], size)
     figures = {}
     if size == 1:

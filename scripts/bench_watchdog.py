@@ -31,6 +31,8 @@ def worker(rank, world, port, calls, out):
         "127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=30)
     )
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    from parallel.faults import Faults
+    from parallel.preemption import StopRequest
     from parallel.runtime import Runtime, _connect_store
     from parallel.watchdog import Deadlines, Watchdog
 
@@ -39,7 +41,10 @@ def worker(rank, world, port, calls, out):
     dog = Watchdog(
         rank, world, client, Path(out).parent, Deadlines(600, 300, 10), interval_s=3600
     )  # ticks by hand
-    runtime = Runtime(rank, world, 0, torch.device("cpu"), "gloo", None, None, control, None, dog)
+    cpu, stop = torch.device("cpu"), StopRequest()
+    runtime = Runtime(
+        rank, world, 0, cpu, "gloo", None, None, control, None, dog, stop, dog.comm, Faults(rank)
+    )
 
     flag = benchlib.measure(runtime.agreed_stop_signal, calls, warmup=0, before=lambda: dist.barrier(control))
     dog.start()

@@ -35,8 +35,9 @@ from configs import DEFAULT_RECIPE, load_config, split_overrides  # noqa: E402
 from data.synthetic import DIRECTIONS, SHAPES, held_out_prompts, prompt_color, read_clip  # noqa: E402
 from models.dit import DiT_models  # noqa: E402
 from models.flow import RectifiedFlow  # noqa: E402
+from parallel.entrypoint import run_as_process  # noqa: E402
 from parallel.layout import ParallelLayout  # noqa: E402
-from parallel.runtime import init_runtime, run_as_process  # noqa: E402
+from parallel.runtime import init_runtime  # noqa: E402
 
 CHECKS = ("color", "coherent", "direction", "shape")
 
@@ -94,7 +95,7 @@ def contact_sheet(
     sheet.save(path, optimize=True)
 
 
-def main(argv=None):
+def main(argv=None, session=None):
     args, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(DEFAULT_RECIPE))
@@ -110,7 +111,7 @@ def main(argv=None):
 
     checkpoint = find_checkpoint(cfg, args.checkpoint, random_weights=False)
     layout = ParallelLayout.from_config(cfg.parallel, 1, DiT_models[cfg.model.size]["num_heads"], "sample")
-    runtime = init_runtime(cfg.parallel, layout, task="sample")
+    runtime = init_runtime(cfg.parallel, layout, task="sample", session=session)
     model, vae, text_encoder, sampler = load_sampler(cfg, runtime, checkpoint, use_ema=cfg.sample.use_ema)
     prompts = [prompt for prompt in held_out_prompts() for _ in range(args.seeds)]
     videos = generate(

@@ -28,7 +28,8 @@ import torch  # noqa: E402
 from configs import load_config  # noqa: E402
 from models.dit import build_dit  # noqa: E402
 from models.wan import diffusers_config_from_dit, diffusers_state_dict_from_tessera  # noqa: E402
-from parallel.checkpoint import CheckpointError, check_architecture, load_weights, resolve_checkpoint  # noqa: E402
+from parallel.checkpoint import check_architecture, load_weights  # noqa: E402
+from parallel.checkpoint_files import CheckpointError, resolve_checkpoint  # noqa: E402
 
 
 def checkpoint_dims(path: Path, prefix: str) -> tuple[int, int]:

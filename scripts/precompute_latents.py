@@ -33,10 +33,11 @@ from configs import load_config, split_overrides  # noqa: E402
 from data.latents import latent_meta  # noqa: E402
 from data.loader import build_buckets, build_dataset, build_sampler, check_same_plan  # noqa: E402
 from data.media import to_model_range  # noqa: E402
-from models.pipeline import build_frozen  # noqa: E402
 from parallel import vae as parallel_vae  # noqa: E402
+from parallel.components import build_frozen  # noqa: E402
+from parallel.entrypoint import run_as_process  # noqa: E402
 from parallel.layout import ParallelLayout  # noqa: E402
-from parallel.runtime import init_runtime, run_as_process, world_from_env  # noqa: E402
+from parallel.runtime import init_runtime, world_from_env  # noqa: E402
 
 
 class _Shard:
@@ -71,7 +72,7 @@ def content_key(entry: dict, bucket: str, seed: int) -> str:
     ).hexdigest()[:20]
 
 
-def main(argv=None):
+def main(argv=None, session=None):
     args, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -92,7 +93,7 @@ def main(argv=None):
     dataset = build_dataset(cfg, table)
     if rank == 0:
         print(f"[precompute] {dataset.summary()}", flush=True)
-    runtime = init_runtime(cfg.parallel, ParallelLayout(dp=world_size), task="encode")
+    runtime = init_runtime(cfg.parallel, ParallelLayout(dp=world_size), task="encode", session=session)
     # every rank must have indexed the same samples, or the shards would overlap or miss some
     check_same_plan(
         build_sampler(cfg, dataset, table, rank, world_size), dataset, None, runtime.control_group
