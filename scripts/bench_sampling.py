@@ -499,6 +499,7 @@ def weights_table(sizes=("Wan2.1-1.3B", "Wan2.1-14B"), stages=(2, 4, 8)):
     import torch
     from omegaconf import OmegaConf
 
+    from configs.schema import ModelConfig
     from models.dit import build_dit
     from parallel.pipefusion_plan import keep_stage
 
@@ -506,7 +507,8 @@ def weights_table(sizes=("Wan2.1-1.3B", "Wan2.1-14B"), stages=(2, 4, 8)):
     for size in sizes:
         with torch.device("meta"):
             model = build_dit(
-                OmegaConf.create(
+                OmegaConf.merge(
+                    OmegaConf.structured(ModelConfig),
                     dict(
                         size=size,
                         patch_size=[1, 2, 2],
@@ -514,7 +516,7 @@ def weights_table(sizes=("Wan2.1-1.3B", "Wan2.1-14B"), stages=(2, 4, 8)):
                         qk_norm=True,
                         attention_backend="sdpa",
                         rope_theta=10000.0,
-                    )
+                    ),
                 ),
                 in_channels=16,
                 text_dim=4096,
