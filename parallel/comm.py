@@ -166,17 +166,13 @@ def _default_group():
 
 def log_of(group=None) -> CommLog:
     """The log `group`'s ops record into: the one that adopted it, else the default group's (a group
-    made outside a runtime, in a test or a benchmark), created on first use."""
-    log = _LOGS.get(group) if group is not None else None
-    if log is None:
-        default = _default_group()
-        log = _LOGS.get(default) if default is not None else None
-        if log is None:
-            log = _LOGS.setdefault(default, CommLog()) if default is not None else _DETACHED
-    return log
-
-
-_DETACHED = CommLog()  # ops before any process group exists (none can run; the records stay empty)
+    made outside a runtime, in a test or a benchmark), created on first use; before any process group
+    exists, a new one that nothing keeps."""
+    default = _default_group()
+    for key in (group, default):
+        if key is not None and key in _LOGS:
+            return _LOGS[key]
+    return CommLog() if default is None else _LOGS.setdefault(default, CommLog())
 
 
 def configure(max_message_mb: float, group=None) -> None:
