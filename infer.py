@@ -14,6 +14,7 @@ import parallel.startup  # noqa: F401  (first: before torch loads)
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -139,9 +140,24 @@ def load_sampler(
     return model, vae, text_encoder, sampler
 
 
-def main(argv=None, session=None):
-    args = parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
+@dataclass
+class Request:
+    """What to sample, from the command line over the recipe (sample.*, then data.*)."""
+
+    prompts: list
+    outputs: list  # one path per prompt
+    frames: int
+    height: int
+    width: int
+    steps: int
+    guidance: float
+    negative_prompt: str
+    grid: list  # tokens along (t, h, w)
+    latent: tuple  # (C, t, h, w)
+
+
+def read_request(cfg, args) -> Request:
+    """The request, with every size checked (a ValueError naming the flag) before anything starts."""
     sc = cfg.sample
     prompts = args.prompt or list(sc.prompts)
     first = lambda *values: next(v for v in values if v is not None)  # noqa: E731  (0 is a value, not a default)
@@ -160,12 +176,17 @@ def main(argv=None, session=None):
     ):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
-    # Every refusal comes before any model is built or any collective is issued.
     outputs = output_paths(args.output, len(prompts))
-    _, world_size, _ = world_from_env()
-    size = DiT_models[cfg.model.size]
     latent = vae_latent_space(cfg.vae).latent_shape(frames, height, width, cfg.model.patch_size)
     grid = [s // p for s, p in zip(latent[1:], cfg.model.patch_size)]
+    negative = sc.negative_prompt if args.negative_prompt is None else args.negative_prompt
+    return Request(prompts, outputs, frames, height, width, steps, guidance, negative, grid, latent)
+
+
+def plan_layout(cfg, request: Request) -> tuple[ParallelLayout, int, str]:
+    """(the layout, PipeFusion's patch count, the links parallel.auto saw), refused by name if invalid."""
+    _, world_size, _ = world_from_env()
+    size, grid = DiT_models[cfg.model.size], request.grid
     slow_links, links = links_are_slow() if cfg.parallel.auto else (False, "")
     layout = ParallelLayout.from_config(
         cfg.parallel,
@@ -174,11 +195,19 @@ def main(argv=None, session=None):
         "sample",
         local_world_size(),
         depth=size["depth"],
-        guided=guidance != 1.0,
+        guided=request.guidance != 1.0,
         slow_links=slow_links,
         tokens=grid[0] * grid[1] * grid[2],
     )
-    patches = layout.check_patches(cfg.parallel, grid)
+    return layout, layout.check_patches(cfg.parallel, grid), links
+
+
+def main(argv=None, session=None):
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    # Every refusal comes before any model is built or any collective is issued.
+    request = read_request(cfg, args)
+    layout, patches, links = plan_layout(cfg, request)
     checkpoint = find_checkpoint(cfg, args.checkpoint, args.random_weights)
     if checkpoint is not None:
         check_checkpoint_files(checkpoint)
@@ -187,73 +216,73 @@ def main(argv=None, session=None):
 
     runtime = init_runtime(cfg.parallel, layout, cfg.run.output_dir, task="sample", session=session)
     if runtime.is_main:
-        chosen = f" (parallel.auto: {links})" if cfg.parallel.auto else ""
-        pipeline = (
-            f"; PipeFusion: {patches} patches, {cfg.parallel.pipefusion_warmup} warm-up step(s)"
-            if layout.pipefusion > 1
-            else ""
-        )
-        tiles = len(
-            plan_tiles(vae_latent_space(cfg.vae), latent[1:], cfg.vae.tile_latent, cfg.vae.tile_overlap)
-        )
-        print(
-            f"[tessera] layout {layout.describe()}{chosen}{pipeline}; VAE decode: {tiles} tile(s) over "
-            f"{runtime.sampling.replica_size} rank(s)",
-            flush=True,
-        )
-    model, vae, text_encoder, sampler = load_sampler(
-        cfg,
-        runtime,
-        checkpoint,
-        use_ema=sc.use_ema and not args.no_ema,
-        random_weights=args.random_weights,
-        patches=patches,
-    )
-    mine = list(range(layout.dp_rank(runtime.rank), len(prompts), layout.dp))  # prompts split over dp ranks
+        print(_layout_line(cfg, runtime, request, patches, links), flush=True)
+    use_ema = cfg.sample.use_ema and not args.no_ema
+    components = load_sampler(cfg, runtime, checkpoint, use_ema, args.random_weights, patches)
+    mine = list(range(layout.dp_rank(runtime.rank), len(request.prompts), layout.dp))  # split over dp
     if mine:
-        runtime.watchdog.sampling_progress(0, steps)  # each denoising step has a deadline from here on
-        bar = tqdm(total=steps, desc="sample", disable=not runtime.is_main, dynamic_ncols=True)
-        replica = runtime.sampling
-        videos = generate(
-            model,
-            vae,
-            text_encoder,
-            RectifiedFlow(cfg.flow, cfg.model.patch_size),
-            [prompts[i] for i in mine],
-            frames,
-            height,
-            width,
-            steps,
-            guidance,
-            sc.negative_prompt if args.negative_prompt is None else args.negative_prompt,
-            seeds=[args.seed + i for i in mine],
-            autocast_dtype=torch.bfloat16 if runtime.bf16(cfg.train.precision) else None,
-            progress=lambda done, total: (
-                bar.update(1),
-                runtime.watchdog.sampling_progress(done, total),
-                runtime.faults.at_sampling_step(done + 1, total),
-            ),
-            sampler=sampler,
-            decode=parallel_vae.shared_decoder(
-                vae, replica.replica_group, replica.replica_control, vae.tile_latent, vae.tile_overlap
-            ),
-        )
-        bar.close()
-        if runtime.rank == layout.replica_leader(runtime.rank):  # one writer per data-parallel replica
-            runtime.watchdog.mark("writing")
-            for i, video in zip(mine, videos):
-                for path in write_video(outputs[i], video, fps=sc.fps, scale=args.upscale):
-                    print(f"[tessera] wrote {path}", flush=True)
-        # The replica's other ranks wait for its writer on gloo with the control timeout, so none of them
-        # leaves (or sits in a short-deadline collective) while a long video is encoded. Replicas are not
-        # fenced against each other: one with no prompts must not wait out another's sampling.
-        if runtime.sampling.replica_control is not None:
-            comm.barrier(runtime.sampling.replica_control)
+        sample_and_write(cfg, args, runtime, request, mine, *components)
     # Every rank waits for every other before leaving (gloo, the control timeout): a rank that died or
     # failed meanwhile is then named by the survivors, not only by torchrun's summary of exit codes.
     if runtime.world_size > 1:
         runtime.watchdog.mark("finishing")
         runtime.fence()
+
+
+def sample_and_write(cfg, args, runtime, request: Request, mine: list, model, vae, text_encoder, sampler):
+    """Sample this replica's prompts `mine` on every rank of the replica; its leader writes them."""
+    runtime.watchdog.sampling_progress(0, request.steps)  # each denoising step has a deadline from here on
+    bar = tqdm(total=request.steps, desc="sample", disable=not runtime.is_main, dynamic_ncols=True)
+    replica = runtime.sampling
+    videos = generate(
+        model,
+        vae,
+        text_encoder,
+        RectifiedFlow(cfg.flow, cfg.model.patch_size),
+        [request.prompts[i] for i in mine],
+        request.frames,
+        request.height,
+        request.width,
+        request.steps,
+        request.guidance,
+        request.negative_prompt,
+        seeds=[args.seed + i for i in mine],
+        autocast_dtype=torch.bfloat16 if runtime.bf16(cfg.train.precision) else None,
+        progress=lambda done, total: (
+            bar.update(1),
+            runtime.watchdog.sampling_progress(done, total),
+            runtime.faults.at_sampling_step(done + 1, total),
+        ),
+        sampler=sampler,
+        decode=parallel_vae.shared_decoder(
+            vae, replica.replica_group, replica.replica_control, vae.tile_latent, vae.tile_overlap
+        ),
+    )
+    bar.close()
+    if runtime.rank == runtime.layout.replica_leader(runtime.rank):  # one writer per data-parallel replica
+        runtime.watchdog.mark("writing")
+        for i, video in zip(mine, videos):
+            for path in write_video(request.outputs[i], video, fps=cfg.sample.fps, scale=args.upscale):
+                print(f"[tessera] wrote {path}", flush=True)
+    # The replica's other ranks wait for its writer on gloo with the control timeout, so none of them
+    # leaves (or sits in a short-deadline collective) while a long video is encoded. Replicas are not
+    # fenced against each other: one with no prompts must not wait out another's sampling.
+    if replica.replica_control is not None:
+        comm.barrier(replica.replica_control)
+
+
+def _layout_line(cfg, runtime, request: Request, patches: int, links: str) -> str:
+    layout = runtime.layout
+    chosen = f" (parallel.auto: {links})" if cfg.parallel.auto else ""
+    pipeline = ""
+    if layout.pipefusion > 1:
+        pipeline = f"; PipeFusion: {patches} patches, {cfg.parallel.pipefusion_warmup} warm-up step(s)"
+    vae = vae_latent_space(cfg.vae)
+    tiles = len(plan_tiles(vae, request.latent[1:], cfg.vae.tile_latent, cfg.vae.tile_overlap))
+    return (
+        f"[tessera] layout {layout.describe()}{chosen}{pipeline}; VAE decode: {tiles} tile(s) over "
+        f"{runtime.sampling.replica_size} rank(s)"
+    )
 
 
 if __name__ == "__main__":
