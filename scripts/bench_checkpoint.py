@@ -1,13 +1,10 @@
-"""Does a distributed checkpoint slow the training steps after it? (issue 12, BENCHMARKS.md)
+"""Does a distributed checkpoint slow the training steps after it? (BENCHMARKS.md, "Checkpoints")
 
 Times forward+backward and the optimizer step of the demo-sized DiT under FSDP2 (one process, gloo)
 before a checkpoint, after tessera's save (`parallel.checkpoint._on_io_group`: DCP on a gloo group
-destroyed after the save), and after a plain `dcp.save` on a group that stays alive (what tessera did
-before issue 12). Besides wall time it counts the voluntary context switches of every thread but the
-main one per step: an OpenMP worker that spins between parallel regions rarely sleeps, one whose
-spin-wait libgomp has throttled sleeps on a futex after nearly every region. That count is a
-property of the process, not of how busy the machine is, so it shows the cause on a shared machine
-where wall times swing.
+destroyed after the save) and after a plain `dcp.save` on a group that stays alive, for comparison.
+Besides wall time it counts each step's voluntary context switches of every thread but the main one
+(OpenMP workers put to sleep), which shows the cause even where a shared machine makes wall times swing.
 
     python scripts/bench_checkpoint.py [--steps 15] [--json out.json]
     python scripts/bench_checkpoint.py --tiny      # a 2-block, 32-wide DiT, 2 steps each: seconds

@@ -4,14 +4,11 @@
     python scripts/bench_data.py --only resume --manifest-size 1000000
     python scripts/bench_data.py --tiny             # 8 x 32 x 32 clips from small sources, short runs
 
-1. decode: 24-frame 256x256 clips from H.264 mp4 (16:9 sources at 24 fps, 456x256 and 1280x720, random
-   start, fps resampling off), clips per second in one process (= one loader worker), then the
-   DataLoader with 1 and 2 workers in batches, compared with what a training step consumes
-   (--step-time, --batch).
-2. memory: resident memory (RSS) of each loader worker and of the main process over --batches
-   batches of 2 clips from a --memory-manifest-size line manifest; the target is flat.
-3. resume: time from nothing to the first batch (read a --manifest-size line manifest, assign buckets,
-   plan, load the first batch) when resuming at step 0 and at step 1,000,000: the target ratio is <= 1.1.
+- decode: 24-frame 256 x 256 clips per second from H.264 sources, in one process and through the
+  DataLoader with 1 and 2 workers, against what a training step consumes (--step-time, --batch);
+- memory: resident memory of each loader worker and of the main process over --batches batches;
+- resume: time to the first batch when resuming at step 0 and at step 1,000,000 (target ratio <= 1.1).
+How each is measured: BENCHMARKS.md, "Data pipeline".
 """
 
 import os

@@ -1,20 +1,14 @@
 """The failures users meet every week, injected into tiny runs on this machine, and how each run ends.
 
     python scripts/bench_failures.py [--only NAME,NAME] [--out runs/bench_failures] [--list]
+    python scripts/bench_failures.py --guard-cost [--guard-steps 40]   # the per-step finiteness check
     python scripts/bench_failures.py --tiny [--guard-cost]   # one quick scenario; a 12-step guard cost
 
-Each scenario starts train.py or infer.py (plain python, torchrun, or two torchrun agents that
-rendezvous on 127.0.0.1), injects one fault with TESSERA_FAULT (parallel/faults.py) and records:
-
-- the first line that contains `error:`, and the seconds from the fault (the `[fault]` line the
-  injecting rank prints) to it; whether a traceback came before it;
-- the seconds from the fault until every process was gone (torchrun, every rank, every DataLoader
-  worker: each launch tags its processes' environment, and /proc is searched for the tag), and each
-  launcher's exit code;
-- whether `latest` names a complete checkpoint whose weights, EMA and optimizer state are all finite.
-
-results.json and results.md (the table BENCHMARKS.md quotes, section "Failures") go to --out.
-tests/test_failures.py runs the same scenarios (SCENARIOS) and asserts on what they record.
+Each scenario starts train.py or infer.py (python, torchrun, or two torchrun agents), injects one fault
+with TESSERA_FAULT (parallel/faults.py) and records the first `error:` line and the seconds from the
+fault to it and until every process was gone, each exit code, and whether `latest` is intact and
+finite. results.json and results.md (the table in BENCHMARKS.md, "Failures", which says how each is
+measured) go to --out; tests/test_failures.py runs the same scenarios (SCENARIOS) and asserts on them.
 """
 
 import json

@@ -1,31 +1,14 @@
-"""Everything GPU-specific, measured on one device in one command (issue 12).
+"""Everything GPU-specific, measured on one device in one command (BENCHMARKS.md, "Speed on one GPU").
 
     python scripts/bench_gpu.py [--out runs/bench_gpu] [--tiny] [--variants eager,ac,compile,compile+ac]
 
-On a CUDA device it runs the real sizes in bf16 (FSDP2 mixed precision on a one-device mesh, as
-train.py does); with no CUDA device, or with --tiny, the same code runs tiny sizes in float32 on CPU
-(what the test does), so the script is known to work before a GPU is lent. It writes results.json
-and results.md (a table to paste into BENCHMARKS.md) under --out, with the device, torch/CUDA
-versions and the date.
-
-Parts:
-- train: time per training step (forward, backward, AdamW), tokens/s, MFU and peak memory for
-  DiT-XL at 256 px (32 x 32 latent, 256 tokens, batch 32) and a DiT with Wan2.1-1.3B's dims (1536 wide,
-  30 layers, 12 heads, FFN 8960) at 33 x 480 x 832 (9 x 60 x 104 latent -> 14,040 tokens), each with
-  and without torch.compile and activation checkpointing;
-- wan: the same step for tessera's DiT with Wan's options (adaLN-single, ...) and for diffusers'
-  WanTransformer3DModel at the Wan dims, and tessera / diffusers;
-- sp: parallel.sequence.SequenceParallelAttention at degree 1 against plain SDPA, forward + backward;
-- lse: the log-sum-exp kernels ring attention can use (CUDA: cuDNN, flash, memory-efficient op; CPU:
-  flash op): each one's self-check against the float32 reference, and the chosen one's forward +
-  backward time against SDPA;
-- nccl: init_runtime at world size 1 (process group + preflight all-reduce; gloo on CPU);
-- sampler: RectifiedFlow.sample time per Euler step (guidance 5: batch of 2).
-
-FLOPs are counted by `dit_flops` below, matmuls only (2 per multiply-add), forward x 3 for a training
-step; activation checkpointing's recomputation is not counted (model FLOPs, as MFU is usually
-reported). The peak is the device's dense bf16 figure from PEAK_TFLOPS; on CPU an estimate from the
-clock (flagged), so CPU MFU is only a sanity check of the arithmetic.
+Parts (--parts): train (step time, tokens/s, MFU and peak memory of DiT-XL at 256 px and of a DiT at
+Wan2.1-1.3B's dims, each with and without torch.compile and activation checkpointing); wan (the same
+step for tessera's DiT with Wan's options and for diffusers' WanTransformer3DModel); sp (the
+sequence-parallel operator at degree 1 against SDPA); lse (ring attention's log-sum-exp kernels:
+self-check and time); sampler (time per Euler step). init_runtime at world size 1 is always timed.
+On CUDA: the real sizes in bf16; with no CUDA device, or --tiny, tiny sizes in float32 on CPU (what the
+test runs). results.json and results.md (a table for BENCHMARKS.md) go to --out.
 """
 
 import datetime

@@ -1,36 +1,15 @@
-"""Sampling across processes: bytes per rank, weights per rank, PipeFusion's quality, and a latency model.
+"""Sampling across processes: bytes and weights per rank, PipeFusion's quality, and a latency model.
 
     python scripts/bench_sampling.py [--checkpoint RUN_DIR] [--parts bytes quality model] [--json out.json]
     python scripts/bench_sampling.py --tiny     # bytes on 2 processes (the layouts that fit), the model
 
-Parts (bytes and quality start one torchrun group of --processes, 4, themselves: gloo, CPU):
-- bytes: every sampling layout on 4 processes (pipefusion 2 and 4, M = N and 2N, with ulysses / ring /
-  cfg inside; cfg alone; ulysses, ring, usp for comparison), the demo DiT with random weights, 8 x 32 x
-  32 (256 tokens), guidance 7: bytes each rank sends per denoising step, measured by parallel/comm.py
-  (`comm.stats()["sent"]`), against the theory below; and the weights each rank holds.
-- quality: PipeFusion against the serial sampler on a trained demo checkpoint (--checkpoint, a run
-  directory of configs/demo.yaml; its config.yaml is the recipe), the recipe's prompts, sampling steps
-  and preview size: PSNR and relative error of the videos for warm-up 0-4 and M = 2, 4, 8 (the result
-  depends on M and the warm-up only, not on N: tests/test_pipefusion.py checks that, so M = 2 runs on 2
-  stages and M = 4, 8 on 4).
-- model: time per denoising step on 8 GPUs for a 1024 x 1024 image and a 720p x 81-frame video with
-  Wan2.1-14B's dims, on PCIe (L40-class, 25 GB/s per GPU) and NVLink (H100-class, 450 GB/s), from the
-  measured H100 forward throughput (BENCHMARKS.md: 443 ms per guided Euler step at Wan2.1-1.3B dims,
-  14,040 tokens) and the byte formulas the bytes part checks. It ranks every valid layout, and prints
-  what parallel.auto picks for each case next to the model's best.
-
-Theory, bytes one rank sends per sampling run (elements x element size; b = samples per forward: 2 with
-guidance and cfg=1, else 1; D hidden; n = a rank's share of an item's tokens, the item padded to a
-multiple of the sequence-parallel degree sp = u*r; Cp = latent channels x patch volume):
-- ulysses, every layer: 4*b*n*D*(u-1)/u (q, k, v in one all-to-all, the output in another);
-- ring without pipefusion, every layer: 2*b*n*D*(r-1) (K and V, r-1 hops); with pipefusion the patch's
-  K/V are all-gathered over the ring: the same 2*b*n*D*(r-1);
-- sequence gather before the final layer (no pipefusion): (sp-1)*b*n*D;
-- pipefusion, every item (the whole sequence in a warm-up step, else each of the M patches): b*n*D
-  to the next stage (every stage but the last); the last stage gathers the guided velocity over the
-  sequence group, (sp-1)*n*Cp, and returns the patch's latent to stage 0, n_item*Cp float32 (not in
-  the final step); two plan/count all-gathers of 64 and 32 bytes per peer and a 4-byte all-reduce;
-- cfg=2: one all-gather of the velocity per step (per patch under pipefusion), the latent's size.
+- bytes: every sampling layout on the demo DiT pinned at 2 x 4 x 4 patches (256 tokens, random
+  weights): bytes each rank sends per step (parallel/comm.py) against theory; weights each rank holds;
+- quality: PipeFusion against the serial sampler on a trained demo run (--checkpoint; the run's own
+  config.yaml is the recipe): PSNR and relative error for warm-up 0-4 and M = 2, 4, 8;
+- model: time per denoising step of every layout on 8 GPUs (PCIe, NVLink; Wan2.1-14B's dims) and
+  what parallel.auto picks. Bytes and quality run in one torchrun group of --processes (4), gloo.
+Theory, inputs and method: BENCHMARKS.md, "Sampling across GPUs".
 """
 
 import argparse
@@ -203,7 +182,7 @@ def worker(args):
 def theory_sent(
     degrees, patches, stage, sp_rank, steps, warmup, tokens, grid, hidden, depth, cp, guided=True, element=4
 ):
-    """Bytes one rank sends in a sampling run, per the formulas in the module docstring."""
+    """Bytes one rank sends in a sampling run, per the formulas in BENCHMARKS.md ("Sampling across GPUs")."""
     from parallel.pipefusion_plan import local_share, patch_ranges, schedule, stage_blocks
 
     cfg, pf = degrees.get("cfg", 1), degrees.get("pipefusion", 1)

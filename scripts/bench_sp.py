@@ -4,16 +4,9 @@
     python scripts/bench_sp.py --parts bytes chunking --tokens 4096
     python scripts/bench_sp.py --tiny                # 1 and 2 processes, 256 tokens, a 1 MB all-to-all
 
-Starts its own process groups (torch.multiprocessing, gloo on CPU / NCCL on GPU) and prints one table
-per part, in markdown, for BENCHMARKS.md.
-
-Theory (elements sent per rank per attention layer, batch 1, N tokens, hidden h, u = ulysses, r = ring,
-P = u*r, n = N/P local tokens):
-- forward: Ulysses 4*n*h*(u-1)/u (q, k, v in one all-to-all, the output in another; for u = P this is
-  4*N*h*(P-1)/P^2); Ring 2*n*h*(r-1) (K and V, r-1 hops; for r = P: 2*N*h*(P-1)/P).
-- backward: Ulysses the same all-to-alls in reverse, 4*n*h*(u-1)/u. Ring: K/V again for r-1 hops,
-  plus dK/dV (float32 accumulators) travelling with their block for r hops: 2*n*h*(r-1) elements of
-  the input dtype + 2*n*h*r float32 elements.
+One process runs in this one; more are spawned (torch.multiprocessing, gloo on CPU, NCCL on GPU).
+Prints one markdown table per part for BENCHMARKS.md, "Sequence parallelism", which also gives the
+theory the measured bytes are compared with (`theory_bytes` below).
 """
 
 import datetime

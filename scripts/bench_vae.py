@@ -5,13 +5,10 @@
     python scripts/bench_vae.py --kinds wan --processes 1 2 4 --latent 3 32 48 --tile 20 --overlap 4
     python scripts/bench_vae.py --tiny                   # 8-wide VAEs, a 1 x 8 x 12 latent in 6 tiles
 
-Decodes serially in this process, and launches itself under torchrun once per larger process count
-(gloo on CPU, NCCL on GPU); times each rank's `parallel.vae.decode` call (median of --repeats after one
-warm-up; every rank starts after a barrier) and prints one markdown table for BENCHMARKS.md: wall and
-CPU seconds per rank, each slowest rank's compared with the serial tiled decode. A P-process decode can
-approach 1/P of the serial wall time only when each process has cores of its own and the machine is
-otherwise idle (the table prints the load average); CPU seconds per rank show each rank's share of the
-work either way.
+P = 1 runs in this process with --threads threads; each larger P is a torchrun launch of this script
+(gloo on CPU, NCCL on GPU). Times each rank's `parallel.vae.decode` (median of --repeats after a
+warm-up) and prints a markdown table for BENCHMARKS.md: wall and CPU seconds per rank against the
+serial tiled decode. How to read it: BENCHMARKS.md, "Parallel VAE decode".
 """
 
 import argparse

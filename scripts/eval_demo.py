@@ -1,19 +1,11 @@
 """Does the demo model draw what the prompt asks for: one object, of the asked colour and shape, moving
 the asked way? Judged from the frames alone, on prompts it never saw.
 
-Samples every held-out prompt of the synthetic dataset (combinations of colour, shape and direction
-never seen in training) with several seeds and reads each clip back with data.synthetic.read_clip:
-
-- coherent: in every frame the largest 4-connected bright component (brightest channel > 0.5) holds
-  at least 80% of the bright pixels and at least 1% of the frame, and its area stays within a factor
-  2 of the clip's median: scattered fragments, several objects or a flickering one fail;
-- colour: the palette colour nearest to the mean colour of that component;
-- shape: square, circle or triangle: the template of the same area on its centroid that overlaps it best
-  (holes filled first; robust to a few stray or missing edge pixels, where a bounding box is not);
-- direction: the sign of the larger least-squares slope of its centroid over the frames.
-
-The report gives each rate and the joint rate (all four right at once), and a contact sheet (one row
-of frames per prompt, first seed, with the prompt and the verdict beside it) next to the videos.
+Samples every held-out prompt of the synthetic dataset (colour, shape and direction combinations never
+seen in training) with several seeds, reads each clip back with data.synthetic.read_clip (coherent:
+one steady object; colour; shape; direction; how each is judged: BENCHMARKS.md, "The demo") and
+reports each rate and the joint rate (all four right at once), with a contact sheet next to the
+videos (one row of frames per prompt, first seed, with the prompt and the verdict beside it).
 
     python scripts/eval_demo.py --config configs/demo.yaml [--seeds 4] [section.key=value ...]
 """

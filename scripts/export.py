@@ -1,20 +1,15 @@
-"""Export a tessera checkpoint's DiT to a diffusers WanTransformer3DModel folder (config.json and
-safetensors, sharded by size), which `WanTransformer3DModel.from_pretrained(folder)` loads and
-`model.pretrained=<folder>` trains from again.
+"""Export a tessera checkpoint's DiT to a diffusers WanTransformer3DModel folder (config.json and sharded
+safetensors) that `WanTransformer3DModel.from_pretrained(folder)` loads and `model.pretrained=<folder>`
+trains from again; with --pipeline, a whole WanPipeline folder that samples what `infer.py` samples.
 
     python scripts/export.py --checkpoint RUN_DIR|checkpoints/|latest|step_N --output FOLDER [--no-ema]
-        [--config RECIPE] [--max-shard-size 5GB]
+        [--config RECIPE] [--max-shard-size 5GB] [--pipeline]
 
-With --pipeline, a whole WanPipeline folder instead: the transformer, the recipe's VAE (vae.kind=wan)
-and text encoder (text_encoder.kind=umt5) with its tokenizer from their local folders, and a
-FlowMatchEulerDiscreteScheduler with the recipe's fixed shift (flow.shift_reference_tokens=0), so that
-`WanPipeline.from_pretrained(FOLDER)(..., max_sequence_length=<text_encoder.max_length>)` samples
-what `infer.py` samples.
-
-The EMA weights are exported unless --no-ema. The recipe is the run's config.yaml (or --config); the
-DiT must have Wan's architecture options (the Wan* sizes, or model.adaln=single,
-qk_norm_across_heads=true, pooled_text=false, text_mask=false, absolute_positions=false). One process;
-it holds the whole model.
+Exports the EMA weights unless --no-ema. The recipe is the run's config.yaml (or --config); its DiT must
+have Wan's options (the Wan* sizes; a differing option is refused by name). --pipeline adds the recipe's
+VAE (vae.kind=wan), UMT5 text encoder and tokenizer from their local folders and a
+FlowMatchEulerDiscreteScheduler with its fixed shift (flow.shift_reference_tokens=0); sample with
+max_sequence_length=<text_encoder.max_length>. One process; it holds the whole model.
 """
 
 import argparse

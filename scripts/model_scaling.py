@@ -3,32 +3,12 @@
     python scripts/model_scaling.py [--gpus 8 64 256 1024] [--block-efficiency 0.55] [--json out.json]
     python scripts/model_scaling.py --tiny     # the CPU probe on a 64-wide block, 8 and 64 GPUs: seconds
 
-What goes in:
-- compute: the model FLOPs of a block (scripts/bench_gpu.py's `dit_flops`) at the GPU's dense bf16
-  peak times a compute efficiency. With no GPU figure (none exists yet: --block-efficiency unset), the
-  efficiency is MEASURED ON THIS CPU: one DiT block of the recipe's width, forward + backward, timed
-  here, as a fraction of the CPU's estimated peak, i.e. the CPU time per block scaled by the peak
-  ratio GPU/CPU. Every such row is flagged "CPU-scaled". Activation checkpointing adds a forward (4/3).
-- bytes: per attention layer and per rank, the formulas that `scripts/bench_sp.py` checked against
-  `parallel.comm.stats()` (measured/theory = 1.00, BENCHMARKS.md): Ulysses sends 4 n D (u-1)/u
-  elements forward and again backward (q, k, v and the output; n = this rank's tokens); Ring sends
-  K and V on r-1 hops forward, again backward plus float32 dK/dV on r hops. FSDP2 (sharded over
-  every rank) all-gathers the bf16 parameters twice (forward, backward) and reduce-scatters float32
-  gradients, (P-1)/P of each per rank.
-- links (stated, not measured): NVLink 450 GB/s per direction inside a node of 8, InfiniBand 400 Gb/s
-  = 50 GB/s per GPU between nodes, PCIe 25 GB/s (--link pcie); a group that spans nodes runs at the
-  slower link. 20 us per collective inside a node, 50 us across.
-- sharding: FSDP2 over every rank (what tessera does), or HSDP* (shard inside a node, all-reduce
-  the gradient shards across nodes; not in tessera yet, marked with *) when that is faster.
-- overlap: FSDP's gathers are prefetched under compute (the step takes the longer of the two); the
-  ring's transfers hide behind its block attention (exposed only beyond it); Ulysses' all-to-alls
-  are exposed in full.
-- memory: 16 bytes per parameter (bf16 weights, float32 master, gradient, Adam's two moments; sharded
-  over all P) plus ~40 n D bytes of bf16 activations per block per sample (2 n D with checkpointing,
-  plus one block's), against 80 GB. Layouts that do not fit are skipped.
-
-It prints, per recipe and GPU count, the best layout (shortest time per sample) and the published
-anchors with their sources next to the model's own prediction for a comparable case.
+It models compute (a block's FLOPs at the GPU's bf16 peak times an efficiency: --block-efficiency, or,
+unset, one block timed on this CPU and scaled by the peak ratio, labelled [CPU-scaled]), the bytes of
+Ulysses, Ring and FSDP2 (the formulas bench_sp.py checked), stated link speeds, overlap and memory (80
+GB per GPU). It prints the best layout per recipe and GPU count (shortest time per sample) and published
+anchors beside its own prediction for a comparable case. Inputs and limits: BENCHMARKS.md, "Training
+across GPUs (a model)".
 """
 
 import itertools
