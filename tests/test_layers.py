@@ -103,3 +103,17 @@ def test_the_check_sees_an_upward_arrow():
     tree = ast.parse("import torch\nfrom parallel import comm\ndef f():\n    from data.media import x\n")
     found = dict(_imports(tree))
     assert found["parallel"] is False and found["parallel.comm"] is False and found["data.media"] is True
+
+
+def test_files_stay_small_and_say_what_they_are_for():
+    """House rules (issue 20): no file in parallel/ over 450 lines; every module's docstring says what
+    the file is for in at most 12 lines (the longer notes live in docs/internals.md)."""
+    problems = []
+    for relative, tree in _modules():
+        lines = len((ROOT / relative).read_text().splitlines())
+        if relative.parts[0] == "parallel" and lines > 450:
+            problems.append(f"{relative}: {lines} lines (at most 450)")
+        doc = ast.get_docstring(tree, clean=False)
+        if doc and len(doc.strip("\n").splitlines()) > 12:
+            problems.append(f"{relative}: a {len(doc.strip().splitlines())}-line docstring (at most 12)")
+    assert not problems, "\n".join(problems)
