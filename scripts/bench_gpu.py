@@ -13,6 +13,7 @@ test runs). results.json and results.md (a table for BENCHMARKS.md) go to --out.
 
 import datetime
 import json
+import math
 import os
 import platform
 import sys
@@ -64,28 +65,61 @@ TINY_CASES = {
 PATCH = (1, 2, 2)
 
 
-def dit_flops(depth, hidden, ffn, tokens, text_tokens, batch, in_channels, text_dim, patch=PATCH) -> float:
-    """Forward FLOPs of one batch, written out per layer (multiply-add = 2)."""
-    N, L, D, Fh = tokens, text_tokens, hidden, ffn
-    patch_volume = in_channels * patch[0] * patch[1] * patch[2]
-    per_block = (
-        2 * N * D * 3 * D  # self-attention q, k, v
-        + 2 * 2 * N * N * D  # q k^T and attention x v
-        + 2 * N * D * D  # self-attention output projection
-        + 2 * N * D * D  # cross-attention q
-        + 2 * L * D * 2 * D  # cross-attention k, v of the text
-        + 2 * 2 * N * L * D  # cross-attention scores and values
-        + 2 * N * D * D  # cross-attention output projection
-        + 2 * 2 * N * D * Fh  # MLP up and down
-        + 2 * D * 6 * D
-    )  # adaLN modulation (once per sample)
-    embed = (
-        2 * N * patch_volume * D * 2  # patch embedding in, final projection out
-        + 2 * L * text_dim * D
-        + 2 * L * D * D  # text projection (two layers)
-        + 2 * D * 2 * D
-    )  # final adaLN
-    return batch * (depth * per_block + embed)
+LINEAR_OPS = ("mm", "addmm", "convolution")  # the aten ops of nn.Linear and the patch convolutions
+
+
+def linear_forward_flops(make_model, case) -> float:
+    """Forward FLOPs of every linear layer (and patch convolution) of the model `make_model(case)`
+    builds, each over the rows it really processes: video tokens, text tokens (cross-attention's keys
+    and values), or once per sample (time embedding, modulation). Read from the model itself with
+    torch's FlopCounterMode on fake tensors: no memory is allocated and nothing is computed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    (C, T, H, W), (L, text_dim), B = case["latent"], case["text"], case["batch"]
+    with FakeTensorMode(), torch.device("cpu"):
+        model = make_model(case)
+        inputs = torch.randn(B, C, T, H, W), torch.rand(B), torch.randn(B, L, text_dim)
+        with FlopCounterMode(display=False) as counter:
+            model(*inputs, torch.ones(B, L, dtype=torch.bool))
+    counts = counter.get_flop_counts()["Global"]
+    return float(sum(n for op, n in counts.items() if str(op).split(".")[1] in LINEAR_OPS))
+
+
+def attention_forward_flops(case) -> float:
+    """4·S²·d per self-attention layer and 4·S·L·d per cross-attention layer, per sample (S video
+    tokens, L text tokens, d the hidden size: two matmuls of 2 FLOPs per multiply-add)."""
+    S = math.prod(case["latent"][1:]) // math.prod(PATCH)
+    L, d = case["text"][0], case["hidden"]
+    return case["batch"] * case["depth"] * (4 * S * S * d + 4 * S * L * d)
+
+
+def train_flops(make_model, case) -> float:
+    """The FLOPs of one training step, as every MFU in BENCHMARKS.md counts them (tessera's and
+    diffusers' alike): matmuls 6·N·tokens, i.e. 3 x the linear layers' forward; attention's forward,
+    plus its backward at 2.5 x the forward; recomputation and elementwise work excluded."""
+    return 3 * linear_forward_flops(make_model, case) + 3.5 * attention_forward_flops(case)
+
+
+def make_tessera(case, options=None):
+    from models.dit import DiT
+
+    return DiT(
+        case["latent"][0],
+        case["text"][1],
+        depth=case["depth"],
+        hidden_size=case["hidden"],
+        num_heads=case["heads"],
+        patch_size=PATCH,
+        ffn_dim=case["ffn"],
+        **(options or {}),
+    )
+
+
+def make_tessera_wan(case):
+    from models.dit import WAN_OPTIONS
+
+    return make_tessera(case, WAN_OPTIONS)
 
 
 def device_info(device):
@@ -135,32 +169,6 @@ def reset_memory(device):
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def build_tessera(case, runtime, param_dtype, ac, compile, options=None):
-    from models.dit import DiT
-    from parallel.fsdp import parallelize_dit
-
-    torch.manual_seed(0)
-    with torch.device(runtime.device):
-        model = DiT(
-            case["latent"][0],
-            case["text"][1],
-            depth=case["depth"],
-            hidden_size=case["hidden"],
-            num_heads=case["heads"],
-            patch_size=PATCH,
-            ffn_dim=case["ffn"],
-            **(options or {}),
-        )
-    return parallelize_dit(model, runtime.fsdp_mesh, param_dtype, ac, compile)
-
-
-def build_tessera_wan(case, runtime, param_dtype, ac, compile):
-    """tessera's DiT with Wan's options (adaLN-single, ...): the same parameters as diffusers' Wan."""
-    from models.dit import WAN_OPTIONS
-
-    return build_tessera(case, runtime, param_dtype, ac, compile, WAN_OPTIONS)
-
-
 class WanAdapter(torch.nn.Module):
     """diffusers' WanTransformer3DModel behind tessera's forward(x, t, y, y_mask)."""
 
@@ -185,20 +193,29 @@ class WanAdapter(torch.nn.Module):
         return self.inner(x.to(dtype), t * 1000, y.to(dtype), return_dict=False)[0]
 
 
-def build_wan(case, runtime, param_dtype, ac, compile):
+def make_wan(case):
+    return WanAdapter(case)
+
+
+def build(make_model, case, runtime, param_dtype, ac, compile):
+    """`make_model(case)` on the device, under FSDP2 (and activation checkpointing, compile) as train.py
+    runs it."""
     from parallel.fsdp import parallelize_dit
 
     torch.manual_seed(0)
     with torch.device(runtime.device):
-        model = WanAdapter(case)
+        model = make_model(case)
     return parallelize_dit(model, runtime.fsdp_mesh, param_dtype, ac, compile)
 
 
-def bench_train(name, case, build, runtime, param_dtype, variant, args, info):
+_FLOPS: dict = {}  # (model, case) -> train_flops: counted once per pair
+
+
+def bench_train(name, case, make_model, runtime, param_dtype, variant, args, info):
     device = runtime.device
     ac, compile = "ac" in variant.split("+"), "compile" in variant
     reset_memory(device)
-    model = build(case, runtime, param_dtype, ac, compile)
+    model = build(make_model, case, runtime, param_dtype, ac, compile)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     C, T, H, W = case["latent"]
     B, (L, text_dim) = case["batch"], case["text"]
@@ -218,7 +235,8 @@ def bench_train(name, case, build, runtime, param_dtype, variant, args, info):
 
     seconds = timed(step, device, args.steps, args.warmup + (2 if compile else 0))
     tokens = B * T * H * W // (PATCH[0] * PATCH[1] * PATCH[2])
-    flops = 3 * dit_flops(case["depth"], case["hidden"], case["ffn"], tokens // B, L, B, C, text_dim)
+    key = (make_model.__name__, case["name"])
+    flops = _FLOPS[key] = _FLOPS.get(key) or train_flops(make_model, case)
     row = dict(
         case=name,
         variant=variant,
@@ -295,7 +313,7 @@ def bench_sampler(case, runtime, param_dtype, args):
     from models.flow import RectifiedFlow
 
     device = runtime.device
-    model = build_tessera(case, runtime, param_dtype, False, False)
+    model = build(make_tessera, case, runtime, param_dtype, False, False)
     flow = RectifiedFlow(load_config().flow, PATCH)
     C, T, H, W = case["latent"]
     L, text_dim = case["text"]
@@ -426,15 +444,15 @@ def main(argv=None):
     print(f"{info['device']}: init_runtime {init_seconds:.2f} s", flush=True)
     for name, case in cases.items():
         case = {**case, "name": name}
-        models = [("tessera", build_tessera)]
+        models = [("tessera", make_tessera)]
         if "wan" in parts and case.get("wan"):
-            models += [("tessera, Wan options", build_tessera_wan), ("diffusers Wan", build_wan)]
+            models += [("tessera, Wan options", make_tessera_wan), ("diffusers Wan", make_wan)]
         for variant in variants if "train" in parts else []:
             by_model = {}
-            for label, build in models:
+            for label, make_model in models:
                 try:
                     row = bench_train(
-                        f"{name} ({label})", case, build, runtime, param_dtype, variant, args, info
+                        f"{name} ({label})", case, make_model, runtime, param_dtype, variant, args, info
                     )
                 except torch.OutOfMemoryError as e:
                     row = dict(
