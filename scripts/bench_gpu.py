@@ -101,6 +101,23 @@ def train_flops(make_model, case) -> float:
     return 3 * linear_forward_flops(make_model, case) + 3.5 * attention_forward_flops(case)
 
 
+def dit_flops(
+    depth, hidden, ffn, tokens, text_tokens, batch, in_channels, text_dim, patch=PATCH, train=False
+) -> float:
+    """The one formula in closed form, for a Wan-shaped DiT (what `train_flops` counts from the model
+    itself; tests/test_bench_gpu.py checks they agree): forward FLOPs of a batch, or with train=True
+    of a training step (3 x the linear layers, 3.5 x attention). For the models that scale from dims
+    (model_scaling.py, bench_sampling.py's latency model)."""
+    N, L, D, Fh = tokens, text_tokens, hidden, ffn
+    per_token = 2 * (6 * D * D + 2 * D * Fh)  # q, k, v, out; cross-attention q, out; the MLP
+    per_text_token = 2 * 2 * D * D  # cross-attention k, v
+    linear = depth * (N * per_token + L * per_text_token)
+    linear += 2 * N * 2 * in_channels * math.prod(patch) * D  # patch embedding in, projection out
+    linear += 2 * L * (text_dim * D + D * D) + 2 * (256 * D + D * D + 6 * D * D)  # text; time, modulation
+    attention = depth * (4 * N * N * D + 4 * N * L * D)
+    return batch * (3 * linear + 3.5 * attention if train else linear + attention)
+
+
 def make_tessera(case, options=None):
     from models.dit import DiT
 

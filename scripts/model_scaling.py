@@ -96,10 +96,13 @@ def attention_flops(r: Recipe, tokens: int) -> float:
 
 
 def model_flops(r: Recipe) -> float:
-    """Training FLOPs of one sample (forward x 3)."""
+    """Training FLOPs of one sample, by the one formula (bench_gpu.dit_flops: 3 x the linear layers,
+    3.5 x attention)."""
     from bench_gpu import dit_flops
 
-    return 3 * dit_flops(r.depth, r.hidden, r.ffn, r.tokens, r.text_tokens, 1, r.in_channels, r.text_dim)
+    return dit_flops(
+        r.depth, r.hidden, r.ffn, r.tokens, r.text_tokens, 1, r.in_channels, r.text_dim, train=True
+    )
 
 
 def measure_cpu_efficiency(hidden: int, heads: int, ffn: int, tokens: int = 256, repeats: int = 3) -> dict:

@@ -54,6 +54,17 @@ def test_attention_flops_follow_torch_sdpa_counts(name):
     assert sdpa_backward_flop_count(video, video, video, video) == 2.5 * sdpa_flop_count(video, video, video)
 
 
+@pytest.mark.parametrize("name", ["tiny video (Wan-shaped)", "Wan2.1-1.3B dims 33x480x832"])
+def test_the_closed_form_is_the_count(name):
+    """dit_flops (for the scaling models) is the formula that train_flops counts from the model itself."""
+    case = {**bench_gpu.TINY_CASES, **bench_gpu.FULL_CASES}[name]
+    (C, T, H, W), (L, text_dim), B = case["latent"], case["text"], case["batch"]
+    written = bench_gpu.dit_flops(
+        case["depth"], case["hidden"], case["ffn"], T * H * W // 4, L, B, C, text_dim, train=True
+    )
+    assert written == bench_gpu.train_flops(bench_gpu.make_tessera_wan, case)
+
+
 def test_equal_architectures_count_equal_flops():
     """tessera's DiT with Wan's options and diffusers' WanTransformer3DModel: one count for both."""
     case = bench_gpu.TINY_CASES["tiny video (Wan-shaped)"]
