@@ -19,15 +19,15 @@ import torch.distributed as dist
 from parallel.comm import log_of
 from parallel.exits import error_message, hard_exit, is_peer_error, one_line, print_line
 from parallel.preemption import Stopped, StopRequest, Terminated
+from parallel.runtime import world_from_env
 
 
 class Session:
-    """One process's run, as the entry point sees it: `stop` (its handler installed by run_entrypoint)
-    and `runtime` (set by init_runtime; None before, or for a main that starts no process group)."""
+    """One process's run, as the entry point sees it: `stop`, whose handler run_entrypoint installs,
+    and what init_runtime makes (None before, or for a main that starts no process group)."""
 
     def __init__(self):
         self.stop = StopRequest()
-        self.runtime = None
         # Set by init_runtime as each comes to exist, so that a failure during start-up is reported
         # with them too: the run directory, the comm log (once a process group exists), the watchdog.
         self.run_dir = self.comm = self.watchdog = None
@@ -41,10 +41,6 @@ class Session:
             self.watchdog.finish()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _rank() -> int:
-    return int(os.environ.get("RANK", 0))
 
 
 # Errors a user can fix from the message alone: printed without a traceback, exit code 2.
@@ -81,7 +77,7 @@ def run_entrypoint(main, argv=None, hold_to_exit: bool = False) -> int:
     rank's failure within milliseconds, cannot pre-empt the line. A shutdown that hangs (a communicator
     waiting on a dead peer) ends the process after SHUTDOWN_S. `hold_to_exit` (run_as_process): after a
     failure the signals stay held, since the process ends right after."""
-    rank, session = _rank(), Session()
+    rank, session = world_from_env()[0], Session()
     stop = session.stop
     restore_signals = stop.install()
     code = 1

@@ -42,7 +42,6 @@ class Runtime:
     stop: StopRequest  # the process's stop signals, agreed at step boundaries (parallel/preemption.py)
     comm: comm.CommLog  # the record of this runtime's ops, read by the watchdog and failure dumps
     faults: faults.Faults  # what tests asked to go wrong (TESSERA_FAULT), read once at start-up
-    run_dir: Path | None = None
     sampling: SamplingGroups | None = None  # cfg / PipeFusion groups and the replica (parallel/pipefusion.py)
 
     @property
@@ -173,7 +172,8 @@ def init_runtime(
     """Create the process groups for an already validated layout, run a preflight collective and start
     the watchdog (heartbeats in `run_dir`'s name; failures written to run_dir/failures). `task` (train,
     sample, encode) words its messages: only training has checkpoints to resume from. `session` (from
-    run_entrypoint, parallel/entrypoint.py) gets the runtime, so that a failure's report can reach it."""
+    run_entrypoint, parallel/entrypoint.py) gets the run directory, the comm log and the watchdog as
+    each comes to exist, so that a failure's report can reach them."""
     rank, world_size, local_rank = world_from_env()
     injected = faults.Faults.from_env(rank)  # tests only (TESSERA_FAULT): a malformed spec fails here
     if layout.world_size != world_size:
@@ -273,11 +273,8 @@ def init_runtime(
         stop,
         log,
         injected,
-        Path(run_dir) if run_dir is not None else None,
         sampling,
     )
-    if session is not None:
-        session.runtime = runtime
     injected.at_startup()
     return runtime
 
