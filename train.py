@@ -24,10 +24,17 @@ from tqdm import tqdm
 
 from configs import DEFAULT_RECIPE, load_config, split_overrides, to_yaml
 from configs.rundir import RunDirectory
-from data.loader import build_buckets, build_dataset, build_loader, build_sampler, check_same_plan
-from data.media import to_model_range, write_video
+from data.buckets import describe_mix
+from data.loader import (
+    build_buckets,
+    build_dataset,
+    build_loader,
+    build_sampler,
+    check_same_plan,
+    encode_batch,
+)
+from data.media import write_video
 from data.sampler import sample_seed
-from models import tiling
 from models.dit import DiT_models, count_parameters
 from models.flow import RectifiedFlow
 from models.pipeline import generate
@@ -229,16 +236,16 @@ def train_loop(cfg, plan: Plan, runtime, t: Trainer, start_step: int) -> None:
             report_replaced(runtime, t.run, batch["failures"], reported, done)
         if done % tc.log_every == 0 or done == tc.max_steps:
             runtime.watchdog.mark("log")
-            metrics = window.summarize(runtime, plan, loss if batch is not None else None, done)
+            context = {"lr": learning_rate(tc, step), "grad_norm": float(grad_norm)}
+            context["epoch"] = sampler.position(step)[0]
+            metrics = window.summarize(runtime, plan, loss if batch is not None else None, done, context)
             t.guard.check(done, None if skipped else metrics["loss"])
-            metrics |= {"lr": learning_rate(tc, step), "grad_norm": float(grad_norm)}
-            metrics["epoch"] = sampler.position(step)[0]
             extra = {"skipped_steps": t.guard.skipped} if tc.on_nonfinite == "skip" else {}
-            t.run.log_metrics(_ordered(metrics) | extra)
+            t.run.log_metrics(metrics | extra)
             progress.set_postfix(
                 loss=f"{metrics['loss']:.4f}",
                 samples_s=f"{metrics['samples_per_s']:.1f}",
-                buckets=_bucket_mix(metrics["buckets"]),
+                buckets=describe_mix(metrics["buckets"]),
                 refresh=False,
             )
             window.restart(done)
@@ -341,8 +348,9 @@ class Window:
         self.replaced += len(failures)
         self.per_bucket[bucket] += 1
 
-    def summarize(self, runtime, plan: Plan, loss, done: int) -> dict:
-        """The window's metrics, summed over every rank (each group's reader adds its step loss once)."""
+    def summarize(self, runtime, plan: Plan, loss, done: int, context: dict) -> dict:
+        """The window's metrics, summed over every rank (each group's reader adds its step loss once),
+        with `context` (lr, grad_norm, epoch) in metrics.jsonl's order."""
         own_loss = loss.detach().double().item() if loss is not None else 0.0
         packed = torch.tensor(
             [own_loss, self.samples, self.tokens, self.replaced, *self.per_bucket], dtype=torch.float64
@@ -355,9 +363,12 @@ class Window:
         metrics = {
             "step": done,
             "loss": summed_loss / plan.layout.dp,
+            "lr": context["lr"],
+            "grad_norm": context["grad_norm"],
             "step_time": elapsed / (done - self.start_step),
             "samples_per_s": samples / elapsed,
             "tokens_per_s": tokens / elapsed,
+            "epoch": context["epoch"],
             "buckets": mix,
             "replaced_samples": self.replaced_total,
         }
@@ -368,16 +379,6 @@ class Window:
         self.samples = self.tokens = self.replaced = 0.0
         self.per_bucket = [0.0] * self.num_buckets
         self.started, self.start_step = time.perf_counter(), done
-
-
-_METRIC_ORDER = ("step", "loss", "lr", "grad_norm", "step_time", "samples_per_s", "tokens_per_s", "epoch")
-
-
-def _ordered(metrics: dict) -> dict:
-    """metrics.jsonl keeps one key order, whatever order the values were computed in."""
-    return {k: metrics[k] for k in _METRIC_ORDER} | {
-        k: v for k, v in metrics.items() if k not in _METRIC_ORDER
-    }
 
 
 def report_replaced(runtime, run: RunDirectory, failures, reported: set, step: int) -> None:
@@ -417,39 +418,7 @@ def _summary(cfg, plan: Plan, runtime, model, run: RunDirectory, bf16: bool) -> 
         f"{plan.layout.describe()}{auto}; {device}\n"
         f"[tessera] data: {plan.dataset.summary(run.data_report)}\n"
         f"[tessera] {sampler.steps_per_epoch} steps per epoch ({sampler.num_batches} batches"
-        f"{_padding_note(sampler)})"
-    )
-
-
-def encode_batch(batch, dropped: list[bool], text_encoder, vae, device):
-    """(x0 latents, text embeddings, text mask) of a batch: encoded now from pixels and captions, or read
-    from precomputed latents (data.latents), where a dropped caption becomes the empty prompt's embedding."""
-    if "latent" in batch:
-        y, y_mask = batch["text"].to(device), batch["text_mask"].to(device)
-        if any(dropped):
-            empty, empty_mask = text_encoder([""], device)
-            y[torch.tensor(dropped)], y_mask[torch.tensor(dropped)] = empty, empty_mask
-        return batch["latent"].to(device), y, y_mask
-    y, y_mask = text_encoder(["" if d else c for d, c in zip(dropped, batch["caption"])], device)
-    video = to_model_range(batch["video"].to(device, non_blocking=True))
-    # in the tiles precompute_latents.py uses, so media and precomputed latents are the same latents
-    return tiling.encode(vae, video, vae.tile_latent, vae.tile_overlap), y, y_mask
-
-
-def _padding_note(sampler) -> str:
-    if sampler.padding_batches > 0:
-        return f" + {sampler.padding_batches} repeated to fill every rank"
-    if sampler.padding_batches < 0:
-        return f", {-sampler.padding_batches} dropped to fit every rank"
-    return ""
-
-
-def _bucket_mix(mix: dict) -> str:
-    """The three most frequent buckets of the window, as shares: '8x32x32 50% 4x28x36 30% ...'."""
-    total = sum(mix.values()) or 1
-    top = sorted(mix.items(), key=lambda kv: -kv[1])
-    return " ".join(f"{name} {100 * n / total:.0f}%" for name, n in top[:3]) + (
-        " ..." if len(top) > 3 else ""
+        f"{sampler.padding_note()})"
     )
 
 

@@ -103,3 +103,11 @@ class BucketTable:
             samples = f", {counts.get(i, 0)} samples" if counts is not None else ""
             lines.append(f"  {b.name:>14}: {self.tokens[i]} tokens, batch {self.batch_sizes[i]}{samples}")
         return "\n".join(lines)
+
+
+def describe_mix(mix: dict) -> str:
+    """The three most frequent buckets of a window, as shares: '8x32x32 50% 4x28x36 30% ...'."""
+    total = sum(mix.values()) or 1
+    top = sorted(mix.items(), key=lambda kv: -kv[1])
+    more = " ..." if len(top) > 3 else ""
+    return " ".join(f"{name} {100 * n / total:.0f}%" for name, n in top[:3]) + more

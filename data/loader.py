@@ -7,7 +7,9 @@ from torch.utils.data import DataLoader
 
 from data.buckets import BucketTable
 from data.dataset import BucketedDataset, collate
+from data.media import to_model_range
 from data.sampler import BucketSampler
+from models import tiling
 
 # How the start-up summary counts the files a manifest or folder lists but training cannot use
 # (anything else that failed to probe is 'unreadable').
@@ -163,3 +165,18 @@ def build_loader(
         prefetch_factor=2 if num_workers > 0 else None,
         worker_init_fn=_worker_init,
     )
+
+
+def encode_batch(batch, dropped: list[bool], text_encoder, vae, device):
+    """(x0 latents, text embeddings, text mask) of a batch: encoded now from pixels and captions, or read
+    from precomputed latents (data.latents), where a dropped caption becomes the empty prompt's embedding."""
+    if "latent" in batch:
+        y, y_mask = batch["text"].to(device), batch["text_mask"].to(device)
+        if any(dropped):
+            empty, empty_mask = text_encoder([""], device)
+            y[torch.tensor(dropped)], y_mask[torch.tensor(dropped)] = empty, empty_mask
+        return batch["latent"].to(device), y, y_mask
+    y, y_mask = text_encoder(["" if d else c for d, c in zip(dropped, batch["caption"])], device)
+    video = to_model_range(batch["video"].to(device, non_blocking=True))
+    # in the tiles precompute_latents.py uses, so media and precomputed latents are the same latents
+    return tiling.encode(vae, video, vae.tile_latent, vae.tile_overlap), y, y_mask

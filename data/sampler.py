@@ -96,6 +96,14 @@ class BucketSampler:
             self._plans[epoch] = Plan(np.concatenate(shuffled), starts[order], ends[order])
         return self._plans[epoch]
 
+    def padding_note(self) -> str:
+        """How the epoch was fitted to the ranks, for the start-up line ('' when it divided evenly)."""
+        if self.padding_batches > 0:
+            return f" + {self.padding_batches} repeated to fill every rank"
+        if self.padding_batches < 0:
+            return f", {-self.padding_batches} dropped to fit every rank"
+        return ""
+
     def position(self, step: int) -> tuple[int, int]:
         """(epoch, step in epoch) of a global step."""
         epochs, in_epoch = divmod(step - self.origin_step, self.steps_per_epoch)
