@@ -24,18 +24,19 @@ from configs import DEFAULT_RECIPE, load_config, split_overrides
 from data.media import OUTPUT_EXTENSIONS, write_video
 from models.dit import DiT_models
 from models.flow import RectifiedFlow
+from models.lora import merge_deltas
+from models.lora_formats import parse_lora_spec, read_file, read_lora
 from models.pipeline import generate
 from models.tiling import plan_tiles
 from models.vae import vae_latent_space
-from models.wan import check_wan_folder
 from parallel import comm
 from parallel import vae as parallel_vae
 from parallel.checkpoint import check_architecture, load_weights
 from parallel.checkpoint_files import CheckpointError, check_checkpoint_files, resolve_checkpoint
-from parallel.components import build_frozen, build_model, open_pretrained
+from parallel.components import build_frozen, build_model, check_pretrained, fill_unsharded, open_pretrained
 from parallel.entrypoint import run_as_process
-from parallel.init import materialize
 from parallel.layout import ParallelLayout
+from parallel.lora import checkpoint_adapters, describe_base, lora_of
 from parallel.pipefusion import ParallelSampler
 from parallel.pipefusion_plan import keep_stage
 from parallel.runtime import init_runtime, links_are_slow, local_world_size, world_from_env
@@ -77,6 +78,14 @@ def parse_args(argv):
         help="sample from an untrained model whose every layer is active (tests, benchmarks)",
     )
     p.add_argument("--no-ema", action="store_true", help="use the raw weights instead of the EMA weights")
+    p.add_argument(
+        "--lora",
+        nargs="+",
+        default=[],
+        metavar="FILE[:SCALE]",
+        help="LoRA files to apply (diffusers/PEFT, ComfyUI/Wan-original or kohya/musubi .safetensors), "
+        "each at SCALE (default 1)",
+    )
     parsed = p.parse_args(args)
     parsed.overrides = overrides
     return parsed
@@ -106,31 +115,38 @@ def find_checkpoint(cfg, checkpoint: str | None, random_weights: bool):
 
 
 def load_sampler(
-    cfg, runtime, checkpoint, use_ema: bool = True, random_weights: bool = False, patches: int = 1
+    cfg,
+    runtime,
+    checkpoint,
+    use_ema: bool = True,
+    random_weights: bool = False,
+    patches: int = 1,
+    loras: list = (),
 ):
     """The frozen components, the DiT with the checkpoint's weights (without a checkpoint, the pretrained
     ones, model.pretrained, or with random_weights random ones from train.seed), and the sampler that
-    runs it across the layout (None: flow.sample on this process). Under PipeFusion the DiT is this
-    rank's stage: only its blocks are ever allocated and filled."""
+    runs it across the layout (None: flow.sample on this process). A LoRA run's checkpoint and the
+    `loras` files (FILE[:SCALE]) are merged into the weights: every layout then runs the same plain DiT.
+    Under PipeFusion the DiT is this rank's stage: only its blocks are ever allocated and filled."""
     text_encoder, vae = build_frozen(cfg, runtime.device)
     model = build_model(cfg, text_encoder, vae, weights=False)
     layout, groups = runtime.layout, runtime.sampling
-    pretrained = open_pretrained(cfg, model) if checkpoint is None and not random_weights else None
+    record = lora_of(checkpoint) if checkpoint is not None else None
+    from_base = (checkpoint is None and not random_weights) or record is not None
+    pretrained = open_pretrained(cfg, model) if from_base else None
+    deltas = lora_deltas(cfg, text_encoder, vae, checkpoint if record else None, record, use_ema, loras)
     if layout.pipefusion > 1:
         model = keep_stage(model, groups.stage, groups.stages)
-    if checkpoint is not None:
+    if checkpoint is not None and record is None:
         check_architecture(checkpoint, model.architecture())
         model.to_empty(device="cpu")
         load_weights(checkpoint, model, use_ema=use_ema)
     else:  # random weights: adaLN-Zero's zeros would make the output 0 whatever the layout does
-        materialize(
-            model,
-            "cpu",
-            cfg.train.seed,
-            pretrained,
-            zero_init=not random_weights,
-            partial=layout.pipefusion > 1,
+        fill_unsharded(
+            model, cfg.train.seed, pretrained, zero_init=not random_weights, partial=layout.pipefusion > 1
         )
+    for update in deltas:
+        merge_deltas(model, update)
     if layout.pipefusion == 1:
         model = apply_sequence_parallel(model, runtime.sequence)
     model = model.to(runtime.device).eval()
@@ -138,6 +154,47 @@ def load_sampler(
     if layout.cfg * layout.pipefusion > 1:
         sampler = ParallelSampler(model, groups, patches, cfg.parallel.pipefusion_warmup, runtime.faults)
     return model, vae, text_encoder, sampler
+
+
+def lora_deltas(cfg, text_encoder, vae, checkpoint, record, use_ema: bool, loras) -> list[dict]:
+    """The weight updates to merge: a LoRA run's own adapters (from `checkpoint`, whose LoRA `record` it
+    is) and each --lora file at its scale, matched against the whole architecture (a PipeFusion stage
+    merges those of its own blocks)."""
+    deltas = []
+    if checkpoint is not None:
+        adapters = checkpoint_adapters(
+            checkpoint, record, build_model(cfg, text_encoder, vae, False), use_ema
+        )
+        deltas.append({name: [(None, scale * (B @ A))] for name, (A, B, scale) in adapters.items()})
+    whole = build_model(cfg, text_encoder, vae, weights=False) if loras else None
+    for spec in loras:
+        update, strength = read_lora(spec, whole)
+        deltas.append(update.deltas(strength))
+    return deltas
+
+
+def check_lora_files(loras) -> None:
+    """Every --lora file exists, is whole and holds LoRA keys (matching the model comes once it is built)."""
+    for spec in loras:
+        path, _ = parse_lora_spec(spec)
+        read_file(path)
+
+
+def lora_base(cfg, checkpoint) -> None:
+    """A LoRA run's checkpoint samples on its base: model.pretrained, else the base it names, refused by
+    name if that folder now holds other weights."""
+    record = lora_of(checkpoint)
+    if record is None:
+        return
+    if not cfg.model.pretrained:
+        cfg.model.pretrained = record["base"]["path"]
+    base = describe_base(cfg.model.pretrained)
+    if base.fingerprint != record["base"]["fingerprint"]:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} holds adapters trained on {record['base']['path']} (fingerprint "
+            f"{record['base']['fingerprint']}); model.pretrained={cfg.model.pretrained} holds other weights "
+            f"({base.fingerprint}). Point model.pretrained at the base the LoRA was trained on"
+        )
 
 
 @dataclass
@@ -211,14 +268,16 @@ def main(argv=None, session=None):
     checkpoint = find_checkpoint(cfg, args.checkpoint, args.random_weights)
     if checkpoint is not None:
         check_checkpoint_files(checkpoint)
-    elif cfg.model.pretrained and not args.random_weights:
-        check_wan_folder(cfg.model.pretrained)
+        lora_base(cfg, checkpoint)
+    if cfg.model.pretrained and not args.random_weights and (checkpoint is None or lora_of(checkpoint)):
+        check_pretrained(cfg.model.pretrained)
+    check_lora_files(args.lora)
 
     runtime = init_runtime(cfg.parallel, layout, cfg.run.output_dir, task="sample", session=session)
     if runtime.is_main:
         print(_layout_line(cfg, runtime, request, patches, links), flush=True)
     use_ema = cfg.sample.use_ema and not args.no_ema
-    components = load_sampler(cfg, runtime, checkpoint, use_ema, args.random_weights, patches)
+    components = load_sampler(cfg, runtime, checkpoint, use_ema, args.random_weights, patches, args.lora)
     mine = list(range(layout.dp_rank(runtime.rank), len(request.prompts), layout.dp))  # split over dp
     if mine:
         sample_and_write(cfg, args, runtime, request, mine, *components)

@@ -39,21 +39,33 @@ from models.dit import DiT_models, count_parameters
 from models.flow import RectifiedFlow
 from models.pipeline import generate
 from models.vae import vae_latent_space
-from models.wan import check_wan_folder
 from parallel import comm
-from parallel.checkpoint import check_architecture, load_checkpoint, save_checkpoint
+from parallel.checkpoint import (
+    TrainingState,
+    check_architecture,
+    load_checkpoint,
+    save_checkpoint,
+)
 from parallel.checkpoint_files import (
     check_checkpoint_files,
     read_trainer_state,
     resolve_checkpoint,
     verify_checkpoint,
 )
-from parallel.components import build_frozen, build_model, open_pretrained
+from parallel.components import build_frozen, build_model, check_pretrained, fill_sharded, open_pretrained
 from parallel.divergence import NonFiniteGuard
 from parallel.entrypoint import run_as_process
 from parallel.fsdp import parallelize_dit, update_ema
-from parallel.init import copy_shards, materialize
+from parallel.init import copy_shards
 from parallel.layout import ParallelLayout
+from parallel.lora import (
+    AdapterEMA,
+    LoRAState,
+    check_resume_base,
+    describe_base,
+    insert_adapters,
+    lora_record,
+)
 from parallel.preemption import Stopped
 from parallel.runtime import init_runtime, local_world_size, world_from_env
 from parallel.sequence import apply_sequence_parallel, share_batch
@@ -104,11 +116,12 @@ class Plan:
     sampler: object  # data.sampler.BucketSampler
     checkpoint: object  # the step_<N> folder to resume from, or None
     resume: dict | None  # the checkpoint's sampler state
+    base: object  # parallel.lora.Base: the frozen base of a LoRA run (lora.rank > 0), else None
 
 
 def check_before_start(cfg) -> Plan:
     """Everything that can be refused, checked before the first collective: the layout, the buckets and
-    the preview size, the data, and the checkpoint's files (or the pretrained folder)."""
+    the preview size, the data, the checkpoint's files (or the pretrained folder), and a LoRA's base."""
     rank, world_size, _ = world_from_env()
     layout = ParallelLayout.from_config(
         cfg.parallel, world_size, DiT_models[cfg.model.size]["num_heads"], "train", local_world_size()
@@ -129,9 +142,14 @@ def check_before_start(cfg) -> Plan:
     resume = read_trainer_state(checkpoint)["sampler"] if checkpoint else None
     if checkpoint is not None:  # file sizes here; every crc32 below, the reading shared by the ranks
         check_checkpoint_files(checkpoint)
-    elif cfg.model.pretrained:  # a resume takes every weight from its checkpoint and never reads the folder
-        check_wan_folder(cfg.model.pretrained)
-    return Plan(layout, buckets, dataset, sampler, checkpoint, resume)
+    # A full resume takes every weight from its checkpoint and never reads the folder; a LoRA's base is
+    # read (and must be the one its adapters were trained on) either way.
+    if cfg.model.pretrained and (checkpoint is None or cfg.lora.rank):
+        check_pretrained(cfg.model.pretrained)
+    base = describe_base(cfg.model.pretrained) if cfg.lora.rank else None
+    if checkpoint is not None:
+        check_resume_base(checkpoint, cfg.lora, base)
+    return Plan(layout, buckets, dataset, sampler, checkpoint, resume, base)
 
 
 def agree_on_data(cfg, plan: Plan, runtime) -> tuple[int, str]:
@@ -153,7 +171,7 @@ class Trainer:
     """The model and everything that trains it, built once by build_trainer."""
 
     model: torch.nn.Module
-    ema: torch.nn.Module
+    ema: object  # a DiT sharded like the model, or parallel.lora.AdapterEMA
     optimizer: torch.optim.Optimizer
     flow: RectifiedFlow
     text_encoder: object
@@ -162,6 +180,9 @@ class Trainer:
     architecture: dict  # recorded in every checkpoint, checked on resume and sampling
     guard: NonFiniteGuard
     batches: object  # this rank's loader iterator; None on ranks that get their batch from share_batch
+    training: object  # what a checkpoint saves and loads: TrainingState, or LoRAState (adapters only)
+    trainable: list  # the parameters AdamW updates: every one, or the adapters'
+    lora: dict | None  # a LoRA run's record in trainer_state.pt (rank, targets, base); None: full
 
 
 def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = "") -> Trainer:
@@ -169,8 +190,11 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     only its shard (from train.seed, model.pretrained, or the checkpoint): no rank holds the whole model."""
     tc, device, checkpoint = cfg.train, runtime.device, plan.checkpoint
     bf16 = runtime.bf16(tc.precision)
+    dtype = torch.bfloat16 if bf16 else torch.float32
     text_encoder, vae = build_frozen(cfg, device)
-    model = apply_sequence_parallel(build_model(cfg, text_encoder, vae, weights=False), runtime.sequence)
+    model = build_model(cfg, text_encoder, vae, weights=False)
+    adapted = insert_adapters(model, cfg.lora, dtype) if cfg.lora.rank else []  # before sharding
+    model = apply_sequence_parallel(model, runtime.sequence)
     architecture = model.architecture()
     if checkpoint is not None:
         check_architecture(checkpoint, architecture)
@@ -179,24 +203,28 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     run.write_config(cfg)
     run.start_data_report(plan.dataset.left_out_files(), start_step)
     run.trim_metrics(start_step)  # a resume logs the steps after its checkpoint again
-    pretrained = open_pretrained(cfg, model) if checkpoint is None else None
+    # a LoRA checkpoint holds the adapters only: its base is read on every start
+    pretrained = open_pretrained(cfg, model) if checkpoint is None or adapted else None
     if runtime.is_main:
         print(_summary(cfg, plan, runtime, model, run, bf16), flush=True)
-    dtype = torch.bfloat16 if bf16 else torch.float32
     model = parallelize_dit(model, runtime.fsdp_mesh, dtype, tc.activation_checkpointing, tc.compile)
-    if checkpoint is None:
-        materialize(model, device, tc.seed, pretrained)
+    if checkpoint is None or adapted:
+        fill_sharded(runtime, model, tc.seed, pretrained, cfg.lora.seed)
     else:
         model.to_empty(device=device)  # load_checkpoint fills every weight below
     del pretrained  # closes the safetensors files
-    ema = build_model(cfg, text_encoder, vae, weights=False).requires_grad_(False)
-    ema = parallelize_dit(apply_sequence_parallel(ema, runtime.sequence), runtime.fsdp_mesh)
-    copy_shards(ema, model, device)  # the EMA starts as the model
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay
-    )
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
+    if adapted:  # the EMA of the adapters alone
+        ema = AdapterEMA(model)
+        training = LoRAState(model, ema, optimizer)
+    else:
+        ema = build_model(cfg, text_encoder, vae, weights=False).requires_grad_(False)
+        ema = parallelize_dit(apply_sequence_parallel(ema, runtime.sequence), runtime.fsdp_mesh)
+        copy_shards(ema, model, device)  # the EMA starts as the model
+        training = TrainingState(model, ema, optimizer)
     if checkpoint is not None:
-        load_checkpoint(runtime, checkpoint, model, ema, optimizer, verified=True)
+        load_checkpoint(runtime, checkpoint, training, verified=True)
         if runtime.is_main:
             why = f"; the data plan changed: {replanned}" if replanned else ""
             print(f"[tessera] resumed from {checkpoint} at step {start_step}{why}", flush=True)
@@ -207,7 +235,22 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     run.start_wandb(cfg)
     guard = NonFiniteGuard(tc, device, run.path, runtime.is_main, bf16)
     flow = RectifiedFlow(cfg.flow, cfg.model.patch_size)
-    return Trainer(model, ema, optimizer, flow, text_encoder, vae, run, architecture, guard, batches)
+    lora = lora_record(cfg.lora, plan.base, adapted) if adapted else None
+    return Trainer(
+        model,
+        ema,
+        optimizer,
+        flow,
+        text_encoder,
+        vae,
+        run,
+        architecture,
+        guard,
+        batches,
+        training,
+        trainable,
+        lora,
+    )
 
 
 def train_loop(cfg, plan: Plan, runtime, t: Trainer, start_step: int) -> None:
@@ -272,7 +315,7 @@ def train_loop(cfg, plan: Plan, runtime, t: Trainer, start_step: int) -> None:
         if (tc.sample_every and done % tc.sample_every == 0) or done == tc.max_steps:
             runtime.watchdog.mark("preview")
             t.guard.check(done)
-            write_previews(cfg, runtime, t.run, t.ema if cfg.sample.use_ema else t.model, t, done)
+            write_previews(cfg, runtime, t.run, t, done)
             runtime.fence()  # rank 0 writes the files alone: the others wait here, not in the next step
     runtime.stop.accepting = False
     runtime.watchdog.end_loop()
@@ -313,7 +356,7 @@ def train_step(cfg, runtime, t: Trainer, step: int, inputs):
     phase("backward")
     loss.backward()
     phase("optimizer")
-    grad_norm = torch.nn.utils.clip_grad_norm_(t.model.parameters(), tc.grad_clip)
+    grad_norm = torch.nn.utils.clip_grad_norm_(t.trainable, tc.grad_clip)
     # the whole model's norm on every rank (no communication when it is already replicated, as on torch 2.13)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     for group in t.optimizer.param_groups:
@@ -321,7 +364,7 @@ def train_step(cfg, runtime, t: Trainer, step: int, inputs):
     skipped = t.guard.skip(step + 1, grad_norm)
     if not skipped:
         t.optimizer.step()
-        update_ema(t.ema, t.model, tc.ema_decay)
+        t.ema.update(t.model, tc.ema_decay) if t.lora else update_ema(t.ema, t.model, tc.ema_decay)
     t.optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm, skipped
 
@@ -399,8 +442,10 @@ def save(runtime, plan: Plan, t: Trainer, done: int, keep: int) -> None:
         "world_size": runtime.world_size,
         "architecture": t.architecture,
     }
+    if t.lora:
+        trainer_state["lora"] = t.lora
     try:
-        save_checkpoint(runtime, t.run.path, done, t.model, t.ema, t.optimizer, trainer_state, keep)
+        save_checkpoint(runtime, t.run.path, done, t.training, trainer_state, keep)
     except NonFiniteWeights as e:  # weights that overflowed while every gradient norm was finite
         raise t.guard.diverged(str(e)) from None
 
@@ -422,8 +467,16 @@ def _summary(cfg, plan: Plan, runtime, model, run: RunDirectory, bf16: bool) -> 
     )
 
 
-def write_previews(cfg, runtime, run, model, t: Trainer, step):
-    """Every rank samples (the model is sharded, so its forward needs all of them); rank 0 writes."""
+def write_previews(cfg, runtime, run, t: Trainer, step):
+    """Every rank samples (the model is sharded, so its forward needs all of them); rank 0 writes. With
+    sample.use_ema, from the EMA model (a LoRA run: the EMA adapters, swapped in for the previews)."""
+    if cfg.sample.use_ema and t.lora:
+        with t.ema.swapped_in(t.model):
+            return sample_previews(cfg, runtime, run, t.model, t, step)
+    return sample_previews(cfg, runtime, run, t.ema if cfg.sample.use_ema else t.model, t, step)
+
+
+def sample_previews(cfg, runtime, run, model, t: Trainer, step):
     sc = cfg.sample
     was_training = model.training
     runtime.watchdog.sampling_progress(0, sc.steps)  # a deadline per denoising step

@@ -252,6 +252,20 @@ def validate(cfg: DictConfig) -> None:
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
+    lora = cfg.lora
+    if lora.rank < 0:
+        raise ConfigError(f"'lora.rank' must be 0 (full fine-tuning) or more, got {lora.rank}")
+    if lora.alpha is not None and lora.alpha <= 0:
+        raise ConfigError(f"'lora.alpha' must be greater than 0 or null (alpha = rank), got {lora.alpha}")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ConfigError(f"'lora.dropout' must be in [0, 1), got {lora.dropout}")
+    if lora.rank and not lora.targets:
+        raise ConfigError("'lora.targets' is empty: name the Linear layers that get adapters")
+    if lora.rank and not cfg.model.pretrained:
+        raise ConfigError(
+            f"lora.rank={lora.rank} trains adapters on a base model, but model.pretrained is not set: name "
+            "a diffusers Wan folder or a tessera run (or set lora.rank=0 for full fine-tuning)"
+        )
     if cfg.model.size not in DiT_models:
         raise ConfigError(f"'model.size' is '{cfg.model.size}'; choose one of {', '.join(DiT_models)}")
 

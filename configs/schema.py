@@ -8,6 +8,7 @@ unknown keys and wrong types into errors that name the key.
 from dataclasses import dataclass, field
 from typing import Optional
 
+from models.lora import DEFAULT_TARGETS
 from models.vae import DEFAULT_OVERLAP, DEFAULT_TILE
 
 
@@ -36,7 +37,8 @@ class ModelConfig:
     # add fixed sin-cos absolute positions to the tokens (the original DiT's), besides RoPE: false
     absolute_positions: Optional[bool] = None
     # A diffusers WanTransformer3DModel folder (config.json + safetensors): its weights, read shard by shard;
-    # the recipe must build the same architecture (e.g. model.size=Wan2.1-1.3B).
+    # the recipe must build the same architecture (e.g. model.size=Wan2.1-1.3B). Or a tessera run (its
+    # directory, checkpoints/, `latest` or a step_<N>): the EMA weights of that checkpoint.
     pretrained: Optional[str] = None
 
 
@@ -185,6 +187,19 @@ class ParallelConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters on a frozen base (model.pretrained); README "LoRA fine-tuning"."""
+
+    rank: int = 0  # 0: full fine-tuning; r > 0: train rank-r adapters only
+    alpha: Optional[float] = None  # the update is scaled by alpha / rank; None: alpha = rank (scale 1)
+    # fnmatch patterns of the Linear layers that get adapters (tessera's module names, e.g.
+    # blocks.3.attn.qkv); the default: every Linear of the blocks' self-attention, cross-attention and MLP
+    targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
+    dropout: float = 0.0  # dropout on the adapters' input (not reproducible across layouts when > 0)
+    seed: int = 0  # the adapters' initialisation (A from (seed, name); B starts at 0)
+
+
+@dataclass
 class LoggingConfig:
     wandb: bool = True
     wandb_mode: str = "offline"  # offline | online | disabled
@@ -202,4 +217,5 @@ class TesseraConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -244,7 +244,7 @@ def _read_config(path: Path) -> dict:
     return config
 
 
-def check_safetensors(file: Path) -> None:
+def check_safetensors(file: Path, what: str = "model.pretrained") -> None:
     """A safetensors file holds an 8-byte header length, the JSON header, then the tensors' bytes: check
     that the file is as long as its header says (a download or copy cut short is not), reading a few KB."""
     size = file.stat().st_size
@@ -253,7 +253,7 @@ def check_safetensors(file: Path) -> None:
         length = int.from_bytes(head, "little") if len(head) == 8 else -1
         if not 0 < length <= min(size - 8, 100 << 20):
             raise WanFormatError(
-                f"model.pretrained: {file} is not a safetensors file, or is truncated ({size} bytes, "
+                f"{what}: {file} is not a safetensors file, or is truncated ({size} bytes, "
                 f"too short for the header it announces)"
             )
         try:
@@ -263,10 +263,10 @@ def check_safetensors(file: Path) -> None:
                 default=0,
             )
         except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-            raise WanFormatError(f"model.pretrained: {file} has a damaged safetensors header") from None
+            raise WanFormatError(f"{what}: {file} has a damaged safetensors header") from None
     if 8 + length + end > size:
         raise WanFormatError(
-            f"model.pretrained: {file} is truncated: {size} bytes, its header describes "
+            f"{what}: {file} is truncated: {size} bytes, its header describes "
             f"{8 + length + end} (an interrupted download or copy?)"
         )
 

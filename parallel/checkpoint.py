@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -63,8 +64,28 @@ def _on_io_group(control_group, call):
         del group
 
 
+class TrainingState:
+    """What a checkpoint holds of a full fine-tuning: the model, its EMA and AdamW's state (sharded DTensors;
+    DCP reshards them to the layout that loads them). parallel/lora.py's LoRAState holds the adapters only."""
+
+    def __init__(self, model, ema, optimizer):
+        self.model, self.ema, self.optimizer = model, ema, optimizer
+
+    def state_dict(self) -> dict:
+        return {
+            "model": get_model_state_dict(self.model),
+            "ema": get_model_state_dict(self.ema),
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        set_model_state_dict(self.model, state["model"])
+        set_model_state_dict(self.ema, state["ema"])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+
+
 def save_checkpoint(
-    runtime, run_dir, step: int, model, ema, optimizer, trainer_state: dict, keep: int
+    runtime, run_dir, step: int, training: TrainingState, trainer_state: dict, keep: int
 ) -> Path:
     """Write step_<N> and move `latest` to it (see the module docstring). Refused before a byte is written,
     alike on every rank: weights that are not finite (NonFiniteWeights) and a checkpoint larger than the
@@ -72,11 +93,7 @@ def save_checkpoint(
     StorageError naming it, the file and the previous checkpoint, which stays `latest`."""
     root = checkpoint_dir(run_dir)
     final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
-    state = {
-        "model": get_model_state_dict(model),
-        "ema": get_model_state_dict(ema),
-        "optimizer": get_optimizer_state_dict(model, optimizer),
-    }
+    state = training.state_dict()
     if runtime.is_main:  # what killed or failed saves left: never named by `latest`, and it takes space
         for pattern in (".step_*.tmp", ".step_*.deleted"):
             for leftover in root.glob(pattern):
@@ -188,26 +205,43 @@ def check_architecture(path, architecture: dict) -> None:
         )
 
 
-def load_checkpoint(runtime, path, model, ema, optimizer, verified: bool = False) -> None:
-    """Restore model, EMA and optimizer in place (resharded by DCP to this run's layout), once every
-    file of the checkpoint has been checked (by all ranks together; `verified`: done already)."""
+def load_checkpoint(runtime, path, training: TrainingState, verified: bool = False) -> None:
+    """Restore the training state in place (resharded by DCP to this run's layout), once every file of
+    the checkpoint has been checked (by all ranks together; `verified`: done already)."""
     if not verified:
         verify_checkpoint(path, runtime.control_group)
-    state = {
-        "model": get_model_state_dict(model),
-        "ema": get_model_state_dict(ema),
-        "optimizer": get_optimizer_state_dict(model, optimizer),
-    }
+    state = training.state_dict()
     _on_io_group(runtime.control_group, lambda group: _load(state, Path(path), group))
-    set_model_state_dict(model, state["model"])
-    set_model_state_dict(ema, state["ema"])
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    training.load_state_dict(state)
 
 
-def load_weights(path, model, use_ema: bool = True) -> None:
-    """Load the (EMA) weights of a training checkpoint into an unsharded model, e.g. for sampling."""
-    verify_checkpoint(path)  # every file, here: this process has no group to share the reading with
-    key = "ema" if use_ema else "model"
-    state = {key: model.state_dict()}
+def load_base_weights(runtime, path, model) -> None:
+    """Fill the base weights of a sharded model (every parameter but its adapters) with the EMA weights of
+    a tessera checkpoint (model.pretrained naming a tessera run), resharded by DCP to this layout."""
+    from models.lora import is_adapter
+
+    weights = {k: v for k, v in get_model_state_dict(model).items() if not is_adapter(k)}
+    state = {"ema": weights}
+    _on_io_group(runtime.control_group, lambda group: _load(state, Path(path), group))
+    set_model_state_dict(model, state["ema"], options=StateDictOptions(strict=False))
+
+
+def read_tensors(path, key: str, shapes: dict, verified: bool = False) -> dict:
+    """Some tensors of a checkpoint's `key` section ("model" or "ema") as whole float32 host tensors
+    {name: tensor}, without building the model (a LoRA run's adapters, for sampling and export)."""
+    if not verified:
+        verify_checkpoint(path)
+    state = {key: {name: torch.empty(shape, dtype=torch.float32) for name, shape in shapes.items()}}
     _load(state, Path(path))
-    model.load_state_dict(state[key])
+    return state[key]
+
+
+def load_weights(path, model, use_ema: bool = True, select=None, verified: bool = False) -> None:
+    """Load the (EMA) weights of a training checkpoint into an unsharded model, e.g. for sampling;
+    `select(key)`: only the state-dict keys it accepts (the rest keep their values)."""
+    if not verified:
+        verify_checkpoint(path)  # every file, here: this process has no group to share the reading with
+    key = "ema" if use_ema else "model"
+    state = {key: {k: v for k, v in model.state_dict().items() if select is None or select(k)}}
+    _load(state, Path(path))
+    model.load_state_dict(state[key], strict=select is None)

@@ -4,14 +4,20 @@ Shared by train.py, infer.py and the scripts; the weights are filled by parallel
 """
 
 import warnings
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from models.dit import ARCHITECTURE_OPTIONS, DiT, DiT_models, architecture_differences, build_dit, recipe_key
+from models.lora import is_adapter
 from models.text_encoder import TextEncoder, build_text_encoder
 from models.vae import LatentSpace, build_vae
-from models.wan import WanWeights
+from models.wan import WanWeights, check_wan_folder
+from parallel.checkpoint import check_architecture, load_base_weights, load_weights
+from parallel.checkpoint_files import check_checkpoint_files, resolve_checkpoint
 from parallel.init import materialize
+from parallel.lora import is_tessera_run
 
 
 def build_frozen(cfg, device) -> tuple[TextEncoder, LatentSpace]:
@@ -36,15 +42,46 @@ def build_model(cfg, text_encoder: TextEncoder, vae: LatentSpace, weights: bool 
             stacklevel=2,
         )
     if weights:
-        materialize(model, "cpu", cfg.train.seed, open_pretrained(cfg, model))
+        fill_unsharded(model, cfg.train.seed, open_pretrained(cfg, model))
     return model
 
 
+def fill_unsharded(model: DiT, seed: int, pretrained, zero_init: bool = True, partial: bool = False) -> None:
+    """Allocate an unsharded model on the host and fill it from `pretrained` (open_pretrained's answer)
+    or from `seed`."""
+    if isinstance(pretrained, TesseraWeights):
+        model.to_empty(device="cpu")
+        load_weights(pretrained.step, model, use_ema=True, select=lambda key: not is_adapter(key))
+    else:
+        materialize(model, "cpu", seed, pretrained, zero_init=zero_init, partial=partial)
+
+
+@dataclass
+class TesseraWeights:
+    """model.pretrained naming a tessera run: the EMA weights of `step` (its latest checkpoint)."""
+
+    step: Path
+
+
+def check_pretrained(pretrained: str) -> None:
+    """Read model.pretrained's headers and checksums (a few KB a file), so that a missing, truncated or
+    damaged file is an error naming it before any process group exists."""
+    if is_tessera_run(pretrained):
+        check_checkpoint_files(resolve_checkpoint(str(pretrained), Path(pretrained)))
+    else:
+        check_wan_folder(pretrained)
+
+
 def open_pretrained(cfg, model: DiT):
-    """model.pretrained as a models.wan.WanWeights, after checking that the recipe builds the same
-    architecture (a disagreement is an error naming the keys and the fix); None without model.pretrained."""
+    """model.pretrained as a models.wan.WanWeights (or TesseraWeights for a tessera run), after checking
+    that the recipe builds the same architecture (a disagreement is an error naming the keys and the
+    fix); None without model.pretrained."""
     if not cfg.model.pretrained:
         return None
+    if is_tessera_run(cfg.model.pretrained):
+        step = resolve_checkpoint(str(cfg.model.pretrained), Path(cfg.model.pretrained))
+        check_architecture(step, model.architecture())
+        return TesseraWeights(step)
     weights = WanWeights(cfg.model.pretrained)
     folder = weights.dit_kwargs
     ours = model.architecture()
@@ -72,3 +109,13 @@ def open_pretrained(cfg, model: DiT):
             f"model.pretrained={cfg.model.pretrained} disagrees with the recipe: " + "; ".join(wrong) + hint
         )
     return weights
+
+
+def fill_sharded(runtime, model: DiT, seed: int, pretrained, adapter_seed: int = 0) -> None:
+    """Allocate a sharded model on this rank's device and fill its shards: from `pretrained` (Wan weights
+    read row by row, or a tessera run's checkpoint resharded by DCP) or from `seed`; adapters from
+    `adapter_seed`."""
+    wan = pretrained if not isinstance(pretrained, TesseraWeights) else None
+    materialize(model, runtime.device, seed, wan, adapter_seed=adapter_seed)
+    if isinstance(pretrained, TesseraWeights):
+        load_base_weights(runtime, pretrained.step, model)

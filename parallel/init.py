@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from models.dit import init_parameter, parameter_generator
+from models.lora import init_adapter, is_adapter
 
 # Wrappers that parallel/fsdp.py may put around a block; state-dict names leave them out.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -37,19 +38,30 @@ def local_rows(param: torch.Tensor) -> tuple[int, int]:
 
 @torch.no_grad()
 def materialize(
-    model: nn.Module, device, seed: int, pretrained=None, zero_init: bool = True, partial: bool = False
+    model: nn.Module,
+    device,
+    seed: int,
+    pretrained=None,
+    zero_init: bool = True,
+    partial: bool = False,
+    adapter_seed: int = 0,
 ) -> None:
     """Allocate `model`'s (sharded) parameters on `device` and fill them: from `pretrained` (a
-    models.wan.WanWeights) if given, else from `seed`. `partial`: the model holds only some of the
-    pretrained weights (a PipeFusion stage)."""
+    models.wan.WanWeights) if given, else from `seed`; LoRA adapters from `adapter_seed` (lora.seed).
+    `partial`: the model holds only some of the pretrained weights (a PipeFusion stage)."""
     model.to_empty(device=device)
+    names = [canonical_name(name) for name, _ in model.named_parameters()]
     if pretrained is not None:
-        pretrained.check_parameters((canonical_name(name) for name, _ in model.named_parameters()), partial)
+        pretrained.check_parameters((name for name in names if not is_adapter(name)), partial)
     for name, param in model.named_parameters():
         canonical = canonical_name(name)
         local = param.to_local() if isinstance(param, DTensor) else param.data
         start, stop = local_rows(param)
-        if pretrained is not None:
+        if is_adapter(canonical):
+            whole = torch.empty(param.shape, dtype=torch.float32)
+            init_adapter(canonical, whole, parameter_generator(adapter_seed, canonical))
+            rows = whole[start:stop]
+        elif pretrained is not None:
             expected = tuple(pretrained.shape(canonical))
             if expected != tuple(param.shape):
                 raise ValueError(

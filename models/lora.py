@@ -1,0 +1,147 @@
+"""Low-rank adapters (LoRA, Hu et al.) on a DiT's Linear layers; single-device code.
+
+A targeted nn.Linear becomes a LoRALinear in place: its own `weight` and `bias` keep their names (so
+model.pretrained, checkpoints and FSDP2 see the base exactly as before) and it gains `lora_A` (r x in)
+and `lora_B` (out x r); the output is W x + b + (alpha / r) B A x. Written here rather than with PEFT:
+PEFT wraps the base Linear (its weight becomes `...base_layer.weight`), which would rename every base
+weight that the pretrained reader, the seeded initialisation and the checkpoints know by name; and
+tessera's fused projections (qkv, kv) need exact splitting on export, which models/lora_formats.py
+does. Each adapter draws its init from its own (seed, name) generator, so every layout gets the same
+adapters. LoRA files are read and written in the shared formats by models/lora_formats.py.
+"""
+
+import fnmatch
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.dit import parameter_generator
+
+# Every Linear of the blocks' self-attention, cross-attention and feed-forward (tessera's names: the
+# fused qkv and kv projections count as one Linear each).
+DEFAULT_TARGETS = ("blocks.*.attn.*", "blocks.*.cross_attn.*", "blocks.*.mlp.*")
+
+
+class LoRALinear(nn.Linear):
+    """nn.Linear plus a low-rank update; made from an nn.Linear by `add_adapters` (not constructed)."""
+
+    lora_scale: float
+    lora_dropout: nn.Module
+
+    def forward(self, x):
+        base = F.linear(x, self.weight, self.bias)
+        update = self.lora_B(self.lora_A(self.lora_dropout(x).to(self.lora_A.weight.dtype)))
+        return base + (update * self.lora_scale).to(base.dtype)
+
+
+def target_modules(model: nn.Module, patterns) -> dict[str, nn.Linear]:
+    """{name: module} of the Linear layers whose names match one of the fnmatch `patterns`. A pattern that
+    matches no Linear is an error naming it (an adapter that silently goes nowhere is the bug to avoid)."""
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    chosen, empty = {}, []
+    for pattern in patterns:
+        hits = [name for name in linears if fnmatch.fnmatchcase(name, pattern)]
+        if not hits:
+            empty.append(pattern)
+        chosen.update({name: linears[name] for name in hits})
+    if empty:
+        examples = ", ".join(list(linears)[:6])
+        raise ValueError(
+            f"lora.targets: {', '.join(repr(p) for p in empty)} match no Linear layer of this model "
+            f"(its Linear layers are named like {examples}, ...)"
+        )
+    return dict(sorted(chosen.items()))
+
+
+def add_adapters(model: nn.Module, rank: int, alpha: float, patterns, dropout: float = 0.0) -> list[str]:
+    """Turn the targeted Linear layers of `model` into LoRALinear in place (on whatever device the model
+    is, the meta device included; call `init_adapters` afterwards) and freeze every other parameter.
+    Returns the names of the adapted modules."""
+    targets = target_modules(model, patterns)
+    too_big = [
+        f"{name} ({m.in_features} -> {m.out_features})"
+        for name, m in targets.items()
+        if rank > min(m.in_features, m.out_features)
+    ]
+    if too_big:
+        raise ValueError(f"lora.rank={rank} is larger than the smallest side of {', '.join(too_big[:3])}")
+    model.requires_grad_(False)
+    for module in targets.values():
+        device = module.weight.device
+        module.__class__ = LoRALinear
+        module.lora_A = nn.Linear(module.in_features, rank, bias=False, device=device)
+        module.lora_B = nn.Linear(rank, module.out_features, bias=False, device=device)
+        module.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        module.lora_scale = alpha / rank
+    return list(targets)
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter (or state-dict key) belongs to an adapter."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for name, p in model.named_parameters() if is_adapter(name)]
+
+
+@torch.no_grad()
+def init_adapter(name: str, tensor: torch.Tensor, generator=None) -> None:
+    """An adapter's initialisation, in place: A as PEFT and the LoRA paper (Kaiming-uniform, bound
+    1/sqrt(in)), B zeros, so that training starts from the base model exactly."""
+    if ".lora_B." in name:
+        tensor.zero_()
+    else:
+        bound = 1.0 / math.sqrt(tensor.shape[1])
+        tensor.uniform_(-bound, bound, generator=generator)
+
+
+@torch.no_grad()
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """Initialise every adapter of an unsharded model from (seed, its name)."""
+    for name, p in model.named_parameters():
+        if is_adapter(name):
+            whole = torch.empty(p.shape, dtype=torch.float32)
+            init_adapter(name, whole, parameter_generator(seed, name))
+            p.copy_(whole)
+
+
+def adapted_modules(model: nn.Module) -> dict[str, LoRALinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+@torch.no_grad()
+def merge_deltas(model: nn.Module, deltas: dict) -> None:
+    """Add weight deltas {linear module name: (rows, delta (rows x in) float32)} into the model's Linear
+    weights, in float32 then back to their dtype; rows is a slice of the output rows (a fused qkv takes
+    its q, k and v updates in its thirds) or None for all. Names absent from the model (blocks another
+    PipeFusion stage holds) are skipped: the caller checks names against the whole architecture."""
+    modules = dict(model.named_modules())
+    for name, updates in deltas.items():
+        module = modules.get(name)
+        if module is None:
+            continue
+        weight = module.weight.float()
+        for rows, delta in updates:
+            weight[rows if rows is not None else slice(None)] += delta.to(weight.device)
+        module.weight.copy_(weight.to(module.weight.dtype))
+
+
+def adapter_deltas(model: nn.Module) -> dict:
+    """{module name: [(None, scale B A)]} of a model's own adapters, in float32 (for merging)."""
+    return {
+        name: [(None, m.lora_scale * (m.lora_B.weight.float() @ m.lora_A.weight.float()))]
+        for name, m in adapted_modules(model).items()
+    }
+
+
+@torch.no_grad()
+def fold_adapters(model: nn.Module) -> nn.Module:
+    """Merge every adapter into its base weight and turn the LoRALinear layers back into nn.Linear."""
+    merge_deltas(model, adapter_deltas(model))
+    for m in adapted_modules(model).values():
+        del m.lora_A, m.lora_B, m.lora_dropout
+        m.__class__ = nn.Linear
+    return model

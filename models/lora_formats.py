@@ -1,0 +1,290 @@
+"""LoRA files in the formats people share, to and from tessera's adapters; single-device code.
+
+Formats (FIELD_NOTES "LoRA: formats people share"), for Wan-architecture DiTs:
+- diffusers/PEFT: `transformer.blocks.0.attn1.to_q.lora_A.weight` / `lora_B.weight`, no alpha (the scale
+  is 1, so tessera folds alpha / r into B on export); also read without the `transformer.` prefix and with
+  DiffSynth's `.default` suffix;
+- ComfyUI / Wan-AI's original names: `diffusion_model.blocks.0.self_attn.q.lora_A.weight` (or
+  `lora_down`/`lora_up`) with an optional `.alpha` per module;
+- kohya / musubi-tuner: `lora_unet_blocks_0_self_attn_q.lora_down.weight`, `lora_up`, `.alpha`;
+- tessera's own names (`tessera.blocks.0.attn.qkv.lora_A.weight`), for DiTs without Wan's architecture.
+tessera fuses q, k, v (and the cross-attention's k, v) into one Linear: a fused adapter exports exactly
+as one adapter per projection sharing A (B split by rows), and an imported per-projection adapter adds
+its own update to its rows of the fused weight. Nothing is approximated either way.
+"""
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+FORMATS = ("diffusers", "comfyui")
+
+
+class LoRAFormatError(ValueError):
+    """A LoRA file that cannot be read, or that does not fit the model (the message names the keys)."""
+
+
+# tessera module (regex; \1 the block index) -> its projections in Wan's diffusers and original names,
+# in the order of their rows in the tessera weight.
+_WAN_MODULES = [
+    (
+        r"blocks\.(\d+)\.attn\.qkv",
+        ["blocks.\\1.attn1.to_q", "blocks.\\1.attn1.to_k", "blocks.\\1.attn1.to_v"],
+        ["blocks.\\1.self_attn.q", "blocks.\\1.self_attn.k", "blocks.\\1.self_attn.v"],
+    ),
+    (r"blocks\.(\d+)\.attn\.proj", ["blocks.\\1.attn1.to_out.0"], ["blocks.\\1.self_attn.o"]),
+    (r"blocks\.(\d+)\.cross_attn\.q", ["blocks.\\1.attn2.to_q"], ["blocks.\\1.cross_attn.q"]),
+    (
+        r"blocks\.(\d+)\.cross_attn\.kv",
+        ["blocks.\\1.attn2.to_k", "blocks.\\1.attn2.to_v"],
+        ["blocks.\\1.cross_attn.k", "blocks.\\1.cross_attn.v"],
+    ),
+    (r"blocks\.(\d+)\.cross_attn\.proj", ["blocks.\\1.attn2.to_out.0"], ["blocks.\\1.cross_attn.o"]),
+    (r"blocks\.(\d+)\.mlp\.0", ["blocks.\\1.ffn.net.0.proj"], ["blocks.\\1.ffn.0"]),
+    (r"blocks\.(\d+)\.mlp\.2", ["blocks.\\1.ffn.net.2"], ["blocks.\\1.ffn.2"]),
+    (r"y_embedder\.0", ["condition_embedder.text_embedder.linear_1"], ["text_embedding.0"]),
+    (r"y_embedder\.2", ["condition_embedder.text_embedder.linear_2"], ["text_embedding.2"]),
+    (r"t_embedder\.mlp\.0", ["condition_embedder.time_embedder.linear_1"], ["time_embedding.0"]),
+    (r"t_embedder\.mlp\.2", ["condition_embedder.time_embedder.linear_2"], ["time_embedding.2"]),
+    (r"time_proj\.1", ["condition_embedder.time_proj"], ["time_projection.1"]),
+    (r"final_layer\.linear", ["proj_out"], ["head.head"]),
+]
+
+
+@dataclass
+class Projection:
+    """One Linear as a LoRA file names it: a tessera module, and the rows of its weight it covers."""
+
+    module: str  # tessera module name
+    rows: slice | None  # None: every row
+    diffusers: str
+    original: str
+
+
+def wan_projections(module: str, out_features: int) -> list[Projection] | None:
+    """The projections of one tessera Linear in Wan's names, or None if it has no Wan counterpart."""
+    for pattern, diffusers, original in _WAN_MODULES:
+        match = re.fullmatch(pattern, module)
+        if match:
+            n = len(diffusers)
+            part = out_features // n
+            return [
+                Projection(
+                    module,
+                    slice(i * part, (i + 1) * part) if n > 1 else None,
+                    match.expand(d),
+                    match.expand(o),
+                )
+                for i, (d, o) in enumerate(zip(diffusers, original))
+            ]
+    return None
+
+
+def projections_of(linears: dict, wan: bool) -> dict[str, list[Projection]]:
+    """{tessera module: its projections} for every Linear (`linears`: {name: out_features}); without Wan's
+    architecture (wan False) each Linear is one projection under its tessera name."""
+    out = {}
+    for module, out_features in linears.items():
+        found = wan_projections(module, out_features) if wan else None
+        out[module] = found or [Projection(module, None, f"tessera.{module}", f"tessera.{module}")]
+    return out
+
+
+def model_projections(model) -> tuple[dict, dict]:
+    """(projections_of every Linear of `model`, {module: (in_features, out_features)}); Wan names when the
+    DiT has Wan's architecture options, tessera's otherwise. Works on a meta-device model."""
+    from torch import nn
+
+    from models.dit import WAN_OPTIONS
+
+    architecture = model.architecture()
+    wan = all(architecture.get(k) == v for k, v in WAN_OPTIONS.items())
+    linears = {
+        name: (m.in_features, m.out_features)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and not name.endswith((".lora_A", ".lora_B"))
+    }
+    return projections_of({k: v[1] for k, v in linears.items()}, wan), linears
+
+
+def is_wan_named(projections: dict) -> bool:
+    return not any(p.diffusers.startswith("tessera.") for projs in projections.values() for p in projs)
+
+
+# ------------------------------------------------------------------------------------------------
+# Writing
+
+
+def export_adapters(adapters: dict, projections: dict, fmt: str) -> dict[str, torch.Tensor]:
+    """A LoRA state dict in `fmt` ("diffusers" or "comfyui") from tessera adapters {module: (A, B,
+    scale)}. A fused module becomes one adapter per projection, sharing A, with B's rows split."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown LoRA format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    out = {}
+    for module, (A, B, scale) in adapters.items():
+        rank = A.shape[0]
+        for p in projections[module]:
+            b = B[p.rows] if p.rows is not None else B
+            if fmt == "diffusers":  # no alpha in this format: the scale goes into B
+                prefix = p.diffusers if p.diffusers.startswith("tessera.") else f"transformer.{p.diffusers}"
+                out[f"{prefix}.lora_A.weight"] = A.float().contiguous()
+                out[f"{prefix}.lora_B.weight"] = (b.float() * scale).contiguous()
+            else:
+                prefix = p.original if p.original.startswith("tessera.") else f"diffusion_model.{p.original}"
+                out[f"{prefix}.lora_A.weight"] = A.float().contiguous()
+                out[f"{prefix}.lora_B.weight"] = b.float().contiguous()
+                out[f"{prefix}.alpha"] = torch.tensor(scale * rank, dtype=torch.float32)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading
+
+_SUFFIXES = {  # key ending -> the role it plays
+    ".lora_A.weight": "A",
+    ".lora_B.weight": "B",
+    ".lora_A.default.weight": "A",
+    ".lora_B.default.weight": "B",
+    ".lora_down.weight": "A",
+    ".lora_up.weight": "B",
+    ".alpha": "alpha",
+}
+
+
+def split_key(key: str) -> tuple[str, str] | None:
+    """('<module path as written>', 'A' | 'B' | 'alpha'), or None for a key of no LoRA role."""
+    for suffix, role in _SUFFIXES.items():
+        if key.endswith(suffix):
+            return key[: -len(suffix)], role
+    return None
+
+
+def read_file(path) -> dict[str, torch.Tensor]:
+    """A LoRA's tensors from a .safetensors file, refusing a missing, truncated or damaged one by name."""
+    from safetensors.torch import load_file
+
+    from models.wan import WanFormatError, check_safetensors
+
+    path = Path(path)
+    if not path.is_file():
+        raise LoRAFormatError(f"LoRA file {path} does not exist")
+    if path.suffix != ".safetensors":
+        raise LoRAFormatError(f"LoRA file {path}: tessera reads LoRAs as .safetensors files")
+    try:
+        check_safetensors(path, what="LoRA file")
+        return load_file(str(path))
+    except WanFormatError as e:
+        raise LoRAFormatError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - safetensors' own error type
+        raise LoRAFormatError(f"LoRA file {path} cannot be read as safetensors ({e})") from None
+
+
+def _lookup(projections: dict) -> dict[str, Projection]:
+    """Every name under which a file may address a projection -> the projection."""
+    table = {}
+    for projs in projections.values():
+        for p in projs:
+            for name in {p.diffusers, p.original}:
+                if name.startswith("tessera."):
+                    table[name] = table[name.removeprefix("tessera.")] = p
+                    continue
+                table[f"transformer.{name}"] = table[name] = p  # diffusers/PEFT, with or without prefix
+                table[f"diffusion_model.{name}"] = table[f"model.diffusion_model.{name}"] = p
+                table["lora_unet_" + name.replace(".", "_")] = p  # kohya / musubi-tuner
+    return table
+
+
+@dataclass
+class LoRAUpdate:
+    """A LoRA file matched to a model: per projection, its A, B and scale alpha / r (1 without alpha)."""
+
+    path: str
+    updates: list  # [(Projection, A, B, scale)]
+    rank: int
+
+    def deltas(self, strength: float = 1.0) -> dict:
+        """{tessera module: [(rows, strength * scale * B A)]} in float32, for models.lora.merge_deltas."""
+        out = {}
+        for p, A, B, scale in self.updates:
+            out.setdefault(p.module, []).append((p.rows, strength * scale * (B.float() @ A.float())))
+        return out
+
+
+def match_lora(tensors: dict, projections: dict, linears_in: dict, path: str = "LoRA") -> LoRAUpdate:
+    """Match a LoRA state dict to a model's Linear layers. Any key that addresses no Linear, an adapter
+    without its A or B, or a shape that does not fit is an error that counts the matched keys and names
+    the others (a LoRA made for another model never becomes a silent no-op)."""
+    table, groups, unknown = _lookup(projections), {}, []
+    for key, tensor in tensors.items():
+        parts = split_key(key)
+        if parts is None or parts[0] not in table:
+            unknown.append(key)
+            continue
+        groups.setdefault(parts[0], {})[parts[1]] = tensor
+    matched = len(tensors) - len(unknown)
+    if unknown or not groups:
+        shown = ", ".join(unknown[:8]) + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
+        raise LoRAFormatError(
+            f"{path}: {matched} of {len(tensors)} keys match this model's layers; no layer for "
+            f"{shown or 'any'}"
+            " (tessera reads diffusers/PEFT, ComfyUI/Wan-original and kohya/musubi names of a Wan "
+            "transformer; a LoRA for another model family does not apply)"
+        )
+    updates, wrong, ranks = [], [], set()
+    for name, parts in sorted(groups.items()):
+        p = table[name]
+        if "A" not in parts or "B" not in parts:
+            wrong.append(f"{name} has no {'lora_B (lora_up)' if 'A' in parts else 'lora_A (lora_down)'}")
+            continue
+        A, B = parts["A"], parts["B"]
+        rows = linears_in[p.module][1] if p.rows is None else p.rows.stop - p.rows.start
+        if (
+            A.dim() != 2
+            or B.dim() != 2
+            or A.shape[0] != B.shape[1]
+            or A.shape[1] != linears_in[p.module][0]
+            or B.shape[0] != rows
+        ):
+            wrong.append(
+                f"{name}: A {tuple(A.shape)}, B {tuple(B.shape)}; this model's layer takes "
+                f"{linears_in[p.module][0]} -> {rows}"
+            )
+            continue
+        rank = A.shape[0]
+        scale = float(parts["alpha"]) / rank if "alpha" in parts else 1.0
+        ranks.add(rank)
+        updates.append((p, A, B, scale))
+    if wrong:
+        raise LoRAFormatError(
+            f"{path} was made for another model size or architecture: {len(updates)} of {len(groups)} "
+            f"adapters fit; "
+            + "; ".join(wrong[:4])
+            + (f"; and {len(wrong) - 4} more" if len(wrong) > 4 else "")
+        )
+    return LoRAUpdate(str(path), updates, max(ranks))
+
+
+def parse_lora_spec(spec: str) -> tuple[str, float]:
+    """'FILE' or 'FILE:SCALE' -> (FILE, SCALE); a Windows drive letter is not a scale."""
+    path, sep, scale = spec.rpartition(":")
+    if sep and path:
+        try:
+            return path, float(scale)
+        except ValueError:
+            pass
+    return spec, 1.0
+
+
+def safetensors_metadata(info: dict) -> dict[str, str]:
+    """Strings for a safetensors header's __metadata__ (which holds str -> str only)."""
+    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in info.items()}
+
+
+def read_lora(spec: str, model) -> tuple[LoRAUpdate, float]:
+    """`FILE[:SCALE]` read and matched to `model` (a meta-device DiT of the whole architecture)."""
+    path, strength = parse_lora_spec(spec)
+    projections, linears = model_projections(model)
+    return match_lora(read_file(path), projections, linears, path), strength
