@@ -130,11 +130,15 @@ def export_adapters(adapters: dict, projections: dict, fmt: str) -> dict[str, to
             b = B[p.rows] if p.rows is not None else B
             if fmt == "diffusers":  # no alpha in this format: the scale goes into B
                 prefix = p.diffusers if p.diffusers.startswith("tessera.") else f"transformer.{p.diffusers}"
-                out[f"{prefix}.lora_A.weight"] = A.float().contiguous()
+                out[f"{prefix}.lora_A.weight"] = (
+                    A.float().clone()
+                )  # shared by the split projections: one copy each
                 out[f"{prefix}.lora_B.weight"] = (b.float() * scale).contiguous()
             else:
                 prefix = p.original if p.original.startswith("tessera.") else f"diffusion_model.{p.original}"
-                out[f"{prefix}.lora_A.weight"] = A.float().contiguous()
+                out[f"{prefix}.lora_A.weight"] = (
+                    A.float().clone()
+                )  # shared by the split projections: one copy each
                 out[f"{prefix}.lora_B.weight"] = b.float().contiguous()
                 out[f"{prefix}.alpha"] = torch.tensor(scale * rank, dtype=torch.float32)
     return out
@@ -162,9 +166,11 @@ def split_key(key: str) -> tuple[str, str] | None:
     return None
 
 
-def read_file(path) -> dict[str, torch.Tensor]:
-    """A LoRA's tensors from a .safetensors file, refusing a missing, truncated or damaged one by name."""
-    from safetensors.torch import load_file
+def read_file(path) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """A LoRA's tensors from a .safetensors file and the PEFT config diffusers may store in its header
+    (`lora_adapter_metadata`: r, lora_alpha, alpha_pattern), refusing a missing, truncated or damaged
+    file by name."""
+    from safetensors import safe_open
 
     from models.wan import WanFormatError, check_safetensors
 
@@ -175,11 +181,36 @@ def read_file(path) -> dict[str, torch.Tensor]:
         raise LoRAFormatError(f"LoRA file {path}: tessera reads LoRAs as .safetensors files")
     try:
         check_safetensors(path, what="LoRA file")
-        return load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+            metadata = f.metadata() or {}
     except WanFormatError as e:
         raise LoRAFormatError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - safetensors' own error type
         raise LoRAFormatError(f"LoRA file {path} cannot be read as safetensors ({e})") from None
+    raw = metadata.get("lora_adapter_metadata")
+    try:
+        config = json.loads(raw) if raw else None
+    except ValueError:
+        raise LoRAFormatError(f"LoRA file {path}: its lora_adapter_metadata is not JSON") from None
+    if config:  # diffusers prefixes the keys with the component's name when it saves a pipeline's LoRA
+        config = {k.removeprefix("transformer."): v for k, v in config.items()}
+        if config.get("use_dora"):
+            raise LoRAFormatError(f"LoRA file {path} is a DoRA (use_dora): tessera applies plain LoRAs only")
+    return tensors, config
+
+
+def peft_scale(config: dict | None, module: str, rank: int) -> float:
+    """The scale PEFT gives an adapter whose file has no alpha tensor: lora_alpha / r from diffusers'
+    stored config (alpha_pattern by module-name suffix, rsLoRA's alpha / sqrt(r)); 1 without a config,
+    as diffusers loads such a file."""
+    if not config:
+        return 1.0
+    alpha = config.get("lora_alpha", rank)
+    for pattern, value in (config.get("alpha_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", module):
+            alpha = value
+    return alpha / (rank**0.5 if config.get("use_rslora") else rank)
 
 
 def _lookup(projections: dict) -> dict[str, Projection]:
@@ -213,7 +244,9 @@ class LoRAUpdate:
         return out
 
 
-def match_lora(tensors: dict, projections: dict, linears_in: dict, path: str = "LoRA") -> LoRAUpdate:
+def match_lora(
+    tensors: dict, projections: dict, linears_in: dict, path: str = "LoRA", config: dict | None = None
+) -> LoRAUpdate:
     """Match a LoRA state dict to a model's Linear layers. Any key that addresses no Linear, an adapter
     without its A or B, or a shape that does not fit is an error that counts the matched keys and names
     the others (a LoRA made for another model never becomes a silent no-op)."""
@@ -254,7 +287,8 @@ def match_lora(tensors: dict, projections: dict, linears_in: dict, path: str = "
             )
             continue
         rank = A.shape[0]
-        scale = float(parts["alpha"]) / rank if "alpha" in parts else 1.0
+        bare = name.removeprefix("transformer.")
+        scale = float(parts["alpha"]) / rank if "alpha" in parts else peft_scale(config, bare, rank)
         ranks.add(rank)
         updates.append((p, A, B, scale))
     if wrong:
@@ -287,4 +321,5 @@ def read_lora(spec: str, model) -> tuple[LoRAUpdate, float]:
     """`FILE[:SCALE]` read and matched to `model` (a meta-device DiT of the whole architecture)."""
     path, strength = parse_lora_spec(spec)
     projections, linears = model_projections(model)
-    return match_lora(read_file(path), projections, linears, path), strength
+    tensors, config = read_file(path)
+    return match_lora(tensors, projections, linears, path, config), strength

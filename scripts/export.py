@@ -4,6 +4,12 @@ trains from again; with --pipeline, a whole WanPipeline folder that samples what
 
     python scripts/export.py --checkpoint RUN_DIR|checkpoints/|latest|step_N --output FOLDER [--no-ema]
         [--config RECIPE] [--max-shard-size 5GB] [--pipeline]
+    python scripts/export.py --checkpoint LORA_RUN --lora --format diffusers|comfyui --output FILE.safetensors
+    python scripts/export.py --checkpoint LORA_RUN --lora --merge --output FOLDER [--pipeline]
+
+A LoRA run exports its adapters (diffusers/PEFT names, which WanPipeline.load_lora_weights reads, or
+ComfyUI's Wan names with an alpha per module; fused q/k/v split exactly), or with --merge its base with the
+adapters folded in.
 
 Exports the EMA weights unless --no-ema. The recipe is the run's config.yaml (or --config); its DiT must
 have Wan's options (the Wan* sizes; a differing option is refused by name). --pipeline adds the recipe's
@@ -22,9 +28,19 @@ import torch  # noqa: E402
 
 from configs import load_config  # noqa: E402
 from models.dit import build_dit  # noqa: E402
+from models.lora import merge_deltas  # noqa: E402
+from models.lora_formats import (  # noqa: E402
+    FORMATS,
+    export_adapters,
+    is_wan_named,
+    model_projections,
+    safetensors_metadata,
+)
 from models.wan import diffusers_config_from_dit, diffusers_state_dict_from_tessera  # noqa: E402
 from parallel.checkpoint import check_architecture, load_weights  # noqa: E402
-from parallel.checkpoint_files import CheckpointError, resolve_checkpoint  # noqa: E402
+from parallel.checkpoint_files import CheckpointError, read_trainer_state, resolve_checkpoint  # noqa: E402
+from parallel.components import fill_unsharded, open_pretrained  # noqa: E402
+from parallel.lora import checkpoint_adapters, describe_base, lora_of  # noqa: E402
 
 
 def checkpoint_dims(path: Path, prefix: str) -> tuple[int, int]:
@@ -70,9 +86,16 @@ def export(
     max_shard_size: str = "5GB",
     pipeline: bool = False,
 ) -> dict:
+    """The checkpoint's DiT as a WanTransformer3DModel (or WanPipeline) folder; a LoRA run's adapters are
+    folded into its base first (the --merge export)."""
     from diffusers import WanTransformer3DModel
 
-    in_channels, text_dim = checkpoint_dims(checkpoint, "ema" if use_ema else "model")
+    record = lora_of(checkpoint)
+    if record is not None:
+        architecture = read_trainer_state(checkpoint)["architecture"]
+        in_channels, text_dim = architecture["in_channels"], architecture["text_dim"]
+    else:
+        in_channels, text_dim = checkpoint_dims(checkpoint, "ema" if use_ema else "model")
     with torch.device("meta"):
         model = build_dit(cfg.model, in_channels=in_channels, text_dim=text_dim)
     config = diffusers_config_from_dit(model.architecture())  # refuses a non-Wan DiT before reading weights
@@ -82,9 +105,15 @@ def export(
         raise ValueError(f"model.rope_theta={cfg.model.rope_theta}: Wan's rotary embedding uses 10000")
     if not cfg.model.qk_norm:
         raise ValueError("model.qk_norm=false: Wan normalises queries and keys")
-    model.to_empty(device="cpu")
     check_architecture(checkpoint, model.architecture())  # options without weights would export silently
-    load_weights(checkpoint, model, use_ema=use_ema)
+    if record is not None:  # the base, then the adapters folded in
+        base = lora_base_of(cfg, checkpoint, record)
+        fill_unsharded(model, cfg.train.seed, open_pretrained(base, model))
+        adapters = checkpoint_adapters(checkpoint, record, _meta_dit(cfg, in_channels, text_dim), use_ema)
+        merge_deltas(model, {name: [(None, scale * (B @ A))] for name, (A, B, scale) in adapters.items()})
+    else:
+        model.to_empty(device="cpu")
+        load_weights(checkpoint, model, use_ema=use_ema)
     wan = WanTransformer3DModel(**config)
     state = diffusers_state_dict_from_tessera(model.state_dict(), wan.state_dict().keys())
     wan.load_state_dict(state, strict=True)
@@ -110,6 +139,58 @@ def export(
     return config
 
 
+def _meta_dit(cfg, in_channels: int, text_dim: int):
+    with torch.device("meta"):
+        return build_dit(cfg.model, in_channels=in_channels, text_dim=text_dim)
+
+
+def lora_base_of(cfg, checkpoint: Path, record: dict):
+    """The recipe with model.pretrained set to the base the LoRA was trained on (the recipe's, else the one
+    the checkpoint names), refused by name if that folder now holds other weights."""
+    from omegaconf import OmegaConf
+
+    base = OmegaConf.create(OmegaConf.to_container(cfg))
+    base.model.pretrained = cfg.model.pretrained or record["base"]["path"]
+    found = describe_base(base.model.pretrained)
+    if found.fingerprint != record["base"]["fingerprint"]:
+        raise CheckpointError(
+            f"{checkpoint} holds adapters trained on {record['base']['path']}; model.pretrained="
+            f"{base.model.pretrained} holds other weights (fingerprint {found.fingerprint}, the LoRA's base "
+            f"{record['base']['fingerprint']}): point model.pretrained at the base it was trained on"
+        )
+    return base
+
+
+def export_lora(checkpoint: Path, output: Path, cfg, fmt: str, use_ema: bool = True) -> str:
+    """A LoRA run's adapters as one .safetensors file in `fmt` (diffusers or comfyui). Returns a note for
+    the user: the format written, or why tessera's own names were used."""
+    from safetensors.torch import save_file
+
+    record = lora_of(checkpoint)
+    if record is None:
+        raise CheckpointError(
+            f"{checkpoint} is a full fine-tuning's checkpoint, not a LoRA's: export it without --lora "
+            "(a WanTransformer3DModel folder)"
+        )
+    if output.suffix != ".safetensors":
+        raise ValueError(f"--output {output}: a LoRA is written as one .safetensors file")
+    architecture = read_trainer_state(checkpoint)["architecture"]
+    dims = architecture["in_channels"], architecture["text_dim"]
+    adapters = checkpoint_adapters(checkpoint, record, _meta_dit(cfg, *dims), use_ema)
+    projections, _ = model_projections(_meta_dit(cfg, *dims))
+    tensors = export_adapters(adapters, projections, fmt)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    info = {"format": "pt", "tessera_rank": record["rank"], "tessera_base": record["base"]["fingerprint"]}
+    save_file(tensors, str(output), metadata=safetensors_metadata(info))
+    if not is_wan_named(projections):
+        return (
+            "a LoRA in tessera's own names (tessera.<module>.lora_A/B.weight), because this DiT does not "
+            "have Wan's architecture: infer.py --lora reads it, diffusers and ComfyUI do not"
+        )
+    count = f"{len(adapters)} adapted layers, {len(tensors)} tensors, rank {record['rank']}"
+    return f"a LoRA in {fmt} names ({count})"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -124,6 +205,11 @@ def main(argv=None):
         action="store_true",
         help="a whole WanPipeline folder (VAE, text encoder, tokenizer, scheduler from the recipe)",
     )
+    p.add_argument("--lora", action="store_true", help="a LoRA run's adapters as one .safetensors file")
+    p.add_argument("--format", choices=FORMATS, default="diffusers", help="the LoRA's key names (--lora)")
+    p.add_argument(
+        "--merge", action="store_true", help="with --lora: the base with the adapters folded in, as a folder"
+    )
     args = p.parse_args(argv)
     spec = Path(args.checkpoint)
     checkpoint = resolve_checkpoint(str(spec), spec)
@@ -136,6 +222,13 @@ def main(argv=None):
             f"no recipe: {recipe} does not exist; pass --config with the recipe it was trained with"
         )
     cfg = load_config(recipe)
+    weights = "raw" if args.no_ema else "EMA"
+    if args.lora and not args.merge:
+        note = export_lora(checkpoint, Path(args.output), cfg, args.format, use_ema=not args.no_ema)
+        print(f"[export] {checkpoint} ({weights} adapters) -> {args.output}: {note}")
+        return 0
+    if args.merge and not lora_of(checkpoint):
+        raise CheckpointError(f"--merge folds a LoRA into its base, and {checkpoint} is not a LoRA run's")
     config = export(
         checkpoint,
         Path(args.output),
@@ -145,8 +238,9 @@ def main(argv=None):
         pipeline=args.pipeline,
     )
     kind = "WanPipeline" if args.pipeline else "WanTransformer3DModel"
+    merged = ", the LoRA folded into its base" if lora_of(checkpoint) else ""
     print(
-        f"[export] {checkpoint} ({'raw' if args.no_ema else 'EMA'} weights) -> {args.output}: {kind}, "
+        f"[export] {checkpoint} ({weights} weights{merged}) -> {args.output}: {kind}, "
         f"{config['num_layers']} layers, {config['num_attention_heads']} heads "
         f"of {config['attention_head_dim']}"
     )

@@ -1,0 +1,292 @@
+"""LoRA: tessera's adapters against their own folded weights, the shared file formats against each other,
+and both directions against diffusers' PEFT LoRAs (code no one here wrote): a PEFT LoRA saved by
+WanPipeline.save_lora_weights samples in infer.py --lora what WanPipeline.load_lora_weights samples; a
+LoRA trained here (resumed across sequence-parallel layouts) and exported samples in diffusers what
+infer.py samples from its checkpoint."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import infer
+import train
+from configs.rundir import read_metrics
+from models.dit import WAN_OPTIONS, DiT
+from models.lora import DEFAULT_TARGETS, adapter_deltas, add_adapters, fold_adapters, merge_deltas
+from models.lora_formats import LoRAFormatError, export_adapters, match_lora, model_projections
+from tests.conftest import run_main, torchrun
+from tests.test_wan_pipeline import PROMPT, infer_sample, pipeline_sample, tiny_pipeline  # noqa: F401
+
+# the diffusers module names PEFT targets for "every Linear of self-, cross-attention and feed-forward"
+PEFT_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
+
+
+def tiny_wan(seed=0) -> DiT:
+    torch.manual_seed(seed)
+    model = DiT(4, 16, depth=2, hidden_size=64, num_heads=4, ffn_dim=32, **WAN_OPTIONS)
+    model.init_weights(zero_init=False)
+    return model
+
+
+def randomize_adapters(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def forward(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(2, 4, 2, 8, 8, generator=g), torch.randn(2, 7, 16, generator=g)
+    with torch.no_grad():
+        return model(x, torch.tensor([0.3, 0.8]), y, torch.ones(2, 7, dtype=torch.bool))
+
+
+def test_adapters_start_as_the_base_and_fold_exactly():
+    base = tiny_wan()
+    adapted = tiny_wan()
+    names = add_adapters(adapted, rank=4, alpha=8.0, patterns=DEFAULT_TARGETS)
+    assert len(names) == 2 * 7  # qkv, proj, q, kv, proj, mlp.0, mlp.2 in each of 2 blocks
+    assert {n for n, p in adapted.named_parameters() if p.requires_grad} == {
+        f"{m}.lora_{ab}.weight" for m in names for ab in "AB"
+    }
+    with torch.no_grad():  # A random, B zero: the base exactly
+        for m in dict(adapted.named_modules()).values():
+            if hasattr(m, "lora_A"):
+                m.lora_A.weight.normal_()
+                m.lora_B.weight.zero_()
+    assert torch.equal(forward(adapted), forward(base))
+    randomize_adapters(adapted)
+    unmerged = forward(adapted)
+    assert (unmerged - forward(base)).abs().max() > 1e-3
+    assert torch.allclose(forward(fold_adapters(adapted)), unmerged, atol=1e-5)
+
+
+def test_targets_that_match_nothing_and_oversized_ranks_are_refused():
+    with pytest.raises(ValueError, match=r"'blocks\.\*\.attention\.\*' match no Linear layer"):
+        add_adapters(tiny_wan(), 4, 4.0, ["blocks.*.attention.*"])
+    with pytest.raises(ValueError, match="lora.rank=40 is larger than the smallest side"):
+        add_adapters(tiny_wan(), 40, 40.0, DEFAULT_TARGETS)
+
+
+def kohya_from_comfyui(tensors: dict) -> dict:
+    """musubi-tuner's names for the same weights: lora_unet_<original path with _>.lora_down/up + alpha."""
+    out = {}
+    for key, value in tensors.items():
+        module, _, role = key.removeprefix("diffusion_model.").partition(".lora_")
+        if key.endswith(".alpha"):
+            module, role = key.removeprefix("diffusion_model.").removesuffix(".alpha"), "alpha"
+        name = "lora_unet_" + module.replace(".", "_")
+        out[f"{name}.{ {'A.weight': 'lora_down.weight', 'B.weight': 'lora_up.weight'}.get(role, role) }"] = (
+            value
+        )
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["diffusers", "comfyui", "kohya"])
+def test_every_format_round_trips_the_fused_projections_exactly(fmt):
+    """Export tessera's adapters (fused qkv and kv split into per-projection adapters sharing A), read them
+    back: the weight updates are those of the adapters themselves."""
+    model = tiny_wan()
+    add_adapters(model, rank=4, alpha=2.0, patterns=DEFAULT_TARGETS)
+    randomize_adapters(model)
+    adapters = {
+        name: (m.lora_A.weight.detach(), m.lora_B.weight.detach(), m.lora_scale)
+        for name, m in model.named_modules()
+        if hasattr(m, "lora_A")
+    }
+    projections, linears = model_projections(tiny_wan())
+    tensors = export_adapters(adapters, projections, "diffusers" if fmt == "diffusers" else "comfyui")
+    if fmt == "diffusers":
+        assert "transformer.blocks.0.attn1.to_q.lora_A.weight" in tensors and not any(
+            k.endswith(".alpha") for k in tensors
+        )
+    else:
+        assert "diffusion_model.blocks.1.self_attn.v.lora_B.weight" in tensors
+        assert "diffusion_model.blocks.0.ffn.0.alpha" in tensors
+    if fmt == "kohya":
+        tensors = kohya_from_comfyui(tensors)
+        assert "lora_unet_blocks_0_cross_attn_k.lora_down.weight" in tensors
+    update = match_lora(tensors, projections, linears)
+    ours, theirs = adapter_deltas(model), update.deltas()
+    assert ours.keys() == theirs.keys()
+    for name, [(_, delta)] in ours.items():
+        rebuilt = torch.zeros_like(delta)
+        for rows, part in theirs[name]:
+            rebuilt[rows if rows is not None else slice(None)] += part
+        assert torch.allclose(rebuilt, delta, atol=1e-6), name
+
+
+def test_keys_that_match_nothing_or_another_size_are_named():
+    projections, linears = model_projections(tiny_wan())
+    good = {
+        "transformer.blocks.0.attn1.to_q.lora_A.weight": torch.zeros(4, 64),
+        "transformer.blocks.0.attn1.to_q.lora_B.weight": torch.zeros(64, 4),
+    }
+    stray = {"transformer.blocks.0.attn1.to_qq.lora_A.weight": torch.zeros(4, 64)}
+    with pytest.raises(
+        LoRAFormatError, match=r"2 of 3 keys match .* no layer for transformer\.blocks\.0\.attn1\.to_qq"
+    ):
+        match_lora(good | stray, projections, linears)
+    wide = {k: torch.zeros(4, 128) if "lora_A" in k else v for k, v in good.items()}
+    with pytest.raises(LoRAFormatError, match="made for another model size or architecture"):
+        match_lora(wide, projections, linears)
+    with pytest.raises(LoRAFormatError, match="no lora_B"):
+        match_lora({k: v for k, v in good.items() if "lora_A" in k}, projections, linears)
+
+
+def peft_lora_file(pipe_dir, folder, alpha=8):
+    """A PEFT LoRA with random non-zero weights on diffusers' WanTransformer3DModel, saved by diffusers."""
+    from diffusers import WanPipeline
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    pipe = WanPipeline.from_pretrained(pipe_dir)
+    config = LoraConfig(r=4, lora_alpha=alpha, target_modules=PEFT_TARGETS, init_lora_weights=False)
+    pipe.transformer.add_adapter(config)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for name, p in pipe.transformer.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * 0.2)
+    WanPipeline.save_lora_weights(
+        folder,
+        transformer_lora_layers=get_peft_model_state_dict(pipe.transformer),
+        transformer_lora_adapter_metadata=config.to_dict(),
+    )
+    return folder / "pytorch_lora_weights.safetensors"
+
+
+def diffusers_sample_with(pipe_dir, lora_file, scale=1.0):
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(pipe_dir)
+    pipe.load_lora_weights(str(lora_file), adapter_name="x")
+    pipe.set_adapters(["x"], [scale])
+    return pipe(
+        PROMPT,
+        negative_prompt="",
+        height=32,
+        width=32,
+        num_frames=5,
+        num_inference_steps=3,
+        guidance_scale=5.0,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+        max_sequence_length=40,
+    ).frames[0]
+
+
+def test_a_diffusers_peft_lora_samples_in_infer_what_diffusers_samples(tiny_pipeline, tmp_path):  # noqa: F811
+    pipe_dir, recipe = tiny_pipeline
+    lora = peft_lora_file(pipe_dir, tmp_path / "peft")
+    expected = diffusers_sample_with(pipe_dir, lora)
+    base = pipeline_sample(pipe_dir)
+    assert np.abs(expected - base).max() > 1e-2  # the LoRA changes the video
+    ours = infer_sample(recipe, tmp_path / "run", tmp_path / "ours.npy", "--lora", str(lora))
+    assert np.abs(ours - expected).max() <= 1e-4
+    # the kohya / musubi-tuner renaming of the same weights, alpha carried per module
+    tensors = load_file(lora)
+    comfy = {}
+    for key, value in tensors.items():
+        module = key.removeprefix("transformer.").rsplit(".lora_", 1)[0]
+        original = (
+            module.replace("attn1.to_out.0", "self_attn.o")
+            .replace("attn2.to_out.0", "cross_attn.o")
+            .replace("attn1.to_", "self_attn.")
+            .replace("attn2.to_", "cross_attn.")
+            .replace("ffn.net.0.proj", "ffn.0")
+            .replace("ffn.net.2", "ffn.2")
+        )
+        comfy[key.replace(f"transformer.{module}", f"diffusion_model.{original}")] = value
+        comfy[f"diffusion_model.{original}.alpha"] = torch.tensor(8.0)
+    kohya = tmp_path / "kohya.safetensors"
+    save_file(kohya_from_comfyui(comfy), kohya)
+    again = infer_sample(recipe, tmp_path / "run", tmp_path / "kohya.npy", "--lora", f"{kohya}:1.0")
+    assert np.abs(again - expected).max() <= 1e-4
+
+
+LORA = ["lora.rank=4", "lora.alpha=8", "train.ema_decay=0.0", "train.sample_every=0", "sample.steps=3"]
+
+
+def lora_losses(run):
+    return {m["step"]: m["loss"] for m in read_metrics(run)}
+
+
+def test_a_lora_trained_across_layouts_exports_to_diffusers_and_comfyui(tiny_pipeline, tmp_path):  # noqa: F811
+    """One process trains steps 1-2, ulysses 2 resumes for step 3, ring 2 for step 4: the losses are a
+    straight one-process run's. The exported LoRA (both formats) samples in diffusers what infer.py
+    samples from the checkpoint, and not what the base samples."""
+    import export
+
+    pipe_dir, recipe = tiny_pipeline
+    common = ["--config", str(recipe), *LORA, "train.checkpoint_every=1", "train.log_every=1"]
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    assert run_main(train, common + [f"run.output_dir={straight}", "train.max_steps=4"]) == 0
+    assert run_main(train, common + [f"run.output_dir={run}", "train.max_steps=2"]) == 0
+    for steps, layout in ((3, "parallel.ulysses=2"), (4, "parallel.ring=2")):
+        result = torchrun(2, "train.py", *common, f"run.output_dir={run}", f"train.max_steps={steps}", layout)
+        assert result.returncode == 0, result.stderr[-3000:]
+    a, b = lora_losses(straight), lora_losses(run)
+    assert a.keys() == b.keys() == {1, 2, 3, 4}
+    assert all(b[s] == pytest.approx(a[s], rel=1e-5) for s in a), (a, b)
+    step = run / "checkpoints" / "step_4"
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    weights = [k for k in saved if k.startswith(("model.", "ema."))]
+    assert len(weights) == 2 * 2 * 2 * 7 and all(".lora_" in k for k in weights)  # adapters only
+
+    ours = infer_sample(recipe, run, tmp_path / "ours.npy")
+    assert np.abs(ours - pipeline_sample(pipe_dir)).max() > 1e-3  # four steps of training show
+    for fmt in ("diffusers", "comfyui"):
+        out = tmp_path / f"{fmt}.safetensors"
+        assert export.main(["--checkpoint", str(run), "--lora", "--format", fmt, "--output", str(out)]) == 0
+        theirs = diffusers_sample_with(pipe_dir, out)
+        assert np.abs(theirs - ours).max() <= 1e-4, fmt
+    merged = tmp_path / "merged"
+    assert export.main(["--checkpoint", str(run), "--lora", "--merge", "--output", str(merged)]) == 0
+    assert json.loads((merged / "config.json").read_text())["_class_name"] == "WanTransformer3DModel"
+
+
+def test_lora_refusals_name_the_cause_before_anything_starts(tiny_pipeline, tmp_path, capsys):  # noqa: F811
+    pipe_dir, recipe = tiny_pipeline
+    common = ["--config", str(recipe), *LORA, "train.max_steps=1", "train.checkpoint_every=1"]
+    run = tmp_path / "run"
+    assert run_main(train, common + [f"run.output_dir={run}"]) == 0
+    metrics = (run / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    # another base: a copy of the pipeline whose weights differ
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text((pipe_dir / "transformer" / "config.json").read_text())
+    weights = load_file(next((pipe_dir / "transformer").glob("*.safetensors")))
+    save_file({k: v + 0.01 for k, v in weights.items()}, other / "model.safetensors")
+    resume = common[:-2] + [f"run.output_dir={run}", "train.max_steps=2", f"model.pretrained={other}"]
+    assert run_main(train, resume) == 2
+    assert "holds adapters trained on the base" in capsys.readouterr().err
+    # a full fine-tuning recipe on a LoRA checkpoint
+    assert run_main(train, common[:2] + [f"run.output_dir={run}", "train.max_steps=2", "lora.rank=0"]) == 2
+    assert "trained a LoRA of rank 4; this recipe trains every weight" in capsys.readouterr().err
+    assert (run / "metrics.jsonl").read_text() == metrics  # nothing written was lost
+    # a truncated LoRA file, and one for another model
+    lora = peft_lora_file(pipe_dir, tmp_path / "peft")
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(lora.read_bytes()[:-100])
+    assert run_main(infer, ["--config", str(recipe), f"run.output_dir={run}", "--lora", str(cut)]) == 2
+    assert "is truncated" in capsys.readouterr().err
+    alien = tmp_path / "alien.safetensors"
+    save_file({"lora_unet_down_blocks_0_attn.lora_down.weight": torch.zeros(4, 8)}, alien)
+    assert run_main(infer, ["--config", str(recipe), f"run.output_dir={run}", "--lora", str(alien)]) == 2
+    assert "0 of 1 keys match this model's layers" in capsys.readouterr().err
+
+
+def test_merged_deltas_skip_the_blocks_another_stage_holds():
+    model = tiny_wan()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    merge_deltas(model, {"blocks.7.attn.qkv": [(None, torch.ones(192, 64))]})
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
