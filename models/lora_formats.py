@@ -1,16 +1,14 @@
 """LoRA files in the formats people share, to and from tessera's adapters; single-device code.
 
-Formats (FIELD_NOTES "LoRA: formats people share"), for Wan-architecture DiTs:
-- diffusers/PEFT: `transformer.blocks.0.attn1.to_q.lora_A.weight` / `lora_B.weight`, no alpha (the scale
-  is 1, so tessera folds alpha / r into B on export); also read without the `transformer.` prefix and with
-  DiffSynth's `.default` suffix;
+- diffusers/PEFT: `transformer.blocks.0.attn1.to_q.lora_A.weight` / `lora_B.weight`, no alpha tensor (the
+  scale is folded into B on export; on import, diffusers' stored PEFT config gives it);
 - ComfyUI / Wan-AI's original names: `diffusion_model.blocks.0.self_attn.q.lora_A.weight` (or
-  `lora_down`/`lora_up`) with an optional `.alpha` per module;
+  `lora_down`/`lora_up`), with an optional `.alpha` per module;
 - kohya / musubi-tuner: `lora_unet_blocks_0_self_attn_q.lora_down.weight`, `lora_up`, `.alpha`;
 - tessera's own names (`tessera.blocks.0.attn.qkv.lora_A.weight`), for DiTs without Wan's architecture.
-tessera fuses q, k, v (and the cross-attention's k, v) into one Linear: a fused adapter exports exactly
-as one adapter per projection sharing A (B split by rows), and an imported per-projection adapter adds
-its own update to its rows of the fused weight. Nothing is approximated either way.
+tessera's fused q/k/v (and cross-attention k/v) Linear exports exactly as one adapter per projection
+sharing A, B split by rows; an imported per-projection adapter adds its update to its rows. Key lists
+and sources: FIELD_NOTES "LoRA: formats people share" and docs/internals.md.
 """
 
 import json

@@ -1,21 +1,14 @@
-"""Export a tessera checkpoint's DiT to a diffusers WanTransformer3DModel folder (config.json and sharded
-safetensors) that `WanTransformer3DModel.from_pretrained(folder)` loads and `model.pretrained=<folder>`
-trains from again; with --pipeline, a whole WanPipeline folder that samples what `infer.py` samples.
+"""Export a tessera checkpoint as diffusers/ComfyUI load it (EMA weights unless --no-ema; one process):
 
-    python scripts/export.py --checkpoint RUN_DIR|checkpoints/|latest|step_N --output FOLDER [--no-ema]
-        [--config RECIPE] [--max-shard-size 5GB] [--pipeline]
+    python scripts/export.py --checkpoint RUN_DIR|checkpoints/|latest|step_N --output FOLDER [--pipeline]
     python scripts/export.py --checkpoint LORA_RUN --lora --format diffusers|comfyui --output FILE.safetensors
     python scripts/export.py --checkpoint LORA_RUN --lora --merge --output FOLDER [--pipeline]
 
-A LoRA run exports its adapters (diffusers/PEFT names, which WanPipeline.load_lora_weights reads, or
-ComfyUI's Wan names with an alpha per module; fused q/k/v split exactly), or with --merge its base with the
-adapters folded in.
-
-Exports the EMA weights unless --no-ema. The recipe is the run's config.yaml (or --config); its DiT must
-have Wan's options (the Wan* sizes; a differing option is refused by name). --pipeline adds the recipe's
-VAE (vae.kind=wan), UMT5 text encoder and tokenizer from their local folders and a
-FlowMatchEulerDiscreteScheduler with its fixed shift (flow.shift_reference_tokens=0); sample with
-max_sequence_length=<text_encoder.max_length>. One process; it holds the whole model.
+A WanTransformer3DModel folder (or with --pipeline a WanPipeline folder: the recipe's Wan VAE, UMT5 and a
+FlowMatchEulerDiscreteScheduler with its fixed shift) that from_pretrained and model.pretrained read; the
+DiT must have Wan's options. A LoRA run writes its adapters (diffusers/PEFT names for load_lora_weights, or
+ComfyUI's with an alpha per module; fused q/k/v split exactly), or with --merge its base with them folded
+in. The recipe is the run's config.yaml unless --config. Options: --no-ema, --max-shard-size 5GB.
 """
 
 import argparse

@@ -39,7 +39,7 @@ TIMEOUT_S = 120  # per command; they take a few seconds, but the CI machine may 
 CHEAP_ARGS = ("--help", "--print-config")
 RECIPE_PROGRAMS = ("train.py", "infer.py", "scripts/precompute_latents.py", "scripts/eval_demo.py")
 TORCHRUN = "torchrun"
-SCHEMA_SECTIONS = "run model vae text_encoder data flow train sample parallel logging".split()
+SCHEMA_SECTIONS = "run model vae text_encoder data flow train sample parallel lora logging".split()
 FILE_SUFFIXES = ("py", "sh", "yaml", "md", "json", "jsonl", "png", "mp4", "gif", "npy")
 
 

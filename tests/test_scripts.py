@@ -24,6 +24,7 @@ SCRIPTS = ROOT / "scripts"
 TINY = [  # run below
     "bench_checkpoint.py",
     "bench_data.py",
+    "bench_lora.py",
     "bench_sampling.py",
     "bench_sp.py",
     "bench_startup_memory.py",
@@ -171,6 +172,15 @@ def test_make_demo_data_writes_clips_and_a_manifest(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "manifest.jsonl").read_text().splitlines()]
     assert f"wrote {tmp_path / 'manifest.jsonl'}" in out and len(lines) == 4
     assert all((tmp_path / e["path"]).stat().st_size > 0 and e["caption"].startswith("a ") for e in lines)
+
+
+def test_bench_lora_tiny_counts_the_adapters_and_times_both_steps(tmp_path):
+    _, results = run_tiny("bench_lora.py", tmp_path)
+    one, eight = results["memory"]
+    assert one["gpus"] == 1 and eight["gpus"] == 8 and one["lora_gib"] == pytest.approx(8 * eight["lora_gib"])
+    assert 0 < one["adapters"] < one["base"] and one["lora_gib"] < one["full_gib"]
+    assert results["checkpoint"][0]["lora_bytes"] == 16 * one["adapters"]
+    assert results["step"]["full_s"] > 0 and results["step"]["lora_s"] > 0
 
 
 def test_benchlib_tiny_defaults_give_way_to_given_options(monkeypatch):
