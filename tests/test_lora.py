@@ -208,6 +208,13 @@ def test_a_diffusers_peft_lora_samples_in_infer_what_diffusers_samples(tiny_pipe
     save_file(kohya_from_comfyui(comfy), kohya)
     again = infer_sample(recipe, tmp_path / "run", tmp_path / "kohya.npy", "--lora", f"{kohya}:1.0")
     assert np.abs(again - expected).max() <= 1e-4
+    # PipeFusion: each stage merges the adapters of its own blocks and none of the others'
+    size = ["--frames", "5", "--height", "32", "--width", "32", "--prompt", PROMPT, "--lora", str(lora)]
+    stages = ["parallel.pipefusion=2", "parallel.pipefusion_warmup=3", f"run.output_dir={tmp_path / 'run'}"]
+    out = tmp_path / "pipefusion.npy"
+    result = torchrun(2, "infer.py", "--config", str(recipe), *stages, *size, "--output", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert np.abs(np.load(out) - ours).max() <= 1e-5
 
 
 LORA = ["lora.rank=4", "lora.alpha=8", "train.ema_decay=0.0", "train.sample_every=0", "sample.steps=3"]
