@@ -55,7 +55,7 @@ from parallel.checkpoint_files import (
 from parallel.components import build_frozen, build_model, check_pretrained, fill_sharded, open_pretrained
 from parallel.divergence import NonFiniteGuard
 from parallel.entrypoint import run_as_process
-from parallel.fsdp import parallelize_dit, update_ema
+from parallel.fsdp import parallelize_dit, reshard_all, update_ema
 from parallel.init import copy_shards
 from parallel.layout import ParallelLayout
 from parallel.lora import (
@@ -471,9 +471,11 @@ def write_previews(cfg, runtime, run, t: Trainer, step):
     """Every rank samples (the model is sharded, so its forward needs all of them); rank 0 writes. With
     sample.use_ema, from the EMA model (a LoRA run: the EMA adapters, swapped in for the previews)."""
     if cfg.sample.use_ema and t.lora:
-        with t.ema.swapped_in(t.model):
+        with t.ema.swapped_in(t.model, before_restore=reshard_all):
             return sample_previews(cfg, runtime, run, t.model, t, step)
-    return sample_previews(cfg, runtime, run, t.ema if cfg.sample.use_ema else t.model, t, step)
+    model = t.ema if cfg.sample.use_ema else t.model
+    sample_previews(cfg, runtime, run, model, t, step)
+    reshard_all(model)  # the next forward must gather the shards the optimizer or the EMA update changed
 
 
 def sample_previews(cfg, runtime, run, model, t: Trainer, step):

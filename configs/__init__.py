@@ -259,6 +259,11 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"'lora.alpha' must be greater than 0 or null (alpha = rank), got {lora.alpha}")
     if not 0.0 <= lora.dropout < 1.0:
         raise ConfigError(f"'lora.dropout' must be in [0, 1), got {lora.dropout}")
+    if lora.rank and lora.dropout > 0 and cfg.train.activation_checkpointing:
+        raise ConfigError(
+            "lora.dropout > 0 with train.activation_checkpointing: the recomputed blocks would draw other "
+            "dropout masks than the forward did; set lora.dropout=0 or train.activation_checkpointing=false"
+        )
     if lora.rank and not lora.targets:
         raise ConfigError("'lora.targets' is empty: name the Linear layers that get adapters")
     if lora.rank and not cfg.model.pretrained:

@@ -206,8 +206,9 @@ def peft_scale(config: dict | None, module: str, rank: int) -> float:
         return 1.0
     alpha = config.get("lora_alpha", rank)
     for pattern, value in (config.get("alpha_pattern") or {}).items():
-        if re.match(rf"(.*\.)?({pattern})$", module):
+        if re.match(rf"(.*\.)?({pattern})$", module):  # the first match wins, as in PEFT
             alpha = value
+            break
     return alpha / (rank**0.5 if config.get("use_rslora") else rank)
 
 

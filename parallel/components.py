@@ -17,7 +17,7 @@ from models.wan import WanWeights, check_wan_folder
 from parallel.checkpoint import check_architecture, load_base_weights, load_weights
 from parallel.checkpoint_files import check_checkpoint_files, resolve_checkpoint
 from parallel.init import materialize
-from parallel.lora import is_tessera_run
+from parallel.lora import describe_base, is_tessera_run
 
 
 def build_frozen(cfg, device) -> tuple[TextEncoder, LatentSpace]:
@@ -67,7 +67,7 @@ def check_pretrained(pretrained: str) -> None:
     """Read model.pretrained's headers and checksums (a few KB a file), so that a missing, truncated or
     damaged file is an error naming it before any process group exists."""
     if is_tessera_run(pretrained):
-        check_checkpoint_files(resolve_checkpoint(str(pretrained), Path(pretrained)))
+        check_checkpoint_files(describe_base(pretrained).source)  # a LoRA run is refused by name
     else:
         check_wan_folder(pretrained)
 

@@ -4,7 +4,7 @@ torch.compile, then FSDP2 (`fully_shard`) per block and on the root (as torchtit
 import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from parallel import comm
 
@@ -75,3 +75,13 @@ def update_ema(ema: nn.Module, model: nn.Module, decay: float) -> None:
     ema_params = [p.to_local() if hasattr(p, "to_local") else p for p in ema.parameters()]
     params = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
     torch._foreach_lerp_(ema_params, params, 1.0 - decay)
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Free every gathered parameter of a sharded model. After a forward without backward (previews) the
+    modules sharded with reshard_after_forward=False stay gathered, and FSDP2 then reuses those gathered
+    copies: an in-place change of the shards since (the optimizer's, the EMA's, an adapter swap) would go
+    unseen by the next forward."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

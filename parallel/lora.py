@@ -70,6 +70,11 @@ def describe_base(pretrained: str) -> Base:
     """The base named by model.pretrained, fingerprinted (a few MB read, whatever the model's size)."""
     if is_tessera_run(pretrained):
         step = resolve_checkpoint(str(pretrained), Path(pretrained))
+        if read_trainer_state(step).get("lora"):
+            raise CheckpointError(
+                f"model.pretrained={pretrained} is a LoRA run (its checkpoint {step} holds adapters only): "
+                "name its base instead, and apply the LoRA with infer.py --lora or export it with --merge"
+            )
         return Base(str(pretrained), step, _tessera_fingerprint(step))
     from models.wan import WanWeights
 
@@ -115,11 +120,14 @@ def check_resume_base(checkpoint: Path, lora_cfg, base: Base | None) -> None:
         )
     if not saved:
         return
-    if saved["rank"] != lora_cfg.rank or list(saved["targets"]) != list(lora_cfg.targets):
+    alpha = lora_cfg.alpha if lora_cfg.alpha is not None else lora_cfg.rank
+    same = saved["rank"] == lora_cfg.rank and float(saved["alpha"]) == float(alpha)
+    if not same or sorted(saved["targets"]) != sorted(lora_cfg.targets):
         raise CheckpointError(
-            f"checkpoint {checkpoint} holds adapters of rank {saved['rank']} on {list(saved['targets'])}; "
-            f"this recipe asks for rank {lora_cfg.rank} on {list(lora_cfg.targets)}: set lora.rank and "
-            "lora.targets as it was trained, or train.resume=none"
+            f"checkpoint {checkpoint} holds adapters of rank {saved['rank']}, alpha {saved['alpha']} on "
+            f"{list(saved['targets'])}; this recipe asks for rank {lora_cfg.rank}, alpha {alpha} on "
+            f"{list(lora_cfg.targets)}: set lora.rank, lora.alpha and lora.targets as it was trained, or "
+            "train.resume=none"
         )
     if base is not None and saved["base"]["fingerprint"] != base.fingerprint:
         raise CheckpointError(
@@ -148,8 +156,9 @@ class AdapterEMA:
         torch._foreach_lerp_(ours, [local(params[n]) for n in self.names], 1.0 - decay)
 
     @contextmanager
-    def swapped_in(self, model):
-        """The model with the EMA adapters in place of its own, for previews; its own are put back."""
+    def swapped_in(self, model, before_restore=None):
+        """The model with the EMA adapters in place of its own, for previews; its own are put back (after
+        before_restore(model): parallel.fsdp.reshard_all, so that no gathered EMA copy outlives the swap)."""
         params = dict(model.named_parameters())
         with torch.no_grad():
             kept = {n: local(params[n]).clone() for n in self.names}
@@ -158,6 +167,8 @@ class AdapterEMA:
         try:
             yield model
         finally:
+            if before_restore is not None:
+                before_restore(model)
             with torch.no_grad():
                 for n in self.names:
                     local(params[n]).copy_(kept[n])

@@ -297,3 +297,21 @@ def test_merged_deltas_skip_the_blocks_another_stage_holds():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     merge_deltas(model, {"blocks.7.attn.qkv": [(None, torch.ones(192, 64))]})
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_previews_leave_the_training_unchanged(tmp_path):
+    """A preview samples with the EMA adapters swapped in; the steps after it train the raw ones again.
+    Two processes, a sharded model: FSDP2 keeps its last block gathered after a forward, so the previews
+    reshard every module before the raw adapters go back."""
+    from tests.conftest import TINY
+
+    base = tmp_path / "base"
+    assert run_main(train, ["--config", str(TINY), f"run.output_dir={base}", "train.max_steps=2"]) == 0
+    common = ["--config", str(TINY), "train.max_steps=4", "train.checkpoint_every=4", "train.ema_decay=0.5"]
+    common += [f"model.pretrained={base}", "lora.rank=4", "train.batch_size=2"]
+    for name, every in (("a", 0), ("b", 1)):
+        result = torchrun(
+            2, "train.py", *common, f"run.output_dir={tmp_path / name}", f"train.sample_every={every}"
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert lora_losses(tmp_path / "a") == lora_losses(tmp_path / "b")
