@@ -24,8 +24,8 @@ from configs import DEFAULT_RECIPE, load_config, split_overrides
 from data.media import OUTPUT_EXTENSIONS, write_video
 from models.dit import DiT_models
 from models.flow import RectifiedFlow
-from models.lora import merge_deltas
-from models.lora_formats import parse_lora_spec, read_file, read_lora
+from models.lora import deltas_of, merge_deltas
+from models.lora_formats import check_file, parse_lora_spec, read_lora
 from models.pipeline import generate
 from models.tiling import plan_tiles
 from models.vae import vae_latent_space
@@ -36,7 +36,7 @@ from parallel.checkpoint_files import CheckpointError, check_checkpoint_files, r
 from parallel.components import build_frozen, build_model, check_pretrained, fill_unsharded, open_pretrained
 from parallel.entrypoint import run_as_process
 from parallel.layout import ParallelLayout
-from parallel.lora import checkpoint_adapters, describe_base, lora_of
+from parallel.lora import base_of_run, checkpoint_adapters, lora_of
 from parallel.pipefusion import ParallelSampler
 from parallel.pipefusion_plan import keep_stage
 from parallel.runtime import init_runtime, links_are_slow, local_world_size, world_from_env
@@ -157,44 +157,32 @@ def load_sampler(
 
 
 def lora_deltas(cfg, text_encoder, vae, checkpoint, record, use_ema: bool, loras) -> list[dict]:
-    """The weight updates to merge: a LoRA run's own adapters (from `checkpoint`, whose LoRA `record` it
-    is) and each --lora file at its scale, matched against the whole architecture (a PipeFusion stage
+    """The weight updates to merge: each --lora file at its scale and a LoRA run's own adapters (from
+    `checkpoint`, whose LoRA `record` it is), matched against the whole architecture (a PipeFusion stage
     merges those of its own blocks)."""
+    if not loras and checkpoint is None:
+        return []
+    whole = build_model(cfg, text_encoder, vae, weights=False)  # meta device: names and shapes only
     deltas = []
-    if checkpoint is not None:
-        adapters = checkpoint_adapters(
-            checkpoint, record, build_model(cfg, text_encoder, vae, False), use_ema
-        )
-        deltas.append({name: [(None, scale * (B @ A))] for name, (A, B, scale) in adapters.items()})
-    whole = build_model(cfg, text_encoder, vae, weights=False) if loras else None
     for spec in loras:
         update, strength = read_lora(spec, whole)
         deltas.append(update.deltas(strength))
+    if checkpoint is not None:  # last: it adds adapters to `whole`
+        deltas.append(deltas_of(checkpoint_adapters(checkpoint, record, whole, use_ema)))
     return deltas
 
 
 def check_lora_files(loras) -> None:
-    """Every --lora file exists, is whole and holds LoRA keys (matching the model comes once it is built)."""
+    """Every --lora file exists and is whole (matching the model comes once it is built)."""
     for spec in loras:
-        path, _ = parse_lora_spec(spec)
-        read_file(path)
+        check_file(parse_lora_spec(spec)[0])
 
 
 def lora_base(cfg, checkpoint) -> None:
-    """A LoRA run's checkpoint samples on its base: model.pretrained, else the base it names, refused by
-    name if that folder now holds other weights."""
+    """A LoRA run's checkpoint samples on its base (parallel.lora.base_of_run)."""
     record = lora_of(checkpoint)
-    if record is None:
-        return
-    if not cfg.model.pretrained:
-        cfg.model.pretrained = record["base"]["path"]
-    base = describe_base(cfg.model.pretrained)
-    if base.fingerprint != record["base"]["fingerprint"]:
-        raise CheckpointError(
-            f"checkpoint {checkpoint} holds adapters trained on {record['base']['path']} (fingerprint "
-            f"{record['base']['fingerprint']}); model.pretrained={cfg.model.pretrained} holds other weights "
-            f"({base.fingerprint}). Point model.pretrained at the base the LoRA was trained on"
-        )
+    if record is not None:
+        cfg.model.pretrained = base_of_run(checkpoint, record, cfg.model.pretrained)
 
 
 @dataclass

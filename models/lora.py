@@ -17,8 +17,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.dit import parameter_generator
-
 # Every Linear of the blocks' self-attention, cross-attention and feed-forward (tessera's names: the
 # fused qkv and kv projections count as one Linear each).
 DEFAULT_TARGETS = ("blocks.*.attn.*", "blocks.*.cross_attn.*", "blocks.*.mlp.*")
@@ -57,7 +55,7 @@ def target_modules(model: nn.Module, patterns) -> dict[str, nn.Linear]:
 
 def add_adapters(model: nn.Module, rank: int, alpha: float, patterns, dropout: float = 0.0) -> list[str]:
     """Turn the targeted Linear layers of `model` into LoRALinear in place (on whatever device the model
-    is, the meta device included; call `init_adapters` afterwards) and freeze every other parameter.
+    is, the meta device included; parallel/init.materialize fills them) and freeze every other parameter.
     Returns the names of the adapted modules."""
     targets = target_modules(model, patterns)
     too_big = [
@@ -98,16 +96,6 @@ def init_adapter(name: str, tensor: torch.Tensor, generator=None) -> None:
         tensor.uniform_(-bound, bound, generator=generator)
 
 
-@torch.no_grad()
-def init_adapters(model: nn.Module, seed: int) -> None:
-    """Initialise every adapter of an unsharded model from (seed, its name)."""
-    for name, p in model.named_parameters():
-        if is_adapter(name):
-            whole = torch.empty(p.shape, dtype=torch.float32)
-            init_adapter(name, whole, parameter_generator(seed, name))
-            p.copy_(whole)
-
-
 def adapted_modules(model: nn.Module) -> dict[str, LoRALinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
 
@@ -129,12 +117,16 @@ def merge_deltas(model: nn.Module, deltas: dict) -> None:
         module.weight.copy_(weight.to(module.weight.dtype))
 
 
+def deltas_of(adapters: dict) -> dict:
+    """{module name: [(None, scale B A)]} in float32 (for merge_deltas) of adapters {name: (A, B, scale)}."""
+    return {name: [(None, scale * (B.float() @ A.float()))] for name, (A, B, scale) in adapters.items()}
+
+
 def adapter_deltas(model: nn.Module) -> dict:
-    """{module name: [(None, scale B A)]} of a model's own adapters, in float32 (for merging)."""
-    return {
-        name: [(None, m.lora_scale * (m.lora_B.weight.float() @ m.lora_A.weight.float()))]
-        for name, m in adapted_modules(model).items()
-    }
+    """deltas_of a model's own adapters."""
+    return deltas_of(
+        {name: (m.lora_A.weight, m.lora_B.weight, m.lora_scale) for name, m in adapted_modules(model).items()}
+    )
 
 
 @torch.no_grad()
@@ -142,6 +134,6 @@ def fold_adapters(model: nn.Module) -> nn.Module:
     """Merge every adapter into its base weight and turn the LoRALinear layers back into nn.Linear."""
     merge_deltas(model, adapter_deltas(model))
     for m in adapted_modules(model).values():
-        del m.lora_A, m.lora_B, m.lora_dropout
+        del m.lora_A, m.lora_B, m.lora_dropout, m.lora_scale
         m.__class__ = nn.Linear
     return model

@@ -164,12 +164,8 @@ def split_key(key: str) -> tuple[str, str] | None:
     return None
 
 
-def read_file(path) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """A LoRA's tensors from a .safetensors file and the PEFT config diffusers may store in its header
-    (`lora_adapter_metadata`: r, lora_alpha, alpha_pattern), refusing a missing, truncated or damaged
-    file by name."""
-    from safetensors import safe_open
-
+def check_file(path) -> Path:
+    """A LoRA file that exists, is a .safetensors file and is as long as its header says (a few KB read)."""
     from models.wan import WanFormatError, check_safetensors
 
     path = Path(path)
@@ -179,11 +175,22 @@ def read_file(path) -> tuple[dict[str, torch.Tensor], dict | None]:
         raise LoRAFormatError(f"LoRA file {path}: tessera reads LoRAs as .safetensors files")
     try:
         check_safetensors(path, what="LoRA file")
+    except WanFormatError as e:
+        raise LoRAFormatError(str(e)) from None
+    return path
+
+
+def read_file(path) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """A LoRA's tensors from a .safetensors file and the PEFT config diffusers may store in its header
+    (`lora_adapter_metadata`: r, lora_alpha, alpha_pattern), refusing a missing, truncated or damaged
+    file by name."""
+    from safetensors import safe_open
+
+    path = check_file(path)
+    try:
         with safe_open(str(path), framework="pt") as f:
             tensors = {key: f.get_tensor(key) for key in f.keys()}
             metadata = f.metadata() or {}
-    except WanFormatError as e:
-        raise LoRAFormatError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - safetensors' own error type
         raise LoRAFormatError(f"LoRA file {path} cannot be read as safetensors ({e})") from None
     raw = metadata.get("lora_adapter_metadata")

@@ -235,3 +235,17 @@ def checkpoint_adapters(step, record: dict, model, use_ema: bool = True, verifie
 def lora_of(step) -> dict | None:
     """The LoRA record of a checkpoint (None: a full fine-tuning's)."""
     return read_trainer_state(step).get("lora")
+
+
+def base_of_run(checkpoint, record: dict, pretrained: str | None) -> str:
+    """The base a LoRA run's checkpoint samples or exports on: `pretrained` (model.pretrained), else the
+    one the checkpoint names; refused by name if that folder now holds other weights."""
+    path = pretrained or record["base"]["path"]
+    found = describe_base(path)
+    if found.fingerprint != record["base"]["fingerprint"]:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} holds adapters trained on {record['base']['path']} (fingerprint "
+            f"{record['base']['fingerprint']}); model.pretrained={path} holds other weights "
+            f"({found.fingerprint}). Point model.pretrained at the base the LoRA was trained on"
+        )
+    return path

@@ -18,10 +18,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
 
 from configs import load_config  # noqa: E402
 from models.dit import build_dit  # noqa: E402
-from models.lora import merge_deltas  # noqa: E402
+from models.lora import deltas_of, merge_deltas  # noqa: E402
 from models.lora_formats import (  # noqa: E402
     FORMATS,
     export_adapters,
@@ -33,7 +34,7 @@ from models.wan import diffusers_config_from_dit, diffusers_state_dict_from_tess
 from parallel.checkpoint import check_architecture, load_weights  # noqa: E402
 from parallel.checkpoint_files import CheckpointError, read_trainer_state, resolve_checkpoint  # noqa: E402
 from parallel.components import fill_unsharded, open_pretrained  # noqa: E402
-from parallel.lora import checkpoint_adapters, describe_base, lora_of  # noqa: E402
+from parallel.lora import base_of_run, checkpoint_adapters, lora_of  # noqa: E402
 
 
 def checkpoint_dims(path: Path, prefix: str) -> tuple[int, int]:
@@ -100,10 +101,11 @@ def export(
         raise ValueError("model.qk_norm=false: Wan normalises queries and keys")
     check_architecture(checkpoint, model.architecture())  # options without weights would export silently
     if record is not None:  # the base, then the adapters folded in
-        base = lora_base_of(cfg, checkpoint, record)
+        base = OmegaConf.create(OmegaConf.to_container(cfg))  # the recipe, on the base it was trained on
+        base.model.pretrained = base_of_run(checkpoint, record, cfg.model.pretrained)
         fill_unsharded(model, cfg.train.seed, open_pretrained(base, model))
         adapters = checkpoint_adapters(checkpoint, record, _meta_dit(cfg, in_channels, text_dim), use_ema)
-        merge_deltas(model, {name: [(None, scale * (B @ A))] for name, (A, B, scale) in adapters.items()})
+        merge_deltas(model, deltas_of(adapters))
     else:
         model.to_empty(device="cpu")
         load_weights(checkpoint, model, use_ema=use_ema)
@@ -135,23 +137,6 @@ def export(
 def _meta_dit(cfg, in_channels: int, text_dim: int):
     with torch.device("meta"):
         return build_dit(cfg.model, in_channels=in_channels, text_dim=text_dim)
-
-
-def lora_base_of(cfg, checkpoint: Path, record: dict):
-    """The recipe with model.pretrained set to the base the LoRA was trained on (the recipe's, else the one
-    the checkpoint names), refused by name if that folder now holds other weights."""
-    from omegaconf import OmegaConf
-
-    base = OmegaConf.create(OmegaConf.to_container(cfg))
-    base.model.pretrained = cfg.model.pretrained or record["base"]["path"]
-    found = describe_base(base.model.pretrained)
-    if found.fingerprint != record["base"]["fingerprint"]:
-        raise CheckpointError(
-            f"{checkpoint} holds adapters trained on {record['base']['path']}; model.pretrained="
-            f"{base.model.pretrained} holds other weights (fingerprint {found.fingerprint}, the LoRA's base "
-            f"{record['base']['fingerprint']}): point model.pretrained at the base it was trained on"
-        )
-    return base
 
 
 def export_lora(checkpoint: Path, output: Path, cfg, fmt: str, use_ema: bool = True) -> str:

@@ -161,30 +161,10 @@ def peft_lora_file(pipe_dir, folder, alpha=8):
     return folder / "pytorch_lora_weights.safetensors"
 
 
-def diffusers_sample_with(pipe_dir, lora_file, scale=1.0):
-    from diffusers import WanPipeline
-
-    pipe = WanPipeline.from_pretrained(pipe_dir)
-    pipe.load_lora_weights(str(lora_file), adapter_name="x")
-    pipe.set_adapters(["x"], [scale])
-    return pipe(
-        PROMPT,
-        negative_prompt="",
-        height=32,
-        width=32,
-        num_frames=5,
-        num_inference_steps=3,
-        guidance_scale=5.0,
-        generator=torch.Generator().manual_seed(0),
-        output_type="np",
-        max_sequence_length=40,
-    ).frames[0]
-
-
 def test_a_diffusers_peft_lora_samples_in_infer_what_diffusers_samples(tiny_pipeline, tmp_path):  # noqa: F811
     pipe_dir, recipe = tiny_pipeline
     lora = peft_lora_file(pipe_dir, tmp_path / "peft")
-    expected = diffusers_sample_with(pipe_dir, lora)
+    expected = pipeline_sample(pipe_dir, lora)
     base = pipeline_sample(pipe_dir)
     assert np.abs(expected - base).max() > 1e-2  # the LoRA changes the video
     ours = infer_sample(recipe, tmp_path / "run", tmp_path / "ours.npy", "--lora", str(lora))
@@ -253,7 +233,7 @@ def test_a_lora_trained_across_layouts_exports_to_diffusers_and_comfyui(tiny_pip
     for fmt in ("diffusers", "comfyui"):
         out = tmp_path / f"{fmt}.safetensors"
         assert export.main(["--checkpoint", str(run), "--lora", "--format", fmt, "--output", str(out)]) == 0
-        theirs = diffusers_sample_with(pipe_dir, out)
+        theirs = pipeline_sample(pipe_dir, out)
         assert np.abs(theirs - ours).max() <= 1e-4, fmt
     merged = tmp_path / "merged"
     assert export.main(["--checkpoint", str(run), "--lora", "--merge", "--output", str(merged)]) == 0

@@ -59,10 +59,14 @@ logging:
 PROMPT = "a red square moving left"
 
 
-def pipeline_sample(folder) -> np.ndarray:
+def pipeline_sample(folder, lora=None) -> np.ndarray:
+    """diffusers' WanPipeline from `folder`, with `lora` (a LoRA file) loaded by load_lora_weights."""
     from diffusers import WanPipeline
 
-    return WanPipeline.from_pretrained(folder)(
+    pipe = WanPipeline.from_pretrained(folder)
+    if lora is not None:
+        pipe.load_lora_weights(str(lora))
+    return pipe(
         PROMPT,
         negative_prompt="",
         height=32,
