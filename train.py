@@ -41,7 +41,6 @@ from models.pipeline import generate
 from models.vae import vae_latent_space
 from parallel import comm
 from parallel.checkpoint import (
-    TrainingState,
     check_architecture,
     load_checkpoint,
     save_checkpoint,
@@ -52,15 +51,19 @@ from parallel.checkpoint_files import (
     resolve_checkpoint,
     verify_checkpoint,
 )
-from parallel.components import build_frozen, build_model, check_pretrained, fill_sharded, open_pretrained
+from parallel.components import (
+    build_ema,
+    build_frozen,
+    build_model,
+    check_pretrained,
+    fill_sharded,
+    open_pretrained,
+)
 from parallel.divergence import NonFiniteGuard
 from parallel.entrypoint import run_as_process
 from parallel.fsdp import parallelize_dit, reshard_all, update_ema
-from parallel.init import copy_shards
 from parallel.layout import ParallelLayout
 from parallel.lora import (
-    AdapterEMA,
-    LoRAState,
     check_resume_base,
     describe_base,
     insert_adapters,
@@ -213,16 +216,9 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     else:
         model.to_empty(device=device)  # load_checkpoint fills every weight below
     del pretrained  # closes the safetensors files
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    trainable = [p for p in model.parameters() if p.requires_grad]  # every one, or the adapters
     optimizer = torch.optim.AdamW(trainable, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
-    if adapted:  # the EMA of the adapters alone
-        ema = AdapterEMA(model)
-        training = LoRAState(model, ema, optimizer)
-    else:
-        ema = build_model(cfg, text_encoder, vae, weights=False).requires_grad_(False)
-        ema = parallelize_dit(apply_sequence_parallel(ema, runtime.sequence), runtime.fsdp_mesh)
-        copy_shards(ema, model, device)  # the EMA starts as the model
-        training = TrainingState(model, ema, optimizer)
+    ema, training = build_ema(cfg, runtime, model, optimizer, text_encoder, vae, bool(adapted))
     if checkpoint is not None:
         load_checkpoint(runtime, checkpoint, training, verified=True)
         if runtime.is_main:

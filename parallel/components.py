@@ -14,10 +14,12 @@ from models.lora import is_adapter
 from models.text_encoder import TextEncoder, build_text_encoder
 from models.vae import LatentSpace, build_vae
 from models.wan import WanWeights, check_wan_folder
-from parallel.checkpoint import check_architecture, load_base_weights, load_weights
+from parallel.checkpoint import TrainingState, check_architecture, load_base_weights, load_weights
 from parallel.checkpoint_files import check_checkpoint_files, resolve_checkpoint
-from parallel.init import materialize
-from parallel.lora import describe_base, is_tessera_run
+from parallel.fsdp import parallelize_dit
+from parallel.init import copy_shards, materialize
+from parallel.lora import AdapterEMA, LoRAState, describe_base, is_tessera_run
+from parallel.sequence import apply_sequence_parallel
 
 
 def build_frozen(cfg, device) -> tuple[TextEncoder, LatentSpace]:
@@ -119,3 +121,15 @@ def fill_sharded(runtime, model: DiT, seed: int, pretrained, adapter_seed: int =
     materialize(model, runtime.device, seed, wan, adapter_seed=adapter_seed)
     if isinstance(pretrained, TesseraWeights):
         load_base_weights(runtime, pretrained.step, model)
+
+
+def build_ema(cfg, runtime, model, optimizer, text_encoder, vae, lora: bool):
+    """The EMA, starting as the model, and what a checkpoint saves: for a LoRA, the adapters' EMA and
+    LoRAState; else a second DiT sharded like the model and TrainingState."""
+    if lora:
+        ema = AdapterEMA(model)
+        return ema, LoRAState(model, ema, optimizer)
+    ema = build_model(cfg, text_encoder, vae, weights=False).requires_grad_(False)
+    ema = parallelize_dit(apply_sequence_parallel(ema, runtime.sequence), runtime.fsdp_mesh)
+    copy_shards(ema, model, runtime.device)
+    return ema, TrainingState(model, ema, optimizer)
