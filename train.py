@@ -61,7 +61,7 @@ from parallel.components import (
 )
 from parallel.divergence import NonFiniteGuard
 from parallel.entrypoint import run_as_process
-from parallel.fsdp import parallelize_dit, reshard_all, update_ema
+from parallel.fsdp import parallelize_dit, param_device, reshard_all, update_ema
 from parallel.layout import ParallelLayout
 from parallel.lora import (
     check_resume_base,
@@ -210,11 +210,13 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     pretrained = open_pretrained(cfg, model) if checkpoint is None or adapted else None
     if runtime.is_main:
         print(_summary(cfg, plan, runtime, model, run, bf16), flush=True)
-    model = parallelize_dit(model, runtime.fsdp_mesh, dtype, tc.activation_checkpointing, tc.compile)
+    model = parallelize_dit(
+        model, runtime.fsdp_mesh, dtype, tc.activation_checkpointing, tc.compile, tc.cpu_offload
+    )
     if checkpoint is None or adapted:
-        fill_sharded(runtime, model, tc.seed, pretrained, cfg.lora.seed)
+        fill_sharded(runtime, model, tc.seed, pretrained, cfg.lora.seed, tc.cpu_offload)
     else:
-        model.to_empty(device=device)  # load_checkpoint fills every weight below
+        model.to_empty(device=param_device(device, tc.cpu_offload))  # load_checkpoint fills every weight
     del pretrained  # closes the safetensors files
     trainable = [p for p in model.parameters() if p.requires_grad]  # every one, or the adapters
     optimizer = torch.optim.AdamW(trainable, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)

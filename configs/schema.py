@@ -101,6 +101,8 @@ class DataConfig:
     num_workers: int = 2
     synthetic_samples: int = 4096  # size of one epoch of the synthetic dataset
     synthetic_seed: int = 0
+    # colours of the synthetic clips; None: the demo's six. scripts/demo_lora.sh adds one they lack (orange)
+    synthetic_colors: Optional[list[str]] = None
 
 
 @dataclass
@@ -135,6 +137,9 @@ class TrainConfig:
     resume: str = "auto"
     activation_checkpointing: bool = False
     compile: bool = False
+    # FSDP2's CPU offload: sharded weights, gradients and AdamW in CPU memory, each block copied in for its
+    # forward and backward. For a LoRA run whose frozen base does not fit the GPU (docs/lora.md).
+    cpu_offload: bool = False
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
     # a step whose gradient norm is NaN or inf: stop (the run ends, naming it, before saving anything
     # non-finite) | skip (no update for that step; costs one host sync per step; 20 in a row stop the run)

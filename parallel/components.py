@@ -16,7 +16,7 @@ from models.vae import LatentSpace, build_vae
 from models.wan import WanWeights, check_wan_folder
 from parallel.checkpoint import TrainingState, check_architecture, load_base_weights, load_weights
 from parallel.checkpoint_files import check_checkpoint_files, resolve_checkpoint
-from parallel.fsdp import parallelize_dit
+from parallel.fsdp import parallelize_dit, param_device
 from parallel.init import copy_shards, materialize
 from parallel.lora import AdapterEMA, LoRAState, describe_base, is_tessera_run
 from parallel.sequence import apply_sequence_parallel
@@ -113,12 +113,14 @@ def open_pretrained(cfg, model: DiT):
     return weights
 
 
-def fill_sharded(runtime, model: DiT, seed: int, pretrained, adapter_seed: int = 0) -> None:
-    """Allocate a sharded model on this rank's device and fill its shards: from `pretrained` (Wan weights
-    read row by row, or a tessera run's checkpoint resharded by DCP) or from `seed`; adapters from
-    `adapter_seed`."""
+def fill_sharded(
+    runtime, model: DiT, seed: int, pretrained, adapter_seed: int = 0, cpu_offload: bool = False
+) -> None:
+    """Allocate a sharded model on this rank's device (the CPU under cpu_offload) and fill its shards:
+    from `pretrained` (Wan weights read row by row, or a tessera run's checkpoint resharded by DCP) or
+    from `seed`; adapters from `adapter_seed`."""
     wan = pretrained if not isinstance(pretrained, TesseraWeights) else None
-    materialize(model, runtime.device, seed, wan, adapter_seed=adapter_seed)
+    materialize(model, param_device(runtime.device, cpu_offload), seed, wan, adapter_seed=adapter_seed)
     if isinstance(pretrained, TesseraWeights):
         load_base_weights(runtime, pretrained.step, model)
 
@@ -130,6 +132,9 @@ def build_ema(cfg, runtime, model, optimizer, text_encoder, vae, lora: bool):
         ema = AdapterEMA(model)
         return ema, LoRAState(model, ema, optimizer)
     ema = build_model(cfg, text_encoder, vae, weights=False).requires_grad_(False)
-    ema = parallelize_dit(apply_sequence_parallel(ema, runtime.sequence), runtime.fsdp_mesh)
-    copy_shards(ema, model, runtime.device)
+    offload = cfg.train.cpu_offload
+    ema = parallelize_dit(
+        apply_sequence_parallel(ema, runtime.sequence), runtime.fsdp_mesh, cpu_offload=offload
+    )
+    copy_shards(ema, model, param_device(runtime.device, offload))
     return ema, TrainingState(model, ema, optimizer)

@@ -4,7 +4,13 @@ torch.compile, then FSDP2 (`fully_shard`) per block and on the root (as torchtit
 import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from parallel import comm
 
@@ -14,16 +20,24 @@ except ImportError:  # another torch layout: FSDP's collectives then go unrecord
     DefaultAllGather = DefaultReduceScatter = None
 
 
+def param_device(device: torch.device, cpu_offload: bool) -> torch.device:
+    """Where a sharded model's parameters are allocated: the CPU under train.cpu_offload."""
+    return torch.device("cpu") if cpu_offload else device
+
+
 def parallelize_dit(
     model: nn.Module,
     mesh,
     param_dtype: torch.dtype = torch.float32,
     activation_checkpointing: bool = False,
     compile: bool = False,
+    cpu_offload: bool = False,
 ) -> nn.Module:
     """Shard `model` (built with identical weights on every rank) over `mesh`.
     With param_dtype=bf16, parameters are all-gathered and computed in bf16 while the sharded
-    master weights, gradients' reduction and the optimizer stay in float32."""
+    master weights, gradients' reduction and the optimizer stay in float32. cpu_offload: the shards,
+    their gradients and the optimizer live in CPU memory; each block's weights are copied in for its
+    forward and backward (train.cpu_offload; `param_device` says where to allocate them)."""
     blocks = model.blocks
     for i, block in enumerate(blocks):
         if activation_checkpointing:
@@ -36,10 +50,14 @@ def parallelize_dit(
     mp_policy = MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
     )
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once for backward: keep them gathered.
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=i < len(blocks) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        last = i == len(blocks) - 1
+        fully_shard(
+            block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=not last, offload_policy=offload
+        )
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
     record_fsdp_collectives(model)
     return model
 

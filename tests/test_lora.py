@@ -205,9 +205,10 @@ def lora_losses(run):
 
 
 def test_a_lora_trained_across_layouts_exports_to_diffusers_and_comfyui(tiny_pipeline, tmp_path):  # noqa: F811
-    """One process trains steps 1-2, ulysses 2 resumes for step 3, ring 2 for step 4: the losses are a
-    straight one-process run's. The exported LoRA (both formats) samples in diffusers what infer.py
-    samples from the checkpoint, and not what the base samples."""
+    """One process trains steps 1-2, ulysses 2 resumes for step 3, ring 2 with the weights offloaded to
+    the CPU (train.cpu_offload) for step 4: the losses are a straight one-process run's. The exported
+    LoRA (both formats) samples in diffusers what infer.py samples from the checkpoint, and not what
+    the base samples."""
     import export
 
     pipe_dir, recipe = tiny_pipeline
@@ -215,8 +216,10 @@ def test_a_lora_trained_across_layouts_exports_to_diffusers_and_comfyui(tiny_pip
     straight, run = tmp_path / "straight", tmp_path / "run"
     assert run_main(train, common + [f"run.output_dir={straight}", "train.max_steps=4"]) == 0
     assert run_main(train, common + [f"run.output_dir={run}", "train.max_steps=2"]) == 0
-    for steps, layout in ((3, "parallel.ulysses=2"), (4, "parallel.ring=2")):
-        result = torchrun(2, "train.py", *common, f"run.output_dir={run}", f"train.max_steps={steps}", layout)
+    for steps, *layout in ((3, "parallel.ulysses=2"), (4, "parallel.ring=2", "train.cpu_offload=true")):
+        result = torchrun(
+            2, "train.py", *common, f"run.output_dir={run}", f"train.max_steps={steps}", *layout
+        )
         assert result.returncode == 0, result.stderr[-3000:]
     a, b = lora_losses(straight), lora_losses(run)
     assert a.keys() == b.keys() == {1, 2, 3, 4}
