@@ -12,12 +12,14 @@ test runs). results.json and results.md (a table for BENCHMARKS.md) go to --out.
 """
 
 import datetime
+import gc
 import json
 import math
 import os
 import platform
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -54,6 +56,50 @@ FULL_CASES = {
         batch=1,
         text=(512, 4096),
         wan=True,
+    ),
+    # LoRA on Wan2.1-14B's dims, 8 of its 40 layers (one GPU holds them), 17 frames: the cost of
+    # train.cpu_offload where it is meant to be used.
+    "Wan2.1-14B dims (8 of 40 layers) 17x480x832": dict(
+        depth=8,
+        hidden=5120,
+        heads=40,
+        ffn=13824,
+        latent=(16, 5, 60, 104),
+        batch=1,
+        text=(512, 4096),
+        wan=True,
+        lora_only=True,
+        ac_only=True,
+    ),
+    # All 40 layers of Wan2.1-14B with a rank-32 LoRA: what one 80 GB GPU holds (docs/lora.md).
+    **{
+        f"Wan2.1-14B dims {frames}x480x832": dict(
+            depth=40,
+            hidden=5120,
+            heads=40,
+            ffn=13824,
+            latent=(16, 1 + (frames - 1) // 4, 60, 104),
+            batch=1,
+            text=(512, 4096),
+            wan=True,
+            lora_only=True,
+            ac_only=True,
+        )
+        for frames in (17, 81)
+    },
+    # 480 x 832 x 81 (issue 24's second size): equal architectures only, and only with activation
+    # checkpointing (without it the activations alone would pass 80 GB: ~38 GiB at 14,040 tokens).
+    "Wan2.1-1.3B dims 81x480x832": dict(
+        depth=30,
+        hidden=1536,
+        heads=12,
+        ffn=8960,
+        latent=(16, 21, 60, 104),
+        batch=1,
+        text=(512, 4096),
+        wan=True,
+        equal_only=True,
+        ac_only=True,
     ),
 }
 TINY_CASES = {
@@ -139,6 +185,38 @@ def make_tessera_wan(case):
     return make_tessera(case, WAN_OPTIONS)
 
 
+LORA_RANK = 32
+
+
+def make_tessera_wan_lora(case):
+    """The Wan-option DiT with rank-32 adapters on the default targets, as train.py builds a LoRA run:
+    the frozen base in bf16 (the compute dtype on a GPU), the adapters float32."""
+    from models.lora import DEFAULT_TARGETS
+    from parallel.lora import insert_adapters
+
+    device = torch.empty(0).device  # build()'s device context
+    with torch.device("meta"):  # no float32 copy of the base, on the GPU either (Wan2.1-14B: 56 GB)
+        model = make_tessera_wan(case)
+    lora = type("LoRA", (), dict(rank=LORA_RANK, alpha=None, targets=DEFAULT_TARGETS, dropout=0.0))
+    insert_adapters(model, lora, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model.to_empty(device=device)
+    for param in model.parameters():  # random weights: the step's time does not depend on them
+        torch.nn.init.normal_(param, std=0.02)
+    return model
+
+
+def make_tessera_wan_lora_offload(case):
+    """The same LoRA with train.cpu_offload: every shard in CPU memory, each block copied in per use."""
+    return make_tessera_wan_lora(case)
+
+
+make_tessera_wan_lora_offload.cpu_offload = True
+LORA_MODELS = (
+    (f"tessera, Wan options, LoRA r{LORA_RANK}", make_tessera_wan_lora),
+    (f"tessera, Wan options, LoRA r{LORA_RANK}, CPU offload", make_tessera_wan_lora_offload),
+)
+
+
 def device_info(device):
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -181,6 +259,7 @@ def peak_memory(device):
 
 
 def reset_memory(device):
+    gc.collect()  # the last case's FSDP modules hold reference cycles: free them before the next build
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -214,6 +293,9 @@ def make_wan(case):
     return WanAdapter(case)
 
 
+EQUAL_MODELS = (("tessera, Wan options", make_tessera_wan), ("diffusers Wan", make_wan))
+
+
 def build(make_model, case, runtime, param_dtype, ac, compile):
     """`make_model(case)` on the device, under FSDP2 (and activation checkpointing, compile) as train.py
     runs it."""
@@ -222,7 +304,8 @@ def build(make_model, case, runtime, param_dtype, ac, compile):
     torch.manual_seed(0)
     with torch.device(runtime.device):
         model = make_model(case)
-    return parallelize_dit(model, runtime.fsdp_mesh, param_dtype, ac, compile)
+    offload = getattr(make_model, "cpu_offload", False)
+    return parallelize_dit(model, runtime.fsdp_mesh, param_dtype, ac, compile, offload)
 
 
 _FLOPS: dict = {}  # (model, case) -> train_flops: counted once per pair
@@ -233,7 +316,9 @@ def bench_train(name, case, make_model, runtime, param_dtype, variant, args, inf
     ac, compile = "ac" in variant.split("+"), "compile" in variant
     reset_memory(device)
     model = build(make_model, case, runtime, param_dtype, ac, compile)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    if device.type == "cuda":  # the steps' peak, not the build's (a float32 model before its cast)
+        torch.cuda.reset_peak_memory_stats(device)
     C, T, H, W = case["latent"]
     B, (L, text_dim) = case["batch"], case["text"]
     g = torch.Generator(device=device).manual_seed(0)
@@ -253,14 +338,17 @@ def bench_train(name, case, make_model, runtime, param_dtype, variant, args, inf
     seconds = timed(step, device, args.steps, args.warmup + (2 if compile else 0))
     tokens = B * T * H * W // (PATCH[0] * PATCH[1] * PATCH[2])
     key = (make_model.__name__, case["name"])
-    flops = _FLOPS[key] = _FLOPS.get(key) or train_flops(make_model, case)
+    # A LoRA step does less work than the formula counts (no weight gradients for the frozen base):
+    # its rows give time, not MFU.
+    lora = make_model in dict(LORA_MODELS).values()
+    flops = None if lora else _FLOPS.setdefault(key, _FLOPS.get(key) or train_flops(make_model, case))
     row = dict(
         case=name,
         variant=variant,
         seconds=seconds,
         tokens_per_s=tokens / seconds,
-        tflops=flops / seconds / 1e12,
-        mfu=flops / seconds / 1e12 / info["peak_tflops"] if info["peak_tflops"] else None,
+        tflops=flops / seconds / 1e12 if flops else None,
+        mfu=flops / seconds / 1e12 / info["peak_tflops"] if flops and info["peak_tflops"] else None,
         peak_gib=peak_memory(device),
         tokens=tokens,
         batch=B,
@@ -325,6 +413,91 @@ def bench_lse(runtime, shape, args):
     )
 
 
+def bench_denoise(case, make_model, runtime, param_dtype, variant, args):
+    """Seconds per guided denoising step: one transformer call on the conditional and unconditional
+    halves as one batch of 2 (what WanPipeline's transformer call does per step with CFG), no grad."""
+    device = runtime.device
+    reset_memory(device)
+    model = build(make_model, case, runtime, param_dtype, False, "compile" in variant)
+    C, T, H, W = case["latent"]
+    L, text_dim = case["text"]
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(2, C, T, H, W, device=device, generator=g)
+    y, y_mask = (
+        torch.randn(2, L, text_dim, device=device, generator=g),
+        torch.ones(2, L, dtype=torch.bool, device=device),
+    )
+    t = torch.full((2,), 0.7, device=device)
+
+    def call():
+        with torch.no_grad():
+            model(x, t, y, y_mask)
+
+    seconds = timed(call, device, args.steps, args.warmup + (2 if "compile" in variant else 0))
+    return dict(case=case["name"], variant=variant, seconds=seconds, peak_gib=peak_memory(device))
+
+
+GEMM_KERNELS = ("gemm", "nvjet", "xmma", "cutlass", "ampere_", "sm90_")
+ATTENTION_KERNELS = ("flash", "fmha", "cudnn", "attention", "sdpa")
+
+
+def kernel_kind(name: str) -> str:
+    lower = name.lower()
+    if any(k in lower for k in ATTENTION_KERNELS):
+        return "attention"
+    return "gemm" if any(k in lower for k in GEMM_KERNELS) else "other"
+
+
+def bench_profile(case, make_model, runtime, param_dtype, variant, args, top=12):
+    """GPU kernel time of one forward + backward (no optimizer), eager or compiled, by kernel: the top
+    kernels and the split into GEMM, attention and everything else (issue 24: the rest <= 10%)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = runtime.device
+    reset_memory(device)
+    model = build(make_model, case, runtime, param_dtype, False, variant == "compile")
+    C, T, H, W = case["latent"]
+    (L, text_dim), B = case["text"], case["batch"]
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(B, C, T, H, W, device=device, generator=g)
+    y, y_mask = (
+        torch.randn(B, L, text_dim, device=device, generator=g),
+        torch.ones(B, L, dtype=torch.bool, device=device),
+    )
+    t = torch.rand(B, device=device, generator=g)
+
+    def step():
+        model(x, t, y, y_mask).float().square().mean().backward()
+
+    for _ in range(3):
+        step()
+    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    kernels = {}
+    for event in prof.events():
+        if device.type == "cuda" and event.device_type.name != "CUDA":
+            continue
+        # A CUDA event is one kernel and its range is the kernel's run; on CPU (the test) the ops nest.
+        ms = event.time_range.elapsed_us() / 1e3
+        name = event.name[:90]
+        total, calls = kernels.get(name, (0.0, 0))
+        kernels[name] = (total + ms, calls + 1)
+    split = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    for name, (ms, _) in kernels.items():
+        split[kernel_kind(name)] += ms
+    total = sum(split.values())
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+    return dict(
+        total_ms=total,
+        **{f"{k}_ms": v for k, v in split.items()},
+        other_share=split["other"] / total if total else None,
+        top=[dict(name=n, ms=ms, calls=c, kind=kernel_kind(n)) for n, (ms, c) in ranked],
+    )
+
+
 def bench_sampler(case, runtime, param_dtype, args):
     from configs import load_config
     from models.flow import RectifiedFlow
@@ -344,6 +517,21 @@ def bench_sampler(case, runtime, param_dtype, args):
         1,
     )
     return dict(case=case["name"], steps=steps, seconds_per_step=seconds / steps, guidance=5.0)
+
+
+def guarded(measure, row, args):
+    """measure(), or `row` with the error: one broken variant (a compile failure, an OOM) must not lose
+    the others. On CPU (the test) a failure is a bug, not a device quirk: raised."""
+    try:
+        return measure()
+    except torch.OutOfMemoryError as e:
+        if args.tiny:
+            raise
+        return dict(row, error=f"out of memory: {str(e)[:80]}")
+    except Exception as e:
+        if args.tiny:
+            raise
+        return dict(row, error=f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}")
 
 
 def runtime_dtype(runtime):
@@ -383,7 +571,7 @@ def markdown(results) -> str:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         rows.append(
             [r["case"], r["variant"], f"{r['tokens']:,}", f"{r['seconds']:.4f}", f"{r['tokens_per_s']:,.0f}"]
-            + [f"{r['tflops']:.3g}", mfu, _fmt(r["peak_gib"], ".1f")]
+            + [_fmt(r["tflops"], ".3g"), mfu, _fmt(r["peak_gib"], ".1f")]
         )
     lines = [
         f"Device: {info['device']}; torch {info['torch']}, CUDA {info['cuda']}; {info['date']}; "
@@ -394,11 +582,28 @@ def markdown(results) -> str:
         ),
     ]
     for w in results.get("wan_ratio", []):
+        reference = w.get("reference", "diffusers Wan")
         lines.append(
-            f"\n{w.get('model', 'tessera')} / diffusers Wan, {w['variant']}: "
-            f"diffusers {w['wan_seconds']:.4f} s, tessera {w['tessera_seconds']:.4f} s, "
-            f"speed ratio **{w['speedup']:.2f}x** (target >= 1.2)"
+            f"\n{w['case']}, {w.get('model', 'tessera')} against {reference}, {w['variant']}: "
+            f"{w['wan_seconds']:.4f} s against {w['tessera_seconds']:.4f} s, speed ratio "
+            f"**{w['speedup']:.2f}x**"
+            + (" (target >= 1.15 compiled)" if reference == "diffusers Wan" else "")
         )
+    denoise = {(r["case"], r["variant"], r.get("model")): r for r in results.get("denoise", [])}
+    for (case, variant, model), r in denoise.items():
+        if model != "tessera, Wan options":
+            continue
+        theirs = denoise.get((case, variant, "diffusers Wan"), {})
+        if "seconds" in r and "seconds" in theirs:
+            lines.append(
+                f"\nguided denoising step (batch 2, no grad), {case}, {variant}: tessera (Wan options) "
+                f"{1e3 * r['seconds']:.1f} ms, diffusers {1e3 * theirs['seconds']:.1f} ms, speed ratio "
+                f"**{theirs['seconds'] / r['seconds']:.2f}x** (target >= 1.10 compiled)"
+            )
+        else:
+            lines.append(
+                f"\nguided denoising step, {case}, {variant}: {r.get('error') or theirs.get('error')}"
+            )
     if "sp" in results:
         s = results["sp"]
         lines.append(
@@ -422,6 +627,21 @@ def markdown(results) -> str:
         lines.append(
             f"\nsampler, {s['case']}, guidance {s['guidance']}: {1e3 * s['seconds_per_step']:.1f} ms per step"
         )
+    for label, prof in results.get("profile", {}).items():
+        if "top" not in prof:
+            lines.append(f"\nprofile, {label}: {prof.get('error')}")
+            continue
+        lines.append(
+            f"\nprofile, {label}, one forward + backward: {prof['total_ms']:.1f} ms of kernels; GEMM "
+            f"{prof['gemm_ms']:.1f}, attention {prof['attention_ms']:.1f}, other {prof['other_ms']:.1f} ms "
+            f"(**{100 * prof['other_share']:.1f}%**, target <= 10%)\n"
+        )
+        lines.append(
+            benchlib.table(
+                ["kernel", "kind", "ms", "calls"],
+                [[_one_line(k["name"]), k["kind"], f"{k['ms']:.2f}", str(k["calls"])] for k in prof["top"]],
+            )
+        )
     for part, error in results.get("errors", {}).items():
         lines.append(f"\n{part}: failed: {_one_line(error)}")
     return "\n".join(lines) + "\n"
@@ -439,7 +659,9 @@ def main(argv=None):
     p = benchlib.parser(__doc__, json_output=False)  # --tiny: automatic without CUDA; float32 on CPU
     p.add_argument("--out", default="runs/bench_gpu")
     p.add_argument("--variants", default="eager,ac,compile,compile+ac")
-    p.add_argument("--parts", default="train,wan,sp,lse,sampler")
+    p.add_argument("--parts", default="train,wan,lora,denoise,sp,lse,sampler")
+    p.add_argument("--cases", default="", help="comma-separated substrings of the case names to run")
+    p.add_argument("--models", default="", help="comma-separated substrings of the model labels to run")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--sampler-steps", type=int, default=5)
@@ -460,52 +682,97 @@ def main(argv=None):
     }
     print(f"{info['device']}: init_runtime {init_seconds:.2f} s", flush=True)
     for name, case in cases.items():
+        if args.cases and not any(c in name for c in args.cases.split(",")):
+            continue
         case = {**case, "name": name}
-        models = [("tessera", make_tessera)]
+        models = [] if case.get("equal_only") else [("tessera", make_tessera)]
         if "wan" in parts and case.get("wan"):
             models += [("tessera, Wan options", make_tessera_wan), ("diffusers Wan", make_wan)]
+        if "lora" in parts and case.get("wan") and not case.get("equal_only"):
+            models += list(LORA_MODELS)
+        if case.get("lora_only"):
+            models = list(LORA_MODELS) if "lora" in parts else []
+        if args.models:
+            models = [(label, m) for label, m in models if any(k in label for k in args.models.split(","))]
         for variant in variants if "train" in parts else []:
+            if case.get("ac_only") and "ac" not in variant.split("+"):
+                continue
             by_model = {}
             for label, make_model in models:
-                try:
-                    row = bench_train(
-                        f"{name} ({label})", case, make_model, runtime, param_dtype, variant, args, info
-                    )
-                except torch.OutOfMemoryError as e:
-                    row = dict(
-                        case=f"{name} ({label})", variant=variant, error=f"out of memory: {str(e)[:80]}"
-                    )
-                except Exception as e:  # one broken variant (a compile failure, say) must not lose the others
-                    if args.tiny:  # on CPU (the test) a failure is a bug, not a device quirk
-                        raise
-                    row = dict(
-                        case=f"{name} ({label})",
-                        variant=variant,
-                        error=f"{type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}",
-                    )
+                row = guarded(
+                    partial(
+                        bench_train,
+                        f"{name} ({label})",
+                        case,
+                        make_model,
+                        runtime,
+                        param_dtype,
+                        variant,
+                        args,
+                        info,
+                    ),
+                    dict(case=f"{name} ({label})", variant=variant),
+                    args,
+                )
                 results["train"].append(row)
                 by_model[label] = row
                 print(row, flush=True)
                 save(results, args.out)
-            for label in ("tessera", "tessera, Wan options"):
-                if "seconds" in by_model.get("diffusers Wan", {}) and "seconds" in by_model.get(label, {}):
+            lora, offload = (label for label, _ in LORA_MODELS)
+            for label, reference in [(m, "diffusers Wan") for m in ("tessera", "tessera, Wan options")] + [
+                (lora, "tessera, Wan options"),
+                (offload, lora),
+            ]:
+                if "seconds" in by_model.get(reference, {}) and "seconds" in by_model.get(label, {}):
                     results["wan_ratio"].append(
                         dict(
                             case=name,
                             variant=variant,
                             model=label,
-                            wan_seconds=by_model["diffusers Wan"]["seconds"],
+                            reference=reference,
+                            wan_seconds=by_model[reference]["seconds"],
                             tessera_seconds=by_model[label]["seconds"],
-                            speedup=by_model["diffusers Wan"]["seconds"] / by_model[label]["seconds"],
+                            speedup=by_model[reference]["seconds"] / by_model[label]["seconds"],
                         )
                     )
-    video = list(cases.values())[-1]
+        if "profile" in parts and case.get("wan") and not case.get("equal_only"):
+            for variant, label, make_model in [
+                (v, label, m) for v in variants if v in ("eager", "compile") for label, m in EQUAL_MODELS
+            ]:
+                key = f"{label}, {variant}"
+                results.setdefault("profile", {})[key] = guarded(
+                    partial(bench_profile, case, make_model, runtime, param_dtype, variant, args),
+                    dict(case=name),
+                    args,
+                )
+                print(key, {k: v for k, v in results["profile"][key].items() if k != "top"}, flush=True)
+                save(results, args.out)
+        if "denoise" in parts and case.get("wan") and not case.get("equal_only"):
+            for variant in [v for v in variants if "ac" not in v.split("+")]:
+                pair = {}
+                for label, make_model in (
+                    ("tessera, Wan options", make_tessera_wan),
+                    ("diffusers Wan", make_wan),
+                ):
+                    pair[label] = guarded(
+                        partial(bench_denoise, case, make_model, runtime, param_dtype, variant, args),
+                        dict(case=name, variant=variant),
+                        args,
+                    )
+                    pair[label]["model"] = label
+                    results.setdefault("denoise", []).append(pair[label])
+                    print(pair[label], flush=True)
+                    save(results, args.out)
+    video_name = [n for n, c in cases.items() if not c.get("equal_only") and not c.get("lora_only")][
+        -1
+    ]  # 14,040 tokens on a GPU
+    video = cases[video_name]
     heads, head_dim = video["heads"], video["hidden"] // video["heads"]
     tokens = video["latent"][1] * video["latent"][2] * video["latent"][3] // 4
     extra = {
         "sp": lambda: bench_sp(runtime, (1, heads, tokens, head_dim), args),
         "lse": lambda: bench_lse(runtime, (1, heads, tokens, head_dim), args),
-        "sampler": lambda: bench_sampler({**video, "name": list(cases)[-1]}, runtime, param_dtype, args),
+        "sampler": lambda: bench_sampler({**video, "name": video_name}, runtime, param_dtype, args),
     }
     for part, bench in extra.items():
         if part in parts:

@@ -95,10 +95,20 @@ def test_runs_tiny_on_cpu(tmp_path):
         "tiny video (Wan-shaped) (tessera)",
         "tiny video (Wan-shaped) (tessera, Wan options)",
         "tiny video (Wan-shaped) (diffusers Wan)",
+        "tiny video (Wan-shaped) (tessera, Wan options, LoRA r32)",
+        "tiny video (Wan-shaped) (tessera, Wan options, LoRA r32, CPU offload)",
     }
-    assert all(r["seconds"] > 0 and 0 < r["mfu"] for r in written["train"])
-    assert [w["model"] for w in written["wan_ratio"]] == ["tessera", "tessera, Wan options"]
+    full = [r for r in written["train"] if "LoRA" not in r["case"]]
+    assert all(r["seconds"] > 0 and 0 < r["mfu"] for r in full)
+    assert [(w["model"], w["reference"]) for w in written["wan_ratio"]] == [
+        ("tessera", "diffusers Wan"),
+        ("tessera, Wan options", "diffusers Wan"),
+        ("tessera, Wan options, LoRA r32", "tessera, Wan options"),
+        ("tessera, Wan options, LoRA r32, CPU offload", "tessera, Wan options, LoRA r32"),
+    ]
     assert all(w["speedup"] > 0 for w in written["wan_ratio"])
+    assert {r["model"] for r in written["denoise"]} == {"tessera, Wan options", "diffusers Wan"}
+    assert all(r["seconds"] > 0 for r in written["denoise"])
     assert written["lse"]["self_check"] is True
     assert written["sp"]["ratio"] > 0 and written["sampler"]["seconds_per_step"] > 0
     assert "| tiny image (tessera) | eager |" in (tmp_path / "results.md").read_text()
