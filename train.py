@@ -139,6 +139,13 @@ def check_before_start(cfg) -> Plan:
         raise ValueError(f"the preview size in sample.frames/height/width: {e}") from None
     if not sc.prompts:
         raise ValueError("sample.prompts is empty: training previews need at least one prompt")
+    if cfg.train.cpu_offload and world_size > 1 and torch.cuda.is_available():
+        # The gradient norm of CPU-held shards is reduced over the FSDP group on the CPU: NCCL takes no CPU
+        # tensors, and a second (gloo) backend beside it is not built.
+        raise ValueError(
+            "train.cpu_offload runs on one GPU for now (its gradient-norm reduction across GPUs would need "
+            "CPU collectives beside NCCL); on several GPUs, shard the weights instead (cpu_offload=false)"
+        )
     dataset = build_dataset(cfg, buckets)
     sampler = build_sampler(cfg, dataset, buckets, layout.dp_rank(rank), layout.dp)
     checkpoint = resolve_checkpoint(cfg.train.resume, cfg.run.output_dir)
@@ -494,6 +501,7 @@ def sample_previews(cfg, runtime, run, model, t: Trainer, step):
         sc.negative_prompt,
         seeds=[cfg.train.seed + i for i in range(len(sc.prompts))],
         progress=runtime.watchdog.sampling_progress,
+        device=runtime.device,
     )
     model.train(was_training)
     if runtime.is_main:

@@ -32,6 +32,7 @@ def generate(
     progress=None,
     sampler=None,
     decode=None,
+    device=None,
 ) -> np.ndarray:
     """Videos (B, frames, height, width, 3) as float32 in [0, 1]. Prompt i starts from noise seeded by
     seeds[i] (default: i), so a video does not depend on which other prompts share its batch or rank.
@@ -39,7 +40,8 @@ def generate(
     the VAE decode in the recipe's tiles (vae.tile_latent, vae.tile_overlap) on this device (e.g.
     parallel/vae.py's shared_decoder, which shares the tiles among ranks)."""
     seeds = list(range(len(prompts))) if seeds is None else seeds
-    device = next(model.parameters()).device
+    # `device`: where the sampling runs (a model under train.cpu_offload keeps its weights on the CPU)
+    device = device or next(model.parameters()).device
     latent_shape = vae.latent_shape(frames, height, width, flow.patch_size)
     noise = torch.stack(
         [torch.randn(latent_shape, generator=torch.Generator().manual_seed(s)) for s in seeds]

@@ -735,7 +735,7 @@ def main(argv=None):
                             speedup=by_model[reference]["seconds"] / by_model[label]["seconds"],
                         )
                     )
-        if "profile" in parts and case.get("wan") and not case.get("equal_only"):
+        if "profile" in parts and case.get("wan") and not (case.get("equal_only") or case.get("lora_only")):
             for variant, label, make_model in [
                 (v, label, m) for v in variants if v in ("eager", "compile") for label, m in EQUAL_MODELS
             ]:
@@ -747,7 +747,7 @@ def main(argv=None):
                 )
                 print(key, {k: v for k, v in results["profile"][key].items() if k != "top"}, flush=True)
                 save(results, args.out)
-        if "denoise" in parts and case.get("wan") and not case.get("equal_only"):
+        if "denoise" in parts and case.get("wan") and not (case.get("equal_only") or case.get("lora_only")):
             for variant in [v for v in variants if "ac" not in v.split("+")]:
                 pair = {}
                 for label, make_model in (
