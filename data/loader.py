@@ -61,7 +61,7 @@ def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
             dataset.leave_out(path, category, why)
         return dataset
     from data.dataset import SyntheticDataset
-    from data.synthetic import SyntheticVideoDataset
+    from data.synthetic import SyntheticVideoDataset, train_combos
 
     generator = SyntheticVideoDataset(
         dc.synthetic_samples,
@@ -70,6 +70,7 @@ def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
         dc.width,
         seed=dc.synthetic_seed,
         min_frames=min(table.frame_counts),
+        combos=train_combos(dc.synthetic_colors),
     )
     return SyntheticDataset(generator, table, cfg.train.seed)
 

@@ -27,18 +27,44 @@ ALL_COMBOS = list(itertools.product(COLORS, SHAPES, DIRECTIONS))
 # Two held-out combinations per colour, with a different shape/direction pair for each colour.
 HELD_OUT = {c for i, c in enumerate(ALL_COMBOS) if (i % 12) in {(i // 12 * 5) % 12, (i // 12 * 5 + 7) % 12}}
 TRAIN_COMBOS = [c for c in ALL_COMBOS if c not in HELD_OUT]
+# Colours the demo model never sees: scripts/demo_lora.sh teaches one with a LoRA (data.synthetic_colors).
+NEW_COLORS = {"orange": (1.0, 0.5, 0.0)}
+PALETTE = {**COLORS, **NEW_COLORS}
+# A new colour's held-out combinations: one per direction, the shapes in turn.
+NEW_HELD_OUT = {(c, SHAPES[i % len(SHAPES)], d) for c in NEW_COLORS for i, d in enumerate(DIRECTIONS)}
+
+
+def check_colors(colors) -> list[str]:
+    unknown = [c for c in colors if c not in PALETTE]
+    if unknown or not colors:
+        raise ValueError(
+            f"data.synthetic_colors: {unknown or 'empty'} is not a colour of the synthetic generator; "
+            f"choose from {list(PALETTE)}"
+        )
+    return list(colors)
+
+
+def train_combos(colors=None) -> list[tuple[str, str, str]]:
+    """The training combinations of `colors` (default: the demo's six), held-out ones left out."""
+    colors = check_colors(colors) if colors else list(COLORS)
+    held_out = HELD_OUT | NEW_HELD_OUT
+    return [c for c in itertools.product(colors, SHAPES, DIRECTIONS) if c not in held_out]
 
 
 def caption(color: str, shape: str, direction: str) -> str:
-    return f"a {color} {shape} moving {direction}"
+    return f"{'an' if color[0] in 'aeiou' else 'a'} {color} {shape} moving {direction}"
 
 
-def held_out_prompts() -> list[str]:
-    return [caption(*c) for c in ALL_COMBOS if c in HELD_OUT]
+def held_out_prompts(colors=None) -> list[str]:
+    """The prompts never trained on: the demo's (default), or those of `colors` (new ones included)."""
+    if not colors:
+        return [caption(*c) for c in ALL_COMBOS if c in HELD_OUT]
+    combos = itertools.product(check_colors(colors), SHAPES, DIRECTIONS)
+    return [caption(*c) for c in combos if c in HELD_OUT | NEW_HELD_OUT]
 
 
 def prompt_color(prompt: str) -> str:
-    return next(c for c in COLORS if f" {c} " in f" {prompt} ")
+    return next(c for c in PALETTE if f" {c} " in f" {prompt} ")
 
 
 def render_clip(
@@ -65,7 +91,7 @@ def render_clip(
     cx0 = width / 2 - dx * travel / 2 + jitter[0] * (dx == 0)
     cy0 = height / 2 - dy * travel / 2 + jitter[1] * (dy == 0)
     ys, xs = np.mgrid[0:height, 0:width].astype(np.float32) + 0.5
-    rgb = np.asarray(COLORS[color], dtype=np.float32)
+    rgb = np.asarray(PALETTE[color], dtype=np.float32)
     video = np.zeros((frames, height, width, 3), dtype=np.float32)
     for f in range(frames):
         u, v = xs - (cx0 + dx * step * f), ys - (cy0 + dy * step * f)
@@ -221,8 +247,8 @@ def classify_shape(mask: np.ndarray) -> str | None:
     return best if overlap[best] >= SHAPE_IOU else None
 
 
-def read_clip(video: np.ndarray, threshold: float = BRIGHT) -> dict:
-    """What a (T, H, W, 3) clip in [0, 1] shows: the object's colour (palette colour nearest to the mean
+def read_clip(video: np.ndarray, threshold: float = BRIGHT, palette=COLORS) -> dict:
+    """What a (T, H, W, 3) clip in [0, 1] shows: the object's colour (`palette` colour nearest to the mean
     of its largest component's pixels), shape (the most frequent over frames; None on a tie), direction
     (the sign of the larger least-squares slope of that component's centroid over frames, if it moves at
     least a pixel over the clip) and whether it is coherent (see COHERENT above). Fields are None where
@@ -252,7 +278,7 @@ def read_clip(video: np.ndarray, threshold: float = BRIGHT) -> dict:
         return out
     pixels = video[np.stack(masks)]
     mean = pixels.mean(axis=0) / max(pixels.mean(axis=0).max(), 1e-6)  # brightness-invariant
-    out["color"] = min(COLORS, key=lambda n: np.linalg.norm(mean - np.asarray(COLORS[n])))
+    out["color"] = min(palette, key=lambda n: np.linalg.norm(mean - np.asarray(palette[n])))
     shapes = [classify_shape(m) for m in masks if m.any()]
     shapes = [s for s in shapes if s]
     counts = sorted((shapes.count(s), s) for s in SHAPES)

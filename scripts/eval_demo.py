@@ -24,7 +24,16 @@ import parallel.startup  # noqa: E402, F401  (before torch loads)
 # isort: split
 
 from configs import DEFAULT_RECIPE, load_config, split_overrides  # noqa: E402
-from data.synthetic import DIRECTIONS, SHAPES, held_out_prompts, prompt_color, read_clip  # noqa: E402
+from data.synthetic import (  # noqa: E402
+    COLORS,
+    DIRECTIONS,
+    PALETTE,
+    SHAPES,
+    check_colors,
+    held_out_prompts,
+    prompt_color,
+    read_clip,
+)
 from models.dit import DiT_models  # noqa: E402
 from models.flow import RectifiedFlow  # noqa: E402
 from parallel.entrypoint import run_as_process  # noqa: E402
@@ -34,9 +43,10 @@ from parallel.runtime import init_runtime  # noqa: E402
 CHECKS = ("color", "coherent", "direction", "shape")
 
 
-def judge(prompt: str, video: np.ndarray) -> dict:
-    """read_clip of one (T, H, W, 3) clip in [0, 1], scored against its prompt."""
-    seen = read_clip(video)
+def judge(prompt: str, video: np.ndarray, palette=COLORS) -> dict:
+    """read_clip of one (T, H, W, 3) clip in [0, 1], scored against its prompt; colours are read as the
+    nearest of `palette`."""
+    seen = read_clip(video, palette=palette)
     words = prompt.split()
     row = {
         "prompt": prompt,
@@ -95,7 +105,15 @@ def main(argv=None, session=None):
     p.add_argument("--seeds", type=int, default=4, help="samples per held-out prompt")
     p.add_argument("--output", default=None, help="JSON report (default: <run>/eval_demo.json)")
     p.add_argument("--sheet", default=None, help="contact sheet PNG (default: <run>/contact_sheet.png)")
+    p.add_argument(
+        "--colors",
+        nargs="+",
+        default=None,
+        help="judge the held-out prompts of these colours (a new one, e.g. orange, included; colours are "
+        "then read among the demo's six and these); default: the demo's held-out prompts",
+    )
     args = p.parse_args(args)
+    palette = {**COLORS, **{c: PALETTE[c] for c in check_colors(args.colors)}} if args.colors else COLORS
     cfg = load_config(args.config, overrides)
 
     from infer import find_checkpoint, load_sampler
@@ -105,7 +123,7 @@ def main(argv=None, session=None):
     layout = ParallelLayout.from_config(cfg.parallel, 1, DiT_models[cfg.model.size]["num_heads"], "sample")
     runtime = init_runtime(cfg.parallel, layout, task="sample", session=session)
     model, vae, text_encoder, sampler = load_sampler(cfg, runtime, checkpoint, use_ema=cfg.sample.use_ema)
-    prompts = [prompt for prompt in held_out_prompts() for _ in range(args.seeds)]
+    prompts = [prompt for prompt in held_out_prompts(args.colors) for _ in range(args.seeds)]
     videos = generate(
         model,
         vae,
@@ -121,7 +139,7 @@ def main(argv=None, session=None):
         seeds=list(range(len(prompts))),
         sampler=sampler,
     )
-    rows = [judge(prompt, video) for prompt, video in zip(prompts, videos, strict=True)]
+    rows = [judge(prompt, video, palette) for prompt, video in zip(prompts, videos, strict=True)]
     report = {"checkpoint": str(checkpoint), **summarise(rows), "rows": rows}
     run_dir = Path(cfg.run.output_dir)
     out = Path(args.output or run_dir / "eval_demo.json")

@@ -9,13 +9,19 @@ from data.manifest import complete_metadata, read_manifest, write_manifest
 from data.media import fit_to_bucket, read_video, write_video
 from data.synthetic import (
     ALL_COMBOS,
+    COLORS,
     HELD_OUT,
+    NEW_HELD_OUT,
+    PALETTE,
+    SHAPES,
     TRAIN_COMBOS,
     SyntheticVideoDataset,
     classify_shape,
+    held_out_prompts,
     largest_component,
     read_clip,
     render_clip,
+    train_combos,
 )
 from tests.conftest import TINY
 
@@ -28,6 +34,24 @@ def test_synthetic_is_deterministic_and_holds_out_combos():
     assert len(HELD_OUT) == 12 and not set(TRAIN_COMBOS) & HELD_OUT
     shapes = {(a.describe(i)["height"], a.describe(i)["width"], a.describe(i)["frames"]) for i in range(20)}
     assert len(shapes) > 3  # several aspect ratios and clip lengths
+
+
+def test_a_new_colour_has_its_own_held_out_prompts_and_reads_back():
+    """data.synthetic_colors=[orange] (demo_lora.sh): training combinations without its held-out ones, an
+    unknown colour refused by name, and the judge reads a rendered orange clip as orange once the palette
+    holds it (and as one of the demo's six when it does not)."""
+    assert train_combos() == TRAIN_COMBOS
+    orange = train_combos(["orange"])
+    assert len(orange) == 8 and not set(orange) & NEW_HELD_OUT
+    assert {p.split()[2] for p in held_out_prompts(["orange"])} == set(SHAPES)
+    assert len(held_out_prompts(["orange"])) == 4 and all(
+        " orange " in p for p in held_out_prompts(["orange"])
+    )
+    with pytest.raises(ValueError, match="'purple'.*choose from"):
+        train_combos(["purple"])
+    clip = render_clip("orange", "circle", "right", 8, 24, 24, np.random.default_rng(0))
+    assert read_clip(clip, palette=PALETTE)["color"] == "orange"
+    assert read_clip(clip)["color"] in COLORS
 
 
 def test_read_clip_reads_ground_truth_in_every_bucket():

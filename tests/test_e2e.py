@@ -212,6 +212,11 @@ def test_eval_demo_reports_every_rate_and_a_contact_sheet(trained, tmp_path):
     )
     with Image.open(tmp_path / "sheet.png") as sheet:
         assert sheet.height >= 12 * 16  # a row per held-out prompt
+    # demo_lora.sh's judge: the held-out prompts of a colour the demo never saw, read among 7 colours
+    assert run_main(eval_demo, argv + ["--colors", "orange"]) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["samples"] == 4 and all(" orange " in r["prompt"] for r in report["rows"])
+    assert run_main(eval_demo, argv + ["--colors", "purple"]) == 2  # refused by name, nothing sampled
 
 
 def never_called(*args, **kwargs):
