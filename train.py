@@ -61,7 +61,7 @@ from parallel.components import (
 )
 from parallel.divergence import NonFiniteGuard
 from parallel.entrypoint import run_as_process
-from parallel.fsdp import parallelize_dit, param_device, reshard_all, update_ema
+from parallel.fsdp import check_cpu_offload, parallelize_dit, param_device, reshard_all, update_ema
 from parallel.layout import ParallelLayout
 from parallel.lora import (
     check_resume_base,
@@ -139,13 +139,7 @@ def check_before_start(cfg) -> Plan:
         raise ValueError(f"the preview size in sample.frames/height/width: {e}") from None
     if not sc.prompts:
         raise ValueError("sample.prompts is empty: training previews need at least one prompt")
-    if cfg.train.cpu_offload and world_size > 1 and torch.cuda.is_available():
-        # The gradient norm of CPU-held shards is reduced over the FSDP group on the CPU: NCCL takes no CPU
-        # tensors, and a second (gloo) backend beside it is not built.
-        raise ValueError(
-            "train.cpu_offload runs on one GPU for now (its gradient-norm reduction across GPUs would need "
-            "CPU collectives beside NCCL); on several GPUs, shard the weights instead (cpu_offload=false)"
-        )
+    check_cpu_offload(cfg.train.cpu_offload, world_size)
     dataset = build_dataset(cfg, buckets)
     sampler = build_sampler(cfg, dataset, buckets, layout.dp_rank(rank), layout.dp)
     checkpoint = resolve_checkpoint(cfg.train.resume, cfg.run.output_dir)

@@ -20,6 +20,17 @@ except ImportError:  # another torch layout: FSDP's collectives then go unrecord
     DefaultAllGather = DefaultReduceScatter = None
 
 
+def check_cpu_offload(cpu_offload: bool, world_size: int) -> None:
+    """train.cpu_offload, before start-up: one GPU only. The gradient norm of CPU-held shards is reduced
+    over the FSDP group on the CPU: NCCL takes no CPU tensors, and a second (gloo) backend beside it is not
+    built. Several processes on CPU (gloo) are fine."""
+    if cpu_offload and world_size > 1 and torch.cuda.is_available():
+        raise ValueError(
+            "train.cpu_offload runs on one GPU for now (its gradient-norm reduction across GPUs would need "
+            "CPU collectives beside NCCL); on several GPUs, shard the weights instead (cpu_offload=false)"
+        )
+
+
 def param_device(device: torch.device, cpu_offload: bool) -> torch.device:
     """Where a sharded model's parameters are allocated: the CPU under train.cpu_offload."""
     return torch.device("cpu") if cpu_offload else device

@@ -42,65 +42,37 @@ PEAK_TFLOPS = [
     ("4090", 165.0),
 ]
 
+WAN_1_3B = dict(depth=30, hidden=1536, heads=12, ffn=8960)
+WAN_14B = dict(depth=40, hidden=5120, heads=40, ffn=13824)
+
+
+def wan_480p(dims, frames, **flags):
+    """A Wan-shaped case at 480 x 832 x `frames` (the causal VAE: 1 + (frames - 1) / 4 latent frames), 512
+    text tokens of UMT5's 4096 width, batch 1."""
+    return dict(
+        dims, latent=(16, 1 + (frames - 1) // 4, 60, 104), batch=1, text=(512, 4096), wan=True, **flags
+    )
+
+
 # name: model dims, latent (C, T, H, W), batch, text (tokens, dim)
 FULL_CASES = {
     "DiT-XL 256px": dict(
         depth=28, hidden=1152, heads=16, ffn=4608, latent=(4, 1, 32, 32), batch=32, text=(120, 4096)
     ),
-    "Wan2.1-1.3B dims 33x480x832": dict(
-        depth=30,
-        hidden=1536,
-        heads=12,
-        ffn=8960,
-        latent=(16, 9, 60, 104),
-        batch=1,
-        text=(512, 4096),
-        wan=True,
-    ),
+    "Wan2.1-1.3B dims 33x480x832": wan_480p(WAN_1_3B, 33),
     # LoRA on Wan2.1-14B's dims, 8 of its 40 layers (one GPU holds them), 17 frames: the cost of
     # train.cpu_offload where it is meant to be used.
-    "Wan2.1-14B dims (8 of 40 layers) 17x480x832": dict(
-        depth=8,
-        hidden=5120,
-        heads=40,
-        ffn=13824,
-        latent=(16, 5, 60, 104),
-        batch=1,
-        text=(512, 4096),
-        wan=True,
-        lora_only=True,
-        ac_only=True,
+    "Wan2.1-14B dims (8 of 40 layers) 17x480x832": wan_480p(
+        dict(WAN_14B, depth=8), 17, lora_only=True, ac_only=True
     ),
     # All 40 layers of Wan2.1-14B with a rank-32 LoRA: what one 80 GB GPU holds (docs/lora.md).
     **{
-        f"Wan2.1-14B dims {frames}x480x832": dict(
-            depth=40,
-            hidden=5120,
-            heads=40,
-            ffn=13824,
-            latent=(16, 1 + (frames - 1) // 4, 60, 104),
-            batch=1,
-            text=(512, 4096),
-            wan=True,
-            lora_only=True,
-            ac_only=True,
-        )
+        f"Wan2.1-14B dims {frames}x480x832": wan_480p(WAN_14B, frames, lora_only=True, ac_only=True)
         for frames in (17, 81)
     },
     # 480 x 832 x 81 (issue 24's second size): equal architectures only, and only with activation
     # checkpointing (without it the activations alone would pass 80 GB: ~38 GiB at 14,040 tokens).
-    "Wan2.1-1.3B dims 81x480x832": dict(
-        depth=30,
-        hidden=1536,
-        heads=12,
-        ffn=8960,
-        latent=(16, 21, 60, 104),
-        batch=1,
-        text=(512, 4096),
-        wan=True,
-        equal_only=True,
-        ac_only=True,
-    ),
+    "Wan2.1-1.3B dims 81x480x832": wan_480p(WAN_1_3B, 81, equal_only=True, ac_only=True),
 }
 TINY_CASES = {
     "tiny image": dict(depth=2, hidden=64, heads=4, ffn=256, latent=(4, 1, 8, 8), batch=4, text=(8, 32)),
