@@ -33,7 +33,14 @@ from parallel import comm
 from parallel import vae as parallel_vae
 from parallel.checkpoint import check_architecture, load_weights
 from parallel.checkpoint_files import CheckpointError, check_checkpoint_files, resolve_checkpoint
-from parallel.components import build_frozen, build_model, check_pretrained, fill_unsharded, open_pretrained
+from parallel.components import (
+    build_frozen,
+    build_model,
+    check_pretrained,
+    fill_unsharded,
+    meta_dit,
+    open_pretrained,
+)
 from parallel.entrypoint import run_as_process
 from parallel.layout import ParallelLayout
 from parallel.lora import base_of_run, checkpoint_adapters, lora_of
@@ -126,7 +133,8 @@ def load_sampler(
     """The frozen components, the DiT with the checkpoint's weights (without a checkpoint, the pretrained
     ones, model.pretrained, or with random_weights random ones from train.seed), and the sampler that
     runs it across the layout (None: flow.sample on this process). A LoRA run's checkpoint and the
-    `loras` files (FILE[:SCALE]) are merged into the weights: every layout then runs the same plain DiT.
+    `loras` (read_loras: files matched, with their scales) are merged into the weights: every layout then
+    runs the same plain DiT.
     Under PipeFusion the DiT is this rank's stage: only its blocks are ever allocated and filled."""
     text_encoder, vae = build_frozen(cfg, runtime.device)
     model = build_model(cfg, text_encoder, vae, weights=False)
@@ -134,11 +142,12 @@ def load_sampler(
     record = lora_of(checkpoint) if checkpoint is not None else None
     from_base = (checkpoint is None and not random_weights) or record is not None
     pretrained = open_pretrained(cfg, model) if from_base else None
+    if checkpoint is not None:  # a full run's or a LoRA run's: the recipe must build its architecture
+        check_architecture(checkpoint, model.architecture())
     deltas = lora_deltas(cfg, text_encoder, vae, checkpoint if record else None, record, use_ema, loras)
     if layout.pipefusion > 1:
         model = keep_stage(model, groups.stage, groups.stages)
     if checkpoint is not None and record is None:
-        check_architecture(checkpoint, model.architecture())
         model.to_empty(device="cpu")
         load_weights(checkpoint, model, use_ema=use_ema)
     else:  # random weights: adaLN-Zero's zeros would make the output 0 whatever the layout does
@@ -157,25 +166,25 @@ def load_sampler(
 
 
 def lora_deltas(cfg, text_encoder, vae, checkpoint, record, use_ema: bool, loras) -> list[dict]:
-    """The weight updates to merge: each --lora file at its scale and a LoRA run's own adapters (from
-    `checkpoint`, whose LoRA `record` it is), matched against the whole architecture (a PipeFusion stage
-    merges those of its own blocks)."""
-    if not loras and checkpoint is None:
-        return []
-    whole = build_model(cfg, text_encoder, vae, weights=False)  # meta device: names and shapes only
-    deltas = []
-    for spec in loras:
-        update, strength = read_lora(spec, whole)
-        deltas.append(update.deltas(strength))
-    if checkpoint is not None:  # last: it adds adapters to `whole`
+    """The weight updates to merge: each --lora file at its scale (`loras`: read_loras' answer) and a
+    LoRA run's own adapters (from `checkpoint`, whose LoRA `record` it is), matched against the whole
+    architecture (a PipeFusion stage merges those of its own blocks)."""
+    deltas = [update.deltas(strength) for update, strength in loras]
+    if checkpoint is not None:
+        whole = build_model(cfg, text_encoder, vae, weights=False)  # meta device: names and shapes only
         deltas.append(deltas_of(checkpoint_adapters(checkpoint, record, whole, use_ema)))
     return deltas
 
 
-def check_lora_files(loras) -> None:
-    """Every --lora file exists and is whole (matching the model comes once it is built)."""
-    for spec in loras:
-        check_file(parse_lora_spec(spec)[0])
+def read_loras(cfg, specs) -> list:
+    """Every --lora FILE[:SCALE] read and matched to the recipe's DiT (on the meta device) before
+    init_runtime: a missing or damaged file, or a key that fits no layer, stops every rank alike here."""
+    if not specs:
+        return []
+    for spec in specs:
+        check_file(parse_lora_spec(spec)[0])  # all files exist before the first is read
+    model = meta_dit(cfg)
+    return [read_lora(spec, model) for spec in specs]
 
 
 def lora_base(cfg, checkpoint) -> None:
@@ -259,13 +268,13 @@ def main(argv=None, session=None):
         lora_base(cfg, checkpoint)
     if cfg.model.pretrained and not args.random_weights and (checkpoint is None or lora_of(checkpoint)):
         check_pretrained(cfg.model.pretrained)
-    check_lora_files(args.lora)
+    loras = read_loras(cfg, args.lora)
 
     runtime = init_runtime(cfg.parallel, layout, cfg.run.output_dir, task="sample", session=session)
     if runtime.is_main:
         print(_layout_line(cfg, runtime, request, patches, links), flush=True)
     use_ema = cfg.sample.use_ema and not args.no_ema
-    components = load_sampler(cfg, runtime, checkpoint, use_ema, args.random_weights, patches, args.lora)
+    components = load_sampler(cfg, runtime, checkpoint, use_ema, args.random_weights, patches, loras)
     mine = list(range(layout.dp_rank(runtime.rank), len(request.prompts), layout.dp))  # split over dp
     if mine:
         sample_and_write(cfg, args, runtime, request, mine, *components)

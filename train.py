@@ -55,6 +55,7 @@ from parallel.components import (
     build_ema,
     build_frozen,
     build_model,
+    check_adapters,
     check_pretrained,
     fill_sharded,
     open_pretrained,
@@ -67,6 +68,7 @@ from parallel.lora import (
     check_resume_base,
     describe_base,
     insert_adapters,
+    is_tessera_run,
     lora_record,
 )
 from parallel.preemption import Stopped
@@ -120,6 +122,7 @@ class Plan:
     checkpoint: object  # the step_<N> folder to resume from, or None
     resume: dict | None  # the checkpoint's sampler state
     base: object  # parallel.lora.Base: the frozen base of a LoRA run (lora.rank > 0), else None
+    adapter_start: dict | None = None  # lora.init_from's adapters {name: whole tensor} on a fresh start
 
 
 def check_before_start(cfg) -> Plan:
@@ -151,9 +154,13 @@ def check_before_start(cfg) -> Plan:
     if cfg.model.pretrained and (checkpoint is None or cfg.lora.rank):
         check_pretrained(cfg.model.pretrained)
     base = describe_base(cfg.model.pretrained) if cfg.lora.rank else None
+    if base is not None and is_tessera_run(base.path):  # `latest` read once: a base still training may
+        cfg.model.pretrained = str(base.source)  # write another step before the weights are read
     if checkpoint is not None:
         check_resume_base(checkpoint, cfg.lora, base)
-    return Plan(layout, buckets, dataset, sampler, checkpoint, resume, base)
+    # a resume takes its adapters from the checkpoint and never reads lora.init_from
+    adapter_start = check_adapters(cfg, fresh=checkpoint is None) if cfg.lora.rank else None
+    return Plan(layout, buckets, dataset, sampler, checkpoint, resume, base, adapter_start)
 
 
 def agree_on_data(cfg, plan: Plan, runtime) -> tuple[int, str]:
@@ -215,7 +222,7 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
         model, runtime.fsdp_mesh, dtype, tc.activation_checkpointing, tc.compile, tc.cpu_offload
     )
     if checkpoint is None or adapted:
-        fill_sharded(runtime, model, tc.seed, pretrained, cfg.lora.seed, tc.cpu_offload)
+        fill_sharded(runtime, model, tc.seed, pretrained, cfg.lora.seed, tc.cpu_offload, plan.adapter_start)
     else:
         model.to_empty(device=param_device(device, tc.cpu_offload))  # load_checkpoint fills every weight
     del pretrained  # closes the safetensors files

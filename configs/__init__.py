@@ -264,6 +264,11 @@ def validate(cfg: DictConfig) -> None:
             "lora.dropout > 0 with train.activation_checkpointing: the recomputed blocks would draw other "
             "dropout masks than the forward did; set lora.dropout=0 or train.activation_checkpointing=false"
         )
+    if lora.init_from and not lora.rank:
+        raise ConfigError(
+            f"lora.init_from={lora.init_from} starts adapters from a LoRA file, but lora.rank=0 trains every "
+            "weight: set lora.rank (at least the file's rank)"
+        )
     if lora.rank and not lora.targets:
         raise ConfigError("'lora.targets' is empty: name the Linear layers that get adapters")
     if lora.rank and not cfg.model.pretrained:

@@ -202,6 +202,12 @@ class LoRAConfig:
     targets: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     dropout: float = 0.0  # dropout on the adapters' input (not reproducible across layouts when > 0)
     seed: int = 0  # the adapters' initialisation (A from (seed, name); B starts at 0)
+    # a fused Linear (q, k, v in one; cross-attention k, v) gets one rank-r adapter per projection, as
+    # PEFT and every LoRA file have them; false: one shared A (runs saved before this key existed)
+    per_projection: bool = True
+    # start the adapters from a LoRA file (.safetensors: diffusers/PEFT, ComfyUI/Wan or kohya/musubi
+    # names) instead of lora.seed; a fresh start only: a resume takes the checkpoint's adapters
+    init_from: Optional[str] = None
 
 
 @dataclass

@@ -174,6 +174,7 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.num_heads, self.across_heads = num_heads, qk_norm_across_heads
         self.qkv = nn.Linear(hidden_size, 3 * hidden_size)
+        self.qkv.fused_projections = 3  # q, k, v in row thirds: a LoRA gives each its own adapter
         self.q_norm = qk_norm_layer(hidden_size, num_heads, qk_norm, qk_norm_across_heads)
         self.k_norm = qk_norm_layer(hidden_size, num_heads, qk_norm, qk_norm_across_heads)
         self.inner_attention = make_attention(attention_backend)  # swappable: (B, H, N, Dh) contract
@@ -198,6 +199,7 @@ class CrossAttention(nn.Module):
         self.num_heads, self.across_heads = num_heads, qk_norm_across_heads
         self.q = nn.Linear(hidden_size, hidden_size)
         self.kv = nn.Linear(hidden_size, 2 * hidden_size)
+        self.kv.fused_projections = 2
         self.q_norm = qk_norm_layer(hidden_size, num_heads, qk_norm, qk_norm_across_heads)
         self.k_norm = qk_norm_layer(hidden_size, num_heads, qk_norm, qk_norm_across_heads)
         self.proj = nn.Linear(hidden_size, hidden_size)

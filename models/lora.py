@@ -6,8 +6,10 @@ and `lora_B` (out x r); the output is W x + b + (alpha / r) B A x. Written here 
 PEFT wraps the base Linear (its weight becomes `...base_layer.weight`), which would rename every base
 weight that the pretrained reader, the seeded initialisation and the checkpoints know by name; and
 tessera's fused projections (qkv, kv) need exact splitting on export, which models/lora_formats.py
-does. Each adapter draws its init from its own (seed, name) generator, so every layout gets the same
-adapters. LoRA files are read and written in the shared formats by models/lora_formats.py.
+does. On a fused Linear (q, k, v in one weight) each projection gets its own rank-r adapter by default
+(lora.per_projection), as PEFT gives to_q, to_k and to_v: lora_A stacks their A's (n r x in), lora_B holds
+each projection's B in its rows (out x r). Each adapter draws its init from its own (seed, name)
+generator, so every layout gets the same adapters. Files: models/lora_formats.py.
 """
 
 import fnmatch
@@ -27,10 +29,19 @@ class LoRALinear(nn.Linear):
 
     lora_scale: float
     lora_dropout: nn.Module
+    lora_groups: int  # n > 1: a fused Linear whose n projections (row blocks) have adapters of their own
 
     def forward(self, x):
         base = F.linear(x, self.weight, self.bias)
-        update = self.lora_B(self.lora_A(self.lora_dropout(x).to(self.lora_A.weight.dtype)))
+        down = self.lora_A(self.lora_dropout(x).to(self.lora_A.weight.dtype))  # (..., n r)
+        n = self.lora_groups
+        if n == 1:
+            update = self.lora_B(down)
+        else:  # projection i: its rows of B times its r entries of A x
+            B = self.lora_B.weight
+            update = torch.einsum(
+                "...gr,gor->...go", down.unflatten(-1, (n, -1)), B.view(n, -1, B.shape[1])
+            ).flatten(-2)
         return base + (update * self.lora_scale).to(base.dtype)
 
 
@@ -53,26 +64,35 @@ def target_modules(model: nn.Module, patterns) -> dict[str, nn.Linear]:
     return dict(sorted(chosen.items()))
 
 
-def add_adapters(model: nn.Module, rank: int, alpha: float, patterns, dropout: float = 0.0) -> list[str]:
+def projection_count(module: nn.Linear, per_projection: bool) -> int:
+    """How many adapters a Linear gets: one per fused projection (models/dit.py marks qkv and kv), or 1."""
+    return getattr(module, "fused_projections", 1) if per_projection else 1
+
+
+def add_adapters(
+    model: nn.Module, rank: int, alpha: float, patterns, dropout: float = 0.0, per_projection: bool = True
+) -> list[str]:
     """Turn the targeted Linear layers of `model` into LoRALinear in place (on whatever device the model
     is, the meta device included; parallel/init.materialize fills them) and freeze every other parameter.
+    per_projection: a fused Linear gets one rank-`rank` adapter per projection (else one shared A).
     Returns the names of the adapted modules."""
     targets = target_modules(model, patterns)
     too_big = [
         f"{name} ({m.in_features} -> {m.out_features})"
         for name, m in targets.items()
-        if rank > min(m.in_features, m.out_features)
+        if rank > min(m.in_features, m.out_features // projection_count(m, per_projection))
     ]
     if too_big:
         raise ValueError(f"lora.rank={rank} is larger than the smallest side of {', '.join(too_big[:3])}")
     model.requires_grad_(False)
     for module in targets.values():
-        device = module.weight.device
+        device, n = module.weight.device, projection_count(module, per_projection)
         module.__class__ = LoRALinear
-        module.lora_A = nn.Linear(module.in_features, rank, bias=False, device=device)
+        module.lora_A = nn.Linear(module.in_features, n * rank, bias=False, device=device)
         module.lora_B = nn.Linear(rank, module.out_features, bias=False, device=device)
         module.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         module.lora_scale = alpha / rank
+        module.lora_groups = n
     return list(targets)
 
 
@@ -94,6 +114,25 @@ def init_adapter(name: str, tensor: torch.Tensor, generator=None) -> None:
     else:
         bound = 1.0 / math.sqrt(tensor.shape[1])
         tensor.uniform_(-bound, bound, generator=generator)
+
+
+def seeded_adapter(name: str, shape, seed: int) -> torch.Tensor:
+    """An adapter parameter, whole, in float32, as lora.seed initialises it in every layout."""
+    from models.dit import parameter_generator
+
+    whole = torch.empty(shape, dtype=torch.float32)
+    init_adapter(name, whole, parameter_generator(seed, name))
+    return whole
+
+
+def lora_delta(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """The weight update B A (out x in, float32, unscaled) of one adapter; an A with n times B's rank holds
+    n per-projection adapters (add_adapters' per_projection), projection i taking its rows of B."""
+    A, B = A.float(), B.float()
+    n = A.shape[0] // B.shape[1]
+    if n == 1:
+        return B @ A
+    return torch.cat([b @ a for a, b in zip(A.chunk(n), B.chunk(n))])
 
 
 def adapted_modules(model: nn.Module) -> dict[str, LoRALinear]:
@@ -119,7 +158,7 @@ def merge_deltas(model: nn.Module, deltas: dict) -> None:
 
 def deltas_of(adapters: dict) -> dict:
     """{module name: [(None, scale B A)]} in float32 (for merge_deltas) of adapters {name: (A, B, scale)}."""
-    return {name: [(None, scale * (B.float() @ A.float()))] for name, (A, B, scale) in adapters.items()}
+    return {name: [(None, scale * lora_delta(A, B))] for name, (A, B, scale) in adapters.items()}
 
 
 def adapter_deltas(model: nn.Module) -> dict:
@@ -134,6 +173,6 @@ def fold_adapters(model: nn.Module) -> nn.Module:
     """Merge every adapter into its base weight and turn the LoRALinear layers back into nn.Linear."""
     merge_deltas(model, adapter_deltas(model))
     for m in adapted_modules(model).values():
-        del m.lora_A, m.lora_B, m.lora_dropout, m.lora_scale
+        del m.lora_A, m.lora_B, m.lora_dropout, m.lora_scale, m.lora_groups
         m.__class__ = nn.Linear
     return model

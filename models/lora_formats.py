@@ -7,8 +7,9 @@
 - kohya / musubi-tuner: `lora_unet_blocks_0_self_attn_q.lora_down.weight`, `lora_up`, `.alpha`;
 - tessera's own names (`tessera.blocks.0.attn.qkv.lora_A.weight`), for DiTs without Wan's architecture.
 tessera's fused q/k/v (and cross-attention k/v) Linear exports exactly as one adapter per projection
-sharing A, B split by rows; an imported per-projection adapter adds its update to its rows. Key lists
-and sources: FIELD_NOTES "LoRA: formats people share" and docs/internals.md.
+(its own A under lora.per_projection, else a shared A; B split by rows). An imported per-projection
+adapter adds its update to its rows (infer.py --lora) or becomes that projection's adapter
+(lora.init_from). Key lists and sources: FIELD_NOTES "LoRA: formats people share", docs/internals.md.
 """
 
 import json
@@ -123,23 +124,29 @@ def export_adapters(adapters: dict, projections: dict, fmt: str) -> dict[str, to
         raise ValueError(f"unknown LoRA format {fmt!r}; choose one of {', '.join(FORMATS)}")
     out = {}
     for module, (A, B, scale) in adapters.items():
-        rank = A.shape[0]
-        for p in projections[module]:
-            b = B[p.rows] if p.rows is not None else B
+        for p, a, b in _file_adapters(A, B, projections[module]):
             if fmt == "diffusers":  # no alpha in this format: the scale goes into B
                 prefix = p.diffusers if p.diffusers.startswith("tessera.") else f"transformer.{p.diffusers}"
-                out[f"{prefix}.lora_A.weight"] = (
-                    A.float().clone()
-                )  # shared by the split projections: one copy each
+                out[f"{prefix}.lora_A.weight"] = a.float().clone()  # a shared A: one copy each
                 out[f"{prefix}.lora_B.weight"] = (b.float() * scale).contiguous()
             else:
                 prefix = p.original if p.original.startswith("tessera.") else f"diffusion_model.{p.original}"
-                out[f"{prefix}.lora_A.weight"] = (
-                    A.float().clone()
-                )  # shared by the split projections: one copy each
+                out[f"{prefix}.lora_A.weight"] = a.float().clone()
                 out[f"{prefix}.lora_B.weight"] = b.float().contiguous()
-                out[f"{prefix}.alpha"] = torch.tensor(scale * rank, dtype=torch.float32)
+                out[f"{prefix}.alpha"] = torch.tensor(scale * a.shape[0], dtype=torch.float32)
     return out
+
+
+def _file_adapters(A, B, projections: list) -> list:
+    """[(projection, A, B)] of one tessera adapter as a file holds it. Per-projection adapters on a fused
+    Linear (A with n times B's rank) give each projection its A rows and B rows; kept fused (tessera's own
+    names), they become one block-diagonal adapter of rank n r, exact too. A shared A goes to each."""
+    n = A.shape[0] // B.shape[1]
+    if n == 1:
+        return [(p, A, B[p.rows] if p.rows is not None else B) for p in projections]
+    if len(projections) == 1:
+        return [(projections[0], A, torch.block_diag(*B.chunk(n)))]
+    return [(p, a, B[p.rows]) for p, a in zip(projections, A.chunk(n), strict=True)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -329,3 +336,60 @@ def read_lora(spec: str, model) -> tuple[LoRAUpdate, float]:
     projections, linears = model_projections(model)
     tensors, config = read_file(path)
     return match_lora(tensors, projections, linears, path, config), strength
+
+
+def starting_adapters(update: LoRAUpdate, modules: dict, seed: int) -> dict[str, torch.Tensor]:
+    """lora.init_from: the whole float32 adapter tensors {parameter name: tensor} of the modules that a
+    LoRA file covers, so that training starts from base + that LoRA exactly. `modules`: the run's
+    LoRALinear layers {name: module} (meta device will do). Each file adapter becomes its projection's
+    adapter, its scale folded into B (the run's alpha / rank stays the recipe's); a lower rank than
+    lora.rank is padded (A's extra rows from lora.seed, B's extra columns zero: they add nothing). What
+    the file lacks keeps lora.seed's initialisation. A file adapter with no adapter in this run, a higher
+    rank, or per-projection adapters for a shared A (lora.per_projection=false) is refused by name."""
+    from models.lora import seeded_adapter
+
+    out, outside, wrong = {}, [], []
+    for p, a, b, scale in update.updates:
+        m = modules.get(p.module)
+        if m is None:
+            outside.append(p.module)
+            continue
+        n, rank = m.lora_groups, m.lora_B.weight.shape[1]
+        names = f"{p.module}.lora_A.weight", f"{p.module}.lora_B.weight"
+        for name, param in zip(names, (m.lora_A.weight, m.lora_B.weight)):
+            out.setdefault(name, seeded_adapter(name, param.shape, seed))
+        A, B = (out[name] for name in names)
+        part = B.shape[0] // n
+        if p.rows is not None and n == 1:
+            wrong.append(
+                f"{p.module} has one adapter per projection in the file, and one shared A in this run: set "
+                "lora.per_projection=true"
+            )
+            continue
+        if p.rows is not None:  # one projection of a fused Linear
+            blocks = [(p.rows.start // part, a, b)]
+        elif n > 1:  # a fused Linear in tessera's own names: block-diagonal, rank n r
+            r = a.shape[0] // n
+            diagonal = [b[i * part : (i + 1) * part, i * r : (i + 1) * r] for i in range(n)]
+            if a.shape[0] % n or not torch.equal(torch.block_diag(*diagonal), b):
+                wrong.append(f"{p.module}: the file's adapter is not one per projection (block-diagonal)")
+                continue
+            blocks = list(zip(range(n), a.chunk(n), diagonal))
+        else:
+            blocks = [(0, a, b)]
+        for i, a_i, b_i in blocks:
+            if a_i.shape[0] > rank:
+                wrong.append(f"{p.module} has rank {a_i.shape[0]} in the file, more than lora.rank={rank}")
+                continue
+            A[i * rank : i * rank + a_i.shape[0]] = a_i.float()
+            rows = slice(i * part, (i + 1) * part)  # every row when n == 1
+            B[rows, : b_i.shape[1]] = b_i.float() * (scale / m.lora_scale)
+    if outside:
+        wrong.insert(
+            0,
+            f"{len(set(outside))} layers have adapters in the file and none in this run "
+            f"({', '.join(sorted(set(outside))[:4])}): add them to lora.targets",
+        )
+    if wrong:
+        raise LoRAFormatError(f"{update.path}: " + "; ".join(wrong[:4]))
+    return out

@@ -6,6 +6,7 @@ tests. Prompts repeat a lot in training (captions, the empty prompt for guidance
 encoded once and kept in a small LRU cache.
 """
 
+import json
 import os
 from collections import OrderedDict
 from pathlib import Path
@@ -98,6 +99,24 @@ def load_pretrained_text_encoder(kind: str, path: str):
     return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True), cls.from_pretrained(
         model_dir, local_files_only=True
     )
+
+
+def text_encoder_dim(text_cfg) -> int:
+    """The width of the text embeddings the recipe's encoder gives (TextEncoder.dim), from its config.json
+    alone: a meta-device DiT can be built to check a recipe before any weight is loaded."""
+    if not text_cfg.pretrained:
+        return text_cfg.tiny_d_model
+    folder = Path(text_cfg.pretrained)
+    config = folder / "text_encoder" / "config.json"
+    config = config if config.is_file() else folder / "config.json"
+    try:
+        values = json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(
+            f"text_encoder.pretrained='{text_cfg.pretrained}': cannot read {config} ({e}); save the encoder "
+            "with save_pretrained() into that folder"
+        ) from None
+    return values.get("d_model") or values["hidden_size"]
 
 
 def build_text_encoder(text_cfg) -> TextEncoder:

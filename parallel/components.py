@@ -10,15 +10,16 @@ from pathlib import Path
 import torch
 
 from models.dit import ARCHITECTURE_OPTIONS, DiT, DiT_models, architecture_differences, build_dit, recipe_key
-from models.lora import is_adapter
-from models.text_encoder import TextEncoder, build_text_encoder
-from models.vae import LatentSpace, build_vae
+from models.lora import adapted_modules, is_adapter
+from models.lora_formats import LoRAFormatError, match_lora, model_projections, read_file, starting_adapters
+from models.text_encoder import TextEncoder, build_text_encoder, text_encoder_dim
+from models.vae import LatentSpace, build_vae, vae_latent_space
 from models.wan import WanWeights, check_wan_folder
 from parallel.checkpoint import TrainingState, check_architecture, load_base_weights, load_weights
 from parallel.checkpoint_files import check_checkpoint_files, resolve_checkpoint
 from parallel.fsdp import parallelize_dit, param_device
 from parallel.init import copy_shards, materialize
-from parallel.lora import AdapterEMA, LoRAState, describe_base, is_tessera_run
+from parallel.lora import AdapterEMA, LoRAState, describe_base, insert_adapters, is_tessera_run
 from parallel.sequence import apply_sequence_parallel
 
 
@@ -46,6 +47,35 @@ def build_model(cfg, text_encoder: TextEncoder, vae: LatentSpace, weights: bool 
     if weights:
         fill_unsharded(model, cfg.train.seed, open_pretrained(cfg, model))
     return model
+
+
+def meta_dit(cfg) -> DiT:
+    """The recipe's DiT on the meta device, before any component is loaded (the encoder's width from its
+    config.json): names and shapes, to check a recipe or a LoRA file before init_runtime."""
+    with torch.device("meta"):
+        return build_dit(
+            cfg.model,
+            in_channels=vae_latent_space(cfg.vae).latent_channels,
+            text_dim=text_encoder_dim(cfg.text_encoder),
+        )
+
+
+def check_adapters(cfg, fresh: bool = True) -> dict | None:
+    """A LoRA recipe tried on a meta-device DiT before init_runtime: lora.targets that match no layer and a
+    rank too large are refused here, and lora.init_from is read and matched (a key that fits no layer, or
+    an adapter with no counterpart in this run, is an error naming them). Returns the adapters' starting
+    tensors {name: whole float32} from lora.init_from, or None (also when not `fresh`: a resume)."""
+    model = meta_dit(cfg)
+    insert_adapters(model, cfg.lora, torch.float32)
+    if not (cfg.lora.init_from and fresh):
+        return None
+    projections, linears = model_projections(model)
+    try:
+        tensors, config = read_file(cfg.lora.init_from)
+    except LoRAFormatError as e:
+        raise LoRAFormatError(f"lora.init_from: {e}") from None
+    update = match_lora(tensors, projections, linears, f"lora.init_from={cfg.lora.init_from}", config)
+    return starting_adapters(update, adapted_modules(model), cfg.lora.seed)
 
 
 def fill_unsharded(model: DiT, seed: int, pretrained, zero_init: bool = True, partial: bool = False) -> None:
@@ -114,13 +144,20 @@ def open_pretrained(cfg, model: DiT):
 
 
 def fill_sharded(
-    runtime, model: DiT, seed: int, pretrained, adapter_seed: int = 0, cpu_offload: bool = False
+    runtime,
+    model: DiT,
+    seed: int,
+    pretrained,
+    adapter_seed: int = 0,
+    cpu_offload: bool = False,
+    adapter_start: dict | None = None,
 ) -> None:
     """Allocate a sharded model on this rank's device (the CPU under cpu_offload) and fill its shards:
     from `pretrained` (Wan weights read row by row, or a tessera run's checkpoint resharded by DCP) or
-    from `seed`; adapters from `adapter_seed`."""
+    from `seed`; adapters from `adapter_start` (lora.init_from) where it has them, else `adapter_seed`."""
     wan = pretrained if not isinstance(pretrained, TesseraWeights) else None
-    materialize(model, param_device(runtime.device, cpu_offload), seed, wan, adapter_seed=adapter_seed)
+    device = param_device(runtime.device, cpu_offload)
+    materialize(model, device, seed, wan, adapter_seed=adapter_seed, adapter_start=adapter_start)
     if isinstance(pretrained, TesseraWeights):
         load_base_weights(runtime, pretrained.step, model)
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from models.dit import init_parameter, parameter_generator
-from models.lora import init_adapter, is_adapter
+from models.lora import is_adapter, seeded_adapter
 
 # Wrappers that parallel/fsdp.py may put around a block; state-dict names leave them out.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -45,9 +45,11 @@ def materialize(
     zero_init: bool = True,
     partial: bool = False,
     adapter_seed: int = 0,
+    adapter_start: dict | None = None,
 ) -> None:
     """Allocate `model`'s (sharded) parameters on `device` and fill them: from `pretrained` (a
-    models.wan.WanWeights) if given, else from `seed`; LoRA adapters from `adapter_seed` (lora.seed).
+    models.wan.WanWeights) if given, else from `seed`; LoRA adapters from `adapter_seed` (lora.seed), or
+    from `adapter_start` {name: whole tensor} where it has them (lora.init_from).
     `partial`: the model holds only some of the pretrained weights (a PipeFusion stage)."""
     model.to_empty(device=device)
     names = [canonical_name(name) for name, _ in model.named_parameters()]
@@ -58,8 +60,9 @@ def materialize(
         local = param.to_local() if isinstance(param, DTensor) else param.data
         start, stop = local_rows(param)
         if is_adapter(canonical):
-            whole = torch.empty(param.shape, dtype=torch.float32)
-            init_adapter(canonical, whole, parameter_generator(adapter_seed, canonical))
+            whole = (adapter_start or {}).get(canonical)
+            if whole is None:
+                whole = seeded_adapter(canonical, param.shape, adapter_seed)
             rows = whole[start:stop]
         elif pretrained is not None:
             expected = tuple(pretrained.shape(canonical))

@@ -35,7 +35,9 @@ def insert_adapters(model, lora_cfg, compute_dtype: torch.dtype) -> list[str]:
     """Adapters on the targeted Linear layers of a meta-device model, before it is sharded; the frozen base
     takes `compute_dtype` (bf16: no float32 copy of the base exists anywhere), the adapters float32."""
     alpha = lora_cfg.alpha if lora_cfg.alpha is not None else lora_cfg.rank
-    names = add_adapters(model, lora_cfg.rank, alpha, list(lora_cfg.targets), lora_cfg.dropout)
+    names = add_adapters(
+        model, lora_cfg.rank, alpha, list(lora_cfg.targets), lora_cfg.dropout, lora_cfg.per_projection
+    )
     for name, p in model.named_parameters():
         p.data = p.data.to(torch.float32 if is_adapter(name) else compute_dtype)
     return names
@@ -129,6 +131,12 @@ def check_resume_base(checkpoint: Path, lora_cfg, base: Base | None) -> None:
             f"{list(lora_cfg.targets)}: set lora.rank, lora.alpha and lora.targets as it was trained, or "
             "train.resume=none"
         )
+    if per_projection(saved) != lora_cfg.per_projection:
+        value = str(per_projection(saved)).lower()
+        raise CheckpointError(
+            f"checkpoint {checkpoint} holds adapters trained with lora.per_projection={value}: set "
+            f"lora.per_projection={value} as it was trained, or train.resume=none"
+        )
     if base is not None and saved["base"]["fingerprint"] != base.fingerprint:
         raise CheckpointError(
             f"checkpoint {checkpoint} holds adapters trained on the base {saved['base']['path']} "
@@ -201,12 +209,20 @@ class LoRAState:
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
 
 
+def per_projection(record: dict) -> bool:
+    """Whether a LoRA run's fused Linear layers have an adapter per projection (runs saved before
+    lora.per_projection existed shared one A)."""
+    return record.get("per_projection", False)
+
+
 def lora_record(lora_cfg, base: Base, adapted: list[str]) -> dict:
     """What trainer_state.pt says of a LoRA run (read back by check_resume_base, infer.py and export)."""
     return {
         "rank": lora_cfg.rank,
         "alpha": lora_cfg.alpha if lora_cfg.alpha is not None else lora_cfg.rank,
         "targets": list(lora_cfg.targets),
+        "per_projection": lora_cfg.per_projection,
+        "init_from": lora_cfg.init_from,
         "modules": adapted,
         "base": base.record(),
     }
@@ -219,7 +235,9 @@ def checkpoint_adapters(step, record: dict, model, use_ema: bool = True, verifie
     from models.lora import adapted_modules
 
     with torch.device("meta"):
-        add_adapters(model, record["rank"], record["alpha"], record["targets"])
+        add_adapters(
+            model, record["rank"], record["alpha"], record["targets"], per_projection=per_projection(record)
+        )
     modules = adapted_modules(model)
     shapes = {}
     for name, m in modules.items():

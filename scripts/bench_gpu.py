@@ -59,6 +59,9 @@ FULL_CASES = {
     "DiT-XL 256px": dict(
         depth=28, hidden=1152, heads=16, ffn=4608, latent=(4, 1, 32, 32), batch=32, text=(120, 4096)
     ),
+    # Issue 24's 14B-dims comparison: 8 of Wan2.1-14B's 40 layers (full training fits one GPU), 14,040
+    # tokens; run it with --models "Wan options,diffusers" (the adaLN-Zero default is not Wan's design).
+    "Wan2.1-14B dims (8 of 40 layers) 33x480x832": wan_480p(dict(WAN_14B, depth=8), 33),
     "Wan2.1-1.3B dims 33x480x832": wan_480p(WAN_1_3B, 33),
     # LoRA on Wan2.1-14B's dims, 8 of its 40 layers (one GPU holds them), 17 frames: the cost of
     # train.cpu_offload where it is meant to be used.

@@ -15,8 +15,21 @@ import infer
 import train
 from configs.rundir import read_metrics
 from models.dit import WAN_OPTIONS, DiT
-from models.lora import DEFAULT_TARGETS, adapter_deltas, add_adapters, fold_adapters, merge_deltas
-from models.lora_formats import LoRAFormatError, export_adapters, match_lora, model_projections
+from models.lora import (
+    DEFAULT_TARGETS,
+    adapted_modules,
+    adapter_deltas,
+    add_adapters,
+    fold_adapters,
+    merge_deltas,
+)
+from models.lora_formats import (
+    LoRAFormatError,
+    export_adapters,
+    match_lora,
+    model_projections,
+    starting_adapters,
+)
 from tests.conftest import run_main, torchrun
 from tests.test_wan_pipeline import PROMPT, infer_sample, pipeline_sample, tiny_pipeline  # noqa: F401
 
@@ -87,12 +100,13 @@ def kohya_from_comfyui(tensors: dict) -> dict:
     return out
 
 
+@pytest.mark.parametrize("per_projection", [True, False])
 @pytest.mark.parametrize("fmt", ["diffusers", "comfyui", "kohya"])
-def test_every_format_round_trips_the_fused_projections_exactly(fmt):
-    """Export tessera's adapters (fused qkv and kv split into per-projection adapters sharing A), read them
-    back: the weight updates are those of the adapters themselves."""
+def test_every_format_round_trips_the_fused_projections_exactly(fmt, per_projection):
+    """Export tessera's adapters (fused qkv and kv split into per-projection adapters: their own A's, or
+    one shared A), read them back: the weight updates are those of the adapters themselves."""
     model = tiny_wan()
-    add_adapters(model, rank=4, alpha=2.0, patterns=DEFAULT_TARGETS)
+    add_adapters(model, rank=4, alpha=2.0, patterns=DEFAULT_TARGETS, per_projection=per_projection)
     randomize_adapters(model)
     adapters = {
         name: (m.lora_A.weight.detach(), m.lora_B.weight.detach(), m.lora_scale)
@@ -119,6 +133,72 @@ def test_every_format_round_trips_the_fused_projections_exactly(fmt):
         for rows, part in theirs[name]:
             rebuilt[rows if rows is not None else slice(None)] += part
         assert torch.allclose(rebuilt, delta, atol=1e-6), name
+
+
+def test_per_projection_adapters_are_separate_adapters_on_the_fused_layer():
+    """The fused qkv's adapters against three nn.Linear LoRAs written out by hand on the split weight."""
+    model = tiny_wan()
+    add_adapters(model, rank=4, alpha=2.0, patterns=["blocks.0.attn.qkv"])
+    randomize_adapters(model)
+    qkv = model.blocks[0].attn.qkv
+    x = torch.randn(5, 64)
+    A, B = qkv.lora_A.weight, qkv.lora_B.weight
+    expected = torch.cat(
+        [
+            x @ w.T + b + 0.5 * (x @ a.T) @ bb.T
+            for w, b, a, bb in zip(qkv.weight.chunk(3), qkv.bias.chunk(3), A.chunk(3), B.chunk(3))
+        ],
+        dim=-1,
+    )
+    with torch.no_grad():
+        assert torch.allclose(qkv(x), expected, atol=1e-6)
+    assert A.shape == (12, 64) and B.shape == (192, 4)  # rank 4 for each of q, k and v
+
+
+def adapters_of(model) -> dict:
+    return {
+        name: (m.lora_A.weight.detach(), m.lora_B.weight.detach(), m.lora_scale)
+        for name, m in adapted_modules(model).items()
+    }
+
+
+@pytest.mark.parametrize("wan", [True, False])
+def test_a_file_starts_the_adapters_exactly(wan):
+    """lora.init_from: a file's adapters (rank 2, another alpha) become the run's rank-4 adapters, padded,
+    with the same weight updates; tessera's own names (a DiT without Wan's options) keep the fused qkv
+    as one block-diagonal adapter, read back exactly too."""
+    make = tiny_wan if wan else lambda: DiT(4, 16, depth=2, hidden_size=64, num_heads=4, ffn_dim=32)
+    source = make()
+    add_adapters(source, rank=2, alpha=3.0, patterns=DEFAULT_TARGETS)
+    randomize_adapters(source)
+    projections, linears = model_projections(make())
+    tensors = export_adapters(adapters_of(source), projections, "comfyui")
+    assert any(k.endswith("self_attn.q.lora_A.weight") for k in tensors) == wan
+    update = match_lora(tensors, projections, linears)
+    run = make()
+    add_adapters(run, rank=4, alpha=8.0, patterns=DEFAULT_TARGETS)
+    start = starting_adapters(update, adapted_modules(run), seed=0)
+    with torch.no_grad():
+        for name, p in run.named_parameters():
+            if name in start:
+                p.copy_(start[name])
+    assert len(start) == 2 * len(adapted_modules(run))
+    ours, theirs = adapter_deltas(run), adapter_deltas(source)
+    for name in theirs:
+        assert torch.allclose(ours[name][0][1], theirs[name][0][1], atol=1e-6), name
+    small = make()
+    add_adapters(small, rank=1, alpha=1.0, patterns=DEFAULT_TARGETS)
+    with pytest.raises(LoRAFormatError, match="has rank 2 in the file, more than lora.rank=1"):
+        starting_adapters(update, adapted_modules(small), seed=0)
+    partial = make()
+    add_adapters(partial, rank=4, alpha=8.0, patterns=["blocks.*.mlp.*"])
+    with pytest.raises(LoRAFormatError, match="none in this run .*add them to lora.targets"):
+        starting_adapters(update, adapted_modules(partial), seed=0)
+    if wan:
+        shared = make()
+        add_adapters(shared, rank=4, alpha=8.0, patterns=DEFAULT_TARGETS, per_projection=False)
+        with pytest.raises(LoRAFormatError, match="set lora.per_projection=true"):
+            starting_adapters(update, adapted_modules(shared), seed=0)
 
 
 def test_keys_that_match_nothing_or_another_size_are_named():
@@ -241,6 +321,51 @@ def test_a_lora_trained_across_layouts_exports_to_diffusers_and_comfyui(tiny_pip
     merged = tmp_path / "merged"
     assert export.main(["--checkpoint", str(run), "--lora", "--merge", "--output", str(merged)]) == 0
     assert json.loads((merged / "config.json").read_text())["_class_name"] == "WanTransformer3DModel"
+
+
+def test_training_starts_from_a_shared_lora_as_diffusers_merges_it(tiny_pipeline, tmp_path, capsys):  # noqa: F811
+    """lora.init_from: a PEFT LoRA saved by diffusers starts the adapters. Under ulysses 2, the first loss is
+    that of a fresh LoRA run (one process) on the base diffusers' fuse_lora makes of the same file, and
+    not the plain base's. A file of a higher rank than lora.rank, or for another model, is refused."""
+    from diffusers import WanPipeline
+
+    pipe_dir, recipe = tiny_pipeline
+    lora = peft_lora_file(pipe_dir, tmp_path / "peft")
+    pipe = WanPipeline.from_pretrained(pipe_dir)
+    pipe.load_lora_weights(str(lora))
+    pipe.fuse_lora()
+    pipe.unload_lora_weights()  # the fused weights stay
+    pipe.transformer.save_pretrained(tmp_path / "fused")
+    common = ["--config", str(recipe), *LORA, "train.max_steps=1", "train.log_every=1"]
+    fused = [f"run.output_dir={tmp_path / 'fused_run'}", f"model.pretrained={tmp_path / 'fused'}"]
+    assert run_main(train, common + fused) == 0
+    assert run_main(train, common + [f"run.output_dir={tmp_path / 'base_run'}"]) == 0
+    result = torchrun(
+        2,
+        "train.py",
+        *common,
+        f"run.output_dir={tmp_path / 'run'}",
+        f"lora.init_from={lora}",
+        "parallel.ulysses=2",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ours, merged, base = (lora_losses(tmp_path / name)[1] for name in ("run", "fused_run", "base_run"))
+    assert ours == pytest.approx(merged, rel=1e-5) and abs(ours - base) > 1e-3 * abs(base), (
+        ours,
+        merged,
+        base,
+    )
+    capsys.readouterr()
+    refused = tmp_path / "refused"
+    assert (
+        run_main(train, common + [f"run.output_dir={refused}", f"lora.init_from={lora}", "lora.rank=2"]) == 2
+    )
+    assert "more than lora.rank=2" in capsys.readouterr().err
+    alien = tmp_path / "alien.safetensors"
+    save_file({"lora_unet_down_blocks_0_attn.lora_down.weight": torch.zeros(4, 8)}, alien)
+    assert run_main(train, common + [f"run.output_dir={refused}", f"lora.init_from={alien}"]) == 2
+    assert "lora.init_from=" in (err := capsys.readouterr().err) and "0 of 1 keys match" in err
+    assert not refused.exists()  # refused before the run directory is made
 
 
 def test_lora_refusals_name_the_cause_before_anything_starts(tiny_pipeline, tmp_path, capsys):  # noqa: F811
