@@ -142,8 +142,14 @@ class TimestepEmbedder(nn.Module):
         emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
         first, activation, second = self.mlp
         with torch.autocast(t.device.type, enabled=False):
-            h = activation(F.linear(emb, first.weight.float(), first.bias.float()))
-            return F.linear(h, second.weight.float(), second.bias.float())
+            return float32_linear(second, activation(float32_linear(first, emb)))
+
+
+def float32_linear(layer: nn.Linear, x):
+    """`layer` applied in float32 whatever its parameters' dtype, with a LoRA adapter's update if it has one
+    (models/lora.py LoRALinear: an adapter on t_embedder must not be skipped silently)."""
+    out = F.linear(x, layer.weight.float(), layer.bias.float())
+    return out + layer.lora_update(x).float() if hasattr(layer, "lora_update") else out
 
 
 def qk_norm_layer(hidden_size, num_heads, enabled, across_heads):

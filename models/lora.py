@@ -33,6 +33,11 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x):
         base = F.linear(x, self.weight, self.bias)
+        return base + self.lora_update(x).to(base.dtype)
+
+    def lora_update(self, x):
+        """The adapters' scaled update alone, in their dtype (a caller that runs the base Linear itself,
+        as the DiT's float32 time embedder does, adds it)."""
         down = self.lora_A(self.lora_dropout(x).to(self.lora_A.weight.dtype))  # (..., n r)
         n = self.lora_groups
         if n == 1:
@@ -42,7 +47,7 @@ class LoRALinear(nn.Linear):
             update = torch.einsum(
                 "...gr,gor->...go", down.unflatten(-1, (n, -1)), B.view(n, -1, B.shape[1])
             ).flatten(-2)
-        return base + (update * self.lora_scale).to(base.dtype)
+        return update * self.lora_scale
 
 
 def target_modules(model: nn.Module, patterns) -> dict[str, nn.Linear]:

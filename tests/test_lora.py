@@ -79,6 +79,16 @@ def test_adapters_start_as_the_base_and_fold_exactly():
     assert torch.allclose(forward(fold_adapters(adapted)), unmerged, atol=1e-5)
 
 
+def test_adapters_on_the_float32_time_embedder_are_applied():
+    """t_embedder runs its Linear layers itself, in float32: their adapters must still count (and fold)."""
+    adapted = tiny_wan()
+    add_adapters(adapted, rank=4, alpha=8.0, patterns=["t_embedder.mlp.*"])
+    randomize_adapters(adapted)
+    unmerged = forward(adapted)
+    assert (unmerged - forward(tiny_wan())).abs().max() > 1e-3
+    assert torch.allclose(forward(fold_adapters(adapted)), unmerged, atol=1e-5)
+
+
 def test_targets_that_match_nothing_and_oversized_ranks_are_refused():
     with pytest.raises(ValueError, match=r"'blocks\.\*\.attention\.\*' match no Linear layer"):
         add_adapters(tiny_wan(), 4, 4.0, ["blocks.*.attention.*"])
