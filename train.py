@@ -169,7 +169,8 @@ def agree_on_data(cfg, plan: Plan, runtime) -> tuple[int, str]:
     alike (another dp size or other data: refused, or data.on_plan_change), and a damaged checkpoint
     file is refused before any model is built."""
     sampler, resume = plan.sampler, plan.resume
-    check_same_plan(sampler, plan.dataset, resume["step"] if resume else None, runtime.control_group)
+    base = f"{plan.base.source} {plan.base.fingerprint}" if plan.base is not None else ""
+    check_same_plan(sampler, plan.dataset, resume["step"] if resume else None, runtime.control_group, base)
     start_step, replanned = sampler.load_state_dict(resume, cfg.data.on_plan_change) if resume else (0, "")
     if plan.checkpoint is not None:
         verify_checkpoint(plan.checkpoint, runtime.control_group)
@@ -223,6 +224,7 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     )
     if checkpoint is None or adapted:
         fill_sharded(runtime, model, tc.seed, pretrained, cfg.lora.seed, tc.cpu_offload, plan.adapter_start)
+        plan.adapter_start = None  # lora.init_from's tensors (~0.6 GB at 14B, rank 32) are in the shards now
     else:
         model.to_empty(device=param_device(device, tc.cpu_offload))  # load_checkpoint fills every weight
     del pretrained  # closes the safetensors files

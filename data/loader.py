@@ -1,5 +1,6 @@
 """The training data pipeline: buckets -> dataset -> global-plan sampler -> DataLoader."""
 
+import hashlib
 from collections import defaultdict
 
 import torch
@@ -84,12 +85,13 @@ def build_sampler(
 
 
 def check_same_plan(
-    sampler: BucketSampler, dataset: BucketedDataset, resume_step: int | None, group=None
+    sampler: BucketSampler, dataset: BucketedDataset, resume_step: int | None, group=None, base: str = ""
 ) -> None:
     """One small all-gather: every rank must have the same steps per epoch, the same plan, the same
-    data and the same checkpoint to resume from (None: none), or the job would hang later in a
-    collective that one rank never reaches (or train each rank on other samples). A mismatch is an
-    error on every rank that names the ranks."""
+    data, the same checkpoint to resume from (None: none) and the same frozen base (`base`: a LoRA base's
+    folder and fingerprint; a tessera base still training may write a new `latest` between two ranks'
+    reads), or the job would hang later in a collective that one rank never reaches (or train each rank
+    on other samples or weights). A mismatch is an error on every rank that names the ranks."""
     import torch.distributed as dist
 
     from parallel import comm
@@ -102,11 +104,12 @@ def check_same_plan(
             int(plan_hash[:15], 16),
             int(dataset.digest()[:15], 16),
             -1 if resume_step is None else resume_step,
+            int(hashlib.sha256(base.encode()).hexdigest()[:15], 16),
         ],
         dtype=torch.int64,
     )
-    everyone = comm.all_gather_into_tensor(torch.empty(4 * world, dtype=torch.int64), mine, group).view(
-        world, 4
+    everyone = comm.all_gather_into_tensor(torch.empty(5 * world, dtype=torch.int64), mine, group).view(
+        world, 5
     )
     variants = defaultdict(list)
     for rank, row in enumerate(everyone.tolist()):
@@ -114,13 +117,15 @@ def check_same_plan(
     if len(variants) > 1:
         described = "; ".join(
             f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {s} steps per epoch, plan "
-            f"{p:015x}, data {d:015x}, {'no checkpoint' if at < 0 else f'resuming at step {at}'}"
-            for (s, p, d, at), r in variants.items()
+            f"{p:015x}, data {d:015x}, {'no checkpoint' if at < 0 else f'resuming at step {at}'}, "
+            f"base {b:015x}"
+            for (s, p, d, at, b), r in variants.items()
         )
         raise ValueError(
-            f"the data or the checkpoint differs between ranks ({described}). Every rank must read the "
-            f"same manifest with the same recipe and see the same run directory; a file that only some "
-            f"ranks could probe changes their buckets"
+            f"the data, the checkpoint or the LoRA base differs between ranks ({described}). Every rank must "
+            f"read the same manifest with the same recipe and see the same run directory; a file that only "
+            f"some ranks could probe changes their buckets; a base run still writing checkpoints moves its "
+            f"`latest` (name its step_<N>)"
         )
 
 

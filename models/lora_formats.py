@@ -119,7 +119,7 @@ def is_wan_named(projections: dict) -> bool:
 
 def export_adapters(adapters: dict, projections: dict, fmt: str) -> dict[str, torch.Tensor]:
     """A LoRA state dict in `fmt` ("diffusers" or "comfyui") from tessera adapters {module: (A, B,
-    scale)}. A fused module becomes one adapter per projection, sharing A, with B's rows split."""
+    scale)}. A fused module becomes one adapter per projection (_file_adapters)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown LoRA format {fmt!r}; choose one of {', '.join(FORMATS)}")
     out = {}
@@ -372,14 +372,25 @@ def starting_adapters(update: LoRAUpdate, modules: dict, seed: int) -> dict[str,
             r = a.shape[0] // n
             diagonal = [b[i * part : (i + 1) * part, i * r : (i + 1) * r] for i in range(n)]
             if a.shape[0] % n or not torch.equal(torch.block_diag(*diagonal), b):
-                wrong.append(f"{p.module}: the file's adapter is not one per projection (block-diagonal)")
+                wrong.append(
+                    f"{p.module}: the file's adapter shares one A among the fused projections (not "
+                    "block-diagonal): set lora.per_projection=false, as the run that wrote it"
+                )
                 continue
             blocks = list(zip(range(n), a.chunk(n), diagonal))
         else:
             blocks = [(0, a, b)]
         for i, a_i, b_i in blocks:
             if a_i.shape[0] > rank:
-                wrong.append(f"{p.module} has rank {a_i.shape[0]} in the file, more than lora.rank={rank}")
+                fused = getattr(m, "fused_projections", 1)
+                hint = (
+                    f" (one adapter per projection of {fused}? set lora.per_projection=true)"
+                    if fused > n
+                    else ""
+                )
+                wrong.append(
+                    f"{p.module} has rank {a_i.shape[0]} in the file, more than lora.rank={rank}{hint}"
+                )
                 continue
             A[i * rank : i * rank + a_i.shape[0]] = a_i.float()
             rows = slice(i * part, (i + 1) * part)  # every row when n == 1
@@ -390,6 +401,7 @@ def starting_adapters(update: LoRAUpdate, modules: dict, seed: int) -> dict[str,
             f"{len(set(outside))} layers have adapters in the file and none in this run "
             f"({', '.join(sorted(set(outside))[:4])}): add them to lora.targets",
         )
+    wrong = list(dict.fromkeys(wrong))  # the projections of one fused layer say it once
     if wrong:
         raise LoRAFormatError(f"{update.path}: " + "; ".join(wrong[:4]))
     return out

@@ -116,7 +116,11 @@ def text_encoder_dim(text_cfg) -> int:
             f"text_encoder.pretrained='{text_cfg.pretrained}': cannot read {config} ({e}); save the encoder "
             "with save_pretrained() into that folder"
         ) from None
-    return values.get("d_model") or values["hidden_size"]
+    values = values.get("text_config", values)  # a whole CLIPModel's config keeps the text tower's apart
+    width = values.get("d_model") or values.get("hidden_size")
+    if not width:
+        raise ValueError(f"text_encoder.pretrained: {config} names no d_model or hidden_size")
+    return width
 
 
 def build_text_encoder(text_cfg) -> TextEncoder:

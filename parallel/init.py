@@ -55,11 +55,13 @@ def materialize(
     names = [canonical_name(name) for name, _ in model.named_parameters()]
     if pretrained is not None:
         pretrained.check_parameters((name for name in names if not is_adapter(name)), partial)
+    unused = set(adapter_start or {})
     for name, param in model.named_parameters():
         canonical = canonical_name(name)
         local = param.to_local() if isinstance(param, DTensor) else param.data
         start, stop = local_rows(param)
         if is_adapter(canonical):
+            unused.discard(canonical)
             whole = (adapter_start or {}).get(canonical)
             if whole is None:
                 whole = seeded_adapter(canonical, param.shape, adapter_seed)
@@ -83,6 +85,8 @@ def materialize(
             )
             rows = whole[start:stop]
         local.copy_(rows.view(local.shape).to(local.dtype))
+    if unused:  # a starting adapter with no parameter of that name would be lost without a word
+        raise ValueError(f"lora.init_from: no adapter parameter named {', '.join(sorted(unused)[:4])}")
 
 
 @torch.no_grad()

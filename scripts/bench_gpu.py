@@ -166,13 +166,13 @@ LORA_RANK = 32
 def make_tessera_wan_lora(case):
     """The Wan-option DiT with rank-32 adapters on the default targets, as train.py builds a LoRA run:
     the frozen base in bf16 (the compute dtype on a GPU), the adapters float32."""
-    from models.lora import DEFAULT_TARGETS
+    from configs.schema import LoRAConfig
     from parallel.lora import insert_adapters
 
     device = torch.empty(0).device  # build()'s device context
     with torch.device("meta"):  # no float32 copy of the base, on the GPU either (Wan2.1-14B: 56 GB)
         model = make_tessera_wan(case)
-    lora = type("LoRA", (), dict(rank=LORA_RANK, alpha=None, targets=DEFAULT_TARGETS, dropout=0.0))
+    lora = LoRAConfig(rank=LORA_RANK)  # the recipe's defaults otherwise: one adapter per projection
     insert_adapters(model, lora, torch.bfloat16 if device.type == "cuda" else torch.float32)
     model.to_empty(device=device)
     for param in model.parameters():  # random weights: the step's time does not depend on them
