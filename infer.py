@@ -27,6 +27,7 @@ from models.flow import RectifiedFlow
 from models.lora import deltas_of, merge_deltas
 from models.lora_formats import check_file, parse_lora_spec, read_lora
 from models.pipeline import generate
+from models.step_cache import step_cache
 from models.tiling import plan_tiles
 from models.vae import vae_latent_space
 from parallel import comm
@@ -208,6 +209,7 @@ class Request:
     negative_prompt: str
     grid: list  # tokens along (t, h, w)
     latent: tuple  # (C, t, h, w)
+    cache: object = None  # models.step_cache.StepCache (sample.cache), or None
 
 
 def read_request(cfg, args) -> Request:
@@ -234,7 +236,8 @@ def read_request(cfg, args) -> Request:
     latent = vae_latent_space(cfg.vae).latent_shape(frames, height, width, cfg.model.patch_size)
     grid = [s // p for s, p in zip(latent[1:], cfg.model.patch_size)]
     negative = sc.negative_prompt if args.negative_prompt is None else args.negative_prompt
-    return Request(prompts, outputs, frames, height, width, steps, guidance, negative, grid, latent)
+    cache = step_cache(sc, steps)
+    return Request(prompts, outputs, frames, height, width, steps, guidance, negative, grid, latent, cache)
 
 
 def plan_layout(cfg, request: Request) -> tuple[ParallelLayout, int, str]:
@@ -253,6 +256,11 @@ def plan_layout(cfg, request: Request) -> tuple[ParallelLayout, int, str]:
         slow_links=slow_links,
         tokens=grid[0] * grid[1] * grid[2],
     )
+    if request.cache is not None and layout.pipefusion > 1:
+        raise ValueError(
+            f"sample.cache={cfg.sample.cache} is not built for PipeFusion yet (parallel.pipefusion="
+            f"{layout.pipefusion}): use cfg, ulysses or ring, or set sample.cache=none"
+        )
     return layout, layout.check_patches(cfg.parallel, grid), links
 
 
@@ -273,8 +281,12 @@ def main(argv=None, session=None):
     runtime = init_runtime(cfg.parallel, layout, cfg.run.output_dir, task="sample", session=session)
     if runtime.is_main:
         print(_layout_line(cfg, runtime, request, patches, links), flush=True)
+        if request.cache is not None:  # the plan is the same on every rank: it depends on no shard
+            calls = sum(step.compute for step in request.cache.plan(request.steps))
+            print(f"[tessera] step cache: {calls} of {request.steps} steps call the model", flush=True)
     use_ema = cfg.sample.use_ema and not args.no_ema
     components = load_sampler(cfg, runtime, checkpoint, use_ema, args.random_weights, patches, loras)
+    del loras  # merged into the weights: the files' tensors need not outlive the sampling
     mine = list(range(layout.dp_rank(runtime.rank), len(request.prompts), layout.dp))  # split over dp
     if mine:
         sample_and_write(cfg, args, runtime, request, mine, *components)
@@ -294,7 +306,7 @@ def sample_and_write(cfg, args, runtime, request: Request, mine: list, model, va
         model,
         vae,
         text_encoder,
-        RectifiedFlow(cfg.flow, cfg.model.patch_size),
+        RectifiedFlow(cfg.flow, cfg.model.patch_size, request.cache),
         [request.prompts[i] for i in mine],
         request.frames,
         request.height,

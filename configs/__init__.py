@@ -134,6 +134,7 @@ CHOICES = {
     "logging.wandb_mode": ("offline", "online", "disabled"),
     "data.epoch_remainder": ("pad", "drop"),
     "data.on_plan_change": ("error", "new_epoch"),
+    "sample.cache": ("none", "calibrated"),
 }
 
 
@@ -194,6 +195,17 @@ def validate(cfg: DictConfig) -> None:
     if cfg.parallel.pipefusion_warmup < 0:
         raise ConfigError(
             f"'parallel.pipefusion_warmup' must be 0 or more, got {cfg.parallel.pipefusion_warmup}"
+        )
+    sc = cfg.sample
+    if sc.cache != "none" and not sc.cache_calibration:
+        raise ConfigError(
+            f"sample.cache={sc.cache} needs sample.cache_calibration: write one with python "
+            "scripts/calibrate_cache.py --config <recipe> --output cache.json (or set sample.cache=none)"
+        )
+    if sc.cache_threshold <= 0 or sc.cache_max_skips < 1:
+        raise ConfigError(
+            f"sample.cache_threshold must be > 0 and sample.cache_max_skips >= 1, got {sc.cache_threshold} "
+            f"and {sc.cache_max_skips}"
         )
     if cfg.flow.shift_reference_tokens < 0:
         raise ConfigError(

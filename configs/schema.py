@@ -159,6 +159,13 @@ class SampleConfig:
     height: Optional[int] = None  # None: data.height
     width: Optional[int] = None  # None: data.width
     fps: int = 8  # frame rate of written videos
+    # step cache (infer.py; README "Step cache"): none, or calibrated: skip the steps whose velocity a
+    # calibration (scripts/calibrate_cache.py) says barely changes, reusing the last one. The plan is the
+    # same on every rank by construction (no shard decides); previews during training stay uncached.
+    cache: str = "none"
+    cache_threshold: float = 0.3  # the budget: summed relative velocity change a run of skips may cover
+    cache_max_skips: int = 2  # at most this many steps skipped in a row
+    cache_calibration: Optional[str] = None  # the JSON file scripts/calibrate_cache.py writes
 
 
 @dataclass

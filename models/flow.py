@@ -16,7 +16,10 @@ from models.vae import num_tokens
 
 
 class RectifiedFlow:
-    def __init__(self, flow_cfg, patch_size):
+    def __init__(self, flow_cfg, patch_size, cache=None):
+        """`cache`: a models.step_cache.StepCache (sample.cache), or None: every step calls the model."""
+        self.cache = cache
+        self.model_calls = 0  # velocity calls of the last sample(): steps, fewer under the cache
         self.logit_mean = flow_cfg.logit_mean
         self.logit_std = flow_cfg.logit_std
         self.shift_base = flow_cfg.shift
@@ -89,9 +92,16 @@ class RectifiedFlow:
         sigmas = self.sigmas(noise, steps)
         if velocity is None:
             velocity = guided_velocity(model, y, y_mask, neg_y, neg_mask, guidance)
-        x = noise
+        # the step cache's plan depends on the calibration and the budget alone: the same on every rank
+        plan = self.cache.plan(steps) if self.cache is not None else None
+        x, v, self.model_calls = noise, None, 0
         for i in range(steps):
-            x = self.euler_step(x, velocity(x, sigmas[i]), sigmas, i)
+            if plan is None or plan[i].compute:
+                v = last = velocity(x, sigmas[i])
+                self.model_calls += 1
+            else:  # both guidance branches are skipped together: `last` is the guided velocity
+                v = last * plan[i].scale
+            x = self.euler_step(x, v, sigmas, i)
             if progress is not None:
                 progress(i + 1, steps)
         return x

@@ -34,6 +34,8 @@ TINY = [  # run below
     "benchlib.py",  # the benchmarks' shared helper: test_benchlib_*
 ]
 COVERED = {  # script: the test that runs it (at tiny sizes)
+    "bench_cache.py": "tests/test_step_cache.py::test_calibrate_and_bench_cache_run (--tiny)",
+    "calibrate_cache.py": "tests/test_step_cache.py::test_calibrate_and_bench_cache_run",
     "bench_failures.py": "tests/test_failures.py::test_bench_failures_runs_and_writes_its_table (its --tiny)",
     "bench_gpu.py": "tests/test_bench_gpu.py::test_runs_tiny_on_cpu (--tiny)",
     "bench_watchdog.py": "tests/test_watchdog.py::test_bench_watchdog_runs (--calls 5, what --tiny sets)",

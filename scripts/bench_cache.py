@@ -1,0 +1,145 @@
+"""The step cache side by side with the uncached sampler, on the trained demo checkpoint, in one run: per
+threshold, the share of transformer calls saved, the wall-time speedup, PSNR against the uncached videos,
+and the demo judge's scores (colour, coherent, direction, shape, all four).
+
+    python scripts/bench_cache.py [--config configs/demo.yaml] [--thresholds 0.1 0.2 0.3 0.5] [--plot F.png]
+    python scripts/bench_cache.py --tiny     # seconds: a tiny random model, checks that the script runs
+
+It calibrates first (scripts/calibrate_cache.py's measurement, on sample.prompts) unless
+sample.cache_calibration names a file. The judged prompts are the demo's held-out ones (eval_demo.py).
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import parallel.startup  # noqa: E402, F401  (before torch loads)
+from configs import DEFAULT_RECIPE, load_config, split_overrides  # noqa: E402
+from parallel.entrypoint import run_as_process  # noqa: E402
+
+
+def psnr(video: np.ndarray, reference: np.ndarray) -> float:
+    """Peak signal-to-noise ratio in dB of videos in [0, 1] (inf when identical)."""
+    mse = float(np.mean((video.astype(np.float64) - reference.astype(np.float64)) ** 2))
+    return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
+
+
+def main(argv=None, session=None):
+    args, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(Path(DEFAULT_RECIPE).with_name("demo.yaml")))
+    p.add_argument("--thresholds", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.5, 0.8])
+    p.add_argument("--max-skips", type=int, default=None, help="default: sample.cache_max_skips")
+    p.add_argument("--seeds", type=int, default=4, help="samples per held-out prompt")
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, help="a PNG of speed against PSNR")
+    p.add_argument("--tiny", action="store_true", help="a tiny random model in seconds; not a figure")
+    args = p.parse_args(args)
+    if args.tiny:
+        from tests.conftest import TINY
+
+        args.config, args.seeds, args.thresholds = str(TINY), 1, args.thresholds[:2]
+        overrides = [*overrides, "sample.steps=6"]
+    cfg = load_config(args.config, overrides)
+
+    from calibrate_cache import load_model, record_velocities
+    from eval_demo import CHECKS, judge, summarise
+
+    from data.synthetic import held_out_prompts
+    from infer import find_checkpoint
+    from models.flow import RectifiedFlow
+    from models.pipeline import generate
+    from models.step_cache import Calibration, StepCache
+
+    checkpoint = None if args.tiny else find_checkpoint(cfg, None, random_weights=False)
+    steps, max_skips = cfg.sample.steps, args.max_skips or cfg.sample.cache_max_skips
+    model, vae, text_encoder = components = load_model(cfg, checkpoint, session, random_weights=args.tiny)
+    if cfg.sample.cache_calibration:
+        calibration = Calibration.load(cfg.sample.cache_calibration)
+    else:
+        velocities = record_velocities(cfg, components, list(cfg.sample.prompts), 2, steps)
+        calibration = Calibration.measure(velocities, f"{args.config}, sample.prompts x 2 seeds")
+    prompts = [prompt for prompt in held_out_prompts() for _ in range(args.seeds)]
+    if args.tiny:
+        prompts = prompts[:2]
+
+    def run(cache):
+        flow = RectifiedFlow(cfg.flow, cfg.model.patch_size, cache)
+        start = time.perf_counter()
+        videos = generate(
+            model,
+            vae,
+            text_encoder,
+            flow,
+            prompts,
+            cfg.data.frames,
+            cfg.data.height,
+            cfg.data.width,
+            steps,
+            cfg.sample.guidance,
+            cfg.sample.negative_prompt,
+            seeds=list(range(len(prompts))),
+        )
+        seconds = time.perf_counter() - start
+        scores = summarise([judge(prompt, video) for prompt, video in zip(prompts, videos, strict=True)])
+        return videos, dict(calls=flow.model_calls, seconds=seconds, **scores)
+
+    reference, uncached = run(None)
+    rows = [dict(threshold=0.0, psnr=float("inf"), speedup=1.0, call_ratio=1.0, **uncached)]
+    for threshold in args.thresholds:
+        videos, row = run(StepCache(calibration, threshold, max_skips))
+        row.update(
+            threshold=threshold,
+            psnr=psnr(videos, reference),
+            speedup=uncached["seconds"] / row["seconds"],
+            call_ratio=uncached["calls"] / row["calls"],
+        )
+        rows.append(row)
+    print(
+        f"| threshold | calls of {steps} | fewer calls | wall speedup | PSNR dB | "
+        + " | ".join(CHECKS)
+        + " | all |"
+    )
+    print("| --- " * (6 + len(CHECKS)) + "|")
+    for r in rows:
+        scores = " | ".join(f"{r[f'{k}_accuracy']:.1%}" for k in (*CHECKS, "all"))
+        print(
+            f"| {r['threshold'] or 'uncached'} | {r['calls']} | {r['call_ratio']:.2f}x | "
+            f"{r['speedup']:.2f}x | {r['psnr']:.1f} | {scores} |"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(steps=steps, max_skips=max_skips, rows=rows), indent=1))
+    if args.plot:
+        plot(rows[1:], args.plot, steps, max_skips)
+
+
+def plot(rows, path, steps, max_skips):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5), dpi=120)
+    ax.plot([r["call_ratio"] for r in rows], [r["psnr"] for r in rows], "o-")
+    for r in rows:
+        ax.annotate(
+            f"{r['threshold']:g}", (r["call_ratio"], r["psnr"]), textcoords="offset points", xytext=(4, 4)
+        )
+    ax.set_xlabel("fewer transformer calls (x)")
+    ax.set_ylabel("PSNR against uncached (dB)")
+    ax.set_title(f"step cache on the demo, {steps} steps, max {max_skips} skips in a row", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    run_as_process(main)

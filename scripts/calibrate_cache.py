@@ -1,0 +1,103 @@
+"""Calibrate the step cache (sample.cache=calibrated) for a model: sample some prompts uncached, record the
+guided velocity of every step, and write per step its mean relative change and norm ratio (JSON).
+
+    python scripts/calibrate_cache.py --config configs/demo.yaml --output runs/demo/cache.json
+    python infer.py --config configs/demo.yaml sample.cache=calibrated \\
+        sample.cache_calibration=runs/demo/cache.json --prompt "a red square moving left"
+
+One process. Calibrate once per model and step count (sample.steps, or --steps); the prompts default to
+sample.prompts, each with --seeds seeds. The sampling size is the recipe's (sample.*, else data.*).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import parallel.startup  # noqa: E402, F401  (before torch loads)
+from configs import DEFAULT_RECIPE, load_config, split_overrides  # noqa: E402
+from models.dit import DiT_models  # noqa: E402
+from models.flow import RectifiedFlow, guided_velocity  # noqa: E402
+from models.step_cache import Calibration  # noqa: E402
+from parallel.entrypoint import run_as_process  # noqa: E402
+from parallel.layout import ParallelLayout  # noqa: E402
+from parallel.runtime import init_runtime  # noqa: E402
+
+
+def load_model(cfg, checkpoint, session=None, random_weights: bool = False):
+    """(model, vae, text_encoder) on one process, as infer.py loads them."""
+    from infer import load_sampler
+
+    layout = ParallelLayout.from_config(cfg.parallel, 1, DiT_models[cfg.model.size]["num_heads"], "sample")
+    runtime = init_runtime(cfg.parallel, layout, task="sample", session=session)
+    return load_sampler(cfg, runtime, checkpoint, cfg.sample.use_ema, random_weights)[:3]
+
+
+def record_velocities(cfg, components, prompts, seeds: int, steps: int) -> list:
+    """The guided velocity of each step, (len(prompts) * seeds, ...) per step, sampling uncached."""
+    from models.pipeline import generate
+
+    model, vae, text_encoder = components
+    velocities = []
+
+    def recording_sampler(flow, noise, y, y_mask, neg_y, neg_mask, steps, guidance, progress=None):
+        guided = guided_velocity(model, y, y_mask, neg_y, neg_mask, guidance)
+
+        def velocity(x, sigma):
+            v = guided(x, sigma)
+            velocities.append(v.float().cpu())
+            return v
+
+        return flow.sample(model, noise, y, y_mask, steps=steps, velocity=velocity)
+
+    sc, data = cfg.sample, cfg.data
+    everything = [p for p in prompts for _ in range(seeds)]
+    generate(
+        model,
+        vae,
+        text_encoder,
+        RectifiedFlow(cfg.flow, cfg.model.patch_size),
+        everything,
+        sc.frames or data.frames,
+        sc.height or data.height,
+        sc.width or data.width,
+        steps,
+        sc.guidance,
+        sc.negative_prompt,
+        seeds=list(range(len(everything))),
+        sampler=recording_sampler,
+    )
+    return velocities
+
+
+def main(argv=None, session=None):
+    args, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(DEFAULT_RECIPE))
+    p.add_argument("--checkpoint", default=None, help="default: the run's latest (model.pretrained without)")
+    p.add_argument("--output", required=True, help="the calibration file to write (JSON)")
+    p.add_argument("--steps", type=int, default=None, help="default: sample.steps")
+    p.add_argument("--prompts", nargs="+", default=None, help="default: sample.prompts")
+    p.add_argument("--seeds", type=int, default=2, help="samples per prompt")
+    p.add_argument("--random-weights", action="store_true", help="a model with train.seed's random weights")
+    args = p.parse_args(args)
+    cfg = load_config(args.config, overrides)
+    steps = args.steps or cfg.sample.steps
+    if steps < 3 or args.seeds < 1:
+        raise ValueError(f"--steps must be at least 3 and --seeds at least 1, got {steps} and {args.seeds}")
+    from infer import find_checkpoint
+
+    checkpoint = find_checkpoint(cfg, args.checkpoint, args.random_weights)
+    prompts = args.prompts or list(cfg.sample.prompts)
+    components = load_model(cfg, checkpoint, session, args.random_weights)
+    velocities = record_velocities(cfg, components, prompts, args.seeds, steps)
+    source = f"{args.config}, checkpoint {checkpoint}, {len(prompts)} prompts x {args.seeds} seeds"
+    calibration = Calibration.measure(velocities, source)
+    calibration.save(args.output)
+    middle = sorted(calibration.change[1:])[len(calibration.change) // 2 - 1]
+    print(f"[calibrate] {steps} steps, median relative change per step {middle:.4f}: {args.output}")
+
+
+if __name__ == "__main__":
+    run_as_process(main)
