@@ -117,8 +117,8 @@ def check_same_plan(
     if len(variants) > 1:
         described = "; ".join(
             f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {s} steps per epoch, plan "
-            f"{p:015x}, data {d:015x}, {'no checkpoint' if at < 0 else f'resuming at step {at}'}, "
-            f"base {b:015x}"
+            f"{p:015x}, data {d:015x}, base {b:015x}, "
+            f"{'no checkpoint' if at < 0 else f'resuming at step {at}'}"
             for (s, p, d, at, b), r in variants.items()
         )
         raise ValueError(

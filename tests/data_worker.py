@@ -50,9 +50,9 @@ def main():
         ]
         return MediaDataset(lines, table)
 
-    def check(data, step, label):
+    def check(data, step, label, base=""):
         try:
-            check_same_plan(build_sampler(cfg, data, table, rank, world), data, step)
+            check_same_plan(build_sampler(cfg, data, table, rank, world), data, step, base=base)
             print(f"rank {rank}: {label} ok", flush=True)
         except ValueError as e:
             print(f"rank {rank}: detected {label}: {e}", flush=True)
@@ -66,6 +66,8 @@ def main():
     check(
         dataset(), None if rank == 2 else 1, "checkpoint"
     )  # rank 2 does not see the checkpoint (same epoch)
+    # a LoRA base run that wrote a new `latest` between rank 1's read and the others'
+    check(dataset(), 0, "base", base="runs/base/checkpoints/step_20" if rank == 1 else "runs/base/step_10")
     dist.barrier()  # every rank is still in step after the errors: nobody hung
     dist.destroy_process_group()
 

@@ -18,7 +18,7 @@ def test_plan_check_names_the_ranks_that_differ():
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert out.count(": same ok") == 3 and "detected same" not in out, out
-    for label in ("plan", "steps", "data", "checkpoint"):  # every rank reports each mismatch, none passes it
+    for label in ("plan", "steps", "data", "checkpoint", "base"):  # every rank reports each, none passes it
         assert out.count(f": detected {label}:") == 3 and f": {label} ok" not in out, out
     assert "ranks 0, 1: 2 steps per epoch" in out and "rank 2: 2 steps per epoch" in out  # the plan case
     assert "rank 1: 3 steps per epoch" in out, out
