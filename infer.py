@@ -188,11 +188,13 @@ def read_loras(cfg, specs) -> list:
     return [read_lora(spec, model) for spec in specs]
 
 
-def lora_base(cfg, checkpoint) -> None:
-    """A LoRA run's checkpoint samples on its base (parallel.lora.base_of_run)."""
+def lora_base(cfg, checkpoint) -> dict | None:
+    """A LoRA run's checkpoint samples on its base (parallel.lora.base_of_run); returns its LoRA record
+    (None: a full fine-tuning's checkpoint)."""
     record = lora_of(checkpoint)
     if record is not None:
         cfg.model.pretrained = base_of_run(checkpoint, record, cfg.model.pretrained)
+    return record
 
 
 @dataclass
@@ -271,10 +273,11 @@ def main(argv=None, session=None):
     request = read_request(cfg, args)
     layout, patches, links = plan_layout(cfg, request)
     checkpoint = find_checkpoint(cfg, args.checkpoint, args.random_weights)
+    record = None
     if checkpoint is not None:
         check_checkpoint_files(checkpoint)
-        lora_base(cfg, checkpoint)
-    if cfg.model.pretrained and not args.random_weights and (checkpoint is None or lora_of(checkpoint)):
+        record = lora_base(cfg, checkpoint)
+    if cfg.model.pretrained and not args.random_weights and (checkpoint is None or record):
         check_pretrained(cfg.model.pretrained)
     loras = read_loras(cfg, args.lora)
 

@@ -55,7 +55,7 @@ from parallel.components import (
     build_ema,
     build_frozen,
     build_model,
-    check_adapters,
+    check_lora_start,
     check_pretrained,
     fill_sharded,
     open_pretrained,
@@ -64,13 +64,7 @@ from parallel.divergence import NonFiniteGuard
 from parallel.entrypoint import run_as_process
 from parallel.fsdp import check_cpu_offload, parallelize_dit, param_device, reshard_all, update_ema
 from parallel.layout import ParallelLayout
-from parallel.lora import (
-    check_resume_base,
-    describe_base,
-    insert_adapters,
-    is_tessera_run,
-    lora_record,
-)
+from parallel.lora import insert_adapters, lora_record
 from parallel.preemption import Stopped
 from parallel.runtime import init_runtime, local_world_size, world_from_env
 from parallel.sequence import apply_sequence_parallel, share_batch
@@ -153,13 +147,7 @@ def check_before_start(cfg) -> Plan:
     # read (and must be the one its adapters were trained on) either way.
     if cfg.model.pretrained and (checkpoint is None or cfg.lora.rank):
         check_pretrained(cfg.model.pretrained)
-    base = describe_base(cfg.model.pretrained) if cfg.lora.rank else None
-    if base is not None and is_tessera_run(base.path):  # `latest` read once: a base still training may
-        cfg.model.pretrained = str(base.source)  # write another step before the weights are read
-    if checkpoint is not None:
-        check_resume_base(checkpoint, cfg.lora, base)
-    # a resume takes its adapters from the checkpoint and never reads lora.init_from
-    adapter_start = check_adapters(cfg, fresh=checkpoint is None) if cfg.lora.rank else None
+    base, adapter_start = check_lora_start(cfg, checkpoint)
     return Plan(layout, buckets, dataset, sampler, checkpoint, resume, base, adapter_start)
 
 
@@ -372,7 +360,10 @@ def train_step(cfg, runtime, t: Trainer, step: int, inputs):
     skipped = t.guard.skip(step + 1, grad_norm)
     if not skipped:
         t.optimizer.step()
-        t.ema.update(t.model, tc.ema_decay) if t.lora else update_ema(t.ema, t.model, tc.ema_decay)
+        if t.lora:  # the adapters' EMA
+            t.ema.update(t.model, tc.ema_decay)
+        else:
+            update_ema(t.ema, t.model, tc.ema_decay)
     t.optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm, skipped
 

@@ -357,7 +357,8 @@ def starting_adapters(update: LoRAUpdate, modules: dict, seed: int) -> dict[str,
         n, rank = m.lora_groups, m.lora_B.weight.shape[1]
         names = f"{p.module}.lora_A.weight", f"{p.module}.lora_B.weight"
         for name, param in zip(names, (m.lora_A.weight, m.lora_B.weight)):
-            out.setdefault(name, seeded_adapter(name, param.shape, seed))
+            if name not in out:  # once per module, not once per projection
+                out[name] = seeded_adapter(name, param.shape, seed)
         A, B = (out[name] for name in names)
         part = B.shape[0] // n
         if p.rows is not None and n == 1:

@@ -19,7 +19,14 @@ from parallel.checkpoint import TrainingState, check_architecture, load_base_wei
 from parallel.checkpoint_files import check_checkpoint_files, resolve_checkpoint
 from parallel.fsdp import parallelize_dit, param_device
 from parallel.init import copy_shards, materialize
-from parallel.lora import AdapterEMA, LoRAState, describe_base, insert_adapters, is_tessera_run
+from parallel.lora import (
+    AdapterEMA,
+    LoRAState,
+    check_resume_base,
+    describe_base,
+    insert_adapters,
+    is_tessera_run,
+)
 from parallel.sequence import apply_sequence_parallel
 
 
@@ -76,6 +83,21 @@ def check_adapters(cfg, fresh: bool = True) -> dict | None:
         raise LoRAFormatError(f"lora.init_from: {e}") from None
     update = match_lora(tensors, projections, linears, f"lora.init_from={cfg.lora.init_from}", config)
     return starting_adapters(update, adapted_modules(model), cfg.lora.seed)
+
+
+def check_lora_start(cfg, checkpoint) -> tuple:
+    """(the LoRA base, lora.init_from's starting adapters) of a run, checked before init_runtime: a
+    checkpoint of another kind, rank or base is refused (parallel.lora.check_resume_base, full runs too),
+    a tessera base's `latest` is read once (a base still training may write another step before the
+    weights are read), and the recipe's adapters are tried on a meta DiT (check_adapters; a resume takes
+    its adapters from the checkpoint and never reads lora.init_from). (None, None) for a full run."""
+    base = describe_base(cfg.model.pretrained) if cfg.lora.rank else None
+    if base is not None and is_tessera_run(base.path):
+        cfg.model.pretrained = str(base.source)
+    if checkpoint is not None:
+        check_resume_base(checkpoint, cfg.lora, base)
+    adapter_start = check_adapters(cfg, fresh=checkpoint is None) if cfg.lora.rank else None
+    return base, adapter_start
 
 
 def fill_unsharded(model: DiT, seed: int, pretrained, zero_init: bool = True, partial: bool = False) -> None:

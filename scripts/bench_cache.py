@@ -42,10 +42,9 @@ def main(argv=None, session=None):
     p.add_argument("--plot", default=None, help="a PNG of speed against PSNR")
     p.add_argument("--tiny", action="store_true", help="a tiny random model in seconds; not a figure")
     args = p.parse_args(args)
-    if args.tiny:
-        from tests.conftest import TINY
-
-        args.config, args.seeds, args.thresholds = str(TINY), 1, args.thresholds[:2]
+    if args.tiny:  # the test suite's tiny recipe
+        tiny = Path(__file__).resolve().parents[1] / "tests" / "tiny.yaml"
+        args.config, args.seeds, args.thresholds = str(tiny), 1, args.thresholds[:2]
         overrides = [*overrides, "sample.steps=6"]
     cfg = load_config(args.config, overrides)
 
