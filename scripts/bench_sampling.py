@@ -570,4 +570,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from parallel.exits import leave_finished
+
+    leave_finished(main())

@@ -295,4 +295,7 @@ def report(results, args):
 
 
 if __name__ == "__main__":
+    from parallel.exits import leave_finished
+
     main()
+    leave_finished()  # gloo threads must not outlive the interpreter

@@ -96,4 +96,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from parallel.exits import leave_finished
+
     main()
+    leave_finished()  # gloo threads must not outlive the interpreter

@@ -40,4 +40,7 @@ def main(paths):
 
 
 if __name__ == "__main__":
+    from parallel.exits import leave_finished
+
     main(sys.argv[1:])
+    leave_finished()  # gloo threads must not outlive the interpreter

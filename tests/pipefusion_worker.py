@@ -23,6 +23,7 @@ from configs import load_config  # noqa: E402
 from infer import load_sampler  # noqa: E402
 from models.flow import RectifiedFlow  # noqa: E402
 from models.pipeline import generate  # noqa: E402
+from models.step_cache import Calibration, StepCache  # noqa: E402
 from parallel.components import build_frozen, build_model  # noqa: E402
 from parallel.faults import Faults  # noqa: E402
 from parallel.init import materialize  # noqa: E402
@@ -47,12 +48,12 @@ def config(patches=None, warmup=1):
     )
 
 
-def sample(cfg, model, vae, text_encoder, sampler=None):
+def sample(cfg, model, vae, text_encoder, sampler=None, cache=None):
     return generate(
         model,
         vae,
         text_encoder,
-        RectifiedFlow(cfg.flow, cfg.model.patch_size),
+        RectifiedFlow(cfg.flow, cfg.model.patch_size, cache),
         PROMPTS,
         FRAMES,
         HEIGHT,
@@ -64,15 +65,23 @@ def sample(cfg, model, vae, text_encoder, sampler=None):
     )
 
 
-def serial_reference():
+def serial_reference(cache=None):
     cfg = config()
     text_encoder, vae = build_frozen(cfg, "cpu")
     model = build_model(cfg, text_encoder, vae, weights=False)
     materialize(model, "cpu", cfg.train.seed, zero_init=False)  # as infer.py --random-weights
-    return torch.from_numpy(sample(cfg, model.eval(), vae, text_encoder))
+    return torch.from_numpy(sample(cfg, model.eval(), vae, text_encoder, cache=cache))
 
 
-def stale_kv_reference(patches: int, warmup: int):
+def step_cache():
+    """sample.cache=calibrated on a hand-made table: of the 3 steps, the middle one is skipped."""
+    table = [float("nan"), 0.1, 0.1]
+    cache = StepCache(Calibration(STEPS, table, [float("nan"), 0.9, 0.9]), threshold=0.3, max_skips=2)
+    assert [s.compute for s in cache.plan(STEPS)] == [True, False, True]
+    return cache
+
+
+def stale_kv_reference(patches: int, warmup: int, cache=None):
     """PipeFusion's result written out on one process, independently of parallel/pipefusion.py: after the
     warm-up steps the patches run one after the other through the whole model, and every layer attends
     to a full-sequence K/V buffer that holds this step's K/V for the patches done so far and the previous
@@ -118,7 +127,11 @@ def stale_kv_reference(patches: int, warmup: int):
         current["tokens"] = tokens = grid[0] * grid[1] * grid[2]
         rows = grid[0] * grid[1]
         bounds = [rows * i // patches * grid[2] for i in range(patches + 1)]
+        plan, v = (cache.plan(STEPS) if cache is not None else None), None
         for i in range(STEPS):
+            if plan is not None and not plan[i].compute:  # the cache reuses the last velocity, scaled
+                x = flow.euler_step(x, v * plan[i].scale, sigmas, i)
+                continue
             embedded, _ = model.embed(torch.cat([x, x]))
             rope = model.rope(grid, "cpu")
             cond = model.condition(sigmas[i].expand(4), y, y_mask)
@@ -135,7 +148,7 @@ def stale_kv_reference(patches: int, warmup: int):
         return torch.from_numpy(((vae.decode(x).clamp(-1, 1) + 1) / 2).permute(0, 2, 3, 4, 1).numpy())
 
 
-def run_case(layout: ParallelLayout, patches=None, warmup=1):
+def run_case(layout: ParallelLayout, patches=None, warmup=1, cache=None):
     rank = dist.get_rank()
     timeout = datetime.timedelta(seconds=60)
     sequence = sequence_groups(layout, rank, timeout)
@@ -153,7 +166,7 @@ def run_case(layout: ParallelLayout, patches=None, warmup=1):
     if layout.pipefusion > 1:  # a stage holds only its blocks
         kept = sum(not hasattr(b, "stage") for b in model.blocks)
         assert kept == 4 // layout.pipefusion, (kept, layout)
-    return torch.from_numpy(sample(cfg, model, vae, text_encoder, sampler))
+    return torch.from_numpy(sample(cfg, model, vae, text_encoder, sampler, cache))
 
 
 def report(name, error, bound=None):
@@ -214,9 +227,36 @@ def main():
             (result - stale_kv_reference(patches=4, warmup=warmup)).abs().max().item(),
             EXACT,
         )
+    # The step cache: a skipped step runs on no stage and sends nothing; the last stage applies it.
+    cached = serial_reference(step_cache())
+    report("cached serial vs serial", (cached - reference).abs().max().item())
+    if (cached - reference).abs().max() < 1e-4:
+        raise AssertionError("the cache changed nothing: no step was skipped")
+    report(
+        "cached pf2xcfg2 warmup=all vs cached serial",
+        (run_case(ParallelLayout(cfg=2, pipefusion=2), 2, warmup=full, cache=step_cache()) - cached)
+        .abs()
+        .max()
+        .item(),
+        EXACT,
+    )
+    report(
+        "cached pf2xu2 M=4 warmup=1 vs the cached stale-K/V reference",
+        (
+            run_case(ParallelLayout(pipefusion=2, ulysses=2), 4, warmup=1, cache=step_cache())
+            - stale_kv_reference(patches=4, warmup=1, cache=step_cache())
+        )
+        .abs()
+        .max()
+        .item(),
+        EXACT,
+    )
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
+    from parallel.exits import leave_finished
+
     main()
+    leave_finished()  # gloo threads must not outlive the interpreter

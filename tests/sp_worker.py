@@ -214,5 +214,8 @@ def main():
 
 
 if __name__ == "__main__":
+    from parallel.exits import leave_finished
+
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
+    leave_finished()  # gloo threads must not outlive the interpreter
