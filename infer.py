@@ -32,6 +32,7 @@ from models.tiling import plan_tiles
 from models.vae import vae_latent_space
 from parallel import comm
 from parallel import vae as parallel_vae
+from parallel.cache import check_cache_decisions, share_step_cache
 from parallel.checkpoint import check_architecture, load_weights
 from parallel.checkpoint_files import CheckpointError, check_checkpoint_files, resolve_checkpoint
 from parallel.components import (
@@ -253,16 +254,12 @@ def plan_layout(cfg, request: Request) -> tuple[ParallelLayout, int, str]:
         size["num_heads"],
         "sample",
         local_world_size(),
-        depth=size["depth"],
+        # first_block needs every block on one stage: a depth of 1 keeps parallel.auto from PipeFusion
+        depth=1 if cfg.sample.cache == "first_block" else size["depth"],
         guided=request.guidance != 1.0,
         slow_links=slow_links,
         tokens=grid[0] * grid[1] * grid[2],
     )
-    if request.cache is not None and layout.pipefusion > 1:
-        raise ValueError(
-            f"sample.cache={cfg.sample.cache} is not built for PipeFusion yet (parallel.pipefusion="
-            f"{layout.pipefusion}): use cfg, ulysses or ring, or set sample.cache=none"
-        )
     return layout, layout.check_patches(cfg.parallel, grid), links
 
 
@@ -282,14 +279,18 @@ def main(argv=None, session=None):
     loras = read_loras(cfg, args.lora)
 
     runtime = init_runtime(cfg.parallel, layout, cfg.run.output_dir, task="sample", session=session)
+    # the ranks of a replica compare their cache settings before any weight is loaded
+    share_step_cache(request.cache, runtime.sampling, request.steps, runtime.device, runtime.faults)
     if runtime.is_main:
         print(_layout_line(cfg, runtime, request, patches, links), flush=True)
-        if request.cache is not None:  # the plan is the same on every rank: it depends on no shard
+        if request.cache is not None and request.cache.method == "calibrated":  # the same on every rank
             calls = sum(step.compute for step in request.cache.plan(request.steps))
             print(f"[tessera] step cache: {calls} of {request.steps} steps call the model", flush=True)
     use_ema = cfg.sample.use_ema and not args.no_ema
     components = load_sampler(cfg, runtime, checkpoint, use_ema, args.random_weights, patches, loras)
     del loras  # merged into the weights: the files' tensors need not outlive the sampling
+    if request.cache is not None and request.cache.method == "first_block":
+        components[0].step_cache = request.cache  # the DiT consults it after its first block
     mine = list(range(layout.dp_rank(runtime.rank), len(request.prompts), layout.dp))  # split over dp
     if mine:
         sample_and_write(cfg, args, runtime, request, mine, *components)
@@ -330,6 +331,13 @@ def sample_and_write(cfg, args, runtime, request: Request, mine: list, model, va
         ),
     )
     bar.close()
+    check_cache_decisions(request.cache, replica, runtime.device)
+    if runtime.is_main and request.cache is not None and request.cache.method == "first_block":
+        full, steps = request.cache.full_calls, request.steps
+        print(
+            f"[tessera] step cache: {full:g} of {steps} steps ran every block (first_block, per sample)",
+            flush=True,
+        )
     if runtime.rank == runtime.layout.replica_leader(runtime.rank):  # one writer per data-parallel replica
         runtime.watchdog.mark("writing")
         for i, video in zip(mine, videos):

@@ -134,7 +134,7 @@ CHOICES = {
     "logging.wandb_mode": ("offline", "online", "disabled"),
     "data.epoch_remainder": ("pad", "drop"),
     "data.on_plan_change": ("error", "new_epoch"),
-    "sample.cache": ("none", "calibrated"),
+    "sample.cache": ("none", "calibrated", "first_block"),
 }
 
 
@@ -197,15 +197,18 @@ def validate(cfg: DictConfig) -> None:
             f"'parallel.pipefusion_warmup' must be 0 or more, got {cfg.parallel.pipefusion_warmup}"
         )
     sc = cfg.sample
-    if sc.cache != "none" and not sc.cache_calibration:
+    if sc.cache == "calibrated" and not sc.cache_calibration:
         raise ConfigError(
             f"sample.cache={sc.cache} needs sample.cache_calibration: write one with python "
             "scripts/calibrate_cache.py --config <recipe> --output cache.json (or set sample.cache=none)"
         )
-    if sc.cache_threshold <= 0 or sc.cache_max_skips < 1:
+    if sc.cache == "first_block" and (cfg.parallel.pipefusion or 1) > 1:
+        raise ConfigError(first_block_under_pipefusion(cfg.parallel.pipefusion))
+    if sc.cache_threshold <= 0 or sc.cache_first_block_threshold <= 0 or sc.cache_max_skips < 1:
         raise ConfigError(
-            f"sample.cache_threshold must be > 0 and sample.cache_max_skips >= 1, got {sc.cache_threshold} "
-            f"and {sc.cache_max_skips}"
+            "sample.cache_threshold and sample.cache_first_block_threshold must be > 0 and "
+            f"sample.cache_max_skips >= 1, got {sc.cache_threshold}, {sc.cache_first_block_threshold} and "
+            f"{sc.cache_max_skips}"
         )
     if cfg.flow.shift_reference_tokens < 0:
         raise ConfigError(
@@ -321,3 +324,11 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     can follow options that take several values (`--prompt "a" "b" parallel.dp=2`)."""
     overrides = [a for a in argv if _OVERRIDE.match(a)]
     return [a for a in argv if not _OVERRIDE.match(a)], overrides
+
+
+def first_block_under_pipefusion(stages: int) -> str:
+    return (
+        f"sample.cache=first_block cannot run under PipeFusion (parallel.pipefusion={stages}): its stages "
+        "see one patch at a time, and the first block's signal needs the whole step before the other "
+        "stages start; use sample.cache=calibrated, which skips whole steps on every stage"
+    )

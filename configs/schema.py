@@ -159,11 +159,13 @@ class SampleConfig:
     height: Optional[int] = None  # None: data.height
     width: Optional[int] = None  # None: data.width
     fps: int = 8  # frame rate of written videos
-    # step cache (infer.py; README "Step cache"): none, or calibrated: skip the steps whose velocity a
-    # calibration (scripts/calibrate_cache.py) says barely changes, reusing the last one. The plan is the
-    # same on every rank by construction (no shard decides); previews during training stay uncached.
+    # step cache (infer.py; docs/step_cache.md): none; calibrated: skip the steps whose velocity a
+    # calibration (scripts/calibrate_cache.py) says barely changes, reusing the last one (the plan is the
+    # same on every rank by construction); first_block: skip the blocks after the first while its residual
+    # barely changes (the ranks add up the signal in one tiny all-reduce). Previews stay uncached.
     cache: str = "none"
-    cache_threshold: float = 0.3  # the budget: summed relative velocity change a run of skips may cover
+    cache_threshold: float = 0.3  # calibrated: summed relative velocity change a run of skips may cover
+    cache_first_block_threshold: float = 0.15  # first_block: relative change of the first block's residual
     cache_max_skips: int = 2  # at most this many steps skipped in a row
     cache_calibration: Optional[str] = None  # the JSON file scripts/calibrate_cache.py writes
 

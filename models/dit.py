@@ -300,6 +300,10 @@ class WholeSequence(nn.Module):
     def gather(self, x):
         return x
 
+    def valid_tokens(self, local: int) -> int:
+        """How many of this process's `local` tokens are real, not padding."""
+        return local
+
 
 class DiT(nn.Module):
     def __init__(
@@ -361,6 +365,7 @@ class DiT(nn.Module):
         )
         self.rope = RotaryEmbedding3D(hidden_size // num_heads, rope_theta)
         self.sequence = WholeSequence()
+        self.step_cache = None  # infer.py may set a models.step_cache.FirstBlockCache (sample.cache)
         self.blocks = nn.ModuleList(
             [
                 DiTBlock(
@@ -399,8 +404,20 @@ class DiT(nn.Module):
         rope = self.rope(grid, tokens.device)  # (N, Dh/2, 2)
         tokens, rope = self.sequence.shard(tokens, rope)  # (B, N_local, D); the identity on one device
         cond = self.condition(t, y, y_mask)
-        for block in self.blocks:
-            tokens = block(tokens, cond.c, cond.y, cond.block_mask, rope)  # (B, N_local, D)
+        blocks, cache = list(self.blocks), self.step_cache
+        c, y, y_mask = cond.c, cond.y, cond.block_mask
+        if cache is not None:  # sample.cache=first_block: after the first block, only the rows that must run
+            first = blocks[0](tokens, c, y, y_mask, rope)
+            run = cache.decide(first - tokens, self.sequence.valid_tokens(first.shape[1]))
+            tokens, blocks = first, blocks[1:]
+            if run is not None:  # the same rows on every rank of the sample
+                tokens, c, y = first[run], c[run], y[run]
+                y_mask = None if y_mask is None else y_mask[run]
+        if tokens.shape[0]:
+            for block in blocks:
+                tokens = block(tokens, c, y, y_mask, rope)  # (B, N_local, D)
+        if cache is not None:
+            tokens = cache.combine(first, tokens, run)
         tokens = self.sequence.gather(tokens)  # (B, N, D)
         return self.unpatchify(self.final_layer(tokens, cond.temb), grid)  # (B, C, T, H, W)
 

@@ -19,7 +19,7 @@ class RectifiedFlow:
     def __init__(self, flow_cfg, patch_size, cache=None):
         """`cache`: a models.step_cache.StepCache (sample.cache), or None: every step calls the model."""
         self.cache = cache
-        self.model_calls = 0  # velocity calls of the last sample(): steps, fewer under the cache
+        self.model_calls = 0  # calls of the last sample() that ran every block (first_block: per-sample mean)
         self.logit_mean = flow_cfg.logit_mean
         self.logit_std = flow_cfg.logit_std
         self.shift_base = flow_cfg.shift
@@ -94,9 +94,13 @@ class RectifiedFlow:
             velocity = guided_velocity(model, y, y_mask, neg_y, neg_mask, guidance)
         # the step cache's plan depends on the calibration and the budget alone: the same on every rank
         plan = self.cache.plan(steps) if self.cache is not None else None
+        if self.cache is not None:
+            self.cache.start(steps, noise.shape[0])
         x, v, self.model_calls = noise, None, 0
         for i in range(steps):
             if plan is None or plan[i].compute:
+                if self.cache is not None:
+                    self.cache.begin_step(i)
                 v = last = velocity(x, sigmas[i])
                 self.model_calls += 1
             else:  # both guidance branches are skipped together: `last` is the guided velocity
@@ -104,6 +108,10 @@ class RectifiedFlow:
             x = self.euler_step(x, v, sigmas, i)
             if progress is not None:
                 progress(i + 1, steps)
+        if self.cache is not None:
+            self.cache.finish()
+            if self.cache.method == "first_block":  # it calls the model each step, runs every block in fewer
+                self.model_calls = self.cache.full_calls
         return x
 
 

@@ -1,18 +1,23 @@
-"""Step caching for the flow sampler (sample.cache): skip the transformer calls whose velocity would barely
-change, and reuse the last computed velocity instead; single-device code.
+"""Step caching for the flow sampler (sample.cache): skip transformer work whose output would barely change,
+and reuse what the last full call computed instead; single-device code.
 
-The decisions form a fixed plan, computed before the first step from a calibration table and the recipe's
-threshold alone: values identical on every rank. So every layout (cfg, ulysses, ring) skips the same
-steps with no communication. A decision taken from a rank's own shard could differ between ranks and
-leave them waiting in different collectives: a hang. The table (MagCache-like, calibrated once per model
-and step count by scripts/calibrate_cache.py) holds, per step, the mean relative change of the guided
-velocity and the ratio of its norms; a skipped step reuses the last velocity scaled by those ratios.
+`calibrated` (MagCache-like): a fixed plan of whole steps to skip, from a calibration table (written once
+per model and step count by scripts/calibrate_cache.py: per step, the mean relative change of the guided
+velocity and the ratio of its norms) and the recipe's budget. Its values are identical on every rank, so
+every layout skips the same steps with no communication. `first_block` (FBCache-like): every call runs
+the first block; when its residual barely changed since the last full call, the other blocks are skipped
+and their last residual reused. The sums behind that decision are added up over every rank holding a part
+of the sample (`agree`, an all-reduce set by parallel/), so all take the same decision. A decision taken
+from a rank's own shard could differ between ranks and leave them in different collectives: a hang.
 """
 
 import json
 import math
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 
 class CacheError(ValueError):
@@ -96,21 +101,118 @@ def plan_steps(calibration: Calibration, steps: int, threshold: float, max_skips
 
 @dataclass
 class StepCache:
-    """sample.cache as the sampler uses it: the calibration and the recipe's budget."""
+    """sample.cache=calibrated as the sampler uses it: the calibration and the recipe's budget."""
 
     calibration: Calibration
     threshold: float
     max_skips: int
+    method = "calibrated"
 
     def plan(self, steps: int) -> list[Step]:
         return plan_steps(self.calibration, steps, self.threshold, self.max_skips)
 
+    def start(self, steps: int, samples: int) -> None:
+        """A new sampling of `samples` samples in `steps` steps (the flow sampler calls it)."""
+        self.full_calls = sum(step.compute for step in self.plan(steps))
 
-def step_cache(sample_cfg, steps: int) -> StepCache | None:
-    """sample.cache for a sampling of `steps` steps, its calibration read and checked against them (a
-    CacheError naming the fix); None for sample.cache=none."""
+    def begin_step(self, step: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+    def fingerprint(self, steps: int) -> int:
+        """What decides this rank's skips and their scales: one number the ranks compare before sampling."""
+        plan = [(s.compute, round(s.scale, 9)) for s in self.plan(steps)]
+        return zlib.crc32(repr((self.method, self.threshold, self.max_skips, plan)).encode())
+
+
+class FirstBlockCache:
+    """sample.cache=first_block. Per sample, over both guidance branches: change = sum |r - r_full| / sum
+    |r_full| over the tokens, where r is this call's first-block residual and r_full that of the last call
+    that ran every block for the sample (ParaAttention's FBCache rule). A sample reuses the other blocks'
+    last residual when change < threshold and fewer than max_skips calls in a row reused it; the first
+    and the last steps run every block. Decided per sample, and only the samples that do not reuse run
+    the other blocks (a smaller batch), so a video does not depend on the prompts that share its batch."""
+
+    method = "first_block"
+
+    def __init__(self, threshold: float, max_skips: int):
+        self.threshold, self.max_skips = threshold, max_skips
+        # sums -> the same sums added over every rank holding a part of the sample (parallel/ sets it)
+        self.agree = lambda sums: sums
+        self.start(1, 1)
+
+    def plan(self, steps: int) -> list[Step]:
+        return [Step(True, 1.0)] * steps  # every step calls the model; the blocks decide inside it
+
+    def start(self, steps: int, samples: int) -> None:
+        self.steps, self.samples, self.step = steps, samples, 0
+        self.previous = self.rest = None  # r_full, and the other blocks' residual, per row
+        self.skipped = torch.zeros(samples, dtype=torch.long)  # calls in a row that reused, per sample
+        self.sample_calls = 0  # calls x samples that ran every block
+        self.decisions = []  # per call: which samples reused (the ranks compare them at the end)
+
+    @property
+    def full_calls(self) -> float:
+        """Calls that ran every block, per sample (their mean when samples decided differently)."""
+        return self.sample_calls / self.samples
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+
+    def finish(self) -> None:
+        """Sampling is done: free the stored residuals (GBs at Wan-14B 720p) before the VAE decodes."""
+        self.previous = self.rest = self._residual = None
+
+    def fingerprint(self, steps: int) -> int:
+        return zlib.crc32(repr((self.method, self.threshold, self.max_skips, steps)).encode())
+
+    @torch.compiler.disable  # `agree` is a collective under sequence or cfg parallelism
+    def decide(self, residual: torch.Tensor, valid: int) -> torch.Tensor | None:
+        """The rows that run the other blocks (a LongTensor, the same on every rank; None: all of them), from
+        the first block's residual (rows, n, D): rows = guidance branches x samples on this rank, in that
+        order; the first `valid` of its n tokens are real (the rest pad a sequence-parallel shard)."""
+        self._residual = residual
+        if self.previous is None or self.step == self.steps - 1 or not (self.skipped < self.max_skips).any():
+            self._reuse = torch.zeros(self.samples, dtype=torch.bool)  # the same on every rank: no sums
+        else:
+            now, before = residual[:, :valid], self.previous[:, :valid]
+            l1 = lambda r: torch.linalg.vector_norm(r, 1, dim=(1, 2), dtype=torch.float32)  # noqa: E731
+            sums = torch.stack((l1(now - before), l1(before)), 1)  # (rows, 2), float32 sums of bf16 on a GPU
+            sums = self.agree(sums.double().view(-1, self.samples, 2).sum(0)).cpu()  # (samples, 2)
+            change = sums[:, 0] / sums[:, 1]  # nan (never reused) where the residual is all zeros
+            self._reuse = (change < self.threshold) & (self.skipped < self.max_skips)
+        self.decisions.append(self._reuse.tolist())
+        self.skipped = torch.where(self._reuse, self.skipped + 1, 0)
+        self.sample_calls += int((~self._reuse).sum())
+        if not self._reuse.any():
+            return None
+        rows = (~self._reuse).repeat(residual.shape[0] // self.samples)
+        return rows.nonzero().flatten().to(residual.device)
+
+    def combine(self, first: torch.Tensor, out: torch.Tensor, run: torch.Tensor | None) -> torch.Tensor:
+        """The blocks' output for every row: `out` (the other blocks' output for the rows `run`) where they
+        ran, the first block's output plus the stored residual elsewhere. Stores what the next call
+        compares against."""
+        if run is None:
+            self.previous, self.rest = self._residual, out - first
+            return out
+        full = first + self.rest
+        if len(run):
+            full[run] = out
+            self.rest[run] = out - first[run]
+            self.previous[run] = self._residual[run]
+        return full
+
+
+def step_cache(sample_cfg, steps: int):
+    """sample.cache for a sampling of `steps` steps (a StepCache with its calibration read and checked
+    against them, a CacheError naming the fix; or a FirstBlockCache); None for sample.cache=none."""
     if sample_cfg.cache == "none":
         return None
+    if sample_cfg.cache == "first_block":
+        return FirstBlockCache(sample_cfg.cache_first_block_threshold, sample_cfg.cache_max_skips)
     cache = StepCache(
         Calibration.load(sample_cfg.cache_calibration), sample_cfg.cache_threshold, sample_cfg.cache_max_skips
     )

@@ -6,7 +6,8 @@
 Faults: at a training step `stop`, `kill`, `hang`, `raise`, `collective`, `term`, `nan`, `loader`; at a
 denoising step `sample_stop|kill|hang`; once the groups exist `startup_stop|kill|hang|raise`; in a
 checkpoint save `save_before_shards|after_shards|after_rename` (SIGKILL) and `enospc` (a full disk);
-in PipeFusion `pipefusion_count` and `pipefusion_extra_send`. docs/internals.md says what each does.
+in PipeFusion `pipefusion_count` and `pipefusion_extra_send`; in the step cache `cache_plan` and
+`cache_signal` (parallel/cache.py). docs/internals.md says what each does.
 """
 
 import os

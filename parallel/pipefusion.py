@@ -103,6 +103,7 @@ class _Sampling:
     text: tuple  # (y, y_mask) of this rank's branch(es)
     hidden: tuple  # (batch, width, dtype) of the hidden states between stages
     extra_send: bool  # the failure tests: deviate from the agreed plan at the end
+    skipped: dict  # computed step -> the (step, scale) the step cache skips after it (sample.cache)
     pending_sends: list = field(default_factory=list)
     returns: list = field(default_factory=list)  # (item, buffer, PendingOps) posted by stage 0
     incoming: tuple | None = None  # (buffer, PendingOps) of the next item's hidden states
@@ -152,7 +153,8 @@ class PipeFusionSampler:
                 self._finish_patch(run, flow, item, model.final_layer(h, cond.temb))
                 self._post_forward_recv(run, following)
             if progress is not None and (following is None or following.step != item.step):
-                progress(item.step + 1, steps)
+                for step in [item.step] + [j for j, _ in run.skipped[item.step]]:
+                    progress(step + 1, steps)
             for ops in [ops for ops in run.pending_sends if ops.is_completed()]:
                 ops.wait()  # returns at once; stamps the records' end for failure dumps
             run.pending_sends = [ops for ops in run.pending_sends if ops.works]
@@ -170,14 +172,27 @@ class PipeFusionSampler:
         grid = tuple(s // p for s, p in zip(noise.shape[2:], model.patch_size))
         tokens = grid[0] * grid[1] * grid[2]
         patches = patch_ranges(grid, self.patches)
+        # sample.cache=calibrated: skipped steps run on no stage; the last stage applies them to each patch
+        cache_plan = flow.cache.plan(steps) if flow.cache is not None else None
+        computed = [i for i in range(steps) if cache_plan is None or cache_plan[i].compute]
+        skipped, last_computed = {i: [] for i in computed}, 0
+        for i in range(steps):
+            if i in skipped:
+                last_computed = i
+            else:
+                skipped[last_computed].append((i, cache_plan[i].scale))
+        if flow.cache is not None:
+            flow.cache.start(steps, noise.shape[0])
+        flow.model_calls = len(computed)
         plan_steps = steps + 1 if self.faults.planned("pipefusion_count") else steps  # tests: another --steps
-        plan_items = schedule(plan_steps, self.warmup, patches, tokens)
+        planned = None if cache_plan is None else computed  # (None: every step of plan_steps)
+        plan_items = schedule(plan_steps, self.warmup, patches, tokens, planned)
         plan = message_plan(plan_items, g.stage, g.stages, plan_steps, self.warmup, self.patches, tokens)
         self._share_and_check(plan, device)
         branch = branch_text(g, *text, guidance)
         hidden = (branch[0].shape[0], model.architecture()["hidden_size"], _activation_dtype(model, device))
         run = _Sampling(
-            items=schedule(steps, self.warmup, patches, tokens),
+            items=schedule(steps, self.warmup, patches, tokens, computed),
             steps=steps,
             guidance=guidance,
             x=patchify(noise.float(), model.patch_size),
@@ -187,6 +202,7 @@ class PipeFusionSampler:
             text=branch,
             hidden=hidden,
             extra_send=self.faults.planned("pipefusion_extra_send"),
+            skipped=skipped,
         )
         self.state.tokens = tokens
         for operator in self.attention:
@@ -262,9 +278,10 @@ class PipeFusionSampler:
         if g.sequence.sp_size > 1:  # the padded item, on every rank of the sequence group
             v = gather_tokens(v, g.sequence.sp_group)
         v = v[:, : item.end - item.start]
-        run.x[:, item.start : item.end] = flow.euler_step(
-            run.x[:, item.start : item.end], v, run.sigmas, item.step
-        )
+        patch = flow.euler_step(run.x[:, item.start : item.end], v, run.sigmas, item.step)
+        for step, scale in run.skipped[item.step]:  # the cache's skipped steps reuse this velocity, scaled
+            patch = flow.euler_step(patch, v * scale, run.sigmas, step)
+        run.x[:, item.start : item.end] = patch
         if item.step < run.steps - 1 or run.extra_send:
             patch = run.x[:, item.start : item.end].contiguous()
             run.pending_sends.append(comm.post(sends=[(patch, g.pipeline_ranks[0])], group=g.return_group))

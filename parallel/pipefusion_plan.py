@@ -6,6 +6,7 @@ named instead of leaving its peer waiting.
 """
 
 import copy
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -88,10 +89,15 @@ class Item:
     end: int
 
 
-def schedule(steps: int, warmup: int, patches: list[tuple[int, int]], tokens: int) -> list[Item]:
+def schedule(
+    steps: int, warmup: int, patches: list[tuple[int, int]], tokens: int, computed=None
+) -> list[Item]:
+    """The passes of `steps` steps; with a step cache (sample.cache=calibrated), of its `computed` steps
+    alone: a skipped step runs on no stage and sends nothing. The warm-up is the first `warmup` steps that
+    run."""
     items = []
-    for step in range(steps):
-        if step < warmup:
+    for index, step in enumerate(range(steps) if computed is None else computed):
+        if index < warmup:
             items.append(Item(step, 0, tokens))
         else:
             items += [Item(step, a, b) for a, b in patches]
@@ -117,6 +123,7 @@ class MessagePlan:
     warmup: int
     patches: int
     tokens: int
+    computed: int  # which steps run (a checksum of their indices): the step cache's plan
 
     def as_tensor(self) -> torch.Tensor:
         return torch.tensor([getattr(self, f) for f in self.__dataclass_fields__], dtype=torch.int64)
@@ -131,6 +138,7 @@ def message_plan(
 ) -> MessagePlan:
     first, last = stage == 0, stage == stages - 1
     returned = sum(item.step < steps - 1 for item in items)  # the final step's latent stays on the last stage
+    computed = sorted({item.step for item in items})
     return MessagePlan(
         forward_sends=0 if last else len(items),
         forward_recvs=0 if first else len(items),
@@ -140,6 +148,7 @@ def message_plan(
         warmup=warmup,
         patches=patches,
         tokens=tokens,
+        computed=zlib.crc32(repr(computed).encode()),
     )
 
 
@@ -161,10 +170,11 @@ def check_plans(plans: list[MessagePlan], pipeline_ranks: list[int]) -> None:
             f"rank {pipeline_ranks[-1]} (last stage) plans {plans[-1].return_sends} latent patches to rank "
             f"{pipeline_ranks[0]} (stage 0), which plans to receive {plans[0].return_recvs}"
         )
-    schedules = {(p.steps, p.warmup, p.patches, p.tokens) for p in plans}
+    schedules = {(p.steps, p.warmup, p.patches, p.tokens, p.computed) for p in plans}
     if problems or len(schedules) > 1:
         described = "; ".join(
-            f"rank {r}: steps={p.steps} warmup={p.warmup} patches={p.patches} tokens={p.tokens}"
+            f"rank {r}: steps={p.steps} warmup={p.warmup} patches={p.patches} tokens={p.tokens} "
+            f"computed steps={p.computed:#010x}"
             for r, p in zip(pipeline_ranks, plans)
         )
         raise PipeFusionError(

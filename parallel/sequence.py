@@ -124,6 +124,10 @@ class ShardedSequence(nn.Module):
     def gather(self, x):
         return _GatherTokens.apply(x, self.groups.sp_group)[:, : self.state.tokens]
 
+    def valid_tokens(self, local: int) -> int:
+        """How many of this rank's `local` tokens are real: the padding sits at the sequence's end."""
+        return max(0, min(local, self.state.tokens - self.groups.sp_rank * local))
+
 
 class SequenceParallelAttention(nn.Module):
     """Replaces SelfAttention.inner_attention: local (B, H, n, Dh) q, k, v in, local output out."""

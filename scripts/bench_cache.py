@@ -1,8 +1,9 @@
 """The step cache side by side with the uncached sampler, on the trained demo checkpoint, in one run: per
-threshold, the share of transformer calls saved, the wall-time speedup, PSNR against the uncached videos,
-and the demo judge's scores (colour, coherent, direction, shape, all four).
+method and threshold, the transformer calls that ran every block, the blocks run, the wall-time speedup,
+PSNR against the uncached videos, and the demo judge's scores (colour, coherent, direction, shape, all).
 
-    python scripts/bench_cache.py [--config configs/demo.yaml] [--thresholds 0.1 0.2 0.3 0.5] [--plot F.png]
+    python scripts/bench_cache.py [--config configs/demo.yaml] [--thresholds 0.2 0.3 0.5]
+        [--first-block-thresholds 0.05 0.1 0.2] [--methods calibrated first_block] [--plot F.png]
     python scripts/bench_cache.py --tiny     # seconds: a tiny random model, checks that the script runs
 
 It calibrates first (scripts/calibrate_cache.py's measurement, on sample.prompts) unless
@@ -35,7 +36,11 @@ def main(argv=None, session=None):
     args, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(Path(DEFAULT_RECIPE).with_name("demo.yaml")))
+    p.add_argument(
+        "--methods", nargs="+", default=["calibrated", "first_block"], choices=["calibrated", "first_block"]
+    )
     p.add_argument("--thresholds", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.5, 0.8])
+    p.add_argument("--first-block-thresholds", type=float, nargs="+", default=[0.05, 0.1, 0.2, 0.3])
     p.add_argument("--max-skips", type=int, default=None, help="default: sample.cache_max_skips")
     p.add_argument("--seeds", type=int, default=4, help="samples per held-out prompt")
     p.add_argument("--json", default=None)
@@ -45,6 +50,7 @@ def main(argv=None, session=None):
     if args.tiny:  # the test suite's tiny recipe
         tiny = Path(__file__).resolve().parents[1] / "tests" / "tiny.yaml"
         args.config, args.seeds, args.thresholds = str(tiny), 1, args.thresholds[:2]
+        args.first_block_thresholds = [0.05]
         overrides = [*overrides, "sample.steps=6"]
     cfg = load_config(args.config, overrides)
 
@@ -55,22 +61,26 @@ def main(argv=None, session=None):
     from infer import find_checkpoint
     from models.flow import RectifiedFlow
     from models.pipeline import generate
-    from models.step_cache import Calibration, StepCache
+    from models.step_cache import Calibration, FirstBlockCache, StepCache
 
     checkpoint = None if args.tiny else find_checkpoint(cfg, None, random_weights=False)
     steps, max_skips = cfg.sample.steps, args.max_skips or cfg.sample.cache_max_skips
     model, vae, text_encoder = components = load_model(cfg, checkpoint, session, random_weights=args.tiny)
-    if cfg.sample.cache_calibration:
+    calibration = None
+    if cfg.sample.cache_calibration and "calibrated" in args.methods:
         calibration = Calibration.load(cfg.sample.cache_calibration)
-    else:
+    elif "calibrated" in args.methods:
         velocities = record_velocities(cfg, components, list(cfg.sample.prompts), 2, steps)
         calibration = Calibration.measure(velocities, f"{args.config}, sample.prompts x 2 seeds")
     prompts = [prompt for prompt in held_out_prompts() for _ in range(args.seeds)]
     if args.tiny:
         prompts = prompts[:2]
 
+    depth = len(model.blocks)
+
     def run(cache):
         flow = RectifiedFlow(cfg.flow, cfg.model.patch_size, cache)
+        model.step_cache = cache if isinstance(cache, FirstBlockCache) else None
         start = time.perf_counter()
         videos = generate(
             model,
@@ -88,30 +98,49 @@ def main(argv=None, session=None):
         )
         seconds = time.perf_counter() - start
         scores = summarise([judge(prompt, video) for prompt, video in zip(prompts, videos, strict=True)])
-        return videos, dict(calls=flow.model_calls, seconds=seconds, **scores)
+        # blocks run: a calibrated skip runs none; a first_block reuse still runs the first block
+        blocks = flow.model_calls * depth + (steps - flow.model_calls) * (
+            cache is not None and cache.method == "first_block"
+        )
+        return videos, dict(calls=flow.model_calls, blocks=blocks, seconds=seconds, **scores)
 
     reference, uncached = run(None)
-    rows = [dict(threshold=0.0, psnr=float("inf"), speedup=1.0, call_ratio=1.0, **uncached)]
-    for threshold in args.thresholds:
-        videos, row = run(StepCache(calibration, threshold, max_skips))
+    rows = [
+        dict(
+            method="none",
+            threshold=0.0,
+            psnr=float("inf"),
+            speedup=1.0,
+            call_ratio=1.0,
+            block_ratio=1.0,
+            **uncached,
+        )
+    ]
+    caches = [("calibrated", t, lambda t: StepCache(calibration, t, max_skips)) for t in args.thresholds]
+    caches += [
+        ("first_block", t, lambda t: FirstBlockCache(t, max_skips)) for t in args.first_block_thresholds
+    ]
+    for method, threshold, make in [c for c in caches if c[0] in args.methods]:
+        videos, row = run(make(threshold))
         row.update(
+            method=method,
             threshold=threshold,
             psnr=psnr(videos, reference),
             speedup=uncached["seconds"] / row["seconds"],
             call_ratio=uncached["calls"] / row["calls"],
+            block_ratio=uncached["blocks"] / row["blocks"],
         )
         rows.append(row)
     print(
-        f"| threshold | calls of {steps} | fewer calls | wall speedup | PSNR dB | "
-        + " | ".join(CHECKS)
-        + " | all |"
+        f"| method | threshold | full calls of {steps} | fewer calls | fewer blocks | wall speedup "
+        "| PSNR dB | " + " | ".join(CHECKS) + " | all |"
     )
-    print("| --- " * (6 + len(CHECKS)) + "|")
+    print("| --- " * (8 + len(CHECKS)) + "|")
     for r in rows:
         scores = " | ".join(f"{r[f'{k}_accuracy']:.1%}" for k in (*CHECKS, "all"))
         print(
-            f"| {r['threshold'] or 'uncached'} | {r['calls']} | {r['call_ratio']:.2f}x | "
-            f"{r['speedup']:.2f}x | {r['psnr']:.1f} | {scores} |"
+            f"| {r['method']} | {r['threshold'] or '-'} | {r['calls']:g} | {r['call_ratio']:.2f}x | "
+            f"{r['block_ratio']:.2f}x | {r['speedup']:.2f}x | {r['psnr']:.1f} | {scores} |"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(dict(steps=steps, max_skips=max_skips, rows=rows), indent=1))
@@ -119,13 +148,17 @@ def main(argv=None, session=None):
         plot(rows[1:], args.plot, steps, max_skips)
 
 
+COLOURS = {"calibrated": "steelblue", "first_block": "darkorange"}
+
+
 def plot(rows, path, steps, max_skips):
-    """Fewer calls (x) against PSNR (y), one labelled point per threshold, drawn with PIL (no matplotlib)."""
+    """Fewer blocks run (x) against PSNR (y), one labelled point per threshold and a line per method, drawn
+    with PIL (no matplotlib here)."""
     from PIL import Image, ImageDraw
 
-    width, height, margin = 520, 360, 60
+    width, height, margin = 560, 380, 60
     finite = [r for r in rows if np.isfinite(r["psnr"])]
-    xs, ys = [r["call_ratio"] for r in finite], [r["psnr"] for r in finite]
+    xs, ys = [r["block_ratio"] for r in finite], [r["psnr"] for r in finite]
     x0, x1 = 1.0, max(xs) * 1.1
     y0, y1 = min(ys) - 2, max(ys) + 2
     at = lambda x, y: (  # noqa: E731
@@ -140,12 +173,17 @@ def plot(rows, path, steps, max_skips):
         draw.text(at(tick, y0), f"{tick}x", fill="black")
     for tick in range(int(y0), int(y1) + 1, 2):
         draw.text((10, at(x0, tick)[1] - 5), f"{tick} dB", fill="black")
-    points = [at(x, y) for x, y in zip(xs, ys)]
-    draw.line(points, fill="steelblue", width=2)
-    for (px, py), r in zip(points, finite):
-        draw.ellipse([px - 4, py - 4, px + 4, py + 4], fill="steelblue")
-        draw.text((px + 6, py - 14), f"threshold {r['threshold']:g}", fill="black")
+    for line, (method, colour) in enumerate(COLOURS.items()):
+        mine = [r for r in finite if r["method"] == method]
+        points = [at(r["block_ratio"], r["psnr"]) for r in mine]
+        if len(points) > 1:
+            draw.line(points, fill=colour, width=2)
+        for (px, py), r in zip(points, mine):
+            draw.ellipse([px - 4, py - 4, px + 4, py + 4], fill=colour)
+            draw.text((px + 6, py - 14), f"{r['threshold']:g}", fill="black")
+        draw.text((width - 170, 40 + 14 * line), method, fill=colour)
     draw.text((margin, 15), f"step cache, demo, {steps} steps, <= {max_skips} skips in a row", fill="black")
+    draw.text((width // 2 - 80, height - 25), "fewer blocks run (x)", fill="black")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     image.save(path)
 

@@ -127,16 +127,17 @@ def stale_kv_reference(patches: int, warmup: int, cache=None):
         current["tokens"] = tokens = grid[0] * grid[1] * grid[2]
         rows = grid[0] * grid[1]
         bounds = [rows * i // patches * grid[2] for i in range(patches + 1)]
-        plan, v = (cache.plan(STEPS) if cache is not None else None), None
+        plan, v, passes = (cache.plan(STEPS) if cache is not None else None), None, 0
         for i in range(STEPS):
             if plan is not None and not plan[i].compute:  # the cache reuses the last velocity, scaled
                 x = flow.euler_step(x, v * plan[i].scale, sigmas, i)
                 continue
+            passes += 1  # the warm-up: the first `warmup` steps that run
             embedded, _ = model.embed(torch.cat([x, x]))
             rope = model.rope(grid, "cpu")
             cond = model.condition(sigmas[i].expand(4), y, y_mask)
             outputs = []
-            for a, b in [(0, tokens)] if i < warmup else zip(bounds, bounds[1:]):
+            for a, b in [(0, tokens)] if passes <= warmup else zip(bounds, bounds[1:]):
                 current["range"] = (a, b)
                 h = embedded[:, a:b]
                 for block in model.blocks:

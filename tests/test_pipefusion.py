@@ -84,6 +84,19 @@ def test_message_plans_match_between_neighbours_and_a_disagreement_is_named():
     assert "rank 4 (stage 0) plans 11 messages to rank 5, which plans to receive 14" in message
     assert "rank 5: steps=6" in message and "rank 4: steps=5" in message
     assert MessagePlan.from_tensor(plans[1].as_tensor()) == plans[1]
+    # the step cache: a skipped step has no pass; a stage that would skip other steps is named
+    cached = schedule(5, 2, [(0, 4), (4, 8), (8, 12)], 12, computed=[0, 3, 4])
+    assert (
+        cached[:2] == [Item(0, 0, 12), Item(3, 0, 12)] and [i.step for i in cached[2:]] == [4] * 3
+    )  # warm-up: 2 run
+    mine = [message_plan(cached, s, 3, 5, 2, 3, 12) for s in range(3)]
+    check_plans(mine, [4, 5, 6])
+    theirs = message_plan(
+        schedule(5, 2, [(0, 4), (4, 8), (8, 12)], 12, computed=[0, 2, 4]), 2, 3, 5, 2, 3, 12
+    )
+    assert theirs.return_sends == mine[0].return_recvs  # the same message counts, other steps
+    with pytest.raises(PipeFusionError, match="computed steps="):
+        check_plans([*mine[:2], theirs], [4, 5, 6])
 
 
 @pytest.mark.timeout(150)
@@ -109,6 +122,8 @@ def test_every_sampling_layout_against_the_serial_sampler():
     for case in ("pf4", "pf2xu2", "pf2xr2", "pf2xcfg2"):
         assert any(line.startswith(f"ok {case} M=4 warmup=1 vs pf2 M=4 warmup=1") for line in passed), case
     assert sum("vs the stale-K/V reference" in line for line in passed) == 3
+    for case in ("cached pf2xcfg2 warmup=all vs cached serial", "cached pf2xu2 M=4 warmup=1 vs the cached"):
+        assert any(line.startswith(f"ok {case}") for line in passed), case  # sample.cache=calibrated
     stale = next(line for line in passed if line.startswith("ok pf2 M=4 warmup=1 vs serial"))
     assert 1e-4 < float(stale.rpartition("=")[2]) < 0.1, stale  # stale K/V: close to serial, not equal
 

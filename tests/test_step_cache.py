@@ -1,6 +1,7 @@
-"""The step cache (sample.cache): its plan against the rule written out by hand, the cached sampler against
-the uncached one, every layout against one process (the same calls saved, the same video), and the
-refusals at start-up. The plan is made of values identical on every rank, so no layout can disagree."""
+"""The step cache (sample.cache): the calibrated plan and the first-block rule against the rules written out
+by hand, the cached sampler against the uncached one, every layout against one process (the same calls
+saved, the same video), ranks whose signals or settings differ (they agree, or stop with an `error:`
+line), and the refusals at start-up."""
 
 import json
 import sys
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import infer
-from models.step_cache import CacheError, Calibration, StepCache, plan_steps
+from models.step_cache import CacheError, Calibration, FirstBlockCache, StepCache, plan_steps
 from tests.conftest import ROOT, TINY, run_main, torchrun
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -67,6 +68,7 @@ def test_the_cached_sampler_reuses_the_last_velocity_scaled():
     cache = StepCache(calibration(6, change=0.1, magnitude=0.8), threshold=0.15, max_skips=2)
     flow = RectifiedFlow(load_config(None).flow, (1, 2, 2), cache)
     out = flow.sample(None, noise, None, None, steps=6, velocity=velocity)
+    assert len(calls) == 4  # the model itself was called on the plan's 4 computed steps only
     sigmas, x, last = flow.sigmas(noise, 6), noise, None
     for i, step in enumerate(cache.plan(6)):
         last = velocity(x, sigmas[i]) if step.compute else last
@@ -74,7 +76,76 @@ def test_the_cached_sampler_reuses_the_last_velocity_scaled():
     assert torch.allclose(out, x) and flow.model_calls == sum(s.compute for s in cache.plan(6)) == 4
 
 
-def cached_sample(tmp_path, name, calibration_file, *extra, nproc=1):
+def test_the_first_block_rule_written_out_by_hand():
+    """Calls of a tiny DiT under FirstBlockCache against its pieces run by hand, two samples: the first call
+    runs every block; in the second both first-block residuals barely changed, so both reuse the other
+    blocks' residual; in the third one sample changed too much and runs every block alone, the other
+    reuses again; in the fourth (the last step) both run every block."""
+    from models.dit import DiT
+
+    torch.manual_seed(0)
+    model = DiT(4, 16, depth=3, hidden_size=32, num_heads=4, patch_size=(1, 2, 2)).eval()
+    model.init_weights(zero_init=False, seed=3)
+    x = torch.randn(2, 4, 2, 4, 4)
+    t, y, mask = torch.full((2,), 0.5), torch.randn(2, 5, 16), torch.ones(2, 5, dtype=torch.bool)
+
+    def by_hand(x, rest=None):
+        tokens, grid = model.embed(x)
+        rope, cond = model.rope(grid, "cpu"), model.condition(t, y, mask)
+        first = model.blocks[0](tokens, cond.c, cond.y, cond.block_mask, rope)
+        out = first
+        for block in model.blocks[1:]:
+            out = block(out, cond.c, cond.y, cond.block_mask, rope)
+        blocks_out = out if rest is None else first + rest
+        return model.unpatchify(model.final_layer(blocks_out, cond.temb), grid), first - tokens, out - first
+
+    def change(r, r_full):
+        return (r - r_full).abs().flatten(1).sum(1) / r_full.abs().flatten(1).sum(1)
+
+    cache = model.step_cache = FirstBlockCache(threshold=0.05, max_skips=2)
+    cache.start(steps=4, samples=2)
+    with torch.no_grad():
+        full, r0, rest = by_hand(x)
+        assert torch.allclose(model(x, t, y, mask), full, atol=1e-6)
+        near = x + 1e-3 * torch.randn_like(x)
+        cache.begin_step(1)
+        reused, r1, _ = by_hand(near, rest)
+        assert (change(r1, r0) < 0.05).all()
+        assert torch.allclose(model(near, t, y, mask), reused, atol=1e-6) and cache.full_calls == 1
+        mixed = torch.stack([x[0] + 2e-3 * torch.randn_like(x[0]), x[1] + 0.5 * torch.randn_like(x[1])])
+        cache.begin_step(2)
+        (reused, r2, _), (computed, _, _) = by_hand(mixed, rest), by_hand(mixed)
+        assert change(r2, r0)[0] < 0.05 < change(r2, r0)[1]
+        assert torch.allclose(model(mixed, t, y, mask), torch.stack([reused[0], computed[1]]), atol=1e-6)
+        cache.begin_step(3)  # the last step: every block, whatever the change
+        assert torch.allclose(model(near, t, y, mask), by_hand(near)[0], atol=1e-6)
+    assert cache.decisions == [[False, False], [True, True], [True, False], [False, False]]
+    assert cache.full_calls == 2.5  # per sample: 1 + 0 + 0.5 + 1
+    model.step_cache = None
+    assert torch.allclose(model(mixed, t, y, mask), by_hand(mixed)[0], atol=1e-6)  # off: every block
+
+    # Guided, as the serial sampler batches it: rows = (conditional, unconditional) x 2 samples, one
+    # decision per sample over both of its rows (0 and 2, 1 and 3).
+    t, y, mask = torch.full((4,), 0.5), torch.randn(4, 5, 16), torch.ones(4, 5, dtype=torch.bool)
+    cache = model.step_cache = FirstBlockCache(threshold=0.05, max_skips=2)
+    cache.start(steps=4, samples=2)
+    with torch.no_grad():
+        _, r0, rest = by_hand(torch.cat([x, x]))
+        model(torch.cat([x, x]), t, y, mask)
+        cache.begin_step(1)
+        (reused, r2, _), (computed, _, _) = (
+            by_hand(torch.cat([mixed, mixed]), rest),
+            by_hand(torch.cat([mixed, mixed])),
+        )
+        l1 = lambda r: r.abs().flatten(1).sum(1).view(2, 2).sum(0)  # noqa: E731  (per sample, both rows)
+        per_sample = l1(r2 - r0) / l1(r0)
+        assert per_sample[0] < 0.05 < per_sample[1]
+        expected = torch.stack([reused[0], computed[1], reused[2], computed[3]])
+        assert torch.allclose(model(torch.cat([mixed, mixed]), t, y, mask), expected, atol=1e-6)
+    assert cache.decisions[-1] == [True, False]
+
+
+def cached_sample(tmp_path, name, calibration_file, *extra, nproc=1, env=None):
     out = tmp_path / f"{name}.npy"
     args = [
         "--config",
@@ -85,11 +156,13 @@ def cached_sample(tmp_path, name, calibration_file, *extra, nproc=1):
         "--output",
         str(out),
     ]
-    args += ["sample.cache=calibrated", f"sample.cache_calibration={calibration_file}", *extra]
+    if calibration_file is not None:
+        args += ["sample.cache=calibrated", f"sample.cache_calibration={calibration_file}"]
+    args += extra
     if nproc == 1:
         assert run_main(infer, args) == 0
         return np.stack([np.load(out.with_name(f"{name}_{i:03d}.npy")) for i in range(2)]), None
-    result = torchrun(nproc, "infer.py", *args)
+    result = torchrun(nproc, "infer.py", *args, timeout=90, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     return np.stack([np.load(out.with_name(f"{name}_{i:03d}.npy")) for i in range(2)]), result.stdout
 
@@ -125,6 +198,51 @@ def test_every_layout_samples_the_one_process_cached_video(tmp_path, capsys):
         assert np.abs(theirs - ours).max() <= 1e-5, name
 
 
+FIRST_BLOCK = ["sample.cache=first_block", "sample.cache_first_block_threshold=0.03"]
+
+
+def test_first_block_decisions_are_agreed_across_ranks(tmp_path, capsys):
+    """sample.cache=first_block under cfg 2 x ring 2 (4 processes, 45 tokens): the one-process decisions and
+    video. A rank whose own share of the signal is inflated (TESSERA_FAULT=cache_signal@1) cannot make
+    the ranks disagree: the summed signal is the same on each, so all of them run more blocks, alike."""
+    ours, _ = cached_sample(tmp_path, "one", None, *FIRST_BLOCK)
+    assert "step cache: 5 of 8 steps ran every block" in capsys.readouterr().out  # steps 3, 5, 6 reuse
+    theirs, stdout = cached_sample(
+        tmp_path, "cfg_ring", None, *FIRST_BLOCK, "parallel.cfg=2", "parallel.ring=2", nproc=4
+    )
+    assert "step cache: 5 of 8 steps ran every block" in stdout
+    assert np.abs(theirs - ours).max() <= 1e-5
+    faulty, stdout = cached_sample(
+        tmp_path,
+        "fault",
+        None,
+        *FIRST_BLOCK,
+        "parallel.ulysses=2",
+        nproc=2,
+        env={"TESSERA_FAULT": "cache_signal@1"},
+    )
+    assert "step cache: 8 of 8 steps ran every block" in stdout  # agreed (checked at the end), not hung
+    assert np.abs(faulty - ours).max() > 1e-4
+    # A rank that decides otherwise from the agreed sums (cfg 2: no collective inside the blocks would
+    # notice) is caught by the check after sampling: one error line, no video written.
+    args = ["--config", str(TINY), f"run.output_dir={tmp_path / 'run'}", *SIZE, *PROMPTS, *FIRST_BLOCK]
+    result = torchrun(
+        2,
+        "infer.py",
+        *args,
+        "parallel.cfg=2",
+        "--output",
+        str(tmp_path / "flip.npy"),
+        timeout=90,
+        env={"TESSERA_FAULT": "cache_decision@1"},
+    )
+    assert (
+        result.returncode != 0
+        and "error: the ranks sampling one video differ in the step cache's decisions" in result.stderr
+    )
+    assert not list(tmp_path.glob("flip*.npy"))
+
+
 def test_cache_settings_a_layout_cannot_honour_are_refused_at_start(tmp_path, capsys):
     file = tmp_path / "cache.json"
     calibration(6).save(file)
@@ -136,9 +254,24 @@ def test_cache_settings_a_layout_cannot_honour_are_refused_at_start(tmp_path, ca
     ):
         assert run_main(infer, base + extra) == 2, extra
         assert message in capsys.readouterr().err, extra
-    pipefusion = ["parallel.pipefusion=2", "sample.cache=calibrated", f"sample.cache_calibration={file}"]
-    result = torchrun(2, "infer.py", *base, "--steps", "6", *pipefusion)
-    assert result.returncode != 0 and "not built for PipeFusion yet" in result.stderr
+    assert run_main(infer, base + ["parallel.pipefusion=2", "sample.cache=first_block"]) == 2
+    assert "first_block cannot run under PipeFusion" in capsys.readouterr().err
+    # a rank with another threshold (as if it read another recipe) is named before any weight is loaded
+    calibrated = ["sample.cache=calibrated", f"sample.cache_calibration={file}", "--steps", "6"]
+    result = torchrun(
+        2,
+        "infer.py",
+        *base,
+        *calibrated,
+        "parallel.pipefusion=2",
+        timeout=60,
+        env={"TESSERA_FAULT": "cache_plan@1"},
+    )
+    assert result.returncode != 0 and "exitcode  : 2" in result.stderr, result.stderr[-2000:]  # a user error
+    assert (
+        "error: the ranks sampling one video differ in what decides the step cache's skips (replica rank 0:"
+        in result.stderr
+    )
 
 
 def test_calibrate_and_bench_cache_run(tmp_path):
