@@ -24,6 +24,7 @@ from configs import DEFAULT_RECIPE, load_config, split_overrides
 from data.media import OUTPUT_EXTENSIONS, write_video
 from models.dit import DiT_models
 from models.flow import RectifiedFlow
+from models.image_condition import ImageEncoder, encode_condition
 from models.lora import deltas_of, merge_deltas
 from models.lora_formats import check_file, parse_lora_spec, read_lora
 from models.pipeline import generate
@@ -95,6 +96,13 @@ def parse_args(argv):
         help="LoRA files to apply (diffusers/PEFT, ComfyUI/Wan-original or kohya/musubi .safetensors), "
         "each at SCALE (default 1)",
     )
+    p.add_argument(
+        "--image",
+        nargs="+",
+        default=None,
+        help="image-to-video (model.task=i2v or flf2v): the first frame, one for every prompt or one each",
+    )
+    p.add_argument("--last-image", nargs="+", default=None, help="FLF2V (model.task=flf2v): the last frame")
     parsed = p.parse_args(args)
     parsed.overrides = overrides
     return parsed
@@ -213,6 +221,8 @@ class Request:
     grid: list  # tokens along (t, h, w)
     latent: tuple  # (C, t, h, w)
     cache: object = None  # models.step_cache.StepCache (sample.cache), or None
+    images: list | None = None  # image-to-video: each prompt's first frame (PIL), or None
+    last_images: list | None = None  # FLF2V: each prompt's last frame
 
 
 def read_request(cfg, args) -> Request:
@@ -240,7 +250,63 @@ def read_request(cfg, args) -> Request:
     grid = [s // p for s, p in zip(latent[1:], cfg.model.patch_size)]
     negative = sc.negative_prompt if args.negative_prompt is None else args.negative_prompt
     cache = step_cache(sc, steps)
-    return Request(prompts, outputs, frames, height, width, steps, guidance, negative, grid, latent, cache)
+    images, last_images = read_images(cfg.model.task, args, len(prompts), height, width)
+    return Request(
+        prompts,
+        outputs,
+        frames,
+        height,
+        width,
+        steps,
+        guidance,
+        negative,
+        grid,
+        latent,
+        cache,
+        images,
+        last_images,
+    )
+
+
+def read_images(task: str, args, count: int, height: int, width: int):
+    """(first frames, last frames) for `count` prompts, read and checked against model.task and the video's
+    aspect ratio (diffusers stretches an image to it; tessera asks for a fitting one)."""
+    needs = {"t2v": (False, False), "i2v": (True, False), "flf2v": (True, True)}[task]
+    for flag, given, needed in (
+        ("--image", args.image, needs[0]),
+        ("--last-image", args.last_image, needs[1]),
+    ):
+        if needed and not given:
+            raise ValueError(f"model.task={task} needs {flag} (a PNG or JPEG file)")
+        if given and not needed:
+            fix = (
+                "model.task=flf2v" if flag == "--last-image" and task == "i2v" else "model.task=i2v or flf2v"
+            )
+            raise ValueError(
+                f"{flag} was given, but model.task={task} takes no such frame: drop it, or use {fix}"
+            )
+    if not needs[0]:
+        return None, None
+    from models.image_condition import load_image
+
+    frames = []
+    for flag, paths in (("--image", args.image), ("--last-image", args.last_image)):
+        if paths is None:
+            frames.append(None)
+            continue
+        if len(paths) not in (1, count):
+            raise ValueError(f"{flag}: give one image for every prompt or one for each of the {count}")
+        images = [load_image(path) for path in paths] * (count if len(paths) == 1 else 1)
+        for path, image in zip(paths, images):
+            w, h = image.size
+            if abs(w / h - width / height) > 0.02 * width / height:
+                raise ValueError(
+                    f"{flag} {path} is {w}x{h} and the video {width}x{height}: their shapes differ; crop the "
+                    f"image, or give --width/--height of its shape (e.g. --height {height} --width "
+                    f"{round(height * w / h / 16) * 16})"
+                )
+        frames.append(images)
+    return frames[0], frames[1]
 
 
 def plan_layout(cfg, request: Request) -> tuple[ParallelLayout, int, str]:
@@ -260,6 +326,11 @@ def plan_layout(cfg, request: Request) -> tuple[ParallelLayout, int, str]:
         slow_links=slow_links,
         tokens=grid[0] * grid[1] * grid[2],
     )
+    if cfg.model.task != "t2v" and layout.pipefusion > 1:
+        raise ValueError(
+            f"model.task={cfg.model.task} does not run under PipeFusion yet (parallel.pipefusion="
+            f"{layout.pipefusion}): use cfg, ulysses or ring"
+        )
     return layout, layout.check_patches(cfg.parallel, grid), links
 
 
@@ -277,6 +348,8 @@ def main(argv=None, session=None):
     if cfg.model.pretrained and not args.random_weights and (checkpoint is None or record):
         check_pretrained(cfg.model.pretrained)
     loras = read_loras(cfg, args.lora)
+    if request.images is not None and cfg.model.image_dim:
+        image_encoder_folder(cfg)  # a missing CLIP folder is named before any process group starts
 
     runtime = init_runtime(cfg.parallel, layout, cfg.run.output_dir, task="sample", session=session)
     # the ranks of a replica compare their cache settings before any weight is loaded
@@ -303,6 +376,9 @@ def main(argv=None, session=None):
 
 def sample_and_write(cfg, args, runtime, request: Request, mine: list, model, vae, text_encoder, sampler):
     """Sample this replica's prompts `mine` on every rank of the replica; its leader writes them."""
+    condition = None
+    if request.images is not None:  # image-to-video: the frames' latents (and CLIP features) of `mine`
+        condition = image_condition(cfg, request, mine, vae, runtime.device)
     runtime.watchdog.sampling_progress(0, request.steps)  # each denoising step has a deadline from here on
     bar = tqdm(total=request.steps, desc="sample", disable=not runtime.is_main, dynamic_ncols=True)
     replica = runtime.sampling
@@ -329,6 +405,7 @@ def sample_and_write(cfg, args, runtime, request: Request, mine: list, model, va
         decode=parallel_vae.shared_decoder(
             vae, replica.replica_group, replica.replica_control, vae.tile_latent, vae.tile_overlap
         ),
+        condition=condition,
     )
     bar.close()
     check_cache_decisions(request.cache, replica, runtime.device)
@@ -348,6 +425,39 @@ def sample_and_write(cfg, args, runtime, request: Request, mine: list, model, va
     # fenced against each other: one with no prompts must not wait out another's sampling.
     if replica.replica_control is not None:
         comm.barrier(replica.replica_control)
+
+
+def image_encoder_folder(cfg) -> str:
+    """image_encoder.pretrained, else model.pretrained if it is a WanImageToVideoPipeline folder; checked."""
+    folder = cfg.image_encoder.pretrained or cfg.model.pretrained
+    if folder is None:
+        raise ValueError(
+            "model.image_dim is set: name a CLIPVisionModel folder in image_encoder.pretrained (or a "
+            "WanImageToVideoPipeline folder in model.pretrained)"
+        )
+    if not any((Path(folder) / sub / "config.json").is_file() for sub in ("image_encoder", ".")):
+        raise FileNotFoundError(
+            f"image_encoder.pretrained={folder}: no CLIPVisionModel there (config.json), nor an "
+            "image_encoder/ folder of a WanImageToVideoPipeline"
+        )
+    return folder
+
+
+def image_condition(cfg, request: Request, mine: list, vae, device):
+    """models/image_condition.py's condition of this replica's prompts `mine`, with the CLIP image encoder
+    (image_encoder.pretrained, else model.pretrained's image_encoder/) when the model reads features."""
+    encoder = ImageEncoder(image_encoder_folder(cfg)).to(device) if cfg.model.image_dim else None
+    last = request.last_images
+    return encode_condition(
+        vae,
+        encoder,
+        [request.images[i] for i in mine],
+        None if last is None else [last[i] for i in mine],
+        request.frames,
+        request.height,
+        request.width,
+        device,
+    )
 
 
 def _layout_line(cfg, runtime, request: Request, patches: int, links: str) -> str:

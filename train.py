@@ -123,6 +123,8 @@ def check_before_start(cfg) -> Plan:
     """Everything that can be refused, checked before the first collective: the layout, the buckets and
     the preview size, the data, the checkpoint's files (or the pretrained folder), and a LoRA's base."""
     rank, world_size, _ = world_from_env()
+    if cfg.model.task != "t2v":
+        raise ValueError(f"model.task={cfg.model.task} samples (infer.py --image) but does not train yet")
     layout = ParallelLayout.from_config(
         cfg.parallel, world_size, DiT_models[cfg.model.size]["num_heads"], "train", local_world_size()
     )

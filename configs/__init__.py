@@ -135,6 +135,7 @@ CHOICES = {
     "data.epoch_remainder": ("pad", "drop"),
     "data.on_plan_change": ("error", "new_epoch"),
     "sample.cache": ("none", "calibrated", "first_block"),
+    "model.task": ("t2v", "i2v", "flf2v"),
 }
 
 

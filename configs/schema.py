@@ -36,6 +36,13 @@ class ModelConfig:
     text_mask: Optional[bool] = None  # mask padded text tokens (false: zero them and attend, as Wan): true
     # add fixed sin-cos absolute positions to the tokens (the original DiT's), besides RoPE: false
     absolute_positions: Optional[bool] = None
+    # t2v | i2v: conditioned on a first frame (the input also takes a 4-channel mask and the frame's
+    # latent, Wan I2V's 36 channels) | flf2v: on a first and a last frame (docs/internals.md)
+    task: str = "t2v"
+    # image-to-video: the width of the CLIP image features (Wan2.1 I2V/FLF2V: 1280; Wan2.2 I2V: none)
+    image_dim: Optional[int] = None
+    image_tokens: Optional[int] = None  # CLIP tokens per image (ViT-H/14: 257): 257
+    image_positions: Optional[bool] = None  # FLF2V's learnt position embedding of its two images
     # A diffusers WanTransformer3DModel folder (config.json + safetensors): its weights, read shard by shard;
     # the recipe must build the same architecture (e.g. model.size=Wan2.1-1.3B). Or a tessera run (its
     # directory, checkpoints/, `latest` or a step_<N>): the EMA weights of that checkpoint.
@@ -69,6 +76,14 @@ class TextEncoderConfig:
     tiny_d_model: int = 32
     tiny_layers: int = 2
     cache_size: int = 256  # prompt embeddings kept in memory (a UMT5-XXL prompt is 4 MiB at 256 tokens)
+
+
+@dataclass
+class ImageEncoderConfig:
+    # model.task=i2v/flf2v with model.image_dim: a local CLIPVisionModel folder (with its
+    # CLIPImageProcessor), or a WanImageToVideoPipeline folder (its image_encoder/ and image_processor/);
+    # None: model.pretrained's, if it is such a pipeline folder
+    pretrained: Optional[str] = None
 
 
 @dataclass
@@ -232,6 +247,7 @@ class TesseraConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     vae: VAEConfig = field(default_factory=VAEConfig)
     text_encoder: TextEncoderConfig = field(default_factory=TextEncoderConfig)
+    image_encoder: ImageEncoderConfig = field(default_factory=ImageEncoderConfig)
     data: DataConfig = field(default_factory=DataConfig)
     flow: FlowConfig = field(default_factory=FlowConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -198,27 +198,59 @@ class SelfAttention(nn.Module):
 
 
 class CrossAttention(nn.Module):
-    """Image/video tokens attend to text tokens; padded text tokens are masked out (y_mask None: none)."""
+    """Image/video tokens attend to text tokens; padded text tokens are masked out (y_mask None: none).
+    With `image_tokens` (Wan's image-to-video), the context's first `image_tokens` tokens are an image's:
+    the queries attend to them through their own keys and values (Wan's k_img, v_img and their norm), and
+    that output is added to the text attention's before the projection."""
 
-    def __init__(self, hidden_size, num_heads, qk_norm, qk_norm_across_heads=False):
+    def __init__(self, hidden_size, num_heads, qk_norm, qk_norm_across_heads=False, image_tokens=0):
         super().__init__()
-        self.num_heads, self.across_heads = num_heads, qk_norm_across_heads
+        self.num_heads, self.across_heads, self.image_tokens = num_heads, qk_norm_across_heads, image_tokens
         self.q = nn.Linear(hidden_size, hidden_size)
         self.kv = nn.Linear(hidden_size, 2 * hidden_size)
         self.kv.fused_projections = 2
         self.q_norm = qk_norm_layer(hidden_size, num_heads, qk_norm, qk_norm_across_heads)
         self.k_norm = qk_norm_layer(hidden_size, num_heads, qk_norm, qk_norm_across_heads)
+        if image_tokens:
+            self.image_kv = nn.Linear(hidden_size, 2 * hidden_size)
+            self.image_kv.fused_projections = 2
+            self.image_k_norm = qk_norm_layer(hidden_size, num_heads, qk_norm, qk_norm_across_heads)
         self.proj = nn.Linear(hidden_size, hidden_size)
 
     def forward(self, x, y, y_mask):
         B, N, D = x.shape
+        H, across, n_image = self.num_heads, self.across_heads, self.image_tokens
+        image, y = y[:, :n_image], y[:, n_image:]  # the image's tokens come first in the context
         k, v = self.kv(y).chunk(2, dim=-1)  # 2 x (B, L, D)
-        mask = None if y_mask is None else y_mask[:, None, None, :]
-        H, across = self.num_heads, self.across_heads
+        mask = None if y_mask is None else y_mask[:, None, None, n_image:]
         q = norm_heads(self.q(x), self.q_norm, H, across).transpose(1, 2)  # (B, H, N, Dh)
         k = norm_heads(k, self.k_norm, H, across).transpose(1, 2)
-        x = F.scaled_dot_product_attention(q, k, split_heads(v, H), attn_mask=mask)
-        return self.proj(x.transpose(1, 2).reshape(B, N, D))
+        out = F.scaled_dot_product_attention(q, k, split_heads(v, H), attn_mask=mask)
+        if n_image:
+            k, v = self.image_kv(image).chunk(2, dim=-1)
+            k = norm_heads(k, self.image_k_norm, H, across).transpose(1, 2)
+            out = out + F.scaled_dot_product_attention(q, k, split_heads(v, H))
+        return self.proj(out.transpose(1, 2).reshape(B, N, D))
+
+
+class ImageEmbedder(nn.Module):
+    """CLIP image features (B, L, image_dim) -> context tokens (B, L, D), as Wan's img_emb: a float32
+    LayerNorm, a feed-forward (image_dim -> image_dim -> D, exact GELU), a float32 LayerNorm. With
+    `positions` (FLF2V: two images of L/2 tokens each, given as 2B rows), a learnt position embedding over
+    the pair's L tokens first."""
+
+    def __init__(self, image_dim, hidden_size, tokens, positions=False):
+        super().__init__()
+        self.norm1 = FP32LayerNorm(image_dim, eps=1e-5)
+        self.ff = nn.Sequential(nn.Linear(image_dim, image_dim), nn.GELU(), nn.Linear(image_dim, hidden_size))
+        self.norm2 = FP32LayerNorm(hidden_size, eps=1e-5)
+        self.pos_embed = nn.Parameter(torch.zeros(1, tokens, image_dim)) if positions else None
+
+    def forward(self, features):
+        if self.pos_embed is not None:  # (2B, L/2, C): first and last image -> (B, L, C)
+            features = features.reshape(-1, self.pos_embed.shape[1], features.shape[-1]) + self.pos_embed
+        dtype = self.ff[0].weight.dtype  # the norms run in float32, the feed-forward in the weights' dtype
+        return self.norm2(self.ff(self.norm1(features).to(dtype))).to(dtype)
 
 
 class DiTBlock(nn.Module):
@@ -231,12 +263,13 @@ class DiTBlock(nn.Module):
         attention_backend,
         adaln="zero",
         qk_norm_across_heads=False,
+        image_tokens=0,
     ):
         super().__init__()
         self.norm1 = FP32LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.attn = SelfAttention(hidden_size, num_heads, qk_norm, attention_backend, qk_norm_across_heads)
         self.norm2 = FP32LayerNorm(hidden_size, elementwise_affine=True, eps=1e-6)
-        self.cross_attn = CrossAttention(hidden_size, num_heads, qk_norm, qk_norm_across_heads)
+        self.cross_attn = CrossAttention(hidden_size, num_heads, qk_norm, qk_norm_across_heads, image_tokens)
         self.norm3 = FP32LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
         self.mlp = nn.Sequential(
             nn.Linear(hidden_size, mlp_hidden),
@@ -324,13 +357,24 @@ class DiT(nn.Module):
         pooled_text=True,
         text_mask=True,
         absolute_positions=False,
+        image_dim=None,
+        image_tokens=None,
+        image_positions=False,
+        out_channels=None,
     ):
+        """image_dim, image_tokens, image_positions: Wan's image-to-video conditioning (None, 0, False:
+        none): CLIP features of width image_dim, image_tokens of them per sample (257 for one image, 514
+        for FLF2V's first and last), image_positions FLF2V's learnt position embedding over them.
+        out_channels: the predicted velocity's channels, when the input has more (Wan I2V: 16 noisy + 4
+        mask + 16 condition channels in, 16 out); None: in_channels."""
         super().__init__()
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
+        image_tokens = (257 if image_tokens is None else image_tokens) if image_dim else 0  # CLIP ViT-H/14
         if adaln not in ("zero", "single"):
             raise ValueError(f"adaln must be 'zero' or 'single', got '{adaln}'")
         self.in_channels = in_channels
+        self.out_channels = out_channels or in_channels
         self.patch_size = tuple(patch_size)
         self.num_heads = num_heads
         self.text_mask = text_mask
@@ -351,7 +395,15 @@ class DiT(nn.Module):
             pooled_text=pooled_text,
             text_mask=text_mask,
             absolute_positions=absolute_positions,
+            image_dim=image_dim,
+            image_tokens=image_tokens,
+            image_positions=bool(image_dim and image_positions),
+            out_channels=self.out_channels,
         )
+        if image_dim and image_tokens < 1:
+            raise ValueError(
+                f"image_dim={image_dim} needs image_tokens >= 1 (model.image_tokens), got {image_tokens}"
+            )
         self.x_embedder = PatchEmbed3D(patch_size, in_channels, hidden_size)
         self.t_embedder = TimestepEmbedder(hidden_size)
         self.y_embedder = nn.Sequential(
@@ -359,6 +411,10 @@ class DiT(nn.Module):
         )
         # the mean text token joins the time embedding
         self.pooled_embedder = nn.Linear(hidden_size, hidden_size) if pooled_text else None
+        self.image_tokens = image_tokens
+        self.image_embedder = (
+            ImageEmbedder(image_dim, hidden_size, image_tokens, image_positions) if image_dim else None
+        )
         # adaLN-single: one projection of the time embedding, shared by every block
         self.time_proj = (
             nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size)) if adaln == "single" else None
@@ -376,11 +432,12 @@ class DiT(nn.Module):
                     attention_backend,
                     adaln,
                     qk_norm_across_heads,
+                    self.image_tokens,
                 )
                 for _ in range(depth)
             ]
         )
-        self.final_layer = FinalLayer(hidden_size, math.prod(self.patch_size), in_channels, adaln)
+        self.final_layer = FinalLayer(hidden_size, math.prod(self.patch_size), self.out_channels, adaln)
         self.init_weights()
 
     def architecture(self) -> dict:
@@ -397,13 +454,14 @@ class DiT(nn.Module):
                     f"(model.patch_size={list(self.patch_size)})"
                 )
 
-    def forward(self, x, t, y, y_mask):
+    def forward(self, x, t, y, y_mask, image=None):
         """x: (B, C, T, H, W) latents; t: (B,) in [0, 1]; y: (B, L, text_dim) text tokens; y_mask: (B, L)
-        bool."""
+        bool; image: CLIP features (B, image_tokens, image_dim) (FLF2V: (2B, image_tokens / 2, image_dim),
+        first and last image) for a model with image_dim, else None."""
         tokens, grid = self.embed(x)  # (B, N, D)
         rope = self.rope(grid, tokens.device)  # (N, Dh/2, 2)
         tokens, rope = self.sequence.shard(tokens, rope)  # (B, N_local, D); the identity on one device
-        cond = self.condition(t, y, y_mask)
+        cond = self.condition(t, y, y_mask, image)
         blocks, cache = list(self.blocks), self.step_cache
         c, y, y_mask = cond.c, cond.y, cond.block_mask
         if cache is not None:  # sample.cache=first_block: after the first block, only the rows that must run
@@ -434,9 +492,10 @@ class DiT(nn.Module):
             )
         return tokens, grid
 
-    def condition(self, t, y, y_mask) -> "Conditioning":
+    def condition(self, t, y, y_mask, image=None) -> "Conditioning":
         """What every block reads besides its tokens: the time embedding, its modulation input and the
-        embedded text. Needs no block and no x_embedder, so every PipeFusion stage can compute it."""
+        embedded context (the image's tokens, if any, then the text's). Needs no block and no
+        x_embedder, so every PipeFusion stage can compute it."""
         dtype = self.y_embedder[0].weight.dtype  # bf16 under mixed precision; t stays float32
         y = y.to(dtype)
         if not self.text_mask:  # Wan: padding tokens are zeros, and attended
@@ -448,14 +507,31 @@ class DiT(nn.Module):
         c = (
             temb if self.time_proj is None else self.time_proj(temb).unflatten(1, (6, -1))
         )  # (B, D) or (B, 6, D)
-        return Conditioning(temb, c, y, y_mask if self.text_mask else None)
+        block_mask = y_mask if self.text_mask else None
+        if (image is None) != (self.image_embedder is None):
+            raise ValueError(
+                "this model is conditioned on an image (model.image_dim is set): give one"
+                if image is None
+                else "an image was given to a model without image conditioning (model.image_dim is null)"
+            )
+        if image is not None:  # the image's tokens go ahead of the text's; the context is never split
+            image = self.image_embedder(image.to(dtype))
+            if image.shape[1] != self.image_tokens:
+                raise ValueError(
+                    f"the image encoder gives {image.shape[1]} tokens per sample and the model expects "
+                    f"{self.image_tokens} (model.image_tokens)"
+                )
+            y = torch.cat([image.to(y.dtype), y], dim=1)
+            if block_mask is not None:
+                block_mask = torch.cat([block_mask.new_ones(image.shape[:2]), block_mask], dim=1)
+        return Conditioning(temb, c, y, block_mask)
 
     def unpatchify(self, x, grid):
         B = x.shape[0]
         (t, h, w), (pt, ph, pw) = grid, self.patch_size
-        x = x.view(B, t, h, w, pt, ph, pw, self.in_channels)
+        x = x.view(B, t, h, w, pt, ph, pw, self.out_channels)
         x = x.permute(0, 7, 1, 4, 2, 5, 3, 6)  # (B, C, t, pt, h, ph, w, pw)
-        return x.reshape(B, self.in_channels, t * pt, h * ph, w * pw)
+        return x.reshape(B, self.out_channels, t * pt, h * ph, w * pw)
 
     @torch.no_grad()
     def init_weights(self, zero_init: bool = True, seed: int | None = None):
@@ -486,7 +562,9 @@ def init_parameter(
     """The DiT's initialisation of one parameter (`name` as in DiT.named_parameters(), `module` the one
     that owns it), in place. The one place the init rules live."""
     kind = name.rpartition(".")[2]
-    if kind == "scale_shift_table":  # adaLN-single (PixArt-alpha, Wan): random tables of scale 1/sqrt(D)
+    if kind == "pos_embed":  # FLF2V's image position embedding starts at zero, as Wan's
+        nn.init.zeros_(tensor)
+    elif kind == "scale_shift_table":  # adaLN-single (PixArt-alpha, Wan): random tables of scale 1/sqrt(D)
         nn.init.normal_(tensor, std=tensor.shape[-1] ** -0.5, generator=generator)
     elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         nn.init.ones_(tensor) if kind == "weight" else nn.init.zeros_(tensor)
@@ -522,6 +600,9 @@ ARCHITECTURE_OPTIONS = (
     "pooled_text",
     "text_mask",
     "absolute_positions",
+    "image_dim",
+    "image_tokens",
+    "image_positions",
 )
 
 
@@ -549,6 +630,12 @@ def build_dit(model_cfg, in_channels: int, text_dim: int) -> DiT:
         raise ValueError(f"unknown model size '{model_cfg.size}'; choose one of {', '.join(DiT_models)}")
     arch = dict(DiT_models[model_cfg.size])
     arch.update({key: model_cfg[key] for key in ARCHITECTURE_OPTIONS if model_cfg[key] is not None})
+    task = model_cfg.get("task", "t2v")
+    if task in ("i2v", "flf2v"):  # in: the noisy latent, a 4-channel mask, the frames' latent; out: velocity
+        arch.update(out_channels=in_channels)
+        in_channels = 2 * in_channels + 4
+        if task == "flf2v" and arch.get("image_dim"):  # two images' tokens, with their position embedding
+            arch.update(image_tokens=2 * (arch.get("image_tokens") or 257), image_positions=True)
     if arch.get("adaln", "zero") not in ("zero", "single"):
         raise ValueError(f"model.adaln must be 'zero' or 'single', got '{arch['adaln']}'")
     return DiT(

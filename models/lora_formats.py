@@ -41,6 +41,11 @@ _WAN_MODULES = [
         ["blocks.\\1.attn2.to_k", "blocks.\\1.attn2.to_v"],
         ["blocks.\\1.cross_attn.k", "blocks.\\1.cross_attn.v"],
     ),
+    (
+        r"blocks\.(\d+)\.cross_attn\.image_kv",  # image-to-video: the image's keys and values
+        ["blocks.\\1.attn2.add_k_proj", "blocks.\\1.attn2.add_v_proj"],
+        ["blocks.\\1.cross_attn.k_img", "blocks.\\1.cross_attn.v_img"],
+    ),
     (r"blocks\.(\d+)\.cross_attn\.proj", ["blocks.\\1.attn2.to_out.0"], ["blocks.\\1.cross_attn.o"]),
     (r"blocks\.(\d+)\.mlp\.0", ["blocks.\\1.ffn.net.0.proj"], ["blocks.\\1.ffn.0"]),
     (r"blocks\.(\d+)\.mlp\.2", ["blocks.\\1.ffn.net.2"], ["blocks.\\1.ffn.2"]),
@@ -50,6 +55,8 @@ _WAN_MODULES = [
     (r"t_embedder\.mlp\.2", ["condition_embedder.time_embedder.linear_2"], ["time_embedding.2"]),
     (r"time_proj\.1", ["condition_embedder.time_proj"], ["time_projection.1"]),
     (r"final_layer\.linear", ["proj_out"], ["head.head"]),
+    (r"image_embedder\.ff\.0", ["condition_embedder.image_embedder.ff.net.0.proj"], ["img_emb.proj.1"]),
+    (r"image_embedder\.ff\.2", ["condition_embedder.image_embedder.ff.net.2"], ["img_emb.proj.3"]),
 ]
 
 

@@ -10,6 +10,7 @@ import torch
 
 from models import tiling
 from models.flow import RectifiedFlow
+from models.image_condition import ConditionedModel
 from models.text_encoder import TextEncoder
 from models.vae import LatentSpace
 
@@ -33,12 +34,14 @@ def generate(
     sampler=None,
     decode=None,
     device=None,
+    condition=None,
 ) -> np.ndarray:
     """Videos (B, frames, height, width, 3) as float32 in [0, 1]. Prompt i starts from noise seeded by
     seeds[i] (default: i), so a video does not depend on which other prompts share its batch or rank.
     `sampler` replaces flow.sample(model, ...) (e.g. parallel/pipefusion.py's ParallelSampler), `decode`
     the VAE decode in the recipe's tiles (vae.tile_latent, vae.tile_overlap) on this device (e.g.
-    parallel/vae.py's shared_decoder, which shares the tiles among ranks)."""
+    parallel/vae.py's shared_decoder, which shares the tiles among ranks). `condition`: image-to-video's
+    (models/image_condition.py encode_condition), or None."""
     seeds = list(range(len(prompts))) if seeds is None else seeds
     # `device`: where the sampling runs (a model under train.cpu_offload keeps its weights on the CPU)
     device = device or next(model.parameters()).device
@@ -55,12 +58,24 @@ def generate(
     )
     with autocast:
         if sampler is None:
+            if condition is not None:
+                model = ConditionedModel(model, condition)
             latents = flow.sample(
                 model, noise, y, y_mask, neg_y, neg_mask, steps=steps, guidance=guidance, progress=progress
             )
         else:
+            extra = {} if condition is None else dict(condition=condition)
             latents = sampler(
-                flow, noise, y, y_mask, neg_y, neg_mask, steps=steps, guidance=guidance, progress=progress
+                flow,
+                noise,
+                y,
+                y_mask,
+                neg_y,
+                neg_mask,
+                steps=steps,
+                guidance=guidance,
+                progress=progress,
+                **extra,
             )
     if decode is None:
         videos = tiling.decode(vae, latents.float(), vae.tile_latent, vae.tile_overlap)  # [-1, 1]

@@ -31,10 +31,18 @@ _RENAMES = [  # (diffusers pattern, tessera name); \\1 is the block index
     (r"blocks\.(\d+)\.norm2\.(weight|bias)", r"blocks.\1.norm2.\2"),
     (r"blocks\.(\d+)\.ffn\.net\.0\.proj\.(weight|bias)", r"blocks.\1.mlp.0.\2"),
     (r"blocks\.(\d+)\.ffn\.net\.2\.(weight|bias)", r"blocks.\1.mlp.2.\2"),
+    # image-to-video (Wan2.1 I2V / FLF2V)
+    (r"condition_embedder\.image_embedder\.norm1\.(weight|bias)", r"image_embedder.norm1.\1"),
+    (r"condition_embedder\.image_embedder\.ff\.net\.0\.proj\.(weight|bias)", r"image_embedder.ff.0.\1"),
+    (r"condition_embedder\.image_embedder\.ff\.net\.2\.(weight|bias)", r"image_embedder.ff.2.\1"),
+    (r"condition_embedder\.image_embedder\.norm2\.(weight|bias)", r"image_embedder.norm2.\1"),
+    (r"condition_embedder\.image_embedder\.pos_embed", r"image_embedder.pos_embed"),
+    (r"blocks\.(\d+)\.attn2\.norm_added_k\.weight", r"blocks.\1.cross_attn.image_k_norm.weight"),
 ]
 _CONCATENATED = [  # (diffusers name template, the projections in order, tessera name template)
     ("blocks.{i}.attn1.to_{p}.{kind}", ("q", "k", "v"), "blocks.{i}.attn.qkv.{kind}"),
     ("blocks.{i}.attn2.to_{p}.{kind}", ("k", "v"), "blocks.{i}.cross_attn.kv.{kind}"),
+    ("blocks.{i}.attn2.add_{p}_proj.{kind}", ("k", "v"), "blocks.{i}.cross_attn.image_kv.{kind}"),
 ]
 
 
@@ -48,6 +56,14 @@ _ORIGINAL_RENAMES = [
     (r"text_embedding\.0\.", "condition_embedder.text_embedder.linear_1."),
     (r"text_embedding\.2\.", "condition_embedder.text_embedder.linear_2."),
     (r"time_projection\.1\.", "condition_embedder.time_proj."),
+    (r"^img_emb\.proj\.0\.", "condition_embedder.image_embedder.norm1."),
+    (r"^img_emb\.proj\.1\.", "condition_embedder.image_embedder.ff.net.0.proj."),
+    (r"^img_emb\.proj\.3\.", "condition_embedder.image_embedder.ff.net.2."),
+    (r"^img_emb\.proj\.4\.", "condition_embedder.image_embedder.norm2."),
+    (r"^img_emb\.emb_pos$", "condition_embedder.image_embedder.pos_embed"),
+    (r"\.cross_attn\.k_img\.", ".attn2.add_k_proj."),
+    (r"\.cross_attn\.v_img\.", ".attn2.add_v_proj."),
+    (r"\.cross_attn\.norm_k_img\.", ".attn2.norm_added_k."),
     (r"^head\.modulation$", "scale_shift_table"),
     (r"^head\.head\.", "proj_out."),
     (r"\.modulation$", ".scale_shift_table"),
@@ -72,14 +88,21 @@ def diffusers_name_from_original(key: str) -> str:
 
 def diffusers_config_from_original(config: dict) -> dict:
     """A WanTransformer3DModel config from the original layout's config.json (dim, num_heads, ...)."""
-    if config.get("model_type", "t2v") != "t2v":
-        raise WanFormatError(f"Wan model_type={config['model_type']!r} is not supported (text-to-video only)")
+    model_type = config.get("model_type", "t2v")
+    if model_type not in ("t2v", "i2v", "flf2v"):
+        raise WanFormatError(f"Wan model_type={model_type!r} is not supported (t2v, i2v and flf2v are)")
+    image = {}
+    if model_type in ("i2v", "flf2v"):  # CLIP ViT-H/14 features into img_emb; k_img/v_img in every block
+        image = dict(image_dim=1280, added_kv_proj_dim=config["dim"])
+        if model_type == "flf2v":
+            image["pos_embed_seq_len"] = 2 * 257
     return dict(
+        **image,
         patch_size=config.get("patch_size", [1, 2, 2]),
         num_attention_heads=config["num_heads"],
         attention_head_dim=config["dim"] // config["num_heads"],
         in_channels=config["in_dim"],
-        out_channels=config.get("out_dim", config["in_dim"]),
+        out_channels=config.get("out_dim", 16 if model_type in ("i2v", "flf2v") else config["in_dim"]),
         text_dim=config.get("text_dim", 4096),
         freq_dim=config.get("freq_dim", 256),
         ffn_dim=config["ffn_dim"],
@@ -97,9 +120,6 @@ class WanFormatError(ValueError):
 def dit_kwargs_from_diffusers_config(config: dict) -> dict:
     """DiT(...) keyword arguments for a diffusers WanTransformer3DModel config (its config.json)."""
     unsupported = {
-        "image_dim": None,
-        "added_kv_proj_dim": None,
-        "pos_embed_seq_len": None,  # image-to-video
         "qk_norm": "rms_norm_across_heads",
         "cross_attn_norm": True,
         "eps": 1e-6,
@@ -111,13 +131,22 @@ def dit_kwargs_from_diffusers_config(config: dict) -> dict:
                 f"Wan config {key}={config[key]!r} is not supported (tessera expects {expected!r})"
             )
     out_channels = config.get("out_channels") or config["in_channels"]
-    if out_channels != config["in_channels"]:
-        raise WanFormatError(
-            f"Wan config in_channels={config['in_channels']} and out_channels={out_channels} differ"
-        )
     heads, head_dim = config["num_attention_heads"], config["attention_head_dim"]
+    image_dim, added_kv = config.get("image_dim"), config.get("added_kv_proj_dim")
+    if image_dim and added_kv != heads * head_dim:  # the image embedder's output feeds add_k_proj/add_v_proj
+        raise WanFormatError(
+            f"Wan config image_dim={image_dim} with added_kv_proj_dim={added_kv}: tessera expects "
+            f"added_kv_proj_dim = the width {heads * head_dim}"
+        )
+    image = {}
+    if image_dim:  # image-to-video: FLF2V's position embedding covers both images' tokens
+        image = dict(image_dim=image_dim, image_positions=bool(config.get("pos_embed_seq_len")))
+        if config.get("pos_embed_seq_len"):  # else the image encoder decides: the DiT takes any count
+            image["image_tokens"] = config["pos_embed_seq_len"]
     return dict(
+        **image,
         in_channels=config["in_channels"],
+        out_channels=out_channels,  # fewer than in_channels for image-to-video (36 in, 16 out)
         text_dim=config["text_dim"],
         depth=config["num_layers"],
         hidden_size=heads * head_dim,
@@ -149,7 +178,7 @@ def diffusers_config_from_dit(architecture: dict) -> dict:
         num_attention_heads=heads,
         attention_head_dim=architecture["hidden_size"] // heads,
         in_channels=architecture["in_channels"],
-        out_channels=architecture["in_channels"],
+        out_channels=architecture.get("out_channels") or architecture["in_channels"],
         text_dim=architecture["text_dim"],
         freq_dim=256,
         ffn_dim=architecture["ffn_dim"],
@@ -157,6 +186,9 @@ def diffusers_config_from_dit(architecture: dict) -> dict:
         cross_attn_norm=True,
         qk_norm="rms_norm_across_heads",
         eps=1e-6,
+        image_dim=architecture.get("image_dim"),
+        added_kv_proj_dim=architecture["hidden_size"] if architecture.get("image_dim") else None,
+        pos_embed_seq_len=architecture["image_tokens"] if architecture.get("image_positions") else None,
     )
 
 
@@ -191,8 +223,7 @@ def tessera_sources(diffusers_keys) -> dict:
         else:
             raise WanFormatError(
                 f"Wan state dict key '{key}' has no tessera counterpart: tessera reads the "
-                "diffusers layout of Wan's text-to-video transformer (image-to-video weights, other "
-                "variants and the original Wan checkpoint layout are not supported)"
+                "diffusers layout of Wan's transformer (text- and image-to-video)"
             )
     return sources
 

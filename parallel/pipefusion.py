@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.image_condition import ConditionedModel
 from parallel import comm
 from parallel.cfg import SamplingGroups, branch_text, cfg_velocity, guided
 from parallel.faults import Faults
@@ -366,17 +367,29 @@ class ParallelSampler:
         self.model = model
 
     def __call__(
-        self, flow, noise, y, y_mask, neg_y=None, neg_mask=None, steps=30, guidance=1.0, progress=None
+        self,
+        flow,
+        noise,
+        y,
+        y_mask,
+        neg_y=None,
+        neg_mask=None,
+        steps=30,
+        guidance=1.0,
+        progress=None,
+        condition=None,
     ):
+        """`condition`: image-to-video's (models/image_condition.py), not under PipeFusion (infer refuses)."""
         if self.pipefusion is not None:
             return self.pipefusion.sample(
                 flow, noise, y, y_mask, neg_y, neg_mask, steps=steps, guidance=guidance, progress=progress
             )
+        model = self.model if condition is None else ConditionedModel(self.model, condition)
         velocity = None
         if self.groups.cfg_size > 1:
-            velocity = cfg_velocity(self.model, self.groups, y, y_mask, neg_y, neg_mask, guidance)
+            velocity = cfg_velocity(model, self.groups, y, y_mask, neg_y, neg_mask, guidance)
         return flow.sample(
-            self.model,
+            model,
             noise,
             y,
             y_mask,

@@ -183,7 +183,7 @@ def theory_sent(
     degrees, patches, stage, sp_rank, steps, warmup, tokens, grid, hidden, depth, cp, guided=True, element=4
 ):
     """Bytes one rank sends in a sampling run, per the formulas in BENCHMARKS.md ("Sampling across GPUs")."""
-    from parallel.pipefusion_plan import local_share, patch_ranges, schedule, stage_blocks
+    from parallel.pipefusion_plan import MessagePlan, local_share, patch_ranges, schedule, stage_blocks
 
     cfg, pf = degrees.get("cfg", 1), degrees.get("pipefusion", 1)
     u, r = degrees.get("ulysses", 1), degrees.get("ring", 1)
@@ -198,7 +198,8 @@ def theory_sent(
         per_step += (cfg - 1) * tokens * cp  # the velocity all-gather
         return steps * per_step * element
     layers = len(stage_blocks(depth, pf)[stage])
-    total = (pf - 1) * (64 + 32) + 2 * (
+    plan_bytes = 8 * len(MessagePlan.__dataclass_fields__)  # int64 fields
+    total = (pf - 1) * (plan_bytes + 32) + 2 * (
         pf - 1
     ) / pf * 4  # plan and count all-gathers, the return group's start
     for item in schedule(steps, warmup, patch_ranges(grid, patches), tokens):

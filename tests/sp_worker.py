@@ -84,14 +84,17 @@ def check_operator(layout, groups, tokens, heads=4, batch=2, head_dim=8, dtype=t
         check(f"{name} {label}", max(error, padded_grad), tolerance)
 
 
-def check_model(layout, groups, frames, height=8, width=8, wan=False):
+def check_model(layout, groups, frames, height=8, width=8, wan=False, image=False):
     """A whole DiT: the output equals the single-process one, and the parameter gradients averaged over
     the sequence-parallel group (what FSDP's mean does) equal the single-process gradients. wan: with
     Wan's options (adaLN-single, QK norm across heads, unmasked text), exact against diffusers in
-    tests/test_wan.py; otherwise with absolute positions, added before the sequence is split."""
-    model_name = "WanDiT" if wan else "DiT"
+    tests/test_wan.py; otherwise with absolute positions, added before the sequence is split. image:
+    Wan's image-to-video conditioning too (the image's context tokens are never split)."""
+    model_name = ("WanI2V" if image else "WanDiT") if wan else "DiT"
     name = f"{model_name} u{layout.ulysses}r{layout.ring} grid {frames}x{height // 2}x{width // 2}"
     options = dict(WAN_OPTIONS, ffn_dim=48) if wan else dict(absolute_positions=True)
+    if image:
+        options.update(image_dim=20, image_tokens=3)
     torch.manual_seed(0)
     reference_model = DiT(
         in_channels=4, text_dim=16, depth=2, hidden_size=32, num_heads=4, patch_size=(1, 2, 2), **options
@@ -111,9 +114,10 @@ def check_model(layout, groups, frames, height=8, width=8, wan=False):
     y = torch.randn(2, 5, 16, generator=g)
     y_mask = torch.tensor([[True] * 5, [True, True, True, False, False]])
     target = torch.randn(x.shape, generator=g)
-    expected = reference_model(x, t, y, y_mask)
+    features = torch.randn(2, 3, 20, generator=g) if image else None
+    expected = reference_model(x, t, y, y_mask, features)
     ((expected - target) ** 2).mean().backward()
-    out = model(x, t, y, y_mask)
+    out = model(x, t, y, y_mask, features)
     check(f"{name} forward", relative_error(out.detach(), expected.detach()), MODEL_TOLERANCE)
     ((out - target) ** 2).mean().backward()
     worst = 0.0
@@ -204,6 +208,7 @@ def main():
             layout, groups, frames=1, height=2, width=10
         )  # 5 tokens: at P=4 a rank holds only padding
         check_model(layout, groups, frames=3, height=6, width=8, wan=True)  # 36 tokens
+        check_model(layout, groups, frames=1, height=6, width=10, wan=True, image=True)  # 15 tokens: padded
         if layout.ring > 1:
             check_ring_variants(layout, groups)
     check_chunking(dist.group.WORLD)

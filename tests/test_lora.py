@@ -37,9 +37,11 @@ from tests.test_wan_pipeline import PROMPT, infer_sample, pipeline_sample, tiny_
 PEFT_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
 
 
-def tiny_wan(seed=0) -> DiT:
+def tiny_wan(seed=0, image=False) -> DiT:
+    """image: Wan2.1 I2V's image conditioning too (add_k_proj/add_v_proj, k_img/v_img in the files)."""
     torch.manual_seed(seed)
-    model = DiT(4, 16, depth=2, hidden_size=64, num_heads=4, ffn_dim=32, **WAN_OPTIONS)
+    extra = dict(image_dim=20, image_tokens=5) if image else {}
+    model = DiT(4, 16, depth=2, hidden_size=64, num_heads=4, ffn_dim=32, **WAN_OPTIONS, **extra)
     model.init_weights(zero_init=False)
     return model
 
@@ -110,12 +112,14 @@ def kohya_from_comfyui(tensors: dict) -> dict:
     return out
 
 
+@pytest.mark.parametrize("image", [False, True], ids=["t2v", "i2v"])
 @pytest.mark.parametrize("per_projection", [True, False])
 @pytest.mark.parametrize("fmt", ["diffusers", "comfyui", "kohya"])
-def test_every_format_round_trips_the_fused_projections_exactly(fmt, per_projection):
+def test_every_format_round_trips_the_fused_projections_exactly(fmt, per_projection, image):
     """Export tessera's adapters (fused qkv and kv split into per-projection adapters: their own A's, or
-    one shared A), read them back: the weight updates are those of the adapters themselves."""
-    model = tiny_wan()
+    one shared A), read them back: the weight updates are those of the adapters themselves. With image
+    conditioning (i2v) the image's keys and values are adapted too, under Wan's names for them."""
+    model = tiny_wan(image=image)
     add_adapters(model, rank=4, alpha=2.0, patterns=DEFAULT_TARGETS, per_projection=per_projection)
     randomize_adapters(model)
     adapters = {
@@ -123,8 +127,15 @@ def test_every_format_round_trips_the_fused_projections_exactly(fmt, per_project
         for name, m in model.named_modules()
         if hasattr(m, "lora_A")
     }
-    projections, linears = model_projections(tiny_wan())
+    projections, linears = model_projections(tiny_wan(image=image))
     tensors = export_adapters(adapters, projections, "diffusers" if fmt == "diffusers" else "comfyui")
+    if image:  # the names diffusers and ComfyUI give the image's projections
+        name = (
+            "transformer.blocks.1.attn2.add_v_proj"
+            if fmt == "diffusers"
+            else "diffusion_model.blocks.1.cross_attn.v_img"
+        )
+        assert f"{name}.lora_B.weight" in tensors
     if fmt == "diffusers":
         assert "transformer.blocks.0.attn1.to_q.lora_A.weight" in tensors and not any(
             k.endswith(".alpha") for k in tensors
@@ -143,6 +154,49 @@ def test_every_format_round_trips_the_fused_projections_exactly(fmt, per_project
         for rows, part in theirs[name]:
             rebuilt[rows if rows is not None else slice(None)] += part
         assert torch.allclose(rebuilt, delta, atol=1e-6), name
+
+
+def test_an_image_to_video_lora_loads_in_diffusers_and_computes_the_same(tmp_path):
+    """A LoRA on every Linear of an I2V model (the image's keys and values and its embedder too), exported
+    in diffusers' names and loaded by diffusers' own WanTransformer3DModel.load_lora_adapter (PEFT):
+    its forward with the image equals tessera's with the adapters."""
+    from diffusers import WanTransformer3DModel
+
+    from models.wan import dit_kwargs_from_diffusers_config, tessera_state_dict_from_diffusers
+    from tests.test_wan import TINY_WAN
+
+    config = dict(TINY_WAN, in_channels=12, out_channels=4, image_dim=20, added_kv_proj_dim=24)
+    torch.manual_seed(0)
+    reference = WanTransformer3DModel(**config).eval()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    model = DiT(**dict(dit_kwargs_from_diffusers_config(config), image_tokens=5))
+    model.load_state_dict(tessera_state_dict_from_diffusers(reference.state_dict()), strict=True)
+    patterns = [*DEFAULT_TARGETS, "image_embedder.ff.*"]
+    add_adapters(model.eval(), rank=4, alpha=2.0, patterns=patterns, per_projection=True)
+    randomize_adapters(model)
+    adapters = {
+        n: (m.lora_A.weight, m.lora_B.weight, m.lora_scale)
+        for n, m in model.named_modules()
+        if hasattr(m, "lora_A")
+    }
+    tensors = export_adapters(adapters, model_projections(model)[0], "diffusers")
+    assert "transformer.blocks.0.attn2.add_k_proj.lora_A.weight" in tensors
+    assert "transformer.condition_embedder.image_embedder.ff.net.0.proj.lora_B.weight" in tensors
+    reference.load_lora_adapter(tensors, prefix="transformer", adapter_name="tessera")
+    g = torch.Generator().manual_seed(1)
+    x, t = torch.randn(2, 12, 3, 8, 8, generator=g), torch.rand(2, generator=g)
+    y, image = torch.randn(2, 512, 16, generator=g), torch.randn(2, 5, 20, generator=g)
+    with torch.no_grad():
+        expected = reference(x, t * 1000, y, encoder_hidden_states_image=image, return_dict=False)[0]
+        ours = model(x, t, y, torch.ones(2, 512, dtype=torch.bool), image)
+    assert ((ours - expected).norm() / expected.norm()).item() <= 1e-5
+    reference.disable_lora()
+    with torch.no_grad():  # the LoRA counts: without it diffusers gives another output
+        assert (
+            reference(x, t * 1000, y, encoder_hidden_states_image=image, return_dict=False)[0] - expected
+        ).abs().max() > 1e-3
 
 
 def test_per_projection_adapters_are_separate_adapters_on_the_fused_layer():

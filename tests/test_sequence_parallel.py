@@ -28,6 +28,7 @@ def test_four_processes_ulysses_ring_and_hybrid():
                 ), (layout, tokens, part)
         assert sum(line.startswith(f"ok DiT {layout} ") for line in passed) == 6, layout
         assert sum(line.startswith(f"ok WanDiT {layout} ") for line in passed) == 2, layout  # Wan's options
+        assert sum(line.startswith(f"ok WanI2V {layout} ") for line in passed) == 2, layout  # image-to-video
         if "r1" not in layout:  # ring layouts: the reference kernel with chunked p2p, and bf16
             assert sum(" math kernel, chunked p2p " in line and f" {layout} " in line for line in passed) == 4
             assert sum(" bf16 " in line and f" {layout} " in line for line in passed) == 4
@@ -40,6 +41,7 @@ def test_three_process_ring():
     assert sum(line.startswith("ok attention u1r3 ") for line in passed) == 12 + 8
     assert sum(line.startswith("ok DiT u1r3 ") for line in passed) == 6
     assert sum(line.startswith("ok WanDiT u1r3 ") for line in passed) == 2
+    assert sum(line.startswith("ok WanI2V u1r3 ") for line in passed) == 2
 
 
 # --- The whole programs under sequence-parallel layouts, against one process. ---------------------

@@ -3,7 +3,7 @@
 A tiny random diffusers model (every weight perturbed, so no zero-initialised layer hides a path) is
 saved with save_pretrained, its safetensors read back, its keys mapped by models/wan.py, and the two
 forwards compared in float32. The same model under ulysses 2 and ring 2 is checked against the
-one-process tessera forward in tests/sp_worker.py (WanDiT lines)."""
+one-process tessera forward in tests/sp_worker.py (WanDiT and WanI2V lines)."""
 
 import json
 
@@ -125,15 +125,62 @@ def test_recipe_options_override_the_size():
         build_dit(load_config(overrides=["model.adaln=sideways"]).model, 16, 4096)
 
 
+@pytest.mark.parametrize("flf2v", [False, True], ids=["i2v", "flf2v"])
+def test_image_to_video_forward_equals_diffusers(tmp_path, flf2v):
+    """Wan2.1 I2V (image_dim, add_k_proj/add_v_proj, 4 + 4 extra input channels) and FLF2V (the two
+    images' position embedding): a tiny random diffusers transformer, saved, read into tessera by its
+    config and keys, and both forwards given the same CLIP features; then back to diffusers' keys."""
+    from diffusers import WanTransformer3DModel
+
+    from models.wan import diffusers_config_from_dit, diffusers_state_dict_from_tessera
+
+    image_tokens = 5
+    config = dict(TINY_WAN, in_channels=12, out_channels=4, image_dim=20, added_kv_proj_dim=24)
+    if flf2v:
+        config["pos_embed_seq_len"] = 2 * image_tokens
+    torch.manual_seed(0)
+    reference = WanTransformer3DModel(**config)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    reference.save_pretrained(tmp_path)
+    kwargs = dit_kwargs_from_diffusers_config(json.loads((tmp_path / "config.json").read_text()))
+    state = load_file(next(tmp_path.glob("*.safetensors")))
+    assert kwargs["image_positions"] == flf2v
+    model = DiT(**dict(kwargs, image_tokens=2 * image_tokens if flf2v else image_tokens))
+    model.load_state_dict(tessera_state_dict_from_diffusers(state), strict=True)
+    g = torch.Generator().manual_seed(1)
+    x, t = torch.randn(2, 12, 3, 8, 8, generator=g), torch.rand(2, generator=g)
+    # diffusers takes the image's tokens off a context of exactly 512 text tokens (FIELD_NOTES)
+    y, y_mask = torch.randn(2, 512, 16, generator=g), torch.ones(2, 512, dtype=torch.bool)
+    image = torch.randn(4 if flf2v else 2, image_tokens, 20, generator=g)  # FLF2V: first and last, 2B rows
+    with torch.no_grad():
+        expected = reference.eval()(x, t * 1000, y, encoder_hidden_states_image=image, return_dict=False)[0]
+        out = model.eval()(x, t, y, y_mask, image)
+        assert relative_error(out, expected) <= 1e-5, relative_error(out, expected)
+        # the image path counts: other features give another output
+        assert relative_error(model(x, t, y, y_mask, torch.randn_like(image)), expected) > 1e-3
+    with pytest.raises(ValueError, match="conditioned on an image"):
+        model(x, t, y, y_mask)
+    # and back: the config and the keys diffusers wrote
+    exported = diffusers_config_from_dit(model.architecture())
+    for key in ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len"):
+        assert exported[key] == config.get(key), key
+    back = diffusers_state_dict_from_tessera(model.state_dict(), state.keys())
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+
+
 def test_unknown_or_unsupported_wan_weights_are_named():
-    with pytest.raises(WanFormatError, match="condition_embedder.image_embedder.norm1.weight"):
-        tessera_state_dict_from_diffusers({"condition_embedder.image_embedder.norm1.weight": torch.zeros(1)})
+    with pytest.raises(WanFormatError, match="condition_embedder.audio_embedder.norm1.weight"):
+        tessera_state_dict_from_diffusers({"condition_embedder.audio_embedder.norm1.weight": torch.zeros(1)})
     with pytest.raises(WanFormatError, match="not blocks.0.attn1.to_v.weight"):
         tessera_state_dict_from_diffusers(
             {"blocks.0.attn1.to_q.weight": torch.zeros(1), "blocks.0.attn1.to_k.weight": torch.zeros(1)}
         )
-    with pytest.raises(WanFormatError, match="image_dim"):
-        dit_kwargs_from_diffusers_config(dict(TINY_WAN, image_dim=1280))
+    with pytest.raises(
+        WanFormatError, match="added_kv_proj_dim=64: tessera expects added_kv_proj_dim = the width 24"
+    ):
+        dit_kwargs_from_diffusers_config(dict(TINY_WAN, image_dim=1280, added_kv_proj_dim=64))
 
 
 def test_a_pipeline_folder_is_read_through_its_transformer_subfolder(saved_wan, tmp_path):
@@ -155,6 +202,13 @@ def test_a_pipeline_folder_is_read_through_its_transformer_subfolder(saved_wan, 
 def original_name(key: str) -> str:
     """diffusers -> the original Wan layout, written out here from Wan's own module names."""
     for old, new in [
+        ("condition_embedder.image_embedder.norm1", "img_emb.proj.0"),
+        ("condition_embedder.image_embedder.ff.net.0.proj", "img_emb.proj.1"),
+        ("condition_embedder.image_embedder.ff.net.2", "img_emb.proj.3"),
+        ("condition_embedder.image_embedder.norm2", "img_emb.proj.4"),
+        ("attn2.add_k_proj", "cross_attn.k_img"),
+        ("attn2.add_v_proj", "cross_attn.v_img"),
+        ("attn2.norm_added_k", "cross_attn.norm_k_img"),
         ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
         ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
         ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
@@ -176,15 +230,24 @@ def original_name(key: str) -> str:
     return "model.diffusion_model." + key
 
 
-def test_the_original_wan_layout_reads_as_the_diffusers_one(saved_wan, tmp_path):
+@pytest.mark.parametrize("model_type", ["t2v", "i2v"])
+def test_the_original_wan_layout_reads_as_the_diffusers_one(saved_wan, tmp_path, model_type):
     """A folder in Wan-AI's own layout (its config.json fields and key names, as diffusers' converter
-    maps them) gives the same weights and architecture. Written here from the diffusers folder: no
-    real original checkpoint is available offline."""
+    maps them: img_emb, k_img, v_img, norm_k_img for image-to-video) gives the same weights and
+    architecture. Written here from a diffusers folder: no real original checkpoint is available
+    offline. Wan's I2V config implies CLIP's 1280-wide features and 16 output channels."""
+    from diffusers import WanTransformer3DModel
     from safetensors.torch import save_file
 
     from models.wan import WanWeights
 
     _, folder = saved_wan
+    in_dim = 4
+    if model_type == "i2v":
+        in_dim, folder = 12, tmp_path / "i2v"
+        torch.manual_seed(0)
+        image_config = dict(in_channels=in_dim, out_channels=16, image_dim=1280, added_kv_proj_dim=24)
+        WanTransformer3DModel(**dict(TINY_WAN, **image_config)).save_pretrained(folder)
     state = {}
     for file in sorted(folder.glob("*.safetensors")):
         state.update(load_file(file))
@@ -196,12 +259,12 @@ def test_the_original_wan_layout_reads_as_the_diffusers_one(saved_wan, tmp_path)
         json.dumps(
             {
                 "_class_name": "WanModel",
-                "model_type": "t2v",
+                "model_type": model_type,
                 "dim": 24,
                 "ffn_dim": 32,
                 "freq_dim": 256,
-                "in_dim": 4,
-                "out_dim": 4,
+                "in_dim": in_dim,
+                **({"out_dim": 4} if model_type == "t2v" else {}),
                 "num_heads": 2,
                 "num_layers": 2,
                 "eps": 1e-6,

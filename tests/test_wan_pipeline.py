@@ -106,34 +106,34 @@ def infer_sample(recipe, run, out, *extra) -> np.ndarray:
     return np.load(out)
 
 
-@pytest.fixture(scope="module")
-def tiny_pipeline(tmp_path_factory):
-    from diffusers import (
-        AutoencoderKLWan,
-        FlowMatchEulerDiscreteScheduler,
-        WanPipeline,
-        WanTransformer3DModel,
-    )
-    from transformers import ByT5Tokenizer, UMT5Config, UMT5EncoderModel
+# The tiny pipeline's pieces, shared with tests/test_image_to_video.py.
+TINY_TRANSFORMER = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=4,
+    attention_head_dim=16,
+    in_channels=4,
+    out_channels=4,
+    text_dim=16,
+    freq_dim=256,
+    ffn_dim=32,
+    num_layers=2,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    rope_max_seq_len=32,
+)
 
-    torch.manual_seed(0)
-    transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=4,
-        attention_head_dim=16,
-        in_channels=4,
-        out_channels=4,
-        text_dim=16,
-        freq_dim=256,
-        ffn_dim=32,
-        num_layers=2,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
-    )
-    with torch.no_grad():  # zero-initialised layers would make the output constant
+
+def perturb(transformer):
+    """Zero-initialised layers would make the output constant: every weight gets some noise."""
+    with torch.no_grad():
         for p in transformer.parameters():
             p.add_(torch.randn_like(p) * 0.1)
+
+
+def tiny_vae_and_text_encoder():
+    from diffusers import AutoencoderKLWan
+    from transformers import UMT5Config, UMT5EncoderModel
+
     vae = AutoencoderKLWan(
         base_dim=3,
         z_dim=4,
@@ -154,6 +154,18 @@ def tiny_pipeline(tmp_path_factory):
             relative_attention_num_buckets=8,
         )
     )
+    return vae, text_encoder
+
+
+@pytest.fixture(scope="module")
+def tiny_pipeline(tmp_path_factory):
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import ByT5Tokenizer
+
+    torch.manual_seed(0)
+    transformer = WanTransformer3DModel(**TINY_TRANSFORMER)
+    perturb(transformer)
+    vae, text_encoder = tiny_vae_and_text_encoder()
     root = tmp_path_factory.mktemp("wanpipe")
     WanPipeline(
         tokenizer=ByT5Tokenizer(),

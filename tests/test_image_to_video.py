@@ -1,0 +1,158 @@
+"""Image-to-video against diffusers' WanImageToVideoPipeline, code no one here wrote: the same tiny random
+pipeline folder (an I2V transformer, AutoencoderKLWan, UMT5, a CLIPVisionModel and its processor), image,
+prompt, negative prompt, seed, steps and guidance give the same video from infer.py --image, for Wan2.1
+I2V and FLF2V (--last-image), on one process and under cfg 2 x ulysses 2; and the refusals."""
+
+import numpy as np
+import pytest
+import torch
+
+import infer
+from tests.conftest import run_main, torchrun
+from tests.test_wan_pipeline import PROMPT, RECIPE, TINY_TRANSFORMER, perturb, tiny_vae_and_text_encoder
+
+CLIP_TOKENS = 17  # a 32 px image in 8 px patches, plus the class token
+
+
+def tiny_i2v_pipeline(folder, flf2v: bool):
+    """The text-to-video test's tiny pipeline with an I2V transformer, a CLIPVisionModel and its processor."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanTransformer3DModel
+    from transformers import ByT5Tokenizer, CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(0)
+    image = dict(in_channels=12, image_dim=32, added_kv_proj_dim=64)  # 4 noisy + 4 mask + 4 condition in
+    if flf2v:
+        image["pos_embed_seq_len"] = 2 * CLIP_TOKENS
+    transformer = WanTransformer3DModel(**dict(TINY_TRANSFORMER, **image))
+    perturb(transformer)
+    vae, text_encoder = tiny_vae_and_text_encoder()
+    clip = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=37,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+    )
+    WanImageToVideoPipeline(
+        tokenizer=ByT5Tokenizer(),
+        text_encoder=text_encoder,
+        vae=vae,
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        image_encoder=CLIPVisionModel(clip),
+        image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+    ).save_pretrained(folder)
+
+
+@pytest.fixture(scope="module", params=["i2v", "flf2v"])
+def i2v_pipeline(request, tmp_path_factory):
+    from PIL import Image
+
+    task = request.param
+    root = tmp_path_factory.mktemp(task)
+    tiny_i2v_pipeline(root / "pipe", flf2v=task == "flf2v")
+    recipe = root / "i2v.yaml"
+    extra = f"model:\n  task: {task}\n  image_dim: 32\n  image_tokens: {CLIP_TOKENS}\n"
+    body = RECIPE.format(pipe=root / "pipe").replace("max_length: 40", "max_length: 512")  # diffusers' split
+    recipe.write_text(body.replace("model:\n", extra, 1))
+    g = np.random.default_rng(0)
+    images = []
+    for name in ("first.png", "last.png"):
+        Image.fromarray(g.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(root / name)
+        images.append(root / name)
+    return task, root / "pipe", recipe, images
+
+
+def diffusers_i2v(folder, first, last=None) -> np.ndarray:
+    from diffusers import WanImageToVideoPipeline
+    from PIL import Image
+
+    pipe = WanImageToVideoPipeline.from_pretrained(folder)
+    return pipe(
+        image=Image.open(first).convert("RGB"),
+        last_image=None if last is None else Image.open(last).convert("RGB"),
+        prompt=PROMPT,
+        negative_prompt="",
+        height=32,
+        width=32,
+        num_frames=5,
+        num_inference_steps=3,
+        guidance_scale=5.0,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+        max_sequence_length=512,
+    ).frames[0]
+
+
+def sample_args(recipe, run, out, images, task):
+    args = [
+        "--config",
+        str(recipe),
+        f"run.output_dir={run}",
+        "--frames",
+        "5",
+        "--height",
+        "32",
+        "--width",
+        "32",
+    ]
+    args += ["--prompt", PROMPT, "--output", str(out), "--image", str(images[0])]
+    return args + (["--last-image", str(images[1])] if task == "flf2v" else [])
+
+
+@pytest.mark.timeout(240)
+def test_infer_equals_wan_image_to_video_pipeline(i2v_pipeline, tmp_path):
+    task, pipe_dir, recipe, images = i2v_pipeline
+    expected = diffusers_i2v(pipe_dir, images[0], images[1] if task == "flf2v" else None)
+    args = sample_args(recipe, tmp_path / "run", tmp_path / "one.npy", images, task)
+    assert run_main(infer, args) == 0
+    video = np.load(tmp_path / "one.npy")
+    assert video.shape == expected.shape == (5, 32, 32, 3) and expected.std() > 0.05
+    assert np.abs(video - expected).max() <= 1e-5, np.abs(video - expected).max()
+    # the frames count: another first frame gives another video
+    other = sample_args(recipe, tmp_path / "run", tmp_path / "other.npy", images[::-1], task)
+    assert run_main(infer, other) == 0
+    assert np.abs(np.load(tmp_path / "other.npy") - video).max() > 1e-3
+    if task == "i2v":  # the one-process video under cfg 2 x ulysses 2 (45 tokens: no degree divides them)
+        layout = ["parallel.cfg=2", "parallel.ulysses=2"]
+        result = torchrun(
+            4,
+            "infer.py",
+            *sample_args(recipe, tmp_path / "run", tmp_path / "cu.npy", images, task),
+            *layout,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert np.abs(np.load(tmp_path / "cu.npy") - video).max() <= 1e-5
+
+
+def test_image_to_video_refusals_name_the_fix(i2v_pipeline, tmp_path, capsys):
+    task, _, recipe, images = i2v_pipeline
+    if task == "flf2v":
+        pytest.skip("one recipe is enough")
+    base = sample_args(recipe, tmp_path / "run", tmp_path / "x.npy", images, task)
+    no_image = base[: base.index("--image")]
+    cases = [
+        (no_image, "model.task=i2v needs --image"),
+        (base + ["--last-image", str(images[1])], "--last-image was given, but model.task=i2v"),
+        (no_image + ["model.task=t2v", "--image", str(images[0])], "--image was given, but model.task=t2v"),
+        (base[:-1] + [str(tmp_path / "missing.png")], "missing.png cannot be read as an image"),
+        (base + ["--width", "64"], "is 32x32 and the video 64x32"),
+        (base + ["image_encoder.pretrained=" + str(tmp_path)], "no CLIPVisionModel there"),
+    ]
+    for args, message in cases:
+        assert run_main(infer, args) == 2, args
+        assert message in capsys.readouterr().err, message
+
+
+def test_image_to_video_under_pipefusion_is_refused_by_name(i2v_pipeline, monkeypatch):
+    from configs import load_config
+
+    task, _, recipe, images = i2v_pipeline
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    cfg = load_config(str(recipe), ["parallel.pipefusion=2"])
+    args = infer.parse_args(sample_args(recipe, "run", "x.npy", images, task)[2:])
+    with pytest.raises(ValueError, match=f"model.task={task} does not run under PipeFusion yet"):
+        infer.plan_layout(cfg, infer.read_request(cfg, args))
