@@ -250,7 +250,12 @@ def read_request(cfg, args) -> Request:
     grid = [s // p for s, p in zip(latent[1:], cfg.model.patch_size)]
     negative = sc.negative_prompt if args.negative_prompt is None else args.negative_prompt
     cache = step_cache(sc, steps)
-    images, last_images = read_images(cfg.model.task, args, len(prompts), height, width)
+    if cfg.model.task != "t2v" and vae_latent_space(cfg.vae).temporal_stride != 4:
+        raise ValueError(
+            f"model.task={cfg.model.task} is built for Wan's VAE (4 frames a latent frame: the mask's 4 "
+            f"channels): set vae.kind=wan, not {cfg.vae.kind}"
+        )
+    images, last_images = read_images(cfg.model.task, args, len(prompts), frames, height, width)
     return Request(
         prompts,
         outputs,
@@ -268,7 +273,7 @@ def read_request(cfg, args) -> Request:
     )
 
 
-def read_images(task: str, args, count: int, height: int, width: int):
+def read_images(task: str, args, count: int, frames: int, height: int, width: int):
     """(first frames, last frames) for `count` prompts, read and checked against model.task and the video's
     aspect ratio (diffusers stretches an image to it; tessera asks for a fitting one)."""
     needs = {"t2v": (False, False), "i2v": (True, False), "flf2v": (True, True)}[task]
@@ -287,6 +292,8 @@ def read_images(task: str, args, count: int, height: int, width: int):
             )
     if not needs[0]:
         return None, None
+    if task == "flf2v" and frames < 5:
+        raise ValueError(f"model.task=flf2v needs --frames of at least 5 (first and last apart): {frames}")
     from models.image_condition import load_image
 
     frames = []
@@ -299,7 +306,7 @@ def read_images(task: str, args, count: int, height: int, width: int):
         images = [load_image(path) for path in paths] * (count if len(paths) == 1 else 1)
         for path, image in zip(paths, images):
             w, h = image.size
-            if abs(w / h - width / height) > 0.02 * width / height:
+            if abs(w / h - width / height) > 0.1 * width / height:  # resized to the video: stretched a little
                 raise ValueError(
                     f"{flag} {path} is {w}x{h} and the video {width}x{height}: their shapes differ; crop the "
                     f"image, or give --width/--height of its shape (e.g. --height {height} --width "
@@ -326,11 +333,6 @@ def plan_layout(cfg, request: Request) -> tuple[ParallelLayout, int, str]:
         slow_links=slow_links,
         tokens=grid[0] * grid[1] * grid[2],
     )
-    if cfg.model.task != "t2v" and layout.pipefusion > 1:
-        raise ValueError(
-            f"model.task={cfg.model.task} does not run under PipeFusion yet (parallel.pipefusion="
-            f"{layout.pipefusion}): use cfg, ulysses or ring"
-        )
     return layout, layout.check_patches(cfg.parallel, grid), links
 
 
@@ -435,10 +437,24 @@ def image_encoder_folder(cfg) -> str:
             "model.image_dim is set: name a CLIPVisionModel folder in image_encoder.pretrained (or a "
             "WanImageToVideoPipeline folder in model.pretrained)"
         )
-    if not any((Path(folder) / sub / "config.json").is_file() for sub in ("image_encoder", ".")):
+    import json
+
+    root = Path(folder)
+    model_dir, processor_dir = (root / "image_encoder", root / "image_processor")
+    if not (model_dir / "config.json").is_file():
+        model_dir = processor_dir = root
+    try:
+        kind = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        kind = None
+    if (
+        kind not in ("clip_vision_model", "clip")
+        or not (processor_dir / "preprocessor_config.json").is_file()
+    ):
         raise FileNotFoundError(
-            f"image_encoder.pretrained={folder}: no CLIPVisionModel there (config.json), nor an "
-            "image_encoder/ folder of a WanImageToVideoPipeline"
+            f"image_encoder.pretrained={folder}: no CLIPVisionModel there (config.json of a CLIP vision "
+            "model and its preprocessor_config.json), nor the image_encoder/ and image_processor/ folders "
+            "of a WanImageToVideoPipeline"
         )
     return folder
 

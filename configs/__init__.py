@@ -203,6 +203,11 @@ def validate(cfg: DictConfig) -> None:
             f"sample.cache={sc.cache} needs sample.cache_calibration: write one with python "
             "scripts/calibrate_cache.py --config <recipe> --output cache.json (or set sample.cache=none)"
         )
+    if cfg.model.task == "t2v" and cfg.model.image_dim:
+        raise ConfigError(
+            f"model.image_dim={cfg.model.image_dim} is image-to-video's: set model.task=i2v or flf2v, or "
+            "model.image_dim=null"
+        )
     if sc.cache == "first_block" and (cfg.parallel.pipefusion or 1) > 1:
         raise ConfigError(first_block_under_pipefusion(cfg.parallel.pipefusion))
     if sc.cache_threshold <= 0 or sc.cache_first_block_threshold <= 0 or sc.cache_max_skips < 1:

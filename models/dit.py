@@ -615,7 +615,8 @@ def architecture_differences(ours: dict, theirs: dict) -> list[str]:
 def recipe_key(name: str) -> str:
     """The recipe key that sets an entry of DiT.architecture(), for error messages."""
     return {
-        "in_channels": "the VAE's latent channels (vae.*)",
+        "in_channels": "the VAE's latent channels (vae.*), or model.task (i2v/flf2v take 2 x those + 4)",
+        "image_positions": "model.task (flf2v: two images with their positions)",
         "text_dim": "the text encoder's width (text_encoder.*)",
         "depth": "model.size",
         "hidden_size": "model.size",

@@ -28,7 +28,10 @@ class ImageEncoder(nn.Module):
                 f"image_encoder.pretrained={folder}: no CLIPVisionModel there (config.json), nor an "
                 "image_encoder/ folder of a WanImageToVideoPipeline"
             )
-        self.model = CLIPVisionModel.from_pretrained(model_dir).eval().requires_grad_(False)
+        # float32 whatever the folder stores, as Wan runs its CLIP (transformers 5 loads the stored dtype)
+        self.model = (
+            CLIPVisionModel.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
+        )
         self.processor = CLIPImageProcessor.from_pretrained(processor_dir)
 
     @torch.no_grad()
@@ -41,10 +44,10 @@ class ImageEncoder(nn.Module):
 
 def load_image(path):
     """An RGB PIL image, or a FileNotFoundError naming the file."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
-    try:
-        return Image.open(path).convert("RGB")
+    try:  # a phone's JPEG turned upright by its EXIF orientation, as diffusers' load_image does
+        return ImageOps.exif_transpose(Image.open(path)).convert("RGB")
     except (OSError, UnidentifiedImageError) as e:
         raise FileNotFoundError(f"{path} cannot be read as an image ({e})") from None
 
@@ -68,7 +71,8 @@ def encode_condition(
     video[:, :, 0] = first
     if last_images is not None:
         video[:, :, -1] = processor.preprocess(last_images, height=height, width=width).to(device)
-    latent = vae.encode(video)  # (B, C, t, h, w), normalised as the DiT's latents are
+    # (B, C, t, h, w), normalised as the DiT's latents are; one video at a time (activation memory)
+    latent = torch.cat([vae.encode(one) for one in video.split(1)])
     B, _, _, h, w = latent.shape
     stride = vae.temporal_stride
     given = torch.zeros(B, 1, frames, h, w, device=device)

@@ -91,13 +91,7 @@ def diffusers_config_from_original(config: dict) -> dict:
     model_type = config.get("model_type", "t2v")
     if model_type not in ("t2v", "i2v", "flf2v"):
         raise WanFormatError(f"Wan model_type={model_type!r} is not supported (t2v, i2v and flf2v are)")
-    image = {}
-    if model_type in ("i2v", "flf2v"):  # CLIP ViT-H/14 features into img_emb; k_img/v_img in every block
-        image = dict(image_dim=1280, added_kv_proj_dim=config["dim"])
-        if model_type == "flf2v":
-            image["pos_embed_seq_len"] = 2 * 257
-    return dict(
-        **image,
+    return dict(  # image_dim etc.: WanWeights reads them off the weights (img_emb), as the text width
         patch_size=config.get("patch_size", [1, 2, 2]),
         num_attention_heads=config["num_heads"],
         attention_head_dim=config["dim"] // config["num_heads"],
@@ -138,11 +132,11 @@ def dit_kwargs_from_diffusers_config(config: dict) -> dict:
             f"Wan config image_dim={image_dim} with added_kv_proj_dim={added_kv}: tessera expects "
             f"added_kv_proj_dim = the width {heads * head_dim}"
         )
-    image = {}
-    if image_dim:  # image-to-video: FLF2V's position embedding covers both images' tokens
-        image = dict(image_dim=image_dim, image_positions=bool(config.get("pos_embed_seq_len")))
-        if config.get("pos_embed_seq_len"):  # else the image encoder decides: the DiT takes any count
-            image["image_tokens"] = config["pos_embed_seq_len"]
+    image = dict(
+        image_dim=image_dim or None, image_positions=bool(image_dim and config.get("pos_embed_seq_len"))
+    )
+    if image_dim and config.get("pos_embed_seq_len"):  # FLF2V: both images' tokens (else the encoder's count)
+        image["image_tokens"] = config["pos_embed_seq_len"]
     return dict(
         **image,
         in_channels=config["in_channels"],
@@ -361,6 +355,16 @@ class WanWeights:
         self.sources = tessera_sources(self._key_file)
         if self.original:  # its config.json does not say the text width (4096 for UMT5-XXL): the weights do
             self.config["text_dim"] = self.shape("y_embedder.0.weight")[1]
+            # nor whether an i2v model reads CLIP features (Wan2.1 I2V/FLF2V: img_emb; Wan2.2 I2V: none)
+            for key in ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len"):
+                self.config.pop(key, None)
+            if "image_embedder.norm1.weight" in self.sources:
+                self.config["image_dim"] = self.shape("image_embedder.norm1.weight")[0]
+                self.config["added_kv_proj_dim"] = (
+                    self.config["num_attention_heads"] * self.config["attention_head_dim"]
+                )
+                if "image_embedder.pos_embed" in self.sources:
+                    self.config["pos_embed_seq_len"] = self.shape("image_embedder.pos_embed")[1]
             self.dit_kwargs = dit_kwargs_from_diffusers_config(self.config)
 
     def check_parameters(self, names, partial: bool = False) -> None:

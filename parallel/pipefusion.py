@@ -101,10 +101,11 @@ class _Sampling:
     sigmas: torch.Tensor
     grid: tuple
     rope: torch.Tensor
-    text: tuple  # (y, y_mask) of this rank's branch(es)
+    text: tuple  # (y, y_mask) of this rank's branch(es), and the image features (or None) for them
     hidden: tuple  # (batch, width, dtype) of the hidden states between stages
     extra_send: bool  # the failure tests: deviate from the agreed plan at the end
     skipped: dict  # computed step -> the (step, scale) the step cache skips after it (sample.cache)
+    condition: object = None  # image-to-video's models.image_condition.ImageCondition, or None
     pending_sends: list = field(default_factory=list)
     returns: list = field(default_factory=list)  # (item, buffer, PendingOps) posted by stage 0
     incoming: tuple | None = None  # (buffer, PendingOps) of the next item's hidden states
@@ -130,10 +131,22 @@ class PipeFusionSampler:
 
     @torch.no_grad()
     def sample(
-        self, flow, noise, y, y_mask, neg_y=None, neg_mask=None, steps: int = 30, guidance=1.0, progress=None
+        self,
+        flow,
+        noise,
+        y,
+        y_mask,
+        neg_y=None,
+        neg_mask=None,
+        steps: int = 30,
+        guidance=1.0,
+        progress=None,
+        condition=None,
     ):
-        """The latents (on every rank of the replica): the same contract as RectifiedFlow.sample."""
-        run = self._begin(flow, noise, (y, y_mask, neg_y, neg_mask), steps, guidance)
+        """The latents (on every rank of the replica): the same contract as RectifiedFlow.sample.
+        `condition`: image-to-video's (models/image_condition.py): stage 0 concatenates its latent to the
+        embedded latent's channels, every stage gives its features to the DiT's conditioning."""
+        run = self._begin(flow, noise, (y, y_mask, neg_y, neg_mask), steps, guidance, condition)
         model, items = self.model, run.items
         for index, item in enumerate(items):
             following = items[index + 1] if index + 1 < len(items) else None
@@ -167,7 +180,7 @@ class PipeFusionSampler:
             comm.broadcast(run.x, self.groups.pipeline_ranks[-1], self.groups.forward_group)
         return model.unpatchify(run.x, run.grid)
 
-    def _begin(self, flow, noise, text, steps: int, guidance: float) -> _Sampling:
+    def _begin(self, flow, noise, text, steps: int, guidance: float, condition=None) -> _Sampling:
         """Agree on the message plan with the pipeline, reset the K/V buffers, and post the first receive."""
         g, model, device = self.groups, self.model, noise.device
         grid = tuple(s // p for s, p in zip(noise.shape[2:], model.patch_size))
@@ -191,6 +204,9 @@ class PipeFusionSampler:
         plan = message_plan(plan_items, g.stage, g.stages, plan_steps, self.warmup, self.patches, tokens)
         self._share_and_check(plan, device)
         branch = branch_text(g, *text, guidance)
+        features = None if condition is None else condition.features
+        if features is not None and guidance != 1.0 and g.cfg_size == 1:  # both branches as one batch
+            features = torch.cat([features, features])
         hidden = (branch[0].shape[0], model.architecture()["hidden_size"], _activation_dtype(model, device))
         run = _Sampling(
             items=schedule(steps, self.warmup, patches, tokens, computed),
@@ -200,10 +216,11 @@ class PipeFusionSampler:
             sigmas=flow.sigmas(noise, steps).to(device),
             grid=grid,
             rope=model.rope(grid, device),
-            text=branch,
+            text=(*branch, features),
             hidden=hidden,
             extra_send=self.faults.planned("pipefusion_extra_send"),
             skipped=skipped,
+            condition=condition,
         )
         self.state.tokens = tokens
         for operator in self.attention:
@@ -254,6 +271,8 @@ class PipeFusionSampler:
         # (a conv over a smaller input could round differently); it costs about
         # (C*pt*ph*pw) / (24 * hidden * blocks per stage) of the stage's work per patch.
         latent = self.model.unpatchify(x, run.grid)
+        if run.condition is not None:  # image-to-video: the mask and the given frames' latents
+            latent = torch.cat([latent, run.condition.latent.to(latent.dtype)], dim=1)
         if run.guidance != 1.0 and self.groups.cfg_size == 1:
             latent = torch.cat([latent, latent])
         h = self.model.embed(latent)[0][:, item.start : item.end]
@@ -379,10 +398,19 @@ class ParallelSampler:
         progress=None,
         condition=None,
     ):
-        """`condition`: image-to-video's (models/image_condition.py), not under PipeFusion (infer refuses)."""
+        """`condition`: image-to-video's (models/image_condition.py), or None."""
         if self.pipefusion is not None:
             return self.pipefusion.sample(
-                flow, noise, y, y_mask, neg_y, neg_mask, steps=steps, guidance=guidance, progress=progress
+                flow,
+                noise,
+                y,
+                y_mask,
+                neg_y,
+                neg_mask,
+                steps=steps,
+                guidance=guidance,
+                progress=progress,
+                condition=condition,
             )
         model = self.model if condition is None else ConditionedModel(self.model, condition)
         velocity = None

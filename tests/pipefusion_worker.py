@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from configs import load_config  # noqa: E402
 from infer import load_sampler  # noqa: E402
 from models.flow import RectifiedFlow  # noqa: E402
+from models.image_condition import ImageCondition  # noqa: E402
 from models.pipeline import generate  # noqa: E402
 from models.step_cache import Calibration, StepCache  # noqa: E402
 from parallel.components import build_frozen, build_model  # noqa: E402
@@ -36,7 +37,7 @@ PROMPTS = ["a red square moving left", "a green circle moving up"]
 EXACT = 1e-5  # the issue's bound against the serial sampler, on pixels in [0, 1]
 
 
-def config(patches=None, warmup=1):
+def config(patches=None, warmup=1, image=False):
     return load_config(
         TINY,
         [
@@ -44,11 +45,19 @@ def config(patches=None, warmup=1):
             "model.absolute_positions=true",  # as the demo samples
             f"parallel.pipefusion_patches={patches or 'null'}",
             f"parallel.pipefusion_warmup={warmup}",
-        ],
+        ]
+        + (["model.task=i2v", "model.image_dim=16", "model.image_tokens=3"] if image else []),
     )
 
 
-def sample(cfg, model, vae, text_encoder, sampler=None, cache=None):
+def image_condition(vae):
+    """A random image-to-video condition for the 2 prompts: 4 mask + C latent channels, CLIP features."""
+    g = torch.Generator().manual_seed(5)
+    C, T, h, w = vae.latent_shape(FRAMES, HEIGHT, WIDTH, (1, 2, 2))
+    return ImageCondition(torch.randn(2, 4 + C, T, h, w, generator=g), torch.randn(2, 3, 16, generator=g))
+
+
+def sample(cfg, model, vae, text_encoder, sampler=None, cache=None, condition=None):
     return generate(
         model,
         vae,
@@ -62,15 +71,17 @@ def sample(cfg, model, vae, text_encoder, sampler=None, cache=None):
         GUIDANCE,
         seeds=[0, 1],
         sampler=sampler,
+        condition=condition,
     )
 
 
-def serial_reference(cache=None):
-    cfg = config()
+def serial_reference(cache=None, image=False):
+    cfg = config(image=image)
     text_encoder, vae = build_frozen(cfg, "cpu")
     model = build_model(cfg, text_encoder, vae, weights=False)
     materialize(model, "cpu", cfg.train.seed, zero_init=False)  # as infer.py --random-weights
-    return torch.from_numpy(sample(cfg, model.eval(), vae, text_encoder, cache=cache))
+    condition = image_condition(vae) if image else None
+    return torch.from_numpy(sample(cfg, model.eval(), vae, text_encoder, cache=cache, condition=condition))
 
 
 def step_cache():
@@ -149,7 +160,7 @@ def stale_kv_reference(patches: int, warmup: int, cache=None):
         return torch.from_numpy(((vae.decode(x).clamp(-1, 1) + 1) / 2).permute(0, 2, 3, 4, 1).numpy())
 
 
-def run_case(layout: ParallelLayout, patches=None, warmup=1, cache=None):
+def run_case(layout: ParallelLayout, patches=None, warmup=1, cache=None, image=False):
     rank = dist.get_rank()
     timeout = datetime.timedelta(seconds=60)
     sequence = sequence_groups(layout, rank, timeout)
@@ -160,14 +171,15 @@ def run_case(layout: ParallelLayout, patches=None, warmup=1, cache=None):
         sampling=sampling_groups(layout, rank, timeout, sequence),
         faults=Faults.from_env(rank),
     )
-    cfg = config(patches, warmup)
+    cfg = config(patches, warmup, image)
     model, vae, text_encoder, sampler = load_sampler(
         cfg, runtime, None, random_weights=True, patches=patches or layout.pipefusion
     )
     if layout.pipefusion > 1:  # a stage holds only its blocks
         kept = sum(not hasattr(b, "stage") for b in model.blocks)
         assert kept == 4 // layout.pipefusion, (kept, layout)
-    return torch.from_numpy(sample(cfg, model, vae, text_encoder, sampler, cache))
+    condition = image_condition(vae) if image else None
+    return torch.from_numpy(sample(cfg, model, vae, text_encoder, sampler, cache, condition))
 
 
 def report(name, error, bound=None):
@@ -252,6 +264,18 @@ def main():
         .item(),
         EXACT,
     )
+    # Image-to-video: stage 0 concatenates the condition's latent, every stage reads its features.
+    image_reference = serial_reference(image=True)
+    for name, layout, patches in [
+        ("pf2xcfg2", ParallelLayout(cfg=2, pipefusion=2), 2),
+        ("pf2xu2", ParallelLayout(pipefusion=2, ulysses=2), 4),
+        ("cfg2xu2", ParallelLayout(cfg=2, ulysses=2), None),
+    ]:
+        report(
+            f"i2v {name} warmup=all vs i2v serial",
+            (run_case(layout, patches, warmup=full, image=True) - image_reference).abs().max().item(),
+            EXACT,
+        )
     dist.barrier()
     dist.destroy_process_group()
 

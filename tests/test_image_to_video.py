@@ -1,14 +1,15 @@
 """Image-to-video against diffusers' WanImageToVideoPipeline, code no one here wrote: the same tiny random
 pipeline folder (an I2V transformer, AutoencoderKLWan, UMT5, a CLIPVisionModel and its processor), image,
 prompt, negative prompt, seed, steps and guidance give the same video from infer.py --image, for Wan2.1
-I2V and FLF2V (--last-image), on one process and under cfg 2 x ulysses 2; and the refusals."""
+I2V and FLF2V (--last-image); and the refusals. Every sampling layout gives the one-process image-to-video
+result in tests/pipefusion_worker.py."""
 
 import numpy as np
 import pytest
 import torch
 
 import infer
-from tests.conftest import run_main, torchrun
+from tests.conftest import run_main
 from tests.test_wan_pipeline import PROMPT, RECIPE, TINY_TRANSFORMER, perturb, tiny_vae_and_text_encoder
 
 CLIP_TOKENS = 17  # a 32 px image in 8 px patches, plus the class token
@@ -114,17 +115,6 @@ def test_infer_equals_wan_image_to_video_pipeline(i2v_pipeline, tmp_path):
     other = sample_args(recipe, tmp_path / "run", tmp_path / "other.npy", images[::-1], task)
     assert run_main(infer, other) == 0
     assert np.abs(np.load(tmp_path / "other.npy") - video).max() > 1e-3
-    if task == "i2v":  # the one-process video under cfg 2 x ulysses 2 (45 tokens: no degree divides them)
-        layout = ["parallel.cfg=2", "parallel.ulysses=2"]
-        result = torchrun(
-            4,
-            "infer.py",
-            *sample_args(recipe, tmp_path / "run", tmp_path / "cu.npy", images, task),
-            *layout,
-            timeout=120,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert np.abs(np.load(tmp_path / "cu.npy") - video).max() <= 1e-5
 
 
 def test_image_to_video_refusals_name_the_fix(i2v_pipeline, tmp_path, capsys):
@@ -136,7 +126,12 @@ def test_image_to_video_refusals_name_the_fix(i2v_pipeline, tmp_path, capsys):
     cases = [
         (no_image, "model.task=i2v needs --image"),
         (base + ["--last-image", str(images[1])], "--last-image was given, but model.task=i2v"),
-        (no_image + ["model.task=t2v", "--image", str(images[0])], "--image was given, but model.task=t2v"),
+        (
+            no_image + ["model.task=t2v", "model.image_dim=null", "--image", str(images[0])],
+            "--image was given, but model.task=t2v",
+        ),
+        (no_image + ["model.task=t2v"], "model.image_dim=32 is image-to-video's: set model.task=i2v"),
+        (base + ["vae.kind=identity"], "built for Wan's VAE"),
         (base[:-1] + [str(tmp_path / "missing.png")], "missing.png cannot be read as an image"),
         (base + ["--width", "64"], "is 32x32 and the video 64x32"),
         (base + ["image_encoder.pretrained=" + str(tmp_path)], "no CLIPVisionModel there"),
@@ -144,15 +139,3 @@ def test_image_to_video_refusals_name_the_fix(i2v_pipeline, tmp_path, capsys):
     for args, message in cases:
         assert run_main(infer, args) == 2, args
         assert message in capsys.readouterr().err, message
-
-
-def test_image_to_video_under_pipefusion_is_refused_by_name(i2v_pipeline, monkeypatch):
-    from configs import load_config
-
-    task, _, recipe, images = i2v_pipeline
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    cfg = load_config(str(recipe), ["parallel.pipefusion=2"])
-    args = infer.parse_args(sample_args(recipe, "run", "x.npy", images, task)[2:])
-    with pytest.raises(ValueError, match=f"model.task={task} does not run under PipeFusion yet"):
-        infer.plan_layout(cfg, infer.read_request(cfg, args))

@@ -124,6 +124,8 @@ def test_every_sampling_layout_against_the_serial_sampler():
     assert sum("vs the stale-K/V reference" in line for line in passed) == 3
     for case in ("cached pf2xcfg2 warmup=all vs cached serial", "cached pf2xu2 M=4 warmup=1 vs the cached"):
         assert any(line.startswith(f"ok {case}") for line in passed), case  # sample.cache=calibrated
+    for case in ("pf2xcfg2", "pf2xu2", "cfg2xu2"):  # image-to-video
+        assert any(line.startswith(f"ok i2v {case} warmup=all vs i2v serial") for line in passed), case
     stale = next(line for line in passed if line.startswith("ok pf2 M=4 warmup=1 vs serial"))
     assert 1e-4 < float(stale.rpartition("=")[2]) < 0.1, stale  # stale K/V: close to serial, not equal
 

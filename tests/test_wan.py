@@ -230,12 +230,13 @@ def original_name(key: str) -> str:
     return "model.diffusion_model." + key
 
 
-@pytest.mark.parametrize("model_type", ["t2v", "i2v"])
+@pytest.mark.parametrize("model_type", ["t2v", "i2v", "i2v-2.2"])
 def test_the_original_wan_layout_reads_as_the_diffusers_one(saved_wan, tmp_path, model_type):
     """A folder in Wan-AI's own layout (its config.json fields and key names, as diffusers' converter
     maps them: img_emb, k_img, v_img, norm_k_img for image-to-video) gives the same weights and
     architecture. Written here from a diffusers folder: no real original checkpoint is available
-    offline. Wan's I2V config implies CLIP's 1280-wide features and 16 output channels."""
+    offline. Wan's I2V config implies 16 output channels; whether it reads CLIP features (Wan2.1: img_emb)
+    or not (Wan2.2, the same model_type) comes from the weights."""
     from diffusers import WanTransformer3DModel
     from safetensors.torch import save_file
 
@@ -243,11 +244,14 @@ def test_the_original_wan_layout_reads_as_the_diffusers_one(saved_wan, tmp_path,
 
     _, folder = saved_wan
     in_dim = 4
-    if model_type == "i2v":
+    if model_type != "t2v":
         in_dim, folder = 12, tmp_path / "i2v"
         torch.manual_seed(0)
-        image_config = dict(in_channels=in_dim, out_channels=16, image_dim=1280, added_kv_proj_dim=24)
+        image_config = dict(in_channels=in_dim, out_channels=16)
+        if model_type == "i2v":  # Wan2.1's CLIP conditioning
+            image_config.update(image_dim=1280, added_kv_proj_dim=24)
         WanTransformer3DModel(**dict(TINY_WAN, **image_config)).save_pretrained(folder)
+        model_type = "i2v"
     state = {}
     for file in sorted(folder.glob("*.safetensors")):
         state.update(load_file(file))
