@@ -31,6 +31,7 @@ from models.pipeline import generate
 from models.step_cache import step_cache
 from models.tiling import plan_tiles
 from models.vae import vae_latent_space
+from models.wan import second_expert
 from parallel import comm
 from parallel import vae as parallel_vae
 from parallel.cache import check_cache_decisions, share_step_cache
@@ -47,9 +48,9 @@ from parallel.components import (
 from parallel.entrypoint import run_as_process
 from parallel.layout import ParallelLayout
 from parallel.lora import base_of_run, checkpoint_adapters, lora_of
-from parallel.pipefusion import ParallelSampler
 from parallel.pipefusion_plan import keep_stage
 from parallel.runtime import init_runtime, links_are_slow, local_world_size, world_from_env
+from parallel.sampling import ParallelSampler
 from parallel.sequence import apply_sequence_parallel
 
 
@@ -139,6 +140,7 @@ def load_sampler(
     random_weights: bool = False,
     patches: int = 1,
     loras: list = (),
+    experts: tuple | None = None,
 ):
     """The frozen components, the DiT with the checkpoint's weights (without a checkpoint, the pretrained
     ones, model.pretrained, or with random_weights random ones from train.seed), and the sampler that
@@ -169,9 +171,18 @@ def load_sampler(
     if layout.pipefusion == 1:
         model = apply_sequence_parallel(model, runtime.sequence)
     model = model.to(runtime.device).eval()
+    pair = None
+    if experts is not None:  # Wan 2.2 A14B: the low-noise expert, built and filled as the first one
+        folder, boundary, guidance_2 = experts
+        low = build_model(cfg, text_encoder, vae, weights=False)
+        fill_unsharded(low, cfg.train.seed, open_pretrained(cfg, low, folder))
+        # it waits on the host: the sampler keeps one expert on the device at a time (14B each)
+        pair = (apply_sequence_parallel(low, runtime.sequence).eval(), boundary, guidance_2)
     sampler = None
-    if layout.cfg * layout.pipefusion > 1:
-        sampler = ParallelSampler(model, groups, patches, cfg.parallel.pipefusion_warmup, runtime.faults)
+    if layout.cfg * layout.pipefusion > 1 or pair is not None:
+        sampler = ParallelSampler(
+            model, groups, patches, cfg.parallel.pipefusion_warmup, runtime.faults, experts=pair
+        )
     return model, vae, text_encoder, sampler
 
 
@@ -223,6 +234,7 @@ class Request:
     cache: object = None  # models.step_cache.StepCache (sample.cache), or None
     images: list | None = None  # image-to-video: each prompt's first frame (PIL), or None
     last_images: list | None = None  # FLF2V: each prompt's last frame
+    experts: tuple | None = None  # Wan 2.2 A14B: (the low-noise expert's folder, boundary, guidance_2)
 
 
 def read_request(cfg, args) -> Request:
@@ -270,7 +282,43 @@ def read_request(cfg, args) -> Request:
         cache,
         images,
         last_images,
+        read_experts(cfg, args, guidance),
     )
+
+
+def read_experts(cfg, args, guidance: float):
+    """Wan 2.2 A14B's second expert as (folder, boundary, guidance_2), or None for one model; refused by
+    name where the recipe cannot pair them."""
+    sc = cfg.sample
+    folder, boundary = second_expert(cfg.model.pretrained, cfg.model.pretrained_2)
+    if args.random_weights:
+        if cfg.model.pretrained_2 or sc.guidance_2 is not None:
+            raise ValueError(
+                "--random-weights samples one model: drop model.pretrained_2 and sample.guidance_2"
+            )
+        folder = None
+    if folder is None:
+        if sc.guidance_2 is not None or cfg.model.pretrained_2 or sc.boundary is not None:
+            raise ValueError(
+                "sample.guidance_2, sample.boundary and model.pretrained_2 are for Wan 2.2's two experts: "
+                "model.pretrained has no transformer_2/ (drop them, or name the low-noise expert in "
+                "model.pretrained_2)"
+            )
+        return None
+    boundary = sc.boundary if sc.boundary is not None else boundary
+    if boundary is None or not 0 < boundary < 1:
+        raise ValueError(
+            f"two experts need the noise level where they switch: set sample.boundary (0.875 for Wan2.2 "
+            f"T2V-A14B, 0.9 for I2V-A14B), got {boundary}"
+        )
+    if args.lora:
+        raise ValueError("pairing LoRAs with Wan 2.2's two experts is not built yet: drop --lora")
+    if sc.cache != "none":  # a calibration or a residual would span the switch from one expert to the other
+        raise ValueError(f"sample.cache={sc.cache} does not pair with two experts yet: set sample.cache=none")
+    guidance_2 = guidance if sc.guidance_2 is None else sc.guidance_2
+    if guidance == 1.0:  # as diffusers: guidance_scale alone decides whether either expert is guided
+        guidance_2 = 1.0
+    return folder, boundary, guidance_2
 
 
 def read_images(task: str, args, count: int, frames: int, height: int, width: int):
@@ -333,6 +381,11 @@ def plan_layout(cfg, request: Request) -> tuple[ParallelLayout, int, str]:
         slow_links=slow_links,
         tokens=grid[0] * grid[1] * grid[2],
     )
+    if request.experts is not None and layout.pipefusion > 1:
+        raise ValueError(
+            "Wan 2.2's two experts do not run under PipeFusion yet "
+            f"(parallel.pipefusion={layout.pipefusion}): use cfg, ulysses or ring"
+        )
     return layout, layout.check_patches(cfg.parallel, grid), links
 
 
@@ -349,6 +402,13 @@ def main(argv=None, session=None):
         record = lora_base(cfg, checkpoint)
     if cfg.model.pretrained and not args.random_weights and (checkpoint is None or record):
         check_pretrained(cfg.model.pretrained)
+    if request.experts is not None:
+        if checkpoint is not None:  # also the run's own latest, found by default
+            raise ValueError(
+                f"pairing a trained checkpoint ({checkpoint}) with Wan 2.2's two experts is not built yet: "
+                "sample the pretrained experts with --checkpoint none, or another run.output_dir"
+            )
+        check_pretrained(request.experts[0])
     loras = read_loras(cfg, args.lora)
     if request.images is not None and cfg.model.image_dim:
         image_encoder_folder(cfg)  # a missing CLIP folder is named before any process group starts
@@ -362,7 +422,9 @@ def main(argv=None, session=None):
             calls = sum(step.compute for step in request.cache.plan(request.steps))
             print(f"[tessera] step cache: {calls} of {request.steps} steps call the model", flush=True)
     use_ema = cfg.sample.use_ema and not args.no_ema
-    components = load_sampler(cfg, runtime, checkpoint, use_ema, args.random_weights, patches, loras)
+    components = load_sampler(
+        cfg, runtime, checkpoint, use_ema, args.random_weights, patches, loras, request.experts
+    )
     del loras  # merged into the weights: the files' tensors need not outlive the sampling
     if request.cache is not None and request.cache.method == "first_block":
         components[0].step_cache = request.cache  # the DiT consults it after its first block

@@ -47,6 +47,9 @@ class ModelConfig:
     # the recipe must build the same architecture (e.g. model.size=Wan2.1-1.3B). Or a tessera run (its
     # directory, checkpoints/, `latest` or a step_<N>): the EMA weights of that checkpoint.
     pretrained: Optional[str] = None
+    # Wan 2.2 A14B: the low-noise expert's folder (a WanTransformer3DModel); None: model.pretrained's
+    # transformer_2/ when it is a pipeline folder with one (sampling only)
+    pretrained_2: Optional[str] = None
 
 
 @dataclass
@@ -165,6 +168,11 @@ class TrainConfig:
 class SampleConfig:
     steps: int = 30
     guidance: float = 5.0
+    # Wan 2.2 A14B's two experts (docs/internals.md): the low-noise expert samples below `boundary` (a
+    # fraction of the noise, as diffusers' boundary_ratio; None: model.pretrained's model_index.json), at
+    # `guidance_2` (None: sample.guidance)
+    guidance_2: Optional[float] = None
+    boundary: Optional[float] = None
     negative_prompt: str = ""
     use_ema: bool = True
     prompts: list[str] = field(

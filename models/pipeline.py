@@ -38,7 +38,7 @@ def generate(
 ) -> np.ndarray:
     """Videos (B, frames, height, width, 3) as float32 in [0, 1]. Prompt i starts from noise seeded by
     seeds[i] (default: i), so a video does not depend on which other prompts share its batch or rank.
-    `sampler` replaces flow.sample(model, ...) (e.g. parallel/pipefusion.py's ParallelSampler), `decode`
+    `sampler` replaces flow.sample(model, ...) (e.g. parallel/sampling.py's ParallelSampler), `decode`
     the VAE decode in the recipe's tiles (vae.tile_latent, vae.tile_overlap) on this device (e.g.
     parallel/vae.py's shared_decoder, which shares the tiles among ranks). `condition`: image-to-video's
     (models/image_condition.py encode_condition), or None."""

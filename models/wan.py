@@ -405,3 +405,16 @@ def check_wan_folder(folder) -> None:
     """Read a Wan folder's config.json and every safetensors header (a few KB a file), so that a missing,
     truncated or unreadable file is a WanFormatError naming it before any process group exists."""
     WanWeights(folder)
+
+
+def second_expert(pretrained, pretrained_2=None) -> tuple[str | None, float | None]:
+    """(the low-noise expert's folder, the pipeline's boundary_ratio) of a Wan 2.2 A14B model:
+    model.pretrained_2, else model.pretrained's transformer_2/ when it is a pipeline folder with one."""
+    pretrained_2 = pretrained_2 or None  # "" in a recipe means unset
+    boundary, index = None, Path(pretrained or "") / "model_index.json"
+    if pretrained and index.is_file():
+        boundary = _read_config(index).get("boundary_ratio")
+        folder = Path(pretrained) / "transformer_2"
+        if pretrained_2 is None and (folder / "config.json").is_file():
+            pretrained_2 = str(folder)
+    return pretrained_2, boundary

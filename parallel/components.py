@@ -126,17 +126,18 @@ def check_pretrained(pretrained: str) -> None:
         check_wan_folder(pretrained)
 
 
-def open_pretrained(cfg, model: DiT):
-    """model.pretrained as a models.wan.WanWeights (or TesseraWeights for a tessera run), after checking
-    that the recipe builds the same architecture (a disagreement is an error naming the keys and the
-    fix); None without model.pretrained."""
-    if not cfg.model.pretrained:
+def open_pretrained(cfg, model: DiT, folder=None):
+    """model.pretrained (or `folder`: Wan 2.2's second expert) as a models.wan.WanWeights (or TesseraWeights
+    for a tessera run), after checking that the recipe builds the same architecture (a disagreement is an
+    error naming the keys and the fix); None without model.pretrained."""
+    pretrained = cfg.model.pretrained if folder is None else folder
+    if not pretrained:
         return None
-    if is_tessera_run(cfg.model.pretrained):
-        step = resolve_checkpoint(str(cfg.model.pretrained), Path(cfg.model.pretrained))
+    if is_tessera_run(pretrained):
+        step = resolve_checkpoint(str(pretrained), Path(pretrained))
         check_architecture(step, model.architecture())
         return TesseraWeights(step)
-    weights = WanWeights(cfg.model.pretrained)
+    weights = WanWeights(pretrained)
     folder = weights.dit_kwargs
     ours = model.architecture()
     differs = architecture_differences(ours, folder)
@@ -160,7 +161,7 @@ def open_pretrained(cfg, model: DiT):
             ]
         hint = "; set " + " ".join(fixes) if fixes else ""
         raise ValueError(
-            f"model.pretrained={cfg.model.pretrained} disagrees with the recipe: " + "; ".join(wrong) + hint
+            f"model.pretrained={pretrained} disagrees with the recipe: " + "; ".join(wrong) + hint
         )
     return weights
 

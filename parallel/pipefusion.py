@@ -14,9 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.image_condition import ConditionedModel
 from parallel import comm
-from parallel.cfg import SamplingGroups, branch_text, cfg_velocity, guided
+from parallel.cfg import SamplingGroups, branch_text, guided
 from parallel.faults import Faults
 from parallel.pipefusion_plan import (
     MessagePlan,
@@ -371,60 +370,3 @@ def patchify(latent, patch_size):
     x = latent.view(B, C, T // pt, pt, H // ph, ph, W // pw, pw)
     x = x.permute(0, 2, 4, 6, 3, 5, 7, 1)  # (B, t, h, w, pt, ph, pw, C)
     return x.reshape(B, (T // pt) * (H // ph) * (W // pw), pt * ph * pw * C)
-
-
-class ParallelSampler:
-    """sampler(flow, noise, y, y_mask, neg_y, neg_mask, steps=, guidance=, progress=) -> latents on every
-    rank of the replica, for models.pipeline.generate: PipeFusion when parallel.pipefusion > 1, else
-    the serial loop with CFG parallel (ulysses/ring, if any, are inside `model` already)."""
-
-    def __init__(self, model, groups: SamplingGroups, patches: int, warmup: int, faults=None):
-        self.groups = groups
-        self.pipefusion = None
-        if groups.stages > 1:
-            self.pipefusion = PipeFusionSampler(model, groups, patches, warmup, faults)
-        self.model = model
-
-    def __call__(
-        self,
-        flow,
-        noise,
-        y,
-        y_mask,
-        neg_y=None,
-        neg_mask=None,
-        steps=30,
-        guidance=1.0,
-        progress=None,
-        condition=None,
-    ):
-        """`condition`: image-to-video's (models/image_condition.py), or None."""
-        if self.pipefusion is not None:
-            return self.pipefusion.sample(
-                flow,
-                noise,
-                y,
-                y_mask,
-                neg_y,
-                neg_mask,
-                steps=steps,
-                guidance=guidance,
-                progress=progress,
-                condition=condition,
-            )
-        model = self.model if condition is None else ConditionedModel(self.model, condition)
-        velocity = None
-        if self.groups.cfg_size > 1:
-            velocity = cfg_velocity(model, self.groups, y, y_mask, neg_y, neg_mask, guidance)
-        return flow.sample(
-            model,
-            noise,
-            y,
-            y_mask,
-            neg_y,
-            neg_mask,
-            steps=steps,
-            guidance=guidance,
-            progress=progress,
-            velocity=velocity,
-        )

@@ -12,7 +12,7 @@ import torch
 
 import infer
 import train
-from tests.conftest import ROOT, run_main
+from tests.conftest import ROOT, run_main, torchrun
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import export  # noqa: E402
@@ -226,3 +226,63 @@ def write_scaled_shift(recipe, tmp_path):
     scaled = tmp_path / "scaled.yaml"
     scaled.write_text(recipe.read_text().replace("shift_reference_tokens: 0", "shift_reference_tokens: 256"))
     return scaled
+
+
+def test_wan22_two_experts_sample_what_wan_pipeline_samples(tiny_pipeline, tmp_path):
+    """Wan 2.2 A14B's pairing: a WanPipeline folder with transformer_2 and boundary_ratio 0.9, sampled by
+    diffusers with guidance_scale_2 and by infer.py (both experts from the one folder): the same video, on
+    one process and under cfg 2. Of the 3 steps (timesteps 1000, 751, 9 at shift 3) the first is the
+    high-noise expert's. A second guidance without a second expert is refused by name."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    pipe_dir, recipe = tiny_pipeline
+    pipe = WanPipeline.from_pretrained(pipe_dir)
+    torch.manual_seed(1)
+    low = WanTransformer3DModel(**TINY_TRANSFORMER)
+    perturb(low)
+    folder = tmp_path / "a14b"
+    WanPipeline(
+        tokenizer=pipe.tokenizer,
+        text_encoder=pipe.text_encoder,
+        vae=pipe.vae,
+        transformer=pipe.transformer,
+        transformer_2=low,
+        scheduler=pipe.scheduler,
+        boundary_ratio=0.9,
+    ).save_pretrained(folder)
+    pair = WanPipeline.from_pretrained(folder)
+    kwargs = dict(negative_prompt="", height=32, width=32, num_frames=5, num_inference_steps=3)
+    kwargs.update(guidance_scale=5.0, output_type="np", max_sequence_length=40)
+    expected = pair(
+        PROMPT, guidance_scale_2=3.0, generator=torch.Generator().manual_seed(0), **kwargs
+    ).frames[0]
+    alone = pipeline_sample(pipe_dir)  # the high-noise expert alone
+    assert np.abs(expected - alone).max() > 1e-3  # the low-noise expert counts
+    recipe_2 = tmp_path / "a14b.yaml"
+    recipe_2.write_text(recipe.read_text().replace(str(pipe_dir), str(folder)))
+    video = infer_sample(recipe_2, tmp_path / "run", tmp_path / "pair.npy", "sample.guidance_2=3.0")
+    assert np.abs(video - expected).max() <= 1e-5, np.abs(video - expected).max()
+    # cfg 2: each half of the ranks runs one branch of whichever expert the step belongs to
+    args = [
+        "--config",
+        str(recipe_2),
+        f"run.output_dir={tmp_path / 'run'}",
+        "--frames",
+        "5",
+        "--height",
+        "32",
+    ]
+    args += [
+        "--width",
+        "32",
+        "--prompt",
+        PROMPT,
+        "--output",
+        str(tmp_path / "cfg.npy"),
+        "sample.guidance_2=3.0",
+    ]
+    result = torchrun(2, "infer.py", *args, "parallel.cfg=2", timeout=90)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert np.abs(np.load(tmp_path / "cfg.npy") - expected).max() <= 1e-5
+    single = ["--config", str(recipe), f"run.output_dir={tmp_path / 'run1'}", "sample.guidance_2=3.0"]
+    assert run_main(infer, single) == 2
