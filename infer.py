@@ -24,7 +24,7 @@ from configs import DEFAULT_RECIPE, load_config, split_overrides
 from data.media import OUTPUT_EXTENSIONS, write_video
 from models.dit import DiT_models
 from models.flow import RectifiedFlow
-from models.image_condition import ImageEncoder, encode_condition
+from models.image_condition import ImageEncoder, encode_condition, image_encoder_dirs
 from models.lora import deltas_of, merge_deltas
 from models.lora_formats import check_file, parse_lora_spec, read_lora
 from models.pipeline import generate
@@ -499,25 +499,7 @@ def image_encoder_folder(cfg) -> str:
             "model.image_dim is set: name a CLIPVisionModel folder in image_encoder.pretrained (or a "
             "WanImageToVideoPipeline folder in model.pretrained)"
         )
-    import json
-
-    root = Path(folder)
-    model_dir, processor_dir = (root / "image_encoder", root / "image_processor")
-    if not (model_dir / "config.json").is_file():
-        model_dir = processor_dir = root
-    try:
-        kind = json.loads((model_dir / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError):
-        kind = None
-    if (
-        kind not in ("clip_vision_model", "clip")
-        or not (processor_dir / "preprocessor_config.json").is_file()
-    ):
-        raise FileNotFoundError(
-            f"image_encoder.pretrained={folder}: no CLIPVisionModel there (config.json of a CLIP vision "
-            "model and its preprocessor_config.json), nor the image_encoder/ and image_processor/ folders "
-            "of a WanImageToVideoPipeline"
-        )
+    image_encoder_dirs(folder)
     return folder
 
 

@@ -12,6 +12,32 @@ import torch
 import torch.nn as nn
 
 
+def image_encoder_dirs(folder) -> tuple[Path, Path]:
+    """(the CLIPVisionModel's folder, its CLIPImageProcessor's) in `folder`, a CLIP folder or a
+    WanImageToVideoPipeline folder (image_encoder/, image_processor/); a FileNotFoundError naming what is
+    missing, read from two small files."""
+    import json
+
+    root = Path(folder)
+    model_dir, processor_dir = root / "image_encoder", root / "image_processor"
+    if not (model_dir / "config.json").is_file():
+        model_dir = processor_dir = root
+    try:
+        kind = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        kind = None
+    if (
+        kind not in ("clip_vision_model", "clip")
+        or not (processor_dir / "preprocessor_config.json").is_file()
+    ):
+        raise FileNotFoundError(
+            f"image_encoder.pretrained={folder}: no CLIPVisionModel there (config.json of a CLIP vision "
+            "model and its preprocessor_config.json), nor the image_encoder/ and image_processor/ folders "
+            "of a WanImageToVideoPipeline"
+        )
+    return model_dir, processor_dir
+
+
 class ImageEncoder(nn.Module):
     """transformers' CLIPVisionModel and its CLIPImageProcessor from a local folder, frozen."""
 
@@ -19,15 +45,7 @@ class ImageEncoder(nn.Module):
         super().__init__()
         from transformers import CLIPImageProcessor, CLIPVisionModel
 
-        folder = Path(folder)
-        model_dir, processor_dir = folder, folder
-        if (folder / "image_encoder").is_dir():  # a WanImageToVideoPipeline folder
-            model_dir, processor_dir = folder / "image_encoder", folder / "image_processor"
-        if not (model_dir / "config.json").is_file():
-            raise FileNotFoundError(
-                f"image_encoder.pretrained={folder}: no CLIPVisionModel there (config.json), nor an "
-                "image_encoder/ folder of a WanImageToVideoPipeline"
-            )
+        model_dir, processor_dir = image_encoder_dirs(folder)
         # float32 whatever the folder stores, as Wan runs its CLIP (transformers 5 loads the stored dtype)
         self.model = (
             CLIPVisionModel.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)

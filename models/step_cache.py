@@ -175,20 +175,20 @@ class FirstBlockCache:
         order; the first `valid` of its n tokens are real (the rest pad a sequence-parallel shard)."""
         self._residual = residual
         if self.previous is None or self.step == self.steps - 1 or not (self.skipped < self.max_skips).any():
-            self._reuse = torch.zeros(self.samples, dtype=torch.bool)  # the same on every rank: no sums
+            reuse = torch.zeros(self.samples, dtype=torch.bool)  # the same on every rank: no sums
         else:
             now, before = residual[:, :valid], self.previous[:, :valid]
             l1 = lambda r: torch.linalg.vector_norm(r, 1, dim=(1, 2), dtype=torch.float32)  # noqa: E731
             sums = torch.stack((l1(now - before), l1(before)), 1)  # (rows, 2), float32 sums of bf16 on a GPU
             sums = self.agree(sums.double().view(-1, self.samples, 2).sum(0)).cpu()  # (samples, 2)
             change = sums[:, 0] / sums[:, 1]  # nan (never reused) where the residual is all zeros
-            self._reuse = (change < self.threshold) & (self.skipped < self.max_skips)
-        self.decisions.append(self._reuse.tolist())
-        self.skipped = torch.where(self._reuse, self.skipped + 1, 0)
-        self.sample_calls += int((~self._reuse).sum())
-        if not self._reuse.any():
+            reuse = (change < self.threshold) & (self.skipped < self.max_skips)
+        self.decisions.append(reuse.tolist())
+        self.skipped = torch.where(reuse, self.skipped + 1, 0)
+        self.sample_calls += int((~reuse).sum())
+        if not reuse.any():
             return None
-        rows = (~self._reuse).repeat(residual.shape[0] // self.samples)
+        rows = (~reuse).repeat(residual.shape[0] // self.samples)
         return rows.nonzero().flatten().to(residual.device)
 
     def combine(self, first: torch.Tensor, out: torch.Tensor, run: torch.Tensor | None) -> torch.Tensor:

@@ -59,33 +59,18 @@ class ParallelSampler:
                 return cfg_velocity(model, self.groups, y, y_mask, neg_y, neg_mask, guidance)
             return guided_velocity(model, y, y_mask, neg_y, neg_mask, guidance)
 
-        model = self.model if condition is None else ConditionedModel(self.model, condition)
-        velocity = None
+        velocity = high = velocity_of(self.model, guidance)
         if self.experts is not None:  # as diffusers: the high-noise expert while t >= boundary x 1000
             low_model, boundary, guidance_2 = self.experts
-            high, low = velocity_of(self.model, guidance), velocity_of(low_model, guidance_2)
+            low = velocity_of(low_model, guidance_2)
 
             def velocity(x, sigma):
                 first = bool(sigma * 1000 >= boundary * 1000)
-                active, idle = (self.model, low_model) if first else (low_model, self.model)
-                self._on_device(active, idle)
+                self._on_device(*((self.model, low_model) if first else (low_model, self.model)))
                 return (high if first else low)(x, sigma)
 
             self._on_device(self.model, low_model)  # a sampling starts with the high-noise expert
-        elif self.groups.cfg_size > 1:
-            velocity = velocity_of(self.model, guidance)
-        return flow.sample(
-            model,
-            noise,
-            y,
-            y_mask,
-            neg_y,
-            neg_mask,
-            steps=steps,
-            guidance=guidance,
-            progress=progress,
-            velocity=velocity,
-        )
+        return flow.sample(None, noise, y, y_mask, steps=steps, progress=progress, velocity=velocity)
 
     def _on_device(self, active, idle) -> None:
         """Wan 2.2's two experts: only the sampling one on the device (14B each); swapped once a sampling."""

@@ -10,7 +10,14 @@ import torch
 
 import infer
 from tests.conftest import run_main
-from tests.test_wan_pipeline import PROMPT, RECIPE, TINY_TRANSFORMER, perturb, tiny_vae_and_text_encoder
+from tests.test_wan_pipeline import (
+    PROMPT,
+    RECIPE,
+    TINY_TRANSFORMER,
+    diffusers_video,
+    perturb,
+    tiny_vae_and_text_encoder,
+)
 
 CLIP_TOKENS = 17  # a 32 px image in 8 px patches, plus the class token
 
@@ -69,21 +76,12 @@ def diffusers_i2v(folder, first, last=None) -> np.ndarray:
     from diffusers import WanImageToVideoPipeline
     from PIL import Image
 
-    pipe = WanImageToVideoPipeline.from_pretrained(folder)
-    return pipe(
+    return diffusers_video(
+        WanImageToVideoPipeline.from_pretrained(folder),
+        max_sequence_length=512,  # diffusers splits the image's tokens off 512 text tokens
         image=Image.open(first).convert("RGB"),
         last_image=None if last is None else Image.open(last).convert("RGB"),
-        prompt=PROMPT,
-        negative_prompt="",
-        height=32,
-        width=32,
-        num_frames=5,
-        num_inference_steps=3,
-        guidance_scale=5.0,
-        generator=torch.Generator().manual_seed(0),
-        output_type="np",
-        max_sequence_length=512,
-    ).frames[0]
+    )
 
 
 def sample_args(recipe, run, out, images, task):

@@ -13,6 +13,7 @@ import torch
 import infer
 import train
 from tests.conftest import ROOT, run_main, torchrun
+from tests.test_wan import TINY_WAN
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import export  # noqa: E402
@@ -59,15 +60,10 @@ logging:
 PROMPT = "a red square moving left"
 
 
-def pipeline_sample(folder, lora=None) -> np.ndarray:
-    """diffusers' WanPipeline from `folder`, with `lora` (a LoRA file) loaded by load_lora_weights."""
-    from diffusers import WanPipeline
-
-    pipe = WanPipeline.from_pretrained(folder)
-    if lora is not None:
-        pipe.load_lora_weights(str(lora))
+def diffusers_video(pipe, max_sequence_length=40, **extra) -> np.ndarray:
+    """The video a diffusers Wan pipeline samples with the recipe's prompt, size, steps, guidance and seed."""
     return pipe(
-        PROMPT,
+        prompt=PROMPT,
         negative_prompt="",
         height=32,
         width=32,
@@ -76,8 +72,19 @@ def pipeline_sample(folder, lora=None) -> np.ndarray:
         guidance_scale=5.0,
         generator=torch.Generator().manual_seed(0),
         output_type="np",
-        max_sequence_length=40,
+        max_sequence_length=max_sequence_length,
+        **extra,
     ).frames[0]
+
+
+def pipeline_sample(folder, lora=None) -> np.ndarray:
+    """diffusers' WanPipeline from `folder`, with `lora` (a LoRA file) loaded by load_lora_weights."""
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(folder)
+    if lora is not None:
+        pipe.load_lora_weights(str(lora))
+    return diffusers_video(pipe)
 
 
 def infer_sample(recipe, run, out, *extra) -> np.ndarray:
@@ -107,20 +114,7 @@ def infer_sample(recipe, run, out, *extra) -> np.ndarray:
 
 
 # The tiny pipeline's pieces, shared with tests/test_image_to_video.py.
-TINY_TRANSFORMER = dict(
-    patch_size=(1, 2, 2),
-    num_attention_heads=4,
-    attention_head_dim=16,
-    in_channels=4,
-    out_channels=4,
-    text_dim=16,
-    freq_dim=256,
-    ffn_dim=32,
-    num_layers=2,
-    cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads",
-    rope_max_seq_len=32,
-)
+TINY_TRANSFORMER = dict(TINY_WAN, num_attention_heads=4, attention_head_dim=16, rope_max_seq_len=32)
 
 
 def perturb(transformer):
@@ -228,7 +222,7 @@ def write_scaled_shift(recipe, tmp_path):
     return scaled
 
 
-def test_wan22_two_experts_sample_what_wan_pipeline_samples(tiny_pipeline, tmp_path):
+def test_wan22_two_experts_sample_what_wan_pipeline_samples(tiny_pipeline, tmp_path, capsys):
     """Wan 2.2 A14B's pairing: a WanPipeline folder with transformer_2 and boundary_ratio 0.9, sampled by
     diffusers with guidance_scale_2 and by infer.py (both experts from the one folder): the same video, on
     one process and under cfg 2. Of the 3 steps (timesteps 1000, 751, 9 at shift 3) the first is the
@@ -251,11 +245,7 @@ def test_wan22_two_experts_sample_what_wan_pipeline_samples(tiny_pipeline, tmp_p
         boundary_ratio=0.9,
     ).save_pretrained(folder)
     pair = WanPipeline.from_pretrained(folder)
-    kwargs = dict(negative_prompt="", height=32, width=32, num_frames=5, num_inference_steps=3)
-    kwargs.update(guidance_scale=5.0, output_type="np", max_sequence_length=40)
-    expected = pair(
-        PROMPT, guidance_scale_2=3.0, generator=torch.Generator().manual_seed(0), **kwargs
-    ).frames[0]
+    expected = diffusers_video(pair, guidance_scale_2=3.0)
     alone = pipeline_sample(pipe_dir)  # the high-noise expert alone
     assert np.abs(expected - alone).max() > 1e-3  # the low-noise expert counts
     recipe_2 = tmp_path / "a14b.yaml"
@@ -286,3 +276,7 @@ def test_wan22_two_experts_sample_what_wan_pipeline_samples(tiny_pipeline, tmp_p
     assert np.abs(np.load(tmp_path / "cfg.npy") - expected).max() <= 1e-5
     single = ["--config", str(recipe), f"run.output_dir={tmp_path / 'run1'}", "sample.guidance_2=3.0"]
     assert run_main(infer, single) == 2
+    assert (
+        "sample.guidance_2, sample.boundary and model.pretrained_2 are for Wan 2.2's two experts"
+        in capsys.readouterr().err
+    )
