@@ -24,7 +24,7 @@ from configs import DEFAULT_RECIPE, load_config, split_overrides
 from data.media import OUTPUT_EXTENSIONS, write_video
 from models.dit import DiT_models
 from models.flow import RectifiedFlow
-from models.image_condition import ImageEncoder, encode_condition, image_encoder_dirs
+from models.image_condition import ImageEncoder, encode_condition, image_encoder_folder, read_images
 from models.lora import deltas_of, merge_deltas
 from models.lora_formats import check_file, parse_lora_spec, read_lora
 from models.pipeline import generate
@@ -262,12 +262,16 @@ def read_request(cfg, args) -> Request:
     grid = [s // p for s, p in zip(latent[1:], cfg.model.patch_size)]
     negative = sc.negative_prompt if args.negative_prompt is None else args.negative_prompt
     cache = step_cache(sc, steps)
-    if cfg.model.task != "t2v" and vae_latent_space(cfg.vae).temporal_stride != 4:
-        raise ValueError(
-            f"model.task={cfg.model.task} is built for Wan's VAE (4 frames a latent frame: the mask's 4 "
-            f"channels): set vae.kind=wan, not {cfg.vae.kind}"
-        )
-    images, last_images = read_images(cfg.model.task, args, len(prompts), frames, height, width)
+    images, last_images = read_images(
+        cfg.model.task,
+        (args.image, args.last_image),
+        ("--image", "--last-image", "--height", "--width"),
+        len(prompts),
+        frames,
+        height,
+        width,
+        vae_latent_space(cfg.vae).temporal_stride,
+    )
     return Request(
         prompts,
         outputs,
@@ -319,49 +323,6 @@ def read_experts(cfg, args, guidance: float):
     if guidance == 1.0:  # as diffusers: guidance_scale alone decides whether either expert is guided
         guidance_2 = 1.0
     return folder, boundary, guidance_2
-
-
-def read_images(task: str, args, count: int, frames: int, height: int, width: int):
-    """(first frames, last frames) for `count` prompts, read and checked against model.task and the video's
-    aspect ratio (diffusers stretches an image to it; tessera asks for a fitting one)."""
-    needs = {"t2v": (False, False), "i2v": (True, False), "flf2v": (True, True)}[task]
-    for flag, given, needed in (
-        ("--image", args.image, needs[0]),
-        ("--last-image", args.last_image, needs[1]),
-    ):
-        if needed and not given:
-            raise ValueError(f"model.task={task} needs {flag} (a PNG or JPEG file)")
-        if given and not needed:
-            fix = (
-                "model.task=flf2v" if flag == "--last-image" and task == "i2v" else "model.task=i2v or flf2v"
-            )
-            raise ValueError(
-                f"{flag} was given, but model.task={task} takes no such frame: drop it, or use {fix}"
-            )
-    if not needs[0]:
-        return None, None
-    if task == "flf2v" and frames < 5:
-        raise ValueError(f"model.task=flf2v needs --frames of at least 5 (first and last apart): {frames}")
-    from models.image_condition import load_image
-
-    frames = []
-    for flag, paths in (("--image", args.image), ("--last-image", args.last_image)):
-        if paths is None:
-            frames.append(None)
-            continue
-        if len(paths) not in (1, count):
-            raise ValueError(f"{flag}: give one image for every prompt or one for each of the {count}")
-        images = [load_image(path) for path in paths] * (count if len(paths) == 1 else 1)
-        for path, image in zip(paths, images):
-            w, h = image.size
-            if abs(w / h - width / height) > 0.1 * width / height:  # resized to the video: stretched a little
-                raise ValueError(
-                    f"{flag} {path} is {w}x{h} and the video {width}x{height}: their shapes differ; crop the "
-                    f"image, or give --width/--height of its shape (e.g. --height {height} --width "
-                    f"{round(height * w / h / 16) * 16})"
-                )
-        frames.append(images)
-    return frames[0], frames[1]
 
 
 def plan_layout(cfg, request: Request) -> tuple[ParallelLayout, int, str]:
@@ -489,18 +450,6 @@ def sample_and_write(cfg, args, runtime, request: Request, mine: list, model, va
     # fenced against each other: one with no prompts must not wait out another's sampling.
     if replica.replica_control is not None:
         comm.barrier(replica.replica_control)
-
-
-def image_encoder_folder(cfg) -> str:
-    """image_encoder.pretrained, else model.pretrained if it is a WanImageToVideoPipeline folder; checked."""
-    folder = cfg.image_encoder.pretrained or cfg.model.pretrained
-    if folder is None:
-        raise ValueError(
-            "model.image_dim is set: name a CLIPVisionModel folder in image_encoder.pretrained (or a "
-            "WanImageToVideoPipeline folder in model.pretrained)"
-        )
-    image_encoder_dirs(folder)
-    return folder
 
 
 def image_condition(cfg, request: Request, mine: list, vae, device):

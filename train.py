@@ -26,17 +26,22 @@ from configs import DEFAULT_RECIPE, load_config, split_overrides, to_yaml
 from configs.rundir import RunDirectory
 from data.buckets import describe_mix
 from data.loader import (
+    batch_specs,
     build_buckets,
     build_dataset,
     build_loader,
     build_sampler,
     check_same_plan,
     encode_batch,
+    pack_batch,
+    read_preview_images,
+    unpack_batch,
 )
 from data.media import write_video
 from data.sampler import sample_seed
 from models.dit import DiT_models, count_parameters
 from models.flow import RectifiedFlow
+from models.image_condition import ConditionedModel, ImageEncoder, encode_condition, image_encoder_folder
 from models.pipeline import generate
 from models.vae import vae_latent_space
 from parallel import comm
@@ -117,14 +122,13 @@ class Plan:
     resume: dict | None  # the checkpoint's sampler state
     base: object  # parallel.lora.Base: the frozen base of a LoRA run (lora.rank > 0), else None
     adapter_start: dict | None = None  # lora.init_from's adapters {name: whole tensor} on a fresh start
+    preview_images: tuple = (None, None)  # image-to-video: the previews' first and last frames (PIL)
 
 
 def check_before_start(cfg) -> Plan:
     """Everything that can be refused, checked before the first collective: the layout, the buckets and
     the preview size, the data, the checkpoint's files (or the pretrained folder), and a LoRA's base."""
     rank, world_size, _ = world_from_env()
-    if cfg.model.task != "t2v":
-        raise ValueError(f"model.task={cfg.model.task} samples (infer.py --image) but does not train yet")
     layout = ParallelLayout.from_config(
         cfg.parallel, world_size, DiT_models[cfg.model.size]["num_heads"], "train", local_world_size()
     )
@@ -138,6 +142,7 @@ def check_before_start(cfg) -> Plan:
         raise ValueError(f"the preview size in sample.frames/height/width: {e}") from None
     if not sc.prompts:
         raise ValueError("sample.prompts is empty: training previews need at least one prompt")
+    preview_images = read_preview_images(cfg)  # image-to-video's; (None, None) for text-to-video
     check_cpu_offload(cfg.train.cpu_offload, world_size)
     dataset = build_dataset(cfg, buckets)
     sampler = build_sampler(cfg, dataset, buckets, layout.dp_rank(rank), layout.dp)
@@ -150,7 +155,7 @@ def check_before_start(cfg) -> Plan:
     if cfg.model.pretrained and (checkpoint is None or cfg.lora.rank):
         check_pretrained(cfg.model.pretrained)
     base, adapter_start = check_lora_start(cfg, checkpoint)
-    return Plan(layout, buckets, dataset, sampler, checkpoint, resume, base, adapter_start)
+    return Plan(layout, buckets, dataset, sampler, checkpoint, resume, base, adapter_start, preview_images)
 
 
 def agree_on_data(cfg, plan: Plan, runtime) -> tuple[int, str]:
@@ -185,6 +190,8 @@ class Trainer:
     training: object  # what a checkpoint saves and loads: TrainingState, or LoRAState (adapters only)
     trainable: list  # the parameters AdamW updates: every one, or the adapters'
     lora: dict | None  # a LoRA run's record in trainer_state.pt (rank, targets, base); None: full
+    image: tuple | None = None  # image-to-video: (the last frame too?, the CLIP encoder or None); else None
+    preview_images: tuple = (None, None)  # image-to-video: the previews' first and last frames (PIL)
 
 
 def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = "") -> Trainer:
@@ -194,6 +201,10 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     bf16 = runtime.bf16(tc.precision)
     dtype = torch.bfloat16 if bf16 else torch.float32
     text_encoder, vae = build_frozen(cfg, device)
+    image = None
+    if cfg.model.task != "t2v":  # every rank: previews need it too (a 0.6B CLIP, frozen, float32)
+        encoder = ImageEncoder(image_encoder_folder(cfg)).to(device) if cfg.model.image_dim else None
+        image = (cfg.model.task == "flf2v", encoder)
     model = build_model(cfg, text_encoder, vae, weights=False)
     adapted = insert_adapters(model, cfg.lora, dtype) if cfg.lora.rank else []  # before sharding
     model = apply_sequence_parallel(model, runtime.sequence)
@@ -248,6 +259,8 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
         training,
         trainable,
         lora,
+        image,
+        plan.preview_images,
     )
 
 
@@ -270,8 +283,8 @@ def train_loop(cfg, plan: Plan, runtime, t: Trainer, start_step: int) -> None:
         runtime.watchdog.begin_step(done, long=step == start_step)  # the first step compiles: long deadline
         runtime.faults.at_step(done)  # tests only (TESSERA_FAULT)
         samples = [i for i, _ in sampler.batch_at(step)]  # from the plan: the same on every rank of a group
-        batch, inputs = load_batch(cfg, plan, runtime, t, step, samples)
-        loss, grad_norm, skipped = train_step(cfg, runtime, t, step, inputs)
+        batch, inputs, condition = load_batch(cfg, plan, runtime, t, step, samples)
+        loss, grad_norm, skipped = train_step(cfg, runtime, t, step, inputs, condition)
         if batch is not None:
             window.add(len(samples), plan.buckets, int(plan.dataset.bucket_of[samples[0]]), batch["failures"])
             report_replaced(runtime, t.run, batch["failures"], reported, done)
@@ -322,34 +335,35 @@ def train_loop(cfg, plan: Plan, runtime, t: Trainer, start_step: int) -> None:
 
 
 def load_batch(cfg, plan: Plan, runtime, t: Trainer, step: int, samples: list[int]):
-    """(the loader's batch or None, (x0, y, y_mask, noise, t)) for `step`, on every rank of the group.
-    Text dropout, noise and timestep of each sample come from its own (seed, step, sample) generator."""
-    tc, n = cfg.train, len(samples)
+    """(the loader's batch or None, (x0, y, y_mask, noise, t), image condition or None) for `step`, on every
+    rank of the group. Text dropout, noise and timestep of each sample come from its own (seed, step,
+    sample) generator; the image condition from the group's reader, like the batch."""
+    tc = cfg.train
     rngs = [torch.Generator().manual_seed(sample_seed(tc.seed, step, i)) for i in samples]
     dropped = [torch.rand(1, generator=g).item() < tc.text_dropout for g in rngs]
-    batch = x0 = y = y_mask = None
+    batch, encoded = None, None
     if t.batches is not None:
         batch = next(t.batches)
         if batch["index"] != samples:
             raise RuntimeError(f"step {step}: the loader gave samples {batch['index']}, the plan {samples}")
-        x0, y, y_mask = encode_batch(batch, dropped, t.text_encoder, t.vae, runtime.device)
-    bucket = int(plan.dataset.bucket_of[samples[0]])
-    shapes = [
-        (n, *plan.buckets.latent_shapes[bucket]),
-        (n, t.text_encoder.max_length, t.text_encoder.dim),
-        (n, t.text_encoder.max_length),
-    ]
-    x0, y, y_mask = share_batch(runtime.sequence, x0, y, y_mask, shapes, runtime.device)
+        x0, y, y_mask, condition = encode_batch(
+            batch, dropped, t.text_encoder, t.vae, runtime.device, t.image
+        )
+        encoded = pack_batch(x0, y, y_mask, condition)
+    latent = plan.buckets.latent_shapes[int(plan.dataset.bucket_of[samples[0]])]
+    specs = batch_specs(len(samples), latent, t.text_encoder, t.image)
+    x0, y, y_mask, condition = unpack_batch(share_batch(runtime.sequence, encoded, specs, runtime.device))
     noise, timesteps = t.flow.draw(x0.shape[1:], rngs)
-    return batch, (x0, y, y_mask, noise, timesteps)
+    return batch, (x0, y, y_mask, noise, timesteps), condition
 
 
-def train_step(cfg, runtime, t: Trainer, step: int, inputs):
+def train_step(cfg, runtime, t: Trainer, step: int, inputs, condition=None):
     """Forward, backward, clip, and (unless the guard skips a non-finite step) AdamW and the EMA.
     Returns (loss, the whole model's gradient norm, skipped)."""
     tc, phase = cfg.train, runtime.watchdog.mark
     phase("forward")
-    loss = t.flow.training_loss(t.model, *inputs)
+    model = t.model if condition is None else ConditionedModel(t.model, condition)
+    loss = t.flow.training_loss(model, *inputs)
     loss = runtime.faults.nan_loss(loss, step + 1)  # tests only
     phase("backward")
     loss.backward()
@@ -482,6 +496,15 @@ def write_previews(cfg, runtime, run, t: Trainer, step):
 def sample_previews(cfg, runtime, run, model, t: Trainer, step):
     sc = cfg.sample
     was_training = model.training
+    frames, height, width = (
+        sc.frames or cfg.data.frames,
+        sc.height or cfg.data.height,
+        sc.width or cfg.data.width,
+    )
+    condition = None
+    if t.image is not None:  # image-to-video: sample.images (and last_images), encoded as infer.py does
+        first, last = t.preview_images
+        condition = encode_condition(t.vae, t.image[1], first, last, frames, height, width, runtime.device)
     runtime.watchdog.sampling_progress(0, sc.steps)  # a deadline per denoising step
     videos = generate(
         model.eval(),
@@ -489,15 +512,16 @@ def sample_previews(cfg, runtime, run, model, t: Trainer, step):
         t.text_encoder,
         t.flow,
         list(sc.prompts),
-        sc.frames or cfg.data.frames,
-        sc.height or cfg.data.height,
-        sc.width or cfg.data.width,
+        frames,
+        height,
+        width,
         sc.steps,
         sc.guidance,
         sc.negative_prompt,
         seeds=[cfg.train.seed + i for i in range(len(sc.prompts))],
         progress=runtime.watchdog.sampling_progress,
         device=runtime.device,
+        condition=condition,
     )
     model.train(was_training)
     if runtime.is_main:

@@ -178,6 +178,9 @@ class SampleConfig:
     prompts: list[str] = field(
         default_factory=lambda: ["a red square moving left"]
     )  # previews during training
+    # image-to-video previews (model.task=i2v / flf2v): each prompt's first (last) frame, or one for all
+    images: list[str] = field(default_factory=list)
+    last_images: list[str] = field(default_factory=list)
     frames: Optional[int] = None  # None: data.frames
     height: Optional[int] = None  # None: data.height
     width: Optional[int] = None  # None: data.width

@@ -239,7 +239,11 @@ class LatentDataset(BucketedDataset):
         padded[: len(text)] = text[: self.text_length]
         mask = torch.zeros(self.text_length, dtype=torch.bool)
         mask[: len(text)] = True
-        return {"latent": tensors["latent"].float(), "text": padded, "text_mask": mask}
+        sample = {"latent": tensors["latent"].float(), "text": padded, "text_mask": mask}
+        for name in ("condition", "image_features"):  # image-to-video's (data/latents.py)
+            if name in tensors:
+                sample[name] = tensors[name].float()
+        return sample
 
 
 def collate(samples: list[dict]) -> dict:

@@ -3,7 +3,9 @@
     <folder>/meta.json          the VAE, text encoder and fps they were made with
     <folder>/index.jsonl        one line per sample: path, caption, frames, height, width (its bucket), source
     <folder>/latents/<key>.safetensors "latent" (C, t, h, w) float32, "text" (tokens, dim) float32; <key>
-                                       is a hash of what it holds (scripts/precompute_latents.py)
+                                       is a hash of what it holds (scripts/precompute_latents.py);
+                                       image-to-video adds "condition" (4 + C, t, h, w) and, with a CLIP
+                                       encoder, "image_features" (images, tokens, width)
 
 Latents encode one clip per sample (the clip the loader takes in epoch 0) in the bucket the recipe
 assigns; training reads them into the same buckets and the same sampler as media.
@@ -26,7 +28,13 @@ META_KEYS = {
     ),
     "text_encoder": ("kind", "pretrained", "max_length", "seed", "tiny_d_model", "tiny_layers"),
     "data": ("fps",),
+    "model": ("task", "image_dim"),  # image-to-video stores the condition too
+    "image_encoder": ("pretrained",),
 }
+
+
+# What a folder written before a key was recorded was made with.
+BEFORE = {"model": {"task": "t2v"}}
 
 
 def latent_meta(cfg) -> dict:
@@ -37,6 +45,20 @@ def latent_meta(cfg) -> dict:
     }
 
 
+def meta_differences(made_with: dict, now: dict) -> list[str]:
+    """'section.key: <there> there, <here> here' for each setting a folder's meta.json does not share."""
+
+    def there(s, k):
+        return made_with.get(s, {}).get(k, BEFORE.get(s, {}).get(k))
+
+    return [
+        f"{s}.{k}: {there(s, k)!r} there, {now[s][k]!r} here"
+        for s in now
+        for k in now[s]
+        if there(s, k) != now[s][k]
+    ]
+
+
 def read_latent_index(folder, cfg) -> list[dict]:
     folder = Path(folder)
     if not (folder / "index.jsonl").is_file() or not (folder / "meta.json").is_file():
@@ -44,17 +66,11 @@ def read_latent_index(folder, cfg) -> list[dict]:
             f"data.latents='{folder}' has no index.jsonl and meta.json; write it with "
             f"torchrun scripts/precompute_latents.py --config <recipe> --out {folder}"
         )
-    made_with = json.loads((folder / "meta.json").read_text())
-    now = latent_meta(cfg)
-    differ = [
-        f"{s}.{k}: {made_with.get(s, {}).get(k)!r} there, {now[s][k]!r} here"
-        for s in now
-        for k in now[s]
-        if made_with.get(s, {}).get(k) != now[s][k]
-    ]
+    differ = meta_differences(json.loads((folder / "meta.json").read_text()), latent_meta(cfg))
     if differ:
         raise ValueError(
-            f"data.latents='{folder}' was made with another VAE, text encoder or fps ({'; '.join(differ)}); "
+            f"data.latents='{folder}' was made with another VAE, text encoder, fps or task "
+            f"({'; '.join(differ)}); "
             f"recompute it with this recipe or change the recipe back"
         )
     entries = []

@@ -173,16 +173,86 @@ def build_loader(
     )
 
 
-def encode_batch(batch, dropped: list[bool], text_encoder, vae, device):
-    """(x0 latents, text embeddings, text mask) of a batch: encoded now from pixels and captions, or read
-    from precomputed latents (data.latents), where a dropped caption becomes the empty prompt's embedding."""
+def encode_batch(batch, dropped: list[bool], text_encoder, vae, device, image=None):
+    """(x0 latents, text embeddings, text mask, image condition) of a batch: encoded now from pixels and
+    captions, or read from precomputed latents (data.latents), where a dropped caption becomes the empty
+    prompt's embedding. `image`: image-to-video's (last frame too?, CLIP encoder or None), or None; the
+    condition (models/image_condition.py) comes from each clip's first (and last) frame; a dropped caption
+    keeps its image."""
+    from models.image_condition import ImageCondition, condition_of_clips
+
     if "latent" in batch:
         y, y_mask = batch["text"].to(device), batch["text_mask"].to(device)
         if any(dropped):
             empty, empty_mask = text_encoder([""], device)
             y[torch.tensor(dropped)], y_mask[torch.tensor(dropped)] = empty, empty_mask
-        return batch["latent"].to(device), y, y_mask
+        condition = None
+        if image is not None:
+            features = batch.get("image_features")  # (B, images, tokens, width)
+            features = None if features is None else features.flatten(0, 1).to(device)
+            condition = ImageCondition(batch["condition"].to(device), features)
+        return batch["latent"].to(device), y, y_mask, condition
     y, y_mask = text_encoder(["" if d else c for d, c in zip(dropped, batch["caption"])], device)
     video = to_model_range(batch["video"].to(device, non_blocking=True))
+
     # in the tiles precompute_latents.py uses, so media and precomputed latents are the same latents
-    return tiling.encode(vae, video, vae.tile_latent, vae.tile_overlap), y, y_mask
+    def encode(pixels):
+        return tiling.encode(vae, pixels, vae.tile_latent, vae.tile_overlap)
+
+    condition = None if image is None else condition_of_clips(vae, image[1], video, image[0], encode)
+    return encode(video), y, y_mask, condition
+
+
+def batch_specs(n: int, latent: tuple, text_encoder, image) -> list:
+    """(shape, dtype) of what pack_batch packs for `n` samples of latent shape `latent` (C, t, h, w): known
+    on every rank from the plan, so the group's other ranks can receive it (parallel.sequence.share_batch)."""
+    specs = [
+        ((n, *latent), torch.float32),
+        ((n, text_encoder.max_length, text_encoder.dim), torch.float32),
+        ((n, text_encoder.max_length), torch.bool),
+    ]
+    if image is not None:  # the mask's 4 channels and the given frames' latents; the CLIP features
+        specs.append(((n, 4 + latent[0], *latent[1:]), torch.float32))
+        last_frame, encoder = image
+        if encoder is not None:
+            specs.append(((n * (1 + last_frame), *encoder.features_shape), torch.float32))
+    return specs
+
+
+def pack_batch(x0, y, y_mask, condition) -> list:
+    """encode_batch's result as the tensor list batch_specs describes."""
+    if condition is None:
+        return [x0, y, y_mask]
+    return [x0, y, y_mask, condition.latent] + ([] if condition.features is None else [condition.features])
+
+
+def unpack_batch(tensors: list):
+    """(x0, y, y_mask, image condition or None) from pack_batch's list."""
+    from models.image_condition import ImageCondition
+
+    condition = None
+    if len(tensors) > 3:
+        condition = ImageCondition(tensors[3], tensors[4] if len(tensors) > 4 else None)
+    return (*tensors[:3], condition)
+
+
+def read_preview_images(cfg):
+    """Image-to-video: the previews' (first, last) frames from sample.images / sample.last_images, checked
+    (and the CLIP folder, if the model reads features); (None, None) for text-to-video."""
+    from models.image_condition import image_encoder_folder, read_images
+    from models.vae import vae_latent_space
+
+    sc, data = cfg.sample, cfg.data
+    images = read_images(
+        cfg.model.task,
+        (list(sc.images), list(sc.last_images)),
+        ("sample.images", "sample.last_images", "sample.height", "sample.width"),
+        len(sc.prompts),
+        sc.frames or data.frames,
+        sc.height or data.height,
+        sc.width or data.width,
+        vae_latent_space(cfg.vae).temporal_stride,
+    )
+    if cfg.model.task != "t2v" and cfg.model.image_dim:
+        image_encoder_folder(cfg)
+    return images

@@ -51,6 +51,9 @@ class ImageEncoder(nn.Module):
             CLIPVisionModel.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
         )
         self.processor = CLIPImageProcessor.from_pretrained(processor_dir)
+        config = self.model.config
+        # (tokens, width) of one image's features: the patches and the class token
+        self.features_shape = ((config.image_size // config.patch_size) ** 2 + 1, config.hidden_size)
 
     @torch.no_grad()
     def forward(self, images: list, device) -> torch.Tensor:
@@ -58,6 +61,83 @@ class ImageEncoder(nn.Module):
         pixels = self.processor(images=images, return_tensors="pt").pixel_values
         out = self.model(pixel_values=pixels.to(device, self.model.dtype), output_hidden_states=True)
         return out.hidden_states[-2].float()
+
+
+def image_encoder_folder(cfg) -> str:
+    """image_encoder.pretrained, else model.pretrained if it is a WanImageToVideoPipeline folder; checked."""
+    folder = cfg.image_encoder.pretrained or cfg.model.pretrained
+    if folder is None:
+        raise ValueError(
+            "model.image_dim is set: name a CLIPVisionModel folder in image_encoder.pretrained (or a "
+            "WanImageToVideoPipeline folder in model.pretrained)"
+        )
+    model_dir, _ = image_encoder_dirs(folder)
+    width = clip_vision_config(model_dir)["hidden_size"]
+    if width != cfg.model.image_dim:
+        raise ValueError(
+            f"model.image_dim={cfg.model.image_dim}, but the CLIP image encoder in {model_dir} gives "
+            f"features {width} wide: set model.image_dim={width}, or name the model's own encoder"
+        )
+    return folder
+
+
+def clip_vision_config(model_dir) -> dict:
+    """The vision config.json of a CLIPVisionModel (or CLIPModel) folder, as a dict."""
+    import json
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return config.get("vision_config", config)
+
+
+# The frames each task is given: (first, last).
+TASK_FRAMES = {"t2v": (False, False), "i2v": (True, False), "flf2v": (True, True)}
+
+
+def read_images(task, given, names, count: int, frames: int, height: int, width: int, temporal_stride: int):
+    """(first frames, last frames) as PIL images for `count` prompts, or (None, None) for text-to-video:
+    `given` (first, last) paths (None: not given), read and checked against the task, the VAE and the
+    video's aspect ratio (diffusers stretches an image to it; tessera asks for a fitting one). `names`:
+    how the user sets (first, last, height, width), e.g. ("--image", "--last-image", "--height",
+    "--width"), so that each error names the flag or the recipe key to change."""
+    for name, paths, needed in zip(names, given, TASK_FRAMES[task]):
+        if needed and not paths:
+            raise ValueError(f"model.task={task} needs {name} (a PNG or JPEG file)")
+        if paths and not needed:
+            fix = "model.task=flf2v" if name == names[1] and task == "i2v" else "model.task=i2v or flf2v"
+            raise ValueError(
+                f"{name} was given, but model.task={task} takes no such frame: drop it, or use {fix}"
+            )
+    if task == "t2v":
+        return None, None
+    if temporal_stride != 4:
+        raise ValueError(
+            f"model.task={task} is built for Wan's VAE (4 frames a latent frame: the mask's 4 channels): "
+            "set vae.kind=wan"
+        )
+    if task == "flf2v" and frames < 5:
+        raise ValueError(
+            f"model.task=flf2v needs videos of at least 5 frames (first and last apart): {frames}"
+        )
+    read = []
+    for name, paths in zip(names, given):
+        if not paths:
+            read.append(None)
+            continue
+        if len(paths) not in (1, count):
+            raise ValueError(f"{name}: give one image for every prompt or one for each of the {count}")
+        images = [load_image(path) for path in paths] * (count if len(paths) == 1 else 1)
+        for path, image in zip(paths, images):
+            w, h = image.size
+            if abs(w / h - width / height) > 0.1 * width / height:  # resized to the video: stretched a little
+                fit = round(height * w / h / 16) * 16
+                sep = " " if names[2].startswith("--") else "="
+                raise ValueError(
+                    f"{name} {path} is {w}x{h} and the video {width}x{height}: their shapes differ; crop the "
+                    f"image, or give {names[2]}/{names[3]} of its shape (e.g. {names[2]}{sep}{height} "
+                    f"{names[3]}{sep}{fit})"
+                )
+        read.append(images)
+    return read[0], read[1]
 
 
 def load_image(path):
@@ -80,22 +160,53 @@ def encode_condition(
     vae, image_encoder, images, last_images, frames, height, width, device
 ) -> ImageCondition:
     """The condition of B videos of `frames` x `height` x `width` from their first frames `images` (PIL)
-    and, for FLF2V, their last frames `last_images` (else None)."""
+    and, for FLF2V, their last frames `last_images` (else None): sampling's, as diffusers builds it."""
     from diffusers.video_processor import VideoProcessor
 
     processor = VideoProcessor(vae_scale_factor=vae.spatial_stride)
     first = processor.preprocess(images, height=height, width=width).to(device, torch.float32)  # [-1, 1]
-    video = first.new_zeros(first.shape[0], first.shape[1], frames, height, width)
-    video[:, :, 0] = first
+    last = None
     if last_images is not None:
-        video[:, :, -1] = processor.preprocess(last_images, height=height, width=width).to(device)
-    # (B, C, t, h, w), normalised as the DiT's latents are; one video at a time (activation memory)
-    latent = torch.cat([vae.encode(one) for one in video.split(1)])
+        last = processor.preprocess(last_images, height=height, width=width).to(device, torch.float32)
+
+    def encode(video):  # one video at a time (activation memory)
+        return torch.cat([vae.encode(one) for one in video.split(1)])
+
+    return _condition(vae, image_encoder, encode, first, last, frames, images, last_images)
+
+
+def condition_of_clips(vae, image_encoder, video, last_frame: bool, encode) -> ImageCondition:
+    """Training's condition of clips `video` (B, 3, T, H, W) in [-1, 1]: their first frames (and with
+    `last_frame`, FLF2V, their last), built as sampling builds it from an image file; `encode(video)` is
+    the VAE encode the clips' own latents use (in tiles), so both are the same function of the pixels."""
+    first, last = video[:, :, 0], video[:, :, -1] if last_frame else None
+    pictures = lambda frames: None if frames is None else [_picture(f) for f in frames]  # noqa: E731
+    return _condition(
+        vae, image_encoder, encode, first, last, video.shape[2], pictures(first), pictures(last)
+    )
+
+
+def _picture(frame: torch.Tensor):
+    """A (3, H, W) frame in [-1, 1] as the 8-bit RGB image the CLIP processor reads from a file."""
+    from PIL import Image
+
+    pixels = ((frame.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8)
+    return Image.fromarray(pixels.permute(1, 2, 0).cpu().numpy())
+
+
+def _condition(vae, image_encoder, encode, first, last, frames, images, last_images) -> ImageCondition:
+    """The mask and the latents of a black video with the given frames, and the frames' CLIP features."""
+    B, C, H, W = first.shape
+    video = first.new_zeros(B, C, frames, H, W)
+    video[:, :, 0] = first
+    if last is not None:
+        video[:, :, -1] = last
+    latent = encode(video)  # (B, C, t, h, w), normalised as the DiT's latents are
     B, _, _, h, w = latent.shape
     stride = vae.temporal_stride
-    given = torch.zeros(B, 1, frames, h, w, device=device)
+    given = torch.zeros(B, 1, frames, h, w, device=latent.device)
     given[:, :, 0] = 1
-    if last_images is not None:
+    if last is not None:
         given[:, :, -1] = 1
     # the first frame stands for a whole latent frame: its flag repeats `stride` times, then 4 per latent
     mask = torch.cat([given[:, :, :1].repeat_interleave(stride, dim=2), given[:, :, 1:]], dim=2)
@@ -103,8 +214,8 @@ def encode_condition(
     features = None
     if image_encoder is not None:
         pairs = images if last_images is None else [im for pair in zip(images, last_images) for im in pair]
-        features = image_encoder(pairs, device)
-    return ImageCondition(torch.cat([mask, latent], dim=1), features)
+        features = image_encoder(pairs, latent.device)
+    return ImageCondition(torch.cat([mask, latent.float()], dim=1), features)
 
 
 class ConditionedModel:

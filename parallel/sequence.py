@@ -154,29 +154,28 @@ class SequenceParallelAttention(nn.Module):
         return out
 
 
-def share_batch(groups: SequenceGroups, x0, y, y_mask, shapes, device):
-    """The encoded batch (latents, text embeddings, text mask) of the group's first rank, on every rank
-    of the group. One rank per sequence-parallel group reads and encodes the data: the group decodes
-    each clip once, not sp_size times, and its ranks can never hold different samples (a file that
-    reads on one rank and fails on another would otherwise give them different replacements).
-    `shapes` are the three shapes, known on every rank from the plan."""
+def share_batch(groups: SequenceGroups, tensors: list, specs: list, device) -> list:
+    """The encoded batch (latents, text embeddings, text mask, and image-to-video's condition) of the
+    group's first rank, on every rank of the group. One rank per sequence-parallel group reads and encodes
+    the data: the group decodes each clip once, not sp_size times, and its ranks can never hold different
+    samples or conditions (a file that reads on one rank and fails on another would otherwise give them
+    different replacements). `specs`: each tensor's (shape, dtype), known on every rank from the plan;
+    the other ranks pass None for the tensors. Floats travel as float32, masks as uint8."""
     if groups.sp_size == 1:
-        return x0, y, y_mask
+        return tensors
     src = dist.get_global_rank(groups.sp_group, 0)
+    wire = [torch.uint8 if dtype == torch.bool else torch.float32 for _, dtype in specs]
     if groups.sp_rank == 0:
-        buffers = [x0.float().contiguous(), y.float().contiguous(), y_mask.to(torch.uint8).contiguous()]
+        buffers = [tensor.to(kind).contiguous() for tensor, kind in zip(tensors, wire)]
     else:
-        buffers = [
-            torch.empty(shape, dtype=dtype, device=device)
-            for shape, dtype in zip(shapes, (torch.float32, torch.float32, torch.uint8))
-        ]
-    for buffer, shape in zip(buffers, shapes):
+        buffers = [torch.empty(shape, dtype=kind, device=device) for (shape, _), kind in zip(specs, wire)]
+    for buffer, (shape, _) in zip(buffers, specs):
         if tuple(buffer.shape) != tuple(shape):
             raise RuntimeError(
                 f"share_batch: a tensor of shape {tuple(buffer.shape)} where the plan gives {tuple(shape)}"
             )
         comm.broadcast(buffer, src, groups.sp_group)
-    return buffers[0], buffers[1], buffers[2].bool()
+    return [buffer.to(dtype) for buffer, (_, dtype) in zip(buffers, specs)]
 
 
 def apply_sequence_parallel(model: nn.Module, groups: SequenceGroups) -> nn.Module:

@@ -5,7 +5,8 @@
     python scripts/export.py --checkpoint LORA_RUN --lora --merge --output FOLDER [--pipeline]
 
 A WanTransformer3DModel folder (or with --pipeline a WanPipeline folder: the recipe's Wan VAE, UMT5 and a
-FlowMatchEulerDiscreteScheduler with its fixed shift) that from_pretrained and model.pretrained read; the
+FlowMatchEulerDiscreteScheduler with its fixed shift; model.task=i2v/flf2v: a WanImageToVideoPipeline with
+the recipe's CLIP image encoder, if it has one) that from_pretrained and model.pretrained read; the
 DiT must have Wan's options. A LoRA run writes its adapters (diffusers/PEFT names for load_lora_weights, or
 ComfyUI's with an alpha per module; fused q/k/v split exactly), or with --merge its base with them folded
 in. The recipe is the run's config.yaml unless --config. Options: --no-ema, --max-shard-size 5GB.
@@ -90,8 +91,7 @@ def export(
         in_channels, text_dim = architecture["in_channels"], architecture["text_dim"]
     else:
         in_channels, text_dim = checkpoint_dims(checkpoint, "ema" if use_ema else "model")
-    with torch.device("meta"):
-        model = build_dit(cfg.model, in_channels=in_channels, text_dim=text_dim)
+    model = _meta_dit(cfg, in_channels, text_dim)
     config = diffusers_config_from_dit(model.architecture())  # refuses a non-Wan DiT before reading weights
     if pipeline:
         check_pipeline_recipe(cfg)
@@ -117,26 +117,51 @@ def export(
     if not pipeline:
         wan.save_pretrained(output, max_shard_size=max_shard_size)
         return config
-    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanPipeline
 
     from models.text_encoder import load_pretrained_text_encoder
     from models.vae import load_pretrained_vae
 
     tokenizer, text_encoder = load_pretrained_text_encoder(cfg.text_encoder.kind, cfg.text_encoder.pretrained)
-    pipe = WanPipeline(
+    parts = dict(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
         transformer=wan,
         vae=load_pretrained_vae(cfg.vae.kind, cfg.vae.pretrained),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=cfg.flow.shift),
     )
+    if cfg.model.task == "t2v":
+        pipe = WanPipeline(**parts)
+    else:  # Wan2.1 I2V / FLF2V with the CLIP encoder the recipe names; Wan2.2 I2V without one
+        pipe = WanImageToVideoPipeline(**parts, **image_encoder_parts(cfg))
     pipe.save_pretrained(output, max_shard_size=max_shard_size)
     return config
 
 
+def image_encoder_parts(cfg) -> dict:
+    """A WanImageToVideoPipeline's image_encoder and image_processor: the recipe's CLIP, or none."""
+    if not cfg.model.image_dim:
+        return {}
+    from transformers import CLIPImageProcessor, CLIPVisionModel
+
+    from models.image_condition import image_encoder_dirs, image_encoder_folder
+
+    model_dir, processor_dir = image_encoder_dirs(image_encoder_folder(cfg))
+    return dict(
+        image_encoder=CLIPVisionModel.from_pretrained(model_dir, dtype=torch.float32),
+        image_processor=CLIPImageProcessor.from_pretrained(processor_dir),
+    )
+
+
+def latent_channels(cfg, in_channels: int) -> int:
+    """The latent's channels of a DiT that reads `in_channels`: image-to-video's also take a 4-channel
+    mask and the given frames' latents (2C + 4)."""
+    return in_channels if cfg.model.task == "t2v" else (in_channels - 4) // 2
+
+
 def _meta_dit(cfg, in_channels: int, text_dim: int):
     with torch.device("meta"):
-        return build_dit(cfg.model, in_channels=in_channels, text_dim=text_dim)
+        return build_dit(cfg.model, in_channels=latent_channels(cfg, in_channels), text_dim=text_dim)
 
 
 def export_lora(checkpoint: Path, output: Path, cfg, fmt: str, use_ema: bool = True) -> str:

@@ -30,9 +30,10 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from configs import load_config, split_overrides  # noqa: E402
-from data.latents import latent_meta  # noqa: E402
+from data.latents import latent_meta, meta_differences  # noqa: E402
 from data.loader import build_buckets, build_dataset, build_sampler, check_same_plan  # noqa: E402
 from data.media import to_model_range  # noqa: E402
+from models.image_condition import ImageEncoder, condition_of_clips, image_encoder_folder  # noqa: E402
 from parallel import vae as parallel_vae  # noqa: E402
 from parallel.components import build_frozen  # noqa: E402
 from parallel.entrypoint import run_as_process  # noqa: E402
@@ -84,10 +85,15 @@ def main(argv=None, session=None):
     rank, world_size, _ = world_from_env()
     out = Path(args.out)
     meta = latent_meta(cfg)
-    if (out / "meta.json").is_file() and json.loads((out / "meta.json").read_text()) != meta:
+    differ = (
+        meta_differences(json.loads((out / "meta.json").read_text()), meta)
+        if (out / "meta.json").is_file()
+        else []
+    )
+    if differ:
         raise ValueError(
-            f"--out {out} holds latents made with another VAE, text encoder or fps (its meta.json); "
-            f"write to another folder, or delete it to start over"
+            f"--out {out} holds latents made with another VAE, text encoder, fps or task "
+            f"({'; '.join(differ)}); write to another folder, or delete it to start over"
         )
     table = build_buckets(cfg)
     dataset = build_dataset(cfg, table)
@@ -99,6 +105,10 @@ def main(argv=None, session=None):
         build_sampler(cfg, dataset, table, rank, world_size), dataset, None, runtime.control_group
     )
     text_encoder, vae = build_frozen(cfg, runtime.device)
+    image = None  # image-to-video: (last frame too?, the CLIP encoder or None)
+    if cfg.model.task != "t2v":
+        encoder = ImageEncoder(image_encoder_folder(cfg)).to(runtime.device) if cfg.model.image_dim else None
+        image = (cfg.model.task == "flf2v", encoder)
     if runtime.is_main:
         (out / "latents").mkdir(parents=True, exist_ok=True)
         (out / "meta.json").write_text(json.dumps(meta, indent=1))  # before any latent: a rerun checks it
@@ -122,18 +132,21 @@ def main(argv=None, session=None):
             # in the tiles a decode would use, so a large clip's memory is bounded by one tile; ranks already
             # share the samples, so each encodes its own alone (group None)
             video = to_model_range(item["video"][None].to(runtime.device))
-            latent = parallel_vae.encode(vae, video, tile=cfg.vae.tile_latent, overlap=cfg.vae.tile_overlap)[
-                0
-            ]
+
+            def encode(pixels):
+                return parallel_vae.encode(
+                    vae, pixels, tile=cfg.vae.tile_latent, overlap=cfg.vae.tile_overlap
+                )
+
             y, mask = text_encoder([entry["caption"]], runtime.device)
+            tensors = {"latent": encode(video)[0], "text": y[0, : int(mask[0].sum())]}
+            if image is not None:  # the condition training would build from this clip (data/loader.py)
+                condition = condition_of_clips(vae, image[1], video, image[0], encode)
+                tensors["condition"] = condition.latent[0]
+                if condition.features is not None:
+                    tensors["image_features"] = condition.features
             tmp = out / (name + ".tmp")
-            save_file(
-                {
-                    "latent": latent.float().cpu().contiguous(),
-                    "text": y[0, : int(mask[0].sum())].float().cpu().contiguous(),
-                },
-                str(tmp),
-            )
+            save_file({k: v.float().cpu().contiguous() for k, v in tensors.items()}, str(tmp))
             os.replace(tmp, out / name)  # a file is complete or absent: a rerun skips it safely
         lines.append(
             {

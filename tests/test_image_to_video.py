@@ -1,16 +1,24 @@
 """Image-to-video against diffusers' WanImageToVideoPipeline, code no one here wrote: the same tiny random
 pipeline folder (an I2V transformer, AutoencoderKLWan, UMT5, a CLIPVisionModel and its processor), image,
 prompt, negative prompt, seed, steps and guidance give the same video from infer.py --image, for Wan2.1
-I2V and FLF2V (--last-image); and the refusals. Every sampling layout gives the one-process image-to-video
-result in tests/pipefusion_worker.py."""
+I2V and FLF2V (--last-image); a model fine-tuned on its clips' first (and last) frames and exported with
+--pipeline samples in diffusers what infer.py samples; and the refusals. Every sampling layout gives the
+one-process image-to-video result in tests/pipefusion_worker.py."""
+
+import sys
 
 import numpy as np
 import pytest
 import torch
 
 import infer
-from tests.conftest import run_main
-from tests.test_wan_pipeline import (
+import train
+from tests.conftest import ROOT, run_main, torchrun
+from tests.test_e2e import losses
+
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from tests.test_wan_pipeline import (  # noqa: E402
     PROMPT,
     RECIPE,
     TINY_TRANSFORMER,
@@ -137,3 +145,61 @@ def test_image_to_video_refusals_name_the_fix(i2v_pipeline, tmp_path, capsys):
     for args, message in cases:
         assert run_main(infer, args) == 2, args
         assert message in capsys.readouterr().err, message
+    # training: the previews' frames and the CLIP encoder's width, checked before anything starts
+    training = train_args(recipe, tmp_path / "run", images, task)
+    for args, message in [
+        (training[:3], "model.task=i2v needs sample.images"),
+        (training + ["model.image_dim=16"], "model.image_dim=16, but the CLIP image encoder"),
+        (training + ["sample.width=64"], "sample.images " + str(images[0]) + " is 32x32 and the video 64x32"),
+    ]:
+        assert run_main(train, args) == 2, args
+        assert message in capsys.readouterr().err, message
+    assert not (tmp_path / "run").exists()  # refused before the run directory is written
+
+
+def train_args(recipe, run, images, task):
+    args = [
+        "--config",
+        str(recipe),
+        f"run.output_dir={run}",
+        f"sample.images=[{images[0]}]",
+        "train.log_every=1",
+    ]
+    return args + ([f"sample.last_images=[{images[1]}]"] if task == "flf2v" else [])
+
+
+@pytest.mark.timeout(300)
+def test_fine_tuned_image_to_video_exports_what_infer_samples(i2v_pipeline, tmp_path):
+    """Two steps of fine-tuning on the clips' first (FLF2V: and last) frames, from the pipeline folder.
+    I2V also trains on 2 processes under ulysses 2 to one process's losses: one rank encodes the clips and
+    their condition, the other receives them, so a rank with another condition would show. FLF2V also
+    trains from precomputed latents (the condition and the CLIP features stored) to the same losses. The
+    run exported with --pipeline samples in WanImageToVideoPipeline what infer.py samples from it."""
+    import export
+    import precompute_latents
+
+    task, pipe_dir, recipe, images = i2v_pipeline
+    one = tmp_path / "one"
+    assert run_main(train, train_args(recipe, one, images, task)) == 0
+    assert (one / "samples" / "step_2_0.mp4").is_file()  # the preview, from sample.images
+    if task == "i2v":
+        run = tmp_path / "two"
+        args = train_args(recipe, run, images, task) + ["parallel.ulysses=2"]
+        result = torchrun(2, "train.py", *args, timeout=180)
+        assert result.returncode == 0, result.stderr[-3000:]
+    else:
+        run, latents = one, tmp_path / "latents"
+        assert run_main(precompute_latents, ["--config", str(recipe), "--out", str(latents)]) == 0
+        args = train_args(recipe, tmp_path / "from_latents", images, task) + [f"data.latents={latents}"]
+        assert run_main(train, args) == 0
+    other = run if task == "i2v" else tmp_path / "from_latents"
+    a, b = losses(one), losses(other)
+    assert a.keys() == b.keys() and all(b[s] == pytest.approx(a[s], rel=1e-4) for s in a), (a, b)
+    exported = tmp_path / "exported"
+    assert export.main(["--checkpoint", str(run), "--output", str(exported), "--pipeline", "--no-ema"]) == 0
+    last = images[1] if task == "flf2v" else None
+    expected = diffusers_i2v(exported, images[0], last)
+    assert run_main(infer, sample_args(recipe, run, tmp_path / "t.npy", images, task) + ["--no-ema"]) == 0
+    video = np.load(tmp_path / "t.npy")
+    assert np.abs(video - expected).max() <= 1e-4, np.abs(video - expected).max()
+    assert np.abs(expected - diffusers_i2v(pipe_dir, images[0], last)).max() > 1e-3  # training shows
