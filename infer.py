@@ -47,7 +47,7 @@ from parallel.components import (
 )
 from parallel.entrypoint import run_as_process
 from parallel.layout import ParallelLayout
-from parallel.lora import base_of_run, checkpoint_adapters, lora_of
+from parallel.lora import base_of_run, checkpoint_adapters, is_tessera_run, lora_of
 from parallel.pipefusion_plan import keep_stage
 from parallel.runtime import init_runtime, links_are_slow, local_world_size, world_from_env
 from parallel.sampling import ParallelSampler
@@ -175,7 +175,7 @@ def load_sampler(
     if experts is not None:  # Wan 2.2 A14B: the low-noise expert, built and filled as the first one
         folder, boundary, guidance_2 = experts
         low = build_model(cfg, text_encoder, vae, weights=False)
-        fill_unsharded(low, cfg.train.seed, open_pretrained(cfg, low, folder))
+        fill_unsharded(low, cfg.train.seed, open_pretrained(cfg, low, folder, use_ema))
         # it waits on the host: the sampler keeps one expert on the device at a time (14B each)
         pair = (apply_sequence_parallel(low, runtime.sequence).eval(), boundary, guidance_2)
     sampler = None
@@ -325,6 +325,40 @@ def read_experts(cfg, args, guidance: float):
     return folder, boundary, guidance_2
 
 
+def check_expert_pair(checkpoint, record, low_folder) -> None:
+    """Wan 2.2's experts trained as two runs (model.expert=high / low): the checkpoint (run.output_dir)
+    samples the high-noise steps and model.pretrained_2 (a run or a folder) the low-noise ones; a pair the
+    other way round, or a LoRA run's checkpoint, is refused by name."""
+    if record is not None:
+        raise ValueError(
+            f"pairing a LoRA run ({checkpoint}) with Wan 2.2's two experts is not built yet: merge it first "
+            "(scripts/export.py --lora --merge) and name the folder in model.pretrained"
+        )
+    roles = [("the checkpoint", checkpoint, "low", "high")]
+    if is_tessera_run(low_folder):
+        roles.append(
+            ("model.pretrained_2", resolve_checkpoint(str(low_folder), Path(low_folder)), "high", "low")
+        )
+    for name, step, wrong, right in roles:
+        if step is not None and run_expert(step) == wrong:
+            raise ValueError(
+                f"{name} ({step}) trained the {wrong}-noise expert, but would sample the {right}-noise "
+                "steps here: name the high-noise expert's run in run.output_dir and the low-noise one's in "
+                "model.pretrained_2"
+            )
+
+
+def run_expert(step) -> str:
+    """model.expert of the run a checkpoint step_<N> belongs to ("none" if its recipe is unreadable)."""
+    from omegaconf import OmegaConf
+
+    recipe = Path(step).parent.parent / "config.yaml"
+    try:
+        return OmegaConf.load(recipe).get("model", {}).get("expert", "none")
+    except (OSError, ValueError):
+        return "none"
+
+
 def plan_layout(cfg, request: Request) -> tuple[ParallelLayout, int, str]:
     """(the layout, PipeFusion's patch count, the links parallel.auto saw), refused by name if invalid."""
     _, world_size, _ = world_from_env()
@@ -364,11 +398,7 @@ def main(argv=None, session=None):
     if cfg.model.pretrained and not args.random_weights and (checkpoint is None or record):
         check_pretrained(cfg.model.pretrained)
     if request.experts is not None:
-        if checkpoint is not None:  # also the run's own latest, found by default
-            raise ValueError(
-                f"pairing a trained checkpoint ({checkpoint}) with Wan 2.2's two experts is not built yet: "
-                "sample the pretrained experts with --checkpoint none, or another run.output_dir"
-            )
+        check_expert_pair(checkpoint, record, request.experts[0])
         check_pretrained(request.experts[0])
     loras = read_loras(cfg, args.lora)
     if request.images is not None and cfg.model.image_dim:

@@ -40,7 +40,7 @@ from data.loader import (
 from data.media import write_video
 from data.sampler import sample_seed
 from models.dit import DiT_models, count_parameters
-from models.flow import RectifiedFlow
+from models.flow import RectifiedFlow, expert_timesteps
 from models.image_condition import ConditionedModel, ImageEncoder, encode_condition, image_encoder_folder
 from models.pipeline import generate
 from models.vae import vae_latent_space
@@ -62,6 +62,7 @@ from parallel.components import (
     build_model,
     check_lora_start,
     check_pretrained,
+    expert_recipe,
     fill_sharded,
     open_pretrained,
 )
@@ -99,7 +100,7 @@ def learning_rate(train_cfg, step: int) -> float:
 
 def main(argv=None, session=None):
     args = parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
+    cfg = expert_recipe(load_config(args.config, args.overrides))  # Wan 2.2: one expert's weights and range
     if args.print_config:
         print(to_yaml(cfg))
         return
@@ -243,7 +244,9 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     batches = iter(loader) if runtime.sequence.sp_rank == 0 else None
     run.start_wandb(cfg)
     guard = NonFiniteGuard(tc, device, run.path, runtime.is_main, bf16)
-    flow = RectifiedFlow(cfg.flow, cfg.model.patch_size)
+    flow = RectifiedFlow(
+        cfg.flow, cfg.model.patch_size, timesteps=expert_timesteps(cfg.model.expert, cfg.sample.boundary)
+    )
     lora = lora_record(cfg.lora, plan.base, adapted) if adapted else None
     return Trainer(
         model,

@@ -136,6 +136,7 @@ CHOICES = {
     "data.on_plan_change": ("error", "new_epoch"),
     "sample.cache": ("none", "calibrated", "first_block"),
     "model.task": ("t2v", "i2v", "flf2v"),
+    "model.expert": ("none", "high", "low"),
 }
 
 

@@ -50,6 +50,9 @@ class ModelConfig:
     # Wan 2.2 A14B: the low-noise expert's folder (a WanTransformer3DModel); None: model.pretrained's
     # transformer_2/ when it is a pipeline folder with one (sampling only)
     pretrained_2: Optional[str] = None
+    # Wan 2.2 A14B expert training: none | high (trains on noise levels >= sample.boundary, from
+    # model.pretrained) | low (below it, from model.pretrained_2 or model.pretrained's transformer_2/)
+    expert: str = "none"
 
 
 @dataclass

@@ -16,9 +16,11 @@ from models.vae import num_tokens
 
 
 class RectifiedFlow:
-    def __init__(self, flow_cfg, patch_size, cache=None):
-        """`cache`: a models.step_cache.StepCache (sample.cache), or None: every step calls the model."""
+    def __init__(self, flow_cfg, patch_size, cache=None, timesteps=(0.0, 1.0)):
+        """`cache`: a models.step_cache.StepCache (sample.cache), or None: every step calls the model.
+        `timesteps`: the [low, high) range training draws from (expert_timesteps: one Wan 2.2 expert's)."""
         self.cache = cache
+        self.timesteps = tuple(timesteps)
         self.model_calls = 0  # calls of the last sample() that ran every block (first_block: per-sample mean)
         self.logit_mean = flow_cfg.logit_mean
         self.logit_std = flow_cfg.logit_std
@@ -37,9 +39,19 @@ class RectifiedFlow:
         return self.shift_base * math.sqrt(num_tokens / self.shift_reference_tokens)
 
     def sample_timestep(self, num_tokens: int, generator: torch.Generator) -> float:
-        u = torch.sigmoid(self.logit_mean + self.logit_std * torch.randn(1, generator=generator)).item()
+        """A shifted logit-normal timestep; inside self.timesteps, the density restricted to that range (the
+        first draw that falls there: the same on every rank, as the generator is the sample's own)."""
+        low, high = self.timesteps
         s = self.shift_for(num_tokens)
-        return s * u / (1 + (s - 1) * u)
+        for _ in range(100_000):
+            u = torch.sigmoid(self.logit_mean + self.logit_std * torch.randn(1, generator=generator)).item()
+            t = s * u / (1 + (s - 1) * u)
+            if low <= t < high or (t == high == 1.0):
+                return t
+        raise ValueError(
+            f"no training timestep fell in [{low}, {high}) in 100000 draws: the expert's range is too narrow "
+            "for flow.logit_mean/logit_std and the shift"
+        )
 
     def draw(self, latent_shape, generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
         """Noise (B, *latent_shape) and timesteps (B,), sample i drawn from generators[i] alone: a sample's
@@ -113,6 +125,12 @@ class RectifiedFlow:
             if self.cache.method == "first_block":  # it calls the model each step, runs every block in fewer
                 self.model_calls = self.cache.full_calls
         return x
+
+
+def expert_timesteps(expert: str, boundary) -> tuple[float, float]:
+    """The timesteps a Wan 2.2 expert samples, as diffusers switches them: the high-noise expert at
+    t >= boundary, the low-noise one below; every one without an expert (model.expert=none)."""
+    return {"none": (0.0, 1.0), "high": (boundary, 1.0), "low": (0.0, boundary)}[expert]
 
 
 def guided_velocity(model, y, y_mask, neg_y, neg_mask, guidance: float):

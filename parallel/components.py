@@ -14,7 +14,7 @@ from models.lora import adapted_modules, is_adapter
 from models.lora_formats import LoRAFormatError, match_lora, model_projections, read_file, starting_adapters
 from models.text_encoder import TextEncoder, build_text_encoder, text_encoder_dim
 from models.vae import LatentSpace, build_vae, vae_latent_space
-from models.wan import WanWeights, check_wan_folder
+from models.wan import WanWeights, check_wan_folder, second_expert
 from parallel.checkpoint import TrainingState, check_architecture, load_base_weights, load_weights
 from parallel.checkpoint_files import check_checkpoint_files, resolve_checkpoint
 from parallel.fsdp import parallelize_dit, param_device
@@ -105,16 +105,20 @@ def fill_unsharded(model: DiT, seed: int, pretrained, zero_init: bool = True, pa
     or from `seed`."""
     if isinstance(pretrained, TesseraWeights):
         model.to_empty(device="cpu")
-        load_weights(pretrained.step, model, use_ema=True, select=lambda key: not is_adapter(key))
+        load_weights(
+            pretrained.step, model, use_ema=pretrained.use_ema, select=lambda key: not is_adapter(key)
+        )
     else:
         materialize(model, "cpu", seed, pretrained, zero_init=zero_init, partial=partial)
 
 
 @dataclass
 class TesseraWeights:
-    """model.pretrained naming a tessera run: the EMA weights of `step` (its latest checkpoint)."""
+    """model.pretrained naming a tessera run: the EMA weights of `step` (its latest checkpoint), or the raw
+    ones (infer.py --no-ema pairing a trained second expert)."""
 
     step: Path
+    use_ema: bool = True
 
 
 def check_pretrained(pretrained: str) -> None:
@@ -126,7 +130,7 @@ def check_pretrained(pretrained: str) -> None:
         check_wan_folder(pretrained)
 
 
-def open_pretrained(cfg, model: DiT, folder=None):
+def open_pretrained(cfg, model: DiT, folder=None, use_ema: bool = True):
     """model.pretrained (or `folder`: Wan 2.2's second expert) as a models.wan.WanWeights (or TesseraWeights
     for a tessera run), after checking that the recipe builds the same architecture (a disagreement is an
     error naming the keys and the fix); None without model.pretrained."""
@@ -136,7 +140,7 @@ def open_pretrained(cfg, model: DiT, folder=None):
     if is_tessera_run(pretrained):
         step = resolve_checkpoint(str(pretrained), Path(pretrained))
         check_architecture(step, model.architecture())
-        return TesseraWeights(step)
+        return TesseraWeights(step, use_ema)
     weights = WanWeights(pretrained)
     folder = weights.dit_kwargs
     ours = model.architecture()
@@ -198,3 +202,32 @@ def build_ema(cfg, runtime, model, optimizer, text_encoder, vae, lora: bool):
     )
     copy_shards(ema, model, param_device(runtime.device, offload))
     return ema, TrainingState(model, ema, optimizer)
+
+
+def expert_recipe(cfg):
+    """Wan 2.2 A14B expert training (model.expert=high|low): the recipe with the experts' boundary in
+    sample.boundary (model.pretrained's boundary_ratio unless set) and, for the low-noise expert, its
+    weights (model.pretrained_2, else model.pretrained's transformer_2/) in model.pretrained; each missing
+    piece refused by name. The two experts train as two runs of one recipe; infer.py pairs them."""
+    if cfg.model.expert == "none":
+        return cfg
+    from omegaconf import OmegaConf
+
+    folder, boundary = second_expert(cfg.model.pretrained, cfg.model.pretrained_2)
+    boundary = cfg.sample.boundary if cfg.sample.boundary is not None else boundary
+    if boundary is None or not 0 < boundary < 1:
+        raise ValueError(
+            f"model.expert={cfg.model.expert} trains on the noise levels of one of Wan 2.2's experts: set "
+            f"sample.boundary where they switch (0.875 for T2V-A14B, 0.9 for I2V-A14B), got {boundary}"
+        )
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg))
+    cfg.sample.boundary = boundary
+    if cfg.model.expert == "low":
+        if folder is None:
+            raise ValueError(
+                "model.expert=low trains Wan 2.2's low-noise expert: model.pretrained has no transformer_2/; "
+                "name the expert's folder in model.pretrained_2"
+            )
+        cfg.model.pretrained = folder
+    cfg.model.pretrained_2 = None
+    return cfg

@@ -80,9 +80,68 @@ def export(
     use_ema: bool = True,
     max_shard_size: str = "5GB",
     pipeline: bool = False,
+    low_noise: Path | None = None,
 ) -> dict:
     """The checkpoint's DiT as a WanTransformer3DModel (or WanPipeline) folder; a LoRA run's adapters are
-    folded into its base first (the --merge export)."""
+    folded into its base first (the --merge export). `low_noise`: Wan 2.2's low-noise expert's checkpoint
+    (its run trained with model.expert=low), written as the pipeline's transformer_2 with the boundary."""
+    if low_noise is not None:
+        low_cfg = check_expert_runs(checkpoint, low_noise, cfg, pipeline)
+    wan, config = exported_transformer(checkpoint, cfg, use_ema, pipeline)
+    output.mkdir(parents=True, exist_ok=True)
+    if not pipeline:
+        wan.save_pretrained(output, max_shard_size=max_shard_size)
+        return config
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanPipeline
+
+    from models.text_encoder import load_pretrained_text_encoder
+    from models.vae import load_pretrained_vae
+
+    tokenizer, text_encoder = load_pretrained_text_encoder(cfg.text_encoder.kind, cfg.text_encoder.pretrained)
+    parts = dict(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        transformer=wan,
+        vae=load_pretrained_vae(cfg.vae.kind, cfg.vae.pretrained),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=cfg.flow.shift),
+    )
+    if low_noise is not None:  # as diffusers' A14B folders: transformer_2 below boundary_ratio
+        parts.update(transformer_2=exported_transformer(low_noise, low_cfg, use_ema, pipeline)[0])
+        parts.update(boundary_ratio=cfg.sample.boundary)
+    if cfg.model.task == "t2v":
+        pipe = WanPipeline(**parts)
+    else:  # Wan2.1 I2V / FLF2V with the CLIP encoder the recipe names; Wan2.2 I2V without one
+        pipe = WanImageToVideoPipeline(**parts, **image_encoder_parts(cfg))
+    pipe.save_pretrained(output, max_shard_size=max_shard_size)
+    return config
+
+
+def check_expert_runs(high: Path, low: Path, cfg, pipeline: bool):
+    """The low-noise expert's recipe (its run's config.yaml), after checking that the two runs trained
+    Wan 2.2's two experts with one boundary and that a pipeline folder is asked for."""
+    if not pipeline:
+        raise ValueError("--low-noise-expert pairs two experts in a pipeline folder: add --pipeline")
+    low_recipe = low.parent.parent / "config.yaml"
+    if not low_recipe.is_file():
+        raise CheckpointError(f"no recipe: {low_recipe} does not exist beside the low-noise expert")
+    low_cfg = load_config(low_recipe)
+    roles = {"--checkpoint": (cfg, "high"), "--low-noise-expert": (low_cfg, "low")}
+    for flag, (recipe, expert) in roles.items():
+        if recipe.model.expert != expert:
+            raise ValueError(
+                f"{flag} names a run trained with model.expert={recipe.model.expert}; it must be the "
+                f"{expert}-noise expert's run (model.expert={expert})"
+            )
+    if cfg.sample.boundary != low_cfg.sample.boundary:
+        raise ValueError(
+            f"the experts trained with other boundaries (sample.boundary {cfg.sample.boundary} and "
+            f"{low_cfg.sample.boundary}): train both with the same recipe"
+        )
+    return low_cfg
+
+
+def exported_transformer(checkpoint: Path, cfg, use_ema: bool, pipeline: bool):
+    """(the checkpoint's DiT as a diffusers WanTransformer3DModel, its config)."""
     from diffusers import WanTransformer3DModel
 
     record = lora_of(checkpoint)
@@ -112,30 +171,7 @@ def export(
     wan = WanTransformer3DModel(**config)
     state = diffusers_state_dict_from_tessera(model.state_dict(), wan.state_dict().keys())
     wan.load_state_dict(state, strict=True)
-    del model, state
-    output.mkdir(parents=True, exist_ok=True)
-    if not pipeline:
-        wan.save_pretrained(output, max_shard_size=max_shard_size)
-        return config
-    from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanPipeline
-
-    from models.text_encoder import load_pretrained_text_encoder
-    from models.vae import load_pretrained_vae
-
-    tokenizer, text_encoder = load_pretrained_text_encoder(cfg.text_encoder.kind, cfg.text_encoder.pretrained)
-    parts = dict(
-        tokenizer=tokenizer,
-        text_encoder=text_encoder,
-        transformer=wan,
-        vae=load_pretrained_vae(cfg.vae.kind, cfg.vae.pretrained),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=cfg.flow.shift),
-    )
-    if cfg.model.task == "t2v":
-        pipe = WanPipeline(**parts)
-    else:  # Wan2.1 I2V / FLF2V with the CLIP encoder the recipe names; Wan2.2 I2V without one
-        pipe = WanImageToVideoPipeline(**parts, **image_encoder_parts(cfg))
-    pipe.save_pretrained(output, max_shard_size=max_shard_size)
-    return config
+    return wan, config
 
 
 def image_encoder_parts(cfg) -> dict:
@@ -194,6 +230,15 @@ def export_lora(checkpoint: Path, output: Path, cfg, fmt: str, use_ema: bool = T
     return f"a LoRA in {fmt} names ({count})"
 
 
+def low_noise_checkpoint(spec):
+    if spec is None:
+        return None
+    checkpoint = resolve_checkpoint(str(spec), Path(spec))
+    if checkpoint is None:
+        raise CheckpointError(f"--low-noise-expert: no checkpoint at {spec}")
+    return checkpoint
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -207,6 +252,11 @@ def main(argv=None):
         "--pipeline",
         action="store_true",
         help="a whole WanPipeline folder (VAE, text encoder, tokenizer, scheduler from the recipe)",
+    )
+    p.add_argument(
+        "--low-noise-expert",
+        default=None,
+        help="Wan 2.2: the low-noise expert's run (model.expert=low), paired as the pipeline's transformer_2",
     )
     p.add_argument("--lora", action="store_true", help="a LoRA run's adapters as one .safetensors file")
     p.add_argument("--format", choices=FORMATS, default="diffusers", help="the LoRA's key names (--lora)")
@@ -239,6 +289,7 @@ def main(argv=None):
         use_ema=not args.no_ema,
         max_shard_size=args.max_shard_size,
         pipeline=args.pipeline,
+        low_noise=low_noise_checkpoint(args.low_noise_expert),
     )
     kind = "WanPipeline" if args.pipeline else "WanTransformer3DModel"
     merged = ", the LoRA folded into its base" if lora_of(checkpoint) else ""

@@ -5,7 +5,7 @@ import torch
 from omegaconf import OmegaConf
 
 from configs.schema import FlowConfig
-from models.flow import RectifiedFlow
+from models.flow import RectifiedFlow, expert_timesteps
 
 
 def make_flow(**kw):
@@ -30,6 +30,21 @@ def test_timesteps_follow_the_shifted_logit_normal():
     assert 0 < ts.min() and ts.max() < 1
     # median of logit-normal(0, 1) is 0.5; the shift maps it to 3 * 0.5 / (1 + 2 * 0.5) = 0.75
     assert ts.median().item() == pytest.approx(0.75, abs=0.02)
+
+
+def test_an_expert_draws_the_density_restricted_to_its_side_of_the_boundary():
+    """Wan 2.2: the high-noise expert trains on t >= boundary, the low-noise one below. Each draw is the
+    unrestricted sequence's next value on that side (so the density is the same, cut at the boundary)."""
+    free = make_flow(shift=3.0, shift_reference_tokens=0)
+    g = torch.Generator().manual_seed(0)
+    sequence = [free.sample_timestep(16, g) for _ in range(4000)]
+    for expert, inside in (("high", lambda t: t >= 0.875), ("low", lambda t: t < 0.875)):
+        flow = make_flow(shift=3.0, shift_reference_tokens=0)
+        flow.timesteps = expert_timesteps(expert, 0.875)
+        g = torch.Generator().manual_seed(0)
+        drawn = [flow.sample_timestep(16, g) for _ in range(200)]
+        assert drawn == [t for t in sequence if inside(t)][:200]
+    assert expert_timesteps("none", None) == (0.0, 1.0)
 
 
 def test_draw_is_per_sample():

@@ -222,11 +222,9 @@ def write_scaled_shift(recipe, tmp_path):
     return scaled
 
 
-def test_wan22_two_experts_sample_what_wan_pipeline_samples(tiny_pipeline, tmp_path, capsys):
-    """Wan 2.2 A14B's pairing: a WanPipeline folder with transformer_2 and boundary_ratio 0.9, sampled by
-    diffusers with guidance_scale_2 and by infer.py (both experts from the one folder): the same video, on
-    one process and under cfg 2. Of the 3 steps (timesteps 1000, 751, 9 at shift 3) the first is the
-    high-noise expert's. A second guidance without a second expert is refused by name."""
+@pytest.fixture(scope="module")
+def a14b_pipeline(tiny_pipeline, tmp_path_factory):
+    """The tiny pipeline with a second, low-noise transformer_2 and boundary_ratio 0.9, and its recipe."""
     from diffusers import WanPipeline, WanTransformer3DModel
 
     pipe_dir, recipe = tiny_pipeline
@@ -234,7 +232,7 @@ def test_wan22_two_experts_sample_what_wan_pipeline_samples(tiny_pipeline, tmp_p
     torch.manual_seed(1)
     low = WanTransformer3DModel(**TINY_TRANSFORMER)
     perturb(low)
-    folder = tmp_path / "a14b"
+    root = tmp_path_factory.mktemp("a14b")
     WanPipeline(
         tokenizer=pipe.tokenizer,
         text_encoder=pipe.text_encoder,
@@ -243,13 +241,25 @@ def test_wan22_two_experts_sample_what_wan_pipeline_samples(tiny_pipeline, tmp_p
         transformer_2=low,
         scheduler=pipe.scheduler,
         boundary_ratio=0.9,
-    ).save_pretrained(folder)
+    ).save_pretrained(root / "pipe")
+    recipe_2 = root / "a14b.yaml"
+    recipe_2.write_text(recipe.read_text().replace(str(pipe_dir), str(root / "pipe")))
+    return root / "pipe", recipe_2
+
+
+def test_wan22_two_experts_sample_what_wan_pipeline_samples(tiny_pipeline, a14b_pipeline, tmp_path, capsys):
+    """Wan 2.2 A14B's pairing: a WanPipeline folder with transformer_2 and boundary_ratio 0.9, sampled by
+    diffusers with guidance_scale_2 and by infer.py (both experts from the one folder): the same video, on
+    one process and under cfg 2. Of the 3 steps (timesteps 1000, 751, 9 at shift 3) the first is the
+    high-noise expert's. A second guidance without a second expert is refused by name."""
+    from diffusers import WanPipeline
+
+    pipe_dir, recipe = tiny_pipeline
+    folder, recipe_2 = a14b_pipeline
     pair = WanPipeline.from_pretrained(folder)
     expected = diffusers_video(pair, guidance_scale_2=3.0)
     alone = pipeline_sample(pipe_dir)  # the high-noise expert alone
     assert np.abs(expected - alone).max() > 1e-3  # the low-noise expert counts
-    recipe_2 = tmp_path / "a14b.yaml"
-    recipe_2.write_text(recipe.read_text().replace(str(pipe_dir), str(folder)))
     video = infer_sample(recipe_2, tmp_path / "run", tmp_path / "pair.npy", "sample.guidance_2=3.0")
     assert np.abs(video - expected).max() <= 1e-5, np.abs(video - expected).max()
     # cfg 2: each half of the ranks runs one branch of whichever expert the step belongs to
@@ -280,3 +290,36 @@ def test_wan22_two_experts_sample_what_wan_pipeline_samples(tiny_pipeline, tmp_p
         "sample.guidance_2, sample.boundary and model.pretrained_2 are for Wan 2.2's two experts"
         in capsys.readouterr().err
     )
+
+
+def test_wan22_experts_train_as_two_runs_and_pair(a14b_pipeline, tmp_path, capsys):
+    """model.expert=high and =low train Wan 2.2's experts as two runs of one recipe (the low one from the
+    folder's transformer_2/, both on their side of boundary_ratio); infer.py pairs the runs (run.output_dir
+    the high one, model.pretrained_2 the low one) and samples what diffusers samples from the pair
+    exported as one WanPipeline (--low-noise-expert); the pair the other way round is refused by name."""
+    from diffusers import WanPipeline
+
+    folder, recipe = a14b_pipeline
+    runs = {expert: tmp_path / expert for expert in ("high", "low")}
+    for expert, run in runs.items():
+        args = ["--config", str(recipe), f"run.output_dir={run}", f"model.expert={expert}"]
+        assert run_main(train, args) == 0
+    assert (runs["high"] / "config.yaml").read_text().count("boundary: 0.9") == 1
+    assert str(folder / "transformer_2") in (runs["low"] / "config.yaml").read_text()
+    exported = tmp_path / "pair"
+    assert (
+        export.main(
+            ["--checkpoint", str(runs["high"]), "--output", str(exported), "--pipeline", "--no-ema"]
+            + ["--low-noise-expert", str(runs["low"])]
+        )
+        == 0
+    )
+    expected = diffusers_video(WanPipeline.from_pretrained(exported), guidance_scale_2=3.0)
+    pair = [f"model.pretrained_2={runs['low']}", "sample.guidance_2=3.0", "--no-ema"]
+    video = infer_sample(recipe, runs["high"], tmp_path / "pair.npy", *pair)
+    assert np.abs(video - expected).max() <= 1e-4, np.abs(video - expected).max()
+    untrained = diffusers_video(WanPipeline.from_pretrained(folder), guidance_scale_2=3.0)
+    assert np.abs(expected - untrained).max() > 1e-3  # both runs' training shows
+    swapped = ["--config", str(recipe), f"run.output_dir={runs['low']}", f"model.pretrained_2={runs['high']}"]
+    assert run_main(infer, swapped) == 2
+    assert "trained the low-noise expert, but would sample the high-noise steps" in capsys.readouterr().err
