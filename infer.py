@@ -331,8 +331,9 @@ def check_expert_pair(checkpoint, record, low_folder) -> None:
     other way round, or a LoRA run's checkpoint, is refused by name."""
     if record is not None:
         raise ValueError(
-            f"pairing a LoRA run ({checkpoint}) with Wan 2.2's two experts is not built yet: merge it first "
-            "(scripts/export.py --lora --merge) and name the folder in model.pretrained"
+            f"pairing a LoRA run ({checkpoint}) with Wan 2.2's two experts is not built yet: export the pair "
+            "(scripts/export.py --checkpoint HIGH_RUN --low-noise-expert LOW_RUN --pipeline --output F), "
+            "then sample model.pretrained=F --checkpoint none"
         )
     roles = [("the checkpoint", checkpoint, "low", "high")]
     if is_tessera_run(low_folder):
