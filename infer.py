@@ -325,21 +325,22 @@ def read_experts(cfg, args, guidance: float):
     return folder, boundary, guidance_2
 
 
-def check_expert_pair(checkpoint, record, low_folder) -> None:
+def check_expert_pair(checkpoint, low_folder) -> None:
     """Wan 2.2's experts trained as two runs (model.expert=high / low): the checkpoint (run.output_dir)
     samples the high-noise steps and model.pretrained_2 (a run or a folder) the low-noise ones; a pair the
-    other way round, or a LoRA run's checkpoint, is refused by name."""
-    if record is not None:
-        raise ValueError(
-            f"pairing a LoRA run ({checkpoint}) with Wan 2.2's two experts is not built yet: export the pair "
-            "(scripts/export.py --checkpoint HIGH_RUN --low-noise-expert LOW_RUN --pipeline --output F), "
-            "then sample model.pretrained=F --checkpoint none"
-        )
+    other way round, or a LoRA run in either role, is refused by name."""
     roles = [("the checkpoint", checkpoint, "low", "high")]
     if is_tessera_run(low_folder):
         roles.append(
             ("model.pretrained_2", resolve_checkpoint(str(low_folder), Path(low_folder)), "high", "low")
         )
+    for name, step, _, _ in roles:
+        if step is not None and lora_of(step) is not None:
+            raise ValueError(
+                f"{name} ({step}) is a LoRA run: pairing LoRA runs as Wan 2.2's two experts goes through "
+                "an export (scripts/export.py --checkpoint HIGH_RUN --low-noise-expert LOW_RUN --pipeline "
+                "--output F), then sample model.pretrained=F --checkpoint none"
+            )
     for name, step, wrong, right in roles:
         if step is not None and run_expert(step) == wrong:
             raise ValueError(
@@ -395,11 +396,13 @@ def main(argv=None, session=None):
     record = None
     if checkpoint is not None:
         check_checkpoint_files(checkpoint)
+    if request.experts is not None:  # before lora_base: a LoRA expert's base is not the recipe's
+        check_expert_pair(checkpoint, request.experts[0])
+    if checkpoint is not None:
         record = lora_base(cfg, checkpoint)
     if cfg.model.pretrained and not args.random_weights and (checkpoint is None or record):
         check_pretrained(cfg.model.pretrained)
     if request.experts is not None:
-        check_expert_pair(checkpoint, record, request.experts[0])
         check_pretrained(request.experts[0])
     loras = read_loras(cfg, args.lora)
     if request.images is not None and cfg.model.image_dim:

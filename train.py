@@ -31,10 +31,10 @@ from data.loader import (
     build_dataset,
     build_loader,
     build_sampler,
+    check_image_to_video,
     check_same_plan,
     encode_batch,
     pack_batch,
-    read_preview_images,
     unpack_batch,
 )
 from data.media import write_video
@@ -143,7 +143,7 @@ def check_before_start(cfg) -> Plan:
         raise ValueError(f"the preview size in sample.frames/height/width: {e}") from None
     if not sc.prompts:
         raise ValueError("sample.prompts is empty: training previews need at least one prompt")
-    preview_images = read_preview_images(cfg)  # image-to-video's; (None, None) for text-to-video
+    preview_images = check_image_to_video(cfg, buckets)  # the previews' frames; (None, None) for t2v
     check_cpu_offload(cfg.train.cpu_offload, world_size)
     dataset = build_dataset(cfg, buckets)
     sampler = build_sampler(cfg, dataset, buckets, layout.dp_rank(rank), layout.dp)

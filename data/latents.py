@@ -39,10 +39,13 @@ BEFORE = {"model": {"task": "t2v"}}
 
 def latent_meta(cfg) -> dict:
     """What the latents depend on, besides the samples themselves."""
-    return {
+    meta = {
         section: {k: OmegaConf.to_container(cfg, resolve=True)[section][k] for k in keys}
         for section, keys in META_KEYS.items()
     }
+    if cfg.model.image_dim:  # the CLIP folder actually read (a pipeline folder's image_encoder/)
+        meta["image_encoder"]["pretrained"] = cfg.image_encoder.pretrained or cfg.model.pretrained
+    return meta
 
 
 def meta_differences(made_with: dict, now: dict) -> list[str]:

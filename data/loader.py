@@ -199,7 +199,7 @@ def encode_batch(batch, dropped: list[bool], text_encoder, vae, device, image=No
     def encode(pixels):
         return tiling.encode(vae, pixels, vae.tile_latent, vae.tile_overlap)
 
-    condition = None if image is None else condition_of_clips(vae, image[1], video, image[0], encode)
+    condition = None if image is None else condition_of_clips(vae, image[1], video, image[0])
     return encode(video), y, y_mask, condition
 
 
@@ -236,12 +236,19 @@ def unpack_batch(tensors: list):
     return (*tensors[:3], condition)
 
 
-def read_preview_images(cfg):
-    """Image-to-video: the previews' (first, last) frames from sample.images / sample.last_images, checked
-    (and the CLIP folder, if the model reads features); (None, None) for text-to-video."""
+def check_image_to_video(cfg, table: BucketTable):
+    """Image-to-video: the buckets' clip lengths, the CLIP folder (if the model reads features) and the
+    previews' (first, last) frames from sample.images / sample.last_images, which it returns; (None, None)
+    for text-to-video."""
     from models.image_condition import image_encoder_folder, read_images
     from models.vae import vae_latent_space
 
+    fewest = {"i2v": 2, "flf2v": 5}.get(cfg.model.task, 1)  # the given frames and at least one to generate
+    if min(table.frame_counts) < fewest:
+        raise ValueError(
+            f"data.frame_counts: model.task={cfg.model.task} trains on clips of at least {fewest} frames, "
+            f"got {min(table.frame_counts)}"
+        )
     sc, data = cfg.sample, cfg.data
     images = read_images(
         cfg.model.task,

@@ -31,7 +31,8 @@ def image_encoder_dirs(folder) -> tuple[Path, Path]:
         or not (processor_dir / "preprocessor_config.json").is_file()
     ):
         raise FileNotFoundError(
-            f"image_encoder.pretrained={folder}: no CLIPVisionModel there (config.json of a CLIP vision "
+            f"the CLIP image encoder's folder {folder} (image_encoder.pretrained, else model.pretrained): no "
+            "CLIPVisionModel there (config.json of a CLIP vision "
             "model and its preprocessor_config.json), nor the image_encoder/ and image_processor/ folders "
             "of a WanImageToVideoPipeline"
         )
@@ -116,7 +117,8 @@ def read_images(task, given, names, count: int, frames: int, height: int, width:
         )
     if task == "flf2v" and frames < 5:
         raise ValueError(
-            f"model.task=flf2v needs videos of at least 5 frames (first and last apart): {frames}"
+            f"model.task=flf2v needs videos of at least 5 frames (first and last apart): {frames}; set "
+            f"{names[2].replace('height', 'frames')}"
         )
     read = []
     for name, paths in zip(names, given):
@@ -169,21 +171,16 @@ def encode_condition(
     if last_images is not None:
         last = processor.preprocess(last_images, height=height, width=width).to(device, torch.float32)
 
-    def encode(video):  # one video at a time (activation memory)
-        return torch.cat([vae.encode(one) for one in video.split(1)])
-
-    return _condition(vae, image_encoder, encode, first, last, frames, images, last_images)
+    return _condition(vae, image_encoder, first, last, frames, images, last_images)
 
 
-def condition_of_clips(vae, image_encoder, video, last_frame: bool, encode) -> ImageCondition:
+def condition_of_clips(vae, image_encoder, video, last_frame: bool) -> ImageCondition:
     """Training's condition of clips `video` (B, 3, T, H, W) in [-1, 1]: their first frames (and with
-    `last_frame`, FLF2V, their last), built as sampling builds it from an image file; `encode(video)` is
-    the VAE encode the clips' own latents use (in tiles), so both are the same function of the pixels."""
+    `last_frame`, FLF2V, their last), built as sampling builds it from an image file (encoded whole, not
+    in the clips' tiles, as infer.py and diffusers encode it)."""
     first, last = video[:, :, 0], video[:, :, -1] if last_frame else None
     pictures = lambda frames: None if frames is None else [_picture(f) for f in frames]  # noqa: E731
-    return _condition(
-        vae, image_encoder, encode, first, last, video.shape[2], pictures(first), pictures(last)
-    )
+    return _condition(vae, image_encoder, first, last, video.shape[2], pictures(first), pictures(last))
 
 
 def _picture(frame: torch.Tensor):
@@ -194,14 +191,15 @@ def _picture(frame: torch.Tensor):
     return Image.fromarray(pixels.permute(1, 2, 0).cpu().numpy())
 
 
-def _condition(vae, image_encoder, encode, first, last, frames, images, last_images) -> ImageCondition:
+def _condition(vae, image_encoder, first, last, frames, images, last_images) -> ImageCondition:
     """The mask and the latents of a black video with the given frames, and the frames' CLIP features."""
     B, C, H, W = first.shape
     video = first.new_zeros(B, C, frames, H, W)
     video[:, :, 0] = first
     if last is not None:
         video[:, :, -1] = last
-    latent = encode(video)  # (B, C, t, h, w), normalised as the DiT's latents are
+    # (B, C, t, h, w), normalised as the DiT's latents are; one video at a time (activation memory)
+    latent = torch.cat([vae.encode(one) for one in video.split(1)])
     B, _, _, h, w = latent.shape
     stride = vae.temporal_stride
     given = torch.zeros(B, 1, frames, h, w, device=latent.device)

@@ -211,7 +211,7 @@ def expert_recipe(cfg):
     piece refused by name. The two experts train as two runs of one recipe; infer.py pairs them."""
     if cfg.model.expert == "none":
         return cfg
-    from omegaconf import OmegaConf
+    import copy
 
     folder, boundary = second_expert(cfg.model.pretrained, cfg.model.pretrained_2)
     boundary = cfg.sample.boundary if cfg.sample.boundary is not None else boundary
@@ -220,9 +220,10 @@ def expert_recipe(cfg):
             f"model.expert={cfg.model.expert} trains on the noise levels of one of Wan 2.2's experts: set "
             f"sample.boundary where they switch (0.875 for T2V-A14B, 0.9 for I2V-A14B), got {boundary}"
         )
-    cfg = OmegaConf.create(OmegaConf.to_container(cfg))
+    cfg = copy.deepcopy(cfg)  # keeps the schema's types
     cfg.sample.boundary = boundary
-    if cfg.model.expert == "low":
+    pipeline = cfg.model.pretrained and (Path(cfg.model.pretrained) / "model_index.json").is_file()
+    if cfg.model.expert == "low" and (folder is not None or pipeline):  # else model.pretrained is the expert
         if folder is None:
             raise ValueError(
                 "model.expert=low trains Wan 2.2's low-noise expert: model.pretrained has no transformer_2/; "

@@ -276,6 +276,10 @@ def main(argv=None):
         )
     cfg = load_config(recipe)
     weights = "raw" if args.no_ema else "EMA"
+    if args.low_noise_expert and args.lora and not args.merge:
+        raise ValueError(
+            "--low-noise-expert pairs two experts in a pipeline folder: drop --lora (or add --merge)"
+        )
     if args.lora and not args.merge:
         note = export_lora(checkpoint, Path(args.output), cfg, args.format, use_ema=not args.no_ema)
         print(f"[export] {checkpoint} ({weights} adapters) -> {args.output}: {note}")

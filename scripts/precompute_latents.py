@@ -141,7 +141,7 @@ def main(argv=None, session=None):
             y, mask = text_encoder([entry["caption"]], runtime.device)
             tensors = {"latent": encode(video)[0], "text": y[0, : int(mask[0].sum())]}
             if image is not None:  # the condition training would build from this clip (data/loader.py)
-                condition = condition_of_clips(vae, image[1], video, image[0], encode)
+                condition = condition_of_clips(vae, image[1], video, image[0])
                 tensors["condition"] = condition.latent[0]
                 if condition.features is not None:
                     tensors["image_features"] = condition.features

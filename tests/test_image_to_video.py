@@ -149,6 +149,10 @@ def test_image_to_video_refusals_name_the_fix(i2v_pipeline, tmp_path, capsys):
     training = train_args(recipe, tmp_path / "run", images, task)
     for args, message in [
         (training[:3], "model.task=i2v needs sample.images"),
+        (
+            training + ["data.frame_counts=[1,5]"],
+            "data.frame_counts: model.task=i2v trains on clips of at least 2",
+        ),
         (training + ["model.image_dim=16"], "model.image_dim=16, but the CLIP image encoder"),
         (training + ["sample.width=64"], "sample.images " + str(images[0]) + " is 32x32 and the video 64x32"),
     ]:

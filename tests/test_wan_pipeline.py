@@ -292,18 +292,27 @@ def test_wan22_two_experts_sample_what_wan_pipeline_samples(tiny_pipeline, a14b_
     )
 
 
-def test_wan22_experts_train_as_two_runs_and_pair(a14b_pipeline, tmp_path, capsys):
+def test_wan22_experts_train_as_two_runs_and_pair(a14b_pipeline, tmp_path, capsys, monkeypatch):
     """model.expert=high and =low train Wan 2.2's experts as two runs of one recipe (the low one from the
     folder's transformer_2/, both on their side of boundary_ratio); infer.py pairs the runs (run.output_dir
     the high one, model.pretrained_2 the low one) and samples what diffusers samples from the pair
     exported as one WanPipeline (--low-noise-expert); the pair the other way round is refused by name."""
     from diffusers import WanPipeline
 
+    from models.flow import RectifiedFlow
+
     folder, recipe = a14b_pipeline
     runs = {expert: tmp_path / expert for expert in ("high", "low")}
+    drawn = []  # the training timesteps, seen where train.py's flow draws them
+    unrestricted = RectifiedFlow.sample_timestep
+    monkeypatch.setattr(
+        RectifiedFlow, "sample_timestep", lambda *a: drawn.append(unrestricted(*a)) or drawn[-1]
+    )
     for expert, run in runs.items():
         args = ["--config", str(recipe), f"run.output_dir={run}", f"model.expert={expert}"]
         assert run_main(train, args) == 0
+        assert len(drawn) == 4 and all(t >= 0.9 if expert == "high" else t < 0.9 for t in drawn), drawn
+        drawn.clear()
     assert (runs["high"] / "config.yaml").read_text().count("boundary: 0.9") == 1
     assert str(folder / "transformer_2") in (runs["low"] / "config.yaml").read_text()
     exported = tmp_path / "pair"
@@ -318,8 +327,10 @@ def test_wan22_experts_train_as_two_runs_and_pair(a14b_pipeline, tmp_path, capsy
     pair = [f"model.pretrained_2={runs['low']}", "sample.guidance_2=3.0", "--no-ema"]
     video = infer_sample(recipe, runs["high"], tmp_path / "pair.npy", *pair)
     assert np.abs(video - expected).max() <= 1e-4, np.abs(video - expected).max()
-    untrained = diffusers_video(WanPipeline.from_pretrained(folder), guidance_scale_2=3.0)
-    assert np.abs(expected - untrained).max() > 1e-3  # both runs' training shows
+    # each trained expert shows: the pair with either one untrained samples another video
+    low_untrained = infer_sample(recipe, runs["high"], tmp_path / "a.npy", *pair[1:])
+    high_untrained = infer_sample(recipe, tmp_path / "none", tmp_path / "b.npy", *pair)
+    assert min(np.abs(video - v).max() for v in (low_untrained, high_untrained)) > 1e-3
     swapped = ["--config", str(recipe), f"run.output_dir={runs['low']}", f"model.pretrained_2={runs['high']}"]
     assert run_main(infer, swapped) == 2
     assert "trained the low-noise expert, but would sample the high-noise steps" in capsys.readouterr().err
