@@ -120,6 +120,10 @@ def load_config(recipe: str | os.PathLike | None = None, overrides: list[str] | 
             if isinstance(value, (DictConfig, ListConfig)):
                 value = OmegaConf.to_container(value)
             raise ConfigError(f"'{key}' in {source} must be {expected}, got {value!r}") from None
+    if cfg.model.size == "auto":
+        from configs.auto import resolve_auto_size
+
+        resolve_auto_size(cfg, ConfigError)
     validate(cfg)
     return cfg
 

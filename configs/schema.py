@@ -19,7 +19,7 @@ class RunConfig:
 
 @dataclass
 class ModelConfig:
-    size: str = "DiT-S"  # a key of models.dit.DiT_models
+    size: str = "DiT-S"  # a key of models.dit.DiT_models; auto: every architecture key from model.pretrained
     patch_size: list[int] = field(default_factory=lambda: [1, 2, 2])  # (time, height, width)
     mlp_ratio: float = 4.0
     qk_norm: bool = True

@@ -123,6 +123,18 @@ def test_infer_equals_wan_image_to_video_pipeline(i2v_pipeline, tmp_path):
     assert np.abs(np.load(tmp_path / "other.npy") - video).max() > 1e-3
 
 
+def test_model_size_auto_reads_the_image_task(i2v_pipeline, tmp_path):
+    """model.size=auto on an I2V / FLF2V folder: the task, the CLIP width and the image tokens (FLF2V's
+    from its positions, I2V's from the pipeline's CLIP encoder)."""
+    from configs import load_config
+    from tests.test_wan_pipeline import architecture, auto_recipe
+
+    task, _, recipe, _ = i2v_pipeline
+    cfg = load_config(auto_recipe(recipe, tmp_path))
+    assert (cfg.model.task, cfg.model.image_dim, cfg.model.image_tokens) == (task, 32, CLIP_TOKENS)
+    assert architecture(cfg) == architecture(load_config(recipe))
+
+
 def test_image_to_video_refusals_name_the_fix(i2v_pipeline, tmp_path, capsys):
     task, _, recipe, images = i2v_pipeline
     if task == "flf2v":

@@ -334,3 +334,37 @@ def test_wan22_experts_train_as_two_runs_and_pair(a14b_pipeline, tmp_path, capsy
     swapped = ["--config", str(recipe), f"run.output_dir={runs['low']}", f"model.pretrained_2={runs['high']}"]
     assert run_main(infer, swapped) == 2
     assert "trained the low-noise expert, but would sample the high-noise steps" in capsys.readouterr().err
+
+
+def auto_recipe(recipe, tmp_path):
+    """The recipe with model.size=auto and no architecture key: the folder decides them all."""
+    import re
+
+    text = recipe.read_text()
+    model = re.search(r"model:\n((?:  .*\n)+)", text)
+    pretrained = re.search(r"  pretrained: .*\n", model.group(1)).group(0)
+    auto = tmp_path / "auto.yaml"
+    auto.write_text(text.replace(model.group(0), "model:\n  size: auto\n" + pretrained))
+    return auto
+
+
+def architecture(cfg):
+    from models.dit import build_dit
+
+    with torch.device("meta"):
+        return build_dit(cfg.model, in_channels=4, text_dim=16).architecture()
+
+
+def test_model_size_auto_takes_every_architecture_key_from_the_folder(tiny_pipeline, tmp_path, capsys):
+    """model.size=auto with nothing else builds the explicit recipe's DiT and samples its video; a key
+    the folder contradicts is an error naming it."""
+    from configs import ConfigError, load_config
+
+    pipe_dir, recipe = tiny_pipeline
+    auto = auto_recipe(recipe, tmp_path)
+    assert architecture(load_config(auto)) == architecture(load_config(recipe))
+    assert load_config(auto).model.size == "DiT-tiny"
+    video = infer_sample(auto, tmp_path / "run", tmp_path / "auto.npy")
+    assert np.abs(video - infer_sample(recipe, tmp_path / "run", tmp_path / "explicit.npy")).max() == 0
+    with pytest.raises(ConfigError, match=r"model.ffn_dim=64 contradicts"):
+        load_config(auto, ["model.ffn_dim=64"])

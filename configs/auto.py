@@ -1,0 +1,66 @@
+"""model.size=auto: every architecture key from model.pretrained's config, so one recipe serves any Wan
+folder (Wan2.1 1.3B / 14B, I2V, FLF2V, Wan 2.2's experts). A key the recipe sets and the folder
+contradicts stays an error naming the key."""
+
+from pathlib import Path
+
+from models.dit import ARCHITECTURE_OPTIONS, DiT_models
+
+
+def resolve_auto_size(cfg, error=ValueError) -> None:
+    """Fill cfg.model from the Wan folder in model.pretrained: model.size (the named size with its depth,
+    width and heads), the options, patch_size and task. `error`: the exception type to raise."""
+    from models.wan import WanFormatError, WanWeights
+
+    mc = cfg.model
+    folder = mc.pretrained
+    if not folder or not Path(folder).is_dir():
+        raise error(f"model.size=auto reads the architecture from model.pretrained's folder: got {folder!r}")
+    try:
+        found = WanWeights(folder).dit_kwargs
+    except WanFormatError as e:
+        raise error(f"model.size=auto: {e}") from None
+    dims = ("depth", "hidden_size", "num_heads")
+    sizes = [name for name, size in DiT_models.items() if all(size[k] == found[k] for k in dims)]
+    if not sizes:
+        shape = ", ".join(f"{k} {found[k]}" for k in dims)
+        raise error(
+            f"model.size=auto: no size in models/dit.py has {folder}'s {shape}; add one to DiT_models"
+        )
+    out, given = found["out_channels"], found["in_channels"]
+    task = "t2v" if given == out else "flf2v" if found.get("image_positions") else "i2v"
+    settings = {k: found.get(k) for k in ARCHITECTURE_OPTIONS}
+    if task == "flf2v":  # the recipe counts one image's tokens; the folder both images'
+        settings["image_tokens"] = found["image_tokens"] // 2
+    settings.pop("image_positions")  # model.task=flf2v sets it
+    for key, value in settings.items():
+        if value is None:
+            continue
+        if mc[key] is not None and mc[key] != value:
+            raise error(
+                f"model.{key}={mc[key]} contradicts {folder} ({value}): drop it, or use model.size=<a size>"
+            )
+        mc[key] = value
+    defaults = {"task": "t2v", "patch_size": [1, 2, 2], "qk_norm": True, "rope_theta": 10000.0}
+    wanted = {"task": task, "patch_size": list(found["patch_size"]), "qk_norm": True, "rope_theta": 10000.0}
+    for key, value in wanted.items():
+        ours = list(mc[key]) if key == "patch_size" else mc[key]
+        if ours != defaults[key] and ours != value:
+            raise error(
+                f"model.{key}={ours} contradicts {folder} ({value}): drop it, or use model.size=<a size>"
+            )
+        mc[key] = value
+    if mc.image_dim and mc.image_tokens is None:  # I2V's config does not say it: its CLIP encoder does
+        mc.image_tokens = clip_tokens(cfg.image_encoder.pretrained or folder)
+    mc.size = next((name for name in sizes if name.startswith("Wan")), sizes[0])
+
+
+def clip_tokens(folder):
+    """Tokens per image of the CLIP encoder in `folder` (patches and the class token), or None (257)."""
+    from models.image_condition import clip_vision_config, image_encoder_dirs
+
+    try:
+        config = clip_vision_config(image_encoder_dirs(folder)[0])
+    except FileNotFoundError:
+        return None
+    return (config["image_size"] // config["patch_size"]) ** 2 + 1
