@@ -219,3 +219,48 @@ def test_fine_tuned_image_to_video_exports_what_infer_samples(i2v_pipeline, tmp_
     video = np.load(tmp_path / "t.npy")
     assert np.abs(video - expected).max() <= 1e-4, np.abs(video - expected).max()
     assert np.abs(expected - diffusers_i2v(pipe_dir, images[0], last)).max() > 1e-3  # training shows
+
+
+@pytest.mark.timeout(240)
+def test_wan22_image_to_video_a14b_samples_what_diffusers_samples(tmp_path):
+    """Wan2.2 I2V-A14B: two I2V experts (36 channels in, no image encoder), boundary_ratio 0.9,
+    guidance_scale_2: infer.py --image gives WanImageToVideoPipeline's video, on one process and under
+    cfg 2, and not the high-noise expert's alone."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanTransformer3DModel
+    from PIL import Image
+    from transformers import ByT5Tokenizer
+
+    experts = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        experts.append(WanTransformer3DModel(**dict(TINY_TRANSFORMER, in_channels=12)))
+        perturb(experts[-1])
+    vae, text_encoder = tiny_vae_and_text_encoder()
+    parts = dict(tokenizer=ByT5Tokenizer(), text_encoder=text_encoder, vae=vae, transformer=experts[0])
+    parts["scheduler"] = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    WanImageToVideoPipeline(**parts, transformer_2=experts[1], boundary_ratio=0.9).save_pretrained(
+        tmp_path / "pipe"
+    )
+    image = tmp_path / "first.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(image)
+    pipe = WanImageToVideoPipeline.from_pretrained(tmp_path / "pipe")
+    pair = diffusers_video(
+        pipe, max_sequence_length=512, image=Image.open(image).convert("RGB"), guidance_scale_2=3.0
+    )
+    alone = diffusers_video(  # the high-noise expert alone
+        WanImageToVideoPipeline(**parts), max_sequence_length=512, image=Image.open(image).convert("RGB")
+    )
+    assert np.abs(pair - alone).max() > 1e-3  # the low-noise expert counts
+    recipe = tmp_path / "a14b.yaml"
+    body = RECIPE.format(pipe=tmp_path / "pipe").replace("max_length: 40", "max_length: 512")
+    recipe.write_text(body.replace("model:\n", "model:\n  task: i2v\n", 1))
+    args = sample_args(recipe, tmp_path / "run", tmp_path / "one.npy", [image], "i2v") + [
+        "sample.guidance_2=3.0"
+    ]
+    assert run_main(infer, args) == 0
+    video = np.load(tmp_path / "one.npy")
+    assert np.abs(video - pair).max() <= 1e-5, np.abs(video - pair).max()  # measured 1.2e-7
+    args[args.index("--output") + 1] = str(tmp_path / "cfg.npy")
+    result = torchrun(2, "infer.py", *args, "parallel.cfg=2", timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert np.abs(np.load(tmp_path / "cfg.npy") - pair).max() <= 1e-5
