@@ -1,6 +1,7 @@
 """Peak host memory per rank while the DiT and its EMA are built and sharded (issue 11).
 
     python scripts/bench_startup_memory.py [--size DiT-XL] [--nproc 2] [--path both|whole|meta] [--json FILE]
+    python scripts/bench_startup_memory.py --size DiT-XL --nproc 4 --task i2v   # Wan2.1 I2V's layout
     python scripts/bench_startup_memory.py --tiny    # DiT-tiny on 2 ranks: seconds
 
 Each path runs in fresh processes (torchrun-like spawn, gloo, CPU) so that ru_maxrss measures it alone:
@@ -24,17 +25,28 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 
-def worker(rank, world, port, size, path, results):
+def dit_kwargs(size: str, task: str) -> dict:
+    """The DiT's arguments: text-to-video's 16 channels, or Wan2.1 I2V's layout (36 in, 16 out, CLIP
+    features 1280 wide, 257 tokens, image keys and values in every block)."""
+    from models.dit import DiT_models
+
+    kwargs = dict(in_channels=16, text_dim=4096, patch_size=(1, 2, 2), **DiT_models[size])
+    if task == "i2v":
+        kwargs.update(in_channels=36, out_channels=16, image_dim=1280, image_tokens=257)
+    return kwargs
+
+
+def worker(rank, world, port, size, path, results, task="t2v"):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
 
-    from models.dit import DiT, DiT_models
+    from models.dit import DiT
     from parallel.fsdp import parallelize_dit
     from parallel.init import materialize
 
     mesh = init_device_mesh("cpu", (world,))
-    kwargs = dict(in_channels=16, text_dim=4096, patch_size=(1, 2, 2), **DiT_models[size])
+    kwargs = dit_kwargs(size, task)
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     models = []
     for _ in ("model", "ema"):
@@ -60,14 +72,17 @@ def main(argv=None):
     p.add_argument("--size", default="DiT-XL")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--path", default="both", choices=["both", "whole", "meta"])
-    args = benchlib.parse_args(p, argv, tiny=dict(size="DiT-tiny"))
-    from models.dit import DiT, DiT_models, count_parameters
+    p.add_argument("--task", default="t2v", choices=["t2v", "i2v"], help="i2v: Wan2.1 I2V's layout")
+    args = benchlib.parse_args(p, argv, tiny=dict(size="DiT-tiny", task="i2v"))
+    from models.dit import DiT, count_parameters
 
     with torch.device("meta"):
-        params = count_parameters(DiT(16, 4096, patch_size=(1, 2, 2), **DiT_models[args.size]))
+        model = DiT(**dit_kwargs(args.size, args.task))
+    params = count_parameters(model)
+    largest = max(p.numel() for p in model.parameters())
     print(
-        f"{args.size}: {params / 1e9:.2f}B parameters, {params * 4 / 2**30:.1f} GiB in float32; "
-        f"{args.nproc} ranks; model + EMA",
+        f"{args.size} ({args.task}): {params / 1e9:.2f}B parameters, {params * 4 / 2**30:.1f} GiB in "
+        f"float32, the largest parameter {largest * 4 / 2**20:.0f} MiB; {args.nproc} ranks; model + EMA",
         flush=True,
     )
     peaks = {}
@@ -75,7 +90,7 @@ def main(argv=None):
         results = mp.Manager().dict()
         mp.start_processes(
             worker,
-            args=(args.nproc, benchlib.free_port(), args.size, path, results),
+            args=(args.nproc, benchlib.free_port(), args.size, path, results, args.task),
             nprocs=args.nproc,
             start_method="spawn",
         )
@@ -91,7 +106,8 @@ def main(argv=None):
     print(benchlib.table(["path", "peak resident memory per rank, GiB", "after imports (rank 0), GiB"], rows))
     if args.json:
         benchlib.write_json(
-            args.json, {"size": args.size, "parameters": params, "nproc": args.nproc, **peaks}
+            args.json,
+            {"size": args.size, "task": args.task, "parameters": params, "nproc": args.nproc, **peaks},
         )
 
 
