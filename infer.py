@@ -24,7 +24,13 @@ from configs import DEFAULT_RECIPE, load_config, split_overrides
 from data.media import OUTPUT_EXTENSIONS, write_video
 from models.dit import DiT_models
 from models.flow import RectifiedFlow
-from models.image_condition import ImageEncoder, encode_condition, image_encoder_folder, read_images
+from models.image_condition import (
+    ImageEncoder,
+    encode_condition,
+    encode_first_frame,
+    image_encoder_folder,
+    read_images,
+)
 from models.lora import deltas_of, merge_deltas
 from models.lora_formats import check_file, parse_lora_spec, read_lora
 from models.pipeline import generate
@@ -378,6 +384,12 @@ def plan_layout(cfg, request: Request) -> tuple[ParallelLayout, int, str]:
         slow_links=slow_links,
         tokens=grid[0] * grid[1] * grid[2],
     )
+    if cfg.model.task == "ti2v" and request.images is not None and layout.pipefusion > 1:
+        raise ValueError(
+            "model.task=ti2v with --image gives the first frame's tokens their own timestep, which "
+            f"PipeFusion's patches do not carry yet (parallel.pipefusion={layout.pipefusion}): use cfg, "
+            "ulysses or ring"
+        )
     if request.experts is not None and layout.pipefusion > 1:
         raise ValueError(
             "Wan 2.2's two experts do not run under PipeFusion yet "
@@ -489,6 +501,9 @@ def sample_and_write(cfg, args, runtime, request: Request, mine: list, model, va
 def image_condition(cfg, request: Request, mine: list, vae, device):
     """models/image_condition.py's condition of this replica's prompts `mine`, with the CLIP image encoder
     (image_encoder.pretrained, else model.pretrained's image_encoder/) when the model reads features."""
+    if cfg.model.task == "ti2v":  # Wan2.2 TI2V: the first frame's latent alone
+        images = [request.images[i] for i in mine]
+        return encode_first_frame(vae, images, request.height, request.width, device)
     encoder = ImageEncoder(image_encoder_folder(cfg)).to(device) if cfg.model.image_dim else None
     last = request.last_images
     return encode_condition(

@@ -139,7 +139,7 @@ CHOICES = {
     "data.epoch_remainder": ("pad", "drop"),
     "data.on_plan_change": ("error", "new_epoch"),
     "sample.cache": ("none", "calibrated", "first_block"),
-    "model.task": ("t2v", "i2v", "flf2v"),
+    "model.task": ("t2v", "i2v", "flf2v", "ti2v"),
     "model.expert": ("none", "high", "low"),
 }
 
@@ -208,7 +208,7 @@ def validate(cfg: DictConfig) -> None:
             f"sample.cache={sc.cache} needs sample.cache_calibration: write one with python "
             "scripts/calibrate_cache.py --config <recipe> --output cache.json (or set sample.cache=none)"
         )
-    if cfg.model.task == "t2v" and cfg.model.image_dim:
+    if cfg.model.task in ("t2v", "ti2v") and cfg.model.image_dim:
         raise ConfigError(
             f"model.image_dim={cfg.model.image_dim} is image-to-video's: set model.task=i2v or flf2v, or "
             "model.image_dim=null"

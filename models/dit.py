@@ -283,10 +283,14 @@ class DiTBlock(nn.Module):
 
     def modulation(self, c):
         """Six (B, 1, D) float32 tensors: shift, scale and gate of the attention, then of the MLP.
-        c is the time embedding (B, D) for adaLN-Zero, the shared projection (B, 6, D) for adaLN-single."""
+        c is the time embedding (B, D) for adaLN-Zero, the shared projection (B, 6, D) for adaLN-single;
+        with a timestep per token (Wan2.2 TI2V) (B, n, D) or (B, n, 6, D), and the six are (B, n, D)."""
         if hasattr(self, "adaLN_modulation"):
-            return self.adaLN_modulation(c).float().unflatten(1, (6, -1)).chunk(6, dim=1)
-        return (self.scale_shift_table.float() + c.float()).chunk(6, dim=1)
+            m = self.adaLN_modulation(c).float().unflatten(-1, (6, -1))
+        else:
+            table = self.scale_shift_table.float()
+            m = (table if c.dim() == 3 else table.unsqueeze(1)) + c.float()
+        return m.chunk(6, dim=1) if m.dim() == 3 else m.unbind(2)
 
     def forward(self, x, c, y, y_mask, rope):
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.modulation(c)
@@ -308,10 +312,12 @@ class FinalLayer(nn.Module):
             self.scale_shift_table = nn.Parameter(torch.randn(1, 2, hidden_size) / hidden_size**0.5)
 
     def forward(self, x, temb):
+        """temb: (B, D), or (B, N, D) with a timestep per token."""
         if hasattr(self, "adaLN_modulation"):
-            shift, scale = self.adaLN_modulation(temb).float().unflatten(1, (2, -1)).chunk(2, dim=1)
+            m = self.adaLN_modulation(temb).float().unflatten(-1, (2, -1))
         else:
-            shift, scale = (self.scale_shift_table.float() + temb.float().unsqueeze(1)).chunk(2, dim=1)
+            m = self.scale_shift_table.float() + temb.float().unsqueeze(-2)
+        shift, scale = m.chunk(2, dim=1) if m.dim() == 3 else m.unbind(2)
         return self.linear(modulate(self.norm_final, x, shift, scale))
 
 
@@ -319,6 +325,7 @@ class FinalLayer(nn.Module):
 class Conditioning:
     temb: torch.Tensor  # (B, D) time (and pooled text) embedding: the final layer's modulation input
     c: torch.Tensor  # the blocks' modulation input: temb, or adaLN-single's shared (B, 6, D) projection
+    # (a timestep per token, Wan2.2 TI2V: temb (B, N, D), c (B, N, D) or (B, N, 6, D))
     y: torch.Tensor  # (B, L, D) embedded text tokens
     block_mask: torch.Tensor | None  # (B, L) text mask for cross-attention; None: every text token attended
 
@@ -455,15 +462,18 @@ class DiT(nn.Module):
                 )
 
     def forward(self, x, t, y, y_mask, image=None):
-        """x: (B, C, T, H, W) latents; t: (B,) in [0, 1]; y: (B, L, text_dim) text tokens; y_mask: (B, L)
-        bool; image: CLIP features (B, image_tokens, image_dim) (FLF2V: (2B, image_tokens / 2, image_dim),
-        first and last image) for a model with image_dim, else None."""
+        """x: (B, C, T, H, W) latents; t: (B,) in [0, 1], or (B, N) a timestep per token (Wan2.2 TI2V: 0 on
+        the given first frame's tokens); y: (B, L, text_dim) text tokens; y_mask: (B, L) bool; image:
+        CLIP features (B, image_tokens, image_dim) (FLF2V: (2B, image_tokens / 2, image_dim), first and
+        last image) for a model with image_dim, else None."""
         tokens, grid = self.embed(x)  # (B, N, D)
         rope = self.rope(grid, tokens.device)  # (N, Dh/2, 2)
-        tokens, rope = self.sequence.shard(tokens, rope)  # (B, N_local, D); the identity on one device
         cond = self.condition(t, y, y_mask, image)
-        blocks, cache = list(self.blocks), self.step_cache
         c, y, y_mask = cond.c, cond.y, cond.block_mask
+        if t.dim() == 2:  # the per-token modulation is split with its tokens
+            c = self.sequence.shard(c.flatten(2), rope)[0].unflatten(2, c.shape[2:])
+        tokens, rope = self.sequence.shard(tokens, rope)  # (B, N_local, D); the identity on one device
+        blocks, cache = list(self.blocks), self.step_cache
         if cache is not None:  # sample.cache=first_block: after the first block, only the rows that must run
             first = blocks[0](tokens, c, y, y_mask, rope)
             run = cache.decide(first - tokens, self.sequence.valid_tokens(first.shape[1]))
@@ -501,12 +511,20 @@ class DiT(nn.Module):
         if not self.text_mask:  # Wan: padding tokens are zeros, and attended
             y = y * y_mask.unsqueeze(-1).to(y.dtype)
         y = self.y_embedder(y)  # (B, L, D)
-        temb = self.t_embedder(t).to(dtype)  # (B, D), computed in float32
-        if self.pooled_embedder is not None:
-            temb = temb + self.pooled_embedder(masked_mean(y, y_mask))
-        c = (
-            temb if self.time_proj is None else self.time_proj(temb).unflatten(1, (6, -1))
-        )  # (B, D) or (B, 6, D)
+        if t.dim() == 2:  # a timestep per token: each distinct value embedded once, then gathered
+            if self.pooled_embedder is not None:
+                raise ValueError("a timestep per token needs model.pooled_text=false (Wan's)")
+            values, index = torch.unique(t, return_inverse=True)
+            temb = self.t_embedder(values).to(dtype)  # (U, D)
+            c = temb if self.time_proj is None else self.time_proj(temb).unflatten(1, (6, -1))
+            temb, c = temb[index], c[index]  # (B, N, D); (B, N, D) or (B, N, 6, D)
+        else:
+            temb = self.t_embedder(t).to(dtype)  # (B, D), computed in float32
+            if self.pooled_embedder is not None:
+                temb = temb + self.pooled_embedder(masked_mean(y, y_mask))
+            c = (
+                temb if self.time_proj is None else self.time_proj(temb).unflatten(1, (6, -1))
+            )  # (B, D) or (B, 6, D)
         block_mask = y_mask if self.text_mask else None
         if (image is None) != (self.image_embedder is None):
             raise ValueError(

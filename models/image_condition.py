@@ -90,8 +90,8 @@ def clip_vision_config(model_dir) -> dict:
     return config.get("vision_config", config)
 
 
-# The frames each task is given: (first, last).
-TASK_FRAMES = {"t2v": (False, False), "i2v": (True, False), "flf2v": (True, True)}
+# The frames each task is given: (first, last); None: optional (TI2V samples text-to-video without one).
+TASK_FRAMES = {"t2v": (False, False), "i2v": (True, False), "flf2v": (True, True), "ti2v": (None, False)}
 
 
 def read_images(task, given, names, count: int, frames: int, height: int, width: int, temporal_stride: int):
@@ -103,12 +103,12 @@ def read_images(task, given, names, count: int, frames: int, height: int, width:
     for name, paths, needed in zip(names, given, TASK_FRAMES[task]):
         if needed and not paths:
             raise ValueError(f"model.task={task} needs {name} (a PNG or JPEG file)")
-        if paths and not needed:
+        if paths and needed is False:
             fix = "model.task=flf2v" if name == names[1] and task == "i2v" else "model.task=i2v or flf2v"
             raise ValueError(
                 f"{name} was given, but model.task={task} takes no such frame: drop it, or use {fix}"
             )
-    if task == "t2v":
+    if task == "t2v" or not given[0]:
         return None, None
     if temporal_stride != 4:
         raise ValueError(
@@ -156,6 +156,20 @@ def load_image(path):
 class ImageCondition:
     latent: torch.Tensor  # (B, 4 + C, t, h, w): the mask's 4 channels, then the given frames' latents
     features: torch.Tensor | None  # (B, tokens, width) CLIP features; FLF2V (2B, ...): first, last; or None
+    # Wan2.2 TI2V (expand_timesteps): `latent` is the first frame's alone, (B, C, 1, h, w); it replaces the
+    # first latent frame of every model input and of the result, and that frame's tokens get t = 0
+    first_frame: bool = False
+
+
+def encode_first_frame(vae, images, height, width, device) -> ImageCondition:
+    """Wan2.2 TI2V's condition of B videos from their first frames `images` (PIL): each resized to the
+    video and VAE-encoded alone, as diffusers' WanImageToVideoPipeline does with expand_timesteps."""
+    from diffusers.video_processor import VideoProcessor
+
+    processor = VideoProcessor(vae_scale_factor=vae.spatial_stride)
+    first = processor.preprocess(images, height=height, width=width).to(device, torch.float32)
+    latent = torch.cat([vae.encode(one[:, :, None]) for one in first.split(1)])
+    return ImageCondition(latent.float(), None, first_frame=True)
 
 
 def encode_condition(
@@ -226,6 +240,13 @@ class ConditionedModel:
     def __call__(self, x, t, y, y_mask):
         repeats = x.shape[0] // self.condition.latent.shape[0]
         latent = self.condition.latent.to(x.dtype).repeat(repeats, 1, 1, 1, 1)
+        if self.condition.first_frame:  # TI2V: the given frame's latent in place, its tokens at t = 0
+            x = torch.cat([latent, x[:, :, 1:]], dim=2)
+            pt, ph, pw = self.model.patch_size
+            T, H, W = x.shape[2:]
+            t = t.view(-1, 1).expand(-1, (T // pt) * (H // ph) * (W // pw)).clone()
+            t[:, : (H // ph) * (W // pw)] = 0  # the first latent frame's tokens (patch_size[0] = 1)
+            return self.model(x, t, y, y_mask)
         features = self.condition.features
         if features is not None:
             features = features.repeat(repeats, 1, 1)

@@ -77,6 +77,8 @@ def generate(
                 progress=progress,
                 **extra,
             )
+    if condition is not None and condition.first_frame:  # TI2V: the given frame's latent, as diffusers
+        latents = torch.cat([condition.latent.to(latents.dtype), latents[:, :, 1:]], dim=2)
     if decode is None:
         videos = tiling.decode(vae, latents.float(), vae.tile_latent, vae.tile_overlap)  # [-1, 1]
     else:

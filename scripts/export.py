@@ -192,7 +192,7 @@ def image_encoder_parts(cfg) -> dict:
 def latent_channels(cfg, in_channels: int) -> int:
     """The latent's channels of a DiT that reads `in_channels`: image-to-video's also take a 4-channel
     mask and the given frames' latents (2C + 4)."""
-    return in_channels if cfg.model.task == "t2v" else (in_channels - 4) // 2
+    return in_channels if cfg.model.task in ("t2v", "ti2v") else (in_channels - 4) // 2
 
 
 def _meta_dit(cfg, in_channels: int, text_dim: int):

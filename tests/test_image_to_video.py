@@ -264,3 +264,69 @@ def test_wan22_image_to_video_a14b_samples_what_diffusers_samples(tmp_path):
     result = torchrun(2, "infer.py", *args, "parallel.cfg=2", timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert np.abs(np.load(tmp_path / "cfg.npy") - pair).max() <= 1e-5
+
+
+@pytest.mark.timeout(240)
+def test_wan22_ti2v_samples_what_diffusers_samples(tmp_path):
+    """Wan2.2 TI2V-5B's expand_timesteps, with a tiny 48-channel AutoencoderKLWan (patch 2, stride 16):
+    with --image the frame's latent replaces the first latent frame and its tokens run at t = 0, as in
+    WanImageToVideoPipeline(expand_timesteps=True); without, text-to-video as WanPipeline samples it; the
+    image-to-video result also under cfg 2, ulysses 2 and ring 2, at 9 tokens (3 x 1 x 3), which 2 does not
+    divide."""
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        WanImageToVideoPipeline,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+    from PIL import Image
+    from transformers import ByT5Tokenizer
+
+    torch.manual_seed(0)
+    transformer = WanTransformer3DModel(**dict(TINY_TRANSFORMER, in_channels=48, out_channels=48))
+    perturb(transformer)
+    g = torch.Generator().manual_seed(0)
+    vae = AutoencoderKLWan(
+        base_dim=8,
+        z_dim=48,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        is_residual=True,
+        patch_size=2,
+        in_channels=12,
+        out_channels=12,
+        scale_factor_spatial=16,
+        latents_mean=(torch.randn(48, generator=g) * 0.1).tolist(),
+        latents_std=(1 + torch.rand(48, generator=g)).tolist(),
+    )
+    _, text_encoder = tiny_vae_and_text_encoder()
+    parts = dict(tokenizer=ByT5Tokenizer(), text_encoder=text_encoder, vae=vae, transformer=transformer)
+    parts["scheduler"] = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    WanImageToVideoPipeline(**parts, expand_timesteps=True).save_pretrained(tmp_path / "pipe")
+    image = tmp_path / "first.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 96, 3), dtype=np.uint8)).save(image)
+    size = dict(
+        height=32, width=96, num_frames=9, num_inference_steps=3, guidance_scale=5.0, output_type="np"
+    )
+    common = dict(prompt=PROMPT, negative_prompt="", max_sequence_length=40, **size)
+    pipe = WanImageToVideoPipeline.from_pretrained(tmp_path / "pipe")
+    i2v = pipe(image=Image.open(image), generator=torch.Generator().manual_seed(0), **common).frames[0]
+    t2v_pipe = WanPipeline(**{k: getattr(pipe, k) for k in parts}, expand_timesteps=True)
+    t2v = t2v_pipe(generator=torch.Generator().manual_seed(0), **common).frames[0]
+    recipe = tmp_path / "ti2v.yaml"
+    recipe.write_text(RECIPE.format(pipe=tmp_path / "pipe").replace("model:\n", "model:\n  task: ti2v\n", 1))
+    base = ["--config", str(recipe), f"run.output_dir={tmp_path / 'run'}", "--prompt", PROMPT]
+    base += ["--frames", "9", "--height", "32", "--width", "96"]
+    for out, extra, expected in (("i2v.npy", ["--image", str(image)], i2v), ("t2v.npy", [], t2v)):
+        assert run_main(infer, base + extra + ["--output", str(tmp_path / out)]) == 0
+        video = np.load(tmp_path / out)
+        assert video.shape == expected.shape == (9, 32, 96, 3) and expected.std() > 0.05
+        assert np.abs(video - expected).max() <= 1e-5, (out, np.abs(video - expected).max())
+    assert np.abs(i2v - t2v).max() > 1e-3  # the image counts
+    for layout in ("parallel.cfg=2", "parallel.ulysses=2", "parallel.ring=2"):
+        args = base + ["--image", str(image), "--output", str(tmp_path / "layout.npy"), layout]
+        result = torchrun(2, "infer.py", *args, timeout=120)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert np.abs(np.load(tmp_path / "layout.npy") - i2v).max() <= 1e-5, layout
+    assert run_main(train, ["--config", str(recipe), f"run.output_dir={tmp_path / 'train'}"]) == 2

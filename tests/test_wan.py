@@ -81,6 +81,23 @@ def test_forward_equals_diffusers(saved_wan, frames, height, width):
         assert relative_error(model(x, t, y, y_mask), expected) > 1e-4
 
 
+def test_a_timestep_per_token_equals_diffusers(saved_wan):
+    """Wan2.2 TI2V's expand_timesteps: t = 0 on the first frame's tokens and t elsewhere, as diffusers'
+    WanTransformer3DModel takes a (B, N) timestep; it differs from one t for every token."""
+    reference, folder = saved_wan
+    model = load_into_tessera(folder)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2, 4, 3, 8, 8, generator=g), torch.randn(2, 7, 16, generator=g)
+    y_mask = torch.ones(2, 7, dtype=torch.bool)
+    t = torch.rand(2, 1, generator=g).expand(2, 3 * 4 * 4).clone()
+    t[:, :16] = 0  # the first latent frame's 4 x 4 tokens
+    with torch.no_grad():
+        expected = reference(x, t * 1000, y, return_dict=False)[0]
+        out = model(x, t, y, y_mask)
+        assert relative_error(out, expected) <= 1e-5, relative_error(out, expected)
+        assert relative_error(model(x, t[:, -1], y, y_mask), expected) > 1e-3
+
+
 def test_wan_sizes_match_diffusers_parameter_for_parameter():
     """The Wan2.1-1.3B size builds the same parameters, under the same shapes, as diffusers' config."""
     from diffusers import WanTransformer3DModel
