@@ -41,7 +41,14 @@ from data.media import write_video
 from data.sampler import sample_seed
 from models.dit import DiT_models, count_parameters
 from models.flow import RectifiedFlow, expert_timesteps
-from models.image_condition import ConditionedModel, ImageEncoder, encode_condition, image_encoder_folder
+from models.image_condition import (
+    ConditionedModel,
+    ImageCondition,
+    ImageEncoder,
+    encode_condition,
+    encode_first_frame,
+    image_encoder_folder,
+)
 from models.pipeline import generate
 from models.vae import vae_latent_space
 from parallel import comm
@@ -203,7 +210,7 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     dtype = torch.bfloat16 if bf16 else torch.float32
     text_encoder, vae = build_frozen(cfg, device)
     image = None
-    if cfg.model.task != "t2v":  # every rank: previews need it too (a 0.6B CLIP, frozen, float32)
+    if cfg.model.task in ("i2v", "flf2v"):  # every rank: previews need it too (a 0.6B CLIP, float32)
         encoder = ImageEncoder(image_encoder_folder(cfg)).to(device) if cfg.model.image_dim else None
         image = (cfg.model.task == "flf2v", encoder)
     model = build_model(cfg, text_encoder, vae, weights=False)
@@ -356,6 +363,8 @@ def load_batch(cfg, plan: Plan, runtime, t: Trainer, step: int, samples: list[in
     latent = plan.buckets.latent_shapes[int(plan.dataset.bucket_of[samples[0]])]
     specs = batch_specs(len(samples), latent, t.text_encoder, t.image)
     x0, y, y_mask, condition = unpack_batch(share_batch(runtime.sequence, encoded, specs, runtime.device))
+    if cfg.model.task == "ti2v":  # Wan2.2 TI2V: the clip's own first latent frame is given, at t = 0
+        condition = ImageCondition(x0[:, :, :1], None, first_frame=True)
     noise, timesteps = t.flow.draw(x0.shape[1:], rngs)
     return batch, (x0, y, y_mask, noise, timesteps), condition
 
@@ -366,7 +375,10 @@ def train_step(cfg, runtime, t: Trainer, step: int, inputs, condition=None):
     tc, phase = cfg.train, runtime.watchdog.mark
     phase("forward")
     model = t.model if condition is None else ConditionedModel(t.model, condition)
-    loss = t.flow.training_loss(model, *inputs)
+    from_frame = (
+        1 if condition is not None and condition.first_frame else 0
+    )  # TI2V: the given frame has no loss
+    loss = t.flow.training_loss(model, *inputs, from_frame=from_frame)
     loss = runtime.faults.nan_loss(loss, step + 1)  # tests only
     phase("backward")
     loss.backward()
@@ -504,10 +516,11 @@ def sample_previews(cfg, runtime, run, model, t: Trainer, step):
         sc.height or cfg.data.height,
         sc.width or cfg.data.width,
     )
-    condition = None
+    condition, (first, last) = None, t.preview_images
     if t.image is not None:  # image-to-video: sample.images (and last_images), encoded as infer.py does
-        first, last = t.preview_images
         condition = encode_condition(t.vae, t.image[1], first, last, frames, height, width, runtime.device)
+    elif cfg.model.task == "ti2v" and first is not None:  # TI2V previews: text-to-video without images
+        condition = encode_first_frame(t.vae, first, height, width, runtime.device)
     runtime.watchdog.sampling_progress(0, sc.steps)  # a deadline per denoising step
     videos = generate(
         model.eval(),

@@ -39,7 +39,7 @@ class ModelConfig:
     # t2v | i2v: conditioned on a first frame (the input also takes a 4-channel mask and the frame's
     # latent, Wan I2V's 36 channels) | flf2v: on a first and a last frame | ti2v: Wan2.2 TI2V-5B, text-
     # to-video, or with an image its clean latent replaces the first latent frame, whose tokens get t = 0
-    # (diffusers' expand_timesteps; sampling only) (docs/image_to_video.md)
+    # (diffusers' expand_timesteps; training gives each clip its own first frame) (docs/image_to_video.md)
     task: str = "t2v"
     # image-to-video: the width of the CLIP image features (Wan2.1 I2V/FLF2V: 1280; Wan2.2 I2V: none)
     image_dim: Optional[int] = None

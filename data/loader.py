@@ -243,9 +243,9 @@ def check_image_to_video(cfg, table: BucketTable):
     from models.image_condition import image_encoder_folder, read_images
     from models.vae import vae_latent_space
 
-    if cfg.model.task == "ti2v":
-        raise ValueError("model.task=ti2v samples (infer.py [--image]) but does not train yet")
-    fewest = {"i2v": 2, "flf2v": 5}.get(cfg.model.task, 1)  # the given frames and at least one to generate
+    fewest = {"i2v": 2, "flf2v": 5, "ti2v": 2}.get(
+        cfg.model.task, 1
+    )  # the given frames and at least one to generate
     if min(table.frame_counts) < fewest:
         raise ValueError(
             f"data.frame_counts: model.task={cfg.model.task} trains on clips of at least {fewest} frames, "

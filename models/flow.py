@@ -61,13 +61,14 @@ class RectifiedFlow:
         noise = torch.stack([torch.randn(tuple(latent_shape), generator=g) for g in generators])
         return noise, t
 
-    def training_loss(self, model, x0, y, y_mask, noise, t) -> torch.Tensor:
-        """Mean squared error of the predicted velocity at x_t = (1 - t) x0 + t noise."""
+    def training_loss(self, model, x0, y, y_mask, noise, t, from_frame: int = 0) -> torch.Tensor:
+        """Mean squared error of the predicted velocity at x_t = (1 - t) x0 + t noise, over the latent
+        frames from `from_frame` on (Wan2.2 TI2V: 1, its first frame is given)."""
         noise, t = noise.to(x0.device, x0.dtype), t.to(x0.device)
         t_ = t.view(-1, *([1] * (x0.dim() - 1))).to(x0.dtype)
         x_t = (1 - t_) * x0 + t_ * noise
         v = model(x_t, t, y, y_mask)
-        return F.mse_loss(v.float(), (noise - x0).float())
+        return F.mse_loss(v[:, :, from_frame:].float(), (noise - x0)[:, :, from_frame:].float())
 
     def sigmas(self, noise, steps: int) -> torch.Tensor:
         """The noise levels of `steps` Euler steps, then 0: (steps + 1,) float32, from diffusers'

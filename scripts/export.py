@@ -108,8 +108,8 @@ def export(
     if low_noise is not None:  # as diffusers' A14B folders: transformer_2 below boundary_ratio
         parts.update(transformer_2=exported_transformer(low_noise, low_cfg, use_ema, pipeline)[0])
         parts.update(boundary_ratio=cfg.sample.boundary)
-    if cfg.model.task == "t2v":
-        pipe = WanPipeline(**parts)
+    if cfg.model.task in ("t2v", "ti2v"):  # TI2V as Wan-AI's release: a WanPipeline with expand_timesteps
+        pipe = WanPipeline(**parts, **({"expand_timesteps": True} if cfg.model.task == "ti2v" else {}))
     else:  # Wan2.1 I2V / FLF2V with the CLIP encoder the recipe names; Wan2.2 I2V without one
         pipe = WanImageToVideoPipeline(**parts, **image_encoder_parts(cfg))
     pipe.save_pretrained(output, max_shard_size=max_shard_size)

@@ -85,3 +85,30 @@ def test_sampler_with_exact_velocity_reaches_the_data(guidance):
     # with guidance, the update is linear in the two exact velocities, so it stays exact
     assert torch.allclose(out, expected, atol=1e-4), (out.mean().item(), expected.mean().item())
     assert math.isfinite(out.abs().max().item())
+
+
+def test_ti2v_gives_the_first_frame_at_t_zero_and_leaves_it_out_of_the_loss():
+    """Wan2.2 TI2V's training: the model sees the given latent frame in place of frame 0, its tokens at
+    t = 0 and the others at t, and the loss covers frames 1 onward only."""
+    from models.image_condition import ConditionedModel, ImageCondition
+
+    g = torch.Generator().manual_seed(0)
+    x0, noise = torch.randn(2, 4, 3, 4, 4, generator=g), torch.randn(2, 4, 3, 4, 4, generator=g)
+    t = torch.tensor([0.3, 0.8])
+    seen = {}
+
+    class Oracle(torch.nn.Module):
+        patch_size = (1, 2, 2)
+
+        def forward(self, x, t_tokens, y, y_mask):
+            seen.update(x=x, t=t_tokens)
+            v = noise - x0
+            return torch.cat([v[:, :, :1] + 5.0, v[:, :, 1:]], dim=2)  # wrong on the given frame only
+
+    model = ConditionedModel(Oracle(), ImageCondition(x0[:, :, :1], None, first_frame=True))
+    flow = make_flow()
+    assert flow.training_loss(model, x0, None, None, noise, t, from_frame=1).item() == 0
+    assert flow.training_loss(model, x0, None, None, noise, t).item() > 1
+    assert torch.equal(seen["x"][:, :, 0], x0[:, :, 0])
+    assert seen["t"].shape == (2, 12) and (seen["t"][:, :4] == 0).all()
+    assert torch.equal(seen["t"][:, 4:], t.view(2, 1).expand(2, 8))

@@ -266,13 +266,14 @@ def test_wan22_image_to_video_a14b_samples_what_diffusers_samples(tmp_path):
     assert np.abs(np.load(tmp_path / "cfg.npy") - pair).max() <= 1e-5
 
 
-@pytest.mark.timeout(240)
-def test_wan22_ti2v_samples_what_diffusers_samples(tmp_path):
+@pytest.mark.timeout(300)
+def test_wan22_ti2v_samples_and_trains_as_diffusers_does(tmp_path, monkeypatch):
     """Wan2.2 TI2V-5B's expand_timesteps, with a tiny 48-channel AutoencoderKLWan (patch 2, stride 16):
     with --image the frame's latent replaces the first latent frame and its tokens run at t = 0, as in
     WanImageToVideoPipeline(expand_timesteps=True); without, text-to-video as WanPipeline samples it; the
     image-to-video result also under cfg 2, ulysses 2 and ring 2, at 9 tokens (3 x 1 x 3), which 2 does not
-    divide."""
+    divide. Fine-tuned (the clip's first frame given), exported and sampled by diffusers: the same."""
+    import export
     from diffusers import (
         AutoencoderKLWan,
         FlowMatchEulerDiscreteScheduler,
@@ -329,4 +330,41 @@ def test_wan22_ti2v_samples_what_diffusers_samples(tmp_path):
         result = torchrun(2, "infer.py", *args, timeout=120)
         assert result.returncode == 0, result.stderr[-3000:]
         assert np.abs(np.load(tmp_path / "layout.npy") - i2v).max() <= 1e-5, layout
-    assert run_main(train, ["--config", str(recipe), f"run.output_dir={tmp_path / 'train'}"]) == 2
+    # fine-tuning: the clip's first latent frame given at t = 0, the loss on the rest; ulysses 2 trains
+    # one process's losses; the run exported with --pipeline samples in diffusers what infer.py samples
+    train_args = ["--config", str(recipe), f"sample.images=[{image}]", "train.log_every=1"]
+    train_args += ["data.frames=9", "data.height=32", "data.width=96"]
+    from models.flow import RectifiedFlow
+
+    seen, training_loss = [], RectifiedFlow.training_loss
+    monkeypatch.setattr(
+        RectifiedFlow,
+        "training_loss",
+        lambda *a, **k: seen.append(k.get("from_frame")) or training_loss(*a, **k),
+    )
+    assert run_main(train, train_args + [f"run.output_dir={tmp_path / 'one'}"]) == 0
+    assert seen == [1, 1]  # the given first latent frame has no loss
+    result = torchrun(2, "train.py", *train_args, f"run.output_dir={tmp_path / 'two'}", "parallel.ulysses=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert a.keys() == b.keys() and all(b[s] == pytest.approx(a[s], rel=1e-4) for s in a), (a, b)
+    exported = tmp_path / "exported"
+    assert (
+        export.main(
+            ["--checkpoint", str(tmp_path / "two"), "--output", str(exported), "--pipeline", "--no-ema"]
+        )
+        == 0
+    )
+    tuned = WanPipeline.from_pretrained(exported)
+    assert tuned.config.expand_timesteps
+    tuned_i2v = WanImageToVideoPipeline(**{k: getattr(tuned, k) for k in parts}, expand_timesteps=True)
+    for out, extra, reference in (
+        ("tuned_t2v.npy", [], tuned),
+        ("tuned_i2v.npy", ["--image", str(image)], tuned_i2v),
+    ):
+        extra = extra + ["--output", str(tmp_path / out), f"run.output_dir={tmp_path / 'two'}", "--no-ema"]
+        assert run_main(infer, base[:2] + base[3:] + extra) == 0
+        given = dict(image=Image.open(image)) if extra[0] == "--image" else {}
+        expected = reference(generator=torch.Generator().manual_seed(0), **common, **given).frames[0]
+        assert np.abs(np.load(tmp_path / out) - expected).max() <= 1e-4, out
+    assert np.abs(expected - i2v).max() > 1e-3  # two steps of training show
