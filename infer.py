@@ -384,12 +384,6 @@ def plan_layout(cfg, request: Request) -> tuple[ParallelLayout, int, str]:
         slow_links=slow_links,
         tokens=grid[0] * grid[1] * grid[2],
     )
-    if cfg.model.task == "ti2v" and request.images is not None and layout.pipefusion > 1:
-        raise ValueError(
-            "model.task=ti2v with --image gives the first frame's tokens their own timestep, which "
-            f"PipeFusion's patches do not carry yet (parallel.pipefusion={layout.pipefusion}): use cfg, "
-            "ulysses or ring"
-        )
     if request.experts is not None and layout.pipefusion > 1:
         raise ValueError(
             "Wan 2.2's two experts do not run under PipeFusion yet "

@@ -89,8 +89,8 @@ def diffusers_name_from_original(key: str) -> str:
 def diffusers_config_from_original(config: dict) -> dict:
     """A WanTransformer3DModel config from the original layout's config.json (dim, num_heads, ...)."""
     model_type = config.get("model_type", "t2v")
-    if model_type not in ("t2v", "i2v", "flf2v"):
-        raise WanFormatError(f"Wan model_type={model_type!r} is not supported (t2v, i2v and flf2v are)")
+    if model_type not in ("t2v", "i2v", "flf2v", "ti2v"):  # ti2v: Wan2.2-5B, as many channels out as in
+        raise WanFormatError(f"Wan model_type={model_type!r} is not supported (t2v, i2v, flf2v and ti2v are)")
     return dict(  # image_dim etc.: WanWeights reads them off the weights (img_emb), as the text width
         patch_size=config.get("patch_size", [1, 2, 2]),
         num_attention_heads=config["num_heads"],

@@ -8,6 +8,7 @@ the ranks compare before the first message and check against what was sent at th
 directions use two process groups. docs/internals.md has the whole protocol.
 """
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -153,17 +154,20 @@ class PipeFusionSampler:
                 if self.first and item.step < steps - 1:
                     self._post_returns(run, item.step)
                 batch = run.hidden[0]
-                cond = model.condition(run.sigmas[item.step].expand(batch), *run.text)
+                cond = model.condition(timesteps(run, item.step, batch), *run.text)
             offset, local = local_share(item, self.groups.sequence.sp_size, self.groups.sequence.sp_rank)
-            rope = _pad_tokens(run.rope[item.start : item.end], offset + local)[offset : offset + local]
+            rope = _share(run.rope, 0, item, offset, local)
+            c, temb = cond.c, cond.temb
+            if temb.dim() == 3:  # a timestep per token (Wan2.2 TI2V): the item's tokens' modulation
+                c, temb = _share(c, 1, item, offset, local), _share(temb, 1, item, offset, local)
             h = self._stage_input(run, item, offset, local)
             self.state.start, self.state.end = item.start, item.end
             for block_index in model.stage_range:
-                h = model.blocks[block_index](h, cond.c, cond.y, cond.block_mask, rope)
+                h = model.blocks[block_index](h, c, cond.y, cond.block_mask, rope)
             if not self.last:
                 self._send_forward(run, h, following)
             else:
-                self._finish_patch(run, flow, item, model.final_layer(h, cond.temb))
+                self._finish_patch(run, flow, item, model.final_layer(h, temb))
                 self._post_forward_recv(run, following)
             if progress is not None and (following is None or following.step != item.step):
                 for step in [item.step] + [j for j, _ in run.skipped[item.step]]:
@@ -270,7 +274,9 @@ class PipeFusionSampler:
         # (a conv over a smaller input could round differently); it costs about
         # (C*pt*ph*pw) / (24 * hidden * blocks per stage) of the stage's work per patch.
         latent = self.model.unpatchify(x, run.grid)
-        if run.condition is not None:  # image-to-video: the mask and the given frames' latents
+        if run.condition is not None and run.condition.first_frame:  # TI2V: the given frame in place
+            latent = torch.cat([run.condition.latent.to(latent.dtype), latent[:, :, 1:]], dim=2)
+        elif run.condition is not None:  # image-to-video: the mask and the given frames' latents
             latent = torch.cat([latent, run.condition.latent.to(latent.dtype)], dim=1)
         if run.guidance != 1.0 and self.groups.cfg_size == 1:
             latent = torch.cat([latent, latent])
@@ -352,6 +358,23 @@ def _activation_dtype(model, device) -> torch.dtype:
     if torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
     return next(model.parameters()).dtype
+
+
+def timesteps(run: _Sampling, step: int, batch: int) -> torch.Tensor:
+    """The model's t at `step`: (batch,), or with Wan2.2 TI2V's given first frame one per token, 0 on
+    that frame's tokens (models/image_condition.py ConditionedModel)."""
+    t = run.sigmas[step].expand(batch)
+    if run.condition is None or not run.condition.first_frame:
+        return t
+    t = t.view(-1, 1).expand(-1, math.prod(run.grid)).clone()
+    t[:, : run.grid[1] * run.grid[2]] = 0
+    return t
+
+
+def _share(per_token, dim: int, item, offset: int, local: int):
+    """This rank's share of `item`'s tokens of a per-token tensor (rope, or TI2V's modulation)."""
+    part = per_token.narrow(dim, item.start, item.end - item.start)
+    return _pad_tokens(part, offset + local, dim).narrow(dim, offset, local)
 
 
 def _pad_tokens(x, length, dim=0):

@@ -247,7 +247,7 @@ def original_name(key: str) -> str:
     return "model.diffusion_model." + key
 
 
-@pytest.mark.parametrize("model_type", ["t2v", "i2v", "i2v-2.2"])
+@pytest.mark.parametrize("model_type", ["t2v", "i2v", "i2v-2.2", "ti2v"])
 def test_the_original_wan_layout_reads_as_the_diffusers_one(saved_wan, tmp_path, model_type):
     """A folder in Wan-AI's own layout (its config.json fields and key names, as diffusers' converter
     maps them: img_emb, k_img, v_img, norm_k_img for image-to-video) gives the same weights and
@@ -261,7 +261,7 @@ def test_the_original_wan_layout_reads_as_the_diffusers_one(saved_wan, tmp_path,
 
     _, folder = saved_wan
     in_dim = 4
-    if model_type != "t2v":
+    if model_type not in ("t2v", "ti2v"):  # Wan2.2 TI2V: t2v's layout, no out_dim (as many out as in)
         in_dim, folder = 12, tmp_path / "i2v"
         torch.manual_seed(0)
         image_config = dict(in_channels=in_dim, out_channels=16)
