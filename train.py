@@ -519,7 +519,7 @@ def sample_previews(cfg, runtime, run, model, t: Trainer, step):
     condition, (first, last) = None, t.preview_images
     if t.image is not None:  # image-to-video: sample.images (and last_images), encoded as infer.py does
         condition = encode_condition(t.vae, t.image[1], first, last, frames, height, width, runtime.device)
-    elif cfg.model.task == "ti2v" and first is not None:  # TI2V previews: text-to-video without images
+    elif cfg.model.task == "ti2v" and first is not None:  # TI2V previews from sample.images (else t2v)
         condition = encode_first_frame(t.vae, first, height, width, runtime.device)
     runtime.watchdog.sampling_progress(0, sc.steps)  # a deadline per denoising step
     videos = generate(

@@ -208,6 +208,11 @@ def validate(cfg: DictConfig) -> None:
             f"sample.cache={sc.cache} needs sample.cache_calibration: write one with python "
             "scripts/calibrate_cache.py --config <recipe> --output cache.json (or set sample.cache=none)"
         )
+    if cfg.model.task == "ti2v" and cfg.model.patch_size[0] != 1:
+        raise ConfigError(
+            f"model.task=ti2v gives the first latent frame's tokens t = 0: model.patch_size must keep frames "
+            f"apart (a time patch of 1), got {list(cfg.model.patch_size)}"
+        )
     if cfg.model.task in ("t2v", "ti2v") and cfg.model.image_dim:
         raise ConfigError(
             f"model.image_dim={cfg.model.image_dim} is image-to-video's: set model.task=i2v or flf2v, or "

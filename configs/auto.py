@@ -16,6 +16,11 @@ def resolve_auto_size(cfg, error=ValueError) -> None:
     folder = mc.pretrained
     if not folder or not Path(folder).is_dir():
         raise error(f"model.size=auto reads the architecture from model.pretrained's folder: got {folder!r}")
+    if not (Path(folder) / "config.json").is_file() and not (Path(folder) / "transformer").is_dir():
+        raise error(
+            f"model.size=auto reads a Wan folder's config.json; {folder} has none (a tessera run keeps "
+            "its own recipe: name its model.size)"
+        )
     try:
         found = WanWeights(folder).dit_kwargs
     except WanFormatError as e:
@@ -27,13 +32,14 @@ def resolve_auto_size(cfg, error=ValueError) -> None:
         raise error(
             f"model.size=auto: no size in models/dit.py has {folder}'s {shape}; add one to DiT_models"
         )
-    out, given = found["out_channels"], found["in_channels"]
-    task = "t2v" if given == out else "flf2v" if found.get("image_positions") else "i2v"
+    task = folder_task(folder, found, mc.task)
     settings = {k: found.get(k) for k in ARCHITECTURE_OPTIONS}
-    if task == "flf2v":  # the recipe counts one image's tokens; the folder both images'
+    if task == "flf2v" and found.get("image_positions"):  # the recipe counts one image's tokens
         settings["image_tokens"] = found["image_tokens"] // 2
     settings.pop("image_positions")  # model.task=flf2v sets it
     for key, value in settings.items():
+        if value is None and key == "image_dim" and mc[key] is not None:
+            raise error(f"model.image_dim={mc[key]} contradicts {folder} (no CLIP features): drop it")
         if value is None:
             continue
         if mc[key] is not None and mc[key] != value:
@@ -53,6 +59,22 @@ def resolve_auto_size(cfg, error=ValueError) -> None:
     if mc.image_dim and mc.image_tokens is None:  # I2V's config does not say it: its CLIP encoder does
         mc.image_tokens = clip_tokens(cfg.image_encoder.pretrained or folder)
     mc.size = next((name for name in sizes if name.startswith("Wan")), sizes[0])
+
+
+def folder_task(folder, found: dict, asked: str) -> str:
+    """The task of the folder's transformer: the recipe's if the weights allow it (t2v weights serve
+    ti2v; I2V weights without CLIP positions serve flf2v), else (and for t2v, the default, which a recipe
+    cannot tell from unset) what the weights and model_index.json say."""
+    import json
+
+    if found["in_channels"] == found["out_channels"]:
+        allowed = ["t2v", "ti2v"]
+        index = Path(folder) / "model_index.json"
+        if index.is_file() and json.loads(index.read_text()).get("expand_timesteps"):
+            allowed.reverse()  # Wan2.2 TI2V-5B's pipeline
+    else:
+        allowed = ["flf2v"] if found.get("image_positions") else ["i2v", "flf2v"]
+    return asked if asked in allowed and asked != "t2v" else allowed[0]  # t2v: the default, or unset
 
 
 def clip_tokens(folder):

@@ -43,6 +43,8 @@ def latent_meta(cfg) -> dict:
         section: {k: OmegaConf.to_container(cfg, resolve=True)[section][k] for k in keys}
         for section, keys in META_KEYS.items()
     }
+    if meta["model"]["task"] == "ti2v":  # its latents are text-to-video's: the clip holds its condition
+        meta["model"]["task"] = "t2v"
     if cfg.model.image_dim:  # the CLIP folder actually read (a pipeline folder's image_encoder/)
         meta["image_encoder"]["pretrained"] = cfg.image_encoder.pretrained or cfg.model.pretrained
     return meta

@@ -97,6 +97,7 @@ def latent_space(kind: str, config) -> LatentSpace:
     elif kind == "wan":
         space.latent_channels = config["z_dim"]
         # Wan2.2's 48-channel VAE folds 2 x 2 pixels into channels first (patch_size 2): stride 16
+        # (computed from the architecture, which the encoder follows, not from scale_factor_spatial)
         space.spatial_stride = 2 ** len(config["temperal_downsample"]) * (config.get("patch_size") or 1)
         space.temporal_stride = 2 ** sum(bool(d) for d in config["temperal_downsample"])
         space.causal = True

@@ -106,7 +106,7 @@ def main(argv=None, session=None):
     )
     text_encoder, vae = build_frozen(cfg, runtime.device)
     image = None  # image-to-video: (last frame too?, the CLIP encoder or None)
-    if cfg.model.task != "t2v":
+    if cfg.model.task in ("i2v", "flf2v"):  # TI2V's condition is the clip's own first latent frame
         encoder = ImageEncoder(image_encoder_folder(cfg)).to(runtime.device) if cfg.model.image_dim else None
         image = (cfg.model.task == "flf2v", encoder)
     if runtime.is_main:

@@ -271,9 +271,9 @@ def test_wan22_ti2v_samples_and_trains_as_diffusers_does(tmp_path, monkeypatch):
     """Wan2.2 TI2V-5B's expand_timesteps, with a tiny 48-channel AutoencoderKLWan (patch 2, stride 16):
     with --image the frame's latent replaces the first latent frame and its tokens run at t = 0, as in
     WanImageToVideoPipeline(expand_timesteps=True); without, text-to-video as WanPipeline samples it; the
-    image-to-video result also under cfg 2, ulysses 2, ring 2 and PipeFusion 2, at 9 tokens (3 x 1 x 3),
-    which 2 does not divide. Fine-tuned (the clip's first frame given), exported and sampled by diffusers:
-    the same."""
+    image-to-video result also under ulysses 2 and PipeFusion 2, at 9 tokens (3 x 1 x 3), which 2 does not
+    divide. model.size=auto reads the folder as TI2V. Fine-tuned (the clip's first frame given), exported
+    and sampled by diffusers: the same."""
     import export
     from diffusers import (
         AutoencoderKLWan,
@@ -318,6 +318,11 @@ def test_wan22_ti2v_samples_and_trains_as_diffusers_does(tmp_path, monkeypatch):
     t2v = t2v_pipe(generator=torch.Generator().manual_seed(0), **common).frames[0]
     recipe = tmp_path / "ti2v.yaml"
     recipe.write_text(RECIPE.format(pipe=tmp_path / "pipe").replace("model:\n", "model:\n  task: ti2v\n", 1))
+    from configs import load_config
+    from tests.test_wan_pipeline import architecture, auto_recipe
+
+    auto = load_config(auto_recipe(recipe, tmp_path))  # expand_timesteps in model_index.json: ti2v
+    assert auto.model.task == "ti2v" and architecture(auto) == architecture(load_config(recipe))
     base = ["--config", str(recipe), f"run.output_dir={tmp_path / 'run'}", "--prompt", PROMPT]
     base += ["--frames", "9", "--height", "32", "--width", "96"]
     for out, extra, expected in (("i2v.npy", ["--image", str(image)], i2v), ("t2v.npy", [], t2v)):
@@ -328,7 +333,7 @@ def test_wan22_ti2v_samples_and_trains_as_diffusers_does(tmp_path, monkeypatch):
     assert np.abs(i2v - t2v).max() > 1e-3  # the image counts
     # PipeFusion with a warm-up over every step is exact (the pipelined steps reuse stale activations)
     pipefusion = "parallel.pipefusion=2 parallel.pipefusion_warmup=3"
-    for layout in ("parallel.cfg=2", "parallel.ulysses=2", "parallel.ring=2", pipefusion):
+    for layout in ("parallel.ulysses=2", pipefusion):  # cfg and ring reach the DiT as other layouts do
         args = base + ["--image", str(image), "--output", str(tmp_path / "layout.npy"), *layout.split()]
         result = torchrun(2, "infer.py", *args, timeout=120)
         assert result.returncode == 0, result.stderr[-3000:]
