@@ -325,9 +325,11 @@ class FinalLayer(nn.Module):
 class Conditioning:
     temb: torch.Tensor  # (B, D) time (and pooled text) embedding: the final layer's modulation input
     c: torch.Tensor  # the blocks' modulation input: temb, or adaLN-single's shared (B, 6, D) projection
-    # (a timestep per token, Wan2.2 TI2V: temb (B, N, D), c (B, N, D) or (B, N, 6, D))
     y: torch.Tensor  # (B, L, D) embedded text tokens
     block_mask: torch.Tensor | None  # (B, L) text mask for cross-attention; None: every text token attended
+    # A timestep per token (Wan2.2 TI2V): temb and c hold one row per distinct timestep, (U, D) and (U, D)
+    # or (U, 6, D), and token_index (B, N) each token's row: gathered for the tokens a rank holds.
+    token_index: torch.Tensor | None = None
 
 
 class WholeSequence(nn.Module):
@@ -469,9 +471,10 @@ class DiT(nn.Module):
         tokens, grid = self.embed(x)  # (B, N, D)
         rope = self.rope(grid, tokens.device)  # (N, Dh/2, 2)
         cond = self.condition(t, y, y_mask, image)
-        c, y, y_mask = cond.c, cond.y, cond.block_mask
-        if t.dim() == 2:  # the per-token modulation is split with its tokens
-            c = self.sequence.shard(c.flatten(2), rope)[0].unflatten(2, c.shape[2:])
+        c, temb, y, y_mask = cond.c, cond.temb, cond.y, cond.block_mask
+        if cond.token_index is not None:  # the modulation of this rank's tokens (padding: row 0's)
+            c = c[self.sequence.shard(cond.token_index.unsqueeze(-1), rope)[0].squeeze(-1)]
+            temb = temb[cond.token_index]  # (B, N, D): the final layer's, after the gather
         tokens, rope = self.sequence.shard(tokens, rope)  # (B, N_local, D); the identity on one device
         blocks, cache = list(self.blocks), self.step_cache
         if cache is not None:  # sample.cache=first_block: after the first block, only the rows that must run
@@ -487,7 +490,7 @@ class DiT(nn.Module):
         if cache is not None:
             tokens = cache.combine(first, tokens, run)
         tokens = self.sequence.gather(tokens)  # (B, N, D)
-        return self.unpatchify(self.final_layer(tokens, cond.temb), grid)  # (B, C, T, H, W)
+        return self.unpatchify(self.final_layer(tokens, temb), grid)  # (B, C, T, H, W)
 
     # The pieces of `forward`, also run one by one by parallel/pipefusion.py, whose stages hold only some
     # of the blocks and see one patch of tokens at a time.
@@ -517,8 +520,9 @@ class DiT(nn.Module):
             values, index = torch.unique(t, return_inverse=True)
             temb = self.t_embedder(values).to(dtype)  # (U, D)
             c = temb if self.time_proj is None else self.time_proj(temb).unflatten(1, (6, -1))
-            temb, c = temb[index], c[index]  # (B, N, D); (B, N, D) or (B, N, 6, D)
+            token_index = index  # (B, N): forward and PipeFusion gather the rows of their tokens
         else:
+            token_index = None
             temb = self.t_embedder(t).to(dtype)  # (B, D), computed in float32
             if self.pooled_embedder is not None:
                 temb = temb + self.pooled_embedder(masked_mean(y, y_mask))
@@ -542,7 +546,7 @@ class DiT(nn.Module):
             y = torch.cat([image.to(y.dtype), y], dim=1)
             if block_mask is not None:
                 block_mask = torch.cat([block_mask.new_ones(image.shape[:2]), block_mask], dim=1)
-        return Conditioning(temb, c, y, block_mask)
+        return Conditioning(temb, c, y, block_mask, token_index)
 
     def unpatchify(self, x, grid):
         B = x.shape[0]

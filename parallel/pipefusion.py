@@ -158,8 +158,9 @@ class PipeFusionSampler:
             offset, local = local_share(item, self.groups.sequence.sp_size, self.groups.sequence.sp_rank)
             rope = _share(run.rope, 0, item, offset, local)
             c, temb = cond.c, cond.temb
-            if temb.dim() == 3:  # a timestep per token (Wan2.2 TI2V): the item's tokens' modulation
-                c, temb = _share(c, 1, item, offset, local), _share(temb, 1, item, offset, local)
+            if cond.token_index is not None:  # a timestep per token (Wan2.2 TI2V): the item's tokens' rows
+                rows = _share(cond.token_index, 1, item, offset, local)
+                c, temb = c[rows], temb[rows]
             h = self._stage_input(run, item, offset, local)
             self.state.start, self.state.end = item.start, item.end
             for block_index in model.stage_range:
