@@ -375,9 +375,8 @@ def train_step(cfg, runtime, t: Trainer, step: int, inputs, condition=None):
     tc, phase = cfg.train, runtime.watchdog.mark
     phase("forward")
     model = t.model if condition is None else ConditionedModel(t.model, condition)
-    from_frame = (
-        1 if condition is not None and condition.first_frame else 0
-    )  # TI2V: the given frame has no loss
+    # TI2V: the given frame has no loss
+    from_frame = 1 if condition is not None and condition.first_frame else 0
     loss = t.flow.training_loss(model, *inputs, from_frame=from_frame)
     loss = runtime.faults.nan_loss(loss, step + 1)  # tests only
     phase("backward")

@@ -208,11 +208,6 @@ def validate(cfg: DictConfig) -> None:
             f"sample.cache={sc.cache} needs sample.cache_calibration: write one with python "
             "scripts/calibrate_cache.py --config <recipe> --output cache.json (or set sample.cache=none)"
         )
-    if cfg.model.task == "ti2v" and cfg.model.patch_size[0] != 1:
-        raise ConfigError(
-            f"model.task=ti2v gives the first latent frame's tokens t = 0: model.patch_size must keep frames "
-            f"apart (a time patch of 1), got {list(cfg.model.patch_size)}"
-        )
     if cfg.model.task in ("t2v", "ti2v") and cfg.model.image_dim:
         raise ConfigError(
             f"model.image_dim={cfg.model.image_dim} is image-to-video's: set model.task=i2v or flf2v, or "
@@ -257,6 +252,16 @@ def validate(cfg: DictConfig) -> None:
     ):
         if OmegaConf.select(cfg, key) < 0:
             raise ConfigError(f"'{key}' must be 0 or more, got {OmegaConf.select(cfg, key)}")
+    pooled = cfg.model.pooled_text
+    if pooled is None:  # the size's choice, else the DiT's default
+        from models.dit import DiT_models
+
+        pooled = DiT_models.get(cfg.model.size, {}).get("pooled_text", True)
+    if cfg.model.task == "ti2v" and (cfg.model.patch_size[:1] != [1] or pooled):
+        raise ConfigError(
+            "model.task=ti2v gives the first latent frame's tokens t = 0: it needs a time patch of 1 "
+            f"(model.patch_size, got {list(cfg.model.patch_size)}) and model.pooled_text=false (Wan's)"
+        )
     if len(cfg.model.patch_size) != 3 or min(cfg.model.patch_size) < 1:
         raise ConfigError(
             f"'model.patch_size' must be three positive sizes (time, height, width), "

@@ -69,11 +69,15 @@ def folder_task(folder, found: dict, asked: str) -> str:
 
     if found["in_channels"] == found["out_channels"]:
         allowed = ["t2v", "ti2v"]
-        index = Path(folder) / "model_index.json"
-        if index.is_file() and json.loads(index.read_text()).get("expand_timesteps"):
-            allowed.reverse()  # Wan2.2 TI2V-5B's pipeline
-    else:
-        allowed = ["flf2v"] if found.get("image_positions") else ["i2v", "flf2v"]
+        index, config = Path(folder) / "model_index.json", Path(folder) / "config.json"
+        if (index.is_file() and json.loads(index.read_text()).get("expand_timesteps")) or (
+            config.is_file() and json.loads(config.read_text()).get("model_type") == "ti2v"
+        ):
+            allowed.reverse()  # Wan2.2 TI2V-5B's pipeline, or Wan-AI's own layout of it
+    elif found.get("image_positions"):
+        allowed = ["flf2v"]
+    else:  # FLF2V without CLIP features needs no positions (Wan2.2-style weights)
+        allowed = ["i2v", "flf2v"] if not found.get("image_dim") else ["i2v"]
     return asked if asked in allowed and asked != "t2v" else allowed[0]  # t2v: the default, or unset
 
 

@@ -169,12 +169,23 @@ class MediaDataset(BucketedDataset):
         return frames_at_rate(self.entries.numbers("num_frames"), fps, self.fps) >= bucket.frames
 
     def load(self, entry, bucket, rng):
-        from data.media import read_clip
+        from data.manifest import IMAGE_KEYS
+        from data.media import fit_to_bucket, read_clip, read_image
 
         clip = read_clip(
             entry["path"], bucket.frames, bucket.height, bucket.width, self.fps, rng, entry["num_frames"]
         )
-        return {"video": torch.from_numpy(clip).permute(3, 0, 1, 2).contiguous()}  # (3, T, H, W) uint8
+        sample = {"video": torch.from_numpy(clip).permute(3, 0, 1, 2).contiguous()}  # (3, T, H, W) uint8
+        for key, frame in zip(IMAGE_KEYS, (0, -1)):
+            if key in self.entries.columns:  # a manifest naming images: each sample carries its frame
+                path = entry[key]
+                pixels = (
+                    fit_to_bucket(read_image(path), 1, bucket.height, bucket.width)[0]
+                    if path
+                    else clip[frame]
+                )
+                sample[key] = torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1).contiguous()
+        return sample
 
 
 class SyntheticDataset(BucketedDataset):

@@ -199,7 +199,8 @@ def encode_batch(batch, dropped: list[bool], text_encoder, vae, device, image=No
     def encode(pixels):
         return tiling.encode(vae, pixels, vae.tile_latent, vae.tile_overlap)
 
-    condition = None if image is None else condition_of_clips(vae, image[1], video, image[0])
+    given = [to_model_range(batch[k].to(device)) if k in batch else None for k in ("image", "last_image")]
+    condition = None if image is None else condition_of_clips(vae, image[1], video, image[0], *given)
     return encode(video), y, y_mask, condition
 
 
@@ -243,9 +244,8 @@ def check_image_to_video(cfg, table: BucketTable):
     from models.image_condition import image_encoder_folder, read_images
     from models.vae import vae_latent_space
 
-    fewest = {"i2v": 2, "flf2v": 5, "ti2v": 2}.get(
-        cfg.model.task, 1
-    )  # the given frames and at least one to generate
+    # the given frames and at least one to generate
+    fewest = {"i2v": 2, "flf2v": 5, "ti2v": 2}.get(cfg.model.task, 1)
     if min(table.frame_counts) < fewest:
         raise ValueError(
             f"data.frame_counts: model.task={cfg.model.task} trains on clips of at least {fewest} frames, "

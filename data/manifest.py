@@ -18,6 +18,10 @@ from data.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, probe_media
 SIZE_KEYS = ("width", "height", "num_frames")
 
 
+# Image-to-video (model.task=i2v / flf2v): the first (last) frame a line may name instead of its clip's.
+IMAGE_KEYS = ("image", "last_image")
+
+
 def read_manifest(path, left_out: dict | None = None) -> list[dict]:
     """The entries of a JSONL manifest, or of a folder of captioned media (what a folder's indexing
     leaves out goes into `left_out`, {path: why}, when given)."""
@@ -46,6 +50,9 @@ def read_manifest(path, left_out: dict | None = None) -> list[dict]:
             if problem:
                 raise ValueError(f"{path}:{line_number}: {problem}")
             entry["path"] = os.path.join(path.parent, entry["path"])
+            for key in IMAGE_KEYS:  # image-to-video: a frame to condition on instead of the clip's own
+                if entry.get(key) is not None:
+                    entry[key] = os.path.join(path.parent, entry[key])
             entries.append(entry)
     if not entries:
         raise ValueError(f"{path}: the manifest has no samples")
@@ -62,6 +69,9 @@ def _check_line(entry) -> str:
     for key in ("path", "caption"):
         if not isinstance(entry[key], str):
             return f"'{key}' must be text, got {entry[key]!r}"
+    for key in IMAGE_KEYS:
+        if entry.get(key) is not None and not isinstance(entry[key], str):
+            return f"'{key}' must be an image file's path, got {entry[key]!r}"
     for key in SIZE_KEYS:
         value = entry.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

@@ -188,11 +188,13 @@ def encode_condition(
     return _condition(vae, image_encoder, first, last, frames, images, last_images)
 
 
-def condition_of_clips(vae, image_encoder, video, last_frame: bool) -> ImageCondition:
+def condition_of_clips(vae, image_encoder, video, last_frame: bool, first=None, last=None) -> ImageCondition:
     """Training's condition of clips `video` (B, 3, T, H, W) in [-1, 1]: their first frames (and with
-    `last_frame`, FLF2V, their last), built as sampling builds it from an image file (encoded whole, not
-    in the clips' tiles, as infer.py and diffusers encode it)."""
-    first, last = video[:, :, 0], video[:, :, -1] if last_frame else None
+    `last_frame`, FLF2V, their last), or the frames `first` / `last` (B, 3, H, W) a manifest names, built
+    as sampling builds it from an image file (encoded whole, not in the clips' tiles, as infer.py and
+    diffusers encode it)."""
+    first = video[:, :, 0] if first is None else first
+    last = (video[:, :, -1] if last is None else last) if last_frame else None
     pictures = lambda frames: None if frames is None else [_picture(f) for f in frames]  # noqa: E731
     return _condition(vae, image_encoder, first, last, video.shape[2], pictures(first), pictures(last))
 

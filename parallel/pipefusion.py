@@ -145,7 +145,8 @@ class PipeFusionSampler:
     ):
         """The latents (on every rank of the replica): the same contract as RectifiedFlow.sample.
         `condition`: image-to-video's (models/image_condition.py): stage 0 concatenates its latent to the
-        embedded latent's channels, every stage gives its features to the DiT's conditioning."""
+        embedded latent's channels (TI2V: puts the given frame in place), every stage gives its features to
+        the DiT's conditioning."""
         run = self._begin(flow, noise, (y, y_mask, neg_y, neg_mask), steps, guidance, condition)
         model, items = self.model, run.items
         for index, item in enumerate(items):

@@ -68,9 +68,11 @@ def content_key(entry: dict, bucket: str, seed: int) -> str:
         version = (stat.st_size, stat.st_mtime_ns)
     except OSError:  # the synthetic generator's samples are not files
         version = None
-    return hashlib.sha1(
-        json.dumps([entry["path"], version, entry["caption"], bucket, seed]).encode()
-    ).hexdigest()[:20]
+    held = [entry["path"], version, entry["caption"], bucket, seed]
+    images = [entry.get(k) for k in ("image", "last_image")]
+    if any(images):  # image-to-video's frames a manifest names (keys without them stay as they were)
+        held.append(images)
+    return hashlib.sha1(json.dumps(held).encode()).hexdigest()[:20]
 
 
 def main(argv=None, session=None):
@@ -141,7 +143,9 @@ def main(argv=None, session=None):
             y, mask = text_encoder([entry["caption"]], runtime.device)
             tensors = {"latent": encode(video)[0], "text": y[0, : int(mask[0].sum())]}
             if image is not None:  # the condition training would build from this clip (data/loader.py)
-                condition = condition_of_clips(vae, image[1], video, image[0])
+                given = [item.get(k) for k in ("image", "last_image")]  # frames the manifest names
+                given = [None if g is None else to_model_range(g[None].to(runtime.device)) for g in given]
+                condition = condition_of_clips(vae, image[1], video, image[0], *given)
                 tensors["condition"] = condition.latent[0]
                 if condition.features is not None:
                     tensors["image_features"] = condition.features

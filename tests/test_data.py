@@ -204,6 +204,47 @@ def test_manifest_dataset_reads_videos_and_images(tmp_path):
     assert dataset[(1, 0)]["video"].shape == (3, 1, 16, 16)  # an image is a 1-frame sample
 
 
+def test_a_manifest_image_conditions_its_clip(tmp_path):
+    """Image-to-video: a line's "image" replaces its clip's first frame as the condition (fitted to the
+    bucket as the clip is); in a manifest that names images, a line without one keeps its clip's."""
+    from PIL import Image
+
+    from data.dataset import collate
+    from data.loader import encode_batch
+    from data.media import read_image
+    from models.image_condition import condition_of_clips
+    from models.vae import build_vae
+
+    data = SyntheticVideoDataset(2, 5, 32, 32)
+    lines = []
+    for i in range(2):
+        clip, caption = data.render(i)
+        write_video(tmp_path / f"{i}.mp4", clip, fps=8)
+        lines.append({"path": f"{i}.mp4", "caption": caption})
+    picture = np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    Image.fromarray(picture).save(tmp_path / "first.png")
+    lines[0]["image"] = "first.png"  # relative to the manifest, as "path"
+    write_manifest(tmp_path / "m.jsonl", lines)
+    cfg = load_config(TINY, ["vae.kind=wan", "data.frames=5", "model.task=i2v"])
+    entries, _ = complete_metadata(read_manifest(tmp_path / "m.jsonl"))
+    dataset = MediaDataset(entries, build_buckets(cfg))
+    named, own = dataset[(0, 0)], dataset[(1, 0)]
+    fitted = fit_to_bucket(read_image(tmp_path / "first.png"), 1, 32, 32)[0]
+    assert torch.equal(named["image"], torch.from_numpy(fitted).permute(2, 0, 1))
+    assert torch.equal(own["image"], own["video"][:, 0])
+    vae, batch = build_vae(cfg.vae), collate([named])
+
+    class NoText:  # encode_batch's text encoder; the condition does not read it
+        def __call__(self, captions, device):
+            return torch.zeros(len(captions), 1, 1), torch.ones(len(captions), 1, dtype=torch.bool)
+
+    condition = encode_batch(batch, [False], NoText(), vae, "cpu", (False, None))[3]
+    video = batch["video"].float() / 127.5 - 1
+    expected = condition_of_clips(vae, None, video, False, batch["image"].float() / 127.5 - 1)
+    assert torch.equal(condition.latent, expected.latent)
+    assert not torch.allclose(condition.latent, condition_of_clips(vae, None, video, False).latent)
+
+
 @pytest.mark.parametrize(
     "line, message",
     [
