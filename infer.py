@@ -24,13 +24,7 @@ from configs import DEFAULT_RECIPE, load_config, split_overrides
 from data.media import OUTPUT_EXTENSIONS, write_video
 from models.dit import DiT_models
 from models.flow import RectifiedFlow
-from models.image_condition import (
-    ImageEncoder,
-    encode_condition,
-    encode_first_frame,
-    image_encoder_folder,
-    read_images,
-)
+from models.image_condition import image_encoder_folder, image_inputs, read_images, sampling_condition
 from models.lora import deltas_of, merge_deltas
 from models.lora_formats import check_file, parse_lora_spec, read_lora
 from models.pipeline import generate
@@ -495,12 +489,11 @@ def sample_and_write(cfg, args, runtime, request: Request, mine: list, model, va
 def image_condition(cfg, request: Request, mine: list, vae, device):
     """models/image_condition.py's condition of this replica's prompts `mine`, with the CLIP image encoder
     (image_encoder.pretrained, else model.pretrained's image_encoder/) when the model reads features."""
-    if cfg.model.task == "ti2v":  # Wan2.2 TI2V: the first frame's latent alone
-        images = [request.images[i] for i in mine]
-        return encode_first_frame(vae, images, request.height, request.width, device)
-    encoder = ImageEncoder(image_encoder_folder(cfg)).to(device) if cfg.model.image_dim else None
+    inputs = image_inputs(cfg, device)  # the CLIP encoder, if the model reads features
+    encoder = inputs[1] if inputs is not None else None
     last = request.last_images
-    return encode_condition(
+    return sampling_condition(
+        cfg.model.task,
         vae,
         encoder,
         [request.images[i] for i in mine],

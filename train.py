@@ -41,14 +41,7 @@ from data.media import write_video
 from data.sampler import sample_seed
 from models.dit import DiT_models, count_parameters
 from models.flow import RectifiedFlow, expert_timesteps
-from models.image_condition import (
-    ConditionedModel,
-    ImageCondition,
-    ImageEncoder,
-    encode_condition,
-    encode_first_frame,
-    image_encoder_folder,
-)
+from models.image_condition import ConditionedModel, ImageCondition, image_inputs, sampling_condition
 from models.pipeline import generate
 from models.vae import vae_latent_space
 from parallel import comm
@@ -209,10 +202,7 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     bf16 = runtime.bf16(tc.precision)
     dtype = torch.bfloat16 if bf16 else torch.float32
     text_encoder, vae = build_frozen(cfg, device)
-    image = None
-    if cfg.model.task in ("i2v", "flf2v"):  # every rank: previews need it too (a 0.6B CLIP, float32)
-        encoder = ImageEncoder(image_encoder_folder(cfg)).to(device) if cfg.model.image_dim else None
-        image = (cfg.model.task == "flf2v", encoder)
+    image = image_inputs(cfg, device)  # on every rank: previews need the CLIP too (0.6B, float32)
     model = build_model(cfg, text_encoder, vae, weights=False)
     adapted = insert_adapters(model, cfg.lora, dtype) if cfg.lora.rank else []  # before sharding
     model = apply_sequence_parallel(model, runtime.sequence)
@@ -515,11 +505,10 @@ def sample_previews(cfg, runtime, run, model, t: Trainer, step):
         sc.height or cfg.data.height,
         sc.width or cfg.data.width,
     )
-    condition, (first, last) = None, t.preview_images
-    if t.image is not None:  # image-to-video: sample.images (and last_images), encoded as infer.py does
-        condition = encode_condition(t.vae, t.image[1], first, last, frames, height, width, runtime.device)
-    elif cfg.model.task == "ti2v" and first is not None:  # TI2V previews from sample.images (else t2v)
-        condition = encode_first_frame(t.vae, first, height, width, runtime.device)
+    encoder = t.image[1] if t.image is not None else None  # sample.images, encoded as infer.py does
+    condition = sampling_condition(
+        cfg.model.task, t.vae, encoder, *t.preview_images, frames, height, width, runtime.device
+    )
     runtime.watchdog.sampling_progress(0, sc.steps)  # a deadline per denoising step
     videos = generate(
         model.eval(),

@@ -142,6 +142,26 @@ def read_images(task, given, names, count: int, frames: int, height: int, width:
     return read[0], read[1]
 
 
+def image_inputs(cfg, device):
+    """Image-to-video's (last frame too?, the frozen CLIP encoder or None) for training and
+    precompute_latents (model.task=i2v / flf2v); None otherwise (TI2V's condition is the clip's own first
+    latent frame)."""
+    if cfg.model.task not in ("i2v", "flf2v"):
+        return None
+    encoder = ImageEncoder(image_encoder_folder(cfg)).to(device) if cfg.model.image_dim else None
+    return (cfg.model.task == "flf2v", encoder)
+
+
+def sampling_condition(task, vae, image_encoder, images, last_images, frames, height, width, device):
+    """The condition infer.py and training previews sample with, from first (last) frames as PIL images:
+    TI2V's first-frame latent, or I2V / FLF2V's mask, latents and CLIP features; None without images."""
+    if images is None:
+        return None
+    if task == "ti2v":
+        return encode_first_frame(vae, images, height, width, device)
+    return encode_condition(vae, image_encoder, images, last_images, frames, height, width, device)
+
+
 def load_image(path):
     """An RGB PIL image, or a FileNotFoundError naming the file."""
     from PIL import Image, ImageOps, UnidentifiedImageError

@@ -33,7 +33,7 @@ from configs import load_config, split_overrides  # noqa: E402
 from data.latents import latent_meta, meta_differences  # noqa: E402
 from data.loader import build_buckets, build_dataset, build_sampler, check_same_plan  # noqa: E402
 from data.media import to_model_range  # noqa: E402
-from models.image_condition import ImageEncoder, condition_of_clips, image_encoder_folder  # noqa: E402
+from models.image_condition import condition_of_clips, image_inputs  # noqa: E402
 from parallel import vae as parallel_vae  # noqa: E402
 from parallel.components import build_frozen  # noqa: E402
 from parallel.entrypoint import run_as_process  # noqa: E402
@@ -107,10 +107,7 @@ def main(argv=None, session=None):
         build_sampler(cfg, dataset, table, rank, world_size), dataset, None, runtime.control_group
     )
     text_encoder, vae = build_frozen(cfg, runtime.device)
-    image = None  # image-to-video: (last frame too?, the CLIP encoder or None)
-    if cfg.model.task in ("i2v", "flf2v"):  # TI2V's condition is the clip's own first latent frame
-        encoder = ImageEncoder(image_encoder_folder(cfg)).to(runtime.device) if cfg.model.image_dim else None
-        image = (cfg.model.task == "flf2v", encoder)
+    image = image_inputs(cfg, runtime.device)  # image-to-video: (last frame too?, CLIP encoder or None)
     if runtime.is_main:
         (out / "latents").mkdir(parents=True, exist_ok=True)
         (out / "meta.json").write_text(json.dumps(meta, indent=1))  # before any latent: a rerun checks it
