@@ -10,6 +10,8 @@ failures/          per-rank records of recent collectives, written when a run fa
 wandb/             offline wandb logs (sync later with `wandb sync`)
 data_report.jsonl  every file left out at start-up and every file replaced during training, with
                    the reason; data_report_rank<R>.jsonl: the files rank R (R > 0) replaced
+run.lock           while a run trains: its host, pid and heartbeat (configs/runlock.py); a second
+                   train.py into the same directory is refused by name
 """
 
 import json

@@ -31,6 +31,7 @@ class Session:
         # Set by init_runtime as each comes to exist, so that a failure during start-up is reported
         # with them too: the run directory, the comm log (once a process group exists), the watchdog.
         self.run_dir = self.comm = self.watchdog = None
+        self.lock = None  # rank 0 of a training run: the run directory's lock (configs/runlock.py)
 
     def failure_dir(self) -> Path | None:
         return Path(self.run_dir) / "failures" if self.run_dir is not None else None
@@ -41,11 +42,20 @@ class Session:
             self.watchdog.finish()
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.release_lock()
+
+    def release_lock(self) -> None:
+        """The run directory is free for the next run (a process that exits without this leaves a lock
+        whose dead pid the next start takes over)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
 
 # Errors a user can fix from the message alone: printed without a traceback, exit code 2.
 def _user_errors():
     from configs import ConfigError
+    from configs.runlock import RunDirectoryInUse
     from models.attention import AttentionBackendUnavailable
     from parallel.checkpoint_files import CheckpointError
     from parallel.divergence import TrainingDiverged
@@ -61,6 +71,7 @@ def _user_errors():
         ValueError,
         PipeFusionError,
         TrainingDiverged,
+        RunDirectoryInUse,
     )
 
 
@@ -139,6 +150,7 @@ def _report_failure(e: BaseException, rank: int, session: Session) -> int:
         _print(blamed)
         _dump_on_failure(rank, e, session, blamed)
         monitor.leave("stopped")  # not taken for another dead rank by the others
+        session.release_lock()
         hard_exit(128 + signum, monitor.backend)  # its communicators may wait on the failed rank
     if not several:
         _print(f"{prefix}error: {one_line(e)} (a failure inside tessera or a library: the traceback follows)")
@@ -162,6 +174,7 @@ def _report_failure(e: BaseException, rank: int, session: Session) -> int:
     if blamed is not None:
         # Another rank's failure: this rank's communicators may still wait on the peer: abort them rather
         # than shut down cleanly.
+        session.release_lock()
         hard_exit(1, monitor.backend)
     return 1
 

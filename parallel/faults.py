@@ -4,7 +4,8 @@
     step
 
 Faults: at a training step `stop`, `kill`, `hang`, `raise`, `collective`, `term`, `nan`, `loader`; at a
-denoising step `sample_stop|kill|hang`; once the groups exist `startup_stop|kill|hang|raise`; in a
+denoising step `sample_stop|kill|hang`; before the groups exist `prestart_kill`, `rendezvous_kill`,
+`pginit_kill`; once they exist `startup_stop|kill|hang|raise`; in a
 checkpoint save `save_before_shards|after_shards|after_rename` (SIGKILL) and `enospc` (a full disk);
 in PipeFusion `pipefusion_count` and `pipefusion_extra_send`; in the step cache `cache_plan` and
 `cache_signal` (parallel/cache.py). docs/internals.md says what each does.
@@ -81,6 +82,14 @@ class Faults:
             if self.planned(f"startup_{fault}", 0):
                 self._announce(f"startup_{fault}", 0)
                 _act(fault, "start-up")
+
+    def before_start(self, point: str) -> None:
+        """`<point>_kill` (SIGKILL) before the process group exists: `prestart` before this rank's first
+        heartbeat, `rendezvous` with its heartbeat running but before it arrives, `pginit` once every rank
+        has arrived, as the process group forms (parallel/runtime.py)."""
+        if self.planned(f"{point}_kill", 0):
+            self._announce(f"{point}_kill", 0)
+            _act("kill", "start-up")
 
     def at_save(self, point: str, step: int) -> None:
         """SIGKILL at `point` (before_shards, after_shards, after_rename) of the save of step `step`."""

@@ -81,6 +81,15 @@ class HeartbeatChannel:
             for r, beat in after.items()
             if r != self.rank and beat["state"] == "running" and before.get(r, {}).get("beat") == beat["beat"]
         ]
+        absent = [r for r in range(self.world_size) if r not in after]
+        if not frozen and absent and getattr(self, "phase", None) == "rendezvous":
+            # waiting for ranks that never sent a heartbeat when torchrun stopped this one: torchrun does that
+            # when a rank exits, so one of them died (or failed) before its start-up got that far
+            return (
+                f"rank {absent[0]} never reached start-up (no heartbeat on the store) and torchrun then "
+                f"stopped the other ranks: rank {absent[0]} most likely died or failed while starting "
+                "(killed, out of memory; its own output says why if it printed anything)"
+            )
         if not frozen:
             return None
         _, r, beat = min(frozen)  # the heartbeat that stopped first

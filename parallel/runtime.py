@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
+from configs.runlock import RunDirectoryInUse, RunLock, live_holder
 from parallel import comm, faults
 from parallel.cfg import SamplingGroups
 from parallel.exits import NCCL_HINT
@@ -43,6 +44,7 @@ class Runtime:
     comm: comm.CommLog  # the record of this runtime's ops, read by the watchdog and failure dumps
     faults: faults.Faults  # what tests asked to go wrong (TESSERA_FAULT), read once at start-up
     sampling: SamplingGroups | None = None  # cfg / PipeFusion groups and the replica (parallel/pipefusion.py)
+    lock: RunLock | None = None  # rank 0 of a training run: the run directory's (configs/runlock.py)
 
     @property
     def is_main(self) -> bool:
@@ -171,9 +173,10 @@ def init_runtime(
 ) -> Runtime:
     """Create the process groups for an already validated layout, run a preflight collective and start
     the watchdog (heartbeats in `run_dir`'s name; failures written to run_dir/failures). `task` (train,
-    sample, encode) words its messages: only training has checkpoints to resume from. `session` (from
-    run_entrypoint, parallel/entrypoint.py) gets the run directory, the comm log and the watchdog as
-    each comes to exist, so that a failure's report can reach them."""
+    sample, encode) words its messages: only training has checkpoints to resume from, and only training
+    takes the run directory's lock (configs/runlock.py). `session` (from run_entrypoint,
+    parallel/entrypoint.py) gets the run directory, the comm log, the watchdog and the lock as each comes
+    to exist, so that a failure's report can reach them."""
     rank, world_size, local_rank = world_from_env()
     injected = faults.Faults.from_env(rank)  # tests only (TESSERA_FAULT): a malformed spec fails here
     if layout.world_size != world_size:
@@ -193,34 +196,21 @@ def init_runtime(
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
         (Path(run_dir) / "failures").mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(Path(run_dir) / "failures" / "nccl_trace_rank"))
-
-    # Start with the short preflight timeout: a transport that cannot connect shows up here, in seconds.
-    preflight = datetime.timedelta(seconds=parallel_cfg.preflight_timeout_s)
-    try:
-        dist.init_process_group(
-            backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=preflight,
-            device_id=device if device.type == "cuda" else None,
-        )
-        probe = torch.ones(1, device=device)
-        # Poll instead of blocking: on NCCL a hung transport would block .item() until the watchdog
-        # kills the process from C++, and this message would never be printed.
-        work = dist.all_reduce(probe, async_op=True)
-        deadline = time.monotonic() + 0.9 * parallel_cfg.preflight_timeout_s
-        while not work.is_completed():
-            if time.monotonic() > deadline:
-                raise TimeoutError("no answer from every rank")
-            time.sleep(0.01)
-        if int(probe.item()) != world_size:
-            raise RuntimeError(f"preflight all-reduce returned {probe.item()}, expected {world_size}")
-    except Exception as e:
-        raise RuntimeError(
-            f"rank {rank}: the preflight all-reduce across {world_size} processes failed within "
-            f"{parallel_cfg.preflight_timeout_s:.0f}s ({e}). {NCCL_HINT}"
-        ) from e
+    limits = deadlines(parallel_cfg, device.type)
+    watch = (rank, world_size, run_dir, limits, backend, task, log, stop, session)
+    injected.before_start("prestart")  # tests only: a rank that dies before its first heartbeat
+    # torchrun's agent runs the store before any process group exists: the heartbeats start first, so a
+    # rank that dies while the group forms is named within parallel.heartbeat_timeout_s. (gloo's and NCCL's
+    # connect wait in C++ for their timeout, deaf to the SIGTERM torchrun sends when a rank dies.)
+    early = world_size == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if early:
+        monitor = _start_watchdog(*watch)
+        lock = _rendezvous(monitor, run_dir, parallel_cfg.preflight_timeout_s, injected, session)
+    _init_process_group(backend, init_method, rank, world_size, device, parallel_cfg.preflight_timeout_s)
+    if not early:  # another launcher: rank 0 hosts the store, made with the process group
+        monitor = _start_watchdog(*watch)
+        lock = _rendezvous(monitor, run_dir, parallel_cfg.preflight_timeout_s, injected, session)
+    monitor.mark("start-up")
     log.adopt(None)  # from the first collective on, the default group's ops are this runtime's
     _set_pg_timeout(datetime.timedelta(seconds=parallel_cfg.timeout_s))
     _check_same_layout(layout, rank, world_size, device)
@@ -249,14 +239,9 @@ def init_runtime(
     ):
         if group is not None:  # None: a one-rank group, nothing to create
             log.adopt(group, name)
-    limits = deadlines(parallel_cfg, device.type)
-    if rank == 0 and run_dir is not None:
+    # A run that trains in this directory owns its failure records: sampling it leaves them alone.
+    if rank == 0 and run_dir is not None and (task == "train" or live_holder(run_dir) is None):
         _archive_failures(Path(run_dir) / "failures")
-    store = _connect_store(world_size, max(5.0, limits.silence_s / 2))
-    monitor = Watchdog(rank, world_size, store, run_dir or ".", limits, backend, task=task, comm=log).start()
-    stop.watchdog = monitor  # a stop signal in the loop notes the step it arrived in
-    if session is not None:
-        session.watchdog = monitor
     if rank == 0:
         print(f"[tessera] {limits.describe()}", flush=True)
     runtime = Runtime(
@@ -274,9 +259,100 @@ def init_runtime(
         log,
         injected,
         sampling,
+        lock,
     )
     injected.at_startup()
     return runtime
+
+
+def _start_watchdog(rank, world_size, run_dir, limits, backend, task, log, stop, session) -> Watchdog:
+    """The heartbeats, on the store torchrun runs (none for one process): from here on a rank that dies is
+    named by the others."""
+    store = _connect_store(world_size, max(5.0, limits.silence_s / 2))
+    monitor = Watchdog(rank, world_size, store, run_dir or ".", limits, backend, task=task, comm=log).start()
+    stop.watchdog = monitor  # a stop signal in the loop notes the step it arrived in
+    if session is not None:
+        session.watchdog = monitor
+    return monitor
+
+
+class StartupError(RuntimeError):
+    """A rank did not arrive at start-up in time."""
+
+
+def _rendezvous(monitor: Watchdog, run_dir, timeout_s: float, injected, session) -> RunLock | None:
+    """Before any process group: rank 0 of a training run takes the run directory's lock, then every rank
+    waits (in Python, polling the store, so stop signals are heard and the watchdog names a rank that dies)
+    until all have arrived, and raises rank 0's refusal if there was one: every rank fails alike, before
+    any collective. Returns the lock (rank 0 of a training run), else None."""
+    rank, world_size = monitor.rank, monitor.world_size
+    lock, refusal = None, ""
+    if rank == 0 and monitor.task == "train" and run_dir is not None:
+        lock = RunLock(run_dir)
+        try:
+            lock.acquire()
+        except RunDirectoryInUse as e:
+            lock, refusal = None, str(e)
+        if session is not None:
+            session.lock = lock
+    injected.before_start("rendezvous")  # tests only: a rank that dies with its heartbeat running
+    if world_size > 1:
+        monitor.mark("rendezvous")
+        store = _connect_store(world_size, max(5.0, timeout_s))  # the main thread's own client
+        if rank == 0:
+            store.set("rendezvous/refusal", refusal)
+        store.add("rendezvous/arrived", 1)
+        deadline = time.monotonic() + timeout_s
+        while store.add("rendezvous/arrived", 0) < world_size:
+            if time.monotonic() > deadline:
+                raise StartupError(_missing_ranks(store, world_size, timeout_s))
+            time.sleep(0.05)
+        refusal = store.get("rendezvous/refusal").decode()
+        monitor.mark("process group")
+        injected.before_start("pginit")  # tests only: a rank that dies while the process group forms
+    if refusal:
+        raise RunDirectoryInUse(refusal)
+    return lock
+
+
+def _missing_ranks(store, world_size: int, timeout_s: float) -> str:
+    silent = [r for r in range(world_size) if not store.check([f"hb/{r}"])]
+    which = f"rank(s) {', '.join(map(str, silent))}" if silent else "some ranks"
+    return (
+        f"{which} did not reach start-up within parallel.preflight_timeout_s ({timeout_s:.0f} s) of this rank"
+        + (" and never sent a heartbeat (still importing or reading data, or gone)" if silent else "")
+        + ": raise parallel.preflight_timeout_s if their start-up is that slow, else see their output"
+    )
+
+
+def _init_process_group(backend, init_method, rank: int, world_size: int, device, timeout_s: float) -> None:
+    """The default process group, and a preflight all-reduce with the short preflight timeout: a transport
+    that cannot connect shows up here, in seconds."""
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+        probe = torch.ones(1, device=device)
+        # Poll instead of blocking: on NCCL a hung transport would block .item() until the watchdog
+        # kills the process from C++, and this message would never be printed.
+        work = dist.all_reduce(probe, async_op=True)
+        deadline = time.monotonic() + 0.9 * timeout_s
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise TimeoutError("no answer from every rank")
+            time.sleep(0.01)
+        if int(probe.item()) != world_size:
+            raise RuntimeError(f"preflight all-reduce returned {probe.item()}, expected {world_size}")
+    except Exception as e:
+        raise RuntimeError(
+            f"rank {rank}: the preflight all-reduce across {world_size} processes failed within "
+            f"{timeout_s:.0f}s ({e}). {NCCL_HINT}"
+        ) from e
 
 
 def _check_same_layout(layout: ParallelLayout, rank: int, world_size: int, device) -> None:

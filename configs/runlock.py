@@ -1,0 +1,230 @@
+"""One live training run per run directory: `run.lock` in run.output_dir names the process that trains there.
+
+A second train.py started into a directory that a live run holds (a SLURM requeue while the old job still
+runs, two users, one recipe) would delete the first run's temporary checkpoint folder, interleave
+metrics.jsonl and overwrite config.yaml. So rank 0 takes the lock before anything is written, and a live
+holder is refused by name. A lock whose holder is gone is taken over, saying so:
+
+- on this host: its process no longer exists (or its pid now belongs to another process);
+- on any host: its heartbeat (the holder rewrites the file every LOCK_BEAT_S) has been silent for
+  LOCK_STALE_S. For a lock of another host the file's age alone is not trusted (the clocks of two hosts,
+  or of a host and a network file system, differ): its heartbeat is watched for two beats first.
+
+infer.py and the scripts only read a run: they never take the lock.
+"""
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+
+LOCK_NAME = "run.lock"
+LOCK_BEAT_S = 5.0  # the holder rewrites its lock this often
+LOCK_STALE_S = 30.0  # a lock silent this long has no live holder
+
+
+class RunDirectoryInUse(RuntimeError):
+    """Another live run holds the run directory; the message names it and what to do."""
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of process `pid` in clock ticks since boot (Linux /proc), to tell a pid that was
+    reused from the process that held the lock; None where /proc cannot say."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _process_alive(pid: int, started: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        pass
+    return started is None or _process_start(pid) in (None, started)
+
+
+def _read(path: Path) -> tuple[dict | None, float | None]:
+    """(the lock's record or None if unreadable, its mtime or None if there is no file)."""
+    try:
+        mtime = path.stat().st_mtime
+        return json.loads(path.read_text()), mtime
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError):
+        return None, mtime
+
+
+class RunLock:
+    """The lock of the run directory `run_dir`, for this process. acquire() takes it (or refuses), a daemon
+    thread keeps its heartbeat, release() gives it back; held() says whether it still names this process."""
+
+    def __init__(self, run_dir, beat_s: float = LOCK_BEAT_S, stale_s: float = LOCK_STALE_S):
+        self.path = Path(run_dir) / LOCK_NAME
+        self.beat_s, self.stale_s = beat_s, stale_s
+        pid = os.getpid()
+        self.record = {
+            "host": socket.gethostname(),
+            "pid": pid,
+            "process_start": _process_start(pid),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "token": uuid.uuid4().hex,
+            "beat": 0,
+        }
+        self.lost: dict | None = None  # the record that replaced ours, if another run took the lock over
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------------------------------
+    # Taking and giving back.
+
+    def acquire(self, say=print) -> None:
+        """Take the lock, or raise RunDirectoryInUse naming its live holder. `say` prints the take-over of a
+        lock whose holder is gone."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(20):  # each round either creates the lock or removes one whose holder is gone
+            if self._create():
+                self._thread = threading.Thread(target=self._beat, name="tessera-run-lock", daemon=True)
+                self._thread.start()
+                return
+            holder, mtime = _read(self.path)
+            if mtime is None:  # released meanwhile
+                continue
+            gone = self._gone(holder, mtime)
+            if gone is None:
+                raise RunDirectoryInUse(self._refusal(holder, mtime))
+            if self._move_aside(holder):
+                say(f"[tessera] took over {self.path}: {_describe(holder)}, {gone}")
+        raise RunDirectoryInUse(f"{self.path} changed hands too often to take it: is another run starting?")
+
+    def release(self) -> None:
+        """Give the lock back (if it still names this process); the heartbeat stops."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2)
+        if self.held():
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+
+    def held(self) -> bool:
+        holder, _ = _read(self.path)
+        return holder is not None and holder.get("token") == self.record["token"]
+
+    def ensure_held(self) -> None:
+        """Raise RunDirectoryInUse if another run took the lock over (this one was silent for LOCK_STALE_S:
+        stopped, or frozen): it must not write into the directory that run now uses."""
+        if self.lost is not None or not self.held():
+            holder = self.lost or _read(self.path)[0]
+            raise RunDirectoryInUse(
+                f"this run lost {self.path} to {_describe(holder)} while it was silent for over "
+                f"{self.stale_s:.0f} s (stopped or frozen); it stops without writing, so that the two runs' "
+                "files do not mix"
+            )
+
+    # ------------------------------------------------------------------------------------------
+    # Inside.
+
+    def _create(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.record, f)
+            f.flush()
+            os.fsync(f.fileno())
+        return True
+
+    def _gone(self, holder: dict | None, mtime: float) -> str | None:
+        """Why the lock's holder is gone, or None if it is alive."""
+        age = time.time() - mtime
+        if holder is None:  # a lock being written this instant, or left half-written by a kill
+            return f"unreadable for {age:.0f} s" if age > 2.0 else self._unchanged_for(mtime, 2.0, None)
+        if holder.get("host") == self.record["host"]:
+            if holder.get("pid") == self.record["pid"]:
+                return "an earlier run of this same process"  # one run at a time per process
+            if not _process_alive(holder.get("pid", -1), holder.get("process_start")):
+                return f"its process {holder.get('pid')} no longer exists"
+            if age > self.stale_s:
+                return f"its heartbeat has been silent for {age:.0f} s (the process is stopped or frozen)"
+            return None
+        # Another host: its clock (or the file server's) may differ from ours, so watch the heartbeat.
+        return self._unchanged_for(mtime, max(2 * self.beat_s + 1, self.stale_s - age), holder)
+
+    def _unchanged_for(self, mtime: float, wait_s: float, holder: dict | None) -> str | None:
+        """Watch the lock for `wait_s`: None if it changes (its holder is alive), else why it is gone."""
+        if holder is not None:
+            print(
+                f"[tessera] {self.path} is held by {_describe(holder)}: watching its heartbeat for up to "
+                f"{wait_s:.0f} s to see whether that run is alive",
+                flush=True,
+            )
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            time.sleep(min(0.5, wait_s))
+            now, now_mtime = _read(self.path)
+            if now_mtime != mtime or (now or {}).get("beat") != (holder or {}).get("beat"):
+                return None
+        return f"its heartbeat did not change in {wait_s:.0f} s"
+
+    def _move_aside(self, holder: dict | None) -> bool:
+        """Remove the lock judged gone, unless another process replaced it meanwhile (it is then put back).
+        True: removed."""
+        aside = self.path.with_name(f"{LOCK_NAME}.{self.record['token']}.stale")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return False
+        moved, _ = _read(aside)
+        if holder is not None and (moved or {}).get("token") != holder.get("token"):
+            try:  # a newer holder's lock: give it back (link: never over a lock made since)
+                os.link(aside, self.path)
+            except FileExistsError:
+                pass
+            aside.unlink()
+            return False
+        aside.unlink()
+        return True
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.beat_s):
+            holder, _ = _read(self.path)
+            if holder is None or holder.get("token") != self.record["token"]:
+                self.lost = holder or {"host": "?", "pid": "?"}
+                return
+            self.record["beat"] += 1
+            tmp = self.path.with_name(f"{LOCK_NAME}.{self.record['token']}.tmp")
+            try:
+                tmp.write_text(json.dumps(self.record))
+                os.replace(tmp, self.path)
+            except OSError:  # a full disk must not stop training here; the checkpoint save names it
+                pass
+
+    def _refusal(self, holder: dict, mtime: float) -> str:
+        return (
+            f"run.output_dir {self.path.parent} is in use by another training run: {_describe(holder)}, "
+            f"its heartbeat {max(0.0, time.time() - mtime):.0f} s ago ({self.path}). Two runs in one "
+            "directory would overwrite each other's checkpoints and logs: wait for that run to end or stop "
+            "it, or give this run another run.output_dir (a lock whose run has died is taken over by the "
+            f"next start: its process gone on this host, or its heartbeat silent for {self.stale_s:.0f} s)"
+        )
+
+
+def _describe(holder: dict | None) -> str:
+    if not holder:
+        return "an unreadable lock"
+    return f"host {holder.get('host')} pid {holder.get('pid')}, started {holder.get('started')}"
+
+
+def live_holder(run_dir, stale_s: float = LOCK_STALE_S) -> dict | None:
+    """The record of a lock in `run_dir` whose heartbeat is recent, read once without waiting (None: no
+    such lock): infer.py leaves the failure records of a directory that a live run trains in alone."""
+    holder, mtime = _read(Path(run_dir) / LOCK_NAME)
+    return holder if mtime is not None and time.time() - mtime < stale_s else None

@@ -1,0 +1,166 @@
+"""One live training run per run directory (configs/runlock.py): a live holder is refused by name, a lock
+whose holder is gone (dead process, silent heartbeat, another host that stopped beating) is taken over,
+and two train.py started into one directory no longer destroy each other's work."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from configs.rundir import read_metrics
+from configs.runlock import LOCK_NAME, RunDirectoryInUse, RunLock
+from tests.conftest import ROOT, TINY
+
+
+def write_lock(run_dir, host=None, pid=None, age_s=0.0, beat=0):
+    """A lock file as another process would have left it, its heartbeat `age_s` old."""
+    path = run_dir / LOCK_NAME
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record = {"host": host or socket.gethostname(), "pid": pid, "process_start": None}
+    path.write_text(json.dumps(record | {"started": "earlier", "token": "theirs", "beat": beat}))
+    then = time.time() - age_s
+    os.utime(path, (then, then))
+    return path
+
+
+@pytest.fixture
+def other_process():
+    """A live process of this host that is not this one."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def test_a_live_holder_on_this_host_is_refused_by_name(tmp_path, other_process):
+    write_lock(tmp_path, pid=other_process)
+    with pytest.raises(RunDirectoryInUse) as refused:
+        RunLock(tmp_path).acquire()
+    message = str(refused.value)
+    assert f"pid {other_process}" in message and socket.gethostname() in message, message
+    assert "run.output_dir" in message and "another training run" in message
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["token"] == "theirs"  # left as it was
+
+
+def test_a_lock_whose_process_died_is_taken_over_saying_so(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    write_lock(tmp_path, pid=dead.pid)
+    said = []
+    lock = RunLock(tmp_path)
+    lock.acquire(say=said.append)
+    try:
+        assert lock.held() and len(said) == 1
+        assert f"pid {dead.pid}" in said[0] and "no longer exists" in said[0], said
+    finally:
+        lock.release()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_a_live_process_whose_heartbeat_is_silent_is_taken_over(tmp_path, other_process):
+    write_lock(tmp_path, pid=other_process, age_s=600)  # stopped (SIGSTOP) or frozen ten minutes ago
+    said = []
+    lock = RunLock(tmp_path, stale_s=30)
+    lock.acquire(say=said.append)
+    lock.release()
+    assert "silent for 600 s" in said[0], said
+
+
+def test_another_host_is_watched_refused_while_it_beats_taken_over_once_silent(tmp_path):
+    path = write_lock(tmp_path, host="elsewhere", pid=1)
+    stop = threading.Event()
+
+    def beat():  # the other host's holder, alive: its heartbeat changes every 0.1 s
+        n = 0
+        while not stop.wait(0.1):
+            n += 1
+            write_lock(tmp_path, host="elsewhere", pid=1, beat=n)
+
+    beating = threading.Thread(target=beat)
+    beating.start()
+    try:
+        with pytest.raises(RunDirectoryInUse, match="host elsewhere pid 1"):
+            RunLock(tmp_path, beat_s=0.2, stale_s=1.0).acquire(say=lambda line: None)
+    finally:
+        stop.set()
+        beating.join()
+    # silent now: after the watch (two beats at least) it is taken over, however recent its clock says it is
+    os.utime(path, None)
+    said, started = [], time.monotonic()
+    lock = RunLock(tmp_path, beat_s=0.2, stale_s=1.0)
+    lock.acquire(say=said.append)
+    lock.release()
+    assert time.monotonic() - started >= 2 * 0.2 and "did not change" in said[0], said
+
+
+def test_the_holder_beats_and_learns_when_it_lost_the_lock(tmp_path):
+    lock = RunLock(tmp_path, beat_s=0.05)
+    lock.acquire()
+    first = (tmp_path / LOCK_NAME).stat().st_mtime_ns
+    time.sleep(0.3)
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["beat"] >= 2
+    assert (tmp_path / LOCK_NAME).stat().st_mtime_ns != first
+    lock.ensure_held()  # still ours
+    write_lock(tmp_path, host="elsewhere", pid=7)  # taken over while this one was frozen
+    time.sleep(0.2)
+    with pytest.raises(RunDirectoryInUse, match="lost .* to host elsewhere pid 7"):
+        lock.ensure_held()
+    lock.release()
+    assert (tmp_path / LOCK_NAME).exists()  # the new holder's lock stays
+
+
+def _train(run_dir, *overrides, env=None):
+    cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(TINY), f"run.output_dir={run_dir}"]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.Popen(
+        [*cmd, *overrides], cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_second_run_into_a_training_directory_is_refused_and_the_first_loses_nothing(tmp_path):
+    """What a SLURM requeue does while the old job still runs: today's main let the second run delete the
+    first's temporary checkpoint folder and interleave metrics.jsonl. Now the second is refused by name
+    before it writes anything, infer.py may still read the run, and the first ends as it would alone."""
+    run_dir = tmp_path / "run"
+    # every checkpoint kept: the one infer.py reads must not be rotated away meanwhile (at 2 steps apart)
+    first = _train(
+        run_dir, "train.max_steps=100000", "train.checkpoint_every=2", "train.keep_checkpoints=100000",
+        "train.sample_every=0",
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "checkpoints" / "latest").exists():
+            assert first.poll() is None and time.monotonic() < deadline, first.stdout.read()[-3000:]
+            time.sleep(0.2)
+        config = (run_dir / "config.yaml").read_text()
+        second = _train(run_dir, "train.max_steps=3", "train.resume=none")
+        out, _ = second.communicate(timeout=120)
+        assert second.returncode == 2, out[-3000:]
+        errors = [line for line in out.splitlines() if "error:" in line]
+        assert len(errors) == 1 and f"pid {first.pid}" in errors[0], out[-3000:]
+        assert "in use by another training run" in errors[0]
+        sampled = subprocess.run(
+            [sys.executable, str(ROOT / "infer.py"), "--config", str(TINY), f"run.output_dir={run_dir}",
+             "--output", str(tmp_path / "live.npy"), "--steps", "2"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        assert sampled.returncode == 0, sampled.stderr[-3000:]
+        assert first.poll() is None, "the first run died"
+        assert (run_dir / "config.yaml").read_text() == config
+    finally:
+        first.send_signal(signal.SIGTERM)  # it saves the step it is in and stops
+        out, _ = first.communicate(timeout=120)
+    assert first.returncode == 128 + signal.SIGTERM, out[-3000:]
+    steps = [m["step"] for m in read_metrics(run_dir)]
+    assert steps == list(range(1, steps[-1] + 1)), steps  # one run's steps, each once
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{steps[-1]}"
+    assert not (run_dir / LOCK_NAME).exists()  # given back at the end
