@@ -10,13 +10,17 @@ group (docs/internals.md: long-lived gloo threads slowed training by 30-70%).
 
 import contextlib
 import datetime
+import pickle
+import re
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -28,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 from parallel import comm
 from parallel.checkpoint_files import (
     CheckpointError,
+    UnsafeCheckpoint,
     _clear,
     _fsync_dir,
     _is_complete,
@@ -36,7 +41,9 @@ from parallel.checkpoint_files import (
     _step_of,
     _write_durably,
     checkpoint_dir,
+    read_metadata,
     read_trainer_state,
+    untrusted,
     verify_checkpoint,
 )
 from parallel.storage import StorageError, check_before_save, storage_message, storage_problem
@@ -113,7 +120,7 @@ def save_checkpoint(
         problem = storage_problem(e, root) if not isinstance(e, CheckpointError) else None
         if problem is None:
             raise
-        raise StorageError(storage_message(problem, root, needed)) from None
+        raise StorageError(storage_message(problem, root, needed, keep=keep)) from None
     return final
 
 
@@ -156,17 +163,94 @@ def _write(
             for leftover in root.glob(pattern):
                 shutil.rmtree(leftover, ignore_errors=True)
         complete = sorted((p for p in root.glob("step_*") if _is_complete(p)), key=_step_of)
+        kept = {final, newest_in_range(complete)}  # a divergence's advice must find a good one left
         for old in complete[:-keep]:
-            if old != final:
+            if old not in kept:
                 _clear(old)
     runtime.fence()
 
 
+class _SafeReader(FileSystemReader):
+    """DCP's file reader, with .metadata read by checkpoint_files.read_metadata: DCP's own unpickles it with
+    a plain pickle.load, which calls whatever a crafted file names. `refused`: its refusal, which DCP
+    reports only as text (and then tries __<rank>.metadata, refused too)."""
+
+    refused: UnsafeCheckpoint | None = None
+
+    def read_metadata(self, *args, **kwargs):
+        if self.refused is not None:
+            raise self.refused
+        rank = kwargs.get("rank")  # DCP's per-rank metadata, when it has no global one
+        file = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
+        try:
+            metadata = read_metadata(self.path, file)
+        except UnsafeCheckpoint as e:
+            self.refused = e
+            raise
+        if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafePlanner(DefaultLoadPlanner):
+    """DCP's load planner, with the items that are not tensors (AdamW's param_groups: numbers, flags, a
+    tuple, names) read by torch.load(weights_only=True): DCP's own reads them with weights_only=False,
+    which calls whatever a crafted .distcp names. Tensors DCP reads with weights_only=True already.
+    `refused`: its refusal, which DCP wraps in a CheckpointException."""
+
+    refused: UnsafeCheckpoint | None = None
+
+    def __init__(self, path):
+        super().__init__()
+        self.checkpoint_path = path
+
+    def load_bytes(self, read_item, value) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            file = self.metadata.storage_data[read_item.storage_index].relative_path
+            named = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+            what = named.group(1) if named else "what torch.load(weights_only=True) refuses"
+            self.refused = UnsafeCheckpoint(untrusted(self.checkpoint_path, f"{file} (item {fqn})", what))
+            raise self.refused from None
+        # where DefaultLoadPlanner.load_bytes puts it
+        from torch.distributed.checkpoint._traverse import set_element
+
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
+
+
+def newest_in_range(complete: list) -> Path | None:
+    """The newest of `complete` (step folders, oldest first) saved with its loss and weights in range (its
+    trainer state's `health`, parallel/divergence.py; one without the record counts as in range): kept by
+    the rotation however many out-of-range saves follow it."""
+    for path in reversed(complete):
+        try:
+            if (read_trainer_state(path).get("health") or {}).get("in_range", True):
+                return path
+        except CheckpointError:  # damaged: no use to anyone
+            continue
+    return None
+
+
 def _load(state: dict, path: Path, group=None) -> None:
+    """Load `state` in place from a checkpoint; nothing in it is unpickled but DCP's metadata classes,
+    tensors and plain values (_SafeReader, _SafePlanner). A file that names anything else is an
+    UnsafeCheckpoint on every rank: its own refusal, or another rank's, which DCP gathers."""
+    read_metadata(path)  # refused here, by name, before DCP starts (it reads it again, as safely)
+    reader, planner = _SafeReader(path), _SafePlanner(path)
     try:
         with comm.recorded("checkpoint_load", group, None):  # DCP's own collectives run inside
-            dcp.load(state, checkpoint_id=path, process_group=group)
+            dcp.load(state, checkpoint_id=path, storage_reader=reader, planner=planner, process_group=group)
     except CheckpointException as e:  # DCP's planning errors (missing keys, size mismatches); a BaseException
+        theirs = (failure for failure, _ in e.failures.values() if isinstance(failure, UnsafeCheckpoint))
+        refused = reader.refused or planner.refused or next(theirs, None)  # another rank's, if not this one's
+        if refused is not None:
+            raise refused from None
         raise CheckpointError(
             f"{path} does not fit this model ({_first_failure(e)}); was it written "
             "with another model.size, model.patch_size, "
@@ -203,6 +287,32 @@ def check_architecture(path, architecture: dict) -> None:
             f"checkpoint {path} was trained with another model: {'; '.join(differs)}. Use the recipe "
             f"it was trained with (its run's config.yaml), or set these keys to match"
         )
+
+
+def expert_record(cfg) -> dict:
+    """What trainer_state.pt says of the timesteps a run trains (Wan 2.2 A14B, model.expert=high|low: one
+    expert's side of sample.boundary; none: all of them, whatever the boundary)."""
+    expert = cfg.model.expert
+    return {"expert": expert, "boundary": cfg.sample.boundary if expert != "none" else None}
+
+
+def check_expert(path, record: dict) -> None:
+    """Refuse to resume an expert's checkpoint on other timesteps (another model.expert, or another
+    sample.boundary): it would train one expert's weights on the other's noise levels, silently.
+    Checkpoints from before the record was kept resume as they did."""
+    saved = read_trainer_state(path).get("expert")
+    if saved is None or saved == record:
+        return
+
+    def recipe(r: dict) -> str:
+        boundary = "" if r["boundary"] is None else f" sample.boundary={r['boundary']}"
+        return f"model.expert={r['expert']}{boundary}"
+
+    raise CheckpointError(
+        f"checkpoint {path} trained {recipe(saved)}, this run has {recipe(record)}: resuming would train "
+        f"its weights on other timesteps. Keep the checkpoint's values ({recipe(saved)}), or train "
+        f"this recipe elsewhere (another run.output_dir, or train.resume=none)"
+    )
 
 
 def load_checkpoint(runtime, path, training: TrainingState, verified: bool = False) -> None:

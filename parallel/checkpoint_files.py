@@ -6,6 +6,7 @@ by name, with the previous one suggested, before anything is read from it.
 import errno
 import json
 import os
+import pickle
 import re
 import shutil
 import zlib
@@ -22,6 +23,20 @@ _POINTER = re.compile(r"step_(\d+)")
 
 class CheckpointError(RuntimeError):
     pass
+
+
+class UnsafeCheckpoint(CheckpointError):
+    """A checkpoint file that names a class or function no tessera checkpoint holds: unpickling it could
+    run code, so nothing is read from it."""
+
+
+def untrusted(path, file: str, what: str) -> str:
+    """The refusal of a checkpoint file that names `what` (a class or function)."""
+    return (
+        f"checkpoint {path} was not loaded: {file} names {what}, which no tessera checkpoint holds; "
+        f"unpickling it could run code. Load only checkpoints you wrote or trust; shared weights are "
+        f"safest as the safetensors folder scripts/export.py writes (model.pretrained reads it)"
+    )
 
 
 def checkpoint_dir(run_dir) -> Path:
@@ -50,25 +65,30 @@ def previous_checkpoint(path) -> Path | None:
     return max(older)[1] if older else None
 
 
-def _fallback_hint(path) -> str:
+def _fallback_hint(path, which: str = "previous") -> str:
+    """Where to go on from instead of `path`: the newest complete step_<N> beside it and older than it
+    (for a `latest` pointer, which has no step, the newest of all: `which` says so)."""
     previous = previous_checkpoint(path)
     if previous is None:
-        return "no earlier complete checkpoint is left beside it: start fresh with train.resume=none"
+        return "no other complete checkpoint is left beside it: start fresh with train.resume=none"
     return (
-        f"the previous complete checkpoint is {previous}: resume from it with train.resume={previous} "
+        f"the {which} complete checkpoint is {previous}: resume from it with train.resume={previous} "
         f"(infer.py --checkpoint {previous})"
     )
 
 
 def _follow(pointer: Path) -> Path:
-    """The step folder a `latest` pointer file names."""
+    """The step folder a `latest` pointer file names. A pointer that cannot be read or holds something
+    else is refused with the newest complete step_<N> beside it (a pointer is not a step: every one is
+    a candidate)."""
     try:
         name = pointer.read_text(errors="replace").strip() if pointer.stat().st_size < 1024 else ""
     except OSError as e:
-        raise CheckpointError(f"cannot read {pointer}: {e}") from None
+        raise CheckpointError(f"cannot read {pointer}: {e}; {_fallback_hint(pointer, 'newest')}") from None
     if not _POINTER.fullmatch(name):
         raise CheckpointError(
-            f"{pointer} is not a tessera `latest` pointer (a file holding one line, step_<N>)"
+            f"{pointer} is not a tessera `latest` pointer (a file holding one line, step_<N>); "
+            f"{_fallback_hint(pointer, 'newest')}"
         )
     path = pointer.parent / name
     if _is_complete(path):
@@ -195,8 +215,9 @@ def _checksums(path: Path) -> dict | None:
 def check_checkpoint_files(path) -> None:
     """Cheap checks from file sizes alone, made on every rank before any collective: every file that
     checksums.json lists (or, in a checkpoint written before it, that DCP's .metadata points into) is
-    there and at least as long as it must be. The crc32s are read later, shared over the ranks
-    (verify_checkpoint). A damaged checkpoint is a CheckpointError naming the file."""
+    there and at least as long as it must be; and DCP's .metadata is read without running code
+    (read_metadata). The crc32s are read later, shared over the ranks (verify_checkpoint). A damaged
+    checkpoint is a CheckpointError naming the file, one that names code an UnsafeCheckpoint."""
     path = Path(path)
     files = _checksums(path)
     if files is not None:
@@ -217,20 +238,88 @@ def check_checkpoint_files(path) -> None:
             f"checkpoint {path} is damaged, nothing was loaded from it: {'; '.join(problems)}; "
             f"{_fallback_hint(path)}"
         )
+    if files is not None:  # (without checksums.json, _sizes_from_metadata has read it)
+        _check_metadata(path, files.get(".metadata"))
+
+
+def _check_metadata(path: Path, written: dict | None) -> None:
+    """Read .metadata as read_metadata does, before DCP ever sees it (a file that names code is refused
+    here, by name); its crc32 first (it is small), so that a damaged file is called damaged."""
+    if written is not None and _size_and_crc(path / ".metadata") != (written["size"], written["crc32"]):
+        raise CheckpointError(
+            f"checkpoint {path} is damaged, nothing was loaded from it: .metadata is corrupt (its crc32 "
+            f"is not the one written); {_fallback_hint(path)}"
+        )
+    read_metadata(path)
+
+
+# What DCP's .metadata is made of (torch/distributed/checkpoint/metadata.py and filesystem.py), by module:
+# the only classes and functions read_metadata lets it name. torch's dtypes are allowed besides.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},  # torch.strided (and the other layouts) by name
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath"},  # StorageMeta.checkpoint_id
+}
+
+
+class _Forbidden(Exception):
+    pass
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """pickle.Unpickler that resolves only _METADATA_GLOBALS (as torch.load(weights_only=True) does for
+    tensors): a crafted file naming anything else (os.system, builtins.exec, ...) is stopped before it
+    is called."""
+
+    def find_class(self, module, name):
+        if name in _METADATA_GLOBALS.get(module, ()) or (
+            module == "torch" and isinstance(vars(torch).get(name), torch.dtype)  # no lazy import either
+        ):
+            return super().find_class(module, name)
+        raise _Forbidden(f"{module}.{name}")
+
+
+def read_metadata(path, file=None):
+    """DCP's metadata of the checkpoint folder `path` (its .metadata, or `file`), read without running
+    code: DCP's own reader unpickles it with a plain pickle.load, which calls whatever a crafted file
+    names. Naming anything else than DCP's metadata classes is an UnsafeCheckpoint naming the file and
+    what it named; a file that cannot be read otherwise is a CheckpointError."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    file = Path(file) if file is not None else Path(path) / ".metadata"
+    try:
+        with open(file, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except _Forbidden as e:
+        raise UnsafeCheckpoint(untrusted(path, file.name, str(e))) from None
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign .metadata
+        text = str(e).splitlines()[0][:200] if str(e) else ""
+        raise CheckpointError(
+            f"checkpoint {path} is damaged, nothing was loaded from it: its {file.name} cannot be read "
+            f"({type(e).__name__}: {text}); {_fallback_hint(path)}"
+        ) from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(
+            f"checkpoint {path}: its {file.name} holds a {type(metadata).__name__}, not DCP's metadata; "
+            f"it is not a tessera checkpoint: {_fallback_hint(path)}"
+        )
+    return metadata
 
 
 def _sizes_from_metadata(path: Path) -> dict[str, int]:
     """{file: the bytes DCP's .metadata says it holds at least} (a checkpoint without checksums.json)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        storage = FileSystemReader(str(path)).read_metadata().storage_data
-    except Exception as e:  # noqa: BLE001 - a truncated or foreign .metadata
-        raise CheckpointError(
-            f"checkpoint {path} is damaged, nothing was loaded from it: its .metadata cannot be read "
-            f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
-            f"{_fallback_hint(path)}"
-        ) from None
+    storage = read_metadata(path).storage_data
     sizes: dict[str, int] = {}
     for info in storage.values():
         sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), info.offset + info.length)

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from parallel import comm
-from parallel.checkpoint_files import CheckpointError, find_latest_quietly
+from parallel.checkpoint_files import CheckpointError, _is_complete, _step_of, find_latest_quietly
 
 
 class NonFiniteWeights(CheckpointError):
@@ -71,15 +71,45 @@ def check_before_save(runtime, state: dict, root: Path, step: int, keep: int) ->
             f"refusing to save step {step}: NaN or inf in {which}; nothing was written, and "
             f"the last good checkpoint is {latest or 'none (no checkpoint was written yet)'}"
         )
-    margin = int(0.02 * needed) + (16 << 20)  # the trainer state, checksums and DCP's metadata
-    if free < needed + margin:
+    if free < needed + _margin(needed):
+        fix = _space_fix(root, keep)
         raise StorageError(
             f"not enough space to save step {step} in {root} ({_file_system(root)}): "
-            f"{_size(free)} free, the checkpoint needs ~{_size(needed)}; nothing was written, and "
-            f"{_intact(latest)}. Free space there, or lower train.keep_checkpoints (now {keep}: the "
-            f"{keep} newest are kept, and a new one is written before the oldest is removed)"
+            f"{_size(free)} free, {_required(needed)}; nothing was written, and "
+            f"{_intact(latest)}. {fix[0].upper()}{fix[1:]}"
         )
     return needed
+
+
+def _margin(needed: int) -> int:
+    """What a save writes beyond its tensors (the trainer state, checksums and DCP's metadata), generously."""
+    return int(0.02 * needed) + (16 << 20)
+
+
+def _required(needed: int) -> str:
+    margin = _margin(needed)
+    return (
+        f"{_size(needed + margin)} required (the tensors' ~{_size(needed)} plus a {_size(margin)} margin "
+        f"for the metadata, checksums and trainer state)"
+    )
+
+
+def _space_fix(root: Path, keep: int | None) -> str:
+    """'free space there', naming the complete checkpoints beside `latest` that a resume does not need
+    when there are any: only then would a lower train.keep_checkpoints help (a first save has none)."""
+    latest = find_latest_quietly(root)
+    complete = sorted((p for p in root.glob("step_*") if _is_complete(p)), key=_step_of)
+    older = [p.name for p in complete[:-1] if p != latest]
+    if not older:
+        return "free space there"
+    fix = f"free space there, e.g. by removing older checkpoints a resume does not need ({', '.join(older)})"
+    if keep != 1:  # 1 is the lowest
+        now = f" (now {keep})" if keep else ""
+        fix += (
+            f"; a lower train.keep_checkpoints{now} keeps fewer of them (each save is written before the "
+            f"oldest is removed)"
+        )
+    return fix
 
 
 # errno -> how a message names what the file system refused
@@ -120,21 +150,25 @@ def storage_problem(error: BaseException, folder: Path | None = None) -> tuple[i
 
 
 def storage_message(
-    problem: tuple[int, str | None], root: Path, needed: int | None = None, training: bool = True
+    problem: tuple[int, str | None],
+    root: Path,
+    needed: int | None = None,
+    training: bool = True,
+    keep: int | None = None,
 ) -> str:
     """The `error:` text for a write the file system refused. `root`: the run's checkpoints/ folder (for
     a training run, the previous checkpoint is named and resuming advised); the file system named is
-    the failing file's."""
+    the failing file's. `needed`: the checkpoint's bytes; `keep`: train.keep_checkpoints, if known."""
     number, file = problem
     where = next((p for p in ([Path(file).parent] if file else []) + [root] if p.exists()), Path("."))
     free = shutil.disk_usage(where).free
-    need = f", the checkpoint needs ~{_size(needed)}" if needed else ""
+    need = f", {_required(needed)}" if needed else ""
     what = f"{_STORAGE_ERRNOS[number]} {_file_system(where)}"
     message = f"{what} while writing {file or root}; {_size(free)} free{need}"
     if training:
         message += f"; {_intact(find_latest_quietly(root))}"
     if number in (errno.ENOSPC, errno.EDQUOT):
-        fix = "free space there" + (" (or lower train.keep_checkpoints)" if training else "")
+        fix = _space_fix(root, keep) if training else "free space there"
     else:
         fix = "make it writable, or write elsewhere (run.output_dir" + (")" if training else ", --output)")
     return f"{message}. {fix[0].upper()}{fix[1:]}, then run the same command" + (

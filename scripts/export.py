@@ -33,7 +33,12 @@ from models.lora_formats import (  # noqa: E402
 )
 from models.wan import diffusers_config_from_dit, diffusers_state_dict_from_tessera  # noqa: E402
 from parallel.checkpoint import check_architecture, load_weights  # noqa: E402
-from parallel.checkpoint_files import CheckpointError, read_trainer_state, resolve_checkpoint  # noqa: E402
+from parallel.checkpoint_files import (  # noqa: E402
+    CheckpointError,
+    read_metadata,
+    read_trainer_state,
+    resolve_checkpoint,
+)
 from parallel.components import fill_unsharded, open_pretrained  # noqa: E402
 from parallel.lora import base_of_run, checkpoint_adapters, lora_of  # noqa: E402
 
@@ -41,9 +46,7 @@ from parallel.lora import base_of_run, checkpoint_adapters, lora_of  # noqa: E40
 def checkpoint_dims(path: Path, prefix: str) -> tuple[int, int]:
     """(latent channels, text width) of the DiT in a checkpoint, from DCP's metadata alone (no text
     encoder or VAE is built)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    sizes = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    sizes = read_metadata(path).state_dict_metadata  # without running code (DCP's reader would)
     try:
         patch = sizes[f"{prefix}.x_embedder.proj.weight"].size  # (D, C, pt, ph, pw)
         text = sizes[f"{prefix}.y_embedder.0.weight"].size  # (D, text_dim)

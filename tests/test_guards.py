@@ -15,8 +15,10 @@ import torch.distributed as dist
 
 import infer
 import train
+from configs import load_config
 from configs.rundir import read_metrics
 from parallel import checkpoint_files, comm, storage
+from parallel.components import build_frozen, build_model
 from tests.conftest import TINY, run_main
 
 # checkpoint_every=3 and log_every=4 over 8 steps: saves at 3, 6, 8 (the end), logs at 4 and 8
@@ -115,23 +117,71 @@ def test_skipping_non_finite_steps_keeps_training(tmp_path, monkeypatch, capsys)
 
 
 def test_a_checkpoint_larger_than_the_free_space_is_refused_before_writing(tmp_path, monkeypatch, capsys):
+    """The figure stated is the one checked (the margin included, and said so); train.keep_checkpoints is
+    suggested only when older checkpoints exist that a lower value would remove (a first save has none)."""
     run_dir = tmp_path / "run"
-    assert run_main(train, [*RUN, f"run.output_dir={run_dir}", "train.max_steps=3"]) == 0
+    root = run_dir / "checkpoints"
     real = shutil.disk_usage
-    monkeypatch.setattr(storage.shutil, "disk_usage", lambda p: real(p)._replace(free=1_000_000))
+    free = lambda n: monkeypatch.setattr(storage.shutil, "disk_usage", lambda p: real(p)._replace(free=n))
+    # the tensors' bytes, counted here: the model's and the EMA's state dicts, AdamW's two moments and a
+    # step (a float32 scalar) per parameter
+    cfg = load_config(TINY)
+    model = build_model(cfg, *build_frozen(cfg, "cpu"), weights=False)
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    tensors = 2 * weights + sum(2 * p.numel() * p.element_size() + 4 for p in model.parameters())
+    margin = int(0.02 * tensors) + (16 << 20)
+    required = f"{(tensors + margin) / 1e6:.1f} MB required (the tensors' ~{tensors / 1e6:.1f} MB plus a "
+    required += f"{margin / 1e6:.1f} MB margin for the metadata, checksums and trainer state)"
+
+    free(tensors + margin - 1)  # more than the tensors alone, a byte short of what is checked
+    assert run_main(train, [*RUN, f"run.output_dir={run_dir}", "train.max_steps=3"]) == 2
+    line = first_error(capsys.readouterr().err)
+    assert f"not enough space to save step 3 in {root}" in line and required in line, line
+    assert "no earlier checkpoint exists. Free space there" in line and "keep_checkpoints" not in line, line
+    assert not list(root.glob("*step_3*"))
+
+    free(tensors + margin)  # exactly what the line says is required: it saves
+    assert run_main(train, [*RUN, f"run.output_dir={run_dir}", "train.max_steps=3"]) == 0
+    free(1_000_000)
     assert run_main(train, [*RUN, f"run.output_dir={run_dir}", "train.max_steps=6"]) == 2
     line = first_error(capsys.readouterr().err)
+    assert "not enough space to save step 6 in" in line and f"1.0 MB free, {required}" in line, line
+    assert f"nothing was written, and the previous checkpoint {root / 'step_3'} is intact" in line
+    assert line.endswith(". Free space there"), line  # step_3 is what a resume needs: nothing to remove
+    assert checkpoint_files.find_latest(run_dir).name == "step_3" and not list(root.glob(".step_6*"))
+
+    monkeypatch.undo()
+    assert run_main(train, [*RUN, f"run.output_dir={run_dir}", "train.max_steps=6"]) == 0
+    free(1_000_000)
+    assert run_main(train, [*RUN, f"run.output_dir={run_dir}"]) == 2  # the step-8 save
+    line = first_error(capsys.readouterr().err)
+    assert f"the previous checkpoint {root / 'step_6'} is intact" in line, line
     assert (
-        "not enough space to save step 6 in" in line and "1.0 MB free, the checkpoint needs ~3.7 MB" in line
+        "Free space there, e.g. by removing older checkpoints a resume does not need (step_3); a lower "
+        "train.keep_checkpoints (now 3) keeps fewer of them" in line
     ), line
+
+
+def test_a_full_disk_during_a_save_suggests_what_would_free_space(tmp_path):
+    """storage_message (the file system refused a write): the same figure and the same suggestions."""
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    problem = (errno.ENOSPC, str(root / ".step_2.tmp" / "__0_0.distcp"))
+    line = storage.storage_message(problem, root, 3_000_000, keep=3)
+    assert "free, 19.8 MB required (the tensors' ~3.0 MB plus a 16.8 MB margin" in line, line
+    assert "; no earlier checkpoint exists. Free space there, then run the same command" in line, line
+    for step in (2, 4, 6):  # complete checkpoints; `latest` names step_6
+        (root / f"step_{step}").mkdir()
+        (root / f"step_{step}" / ".metadata").write_bytes(b"")
+    (root / "step_8").mkdir()  # incomplete: not a checkpoint
+    (root / "latest").write_text("step_6\n")
+    line = storage.storage_message(problem, root, 3_000_000, keep=3)
     assert (
-        f"nothing was written, and the previous checkpoint {run_dir / 'checkpoints' / 'step_3'} is intact"
-        in line
-    )
-    assert "train.keep_checkpoints (now 3" in line
-    assert checkpoint_files.find_latest(run_dir).name == "step_3" and not list(
-        (run_dir / "checkpoints").glob(".step_6*")
-    )
+        "Free space there, e.g. by removing older checkpoints a resume does not need (step_2, step_4); "
+        "a lower train.keep_checkpoints (now 3) keeps fewer of them" in line
+    ), line
+    assert "keep_checkpoints" not in storage.storage_message(problem, root, 3_000_000, keep=1)
+    assert "keep_checkpoints" not in storage.storage_message(problem, root, 3_000_000, training=False)
 
 
 def test_storage_errors_are_recognised_through_dcp_and_without_an_errno(tmp_path, monkeypatch):

@@ -1,0 +1,293 @@
+"""A checkpoint from elsewhere never runs code, an expert's checkpoint stays on its expert's timesteps, and
+a garbage `latest` pointer names the checkpoint to resume from. In one process, on the tiny recipe.
+
+The crafted files are what an attacker would share: a .metadata, or a non-tensor item of a .distcp, whose
+pickle calls `exec` to create a marker file, with checksums.json updated to match. Unpickled by DCP's own
+reader and planner (a plain pickle.load, torch.load(weights_only=False)), the marker appears."""
+
+import io
+import json
+import pickle
+import shutil
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import infer
+import train
+from parallel import checkpoint, checkpoint_files
+from tests.conftest import TINY, run_main, torchrun
+
+COMMON = ["--config", str(TINY), "train.max_steps=2", "train.checkpoint_every=2"]  # one checkpoint: step_2
+ITEM = "ema.final_layer.linear.bias"  # a weight that every load reads: training, sampling, model.pretrained
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    assert run_main(train, COMMON + [f"run.output_dir={run_dir}"]) == 0
+    return run_dir
+
+
+class Payload:
+    """Unpickled, it creates `marker`."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').close()",)
+
+
+def reseal(step, *names) -> None:
+    """Record the files' new sizes and crc32s in checksums.json, as an attacker would."""
+    listing = json.loads((step / "checksums.json").read_text())
+    for name in names:
+        data = (step / name).read_bytes()
+        listing["files"][name] = {"size": len(data), "crc32": zlib.crc32(data)}
+    (step / "checksums.json").write_text(json.dumps(listing))
+
+
+def craft(step, where: str, marker) -> str:
+    """Put a Payload in the checkpoint folder `step`: in its .metadata, or as the .distcp item ITEM
+    (declared a non-tensor item, which DCP hands to its planner's load_bytes). Returns the file's name."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    metadata = pickle.loads((step / ".metadata").read_bytes())  # written by this test's own run
+    if where == "metadata":
+        metadata.storage_meta.save_id = Payload(marker)
+        changed = [".metadata"]
+    else:
+        item = io.BytesIO()
+        torch.save(Payload(marker), item)
+        shard = step / "__0_0.distcp"
+        offset = shard.stat().st_size
+        with open(shard, "ab") as f:
+            f.write(item.getvalue())
+        metadata.state_dict_metadata[ITEM] = BytesStorageMetadata()
+        for index in [i for i in metadata.storage_data if i.fqn == ITEM]:
+            del metadata.storage_data[index]
+        metadata.storage_data[MetadataIndex(ITEM)] = _StorageInfo(shard.name, offset, len(item.getvalue()))
+        changed = [".metadata", shard.name]
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    reseal(step, *changed)
+    return changed[-1]
+
+
+def first_error(err: str) -> str:
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert lines and lines[0].startswith("error: "), err[-3000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("where", ["metadata", "distcp"])
+def test_a_crafted_checkpoint_is_refused_by_name_and_runs_nothing(trained, tmp_path, capsys, where):
+    """train.py resuming it, infer.py --checkpoint and model.pretrained=<the run> all refuse it, naming
+    the file and what it names; the marker is never created. A crafted .metadata is refused before any
+    process group."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    step = run_dir / "checkpoints" / "step_2"
+    marker = tmp_path / "marker"
+    file = craft(step, where, marker)
+    checkpoint_files.verify_checkpoint(step)  # the checksums match: only the contents can tell
+    named = f"{file} (item {ITEM}) names exec" if where == "distcp" else ".metadata names builtins.exec"
+    runs = {
+        "resume": (train, ["--config", str(TINY), f"run.output_dir={run_dir}", "train.max_steps=4"]),
+        "infer": (
+            infer,
+            ["--config", str(TINY), "--checkpoint", str(step), "--steps", "1"]
+            + [f"run.output_dir={tmp_path / 'other'}", "--output", str(tmp_path / "v.npy")],
+        ),
+        "pretrained": (train, COMMON + [f"run.output_dir={tmp_path / 'new'}", f"model.pretrained={run_dir}"]),
+    }
+    for what, (module, argv) in runs.items():
+        assert run_main(module, argv) == 2, what
+        line = first_error(capsys.readouterr().err)
+        assert (
+            f"error: checkpoint {step} was not loaded: {named}, which no tessera checkpoint holds" in line
+        ), (
+            what,
+            line,
+        )
+        assert "scripts/export.py" in line
+        assert not marker.exists(), f"{what} ran the checkpoint's code"
+        assert not dist.is_initialized()
+    assert not (tmp_path / "v.npy").exists() and not (tmp_path / "new" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_crafted_item_is_refused_on_every_rank(trained, tmp_path):
+    """Two ranks (ulysses=2) resuming the crafted .distcp: every rank refuses it by name, nothing runs."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    marker = tmp_path / "marker"
+    craft(run_dir / "checkpoints" / "step_2", "distcp", marker)
+    argv = ["--config", str(TINY), f"run.output_dir={run_dir}", "train.max_steps=4", "parallel.ulysses=2"]
+    result = torchrun(2, "train.py", *argv, timeout=240)
+    assert result.returncode != 0
+    named = f"was not loaded: __0_0.distcp (item {ITEM}) names exec, which no tessera checkpoint holds"
+    for rank in (0, 1):
+        assert (
+            f"[rank {rank}] error: checkpoint {run_dir / 'checkpoints' / 'step_2'} {named}" in result.stderr
+        ), result.stderr[-3000:]
+    assert not marker.exists()
+
+
+def test_a_crafted_metadata_is_refused_before_dcp_reads_it(trained, tmp_path, monkeypatch):
+    """read_metadata refuses anything outside DCP's metadata classes (by module and name: pathlib.PosixPath
+    is allowed, pathlib.Path.touch is not); the loaders refuse it even when nothing checked it first."""
+    step = tmp_path / "step_2"
+    shutil.copytree(trained / "checkpoints" / "step_2", step)
+    assert checkpoint_files.read_metadata(step).state_dict_metadata  # a real one reads
+    metadata = pickle.loads((step / ".metadata").read_bytes())
+    metadata.storage_meta.modules = [type(step).touch]  # pickled by reference, as pathlib.Path.touch
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(checkpoint_files.UnsafeCheckpoint, match=r"\.metadata names pathlib\.Path\.touch"):
+        checkpoint_files.read_metadata(step)
+    (step / ".metadata").write_bytes(pickle.dumps({"storage_data": {}}))  # no class, and no metadata
+    with pytest.raises(checkpoint_files.CheckpointError, match="holds a dict, not DCP's metadata"):
+        checkpoint_files.read_metadata(step)
+
+    shutil.rmtree(step)
+    shutil.copytree(trained / "checkpoints" / "step_2", step)
+    marker = tmp_path / "marker"
+    craft(step, "metadata", marker)
+    # DCP's reader alone: the check _load makes before DCP starts skipped, the reader still refuses
+    real = checkpoint.read_metadata
+    monkeypatch.setattr(checkpoint, "read_metadata", lambda path, file=None: file and real(path, file))
+    with pytest.raises(checkpoint_files.UnsafeCheckpoint, match=r"\.metadata names builtins\.exec"):
+        checkpoint.read_tensors(step, "ema", {"final_layer.linear.bias": (16,)}, verified=True)
+    assert not marker.exists()
+
+
+def test_real_checkpoints_load_every_item(trained):
+    """The safe reader and planner load what tessera writes: every tensor and every non-tensor item
+    (AdamW's param_groups) equal to what DCP's own loader reads from the same (trusted) files."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    step = trained / "checkpoints" / "step_2"
+    expected = _load_state_dict_from_keys(checkpoint_id=str(step))
+    state = {
+        section: {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else None for k, v in part.items()}
+        for section, part in expected.items()
+        if section != "optimizer"
+    }
+    groups = expected["optimizer"]["param_groups"]
+    state["optimizer"] = {
+        "state": {
+            n: {k: torch.empty_like(t) for k, t in s.items()}
+            for n, s in expected["optimizer"]["state"].items()
+        },
+        "param_groups": [{k: None for k in g} for g in groups],
+    }
+    checkpoint._load(state, step)
+    assert state["optimizer"]["param_groups"] == groups
+    assert groups[0]["betas"] == (0.9, 0.999) and groups[0]["params"]
+    for section in ("model", "ema"):
+        for name, tensor in expected[section].items():
+            assert torch.equal(state[section][name], tensor), name
+    for name, moments in expected["optimizer"]["state"].items():
+        for key, tensor in moments.items():
+            assert torch.equal(state["optimizer"]["state"][name][key], tensor), (name, key)
+
+
+def test_a_garbage_latest_pointer_names_the_checkpoint_to_resume_from(trained, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    root = run_dir / "checkpoints"
+    shutil.copytree(root / "step_2", root / "step_1")  # an older complete one: the newest must be named
+    (root / "step_3").mkdir()  # incomplete: never named
+    (root / "latest").write_text("garbage\n")
+    resume = ["--config", str(TINY), f"run.output_dir={run_dir}", "train.max_steps=4"]
+    assert run_main(train, resume) == 2
+    line = first_error(capsys.readouterr().err)
+    assert f"{root / 'latest'} is not a tessera `latest` pointer" in line, line
+    assert (
+        f"the newest complete checkpoint is {root / 'step_2'}: resume from it with "
+        f"train.resume={root / 'step_2'} (infer.py --checkpoint {root / 'step_2'})" in line
+    ), line
+    assert run_main(train, resume + [f"train.resume={root / 'step_2'}"]) == 0  # the advice works
+    assert (root / "latest").read_text() == "step_4\n"
+
+    (tmp_path / "notes.txt").write_text("hello\n")  # no checkpoint beside it
+    with pytest.raises(checkpoint_files.CheckpointError, match="no other complete checkpoint is left beside"):
+        checkpoint_files.resolve_checkpoint(str(tmp_path / "notes.txt"), tmp_path)
+
+
+EXPERT = ["--config", str(TINY), "train.max_steps=2", "train.checkpoint_every=2", "model.expert=high"]
+
+
+@pytest.fixture(scope="module")
+def expert_run(tmp_path_factory):
+    """A model.expert=high run of the tiny recipe (no Wan folder: sample.boundary set), with step_2."""
+    run_dir = tmp_path_factory.mktemp("expert") / "run"
+    assert run_main(train, EXPERT + ["sample.boundary=0.5", f"run.output_dir={run_dir}"]) == 0
+    return run_dir
+
+
+def never_started(*args, **kwargs):
+    raise AssertionError("the run started: a process group was made")
+
+
+@pytest.mark.parametrize(
+    "run, overrides, theirs, ours",
+    [
+        (
+            "expert",
+            ["model.expert=low", "sample.boundary=0.5"],
+            "high sample.boundary=0.5",
+            "low sample.boundary=0.5",
+        ),
+        ("expert", ["model.expert=none"], "high sample.boundary=0.5", "none"),
+        (
+            "expert",
+            ["model.expert=high", "sample.boundary=0.6"],
+            "high sample.boundary=0.5",
+            "high sample.boundary=0.6",
+        ),
+        ("plain", ["model.expert=high", "sample.boundary=0.5"], "none", "high sample.boundary=0.5"),
+    ],
+)
+def test_an_expert_checkpoint_resumes_only_as_that_expert(
+    expert_run, trained, tmp_path, monkeypatch, capsys, run, overrides, theirs, ours
+):
+    run_dir = tmp_path / "run"
+    shutil.copytree(expert_run if run == "expert" else trained, run_dir)
+    monkeypatch.setattr(train, "init_runtime", never_started)
+    argv = ["--config", str(TINY), f"run.output_dir={run_dir}", "train.max_steps=4", *overrides]
+    assert run_main(train, argv) == 2
+    line = first_error(capsys.readouterr().err)
+    step = run_dir / "checkpoints" / "step_2"
+    assert f"checkpoint {step} trained model.expert={theirs}, this run has model.expert={ours}" in line, line
+    assert f"Keep the checkpoint's values (model.expert={theirs})" in line
+    assert "another run.output_dir, or train.resume=none" in line
+
+
+def test_an_expert_checkpoint_resumes_as_its_expert_and_older_ones_as_before(expert_run, tmp_path, capsys):
+    from configs import load_config
+    from parallel.components import expert_recipe
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(expert_run, run_dir)
+    step = run_dir / "checkpoints" / "step_2"
+    state = checkpoint_files.read_trainer_state(step)
+    assert state["expert"] == {"expert": "high", "boundary": 0.5}
+    argv = ["--config", str(TINY), f"run.output_dir={run_dir}", "train.max_steps=4", "model.expert=high"]
+    assert run_main(train, argv + ["sample.boundary=0.5"]) == 0
+    assert f"resumed from {step} at step 2" in capsys.readouterr().out
+    assert (
+        checkpoint_files.read_trainer_state(run_dir / "checkpoints" / "step_4")["expert"] == state["expert"]
+    )
+
+    del state["expert"]  # a checkpoint written before the record: it resumes as it did, unchecked
+    torch.save(state, step / "trainer_rank0.pt")
+    reseal(step, "trainer_rank0.pt")
+    cfg = expert_recipe(
+        load_config(TINY, ["model.expert=low", "sample.boundary=0.5", f"train.resume={step}"])
+    )
+    assert train.check_before_start(cfg).checkpoint == step
