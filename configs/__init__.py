@@ -178,6 +178,8 @@ def validate(cfg: DictConfig) -> None:
     for key in (
         "train.lr",
         "train.grad_clip",
+        "train.loss_limit",
+        "train.weight_limit",
         "flow.shift",
         "parallel.timeout_s",
         "parallel.preflight_timeout_s",

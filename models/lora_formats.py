@@ -207,6 +207,12 @@ def read_file(path) -> tuple[dict[str, torch.Tensor], dict | None]:
             metadata = f.metadata() or {}
     except Exception as e:  # noqa: BLE001 - safetensors' own error type
         raise LoRAFormatError(f"LoRA file {path} cannot be read as safetensors ({e})") from None
+    bad = next((k for k, t in tensors.items() if t.is_floating_point() and not t.isfinite().all()), None)
+    if bad is not None:  # merged or trained on, it would make every output NaN
+        raise LoRAFormatError(
+            f"LoRA file {path}: tensor '{bad}' holds NaN or inf (the first such tensor); the file is damaged "
+            "or was saved from a diverged run: use another one, or export it again"
+        )
     raw = metadata.get("lora_adapter_metadata")
     try:
         config = json.loads(raw) if raw else None

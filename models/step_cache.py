@@ -14,14 +14,21 @@ from a rank's own shard could differ between ranks and leave them in different c
 import json
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 
 class CacheError(ValueError):
-    """A calibration file that is missing, damaged, or made for another number of steps."""
+    """A calibration file that is missing, damaged, out of range, or made for another sampling (model,
+    weights, guidance, schedule, number of steps)."""
+
+
+# A step whose velocity changed by more than this (relative) is not a measurement of a sane sampling; such
+# a step would never be skipped anyway.
+MAX_CHANGE = 10.0
+HOW_TO_CALIBRATE = "python scripts/calibrate_cache.py --config <recipe> [--checkpoint C] --output <file>"
 
 
 @dataclass
@@ -32,17 +39,20 @@ class Calibration:
     steps: int
     change: list
     magnitude: list
-    source: str = ""  # what it was measured on (recipe, checkpoint, prompts)
+    source: str = ""  # what it was measured on (recipe, checkpoint, prompts), for people
+    # what it is valid for (parallel/cache.py calibration_subject: model, weights, guidance, schedule),
+    # compared with the sampling that uses it
+    made_for: dict = field(default_factory=dict)
 
     @staticmethod
-    def measure(velocities: list, source: str = "") -> "Calibration":
+    def measure(velocities: list, source: str = "", made_for: dict | None = None) -> "Calibration":
         """From the uncached sampler's guided velocities, one (B, ...) tensor per step."""
         change, magnitude = [math.nan], [math.nan]
         for before, now in zip(velocities, velocities[1:]):
             norm_before = before.flatten(1).float().norm(dim=1)
             change.append(((now - before).flatten(1).float().norm(dim=1) / norm_before).mean().item())
             magnitude.append((now.flatten(1).float().norm(dim=1) / norm_before).mean().item())
-        return Calibration(len(velocities), change, magnitude, source)
+        return Calibration(len(velocities), change, magnitude, source, made_for or {})
 
     def save(self, path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -51,6 +61,7 @@ class Calibration:
             "change": self.change,
             "magnitude": self.magnitude,
             "source": self.source,
+            "made_for": self.made_for,
         }
         Path(path).write_text(json.dumps(body, indent=1))
 
@@ -59,16 +70,80 @@ class Calibration:
         try:
             body = json.loads(Path(path).read_text())
             found = Calibration(
-                int(body["steps"]), list(body["change"]), list(body["magnitude"]), body["source"]
+                int(body["steps"]),
+                [float(v) for v in body["change"]],
+                [float(v) for v in body["magnitude"]],
+                body["source"],
+                dict(body.get("made_for") or {}),  # {}: written before tessera recorded it
             )
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise CacheError(
                 f"sample.cache_calibration={path} cannot be read as a calibration ({e}); write one with "
-                "python scripts/calibrate_cache.py --config <recipe> --output <file>"
+                f"{HOW_TO_CALIBRATE}"
             ) from None
         if not (len(found.change) == len(found.magnitude) == found.steps >= 2):
             raise CacheError(f"sample.cache_calibration={path}: its tables do not have {found.steps} entries")
+        found.check_values(path)
         return found
+
+    def check_values(self, path) -> None:
+        """Every entry after step 0 is finite and possible. A skipped step's velocity is the last one times
+        the magnitudes since, so one extreme magnitude (1e30) would make a NaN video. A measured table
+        always has |magnitude - 1| <= change (the triangle inequality, sample by sample, then in the mean)
+        and 0 <= change <= MAX_CHANGE."""
+        for i in range(1, self.steps):
+            change, magnitude = self.change[i], self.magnitude[i]
+            if not (math.isfinite(change) and 0 <= change <= MAX_CHANGE):
+                wrong = f"change[{i}] is {change!r}, outside [0, {MAX_CHANGE:g}]"
+            elif not (math.isfinite(magnitude) and abs(magnitude - 1) <= change * (1 + 1e-6) + 1e-9):
+                wrong = (
+                    f"magnitude[{i}] is {magnitude!r}, outside 1 +- change[{i}] ({change!r}), which a "
+                    "measured table never is"
+                )
+            else:
+                continue
+            raise CacheError(
+                f"sample.cache_calibration={path}: {wrong}; the file is damaged or was not measured: "
+                f"calibrate again ({HOW_TO_CALIBRATE})"
+            )
+
+    def check_made_for(self, subject: dict, path) -> None:
+        """Refuse a calibration measured on another sampling than `subject` (calibration_subject's answer for
+        this run), naming each difference."""
+        if not self.made_for:
+            raise CacheError(
+                f"sample.cache_calibration={path} does not record what it was made for (an older tessera "
+                "wrote it), so it cannot be checked against this sampling: calibrate again "
+                f"({HOW_TO_CALIBRATE})"
+            )
+        differs = _differences(self.made_for, subject)
+        if differs:
+            raise CacheError(
+                f"sample.cache_calibration={path} was made for another sampling: {'; '.join(differs)}. A "
+                "calibration belongs to the model, weights, guidance and schedule it was measured on: "
+                f"calibrate for this one ({HOW_TO_CALIBRATE}), or sample what it was made for"
+            )
+
+
+def _differences(theirs: dict, ours: dict) -> list[str]:
+    """'key: X there, Y here' for each entry of `ours` that `theirs` (a calibration's record) does not
+    share. An identity {"what", "id"} compares by id (a file moved elsewhere is still the same) and shows
+    what; another dict (the architecture) compares entry by entry."""
+    out = []
+    for key, mine in ours.items():
+        other = theirs.get(key)
+        if isinstance(mine, dict) and "id" in mine:
+            if not isinstance(other, dict) or other.get("id") != mine["id"]:
+                shown = other.get("what") if isinstance(other, dict) else other
+                out.append(f"{key}: {shown} there, {mine['what']} here")
+        elif isinstance(mine, dict):
+            other = other if isinstance(other, dict) else {}
+            out += [
+                f"{key}.{k}: {other.get(k)!r} there, {v!r} here" for k, v in mine.items() if other.get(k) != v
+            ]
+        elif other != mine:
+            out.append(f"{key}: {other!r} there, {mine!r} here")
+    return out
 
 
 @dataclass

@@ -10,7 +10,9 @@ otherwise go unnoticed; under ulysses or ring it would already have stopped a co
 `cache_decision` flips its decisions after the sums are agreed.
 """
 
+import json
 import zlib
+from pathlib import Path
 
 import torch
 
@@ -62,3 +64,81 @@ def _same_everywhere(value: int, groups: SamplingGroups, device, what: str) -> N
             "command, recipe (sample.cache, sample.cache_threshold, sample.cache_first_block_threshold, "
             "sample.cache_max_skips) and calibration file"
         )
+
+
+def check_calibration(cache, cfg, args, checkpoint, guidance: float) -> None:
+    """sample.cache=calibrated: refuse a calibration made for another model, weights, LoRAs, guidance or
+    schedule than this infer.py run's (`args`: its command line), before any model is built."""
+    if cache is None or cache.method != "calibrated":
+        return
+    use_ema = cfg.sample.use_ema and not args.no_ema
+    subject = calibration_subject(cfg, checkpoint, use_ema, args.random_weights, args.lora, guidance)
+    cache.calibration.check_made_for(subject, cfg.sample.cache_calibration)
+
+
+def calibration_subject(cfg, checkpoint, use_ema: bool, random_weights: bool, loras, guidance: float) -> dict:
+    """What a step-cache calibration measures, and is valid for: the DiT's architecture, its weights (a
+    checkpoint, model.pretrained or random), the LoRAs merged, the text encoder and VAE, the guidance and
+    the noise schedule. Files are known by a fingerprint of their contents, not their path. Prompts,
+    seeds and the sampling size are left out: the table carries over to them. scripts/calibrate_cache.py
+    records it; infer.py compares (models.step_cache.Calibration.check_made_for)."""
+    from parallel.components import meta_dit
+
+    te, vae, flow = cfg.text_encoder, cfg.vae, cfg.flow
+    subject = {
+        "model": meta_dit(cfg).architecture(),
+        "weights": _weights(cfg, checkpoint, use_ema, random_weights),
+        "loras": _loras(loras),
+        "text_encoder": f"{te.kind} {te.pretrained or f'(tiny, seed {te.seed})'}",
+        "vae": f"{vae.kind} {vae.pretrained or f'(tiny, seed {vae.seed})'}",
+        "guidance": float(guidance),
+        "flow": f"shift {flow.shift:g} at {flow.shift_reference_tokens} reference tokens",
+    }
+    return json.loads(json.dumps(subject))  # as the file holds it (tuples become lists)
+
+
+def _weights(cfg, checkpoint, use_ema: bool, random_weights: bool) -> dict:
+    """{"what": for people, "id": what is compared} of the DiT's weights."""
+    from parallel.checkpoint_files import resolve_checkpoint
+    from parallel.lora import is_tessera_run
+
+    if random_weights:
+        return {"what": f"random weights (train.seed={cfg.train.seed})", "id": f"random {cfg.train.seed}"}
+    kind = "EMA" if use_ema else "raw"
+    pretrained = cfg.model.pretrained
+    if checkpoint is None and pretrained and is_tessera_run(pretrained):  # its latest's EMA weights
+        checkpoint, kind = resolve_checkpoint(str(pretrained), Path(pretrained)), "EMA"
+    if checkpoint is not None:
+        step = Path(checkpoint)
+        sealed = step / "checksums.json" if (step / "checksums.json").is_file() else step / ".metadata"
+        crc = f"{zlib.crc32(sealed.read_bytes()):08x}"  # every file's crc32: the checkpoint's contents
+        return {"what": f"checkpoint {step} ({kind} weights)", "id": f"checkpoint {crc} {kind}"}
+    folder = Path(pretrained)
+    if not (folder / "config.json").is_file() and (folder / "transformer" / "config.json").is_file():
+        folder = folder / "transformer"
+    files = sorted(folder.glob("*.safetensors")) + [folder / "config.json"]
+    return {"what": f"model.pretrained={pretrained}", "id": f"pretrained {_fingerprint(files)}"}
+
+
+def _loras(specs) -> dict:
+    from models.lora_formats import parse_lora_spec
+
+    if not specs:
+        return {"what": "none", "id": "none"}
+    parsed = [parse_lora_spec(spec) for spec in specs]
+    what = ", ".join(f"{path}:{scale:g}" for path, scale in parsed)
+    return {"what": what, "id": " ".join(f"{_fingerprint([Path(p)])}:{s!r}" for p, s in parsed)}
+
+
+def _fingerprint(files: list, window: int = 1 << 16) -> str:
+    """crc32 of each file's name, size and its first and last 64 KiB (a safetensors header and the
+    first and last weights): two exports of different weights differ, whatever their paths, at the cost
+    of a few reads."""
+    crc = 0
+    for file in files:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            head = f.read(window)
+            f.seek(max(0, size - window))
+            crc = zlib.crc32(f"{file.name} {size}".encode() + head + f.read(window), crc)
+    return f"{crc:08x}"

@@ -17,6 +17,7 @@ from models.vae import LatentSpace, build_vae, vae_latent_space
 from models.wan import WanWeights, check_wan_folder, second_expert
 from parallel.checkpoint import TrainingState, check_architecture, load_base_weights, load_weights
 from parallel.checkpoint_files import check_checkpoint_files, resolve_checkpoint
+from parallel.finite import check_pretrained_finite
 from parallel.fsdp import parallelize_dit, param_device
 from parallel.init import copy_shards, materialize
 from parallel.lora import (
@@ -100,9 +101,12 @@ def check_lora_start(cfg, checkpoint) -> tuple:
     return base, adapter_start
 
 
-def fill_unsharded(model: DiT, seed: int, pretrained, zero_init: bool = True, partial: bool = False) -> None:
+def fill_unsharded(
+    model: DiT, seed: int, pretrained, zero_init: bool = True, partial: bool = False, group=None
+) -> None:
     """Allocate an unsharded model on the host and fill it from `pretrained` (open_pretrained's answer)
-    or from `seed`."""
+    or from `seed`. Pretrained weights with NaN or inf are refused by file and tensor; `group`: the ranks
+    that decide it together (every one calls this: PipeFusion stages hold different blocks)."""
     if isinstance(pretrained, TesseraWeights):
         model.to_empty(device="cpu")
         load_weights(
@@ -110,6 +114,9 @@ def fill_unsharded(model: DiT, seed: int, pretrained, zero_init: bool = True, pa
         )
     else:
         materialize(model, "cpu", seed, pretrained, zero_init=zero_init, partial=partial)
+    if pretrained is not None:
+        select = lambda key: not is_adapter(key)  # noqa: E731
+        check_pretrained_finite(model, pretrained, group, select, aligned=not partial)
 
 
 @dataclass
@@ -181,12 +188,16 @@ def fill_sharded(
 ) -> None:
     """Allocate a sharded model on this rank's device (the CPU under cpu_offload) and fill its shards:
     from `pretrained` (Wan weights read row by row, or a tessera run's checkpoint resharded by DCP) or
-    from `seed`; adapters from `adapter_start` (lora.init_from) where it has them, else `adapter_seed`."""
+    from `seed`; adapters from `adapter_start` (lora.init_from) where it has them, else `adapter_seed`.
+    Pretrained weights with NaN or inf are refused by file and tensor, alike on every rank."""
     wan = pretrained if not isinstance(pretrained, TesseraWeights) else None
     device = param_device(runtime.device, cpu_offload)
     materialize(model, device, seed, wan, adapter_seed=adapter_seed, adapter_start=adapter_start)
     if isinstance(pretrained, TesseraWeights):
         load_base_weights(runtime, pretrained.step, model)
+    if pretrained is not None:  # each rank its shards, one verdict for all (the adapters: read_file)
+        select = lambda key: not is_adapter(key)  # noqa: E731
+        check_pretrained_finite(model, pretrained, runtime.control_group, select)
 
 
 def build_ema(cfg, runtime, model, optimizer, text_encoder, vae, lora: bool):

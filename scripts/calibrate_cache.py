@@ -6,7 +6,9 @@ guided velocity of every step, and write per step its mean relative change and n
         sample.cache_calibration=runs/demo/cache.json --prompt "a red square moving left"
 
 One process. Calibrate once per model and step count (sample.steps, or --steps); the prompts default to
-sample.prompts, each with --seeds seeds. The sampling size is the recipe's (sample.*, else data.*).
+sample.prompts, each with --seeds seeds. The sampling size is the recipe's (sample.*, else data.*). The
+file records what it was made for (architecture, weights, guidance, schedule, steps): infer.py refuses it
+for any other.
 """
 
 import argparse
@@ -20,6 +22,7 @@ from configs import DEFAULT_RECIPE, load_config, split_overrides  # noqa: E402
 from models.dit import DiT_models  # noqa: E402
 from models.flow import RectifiedFlow, guided_velocity  # noqa: E402
 from models.step_cache import Calibration  # noqa: E402
+from parallel.cache import calibration_subject  # noqa: E402
 from parallel.entrypoint import run_as_process  # noqa: E402
 from parallel.layout import ParallelLayout  # noqa: E402
 from parallel.runtime import init_runtime  # noqa: E402
@@ -90,10 +93,14 @@ def main(argv=None, session=None):
 
     checkpoint = find_checkpoint(cfg, args.checkpoint, args.random_weights)
     prompts = args.prompts or list(cfg.sample.prompts)
+    # what the table is valid for, as infer.py will describe its own sampling (read before the weights)
+    subject = calibration_subject(
+        cfg, checkpoint, cfg.sample.use_ema, args.random_weights, [], cfg.sample.guidance
+    )
     components = load_model(cfg, checkpoint, session, args.random_weights)
     velocities = record_velocities(cfg, components, prompts, args.seeds, steps)
     source = f"{args.config}, checkpoint {checkpoint}, {len(prompts)} prompts x {args.seeds} seeds"
-    calibration = Calibration.measure(velocities, source)
+    calibration = Calibration.measure(velocities, source, subject)
     calibration.save(args.output)
     middle = sorted(calibration.change[1:])[len(calibration.change) // 2 - 1]
     print(f"[calibrate] {steps} steps, median relative change per step {middle:.4f}: {args.output}")

@@ -4,7 +4,9 @@ saved, the same video), ranks whose signals or settings differ (they agree, or s
 line), and the refusals at start-up."""
 
 import json
+import re
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +27,15 @@ def calibration(steps=8, change=0.1, magnitude=0.9) -> Calibration:
     return Calibration(
         steps, [float("nan")] + [change] * (steps - 1), [float("nan")] + [magnitude] * (steps - 1)
     )
+
+
+def for_random_weights(table: Calibration) -> Calibration:
+    """A hand-made table, recorded as made for infer.py --random-weights with the tiny recipe."""
+    from configs import load_config
+    from parallel.cache import calibration_subject
+
+    table.made_for = calibration_subject(load_config(TINY), None, True, True, [], 2.0)
+    return table
 
 
 def test_the_plan_skips_within_the_budget_and_keeps_the_ends():
@@ -171,7 +182,7 @@ def test_every_layout_samples_the_one_process_cached_video(tmp_path, capsys):
     """cfg 2 x ulysses 2 (4 processes) and ring 2: the same calls skipped and the same video as one
     process (45 tokens: no degree divides them); the cache changes the video, and saves calls."""
     file = tmp_path / "cache.json"
-    calibration(8, change=0.1).save(file)
+    for_random_weights(calibration(8, change=0.1)).save(file)
     # the recipe's default budget (0.3, 2 in a row) on this table: steps 0, 3, 6 and 7 call the model
     assert [s.compute for s in plan_steps(calibration(8), 8, 0.3, 2)] == [1, 0, 0, 1, 0, 0, 1, 1]
     ours, _ = cached_sample(tmp_path, "one", file)
@@ -245,7 +256,7 @@ def test_first_block_decisions_are_agreed_across_ranks(tmp_path, capsys):
 
 def test_cache_settings_a_layout_cannot_honour_are_refused_at_start(tmp_path, capsys):
     file = tmp_path / "cache.json"
-    calibration(6).save(file)
+    for_random_weights(calibration(6)).save(file)
     base = ["--config", str(TINY), f"run.output_dir={tmp_path / 'run'}", *SIZE[:-3], "--random-weights"]
     for extra, message in (
         (["sample.cache=calibrated"], "needs sample.cache_calibration"),
@@ -287,3 +298,100 @@ def test_calibrate_and_bench_cache_run(tmp_path):
     assert run_main(bench_cache, ["--tiny", "--json", str(report), f"run.output_dir={tmp_path / 'run'}"]) == 0
     rows = json.loads(report.read_text())["rows"]
     assert rows[0]["calls"] == 6 and all(r["calls"] <= 6 and r["psnr"] > 0 for r in rows[1:])
+
+
+def calibrate(tmp_path, name, *extra) -> Path:
+    """scripts/calibrate_cache.py on the tiny recipe (3 steps, one seed); the file it wrote."""
+    import calibrate_cache
+
+    out = tmp_path / f"{name}.json"
+    args = ["--config", str(TINY), f"run.output_dir={tmp_path / 'run'}", "--seeds", "1", *extra]
+    assert run_main(calibrate_cache, [*args, "--output", str(out)]) == 0
+    return out
+
+
+def test_a_calibration_made_for_another_sampling_is_refused_by_what_differs(tmp_path, capsys):
+    """Item 7: a calibration of one model, checkpoint or guidance was accepted for any other (only the step
+    count was compared). Each difference is now named, before init_runtime; the same sampling is accepted."""
+    import torch.distributed as dist
+
+    import train
+
+    run, out = tmp_path / "run", str(tmp_path / "v.npy")
+    base = ["--config", str(TINY), f"run.output_dir={run}", "--output", out]
+    assert run_main(train, ["--config", str(TINY), f"run.output_dir={run}", "train.max_steps=1"]) == 0
+    step_1 = run / "checkpoints" / "step_1"
+    random_file, step_1_file = (
+        calibrate(tmp_path, "random", "--random-weights"),
+        calibrate(tmp_path, "step_1"),
+    )
+    assert run_main(infer, [*base, "sample.cache=calibrated", f"sample.cache_calibration={step_1_file}"]) == 0
+    assert run_main(train, ["--config", str(TINY), f"run.output_dir={run}", "train.max_steps=2"]) == 0
+    capsys.readouterr()
+    for file, extra, differs in (
+        (random_file, ["--random-weights", "--guidance", "3"], "guidance: 2.0 there, 3.0 here"),
+        (
+            random_file,
+            ["--random-weights", "model.patch_size=[1,2,2]"],
+            "model.patch_size: [1, 4, 4] there, [1, 2, 2] here",
+        ),
+        (
+            random_file,
+            ["--checkpoint", str(step_1)],
+            f"weights: random weights (train.seed=0) there, checkpoint {step_1} (EMA weights) here",
+        ),
+        (
+            step_1_file,
+            [],
+            f"weights: checkpoint {step_1} (EMA weights) there, checkpoint {step_1.with_name('step_2')} (EMA "
+            "weights) here",
+        ),
+        (
+            step_1_file,
+            ["--checkpoint", str(step_1), "--no-ema"],
+            f"weights: checkpoint {step_1} (EMA weights) there, checkpoint {step_1} (raw weights) here",
+        ),
+    ):
+        argv = [*base, *extra, "sample.cache=calibrated", f"sample.cache_calibration={file}"]
+        assert run_main(infer, argv) == 2, extra
+        line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("error:"))
+        assert f"sample.cache_calibration={file} was made for another sampling: {differs}" in line, line
+        assert not dist.is_initialized()  # refused before any process group, model or weight
+    # a file from before the record is refused too: it cannot be checked
+    old = json.loads(random_file.read_text())
+    del old["made_for"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    argv = [
+        *base,
+        "--random-weights",
+        "sample.cache=calibrated",
+        f"sample.cache_calibration={tmp_path / 'old.json'}",
+    ]
+    assert run_main(infer, argv) == 2
+    assert "does not record what it was made for" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "entry, value, message",
+    [
+        ("magnitude", 1e30, "magnitude[1] is 1e+30, outside 1 +- change[1]"),
+        ("magnitude", float("nan"), "magnitude[1] is nan, outside 1 +- change[1]"),
+        ("change", float("inf"), "change[1] is inf, outside [0, 10]"),
+        ("change", -0.5, "change[1] is -0.5, outside [0, 10]"),
+    ],
+)
+def test_calibration_values_that_no_measurement_gives_are_refused(tmp_path, capsys, entry, value, message):
+    """Item 5 (c): a calibration with magnitude 1e30 sampled a video of NaN with exit 0 (a skipped step's
+    velocity is the last one times the magnitude). Such a file is refused, naming the file and the entry."""
+    good = calibrate(tmp_path, "good", "--random-weights", "--steps", "3")
+    body = json.loads(good.read_text())
+    body[entry][1] = value
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(body))
+    with pytest.raises(CacheError, match=re.escape(f"sample.cache_calibration={bad}: {message}")):
+        Calibration.load(bad)
+    argv = ["--config", str(TINY), f"run.output_dir={tmp_path / 'run'}", "--random-weights", "--output"]
+    argv += [str(tmp_path / "v.npy"), "sample.cache=calibrated", f"sample.cache_calibration={bad}"]
+    assert run_main(infer, argv) == 2
+    assert f"error: sample.cache_calibration={bad}: {message}" in capsys.readouterr().err
+    assert not list(tmp_path.glob("v*.npy"))
