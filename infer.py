@@ -5,7 +5,8 @@
 
 The output format follows the extension: .mp4, .gif, .png (an image, or one file per frame) or .npy
 (float32 [frames, height, width, 3] in [0, 1], unquantised). With several prompts, files are numbered
-(out_000.mp4, ...). With N processes and data parallelism, the prompts are split across ranks.
+(out_000.mp4, ...). With N processes and data parallelism, the prompts are split across ranks; each
+replica samples its prompts sample.batch_size at a time and writes each batch as it finishes.
 """
 
 import parallel.startup  # noqa: F401  (first: before torch loads)
@@ -13,7 +14,9 @@ import parallel.startup  # noqa: F401  (first: before torch loads)
 # isort: split
 
 import argparse
+import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,14 +30,14 @@ from models.flow import RectifiedFlow
 from models.image_condition import image_encoder_folder, image_inputs, read_images, sampling_condition
 from models.lora import deltas_of, merge_deltas
 from models.lora_formats import check_file, parse_lora_spec, read_lora
-from models.pipeline import generate
+from models.pipeline import generate_checked
 from models.step_cache import step_cache
 from models.tiling import plan_tiles
 from models.vae import vae_latent_space
 from models.wan import second_expert
 from parallel import comm
 from parallel import vae as parallel_vae
-from parallel.cache import check_cache_decisions, share_step_cache
+from parallel.cache import check_cache_decisions, check_calibration, share_step_cache
 from parallel.checkpoint import check_architecture, load_weights
 from parallel.checkpoint_files import CheckpointError, check_checkpoint_files, resolve_checkpoint
 from parallel.components import (
@@ -46,9 +49,10 @@ from parallel.components import (
     open_pretrained,
 )
 from parallel.entrypoint import run_as_process
+from parallel.finite import check_adapters_finite, check_checkpoint_finite
 from parallel.layout import ParallelLayout
 from parallel.lora import base_of_run, checkpoint_adapters, is_tessera_run, lora_of
-from parallel.pipefusion_plan import keep_stage
+from parallel.pipefusion_plan import held_elsewhere, keep_stage
 from parallel.runtime import init_runtime, links_are_slow, local_world_size, world_from_env
 from parallel.sampling import ParallelSampler
 from parallel.sequence import apply_sequence_parallel
@@ -118,6 +122,34 @@ def output_paths(output: str, count: int) -> list[Path]:
     return [path.with_name(f"{path.stem}_{i:03d}{path.suffix}") for i in range(count)]
 
 
+def check_outputs(paths: list[Path]) -> None:
+    """Every output can be written: a file, not a folder, in a folder that exists (or can be created)
+    and takes a new file (one is created and removed). Checked on every rank before the model is built:
+    found only when the writer writes, the failure would cost the whole sampling."""
+    for path in paths:
+        if path.is_dir():
+            example = path / f"sample{path.suffix}"
+            raise ValueError(f"--output {path} is a folder: name a file in it, e.g. --output {example}")
+        if path.exists() and not os.access(path, os.W_OK):
+            raise ValueError(f"--output {path} is read-only: make it writable, or name another file")
+    for folder in sorted({path.parent for path in paths}):
+        existing = folder
+        while not existing.exists():  # the folders write_video would create, up to one that exists
+            existing = existing.parent
+        why = None if existing.is_dir() else f"{existing} is a file, not a folder"
+        if why is None:
+            try:
+                with tempfile.NamedTemporaryFile(dir=existing, prefix=".tessera-output-check-"):
+                    pass
+            except OSError as e:
+                why = f"no file can be created in {existing} ({e.strerror or e})"
+        if why is not None:
+            raise ValueError(
+                f"--output {paths[0]} cannot be written: {why}. Name a file in a writable folder, or make "
+                "it writable (checked before sampling: a failure after it would lose the videos)"
+            )
+
+
 def find_checkpoint(cfg, checkpoint: str | None, random_weights: bool):
     if random_weights:
         return None
@@ -162,12 +194,19 @@ def load_sampler(
     if checkpoint is not None and record is None:
         model.to_empty(device="cpu")
         load_weights(checkpoint, model, use_ema=use_ema)
+        # NaN: refused by name (PipeFusion stages hold other blocks: their lists of tensors differ)
+        check_checkpoint_finite(model, checkpoint, use_ema, runtime.control_group, layout.pipefusion == 1)
     else:  # random weights: adaLN-Zero's zeros would make the output 0 whatever the layout does
         fill_unsharded(
-            model, cfg.train.seed, pretrained, zero_init=not random_weights, partial=layout.pipefusion > 1
+            model,
+            cfg.train.seed,
+            pretrained,
+            zero_init=not random_weights,
+            partial=layout.pipefusion > 1,
+            group=runtime.control_group,  # PipeFusion stages hold different blocks: one verdict for all
         )
     for update in deltas:
-        merge_deltas(model, update)
+        merge_deltas(model, update, elsewhere=held_elsewhere(model))  # a stage: its blocks' only
     if layout.pipefusion == 1:
         model = apply_sequence_parallel(model, runtime.sequence)
     model = model.to(runtime.device).eval()
@@ -193,7 +232,9 @@ def lora_deltas(cfg, text_encoder, vae, checkpoint, record, use_ema: bool, loras
     deltas = [update.deltas(strength) for update, strength in loras]
     if checkpoint is not None:
         whole = build_model(cfg, text_encoder, vae, weights=False)  # meta device: names and shapes only
-        deltas.append(deltas_of(checkpoint_adapters(checkpoint, record, whole, use_ema)))
+        adapters = checkpoint_adapters(checkpoint, record, whole, use_ema)
+        check_adapters_finite(adapters, checkpoint, use_ema)
+        deltas.append(deltas_of(adapters))
     return deltas
 
 
@@ -254,6 +295,7 @@ def read_request(cfg, args) -> Request:
         ("--height", height),
         ("--width", width),
         ("--upscale", args.upscale),
+        ("sample.batch_size", sc.batch_size),
     ):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
@@ -262,6 +304,7 @@ def read_request(cfg, args) -> Request:
     grid = [s // p for s, p in zip(latent[1:], cfg.model.patch_size)]
     negative = sc.negative_prompt if args.negative_prompt is None else args.negative_prompt
     cache = step_cache(sc, steps)
+    vae = vae_latent_space(cfg.vae)
     images, last_images = read_images(
         cfg.model.task,
         (args.image, args.last_image),
@@ -270,7 +313,9 @@ def read_request(cfg, args) -> Request:
         frames,
         height,
         width,
-        vae_latent_space(cfg.vae).temporal_stride,
+        vae.temporal_stride,
+        multiple=tuple(vae.spatial_stride * p for p in cfg.model.patch_size[1:]),
+        say=_warn_on_main,
     )
     return Request(
         prompts,
@@ -405,8 +450,10 @@ def main(argv=None, session=None):
     if request.experts is not None:
         check_pretrained(request.experts[0])
     loras = read_loras(cfg, args.lora)
+    check_calibration(request.cache, cfg, args, checkpoint, request.guidance)  # made for these weights?
     if request.images is not None and cfg.model.image_dim:
         image_encoder_folder(cfg)  # a missing CLIP folder is named before any process group starts
+    check_outputs(request.outputs)  # a folder or a read-only path, named now rather than after sampling
 
     runtime = init_runtime(cfg.parallel, layout, cfg.run.output_dir, task="sample", session=session)
     # the ranks of a replica compare their cache settings before any weight is loaded
@@ -425,7 +472,8 @@ def main(argv=None, session=None):
         components[0].step_cache = request.cache  # the DiT consults it after its first block
     mine = list(range(layout.dp_rank(runtime.rank), len(request.prompts), layout.dp))  # split over dp
     if mine:
-        sample_and_write(cfg, args, runtime, request, mine, *components)
+        weights = describe_weights(cfg, args, checkpoint, record, use_ema)
+        sample_and_write(cfg, args, runtime, request, mine, *components, weights=weights)
     # Every rank waits for every other before leaving (gloo, the control timeout): a rank that died or
     # failed meanwhile is then named by the survivors, not only by torchrun's summary of exit codes.
     if runtime.world_size > 1:
@@ -433,27 +481,63 @@ def main(argv=None, session=None):
         runtime.fence()
 
 
-def sample_and_write(cfg, args, runtime, request: Request, mine: list, model, vae, text_encoder, sampler):
-    """Sample this replica's prompts `mine` on every rank of the replica; its leader writes them."""
+def sample_and_write(
+    cfg, args, runtime, request: Request, mine: list, model, vae, text_encoder, sampler, weights: str = ""
+):
+    """Sample this replica's prompts `mine` on every rank of the replica, sample.batch_size at a time: the
+    same batches in the same order on every rank (they share `mine`), and a video does not depend on its
+    batch (seed + i, per-sample cache decisions). The replica's leader writes each batch as it finishes.
+    A video with NaN or inf is never written: every rank of the replica finds it in the same latents, and
+    all stop alike with an `error:` line naming the likely cause (`weights`: where they came from) once
+    the batch's other videos are written."""
+    size, replica = cfg.sample.batch_size, runtime.sampling
+    batches = [mine[k : k + size] for k in range(0, len(mine), size)]
+    inputs = image_inputs(cfg, runtime.device) if request.images is not None else None
+    encoder = inputs[1] if inputs is not None else None  # the CLIP encoder, if the model reads features
+    flow = RectifiedFlow(cfg.flow, cfg.model.patch_size, request.cache)
+    first_block = request.cache is not None and request.cache.method == "first_block"
+    full_calls = 0.0  # first_block: calls that ran every block, summed over the samples
+    components = (model, vae, text_encoder, sampler)
+    steps, hidden = len(batches) * request.steps, not runtime.is_main
+    with tqdm(total=steps, desc="sample", disable=hidden, dynamic_ncols=True, unit="step") as bar:
+        for k, batch in enumerate(batches):
+            bar.set_description(f"sample: batch {k + 1} of {len(batches)}")
+            videos, bad = sample_batch(cfg, args, runtime, request, batch, components, flow, encoder, bar)
+            check_cache_decisions(request.cache, replica, runtime.device)  # per batch: start() resets them
+            full_calls += request.cache.full_calls * len(batch) if first_block else 0.0
+            write_batch(cfg, args, runtime, request, batch, videos, bad)
+            if bad:
+                raise ValueError(nonfinite_message(cfg, runtime, request, bad, weights))
+    if runtime.is_main and first_block:
+        print(
+            f"[tessera] step cache: {full_calls / len(mine):g} of {request.steps} steps ran every block "
+            "(first_block, per sample)",
+            flush=True,
+        )
+
+
+def sample_batch(cfg, args, runtime, request: Request, batch: list, components, flow, encoder, bar):
+    """The videos of the prompts `batch` (one array, as generate returns them) and {prompt: where NaN or
+    inf was found} of those not to be written."""
+    model, vae, text_encoder, sampler = components
     condition = None
-    if request.images is not None:  # image-to-video: the frames' latents (and CLIP features) of `mine`
-        condition = image_condition(cfg, request, mine, vae, runtime.device)
+    if request.images is not None:  # image-to-video: the frames' latents (and CLIP features) of `batch`
+        condition = image_condition(cfg, request, batch, vae, encoder, runtime.device)
     runtime.watchdog.sampling_progress(0, request.steps)  # each denoising step has a deadline from here on
-    bar = tqdm(total=request.steps, desc="sample", disable=not runtime.is_main, dynamic_ncols=True)
     replica = runtime.sampling
-    videos = generate(
+    videos, bad = generate_checked(  # NaN or inf: the same verdict on every rank (the same latents)
         model,
         vae,
         text_encoder,
-        RectifiedFlow(cfg.flow, cfg.model.patch_size, request.cache),
-        [request.prompts[i] for i in mine],
+        flow,
+        [request.prompts[i] for i in batch],
         request.frames,
         request.height,
         request.width,
         request.steps,
         request.guidance,
         request.negative_prompt,
-        seeds=[args.seed + i for i in mine],
+        seeds=[args.seed + i for i in batch],
         autocast_dtype=torch.bfloat16 if runtime.bf16(cfg.train.precision) else None,
         progress=lambda done, total: (
             bar.update(1),
@@ -466,43 +550,85 @@ def sample_and_write(cfg, args, runtime, request: Request, mine: list, model, va
         ),
         condition=condition,
     )
-    bar.close()
-    check_cache_decisions(request.cache, replica, runtime.device)
-    if runtime.is_main and request.cache is not None and request.cache.method == "first_block":
-        full, steps = request.cache.full_calls, request.steps
-        print(
-            f"[tessera] step cache: {full:g} of {steps} steps ran every block (first_block, per sample)",
-            flush=True,
-        )
+    return videos, {batch[j]: where for j, where in bad.items()}
+
+
+def write_batch(cfg, args, runtime, request: Request, batch: list, videos, bad: dict) -> None:
+    """The replica's leader writes the batch's videos (but those in `bad`); the others wait for it."""
+    replica = runtime.sampling
     if runtime.rank == runtime.layout.replica_leader(runtime.rank):  # one writer per data-parallel replica
         runtime.watchdog.mark("writing")
-        for i, video in zip(mine, videos):
-            for path in write_video(request.outputs[i], video, fps=cfg.sample.fps, scale=args.upscale):
-                print(f"[tessera] wrote {path}", flush=True)
+        for j, i in enumerate(batch):
+            if i in bad:
+                continue
+            for path in write_video(request.outputs[i], videos[j], fps=cfg.sample.fps, scale=args.upscale):
+                tqdm.write(f"[tessera] wrote {path}", file=sys.stdout)  # above the progress bar
+                sys.stdout.flush()
     # The replica's other ranks wait for its writer on gloo with the control timeout, so none of them
-    # leaves (or sits in a short-deadline collective) while a long video is encoded. Replicas are not
-    # fenced against each other: one with no prompts must not wait out another's sampling.
+    # leaves, fails, or sits in the next batch's short-deadline collectives while a long video is encoded.
+    # Replicas are not fenced against each other: one with no prompts must not wait out another's sampling.
     if replica.replica_control is not None:
         comm.barrier(replica.replica_control)
 
 
-def image_condition(cfg, request: Request, mine: list, vae, device):
-    """models/image_condition.py's condition of this replica's prompts `mine`, with the CLIP image encoder
-    (image_encoder.pretrained, else model.pretrained's image_encoder/) when the model reads features."""
-    inputs = image_inputs(cfg, device)  # the CLIP encoder, if the model reads features
-    encoder = inputs[1] if inputs is not None else None
+def describe_weights(cfg, args, checkpoint, record, use_ema: bool) -> str:
+    """Where the sampled weights came from, for the message about a video with NaN or inf."""
+    if args.random_weights:
+        weights = "--random-weights"
+    elif checkpoint is None:
+        weights = f"model.pretrained={cfg.model.pretrained}"
+    elif record is not None:
+        weights = f"the LoRA checkpoint {checkpoint} on model.pretrained={cfg.model.pretrained}"
+    else:
+        weights = f"the checkpoint {checkpoint}" + (" (its EMA weights: try --no-ema)" if use_ema else "")
+    if args.lora:
+        weights += f" with --lora {' '.join(args.lora)} (try without them, or at lower scales)"
+    return weights
+
+
+def nonfinite_message(cfg, runtime, request: Request, bad: dict, weights: str) -> str:
+    """The `error:` line about videos with NaN or inf ({prompt: where found}): what was not written, and
+    the likely causes, most likely first."""
+    found = "; ".join(f"prompt {i} ({request.prompts[i]!r}) in {where}" for i, where in bad.items())
+    paths = ", ".join(str(request.outputs[i]) for i in bad)
+    causes = []
+    if all(where == "the decoded video" for where in bad.values()):  # the DiT's latents were finite
+        causes.append(f"the VAE (vae.pretrained={cfg.vae.pretrained or 'null: the tiny random one'})")
+    causes.append(f"the weights, {weights}, overflowing or diverged")
+    if request.cache is not None and request.cache.method == "calibrated":
+        causes.append(
+            f"the step cache's calibration sample.cache_calibration={cfg.sample.cache_calibration} "
+            "(try sample.cache=none)"
+        )
+    if runtime.bf16(cfg.train.precision):
+        causes.append("a bf16 overflow (try train.precision=fp32)")
+    return (
+        f"sampling gave NaN or inf values ({found}): nothing was written for {paths}. Likely causes: "
+        + "; ".join(causes)
+    )
+
+
+def image_condition(cfg, request: Request, batch: list, vae, encoder, device):
+    """models/image_condition.py's condition of the prompts `batch`, with the CLIP image `encoder` (None
+    when the model reads no features)."""
     last = request.last_images
     return sampling_condition(
         cfg.model.task,
         vae,
         encoder,
-        [request.images[i] for i in mine],
-        None if last is None else [last[i] for i in mine],
+        [request.images[i] for i in batch],
+        None if last is None else [last[i] for i in batch],
         request.frames,
         request.height,
         request.width,
         device,
     )
+
+
+def _warn_on_main(line: str) -> None:
+    """A warning every rank reaches alike (before any process group), printed by rank 0 alone."""
+    if world_from_env()[0] == 0:
+        print(f"[tessera] warning: {line}", flush=True)
 
 
 def _layout_line(cfg, runtime, request: Request, patches: int, links: str) -> str:

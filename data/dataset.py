@@ -41,6 +41,7 @@ class BucketedDataset:
     def __init__(self, entries: list[dict], table: BucketTable, seed: int = 0):
         self.table, self.seed = table, seed
         kept, buckets, self.dropped, self.left_out = [], [], Counter(), []
+        self.gone = []  # listed with sizes but missing at start-up: kept, each replaced when loaded
         for entry in entries:
             bucket, why = self.assign(entry)
             if bucket is None:
@@ -105,6 +106,8 @@ class BucketedDataset:
             if self.dropped
             else ""
         )
+        if self.gone:
+            dropped += f"; {len(self.gone)} listed with sizes but missing (replaced when loaded)"
         left_out = self.left_out_files()
         named = "".join(f"\n  left out {path}: {why}" for path, _, why in left_out[: self.named_in_summary])
         if len(left_out) > self.named_in_summary:

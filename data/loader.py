@@ -1,7 +1,10 @@
 """The training data pipeline: buckets -> dataset -> global-plan sampler -> DataLoader."""
 
 import hashlib
+import json
+import os
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader
@@ -41,13 +44,15 @@ def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
         )
     if dc.manifest:
         from data.dataset import MediaDataset
-        from data.manifest import complete_metadata, read_manifest
+        from data.manifest import complete_metadata, missing_files, read_manifest
 
         skipped = {}  # a folder's files without a caption or that could not be probed
-        entries, unreadable = complete_metadata(
-            read_manifest(dc.manifest, skipped), need_fps=dc.fps is not None
-        )
+        listed = read_manifest(dc.manifest, skipped)
+        count = len(listed) + len(skipped)
+        entries, unreadable = complete_metadata(listed, need_fps=dc.fps is not None)
         unreadable.update(skipped)
+        gone = missing_files(entries)  # listed with their sizes (never opened), deleted or moved since
+        check_missing(cfg, count, unreadable, gone)
         if not entries:
             named = "; ".join(f"{p}: {why}" for p, why in list(unreadable.items())[:3])
             raise ValueError(
@@ -56,10 +61,8 @@ def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
             )
         dataset = MediaDataset(entries, table, dc.fps, cfg.train.seed)
         for path, why in unreadable.items():
-            category = next(
-                (name for prefix, name in LEFT_OUT_CATEGORIES if why.startswith(prefix)), "unreadable"
-            )
-            dataset.leave_out(path, category, why)
+            dataset.leave_out(path, left_out_category(why), why)
+        dataset.gone = gone  # kept: each is replaced when loaded, as a file deleted during the run
         return dataset
     from data.dataset import SyntheticDataset
     from data.synthetic import SyntheticVideoDataset, train_combos
@@ -74,6 +77,57 @@ def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
         combos=train_combos(dc.synthetic_colors),
     )
     return SyntheticDataset(generator, table, cfg.train.seed)
+
+
+def left_out_category(why: str) -> str:
+    """The summary's category of a file left out for `why` (complete_metadata's reason)."""
+    return next((name for prefix, name in LEFT_OUT_CATEGORIES if why.startswith(prefix)), "unreadable")
+
+
+def check_missing(cfg, count: int, unreadable: dict, gone: list) -> None:
+    """One rule for a manifest's missing files, whether its lines carry sizes (`gone`: found by a stat)
+    or not (`unreadable`: probed, FileNotFoundError): a share above data.max_missing_fraction of the
+    `count` files listed is a wrong path or a disk not mounted, refused on every rank before any process
+    group, with every file listed in the run's data report (written by rank 0)."""
+    limit, manifest = cfg.data.max_missing_fraction, cfg.data.manifest
+    if not 0.0 <= limit <= 1.0:
+        raise ValueError(f"data.max_missing_fraction must be between 0 and 1, got {limit}")
+    missing = [path for path, why in unreadable.items() if left_out_category(why) == "missing"] + gone
+    if not count or len(missing) / count <= limit:
+        return
+    report = write_refusal_report(cfg.run.output_dir, unreadable, gone)
+    named = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+    raise ValueError(
+        f"data.manifest='{manifest}': {len(missing)} of its {count} files ({len(missing) / count:.2%}) are "
+        f"missing, more than data.max_missing_fraction={limit:g} allows ({named}; every file left out is "
+        f"listed in {report}). A path relative to the manifest's folder that no longer leads there, or a "
+        f"disk not mounted? Fix the paths, or raise data.max_missing_fraction to train on the rest"
+    )
+
+
+def write_refusal_report(output_dir, unreadable: dict, gone: list) -> Path:
+    """data_report.jsonl as a start writes it (configs/rundir.py), for a start refused over its data: the
+    files left out (missing first), then the files earlier processes of the run replaced (every one, the
+    ranks' files merged into it). Only rank 0 writes; every rank names the file."""
+    from configs.rundir import read_data_report
+    from parallel.runtime import world_from_env
+
+    folder = Path(output_dir)
+    report = folder / "data_report.jsonl"
+    if world_from_env()[0] != 0:
+        return report
+    left = [(path, left_out_category(why), why) for path, why in unreadable.items()]
+    left += [(path, "missing", "FileNotFoundError: listed with its sizes, not found") for path in gone]
+    left.sort(key=lambda item: item[1] != "missing")  # stable: the manifest's order within
+    lines = [{"kind": "left_out", "path": p, "category": c, "reason": why} for p, c, why in left]
+    lines += [r for r in read_data_report(folder) if r.get("kind") == "replaced"]
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / "data_report.jsonl.tmp"
+    tmp.write_text("".join(json.dumps(line) + "\n" for line in lines), errors="surrogateescape")
+    os.replace(tmp, report)
+    for merged in folder.glob("data_report_rank*.jsonl"):
+        merged.unlink()
+    return report
 
 
 def build_sampler(
@@ -252,6 +306,7 @@ def check_image_to_video(cfg, table: BucketTable):
             f"got {min(table.frame_counts)}"
         )
     sc, data = cfg.sample, cfg.data
+    vae = vae_latent_space(cfg.vae)
     images = read_images(
         cfg.model.task,
         (list(sc.images), list(sc.last_images)),
@@ -260,8 +315,18 @@ def check_image_to_video(cfg, table: BucketTable):
         sc.frames or data.frames,
         sc.height or data.height,
         sc.width or data.width,
-        vae_latent_space(cfg.vae).temporal_stride,
+        vae.temporal_stride,
+        multiple=tuple(vae.spatial_stride * p for p in cfg.model.patch_size[1:]),
+        say=_warn_on_main,
     )
     if cfg.model.task != "t2v" and cfg.model.image_dim:
         image_encoder_folder(cfg)
     return images
+
+
+def _warn_on_main(line: str) -> None:
+    """A warning every rank would reach alike (before any process group), printed by rank 0 alone."""
+    from parallel.runtime import world_from_env
+
+    if world_from_env()[0] == 0:
+        print(f"[tessera] warning: {line}", flush=True)

@@ -146,6 +146,21 @@ def complete_metadata(
     return [e for e in entries if e["path"] not in failed], failed
 
 
+def missing_files(entries: list[dict], workers: int = 32) -> list[str]:
+    """The paths of `entries` that do not exist, in their order: one stat a file (threads: on a network
+    file system each one waits on the server), so that a manifest whose lines carry sizes, never opened
+    at start-up, counts its missing files as one without sizes does."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    paths = [e["path"] for e in entries]
+    if len(paths) < 256:
+        return [p for p in paths if not os.path.exists(p)]
+    chunks = [paths[i : i + 256] for i in range(0, len(paths), 256)]
+    with ThreadPoolExecutor(workers) as pool:
+        absent = pool.map(lambda chunk: [p for p in chunk if not os.path.exists(p)], chunks)
+        return [p for chunk in absent for p in chunk]
+
+
 def index_folder(folder, workers: int | None = None) -> tuple[list[dict], dict[str, str]]:
     """Every image or video under `folder` with a sidecar caption (a.mp4 + a.txt), probed in parallel.
     Returns (entries with absolute paths, {path: why it was left out})."""

@@ -13,21 +13,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from models.image_condition import open_image
+
 IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 VIDEO_EXTENSIONS = {".mp4", ".mov", ".mkv", ".webm", ".avi", ".gif"}
 OUTPUT_EXTENSIONS = (".mp4", ".gif", ".png", ".npy")
 
 
-def _open_image(path):
-    """A Pillow image turned upright by its EXIF orientation (phones store portrait shots sideways)."""
-    from PIL import Image, ImageOps
-
-    with Image.open(path) as im:
-        return ImageOps.exif_transpose(im).convert("RGB")
-
-
 def read_image(path) -> np.ndarray:
-    return (np.asarray(_open_image(path), dtype=np.float32) / 255.0)[None]  # (1, H, W, 3)
+    return (np.asarray(open_image(path), dtype=np.float32) / 255.0)[None]  # (1, H, W, 3)
 
 
 def _decoder_threads() -> int:

@@ -94,12 +94,25 @@ def clip_vision_config(model_dir) -> dict:
 TASK_FRAMES = {"t2v": (False, False), "i2v": (True, False), "flf2v": (True, True), "ti2v": (None, False)}
 
 
-def read_images(task, given, names, count: int, frames: int, height: int, width: int, temporal_stride: int):
+def read_images(
+    task,
+    given,
+    names,
+    count: int,
+    frames: int,
+    height: int,
+    width: int,
+    temporal_stride: int,
+    multiple: tuple = (16, 16),
+    say=None,
+):
     """(first frames, last frames) as PIL images for `count` prompts, or (None, None) for text-to-video:
     `given` (first, last) paths (None: not given), read and checked against the task, the VAE and the
     video's aspect ratio (diffusers stretches an image to it; tessera asks for a fitting one). `names`:
     how the user sets (first, last, height, width), e.g. ("--image", "--last-image", "--height",
-    "--width"), so that each error names the flag or the recipe key to change."""
+    "--width"), so that each error names the flag or the recipe key to change. `multiple`: what a video's
+    (height, width) must divide by (VAE stride x patch), for the size a refusal suggests. `say(line)`
+    gets the warning about an image much smaller than the video (default: warnings.warn)."""
     for name, paths, needed in zip(names, given, TASK_FRAMES[task]):
         if needed and not paths:
             raise ValueError(f"model.task={task} needs {name} (a PNG or JPEG file)")
@@ -131,15 +144,48 @@ def read_images(task, given, names, count: int, frames: int, height: int, width:
         for path, image in zip(paths, images):
             w, h = image.size
             if abs(w / h - width / height) > 0.1 * width / height:  # resized to the video: stretched a little
-                fit = round(height * w / h / 16) * 16
-                sep = " " if names[2].startswith("--") else "="
                 raise ValueError(
-                    f"{name} {path} is {w}x{h} and the video {width}x{height}: their shapes differ; crop the "
-                    f"image, or give {names[2]}/{names[3]} of its shape (e.g. {names[2]}{sep}{height} "
-                    f"{names[3]}{sep}{fit})"
+                    f"{name} {path} is {w}x{h} and the video {width}x{height}: their shapes differ; "
+                    + fitting_size(w, h, width, height, names[2:], multiple)
                 )
+        warn_if_small(name, paths, images, width, height, say)
         read.append(images)
     return read[0], read[1]
+
+
+MAX_ASPECT = 4.0  # an image wider (or taller) than this is cropped, not matched by a video of its shape
+SMALL_IMAGE = 4  # an image smaller than the video by more than this factor in a side is warned about
+
+
+def fitting_size(w: int, h: int, width: int, height: int, flags, multiple) -> str:
+    """What to do about a w x h image for a width x height video: the size of the image's shape at about
+    the video's area (each side a multiple of `multiple`, (height, width)), or cropping where no such
+    video exists (an extreme aspect ratio, or one the multiples cannot come near)."""
+    crop = f"crop the image to the video's shape ({width}x{height}) first"
+    if max(w / h, h / w) > MAX_ASPECT:
+        return f"an aspect ratio beyond {MAX_ASPECT:g}:1 is no video's: {crop}"
+    area, (mh, mw) = width * height, multiple
+    fit_h = max(mh, round((area * h / w) ** 0.5 / mh) * mh)
+    fit_w = max(mw, round((area * w / h) ** 0.5 / mw) * mw)
+    if abs(fit_w / fit_h - w / h) > 0.1 * w / h:
+        return crop
+    sep = " " if flags[0].startswith("--") else "="
+    size = f"{flags[0]}{sep}{fit_h} {flags[1]}{sep}{fit_w}"
+    return f"{crop}, or give {size} (the image's shape at about the video's area)"
+
+
+def warn_if_small(name: str, paths, images, width: int, height: int, say=None) -> None:
+    """One warning per file much smaller than the video: it is enlarged, and the frame will be blurred."""
+    import warnings
+
+    say = say or (lambda line: warnings.warn(line, stacklevel=3))
+    for path, image in dict(zip(paths, images)).items():
+        w, h = image.size
+        if w * SMALL_IMAGE < width or h * SMALL_IMAGE < height:
+            say(
+                f"{name} {path} is {w}x{h}, enlarged over {SMALL_IMAGE} times to the video's "
+                f"{width}x{height}: its frame will be blurred (give a larger image)"
+            )
 
 
 def image_inputs(cfg, device):
@@ -162,12 +208,39 @@ def sampling_condition(task, vae, image_encoder, images, last_images, frames, he
     return encode_condition(vae, image_encoder, images, last_images, frames, height, width, device)
 
 
+# Pillow's modes of 16-bit (and 32-bit integer) grayscale: a 16-bit PNG opens as I;16 (older Pillows: I)
+WIDE_GRAY_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+
+
+def open_image(path):
+    """An 8-bit RGB Pillow image, turned upright by its EXIF orientation (phones store portrait shots
+    sideways): the one reader of image files for training data (data/media.py) and for --image /
+    sample.images."""
+    from PIL import Image, ImageOps
+
+    with Image.open(path) as im:
+        return rgb_image(ImageOps.exif_transpose(im))
+
+
+def rgb_image(image):
+    """`image` as 8-bit RGB. 16-bit grayscale is scaled to 8 bits (value / 257, rounded: the inverse of
+    8 -> 16-bit's value x 257): Pillow's convert("RGB") clips every value above 255, a white frame."""
+    import numpy as np
+    from PIL import Image
+
+    if image.mode in WIDE_GRAY_MODES:
+        wide = np.asarray(image).astype(np.float64)
+        image = Image.fromarray(np.clip(np.round(wide / 257.0), 0, 255).astype(np.uint8))
+    return image.convert("RGB")
+
+
 def load_image(path):
-    """An RGB PIL image, or a FileNotFoundError naming the file."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    """An 8-bit RGB PIL image (read as training data reads one: upright, 16-bit grayscale scaled), or a
+    FileNotFoundError naming the file."""
+    from PIL import UnidentifiedImageError
 
     try:  # a phone's JPEG turned upright by its EXIF orientation, as diffusers' load_image does
-        return ImageOps.exif_transpose(Image.open(path)).convert("RGB")
+        return open_image(path)
     except (OSError, UnidentifiedImageError) as e:
         raise FileNotFoundError(f"{path} cannot be read as an image ({e})") from None
 

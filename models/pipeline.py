@@ -41,7 +41,8 @@ def generate(
     `sampler` replaces flow.sample(model, ...) (e.g. parallel/sampling.py's ParallelSampler), `decode`
     the VAE decode in the recipe's tiles (vae.tile_latent, vae.tile_overlap) on this device (e.g.
     parallel/vae.py's shared_decoder, which shares the tiles among ranks). `condition`: image-to-video's
-    (models/image_condition.py encode_condition), or None."""
+    (models/image_condition.py encode_condition), or None. A sample with NaN or inf in its latents or its
+    decoded video raises NonFiniteVideo (after decoding the others, which it carries)."""
     seeds = list(range(len(prompts))) if seeds is None else seeds
     # `device`: where the sampling runs (a model under train.cpu_offload keeps its weights on the CPU)
     device = device or next(model.parameters()).device
@@ -79,8 +80,41 @@ def generate(
             )
     if condition is not None and condition.first_frame:  # TI2V: the given frame's latent, as diffusers
         latents = torch.cat([condition.latent.to(latents.dtype), latents[:, :, 1:]], dim=2)
+    # Checked before the clamp, which would turn inf into a plausible white. The latents (and so the
+    # decoded videos) are the same on every rank that shares them: each reaches the same verdict.
+    bad = {i: "the denoised latents" for i in _nonfinite(latents)}
+    if len(bad) == len(prompts):  # nothing worth decoding
+        raise NonFiniteVideo(bad, None)
     if decode is None:
         videos = tiling.decode(vae, latents.float(), vae.tile_latent, vae.tile_overlap)  # [-1, 1]
     else:
         videos = decode(latents.float())
-    return ((videos.clamp(-1, 1) + 1) / 2).permute(0, 2, 3, 4, 1).float().cpu().numpy()
+    bad.update({i: "the decoded video" for i in _nonfinite(videos) if i not in bad})
+    videos = ((videos.clamp(-1, 1) + 1) / 2).permute(0, 2, 3, 4, 1).float().cpu().numpy()
+    if bad:
+        raise NonFiniteVideo(dict(sorted(bad.items())), videos)
+    return videos
+
+
+def generate_checked(*args, **kwargs) -> tuple:
+    """generate's (videos, {index in the batch: where NaN or inf was found}): the videos of those indices
+    are not to be used, and `videos` is None when none is finite."""
+    try:
+        return generate(*args, **kwargs), {}
+    except NonFiniteVideo as e:
+        return e.videos, e.bad
+
+
+class NonFiniteVideo(ValueError):
+    """Sampling gave NaN or inf: `bad` {index in the batch: where it was found}, `videos` the batch's
+    videos (those of `bad` unusable; None when no sample was finite)."""
+
+    def __init__(self, bad: dict, videos):
+        self.bad, self.videos = bad, videos
+        found = "; ".join(f"sample {i}: in {where}" for i, where in bad.items())
+        super().__init__(f"sampling gave NaN or inf values ({found})")
+
+
+def _nonfinite(x: torch.Tensor) -> list[int]:
+    """The samples (first dimension) of `x` holding NaN or inf."""
+    return (~torch.isfinite(x).flatten(1).all(1)).nonzero().flatten().tolist()

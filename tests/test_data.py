@@ -286,3 +286,37 @@ def test_a_latent_file_of_another_shape_is_replaced(tmp_path):
     item = dataset[(2, 0)]
     assert item["latent"].shape == (3, 4, 16, 16) and item["latent"].unique().item() in (0.0, 1.0)
     assert "latent of shape (3, 2, 8, 8), bucket 4x16x16 needs (3, 4, 16, 16)" in item["failures"][0][1]
+
+
+@pytest.mark.parametrize("sizes", [True, False], ids=["lines with sizes", "lines without"])
+def test_a_manifest_of_mostly_missing_files_is_refused_alike_with_sizes_or_without(tmp_path, sizes):
+    """9 of 10 listed files missing: refused at start-up naming the count, the share, the key and the data
+    report that lists them, whether the lines carry sizes (never opened at start-up) or not (probed)."""
+    import json
+
+    from PIL import Image
+
+    from data.loader import build_dataset
+
+    Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(tmp_path / "there.png")
+    size = {"width": 16, "height": 16, "num_frames": 1} if sizes else {}
+    lines = [{"path": "there.png", "caption": "kept", **size}]
+    lines += [{"path": f"gone{i}.png", "caption": "deleted", **size} for i in range(9)]
+    write_manifest(tmp_path / "m.jsonl", lines)
+    recipe = [f"data.manifest={tmp_path / 'm.jsonl'}", "data.frame_counts=[1]", f"run.output_dir={tmp_path}"]
+    cfg = load_config(TINY, recipe)
+    with pytest.raises(ValueError) as refused:
+        build_dataset(cfg, build_buckets(cfg))
+    message, report = str(refused.value), tmp_path / "data_report.jsonl"
+    assert "9 of its 10 files (90.00%) are missing" in message, message
+    assert "data.max_missing_fraction=0.2" in message and str(report) in message
+    listed = [json.loads(line) for line in report.read_text().splitlines()]
+    assert sorted(r["path"].rsplit("/", 1)[1] for r in listed) == [f"gone{i}.png" for i in range(9)]
+    assert {r["category"] for r in listed} == {"missing"}
+    # A share the recipe accepts trains on the rest (the missing files left out, or replaced when loaded).
+    cfg = load_config(TINY, recipe + ["data.max_missing_fraction=0.9"])
+    dataset = build_dataset(cfg, build_buckets(cfg))
+    if sizes:
+        assert "9 listed with sizes but missing (replaced when loaded)" in dataset.summary()
+    else:
+        assert dataset.dropped["missing"] == 9

@@ -406,3 +406,21 @@ def test_manifest_lines_are_checked_and_unusable_files_left_out(tmp_path, messy_
     fast = next(i for i in range(len(dataset)) if dataset.entries[i]["path"].endswith("fast.mp4"))
     assert dataset.entries[fast]["fps"] == 24.0 and dataset.table.buckets[dataset.bucket_of[fast]].frames == 4
     assert dataset[(fast, 0)]["failures"] == []
+
+
+def test_a_16_bit_grayscale_image_reads_as_its_levels_for_training_and_for_image_to_video(tmp_path):
+    """A 16-bit grayscale PNG (Pillow mode I;16) is scaled to 8 bits (value / 257), not clipped to white,
+    by the one reader training data and --image / sample.images share."""
+    from PIL import Image
+
+    from data.media import read_image
+    from models.image_condition import load_image
+
+    levels = (np.arange(16 * 16, dtype=np.uint32).reshape(16, 16) * 257).astype(np.uint16)  # 8-bit 0..255
+    Image.fromarray(levels).save(tmp_path / "gray16.png")
+    assert Image.open(tmp_path / "gray16.png").mode in ("I;16", "I")
+    expected = np.repeat(np.round(levels / 257.0).astype(np.uint8)[..., None], 3, axis=2)
+    assert np.array_equal(np.asarray(load_image(tmp_path / "gray16.png")), expected)
+    assert np.array_equal(np.round(read_image(tmp_path / "gray16.png")[0] * 255).astype(np.uint8), expected)
+    clip = read_clip(tmp_path / "gray16.png", 1, 16, 16)  # a training sample of an image bucket
+    assert np.array_equal(clip[0], expected)

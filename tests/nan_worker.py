@@ -1,0 +1,38 @@
+"""infer.py under torchrun with one batch poisoned (tests/test_infer_io.py): the Euler steps of the
+sampling numbered TESSERA_TEST_NAN_BATCH (counted from 1, as every rank of a replica counts them: each
+runs every batch) turn the latents to NaN, as a model overflowing would. Every other batch samples as
+infer.py does."""
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import parallel.startup  # noqa: E402, F401  (first: before torch loads)
+
+# isort: split
+
+import infer  # noqa: E402
+from models.flow import RectifiedFlow  # noqa: E402
+from parallel.entrypoint import run_as_process  # noqa: E402
+
+POISONED = int(os.environ["TESSERA_TEST_NAN_BATCH"])
+sample, euler_step, calls = RectifiedFlow.sample, RectifiedFlow.euler_step, [0]
+
+
+def counted_sample(self, *args, **kwargs):
+    calls[0] += 1
+    return sample(self, *args, **kwargs)
+
+
+def poisoned_step(x, v, sigmas, i):
+    out = euler_step(x, v, sigmas, i)
+    return out * float("nan") if calls[0] == POISONED else out
+
+
+RectifiedFlow.sample = counted_sample
+RectifiedFlow.euler_step = staticmethod(poisoned_step)
+
+if __name__ == "__main__":
+    run_as_process(infer.main)

@@ -1,0 +1,247 @@
+"""What infer.py reads and writes: an --output that cannot be written is refused before any model is built;
+prompts sampled in batches of sample.batch_size give the videos one batch gives, each batch written as it
+finishes (on 2 processes too, step cache included); a video with NaN or inf is never written, on every rank
+alike, with the likely cause named (and a training preview with one is not written either); an --image far
+from the video's size or shape is warned about, or refused with a size the model can sample."""
+
+import re
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import infer
+import train
+from models.flow import RectifiedFlow
+from models.image_condition import read_images
+from tests.conftest import ROOT, TINY, run_main, torchrun
+
+PROMPTS = ["a red square moving left", "a blue circle moving right", "a green square moving up"]
+SMALL = ["--random-weights", "--steps", "2"]
+
+
+def sample_args(tmp_path, output, *extra):
+    return [
+        "--config",
+        str(TINY),
+        f"run.output_dir={tmp_path / 'run'}",
+        *SMALL,
+        "--output",
+        str(output),
+        *extra,
+    ]
+
+
+def outputs(output, count):
+    return [output.with_name(f"{output.stem}_{i:03d}{output.suffix}") for i in range(count)]
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_the_model_is_built(tmp_path, capsys, monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("the model was built before the output was checked")
+
+    monkeypatch.setattr(infer, "load_sampler", never)
+    folder = tmp_path / "out.npy"
+    folder.mkdir()  # a folder named like a file
+    (tmp_path / "notes.txt").write_text("a file")
+    cases = [
+        (folder, f"--output {folder} is a folder: name a file in it"),
+        (tmp_path / "notes.txt" / "x.npy", f"{tmp_path / 'notes.txt'} is a file, not a folder"),
+    ]
+    try:  # a file system no process may create files in (root bypasses permission bits, not this)
+        tempfile.NamedTemporaryFile(dir="/sys").close()
+    except OSError:
+        cases.append((Path("/sys/x.npy"), "no file can be created in /sys"))
+    for output, message in cases:
+        assert run_main(infer, sample_args(tmp_path, output)) == 2, output
+        err = capsys.readouterr().err
+        assert message in err and err.count("error:") == 1, err
+    assert not (tmp_path / "run").exists()  # nothing started
+
+
+def test_batches_sample_what_one_batch_samples_and_are_written_as_they_finish(tmp_path, capsys, monkeypatch):
+    """Today's sampling is one batch of every prompt (sample.batch_size at least the prompt count); batches
+    of 2 give the same videos, prompt i from seed + i, and batch k's videos exist before batch k + 1
+    starts."""
+    prompts = PROMPTS + ["a yellow circle moving down", "a red circle moving right"]
+    one = tmp_path / "one" / "v.npy"  # a folder write_video creates
+    assert run_main(infer, sample_args(tmp_path, one, "sample.batch_size=8", "--prompt", *prompts)) == 0
+    reference = np.stack([np.load(p) for p in outputs(one, 5)])
+    assert np.abs(reference[0] - reference[1]).max() > 1e-2  # the prompts give different videos
+
+    import models.pipeline
+
+    generate, calls = models.pipeline.generate, []
+
+    def watched(model, vae, text_encoder, flow, batch, *args, **kwargs):
+        calls.append((batch, kwargs["seeds"], [p.exists() for p in outputs(tmp_path / "b.npy", 5)]))
+        return generate(model, vae, text_encoder, flow, batch, *args, **kwargs)
+
+    monkeypatch.setattr(models.pipeline, "generate", watched)
+    capsys.readouterr()
+    args = sample_args(
+        tmp_path, tmp_path / "b.npy", "sample.batch_size=2", "--seed", "0", "--prompt", *prompts
+    )
+    assert run_main(infer, args) == 0
+    assert [(batch, seeds) for batch, seeds, _ in calls] == [
+        (prompts[0:2], [0, 1]),
+        (prompts[2:4], [2, 3]),
+        (prompts[4:5], [4]),
+    ]
+    assert [written for _, _, written in calls] == [
+        [False] * 5,
+        [True] * 2 + [False] * 3,
+        [True] * 4 + [False],
+    ]
+    batched = np.stack([np.load(p) for p in outputs(tmp_path / "b.npy", 5)])
+    assert np.abs(batched - reference).max() <= 1e-5  # float rounding of other batch shapes, no more
+    assert "batch 3 of 3" in capsys.readouterr().err  # the progress bar counts batches
+
+
+FIRST_BLOCK = ["sample.cache=first_block", "sample.cache_first_block_threshold=0.03"]
+CACHED = ["--frames", "3", "--height", "12", "--width", "20", "--steps", "8", *FIRST_BLOCK]
+
+
+def test_the_step_cache_decides_per_batch_as_in_one_batch(tmp_path, capsys):
+    """sample.cache=first_block decides per sample: one prompt a batch skips the blocks one batch skips,
+    and the summary counts over every batch."""
+    videos, lines = [], []
+    for name, size in (("one", 3), ("each", 1)):
+        output = tmp_path / f"{name}.npy"
+        args = sample_args(tmp_path, output, *CACHED, f"sample.batch_size={size}", "--prompt", *PROMPTS)
+        assert run_main(infer, args) == 0
+        videos.append(np.stack([np.load(p) for p in outputs(output, 3)]))
+        lines.append(re.findall(r"step cache: .* ran every block", capsys.readouterr().out))
+    assert lines[0] == lines[1] and len(lines[0]) == 1, lines
+    assert np.abs(videos[0] - videos[1]).max() <= 1e-5
+
+
+def poison(monkeypatch, rows):
+    """Every Euler step turns the latents of `rows` (of each batch) to NaN, as a model overflowing would."""
+    step = RectifiedFlow.euler_step
+
+    def poisoned(x, v, sigmas, i):
+        out = step(x, v, sigmas, i)
+        out[rows] = float("nan")
+        return out
+
+    monkeypatch.setattr(RectifiedFlow, "euler_step", staticmethod(poisoned))
+
+
+def test_a_video_with_nan_is_never_written_and_the_causes_are_named(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import calibrate_cache
+
+    calibration = tmp_path / "cache.json"
+    made = ["--config", str(TINY), f"run.output_dir={tmp_path / 'run'}", "--random-weights", "--seeds", "1"]
+    assert run_main(calibrate_cache, [*made, "--output", str(calibration)]) == 0
+    poison(monkeypatch, [1])  # the second prompt of each batch
+    output = tmp_path / "v.npy"
+    for extra, cause in (
+        ([], "the weights, --random-weights, overflowing or diverged"),
+        (
+            ["sample.cache=calibrated", f"sample.cache_calibration={calibration}"],
+            f"sample.cache_calibration={calibration} (try sample.cache=none)",
+        ),
+    ):
+        args = sample_args(
+            tmp_path, output, "sample.batch_size=2", "--steps", "3", "--prompt", *PROMPTS, *extra
+        )
+        assert run_main(infer, args) == 2
+        err = capsys.readouterr().err
+        first, second, third = outputs(output, 3)
+        assert f"prompt 1 ({PROMPTS[1]!r}) in the denoised latents" in err and cause in err, err
+        assert f"nothing was written for {second}" in err and err.count("error:") == 1
+        assert np.isfinite(np.load(first)).all()  # the batch's finite video is kept
+        assert not second.exists() and not third.exists()  # the run stops at the batch
+        first.unlink()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_ranks_sample_in_batches_and_stop_alike_on_nan(tmp_path):
+    """cfg 2 on 2 processes with first_block's per-batch agreement: batches 1 and 2 are one process's
+    one-batch videos, written as they finish; batch 3 turns NaN on both ranks, and both stop with the
+    error line (not a hang, not a video)."""
+    reference = tmp_path / "one.npy"
+    args = sample_args(tmp_path, reference, *CACHED, "sample.batch_size=3", "--prompt", *PROMPTS)
+    assert run_main(infer, args) == 0
+    output = tmp_path / "two.npy"
+    result = torchrun(
+        2,
+        "tests/nan_worker.py",
+        *sample_args(
+            tmp_path, output, *CACHED, "parallel.cfg=2", "sample.batch_size=1", "--prompt", *PROMPTS
+        ),
+        timeout=200,
+        env={"TESSERA_TEST_NAN_BATCH": "3"},
+    )
+    assert result.returncode != 0, result.stderr[-3000:]
+    for rank in (0, 1):  # each its own line (a user error, exit 2), not a peer's failure reported
+        assert f"[rank {rank}] error: sampling gave NaN or inf values (prompt 2 " in result.stderr, rank
+    assert result.stderr.count("exitcode  : 2") == 2, result.stderr[-3000:]  # torchrun's summary
+    first, second, third = outputs(output, 3)
+    assert not third.exists()
+    ours = np.stack([np.load(p) for p in outputs(reference, 3)[:2]])
+    assert np.abs(np.stack([np.load(first), np.load(second)]) - ours).max() <= 1e-5
+
+
+@pytest.mark.slow
+def test_a_training_preview_with_nan_is_not_written(tmp_path, capfd, monkeypatch):
+    poison(monkeypatch, slice(None))
+    run = tmp_path / "run"
+    args = ["--config", str(TINY), f"run.output_dir={run}", "train.max_steps=1", "sample.steps=1"]
+    assert run_main(train, args) == 0  # a warning, not a stop: the checkpoint is the work
+    assert (
+        "step 1's preview gave NaN or inf (sample.prompts[0] in the denoised latents)"
+        in capfd.readouterr().err
+    )
+    assert not list((run / "samples").glob("*"))
+
+
+def picture(path, width, height):
+    Image.fromarray(np.full((height, width, 3), 128, np.uint8)).save(path)
+    return str(path)
+
+
+def images_for(paths, height, width, count=1, say=None):
+    return read_images(
+        "i2v",
+        (paths, None),
+        ("--image", "--last-image", "--height", "--width"),
+        count,
+        5,
+        height,
+        width,
+        4,
+        multiple=(16, 16),
+        say=say,
+    )
+
+
+def test_an_image_far_from_the_video_is_warned_about_or_refused_with_a_sampleable_size(tmp_path):
+    said = []
+    tiny = picture(tmp_path / "tiny.png", 1, 1)
+    images_for([tiny], 32, 32, count=3, say=said.append)  # one image for three prompts: one warning
+    assert said == [
+        f"--image {tiny} is 1x1, enlarged over 4 times to the video's 32x32: its frame will be "
+        "blurred (give a larger image)"
+    ]
+    images_for([picture(tmp_path / "half.png", 16, 16)], 32, 32, say=said.append)
+    assert len(said) == 1  # twice smaller: not worth a word
+
+    strip = picture(tmp_path / "strip.png", 40000, 2)
+    with pytest.raises(ValueError, match="strip.png is 40000x2 and the video 832x480") as refused:
+        images_for([strip], 480, 832)
+    assert "crop the image" in str(refused.value)
+    assert all(int(n) <= 832 for n in re.findall(r"\d+", str(refused.value).split("video 832x480")[1]))
+
+    wide = picture(tmp_path / "wide.png", 1000, 500)
+    with pytest.raises(ValueError) as refused:
+        images_for([wide], 480, 832)
+    height, width = map(int, re.search(r"--height (\d+) --width (\d+)", str(refused.value)).groups())
+    assert height % 16 == 0 and width % 16 == 0
+    assert abs(width / height - 2) <= 0.2 and 0.8 <= width * height / (480 * 832) <= 1.2
+    images_for([wide], height, width)  # the suggested size is accepted
