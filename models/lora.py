@@ -145,20 +145,31 @@ def adapted_modules(model: nn.Module) -> dict[str, LoRALinear]:
 
 
 @torch.no_grad()
-def merge_deltas(model: nn.Module, deltas: dict) -> None:
+def merge_deltas(model: nn.Module, deltas: dict, elsewhere=()) -> None:
     """Add weight deltas {linear module name: (rows, delta (rows x in) float32)} into the model's Linear
     weights, in float32 then back to their dtype; rows is a slice of the output rows (a fused qkv takes
-    its q, k and v updates in its thirds) or None for all. Names absent from the model (blocks another
-    PipeFusion stage holds) are skipped: the caller checks names against the whole architecture."""
+    its q, k and v updates in its thirds) or None for all. `elsewhere`: the module names another
+    PipeFusion stage holds (parallel/pipefusion_plan.held_elsewhere); a delta under one is that stage's
+    to merge and is skipped here. Any other name the model lacks is an error naming it: a delta that
+    silently goes nowhere would sample the base model."""
     modules = dict(model.named_modules())
+    skipped = [name for name in deltas if name not in modules and is_under(name, elsewhere)]
+    unknown = [name for name in deltas if name not in modules and name not in skipped]
+    if unknown:
+        raise ValueError(f"LoRA deltas for layers this model lacks: {', '.join(sorted(unknown)[:4])}")
     for name, updates in deltas.items():
-        module = modules.get(name)
-        if module is None:
+        if name in skipped:
             continue
+        module = modules[name]
         weight = module.weight.float()
         for rows, delta in updates:
             weight[rows if rows is not None else slice(None)] += delta.to(weight.device)
         module.weight.copy_(weight.to(module.weight.dtype))
+
+
+def is_under(name: str, prefixes) -> bool:
+    """Whether module `name` is one of `prefixes` or inside one."""
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
 def deltas_of(adapters: dict) -> dict:

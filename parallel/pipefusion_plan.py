@@ -76,6 +76,13 @@ def keep_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
     return part
 
 
+def held_elsewhere(part: nn.Module) -> tuple[str, ...]:
+    """The module names of the whole model that another stage holds (keep_stage left them out of `part`):
+    a LoRA delta for one of them is that stage's to merge (models.lora.merge_deltas). () for a whole model."""
+    names = [f"blocks.{block.index}" for block in part.blocks if isinstance(block, DroppedBlock)]
+    return tuple(names + [name for name in ("x_embedder", "final_layer") if getattr(part, name) is None])
+
+
 # ---------------------------------------------------------------------------------------------------
 # The message plan.
 

@@ -465,10 +465,40 @@ def test_lora_refusals_name_the_cause_before_anything_starts(tiny_pipeline, tmp_
 
 
 def test_merged_deltas_skip_the_blocks_another_stage_holds():
+    """A PipeFusion stage (keep_stage) merges the deltas of its own layers and skips those another stage
+    holds (held_elsewhere: here block 1 and the final layer); a layer no stage holds is an error naming
+    it, on a stage and on the whole model, and so is another stage's layer when the caller does not say
+    it lives elsewhere."""
+    from parallel.pipefusion_plan import held_elsewhere, keep_stage
+
     model = tiny_wan()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    merge_deltas(model, {"blocks.7.attn.qkv": [(None, torch.ones(192, 64))]})
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    stage = keep_stage(model, 0, 2)
+    assert held_elsewhere(stage) == ("blocks.1", "final_layer") and held_elsewhere(model) == ()
+    g = torch.Generator().manual_seed(0)
+    ours = torch.randn(64, 64, generator=g)  # the k third of the fused qkv
+    theirs = {
+        "blocks.1.attn.qkv": [(None, torch.randn(192, 64, generator=g))],
+        "final_layer.linear": [(None, torch.randn(64, 64, generator=g))],
+    }
+    merge_deltas(stage, {"blocks.0.attn.qkv": [(slice(64, 128), ours)], **theirs}, held_elsewhere(stage))
+    after = model.state_dict()
+    expected = before["blocks.0.attn.qkv.weight"].clone()
+    expected[64:128] += ours
+    assert torch.allclose(after["blocks.0.attn.qkv.weight"], expected, atol=1e-6)
+    for rows in (slice(0, 64), slice(128, 192)):  # q and v untouched
+        assert torch.equal(after["blocks.0.attn.qkv.weight"][rows], before["blocks.0.attn.qkv.weight"][rows])
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert changed == ["blocks.0.attn.qkv.weight"], changed
+    alien = {"blocks.7.attn.qkv": [(None, torch.ones(192, 64))]}
+    for target, deltas, elsewhere in (
+        (stage, alien, held_elsewhere(stage)),  # no stage holds block 7
+        (model, alien, ()),
+        (stage, {"blocks.1.attn.proj": [(None, torch.ones(64, 64))]}, ()),  # elsewhere not given
+    ):
+        with pytest.raises(ValueError, match=rf"lacks: {next(iter(deltas))}$"):
+            merge_deltas(target, deltas, elsewhere)
+    assert all(torch.equal(after[k], v) for k, v in model.state_dict().items())  # refused before any merge
 
 
 def test_previews_leave_the_training_unchanged(tmp_path):

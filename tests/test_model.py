@@ -134,20 +134,70 @@ def test_attention_operator_is_swappable():
     assert torch.allclose(model(x, t, y, mask), expected, atol=1e-5)
 
 
-def test_meta_build_then_init_weights_is_rerunnable():
-    direct = tiny_dit()
-    with torch.device("meta"):
-        lazy = DiT(3, 16, depth=2, hidden_size=32, num_heads=4, patch_size=(1, 2, 2))
-    lazy.to_empty(device="cpu")
-    with seeded(0):
-        lazy.init_weights()
-    # init_weights is re-runnable: the same seed gives the same parameters
-    for (name, a), (_, b) in zip(direct.named_parameters(), lazy.named_parameters()):
-        assert a.shape == b.shape, name
-    with seeded(0):
-        direct.init_weights()
-    for (name, a), (_, b) in zip(direct.named_parameters(), lazy.named_parameters()):
-        assert torch.equal(a, b), name
+# The DiT options whose parameters the plain tiny recipe lacks: adaLN-single's tables, Wan's norms, and
+# FLF2V's image embedder and image position embedding.
+WAN_FLF2V = [
+    "model.adaln=single",
+    "model.qk_norm_across_heads=true",
+    "model.pooled_text=false",
+    "model.text_mask=false",
+    "model.absolute_positions=true",
+    "model.task=flf2v",
+    "model.image_dim=8",
+    "model.image_tokens=3",
+    "text_encoder.max_length=512",  # Wan's padding (unmasked text)
+]
+
+
+def assert_same_tensors(expected: dict, got: dict, every: bool = True) -> None:
+    """got's tensors equal expected's of the same name; every: and got has all of them."""
+    missing = expected.keys() - got.keys() if every else set()
+    assert not missing and got.keys() <= expected.keys(), (sorted(missing), sorted(got.keys() - expected))
+    for name, tensor in got.items():
+        assert tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name]), name
+
+
+@pytest.mark.parametrize("overrides", [[], WAN_FLF2V], ids=["dit", "wan-flf2v"])
+@pytest.mark.parametrize("zero_init", [True, False], ids=["zero-init", "random-weights"])
+def test_meta_build_then_fill_equals_a_direct_build(overrides, zero_init):
+    """train.py and infer.py build the DiT on the meta device (parallel/components.build_model
+    weights=False) and fill it (fill_sharded / fill_unsharded, one parameter at a time), a PipeFusion stage
+    only its own blocks: every tensor equals the DiT built directly on the host and initialised with the
+    same seed (DiT.init_weights(seed=...)), in name, dtype and value."""
+    from types import SimpleNamespace
+
+    from configs import load_config
+    from models.dit import build_dit
+    from parallel.components import build_model, fill_sharded, fill_unsharded
+    from parallel.pipefusion_plan import keep_stage
+    from tests.conftest import TINY
+
+    cfg = load_config(TINY, overrides)
+    direct = build_dit(cfg.model, in_channels=4, text_dim=16)
+    direct.init_weights(zero_init=zero_init, seed=cfg.train.seed)
+    expected = direct.state_dict()
+    assert sum(t.abs().sum() for t in expected.values()) > 0
+    encoder, vae = SimpleNamespace(dim=16), SimpleNamespace(latent_channels=4)  # widths only
+
+    def meta():
+        model = build_model(cfg, encoder, vae, weights=False)
+        assert all(t.is_meta for t in model.state_dict().values())
+        return model
+
+    unsharded = meta()
+    fill_unsharded(unsharded, cfg.train.seed, None, zero_init=zero_init)
+    assert_same_tensors(expected, unsharded.state_dict())
+    if zero_init:  # training's fill (no FSDP mesh here: one shard, the whole of each parameter)
+        sharded = meta()
+        fill_sharded(SimpleNamespace(device=torch.device("cpu")), sharded, cfg.train.seed, None)
+        assert_same_tensors(expected, sharded.state_dict())
+    held = set()
+    for stage in range(2):
+        part = keep_stage(meta(), stage, 2)
+        fill_unsharded(part, cfg.train.seed, None, zero_init=zero_init, partial=True)
+        assert_same_tensors(expected, part.state_dict(), every=False)
+        held |= part.state_dict().keys()
+    assert held == expected.keys()
 
 
 def test_sizes_dict_spans_tiny_to_billions():

@@ -17,7 +17,13 @@ trains, samples, installs or needs GPUs, a dataset or SLURM; it is checked witho
 
 And for the prose: every --flag in inline code is in the --help of one of those programs (in the
 "Sample" section, in infer.py's), every `section.key` in inline code is a schema key, every configs/,
-scripts/ and docs/ path exists, and every timing or percentage is one BENCHMARKS.md holds.
+scripts/ and docs/ path exists, and each timing or percentage of a README table row is in the BENCHMARKS.md
+row that measured it (the row that shares most of its words), with the row's other numbers.
+
+docs/*.md, checked without running anything: every `section.key` is a schema key, every repository path,
+`tests/x.py::test` and bare `x.py` exists, every --flag is declared by the argparse of the program the text
+names, the commands of its ```bash blocks load their recipe and overrides, and every relative link (of
+README.md and BENCHMARKS.md too) reaches a file and heading.
 """
 
 import json
@@ -39,8 +45,8 @@ TIMEOUT_S = 120  # per command; they take a few seconds, but the CI machine may 
 CHEAP_ARGS = ("--help", "--print-config")
 RECIPE_PROGRAMS = ("train.py", "infer.py", "scripts/precompute_latents.py", "scripts/eval_demo.py")
 TORCHRUN = "torchrun"
-SCHEMA_SECTIONS = "run model vae text_encoder data flow train sample parallel lora logging".split()
-FILE_SUFFIXES = ("py", "sh", "yaml", "md", "json", "jsonl", "png", "mp4", "gif", "npy")
+# file names that look like recipe keys (train.py, run.lock): no schema key ends so
+FILE_SUFFIXES = "py sh yaml md json jsonl png mp4 gif npy lock log txt pt".split()
 
 
 @dataclass
@@ -294,11 +300,8 @@ def test_prose_flags_exist(outputs):
 def test_recipe_keys_exist():
     from configs import SCHEMA_KEYS
 
-    pattern = rf"\b(?:{'|'.join(SCHEMA_SECTIONS)})\.\w+(?:\.\w+)*"
     for span in re.findall(r"`([^`\n]+)`", prose(README)):
-        for key in re.findall(pattern, span):
-            if key.rsplit(".", 1)[-1] in FILE_SUFFIXES:  # train.py, data.jsonl: files, not keys
-                continue
+        for key in recipe_keys(span):
             assert key in SCHEMA_KEYS, f"README names `{key}` (in `{span}`), which configs/schema.py lacks"
 
 
@@ -309,7 +312,273 @@ def test_paths_exist():
         assert matches, f"README names {path}, which does not exist"
 
 
+FIGURE = r"\d+ min \d+ s|\d+(?:\.\d+)?%"
+
+
+def tables(text: str) -> list[list[list[str]]]:
+    """Each Markdown table's rows of cells, header first (separator rows left out)."""
+    found = []
+    for block in re.findall(r"(?:^\|.*\n?)+", text, re.M):
+        rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in block.splitlines()]
+        found.append([row for row in rows if not all(set(c) <= set("-: ") for c in row)])
+    return found
+
+
+def words(text: str) -> set[str]:
+    return set(re.findall(r"[a-z]+", text.lower()))
+
+
+def numbers(text: str) -> list[str]:
+    return [n.replace(",", "") for n in re.findall(r"\d[\d,]*(?:\.\d+)?", text)]
+
+
+def measuring_row(label: str, rows: list[list[str]]) -> list[str]:
+    """The BENCHMARKS.md row that measured README's row `label`: the one whose first cell (what was
+    measured) shares the most of the label's words; a tie or a weak match is an error."""
+    wanted = words(label)
+    scored = sorted((len(wanted & words(row[0])) / len(wanted), i) for i, row in enumerate(rows))
+    (second, _), (best, at) = scored[-2], scored[-1]
+    assert best >= 0.5 and best > second, f"README's row '{label}': no BENCHMARKS.md row measures it"
+    return rows[at]
+
+
 def test_figures_match_benchmarks():
+    """Each figure in a README table row is in the BENCHMARKS.md row that measured it, in the same order,
+    with the row's other numbers (clip and prompt counts); its target is the one that row states."""
+    rows = [row for table in tables((ROOT / "BENCHMARKS.md").read_text()) for row in table]
+    checked = 0
+    for header, *body in tables(README):
+        for row in body:
+            figures = re.findall(FIGURE, " | ".join(row[1:]))
+            if not figures:
+                continue
+            measured = " | ".join(measuring_row(row[0], rows))
+            theirs = iter(re.findall(FIGURE, measured))
+            assert all(f in theirs for f in figures), f"README's {row}: not the figures of | {measured}"
+            missing = set(numbers(" ".join(row))) - set(numbers(measured))
+            assert not missing, f"README's {row}: {sorted(missing)} not in BENCHMARKS' | {measured}"
+            target = row[header.index("target")] if "target" in header else ""
+            stated = re.search(r"targets? ([^)|]*)", measured)
+            assert not numbers(target) or (stated and numbers(stated[1]) == numbers(target)), (
+                f"README's {row}: target {target!r}, BENCHMARKS' | {measured}"
+            )
+            checked += 1
+    assert checked >= 3, "README's figure table changed form: the rule checks almost nothing"
     benchmarks = (ROOT / "BENCHMARKS.md").read_text()
-    for figure in re.findall(r"\d+ min \d+ s|\d+(?:\.\d+)?%", README):
+    outside = re.sub(r"^\|.*$", "", README, flags=re.M)  # figures in prose: BENCHMARKS.md holds them
+    for figure in re.findall(FIGURE, outside):
         assert figure in benchmarks, f"README gives {figure}, which BENCHMARKS.md does not hold"
+
+
+# --- docs/*.md name real keys, files, tests, flags and links ----------------------------------------
+
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+REPO_DIRS = "configs|scripts|docs|tests|models|parallel|data"
+PROGRAMS = [ROOT / "train.py", ROOT / "infer.py", *sorted((ROOT / "scripts").glob("*.py"))]
+
+
+def bash_lines(text: str) -> list[str]:
+    """The commands of a Markdown text's ```bash blocks, one a line (a trailing backslash joins lines)."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M)
+    return [line for block in blocks for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+def doc_spans(text: str):
+    """(span, paragraph) for each inline code span of the prose, and each line of a ```bash block."""
+    for para in re.split(r"\n\s*\n", prose(text)):
+        for span in re.findall(r"`([^`\n]+)`", para):
+            yield span, para
+    for line in bash_lines(text):
+        yield line, line
+
+
+def test_doc_commands_load():
+    """The recipe and key=value overrides of each command in a doc's ```bash block load through
+    configs.load_config, the schema's own check (keys, types and the recipe's rules)."""
+    from configs import load_config
+
+    checked = 0
+    for doc in DOCS:
+        for line in bash_lines(doc.read_text()):
+            found = recipe_and_overrides(parse(shlex.split(line, comments=True), line))
+            if found is not None:
+                load_config(ROOT / found[0], found[1])
+                checked += 1
+    assert checked >= 2, "the docs' commands changed form: the rule checks almost nothing"
+
+
+def recipe_keys(span: str) -> list[str]:
+    """The `section.key` names in a span, without file names (train.py) and module paths (data.media.x)."""
+    from configs import SCHEMA_KEYS
+
+    sections = sorted({key.split(".")[0] for key in SCHEMA_KEYS})
+    found = re.findall(rf"(?<![\w./-])(?:{'|'.join(sections)})\.\w+(?:\.\w+)*", span)
+    return [key for key in found if key.rsplit(".", 1)[-1] not in FILE_SUFFIXES and not is_module_path(key)]
+
+
+def is_module_path(name: str) -> bool:
+    """Whether a dotted name starts with one of the repository's modules (data.synthetic.read_clip)."""
+    parts = name.split(".")
+    return any((ROOT / "/".join(parts[:i])).with_suffix(".py").is_file() for i in range(2, len(parts) + 1))
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_doc_recipe_keys_exist(doc):
+    from configs import SCHEMA_KEYS
+
+    for span, _ in doc_spans(doc.read_text()):
+        for key in recipe_keys(span):
+            assert key in SCHEMA_KEYS, f"{doc.name} names `{key}` (in `{span}`): configs/schema.py lacks it"
+
+
+def test_recipe_keys_knows_every_section():
+    """recipe_keys knows every schema section (image_encoder too), and leaves files and modules out."""
+    from configs import SCHEMA_KEYS
+
+    span = "image_encoder.pretrained, lora.rank=4 train.py run.lock data.synthetic.read_clip"
+    assert recipe_keys(span) == ["image_encoder.pretrained", "lora.rank"]
+    assert not {key.rsplit(".", 1)[-1] for key in SCHEMA_KEYS} & set(FILE_SUFFIXES)  # no key is left out
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_doc_paths_and_tests_exist(doc):
+    """Every repository path a doc names exists (a `tests/x.py::name` has that test), and so does every
+    bare `x.py` / `x.sh` it names in code."""
+    text = doc.read_text()
+    for path in sorted(set(re.findall(rf"(?<![\w/.-])(?:{REPO_DIRS})/[\w.*/-]*(?:::\w+)?", text))):
+        path, _, test = path.rstrip("./,").partition("::")
+        found = list(ROOT.glob(path)) if "*" in path else [ROOT / path] if (ROOT / path).exists() else []
+        assert found, f"{doc.name} names {path}, which does not exist"
+        if test:
+            assert re.search(rf"^def {test}\(", found[0].read_text(), re.M), f"{doc.name}: no {path}::{test}"
+    files = {p.name for p in ROOT.rglob("*.[ps][yh]") if ".git" not in p.parts}
+    for span, _ in doc_spans(text):
+        for name in re.findall(r"(?<![\w/.-])\w+\.(?:py|sh)\b", span):
+            assert name in files, f"{doc.name} names {name} (in `{span}`), which no folder holds"
+
+
+def argparse_flags(program: Path) -> set[str]:
+    """The --flags a program's argparse declares (read from its source, and from the modules of its own
+    folder that it imports: scripts/benchlib.py)."""
+    import ast
+
+    found = {"--help"}
+    for node in ast.walk(ast.parse(program.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
+            names = [a.value for a in node.args if isinstance(a, ast.Constant)]
+            found |= {name for name in names if str(name).startswith("--")}
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            for module in filter(None, modules):
+                local = program.parent / f"{module}.py"
+                if local.is_file() and local != program:
+                    found |= argparse_flags(local)
+    return found
+
+
+def programs_named(text: str) -> list[Path]:
+    return [p for p in PROGRAMS if re.search(rf"(?<![\w.-]){re.escape(p.name)}\b", text)]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_doc_flags_exist(doc):
+    """A --flag in a doc's code is declared by the program the same span names, else by one the paragraph
+    names, else by one of train.py, infer.py and scripts/*.py."""
+    declared = {p: argparse_flags(p) for p in PROGRAMS}
+    for span, para in doc_spans(doc.read_text()):
+        given = set(re.findall(r"(?<![\w-])--[a-z][\w-]*", span))
+        if not given:
+            continue
+        programs = programs_named(span) or programs_named(para) or PROGRAMS
+        missing = given - set().union(*(declared[p] for p in programs))
+        names = [p.name for p in programs] if len(programs) < len(PROGRAMS) else "any program"
+        assert not missing, f"{doc.name}, `{span}`: {sorted(missing)} not declared by {names}"
+
+
+def test_argparse_flags_reads_declarations():
+    flags = argparse_flags(ROOT / "infer.py")
+    assert {"--config", "--lora", "--last-image", "--no-ema"} <= flags and "--pipeline" not in flags
+    assert "--pipeline" in argparse_flags(ROOT / "scripts" / "export.py")
+
+
+def anchors(text: str) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings."""
+    titles = re.findall(r"^#+ (.+)$", text, re.M)
+    return {re.sub(r"[^\w\- ]", "", t.lower()).replace(" ", "-") for t in titles}
+
+
+@pytest.mark.parametrize("doc", [ROOT / "README.md", ROOT / "BENCHMARKS.md", *DOCS], ids=lambda p: p.name)
+def test_doc_links_resolve(doc):
+    """Every relative link of README.md, BENCHMARKS.md and docs/*.md reaches a file, and its #anchor a
+    heading there."""
+    for target in re.findall(r"\]\(([^)\s]+)\)", prose(doc.read_text())):
+        if re.match(r"\w+:", target):  # http(s), mailto: not ours to check
+            continue
+        path, _, anchor = target.partition("#")
+        linked = (doc.parent / path).resolve() if path else doc
+        assert linked.exists(), f"{doc.name} links {target}, which does not exist"
+        if anchor:
+            assert anchor in anchors(linked.read_text()), f"{doc.name} links {target}: no such heading"
+
+
+def typed(text: str):
+    """A recipe value as a doc writes it (1e-4, null, true, runs/default)."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"null": None, "true": True, "false": False}.get(text, text)
+
+
+def documented_defaults(keys: list[str], cell: str) -> list:
+    """The defaults a `key | default` table cell gives its keys: one per key, comma-separated; a single
+    key's list default as its code spans (lora.targets). A parenthesis is a comment: null (= rank)."""
+    cell = re.sub(r"\s*\(.*?\)", "", cell)
+    if len(keys) > 1:
+        return [typed(value.strip()) for value in cell.split(",")]
+    spans = re.findall(r"`([^`]+)`", cell)
+    return [spans if len(spans) > 1 else typed(spans[0] if spans else cell)]
+
+
+def documented_keys():
+    """(doc name, key, default it gives) of every `key | default | meaning` table of README.md, docs/*.md."""
+    for doc in [ROOT / "README.md", *DOCS]:
+        for header, *body in tables(doc.read_text()):
+            for row in body if header[:2] == ["key", "default"] else []:
+                keys = re.findall(r"`([^`]+)`", row[0])
+                given = documented_defaults(keys, row[1])
+                assert len(given) == len(keys), f"{doc.name}: {row[:2]} gives not one default per key"
+                yield from ((doc.name, key, value) for key, value in zip(keys, given))
+
+
+def test_documented_defaults_are_the_schemas():
+    from omegaconf import OmegaConf
+
+    from configs.schema import TesseraConfig
+
+    schema = OmegaConf.to_container(OmegaConf.structured(TesseraConfig))
+    checked = list(documented_keys())
+    for name, key, value in checked:
+        default = schema
+        for part in key.split("."):
+            default = default[part]
+        assert value == default, f"{name} gives {key} the default {value!r}; the schema has {default!r}"
+    assert len(checked) >= 20, "the docs' key tables changed form: the rule checks almost nothing"
+
+
+def test_named_test_runs_select_tests():
+    """Each `pytest tests/x.py[::test] [-k word]` of BENCHMARKS.md, README.md and docs/*.md selects a test:
+    a figure's test that was renamed or removed would leave the figure claiming what nothing runs."""
+    texts = [ROOT / "BENCHMARKS.md", ROOT / "README.md", *DOCS]
+    runs = [(doc.name, m) for doc in texts for m in re.finditer(PYTEST_RUN, doc.read_text())]
+    for name, run in runs:
+        path = ROOT / run["path"]
+        assert path.is_file(), f"{name}: `{run[0]}`, no {run['path']}"
+        tests = re.findall(r"^def (test_\w+)\(", path.read_text(), re.M)
+        wanted = run["test"] or run["k"]
+        assert not wanted or any(wanted in test for test in tests), f"{name}: `{run[0]}` selects no test"
+    assert len(runs) >= 10, "the pytest commands changed form: the rule checks almost nothing"
+
+
+PYTEST_RUN = r"pytest (?:-\w+ )*(?P<path>tests/[\w/]+\.py)(?:::(?P<test>\w+))?(?: -k (?P<k>\w+))?"

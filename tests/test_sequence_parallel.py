@@ -4,6 +4,8 @@ The checks themselves live in tests/sp_worker.py: one launch per process count r
 and token count, because each process pays seconds of imports.
 """
 
+import math
+
 import pytest
 
 from tests.conftest import torchrun
@@ -125,6 +127,7 @@ def test_training_under_ulysses_and_ring_equals_one_process(tmp_path):
     ]  # one batch of 4 per epoch, or two of 2 under dp=2: the same samples
     assert run_main(train, common + [f"run.output_dir={tmp_path / 'one'}"]) == 0
     reference = loss_and_grad_norm(tmp_path / "one")
+    assert sorted(reference) == [1, 2, 3]  # the comparisons below run over these steps
     for nproc, layout in (
         (2, ["parallel.ulysses=2"]),
         (2, ["parallel.ring=2"]),
@@ -133,7 +136,7 @@ def test_training_under_ulysses_and_ring_equals_one_process(tmp_path):
         run_dir = tmp_path / "_".join(layout).replace("=", "")
         result = torchrun(nproc, "train.py", *common, f"run.output_dir={run_dir}", *layout, timeout=170)
         assert result.returncode == 0, result.stderr[-4000:]
-        assert layout[-1].split(".")[1] in result.stdout or layout[0].split(".")[1] in result.stdout  # logged
+        assert logged_layout(result.stdout) == layout_run(nproc, layout), result.stdout[-2000:]
         got = loss_and_grad_norm(run_dir)
         assert got.keys() == reference.keys()
         # AdamW barely sees a gradient scale error; the grad norm does.
@@ -142,6 +145,24 @@ def test_training_under_ulysses_and_ring_equals_one_process(tmp_path):
             reference,
             got,
         )
+
+
+def logged_layout(stdout: str) -> dict:
+    """The degrees of train.py's one start-up summary line ("...; layout dp=1, cfg=1, ...; cpu ...")."""
+    lines = [line for line in stdout.splitlines() if line.startswith("[tessera] ") and "; layout " in line]
+    assert len(lines) == 1, lines
+    degrees = lines[0].split("; layout ", 1)[1].split(";", 1)[0].removesuffix(" (parallel.auto)")
+    return {name: int(value) for name, value in (d.split("=") for d in degrees.split(", "))}
+
+
+def layout_run(nproc: int, overrides: list) -> dict:
+    """Every degree of the layout a launch runs: the overrides given, 1 for the others, and dp what the
+    process count leaves (parallel.dp=-1, the default)."""
+    given = dict(o.removeprefix("parallel.").split("=") for o in overrides if o.startswith("parallel."))
+    degrees = {name: int(given.get(name, 1)) for name in ("dp", "cfg", "pipefusion", "ulysses", "ring")}
+    if "dp" not in given:
+        degrees["dp"] = nproc // math.prod(degrees.values())
+    return degrees
 
 
 def loss_and_grad_norm(run_dir):
