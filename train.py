@@ -42,11 +42,13 @@ from data.sampler import sample_seed
 from models.dit import DiT_models, count_parameters
 from models.flow import RectifiedFlow, expert_timesteps
 from models.image_condition import ConditionedModel, ImageCondition, image_inputs, sampling_condition
-from models.pipeline import generate
+from models.pipeline import generate_checked
 from models.vae import vae_latent_space
 from parallel import comm
 from parallel.checkpoint import (
     check_architecture,
+    check_expert,
+    expert_record,
     load_checkpoint,
     save_checkpoint,
 )
@@ -68,6 +70,7 @@ from parallel.components import (
 )
 from parallel.divergence import NonFiniteGuard
 from parallel.entrypoint import run_as_process
+from parallel.finite import check_resumed_finite
 from parallel.fsdp import check_cpu_offload, parallelize_dit, param_device, reshard_all, update_ema
 from parallel.layout import ParallelLayout
 from parallel.lora import insert_adapters, lora_record
@@ -124,6 +127,7 @@ class Plan:
     base: object  # parallel.lora.Base: the frozen base of a LoRA run (lora.rank > 0), else None
     adapter_start: dict | None = None  # lora.init_from's adapters {name: whole tensor} on a fresh start
     preview_images: tuple = (None, None)  # image-to-video: the previews' first and last frames (PIL)
+    expert: dict | None = None  # the timesteps this run trains (Wan 2.2's expert), kept in each checkpoint
 
 
 def check_before_start(cfg) -> Plan:
@@ -149,14 +153,18 @@ def check_before_start(cfg) -> Plan:
     sampler = build_sampler(cfg, dataset, buckets, layout.dp_rank(rank), layout.dp)
     checkpoint = resolve_checkpoint(cfg.train.resume, cfg.run.output_dir)
     resume = read_trainer_state(checkpoint)["sampler"] if checkpoint else None
+    expert = expert_record(cfg)
     if checkpoint is not None:  # file sizes here; every crc32 below, the reading shared by the ranks
         check_checkpoint_files(checkpoint)
+        check_expert(checkpoint, expert)  # an expert's weights stay on its timesteps
     # A full resume takes every weight from its checkpoint and never reads the folder; a LoRA's base is
     # read (and must be the one its adapters were trained on) either way.
     if cfg.model.pretrained and (checkpoint is None or cfg.lora.rank):
         check_pretrained(cfg.model.pretrained)
     base, adapter_start = check_lora_start(cfg, checkpoint)
-    return Plan(layout, buckets, dataset, sampler, checkpoint, resume, base, adapter_start, preview_images)
+    return Plan(
+        layout, buckets, dataset, sampler, checkpoint, resume, base, adapter_start, preview_images, expert
+    )
 
 
 def agree_on_data(cfg, plan: Plan, runtime) -> tuple[int, str]:
@@ -232,6 +240,7 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     ema, training = build_ema(cfg, runtime, model, optimizer, text_encoder, vae, bool(adapted))
     if checkpoint is not None:
         load_checkpoint(runtime, checkpoint, training, verified=True)
+        check_resumed_finite(runtime, checkpoint, model, ema, optimizer)  # one verdict on every rank
         if runtime.is_main:
             why = f"; the data plan changed: {replanned}" if replanned else ""
             print(f"[tessera] resumed from {checkpoint} at step {start_step}{why}", flush=True)
@@ -455,18 +464,24 @@ def report_replaced(runtime, run: RunDirectory, failures, reported: set, step: i
 def save(runtime, plan: Plan, t: Trainer, done: int, keep: int) -> None:
     runtime.watchdog.mark("checkpoint")
     t.guard.check(done)
+    if runtime.lock is not None:  # rank 0: another run took the directory over while this one was frozen
+        runtime.lock.ensure_held()
     trainer_state = {
         "step": done,
         "sampler": plan.sampler.state_dict(done),
         "world_size": runtime.world_size,
         "architecture": t.architecture,
+        "expert": plan.expert,
     }
     if t.lora:
         trainer_state["lora"] = t.lora
+    # whether its loss and weights were in range: a divergence recommends only a checkpoint that was
+    trainer_state["health"] = t.guard.health(done, t.trainable, runtime.control_group)
     try:
         save_checkpoint(runtime, t.run.path, done, t.training, trainer_state, keep)
     except NonFiniteWeights as e:  # weights that overflowed while every gradient norm was finite
-        raise t.guard.diverged(str(e)) from None
+        # the advice names the last good checkpoint (the newest saved in range), not merely `latest`
+        raise t.guard.diverged(str(e).split(", and the last good checkpoint is")[0]) from None
 
 
 def say(line: str) -> None:
@@ -510,7 +525,7 @@ def sample_previews(cfg, runtime, run, model, t: Trainer, step):
         cfg.model.task, t.vae, encoder, *t.preview_images, frames, height, width, runtime.device
     )
     runtime.watchdog.sampling_progress(0, sc.steps)  # a deadline per denoising step
-    videos = generate(
+    videos, bad = generate_checked(  # NaN or inf: found alike on every rank (each samples them all)
         model.eval(),
         t.vae,
         t.text_encoder,
@@ -529,8 +544,15 @@ def sample_previews(cfg, runtime, run, model, t: Trainer, step):
     )
     model.train(was_training)
     if runtime.is_main:
-        for i, video in enumerate(videos):
-            write_video(run.samples / f"step_{step}_{i}.mp4", video, fps=sc.fps)
+        for i in range(len(sc.prompts)):
+            if i not in bad:
+                write_video(run.samples / f"step_{step}_{i}.mp4", videos[i], fps=sc.fps)
+        if bad:  # a warning, not a stop: the checkpoints (the work) are guarded by train.on_nonfinite
+            found = "; ".join(f"sample.prompts[{i}] in {where}" for i, where in bad.items())
+            say(
+                f"[tessera] warning: step {step}'s preview gave NaN or inf ({found}): not written. The "
+                "weights previewed (sample.use_ema) may be diverging, or bf16 overflows"
+            )
 
 
 if __name__ == "__main__":

@@ -1,17 +1,15 @@
 """The run directory (`run.output_dir`): what a run leaves behind.
 
 config.yaml        the resolved recipe (an earlier, different one is kept as config.<time>.yaml)
-metrics.jsonl      one JSON object per logged step: step, loss, lr, step_time, samples_per_s, ...; once
-                   per step (a resume keeps the earlier file's lines up to its checkpoint, and the
-                   whole earlier file as metrics.<time>.jsonl)
+metrics.jsonl      one JSON object per logged step: step, loss, lr, step_time, samples_per_s, ...; a resume
+                   keeps the lines up to its checkpoint (the whole earlier file as metrics.<time>.jsonl)
 checkpoints/       step_<N>/ (torch.distributed.checkpoint) and `latest`
 samples/           preview videos written during training
 failures/          per-rank records of recent collectives, written when a run fails
 wandb/             offline wandb logs (sync later with `wandb sync`)
 data_report.jsonl  every file left out at start-up and every file replaced during training, with
                    the reason; data_report_rank<R>.jsonl: the files rank R (R > 0) replaced
-run.lock           while a run trains: its host, pid and heartbeat (configs/runlock.py); a second
-                   train.py into the same directory is refused by name
+run.lock           while a run trains: its host, pid and heartbeat (configs/runlock.py)
 """
 
 import json

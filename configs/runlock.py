@@ -6,9 +6,8 @@ metrics.jsonl and overwrite config.yaml. So rank 0 takes the lock before anythin
 holder is refused by name. A lock whose holder is gone is taken over, saying so:
 
 - on this host: its process no longer exists (or its pid now belongs to another process);
-- on any host: its heartbeat (the holder rewrites the file every LOCK_BEAT_S) has been silent for
-  LOCK_STALE_S. For a lock of another host the file's age alone is not trusted (the clocks of two hosts,
-  or of a host and a network file system, differ): its heartbeat is watched for two beats first.
+- on any host: its heartbeat (the file, rewritten every LOCK_BEAT_S) has been silent for LOCK_STALE_S;
+  another host's is watched for two beats first (its clock, or the file server's, may differ from ours).
 
 infer.py and the scripts only read a run: they never take the lock.
 """

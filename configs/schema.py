@@ -121,6 +121,9 @@ class DataConfig:
         "error"  # resuming after dp or the data changed: error | new_epoch (skip the epoch's rest)
     )
     fps: Optional[float] = None  # resample videos to this rate; None keeps the file's rate
+    # a manifest whose missing files (probed, or stat'ed where its lines carry sizes) exceed this share of
+    # its files is refused at start-up (a wrong path or an unmounted disk); below it, training goes on
+    max_missing_fraction: float = 0.2
     num_workers: int = 2
     synthetic_samples: int = 4096  # size of one epoch of the synthetic dataset
     synthetic_seed: int = 0
@@ -167,6 +170,11 @@ class TrainConfig:
     # a step whose gradient norm is NaN or inf: stop (the run ends, naming it, before saving anything
     # non-finite) | skip (no update for that step; costs one host sync per step; 20 in a row stop the run)
     on_nonfinite: str = "stop"
+    # the range a checkpoint must be saved in to be the "last good checkpoint" a diverged run recommends:
+    # the loss logged last (a model that predicts zero scores ~2 on unit-variance latents) and the largest
+    # |weight| of the trained parameters. Out of range is only recorded (and said), never a stop.
+    loss_limit: float = 10.0
+    weight_limit: float = 1.0e4
 
 
 @dataclass
@@ -190,6 +198,11 @@ class SampleConfig:
     height: Optional[int] = None  # None: data.height
     width: Optional[int] = None  # None: data.width
     fps: int = 8  # frame rate of written videos
+    # infer.py: prompts sampled at once per data-parallel replica, each batch written as it finishes. Memory
+    # grows with it (DiT-S: 0.61 GB for 1 prompt, 1.12 GB for 16); 4 keeps it bounded, still batches small
+    # models, and samples up to 4 prompts as one run always did. A large video DiT (Wan 14B at 720p), whose
+    # one sample fills a GPU: 1. The videos do not depend on it (prompt i: seed + i, whatever its batch).
+    batch_size: int = 4
     # step cache (infer.py; docs/step_cache.md): none; calibrated: skip the steps whose velocity a
     # calibration (scripts/calibrate_cache.py) says barely changes, reusing the last one (the plan is the
     # same on every rank by construction); first_block: skip the blocks after the first while its residual

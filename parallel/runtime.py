@@ -16,12 +16,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from configs.runlock import RunDirectoryInUse, RunLock, live_holder
+from configs.runlock import RunLock, live_holder
 from parallel import comm, faults
 from parallel.cfg import SamplingGroups
 from parallel.exits import NCCL_HINT
 from parallel.layout import DEGREES, LayoutError, ParallelLayout
 from parallel.preemption import StopRequest
+from parallel.rendezvous import connect_store, rendezvous
 from parallel.sequence import SequenceGroups
 from parallel.watchdog import Deadlines, Watchdog
 
@@ -149,25 +150,6 @@ def deadlines(parallel_cfg, device_type: str) -> Deadlines:
     )
 
 
-def _connect_store(world_size: int, timeout_s: float):
-    """A client of the c10d store that torchrun runs (or rank 0 hosts): the heartbeats' channel, apart
-    from the main thread's own client so a slow store call never blocks a collective set-up."""
-    if world_size == 1 or "MASTER_ADDR" not in os.environ:
-        return None
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world_size,
-        is_master=False,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
-    run = (
-        f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    )
-    return dist.PrefixStore(f"tessera/{run}/", store)
-
-
 def init_runtime(
     parallel_cfg, layout: ParallelLayout, run_dir=None, task: str = "train", session=None
 ) -> Runtime:
@@ -205,11 +187,11 @@ def init_runtime(
     early = world_size == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if early:
         monitor = _start_watchdog(*watch)
-        lock = _rendezvous(monitor, run_dir, parallel_cfg.preflight_timeout_s, injected, session)
+        lock = rendezvous(monitor, run_dir, parallel_cfg.preflight_timeout_s, injected, session)
     _init_process_group(backend, init_method, rank, world_size, device, parallel_cfg.preflight_timeout_s)
     if not early:  # another launcher: rank 0 hosts the store, made with the process group
         monitor = _start_watchdog(*watch)
-        lock = _rendezvous(monitor, run_dir, parallel_cfg.preflight_timeout_s, injected, session)
+        lock = rendezvous(monitor, run_dir, parallel_cfg.preflight_timeout_s, injected, session)
     monitor.mark("start-up")
     log.adopt(None)  # from the first collective on, the default group's ops are this runtime's
     _set_pg_timeout(datetime.timedelta(seconds=parallel_cfg.timeout_s))
@@ -268,61 +250,12 @@ def init_runtime(
 def _start_watchdog(rank, world_size, run_dir, limits, backend, task, log, stop, session) -> Watchdog:
     """The heartbeats, on the store torchrun runs (none for one process): from here on a rank that dies is
     named by the others."""
-    store = _connect_store(world_size, max(5.0, limits.silence_s / 2))
+    store = connect_store(world_size, max(5.0, limits.silence_s / 2))
     monitor = Watchdog(rank, world_size, store, run_dir or ".", limits, backend, task=task, comm=log).start()
     stop.watchdog = monitor  # a stop signal in the loop notes the step it arrived in
     if session is not None:
         session.watchdog = monitor
     return monitor
-
-
-class StartupError(RuntimeError):
-    """A rank did not arrive at start-up in time."""
-
-
-def _rendezvous(monitor: Watchdog, run_dir, timeout_s: float, injected, session) -> RunLock | None:
-    """Before any process group: rank 0 of a training run takes the run directory's lock, then every rank
-    waits (in Python, polling the store, so stop signals are heard and the watchdog names a rank that dies)
-    until all have arrived, and raises rank 0's refusal if there was one: every rank fails alike, before
-    any collective. Returns the lock (rank 0 of a training run), else None."""
-    rank, world_size = monitor.rank, monitor.world_size
-    lock, refusal = None, ""
-    if rank == 0 and monitor.task == "train" and run_dir is not None:
-        lock = RunLock(run_dir)
-        try:
-            lock.acquire()
-        except RunDirectoryInUse as e:
-            lock, refusal = None, str(e)
-        if session is not None:
-            session.lock = lock
-    injected.before_start("rendezvous")  # tests only: a rank that dies with its heartbeat running
-    if world_size > 1:
-        monitor.mark("rendezvous")
-        store = _connect_store(world_size, max(5.0, timeout_s))  # the main thread's own client
-        if rank == 0:
-            store.set("rendezvous/refusal", refusal)
-        store.add("rendezvous/arrived", 1)
-        deadline = time.monotonic() + timeout_s
-        while store.add("rendezvous/arrived", 0) < world_size:
-            if time.monotonic() > deadline:
-                raise StartupError(_missing_ranks(store, world_size, timeout_s))
-            time.sleep(0.05)
-        refusal = store.get("rendezvous/refusal").decode()
-        monitor.mark("process group")
-        injected.before_start("pginit")  # tests only: a rank that dies while the process group forms
-    if refusal:
-        raise RunDirectoryInUse(refusal)
-    return lock
-
-
-def _missing_ranks(store, world_size: int, timeout_s: float) -> str:
-    silent = [r for r in range(world_size) if not store.check([f"hb/{r}"])]
-    which = f"rank(s) {', '.join(map(str, silent))}" if silent else "some ranks"
-    return (
-        f"{which} did not reach start-up within parallel.preflight_timeout_s ({timeout_s:.0f} s) of this rank"
-        + (" and never sent a heartbeat (still importing or reading data, or gone)" if silent else "")
-        + ": raise parallel.preflight_timeout_s if their start-up is that slow, else see their output"
-    )
 
 
 def _init_process_group(backend, init_method, rank: int, world_size: int, device, timeout_s: float) -> None:

@@ -33,11 +33,12 @@ def worker(rank, world, port, calls, out):
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     from parallel.faults import Faults
     from parallel.preemption import StopRequest
-    from parallel.runtime import Runtime, _connect_store
+    from parallel.rendezvous import connect_store
+    from parallel.runtime import Runtime
     from parallel.watchdog import Deadlines, Watchdog
 
     control = dist.new_group(backend="gloo")
-    client = _connect_store(world, 5.0)
+    client = connect_store(world, 5.0)
     dog = Watchdog(
         rank, world, client, Path(out).parent, Deadlines(600, 300, 10), interval_s=3600
     )  # ticks by hand

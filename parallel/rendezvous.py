@@ -1,0 +1,82 @@
+"""The start-up rendezvous, before any process group exists (parallel/runtime.py): every rank waits for
+the others on torchrun's store, polling in Python, so that stop signals are heard and the watchdog (already
+beating) names a rank that dies during start-up; rank 0 of a training run takes the run directory's lock
+first (configs/runlock.py) and its verdict reaches every rank here, before any collective.
+"""
+
+import datetime
+import os
+import time
+
+import torch.distributed as dist
+
+from configs.runlock import RunDirectoryInUse, RunLock
+from parallel.watchdog import Watchdog
+
+
+def connect_store(world_size: int, timeout_s: float):
+    """A client of the c10d store that torchrun runs (or rank 0 hosts): the heartbeats' channel, apart
+    from the main thread's own client so a slow store call never blocks a collective set-up."""
+    if world_size == 1 or "MASTER_ADDR" not in os.environ:
+        return None
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+    run = (
+        f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    )
+    return dist.PrefixStore(f"tessera/{run}/", store)
+
+
+class StartupError(RuntimeError):
+    """A rank did not arrive at start-up in time."""
+
+
+def rendezvous(monitor: Watchdog, run_dir, timeout_s: float, injected, session) -> RunLock | None:
+    """Before any process group: rank 0 of a training run takes the run directory's lock, then every rank
+    waits (in Python, polling the store, so stop signals are heard and the watchdog names a rank that dies)
+    until all have arrived, and raises rank 0's refusal if there was one: every rank fails alike, before
+    any collective. Returns the lock (rank 0 of a training run), else None."""
+    rank, world_size = monitor.rank, monitor.world_size
+    lock, refusal = None, ""
+    if rank == 0 and monitor.task == "train" and run_dir is not None:
+        lock = RunLock(run_dir)
+        try:
+            lock.acquire()
+        except RunDirectoryInUse as e:
+            lock, refusal = None, str(e)
+        if session is not None:
+            session.lock = lock
+    injected.before_start("rendezvous")  # tests only: a rank that dies with its heartbeat running
+    if world_size > 1:
+        monitor.mark("rendezvous")
+        store = connect_store(world_size, max(5.0, timeout_s))  # the main thread's own client
+        if rank == 0:
+            store.set("rendezvous/refusal", refusal)
+        store.add("rendezvous/arrived", 1)
+        deadline = time.monotonic() + timeout_s
+        while store.add("rendezvous/arrived", 0) < world_size:
+            if time.monotonic() > deadline:
+                raise StartupError(_missing_ranks(store, world_size, timeout_s))
+            time.sleep(0.05)
+        refusal = store.get("rendezvous/refusal").decode()
+        monitor.mark("process group")
+        injected.before_start("pginit")  # tests only: a rank that dies while the process group forms
+    if refusal:
+        raise RunDirectoryInUse(refusal)
+    return lock
+
+
+def _missing_ranks(store, world_size: int, timeout_s: float) -> str:
+    silent = [r for r in range(world_size) if not store.check([f"hb/{r}"])]
+    which = f"rank(s) {', '.join(map(str, silent))}" if silent else "some ranks"
+    return (
+        f"{which} did not reach start-up within parallel.preflight_timeout_s ({timeout_s:.0f} s) of this rank"
+        + (" and never sent a heartbeat (still importing or reading data, or gone)" if silent else "")
+        + ": raise parallel.preflight_timeout_s if their start-up is that slow, else see their output"
+    )
