@@ -471,14 +471,28 @@ def main(argv=None, session=None):
     if request.cache is not None and request.cache.method == "first_block":
         components[0].step_cache = request.cache  # the DiT consults it after its first block
     mine = list(range(layout.dp_rank(runtime.rank), len(request.prompts), layout.dp))  # split over dp
+    nonfinite = None
     if mine:
         weights = describe_weights(cfg, args, checkpoint, record, use_ema)
-        sample_and_write(cfg, args, runtime, request, mine, *components, weights=weights)
+        nonfinite = sample_and_write(cfg, args, runtime, request, mine, *components, weights=weights)
     # Every rank waits for every other before leaving (gloo, the control timeout): a rank that died or
     # failed meanwhile is then named by the survivors, not only by torchrun's summary of exit codes.
     if runtime.world_size > 1:
         runtime.watchdog.mark("finishing")
         runtime.fence()
+    if agreed_count(runtime, nonfinite is not None):  # every replica is done: each rank fails alike
+        raise nonfinite or ValueError(
+            "a video of another data-parallel replica held NaN or inf and was not written (its ranks' error "
+            "line names it and the likely cause); this replica's videos were written"
+        )
+
+
+def agreed_count(runtime, mine: bool) -> int:
+    """How many ranks say `mine` (one tiny all-reduce on the gloo control group)."""
+    flag = torch.tensor([int(mine)], dtype=torch.int64)
+    if runtime.world_size > 1:
+        comm.all_reduce(flag, group=runtime.control_group)
+    return int(flag.item())
 
 
 def sample_and_write(
@@ -487,9 +501,9 @@ def sample_and_write(
     """Sample this replica's prompts `mine` on every rank of the replica, sample.batch_size at a time: the
     same batches in the same order on every rank (they share `mine`), and a video does not depend on its
     batch (seed + i, per-sample cache decisions). The replica's leader writes each batch as it finishes.
-    A video with NaN or inf is never written: every rank of the replica finds it in the same latents, and
-    all stop alike with an `error:` line naming the likely cause (`weights`: where they came from) once
-    the batch's other videos are written."""
+    A video with NaN or inf is never written: every rank of the replica finds it in the same latents and
+    the sampling goes on (no prompt's work is lost); returns the error naming the likely cause (`weights`:
+    where they came from), or None, for main to raise once every replica is done."""
     size, replica = cfg.sample.batch_size, runtime.sampling
     batches = [mine[k : k + size] for k in range(0, len(mine), size)]
     inputs = image_inputs(cfg, runtime.device) if request.images is not None else None
@@ -499,6 +513,7 @@ def sample_and_write(
     full_calls = 0.0  # first_block: calls that ran every block, summed over the samples
     components = (model, vae, text_encoder, sampler)
     steps, hidden = len(batches) * request.steps, not runtime.is_main
+    unwritten = {}  # prompt -> where NaN or inf was found
     with tqdm(total=steps, desc="sample", disable=hidden, dynamic_ncols=True, unit="step") as bar:
         for k, batch in enumerate(batches):
             bar.set_description(f"sample: batch {k + 1} of {len(batches)}")
@@ -506,14 +521,14 @@ def sample_and_write(
             check_cache_decisions(request.cache, replica, runtime.device)  # per batch: start() resets them
             full_calls += request.cache.full_calls * len(batch) if first_block else 0.0
             write_batch(cfg, args, runtime, request, batch, videos, bad)
-            if bad:
-                raise ValueError(nonfinite_message(cfg, runtime, request, bad, weights))
+            unwritten.update(bad)
     if runtime.is_main and first_block:
         print(
             f"[tessera] step cache: {full_calls / len(mine):g} of {request.steps} steps ran every block "
             "(first_block, per sample)",
             flush=True,
         )
+    return ValueError(nonfinite_message(cfg, runtime, request, unwritten, weights)) if unwritten else None
 
 
 def sample_batch(cfg, args, runtime, request: Request, batch: list, components, flow, encoder, bar):

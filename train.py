@@ -303,6 +303,8 @@ def train_loop(cfg, plan: Plan, runtime, t: Trainer, start_step: int) -> None:
             context["epoch"] = sampler.position(step)[0]
             metrics = window.summarize(runtime, plan, loss if batch is not None else None, done, context)
             t.guard.check(done, None if skipped else metrics["loss"])
+            if runtime.lock is not None and runtime.lock.lost:  # rank 0: the directory is another run's now
+                runtime.lock.ensure_held()
             extra = {"skipped_steps": t.guard.skipped} if tc.on_nonfinite == "skip" else {}
             t.run.log_metrics(metrics | extra)
             progress.set_postfix(
@@ -481,7 +483,7 @@ def save(runtime, plan: Plan, t: Trainer, done: int, keep: int) -> None:
         save_checkpoint(runtime, t.run.path, done, t.training, trainer_state, keep)
     except NonFiniteWeights as e:  # weights that overflowed while every gradient norm was finite
         # the advice names the last good checkpoint (the newest saved in range), not merely `latest`
-        raise t.guard.diverged(str(e).split(", and the last good checkpoint is")[0]) from None
+        raise t.guard.diverged(e.what) from None
 
 
 def say(line: str) -> None:

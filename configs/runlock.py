@@ -5,9 +5,9 @@ runs, two users, one recipe) would delete the first run's temporary checkpoint f
 metrics.jsonl and overwrite config.yaml. So rank 0 takes the lock before anything is written, and a live
 holder is refused by name. A lock whose holder is gone is taken over, saying so:
 
-- on this host: its process no longer exists (or its pid now belongs to another process);
-- on any host: its heartbeat (the file, rewritten every LOCK_BEAT_S) has been silent for LOCK_STALE_S;
-  another host's is watched for two beats first (its clock, or the file server's, may differ from ours).
+- on this machine (hostname, boot and pid namespace: containers may share a hostname): its process is gone;
+- on any: its heartbeat (the file, rewritten every LOCK_BEAT_S) stays unchanged while watched, for at least
+  two beats and at most LOCK_STALE_S (clocks are not compared: another host's, or the file server's, differ).
 
 infer.py and the scripts only read a run: they never take the lock.
 """
@@ -38,6 +38,18 @@ def _process_start(pid: int) -> str | None:
         return None
 
 
+def _machine() -> str:
+    """This machine and process namespace: the hostname, the kernel's boot id and the pid namespace. Two
+    containers with host networking share a hostname, not pids: only the same machine may judge a pid."""
+    parts = [socket.gethostname()]
+    for source in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
+        try:
+            parts.append(os.readlink(source) if source.endswith("/pid") else Path(source).read_text().strip())
+        except OSError:
+            parts.append("?")
+    return "/".join(parts)
+
+
 def _process_alive(pid: int, started: str | None) -> bool:
     try:
         os.kill(pid, 0)
@@ -49,7 +61,8 @@ def _process_alive(pid: int, started: str | None) -> bool:
 
 
 def _read(path: Path) -> tuple[dict | None, float | None]:
-    """(the lock's record or None if unreadable, its mtime or None if there is no file)."""
+    """(the lock's record or None if unreadable, its mtime or None if there is no file or no answer)."""
+    mtime = None
     try:
         mtime = path.stat().st_mtime
         return json.loads(path.read_text()), mtime
@@ -69,6 +82,7 @@ class RunLock:
         pid = os.getpid()
         self.record = {
             "host": socket.gethostname(),
+            "machine": _machine(),
             "pid": pid,
             "process_start": _process_start(pid),
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -93,6 +107,9 @@ class RunLock:
                 return
             holder, mtime = _read(self.path)
             if mtime is None:  # released meanwhile
+                continue
+            if holder is None and time.time() - mtime < 2.0:  # being written this instant: read it again
+                time.sleep(0.2)
                 continue
             gone = self._gone(holder, mtime)
             if gone is None:
@@ -119,8 +136,9 @@ class RunLock:
     def ensure_held(self) -> None:
         """Raise RunDirectoryInUse if another run took the lock over (this one was silent for LOCK_STALE_S:
         stopped, or frozen): it must not write into the directory that run now uses."""
-        if self.lost is not None or not self.held():
-            holder = self.lost or _read(self.path)[0]
+        holder = _read(self.path)[0]
+        if self.lost is not None or (holder is not None and holder.get("token") != self.record["token"]):
+            holder = self.lost or holder
             raise RunDirectoryInUse(
                 f"this run lost {self.path} to {_describe(holder)} while it was silent for over "
                 f"{self.stale_s:.0f} s (stopped or frozen); it stops without writing, so that the two runs' "
@@ -143,35 +161,33 @@ class RunLock:
 
     def _gone(self, holder: dict | None, mtime: float) -> str | None:
         """Why the lock's holder is gone, or None if it is alive."""
-        age = time.time() - mtime
-        if holder is None:  # a lock being written this instant, or left half-written by a kill
-            return f"unreadable for {age:.0f} s" if age > 2.0 else self._unchanged_for(mtime, 2.0, None)
-        if holder.get("host") == self.record["host"]:
+        if holder is None:  # left half-written by a kill (one being written was read again)
+            return "the lock was unreadable"
+        if holder.get("machine") == self.record["machine"]:  # the same machine and pid namespace
             if holder.get("pid") == self.record["pid"]:
                 return "an earlier run of this same process"  # one run at a time per process
             if not _process_alive(holder.get("pid", -1), holder.get("process_start")):
                 return f"its process {holder.get('pid')} no longer exists"
-            if age > self.stale_s:
-                return f"its heartbeat has been silent for {age:.0f} s (the process is stopped or frozen)"
-            return None
-        # Another host: its clock (or the file server's) may differ from ours, so watch the heartbeat.
-        return self._unchanged_for(mtime, max(2 * self.beat_s + 1, self.stale_s - age), holder)
+        # Alive, or another machine's: its heartbeat decides. The file's age, judged by our clock (which may
+        # differ from the file server's or another host's), only shortens the watch: two beats always pass.
+        age = max(0.0, time.time() - mtime)
+        wait_s = min(self.stale_s, max(2 * self.beat_s + 1, self.stale_s - age))
+        return self._unchanged_for(mtime, wait_s, holder)
 
-    def _unchanged_for(self, mtime: float, wait_s: float, holder: dict | None) -> str | None:
+    def _unchanged_for(self, mtime: float, wait_s: float, holder: dict) -> str | None:
         """Watch the lock for `wait_s`: None if it changes (its holder is alive), else why it is gone."""
-        if holder is not None:
-            print(
-                f"[tessera] {self.path} is held by {_describe(holder)}: watching its heartbeat for up to "
-                f"{wait_s:.0f} s to see whether that run is alive",
-                flush=True,
-            )
+        print(
+            f"[tessera] {self.path} is held by {_describe(holder)}: watching its heartbeat for up to "
+            f"{wait_s:.0f} s to see whether that run is alive",
+            flush=True,
+        )
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             time.sleep(min(0.5, wait_s))
             now, now_mtime = _read(self.path)
-            if now_mtime != mtime or (now or {}).get("beat") != (holder or {}).get("beat"):
+            if now_mtime != mtime or (now or {}).get("beat") != holder.get("beat"):
                 return None
-        return f"its heartbeat did not change in {wait_s:.0f} s"
+        return f"its heartbeat did not change in {wait_s:.0f} s (the run is stopped, frozen or gone)"
 
     def _move_aside(self, holder: dict | None) -> bool:
         """Remove the lock judged gone, unless another process replaced it meanwhile (it is then put back).
@@ -193,11 +209,15 @@ class RunLock:
         return True
 
     def _beat(self) -> None:
+        misses = 0  # reads in a row that found no readable lock (a network file system's hiccup)
         while not self._stop.wait(self.beat_s):
             holder, _ = _read(self.path)
-            if holder is None or holder.get("token") != self.record["token"]:
-                self.lost = holder or {"host": "?", "pid": "?"}
+            misses = misses + 1 if holder is None else 0
+            if misses >= 3 or (holder is not None and holder.get("token") != self.record["token"]):
+                self.lost = holder or {"host": "(removed, or unreadable for 3 beats)", "pid": "?"}
                 return
+            if holder is None:
+                continue
             self.record["beat"] += 1
             tmp = self.path.with_name(f"{LOCK_NAME}.{self.record['token']}.tmp")
             try:
@@ -212,7 +232,7 @@ class RunLock:
             f"its heartbeat {max(0.0, time.time() - mtime):.0f} s ago ({self.path}). Two runs in one "
             "directory would overwrite each other's checkpoints and logs: wait for that run to end or stop "
             "it, or give this run another run.output_dir (a lock whose run has died is taken over by the "
-            f"next start: its process gone on this host, or its heartbeat silent for {self.stale_s:.0f} s)"
+            "next start: its process gone on this machine, or its heartbeat stopped)"
         )
 
 

@@ -42,6 +42,7 @@ class BucketedDataset:
         self.table, self.seed = table, seed
         kept, buckets, self.dropped, self.left_out = [], [], Counter(), []
         self.gone = []  # listed with sizes but missing at start-up: kept, each replaced when loaded
+        self.gone_checked = 0  # how many of the files listed with sizes were checked (a sample, if many)
         for entry in entries:
             bucket, why = self.assign(entry)
             if bucket is None:
@@ -107,7 +108,8 @@ class BucketedDataset:
             else ""
         )
         if self.gone:
-            dropped += f"; {len(self.gone)} listed with sizes but missing (replaced when loaded)"
+            of = f" of the {self.gone_checked} checked" if self.gone_checked < len(self.entries) else ""
+            dropped += f"; {len(self.gone)}{of} listed with sizes but missing (replaced when loaded)"
         left_out = self.left_out_files()
         named = "".join(f"\n  left out {path}: {why}" for path, _, why in left_out[: self.named_in_summary])
         if len(left_out) > self.named_in_summary:

@@ -51,8 +51,9 @@ def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
         count = len(listed) + len(skipped)
         entries, unreadable = complete_metadata(listed, need_fps=dc.fps is not None)
         unreadable.update(skipped)
-        gone = missing_files(entries)  # listed with their sizes (never opened), deleted or moved since
-        check_missing(cfg, count, unreadable, gone)
+        # listed with their sizes (never opened), deleted or moved since: a sample of them is checked
+        gone, checked = missing_files(entries)
+        check_missing(cfg, count, unreadable, gone, len(entries) / max(checked, 1))
         if not entries:
             named = "; ".join(f"{p}: {why}" for p, why in list(unreadable.items())[:3])
             raise ValueError(
@@ -63,6 +64,7 @@ def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
         for path, why in unreadable.items():
             dataset.leave_out(path, left_out_category(why), why)
         dataset.gone = gone  # kept: each is replaced when loaded, as a file deleted during the run
+        dataset.gone_checked = checked
         return dataset
     from data.dataset import SyntheticDataset
     from data.synthetic import SyntheticVideoDataset, train_combos
@@ -84,36 +86,45 @@ def left_out_category(why: str) -> str:
     return next((name for prefix, name in LEFT_OUT_CATEGORIES if why.startswith(prefix)), "unreadable")
 
 
-def check_missing(cfg, count: int, unreadable: dict, gone: list) -> None:
-    """One rule for a manifest's missing files, whether its lines carry sizes (`gone`: found by a stat)
-    or not (`unreadable`: probed, FileNotFoundError): a share above data.max_missing_fraction of the
-    `count` files listed is a wrong path or a disk not mounted, refused on every rank before any process
-    group, with every file listed in the run's data report (written by rank 0)."""
+def check_missing(cfg, count: int, unreadable: dict, gone: list, scale: float = 1.0) -> None:
+    """One rule for a manifest's missing files, whether its lines carry sizes (`gone`: found by a stat of
+    a sample of them, which stands for `scale` times as many) or not (`unreadable`: probed,
+    FileNotFoundError): a share above data.max_missing_fraction of the `count` files listed is a wrong path
+    or a disk not mounted, refused on every rank before any process group, with the files found listed in
+    the run's data report (written by rank 0, unless another run trains in the directory)."""
     limit, manifest = cfg.data.max_missing_fraction, cfg.data.manifest
     if not 0.0 <= limit <= 1.0:
         raise ValueError(f"data.max_missing_fraction must be between 0 and 1, got {limit}")
-    missing = [path for path, why in unreadable.items() if left_out_category(why) == "missing"] + gone
-    if not count or len(missing) / count <= limit:
+    probed = [path for path, why in unreadable.items() if left_out_category(why) == "missing"]
+    missing = probed + gone
+    share = (len(probed) + scale * len(gone)) / count if count else 0.0
+    if share <= limit:
         return
     report = write_refusal_report(cfg.run.output_dir, unreadable, gone)
+    where = f"listed in {report}" if report else "not listed: another run trains in run.output_dir"
     named = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+    about = "about " if scale > 1 else ""  # lines with sizes: a sample was checked
     raise ValueError(
-        f"data.manifest='{manifest}': {len(missing)} of its {count} files ({len(missing) / count:.2%}) are "
-        f"missing, more than data.max_missing_fraction={limit:g} allows ({named}; every file left out is "
-        f"listed in {report}). A path relative to the manifest's folder that no longer leads there, or a "
-        f"disk not mounted? Fix the paths, or raise data.max_missing_fraction to train on the rest"
+        f"data.manifest='{manifest}': {about}{round(share * count)} of its {count} files ({share:.2%}) are "
+        f"missing, more than data.max_missing_fraction={limit:g} allows ({named}; the files found are "
+        f"{where}). A path relative to the manifest's folder that no longer leads there, or a disk not "
+        f"mounted? Fix the paths, or raise data.max_missing_fraction to train on the rest"
     )
 
 
-def write_refusal_report(output_dir, unreadable: dict, gone: list) -> Path:
+def write_refusal_report(output_dir, unreadable: dict, gone: list) -> Path | None:
     """data_report.jsonl as a start writes it (configs/rundir.py), for a start refused over its data: the
     files left out (missing first), then the files earlier processes of the run replaced (every one, the
-    ranks' files merged into it). Only rank 0 writes; every rank names the file."""
+    ranks' files merged into it). Only rank 0 writes; every rank names the file. None: not written, since
+    a live run holds the directory (this start has not taken its lock, and must not write there)."""
     from configs.rundir import read_data_report
+    from configs.runlock import live_holder
     from parallel.runtime import world_from_env
 
     folder = Path(output_dir)
     report = folder / "data_report.jsonl"
+    if live_holder(folder) is not None:
+        return None
     if world_from_env()[0] != 0:
         return report
     left = [(path, left_out_category(why), why) for path, why in unreadable.items()]

@@ -41,6 +41,7 @@ from parallel.checkpoint_files import (
     _step_of,
     _write_durably,
     checkpoint_dir,
+    newest_in_range,
     read_metadata,
     read_trainer_state,
     untrusted,
@@ -222,19 +223,6 @@ class _SafePlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:
             self.state_dict[fqn] = loaded
-
-
-def newest_in_range(complete: list) -> Path | None:
-    """The newest of `complete` (step folders, oldest first) saved with its loss and weights in range (its
-    trainer state's `health`, parallel/divergence.py; one without the record counts as in range): kept by
-    the rotation however many out-of-range saves follow it."""
-    for path in reversed(complete):
-        try:
-            if (read_trainer_state(path).get("health") or {}).get("in_range", True):
-                return path
-        except CheckpointError:  # damaged: no use to anyone
-            continue
-    return None
 
 
 def _load(state: dict, path: Path, group=None) -> None:

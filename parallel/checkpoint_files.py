@@ -314,6 +314,11 @@ def read_metadata(path, file=None):
             f"checkpoint {path}: its {file.name} holds a {type(metadata).__name__}, not DCP's metadata; "
             f"it is not a tessera checkpoint: {_fallback_hint(path)}"
         )
+    for info in (metadata.storage_data or {}).values():  # the files it points into: inside the folder
+        relative = str(getattr(info, "relative_path", ""))
+        if Path(relative).is_absolute() or ".." in Path(relative).parts or not relative:
+            outside = f"a file outside the checkpoint ({relative!r})"
+            raise UnsafeCheckpoint(untrusted(path, file.name, outside))
     return metadata
 
 
@@ -398,3 +403,16 @@ def read_trainer_state(path) -> dict:
         raise CheckpointError(
             f"{trainer_file} cannot be read ({type(e).__name__}: {e}); {_fallback_hint(path)}"
         ) from e
+
+
+def newest_in_range(complete: list) -> Path | None:
+    """The newest of `complete` (step folders, oldest first) saved with its loss and weights in range (its
+    trainer state's `health`, parallel/divergence.py; one without the record counts as in range): kept by
+    the rotation however many out-of-range saves follow it."""
+    for path in reversed(complete):
+        try:
+            if (read_trainer_state(path).get("health") or {}).get("in_range", True):
+                return path
+        except CheckpointError:  # damaged: no use to anyone
+            continue
+    return None

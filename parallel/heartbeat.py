@@ -85,10 +85,12 @@ class HeartbeatChannel:
         if not frozen and absent and getattr(self, "phase", None) == "rendezvous":
             # waiting for ranks that never sent a heartbeat when torchrun stopped this one: torchrun does that
             # when a rank exits, so one of them died (or failed) before its start-up got that far
+            which = f"rank {absent[0]}" if len(absent) == 1 else f"ranks {', '.join(map(str, absent))}"
+            one = "it" if len(absent) == 1 else "one of them"
             return (
-                f"rank {absent[0]} never reached start-up (no heartbeat on the store) and torchrun then "
-                f"stopped the other ranks: rank {absent[0]} most likely died or failed while starting "
-                "(killed, out of memory; its own output says why if it printed anything)"
+                f"{which} never reached start-up (no heartbeat on the store) and torchrun then stopped the "
+                f"other ranks: {one} most likely died or failed while starting (killed, out of memory; its "
+                "own output says why if it printed anything)"
             )
         if not frozen:
             return None

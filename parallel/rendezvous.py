@@ -11,6 +11,7 @@ import time
 import torch.distributed as dist
 
 from configs.runlock import RunDirectoryInUse, RunLock
+from parallel.preemption import Terminated
 from parallel.watchdog import Watchdog
 
 
@@ -58,11 +59,14 @@ def rendezvous(monitor: Watchdog, run_dir, timeout_s: float, injected, session) 
         store = connect_store(world_size, max(5.0, timeout_s))  # the main thread's own client
         if rank == 0:
             store.set("rendezvous/refusal", refusal)
+        store.set(f"rendezvous/arrived/{rank}", "1")  # who, for the message if some rank never comes
         store.add("rendezvous/arrived", 1)
         deadline = time.monotonic() + timeout_s
         while store.add("rendezvous/arrived", 0) < world_size:
             if time.monotonic() > deadline:
                 raise StartupError(_missing_ranks(store, world_size, timeout_s))
+            if session is not None and session.stop.signum:  # no refusal of this rank's own is coming:
+                raise Terminated(session.stop.signum)  # say at once who is missing (torchrun: a rank died)
             time.sleep(0.05)
         refusal = store.get("rendezvous/refusal").decode()
         monitor.mark("process group")
@@ -73,10 +77,18 @@ def rendezvous(monitor: Watchdog, run_dir, timeout_s: float, injected, session) 
 
 
 def _missing_ranks(store, world_size: int, timeout_s: float) -> str:
-    silent = [r for r in range(world_size) if not store.check([f"hb/{r}"])]
-    which = f"rank(s) {', '.join(map(str, silent))}" if silent else "some ranks"
+    """Which ranks did not arrive, and whether they ever started (a heartbeat) or are busy before it."""
+    late = [r for r in range(world_size) if not store.check([f"rendezvous/arrived/{r}"])]
+    silent = [r for r in late if not store.check([f"hb/{r}"])]
+    busy = [r for r in late if r not in silent]
+    parts = []
+    if silent:
+        ranks = ", ".join(map(str, silent))
+        parts.append(f"rank(s) {ranks} never sent a heartbeat (still importing or reading data, or gone)")
+    if busy:
+        ranks = ", ".join(map(str, busy))
+        parts.append(f"rank(s) {ranks} started, did not arrive (rank 0 may be watching run.lock's heartbeat)")
     return (
-        f"{which} did not reach start-up within parallel.preflight_timeout_s ({timeout_s:.0f} s) of this rank"
-        + (" and never sent a heartbeat (still importing or reading data, or gone)" if silent else "")
-        + ": raise parallel.preflight_timeout_s if their start-up is that slow, else see their output"
+        f"{'; '.join(parts) or 'some ranks did not arrive'}, within parallel.preflight_timeout_s "
+        f"({timeout_s:.0f} s) of this rank: raise it if their start-up is that slow, else see their output"
     )

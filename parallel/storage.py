@@ -13,7 +13,13 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from parallel import comm
-from parallel.checkpoint_files import CheckpointError, _is_complete, _step_of, find_latest_quietly
+from parallel.checkpoint_files import (
+    CheckpointError,
+    _is_complete,
+    _step_of,
+    find_latest_quietly,
+    newest_in_range,
+)
 
 
 class NonFiniteWeights(CheckpointError):
@@ -67,10 +73,14 @@ def check_before_save(runtime, state: dict, root: Path, step: int, keep: int) ->
     latest = find_latest_quietly(root)
     if any(bad):
         which = ", ".join(f"{n} {name} tensor{'s' * (n > 1)}" for n, name in zip(bad, sections) if n)
-        raise NonFiniteWeights(
-            f"refusing to save step {step}: NaN or inf in {which}; nothing was written, and "
-            f"the last good checkpoint is {latest or 'none (no checkpoint was written yet)'}"
+        what = f"refusing to save step {step}: NaN or inf in {which}; nothing was written"
+        complete = sorted((p for p in root.glob("step_*") if _is_complete(p)), key=_step_of)
+        good = newest_in_range(complete)  # saved with its loss and weights in range (parallel/divergence.py)
+        error = NonFiniteWeights(
+            f"{what}, and the last good checkpoint is {good or 'none (no checkpoint was written yet)'}"
         )
+        error.what = what  # train.py words the advice itself
+        raise error
     if free < needed + _margin(needed):
         fix = _space_fix(root, keep)
         raise StorageError(
@@ -99,7 +109,8 @@ def _space_fix(root: Path, keep: int | None) -> str:
     when there are any: only then would a lower train.keep_checkpoints help (a first save has none)."""
     latest = find_latest_quietly(root)
     complete = sorted((p for p in root.glob("step_*") if _is_complete(p)), key=_step_of)
-    older = [p.name for p in complete[:-1] if p != latest]
+    good = newest_in_range(complete)  # what a divergence's advice would name: never suggested for removal
+    older = [p.name for p in complete[:-1] if p not in (latest, good)]
     if not older:
         return "free space there"
     fix = f"free space there, e.g. by removing older checkpoints a resume does not need ({', '.join(older)})"

@@ -70,6 +70,7 @@ def _runtime(layout):
         device=torch.device("cpu"),
         sampling=sampling_groups(layout, rank, timeout, sequence),
         faults=Faults(rank),
+        control_group=None,  # the finiteness check's group: random weights are never checked
     )
 
 

@@ -7,8 +7,8 @@ guided velocity of every step, and write per step its mean relative change and n
 
 One process. Calibrate once per model and step count (sample.steps, or --steps); the prompts default to
 sample.prompts, each with --seeds seeds. The sampling size is the recipe's (sample.*, else data.*). The
-file records what it was made for (architecture, weights, guidance, schedule, steps): infer.py refuses it
-for any other.
+file records what it was made for (architecture, weights, --lora files, guidance, schedule, steps):
+infer.py refuses it for any other.
 """
 
 import argparse
@@ -28,13 +28,13 @@ from parallel.layout import ParallelLayout  # noqa: E402
 from parallel.runtime import init_runtime  # noqa: E402
 
 
-def load_model(cfg, checkpoint, session=None, random_weights: bool = False):
-    """(model, vae, text_encoder) on one process, as infer.py loads them."""
+def load_model(cfg, checkpoint, session=None, random_weights: bool = False, loras=()):
+    """(model, vae, text_encoder) on one process, as infer.py loads them (`loras`: infer.read_loras')."""
     from infer import load_sampler
 
     layout = ParallelLayout.from_config(cfg.parallel, 1, DiT_models[cfg.model.size]["num_heads"], "sample")
     runtime = init_runtime(cfg.parallel, layout, task="sample", session=session)
-    return load_sampler(cfg, runtime, checkpoint, cfg.sample.use_ema, random_weights)[:3]
+    return load_sampler(cfg, runtime, checkpoint, cfg.sample.use_ema, random_weights, loras=loras)[:3]
 
 
 def record_velocities(cfg, components, prompts, seeds: int, steps: int) -> list:
@@ -84,20 +84,24 @@ def main(argv=None, session=None):
     p.add_argument("--prompts", nargs="+", default=None, help="default: sample.prompts")
     p.add_argument("--seeds", type=int, default=2, help="samples per prompt")
     p.add_argument("--random-weights", action="store_true", help="a model with train.seed's random weights")
+    p.add_argument(
+        "--lora", nargs="+", default=[], metavar="FILE[:SCALE]", help="LoRAs merged, as infer.py --lora"
+    )
     args = p.parse_args(args)
     cfg = load_config(args.config, overrides)
     steps = args.steps or cfg.sample.steps
     if steps < 3 or args.seeds < 1:
         raise ValueError(f"--steps must be at least 3 and --seeds at least 1, got {steps} and {args.seeds}")
-    from infer import find_checkpoint
+    from infer import find_checkpoint, read_loras
 
     checkpoint = find_checkpoint(cfg, args.checkpoint, args.random_weights)
+    loras = read_loras(cfg, args.lora)  # a calibration of the weights infer.py --lora will sample
     prompts = args.prompts or list(cfg.sample.prompts)
     # what the table is valid for, as infer.py will describe its own sampling (read before the weights)
     subject = calibration_subject(
-        cfg, checkpoint, cfg.sample.use_ema, args.random_weights, [], cfg.sample.guidance
+        cfg, checkpoint, cfg.sample.use_ema, args.random_weights, args.lora, cfg.sample.guidance
     )
-    components = load_model(cfg, checkpoint, session, args.random_weights)
+    components = load_model(cfg, checkpoint, session, args.random_weights, loras)
     velocities = record_velocities(cfg, components, prompts, args.seeds, steps)
     source = f"{args.config}, checkpoint {checkpoint}, {len(prompts)} prompts x {args.seeds} seeds"
     calibration = Calibration.measure(velocities, source, subject)

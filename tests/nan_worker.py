@@ -1,7 +1,7 @@
 """infer.py under torchrun with one batch poisoned (tests/test_infer_io.py): the Euler steps of the
 sampling numbered TESSERA_TEST_NAN_BATCH (counted from 1, as every rank of a replica counts them: each
-runs every batch) turn the latents to NaN, as a model overflowing would. Every other batch samples as
-infer.py does."""
+runs every batch) turn the latents to NaN, as a model overflowing would (on rank TESSERA_TEST_NAN_RANK
+only, if set). Every other batch samples as infer.py does."""
 
 import os
 import sys
@@ -18,6 +18,7 @@ from models.flow import RectifiedFlow  # noqa: E402
 from parallel.entrypoint import run_as_process  # noqa: E402
 
 POISONED = int(os.environ["TESSERA_TEST_NAN_BATCH"])
+ONLY_RANK = os.environ.get("TESSERA_TEST_NAN_RANK")  # set: only this rank's sampling turns NaN
 sample, euler_step, calls = RectifiedFlow.sample, RectifiedFlow.euler_step, [0]
 
 
@@ -28,7 +29,8 @@ def counted_sample(self, *args, **kwargs):
 
 def poisoned_step(x, v, sigmas, i):
     out = euler_step(x, v, sigmas, i)
-    return out * float("nan") if calls[0] == POISONED else out
+    mine = ONLY_RANK is None or ONLY_RANK == os.environ.get("RANK", "0")
+    return out * float("nan") if calls[0] == POISONED and mine else out
 
 
 RectifiedFlow.sample = counted_sample

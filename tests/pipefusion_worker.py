@@ -170,6 +170,7 @@ def run_case(layout: ParallelLayout, patches=None, warmup=1, cache=None, image=F
         device=torch.device("cpu"),
         sampling=sampling_groups(layout, rank, timeout, sequence),
         faults=Faults.from_env(rank),
+        control_group=None,  # the finiteness check's group: random weights are never checked
     )
     cfg = config(patches, warmup, image)
     model, vae, text_encoder, sampler = load_sampler(

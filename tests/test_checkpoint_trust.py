@@ -152,6 +152,13 @@ def test_a_crafted_metadata_is_refused_before_dcp_reads_it(trained, tmp_path, mo
     (step / ".metadata").write_bytes(pickle.dumps({"storage_data": {}}))  # no class, and no metadata
     with pytest.raises(checkpoint_files.CheckpointError, match="holds a dict, not DCP's metadata"):
         checkpoint_files.read_metadata(step)
+    for outside in ("/etc/passwd", "../../elsewhere.distcp"):  # reads (or a FIFO's wait) outside the folder
+        metadata = checkpoint_files.read_metadata(trained / "checkpoints" / "step_2")  # a fresh copy
+        info = next(iter(metadata.storage_data.values()))
+        info.relative_path = outside
+        (step / ".metadata").write_bytes(pickle.dumps(metadata))
+        with pytest.raises(checkpoint_files.UnsafeCheckpoint, match="a file outside the checkpoint"):
+            checkpoint_files.read_metadata(step)
 
     shutil.rmtree(step)
     shutil.copytree(trained / "checkpoints" / "step_2", step)

@@ -395,3 +395,29 @@ def test_calibration_values_that_no_measurement_gives_are_refused(tmp_path, caps
     assert run_main(infer, argv) == 2
     assert f"error: sample.cache_calibration={bad}: {message}" in capsys.readouterr().err
     assert not list(tmp_path.glob("v*.npy"))
+
+
+def test_a_calibration_of_a_lora_is_accepted_with_that_lora_only(tmp_path, capsys):
+    """calibrate_cache.py --lora measures the weights infer.py --lora samples: that sampling accepts it (it
+    could not before: the calibration always recorded no LoRA), one without the LoRA is refused by name."""
+    from safetensors.torch import save_file
+
+    from configs import load_config
+    from models.lora_formats import export_adapters, model_projections
+    from parallel.components import meta_dit
+
+    projections, linears = model_projections(meta_dit(load_config(TINY)))
+    module = next(name for name in linears if name.startswith("blocks.0."))
+    d_in, d_out = linears[module]
+    generator = torch.Generator().manual_seed(0)
+    A, B = torch.randn(2, d_in, generator=generator), torch.randn(d_out, 2, generator=generator)
+    lora = tmp_path / "lora.safetensors"
+    save_file(export_adapters({module: (A, B, 0.5)}, projections, "diffusers"), str(lora))
+    file = calibrate(tmp_path, "lora", "--random-weights", "--lora", str(lora))
+    base = ["--config", str(TINY), f"run.output_dir={tmp_path / 'run'}", "--output", str(tmp_path / "v.npy")]
+    cached = ["--random-weights", "sample.cache=calibrated", f"sample.cache_calibration={file}"]
+    assert run_main(infer, [*base, *cached, "--lora", str(lora)]) == 0
+    capsys.readouterr()
+    assert run_main(infer, [*base, *cached]) == 2
+    line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("error:"))
+    assert f"loras: {lora}:1 there, none here" in line, line
