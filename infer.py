@@ -53,6 +53,7 @@ from parallel.finite import check_adapters_finite, check_checkpoint_finite
 from parallel.layout import ParallelLayout
 from parallel.lora import base_of_run, checkpoint_adapters, is_tessera_run, lora_of
 from parallel.pipefusion_plan import held_elsewhere, keep_stage
+from parallel.rendezvous import finish_line
 from parallel.runtime import init_runtime, links_are_slow, local_world_size, world_from_env
 from parallel.sampling import ParallelSampler
 from parallel.sequence import apply_sequence_parallel
@@ -475,24 +476,14 @@ def main(argv=None, session=None):
     if mine:
         weights = describe_weights(cfg, args, checkpoint, record, use_ema)
         nonfinite = sample_and_write(cfg, args, runtime, request, mine, *components, weights=weights)
-    # Every rank waits for every other before leaving (gloo, the control timeout): a rank that died or
-    # failed meanwhile is then named by the survivors, not only by torchrun's summary of exit codes.
-    if runtime.world_size > 1:
-        runtime.watchdog.mark("finishing")
-        runtime.fence()
-    if agreed_count(runtime, nonfinite is not None):  # every replica is done: each rank fails alike
+    # Every rank waits for every other before leaving (on the store, with no timeout: a replica without
+    # prompts may wait out the others' sampling): a rank that died or failed meanwhile is then named by the
+    # survivors, not only by torchrun's summary of exit codes; and a NaN video fails every rank alike.
+    if finish_line(runtime.watchdog, nonfinite is not None):
         raise nonfinite or ValueError(
             "a video of another data-parallel replica held NaN or inf and was not written (its ranks' error "
             "line names it and the likely cause); this replica's videos were written"
         )
-
-
-def agreed_count(runtime, mine: bool) -> int:
-    """How many ranks say `mine` (one tiny all-reduce on the gloo control group)."""
-    flag = torch.tensor([int(mine)], dtype=torch.int64)
-    if runtime.world_size > 1:
-        comm.all_reduce(flag, group=runtime.control_group)
-    return int(flag.item())
 
 
 def sample_and_write(

@@ -92,3 +92,20 @@ def _missing_ranks(store, world_size: int, timeout_s: float) -> str:
         f"{'; '.join(parts) or 'some ranks did not arrive'}, within parallel.preflight_timeout_s "
         f"({timeout_s:.0f} s) of this rank: raise it if their start-up is that slow, else see their output"
     )
+
+
+def finish_line(monitor: Watchdog, flagged: bool) -> int:
+    """The last meeting of a run's ranks, on the store: each says whether it is `flagged` (sampling: its
+    videos held NaN); returns how many were. No process-group timeout applies (a replica without prompts
+    may wait out the others' sampling for hours): a rank that dies, stalls or fails meanwhile is named by
+    the watchdog, which ends this one; this rank's own progress is the waiting."""
+    if monitor.world_size == 1:
+        return int(flagged)
+    store = connect_store(monitor.world_size, 60.0)
+    if flagged:
+        store.add("finish/flagged", 1)
+    store.add("finish/arrived", 1)
+    while store.add("finish/arrived", 0) < monitor.world_size:
+        monitor.mark("finishing")
+        time.sleep(0.1)
+    return store.add("finish/flagged", 0)

@@ -238,6 +238,7 @@ SCENARIOS = {
             fault="kill@0:5",
             expect="the rendezvous store at",
             bound_s=SILENCE_S + 5,
+            env={"TORCH_CPP_LOG_LEVEL": "ERROR"},  # for torchrun's agents too, as README's launch line says
         ),
         Scenario(
             "truncated-pretrained",
@@ -485,6 +486,7 @@ def run_scenario(scenario: Scenario, out: Path, timeout: float = 150.0) -> dict:
         "timed_from": "the fault" if fault else "the launch",
         "traceback_before_error": bool(error and traceback_first and traceback_first[0] < error[0]),
         "left_running": launch.leftovers(),
+        "cpp_frames": sum(line.startswith("frame #") for _, _, line in launch.lines),  # C++ stack frames
         "bound_s": scenario.bound_s,
         "expect": scenario.expect,
         "stderr_tail": launch.text()[-6000:],
