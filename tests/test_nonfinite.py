@@ -54,6 +54,7 @@ def test_nan_pretrained_weights_are_named_not_the_learning_rate(tmp_path, capsys
     assert not list(tmp_path.glob("v*.npy")) and checkpoint_files.find_latest(run_dir) is None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_sharded_ranks_agree_on_nan_weights_only_one_of_them_holds(tmp_path):
     """Two data-parallel ranks, each filling its own half of every weight's rows: the NaN is in the last
