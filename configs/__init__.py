@@ -271,6 +271,9 @@ def validate(cfg: DictConfig) -> None:
         )
     if not 0.0 <= cfg.train.text_dropout < 1.0:
         raise ConfigError(f"'train.text_dropout' must be in [0, 1), got {cfg.train.text_dropout}")
+    missing = cfg.data.max_missing_fraction  # checked with the recipe, not once the manifest is read
+    if not 0.0 <= missing <= 1.0:
+        raise ConfigError(f"'data.max_missing_fraction' must be in [0, 1], got {missing}")
     for key in ("model.mlp_ratio", "model.rope_theta", "flow.logit_std"):
         if OmegaConf.select(cfg, key) <= 0:
             raise ConfigError(f"'{key}' must be greater than 0, got {OmegaConf.select(cfg, key)}")

@@ -92,9 +92,7 @@ def check_missing(cfg, count: int, unreadable: dict, gone: list, scale: float = 
     FileNotFoundError): a share above data.max_missing_fraction of the `count` files listed is a wrong path
     or a disk not mounted, refused on every rank before any process group, with the files found listed in
     the run's data report (written by rank 0, unless another run trains in the directory)."""
-    limit, manifest = cfg.data.max_missing_fraction, cfg.data.manifest
-    if not 0.0 <= limit <= 1.0:
-        raise ValueError(f"data.max_missing_fraction must be between 0 and 1, got {limit}")
+    limit, manifest = cfg.data.max_missing_fraction, cfg.data.manifest  # in [0, 1]: configs.validate
     probed = [path for path, why in unreadable.items() if left_out_category(why) == "missing"]
     missing = probed + gone
     share = (len(probed) + scale * len(gone)) / count if count else 0.0

@@ -72,6 +72,8 @@ def test_wrong_type_names_key_and_type(override, key, expected):
         ("train.batch_size=0", "at least 1"),
         ("model.patch_size=[1,2]", "three positive sizes"),
         ("train", "not of the form key=value"),
+        ("data.max_missing_fraction=1.5", r"'data.max_missing_fraction' must be in \[0, 1\], got 1.5"),
+        ("train.loss_limit=0", "'train.loss_limit' must be greater than 0"),
     ],
 )
 def test_bad_values(override, message):
