@@ -249,6 +249,7 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     loader = build_loader(plan.dataset, plan.sampler, cfg.data.num_workers, runtime.faults)
     batches = iter(loader) if runtime.sequence.sp_rank == 0 else None
     run.start_wandb(cfg)
+    run.start_tensorboard(cfg, start_step)
     guard = NonFiniteGuard(tc, device, run.path, runtime.is_main, bf16)
     flow = RectifiedFlow(
         cfg.flow, cfg.model.patch_size, timesteps=expert_timesteps(cfg.model.expert, cfg.sample.boundary)
@@ -484,6 +485,7 @@ def save(runtime, plan: Plan, t: Trainer, done: int, keep: int) -> None:
     except NonFiniteWeights as e:  # weights that overflowed while every gradient norm was finite
         # the advice names the last good checkpoint (the newest saved in range), not merely `latest`
         raise t.guard.diverged(e.what) from None
+    t.run.checkpointed()  # main rank: TensorBoard flushed, report.png drawn
 
 
 def say(line: str) -> None:
@@ -548,7 +550,8 @@ def sample_previews(cfg, runtime, run, model, t: Trainer, step):
     if runtime.is_main:
         for i in range(len(sc.prompts)):
             if i not in bad:
-                write_video(run.samples / f"step_{step}_{i}.mp4", videos[i], fps=sc.fps)
+                write_video(run.preview_path(step, i), videos[i], fps=sc.fps)
+        run.log_previews(step, {i: (p, videos[i]) for i, p in enumerate(sc.prompts) if i not in bad}, sc.fps)
         if bad:  # a warning, not a stop: the checkpoints (the work) are guarded by train.on_nonfinite
             found = "; ".join(f"sample.prompts[{i}] in {where}" for i, where in bad.items())
             say(

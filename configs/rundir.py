@@ -4,19 +4,22 @@ config.yaml        the resolved recipe (an earlier, different one is kept as con
 metrics.jsonl      one JSON object per logged step: step, loss, lr, step_time, samples_per_s, ...; a resume
                    keeps the lines up to its checkpoint (the whole earlier file as metrics.<time>.jsonl)
 checkpoints/       step_<N>/ (torch.distributed.checkpoint) and `latest`
-samples/           preview videos written during training
+samples/           preview videos (step_<N>_<i>.mp4: prompt i at step N), also in wandb and TensorBoard
+report.png         the curves and the newest preview's frames, redrawn at each checkpoint (report.py)
 failures/          per-rank records of recent collectives, written when a run fails
-wandb/             offline wandb logs (sync later with `wandb sync`)
-data_report.jsonl  every file left out at start-up and every file replaced during training, with
-                   the reason; data_report_rank<R>.jsonl: the files rank R (R > 0) replaced
+wandb/             offline wandb logs (`wandb sync` later); tensorboard/: TensorBoard's (logging.tensorboard)
+data_report.jsonl  files left out at start-up or replaced, and why (rank R > 0: data_report_rank<R>.jsonl)
 run.lock           while a run trains: its host, pid and heartbeat (configs/runlock.py)
 """
 
+import contextlib
 import json
 import os
 import time
 import warnings
 from pathlib import Path
+
+import numpy as np
 
 from configs import save_config, to_yaml
 
@@ -28,6 +31,7 @@ class RunDirectory:
         self.samples = self.path / "samples"
         self.failures = self.path / "failures"
         self._wandb = None
+        self._tensorboard = None  # a SummaryWriter
         if is_main:
             self.samples.mkdir(parents=True, exist_ok=True)
 
@@ -62,13 +66,83 @@ class RunDirectory:
         except Exception as e:  # logging must never cost a training run
             warnings.warn(f"wandb could not start ({e}); metrics still go to metrics.jsonl", stacklevel=1)
 
+    def start_tensorboard(self, cfg, start_step: int) -> None:
+        """Event files in tensorboard/ (logging.tensorboard). A resume hides the events logged after its
+        checkpoint (purge_step), as trim_metrics sets their lines aside: they are logged again."""
+        if not (self.is_main and cfg.logging.tensorboard):
+            return
+        with self._quietly("tensorboard"):
+            from torch.utils.tensorboard import SummaryWriter
+
+            purge = start_step + 1 if start_step else None
+            self._tensorboard = SummaryWriter(str(self.path / "tensorboard"), purge_step=purge)
+
     def log_metrics(self, metrics: dict) -> None:
         if not self.is_main:
             return
         with open(self.path / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")  # json writes floats with full (round-trip) precision
         if self._wandb is not None:
-            self._wandb.log(metrics, step=metrics["step"])
+            with self._quietly("wandb"):
+                self._wandb.log(metrics, step=metrics["step"])
+        if self._tensorboard is not None:
+            with self._quietly("tensorboard"):
+                for key, value in metrics.items():
+                    if _number(value) and key != "step":
+                        self._tensorboard.add_scalar(key, value, metrics["step"])
+
+    def preview_path(self, step: int, i: int) -> Path:
+        """The preview of sample.prompts[i] at `step`."""
+        return self.samples / f"step_{step}_{i}.mp4"
+
+    def log_previews(self, step: int, previews: dict, fps: float) -> None:
+        """The previews written at `step`, {prompt index: (prompt, video (T, H, W, 3) in [0, 1])}, as
+        preview/<i>: to wandb its mp4 (wandb.Video of an array needs moviepy), to TensorBoard an animated
+        GIF (add_video's record; it encodes with moviepy, this with PIL). report.png shows them too."""
+        if not self.is_main:
+            return
+        if self._wandb is not None and previews:
+            with self._quietly("wandb"):
+                import wandb
+
+                videos = {
+                    f"preview/{i}": wandb.Video(str(self.preview_path(step, i)), caption=prompt, format="mp4")
+                    for i, (prompt, _) in previews.items()
+                }
+                self._wandb.log(videos, step=step)
+        if self._tensorboard is not None:
+            with self._quietly("tensorboard"):
+                for i, (_, video) in previews.items():  # add_video's own call, with the GIF made here
+                    summary = _video_summary(f"preview/{i}", video, fps)
+                    self._tensorboard._get_file_writer().add_summary(summary, step)
+        self.write_report()
+
+    def checkpointed(self) -> None:
+        """After a checkpoint is safely written: TensorBoard's events reach the disk; report.png is drawn."""
+        if not self.is_main:
+            return
+        if self._tensorboard is not None:
+            with self._quietly("tensorboard"):
+                self._tensorboard.flush()
+        self.write_report()
+
+    def write_report(self) -> None:
+        try:
+            from configs.report import write_report
+
+            write_report(self.path)
+        except Exception as e:  # a picture must never cost a training run
+            warnings.warn(f"report.png could not be drawn ({e}); the run goes on", stacklevel=2)
+
+    @contextlib.contextmanager
+    def _quietly(self, logger: str):
+        """Logging must never cost a training run: if it fails, warn and go on without that logger (one
+        warning, not one a step); metrics.jsonl, the record, goes on."""
+        try:
+            yield
+        except Exception as e:
+            warnings.warn(f"{logger} failed ({e}); it logs nothing more, metrics.jsonl goes on", stacklevel=3)
+            setattr(self, f"_{logger}", None)
 
     @property
     def data_report(self) -> Path:
@@ -136,6 +210,36 @@ class RunDirectory:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+        if self._tensorboard is not None:
+            with self._quietly("tensorboard"):
+                self._tensorboard.close()
+            self._tensorboard = None
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _video_summary(tag: str, video, fps: float, longest: int = 320):
+    """The Summary that SummaryWriter.add_video writes: an animated GIF in an Image value (TensorBoard
+    plays it as a video). Tiny previews are enlarged (nearest neighbour), large ones shrunk to `longest`."""
+    import io
+
+    from PIL import Image
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    frames = (np.clip(np.asarray(video, dtype=np.float32), 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
+    h, w = frames.shape[1:3]
+    scale = longest / max(h, w)
+    scale = max(1, int(scale)) if scale >= 1 else scale  # whole pixels up, smooth down
+    size = (max(1, round(w * scale)), max(1, round(h * scale)))
+    resample = Image.NEAREST if scale >= 1 else Image.BOX
+    images = [Image.fromarray(f).resize(size, resample) for f in frames]
+    buffer = io.BytesIO()
+    duration = max(20, round(1000 / fps))  # GIF delays are in 10 ms; browsers slow shorter ones down
+    images[0].save(buffer, format="GIF", save_all=True, append_images=images[1:], duration=duration, loop=0)
+    image = Summary.Image(height=size[1], width=size[0], colorspace=3, encoded_image_string=buffer.getvalue())
+    return Summary(value=[Summary.Value(tag=tag, image=image)])
 
 
 def _stable_id(path: Path) -> str:

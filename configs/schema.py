@@ -268,6 +268,8 @@ class LoggingConfig:
     wandb: bool = True
     wandb_mode: str = "offline"  # offline | online | disabled
     wandb_project: str = "tessera"
+    # TensorBoard event files in <run>/tensorboard (metrics and previews); pip install -e ".[tensorboard]"
+    tensorboard: bool = False
 
 
 @dataclass

@@ -153,37 +153,30 @@ COLOURS = {"calibrated": "steelblue", "first_block": "darkorange"}
 
 def plot(rows, path, steps, max_skips):
     """Fewer blocks run (x) against PSNR (y), one labelled point per threshold and a line per method, drawn
-    with PIL (no matplotlib here)."""
+    with PIL (configs/plot.py: no matplotlib here)."""
     from PIL import Image, ImageDraw
+
+    from configs.plot import Axes
 
     width, height, margin = 560, 380, 60
     finite = [r for r in rows if np.isfinite(r["psnr"])]
     xs, ys = [r["block_ratio"] for r in finite], [r["psnr"] for r in finite]
-    x0, x1 = 1.0, max(xs) * 1.1
-    y0, y1 = min(ys) - 2, max(ys) + 2
-    at = lambda x, y: (  # noqa: E731
-        margin + (x - x0) / (x1 - x0) * (width - 2 * margin),
-        height - margin - (y - y0) / (y1 - y0) * (height - 2 * margin),
-    )
     image = Image.new("RGB", (width, height), "white")
-    draw = ImageDraw.Draw(image)
-    draw.line([at(x0, y0), at(x1, y0)], fill="black")
-    draw.line([at(x0, y0), at(x0, y1)], fill="black")
-    for tick in range(int(x0), int(x1) + 1):
-        draw.text(at(tick, y0), f"{tick}x", fill="black")
-    for tick in range(int(y0), int(y1) + 1, 2):
-        draw.text((10, at(x0, tick)[1] - 5), f"{tick} dB", fill="black")
+    box = (margin, margin, width - margin, height - margin)
+    axes = Axes(ImageDraw.Draw(image), box, (1.0, max(xs) * 1.1), (min(ys) - 2, max(ys) + 2))
+    axes.frame()
+    axes.x_ticks(range(int(axes.x0), int(axes.x1) + 1), "{}x")
+    axes.y_ticks(range(int(axes.y0), int(axes.y1) + 1, 2), "{} dB")
     for line, (method, colour) in enumerate(COLOURS.items()):
         mine = [r for r in finite if r["method"] == method]
-        points = [at(r["block_ratio"], r["psnr"]) for r in mine]
-        if len(points) > 1:
-            draw.line(points, fill=colour, width=2)
-        for (px, py), r in zip(points, mine):
-            draw.ellipse([px - 4, py - 4, px + 4, py + 4], fill=colour)
-            draw.text((px + 6, py - 14), f"{r['threshold']:g}", fill="black")
-        draw.text((width - 170, 40 + 14 * line), method, fill=colour)
-    draw.text((margin, 15), f"step cache, demo, {steps} steps, <= {max_skips} skips in a row", fill="black")
-    draw.text((width // 2 - 80, height - 25), "fewer blocks run (x)", fill="black")
+        axes.line([r["block_ratio"] for r in mine], [r["psnr"] for r in mine], colour, width=2)
+        for r in mine:
+            px, py = axes.at(r["block_ratio"], r["psnr"])
+            axes.dot((px, py), colour)
+            axes.text((px + 6, py - 14), f"{r['threshold']:g}")
+        axes.text((width - 170, 40 + 14 * line), method, fill=colour)
+    axes.text((margin, 15), f"step cache, demo, {steps} steps, <= {max_skips} skips in a row")
+    axes.text((width // 2, height - 25), "fewer blocks run (x)", align="centre")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     image.save(path)
 

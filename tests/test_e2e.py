@@ -24,9 +24,10 @@ def losses(run_dir):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """One tiny training run of 6 steps with checkpoints at 3 and 6, wandb offline."""
+    """One tiny training run of 6 steps with checkpoints at 3 and 6, wandb offline and TensorBoard."""
     run_dir = tmp_path_factory.mktemp("straight") / "run"
-    assert run_main(train, ["--config", str(TINY), f"run.output_dir={run_dir}", "logging.wandb=true"]) == 0
+    logging = ["logging.wandb=true", "logging.tensorboard=true"]
+    assert run_main(train, ["--config", str(TINY), f"run.output_dir={run_dir}", *logging]) == 0
     return run_dir
 
 
@@ -43,6 +44,24 @@ def test_run_directory_contract(trained):
     assert not list((trained / "checkpoints").glob(".*.tmp"))
     assert read_video(trained / "samples" / "step_6_0.mp4").shape == (4, 16, 16, 3)
     assert (trained / "wandb").is_dir()
+
+
+def test_previews_and_curves_reach_wandb_tensorboard_and_report_png(trained):
+    """The preview of step 6 in wandb's offline files (the mp4) and in TensorBoard's events (a GIF), beside
+    the scalars; report.png drawn at the checkpoints."""
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (video,) = trained.glob("wandb/offline-run-*/files/media/videos/preview/0_6_*.mp4")
+    assert read_video(video).shape == (4, 16, 16, 3)
+    events = EventAccumulator(str(trained / "tensorboard"), size_guidance={"images": 0, "scalars": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4, 5, 6]
+    assert [e.step for e in events.Scalars("tokens_per_s")] == [1, 2, 3, 4, 5, 6]
+    (preview,) = events.Images("preview/0")
+    assert preview.step == 6 and preview.encoded_image_string.startswith(b"GIF")
+    with Image.open(trained / "report.png") as report:
+        assert report.width >= 800 and report.height >= 400
 
 
 def test_resume_gives_the_same_losses_as_a_straight_run(trained, tmp_path):
