@@ -1,0 +1,46 @@
+"""Qwen-Image's text encoding: Qwen2.5-VL's last hidden state of the prompt in the pipeline's chat
+template, the template's first 34 tokens dropped, padded per batch to the longest prompt (no fixed
+length), exactly as diffusers' QwenImagePipeline.encode_prompt gives it.
+"""
+
+import torch
+
+# The pipeline's template; its first DROP_TOKENS tokens (the system turn, with Qwen's own tokenizer) are
+# dropped from the hidden states, whatever tokenizer is used (diffusers does the same).
+PROMPT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+DROP_TOKENS = 34
+TOKENIZER_MAX_LENGTH = 1024  # the pipeline's; tokens beyond it (after the dropped ones) are cut
+MAX_SEQUENCE_LENGTH = 512  # the pipeline's default max_sequence_length (it accepts at most 1024)
+
+
+@torch.no_grad()
+def encode_prompt(prompts, tokenizer, text_encoder, max_sequence_length: int = MAX_SEQUENCE_LENGTH):
+    """prompts (a str or a list) -> (embeddings (B, L, D) in the encoder's dtype, mask (B, L) bool or
+    None). L is the longest prompt's token count after the drop, at most max_sequence_length; shorter
+    prompts are zero-padded and masked. The mask is None when every token is real, as the pipeline's
+    (the transformer then attends without a mask)."""
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    tokens = tokenizer(
+        [PROMPT_TEMPLATE.format(p) for p in prompts],
+        max_length=TOKENIZER_MAX_LENGTH + DROP_TOKENS,
+        padding=True,
+        truncation=True,
+        return_tensors="pt",
+    )
+    device = next(text_encoder.parameters()).device
+    ids, attention = tokens.input_ids.to(device), tokens.attention_mask.to(device)
+    hidden = text_encoder(input_ids=ids, attention_mask=attention, output_hidden_states=True).hidden_states[
+        -1
+    ]
+    # each prompt's real tokens, wherever the tokenizer put the padding, less the template's head
+    kept = [h[m.bool()][DROP_TOKENS:][:max_sequence_length] for h, m in zip(hidden, attention)]
+    length = max(k.shape[0] for k in kept)
+    embeddings = hidden.new_zeros(len(kept), length, hidden.shape[-1])
+    mask = torch.zeros(len(kept), length, dtype=torch.bool, device=device)
+    for i, k in enumerate(kept):
+        embeddings[i, : k.shape[0]], mask[i, : k.shape[0]] = k, True
+    return embeddings, (None if bool(mask.all()) else mask)

@@ -1,0 +1,354 @@
+"""Qwen-Image's MMDiT (diffusers' QwenImageTransformer2DModel) in tessera's style; single-device code.
+
+Text and image tokens attend jointly in every block, each stream with its own weights. Module names are
+diffusers' except `blocks` (diffusers: `transformer_blocks`; weights.py maps the key), and the arithmetic
+is diffusers' step for step (no float32 upcasts beyond its own), so bf16 runs match diffusers' too.
+Latents (B, C, T, H, W) are packed 2x2 into tokens inside `embed`, as the pipeline packs outside.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.attention import make_attention
+from models.dit import WholeSequence, apply_rope
+
+
+@dataclass
+class QwenImageCond:
+    """What Qwen-Image takes beside latents and timestep: Qwen2.5-VL's last hidden state (text.py)."""
+
+    text: torch.Tensor  # (B, L, text_dim), padded to the batch's longest prompt
+    text_mask: torch.Tensor | None  # (B, L) bool, True on a real token; None: every token is real
+
+
+@dataclass
+class QwenImageContext:
+    """What every block reads besides the image tokens (`QwenImageTransformer.condition`)."""
+
+    temb: torch.Tensor  # (B, D) the time embedding: both streams' and the final layer's modulation input
+    text: torch.Tensor  # (B, L, D) the text stream entering the first block
+    text_mask: torch.Tensor | None  # (B, L) bool, or None
+
+
+def pack_latents(x: torch.Tensor, patch: int = 2) -> torch.Tensor:
+    """(B, C, T, H, W) -> (B, T*h*w, C*p*p) tokens in (t, h, w) order, channels in (c, ph, pw) order: the
+    pipeline's `_pack_latents` (T = 1), generalised to T frames."""
+    B, C, T, H, W = x.shape
+    x = x.view(B, C, T, H // patch, patch, W // patch, patch).permute(0, 2, 3, 5, 1, 4, 6)
+    return x.reshape(B, T * (H // patch) * (W // patch), C * patch * patch)
+
+
+def unpack_latents(tokens: torch.Tensor, grid: tuple[int, int, int], patch: int = 2) -> torch.Tensor:
+    """The inverse of pack_latents: (B, N, C*p*p) on the token grid (t, h, w) -> (B, C, t, h*p, w*p)."""
+    (t, h, w), B = grid, tokens.shape[0]
+    x = tokens.view(B, t, h, w, -1, patch, patch).permute(0, 4, 1, 2, 5, 3, 6)
+    return x.reshape(B, -1, t, h * patch, w * patch)
+
+
+class RMSNorm(nn.Module):
+    """diffusers' RMSNorm: the mean square in float32, the weight applied in the weight's dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.eps)
+        if self.weight.dtype in (torch.float16, torch.bfloat16):
+            x = x.to(self.weight.dtype)
+        return x * self.weight
+
+
+class QwenRope(nn.Module):
+    """Qwen-Image's rotary angles (diffusers' QwenEmbedRope, scale_rope=True). Each of (frame, height,
+    width) rotates its own share of channel pairs (axes_dims, 16/56/56 released); frames count from 0,
+    rows and columns from the grid's centre (-(h - h//2) ... h//2 - 1); text token i sits at
+    max(h//2, w//2) + i on all three axes, after the image. Holds no state."""
+
+    def __init__(self, axes_dims=(16, 56, 56), theta: int = 10000):
+        super().__init__()
+        self.axes_dims, self.theta = tuple(axes_dims), theta
+
+    def _angles(self, positions: torch.Tensor, dim: int) -> torch.Tensor:
+        inv_freq = 1.0 / torch.pow(self.theta, torch.arange(0, dim, 2, dtype=torch.float32).div(dim))
+        return torch.outer(positions.float(), inv_freq)  # (n, dim/2), in diffusers' order of operations
+
+    def forward(self, grid: tuple[int, int, int], text_len: int, device):
+        """-> image angles (t*h*w, Dh/2, 2) in (t, h, w) token order, text angles (L, Dh/2, 2); (cos, sin).
+        Computed on the CPU, as diffusers does, then moved."""
+        t, h, w = grid
+        starts = (0, -(h - h // 2), -(w - w // 2))
+        parts = []
+        for axis, (size, start, dim) in enumerate(zip(grid, starts, self.axes_dims)):
+            angles = self._angles(torch.arange(start, start + size), dim)
+            shape = [1, 1, 1, dim // 2]
+            shape[axis] = size
+            parts.append(angles.view(shape).expand(t, h, w, dim // 2))
+        image = torch.cat(parts, dim=-1).reshape(t * h * w, -1)
+        text_pos = torch.arange(text_len) + max(h // 2, w // 2)
+        text = torch.cat([self._angles(text_pos, dim) for dim in self.axes_dims], dim=-1)
+        polar = lambda a: torch.view_as_real(torch.polar(torch.ones_like(a), a)).to(device)  # noqa: E731
+        return polar(image), polar(text)
+
+
+class JointAttention(nn.Module):
+    """Joint attention of two streams (MMDiT). Single-device contract: image q, k, v (B, H, N_img, Dh) and
+    text q, k, v (B, H, N_txt, Dh), heads in dim 1, and text_mask (B, N_txt) bool (True: attend) or None
+    -> (image output (B, H, N_img, Dh), text output (B, H, N_txt, Dh)). Every query attends to the
+    concatenation [text, image] (diffusers' order) with padded text keys masked out. Under sequence
+    parallelism the image tokens are sharded and each text token must still count once per attention
+    (kind "joint"); parallel/ replaces this operator by assignment."""
+
+    kind = "joint"
+
+    def __init__(self, backend: str = "sdpa"):
+        super().__init__()
+        self.kernel = make_attention(backend)  # (q, k, v, attn_mask) on (B, H, N, Dh)
+
+    def forward(self, q, k, v, text_q, text_k, text_v, text_mask):
+        n_text = text_q.shape[2]
+        mask = None
+        if text_mask is not None:  # image keys are always attended
+            image_mask = text_mask.new_ones(q.shape[0], q.shape[2])
+            mask = torch.cat([text_mask.bool(), image_mask.bool()], dim=1)[:, None, None, :]
+        out = self.kernel(
+            torch.cat([text_q, q], dim=2), torch.cat([text_k, k], dim=2), torch.cat([text_v, v], dim=2), mask
+        )
+        return out[:, :, n_text:], out[:, :, :n_text]
+
+
+class QwenAttention(nn.Module):
+    """Both streams' projections, per-head RMSNorm on queries and keys, RoPE, then the joint operator."""
+
+    def __init__(self, dim: int, num_heads: int, backend: str = "sdpa"):
+        super().__init__()
+        self.num_heads, head_dim = num_heads, dim // num_heads
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim) for _ in range(3))
+        self.add_q_proj, self.add_k_proj, self.add_v_proj = (nn.Linear(dim, dim) for _ in range(3))
+        self.norm_q, self.norm_k = RMSNorm(head_dim), RMSNorm(head_dim)
+        self.norm_added_q, self.norm_added_k = RMSNorm(head_dim), RMSNorm(head_dim)
+        self.to_out = nn.ModuleList([nn.Linear(dim, dim)])  # diffusers' to_out.0 (to_out.1 is a dropout)
+        self.to_add_out = nn.Linear(dim, dim)
+        self.joint_attention = JointAttention(backend)
+
+    def _heads(self, x, norm=None, rope=None):
+        """(B, N, D) -> (B, H, N, Dh), normalised and rotated in the (B, N, H, Dh) layout as diffusers."""
+        x = x.unflatten(-1, (self.num_heads, -1))
+        if norm is not None:
+            x = apply_rope(norm(x), rope[:, None])  # rope (N, 1, Dh/2, 2): the same angle for every head
+        return x.transpose(1, 2)
+
+    def forward(self, x, text, text_mask, rope, text_rope):
+        q = self._heads(self.to_q(x), self.norm_q, rope)  # (B, H, N, Dh)
+        k = self._heads(self.to_k(x), self.norm_k, rope)
+        text_q = self._heads(self.add_q_proj(text), self.norm_added_q, text_rope)  # (B, H, L, Dh)
+        text_k = self._heads(self.add_k_proj(text), self.norm_added_k, text_rope)
+        x, text = self.joint_attention(
+            q, k, self._heads(self.to_v(x)), text_q, text_k, self._heads(self.add_v_proj(text)), text_mask
+        )
+        x, text = x.transpose(1, 2).flatten(2).to(q.dtype), text.transpose(1, 2).flatten(2).to(q.dtype)
+        return self.to_out[0](x), self.to_add_out(text)  # (B, N, D), (B, L, D)
+
+
+class GELUProjection(nn.Module):
+    def __init__(self, dim_in: int, dim_out: int):
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out)
+
+    def forward(self, x):
+        return F.gelu(self.proj(x), approximate="tanh")
+
+
+class FeedForward(nn.Module):
+    """diffusers' FeedForward (gelu-approximate, 4x): net.0.proj, net.1 (its dropout), net.2."""
+
+    def __init__(self, dim: int, mult: int = 4):
+        super().__init__()
+        self.net = nn.Sequential(GELUProjection(dim, dim * mult), nn.Identity(), nn.Linear(dim * mult, dim))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def modulate(x, params):
+    """x * (1 + scale) + shift and the gate, from one stream's (B, 3D) slice (shift, scale, gate)."""
+    shift, scale, gate = params.chunk(3, dim=-1)
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1), gate.unsqueeze(1)
+
+
+class QwenImageBlock(nn.Module):
+    """One dual-stream block: each stream modulated by the time embedding, joint attention, then each
+    stream's own MLP, with gated residuals."""
+
+    def __init__(self, dim: int, num_heads: int, backend: str = "sdpa"):
+        super().__init__()
+        norm = lambda: nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)  # noqa: E731
+        self.img_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.img_norm1, self.img_norm2 = norm(), norm()
+        self.attn = QwenAttention(dim, num_heads, backend)
+        self.img_mlp = FeedForward(dim)
+        self.txt_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.txt_norm1, self.txt_norm2 = norm(), norm()
+        self.txt_mlp = FeedForward(dim)
+
+    def forward(self, x, text, text_mask, temb, rope, text_rope):
+        """x (B, N, D) image tokens (this rank's), text (B, L, D), text_mask (B, L) or None, temb (B, D),
+        rope (N, Dh/2, 2), text_rope (L, Dh/2, 2) -> (x, text), both updated."""
+        img_mod1, img_mod2 = self.img_mod(temb).chunk(2, dim=-1)  # (B, 3D) each
+        txt_mod1, txt_mod2 = self.txt_mod(temb).chunk(2, dim=-1)
+        img_in, img_gate1 = modulate(self.img_norm1(x), img_mod1)
+        txt_in, txt_gate1 = modulate(self.txt_norm1(text), txt_mod1)
+        img_attn, txt_attn = self.attn(img_in, txt_in, text_mask, rope, text_rope)
+        x = x + img_gate1 * img_attn
+        text = text + txt_gate1 * txt_attn
+        img_in, img_gate2 = modulate(self.img_norm2(x), img_mod2)
+        x = x + img_gate2 * self.img_mlp(img_in)
+        txt_in, txt_gate2 = modulate(self.txt_norm2(text), txt_mod2)
+        text = text + txt_gate2 * self.txt_mlp(txt_in)
+        if x.dtype == torch.float16:  # diffusers clips both streams in float16
+            x, text = x.clip(-65504, 65504), text.clip(-65504, 65504)
+        return x, text
+
+
+class TimestepMLP(nn.Module):
+    def __init__(self, in_dim: int, dim: int):
+        super().__init__()
+        self.linear_1, self.act, self.linear_2 = nn.Linear(in_dim, dim), nn.SiLU(), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+class TimestepEmbedding(nn.Module):
+    """Timestep t in [0, 1] -> 256 sinusoidal features of 1000 t (cos first), in float32 -> MLP (B, D) in
+    `dtype`, as diffusers' QwenTimestepProjEmbeddings."""
+
+    def __init__(self, dim: int, frequency_size: int = 256):
+        super().__init__()
+        self.frequency_size = frequency_size
+        self.timestep_embedder = TimestepMLP(frequency_size, dim)
+
+    def forward(self, t, dtype):
+        half = self.frequency_size // 2
+        exponent = -math.log(10000) * torch.arange(half, dtype=torch.float32, device=t.device) / half
+        args = 1000 * (t[:, None].float() * torch.exp(exponent)[None])
+        features = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+        return self.timestep_embedder(features.to(dtype))
+
+
+class AdaNormOut(nn.Module):
+    """diffusers' AdaLayerNormContinuous as Qwen-Image uses it: LayerNorm without affine, then scale and
+    shift (in that order) from SiLU(temb)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.silu = nn.SiLU()
+        self.linear = nn.Linear(dim, 2 * dim)
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+
+    def forward(self, x, temb):
+        scale, shift = self.linear(self.silu(temb).to(x.dtype)).chunk(2, dim=1)
+        return self.norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]
+
+
+class QwenImageTransformer(nn.Module):
+    """Qwen-Image's transformer. in_channels / out_channels are the latent's channels (16 released; the
+    diffusers config's in_channels counts the packed 2x2 patch, 64); hidden_size = heads x head dim."""
+
+    def __init__(
+        self,
+        in_channels: int = 16,
+        out_channels: int | None = None,
+        depth: int = 60,
+        hidden_size: int = 3072,
+        num_heads: int = 24,
+        text_dim: int = 3584,
+        patch_size: int = 2,
+        axes_dims_rope=(16, 56, 56),
+        attention_backend: str = "sdpa",
+    ):
+        super().__init__()
+        if hidden_size % num_heads or sum(axes_dims_rope) != hidden_size // num_heads:
+            raise ValueError(
+                f"hidden_size {hidden_size} must be num_heads {num_heads} x a head dim equal to the sum of "
+                f"axes_dims_rope {list(axes_dims_rope)}"
+            )
+        self.in_channels, self.out_channels = in_channels, out_channels or in_channels
+        self.patch_size = patch_size
+        self._architecture = dict(
+            in_channels=in_channels,
+            out_channels=self.out_channels,
+            depth=depth,
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            text_dim=text_dim,
+            patch_size=patch_size,
+            axes_dims_rope=tuple(axes_dims_rope),
+        )
+        self.img_in = nn.Linear(in_channels * patch_size**2, hidden_size)
+        self.txt_norm = RMSNorm(text_dim, eps=1e-6)
+        self.txt_in = nn.Linear(text_dim, hidden_size)
+        self.time_text_embed = TimestepEmbedding(hidden_size)
+        self.pos_embed = QwenRope(axes_dims_rope)
+        self.sequence = WholeSequence()  # parallel/ assigns a sequence-parallel replacement
+        self.blocks = nn.ModuleList(
+            [QwenImageBlock(hidden_size, num_heads, attention_backend) for _ in range(depth)]
+        )
+        self.norm_out = AdaNormOut(hidden_size)
+        self.proj_out = nn.Linear(hidden_size, patch_size**2 * self.out_channels)
+
+    def architecture(self) -> dict:
+        """The keyword arguments it was built with, less the attention backend (weights.py turns them into
+        a diffusers config)."""
+        return dict(self._architecture)
+
+    def forward(self, x, t, cond: QwenImageCond):
+        """x: (B, C, T, H, W) latents (normalised: sampling.py); t: (B,) sigma in [0, 1]; cond: the text
+        -> the velocity (B, C_out, T, H, W)."""
+        tokens, grid = self.embed(x)  # (B, N, D)
+        ctx = self.condition(t, cond)
+        rope, text_rope = self.pos_embed(grid, ctx.text.shape[1], tokens.device)  # (N, Dh/2, 2), (L, Dh/2, 2)
+        tokens, rope = self.sequence.shard(tokens, rope)  # (B, N_local, D); the identity on one device
+        text = ctx.text  # (B, L, D): whole on every rank
+        for block in self.blocks:
+            tokens, text = block(tokens, text, ctx.text_mask, ctx.temb, rope, text_rope)
+        tokens = self.sequence.gather(tokens)  # (B, N, D)
+        return self.unpatchify(self.final_layer(tokens, ctx.temb), grid)  # (B, C_out, T, H, W)
+
+    # The pieces of `forward`, for sequence parallelism and PipeFusion to call one by one.
+
+    def embed(self, x):
+        """Latents (B, C, T, H, W) -> tokens (B, N, D) in (t, h, w) order, and the token grid (t, h, w)."""
+        B, C, T, H, W = x.shape
+        p = self.patch_size
+        if C != self.in_channels or H % p or W % p:
+            raise ValueError(
+                f"Qwen-Image takes latents of {self.in_channels} channels with height and width divisible "
+                f"by {p}; got (B, C, T, H, W) = {tuple(x.shape)}"
+            )
+        tokens = self.img_in(pack_latents(x.to(self.img_in.weight.dtype), p))
+        return tokens, (T, H // p, W // p)
+
+    def condition(self, t, cond: QwenImageCond) -> QwenImageContext:
+        """The time embedding and the text stream's input: needs no block, so every PipeFusion stage can
+        compute it. The pipeline hands the model (1000 sigma rounded to the latents' dtype) / 1000 in that
+        dtype: the same rounding here keeps bf16 runs equal to diffusers'."""
+        dtype = self.img_in.weight.dtype
+        timestep = (t.float() * 1000).to(dtype) / 1000
+        temb = self.time_text_embed(timestep, dtype)  # (B, D)
+        text = self.txt_in(self.txt_norm(cond.text.to(dtype)))  # (B, L, D)
+        mask = None if cond.text_mask is None else cond.text_mask.bool()
+        return QwenImageContext(temb, text, mask)
+
+    def final_layer(self, tokens, temb):
+        """(B, N, D) -> (B, N, p*p*C_out): the modulated norm, then the projection."""
+        return self.proj_out(self.norm_out(tokens, temb))
+
+    def unpatchify(self, tokens, grid):
+        return unpack_latents(tokens, grid, self.patch_size)

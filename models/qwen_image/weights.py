@@ -1,0 +1,145 @@
+"""Qwen-Image's folders and weight names. A diffusers folder is recognised by its `_class_name`s; the
+transformer is built from its config.json at any depth and width. Key maps: diffusers <-> tessera
+(`transformer_blocks.` <-> `blocks.`, everything else identical) and the original single-file release
+<-> diffusers (the same names, maybe prefixed with `model.diffusion_model.`).
+"""
+
+import json
+import re
+from pathlib import Path
+
+from models.qwen_image.transformer import QwenImageTransformer
+
+PIPELINE_CLASS = "QwenImagePipeline"
+TRANSFORMER_CLASS = "QwenImageTransformer2DModel"
+# diffusers options of later variants (Edit 2511, Layered, guidance-distilled) this transformer lacks
+_UNSUPPORTED = dict(
+    guidance_embeds=False, zero_cond_t=False, use_additional_t_cond=False, use_layer3d_rope=False
+)
+# ComfyUI's checkpoint saves prefix the transformer's keys; its split files and Qwen's release do not.
+ORIGINAL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+# scaled-fp8 single files carry per-layer scales: they need dequantising, not renaming
+_QUANTIZED = re.compile(r"(^|\.)(scaled_fp8|scale_weight|scale_input|weight_scale|input_scale|comfy_quant)$")
+
+
+class QwenImageFormatError(ValueError):
+    """A folder, config or state dict that is not a Qwen-Image transformer this module can read."""
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def is_qwen_image(folder) -> bool:
+    """Whether `folder` is a diffusers Qwen-Image folder: a pipeline (model_index.json names
+    QwenImagePipeline), or a transformer folder, or a pipeline's transformer/ (config.json names
+    QwenImageTransformer2DModel)."""
+    folder = Path(folder)
+    index = _read_json(folder / "model_index.json") or {}
+    if index.get("_class_name") == PIPELINE_CLASS:
+        return True
+    for config in (folder / "config.json", folder / "transformer" / "config.json"):
+        if (_read_json(config) or {}).get("_class_name") == TRANSFORMER_CLASS:
+            return True
+    return False
+
+
+def transformer_kwargs_from_diffusers_config(config: dict) -> dict:
+    """QwenImageTransformer(...) keyword arguments from a QwenImageTransformer2DModel config.json."""
+    wrong = [f"{k}={config[k]!r}" for k, v in _UNSUPPORTED.items() if config.get(k, v) != v]
+    if wrong:
+        raise QwenImageFormatError(
+            f"Qwen-Image config {', '.join(wrong)} is not supported (text-to-image only)"
+        )
+    patch = config.get("patch_size", 2)
+    in_channels = config.get("in_channels", 64)
+    if in_channels % (patch * patch):
+        raise QwenImageFormatError(
+            f"in_channels {in_channels} is not a whole number of {patch}x{patch} patches"
+        )
+    heads, head_dim = config.get("num_attention_heads", 24), config.get("attention_head_dim", 128)
+    return dict(
+        in_channels=in_channels // (patch * patch),  # diffusers counts the packed patch's channels
+        out_channels=config.get("out_channels", 16) or in_channels,  # diffusers: None means in_channels
+        depth=config.get("num_layers", 60),
+        hidden_size=heads * head_dim,
+        num_heads=heads,
+        text_dim=config.get("joint_attention_dim", 3584),
+        patch_size=patch,
+        axes_dims_rope=tuple(config.get("axes_dims_rope", (16, 56, 56))),
+    )
+
+
+def diffusers_config_from_kwargs(kwargs: dict) -> dict:
+    """The QwenImageTransformer2DModel config of a QwenImageTransformer built with `kwargs`."""
+    patch, heads = kwargs["patch_size"], kwargs["num_heads"]
+    return dict(
+        _class_name=TRANSFORMER_CLASS,
+        patch_size=patch,
+        in_channels=kwargs["in_channels"] * patch * patch,
+        out_channels=kwargs["out_channels"],
+        num_layers=kwargs["depth"],
+        attention_head_dim=kwargs["hidden_size"] // heads,
+        num_attention_heads=heads,
+        joint_attention_dim=kwargs["text_dim"],
+        axes_dims_rope=list(kwargs["axes_dims_rope"]),
+        **_UNSUPPORTED,
+    )
+
+
+def build_transformer(config: dict, attention_backend: str = "sdpa") -> QwenImageTransformer:
+    """The tessera module for a diffusers transformer config dict (or a folder holding config.json)."""
+    if not isinstance(config, dict):
+        folder = Path(config)
+        folder = folder / "transformer" if (folder / "transformer" / "config.json").is_file() else folder
+        config = _read_json(folder / "config.json")
+        if config is None:
+            raise QwenImageFormatError(f"{folder}: no readable config.json")
+    if config.get("_class_name", TRANSFORMER_CLASS) != TRANSFORMER_CLASS:
+        raise QwenImageFormatError(f"config describes a {config['_class_name']}, not a {TRANSFORMER_CLASS}")
+    return QwenImageTransformer(
+        **transformer_kwargs_from_diffusers_config(config), attention_backend=attention_backend
+    )
+
+
+def tessera_key(diffusers_key: str) -> str:
+    return re.sub(r"^transformer_blocks\.", "blocks.", diffusers_key)
+
+
+def diffusers_key(tessera_key: str) -> str:
+    return re.sub(r"^blocks\.", "transformer_blocks.", tessera_key)
+
+
+def tessera_state_dict_from_diffusers(state_dict: dict) -> dict:
+    """A QwenImageTransformer2DModel state dict under tessera's names (tensors are not copied)."""
+    return {tessera_key(k): v for k, v in state_dict.items()}
+
+
+def diffusers_state_dict_from_tessera(state_dict: dict) -> dict:
+    return {diffusers_key(k): v for k, v in state_dict.items()}
+
+
+def diffusers_state_dict_from_original(state_dict: dict) -> dict:
+    """A single-file Qwen-Image transformer (Qwen's / ComfyUI's; what diffusers' from_single_file reads
+    with an identity map) -> diffusers names: the `model.diffusion_model.` prefix, if any, removed."""
+    quantized = sorted(k for k in state_dict if _QUANTIZED.search(k))
+    if quantized:
+        raise QwenImageFormatError(
+            f"a scaled-fp8 single file ({quantized[0]}, ...): dequantise it first, or use the bf16 file"
+        )
+    out = {}
+    for key, value in state_dict.items():
+        name = next((key[len(p) :] for p in ORIGINAL_PREFIXES if key.startswith(p)), key)
+        if name in out:
+            raise QwenImageFormatError(f"'{key}' and another key both name '{name}'")
+        out[name] = value
+    return out
+
+
+def original_state_dict_from_diffusers(state_dict: dict, prefix: str = "") -> dict:
+    """diffusers names -> a single file's: the same names, with ComfyUI's checkpoint prefix if asked
+    (prefix="model.diffusion_model."); the default writes the split-file layout ComfyUI's UNETLoader reads."""
+    return {prefix + k: v for k, v in state_dict.items()}
