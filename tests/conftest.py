@@ -10,6 +10,10 @@ TINY = ROOT / "tests" / "tiny.yaml"
 sys.path.insert(0, str(ROOT))  # train.py and infer.py live at the root
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # scripts/test.sh runs two workers on a 2-core machine: one
+    import torch  # thread each, or their intra-op threads contend (tiny models gain nothing from two)
+
+    torch.set_num_threads(1)
 
 
 def torchrun(nproc: int, script: str, *args: str, timeout: float = 240, env: dict | None = None):

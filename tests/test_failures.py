@@ -24,7 +24,11 @@ from bench_failures import SCENARIOS, SILENCE_S, TWO_RANKS, run_scenario  # noqa
 pytestmark = pytest.mark.slow
 
 ENV = {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}
-CI_SLACK_S = 10  # a loaded 2-core CI machine: imports and steps take several times longer than here
+# A loaded 2-core CI machine: imports and steps take several times longer than here, and under the suite's
+# two workers (scripts/test.sh) another test file runs beside these. The tight bounds are bench_failures'
+# on an idle machine (BENCHMARKS.md); here the named error must still come well before the 60 s collective
+# timeout (parallel.timeout_s) that would otherwise end the run.
+CI_SLACK_S = 25 if os.environ.get("PYTEST_XDIST_WORKER") else 10
 
 
 class Launch(bench_failures.Launch):
@@ -290,10 +294,24 @@ def test_sigterm_to_torchrun_saves_and_resumes_exactly(tmp_path, straight):
 # comes first and names the cause, and nothing non-finite or half-written becomes `latest`.
 
 
+@pytest.fixture(scope="module")
+def scenario_runs(tmp_path_factory):
+    """Each scenario runs once per module: the resume test below reads the run its failure test left."""
+    runs = {}
+
+    def run(name: str):
+        if name not in runs:
+            out = tmp_path_factory.mktemp(name)
+            runs[name] = (run_scenario(SCENARIOS[name], out, timeout=120), out)
+        return runs[name]
+
+    return run
+
+
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_everyday_failure_ends_the_run_named(name, tmp_path):
+def test_everyday_failure_ends_the_run_named(name, scenario_runs):
     scenario = SCENARIOS[name]
-    result = run_scenario(scenario, tmp_path, timeout=120)
+    result, tmp_path = scenario_runs(name)
     context = result["stderr_tail"][-3000:]
     assert None not in result["codes"], "a process did not end:\n" + context
     assert result["left_running"] == [], f"left running: {result['left_running']}\n{context}"
@@ -330,10 +348,11 @@ def test_everyday_failure_ends_the_run_named(name, tmp_path):
 
 
 @pytest.mark.parametrize("name, first_logged", [("nan-2ranks", 4), ("enospc-2ranks", 1)])
-def test_latest_after_a_nan_or_a_full_disk_resumes_exactly(name, first_logged, tmp_path, straight):
+def test_latest_after_a_nan_or_a_full_disk_resumes_exactly(name, first_logged, scenario_runs, straight):
     """nan-2ranks logs no step before it fails (train.log_every=10): its resume logs from step 4 on;
-    enospc-2ranks logged steps 1-6: the resume from step 3 replaces 4-6 instead of repeating them."""
-    result = run_scenario(SCENARIOS[name], tmp_path, timeout=120)
+    enospc-2ranks logged steps 1-6: the resume from step 3 replaces 4-6 instead of repeating them. The
+    failed run is the one test_everyday_failure_ends_the_run_named checked (one launch, not two)."""
+    result, tmp_path = scenario_runs(name)
     assert result["latest"] == str(tmp_path / "run" / "checkpoints" / "step_3") and result["finite"], result
     assert not list((tmp_path / "run" / "checkpoints").glob(".step_*")), "a half-written save was left behind"
     resume_and_compare(tmp_path / "run", straight, first_logged=first_logged)
