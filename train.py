@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from configs import DEFAULT_RECIPE, load_config, split_overrides, to_yaml
-from configs.rundir import RunDirectory
+from configs.rundir import RunDirectory, check_loggers
 from data.buckets import describe_mix
 from data.loader import (
     batch_specs,
@@ -134,6 +134,7 @@ def check_before_start(cfg) -> Plan:
     """Everything that can be refused, checked before the first collective: the layout, the buckets and
     the preview size, the data, the checkpoint's files (or the pretrained folder), and a LoRA's base."""
     rank, world_size, _ = world_from_env()
+    check_loggers(cfg)
     layout = ParallelLayout.from_config(
         cfg.parallel, world_size, DiT_models[cfg.model.size]["num_heads"], "train", local_world_size()
     )

@@ -6,7 +6,6 @@ cfg.train.max_steps  # 10
 
 import dataclasses
 import difflib
-import importlib.util
 import math
 import os
 import typing
@@ -320,11 +319,6 @@ def validate(cfg: DictConfig) -> None:
         )
     if cfg.model.size not in DiT_models:
         raise ConfigError(f"'model.size' is '{cfg.model.size}'; choose one of {', '.join(DiT_models)}")
-    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError(
-            "logging.tensorboard=true needs TensorBoard, which is not installed: pip install -e "
-            '".[tensorboard]" (or set logging.tensorboard=false)'
-        )
 
 
 def parse_aspect_ratio(text: str) -> float:

@@ -14,7 +14,7 @@ from PIL import Image, ImageDraw
 
 from configs.plot import Axes, load_font
 
-WIDTH, PANEL_H, FRAME_H, MAX_FRAMES, MAX_ROWS = 1000, 240, 112, 8, 4
+WIDTH, PANEL_H, FRAME_H, MAX_FRAMES, MAX_ROWS, MAX_POINTS = 1000, 240, 112, 8, 4, 2000
 # (metrics.jsonl key, panel title, colour, y axis from 0); the loss panel adds its smoothed curve
 PANELS = (
     ("loss", "loss (thin: each logged step; thick: smoothed)", "#9bb7d4", False),
@@ -29,7 +29,8 @@ def write_report(run_dir) -> Path:
     """Draw <run_dir>/report.png from the run's files (written whole: a reader never sees half an image)."""
     run_dir = Path(run_dir)
     metrics = read_lines(run_dir / "metrics.jsonl")
-    step, previews = newest_previews(run_dir / "samples")
+    logged = metrics[-1]["step"] if metrics else None  # previews after it belong to a set-aside process
+    step, previews = newest_previews(run_dir / "samples", logged)
     rows = [(i, frame_strip(path)) for i, path in previews[:MAX_ROWS]]
     prompts = preview_prompts(run_dir)
     font = load_font(13)
@@ -54,12 +55,18 @@ def write_report(run_dir) -> Path:
     return run_dir / "report.png"
 
 
-def read_lines(path: Path) -> list[dict]:
-    """metrics.jsonl's lines (one cut short by a kill is left out); none when there is no file yet."""
+def read_lines(path: Path, most: int = MAX_POINTS) -> list[dict]:
+    """metrics.jsonl's lines (one cut short by a kill is left out), at most `most` of them, evenly spaced
+    and the last always: drawn at every checkpoint, the report must cost the same at step 10^6 as at 10^3
+    (the other ranks do not wait for it). None when there is no file yet."""
     if not path.is_file():
         return []
+    text = path.read_text(errors="surrogateescape").splitlines()
+    if len(text) > most:
+        picked = np.unique(np.linspace(0, len(text) - 1, most).round().astype(int))
+        text = [text[i] for i in picked]
     lines = []
-    for line in path.read_text(errors="surrogateescape").splitlines():
+    for line in text:
         try:
             lines.append(json.loads(line))
         except ValueError:
@@ -106,10 +113,13 @@ def draw_panel(draw, box, metrics: list[dict], key: str, look: tuple, font) -> N
         axes.line(steps, ema(values, max(5, len(values) // 50)), "#123e6b", width=2)
 
 
-def newest_previews(samples: Path) -> tuple[int | None, list[tuple[int, Path]]]:
-    """(the newest preview step, [(prompt index, its mp4)]) in samples/; (None, []) before the first."""
+def newest_previews(samples: Path, up_to=None) -> tuple[int | None, list[tuple[int, Path]]]:
+    """(the newest preview step, [(prompt index, its mp4)]) in samples/, at most `up_to` (the last logged
+    step: a resumed run's samples/ still holds the previews of the process it replaced); (None, [])
+    before the first."""
     names = [PREVIEW.fullmatch(p.name) for p in samples.glob("step_*.mp4")]
     found = [(int(m[1]), int(m[2]), samples / m[0]) for m in names if m]
+    found = [f for f in found if up_to is None or f[0] <= up_to]
     if not found:
         return None, []
     step = max(s for s, _, _ in found)
@@ -119,14 +129,14 @@ def newest_previews(samples: Path) -> tuple[int | None, list[tuple[int, Path]]]:
 def frame_strip(path: Path) -> Image.Image:
     """Up to MAX_FRAMES frames of a video, evenly spaced from first to last, side by side, FRAME_H high (a
     file that cannot be read: a line saying why, so that it costs its row, not the report)."""
-    import av
-
     try:
+        import av
+
         with av.open(str(path)) as container:
             frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
         if not frames:
             raise ValueError("no video frames")
-    except (OSError, ValueError, av.error.FFmpegError) as e:
+    except Exception as e:  # whatever the file or the decoder does: its row says so
         note = Image.new("RGB", (WIDTH - 24, 20), "white")
         why = f"{path.name} could not be read: {e}"
         ImageDraw.Draw(note).text((0, 2), why, fill="firebrick", font=load_font())

@@ -5,7 +5,7 @@ metrics.jsonl      one JSON object per logged step: step, loss, lr, step_time, s
                    keeps the lines up to its checkpoint (the whole earlier file as metrics.<time>.jsonl)
 checkpoints/       step_<N>/ (torch.distributed.checkpoint) and `latest`
 samples/           preview videos (step_<N>_<i>.mp4: prompt i at step N), also in wandb and TensorBoard
-report.png         the curves and the newest preview's frames, redrawn at each checkpoint (report.py)
+report.png         the curves and the newest preview's frames, redrawn at each checkpoint and preview
 failures/          per-rank records of recent collectives, written when a run fails
 wandb/             offline wandb logs (`wandb sync` later); tensorboard/: TensorBoard's (logging.tensorboard)
 data_report.jsonl  files left out at start-up or replaced, and why (rank R > 0: data_report_rank<R>.jsonl)
@@ -74,8 +74,8 @@ class RunDirectory:
         with self._quietly("tensorboard"):
             from torch.utils.tensorboard import SummaryWriter
 
-            purge = start_step + 1 if start_step else None
-            self._tensorboard = SummaryWriter(str(self.path / "tensorboard"), purge_step=purge)
+            # a fresh start (step 0) hides every earlier event too, as trim_metrics keeps no line
+            self._tensorboard = SummaryWriter(str(self.path / "tensorboard"), purge_step=start_step + 1)
 
     def log_metrics(self, metrics: dict) -> None:
         if not self.is_main:
@@ -142,7 +142,11 @@ class RunDirectory:
             yield
         except Exception as e:
             warnings.warn(f"{logger} failed ({e}); it logs nothing more, metrics.jsonl goes on", stacklevel=3)
+            run = getattr(self, f"_{logger}")
             setattr(self, f"_{logger}", None)
+            if logger == "wandb" and run is not None:  # its offline files end cleanly
+                with contextlib.suppress(Exception):
+                    run.finish()
 
     @property
     def data_report(self) -> Path:
@@ -208,12 +212,25 @@ class RunDirectory:
 
     def finish(self) -> None:
         if self._wandb is not None:
-            self._wandb.finish()
+            with self._quietly("wandb"):
+                self._wandb.finish()
             self._wandb = None
         if self._tensorboard is not None:
             with self._quietly("tensorboard"):
                 self._tensorboard.close()
             self._tensorboard = None
+
+
+def check_loggers(cfg) -> None:
+    """Training only (infer.py reads the same recipe and logs nothing): logging.tensorboard=true without
+    TensorBoard installed is refused before start-up, not found at the first log."""
+    import importlib.util
+
+    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ValueError(
+            "logging.tensorboard=true needs TensorBoard, which is not installed: pip install -e "
+            '".[tensorboard]" (or set logging.tensorboard=false)'
+        )
 
 
 def _number(value) -> bool:

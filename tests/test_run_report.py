@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from configs import ConfigError, load_config
+from configs import load_config
 from configs.report import ema, short
-from configs.rundir import RunDirectory, read_metrics
+from configs.rundir import RunDirectory, check_loggers, read_metrics
 from data.media import write_video
-from tests.conftest import TINY
+from tests.conftest import TINY, run_main
 
 
 def metrics(step: int) -> dict:
@@ -112,6 +112,33 @@ def test_a_resume_hides_the_tensorboard_steps_it_logs_again(run, tmp_path):
     assert logged(events, "loss") == {s: pytest.approx(metrics(s)["loss"]) for s in (1, 2, 3)} | again
 
 
+def test_a_fresh_start_hides_every_earlier_tensorboard_step(run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for step in range(1, 3):  # killed before its first checkpoint, then started again from step 0
+        run.log_metrics(metrics(step))
+    run.finish()
+    run.start_tensorboard(load_config(TINY, [f"run.output_dir={run.path}", "logging.tensorboard=true"]), 0)
+    run.log_metrics(metrics(1) | {"loss": 7.0})
+    run.finish()
+    events = EventAccumulator(str(run.path / "tensorboard"))
+    events.Reload()
+    assert logged(events, "loss") == {1: 7.0}
+
+
+def test_the_report_reads_a_bounded_sample_and_no_preview_after_the_last_logged_step(run):
+    from configs.report import read_lines, write_report
+
+    for step in range(1, 51):
+        run.log_metrics(metrics(step))
+    kept = read_lines(run.path / "metrics.jsonl", most=10)
+    assert len(kept) == 10 and kept[0]["step"] == 1 and kept[-1]["step"] == 50
+    write_video(run.preview_path(60, 0), moving_square(), fps=8)  # a set-aside process's, after step 50
+    report = np.asarray(Image.open(write_report(run.path)).convert("RGB"))
+    reds = (report[..., 0] > 200) & (report[..., 1] < 80)
+    assert reds.sum() < 50, "a preview from after the last logged step was drawn"
+
+
 def logged(events, tag: str) -> dict:
     """step: value of a scalar (each step once: a step logged twice would be lost in a dict)."""
     steps = [e.step for e in events.Scalars(tag)]
@@ -142,12 +169,17 @@ def test_a_failing_logger_or_report_warns_and_the_run_goes_on(run):
         run.checkpointed()
 
 
-def test_logging_tensorboard_is_refused_by_name_when_tensorboard_is_missing(monkeypatch):
+def test_logging_tensorboard_is_refused_by_name_when_tensorboard_is_missing(monkeypatch, tmp_path, capsys):
+    import train
+
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # find_spec: not installed
+    args = ["--config", str(TINY), f"run.output_dir={tmp_path / 'run'}", "logging.tensorboard=true"]
+    assert run_main(train, args) == 2
     install = re.escape('pip install -e ".[tensorboard]"')
-    with pytest.raises(ConfigError, match=f"logging.tensorboard=true needs TensorBoard.*{install}"):
-        load_config(TINY, ["logging.tensorboard=true"])
-    load_config(TINY, [])  # off by default: nothing to refuse
+    assert re.search(f"error: logging.tensorboard=true needs TensorBoard.*{install}", capsys.readouterr().err)
+    assert not (tmp_path / "run").exists()  # refused before the run directory is taken
+    check_loggers(load_config(TINY, []))  # off by default: nothing to refuse
+    load_config(TINY, ["logging.tensorboard=true"])  # infer.py reads such a recipe: it logs nothing
 
 
 def test_the_smoothed_loss_and_the_labels():
