@@ -6,7 +6,6 @@ is diffusers' step for step (no float32 upcasts beyond its own), so bf16 runs ma
 Latents (B, C, T, H, W) are packed 2x2 into tokens inside `embed`, as the pipeline packs outside.
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +14,7 @@ import torch.nn.functional as F
 
 from models.attention import make_attention
 from models.dit import WholeSequence, apply_rope
+from models.layers import RMSNorm, TimestepMLP, timestep_features
 
 
 @dataclass
@@ -47,22 +47,6 @@ def unpack_latents(tokens: torch.Tensor, grid: tuple[int, int, int], patch: int 
     (t, h, w), B = grid, tokens.shape[0]
     x = tokens.view(B, t, h, w, -1, patch, patch).permute(0, 4, 1, 2, 5, 3, 6)
     return x.reshape(B, -1, t, h * patch, w * patch)
-
-
-class RMSNorm(nn.Module):
-    """diffusers' RMSNorm: the mean square in float32, the weight applied in the weight's dtype."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.eps)
-        if self.weight.dtype in (torch.float16, torch.bfloat16):
-            x = x.to(self.weight.dtype)
-        return x * self.weight
 
 
 class QwenRope(nn.Module):
@@ -216,15 +200,6 @@ class QwenImageBlock(nn.Module):
         return x, text
 
 
-class TimestepMLP(nn.Module):
-    def __init__(self, in_dim: int, dim: int):
-        super().__init__()
-        self.linear_1, self.act, self.linear_2 = nn.Linear(in_dim, dim), nn.SiLU(), nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return self.linear_2(self.act(self.linear_1(x)))
-
-
 class TimestepEmbedding(nn.Module):
     """Timestep t in [0, 1] -> 256 sinusoidal features of 1000 t (cos first), in float32 -> MLP (B, D) in
     `dtype`, as diffusers' QwenTimestepProjEmbeddings."""
@@ -235,10 +210,7 @@ class TimestepEmbedding(nn.Module):
         self.timestep_embedder = TimestepMLP(frequency_size, dim)
 
     def forward(self, t, dtype):
-        half = self.frequency_size // 2
-        exponent = -math.log(10000) * torch.arange(half, dtype=torch.float32, device=t.device) / half
-        args = 1000 * (t[:, None].float() * torch.exp(exponent)[None])
-        features = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+        features = timestep_features(t, self.frequency_size, scale=1000)
         return self.timestep_embedder(features.to(dtype))
 
 

@@ -8,7 +8,6 @@ carry a `kind`: `attn1.inner_attention` ("linear"), `attn2.inner_attention` ("cr
 ("grid_conv").
 """
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.dit import WholeSequence, split_heads
+from models.layers import RMSNorm, TimestepMLP, timestep_features
 
 
 @dataclass
@@ -34,21 +34,6 @@ class BlockInputs:
     temb: torch.Tensor  # (B, D): the time embedding, the final layer's modulation input
     context: torch.Tensor  # (B, L, D): the projected, RMS-normalised text tokens
     context_bias: torch.Tensor | None  # (B, 1, 1, L): 0 for a real text token, -10000 for padding
-
-
-class RMSNorm(nn.Module):
-    """diffusers' RMSNorm: the mean square in float32, the weight applied in its own dtype."""
-
-    def __init__(self, dim, eps):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        x = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.weight.dtype in (torch.float16, torch.bfloat16):
-            x = x.to(self.weight.dtype)
-        return x * self.weight
 
 
 class LinearAttention(nn.Module):
@@ -217,30 +202,18 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(in_channels, dim, patch_size, stride=patch_size)
 
 
-class TimestepEmbedding(nn.Module):
-    def __init__(self, in_dim, dim):
-        super().__init__()
-        self.linear_1, self.linear_2 = nn.Linear(in_dim, dim), nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return self.linear_2(F.silu(self.linear_1(x)))
-
-
 class AdaLNSingle(nn.Module):
     """adaLN-single (PixArt-alpha): a time embedding, and one projection of it to the six modulations that
     every block adds to its own table."""
 
     def __init__(self, dim):
         super().__init__()
-        self.emb = nn.ModuleDict({"timestep_embedder": TimestepEmbedding(256, dim)})
+        self.emb = nn.ModuleDict({"timestep_embedder": TimestepMLP(256, dim)})
         self.linear = nn.Linear(dim, 6 * dim)
 
     def forward(self, timestep, dtype):
         """timestep (B,) on the 0..1000 scale -> (B, 6 D) modulation, (B, D) time embedding."""
-        steps = torch.arange(128, dtype=torch.float32, device=timestep.device)
-        freqs = torch.exp(-math.log(10000) * steps / 128)
-        args = timestep[:, None].float() * freqs[None]
-        temb = self.emb["timestep_embedder"](torch.cat([args.cos(), args.sin()], dim=-1).to(dtype))
+        temb = self.emb["timestep_embedder"](timestep_features(timestep, 256).to(dtype))
         return self.linear(F.silu(temb)), temb
 
 
