@@ -26,11 +26,13 @@ from tqdm import tqdm
 from configs import DEFAULT_RECIPE, load_config, split_overrides
 from data.media import OUTPUT_EXTENSIONS, write_video
 from models.dit import DiT_models
+from models.families import family_named
 from models.flow import RectifiedFlow
 from models.image_condition import image_encoder_folder, image_inputs, read_images, sampling_condition
 from models.lora import deltas_of, merge_deltas
 from models.lora_formats import check_file, parse_lora_spec, read_lora
-from models.pipeline import generate_checked
+from models.pipeline import NonFiniteVideo, generate_checked
+from models.sampler import generate_images
 from models.step_cache import step_cache
 from models.tiling import plan_tiles
 from models.vae import vae_latent_space
@@ -38,6 +40,7 @@ from models.wan import second_expert
 from parallel import comm
 from parallel import vae as parallel_vae
 from parallel.cache import check_cache_decisions, check_calibration, share_step_cache
+from parallel.cfg import family_velocity
 from parallel.checkpoint import check_architecture, load_weights
 from parallel.checkpoint_files import CheckpointError, check_checkpoint_files, resolve_checkpoint
 from parallel.components import (
@@ -281,30 +284,10 @@ class Request:
 
 def read_request(cfg, args) -> Request:
     """The request, with every size checked (a ValueError naming the flag) before anything starts."""
-    sc = cfg.sample
-    prompts = args.prompt or list(sc.prompts)
-    first = lambda *values: next(v for v in values if v is not None)  # noqa: E731  (0 is a value, not a default)
-    frames = first(args.frames, sc.frames, cfg.data.frames)
-    height, width = (
-        first(args.height, sc.height, cfg.data.height),
-        first(args.width, sc.width, cfg.data.width),
-    )
-    guidance, steps = first(args.guidance, sc.guidance), first(args.steps, sc.steps)
-    for name, value in (
-        ("--steps", steps),
-        ("--frames", frames),
-        ("--height", height),
-        ("--width", width),
-        ("--upscale", args.upscale),
-        ("sample.batch_size", sc.batch_size),
-    ):
-        if value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}")
-    outputs = output_paths(args.output, len(prompts))
+    prompts, outputs, frames, height, width, steps, guidance, negative = read_sizes(cfg, args)
     latent = vae_latent_space(cfg.vae).latent_shape(frames, height, width, cfg.model.patch_size)
     grid = [s // p for s, p in zip(latent[1:], cfg.model.patch_size)]
-    negative = sc.negative_prompt if args.negative_prompt is None else args.negative_prompt
-    cache = step_cache(sc, steps)
+    cache = step_cache(cfg.sample, steps)
     vae = vae_latent_space(cfg.vae)
     images, last_images = read_images(
         cfg.model.task,
@@ -334,6 +317,33 @@ def read_request(cfg, args) -> Request:
         last_images,
         read_experts(cfg, args, guidance),
     )
+
+
+def read_sizes(cfg, args) -> tuple:
+    """(prompts, outputs, frames, height, width, steps, guidance, negative prompt) from the flags over the
+    recipe, every size checked (a ValueError naming the flag)."""
+    sc = cfg.sample
+    prompts = args.prompt or list(sc.prompts)
+    first = lambda *values: next(v for v in values if v is not None)  # noqa: E731  (0 is a value, not a default)
+    frames = first(args.frames, sc.frames, cfg.data.frames)
+    height, width = (
+        first(args.height, sc.height, cfg.data.height),
+        first(args.width, sc.width, cfg.data.width),
+    )
+    guidance, steps = first(args.guidance, sc.guidance), first(args.steps, sc.steps)
+    for name, value in (
+        ("--steps", steps),
+        ("--frames", frames),
+        ("--height", height),
+        ("--width", width),
+        ("--upscale", args.upscale),
+        ("sample.batch_size", sc.batch_size),
+    ):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    outputs = output_paths(args.output, len(prompts))
+    negative = sc.negative_prompt if args.negative_prompt is None else args.negative_prompt
+    return prompts, outputs, frames, height, width, steps, guidance, negative
 
 
 def read_experts(cfg, args, guidance: float):
@@ -435,6 +445,9 @@ def plan_layout(cfg, request: Request) -> tuple[ParallelLayout, int, str]:
 def main(argv=None, session=None):
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    family = family_named(cfg.model.family)
+    if not family.native:  # sampled by models/sampler.py's loop (tessera's DiT: models/pipeline.py, below)
+        return sample_family(cfg, args, family, session)
     # Every refusal comes before any model is built or any collective is issued.
     request = read_request(cfg, args)
     layout, patches, links = plan_layout(cfg, request)
@@ -476,14 +489,122 @@ def main(argv=None, session=None):
     if mine:
         weights = describe_weights(cfg, args, checkpoint, record, use_ema)
         nonfinite = sample_and_write(cfg, args, runtime, request, mine, *components, weights=weights)
-    # Every rank waits for every other before leaving (on the store, with no timeout: a replica without
-    # prompts may wait out the others' sampling): a rank that died or failed meanwhile is then named by the
-    # survivors, not only by torchrun's summary of exit codes; and a NaN video fails every rank alike.
+    finish(runtime, nonfinite)
+
+
+def finish(runtime, nonfinite: Exception | None) -> None:
+    """Every rank waits for every other before leaving (on the store, with no timeout: a replica without
+    prompts may wait out the others' sampling): a rank that died or failed meanwhile is then named by the
+    survivors, not only by torchrun's summary of exit codes; and a NaN video fails every rank alike."""
     if finish_line(runtime.watchdog, nonfinite is not None):
         raise nonfinite or ValueError(
             "a video of another data-parallel replica held NaN or inf and was not written (its ranks' error "
             "line names it and the likely cause); this replica's videos were written"
         )
+
+
+def sample_family(cfg, args, family, session) -> None:
+    """infer.py for a family sampled by models/sampler.py (models/families.py: Qwen-Image, Sana): the same
+    flags, outputs and error lines, over model.pretrained's pipeline folder; every refusal comes before
+    any process group."""
+    refuse_flags(cfg, args, family)
+    family.check_pretrained(cfg)
+    prompts, outputs, frames, height, width, steps, guidance, negative = read_sizes(cfg, args)
+    family.check_size(cfg, frames, height, width)
+    request = Request(prompts, outputs, frames, height, width, steps, guidance, negative, [], ())
+    layout = family_layout(cfg, family, guidance)
+    check_outputs(outputs)
+    runtime = init_runtime(cfg.parallel, layout, cfg.run.output_dir, task="sample", session=session)
+    if runtime.is_main:
+        print(f"[tessera] {family.title} from {cfg.model.pretrained}; layout {layout.describe()}", flush=True)
+    parts = family.load(cfg, runtime.device, torch.bfloat16 if runtime.bf16(cfg.train.precision) else None)
+    mine = list(range(layout.dp_rank(runtime.rank), len(prompts), layout.dp))  # split over dp
+    finish(runtime, sample_family_prompts(cfg, args, runtime, request, mine, family, parts) if mine else None)
+
+
+def refuse_flags(cfg, args, family) -> None:
+    """What the family's sampling does not take yet, refused by name."""
+    given = {
+        "--checkpoint": args.checkpoint,
+        "--lora": args.lora,
+        "--image": args.image,
+        "--last-image": args.last_image,
+        "--random-weights": args.random_weights,
+        "--no-ema": args.no_ema,
+        f"sample.cache={cfg.sample.cache}": cfg.sample.cache != "none",
+    }
+    wrong = [name for name, value in given.items() if value]
+    if wrong:
+        raise ValueError(
+            f"{family.title} samples model.pretrained's weights as they are: {', '.join(wrong)} "
+            "is not supported for it yet"
+        )
+
+
+def family_layout(cfg, family, guidance: float) -> ParallelLayout:
+    """The sampling layout, with the degrees the family's sampling cannot run under refused by name."""
+    wrong = [
+        f"parallel.{name}={cfg.parallel[name]}"
+        for name in ("cfg", "ulysses", "ring", "pipefusion")
+        if (cfg.parallel[name] or 1) > 1 and name not in family.parallel_degrees
+    ]
+    if wrong or cfg.parallel.auto:  # auto would choose among layouts it may not run
+        runs = ", ".join(("dp", *family.parallel_degrees))
+        raise ValueError(
+            f"{family.title} does not sample under {' '.join(wrong) or 'parallel.auto'} yet: it runs under "
+            f"{runs}"
+        )
+    _, world_size, _ = world_from_env()
+    return ParallelLayout.from_config(
+        cfg.parallel,
+        world_size,
+        family.heads(cfg),
+        "sample",
+        local_world_size(),
+        guided=family.guided(guidance),
+    )
+
+
+def sample_family_prompts(cfg, args, runtime, request: Request, mine: list, family, parts):
+    """sample_and_write for a family: this replica's prompts, sample.batch_size at a time, each batch
+    written as it finishes; returns the error about NaN images (None if none), as sample_and_write."""
+    size, unwritten = cfg.sample.batch_size, {}
+    batches = [mine[k : k + size] for k in range(0, len(mine), size)]
+    velocity_of = family_velocity(runtime.sampling)
+    hidden = not runtime.is_main
+    with tqdm(total=len(batches) * request.steps, desc="sample", disable=hidden, unit="step") as bar:
+        for k, batch in enumerate(batches):
+            bar.set_description(f"sample: batch {k + 1} of {len(batches)}")
+            runtime.watchdog.sampling_progress(0, request.steps)
+            progress = lambda done, total: (  # noqa: E731
+                bar.update(1),
+                runtime.watchdog.sampling_progress(done, total),
+                runtime.faults.at_sampling_step(done + 1, total),
+            )
+            try:
+                images, bad = (
+                    generate_images(
+                        family,
+                        parts,
+                        [request.prompts[i] for i in batch],
+                        request.negative_prompt,
+                        [args.seed + i for i in batch],
+                        (request.frames, request.height, request.width),
+                        request.steps,
+                        request.guidance,
+                        cfg.text_encoder.max_length,
+                        progress,
+                        velocity_of,
+                    ),
+                    {},
+                )
+            except NonFiniteVideo as e:
+                images, bad = e.videos, e.bad
+            bad = {batch[j]: where for j, where in bad.items()}
+            write_batch(cfg, args, runtime, request, batch, images, bad)
+            unwritten.update(bad)
+    weights = f"model.pretrained={cfg.model.pretrained}"
+    return ValueError(nonfinite_message(cfg, runtime, request, unwritten, weights)) if unwritten else None
 
 
 def sample_and_write(

@@ -40,6 +40,7 @@ from data.loader import (
 from data.media import write_video
 from data.sampler import sample_seed
 from models.dit import DiT_models, count_parameters
+from models.families import family_named
 from models.flow import RectifiedFlow, expert_timesteps
 from models.image_condition import ConditionedModel, ImageCondition, image_inputs, sampling_condition
 from models.pipeline import generate_checked
@@ -134,6 +135,11 @@ def check_before_start(cfg) -> Plan:
     """Everything that can be refused, checked before the first collective: the layout, the buckets and
     the preview size, the data, the checkpoint's files (or the pretrained folder), and a LoRA's base."""
     rank, world_size, _ = world_from_env()
+    family = family_named(cfg.model.family)
+    if not family.native:  # its pieces are exact against diffusers; training them is the next step
+        raise ValueError(
+            f"train.py does not train {family.title} yet: infer.py samples it (model.family={family.name})"
+        )
     check_loggers(cfg)
     layout = ParallelLayout.from_config(
         cfg.parallel, world_size, DiT_models[cfg.model.size]["num_heads"], "train", local_world_size()

@@ -120,9 +120,10 @@ def load_config(recipe: str | os.PathLike | None = None, overrides: list[str] | 
             if isinstance(value, (DictConfig, ListConfig)):
                 value = OmegaConf.to_container(value)
             raise ConfigError(f"'{key}' in {source} must be {expected}, got {value!r}") from None
-    if cfg.model.size == "auto":
-        from configs.auto import resolve_auto_size
+    from configs.auto import resolve_auto_size, resolve_family
 
+    resolve_family(cfg, ConfigError)
+    if cfg.model.size == "auto" and cfg.model.family == "dit":
         resolve_auto_size(cfg, ConfigError)
     validate(cfg)
     return cfg
@@ -317,7 +318,7 @@ def validate(cfg: DictConfig) -> None:
             f"lora.rank={lora.rank} trains adapters on a base model, but model.pretrained is not set: name "
             "a diffusers Wan folder or a tessera run (or set lora.rank=0 for full fine-tuning)"
         )
-    if cfg.model.size not in DiT_models:
+    if cfg.model.size not in DiT_models and cfg.model.family == "dit":
         raise ConfigError(f"'model.size' is '{cfg.model.size}'; choose one of {', '.join(DiT_models)}")
 
 

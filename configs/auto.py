@@ -5,6 +5,38 @@ contradicts stays an error naming the key."""
 from pathlib import Path
 
 from models.dit import ARCHITECTURE_OPTIONS, DiT_models
+from models.families import FAMILIES, family_of_folder
+from models.family import folder_classes
+
+
+def resolve_family(cfg, error=ValueError) -> None:
+    """Set cfg.model.family (auto: the family model.pretrained's folder declares under model.size=auto,
+    else dit). A folder of another family than the one asked, a family other than dit without
+    model.size=auto, and a folder of a family tessera does not know are refused by name."""
+    mc = cfg.model
+    if mc.family != "auto" and mc.family not in FAMILIES:
+        raise error(f"'model.family' is {mc.family!r}; choose one of auto, {', '.join(FAMILIES)}")
+    folder = mc.pretrained if mc.pretrained and Path(mc.pretrained).is_dir() else None
+    found = family_of_folder(folder) if folder else None
+    if folder and found is None and mc.size == "auto" and folder_classes(folder):
+        classes = ", ".join(sorted(folder_classes(folder)))
+        raise error(
+            f"model.pretrained={folder} holds a {classes}, a family tessera does not know; it knows "
+            + "; ".join(f"{name} ({family.title})" for name, family in FAMILIES.items())
+        )
+    wanted = mc.family if mc.family != "auto" else (found.name if found and mc.size == "auto" else "dit")
+    if found is not None and found.name != wanted:
+        fix = "model.size=auto" + (f" model.family={found.name}" if mc.family != "auto" else "")
+        raise error(
+            f"model.pretrained={folder} holds {found.title}, but the recipe builds "
+            f"{FAMILIES[wanted].title} (model.family={mc.family}, model.size={mc.size}): set {fix}"
+        )
+    if not FAMILIES[wanted].native and mc.size != "auto":
+        raise error(
+            f"model.family={wanted} reads its dimensions from model.pretrained's folder: set model.size=auto "
+            f"(got model.size={mc.size})"
+        )
+    mc.family = wanted
 
 
 def resolve_auto_size(cfg, error=ValueError) -> None:

@@ -20,6 +20,9 @@ class RunConfig:
 @dataclass
 class ModelConfig:
     size: str = "DiT-S"  # a key of models.dit.DiT_models; auto: every architecture key from model.pretrained
+    # dit (tessera's DiT, which reads Wan folders) | qwen_image | sana (models/families.py); auto: the
+    # family model.pretrained's folder declares under model.size=auto, else dit. Resolved when loaded.
+    family: str = "auto"
     patch_size: list[int] = field(default_factory=lambda: [1, 2, 2])  # (time, height, width)
     mlp_ratio: float = 4.0
     qk_norm: bool = True

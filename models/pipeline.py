@@ -82,14 +82,14 @@ def generate(
         latents = torch.cat([condition.latent.to(latents.dtype), latents[:, :, 1:]], dim=2)
     # Checked before the clamp, which would turn inf into a plausible white. The latents (and so the
     # decoded videos) are the same on every rank that shares them: each reaches the same verdict.
-    bad = {i: "the denoised latents" for i in _nonfinite(latents)}
+    bad = {i: "the denoised latents" for i in nonfinite_samples(latents)}
     if len(bad) == len(prompts):  # nothing worth decoding
         raise NonFiniteVideo(bad, None)
     if decode is None:
         videos = tiling.decode(vae, latents.float(), vae.tile_latent, vae.tile_overlap)  # [-1, 1]
     else:
         videos = decode(latents.float())
-    bad.update({i: "the decoded video" for i in _nonfinite(videos) if i not in bad})
+    bad.update({i: "the decoded video" for i in nonfinite_samples(videos) if i not in bad})
     videos = ((videos.clamp(-1, 1) + 1) / 2).permute(0, 2, 3, 4, 1).float().cpu().numpy()
     if bad:
         raise NonFiniteVideo(dict(sorted(bad.items())), videos)
@@ -115,6 +115,6 @@ class NonFiniteVideo(ValueError):
         super().__init__(f"sampling gave NaN or inf values ({found})")
 
 
-def _nonfinite(x: torch.Tensor) -> list[int]:
+def nonfinite_samples(x: torch.Tensor) -> list[int]:
     """The samples (first dimension) of `x` holding NaN or inf."""
     return (~torch.isfinite(x).flatten(1).all(1)).nonzero().flatten().tolist()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from models.flow import guide
+from models.sampler import guided_velocity
 from parallel import comm
 from parallel.sequence import SequenceGroups
 
@@ -63,3 +64,24 @@ def cfg_velocity(model, groups: SamplingGroups, y, y_mask, neg_y, neg_mask, guid
         return guided(model(x, sigma.expand(x.shape[0]), branch_y, branch_mask), guidance, groups)
 
     return velocity
+
+
+def family_velocity(groups: SamplingGroups):
+    """models/sampler.py's `velocity_of` for a family (models/family.py) on this replica: under cfg=2 this
+    half of the ranks runs one branch (cfg rank 0 the conditional one) and one all-gather a step brings
+    the other; every rank then guides alike. Otherwise both branches on this rank."""
+
+    def velocity_of(family, parts, cond, uncond, scale: float):
+        if groups.cfg_size == 1 or uncond is None:
+            return guided_velocity(family, parts, cond, uncond, scale)
+        mine = cond if groups.cfg_rank == 0 else uncond
+
+        def velocity(x, t):
+            v = family.velocity(parts, x, t, mine).contiguous()
+            both = torch.empty((2, *v.shape), dtype=v.dtype, device=v.device)
+            comm.all_gather_into_tensor(both, v, groups.cfg_group)
+            return family.guide(*both.unbind(0), scale)
+
+        return velocity
+
+    return velocity_of

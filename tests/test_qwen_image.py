@@ -108,6 +108,10 @@ def tiny_text_encoder(vocab_size: int):
 
 @pytest.fixture(scope="module")
 def pipe():
+    return tiny_qwen_pipeline()
+
+
+def tiny_qwen_pipeline():
     """The tiny diffusers QwenImagePipeline, float32, seeded."""
     from diffusers import (
         AutoencoderKLQwenImage,

@@ -219,6 +219,12 @@ def tiny_tokenizer():
 
 @pytest.fixture(scope="module")
 def tiny_pipeline():
+    return tiny_sana_pipeline()
+
+
+def tiny_sana_pipeline():
+    """A tiny random SanaPipeline, float32: Gemma-2 encoder, diffusers' own tiny DC-AE, the release's
+    scheduler."""
     from diffusers import AutoencoderDC, DPMSolverMultistepScheduler, SanaPipeline
     from transformers import Gemma2Config, Gemma2Model
 

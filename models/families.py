@@ -1,0 +1,31 @@
+"""The families tessera knows, by name (`model.family`), and which one a folder holds (model.size=auto).
+A new family adds its object to FAMILIES; nothing else here changes."""
+
+from models.family import Family
+from models.qwen_image.family import QwenImage
+from models.sana.family import Sana
+
+
+class DiTFamily(Family):
+    """tessera's own DiT, which reads Wan 2.1 / 2.2 folders (models/dit.py, models/wan.py); sampled by
+    models/pipeline.py and trained by train.py."""
+
+    name, title, native = "dit", "tessera's DiT (Wan 2.1 / 2.2)", True
+    pipeline_classes = ("WanPipeline", "WanImageToVideoPipeline")
+    transformer_classes = ("WanTransformer3DModel",)
+    parallel_degrees = ("cfg", "ulysses", "ring", "pipefusion")
+
+
+FAMILIES = {family.name: family for family in (DiTFamily(), QwenImage(), Sana())}
+
+
+def family_named(name: str) -> Family:
+    if name not in FAMILIES:
+        raise ValueError(f"model.family={name!r} is not a family tessera knows: {', '.join(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def family_of_folder(folder) -> Family | None:
+    """The family whose diffusers classes `folder` declares, or None (a Wan-AI original folder, a tessera
+    run, or a family tessera does not know: folder_classes says which)."""
+    return next((family for family in FAMILIES.values() if family.recognises(folder)), None)

@@ -1,0 +1,155 @@
+"""Model families (DESIGN.md, Model families): what differs between models is declared by one object
+per family, in models/<family>/, and read through this interface, so that code above models/ asks the
+family instead of branching on its name. A family says which folders it recognises, how it loads its
+transformer, text encoder and VAE, how it encodes a prompt, draws noise, schedules and solves the
+steps, guides, and decodes. models/sampler.py runs the one sampling loop over these pieces.
+
+`dit` is tessera's own DiT, which reads Wan 2.1 / 2.2 folders; its sampling still runs through
+models/pipeline.py (`native`), the image families through models/sampler.py.
+"""
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class Schedule:
+    """The steps of one sampling: the solver goes from sigmas[i] to sigmas[i + 1] with the velocity the
+    transformer gives at timesteps[i]; `step(x, v, i, state) -> (x, state)` is the solver's step (state:
+    what a multistep solver keeps between steps, None at the first)."""
+
+    sigmas: torch.Tensor  # (N + 1,) float32, the last 0
+    timesteps: torch.Tensor  # (N,) what the transformer is told at each step
+    step: Callable
+
+
+@dataclass
+class Components:
+    """A family's loaded pieces, on one device, frozen."""
+
+    transformer: torch.nn.Module
+    tokenizer: object
+    text_encoder: torch.nn.Module
+    vae: torch.nn.Module
+    scheduler_config: dict = field(default_factory=dict)  # the folder's scheduler/scheduler_config.json
+
+
+class Family:
+    """The interface; each family subclasses it. Sizes: latents (B, C, T, H, W); images (B, 3, T, H, W)
+    in [-1, 1]."""
+
+    name = ""
+    title = ""  # how messages name it
+    native = False  # sampled by models/pipeline.py (tessera's DiT) instead of models/sampler.py
+    pipeline_classes: tuple = ()  # model_index.json's _class_name of its diffusers pipelines
+    transformer_classes: tuple = ()  # its transformer's config.json _class_name
+    # the parallel degrees (besides dp, which splits prompts) its sampling runs under
+    parallel_degrees: tuple = ()
+
+    def recognises(self, folder) -> bool:
+        """Whether `folder` (a pipeline folder, or a transformer folder) holds this family."""
+        found = folder_classes(folder)
+        return bool(found & {*self.pipeline_classes, *self.transformer_classes})
+
+    def check_pretrained(self, cfg) -> None:
+        """Each part's folder present (model.pretrained's transformer, scheduler if any; the VAE, text encoder
+        and tokenizer from their keys or model.pretrained), or a FileNotFoundError naming the key."""
+        keys = dict(
+            transformer="model.pretrained", vae="vae.pretrained", text_encoder="text_encoder.pretrained"
+        )
+        keys["tokenizer"] = keys["text_encoder"]
+        if not cfg.model.pretrained:
+            raise FileNotFoundError(f"{self.title} samples a diffusers pipeline folder: set model.pretrained")
+        for part, key in keys.items():
+            folder = part_folder(cfg, part)
+            if not folder.is_dir() or not any(folder.glob("*.json")):
+                raise FileNotFoundError(
+                    f"{key}: no {self.title} {part} in {folder} (a diffusers pipeline folder holds {part}/; "
+                    "tessera never downloads)"
+                )
+
+    def heads(self, cfg) -> int:
+        """The attention heads of model.pretrained's transformer (what Ulysses splits)."""
+        return read_json(part_folder(cfg, "transformer") / "config.json").get("num_attention_heads", 1)
+
+    def check_size(self, frames: int, height: int, width: int) -> None:
+        """Refuse a size the family cannot sample, naming the flag (ValueError)."""
+
+    def load(self, cfg, device, dtype) -> Components:
+        raise NotImplementedError
+
+    def encode(self, parts: Components, prompts: list, max_length: int, negative: bool = False):
+        """The conditioning object its transformer takes for `prompts` (`negative`: the negative prompts,
+        which some families format differently)."""
+        raise NotImplementedError
+
+    def noise(self, parts: Components, seeds: list, frames: int, height: int, width: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def schedule(self, parts: Components, steps: int, latents: torch.Tensor) -> Schedule:
+        raise NotImplementedError
+
+    def velocity(self, parts: Components, x, t, cond):
+        return parts.transformer(x, t.to(x.device).expand(x.shape[0]), cond)
+
+    def guided(self, scale: float) -> bool:
+        """Whether `scale` asks for guidance (the pipelines guide above 1 only)."""
+        return scale > 1.0
+
+    def guide(self, v_cond, v_uncond, scale: float):
+        return v_uncond + scale * (v_cond - v_uncond)
+
+    def decode(self, parts: Components, latents) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def read_json(path) -> dict:
+    path = Path(path)
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def folder_classes(folder) -> set:
+    """The diffusers class names a folder declares: model_index.json's, its config.json's and its
+    transformer/config.json's."""
+    folder = Path(folder)
+    names = (folder / "model_index.json", folder / "config.json", folder / "transformer" / "config.json")
+    return {read_json(path).get("_class_name") for path in names} - {None}
+
+
+def component_folder(path, name: str) -> Path:
+    """`path`'s `name`/ subfolder when it is a pipeline folder holding one, else `path` itself."""
+    path = Path(path)
+    return path / name if (path / name).is_dir() else path
+
+
+def part_folder(cfg, name: str) -> Path:
+    """The folder of a pipeline part (transformer, vae, text_encoder, tokenizer, scheduler): vae.pretrained
+    for the VAE, text_encoder.pretrained for the text encoder and tokenizer, when set, else
+    model.pretrained; its `name`/ subfolder when it has one."""
+    given = {"vae": cfg.vae.pretrained, "text_encoder": cfg.text_encoder.pretrained}
+    given["tokenizer"] = given["text_encoder"]
+    return component_folder(given.get(name) or cfg.model.pretrained, name)
+
+
+def load_transformer(folder, build: Callable, to_tessera: Callable, dtype=torch.float32):
+    """A diffusers transformer folder (config.json, diffusion_pytorch_model*.safetensors) -> the family's
+    module (`build(config)` on the meta device), filled with the weights renamed by `to_tessera`."""
+    from safetensors.torch import load_file
+
+    folder = component_folder(folder, "transformer")
+    config = read_json(folder / "config.json")
+    files = sorted(folder.glob("diffusion_pytorch_model*.safetensors"))
+    if not config or not files:
+        raise FileNotFoundError(f"{folder} holds no config.json and diffusion_pytorch_model*.safetensors")
+    with torch.device("meta"):
+        model = build(config)
+    state = {k: v.to(dtype) for f in files for k, v in load_file(f).items()}
+    model.load_state_dict(to_tessera(state), strict=True, assign=True)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,89 @@
+"""Qwen-Image as a tessera family (models/family.py): a diffusers QwenImagePipeline folder's transformer,
+Qwen2.5-VL text encoder and VAE; the prompt in the pipeline's template, unpadded; the scheduler's
+resolution-dependent shift with Euler steps; true CFG with the per-token norm rescale.
+"""
+
+import torch
+
+from models.family import Components, Family, Schedule, load_transformer, part_folder, read_json
+from models.qwen_image.sampling import denormalize_latents, image_tokens, sigmas, true_cfg
+from models.qwen_image.text import encode_prompt
+from models.qwen_image.transformer import QwenImageCond
+from models.qwen_image.weights import PIPELINE_CLASS, TRANSFORMER_CLASS, build_transformer
+from models.qwen_image.weights import tessera_state_dict_from_diffusers as to_tessera
+
+# Qwen/Qwen-Image's scheduler/scheduler_config.json, for a transformer folder without one beside it
+RELEASE_SCHEDULER = dict(
+    use_dynamic_shifting=True,
+    base_shift=0.5,
+    max_shift=0.9,
+    base_image_seq_len=256,
+    max_image_seq_len=8192,
+    shift_terminal=0.02,
+    time_shift_type="exponential",
+)
+
+
+def euler(sigmas):
+    def step(x, v, i, state):
+        return x.float() + (sigmas[i + 1] - sigmas[i]) * v.float(), None  # the scheduler's, in float32
+
+    return step
+
+
+class QwenImage(Family):
+    name, title = "qwen_image", "Qwen-Image"
+    pipeline_classes, transformer_classes = (PIPELINE_CLASS,), (TRANSFORMER_CLASS,)
+    parallel_degrees = ("cfg",)  # ulysses, ring and pipefusion: not yet (their operators are ready)
+
+    def vae_scale(self, cfg) -> int:
+        config = read_json(part_folder(cfg, "vae") / "config.json")
+        return 2 ** len(config.get("temperal_downsample", [False, True, True]))  # the pipeline's rule
+
+    def check_size(self, cfg, frames: int, height: int, width: int) -> None:
+        if frames != 1:
+            raise ValueError(f"Qwen-Image samples images: use --frames 1 (got {frames})")
+        multiple = 2 * self.vae_scale(cfg)  # the VAE's stride, then 2x2 packing
+        if height % multiple or width % multiple:
+            raise ValueError(
+                f"Qwen-Image samples sizes that are multiples of {multiple}: --height {height} --width "
+                f"{width} is not (try {height // multiple * multiple or multiple} x "
+                f"{width // multiple * multiple or multiple})"
+            )
+
+    def load(self, cfg, device, dtype) -> Components:
+        from diffusers import AutoencoderKLQwenImage
+        from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+        build = lambda config: build_transformer(config, cfg.model.attention_backend)  # noqa: E731
+        transformer = load_transformer(cfg.model.pretrained, build, to_tessera, dtype)
+        encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            part_folder(cfg, "text_encoder"), torch_dtype=dtype
+        )
+        vae = AutoencoderKLQwenImage.from_pretrained(part_folder(cfg, "vae"), torch_dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(part_folder(cfg, "tokenizer"))
+        scheduler = read_json(part_folder(cfg, "scheduler") / "scheduler_config.json")
+        parts = (transformer, encoder.eval(), vae.eval())
+        transformer, encoder, vae = (p.to(device).requires_grad_(False) for p in parts)
+        return Components(transformer, tokenizer, encoder, vae, scheduler or RELEASE_SCHEDULER)
+
+    def encode(self, parts: Components, prompts: list, max_length: int, negative: bool = False):
+        return QwenImageCond(*encode_prompt(prompts, parts.tokenizer, parts.text_encoder, max_length))
+
+    def noise(self, parts: Components, seeds: list, frames: int, height: int, width: int) -> torch.Tensor:
+        """What the pipeline draws from a generator seeded with seed, one image each: (C, 1, h, w) holds
+        the numbers of its (1, 1, C, h, w) in the same order."""
+        scale = 2 ** len(parts.vae.temperal_downsample)
+        shape = (parts.transformer.in_channels, 1, height // scale, width // scale)
+        return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
+
+    def schedule(self, parts: Components, steps: int, latents: torch.Tensor) -> Schedule:
+        levels = sigmas(steps, image_tokens(*latents.shape[-2:]), parts.scheduler_config).to(latents.device)
+        return Schedule(levels, levels[:-1], euler(levels))
+
+    def guide(self, v_cond, v_uncond, scale: float):
+        return true_cfg(v_cond, v_uncond, scale)
+
+    def decode(self, parts: Components, latents) -> torch.Tensor:
+        z = denormalize_latents(latents.to(parts.vae.dtype), parts.vae.config)
+        return parts.vae.decode(z, return_dict=False)[0]  # (B, 3, 1, H, W)

@@ -1,0 +1,83 @@
+"""Sana as a tessera family (models/family.py): a diffusers SanaPipeline folder's transformer, Gemma-2
+text encoder and DC-AE; the prompt with the complex human instruction, padded to
+text_encoder.max_length (the pipeline's max_sequence_length); DPM-Solver++ over flow sigmas; classic
+classifier-free guidance.
+"""
+
+import torch
+
+from models.family import Components, Family, Schedule, load_transformer, part_folder, read_json
+from models.sana.sampling import RELEASE_SCHEDULER, denormalize_latents, dpm_solver_step, flow_schedule
+from models.sana.text import COMPLEX_HUMAN_INSTRUCTION, encode_text
+from models.sana.transformer import SanaConditioning
+from models.sana.weights import SanaFormatError, build_sana, tessera_from_diffusers
+
+
+def dpm_solver(sigmas):
+    def step(x, v, i, previous):
+        return dpm_solver_step(x, v.float(), sigmas, i, previous)
+
+    return step
+
+
+class Sana(Family):
+    name, title = "sana", "Sana"
+    pipeline_classes, transformer_classes = ("SanaPipeline",), ("SanaTransformer2DModel",)
+    parallel_degrees = ("cfg",)  # ulysses, ring and pipefusion: not yet (their operators are ready)
+
+    def vae_scale(self, cfg) -> int:
+        config = read_json(part_folder(cfg, "vae") / "config.json")
+        return 2 ** (len(config.get("encoder_block_out_channels", [0] * 6)) - 1)  # the pipeline's rule
+
+    def check_size(self, cfg, frames: int, height: int, width: int) -> None:
+        if frames != 1:
+            raise ValueError(f"Sana samples images: use --frames 1 (got {frames})")
+        multiple = self.vae_scale(cfg)
+        if height % multiple or width % multiple:
+            raise ValueError(
+                f"Sana samples sizes that are multiples of {multiple} (its DC-AE's stride): --height "
+                f"{height} --width {width} is not"
+            )
+
+    def load(self, cfg, device, dtype) -> Components:
+        from diffusers import AutoencoderDC
+        from transformers import AutoModel, AutoTokenizer
+
+        transformer = load_transformer(cfg.model.pretrained, build_sana, tessera_from_diffusers, dtype)
+        encoder = AutoModel.from_pretrained(part_folder(cfg, "text_encoder"), torch_dtype=dtype)
+        vae = AutoencoderDC.from_pretrained(part_folder(cfg, "vae"), torch_dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(part_folder(cfg, "tokenizer"))
+        scheduler = read_json(part_folder(cfg, "scheduler") / "scheduler_config.json")
+        scheduler = {**RELEASE_SCHEDULER, **scheduler}
+        if not scheduler.get("use_flow_sigmas") or scheduler.get("algorithm_type") != "dpmsolver++":
+            raise SanaFormatError(
+                f"{cfg.model.pretrained}: tessera samples Sana with DPM-Solver++ over flow sigmas (the "
+                "release's scheduler); this folder's scheduler_config.json asks for another"
+            )
+        parts = (transformer, encoder.eval(), vae.eval())
+        transformer, encoder, vae = (p.to(device).requires_grad_(False) for p in parts)
+        return Components(transformer, tokenizer, encoder, vae, scheduler)
+
+    def encode(self, parts: Components, prompts: list, max_length: int, negative: bool = False):
+        instruction = None if negative else COMPLEX_HUMAN_INSTRUCTION  # the pipeline's formatting
+        text = encode_text(parts.tokenizer, parts.text_encoder, prompts, max_length, instruction)
+        return SanaConditioning(*text)
+
+    def noise(self, parts: Components, seeds: list, frames: int, height: int, width: int) -> torch.Tensor:
+        """What the pipeline draws from a generator seeded with seed, one image each (C, 1, h, w)."""
+        scale = 2 ** (len(parts.vae.config.encoder_block_out_channels) - 1)
+        shape = (parts.transformer.in_channels, 1, height // scale, width // scale)
+        return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
+
+    def schedule(self, parts: Components, steps: int, latents: torch.Tensor) -> Schedule:
+        config = parts.scheduler_config
+        found = flow_schedule(steps, config["flow_shift"], config["num_train_timesteps"])
+        levels = found.sigmas.to(latents.device)
+        return Schedule(levels, found.timesteps.to(latents.device), dpm_solver(levels))
+
+    def velocity(self, parts: Components, x, t, cond):
+        return super().velocity(parts, x, t, cond).float()  # the pipeline guides in float32
+
+    def decode(self, parts: Components, latents) -> torch.Tensor:
+        z = denormalize_latents(latents[:, :, 0].to(parts.vae.dtype), parts.vae.config.scaling_factor)
+        return parts.vae.decode(z).sample.unsqueeze(2)  # (B, 3, 1, H, W)

@@ -1,0 +1,137 @@
+"""infer.py on the image families (models/families.py) against their diffusers pipelines, code no one here
+wrote: tiny random QwenImagePipeline and SanaPipeline folders saved here (nothing downloaded), loaded back
+by diffusers' from_pretrained, and by infer.py from the same folder with model.size=auto: the same images
+at a non-square size, with a negative prompt, guidance and per-prompt seeds. And the refusals: a folder of
+another family, a family tessera does not know, flags and layouts the families do not take yet."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import infer
+import train
+from configs import ConfigError, load_config
+from tests.conftest import ROOT, run_main, torchrun
+from tests.test_qwen_image import tiny_qwen_pipeline
+from tests.test_sana import MAX_LENGTH, NEGATIVE, PROMPTS, tiny_sana_pipeline
+
+# (the family's recipe, the pipeline builder, the pipeline's guidance keyword, pipeline-only keywords)
+FAMILIES = {
+    "qwen_image": ("qwen-image.yaml", tiny_qwen_pipeline, "true_cfg_scale", {}),
+    "sana": (
+        "sana-1600m-1024px.yaml",
+        tiny_sana_pipeline,
+        "guidance_scale",
+        dict(max_sequence_length=MAX_LENGTH, use_resolution_binning=False),
+    ),
+}
+SIZE = dict(qwen_image=(40, 24), sana=(32, 64))  # height, width: non-square, multiples of each stride
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def saved(request, tmp_path_factory):
+    """(family, its tiny pipeline saved as a diffusers folder)."""
+    name = request.param
+    folder = tmp_path_factory.mktemp(name) / "pipeline"
+    with torch.random.fork_rng():
+        FAMILIES[name][1]().save_pretrained(folder)
+    return name, folder
+
+
+def infer_args(name, folder, tmp_path, *extra):
+    recipe, height, width = FAMILIES[name][0], *SIZE[name]
+    return [
+        "--config",
+        str(ROOT / "configs" / recipe),
+        "model.size=auto",
+        f"model.pretrained={folder}",
+        f"vae.pretrained={folder}",
+        f"text_encoder.pretrained={folder}",
+        f"text_encoder.max_length={MAX_LENGTH if name == 'sana' else 512}",
+        f"run.output_dir={tmp_path / 'run'}",
+        "--frames",
+        "1",
+        "--height",
+        str(height),
+        "--width",
+        str(width),
+        *extra,
+    ]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("processes", [1, 2], ids=["one-process", "cfg2"])
+def test_infer_matches_the_pipeline(saved, tmp_path, processes):
+    """Two prompts (one cut or padded), a negative prompt, 3 steps, guidance 4, seeds 5 and 6: infer.py's
+    .npy images are the pipeline's, prompt by prompt; on one process, and with the guidance branches on
+    two (parallel.cfg=2, torchrun)."""
+    from diffusers import DiffusionPipeline
+
+    name, folder = saved
+    out = tmp_path / "image.npy"
+    argv = infer_args(name, folder, tmp_path, "--prompt", *PROMPTS, "--negative-prompt", NEGATIVE)
+    argv += ["--steps", "3", "--guidance", "4", "--seed", "5", "--output", str(out)]
+    if processes == 1:
+        assert run_main(infer, argv) == 0
+    else:
+        done = torchrun(2, "infer.py", *argv, "parallel.cfg=2", timeout=180)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "cfg=2" in done.stdout
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    _, _, guidance, extra = FAMILIES[name]
+    height, width = SIZE[name]
+    for i, prompt in enumerate(PROMPTS):
+        want = pipe(
+            prompt=prompt,
+            negative_prompt=NEGATIVE,
+            num_inference_steps=3,
+            height=height,
+            width=width,
+            generator=torch.Generator().manual_seed(5 + i),
+            output_type="np",
+            **{guidance: 4.0},
+            **extra,
+        ).images[0]
+        got = np.load(tmp_path / f"image_{i:03d}.npy")
+        diff = float(np.abs(got[0] - want).max())
+        print(f"{name} prompt {i}: infer.py vs {type(pipe).__name__} max abs diff {diff:.2e}")
+        assert got.shape == (1, height, width, 3) and got.dtype == np.float32 and want.std() > 0.01
+        assert diff <= 1e-5
+
+
+def test_refusals(saved, tmp_path, capsys):
+    """Each bad request: one error line naming it, before any process group or model."""
+    name, folder = saved
+    cases = [
+        (["--lora", "x.safetensors"], "--lora is not supported"),
+        (["--frames", "5"], "--frames 1"),
+        (["--height", "33"], "multiples of"),
+        (["parallel.ulysses=2"], "parallel.ulysses=2"),
+    ]
+    for extra, expected in cases:
+        assert run_main(infer, [*infer_args(name, folder, tmp_path), *extra]) != 0
+        err = capsys.readouterr().err
+        assert expected in err and err.count("error:") == 1, err
+    assert run_main(train, ["--config", str(ROOT / "configs" / FAMILIES[name][0])]) != 0
+    assert "does not train" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_family_of_a_folder(saved, tmp_path):
+    """model.size=auto takes the family from the folder; a folder of another family or of one tessera
+    does not know is refused by name."""
+    name, folder = saved
+    assert load_config(None, ["model.size=auto", f"model.pretrained={folder}"]).model.family == name
+    with pytest.raises(ConfigError, match="model.size=auto"):
+        load_config(None, ["model.size=DiT-S", f"model.pretrained={folder}"])
+    other = "sana" if name == "qwen_image" else "qwen_image"
+    with pytest.raises(ConfigError, match=f"model.family={other}"):
+        load_config(None, ["model.size=auto", f"model.family={other}", f"model.pretrained={folder}"])
+    flux = tmp_path / "flux"
+    flux.mkdir()
+    (flux / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    with pytest.raises(ConfigError, match="FluxPipeline, a family tessera does not know"):
+        load_config(None, ["model.size=auto", f"model.pretrained={flux}"])
