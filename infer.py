@@ -55,6 +55,7 @@ from parallel.entrypoint import run_as_process
 from parallel.finite import check_adapters_finite, check_checkpoint_finite
 from parallel.layout import ParallelLayout
 from parallel.lora import base_of_run, checkpoint_adapters, is_tessera_run, lora_of
+from parallel.operators import apply_operators, check_sequence_layout
 from parallel.pipefusion_plan import held_elsewhere, keep_stage
 from parallel.rendezvous import finish_line
 from parallel.runtime import init_runtime, links_are_slow, local_world_size, world_from_env
@@ -518,6 +519,8 @@ def sample_family(cfg, args, family, session) -> None:
     if runtime.is_main:
         print(f"[tessera] {family.title} from {cfg.model.pretrained}; layout {layout.describe()}", flush=True)
     parts = family.load(cfg, runtime.device, torch.bfloat16 if runtime.bf16(cfg.train.precision) else None)
+    check_sequence_layout(parts.transformer, layout.ulysses, layout.ring, family.title)  # alike on every rank
+    parts.transformer = apply_operators(parts.transformer, runtime.sequence)
     mine = list(range(layout.dp_rank(runtime.rank), len(prompts), layout.dp))  # split over dp
     finish(runtime, sample_family_prompts(cfg, args, runtime, request, mine, family, parts) if mine else None)
 

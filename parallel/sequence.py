@@ -117,8 +117,10 @@ class ShardedSequence(nn.Module):
         padded = -(-tokens // size) * size
         self.state.tokens = tokens
         x = F.pad(x, (0, 0, 0, padded - tokens))
-        rope = F.pad(rope, (0, 0, 0, 0, 0, padded - tokens))
         n, start = padded // size, self.groups.sp_rank * (padded // size)
+        if rope is None:  # a family whose positions are added before the blocks (Sana)
+            return x[:, start : start + n], None
+        rope = F.pad(rope, (0, 0, 0, 0, 0, padded - tokens))
         return x[:, start : start + n], rope[start : start + n]
 
     def gather(self, x):

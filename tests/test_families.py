@@ -19,15 +19,26 @@ from tests.test_sana import MAX_LENGTH, NEGATIVE, PROMPTS, tiny_sana_pipeline
 
 # (the family's recipe, the pipeline builder, the pipeline's guidance keyword, pipeline-only keywords)
 FAMILIES = {
-    "qwen_image": ("qwen-image.yaml", tiny_qwen_pipeline, "true_cfg_scale", {}),
+    "qwen_image": (
+        "qwen-image.yaml",
+        lambda: tiny_qwen_pipeline(num_attention_heads=2),
+        "true_cfg_scale",
+        {},
+    ),
     "sana": (
         "sana-1600m-1024px.yaml",
-        tiny_sana_pipeline,
+        lambda: tiny_sana_pipeline(stages=6),  # the release's 32x DC-AE: few tokens for the pipeline's sizes
         "guidance_scale",
         dict(max_sequence_length=MAX_LENGTH, use_resolution_binning=False),
     ),
 }
-SIZE = dict(qwen_image=(40, 24), sana=(32, 64))  # height, width: non-square, multiples of each stride
+# height, width: non-square, 5 x 3 tokens (which no degree divides); Sana's pipeline takes multiples of 32
+SIZE = dict(qwen_image=(40, 24), sana=(160, 96))
+LAYOUTS = {  # (processes, overrides, families): each launch checks its degrees together
+    "one-process": (1, [], ("qwen_image", "sana")),
+    "cfg2-ulysses2": (4, ["parallel.cfg=2", "parallel.ulysses=2"], ("qwen_image", "sana")),
+    "ring2": (2, ["parallel.ring=2"], ("sana",)),  # Qwen-Image's joint attention: Ulysses only
+}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -62,23 +73,26 @@ def infer_args(name, folder, tmp_path, *extra):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("processes", [1, 2], ids=["one-process", "cfg2"])
-def test_infer_matches_the_pipeline(saved, tmp_path, processes):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_infer_matches_the_pipeline(saved, tmp_path, layout):
     """Two prompts (one cut or padded), a negative prompt, 3 steps, guidance 4, seeds 5 and 6: infer.py's
-    .npy images are the pipeline's, prompt by prompt; on one process, and with the guidance branches on
-    two (parallel.cfg=2, torchrun)."""
+    .npy images are the pipeline's, prompt by prompt; on one process, and with the guidance branches and
+    the tokens split over processes (torchrun)."""
     from diffusers import DiffusionPipeline
 
     name, folder = saved
+    processes, overrides, families = LAYOUTS[layout]
+    if name not in families:
+        pytest.skip(f"{name} does not sample under {layout} (refused by name: test_refusals)")
     out = tmp_path / "image.npy"
     argv = infer_args(name, folder, tmp_path, "--prompt", *PROMPTS, "--negative-prompt", NEGATIVE)
-    argv += ["--steps", "3", "--guidance", "4", "--seed", "5", "--output", str(out)]
+    argv += ["--steps", "3", "--guidance", "4", "--seed", "5", "--output", str(out), *overrides]
     if processes == 1:
         assert run_main(infer, argv) == 0
     else:
-        done = torchrun(2, "infer.py", *argv, "parallel.cfg=2", timeout=180)
+        done = torchrun(processes, "infer.py", *argv, timeout=240)
         assert done.returncode == 0, done.stderr[-3000:]
-        assert "cfg=2" in done.stdout
+        assert all(o.split(".")[1] in done.stdout for o in overrides), done.stdout  # the layout line
     pipe = DiffusionPipeline.from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
     _, _, guidance, extra = FAMILIES[name]
@@ -109,8 +123,10 @@ def test_refusals(saved, tmp_path, capsys):
         (["--lora", "x.safetensors"], "--lora is not supported"),
         (["--frames", "5"], "--frames 1"),
         (["--height", "33"], "multiples of"),
-        (["parallel.ulysses=2"], "parallel.ulysses=2"),
+        (["parallel.pipefusion=2"], "parallel.pipefusion=2"),
     ]
+    if name == "qwen_image":
+        cases.append((["parallel.ring=2"], "parallel.ring=2"))
     for extra, expected in cases:
         assert run_main(infer, [*infer_args(name, folder, tmp_path), *extra]) != 0
         err = capsys.readouterr().err

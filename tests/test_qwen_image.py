@@ -111,8 +111,8 @@ def pipe():
     return tiny_qwen_pipeline()
 
 
-def tiny_qwen_pipeline():
-    """The tiny diffusers QwenImagePipeline, float32, seeded."""
+def tiny_qwen_pipeline(**transformer):
+    """The tiny diffusers QwenImagePipeline, float32, seeded (`transformer`: config keys over TINY's)."""
     from diffusers import (
         AutoencoderKLQwenImage,
         FlowMatchEulerDiscreteScheduler,
@@ -123,7 +123,7 @@ def tiny_qwen_pipeline():
     tokenizer = tiny_tokenizer()
     text_encoder = tiny_text_encoder(len(tokenizer))
     torch.manual_seed(0)
-    transformer = QwenImageTransformer2DModel(**TINY_TRANSFORMER).eval()
+    transformer = QwenImageTransformer2DModel(**{**TINY_TRANSFORMER, **transformer}).eval()
     torch.manual_seed(0)
     vae = AutoencoderKLQwenImage(**VAE_CONFIG).eval()
     scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER)

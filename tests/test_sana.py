@@ -222,9 +222,9 @@ def tiny_pipeline():
     return tiny_sana_pipeline()
 
 
-def tiny_sana_pipeline():
-    """A tiny random SanaPipeline, float32: Gemma-2 encoder, diffusers' own tiny DC-AE, the release's
-    scheduler."""
+def tiny_sana_pipeline(stages: int = 2):
+    """A tiny random SanaPipeline, float32: Gemma-2 encoder, diffusers' own tiny DC-AE (`stages`: its
+    compression is 2 ** (stages - 1); the release's 32x has 6), the release's scheduler."""
     from diffusers import AutoencoderDC, DPMSolverMultistepScheduler, SanaPipeline
     from transformers import Gemma2Config, Gemma2Model
 
@@ -248,14 +248,14 @@ def tiny_sana_pipeline():
         in_channels=3,
         latent_channels=4,
         attention_head_dim=2,
-        encoder_block_types=("ResBlock", "EfficientViTBlock"),
-        decoder_block_types=("ResBlock", "EfficientViTBlock"),
-        encoder_block_out_channels=(8, 8),
-        decoder_block_out_channels=(8, 8),
-        encoder_qkv_multiscales=((), (5,)),
-        decoder_qkv_multiscales=((), (5,)),
-        encoder_layers_per_block=(1, 1),
-        decoder_layers_per_block=[1, 1],
+        encoder_block_types=("ResBlock",) * (stages - 1) + ("EfficientViTBlock",),
+        decoder_block_types=("ResBlock",) * (stages - 1) + ("EfficientViTBlock",),
+        encoder_block_out_channels=(8,) * stages,
+        decoder_block_out_channels=(8,) * stages,
+        encoder_qkv_multiscales=((),) * (stages - 1) + ((5,),),
+        decoder_qkv_multiscales=((),) * (stages - 1) + ((5,),),
+        encoder_layers_per_block=(1,) * stages,
+        decoder_layers_per_block=[1] * stages,
         downsample_block_type="conv",
         upsample_block_type="interpolate",
         decoder_norm_types="rms_norm",

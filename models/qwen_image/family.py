@@ -34,7 +34,7 @@ def euler(sigmas):
 class QwenImage(Family):
     name, title = "qwen_image", "Qwen-Image"
     pipeline_classes, transformer_classes = (PIPELINE_CLASS,), (TRANSFORMER_CLASS,)
-    parallel_degrees = ("cfg",)  # ulysses, ring and pipefusion: not yet (their operators are ready)
+    parallel_degrees = ("cfg", "ulysses")  # ring: not yet (joint attention runs under Ulysses)
 
     def vae_scale(self, cfg) -> int:
         config = read_json(part_folder(cfg, "vae") / "config.json")

@@ -23,7 +23,7 @@ def dpm_solver(sigmas):
 class Sana(Family):
     name, title = "sana", "Sana"
     pipeline_classes, transformer_classes = ("SanaPipeline",), ("SanaTransformer2DModel",)
-    parallel_degrees = ("cfg",)  # ulysses, ring and pipefusion: not yet (their operators are ready)
+    parallel_degrees = ("cfg", "ulysses", "ring")  # its operators stay exact under any split
 
     def vae_scale(self, cfg) -> int:
         config = read_json(part_folder(cfg, "vae") / "config.json")

@@ -1,0 +1,144 @@
+"""Sequence parallelism for the families of models/family.py, by the kind of each operator (DESIGN.md,
+Model families): the model's `sequence` pads and slices the tokens after the embedding and gathers them
+before the head (parallel/sequence.py's ShardedSequence), and each operator with a `kind` is replaced by
+one that stays exact with its tokens split:
+
+- joint (Qwen-Image's MMDiT): Ulysses all-to-all of the image tokens; the text, whole on every rank, takes
+  part with this rank's heads only, so each text token counts once per attention; padded image keys masked;
+- linear (Sana): each rank's key/value sums (padded tokens dropped) added over every rank, then its own
+  queries answered: exact under any ulysses x ring split, with no all-to-all;
+- grid_conv (Sana's 3 x 3 depthwise convolution): a rank's tokens need w + 1 neighbours on each side (one
+  row and one token): they come from the adjacent ranks in one small all-gather;
+- cross (the context is whole on every rank): unchanged.
+Sampling only for now: the all-reduced sums and the halo carry no gradient.
+"""
+
+import torch
+import torch.nn as nn
+
+from parallel import comm
+from parallel.sequence import SequenceGroups, SequenceState, ShardedSequence, _GatherTokens, all_to_all_dims
+
+
+class UlyssesJointAttention(nn.Module):
+    """Replaces a "joint" operator (image q, k, v (B, H, n, Dh) of this rank's tokens; text q, k, v
+    (B, H, L, Dh) whole) under Ulysses: heads for tokens on the image side, this rank's heads of the text."""
+
+    kind = "joint"
+
+    def __init__(self, groups: SequenceGroups, state: SequenceState, local: nn.Module):
+        super().__init__()
+        self.groups, self.state, self.kernel = groups, state, local.kernel
+
+    @torch.compiler.disable
+    def forward(self, q, k, v, text_q, text_k, text_v, text_mask):
+        g = self.groups
+        q, k, v = all_to_all_dims(torch.stack((q, k, v)), 2, 3, g.ulysses_group).unbind(0)  # (B, H/u, N, Dh)
+        heads = slice(g.ulysses_rank * q.shape[1], (g.ulysses_rank + 1) * q.shape[1])
+        text_q, text_k, text_v = text_q[:, heads], text_k[:, heads], text_v[:, heads]
+        B, L, N = q.shape[0], text_q.shape[2], q.shape[2]
+        text_keys = text_mask.bool() if text_mask is not None else torch.ones(B, L, dtype=torch.bool)
+        image_keys = (torch.arange(N) < self.state.tokens).expand(B, N)  # padded image keys masked
+        mask = torch.cat([text_keys.to(q.device), image_keys.to(q.device)], dim=1)[:, None, None, :]
+        out = self.kernel(
+            torch.cat([text_q, q], dim=2), torch.cat([text_k, k], dim=2), torch.cat([text_v, v], dim=2), mask
+        )
+        image = all_to_all_dims(out[:, :, L:].contiguous(), 2, 1, g.ulysses_group)  # (B, H, n, Dh)
+        return image, _GatherTokens.apply(out[:, :, :L].contiguous(), g.ulysses_group)  # text: every head
+
+
+class ShardedLinearAttention(nn.Module):
+    """Replaces a "linear" operator: the key/value sums of this rank's real tokens, added over the whole
+    sequence-parallel group, then this rank's queries."""
+
+    kind = "linear"
+
+    def __init__(self, groups: SequenceGroups, sequence: ShardedSequence, local: nn.Module):
+        super().__init__()
+        self.groups, self.sequence, self.local = groups, sequence, local
+
+    @torch.compiler.disable
+    def forward(self, q, k, v):
+        real = self.sequence.valid_tokens(k.shape[2])
+        keep = (torch.arange(k.shape[2], device=k.device) < real).view(1, 1, -1, 1)
+        sums = self.local.key_value_sums(k * keep, v)  # a padded token adds nothing
+        comm.all_reduce(sums, group=self.groups.sp_group)
+        return self.local.attend(q, sums).to(q.dtype)
+
+
+class HaloGridConv(nn.Module):
+    """Replaces a "grid_conv" operator (a 3 x 3 depthwise convolution over one frame's (h, w) grid, tokens
+    in row order): this rank's tokens with the w + 1 tokens before and after them (from the adjacent ranks;
+    zeros beyond the grid), the nine taps added with each column's edge masked."""
+
+    kind = "grid_conv"
+
+    def __init__(self, groups: SequenceGroups, sequence: ShardedSequence, local: nn.Module):
+        super().__init__()
+        self.groups, self.sequence, self.local = groups, sequence, local
+
+    @torch.compiler.disable
+    def forward(self, tokens, grid):
+        (t, h, w), (B, n, C) = grid, tokens.shape
+        g, halo = self.groups, w + 1
+        if t != 1 or n < halo:
+            raise ValueError(
+                f"the grid convolution under sequence parallelism needs one frame and at least {halo} tokens "
+                f"per rank (a row and one): {n} tokens per rank over a {h} x {w} grid; use fewer ranks"
+            )
+        real = self.sequence.valid_tokens(n)
+        tokens = tokens * (torch.arange(n, device=tokens.device) < real).view(1, -1, 1)  # padding: zeros
+        ends = torch.cat([tokens[:, :halo], tokens[:, -halo:]], dim=1).contiguous()
+        every = torch.empty((g.sp_size, *ends.shape), dtype=ends.dtype, device=ends.device)
+        comm.all_gather_into_tensor(every, ends, g.sp_group)
+        zeros = tokens.new_zeros(B, halo, C)
+        before = every[g.sp_rank - 1, :, halo:] if g.sp_rank > 0 else zeros
+        after = every[g.sp_rank + 1, :, :halo] if g.sp_rank + 1 < g.sp_size else zeros
+        extended = torch.cat([before, tokens, after], dim=1)  # (B, n + 2 halo, C)
+        column = (torch.arange(n, device=tokens.device) + g.sp_rank * n) % w
+        weight = self.local.weight.view(C, 3, 3)
+        out = self.local.bias.view(1, 1, C).expand(B, n, C).clone()
+        for di in (-1, 0, 1):
+            for dj in (-1, 0, 1):
+                start = halo + di * w + dj
+                inside = ((column + dj >= 0) & (column + dj < w)).view(1, -1, 1)
+                out = out + extended[:, start : start + n] * weight[:, di + 1, dj + 1] * inside
+        return out
+
+
+REPLACEMENTS = {"joint": UlyssesJointAttention, "linear": ShardedLinearAttention, "grid_conv": HaloGridConv}
+RING_EXACT = {"linear", "grid_conv", "cross"}  # kinds exact under ring as built here (joint: Ulysses only)
+
+
+def operator_kinds(model: nn.Module) -> set:
+    return {module.kind for module in model.modules() if hasattr(module, "kind")}
+
+
+def check_sequence_layout(model: nn.Module, ulysses: int, ring: int, title: str) -> None:
+    """Refuse by name a split the model's operators cannot stay exact under (before any collective)."""
+    kinds = operator_kinds(model)
+    unknown = kinds - {*REPLACEMENTS, "cross"}
+    if unknown and ulysses * ring > 1:
+        raise ValueError(
+            f"{title} has operators of kind {sorted(unknown)}, which no sequence split handles yet"
+        )
+    if ring > 1 and kinds - RING_EXACT:
+        raise ValueError(
+            f"{title} does not sample under parallel.ring={ring}: its {sorted(kinds - RING_EXACT)} attention "
+            "runs under Ulysses only (parallel.ulysses)"
+        )
+
+
+def apply_operators(model: nn.Module, groups: SequenceGroups) -> nn.Module:
+    """Make a family's single-device transformer sequence parallel over `groups`, operator by kind."""
+    if groups.sp_size == 1:
+        return model
+    state = SequenceState()
+    model.sequence = ShardedSequence(groups, state)
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            kind = getattr(child, "kind", None)
+            if kind in REPLACEMENTS and not isinstance(child, tuple(REPLACEMENTS.values())):
+                context = state if kind == "joint" else model.sequence
+                setattr(module, name, REPLACEMENTS[kind](groups, context, child))
+    return model
