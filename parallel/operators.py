@@ -9,8 +9,7 @@ one that stays exact with its tokens split:
   queries answered: exact under any ulysses x ring split, with no all-to-all;
 - grid_conv (Sana's 3 x 3 depthwise convolution): a rank's tokens need w + 1 neighbours on each side (one
   row and one token): they come from the adjacent ranks in one small all-gather;
-- cross (the context is whole on every rank): unchanged.
-Sampling only for now: the all-reduced sums and the halo carry no gradient.
+- cross (the context is whole on every rank): unchanged. Sampling only: the sums and halo carry no gradient.
 """
 
 import torch

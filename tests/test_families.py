@@ -73,7 +73,9 @@ def infer_args(name, folder, tmp_path, *extra):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "layout", [pytest.param(name, marks=[pytest.mark.slow] * (LAYOUTS[name][0] > 1)) for name in LAYOUTS]
+)
 def test_infer_matches_the_pipeline(saved, tmp_path, layout):
     """Two prompts (one cut or padded), a negative prompt, 3 steps, guidance 4, seeds 5 and 6: infer.py's
     .npy images are the pipeline's, prompt by prompt; on one process, and with the guidance branches and

@@ -242,6 +242,7 @@ def test_recipes_and_overrides_load():
 def test_parallel_layouts_are_valid():
     from configs import load_config, split_overrides
     from models.dit import DiT_models
+    from models.families import family_named
     from parallel.layout import ParallelLayout
 
     for cmd in COMMANDS:
@@ -251,6 +252,12 @@ def test_parallel_layouts_are_valid():
         world = nproc * int(option(cmd.launcher_args, "--nnodes", default=1))
         others, overrides = split_overrides(cmd.args)
         cfg = load_config(ROOT / option(others, "--config", default="configs/demo.yaml"), overrides)
+        family = family_named(cfg.model.family)
+        if not family.native:  # its heads are its folder's (absent here): the degrees it takes, and the world
+            given = {name for name in ("cfg", "ulysses", "ring", "pipefusion") if cfg.parallel[name] > 1}
+            assert given <= set(family.parallel_degrees), f"`{cmd.text}`: {family.title} takes no {given}"
+            ParallelLayout.from_config(cfg.parallel, world, cfg.parallel.ulysses, "sample", nproc)
+            continue
         size = DiT_models[cfg.model.size]
         if cmd.program == "train.py":
             ParallelLayout.from_config(cfg.parallel, world, size["num_heads"], "train", nproc)
