@@ -243,13 +243,16 @@ def lora_deltas(cfg, text_encoder, vae, checkpoint, record, use_ema: bool, loras
     return deltas
 
 
-def read_loras(cfg, specs) -> list:
-    """Every --lora FILE[:SCALE] read and matched to the recipe's DiT (on the meta device) before
-    init_runtime: a missing or damaged file, or a key that fits no layer, stops every rank alike here."""
+def read_loras(cfg, specs, family=None) -> list:
+    """Every --lora FILE[:SCALE] read and matched to the recipe's DiT (on the meta device; `family`: to its
+    transformer) before init_runtime: a missing or damaged file, or a key that fits no layer, stops every
+    rank alike here."""
     if not specs:
         return []
     for spec in specs:
         check_file(parse_lora_spec(spec)[0])  # all files exist before the first is read
+    if family is not None:
+        return [family.read_lora(cfg, spec) for spec in specs]
     model = meta_dit(cfg)
     return [read_lora(spec, model) for spec in specs]
 
@@ -510,6 +513,7 @@ def sample_family(cfg, args, family, session) -> None:
     any process group."""
     refuse_flags(cfg, args, family)
     family.check_pretrained(cfg)
+    loras = read_loras(cfg, args.lora, family)
     prompts, outputs, frames, height, width, steps, guidance, negative = read_sizes(cfg, args)
     family.check_size(cfg, frames, height, width)
     request = Request(prompts, outputs, frames, height, width, steps, guidance, negative, [], ())
@@ -518,7 +522,12 @@ def sample_family(cfg, args, family, session) -> None:
     runtime = init_runtime(cfg.parallel, layout, cfg.run.output_dir, task="sample", session=session)
     if runtime.is_main:
         print(f"[tessera] {family.title} from {cfg.model.pretrained}; layout {layout.describe()}", flush=True)
-    parts = family.load(cfg, runtime.device, torch.bfloat16 if runtime.bf16(cfg.train.precision) else None)
+    parts = family.load(
+        cfg, runtime.device, torch.bfloat16 if runtime.bf16(cfg.train.precision) else torch.float32
+    )
+    for update, strength in loras:  # merged: every layout then runs the plain transformer
+        merge_deltas(parts.transformer, update.deltas(strength))
+    del loras
     check_sequence_layout(parts.transformer, layout.ulysses, layout.ring, family.title)  # alike on every rank
     parts.transformer = apply_operators(parts.transformer, runtime.sequence)
     mine = list(range(layout.dp_rank(runtime.rank), len(prompts), layout.dp))  # split over dp
@@ -529,7 +538,6 @@ def refuse_flags(cfg, args, family) -> None:
     """What the family's sampling does not take yet, refused by name."""
     given = {
         "--checkpoint": args.checkpoint,
-        "--lora": args.lora,
         "--image": args.image,
         "--last-image": args.last_image,
         "--random-weights": args.random_weights,
@@ -607,6 +615,8 @@ def sample_family_prompts(cfg, args, runtime, request: Request, mine: list, fami
             write_batch(cfg, args, runtime, request, batch, images, bad)
             unwritten.update(bad)
     weights = f"model.pretrained={cfg.model.pretrained}"
+    if args.lora:
+        weights += f" with --lora {' '.join(args.lora)} (try without them, or at lower scales)"
     return ValueError(nonfinite_message(cfg, runtime, request, unwritten, weights)) if unwritten else None
 
 

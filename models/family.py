@@ -79,6 +79,34 @@ class Family:
     def check_size(self, frames: int, height: int, width: int) -> None:
         """Refuse a size the family cannot sample, naming the flag (ValueError)."""
 
+    def build(self, config: dict, cfg) -> torch.nn.Module:
+        """The transformer of a diffusers config.json (on whatever device is current)."""
+        raise NotImplementedError
+
+    def to_tessera(self, state: dict) -> dict:
+        """A diffusers state dict under the transformer's own names."""
+        raise NotImplementedError
+
+    def diffusers_name(self, name: str) -> str:
+        """A module's diffusers name (what LoRA files say)."""
+        raise NotImplementedError
+
+    def meta_transformer(self, cfg) -> torch.nn.Module:
+        """model.pretrained's transformer on the meta device: names and shapes, before anything loads."""
+        with torch.device("meta"):
+            return self.build(read_json(part_folder(cfg, "transformer") / "config.json"), cfg)
+
+    def read_lora(self, cfg, spec: str):
+        """(models.lora_formats.LoRAUpdate, strength) of `FILE[:SCALE]` matched to model.pretrained's
+        transformer: diffusers/PEFT names (with or without `transformer.`), ComfyUI's `diffusion_model.`,
+        kohya's `lora_unet_`; a key that fits no layer is a LoRAFormatError naming it."""
+        from models.lora_formats import match_lora, model_projections, parse_lora_spec, read_file
+
+        path, strength = parse_lora_spec(spec)
+        projections, linears = model_projections(self.meta_transformer(cfg), self.diffusers_name)
+        tensors, config = read_file(path)
+        return match_lora(tensors, projections, linears, path, config), strength
+
     def load(self, cfg, device, dtype) -> Components:
         raise NotImplementedError
 

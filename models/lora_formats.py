@@ -99,20 +99,23 @@ def projections_of(linears: dict, wan: bool) -> dict[str, list[Projection]]:
     return out
 
 
-def model_projections(model) -> tuple[dict, dict]:
+def model_projections(model, names=None) -> tuple[dict, dict]:
     """(projections_of every Linear of `model`, {module: (in_features, out_features)}); Wan names when the
-    DiT has Wan's architecture options, tessera's otherwise. Works on a meta-device model."""
+    DiT has Wan's architecture options, tessera's otherwise; `names(module) -> diffusers name` for a family
+    whose modules are diffusers' Linears one for one (models/family.py). Works on a meta-device model."""
     from torch import nn
 
     from models.dit import WAN_OPTIONS
 
-    architecture = model.architecture()
-    wan = all(architecture.get(k) == v for k, v in WAN_OPTIONS.items())
     linears = {
         name: (m.in_features, m.out_features)
         for name, m in model.named_modules()
         if isinstance(m, nn.Linear) and not name.endswith((".lora_A", ".lora_B"))
     }
+    if names is not None:  # the original single files keep diffusers' names (Qwen-Image, Sana's LoRAs)
+        return {m: [Projection(m, None, names(m), names(m))] for m in linears}, linears
+    architecture = model.architecture()
+    wan = all(architecture.get(k) == v for k, v in WAN_OPTIONS.items())
     return projections_of({k: v[1] for k, v in linears.items()}, wan), linears
 
 
@@ -289,7 +292,7 @@ def match_lora(
         raise LoRAFormatError(
             f"{path}: {matched} of {len(tensors)} keys match this model's layers; no layer for "
             f"{shown or 'any'}"
-            " (tessera reads diffusers/PEFT, ComfyUI/Wan-original and kohya/musubi names of a Wan "
+            " (tessera reads diffusers/PEFT, ComfyUI/original and kohya/musubi names of this model's "
             "transformer; a LoRA for another model family does not apply)"
         )
     updates, wrong, ranks = [], [], set()

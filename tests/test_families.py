@@ -5,6 +5,7 @@ at a non-square size, with a negative prompt, guidance and per-prompt seeds. And
 another family, a family tessera does not know, flags and layouts the families do not take yet."""
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -153,3 +154,82 @@ def test_family_of_a_folder(saved, tmp_path):
     (flux / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
     with pytest.raises(ConfigError, match="FluxPipeline, a family tessera does not know"):
         load_config(None, ["model.size=auto", f"model.pretrained={flux}"])
+
+
+def peft_lora(pipe, folder):
+    """A LoRA made by PEFT on the pipeline's diffusers transformer (random B, alpha 2 r: a scale that
+    matters), saved as diffusers saves a pipeline's LoRA (its PEFT config in the header)."""
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["to_q", "to_v", "to_out.0"], init_lora_weights=False
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        pipe.transformer.add_adapter(config)
+    type(pipe).save_lora_weights(
+        folder,
+        transformer_lora_layers=get_peft_model_state_dict(pipe.transformer),
+        transformer_lora_adapter_metadata=config.to_dict(),
+    )
+    return folder / "pytorch_lora_weights.safetensors"
+
+
+@torch.no_grad()
+def test_peft_lora_loads(saved, tmp_path, capsys):
+    """infer.py --lora FILE:0.5 with a PEFT LoRA gives the image the pipeline gives after load_lora_weights
+    at adapter weight 0.5 (and not the image without it); a LoRA of the other family is refused by name."""
+    from diffusers import DiffusionPipeline
+    from safetensors.torch import save_file
+
+    name, folder = saved
+    _, _, guidance, extra = FAMILIES[name]
+    height, width = SIZE[name]
+
+    def sample(pipe):
+        pipe.set_progress_bar_config(disable=True)
+        return pipe(
+            prompt=PROMPTS[0],
+            negative_prompt=NEGATIVE,
+            num_inference_steps=2,
+            height=height,
+            width=width,
+            generator=torch.Generator().manual_seed(1),
+            output_type="np",
+            **{guidance: 4.0},
+            **extra,
+        ).images[0]
+
+    lora = peft_lora(DiffusionPipeline.from_pretrained(folder), tmp_path)
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    plain = sample(pipe)
+    pipe.load_lora_weights(lora, adapter_name="tiny")
+    pipe.set_adapters("tiny", 0.5)
+    want = sample(pipe)
+    out = tmp_path / "lora.npy"
+    argv = infer_args(name, folder, tmp_path, "--prompt", PROMPTS[0], "--negative-prompt", NEGATIVE)
+    argv += ["--steps", "2", "--guidance", "4", "--seed", "1", "--output", str(out), "--lora", f"{lora}:0.5"]
+    assert run_main(infer, argv) == 0
+    got = np.load(out)[0]
+    diff = float(np.abs(got - want).max())
+    print(
+        f"{name} PEFT LoRA at 0.5: infer.py --lora vs load_lora_weights max abs diff {diff:.2e}",
+        file=sys.__stderr__,
+    )
+    assert diff <= 1e-4 and np.abs(want - plain).max() > 1e-3  # the LoRA changes the image
+
+    # the other family's layer names: Sana's attn1 in a Qwen-Image file, Qwen-Image's add_q_proj in Sana's
+    key = "transformer_blocks.0." + ("attn1.to_q" if name == "qwen_image" else "attn.add_q_proj")
+    wrong = tmp_path / "other.safetensors"
+    save_file(
+        {
+            f"transformer.{key}.lora_A.weight": torch.zeros(4, 8),
+            f"transformer.{key}.lora_B.weight": torch.zeros(8, 4),
+        },
+        wrong,
+    )
+    capsys.readouterr()
+    assert run_main(infer, [*infer_args(name, folder, tmp_path), "--lora", str(wrong)]) != 0
+    err = capsys.readouterr().err
+    assert f"no layer for transformer.{key}.lora_A.weight" in err and err.count("error:") == 1, err

@@ -9,8 +9,13 @@ from models.family import Components, Family, Schedule, load_transformer, part_f
 from models.qwen_image.sampling import denormalize_latents, image_tokens, sigmas, true_cfg
 from models.qwen_image.text import encode_prompt
 from models.qwen_image.transformer import QwenImageCond
-from models.qwen_image.weights import PIPELINE_CLASS, TRANSFORMER_CLASS, build_transformer
-from models.qwen_image.weights import tessera_state_dict_from_diffusers as to_tessera
+from models.qwen_image.weights import (
+    PIPELINE_CLASS,
+    TRANSFORMER_CLASS,
+    build_transformer,
+    diffusers_key,
+    tessera_state_dict_from_diffusers,
+)
 
 # Qwen/Qwen-Image's scheduler/scheduler_config.json, for a transformer folder without one beside it
 RELEASE_SCHEDULER = dict(
@@ -51,12 +56,21 @@ class QwenImage(Family):
                 f"{width // multiple * multiple or multiple})"
             )
 
+    def build(self, config: dict, cfg):
+        return build_transformer(config, cfg.model.attention_backend)
+
+    def to_tessera(self, state: dict) -> dict:
+        return tessera_state_dict_from_diffusers(state)
+
+    def diffusers_name(self, name: str) -> str:
+        return diffusers_key(name)
+
     def load(self, cfg, device, dtype) -> Components:
         from diffusers import AutoencoderKLQwenImage
         from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
-        build = lambda config: build_transformer(config, cfg.model.attention_backend)  # noqa: E731
-        transformer = load_transformer(cfg.model.pretrained, build, to_tessera, dtype)
+        build = lambda config: self.build(config, cfg)  # noqa: E731
+        transformer = load_transformer(cfg.model.pretrained, build, self.to_tessera, dtype)
         encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
             part_folder(cfg, "text_encoder"), torch_dtype=dtype
         )

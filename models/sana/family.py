@@ -10,7 +10,7 @@ from models.family import Components, Family, Schedule, load_transformer, part_f
 from models.sana.sampling import RELEASE_SCHEDULER, denormalize_latents, dpm_solver_step, flow_schedule
 from models.sana.text import COMPLEX_HUMAN_INSTRUCTION, encode_text
 from models.sana.transformer import SanaConditioning
-from models.sana.weights import SanaFormatError, build_sana, tessera_from_diffusers
+from models.sana.weights import SanaFormatError, build_sana, diffusers_from_tessera, tessera_from_diffusers
 
 
 def dpm_solver(sigmas):
@@ -39,11 +39,21 @@ class Sana(Family):
                 f"{height} --width {width} is not"
             )
 
+    def build(self, config: dict, cfg):
+        return build_sana(config)
+
+    def to_tessera(self, state: dict) -> dict:
+        return tessera_from_diffusers(state)
+
+    def diffusers_name(self, name: str) -> str:
+        return next(iter(diffusers_from_tessera({name: None})))
+
     def load(self, cfg, device, dtype) -> Components:
         from diffusers import AutoencoderDC
         from transformers import AutoModel, AutoTokenizer
 
-        transformer = load_transformer(cfg.model.pretrained, build_sana, tessera_from_diffusers, dtype)
+        build = lambda config: self.build(config, cfg)  # noqa: E731
+        transformer = load_transformer(cfg.model.pretrained, build, self.to_tessera, dtype)
         encoder = AutoModel.from_pretrained(part_folder(cfg, "text_encoder"), torch_dtype=dtype)
         vae = AutoencoderDC.from_pretrained(part_folder(cfg, "vae"), torch_dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(part_folder(cfg, "tokenizer"))
