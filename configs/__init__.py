@@ -150,8 +150,40 @@ def _holds_floats(tp) -> bool:
     return tp is float or float in typing.get_args(tp)
 
 
+# Bounds of single values, by kind of bound (the message says which); None where null means a default.
+AT_LEAST_ONE = (
+    "data.frames", "data.height", "data.width", "train.batch_size", "train.log_every",
+    "train.checkpoint_every", "sample.steps", "text_encoder.max_length", "train.keep_checkpoints",
+)  # fmt: skip
+POSITIVE = (
+    "train.lr", "train.grad_clip", "train.loss_limit", "train.weight_limit", "flow.shift",
+    "parallel.timeout_s", "parallel.preflight_timeout_s", "parallel.control_timeout_s",
+    "parallel.max_message_mb", "parallel.heartbeat_timeout_s", "sample.fps", "text_encoder.cache_size",
+    "model.mlp_ratio", "model.rope_theta", "flow.logit_std",
+)  # fmt: skip
+NON_NEGATIVE = (
+    "train.max_steps", "train.warmup_steps", "train.sample_every", "data.num_workers",
+    "data.tokens_per_batch", "data.max_batch_size", "train.weight_decay", "parallel.pipefusion_warmup",
+)  # fmt: skip
+FRACTIONS = ("train.text_dropout", "train.ema_decay", "lora.dropout")  # in [0, 1)
+NULL_OR = {  # key: (its least value, what null means)
+    "parallel.pipefusion_patches": (1, "one per stage"),
+    "parallel.stall_timeout_s": (0, "the default for the device"),
+    "data.fps": (0, "keep the file's rate"),
+    "lora.alpha": (0, "alpha = rank"),
+}
+
+
 def validate(cfg: DictConfig) -> None:
     """Checks of values that types alone cannot express."""
+    _check_values(cfg)
+    _check_sampling(cfg)
+    _check_model(cfg)
+    _check_lora(cfg)
+
+
+def _check_values(cfg: DictConfig) -> None:
+    """Finite numbers, choices, and the bounds of single values (the tables above)."""
     for key, tp in SCHEMA_KEYS.items():  # nan and inf parse as floats; no key means them
         if _holds_floats(tp):
             value = OmegaConf.select(cfg, key)
@@ -162,59 +194,57 @@ def validate(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
             raise ConfigError(f"'{key}' is {value!r}; choose one of {', '.join(allowed)}")
-    positive = [
-        "data.frames",
-        "data.height",
-        "data.width",
-        "train.batch_size",
-        "train.log_every",
-        "train.checkpoint_every",
-        "sample.steps",
-        "text_encoder.max_length",
-        "train.keep_checkpoints",
-    ]
-    for key in positive:
-        if OmegaConf.select(cfg, key) < 1:
-            raise ConfigError(f"'{key}' must be at least 1, got {OmegaConf.select(cfg, key)}")
-    for key in (
-        "train.lr",
-        "train.grad_clip",
-        "train.loss_limit",
-        "train.weight_limit",
-        "flow.shift",
-        "parallel.timeout_s",
-        "parallel.preflight_timeout_s",
-        "parallel.control_timeout_s",
-        "parallel.max_message_mb",
-        "parallel.heartbeat_timeout_s",
-        "sample.fps",
-        "text_encoder.cache_size",
+    get = lambda key: OmegaConf.select(cfg, key)  # noqa: E731
+    for keys, wrong, bound in (
+        (AT_LEAST_ONE, lambda v: v < 1, "at least 1"),
+        (POSITIVE, lambda v: v <= 0, "greater than 0"),
+        (NON_NEGATIVE, lambda v: v < 0, "0 or more"),
+        (FRACTIONS, lambda v: not 0.0 <= v < 1.0, "in [0, 1)"),
     ):
-        if OmegaConf.select(cfg, key) <= 0:
-            raise ConfigError(f"'{key}' must be greater than 0, got {OmegaConf.select(cfg, key)}")
+        for key in keys:
+            if wrong(get(key)):
+                raise ConfigError(f"'{key}' must be {bound}, got {get(key)}")
+    for key, (least, null) in NULL_OR.items():
+        value = get(key)
+        if value is not None and (value < least if least else value <= 0):
+            bound = f"at least {least}" if least else "greater than 0"
+            raise ConfigError(f"'{key}' must be {bound} or null ({null}), got {value}")
+    for key in ("data.resolutions", "data.frame_counts"):
+        if any(v < 1 for v in get(key)):
+            raise ConfigError(f"'{key}' must hold positive numbers, got {list(get(key))}")
+    if not 0.0 <= cfg.data.max_missing_fraction <= 1.0:  # checked with the recipe, not with the manifest
+        raise ConfigError(
+            f"'data.max_missing_fraction' must be in [0, 1], got {cfg.data.max_missing_fraction}"
+        )
+    if cfg.flow.shift_reference_tokens < 0:
+        raise ConfigError(
+            f"'flow.shift_reference_tokens' must be greater than 0, or 0 for a fixed shift (Wan's), "
+            f"got {cfg.flow.shift_reference_tokens}"
+        )
+    if cfg.data.max_upscale < 1.0:
+        raise ConfigError(
+            f"'data.max_upscale' must be at least 1.0 (1.0: never enlarge), got {cfg.data.max_upscale}"
+        )
+    if len(cfg.train.betas) != 2 or not all(0.0 <= b < 1.0 for b in cfg.train.betas):
+        raise ConfigError(f"'train.betas' must be two numbers in [0, 1), got {list(cfg.train.betas)}")
+    for ratio in cfg.data.aspect_ratios:
+        try:
+            parse_aspect_ratio(ratio)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+def _check_sampling(cfg: DictConfig) -> None:
+    """The VAE tiles, and the step cache's settings and layouts."""
     try:
         check_tiling(cfg.vae.tile_latent, cfg.vae.tile_overlap)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if cfg.parallel.pipefusion_patches is not None and cfg.parallel.pipefusion_patches < 1:
-        raise ConfigError(
-            f"'parallel.pipefusion_patches' must be at least 1 or null (one per stage), "
-            f"got {cfg.parallel.pipefusion_patches}"
-        )
-    if cfg.parallel.pipefusion_warmup < 0:
-        raise ConfigError(
-            f"'parallel.pipefusion_warmup' must be 0 or more, got {cfg.parallel.pipefusion_warmup}"
-        )
     sc = cfg.sample
     if sc.cache == "calibrated" and not sc.cache_calibration:
         raise ConfigError(
             f"sample.cache={sc.cache} needs sample.cache_calibration: write one with python "
             "scripts/calibrate_cache.py --config <recipe> --output cache.json (or set sample.cache=none)"
-        )
-    if cfg.model.task in ("t2v", "ti2v") and cfg.model.image_dim:
-        raise ConfigError(
-            f"model.image_dim={cfg.model.image_dim} is image-to-video's: set model.task=i2v or flf2v, or "
-            "model.image_dim=null"
         )
     if sc.cache == "first_block" and (cfg.parallel.pipefusion or 1) > 1:
         raise ConfigError(first_block_under_pipefusion(cfg.parallel.pipefusion))
@@ -224,83 +254,39 @@ def validate(cfg: DictConfig) -> None:
             f"sample.cache_max_skips >= 1, got {sc.cache_threshold}, {sc.cache_first_block_threshold} and "
             f"{sc.cache_max_skips}"
         )
-    if cfg.flow.shift_reference_tokens < 0:
-        raise ConfigError(
-            f"'flow.shift_reference_tokens' must be greater than 0, or 0 for a fixed shift (Wan's), "
-            f"got {cfg.flow.shift_reference_tokens}"
-        )
-    if cfg.parallel.stall_timeout_s is not None and cfg.parallel.stall_timeout_s <= 0:
-        raise ConfigError(
-            f"'parallel.stall_timeout_s' must be greater than 0 or null (the default for the device), "
-            f"got {cfg.parallel.stall_timeout_s}"
-        )
-    if cfg.data.fps is not None and cfg.data.fps <= 0:
-        raise ConfigError(
-            f"'data.fps' must be greater than 0 or null (keep the file's rate), got {cfg.data.fps}"
-        )
-    if cfg.data.max_upscale < 1.0:
-        raise ConfigError(
-            f"'data.max_upscale' must be at least 1.0 (1.0: never enlarge), got {cfg.data.max_upscale}"
-        )
-    for key in ("data.resolutions", "data.frame_counts"):
-        if any(v < 1 for v in OmegaConf.select(cfg, key)):
-            raise ConfigError(f"'{key}' must hold positive numbers, got {list(OmegaConf.select(cfg, key))}")
-    for key in (
-        "train.max_steps",
-        "train.warmup_steps",
-        "train.sample_every",
-        "data.num_workers",
-        "data.tokens_per_batch",
-        "data.max_batch_size",
-    ):
-        if OmegaConf.select(cfg, key) < 0:
-            raise ConfigError(f"'{key}' must be 0 or more, got {OmegaConf.select(cfg, key)}")
-    pooled = cfg.model.pooled_text
-    if pooled is None:  # the size's choice, else the DiT's default
-        from models.dit import DiT_models
 
-        pooled = DiT_models.get(cfg.model.size, {}).get("pooled_text", True)
-    if cfg.model.task == "ti2v" and (cfg.model.patch_size[:1] != [1] or pooled):
-        raise ConfigError(
-            "model.task=ti2v gives the first latent frame's tokens t = 0: it needs a time patch of 1 "
-            f"(model.patch_size, got {list(cfg.model.patch_size)}) and model.pooled_text=false (Wan's)"
-        )
-    if len(cfg.model.patch_size) != 3 or min(cfg.model.patch_size) < 1:
-        raise ConfigError(
-            f"'model.patch_size' must be three positive sizes (time, height, width), "
-            f"got {list(cfg.model.patch_size)}"
-        )
-    if not 0.0 <= cfg.train.text_dropout < 1.0:
-        raise ConfigError(f"'train.text_dropout' must be in [0, 1), got {cfg.train.text_dropout}")
-    missing = cfg.data.max_missing_fraction  # checked with the recipe, not once the manifest is read
-    if not 0.0 <= missing <= 1.0:
-        raise ConfigError(f"'data.max_missing_fraction' must be in [0, 1], got {missing}")
-    for key in ("model.mlp_ratio", "model.rope_theta", "flow.logit_std"):
-        if OmegaConf.select(cfg, key) <= 0:
-            raise ConfigError(f"'{key}' must be greater than 0, got {OmegaConf.select(cfg, key)}")
-    if cfg.train.weight_decay < 0:
-        raise ConfigError(f"'train.weight_decay' must be 0 or more, got {cfg.train.weight_decay}")
-    if not all(0.0 <= b < 1.0 for b in cfg.train.betas):
-        raise ConfigError(f"'train.betas' must be two numbers in [0, 1), got {list(cfg.train.betas)}")
-    if not 0.0 <= cfg.train.ema_decay < 1.0:
-        raise ConfigError(f"'train.ema_decay' must be in [0, 1), got {cfg.train.ema_decay}")
-    if len(cfg.train.betas) != 2:
-        raise ConfigError(f"'train.betas' must be two numbers, got {list(cfg.train.betas)}")
+
+def _check_model(cfg: DictConfig) -> None:
+    """The DiT's size, task and patch."""
     from models.dit import DiT_models  # light import: the model code needs only torch
 
-    for ratio in cfg.data.aspect_ratios:
-        try:
-            parse_aspect_ratio(ratio)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+    mc = cfg.model
+    if mc.task in ("t2v", "ti2v") and mc.image_dim:
+        raise ConfigError(
+            f"model.image_dim={mc.image_dim} is image-to-video's: set model.task=i2v or flf2v, or "
+            "model.image_dim=null"
+        )
+    pooled = mc.pooled_text
+    if pooled is None:  # the size's choice, else the DiT's default
+        pooled = DiT_models.get(mc.size, {}).get("pooled_text", True)
+    if mc.task == "ti2v" and (mc.patch_size[:1] != [1] or pooled):
+        raise ConfigError(
+            "model.task=ti2v gives the first latent frame's tokens t = 0: it needs a time patch of 1 "
+            f"(model.patch_size, got {list(mc.patch_size)}) and model.pooled_text=false (Wan's)"
+        )
+    if len(mc.patch_size) != 3 or min(mc.patch_size) < 1:
+        raise ConfigError(
+            "'model.patch_size' must be three positive sizes (time, height, width), "
+            f"got {list(mc.patch_size)}"
+        )
+    if mc.size not in DiT_models and mc.family == "dit":
+        raise ConfigError(f"'model.size' is '{mc.size}'; choose one of {', '.join(DiT_models)}")
 
+
+def _check_lora(cfg: DictConfig) -> None:
     lora = cfg.lora
     if lora.rank < 0:
         raise ConfigError(f"'lora.rank' must be 0 (full fine-tuning) or more, got {lora.rank}")
-    if lora.alpha is not None and lora.alpha <= 0:
-        raise ConfigError(f"'lora.alpha' must be greater than 0 or null (alpha = rank), got {lora.alpha}")
-    if not 0.0 <= lora.dropout < 1.0:
-        raise ConfigError(f"'lora.dropout' must be in [0, 1), got {lora.dropout}")
     if lora.rank and lora.dropout > 0 and cfg.train.activation_checkpointing:
         raise ConfigError(
             "lora.dropout > 0 with train.activation_checkpointing: the recomputed blocks would draw other "
@@ -318,8 +304,6 @@ def validate(cfg: DictConfig) -> None:
             f"lora.rank={lora.rank} trains adapters on a base model, but model.pretrained is not set: name "
             "a diffusers Wan folder or a tessera run (or set lora.rank=0 for full fine-tuning)"
         )
-    if cfg.model.size not in DiT_models and cfg.model.family == "dit":
-        raise ConfigError(f"'model.size' is '{cfg.model.size}'; choose one of {', '.join(DiT_models)}")
 
 
 def parse_aspect_ratio(text: str) -> float:
