@@ -27,6 +27,7 @@ from configs import DEFAULT_RECIPE, load_config, split_overrides
 from data.media import OUTPUT_EXTENSIONS, write_video
 from models.dit import DiT_models
 from models.families import family_named
+from models.family import part_folder
 from models.flow import RectifiedFlow
 from models.image_condition import image_encoder_folder, image_inputs, read_images, sampling_condition
 from models.lora import deltas_of, merge_deltas
@@ -517,8 +518,13 @@ def sample_family(cfg, args, family, session) -> None:
     prompts, outputs, frames, height, width, steps, guidance, negative = read_sizes(cfg, args)
     family.check_size(cfg, frames, height, width)
     request = Request(prompts, outputs, frames, height, width, steps, guidance, negative, [], ())
-    layout = family_layout(cfg, family, guidance)
+    layout = family_layout(cfg, family, request)
     check_outputs(outputs)
+    if cfg.text_encoder.max_length != family.max_length:  # a recipe without the family's own setting
+        _warn_on_main(
+            f"text_encoder.max_length={cfg.text_encoder.max_length}: {family.title}'s pipeline encodes "
+            f"{family.max_length} tokens (configs/ has its recipe)"
+        )
     runtime = init_runtime(cfg.parallel, layout, cfg.run.output_dir, task="sample", session=session)
     if runtime.is_main:
         print(f"[tessera] {family.title} from {cfg.model.pretrained}; layout {layout.describe()}", flush=True)
@@ -552,8 +558,9 @@ def refuse_flags(cfg, args, family) -> None:
         )
 
 
-def family_layout(cfg, family, guidance: float) -> ParallelLayout:
-    """The sampling layout, with the degrees the family's sampling cannot run under refused by name."""
+def family_layout(cfg, family, request: Request) -> ParallelLayout:
+    """The sampling layout, with the degrees the family's sampling cannot run under, an attention backend
+    that cannot mask the split's padding, and a size too small to split refused by name."""
     wrong = [
         f"parallel.{name}={cfg.parallel[name]}"
         for name in ("cfg", "ulysses", "ring", "pipefusion")
@@ -565,14 +572,21 @@ def family_layout(cfg, family, guidance: float) -> ParallelLayout:
             f"{family.title} does not sample under {' '.join(wrong) or 'parallel.auto'} yet: it runs under "
             f"{runs}"
         )
+    ranks = cfg.parallel.ulysses * cfg.parallel.ring
+    if ranks > 1 and cfg.model.attention_backend not in ("sdpa", "math"):
+        raise ValueError(
+            f"model.attention_backend={cfg.model.attention_backend} takes no mask, and a sequence split pads "
+            "and masks the tokens: use sdpa or math with parallel.ulysses or parallel.ring"
+        )
+    family.check_split(cfg, request.height, request.width, ranks)
     _, world_size, _ = world_from_env()
     return ParallelLayout.from_config(
         cfg.parallel,
         world_size,
-        family.heads(cfg),
+        family.heads(cfg) or cfg.parallel.ulysses,  # None: no operator splits heads
         "sample",
         local_world_size(),
-        guided=family.guided(guidance),
+        guided=family.guided(request.guidance),
     )
 
 
@@ -617,7 +631,10 @@ def sample_family_prompts(cfg, args, runtime, request: Request, mine: list, fami
     weights = f"model.pretrained={cfg.model.pretrained}"
     if args.lora:
         weights += f" with --lora {' '.join(args.lora)} (try without them, or at lower scales)"
-    return ValueError(nonfinite_message(cfg, runtime, request, unwritten, weights)) if unwritten else None
+    vae = str(part_folder(cfg, "vae"))
+    return (
+        ValueError(nonfinite_message(cfg, runtime, request, unwritten, weights, vae)) if unwritten else None
+    )
 
 
 def sample_and_write(
@@ -726,14 +743,15 @@ def describe_weights(cfg, args, checkpoint, record, use_ema: bool) -> str:
     return weights
 
 
-def nonfinite_message(cfg, runtime, request: Request, bad: dict, weights: str) -> str:
+def nonfinite_message(cfg, runtime, request: Request, bad: dict, weights: str, vae: str | None = None) -> str:
     """The `error:` line about videos with NaN or inf ({prompt: where found}): what was not written, and
-    the likely causes, most likely first."""
+    the likely causes, most likely first (`vae`: the VAE's folder, when not vae.pretrained's)."""
     found = "; ".join(f"prompt {i} ({request.prompts[i]!r}) in {where}" for i, where in bad.items())
     paths = ", ".join(str(request.outputs[i]) for i in bad)
     causes = []
     if all(where == "the decoded video" for where in bad.values()):  # the DiT's latents were finite
-        causes.append(f"the VAE (vae.pretrained={cfg.vae.pretrained or 'null: the tiny random one'})")
+        vae = vae or f"vae.pretrained={cfg.vae.pretrained or 'null: the tiny random one'}"
+        causes.append(f"the VAE ({vae})")
     causes.append(f"the weights, {weights}, overflowing or diverged")
     if request.cache is not None and request.cache.method == "calibrated":
         causes.append(

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from models.dit import ARCHITECTURE_OPTIONS, DiT_models
 from models.families import FAMILIES, family_of_folder
-from models.family import folder_classes
+from models.family import read_json
 
 
 def resolve_family(cfg, error=ValueError) -> None:
@@ -18,8 +18,9 @@ def resolve_family(cfg, error=ValueError) -> None:
         raise error(f"'model.family' is {mc.family!r}; choose one of auto, {', '.join(FAMILIES)}")
     folder = mc.pretrained if mc.pretrained and Path(mc.pretrained).is_dir() else None
     found = family_of_folder(folder) if folder else None
-    if folder and found is None and mc.size == "auto" and folder_classes(folder):
-        classes = ", ".join(sorted(folder_classes(folder)))
+    index = read_json(Path(folder) / "model_index.json").get("_class_name") if folder else None
+    if found is None and mc.size == "auto" and index:  # a pipeline no family claims
+        classes = index
         raise error(
             f"model.pretrained={folder} holds a {classes}, a family tessera does not know; it knows "
             + "; ".join(f"{name} ({family.title})" for name, family in FAMILIES.items())

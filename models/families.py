@@ -12,7 +12,7 @@ class DiTFamily(Family):
 
     name, title, native = "dit", "tessera's DiT (Wan 2.1 / 2.2)", True
     pipeline_classes = ("WanPipeline", "WanImageToVideoPipeline")
-    transformer_classes = ("WanTransformer3DModel",)
+    transformer_classes = ("WanTransformer3DModel", "WanModel")  # diffusers', Wan-AI's own config.json
     parallel_degrees = ("cfg", "ulysses", "ring", "pipefusion")
 
 
@@ -23,6 +23,15 @@ def family_named(name: str) -> Family:
     if name not in FAMILIES:
         raise ValueError(f"model.family={name!r} is not a family tessera knows: {', '.join(FAMILIES)}")
     return FAMILIES[name]
+
+
+def require_native(cfg, program: str) -> None:
+    """Refuse (ValueError) a recipe of a family that `program` does not handle: it works on tessera's DiT."""
+    family = family_named(cfg.model.family)
+    if not family.native:
+        raise ValueError(
+            f"{program} works on tessera's DiT (Wan) recipes; {family.title} is sampled by infer.py"
+        )
 
 
 def family_of_folder(folder) -> Family | None:

@@ -49,6 +49,8 @@ class Family:
     transformer_classes: tuple = ()  # its transformer's config.json _class_name
     # the parallel degrees (besides dp, which splits prompts) its sampling runs under
     parallel_degrees: tuple = ()
+    vae_class = ""  # its VAE's diffusers class
+    max_length = 0  # its pipeline's max_sequence_length (text_encoder.max_length)
 
     def recognises(self, folder) -> bool:
         """Whether `folder` (a pipeline folder, or a transformer folder) holds this family."""
@@ -56,27 +58,47 @@ class Family:
         return bool(found & {*self.pipeline_classes, *self.transformer_classes})
 
     def check_pretrained(self, cfg) -> None:
-        """Each part's folder present (model.pretrained's transformer, scheduler if any; the VAE, text encoder
-        and tokenizer from their keys or model.pretrained), or a FileNotFoundError naming the key."""
+        """Each part present before anything loads (model.pretrained's transformer with its weights and
+        scheduler; the VAE, text encoder and tokenizer from their keys or model.pretrained), the VAE of the
+        family's class and the scheduler one it runs, or an error naming the key and the folder."""
         keys = dict(
             transformer="model.pretrained", vae="vae.pretrained", text_encoder="text_encoder.pretrained"
         )
         keys["tokenizer"] = keys["text_encoder"]
         if not cfg.model.pretrained:
             raise FileNotFoundError(f"{self.title} samples a diffusers pipeline folder: set model.pretrained")
+        wanted = dict(
+            transformer=("config.json", "diffusion_pytorch_model*.safetensors"),
+            vae=("config.json",),
+            text_encoder=("config.json",),
+            tokenizer=("tokenizer*.json",),
+        )
         for part, key in keys.items():
             folder = part_folder(cfg, part)
-            if not folder.is_dir() or not any(folder.glob("*.json")):
+            missing = [name for name in wanted[part] if not any(folder.glob(name))]
+            if missing:
                 raise FileNotFoundError(
-                    f"{key}: no {self.title} {part} in {folder} (a diffusers pipeline folder holds {part}/; "
-                    "tessera never downloads)"
+                    f"{key}: no {self.title} {part} in {folder} ({' '.join(missing)} missing; a diffusers "
+                    f"pipeline folder holds {part}/; tessera never downloads)"
                 )
+        vae = read_json(part_folder(cfg, "vae") / "config.json").get("_class_name")
+        if vae != self.vae_class:
+            folder = part_folder(cfg, "vae")
+            raise ValueError(f"vae.pretrained: {folder} holds a {vae}, not {self.title}'s {self.vae_class}")
+        self.check_scheduler(read_json(part_folder(cfg, "scheduler") / "scheduler_config.json"))
 
-    def heads(self, cfg) -> int:
-        """The attention heads of model.pretrained's transformer (what Ulysses splits)."""
+    def check_scheduler(self, config: dict) -> None:
+        """Refuse (ValueError) a scheduler_config.json the family's schedule does not reproduce ({}: none)."""
+
+    def heads(self, cfg) -> int | None:
+        """The attention heads Ulysses splits (model.pretrained's transformer's), or None when no operator
+        splits heads (Ulysses is then a plain token split)."""
         return read_json(part_folder(cfg, "transformer") / "config.json").get("num_attention_heads", 1)
 
-    def check_size(self, frames: int, height: int, width: int) -> None:
+    def check_split(self, cfg, height: int, width: int, ranks: int) -> None:
+        """Refuse (ValueError) a size too small for its tokens to be split over `ranks` processes."""
+
+    def check_size(self, cfg, frames: int, height: int, width: int) -> None:
         """Refuse a size the family cannot sample, naming the flag (ValueError)."""
 
     def build(self, config: dict, cfg) -> torch.nn.Module:

@@ -60,9 +60,10 @@ def generate_images(
     bad = {i: "the denoised latents" for i in nonfinite_samples(latents)}
     if len(bad) == len(prompts):
         raise NonFiniteVideo(bad, None)
-    images = family.decode(parts, latents).float()  # (B, 3, T, H, W) in [-1, 1]
+    images = family.decode(parts, latents)  # (B, 3, T, H, W) in [-1, 1]
     bad.update({i: "the decoded video" for i in nonfinite_samples(images) if i not in bad})
-    images = (images / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 4, 1).cpu().numpy()
+    # in the VAE's dtype, then float32, as the pipelines' image processor
+    images = (images / 2 + 0.5).clamp(0, 1).float().permute(0, 2, 3, 4, 1).cpu().numpy()
     if bad:
         raise NonFiniteVideo(dict(sorted(bad.items())), images)
     return images

@@ -36,9 +36,11 @@ class UlyssesJointAttention(nn.Module):
         heads = slice(g.ulysses_rank * q.shape[1], (g.ulysses_rank + 1) * q.shape[1])
         text_q, text_k, text_v = text_q[:, heads], text_k[:, heads], text_v[:, heads]
         B, L, N = q.shape[0], text_q.shape[2], q.shape[2]
-        text_keys = text_mask.bool() if text_mask is not None else torch.ones(B, L, dtype=torch.bool)
-        image_keys = (torch.arange(N) < self.state.tokens).expand(B, N)  # padded image keys masked
-        mask = torch.cat([text_keys.to(q.device), image_keys.to(q.device)], dim=1)[:, None, None, :]
+        mask = None  # none at all when nothing is padded: the kernel the single-device path runs
+        if text_mask is not None or N > self.state.tokens:
+            text_keys = text_mask.bool() if text_mask is not None else q.new_ones(B, L, dtype=torch.bool)
+            image_keys = (torch.arange(N, device=q.device) < self.state.tokens).expand(B, N)  # padding masked
+            mask = torch.cat([text_keys, image_keys], dim=1)[:, None, None, :]
         out = self.kernel(
             torch.cat([text_q, q], dim=2), torch.cat([text_k, k], dim=2), torch.cat([text_v, v], dim=2), mask
         )
@@ -95,14 +97,14 @@ class HaloGridConv(nn.Module):
         after = every[g.sp_rank + 1, :, :halo] if g.sp_rank + 1 < g.sp_size else zeros
         extended = torch.cat([before, tokens, after], dim=1)  # (B, n + 2 halo, C)
         column = (torch.arange(n, device=tokens.device) + g.sp_rank * n) % w
-        weight = self.local.weight.view(C, 3, 3)
-        out = self.local.bias.view(1, 1, C).expand(B, n, C).clone()
-        for di in (-1, 0, 1):
+        weight, extended = self.local.weight.float().view(C, 3, 3), extended.float()
+        out = self.local.bias.float().view(1, 1, C).expand(B, n, C).clone()
+        for di in (-1, 0, 1):  # summed in float32 and rounded once, as conv2d's accumulator
             for dj in (-1, 0, 1):
                 start = halo + di * w + dj
                 inside = ((column + dj >= 0) & (column + dj < w)).view(1, -1, 1)
                 out = out + extended[:, start : start + n] * weight[:, di + 1, dj + 1] * inside
-        return out
+        return out.to(tokens.dtype)
 
 
 REPLACEMENTS = {"joint": UlyssesJointAttention, "linear": ShardedLinearAttention, "grid_conv": HaloGridConv}

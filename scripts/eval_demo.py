@@ -35,6 +35,7 @@ from data.synthetic import (  # noqa: E402
     read_clip,
 )
 from models.dit import DiT_models  # noqa: E402
+from models.families import require_native
 from models.flow import RectifiedFlow  # noqa: E402
 from parallel.entrypoint import run_as_process  # noqa: E402
 from parallel.layout import ParallelLayout  # noqa: E402
@@ -115,6 +116,7 @@ def main(argv=None, session=None):
     args = p.parse_args(args)
     palette = {**COLORS, **{c: PALETTE[c] for c in check_colors(args.colors)}} if args.colors else COLORS
     cfg = load_config(args.config, overrides)
+    require_native(cfg, "scripts/eval_demo.py")
 
     from infer import find_checkpoint, load_sampler
     from models.pipeline import generate

@@ -33,6 +33,7 @@ from configs import load_config, split_overrides  # noqa: E402
 from data.latents import latent_meta, meta_differences  # noqa: E402
 from data.loader import build_buckets, build_dataset, build_sampler, check_same_plan  # noqa: E402
 from data.media import to_model_range  # noqa: E402
+from models.families import require_native
 from models.image_condition import condition_of_clips, image_inputs  # noqa: E402
 from parallel import vae as parallel_vae  # noqa: E402
 from parallel.components import build_frozen  # noqa: E402
@@ -84,6 +85,7 @@ def main(argv=None, session=None):
     parser.add_argument("--out", required=True, help="the folder to write (data.latents=<this> trains on it)")
     args = parser.parse_args(args)
     cfg = load_config(args.config, overrides + ["data.latents=null"])  # this script reads the media
+    require_native(cfg, "scripts/precompute_latents.py")
     rank, world_size, _ = world_from_env()
     out = Path(args.out)
     meta = latent_meta(cfg)

@@ -30,8 +30,11 @@ RELEASE_SCHEDULER = dict(
 
 
 def euler(sigmas):
+    """The scheduler's Euler step: the latents in the model's dtype between steps (the pipeline's), the
+    sum in float32."""
+
     def step(x, v, i, state):
-        return x.float() + (sigmas[i + 1] - sigmas[i]) * v.float(), None  # the scheduler's, in float32
+        return (x.float() + (sigmas[i + 1] - sigmas[i]) * v).to(v.dtype), None
 
     return step
 
@@ -40,10 +43,19 @@ class QwenImage(Family):
     name, title = "qwen_image", "Qwen-Image"
     pipeline_classes, transformer_classes = (PIPELINE_CLASS,), (TRANSFORMER_CLASS,)
     parallel_degrees = ("cfg", "ulysses")  # ring: not yet (joint attention runs under Ulysses)
+    vae_class, max_length = "AutoencoderKLQwenImage", 512
 
     def vae_scale(self, cfg) -> int:
         config = read_json(part_folder(cfg, "vae") / "config.json")
         return 2 ** len(config.get("temperal_downsample", [False, True, True]))  # the pipeline's rule
+
+    def check_scheduler(self, config: dict) -> None:
+        kind = config.get("_class_name", "FlowMatchEulerDiscreteScheduler")
+        if kind != "FlowMatchEulerDiscreteScheduler":
+            raise ValueError(
+                f"Qwen-Image samples with FlowMatchEulerDiscreteScheduler; the folder has {kind}"
+            )
+        sigmas(2, 16, config)  # a setting the schedule does not reproduce is refused by name
 
     def check_size(self, cfg, frames: int, height: int, width: int) -> None:
         if frames != 1:
@@ -85,11 +97,13 @@ class QwenImage(Family):
         return QwenImageCond(*encode_prompt(prompts, parts.tokenizer, parts.text_encoder, max_length))
 
     def noise(self, parts: Components, seeds: list, frames: int, height: int, width: int) -> torch.Tensor:
-        """What the pipeline draws from a generator seeded with seed, one image each: (C, 1, h, w) holds
-        the numbers of its (1, 1, C, h, w) in the same order."""
+        """What the pipeline draws from a generator seeded with seed, one image each, in the model's dtype:
+        (C, 1, h, w) holds the numbers of its (1, 1, C, h, w) in the same order."""
         scale = 2 ** len(parts.vae.temperal_downsample)
         shape = (parts.transformer.in_channels, 1, height // scale, width // scale)
-        return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
+        dtype = parts.transformer.img_in.weight.dtype
+        draw = lambda s: torch.randn(shape, generator=torch.Generator().manual_seed(s), dtype=dtype)  # noqa: E731
+        return torch.stack([draw(s) for s in seeds])
 
     def schedule(self, parts: Components, steps: int, latents: torch.Tensor) -> Schedule:
         levels = sigmas(steps, image_tokens(*latents.shape[-2:]), parts.scheduler_config).to(latents.device)

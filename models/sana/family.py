@@ -24,10 +24,36 @@ class Sana(Family):
     name, title = "sana", "Sana"
     pipeline_classes, transformer_classes = ("SanaPipeline",), ("SanaTransformer2DModel",)
     parallel_degrees = ("cfg", "ulysses", "ring")  # its operators stay exact under any split
+    vae_class, max_length = "AutoencoderDC", 300
 
     def vae_scale(self, cfg) -> int:
         config = read_json(part_folder(cfg, "vae") / "config.json")
         return 2 ** (len(config.get("encoder_block_out_channels", [0] * 6)) - 1)  # the pipeline's rule
+
+    def check_scheduler(self, config: dict) -> None:
+        """The folder's scheduler must be the release's (DPM-Solver++(2M) over flow sigmas); its flow_shift
+        and num_train_timesteps may differ (the 4K model shifts by 6)."""
+        fixed = {k: v for k, v in RELEASE_SCHEDULER.items() if k not in ("flow_shift", "num_train_timesteps")}
+        fixed.update(_class_name="DPMSolverMultistepScheduler", use_karras_sigmas=False, variance_type=None)
+        differ = [f"{k}={config.get(k)!r}" for k, v in fixed.items() if config and config.get(k, v) != v]
+        if config and "use_flow_sigmas" not in config or differ:
+            raise SanaFormatError(
+                "tessera samples Sana with the release's scheduler (DPM-Solver++(2M) over flow sigmas); the "
+                f"folder's scheduler_config.json has {', '.join(differ) or 'no use_flow_sigmas'}"
+            )
+
+    def heads(self, cfg):
+        return None  # linear attention sums over tokens: Ulysses splits tokens, never heads
+
+    def check_split(self, cfg, height: int, width: int, ranks: int) -> None:
+        scale = self.vae_scale(cfg)
+        h, w = height // scale, width // scale
+        if ranks > 1 and -(-h * w // ranks) < w + 1:  # HaloGridConv: neighbours from adjacent ranks only
+            raise ValueError(
+                f"Sana at {height} x {width} has {h} x {w} tokens: over {ranks} sequence-parallel ranks each "
+                f"holds fewer than a row and one ({w + 1}) for its convolution; use fewer ranks or a larger "
+                "size"
+            )
 
     def check_size(self, cfg, frames: int, height: int, width: int) -> None:
         if frames != 1:
@@ -58,12 +84,7 @@ class Sana(Family):
         vae = AutoencoderDC.from_pretrained(part_folder(cfg, "vae"), torch_dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(part_folder(cfg, "tokenizer"))
         scheduler = read_json(part_folder(cfg, "scheduler") / "scheduler_config.json")
-        scheduler = {**RELEASE_SCHEDULER, **scheduler}
-        if not scheduler.get("use_flow_sigmas") or scheduler.get("algorithm_type") != "dpmsolver++":
-            raise SanaFormatError(
-                f"{cfg.model.pretrained}: tessera samples Sana with DPM-Solver++ over flow sigmas (the "
-                "release's scheduler); this folder's scheduler_config.json asks for another"
-            )
+        scheduler = {**RELEASE_SCHEDULER, **scheduler}  # checked in check_pretrained
         parts = (transformer, encoder.eval(), vae.eval())
         transformer, encoder, vae = (p.to(device).requires_grad_(False) for p in parts)
         return Components(transformer, tokenizer, encoder, vae, scheduler)
