@@ -73,8 +73,14 @@ class Family:
             text_encoder=("config.json",),
             tokenizer=("tokenizer*.json",),
         )
-        for part, key in keys.items():
-            folder = part_folder(cfg, part)
+        if is_single_file(cfg.model.pretrained):  # its header read: a truncated file is named now
+            from models.wan import check_safetensors
+
+            check_safetensors(Path(cfg.model.pretrained))
+            del wanted["transformer"]
+            self.transformer_config(cfg)  # a config from the folder or the shapes, or refused by name
+        for part in wanted:
+            key, folder = keys[part], part_folder(cfg, part)
             missing = [name for name in wanted[part] if not any(folder.glob(name))]
             if missing:
                 raise FileNotFoundError(
@@ -93,7 +99,7 @@ class Family:
     def heads(self, cfg) -> int | None:
         """The attention heads Ulysses splits (model.pretrained's transformer's), or None when no operator
         splits heads (Ulysses is then a plain token split)."""
-        return read_json(part_folder(cfg, "transformer") / "config.json").get("num_attention_heads", 1)
+        return self.transformer_config(cfg).get("num_attention_heads", 1)
 
     def check_split(self, cfg, height: int, width: int, ranks: int) -> None:
         """Refuse (ValueError) a size too small for its tokens to be split over `ranks` processes."""
@@ -113,10 +119,48 @@ class Family:
         """A module's diffusers name (what LoRA files say)."""
         raise NotImplementedError
 
+    def from_original(self, state: dict) -> dict:
+        """A single file's state dict (the original release's names, ComfyUI's prefix) under diffusers'."""
+        return state
+
+    def config_of_file(self, shapes: dict) -> dict:
+        """The diffusers config of a single file from its tensors' shapes ({name as in the file: shape}),
+        when no transformer/config.json comes with it."""
+        raise ValueError(
+            f"{self.title}: a single transformer file needs a pipeline folder whose transformer/config.json "
+            "describes it: name it in vae.pretrained or text_encoder.pretrained"
+        )
+
+    def transformer_config(self, cfg) -> dict:
+        """model.pretrained's transformer config.json; for a single .safetensors file, the pipeline folder's
+        (vae.pretrained's or text_encoder.pretrained's transformer/), else the one its shapes give."""
+        config = read_json(part_folder(cfg, "transformer") / "config.json")
+        if config or not is_single_file(cfg.model.pretrained):
+            return config
+        return self.config_of_file(tensor_shapes(cfg.model.pretrained))
+
     def meta_transformer(self, cfg) -> torch.nn.Module:
         """model.pretrained's transformer on the meta device: names and shapes, before anything loads."""
         with torch.device("meta"):
-            return self.build(read_json(part_folder(cfg, "transformer") / "config.json"), cfg)
+            return self.build(self.transformer_config(cfg), cfg)
+
+    def load_transformer(self, cfg, dtype) -> torch.nn.Module:
+        """model.pretrained's transformer (a diffusers folder's shards, or a single file in the original or
+        diffusers names) in `dtype`, frozen, built on the meta device and filled in place."""
+        from safetensors.torch import load_file
+
+        single = is_single_file(cfg.model.pretrained)
+        folder = part_folder(cfg, "transformer")
+        files = (
+            [Path(cfg.model.pretrained)]
+            if single
+            else sorted(folder.glob("diffusion_pytorch_model*.safetensors"))
+        )
+        model = self.meta_transformer(cfg)
+        state = {k: v.to(dtype) for f in files for k, v in load_file(f).items()}
+        state = self.from_original(state) if single else state
+        model.load_state_dict(self.to_tessera(state), strict=True, assign=True)
+        return model.eval().requires_grad_(False)
 
     def read_lora(self, cfg, spec: str):
         """(models.lora_formats.LoRAUpdate, strength) of `FILE[:SCALE]` matched to model.pretrained's
@@ -182,24 +226,24 @@ def component_folder(path, name: str) -> Path:
 def part_folder(cfg, name: str) -> Path:
     """The folder of a pipeline part (transformer, vae, text_encoder, tokenizer, scheduler): vae.pretrained
     for the VAE, text_encoder.pretrained for the text encoder and tokenizer, when set, else
-    model.pretrained; its `name`/ subfolder when it has one."""
+    model.pretrained (when it is a single transformer file: vae.pretrained's, else text_encoder.pretrained's
+    folder); its `name`/ subfolder when it has one."""
     given = {"vae": cfg.vae.pretrained, "text_encoder": cfg.text_encoder.pretrained}
     given["tokenizer"] = given["text_encoder"]
-    return component_folder(given.get(name) or cfg.model.pretrained, name)
+    base = cfg.model.pretrained
+    if is_single_file(base):
+        base = cfg.vae.pretrained or cfg.text_encoder.pretrained or base
+    return component_folder(given.get(name) or base, name)
 
 
-def load_transformer(folder, build: Callable, to_tessera: Callable, dtype=torch.float32):
-    """A diffusers transformer folder (config.json, diffusion_pytorch_model*.safetensors) -> the family's
-    module (`build(config)` on the meta device), filled with the weights renamed by `to_tessera`."""
-    from safetensors.torch import load_file
+def is_single_file(path) -> bool:
+    """Whether model.pretrained names one transformer file (.safetensors) rather than a folder."""
+    return bool(path) and str(path).endswith(".safetensors") and Path(path).is_file()
 
-    folder = component_folder(folder, "transformer")
-    config = read_json(folder / "config.json")
-    files = sorted(folder.glob("diffusion_pytorch_model*.safetensors"))
-    if not config or not files:
-        raise FileNotFoundError(f"{folder} holds no config.json and diffusion_pytorch_model*.safetensors")
-    with torch.device("meta"):
-        model = build(config)
-    state = {k: v.to(dtype) for f in files for k, v in load_file(f).items()}
-    model.load_state_dict(to_tessera(state), strict=True, assign=True)
-    return model.eval().requires_grad_(False)
+
+def tensor_shapes(path) -> dict:
+    """{name: shape} of a .safetensors file, from its header (nothing else is read)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}

@@ -287,3 +287,54 @@ def test_bf16_matches_the_pipeline(saved, tmp_path):
     diff = float(np.abs(np.load(out)[0] - want).max())
     print(f"{name} bf16: infer.py vs the pipeline in bf16 max abs diff {diff:.2e}", file=sys.__stderr__)
     assert diff <= (1e-3 if name == "qwen_image" else 5e-2)
+
+
+@torch.no_grad()
+def test_single_file(saved, tmp_path):
+    """model.pretrained naming one transformer file in the original release's names (ComfyUI's prefix for
+    Qwen-Image; NVlabs' fused projections for Sana), its config from the pipeline folder in vae.pretrained:
+    the image of the diffusers folder's weights."""
+    from diffusers import DiffusionPipeline
+    from safetensors.torch import save_file
+
+    from models.qwen_image import original_state_dict_from_diffusers
+    from models.sana import original_from_diffusers
+
+    name, folder = saved
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    state = pipe.transformer.state_dict()
+    if name == "qwen_image":
+        original = original_state_dict_from_diffusers(state, "model.diffusion_model.")
+    else:
+        original = original_from_diffusers(state)
+    single = tmp_path / "transformer.safetensors"
+    save_file({k: v.contiguous() for k, v in original.items()}, single)
+    outputs = []
+    for pretrained in (folder, single):
+        out = tmp_path / f"{len(outputs)}.npy"
+        argv = infer_args(
+            name, folder, tmp_path, "--prompt", PROMPTS[0], "--steps", "2", "--output", str(out)
+        )
+        assert run_main(infer, [*argv, f"model.pretrained={pretrained}"]) == 0
+        outputs.append(np.load(out))
+    assert np.abs(outputs[0] - outputs[1]).max() == 0.0 and outputs[0].std() > 0.01
+
+
+def test_qwen_image_config_from_a_single_files_shapes():
+    """Without a config.json beside it, a Qwen-Image file's config comes from its tensors' shapes: the
+    config of the diffusers model that made them (the release's 128-wide heads)."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from models.qwen_image.family import QwenImage
+
+    config = dict(num_layers=3, attention_head_dim=128, num_attention_heads=2, joint_attention_dim=24)
+    with torch.device("meta"):
+        model = QwenImageTransformer2DModel(**config, in_channels=64, out_channels=16)
+    shapes = {"model.diffusion_model." + k: tuple(v.shape) for k, v in model.state_dict().items()}
+    found = QwenImage().config_of_file(shapes)
+    plain = lambda v: list(v) if isinstance(v, (tuple, list)) else v  # noqa: E731
+    assert found.pop("_class_name") == "QwenImageTransformer2DModel"
+    assert {k: plain(v) for k, v in found.items()} == {k: plain(model.config[k]) for k in found}
+    narrow = {**shapes, "model.diffusion_model.transformer_blocks.0.attn.norm_q.weight": (64,)}
+    with pytest.raises(ValueError, match="transformer/config.json"):  # how 64 splits over the rope's axes
+        QwenImage().config_of_file(narrow)

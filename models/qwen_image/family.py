@@ -5,7 +5,7 @@ resolution-dependent shift with Euler steps; true CFG with the per-token norm re
 
 import torch
 
-from models.family import Components, Family, Schedule, load_transformer, part_folder, read_json
+from models.family import Components, Family, Schedule, part_folder, read_json
 from models.qwen_image.sampling import denormalize_latents, image_tokens, sigmas, true_cfg
 from models.qwen_image.text import encode_prompt
 from models.qwen_image.transformer import QwenImageCond
@@ -14,6 +14,7 @@ from models.qwen_image.weights import (
     TRANSFORMER_CLASS,
     build_transformer,
     diffusers_key,
+    diffusers_state_dict_from_original,
     tessera_state_dict_from_diffusers,
 )
 
@@ -77,12 +78,34 @@ class QwenImage(Family):
     def diffusers_name(self, name: str) -> str:
         return diffusers_key(name)
 
+    def from_original(self, state: dict) -> dict:
+        return diffusers_state_dict_from_original(state)  # ComfyUI's prefix dropped; fp8 files refused
+
+    def config_of_file(self, shapes: dict) -> dict:
+        """The release's layout read from the shapes: heads of 128 split 16 / 56 / 56 for the 3-axis rope."""
+        shapes = self.from_original(shapes)
+        head = shapes["transformer_blocks.0.attn.norm_q.weight"][0]
+        if head != 128:
+            return super().config_of_file(shapes)  # the rope's split of another head size is not in the file
+        hidden = shapes["img_in.weight"][0]
+        depth = 1 + max(int(k.split(".")[1]) for k in shapes if k.startswith("transformer_blocks."))
+        return dict(
+            _class_name=TRANSFORMER_CLASS,
+            patch_size=2,
+            in_channels=shapes["img_in.weight"][1],
+            out_channels=shapes["proj_out.weight"][0] // 4,
+            num_layers=depth,
+            attention_head_dim=head,
+            num_attention_heads=hidden // head,
+            joint_attention_dim=shapes["txt_in.weight"][1],
+            axes_dims_rope=(16, 56, 56),
+        )
+
     def load(self, cfg, device, dtype) -> Components:
         from diffusers import AutoencoderKLQwenImage
         from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
-        build = lambda config: self.build(config, cfg)  # noqa: E731
-        transformer = load_transformer(cfg.model.pretrained, build, self.to_tessera, dtype)
+        transformer = self.load_transformer(cfg, dtype)
         encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
             part_folder(cfg, "text_encoder"), torch_dtype=dtype
         )

@@ -6,11 +6,17 @@ classifier-free guidance.
 
 import torch
 
-from models.family import Components, Family, Schedule, load_transformer, part_folder, read_json
+from models.family import Components, Family, Schedule, part_folder, read_json
 from models.sana.sampling import RELEASE_SCHEDULER, denormalize_latents, dpm_solver_step, flow_schedule
 from models.sana.text import COMPLEX_HUMAN_INSTRUCTION, encode_text
 from models.sana.transformer import SanaConditioning
-from models.sana.weights import SanaFormatError, build_sana, diffusers_from_tessera, tessera_from_diffusers
+from models.sana.weights import (
+    SanaFormatError,
+    build_sana,
+    diffusers_from_original,
+    diffusers_from_tessera,
+    tessera_from_diffusers,
+)
 
 
 def dpm_solver(sigmas):
@@ -74,12 +80,14 @@ class Sana(Family):
     def diffusers_name(self, name: str) -> str:
         return next(iter(diffusers_from_tessera({name: None})))
 
+    def from_original(self, state: dict) -> dict:
+        return diffusers_from_original(state)  # NVlabs' names (fused qkv and kv) split as diffusers' are
+
     def load(self, cfg, device, dtype) -> Components:
         from diffusers import AutoencoderDC
         from transformers import AutoModel, AutoTokenizer
 
-        build = lambda config: self.build(config, cfg)  # noqa: E731
-        transformer = load_transformer(cfg.model.pretrained, build, self.to_tessera, dtype)
+        transformer = self.load_transformer(cfg, dtype)
         encoder = AutoModel.from_pretrained(part_folder(cfg, "text_encoder"), torch_dtype=dtype)
         vae = AutoencoderDC.from_pretrained(part_folder(cfg, "vae"), torch_dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(part_folder(cfg, "tokenizer"))
