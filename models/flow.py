@@ -12,6 +12,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+from models.family import Schedule
+from models.loop import denoise
+from models.step_cache import CachedVelocity
 from models.vae import num_tokens
 
 
@@ -105,27 +108,19 @@ class RectifiedFlow:
         sigmas = self.sigmas(noise, steps)
         if velocity is None:
             velocity = guided_velocity(model, y, y_mask, neg_y, neg_mask, guidance)
-        # the step cache's plan depends on the calibration and the budget alone: the same on every rank
-        plan = self.cache.plan(steps) if self.cache is not None else None
         if self.cache is not None:
-            self.cache.start(steps, noise.shape[0])
-        x, v, self.model_calls = noise, None, 0
-        for i in range(steps):
-            if plan is None or plan[i].compute:
-                if self.cache is not None:
-                    self.cache.begin_step(i)
-                v = last = velocity(x, sigmas[i])
-                self.model_calls += 1
-            else:  # both guidance branches are skipped together: `last` is the guided velocity
-                v = last * plan[i].scale
-            x = self.euler_step(x, v, sigmas, i)
-            if progress is not None:
-                progress(i + 1, steps)
+            velocity = CachedVelocity(velocity, self.cache, steps)
+        x = denoise(self.schedule(sigmas), noise, velocity, progress)
+        self.model_calls = steps if self.cache is None else velocity.calls
         if self.cache is not None:
             self.cache.finish()
             if self.cache.method == "first_block":  # it calls the model each step, runs every block in fewer
                 self.model_calls = self.cache.full_calls
         return x
+
+    def schedule(self, sigmas) -> Schedule:
+        """models/loop.py's schedule of `sigmas`: the model is told sigma itself, and the step is Euler's."""
+        return Schedule(sigmas, sigmas[:-1], lambda x, v, i, state: (self.euler_step(x, v, sigmas, i), None))
 
 
 def expert_timesteps(expert: str, boundary) -> tuple[float, float]:

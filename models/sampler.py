@@ -1,24 +1,14 @@
-"""The sampling loop of the families in models/family.py: encode, draw each sample's noise from its own
-seed, walk the family's schedule with its solver, decode. How the velocity is computed (one process, or
-the guidance branches on two: parallel/cfg.py) is passed in; the loop is the same.
+"""Sampling a family of models/family.py: encode, draw each sample's noise from its own seed, walk the
+family's schedule with its solver (models/loop.py, the loop every sampler runs), decode. How the velocity
+is computed (one process, or the guidance branches on two: parallel/cfg.py) is passed in.
 """
 
 import numpy as np
 import torch
 
 from models.family import Components, Family
+from models.loop import denoise
 from models.pipeline import NonFiniteVideo, nonfinite_samples
-
-
-@torch.no_grad()
-def denoise(family: Family, parts: Components, x, steps: int, velocity, progress=None):
-    """x at the last noise level from `x` (pure noise): velocity(x, t) at each step, then the solver."""
-    schedule, state = family.schedule(parts, steps, x), None
-    for i in range(steps):
-        x, state = schedule.step(x, velocity(x, schedule.timesteps[i]), i, state)
-        if progress is not None:
-            progress(i + 1, steps)
-    return x
 
 
 def guided_velocity(family: Family, parts: Components, cond, uncond, scale: float):
@@ -56,7 +46,7 @@ def generate_images(
     device = next(parts.transformer.parameters()).device
     noise = family.noise(parts, seeds, *size).to(device)
     velocity = velocity_of(family, parts, cond, uncond, guidance)
-    latents = denoise(family, parts, noise, steps, velocity, progress)
+    latents = denoise(family.schedule(parts, steps, noise), noise, velocity, progress)
     bad = {i: "the denoised latents" for i in nonfinite_samples(latents)}
     if len(bad) == len(prompts):
         raise NonFiniteVideo(bad, None)

@@ -174,6 +174,28 @@ def plan_steps(calibration: Calibration, steps: int, threshold: float, max_skips
     return plan
 
 
+class CachedVelocity:
+    """velocity(x, t) behind a step cache, for models/loop.py: its k-th call is step k. A step the plan
+    computes calls `velocity` (after the cache's begin_step); a skipped one reuses the last computed
+    velocity times the plan's scale (both guidance branches are skipped together: it is the guided one).
+    `calls`: how many steps called the model."""
+
+    def __init__(self, velocity, cache, steps: int):
+        self.velocity, self.cache, self.steps = velocity, cache, steps
+        self.plan = cache.plan(steps)  # the calibration and the budget alone: the same on every rank
+        self.step, self.calls, self.last = 0, 0, None
+
+    def __call__(self, x, t):
+        i, self.step = self.step, self.step + 1
+        if i == 0:
+            self.cache.start(self.steps, x.shape[0])
+        if self.plan[i].compute:
+            self.cache.begin_step(i)
+            self.last, self.calls = self.velocity(x, t), self.calls + 1
+            return self.last
+        return self.last * self.plan[i].scale
+
+
 @dataclass
 class StepCache:
     """sample.cache=calibrated as the sampler uses it: the calibration and the recipe's budget."""
