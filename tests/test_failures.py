@@ -200,7 +200,12 @@ def test_killed_rank_on_another_node_is_named(tmp_path):
         for node in (0, 1)
     ]
     run = Launch(commands[:1], {**ENV, "TESSERA_FAULT": "kill@1:5"})
-    time.sleep(1.0)  # node 0's agent hosts the rendezvous store
+    # node 0's agent must host the rendezvous store (node 1's death then leaves it standing): its port
+    # listens before node 1 starts (a fixed pause lost that race on a loaded machine)
+    deadline = time.monotonic() + 60
+    while not listening(port):
+        assert time.monotonic() < deadline and run.procs[0].poll() is None, run.text()[-3000:]
+        time.sleep(0.1)
     second = Launch(commands[1:], {**ENV, "TESSERA_FAULT": "kill@1:5"})
     codes = run.wait(timeout=150) + second.wait(timeout=30)
     assert codes[0] != 0 and codes[1] != 0
@@ -210,6 +215,13 @@ def test_killed_rank_on_another_node_is_named(tmp_path):
     print(f"[measured] kill on node 1: named {delay:.1f} s after the fault")
     assert delay <= 15
     assert "error: rank 1 (" in line and "stopped responding at step 5" in line, line
+
+
+def listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def test_loader_error_on_one_rank_stops_every_rank(tmp_path):
