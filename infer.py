@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from configs import DEFAULT_RECIPE, load_config, split_overrides
 from data.media import OUTPUT_EXTENSIONS, write_video
-from models.dit import DiT_models
+from models.dit import size_of
 from models.families import family_named
 from models.family import part_folder
 from models.flow import RectifiedFlow
@@ -425,7 +425,7 @@ def run_expert(step) -> str:
 def plan_layout(cfg, request: Request) -> tuple[ParallelLayout, int, str]:
     """(the layout, PipeFusion's patch count, the links parallel.auto saw), refused by name if invalid."""
     _, world_size, _ = world_from_env()
-    size, grid = DiT_models[cfg.model.size], request.grid
+    size, grid = size_of(cfg.model), request.grid
     slow_links, links = links_are_slow() if cfg.parallel.auto else (False, "")
     layout = ParallelLayout.from_config(
         cfg.parallel,

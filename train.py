@@ -39,7 +39,7 @@ from data.loader import (
 )
 from data.media import write_video
 from data.sampler import sample_seed
-from models.dit import DiT_models, count_parameters
+from models.dit import count_parameters, size_of
 from models.families import family_named
 from models.flow import RectifiedFlow, expert_timesteps
 from models.image_condition import ConditionedModel, ImageCondition, image_inputs, sampling_condition
@@ -142,7 +142,7 @@ def check_before_start(cfg) -> Plan:
         )
     check_loggers(cfg)
     layout = ParallelLayout.from_config(
-        cfg.parallel, world_size, DiT_models[cfg.model.size]["num_heads"], "train", local_world_size()
+        cfg.parallel, world_size, size_of(cfg.model)["num_heads"], "train", local_world_size()
     )
     buckets = build_buckets(cfg)
     sc, data = cfg.sample, cfg.data

@@ -171,6 +171,9 @@ NULL_OR = {  # key: (its least value, what null means)
     "parallel.stall_timeout_s": (0, "the default for the device"),
     "data.fps": (0, "keep the file's rate"),
     "lora.alpha": (0, "alpha = rank"),
+    "model.depth": (1, "the size's"),
+    "model.hidden_size": (1, "the size's"),
+    "model.num_heads": (1, "the size's"),
 }
 
 

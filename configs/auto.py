@@ -4,7 +4,7 @@ contradicts stays an error naming the key."""
 
 from pathlib import Path
 
-from models.dit import ARCHITECTURE_OPTIONS, DiT_models
+from models.dit import ARCHITECTURE_OPTIONS, DIMENSIONS, DiT_models
 from models.families import FAMILIES, family_of_folder
 from models.family import read_json
 
@@ -58,13 +58,13 @@ def resolve_auto_size(cfg, error=ValueError) -> None:
         found = WanWeights(folder).dit_kwargs
     except WanFormatError as e:
         raise error(f"model.size=auto: {e}") from None
-    dims = ("depth", "hidden_size", "num_heads")
-    sizes = [name for name, size in DiT_models.items() if all(size[k] == found[k] for k in dims)]
-    if not sizes:
-        shape = ", ".join(f"{k} {found[k]}" for k in dims)
-        raise error(
-            f"model.size=auto: no size in models/dit.py has {folder}'s {shape}; add one to DiT_models"
-        )
+    sizes = [name for name, size in DiT_models.items() if all(size[k] == found[k] for k in DIMENSIONS)]
+    if not sizes:  # a pruned, distilled or community variant: a Wan size's options, the folder's dimensions
+        sizes = [name for name in DiT_models if name.startswith("Wan")]
+        for key in DIMENSIONS:
+            if mc[key] is not None and mc[key] != found[key]:
+                raise error(f"model.{key}={mc[key]} contradicts {folder} ({found[key]}): drop it")
+            mc[key] = found[key]
     task = folder_task(folder, found, mc.task)
     settings = {k: found.get(k) for k in ARCHITECTURE_OPTIONS}
     if task == "flf2v" and found.get("image_positions"):  # the recipe counts one image's tokens

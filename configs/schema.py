@@ -20,6 +20,11 @@ class RunConfig:
 @dataclass
 class ModelConfig:
     size: str = "DiT-S"  # a key of models.dit.DiT_models; auto: every architecture key from model.pretrained
+    # The size's depth, width and heads, replaced where set (model.size=auto sets them for a folder whose
+    # dimensions no named size has: a pruned, distilled or community variant)
+    depth: Optional[int] = None
+    hidden_size: Optional[int] = None
+    num_heads: Optional[int] = None
     # dit (tessera's DiT, which reads Wan folders) | qwen_image | sana (models/families.py); auto: the
     # family model.pretrained's folder declares under model.size=auto, else dit. Resolved when loaded.
     family: str = "auto"

@@ -640,18 +640,29 @@ def recipe_key(name: str) -> str:
         "in_channels": "the VAE's latent channels (vae.*), or model.task (i2v/flf2v take 2 x those + 4)",
         "image_positions": "model.task (flf2v: two images with their positions)",
         "text_dim": "the text encoder's width (text_encoder.*)",
-        "depth": "model.size",
-        "hidden_size": "model.size",
-        "num_heads": "model.size",
+        "depth": "model.size (or model.depth)",
+        "hidden_size": "model.size (or model.hidden_size)",
+        "num_heads": "model.size (or model.num_heads)",
     }.get(name, f"model.{name} (or model.size)" if name in ARCHITECTURE_OPTIONS else f"model.{name}")
 
 
-def build_dit(model_cfg, in_channels: int, text_dim: int) -> DiT:
-    """The DiT named by a recipe's `model` section: the size's dims and options, then the recipe's
-    options that are set (not None)."""
+DIMENSIONS = ("depth", "hidden_size", "num_heads")
+
+
+def size_of(model_cfg) -> dict:
+    """A recipe's `model` section's size: DiT_models[model.size], with model.depth, model.hidden_size and
+    model.num_heads where set."""
     if model_cfg.size not in DiT_models:
         raise ValueError(f"unknown model size '{model_cfg.size}'; choose one of {', '.join(DiT_models)}")
-    arch = dict(DiT_models[model_cfg.size])
+    size = dict(DiT_models[model_cfg.size])
+    size.update({k: model_cfg[k] for k in DIMENSIONS if model_cfg.get(k) is not None})
+    return size
+
+
+def build_dit(model_cfg, in_channels: int, text_dim: int) -> DiT:
+    """The DiT named by a recipe's `model` section: the size's dims and options (size_of), then the
+    recipe's options that are set (not None)."""
+    arch = size_of(model_cfg)
     arch.update({key: model_cfg[key] for key in ARCHITECTURE_OPTIONS if model_cfg[key] is not None})
     task = model_cfg.get("task", "t2v")
     if task in ("i2v", "flf2v"):  # in: the noisy latent, a 4-channel mask, the frames' latent; out: velocity

@@ -167,7 +167,7 @@ def open_pretrained(cfg, model: DiT, folder=None, use_ema: bool = True):
                 for name, size in DiT_models.items()
                 if all(size.get(k) == folder[k] for k in (*dims, "ffn_dim"))
             ]
-            fixes = ([f"model.size={same[0]}"] if same else []) + [
+            fixes = ([f"model.size={same[0]}"] if same else ["model.size=auto"]) + [
                 f for f in fixes if not f.startswith("model.ffn_dim")
             ]
         hint = "; set " + " ".join(fixes) if fixes else ""

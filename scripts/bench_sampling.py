@@ -217,10 +217,10 @@ def theory_sent(
 
 def bytes_table(results):
     from configs import load_config
-    from models.dit import DiT_models
+    from models.dit import size_of
 
     cfg = load_config(ROOT / "configs" / "demo.yaml", BYTES_RECIPE)
-    size = DiT_models[cfg.model.size]
+    size = size_of(cfg.model)
     pt, ph, pw = cfg.model.patch_size
     grid = (FRAMES // pt, SIZE // ph, SIZE // pw)
     tokens, cp = math.prod(grid), 3 * pt * ph * pw

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import parallel.startup  # noqa: E402, F401  (before torch loads)
 from configs import DEFAULT_RECIPE, load_config, split_overrides  # noqa: E402
-from models.dit import DiT_models  # noqa: E402
+from models.dit import size_of  # noqa: E402
 from models.families import require_native
 from models.flow import RectifiedFlow, guided_velocity  # noqa: E402
 from models.step_cache import Calibration  # noqa: E402
@@ -33,7 +33,7 @@ def load_model(cfg, checkpoint, session=None, random_weights: bool = False, lora
     """(model, vae, text_encoder) on one process, as infer.py loads them (`loras`: infer.read_loras')."""
     from infer import load_sampler
 
-    layout = ParallelLayout.from_config(cfg.parallel, 1, DiT_models[cfg.model.size]["num_heads"], "sample")
+    layout = ParallelLayout.from_config(cfg.parallel, 1, size_of(cfg.model)["num_heads"], "sample")
     runtime = init_runtime(cfg.parallel, layout, task="sample", session=session)
     return load_sampler(cfg, runtime, checkpoint, cfg.sample.use_ema, random_weights, loras=loras)[:3]
 

@@ -34,7 +34,7 @@ from data.synthetic import (  # noqa: E402
     prompt_color,
     read_clip,
 )
-from models.dit import DiT_models  # noqa: E402
+from models.dit import size_of  # noqa: E402
 from models.families import require_native
 from models.flow import RectifiedFlow  # noqa: E402
 from parallel.entrypoint import run_as_process  # noqa: E402
@@ -122,7 +122,7 @@ def main(argv=None, session=None):
     from models.pipeline import generate
 
     checkpoint = find_checkpoint(cfg, args.checkpoint, random_weights=False)
-    layout = ParallelLayout.from_config(cfg.parallel, 1, DiT_models[cfg.model.size]["num_heads"], "sample")
+    layout = ParallelLayout.from_config(cfg.parallel, 1, size_of(cfg.model)["num_heads"], "sample")
     runtime = init_runtime(cfg.parallel, layout, task="sample", session=session)
     model, vae, text_encoder, sampler = load_sampler(cfg, runtime, checkpoint, use_ema=cfg.sample.use_ema)
     prompts = [prompt for prompt in held_out_prompts(args.colors) for _ in range(args.seeds)]

@@ -241,7 +241,7 @@ def test_recipes_and_overrides_load():
 
 def test_parallel_layouts_are_valid():
     from configs import load_config, split_overrides
-    from models.dit import DiT_models
+    from models.dit import size_of
     from models.families import family_named
     from parallel.layout import ParallelLayout
 
@@ -258,7 +258,7 @@ def test_parallel_layouts_are_valid():
             assert given <= set(family.parallel_degrees), f"`{cmd.text}`: {family.title} takes no {given}"
             ParallelLayout.from_config(cfg.parallel, world, cfg.parallel.ulysses, "sample", nproc)
             continue
-        size = DiT_models[cfg.model.size]
+        size = size_of(cfg.model)
         if cmd.program == "train.py":
             ParallelLayout.from_config(cfg.parallel, world, size["num_heads"], "train", nproc)
         else:

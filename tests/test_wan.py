@@ -6,6 +6,7 @@ forwards compared in float32. The same model under ulysses 2 and ring 2 is check
 one-process tessera forward in tests/sp_worker.py (WanDiT and WanI2V lines)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -79,6 +80,36 @@ def test_forward_equals_diffusers(saved_wan, frames, height, width):
     with torch.no_grad():
         model.blocks[1].scale_shift_table[0, 2, 0] += 0.5
         assert relative_error(model(x, t, y, y_mask), expected) > 1e-4
+
+
+def test_model_size_auto_builds_dimensions_no_size_has(saved_wan):
+    """A Wan folder whose depth, width and heads match no named size (a pruned or distilled variant; here
+    2 heads of 12): model.size=auto builds its dimensions with Wan's options and reads its weights, and the
+    forward is diffusers'."""
+    from configs import load_config
+    from models.dit import build_dit
+    from models.wan import WanWeights
+    from parallel.components import fill_unsharded
+
+    reference, folder = saved_wan
+    cfg = load_config(
+        Path(__file__).parents[1] / "configs" / "wan2.1-t2v-1.3b.yaml",
+        ["model.size=auto", f"model.pretrained={folder}"],
+    )
+    assert (cfg.model.depth, cfg.model.hidden_size, cfg.model.num_heads, cfg.model.ffn_dim) == (2, 24, 2, 32)
+    with torch.device("meta"):
+        model = build_dit(cfg.model, in_channels=4, text_dim=16)
+    fill_unsharded(model, 0, WanWeights(folder))
+    g = torch.Generator().manual_seed(1)
+    x, t, y = (
+        torch.randn(1, 4, 1, 8, 12, generator=g),
+        torch.rand(1, generator=g),
+        torch.randn(1, 7, 16, generator=g),
+    )
+    with torch.no_grad():
+        expected = reference(x, t * 1000, y, return_dict=False)[0]
+        out = model.eval()(x, t, y, torch.ones(1, 7, dtype=torch.bool))
+    assert relative_error(out, expected) <= 1e-5
 
 
 def test_a_timestep_per_token_equals_diffusers(saved_wan):
