@@ -20,7 +20,8 @@ And for the prose: every --flag in inline code is in the --help of one of those 
 scripts/ and docs/ path exists, and each timing or percentage of a README table row is in the BENCHMARKS.md
 row that measured it (the row that shares most of its words), with the row's other numbers.
 
-docs/*.md, checked without running anything: every `section.key` is a schema key, every repository path,
+docs/*.md, checked without running anything: every `section.key` is a schema key, every code name it
+cites in backticks is the code's, every repository path,
 `tests/x.py::test` and bare `x.py` exists, every --flag is declared by the argparse of the program the text
 names, the commands of its ```bash blocks load their recipe and overrides, and every relative link (of
 README.md and BENCHMARKS.md too) reaches a file and heading.
@@ -500,6 +501,26 @@ def test_doc_flags_exist(doc):
         missing = given - set().union(*(declared[p] for p in programs))
         names = [p.name for p in programs] if len(programs) < len(PROGRAMS) else "any program"
         assert not missing, f"{doc.name}, `{span}`: {sorted(missing)} not declared by {names}"
+
+
+# Backticked names that are not the code's: fault specs composed from parallel/checkpoint.py's FAULT_POINTS
+COMPOSED_NAMES = {"save_before_shards", "save_after_shards", "save_after_rename"}
+
+
+@pytest.mark.parametrize("doc", [p for p in DOCS if p.name != "benchmarks_history.md"], ids=lambda p: p.name)
+def test_doc_code_names_exist(doc):
+    """Every backticked CamelCase name, `snake_case` name and `name()` a doc cites (`Class.method` by its
+    parts) is in the code: a renamed function leaves no stale name behind. benchmarks_history.md is a
+    record of its day and keeps the names of then."""
+    source = "\n".join(p.read_text() for p in ROOT.rglob("*.py") if ".git" not in p.parts)
+    text = doc.read_text()
+    names = set(re.findall(r"`([A-Z][a-z]+(?:[A-Z][A-Za-z0-9]*)+)(?:\.(\w+))?`", text))
+    names = {part for pair in names for part in pair if part}
+    names |= set(re.findall(r"`([a-z_][a-z0-9_]+)\(\)`", text)) | set(
+        re.findall(r"`([a-z][a-z0-9]*(?:_[a-z0-9]+)+)`", text)
+    )
+    missing = sorted(n for n in names - COMPOSED_NAMES if not re.search(rf"\b{re.escape(n)}\b", source))
+    assert not missing, f"{doc.name} cites names the code does not have: {missing}"
 
 
 def test_argparse_flags_reads_declarations():
