@@ -246,23 +246,7 @@ def read_clip(
         rate = _frame_rate(stream, fps)
         frame_dt = 1.0 / rate
         length = num_frames or _header_frame_count(stream, rate)
-        if fps is None:  # consecutive frames: the start is a frame index
-            if length and length < frames:
-                raise ValueError(f"too short: {length} frames, the bucket needs {frames}")
-            start = frame_dt * (
-                int(rng.integers(0, length - frames + 1)) if rng is not None and length else 0
-            )
-        else:
-            if length and frames > frames_at_rate(length, rate, fps):
-                raise ValueError(
-                    f"too short: {length} frames at {rate:g} fps, the bucket needs {frames} at {fps:g} fps"
-                )
-            span, last = (frames - 1) / fps, (length - 1) * frame_dt if length else None
-            start = (
-                float(rng.uniform(0.0, last - span))
-                if rng is not None and last is not None and last > span
-                else 0.0
-            )
+        start = _clip_start(rng, length, frames, rate, fps)
         if start > 0:
             _seek(container, stream, start)
         source_h, source_w = stream.codec_context.height, stream.codec_context.width
@@ -297,6 +281,24 @@ def read_clip(
     if len(out) < frames:
         raise ValueError(f"too short: {len(out)} of {frames} frames decoded")
     return np.stack(out)
+
+
+def _clip_start(rng, length: int | None, frames: int, rate: float, fps: float | None) -> float:
+    """The clip's start time, drawn from `rng` (0 without one) so that `frames` frames fit in `length`
+    (None: unknown) at `rate`; at `fps` when given, else consecutive frames. Too short: ValueError."""
+    frame_dt = 1.0 / rate
+    if fps is None:  # consecutive frames: the start is a frame index
+        if length and length < frames:
+            raise ValueError(f"too short: {length} frames, the bucket needs {frames}")
+        return frame_dt * (int(rng.integers(0, length - frames + 1)) if rng is not None and length else 0)
+    if length and frames > frames_at_rate(length, rate, fps):
+        raise ValueError(
+            f"too short: {length} frames at {rate:g} fps, the bucket needs {frames} at {fps:g} fps"
+        )
+    span, last = (frames - 1) / fps, (length - 1) * frame_dt if length else None
+    return (
+        float(rng.uniform(0.0, last - span)) if rng is not None and last is not None and last > span else 0.0
+    )
 
 
 def _clip_at_end(

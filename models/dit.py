@@ -413,41 +413,33 @@ class DiT(nn.Module):
             raise ValueError(
                 f"image_dim={image_dim} needs image_tokens >= 1 (model.image_tokens), got {image_tokens}"
             )
-        self.x_embedder = PatchEmbed3D(patch_size, in_channels, hidden_size)
+        self.image_tokens = image_tokens
+        self._add_embedders(hidden_size, text_dim, pooled_text, image_dim, image_positions, adaln)
+        self.rope = RotaryEmbedding3D(hidden_size // num_heads, rope_theta)
+        self.sequence = WholeSequence()
+        self.step_cache = None  # infer.py may set a models.step_cache.FirstBlockCache (sample.cache)
+        block = (hidden_size, num_heads, mlp_hidden, qk_norm, attention_backend, adaln, qk_norm_across_heads)
+        self.blocks = nn.ModuleList([DiTBlock(*block, self.image_tokens) for _ in range(depth)])
+        self.final_layer = FinalLayer(hidden_size, math.prod(self.patch_size), self.out_channels, adaln)
+        self.init_weights()
+
+    def _add_embedders(self, hidden_size, text_dim, pooled_text, image_dim, image_positions, adaln) -> None:
+        """The patch, time, text (and pooled text, image) embedders and adaLN-single's projection, in the
+        order their parameters are seeded."""
+        self.x_embedder = PatchEmbed3D(self.patch_size, self.in_channels, hidden_size)
         self.t_embedder = TimestepEmbedder(hidden_size)
         self.y_embedder = nn.Sequential(
             nn.Linear(text_dim, hidden_size), nn.GELU(approximate="tanh"), nn.Linear(hidden_size, hidden_size)
         )
         # the mean text token joins the time embedding
         self.pooled_embedder = nn.Linear(hidden_size, hidden_size) if pooled_text else None
-        self.image_tokens = image_tokens
         self.image_embedder = (
-            ImageEmbedder(image_dim, hidden_size, image_tokens, image_positions) if image_dim else None
+            ImageEmbedder(image_dim, hidden_size, self.image_tokens, image_positions) if image_dim else None
         )
         # adaLN-single: one projection of the time embedding, shared by every block
         self.time_proj = (
             nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size)) if adaln == "single" else None
         )
-        self.rope = RotaryEmbedding3D(hidden_size // num_heads, rope_theta)
-        self.sequence = WholeSequence()
-        self.step_cache = None  # infer.py may set a models.step_cache.FirstBlockCache (sample.cache)
-        self.blocks = nn.ModuleList(
-            [
-                DiTBlock(
-                    hidden_size,
-                    num_heads,
-                    mlp_hidden,
-                    qk_norm,
-                    attention_backend,
-                    adaln,
-                    qk_norm_across_heads,
-                    self.image_tokens,
-                )
-                for _ in range(depth)
-            ]
-        )
-        self.final_layer = FinalLayer(hidden_size, math.prod(self.patch_size), self.out_channels, adaln)
-        self.init_weights()
 
     def architecture(self) -> dict:
         """What the model was built with: dims, patch size and options (compared with a pretrained

@@ -172,12 +172,7 @@ def init_runtime(
     if session is not None:  # from here on a failure's report finds the run's folder and records
         session.run_dir, session.comm = run_dir, log
     if backend == "nccl" and run_dir is not None:
-        # PyTorch's flight recorder: every NCCL collective of every group, dumped on a timeout into
-        # failures/ (and by the watchdog when it ends the run). Not on gloo: the comm layer records those.
-        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
-        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-        (Path(run_dir) / "failures").mkdir(parents=True, exist_ok=True)
-        os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(Path(run_dir) / "failures" / "nccl_trace_rank"))
+        _flight_recorder(Path(run_dir) / "failures")
     limits = deadlines(parallel_cfg, device.type)
     watch = (rank, world_size, run_dir, limits, backend, task, log, stop, session)
     injected.before_start("prestart")  # tests only: a rank that dies before its first heartbeat
@@ -196,31 +191,7 @@ def init_runtime(
     log.adopt(None)  # from the first collective on, the default group's ops are this runtime's
     _set_pg_timeout(datetime.timedelta(seconds=parallel_cfg.timeout_s))
     _check_same_layout(layout, rank, world_size, device)
-
-    from torch.distributed.device_mesh import init_device_mesh
-
-    timeout = datetime.timedelta(seconds=parallel_cfg.timeout_s)
-    fsdp_mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",))
-    # Groups made from a device mesh do not inherit the init timeout: set it explicitly.
-    _set_pg_timeout(timeout, fsdp_mesh.get_group())
-    control = dist.new_group(
-        backend="gloo",
-        timeout=datetime.timedelta(seconds=parallel_cfg.control_timeout_s),
-        group_desc="control",
-    )
-    sequence = sequence_groups(layout, rank, timeout)
-    sampling = sampling_groups(
-        layout, rank, timeout, sequence, datetime.timedelta(seconds=parallel_cfg.control_timeout_s), log
-    )
-    for group, name in (
-        (fsdp_mesh.get_group(), "fsdp"),
-        (control, "control"),
-        (sequence.ulysses_group, "ulysses"),
-        (sequence.ring_group, "ring"),
-        (sequence.sp_group, "sequence"),
-    ):
-        if group is not None:  # None: a one-rank group, nothing to create
-            log.adopt(group, name)
+    fsdp_mesh, control, sequence, sampling = _make_groups(parallel_cfg, layout, rank, world_size, device, log)
     # A run that trains in this directory owns its failure records: sampling it leaves them alone.
     if rank == 0 and run_dir is not None and (task == "train" or live_holder(run_dir) is None):
         _archive_failures(Path(run_dir) / "failures")
@@ -245,6 +216,40 @@ def init_runtime(
     )
     injected.at_startup()
     return runtime
+
+
+def _flight_recorder(failures: Path) -> None:
+    """PyTorch's flight recorder: every NCCL collective of every group, dumped on a timeout into
+    failures/ (and by the watchdog when it ends the run). Not on gloo: the comm layer records those."""
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    failures.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(failures / "nccl_trace_rank"))
+
+
+def _make_groups(parallel_cfg, layout: ParallelLayout, rank: int, world_size: int, device, log) -> tuple:
+    """(the FSDP mesh, the gloo control group, the sequence groups, the sampling groups), each named in the
+    comm log."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    timeout = datetime.timedelta(seconds=parallel_cfg.timeout_s)
+    control_timeout = datetime.timedelta(seconds=parallel_cfg.control_timeout_s)
+    fsdp_mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("fsdp",))
+    # Groups made from a device mesh do not inherit the init timeout: set it explicitly.
+    _set_pg_timeout(timeout, fsdp_mesh.get_group())
+    control = dist.new_group(backend="gloo", timeout=control_timeout, group_desc="control")
+    sequence = sequence_groups(layout, rank, timeout)
+    sampling = sampling_groups(layout, rank, timeout, sequence, control_timeout, log)
+    for group, name in (
+        (fsdp_mesh.get_group(), "fsdp"),
+        (control, "control"),
+        (sequence.ulysses_group, "ulysses"),
+        (sequence.ring_group, "ring"),
+        (sequence.sp_group, "sequence"),
+    ):
+        if group is not None:  # None: a one-rank group, nothing to create
+            log.adopt(group, name)
+    return fsdp_mesh, control, sequence, sampling
 
 
 def _start_watchdog(rank, world_size, run_dir, limits, backend, task, log, stop, session) -> Watchdog:

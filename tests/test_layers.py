@@ -117,3 +117,18 @@ def test_files_stay_small_and_say_what_they_are_for():
         if doc and len(doc.strip("\n").splitlines()) > 12:
             problems.append(f"{relative}: a {len(doc.strip().splitlines())}-line docstring (at most 12)")
     assert not problems, "\n".join(problems)
+
+
+def test_functions_read_at_once():
+    """House rule (issue 33): no function or method over 80 lines in models/, parallel/, data/, configs/,
+    train.py or infer.py (a longer one is split where its parts have names)."""
+    long = []
+    for relative, tree in _modules():
+        if relative.parts[0] not in ("models", "parallel", "data", "configs", "train.py", "infer.py"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 80:
+                    long.append(f"{relative}:{node.lineno} {node.name}: {lines} lines")
+    assert not long, "functions over 80 lines:\n" + "\n".join(long)
