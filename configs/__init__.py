@@ -284,6 +284,15 @@ def _check_model(cfg: DictConfig) -> None:
         )
     if mc.size not in DiT_models and mc.family == "dit":
         raise ConfigError(f"'model.size' is '{mc.size}'; choose one of {', '.join(DiT_models)}")
+    if mc.family == "dit":
+        from models.dit import size_of
+
+        size = size_of(mc)
+        if size["hidden_size"] % size["num_heads"]:
+            raise ConfigError(
+                f"model.hidden_size {size['hidden_size']} does not divide into model.num_heads "
+                f"{size['num_heads']} (model.size={mc.size} with model.hidden_size / model.num_heads)"
+            )
 
 
 def _check_lora(cfg: DictConfig) -> None:

@@ -58,12 +58,13 @@ def resolve_auto_size(cfg, error=ValueError) -> None:
         found = WanWeights(folder).dit_kwargs
     except WanFormatError as e:
         raise error(f"model.size=auto: {e}") from None
+    for key in DIMENSIONS:
+        if mc[key] is not None and mc[key] != found[key]:
+            raise error(f"model.{key}={mc[key]} contradicts {folder} ({found[key]}): drop it")
     sizes = [name for name, size in DiT_models.items() if all(size[k] == found[k] for k in DIMENSIONS)]
     if not sizes:  # a pruned, distilled or community variant: a Wan size's options, the folder's dimensions
         sizes = [name for name in DiT_models if name.startswith("Wan")]
         for key in DIMENSIONS:
-            if mc[key] is not None and mc[key] != found[key]:
-                raise error(f"model.{key}={mc[key]} contradicts {folder} ({found[key]}): drop it")
             mc[key] = found[key]
     task = folder_task(folder, found, mc.task)
     settings = {k: found.get(k) for k in ARCHITECTURE_OPTIONS}

@@ -643,7 +643,7 @@ DIMENSIONS = ("depth", "hidden_size", "num_heads")
 
 def size_of(model_cfg) -> dict:
     """A recipe's `model` section's size: DiT_models[model.size], with model.depth, model.hidden_size and
-    model.num_heads where set."""
+    model.num_heads where set (its depth, width and heads; the options are build_dit's to apply)."""
     if model_cfg.size not in DiT_models:
         raise ValueError(f"unknown model size '{model_cfg.size}'; choose one of {', '.join(DiT_models)}")
     size = dict(DiT_models[model_cfg.size])

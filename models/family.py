@@ -132,11 +132,15 @@ class Family:
         )
 
     def transformer_config(self, cfg) -> dict:
-        """model.pretrained's transformer config.json; for a single .safetensors file, the pipeline folder's
-        (vae.pretrained's or text_encoder.pretrained's transformer/), else the one its shapes give."""
-        config = read_json(part_folder(cfg, "transformer") / "config.json")
-        if config or not is_single_file(cfg.model.pretrained):
-            return config
+        """model.pretrained's transformer config.json; for a single .safetensors file, the transformer/
+        config.json of the pipeline folder in vae.pretrained or text_encoder.pretrained (one of this
+        family's transformer classes), else the one the file's shapes give."""
+        if not is_single_file(cfg.model.pretrained):
+            return read_json(part_folder(cfg, "transformer") / "config.json")
+        for folder in (cfg.vae.pretrained, cfg.text_encoder.pretrained):
+            config = read_json(Path(folder or "") / "transformer" / "config.json") if folder else {}
+            if config.get("_class_name") in self.transformer_classes:
+                return config
         return self.config_of_file(tensor_shapes(cfg.model.pretrained))
 
     def meta_transformer(self, cfg) -> torch.nn.Module:

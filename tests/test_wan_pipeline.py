@@ -368,3 +368,5 @@ def test_model_size_auto_takes_every_architecture_key_from_the_folder(tiny_pipel
     assert np.abs(video - infer_sample(recipe, tmp_path / "run", tmp_path / "explicit.npy")).max() == 0
     with pytest.raises(ConfigError, match=r"model.ffn_dim=64 contradicts"):
         load_config(auto, ["model.ffn_dim=64"])
+    with pytest.raises(ConfigError, match=r"model.depth=7 contradicts"):  # a named size's folder too
+        load_config(auto, ["model.depth=7"])

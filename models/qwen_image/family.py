@@ -84,6 +84,15 @@ class QwenImage(Family):
     def config_of_file(self, shapes: dict) -> dict:
         """The release's layout read from the shapes: heads of 128 split 16 / 56 / 56 for the 3-axis rope."""
         shapes = self.from_original(shapes)
+        needed = (
+            "transformer_blocks.0.attn.norm_q.weight",
+            "img_in.weight",
+            "txt_in.weight",
+            "proj_out.weight",
+        )
+        if any(key not in shapes for key in needed):
+            missing = next(key for key in needed if key not in shapes)
+            raise ValueError(f"model.pretrained is not a Qwen-Image transformer file: it has no {missing}")
         head = shapes["transformer_blocks.0.attn.norm_q.weight"][0]
         if head != 128:
             return super().config_of_file(shapes)  # the rope's split of another head size is not in the file

@@ -81,7 +81,12 @@ class Sana(Family):
         return next(iter(diffusers_from_tessera({name: None})))
 
     def from_original(self, state: dict) -> dict:
-        return diffusers_from_original(state)  # NVlabs' names (fused qkv and kv) split as diffusers' are
+        """NVlabs' names (fused qkv and kv, split as diffusers' are), or diffusers' already (any prefix of
+        ComfyUI's dropped)."""
+        bare = {key.removeprefix("model.diffusion_model."): value for key, value in state.items()}
+        if any(key.startswith(("transformer_blocks.", "caption_projection.")) for key in bare):
+            return bare
+        return diffusers_from_original(state)
 
     def load(self, cfg, device, dtype) -> Components:
         from diffusers import AutoencoderDC
