@@ -29,6 +29,7 @@ TINY = [  # run below
     "bench_sp.py",
     "bench_startup_memory.py",
     "bench_vae.py",
+    "family_memory.py",
     "model_scaling.py",  # its functions: tests/test_model_scaling.py
     "make_demo_data.py",  # a user tool: its command line on a few small clips
     "benchlib.py",  # the benchmarks' shared helper: test_benchlib_*
@@ -220,3 +221,13 @@ def test_benchlib_measure_table_and_json(tmp_path):
     benchlib.write_json(tmp_path / "sub" / "r.json", {"timing": timing, "n": 1})
     written = json.loads((tmp_path / "sub" / "r.json").read_text())
     assert written["n"] == 1 and written["timing"]["wall"] == timing.wall and written["machine"]["device"]
+
+
+def test_family_memory_tiny_counts_every_part(tmp_path):
+    """Each family's three parts counted (the tiny pipelines' here), the same weights per GPU on 1 and 8."""
+    out, results = run_tiny("family_memory.py", tmp_path)
+    for family in ("Qwen-Image", "Sana"):
+        found = results["families"][family]
+        assert len(found["parameters"]) == 3 and all(n > 0 for n in found["parameters"].values())
+        assert found["gib_per_gpu"]["1"] == found["gib_per_gpu"]["8"] > 0
+    assert "| Qwen-Image | Qwen-Image transformer " in out

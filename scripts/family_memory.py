@@ -1,0 +1,107 @@
+"""Weights per GPU of the model families' sampling recipes, counted on the meta device: each part's
+parameters (transformer, text encoder, VAE) in bf16, on 1 and on 8 GPUs.
+
+    python scripts/family_memory.py [--json out.json]
+    python scripts/family_memory.py --tiny     # the tests' tiny configs: seconds
+
+Sampling holds every weight on every rank: cfg and ulysses split the work, not the weights, and PipeFusion
+(which would split the blocks) is not built for the families. So 8 GPUs hold per GPU what 1 does.
+Training (which FSDP2 would shard) is not built for them yet. Configs: diffusers' defaults for the
+transformers and VAEs (the releases'), and the released text encoders' (Qwen2.5-VL-7B, Gemma-2-2B), written
+out here; each count is checked against the one its model card states (CARD_BILLIONS).
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import benchlib  # noqa: E402
+
+GiB, BF16 = 2**30, 2
+# Qwen/Qwen-Image text_encoder/config.json (Qwen2.5-VL-7B-Instruct)
+QWEN_TEXT = dict(
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    vocab_size=152064,
+    rope_scaling={"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"},
+)
+QWEN_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584)
+CARD_BILLIONS = {
+    "Qwen-Image transformer": 20.4,
+    "Qwen2.5-VL-7B": 8.29,
+    "Sana 1600M transformer": 1.6,
+    "Gemma-2-2B": 2.61,
+}
+
+
+def release_parts() -> dict:
+    """{family: {part: module on the meta device}} at the releases' configs."""
+    import torch
+    from diffusers import (
+        AutoencoderDC,
+        AutoencoderKLQwenImage,
+        QwenImageTransformer2DModel,
+        SanaTransformer2DModel,
+    )
+    from transformers import Gemma2Config, Gemma2Model, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    qwen_text = Qwen2_5_VLConfig(
+        text_config=QWEN_TEXT,
+        vision_config=QWEN_VISION,
+        vocab_size=152064,
+        hidden_size=3584,
+        tie_word_embeddings=False,
+    )
+    with torch.device("meta"):
+        return {
+            "Qwen-Image": {
+                "Qwen-Image transformer": QwenImageTransformer2DModel(),
+                "Qwen2.5-VL-7B": Qwen2_5_VLForConditionalGeneration(qwen_text),
+                "AutoencoderKLQwenImage": AutoencoderKLQwenImage(),
+            },
+            "Sana 1600M": {
+                "Sana 1600M transformer": SanaTransformer2DModel(),
+                "Gemma-2-2B": Gemma2Model(Gemma2Config()),  # its defaults are Gemma-2-2B's
+                "DC-AE f32c32": AutoencoderDC(),
+            },
+        }
+
+
+def tiny_parts() -> dict:
+    """The tests' tiny pipelines' parts (tests/test_families.py), built here."""
+    from tests.test_qwen_image import tiny_qwen_pipeline
+    from tests.test_sana import tiny_sana_pipeline
+
+    qwen, sana = tiny_qwen_pipeline(), tiny_sana_pipeline()
+    return {
+        name: {f"{name} {part}": getattr(pipe, part) for part in ("transformer", "text_encoder", "vae")}
+        for name, pipe in (("Qwen-Image", qwen), ("Sana", sana))
+    }
+
+
+def main(argv=None) -> None:
+    args = benchlib.parse_args(benchlib.parser(__doc__), argv)
+    parts = tiny_parts() if args.tiny else release_parts()
+    rows, results = [], {}
+    for family, modules in parts.items():
+        counts = {part: sum(p.numel() for p in m.parameters()) for part, m in modules.items()}
+        for part, count in counts.items():
+            card = CARD_BILLIONS.get(part)
+            if card is not None and not args.tiny:  # the config written out here is the release's
+                assert abs(count / 1e9 - card) <= 0.02 * card, f"{part}: {count / 1e9:.2f}B, its card {card}B"
+        total = sum(counts.values()) * BF16 / GiB
+        results[family] = dict(parameters=counts, gib_per_gpu={"1": total, "8": total})
+        parts_text = ", ".join(f"{part} {count / 1e9:.2f}B" for part, count in counts.items())
+        rows.append([family, parts_text, f"{total:.1f} GiB", f"{total:.1f} GiB"])
+    print(benchlib.table(["family", "parameters (counted)", "bf16 weights per GPU, 1 GPU", "8 GPUs"], rows))
+    if args.json:
+        benchlib.write_json(args.json, dict(tiny=args.tiny, families=results))
+
+
+if __name__ == "__main__":
+    main()
