@@ -578,7 +578,7 @@ def family_layout(cfg, family, request: Request) -> ParallelLayout:
             f"model.attention_backend={cfg.model.attention_backend} takes no mask, and a sequence split pads "
             "and masks the tokens: use sdpa or math with parallel.ulysses or parallel.ring"
         )
-    family.check_split(cfg, request.height, request.width, ranks)
+    family.check_split(cfg, request.height, request.width, cfg.parallel.ulysses, cfg.parallel.ring)
     _, world_size, _ = world_from_env()
     return ParallelLayout.from_config(
         cfg.parallel,

@@ -101,8 +101,8 @@ class Family:
         splits heads (Ulysses is then a plain token split)."""
         return self.transformer_config(cfg).get("num_attention_heads", 1)
 
-    def check_split(self, cfg, height: int, width: int, ranks: int) -> None:
-        """Refuse (ValueError) a size too small for its tokens to be split over `ranks` processes."""
+    def check_split(self, cfg, height: int, width: int, ulysses: int, ring: int) -> None:
+        """Refuse (ValueError) a sequence split its operators cannot run, or a size too small for it."""
 
     def check_size(self, cfg, frames: int, height: int, width: int) -> None:
         """Refuse a size the family cannot sample, naming the flag (ValueError)."""

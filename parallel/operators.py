@@ -19,27 +19,48 @@ from parallel import comm
 from parallel.sequence import SequenceGroups, SequenceState, ShardedSequence, _GatherTokens, all_to_all_dims
 
 
-class UlyssesJointAttention(nn.Module):
+class SplitJointAttention(nn.Module):
     """Replaces a "joint" operator (image q, k, v (B, H, n, Dh) of this rank's tokens; text q, k, v
-    (B, H, L, Dh) whole) under Ulysses: heads for tokens on the image side, this rank's heads of the text."""
+    (B, H, L, Dh) whole). Ulysses: heads for tokens on the image side, this rank's heads of the text.
+    parallel.ring: not a ring pass but the image keys and values of every rank gathered (an image's
+    sequence is short enough), the text's once, so the text queries' output is whole on every rank."""
 
     kind = "joint"
 
-    def __init__(self, groups: SequenceGroups, state: SequenceState, local: nn.Module):
+    def __init__(self, groups: SequenceGroups, sequence: ShardedSequence, local: nn.Module):
         super().__init__()
-        self.groups, self.state, self.kernel = groups, state, local.kernel
+        self.groups, self.sequence, self.kernel = groups, sequence, local.kernel
 
     @torch.compiler.disable
     def forward(self, q, k, v, text_q, text_k, text_v, text_mask):
+        if self.groups.ring_size > 1:
+            return self._gathered(q, k, v, text_q, text_k, text_v, text_mask)
+        return self._ulysses(q, k, v, text_q, text_k, text_v, text_mask)
+
+    def _gathered(self, q, k, v, text_q, text_k, text_v, text_mask):
+        g, B, L = self.groups, q.shape[0], text_q.shape[2]
+        every = torch.empty((g.sp_size, 2, *k.shape), dtype=k.dtype, device=k.device)
+        comm.all_gather_into_tensor(every, torch.stack((k, v)).contiguous(), g.sp_group)
+        k, v = every.permute(1, 2, 3, 0, 4, 5).flatten(3, 4).unbind(0)  # (B, H, sp n, Dh), in rank order
+        real = self.sequence.state.tokens  # the padding sits at the end of the rank-ordered sequence
+        text_keys = text_mask.bool() if text_mask is not None else q.new_ones(B, L, dtype=torch.bool)
+        image_keys = (torch.arange(k.shape[2], device=q.device) < real).expand(B, -1)
+        mask = torch.cat([text_keys, image_keys], dim=1)[:, None, None, :]
+        out = self.kernel(
+            torch.cat([text_q, q], dim=2), torch.cat([text_k, k], dim=2), torch.cat([text_v, v], dim=2), mask
+        )
+        return out[:, :, L:], out[:, :, :L]
+
+    def _ulysses(self, q, k, v, text_q, text_k, text_v, text_mask):
         g = self.groups
         q, k, v = all_to_all_dims(torch.stack((q, k, v)), 2, 3, g.ulysses_group).unbind(0)  # (B, H/u, N, Dh)
         heads = slice(g.ulysses_rank * q.shape[1], (g.ulysses_rank + 1) * q.shape[1])
         text_q, text_k, text_v = text_q[:, heads], text_k[:, heads], text_v[:, heads]
         B, L, N = q.shape[0], text_q.shape[2], q.shape[2]
         mask = None  # none at all when nothing is padded: the kernel the single-device path runs
-        if text_mask is not None or N > self.state.tokens:
+        if text_mask is not None or N > self.sequence.state.tokens:
             text_keys = text_mask.bool() if text_mask is not None else q.new_ones(B, L, dtype=torch.bool)
-            image_keys = (torch.arange(N, device=q.device) < self.state.tokens).expand(B, N)  # padding masked
+            image_keys = (torch.arange(N, device=q.device) < self.sequence.state.tokens).expand(B, N)
             mask = torch.cat([text_keys, image_keys], dim=1)[:, None, None, :]
         out = self.kernel(
             torch.cat([text_q, q], dim=2), torch.cat([text_k, k], dim=2), torch.cat([text_v, v], dim=2), mask
@@ -107,8 +128,7 @@ class HaloGridConv(nn.Module):
         return out.to(tokens.dtype)
 
 
-REPLACEMENTS = {"joint": UlyssesJointAttention, "linear": ShardedLinearAttention, "grid_conv": HaloGridConv}
-RING_EXACT = {"linear", "grid_conv", "cross"}  # kinds exact under ring as built here (joint: Ulysses only)
+REPLACEMENTS = {"joint": SplitJointAttention, "linear": ShardedLinearAttention, "grid_conv": HaloGridConv}
 
 
 def operator_kinds(model: nn.Module) -> set:
@@ -123,10 +143,10 @@ def check_sequence_layout(model: nn.Module, ulysses: int, ring: int, title: str)
         raise ValueError(
             f"{title} has operators of kind {sorted(unknown)}, which no sequence split handles yet"
         )
-    if ring > 1 and kinds - RING_EXACT:
+    if ring > 1 and ulysses > 1 and "joint" in kinds:
         raise ValueError(
-            f"{title} does not sample under parallel.ring={ring}: its {sorted(kinds - RING_EXACT)} attention "
-            "runs under Ulysses only (parallel.ulysses)"
+            f"{title} does not sample under parallel.ulysses={ulysses} x parallel.ring={ring}: its joint "
+            "attention splits under one of them at a time"
         )
 
 
@@ -140,6 +160,5 @@ def apply_operators(model: nn.Module, groups: SequenceGroups) -> nn.Module:
         for name, child in list(module.named_children()):
             kind = getattr(child, "kind", None)
             if kind in REPLACEMENTS and not isinstance(child, tuple(REPLACEMENTS.values())):
-                context = state if kind == "joint" else model.sequence
-                setattr(module, name, REPLACEMENTS[kind](groups, context, child))
+                setattr(module, name, REPLACEMENTS[kind](groups, model.sequence, child))
     return model

@@ -40,7 +40,7 @@ SIZE = dict(qwen_image=(40, 24), sana=(160, 96))
 LAYOUTS = {  # (processes, overrides, families): each launch checks its degrees together
     "one-process": (1, [], ("qwen_image", "sana")),
     "cfg2-ulysses2": (4, ["parallel.cfg=2", "parallel.ulysses=2"], ("qwen_image", "sana")),
-    "ring2": (2, ["parallel.ring=2"], ("sana",)),  # Qwen-Image's joint attention: Ulysses only
+    "ring2": (2, ["parallel.ring=2"], ("qwen_image", "sana")),
 }
 
 
@@ -135,8 +135,8 @@ def test_refusals(saved, tmp_path, capsys):
             "model.attention_backend=flash takes no mask",
         ),
     ]
-    if name == "qwen_image":
-        cases.append((["parallel.ring=2"], "parallel.ring=2"))
+    if name == "qwen_image":  # its joint attention splits under one of the two at a time
+        cases.append((["parallel.ulysses=2", "parallel.ring=2"], "not both"))
     else:  # 5 x 3 tokens over 8 ranks: fewer than a row and one each for the convolution's halo
         cases.append((["parallel.ring=8"], "fewer than a row and one (4)"))
     other = tmp_path / "other"  # the same folder with a scheduler the family's schedule does not run

@@ -43,12 +43,19 @@ def euler(sigmas):
 class QwenImage(Family):
     name, title = "qwen_image", "Qwen-Image"
     pipeline_classes, transformer_classes = (PIPELINE_CLASS,), (TRANSFORMER_CLASS,)
-    parallel_degrees = ("cfg", "ulysses")  # ring: not yet (joint attention runs under Ulysses)
+    parallel_degrees = ("cfg", "ulysses", "ring")  # one of ulysses and ring at a time (check_split)
     vae_class, max_length = "AutoencoderKLQwenImage", 512
 
     def vae_scale(self, cfg) -> int:
         config = read_json(part_folder(cfg, "vae") / "config.json")
         return 2 ** len(config.get("temperal_downsample", [False, True, True]))  # the pipeline's rule
+
+    def check_split(self, cfg, height: int, width: int, ulysses: int, ring: int) -> None:
+        if ulysses > 1 and ring > 1:  # parallel/operators.py SplitJointAttention
+            raise ValueError(
+                f"Qwen-Image's joint attention splits under parallel.ulysses or parallel.ring, not both "
+                f"(ulysses={ulysses} x ring={ring}): use one of them"
+            )
 
     def check_scheduler(self, config: dict) -> None:
         kind = config.get("_class_name", "FlowMatchEulerDiscreteScheduler")

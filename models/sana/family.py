@@ -51,8 +51,8 @@ class Sana(Family):
     def heads(self, cfg):
         return None  # linear attention sums over tokens: Ulysses splits tokens, never heads
 
-    def check_split(self, cfg, height: int, width: int, ranks: int) -> None:
-        scale = self.vae_scale(cfg)
+    def check_split(self, cfg, height: int, width: int, ulysses: int, ring: int) -> None:
+        scale, ranks = self.vae_scale(cfg), ulysses * ring
         h, w = height // scale, width // scale
         if ranks > 1 and -(-h * w // ranks) < w + 1:  # HaloGridConv: neighbours from adjacent ranks only
             raise ValueError(
