@@ -290,7 +290,7 @@ def _check_model(cfg: DictConfig) -> None:
         size = size_of(mc)
         if size["hidden_size"] % size["num_heads"]:
             raise ConfigError(
-                f"model.hidden_size {size['hidden_size']} does not divide into model.num_heads "
+                f"model.hidden_size {size['hidden_size']} is not divisible by model.num_heads "
                 f"{size['num_heads']} (model.size={mc.size} with model.hidden_size / model.num_heads)"
             )
 

@@ -632,9 +632,9 @@ def recipe_key(name: str) -> str:
         "in_channels": "the VAE's latent channels (vae.*), or model.task (i2v/flf2v take 2 x those + 4)",
         "image_positions": "model.task (flf2v: two images with their positions)",
         "text_dim": "the text encoder's width (text_encoder.*)",
-        "depth": "model.size (or model.depth)",
-        "hidden_size": "model.size (or model.hidden_size)",
-        "num_heads": "model.size (or model.num_heads)",
+        "depth": "model.size",
+        "hidden_size": "model.size",
+        "num_heads": "model.size",
     }.get(name, f"model.{name} (or model.size)" if name in ARCHITECTURE_OPTIONS else f"model.{name}")
 
 

@@ -235,8 +235,9 @@ def part_folder(cfg, name: str) -> Path:
     given = {"vae": cfg.vae.pretrained, "text_encoder": cfg.text_encoder.pretrained}
     given["tokenizer"] = given["text_encoder"]
     base = cfg.model.pretrained
-    if is_single_file(base):
-        base = cfg.vae.pretrained or cfg.text_encoder.pretrained or base
+    if is_single_file(base):  # the first of the two folders that has the part, else the first given
+        folders = [f for f in (cfg.vae.pretrained, cfg.text_encoder.pretrained) if f]
+        base = next((f for f in folders if (Path(f) / name).is_dir()), folders[0] if folders else base)
     return component_folder(given.get(name) or base, name)
 
 

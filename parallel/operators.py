@@ -3,13 +3,13 @@ Model families): the model's `sequence` pads and slices the tokens after the emb
 before the head (parallel/sequence.py's ShardedSequence), and each operator with a `kind` is replaced by
 one that stays exact with its tokens split:
 
-- joint (Qwen-Image's MMDiT): Ulysses all-to-all of the image tokens; the text, whole on every rank, takes
-  part with this rank's heads only, so each text token counts once per attention; padded image keys masked;
+- joint (Qwen-Image's MMDiT): Ulysses' all-to-all with the text's heads of this rank only, or under ring
+  every rank's image keys and values gathered: each text token counts once, padded image keys masked;
 - linear (Sana): each rank's key/value sums (padded tokens dropped) added over every rank, then its own
   queries answered: exact under any ulysses x ring split, with no all-to-all;
 - grid_conv (Sana's 3 x 3 depthwise convolution): a rank's tokens need w + 1 neighbours on each side (one
   row and one token): they come from the adjacent ranks in one small all-gather;
-- cross (the context is whole on every rank): unchanged. Sampling only: the sums and halo carry no gradient.
+- cross (the context is whole on every rank): unchanged. Sampling only: no gradient flows through them.
 """
 
 import torch
@@ -46,6 +46,8 @@ class SplitJointAttention(nn.Module):
         text_keys = text_mask.bool() if text_mask is not None else q.new_ones(B, L, dtype=torch.bool)
         image_keys = (torch.arange(k.shape[2], device=q.device) < real).expand(B, -1)
         mask = torch.cat([text_keys, image_keys], dim=1)[:, None, None, :]
+        if text_mask is None and k.shape[2] == real:
+            mask = None  # nothing masked: the kernel the single-device path runs
         out = self.kernel(
             torch.cat([text_q, q], dim=2), torch.cat([text_k, k], dim=2), torch.cat([text_v, v], dim=2), mask
         )

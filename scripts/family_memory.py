@@ -4,11 +4,12 @@ parameters (transformer, text encoder, VAE) in bf16, on 1 and on 8 GPUs.
     python scripts/family_memory.py [--json out.json]
     python scripts/family_memory.py --tiny     # the tests' tiny configs: seconds
 
-Sampling holds every weight on every rank: cfg and ulysses split the work, not the weights, and PipeFusion
-(which would split the blocks) is not built for the families. So 8 GPUs hold per GPU what 1 does.
-Training (which FSDP2 would shard) is not built for them yet. Configs: diffusers' defaults for the
-transformers and VAEs (the releases'), and the released text encoders' (Qwen2.5-VL-7B, Gemma-2-2B), written
-out here; each count is checked against the one its model card states (CARD_BILLIONS).
+Sampling holds every weight on every rank: cfg, ulysses and ring split the work, not the weights, and
+PipeFusion (which would split the blocks) is not built for the families, so the 8-GPU figure is the 1-GPU
+one by construction. Training (which FSDP2 would shard) is not built for them yet. Configs: diffusers'
+defaults for the transformers (the releases') and VAEs (Qwen-Image's is its release's; Sana's release
+DC-AE is ~0.3B, 0.1 GiB under diffusers' default one counted here), the released text encoders' written
+out here; transformers and text encoders are checked against their model cards (CARD_BILLIONS).
 """
 
 import sys
@@ -67,7 +68,7 @@ def release_parts() -> dict:
             "Sana 1600M": {
                 "Sana 1600M transformer": SanaTransformer2DModel(),
                 "Gemma-2-2B": Gemma2Model(Gemma2Config()),  # its defaults are Gemma-2-2B's
-                "DC-AE f32c32": AutoencoderDC(),
+                "DC-AE (diffusers' defaults)": AutoencoderDC(),
             },
         }
 

@@ -37,10 +37,11 @@ FAMILIES = {
 }
 # height, width: non-square, 5 x 3 tokens (which no degree divides); Sana's pipeline takes multiples of 32
 SIZE = dict(qwen_image=(40, 24), sana=(160, 96))
+SCHEDULER = dict(qwen_image=dict(shift_terminal=0.05), sana=dict(flow_shift=4.0))  # the releases': 0.02, 3
 LAYOUTS = {  # (processes, overrides, families): each launch checks its degrees together
     "one-process": (1, [], ("qwen_image", "sana")),
     "cfg2-ulysses2": (4, ["parallel.cfg=2", "parallel.ulysses=2"], ("qwen_image", "sana")),
-    "ring2": (2, ["parallel.ring=2"], ("qwen_image", "sana")),
+    "cfg2-ring2": (4, ["parallel.cfg=2", "parallel.ring=2"], ("qwen_image", "sana")),
 }
 
 
@@ -50,7 +51,10 @@ def saved(request, tmp_path_factory):
     name = request.param
     folder = tmp_path_factory.mktemp(name) / "pipeline"
     with torch.random.fork_rng():
-        FAMILIES[name][1]().save_pretrained(folder)
+        pipe = FAMILIES[name][1]()
+    # a scheduler setting other than the release's: a folder whose scheduler/ goes unread samples otherwise
+    pipe.scheduler = type(pipe.scheduler).from_config({**pipe.scheduler.config, **SCHEDULER[name]})
+    pipe.save_pretrained(folder)
     return name, folder
 
 
