@@ -123,7 +123,9 @@ def load_config(recipe: str | os.PathLike | None = None, overrides: list[str] | 
     from configs.auto import resolve_auto_size, resolve_family
 
     resolve_family(cfg, ConfigError)
-    if cfg.model.size == "auto" and cfg.model.family == "dit":
+    from models.families import family_named
+
+    if cfg.model.size == "auto" and family_named(cfg.model.family).native:
         resolve_auto_size(cfg, ConfigError)
     validate(cfg)
     return cfg
@@ -282,9 +284,12 @@ def _check_model(cfg: DictConfig) -> None:
             "'model.patch_size' must be three positive sizes (time, height, width), "
             f"got {list(mc.patch_size)}"
         )
-    if mc.size not in DiT_models and mc.family == "dit":
+    from models.families import family_named
+
+    native = family_named(mc.family).native  # tessera's DiT: its sizes; another family reads its folder's
+    if mc.size not in DiT_models and native:
         raise ConfigError(f"'model.size' is '{mc.size}'; choose one of {', '.join(DiT_models)}")
-    if mc.family == "dit":
+    if native:
         from models.dit import size_of
 
         size = size_of(mc)
