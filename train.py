@@ -34,17 +34,17 @@ from data.loader import (
     check_image_to_video,
     check_same_plan,
     encode_batch,
+    encode_family_batch,
     pack_batch,
     unpack_batch,
 )
 from data.media import write_video
 from data.sampler import sample_seed
 from models.dit import count_parameters, size_of
-from models.families import family_named
+from models.families import latent_geometry
 from models.flow import RectifiedFlow, expert_timesteps
 from models.image_condition import ConditionedModel, ImageCondition, image_inputs, sampling_condition
 from models.pipeline import generate_checked
-from models.vae import vae_latent_space
 from parallel import comm
 from parallel.checkpoint import (
     check_architecture,
@@ -62,22 +62,30 @@ from parallel.checkpoint_files import (
 from parallel.components import (
     build_ema,
     build_frozen,
-    build_model,
     check_lora_start,
     check_pretrained,
     expert_recipe,
     fill_sharded,
-    open_pretrained,
+    meta_model_builder,
+    open_weights,
 )
 from parallel.divergence import NonFiniteGuard
 from parallel.entrypoint import run_as_process
+from parallel.family_training import (
+    FamilyVelocity,
+    check_family_training,
+    family_batch,
+    family_previews,
+    frozen_family,
+    trained_family,
+)
 from parallel.finite import check_resumed_finite
 from parallel.fsdp import check_cpu_offload, parallelize_dit, param_device, reshard_all, update_ema
 from parallel.layout import ParallelLayout
-from parallel.lora import insert_adapters, lora_record
+from parallel.lora import lora_record
 from parallel.preemption import Stopped
 from parallel.runtime import init_runtime, local_world_size, world_from_env
-from parallel.sequence import apply_sequence_parallel, share_batch
+from parallel.sequence import share_batch
 from parallel.storage import NonFiniteWeights
 
 
@@ -135,26 +143,24 @@ def check_before_start(cfg) -> Plan:
     """Everything that can be refused, checked before the first collective: the layout, the buckets and
     the preview size, the data, the checkpoint's files (or the pretrained folder), and a LoRA's base."""
     rank, world_size, _ = world_from_env()
-    family = family_named(cfg.model.family)
-    if not family.native:  # its pieces are exact against diffusers; training them is the next step
-        raise ValueError(
-            f"train.py does not train {family.title} yet: infer.py samples it (model.family={family.name})"
-        )
+    family = trained_family(cfg)  # None: tessera's DiT
     check_loggers(cfg)
-    layout = ParallelLayout.from_config(
-        cfg.parallel, world_size, size_of(cfg.model)["num_heads"], "train", local_world_size()
-    )
+    if family is not None and cfg.parallel.auto:
+        raise ValueError(f"parallel.auto chooses layouts for tessera's DiT; set {family.title}'s degrees")
+    heads = size_of(cfg.model)["num_heads"] if family is None else family.heads(cfg) or cfg.parallel.ulysses
+    layout = ParallelLayout.from_config(cfg.parallel, world_size, heads, "train", local_world_size())
+    if family is not None:
+        check_family_training(cfg, family, layout)
     buckets = build_buckets(cfg)
     sc, data = cfg.sample, cfg.data
     try:
-        vae_latent_space(cfg.vae).latent_shape(
-            sc.frames or data.frames, sc.height or data.height, sc.width or data.width, cfg.model.patch_size
-        )
+        space, patch = latent_geometry(cfg)
+        space.latent_shape(sc.frames or data.frames, sc.height or data.height, sc.width or data.width, patch)
     except ValueError as e:
         raise ValueError(f"the preview size in sample.frames/height/width: {e}") from None
     if not sc.prompts:
         raise ValueError("sample.prompts is empty: training previews need at least one prompt")
-    preview_images = check_image_to_video(cfg, buckets)  # the previews' frames; (None, None) for t2v
+    preview_images = check_image_to_video(cfg, buckets) if family is None else (None, None)
     check_cpu_offload(cfg.train.cpu_offload, world_size)
     dataset = build_dataset(cfg, buckets)
     sampler = build_sampler(cfg, dataset, buckets, layout.dp_rank(rank), layout.dp)
@@ -166,8 +172,8 @@ def check_before_start(cfg) -> Plan:
         check_expert(checkpoint, expert)  # an expert's weights stay on its timesteps
     # A full resume takes every weight from its checkpoint and never reads the folder; a LoRA's base is
     # read (and must be the one its adapters were trained on) either way.
-    if cfg.model.pretrained and (checkpoint is None or cfg.lora.rank):
-        check_pretrained(cfg.model.pretrained)
+    if cfg.model.pretrained and (checkpoint is None or cfg.lora.rank) and family is None:
+        check_pretrained(cfg.model.pretrained)  # a family's: check_family_training
     base, adapter_start = check_lora_start(cfg, checkpoint)
     return Plan(
         layout, buckets, dataset, sampler, checkpoint, resume, base, adapter_start, preview_images, expert
@@ -208,6 +214,7 @@ class Trainer:
     lora: dict | None  # a LoRA run's record in trainer_state.pt (rank, targets, base); None: full
     image: tuple | None = None  # image-to-video: (the last frame too?, the CLIP encoder or None); else None
     preview_images: tuple = (None, None)  # image-to-video: the previews' first and last frames (PIL)
+    family: object = None  # parallel.family_training.FamilyRun for a family's recipe, else None
 
 
 def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = "") -> Trainer:
@@ -216,11 +223,15 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     tc, device, checkpoint = cfg.train, runtime.device, plan.checkpoint
     bf16 = runtime.bf16(tc.precision)
     dtype = torch.bfloat16 if bf16 else torch.float32
-    text_encoder, vae = build_frozen(cfg, device)
+    family = trained_family(cfg)
+    text_encoder, vae, run_of_family = None, None, None
+    if family is None:
+        text_encoder, vae = build_frozen(cfg, device)
+    else:  # its text encoder and VAE, in the compute dtype
+        run_of_family = frozen_family(cfg, family, device, dtype)
     image = image_inputs(cfg, device)  # on every rank: previews need the CLIP too (0.6B, float32)
-    model = build_model(cfg, text_encoder, vae, weights=False)
-    adapted = insert_adapters(model, cfg.lora, dtype) if cfg.lora.rank else []  # before sharding
-    model = apply_sequence_parallel(model, runtime.sequence)
+    meta_model = meta_model_builder(cfg, runtime.sequence, text_encoder, vae, dtype)
+    model, adapted = meta_model(adapters=bool(cfg.lora.rank))
     architecture = model.architecture()
     if checkpoint is not None:
         check_architecture(checkpoint, architecture)
@@ -230,7 +241,7 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     run.start_data_report(plan.dataset.left_out_files(), start_step)
     run.trim_metrics(start_step)  # a resume logs the steps after its checkpoint again
     # a LoRA checkpoint holds the adapters only: its base is read on every start
-    pretrained = open_pretrained(cfg, model) if checkpoint is None or adapted else None
+    pretrained = open_weights(cfg, model) if checkpoint is None or adapted else None
     if runtime.is_main:
         print(_summary(cfg, plan, runtime, model, run, bf16), flush=True)
     model = parallelize_dit(
@@ -244,7 +255,7 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     del pretrained  # closes the safetensors files
     trainable = [p for p in model.parameters() if p.requires_grad]  # every one, or the adapters
     optimizer = torch.optim.AdamW(trainable, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
-    ema, training = build_ema(cfg, runtime, model, optimizer, text_encoder, vae, bool(adapted))
+    ema, training = build_ema(cfg, runtime, model, optimizer, lambda: meta_model()[0], bool(adapted))
     if checkpoint is not None:
         load_checkpoint(runtime, checkpoint, training, verified=True)
         check_resumed_finite(runtime, checkpoint, model, ema, optimizer)  # one verdict on every rank
@@ -259,7 +270,7 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     run.start_tensorboard(cfg, start_step)
     guard = NonFiniteGuard(tc, device, run.path, runtime.is_main, bf16)
     flow = RectifiedFlow(
-        cfg.flow, cfg.model.patch_size, timesteps=expert_timesteps(cfg.model.expert, cfg.sample.boundary)
+        cfg.flow, latent_geometry(cfg)[1], timesteps=expert_timesteps(cfg.model.expert, cfg.sample.boundary)
     )
     lora = lora_record(cfg.lora, plan.base, adapted) if adapted else None
     return Trainer(
@@ -278,6 +289,7 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
         lora,
         image,
         plan.preview_images,
+        run_of_family,
     )
 
 
@@ -360,6 +372,8 @@ def load_batch(cfg, plan: Plan, runtime, t: Trainer, step: int, samples: list[in
     tc = cfg.train
     rngs = [torch.Generator().manual_seed(sample_seed(tc.seed, step, i)) for i in samples]
     dropped = [torch.rand(1, generator=g).item() < tc.text_dropout for g in rngs]
+    if t.family is not None:
+        return load_family_batch(runtime, t, samples, rngs, dropped)
     batch, encoded = None, None
     if t.batches is not None:
         batch = next(t.batches)
@@ -378,12 +392,27 @@ def load_batch(cfg, plan: Plan, runtime, t: Trainer, step: int, samples: list[in
     return batch, (x0, y, y_mask, noise, timesteps), condition
 
 
+def load_family_batch(runtime, t: Trainer, samples: list, rngs: list, dropped: list):
+    """load_batch for a family: its conditioning in place of (y, y_mask), shared with a header (a
+    prompt's length is its own)."""
+    batch, encoded = None, None
+    if t.batches is not None:
+        batch = next(t.batches)
+        if batch["index"] != samples:
+            raise RuntimeError(f"the loader gave samples {batch['index']}, the plan {samples}")
+        encoded = encode_family_batch(t.family, batch, dropped, runtime.device)
+    x0, cond = family_batch(t.family, runtime.sequence, encoded, runtime.device)
+    noise, timesteps = t.flow.draw(x0.shape[1:], rngs)
+    return batch, (x0, cond, None, noise, timesteps), None
+
+
 def train_step(cfg, runtime, t: Trainer, step: int, inputs, condition=None):
     """Forward, backward, clip, and (unless the guard skips a non-finite step) AdamW and the EMA.
     Returns (loss, the whole model's gradient norm, skipped)."""
     tc, phase = cfg.train, runtime.watchdog.mark
     phase("forward")
     model = t.model if condition is None else ConditionedModel(t.model, condition)
+    model = model if t.family is None else FamilyVelocity(t.model)  # (x_t, t, its conditioning)
     # TI2V: the given frame has no loss
     from_frame = 1 if condition is not None and condition.first_frame else 0
     loss = t.flow.training_loss(model, *inputs, from_frame=from_frame)
@@ -531,11 +560,16 @@ def sample_previews(cfg, runtime, run, model, t: Trainer, step):
         sc.height or cfg.data.height,
         sc.width or cfg.data.width,
     )
+    runtime.watchdog.sampling_progress(0, sc.steps)  # a deadline per denoising step
+    seeds = [cfg.train.seed + i for i in range(len(sc.prompts))]
+    if t.family is not None:
+        videos, bad = family_previews(cfg, t.family, model.eval(), seeds, runtime.watchdog.sampling_progress)
+        model.train(was_training)
+        return write_preview_files(cfg, runtime, run, step, videos, bad)
     encoder = t.image[1] if t.image is not None else None  # sample.images, encoded as infer.py does
     condition = sampling_condition(
         cfg.model.task, t.vae, encoder, *t.preview_images, frames, height, width, runtime.device
     )
-    runtime.watchdog.sampling_progress(0, sc.steps)  # a deadline per denoising step
     videos, bad = generate_checked(  # NaN or inf: found alike on every rank (each samples them all)
         model.eval(),
         t.vae,
@@ -548,12 +582,18 @@ def sample_previews(cfg, runtime, run, model, t: Trainer, step):
         sc.steps,
         sc.guidance,
         sc.negative_prompt,
-        seeds=[cfg.train.seed + i for i in range(len(sc.prompts))],
+        seeds=seeds,
         progress=runtime.watchdog.sampling_progress,
         device=runtime.device,
         condition=condition,
     )
     model.train(was_training)
+    write_preview_files(cfg, runtime, run, step, videos, bad)
+
+
+def write_preview_files(cfg, runtime, run, step, videos, bad):
+    """Rank 0 writes the previews that are finite and logs them; a NaN or inf preview is a warning."""
+    sc = cfg.sample
     if runtime.is_main:
         for i in range(len(sc.prompts)):
             if i not in bad:

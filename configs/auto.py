@@ -7,12 +7,14 @@ from pathlib import Path
 from models.dit import ARCHITECTURE_OPTIONS, DIMENSIONS, DiT_models
 from models.families import FAMILIES, family_of_folder
 from models.family import read_json
+from models.lora import DEFAULT_TARGETS
 
 
 def resolve_family(cfg, error=ValueError) -> None:
     """Set cfg.model.family (auto: the family model.pretrained's folder declares under model.size=auto,
-    else dit). A folder of another family than the one asked, a family other than dit without
-    model.size=auto, and a folder of a family tessera does not know are refused by name."""
+    else dit), and lora.targets' default to the family's layers. A folder of another family than the one
+    asked, a family other than dit without model.size=auto, and a folder of a family tessera does not know
+    are refused by name."""
     mc = cfg.model
     if mc.family != "auto" and mc.family not in FAMILIES:
         raise error(f"'model.family' is {mc.family!r}; choose one of auto, {', '.join(FAMILIES)}")
@@ -38,6 +40,8 @@ def resolve_family(cfg, error=ValueError) -> None:
             f"(got model.size={mc.size})"
         )
     mc.family = wanted
+    if tuple(cfg.lora.targets) == DEFAULT_TARGETS:  # the DiT's layer names: the family's own instead
+        cfg.lora.targets = list(FAMILIES[wanted].lora_targets or DEFAULT_TARGETS)
 
 
 def resolve_auto_size(cfg, error=ValueError) -> None:

@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 from collections import defaultdict
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -26,9 +27,10 @@ LEFT_OUT_CATEGORIES = (
 
 
 def build_buckets(cfg) -> BucketTable:
-    from models.vae import vae_latent_space
+    from models.families import latent_geometry
 
-    return BucketTable(cfg.data, vae_latent_space(cfg.vae), cfg.model.patch_size, cfg.train.batch_size)
+    space, patch = latent_geometry(cfg)
+    return BucketTable(cfg.data, space, patch, cfg.train.batch_size)
 
 
 def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
@@ -265,6 +267,15 @@ def encode_batch(batch, dropped: list[bool], text_encoder, vae, device, image=No
     given = [to_model_range(batch[k].to(device)) if k in batch else None for k in ("image", "last_image")]
     condition = None if image is None else condition_of_clips(vae, image[1], video, image[0], *given)
     return encode(video), y, y_mask, condition
+
+
+def encode_family_batch(run, batch, dropped: list, device) -> list:
+    """A family's loader batch encoded (`run`: parallel/family_training.py FamilyRun): [latents, the
+    conditioning's tensors (None where absent)]; a dropped caption becomes the empty prompt."""
+    prompts = ["" if d else c for d, c in zip(dropped, batch["caption"])]
+    cond = run.family.encode(run.parts, prompts, run.max_length)
+    x0 = run.family.encode_images(run.parts, to_model_range(batch["video"].to(device)))
+    return [x0, *(getattr(cond, f.name) for f in fields(cond))]
 
 
 def batch_specs(n: int, latent: tuple, text_encoder, image) -> list:

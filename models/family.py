@@ -51,6 +51,8 @@ class Family:
     parallel_degrees: tuple = ()
     vae_class = ""  # its VAE's diffusers class
     max_length = 0  # its pipeline's max_sequence_length (text_encoder.max_length)
+    lora_targets: tuple = ()  # lora.targets' default: its Linear layers a LoRA adapts (fnmatch patterns)
+    conditioning = None  # the dataclass of tensors `encode` returns (its fields shared between ranks)
 
     def recognises(self, folder) -> bool:
         """Whether `folder` (a pipeline folder, or a transformer folder) holds this family."""
@@ -177,7 +179,32 @@ class Family:
         tensors, config = read_file(path)
         return match_lora(tensors, projections, linears, path, config), strength
 
-    def load(self, cfg, device, dtype) -> Components:
+    def load(self, cfg, device, dtype, transformer: bool = True) -> Components:
+        """Its parts on `device` in `dtype`, frozen; transformer=False: all but the transformer (training
+        builds and shards its own), Components.transformer None."""
+        raise NotImplementedError
+
+    def vae_scale(self, cfg) -> int:
+        """Pixels per latent along height and width (its VAE's, read from vae/config.json)."""
+        raise NotImplementedError
+
+    def patch(self, cfg) -> int:
+        """Latent pixels per token along height and width (the transformer's patch_size)."""
+        return int(self.transformer_config(cfg).get("patch_size", 1))
+
+    def latent_space(self, cfg):
+        """The shape arithmetic of its latents (models/vae.py LatentSpace): images, one latent frame per
+        frame, for the bucket table and the training shift."""
+        from models.vae import LatentSpace
+
+        space = LatentSpace()
+        space.latent_channels = self.meta_transformer(cfg).in_channels
+        space.spatial_stride = self.vae_scale(cfg)
+        return space
+
+    def encode_images(self, parts: Components, images: torch.Tensor) -> torch.Tensor:
+        """Images (B, 3, 1, H, W) in [-1, 1] -> the transformer's latents (B, C, 1, h, w) float32, normalised
+        as the family's training scripts in diffusers normalise them (the mode of the VAE's posterior)."""
         raise NotImplementedError
 
     def encode(self, parts: Components, prompts: list, max_length: int, negative: bool = False):
@@ -203,6 +230,49 @@ class Family:
 
     def decode(self, parts: Components, latents) -> torch.Tensor:
         raise NotImplementedError
+
+
+class FamilyWeights:
+    """model.pretrained's transformer weights under the model's own names, read lazily: `read(name, start,
+    stop)` gives rows start:stop of one parameter (float32) and reads only those bytes from a diffusers
+    folder's shards, so each rank of a sharded model reads its own rows (parallel/init.py `materialize`).
+    A single file (original names may fuse tensors) is read whole."""
+
+    def __init__(self, family: Family, cfg):
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        self.folder = Path(cfg.model.pretrained)
+        if is_single_file(cfg.model.pretrained):
+            state = family.to_tessera(family.from_original(load_file(cfg.model.pretrained)))
+            self._tensors = {name: (lambda t=t: t) for name, t in state.items()}
+            return
+        self.folder = part_folder(cfg, "transformer")
+        self._tensors = {}
+        for file in sorted(self.folder.glob("diffusion_pytorch_model*.safetensors")):
+            handle = safe_open(str(file), framework="pt")
+            names = family.to_tessera({key: key for key in handle.keys()})  # names only: a rename
+            for name, key in names.items():
+                self._tensors[name] = lambda h=handle, k=key: h.get_slice(k)
+
+    def check_parameters(self, names, partial: bool = False) -> None:
+        ours, theirs = set(names), set(self._tensors)
+        if ours - theirs or (not partial and theirs - ours):
+            raise ValueError(
+                f"model.pretrained={self.folder} does not fit the model: weights without a place "
+                f"{sorted(theirs - ours)[:5] if not partial else []}, parameters without a weight "
+                f"{sorted(ours - theirs)[:5]}"
+            )
+
+    def shape(self, name: str) -> tuple:
+        tensor = self._tensors[name]()
+        return tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tuple(tensor.get_shape())
+
+    def read(self, name: str, start: int, stop: int) -> torch.Tensor:
+        tensor = self._tensors[name]()
+        if not isinstance(tensor, torch.Tensor) and not tensor.get_shape():  # a scalar
+            return tensor[:].float().reshape(1)[start:stop]
+        return tensor[start:stop].float()
 
 
 def read_json(path) -> dict:

@@ -83,13 +83,30 @@ class TrainingState:
         return {
             "model": get_model_state_dict(self.model),
             "ema": get_model_state_dict(self.ema),
-            "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+            "optimizer": optimizer_state_dict(self.model, self.optimizer),
         }
 
     def load_state_dict(self, state: dict) -> None:
         set_model_state_dict(self.model, state["model"])
         set_model_state_dict(self.ema, state["ema"])
         set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+
+
+@torch.no_grad()
+def optimizer_state_dict(model, optimizer) -> dict:
+    """AdamW's state with an entry for every parameter: one no gradient has reached yet (Qwen-Image's last
+    block's text layers feed no output) gets the state AdamW itself would create at its first gradient
+    (step 0, zero moments), as a resume's optimizer expects every entry. AdamW skips it while its gradient
+    is None, as it skips a parameter without state: the steps are the same."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not optimizer.state.get(p):
+                moments = {
+                    k: torch.zeros_like(p, memory_format=torch.preserve_format)
+                    for k in ("exp_avg", "exp_avg_sq")
+                }
+                optimizer.state[p] = {"step": torch.tensor(0.0), **moments}
+    return get_optimizer_state_dict(model, optimizer)
 
 
 def save_checkpoint(

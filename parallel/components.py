@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 
 from models.dit import ARCHITECTURE_OPTIONS, DiT, DiT_models, architecture_differences, build_dit, recipe_key
+from models.families import family_named
+from models.family import FamilyWeights
 from models.lora import adapted_modules, is_adapter
 from models.lora_formats import LoRAFormatError, match_lora, model_projections, read_file, starting_adapters
 from models.text_encoder import TextEncoder, build_text_encoder, text_encoder_dim
@@ -28,6 +30,7 @@ from parallel.lora import (
     insert_adapters,
     is_tessera_run,
 )
+from parallel.operators import apply_operators
 from parallel.sequence import apply_sequence_parallel
 
 
@@ -73,11 +76,12 @@ def check_adapters(cfg, fresh: bool = True) -> dict | None:
     rank too large are refused here, and lora.init_from is read and matched (a key that fits no layer, or
     an adapter with no counterpart in this run, is an error naming them). Returns the adapters' starting
     tensors {name: whole float32} from lora.init_from, or None (also when not `fresh`: a resume)."""
-    model = meta_dit(cfg)
+    family = family_named(cfg.model.family)
+    model = meta_dit(cfg) if family.native else family.meta_transformer(cfg)
     insert_adapters(model, cfg.lora, torch.float32)
     if not (cfg.lora.init_from and fresh):
         return None
-    projections, linears = model_projections(model)
+    projections, linears = model_projections(model, *(() if family.native else (family.diffusers_name,)))
     try:
         tensors, config = read_file(cfg.lora.init_from)
     except LoRAFormatError as e:
@@ -177,6 +181,31 @@ def open_pretrained(cfg, model: DiT, folder=None, use_ema: bool = True):
     return weights
 
 
+def meta_model_builder(cfg, groups, text_encoder, vae, dtype):
+    """meta_model(adapters=False) -> (the recipe's model on the meta device, sequence parallel over
+    `groups`; the modules given adapters): tessera's DiT, or the family's transformer with its operators."""
+    family = family_named(cfg.model.family)
+
+    def meta_model(adapters: bool = False):
+        model = (
+            build_model(cfg, text_encoder, vae, weights=False)
+            if family.native
+            else family.meta_transformer(cfg)
+        )
+        names = insert_adapters(model, cfg.lora, dtype) if adapters else []  # before sharding
+        parallel = apply_sequence_parallel if family.native else apply_operators
+        return parallel(model, groups), names
+
+    return meta_model
+
+
+def open_weights(cfg, model):
+    """What fill_sharded reads model.pretrained's weights from: open_pretrained's answer for tessera's DiT,
+    a models.family.FamilyWeights for a family."""
+    family = family_named(cfg.model.family)
+    return open_pretrained(cfg, model) if family.native else FamilyWeights(family, cfg)
+
+
 def fill_sharded(
     runtime,
     model: DiT,
@@ -200,17 +229,15 @@ def fill_sharded(
         check_pretrained_finite(model, pretrained, runtime.control_group, select)
 
 
-def build_ema(cfg, runtime, model, optimizer, text_encoder, vae, lora: bool):
+def build_ema(cfg, runtime, model, optimizer, meta_model, lora: bool):
     """The EMA, starting as the model, and what a checkpoint saves: for a LoRA, the adapters' EMA and
-    LoRAState; else a second DiT sharded like the model and TrainingState."""
+    LoRAState; else a second model (`meta_model()`: one on the meta device, sequence parallel) sharded
+    like the model, and TrainingState."""
     if lora:
         ema = AdapterEMA(model)
         return ema, LoRAState(model, ema, optimizer)
-    ema = build_model(cfg, text_encoder, vae, weights=False).requires_grad_(False)
     offload = cfg.train.cpu_offload
-    ema = parallelize_dit(
-        apply_sequence_parallel(ema, runtime.sequence), runtime.fsdp_mesh, cpu_offload=offload
-    )
+    ema = parallelize_dit(meta_model().requires_grad_(False), runtime.fsdp_mesh, cpu_offload=offload)
     copy_shards(ema, model, param_device(runtime.device, offload))
     return ema, TrainingState(model, ema, optimizer)
 

@@ -70,8 +70,9 @@ def first_bad_parameter(model, group=None, select=None, aligned: bool = True) ->
 
 
 def check_pretrained_finite(model, pretrained, group=None, select=None, aligned: bool = True) -> None:
-    """After `model` was filled from model.pretrained (`pretrained`: a models.wan.WanWeights or a
-    parallel.components.TesseraWeights): refuse weights with NaN or inf, naming the file and the tensor."""
+    """After `model` was filled from model.pretrained (`pretrained`: a models.wan.WanWeights, a
+    models.family.FamilyWeights or a parallel.components.TesseraWeights): refuse weights with NaN or inf,
+    naming the file and the tensor."""
     name = first_bad_parameter(model, group, select, aligned)
     if name is None:
         return
@@ -80,6 +81,8 @@ def check_pretrained_finite(model, pretrained, group=None, select=None, aligned:
     elif hasattr(pretrained, "sources"):  # a Wan folder: the file and its own key
         file, key = wan_location(pretrained, name)
         where = f"model.pretrained={pretrained.folder}: tensor '{key}' in {file}"
+    elif not hasattr(pretrained, "step"):  # a family's weights (models/family.py FamilyWeights)
+        where = f"model.pretrained={pretrained.folder}: tensor '{name}' (tessera's name)"
     else:
         kind = "EMA" if pretrained.use_ema else "raw"
         run = pretrained.step.parent.parent

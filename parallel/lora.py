@@ -17,14 +17,13 @@ import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
 
 from models.lora import add_adapters, is_adapter
-from parallel.checkpoint import read_tensors
+from parallel.checkpoint import optimizer_state_dict, read_tensors
 from parallel.checkpoint_files import CHECKSUMS, CheckpointError, read_trainer_state, resolve_checkpoint
 from parallel.init import canonical_name
 
@@ -78,10 +77,12 @@ def describe_base(pretrained: str) -> Base:
                 "name its base instead, and apply the LoRA with infer.py --lora or export it with --merge"
             )
         return Base(str(pretrained), step, _tessera_fingerprint(step))
-    from models.wan import WanWeights
+    from models.family import component_folder, is_single_file
 
-    folder = WanWeights(pretrained).folder  # a pipeline folder's transformer/
-    return Base(str(pretrained), folder, _safetensors_fingerprint(folder))
+    if is_single_file(pretrained):  # a family's transformer file
+        return Base(str(pretrained), Path(pretrained), _safetensors_fingerprint([Path(pretrained)]))
+    folder = component_folder(pretrained, "transformer")  # a pipeline folder's transformer/
+    return Base(str(pretrained), folder, _safetensors_fingerprint(sorted(folder.glob("*.safetensors"))))
 
 
 def _tessera_fingerprint(step: Path) -> str:
@@ -92,11 +93,11 @@ def _tessera_fingerprint(step: Path) -> str:
         raise CheckpointError(f"model.pretrained: {step} has no readable {CHECKSUMS} ({e})") from None
 
 
-def _safetensors_fingerprint(folder: Path) -> str:
+def _safetensors_fingerprint(files: list) -> str:
     """sha256 over each safetensors file's header and the first and last 64 KiB of every tensor: any
     retraining, merge or other checkpoint changes these bytes, and hashing reads a few MB, not 28 GB."""
     digest = hashlib.sha256()
-    for file in sorted(folder.glob("*.safetensors")):
+    for file in files:
         with open(file, "rb") as f:
             length = int.from_bytes(f.read(8), "little")
             header = f.read(length)
@@ -198,7 +199,7 @@ class LoRAState:
         return {
             "model": adapter_state_dict(self.model),
             "ema": {canonical_name(n): self.ema.params[n] for n in self.ema.names},
-            "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+            "optimizer": optimizer_state_dict(self.model, self.optimizer),
         }
 
     @torch.no_grad()

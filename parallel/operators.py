@@ -9,7 +9,7 @@ one that stays exact with its tokens split:
   queries answered: exact under any ulysses x ring split, with no all-to-all;
 - grid_conv (Sana's 3 x 3 depthwise convolution): a rank's tokens need w + 1 neighbours on each side (one
   row and one token): they come from the adjacent ranks in one small all-gather;
-- cross (the context is whole on every rank): unchanged. Sampling only: no gradient flows through them.
+- cross (the context is whole on every rank): unchanged. Each collective is an autograd function (training).
 """
 
 import torch
@@ -39,9 +39,10 @@ class SplitJointAttention(nn.Module):
 
     def _gathered(self, q, k, v, text_q, text_k, text_v, text_mask):
         g, B, L = self.groups, q.shape[0], text_q.shape[2]
-        every = torch.empty((g.sp_size, 2, *k.shape), dtype=k.dtype, device=k.device)
-        comm.all_gather_into_tensor(every, torch.stack((k, v)).contiguous(), g.sp_group)
-        k, v = every.permute(1, 2, 3, 0, 4, 5).flatten(3, 4).unbind(0)  # (B, H, sp n, Dh), in rank order
+        H, n, Dh = k.shape[1:]
+        pair = torch.stack((k, v), dim=2).permute(0, 3, 1, 2, 4).flatten(2)  # (B, n, H 2 Dh)
+        every = _GatherTokens.apply(pair.contiguous(), g.sp_group)  # (B, sp n, H 2 Dh), in rank order
+        k, v = every.view(B, g.sp_size * n, H, 2, Dh).permute(3, 0, 2, 1, 4).unbind(0)  # (B, H, sp n, Dh)
         real = self.sequence.state.tokens  # the padding sits at the end of the rank-ordered sequence
         text_keys = text_mask.bool() if text_mask is not None else q.new_ones(B, L, dtype=torch.bool)
         image_keys = (torch.arange(k.shape[2], device=q.device) < real).expand(B, -1)
@@ -86,7 +87,7 @@ class ShardedLinearAttention(nn.Module):
         real = self.sequence.valid_tokens(k.shape[2])
         keep = (torch.arange(k.shape[2], device=k.device) < real).view(1, 1, -1, 1)
         sums = self.local.key_value_sums(k * keep, v)  # a padded token adds nothing
-        comm.all_reduce(sums, group=self.groups.sp_group)
+        sums = _AllReduce.apply(sums, self.groups.sp_group)
         return self.local.attend(q, sums).to(q.dtype)
 
 
@@ -99,7 +100,11 @@ class HaloGridConv(nn.Module):
 
     def __init__(self, groups: SequenceGroups, sequence: ShardedSequence, local: nn.Module):
         super().__init__()
-        self.groups, self.sequence, self.local = groups, sequence, local
+        self.groups, self.sequence = groups, sequence
+        self.weight, self.bias = (
+            local.weight,
+            local.bias,
+        )  # the convolution's names: its weights load as they are
 
     @torch.compiler.disable
     def forward(self, tokens, grid):
@@ -113,21 +118,33 @@ class HaloGridConv(nn.Module):
         real = self.sequence.valid_tokens(n)
         tokens = tokens * (torch.arange(n, device=tokens.device) < real).view(1, -1, 1)  # padding: zeros
         ends = torch.cat([tokens[:, :halo], tokens[:, -halo:]], dim=1).contiguous()
-        every = torch.empty((g.sp_size, *ends.shape), dtype=ends.dtype, device=ends.device)
-        comm.all_gather_into_tensor(every, ends, g.sp_group)
+        every = _GatherTokens.apply(ends, g.sp_group).view(B, g.sp_size, 2 * halo, C)
         zeros = tokens.new_zeros(B, halo, C)
-        before = every[g.sp_rank - 1, :, halo:] if g.sp_rank > 0 else zeros
-        after = every[g.sp_rank + 1, :, :halo] if g.sp_rank + 1 < g.sp_size else zeros
+        before = every[:, g.sp_rank - 1, halo:] if g.sp_rank > 0 else zeros
+        after = every[:, g.sp_rank + 1, :halo] if g.sp_rank + 1 < g.sp_size else zeros
         extended = torch.cat([before, tokens, after], dim=1)  # (B, n + 2 halo, C)
         column = (torch.arange(n, device=tokens.device) + g.sp_rank * n) % w
-        weight, extended = self.local.weight.float().view(C, 3, 3), extended.float()
-        out = self.local.bias.float().view(1, 1, C).expand(B, n, C).clone()
+        weight, extended = self.weight.float().view(C, 3, 3), extended.float()
+        out = self.bias.float().view(1, 1, C).expand(B, n, C).clone()
         for di in (-1, 0, 1):  # summed in float32 and rounded once, as conv2d's accumulator
             for dj in (-1, 0, 1):
                 start = halo + di * w + dj
                 inside = ((column + dj >= 0) & (column + dj < w)).view(1, -1, 1)
                 out = out + extended[:, start : start + n] * weight[:, di + 1, dj + 1] * inside
         return out.to(tokens.dtype)
+
+
+class _AllReduce(torch.autograd.Function):
+    """The sum over the group; backward: the gradients' sum (each rank's output used the whole sum)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return comm.all_reduce(x.clone(), group=group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return comm.all_reduce(grad.contiguous().clone(), group=ctx.group), None
 
 
 REPLACEMENTS = {"joint": SplitJointAttention, "linear": ShardedLinearAttention, "grid_conv": HaloGridConv}

@@ -152,8 +152,23 @@ def test_refusals(saved, tmp_path, capsys):
         assert run_main(infer, [*infer_args(name, folder, tmp_path), *extra]) != 0
         err = capsys.readouterr().err
         assert expected in err and err.count("error:") == 1, err
-    assert run_main(train, ["--config", str(ROOT / "configs" / FAMILIES[name][0])]) != 0
-    assert "does not train" in capsys.readouterr().err
+    train_cases = [  # train.py's own refusals for a family
+        (
+            ["data.frames=5"],
+            "data.frames/height/width: " + ("Qwen-Image" if name == "qwen_image" else "Sana"),
+        ),
+        (["data.latents=x"], "data.latents"),
+        (["model.task=i2v"], "text-to-image (t2v) only"),
+    ]
+    for extra, expected in train_cases:
+        argv = [
+            "--config",
+            str(ROOT / "configs" / FAMILIES[name][0]),
+            *infer_args(name, folder, tmp_path)[2:8],
+        ]
+        assert run_main(train, [*argv, *extra]) != 0
+        err = capsys.readouterr().err
+        assert expected in err and err.count("error:") == 1, err
     assert not (tmp_path / "run").exists()
 
 

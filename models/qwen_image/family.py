@@ -6,7 +6,7 @@ resolution-dependent shift with Euler steps; true CFG with the per-token norm re
 import torch
 
 from models.family import Components, Family, Schedule, part_folder, read_json
-from models.qwen_image.sampling import denormalize_latents, image_tokens, sigmas, true_cfg
+from models.qwen_image.sampling import denormalize_latents, image_tokens, normalize_latents, sigmas, true_cfg
 from models.qwen_image.text import encode_prompt
 from models.qwen_image.transformer import QwenImageCond
 from models.qwen_image.weights import (
@@ -45,6 +45,8 @@ class QwenImage(Family):
     pipeline_classes, transformer_classes = (PIPELINE_CLASS,), (TRANSFORMER_CLASS,)
     parallel_degrees = ("cfg", "ulysses", "ring")  # one of ulysses and ring at a time (check_split)
     vae_class, max_length = "AutoencoderKLQwenImage", 512
+    lora_targets = ("blocks.*.attn.*", "blocks.*.img_mlp.*", "blocks.*.txt_mlp.*")
+    conditioning = QwenImageCond
 
     def vae_scale(self, cfg) -> int:
         config = read_json(part_folder(cfg, "vae") / "config.json")
@@ -117,11 +119,11 @@ class QwenImage(Family):
             axes_dims_rope=(16, 56, 56),
         )
 
-    def load(self, cfg, device, dtype) -> Components:
+    def load(self, cfg, device, dtype, transformer: bool = True) -> Components:
         from diffusers import AutoencoderKLQwenImage
         from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
-        transformer = self.load_transformer(cfg, dtype)
+        transformer = self.load_transformer(cfg, dtype) if transformer else torch.nn.Identity()
         encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
             part_folder(cfg, "text_encoder"), torch_dtype=dtype
         )
@@ -130,7 +132,13 @@ class QwenImage(Family):
         scheduler = read_json(part_folder(cfg, "scheduler") / "scheduler_config.json")
         parts = (transformer, encoder.eval(), vae.eval())
         transformer, encoder, vae = (p.to(device).requires_grad_(False) for p in parts)
+        transformer = transformer if not isinstance(transformer, torch.nn.Identity) else None
         return Components(transformer, tokenizer, encoder, vae, scheduler or RELEASE_SCHEDULER)
+
+    def encode_images(self, parts: Components, images: torch.Tensor) -> torch.Tensor:
+        """diffusers' train_dreambooth_lora_qwen_image.py: (z - latents_mean) / latents_std."""
+        z = parts.vae.encode(images.to(parts.vae.dtype)).latent_dist.mode()
+        return normalize_latents(z.float(), parts.vae.config)
 
     def encode(self, parts: Components, prompts: list, max_length: int, negative: bool = False):
         return QwenImageCond(*encode_prompt(prompts, parts.tokenizer, parts.text_encoder, max_length))

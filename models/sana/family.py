@@ -31,6 +31,8 @@ class Sana(Family):
     pipeline_classes, transformer_classes = ("SanaPipeline",), ("SanaTransformer2DModel",)
     parallel_degrees = ("cfg", "ulysses", "ring")  # its operators stay exact under any split
     vae_class, max_length = "AutoencoderDC", 300
+    lora_targets = ("blocks.*.attn1.*", "blocks.*.attn2.*")  # its feed-forward is convolutions
+    conditioning = SanaConditioning
 
     def vae_scale(self, cfg) -> int:
         config = read_json(part_folder(cfg, "vae") / "config.json")
@@ -88,11 +90,11 @@ class Sana(Family):
             return bare
         return diffusers_from_original(state)
 
-    def load(self, cfg, device, dtype) -> Components:
+    def load(self, cfg, device, dtype, transformer: bool = True) -> Components:
         from diffusers import AutoencoderDC
         from transformers import AutoModel, AutoTokenizer
 
-        transformer = self.load_transformer(cfg, dtype)
+        transformer = self.load_transformer(cfg, dtype) if transformer else torch.nn.Identity()
         encoder = AutoModel.from_pretrained(part_folder(cfg, "text_encoder"), torch_dtype=dtype)
         vae = AutoencoderDC.from_pretrained(part_folder(cfg, "vae"), torch_dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(part_folder(cfg, "tokenizer"))
@@ -100,7 +102,13 @@ class Sana(Family):
         scheduler = {**RELEASE_SCHEDULER, **scheduler}  # checked in check_pretrained
         parts = (transformer, encoder.eval(), vae.eval())
         transformer, encoder, vae = (p.to(device).requires_grad_(False) for p in parts)
+        transformer = transformer if not isinstance(transformer, torch.nn.Identity) else None
         return Components(transformer, tokenizer, encoder, vae, scheduler)
+
+    def encode_images(self, parts: Components, images: torch.Tensor) -> torch.Tensor:
+        """diffusers' train_dreambooth_lora_sana.py: the DC-AE's latent times its scaling_factor."""
+        z = parts.vae.encode(images[:, :, 0].to(parts.vae.dtype)).latent
+        return (z.float() * parts.vae.config.scaling_factor).unsqueeze(2)
 
     def encode(self, parts: Components, prompts: list, max_length: int, negative: bool = False):
         instruction = None if negative else COMPLEX_HUMAN_INSTRUCTION  # the pipeline's formatting

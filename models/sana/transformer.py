@@ -296,6 +296,10 @@ class SanaTransformer(nn.Module):
         self.scale_shift_table = nn.Parameter(torch.randn(2, dim) / dim**0.5)
         self.proj_out = nn.Linear(dim, patch_size * patch_size * self.out_channels)
 
+    def architecture(self) -> dict:
+        """The config it was built from (weights.py `build_sana`): kept in checkpoints, checked on resume."""
+        return dict(getattr(self, "_architecture", {}))
+
     def forward(self, x, t, cond: SanaConditioning):
         """x: (B, C, 1, H, W) latents; t: (B,) in [0, 1], the diffusers timestep / 1000 (in float64, 1000 t
         stays the integer the release's sampler gives); cond: the text. Returns the velocity, like x."""
@@ -344,4 +348,4 @@ class SanaTransformer(nn.Module):
     def unpatchify(self, tokens, grid):
         B, (_, h, w), p = tokens.shape[0], grid, self.patch_size
         x = tokens.reshape(B, h, w, p, p, self.out_channels).permute(0, 5, 1, 3, 2, 4)  # (B, C, h, p, w, p)
-        return x.reshape(B, self.out_channels, h * p, w * p).unsqueeze(2)
+        return x.reshape(B, self.out_channels, 1, h * p, w * p).contiguous()  # a copy: FSDP2 hooks no views

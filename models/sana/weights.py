@@ -140,7 +140,10 @@ def _parameters():
 
 def build_sana(config: dict) -> SanaTransformer:
     """The tessera module of a diffusers SanaTransformer2DModel config (any depth and width)."""
-    return SanaTransformer(**sana_kwargs_from_diffusers_config(config))
+    kwargs = sana_kwargs_from_diffusers_config(config)
+    model = SanaTransformer(**kwargs)
+    model._architecture = kwargs
+    return model
 
 
 def is_sana_folder(path) -> bool:

@@ -1,0 +1,133 @@
+"""Training a model family of models/family.py (Qwen-Image, Sana) in train.py's loop. What differs from
+tessera's DiT is here, behind the calls train.py makes for both: the frozen parts (the family's text
+encoder and VAE), its transformer on the meta device (then adapters, the sequence operators, FSDP2, and the
+weights read row by row: models/family.py FamilyWeights), each batch encoded by the family and shared with
+the group, the flow-matching loss on its velocity, and previews sampled by models/sampler.py.
+"""
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from models.families import family_named
+from models.family import Components, Family
+from models.pipeline import NonFiniteVideo
+from models.sampler import generate_images
+from parallel import comm
+from parallel.operators import check_sequence_layout
+
+_DTYPES = (torch.float32, torch.bool, torch.bfloat16, torch.float16, torch.int64)
+_HEADER = 8  # per tensor: present, dtype, ndim, and up to 5 sizes
+
+
+@dataclass
+class FamilyRun:
+    """A family's frozen parts for training (Components without its transformer) and the family."""
+
+    family: Family
+    parts: Components
+    max_length: int
+
+
+def trained_family(cfg) -> Family | None:
+    """The recipe's family when it is not tessera's DiT (train.py's own path), else None."""
+    family = family_named(cfg.model.family)
+    return None if family.native else family
+
+
+def check_family_training(cfg, family: Family, layout) -> None:
+    """What a family's training refuses, by name, before any process group: its pretrained parts, sizes it
+    cannot take (the data's and the previews'), precomputed latents, image conditioning, and a split its
+    operators cannot run."""
+    family.check_pretrained(cfg)
+    if cfg.data.latents:
+        raise ValueError(
+            f"data.latents: {family.title} trains from images for now (precompute_latents is DiT-only)"
+        )
+    if cfg.model.task != "t2v":
+        raise ValueError(f"model.task={cfg.model.task}: {family.title} trains text-to-image (t2v) only")
+    sc, data = cfg.sample, cfg.data
+    for where, frames, height, width in (
+        ("data.frames/height/width", data.frames, data.height, data.width),
+        (
+            "sample.frames/height/width",
+            sc.frames or data.frames,
+            sc.height or data.height,
+            sc.width or data.width,
+        ),
+    ):
+        try:
+            family.check_size(cfg, frames, height, width)
+            family.check_split(cfg, height, width, layout.ulysses, layout.ring)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}".replace("--", "")) from None
+    if layout.pipefusion > 1 or layout.cfg > 1:
+        raise ValueError(f"{family.title} trains under dp, parallel.ulysses and parallel.ring")
+    check_sequence_layout(family.meta_transformer(cfg), layout.ulysses, layout.ring, family.title)
+
+
+def frozen_family(cfg, family: Family, device, dtype) -> FamilyRun:
+    return FamilyRun(family, family.load(cfg, device, dtype, transformer=False), cfg.text_encoder.max_length)
+
+
+def share_family_batch(groups, tensors: list | None, count: int, device) -> list:
+    """encode_family_batch's list from the group's first rank on every rank of the group (their shapes
+    are not known from the plan: a prompt's length is its own, so a header travels first)."""
+    if groups.sp_size == 1:
+        return tensors
+    src = dist.get_global_rank(groups.sp_group, 0)
+    header = torch.zeros(count, _HEADER, dtype=torch.int64)
+    if groups.sp_rank == 0:
+        for i, t in enumerate(tensors):
+            if t is not None:
+                header[i, :3] = torch.tensor([1, _DTYPES.index(t.dtype), t.dim()])
+                header[i, 3 : 3 + t.dim()] = torch.tensor(t.shape)
+    header = comm.broadcast(header.to(device), src, groups.sp_group).cpu()
+    shared = []
+    for i, (present, kind, ndim, *sizes) in enumerate(header.tolist()):
+        if not present:
+            shared.append(None)
+            continue
+        wire = torch.uint8 if _DTYPES[kind] == torch.bool else torch.float32
+        mine = tensors[i].to(wire).contiguous() if groups.sp_rank == 0 else None
+        buffer = mine if mine is not None else torch.empty(sizes[:ndim], dtype=wire, device=device)
+        shared.append(comm.broadcast(buffer, src, groups.sp_group).to(_DTYPES[kind]))
+    return shared
+
+
+def family_batch(run: FamilyRun, groups, encoded: list | None, device) -> tuple:
+    """(x0, the family's conditioning) on every rank of the group, from the group's first rank's
+    encode_family_batch list (None on the other ranks)."""
+    tensors = share_family_batch(groups, encoded, 1 + len(fields(run.family.conditioning)), device)
+    return tensors[0].float(), run.family.conditioning(*tensors[1:])
+
+
+class FamilyVelocity:
+    """The transformer as models/flow.py's training_loss calls a model: (x_t, t, y, y_mask), where y is
+    the family's conditioning and y_mask unused; t is sigma in [0, 1], as both families' forward takes."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, x, t, cond, _unused=None):
+        return self.model(x, t, cond)
+
+
+def family_previews(cfg, run: FamilyRun, model, seeds: list, progress) -> tuple:
+    """(images (B, 1, H, W, 3) in [0, 1], {index: where NaN or inf was found}) of sample.prompts, from the
+    training transformer on every rank (it is sharded: each forward needs them all)."""
+    sc = cfg.sample
+    parts = Components(
+        model, run.parts.tokenizer, run.parts.text_encoder, run.parts.vae, run.parts.scheduler_config
+    )
+    size = (sc.frames or cfg.data.frames, sc.height or cfg.data.height, sc.width or cfg.data.width)
+    try:
+        images = generate_images(
+            run.family, parts, list(sc.prompts), sc.negative_prompt, seeds, size, sc.steps, sc.guidance,
+            run.max_length, progress,
+        )  # fmt: skip
+        return images, {}
+    except NonFiniteVideo as e:
+        return (e.videos if e.videos is not None else np.zeros(0)), e.bad

@@ -1,0 +1,179 @@
+"""train.py on the image families (models/families.py): the loss each step computes is the flow-matching
+loss diffusers' training scripts compute with the pipeline's own text encoding, VAE and transformer
+(code no one here wrote); a run trains, previews, checkpoints and resumes (full and LoRA); and under
+parallel.ulysses=2 and parallel.ring=2 (a token count no degree divides) each step's loss and gradient
+norm are one process's."""
+
+import inspect
+import json
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import train
+from configs import load_config
+from data.loader import encode_family_batch
+from models.families import family_named
+from models.flow import RectifiedFlow
+from parallel.family_training import FamilyRun, FamilyVelocity, family_batch
+from tests.conftest import ROOT, run_main, torchrun
+from tests.test_families import FAMILIES, saved  # noqa: F401  (the module's fixture: a saved pipeline)
+from tests.test_sana import MAX_LENGTH
+
+# height, width: 3 x 5 tokens, which neither degree 2 divides
+TRAIN_SIZE = dict(qwen_image=(48, 80), sana=(96, 160))
+CAPTIONS = ["a red square on a white wall", "a dog"]
+
+
+def family_overrides(name, folder) -> list:
+    return [
+        "model.size=auto",
+        f"model.pretrained={folder}",
+        f"vae.pretrained={folder}",
+        f"text_encoder.pretrained={folder}",
+        f"text_encoder.max_length={MAX_LENGTH if name == 'sana' else 512}",
+    ]
+
+
+def train_args(name, folder, run, *extra) -> list:
+    height, width = TRAIN_SIZE[name]
+    return [
+        "--config",
+        str(ROOT / "configs" / FAMILIES[name][0]),
+        *family_overrides(name, folder),
+        "data.frames=1",
+        f"data.height={height}",
+        f"data.width={width}",
+        "data.synthetic_samples=8",
+        "data.num_workers=0",
+        "train.batch_size=2",
+        "train.max_steps=2",
+        "train.warmup_steps=1",
+        "train.lr=1e-3",
+        "train.log_every=1",
+        "train.checkpoint_every=1",
+        "sample.steps=2",
+        "sample.height=null",
+        "sample.width=null",
+        "sample.prompts=[a red square]",
+        "logging.wandb=false",
+        "parallel.timeout_s=60",
+        f"run.output_dir={run}",
+        *extra,
+    ]
+
+
+def metrics(run) -> list:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def diffusers_loss(name, pipe, pixels, prompts, noise, sigma) -> torch.Tensor:
+    """The loss of diffusers' train_dreambooth_lora_{qwen_image,sana}.py for these pixels, prompts, noise and
+    noise levels: the pipeline's encode_prompt, its VAE with the scripts' normalisation, its transformer."""
+    s = sigma.view(-1, 1, 1, 1, 1)
+    if name == "qwen_image":
+        embeds, mask = pipe.encode_prompt(prompts, device="cpu", max_sequence_length=512)
+        vae = pipe.vae.config
+        z = pipe.vae.encode(pixels).latent_dist.mode()
+        mean, std = (torch.tensor(v).view(1, -1, 1, 1, 1) for v in (vae.latents_mean, vae.latents_std))
+        x0 = (z - mean) * (1.0 / std)
+        x_t = (1 - s) * x0 + s * noise
+        B, C, _, h, w = x0.shape
+        pred = pipe.transformer(
+            hidden_states=pipe._pack_latents(x_t[:, :, 0], B, C, h, w),
+            timestep=sigma,
+            encoder_hidden_states_mask=mask,
+            encoder_hidden_states=embeds,
+            img_shapes=[[(1, h // 2, w // 2)]] * B,
+            return_dict=False,
+        )[0]
+        pred = pipe._unpack_latents(pred, *pixels.shape[-2:], pipe.vae_scale_factor)
+    else:
+        instruction = inspect.signature(type(pipe).__call__).parameters["complex_human_instruction"].default
+        embeds, mask, _, _ = pipe.encode_prompt(
+            prompts,
+            do_classifier_free_guidance=False,
+            max_sequence_length=MAX_LENGTH,
+            complex_human_instruction=instruction,
+        )
+        x0 = (pipe.vae.encode(pixels[:, :, 0]).latent * pipe.vae.config.scaling_factor).unsqueeze(2)
+        x_t = (1 - s) * x0 + s * noise
+        pred = pipe.transformer(
+            x_t[:, :, 0], encoder_hidden_states=embeds, encoder_attention_mask=mask, timestep=sigma * 1000
+        )[0].unsqueeze(2)
+    return torch.nn.functional.mse_loss(pred.float(), (noise - x0).float())
+
+
+@torch.no_grad()
+def test_the_loss_is_diffusers(saved):  # noqa: F811
+    """Two images, one caption dropped (the empty prompt), two noise levels: the loss train.py's step
+    computes (encode_family_batch, family_batch, RectifiedFlow.training_loss on the family's velocity) is
+    the loss of diffusers' training scripts on the pipeline's own parts."""
+    from diffusers import DiffusionPipeline
+
+    name, folder = saved
+    family = family_named(name)
+    cfg = load_config(ROOT / "configs" / FAMILIES[name][0], family_overrides(name, folder))
+    parts = family.load(cfg, torch.device("cpu"), torch.float32)
+    height, width = TRAIN_SIZE[name]
+    generator = torch.Generator().manual_seed(0)
+    video = torch.randint(0, 256, (2, 3, 1, height, width), generator=generator, dtype=torch.uint8)
+    run = FamilyRun(family, parts, cfg.text_encoder.max_length)
+    encoded = encode_family_batch(run, {"caption": CAPTIONS, "video": video}, [False, True], "cpu")
+    x0, cond = family_batch(run, SimpleNamespace(sp_size=1), encoded, "cpu")
+    noise = torch.randn(x0.shape, generator=generator)
+    sigma = torch.tensor([0.3, 0.85])
+    flow = RectifiedFlow(cfg.flow, (1, 1, 1))
+    ours = flow.training_loss(FamilyVelocity(parts.transformer), x0, cond, None, noise, sigma)
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    want = diffusers_loss(name, pipe, video.float() / 127.5 - 1, [CAPTIONS[0], ""], noise, sigma)
+    diff = abs(ours - want).item()
+    print(
+        f"{name}: train.py's loss {ours.item():.6f}, diffusers' {want.item():.6f}: {diff:.1e}",
+        file=sys.__stderr__,
+    )
+    assert want.item() > 0.1 and abs(ours.item() - want.item()) <= 1e-5 * want.item()
+
+
+def test_a_run_trains_and_resumes(saved, tmp_path):  # noqa: F811
+    """Full fine-tuning: 2 steps, a preview, a checkpoint per step. LoRA (the family's own layers): 1 step,
+    then the same command with max_steps=2 resumes and gives the straight run's second step."""
+    name, folder = saved
+    full = tmp_path / "full"
+    assert run_main(train, train_args(name, folder, full)) == 0
+    steps = metrics(full)
+    assert [m["step"] for m in steps] == [1, 2] and all(m["loss"] > 0 for m in steps)
+    assert (full / "samples" / "step_2_0.mp4").stat().st_size > 0
+    assert (full / "checkpoints" / "step_2" / "checksums.json").is_file()
+    config = (full / "config.yaml").read_text()
+    assert f"family: {name}" in config
+
+    lora = ["lora.rank=4", "train.lr=1e-2"]
+    straight, resumed = tmp_path / "lora", tmp_path / "resumed"
+    assert run_main(train, train_args(name, folder, straight, *lora)) == 0
+    assert run_main(train, train_args(name, folder, resumed, *lora, "train.max_steps=1")) == 0
+    assert run_main(train, train_args(name, folder, resumed, *lora)) == 0
+    state = torch.load(resumed / "checkpoints" / "step_2" / "trainer_rank0.pt", weights_only=False)
+    record = state["lora"]  # the family's own layers, as resolve_family chose (lora.targets unset)
+    assert record["rank"] == 4 and record["targets"] == list(family_named(name).lora_targets)
+    assert "blocks.0.attn" + ("1" if name == "sana" else "") + ".to_q" in record["modules"]
+    want, got = metrics(straight), metrics(resumed)
+    assert got[-1]["step"] == 2 and abs(got[-1]["loss"] - want[-1]["loss"]) <= 1e-6 * want[-1]["loss"]
+    assert got[-1]["loss"] != steps[-1]["loss"]  # the adapters, not the full model, trained
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("degree", ["parallel.ulysses=2", "parallel.ring=2"])
+def test_sequence_parallel_training_is_one_process(saved, tmp_path, degree):  # noqa: F811
+    """Two processes sharing each image's tokens: every step's loss and gradient norm are one process's
+    (the operators' collectives carry their gradients back)."""
+    name, folder = saved
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert run_main(train, train_args(name, folder, one)) == 0
+    done = torchrun(2, "train.py", *train_args(name, folder, two, degree), timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for want, got in zip(metrics(one), metrics(two), strict=True):
+        for key in ("loss", "grad_norm"):
+            assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]), (key, got, want)
