@@ -513,7 +513,7 @@ def sample_family(cfg, args, family, session) -> None:
     flags, outputs and error lines, over model.pretrained's pipeline folder; every refusal comes before
     any process group."""
     refuse_flags(cfg, args, family)
-    family.check_pretrained(cfg)
+    checkpoint, record = family_checkpoint(cfg, args, family)
     loras = read_loras(cfg, args.lora, family)
     prompts, outputs, frames, height, width, steps, guidance, negative = read_sizes(cfg, args)
     family.check_size(cfg, frames, height, width)
@@ -527,10 +527,16 @@ def sample_family(cfg, args, family, session) -> None:
         )
     runtime = init_runtime(cfg.parallel, layout, cfg.run.output_dir, task="sample", session=session)
     if runtime.is_main:
-        print(f"[tessera] {family.title} from {cfg.model.pretrained}; layout {layout.describe()}", flush=True)
+        run = f" with {checkpoint}" + (" (LoRA)" if record else "") if checkpoint is not None else ""
+        print(
+            f"[tessera] {family.title} from {cfg.model.pretrained}{run}; layout {layout.describe()}",
+            flush=True,
+        )
     parts = family.load(
         cfg, runtime.device, torch.bfloat16 if runtime.bf16(cfg.train.precision) else torch.float32
     )
+    if checkpoint is not None:  # a run's weights: a full fine-tuning's, or its LoRA on its base
+        load_run_weights(cfg, family, parts.transformer, checkpoint, record, not args.no_ema)
     for update, strength in loras:  # merged: every layout then runs the plain transformer
         merge_deltas(parts.transformer, update.deltas(strength))
     del loras
@@ -543,19 +549,43 @@ def sample_family(cfg, args, family, session) -> None:
 def refuse_flags(cfg, args, family) -> None:
     """What the family's sampling does not take yet, refused by name."""
     given = {
-        "--checkpoint": args.checkpoint,
         "--image": args.image,
         "--last-image": args.last_image,
         "--random-weights": args.random_weights,
-        "--no-ema": args.no_ema,
         f"sample.cache={cfg.sample.cache}": cfg.sample.cache != "none",
     }
     wrong = [name for name, value in given.items() if value]
     if wrong:
         raise ValueError(
-            f"{family.title} samples model.pretrained's weights as they are: {', '.join(wrong)} "
-            "is not supported for it yet"
+            f"{family.title} samples its pretrained or trained weights: {', '.join(wrong)} is not supported "
+            "for it yet"
         )
+
+
+def family_checkpoint(cfg, args, family) -> tuple:
+    """(the run's checkpoint to sample, its LoRA record) as for tessera's DiT (--checkpoint, else the
+    recipe's run.output_dir; none: model.pretrained as it is), checked with model.pretrained's parts
+    (a LoRA run's base: its record's) before any process group."""
+    checkpoint = find_checkpoint(cfg, args.checkpoint, False)
+    record = None
+    if checkpoint is not None:
+        check_checkpoint_files(checkpoint)
+        record = lora_base(cfg, checkpoint)
+    family.check_pretrained(cfg)
+    if checkpoint is not None:
+        check_architecture(checkpoint, family.meta_transformer(cfg).architecture())
+    return checkpoint, record
+
+
+def load_run_weights(cfg, family, transformer, checkpoint, record, use_ema: bool) -> None:
+    """A training run's weights into the family's transformer: a full fine-tuning's (EMA unless --no-ema,
+    sample.use_ema), or a LoRA run's adapters merged into its base."""
+    use_ema = use_ema and cfg.sample.use_ema
+    if record is None:
+        load_weights(checkpoint, transformer, use_ema=use_ema)
+        return
+    adapters = checkpoint_adapters(checkpoint, record, family.meta_transformer(cfg), use_ema)
+    merge_deltas(transformer, deltas_of(adapters))
 
 
 def family_layout(cfg, family, request: Request) -> ParallelLayout:

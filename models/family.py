@@ -52,6 +52,7 @@ class Family:
     vae_class = ""  # its VAE's diffusers class
     max_length = 0  # its pipeline's max_sequence_length (text_encoder.max_length)
     lora_targets: tuple = ()  # lora.targets' default: its Linear layers a LoRA adapts (fnmatch patterns)
+    lora_formats: tuple = ("diffusers",)  # the key formats scripts/export.py writes its LoRAs in
     conditioning = None  # the dataclass of tensors `encode` returns (its fields shared between ranks)
 
     def recognises(self, folder) -> bool:
@@ -115,6 +116,10 @@ class Family:
 
     def to_tessera(self, state: dict) -> dict:
         """A diffusers state dict under the transformer's own names."""
+        raise NotImplementedError
+
+    def to_diffusers(self, state: dict) -> dict:
+        """The transformer's state dict under diffusers' names (to_tessera's inverse)."""
         raise NotImplementedError
 
     def diffusers_name(self, name: str) -> str:

@@ -23,6 +23,8 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from configs import load_config  # noqa: E402
 from models.dit import build_dit  # noqa: E402
+from models.families import family_named  # noqa: E402
+from models.family import FamilyWeights  # noqa: E402
 from models.lora import deltas_of, merge_deltas  # noqa: E402
 from models.lora_formats import (  # noqa: E402
     FORMATS,
@@ -233,6 +235,64 @@ def export_lora(checkpoint: Path, output: Path, cfg, fmt: str, use_ema: bool = T
     return f"a LoRA in {fmt} names ({count})"
 
 
+def export_family(checkpoint: Path, output: Path, cfg, family, args) -> str:
+    """A family's run (models/families.py): its LoRA as one file (--lora), or its transformer (a LoRA
+    folded into its base with --merge) as a diffusers folder; --pipeline: model.pretrained's pipeline
+    folder with it in. Returns what was written."""
+    record, use_ema = lora_of(checkpoint), not args.no_ema
+    if args.low_noise_expert:
+        raise ValueError(f"--low-noise-expert pairs Wan 2.2's experts; {family.title} has one transformer")
+    check_architecture(checkpoint, family.meta_transformer(cfg).architecture())
+    if args.lora and not args.merge:
+        return export_family_lora(checkpoint, output, cfg, family, record, args.format, use_ema)
+    if args.pipeline and not (Path(cfg.model.pretrained or "") / "model_index.json").is_file():
+        raise ValueError(
+            f"--pipeline copies model.pretrained's pipeline folder: {cfg.model.pretrained} is not one"
+        )
+    model = family.meta_transformer(cfg)
+    if record is not None:  # the base, then the adapters folded in
+        base = OmegaConf.create(OmegaConf.to_container(cfg))
+        base.model.pretrained = base_of_run(checkpoint, record, cfg.model.pretrained)
+        fill_unsharded(model, cfg.train.seed, FamilyWeights(family, base))
+        merge_deltas(
+            model, deltas_of(checkpoint_adapters(checkpoint, record, family.meta_transformer(cfg), use_ema))
+        )
+    else:
+        model.to_empty(device="cpu")
+        load_weights(checkpoint, model, use_ema=use_ema)
+    import diffusers
+
+    config = family.transformer_config(cfg)
+    transformer = getattr(diffusers, config["_class_name"]).from_config(config)
+    transformer.load_state_dict(family.to_diffusers(model.state_dict()), strict=True)
+    if not args.pipeline:
+        transformer.save_pretrained(output, max_shard_size=args.max_shard_size)
+        return f"{type(transformer).__name__} folder"
+    pipe = diffusers.DiffusionPipeline.from_pretrained(cfg.model.pretrained, transformer=transformer)
+    pipe.save_pretrained(output, max_shard_size=args.max_shard_size)
+    return f"{type(pipe).__name__} folder (its other parts from {cfg.model.pretrained})"
+
+
+def export_family_lora(checkpoint: Path, output: Path, cfg, family, record, fmt: str, use_ema: bool) -> str:
+    from safetensors.torch import save_file
+
+    if record is None:
+        raise CheckpointError(f"{checkpoint} is a full fine-tuning's checkpoint, not a LoRA's: drop --lora")
+    if fmt not in family.lora_formats:
+        raise ValueError(
+            f"--format {fmt}: {family.title}'s LoRAs are written in {', '.join(family.lora_formats)}"
+        )
+    if output.suffix != ".safetensors":
+        raise ValueError(f"--output {output}: a LoRA is written as one .safetensors file")
+    adapters = checkpoint_adapters(checkpoint, record, family.meta_transformer(cfg), use_ema)
+    projections, _ = model_projections(family.meta_transformer(cfg), family.diffusers_name)
+    tensors = export_adapters(adapters, projections, fmt)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    info = {"format": "pt", "tessera_rank": record["rank"], "tessera_base": record["base"]["fingerprint"]}
+    save_file(tensors, str(output), metadata=safetensors_metadata(info))
+    return f"a {family.title} LoRA in {fmt} names ({len(adapters)} adapted layers, rank {record['rank']})"
+
+
 def low_noise_checkpoint(spec):
     if spec is None:
         return None
@@ -279,6 +339,11 @@ def main(argv=None):
         )
     cfg = load_config(recipe)
     weights = "raw" if args.no_ema else "EMA"
+    family = family_named(cfg.model.family)
+    if not family.native:
+        note = export_family(checkpoint, Path(args.output), cfg, family, args)
+        print(f"[export] {checkpoint} ({weights} weights) -> {args.output}: {note}")
+        return 0
     if args.low_noise_expert and args.lora and not args.merge:
         raise ValueError(
             "--low-noise-expert pairs two experts in a pipeline folder: drop --lora (or add --merge)"

@@ -9,9 +9,11 @@ import json
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
+import infer
 import train
 from configs import load_config
 from data.loader import encode_family_batch
@@ -19,8 +21,11 @@ from models.families import family_named
 from models.flow import RectifiedFlow
 from parallel.family_training import FamilyRun, FamilyVelocity, family_batch
 from tests.conftest import ROOT, run_main, torchrun
-from tests.test_families import FAMILIES, saved  # noqa: F401  (the module's fixture: a saved pipeline)
-from tests.test_sana import MAX_LENGTH
+from tests.test_families import FAMILIES, SIZE, infer_args, saved  # noqa: F401  (saved: a fixture)
+from tests.test_sana import MAX_LENGTH, NEGATIVE, PROMPTS
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import export  # noqa: E402
 
 # height, width: 3 x 5 tokens, which neither degree 2 divides
 TRAIN_SIZE = dict(qwen_image=(48, 80), sana=(96, 160))
@@ -137,42 +142,115 @@ def test_the_loss_is_diffusers(saved):  # noqa: F811
     assert want.item() > 0.1 and abs(ours.item() - want.item()) <= 1e-5 * want.item()
 
 
-def test_a_run_trains_and_resumes(saved, tmp_path):  # noqa: F811
+@pytest.fixture(scope="module")
+def runs(saved, tmp_path_factory):  # noqa: F811
+    """(family, folder, {"full": a 2-step full fine-tuning's run, "lora": a 2-step LoRA run}), the EMA the
+    raw weights (train.ema_decay=0), so that exports and samples show what the steps changed."""
+    name, folder = saved
+    root = tmp_path_factory.mktemp(f"{name}-runs")
+    made = {"full": [], "lora": ["lora.rank=4", "train.lr=1e-2"]}
+    for kind, extra in made.items():
+        assert run_main(train, train_args(name, folder, root / kind, "train.ema_decay=0", *extra)) == 0
+    return name, folder, {kind: root / kind for kind in made}
+
+
+def test_a_run_trains_and_resumes(runs, tmp_path):
     """Full fine-tuning: 2 steps, a preview, a checkpoint per step. LoRA (the family's own layers): 1 step,
     then the same command with max_steps=2 resumes and gives the straight run's second step."""
-    name, folder = saved
-    full = tmp_path / "full"
-    assert run_main(train, train_args(name, folder, full)) == 0
+    name, folder, made = runs
+    full = made["full"]
     steps = metrics(full)
     assert [m["step"] for m in steps] == [1, 2] and all(m["loss"] > 0 for m in steps)
     assert (full / "samples" / "step_2_0.mp4").stat().st_size > 0
     assert (full / "checkpoints" / "step_2" / "checksums.json").is_file()
-    config = (full / "config.yaml").read_text()
-    assert f"family: {name}" in config
+    assert f"family: {name}" in (full / "config.yaml").read_text()
 
-    lora = ["lora.rank=4", "train.lr=1e-2"]
-    straight, resumed = tmp_path / "lora", tmp_path / "resumed"
-    assert run_main(train, train_args(name, folder, straight, *lora)) == 0
+    lora = ["lora.rank=4", "train.lr=1e-2", "train.ema_decay=0"]
+    resumed = tmp_path / "resumed"
     assert run_main(train, train_args(name, folder, resumed, *lora, "train.max_steps=1")) == 0
     assert run_main(train, train_args(name, folder, resumed, *lora)) == 0
     state = torch.load(resumed / "checkpoints" / "step_2" / "trainer_rank0.pt", weights_only=False)
     record = state["lora"]  # the family's own layers, as resolve_family chose (lora.targets unset)
     assert record["rank"] == 4 and record["targets"] == list(family_named(name).lora_targets)
     assert "blocks.0.attn" + ("1" if name == "sana" else "") + ".to_q" in record["modules"]
-    want, got = metrics(straight), metrics(resumed)
+    want, got = metrics(made["lora"]), metrics(resumed)
     assert got[-1]["step"] == 2 and abs(got[-1]["loss"] - want[-1]["loss"]) <= 1e-6 * want[-1]["loss"]
     assert got[-1]["loss"] != steps[-1]["loss"]  # the adapters, not the full model, trained
 
 
+def pipeline_image(pipe, name, **extra):
+    """The pipeline's image of PROMPTS[0] (seed 1, 2 steps, guidance 4) at tests/test_families.py's size."""
+    height, width = SIZE[name]
+    _, _, guidance, keywords = FAMILIES[name]
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(
+        prompt=PROMPTS[0],
+        negative_prompt=NEGATIVE,
+        num_inference_steps=2,
+        height=height,
+        width=width,
+        generator=torch.Generator().manual_seed(1),
+        output_type="np",
+        **{guidance: 4.0},
+        **keywords,
+        **extra,
+    ).images[0]
+
+
+def infer_image(name, folder, tmp_path, out, *extra):
+    argv = infer_args(name, folder, tmp_path, "--prompt", PROMPTS[0], "--negative-prompt", NEGATIVE)
+    argv += ["--steps", "2", "--guidance", "4", "--seed", "1", "--output", str(tmp_path / out), *extra]
+    assert run_main(infer, argv) == 0
+    return np.load(tmp_path / out)[0]
+
+
+@torch.no_grad()
+def test_exports_load_in_diffusers(runs, tmp_path):
+    """A LoRA trained here, exported (diffusers' names), loads with load_lora_weights and gives the image
+    infer.py --lora gives with the file, and infer.py --checkpoint with the run; a full fine-tuning exported
+    with --pipeline samples in diffusers what infer.py --checkpoint samples from the run."""
+    from diffusers import DiffusionPipeline
+
+    name, folder, made = runs
+    base = pipeline_image(DiffusionPipeline.from_pretrained(folder), name)
+    lora = tmp_path / "lora.safetensors"
+    assert export.main(["--checkpoint", str(made["lora"]), "--lora", "--output", str(lora)]) == 0
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    pipe.load_lora_weights(lora)
+    want = pipeline_image(pipe, name)
+    with_file = infer_image(name, folder, tmp_path, "file.npy", "--lora", str(lora))
+    with_run = infer_image(name, folder, tmp_path, "run.npy", "--checkpoint", str(made["lora"]))
+    images = [with_file, with_run]
+    if "comfyui" in family_named(name).lora_formats:  # ComfyUI's names, read back by infer.py --lora
+        comfy = tmp_path / "comfy.safetensors"
+        argv = ["--checkpoint", str(made["lora"]), "--lora", "--format", "comfyui", "--output", str(comfy)]
+        assert export.main(argv) == 0
+        images.append(infer_image(name, folder, tmp_path, "comfy.npy", "--lora", str(comfy)))
+    diffs = [float(np.abs(got - want).max()) for got in images]
+    changed = float(np.abs(want - base).max())
+    found = ", ".join(f"{d:.1e}" for d in diffs)
+    print(
+        f"{name} LoRA: diffusers vs infer.py --lora, --checkpoint (, ComfyUI's): {found}; the base {changed:.1e}"
+    )
+    assert max(diffs) <= 1e-4 and changed > 1e-3
+
+    exported = tmp_path / "pipeline"
+    assert export.main(["--checkpoint", str(made["full"]), "--pipeline", "--output", str(exported)]) == 0
+    want = pipeline_image(DiffusionPipeline.from_pretrained(exported), name)
+    got = infer_image(name, folder, tmp_path, "full.npy", "--checkpoint", str(made["full"]))
+    diff, changed = float(np.abs(got - want).max()), float(np.abs(want - base).max())
+    print(f"{name} full: diffusers on the export vs infer.py --checkpoint {diff:.2e}; the base {changed:.2e}")
+    assert diff <= 1e-5 and changed > 1e-3
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("degree", ["parallel.ulysses=2", "parallel.ring=2"])
-def test_sequence_parallel_training_is_one_process(saved, tmp_path, degree):  # noqa: F811
+def test_sequence_parallel_training_is_one_process(runs, tmp_path, degree):
     """Two processes sharing each image's tokens: every step's loss and gradient norm are one process's
     (the operators' collectives carry their gradients back)."""
-    name, folder = saved
-    one, two = tmp_path / "one", tmp_path / "two"
-    assert run_main(train, train_args(name, folder, one)) == 0
-    done = torchrun(2, "train.py", *train_args(name, folder, two, degree), timeout=240)
+    name, folder, made = runs
+    one, two = made["full"], tmp_path / "two"
+    done = torchrun(2, "train.py", *train_args(name, folder, two, "train.ema_decay=0", degree), timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     for want, got in zip(metrics(one), metrics(two), strict=True):
         for key in ("loss", "grad_norm"):

@@ -15,6 +15,7 @@ from models.qwen_image.weights import (
     build_transformer,
     diffusers_key,
     diffusers_state_dict_from_original,
+    diffusers_state_dict_from_tessera,
     tessera_state_dict_from_diffusers,
 )
 
@@ -47,6 +48,7 @@ class QwenImage(Family):
     vae_class, max_length = "AutoencoderKLQwenImage", 512
     lora_targets = ("blocks.*.attn.*", "blocks.*.img_mlp.*", "blocks.*.txt_mlp.*")
     conditioning = QwenImageCond
+    lora_formats = ("diffusers", "comfyui")  # ComfyUI's keys: diffusers' under diffusion_model.
 
     def vae_scale(self, cfg) -> int:
         config = read_json(part_folder(cfg, "vae") / "config.json")
@@ -83,6 +85,9 @@ class QwenImage(Family):
 
     def to_tessera(self, state: dict) -> dict:
         return tessera_state_dict_from_diffusers(state)
+
+    def to_diffusers(self, state: dict) -> dict:
+        return diffusers_state_dict_from_tessera(state)
 
     def diffusers_name(self, name: str) -> str:
         return diffusers_key(name)

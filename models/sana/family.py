@@ -79,6 +79,9 @@ class Sana(Family):
     def to_tessera(self, state: dict) -> dict:
         return tessera_from_diffusers(state)
 
+    def to_diffusers(self, state: dict) -> dict:
+        return diffusers_from_tessera(state)
+
     def diffusers_name(self, name: str) -> str:
         return next(iter(diffusers_from_tessera({name: None})))
 
