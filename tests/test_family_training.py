@@ -230,7 +230,7 @@ def test_exports_load_in_diffusers(runs, tmp_path):
     changed = float(np.abs(want - base).max())
     found = ", ".join(f"{d:.1e}" for d in diffs)
     print(
-        f"{name} LoRA: diffusers vs infer.py --lora, --checkpoint (, ComfyUI's): {found}; the base {changed:.1e}"
+        f"{name} LoRA: diffusers vs infer.py --lora, --checkpoint (, ComfyUI's) {found}; base {changed:.1e}"
     )
     assert max(diffs) <= 1e-4 and changed > 1e-3
 
