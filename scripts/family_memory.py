@@ -1,19 +1,21 @@
-"""Weights per GPU of the model families' sampling recipes, counted on the meta device: each part's
-parameters (transformer, text encoder, VAE) in bf16, on 1 and on 8 GPUs.
+"""Memory per GPU of the model families' recipes, counted on the meta device (activations not counted):
+sampling (every part in bf16 on every rank: cfg, ulysses and ring split the work, not the weights, and
+PipeFusion is not built for the families), full fine-tuning (the transformer's float32 weights, gradients,
+AdamW's two moments and the EMA, 20 bytes a parameter, sharded by FSDP2 over the GPUs; the text encoder and
+VAE in bf16 on every rank) and LoRA (the frozen base in bf16, sharded; the adapters at LORA_RANK on the
+family's lora.targets with their 20 bytes; the text encoder and VAE as above), on 1 and on 8 GPUs.
 
     python scripts/family_memory.py [--json out.json]
     python scripts/family_memory.py --tiny     # the tests' tiny configs: seconds
 
-Sampling holds every weight on every rank: cfg, ulysses and ring split the work, not the weights, and
-PipeFusion (which would split the blocks) is not built for the families, so the 8-GPU figure is the 1-GPU
-one by construction. Training (which FSDP2 would shard) is not built for them yet. Configs: diffusers'
-defaults for the transformers (the releases') and VAEs (Qwen-Image's is its release's; Sana's release
-DC-AE is ~0.3B, 0.1 GiB under diffusers' default one counted here), the released text encoders' written
-out here; transformers and text encoders are checked against their model cards (CARD_BILLIONS).
+Configs: diffusers' defaults for the transformers (the releases') and VAEs (Qwen-Image's is its release's;
+Sana's release DC-AE is ~0.3B, 0.1 GiB under diffusers' default one counted here), the released text
+encoders' written out here; transformers and text encoders are checked against their model cards.
 """
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -21,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib  # noqa: E402
 
 GiB, BF16 = 2**30, 2
+TRAINED = 20  # bytes per trained parameter: float32 weight, gradient, AdamW's two moments, EMA
+LORA_RANK = 32
 # Qwen/Qwen-Image text_encoder/config.json (Qwen2.5-VL-7B-Instruct)
 QWEN_TEXT = dict(
     hidden_size=3584,
@@ -85,9 +89,37 @@ def tiny_parts() -> dict:
     }
 
 
+def adapter_count(family_name: str, transformer, rank: int) -> int:
+    """Parameters of rank-`rank` adapters on the family's lora.targets of tessera's transformer of
+    `transformer`'s config (meta device)."""
+    import torch
+
+    from models.families import FAMILIES
+    from models.lora import add_adapters, is_adapter
+
+    family = next(f for f in FAMILIES.values() if family_name.startswith(f.title))
+    recipe = SimpleNamespace(model=SimpleNamespace(attention_backend="sdpa"))
+    with torch.device("meta"):
+        model = family.build(dict(transformer.config), recipe)
+        add_adapters(model, rank, rank, list(family.lora_targets))
+    return sum(p.numel() for name, p in model.named_parameters() if is_adapter(name))
+
+
+def per_gpu(counts: dict, transformer: str, adapters: int, gpus: int) -> dict:
+    """GiB per GPU of each recipe on `gpus` GPUs."""
+    frozen = sum(n for part, n in counts.items() if part != transformer) * BF16
+    model = counts[transformer]
+    return {
+        "sample": (frozen + model * BF16) / GiB,
+        "full": (frozen + model * TRAINED / gpus) / GiB,
+        "lora": (frozen + model * BF16 / gpus + adapters * TRAINED / gpus) / GiB,
+    }
+
+
 def main(argv=None) -> None:
     args = benchlib.parse_args(benchlib.parser(__doc__), argv)
     parts = tiny_parts() if args.tiny else release_parts()
+    rank = 4 if args.tiny else LORA_RANK  # the tiny layers are narrower than 32
     rows, results = [], {}
     for family, modules in parts.items():
         counts = {part: sum(p.numel() for p in m.parameters()) for part, m in modules.items()}
@@ -95,13 +127,18 @@ def main(argv=None) -> None:
             card = CARD_BILLIONS.get(part)
             if card is not None and not args.tiny:  # the config written out here is the release's
                 assert abs(count / 1e9 - card) <= 0.02 * card, f"{part}: {count / 1e9:.2f}B, its card {card}B"
-        total = sum(counts.values()) * BF16 / GiB
-        results[family] = dict(parameters=counts, gib_per_gpu={"1": total, "8": total})
+        transformer = next(part for part in counts if "transformer" in part)
+        adapters = adapter_count(family, modules[transformer], rank)
+        gib = {str(n): per_gpu(counts, transformer, adapters, n) for n in (1, 8)}
+        results[family] = dict(parameters=counts, adapters=adapters, gib_per_gpu=gib)
         parts_text = ", ".join(f"{part} {count / 1e9:.2f}B" for part, count in counts.items())
-        rows.append([family, parts_text, f"{total:.1f} GiB", f"{total:.1f} GiB"])
-    print(benchlib.table(["family", "parameters (counted)", "bf16 weights per GPU, 1 GPU", "8 GPUs"], rows))
+        for recipe in ("sample", "full", "lora"):
+            label = {"sample": "sampling", "full": "full fine-tuning", "lora": f"LoRA rank {rank}"}[recipe]
+            figures = [f"{gib[n][recipe]:.1f} GiB" for n in ("1", "8")]
+            rows.append([family, label, parts_text if recipe == "sample" else "", *figures])
+    print(benchlib.table(["family", "recipe", "parameters (counted)", "per GPU, 1 GPU", "8 GPUs"], rows))
     if args.json:
-        benchlib.write_json(args.json, dict(tiny=args.tiny, families=results))
+        benchlib.write_json(args.json, dict(tiny=args.tiny, lora_rank=rank, families=results))
 
 
 if __name__ == "__main__":

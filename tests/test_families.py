@@ -130,7 +130,8 @@ def test_refusals(saved, tmp_path, capsys):
     name, folder = saved
     cases = [
         (["--lora", "x.safetensors"], "LoRA file x.safetensors does not exist"),
-        (["--checkpoint", "runs/x"], "--checkpoint is not supported"),
+        (["--checkpoint", "runs/x"], "'runs/x' is not a complete tessera checkpoint folder"),
+        (["--random-weights"], "--random-weights is not supported"),
         (["--frames", "5"], "--frames 1"),
         (["--height", "33"], "multiples of"),
         (["parallel.pipefusion=2"], "parallel.pipefusion=2"),

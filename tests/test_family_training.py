@@ -48,6 +48,10 @@ def train_args(name, folder, run, *extra) -> list:
         "--config",
         str(ROOT / "configs" / FAMILIES[name][0]),
         *family_overrides(name, folder),
+        "data.manifest=null",  # the synthetic images, one bucket
+        "data.resolutions=[]",
+        "data.aspect_ratios=[]",
+        "data.frame_counts=[]",
         "data.frames=1",
         f"data.height={height}",
         f"data.width={width}",

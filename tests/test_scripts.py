@@ -224,10 +224,15 @@ def test_benchlib_measure_table_and_json(tmp_path):
 
 
 def test_family_memory_tiny_counts_every_part(tmp_path):
-    """Each family's three parts counted (the tiny pipelines' here), the same weights per GPU on 1 and 8."""
+    """Each family's three parts counted (the tiny pipelines' here): sampling the same per GPU on 1 and 8,
+    training sharded (full: 20 bytes a transformer parameter over the GPUs), LoRA under full."""
     out, results = run_tiny("family_memory.py", tmp_path)
     for family in ("Qwen-Image", "Sana"):
         found = results["families"][family]
         assert len(found["parameters"]) == 3 and all(n > 0 for n in found["parameters"].values())
-        assert found["gib_per_gpu"]["1"] == found["gib_per_gpu"]["8"] > 0
-    assert "| Qwen-Image | Qwen-Image transformer " in out
+        one, eight = found["gib_per_gpu"]["1"], found["gib_per_gpu"]["8"]
+        assert one["sample"] == eight["sample"] > 0 and one["full"] > eight["full"] > 0
+        transformer = next(n for part, n in found["parameters"].items() if "transformer" in part)
+        assert (one["full"] - eight["full"]) * 2**30 == pytest.approx(20 * transformer * (1 - 1 / 8))
+        assert 0 < found["adapters"] < transformer and one["lora"] < one["full"]
+    assert "| Qwen-Image | sampling | Qwen-Image transformer " in out
