@@ -256,6 +256,11 @@ def test_sequence_parallel_training_is_one_process(runs, tmp_path, degree):
     one, two = made["full"], tmp_path / "two"
     done = torchrun(2, "train.py", *train_args(name, folder, two, "train.ema_decay=0", degree), timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    for want, got in zip(metrics(one), metrics(two), strict=True):
-        for key in ("loss", "grad_norm"):
-            assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]), (key, got, want)
+    pairs = [
+        (want[k], got[k])
+        for want, got in zip(metrics(one), metrics(two), strict=True)
+        for k in ("loss", "grad_norm")
+    ]
+    worst = max(abs(got - want) / abs(want) for want, got in pairs)
+    print(f"{name} {degree}: losses and gradient norms within {worst:.1e} (relative) of one process's")
+    assert worst <= 1e-5, pairs
