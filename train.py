@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from configs import DEFAULT_RECIPE, load_config, split_overrides, to_yaml
@@ -113,6 +114,7 @@ def learning_rate(train_cfg, step: int) -> float:
 def main(argv=None, session=None):
     args = parse_args(argv)
     cfg = expert_recipe(load_config(args.config, args.overrides))  # Wan 2.2: one expert's weights and range
+    OmegaConf.set_readonly(cfg, True)  # resolved: config.yaml records what runs
     if args.print_config:
         print(to_yaml(cfg))
         return
@@ -241,7 +243,7 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     run.start_data_report(plan.dataset.left_out_files(), start_step)
     run.trim_metrics(start_step)  # a resume logs the steps after its checkpoint again
     # a LoRA checkpoint holds the adapters only: its base is read on every start
-    pretrained = open_weights(cfg, model) if checkpoint is None or adapted else None
+    pretrained = open_weights(cfg, model, plan.base) if checkpoint is None or adapted else None
     if runtime.is_main:
         print(_summary(cfg, plan, runtime, model, run, bf16), flush=True)
     model = parallelize_dit(

@@ -93,12 +93,11 @@ def check_adapters(cfg, fresh: bool = True) -> dict | None:
 def check_lora_start(cfg, checkpoint) -> tuple:
     """(the LoRA base, lora.init_from's starting adapters) of a run, checked before init_runtime: a
     checkpoint of another kind, rank or base is refused (parallel.lora.check_resume_base, full runs too),
-    a tessera base's `latest` is read once (a base still training may write another step before the
-    weights are read), and the recipe's adapters are tried on a meta DiT (check_adapters; a resume takes
-    its adapters from the checkpoint and never reads lora.init_from). (None, None) for a full run."""
+    a tessera base's `latest` is read once (Base.source, the step open_weights reads: a base still
+    training may write another first), and the recipe's adapters are tried on a meta model (check_adapters;
+    a resume takes its adapters from the checkpoint and never reads lora.init_from). (None, None) for a
+    full run."""
     base = describe_base(cfg.model.pretrained) if cfg.lora.rank else None
-    if base is not None and is_tessera_run(base.path):
-        cfg.model.pretrained = str(base.source)
     if checkpoint is not None:
         check_resume_base(checkpoint, cfg.lora, base)
     adapter_start = check_adapters(cfg, fresh=checkpoint is None) if cfg.lora.rank else None
@@ -142,9 +141,9 @@ def check_pretrained(pretrained: str) -> None:
 
 
 def open_pretrained(cfg, model: DiT, folder=None, use_ema: bool = True):
-    """model.pretrained (or `folder`: Wan 2.2's second expert) as a models.wan.WanWeights (or TesseraWeights
-    for a tessera run), after checking that the recipe builds the same architecture (a disagreement is an
-    error naming the keys and the fix); None without model.pretrained."""
+    """model.pretrained (or `folder`: Wan 2.2's second expert, a LoRA base's step) as a WanWeights (or
+    TesseraWeights for a tessera run), after checking that the recipe builds the same architecture (a
+    disagreement is an error naming the keys and the fix); None without model.pretrained."""
     pretrained = cfg.model.pretrained if folder is None else folder
     if not pretrained:
         return None
@@ -199,11 +198,15 @@ def meta_model_builder(cfg, groups, text_encoder, vae, dtype):
     return meta_model
 
 
-def open_weights(cfg, model):
+def open_weights(cfg, model, base=None):
     """What fill_sharded reads model.pretrained's weights from: open_pretrained's answer for tessera's DiT,
-    a models.family.FamilyWeights for a family."""
+    a models.family.FamilyWeights for a family. `base`: a LoRA run's (parallel.lora.Base), whose step
+    of a tessera run was resolved once, at start-up (a base still training may have written another)."""
     family = family_named(cfg.model.family)
-    return open_pretrained(cfg, model) if family.native else FamilyWeights(family, cfg)
+    if not family.native:
+        return FamilyWeights(family, cfg)
+    folder = str(base.source) if base is not None and is_tessera_run(base.path) else None
+    return open_pretrained(cfg, model, folder)
 
 
 def fill_sharded(

@@ -517,3 +517,5 @@ def test_previews_leave_the_training_unchanged(tmp_path):
         )
         assert result.returncode == 0, result.stderr[-3000:]
     assert lora_losses(tmp_path / "a") == lora_losses(tmp_path / "b")
+    # config.yaml records the recipe as given: the base run, not the step it resolved to at start-up
+    assert f"pretrained: {base}\n" in (tmp_path / "a" / "config.yaml").read_text()
