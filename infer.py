@@ -568,6 +568,10 @@ def family_checkpoint(cfg, args, family) -> tuple:
     (a LoRA run's base: its record's) before any process group."""
     checkpoint = find_checkpoint(cfg, args.checkpoint, False)
     record = None
+    if args.no_ema and checkpoint is None:
+        raise ValueError(
+            f"--no-ema picks a run's raw weights, and there is no run: this samples {cfg.model.pretrained}"
+        )
     if checkpoint is not None:
         check_checkpoint_files(checkpoint)
         record = lora_base(cfg, checkpoint)
@@ -583,6 +587,7 @@ def load_run_weights(cfg, family, transformer, checkpoint, record, use_ema: bool
     use_ema = use_ema and cfg.sample.use_ema
     if record is None:
         load_weights(checkpoint, transformer, use_ema=use_ema)
+        check_checkpoint_finite(transformer, checkpoint, use_ema)  # alike on every rank: each reads it all
         return
     adapters = checkpoint_adapters(checkpoint, record, family.meta_transformer(cfg), use_ema)
     merge_deltas(transformer, deltas_of(adapters))

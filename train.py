@@ -74,6 +74,7 @@ from parallel.divergence import NonFiniteGuard
 from parallel.entrypoint import run_as_process
 from parallel.family_training import (
     FamilyVelocity,
+    check_family_sizes,
     check_family_training,
     family_batch,
     family_previews,
@@ -154,6 +155,8 @@ def check_before_start(cfg) -> Plan:
     if family is not None:
         check_family_training(cfg, family, layout)
     buckets = build_buckets(cfg)
+    if family is not None:
+        check_family_sizes(cfg, family, layout, buckets)
     sc, data = cfg.sample, cfg.data
     try:
         space, patch = latent_geometry(cfg)
@@ -530,12 +533,17 @@ def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def described_model(cfg) -> str:
+    family = trained_family(cfg)
+    return cfg.model.size if family is None else f"{family.title} ({cfg.model.pretrained})"
+
+
 def _summary(cfg, plan: Plan, runtime, model, run: RunDirectory, bf16: bool) -> str:
     auto = " (parallel.auto)" if cfg.parallel.auto else ""
     device = f"{runtime.device.type} ({runtime.backend}, {'bf16' if bf16 else 'fp32'})"
     sampler = plan.sampler
     return (
-        f"[tessera] {cfg.model.size}: {count_parameters(model) / 1e6:.2f}M parameters; layout "
+        f"[tessera] {described_model(cfg)}: {count_parameters(model) / 1e6:.2f}M parameters; layout "
         f"{plan.layout.describe()}{auto}; {device}\n"
         f"[tessera] data: {plan.dataset.summary(run.data_report)}\n"
         f"[tessera] {sampler.steps_per_epoch} steps per epoch ({sampler.num_batches} batches"
@@ -565,7 +573,8 @@ def sample_previews(cfg, runtime, run, model, t: Trainer, step):
     runtime.watchdog.sampling_progress(0, sc.steps)  # a deadline per denoising step
     seeds = [cfg.train.seed + i for i in range(len(sc.prompts))]
     if t.family is not None:
-        videos, bad = family_previews(cfg, t.family, model.eval(), seeds, runtime.watchdog.sampling_progress)
+        progress, device = runtime.watchdog.sampling_progress, runtime.device
+        videos, bad = family_previews(cfg, t.family, model.eval(), seeds, progress, device)
         model.train(was_training)
         return write_preview_files(cfg, runtime, run, step, videos, bad)
     encoder = t.image[1] if t.image is not None else None  # sample.images, encoded as infer.py does

@@ -9,6 +9,7 @@ models/pipeline.py (`native`), the image families through models/sampler.py.
 """
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,11 +163,7 @@ class Family:
 
         single = is_single_file(cfg.model.pretrained)
         folder = part_folder(cfg, "transformer")
-        files = (
-            [Path(cfg.model.pretrained)]
-            if single
-            else sorted(folder.glob("diffusion_pytorch_model*.safetensors"))
-        )
+        files = [Path(cfg.model.pretrained)] if single else transformer_files(folder)
         model = self.meta_transformer(cfg)
         state = {k: v.to(dtype) for f in files for k, v in load_file(f).items()}
         state = self.from_original(state) if single else state
@@ -254,7 +251,7 @@ class FamilyWeights:
             return
         self.folder = part_folder(cfg, "transformer")
         self._tensors = {}
-        for file in sorted(self.folder.glob("diffusion_pytorch_model*.safetensors")):
+        for file in transformer_files(self.folder):
             handle = safe_open(str(file), framework="pt")
             names = family.to_tessera({key: key for key in handle.keys()})  # names only: a rename
             for name, key in names.items():
@@ -319,6 +316,18 @@ def part_folder(cfg, name: str) -> Path:
 def is_single_file(path) -> bool:
     """Whether model.pretrained names one transformer file (.safetensors) rather than a folder."""
     return bool(path) and str(path).endswith(".safetensors") and Path(path).is_file()
+
+
+def transformer_files(folder) -> list:
+    """A diffusers transformer folder's weight files: those its index names (sharded), else the plain
+    diffusion_pytorch_model.safetensors; a variant's (.fp16., .bf16.) only when there is nothing else."""
+    folder = Path(folder)
+    index = read_json(folder / "diffusion_pytorch_model.safetensors.index.json")
+    if index.get("weight_map"):
+        return sorted({folder / name for name in index["weight_map"].values()})
+    files = sorted(folder.glob("diffusion_pytorch_model*.safetensors"))
+    plain = [f for f in files if re.fullmatch(r"diffusion_pytorch_model(-\d+-of-\d+)?\.safetensors", f.name)]
+    return plain or files
 
 
 def tensor_shapes(path) -> dict:

@@ -35,6 +35,7 @@ def generate_images(
     max_length: int,
     progress=None,
     velocity_of=guided_velocity,
+    device=None,
 ) -> np.ndarray:
     """Images (B, frames, height, width, 3) float32 in [0, 1] of `prompts`, prompt i from seeds[i]'s noise
     (`size`: frames, height, width). `velocity_of(family, parts, cond, uncond, scale)` builds the velocity
@@ -43,7 +44,7 @@ def generate_images(
     uncond = None
     if family.guided(guidance):
         uncond = family.encode(parts, [negative_prompt] * len(prompts), max_length, negative=True)
-    device = next(parts.transformer.parameters()).device
+    device = device or next(parts.transformer.parameters()).device  # a host-held (offloaded) model: given
     noise = family.noise(parts, seeds, *size).to(device)
     velocity = velocity_of(family, parts, cond, uncond, guidance)
     latents = denoise(family.schedule(parts, steps, noise), noise, velocity, progress)

@@ -99,13 +99,14 @@ def optimizer_state_dict(model, optimizer) -> dict:
     (step 0, zero moments), as a resume's optimizer expects every entry. AdamW skips it while its gradient
     is None, as it skips a parameter without state: the steps are the same."""
     for group in optimizer.param_groups:
+        on_device = group.get("fused") or group.get("capturable")  # torch keeps `step` beside the weight
         for p in group["params"]:
             if not optimizer.state.get(p):
-                moments = {
-                    k: torch.zeros_like(p, memory_format=torch.preserve_format)
-                    for k in ("exp_avg", "exp_avg_sq")
-                }
-                optimizer.state[p] = {"step": torch.tensor(0.0), **moments}
+                device = p.device if on_device else "cpu"
+                state = {"step": torch.zeros((), dtype=torch.float32, device=device)}
+                moments = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+                state.update({k: torch.zeros_like(p, memory_format=torch.preserve_format) for k in moments})
+                optimizer.state[p] = state
     return get_optimizer_state_dict(model, optimizer)
 
 

@@ -38,9 +38,8 @@ def trained_family(cfg) -> Family | None:
 
 
 def check_family_training(cfg, family: Family, layout) -> None:
-    """What a family's training refuses, by name, before any process group: its pretrained parts, sizes it
-    cannot take (the data's and the previews'), precomputed latents, image conditioning, and a split its
-    operators cannot run."""
+    """What a family's training refuses, by name, before any process group: its pretrained parts,
+    precomputed latents, image conditioning, and layouts other than dp x (ulysses or ring)."""
     family.check_pretrained(cfg)
     if cfg.data.latents:
         raise ValueError(
@@ -48,24 +47,23 @@ def check_family_training(cfg, family: Family, layout) -> None:
         )
     if cfg.model.task != "t2v":
         raise ValueError(f"model.task={cfg.model.task}: {family.title} trains text-to-image (t2v) only")
+    if layout.pipefusion > 1 or layout.cfg > 1:
+        raise ValueError(f"{family.title} trains under dp, parallel.ulysses and parallel.ring")
+    check_sequence_layout(family.meta_transformer(cfg), layout.ulysses, layout.ring, family.title)
+
+
+def check_family_sizes(cfg, family: Family, layout, buckets) -> None:
+    """Every bucket's size and the previews' the family can take, under the layout's split (Sana's halo
+    needs a row and one per rank), or an error naming the bucket or sample.* key."""
     sc, data = cfg.sample, cfg.data
-    for where, frames, height, width in (
-        ("data.frames/height/width", data.frames, data.height, data.width),
-        (
-            "sample.frames/height/width",
-            sc.frames or data.frames,
-            sc.height or data.height,
-            sc.width or data.width,
-        ),
-    ):
+    sizes = [(f"the bucket {b.name} (data.*)", b.frames, b.height, b.width) for b in buckets.buckets]
+    previews = (sc.frames or data.frames, sc.height or data.height, sc.width or data.width)
+    for where, frames, height, width in [*sizes, ("sample.frames/height/width", *previews)]:
         try:
             family.check_size(cfg, frames, height, width)
             family.check_split(cfg, height, width, layout.ulysses, layout.ring)
         except ValueError as e:
             raise ValueError(f"{where}: {e}".replace("--", "")) from None
-    if layout.pipefusion > 1 or layout.cfg > 1:
-        raise ValueError(f"{family.title} trains under dp, parallel.ulysses and parallel.ring")
-    check_sequence_layout(family.meta_transformer(cfg), layout.ulysses, layout.ring, family.title)
 
 
 def frozen_family(cfg, family: Family, device, dtype) -> FamilyRun:
@@ -115,7 +113,7 @@ class FamilyVelocity:
         return self.model(x, t, cond)
 
 
-def family_previews(cfg, run: FamilyRun, model, seeds: list, progress) -> tuple:
+def family_previews(cfg, run: FamilyRun, model, seeds: list, progress, device) -> tuple:
     """(images (B, 1, H, W, 3) in [0, 1], {index: where NaN or inf was found}) of sample.prompts, from the
     training transformer on every rank (it is sharded: each forward needs them all)."""
     sc = cfg.sample
@@ -126,7 +124,7 @@ def family_previews(cfg, run: FamilyRun, model, seeds: list, progress) -> tuple:
     try:
         images = generate_images(
             run.family, parts, list(sc.prompts), sc.negative_prompt, seeds, size, sc.steps, sc.guidance,
-            run.max_length, progress,
+            run.max_length, progress, device=device,
         )  # fmt: skip
         return images, {}
     except NonFiniteVideo as e:

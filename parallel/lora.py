@@ -82,7 +82,10 @@ def describe_base(pretrained: str) -> Base:
     if is_single_file(pretrained):  # a family's transformer file
         return Base(str(pretrained), Path(pretrained), _safetensors_fingerprint([Path(pretrained)]))
     folder = component_folder(pretrained, "transformer")  # a pipeline folder's transformer/
-    return Base(str(pretrained), folder, _safetensors_fingerprint(sorted(folder.glob("*.safetensors"))))
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model.pretrained={pretrained}: no .safetensors weights in {folder}")
+    return Base(str(pretrained), folder, _safetensors_fingerprint(files))
 
 
 def _tessera_fingerprint(step: Path) -> str:
@@ -258,9 +261,15 @@ def lora_of(step) -> dict | None:
 
 def base_of_run(checkpoint, record: dict, pretrained: str | None) -> str:
     """The base a LoRA run's checkpoint samples or exports on: `pretrained` (model.pretrained), else the
-    one the checkpoint names; refused by name if that folder now holds other weights."""
+    one the checkpoint names (a tessera run that saved newer steps since: the step it was trained on, while
+    kept); refused by name if that folder now holds other weights."""
     path = pretrained or record["base"]["path"]
     found = describe_base(path)
+    source = Path(record["base"].get("source") or "")
+    if found.fingerprint != record["base"]["fingerprint"] and is_tessera_run(path) and is_tessera_run(source):
+        # a base run that saved newer steps since: the step the adapters were trained on, if it is kept
+        if describe_base(str(source)).fingerprint == record["base"]["fingerprint"]:
+            return str(source)
     if found.fingerprint != record["base"]["fingerprint"]:
         raise CheckpointError(
             f"checkpoint {checkpoint} holds adapters trained on {record['base']['path']} (fingerprint "

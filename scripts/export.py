@@ -245,6 +245,8 @@ def export_family(checkpoint: Path, output: Path, cfg, family, args) -> str:
     check_architecture(checkpoint, family.meta_transformer(cfg).architecture())
     if args.lora and not args.merge:
         return export_family_lora(checkpoint, output, cfg, family, record, args.format, use_ema)
+    if args.merge and record is None:
+        raise CheckpointError(f"--merge folds a LoRA into its base, and {checkpoint} is not a LoRA run's")
     if args.pipeline and not (Path(cfg.model.pretrained or "") / "model_index.json").is_file():
         raise ValueError(
             f"--pipeline copies model.pretrained's pipeline folder: {cfg.model.pretrained} is not one"
@@ -263,8 +265,9 @@ def export_family(checkpoint: Path, output: Path, cfg, family, args) -> str:
     import diffusers
 
     config = family.transformer_config(cfg)
-    transformer = getattr(diffusers, config["_class_name"]).from_config(config)
-    transformer.load_state_dict(family.to_diffusers(model.state_dict()), strict=True)
+    with torch.device("meta"):  # no second random copy of the weights on the host
+        transformer = getattr(diffusers, config["_class_name"]).from_config(config)
+    transformer.load_state_dict(family.to_diffusers(model.state_dict()), strict=True, assign=True)
     if not args.pipeline:
         transformer.save_pretrained(output, max_shard_size=args.max_shard_size)
         return f"{type(transformer).__name__} folder"

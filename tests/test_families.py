@@ -156,7 +156,7 @@ def test_refusals(saved, tmp_path, capsys):
     train_cases = [  # train.py's own refusals for a family
         (
             ["data.frames=5"],
-            "data.frames/height/width: " + ("Qwen-Image" if name == "qwen_image" else "Sana"),
+            "(data.*): " + ("Qwen-Image" if name == "qwen_image" else "Sana"),
         ),
         (["data.latents=x"], "data.latents"),
         (["model.task=i2v"], "text-to-image (t2v) only"),
