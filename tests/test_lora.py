@@ -517,5 +517,10 @@ def test_previews_leave_the_training_unchanged(tmp_path):
         )
         assert result.returncode == 0, result.stderr[-3000:]
     assert lora_losses(tmp_path / "a") == lora_losses(tmp_path / "b")
-    # config.yaml records the recipe as given: the base run, not the step it resolved to at start-up
+    # config.yaml records the recipe as given: the base run, not the step it resolved to at start-up;
+    # once the base run saved a newer step, the LoRA still samples on the step it was trained on
     assert f"pretrained: {base}\n" in (tmp_path / "a" / "config.yaml").read_text()
+    assert run_main(train, ["--config", str(TINY), f"run.output_dir={base}", "train.max_steps=3"]) == 0
+    out = tmp_path / "lora.npy"
+    argv = ["--config", str(tmp_path / "a" / "config.yaml"), "--prompt", "a red square", "--steps", "1"]
+    assert run_main(infer, [*argv, "--checkpoint", str(tmp_path / "a"), "--output", str(out)]) == 0
