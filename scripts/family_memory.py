@@ -1,9 +1,8 @@
-"""Memory per GPU of the model families' recipes, counted on the meta device (activations not counted):
-sampling (every part in bf16 on every rank: cfg, ulysses and ring split the work, not the weights, and
-PipeFusion is not built for the families), full fine-tuning (the transformer's float32 weights, gradients,
-AdamW's two moments and the EMA, 20 bytes a parameter, sharded by FSDP2 over the GPUs; the text encoder and
-VAE in bf16 on every rank) and LoRA (the frozen base in bf16, sharded; the adapters at LORA_RANK on the
-family's lora.targets with their 20 bytes; the text encoder and VAE as above), on 1 and on 8 GPUs.
+"""Memory per GPU of the model families' recipes on 1 and 8 GPUs, counted on the meta device (activations
+not counted): sampling (every part in bf16 on every rank: no layout built for the families splits the
+weights), full fine-tuning (the transformer's float32 weights, gradients, AdamW's moments and EMA, 20 bytes
+a parameter, sharded by FSDP2; the text encoder and VAE in bf16 on every rank) and LoRA (the base in bf16,
+sharded; rank-LORA_RANK adapters on the family's lora.targets, 20 bytes a parameter; text encoder and VAE).
 
     python scripts/family_memory.py [--json out.json]
     python scripts/family_memory.py --tiny     # the tests' tiny configs: seconds
