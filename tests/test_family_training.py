@@ -257,8 +257,11 @@ def test_exports_load_in_diffusers(runs, tmp_path):
 @pytest.mark.parametrize("degree", ["parallel.ulysses=2", "parallel.ring=2"])
 def test_sequence_parallel_training_is_one_process(runs, tmp_path, degree):
     """Two processes sharing each image's tokens: every step's loss and gradient norm are one process's
-    (the operators' collectives carry their gradients back)."""
+    (the operators' collectives carry their gradients back). Sana's operators split the tokens alike under
+    both degrees (no head split): ring alone runs for it."""
     name, folder, made = runs
+    if name == "sana" and degree == "parallel.ulysses=2":
+        pytest.skip("Sana under ulysses runs the operators parallel.ring=2 runs")
     one, two = made["full"], tmp_path / "two"
     done = torchrun(2, "train.py", *train_args(name, folder, two, *KINDS["full"], degree), timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
