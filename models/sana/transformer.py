@@ -190,7 +190,9 @@ class SanaBlock(nn.Module):
             self.scale_shift_table[None] + modulation
         ).chunk(6, dim=1)  # 6 x (B, 1, D)
         x = x + gate_msa * self.attn1((self.norm1(x) * (1 + scale_msa) + shift_msa).to(x.dtype))
-        x = x + self.attn2(x, context, context_bias)  # the raw tokens: no norm, modulation or gate
+        # the raw tokens: no norm, modulation or gate. Summed in diffusers' order, which sets the result's
+        # memory layout: a bf16 matmul on the other layout rounds differently
+        x = self.attn2(x, context, context_bias) + x
         return x + gate_mlp * self.ff(self.norm2(x) * (1 + scale_mlp) + shift_mlp, grid)
 
 
