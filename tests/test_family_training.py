@@ -188,6 +188,25 @@ def test_a_run_trains_and_resumes(runs, tmp_path, kind):
         assert got[-1]["loss"] != metrics(made["full"])[-1]["loss"]  # the adapters alone trained
 
 
+def test_buckets_by_aspect_ratio(saved, tmp_path):  # noqa: F811
+    """Image buckets of two sizes and three aspect ratios, each side a multiple of the family's VAE stride
+    times its patch: the run trains on more than one of them, each a latent the transformer takes."""
+    name, folder = saved
+    side = TRAIN_SIZE[name][0]
+    buckets = [f"data.resolutions=[{side},{2 * side}]", "data.aspect_ratios=['1:1','16:9','9:16']"]
+    run = tmp_path / "run"
+    argv = train_args(
+        name, folder, run, "data.synthetic_samples=16", "train.max_steps=6", "data.frame_counts=[1]"
+    )
+    assert run_main(train, [*argv, *buckets]) == 0
+    trained = {bucket for m in metrics(run) for bucket in m["buckets"]}
+    assert len(trained) >= 2, trained
+    multiple = {"sana": 32, "qwen_image": 8}[name]  # the tiny pipelines: Sana 32, Qwen-Image 4 x patch 2
+    for bucket in trained:
+        frames, height, width = map(int, bucket.split("x"))
+        assert frames == 1 and height % multiple == 0 and width % multiple == 0, bucket
+
+
 def pipeline_image(pipe, name, **extra):
     """The pipeline's image of PROMPTS[0] (seed 1, 2 steps, guidance 4) at tests/test_families.py's size."""
     height, width = SIZE[name]
