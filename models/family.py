@@ -258,13 +258,7 @@ class FamilyWeights:
                 self._tensors[name] = lambda h=handle, k=key: h.get_slice(k)
 
     def check_parameters(self, names, partial: bool = False) -> None:
-        ours, theirs = set(names), set(self._tensors)
-        if ours - theirs or (not partial and theirs - ours):
-            raise ValueError(
-                f"model.pretrained={self.folder} does not fit the model: weights without a place "
-                f"{sorted(theirs - ours)[:5] if not partial else []}, parameters without a weight "
-                f"{sorted(ours - theirs)[:5]}"
-            )
+        check_weight_names(self.folder, names, self._tensors, partial)
 
     def shape(self, name: str) -> tuple:
         tensor = self._tensors[name]()
@@ -275,6 +269,18 @@ class FamilyWeights:
         if not isinstance(tensor, torch.Tensor) and not tensor.get_shape():  # a scalar
             return tensor[:].float().reshape(1)[start:stop]
         return tensor[start:stop].float()
+
+
+def check_weight_names(folder, names, weights, partial: bool = False, error=ValueError) -> None:
+    """Every weight of `folder` (`weights`: its names) has a place among the model's parameter `names`,
+    and every parameter a weight; `partial` (a PipeFusion stage holds some blocks): the latter only."""
+    ours, theirs = set(names), set(weights)
+    if ours - theirs or (not partial and theirs - ours):
+        raise error(
+            f"model.pretrained={folder} does not fit the model: weights without a place "
+            f"{sorted(theirs - ours)[:5] if not partial else []}, parameters without a weight "
+            f"{sorted(ours - theirs)[:5]}"
+        )
 
 
 def read_json(path) -> dict:

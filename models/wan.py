@@ -369,15 +369,10 @@ class WanWeights:
 
     def check_parameters(self, names, partial: bool = False) -> None:
         """Every weight of the folder has a place among the model's parameter `names` (state-dict names)
-        and every parameter has a weight; `partial` (a PipeFusion stage, which holds some blocks only):
-        every parameter has a weight."""
-        ours, theirs = set(names), set(self.sources)
-        if ours - theirs or (not partial and theirs - ours):
-            raise WanFormatError(
-                f"model.pretrained={self.folder} does not fit the model: weights without a place "
-                f"{sorted(theirs - ours)[:5] if not partial else []}, parameters without a weight "
-                f"{sorted(ours - theirs)[:5]}"
-            )
+        and every parameter has a weight; `partial` (a PipeFusion stage): every parameter has a weight."""
+        from models.family import check_weight_names
+
+        check_weight_names(self.folder, names, self.sources, partial, WanFormatError)
 
     def shape(self, name: str) -> tuple:
         keys = self.sources[name]

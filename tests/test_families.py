@@ -104,21 +104,9 @@ def test_infer_matches_the_pipeline(saved, tmp_path, layout):
         assert done.returncode == 0, done.stderr[-3000:]
         assert all(o.split(".")[1] in done.stdout for o in overrides), done.stdout  # the layout line
     pipe = DiffusionPipeline.from_pretrained(folder)
-    pipe.set_progress_bar_config(disable=True)
-    _, _, guidance, extra = FAMILIES[name]
     height, width = SIZE[name]
     for i, prompt in enumerate(PROMPTS):
-        want = pipe(
-            prompt=prompt,
-            negative_prompt=NEGATIVE,
-            num_inference_steps=3,
-            height=height,
-            width=width,
-            generator=torch.Generator().manual_seed(5 + i),
-            output_type="np",
-            **{guidance: 4.0},
-            **extra,
-        ).images[0]
+        want = pipeline_image(pipe, name, prompt, steps=3, seed=5 + i)
         got = np.load(tmp_path / f"image_{i:03d}.npy")
         diff = float(np.abs(got[0] - want).max())
         print(f"{name} prompt {i}: infer.py vs {type(pipe).__name__} max abs diff {diff:.2e}")
@@ -198,6 +186,24 @@ def test_family_of_a_folder(saved, tmp_path):
         load_config(None, ["model.size=auto", f"model.pretrained={flux}"])
 
 
+def pipeline_image(pipe, name, prompt=PROMPTS[0], steps: int = 2, seed: int = 1):
+    """The pipeline's image of `prompt` with NEGATIVE, guidance 4, at SIZE[name]."""
+    height, width = SIZE[name]
+    _, _, guidance, keywords = FAMILIES[name]
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(
+        prompt=prompt,
+        negative_prompt=NEGATIVE,
+        num_inference_steps=steps,
+        height=height,
+        width=width,
+        generator=torch.Generator().manual_seed(seed),
+        output_type="np",
+        **{guidance: 4.0},
+        **keywords,
+    ).images[0]
+
+
 def peft_lora(pipe, folder):
     """A LoRA made by PEFT on the pipeline's diffusers transformer (random B, alpha 2 r: a scale that
     matters), saved as diffusers saves a pipeline's LoRA (its PEFT config in the header)."""
@@ -226,22 +232,7 @@ def test_peft_lora_loads(saved, tmp_path, capsys):
     from safetensors.torch import save_file
 
     name, folder = saved
-    _, _, guidance, extra = FAMILIES[name]
-    height, width = SIZE[name]
-
-    def sample(pipe):
-        pipe.set_progress_bar_config(disable=True)
-        return pipe(
-            prompt=PROMPTS[0],
-            negative_prompt=NEGATIVE,
-            num_inference_steps=2,
-            height=height,
-            width=width,
-            generator=torch.Generator().manual_seed(1),
-            output_type="np",
-            **{guidance: 4.0},
-            **extra,
-        ).images[0]
+    sample = lambda pipe: pipeline_image(pipe, name)  # noqa: E731
 
     lora = peft_lora(DiffusionPipeline.from_pretrained(folder), tmp_path)
     pipe = DiffusionPipeline.from_pretrained(folder)
@@ -286,21 +277,8 @@ def test_bf16_matches_the_pipeline(saved, tmp_path):
     from diffusers import DiffusionPipeline
 
     name, folder = saved
-    _, _, guidance, extra = FAMILIES[name]
-    height, width = SIZE[name]
     pipe = DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.bfloat16)
-    pipe.set_progress_bar_config(disable=True)
-    want = pipe(
-        prompt=PROMPTS[1],
-        negative_prompt=NEGATIVE,
-        num_inference_steps=3,
-        height=height,
-        width=width,
-        generator=torch.Generator().manual_seed(2),
-        output_type="np",
-        **{guidance: 4.0},
-        **extra,
-    ).images[0]
+    want = pipeline_image(pipe, name, PROMPTS[1], steps=3, seed=2)
     out = tmp_path / "bf16.npy"
     argv = infer_args(name, folder, tmp_path, "--prompt", PROMPTS[1], "--negative-prompt", NEGATIVE)
     argv += ["--steps", "3", "--guidance", "4", "--seed", "2", "--output", str(out), "train.precision=bf16"]

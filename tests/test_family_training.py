@@ -21,7 +21,7 @@ from models.families import family_named
 from models.flow import RectifiedFlow
 from parallel.family_training import FamilyRun, FamilyVelocity, family_batch
 from tests.conftest import ROOT, run_main, torchrun
-from tests.test_families import FAMILIES, SIZE, infer_args, saved  # noqa: F401  (saved: a fixture)
+from tests.test_families import FAMILIES, infer_args, pipeline_image, saved  # noqa: F401  (saved: a fixture)
 from tests.test_sana import MAX_LENGTH, NEGATIVE, PROMPTS
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -205,25 +205,6 @@ def test_buckets_by_aspect_ratio(saved, tmp_path):  # noqa: F811
     for bucket in trained:
         frames, height, width = map(int, bucket.split("x"))
         assert frames == 1 and height % multiple == 0 and width % multiple == 0, bucket
-
-
-def pipeline_image(pipe, name, **extra):
-    """The pipeline's image of PROMPTS[0] (seed 1, 2 steps, guidance 4) at tests/test_families.py's size."""
-    height, width = SIZE[name]
-    _, _, guidance, keywords = FAMILIES[name]
-    pipe.set_progress_bar_config(disable=True)
-    return pipe(
-        prompt=PROMPTS[0],
-        negative_prompt=NEGATIVE,
-        num_inference_steps=2,
-        height=height,
-        width=width,
-        generator=torch.Generator().manual_seed(1),
-        output_type="np",
-        **{guidance: 4.0},
-        **keywords,
-        **extra,
-    ).images[0]
 
 
 def infer_image(name, folder, tmp_path, out, *extra):
