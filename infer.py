@@ -570,7 +570,8 @@ def family_checkpoint(cfg, args, family) -> tuple:
     record = None
     if args.no_ema and checkpoint is None:
         raise ValueError(
-            f"--no-ema picks a run's raw weights, and there is no run: this samples {cfg.model.pretrained}"
+            f"--no-ema picks a run's raw weights, and no run is named (none in run.output_dir="
+            f"{cfg.run.output_dir}): name one with --checkpoint, or drop --no-ema"
         )
     if checkpoint is not None:
         check_checkpoint_files(checkpoint)
@@ -590,6 +591,7 @@ def load_run_weights(cfg, family, transformer, checkpoint, record, use_ema: bool
         check_checkpoint_finite(transformer, checkpoint, use_ema)  # alike on every rank: each reads it all
         return
     adapters = checkpoint_adapters(checkpoint, record, family.meta_transformer(cfg), use_ema)
+    check_adapters_finite(adapters, checkpoint, use_ema)
     merge_deltas(transformer, deltas_of(adapters))
 
 

@@ -91,6 +91,11 @@ class Family:
                     f"{key}: no {self.title} {part} in {folder} ({' '.join(missing)} missing; a diffusers "
                     f"pipeline folder holds {part}/; tessera never downloads)"
                 )
+        if not is_single_file(cfg.model.pretrained):
+            from models.wan import check_safetensors
+
+            for file in transformer_files(part_folder(cfg, "transformer")):
+                check_safetensors(file)  # its header: a truncated file is named now
         vae = read_json(part_folder(cfg, "vae") / "config.json").get("_class_name")
         if vae != self.vae_class:
             folder = part_folder(cfg, "vae")
@@ -326,14 +331,27 @@ def is_single_file(path) -> bool:
 
 def transformer_files(folder) -> list:
     """A diffusers transformer folder's weight files: those its index names (sharded), else the plain
-    diffusion_pytorch_model.safetensors; a variant's (.fp16., .bf16.) only when there is nothing else."""
+    diffusion_pytorch_model.safetensors; one variant's (.fp16., .bf16.) only when there is nothing else.
+    Missing shards and several variants are refused by name (FileNotFoundError, ValueError)."""
     folder = Path(folder)
-    index = read_json(folder / "diffusion_pytorch_model.safetensors.index.json")
-    if index.get("weight_map"):
-        return sorted({folder / name for name in index["weight_map"].values()})
     files = sorted(folder.glob("diffusion_pytorch_model*.safetensors"))
     plain = [f for f in files if re.fullmatch(r"diffusion_pytorch_model(-\d+-of-\d+)?\.safetensors", f.name)]
-    return plain or files
+    indexed = read_json(folder / "diffusion_pytorch_model.safetensors.index.json").get("weight_map", {})
+    named = sorted({folder / name for name in indexed.values()})
+    missing = [f.name for f in named if not f.is_file()]
+    if named and len(missing) < len(named):  # an index with some of its shards: a broken download
+        if missing:
+            raise FileNotFoundError(f"{folder}: the index names {', '.join(missing)}, which are not there")
+        return named
+    if plain:
+        return plain
+    variants = {f.name.split(".")[1].split("-")[0] for f in files}
+    if len(variants) > 1:
+        raise ValueError(
+            f"{folder} holds the weights in several variants ({', '.join(sorted(variants))}) and no plain "
+            "diffusion_pytorch_model.safetensors: keep one"
+        )
+    return files
 
 
 def tensor_shapes(path) -> dict:

@@ -56,7 +56,8 @@ def check_family_sizes(cfg, family: Family, layout, buckets) -> None:
     """Every bucket's size and the previews' the family can take, under the layout's split (Sana's halo
     needs a row and one per rank), or an error naming the bucket or sample.* key."""
     sc, data = cfg.sample, cfg.data
-    sizes = [(f"the bucket {b.name} (data.*)", b.frames, b.height, b.width) for b in buckets.buckets]
+    keys = "data.frames/frame_counts, data.height/width/resolutions/aspect_ratios"
+    sizes = [(f"the bucket {b.name} ({keys})", b.frames, b.height, b.width) for b in buckets.buckets]
     previews = (sc.frames or data.frames, sc.height or data.height, sc.width or data.width)
     for where, frames, height, width in [*sizes, ("sample.frames/height/width", *previews)]:
         try:

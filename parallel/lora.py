@@ -84,7 +84,10 @@ def describe_base(pretrained: str) -> Base:
     folder = component_folder(pretrained, "transformer")  # a pipeline folder's transformer/
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"model.pretrained={pretrained}: no .safetensors weights in {folder}")
+        what = (
+            "does not exist" if not Path(pretrained).exists() else f"has no .safetensors weights in {folder}"
+        )
+        raise FileNotFoundError(f"model.pretrained={pretrained} {what}")
     return Base(str(pretrained), folder, _safetensors_fingerprint(files))
 
 
@@ -265,14 +268,16 @@ def base_of_run(checkpoint, record: dict, pretrained: str | None) -> str:
     kept); refused by name if that folder now holds other weights."""
     path = pretrained or record["base"]["path"]
     found = describe_base(path)
-    source = Path(record["base"].get("source") or "")
-    if found.fingerprint != record["base"]["fingerprint"] and is_tessera_run(path) and is_tessera_run(source):
+    source = record["base"].get("source")
+    moved_on = found.fingerprint != record["base"]["fingerprint"] and is_tessera_run(path)
+    if moved_on and source and is_tessera_run(source):
         # a base run that saved newer steps since: the step the adapters were trained on, if it is kept
         if describe_base(str(source)).fingerprint == record["base"]["fingerprint"]:
             return str(source)
     if found.fingerprint != record["base"]["fingerprint"]:
+        was = f" ({source}, no longer kept)" if moved_on and source else ""
         raise CheckpointError(
-            f"checkpoint {checkpoint} holds adapters trained on {record['base']['path']} (fingerprint "
+            f"checkpoint {checkpoint} holds adapters trained on {record['base']['path']}{was} (fingerprint "
             f"{record['base']['fingerprint']}); model.pretrained={path} holds other weights "
             f"({found.fingerprint}). Point model.pretrained at the base the LoRA was trained on"
         )

@@ -145,7 +145,7 @@ def test_refusals(saved, tmp_path, capsys):
     train_cases = [  # train.py's own refusals for a family
         (
             ["data.frames=5"],
-            "(data.*): " + ("Qwen-Image" if name == "qwen_image" else "Sana"),
+            "aspect_ratios): " + ("Qwen-Image" if name == "qwen_image" else "Sana"),
         ),
         (["data.latents=x"], "data.latents"),
         (["model.task=i2v"], "text-to-image (t2v) only"),
@@ -347,3 +347,39 @@ def test_qwen_image_config_from_a_single_files_shapes():
     narrow = {**shapes, "model.diffusion_model.transformer_blocks.0.attn.norm_q.weight": (64,)}
     with pytest.raises(ValueError, match="transformer/config.json"):  # how 64 splits over the rope's axes
         QwenImage().config_of_file(narrow)
+
+
+def test_transformer_files_take_one_set_of_weights(tmp_path):
+    """A transformer folder's weights: the index's shards, else the plain file, else its one variant; a
+    variant beside the plain file is never mixed in, and missing shards or two variants are named."""
+    from models.family import transformer_files
+
+    def folder(name, *files, index=None):
+        path = tmp_path / name
+        path.mkdir()
+        for file in files:
+            (path / file).write_bytes(b"")
+        if index:
+            weight_map = {f"w{i}": shard for i, shard in enumerate(index)}
+            (path / "diffusion_pytorch_model.safetensors.index.json").write_text(
+                json.dumps({"weight_map": weight_map})
+            )
+        return path
+
+    plain = folder("plain", "diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.fp16.safetensors")
+    assert [f.name for f in transformer_files(plain)] == ["diffusion_pytorch_model.safetensors"]
+    shards = [f"diffusion_pytorch_model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    sharded = folder("sharded", *shards, "diffusion_pytorch_model.fp16.safetensors", index=shards)
+    assert [f.name for f in transformer_files(sharded)] == shards
+    variant = folder(
+        "variant", "diffusion_pytorch_model.fp16.safetensors", index=shards
+    )  # a plain index, fp16 files
+    assert [f.name for f in transformer_files(variant)] == ["diffusion_pytorch_model.fp16.safetensors"]
+    with pytest.raises(FileNotFoundError, match="00002-of-00002"):
+        transformer_files(folder("broken", shards[0], index=shards))
+    with pytest.raises(ValueError, match="several variants"):
+        transformer_files(
+            folder(
+                "two", "diffusion_pytorch_model.fp16.safetensors", "diffusion_pytorch_model.bf16.safetensors"
+            )
+        )

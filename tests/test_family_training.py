@@ -164,7 +164,7 @@ KINDS = {  # full fine-tuning and LoRA (the family's own layers); 3 steps; the E
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_a_run_trains_and_resumes(runs, tmp_path, kind):
+def test_a_run_trains_and_resumes(runs, tmp_path, capsys, kind):
     """A run trains, previews and checkpoints each step; stopped after step 1, the same command with
     max_steps=3 resumes, and its third step's loss is the straight run's: the second step's update took
     the resumed AdamW state (Qwen-Image's last text layers have none until then)."""
@@ -175,7 +175,10 @@ def test_a_run_trains_and_resumes(runs, tmp_path, kind):
     assert f"family: {name}" in (made[kind] / "config.yaml").read_text()
     resumed = tmp_path / "resumed"
     assert run_main(train, train_args(name, folder, resumed, *KINDS[kind][1:], "train.max_steps=1")) == 0
+    capsys.readouterr()
     assert run_main(train, train_args(name, folder, resumed, *KINDS[kind])) == 0
+    assert f"resumed from {resumed / 'checkpoints' / 'step_1'} at step 1" in capsys.readouterr().out
+    assert all((resumed / "checkpoints" / f"step_{n}" / "checksums.json").is_file() for n in (2, 3))
     got = metrics(resumed)
     assert [m["step"] for m in got] == [1, 2, 3]
     for key in ("loss", "grad_norm"):
