@@ -144,7 +144,7 @@ def test_refusals(saved, tmp_path, capsys):
         assert expected in err and err.count("error:") == 1, err
     train_cases = [  # train.py's own refusals for a family
         (
-            ["data.frames=5"],
+            ["data.frame_counts=[5]"],
             "aspect_ratios): " + ("Qwen-Image" if name == "qwen_image" else "Sana"),
         ),
         (["data.latents=x"], "data.latents"),
