@@ -148,8 +148,10 @@ def check_before_start(cfg) -> Plan:
     rank, world_size, _ = world_from_env()
     family = trained_family(cfg)  # None: tessera's DiT
     check_loggers(cfg)
-    if family is not None and cfg.parallel.auto:
-        raise ValueError(f"parallel.auto chooses layouts for tessera's DiT; set {family.title}'s degrees")
+    if family is not None:  # its folder first: the layout reads its heads from it
+        family.check_pretrained(cfg)
+        if cfg.parallel.auto:
+            raise ValueError(f"parallel.auto chooses layouts for tessera's DiT; set {family.title}'s degrees")
     heads = size_of(cfg.model)["num_heads"] if family is None else family.heads(cfg) or cfg.parallel.ulysses
     layout = ParallelLayout.from_config(cfg.parallel, world_size, heads, "train", local_world_size())
     if family is not None:

@@ -5,7 +5,7 @@ weights read row by row: models/family.py FamilyWeights), each batch encoded by 
 the group, the flow-matching loss on its velocity, and previews sampled by models/sampler.py.
 """
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -17,6 +17,7 @@ from models.pipeline import NonFiniteVideo
 from models.sampler import generate_images
 from parallel import comm
 from parallel.operators import check_sequence_layout
+from parallel.sequence import share_batch
 
 _DTYPES = (torch.float32, torch.bool, torch.bfloat16, torch.float16, torch.int64)
 _HEADER = 8  # per tensor: present, dtype, ndim, and up to 5 sizes
@@ -38,9 +39,9 @@ def trained_family(cfg) -> Family | None:
 
 
 def check_family_training(cfg, family: Family, layout) -> None:
-    """What a family's training refuses, by name, before any process group: its pretrained parts,
-    precomputed latents, image conditioning, and layouts other than dp x (ulysses or ring)."""
-    family.check_pretrained(cfg)
+    """What a family's training refuses, by name, before any process group (after its pretrained parts
+    are checked: Family.check_pretrained): precomputed latents, image conditioning, and layouts other than
+    dp x (ulysses or ring)."""
     if cfg.data.latents:
         raise ValueError(
             f"data.latents: {family.title} trains from images for now (precompute_latents is DiT-only)"
@@ -72,28 +73,23 @@ def frozen_family(cfg, family: Family, device, dtype) -> FamilyRun:
 
 
 def share_family_batch(groups, tensors: list | None, count: int, device) -> list:
-    """encode_family_batch's list from the group's first rank on every rank of the group (their shapes
-    are not known from the plan: a prompt's length is its own, so a header travels first)."""
+    """encode_family_batch's list from the group's first rank on every rank of the group: their shapes are
+    not known from the plan (a prompt's length is its own), so a header travels first, then
+    parallel/sequence.py's share_batch."""
     if groups.sp_size == 1:
         return tensors
-    src = dist.get_global_rank(groups.sp_group, 0)
     header = torch.zeros(count, _HEADER, dtype=torch.int64)
     if groups.sp_rank == 0:
         for i, t in enumerate(tensors):
             if t is not None:
                 header[i, :3] = torch.tensor([1, _DTYPES.index(t.dtype), t.dim()])
                 header[i, 3 : 3 + t.dim()] = torch.tensor(t.shape)
-    header = comm.broadcast(header.to(device), src, groups.sp_group).cpu()
-    shared = []
-    for i, (present, kind, ndim, *sizes) in enumerate(header.tolist()):
-        if not present:
-            shared.append(None)
-            continue
-        wire = torch.uint8 if _DTYPES[kind] == torch.bool else torch.float32
-        mine = tensors[i].to(wire).contiguous() if groups.sp_rank == 0 else None
-        buffer = mine if mine is not None else torch.empty(sizes[:ndim], dtype=wire, device=device)
-        shared.append(comm.broadcast(buffer, src, groups.sp_group).to(_DTYPES[kind]))
-    return shared
+    src = dist.get_global_rank(groups.sp_group, 0)
+    rows = comm.broadcast(header.to(device), src, groups.sp_group).tolist()
+    specs = [(tuple(sizes[:ndim]), _DTYPES[kind]) for present, kind, ndim, *sizes in rows if present]
+    present = [t for t in tensors if t is not None] if groups.sp_rank == 0 else None
+    shared = iter(share_batch(groups, present, specs, device))
+    return [next(shared) if row[0] else None for row in rows]
 
 
 def family_batch(run: FamilyRun, groups, encoded: list | None, device) -> tuple:
@@ -118,9 +114,7 @@ def family_previews(cfg, run: FamilyRun, model, seeds: list, progress, device) -
     """(images (B, 1, H, W, 3) in [0, 1], {index: where NaN or inf was found}) of sample.prompts, from the
     training transformer on every rank (it is sharded: each forward needs them all)."""
     sc = cfg.sample
-    parts = Components(
-        model, run.parts.tokenizer, run.parts.text_encoder, run.parts.vae, run.parts.scheduler_config
-    )
+    parts = replace(run.parts, transformer=model)
     size = (sc.frames or cfg.data.frames, sc.height or cfg.data.height, sc.width or cfg.data.width)
     try:
         images = generate_images(

@@ -205,23 +205,32 @@ def _meta_dit(cfg, in_channels: int, text_dim: int):
         return build_dit(cfg.model, in_channels=latent_channels(cfg, in_channels), text_dim=text_dim)
 
 
-def export_lora(checkpoint: Path, output: Path, cfg, fmt: str, use_ema: bool = True) -> str:
-    """A LoRA run's adapters as one .safetensors file in `fmt` (diffusers or comfyui). Returns a note for
-    the user: the format written, or why tessera's own names were used."""
+def export_lora(checkpoint: Path, output: Path, cfg, fmt: str, use_ema: bool = True, family=None) -> str:
+    """A LoRA run's adapters as one .safetensors file in `fmt` (diffusers or comfyui); `family`: a model
+    family's run (models/families.py), else tessera's DiT. Returns a note for the user: the format
+    written, or why tessera's own names were used."""
     from safetensors.torch import save_file
 
     record = lora_of(checkpoint)
     if record is None:
         raise CheckpointError(
             f"{checkpoint} is a full fine-tuning's checkpoint, not a LoRA's: export it without --lora "
-            "(a WanTransformer3DModel folder)"
+            "(a transformer folder)"
+        )
+    if family is not None and fmt not in family.lora_formats:
+        raise ValueError(
+            f"--format {fmt}: {family.title}'s LoRAs are written in {', '.join(family.lora_formats)}"
         )
     if output.suffix != ".safetensors":
         raise ValueError(f"--output {output}: a LoRA is written as one .safetensors file")
-    architecture = read_trainer_state(checkpoint)["architecture"]
-    dims = architecture["in_channels"], architecture["text_dim"]
-    adapters = checkpoint_adapters(checkpoint, record, _meta_dit(cfg, *dims), use_ema)
-    projections, _ = model_projections(_meta_dit(cfg, *dims))
+    if family is None:
+        architecture = read_trainer_state(checkpoint)["architecture"]
+        dims = architecture["in_channels"], architecture["text_dim"]
+        meta, names = (lambda: _meta_dit(cfg, *dims)), ()
+    else:
+        meta, names = (lambda: family.meta_transformer(cfg)), (family.diffusers_name,)
+    adapters = checkpoint_adapters(checkpoint, record, meta(), use_ema)
+    projections, _ = model_projections(meta(), *names)
     tensors = export_adapters(adapters, projections, fmt)
     output.parent.mkdir(parents=True, exist_ok=True)
     info = {"format": "pt", "tessera_rank": record["rank"], "tessera_base": record["base"]["fingerprint"]}
@@ -244,7 +253,7 @@ def export_family(checkpoint: Path, output: Path, cfg, family, args) -> str:
         raise ValueError(f"--low-noise-expert pairs Wan 2.2's experts; {family.title} has one transformer")
     check_architecture(checkpoint, family.meta_transformer(cfg).architecture())
     if args.lora and not args.merge:
-        return export_family_lora(checkpoint, output, cfg, family, record, args.format, use_ema)
+        return export_lora(checkpoint, output, cfg, args.format, use_ema, family)
     if args.merge and record is None:
         raise CheckpointError(f"--merge folds a LoRA into its base, and {checkpoint} is not a LoRA run's")
     if args.pipeline and not (Path(cfg.model.pretrained or "") / "model_index.json").is_file():
@@ -274,26 +283,6 @@ def export_family(checkpoint: Path, output: Path, cfg, family, args) -> str:
     pipe = diffusers.DiffusionPipeline.from_pretrained(cfg.model.pretrained, transformer=transformer)
     pipe.save_pretrained(output, max_shard_size=args.max_shard_size)
     return f"{type(pipe).__name__} folder (its other parts from {cfg.model.pretrained})"
-
-
-def export_family_lora(checkpoint: Path, output: Path, cfg, family, record, fmt: str, use_ema: bool) -> str:
-    from safetensors.torch import save_file
-
-    if record is None:
-        raise CheckpointError(f"{checkpoint} is a full fine-tuning's checkpoint, not a LoRA's: drop --lora")
-    if fmt not in family.lora_formats:
-        raise ValueError(
-            f"--format {fmt}: {family.title}'s LoRAs are written in {', '.join(family.lora_formats)}"
-        )
-    if output.suffix != ".safetensors":
-        raise ValueError(f"--output {output}: a LoRA is written as one .safetensors file")
-    adapters = checkpoint_adapters(checkpoint, record, family.meta_transformer(cfg), use_ema)
-    projections, _ = model_projections(family.meta_transformer(cfg), family.diffusers_name)
-    tensors = export_adapters(adapters, projections, fmt)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    info = {"format": "pt", "tessera_rank": record["rank"], "tessera_base": record["base"]["fingerprint"]}
-    save_file(tensors, str(output), metadata=safetensors_metadata(info))
-    return f"a {family.title} LoRA in {fmt} names ({len(adapters)} adapted layers, rank {record['rank']})"
 
 
 def low_noise_checkpoint(spec):
