@@ -41,7 +41,7 @@ from models.wan import second_expert
 from parallel import comm
 from parallel import vae as parallel_vae
 from parallel.cache import check_cache_decisions, check_calibration, share_step_cache
-from parallel.cfg import family_velocity
+from parallel.cfg import family_denoiser
 from parallel.checkpoint import check_architecture, load_weights
 from parallel.checkpoint_files import CheckpointError, check_checkpoint_files, resolve_checkpoint
 from parallel.components import (
@@ -56,8 +56,9 @@ from parallel.entrypoint import run_as_process
 from parallel.finite import check_adapters_finite, check_checkpoint_finite
 from parallel.layout import ParallelLayout
 from parallel.lora import base_of_run, checkpoint_adapters, is_tessera_run, lora_of
-from parallel.operators import apply_operators, check_sequence_layout
-from parallel.pipefusion_plan import held_elsewhere, keep_stage
+from parallel.operators import apply_operators, check_sequence_layout, operator_kinds
+from parallel.pipefusion_family import KINDS, FamilyPipeFusion
+from parallel.pipefusion_plan import held_elsewhere, keep_blocks, keep_stage
 from parallel.rendezvous import finish_line
 from parallel.runtime import init_runtime, links_are_slow, local_world_size, world_from_env
 from parallel.sampling import ParallelSampler
@@ -518,7 +519,7 @@ def sample_family(cfg, args, family, session) -> None:
     prompts, outputs, frames, height, width, steps, guidance, negative = read_sizes(cfg, args)
     family.check_size(cfg, frames, height, width)
     request = Request(prompts, outputs, frames, height, width, steps, guidance, negative, [], ())
-    layout = family_layout(cfg, family, request)
+    layout, patches = family_layout(cfg, family, request)
     check_outputs(outputs)
     if cfg.text_encoder.max_length != family.max_length:  # a recipe without the family's own setting
         _warn_on_main(
@@ -528,22 +529,27 @@ def sample_family(cfg, args, family, session) -> None:
     runtime = init_runtime(cfg.parallel, layout, cfg.run.output_dir, task="sample", session=session)
     if runtime.is_main:
         run = f" with {checkpoint}" + (" (LoRA)" if record else "") if checkpoint is not None else ""
-        print(
-            f"[tessera] {family.title} from {cfg.model.pretrained}{run}; layout {layout.describe()}",
-            flush=True,
-        )
-    parts = family.load(
-        cfg, runtime.device, torch.bfloat16 if runtime.bf16(cfg.train.precision) else torch.float32
-    )
+        line = f"[tessera] {family.title} from {cfg.model.pretrained}{run}; layout {layout.describe()}"
+        print(line + _pipefusion_words(cfg, layout, patches), flush=True)
+    groups = runtime.sampling
+    keep = (lambda model: keep_blocks(model, groups.stage, groups.stages)) if layout.pipefusion > 1 else None
+    dtype = torch.bfloat16 if runtime.bf16(cfg.train.precision) else torch.float32
+    parts = family.load(cfg, runtime.device, dtype, keep=keep)  # under PipeFusion: this stage's blocks
     if checkpoint is not None:  # a run's weights: a full fine-tuning's, or its LoRA on its base
-        load_run_weights(cfg, family, parts.transformer, checkpoint, record, not args.no_ema)
+        load_run_weights(cfg, runtime, family, parts.transformer, checkpoint, record, not args.no_ema)
     for update, strength in loras:  # merged: every layout then runs the plain transformer
-        merge_deltas(parts.transformer, update.deltas(strength))
+        merge_deltas(parts.transformer, update.deltas(strength), elsewhere=held_elsewhere(parts.transformer))
     del loras
-    check_sequence_layout(parts.transformer, layout.ulysses, layout.ring, family.title)  # alike on every rank
-    parts.transformer = apply_operators(parts.transformer, runtime.sequence)
+    if layout.pipefusion > 1:
+        warmup = cfg.parallel.pipefusion_warmup
+        denoise_with = FamilyPipeFusion(parts.transformer, groups, patches, warmup, runtime.faults).denoise
+    else:
+        check_sequence_layout(parts.transformer, layout.ulysses, layout.ring, family.title)  # on every rank
+        parts.transformer = apply_operators(parts.transformer, runtime.sequence)
+        denoise_with = family_denoiser(groups)
     mine = list(range(layout.dp_rank(runtime.rank), len(prompts), layout.dp))  # split over dp
-    finish(runtime, sample_family_prompts(cfg, args, runtime, request, mine, family, parts) if mine else None)
+    sampled = mine and sample_family_prompts(cfg, args, runtime, request, mine, family, parts, denoise_with)
+    finish(runtime, sampled or None)
 
 
 def refuse_flags(cfg, args, family) -> None:
@@ -582,22 +588,25 @@ def family_checkpoint(cfg, args, family) -> tuple:
     return checkpoint, record
 
 
-def load_run_weights(cfg, family, transformer, checkpoint, record, use_ema: bool) -> None:
-    """A training run's weights into the family's transformer: a full fine-tuning's (EMA unless --no-ema,
-    sample.use_ema), or a LoRA run's adapters merged into its base."""
+def load_run_weights(cfg, runtime, family, transformer, checkpoint, record, use_ema: bool) -> None:
+    """A training run's weights into the family's transformer (under PipeFusion: this stage's blocks): a
+    full fine-tuning's (EMA unless --no-ema, sample.use_ema), or a LoRA run's adapters merged into its
+    base. NaN or inf is refused alike on every rank."""
     use_ema = use_ema and cfg.sample.use_ema
     if record is None:
         load_weights(checkpoint, transformer, use_ema=use_ema)
-        check_checkpoint_finite(transformer, checkpoint, use_ema)  # alike on every rank: each reads it all
+        whole = runtime.layout.pipefusion == 1  # PipeFusion stages hold different blocks: one verdict
+        check_checkpoint_finite(transformer, checkpoint, use_ema, runtime.control_group, whole)
         return
     adapters = checkpoint_adapters(checkpoint, record, family.meta_transformer(cfg), use_ema)
     check_adapters_finite(adapters, checkpoint, use_ema)
-    merge_deltas(transformer, deltas_of(adapters))
+    merge_deltas(transformer, deltas_of(adapters), elsewhere=held_elsewhere(transformer))
 
 
-def family_layout(cfg, family, request: Request) -> ParallelLayout:
-    """The sampling layout, with the degrees the family's sampling cannot run under, an attention backend
-    that cannot mask the split's padding, and a size too small to split refused by name."""
+def family_layout(cfg, family, request: Request) -> tuple[ParallelLayout, int]:
+    """(the sampling layout, PipeFusion's patch count), with the degrees the family's sampling cannot run
+    under, an attention backend that cannot mask the split's padding, and a size too small to split
+    refused by name."""
     wrong = [
         f"parallel.{name}={cfg.parallel[name]}"
         for name in ("cfg", "ulysses", "ring", "pipefusion")
@@ -609,30 +618,41 @@ def family_layout(cfg, family, request: Request) -> ParallelLayout:
             f"{family.title} does not sample under {' '.join(wrong) or 'parallel.auto'} yet: it runs under "
             f"{runs}"
         )
-    ranks = cfg.parallel.ulysses * cfg.parallel.ring
-    if ranks > 1 and cfg.model.attention_backend not in ("sdpa", "math"):
+    ranks, pipefusion = cfg.parallel.ulysses * cfg.parallel.ring, cfg.parallel.pipefusion
+    if ranks > 1 and pipefusion > 1:
         raise ValueError(
-            f"model.attention_backend={cfg.model.attention_backend} takes no mask, and a sequence split pads "
-            "and masks the tokens: use sdpa or math with parallel.ulysses or parallel.ring"
+            f"{family.title} samples under parallel.pipefusion or a sequence split (ulysses, ring), not both "
+            "yet: pick one"
+        )
+    if (ranks > 1 or pipefusion > 1) and cfg.model.attention_backend not in ("sdpa", "math"):
+        raise ValueError(
+            f"model.attention_backend={cfg.model.attention_backend} takes no mask, and a sequence split "
+            "and PipeFusion's patches mask keys: use sdpa or math with parallel.ulysses, ring or pipefusion"
         )
     family.check_split(cfg, request.height, request.width, cfg.parallel.ulysses, cfg.parallel.ring)
+    transformer = family.meta_transformer(cfg)
+    if pipefusion > 1 and operator_kinds(transformer) - KINDS:
+        kinds = sorted(operator_kinds(transformer) - KINDS)
+        raise ValueError(f"{family.title} has operators of kind {kinds}, which PipeFusion does not run yet")
     _, world_size, _ = world_from_env()
-    return ParallelLayout.from_config(
+    layout = ParallelLayout.from_config(
         cfg.parallel,
         world_size,
         family.heads(cfg) or cfg.parallel.ulysses,  # None: no operator splits heads
         "sample",
         local_world_size(),
+        depth=len(transformer.blocks),
         guided=family.guided(request.guidance),
     )
+    scale = family.vae_scale(cfg) * family.patch(cfg)
+    return layout, layout.check_patches(cfg.parallel, (1, request.height // scale, request.width // scale))
 
 
-def sample_family_prompts(cfg, args, runtime, request: Request, mine: list, family, parts):
+def sample_family_prompts(cfg, args, runtime, request: Request, mine: list, family, parts, denoise_with):
     """sample_and_write for a family: this replica's prompts, sample.batch_size at a time, each batch
     written as it finishes; returns the error about NaN images (None if none), as sample_and_write."""
     size, unwritten = cfg.sample.batch_size, {}
     batches = [mine[k : k + size] for k in range(0, len(mine), size)]
-    velocity_of = family_velocity(runtime.sampling)
     hidden = not runtime.is_main
     with tqdm(total=len(batches) * request.steps, desc="sample", disable=hidden, unit="step") as bar:
         for k, batch in enumerate(batches):
@@ -656,7 +676,7 @@ def sample_family_prompts(cfg, args, runtime, request: Request, mine: list, fami
                         request.guidance,
                         cfg.text_encoder.max_length,
                         progress,
-                        velocity_of,
+                        denoise_with,
                     ),
                     {},
                 )
@@ -826,12 +846,16 @@ def _warn_on_main(line: str) -> None:
         print(f"[tessera] warning: {line}", flush=True)
 
 
+def _pipefusion_words(cfg, layout, patches: int) -> str:
+    if layout.pipefusion == 1:
+        return ""
+    return f"; PipeFusion: {patches} patches, {cfg.parallel.pipefusion_warmup} warm-up step(s)"
+
+
 def _layout_line(cfg, runtime, request: Request, patches: int, links: str) -> str:
     layout = runtime.layout
     chosen = f" (parallel.auto: {links})" if cfg.parallel.auto else ""
-    pipeline = ""
-    if layout.pipefusion > 1:
-        pipeline = f"; PipeFusion: {patches} patches, {cfg.parallel.pipefusion_warmup} warm-up step(s)"
+    pipeline = _pipefusion_words(cfg, layout, patches)
     vae = vae_latent_space(cfg.vae)
     tiles = len(plan_tiles(vae, request.latent[1:], cfg.vae.tile_latent, cfg.vae.tile_overlap))
     return (

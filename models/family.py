@@ -161,18 +161,26 @@ class Family:
         with torch.device("meta"):
             return self.build(self.transformer_config(cfg), cfg)
 
-    def load_transformer(self, cfg, dtype) -> torch.nn.Module:
+    def load_transformer(self, cfg, dtype, keep=None) -> torch.nn.Module:
         """model.pretrained's transformer (a diffusers folder's shards, or a single file in the original or
-        diffusers names) in `dtype`, frozen, built on the meta device and filled in place."""
+        diffusers names) in `dtype`, frozen, built on the meta device and filled in place. `keep(model)`:
+        the part of it to fill (a PipeFusion stage's blocks), whose weights alone a folder's files give."""
+        from safetensors import safe_open
         from safetensors.torch import load_file
 
-        single = is_single_file(cfg.model.pretrained)
-        folder = part_folder(cfg, "transformer")
-        files = [Path(cfg.model.pretrained)] if single else transformer_files(folder)
         model = self.meta_transformer(cfg)
-        state = {k: v.to(dtype) for f in files for k, v in load_file(f).items()}
-        state = self.from_original(state) if single else state
-        model.load_state_dict(self.to_tessera(state), strict=True, assign=True)
+        model = keep(model) if keep is not None else model
+        wanted = set(model.state_dict())
+        if is_single_file(cfg.model.pretrained):  # the original names may fuse tensors: read whole
+            state = self.to_tessera(self.from_original(load_file(cfg.model.pretrained)))
+            state = {k: v.to(dtype) for k, v in state.items() if k in wanted}
+        else:
+            state = {}
+            for file in transformer_files(part_folder(cfg, "transformer")):
+                with safe_open(str(file), framework="pt") as handle:
+                    names = self.to_tessera({key: key for key in handle.keys()})  # names only: a rename
+                    state.update({n: handle.get_tensor(k).to(dtype) for n, k in names.items() if n in wanted})
+        model.load_state_dict(state, strict=True, assign=True)
         return model.eval().requires_grad_(False)
 
     def read_lora(self, cfg, spec: str):
@@ -186,9 +194,9 @@ class Family:
         tensors, config = read_file(path)
         return match_lora(tensors, projections, linears, path, config), strength
 
-    def load(self, cfg, device, dtype, transformer: bool = True) -> Components:
+    def load(self, cfg, device, dtype, transformer: bool = True, keep=None) -> Components:
         """Its parts on `device` in `dtype`, frozen; transformer=False: all but the transformer (training
-        builds and shards its own), Components.transformer None."""
+        builds and shards its own), Components.transformer None; `keep`: as load_transformer's."""
         raise NotImplementedError
 
     def vae_scale(self, cfg) -> int:
@@ -226,7 +234,11 @@ class Family:
         raise NotImplementedError
 
     def velocity(self, parts: Components, x, t, cond):
-        return parts.transformer(x, t.to(x.device).expand(x.shape[0]), cond)
+        return self.prediction(parts.transformer(x, t.to(x.device).expand(x.shape[0]), cond))
+
+    def prediction(self, v):
+        """The transformer's output as the family's solver and guidance take it (its pipeline's dtype)."""
+        return v
 
     def guided(self, scale: float) -> bool:
         """Whether `scale` asks for guidance (the pipelines guide above 1 only)."""

@@ -3,8 +3,8 @@ walked with a velocity function. Every sampler in tessera runs it: tessera's DiT
 (models/flow.py, on one process or with the guidance branches and tokens split: parallel/sampling.py) and
 the families of models/family.py (models/sampler.py). What differs is the velocity function: guided on one
 process or across ranks, behind a step cache (models/step_cache.py `CachedVelocity`), or one expert's.
-PipeFusion is the exception still: it walks the same sigmas and Euler step patch by patch in its own
-(step, patch) loop (parallel/pipefusion.py).
+PipeFusion walks the same schedule patch by patch in its own (step, patch) loop, calling the same blocks
+(parallel/pipefusion.py, parallel/pipefusion_family.py).
 """
 
 from models.family import Schedule

@@ -1,6 +1,7 @@
 """Sampling a family of models/family.py: encode, draw each sample's noise from its own seed, walk the
-family's schedule with its solver (models/loop.py, the loop every sampler runs), decode. How the velocity
-is computed (one process, or the guidance branches on two: parallel/cfg.py) is passed in.
+family's schedule with its solver, decode. How the schedule is walked is passed in: models/loop.py's loop
+with the velocity on one process (`serial_denoise`) or the guidance branches on two (parallel/cfg.py),
+or patch by patch through PipeFusion's stages (parallel/pipefusion_family.py).
 """
 
 import numpy as np
@@ -22,6 +23,11 @@ def guided_velocity(family: Family, parts: Components, cond, uncond, scale: floa
     return velocity
 
 
+def serial_denoise(family: Family, parts: Components, schedule, noise, cond, uncond, scale: float, progress):
+    """The latents at the schedule's end, on this process: models/loop.py's loop, both branches here."""
+    return denoise(schedule, noise, guided_velocity(family, parts, cond, uncond, scale), progress)
+
+
 @torch.no_grad()
 def generate_images(
     family: Family,
@@ -34,20 +40,21 @@ def generate_images(
     guidance: float,
     max_length: int,
     progress=None,
-    velocity_of=guided_velocity,
+    denoise_with=serial_denoise,
     device=None,
 ) -> np.ndarray:
     """Images (B, frames, height, width, 3) float32 in [0, 1] of `prompts`, prompt i from seeds[i]'s noise
-    (`size`: frames, height, width). `velocity_of(family, parts, cond, uncond, scale)` builds the velocity
-    (parallel/cfg.py's splits the branches). NaN or inf: NonFiniteVideo, as models/pipeline.generate."""
+    (`size`: frames, height, width). `denoise_with(family, parts, schedule, noise, cond, uncond, scale,
+    progress)` walks the schedule (serial_denoise's signature). NaN or inf: NonFiniteVideo, as
+    models/pipeline.generate."""
     cond = family.encode(parts, prompts, max_length)
     uncond = None
     if family.guided(guidance):
         uncond = family.encode(parts, [negative_prompt] * len(prompts), max_length, negative=True)
     device = device or next(parts.transformer.parameters()).device  # a host-held (offloaded) model: given
     noise = family.noise(parts, seeds, *size).to(device)
-    velocity = velocity_of(family, parts, cond, uncond, guidance)
-    latents = denoise(family.schedule(parts, steps, noise), noise, velocity, progress)
+    schedule = family.schedule(parts, steps, noise)
+    latents = denoise_with(family, parts, schedule, noise, cond, uncond, guidance, progress)
     bad = {i: "the denoised latents" for i in nonfinite_samples(latents)}
     if len(bad) == len(prompts):
         raise NonFiniteVideo(bad, None)

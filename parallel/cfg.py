@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from models.flow import guide
-from models.sampler import guided_velocity
+from models.loop import denoise
+from models.sampler import serial_denoise
 from parallel import comm
 from parallel.sequence import SequenceGroups
 
@@ -66,14 +67,14 @@ def cfg_velocity(model, groups: SamplingGroups, y, y_mask, neg_y, neg_mask, guid
     return velocity
 
 
-def family_velocity(groups: SamplingGroups):
-    """models/sampler.py's `velocity_of` for a family (models/family.py) on this replica: under cfg=2 this
+def family_denoiser(groups: SamplingGroups):
+    """models/sampler.py's `denoise_with` for a family (models/family.py) on this replica: under cfg=2 this
     half of the ranks runs one branch (cfg rank 0 the conditional one) and one all-gather a step brings
     the other; every rank then guides alike. Otherwise both branches on this rank."""
 
-    def velocity_of(family, parts, cond, uncond, scale: float):
+    def denoise_with(family, parts, schedule, noise, cond, uncond, scale: float, progress):
         if groups.cfg_size == 1 or uncond is None:
-            return guided_velocity(family, parts, cond, uncond, scale)
+            return serial_denoise(family, parts, schedule, noise, cond, uncond, scale, progress)
         mine = cond if groups.cfg_rank == 0 else uncond
 
         def velocity(x, t):
@@ -82,6 +83,6 @@ def family_velocity(groups: SamplingGroups):
             comm.all_gather_into_tensor(both, v, groups.cfg_group)
             return family.guide(*both.unbind(0), scale)
 
-        return velocity
+        return denoise(schedule, noise, velocity, progress)
 
-    return velocity_of
+    return denoise_with

@@ -39,6 +39,7 @@ class PatchState:
     def __init__(self, tokens: int):
         self.tokens = tokens
         self.start = self.end = 0
+        self.branch, self.grid = 0, None  # the families': the guidance branch passing, the token grid
 
 
 class PipeFusionAttention(nn.Module):
@@ -106,6 +107,7 @@ class _Sampling:
     extra_send: bool  # the failure tests: deviate from the agreed plan at the end
     skipped: dict  # computed step -> the (step, scale) the step cache skips after it (sample.cache)
     condition: object = None  # image-to-video's models.image_condition.ImageCondition, or None
+    flow: object = None  # the DiT's models.flow.RectifiedFlow (its sigmas, Euler step and step cache)
     pending_sends: list = field(default_factory=list)
     returns: list = field(default_factory=list)  # (item, buffer, PendingOps) posted by stage 0
     incoming: tuple | None = None  # (buffer, PendingOps) of the next item's hidden states
@@ -123,9 +125,7 @@ class PipeFusionSampler:
         self.patches, self.warmup = patches, warmup
         self.faults = faults or Faults()
         self.state = PatchState(0)
-        self.attention = [PipeFusionAttention(groups.sequence, self.state) for _ in stage_model.stage_range]
-        for index, operator in zip(stage_model.stage_range, self.attention):
-            stage_model.blocks[index].attn.inner_attention = operator
+        self.attention = self._install(stage_model)  # the stage's operators that hold the whole sequence
         self.first, self.last = groups.stage == 0, groups.stage == groups.stages - 1
         self.sent = self.received = None
 
@@ -148,42 +148,79 @@ class PipeFusionSampler:
         embedded latent's channels (TI2V: puts the given frame in place), every stage gives its features to
         the DiT's conditioning."""
         run = self._begin(flow, noise, (y, y_mask, neg_y, neg_mask), steps, guidance, condition)
-        model, items = self.model, run.items
+        self._walk(run, progress)
+        return self.model.unpatchify(run.x, run.grid)
+
+    def _walk(self, run, progress) -> None:
+        """Every pass of the schedule through this rank's stage, then the final latent on every stage
+        (run.x). What is the model's is in the hooks: _step_context, _stage_input, _stage, _velocity,
+        _finish_patch."""
+        items = run.items
         for index, item in enumerate(items):
             following = items[index + 1] if index + 1 < len(items) else None
             if index == 0 or items[index - 1].step != item.step:  # a new step
-                if self.first and item.step < steps - 1:
+                if self.first and item.step < run.steps - 1:
                     self._post_returns(run, item.step)
-                batch = run.hidden[0]
-                cond = model.condition(timesteps(run, item.step, batch), *run.text)
-            offset, local = local_share(item, self.groups.sequence.sp_size, self.groups.sequence.sp_rank)
-            rope = _share(run.rope, 0, item, offset, local)
-            c, temb = cond.c, cond.temb
-            if cond.token_index is not None:  # a timestep per token (Wan2.2 TI2V): the item's tokens' rows
-                rows = _share(cond.token_index, 1, item, offset, local)
-                c, temb = c[rows], temb[rows]
-            h = self._stage_input(run, item, offset, local)
+                context = self._step_context(run, item.step)
+            h = self._stage_input(run, item, context)
             self.state.start, self.state.end = item.start, item.end
-            for block_index in model.stage_range:
-                h = model.blocks[block_index](h, c, cond.y, cond.block_mask, rope)
+            h = self._stage(run, context, item, h)
             if not self.last:
                 self._send_forward(run, h, following)
             else:
-                self._finish_patch(run, flow, item, model.final_layer(h, temb))
+                self._finish_patch(run, item, self._velocity(run, context, item, h))
                 self._post_forward_recv(run, following)
             if progress is not None and (following is None or following.step != item.step):
                 for step in [item.step] + [j for j, _ in run.skipped[item.step]]:
-                    progress(step + 1, steps)
+                    progress(step + 1, run.steps)
             for ops in [ops for ops in run.pending_sends if ops.is_completed()]:
                 ops.wait()  # returns at once; stamps the records' end for failure dumps
             run.pending_sends = [ops for ops in run.pending_sends if ops.works]
-        self._check_counts(noise.device)  # before waiting: an unplanned send would never complete
+        self._check_counts(run.x.device)  # before waiting: an unplanned send would never complete
         for ops in run.pending_sends:  # no process leaves with a send in flight
             ops.wait()
         # The last stage holds the final latent; every stage gets it (for the parallel VAE decode).
         if self.groups.stages > 1:
             comm.broadcast(run.x, self.groups.pipeline_ranks[-1], self.groups.forward_group)
-        return model.unpatchify(run.x, run.grid)
+
+    # The DiT's hooks (parallel/pipefusion_family.py has the families').
+
+    def _install(self, stage_model) -> list:
+        attention = [PipeFusionAttention(self.groups.sequence, self.state) for _ in stage_model.stage_range]
+        for index, operator in zip(stage_model.stage_range, attention):
+            stage_model.blocks[index].attn.inner_attention = operator
+        return attention
+
+    def _step_context(self, run, step: int):
+        return self.model.condition(timesteps(run, step, run.hidden[0]), *run.text)
+
+    def _modulation(self, run, cond, item, offset: int, local: int):
+        """(c, temb) of this rank's tokens of `item`: a timestep per token (Wan2.2 TI2V) takes their rows."""
+        if cond.token_index is None:
+            return cond.c, cond.temb
+        rows = _share(cond.token_index, 1, item, offset, local)
+        return cond.c[rows], cond.temb[rows]
+
+    def _stage(self, run, cond, item, h):
+        offset, local = local_share(item, self.groups.sequence.sp_size, self.groups.sequence.sp_rank)
+        rope = _share(run.rope, 0, item, offset, local)
+        c = self._modulation(run, cond, item, offset, local)[0]
+        for block_index in self.model.stage_range:
+            h = self.model.blocks[block_index](h, c, cond.y, cond.block_mask, rope)
+        return h
+
+    def _velocity(self, run, cond, item, h):
+        offset, local = local_share(item, self.groups.sequence.sp_size, self.groups.sequence.sp_rank)
+        return self.model.final_layer(h, self._modulation(run, cond, item, offset, local)[1])
+
+    def _patch(self, run, item):
+        """The view of run.x that `item` updates (tokens start:end)."""
+        return run.x[:, item.start : item.end]
+
+    def _message_tokens(self, run, item) -> int:
+        """The tokens of one hidden-state message of `item` (this rank's share)."""
+        seq = self.groups.sequence
+        return local_share(item, seq.sp_size, seq.sp_rank)[1]
 
     def _begin(self, flow, noise, text, steps: int, guidance: float, condition=None) -> _Sampling:
         """Agree on the message plan with the pipeline, reset the K/V buffers, and post the first receive."""
@@ -203,11 +240,6 @@ class PipeFusionSampler:
         if flow.cache is not None:
             flow.cache.start(steps, noise.shape[0])
         flow.model_calls = len(computed)
-        plan_steps = steps + 1 if self.faults.planned("pipefusion_count") else steps  # tests: another --steps
-        planned = None if cache_plan is None else computed  # (None: every step of plan_steps)
-        plan_items = schedule(plan_steps, self.warmup, patches, tokens, planned)
-        plan = message_plan(plan_items, g.stage, g.stages, plan_steps, self.warmup, self.patches, tokens)
-        self._share_and_check(plan, device)
         branch = branch_text(g, *text, guidance)
         features = None if condition is None else condition.features
         if features is not None and guidance != 1.0 and g.cfg_size == 1:  # both branches as one batch
@@ -226,20 +258,29 @@ class PipeFusionSampler:
             extra_send=self.faults.planned("pipefusion_extra_send"),
             skipped=skipped,
             condition=condition,
+            flow=flow,
         )
+        self._start(run, patches, tokens, None if cache_plan is None else computed)
+        return run
+
+    def _start(self, run, patches: list, tokens: int, planned) -> None:
+        """Agree on the message plan with the pipeline (`planned`: the computed steps, None: every one),
+        reset the stage's operators and counts, and post the first receive."""
+        g, steps = self.groups, run.steps
+        plan_steps = steps + 1 if self.faults.planned("pipefusion_count") else steps  # tests: another --steps
+        plan_items = schedule(plan_steps, self.warmup, patches, tokens, planned)
+        plan = message_plan(plan_items, g.stage, g.stages, plan_steps, self.warmup, self.patches, tokens)
+        self._share_and_check(plan, run.x.device)
         self.state.tokens = tokens
         for operator in self.attention:
             operator.reset()
         self.sent, self.received = {"forward": 0, "return": 0}, {"forward": 0, "return": 0}
         if not self.first:
             self._post_forward_recv(run, run.items[0])
-        return run
 
     def _hidden_buffer(self, run: _Sampling, item) -> torch.Tensor:
         batch, width, dtype = run.hidden
-        seq = self.groups.sequence
-        local = local_share(item, seq.sp_size, seq.sp_rank)[1]
-        return torch.empty((batch, local, width), dtype=dtype, device=run.x.device)
+        return torch.empty((batch, self._message_tokens(run, item), width), dtype=dtype, device=run.x.device)
 
     def _post_forward_recv(self, run: _Sampling, item) -> None:
         """Post the receive of `item`'s hidden states from the previous stage (none on stage 0)."""
@@ -252,26 +293,20 @@ class PipeFusionSampler:
 
     def _post_returns(self, run: _Sampling, step: int) -> None:
         """Stage 0: this step's returned patches, posted before the last stage can send any of them."""
-        x, g = run.x, self.groups
+        g = self.groups
         for returned in (it for it in run.items if it.step == step):
-            shape = (x.shape[0], returned.end - returned.start, x.shape[2])
-            buffer = torch.empty(shape, dtype=x.dtype, device=x.device)
+            buffer = torch.empty_like(self._patch(run, returned), memory_format=torch.contiguous_format)
             ops = comm.post(recvs=[(buffer, g.pipeline_ranks[-1])], group=g.return_group)
             run.returns.append((returned, buffer, ops))
             self.received["return"] += 1
 
-    def _stage_input(self, run: _Sampling, item, offset: int, local: int) -> torch.Tensor:
+    def _stage_input(self, run: _Sampling, item, context=None) -> torch.Tensor:
         """This rank's slice of `item`'s hidden states: embedded from the latent on stage 0 (after the
         patches it needs came back), received from the previous stage elsewhere."""
         if not self.first:
-            buffer, ops = run.incoming
-            ops.wait()
-            return buffer
+            return self._received(run)
+        self._take_returns(run, item)
         x = run.x
-        while run.returns and run.returns[0][0].step < item.step and run.returns[0][0].start < item.end:
-            returned, buffer, ops = run.returns.pop(0)
-            ops.wait()
-            x[:, returned.start : returned.end] = buffer
         # The patch embedding of the whole latent, then the item's tokens: exactly the serial embedding
         # (a conv over a smaller input could round differently); it costs about
         # (C*pt*ph*pw) / (24 * hidden * blocks per stage) of the stage's work per patch.
@@ -283,7 +318,20 @@ class PipeFusionSampler:
         if run.guidance != 1.0 and self.groups.cfg_size == 1:
             latent = torch.cat([latent, latent])
         h = self.model.embed(latent)[0][:, item.start : item.end]
+        offset, local = local_share(item, self.groups.sequence.sp_size, self.groups.sequence.sp_rank)
         return _pad_tokens(h, offset + local, dim=1)[:, offset : offset + local]
+
+    def _received(self, run: _Sampling) -> torch.Tensor:
+        buffer, ops = run.incoming
+        ops.wait()
+        return buffer
+
+    def _take_returns(self, run: _Sampling, item) -> None:
+        """Stage 0: the patches returned by the last stage up to `item`'s end, written into run.x."""
+        while run.returns and run.returns[0][0].step < item.step and run.returns[0][0].start < item.end:
+            returned, buffer, ops = run.returns.pop(0)
+            ops.wait()
+            self._patch(run, returned).copy_(buffer)
 
     def _send_forward(self, run: _Sampling, h: torch.Tensor, following) -> None:
         """Send the hidden states to the next stage, batched with the receive of the next item's."""
@@ -297,7 +345,7 @@ class PipeFusionSampler:
         run.pending_sends.append(ops)
         run.incoming = (recvs[0][0], ops) if recvs else None
 
-    def _finish_patch(self, run: _Sampling, flow, item, v: torch.Tensor) -> None:
+    def _finish_patch(self, run: _Sampling, item, v: torch.Tensor) -> None:
         """The last stage: guide the patch's velocity, take its Euler step, send the patch back to stage 0
         (the final step's latent stays here; xDiT #147: not so)."""
         g = self.groups
@@ -305,12 +353,17 @@ class PipeFusionSampler:
         if g.sequence.sp_size > 1:  # the padded item, on every rank of the sequence group
             v = gather_tokens(v, g.sequence.sp_group)
         v = v[:, : item.end - item.start]
-        patch = flow.euler_step(run.x[:, item.start : item.end], v, run.sigmas, item.step)
+        patch = run.flow.euler_step(run.x[:, item.start : item.end], v, run.sigmas, item.step)
         for step, scale in run.skipped[item.step]:  # the cache's skipped steps reuse this velocity, scaled
-            patch = flow.euler_step(patch, v * scale, run.sigmas, step)
+            patch = run.flow.euler_step(patch, v * scale, run.sigmas, step)
         run.x[:, item.start : item.end] = patch
+        self._return_patch(run, item)
+
+    def _return_patch(self, run: _Sampling, item) -> None:
+        """The last stage: send the updated patch back to stage 0 (but the final step's)."""
+        g = self.groups
         if item.step < run.steps - 1 or run.extra_send:
-            patch = run.x[:, item.start : item.end].contiguous()
+            patch = self._patch(run, item).contiguous()
             run.pending_sends.append(comm.post(sends=[(patch, g.pipeline_ranks[0])], group=g.return_group))
             self.sent["return"] += 1
 

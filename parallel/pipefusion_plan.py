@@ -55,12 +55,11 @@ class DroppedBlock(nn.Module):
         raise RuntimeError(f"block {self.index} lives on PipeFusion stage {self.stage}, not on this one")
 
 
-def keep_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
+def keep_blocks(model: nn.Module, stage: int, stages: int) -> nn.Module:
     """A copy of `model` (sharing its modules, not duplicating them) that holds only stage `stage`'s blocks:
     the others become DroppedBlocks, so the kept blocks keep their names (checkpoint keys, pretrained
-    rows and per-parameter seeds address the same weights as in the whole model). The patch embedding
-    stays on stage 0 only, the final layer on the last stage only. Works on a meta-device model, before
-    any weight is allocated."""
+    rows and per-parameter seeds address the same weights as in the whole model); `stage_range` names
+    the kept ones. Works on a meta-device model, before any weight is allocated."""
     part = copy.copy(model)
     part._modules = dict(model._modules)  # noqa: SLF001  (a shallow copy must not share the module table)
     ranges = stage_blocks(len(model.blocks), stages)
@@ -68,11 +67,18 @@ def keep_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
     part.blocks = nn.ModuleList(
         [block if owner[i] == stage else DroppedBlock(i, owner[i]) for i, block in enumerate(model.blocks)]
     )
+    part.stage_range = ranges[stage]
+    return part
+
+
+def keep_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
+    """keep_blocks for tessera's DiT, whose patch embedding stays on stage 0 only and final layer on the
+    last stage only."""
+    part = keep_blocks(model, stage, stages)
     if stage != 0:
         part.x_embedder = None
     if stage != stages - 1:
         part.final_layer = None
-    part.stage_range = ranges[stage]
     return part
 
 
@@ -80,7 +86,8 @@ def held_elsewhere(part: nn.Module) -> tuple[str, ...]:
     """The module names of the whole model that another stage holds (keep_stage left them out of `part`):
     a LoRA delta for one of them is that stage's to merge (models.lora.merge_deltas). () for a whole model."""
     names = [f"blocks.{block.index}" for block in part.blocks if isinstance(block, DroppedBlock)]
-    return tuple(names + [name for name in ("x_embedder", "final_layer") if getattr(part, name) is None])
+    dropped = [name for name in ("x_embedder", "final_layer") if getattr(part, name, "") is None]
+    return tuple(names + dropped)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ by diffusers' from_pretrained, and by infer.py from the same folder with model.s
 at a non-square size, with a negative prompt, guidance and per-prompt seeds. And the refusals: a folder of
 another family, a family tessera does not know, flags and layouts the families do not take yet."""
 
+import copy
 import json
 import shutil
 import sys
@@ -43,6 +44,15 @@ LAYOUTS = {  # (processes, overrides, families): each launch checks its degrees 
     # Sana's operators split the tokens alike under ulysses and ring (no head split): ring covers both
     "cfg2-ulysses2": (4, ["parallel.cfg=2", "parallel.ulysses=2"], ("qwen_image",)),
     "cfg2-ring2": (4, ["parallel.cfg=2", "parallel.ring=2"], ("qwen_image", "sana")),
+    # warm-up over every step: exact, as the Wan test (stale K/V is approximate by design; a patch against
+    # the whole forward: test_pipefusion_patches_match_the_whole_forward)
+    "pipefusion2": (2, ["parallel.pipefusion=2", "parallel.pipefusion_warmup=3"], ("qwen_image", "sana")),
+    # one branch per pipeline: the other comes from the other pipeline's last stage, patch by patch
+    "cfg2-pipefusion2": (
+        4,
+        ["parallel.cfg=2", "parallel.pipefusion=2", "parallel.pipefusion_warmup=3"],
+        ("sana",),
+    ),
 }
 
 
@@ -93,7 +103,9 @@ def test_infer_matches_the_pipeline(saved, tmp_path, layout):
     name, folder = saved
     processes, overrides, families = LAYOUTS[layout]
     if name not in families:
-        pytest.skip(f"{name} under {layout}: its operators run as under cfg2-ring2 (one launch fewer)")
+        pytest.skip(
+            f"{name} under {layout}: the other family's launch covers what differs (one launch fewer)"
+        )
     out = tmp_path / "image.npy"
     argv = infer_args(name, folder, tmp_path, "--prompt", *PROMPTS, "--negative-prompt", NEGATIVE)
     argv += ["--steps", "3", "--guidance", "4", "--seed", "5", "--output", str(out), *overrides]
@@ -102,7 +114,9 @@ def test_infer_matches_the_pipeline(saved, tmp_path, layout):
     else:
         done = torchrun(processes, "infer.py", *argv, timeout=240)
         assert done.returncode == 0, done.stderr[-3000:]
-        assert all(o.split(".")[1] in done.stdout for o in overrides), done.stdout  # the layout line
+        shown = [o.split(".")[1] for o in overrides if "warmup" not in o]  # the layout line
+        shown += ["2 patches, 3 warm-up step(s)"] if "parallel.pipefusion=2" in overrides else []
+        assert all(words in done.stdout for words in shown), done.stdout
     pipe = DiffusionPipeline.from_pretrained(folder)
     height, width = SIZE[name]
     for i, prompt in enumerate(PROMPTS):
@@ -123,7 +137,8 @@ def test_refusals(saved, tmp_path, capsys):
         (["--random-weights"], "--random-weights is not supported"),
         (["--frames", "5"], "--frames 1"),
         (["--height", "33"], "multiples of"),
-        (["parallel.pipefusion=2"], "parallel.pipefusion=2"),
+        (["parallel.pipefusion=2", "parallel.ring=2"], "not both"),
+        (["parallel.pipefusion=2", "model.attention_backend=flash"], "PipeFusion's patches mask keys"),
         (
             ["parallel.ulysses=2", "model.attention_backend=flash"],
             "model.attention_backend=flash takes no mask",
@@ -383,3 +398,76 @@ def test_transformer_files_take_one_set_of_weights(tmp_path):
                 "two", "diffusion_pytorch_model.fp16.safetensors", "diffusion_pytorch_model.bf16.safetensors"
             )
         )
+
+
+def _tiny_transformer(name):
+    """tessera's transformer of a tiny diffusers config, every weight random (no zero-initialised layer)."""
+    if name == "qwen_image":
+        from diffusers import QwenImageTransformer2DModel
+
+        from models.qwen_image.weights import build_transformer
+        from tests.test_qwen_image import TINY_TRANSFORMER
+
+        model = build_transformer(dict(QwenImageTransformer2DModel(**TINY_TRANSFORMER).config))
+    else:
+        from models.sana.weights import build_sana
+        from tests.test_sana import TINY_VARIANT
+
+        model = build_sana(TINY_VARIANT)  # patch 2, positions, q/k norms
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    return model.eval()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_pipefusion_patches_match_the_whole_forward(name):
+    """PipeFusion's operators (parallel/pipefusion_family.py) on one process: after a whole pass, each
+    patch of 2 (rows 0-1, 2-4 of a 5 x 3 grid) run through every block gives the whole forward's tokens
+    and companion (Qwen-Image's text), and the final layer of the whole pass its velocity. Then the
+    same with the held tensors from another input (stale): the patches differ, as they should."""
+    from models.qwen_image.transformer import QwenImageCond
+    from models.sana.transformer import SanaConditioning
+    from parallel.pipefusion import PatchState
+    from parallel.pipefusion_family import FamilyPipeFusion
+    from parallel.pipefusion_plan import keep_blocks, patch_ranges
+
+    reference = _tiny_transformer(name)
+    model = keep_blocks(copy.deepcopy(reference), 0, 1)
+    gen = torch.Generator().manual_seed(3)
+    C, p = reference.in_channels, reference.patch_size
+    x, other = (torch.randn(2, C, 1, 5 * p, 3 * p, generator=gen) for _ in range(2))
+    text_dim = 16 if name == "qwen_image" else 12
+    text, mask = (
+        torch.randn(2, 6, text_dim, generator=gen),
+        torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0]]).bool(),
+    )
+    cond = (QwenImageCond if name == "qwen_image" else SanaConditioning)(text, mask)
+    t = torch.tensor([0.7, 0.7], dtype=torch.float64)
+    sampler = FamilyPipeFusion.__new__(FamilyPipeFusion)  # its operators only: no process group
+    sampler.state = PatchState(15)
+    FamilyPipeFusion._install(sampler, model)
+    tokens, grid = model.embed(x)
+    sampler.state.grid, blocks = grid, model.stage_range
+    ctx = model.patch_context(t, cond, grid)
+
+    def run(latent, start, end):
+        sampler.state.start, sampler.state.end = start, end
+        h = model.embed(latent)[0][:, start:end]
+        return model.patch_blocks(blocks, h, model.companion(ctx), ctx, grid, start, end)
+
+    def differ(a, b):  # relative to the values' scale (rounding differs with the matrices' sizes)
+        return float((a - b).abs().max() / b.abs().max())
+
+    whole, whole_text = run(x, 0, 15)
+    velocity = model.unpatchify(model.final_layer(whole, ctx.temb), grid)
+    assert differ(velocity, reference(x, t, cond)) <= 1e-6
+    for a, b in patch_ranges(grid, 2):
+        part, part_text = run(x, a, b)
+        assert differ(part, whole[:, a:b]) <= 1e-6
+        if part_text is not None:
+            assert differ(part_text, whole_text) <= 1e-6
+    run(other, 0, 15)  # the held tensors now another input's
+    part, _ = run(x, 0, 6)
+    assert differ(part, whole[:, :6]) > 1e-3

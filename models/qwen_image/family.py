@@ -44,7 +44,7 @@ def euler(sigmas):
 class QwenImage(Family):
     name, title = "qwen_image", "Qwen-Image"
     pipeline_classes, transformer_classes = (PIPELINE_CLASS,), (TRANSFORMER_CLASS,)
-    parallel_degrees = ("cfg", "ulysses", "ring")  # one of ulysses and ring at a time (check_split)
+    parallel_degrees = ("cfg", "ulysses", "ring", "pipefusion")  # one of ulysses and ring (check_split)
     vae_class, max_length = "AutoencoderKLQwenImage", 512
     lora_targets = ("blocks.*.attn.*", "blocks.*.img_mlp.*", "blocks.*.txt_mlp.*")
     conditioning = QwenImageCond
@@ -124,11 +124,11 @@ class QwenImage(Family):
             axes_dims_rope=(16, 56, 56),
         )
 
-    def load(self, cfg, device, dtype, transformer: bool = True) -> Components:
+    def load(self, cfg, device, dtype, transformer: bool = True, keep=None) -> Components:
         from diffusers import AutoencoderKLQwenImage
         from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
-        transformer = self.load_transformer(cfg, dtype) if transformer else torch.nn.Identity()
+        transformer = self.load_transformer(cfg, dtype, keep) if transformer else torch.nn.Identity()
         encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
             part_folder(cfg, "text_encoder"), torch_dtype=dtype
         )

@@ -32,6 +32,7 @@ class QwenImageContext:
     temb: torch.Tensor  # (B, D) the time embedding: both streams' and the final layer's modulation input
     text: torch.Tensor  # (B, L, D) the text stream entering the first block
     text_mask: torch.Tensor | None  # (B, L) bool, or None
+    rope: tuple | None = None  # PipeFusion's: the image's and the text's rotary angles (patch_context)
 
 
 def pack_latents(x: torch.Tensor, patch: int = 2) -> torch.Tensor:
@@ -317,6 +318,26 @@ class QwenImageTransformer(nn.Module):
         text = self.txt_in(self.txt_norm(cond.text.to(dtype)))  # (B, L, D)
         mask = None if cond.text_mask is None else cond.text_mask.bool()
         return QwenImageContext(temb, text, mask)
+
+    # PipeFusion's (parallel/pipefusion_family.py): the blocks on one patch of whole token rows.
+
+    def patch_context(self, t, cond: QwenImageCond, grid) -> QwenImageContext:
+        """What the blocks read at timestep t, besides the tokens: `condition`'s and the rotary angles."""
+        ctx = self.condition(t, cond)
+        ctx.rope = self.pos_embed(grid, ctx.text.shape[1], ctx.text.device)
+        return ctx
+
+    def companion(self, ctx: QwenImageContext):
+        """The stream that passes through the blocks beside a patch's image tokens: the text."""
+        return ctx.text
+
+    def patch_blocks(self, indices, tokens, text, ctx: QwenImageContext, grid, start: int, end: int):
+        """Blocks `indices` on image tokens start:end (B, n, D) and the text stream (B, L, D) -> both."""
+        rope, text_rope = ctx.rope
+        for index in indices:
+            block = self.blocks[index]
+            tokens, text = block(tokens, text, ctx.text_mask, ctx.temb, rope[start:end], text_rope)
+        return tokens, text
 
     def final_layer(self, tokens, temb):
         """(B, N, D) -> (B, N, p*p*C_out): the modulated norm, then the projection."""

@@ -29,7 +29,7 @@ def dpm_solver(sigmas):
 class Sana(Family):
     name, title = "sana", "Sana"
     pipeline_classes, transformer_classes = ("SanaPipeline",), ("SanaTransformer2DModel",)
-    parallel_degrees = ("cfg", "ulysses", "ring")  # its operators stay exact under any split
+    parallel_degrees = ("cfg", "ulysses", "ring", "pipefusion")  # exact under any sequence split
     vae_class, max_length = "AutoencoderDC", 300
     lora_targets = ("blocks.*.attn1.*", "blocks.*.attn2.*")  # its feed-forward is convolutions
     conditioning = SanaConditioning
@@ -93,11 +93,11 @@ class Sana(Family):
             return bare
         return diffusers_from_original(state)
 
-    def load(self, cfg, device, dtype, transformer: bool = True) -> Components:
+    def load(self, cfg, device, dtype, transformer: bool = True, keep=None) -> Components:
         from diffusers import AutoencoderDC
         from transformers import AutoModel, AutoTokenizer
 
-        transformer = self.load_transformer(cfg, dtype) if transformer else torch.nn.Identity()
+        transformer = self.load_transformer(cfg, dtype, keep) if transformer else torch.nn.Identity()
         encoder = AutoModel.from_pretrained(part_folder(cfg, "text_encoder"), torch_dtype=dtype)
         vae = AutoencoderDC.from_pretrained(part_folder(cfg, "vae"), torch_dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(part_folder(cfg, "tokenizer"))
@@ -130,8 +130,8 @@ class Sana(Family):
         levels = found.sigmas.to(latents.device)
         return Schedule(levels, found.timesteps.to(latents.device), dpm_solver(levels))
 
-    def velocity(self, parts: Components, x, t, cond):
-        return super().velocity(parts, x, t, cond).float()  # the pipeline guides in float32
+    def prediction(self, v):
+        return v.float()  # the pipeline guides in float32
 
     def decode(self, parts: Components, latents) -> torch.Tensor:
         z = denormalize_latents(latents[:, :, 0].to(parts.vae.dtype), parts.vae.config.scaling_factor)

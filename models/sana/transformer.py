@@ -342,6 +342,23 @@ class SanaTransformer(nn.Module):
             bias = ((1 - cond.text_mask.to(dtype)) * -10000.0)[:, None, None, :]
         return BlockInputs(modulation.unflatten(1, (6, -1)), temb, context, bias)
 
+    # PipeFusion's (parallel/pipefusion_family.py): the blocks on one patch of whole token rows.
+
+    def patch_context(self, t, cond: SanaConditioning, grid) -> BlockInputs:
+        return self.condition(t, cond)
+
+    def companion(self, inputs: BlockInputs):
+        """No stream passes beside the image tokens (the text is read, not updated)."""
+        return None
+
+    def patch_blocks(self, indices, tokens, companion, inputs: BlockInputs, grid, start: int, end: int):
+        """Blocks `indices` on tokens start:end (B, n, D) of the token grid (1, h, w): the convolution sees
+        the patch's rows only (PipeFusion's replacement adds their neighbours)."""
+        grid = (1, (end - start) // grid[2], grid[2])
+        for index in indices:
+            tokens = self.blocks[index](tokens, inputs.modulation, inputs.context, inputs.context_bias, grid)
+        return tokens, companion
+
     def final_layer(self, tokens, temb):
         """(B, N, D) -> (B, N, p p C): LayerNorm, shift and scale (table + time embedding), projection."""
         shift, scale = (self.scale_shift_table[None] + temb[:, None]).chunk(2, dim=1)
