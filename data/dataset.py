@@ -229,9 +229,10 @@ class SyntheticDataset(BucketedDataset):
 
 class LatentDataset(BucketedDataset):
     """Latents and prompt embeddings written by scripts/precompute_latents.py; each keeps the bucket
-    it was encoded in."""
+    it was encoded in. text_length None (a model family's): the stored conditioning as it is, under
+    "stored" (the family pads a batch's: Family.load_conditioning)."""
 
-    def __init__(self, entries, table, text_length: int, seed: int = 0):
+    def __init__(self, entries, table, text_length: int | None, seed: int = 0):
         self.text_length = text_length
         super().__init__(entries, table, seed)
 
@@ -250,6 +251,9 @@ class LatentDataset(BucketedDataset):
             raise ValueError(
                 f"latent of shape {tuple(tensors['latent'].shape)}, bucket {bucket.name} needs {expected}"
             )
+        if self.text_length is None:
+            stored = {k: v.float() for k, v in tensors.items() if k != "latent"}
+            return {"latent": tensors["latent"].float(), "stored": stored}
         text = tensors["text"].float()
         padded = torch.zeros(self.text_length, text.shape[1])
         padded[: len(text)] = text[: self.text_length]
@@ -267,6 +271,8 @@ def collate(samples: list[dict]) -> dict:
     batch = {
         key: torch.stack([s[key] for s in samples]) for key in samples[0] if torch.is_tensor(samples[0][key])
     }
+    if "stored" in samples[0]:  # a family's conditioning of its own length per sample
+        batch["stored"] = [s["stored"] for s in samples]
     batch.update(
         caption=[s["caption"] for s in samples],
         index=[s["index"] for s in samples],

@@ -6,7 +6,8 @@
                                        is a hash of what it holds (scripts/precompute_latents.py);
                                        image-to-video adds "condition" (4 + C, t, h, w) and, with a CLIP
                                        encoder, "image_features" (images, tokens, width)
-
+    <folder>/empty.safetensors  a model family's: the empty prompt's conditioning (dropped captions); its
+                                samples hold what Family.store_conditioning keeps (the real text tokens)
 Latents encode one clip per sample (the clip the loader takes in epoch 0) in the bucket the recipe
 assigns; training reads them into the same buckets and the same sampler as media.
 """
@@ -15,6 +16,9 @@ import json
 from pathlib import Path
 
 from omegaconf import OmegaConf
+
+from models.families import family_named
+from models.family import part_folder
 
 META_KEYS = {
     "vae": (
@@ -47,6 +51,10 @@ def latent_meta(cfg) -> dict:
         meta["model"]["task"] = "t2v"
     if cfg.model.image_dim:  # the CLIP folder actually read (a pipeline folder's image_encoder/)
         meta["image_encoder"]["pretrained"] = cfg.image_encoder.pretrained or cfg.model.pretrained
+    family = family_named(cfg.model.family)
+    if not family.native:  # its VAE and text encoder come from its pipeline folder, in the compute dtype
+        folders = {part: str(part_folder(cfg, part)) for part in ("vae", "text_encoder")}
+        meta["family"] = {"name": family.name, **folders, "precision": cfg.train.precision}
     return meta
 
 

@@ -40,10 +40,10 @@ def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
     if dc.latents:
         from data.dataset import LatentDataset
         from data.latents import read_latent_index
+        from models.families import family_named
 
-        return LatentDataset(
-            read_latent_index(dc.latents, cfg), table, cfg.text_encoder.max_length, cfg.train.seed
-        )
+        length = cfg.text_encoder.max_length if family_named(cfg.model.family).native else None
+        return LatentDataset(read_latent_index(dc.latents, cfg), table, length, cfg.train.seed)
     if dc.manifest:
         from data.dataset import MediaDataset
         from data.manifest import complete_metadata, missing_files, read_manifest
@@ -271,11 +271,17 @@ def encode_batch(batch, dropped: list[bool], text_encoder, vae, device, image=No
 
 def encode_family_batch(run, batch, dropped: list, device) -> list:
     """A family's loader batch encoded (`run`: parallel/family_training.py FamilyRun): [latents, the
-    conditioning's tensors (None where absent)]; a dropped caption becomes the empty prompt."""
-    prompts = ["" if d else c for d, c in zip(dropped, batch["caption"])]
-    cond = run.family.encode(run.parts, prompts, run.max_length)
-    x0 = run.family.encode_images(run.parts, to_model_range(batch["video"].to(device)))
-    return [x0, *(getattr(cond, f.name) for f in fields(cond))]
+    conditioning's tensors (None where absent)]; a dropped caption becomes the empty prompt. Precomputed
+    (data.latents): the stored latents and conditioning, the empty prompt's from the folder."""
+    if "stored" in batch:
+        stored = [run.empty if d else s for d, s in zip(dropped, batch["stored"])]
+        cond = run.family.load_conditioning(stored, run.max_length)
+        x0 = batch["latent"].to(device)
+    else:
+        prompts = ["" if d else c for d, c in zip(dropped, batch["caption"])]
+        cond = run.family.encode(run.parts, prompts, run.max_length)
+        x0 = run.family.encode_images(run.parts, to_model_range(batch["video"].to(device)))
+    return [x0, *(None if t is None else t.to(device) for t in (getattr(cond, f.name) for f in fields(cond)))]
 
 
 def batch_specs(n: int, latent: tuple, text_encoder, image) -> list:

@@ -227,6 +227,28 @@ class Family:
         which some families format differently)."""
         raise NotImplementedError
 
+    def store_conditioning(self, cond) -> list[dict]:
+        """Each sample's conditioning as scripts/precompute_latents.py keeps it ({name: tensor}): of a
+        (text, text_mask) conditioning, the real tokens, which lead (the padding is on the right)."""
+        stored = []
+        for i, text in enumerate(cond.text):
+            real = len(text) if cond.text_mask is None else int(cond.text_mask[i].sum())
+            if cond.text_mask is not None and not bool(cond.text_mask[i, :real].all()):
+                raise ValueError(f"{self.title}: a prompt's real tokens do not lead its padded text")
+            stored.append({"text": text[:real]})
+        return stored
+
+    def load_conditioning(self, stored: list, max_length: int):
+        """A batch's conditioning from stored samples, as `encode` gives it for their prompts: the text
+        zero-padded to the longest, masked (None when nothing is padded). Padded keys are masked, so their
+        values (zeros here, the encoder's output there) change nothing."""
+        length = max(len(s["text"]) for s in stored)
+        text = stored[0]["text"].new_zeros(len(stored), length, stored[0]["text"].shape[-1])
+        mask = torch.zeros(len(stored), length, dtype=torch.bool)
+        for i, s in enumerate(stored):
+            text[i, : len(s["text"])], mask[i, : len(s["text"])] = s["text"], True
+        return self.conditioning(text, None if bool(mask.all()) else mask)
+
     def noise(self, parts: Components, seeds: list, frames: int, height: int, width: int) -> torch.Tensor:
         raise NotImplementedError
 

@@ -42,15 +42,18 @@ def generate_images(
     progress=None,
     denoise_with=serial_denoise,
     device=None,
+    conditioning=None,
 ) -> np.ndarray:
     """Images (B, frames, height, width, 3) float32 in [0, 1] of `prompts`, prompt i from seeds[i]'s noise
     (`size`: frames, height, width). `denoise_with(family, parts, schedule, noise, cond, uncond, scale,
     progress)` walks the schedule (serial_denoise's signature). NaN or inf: NonFiniteVideo, as
     models/pipeline.generate."""
-    cond = family.encode(parts, prompts, max_length)
-    uncond = None
-    if family.guided(guidance):
-        uncond = family.encode(parts, [negative_prompt] * len(prompts), max_length, negative=True)
+    if conditioning is not None:  # (cond, uncond) of these prompts, encoded before (training's previews)
+        cond, uncond = conditioning
+    else:
+        cond, uncond = family.encode(parts, prompts, max_length), None
+        if family.guided(guidance):
+            uncond = family.encode(parts, [negative_prompt] * len(prompts), max_length, negative=True)
     device = device or next(parts.transformer.parameters()).device  # a host-held (offloaded) model: given
     noise = family.noise(parts, seeds, *size).to(device)
     schedule = family.schedule(parts, steps, noise)

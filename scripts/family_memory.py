@@ -1,11 +1,11 @@
 """Memory per GPU of the model families' recipes on 1 and 8 GPUs, counted on the meta device (activations
-not counted): sampling (every part in bf16 on every rank: no layout built for the families splits the
-weights), full fine-tuning (the transformer's float32 weights, gradients, AdamW's moments and EMA, 20 bytes
-a parameter, sharded by FSDP2; the text encoder and VAE in bf16 on every rank) and LoRA (the base in bf16,
-sharded; rank-LORA_RANK adapters on the family's lora.targets, 20 bytes a parameter; text encoder and VAE).
+not counted): sampling (every part in bf16 on every rank; under PipeFusion over the GPUs each holds its
+stage's share of the transformer), full fine-tuning (the transformer's float32 weights, gradients, AdamW's
+moments and EMA, 20 bytes a parameter, sharded by FSDP2; the text encoder and VAE in bf16 on every rank)
+and LoRA (the base in bf16, sharded; rank-LORA_RANK adapters on the family's lora.targets, 20 bytes a
+parameter; text encoder and VAE), also from precomputed latents (data.latents: no text encoder).
 
-    python scripts/family_memory.py [--json out.json]
-    python scripts/family_memory.py --tiny     # the tests' tiny configs: seconds
+    python scripts/family_memory.py [--json out.json]  (--tiny: the tests' tiny configs, seconds)
 
 Configs: diffusers' defaults for the transformers (the releases') and VAEs (Qwen-Image's is its release's;
 Sana's release DC-AE is ~0.3B, 0.1 GiB under diffusers' default one counted here), the released text
@@ -44,7 +44,8 @@ CARD_BILLIONS = {
 
 
 def release_parts() -> dict:
-    """{family: {part: module on the meta device}} at the releases' configs."""
+    """{family: {part: module on the meta device}} at the releases' configs (transformer, text encoder,
+    VAE)."""
     import torch
     from diffusers import (
         AutoencoderDC,
@@ -104,14 +105,18 @@ def adapter_count(family_name: str, transformer, rank: int) -> int:
     return sum(p.numel() for name, p in model.named_parameters() if is_adapter(name))
 
 
-def per_gpu(counts: dict, transformer: str, adapters: int, gpus: int) -> dict:
-    """GiB per GPU of each recipe on `gpus` GPUs."""
-    frozen = sum(n for part, n in counts.items() if part != transformer) * BF16
-    model = counts[transformer]
+def per_gpu(counts: dict, adapters: int, gpus: int) -> dict:
+    """GiB per GPU of each recipe on `gpus` GPUs (`counts`: transformer, text encoder, VAE, in that order;
+    PipeFusion's stages split the transformer's blocks evenly, which hold all but a few of its weights)."""
+    model, text, vae = counts.values()
+    frozen = (text + vae) * BF16
+    lora = (model * BF16 + adapters * TRAINED) / gpus
     return {
-        "sample": (frozen + model * BF16) / GiB,
-        "full": (frozen + model * TRAINED / gpus) / GiB,
-        "lora": (frozen + model * BF16 / gpus + adapters * TRAINED / gpus) / GiB,
+        "sample": (model * BF16 + frozen) / GiB,
+        "sample-pipefusion": (model * BF16 / gpus + frozen) / GiB,
+        "full": (model * TRAINED / gpus + frozen) / GiB,
+        "lora": (lora + frozen) / GiB,
+        "lora-latents": (lora + vae * BF16) / GiB,
     }
 
 
@@ -126,13 +131,19 @@ def main(argv=None) -> None:
             card = CARD_BILLIONS.get(part)
             if card is not None and not args.tiny:  # the config written out here is the release's
                 assert abs(count / 1e9 - card) <= 0.02 * card, f"{part}: {count / 1e9:.2f}B, its card {card}B"
-        transformer = next(part for part in counts if "transformer" in part)
+        transformer = next(iter(counts))
         adapters = adapter_count(family, modules[transformer], rank)
-        gib = {str(n): per_gpu(counts, transformer, adapters, n) for n in (1, 8)}
+        gib = {str(n): per_gpu(counts, adapters, n) for n in (1, 8)}
         results[family] = dict(parameters=counts, adapters=adapters, gib_per_gpu=gib)
         parts_text = ", ".join(f"{part} {count / 1e9:.2f}B" for part, count in counts.items())
-        for recipe in ("sample", "full", "lora"):
-            label = {"sample": "sampling", "full": "full fine-tuning", "lora": f"LoRA rank {rank}"}[recipe]
+        labels = {
+            "sample": "sampling",
+            "sample-pipefusion": "sampling, PipeFusion over the GPUs",
+            "full": "full fine-tuning",
+            "lora": f"LoRA rank {rank}",
+            "lora-latents": f"LoRA rank {rank}, data.latents",
+        }
+        for recipe, label in labels.items():
             figures = [f"{gib[n][recipe]:.1f} GiB" for n in ("1", "8")]
             rows.append([family, label, parts_text if recipe == "sample" else "", *figures])
     print(benchlib.table(["family", "recipe", "parameters (counted)", "per GPU, 1 GPU", "8 GPUs"], rows))

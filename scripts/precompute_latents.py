@@ -1,16 +1,16 @@
-"""Encode a dataset once: videos/images with the VAE, prompts with the text encoder, sharded over ranks.
+"""Encode a dataset once, sharded over ranks: videos/images with the VAE, prompts with the text encoder (a
+model family's own; and the empty prompt's conditioning).
 
     torchrun --nproc_per_node 8 scripts/precompute_latents.py --config configs/video.yaml \
         --out latents/video480
     torchrun --nproc_per_node 8 train.py --config configs/video.yaml data.latents=latents/video480
 
-Every sample is encoded in the bucket the recipe assigns it, from the clip that epoch 0 would take.
-Rank r encodes samples r, r + N, ...; loader workers (data.num_workers) decode ahead of the encoder.
+Each sample is encoded in the bucket the recipe assigns it, from the clip that epoch 0 would take; rank
+r encodes samples r, r + N, ...; loader workers (data.num_workers) decode ahead of the encoder.
 Finished files are kept, named by what they hold (source file with its size and modification time,
 caption, bucket, seed): a rerun after a crash, or after samples were added, encodes only what is
 missing, and never reuses a file for other content. A folder made with another VAE, text encoder or
-fps is refused before anything is encoded. Samples that cannot be read are left out of the index and
-listed. The folder layout is described in data/latents.py.
+fps is refused before anything is encoded. Unreadable samples are left out and listed (data/latents.py).
 """
 
 import argparse
@@ -27,13 +27,14 @@ import parallel.startup  # noqa: E402, F401  (before torch loads)
 # isort: split
 
 import numpy as np  # noqa: E402
+import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from configs import load_config, split_overrides  # noqa: E402
 from data.latents import latent_meta, meta_differences  # noqa: E402
 from data.loader import build_buckets, build_dataset, build_sampler, check_same_plan  # noqa: E402
 from data.media import to_model_range  # noqa: E402
-from models.families import require_native
+from models.families import family_named  # noqa: E402
 from models.image_condition import condition_of_clips, image_inputs  # noqa: E402
 from parallel import vae as parallel_vae  # noqa: E402
 from parallel.components import build_frozen  # noqa: E402
@@ -76,6 +77,57 @@ def content_key(entry: dict, bucket: str, seed: int) -> str:
     return hashlib.sha1(json.dumps(held).encode()).hexdigest()[:20]
 
 
+def dit_encoder(cfg, device):
+    """encode(entry, item) -> the tensors of one sample, for tessera's DiT: the clip in the tiles a decode
+    would use (a large clip's memory bounded by one tile; each rank encodes its own samples alone), the
+    caption's real tokens, and image-to-video's condition as training would build it (data/loader.py)."""
+    text_encoder, vae = build_frozen(cfg, device)
+    image = image_inputs(cfg, device)  # image-to-video: (last frame too?, CLIP encoder or None)
+
+    def encode(entry, item):
+        video = to_model_range(item["video"][None].to(device))
+        latent = parallel_vae.encode(vae, video, tile=cfg.vae.tile_latent, overlap=cfg.vae.tile_overlap)
+        y, mask = text_encoder([entry["caption"]], device)
+        tensors = {"latent": latent[0], "text": y[0, : int(mask[0].sum())]}
+        if image is not None:
+            given = [item.get(k) for k in ("image", "last_image")]  # frames the manifest names
+            given = [None if g is None else to_model_range(g[None].to(device)) for g in given]
+            condition = condition_of_clips(vae, image[1], video, image[0], *given)
+            tensors["condition"] = condition.latent[0]
+            if condition.features is not None:
+                tensors["image_features"] = condition.features
+        return tensors
+
+    return encode
+
+
+def family_encoder(cfg, family, runtime):
+    """encode(entry, item) for a model family: its VAE's normalised latent and what it keeps of the
+    caption's conditioning (Family.store_conditioning), in the compute dtype training uses; encode(None,
+    None): the empty prompt's conditioning alone."""
+    dtype = torch.bfloat16 if runtime.bf16(cfg.train.precision) else torch.float32
+    parts = family.load(cfg, runtime.device, dtype, transformer=False)
+    length = cfg.text_encoder.max_length
+
+    def encode(entry, item):
+        stored = family.store_conditioning(family.encode(parts, [entry["caption"] if entry else ""], length))
+        if item is None:
+            return stored[0]
+        latent = family.encode_images(parts, to_model_range(item["video"][None].to(runtime.device)))
+        return {"latent": latent[0], **stored[0]}
+
+    return encode
+
+
+def save_tensors(tensors: dict, path: Path) -> None:
+    """float32 on the host, through a temporary file: a file is complete or absent (a rerun skips it)."""
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.float().cpu().contiguous() for k, v in tensors.items()}, str(tmp))
+    os.replace(tmp, path)
+
+
 def main(argv=None, session=None):
     args, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
     parser = argparse.ArgumentParser(
@@ -85,7 +137,9 @@ def main(argv=None, session=None):
     parser.add_argument("--out", required=True, help="the folder to write (data.latents=<this> trains on it)")
     args = parser.parse_args(args)
     cfg = load_config(args.config, overrides + ["data.latents=null"])  # this script reads the media
-    require_native(cfg, "scripts/precompute_latents.py")
+    family = family_named(cfg.model.family)
+    if not family.native:
+        family.check_pretrained(cfg)  # its VAE and text encoder named now, before any process group
     rank, world_size, _ = world_from_env()
     out = Path(args.out)
     meta = latent_meta(cfg)
@@ -108,14 +162,14 @@ def main(argv=None, session=None):
     check_same_plan(
         build_sampler(cfg, dataset, table, rank, world_size), dataset, None, runtime.control_group
     )
-    text_encoder, vae = build_frozen(cfg, runtime.device)
-    image = image_inputs(cfg, runtime.device)  # image-to-video: (last frame too?, CLIP encoder or None)
+    encode = dit_encoder(cfg, runtime.device) if family.native else family_encoder(cfg, family, runtime)
     if runtime.is_main:
         (out / "latents").mkdir(parents=True, exist_ok=True)
         (out / "meta.json").write_text(json.dumps(meta, indent=1))  # before any latent: a rerun checks it
+        if not family.native:  # what a dropped caption trains on
+            save_tensors(encode(None, None), out / "empty.safetensors")
     runtime.fence()
 
-    from safetensors.torch import save_file
     from torch.utils.data import DataLoader
 
     indices = list(range(rank, len(dataset), world_size))
@@ -130,27 +184,7 @@ def main(argv=None, session=None):
             failed[entry["path"]] = error
             continue
         if not (out / name).is_file():
-            # in the tiles a decode would use, so a large clip's memory is bounded by one tile; ranks already
-            # share the samples, so each encodes its own alone (group None)
-            video = to_model_range(item["video"][None].to(runtime.device))
-
-            def encode(pixels):
-                return parallel_vae.encode(
-                    vae, pixels, tile=cfg.vae.tile_latent, overlap=cfg.vae.tile_overlap
-                )
-
-            y, mask = text_encoder([entry["caption"]], runtime.device)
-            tensors = {"latent": encode(video)[0], "text": y[0, : int(mask[0].sum())]}
-            if image is not None:  # the condition training would build from this clip (data/loader.py)
-                given = [item.get(k) for k in ("image", "last_image")]  # frames the manifest names
-                given = [None if g is None else to_model_range(g[None].to(runtime.device)) for g in given]
-                condition = condition_of_clips(vae, image[1], video, image[0], *given)
-                tensors["condition"] = condition.latent[0]
-                if condition.features is not None:
-                    tensors["image_features"] = condition.features
-            tmp = out / (name + ".tmp")
-            save_file({k: v.float().cpu().contiguous() for k, v in tensors.items()}, str(tmp))
-            os.replace(tmp, out / name)  # a file is complete or absent: a rerun skips it safely
+            save_tensors(encode(entry, item), out / name)
         lines.append(
             {
                 "index": index,

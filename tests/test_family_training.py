@@ -191,6 +191,36 @@ def test_a_run_trains_and_resumes(runs, tmp_path, capsys, kind):
         assert got[-1]["loss"] != metrics(made["full"])[-1]["loss"]  # the adapters alone trained
 
 
+def test_precomputed_latents_train_as_the_images_do(saved, tmp_path, monkeypatch):  # noqa: F811
+    """scripts/precompute_latents.py encodes the images and captions (and the empty prompt) once; training
+    on them (the text encoder freed once the previews' prompts are encoded) takes the steps training on
+    the images takes: the same losses and gradient norms, half the captions dropped."""
+    import precompute_latents
+
+    name, folder = saved
+    extra = ["train.text_dropout=0.5", "train.max_steps=2"]
+    latents = tmp_path / "latents"
+    argv = train_args(name, folder, tmp_path / "media", *extra)
+    assert run_main(precompute_latents, [*argv, "--out", str(latents)]) == 0
+    assert (latents / "empty.safetensors").is_file() and len(list((latents / "latents").iterdir())) == 8
+    assert run_main(train, argv) == 0
+    seen, encode = [], train.encode_family_batch
+
+    def spy(run, batch, dropped, device):  # what each step of the run on latents read, and dropped
+        seen.append(("stored" in batch, run.parts.text_encoder is None, sum(dropped)))
+        return encode(run, batch, dropped, device)
+
+    monkeypatch.setattr(train, "encode_family_batch", spy)
+    stored_run = tmp_path / "stored"
+    assert run_main(train, train_args(name, folder, stored_run, *extra, f"data.latents={latents}")) == 0
+    assert len(seen) == 2 and all(s[0] and s[1] for s in seen) and sum(s[2] for s in seen) >= 1, seen
+    media, stored = metrics(tmp_path / "media"), metrics(stored_run)
+    assert [m["step"] for m in stored] == [1, 2] and (stored_run / "samples" / "step_2_0.mp4").is_file()
+    worst = max(abs(b[k] - a[k]) / abs(a[k]) for a, b in zip(media, stored) for k in ("loss", "grad_norm"))
+    print(f"{name}: training on latents vs images, largest relative difference {worst:.1e}", file=sys.__stderr__)
+    assert worst <= 1e-6
+
+
 def test_buckets_by_aspect_ratio(saved, tmp_path):  # noqa: F811
     """Image buckets of two sizes and three aspect ratios, each side a multiple of the family's VAE stride
     times its patch: the run trains on more than one of them, each a latent the transformer takes."""

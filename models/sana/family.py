@@ -118,6 +118,14 @@ class Sana(Family):
         text = encode_text(parts.tokenizer, parts.text_encoder, prompts, max_length, instruction)
         return SanaConditioning(*text)
 
+    def load_conditioning(self, stored: list, max_length: int):
+        """The pipeline pads every prompt to max_length, with a 0/1 mask of its tokens."""
+        text = stored[0]["text"].new_zeros(len(stored), max_length, stored[0]["text"].shape[-1])
+        mask = torch.zeros(len(stored), max_length, dtype=torch.int64)
+        for i, s in enumerate(stored):
+            text[i, : len(s["text"])], mask[i, : len(s["text"])] = s["text"], 1
+        return SanaConditioning(text, mask)
+
     def noise(self, parts: Components, seeds: list, frames: int, height: int, width: int) -> torch.Tensor:
         """What the pipeline draws from a generator seeded with seed, one image each (C, 1, h, w)."""
         scale = 2 ** (len(parts.vae.config.encoder_block_out_channels) - 1)
