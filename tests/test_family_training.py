@@ -217,7 +217,7 @@ def test_precomputed_latents_train_as_the_images_do(saved, tmp_path, monkeypatch
     media, stored = metrics(tmp_path / "media"), metrics(stored_run)
     assert [m["step"] for m in stored] == [1, 2] and (stored_run / "samples" / "step_2_0.mp4").is_file()
     worst = max(abs(b[k] - a[k]) / abs(a[k]) for a, b in zip(media, stored) for k in ("loss", "grad_norm"))
-    print(f"{name}: training on latents vs images, largest relative difference {worst:.1e}", file=sys.__stderr__)
+    print(f"{name}: on latents vs on images, largest relative difference {worst:.1e}", file=sys.__stderr__)
     assert worst <= 1e-6
 
 
