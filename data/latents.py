@@ -54,8 +54,17 @@ def latent_meta(cfg) -> dict:
     family = family_named(cfg.model.family)
     if not family.native:  # its VAE and text encoder come from its pipeline folder, in the compute dtype
         folders = {part: str(part_folder(cfg, part)) for part in ("vae", "text_encoder")}
-        meta["family"] = {"name": family.name, **folders, "precision": cfg.train.precision}
+        meta["family"] = {"name": family.name, **folders, "dtype": compute_dtype(cfg)}
     return meta
+
+
+def compute_dtype(cfg) -> str:
+    """The dtype a family's frozen parts encode in: train.precision, `auto` resolved as parallel/runtime.py
+    resolves it (bf16 on a GPU)."""
+    import torch
+
+    precision = cfg.train.precision
+    return "bf16" if precision == "bf16" or (precision == "auto" and torch.cuda.is_available()) else "fp32"
 
 
 def meta_differences(made_with: dict, now: dict) -> list[str]:

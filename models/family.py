@@ -168,18 +168,22 @@ class Family:
         from safetensors import safe_open
         from safetensors.torch import load_file
 
-        model = self.meta_transformer(cfg)
-        model = keep(model) if keep is not None else model
-        wanted = set(model.state_dict())
+        whole = self.meta_transformer(cfg)
+        model = keep(whole) if keep is not None else whole
+        wanted, found = set(model.state_dict()), set()
         if is_single_file(cfg.model.pretrained):  # the original names may fuse tensors: read whole
             state = self.to_tessera(self.from_original(load_file(cfg.model.pretrained)))
+            found = set(state)
             state = {k: v.to(dtype) for k, v in state.items() if k in wanted}
         else:
             state = {}
             for file in transformer_files(part_folder(cfg, "transformer")):
                 with safe_open(str(file), framework="pt") as handle:
                     names = self.to_tessera({key: key for key in handle.keys()})  # names only: a rename
+                    found.update(names)
                     state.update({n: handle.get_tensor(k).to(dtype) for n, k in names.items() if n in wanted})
+        folder = cfg.model.pretrained
+        check_weight_names(folder, whole.state_dict(), found, partial=False)  # a weight with no place: named
         model.load_state_dict(state, strict=True, assign=True)
         return model.eval().requires_grad_(False)
 
@@ -240,8 +244,7 @@ class Family:
 
     def load_conditioning(self, stored: list, max_length: int):
         """A batch's conditioning from stored samples, as `encode` gives it for their prompts: the text
-        zero-padded to the longest, masked (None when nothing is padded). Padded keys are masked, so their
-        values (zeros here, the encoder's output there) change nothing."""
+        zero-padded to the longest, masked (None when nothing is padded)."""
         length = max(len(s["text"]) for s in stored)
         text = stored[0]["text"].new_zeros(len(stored), length, stored[0]["text"].shape[-1])
         mask = torch.zeros(len(stored), length, dtype=torch.bool)

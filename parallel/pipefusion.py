@@ -1,7 +1,8 @@
 """PipeFusion sampling (Fang et al., arXiv:2405.14430), `parallel.pipefusion=N`: the DiT's blocks in N
 stages, the tokens in patches; after `parallel.pipefusion_warmup` full steps each patch flows through
 the stages, attending to one-step-stale K/V for the other patches, and the last stage takes the
-patch's Euler step and sends it back to stage 0. Only one activation per patch crosses a stage.
+patch's solver step and sends it back to stage 0. Only one activation per patch crosses a stage. The
+walk is every model's; the DiT's hooks are here, the image families' in parallel/pipefusion_family.py.
 
 No message can hang: every message's shape follows from the plan (parallel/pipefusion_plan.py), which
 the ranks compare before the first message and check against what was sent at the end; the two
@@ -114,9 +115,9 @@ class _Sampling:
 
 
 class PipeFusionSampler:
-    """Runs flow-matching sampling for this rank's stage. `stage_model` comes from `keep_stage`; it is
-    changed in place (its attention operators hold the K/V buffers). `faults` (tests only) can make
-    this rank plan, or send, what the others do not."""
+    """Runs flow-matching sampling for this rank's stage. `stage_model` comes from `keep_stage` (DiT) or
+    `keep_blocks` (a family), changed in place (its operators hold the K/V buffers). `faults` (tests
+    only) can make this rank plan, or send, what the others do not."""
 
     def __init__(
         self, stage_model: nn.Module, groups: SamplingGroups, patches: int, warmup: int, faults=None
@@ -350,8 +351,7 @@ class PipeFusionSampler:
         (the final step's latent stays here; xDiT #147: not so)."""
         g = self.groups
         v = guided(v, run.guidance, g)
-        if g.sequence.sp_size > 1:  # the padded item, on every rank of the sequence group
-            v = gather_tokens(v, g.sequence.sp_group)
+        v = v if g.sequence.sp_size == 1 else gather_tokens(v, g.sequence.sp_group)  # the padded item
         v = v[:, : item.end - item.start]
         patch = run.flow.euler_step(run.x[:, item.start : item.end], v, run.sigmas, item.step)
         for step, scale in run.skipped[item.step]:  # the cache's skipped steps reuse this velocity, scaled

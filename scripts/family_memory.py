@@ -106,8 +106,9 @@ def adapter_count(family_name: str, transformer, rank: int) -> int:
 
 
 def per_gpu(counts: dict, adapters: int, gpus: int) -> dict:
-    """GiB per GPU of each recipe on `gpus` GPUs (`counts`: transformer, text encoder, VAE, in that order;
-    PipeFusion's stages split the transformer's blocks evenly, which hold all but a few of its weights)."""
+    """GiB per GPU of each recipe on `gpus` GPUs (`counts`: transformer, text encoder, VAE, in that order).
+    PipeFusion: the mean over its stages of the transformer (the blocks hold all but a few of its
+    weights; a stage holds one block more than another where the depth does not divide)."""
     model, text, vae = counts.values()
     frozen = (text + vae) * BF16
     lora = (model * BF16 + adapters * TRAINED) / gpus

@@ -39,6 +39,7 @@ from models.image_condition import condition_of_clips, image_inputs  # noqa: E40
 from parallel import vae as parallel_vae  # noqa: E402
 from parallel.components import build_frozen  # noqa: E402
 from parallel.entrypoint import run_as_process  # noqa: E402
+from parallel.family_training import check_family_sizes, check_family_training  # noqa: E402
 from parallel.layout import ParallelLayout  # noqa: E402
 from parallel.runtime import init_runtime, world_from_env  # noqa: E402
 
@@ -154,6 +155,9 @@ def main(argv=None, session=None):
             f"({'; '.join(differ)}); write to another folder, or delete it to start over"
         )
     table = build_buckets(cfg)
+    if not family.native:  # what training would refuse (the task, a bucket's size), refused before encoding
+        check_family_training(cfg, family, ParallelLayout(dp=world_size))
+        check_family_sizes(cfg, family, ParallelLayout(dp=world_size), table)
     dataset = build_dataset(cfg, table)
     if rank == 0:
         print(f"[precompute] {dataset.summary()}", flush=True)

@@ -119,7 +119,9 @@ class Sana(Family):
         return SanaConditioning(*text)
 
     def load_conditioning(self, stored: list, max_length: int):
-        """The pipeline pads every prompt to max_length, with a 0/1 mask of its tokens."""
+        """The pipeline pads every prompt to max_length, with a 0/1 mask of its tokens. The padded keys are
+        masked (a -10000 bias: a weight of exactly 0), so their values (zeros here, Gemma-2's output
+        there) change nothing."""
         text = stored[0]["text"].new_zeros(len(stored), max_length, stored[0]["text"].shape[-1])
         mask = torch.zeros(len(stored), max_length, dtype=torch.int64)
         for i, s in enumerate(stored):
