@@ -82,7 +82,14 @@ from parallel.family_training import (
     trained_family,
 )
 from parallel.finite import check_resumed_finite
-from parallel.fsdp import check_cpu_offload, parallelize_dit, param_device, reshard_all, update_ema
+from parallel.fsdp import (
+    check_checkpoint_policy,
+    check_cpu_offload,
+    parallelize_dit,
+    param_device,
+    reshard_all,
+    update_ema,
+)
 from parallel.layout import ParallelLayout
 from parallel.lora import lora_record
 from parallel.preemption import Stopped
@@ -169,6 +176,7 @@ def check_before_start(cfg) -> Plan:
         raise ValueError("sample.prompts is empty: training previews need at least one prompt")
     preview_images = check_image_to_video(cfg, buckets) if family is None else (None, None)
     check_cpu_offload(cfg.train.cpu_offload, world_size)
+    check_checkpoint_policy(cfg.train.checkpoint_policy, layout.ring)
     dataset = build_dataset(cfg, buckets)
     sampler = build_sampler(cfg, dataset, buckets, layout.dp_rank(rank), layout.dp)
     checkpoint = resolve_checkpoint(cfg.train.resume, cfg.run.output_dir)
@@ -252,8 +260,9 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     if runtime.is_main:
         print(_summary(cfg, plan, runtime, model, run, bf16), flush=True)
     model = parallelize_dit(
-        model, runtime.fsdp_mesh, dtype, tc.activation_checkpointing, tc.compile, tc.cpu_offload
-    )
+        model, runtime.fsdp_mesh, dtype, tc.activation_checkpointing, tc.compile, tc.cpu_offload,
+        tc.checkpoint_policy,
+    )  # fmt: skip
     if checkpoint is None or adapted:
         fill_sharded(runtime, model, tc.seed, pretrained, cfg.lora.seed, tc.cpu_offload, plan.adapter_start)
         plan.adapter_start = None  # lora.init_from's tensors (~0.6 GB at 14B, rank 32) are in the shards now

@@ -138,6 +138,7 @@ CHOICES = {
     "train.precision": ("auto", "fp32", "bf16"),
     "train.lr_decay": ("constant", "cosine"),
     "train.on_nonfinite": ("stop", "skip"),
+    "train.checkpoint_policy": ("all", "selective"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
     "data.epoch_remainder": ("pad", "drop"),
     "data.on_plan_change": ("error", "new_epoch"),
@@ -199,6 +200,11 @@ def _check_values(cfg: DictConfig) -> None:
         value = OmegaConf.select(cfg, key)
         if value not in allowed:
             raise ConfigError(f"'{key}' is {value!r}; choose one of {', '.join(allowed)}")
+    if cfg.train.checkpoint_policy != "all" and not cfg.train.activation_checkpointing:
+        raise ConfigError(
+            f"train.checkpoint_policy={cfg.train.checkpoint_policy} says what checkpointed blocks recompute: "
+            "set train.activation_checkpointing=true too"
+        )
     get = lambda key: OmegaConf.select(cfg, key)  # noqa: E731
     for keys, wrong, bound in (
         (AT_LEAST_ONE, lambda v: v < 1, "at least 1"),

@@ -170,6 +170,9 @@ class TrainConfig:
     # auto (continue from latest if present) | none | a step_<N> folder, latest file, checkpoints/ or run dir
     resume: str = "auto"
     activation_checkpointing: bool = False
+    # with activation_checkpointing: all (each block's forward recomputed in backward) | selective (the
+    # matmul, attention and convolution outputs kept, the elementwise work recomputed: more memory, less time)
+    checkpoint_policy: str = "all"
     compile: bool = False
     # FSDP2's CPU offload: sharded weights, gradients and AdamW in CPU memory, each block copied in for its
     # forward and backward. For a LoRA run whose frozen base does not fit the GPU (docs/lora.md).

@@ -1,6 +1,8 @@
 """Apply distribution to a single-device DiT from the outside: activation checkpointing, then
 torch.compile, then FSDP2 (`fully_shard`) per block and on the root (as torchtitan does)."""
 
+import functools
+
 import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -18,6 +20,49 @@ try:  # FSDP2's default collectives (private module): subclassed only to record 
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 except ImportError:  # another torch layout: FSDP's collectives then go unrecorded
     DefaultAllGather = DefaultReduceScatter = None
+
+
+# What train.checkpoint_policy=selective keeps from a block's forward: the outputs of the matmuls, the
+# attention kernels and the convolutions (torch's selective activation checkpointing); everything else (norms,
+# modulation, activations, RoPE, residuals) is recomputed in backward. Collectives are recomputed as under
+# "all" (a ring pass runs again).
+ATEN = torch.ops.aten
+SAVED_OPS = {
+    ATEN.mm.default,
+    ATEN.addmm.default,
+    ATEN.bmm.default,
+    ATEN.baddbmm.default,
+    ATEN.convolution.default,
+    ATEN._scaled_dot_product_flash_attention.default,
+    ATEN._scaled_dot_product_flash_attention_for_cpu.default,
+    ATEN._scaled_dot_product_efficient_attention.default,
+    ATEN._scaled_dot_product_cudnn_attention.default,
+}
+
+
+def _keep_matmuls(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def recompute_context(policy: str) -> dict:
+    """checkpoint_wrapper's keywords for train.checkpoint_policy: {} recomputes the whole block."""
+    if policy == "all":
+        return {}
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return {"context_fn": functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)}
+
+
+def check_checkpoint_policy(policy: str, ring: int) -> None:
+    """Refuse what selective recomputation does not run yet, before any process group: under ring
+    attention the recomputed forward's blocks take other shapes than the kept ones (found on CPU, gloo)."""
+    if policy == "selective" and ring > 1:
+        raise ValueError(
+            f"train.checkpoint_policy=selective with parallel.ring={ring} does not run yet: use "
+            "train.checkpoint_policy=all, or parallel.ulysses instead of ring"
+        )
 
 
 def check_cpu_offload(cpu_offload: bool, world_size: int) -> None:
@@ -43,6 +88,7 @@ def parallelize_dit(
     activation_checkpointing: bool = False,
     compile: bool = False,
     cpu_offload: bool = False,
+    checkpoint_policy: str = "all",
 ) -> nn.Module:
     """Shard `model` (built with identical weights on every rank) over `mesh`.
     With param_dtype=bf16, parameters are all-gathered and computed in bf16 while the sharded
@@ -52,7 +98,9 @@ def parallelize_dit(
     blocks = model.blocks
     for i, block in enumerate(blocks):
         if activation_checkpointing:
-            block = checkpoint_wrapper(block, preserve_rng_state=False)  # blocks have no dropout
+            block = checkpoint_wrapper(  # blocks have no dropout
+                block, preserve_rng_state=False, **recompute_context(checkpoint_policy)
+            )
         if compile:
             block.compile()  # in place: state-dict keys stay the same
         blocks[i] = block

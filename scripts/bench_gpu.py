@@ -1,6 +1,7 @@
 """Everything GPU-specific, measured on one device in one command (BENCHMARKS.md, "Speed on one GPU").
 
     python scripts/bench_gpu.py [--out runs/bench_gpu] [--tiny] [--variants eager,ac,compile,compile+ac]
+    (a variant joins eager, ac, sac (selective recomputation: train.checkpoint_policy) and compile by +)
 
 Parts (--parts): train (step time, tokens/s, MFU and peak memory of DiT-XL at 256 px and of a DiT at
 Wan2.1-1.3B's dims, each with and without torch.compile and activation checkpointing); wan (the same
@@ -271,16 +272,16 @@ def make_wan(case):
 EQUAL_MODELS = (("tessera, Wan options", make_tessera_wan), ("diffusers Wan", make_wan))
 
 
-def build(make_model, case, runtime, param_dtype, ac, compile):
-    """`make_model(case)` on the device, under FSDP2 (and activation checkpointing, compile) as train.py
-    runs it."""
+def build(make_model, case, runtime, param_dtype, ac, compile, policy="all"):
+    """`make_model(case)` on the device, under FSDP2 (and activation checkpointing, whose
+    train.checkpoint_policy is `policy`, and compile) as train.py runs it."""
     from parallel.fsdp import parallelize_dit
 
     torch.manual_seed(0)
     with torch.device(runtime.device):
         model = make_model(case)
     offload = getattr(make_model, "cpu_offload", False)
-    return parallelize_dit(model, runtime.fsdp_mesh, param_dtype, ac, compile, offload)
+    return parallelize_dit(model, runtime.fsdp_mesh, param_dtype, ac, compile, offload, policy)
 
 
 _FLOPS: dict = {}  # (model, case) -> train_flops: counted once per pair
@@ -288,9 +289,11 @@ _FLOPS: dict = {}  # (model, case) -> train_flops: counted once per pair
 
 def bench_train(name, case, make_model, runtime, param_dtype, variant, args, info):
     device = runtime.device
-    ac, compile = "ac" in variant.split("+"), "compile" in variant
+    parts = variant.split("+")  # sac: selective activation checkpointing (train.checkpoint_policy)
+    ac, compile = bool({"ac", "sac"} & set(parts)), "compile" in parts
+    policy = "selective" if "sac" in parts else "all"
     reset_memory(device)
-    model = build(make_model, case, runtime, param_dtype, ac, compile)
+    model = build(make_model, case, runtime, param_dtype, ac, compile, policy)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     if device.type == "cuda":  # the steps' peak, not the build's (a float32 model before its cast)
         torch.cuda.reset_peak_memory_stats(device)
@@ -670,7 +673,7 @@ def main(argv=None):
         if args.models:
             models = [(label, m) for label, m in models if any(k in label for k in args.models.split(","))]
         for variant in variants if "train" in parts else []:
-            if case.get("ac_only") and "ac" not in variant.split("+"):
+            if case.get("ac_only") and not {"ac", "sac"} & set(variant.split("+")):
                 continue
             by_model = {}
             for label, make_model in models:
@@ -723,7 +726,7 @@ def main(argv=None):
                 print(key, {k: v for k, v in results["profile"][key].items() if k != "top"}, flush=True)
                 save(results, args.out)
         if "denoise" in parts and case.get("wan") and not (case.get("equal_only") or case.get("lora_only")):
-            for variant in [v for v in variants if "ac" not in v.split("+")]:
+            for variant in [v for v in variants if not {"ac", "sac"} & set(v.split("+"))]:
                 pair = {}
                 for label, make_model in (
                     ("tessera, Wan options", make_tessera_wan),

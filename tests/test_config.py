@@ -122,3 +122,19 @@ def test_learning_rate_warms_up_then_stays_or_follows_a_cosine_to_zero():
     assert train.learning_rate(cosine.train, 109) < 1e-6 and train.learning_rate(cosine.train, 500) == 0.0
     with pytest.raises(ConfigError, match="'train.lr_decay' is 'linear'; choose one of constant, cosine"):
         load_config(overrides=["train.lr_decay=linear"])
+
+
+def test_checkpoint_policy_is_refused_where_it_cannot_run():
+    """train.checkpoint_policy=selective names its missing switch, and ring attention, before start-up."""
+    from parallel.fsdp import check_checkpoint_policy
+
+    with pytest.raises(ConfigError, match="set train.activation_checkpointing=true too"):
+        load_config(CONFIG_DIR / "demo.yaml", ["train.checkpoint_policy=selective"])
+    with pytest.raises(ConfigError, match="choose one of all, selective"):
+        load_config(CONFIG_DIR / "demo.yaml", ["train.checkpoint_policy=some"])
+    cfg = load_config(
+        CONFIG_DIR / "demo.yaml", ["train.activation_checkpointing=true", "train.checkpoint_policy=selective"]
+    )
+    check_checkpoint_policy(cfg.train.checkpoint_policy, ring=1)
+    with pytest.raises(ValueError, match="parallel.ring=2 does not run yet"):
+        check_checkpoint_policy(cfg.train.checkpoint_policy, ring=2)

@@ -444,7 +444,11 @@ def test_failure_writes_the_recent_collectives(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize(
     "switches",
-    [["train.activation_checkpointing=true"], ["train.activation_checkpointing=true", "train.compile=true"]],
+    [
+        ["train.activation_checkpointing=true"],
+        ["train.activation_checkpointing=true", "train.compile=true"],
+        ["train.activation_checkpointing=true", "train.checkpoint_policy=selective"],
+    ],
 )
 def test_activation_checkpointing_and_compile_keep_the_losses(trained, tmp_path, switches):
     run_dir = tmp_path / "run"

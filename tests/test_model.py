@@ -245,3 +245,49 @@ def test_short_overfit_lowers_the_loss():
     noise, t = flow.draw(x0.shape[1:], [torch.Generator().manual_seed(i) for i in range(2)])
     end = flow.training_loss(model, x0, y, mask, noise, t).item()
     assert end < 0.5 * start, (start, end)
+
+
+def test_selective_checkpointing_keeps_the_matmuls_and_recomputes_the_rest():
+    """train.checkpoint_policy (parallel/fsdp.py recompute_context) on a DiT's blocks: the gradients are
+    those without checkpointing under every policy; in backward, "all" runs each block's matmuls again,
+    "selective" runs none again (their outputs were kept) but still recomputes the norms."""
+    import collections
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from parallel.fsdp import SAVED_OPS, recompute_context
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func] += 1
+            return func(*args, **(kwargs or {}))
+
+    x, t, (y, mask) = torch.randn(2, 3, 2, 8, 8), torch.tensor([0.3, 0.8]), text()
+    runs = {}
+    for policy in (None, "all", "selective"):
+        model = tiny_dit(depth=3)
+        if policy is not None:
+            for i, block in enumerate(model.blocks):
+                model.blocks[i] = checkpoint_wrapper(
+                    block, preserve_rng_state=False, **recompute_context(policy)
+                )
+        loss = model(x, t, y, mask).square().mean()
+        with Count() as count:
+            loss.backward()
+        grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()}
+        matmuls = sum(n for op, n in count.ops.items() if op in SAVED_OPS)
+        norms = count.ops[torch.ops.aten.native_layer_norm.default]
+        runs[policy] = grads, matmuls, norms
+    reference, matmuls, norms = runs[None]
+    print({policy: run[1:] for policy, run in runs.items()})  # (matmuls, norms) run in backward
+    for policy in ("all", "selective"):
+        grads = runs[policy][0]
+        assert grads.keys() == reference.keys()
+        assert all(torch.allclose(g, reference[n], atol=1e-6) for n, g in grads.items()), policy
+    assert runs["all"][1] > matmuls and runs["selective"][1] == matmuls
+    assert runs["selective"][2] > norms and runs["all"][2] > norms
