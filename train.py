@@ -82,14 +82,7 @@ from parallel.family_training import (
     trained_family,
 )
 from parallel.finite import check_resumed_finite
-from parallel.fsdp import (
-    check_checkpoint_policy,
-    check_cpu_offload,
-    parallelize_dit,
-    param_device,
-    reshard_all,
-    update_ema,
-)
+from parallel.fsdp import check_cpu_offload, parallelize_dit, param_device, reshard_all, update_ema
 from parallel.layout import ParallelLayout
 from parallel.lora import lora_record
 from parallel.preemption import Stopped
@@ -176,7 +169,6 @@ def check_before_start(cfg) -> Plan:
         raise ValueError("sample.prompts is empty: training previews need at least one prompt")
     preview_images = check_image_to_video(cfg, buckets) if family is None else (None, None)
     check_cpu_offload(cfg.train.cpu_offload, world_size)
-    check_checkpoint_policy(cfg.train.checkpoint_policy, layout.ring)
     dataset = build_dataset(cfg, buckets)
     sampler = build_sampler(cfg, dataset, buckets, layout.dp_rank(rank), layout.dp)
     checkpoint = resolve_checkpoint(cfg.train.resume, cfg.run.output_dir)

@@ -205,6 +205,11 @@ def _check_values(cfg: DictConfig) -> None:
             f"train.checkpoint_policy={cfg.train.checkpoint_policy} says what checkpointed blocks recompute: "
             "set train.activation_checkpointing=true too"
         )
+    if cfg.train.checkpoint_policy == "selective" and cfg.model.attention_backend not in ("sdpa", "math"):
+        raise ConfigError(
+            f"train.checkpoint_policy=selective keeps torch's attention outputs, not "
+            f"model.attention_backend={cfg.model.attention_backend}'s (it would recompute them): use sdpa"
+        )
     get = lambda key: OmegaConf.select(cfg, key)  # noqa: E731
     for keys, wrong, bound in (
         (AT_LEAST_ONE, lambda v: v < 1, "at least 1"),

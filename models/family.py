@@ -170,20 +170,24 @@ class Family:
 
         whole = self.meta_transformer(cfg)
         model = keep(whole) if keep is not None else whole
-        wanted, found = set(model.state_dict()), set()
+        wanted = set(model.state_dict())
         if is_single_file(cfg.model.pretrained):  # the original names may fuse tensors: read whole
             state = self.to_tessera(self.from_original(load_file(cfg.model.pretrained)))
             found = set(state)
             state = {k: v.to(dtype) for k, v in state.items() if k in wanted}
-        else:
-            state = {}
-            for file in transformer_files(part_folder(cfg, "transformer")):
-                with safe_open(str(file), framework="pt") as handle:
-                    names = self.to_tessera({key: key for key in handle.keys()})  # names only: a rename
-                    found.update(names)
-                    state.update({n: handle.get_tensor(k).to(dtype) for n, k in names.items() if n in wanted})
-        folder = cfg.model.pretrained
-        check_weight_names(folder, whole.state_dict(), found, partial=False)  # a weight with no place: named
+        else:  # names only first (a rename): a folder that does not fit is named before anything is read
+            files = transformer_files(part_folder(cfg, "transformer"))
+            handles = [safe_open(str(file), framework="pt") for file in files]
+            names = [self.to_tessera({key: key for key in handle.keys()}) for handle in handles]
+            found = {name for part in names for name in part}
+        check_weight_names(cfg.model.pretrained, whole.state_dict(), found)  # a weight with no place: named
+        if not is_single_file(cfg.model.pretrained):
+            state = {
+                n: h.get_tensor(k).to(dtype)
+                for h, part in zip(handles, names)
+                for n, k in part.items()
+                if n in wanted
+            }
         model.load_state_dict(state, strict=True, assign=True)
         return model.eval().requires_grad_(False)
 

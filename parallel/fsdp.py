@@ -24,8 +24,8 @@ except ImportError:  # another torch layout: FSDP's collectives then go unrecord
 
 # What train.checkpoint_policy=selective keeps from a block's forward: the outputs of the matmuls, the
 # attention kernels and the convolutions (torch's selective activation checkpointing); everything else (norms,
-# modulation, activations, RoPE, residuals) is recomputed in backward. Collectives are recomputed as under
-# "all" (a ring pass runs again).
+# modulation, activations, RoPE, residuals) is recomputed in backward, and so are collectives, as under "all".
+# Only torch's own attention ops are known here: flash-attn's and xformers' are refused with it (configs).
 ATEN = torch.ops.aten
 SAVED_OPS = {
     ATEN.mm.default,
@@ -53,16 +53,6 @@ def recompute_context(policy: str) -> dict:
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     return {"context_fn": functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)}
-
-
-def check_checkpoint_policy(policy: str, ring: int) -> None:
-    """Refuse what selective recomputation does not run yet, before any process group: under ring
-    attention the recomputed forward's blocks take other shapes than the kept ones (found on CPU, gloo)."""
-    if policy == "selective" and ring > 1:
-        raise ValueError(
-            f"train.checkpoint_policy=selective with parallel.ring={ring} does not run yet: use "
-            "train.checkpoint_policy=all, or parallel.ulysses instead of ring"
-        )
 
 
 def check_cpu_offload(cpu_offload: bool, world_size: int) -> None:

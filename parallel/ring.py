@@ -4,6 +4,7 @@ in float32. The blockwise kernels return that log-sum-exp; which one runs is cho
 and head size, and checked once against the plain math kernel.
 """
 
+import contextlib
 import warnings
 
 import torch
@@ -232,13 +233,25 @@ def _kernel_agrees(kernel, device, dtype, head_dim) -> bool:
     return True
 
 
+def _outside_dispatch_modes():
+    try:  # private, but the one way to leave a selective-checkpoint mode for a side computation
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        return _disable_current_modes()
+    except ImportError:  # another torch layout
+        return contextlib.nullcontext()
+
+
 def kernel_for(q: torch.Tensor, group=None):
     """The fastest LSE kernel that agrees with MathKernel for q's device, dtype and head dim (checked once;
     the ranks of `group` agree on the verdict, so they cannot run different kernels)."""
     key = (q.device.type, q.dtype, q.shape[-1])
     if key not in _checked_kernels:
         candidates = kernel_candidates(*key)
-        agrees = [_kernel_agrees(kernel, q.device, q.dtype, q.shape[-1]) for kernel in candidates]
+        # outside any dispatch mode: in a checkpointed block under train.checkpoint_policy=selective, the
+        # self-check's attention outputs would be kept and handed to the recomputed ring pass instead
+        with _outside_dispatch_modes():
+            agrees = [_kernel_agrees(kernel, q.device, q.dtype, q.shape[-1]) for kernel in candidates]
         if candidates and group is not None and dist.is_initialized():
             vote = torch.tensor([1.0 if a else 0.0 for a in agrees], device=q.device)
             agrees = [v == 1.0 for v in comm.all_reduce(vote, op=dist.ReduceOp.MIN, group=group).tolist()]

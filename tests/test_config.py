@@ -125,16 +125,13 @@ def test_learning_rate_warms_up_then_stays_or_follows_a_cosine_to_zero():
 
 
 def test_checkpoint_policy_is_refused_where_it_cannot_run():
-    """train.checkpoint_policy=selective names its missing switch, and ring attention, before start-up."""
-    from parallel.fsdp import check_checkpoint_policy
-
+    """train.checkpoint_policy=selective names its missing switch, and an attention backend whose outputs
+    it cannot keep, before start-up."""
+    selective = ["train.activation_checkpointing=true", "train.checkpoint_policy=selective"]
     with pytest.raises(ConfigError, match="set train.activation_checkpointing=true too"):
         load_config(CONFIG_DIR / "demo.yaml", ["train.checkpoint_policy=selective"])
     with pytest.raises(ConfigError, match="choose one of all, selective"):
         load_config(CONFIG_DIR / "demo.yaml", ["train.checkpoint_policy=some"])
-    cfg = load_config(
-        CONFIG_DIR / "demo.yaml", ["train.activation_checkpointing=true", "train.checkpoint_policy=selective"]
-    )
-    check_checkpoint_policy(cfg.train.checkpoint_policy, ring=1)
-    with pytest.raises(ValueError, match="parallel.ring=2 does not run yet"):
-        check_checkpoint_policy(cfg.train.checkpoint_policy, ring=2)
+    with pytest.raises(ConfigError, match="not model.attention_backend=flash's"):
+        load_config(CONFIG_DIR / "demo.yaml", [*selective, "model.attention_backend=flash"])
+    assert load_config(CONFIG_DIR / "demo.yaml", selective).train.checkpoint_policy == "selective"

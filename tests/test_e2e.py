@@ -450,7 +450,11 @@ def test_failure_writes_the_recent_collectives(tmp_path, monkeypatch, capsys):
         ["train.activation_checkpointing=true", "train.checkpoint_policy=selective"],
     ],
 )
-def test_activation_checkpointing_and_compile_keep_the_losses(trained, tmp_path, switches):
+def test_activation_checkpointing_and_compile_keep_the_losses(trained, tmp_path, switches, monkeypatch):
+    import parallel.fsdp as fsdp
+
+    policies, real = [], fsdp.recompute_context
+    monkeypatch.setattr(fsdp, "recompute_context", lambda policy: policies.append(policy) or real(policy))
     run_dir = tmp_path / "run"
     assert (
         run_main(train, ["--config", str(TINY), f"run.output_dir={run_dir}", "train.max_steps=3", *switches])
@@ -458,6 +462,8 @@ def test_activation_checkpointing_and_compile_keep_the_losses(trained, tmp_path,
     )
     reference, got = losses(trained), losses(run_dir)
     assert all(got[s] == pytest.approx(reference[s], rel=1e-4) for s in got), (got, reference)
+    wanted = "selective" if "train.checkpoint_policy=selective" in switches else "all"
+    assert policies and set(policies) == {wanted}, policies  # what each checkpointed block recomputes
 
 
 def test_checkpoint_of_another_model_is_a_clear_error(trained, tmp_path, capsys):

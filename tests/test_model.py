@@ -256,7 +256,11 @@ def test_selective_checkpointing_keeps_the_matmuls_and_recomputes_the_rest():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from parallel.fsdp import SAVED_OPS, recompute_context
+    from parallel.fsdp import recompute_context
+
+    def gemm(op):  # by name, not from parallel/fsdp.py's list: a GEMM missing from it would show
+        name = op.__name__
+        return ("mm" in name or "convolution" in name or "attention" in name) and "backward" not in name
 
     class Count(TorchDispatchMode):
         def __init__(self):
@@ -280,7 +284,7 @@ def test_selective_checkpointing_keeps_the_matmuls_and_recomputes_the_rest():
         with Count() as count:
             loss.backward()
         grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()}
-        matmuls = sum(n for op, n in count.ops.items() if op in SAVED_OPS)
+        matmuls = sum(n for op, n in count.ops.items() if gemm(op))
         norms = count.ops[torch.ops.aten.native_layer_norm.default]
         runs[policy] = grads, matmuls, norms
     reference, matmuls, norms = runs[None]
