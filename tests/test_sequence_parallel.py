@@ -110,10 +110,14 @@ def test_infer_under_layout_equals_one_process(tmp_path, single_process_videos, 
         assert np.abs(np.load(tmp_path / f"x_{i:03d}.npy") - expected).max() < 1e-5
 
 
+SELECTIVE = ["train.activation_checkpointing=true", "train.checkpoint_policy=selective"]
+
+
 @pytest.mark.timeout(420)
 def test_training_under_ulysses_and_ring_equals_one_process(tmp_path):
     """Same recipe, same data: the sequence-parallel ranks of one group share each sample, and FSDP over
-    dp x ring gives the single-process gradients (grad norm) and losses."""
+    dp x ring gives the single-process gradients (grad norm) and losses; the last layout recomputes
+    its blocks selectively in backward (train.checkpoint_policy=selective), ring passes included."""
     common = [
         "--config",
         str(TINY),
@@ -131,7 +135,7 @@ def test_training_under_ulysses_and_ring_equals_one_process(tmp_path):
     for nproc, layout in (
         (2, ["parallel.ulysses=2"]),
         (2, ["parallel.ring=2"]),
-        (4, ["parallel.dp=2", "parallel.ring=2", "train.batch_size=2"]),
+        (4, ["parallel.dp=2", "parallel.ring=2", "train.batch_size=2", *SELECTIVE]),
     ):  # same 4 samples
         run_dir = tmp_path / "_".join(layout).replace("=", "")
         result = torchrun(nproc, "train.py", *common, f"run.output_dir={run_dir}", *layout, timeout=170)
