@@ -548,8 +548,10 @@ def sample_family(cfg, args, family, session) -> None:
         parts.transformer = apply_operators(parts.transformer, runtime.sequence)
         denoise_with = family_denoiser(groups)
     mine = list(range(layout.dp_rank(runtime.rank), len(prompts), layout.dp))  # split over dp
-    sampled = mine and sample_family_prompts(cfg, args, runtime, request, mine, family, parts, denoise_with)
-    finish(runtime, sampled or None)
+    nonfinite = None
+    if mine:
+        nonfinite = sample_family_prompts(cfg, args, runtime, request, mine, family, parts, denoise_with)
+    finish(runtime, nonfinite)
 
 
 def refuse_flags(cfg, args, family) -> None:

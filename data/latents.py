@@ -59,12 +59,13 @@ def latent_meta(cfg) -> dict:
 
 
 def compute_dtype(cfg) -> str:
-    """The dtype a family's frozen parts encode in: train.precision, `auto` resolved as parallel/runtime.py
-    resolves it (bf16 on a GPU)."""
+    """The dtype a family's frozen parts encode in (train.precision on this machine's device)."""
     import torch
 
-    precision = cfg.train.precision
-    return "bf16" if precision == "bf16" or (precision == "auto" and torch.cuda.is_available()) else "fp32"
+    from parallel.runtime import computes_in_bf16
+
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return "bf16" if computes_in_bf16(cfg.train.precision, device_type) else "fp32"
 
 
 def meta_differences(made_with: dict, now: dict) -> list[str]:
@@ -88,12 +89,18 @@ def read_latent_index(folder, cfg) -> list[dict]:
             f"data.latents='{folder}' has no index.jsonl and meta.json; write it with "
             f"torchrun scripts/precompute_latents.py --config <recipe> --out {folder}"
         )
-    differ = meta_differences(json.loads((folder / "meta.json").read_text()), latent_meta(cfg))
+    now = latent_meta(cfg)
+    differ = meta_differences(json.loads((folder / "meta.json").read_text()), now)
     if differ:
         raise ValueError(
             f"data.latents='{folder}' was made with another VAE, text encoder, fps or task "
             f"({'; '.join(differ)}); "
             f"recompute it with this recipe or change the recipe back"
+        )
+    if "family" in now and not (folder / "empty.safetensors").is_file():
+        raise FileNotFoundError(
+            f"data.latents='{folder}' has no empty.safetensors (the empty prompt dropped captions train on); "
+            f"write it again with torchrun scripts/precompute_latents.py --config <recipe> --out {folder}"
         )
     entries = []
     with open(folder / "index.jsonl") as f:

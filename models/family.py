@@ -170,24 +170,19 @@ class Family:
 
         whole = self.meta_transformer(cfg)
         model = keep(whole) if keep is not None else whole
-        wanted = set(model.state_dict())
         if is_single_file(cfg.model.pretrained):  # the original names may fuse tensors: read whole
-            state = self.to_tessera(self.from_original(load_file(cfg.model.pretrained)))
-            found = set(state)
-            state = {k: v.to(dtype) for k, v in state.items() if k in wanted}
+            tensors = self.to_tessera(self.from_original(load_file(cfg.model.pretrained)))
+            read = tensors.__getitem__
         else:  # names only first (a rename): a folder that does not fit is named before anything is read
             files = transformer_files(part_folder(cfg, "transformer"))
-            handles = [safe_open(str(file), framework="pt") for file in files]
-            names = [self.to_tessera({key: key for key in handle.keys()}) for handle in handles]
-            found = {name for part in names for name in part}
-        check_weight_names(cfg.model.pretrained, whole.state_dict(), found)  # a weight with no place: named
-        if not is_single_file(cfg.model.pretrained):
-            state = {
-                n: h.get_tensor(k).to(dtype)
-                for h, part in zip(handles, names)
-                for n, k in part.items()
-                if n in wanted
-            }
+            tensors = {}  # name -> (file handle, its key)
+            for handle in (safe_open(str(file), framework="pt") for file in files):
+                tensors.update(
+                    {n: (handle, k) for n, k in self.to_tessera({k: k for k in handle.keys()}).items()}
+                )
+            read = lambda name: tensors[name][0].get_tensor(tensors[name][1])  # noqa: E731
+        check_weight_names(cfg.model.pretrained, whole.state_dict(), tensors)  # a weight with no place: named
+        state = {name: read(name).to(dtype) for name in model.state_dict()}
         model.load_state_dict(state, strict=True, assign=True)
         return model.eval().requires_grad_(False)
 

@@ -37,13 +37,19 @@ class SamplingGroups:
         return len(self.pipeline_ranks)
 
 
+def both_branches(v, groups: SamplingGroups) -> tuple:
+    """(conditional, unconditional) under cfg=2, from this rank's branch `v` and one all-gather with the
+    other half of the ranks (cfg rank 0 holds the conditional one)."""
+    both = torch.empty((2, *v.shape), dtype=v.dtype, device=v.device)
+    comm.all_gather_into_tensor(both, v.contiguous(), groups.cfg_group)
+    return both.unbind(0)
+
+
 def guided(v, guidance: float, groups: SamplingGroups):
     """The guided velocity from this rank's prediction `v`: under cfg=2 `v` is one branch and the other
     comes in one all-gather; otherwise `v` holds both branches as one batch (the serial order)."""
     if groups.cfg_size > 1:  # every rank ends with the same velocity, whatever the scale
-        both = torch.empty((2, *v.shape), dtype=v.dtype, device=v.device)
-        comm.all_gather_into_tensor(both, v.contiguous(), groups.cfg_group)
-        return guide(*both.unbind(0), guidance)
+        return guide(*both_branches(v, groups), guidance)
     return v if guidance == 1.0 else guide(*v.chunk(2), guidance)
 
 
@@ -78,10 +84,7 @@ def family_denoiser(groups: SamplingGroups):
         mine = cond if groups.cfg_rank == 0 else uncond
 
         def velocity(x, t):
-            v = family.velocity(parts, x, t, mine).contiguous()
-            both = torch.empty((2, *v.shape), dtype=v.dtype, device=v.device)
-            comm.all_gather_into_tensor(both, v, groups.cfg_group)
-            return family.guide(*both.unbind(0), scale)
+            return family.guide(*both_branches(family.velocity(parts, x, t, mine), groups), scale)
 
         return denoise(schedule, noise, velocity, progress)
 

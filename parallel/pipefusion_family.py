@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from parallel import comm
+from parallel.cfg import both_branches
 from parallel.pipefusion import PipeFusionSampler, _Sampling
 from parallel.pipefusion_plan import patch_ranges, schedule
 
@@ -98,7 +98,6 @@ class _FamilyRun(_Sampling):
     """One call of FamilyPipeFusion.denoise: _Sampling's, with run.x the latent (B, C, 1, H, W) float32."""
 
     family: object = None
-    parts: object = None
     schedule: object = None  # models.family.Schedule
     branches: list = None  # the conditioning of each guidance branch this pipeline runs
     lengths: list = None  # the companion tokens of each branch (Qwen-Image's text)
@@ -146,7 +145,6 @@ class FamilyPipeFusion(PipeFusionSampler):
             extra_send=self.faults.planned("pipefusion_extra_send"),
             skipped={i: [] for i in range(steps)},
             family=family,
-            parts=parts,
             schedule=plan,
             branches=branches,
             lengths=[0 if c is None else c.shape[1] for c in companions],
@@ -199,10 +197,8 @@ class FamilyPipeFusion(PipeFusionSampler):
         ]
         if not run.uncond:
             return v[0]
-        if len(v) == 1:  # cfg=2: the other branch from the other pipeline's last stage (cfg rank 0: cond)
-            both = torch.empty((2, *v[0].shape), dtype=v[0].dtype, device=v[0].device)
-            comm.all_gather_into_tensor(both, v[0].contiguous(), self.groups.cfg_group)
-            v = both.unbind(0)
+        if len(v) == 1:  # cfg=2: the other branch from the other pipeline's last stage
+            v = both_branches(v[0], self.groups)
         return family.guide(v[0], v[1], run.guidance)
 
     def _patch(self, run, item, latent=None):

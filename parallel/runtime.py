@@ -56,8 +56,8 @@ class Runtime:
         return self.layout.dp_rank(self.rank)
 
     def bf16(self, precision: str) -> bool:
-        """Whether train.precision (bf16 | fp32 | auto: bf16 on a GPU) computes in bf16 on this device."""
-        return precision == "bf16" or (precision == "auto" and self.device.type == "cuda")
+        """Whether train.precision computes in bf16 on this device (computes_in_bf16)."""
+        return computes_in_bf16(precision, self.device.type)
 
     def fence(self) -> None:
         """Wait for every rank on the control group (gloo, long timeout): use around long work that
@@ -123,6 +123,11 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def computes_in_bf16(precision: str, device_type: str) -> bool:
+    """Whether train.precision (bf16 | fp32 | auto: bf16 on a GPU) computes in bf16 on a `device_type`."""
+    return precision == "bf16" or (precision == "auto" and device_type == "cuda")
 
 
 def pick_device(local_rank: int) -> torch.device:
