@@ -1,20 +1,10 @@
 """The families tessera knows, by name (`model.family`), and which one a folder holds (model.size=auto).
 A new family adds its object to FAMILIES; nothing else here changes."""
 
+from models.dit_family import DiTFamily
 from models.family import Family
 from models.qwen_image.family import QwenImage
 from models.sana.family import Sana
-
-
-class DiTFamily(Family):
-    """tessera's own DiT, which reads Wan 2.1 / 2.2 folders (models/dit.py, models/wan.py); sampled by
-    models/pipeline.py and trained by train.py."""
-
-    name, title, native = "dit", "tessera's DiT (Wan 2.1 / 2.2)", True
-    pipeline_classes = ("WanPipeline", "WanImageToVideoPipeline")
-    transformer_classes = ("WanTransformer3DModel", "WanModel")  # diffusers', Wan-AI's own config.json
-    parallel_degrees = ("cfg", "ulysses", "ring", "pipefusion")
-
 
 FAMILIES = {family.name: family for family in (DiTFamily(), QwenImage(), Sana())}
 

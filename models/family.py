@@ -4,10 +4,11 @@ family instead of branching on its name. A family says which folders it recognis
 transformer, text encoder and VAE, how it encodes a prompt, draws noise, schedules and solves the
 steps, guides, and decodes. models/sampler.py runs the one sampling loop over these pieces.
 
-`dit` is tessera's own DiT, which reads Wan 2.1 / 2.2 folders; its sampling still runs through
-models/pipeline.py (`native`), the image families through models/sampler.py.
+`dit` is tessera's own DiT, which reads Wan 2.1 / 2.2 folders (models/dit_family.py): it samples through
+models/sampler.py as the others do, and loads and trains through its own code (`native`).
 """
 
+import contextlib
 import json
 import re
 from collections.abc import Callable
@@ -45,7 +46,7 @@ class Family:
 
     name = ""
     title = ""  # how messages name it
-    native = False  # sampled by models/pipeline.py (tessera's DiT) instead of models/sampler.py
+    native = False  # loaded and trained by tessera's own DiT code (infer.py, train.py), not through `load`
     pipeline_classes: tuple = ()  # model_index.json's _class_name of its diffusers pipelines
     transformer_classes: tuple = ()  # its transformer's config.json _class_name
     # the parallel degrees (besides dp, which splits prompts) its sampling runs under
@@ -257,8 +258,26 @@ class Family:
     def schedule(self, parts: Components, steps: int, latents: torch.Tensor) -> Schedule:
         raise NotImplementedError
 
+    def context(self, parts: Components):
+        """The context the schedule is walked in (tessera's DiT: its autocast)."""
+        return contextlib.nullcontext()
+
+    def walk(self, parts: Components, schedule: Schedule, noise, velocity, progress=None):
+        """The latents at the schedule's end: models/loop.py's loop (tessera's DiT: behind its step cache)."""
+        from models.loop import denoise
+
+        return denoise(schedule, noise, velocity, progress)
+
     def velocity(self, parts: Components, x, t, cond):
         return self.prediction(parts.transformer(x, t.to(x.device).expand(x.shape[0]), cond))
+
+    def both(self, parts: Components, x, t, cond, uncond) -> tuple:
+        """(conditional, unconditional) velocities on one process (a family may run them as one batch)."""
+        return self.velocity(parts, x, t, cond), self.velocity(parts, x, t, uncond)
+
+    def guidance_at(self, parts: Components, t, scale: float) -> float:
+        """The guidance scale of the step at timestep `t` (Wan 2.2's experts each have their own)."""
+        return scale
 
     def prediction(self, v):
         """The transformer's output as the family's solver and guidance take it (its pipeline's dtype)."""
@@ -270,6 +289,10 @@ class Family:
 
     def guide(self, v_cond, v_uncond, scale: float):
         return v_uncond + scale * (v_cond - v_uncond)
+
+    def finish(self, parts: Components, latents):
+        """The denoised latents as they are decoded (Wan2.2 TI2V puts its given first frame back)."""
+        return latents
 
     def decode(self, parts: Components, latents) -> torch.Tensor:
         raise NotImplementedError

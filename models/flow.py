@@ -12,8 +12,10 @@ import math
 import torch
 import torch.nn.functional as F
 
+from models.dit_family import DiTFamily, DiTParts, DiTText
 from models.family import Schedule
 from models.loop import denoise
+from models.sampler import guided_velocity
 from models.step_cache import CachedVelocity
 from models.vae import num_tokens
 
@@ -102,15 +104,24 @@ class RectifiedFlow:
         progress=None,
         velocity=None,
     ):
-        """Euler integration from noise (t=1) to data (t=0). With guidance != 1, the conditional and the
-        negative/unconditional branches run as one batch of 2B. `velocity(x, sigma)`, if given, replaces
-        the guided model call (CFG parallel: parallel/pipefusion.py's `cfg_velocity`)."""
+        """Euler integration from noise (t=1) to data (t=0) of the DiT `model` (models/dit_family.py's
+        velocity: with guidance != 1, the conditional and the negative branches run as one batch of 2B).
+        `velocity(x, sigma)`, if given, replaces the guided model call."""
         sigmas = self.sigmas(noise, steps)
         if velocity is None:
-            velocity = guided_velocity(model, y, y_mask, neg_y, neg_mask, guidance)
+            parts = DiTParts(model, None, None, None, flow=self, device=noise.device)
+            uncond = None if neg_y is None else DiTText(neg_y, neg_mask)
+            velocity = guided_velocity(DiTFamily(), parts, DiTText(y, y_mask), uncond, guidance)
+        return self.walk(self.schedule(sigmas), noise, velocity, progress)
+
+    def walk(self, schedule: Schedule, noise, velocity, progress=None):
+        """models/loop.py's loop over `schedule`, behind the step cache when there is one (its one home:
+        every layout's velocity passes here, PipeFusion's plan reads the same cache); `model_calls` then
+        counts the steps that ran every block."""
+        steps = len(schedule.timesteps)
         if self.cache is not None:
             velocity = CachedVelocity(velocity, self.cache, steps)
-        x = denoise(self.schedule(sigmas), noise, velocity, progress)
+        x = denoise(schedule, noise, velocity, progress)
         self.model_calls = steps if self.cache is None else velocity.calls
         if self.cache is not None:
             self.cache.finish()
@@ -127,21 +138,6 @@ def expert_timesteps(expert: str, boundary) -> tuple[float, float]:
     """The timesteps a Wan 2.2 expert samples, as diffusers switches them: the high-noise expert at
     t >= boundary, the low-noise one below; every one without an expert (model.expert=none)."""
     return {"none": (0.0, 1.0), "high": (boundary, 1.0), "low": (0.0, boundary)}[expert]
-
-
-def guided_velocity(model, y, y_mask, neg_y, neg_mask, guidance: float):
-    """velocity(x, sigma) of the serial sampler: with guidance != 1 both branches run as one batch."""
-    guided = guidance != 1.0
-    if guided:
-        y, y_mask = torch.cat([y, neg_y]), torch.cat([y_mask, neg_mask])
-
-    def velocity(x, sigma):
-        v = model(torch.cat([x, x]) if guided else x, sigma.expand(y.shape[0]), y, y_mask)
-        if not guided:
-            return v
-        return guide(*v.chunk(2), guidance)
-
-    return velocity
 
 
 def guide(v_cond, v_uncond, guidance: float):

@@ -1,18 +1,21 @@
-"""Text-to-video generation on one device: encode the prompts, denoise seeded noise, decode in tiles.
-Shared by train.py (previews), infer.py and scripts/eval_demo.py; sampling across processes passes
-its own sampler and decode in (parallel/pipefusion.py, parallel/vae.py).
+"""Text- and image-to-video sampling with tessera's DiT on one device, as train.py (previews), infer.py
+and scripts/ call it: the DiT's parts (models/dit_family.py) sampled along the one path every family
+takes (models/sampler.py generate_images). Sampling across processes passes its own `sampler` (the
+schedule's walk: parallel/sampling.py) and `decode` (parallel/vae.py) in.
 """
-
-import contextlib
 
 import numpy as np
 import torch
 
-from models import tiling
+from models.dit_family import DiTFamily, DiTParts
 from models.flow import RectifiedFlow
-from models.image_condition import ConditionedModel
+from models.sampler import NonFiniteVideo, generate_images, nonfinite_samples, serial_denoise
 from models.text_encoder import TextEncoder
 from models.vae import LatentSpace
+
+__all__ = ["DIT", "NonFiniteVideo", "generate", "generate_checked", "nonfinite_samples"]
+
+DIT = DiTFamily()
 
 
 @torch.no_grad()
@@ -38,62 +41,32 @@ def generate(
 ) -> np.ndarray:
     """Videos (B, frames, height, width, 3) as float32 in [0, 1]. Prompt i starts from noise seeded by
     seeds[i] (default: i), so a video does not depend on which other prompts share its batch or rank.
-    `sampler` replaces flow.sample(model, ...) (e.g. parallel/sampling.py's ParallelSampler), `decode`
-    the VAE decode in the recipe's tiles (vae.tile_latent, vae.tile_overlap) on this device (e.g.
-    parallel/vae.py's shared_decoder, which shares the tiles among ranks). `condition`: image-to-video's
-    (models/image_condition.py encode_condition), or None. A sample with NaN or inf in its latents or its
-    decoded video raises NonFiniteVideo (after decoding the others, which it carries)."""
+    `sampler` walks the schedule in place of the serial loop (generate_images' `denoise_with`: e.g.
+    parallel/sampling.py's ParallelSampler), `decode(latents)` replaces the VAE decode in the recipe's
+    tiles (vae.tile_latent, vae.tile_overlap) on this device (e.g. parallel/vae.py's shared_decoder, which
+    shares the tiles among ranks). `condition`: image-to-video's (models/image_condition.py
+    encode_condition), or None. A sample with NaN or inf in its latents or its decoded video raises
+    NonFiniteVideo (after decoding the others, which it carries)."""
     seeds = list(range(len(prompts))) if seeds is None else seeds
     # `device`: where the sampling runs (a model under train.cpu_offload keeps its weights on the CPU)
     device = device or next(model.parameters()).device
-    latent_shape = vae.latent_shape(frames, height, width, flow.patch_size)
-    noise = torch.stack(
-        [torch.randn(latent_shape, generator=torch.Generator().manual_seed(s)) for s in seeds]
-    ).to(device)
-    y, y_mask = text_encoder(prompts, device)
-    neg_y, neg_mask = text_encoder([negative_prompt] * len(prompts), device)
-    autocast = (
-        torch.autocast(device.type, dtype=autocast_dtype)
-        if autocast_dtype is not None
-        else contextlib.nullcontext()
+    parts = DiTParts(model, None, text_encoder, vae, flow=flow, condition=condition, autocast=autocast_dtype)
+    parts.device = device
+    return generate_images(
+        DIT,
+        parts,
+        prompts,
+        negative_prompt,
+        seeds,
+        (frames, height, width),
+        steps,
+        guidance,
+        0,  # its text encoder pads to text_encoder.max_length itself
+        progress=progress,
+        denoise_with=sampler or serial_denoise,
+        device=device,
+        decode=None if decode is None else (lambda latents: decode(latents.float())),
     )
-    with autocast:
-        if sampler is None:
-            if condition is not None:
-                model = ConditionedModel(model, condition)
-            latents = flow.sample(
-                model, noise, y, y_mask, neg_y, neg_mask, steps=steps, guidance=guidance, progress=progress
-            )
-        else:
-            extra = {} if condition is None else dict(condition=condition)
-            latents = sampler(
-                flow,
-                noise,
-                y,
-                y_mask,
-                neg_y,
-                neg_mask,
-                steps=steps,
-                guidance=guidance,
-                progress=progress,
-                **extra,
-            )
-    if condition is not None and condition.first_frame:  # TI2V: the given frame's latent, as diffusers
-        latents = torch.cat([condition.latent.to(latents.dtype), latents[:, :, 1:]], dim=2)
-    # Checked before the clamp, which would turn inf into a plausible white. The latents (and so the
-    # decoded videos) are the same on every rank that shares them: each reaches the same verdict.
-    bad = {i: "the denoised latents" for i in nonfinite_samples(latents)}
-    if len(bad) == len(prompts):  # nothing worth decoding
-        raise NonFiniteVideo(bad, None)
-    if decode is None:
-        videos = tiling.decode(vae, latents.float(), vae.tile_latent, vae.tile_overlap)  # [-1, 1]
-    else:
-        videos = decode(latents.float())
-    bad.update({i: "the decoded video" for i in nonfinite_samples(videos) if i not in bad})
-    videos = ((videos.clamp(-1, 1) + 1) / 2).permute(0, 2, 3, 4, 1).float().cpu().numpy()
-    if bad:
-        raise NonFiniteVideo(dict(sorted(bad.items())), videos)
-    return videos
 
 
 def generate_checked(*args, **kwargs) -> tuple:
@@ -103,18 +76,3 @@ def generate_checked(*args, **kwargs) -> tuple:
         return generate(*args, **kwargs), {}
     except NonFiniteVideo as e:
         return e.videos, e.bad
-
-
-class NonFiniteVideo(ValueError):
-    """Sampling gave NaN or inf: `bad` {index in the batch: where it was found}, `videos` the batch's
-    videos (those of `bad` unusable; None when no sample was finite)."""
-
-    def __init__(self, bad: dict, videos):
-        self.bad, self.videos = bad, videos
-        found = "; ".join(f"sample {i}: in {where}" for i, where in bad.items())
-        super().__init__(f"sampling gave NaN or inf values ({found})")
-
-
-def nonfinite_samples(x: torch.Tensor) -> list[int]:
-    """The samples (first dimension) of `x` holding NaN or inf."""
-    return (~torch.isfinite(x).flatten(1).all(1)).nonzero().flatten().tolist()

@@ -1,31 +1,32 @@
-"""Sampling a family of models/family.py: encode, draw each sample's noise from its own seed, walk the
-family's schedule with its solver, decode. How the schedule is walked is passed in: models/loop.py's loop
-with the velocity on one process (`serial_denoise`) or the guidance branches on two (parallel/cfg.py),
-or patch by patch through PipeFusion's stages (parallel/pipefusion_family.py).
+"""Sampling a family of models/family.py, the one path every family takes (tessera's DiT included,
+through models/pipeline.py): encode, draw each sample's noise from its own seed, walk the family's
+schedule with its solver, decode. How the schedule is walked is passed in: the family's loop with the
+velocity on one process (`serial_denoise`) or the guidance branches on two (parallel/cfg.py), or patch by
+patch through PipeFusion's stages (parallel/pipefusion_family.py, parallel/pipefusion.py).
 """
 
 import numpy as np
 import torch
 
 from models.family import Components, Family
-from models.loop import denoise
-from models.pipeline import NonFiniteVideo, nonfinite_samples
 
 
 def guided_velocity(family: Family, parts: Components, cond, uncond, scale: float):
-    """velocity(x, t) on one process: both branches, guided by the family's rule (uncond None: no
-    guidance)."""
+    """velocity(x, t) on one process: both branches, guided by the family's rule (uncond None, or a step
+    whose scale does not guide: the conditional branch alone)."""
 
     def velocity(x, t):
-        v = family.velocity(parts, x, t, cond)
-        return v if uncond is None else family.guide(v, family.velocity(parts, x, t, uncond), scale)
+        step_scale = family.guidance_at(parts, t, scale)
+        if uncond is None or not family.guided(step_scale):
+            return family.velocity(parts, x, t, cond)
+        return family.guide(*family.both(parts, x, t, cond, uncond), step_scale)
 
     return velocity
 
 
 def serial_denoise(family: Family, parts: Components, schedule, noise, cond, uncond, scale: float, progress):
-    """The latents at the schedule's end, on this process: models/loop.py's loop, both branches here."""
-    return denoise(schedule, noise, guided_velocity(family, parts, cond, uncond, scale), progress)
+    """The latents at the schedule's end, on this process: the family's loop, both branches here."""
+    return family.walk(parts, schedule, noise, guided_velocity(family, parts, cond, uncond, scale), progress)
 
 
 @torch.no_grad()
@@ -43,11 +44,13 @@ def generate_images(
     denoise_with=serial_denoise,
     device=None,
     conditioning=None,
+    decode=None,
 ) -> np.ndarray:
     """Images (B, frames, height, width, 3) float32 in [0, 1] of `prompts`, prompt i from seeds[i]'s noise
     (`size`: frames, height, width). `denoise_with(family, parts, schedule, noise, cond, uncond, scale,
-    progress)` walks the schedule (serial_denoise's signature). NaN or inf: NonFiniteVideo, as
-    models/pipeline.generate."""
+    progress)` walks the schedule (serial_denoise's signature); `decode(latents)` replaces family.decode
+    (parallel/vae.py's, which shares the tiles among ranks). A sample with NaN or inf in its latents or
+    its decoded images raises NonFiniteVideo (after decoding the others, which it carries)."""
     if conditioning is not None:  # (cond, uncond) of these prompts, encoded before (training's previews)
         cond, uncond = conditioning
     else:
@@ -57,14 +60,33 @@ def generate_images(
     device = device or next(parts.transformer.parameters()).device  # a host-held (offloaded) model: given
     noise = family.noise(parts, seeds, *size).to(device)
     schedule = family.schedule(parts, steps, noise)
-    latents = denoise_with(family, parts, schedule, noise, cond, uncond, guidance, progress)
+    with family.context(parts):
+        latents = denoise_with(family, parts, schedule, noise, cond, uncond, guidance, progress)
+    latents = family.finish(parts, latents)
+    # Checked before the clamp, which would turn inf into a plausible white. The latents (and so the
+    # decoded images) are the same on every rank that shares them: each reaches the same verdict.
     bad = {i: "the denoised latents" for i in nonfinite_samples(latents)}
-    if len(bad) == len(prompts):
+    if len(bad) == len(prompts):  # nothing worth decoding
         raise NonFiniteVideo(bad, None)
-    images = family.decode(parts, latents)  # (B, 3, T, H, W) in [-1, 1]
+    images = family.decode(parts, latents) if decode is None else decode(latents)  # (B, 3, T, H, W), [-1, 1]
     bad.update({i: "the decoded video" for i in nonfinite_samples(images) if i not in bad})
     # in the VAE's dtype, then float32, as the pipelines' image processor
     images = (images / 2 + 0.5).clamp(0, 1).float().permute(0, 2, 3, 4, 1).cpu().numpy()
     if bad:
         raise NonFiniteVideo(dict(sorted(bad.items())), images)
     return images
+
+
+class NonFiniteVideo(ValueError):
+    """Sampling gave NaN or inf: `bad` {index in the batch: where it was found}, `videos` the batch's
+    videos (those of `bad` unusable; None when no sample was finite)."""
+
+    def __init__(self, bad: dict, videos):
+        self.bad, self.videos = bad, videos
+        found = "; ".join(f"sample {i}: in {where}" for i, where in bad.items())
+        super().__init__(f"sampling gave NaN or inf values ({found})")
+
+
+def nonfinite_samples(x: torch.Tensor) -> list[int]:
+    """The samples (first dimension) of `x` holding NaN or inf."""
+    return (~torch.isfinite(x).flatten(1).all(1)).nonzero().flatten().tolist()

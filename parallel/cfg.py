@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 
 from models.flow import guide
-from models.loop import denoise
 from models.sampler import serial_denoise
 from parallel import comm
 from parallel.sequence import SequenceGroups
@@ -63,20 +62,11 @@ def branch_text(groups: SamplingGroups, y, y_mask, neg_y, neg_mask, guidance: fl
     return y, y_mask
 
 
-def cfg_velocity(model, groups: SamplingGroups, y, y_mask, neg_y, neg_mask, guidance: float):
-    """velocity(x, sigma) for RectifiedFlow.sample under cfg=2: this half of the ranks runs one branch."""
-    branch_y, branch_mask = branch_text(groups, y, y_mask, neg_y, neg_mask, guidance)
-
-    def velocity(x, sigma):
-        return guided(model(x, sigma.expand(x.shape[0]), branch_y, branch_mask), guidance, groups)
-
-    return velocity
-
-
 def family_denoiser(groups: SamplingGroups):
     """models/sampler.py's `denoise_with` for a family (models/family.py) on this replica: under cfg=2 this
     half of the ranks runs one branch (cfg rank 0 the conditional one) and one all-gather a step brings
-    the other; every rank then guides alike. Otherwise both branches on this rank."""
+    the other; every rank then guides alike, whatever the step's scale. Otherwise both branches on this
+    rank. Ulysses and ring, if any, are inside the model already."""
 
     def denoise_with(family, parts, schedule, noise, cond, uncond, scale: float, progress):
         if groups.cfg_size == 1 or uncond is None:
@@ -84,8 +74,9 @@ def family_denoiser(groups: SamplingGroups):
         mine = cond if groups.cfg_rank == 0 else uncond
 
         def velocity(x, t):
-            return family.guide(*both_branches(family.velocity(parts, x, t, mine), groups), scale)
+            v = family.velocity(parts, x, t, mine)
+            return family.guide(*both_branches(v, groups), family.guidance_at(parts, t, scale))
 
-        return denoise(schedule, noise, velocity, progress)
+        return family.walk(parts, schedule, noise, velocity, progress)
 
     return denoise_with

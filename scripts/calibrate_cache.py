@@ -21,7 +21,8 @@ import parallel.startup  # noqa: E402, F401  (before torch loads)
 from configs import DEFAULT_RECIPE, load_config, split_overrides  # noqa: E402
 from models.dit import size_of  # noqa: E402
 from models.families import require_native
-from models.flow import RectifiedFlow, guided_velocity  # noqa: E402
+from models.flow import RectifiedFlow  # noqa: E402
+from models.sampler import guided_velocity  # noqa: E402
 from models.step_cache import Calibration  # noqa: E402
 from parallel.cache import calibration_subject  # noqa: E402
 from parallel.entrypoint import run_as_process  # noqa: E402
@@ -45,15 +46,15 @@ def record_velocities(cfg, components, prompts, seeds: int, steps: int) -> list:
     model, vae, text_encoder = components
     velocities = []
 
-    def recording_sampler(flow, noise, y, y_mask, neg_y, neg_mask, steps, guidance, progress=None):
-        guided = guided_velocity(model, y, y_mask, neg_y, neg_mask, guidance)
+    def recording_sampler(family, parts, schedule, noise, cond, uncond, scale, progress=None):
+        guided = guided_velocity(family, parts, cond, uncond, scale)
 
-        def velocity(x, sigma):
-            v = guided(x, sigma)
+        def velocity(x, t):
+            v = guided(x, t)
             velocities.append(v.float().cpu())
             return v
 
-        return flow.sample(model, noise, y, y_mask, steps=steps, velocity=velocity)
+        return family.walk(parts, schedule, noise, velocity, progress)
 
     sc, data = cfg.sample, cfg.data
     everything = [p for p in prompts for _ in range(seeds)]

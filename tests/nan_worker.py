@@ -19,12 +19,12 @@ from parallel.entrypoint import run_as_process  # noqa: E402
 
 POISONED = int(os.environ["TESSERA_TEST_NAN_BATCH"])
 ONLY_RANK = os.environ.get("TESSERA_TEST_NAN_RANK")  # set: only this rank's sampling turns NaN
-sample, euler_step, calls = RectifiedFlow.sample, RectifiedFlow.euler_step, [0]
+walk, euler_step, calls = RectifiedFlow.walk, RectifiedFlow.euler_step, [0]
 
 
-def counted_sample(self, *args, **kwargs):
+def counted_walk(self, *args, **kwargs):  # once a batch: every layout but PipeFusion walks the schedule here
     calls[0] += 1
-    return sample(self, *args, **kwargs)
+    return walk(self, *args, **kwargs)
 
 
 def poisoned_step(x, v, sigmas, i):
@@ -33,7 +33,7 @@ def poisoned_step(x, v, sigmas, i):
     return out * float("nan") if calls[0] == POISONED and mine else out
 
 
-RectifiedFlow.sample = counted_sample
+RectifiedFlow.walk = counted_walk
 RectifiedFlow.euler_step = staticmethod(poisoned_step)
 
 if __name__ == "__main__":
