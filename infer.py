@@ -494,7 +494,14 @@ def main(argv=None, session=None):
     nonfinite = None
     if mine:
         weights = describe_weights(cfg, args, checkpoint, record, use_ema)
-        nonfinite = sample_and_write(cfg, args, runtime, request, mine, *components, weights=weights)
+        sample_batch = dit_batches(cfg, args, runtime, request, *components)
+        nonfinite = sample_and_write(cfg, args, runtime, request, mine, sample_batch, weights)
+        if runtime.is_main and request.cache is not None and request.cache.method == "first_block":
+            print(
+                f"[tessera] step cache: {sample_batch.full_calls / len(mine):g} of {request.steps} steps ran "
+                "every block (first_block, per sample)",
+                flush=True,
+            )
     finish(runtime, nonfinite)
 
 
@@ -550,7 +557,10 @@ def sample_family(cfg, args, family, session) -> None:
     mine = list(range(layout.dp_rank(runtime.rank), len(prompts), layout.dp))  # split over dp
     nonfinite = None
     if mine:
-        nonfinite = sample_family_prompts(cfg, args, runtime, request, mine, family, parts, denoise_with)
+        weights = describe_weights(cfg, args, checkpoint, record, not args.no_ema)
+        sample_batch = family_batches(cfg, args, request, family, parts, denoise_with)
+        vae = str(part_folder(cfg, "vae"))
+        nonfinite = sample_and_write(cfg, args, runtime, request, mine, sample_batch, weights, vae)
     finish(runtime, nonfinite)
 
 
@@ -650,123 +660,107 @@ def family_layout(cfg, family, request: Request) -> tuple[ParallelLayout, int]:
     return layout, layout.check_patches(cfg.parallel, (1, request.height // scale, request.width // scale))
 
 
-def sample_family_prompts(cfg, args, runtime, request: Request, mine: list, family, parts, denoise_with):
-    """sample_and_write for a family: this replica's prompts, sample.batch_size at a time, each batch
-    written as it finishes; returns the error about NaN images (None if none), as sample_and_write."""
+def family_batches(cfg, args, request: Request, family, parts, denoise_with):
+    """sample_batch(batch, progress) -> (images, {index in the batch: where NaN or inf was found}) for a
+    family sampled by models/sampler.py over its own parts (Qwen-Image, Sana)."""
+
+    def sample_batch(batch: list, progress) -> tuple:
+        try:
+            images = generate_images(
+                family,
+                parts,
+                [request.prompts[i] for i in batch],
+                request.negative_prompt,
+                [args.seed + i for i in batch],
+                (request.frames, request.height, request.width),
+                request.steps,
+                request.guidance,
+                cfg.text_encoder.max_length,
+                progress,
+                denoise_with,
+            )
+            return images, {}
+        except NonFiniteVideo as e:
+            return e.videos, e.bad
+
+    return sample_batch
+
+
+def sample_and_write(cfg, args, runtime, request: Request, mine: list, sample_batch, weights: str, vae=None):
+    """Sample this replica's prompts `mine` on every rank of the replica, sample.batch_size at a time
+    (`sample_batch(batch, progress)`: dit_batches' or family_batches'): the same batches in the same
+    order on every rank (they share `mine`), and a video does not depend on its batch (seed + i,
+    per-sample cache decisions). The replica's leader writes each batch as it finishes. A video with NaN
+    or inf is never written: every rank of the replica finds it in the same latents and the sampling goes
+    on (no prompt's work is lost); returns the error naming the likely cause (`weights`: where they came
+    from; `vae`: the VAE's folder, when not vae.pretrained's), or None, for main to raise once every
+    replica is done."""
     size, unwritten = cfg.sample.batch_size, {}
     batches = [mine[k : k + size] for k in range(0, len(mine), size)]
     hidden = not runtime.is_main
-    with tqdm(total=len(batches) * request.steps, desc="sample", disable=hidden, unit="step") as bar:
+    with tqdm(
+        total=len(batches) * request.steps, desc="sample", disable=hidden, dynamic_ncols=True, unit="step"
+    ) as bar:
         for k, batch in enumerate(batches):
             bar.set_description(f"sample: batch {k + 1} of {len(batches)}")
-            runtime.watchdog.sampling_progress(0, request.steps)
+            runtime.watchdog.sampling_progress(0, request.steps)  # each step has a deadline from here on
             progress = lambda done, total: (  # noqa: E731
                 bar.update(1),
                 runtime.watchdog.sampling_progress(done, total),
                 runtime.faults.at_sampling_step(done + 1, total),
             )
-            try:
-                images, bad = (
-                    generate_images(
-                        family,
-                        parts,
-                        [request.prompts[i] for i in batch],
-                        request.negative_prompt,
-                        [args.seed + i for i in batch],
-                        (request.frames, request.height, request.width),
-                        request.steps,
-                        request.guidance,
-                        cfg.text_encoder.max_length,
-                        progress,
-                        denoise_with,
-                    ),
-                    {},
-                )
-            except NonFiniteVideo as e:
-                images, bad = e.videos, e.bad
+            videos, bad = sample_batch(batch, progress)
             bad = {batch[j]: where for j, where in bad.items()}
-            write_batch(cfg, args, runtime, request, batch, images, bad)
+            write_batch(cfg, args, runtime, request, batch, videos, bad)
             unwritten.update(bad)
-    weights = f"model.pretrained={cfg.model.pretrained}"
-    if args.lora:
-        weights += f" with --lora {' '.join(args.lora)} (try without them, or at lower scales)"
-    vae = str(part_folder(cfg, "vae"))
     return (
         ValueError(nonfinite_message(cfg, runtime, request, unwritten, weights, vae)) if unwritten else None
     )
 
 
-def sample_and_write(
-    cfg, args, runtime, request: Request, mine: list, model, vae, text_encoder, sampler, weights: str = ""
-):
-    """Sample this replica's prompts `mine` on every rank of the replica, sample.batch_size at a time: the
-    same batches in the same order on every rank (they share `mine`), and a video does not depend on its
-    batch (seed + i, per-sample cache decisions). The replica's leader writes each batch as it finishes.
-    A video with NaN or inf is never written: every rank of the replica finds it in the same latents and
-    the sampling goes on (no prompt's work is lost); returns the error naming the likely cause (`weights`:
-    where they came from), or None, for main to raise once every replica is done."""
-    size, replica = cfg.sample.batch_size, runtime.sampling
-    batches = [mine[k : k + size] for k in range(0, len(mine), size)]
+def dit_batches(cfg, args, runtime, request: Request, model, vae, text_encoder, sampler):
+    """sample_batch(batch, progress) for tessera's DiT (sample_and_write's): image-to-video's condition of
+    the batch, the sampling (models/pipeline.py) with the VAE decode shared by the replica, and the step
+    cache's decisions compared between its ranks; `.full_calls`: first_block's calls that ran every
+    block, summed over the samples."""
     inputs = image_inputs(cfg, runtime.device) if request.images is not None else None
     encoder = inputs[1] if inputs is not None else None  # the CLIP encoder, if the model reads features
     flow = RectifiedFlow(cfg.flow, cfg.model.patch_size, request.cache)
     first_block = request.cache is not None and request.cache.method == "first_block"
-    full_calls = 0.0  # first_block: calls that ran every block, summed over the samples
-    components = (model, vae, text_encoder, sampler)
-    steps, hidden = len(batches) * request.steps, not runtime.is_main
-    unwritten = {}  # prompt -> where NaN or inf was found
-    with tqdm(total=steps, desc="sample", disable=hidden, dynamic_ncols=True, unit="step") as bar:
-        for k, batch in enumerate(batches):
-            bar.set_description(f"sample: batch {k + 1} of {len(batches)}")
-            videos, bad = sample_batch(cfg, args, runtime, request, batch, components, flow, encoder, bar)
-            check_cache_decisions(request.cache, replica, runtime.device)  # per batch: start() resets them
-            full_calls += request.cache.full_calls * len(batch) if first_block else 0.0
-            write_batch(cfg, args, runtime, request, batch, videos, bad)
-            unwritten.update(bad)
-    if runtime.is_main and first_block:
-        print(
-            f"[tessera] step cache: {full_calls / len(mine):g} of {request.steps} steps ran every block "
-            "(first_block, per sample)",
-            flush=True,
-        )
-    return ValueError(nonfinite_message(cfg, runtime, request, unwritten, weights)) if unwritten else None
-
-
-def sample_batch(cfg, args, runtime, request: Request, batch: list, components, flow, encoder, bar):
-    """The videos of the prompts `batch` (one array, as generate returns them) and {prompt: where NaN or
-    inf was found} of those not to be written."""
-    model, vae, text_encoder, sampler = components
-    condition = None
-    if request.images is not None:  # image-to-video: the frames' latents (and CLIP features) of `batch`
-        condition = image_condition(cfg, request, batch, vae, encoder, runtime.device)
-    runtime.watchdog.sampling_progress(0, request.steps)  # each denoising step has a deadline from here on
     replica = runtime.sampling
-    videos, bad = generate_checked(  # NaN or inf: the same verdict on every rank (the same latents)
-        model,
-        vae,
-        text_encoder,
-        flow,
-        [request.prompts[i] for i in batch],
-        request.frames,
-        request.height,
-        request.width,
-        request.steps,
-        request.guidance,
-        request.negative_prompt,
-        seeds=[args.seed + i for i in batch],
-        autocast_dtype=torch.bfloat16 if runtime.bf16(cfg.train.precision) else None,
-        progress=lambda done, total: (
-            bar.update(1),
-            runtime.watchdog.sampling_progress(done, total),
-            runtime.faults.at_sampling_step(done + 1, total),
-        ),
-        sampler=sampler,
-        decode=parallel_vae.shared_decoder(
-            vae, replica.replica_group, replica.replica_control, vae.tile_latent, vae.tile_overlap
-        ),
-        condition=condition,
+    decode = parallel_vae.shared_decoder(
+        vae, replica.replica_group, replica.replica_control, vae.tile_latent, vae.tile_overlap
     )
-    return videos, {batch[j]: where for j, where in bad.items()}
+
+    def sample_batch(batch: list, progress) -> tuple:
+        condition = None
+        if request.images is not None:  # image-to-video: the frames' latents (and CLIP features) of `batch`
+            condition = image_condition(cfg, request, batch, vae, encoder, runtime.device)
+        videos, bad = generate_checked(  # NaN or inf: the same verdict on every rank (the same latents)
+            model,
+            vae,
+            text_encoder,
+            flow,
+            [request.prompts[i] for i in batch],
+            request.frames,
+            request.height,
+            request.width,
+            request.steps,
+            request.guidance,
+            request.negative_prompt,
+            seeds=[args.seed + i for i in batch],
+            autocast_dtype=torch.bfloat16 if runtime.bf16(cfg.train.precision) else None,
+            progress=progress,
+            sampler=sampler,
+            decode=decode,
+            condition=condition,
+        )
+        check_cache_decisions(request.cache, replica, runtime.device)  # per batch: start() resets them
+        sample_batch.full_calls += request.cache.full_calls * len(batch) if first_block else 0.0
+        return videos, bad
+
+    sample_batch.full_calls = 0.0
+    return sample_batch
 
 
 def write_batch(cfg, args, runtime, request: Request, batch: list, videos, bad: dict) -> None:
