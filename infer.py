@@ -33,7 +33,7 @@ from models.image_condition import image_encoder_folder, image_inputs, read_imag
 from models.lora import deltas_of, merge_deltas
 from models.lora_formats import check_file, parse_lora_spec, read_lora
 from models.pipeline import NonFiniteVideo, generate_checked
-from models.sampler import generate_images
+from models.sampler import Sampling, generate_images
 from models.step_cache import step_cache
 from models.tiling import plan_tiles
 from models.vae import vae_latent_space
@@ -183,9 +183,9 @@ def load_sampler(
 ):
     """The frozen components, the DiT with the checkpoint's weights (without a checkpoint, the pretrained
     ones, model.pretrained, or with random_weights random ones from train.seed), and the sampler that
-    runs it across the layout (None: flow.sample on this process). A LoRA run's checkpoint and the
-    `loras` (read_loras: files matched, with their scales) are merged into the weights: every layout then
-    runs the same plain DiT.
+    runs it across the layout (None: models/sampler.py serial_denoise on this process). A LoRA run's
+    checkpoint and the `loras` (read_loras: files matched, with their scales) are merged into the
+    weights: every layout then runs the same plain DiT.
     Under PipeFusion the DiT is this rank's stage: only its blocks are ever allocated and filled."""
     text_encoder, vae = build_frozen(cfg, runtime.device)
     model = build_model(cfg, text_encoder, vae, weights=False)
@@ -286,6 +286,14 @@ class Request:
     images: list | None = None  # image-to-video: each prompt's first frame (PIL), or None
     last_images: list | None = None  # FLF2V: each prompt's last frame
     experts: tuple | None = None  # Wan 2.2 A14B: (the low-noise expert's folder, boundary, guidance_2)
+
+    def sampling(self, batch: list, seed: int, cfg) -> Sampling:
+        """models/sampler.py's Sampling of the prompts `batch` (prompt i from seed + i)."""
+        size = (self.frames, self.height, self.width)
+        prompts, seeds = [self.prompts[i] for i in batch], [seed + i for i in batch]
+        return Sampling(
+            prompts, seeds, size, self.steps, self.guidance, self.negative_prompt, cfg.text_encoder.max_length
+        )
 
 
 def read_request(cfg, args) -> Request:
@@ -452,7 +460,7 @@ def main(argv=None, session=None):
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     family = family_named(cfg.model.family)
-    if not family.native:  # sampled by models/sampler.py's loop (tessera's DiT: models/pipeline.py, below)
+    if not family.native:  # loaded by family.load (tessera's DiT: load_sampler, below); one sampling loop
         return sample_family(cfg, args, family, session)
     # Every refusal comes before any model is built or any collective is issued.
     request = read_request(cfg, args)
@@ -488,8 +496,6 @@ def main(argv=None, session=None):
         cfg, runtime, checkpoint, use_ema, args.random_weights, patches, loras, request.experts
     )
     del loras  # merged into the weights: the files' tensors need not outlive the sampling
-    if request.cache is not None and request.cache.method == "first_block":
-        components[0].step_cache = request.cache  # the DiT consults it after its first block
     mine = list(range(layout.dp_rank(runtime.rank), len(request.prompts), layout.dp))  # split over dp
     nonfinite = None
     if mine:
@@ -557,8 +563,8 @@ def sample_family(cfg, args, family, session) -> None:
     mine = list(range(layout.dp_rank(runtime.rank), len(prompts), layout.dp))  # split over dp
     nonfinite = None
     if mine:
-        weights = describe_weights(cfg, args, checkpoint, record, not args.no_ema)
-        sample_batch = family_batches(cfg, args, request, family, parts, denoise_with)
+        weights = describe_weights(cfg, args, checkpoint, record, cfg.sample.use_ema and not args.no_ema)
+        sample_batch = family_batches(cfg, args, runtime, request, family, parts, denoise_with)
         vae = str(part_folder(cfg, "vae"))
         nonfinite = sample_and_write(cfg, args, runtime, request, mine, sample_batch, weights, vae)
     finish(runtime, nonfinite)
@@ -660,24 +666,15 @@ def family_layout(cfg, family, request: Request) -> tuple[ParallelLayout, int]:
     return layout, layout.check_patches(cfg.parallel, (1, request.height // scale, request.width // scale))
 
 
-def family_batches(cfg, args, request: Request, family, parts, denoise_with):
+def family_batches(cfg, args, runtime, request: Request, family, parts, denoise_with):
     """sample_batch(batch, progress) -> (images, {index in the batch: where NaN or inf was found}) for a
     family sampled by models/sampler.py over its own parts (Qwen-Image, Sana)."""
 
     def sample_batch(batch: list, progress) -> tuple:
+        runtime.watchdog.sampling_progress(0, request.steps)  # each step has a deadline from here on
         try:
             images = generate_images(
-                family,
-                parts,
-                [request.prompts[i] for i in batch],
-                request.negative_prompt,
-                [args.seed + i for i in batch],
-                (request.frames, request.height, request.width),
-                request.steps,
-                request.guidance,
-                cfg.text_encoder.max_length,
-                progress,
-                denoise_with,
+                family, parts, request.sampling(batch, args.seed, cfg), progress, denoise_with
             )
             return images, {}
         except NonFiniteVideo as e:
@@ -703,7 +700,6 @@ def sample_and_write(cfg, args, runtime, request: Request, mine: list, sample_ba
     ) as bar:
         for k, batch in enumerate(batches):
             bar.set_description(f"sample: batch {k + 1} of {len(batches)}")
-            runtime.watchdog.sampling_progress(0, request.steps)  # each step has a deadline from here on
             progress = lambda done, total: (  # noqa: E731
                 bar.update(1),
                 runtime.watchdog.sampling_progress(done, total),
@@ -736,6 +732,7 @@ def dit_batches(cfg, args, runtime, request: Request, model, vae, text_encoder, 
         condition = None
         if request.images is not None:  # image-to-video: the frames' latents (and CLIP features) of `batch`
             condition = image_condition(cfg, request, batch, vae, encoder, runtime.device)
+        runtime.watchdog.sampling_progress(0, request.steps)  # each step has a deadline from here on
         videos, bad = generate_checked(  # NaN or inf: the same verdict on every rank (the same latents)
             model,
             vae,
@@ -753,6 +750,7 @@ def dit_batches(cfg, args, runtime, request: Request, model, vae, text_encoder, 
             progress=progress,
             sampler=sampler,
             decode=decode,
+            device=runtime.device,  # not the model's: Wan 2.2's experts take turns on it
             condition=condition,
         )
         check_cache_decisions(request.cache, replica, runtime.device)  # per batch: start() resets them

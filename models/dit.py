@@ -332,6 +332,20 @@ class Conditioning:
     token_index: torch.Tensor | None = None
 
 
+@dataclass
+class Pass:
+    """One forward between DiT.begin and DiT.end: this rank's tokens (B, N_local, D), the token grid,
+    their rotary angles and the blocks' modulation, context and context mask."""
+
+    tokens: torch.Tensor
+    grid: tuple
+    rope: torch.Tensor
+    c: torch.Tensor
+    temb: torch.Tensor
+    y: torch.Tensor
+    y_mask: torch.Tensor | None
+
+
 class WholeSequence(nn.Module):
     """Where the token sequence is split across processes and gathered again. On one device both are
     the identity; `parallel/` assigns a sequence-parallel replacement to `DiT.sequence`."""
@@ -417,7 +431,6 @@ class DiT(nn.Module):
         self._add_embedders(hidden_size, text_dim, pooled_text, image_dim, image_positions, adaln)
         self.rope = RotaryEmbedding3D(hidden_size // num_heads, rope_theta)
         self.sequence = WholeSequence()
-        self.step_cache = None  # infer.py may set a models.step_cache.FirstBlockCache (sample.cache)
         block = (hidden_size, num_heads, mlp_hidden, qk_norm, attention_backend, adaln, qk_norm_across_heads)
         self.blocks = nn.ModuleList([DiTBlock(*block, self.image_tokens) for _ in range(depth)])
         self.final_layer = FinalLayer(hidden_size, math.prod(self.patch_size), self.out_channels, adaln)
@@ -460,29 +473,29 @@ class DiT(nn.Module):
         the given first frame's tokens); y: (B, L, text_dim) text tokens; y_mask: (B, L) bool; image:
         CLIP features (B, image_tokens, image_dim) (FLF2V: (2B, image_tokens / 2, image_dim), first and
         last image) for a model with image_dim, else None."""
+        run = self.begin(x, t, y, y_mask, image)
+        tokens = run.tokens
+        for block in self.blocks:
+            tokens = block(tokens, run.c, run.y, run.y_mask, run.rope)  # (B, N_local, D)
+        return self.end(run, tokens)
+
+    def begin(self, x, t, y, y_mask, image=None) -> "Pass":
+        """forward up to the blocks: this rank's tokens and what the blocks read besides them (the first-
+        block step cache runs the blocks itself between begin and end: models/step_cache.py)."""
         tokens, grid = self.embed(x)  # (B, N, D)
         rope = self.rope(grid, tokens.device)  # (N, Dh/2, 2)
         cond = self.condition(t, y, y_mask, image)
-        c, temb, y, y_mask = cond.c, cond.temb, cond.y, cond.block_mask
+        c, temb = cond.c, cond.temb
         if cond.token_index is not None:  # the modulation of this rank's tokens (padding: row 0's)
             c = c[self.sequence.shard(cond.token_index.unsqueeze(-1), rope)[0].squeeze(-1)]
             temb = temb[cond.token_index]  # (B, N, D): the final layer's, after the gather
         tokens, rope = self.sequence.shard(tokens, rope)  # (B, N_local, D); the identity on one device
-        blocks, cache = list(self.blocks), self.step_cache
-        if cache is not None:  # sample.cache=first_block: after the first block, only the rows that must run
-            first = blocks[0](tokens, c, y, y_mask, rope)
-            run = cache.decide(first - tokens, self.sequence.valid_tokens(first.shape[1]))
-            tokens, blocks = first, blocks[1:]
-            if run is not None:  # the same rows on every rank of the sample
-                tokens, c, y = first[run], c[run], y[run]
-                y_mask = None if y_mask is None else y_mask[run]
-        if tokens.shape[0]:
-            for block in blocks:
-                tokens = block(tokens, c, y, y_mask, rope)  # (B, N_local, D)
-        if cache is not None:
-            tokens = cache.combine(first, tokens, run)
+        return Pass(tokens, grid, rope, c, temb, cond.y, cond.block_mask)
+
+    def end(self, run: "Pass", tokens):
+        """forward after the blocks: the blocks' output `tokens` (B, N_local, D) -> (B, C, T, H, W)."""
         tokens = self.sequence.gather(tokens)  # (B, N, D)
-        return self.unpatchify(self.final_layer(tokens, temb), grid)  # (B, C, T, H, W)
+        return self.unpatchify(self.final_layer(tokens, run.temb), run.grid)
 
     # The pieces of `forward`, also run one by one by parallel/pipefusion.py, whose stages hold only some
     # of the blocks and see one patch of tokens at a time.

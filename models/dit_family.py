@@ -14,6 +14,7 @@ import torch
 from models import tiling
 from models.family import Components, Family, Schedule
 from models.image_condition import ConditionedModel
+from models.step_cache import FirstBlockModel
 
 
 @dataclass
@@ -27,7 +28,8 @@ class DiTText:
 @dataclass
 class Experts:
     """Wan 2.2 A14B's second expert: `low` samples the steps below the boundary at guidance_2, the first
-    one the others; only the sampling one is on the device (14B each), swapped once a sampling."""
+    one the others; only the sampling one is on the device (14B each): they swap at the boundary, and back
+    when the next sampling starts (parallel/sampling.py)."""
 
     low: torch.nn.Module
     boundary: float
@@ -89,12 +91,14 @@ class DiTFamily(Family):
         return scale if experts is None or experts.high_noise(t) else experts.guidance_2
 
     def model_at(self, parts: DiTParts, t):
-        """The model that samples timestep `t` (one of Wan 2.2's experts, moved to the device), with the
-        image condition when there is one."""
-        model, experts = parts.transformer, parts.experts
+        """The model that samples timestep `t` (one of Wan 2.2's experts, moved to the device), behind the
+        first-block step cache and with the image condition when there are."""
+        model, experts, cache = parts.transformer, parts.experts, parts.flow.cache
         if experts is not None:
             pair = (model, experts.low) if experts.high_noise(t) else (experts.low, model)
             model = experts.on_device(*pair, parts.device)
+        if cache is not None and cache.method == "first_block":  # its blocks run around the cache's choice
+            model = FirstBlockModel(model, cache)
         return model if parts.condition is None else ConditionedModel(model, parts.condition)
 
     def velocity(self, parts: DiTParts, x, t, cond: DiTText):

@@ -12,10 +12,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from models.dit_family import DiTFamily, DiTParts, DiTText
 from models.family import Schedule
 from models.loop import denoise
-from models.sampler import guided_velocity
 from models.step_cache import CachedVelocity
 from models.vae import num_tokens
 
@@ -26,7 +24,7 @@ class RectifiedFlow:
         `timesteps`: the [low, high) range training draws from (expert_timesteps: one Wan 2.2 expert's)."""
         self.cache = cache
         self.timesteps = tuple(timesteps)
-        self.model_calls = 0  # calls of the last sample() that ran every block (first_block: per-sample mean)
+        self.model_calls = 0  # calls of the last walk() that ran every block (first_block: per-sample mean)
         self.logit_mean = flow_cfg.logit_mean
         self.logit_std = flow_cfg.logit_std
         self.shift_base = flow_cfg.shift
@@ -107,6 +105,11 @@ class RectifiedFlow:
         """Euler integration from noise (t=1) to data (t=0) of the DiT `model` (models/dit_family.py's
         velocity: with guidance != 1, the conditional and the negative branches run as one batch of 2B).
         `velocity(x, sigma)`, if given, replaces the guided model call."""
+        # the DiT family's guided velocity: flow.sample is a convenience for tests and benchmarks, and
+        # sampling goes through models/sampler.py, which calls walk below (so no import at the top)
+        from models.dit_family import DiTFamily, DiTParts, DiTText
+        from models.sampler import guided_velocity
+
         sigmas = self.sigmas(noise, steps)
         if velocity is None:
             parts = DiTParts(model, None, None, None, flow=self, device=noise.device)

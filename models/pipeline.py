@@ -9,7 +9,7 @@ import torch
 
 from models.dit_family import DiTFamily, DiTParts
 from models.flow import RectifiedFlow
-from models.sampler import NonFiniteVideo, generate_images, nonfinite_samples, serial_denoise
+from models.sampler import NonFiniteVideo, Sampling, generate_images, nonfinite_samples, serial_denoise
 from models.text_encoder import TextEncoder
 from models.vae import LatentSpace
 
@@ -52,16 +52,12 @@ def generate(
     device = device or next(model.parameters()).device
     parts = DiTParts(model, None, text_encoder, vae, flow=flow, condition=condition, autocast=autocast_dtype)
     parts.device = device
+    # max_length: its text encoder pads to text_encoder.max_length itself
+    sampling = Sampling(prompts, seeds, (frames, height, width), steps, guidance, negative_prompt)
     return generate_images(
         DIT,
         parts,
-        prompts,
-        negative_prompt,
-        seeds,
-        (frames, height, width),
-        steps,
-        guidance,
-        0,  # its text encoder pads to text_encoder.max_length itself
+        sampling,
         progress=progress,
         denoise_with=sampler or serial_denoise,
         device=device,

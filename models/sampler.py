@@ -5,10 +5,28 @@ velocity on one process (`serial_denoise`) or the guidance branches on two (para
 patch through PipeFusion's stages (parallel/pipefusion_family.py, parallel/pipefusion.py).
 """
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from models.family import Components, Family
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What one sampling draws: prompt i from seeds[i]'s noise (so an image does not depend on the prompts
+    that share its batch), at `size` (frames, height, width), in `steps` steps at guidance scale
+    `guidance` against `negative_prompt`; `max_length`: the text length the family encodes (its
+    pipeline's max_sequence_length)."""
+
+    prompts: list
+    seeds: list
+    size: tuple
+    steps: int
+    guidance: float
+    negative_prompt: str = ""
+    max_length: int = 0
 
 
 def guided_velocity(family: Family, parts: Components, cond, uncond, scale: float):
@@ -33,33 +51,29 @@ def serial_denoise(family: Family, parts: Components, schedule, noise, cond, unc
 def generate_images(
     family: Family,
     parts: Components,
-    prompts: list,
-    negative_prompt: str,
-    seeds: list,
-    size: tuple,
-    steps: int,
-    guidance: float,
-    max_length: int,
+    sampling: Sampling,
     progress=None,
     denoise_with=serial_denoise,
     device=None,
     conditioning=None,
     decode=None,
 ) -> np.ndarray:
-    """Images (B, frames, height, width, 3) float32 in [0, 1] of `prompts`, prompt i from seeds[i]'s noise
-    (`size`: frames, height, width). `denoise_with(family, parts, schedule, noise, cond, uncond, scale,
-    progress)` walks the schedule (serial_denoise's signature); `decode(latents)` replaces family.decode
-    (parallel/vae.py's, which shares the tiles among ranks). A sample with NaN or inf in its latents or
-    its decoded images raises NonFiniteVideo (after decoding the others, which it carries)."""
+    """Images (B, frames, height, width, 3) float32 in [0, 1] of `sampling`'s prompts.
+    `denoise_with(family, parts, schedule, noise, cond, uncond, scale, progress)` walks the schedule
+    (serial_denoise's signature); `decode(latents)` replaces family.decode (parallel/vae.py's, which
+    shares the tiles among ranks). A sample with NaN or inf in its latents or its decoded images raises
+    NonFiniteVideo (after decoding the others, which it carries)."""
+    prompts, guidance = sampling.prompts, sampling.guidance
     if conditioning is not None:  # (cond, uncond) of these prompts, encoded before (training's previews)
         cond, uncond = conditioning
     else:
-        cond, uncond = family.encode(parts, prompts, max_length), None
+        cond, uncond = family.encode(parts, prompts, sampling.max_length), None
         if family.guided(guidance):
-            uncond = family.encode(parts, [negative_prompt] * len(prompts), max_length, negative=True)
+            negative = [sampling.negative_prompt] * len(prompts)
+            uncond = family.encode(parts, negative, sampling.max_length, negative=True)
     device = device or next(parts.transformer.parameters()).device  # a host-held (offloaded) model: given
-    noise = family.noise(parts, seeds, *size).to(device)
-    schedule = family.schedule(parts, steps, noise)
+    noise = family.noise(parts, sampling.seeds, *sampling.size).to(device)
+    schedule = family.schedule(parts, sampling.steps, noise)
     with family.context(parts):
         latents = denoise_with(family, parts, schedule, noise, cond, uncond, guidance, progress)
     latents = family.finish(parts, latents)

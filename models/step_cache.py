@@ -6,8 +6,9 @@ per model and step count by scripts/calibrate_cache.py: per step, the mean relat
 velocity and the ratio of its norms) and the recipe's budget. Its values are identical on every rank, so
 every layout skips the same steps with no communication. `first_block` (FBCache-like): every call runs
 the first block; when its residual barely changed since the last full call, the other blocks are skipped
-and their last residual reused. The sums behind that decision are added up over every rank holding a part
-of the sample (`agree`, an all-reduce set by parallel/), so all take the same decision. A decision taken
+and their last residual reused (FirstBlockModel runs the DiT's blocks around that decision). The sums behind
+it are added up over every rank holding a part of the sample (`agree`, an all-reduce set by parallel/),
+so all take the same decision. A decision taken
 from a rank's own shard could differ between ranks and leave them in different collectives: a hang.
 """
 
@@ -301,6 +302,31 @@ class FirstBlockCache:
             self.rest[run] = out - first[run]
             self.previous[run] = self._residual[run]
         return full
+
+
+class FirstBlockModel:
+    """The DiT `model` called as model(x, t, y, y_mask, image) with sample.cache=first_block: its first
+    block on every row, the cache's decision, the other blocks on the rows that must run them
+    (models/dit.py begin and end around them). The decision's sums are agreed between the ranks here
+    (`agree`), never inside the model's forward."""
+
+    def __init__(self, model, cache: FirstBlockCache):
+        self.model, self.cache = model, cache
+        self.patch_size = model.patch_size
+
+    def __call__(self, x, t, y, y_mask, image=None):
+        model, cache = self.model, self.cache
+        run = model.begin(x, t, y, y_mask, image)
+        first = model.blocks[0](run.tokens, run.c, run.y, run.y_mask, run.rope)
+        rows = cache.decide(first - run.tokens, model.sequence.valid_tokens(first.shape[1]))
+        tokens, c, y, y_mask = first, run.c, run.y, run.y_mask
+        if rows is not None:  # the same rows on every rank of the sample
+            tokens, c, y = first[rows], c[rows], y[rows]
+            y_mask = None if y_mask is None else y_mask[rows]
+        if tokens.shape[0]:
+            for block in model.blocks[1:]:
+                tokens = block(tokens, c, y, y_mask, run.rope)
+        return model.end(run, cache.combine(first, tokens, rows))
 
 
 def step_cache(sample_cfg, steps: int):

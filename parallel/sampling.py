@@ -39,9 +39,7 @@ class ParallelSampler:
                 progress=progress,
                 condition=parts.condition,
             )
-        latents = self.denoise(
-            family, replace(parts, experts=self.experts), schedule, noise, cond, uncond, scale, progress
-        )
-        if self.experts is not None:  # the next sampling starts with the high-noise expert
+        if self.experts is not None:  # a sampling starts with the high-noise expert
             Experts.on_device(parts.transformer, self.experts.low, parts.device)
-        return latents
+        parts = replace(parts, experts=self.experts)
+        return self.denoise(family, parts, schedule, noise, cond, uncond, scale, progress)

@@ -82,7 +82,6 @@ def main(argv=None, session=None):
 
     def run(cache):
         flow = RectifiedFlow(cfg.flow, cfg.model.patch_size, cache)
-        model.step_cache = cache if isinstance(cache, FirstBlockCache) else None
         start = time.perf_counter()
         videos = generate(
             model,

@@ -540,7 +540,7 @@ def test_pipefusion_patches_across_processes(saved, tmp_path):
     patch, its convolution's halo and Qwen-Image's text pass between the stages, each pipeline one
     guidance branch. The images are those of the same schedule run item by item on one process."""
     from models.families import family_named
-    from models.sampler import generate_images
+    from models.sampler import Sampling, generate_images
 
     name, folder = saved
     if name != "sana":
@@ -557,13 +557,9 @@ def test_pipefusion_patches_across_processes(saved, tmp_path):
     parts = family.load(cfg, torch.device("cpu"), torch.float32)
     height, width = SIZE[name]
     for i, prompt in enumerate(PROMPTS):
-        want = generate_images(
-            family, parts, [prompt], NEGATIVE, [5 + i], (1, height, width), 3, 4.0, MAX_LENGTH,
-            denoise_with=sequential_pipefusion(2, 1),
-        )[0]  # fmt: skip
-        whole = generate_images(
-            family, parts, [prompt], NEGATIVE, [5 + i], (1, height, width), 3, 4.0, MAX_LENGTH
-        )[0]
+        sampling = Sampling([prompt], [5 + i], (1, height, width), 3, 4.0, NEGATIVE, MAX_LENGTH)
+        want = generate_images(family, parts, sampling, denoise_with=sequential_pipefusion(2, 1))[0]
+        whole = generate_images(family, parts, sampling)[0]
         got = np.load(tmp_path / f"image_{i:03d}.npy")
         diff, stale = float(np.abs(got - want).max()), float(np.abs(want - whole).max())
         print(f"{name} prompt {i}: PipeFusion's patches vs one process item by item {diff:.2e} (vs the whole "

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import infer
-from models.step_cache import CacheError, Calibration, FirstBlockCache, StepCache, plan_steps
+from models.step_cache import CacheError, Calibration, FirstBlockCache, FirstBlockModel, StepCache, plan_steps
 from tests.conftest import ROOT, TINY, run_main, torchrun
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -113,36 +113,37 @@ def test_the_first_block_rule_written_out_by_hand():
     def change(r, r_full):
         return (r - r_full).abs().flatten(1).sum(1) / r_full.abs().flatten(1).sum(1)
 
-    cache = model.step_cache = FirstBlockCache(threshold=0.05, max_skips=2)
+    cache = FirstBlockCache(threshold=0.05, max_skips=2)
+    cached = FirstBlockModel(model, cache)  # the DiT's blocks around the cache's decision
     cache.start(steps=4, samples=2)
     with torch.no_grad():
         full, r0, rest = by_hand(x)
-        assert torch.allclose(model(x, t, y, mask), full, atol=1e-6)
+        assert torch.allclose(cached(x, t, y, mask), full, atol=1e-6)
         near = x + 1e-3 * torch.randn_like(x)
         cache.begin_step(1)
         reused, r1, _ = by_hand(near, rest)
         assert (change(r1, r0) < 0.05).all()
-        assert torch.allclose(model(near, t, y, mask), reused, atol=1e-6) and cache.full_calls == 1
+        assert torch.allclose(cached(near, t, y, mask), reused, atol=1e-6) and cache.full_calls == 1
         mixed = torch.stack([x[0] + 2e-3 * torch.randn_like(x[0]), x[1] + 0.5 * torch.randn_like(x[1])])
         cache.begin_step(2)
         (reused, r2, _), (computed, _, _) = by_hand(mixed, rest), by_hand(mixed)
         assert change(r2, r0)[0] < 0.05 < change(r2, r0)[1]
-        assert torch.allclose(model(mixed, t, y, mask), torch.stack([reused[0], computed[1]]), atol=1e-6)
+        assert torch.allclose(cached(mixed, t, y, mask), torch.stack([reused[0], computed[1]]), atol=1e-6)
         cache.begin_step(3)  # the last step: every block, whatever the change
-        assert torch.allclose(model(near, t, y, mask), by_hand(near)[0], atol=1e-6)
+        assert torch.allclose(cached(near, t, y, mask), by_hand(near)[0], atol=1e-6)
     assert cache.decisions == [[False, False], [True, True], [True, False], [False, False]]
     assert cache.full_calls == 2.5  # per sample: 1 + 0 + 0.5 + 1
-    model.step_cache = None
     assert torch.allclose(model(mixed, t, y, mask), by_hand(mixed)[0], atol=1e-6)  # off: every block
 
     # Guided, as the serial sampler batches it: rows = (conditional, unconditional) x 2 samples, one
     # decision per sample over both of its rows (0 and 2, 1 and 3).
     t, y, mask = torch.full((4,), 0.5), torch.randn(4, 5, 16), torch.ones(4, 5, dtype=torch.bool)
-    cache = model.step_cache = FirstBlockCache(threshold=0.05, max_skips=2)
+    cache = FirstBlockCache(threshold=0.05, max_skips=2)
+    cached = FirstBlockModel(model, cache)  # the DiT's blocks around the cache's decision
     cache.start(steps=4, samples=2)
     with torch.no_grad():
         _, r0, rest = by_hand(torch.cat([x, x]))
-        model(torch.cat([x, x]), t, y, mask)
+        cached(torch.cat([x, x]), t, y, mask)
         cache.begin_step(1)
         (reused, r2, _), (computed, _, _) = (
             by_hand(torch.cat([mixed, mixed]), rest),
@@ -152,7 +153,7 @@ def test_the_first_block_rule_written_out_by_hand():
         per_sample = l1(r2 - r0) / l1(r0)
         assert per_sample[0] < 0.05 < per_sample[1]
         expected = torch.stack([reused[0], computed[1], reused[2], computed[3]])
-        assert torch.allclose(model(torch.cat([mixed, mixed]), t, y, mask), expected, atol=1e-6)
+        assert torch.allclose(cached(torch.cat([mixed, mixed]), t, y, mask), expected, atol=1e-6)
     assert cache.decisions[-1] == [True, False]
 
 
