@@ -288,7 +288,8 @@ class Request:
     experts: tuple | None = None  # Wan 2.2 A14B: (the low-noise expert's folder, boundary, guidance_2)
 
     def sampling(self, batch: list, seed: int, cfg) -> Sampling:
-        """models/sampler.py's Sampling of the prompts `batch` (prompt i from seed + i)."""
+        """models/sampler.py's Sampling of the prompts `batch` (prompt i from seed + i), for the families
+        (tessera's DiT takes the same values through models/pipeline.generate)."""
         size = (self.frames, self.height, self.width)
         prompts, seeds = [self.prompts[i] for i in batch], [seed + i for i in batch]
         return Sampling(
@@ -544,12 +545,12 @@ def sample_family(cfg, args, family, session) -> None:
         run = f" with {checkpoint}" + (" (LoRA)" if record else "") if checkpoint is not None else ""
         line = f"[tessera] {family.title} from {cfg.model.pretrained}{run}; layout {layout.describe()}"
         print(line + _pipefusion_words(cfg, layout, patches), flush=True)
-    groups = runtime.sampling
+    groups, use_ema = runtime.sampling, cfg.sample.use_ema and not args.no_ema
     keep = (lambda model: keep_blocks(model, groups.stage, groups.stages)) if layout.pipefusion > 1 else None
     dtype = torch.bfloat16 if runtime.bf16(cfg.train.precision) else torch.float32
     parts = family.load(cfg, runtime.device, dtype, keep=keep)  # under PipeFusion: this stage's blocks
     if checkpoint is not None:  # a run's weights: a full fine-tuning's, or its LoRA on its base
-        load_run_weights(cfg, runtime, family, parts.transformer, checkpoint, record, not args.no_ema)
+        load_run_weights(cfg, runtime, family, parts.transformer, checkpoint, record, use_ema)
     for update, strength in loras:  # merged: every layout then runs the plain transformer
         merge_deltas(parts.transformer, update.deltas(strength), elsewhere=held_elsewhere(parts.transformer))
     del loras
@@ -563,7 +564,7 @@ def sample_family(cfg, args, family, session) -> None:
     mine = list(range(layout.dp_rank(runtime.rank), len(prompts), layout.dp))  # split over dp
     nonfinite = None
     if mine:
-        weights = describe_weights(cfg, args, checkpoint, record, cfg.sample.use_ema and not args.no_ema)
+        weights = describe_weights(cfg, args, checkpoint, record, use_ema)
         sample_batch = family_batches(cfg, args, runtime, request, family, parts, denoise_with)
         vae = str(part_folder(cfg, "vae"))
         nonfinite = sample_and_write(cfg, args, runtime, request, mine, sample_batch, weights, vae)
@@ -608,9 +609,8 @@ def family_checkpoint(cfg, args, family) -> tuple:
 
 def load_run_weights(cfg, runtime, family, transformer, checkpoint, record, use_ema: bool) -> None:
     """A training run's weights into the family's transformer (under PipeFusion: this stage's blocks): a
-    full fine-tuning's (EMA unless --no-ema, sample.use_ema), or a LoRA run's adapters merged into its
+    full fine-tuning's (its EMA weights when `use_ema`), or a LoRA run's adapters merged into its
     base. NaN or inf is refused alike on every rank."""
-    use_ema = use_ema and cfg.sample.use_ema
     if record is None:
         load_weights(checkpoint, transformer, use_ema=use_ema)
         whole = runtime.layout.pipefusion == 1  # PipeFusion stages hold different blocks: one verdict

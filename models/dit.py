@@ -473,11 +473,11 @@ class DiT(nn.Module):
         the given first frame's tokens); y: (B, L, text_dim) text tokens; y_mask: (B, L) bool; image:
         CLIP features (B, image_tokens, image_dim) (FLF2V: (2B, image_tokens / 2, image_dim), first and
         last image) for a model with image_dim, else None."""
-        run = self.begin(x, t, y, y_mask, image)
-        tokens = run.tokens
+        state = self.begin(x, t, y, y_mask, image)
+        tokens = state.tokens
         for block in self.blocks:
-            tokens = block(tokens, run.c, run.y, run.y_mask, run.rope)  # (B, N_local, D)
-        return self.end(run, tokens)
+            tokens = block(tokens, state.c, state.y, state.y_mask, state.rope)  # (B, N_local, D)
+        return self.end(state, tokens)
 
     def begin(self, x, t, y, y_mask, image=None) -> "Pass":
         """forward up to the blocks: this rank's tokens and what the blocks read besides them (the first-
@@ -492,10 +492,10 @@ class DiT(nn.Module):
         tokens, rope = self.sequence.shard(tokens, rope)  # (B, N_local, D); the identity on one device
         return Pass(tokens, grid, rope, c, temb, cond.y, cond.block_mask)
 
-    def end(self, run: "Pass", tokens):
+    def end(self, state: "Pass", tokens):
         """forward after the blocks: the blocks' output `tokens` (B, N_local, D) -> (B, C, T, H, W)."""
         tokens = self.sequence.gather(tokens)  # (B, N, D)
-        return self.unpatchify(self.final_layer(tokens, run.temb), run.grid)
+        return self.unpatchify(self.final_layer(tokens, state.temb), state.grid)
 
     # The pieces of `forward`, also run one by one by parallel/pipefusion.py, whose stages hold only some
     # of the blocks and see one patch of tokens at a time.

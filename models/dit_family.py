@@ -92,7 +92,7 @@ class DiTFamily(Family):
 
     def model_at(self, parts: DiTParts, t):
         """The model that samples timestep `t` (one of Wan 2.2's experts, moved to the device), behind the
-        first-block step cache and with the image condition when there are."""
+        first-block step cache when it is on, with the image condition when there is one."""
         model, experts, cache = parts.transformer, parts.experts, parts.flow.cache
         if experts is not None:
             pair = (model, experts.low) if experts.high_noise(t) else (experts.low, model)

@@ -105,8 +105,9 @@ class RectifiedFlow:
         """Euler integration from noise (t=1) to data (t=0) of the DiT `model` (models/dit_family.py's
         velocity: with guidance != 1, the conditional and the negative branches run as one batch of 2B).
         `velocity(x, sigma)`, if given, replaces the guided model call."""
-        # the DiT family's guided velocity: flow.sample is a convenience for tests and benchmarks, and
-        # sampling goes through models/sampler.py, which calls walk below (so no import at the top)
+        # the DiT family's guided velocity: flow.sample is a convenience for tests and benchmarks (sampling
+        # goes through models/sampler.py, which calls walk below); imported here to keep this module, the
+        # objective and the schedule, off the family layer
         from models.dit_family import DiTFamily, DiTParts, DiTText
         from models.sampler import guided_velocity
 

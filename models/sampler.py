@@ -13,7 +13,7 @@ import torch
 from models.family import Components, Family
 
 
-@dataclass(frozen=True)
+@dataclass
 class Sampling:
     """What one sampling draws: prompt i from seeds[i]'s noise (so an image does not depend on the prompts
     that share its batch), at `size` (frames, height, width), in `steps` steps at guidance scale
@@ -27,6 +27,10 @@ class Sampling:
     guidance: float
     negative_prompt: str = ""
     max_length: int = 0
+
+    def __post_init__(self):
+        if len(self.seeds) != len(self.prompts):
+            raise ValueError(f"{len(self.prompts)} prompts and {len(self.seeds)} seeds: one seed per prompt")
 
 
 def guided_velocity(family: Family, parts: Components, cond, uncond, scale: float):

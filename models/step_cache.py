@@ -12,6 +12,7 @@ so all take the same decision. A decision taken
 from a rank's own shard could differ between ranks and leave them in different collectives: a hang.
 """
 
+import itertools
 import json
 import math
 import zlib
@@ -308,7 +309,8 @@ class FirstBlockModel:
     """The DiT `model` called as model(x, t, y, y_mask, image) with sample.cache=first_block: its first
     block on every row, the cache's decision, the other blocks on the rows that must run them
     (models/dit.py begin and end around them). The decision's sums are agreed between the ranks here
-    (`agree`), never inside the model's forward."""
+    (`agree`), never inside the model's forward. It needs the plain DiT (sequence parallelism and
+    per-block wrappers are fine; a whole-model FSDP2 or torch.compile wrapper would be bypassed)."""
 
     def __init__(self, model, cache: FirstBlockCache):
         self.model, self.cache = model, cache
@@ -316,17 +318,17 @@ class FirstBlockModel:
 
     def __call__(self, x, t, y, y_mask, image=None):
         model, cache = self.model, self.cache
-        run = model.begin(x, t, y, y_mask, image)
-        first = model.blocks[0](run.tokens, run.c, run.y, run.y_mask, run.rope)
-        rows = cache.decide(first - run.tokens, model.sequence.valid_tokens(first.shape[1]))
-        tokens, c, y, y_mask = first, run.c, run.y, run.y_mask
+        state = model.begin(x, t, y, y_mask, image)
+        first = model.blocks[0](state.tokens, state.c, state.y, state.y_mask, state.rope)
+        rows = cache.decide(first - state.tokens, model.sequence.valid_tokens(first.shape[1]))
+        tokens, c, y, y_mask = first, state.c, state.y, state.y_mask
         if rows is not None:  # the same rows on every rank of the sample
             tokens, c, y = first[rows], c[rows], y[rows]
             y_mask = None if y_mask is None else y_mask[rows]
         if tokens.shape[0]:
-            for block in model.blocks[1:]:
-                tokens = block(tokens, c, y, y_mask, run.rope)
-        return model.end(run, cache.combine(first, tokens, rows))
+            for block in itertools.islice(model.blocks, 1, None):
+                tokens = block(tokens, c, y, y_mask, state.rope)
+        return model.end(state, cache.combine(first, tokens, rows))
 
 
 def step_cache(sample_cfg, steps: int):
