@@ -32,8 +32,8 @@ from models.flow import RectifiedFlow
 from models.image_condition import image_encoder_folder, image_inputs, read_images, sampling_condition
 from models.lora import deltas_of, merge_deltas
 from models.lora_formats import check_file, parse_lora_spec, read_lora
-from models.pipeline import NonFiniteVideo, generate_checked
-from models.sampler import Sampling, generate_images
+from models.pipeline import generate_checked
+from models.sampler import Sampling, checked, generate_images
 from models.step_cache import step_cache
 from models.tiling import plan_tiles
 from models.vae import vae_latent_space
@@ -672,13 +672,9 @@ def family_batches(cfg, args, runtime, request: Request, family, parts, denoise_
 
     def sample_batch(batch: list, progress) -> tuple:
         runtime.watchdog.sampling_progress(0, request.steps)  # each step has a deadline from here on
-        try:
-            images = generate_images(
-                family, parts, request.sampling(batch, args.seed, cfg), progress, denoise_with
-            )
-            return images, {}
-        except NonFiniteVideo as e:
-            return e.videos, e.bad
+        return checked(
+            generate_images, family, parts, request.sampling(batch, args.seed, cfg), progress, denoise_with
+        )
 
     return sample_batch
 

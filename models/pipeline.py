@@ -9,7 +9,14 @@ import torch
 
 from models.dit_family import DiTFamily, DiTParts
 from models.flow import RectifiedFlow
-from models.sampler import NonFiniteVideo, Sampling, generate_images, nonfinite_samples, serial_denoise
+from models.sampler import (
+    NonFiniteVideo,
+    Sampling,
+    checked,
+    generate_images,
+    nonfinite_samples,
+    serial_denoise,
+)
 from models.text_encoder import TextEncoder
 from models.vae import LatentSpace
 
@@ -50,8 +57,9 @@ def generate(
     seeds = list(range(len(prompts))) if seeds is None else seeds
     # `device`: where the sampling runs (a model under train.cpu_offload keeps its weights on the CPU)
     device = device or next(model.parameters()).device
-    parts = DiTParts(model, None, text_encoder, vae, flow=flow, condition=condition, autocast=autocast_dtype)
-    parts.device = device
+    parts = DiTParts(
+        model, None, text_encoder, vae, flow=flow, condition=condition, autocast=autocast_dtype, device=device
+    )
     # max_length: its text encoder pads to text_encoder.max_length itself
     sampling = Sampling(prompts, seeds, (frames, height, width), steps, guidance, negative_prompt)
     return generate_images(
@@ -66,9 +74,5 @@ def generate(
 
 
 def generate_checked(*args, **kwargs) -> tuple:
-    """generate's (videos, {index in the batch: where NaN or inf was found}): the videos of those indices
-    are not to be used, and `videos` is None when none is finite."""
-    try:
-        return generate(*args, **kwargs), {}
-    except NonFiniteVideo as e:
-        return e.videos, e.bad
+    """generate's (videos, {index in the batch: where NaN or inf was found}): models/sampler.py checked."""
+    return checked(generate, *args, **kwargs)

@@ -95,6 +95,17 @@ def generate_images(
     return images
 
 
+def checked(sample, *args, **kwargs) -> tuple:
+    """(sample(*args, **kwargs), {}) of a sampling function raising NonFiniteVideo (generate_images,
+    models/pipeline.generate), or, when it raised, (the videos it carries, {index in the batch: where
+    NaN or inf was found}): the videos of those indices are not to be used, and None when none is
+    finite."""
+    try:
+        return sample(*args, **kwargs), {}
+    except NonFiniteVideo as e:
+        return e.videos, e.bad
+
+
 class NonFiniteVideo(ValueError):
     """Sampling gave NaN or inf: `bad` {index in the batch: where it was found}, `videos` the batch's
     videos (those of `bad` unusable; None when no sample was finite)."""

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from models.families import family_named
 from models.family import Components, Family
-from models.sampler import NonFiniteVideo, Sampling, generate_images
+from models.sampler import Sampling, checked, generate_images
 from parallel import comm
 from parallel.operators import check_sequence_layout
 from parallel.sequence import share_batch
@@ -132,13 +132,10 @@ def family_previews(cfg, run: FamilyRun, model, seeds: list, progress, device) -
     sc = cfg.sample
     parts = replace(run.parts, transformer=model)
     size = (sc.frames or cfg.data.frames, sc.height or cfg.data.height, sc.width or cfg.data.width)
-    try:
-        sampling = Sampling(
-            list(sc.prompts), seeds, size, sc.steps, sc.guidance, sc.negative_prompt, run.max_length
-        )
-        images = generate_images(
-            run.family, parts, sampling, progress, device=device, conditioning=run.previews
-        )
-        return images, {}
-    except NonFiniteVideo as e:
-        return (e.videos if e.videos is not None else np.zeros(0)), e.bad
+    sampling = Sampling(
+        list(sc.prompts), seeds, size, sc.steps, sc.guidance, sc.negative_prompt, run.max_length
+    )
+    images, bad = checked(
+        generate_images, run.family, parts, sampling, progress, device=device, conditioning=run.previews
+    )
+    return (images if images is not None else np.zeros(0)), bad
