@@ -16,7 +16,7 @@ import train
 from configs.rundir import read_metrics
 from parallel import checkpoint, checkpoint_files
 from parallel.checkpoint import FAULT_POINTS
-from tests.conftest import ROOT, TINY, run_main, torchrun
+from tests.conftest import ROOT, TINY, ranks, run_main
 
 pytestmark = pytest.mark.slow
 
@@ -148,7 +148,7 @@ def test_the_ranks_split_the_reading_and_share_the_verdict(straight, tmp_path):
     run_dir = tmp_path / "damaged"
     shutil.copytree(straight / "checkpoints", run_dir / "checkpoints")
     damage(run_dir / "checkpoints" / "step_4" / ".metadata", "corrupt")
-    result = torchrun(
+    result = ranks(
         2,
         "tests/checkpoint_worker.py",
         str(straight / "checkpoints" / "step_4"),

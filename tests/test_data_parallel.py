@@ -7,14 +7,14 @@ import pytest
 
 from configs.rundir import read_data_report, read_metrics
 from data.manifest import write_manifest
-from tests.conftest import TINY, torchrun
+from tests.conftest import TINY, ranks
 from tests.test_decode import write_counter_video
 
 pytestmark = pytest.mark.slow
 
 
 def test_plan_check_names_the_ranks_that_differ():
-    result = torchrun(3, "tests/data_worker.py", timeout=120)
+    result = ranks(3, "tests/data_worker.py", timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert out.count(": same ok") == 3 and "detected same" not in out, out
@@ -50,7 +50,7 @@ def test_three_processes_train_several_epochs_on_a_skewed_dataset(tmp_path):
     run = tmp_path / "run"
     # bucket 8x16x16: 8 samples -> 4 batches of 2; bucket 4x16x16: 1 batch of 1; 5 batches padded to 6 = 2
     # steps
-    result = torchrun(
+    result = ranks(
         3,
         "train.py",
         "--config",

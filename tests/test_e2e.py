@@ -13,7 +13,7 @@ import train
 from configs import load_config
 from configs.rundir import read_metrics
 from data.media import read_video
-from tests.conftest import TINY, run_main, torchrun
+from tests.conftest import TINY, ranks, run_main, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -297,7 +297,7 @@ def test_latent_vae_and_manifest_data(tmp_path, capfd):
 
     # The same training from latents precomputed by 2 processes: the same clips, so the same losses.
     latents = tmp_path / "latents"
-    result = torchrun(
+    result = ranks(
         2,
         "scripts/precompute_latents.py",
         *common[:2],
@@ -350,7 +350,7 @@ def test_two_processes_match_one(tmp_path):
         "data.synthetic_samples=4",
     ]
     assert run_main(train, common + [f"run.output_dir={one}", "train.batch_size=4"]) == 0
-    result = torchrun(2, "train.py", *common, f"run.output_dir={two}", "train.batch_size=2", timeout=240)
+    result = ranks(2, "train.py", *common, f"run.output_dir={two}", "train.batch_size=2", timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     a, b = losses(one), losses(two)
     assert a.keys() == b.keys()
@@ -366,7 +366,7 @@ def test_two_processes_match_one(tmp_path):
     ]
     sample = ["--config", str(TINY), "--steps", "2", "--no-ema", *prompts]  # raw weights depend on the prompt
     assert run_main(infer, sample + [f"run.output_dir={one}", "--output", str(tmp_path / "one.npy")]) == 0
-    result = torchrun(2, "infer.py", *sample, f"run.output_dir={one}", "--output", str(tmp_path / "two.npy"))
+    result = ranks(2, "infer.py", *sample, f"run.output_dir={one}", "--output", str(tmp_path / "two.npy"))
     assert result.returncode == 0, result.stderr[-3000:]
     for i in range(3):
         assert np.allclose(
@@ -401,7 +401,7 @@ def test_resume_under_another_layout(tmp_path):
         -2000:
     ]
     assert (run / "config.yaml").read_text() == config_before and not list(run.glob("config.*.yaml"))
-    result = torchrun(2, "train.py", *resume, "parallel.ulysses=2", timeout=180)
+    result = ranks(2, "train.py", *resume, "parallel.ulysses=2", timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in result.stdout and "at step 3" in result.stdout
     a, b = losses(straight), losses(run)

@@ -17,7 +17,7 @@ import infer
 import train
 from configs import ConfigError, load_config
 from configs.auto import resolve_family
-from tests.conftest import ROOT, run_main, torchrun
+from tests.conftest import ROOT, ranks, run_main
 from tests.test_qwen_image import tiny_qwen_pipeline
 from tests.test_sana import MAX_LENGTH, NEGATIVE, PROMPTS, tiny_sana_pipeline
 
@@ -106,7 +106,7 @@ def test_infer_matches_the_pipeline(saved, tmp_path, layout):
     if processes == 1:
         assert run_main(infer, argv) == 0
     else:
-        done = torchrun(processes, "infer.py", *argv, timeout=240)
+        done = ranks(processes, "infer.py", *argv, timeout=240)
         assert done.returncode == 0, done.stderr[-3000:]
         shown = [o.split(".")[1] for o in overrides if "warmup" not in o]  # the layout line
         shown += ["2 patches, 3 warm-up step(s)"] if "parallel.pipefusion=2" in overrides else []
@@ -549,7 +549,7 @@ def test_pipefusion_patches_across_processes(saved, tmp_path):
     argv = infer_args(name, folder, tmp_path, "--prompt", *PROMPTS, "--negative-prompt", NEGATIVE)
     argv += ["--steps", "3", "--guidance", "4", "--seed", "5", "--output", str(out)]
     argv += ["parallel.cfg=2", "parallel.pipefusion=2", "parallel.pipefusion_warmup=1"]
-    done = torchrun(4, "infer.py", *argv, timeout=240)
+    done = ranks(4, "infer.py", *argv, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "PipeFusion: 2 patches, 1 warm-up step(s)" in done.stdout, done.stdout
     family = family_named(name)

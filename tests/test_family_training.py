@@ -20,7 +20,7 @@ from data.loader import encode_family_batch
 from models.families import family_named
 from models.flow import RectifiedFlow
 from parallel.family_training import FamilyRun, FamilyVelocity, family_batch
-from tests.conftest import ROOT, run_main, torchrun
+from tests.conftest import ROOT, ranks, run_main
 from tests.test_families import FAMILIES, infer_args, pipeline_image, saved  # noqa: F401  (saved: a fixture)
 from tests.test_sana import MAX_LENGTH, NEGATIVE, PROMPTS
 
@@ -296,7 +296,7 @@ def test_sequence_parallel_training_is_one_process(runs, tmp_path, degree):
     if name == "sana" and degree == "parallel.ulysses=2":
         pytest.skip("Sana under ulysses runs the operators parallel.ring=2 runs")
     one, two = made["full"], tmp_path / "two"
-    done = torchrun(2, "train.py", *train_args(name, folder, two, *KINDS["full"], degree), timeout=240)
+    done = ranks(2, "train.py", *train_args(name, folder, two, *KINDS["full"], degree), timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     pairs = [
         (want[k], got[k])

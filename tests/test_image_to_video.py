@@ -13,7 +13,7 @@ import torch
 
 import infer
 import train
-from tests.conftest import ROOT, run_main, torchrun
+from tests.conftest import ROOT, ranks, run_main
 from tests.test_e2e import losses
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -216,7 +216,7 @@ def test_fine_tuned_image_to_video_exports_what_infer_samples(i2v_pipeline, tmp_
     if task == "i2v":
         run = tmp_path / "two"
         args = train_args(recipe, run, images, task) + ["parallel.ulysses=2"]
-        result = torchrun(2, "train.py", *args, timeout=180)
+        result = ranks(2, "train.py", *args, timeout=180)
         assert result.returncode == 0, result.stderr[-3000:]
     else:
         run, latents = one, tmp_path / "latents"
@@ -276,7 +276,7 @@ def test_wan22_image_to_video_a14b_samples_what_diffusers_samples(tmp_path):
     video = np.load(tmp_path / "one.npy")
     assert np.abs(video - pair).max() <= 1e-5, np.abs(video - pair).max()  # measured 1.2e-7
     args[args.index("--output") + 1] = str(tmp_path / "cfg.npy")
-    result = torchrun(2, "infer.py", *args, "parallel.cfg=2", timeout=120)
+    result = ranks(2, "infer.py", *args, "parallel.cfg=2", timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert np.abs(np.load(tmp_path / "cfg.npy") - pair).max() <= 1e-5
 
@@ -351,7 +351,7 @@ def test_wan22_ti2v_samples_and_trains_as_diffusers_does(tmp_path, monkeypatch):
     # cfg, ulysses and ring sampling were measured once, not in the suite (docs/image_to_video.md).
     pipefusion = ["parallel.pipefusion=2", "parallel.pipefusion_warmup=3"]
     args = base + ["--image", str(image), "--output", str(tmp_path / "pipefusion.npy"), *pipefusion]
-    result = torchrun(2, "infer.py", *args, timeout=120)
+    result = ranks(2, "infer.py", *args, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert np.abs(np.load(tmp_path / "pipefusion.npy") - i2v).max() <= 1e-5
     # fine-tuning: the clip's first latent frame given at t = 0, the loss on the rest; ulysses 2 trains
@@ -368,7 +368,7 @@ def test_wan22_ti2v_samples_and_trains_as_diffusers_does(tmp_path, monkeypatch):
     )
     assert run_main(train, train_args + [f"run.output_dir={tmp_path / 'one'}"]) == 0
     assert seen == [1, 1]  # the given first latent frame has no loss
-    result = torchrun(2, "train.py", *train_args, f"run.output_dir={tmp_path / 'two'}", "parallel.ulysses=2")
+    result = ranks(2, "train.py", *train_args, f"run.output_dir={tmp_path / 'two'}", "parallel.ulysses=2")
     assert result.returncode == 0, result.stderr[-3000:]
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert a.keys() == b.keys() == {1, 2} and all(b[s] == pytest.approx(a[s], rel=1e-4) for s in a), (a, b)

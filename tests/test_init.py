@@ -10,7 +10,7 @@ import torch
 
 import infer
 import train
-from tests.conftest import TINY, run_main, torchrun
+from tests.conftest import TINY, ranks, run_main
 from tests.test_wan import TINY_WAN
 
 
@@ -30,7 +30,7 @@ def save_wan(folder, **overrides):
 def test_sharded_start_up_equals_one_process_and_reads_only_own_rows(tmp_path):
     folder = save_wan(tmp_path / "wan")
     assert len(list(folder.glob("*.safetensors"))) > 1
-    result = torchrun(2, "tests/init_worker.py", str(folder), timeout=100)
+    result = ranks(2, "tests/init_worker.py", str(folder), timeout=100)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith(("ok ", "FAIL "))]
     assert sum(line.startswith("ok seed ") for line in lines) == 4, lines

@@ -30,7 +30,7 @@ from models.lora_formats import (
     model_projections,
     starting_adapters,
 )
-from tests.conftest import run_main, torchrun
+from tests.conftest import ranks, run_main
 from tests.test_wan_pipeline import PROMPT, infer_sample, pipeline_sample, tiny_pipeline  # noqa: F401
 
 # the diffusers module names PEFT targets for "every Linear of self-, cross-attention and feed-forward"
@@ -336,7 +336,7 @@ def test_a_diffusers_peft_lora_samples_in_infer_what_diffusers_samples(tiny_pipe
     size = ["--frames", "5", "--height", "32", "--width", "32", "--prompt", PROMPT, "--lora", str(lora)]
     stages = ["parallel.pipefusion=2", "parallel.pipefusion_warmup=3", f"run.output_dir={tmp_path / 'run'}"]
     out = tmp_path / "pipefusion.npy"
-    result = torchrun(2, "infer.py", "--config", str(recipe), *stages, *size, "--output", str(out))
+    result = ranks(2, "infer.py", "--config", str(recipe), *stages, *size, "--output", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     assert np.abs(np.load(out) - ours).max() <= 1e-5
 
@@ -361,9 +361,7 @@ def test_a_lora_trained_across_layouts_exports_to_diffusers_and_comfyui(tiny_pip
     assert run_main(train, common + [f"run.output_dir={straight}", "train.max_steps=4"]) == 0
     assert run_main(train, common + [f"run.output_dir={run}", "train.max_steps=2"]) == 0
     for steps, *layout in ((3, "parallel.ulysses=2"), (4, "parallel.ring=2", "train.cpu_offload=true")):
-        result = torchrun(
-            2, "train.py", *common, f"run.output_dir={run}", f"train.max_steps={steps}", *layout
-        )
+        result = ranks(2, "train.py", *common, f"run.output_dir={run}", f"train.max_steps={steps}", *layout)
         assert result.returncode == 0, result.stderr[-3000:]
     a, b = lora_losses(straight), lora_losses(run)
     assert a.keys() == b.keys() == {1, 2, 3, 4}
@@ -404,7 +402,7 @@ def test_training_starts_from_a_shared_lora_as_diffusers_merges_it(tiny_pipeline
     fused = [f"run.output_dir={tmp_path / 'fused_run'}", f"model.pretrained={tmp_path / 'fused'}"]
     assert run_main(train, common + fused) == 0
     assert run_main(train, common + [f"run.output_dir={tmp_path / 'base_run'}"]) == 0
-    result = torchrun(
+    result = ranks(
         2,
         "train.py",
         *common,
@@ -512,7 +510,7 @@ def test_previews_leave_the_training_unchanged(tmp_path):
     common = ["--config", str(TINY), "train.max_steps=4", "train.checkpoint_every=4", "train.ema_decay=0.5"]
     common += [f"model.pretrained={base}", "lora.rank=4", "train.batch_size=2"]
     for name, every in (("a", 0), ("b", 1)):
-        result = torchrun(
+        result = ranks(
             2, "train.py", *common, f"run.output_dir={tmp_path / name}", f"train.sample_every={every}"
         )
         assert result.returncode == 0, result.stderr[-3000:]

@@ -12,7 +12,7 @@ from configs.schema import VAEConfig
 from models import tiling
 from models.vae import LatentSpace, build_vae
 from parallel import vae as parallel_vae
-from tests.conftest import torchrun
+from tests.conftest import ranks
 
 # Tiled vs untiled decode of the tiny random VAEs (seed 0), measured on the cases below (torch 2.13 CPU):
 #   kl  (1, 4, 2, 10, 14) latent, tile 6 overlap 2, 6 tiles:  max abs 1.30, mean abs 0.094 (output std 0.38)
@@ -174,7 +174,7 @@ def _passed(result):
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("processes", [2, 3])
 def test_parallel_decode_equals_serial(processes):
-    passed = _passed(torchrun(processes, "tests/vae_worker.py", timeout=80))
+    passed = _passed(ranks(processes, "tests/vae_worker.py", timeout=80))
     for kind, tiles in (
         ("kl", 6),
         ("kl", 2),

@@ -21,7 +21,7 @@ from parallel.pipefusion_plan import (
     schedule,
     stage_blocks,
 )
-from tests.conftest import TINY, torchrun
+from tests.conftest import TINY, ranks, torchrun
 
 
 def test_stages_are_contiguous_and_balanced():
@@ -104,7 +104,7 @@ def test_every_sampling_layout_against_the_serial_sampler():
     """pipefusion 2 and 4 with M = N and 2N, pipefusion x ulysses / ring / cfg, cfg alone (with dp and with
     ulysses): the serial result within 1e-5 with warm-up over every step; with warm-up 0-2 the result of
     an independent one-process stale-K/V reference, whatever the stages and what runs inside them."""
-    result = torchrun(4, "tests/pipefusion_worker.py", timeout=130)
+    result = ranks(4, "tests/pipefusion_worker.py", timeout=130)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     passed = [line for line in result.stdout.splitlines() if line.startswith("ok ")]
     for case in (
@@ -167,7 +167,7 @@ def serial_videos(tmp_path_factory):
     ],
 )
 def test_infer_under_pipefusion_equals_one_process(tmp_path, serial_videos, nproc, layout):
-    result = torchrun(
+    result = ranks(
         nproc,
         "infer.py",
         *SAMPLE,
@@ -225,7 +225,7 @@ def test_ranks_whose_messages_disagree_stop_with_a_named_error(tmp_path, fault, 
 def test_a_replica_without_prompts_does_not_wait_for_the_others(tmp_path):
     """dp=2 and one prompt: rank 1 has nothing to sample and leaves at once; it must not sit in a barrier
     whose control timeout (1 s here) runs out while rank 0 samples, which would abort rank 0's run."""
-    result = torchrun(
+    result = ranks(
         2,
         "infer.py",
         *SAMPLE[:-2],
@@ -257,7 +257,7 @@ def test_infer_shares_the_vae_tiles_and_equals_one_process(tmp_path):
         run_main(infer, args + [f"run.output_dir={tmp_path / 'one'}", "--output", str(tmp_path / "one.npy")])
         == 0
     )
-    result = torchrun(
+    result = ranks(
         2,
         "infer.py",
         *args,

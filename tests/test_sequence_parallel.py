@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from tests.conftest import torchrun
+from tests.conftest import ranks
 
 FOUR_PROCESS_LAYOUTS = ["u4r1", "u1r4", "u2r2", "u2r1", "u1r2"]
 
@@ -20,7 +20,7 @@ def _passed(result):
 
 @pytest.mark.timeout(180)
 def test_four_processes_ulysses_ring_and_hybrid():
-    passed = _passed(torchrun(4, "tests/sp_worker.py", timeout=150))
+    passed = _passed(ranks(4, "tests/sp_worker.py", timeout=150))
     for layout in FOUR_PROCESS_LAYOUTS:
         p = 4 if layout in ("u4r1", "u1r4", "u2r2") else 2
         for tokens in (6 * p, 6 * p - 1, p + 1):
@@ -39,7 +39,7 @@ def test_four_processes_ulysses_ring_and_hybrid():
 
 @pytest.mark.timeout(180)
 def test_three_process_ring():
-    passed = _passed(torchrun(3, "tests/sp_worker.py", timeout=150))
+    passed = _passed(ranks(3, "tests/sp_worker.py", timeout=150))
     assert sum(line.startswith("ok attention u1r3 ") for line in passed) == 12 + 8
     assert sum(line.startswith("ok DiT u1r3 ") for line in passed) == 6
     assert sum(line.startswith("ok WanDiT u1r3 ") for line in passed) == 2
@@ -95,7 +95,7 @@ def single_process_videos(tmp_path_factory):
     ],
 )
 def test_infer_under_layout_equals_one_process(tmp_path, single_process_videos, nproc, layout):
-    result = torchrun(
+    result = ranks(
         nproc,
         "infer.py",
         *SAMPLE,
@@ -138,7 +138,7 @@ def test_training_under_ulysses_and_ring_equals_one_process(tmp_path):
         (4, ["parallel.dp=2", "parallel.ring=2", "train.batch_size=2", *SELECTIVE]),
     ):  # same 4 samples
         run_dir = tmp_path / "_".join(layout).replace("=", "")
-        result = torchrun(nproc, "train.py", *common, f"run.output_dir={run_dir}", *layout, timeout=170)
+        result = ranks(nproc, "train.py", *common, f"run.output_dir={run_dir}", *layout, timeout=170)
         assert result.returncode == 0, result.stderr[-4000:]
         assert logged_layout(result.stdout) == layout_run(nproc, layout), result.stdout[-2000:]
         got = loss_and_grad_norm(run_dir)

@@ -14,7 +14,7 @@ import torch
 
 import infer
 from models.step_cache import CacheError, Calibration, FirstBlockCache, FirstBlockModel, StepCache, plan_steps
-from tests.conftest import ROOT, TINY, run_main, torchrun
+from tests.conftest import ROOT, TINY, ranks, run_main, torchrun
 
 sys.path.insert(0, str(ROOT / "scripts"))
 
@@ -174,7 +174,7 @@ def cached_sample(tmp_path, name, calibration_file, *extra, nproc=1, env=None):
     if nproc == 1:
         assert run_main(infer, args) == 0
         return np.stack([np.load(out.with_name(f"{name}_{i:03d}.npy")) for i in range(2)]), None
-    result = torchrun(nproc, "infer.py", *args, timeout=90, env=env)
+    result = ranks(nproc, "infer.py", *args, timeout=90, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     return np.stack([np.load(out.with_name(f"{name}_{i:03d}.npy")) for i in range(2)]), result.stdout
 

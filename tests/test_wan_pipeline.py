@@ -12,7 +12,7 @@ import torch
 
 import infer
 import train
-from tests.conftest import ROOT, run_main, torchrun
+from tests.conftest import ROOT, ranks, run_main
 from tests.test_wan import TINY_WAN
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -281,7 +281,7 @@ def test_wan22_two_experts_sample_what_wan_pipeline_samples(tiny_pipeline, a14b_
         str(tmp_path / "cfg.npy"),
         "sample.guidance_2=3.0",
     ]
-    result = torchrun(2, "infer.py", *args, "parallel.cfg=2", timeout=90)
+    result = ranks(2, "infer.py", *args, "parallel.cfg=2", timeout=90)
     assert result.returncode == 0, result.stderr[-3000:]
     assert np.abs(np.load(tmp_path / "cfg.npy") - expected).max() <= 1e-5
     single = ["--config", str(recipe), f"run.output_dir={tmp_path / 'run1'}", "sample.guidance_2=3.0"]

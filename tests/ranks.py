@@ -1,0 +1,122 @@
+"""A launcher for the suite's equality tests: the ranks of train.py, infer.py or a script, forked from one
+server process per pytest worker that has already imported torch, transformers and diffusers, instead of
+`torchrun` starting a fresh interpreter per rank (about 8 s of imports each, on 2 cores most of a tiny
+launch). The ranks see the environment any launcher other than torchrun gives (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR/PORT; rank 0 hosts the store: parallel/runtime.py's "another launcher" path). The
+tests of torchrun's own behaviour (its agent store, its signals, two nodes, requeues) keep `torchrun`.
+As torchrun does, the first rank to fail gets the others a SIGTERM; a launch that outlives `timeout` is
+killed and raises subprocess.TimeoutExpired.
+"""
+
+import multiprocessing
+import os
+import runpy
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# What a rank of train.py or infer.py imports before its first step: imported once, in the server.
+PRELOAD = [
+    "torch",
+    "torch.distributed.fsdp",
+    "transformers.models.t5.modeling_t5",
+    "transformers.models.clip.modeling_clip",
+    "diffusers",
+    "diffusers.models.autoencoders.autoencoder_kl_wan",
+    "diffusers.schedulers.scheduling_flow_match_euler_discrete",
+    "train",
+    "infer",
+]
+PEER_GRACE_S = 30.0  # after a rank fails, how long the others get to end on their SIGTERM (torchrun: 30 s)
+
+_context = None
+
+
+def _server():
+    global _context
+    if _context is None:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # read once, by the server's torch import
+        if str(ROOT) not in sys.path:
+            sys.path.insert(0, str(ROOT))
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+    return _context
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(script: str, args: list, env: dict, out: str, err: str) -> None:
+    """One rank, in a child of the server: its output to files, then the script as `__main__`."""
+    for fd, path in ((1, out), (2, err)):
+        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(handle, fd)
+        os.close(handle)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    os.environ.update(env)
+    os.chdir(ROOT)
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    sys.argv = [script, *args]
+    runpy.run_path(script, run_name="__main__")  # train.py's own __main__ exits with the run's code
+
+
+def launch(nproc: int, script: str, *args: str, timeout: float = 240, env: dict | None = None):
+    """`torchrun --standalone --nproc_per_node nproc script args`, forked: a CompletedProcess whose stdout
+    and stderr are the ranks' in rank order, and whose code is the first failing rank's (else 0)."""
+    context = _server()
+    port = _free_port()
+    base = {"OMP_NUM_THREADS": "1", **(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    base.update(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+    with tempfile.TemporaryDirectory(prefix="tessera-ranks-") as folder:
+        files = [(f"{folder}/out{r}", f"{folder}/err{r}") for r in range(nproc)]
+        procs = []
+        for rank in range(nproc):
+            rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0"}
+            target = (str(ROOT / script), list(args), rank_env, *files[rank])
+            proc = context.Process(target=_rank, args=target)
+            proc.start()
+            procs.append(proc)
+        code, timed_out = _wait(procs, timeout)
+        stdout = "".join(Path(out).read_text(errors="replace") for out, _ in files)
+        stderr = "".join(Path(err).read_text(errors="replace") for _, err in files)
+    cmd = ["ranks", str(nproc), script, *args]
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
+    return subprocess.CompletedProcess(cmd, code, stdout, stderr)
+
+
+def _wait(procs: list, timeout: float) -> tuple[int, bool]:
+    """Every rank's end; SIGTERM to the rest once one fails (as torchrun's agent does), SIGKILL to all at
+    `timeout` or PEER_GRACE_S after that. Returns (the first failing rank's code or 0, timed out)."""
+    deadline, first, grace = time.monotonic() + timeout, 0, None
+    while any(p.exitcode is None for p in procs):
+        now = time.monotonic()
+        failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+        if failed and not first:
+            first, grace = failed[0], now + PEER_GRACE_S
+            for p in procs:
+                if p.exitcode is None:
+                    os.kill(p.pid, signal.SIGTERM)
+        if now > deadline or (grace is not None and now > grace):
+            for p in procs:
+                if p.exitcode is None:
+                    p.kill()
+            for p in procs:
+                p.join()
+            return first or -signal.SIGKILL, now > deadline
+        time.sleep(0.05)
+    for p in procs:
+        p.join()
+    failed = [p.exitcode for p in procs if p.exitcode != 0]
+    return first or (failed[0] if failed else 0), False
