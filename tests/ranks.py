@@ -68,12 +68,20 @@ def _rank(script: str, args: list, env: dict, out: str, err: str) -> None:
 
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
     sys.argv = [script, *args]
-    runpy.run_path(script, run_name="__main__")  # train.py's own __main__ exits with the run's code
+    try:
+        runpy.run_path(script, run_name="__main__")  # train.py's own __main__ exits with the run's code
+    except SystemExit:
+        raise
+    except BaseException:  # as an interpreter ends on one: sys.excepthook (torch's adds "[rankN]:"), code 1
+        sys.excepthook(*sys.exc_info())
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def launch(nproc: int, script: str, *args: str, timeout: float = 240, env: dict | None = None):
     """`torchrun --standalone --nproc_per_node nproc script args`, forked: a CompletedProcess whose stdout
-    and stderr are the ranks' in rank order, and whose code is the first failing rank's (else 0)."""
+    and stderr are the ranks' in rank order, whose code is the first failing rank's (else 0), and whose
+    `codes` are each rank's."""
     context = _server()
     port = _free_port()
     base = {"OMP_NUM_THREADS": "1", **(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
@@ -88,12 +96,15 @@ def launch(nproc: int, script: str, *args: str, timeout: float = 240, env: dict 
             proc.start()
             procs.append(proc)
         code, timed_out = _wait(procs, timeout)
+        codes = [p.exitcode for p in procs]
         stdout = "".join(Path(out).read_text(errors="replace") for out, _ in files)
         stderr = "".join(Path(err).read_text(errors="replace") for _, err in files)
     cmd = ["ranks", str(nproc), script, *args]
     if timed_out:
         raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
-    return subprocess.CompletedProcess(cmd, code, stdout, stderr)
+    done = subprocess.CompletedProcess(cmd, code, stdout, stderr)
+    done.codes = codes  # each rank's exit code (torchrun prints them in its summary)
+    return done
 
 
 def _wait(procs: list, timeout: float) -> tuple[int, bool]:

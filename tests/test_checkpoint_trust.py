@@ -18,7 +18,7 @@ import torch.distributed as dist
 import infer
 import train
 from parallel import checkpoint, checkpoint_files
-from tests.conftest import TINY, run_main, torchrun
+from tests.conftest import TINY, ranks, run_main
 
 COMMON = ["--config", str(TINY), "train.max_steps=2", "train.checkpoint_every=2"]  # one checkpoint: step_2
 ITEM = "ema.final_layer.linear.bias"  # a weight that every load reads: training, sampling, model.pretrained
@@ -128,7 +128,7 @@ def test_a_crafted_item_is_refused_on_every_rank(trained, tmp_path):
     marker = tmp_path / "marker"
     craft(run_dir / "checkpoints" / "step_2", "distcp", marker)
     argv = ["--config", str(TINY), f"run.output_dir={run_dir}", "train.max_steps=4", "parallel.ulysses=2"]
-    result = torchrun(2, "train.py", *argv, timeout=240)
+    result = ranks(2, "train.py", *argv, timeout=240)
     assert result.returncode != 0
     named = f"was not loaded: __0_0.distcp (item {ITEM}) names exec, which no tessera checkpoint holds"
     for rank in (0, 1):

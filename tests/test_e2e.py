@@ -395,7 +395,7 @@ def test_resume_under_another_layout(tmp_path):
     assert run_main(train, common + [f"run.output_dir={run}", "train.max_steps=3"]) == 0
     config_before = (run / "config.yaml").read_text()
     resume = [*common, f"run.output_dir={run}", "train.max_steps=6"]
-    result = torchrun(2, "train.py", *resume, "parallel.dp=2", timeout=120)
+    result = ranks(2, "train.py", *resume, "parallel.dp=2", timeout=120)
     assert result.returncode != 0
     assert result.stderr.count("written with 1 data-parallel ranks and this run has 2") == 2, result.stderr[
         -2000:

@@ -14,7 +14,7 @@ from configs.rundir import read_metrics
 from parallel import checkpoint as checkpoint_module
 from parallel import checkpoint_files
 from parallel.init import canonical_name
-from tests.conftest import TINY, run_main, torchrun
+from tests.conftest import TINY, ranks, run_main
 from tests.test_guards import WAN_OPTIONS, first_error, wan_folder
 
 
@@ -68,7 +68,7 @@ def test_sharded_ranks_agree_on_nan_weights_only_one_of_them_holds(tmp_path):
         rows = f.get_slice(key).get_shape()[0]
     poison(file, key, row=rows - 1)
     args = ["--config", str(TINY), f"run.output_dir={tmp_path / 'run'}", f"model.pretrained={folder}"]
-    result = torchrun(2, "train.py", *args, *WAN_OPTIONS, "train.max_steps=2", timeout=150)
+    result = ranks(2, "train.py", *args, *WAN_OPTIONS, "train.max_steps=2", timeout=150)
     expected = f"error: model.pretrained={folder}: tensor '{key}' in {file} holds NaN or inf"
     assert f"[rank 0] {expected}" in result.stderr and f"[rank 1] {expected}" in result.stderr, result.stderr[
         -3000:

@@ -21,7 +21,7 @@ from parallel.pipefusion_plan import (
     schedule,
     stage_blocks,
 )
-from tests.conftest import TINY, ranks, torchrun
+from tests.conftest import TINY, ranks
 
 
 def test_stages_are_contiguous_and_balanced():
@@ -201,7 +201,7 @@ def test_infer_under_pipefusion_equals_one_process(tmp_path, serial_videos, npro
 )
 def test_ranks_whose_messages_disagree_stop_with_a_named_error(tmp_path, fault, message):
     started = time.monotonic()
-    result = torchrun(
+    result = ranks(
         2,
         "infer.py",
         *SAMPLE[:-2],

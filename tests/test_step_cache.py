@@ -14,7 +14,7 @@ import torch
 
 import infer
 from models.step_cache import CacheError, Calibration, FirstBlockCache, FirstBlockModel, StepCache, plan_steps
-from tests.conftest import ROOT, TINY, ranks, run_main, torchrun
+from tests.conftest import ROOT, TINY, ranks, run_main
 
 sys.path.insert(0, str(ROOT / "scripts"))
 
@@ -238,7 +238,7 @@ def test_first_block_decisions_are_agreed_across_ranks(tmp_path, capsys):
     # A rank that decides otherwise from the agreed sums (cfg 2: no collective inside the blocks would
     # notice) is caught by the check after sampling: one error line, no video written.
     args = ["--config", str(TINY), f"run.output_dir={tmp_path / 'run'}", *SIZE, *PROMPTS, *FIRST_BLOCK]
-    result = torchrun(
+    result = ranks(
         2,
         "infer.py",
         *args,
@@ -270,7 +270,7 @@ def test_cache_settings_a_layout_cannot_honour_are_refused_at_start(tmp_path, ca
     assert "first_block cannot run under PipeFusion" in capsys.readouterr().err
     # a rank with another threshold (as if it read another recipe) is named before any weight is loaded
     calibrated = ["sample.cache=calibrated", f"sample.cache_calibration={file}", "--steps", "6"]
-    result = torchrun(
+    result = ranks(
         2,
         "infer.py",
         *base,
@@ -279,7 +279,7 @@ def test_cache_settings_a_layout_cannot_honour_are_refused_at_start(tmp_path, ca
         timeout=60,
         env={"TESSERA_FAULT": "cache_plan@1"},
     )
-    assert result.returncode != 0 and "exitcode  : 2" in result.stderr, result.stderr[-2000:]  # a user error
+    assert 2 in result.codes, result.stderr[-2000:]  # a user error
     assert (
         "error: the ranks sampling one video differ in what decides the step cache's skips (replica rank 0:"
         in result.stderr
