@@ -60,6 +60,10 @@ class ModelConfig:
     # Wan 2.2 A14B: the low-noise expert's folder (a WanTransformer3DModel); None: model.pretrained's
     # transformer_2/ when it is a pipeline folder with one (sampling only)
     pretrained_2: Optional[str] = None
+    # A LoRA run's frozen base: auto (the compute dtype: bf16 on a GPU) | float8 (the blocks' Linear weights
+    # in float8 with a scale per row, computed in the compute dtype: half the base's bytes; training only,
+    # infer.py loads the base in its compute dtype; models/float8.py)
+    base_dtype: str = "auto"
     # Wan 2.2 A14B expert training: none | high (trains on noise levels >= sample.boundary, from
     # model.pretrained) | low (below it, from model.pretrained_2 or model.pretrained's transformer_2/)
     expert: str = "none"

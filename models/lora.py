@@ -19,6 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.float8 import SCALE, base_weight
+
 # Every Linear of the blocks' self-attention, cross-attention and feed-forward (tessera's names: the
 # fused qkv and kv projections count as one Linear each).
 DEFAULT_TARGETS = ("blocks.*.attn.*", "blocks.*.cross_attn.*", "blocks.*.mlp.*")
@@ -30,9 +32,10 @@ class LoRALinear(nn.Linear):
     lora_scale: float
     lora_dropout: nn.Module
     lora_groups: int  # n > 1: a fused Linear whose n projections (row blocks) have adapters of their own
+    dequantizes = True  # its forward reads models/float8.py base_weight: a float8 base may be under it
 
     def forward(self, x):
-        base = F.linear(x, self.weight, self.bias)
+        base = F.linear(x, base_weight(self, x), self.bias)  # a float8 base (models/float8.py): dequantized
         return base + self.lora_update(x).to(base.dtype)
 
     def lora_update(self, x):
@@ -161,6 +164,8 @@ def merge_deltas(model: nn.Module, deltas: dict, elsewhere=()) -> None:
         if name in skipped:
             continue
         module = modules[name]
+        if getattr(module, SCALE, None) is not None:  # its rows' scales would have to change with them
+            raise ValueError(f"{name}: a float8 base (model.base_dtype=float8) takes no merged LoRA deltas")
         weight = module.weight.float()
         for rows, delta in updates:
             weight[rows if rows is not None else slice(None)] += delta.to(weight.device)

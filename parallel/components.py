@@ -98,6 +98,13 @@ def check_lora_start(cfg, checkpoint) -> tuple:
     a resume takes its adapters from the checkpoint and never reads lora.init_from). (None, None) for a
     full run."""
     base = describe_base(cfg.model.pretrained) if cfg.lora.rank else None
+    if cfg.model.base_dtype == "float8" and base is not None and is_tessera_run(base.path):
+        raise ValueError(
+            f"model.base_dtype=float8 quantizes the base as it reads a diffusers folder's weights; "
+            f"model.pretrained={cfg.model.pretrained} is a tessera run, whose checkpoint is read whole: "
+            "export it first (python scripts/export.py --checkpoint RUN --output FOLDER) and name the "
+            "folder, or set model.base_dtype=auto"
+        )
     if checkpoint is not None:
         check_resume_base(checkpoint, cfg.lora, base)
     adapter_start = check_adapters(cfg, fresh=checkpoint is None) if cfg.lora.rank else None
@@ -191,7 +198,7 @@ def meta_model_builder(cfg, groups, text_encoder, vae, dtype):
             if family.native
             else family.meta_transformer(cfg)
         )
-        names = insert_adapters(model, cfg.lora, dtype) if adapters else []  # before sharding
+        names = insert_adapters(model, cfg.lora, dtype, cfg.model.base_dtype) if adapters else []  # unsharded
         parallel = apply_sequence_parallel if family.native else apply_operators
         return parallel(model, groups), names
 

@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from models.float8 import is_float8
 from parallel import comm
-from parallel.init import canonical_name
+from parallel.init import canonical_name, is_scale
 
 
 class NonFiniteWeightsError(ValueError):
@@ -39,7 +40,7 @@ def first_non_finite(tensors: list, group=None, aligned: bool = True) -> int | N
     flags: dict = {}  # device -> (indices, flags): tensors of two devices cannot be stacked
     for i, t in enumerate(tensors):
         t = _local(t)
-        if t.is_floating_point() and t.numel():
+        if t.is_floating_point() and t.numel() and not is_float8(t):  # float8: its scale says (no inf)
             indices, finite = flags.setdefault(t.device, ([], []))
             indices.append(i)
             finite.append(torch.isfinite(t).all())
@@ -61,12 +62,17 @@ def first_bad_parameter(model, group=None, select=None, aligned: bool = True) ->
     """The state-dict name of the first parameter of `model` (of those `select(name)` accepts) that holds
     NaN or inf, the same on every rank of `group`; None when all are finite; with `aligned` false (the
     ranks hold other parameters) a rank that holds none names it "a tensor of another rank"."""
-    named = [(canonical_name(n), p) for n, p in model.named_parameters()]
+    # a float8 weight's row scales hold its NaN or inf (float8 has no inf): named as the weight
+    named = [(_weight_of(canonical_name(n)), p) for n, p in model.named_parameters()]
     named = [(n, p) for n, p in named if select is None or select(n)]
     index = first_non_finite([p for _, p in named], group, aligned)
     if index is None:
         return None
     return "a tensor another rank (PipeFusion stage) holds" if index == ELSEWHERE else named[index][0]
+
+
+def _weight_of(name: str) -> str:
+    return name.removesuffix("_scale") if is_scale(name) else name
 
 
 def check_pretrained_finite(model, pretrained, group=None, select=None, aligned: bool = True) -> None:

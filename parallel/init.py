@@ -12,10 +12,20 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from models.dit import init_parameter, parameter_generator
+from models.float8 import SCALE, is_float8, quantize_into
 from models.lora import is_adapter, seeded_adapter
 
 # Wrappers that parallel/fsdp.py may put around a block; state-dict names leave them out.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param.data
+
+
+def is_scale(name: str) -> bool:
+    """Whether a parameter is a float8 weight's row scales (derived from the weight, never read)."""
+    return name.endswith("." + SCALE)
 
 
 def canonical_name(name: str) -> str:
@@ -54,11 +64,13 @@ def materialize(
     model.to_empty(device=device)
     names = [canonical_name(name) for name, _ in model.named_parameters()]
     if pretrained is not None:
-        pretrained.check_parameters((name for name in names if not is_adapter(name)), partial)
+        pretrained.check_parameters((n for n in names if not is_adapter(n) and not is_scale(n)), partial)
     unused = set(adapter_start or {})
     for name, param in model.named_parameters():
         canonical = canonical_name(name)
-        local = param.to_local() if isinstance(param, DTensor) else param.data
+        if is_scale(canonical):
+            continue  # written with its float8 weight
+        local = _local(param)
         start, stop = local_rows(param)
         if is_adapter(canonical):
             unused.discard(canonical)
@@ -84,7 +96,10 @@ def materialize(
                 parameter_generator(seed, canonical),
             )
             rows = whole[start:stop]
-        local.copy_(rows.view(local.shape).to(local.dtype))
+        if is_float8(local):  # model.base_dtype=float8: these rows' scales are their module's weight_scale
+            quantize_into(local, _local(getattr(model.get_submodule(name.rpartition(".")[0]), SCALE)), rows)
+        else:
+            local.copy_(rows.view(local.shape).to(local.dtype))
     if unused:  # a starting adapter with no parameter of that name would be lost without a word
         raise ValueError(f"lora.init_from: no adapter parameter named {', '.join(sorted(unused)[:4])}")
 

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from models.float8 import quantize_blocks
 from models.lora import add_adapters, is_adapter
 from parallel.checkpoint import optimizer_state_dict, read_tensors
 from parallel.checkpoint_files import CHECKSUMS, CheckpointError, read_trainer_state, resolve_checkpoint
@@ -30,15 +31,19 @@ from parallel.init import canonical_name
 SAMPLED_BYTES = 64 << 10  # of each tensor's start and end, in a Wan folder's fingerprint
 
 
-def insert_adapters(model, lora_cfg, compute_dtype: torch.dtype) -> list[str]:
+def insert_adapters(model, lora_cfg, compute_dtype: torch.dtype, base_dtype: str = "auto") -> list[str]:
     """Adapters on the targeted Linear layers of a meta-device model, before it is sharded; the frozen base
-    takes `compute_dtype` (bf16: no float32 copy of the base exists anywhere), the adapters float32."""
+    takes `compute_dtype` (bf16: no float32 copy of the base exists anywhere), the adapters float32; with
+    base_dtype float8 (model.base_dtype) the blocks' Linear weights are float8 with a scale per row
+    (models/float8.py; parallel/init.py materialize quantizes the rows as it reads them)."""
     alpha = lora_cfg.alpha if lora_cfg.alpha is not None else lora_cfg.rank
     names = add_adapters(
         model, lora_cfg.rank, alpha, list(lora_cfg.targets), lora_cfg.dropout, lora_cfg.per_projection
     )
     for name, p in model.named_parameters():
         p.data = p.data.to(torch.float32 if is_adapter(name) else compute_dtype)
+    if base_dtype == "float8":
+        quantize_blocks(model)
     return names
 
 

@@ -5,7 +5,8 @@
 
 - memory: bytes per GPU of weights + gradients + AdamW + EMA, counted exactly on the meta device, for
   Wan2.1-1.3B and Wan2.1-14B (full: float32 master weights, gradients, AdamW's two moments and the EMA,
-  20 bytes a parameter; LoRA: the frozen base in bf16, 2 bytes, and 20 bytes an adapter parameter), all
+  20 bytes a parameter; LoRA: the frozen base in bf16, 2 bytes, and 20 bytes an adapter parameter; with
+  model.base_dtype=float8 the base's bytes as models/float8.py stores them, counted on the model), all
   sharded over every GPU as FSDP2 does; plus activations at 480 x 832 x 81, modelled (BENCHMARKS.md);
 - checkpoint: the bytes a checkpoint holds (model, EMA, AdamW: 16 bytes a trained parameter), counted;
 - step: one process on this machine, fp32, the same batch, forward + backward + clip + AdamW + EMA, full
@@ -35,6 +36,7 @@ def counts(size: str, rank: int) -> dict:
     import torch
 
     from models.dit import DiT, DiT_models
+    from models.float8 import base_bytes, quantize_blocks
     from models.lora import DEFAULT_TARGETS, add_adapters, is_adapter
 
     with torch.device("meta"):
@@ -43,7 +45,18 @@ def counts(size: str, rank: int) -> dict:
     adapters = sum(p.numel() for n, p in model.named_parameters() if is_adapter(n))
     base = sum(p.numel() for n, p in model.named_parameters() if not is_adapter(n))
     dims = DiT_models[size]["hidden_size"] * DiT_models[size]["depth"]
-    return {"base": base, "adapters": adapters, "dims": dims}
+    for name, p in model.named_parameters():  # the frozen base in bf16, as a LoRA run on a GPU holds it
+        if not is_adapter(name):
+            p.data = p.data.to(torch.bfloat16)
+    bf16 = base_bytes(model)
+    quantize_blocks(model)  # model.base_dtype=float8: the blocks' Linear weights in float8, a scale per row
+    return {
+        "base": base,
+        "adapters": adapters,
+        "dims": dims,
+        "base_bf16": bf16,
+        "base_float8": base_bytes(model),
+    }
 
 
 def memory_rows(sizes, rank: int, gpus: list[int]) -> list[dict]:
@@ -56,6 +69,7 @@ def memory_rows(sizes, rank: int, gpus: list[int]) -> list[dict]:
             )
             full = c["base"] * FULL_BYTES / n / GiB
             lora = (c["base"] * FROZEN_BF16 + c["adapters"] * ADAPTER_BYTES) / n / GiB
+            float8 = (c["base_float8"] + c["adapters"] * ADAPTER_BYTES) / n / GiB
             rows.append(
                 dict(
                     size=size,
@@ -66,6 +80,8 @@ def memory_rows(sizes, rank: int, gpus: list[int]) -> list[dict]:
                     full_gib=full,
                     lora_gib=lora,
                     ratio=lora / full,
+                    float8_gib=float8,
+                    base_ratio=c["base_float8"] / c["base_bf16"],
                     activations_gib=activations,
                 )
             )
@@ -154,6 +170,8 @@ def main(argv=None):
                 "full: state per GPU",
                 "LoRA r" + str(args.rank) + ": state per GPU",
                 "LoRA / full",
+                "LoRA, float8 base: state per GPU",
+                "float8 / bf16 base bytes",
                 "activations per GPU (modelled)",
             ],
             [
@@ -163,6 +181,8 @@ def main(argv=None):
                     f"{r['full_gib']:.2f} GiB",
                     f"{r['lora_gib']:.2f} GiB",
                     f"{r['ratio']:.1%}",
+                    f"{r['float8_gib']:.2f} GiB",
+                    f"{r['base_ratio']:.1%}",
                     f"~{r['activations_gib']:.1f} GiB",
                 ]
                 for r in memory

@@ -191,6 +191,21 @@ def test_a_run_trains_and_resumes(runs, tmp_path, capsys, kind):
         assert got[-1]["loss"] != metrics(made["full"])[-1]["loss"]  # the adapters alone trained
 
 
+def test_lora_on_a_float8_base_trains_within_the_tolerance(runs, tmp_path):
+    """model.base_dtype=float8 (models/float8.py) on the family's transformer: the same three LoRA steps
+    (previews and checkpoints included) as on the full-precision base, each loss within tests/test_float8.py's
+    tolerance of that run's and not equal to it (the base is float8)."""
+    from tests.test_float8 import TOLERANCE
+
+    name, folder, made = runs
+    run = tmp_path / "float8"
+    assert run_main(train, train_args(name, folder, run, *KINDS["lora"], "model.base_dtype=float8")) == 0
+    full, ours = ({m["step"]: m["loss"] for m in metrics(r)} for r in (made["lora"], run))
+    assert full.keys() == ours.keys() == {1, 2, 3}
+    assert all(0 < abs(ours[s] - full[s]) <= TOLERANCE * full[s] for s in full), (full, ours)
+    print(f"{name}: float8 base {ours}, full {full}", file=sys.__stderr__)
+
+
 def test_precomputed_latents_train_as_the_images_do(saved, tmp_path, monkeypatch):  # noqa: F811
     """scripts/precompute_latents.py encodes the images and captions (and the empty prompt) once; training
     on them (the text encoder freed once the previews' prompts are encoded) takes the steps training on

@@ -1,0 +1,146 @@
+"""model.base_dtype=float8 (models/float8.py): a LoRA run's frozen base in float8 with a scale per row.
+Against the same model with its base in full precision: the outputs within the stated tolerance, the
+adapters exact and trained, the blocks' bytes halved (Wan2.1-14B counted on the meta device); training
+under sequence parallelism with the shards on the CPU (train.cpu_offload) gives one process's losses;
+and what it cannot do is refused by name."""
+
+import copy
+import sys
+
+import pytest
+import torch
+
+import train
+from configs import ConfigError, load_config
+from configs.rundir import read_metrics
+from models.float8 import FLOAT8, base_bytes, quantize_blocks, row_scales
+from models.lora import DEFAULT_TARGETS, adapter_deltas, add_adapters, merge_deltas
+from parallel.finite import first_bad_parameter
+from tests.conftest import ROOT, ranks, run_main
+from tests.test_lora import LORA, forward, randomize_adapters, tiny_wan
+from tests.test_wan_pipeline import tiny_pipeline  # noqa: F401
+
+# The float8 base's stated tolerance: |out - out_full| / |out_full| of the DiT's output, and of a training
+# loss. Measured on these tiny models: 1.0% (output) and at most 1.0% (losses); e4m3 holds 3 mantissa
+# bits, so a weight is within 6.25% (2^-4) of its value, and the errors of a row's products average out.
+TOLERANCE = 0.03
+
+
+def adapted(seed=0):
+    model = tiny_wan(seed)
+    add_adapters(model, rank=4, alpha=8.0, patterns=DEFAULT_TARGETS)
+    randomize_adapters(model)
+    return model
+
+
+def relative(ours, reference) -> float:
+    return float((ours - reference).norm() / reference.norm())
+
+
+def test_a_float8_base_computes_within_the_tolerance_and_trains_its_adapters():
+    full = adapted()
+    ours = copy.deepcopy(full)
+    names = quantize_blocks(ours)
+    assert len(names) == 2 * 7  # every Linear of both blocks; the embedders and the head keep their weights
+    qkv = ours.blocks[0].attn.qkv
+    assert qkv.weight.dtype == FLOAT8 and qkv.weight_scale.shape == (qkv.out_features, 1)
+    assert (
+        ours.final_layer.linear.weight.dtype == torch.float32 and ours.x_embedder.proj.weight.dtype != FLOAT8
+    )
+    for name, p in ours.named_parameters():  # the adapters are the same tensors, still trained alone
+        assert p.requires_grad == (".lora_" in name), name
+        if ".lora_" in name:
+            assert torch.equal(p, full.get_parameter(name))
+    error = relative(forward(ours), forward(full))
+    assert 0 < error <= TOLERANCE, error
+    print(f"float8 base: the output {error:.2%} from the float32 base's", file=sys.__stderr__)
+    x, y = torch.randn(2, 4, 2, 8, 8), torch.randn(2, 7, 16)
+    ours(x, torch.tensor([0.3, 0.8]), y, torch.ones(2, 7, dtype=torch.bool)).square().mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in ours.parameters() if p.requires_grad)
+    assert all(p.grad is None for p in ours.parameters() if not p.requires_grad)
+    # The blocks' Linear weights in a byte a value (float32: 4) and 4 a row for the scale; the rest as it was.
+    values = sum(ours.get_submodule(n).weight.numel() for n in names)
+    rows = sum(ours.get_submodule(n).out_features for n in names)
+    assert base_bytes(ours) == base_bytes(full) - 3 * values + 4 * rows
+    with pytest.raises(ValueError, match="float8 base .* takes no merged LoRA deltas"):
+        merge_deltas(ours, adapter_deltas(ours))
+
+
+def test_row_scales_are_powers_of_two_and_carry_nan_and_inf_to_the_finiteness_check():
+    rows = torch.tensor([[1000.0, -3.0], [0.0, 0.0], [0.01, 0.002], [float("inf"), 1.0], [float("nan"), 1.0]])
+    s = row_scales(rows)
+    assert s[:3].flatten().tolist() == [4.0, 1.0, 2.0**-15]  # 1000/4 = 250 <= 448 < 500
+    assert torch.isinf(s[3]).all() and torch.isnan(s[4]).all()
+    model = adapted()
+    quantize_blocks(model)
+    assert first_bad_parameter(model) is None
+    with torch.no_grad():
+        model.blocks[1].mlp[0].weight_scale[3] = float("inf")  # as quantizing a row holding inf leaves it
+    assert first_bad_parameter(model) == "blocks.1.mlp.0.weight"  # named as the weight the file holds
+
+
+def test_the_14b_lora_base_is_halved_on_the_meta_device():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_lora
+
+    counts = bench_lora.counts("Wan2.1-14B", 32)
+    ratio = counts["base_float8"] / counts["base_bf16"]
+    print(f"Wan2.1-14B LoRA base: {counts['base_float8'] / 2**30:.2f} GiB in float8, "
+          f"{counts['base_bf16'] / 2**30:.2f} GiB in bf16 ({ratio:.1%})", file=sys.__stderr__)  # fmt: skip
+    assert 0.5 < ratio <= 0.51  # the blocks halved; embedders, head, norms and the scales stay
+
+
+@pytest.mark.timeout(240)
+def test_lora_on_a_float8_base_trains_alike_in_every_layout(tiny_pipeline, tmp_path):  # noqa: F811
+    """Three steps on the full-precision base, on the float8 base (one process), and on the float8 base
+    under ulysses 2 with the shards in CPU memory (train.cpu_offload): the two float8 runs give the same
+    losses (each rank quantizes its own rows, and a row's scale is its own), within the tolerance of the
+    full-precision run's, and their adapters moved."""
+    _, recipe = tiny_pipeline
+    common = [
+        "--config",
+        str(recipe),
+        *LORA,
+        "train.max_steps=3",
+        "train.log_every=1",
+        "train.checkpoint_every=3",
+    ]
+    float8 = "model.base_dtype=float8"
+    assert run_main(train, common + [f"run.output_dir={tmp_path / 'full'}"]) == 0
+    assert run_main(train, common + [f"run.output_dir={tmp_path / 'one'}", float8]) == 0
+    layout = ["parallel.ulysses=2", "train.cpu_offload=true"]
+    result = ranks(2, "train.py", *common, f"run.output_dir={tmp_path / 'two'}", float8, *layout, timeout=200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    full, one, two = (
+        {m["step"]: m["loss"] for m in read_metrics(tmp_path / r)} for r in ("full", "one", "two")
+    )
+    assert full.keys() == one.keys() == two.keys() == {1, 2, 3}
+    assert all(two[s] == pytest.approx(one[s], rel=1e-5) for s in one), (one, two)
+    assert all(0 < abs(one[s] - full[s]) <= TOLERANCE * full[s] for s in full), (full, one)
+    trained = saved_adapters(tmp_path / "one" / "checkpoints" / "step_3", "lora_B")
+    assert trained and all(b.abs().max() > 0 for b in trained.values())  # B starts at zero
+
+
+def saved_adapters(step, kind: str) -> dict:
+    """A checkpoint's `kind` (lora_A or lora_B) adapter weights {name: tensor}, read with DCP."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from parallel.checkpoint import read_tensors
+
+    saved = FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    shapes = {k.removeprefix("model."): saved[k].size for k in saved if k.startswith("model.") and kind in k}
+    return read_tensors(step, "model", shapes)
+
+
+def test_what_a_float8_base_cannot_do_is_refused_by_name(tiny_pipeline, tmp_path, capsys):  # noqa: F811
+    _, recipe = tiny_pipeline
+    with pytest.raises(ConfigError, match="model.base_dtype=float8 stores a frozen base, and lora.rank=0"):
+        load_config(recipe, ["model.base_dtype=float8"])
+    with pytest.raises(ConfigError, match="'model.base_dtype' is 'fp8'; choose one of auto, float8"):
+        load_config(recipe, [*LORA, "model.base_dtype=fp8"])
+    base = tmp_path / "base"
+    assert run_main(train, ["--config", str(recipe), "train.max_steps=1", f"run.output_dir={base}"]) == 0
+    argv = ["--config", str(recipe), *LORA, f"model.pretrained={base}", "model.base_dtype=float8"]
+    assert run_main(train, argv + [f"run.output_dir={tmp_path / 'lora'}"]) == 2
+    assert f"model.pretrained={base} is a tessera run" in capsys.readouterr().err
+    assert not (tmp_path / "lora").exists()
