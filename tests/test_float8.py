@@ -1,8 +1,8 @@
 """model.base_dtype=float8 (models/float8.py): a LoRA run's frozen base in float8 with a scale per row.
-Against the same model with its base in full precision: the outputs within the stated tolerance, the
-adapters exact and trained, the blocks' bytes halved (Wan2.1-14B counted on the meta device); training
-under sequence parallelism with the shards on the CPU (train.cpu_offload) gives one process's losses;
-and what it cannot do is refused by name."""
+Against the same model with its base in bf16 (what a LoRA run holds without it): the output within the
+stated tolerance, the adapters exact and trained, the blocks' bytes halved (Wan2.1-14B counted on the meta
+device); training under sequence parallelism with the shards on the CPU (train.cpu_offload) gives one
+process's losses; and what it cannot do is refused by name."""
 
 import copy
 import sys
@@ -20,9 +20,10 @@ from tests.conftest import ROOT, ranks, run_main
 from tests.test_lora import LORA, forward, randomize_adapters, tiny_wan
 from tests.test_wan_pipeline import tiny_pipeline  # noqa: F401
 
-# The float8 base's stated tolerance: |out - out_full| / |out_full| of the DiT's output, and of a training
-# loss. Measured on these tiny models: 1.0% (output) and at most 1.0% (losses); e4m3 holds 3 mantissa
-# bits, so a weight is within 6.25% (2^-4) of its value, and the errors of a row's products average out.
+# The float8 base's stated tolerance: |out - out_bf16| / |out_bf16| of the DiT's output (and of a training
+# loss against the float32 base's). Measured on these tiny models: 1.07% (bf16 itself is 0.23% from
+# float32) and at most 1.0% (losses); e4m3 holds 3 mantissa bits, so a weight is within 6.25% (2^-4) of
+# its value, and the errors of a row's products average out.
 TOLERANCE = 0.03
 
 
@@ -51,9 +52,18 @@ def test_a_float8_base_computes_within_the_tolerance_and_trains_its_adapters():
         assert p.requires_grad == (".lora_" in name), name
         if ".lora_" in name:
             assert torch.equal(p, full.get_parameter(name))
-    error = relative(forward(ours), forward(full))
-    assert 0 < error <= TOLERANCE, error
-    print(f"float8 base: the output {error:.2%} from the float32 base's", file=sys.__stderr__)
+    bf16 = copy.deepcopy(full)  # the base a LoRA run holds without float8: its weights rounded to bf16
+    with torch.no_grad():
+        for p in bf16.parameters():
+            if not p.requires_grad:
+                p.copy_(p.to(torch.bfloat16))
+    reference = forward(bf16)
+    error, rounding = relative(forward(ours), reference), relative(forward(full), reference)
+    assert 0 < rounding < error <= TOLERANCE, (error, rounding)
+    print(
+        f"float8 base: the output {error:.2%} from the bf16 base's (float32's: {rounding:.2%})",
+        file=sys.__stderr__,
+    )
     x, y = torch.randn(2, 4, 2, 8, 8), torch.randn(2, 7, 16)
     ours(x, torch.tensor([0.3, 0.8]), y, torch.ones(2, 7, dtype=torch.bool)).square().mean().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in ours.parameters() if p.requires_grad)
