@@ -62,6 +62,7 @@ def _rank(script: str, args: list, env: dict, out: str, err: str) -> None:
         os.close(handle)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
+    os.environ.clear()  # the launching test's environment now, as a subprocess gets it (not the server's)
     os.environ.update(env)
     os.chdir(ROOT)
     import torch
@@ -84,7 +85,8 @@ def launch(nproc: int, script: str, *args: str, timeout: float = 240, env: dict 
     `codes` are each rank's."""
     context = _server()
     port = _free_port()
-    base = {"OMP_NUM_THREADS": "1", **(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    base = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), "MASTER_ADDR": "127.0.0.1"}
+    base["MASTER_PORT"] = str(port)
     base.update(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
     with tempfile.TemporaryDirectory(prefix="tessera-ranks-") as folder:
         files = [(f"{folder}/out{r}", f"{folder}/err{r}") for r in range(nproc)]
