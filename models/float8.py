@@ -3,12 +3,12 @@
 
 Each quantized Linear keeps its `weight` (now float8) and gains `weight_scale` (out x 1, float32, a
 frozen parameter beside it, so FSDP2 shards and gathers it with the same rows). The scale of a row is
-the power of two that brings its largest |w| to at most 448 (e4m3's largest value): a power of two is
-exact in bf16, so FSDP2's cast of the gathered parameters to bf16 loses nothing, and e4m3's relative
-precision (3 mantissa bits) is what the base costs. A row holding NaN or inf gets a NaN or inf scale,
-which the finiteness check of the loaded weights names (float8 itself has no inf). Only the repeated
-blocks are quantized (embedders, heads and the timestep's float32 path stay as they were): they hold all
-but a sliver of a large model's weights. Which layers: `quantize_blocks`; the rows: `quantize_into`.
+the power of two that brings its largest |w| to at most 448 (e4m3's largest value): exact in bf16, so
+FSDP2's cast of the shards to bf16 before it gathers them loses nothing, and e4m3's 3 mantissa bits are
+what the base costs. A row holding NaN or inf gets a NaN or inf scale, which the finiteness check of the
+loaded weights names (float8 has no inf). Only the repeated blocks are quantized (embedders, heads and
+the timestep's float32 path stay): they hold all but a sliver of a large model's weights. Which layers:
+`quantize_blocks`; the rows: `quantize_into`; the forward: `base_linear`.
 """
 
 import torch
@@ -24,22 +24,25 @@ def is_float8(t: torch.Tensor) -> bool:
     return t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def base_weight(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """The weight a (LoRA)Linear computes with: its own, or its float8 rows times their scales in the
-    compute dtype (autocast's, else the input's)."""
+def base_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A (LoRA)Linear's base output: F.linear, or on float8 rows (F.linear of their values) times each
+    row's scale, in the compute dtype. The scale goes on the output, not the weight: a scaled copy of the
+    weight would be a new tensor that autograd keeps until backward, in every block at once (the weight
+    itself is what FSDP2 gathers, frees and gathers again). A power of two, it changes no rounding."""
     scale = getattr(module, SCALE, None)
     if scale is None:
-        return module.weight
+        return F.linear(x, module.weight, module.bias)
     kind = x.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-    return module.weight.to(dtype) * scale.to(dtype)
+    out = F.linear(x, module.weight.to(dtype)) * scale.view(-1).to(dtype)
+    return out if module.bias is None else out + module.bias.to(out.dtype)
 
 
 class Float8Linear(nn.Linear):
     """A frozen nn.Linear whose weight is float8 with a scale per row; made by `quantize_blocks`."""
 
     def forward(self, x):
-        return F.linear(x, base_weight(self, x), self.bias)
+        return base_linear(self, x)
 
 
 def quantize_blocks(model: nn.Module) -> list[str]:
@@ -48,7 +51,7 @@ def quantize_blocks(model: nn.Module) -> list[str]:
     sharding: the values are written by `quantize_into` as the weights are read). Returns their names."""
     names = []
     for name, module in model.blocks.named_modules(prefix="blocks"):
-        # a plain Linear, or one whose forward reads base_weight (models/lora.py LoRALinear): a subclass
+        # a plain Linear, or one whose forward calls base_linear (models/lora.py LoRALinear): a subclass
         # that used its weight itself would compute with the float8 values unscaled
         known = type(module) is nn.Linear or getattr(module, "dequantizes", False)
         if not known or module.weight.requires_grad:

@@ -17,9 +17,8 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from models.float8 import SCALE, base_weight
+from models.float8 import SCALE, base_linear
 
 # Every Linear of the blocks' self-attention, cross-attention and feed-forward (tessera's names: the
 # fused qkv and kv projections count as one Linear each).
@@ -32,10 +31,10 @@ class LoRALinear(nn.Linear):
     lora_scale: float
     lora_dropout: nn.Module
     lora_groups: int  # n > 1: a fused Linear whose n projections (row blocks) have adapters of their own
-    dequantizes = True  # its forward reads models/float8.py base_weight: a float8 base may be under it
+    dequantizes = True  # its forward calls models/float8.py base_linear: a float8 base may be under it
 
     def forward(self, x):
-        base = F.linear(x, base_weight(self, x), self.bias)  # a float8 base (models/float8.py): dequantized
+        base = base_linear(self, x)  # F.linear, or of a float8 base (models/float8.py)
         return base + self.lora_update(x).to(base.dtype)
 
     def lora_update(self, x):

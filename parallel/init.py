@@ -24,8 +24,18 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 
 def is_scale(name: str) -> bool:
-    """Whether a parameter is a float8 weight's row scales (derived from the weight, never read)."""
+    """Whether a parameter name is that of a float8 weight's row scales (models/float8.py SCALE)."""
     return name.endswith("." + SCALE)
+
+
+def derived_scales(model: nn.Module) -> set[str]:
+    """The canonical names of the row scales of `model`'s float8 weights: derived from the weight as it is
+    written, never read from a file (a parameter of that name beside a weight in another dtype is read)."""
+    return {
+        canonical_name(f"{name}.{SCALE}")
+        for name, module in model.named_modules()
+        if getattr(module, SCALE, None) is not None and is_float8(_local(module.weight))
+    }
 
 
 def canonical_name(name: str) -> str:
@@ -62,13 +72,13 @@ def materialize(
     from `adapter_start` {name: whole tensor} where it has them (lora.init_from).
     `partial`: the model holds only some of the pretrained weights (a PipeFusion stage)."""
     model.to_empty(device=device)
-    names = [canonical_name(name) for name, _ in model.named_parameters()]
+    names, derived = [canonical_name(name) for name, _ in model.named_parameters()], derived_scales(model)
     if pretrained is not None:
-        pretrained.check_parameters((n for n in names if not is_adapter(n) and not is_scale(n)), partial)
+        pretrained.check_parameters((n for n in names if not is_adapter(n) and n not in derived), partial)
     unused = set(adapter_start or {})
     for name, param in model.named_parameters():
         canonical = canonical_name(name)
-        if is_scale(canonical):
+        if canonical in derived:
             continue  # written with its float8 weight
         local = _local(param)
         start, stop = local_rows(param)

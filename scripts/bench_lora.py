@@ -4,10 +4,9 @@
     python scripts/bench_lora.py --tiny      # seconds: DiT-tiny, rank 4
 
 - memory: bytes per GPU of weights + gradients + AdamW + EMA, counted exactly on the meta device, for
-  Wan2.1-1.3B and Wan2.1-14B (full: float32 master weights, gradients, AdamW's two moments and the EMA,
-  20 bytes a parameter; LoRA: the frozen base in bf16, 2 bytes, and 20 bytes an adapter parameter; with
-  model.base_dtype=float8 the base's bytes as models/float8.py stores them, counted on the model), all
-  sharded over every GPU as FSDP2 does; plus activations at 480 x 832 x 81, modelled (BENCHMARKS.md);
+  Wan2.1-1.3B and 14B (full: float32 master weights, gradients, AdamW's two moments and the EMA, 20 bytes
+  a parameter; LoRA: the frozen base in bf16, 2 bytes, or as model.base_dtype=float8 stores it, and 20
+  bytes an adapter parameter), sharded as FSDP2 does; activations at 480 x 832 x 81 modelled;
 - checkpoint: the bytes a checkpoint holds (model, EMA, AdamW: 16 bytes a trained parameter), counted;
 - step: one process on this machine, fp32, the same batch, forward + backward + clip + AdamW + EMA, full
   and LoRA steps interleaved.
