@@ -1,18 +1,17 @@
-"""A launcher for the suite's equality tests: the ranks of train.py, infer.py or a script, forked from one
-server process per pytest worker that has already imported torch, transformers and diffusers, instead of
-`torchrun` starting a fresh interpreter per rank (about 8 s of imports each, on 2 cores most of a tiny
-launch). The ranks see the environment any launcher other than torchrun gives (RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR/PORT; rank 0 hosts the store: parallel/runtime.py's "another launcher" path). The
-tests of torchrun's own behaviour (its agent store, its signals, two nodes, requeues) keep `torchrun`.
-As torchrun does, the first rank to fail gets the others a SIGTERM; a launch that outlives `timeout` is
-killed and raises subprocess.TimeoutExpired.
+"""A launcher for the suite's multi-process tests: the ranks of train.py, infer.py or a script, forked from
+one server process per pytest worker that has already imported torch, transformers and diffusers, instead
+of `torchrun` starting a fresh interpreter per rank (about 8 s of imports each, on 2 cores most of a tiny
+launch). As under torchrun, the launcher hosts the store (TORCHELASTIC_USE_AGENT_STORE: the ranks take
+parallel/runtime.py's torchrun path) and gives RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT; the first
+rank to fail gets the others a SIGTERM; a launch that outlives `timeout` is killed and raises
+subprocess.TimeoutExpired. The tests of torchrun's own behaviour (its agent, its signals, two nodes,
+requeues) keep `torchrun`.
 """
 
 import multiprocessing
 import os
 import runpy
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,20 +37,14 @@ _context = None
 
 
 def _server():
+    """The forkserver context, its preload set (the server itself starts at the first launch)."""
     global _context
     if _context is None:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")  # read once, by the server's torch import
         if str(ROOT) not in sys.path:
             sys.path.insert(0, str(ROOT))
         _context = multiprocessing.get_context("forkserver")
         _context.set_forkserver_preload(PRELOAD)
     return _context
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(script: str, args: list, env: dict, out: str, err: str) -> None:
@@ -83,30 +76,44 @@ def launch(nproc: int, script: str, *args: str, timeout: float = 240, env: dict 
     """`torchrun --standalone --nproc_per_node nproc script args`, forked: a CompletedProcess whose stdout
     and stderr are the ranks' in rank order, whose code is the first failing rank's (else 0), and whose
     `codes` are each rank's."""
+    import torch.distributed as dist
+
     context = _server()
-    port = _free_port()
+    # torchrun's agent store: bound here on a free port (no race for it), alive until every rank has ended
+    store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
     base = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), "MASTER_ADDR": "127.0.0.1"}
-    base["MASTER_PORT"] = str(port)
-    base.update(WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+    base.update(MASTER_PORT=str(store.port), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+    base.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0", GROUP_RANK="0")
     with tempfile.TemporaryDirectory(prefix="tessera-ranks-") as folder:
         files = [(f"{folder}/out{r}", f"{folder}/err{r}") for r in range(nproc)]
         procs = []
-        for rank in range(nproc):
-            rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0"}
-            target = (str(ROOT / script), list(args), rank_env, *files[rank])
-            proc = context.Process(target=_rank, args=target)
-            proc.start()
-            procs.append(proc)
-        code, timed_out = _wait(procs, timeout)
+        try:
+            for rank in range(nproc):
+                rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+                proc = context.Process(
+                    target=_rank, args=(str(ROOT / script), list(args), rank_env, *files[rank])
+                )
+                proc.start()
+                procs.append(proc)
+            code, timed_out = _wait(procs, timeout)
+        finally:  # an interrupted wait (a test's timeout, Ctrl-C) leaves no rank running
+            for p in procs:
+                p.kill()
+                p.join()
         codes = [p.exitcode for p in procs]
-        stdout = "".join(Path(out).read_text(errors="replace") for out, _ in files)
-        stderr = "".join(Path(err).read_text(errors="replace") for _, err in files)
+        stdout, stderr = ("".join(_read(f[i]) for f in files) for i in (0, 1))
+    del store
     cmd = ["ranks", str(nproc), script, *args]
     if timed_out:
         raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
     done = subprocess.CompletedProcess(cmd, code, stdout, stderr)
     done.codes = codes  # each rank's exit code (torchrun prints them in its summary)
     return done
+
+
+def _read(path: str) -> str:
+    """A rank's output file ("" if the rank died before it made one)."""
+    return Path(path).read_text(errors="replace") if Path(path).exists() else ""
 
 
 def _wait(procs: list, timeout: float) -> tuple[int, bool]:
@@ -120,14 +127,9 @@ def _wait(procs: list, timeout: float) -> tuple[int, bool]:
             first, grace = failed[0], now + PEER_GRACE_S
             for p in procs:
                 if p.exitcode is None:
-                    os.kill(p.pid, signal.SIGTERM)
+                    p.terminate()  # SIGTERM; a rank that has just ended is no error
         if now > deadline or (grace is not None and now > grace):
-            for p in procs:
-                if p.exitcode is None:
-                    p.kill()
-            for p in procs:
-                p.join()
-            return first or -signal.SIGKILL, now > deadline
+            return first or -signal.SIGKILL, now > deadline  # launch() kills the rest
         time.sleep(0.05)
     for p in procs:
         p.join()
