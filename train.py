@@ -82,7 +82,15 @@ from parallel.family_training import (
     trained_family,
 )
 from parallel.finite import check_resumed_finite
-from parallel.fsdp import check_cpu_offload, parallelize_dit, param_device, reshard_all, update_ema
+from parallel.fp8 import after_optimizer_step, check_fp8, chosen_layers
+from parallel.fsdp import (
+    check_cpu_offload,
+    gathers_in_float8,
+    parallelize_dit,
+    param_device,
+    reshard_all,
+    update_ema,
+)
 from parallel.layout import ParallelLayout
 from parallel.lora import lora_record
 from parallel.preemption import Stopped
@@ -169,6 +177,7 @@ def check_before_start(cfg) -> Plan:
         raise ValueError("sample.prompts is empty: training previews need at least one prompt")
     preview_images = check_image_to_video(cfg, buckets) if family is None else (None, None)
     check_cpu_offload(cfg.train.cpu_offload, world_size)
+    check_fp8(cfg, "cuda" if torch.cuda.is_available() else "cpu")
     dataset = build_dataset(cfg, buckets)
     sampler = build_sampler(cfg, dataset, buckets, layout.dp_rank(rank), layout.dp)
     checkpoint = resolve_checkpoint(cfg.train.resume, cfg.run.output_dir)
@@ -239,6 +248,7 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     image = image_inputs(cfg, device)  # on every rank: previews need the CLIP too (0.6B, float32)
     meta_model = meta_model_builder(cfg, runtime.sequence, text_encoder, vae, dtype)
     model, adapted = meta_model(adapters=bool(cfg.lora.rank))
+    fp8 = chosen_layers(model, tc.fp8_min_features) if tc.fp8 else ""  # none chosen: refused here
     architecture = model.architecture()
     if checkpoint is not None:
         check_architecture(checkpoint, architecture)
@@ -250,10 +260,10 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     # a LoRA checkpoint holds the adapters only: its base is read on every start
     pretrained = open_weights(cfg, model, plan.base) if checkpoint is None or adapted else None
     if runtime.is_main:
-        print(_summary(cfg, plan, runtime, model, run, bf16), flush=True)
+        print(_summary(cfg, plan, runtime, model, run, bf16, fp8), flush=True)
     model = parallelize_dit(
         model, runtime.fsdp_mesh, dtype, tc.activation_checkpointing, tc.compile, tc.cpu_offload,
-        tc.checkpoint_policy,
+        tc.checkpoint_policy, tc.fp8_min_features if tc.fp8 else None,
     )  # fmt: skip
     if checkpoint is None or adapted:
         fill_sharded(runtime, model, tc.seed, pretrained, cfg.lora.seed, tc.cpu_offload, plan.adapter_start)
@@ -436,6 +446,8 @@ def train_step(cfg, runtime, t: Trainer, step: int, inputs, condition=None):
     skipped = t.guard.skip(step + 1, grad_norm)
     if not skipped:
         t.optimizer.step()
+        if tc.fp8:
+            after_optimizer_step(t.model, gathers_in_float8(runtime.fsdp_mesh))
         if t.lora:  # the adapters' EMA
             t.ema.update(t.model, tc.ema_decay)
         else:
@@ -541,9 +553,10 @@ def described_model(cfg) -> str:
     return cfg.model.size if family is None else f"{family.title} ({cfg.model.pretrained})"
 
 
-def _summary(cfg, plan: Plan, runtime, model, run: RunDirectory, bf16: bool) -> str:
+def _summary(cfg, plan: Plan, runtime, model, run: RunDirectory, bf16: bool, fp8: str) -> str:
     auto = " (parallel.auto)" if cfg.parallel.auto else ""
-    device = f"{runtime.device.type} ({runtime.backend}, {'bf16' if bf16 else 'fp32'})"
+    precision = ", ".join(filter(None, ("bf16" if bf16 else "fp32", fp8)))
+    device = f"{runtime.device.type} ({runtime.backend}, {precision})"
     sampler = plan.sampler
     return (
         f"[tessera] {described_model(cfg)}: {count_parameters(model) / 1e6:.2f}M parameters; layout "

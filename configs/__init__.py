@@ -158,6 +158,7 @@ def _holds_floats(tp) -> bool:
 AT_LEAST_ONE = (
     "data.frames", "data.height", "data.width", "train.batch_size", "train.log_every",
     "train.checkpoint_every", "sample.steps", "text_encoder.max_length", "train.keep_checkpoints",
+    "train.fp8_min_features",
 )  # fmt: skip
 POSITIVE = (
     "train.lr", "train.grad_clip", "train.loss_limit", "train.weight_limit", "flow.shift",

@@ -181,6 +181,11 @@ class TrainConfig:
     # FSDP2's CPU offload: sharded weights, gradients and AdamW in CPU memory, each block copied in for its
     # forward and backward. For a LoRA run whose frozen base does not fit the GPU (docs/lora.md).
     cpu_offload: bool = False
+    # torchao's float8 matmuls for the blocks' Linear layers whose smaller side is at least
+    # fp8_min_features (smaller ones lose more to the casts than the matmul gains); weights, gradients and
+    # AdamW as before. A GPU of compute capability 8.9+ (emulated on a CPU); pip install -e ".[fp8]"
+    fp8: bool = False
+    fp8_min_features: int = 1024
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16
     # a step whose gradient norm is NaN or inf: stop (the run ends, naming it, before saving anything
     # non-finite) | skip (no update for that step; costs one host sync per step; 20 in a row stop the run)

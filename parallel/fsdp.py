@@ -15,6 +15,7 @@ from torch.distributed.fsdp import (
 )
 
 from parallel import comm
+from parallel.fp8 import convert_blocks
 
 try:  # FSDP2's default collectives (private module): subclassed only to record each call
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
@@ -71,6 +72,11 @@ def param_device(device: torch.device, cpu_offload: bool) -> torch.device:
     return torch.device("cpu") if cpu_offload else device
 
 
+def gathers_in_float8(mesh) -> bool:
+    """Whether train.fp8's weights are all-gathered in float8: on several GPUs (gloo carries no float8)."""
+    return mesh.device_type == "cuda" and mesh.size() > 1
+
+
 def parallelize_dit(
     model: nn.Module,
     mesh,
@@ -79,13 +85,18 @@ def parallelize_dit(
     compile: bool = False,
     cpu_offload: bool = False,
     checkpoint_policy: str = "all",
+    fp8_min_features: int | None = None,
 ) -> nn.Module:
     """Shard `model` (built with identical weights on every rank) over `mesh`.
     With param_dtype=bf16, parameters are all-gathered and computed in bf16 while the sharded
     master weights, gradients' reduction and the optimizer stay in float32. cpu_offload: the shards,
     their gradients and the optimizer live in CPU memory; each block's weights are copied in for its
-    forward and backward (train.cpu_offload; `param_device` says where to allocate them)."""
+    forward and backward (train.cpu_offload; `param_device` says where to allocate them).
+    fp8_min_features (train.fp8): the blocks' Linear layers at least that large train through float8
+    matmuls (parallel/fp8.py), emulated on a CPU, gathered in float8 across several GPUs."""
     blocks = model.blocks
+    if fp8_min_features is not None:
+        convert_blocks(blocks, fp8_min_features, mesh.device_type != "cuda", gathers_in_float8(mesh))
     for i, block in enumerate(blocks):
         if activation_checkpointing:
             block = checkpoint_wrapper(  # blocks have no dropout

@@ -1,5 +1,5 @@
 """Imported first by the entry points (train.py, infer.py, eval_demo.py, precompute_latents.py), before
-torch loads, for two things that must be in place before the seconds of imports:
+torch loads, for what must be in place before the seconds of imports (and torchao's warnings, below):
 
 - PyTorch's C++ warnings each carry a dozen stack frames, and when a node is lost every failed store
   call logs one: they would bury the `error:` line that names the cause. TORCH_CPP_LOG_LEVEL is read
@@ -10,6 +10,7 @@ torch loads, for two things that must be in place before the seconds of imports:
   arrives now is noted, and run_entrypoint's handler (parallel/watchdog.py, StopRequest) takes it over.
 """
 
+import logging
 import os
 import signal
 import sys
@@ -17,6 +18,11 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+# torchao (train.fp8; transformers imports it whenever it is installed) logs a warning for each of its
+# C++ kernels a wheel cannot load, and torch one for each enum torchao registers with pytree: four lines
+# before the first of tessera's, on every run; none is about what tessera uses (torch's float8 matmul).
+for _name in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
 
 noted: tuple[int, float] | None = None  # (signal, time.monotonic()) of a SIGTERM during start-up
 
