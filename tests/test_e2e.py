@@ -1,5 +1,6 @@
 """The whole program: train.py and infer.py from the command line contract, in this process where
-possible (imports cost seconds per process) and under torchrun for the multi-process runs."""
+possible (imports cost seconds per process) and in several processes (tests/ranks.py, or torchrun
+itself) for the multi-process runs."""
 
 import json
 import sys

@@ -91,7 +91,7 @@ def infer_args(name, folder, tmp_path, *extra):
 def test_infer_matches_the_pipeline(saved, tmp_path, layout):
     """Two prompts (one cut or padded), a negative prompt, 3 steps, guidance 4, seeds 5 and 6: infer.py's
     .npy images are the pipeline's, prompt by prompt; on one process, and with the guidance branches and
-    the tokens split over processes (torchrun)."""
+    the tokens split over processes (tests/ranks.py)."""
     from diffusers import DiffusionPipeline
 
     name, folder = saved

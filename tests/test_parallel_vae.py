@@ -1,7 +1,7 @@
 """Tiled and parallel VAE decode/encode (parallel/vae.py).
 
-The multi-process checks live in tests/vae_worker.py: one torchrun launch per process count runs every
-case for kl, wan and identity, because each process pays seconds of imports.
+The multi-process checks live in tests/vae_worker.py: one launch (tests/ranks.py) per process count runs
+every case for kl, wan and identity, because each launch costs seconds.
 """
 
 import pytest

@@ -1,5 +1,6 @@
-"""PipeFusion and CFG-parallel sampling: the pieces on one process, every layout under torchrun against
-the serial sampler (tests/pipefusion_worker.py), infer.py end to end, and ranks whose messages disagree."""
+"""PipeFusion and CFG-parallel sampling: the pieces on one process, every layout in several processes
+(tests/ranks.py) against the serial sampler (tests/pipefusion_worker.py), infer.py end to end, and ranks
+whose messages disagree."""
 
 import time
 

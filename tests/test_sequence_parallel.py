@@ -1,4 +1,5 @@
-"""Sequence-parallel attention against single-process attention, under torchrun (gloo, CPU).
+"""Sequence-parallel attention against single-process attention, in several processes (gloo, CPU;
+tests/ranks.py starts them as torchrun does).
 
 The checks themselves live in tests/sp_worker.py: one launch per process count runs every layout
 and token count, because each process pays seconds of imports.
