@@ -68,6 +68,7 @@ from parallel.components import (
     expert_recipe,
     fill_sharded,
     meta_model_builder,
+    meta_transformer,
     open_weights,
 )
 from parallel.divergence import NonFiniteGuard
@@ -177,7 +178,7 @@ def check_before_start(cfg) -> Plan:
         raise ValueError("sample.prompts is empty: training previews need at least one prompt")
     preview_images = check_image_to_video(cfg, buckets) if family is None else (None, None)
     check_cpu_offload(cfg.train.cpu_offload, world_size)
-    check_fp8(cfg, "cuda" if torch.cuda.is_available() else "cpu")
+    check_fp8(cfg, "cuda" if torch.cuda.is_available() else "cpu", meta_transformer)
     dataset = build_dataset(cfg, buckets)
     sampler = build_sampler(cfg, dataset, buckets, layout.dp_rank(rank), layout.dp)
     checkpoint = resolve_checkpoint(cfg.train.resume, cfg.run.output_dir)
@@ -248,7 +249,7 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     image = image_inputs(cfg, device)  # on every rank: previews need the CLIP too (0.6B, float32)
     meta_model = meta_model_builder(cfg, runtime.sequence, text_encoder, vae, dtype)
     model, adapted = meta_model(adapters=bool(cfg.lora.rank))
-    fp8 = chosen_layers(model, tc.fp8_min_features) if tc.fp8 else ""  # none chosen: refused here
+    fp8 = chosen_layers(model, tc.fp8_min_features) if tc.fp8 else ""  # for the summary (check_fp8 ran)
     architecture = model.architecture()
     if checkpoint is not None:
         check_architecture(checkpoint, architecture)

@@ -71,13 +71,19 @@ def meta_dit(cfg) -> DiT:
         )
 
 
+def meta_transformer(cfg):
+    """The recipe's transformer on the meta device, before start-up: tessera's DiT or the family's."""
+    family = family_named(cfg.model.family)
+    return meta_dit(cfg) if family.native else family.meta_transformer(cfg)
+
+
 def check_adapters(cfg, fresh: bool = True) -> dict | None:
     """A LoRA recipe tried on a meta-device DiT before init_runtime: lora.targets that match no layer and a
     rank too large are refused here, and lora.init_from is read and matched (a key that fits no layer, or
     an adapter with no counterpart in this run, is an error naming them). Returns the adapters' starting
     tensors {name: whole float32} from lora.init_from, or None (also when not `fresh`: a resume)."""
     family = family_named(cfg.model.family)
-    model = meta_dit(cfg) if family.native else family.meta_transformer(cfg)
+    model = meta_transformer(cfg)
     insert_adapters(model, cfg.lora, torch.float32)
     if not (cfg.lora.init_from and fresh):
         return None

@@ -14,9 +14,10 @@ import torch.nn as nn
 INSTALL = 'pip install -e ".[fp8]"'
 
 
-def check_fp8(cfg, device_type: str) -> None:
+def check_fp8(cfg, device_type: str, meta_transformer) -> None:
     """train.fp8 refused by name before start-up: with a LoRA (its base is frozen: nothing trains in the
-    float8 matmuls that would pay), without torchao, or on a GPU older than Ada/Hopper (no float8 matmul)."""
+    float8 matmuls that would pay), without torchao, on a GPU older than Ada/Hopper (no float8 matmul), or
+    when no Linear of `meta_transformer(cfg)`'s blocks is large enough (chosen_layers)."""
     if not cfg.train.fp8:
         return
     if cfg.lora.rank:
@@ -31,6 +32,7 @@ def check_fp8(cfg, device_type: str) -> None:
     if device_type == "cuda" and torch.cuda.get_device_capability() < (8, 9):
         name = torch.cuda.get_device_name()
         raise ValueError(f"train.fp8 needs float8 matmuls (compute capability 8.9 or newer); {name} has none")
+    chosen_layers(meta_transformer(cfg), cfg.train.fp8_min_features)
 
 
 def fp8_linears(block: nn.Module, min_features: int) -> list[str]:
@@ -49,10 +51,10 @@ def fp8_linears(block: nn.Module, min_features: int) -> list[str]:
 def chosen_layers(model: nn.Module, min_features: int) -> str:
     """What train.fp8 converts in `model` (a meta-device model is enough), for the start-up summary; a
     ValueError when no Linear of its blocks is large enough (the option would change nothing)."""
-    linears = [(b, m) for b in model.blocks for m in b.modules() if type(m) is nn.Linear]
+    linears = [m for b in model.blocks for m in b.modules() if type(m) is nn.Linear]
     chosen = sum(len(fp8_linears(block, min_features)) for block in model.blocks)
     if not chosen:
-        largest = max((min(m.in_features, m.out_features) for _, m in linears), default=0)
+        largest = max((min(m.in_features, m.out_features) for m in linears), default=0)
         raise ValueError(
             f"train.fp8=true, but no Linear layer of the blocks has both sides at least "
             f"train.fp8_min_features={min_features} (the largest smaller side here: {largest}); layers this "
@@ -66,7 +68,11 @@ def convert_blocks(blocks, min_features: int, emulate: bool, gather_in_float8: b
     Returns how many were swapped."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    config = Float8LinearConfig(emulate=emulate, enable_fsdp_float8_all_gather=gather_in_float8)
+    # pad_inner_dim: the weight gradient's matmul runs over the tokens (batch x tokens on this rank), which
+    # no recipe keeps a multiple of 16 (32,760 at 81 frames; 257 CLIP tokens), as the float8 matmul needs
+    config = Float8LinearConfig(
+        emulate=emulate, enable_fsdp_float8_all_gather=gather_in_float8, pad_inner_dim=True
+    )
     count = 0
     for block in blocks:
         chosen = set(fp8_linears(block, min_features))

@@ -37,6 +37,7 @@ SAVED_OPS = {
     ATEN._scaled_dot_product_flash_attention.default,
     ATEN._scaled_dot_product_flash_attention_for_cpu.default,
     ATEN._scaled_dot_product_efficient_attention.default,
+    ATEN._scaled_mm.default,  # train.fp8's float8 matmuls (torchao) on a GPU
     ATEN._scaled_dot_product_cudnn_attention.default,
 }
 

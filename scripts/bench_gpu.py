@@ -1,15 +1,15 @@
 """Everything GPU-specific, measured on one device in one command (BENCHMARKS.md, "Speed on one GPU").
 
     python scripts/bench_gpu.py [--out runs/bench_gpu] [--tiny] [--variants eager,ac,compile,compile+ac]
-    (a variant joins eager, ac, sac (selective recomputation: train.checkpoint_policy) and compile by +)
+    python scripts/bench_gpu.py --suite fp8      # issue 35's command: FP8 training and the float8 base
 
+A variant joins eager, ac, sac (train.checkpoint_policy=selective), compile and fp8 (train.fp8) by +.
 Parts (--parts): train (step time, tokens/s, MFU and peak memory of DiT-XL at 256 px and of a DiT at
-Wan2.1-1.3B's dims, each with and without torch.compile and activation checkpointing); wan (the same
-step for tessera's DiT with Wan's options and for diffusers' WanTransformer3DModel); sp (the
-sequence-parallel operator at degree 1 against SDPA); lse (ring attention's log-sum-exp kernels:
-self-check and time); sampler (time per Euler step). init_runtime at world size 1 is always timed.
-On CUDA: the real sizes in bf16; with no CUDA device, or --tiny, tiny sizes in float32 on CPU (what the
-test runs). results.json and results.md (a table for BENCHMARKS.md) go to --out.
+Wan2.1-1.3B's dims); wan (tessera's DiT with Wan's options and diffusers' WanTransformer3DModel); lora,
+lora8 (LoRA on a bf16 or float8 base, with and without train.cpu_offload); sp (the sequence-parallel
+operator at degree 1 against SDPA); lse (ring attention's log-sum-exp kernels); sampler (time per Euler
+step); init_runtime at world size 1 always. On CUDA the real sizes in bf16; with no CUDA device, or
+--tiny, tiny sizes in float32 on CPU (the test). results.json and results.md go to --out.
 """
 
 import datetime
@@ -77,6 +77,10 @@ FULL_CASES = {
     # 480 x 832 x 81 (issue 24's second size): equal architectures only, and only with activation
     # checkpointing (without it the activations alone would pass 80 GB: ~38 GiB at 14,040 tokens).
     "Wan2.1-1.3B dims 81x480x832": wan_480p(WAN_1_3B, 81, equal_only=True, ac_only=True),
+    # Issue 35's FP8 comparison at 14B dims, 32,760 tokens: 8 of the 40 layers, as at 33 frames.
+    "Wan2.1-14B dims (8 of 40 layers) 81x480x832": wan_480p(
+        dict(WAN_14B, depth=8), 81, equal_only=True, ac_only=True
+    ),
 }
 TINY_CASES = {
     "tiny image": dict(depth=2, hidden=64, heads=4, ffn=256, latent=(4, 1, 8, 8), batch=4, text=(8, 32)),
@@ -85,6 +89,7 @@ TINY_CASES = {
     ),
 }
 PATCH = (1, 2, 2)
+FP8_MIN, FP8_MIN_TINY = 1024, 16  # train.fp8_min_features: the recipe default; every tiny Linear
 
 
 LINEAR_OPS = ("mm", "addmm", "convolution")  # the aten ops of nn.Linear and the patch convolutions
@@ -193,6 +198,30 @@ LORA_MODELS = (
 )
 
 
+def make_tessera_wan_lora_float8(case):
+    """The same LoRA on a float8 base (model.base_dtype=float8): the blocks' frozen Linear weights in
+    float8 with a scale per row (quantized here from the random bf16 ones)."""
+    from models.float8 import quantize_blocks
+
+    model = make_tessera_wan_lora(case)
+    quantize_blocks(model)
+    return model
+
+
+def make_tessera_wan_lora_float8_offload(case):
+    return make_tessera_wan_lora_float8(case)
+
+
+make_tessera_wan_lora_float8_offload.cpu_offload = True
+LORA_FLOAT8_MODELS = (  # --parts lora8
+    (f"tessera, Wan options, LoRA r{LORA_RANK}, float8 base", make_tessera_wan_lora_float8),
+    (
+        f"tessera, Wan options, LoRA r{LORA_RANK}, float8 base, CPU offload",
+        make_tessera_wan_lora_float8_offload,
+    ),
+)
+
+
 def device_info(device):
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -272,16 +301,17 @@ def make_wan(case):
 EQUAL_MODELS = (("tessera, Wan options", make_tessera_wan), ("diffusers Wan", make_wan))
 
 
-def build(make_model, case, runtime, param_dtype, ac, compile, policy="all"):
+def build(make_model, case, runtime, param_dtype, ac, compile, policy="all", fp8=None):
     """`make_model(case)` on the device, under FSDP2 (and activation checkpointing, whose
-    train.checkpoint_policy is `policy`, and compile) as train.py runs it."""
+    train.checkpoint_policy is `policy`, compile, and train.fp8 with `fp8` as train.fp8_min_features) as
+    train.py runs it."""
     from parallel.fsdp import parallelize_dit
 
     torch.manual_seed(0)
     with torch.device(runtime.device):
         model = make_model(case)
     offload = getattr(make_model, "cpu_offload", False)
-    return parallelize_dit(model, runtime.fsdp_mesh, param_dtype, ac, compile, offload, policy)
+    return parallelize_dit(model, runtime.fsdp_mesh, param_dtype, ac, compile, offload, policy, fp8)
 
 
 _FLOPS: dict = {}  # (model, case) -> train_flops: counted once per pair
@@ -292,8 +322,9 @@ def bench_train(name, case, make_model, runtime, param_dtype, variant, args, inf
     parts = variant.split("+")  # sac: selective activation checkpointing (train.checkpoint_policy)
     ac, compile = bool({"ac", "sac"} & set(parts)), "compile" in parts
     policy = "selective" if "sac" in parts else "all"
+    fp8 = (FP8_MIN_TINY if args.tiny else FP8_MIN) if "fp8" in parts else None  # train.fp8
     reset_memory(device)
-    model = build(make_model, case, runtime, param_dtype, ac, compile, policy)
+    model = build(make_model, case, runtime, param_dtype, ac, compile, policy, fp8)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     if device.type == "cuda":  # the steps' peak, not the build's (a float32 model before its cast)
         torch.cuda.reset_peak_memory_stats(device)
@@ -318,7 +349,7 @@ def bench_train(name, case, make_model, runtime, param_dtype, variant, args, inf
     key = (make_model.__name__, case["name"])
     # A LoRA step does less work than the formula counts (no weight gradients for the frozen base):
     # its rows give time, not MFU.
-    lora = make_model in dict(LORA_MODELS).values()
+    lora = make_model in dict(LORA_MODELS + LORA_FLOAT8_MODELS).values()
     flops = None if lora else _FLOPS.setdefault(key, _FLOPS.get(key) or train_flops(make_model, case))
     row = dict(
         case=name,
@@ -530,6 +561,18 @@ def init(args):
     return runtime, time.perf_counter() - t0
 
 
+def fp8_ratios(rows) -> list[dict]:
+    """train.fp8 against the same model, case and variant without it: {case, variant, speedup, peak}."""
+    plain = {(r["case"], r["variant"]): r for r in rows if "seconds" in r}
+    ratios = []
+    for (case, variant), r in plain.items():
+        base = plain.get((case, variant.removesuffix("+fp8")))
+        if variant.endswith("+fp8") and base is not None:
+            ratios.append(dict(case=case, variant=variant, speedup=base["seconds"] / r["seconds"],
+                               peak_gib=r["peak_gib"], base_peak_gib=base["peak_gib"]))  # fmt: skip
+    return ratios
+
+
 def _fmt(value, spec):
     return "-" if value is None else format(value, spec)
 
@@ -566,6 +609,12 @@ def markdown(results) -> str:
             f"{w['wan_seconds']:.4f} s against {w['tessera_seconds']:.4f} s, speed ratio "
             f"**{w['speedup']:.2f}x**"
             + (" (target >= 1.15 compiled)" if reference == "diffusers Wan" else "")
+        )
+    for f in results.get("fp8_ratio", []):
+        lines.append(
+            f"\n{f['case']}, {f['variant']} against {f['variant'].removesuffix('+fp8')}: speed ratio "
+            f"**{f['speedup']:.2f}x** (target >= 1.25 at 14B dims), peak {_fmt(f['peak_gib'], '.1f')} "
+            f"against {_fmt(f['base_peak_gib'], '.1f')} GiB"
         )
     denoise = {(r["case"], r["variant"], r.get("model")): r for r in results.get("denoise", [])}
     for (case, variant, model), r in denoise.items():
@@ -633,6 +682,22 @@ def save(results, out):
     (out / "results.md").write_text(markdown(results))
 
 
+# Issue 35's one GPU command: bf16 against FP8 training at 1.3B dims and at 14B dims (8 layers), both at
+# 32,760 tokens, against diffusers at equal architecture; the guided denoising step (33 frames); the 14B
+# LoRA at 81 frames on a float8 base, with and without train.cpu_offload. Not yet timed on a GPU.
+SUITES = {
+    "fp8": dict(
+        parts="train,wan,lora8,denoise",
+        cases="1.3B dims 81x,(8 of 40 layers) 81x,14B dims 81x,1.3B dims 33x,tiny video",
+        train_cases="81x,tiny video",  # the 33-frame case for the denoising step only
+        variants="compile+ac,compile+ac+fp8,compile",
+        models="Wan options,diffusers",
+        steps=4,
+        warmup=1,
+    )
+}
+
+
 def main(argv=None):
     p = benchlib.parser(__doc__, json_output=False)  # --tiny: automatic without CUDA; float32 on CPU
     p.add_argument("--out", default="runs/bench_gpu")
@@ -643,7 +708,14 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--sampler-steps", type=int, default=5)
+    p.add_argument(
+        "--suite", choices=sorted(SUITES), help="a preset of --parts, --cases, --variants, --models"
+    )
+    p.add_argument("--train-cases", default="", help="of --cases, the ones whose training step is timed")
     args = p.parse_args(argv)
+    for key, value in SUITES.get(args.suite, {}).items():  # what the command line sets wins
+        if getattr(args, key, None) == p.get_default(key):
+            setattr(args, key, value)
     args.tiny = args.tiny or not torch.cuda.is_available()
     parts, variants = args.parts.split(","), args.variants.split(",")
     cases = TINY_CASES if args.tiny else FULL_CASES
@@ -668,15 +740,24 @@ def main(argv=None):
             models += [("tessera, Wan options", make_tessera_wan), ("diffusers Wan", make_wan)]
         if "lora" in parts and case.get("wan") and not case.get("equal_only"):
             models += list(LORA_MODELS)
+        if "lora8" in parts and case.get("wan") and not case.get("equal_only"):
+            models += list(LORA_FLOAT8_MODELS)
         if case.get("lora_only"):
-            models = list(LORA_MODELS) if "lora" in parts else []
+            models = (list(LORA_MODELS) if "lora" in parts else []) + (
+                list(LORA_FLOAT8_MODELS) if "lora8" in parts else []
+            )
         if args.models:
             models = [(label, m) for label, m in models if any(k in label for k in args.models.split(","))]
-        for variant in variants if "train" in parts else []:
+        timed = "train" in parts and (
+            not args.train_cases or any(c in name for c in args.train_cases.split(","))
+        )
+        for variant in variants if timed else []:
             if case.get("ac_only") and not {"ac", "sac"} & set(variant.split("+")):
                 continue
             by_model = {}
             for label, make_model in models:
+                if "fp8" in variant.split("+") and "LoRA" in label:  # train.fp8 is refused with a LoRA
+                    continue
                 row = guarded(
                     partial(
                         bench_train,
@@ -696,10 +777,14 @@ def main(argv=None):
                 by_model[label] = row
                 print(row, flush=True)
                 save(results, args.out)
-            lora, offload = (label for label, _ in LORA_MODELS)
+            (lora, offload), (lora8, offload8) = (
+                [label for label, _ in m] for m in (LORA_MODELS, LORA_FLOAT8_MODELS)
+            )
             for label, reference in [(m, "diffusers Wan") for m in ("tessera", "tessera, Wan options")] + [
                 (lora, "tessera, Wan options"),
                 (offload, lora),
+                (lora8, lora),
+                (offload8, lora8),
             ]:
                 if "seconds" in by_model.get(reference, {}) and "seconds" in by_model.get(label, {}):
                     results["wan_ratio"].append(
@@ -762,6 +847,7 @@ def main(argv=None):
                     raise
             print(part, results.get(part, results.get("errors", {}).get(part)), flush=True)
             save(results, args.out)
+    results["fp8_ratio"] = fp8_ratios(results["train"])
     save(results, args.out)  # also when no part above ran (e.g. --parts nccl)
     print(markdown(results))
     import torch.distributed as dist

@@ -31,13 +31,13 @@ def torchrun(nproc: int, script: str, *args: str, timeout: float = 240, env: dic
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 
-def ranks(nproc: int, script: str, *args: str, timeout: float = 240, env: dict | None = None):
+def ranks(nproc: int, script: str, *args: str, timeout: float = 240, env: dict | None = None, **launch_args):
     """`torchrun(...)` for the tests that check what the ranks compute, not torchrun's own behaviour: the
     ranks are forked from a process that has imported torch, transformers and diffusers (tests/ranks.py),
     seconds instead of a fresh interpreter's imports per rank."""
     from tests.ranks import launch
 
-    return launch(nproc, script, *args, timeout=timeout, env=env)
+    return launch(nproc, script, *args, timeout=timeout, env=env, **launch_args)
 
 
 def run_main(module, argv: list[str]) -> int:

@@ -72,10 +72,18 @@ def _rank(script: str, args: list, env: dict, out: str, err: str) -> None:
         os._exit(1)
 
 
-def launch(nproc: int, script: str, *args: str, timeout: float = 240, env: dict | None = None):
+def launch(
+    nproc: int,
+    script: str,
+    *args: str,
+    timeout: float = 240,
+    env: dict | None = None,
+    agent_store: bool = True,
+):
     """`torchrun --standalone --nproc_per_node nproc script args`, forked: a CompletedProcess whose stdout
     and stderr are the ranks' in rank order, whose code is the first failing rank's (else 0), and whose
-    `codes` are each rank's."""
+    `codes` are each rank's. agent_store=False: as another launcher (srun, mpirun), rank 0 hosts the store
+    (parallel/runtime.py's other path)."""
     import torch.distributed as dist
 
     context = _server()
@@ -84,6 +92,9 @@ def launch(nproc: int, script: str, *args: str, timeout: float = 240, env: dict 
     base = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), "MASTER_ADDR": "127.0.0.1"}
     base.update(MASTER_PORT=str(store.port), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
     base.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0", GROUP_RANK="0")
+    if not agent_store:  # the port is free again once the store closes; rank 0 binds it (a short race)
+        del store, base["TORCHELASTIC_USE_AGENT_STORE"], base["TORCHELASTIC_RESTART_COUNT"]
+        store = None
     with tempfile.TemporaryDirectory(prefix="tessera-ranks-") as folder:
         files = [(f"{folder}/out{r}", f"{folder}/err{r}") for r in range(nproc)]
         procs = []

@@ -112,3 +112,24 @@ def test_runs_tiny_on_cpu(tmp_path):
     assert written["lse"]["self_check"] is True
     assert written["sp"]["ratio"] > 0 and written["sampler"]["seconds_per_step"] > 0
     assert "| tiny image (tessera) | eager |" in (tmp_path / "results.md").read_text()
+
+
+def test_the_fp8_suite_runs_tiny_on_cpu(tmp_path):
+    """--suite fp8 (issue 35's GPU command) at tiny sizes, eager: each model with and without train.fp8
+    (torchao emulating the float8 matmuls), their ratio, and the LoRA on a float8 base with and without
+    train.cpu_offload against each other."""
+    pytest.importorskip("torchao.float8")
+    results = bench_gpu.main(
+        ["--suite", "fp8", "--tiny", "--out", str(tmp_path), "--variants", "eager,eager+fp8", "--steps", "1",
+         "--warmup", "0", "--parts", "train,wan,lora8"]
+    )  # fmt: skip
+    rows = {(r["case"], r["variant"]) for r in results["train"] if "seconds" in r}
+    models = ["tessera, Wan options", "diffusers Wan", "tessera, Wan options, LoRA r32, float8 base"]
+    models.append("tessera, Wan options, LoRA r32, float8 base, CPU offload")
+    expected = {(f"tiny video (Wan-shaped) ({m})", "eager") for m in models}
+    expected |= {(f"tiny video (Wan-shaped) ({m})", "eager+fp8") for m in models[:2]}  # refused with a LoRA
+    assert rows == expected, rows
+    assert len(results["fp8_ratio"]) == 2 and all(r["speedup"] > 0 for r in results["fp8_ratio"])
+    pairs = {(w["model"], w["reference"]) for w in results["wan_ratio"]}
+    assert (models[3], models[2]) in pairs
+    assert "eager+fp8 against eager: speed ratio" in (tmp_path / "results.md").read_text()

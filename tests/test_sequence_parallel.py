@@ -86,16 +86,16 @@ def single_process_videos(tmp_path_factory):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    "nproc,layout",
+    "nproc,layout,agent_store",
     [
-        (2, ["parallel.ulysses=2"]),
-        (2, ["parallel.ring=2"]),
-        (3, ["parallel.ring=3"]),
-        (4, ["parallel.ulysses=2", "parallel.ring=2"]),
-        (4, ["parallel.dp=2", "parallel.ring=2"]),
+        (2, ["parallel.ulysses=2"], True),
+        (2, ["parallel.ring=2"], False),  # started as srun would: rank 0 hosts the store
+        (3, ["parallel.ring=3"], True),
+        (4, ["parallel.ulysses=2", "parallel.ring=2"], True),
+        (4, ["parallel.dp=2", "parallel.ring=2"], True),
     ],
 )
-def test_infer_under_layout_equals_one_process(tmp_path, single_process_videos, nproc, layout):
+def test_infer_under_layout_equals_one_process(tmp_path, single_process_videos, nproc, layout, agent_store):
     result = ranks(
         nproc,
         "infer.py",
@@ -105,6 +105,7 @@ def test_infer_under_layout_equals_one_process(tmp_path, single_process_videos, 
         str(tmp_path / "x.npy"),
         *layout,
         timeout=200,
+        agent_store=agent_store,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     for i, expected in enumerate(single_process_videos):
