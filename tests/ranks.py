@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import runpy
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -87,14 +88,22 @@ def launch(
     import torch.distributed as dist
 
     context = _server()
-    # torchrun's agent store: bound here on a free port (no race for it), alive until every rank has ended
-    store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
-    base = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {}), "MASTER_ADDR": "127.0.0.1"}
-    base.update(MASTER_PORT=str(store.port), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
-    base.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0", GROUP_RANK="0")
-    if not agent_store:  # the port is free again once the store closes; rank 0 binds it (a short race)
-        del store, base["TORCHELASTIC_USE_AGENT_STORE"], base["TORCHELASTIC_RESTART_COUNT"]
-        store = None
+    # torchrun's agent store: bound here on a free port (no race for it), alive until every rank has ended.
+    # Without it, rank 0 binds a port found free here (a short race).
+    store = (
+        dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False) if agent_store else None
+    )
+    base = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        **(env or {}),
+        "MASTER_ADDR": "127.0.0.1",
+        "GROUP_RANK": "0",
+    }
+    base.update(MASTER_PORT=str(store.port if store else _free_port()), WORLD_SIZE=str(nproc))
+    base.update(LOCAL_WORLD_SIZE=str(nproc))
+    if store:
+        base.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
     with tempfile.TemporaryDirectory(prefix="tessera-ranks-") as folder:
         files = [(f"{folder}/out{r}", f"{folder}/err{r}") for r in range(nproc)]
         procs = []
@@ -120,6 +129,12 @@ def launch(
     done = subprocess.CompletedProcess(cmd, code, stdout, stderr)
     done.codes = codes  # each rank's exit code (torchrun prints them in its summary)
     return done
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _read(path: str) -> str:
