@@ -394,22 +394,30 @@ def command(scenario: Scenario, run_dir: Path, out: Path, node: int = 0, port: i
     args = [a.format(run=run_dir, out=out) for a in scenario.args]
     script = str(ROOT / scenario.script)
     if scenario.nodes > 1:
-        return [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nnodes={scenario.nodes}",
-            f"--node-rank={node}",
-            f"--nproc-per-node={scenario.nproc}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}",
-            f"--rdzv-id={scenario.name}",
-            script,
-            *args,
-        ]
+        return [*node_launcher(scenario.nodes, node, scenario.nproc, port, scenario.name), script, *args]
     if scenario.nproc == 1:
         return [sys.executable, script, *args]
     return benchlib.torchrun_command(scenario.nproc, script, args)
+
+
+def node_launcher(nodes: int, node: int, nproc: int, port: int, run_id: str) -> list[str]:
+    """torchrun as node `node` of `nodes` on this machine, rendezvous at 127.0.0.1:`port`. Node 0 hosts the
+    rendezvous store (is_host: on one machine every agent would take itself for the host, and the one
+    that binds first wins) and is group rank 0 (ranks follow the sorted node addresses, then the agents'
+    process ids, which a sandbox may hand out in any order), so a fault's rank decides its node."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nodes}",
+        f"--node-rank={node}",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id={run_id}",
+        f"--rdzv-conf=is_host={int(node == 0)}",
+        f"--local-addr=127.0.0.{node + 1}",
+    ]
 
 
 def rank_codes(text: str) -> dict[int, int]:

@@ -183,15 +183,7 @@ def test_killed_rank_on_another_node_is_named(tmp_path):
         port = s.getsockname()[1]
     commands = [
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes=2",
-            f"--node-rank={node}",
-            "--nproc-per-node=1",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}",
-            "--rdzv-id=failures",
+            *bench_failures.node_launcher(2, node, 1, port, "failures"),
             str(ROOT / "train.py"),
             *TWO_RANKS,
             f"run.output_dir={tmp_path}",
@@ -200,8 +192,8 @@ def test_killed_rank_on_another_node_is_named(tmp_path):
         for node in (0, 1)
     ]
     run = Launch(commands[:1], {**ENV, "TESSERA_FAULT": "kill@1:5"})
-    # node 0's agent must host the rendezvous store (node 1's death then leaves it standing): its port
-    # listens before node 1 starts (a fixed pause lost that race on a loaded machine)
+    # node 0's agent hosts the rendezvous store (is_host; node 1's death then leaves it standing); node 1
+    # starts once it listens, so its agent's first connection needs no retry
     deadline = time.monotonic() + 60
     while not listening(port):
         assert time.monotonic() < deadline and run.procs[0].poll() is None, run.text()[-3000:]
