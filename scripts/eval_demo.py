@@ -7,7 +7,7 @@ one steady object; colour; shape; direction; how each is judged: BENCHMARKS.md, 
 reports each rate and the joint rate (all four right at once), with a contact sheet next to the
 videos (one row of frames per prompt, first seed, with the prompt and the verdict beside it).
 
-    python scripts/eval_demo.py --config configs/demo.yaml [--seeds 4] [section.key=value ...]
+    python scripts/eval_demo.py --config configs/demo.yaml [--seeds 4] [--first-seed 0] [key=value ...]
 """
 
 import argparse
@@ -104,6 +104,13 @@ def main(argv=None, session=None):
     p.add_argument("--config", default=str(DEFAULT_RECIPE))
     p.add_argument("--checkpoint", default=None)
     p.add_argument("--seeds", type=int, default=4, help="samples per held-out prompt")
+    p.add_argument(
+        "--first-seed",
+        type=int,
+        default=0,
+        help="the samples' seeds are first-seed, first-seed + 1, ...: another value judges on fresh seeds "
+        "(a recipe tuned on the default ones is confirmed on others)",
+    )
     p.add_argument("--output", default=None, help="JSON report (default: <run>/eval_demo.json)")
     p.add_argument("--sheet", default=None, help="contact sheet PNG (default: <run>/contact_sheet.png)")
     p.add_argument(
@@ -138,11 +145,11 @@ def main(argv=None, session=None):
         cfg.sample.steps,
         cfg.sample.guidance,
         cfg.sample.negative_prompt,
-        seeds=list(range(len(prompts))),
+        seeds=list(range(args.first_seed, args.first_seed + len(prompts))),
         sampler=sampler,
     )
     rows = [judge(prompt, video, palette) for prompt, video in zip(prompts, videos, strict=True)]
-    report = {"checkpoint": str(checkpoint), **summarise(rows), "rows": rows}
+    report = {"checkpoint": str(checkpoint), "first_seed": args.first_seed, **summarise(rows), "rows": rows}
     run_dir = Path(cfg.run.output_dir)
     out = Path(args.output or run_dir / "eval_demo.json")
     out.write_text(json.dumps(report, indent=1))

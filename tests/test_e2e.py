@@ -232,6 +232,12 @@ def test_eval_demo_reports_every_rate_and_a_contact_sheet(trained, tmp_path):
     )
     with Image.open(tmp_path / "sheet.png") as sheet:
         assert sheet.height >= 12 * 16  # a row per held-out prompt
+        first = np.asarray(sheet)
+    # fresh seeds: other noise, so other clips (a recipe tuned on seeds 0.. is confirmed on others)
+    assert run_main(eval_demo, [*argv[:-1], str(tmp_path / "fresh.png"), "--first-seed", "1000"]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["first_seed"] == 1000
+    with Image.open(tmp_path / "fresh.png") as fresh:
+        assert np.asarray(fresh).shape == first.shape and not np.array_equal(np.asarray(fresh), first)
     # demo_lora.sh's judge: the held-out prompts of a colour the demo never saw, read among 7 colours
     assert run_main(eval_demo, argv + ["--colors", "orange"]) == 0
     report = json.loads((tmp_path / "r.json").read_text())
