@@ -17,7 +17,7 @@ fi
 # colour list repeats it), the rest the demo's colours, so "orange" is learnt as one more colour word.
 LORA=(--config configs/demo.yaml "model.pretrained=$BASE" "run.output_dir=$RUN" lora.rank=8
   "data.synthetic_colors=[orange,orange,orange,orange,orange,orange,red,green,blue,yellow,magenta,cyan]"
-  train.max_steps=400 train.warmup_steps=20 train.checkpoint_every=400 train.ema_decay=0.95
+  train.lr=1.0e-3 train.max_steps=400 train.warmup_steps=20 train.checkpoint_every=400 train.ema_decay=0.95
   "sample.prompts=[an orange circle moving right]")
 "$PY" train.py "${LORA[@]}" "$@"
 "$PY" scripts/eval_demo.py --config configs/demo.yaml "run.output_dir=$BASE" --colors orange \
