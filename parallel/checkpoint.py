@@ -89,7 +89,21 @@ class TrainingState:
     def load_state_dict(self, state: dict) -> None:
         set_model_state_dict(self.model, state["model"])
         set_model_state_dict(self.ema, state["ema"])
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        set_optimizer_state(self.model, self.optimizer, state["optimizer"])
+
+
+def set_optimizer_state(model, optimizer, state: dict) -> None:
+    """set_optimizer_state_dict, keeping the optimizer's implementation (fused, foreach, capturable): the
+    checkpoint's param_groups carry the one it was saved with, so a run saved with the foreach AdamW would
+    stay on it for good. A fused group's `step` lives on its parameter's device, in float32."""
+    kept = [{k: group.get(k) for k in ("fused", "foreach", "capturable")} for group in optimizer.param_groups]
+    set_optimizer_state_dict(model, optimizer, state)
+    for group, implementation in zip(optimizer.param_groups, kept, strict=True):
+        group.update(implementation)
+        for p in group["params"] if group.get("fused") else ():
+            entry = optimizer.state.get(p, {})
+            if "step" in entry:
+                entry["step"] = entry["step"].to(device=p.device, dtype=torch.float32)
 
 
 @torch.no_grad()

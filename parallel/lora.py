@@ -18,13 +18,12 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
 
 from models.float8 import quantize_blocks
 from models.lora import add_adapters, is_adapter
-from parallel.checkpoint import optimizer_state_dict, read_tensors
+from parallel.checkpoint import optimizer_state_dict, read_tensors, set_optimizer_state
 from parallel.checkpoint_files import CHECKSUMS, CheckpointError, read_trainer_state, resolve_checkpoint
 from parallel.init import canonical_name
 
@@ -218,7 +217,7 @@ class LoRAState:
         set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=False))
         for n in self.ema.names:
             local(self.ema.params[n]).copy_(local(state["ema"][canonical_name(n)]))
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        set_optimizer_state(self.model, self.optimizer, state["optimizer"])
 
 
 def per_projection(record: dict) -> bool:

@@ -298,3 +298,37 @@ def test_an_expert_checkpoint_resumes_as_its_expert_and_older_ones_as_before(exp
         load_config(TINY, ["model.expert=low", "sample.boundary=0.5", f"train.resume={step}"])
     )
     assert train.check_before_start(cfg).checkpoint == step
+
+
+def test_a_resume_keeps_the_fused_adamw():
+    """A checkpoint saved by the foreach AdamW (train.py's before it fused its AdamW) resumes into the fused
+    one and stays fused (its saved param_groups would bring foreach back for good), and steps as the foreach
+    optimizer continuing from the same state does."""
+    import copy
+
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from parallel.checkpoint import set_optimizer_state
+
+    torch.manual_seed(0)
+    old = torch.nn.Linear(8, 8)
+    before = torch.optim.AdamW(old.parameters(), lr=1e-2, foreach=True)
+    x = torch.randn(4, 8)
+
+    def step(model, optimizer):
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+
+    for _ in range(2):
+        step(old, before)
+    saved = copy.deepcopy(get_optimizer_state_dict(old, before))
+    new = copy.deepcopy(old)
+    resumed = torch.optim.AdamW(new.parameters(), lr=1e-2, fused=True)
+    set_optimizer_state(new, resumed, saved)
+    assert resumed.param_groups[0]["fused"] is True and resumed.param_groups[0]["foreach"] is None
+    assert all(s["step"].dtype == torch.float32 and s["step"].item() == 2 for s in resumed.state.values())
+    step(old, before)
+    step(new, resumed)
+    for a, b in zip(old.parameters(), new.parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
