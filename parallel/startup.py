@@ -21,8 +21,8 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 # torchao (train.fp8; transformers imports it whenever it is installed) logs a warning for each of its
 # C++ kernels a wheel cannot load, and torch one for each enum torchao registers with pytree: four lines
 # before the first of tessera's, on every run; none is about what tessera uses (torch's float8 matmul).
-# diffusers 0.42 warns once that torchao 0.18's quantized tensor classes moved (its loader of torchao-
-# quantized pipelines, which tessera does not use).
+# diffusers 0.42 warns "Unable to import `torchao` Tensor objects" with torchao 0.18 (for its loader of
+# torchao-quantized pipelines, which tessera does not use).
 for _name in ("torchao", "torch.utils._pytree", "diffusers.quantizers.torchao.torchao_quantizer"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 

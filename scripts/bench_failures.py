@@ -318,7 +318,7 @@ class Launch:
         self.procs = []
         for i, cmd in enumerate(commands):
             if i and stagger_s:
-                time.sleep(stagger_s)  # the first node's agent hosts the rendezvous store
+                time.sleep(stagger_s)  # node 0 hosts the store (is_host): node 1 then connects at once
             self.procs.append(
                 subprocess.Popen(
                     cmd,
@@ -405,6 +405,7 @@ def node_launcher(nodes: int, node: int, nproc: int, port: int, run_id: str) -> 
     rendezvous store (is_host: on one machine every agent would take itself for the host, and the one
     that binds first wins) and is group rank 0 (ranks follow the sorted node addresses, then the agents'
     process ids, which a sandbox may hand out in any order), so a fault's rank decides its node."""
+    assert nodes <= 9, "127.0.0.10 would sort before 127.0.0.2"
     return [
         sys.executable,
         "-m",

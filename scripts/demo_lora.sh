@@ -10,7 +10,7 @@ PY=${PYTHON:-python3}
 BASE=${DEMO_RUN:-runs/demo}
 RUN=${DEMO_LORA_RUN:-runs/demo_lora}
 if [ ! -f "$BASE/checkpoints/latest" ]; then
-  echo "[demo_lora] no trained demo in $BASE: training it first (about 6 minutes)"
+  echo "[demo_lora] no trained demo in $BASE: training it first (about 7 minutes)"
   "$PY" train.py --config configs/demo.yaml "run.output_dir=$BASE"
 fi
 # The LoRA: rank 8 on every Linear of the blocks, over the frozen demo; half of its clips orange (the

@@ -192,8 +192,9 @@ def test_killed_rank_on_another_node_is_named(tmp_path):
         for node in (0, 1)
     ]
     run = Launch(commands[:1], {**ENV, "TESSERA_FAULT": "kill@1:5"})
-    # node 0's agent hosts the rendezvous store (is_host; node 1's death then leaves it standing); node 1
-    # starts once it listens, so its agent's first connection needs no retry
+    # node 0 is group rank 0 (its local address sorts first), so its agent also hosts the workers' store,
+    # which node 1's death then leaves standing; ranks followed the agents' process ids before. node 1
+    # starts once node 0's rendezvous store listens, so its agent's first connection needs no retry
     deadline = time.monotonic() + 60
     while not listening(port):
         assert time.monotonic() < deadline and run.procs[0].poll() is None, run.text()[-3000:]
