@@ -234,6 +234,15 @@ class Trainer:
     family: object = None  # parallel.family_training.FamilyRun for a family's recipe, else None
 
 
+def build_optimizer(tc, trainable: list) -> torch.optim.AdamW:
+    """AdamW, fused: one kernel (one DTensor dispatch) for every parameter instead of a dozen per parameter
+    list; a sixth of the demo's step on a CPU went to the foreach AdamW's dispatches."""
+    fused = all(p.device.type in ("cpu", "cuda") for p in trainable)
+    return torch.optim.AdamW(
+        trainable, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay, fused=fused
+    )
+
+
 def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = "") -> Trainer:
     """The DiT is built on the meta device and sharded before any weight exists; then each rank fills
     only its shard (from train.seed, model.pretrained, or the checkpoint): no rank holds the whole model."""
@@ -273,12 +282,7 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
         model.to_empty(device=param_device(device, tc.cpu_offload))  # load_checkpoint fills every weight
     del pretrained  # closes the safetensors files
     trainable = [p for p in model.parameters() if p.requires_grad]  # every one, or the adapters
-    # fused: one kernel (one DTensor dispatch) for every parameter instead of a dozen per parameter list;
-    # a sixth of the demo's step on a CPU went to the foreach AdamW's dispatches
-    fused = all(p.device.type in ("cpu", "cuda") for p in trainable)
-    optimizer = torch.optim.AdamW(
-        trainable, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay, fused=fused
-    )
+    optimizer = build_optimizer(tc, trainable)
     ema, training = build_ema(cfg, runtime, model, optimizer, lambda: meta_model()[0], bool(adapted))
     if checkpoint is not None:
         load_checkpoint(runtime, checkpoint, training, verified=True)
