@@ -319,13 +319,16 @@ _FLOPS: dict = {}  # (model, case) -> train_flops: counted once per pair
 
 def bench_train(name, case, make_model, runtime, param_dtype, variant, args, info):
     device = runtime.device
+    from configs.schema import TrainConfig
+    from train import build_optimizer  # train.py's AdamW (fused), so the step is the one it runs
+
     parts = variant.split("+")  # sac: selective activation checkpointing (train.checkpoint_policy)
     ac, compile = bool({"ac", "sac"} & set(parts)), "compile" in parts
     policy = "selective" if "sac" in parts else "all"
     fp8 = (FP8_MIN_TINY if args.tiny else FP8_MIN) if "fp8" in parts else None  # train.fp8
     reset_memory(device)
     model = build(make_model, case, runtime, param_dtype, ac, compile, policy, fp8)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    optimizer = build_optimizer(TrainConfig(lr=1e-4), [p for p in model.parameters() if p.requires_grad])
     if device.type == "cuda":  # the steps' peak, not the build's (a float32 model before its cast)
         torch.cuda.reset_peak_memory_stats(device)
     C, T, H, W = case["latent"]
