@@ -31,7 +31,7 @@ from models.family import part_folder
 from models.flow import RectifiedFlow
 from models.image_condition import image_encoder_folder, image_inputs, read_images, sampling_condition
 from models.lora import deltas_of, merge_deltas
-from models.lora_formats import check_file, parse_lora_spec, read_lora
+from models.lora_formats import check_file, parse_lora_spec
 from models.pipeline import generate_checked
 from models.sampler import Sampling, checked, generate_images
 from models.step_cache import step_cache
@@ -49,7 +49,6 @@ from parallel.components import (
     build_model,
     check_pretrained,
     fill_unsharded,
-    meta_dit,
     open_pretrained,
 )
 from parallel.entrypoint import run_as_process
@@ -245,18 +244,15 @@ def lora_deltas(cfg, text_encoder, vae, checkpoint, record, use_ema: bool, loras
     return deltas
 
 
-def read_loras(cfg, specs, family=None) -> list:
-    """Every --lora FILE[:SCALE] read and matched to the recipe's DiT (on the meta device; `family`: to its
-    transformer) before init_runtime: a missing or damaged file, or a key that fits no layer, stops every
-    rank alike here."""
+def read_loras(cfg, specs) -> list:
+    """Every --lora FILE[:SCALE] read and matched to the recipe's transformer (on the meta device) before
+    init_runtime: a missing or damaged file, or a key that fits no layer, stops every rank alike here."""
     if not specs:
         return []
     for spec in specs:
         check_file(parse_lora_spec(spec)[0])  # all files exist before the first is read
-    if family is not None:
-        return [family.read_lora(cfg, spec) for spec in specs]
-    model = meta_dit(cfg)
-    return [read_lora(spec, model) for spec in specs]
+    family = family_named(cfg.model.family)
+    return [family.read_lora(cfg, spec) for spec in specs]
 
 
 def lora_base(cfg, checkpoint) -> dict | None:
@@ -529,7 +525,7 @@ def sample_family(cfg, args, family, session) -> None:
     any process group."""
     refuse_flags(cfg, args, family)
     checkpoint, record = family_checkpoint(cfg, args, family)
-    loras = read_loras(cfg, args.lora, family)
+    loras = read_loras(cfg, args.lora)
     prompts, outputs, frames, height, width, steps, guidance, negative = read_sizes(cfg, args)
     family.check_size(cfg, frames, height, width)
     request = Request(prompts, outputs, frames, height, width, steps, guidance, negative, [], ())

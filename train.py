@@ -42,7 +42,7 @@ from data.loader import (
 from data.media import write_video
 from data.sampler import sample_seed
 from models.dit import count_parameters, size_of
-from models.families import latent_geometry
+from models.families import family_named
 from models.flow import RectifiedFlow, expert_timesteps
 from models.image_condition import ConditionedModel, ImageCondition, image_inputs, sampling_condition
 from models.pipeline import generate_checked
@@ -170,7 +170,7 @@ def check_before_start(cfg) -> Plan:
         check_family_sizes(cfg, family, layout, buckets)
     sc, data = cfg.sample, cfg.data
     try:
-        space, patch = latent_geometry(cfg)
+        space, patch = family_named(cfg.model.family).geometry(cfg)
         space.latent_shape(sc.frames or data.frames, sc.height or data.height, sc.width or data.width, patch)
     except ValueError as e:
         raise ValueError(f"the preview size in sample.frames/height/width: {e}") from None
@@ -298,7 +298,9 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     run.start_tensorboard(cfg, start_step)
     guard = NonFiniteGuard(tc, device, run.path, runtime.is_main, bf16)
     flow = RectifiedFlow(
-        cfg.flow, latent_geometry(cfg)[1], timesteps=expert_timesteps(cfg.model.expert, cfg.sample.boundary)
+        cfg.flow,
+        family_named(cfg.model.family).geometry(cfg)[1],
+        timesteps=expert_timesteps(cfg.model.expert, cfg.sample.boundary),
     )
     lora = lora_record(cfg.lora, plan.base, adapted) if adapted else None
     return Trainer(

@@ -27,9 +27,9 @@ LEFT_OUT_CATEGORIES = (
 
 
 def build_buckets(cfg) -> BucketTable:
-    from models.families import latent_geometry
+    from models.families import family_named
 
-    space, patch = latent_geometry(cfg)
+    space, patch = family_named(cfg.model.family).geometry(cfg)
     return BucketTable(cfg.data, space, patch, cfg.train.batch_size)
 
 

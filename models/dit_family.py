@@ -58,12 +58,42 @@ class DiTParts(Components):
     device: object = None  # where the sampling runs (under train.cpu_offload the weights stay on the CPU)
 
 
+def meta_dit(cfg):
+    """The recipe's DiT on the meta device, before any component is loaded (the encoder's width from its
+    config.json): names and shapes, to check a recipe or a LoRA file before start-up."""
+    from models.dit import build_dit
+    from models.text_encoder import text_encoder_dim
+    from models.vae import vae_latent_space
+
+    with torch.device("meta"):
+        return build_dit(
+            cfg.model,
+            in_channels=vae_latent_space(cfg.vae).latent_channels,
+            text_dim=text_encoder_dim(cfg.text_encoder),
+        )
+
+
 class DiTFamily(Family):
     name, title, native = "dit", "tessera's DiT (Wan 2.1 / 2.2)", True
     pipeline_classes = ("WanPipeline", "WanImageToVideoPipeline")
     transformer_classes = ("WanTransformer3DModel", "WanModel")  # diffusers', Wan-AI's own config.json
     parallel_degrees = ("cfg", "ulysses", "ring", "pipefusion")
     conditioning = DiTText
+
+    def meta_transformer(self, cfg):
+        return meta_dit(cfg)
+
+    def projections(self, model) -> tuple[dict, dict]:
+        """Wan's names when the DiT has Wan's architecture options, tessera's own otherwise."""
+        from models.lora_formats import model_projections
+
+        return model_projections(model)
+
+    def geometry(self, cfg) -> tuple:
+        """Its VAE's latent space (recipe's vae.*) and model.patch_size."""
+        from models.vae import vae_latent_space
+
+        return vae_latent_space(cfg.vae), tuple(cfg.model.patch_size)
 
     def encode(self, parts: DiTParts, prompts: list, max_length: int, negative: bool = False) -> DiTText:
         return DiTText(*parts.text_encoder(prompts, parts.device))

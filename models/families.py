@@ -24,17 +24,6 @@ def require_native(cfg, program: str) -> None:
         )
 
 
-def latent_geometry(cfg) -> tuple:
-    """(the recipe's latent space, its (t, h, w) patch): the VAE's and model.patch_size for tessera's DiT,
-    the family's own (models/family.py) for the others; for the bucket table and the training shift."""
-    family = family_named(cfg.model.family)
-    if family.native:
-        from models.vae import vae_latent_space
-
-        return vae_latent_space(cfg.vae), tuple(cfg.model.patch_size)
-    return family.latent_space(cfg), (1, family.patch(cfg), family.patch(cfg))
-
-
 def family_of_folder(folder) -> Family | None:
     """The family whose diffusers classes `folder` declares, or None (a Wan-AI original folder, a tessera
     run, or a family tessera does not know: folder_classes says which)."""

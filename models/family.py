@@ -191,12 +191,24 @@ class Family:
         """(models.lora_formats.LoRAUpdate, strength) of `FILE[:SCALE]` matched to model.pretrained's
         transformer: diffusers/PEFT names (with or without `transformer.`), ComfyUI's `diffusion_model.`,
         kohya's `lora_unet_`; a key that fits no layer is a LoRAFormatError naming it."""
-        from models.lora_formats import match_lora, model_projections, parse_lora_spec, read_file
+        from models.lora_formats import match_lora, parse_lora_spec, read_file
 
         path, strength = parse_lora_spec(spec)
-        projections, linears = model_projections(self.meta_transformer(cfg), self.diffusers_name)
+        projections, linears = self.projections(self.meta_transformer(cfg))
         tensors, config = read_file(path)
         return match_lora(tensors, projections, linears, path, config), strength
+
+    def projections(self, model) -> tuple[dict, dict]:
+        """(the projections of each Linear, {module: (in, out)}) of `model` under the names its LoRA files
+        use (models/lora_formats.py model_projections): diffusers', one for one."""
+        from models.lora_formats import model_projections
+
+        return model_projections(model, self.diffusers_name)
+
+    def geometry(self, cfg) -> tuple:
+        """(its latent space, latents per token along (t, h, w)): for the bucket table and the training
+        shift. An image family: one latent frame per frame, its transformer's patch across."""
+        return self.latent_space(cfg), (1, self.patch(cfg), self.patch(cfg))
 
     def load(self, cfg, device, dtype, transformer: bool = True, keep=None) -> Components:
         """Its parts on `device` in `dtype`, frozen; transformer=False: all but the transformer (training

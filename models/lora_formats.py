@@ -346,14 +346,6 @@ def safetensors_metadata(info: dict) -> dict[str, str]:
     return {k: v if isinstance(v, str) else json.dumps(v) for k, v in info.items()}
 
 
-def read_lora(spec: str, model) -> tuple[LoRAUpdate, float]:
-    """`FILE[:SCALE]` read and matched to `model` (a meta-device DiT of the whole architecture)."""
-    path, strength = parse_lora_spec(spec)
-    projections, linears = model_projections(model)
-    tensors, config = read_file(path)
-    return match_lora(tensors, projections, linears, path, config), strength
-
-
 def starting_adapters(update: LoRAUpdate, modules: dict, seed: int) -> dict[str, torch.Tensor]:
     """lora.init_from: the whole float32 adapter tensors {parameter name: tensor} of the modules that a
     LoRA file covers, so that training starts from base + that LoRA exactly. `modules`: the run's

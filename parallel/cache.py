@@ -82,7 +82,7 @@ def calibration_subject(cfg, checkpoint, use_ema: bool, random_weights: bool, lo
     the noise schedule. Files are known by a fingerprint of their contents, not their path. Prompts,
     seeds and the sampling size are left out: the table carries over to them. scripts/calibrate_cache.py
     records it; infer.py compares (models.step_cache.Calibration.check_made_for)."""
-    from parallel.components import meta_dit
+    from models.dit_family import meta_dit
 
     te, vae, flow = cfg.text_encoder, cfg.vae, cfg.flow
     subject = {

@@ -13,9 +13,9 @@ from models.dit import ARCHITECTURE_OPTIONS, DiT, DiT_models, architecture_diffe
 from models.families import family_named
 from models.family import FamilyWeights
 from models.lora import adapted_modules, is_adapter
-from models.lora_formats import LoRAFormatError, match_lora, model_projections, read_file, starting_adapters
-from models.text_encoder import TextEncoder, build_text_encoder, text_encoder_dim
-from models.vae import LatentSpace, build_vae, vae_latent_space
+from models.lora_formats import LoRAFormatError, match_lora, read_file, starting_adapters
+from models.text_encoder import TextEncoder, build_text_encoder
+from models.vae import LatentSpace, build_vae
 from models.wan import WanWeights, check_wan_folder, second_expert
 from parallel.checkpoint import TrainingState, check_architecture, load_base_weights, load_weights
 from parallel.checkpoint_files import check_checkpoint_files, resolve_checkpoint
@@ -60,21 +60,9 @@ def build_model(cfg, text_encoder: TextEncoder, vae: LatentSpace, weights: bool 
     return model
 
 
-def meta_dit(cfg) -> DiT:
-    """The recipe's DiT on the meta device, before any component is loaded (the encoder's width from its
-    config.json): names and shapes, to check a recipe or a LoRA file before init_runtime."""
-    with torch.device("meta"):
-        return build_dit(
-            cfg.model,
-            in_channels=vae_latent_space(cfg.vae).latent_channels,
-            text_dim=text_encoder_dim(cfg.text_encoder),
-        )
-
-
 def meta_transformer(cfg):
     """The recipe's transformer on the meta device, before start-up: tessera's DiT or the family's."""
-    family = family_named(cfg.model.family)
-    return meta_dit(cfg) if family.native else family.meta_transformer(cfg)
+    return family_named(cfg.model.family).meta_transformer(cfg)
 
 
 def check_adapters(cfg, fresh: bool = True) -> dict | None:
@@ -87,7 +75,7 @@ def check_adapters(cfg, fresh: bool = True) -> dict | None:
     insert_adapters(model, cfg.lora, torch.float32)
     if not (cfg.lora.init_from and fresh):
         return None
-    projections, linears = model_projections(model, *(() if family.native else (family.diffusers_name,)))
+    projections, linears = family.projections(model)
     try:
         tensors, config = read_file(cfg.lora.init_from)
     except LoRAFormatError as e:

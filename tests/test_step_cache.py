@@ -404,8 +404,8 @@ def test_a_calibration_of_a_lora_is_accepted_with_that_lora_only(tmp_path, capsy
     from safetensors.torch import save_file
 
     from configs import load_config
+    from models.dit_family import meta_dit
     from models.lora_formats import export_adapters, model_projections
-    from parallel.components import meta_dit
 
     projections, linears = model_projections(meta_dit(load_config(TINY)))
     module = next(name for name in linears if name.startswith("blocks.0."))
