@@ -499,13 +499,18 @@ def main(argv=None, session=None):
         weights = describe_weights(cfg, args, checkpoint, record, use_ema)
         sample_batch = dit_batches(cfg, args, runtime, request, *components)
         nonfinite = sample_and_write(cfg, args, runtime, request, mine, sample_batch, weights)
-        if runtime.is_main and request.cache is not None and request.cache.method == "first_block":
-            print(
-                f"[tessera] step cache: {sample_batch.full_calls / len(mine):g} of {request.steps} steps ran "
-                "every block (first_block, per sample)",
-                flush=True,
-            )
+        say_full_calls(runtime, request, sample_batch.full_calls / len(mine))
     finish(runtime, nonfinite)
+
+
+def say_full_calls(runtime, request: Request, calls: float) -> None:
+    """first_block's line: how many steps ran every block, per sample."""
+    if runtime.is_main and request.cache is not None and request.cache.method == "first_block":
+        print(
+            f"[tessera] step cache: {calls:g} of {request.steps} steps ran every block (first_block, per "
+            "sample)",
+            flush=True,
+        )
 
 
 def finish(runtime, nonfinite: Exception | None) -> None:
@@ -528,7 +533,8 @@ def sample_family(cfg, args, family, session) -> None:
     loras = read_loras(cfg, args.lora)
     prompts, outputs, frames, height, width, steps, guidance, negative = read_sizes(cfg, args)
     family.check_size(cfg, frames, height, width)
-    request = Request(prompts, outputs, frames, height, width, steps, guidance, negative, [], ())
+    cache = step_cache(cfg.sample, steps)
+    request = Request(prompts, outputs, frames, height, width, steps, guidance, negative, [], (), cache)
     layout, patches = family_layout(cfg, family, request)
     check_outputs(outputs)
     if cfg.text_encoder.max_length != family.max_length:  # a recipe without the family's own setting
@@ -537,6 +543,7 @@ def sample_family(cfg, args, family, session) -> None:
             f"{family.max_length} tokens (configs/ has its recipe)"
         )
     runtime = init_runtime(cfg.parallel, layout, cfg.run.output_dir, task="sample", session=session)
+    share_step_cache(cache, runtime.sampling, steps, runtime.device, runtime.faults)  # before any weight
     if runtime.is_main:
         run = f" with {checkpoint}" + (" (LoRA)" if record else "") if checkpoint is not None else ""
         line = f"[tessera] {family.title} from {cfg.model.pretrained}{run}; layout {layout.describe()}"
@@ -545,6 +552,7 @@ def sample_family(cfg, args, family, session) -> None:
     keep = (lambda model: keep_blocks(model, groups.stage, groups.stages)) if layout.pipefusion > 1 else None
     dtype = torch.bfloat16 if runtime.bf16(cfg.train.precision) else torch.float32
     parts = family.load(cfg, runtime.device, dtype, keep=keep)  # under PipeFusion: this stage's blocks
+    parts.cache = cache
     if checkpoint is not None:  # a run's weights: a full fine-tuning's, or its LoRA on its base
         load_run_weights(cfg, runtime, family, parts.transformer, checkpoint, record, use_ema)
     for update, strength in loras:  # merged: every layout then runs the plain transformer
@@ -564,6 +572,7 @@ def sample_family(cfg, args, family, session) -> None:
         sample_batch = family_batches(cfg, args, runtime, request, family, parts, denoise_with)
         vae = str(part_folder(cfg, "vae"))
         nonfinite = sample_and_write(cfg, args, runtime, request, mine, sample_batch, weights, vae)
+        say_full_calls(runtime, request, sample_batch.full_calls / len(mine))
     finish(runtime, nonfinite)
 
 
@@ -573,7 +582,8 @@ def refuse_flags(cfg, args, family) -> None:
         "--image": args.image,
         "--last-image": args.last_image,
         "--random-weights": args.random_weights,
-        f"sample.cache={cfg.sample.cache}": cfg.sample.cache != "none",
+        # calibrate_cache.py measures tessera's DiT; first_block needs no calibration
+        f"sample.cache={cfg.sample.cache}": cfg.sample.cache == "calibrated",
     }
     wrong = [name for name, value in given.items() if value]
     if wrong:
@@ -633,6 +643,11 @@ def family_layout(cfg, family, request: Request) -> tuple[ParallelLayout, int]:
             f"{runs}"
         )
     ranks, pipefusion = cfg.parallel.ulysses * cfg.parallel.ring, cfg.parallel.pipefusion
+    if request.cache is not None and ranks * pipefusion > 1:  # models/step_cache.py FirstBlockFamily
+        raise ValueError(
+            f"sample.cache={cfg.sample.cache}: {family.title}'s step cache runs each sample's whole token "
+            "sequence on one rank: use dp or parallel.cfg with it, not parallel.ulysses, ring or pipefusion"
+        )
     if ranks > 1 and pipefusion > 1:
         raise ValueError(
             f"{family.title} samples under parallel.pipefusion or a sequence split (ulysses, ring), not both "
@@ -668,11 +683,22 @@ def family_batches(cfg, args, runtime, request: Request, family, parts, denoise_
 
     def sample_batch(batch: list, progress) -> tuple:
         runtime.watchdog.sampling_progress(0, request.steps)  # each step has a deadline from here on
-        return checked(
+        done = checked(
             generate_images, family, parts, request.sampling(batch, args.seed, cfg), progress, denoise_with
         )
+        count_full_calls(sample_batch, request.cache, runtime.sampling, runtime.device, len(batch))
+        return done
 
+    sample_batch.full_calls = 0.0
     return sample_batch
+
+
+def count_full_calls(sample_batch, cache, replica, device, samples: int) -> None:
+    """After a batch: every rank of the replica took the same first_block decisions, and the calls that
+    ran every block are added to `sample_batch.full_calls` (summed over the samples)."""
+    check_cache_decisions(cache, replica, device)  # per batch: start() resets them
+    if cache is not None and cache.method == "first_block":
+        sample_batch.full_calls += cache.full_calls * samples
 
 
 def sample_and_write(cfg, args, runtime, request: Request, mine: list, sample_batch, weights: str, vae=None):
@@ -714,7 +740,6 @@ def dit_batches(cfg, args, runtime, request: Request, model, vae, text_encoder, 
     inputs = image_inputs(cfg, runtime.device) if request.images is not None else None
     encoder = inputs[1] if inputs is not None else None  # the CLIP encoder, if the model reads features
     flow = RectifiedFlow(cfg.flow, cfg.model.patch_size, request.cache)
-    first_block = request.cache is not None and request.cache.method == "first_block"
     replica = runtime.sampling
     decode = parallel_vae.shared_decoder(
         vae, replica.replica_group, replica.replica_control, vae.tile_latent, vae.tile_overlap
@@ -745,8 +770,7 @@ def dit_batches(cfg, args, runtime, request: Request, model, vae, text_encoder, 
             device=runtime.device,  # not the model's: Wan 2.2's experts take turns on it
             condition=condition,
         )
-        check_cache_decisions(request.cache, replica, runtime.device)  # per batch: start() resets them
-        sample_batch.full_calls += request.cache.full_calls * len(batch) if first_block else 0.0
+        count_full_calls(sample_batch, request.cache, replica, runtime.device, len(batch))
         return videos, bad
 
     sample_batch.full_calls = 0.0

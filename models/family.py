@@ -38,6 +38,7 @@ class Components:
     text_encoder: torch.nn.Module
     vae: torch.nn.Module
     scheduler_config: dict = field(default_factory=dict)  # the folder's scheduler/scheduler_config.json
+    cache: object = None  # sample.cache (models/step_cache.py step_cache), or None; the DiT's is its flow's
 
 
 class Family:
@@ -275,17 +276,27 @@ class Family:
         return contextlib.nullcontext()
 
     def walk(self, parts: Components, schedule: Schedule, noise, velocity, progress=None):
-        """The latents at the schedule's end: models/loop.py's loop (tessera's DiT: behind its step cache)."""
-        from models.loop import denoise
+        """The latents at the schedule's end: models/loop.py's loop behind the step cache (parts.cache)."""
+        from models.step_cache import walk_cached
 
-        return denoise(schedule, noise, velocity, progress)
+        return walk_cached(parts.cache, schedule, noise, velocity, progress)[0]
 
     def velocity(self, parts: Components, x, t, cond):
-        return self.prediction(parts.transformer(x, t.to(x.device).expand(x.shape[0]), cond))
+        return self.prediction(self.outputs(parts, x, t, cond)[0])
 
     def both(self, parts: Components, x, t, cond, uncond) -> tuple:
         """(conditional, unconditional) velocities on one process (a family may run them as one batch)."""
-        return self.velocity(parts, x, t, cond), self.velocity(parts, x, t, uncond)
+        return tuple(self.prediction(v) for v in self.outputs(parts, x, t, cond, uncond))
+
+    def outputs(self, parts: Components, x, t, *conds) -> list:
+        """The transformer's output for each conditioning, one call each; with sample.cache=first_block
+        through models/step_cache.py FirstBlockFamily, which decides for all of them at once."""
+        from models.step_cache import FirstBlockFamily
+
+        t, cache = t.to(x.device).expand(x.shape[0]), parts.cache
+        if cache is not None and cache.method == "first_block":
+            return FirstBlockFamily(parts.transformer, cache)(x, t, *conds)
+        return [parts.transformer(x, t, cond) for cond in conds]
 
     def guidance_at(self, parts: Components, t, scale: float) -> float:
         """The guidance scale of the step at timestep `t` (Wan 2.2's experts each have their own)."""

@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from models.family import Schedule
-from models.loop import denoise
-from models.step_cache import CachedVelocity
+from models.step_cache import walk_cached
 from models.vae import num_tokens
 
 
@@ -119,18 +118,10 @@ class RectifiedFlow:
         return self.walk(self.schedule(sigmas), noise, velocity, progress)
 
     def walk(self, schedule: Schedule, noise, velocity, progress=None):
-        """models/loop.py's loop over `schedule`, behind the step cache when there is one (its one home:
-        every layout's velocity passes here, PipeFusion's plan reads the same cache); `model_calls` then
-        counts the steps that ran every block."""
-        steps = len(schedule.timesteps)
-        if self.cache is not None:
-            velocity = CachedVelocity(velocity, self.cache, steps)
-        x = denoise(schedule, noise, velocity, progress)
-        self.model_calls = steps if self.cache is None else velocity.calls
-        if self.cache is not None:
-            self.cache.finish()
-            if self.cache.method == "first_block":  # it calls the model each step, runs every block in fewer
-                self.model_calls = self.cache.full_calls
+        """models/step_cache.py walk_cached over `schedule` with this flow's cache (every layout's velocity
+        passes here, PipeFusion's plan reads the same cache); `model_calls` then counts the steps that ran
+        every block."""
+        x, self.model_calls = walk_cached(self.cache, schedule, noise, velocity, progress)
         return x
 
     def schedule(self, sigmas) -> Schedule:

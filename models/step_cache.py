@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from models.loop import denoise
+
 
 class CacheError(ValueError):
     """A calibration file that is missing, damaged, out of range, or made for another sampling (model,
@@ -329,6 +331,51 @@ class FirstBlockModel:
             for block in itertools.islice(model.blocks, 1, None):
                 tokens = block(tokens, c, y, y_mask, state.rope)
         return model.end(state, cache.combine(first, tokens, rows))
+
+
+class FirstBlockFamily:
+    """A family's transformer (models/family.py) with sample.cache=first_block, called once per step with
+    every guidance branch's conditioning: each branch's first block, one decision per sample over all of
+    them (FirstBlockCache), then the other blocks. It calls the pieces PipeFusion calls (embed,
+    patch_context, companion, patch_blocks over the whole sequence, final_layer on the context's `temb`,
+    unpatchify), so it runs the whole token sequence on this rank (no ulysses, ring or PipeFusion). When
+    some samples of a batch reuse and others do not, the other blocks run on every row and the reusing
+    rows' outputs are dropped (a video still does not depend on its batch)."""
+
+    def __init__(self, model, cache: FirstBlockCache):
+        self.model, self.cache = model, cache
+
+    def __call__(self, x, t, *conds) -> list:
+        """The transformer's output for each conditioning in `conds` (the branches, in the cache's order)."""
+        model, cache = self.model, self.cache
+        tokens, grid = model.embed(x)
+        n, passes = tokens.shape[1], []
+        for cond in conds:
+            ctx = model.patch_context(t, cond, grid)
+            first, side = model.patch_blocks([0], tokens, model.companion(ctx), ctx, grid, 0, n)
+            passes.append((ctx, first, side))
+        first = torch.cat([p[1] for p in passes])  # rows: branches x samples, as FirstBlockCache reads them
+        rows = cache.decide(first - tokens.repeat(len(conds), 1, 1), n)
+        out = first[:0]
+        if rows is None or len(rows):
+            rest, blocks = range(1, len(model.blocks)), model.patch_blocks
+            out = torch.cat([blocks(rest, f, side, ctx, grid, 0, n)[0] for ctx, f, side in passes])
+            out = out if rows is None else out[rows]
+        tokens = cache.combine(first, out, rows).chunk(len(conds))
+        return [model.unpatchify(model.final_layer(b, p[0].temb), grid) for b, p in zip(tokens, passes)]
+
+
+def walk_cached(cache, schedule, noise, velocity, progress=None) -> tuple:
+    """(the latents at the schedule's end, the steps that ran every block): models/loop.py's loop, behind
+    the step cache when there is one (`cache`: step_cache's answer, or None). Its one home: every
+    family's walk passes here."""
+    steps = len(schedule.timesteps)
+    if cache is None:
+        return denoise(schedule, noise, velocity, progress), steps
+    velocity = CachedVelocity(velocity, cache, steps)
+    x = denoise(schedule, noise, velocity, progress)
+    cache.finish()
+    return x, cache.full_calls if cache.method == "first_block" else velocity.calls  # first_block: per sample
 
 
 def step_cache(sample_cfg, steps: int):

@@ -122,6 +122,75 @@ def test_infer_matches_the_pipeline(saved, tmp_path, layout):
         assert diff <= 1e-5
 
 
+# (guidance, threshold) of the first-block cache test: diffusers decides per branch for Qwen-Image (its
+# pipeline calls the branches in two cache contexts) and over both for Sana (one batch of the two), as
+# tessera always does: Qwen-Image is compared unguided. The thresholds skip some middle steps and not the
+# last (tessera runs the last step whole; diffusers' hooks may not)
+FIRST_BLOCK = dict(qwen_image=(1.0, 0.3), sana=(4.0, 0.2))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("layout", ["one-process", pytest.param("cfg2", marks=pytest.mark.slow)])
+def test_first_block_cache_matches_diffusers(saved, tmp_path, capsys, layout):
+    """sample.cache=first_block against diffusers' own first-block cache hooks on the pipeline
+    (diffusers.hooks.apply_first_block_cache, code no one here wrote), 8 steps: the same steps run every
+    block (fewer than 8) and the same image; under cfg=2 (the branches on two processes, their sums
+    agreed) as on one."""
+    from diffusers import DiffusionPipeline
+    from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
+    from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
+    from diffusers.models.transformers.sana_transformer import SanaTransformerBlock
+
+    name, folder = saved
+    guidance, threshold = FIRST_BLOCK[name]
+    if layout == "cfg2" and name != "sana":
+        pytest.skip("Qwen-Image is compared unguided: nothing for cfg=2 to split")
+    out = tmp_path / "image.npy"
+    argv = infer_args(name, folder, tmp_path, "--prompt", PROMPTS[0], "--negative-prompt", NEGATIVE)
+    argv += ["--steps", "8", "--guidance", str(guidance), "--seed", "5", "--output", str(out)]
+    argv += ["sample.cache=first_block", f"sample.cache_first_block_threshold={threshold}"]
+    argv += ["sample.cache_max_skips=8"]  # diffusers' hooks have no limit
+    if layout == "one-process":
+        assert run_main(infer, argv) == 0
+        said = capsys.readouterr().out
+    else:
+        done = ranks(2, "infer.py", *argv, "parallel.cfg=2", timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        said = done.stdout
+    full = float(said.split("[tessera] step cache: ")[1].split(" of 8")[0])
+    # Sana's block is not in diffusers' registry of blocks its hooks know: its output is the hidden states
+    TransformerBlockRegistry.register(
+        model_class=SanaTransformerBlock, metadata=TransformerBlockMetadata(return_hidden_states_index=None)
+    )
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    apply_first_block_cache(pipe.transformer, FirstBlockCacheConfig(threshold=threshold))
+    _set_cache_context(pipe.transformer, CacheContext("sana"))  # Qwen-Image's pipeline sets its own
+    second = pipe.transformer.transformer_blocks[1]  # its attention runs only when every block runs
+    calls = []
+    (second.attn if name == "qwen_image" else second.attn1).register_forward_hook(lambda *a: calls.append(1))
+    height, width = SIZE[name]
+    _, _, keyword, keywords = FAMILIES[name]
+    pipe.set_progress_bar_config(disable=True)
+    want = pipe(
+        prompt=PROMPTS[0],
+        negative_prompt=NEGATIVE,
+        num_inference_steps=8,
+        height=height,
+        width=width,
+        generator=torch.Generator().manual_seed(5),
+        output_type="np",
+        **{keyword: guidance},
+        **keywords,
+    ).images[0]
+    diff = float(np.abs(np.load(out)[0] - want).max())
+    print(
+        f"{name} {layout}: {full:g} of 8 steps ran every block (diffusers: {len(calls)}), max abs {diff:.2e}"
+    )
+    assert 1 < full < 8 and full == len(calls) and want.std() > 0.01
+    assert diff <= 1e-5
+
+
 def test_refusals(saved, tmp_path, capsys):
     """Each bad request: one error line naming it, before any process group or model."""
     name, folder = saved
@@ -137,6 +206,10 @@ def test_refusals(saved, tmp_path, capsys):
             ["parallel.ulysses=2", "model.attention_backend=flash"],
             "model.attention_backend=flash takes no mask",
         ),
+    ]
+    cases += [
+        (["sample.cache=calibrated", "sample.cache_calibration=c.json"], "sample.cache=calibrated is not"),
+        (["sample.cache=first_block", "parallel.ulysses=2"], "not parallel.ulysses, ring or pipefusion"),
     ]
     if name == "qwen_image":  # its joint attention splits under one of the two at a time
         cases.append((["parallel.ulysses=2", "parallel.ring=2"], "not both"))
