@@ -582,9 +582,12 @@ def refuse_flags(cfg, args, family) -> None:
         "--image": args.image,
         "--last-image": args.last_image,
         "--random-weights": args.random_weights,
-        # calibrate_cache.py measures tessera's DiT; first_block needs no calibration
-        f"sample.cache={cfg.sample.cache}": cfg.sample.cache == "calibrated",
     }
+    if cfg.sample.cache == "calibrated":
+        raise ValueError(
+            f"sample.cache=calibrated: scripts/calibrate_cache.py calibrates tessera's DiT only; "
+            f"{family.title} takes sample.cache=first_block (no calibration needed)"
+        )
     wrong = [name for name, value in given.items() if value]
     if wrong:
         raise ValueError(
@@ -643,6 +646,8 @@ def family_layout(cfg, family, request: Request) -> tuple[ParallelLayout, int]:
             f"{runs}"
         )
     ranks, pipefusion = cfg.parallel.ulysses * cfg.parallel.ring, cfg.parallel.pipefusion
+    if request.cache is not None and "pipefusion" not in family.parallel_degrees:  # it has no block pieces
+        raise ValueError(f"sample.cache={cfg.sample.cache}: {family.title} does not run the step cache yet")
     if request.cache is not None and ranks * pipefusion > 1:  # models/step_cache.py FirstBlockFamily
         raise ValueError(
             f"sample.cache={cfg.sample.cache}: {family.title}'s step cache runs each sample's whole token "

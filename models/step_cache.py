@@ -336,13 +336,16 @@ class FirstBlockModel:
 class FirstBlockFamily:
     """A family's transformer (models/family.py) with sample.cache=first_block, called once per step with
     every guidance branch's conditioning: each branch's first block, one decision per sample over all of
-    them (FirstBlockCache), then the other blocks. It calls the pieces PipeFusion calls (embed,
-    patch_context, companion, patch_blocks over the whole sequence, final_layer on the context's `temb`,
-    unpatchify), so it runs the whole token sequence on this rank (no ulysses, ring or PipeFusion). When
-    some samples of a batch reuse and others do not, the other blocks run on every row and the reusing
-    rows' outputs are dropped (a video still does not depend on its batch)."""
+    them (FirstBlockCache), then the other blocks on the samples that must run them. It calls the pieces
+    PipeFusion calls (embed, patch_context, companion, patch_blocks over the whole sequence, final_layer on
+    the context's `temb`, unpatchify) and the context's `rows`: each sample's whole token sequence is on
+    this rank (no ulysses, ring or PipeFusion)."""
 
     def __init__(self, model, cache: FirstBlockCache):
+        from models.dit import WholeSequence
+
+        if not isinstance(model.sequence, WholeSequence):  # its pieces would run the shard as the whole
+            raise ValueError("sample.cache=first_block runs a family's whole token sequence on one rank")
         self.model, self.cache = model, cache
 
     def __call__(self, x, t, *conds) -> list:
@@ -356,13 +359,19 @@ class FirstBlockFamily:
             passes.append((ctx, first, side))
         first = torch.cat([p[1] for p in passes])  # rows: branches x samples, as FirstBlockCache reads them
         rows = cache.decide(first - tokens.repeat(len(conds), 1, 1), n)
+        run = None if rows is None else rows[: len(rows) // len(conds)]  # the same samples in each branch
         out = first[:0]
-        if rows is None or len(rows):
-            rest, blocks = range(1, len(model.blocks)), model.patch_blocks
-            out = torch.cat([blocks(rest, f, side, ctx, grid, 0, n)[0] for ctx, f, side in passes])
-            out = out if rows is None else out[rows]
+        if run is None or len(run):
+            out = torch.cat([self._rest(ctx, f, side, grid, run) for ctx, f, side in passes])
         tokens = cache.combine(first, out, rows).chunk(len(conds))
         return [model.unpatchify(model.final_layer(b, p[0].temb), grid) for b, p in zip(tokens, passes)]
+
+    def _rest(self, ctx, first, side, grid, run):
+        """The blocks after the first on the samples `run` (None: all) of one branch."""
+        if run is not None:
+            ctx, first, side = ctx.rows(run), first[run], None if side is None else side[run]
+        rest = range(1, len(self.model.blocks))
+        return self.model.patch_blocks(rest, first, side, ctx, grid, 0, first.shape[1])[0]
 
 
 def walk_cached(cache, schedule, noise, velocity, progress=None) -> tuple:

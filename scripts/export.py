@@ -30,7 +30,6 @@ from models.lora_formats import (  # noqa: E402
     FORMATS,
     export_adapters,
     is_wan_named,
-    model_projections,
     safetensors_metadata,
 )
 from models.wan import diffusers_config_from_dit, diffusers_state_dict_from_tessera  # noqa: E402
@@ -223,14 +222,14 @@ def export_lora(checkpoint: Path, output: Path, cfg, fmt: str, use_ema: bool = T
         )
     if output.suffix != ".safetensors":
         raise ValueError(f"--output {output}: a LoRA is written as one .safetensors file")
-    if family is None:
+    if family is None:  # tessera's DiT, of the checkpoint's dimensions
         architecture = read_trainer_state(checkpoint)["architecture"]
         dims = architecture["in_channels"], architecture["text_dim"]
-        meta, names = (lambda: _meta_dit(cfg, *dims)), ()
+        meta = lambda: _meta_dit(cfg, *dims)  # noqa: E731
     else:
-        meta, names = (lambda: family.meta_transformer(cfg)), (family.diffusers_name,)
+        meta = lambda: family.meta_transformer(cfg)  # noqa: E731
     adapters = checkpoint_adapters(checkpoint, record, meta(), use_ema)
-    projections, _ = model_projections(meta(), *names)
+    projections, _ = family_named(cfg.model.family).projections(meta())
     tensors = export_adapters(adapters, projections, fmt)
     output.parent.mkdir(parents=True, exist_ok=True)
     info = {"format": "pt", "tessera_rank": record["rank"], "tessera_base": record["base"]["fingerprint"]}

@@ -208,7 +208,7 @@ def test_refusals(saved, tmp_path, capsys):
         ),
     ]
     cases += [
-        (["sample.cache=calibrated", "sample.cache_calibration=c.json"], "sample.cache=calibrated is not"),
+        (["sample.cache=calibrated", "sample.cache_calibration=c.json"], "calibrates tessera's DiT only"),
         (["sample.cache=first_block", "parallel.ulysses=2"], "not parallel.ulysses, ring or pipefusion"),
     ]
     if name == "qwen_image":  # its joint attention splits under one of the two at a time
@@ -504,6 +504,58 @@ def _tiny_transformer(name):
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.2)
     return model.eval()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_first_block_decides_per_sample(name):
+    """models/step_cache.py FirstBlockFamily on a batch of two guided samples whose decisions differ (one
+    sample's noise 3x the other's; masked text in one): each sample's steps and latents are those it
+    gets alone (whose rule test_first_block_cache_matches_diffusers checks), and a reused step runs the
+    other blocks on the sample that does not reuse only."""
+    from models.family import Schedule
+    from models.qwen_image.transformer import QwenImageCond
+    from models.sana.transformer import SanaConditioning
+    from models.step_cache import FirstBlockCache, FirstBlockFamily, walk_cached
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)  # the thresholds below are for these weights
+        model = _tiny_transformer(name)
+    gen = torch.Generator().manual_seed(4)
+    C, p = model.in_channels, model.patch_size
+    noise = torch.randn(2, C, 1, 5 * p, 3 * p, generator=gen) * torch.tensor([1.0, 3.0]).view(2, 1, 1, 1, 1)
+    make = QwenImageCond if name == "qwen_image" else SanaConditioning
+    dim = 16 if name == "qwen_image" else 12
+    mask = torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0]]).bool()
+    cond, uncond = (make(torch.randn(2, 6, dim, generator=gen), mask) for _ in range(2))
+    sigmas = torch.linspace(1.0, 0.0, 9, dtype=torch.float64)
+    euler = lambda x, v, i, state: (x + (sigmas[i + 1] - sigmas[i]).float() * v, None)  # noqa: E731
+    schedule = Schedule(sigmas, sigmas[:-1], euler)
+    threshold = 2.3 if name == "qwen_image" else 0.85  # between the samples' first changes
+    ran = []  # the rows of each call of the last block
+    model.blocks[-1].register_forward_hook(lambda module, args, out: ran.append(args[0].shape[0]))
+
+    def sample(rows):
+        cache = FirstBlockCache(threshold, 8)
+        branches = [make(c.text[rows], c.text_mask[rows]) for c in (cond, uncond)]
+
+        def velocity(x, t):
+            v_cond, v_uncond = FirstBlockFamily(model, cache)(x, t.expand(x.shape[0]), *branches)
+            return v_uncond + 4.0 * (v_cond - v_uncond)
+
+        ran.clear()
+        latents, _ = walk_cached(cache, schedule, noise[rows], velocity)
+        return latents, [d for d in cache.decisions], list(ran)
+
+    both, decisions, calls = sample(slice(0, 2))
+    alone = [sample(slice(i, i + 1)) for i in range(2)]
+    assert any(len(set(d)) > 1 for d in decisions), decisions  # the samples decided differently
+    for i, (latents, decided, _) in enumerate(alone):
+        assert [d[i] for d in decisions] == [d[0] for d in decided]
+        assert float((both[i] - latents[0]).abs().max()) <= 1e-5
+    mixed, neither = sum(len(set(d)) > 1 for d in decisions), sum(not any(d) for d in decisions)
+    assert calls.count(1) == 2 * mixed  # each branch's other blocks on the one sample that runs them
+    assert calls.count(2) == 2 * neither and len(calls) == 2 * (mixed + neither)
 
 
 @torch.no_grad()

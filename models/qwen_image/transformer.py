@@ -34,6 +34,11 @@ class QwenImageContext:
     text_mask: torch.Tensor | None  # (B, L) bool, or None
     rope: tuple | None = None  # PipeFusion's: the image's and the text's rotary angles (patch_context)
 
+    def rows(self, index):
+        """The context of the samples `index` (the first-block step cache runs the others' blocks only)."""
+        mask = None if self.text_mask is None else self.text_mask[index]
+        return QwenImageContext(self.temb[index], self.text[index], mask, self.rope)
+
 
 def pack_latents(x: torch.Tensor, patch: int = 2) -> torch.Tensor:
     """(B, C, T, H, W) -> (B, T*h*w, C*p*p) tokens in (t, h, w) order, channels in (c, ph, pw) order: the

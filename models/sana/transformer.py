@@ -35,6 +35,11 @@ class BlockInputs:
     context: torch.Tensor  # (B, L, D): the projected, RMS-normalised text tokens
     context_bias: torch.Tensor | None  # (B, 1, 1, L): 0 for a real text token, -10000 for padding
 
+    def rows(self, index):
+        """The inputs of the samples `index` (the first-block step cache runs the others' blocks only)."""
+        bias = None if self.context_bias is None else self.context_bias[index]
+        return BlockInputs(self.modulation[index], self.temb[index], self.context[index], bias)
+
 
 class LinearAttention(nn.Module):
     """Linear attention with a ReLU kernel, kind "linear". q, k, v: (B, H, N, Dh), heads dim 1, q and k
