@@ -28,40 +28,36 @@ from data.media import OUTPUT_EXTENSIONS, write_video
 from models.dit import size_of
 from models.families import family_named
 from models.family import part_folder
-from models.flow import RectifiedFlow
-from models.image_condition import image_encoder_folder, image_inputs, read_images, sampling_condition
-from models.lora import deltas_of, merge_deltas
+from models.image_condition import image_encoder_folder, read_images
+from models.lora import merge_deltas
 from models.lora_formats import check_file, parse_lora_spec
-from models.pipeline import generate_checked
-from models.sampler import Sampling, checked, generate_images
+from models.sampler import Sampling
 from models.step_cache import step_cache
 from models.tiling import plan_tiles
 from models.vae import vae_latent_space
-from models.wan import second_expert
 from parallel import comm
-from parallel import vae as parallel_vae
-from parallel.cache import check_cache_decisions, check_calibration, share_step_cache
+from parallel.cache import check_calibration, share_step_cache
 from parallel.cfg import family_denoiser
-from parallel.checkpoint import check_architecture, load_weights
-from parallel.checkpoint_files import CheckpointError, check_checkpoint_files, resolve_checkpoint
+from parallel.checkpoint_files import check_checkpoint_files, find_checkpoint
 from parallel.components import (
-    build_frozen,
-    build_model,
     check_pretrained,
-    fill_unsharded,
-    open_pretrained,
 )
+from parallel.dit_sampling import check_expert_pair, dit_batches, load_sampler, read_experts
 from parallel.entrypoint import run_as_process
-from parallel.finite import check_adapters_finite, check_checkpoint_finite
+from parallel.family_sampling import (
+    family_batches,
+    family_checkpoint,
+    family_layout,
+    load_run_weights,
+    refuse_flags,
+)
 from parallel.layout import ParallelLayout
-from parallel.lora import base_of_run, checkpoint_adapters, is_tessera_run, lora_of
-from parallel.operators import apply_operators, check_sequence_layout, operator_kinds
-from parallel.pipefusion_family import KINDS, FamilyPipeFusion
-from parallel.pipefusion_plan import held_elsewhere, keep_blocks, keep_stage
+from parallel.lora import lora_base
+from parallel.operators import apply_operators, check_sequence_layout
+from parallel.pipefusion_family import FamilyPipeFusion
+from parallel.pipefusion_plan import held_elsewhere, keep_blocks
 from parallel.rendezvous import finish_line
 from parallel.runtime import init_runtime, links_are_slow, local_world_size, world_from_env
-from parallel.sampling import ParallelSampler
-from parallel.sequence import apply_sequence_parallel
 
 
 def parse_args(argv):
@@ -156,94 +152,6 @@ def check_outputs(paths: list[Path]) -> None:
             )
 
 
-def find_checkpoint(cfg, checkpoint: str | None, random_weights: bool):
-    if random_weights:
-        return None
-    found = resolve_checkpoint(checkpoint or "auto", cfg.run.output_dir)
-    if found is None and checkpoint in (None, "none") and cfg.model.pretrained:
-        return None  # sample from the pretrained weights themselves
-    if found is None:
-        raise CheckpointError(
-            f"no checkpoint found in {Path(cfg.run.output_dir) / 'checkpoints'}: train first "
-            f"(train.py with the same recipe), pass --checkpoint, or use --random-weights"
-        )
-    return found
-
-
-def load_sampler(
-    cfg,
-    runtime,
-    checkpoint,
-    use_ema: bool = True,
-    random_weights: bool = False,
-    patches: int = 1,
-    loras: list = (),
-    experts: tuple | None = None,
-):
-    """The frozen components, the DiT with the checkpoint's weights (without a checkpoint, the pretrained
-    ones, model.pretrained, or with random_weights random ones from train.seed), and the sampler that
-    runs it across the layout (None: models/sampler.py serial_denoise on this process). A LoRA run's
-    checkpoint and the `loras` (read_loras: files matched, with their scales) are merged into the
-    weights: every layout then runs the same plain DiT.
-    Under PipeFusion the DiT is this rank's stage: only its blocks are ever allocated and filled."""
-    text_encoder, vae = build_frozen(cfg, runtime.device)
-    model = build_model(cfg, text_encoder, vae, weights=False)
-    layout, groups = runtime.layout, runtime.sampling
-    record = lora_of(checkpoint) if checkpoint is not None else None
-    from_base = (checkpoint is None and not random_weights) or record is not None
-    pretrained = open_pretrained(cfg, model) if from_base else None
-    if checkpoint is not None:  # a full run's or a LoRA run's: the recipe must build its architecture
-        check_architecture(checkpoint, model.architecture())
-    deltas = lora_deltas(cfg, text_encoder, vae, checkpoint if record else None, record, use_ema, loras)
-    if layout.pipefusion > 1:
-        model = keep_stage(model, groups.stage, groups.stages)
-    if checkpoint is not None and record is None:
-        model.to_empty(device="cpu")
-        load_weights(checkpoint, model, use_ema=use_ema)
-        # NaN: refused by name (PipeFusion stages hold other blocks: their lists of tensors differ)
-        check_checkpoint_finite(model, checkpoint, use_ema, runtime.control_group, layout.pipefusion == 1)
-    else:  # random weights: adaLN-Zero's zeros would make the output 0 whatever the layout does
-        fill_unsharded(
-            model,
-            cfg.train.seed,
-            pretrained,
-            zero_init=not random_weights,
-            partial=layout.pipefusion > 1,
-            group=runtime.control_group,  # PipeFusion stages hold different blocks: one verdict for all
-        )
-    for update in deltas:
-        merge_deltas(model, update, elsewhere=held_elsewhere(model))  # a stage: its blocks' only
-    if layout.pipefusion == 1:
-        model = apply_sequence_parallel(model, runtime.sequence)
-    model = model.to(runtime.device).eval()
-    pair = None
-    if experts is not None:  # Wan 2.2 A14B: the low-noise expert, built and filled as the first one
-        folder, boundary, guidance_2 = experts
-        low = build_model(cfg, text_encoder, vae, weights=False)
-        fill_unsharded(low, cfg.train.seed, open_pretrained(cfg, low, folder, use_ema))
-        # it waits on the host: the sampler keeps one expert on the device at a time (14B each)
-        pair = (apply_sequence_parallel(low, runtime.sequence).eval(), boundary, guidance_2)
-    sampler = None
-    if layout.cfg * layout.pipefusion > 1 or pair is not None:
-        sampler = ParallelSampler(
-            model, groups, patches, cfg.parallel.pipefusion_warmup, runtime.faults, experts=pair
-        )
-    return model, vae, text_encoder, sampler
-
-
-def lora_deltas(cfg, text_encoder, vae, checkpoint, record, use_ema: bool, loras) -> list[dict]:
-    """The weight updates to merge: each --lora file at its scale (`loras`: read_loras' answer) and a
-    LoRA run's own adapters (from `checkpoint`, whose LoRA `record` it is), matched against the whole
-    architecture (a PipeFusion stage merges those of its own blocks)."""
-    deltas = [update.deltas(strength) for update, strength in loras]
-    if checkpoint is not None:
-        whole = build_model(cfg, text_encoder, vae, weights=False)  # meta device: names and shapes only
-        adapters = checkpoint_adapters(checkpoint, record, whole, use_ema)
-        check_adapters_finite(adapters, checkpoint, use_ema)
-        deltas.append(deltas_of(adapters))
-    return deltas
-
-
 def read_loras(cfg, specs) -> list:
     """Every --lora FILE[:SCALE] read and matched to the recipe's transformer (on the meta device) before
     init_runtime: a missing or damaged file, or a key that fits no layer, stops every rank alike here."""
@@ -253,15 +161,6 @@ def read_loras(cfg, specs) -> list:
         check_file(parse_lora_spec(spec)[0])  # all files exist before the first is read
     family = family_named(cfg.model.family)
     return [family.read_lora(cfg, spec) for spec in specs]
-
-
-def lora_base(cfg, checkpoint) -> dict | None:
-    """A LoRA run's checkpoint samples on its base (parallel.lora.base_of_run); returns its LoRA record
-    (None: a full fine-tuning's checkpoint)."""
-    record = lora_of(checkpoint)
-    if record is not None:
-        cfg.model.pretrained = base_of_run(checkpoint, record, cfg.model.pretrained)
-    return record
 
 
 @dataclass
@@ -355,77 +254,6 @@ def read_sizes(cfg, args) -> tuple:
     outputs = output_paths(args.output, len(prompts))
     negative = sc.negative_prompt if args.negative_prompt is None else args.negative_prompt
     return prompts, outputs, frames, height, width, steps, guidance, negative
-
-
-def read_experts(cfg, args, guidance: float):
-    """Wan 2.2 A14B's second expert as (folder, boundary, guidance_2), or None for one model; refused by
-    name where the recipe cannot pair them."""
-    sc = cfg.sample
-    folder, boundary = second_expert(cfg.model.pretrained, cfg.model.pretrained_2)
-    if args.random_weights:
-        if cfg.model.pretrained_2 or sc.guidance_2 is not None:
-            raise ValueError(
-                "--random-weights samples one model: drop model.pretrained_2 and sample.guidance_2"
-            )
-        folder = None
-    if folder is None:
-        if sc.guidance_2 is not None or cfg.model.pretrained_2 or sc.boundary is not None:
-            raise ValueError(
-                "sample.guidance_2, sample.boundary and model.pretrained_2 are for Wan 2.2's two experts: "
-                "model.pretrained has no transformer_2/ (drop them, or name the low-noise expert in "
-                "model.pretrained_2)"
-            )
-        return None
-    boundary = sc.boundary if sc.boundary is not None else boundary
-    if boundary is None or not 0 < boundary < 1:
-        raise ValueError(
-            f"two experts need the noise level where they switch: set sample.boundary (0.875 for Wan2.2 "
-            f"T2V-A14B, 0.9 for I2V-A14B), got {boundary}"
-        )
-    if args.lora:
-        raise ValueError("pairing LoRAs with Wan 2.2's two experts is not built yet: drop --lora")
-    if sc.cache != "none":  # a calibration or a residual would span the switch from one expert to the other
-        raise ValueError(f"sample.cache={sc.cache} does not pair with two experts yet: set sample.cache=none")
-    guidance_2 = guidance if sc.guidance_2 is None else sc.guidance_2
-    if guidance == 1.0:  # as diffusers: guidance_scale alone decides whether either expert is guided
-        guidance_2 = 1.0
-    return folder, boundary, guidance_2
-
-
-def check_expert_pair(checkpoint, low_folder) -> None:
-    """Wan 2.2's experts trained as two runs (model.expert=high / low): the checkpoint (run.output_dir)
-    samples the high-noise steps and model.pretrained_2 (a run or a folder) the low-noise ones; a pair the
-    other way round, or a LoRA run in either role, is refused by name."""
-    roles = [("the checkpoint", checkpoint, "low", "high")]
-    if is_tessera_run(low_folder):
-        roles.append(
-            ("model.pretrained_2", resolve_checkpoint(str(low_folder), Path(low_folder)), "high", "low")
-        )
-    for name, step, _, _ in roles:
-        if step is not None and lora_of(step) is not None:
-            raise ValueError(
-                f"{name} ({step}) is a LoRA run: pairing LoRA runs as Wan 2.2's two experts goes through "
-                "an export (scripts/export.py --checkpoint HIGH_RUN --low-noise-expert LOW_RUN --pipeline "
-                "--output F), then sample model.pretrained=F --checkpoint none"
-            )
-    for name, step, wrong, right in roles:
-        if step is not None and run_expert(step) == wrong:
-            raise ValueError(
-                f"{name} ({step}) trained the {wrong}-noise expert, but would sample the {right}-noise "
-                "steps here: name the high-noise expert's run in run.output_dir and the low-noise one's in "
-                "model.pretrained_2"
-            )
-
-
-def run_expert(step) -> str:
-    """model.expert of the run a checkpoint step_<N> belongs to ("none" if its recipe is unreadable)."""
-    from omegaconf import OmegaConf
-
-    recipe = Path(step).parent.parent / "config.yaml"
-    try:
-        return OmegaConf.load(recipe).get("model", {}).get("expert", "none")
-    except (OSError, ValueError):
-        return "none"
 
 
 def plan_layout(cfg, request: Request) -> tuple[ParallelLayout, int, str]:
@@ -576,136 +404,6 @@ def sample_family(cfg, args, family, session) -> None:
     finish(runtime, nonfinite)
 
 
-def refuse_flags(cfg, args, family) -> None:
-    """What the family's sampling does not take yet, refused by name."""
-    given = {
-        "--image": args.image,
-        "--last-image": args.last_image,
-        "--random-weights": args.random_weights,
-    }
-    if cfg.sample.cache == "calibrated":
-        raise ValueError(
-            f"sample.cache=calibrated: scripts/calibrate_cache.py calibrates tessera's DiT only; "
-            f"{family.title} takes sample.cache=first_block (no calibration needed)"
-        )
-    wrong = [name for name, value in given.items() if value]
-    if wrong:
-        raise ValueError(
-            f"{family.title} samples its pretrained or trained weights: {', '.join(wrong)} is not supported "
-            "for it yet"
-        )
-
-
-def family_checkpoint(cfg, args, family) -> tuple:
-    """(the run's checkpoint to sample, its LoRA record) as for tessera's DiT (--checkpoint, else the
-    recipe's run.output_dir; none: model.pretrained as it is), checked with model.pretrained's parts
-    (a LoRA run's base: its record's) before any process group."""
-    checkpoint = find_checkpoint(cfg, args.checkpoint, False)
-    record = None
-    if args.no_ema and checkpoint is None:
-        raise ValueError(
-            f"--no-ema picks a run's raw weights, and no run is named (none in run.output_dir="
-            f"{cfg.run.output_dir}): name one with --checkpoint, or drop --no-ema"
-        )
-    if checkpoint is not None:
-        check_checkpoint_files(checkpoint)
-        record = lora_base(cfg, checkpoint)
-    family.check_pretrained(cfg)
-    if checkpoint is not None:
-        check_architecture(checkpoint, family.meta_transformer(cfg).architecture())
-    return checkpoint, record
-
-
-def load_run_weights(cfg, runtime, family, transformer, checkpoint, record, use_ema: bool) -> None:
-    """A training run's weights into the family's transformer (under PipeFusion: this stage's blocks): a
-    full fine-tuning's (its EMA weights when `use_ema`), or a LoRA run's adapters merged into its
-    base. NaN or inf is refused alike on every rank."""
-    if record is None:
-        load_weights(checkpoint, transformer, use_ema=use_ema)
-        whole = runtime.layout.pipefusion == 1  # PipeFusion stages hold different blocks: one verdict
-        check_checkpoint_finite(transformer, checkpoint, use_ema, runtime.control_group, whole)
-        return
-    adapters = checkpoint_adapters(checkpoint, record, family.meta_transformer(cfg), use_ema)
-    check_adapters_finite(adapters, checkpoint, use_ema)
-    merge_deltas(transformer, deltas_of(adapters), elsewhere=held_elsewhere(transformer))
-
-
-def family_layout(cfg, family, request: Request) -> tuple[ParallelLayout, int]:
-    """(the sampling layout, PipeFusion's patch count), with the degrees the family's sampling cannot run
-    under, an attention backend that cannot mask the split's padding, and a size too small to split
-    refused by name."""
-    wrong = [
-        f"parallel.{name}={cfg.parallel[name]}"
-        for name in ("cfg", "ulysses", "ring", "pipefusion")
-        if (cfg.parallel[name] or 1) > 1 and name not in family.parallel_degrees
-    ]
-    if wrong or cfg.parallel.auto:  # auto would choose among layouts it may not run
-        runs = ", ".join(("dp", *family.parallel_degrees))
-        raise ValueError(
-            f"{family.title} does not sample under {' '.join(wrong) or 'parallel.auto'} yet: it runs under "
-            f"{runs}"
-        )
-    ranks, pipefusion = cfg.parallel.ulysses * cfg.parallel.ring, cfg.parallel.pipefusion
-    if request.cache is not None and "pipefusion" not in family.parallel_degrees:  # it has no block pieces
-        raise ValueError(f"sample.cache={cfg.sample.cache}: {family.title} does not run the step cache yet")
-    if request.cache is not None and ranks * pipefusion > 1:  # models/step_cache.py FirstBlockFamily
-        raise ValueError(
-            f"sample.cache={cfg.sample.cache}: {family.title}'s step cache runs each sample's whole token "
-            "sequence on one rank: use dp or parallel.cfg with it, not parallel.ulysses, ring or pipefusion"
-        )
-    if ranks > 1 and pipefusion > 1:
-        raise ValueError(
-            f"{family.title} samples under parallel.pipefusion or a sequence split (ulysses, ring), not both "
-            "yet: pick one"
-        )
-    if (ranks > 1 or pipefusion > 1) and cfg.model.attention_backend not in ("sdpa", "math"):
-        raise ValueError(
-            f"model.attention_backend={cfg.model.attention_backend} takes no mask, and a sequence split "
-            "and PipeFusion's patches mask keys: use sdpa or math with parallel.ulysses, ring or pipefusion"
-        )
-    family.check_split(cfg, request.height, request.width, cfg.parallel.ulysses, cfg.parallel.ring)
-    transformer = family.meta_transformer(cfg)
-    if pipefusion > 1 and operator_kinds(transformer) - KINDS:
-        kinds = sorted(operator_kinds(transformer) - KINDS)
-        raise ValueError(f"{family.title} has operators of kind {kinds}, which PipeFusion does not run yet")
-    _, world_size, _ = world_from_env()
-    layout = ParallelLayout.from_config(
-        cfg.parallel,
-        world_size,
-        family.heads(cfg) or cfg.parallel.ulysses,  # None: no operator splits heads
-        "sample",
-        local_world_size(),
-        depth=len(transformer.blocks),
-        guided=family.guided(request.guidance),
-    )
-    scale = family.vae_scale(cfg) * family.patch(cfg)
-    return layout, layout.check_patches(cfg.parallel, (1, request.height // scale, request.width // scale))
-
-
-def family_batches(cfg, args, runtime, request: Request, family, parts, denoise_with):
-    """sample_batch(batch, progress) -> (images, {index in the batch: where NaN or inf was found}) for a
-    family sampled by models/sampler.py over its own parts (Qwen-Image, Sana)."""
-
-    def sample_batch(batch: list, progress) -> tuple:
-        runtime.watchdog.sampling_progress(0, request.steps)  # each step has a deadline from here on
-        done = checked(
-            generate_images, family, parts, request.sampling(batch, args.seed, cfg), progress, denoise_with
-        )
-        count_full_calls(sample_batch, request.cache, runtime.sampling, runtime.device, len(batch))
-        return done
-
-    sample_batch.full_calls = 0.0
-    return sample_batch
-
-
-def count_full_calls(sample_batch, cache, replica, device, samples: int) -> None:
-    """After a batch: every rank of the replica took the same first_block decisions, and the calls that
-    ran every block are added to `sample_batch.full_calls` (summed over the samples)."""
-    check_cache_decisions(cache, replica, device)  # per batch: start() resets them
-    if cache is not None and cache.method == "first_block":
-        sample_batch.full_calls += cache.full_calls * samples
-
-
 def sample_and_write(cfg, args, runtime, request: Request, mine: list, sample_batch, weights: str, vae=None):
     """Sample this replica's prompts `mine` on every rank of the replica, sample.batch_size at a time
     (`sample_batch(batch, progress)`: dit_batches' or family_batches'): the same batches in the same
@@ -735,51 +433,6 @@ def sample_and_write(cfg, args, runtime, request: Request, mine: list, sample_ba
     return (
         ValueError(nonfinite_message(cfg, runtime, request, unwritten, weights, vae)) if unwritten else None
     )
-
-
-def dit_batches(cfg, args, runtime, request: Request, model, vae, text_encoder, sampler):
-    """sample_batch(batch, progress) for tessera's DiT (sample_and_write's): image-to-video's condition of
-    the batch, the sampling (models/pipeline.py) with the VAE decode shared by the replica, and the step
-    cache's decisions compared between its ranks; `.full_calls`: first_block's calls that ran every
-    block, summed over the samples."""
-    inputs = image_inputs(cfg, runtime.device) if request.images is not None else None
-    encoder = inputs[1] if inputs is not None else None  # the CLIP encoder, if the model reads features
-    flow = RectifiedFlow(cfg.flow, cfg.model.patch_size, request.cache)
-    replica = runtime.sampling
-    decode = parallel_vae.shared_decoder(
-        vae, replica.replica_group, replica.replica_control, vae.tile_latent, vae.tile_overlap
-    )
-
-    def sample_batch(batch: list, progress) -> tuple:
-        condition = None
-        if request.images is not None:  # image-to-video: the frames' latents (and CLIP features) of `batch`
-            condition = image_condition(cfg, request, batch, vae, encoder, runtime.device)
-        runtime.watchdog.sampling_progress(0, request.steps)  # each step has a deadline from here on
-        videos, bad = generate_checked(  # NaN or inf: the same verdict on every rank (the same latents)
-            model,
-            vae,
-            text_encoder,
-            flow,
-            [request.prompts[i] for i in batch],
-            request.frames,
-            request.height,
-            request.width,
-            request.steps,
-            request.guidance,
-            request.negative_prompt,
-            seeds=[args.seed + i for i in batch],
-            autocast_dtype=torch.bfloat16 if runtime.bf16(cfg.train.precision) else None,
-            progress=progress,
-            sampler=sampler,
-            decode=decode,
-            device=runtime.device,  # not the model's: Wan 2.2's experts take turns on it
-            condition=condition,
-        )
-        count_full_calls(sample_batch, request.cache, replica, runtime.device, len(batch))
-        return videos, bad
-
-    sample_batch.full_calls = 0.0
-    return sample_batch
 
 
 def write_batch(cfg, args, runtime, request: Request, batch: list, videos, bad: dict) -> None:
@@ -835,23 +488,6 @@ def nonfinite_message(cfg, runtime, request: Request, bad: dict, weights: str, v
     return (
         f"sampling gave NaN or inf values ({found}): nothing was written for {paths}. Likely causes: "
         + "; ".join(causes)
-    )
-
-
-def image_condition(cfg, request: Request, batch: list, vae, encoder, device):
-    """models/image_condition.py's condition of the prompts `batch`, with the CLIP image `encoder` (None
-    when the model reads no features)."""
-    last = request.last_images
-    return sampling_condition(
-        cfg.model.task,
-        vae,
-        encoder,
-        [request.images[i] for i in batch],
-        None if last is None else [last[i] for i in batch],
-        request.frames,
-        request.height,
-        request.width,
-        device,
     )
 
 

@@ -142,3 +142,11 @@ def _fingerprint(files: list, window: int = 1 << 16) -> str:
             f.seek(max(0, size - window))
             crc = zlib.crc32(f"{file.name} {size}".encode() + head + f.read(window), crc)
     return f"{crc:08x}"
+
+
+def count_full_calls(sample_batch, cache, replica, device, samples: int) -> None:
+    """After a batch: every rank of the replica took the same first_block decisions, and the calls that
+    ran every block are added to `sample_batch.full_calls` (summed over the samples)."""
+    check_cache_decisions(cache, replica, device)  # per batch: start() resets them
+    if cache is not None and cache.method == "first_block":
+        sample_batch.full_calls += cache.full_calls * samples

@@ -416,3 +416,19 @@ def newest_in_range(complete: list) -> Path | None:
         except CheckpointError:  # damaged: no use to anyone
             continue
     return None
+
+
+def find_checkpoint(cfg, checkpoint: str | None, random_weights: bool):
+    """The checkpoint to sample: --checkpoint (a run or a step), else the recipe's run.output_dir's latest;
+    None for random weights, or model.pretrained as it is when no run was named or found."""
+    if random_weights:
+        return None
+    found = resolve_checkpoint(checkpoint or "auto", cfg.run.output_dir)
+    if found is None and checkpoint in (None, "none") and cfg.model.pretrained:
+        return None  # sample from the pretrained weights themselves
+    if found is None:
+        raise CheckpointError(
+            f"no checkpoint found in {Path(cfg.run.output_dir) / 'checkpoints'}: train first "
+            f"(train.py with the same recipe), pass --checkpoint, or use --random-weights"
+        )
+    return found

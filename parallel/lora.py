@@ -286,3 +286,12 @@ def base_of_run(checkpoint, record: dict, pretrained: str | None) -> str:
             f"({found.fingerprint}). Point model.pretrained at the base the LoRA was trained on"
         )
     return path
+
+
+def lora_base(cfg, checkpoint) -> dict | None:
+    """A LoRA run's checkpoint samples on its base (parallel.lora.base_of_run); returns its LoRA record
+    (None: a full fine-tuning's checkpoint)."""
+    record = lora_of(checkpoint)
+    if record is not None:
+        cfg.model.pretrained = base_of_run(checkpoint, record, cfg.model.pretrained)
+    return record

@@ -60,10 +60,10 @@ def main(argv=None, session=None):
     from eval_demo import CHECKS, judge, summarise
 
     from data.synthetic import held_out_prompts
-    from infer import find_checkpoint
     from models.flow import RectifiedFlow
     from models.pipeline import generate
     from models.step_cache import Calibration, FirstBlockCache, StepCache
+    from parallel.checkpoint_files import find_checkpoint
 
     checkpoint = None if args.tiny else find_checkpoint(cfg, None, random_weights=False)
     steps, max_skips = cfg.sample.steps, args.max_skips or cfg.sample.cache_max_skips

@@ -77,9 +77,9 @@ def _runtime(layout):
 def _sample(cfg, layout, patches, warmup, checkpoint, prompts, steps, guidance, size=(FRAMES, SIZE, SIZE)):
     import torch
 
-    from infer import load_sampler
     from models.flow import RectifiedFlow
     from models.pipeline import generate
+    from parallel.dit_sampling import load_sampler
 
     cfg.parallel.pipefusion_warmup = warmup
     runtime = _runtime(layout)
@@ -139,7 +139,7 @@ def worker(args):
                     )
                 )
     if "quality" in args.parts and args.checkpoint:
-        from infer import find_checkpoint
+        from parallel.checkpoint_files import find_checkpoint
 
         # the recipe the checkpoint was trained with (the run's own config.yaml), at its preview size
         recipe = Path(args.checkpoint) / "config.yaml"

@@ -32,7 +32,7 @@ from parallel.runtime import init_runtime  # noqa: E402
 
 def load_model(cfg, checkpoint, session=None, random_weights: bool = False, loras=()):
     """(model, vae, text_encoder) on one process, as infer.py loads them (`loras`: infer.read_loras')."""
-    from infer import load_sampler
+    from parallel.dit_sampling import load_sampler
 
     layout = ParallelLayout.from_config(cfg.parallel, 1, size_of(cfg.model)["num_heads"], "sample")
     runtime = init_runtime(cfg.parallel, layout, task="sample", session=session)
@@ -95,7 +95,8 @@ def main(argv=None, session=None):
     steps = args.steps or cfg.sample.steps
     if steps < 3 or args.seeds < 1:
         raise ValueError(f"--steps must be at least 3 and --seeds at least 1, got {steps} and {args.seeds}")
-    from infer import find_checkpoint, read_loras
+    from infer import read_loras
+    from parallel.checkpoint_files import find_checkpoint
 
     checkpoint = find_checkpoint(cfg, args.checkpoint, args.random_weights)
     loras = read_loras(cfg, args.lora)  # a calibration of the weights infer.py --lora will sample

@@ -125,8 +125,9 @@ def main(argv=None, session=None):
     cfg = load_config(args.config, overrides)
     require_native(cfg, "scripts/eval_demo.py")
 
-    from infer import find_checkpoint, load_sampler
     from models.pipeline import generate
+    from parallel.checkpoint_files import find_checkpoint
+    from parallel.dit_sampling import load_sampler
 
     checkpoint = find_checkpoint(cfg, args.checkpoint, random_weights=False)
     layout = ParallelLayout.from_config(cfg.parallel, 1, size_of(cfg.model)["num_heads"], "sample")

@@ -3,8 +3,8 @@ gloo, CPU).
 
 One launch runs every layout: the process group is made once, and each case builds its own cfg /
 PipeFusion / sequence groups from its layout (as parallel/runtime.py does) and samples through
-infer.load_sampler and models.pipeline.generate, the code infer.py runs. Every rank computes the
-serial reference itself (models.pipeline.generate on the whole model, one process). Token grid
+parallel.dit_sampling.load_sampler and models.pipeline.generate, the code infer.py runs. Every rank
+computes the serial reference itself (models.pipeline.generate on the whole model, one process). Token grid
 3 x 5 x 3 = 45 tokens in 15 rows: 2 and 4 patches are 7/8 and 3/4/4/4 rows, which no sequence-parallel degree
 divides, so padded patches run too. Prints `ok <case> ...` per passed check; a mismatch raises.
 """
@@ -20,12 +20,12 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs import load_config  # noqa: E402
-from infer import load_sampler  # noqa: E402
 from models.flow import RectifiedFlow  # noqa: E402
 from models.image_condition import ImageCondition  # noqa: E402
 from models.pipeline import generate  # noqa: E402
 from models.step_cache import Calibration, StepCache  # noqa: E402
 from parallel.components import build_frozen, build_model  # noqa: E402
+from parallel.dit_sampling import load_sampler  # noqa: E402
 from parallel.faults import Faults  # noqa: E402
 from parallel.init import materialize  # noqa: E402
 from parallel.layout import ParallelLayout  # noqa: E402
