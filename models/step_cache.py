@@ -345,7 +345,10 @@ class FirstBlockFamily:
         from models.dit import WholeSequence
 
         if not isinstance(model.sequence, WholeSequence):  # its pieces would run the shard as the whole
-            raise ValueError("sample.cache=first_block runs a family's whole token sequence on one rank")
+            raise ValueError(
+                "sample.cache=first_block runs a family's whole token sequence on one rank: use dp or "
+                "parallel.cfg with it, not parallel.ulysses or ring"
+            )
         self.model, self.cache = model, cache
 
     def __call__(self, x, t, *conds) -> list:
