@@ -1,0 +1,361 @@
+"""HunyuanVideo 1.5's transformer (diffusers' HunyuanVideo15Transformer3DModel) in tessera's style;
+single-device code.
+
+The video tokens and one context stream attend jointly in every dual-stream block, each stream with its
+own weights. The context packs, per sample, its real tokens first: the SigLIP image tokens (image-to-video
+only), the ByT5 glyph text, then the Qwen2.5-VL text refined by its token refiner, each tagged by a
+condition-type embedding; the padding after them is masked as keys and as queries. Module names are
+diffusers' except `blocks` (diffusers: `transformer_blocks`), and the arithmetic is diffusers' step by step.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.dit import WholeSequence, apply_rope
+from models.layers import RMSNorm, TimestepMLP, timestep_features
+
+
+@dataclass
+class HunyuanVideo15Cond:
+    """What the transformer takes beside latents and timestep (text.py encodes it)."""
+
+    text: torch.Tensor  # (B, L, text_dim): Qwen2.5-VL's hidden states of the prompt
+    text_mask: torch.Tensor  # (B, L) bool, True on a real token
+    glyph: torch.Tensor  # (B, L2, glyph_dim): ByT5's hidden states of the quoted text to draw
+    glyph_mask: torch.Tensor  # (B, L2) bool
+    image: torch.Tensor | None = None  # (B, Li, image_dim) SigLIP features (image-to-video); None: text
+
+
+def pairwise_mask(mask: torch.Tensor) -> torch.Tensor:
+    """(B, S) bool -> (B, 1, S, S): a query and a key attend when both are real (diffusers' mask; a padded
+    query's row is all False, which SDPA answers with zeros)."""
+    return mask[:, None, None, :] & mask[:, None, :, None]
+
+
+class FeedForward(nn.Module):
+    """diffusers' FeedForward: net.0.proj, its activation (`silu`: linear-silu; else tanh GELU), net.1 (its
+    dropout), net.2."""
+
+    def __init__(self, dim: int, mult: float = 4.0, activation: str = "gelu"):
+        super().__init__()
+        self.activation = activation
+        inner = int(dim * mult)
+        proj = nn.Module()
+        proj.proj = nn.Linear(dim, inner)
+        self.net = nn.Sequential(proj, nn.Identity(), nn.Linear(inner, dim))
+
+    def forward(self, x):
+        x = self.net[0].proj(x)
+        x = F.silu(x) if self.activation == "silu" else F.gelu(x, approximate="tanh")
+        return self.net[2](x)
+
+
+class SelfAttention(nn.Module):
+    """The token refiner's attention (diffusers' Attention with biased projections, no norms)."""
+
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim) for _ in range(3))
+        self.to_out = nn.ModuleList([nn.Linear(dim, dim)])
+
+    def forward(self, x, mask):
+        heads = lambda t: t.unflatten(-1, (self.num_heads, -1)).transpose(1, 2)  # noqa: E731
+        out = F.scaled_dot_product_attention(
+            heads(self.to_q(x)), heads(self.to_k(x)), heads(self.to_v(x)), mask
+        )
+        return self.to_out[0](out.transpose(1, 2).flatten(2).to(x.dtype))
+
+
+class RefinerBlock(nn.Module):
+    """One block of the token refiner: attention and MLP over the text alone, gated by the time and pooled
+    text embedding."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.attn = SelfAttention(dim, num_heads)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.ff = FeedForward(dim, mlp_ratio, "silu")
+        self.norm_out = nn.Module()
+        self.norm_out.linear = nn.Linear(dim, 2 * dim)  # diffusers' HunyuanVideo15AdaNorm: the two gates
+
+    def forward(self, x, temb, mask):
+        gate_msa, gate_mlp = self.norm_out.linear(F.silu(temb)).chunk(2, dim=1)
+        x = x + self.attn(self.norm1(x), mask) * gate_msa[:, None]
+        return x + self.ff(self.norm2(x)) * gate_mlp[:, None]
+
+
+class TokenRefiner(nn.Module):
+    """Qwen2.5-VL's text -> the context stream's text: projected, then refined by blocks that see the
+    time and the text's masked mean (diffusers' HunyuanVideo15TokenRefiner)."""
+
+    def __init__(self, in_dim: int, dim: int, num_heads: int, depth: int, mlp_ratio: float):
+        super().__init__()
+        self.time_text_embed = nn.Module()
+        self.time_text_embed.timestep_embedder = TimestepMLP(256, dim)
+        self.time_text_embed.text_embedder = TimestepMLP(
+            in_dim, dim
+        )  # PixArt's projection: linear, SiLU, linear
+        self.proj_in = nn.Linear(in_dim, dim)
+        self.token_refiner = nn.Module()
+        self.token_refiner.refiner_blocks = nn.ModuleList(
+            [RefinerBlock(dim, num_heads, mlp_ratio) for _ in range(depth)]
+        )
+
+    def forward(self, text, t, text_mask):
+        weights = text_mask.float().unsqueeze(-1)
+        pooled = ((text * weights).sum(dim=1) / weights.sum(dim=1)).to(text.dtype)
+        embed = self.time_text_embed
+        temb = embed.timestep_embedder(
+            timestep_features(t * 1000).to(pooled.dtype)
+        )  # the pipeline's timestep
+        temb = temb + embed.text_embedder(pooled)
+        x, mask = self.proj_in(text), pairwise_mask(text_mask.bool())
+        for block in self.token_refiner.refiner_blocks:
+            x = block(x, temb, mask)
+        return x
+
+
+class GlyphProjection(nn.Module):
+    """ByT5's glyph text -> the context stream (diffusers' HunyuanVideo15ByT5TextProjection)."""
+
+    def __init__(self, in_dim: int, hidden: int, dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(in_dim)
+        self.linear_1, self.linear_2 = nn.Linear(in_dim, hidden), nn.Linear(hidden, hidden)
+        self.linear_3 = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        x = F.gelu(self.linear_1(self.norm(x)))
+        return self.linear_3(F.gelu(self.linear_2(x)))
+
+
+class ImageProjection(nn.Module):
+    """SigLIP's image tokens -> the context stream (diffusers' HunyuanVideo15ImageProjection)."""
+
+    def __init__(self, in_dim: int, dim: int):
+        super().__init__()
+        self.norm_in, self.linear_1 = nn.LayerNorm(in_dim), nn.Linear(in_dim, in_dim)
+        self.linear_2, self.norm_out = nn.Linear(in_dim, dim), nn.LayerNorm(dim)
+
+    def forward(self, x):
+        return self.norm_out(self.linear_2(F.gelu(self.linear_1(self.norm_in(x)))))
+
+
+class JointAttention(nn.Module):
+    """Both streams' projections, per-head RMSNorm on queries and keys, RoPE on the video's, then one
+    attention over [video, context] with the pairwise mask of `mask` (B, N + L): video tokens are always
+    real, the context's padding is masked."""
+
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        self.num_heads, head_dim = num_heads, dim // num_heads
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim) for _ in range(3))
+        self.add_q_proj, self.add_k_proj, self.add_v_proj = (nn.Linear(dim, dim) for _ in range(3))
+        self.norm_q, self.norm_k = RMSNorm(head_dim), RMSNorm(head_dim)
+        self.norm_added_q, self.norm_added_k = RMSNorm(head_dim), RMSNorm(head_dim)
+        self.to_out = nn.ModuleList([nn.Linear(dim, dim)])
+        self.to_add_out = nn.Linear(dim, dim)
+
+    def forward(self, x, context, mask, rope):
+        """x (B, N, D), context (B, L, D), mask (B, 1, N + L, N + L), rope (N, Dh/2, 2) -> both outputs."""
+        heads = lambda t: t.unflatten(-1, (self.num_heads, -1))  # noqa: E731  (B, S, H, Dh)
+        q = apply_rope(self.norm_q(heads(self.to_q(x))), rope[:, None])
+        k = apply_rope(self.norm_k(heads(self.to_k(x))), rope[:, None])
+        q = torch.cat([q, self.norm_added_q(heads(self.add_q_proj(context)))], dim=1)
+        k = torch.cat([k, self.norm_added_k(heads(self.add_k_proj(context)))], dim=1)
+        v = torch.cat([heads(self.to_v(x)), heads(self.add_v_proj(context))], dim=1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+        out = out.transpose(1, 2).flatten(2).to(q.dtype)
+        n = x.shape[1]
+        return self.to_out[0](out[:, :n]), self.to_add_out(out[:, n:])
+
+
+class AdaNormZero(nn.Module):
+    """diffusers' AdaLayerNormZero (layer norm): the normalised input shifted and scaled, and the other four
+    modulations (gate_msa, shift_mlp, scale_mlp, gate_mlp)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, 6 * dim)
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+
+    def forward(self, x, temb):
+        shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = self.linear(F.silu(temb)).chunk(6, dim=1)
+        return self.norm(x) * (1 + scale[:, None]) + shift[:, None], gate, shift_mlp, scale_mlp, gate_mlp
+
+
+class HunyuanVideo15Block(nn.Module):
+    """One dual-stream block: each stream modulated by the time embedding, joint attention, then each
+    stream's own MLP, with gated residuals."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float):
+        super().__init__()
+        self.norm1, self.norm1_context = AdaNormZero(dim), AdaNormZero(dim)
+        self.attn = JointAttention(dim, num_heads)
+        norm = lambda: nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)  # noqa: E731
+        self.norm2, self.ff = norm(), FeedForward(dim, mlp_ratio)
+        self.norm2_context, self.ff_context = norm(), FeedForward(dim, mlp_ratio)
+
+    def forward(self, x, context, temb, mask, rope):
+        x_in, gate, shift_mlp, scale_mlp, gate_mlp = self.norm1(x, temb)
+        c_in, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(context, temb)
+        attn, c_attn = self.attn(x_in, c_in, mask, rope)
+        x = x + attn * gate[:, None]
+        context = context + c_attn * c_gate[:, None]
+        x_in = self.norm2(x) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
+        c_in = self.norm2_context(context) * (1 + c_scale_mlp[:, None]) + c_shift_mlp[:, None]
+        x = x + gate_mlp[:, None] * self.ff(x_in)
+        return x, context + c_gate_mlp[:, None] * self.ff_context(c_in)
+
+
+def rope_angles(grid, axes_dims, theta: float, device) -> torch.Tensor:
+    """The video tokens' rotary angles (t*h*w, Dh/2, 2) = (cos, sin) in (t, h, w) token order: each axis
+    rotates its own share of channel pairs, positions counted from 0 (diffusers'
+    HunyuanVideo15RotaryPosEmbed)."""
+    t, h, w = grid
+    parts = []
+    for axis, (size, dim) in enumerate(zip(grid, axes_dims)):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32)[: dim // 2] / dim))
+        angles = torch.outer(torch.arange(size, dtype=torch.float32), inv_freq)  # (size, dim/2)
+        shape = [1, 1, 1, dim // 2]
+        shape[axis] = size
+        parts.append(angles.view(shape).expand(t, h, w, dim // 2))
+    angles = torch.cat(parts, dim=-1).reshape(t * h * w, -1)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1).to(device)
+
+
+@dataclass
+class HunyuanVideo15Context:
+    """What every block reads besides the video tokens (`HunyuanVideo15Transformer.condition`)."""
+
+    temb: torch.Tensor  # (B, D): the time embedding
+    context: torch.Tensor  # (B, L, D): the packed context stream entering the first block
+    context_mask: torch.Tensor  # (B, L) bool: its real tokens, which lead
+
+
+class HunyuanVideo15Transformer(nn.Module):
+    """HunyuanVideo 1.5's transformer. in_channels counts what the pipeline concatenates (the latents, the
+    image condition's latents and its mask: 65 released), out_channels the latents'."""
+
+    def __init__(
+        self,
+        in_channels: int = 65,
+        out_channels: int = 32,
+        num_heads: int = 16,
+        head_dim: int = 128,
+        depth: int = 54,
+        refiner_depth: int = 2,
+        mlp_ratio: float = 4.0,
+        patch_size: int = 1,
+        patch_size_t: int = 1,
+        text_dim: int = 3584,
+        glyph_dim: int = 1472,
+        image_dim: int = 1152,
+        rope_theta: float = 256.0,
+        rope_axes_dim=(16, 56, 56),
+    ):
+        super().__init__()
+        dim = num_heads * head_dim
+        if sum(rope_axes_dim) != head_dim:
+            raise ValueError(f"rope_axes_dim {list(rope_axes_dim)} must add up to the head dim {head_dim}")
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.patch = (patch_size_t, patch_size, patch_size)
+        self.rope_theta, self.rope_axes_dim = rope_theta, tuple(rope_axes_dim)
+        self._architecture = dict(
+            in_channels=in_channels,
+            out_channels=out_channels,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            depth=depth,
+            refiner_depth=refiner_depth,
+            mlp_ratio=mlp_ratio,
+            patch_size=patch_size,
+            patch_size_t=patch_size_t,
+            text_dim=text_dim,
+            glyph_dim=glyph_dim,
+            image_dim=image_dim,
+            rope_theta=rope_theta,
+            rope_axes_dim=tuple(rope_axes_dim),
+        )
+        self.x_embedder = nn.Module()
+        self.x_embedder.proj = nn.Conv3d(in_channels, dim, kernel_size=self.patch, stride=self.patch)
+        self.image_embedder = ImageProjection(image_dim, dim)
+        self.context_embedder = TokenRefiner(text_dim, dim, num_heads, refiner_depth, 4.0)  # always 4x
+        self.context_embedder_2 = GlyphProjection(glyph_dim, 2048, dim)
+        self.time_embed = nn.Module()
+        self.time_embed.timestep_embedder = TimestepMLP(256, dim)
+        self.cond_type_embed = nn.Embedding(3, dim)  # 0: the text, 1: the glyph text, 2: the image
+        self.sequence = WholeSequence()  # parallel/ assigns a sequence-parallel replacement
+        self.blocks = nn.ModuleList([HunyuanVideo15Block(dim, num_heads, mlp_ratio) for _ in range(depth)])
+        self.norm_out = nn.Module()
+        self.norm_out.linear = nn.Linear(dim, 2 * dim)  # AdaLayerNormContinuous: scale, then shift
+        self.proj_out = nn.Linear(dim, patch_size_t * patch_size * patch_size * out_channels)
+
+    def architecture(self) -> dict:
+        return dict(self._architecture)
+
+    def forward(self, x, t, cond: HunyuanVideo15Cond):
+        """x: (B, C_in, T, H, W) latents with the condition channels; t: (B,) the diffusers timestep / 1000;
+        cond: the texts (and image) -> the velocity (B, C_out, T, H, W)."""
+        tokens, grid = self.embed(x)
+        ctx = self.condition(t, cond)
+        mask = torch.cat([ctx.context_mask.new_ones(tokens.shape[:2]), ctx.context_mask], dim=1)
+        mask, rope = pairwise_mask(mask), rope_angles(grid, self.rope_axes_dim, self.rope_theta, x.device)
+        context = ctx.context
+        for block in self.blocks:
+            tokens, context = block(tokens, context, ctx.temb, mask, rope)
+        return self.unpatchify(self.final_layer(tokens, ctx.temb), grid)
+
+    def embed(self, x):
+        """Latents (B, C, T, H, W) -> tokens (B, N, D) in (t, h, w) order, and the token grid."""
+        if x.shape[1] != self.in_channels or any(s % p for s, p in zip(x.shape[2:], self.patch)):
+            raise ValueError(
+                f"HunyuanVideo 1.5 takes latents of {self.in_channels} channels (with the condition's) and "
+                f"(T, H, W) divisible by {self.patch}; got (B, C, T, H, W) = {tuple(x.shape)}"
+            )
+        x = self.x_embedder.proj(x.to(self.x_embedder.proj.weight.dtype))
+        return x.flatten(2).transpose(1, 2), tuple(x.shape[2:])
+
+    def condition(self, t, cond: HunyuanVideo15Cond) -> HunyuanVideo15Context:
+        """The time embedding and the packed context stream; needs no block."""
+        dtype = self.x_embedder.proj.weight.dtype
+        temb = self.time_embed.timestep_embedder(timestep_features(t * 1000).to(dtype))
+        kind = lambda n, like: self.cond_type_embed.weight[n].to(like.dtype)  # noqa: E731
+        text = self.context_embedder(cond.text.to(dtype), t, cond.text_mask)
+        streams = [(text + kind(0, text), cond.text_mask.bool())]
+        glyph = self.context_embedder_2(cond.glyph.to(dtype))
+        streams.insert(0, (glyph + kind(1, glyph), cond.glyph_mask.bool()))
+        if cond.image is not None:  # text-to-video: no image tokens (diffusers masks zeros out)
+            image = self.image_embedder(cond.image.to(dtype))
+            streams.insert(0, (image + kind(2, image), image.new_ones(image.shape[:2], dtype=torch.bool)))
+        context, mask = pack_streams(streams)
+        return HunyuanVideo15Context(temb, context, mask)
+
+    def final_layer(self, tokens, temb):
+        scale, shift = self.norm_out.linear(F.silu(temb)).chunk(2, dim=1)
+        tokens = F.layer_norm(tokens, tokens.shape[-1:], eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
+        return self.proj_out(tokens)
+
+    def unpatchify(self, tokens, grid):
+        (t, h, w), (pt, ph, pw), B = grid, self.patch, tokens.shape[0]
+        x = tokens.reshape(B, t, h, w, -1, pt, ph, pw).permute(0, 4, 1, 5, 2, 6, 3, 7)
+        return x.reshape(B, -1, t * pt, h * ph, w * pw).contiguous()
+
+
+def pack_streams(streams: list) -> tuple:
+    """[(tokens (B, L_i, D), mask (B, L_i) bool), ...] -> the context (B, sum L_i, D) and its mask: per
+    sample every stream's real tokens in order, then every stream's padding zeroed (diffusers' order:
+    real image, glyph, text, then the padding)."""
+    out, masks = [], []
+    for b in range(streams[0][0].shape[0]):
+        real = [tokens[b][mask[b]] for tokens, mask in streams]
+        padding = [torch.zeros_like(tokens[b][~mask[b]]) for tokens, mask in streams]
+        out.append(torch.cat(real + padding))
+        kept = sum(int(mask[b].sum()) for _, mask in streams)
+        masks.append(torch.arange(out[-1].shape[0], device=out[-1].device) < kept)
+    return torch.stack(out), torch.stack(masks)
