@@ -509,10 +509,11 @@ def _tiny_transformer(name):
 @torch.no_grad()
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_first_block_decides_per_sample(name):
-    """models/step_cache.py FirstBlockFamily on a batch of two guided samples whose decisions differ (one
-    sample's noise 3x the other's; masked text in one): each sample's steps and latents are those it
-    gets alone (whose rule test_first_block_cache_matches_diffusers checks), and a reused step runs the
-    other blocks on the sample that does not reuse only."""
+    """models/step_cache.py FirstBlockFamily on a batch of three guided samples whose decisions differ (the
+    middle one's noise 3x the others'; texts masked to 6, 3 and 4 tokens): each sample's steps and latents
+    are those it gets alone (whose rule test_first_block_cache_matches_diffusers checks); at some step the
+    first and last samples run the other blocks and the middle one reuses; and each step runs the other
+    blocks on as many rows as samples do not reuse."""
     from models.family import Schedule
     from models.qwen_image.transformer import QwenImageCond
     from models.sana.transformer import SanaConditioning
@@ -523,15 +524,16 @@ def test_first_block_decides_per_sample(name):
         model = _tiny_transformer(name)
     gen = torch.Generator().manual_seed(4)
     C, p = model.in_channels, model.patch_size
-    noise = torch.randn(2, C, 1, 5 * p, 3 * p, generator=gen) * torch.tensor([1.0, 3.0]).view(2, 1, 1, 1, 1)
+    scale = torch.tensor([1.0, 3.0, 1.0]).view(3, 1, 1, 1, 1)
+    noise = torch.randn(3, C, 1, 5 * p, 3 * p, generator=gen) * scale
     make = QwenImageCond if name == "qwen_image" else SanaConditioning
     dim = 16 if name == "qwen_image" else 12
-    mask = torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0]]).bool()
-    cond, uncond = (make(torch.randn(2, 6, dim, generator=gen), mask) for _ in range(2))
+    mask = torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0]]).bool()
+    cond, uncond = (make(torch.randn(3, 6, dim, generator=gen), mask) for _ in range(2))
     sigmas = torch.linspace(1.0, 0.0, 9, dtype=torch.float64)
     euler = lambda x, v, i, state: (x + (sigmas[i + 1] - sigmas[i]).float() * v, None)  # noqa: E731
     schedule = Schedule(sigmas, sigmas[:-1], euler)
-    threshold = 2.3 if name == "qwen_image" else 0.85  # between the samples' first changes
+    threshold = 2.3 if name == "qwen_image" else 0.9  # the middle sample's first change is below it
     ran = []  # the rows of each call of the last block
     model.blocks[-1].register_forward_hook(lambda module, args, out: ran.append(args[0].shape[0]))
 
@@ -547,15 +549,15 @@ def test_first_block_decides_per_sample(name):
         latents, _ = walk_cached(cache, schedule, noise[rows], velocity)
         return latents, [d for d in cache.decisions], list(ran)
 
-    both, decisions, calls = sample(slice(0, 2))
-    alone = [sample(slice(i, i + 1)) for i in range(2)]
-    assert any(len(set(d)) > 1 for d in decisions), decisions  # the samples decided differently
-    for i, (latents, decided, _) in enumerate(alone):
+    together, decisions, calls = sample(slice(0, 3))
+    assert [False, True, False] in decisions, decisions  # two samples run, not the first two
+    for i in range(3):
+        latents, decided, _ = sample(slice(i, i + 1))
         assert [d[i] for d in decisions] == [d[0] for d in decided]
-        assert float((both[i] - latents[0]).abs().max()) <= 1e-5
-    mixed, neither = sum(len(set(d)) > 1 for d in decisions), sum(not any(d) for d in decisions)
-    assert calls.count(1) == 2 * mixed  # each branch's other blocks on the one sample that runs them
-    assert calls.count(2) == 2 * neither and len(calls) == 2 * (mixed + neither)
+        # relative to the latents' size: guidance 4 on random weights magnifies batch-size rounding
+        assert float((together[i] - latents[0]).abs().max()) <= 1e-5 * float(latents.abs().max())
+    running = [len(d) - sum(d) for d in decisions if not all(d)]  # each branch once per such step
+    assert calls == [n for n in running for _ in range(2)]
 
 
 @torch.no_grad()
