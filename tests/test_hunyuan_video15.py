@@ -6,9 +6,15 @@ out) and image-to-video."""
 import pytest
 import torch
 
-from models.hunyuan_video15.transformer import HunyuanVideo15Cond, HunyuanVideo15Transformer
+from models.hunyuan_video15.transformer import HunyuanVideo15Cond
+from models.hunyuan_video15.weights import (
+    HunyuanVideo15FormatError,
+    build_transformer,
+    diffusers_state_dict_from_tessera,
+    tessera_state_dict_from_diffusers,
+)
 
-# diffusers' config keys -> tessera's (weights.py will own this)
+# a diffusers config of a tiny transformer (weights.py reads it)
 TINY = dict(
     in_channels=9,
     out_channels=4,
@@ -25,28 +31,16 @@ TINY = dict(
 
 
 def tiny_pair():
-    """(diffusers' transformer, tessera's) with the same random weights, float32."""
+    """(diffusers' transformer, tessera's built from its config by weights.py) with the same random weights,
+    float32."""
     from diffusers import HunyuanVideo15Transformer3DModel
 
     theirs = HunyuanVideo15Transformer3DModel(**TINY).eval()
     with torch.no_grad():
         for p in theirs.parameters():
             p.copy_(torch.randn_like(p) * 0.2)
-    ours = HunyuanVideo15Transformer(
-        in_channels=9,
-        out_channels=4,
-        num_heads=2,
-        head_dim=16,
-        depth=2,
-        refiner_depth=1,
-        mlp_ratio=2.0,
-        text_dim=24,
-        glyph_dim=20,
-        image_dim=12,
-        rope_axes_dim=(4, 6, 6),
-    ).eval()
-    state = {k.replace("transformer_blocks.", "blocks."): v for k, v in theirs.state_dict().items()}
-    ours.load_state_dict(state, strict=True)
+    ours = build_transformer(dict(theirs.config)).eval()
+    ours.load_state_dict(tessera_state_dict_from_diffusers(theirs.state_dict()), strict=True)
     return theirs, ours
 
 
@@ -81,3 +75,16 @@ def test_transformer_matches_diffusers(task):
     print(f"{task}: max abs {diff:.2e}, output std {float(want.std()):.3f}")
     assert got.shape == want.shape == (2, 4, 2, 3, 5) and want.std() > 0.1
     assert diff <= 1e-5
+
+
+def test_weight_names_and_config():
+    """diffusers' names round-trip through tessera's; a config this transformer does not run is refused."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    theirs = HunyuanVideo15Transformer3DModel(**TINY)
+    ours = build_transformer(dict(theirs.config))
+    assert set(diffusers_state_dict_from_tessera(ours.state_dict())) == set(theirs.state_dict())
+    assert any(k.startswith("blocks.1.") for k in ours.state_dict())
+    for wrong, words in [(dict(use_meanflow=True), "use_meanflow"), (dict(qk_norm="layer_norm"), "qk_norm")]:
+        with pytest.raises(HunyuanVideo15FormatError, match=words):
+            build_transformer({**dict(theirs.config), **wrong})

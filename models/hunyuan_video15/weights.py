@@ -1,0 +1,86 @@
+"""HunyuanVideo 1.5's transformer config and weight names. The transformer is built from a diffusers
+HunyuanVideo15Transformer3DModel config.json at any depth and width; diffusers' names map to tessera's by
+`transformer_blocks.` <-> `blocks.`, everything else identical.
+"""
+
+import re
+
+from models.hunyuan_video15.transformer import HunyuanVideo15Transformer
+
+PIPELINE_CLASSES = ("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline")
+TRANSFORMER_CLASS = "HunyuanVideo15Transformer3DModel"
+# diffusers' defaults for what the transformer reads (HunyuanVideo15Transformer3DModel.__init__)
+DEFAULTS = dict(
+    in_channels=65,
+    out_channels=32,
+    num_attention_heads=16,
+    attention_head_dim=128,
+    num_layers=54,
+    num_refiner_layers=2,
+    mlp_ratio=4.0,
+    patch_size=1,
+    patch_size_t=1,
+    qk_norm="rms_norm",
+    text_embed_dim=3584,
+    text_embed_2_dim=1472,
+    image_embed_dim=1152,
+    rope_theta=256.0,
+    rope_axes_dim=(16, 56, 56),
+    use_meanflow=False,
+)
+
+
+class HunyuanVideo15FormatError(ValueError):
+    """A config or state dict that is not a HunyuanVideo 1.5 transformer this module can read."""
+
+
+def transformer_kwargs(config: dict) -> dict:
+    """HunyuanVideo15Transformer(...) keyword arguments from a diffusers config.json (its defaults where a
+    key is missing); what this transformer does not run (the distilled super-resolution models' MeanFlow
+    timestep, another query/key norm) is refused by name."""
+    c = {**DEFAULTS, **config}
+    if c["use_meanflow"] or c["qk_norm"] != "rms_norm":
+        wrong = "use_meanflow=true" if c["use_meanflow"] else f"qk_norm={c['qk_norm']!r}"
+        raise HunyuanVideo15FormatError(f"HunyuanVideo 1.5 config {wrong} is not supported")
+    return dict(
+        in_channels=c["in_channels"],
+        out_channels=c["out_channels"] or c["in_channels"],  # diffusers: None means in_channels
+        num_heads=c["num_attention_heads"],
+        head_dim=c["attention_head_dim"],
+        depth=c["num_layers"],
+        refiner_depth=c["num_refiner_layers"],
+        mlp_ratio=c["mlp_ratio"],
+        patch_size=c["patch_size"],
+        patch_size_t=c["patch_size_t"],
+        text_dim=c["text_embed_dim"],
+        glyph_dim=c["text_embed_2_dim"],
+        image_dim=c["image_embed_dim"],
+        rope_theta=c["rope_theta"],
+        rope_axes_dim=tuple(c["rope_axes_dim"]),
+    )
+
+
+def build_transformer(config: dict) -> HunyuanVideo15Transformer:
+    """The tessera module of a diffusers transformer config dict (on whatever device is current)."""
+    if config.get("_class_name", TRANSFORMER_CLASS) != TRANSFORMER_CLASS:
+        raise HunyuanVideo15FormatError(
+            f"config describes a {config['_class_name']}, not a {TRANSFORMER_CLASS}"
+        )
+    return HunyuanVideo15Transformer(**transformer_kwargs(config))
+
+
+def tessera_key(key: str) -> str:
+    return re.sub(r"^transformer_blocks\.", "blocks.", key)
+
+
+def diffusers_key(key: str) -> str:
+    return re.sub(r"^blocks\.", "transformer_blocks.", key)
+
+
+def tessera_state_dict_from_diffusers(state_dict: dict) -> dict:
+    """A HunyuanVideo15Transformer3DModel state dict under tessera's names (tensors are not copied)."""
+    return {tessera_key(k): v for k, v in state_dict.items()}
+
+
+def diffusers_state_dict_from_tessera(state_dict: dict) -> dict:
+    return {diffusers_key(k): v for k, v in state_dict.items()}
