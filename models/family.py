@@ -57,6 +57,7 @@ class Family:
     lora_targets: tuple = ()  # lora.targets' default: its Linear layers a LoRA adapts (fnmatch patterns)
     lora_formats: tuple = ("diffusers",)  # the key formats scripts/export.py writes its LoRAs in
     conditioning = None  # the dataclass of tensors `encode` returns (its fields shared between ranks)
+    trains = True  # train.py and scripts/precompute_latents.py take it (else refused by name)
 
     def recognises(self, folder) -> bool:
         """Whether `folder` (a pipeline folder, or a transformer folder) holds this family."""

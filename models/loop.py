@@ -19,3 +19,13 @@ def denoise(schedule: Schedule, x, velocity, progress=None):
         if progress is not None:
             progress(i + 1, steps)
     return x
+
+
+def euler(sigmas):
+    """diffusers' FlowMatchEulerDiscreteScheduler step over `sigmas` (Schedule.step): the sum in float32,
+    the latents in the model's dtype between steps (the pipelines')."""
+
+    def step(x, v, i, state):
+        return (x.float() + (sigmas[i + 1] - sigmas[i]) * v).to(v.dtype), None
+
+    return step

@@ -45,6 +45,8 @@ def check_family_training(cfg, family: Family, layout) -> None:
     """What a family's training refuses, by name, before any process group (after its pretrained parts
     are checked: Family.check_pretrained): image conditioning, and layouts other than dp x (ulysses or
     ring)."""
+    if not family.trains:
+        raise ValueError(f"{family.title} samples with infer.py; training it is not built yet")
     if cfg.model.task != "t2v":
         raise ValueError(f"model.task={cfg.model.task}: {family.title} trains text-to-image (t2v) only")
     if layout.pipefusion > 1 or layout.cfg > 1:

@@ -27,6 +27,8 @@ class HunyuanVideo15Cond:
     glyph: torch.Tensor  # (B, L2, glyph_dim): ByT5's hidden states of the quoted text to draw
     glyph_mask: torch.Tensor  # (B, L2) bool
     image: torch.Tensor | None = None  # (B, Li, image_dim) SigLIP features (image-to-video); None: text
+    # (B, C + 1, T, H, W): the given frames' latents and their mask, beside the noisy latents; None: zeros
+    image_latents: torch.Tensor | None = None
 
 
 def pairwise_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -300,9 +302,13 @@ class HunyuanVideo15Transformer(nn.Module):
         return dict(self._architecture)
 
     def forward(self, x, t, cond: HunyuanVideo15Cond):
-        """x: (B, C_in, T, H, W) latents with the condition channels; t: (B,) the diffusers timestep / 1000;
-        cond: the texts (and image) -> the velocity (B, C_out, T, H, W)."""
-        tokens, grid = self.embed(x)
+        """x: (B, C, T, H, W) latents; t: (B,) the diffusers timestep / 1000; cond: the texts (and the
+        image) -> the velocity (B, C_out, T, H, W). The condition's latents and mask are concatenated to x
+        (zeros for text-to-video, as the pipeline's)."""
+        given = cond.image_latents
+        if given is None:
+            given = x.new_zeros(x.shape[0], self.in_channels - x.shape[1], *x.shape[2:])
+        tokens, grid = self.embed(torch.cat([x, given.to(x.dtype)], dim=1))
         ctx = self.condition(t, cond)
         mask = torch.cat([ctx.context_mask.new_ones(tokens.shape[:2]), ctx.context_mask], dim=1)
         mask, rope = pairwise_mask(mask), rope_angles(grid, self.rope_axes_dim, self.rope_theta, x.device)

@@ -6,6 +6,7 @@ resolution-dependent shift with Euler steps; true CFG with the per-token norm re
 import torch
 
 from models.family import Components, Family, Schedule, part_folder, read_json
+from models.loop import euler
 from models.qwen_image.sampling import denormalize_latents, image_tokens, normalize_latents, sigmas, true_cfg
 from models.qwen_image.text import encode_prompt
 from models.qwen_image.transformer import QwenImageCond
@@ -29,16 +30,6 @@ RELEASE_SCHEDULER = dict(
     shift_terminal=0.02,
     time_shift_type="exponential",
 )
-
-
-def euler(sigmas):
-    """The scheduler's Euler step: the latents in the model's dtype between steps (the pipeline's), the
-    sum in float32."""
-
-    def step(x, v, i, state):
-        return (x.float() + (sigmas[i + 1] - sigmas[i]) * v).to(v.dtype), None
-
-    return step
 
 
 class QwenImage(Family):

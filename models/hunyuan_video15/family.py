@@ -1,0 +1,149 @@
+"""HunyuanVideo 1.5 as a tessera family (models/family.py): a diffusers HunyuanVideo15Pipeline folder's
+transformer, Qwen2.5-VL and ByT5 text encoders and causal video VAE; the schedule of its
+FlowMatchEulerDiscreteScheduler (a static shift, Euler steps); classifier-free guidance as its guider's.
+Text-to-video; image-to-video, sequence parallelism, PipeFusion and training are not built yet.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from models.family import Components, Family, Schedule, part_folder, read_json
+from models.hunyuan_video15.text import MAX_LENGTH, encode_glyphs, encode_text
+from models.hunyuan_video15.transformer import HunyuanVideo15Cond
+from models.hunyuan_video15.weights import (
+    PIPELINE_CLASSES,
+    TRANSFORMER_CLASS,
+    build_transformer,
+    diffusers_key,
+    diffusers_state_dict_from_tessera,
+    tessera_state_dict_from_diffusers,
+)
+from models.loop import euler
+
+_UNSUPPORTED = ("use_dynamic_shifting", "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas",
+                "invert_sigmas", "stochastic_sampling", "shift_terminal")  # fmt: skip
+
+
+@dataclass
+class HunyuanVideo15Parts(Components):
+    """Its parts: Components' (Qwen2.5-VL as text_encoder) and ByT5, the glyph encoder."""
+
+    glyph_encoder: torch.nn.Module = None
+    glyph_tokenizer: object = None
+
+
+def sigmas(steps: int, scheduler_config: dict) -> torch.Tensor:
+    """(steps + 1,) float32: the pipeline's linspace(1, 0, steps + 1) without its 0, shifted as the scheduler
+    shifts them (shift s / (1 + (shift - 1) s), in float32 numpy), then 0."""
+    s = np.linspace(1.0, 0.0, steps + 1)[:-1].astype(np.float32)
+    shift = scheduler_config.get("shift", 1.0)
+    s = shift * s / (1 + (shift - 1) * s)
+    return torch.cat([torch.from_numpy(s).to(torch.float32), torch.zeros(1)])
+
+
+class HunyuanVideo15(Family):
+    name, title = "hunyuan_video15", "HunyuanVideo 1.5"
+    pipeline_classes, transformer_classes = PIPELINE_CLASSES[:1], (TRANSFORMER_CLASS,)
+    parallel_degrees = ("cfg",)  # its joint attention has no sequence-parallel operator yet
+    vae_class, max_length = "AutoencoderKLHunyuanVideo15", MAX_LENGTH
+    conditioning = HunyuanVideo15Cond
+    trains = False  # its training (both streams' conditioning, the VAE's encoding) is not built yet
+
+    def check_pretrained(self, cfg) -> None:
+        super().check_pretrained(cfg)
+        for part, wanted in (("text_encoder_2", "config.json"), ("tokenizer_2", "*.json")):
+            folder = part_folder(cfg, part)
+            if not any(folder.glob(wanted)):
+                raise FileNotFoundError(
+                    f"model.pretrained: no {self.title} {part} in {folder} (ByT5, the glyph text's encoder, "
+                    f"is part of the pipeline folder; tessera never downloads)"
+                )
+
+    def check_scheduler(self, config: dict) -> None:
+        kind = config.get("_class_name", "FlowMatchEulerDiscreteScheduler")
+        wrong = [key for key in _UNSUPPORTED if config.get(key)]
+        if kind != "FlowMatchEulerDiscreteScheduler" or wrong:
+            raise ValueError(
+                f"{self.title} samples with FlowMatchEulerDiscreteScheduler and a static shift; the folder's "
+                f"scheduler is {kind}{' with ' + ', '.join(wrong) if wrong else ''}"
+            )
+
+    def _space(self, cfg):
+        from models.vae import LatentSpace
+
+        config = read_json(part_folder(cfg, "vae") / "config.json")
+        space = LatentSpace()
+        space.latent_channels = config.get("latent_channels", 32)
+        space.temporal_stride = config.get("temporal_compression_ratio", 4)
+        space.spatial_stride, space.causal = config.get("spatial_compression_ratio", 16), True
+        return space
+
+    def latent_space(self, cfg):
+        return self._space(cfg)
+
+    def vae_scale(self, cfg) -> int:
+        return self._space(cfg).spatial_stride
+
+    def check_size(self, cfg, frames: int, height: int, width: int) -> None:
+        patch = self.patch(cfg)
+        self._space(cfg).latent_shape(frames, height, width, (1, patch, patch))  # names the flag to change
+
+    def build(self, config: dict, cfg):
+        return build_transformer(config)
+
+    def to_tessera(self, state: dict) -> dict:
+        return tessera_state_dict_from_diffusers(state)
+
+    def to_diffusers(self, state: dict) -> dict:
+        return diffusers_state_dict_from_tessera(state)
+
+    def diffusers_name(self, name: str) -> str:
+        return diffusers_key(name)
+
+    def load(self, cfg, device, dtype, transformer: bool = True, keep=None) -> HunyuanVideo15Parts:
+        from diffusers import AutoencoderKLHunyuanVideo15
+        from transformers import AutoTokenizer, ByT5Tokenizer, Qwen2_5_VLTextModel, T5EncoderModel
+
+        model = self.load_transformer(cfg, dtype, keep) if transformer else None
+        encoder = Qwen2_5_VLTextModel.from_pretrained(part_folder(cfg, "text_encoder"), torch_dtype=dtype)
+        glyph_encoder = T5EncoderModel.from_pretrained(part_folder(cfg, "text_encoder_2"), torch_dtype=dtype)
+        vae = AutoencoderKLHunyuanVideo15.from_pretrained(part_folder(cfg, "vae"), torch_dtype=dtype)
+        frozen = [m.eval().to(device).requires_grad_(False) for m in (encoder, glyph_encoder, vae)]
+        if model is not None:
+            model = model.to(device).requires_grad_(False)
+        return HunyuanVideo15Parts(
+            model,
+            AutoTokenizer.from_pretrained(part_folder(cfg, "tokenizer")),
+            frozen[0],
+            frozen[2],
+            read_json(part_folder(cfg, "scheduler") / "scheduler_config.json"),
+            glyph_encoder=frozen[1],
+            glyph_tokenizer=ByT5Tokenizer.from_pretrained(part_folder(cfg, "tokenizer_2")),
+        )
+
+    def encode(self, parts: HunyuanVideo15Parts, prompts: list, max_length: int, negative: bool = False):
+        text, mask = encode_text(prompts, parts.tokenizer, parts.text_encoder, max_length)
+        glyph, glyph_mask = encode_glyphs(prompts, parts.glyph_tokenizer, parts.glyph_encoder, text.dtype)
+        return HunyuanVideo15Cond(text, mask, glyph, glyph_mask)
+
+    def noise(self, parts: HunyuanVideo15Parts, seeds: list, frames: int, height: int, width: int):
+        """What the pipeline draws from a generator seeded with seed, one video each, in the model's dtype."""
+        config = parts.vae.config
+        scale, stride = config.spatial_compression_ratio, config.temporal_compression_ratio
+        shape = (config.latent_channels, (frames - 1) // stride + 1, height // scale, width // scale)
+        dtype = next(parts.transformer.parameters()).dtype
+        draw = lambda s: torch.randn(shape, generator=torch.Generator().manual_seed(s), dtype=dtype)  # noqa: E731
+        return torch.stack([draw(s) for s in seeds])
+
+    def schedule(self, parts: HunyuanVideo15Parts, steps: int, latents: torch.Tensor) -> Schedule:
+        levels = sigmas(steps, parts.scheduler_config).to(latents.device)
+        return Schedule(levels, levels[:-1], euler(levels))
+
+    def guided(self, scale: float) -> bool:
+        return abs(scale - 1.0) > 1e-9  # its guider guides at any scale but 1 (math.isclose)
+
+    def decode(self, parts: HunyuanVideo15Parts, latents) -> torch.Tensor:
+        z = latents.to(parts.vae.dtype) / parts.vae.config.scaling_factor
+        return parts.vae.decode(z, return_dict=False)[0]  # (B, 3, T, H, W)
