@@ -98,3 +98,30 @@ def make_attention(backend: str) -> nn.Module:
             f"unknown attention backend '{backend}'; choose one of {', '.join(ATTENTION_BACKENDS)}"
         )
     return ATTENTION_BACKENDS[backend]()
+
+
+class JointAttention(nn.Module):
+    """Joint attention of two streams (MMDiT: Qwen-Image, HunyuanVideo 1.5). Single-device contract: image
+    q, k, v (B, H, N_img, Dh) and text q, k, v (B, H, N_txt, Dh), heads in dim 1, and text_mask (B, N_txt)
+    bool (True: attend) or None -> (image output (B, H, N_img, Dh), text output (B, H, N_txt, Dh)). Every
+    query attends to the concatenation [text, image] (Qwen-Image's order in diffusers) with padded text
+    keys masked out (a padded text query's output is of no use: it is never a key). Under sequence
+    parallelism the image tokens are sharded and each text token must still count once per attention
+    (kind "joint"); parallel/ replaces this operator by assignment."""
+
+    kind = "joint"
+
+    def __init__(self, backend: str = "sdpa"):
+        super().__init__()
+        self.kernel = make_attention(backend)  # (q, k, v, attn_mask) on (B, H, N, Dh)
+
+    def forward(self, q, k, v, text_q, text_k, text_v, text_mask):
+        n_text = text_q.shape[2]
+        mask = None
+        if text_mask is not None:  # image keys are always attended
+            image_mask = text_mask.new_ones(q.shape[0], q.shape[2])
+            mask = torch.cat([text_mask.bool(), image_mask.bool()], dim=1)[:, None, None, :]
+        out = self.kernel(
+            torch.cat([text_q, q], dim=2), torch.cat([text_k, k], dim=2), torch.cat([text_v, v], dim=2), mask
+        )
+        return out[:, :, n_text:], out[:, :, :n_text]

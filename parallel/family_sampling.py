@@ -87,8 +87,6 @@ def family_layout(cfg, family, request) -> tuple[ParallelLayout, int]:
             f"{runs}"
         )
     ranks, pipefusion = cfg.parallel.ulysses * cfg.parallel.ring, cfg.parallel.pipefusion
-    if request.cache is not None and "pipefusion" not in family.parallel_degrees:  # it has no block pieces
-        raise ValueError(f"sample.cache={cfg.sample.cache}: {family.title} does not run the step cache yet")
     if request.cache is not None and ranks * pipefusion > 1:  # models/step_cache.py FirstBlockFamily
         raise ValueError(
             f"sample.cache={cfg.sample.cache}: {family.title}'s step cache runs each sample's whole token "
@@ -106,6 +104,8 @@ def family_layout(cfg, family, request) -> tuple[ParallelLayout, int]:
         )
     family.check_split(cfg, request.height, request.width, cfg.parallel.ulysses, cfg.parallel.ring)
     transformer = family.meta_transformer(cfg)
+    if request.cache is not None and not hasattr(transformer, "patch_blocks"):  # FirstBlockFamily's pieces
+        raise ValueError(f"sample.cache={cfg.sample.cache}: {family.title} does not run the step cache yet")
     if pipefusion > 1 and operator_kinds(transformer) - KINDS:
         kinds = sorted(operator_kinds(transformer) - KINDS)
         raise ValueError(f"{family.title} has operators of kind {kinds}, which PipeFusion does not run yet")

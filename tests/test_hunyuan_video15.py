@@ -98,7 +98,7 @@ CHAT_TEMPLATE = (
 )
 PROMPTS = ['a sign reading "open" and "late" in the rain', "a dog"]  # glyph texts in one, none in the other
 NEGATIVE = "blurry"
-SIZE = dict(frames=5, height=24, width=40)  # 3 x 6 x 10 latents: 180 tokens
+SIZE = dict(num_frames=5, height=24, width=40)  # the pipeline's keywords; 3 x 6 x 10 latents: 180 tokens
 
 
 def tiny_pipeline():
@@ -179,24 +179,54 @@ def saved(tmp_path_factory):
     return folder
 
 
+def infer_args(saved, tmp_path, *extra) -> list:
+    from tests.conftest import ROOT
+
+    argv = ["--config", str(ROOT / "configs" / "hunyuanvideo-1.5-480p.yaml"), "model.size=auto"]
+    argv += [f"{key}.pretrained={saved}" for key in ("model", "vae", "text_encoder")]
+    return [
+        *argv,
+        f"run.output_dir={tmp_path / 'run'}",
+        "--frames",
+        "5",
+        "--height",
+        "24",
+        "--width",
+        "40",
+        *extra,
+    ]
+
+
+LAYOUTS = {  # (processes, overrides): 180 tokens, split in 2 x 90 under ulysses (the ring path: Qwen-Image's)
+    "one-process": (1, []),
+    "cfg2-ulysses2": (4, ["parallel.cfg=2", "parallel.ulysses=2"]),
+}
+
+
 @torch.no_grad()
-def test_infer_matches_the_pipeline(saved, tmp_path):
+@pytest.mark.parametrize(
+    "layout", [pytest.param(name, marks=[pytest.mark.slow] * (LAYOUTS[name][0] > 1)) for name in LAYOUTS]
+)
+def test_infer_matches_the_pipeline(saved, tmp_path, layout):
     """infer.py --config configs/hunyuanvideo-1.5-480p.yaml on the folder (model.size=auto) against
     HunyuanVideo15Pipeline from it: two prompts (one with quoted glyph texts), a negative prompt, 3 steps,
-    guidance 4, seeds 5 and 6, 5 frames at 24 x 40: the same videos, prompt by prompt."""
+    guidance 4, seeds 5 and 6, 5 frames at 24 x 40: the same videos, prompt by prompt; on one process,
+    and with the guidance branches and the heads split over 4 processes (tests/ranks.py)."""
     from diffusers import DiffusionPipeline
     from diffusers.guiders import ClassifierFreeGuidance
 
     import infer
-    from tests.conftest import ROOT, run_main
+    from tests.conftest import ranks, run_main
 
+    processes, overrides = LAYOUTS[layout]
     out = tmp_path / "video.npy"
-    argv = ["--config", str(ROOT / "configs" / "hunyuanvideo-1.5-480p.yaml"), "model.size=auto"]
-    argv += [f"{key}.pretrained={saved}" for key in ("model", "vae", "text_encoder")]
-    argv += [f"run.output_dir={tmp_path / 'run'}", "--prompt", *PROMPTS, "--negative-prompt", NEGATIVE]
-    argv += ["--frames", "5", "--height", "24", "--width", "40", "--steps", "3", "--guidance", "4"]
-    argv += ["--seed", "5", "--output", str(out)]
-    assert run_main(infer, argv) == 0
+    argv = infer_args(saved, tmp_path, "--prompt", *PROMPTS, "--negative-prompt", NEGATIVE, "--steps", "3")
+    argv += ["--guidance", "4", "--seed", "5", "--output", str(out), *overrides]
+    if processes == 1:
+        assert run_main(infer, argv) == 0
+    else:
+        done = ranks(processes, "infer.py", *argv, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
     pipe = DiffusionPipeline.from_pretrained(saved)
     pipe.guider = ClassifierFreeGuidance(guidance_scale=4.0)
     pipe.set_progress_bar_config(disable=True)
@@ -222,21 +252,59 @@ def test_refusals(saved, tmp_path, capsys):
     """What the family does not run yet: one error line naming it, before any process group."""
     import infer
     import train
-    from tests.conftest import ROOT, run_main
+    from tests.conftest import run_main
 
-    base = ["--config", str(ROOT / "configs" / "hunyuanvideo-1.5-480p.yaml"), "model.size=auto"]
-    base += [f"{key}.pretrained={saved}" for key in ("model", "vae", "text_encoder")]
-    base += [f"run.output_dir={tmp_path / 'run'}"]
+    base = infer_args(saved, tmp_path)
     cases = [
         (infer, ["--frames", "4"], "--frames"),  # a causal VAE: 1 + 2k frames
         (infer, ["--height", "26"], "height"),
-        (infer, ["parallel.ulysses=2"], "does not sample under parallel.ulysses=2"),
+        (infer, ["parallel.ulysses=2", "parallel.ring=2"], "not both"),
+        (infer, ["parallel.pipefusion=2"], "does not sample under parallel.pipefusion=2"),
         (infer, ["--image", "x.png"], "--image"),
-        (infer, ["sample.cache=first_block"], "does not run the step cache"),
         (train, [], "training it is not built yet"),
     ]
     for program, extra, expected in cases:
-        assert run_main(program, [*base, *extra]) != 0
+        argv = base[: base.index("--frames")] if program is train else base  # train.py takes no sizes
+        assert run_main(program, [*argv, *extra]) != 0
         err = capsys.readouterr().err
         assert expected in err and err.count("error:") == 1, err
     assert not (tmp_path / "run").exists()
+
+
+@torch.no_grad()
+def test_first_block_cache_matches_diffusers(saved, tmp_path, capsys):
+    """sample.cache=first_block against diffusers' own first-block cache hooks on the pipeline's transformer
+    (its block registered as a dual-stream one), unguided (diffusers decides each guidance branch apart),
+    8 steps, threshold 0.4: the same 4 of 8 steps run every block, and the same video."""
+    from diffusers import DiffusionPipeline
+    from diffusers.guiders import ClassifierFreeGuidance
+    from diffusers.hooks import FirstBlockCacheConfig
+    from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
+    from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15TransformerBlock
+
+    import infer
+    from tests.conftest import run_main
+
+    out = tmp_path / "video.npy"
+    argv = infer_args(
+        saved, tmp_path, "--prompt", PROMPTS[0], "--steps", "8", "--guidance", "1", "--seed", "5"
+    )
+    argv += ["--output", str(out), "sample.cache=first_block", "sample.cache_first_block_threshold=0.4"]
+    assert run_main(infer, [*argv, "sample.cache_max_skips=8"]) == 0
+    full = float(capsys.readouterr().out.split("[tessera] step cache: ")[1].split(" of 8")[0])
+    metadata = TransformerBlockMetadata(return_hidden_states_index=0, return_encoder_hidden_states_index=1)
+    TransformerBlockRegistry.register(model_class=HunyuanVideo15TransformerBlock, metadata=metadata)
+    pipe = DiffusionPipeline.from_pretrained(saved)
+    pipe.guider = ClassifierFreeGuidance(guidance_scale=1.0)
+    pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.4))
+    calls = []  # the last block's attention runs only when every block runs
+    pipe.transformer.transformer_blocks[-1].attn.register_forward_hook(lambda *a: calls.append(1))
+    pipe.set_progress_bar_config(disable=True)
+    generator = torch.Generator().manual_seed(5)
+    want = pipe(
+        prompt=PROMPTS[0], num_inference_steps=8, **SIZE, generator=generator, output_type="np"
+    ).frames[0]
+    diff = float(np.abs(np.load(out) - want).max())
+    print(f"first_block: {full:g} of 8 steps ran every block (diffusers {len(calls)}), max abs {diff:.2e}")
+    assert 1 < full < 8 and full == len(calls) and want.std() > 0.01
+    assert diff <= 1e-5

@@ -1,7 +1,8 @@
 """HunyuanVideo 1.5 as a tessera family (models/family.py): a diffusers HunyuanVideo15Pipeline folder's
 transformer, Qwen2.5-VL and ByT5 text encoders and causal video VAE; the schedule of its
 FlowMatchEulerDiscreteScheduler (a static shift, Euler steps); classifier-free guidance as its guider's.
-Text-to-video; image-to-video, sequence parallelism, PipeFusion and training are not built yet.
+Text-to-video under dp, cfg, ulysses or ring, with the first-block step cache; image-to-video, PipeFusion
+and training are not built yet.
 """
 
 from dataclasses import dataclass
@@ -46,7 +47,8 @@ def sigmas(steps: int, scheduler_config: dict) -> torch.Tensor:
 class HunyuanVideo15(Family):
     name, title = "hunyuan_video15", "HunyuanVideo 1.5"
     pipeline_classes, transformer_classes = PIPELINE_CLASSES[:1], (TRANSFORMER_CLASS,)
-    parallel_degrees = ("cfg",)  # its joint attention has no sequence-parallel operator yet
+    # one of ulysses and ring (check_split); PipeFusion's family walk cuts an image's rows, not video frames
+    parallel_degrees = ("cfg", "ulysses", "ring")
     vae_class, max_length = "AutoencoderKLHunyuanVideo15", MAX_LENGTH
     conditioning = HunyuanVideo15Cond
     trains = False  # its training (both streams' conditioning, the VAE's encoding) is not built yet
@@ -60,6 +62,13 @@ class HunyuanVideo15(Family):
                     f"model.pretrained: no {self.title} {part} in {folder} (ByT5, the glyph text's encoder, "
                     f"is part of the pipeline folder; tessera never downloads)"
                 )
+
+    def check_split(self, cfg, height: int, width: int, ulysses: int, ring: int) -> None:
+        if ulysses > 1 and ring > 1:  # parallel/operators.py SplitJointAttention
+            raise ValueError(
+                f"{self.title}'s joint attention splits under parallel.ulysses or parallel.ring, not both "
+                f"(ulysses={ulysses} x ring={ring}): use one of them"
+            )
 
     def check_scheduler(self, config: dict) -> None:
         kind = config.get("_class_name", "FlowMatchEulerDiscreteScheduler")

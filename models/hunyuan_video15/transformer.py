@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.attention import JointAttention
 from models.dit import WholeSequence, apply_rope
 from models.layers import RMSNorm, TimestepMLP, timestep_features
 
@@ -148,12 +149,13 @@ class ImageProjection(nn.Module):
         return self.norm_out(self.linear_2(F.gelu(self.linear_1(self.norm_in(x)))))
 
 
-class JointAttention(nn.Module):
-    """Both streams' projections, per-head RMSNorm on queries and keys, RoPE on the video's, then one
-    attention over [video, context] with the pairwise mask of `mask` (B, N + L): video tokens are always
-    real, the context's padding is masked."""
+class HunyuanVideo15Attention(nn.Module):
+    """Both streams' projections, per-head RMSNorm on queries and keys, RoPE on the video's, then the joint
+    operator (models/attention.py, kind "joint": parallel/ swaps it). diffusers also masks the padded
+    context tokens as queries; their outputs are never read (they are keys nowhere), so the video tokens'
+    are the same."""
 
-    def __init__(self, dim: int, num_heads: int):
+    def __init__(self, dim: int, num_heads: int, backend: str = "sdpa"):
         super().__init__()
         self.num_heads, head_dim = num_heads, dim // num_heads
         self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim) for _ in range(3))
@@ -162,19 +164,28 @@ class JointAttention(nn.Module):
         self.norm_added_q, self.norm_added_k = RMSNorm(head_dim), RMSNorm(head_dim)
         self.to_out = nn.ModuleList([nn.Linear(dim, dim)])
         self.to_add_out = nn.Linear(dim, dim)
+        self.joint_attention = JointAttention(backend)
 
-    def forward(self, x, context, mask, rope):
-        """x (B, N, D), context (B, L, D), mask (B, 1, N + L, N + L), rope (N, Dh/2, 2) -> both outputs."""
-        heads = lambda t: t.unflatten(-1, (self.num_heads, -1))  # noqa: E731  (B, S, H, Dh)
-        q = apply_rope(self.norm_q(heads(self.to_q(x))), rope[:, None])
-        k = apply_rope(self.norm_k(heads(self.to_k(x))), rope[:, None])
-        q = torch.cat([q, self.norm_added_q(heads(self.add_q_proj(context)))], dim=1)
-        k = torch.cat([k, self.norm_added_k(heads(self.add_k_proj(context)))], dim=1)
-        v = torch.cat([heads(self.to_v(x)), heads(self.add_v_proj(context))], dim=1)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
-        out = out.transpose(1, 2).flatten(2).to(q.dtype)
-        n = x.shape[1]
-        return self.to_out[0](out[:, :n]), self.to_add_out(out[:, n:])
+    def _heads(self, x, norm=None, rope=None):
+        """(B, S, D) -> (B, H, S, Dh), normalised and rotated in the (B, S, H, Dh) layout as diffusers."""
+        x = x.unflatten(-1, (self.num_heads, -1))
+        if norm is not None:
+            x = norm(x)
+        if rope is not None:
+            x = apply_rope(x, rope[:, None])
+        return x.transpose(1, 2)
+
+    def forward(self, x, context, context_mask, rope):
+        """x (B, N, D) video tokens (this rank's), context (B, L, D), context_mask (B, L) bool or None, rope
+        (N, Dh/2, 2) -> both outputs."""
+        q, k = self._heads(self.to_q(x), self.norm_q, rope), self._heads(self.to_k(x), self.norm_k, rope)
+        c_q = self._heads(self.add_q_proj(context), self.norm_added_q)
+        c_k = self._heads(self.add_k_proj(context), self.norm_added_k)
+        x, context = self.joint_attention(
+            q, k, self._heads(self.to_v(x)), c_q, c_k, self._heads(self.add_v_proj(context)), context_mask
+        )
+        x, context = x.transpose(1, 2).flatten(2).to(q.dtype), context.transpose(1, 2).flatten(2).to(q.dtype)
+        return self.to_out[0](x), self.to_add_out(context)
 
 
 class AdaNormZero(nn.Module):
@@ -195,18 +206,18 @@ class HunyuanVideo15Block(nn.Module):
     """One dual-stream block: each stream modulated by the time embedding, joint attention, then each
     stream's own MLP, with gated residuals."""
 
-    def __init__(self, dim: int, num_heads: int, mlp_ratio: float):
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float, backend: str = "sdpa"):
         super().__init__()
         self.norm1, self.norm1_context = AdaNormZero(dim), AdaNormZero(dim)
-        self.attn = JointAttention(dim, num_heads)
+        self.attn = HunyuanVideo15Attention(dim, num_heads, backend)
         norm = lambda: nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)  # noqa: E731
         self.norm2, self.ff = norm(), FeedForward(dim, mlp_ratio)
         self.norm2_context, self.ff_context = norm(), FeedForward(dim, mlp_ratio)
 
-    def forward(self, x, context, temb, mask, rope):
+    def forward(self, x, context, temb, context_mask, rope):
         x_in, gate, shift_mlp, scale_mlp, gate_mlp = self.norm1(x, temb)
         c_in, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(context, temb)
-        attn, c_attn = self.attn(x_in, c_in, mask, rope)
+        attn, c_attn = self.attn(x_in, c_in, context_mask, rope)
         x = x + attn * gate[:, None]
         context = context + c_attn * c_gate[:, None]
         x_in = self.norm2(x) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
@@ -238,6 +249,13 @@ class HunyuanVideo15Context:
     temb: torch.Tensor  # (B, D): the time embedding
     context: torch.Tensor  # (B, L, D): the packed context stream entering the first block
     context_mask: torch.Tensor  # (B, L) bool: its real tokens, which lead
+    rope: torch.Tensor | None = None  # PipeFusion's and the step cache's: the video's rotary angles
+
+    def rows(self, index):
+        """The context of the samples `index` (the first-block step cache runs the others' blocks)."""
+        return HunyuanVideo15Context(
+            self.temb[index], self.context[index], self.context_mask[index], self.rope
+        )
 
 
 class HunyuanVideo15Transformer(nn.Module):
@@ -260,6 +278,7 @@ class HunyuanVideo15Transformer(nn.Module):
         image_dim: int = 1152,
         rope_theta: float = 256.0,
         rope_axes_dim=(16, 56, 56),
+        attention_backend: str = "sdpa",
     ):
         super().__init__()
         dim = num_heads * head_dim
@@ -293,7 +312,9 @@ class HunyuanVideo15Transformer(nn.Module):
         self.time_embed.timestep_embedder = TimestepMLP(256, dim)
         self.cond_type_embed = nn.Embedding(3, dim)  # 0: the text, 1: the glyph text, 2: the image
         self.sequence = WholeSequence()  # parallel/ assigns a sequence-parallel replacement
-        self.blocks = nn.ModuleList([HunyuanVideo15Block(dim, num_heads, mlp_ratio) for _ in range(depth)])
+        self.blocks = nn.ModuleList(
+            [HunyuanVideo15Block(dim, num_heads, mlp_ratio, attention_backend) for _ in range(depth)]
+        )
         self.norm_out = nn.Module()
         self.norm_out.linear = nn.Linear(dim, 2 * dim)  # AdaLayerNormContinuous: scale, then shift
         self.proj_out = nn.Linear(dim, patch_size_t * patch_size * patch_size * out_channels)
@@ -303,22 +324,25 @@ class HunyuanVideo15Transformer(nn.Module):
 
     def forward(self, x, t, cond: HunyuanVideo15Cond):
         """x: (B, C, T, H, W) latents; t: (B,) the diffusers timestep / 1000; cond: the texts (and the
-        image) -> the velocity (B, C_out, T, H, W). The condition's latents and mask are concatenated to x
-        (zeros for text-to-video, as the pipeline's)."""
-        given = cond.image_latents
-        if given is None:
-            given = x.new_zeros(x.shape[0], self.in_channels - x.shape[1], *x.shape[2:])
-        tokens, grid = self.embed(torch.cat([x, given.to(x.dtype)], dim=1))
+        image) -> the velocity (B, C_out, T, H, W)."""
+        tokens, grid = self.embed(x, cond.image_latents)
         ctx = self.condition(t, cond)
-        mask = torch.cat([ctx.context_mask.new_ones(tokens.shape[:2]), ctx.context_mask], dim=1)
-        mask, rope = pairwise_mask(mask), rope_angles(grid, self.rope_axes_dim, self.rope_theta, x.device)
-        context = ctx.context
+        rope = rope_angles(grid, self.rope_axes_dim, self.rope_theta, x.device)
+        tokens, rope = self.sequence.shard(tokens, rope)  # (B, N_local, D); the identity on one device
+        context = ctx.context  # (B, L, D): whole on every rank
         for block in self.blocks:
-            tokens, context = block(tokens, context, ctx.temb, mask, rope)
+            tokens, context = block(tokens, context, ctx.temb, ctx.context_mask, rope)
+        tokens = self.sequence.gather(tokens)
         return self.unpatchify(self.final_layer(tokens, ctx.temb), grid)
 
-    def embed(self, x):
-        """Latents (B, C, T, H, W) -> tokens (B, N, D) in (t, h, w) order, and the token grid."""
+    # The pieces of `forward`, for sequence parallelism, PipeFusion and the step cache to call one by one.
+
+    def embed(self, x, given=None):
+        """Latents (B, C, T, H, W) and beside them the condition's latents and mask (`given`; None: zeros,
+        text-to-video, as the pipeline's) -> tokens (B, N, D) in (t, h, w) order, and the token grid."""
+        if given is None:
+            given = x.new_zeros(x.shape[0], self.in_channels - x.shape[1], *x.shape[2:])
+        x = torch.cat([x, given.to(x.dtype)], dim=1)
         if x.shape[1] != self.in_channels or any(s % p for s, p in zip(x.shape[2:], self.patch)):
             raise ValueError(
                 f"HunyuanVideo 1.5 takes latents of {self.in_channels} channels (with the condition's) and "
@@ -341,6 +365,24 @@ class HunyuanVideo15Transformer(nn.Module):
             streams.insert(0, (image + kind(2, image), image.new_ones(image.shape[:2], dtype=torch.bool)))
         context, mask = pack_streams(streams)
         return HunyuanVideo15Context(temb, context, mask)
+
+    def patch_context(self, t, cond: HunyuanVideo15Cond, grid) -> HunyuanVideo15Context:
+        """What the blocks read at timestep t, besides the tokens: `condition`'s and the rotary angles."""
+        ctx = self.condition(t, cond)
+        ctx.rope = rope_angles(grid, self.rope_axes_dim, self.rope_theta, ctx.temb.device)
+        return ctx
+
+    def companion(self, ctx: HunyuanVideo15Context):
+        """The stream that passes through the blocks beside a patch's video tokens: the context."""
+        return ctx.context
+
+    def patch_blocks(self, indices, tokens, context, ctx: HunyuanVideo15Context, grid, start, end):
+        """Blocks `indices` on video tokens start:end (B, n, D) and the context stream -> both."""
+        for index in indices:
+            tokens, context = self.blocks[index](
+                tokens, context, ctx.temb, ctx.context_mask, ctx.rope[start:end]
+            )
+        return tokens, context
 
     def final_layer(self, tokens, temb):
         scale, shift = self.norm_out.linear(F.silu(temb)).chunk(2, dim=1)

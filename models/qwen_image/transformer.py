@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.attention import make_attention
+from models.attention import JointAttention
 from models.dit import WholeSequence, apply_rope
 from models.layers import RMSNorm, TimestepMLP, timestep_features
 
@@ -85,32 +85,6 @@ class QwenRope(nn.Module):
         text = torch.cat([self._angles(text_pos, dim) for dim in self.axes_dims], dim=-1)
         polar = lambda a: torch.view_as_real(torch.polar(torch.ones_like(a), a)).to(device)  # noqa: E731
         return polar(image), polar(text)
-
-
-class JointAttention(nn.Module):
-    """Joint attention of two streams (MMDiT). Single-device contract: image q, k, v (B, H, N_img, Dh) and
-    text q, k, v (B, H, N_txt, Dh), heads in dim 1, and text_mask (B, N_txt) bool (True: attend) or None
-    -> (image output (B, H, N_img, Dh), text output (B, H, N_txt, Dh)). Every query attends to the
-    concatenation [text, image] (diffusers' order) with padded text keys masked out. Under sequence
-    parallelism the image tokens are sharded and each text token must still count once per attention
-    (kind "joint"); parallel/ replaces this operator by assignment."""
-
-    kind = "joint"
-
-    def __init__(self, backend: str = "sdpa"):
-        super().__init__()
-        self.kernel = make_attention(backend)  # (q, k, v, attn_mask) on (B, H, N, Dh)
-
-    def forward(self, q, k, v, text_q, text_k, text_v, text_mask):
-        n_text = text_q.shape[2]
-        mask = None
-        if text_mask is not None:  # image keys are always attended
-            image_mask = text_mask.new_ones(q.shape[0], q.shape[2])
-            mask = torch.cat([text_mask.bool(), image_mask.bool()], dim=1)[:, None, None, :]
-        out = self.kernel(
-            torch.cat([text_q, q], dim=2), torch.cat([text_k, k], dim=2), torch.cat([text_v, v], dim=2), mask
-        )
-        return out[:, :, n_text:], out[:, :, :n_text]
 
 
 class QwenAttention(nn.Module):
