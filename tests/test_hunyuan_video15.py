@@ -3,6 +3,9 @@ HunyuanVideo15Transformer3DModel, code no one here wrote: a tiny random config, 
 texts and glyph texts of other lengths, text-to-video (no image tokens here, diffusers' zero image masked
 out) and image-to-video."""
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -76,6 +79,33 @@ def test_transformer_matches_diffusers(task):
     print(f"{task}: max abs {diff:.2e}, output std {float(want.std()):.3f}")
     assert got.shape == want.shape == (2, 4, 2, 3, 5) and want.std() > 0.1
     assert diff <= 1e-5
+
+
+@torch.no_grad()
+def test_bf16_timestep_rounds_as_the_pipeline():
+    """In bf16 the pipeline hands the transformer 1000 sigma rounded to bf16 (980.39 -> 980.0) for the time
+    and the refiner's embeddings: tessera's bf16 transformer, told sigma, rounds the same way, so its
+    velocity is diffusers' bf16 one within bf16's own rounding (diffusers' float32 one is the reference)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        theirs, ours = tiny_pair()
+        x, text, glyph = torch.randn(1, 9, 2, 3, 5), torch.randn(1, 7, 24), torch.randn(1, 5, 20)
+    sigma = torch.tensor([0.98039])
+    timestep = (sigma * 1000).to(torch.bfloat16)  # the pipeline's: t.expand(B).to(latents.dtype)
+    theirs, ours = theirs.to(torch.bfloat16), ours.to(torch.bfloat16)
+    kwargs = dict(
+        encoder_hidden_states=text, encoder_hidden_states_2=glyph, image_embeds=torch.zeros(1, 3, 12)
+    )
+    kwargs = {k: v.to(torch.bfloat16) for k, v in kwargs.items()}
+    masks = dict(encoder_attention_mask=torch.ones(1, 7), encoder_attention_mask_2=torch.ones(1, 5))
+    want = theirs(x.to(torch.bfloat16), timestep, **kwargs, **masks, return_dict=False)[0].float()
+    cond = HunyuanVideo15Cond(text.to(torch.bfloat16), None, glyph.to(torch.bfloat16), None)
+    got = ours(
+        x[:, :4].to(torch.bfloat16), sigma, HunyuanVideo15Cond(**{**vars(cond), "image_latents": x[:, 4:]})
+    )
+    diff = float((got.float() - want).abs().max())
+    print(f"bf16: max abs {diff:.3f} on an output of std {float(want.std()):.2f}")
+    assert diff <= 0.05  # unrounded, the timestep sits 0.39 off and the velocity ~1.4
 
 
 def test_weight_names_and_config():
@@ -263,6 +293,11 @@ def test_refusals(saved, tmp_path, capsys):
         (infer, ["--image", "x.png"], "--image"),
         (train, [], "training it is not built yet"),
     ]
+    rescaled = tmp_path / "rescaled"  # the folder with a guider tessera does not reproduce
+    shutil.copytree(saved, rescaled)
+    config = rescaled / "guider" / "guider_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "guidance_rescale": 0.7}))
+    cases.append((infer, [f"model.pretrained={rescaled}"], "guidance_rescale=0.7"))
     for program, extra, expected in cases:
         argv = base[: base.index("--frames")] if program is train else base  # train.py takes no sizes
         assert run_main(program, [*argv, *extra]) != 0

@@ -55,6 +55,15 @@ class HunyuanVideo15(Family):
 
     def check_pretrained(self, cfg) -> None:
         super().check_pretrained(cfg)
+        guider = read_json(part_folder(cfg, "guider") / "guider_config.json")
+        plain = dict(enabled=True, guidance_rescale=0.0, start=0.0, stop=1.0, use_original_formulation=False)
+        wrong = [f"{key}={guider[key]!r}" for key, value in plain.items() if guider.get(key, value) != value]
+        if guider.get("_class_name", "ClassifierFreeGuidance") != "ClassifierFreeGuidance" or wrong:
+            raise ValueError(
+                f"model.pretrained: the folder's guider ({guider.get('_class_name')}"
+                f"{': ' + ', '.join(wrong) if wrong else ''}) is not the plain classifier-free guidance "
+                f"{self.title} samples with (its scale is --guidance)"
+            )
         for part, wanted in (("text_encoder_2", "config.json"), ("tokenizer_2", "*.json")):
             folder = part_folder(cfg, part)
             if not any(folder.glob(wanted)):
@@ -73,6 +82,8 @@ class HunyuanVideo15(Family):
     def check_scheduler(self, config: dict) -> None:
         kind = config.get("_class_name", "FlowMatchEulerDiscreteScheduler")
         wrong = [key for key in _UNSUPPORTED if config.get(key)]
+        if config.get("num_train_timesteps", 1000) != 1000:  # the transformer is told 1000 sigma
+            wrong.append(f"num_train_timesteps={config['num_train_timesteps']}")
         if kind != "FlowMatchEulerDiscreteScheduler" or wrong:
             raise ValueError(
                 f"{self.title} samples with FlowMatchEulerDiscreteScheduler and a static shift; the folder's "
@@ -100,7 +111,7 @@ class HunyuanVideo15(Family):
         self._space(cfg).latent_shape(frames, height, width, (1, patch, patch))  # names the flag to change
 
     def build(self, config: dict, cfg):
-        return build_transformer(config)
+        return build_transformer(config, cfg.model.attention_backend)
 
     def to_tessera(self, state: dict) -> dict:
         return tessera_state_dict_from_diffusers(state)

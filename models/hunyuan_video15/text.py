@@ -37,15 +37,22 @@ def glyph_text(prompt: str) -> str | None:
 
 def _trimmed(hidden, mask) -> tuple:
     """Hidden states (B, L, D) and mask (B, L) cut to the longest real length (the padding is on the
-    right), padded positions zeroed."""
+    right), padded positions zeroed; the mask None when nothing is padded (one sampling's host sync, so
+    that attention runs without a mask, as on one prompt)."""
     length = max(int(mask.sum(dim=1).max()), 0)
     hidden, mask = hidden[:, :length], mask[:, :length].bool()
-    return hidden * mask[..., None].to(hidden.dtype), mask
+    return hidden * mask[..., None].to(hidden.dtype), (None if bool(mask.all()) else mask)
 
 
 @torch.no_grad()
 def encode_text(prompts: list, tokenizer, text_encoder, max_length: int = MAX_LENGTH) -> tuple:
-    """(embeddings (B, L, D) in the encoder's dtype, mask (B, L) bool) of Qwen2.5-VL for `prompts`."""
+    """(embeddings (B, L, D) in the encoder's dtype, mask (B, L) bool or None) of Qwen2.5-VL for prompts."""
+    if tokenizer.padding_side != "right":  # the template's crop and the trim count from the left
+        raise ValueError(
+            f"{type(tokenizer).__name__} pads on the {tokenizer.padding_side}: HunyuanVideo 1.5's prompt "
+            "encoding crops the template's first tokens; set padding_side right in the folder's "
+            "tokenizer_config.json"
+        )
     turn = lambda p: [{"role": "system", "content": SYSTEM_MESSAGE}, {"role": "user", "content": p or " "}]  # noqa: E731
     chats = [turn(p) for p in prompts]
     tokens = tokenizer.apply_chat_template(
@@ -66,8 +73,8 @@ def encode_text(prompts: list, tokenizer, text_encoder, max_length: int = MAX_LE
 
 @torch.no_grad()
 def encode_glyphs(prompts: list, tokenizer, text_encoder, dtype) -> tuple:
-    """(embeddings (B, L2, D) in `dtype`, mask (B, L2) bool) of ByT5 for the prompts' quoted texts; a
-    prompt without one has none (L2 is 0 when no prompt has one)."""
+    """(embeddings (B, L2, D) in `dtype`, mask (B, L2) bool, None when nothing is padded) of ByT5 for the
+    prompts' quoted texts; a prompt without one has none (L2 is 0 when no prompt has one)."""
     device = next(text_encoder.parameters()).device
     encoded = []
     for text in map(glyph_text, prompts):
@@ -82,4 +89,4 @@ def encode_glyphs(prompts: list, tokenizer, text_encoder, dtype) -> tuple:
     mask = torch.zeros(len(encoded), length, dtype=torch.bool, device=device)
     for i, e in enumerate(encoded):
         glyphs[i, : e.shape[0]], mask[i, : e.shape[0]] = e, True
-    return glyphs, mask
+    return glyphs, (None if bool(mask.all()) else mask)

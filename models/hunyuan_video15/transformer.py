@@ -24,9 +24,9 @@ class HunyuanVideo15Cond:
     """What the transformer takes beside latents and timestep (text.py encodes it)."""
 
     text: torch.Tensor  # (B, L, text_dim): Qwen2.5-VL's hidden states of the prompt
-    text_mask: torch.Tensor  # (B, L) bool, True on a real token
+    text_mask: torch.Tensor | None  # (B, L) bool, True on a real token; None: every token is real
     glyph: torch.Tensor  # (B, L2, glyph_dim): ByT5's hidden states of the quoted text to draw
-    glyph_mask: torch.Tensor  # (B, L2) bool
+    glyph_mask: torch.Tensor | None  # (B, L2) bool, or None
     image: torch.Tensor | None = None  # (B, Li, image_dim) SigLIP features (image-to-video); None: text
     # (B, C + 1, T, H, W): the given frames' latents and their mask, beside the noisy latents; None: zeros
     image_latents: torch.Tensor | None = None
@@ -109,15 +109,19 @@ class TokenRefiner(nn.Module):
             [RefinerBlock(dim, num_heads, mlp_ratio) for _ in range(depth)]
         )
 
-    def forward(self, text, t, text_mask):
-        weights = text_mask.float().unsqueeze(-1)
-        pooled = ((text * weights).sum(dim=1) / weights.sum(dim=1)).to(text.dtype)
+    def forward(self, text, timestep, text_mask):
+        """text (B, L, in_dim), timestep (B,) the pipeline's (1000 sigma in the model's dtype), text_mask
+        (B, L) bool or None (every token real)."""
+        if text_mask is None:
+            pooled, mask = text.mean(dim=1), None
+        else:
+            weights = text_mask.float().unsqueeze(-1)
+            pooled = ((text * weights).sum(dim=1) / weights.sum(dim=1)).to(text.dtype)
+            mask = pairwise_mask(text_mask.bool())
         embed = self.time_text_embed
-        temb = embed.timestep_embedder(
-            timestep_features(t * 1000).to(pooled.dtype)
-        )  # the pipeline's timestep
+        temb = embed.timestep_embedder(timestep_features(timestep).to(pooled.dtype))
         temb = temb + embed.text_embedder(pooled)
-        x, mask = self.proj_in(text), pairwise_mask(text_mask.bool())
+        x = self.proj_in(text)
         for block in self.token_refiner.refiner_blocks:
             x = block(x, temb, mask)
         return x
@@ -248,14 +252,13 @@ class HunyuanVideo15Context:
 
     temb: torch.Tensor  # (B, D): the time embedding
     context: torch.Tensor  # (B, L, D): the packed context stream entering the first block
-    context_mask: torch.Tensor  # (B, L) bool: its real tokens, which lead
+    context_mask: torch.Tensor | None  # (B, L) bool: its real tokens, which lead; None: all real
     rope: torch.Tensor | None = None  # PipeFusion's and the step cache's: the video's rotary angles
 
     def rows(self, index):
         """The context of the samples `index` (the first-block step cache runs the others' blocks)."""
-        return HunyuanVideo15Context(
-            self.temb[index], self.context[index], self.context_mask[index], self.rope
-        )
+        mask = None if self.context_mask is None else self.context_mask[index]
+        return HunyuanVideo15Context(self.temb[index], self.context[index], mask, self.rope)
 
 
 class HunyuanVideo15Transformer(nn.Module):
@@ -354,15 +357,16 @@ class HunyuanVideo15Transformer(nn.Module):
     def condition(self, t, cond: HunyuanVideo15Cond) -> HunyuanVideo15Context:
         """The time embedding and the packed context stream; needs no block."""
         dtype = self.x_embedder.proj.weight.dtype
-        temb = self.time_embed.timestep_embedder(timestep_features(t * 1000).to(dtype))
+        timestep = (t.float() * 1000).to(dtype)  # the pipeline's: 1000 sigma rounded to the model's dtype
+        temb = self.time_embed.timestep_embedder(timestep_features(timestep).to(dtype))
         kind = lambda n, like: self.cond_type_embed.weight[n].to(like.dtype)  # noqa: E731
-        text = self.context_embedder(cond.text.to(dtype), t, cond.text_mask)
-        streams = [(text + kind(0, text), cond.text_mask.bool())]
+        text = self.context_embedder(cond.text.to(dtype), timestep, cond.text_mask)
+        streams = [(text + kind(0, text), cond.text_mask)]
         glyph = self.context_embedder_2(cond.glyph.to(dtype))
-        streams.insert(0, (glyph + kind(1, glyph), cond.glyph_mask.bool()))
+        streams.insert(0, (glyph + kind(1, glyph), cond.glyph_mask))
         if cond.image is not None:  # text-to-video: no image tokens (diffusers masks zeros out)
             image = self.image_embedder(cond.image.to(dtype))
-            streams.insert(0, (image + kind(2, image), image.new_ones(image.shape[:2], dtype=torch.bool)))
+            streams.insert(0, (image + kind(2, image), None))
         context, mask = pack_streams(streams)
         return HunyuanVideo15Context(temb, context, mask)
 
@@ -396,9 +400,13 @@ class HunyuanVideo15Transformer(nn.Module):
 
 
 def pack_streams(streams: list) -> tuple:
-    """[(tokens (B, L_i, D), mask (B, L_i) bool), ...] -> the context (B, sum L_i, D) and its mask: per
-    sample every stream's real tokens in order, then every stream's padding zeroed (diffusers' order:
-    real image, glyph, text, then the padding)."""
+    """[(tokens (B, L_i, D), mask (B, L_i) bool or None: all real), ...] -> the context (B, sum L_i, D) and
+    its mask (None when every token is real): per sample every stream's real tokens in order, then every
+    stream's padding zeroed (diffusers' order: real image, glyph, text, then the padding)."""
+    if all(mask is None for _, mask in streams):
+        return torch.cat([tokens for tokens, _ in streams], dim=1), None
+    whole = lambda t: t.new_ones(t.shape[:2], dtype=torch.bool)  # noqa: E731
+    streams = [(t, whole(t) if m is None else m.bool()) for t, m in streams]
     out, masks = [], []
     for b in range(streams[0][0].shape[0]):
         real = [tokens[b][mask[b]] for tokens, mask in streams]

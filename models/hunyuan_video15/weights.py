@@ -60,13 +60,13 @@ def transformer_kwargs(config: dict) -> dict:
     )
 
 
-def build_transformer(config: dict) -> HunyuanVideo15Transformer:
+def build_transformer(config: dict, attention_backend: str = "sdpa") -> HunyuanVideo15Transformer:
     """The tessera module of a diffusers transformer config dict (on whatever device is current)."""
     if config.get("_class_name", TRANSFORMER_CLASS) != TRANSFORMER_CLASS:
         raise HunyuanVideo15FormatError(
             f"config describes a {config['_class_name']}, not a {TRANSFORMER_CLASS}"
         )
-    return HunyuanVideo15Transformer(**transformer_kwargs(config))
+    return HunyuanVideo15Transformer(**transformer_kwargs(config), attention_backend=attention_backend)
 
 
 def tessera_key(key: str) -> str:
