@@ -124,16 +124,17 @@ class Family:
         raise NotImplementedError
 
     def to_tessera(self, state: dict) -> dict:
-        """A diffusers state dict under the transformer's own names."""
-        raise NotImplementedError
+        """A diffusers state dict under the transformer's own names: diffusers' `transformer_blocks.` is
+        `blocks.`, every other name the same (a family whose names differ more overrides it)."""
+        return {re.sub(r"^transformer_blocks\.", "blocks.", key): value for key, value in state.items()}
 
     def to_diffusers(self, state: dict) -> dict:
         """The transformer's state dict under diffusers' names (to_tessera's inverse)."""
-        raise NotImplementedError
+        return {re.sub(r"^blocks\.", "transformer_blocks.", key): value for key, value in state.items()}
 
     def diffusers_name(self, name: str) -> str:
         """A module's diffusers name (what LoRA files say)."""
-        raise NotImplementedError
+        return next(iter(self.to_diffusers({name: None})))
 
     def from_original(self, state: dict) -> dict:
         """A single file's state dict (the original release's names, ComfyUI's prefix) under diffusers'."""

@@ -11,7 +11,7 @@ from parallel.checkpoint_files import check_checkpoint_files, find_checkpoint
 from parallel.finite import check_adapters_finite, check_checkpoint_finite
 from parallel.layout import ParallelLayout
 from parallel.lora import checkpoint_adapters, lora_base
-from parallel.operators import operator_kinds
+from parallel.operators import check_sequence_layout, operator_kinds
 from parallel.pipefusion_family import KINDS
 from parallel.pipefusion_plan import held_elsewhere
 from parallel.runtime import local_world_size, world_from_env
@@ -104,6 +104,7 @@ def family_layout(cfg, family, request) -> tuple[ParallelLayout, int]:
         )
     family.check_split(cfg, request.height, request.width, cfg.parallel.ulysses, cfg.parallel.ring)
     transformer = family.meta_transformer(cfg)
+    check_sequence_layout(transformer, cfg.parallel.ulysses, cfg.parallel.ring, family.title)  # its operators
     if request.cache is not None and not hasattr(transformer, "patch_blocks"):  # FirstBlockFamily's pieces
         raise ValueError(f"sample.cache={cfg.sample.cache}: {family.title} does not run the step cache yet")
     if pipefusion > 1 and operator_kinds(transformer) - KINDS:

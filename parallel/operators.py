@@ -164,8 +164,8 @@ def check_sequence_layout(model: nn.Module, ulysses: int, ring: int, title: str)
         )
     if ring > 1 and ulysses > 1 and "joint" in kinds:
         raise ValueError(
-            f"{title} does not sample under parallel.ulysses={ulysses} x parallel.ring={ring}: its joint "
-            "attention splits under one of them at a time"
+            f"{title}'s joint attention splits under parallel.ulysses or parallel.ring, not both "
+            f"(ulysses={ulysses} x ring={ring}): use one of them"
         )
 
 

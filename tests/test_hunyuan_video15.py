@@ -10,13 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from models.hunyuan_video15.family import HunyuanVideo15
 from models.hunyuan_video15.transformer import HunyuanVideo15Cond
-from models.hunyuan_video15.weights import (
-    HunyuanVideo15FormatError,
-    build_transformer,
-    diffusers_state_dict_from_tessera,
-    tessera_state_dict_from_diffusers,
-)
+from models.hunyuan_video15.weights import HunyuanVideo15FormatError, build_transformer
 
 # a diffusers config of a tiny transformer (weights.py reads it)
 TINY = dict(
@@ -44,7 +40,7 @@ def tiny_pair():
         for p in theirs.parameters():
             p.copy_(torch.randn_like(p) * 0.2)
     ours = build_transformer(dict(theirs.config)).eval()
-    ours.load_state_dict(tessera_state_dict_from_diffusers(theirs.state_dict()), strict=True)
+    ours.load_state_dict(HunyuanVideo15().to_tessera(theirs.state_dict()), strict=True)
     return theirs, ours
 
 
@@ -114,7 +110,9 @@ def test_weight_names_and_config():
 
     theirs = HunyuanVideo15Transformer3DModel(**TINY)
     ours = build_transformer(dict(theirs.config))
-    assert set(diffusers_state_dict_from_tessera(ours.state_dict())) == set(theirs.state_dict())
+    family = HunyuanVideo15()
+    assert set(family.to_diffusers(ours.state_dict())) == set(theirs.state_dict())
+    assert family.diffusers_name("blocks.1.attn.to_q") == "transformer_blocks.1.attn.to_q"
     assert any(k.startswith("blocks.1.") for k in ours.state_dict())
     for wrong, words in [(dict(use_meanflow=True), "use_meanflow"), (dict(qk_norm="layer_norm"), "qk_norm")]:
         with pytest.raises(HunyuanVideo15FormatError, match=words):

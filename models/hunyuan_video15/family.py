@@ -17,9 +17,6 @@ from models.hunyuan_video15.weights import (
     PIPELINE_CLASSES,
     TRANSFORMER_CLASS,
     build_transformer,
-    diffusers_key,
-    diffusers_state_dict_from_tessera,
-    tessera_state_dict_from_diffusers,
 )
 from models.loop import euler
 
@@ -47,7 +44,7 @@ def sigmas(steps: int, scheduler_config: dict) -> torch.Tensor:
 class HunyuanVideo15(Family):
     name, title = "hunyuan_video15", "HunyuanVideo 1.5"
     pipeline_classes, transformer_classes = PIPELINE_CLASSES[:1], (TRANSFORMER_CLASS,)
-    # one of ulysses and ring (check_split); PipeFusion's family walk cuts an image's rows, not video frames
+    # one of ulysses and ring (joint attention); PipeFusion's family walk cuts image rows, not frames
     parallel_degrees = ("cfg", "ulysses", "ring")
     vae_class, max_length = "AutoencoderKLHunyuanVideo15", MAX_LENGTH
     conditioning = HunyuanVideo15Cond
@@ -71,13 +68,6 @@ class HunyuanVideo15(Family):
                     f"model.pretrained: no {self.title} {part} in {folder} (ByT5, the glyph text's encoder, "
                     f"is part of the pipeline folder; tessera never downloads)"
                 )
-
-    def check_split(self, cfg, height: int, width: int, ulysses: int, ring: int) -> None:
-        if ulysses > 1 and ring > 1:  # parallel/operators.py SplitJointAttention
-            raise ValueError(
-                f"{self.title}'s joint attention splits under parallel.ulysses or parallel.ring, not both "
-                f"(ulysses={ulysses} x ring={ring}): use one of them"
-            )
 
     def check_scheduler(self, config: dict) -> None:
         kind = config.get("_class_name", "FlowMatchEulerDiscreteScheduler")
@@ -112,15 +102,6 @@ class HunyuanVideo15(Family):
 
     def build(self, config: dict, cfg):
         return build_transformer(config, cfg.model.attention_backend)
-
-    def to_tessera(self, state: dict) -> dict:
-        return tessera_state_dict_from_diffusers(state)
-
-    def to_diffusers(self, state: dict) -> dict:
-        return diffusers_state_dict_from_tessera(state)
-
-    def diffusers_name(self, name: str) -> str:
-        return diffusers_key(name)
 
     def load(self, cfg, device, dtype, transformer: bool = True, keep=None) -> HunyuanVideo15Parts:
         from diffusers import AutoencoderKLHunyuanVideo15

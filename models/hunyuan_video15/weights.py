@@ -1,9 +1,7 @@
-"""HunyuanVideo 1.5's transformer config and weight names. The transformer is built from a diffusers
-HunyuanVideo15Transformer3DModel config.json at any depth and width; diffusers' names map to tessera's by
-`transformer_blocks.` <-> `blocks.`, everything else identical.
+"""HunyuanVideo 1.5's transformer config. The transformer is built from a diffusers
+HunyuanVideo15Transformer3DModel config.json at any depth and width; its weights keep diffusers' names but
+`transformer_blocks.` <-> `blocks.` (models/family.py Family.to_tessera's default).
 """
-
-import re
 
 from models.hunyuan_video15.transformer import HunyuanVideo15Transformer
 
@@ -67,20 +65,3 @@ def build_transformer(config: dict, attention_backend: str = "sdpa") -> HunyuanV
             f"config describes a {config['_class_name']}, not a {TRANSFORMER_CLASS}"
         )
     return HunyuanVideo15Transformer(**transformer_kwargs(config), attention_backend=attention_backend)
-
-
-def tessera_key(key: str) -> str:
-    return re.sub(r"^transformer_blocks\.", "blocks.", key)
-
-
-def diffusers_key(key: str) -> str:
-    return re.sub(r"^blocks\.", "transformer_blocks.", key)
-
-
-def tessera_state_dict_from_diffusers(state_dict: dict) -> dict:
-    """A HunyuanVideo15Transformer3DModel state dict under tessera's names (tensors are not copied)."""
-    return {tessera_key(k): v for k, v in state_dict.items()}
-
-
-def diffusers_state_dict_from_tessera(state_dict: dict) -> dict:
-    return {diffusers_key(k): v for k, v in state_dict.items()}

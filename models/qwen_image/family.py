@@ -14,10 +14,7 @@ from models.qwen_image.weights import (
     PIPELINE_CLASS,
     TRANSFORMER_CLASS,
     build_transformer,
-    diffusers_key,
     diffusers_state_dict_from_original,
-    diffusers_state_dict_from_tessera,
-    tessera_state_dict_from_diffusers,
 )
 
 # Qwen/Qwen-Image's scheduler/scheduler_config.json, for a transformer folder without one beside it
@@ -35,7 +32,7 @@ RELEASE_SCHEDULER = dict(
 class QwenImage(Family):
     name, title = "qwen_image", "Qwen-Image"
     pipeline_classes, transformer_classes = (PIPELINE_CLASS,), (TRANSFORMER_CLASS,)
-    parallel_degrees = ("cfg", "ulysses", "ring", "pipefusion")  # one of ulysses and ring (check_split)
+    parallel_degrees = ("cfg", "ulysses", "ring", "pipefusion")  # one of ulysses and ring (joint attention)
     vae_class, max_length = "AutoencoderKLQwenImage", 512
     lora_targets = ("blocks.*.attn.*", "blocks.*.img_mlp.*", "blocks.*.txt_mlp.*")
     conditioning = QwenImageCond
@@ -44,13 +41,6 @@ class QwenImage(Family):
     def vae_scale(self, cfg) -> int:
         config = read_json(part_folder(cfg, "vae") / "config.json")
         return 2 ** len(config.get("temperal_downsample", [False, True, True]))  # the pipeline's rule
-
-    def check_split(self, cfg, height: int, width: int, ulysses: int, ring: int) -> None:
-        if ulysses > 1 and ring > 1:  # parallel/operators.py SplitJointAttention
-            raise ValueError(
-                f"Qwen-Image's joint attention splits under parallel.ulysses or parallel.ring, not both "
-                f"(ulysses={ulysses} x ring={ring}): use one of them"
-            )
 
     def check_scheduler(self, config: dict) -> None:
         kind = config.get("_class_name", "FlowMatchEulerDiscreteScheduler")
@@ -73,15 +63,6 @@ class QwenImage(Family):
 
     def build(self, config: dict, cfg):
         return build_transformer(config, cfg.model.attention_backend)
-
-    def to_tessera(self, state: dict) -> dict:
-        return tessera_state_dict_from_diffusers(state)
-
-    def to_diffusers(self, state: dict) -> dict:
-        return diffusers_state_dict_from_tessera(state)
-
-    def diffusers_name(self, name: str) -> str:
-        return diffusers_key(name)
 
     def from_original(self, state: dict) -> dict:
         return diffusers_state_dict_from_original(state)  # ComfyUI's prefix dropped; fp8 files refused
