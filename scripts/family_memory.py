@@ -40,7 +40,18 @@ CARD_BILLIONS = {
     "Qwen2.5-VL-7B": 8.29,
     "Sana 1600M transformer": 1.6,
     "Gemma-2-2B": 2.61,
+    "HunyuanVideo 1.5 transformer": 8.3,
 }
+# google/byt5-small's encoder (HunyuanVideo 1.5's glyph encoder is a ByT5-small fine-tune: d_model 1472)
+BYT5_SMALL = dict(
+    vocab_size=384,
+    d_model=1472,
+    d_ff=3584,
+    num_layers=12,
+    num_heads=6,
+    d_kv=64,
+    feed_forward_proj="gated-gelu",
+)
 
 
 def release_parts() -> dict:
@@ -49,11 +60,22 @@ def release_parts() -> dict:
     import torch
     from diffusers import (
         AutoencoderDC,
+        AutoencoderKLHunyuanVideo15,
         AutoencoderKLQwenImage,
+        HunyuanVideo15Transformer3DModel,
         QwenImageTransformer2DModel,
         SanaTransformer2DModel,
     )
-    from transformers import Gemma2Config, Gemma2Model, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import (
+        Gemma2Config,
+        Gemma2Model,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLTextConfig,
+        Qwen2_5_VLTextModel,
+        T5Config,
+        T5EncoderModel,
+    )
 
     qwen_text = Qwen2_5_VLConfig(
         text_config=QWEN_TEXT,
@@ -74,19 +96,36 @@ def release_parts() -> dict:
                 "Gemma-2-2B": Gemma2Model(Gemma2Config()),  # its defaults are Gemma-2-2B's
                 "DC-AE (diffusers' defaults)": AutoencoderDC(),
             },
+            "HunyuanVideo 1.5": {  # the transformer first, the VAE last (per_gpu)
+                "HunyuanVideo 1.5 transformer": HunyuanVideo15Transformer3DModel(),
+                "Qwen2.5-VL-7B text model": Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**QWEN_TEXT)),
+                "ByT5-small encoder": T5EncoderModel(T5Config(**BYT5_SMALL)),
+                "AutoencoderKLHunyuanVideo15": AutoencoderKLHunyuanVideo15(),
+            },
         }
 
 
 def tiny_parts() -> dict:
     """The tests' tiny pipelines' parts (tests/test_families.py), built here."""
+    from tests.test_hunyuan_video15 import tiny_pipeline
     from tests.test_qwen_image import tiny_qwen_pipeline
     from tests.test_sana import tiny_sana_pipeline
 
-    qwen, sana = tiny_qwen_pipeline(), tiny_sana_pipeline()
-    return {
+    qwen, sana, hunyuan = tiny_qwen_pipeline(), tiny_sana_pipeline(), tiny_pipeline()
+    parts = {
         name: {f"{name} {part}": getattr(pipe, part) for part in ("transformer", "text_encoder", "vae")}
         for name, pipe in (("Qwen-Image", qwen), ("Sana", sana))
     }
+    names = ("transformer", "text_encoder", "text_encoder_2", "vae")
+    parts["HunyuanVideo 1.5"] = {f"HunyuanVideo 1.5 {part}": getattr(hunyuan, part) for part in names}
+    return parts
+
+
+def family_of(name: str):
+    """The family (models/families.py) a row of this table is about."""
+    from models.families import FAMILIES
+
+    return next(f for f in FAMILIES.values() if name.startswith(f.title))
 
 
 def adapter_count(family_name: str, transformer, rank: int) -> int:
@@ -94,10 +133,9 @@ def adapter_count(family_name: str, transformer, rank: int) -> int:
     `transformer`'s config (meta device)."""
     import torch
 
-    from models.families import FAMILIES
     from models.lora import add_adapters, is_adapter
 
-    family = next(f for f in FAMILIES.values() if family_name.startswith(f.title))
+    family = family_of(family_name)
     recipe = SimpleNamespace(model=SimpleNamespace(attention_backend="sdpa"))
     with torch.device("meta"):
         model = family.build(dict(transformer.config), recipe)
@@ -106,11 +144,11 @@ def adapter_count(family_name: str, transformer, rank: int) -> int:
 
 
 def per_gpu(counts: dict, adapters: int, gpus: int) -> dict:
-    """GiB per GPU of each recipe on `gpus` GPUs (`counts`: transformer, text encoder, VAE, in that order).
-    PipeFusion: the mean over its stages of the transformer (the blocks hold all but a few of its
-    weights; a stage holds one block more than another where the depth does not divide)."""
-    model, text, vae = counts.values()
-    frozen = (text + vae) * BF16
+    """GiB per GPU of each recipe on `gpus` GPUs (`counts`: the transformer first, the text encoders, the
+    VAE last). PipeFusion: the mean over its stages of the transformer (the blocks hold all but a few of
+    its weights; a stage holds one block more than another where the depth does not divide)."""
+    model, *texts, vae = counts.values()
+    frozen = (sum(texts) + vae) * BF16
     lora = (model * BF16 + adapters * TRAINED) / gpus
     return {
         "sample": (model * BF16 + frozen) / GiB,
@@ -132,9 +170,12 @@ def main(argv=None) -> None:
             card = CARD_BILLIONS.get(part)
             if card is not None and not args.tiny:  # the config written out here is the release's
                 assert abs(count / 1e9 - card) <= 0.02 * card, f"{part}: {count / 1e9:.2f}B, its card {card}B"
-        transformer = next(iter(counts))
-        adapters = adapter_count(family, modules[transformer], rank)
+        transformer, known = next(iter(counts)), family_of(family)
+        adapters = adapter_count(family, modules[transformer], rank) if known.trains else 0
         gib = {str(n): per_gpu(counts, adapters, n) for n in (1, 8)}
+        runs = [r for r in gib["1"] if known.trains or r.startswith("sample")]  # what the family runs
+        runs = [r for r in runs if r != "sample-pipefusion" or "pipefusion" in known.parallel_degrees]
+        gib = {n: {r: gib[n][r] for r in runs} for n in gib}
         results[family] = dict(parameters=counts, adapters=adapters, gib_per_gpu=gib)
         parts_text = ", ".join(f"{part} {count / 1e9:.2f}B" for part, count in counts.items())
         labels = {
@@ -144,7 +185,7 @@ def main(argv=None) -> None:
             "lora": f"LoRA rank {rank}",
             "lora-latents": f"LoRA rank {rank}, data.latents",
         }
-        for recipe, label in labels.items():
+        for recipe, label in ((r, labels[r]) for r in runs):
             figures = [f"{gib[n][recipe]:.1f} GiB" for n in ("1", "8")]
             rows.append([family, label, parts_text if recipe == "sample" else "", *figures])
     print(benchlib.table(["family", "recipe", "parameters (counted)", "per GPU, 1 GPU", "8 GPUs"], rows))

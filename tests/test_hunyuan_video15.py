@@ -341,3 +341,48 @@ def test_first_block_cache_matches_diffusers(saved, tmp_path, capsys):
     print(f"first_block: {full:g} of 8 steps ran every block (diffusers {len(calls)}), max abs {diff:.2e}")
     assert 1 < full < 8 and full == len(calls) and want.std() > 0.01
     assert diff <= 1e-5
+
+
+@torch.no_grad()
+def test_peft_lora_loads(saved, tmp_path):
+    """A LoRA made by PEFT on the pipeline's diffusers transformer (the joint attention, the refiner's and the
+    blocks' MLPs; random B, alpha 2 r), saved with its config in the header as diffusers saves one:
+    infer.py --lora gives the video the pipeline gives with the adapted transformer (and not the plain one).
+    The pipeline has no load_lora_weights: the adapter is PEFT's own on its transformer."""
+    from diffusers import DiffusionPipeline
+    from diffusers.guiders import ClassifierFreeGuidance
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    import infer
+    from tests.conftest import run_main
+
+    pipe = DiffusionPipeline.from_pretrained(saved)
+    pipe.guider = ClassifierFreeGuidance(guidance_scale=4.0)
+    pipe.set_progress_bar_config(disable=True)
+    video = lambda: pipe(  # noqa: E731
+        prompt=PROMPTS[0], negative_prompt=NEGATIVE, num_inference_steps=2, **SIZE,
+        generator=torch.Generator().manual_seed(1), output_type="np",
+    ).frames[0]  # fmt: skip
+    plain = video()
+    targets = ["to_q", "to_v", "to_out.0", "add_q_proj", "to_add_out", "ff.net.2", "proj_in"]
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        pipe.transformer.add_adapter(config)
+    want = video()
+    lora = tmp_path / "lora.safetensors"
+    state = {
+        f"transformer.{k}": v.contiguous() for k, v in get_peft_model_state_dict(pipe.transformer).items()
+    }
+    save_file(state, str(lora), metadata={"lora_adapter_metadata": json.dumps({"r": 4, "lora_alpha": 8})})
+    out = tmp_path / "lora.npy"
+    argv = infer_args(saved, tmp_path, "--prompt", PROMPTS[0], "--negative-prompt", NEGATIVE, "--steps", "2")
+    assert (
+        run_main(infer, [*argv, "--guidance", "4", "--seed", "1", "--output", str(out), "--lora", str(lora)])
+        == 0
+    )
+    diff = float(np.abs(np.load(out) - want).max())
+    print(f"PEFT LoRA: infer.py --lora vs the adapted pipeline max abs {diff:.2e}")
+    assert diff <= 1e-4 and np.abs(want - plain).max() > 1e-3  # the LoRA changes the video
