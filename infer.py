@@ -53,7 +53,7 @@ from parallel.family_sampling import (
 )
 from parallel.layout import ParallelLayout
 from parallel.lora import lora_base
-from parallel.operators import apply_operators, check_sequence_layout
+from parallel.operators import apply_operators
 from parallel.pipefusion_family import FamilyPipeFusion
 from parallel.pipefusion_plan import held_elsewhere, keep_blocks
 from parallel.rendezvous import finish_line
@@ -390,7 +390,6 @@ def sample_family(cfg, args, family, session) -> None:
         warmup = cfg.parallel.pipefusion_warmup
         denoise_with = FamilyPipeFusion(parts.transformer, groups, patches, warmup, runtime.faults).denoise
     else:
-        check_sequence_layout(parts.transformer, layout.ulysses, layout.ring, family.title)  # on every rank
         parts.transformer = apply_operators(parts.transformer, runtime.sequence)
         denoise_with = family_denoiser(groups)
     mine = list(range(layout.dp_rank(runtime.rank), len(prompts), layout.dp))  # split over dp

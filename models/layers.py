@@ -5,6 +5,7 @@ import math
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 
 class RMSNorm(nn.Module):
@@ -41,3 +42,45 @@ def timestep_features(t: torch.Tensor, size: int = 256, scale: float = 1.0) -> t
     exponent = -math.log(10000) * torch.arange(half, dtype=torch.float32, device=t.device) / half
     args = scale * (t[:, None].float() * torch.exp(exponent)[None])
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+class ActivatedProjection(nn.Module):
+    """diffusers' GELU (tanh) and LinearActivation (`silu`): `proj`, then the activation."""
+
+    def __init__(self, dim_in: int, dim_out: int, activation: str = "gelu-approximate"):
+        super().__init__()
+        self.proj, self.activation = nn.Linear(dim_in, dim_out), activation
+
+    def forward(self, x):
+        x = self.proj(x)
+        return F.silu(x) if self.activation == "silu" else F.gelu(x, approximate="tanh")
+
+
+class FeedForward(nn.Module):
+    """diffusers' FeedForward with activation_fn "gelu-approximate" (or "linear-silu": `silu`), inner width
+    int(dim * mult): net.0.proj, net.1 (its dropout), net.2."""
+
+    def __init__(self, dim: int, mult: float = 4, activation: str = "gelu-approximate"):
+        super().__init__()
+        inner = int(dim * mult)
+        self.net = nn.Sequential(
+            ActivatedProjection(dim, inner, activation), nn.Identity(), nn.Linear(inner, dim)
+        )
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class AdaNormOut(nn.Module):
+    """diffusers' AdaLayerNormContinuous as the MMDiTs use it before their output projection: LayerNorm
+    without affine, then scale and shift (in that order) from SiLU(temb)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.silu = nn.SiLU()
+        self.linear = nn.Linear(dim, 2 * dim)
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+
+    def forward(self, x, temb):
+        scale, shift = self.linear(self.silu(temb).to(x.dtype)).chunk(2, dim=1)
+        return self.norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]

@@ -39,7 +39,7 @@ def _trimmed(hidden, mask) -> tuple:
     """Hidden states (B, L, D) and mask (B, L) cut to the longest real length (the padding is on the
     right), padded positions zeroed; the mask None when nothing is padded (one sampling's host sync, so
     that attention runs without a mask, as on one prompt)."""
-    length = max(int(mask.sum(dim=1).max()), 0)
+    length = int(mask.sum(dim=1).max())
     hidden, mask = hidden[:, :length], mask[:, :length].bool()
     return hidden * mask[..., None].to(hidden.dtype), (None if bool(mask.all()) else mask)
 

@@ -4,8 +4,8 @@ single-device code.
 The video tokens and one context stream attend jointly in every dual-stream block, each stream with its
 own weights. The context packs, per sample, its real tokens first: the SigLIP image tokens (image-to-video
 only), the ByT5 glyph text, then the Qwen2.5-VL text refined by its token refiner, each tagged by a
-condition-type embedding; the padding after them is masked as keys and as queries. Module names are
-diffusers' except `blocks` (diffusers: `transformer_blocks`), and the arithmetic is diffusers' step by step.
+condition-type embedding; the padding after them is masked as keys (diffusers also masks it as queries,
+whose outputs nothing reads). Module names are diffusers' except `blocks` (diffusers: `transformer_blocks`).
 """
 
 from dataclasses import dataclass
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from models.attention import JointAttention
 from models.dit import WholeSequence, apply_rope
-from models.layers import RMSNorm, TimestepMLP, timestep_features
+from models.layers import AdaNormOut, FeedForward, RMSNorm, TimestepMLP, timestep_features
 
 
 @dataclass
@@ -36,24 +36,6 @@ def pairwise_mask(mask: torch.Tensor) -> torch.Tensor:
     """(B, S) bool -> (B, 1, S, S): a query and a key attend when both are real (diffusers' mask; a padded
     query's row is all False, which SDPA answers with zeros)."""
     return mask[:, None, None, :] & mask[:, None, :, None]
-
-
-class FeedForward(nn.Module):
-    """diffusers' FeedForward: net.0.proj, its activation (`silu`: linear-silu; else tanh GELU), net.1 (its
-    dropout), net.2."""
-
-    def __init__(self, dim: int, mult: float = 4.0, activation: str = "gelu"):
-        super().__init__()
-        self.activation = activation
-        inner = int(dim * mult)
-        proj = nn.Module()
-        proj.proj = nn.Linear(dim, inner)
-        self.net = nn.Sequential(proj, nn.Identity(), nn.Linear(inner, dim))
-
-    def forward(self, x):
-        x = self.net[0].proj(x)
-        x = F.silu(x) if self.activation == "silu" else F.gelu(x, approximate="tanh")
-        return self.net[2](x)
 
 
 class SelfAttention(nn.Module):
@@ -82,7 +64,7 @@ class RefinerBlock(nn.Module):
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = SelfAttention(dim, num_heads)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
-        self.ff = FeedForward(dim, mlp_ratio, "silu")
+        self.ff = FeedForward(dim, mlp_ratio, "silu")  # linear-silu
         self.norm_out = nn.Module()
         self.norm_out.linear = nn.Linear(dim, 2 * dim)  # diffusers' HunyuanVideo15AdaNorm: the two gates
 
@@ -100,9 +82,8 @@ class TokenRefiner(nn.Module):
         super().__init__()
         self.time_text_embed = nn.Module()
         self.time_text_embed.timestep_embedder = TimestepMLP(256, dim)
-        self.time_text_embed.text_embedder = TimestepMLP(
-            in_dim, dim
-        )  # PixArt's projection: linear, SiLU, linear
+        # PixArt's text projection: linear_1, SiLU, linear_2, as the timestep MLP
+        self.time_text_embed.text_embedder = TimestepMLP(in_dim, dim)
         self.proj_in = nn.Linear(in_dim, dim)
         self.token_refiner = nn.Module()
         self.token_refiner.refiner_blocks = nn.ModuleList(
@@ -318,8 +299,7 @@ class HunyuanVideo15Transformer(nn.Module):
         self.blocks = nn.ModuleList(
             [HunyuanVideo15Block(dim, num_heads, mlp_ratio, attention_backend) for _ in range(depth)]
         )
-        self.norm_out = nn.Module()
-        self.norm_out.linear = nn.Linear(dim, 2 * dim)  # AdaLayerNormContinuous: scale, then shift
+        self.norm_out = AdaNormOut(dim)
         self.proj_out = nn.Linear(dim, patch_size_t * patch_size * patch_size * out_channels)
 
     def architecture(self) -> dict:
@@ -389,9 +369,7 @@ class HunyuanVideo15Transformer(nn.Module):
         return tokens, context
 
     def final_layer(self, tokens, temb):
-        scale, shift = self.norm_out.linear(F.silu(temb)).chunk(2, dim=1)
-        tokens = F.layer_norm(tokens, tokens.shape[-1:], eps=1e-6) * (1 + scale[:, None]) + shift[:, None]
-        return self.proj_out(tokens)
+        return self.proj_out(self.norm_out(tokens, temb))
 
     def unpatchify(self, tokens, grid):
         (t, h, w), (pt, ph, pw), B = grid, self.patch, tokens.shape[0]
@@ -402,16 +380,13 @@ class HunyuanVideo15Transformer(nn.Module):
 def pack_streams(streams: list) -> tuple:
     """[(tokens (B, L_i, D), mask (B, L_i) bool or None: all real), ...] -> the context (B, sum L_i, D) and
     its mask (None when every token is real): per sample every stream's real tokens in order, then every
-    stream's padding zeroed (diffusers' order: real image, glyph, text, then the padding)."""
+    stream's padding zeroed (diffusers' order: real image, glyph, text, then the padding). A stable sort
+    of the padding flags does it on the device, with no host sync."""
+    tokens = torch.cat([t for t, _ in streams], dim=1)
     if all(mask is None for _, mask in streams):
-        return torch.cat([tokens for tokens, _ in streams], dim=1), None
+        return tokens, None
     whole = lambda t: t.new_ones(t.shape[:2], dtype=torch.bool)  # noqa: E731
-    streams = [(t, whole(t) if m is None else m.bool()) for t, m in streams]
-    out, masks = [], []
-    for b in range(streams[0][0].shape[0]):
-        real = [tokens[b][mask[b]] for tokens, mask in streams]
-        padding = [torch.zeros_like(tokens[b][~mask[b]]) for tokens, mask in streams]
-        out.append(torch.cat(real + padding))
-        kept = sum(int(mask[b].sum()) for _, mask in streams)
-        masks.append(torch.arange(out[-1].shape[0], device=out[-1].device) < kept)
-    return torch.stack(out), torch.stack(masks)
+    mask = torch.cat([whole(t) if m is None else m.bool() for t, m in streams], dim=1)
+    order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices  # real first, each in order
+    tokens = torch.gather(tokens * mask[..., None].to(tokens.dtype), 1, order[..., None].expand_as(tokens))
+    return tokens, torch.gather(mask, 1, order)

@@ -10,11 +10,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from models.attention import JointAttention
 from models.dit import WholeSequence, apply_rope
-from models.layers import RMSNorm, TimestepMLP, timestep_features
+from models.layers import AdaNormOut, FeedForward, RMSNorm, TimestepMLP, timestep_features
 
 
 @dataclass
@@ -120,26 +119,6 @@ class QwenAttention(nn.Module):
         return self.to_out[0](x), self.to_add_out(text)  # (B, N, D), (B, L, D)
 
 
-class GELUProjection(nn.Module):
-    def __init__(self, dim_in: int, dim_out: int):
-        super().__init__()
-        self.proj = nn.Linear(dim_in, dim_out)
-
-    def forward(self, x):
-        return F.gelu(self.proj(x), approximate="tanh")
-
-
-class FeedForward(nn.Module):
-    """diffusers' FeedForward (gelu-approximate, 4x): net.0.proj, net.1 (its dropout), net.2."""
-
-    def __init__(self, dim: int, mult: int = 4):
-        super().__init__()
-        self.net = nn.Sequential(GELUProjection(dim, dim * mult), nn.Identity(), nn.Linear(dim * mult, dim))
-
-    def forward(self, x):
-        return self.net(x)
-
-
 def modulate(x, params):
     """x * (1 + scale) + shift and the gate, from one stream's (B, 3D) slice (shift, scale, gate)."""
     shift, scale, gate = params.chunk(3, dim=-1)
@@ -192,21 +171,6 @@ class TimestepEmbedding(nn.Module):
     def forward(self, t, dtype):
         features = timestep_features(t, self.frequency_size, scale=1000)
         return self.timestep_embedder(features.to(dtype))
-
-
-class AdaNormOut(nn.Module):
-    """diffusers' AdaLayerNormContinuous as Qwen-Image uses it: LayerNorm without affine, then scale and
-    shift (in that order) from SiLU(temb)."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.silu = nn.SiLU()
-        self.linear = nn.Linear(dim, 2 * dim)
-        self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
-
-    def forward(self, x, temb):
-        scale, shift = self.linear(self.silu(temb).to(x.dtype)).chunk(2, dim=1)
-        return self.norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]
 
 
 class QwenImageTransformer(nn.Module):
