@@ -47,6 +47,7 @@ from parallel.entrypoint import run_as_process
 from parallel.family_sampling import (
     family_batches,
     family_checkpoint,
+    family_images,
     family_layout,
     load_run_weights,
     refuse_flags,
@@ -187,8 +188,16 @@ class Request:
         (tessera's DiT takes the same values through models/pipeline.generate)."""
         size = (self.frames, self.height, self.width)
         prompts, seeds = [self.prompts[i] for i in batch], [seed + i for i in batch]
+        images = None if self.images is None else [self.images[i] for i in batch]
         return Sampling(
-            prompts, seeds, size, self.steps, self.guidance, self.negative_prompt, cfg.text_encoder.max_length
+            prompts,
+            seeds,
+            size,
+            self.steps,
+            self.guidance,
+            self.negative_prompt,
+            cfg.text_encoder.max_length,
+            images,
         )
 
 
@@ -360,9 +369,11 @@ def sample_family(cfg, args, family, session) -> None:
     checkpoint, record = family_checkpoint(cfg, args, family)
     loras = read_loras(cfg, args.lora)
     prompts, outputs, frames, height, width, steps, guidance, negative = read_sizes(cfg, args)
+    images, height, width = family_images(cfg, args, family, len(prompts), height, width)
     family.check_size(cfg, frames, height, width)
     cache = step_cache(cfg.sample, steps)
-    request = Request(prompts, outputs, frames, height, width, steps, guidance, negative, [], (), cache)
+    sizes = (frames, height, width, steps, guidance, negative)
+    request = Request(prompts, outputs, *sizes, [], (), cache, images)
     layout, patches = family_layout(cfg, family, request)
     check_outputs(outputs)
     if cfg.text_encoder.max_length != family.max_length:  # a recipe without the family's own setting

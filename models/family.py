@@ -58,6 +58,7 @@ class Family:
     lora_formats: tuple = ("diffusers",)  # the key formats scripts/export.py writes its LoRAs in
     conditioning = None  # the dataclass of tensors `encode` returns (its fields shared between ranks)
     trains = True  # train.py and scripts/precompute_latents.py take it (else refused by name)
+    image_to_video = False  # its image-to-video folders sample from infer.py --image (takes_images)
 
     def recognises(self, folder) -> bool:
         """Whether `folder` (a pipeline folder, or a transformer folder) holds this family."""
@@ -244,6 +245,19 @@ class Family:
     def encode(self, parts: Components, prompts: list, max_length: int, negative: bool = False):
         """The conditioning object its transformer takes for `prompts` (`negative`: the negative prompts,
         which some families format differently)."""
+        raise NotImplementedError
+
+    def takes_images(self, cfg) -> bool:
+        """Whether model.pretrained's folder samples from a given first frame (infer.py --image)."""
+        return False
+
+    def image_size(self, cfg, image) -> tuple:
+        """(height, width) its image-to-video pipeline samples for `image` (PIL) when no size is given."""
+        raise NotImplementedError
+
+    def with_images(self, parts: Components, images: list, size: tuple, *conds) -> tuple:
+        """`conds` (a conditioning, or None) given each sample's first frame (`images`, PIL) for a video of
+        `size` (frames, height, width), as its image-to-video pipeline gives them."""
         raise NotImplementedError
 
     def store_conditioning(self, cond) -> list[dict]:

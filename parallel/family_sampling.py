@@ -18,12 +18,21 @@ from parallel.runtime import local_world_size, world_from_env
 
 
 def refuse_flags(cfg, args, family) -> None:
-    """What the family's sampling does not take yet, refused by name."""
-    given = {
-        "--image": args.image,
-        "--last-image": args.last_image,
-        "--random-weights": args.random_weights,
-    }
+    """What the family's sampling does not take yet, refused by name; an image-to-video folder without
+    --image, or --image without one."""
+    given = {"--last-image": args.last_image, "--random-weights": args.random_weights}
+    if family.takes_images(cfg) and not args.image:
+        raise ValueError(
+            f"model.pretrained={cfg.model.pretrained} is {family.title}'s image-to-video pipeline: give the "
+            "first frame with --image (a PNG or JPEG file)"
+        )
+    if args.image and family.image_to_video and not family.takes_images(cfg):
+        raise ValueError(
+            f"--image: model.pretrained={cfg.model.pretrained} is {family.title}'s text-to-video pipeline; "
+            "image-to-video samples its image-to-video pipeline's folder"
+        )
+    if not family.takes_images(cfg):
+        given["--image"] = args.image
     if cfg.sample.cache == "calibrated":
         raise ValueError(
             f"sample.cache=calibrated: scripts/calibrate_cache.py calibrates tessera's DiT only; "
@@ -35,6 +44,28 @@ def refuse_flags(cfg, args, family) -> None:
             f"{family.title} samples its pretrained or trained weights: {', '.join(wrong)} is not supported "
             "for it yet"
         )
+
+
+def family_images(cfg, args, family, count: int, height: int | None, width: int | None) -> tuple:
+    """(each prompt's first frame (PIL) or None for text-to-video, height, width): --image, one for every
+    prompt or one each; without --height and --width, the size its pipeline picks for the image (all the
+    images must pick the same one)."""
+    from models.image_condition import load_image
+
+    if not args.image:
+        return None, height, width
+    if len(args.image) not in (1, count):
+        raise ValueError(f"--image: give one image for every prompt or one for each of the {count}")
+    images = [load_image(path) for path in args.image] * (count if len(args.image) == 1 else 1)
+    if args.height is None and args.width is None:
+        sizes = {family.image_size(cfg, image) for image in images}
+        if len(sizes) > 1:
+            raise ValueError(
+                f"--image: the images' shapes pick different video sizes ({sorted(sizes)}): give --height "
+                "and --width (each image is cropped to them), or images of one shape"
+            )
+        height, width = sizes.pop()
+    return images, height, width
 
 
 def family_checkpoint(cfg, args, family) -> tuple:

@@ -129,10 +129,12 @@ NEGATIVE = "blurry"
 SIZE = dict(num_frames=5, height=24, width=40)  # the pipeline's keywords; 3 x 6 x 10 latents: 180 tokens
 
 
-def tiny_pipeline():
+def tiny_pipeline(image_to_video: bool = False):
     """A tiny random HunyuanVideo15Pipeline, float32: Qwen2.5-VL text model with the byte-level tokenizer of
     tests/test_qwen_image.py and Qwen's chat template, ByT5 (tokenizer and a small T5 encoder), diffusers'
-    tiny causal VAE (4x, 2x), the transformer, a shifted scheduler and a guider."""
+    tiny causal VAE (4x, 2x), the transformer, a shifted scheduler and a guider; `image_to_video`: the
+    HunyuanVideo15ImageToVideoPipeline, with a small SigLIP image encoder and its processor, and the
+    transformer's target size 32 pixels (an 80 x 48 image picks 40 x 24)."""
     from diffusers import (
         AutoencoderKLHunyuanVideo15,
         FlowMatchEulerDiscreteScheduler,
@@ -177,7 +179,7 @@ def tiny_pipeline():
             feed_forward_proj="gated-gelu",
         )
     )
-    transformer = HunyuanVideo15Transformer3DModel(**TINY)
+    transformer = HunyuanVideo15Transformer3DModel(**TINY, **(dict(target_size=32) if image_to_video else {}))
     vae = AutoencoderKLHunyuanVideo15(
         latent_channels=4,
         block_out_channels=(16, 16),
@@ -187,7 +189,7 @@ def tiny_pipeline():
         downsample_match_channel=False,
         upsample_match_channel=False,
     )
-    return HunyuanVideo15Pipeline(
+    parts = dict(
         text_encoder=text_encoder.eval(),
         tokenizer=tokenizer,
         transformer=transformer.eval(),
@@ -197,6 +199,23 @@ def tiny_pipeline():
         tokenizer_2=ByT5Tokenizer(),
         guider=ClassifierFreeGuidance(guidance_scale=1.0),
     )
+    if not image_to_video:
+        return HunyuanVideo15Pipeline(**parts)
+    from diffusers import HunyuanVideo15ImageToVideoPipeline
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+    siglip = SiglipVisionConfig(
+        hidden_size=TINY["image_embed_dim"],
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=16,
+        patch_size=8,
+    )
+    processor = SiglipImageProcessor(size={"height": 16, "width": 16})
+    return HunyuanVideo15ImageToVideoPipeline(
+        **parts, image_encoder=SiglipVisionModel(siglip).eval(), feature_extractor=processor
+    )
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +223,14 @@ def saved(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hunyuan_video15") / "pipeline"
     with torch.random.fork_rng():
         tiny_pipeline().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def saved_i2v(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hunyuan_video15_i2v") / "pipeline"
+    with torch.random.fork_rng():
+        tiny_pipeline(image_to_video=True).save_pretrained(folder)
     return folder
 
 
@@ -225,55 +252,81 @@ def infer_args(saved, tmp_path, *extra) -> list:
     ]
 
 
-LAYOUTS = {  # (processes, overrides): 180 tokens, split in 2 x 90 under ulysses (the ring path: Qwen-Image's)
-    "one-process": (1, []),
-    "cfg2-ulysses2": (4, ["parallel.cfg=2", "parallel.ulysses=2"]),
+LAYOUTS = {  # (processes, overrides, task): 180 tokens, split in 2 x 90 under ulysses (ring: Qwen-Image's)
+    "one-process": (1, [], "t2v"),
+    "one-process-i2v": (1, [], "i2v"),
+    "cfg2-ulysses2-i2v": (4, ["parallel.cfg=2", "parallel.ulysses=2"], "i2v"),
 }
 
 
-@torch.no_grad()
-@pytest.mark.parametrize(
-    "layout", [pytest.param(name, marks=[pytest.mark.slow] * (LAYOUTS[name][0] > 1)) for name in LAYOUTS]
-)
-def test_infer_matches_the_pipeline(saved, tmp_path, layout):
-    """infer.py --config configs/hunyuanvideo-1.5-480p.yaml on the folder (model.size=auto) against
-    HunyuanVideo15Pipeline from it: two prompts (one with quoted glyph texts), a negative prompt, 3 steps,
-    guidance 4, seeds 5 and 6, 5 frames at 24 x 40: the same videos, prompt by prompt; on one process,
-    and with the guidance branches and the heads split over 4 processes (tests/ranks.py)."""
+def first_frame(tmp_path):
+    """An 80 x 48 random PNG: both pipelines' image processors pick a 40 x 24 video for it."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(0).integers(0, 256, (48, 80, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(tmp_path / "first.png")
+    return tmp_path / "first.png"
+
+
+def assert_pipeline_videos(folder, tmp_path, image=None):
+    """infer.py's video_00i.npy in tmp_path against the folder's pipeline (with `image`: the image-to-video
+    one, which picks the size from it) for PROMPTS, NEGATIVE, 3 steps, guidance 4, seeds 5 and 6."""
     from diffusers import DiffusionPipeline
     from diffusers.guiders import ClassifierFreeGuidance
+    from PIL import Image
 
-    import infer
-    from tests.conftest import ranks, run_main
-
-    processes, overrides = LAYOUTS[layout]
-    out = tmp_path / "video.npy"
-    argv = infer_args(saved, tmp_path, "--prompt", *PROMPTS, "--negative-prompt", NEGATIVE, "--steps", "3")
-    argv += ["--guidance", "4", "--seed", "5", "--output", str(out), *overrides]
-    if processes == 1:
-        assert run_main(infer, argv) == 0
-    else:
-        done = ranks(processes, "infer.py", *argv, timeout=240)
-        assert done.returncode == 0, done.stderr[-3000:]
-    pipe = DiffusionPipeline.from_pretrained(saved)
+    pipe = DiffusionPipeline.from_pretrained(folder)
     pipe.guider = ClassifierFreeGuidance(guidance_scale=4.0)
     pipe.set_progress_bar_config(disable=True)
+    size = dict(image=Image.open(image)) if image else dict(height=24, width=40)
     for i, prompt in enumerate(PROMPTS):
         want = pipe(
             prompt=prompt,
             negative_prompt=NEGATIVE,
             num_inference_steps=3,
             num_frames=5,
-            height=24,
-            width=40,
+            **size,
             generator=torch.Generator().manual_seed(5 + i),
             output_type="np",
         ).frames[0]
         got = np.load(tmp_path / f"video_{i:03d}.npy")
         diff = float(np.abs(got - want).max())
-        print(f"prompt {i}: infer.py vs HunyuanVideo15Pipeline max abs {diff:.2e}")
+        print(f"prompt {i}: infer.py vs {type(pipe).__name__} max abs {diff:.2e}")
         assert got.shape == want.shape == (5, 24, 40, 3) and want.std() > 0.01
         assert diff <= 1e-5
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(
+    "layout", [pytest.param(name, marks=[pytest.mark.slow] * (LAYOUTS[name][0] > 1)) for name in LAYOUTS]
+)
+def test_infer_matches_the_pipeline(saved, saved_i2v, tmp_path, capsys, layout):
+    """infer.py --config configs/hunyuanvideo-1.5-480p.yaml on the folder (model.size=auto) against its
+    pipeline: two prompts (one with quoted glyph texts), a negative prompt, 3 steps, guidance 4, seeds 5
+    and 6, 5 frames at 24 x 40: the same videos, prompt by prompt. Text-to-video on one process;
+    image-to-video (--image, an 80 x 48 PNG cropped to 40 x 24) on one process without --height and
+    --width (the size the image picks; the folder without --image refused), and with the guidance
+    branches and the heads split over 4 processes (tests/ranks.py)."""
+    import infer
+    from tests.conftest import ranks, run_main
+
+    processes, overrides, task = LAYOUTS[layout]
+    folder = saved_i2v if task == "i2v" else saved
+    argv = infer_args(folder, tmp_path, "--prompt", *PROMPTS, "--negative-prompt", NEGATIVE, "--steps", "3")
+    argv += ["--guidance", "4", "--seed", "5", "--output", str(tmp_path / "video.npy"), *overrides]
+    image = first_frame(tmp_path) if task == "i2v" else None
+    if processes == 1 and image is not None:
+        at = argv.index("--height")
+        del argv[at : at + 4]  # no --height or --width: the size the image picks
+        assert run_main(infer, argv) != 0
+        assert "give the first frame with --image" in capsys.readouterr().err
+    argv += ["--image", str(image)] if image else []
+    if processes == 1:
+        assert run_main(infer, argv) == 0
+    else:
+        done = ranks(processes, "infer.py", *argv, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert_pipeline_videos(folder, tmp_path, image)
 
 
 def test_refusals(saved, tmp_path, capsys):
@@ -288,7 +341,7 @@ def test_refusals(saved, tmp_path, capsys):
         (infer, ["--height", "26"], "height"),
         (infer, ["parallel.ulysses=2", "parallel.ring=2"], "not both"),
         (infer, ["parallel.pipefusion=2"], "does not sample under parallel.pipefusion=2"),
-        (infer, ["--image", "x.png"], "--image"),
+        (infer, ["--image", "x.png"], "--image: model.pretrained="),
         (train, [], "training it is not built yet"),
     ]
     rescaled = tmp_path / "rescaled"  # the folder with a guider tessera does not reproduce

@@ -1,11 +1,12 @@
 """HunyuanVideo 1.5 as a tessera family (models/family.py): a diffusers HunyuanVideo15Pipeline folder's
-transformer, Qwen2.5-VL and ByT5 text encoders and causal video VAE; the schedule of its
-FlowMatchEulerDiscreteScheduler (a static shift, Euler steps); classifier-free guidance as its guider's.
-Text-to-video under dp, cfg, ulysses or ring, with the first-block step cache; image-to-video, PipeFusion
-and training are not built yet.
+transformer, Qwen2.5-VL and ByT5 text encoders and causal video VAE (an image-to-video folder's SigLIP
+image encoder too); the schedule of its FlowMatchEulerDiscreteScheduler (a static shift, Euler steps);
+classifier-free guidance as its guider's. Text- and image-to-video under dp, cfg, ulysses or ring, with
+the first-block step cache; PipeFusion and training are not built yet.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -30,6 +31,16 @@ class HunyuanVideo15Parts(Components):
 
     glyph_encoder: torch.nn.Module = None
     glyph_tokenizer: object = None
+    image_encoder: torch.nn.Module = None  # SigLIP, in an image-to-video folder only
+    feature_extractor: object = None
+    transformer_dtype: torch.dtype = torch.float32  # what the pipeline casts the image's condition to
+
+
+def _processor(vae_scale: int):
+    """The pipeline's image processor: its size buckets, crop and [-1, 1] pixels."""
+    from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
+
+    return HunyuanVideo15ImageProcessor(vae_scale_factor=vae_scale, do_resize=False, do_convert_rgb=True)
 
 
 def sigmas(steps: int, scheduler_config: dict) -> torch.Tensor:
@@ -43,11 +54,12 @@ def sigmas(steps: int, scheduler_config: dict) -> torch.Tensor:
 
 class HunyuanVideo15(Family):
     name, title = "hunyuan_video15", "HunyuanVideo 1.5"
-    pipeline_classes, transformer_classes = PIPELINE_CLASSES[:1], (TRANSFORMER_CLASS,)
+    pipeline_classes, transformer_classes = PIPELINE_CLASSES, (TRANSFORMER_CLASS,)
     # one of ulysses and ring (joint attention); PipeFusion's family walk cuts image rows, not frames
     parallel_degrees = ("cfg", "ulysses", "ring")
     vae_class, max_length = "AutoencoderKLHunyuanVideo15", MAX_LENGTH
     conditioning = HunyuanVideo15Cond
+    image_to_video = True
     trains = False  # its training (both streams' conditioning, the VAE's encoding) is not built yet
 
     def check_pretrained(self, cfg) -> None:
@@ -61,13 +73,52 @@ class HunyuanVideo15(Family):
                 f"{': ' + ', '.join(wrong) if wrong else ''}) is not the plain classifier-free guidance "
                 f"{self.title} samples with (its scale is --guidance)"
             )
-        for part, wanted in (("text_encoder_2", "config.json"), ("tokenizer_2", "*.json")):
+        parts = [("text_encoder_2", "config.json", "ByT5, the glyph text's encoder, ")]
+        parts += [("tokenizer_2", "*.json", "")]
+        if self.takes_images(cfg):
+            parts += [("image_encoder", "config.json", "SigLIP, the image's encoder, ")]
+            parts += [("feature_extractor", "preprocessor_config.json", "")]
+        for part, wanted, what in parts:
             folder = part_folder(cfg, part)
             if not any(folder.glob(wanted)):
                 raise FileNotFoundError(
-                    f"model.pretrained: no {self.title} {part} in {folder} (ByT5, the glyph text's encoder, "
-                    f"is part of the pipeline folder; tessera never downloads)"
+                    f"model.pretrained: no {self.title} {part} in {folder} ({what}part "
+                    "of the pipeline folder; tessera never downloads)"
                 )
+
+    def takes_images(self, cfg) -> bool:
+        """An image-to-video folder: model_index.json's pipeline, or a SigLIP image encoder in it."""
+        index = read_json(Path(cfg.model.pretrained or "") / "model_index.json").get("_class_name")
+        return index == PIPELINE_CLASSES[1] or (part_folder(cfg, "image_encoder") / "config.json").is_file()
+
+    def image_size(self, cfg, image) -> tuple:
+        target = self.transformer_config(cfg).get("target_size", 640)  # the pipeline's base size in pixels
+        processor = _processor(self.vae_scale(cfg))
+        return processor.calculate_default_height_width(image.height, image.width, target)
+
+    def with_images(self, parts: HunyuanVideo15Parts, images: list, size: tuple, *conds) -> tuple:
+        """Each image cropped to the video's (height, width), its SigLIP tokens in the context stream and its
+        VAE latents (the posterior's mode, scaled) as the first latent frame beside the noise, masked 1
+        there and 0 on the frames to come (the pipeline's prepare_cond_latents_and_mask)."""
+        frames, height, width = size
+        processor, dtype = _processor(parts.vae.config.spatial_compression_ratio), parts.transformer_dtype
+        device = next(parts.vae.parameters()).device
+        images = [processor.resize(image, height=height, width=width, resize_mode="crop") for image in images]
+        pixels = torch.cat([processor.preprocess(image, height=height, width=width) for image in images])
+        with torch.no_grad():
+            first = parts.vae.encode(pixels.to(device, parts.vae.dtype).unsqueeze(2)).latent_dist.mode()
+            features = parts.feature_extractor.preprocess(
+                images=images, do_resize=True, return_tensors="pt", do_convert_rgb=True
+            )
+            encoder = parts.image_encoder
+            tokens = encoder(**features.to(device, next(encoder.parameters()).dtype)).last_hidden_state
+        first = first * parts.vae.config.scaling_factor
+        latent_frames = (frames - 1) // parts.vae.config.temporal_compression_ratio + 1
+        batch, channels, _, h, w = first.shape
+        given = torch.zeros(batch, channels + 1, latent_frames, h, w, device=device)
+        given[:, :-1, :1], given[:, -1, 0] = first, 1.0  # the mask: 1 on the given frame
+        image = dict(image=tokens.to(dtype), image_latents=given.to(dtype))
+        return tuple(None if cond is None else replace(cond, **image) for cond in conds)
 
     def check_scheduler(self, config: dict) -> None:
         kind = config.get("_class_name", "FlowMatchEulerDiscreteScheduler")
@@ -111,7 +162,16 @@ class HunyuanVideo15(Family):
         encoder = Qwen2_5_VLTextModel.from_pretrained(part_folder(cfg, "text_encoder"), torch_dtype=dtype)
         glyph_encoder = T5EncoderModel.from_pretrained(part_folder(cfg, "text_encoder_2"), torch_dtype=dtype)
         vae = AutoencoderKLHunyuanVideo15.from_pretrained(part_folder(cfg, "vae"), torch_dtype=dtype)
-        frozen = [m.eval().to(device).requires_grad_(False) for m in (encoder, glyph_encoder, vae)]
+        image_encoder = feature_extractor = None
+        if self.takes_images(cfg):
+            from transformers import SiglipImageProcessor, SiglipVisionModel
+
+            image_encoder = SiglipVisionModel.from_pretrained(part_folder(cfg, "image_encoder"), dtype=dtype)
+            feature_extractor = SiglipImageProcessor.from_pretrained(part_folder(cfg, "feature_extractor"))
+        frozen = [
+            m if m is None else m.eval().to(device).requires_grad_(False)
+            for m in (encoder, glyph_encoder, vae, image_encoder)
+        ]
         if model is not None:
             model = model.to(device).requires_grad_(False)
         return HunyuanVideo15Parts(
@@ -122,6 +182,9 @@ class HunyuanVideo15(Family):
             read_json(part_folder(cfg, "scheduler") / "scheduler_config.json"),
             glyph_encoder=frozen[1],
             glyph_tokenizer=ByT5Tokenizer.from_pretrained(part_folder(cfg, "tokenizer_2")),
+            image_encoder=frozen[3],
+            feature_extractor=feature_extractor,
+            transformer_dtype=dtype,
         )
 
     def encode(self, parts: HunyuanVideo15Parts, prompts: list, max_length: int, negative: bool = False):
