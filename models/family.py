@@ -274,12 +274,7 @@ class Family:
     def load_conditioning(self, stored: list, max_length: int):
         """A batch's conditioning from stored samples, as `encode` gives it for their prompts: the text
         zero-padded to the longest, masked (None when nothing is padded)."""
-        length = max(len(s["text"]) for s in stored)
-        text = stored[0]["text"].new_zeros(len(stored), length, stored[0]["text"].shape[-1])
-        mask = torch.zeros(len(stored), length, dtype=torch.bool)
-        for i, s in enumerate(stored):
-            text[i, : len(s["text"])], mask[i, : len(s["text"])] = s["text"], True
-        return self.conditioning(text, None if bool(mask.all()) else mask)
+        return self.conditioning(*padded([s["text"] for s in stored]))
 
     def noise(self, parts: Components, seeds: list, frames: int, height: int, width: int) -> torch.Tensor:
         raise NotImplementedError
@@ -384,6 +379,17 @@ def check_weight_names(folder, names, weights, partial: bool = False, error=Valu
             f"{sorted(theirs - ours)[:5] if not partial else []}, parameters without a weight "
             f"{sorted(ours - theirs)[:5]}"
         )
+
+
+def padded(rows: list) -> tuple:
+    """(tokens (B, L, D): each of `rows` (L_i, D) zero-padded to the longest, mask (B, L) bool, None when
+    nothing is padded)."""
+    length = max(len(r) for r in rows)
+    out = rows[0].new_zeros(len(rows), length, rows[0].shape[-1])
+    mask = torch.zeros(len(rows), length, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        out[i, : len(r)], mask[i, : len(r)] = r, True
+    return out, None if bool(mask.all()) else mask
 
 
 def read_json(path) -> dict:

@@ -48,7 +48,7 @@ def check_family_training(cfg, family: Family, layout) -> None:
     if not family.trains:
         raise ValueError(f"{family.title} samples with infer.py; training it is not built yet")
     if cfg.model.task != "t2v":
-        raise ValueError(f"model.task={cfg.model.task}: {family.title} trains text-to-image (t2v) only")
+        raise ValueError(f"model.task={cfg.model.task}: {family.title} trains from text (t2v) only")
     if layout.pipefusion > 1 or layout.cfg > 1:
         raise ValueError(f"{family.title} trains under dp, parallel.ulysses and parallel.ring")
     check_sequence_layout(family.meta_transformer(cfg), layout.ulysses, layout.ring, family.title)

@@ -342,7 +342,7 @@ def test_refusals(saved, tmp_path, capsys):
         (infer, ["parallel.ulysses=2", "parallel.ring=2"], "not both"),
         (infer, ["parallel.pipefusion=2"], "does not sample under parallel.pipefusion=2"),
         (infer, ["--image", "x.png"], "--image: model.pretrained="),
-        (train, [], "training it is not built yet"),
+        (train, ["model.task=i2v"], "trains from text (t2v) only"),
     ]
     rescaled = tmp_path / "rescaled"  # the folder with a guider tessera does not reproduce
     shutil.copytree(saved, rescaled)

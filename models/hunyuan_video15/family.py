@@ -2,7 +2,7 @@
 transformer, Qwen2.5-VL and ByT5 text encoders and causal video VAE (an image-to-video folder's SigLIP
 image encoder too); the schedule of its FlowMatchEulerDiscreteScheduler (a static shift, Euler steps);
 classifier-free guidance as its guider's. Text- and image-to-video under dp, cfg, ulysses or ring, with
-the first-block step cache; PipeFusion and training are not built yet.
+the first-block step cache; text-to-video training (full or LoRA); PipeFusion is not built yet.
 """
 
 from dataclasses import dataclass, replace
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.family import Components, Family, Schedule, part_folder, read_json
+from models.family import Components, Family, Schedule, padded, part_folder, read_json
 from models.hunyuan_video15.text import MAX_LENGTH, encode_glyphs, encode_text
 from models.hunyuan_video15.transformer import HunyuanVideo15Cond
 from models.hunyuan_video15.weights import (
@@ -60,7 +60,8 @@ class HunyuanVideo15(Family):
     vae_class, max_length = "AutoencoderKLHunyuanVideo15", MAX_LENGTH
     conditioning = HunyuanVideo15Cond
     image_to_video = True
-    trains = False  # its training (both streams' conditioning, the VAE's encoding) is not built yet
+    # the joint attention's projections and both streams' feed-forwards, as Qwen-Image's
+    lora_targets = ("blocks.*.attn.*", "blocks.*.ff.*", "blocks.*.ff_context.*")
 
     def check_pretrained(self, cfg) -> None:
         super().check_pretrained(cfg)
@@ -106,13 +107,12 @@ class HunyuanVideo15(Family):
         images = [processor.resize(image, height=height, width=width, resize_mode="crop") for image in images]
         pixels = torch.cat([processor.preprocess(image, height=height, width=width) for image in images])
         with torch.no_grad():
-            first = parts.vae.encode(pixels.to(device, parts.vae.dtype).unsqueeze(2)).latent_dist.mode()
+            first = self.encode_images(parts, pixels.to(device).unsqueeze(2))  # (B, C, 1, h, w), scaled
             features = parts.feature_extractor.preprocess(
                 images=images, do_resize=True, return_tensors="pt", do_convert_rgb=True
             )
             encoder = parts.image_encoder
             tokens = encoder(**features.to(device, next(encoder.parameters()).dtype)).last_hidden_state
-        first = first * parts.vae.config.scaling_factor
         latent_frames = (frames - 1) // parts.vae.config.temporal_compression_ratio + 1
         batch, channels, _, h, w = first.shape
         given = torch.zeros(batch, channels + 1, latent_frames, h, w, device=device)
@@ -192,6 +192,31 @@ class HunyuanVideo15(Family):
         glyph, glyph_mask = encode_glyphs(prompts, parts.glyph_tokenizer, parts.glyph_encoder, text.dtype)
         return HunyuanVideo15Cond(text, mask, glyph, glyph_mask)
 
+    def encode_images(self, parts: HunyuanVideo15Parts, images: torch.Tensor) -> torch.Tensor:
+        """Videos (B, 3, T, H, W) in [-1, 1] -> latents: the posterior's mode scaled, as the image-to-video
+        pipeline encodes its first frame. One video at a time: diffusers' VAE (0.42) builds its attention
+        mask for a batch in a shape SDPA cannot broadcast beyond one sample (decode alike)."""
+        z = torch.cat([parts.vae.encode(v[None].to(parts.vae.dtype)).latent_dist.mode() for v in images])
+        return z.float() * parts.vae.config.scaling_factor
+
+    def store_conditioning(self, cond: HunyuanVideo15Cond) -> list[dict]:
+        """Each sample's real tokens of both texts (they lead; a prompt without quoted text has no glyph)."""
+        real = lambda mask, i, n: n if mask is None else int(mask[i].sum())  # noqa: E731
+        return [
+            {
+                "text": cond.text[i, : real(cond.text_mask, i, cond.text.shape[1])],
+                "glyph": cond.glyph[i, : real(cond.glyph_mask, i, cond.glyph.shape[1])],
+            }
+            for i in range(len(cond.text))
+        ]
+
+    def load_conditioning(self, stored: list, max_length: int) -> HunyuanVideo15Cond:
+        """A batch's conditioning as `encode` gives it: each text zero-padded to the batch's longest, masked
+        (None when nothing is padded)."""
+        text, text_mask = padded([s["text"] for s in stored])
+        glyph, glyph_mask = padded([s["glyph"] for s in stored])
+        return HunyuanVideo15Cond(text, text_mask, glyph, glyph_mask)
+
     def noise(self, parts: HunyuanVideo15Parts, seeds: list, frames: int, height: int, width: int):
         """What the pipeline draws from a generator seeded with seed, one video each, in the model's dtype."""
         config = parts.vae.config
@@ -210,4 +235,4 @@ class HunyuanVideo15(Family):
 
     def decode(self, parts: HunyuanVideo15Parts, latents) -> torch.Tensor:
         z = latents.to(parts.vae.dtype) / parts.vae.config.scaling_factor
-        return parts.vae.decode(z, return_dict=False)[0]  # (B, 3, T, H, W)
+        return torch.cat([parts.vae.decode(v[None], return_dict=False)[0] for v in z])  # (B, 3, T, H, W)

@@ -1,0 +1,234 @@
+"""train.py on HunyuanVideo 1.5 (models/hunyuan_video15/), text-to-video, against diffusers (code no one here
+wrote): each step's loss is the flow-matching loss on the pipeline's own text encoding, VAE and transformer;
+a full and a LoRA run train, preview and checkpoint; the LoRA exported in diffusers' names loads with the
+transformer's load_lora_adapter (the pipeline has no load_lora_weights) and the full fine-tuning exported
+with --pipeline samples in diffusers what infer.py samples from the run; precomputed latents train as the
+videos do; and under parallel.ulysses=2 each step's loss is one process's."""
+
+import json
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import infer
+import train
+from configs import load_config
+from data.loader import encode_family_batch
+from models.families import family_named
+from models.flow import RectifiedFlow
+from parallel.family_training import FamilyRun, FamilyVelocity, family_batch
+from tests.conftest import ROOT, ranks, run_main
+from tests.test_hunyuan_video15 import NEGATIVE, PROMPTS, SIZE, infer_args, saved  # noqa: F401 (a fixture)
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import export  # noqa: E402
+
+CAPTIONS = ['a sign reading "open" on a red door', "a dog"]  # a glyph text in one, none in the other
+
+
+def train_args(folder, run, *extra) -> list:
+    """Five frames at 24 x 40 (3 x 6 x 10 latents: 180 tokens), synthetic clips, 2 per batch."""
+    argv = infer_args(folder, run.parent, "--frames")  # the recipe and the folder; no sizes
+    return [
+        *argv[: argv.index("--frames")],
+        f"run.output_dir={run}",
+        "data.manifest=null",
+        "data.resolutions=[]",
+        "data.aspect_ratios=[]",
+        "data.frame_counts=[]",
+        "data.frames=5",
+        "data.height=24",
+        "data.width=40",
+        "data.synthetic_samples=8",
+        "data.num_workers=0",
+        "train.batch_size=2",
+        "train.max_steps=2",
+        "train.warmup_steps=1",
+        "train.lr=1e-3",
+        "train.ema_decay=0",  # the EMA the raw weights: exports show what the steps changed
+        "train.log_every=1",
+        "train.checkpoint_every=1",
+        "sample.steps=2",
+        "sample.guidance=4",
+        "sample.frames=5",
+        "sample.height=24",
+        "sample.width=40",
+        "sample.prompts=[a red door]",
+        "logging.wandb=false",
+        "parallel.timeout_s=60",
+        *extra,
+    ]
+
+
+def metrics(run) -> list:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@torch.no_grad()
+def test_the_loss_is_diffusers(saved):  # noqa: F811
+    """Two 5-frame clips, the second caption dropped (the empty prompt), two noise levels: train.py's loss
+    (encode_family_batch, family_batch, RectifiedFlow.training_loss on the family's velocity) is the loss
+    on the pipeline's encode_prompt, its VAE (the posterior's mode, scaled) and its transformer told the
+    zero condition of text-to-video."""
+    from diffusers import DiffusionPipeline
+
+    family = family_named("hunyuan_video15")
+    argv = train_args(saved, saved.parent / "unused")
+    cfg = load_config(ROOT / "configs" / "hunyuanvideo-1.5-480p.yaml", argv[2:])
+    parts = family.load(cfg, torch.device("cpu"), torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    video = torch.randint(0, 256, (2, 3, 5, 24, 40), generator=generator, dtype=torch.uint8)
+    run = FamilyRun(family, parts, cfg.text_encoder.max_length)
+    encoded = encode_family_batch(run, {"caption": CAPTIONS, "video": video}, [False, True], "cpu")
+    x0, cond = family_batch(run, SimpleNamespace(sp_size=1), encoded, "cpu")
+    noise = torch.randn(x0.shape, generator=generator)
+    sigma = torch.tensor([0.3, 0.85])
+    ours = RectifiedFlow(cfg.flow, (1, 1, 1)).training_loss(
+        FamilyVelocity(parts.transformer), x0, cond, None, noise, sigma
+    )
+
+    pipe = DiffusionPipeline.from_pretrained(saved)
+    text, text_mask, glyph, glyph_mask = pipe.encode_prompt([CAPTIONS[0], ""], device="cpu", batch_size=2)
+    vae = pipe.vae
+    # one clip at a time: diffusers' VAE attention mask does not broadcast over a batch (0.42)
+    z = [vae.encode(v[None].float() / 127.5 - 1).latent_dist.mode() for v in video]
+    want_x0 = torch.cat(z) * vae.config.scaling_factor
+    s = sigma.view(-1, 1, 1, 1, 1)
+    x_t = (1 - s) * want_x0 + s * noise
+    given = torch.zeros(2, x_t.shape[1] + 1, *x_t.shape[2:])  # text-to-video's condition latents and mask
+    pred = pipe.transformer(
+        hidden_states=torch.cat([x_t, given], dim=1),
+        timestep=sigma * 1000,
+        encoder_hidden_states=text,
+        encoder_attention_mask=text_mask,
+        encoder_hidden_states_2=glyph,
+        encoder_attention_mask_2=glyph_mask,
+        image_embeds=torch.zeros(2, 3, pipe.transformer.config.image_embed_dim),
+        return_dict=False,
+    )[0]
+    want = torch.nn.functional.mse_loss(pred, noise - want_x0)
+    print(f"train.py's loss {ours.item():.6f}, diffusers' {want.item():.6f}", file=sys.__stderr__)
+    assert float((x0 - want_x0).abs().max()) <= 1e-5
+    assert want.item() > 0.1 and abs(ours.item() - want.item()) <= 1e-5 * want.item()
+
+
+KINDS = {"full": [], "lora": ["lora.rank=4", "train.lr=1e-2"]}
+
+
+@pytest.fixture(scope="module")
+def runs(saved, tmp_path_factory):  # noqa: F811
+    """{"full": a 2-step full fine-tuning's run, "lora": a 2-step LoRA run (the family's targets)}."""
+    root = tmp_path_factory.mktemp("hunyuan_video15-runs")
+    for kind, extra in KINDS.items():
+        assert run_main(train, train_args(saved, root / kind, *extra)) == 0
+    return {kind: root / kind for kind in KINDS}
+
+
+def test_runs_train_and_preview(runs):
+    """Both runs log two positive losses, write a preview video and checkpoint; the LoRA trained the
+    family's own layers only (lora.targets unset)."""
+    for run in runs.values():
+        assert [m["step"] for m in metrics(run)] == [1, 2] and all(m["loss"] > 0 for m in metrics(run))
+        assert (run / "samples" / "step_2_0.mp4").stat().st_size > 0
+        assert (run / "checkpoints" / "step_2" / "checksums.json").is_file()
+    state = torch.load(runs["lora"] / "checkpoints" / "step_2" / "trainer_rank0.pt", weights_only=False)
+    record = state["lora"]
+    assert record["targets"] == list(family_named("hunyuan_video15").lora_targets)
+    assert {"blocks.0.attn.to_q", "blocks.1.ff_context.net.2"} <= set(record["modules"])
+    assert not any(m.startswith("context_embedder") for m in record["modules"])
+
+
+def pipeline_video(pipe) -> np.ndarray:
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    pipe.guider = ClassifierFreeGuidance(guidance_scale=4.0)
+    pipe.set_progress_bar_config(disable=True)
+    generator = torch.Generator().manual_seed(1)
+    return pipe(
+        prompt=PROMPTS[0],
+        negative_prompt=NEGATIVE,
+        num_inference_steps=2,
+        **SIZE,
+        generator=generator,
+        output_type="np",
+    ).frames[0]
+
+
+def infer_video(folder, tmp_path, out, *extra) -> np.ndarray:
+    argv = infer_args(folder, tmp_path, "--prompt", PROMPTS[0], "--negative-prompt", NEGATIVE, "--steps", "2")
+    argv += ["--guidance", "4", "--seed", "1", "--output", str(tmp_path / out), *extra]
+    assert run_main(infer, argv) == 0
+    return np.load(tmp_path / out)
+
+
+@torch.no_grad()
+def test_exports_load_in_diffusers(saved, runs, tmp_path):  # noqa: F811
+    """The LoRA run exported (diffusers' names) loads with the transformer's load_lora_adapter and gives the
+    video infer.py --lora gives with the file and infer.py --checkpoint with the run; the full fine-tuning
+    exported with --pipeline samples in diffusers what infer.py --checkpoint samples."""
+    from diffusers import DiffusionPipeline
+
+    base = pipeline_video(DiffusionPipeline.from_pretrained(saved))
+    lora = tmp_path / "lora.safetensors"
+    assert export.main(["--checkpoint", str(runs["lora"]), "--lora", "--output", str(lora)]) == 0
+    pipe = DiffusionPipeline.from_pretrained(saved)
+    pipe.transformer.load_lora_adapter(str(lora), prefix="transformer")
+    want = pipeline_video(pipe)
+    got = [
+        infer_video(saved, tmp_path, "file.npy", "--lora", str(lora)),
+        infer_video(saved, tmp_path, "run.npy", "--checkpoint", str(runs["lora"])),
+    ]
+    diffs, changed = [float(np.abs(g - want).max()) for g in got], float(np.abs(want - base).max())
+    print(
+        f"LoRA: diffusers vs infer.py --lora, --checkpoint {diffs[0]:.1e}, {diffs[1]:.1e}; base {changed:.1e}"
+    )
+    assert max(diffs) <= 1e-4 and changed > 1e-3
+
+    exported = tmp_path / "pipeline"
+    assert export.main(["--checkpoint", str(runs["full"]), "--pipeline", "--output", str(exported)]) == 0
+    want = pipeline_video(DiffusionPipeline.from_pretrained(exported))
+    got = infer_video(saved, tmp_path, "full.npy", "--checkpoint", str(runs["full"]))
+    diff, changed = float(np.abs(got - want).max()), float(np.abs(want - base).max())
+    print(f"full: diffusers on the export vs infer.py --checkpoint {diff:.2e}; the base {changed:.2e}")
+    assert diff <= 1e-5 and changed > 1e-3
+
+
+def test_precomputed_latents_train_as_the_videos_do(saved, runs, tmp_path):  # noqa: F811
+    """scripts/precompute_latents.py stores each clip's latents and both texts' real tokens (a caption
+    without quoted text has no glyph tokens); training on them takes the full run's steps."""
+    import precompute_latents
+
+    latents = tmp_path / "latents"
+    argv = train_args(saved, tmp_path / "unused")
+    assert run_main(precompute_latents, [*argv, "--out", str(latents)]) == 0
+    assert (latents / "empty.safetensors").is_file() and len(list((latents / "latents").iterdir())) == 8
+    stored = tmp_path / "stored"
+    assert run_main(train, train_args(saved, stored, f"data.latents={latents}")) == 0
+    pairs = [
+        (a[k], b[k])
+        for a, b in zip(metrics(runs["full"]), metrics(stored), strict=True)
+        for k in ("loss", "grad_norm")
+    ]
+    worst = max(abs(b - a) / abs(a) for a, b in pairs)
+    print(f"on latents vs on videos, largest relative difference {worst:.1e}", file=sys.__stderr__)
+    assert worst <= 1e-6, pairs
+
+
+@pytest.mark.slow
+def test_ulysses_training_is_one_process(saved, runs, tmp_path):  # noqa: F811
+    """Two processes sharing each clip's 180 tokens by heads (parallel.ulysses=2): every step's loss and
+    gradient norm are the one-process run's."""
+    two = tmp_path / "two"
+    done = ranks(2, "train.py", *train_args(saved, two, "parallel.ulysses=2"), timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    pairs = [
+        (a[k], b[k])
+        for a, b in zip(metrics(runs["full"]), metrics(two), strict=True)
+        for k in ("loss", "grad_norm")
+    ]
+    worst = max(abs(b - a) / abs(a) for a, b in pairs)
+    print(f"ulysses 2: losses and gradient norms within {worst:.1e} (relative) of one process's")
+    assert worst <= 1e-5, pairs
