@@ -1,0 +1,231 @@
+"""LTX-2's transformer (models/ltx2/) against diffusers' LTX2VideoTransformer3DModel, code no one here
+wrote: a tiny random config (both rotary layouts), the same weights, a padded text, both streams' outputs;
+image-to-video's per-token timesteps; the pipeline's STG and modality-isolation passes; refused options."""
+
+import re
+
+import pytest
+import torch
+
+from models.ltx2.transformer import LTX2Cond
+from models.ltx2.weights import LTX2FormatError, build_transformer
+
+# a diffusers config of a tiny transformer (weights.py reads it): video 2 heads x 16, audio 2 heads x 8
+TINY = dict(
+    in_channels=8,
+    out_channels=8,
+    num_attention_heads=2,
+    attention_head_dim=16,
+    cross_attention_dim=32,
+    audio_in_channels=12,  # 3 latent channels x 4 mel bins
+    audio_out_channels=12,
+    audio_num_attention_heads=2,
+    audio_attention_head_dim=8,
+    audio_cross_attention_dim=16,
+    num_layers=2,
+    caption_channels=24,
+    perturbed_attn=True,  # STG's processor (no weights): diffusers ignores STG blocks without it
+)
+GRID, AUDIO = (3, 2, 3), (3, 5, 4)  # video latents T x H x W (non-square); audio C x L x M
+FPS = 25.0
+
+
+def tiny_pair(rope_type="interleaved"):
+    """(diffusers' transformer, tessera's built from its config by weights.py) with the same random weights
+    (every parameter, none left zero), float32."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    theirs = LTX2VideoTransformer3DModel(**TINY, rope_type=rope_type).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    ours = build_transformer(dict(theirs.config)).eval()
+    state = {re.sub(r"^transformer_blocks\.", "blocks.", k): v for k, v in theirs.state_dict().items()}
+    ours.load_state_dict(state, strict=True)  # models/family.py Family.to_tessera's rename
+    return theirs, ours
+
+
+def inputs():
+    """Latents, texts (7 tokens, the second sample's padded to 3 real) and sigmas for two samples."""
+    video, audio = torch.randn(2, 8, *GRID), torch.randn(2, *AUDIO)
+    text, audio_text = torch.randn(2, 7, 24), torch.randn(2, 7, 24)
+    mask = torch.tensor([[1] * 7, [1, 1, 1, 0, 0, 0, 0]])  # the connectors' 0/1 mask, int64
+    return video, audio, LTX2Cond(text, audio_text, mask, mask, fps=FPS), torch.tensor([0.75, 0.25])
+
+
+def theirs_as_pipeline(theirs, video, audio, t, cond: LTX2Cond, video_t=None, **kwargs):
+    """diffusers' outputs, called as LTX2Pipeline calls it (packed latents, its coords at the conditioning
+    frame rate, timestep = sigma = 1000 sigma; LTX2ImageToVideoPipeline's per-token video timestep and
+    audio_timestep when video_t is given), unpacked to the latents' layouts."""
+    B, (T, H, W), L, M = video.shape[0], GRID, AUDIO[1], AUDIO[2]
+    timestep = t * 1000
+    video_coords = theirs.rope.prepare_video_coords(B, T, H, W, video.device, fps=cond.fps)
+    audio_coords = theirs.audio_rope.prepare_audio_coords(B, L, audio.device)
+    out, audio_out = theirs(
+        hidden_states=video.flatten(2).transpose(1, 2),  # LTX2Pipeline._pack_latents at patch size 1
+        audio_hidden_states=audio.transpose(1, 2).flatten(2),  # _pack_audio_latents: (B, L, C M)
+        encoder_hidden_states=cond.text,
+        audio_encoder_hidden_states=cond.audio_text,
+        timestep=timestep if video_t is None else video_t * 1000,
+        audio_timestep=None if video_t is None else timestep,
+        sigma=timestep,
+        encoder_attention_mask=cond.text_mask,
+        audio_encoder_attention_mask=cond.audio_text_mask,
+        num_frames=T,
+        height=H,
+        width=W,
+        fps=cond.fps,
+        audio_num_frames=L,
+        video_coords=video_coords,
+        audio_coords=audio_coords,
+        use_cross_timestep=cond.cross_timestep,
+        return_dict=False,
+        **kwargs,
+    )
+    return out.transpose(1, 2).unflatten(2, GRID), audio_out.unflatten(2, (-1, M)).transpose(1, 2)
+
+
+def compare(got, want, what):
+    """Both streams within 1e-5 of diffusers' on outputs of std > 0.3; prints the figures."""
+    for name, g, w in zip(("video", "audio"), got, want):
+        diff = float((g - w).abs().max())
+        print(f"{what} {name}: max abs {diff:.2e}, output std {float(w.std()):.3f}")
+        assert g.shape == w.shape and w.std() > 0.3
+        assert diff <= 1e-5
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rope_type", ["interleaved", "split"])
+def test_transformer_matches_diffusers(rope_type):
+    """Text-to-video: both velocities at a 3 x 2 x 3 video grid and 5 audio frames, two samples at sigmas
+    0.75 and 0.25, positions at 25 fps (the default 24 would move the output by ~0.02)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        theirs, ours = tiny_pair(rope_type)
+        video, audio, cond, t = inputs()
+    want = theirs_as_pipeline(theirs, video, audio, t, cond)
+    got = ours(video, audio, t, cond)
+    assert got[0].shape == (2, 8, *GRID) and got[1].shape == (2, *AUDIO)
+    compare(got, want, rope_type)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("cross_timestep", [True, False])
+def test_per_token_video_timestep(cross_timestep):
+    """Image-to-video: the first latent frame given (video sigma 0 on its tokens), the audio at the
+    sample's sigma; with use_cross_timestep (the pipeline's default) the a2v / v2a modulations read the
+    sample's sigma, without it the video's per-token one."""
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        theirs, ours = tiny_pair("split")
+        video, audio, cond, t = inputs()
+    given = torch.zeros(GRID)
+    given[0] = 1  # LTX2ImageToVideoPipeline's conditioning mask, packed
+    video_t = t[:, None] * (1 - given.flatten())[None]
+    cond.video_t, cond.cross_timestep = video_t, cross_timestep
+    want = theirs_as_pipeline(theirs, video, audio, t, cond, video_t=video_t)
+    compare(ours(video, audio, t, cond), want, f"per-token, cross_timestep={cross_timestep}")
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("guidance", ["stg", "stg_mask", "isolate"])
+def test_guidance_passes(guidance):
+    """The pipeline's extra passes: STG at block 1 on every sample (its call: no perturbation_mask) or on
+    the second only, and modality guidance's pass without audio-video cross-attention."""
+    with torch.random.fork_rng():
+        torch.manual_seed(2)
+        theirs, ours = tiny_pair()
+        video, audio, cond, t = inputs()
+    mask = torch.tensor([1.0, 0.0]) if guidance == "stg_mask" else None
+    if guidance == "isolate":
+        theirs_kwargs, ours_kwargs = dict(isolate_modalities=True), dict(isolate_modalities=True)
+    else:
+        theirs_kwargs = dict(spatio_temporal_guidance_blocks=[1], perturbation_mask=mask)
+        ours_kwargs = dict(stg_blocks=[1], perturbation_mask=mask)
+    want = theirs_as_pipeline(theirs, video, audio, t, cond, **theirs_kwargs)
+    plain = ours(video, audio, t, cond)
+    got = ours(video, audio, t, cond, **ours_kwargs)
+    compare(got, want, guidance)
+    assert float((plain[0] - got[0]).abs().max()) > 1e-2  # the pass does change the output
+
+
+def test_operators_are_swappable():
+    """Every token-mixing attention runs through an `inner_attention` with a kind, replaceable by
+    assignment (parallel/'s contract: q, k, v (B, H, N, Dh) in, the same shape out)."""
+    _, ours = tiny_pair()
+    block = ours.blocks[0]
+    kinds = {
+        name: block.get_submodule(name).inner_attention.kind
+        for name in (
+            "attn1",
+            "audio_attn1",
+            "attn2",
+            "audio_attn2",
+            "audio_to_video_attn",
+            "video_to_audio_attn",
+        )
+    }
+    assert kinds == dict(
+        attn1="self",
+        audio_attn1="self",
+        attn2="cross",
+        audio_attn2="cross",
+        audio_to_video_attn="audio_to_video",
+        video_to_audio_attn="video_to_audio",
+    )
+    seen = []
+
+    class Spy(torch.nn.Module):
+        kind = "audio_to_video"
+
+        def forward(self, q, k, v):
+            seen.append((tuple(q.shape), tuple(k.shape)))
+            return torch.zeros_like(q)
+
+    block.audio_to_video_attn.inner_attention = Spy()
+    video, audio, cond, t = inputs()
+    with torch.no_grad():
+        ours(video, audio, t, cond)
+    assert seen == [((2, 2, 18, 8), (2, 2, 5, 8))]  # video queries at the audio's heads, audio keys
+
+
+def test_weight_names_and_config():
+    """diffusers' names, blocks renamed, are tessera's; every option this transformer does not run (LTX-2.3
+    and 2.5's) is refused naming the key."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    theirs = LTX2VideoTransformer3DModel(**TINY)
+    config = dict(theirs.config)
+    ours = build_transformer(config)
+    names = {re.sub(r"^transformer_blocks\.", "blocks.", k) for k in theirs.state_dict()}
+    assert set(ours.state_dict()) == names
+    assert build_transformer({**config, "rope_type": "split"}).blocks[0].attn1.split_rope
+    refused = [
+        ("gated_attn", True),
+        ("audio_gated_attn", True),
+        ("cross_attn_mod", True),
+        ("audio_cross_attn_mod", True),
+        ("use_prompt_embeddings", False),
+        ("use_prompt_adaln_single", False),
+        ("use_keyframes_abs_pos_embedding", True),
+        ("ff_bias", False),
+        ("audio_ff_bias", False),
+        ("norm_elementwise_affine", True),
+        ("activation_fn", "gelu"),
+        ("qk_norm", "rms_norm"),
+        ("patch_size", 2),
+        ("patch_size_t", 2),
+        ("audio_patch_size", 2),
+        ("audio_patch_size_t", 2),
+        ("rope_type", "yarn"),
+        ("cross_attention_dim", 64),
+        ("audio_cross_attention_dim", 32),
+        ("some_new_option", 1),
+    ]
+    for key, value in refused:
+        with pytest.raises(LTX2FormatError, match=rf"{key}={value!r}"):
+            build_transformer({**config, key: value})
+    with pytest.raises(LTX2FormatError, match="audio_num_attention_heads=4"):
+        build_transformer({**config, "rope_type": "split", "audio_num_attention_heads": 4})
+    with pytest.raises(LTX2FormatError, match="LTXVideoTransformer3DModel"):
+        build_transformer({**config, "_class_name": "LTXVideoTransformer3DModel"})
