@@ -10,7 +10,7 @@ says. Module names are diffusers' except `blocks` (diffusers: `transformer_block
 """
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -366,6 +366,7 @@ class LTX2Transformer(nn.Module):
         super().__init__()
         self._architecture = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self._architecture.pop("attention_backend")
+        self._architecture["positions"] = asdict(positions)
         dim, audio_dim = num_heads * head_dim, audio_num_heads * audio_head_dim
         self.dims, self.positions = (dim, audio_dim), positions
         self.timestep_scale, self.cross_timestep_scale = timestep_scale, cross_timestep_scale
@@ -434,39 +435,49 @@ class LTX2Transformer(nn.Module):
 
     def condition(self, t, cond: LTX2Cond, grid, audio_frames: int) -> LTX2Context:
         """The time embeddings, both texts and every rotary angle; needs no block."""
-        dtype, B, p = self.proj_in.weight.dtype, t.shape[0], self.positions
-        sigma = t.float() * self.timestep_scale  # the pipeline's timestep, float32 at any model dtype
+        dtype = self.proj_in.weight.dtype
+        return LTX2Context(
+            **self.time_embeddings(t, cond, dtype),
+            text=self.caption_projection(cond.text.to(dtype)),
+            audio_text=self.audio_caption_projection(cond.audio_text.to(dtype)),
+            text_bias=text_bias(cond.text_mask, dtype),
+            audio_text_bias=text_bias(cond.audio_text_mask, dtype),
+            **self.rotary(grid, audio_frames, cond.fps, t.device),
+        )
+
+    def time_embeddings(self, t, cond: LTX2Cond, dtype) -> dict:
+        """LTX2Context's modulations and output embeddings, each (B, 1 or N, .)."""
+        B = t.shape[0]
+        sigma = t.float() * self.timestep_scale  # the pipeline's timestep: float32 at any model dtype
         video_t = sigma if cond.video_t is None else cond.video_t.float() * self.timestep_scale
         rows = lambda x: x.view(B, -1, x.shape[-1])  # noqa: E731  (B * T, .) -> (B, T, .)
         video_temb, video_embedded = (rows(e) for e in self.time_embed(video_t.flatten(), dtype))
         audio_temb, audio_embedded = (rows(e) for e in self.audio_time_embed(sigma, dtype))
-        # the a2v / v2a modulations: diffusers' use_cross_timestep picks the other stream's sigma, the same
-        # as the stream's own here but for image-to-video's per-token video timesteps
+        # diffusers' use_cross_timestep: each stream's a2v / v2a modulations read the other stream's sigma,
+        # which the pipelines make the sample's; otherwise the video's read its (per-token) timestep
         video_cross_t = sigma if cond.cross_timestep else video_t.flatten()
         gate_scale = self.cross_timestep_scale / self.timestep_scale
-        video_cross = rows(self.av_cross_attn_video_scale_shift(video_cross_t, dtype)[0])
-        video_cross_gate = rows(self.av_cross_attn_video_a2v_gate(video_cross_t * gate_scale, dtype)[0])
-        audio_cross = rows(self.av_cross_attn_audio_scale_shift(sigma, dtype)[0])
-        audio_cross_gate = rows(self.av_cross_attn_audio_v2a_gate(sigma * gate_scale, dtype)[0])
-        device, (dim, audio_dim) = t.device, self.dims
-        coords = video_coords(grid, p.vae_scale_factors, p.causal_offset, cond.fps, device)
+        return dict(
+            video_temb=video_temb,
+            audio_temb=audio_temb,
+            video_embedded=video_embedded,
+            audio_embedded=audio_embedded,
+            video_cross=rows(self.av_cross_attn_video_scale_shift(video_cross_t, dtype)[0]),
+            video_cross_gate=rows(self.av_cross_attn_video_a2v_gate(video_cross_t * gate_scale, dtype)[0]),
+            audio_cross=rows(self.av_cross_attn_audio_scale_shift(sigma, dtype)[0]),
+            audio_cross_gate=rows(self.av_cross_attn_audio_v2a_gate(sigma * gate_scale, dtype)[0]),
+        )
+
+    def rotary(self, grid, audio_frames: int, fps: float, device) -> dict:
+        """LTX2Context's four angle tables: each stream's own over its width, and the a2v / v2a ones over
+        the audio's width from the times alone, both streams' on one scale (the larger max position)."""
+        p, (dim, audio_dim) = self.positions, self.dims
+        coords = video_coords(grid, p.vae_scale_factors, p.causal_offset, fps, device)
         hop, rate = p.audio_hop_length, p.audio_sampling_rate
         sound = audio_coords(audio_frames, p.audio_scale_factor, p.causal_offset, hop, rate, device)
         angles = lambda c, m, d: rope_angles(c, m, d, p.theta, p.double_precision)  # noqa: E731
-        cross_max = (max(p.max_pos[0], p.audio_max_pos),)  # both streams' times on one scale
-        return LTX2Context(
-            video_temb,
-            audio_temb,
-            video_embedded,
-            audio_embedded,
-            video_cross,
-            video_cross_gate,
-            audio_cross,
-            audio_cross_gate,
-            self.caption_projection(cond.text.to(dtype)),
-            self.audio_caption_projection(cond.audio_text.to(dtype)),
-            text_bias(cond.text_mask, dtype),
-            text_bias(cond.audio_text_mask, dtype),
+        cross_max = (max(p.max_pos[0], p.audio_max_pos),)
+        return dict(
             video_rope=angles(coords, p.max_pos, dim),
             audio_rope=angles(sound, (p.audio_max_pos,), audio_dim),
             video_cross_rope=angles(coords[:1], cross_max, audio_dim),
