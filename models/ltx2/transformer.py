@@ -370,7 +370,9 @@ class LTX2Transformer(nn.Module):
         dim, audio_dim = num_heads * head_dim, audio_num_heads * audio_head_dim
         self.dims, self.positions = (dim, audio_dim), positions
         self.timestep_scale, self.cross_timestep_scale = timestep_scale, cross_timestep_scale
-        self.perturbed_attn = perturbed_attn  # diffusers runs STG only when true: see weights.py
+        # diffusers skips STG blocks unless its config's perturbed_attn (false in LTX-2.0's release): here
+        # STG runs when asked; a pipeline matching diffusers asks only when this is true
+        self.perturbed_attn = perturbed_attn
         self.proj_in = nn.Linear(in_channels, dim)
         self.audio_proj_in = nn.Linear(audio_in_channels, audio_dim)
         self.caption_projection = TextProjection(caption_channels, dim)
