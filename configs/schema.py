@@ -217,7 +217,14 @@ class SampleConfig:
     frames: Optional[int] = None  # None: data.frames
     height: Optional[int] = None  # None: data.height
     width: Optional[int] = None  # None: data.width
-    fps: int = 8  # frame rate of written videos
+    fps: int = 8  # frame rate of written videos (LTX-2: its frame_rate too, for positions and audio length)
+    # the guidance terms some families' pipelines add (None: the pipeline's default; a family that has no such
+    # term refuses it by name). LTX-2: audio_guidance_scale, modality_scale, guidance_rescale (both streams),
+    # stg_scale (0: no spatio-temporal guidance pass)
+    audio_guidance: Optional[float] = None
+    modality_guidance: Optional[float] = None
+    guidance_rescale: Optional[float] = None
+    stg: Optional[float] = None
     # infer.py: prompts sampled at once per data-parallel replica, each batch written as it finishes. Memory
     # grows with it (DiT-S: 0.61 GB for 1 prompt, 1.12 GB for 16); 4 keeps it bounded, still batches small
     # models, and samples up to 4 prompts as one run always did. A large video DiT (Wan 14B at 720p), whose

@@ -59,6 +59,9 @@ class Family:
     conditioning = None  # the dataclass of tensors `encode` returns (its fields shared between ranks)
     trains = True  # train.py and scripts/precompute_latents.py take it (else refused by name)
     image_to_video = False  # its image-to-video folders sample from infer.py --image (takes_images)
+    # the sample.* guidance keys it reads (configs/schema.py: audio_guidance, modality_guidance,
+    # guidance_rescale, stg); the others, when set, are refused by name
+    sample_keys: tuple = ()
 
     def recognises(self, folder) -> bool:
         """Whether `folder` (a pipeline folder, or a transformer folder) holds this family."""
@@ -330,6 +333,11 @@ class Family:
 
     def decode(self, parts: Components, latents) -> torch.Tensor:
         raise NotImplementedError
+
+    def decode_audio(self, parts: Components, latents) -> tuple | None:
+        """(waveforms (B, channels, samples) float32 in [-1, 1], sample rate) of a family that samples sound
+        with its video (LTX-2), else None."""
+        return None
 
 
 class FamilyWeights:

@@ -62,12 +62,14 @@ def generate_images(
     device=None,
     conditioning=None,
     decode=None,
+    sound: list | None = None,
 ) -> np.ndarray:
     """Images (B, frames, height, width, 3) float32 in [0, 1] of `sampling`'s prompts.
     `denoise_with(family, parts, schedule, noise, cond, uncond, scale, progress)` walks the schedule
     (serial_denoise's signature); `decode(latents)` replaces family.decode (parallel/vae.py's, which
-    shares the tiles among ranks). A sample with NaN or inf in its latents or its decoded images raises
-    NonFiniteVideo (after decoding the others, which it carries)."""
+    shares the tiles among ranks). `sound`: a list that receives (waveforms (B, channels, samples) float32
+    numpy, sample rate) of a family that samples sound (Family.decode_audio). A sample with NaN or inf in
+    its latents or its decoded images raises NonFiniteVideo (after decoding the others, which it carries)."""
     prompts, guidance = sampling.prompts, sampling.guidance
     if conditioning is not None:  # (cond, uncond) of these prompts, encoded before (training's previews)
         cond, uncond = conditioning
@@ -91,6 +93,10 @@ def generate_images(
         raise NonFiniteVideo(bad, None)
     images = family.decode(parts, latents) if decode is None else decode(latents)  # (B, 3, T, H, W), [-1, 1]
     bad.update({i: "the decoded video" for i in nonfinite_samples(images) if i not in bad})
+    audio = family.decode_audio(parts, latents) if sound is not None else None
+    if audio is not None:
+        bad.update({i: "the decoded sound" for i in nonfinite_samples(audio[0]) if i not in bad})
+        sound.append((audio[0].float().cpu().numpy(), audio[1]))
     # in the VAE's dtype, then float32, as the pipelines' image processor
     images = (images / 2 + 0.5).clamp(0, 1).float().permute(0, 2, 3, 4, 1).cpu().numpy()
     if bad:
