@@ -438,22 +438,25 @@ def sample_and_write(cfg, args, runtime, request: Request, mine: list, sample_ba
             )
             videos, bad = sample_batch(batch, progress)
             bad = {batch[j]: where for j, where in bad.items()}
-            write_batch(cfg, args, runtime, request, batch, videos, bad)
+            write_batch(cfg, args, runtime, request, batch, videos, bad, getattr(sample_batch, "sound", None))
             unwritten.update(bad)
     return (
         ValueError(nonfinite_message(cfg, runtime, request, unwritten, weights, vae)) if unwritten else None
     )
 
 
-def write_batch(cfg, args, runtime, request: Request, batch: list, videos, bad: dict) -> None:
-    """The replica's leader writes the batch's videos (but those in `bad`); the others wait for it."""
+def write_batch(cfg, args, runtime, request: Request, batch: list, videos, bad: dict, sound=None) -> None:
+    """The replica's leader writes the batch's videos (but those in `bad`), with their sound (`sound`:
+    (waveforms (B, channels, samples), rate), or None); the others wait for it."""
     replica = runtime.sampling
     if runtime.rank == runtime.layout.replica_leader(runtime.rank):  # one writer per data-parallel replica
         runtime.watchdog.mark("writing")
         for j, i in enumerate(batch):
             if i in bad:
                 continue
-            for path in write_video(request.outputs[i], videos[j], fps=cfg.sample.fps, scale=args.upscale):
+            audio = None if sound is None else (sound[0][j], sound[1])
+            written = write_video(request.outputs[i], videos[j], cfg.sample.fps, args.upscale, audio)
+            for path in written:
                 tqdm.write(f"[tessera] wrote {path}", file=sys.stdout)  # above the progress bar
                 sys.stdout.flush()
     # The replica's other ranks wait for its writer on gloo with the control timeout, so none of them

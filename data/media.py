@@ -321,13 +321,15 @@ def _clip_at_end(
     return []
 
 
-def write_video(path, video: np.ndarray, fps: int = 8, scale: int = 1) -> list[Path]:
+def write_video(path, video: np.ndarray, fps: int = 8, scale: int = 1, audio=None) -> list[Path]:
     """Write (T, H, W, 3) float in [0, 1]; the format follows the extension. Returns the files written.
     scale > 1 enlarges each frame that many times (nearest neighbour) so that tiny videos can be watched;
     a .npy keeps the array as sampled.
 
     .mp4 (H.264 through PyAV), .gif, .png (one image, or one numbered file per frame), .npy (the
-    float32 array itself, unquantised, for exact comparisons)."""
+    float32 array itself, unquantised, for exact comparisons). `audio`: (waveform (channels, samples)
+    float in [-1, 1], sample rate) of a video with sound: the .mp4's AAC track, else <stem>.wav beside
+    the file (float32 samples, exact)."""
     path = Path(path)
     ext = path.suffix.lower()
     if ext not in OUTPUT_EXTENSIONS:
@@ -335,6 +337,8 @@ def write_video(path, video: np.ndarray, fps: int = 8, scale: int = 1) -> list[P
             f"unsupported output extension '{ext}' for {path}; use one of {', '.join(OUTPUT_EXTENSIONS)}"
         )
     path.parent.mkdir(parents=True, exist_ok=True)
+    if audio is not None and ext != ".mp4":
+        return [*write_video(path, video, fps, scale), write_wav(path.with_suffix(".wav"), *audio)]
     video = np.asarray(video, dtype=np.float32)
     if ext == ".npy":
         np.save(path, video)
@@ -368,9 +372,50 @@ def write_video(path, video: np.ndarray, fps: int = 8, scale: int = 1) -> list[P
         stream.height, stream.width = frames8.shape[1:3]
         stream.pix_fmt = "yuv420p"
         stream.options = {"crf": "18"}
+        sound = audio_track(container, *audio) if audio is not None else None  # before the first packet
         for frame in frames8:
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
+        if sound is not None:
+            for packet in [*sound[0].encode(sound[1]), *sound[0].encode()]:
+                container.mux(packet)
     return [path]
+
+
+def audio_track(container, waveform: np.ndarray, rate: int) -> tuple:
+    """(the container's new AAC stream, the waveform (channels, samples) as its one frame): mono or
+    stereo."""
+    import av
+
+    waveform = np.ascontiguousarray(np.clip(waveform, -1.0, 1.0), dtype=np.float32)
+    layout = {1: "mono", 2: "stereo"}.get(len(waveform))
+    if layout is None:
+        raise ValueError(f"an .mp4's sound track is mono or stereo; this one has {len(waveform)} channels")
+    stream = container.add_stream("aac", rate=int(rate), layout=layout)
+    frame = av.AudioFrame.from_ndarray(waveform, format="fltp", layout=layout)
+    frame.sample_rate = int(rate)
+    return stream, frame
+
+
+def write_wav(path, waveform: np.ndarray, rate: int) -> Path:
+    """(channels, samples) float as a 32-bit float WAV (IEEE float, format 3): the samples unquantised."""
+    import struct
+
+    samples = np.asarray(waveform, dtype="<f4").T  # interleaved: (samples, channels)
+    channels, data = samples.shape[1], samples.tobytes()
+    fmt = struct.pack("<HHIIHH", 3, channels, int(rate), int(rate) * 4 * channels, 4 * channels, 32)
+    chunks = b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data
+    Path(path).write_bytes(b"RIFF" + struct.pack("<I", 4 + len(chunks)) + b"WAVE" + chunks)
+    return Path(path)
+
+
+def read_wav(path) -> tuple:
+    """(waveform (channels, samples) float32, sample rate) of write_wav's file."""
+    import struct
+
+    raw = Path(path).read_bytes()
+    _, channels, rate = struct.unpack("<HHI", raw[20:28])
+    data = raw.index(b"data") + 8
+    return np.frombuffer(raw[data:], dtype="<f4").reshape(-1, channels).T.copy(), rate

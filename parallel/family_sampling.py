@@ -162,15 +162,17 @@ def family_layout(cfg, family, request) -> tuple[ParallelLayout, int]:
 
 def family_batches(cfg, args, runtime, request, family, parts, denoise_with):
     """sample_batch(batch, progress) -> (images, {index in the batch: where NaN or inf was found}) for a
-    family sampled by models/sampler.py over its own parts (Qwen-Image, Sana)."""
+    family sampled by models/sampler.py over its own parts (Qwen-Image, Sana); sample_batch.sound: the last
+    batch's (waveforms (B, channels, samples), rate) of a family that samples sound (LTX-2), else None."""
 
     def sample_batch(batch: list, progress) -> tuple:
         runtime.watchdog.sampling_progress(0, request.steps)  # each step has a deadline from here on
-        done = checked(
-            generate_images, family, parts, request.sampling(batch, args.seed, cfg), progress, denoise_with
-        )
+        sound = []  # a family that samples sound: the batch's (waveforms, rate)
+        sampling = request.sampling(batch, args.seed, cfg)
+        done = checked(generate_images, family, parts, sampling, progress, denoise_with, sound=sound)
         count_full_calls(sample_batch, request.cache, runtime.sampling, runtime.device, len(batch))
+        sample_batch.sound = sound[0] if sound else None
         return done
 
-    sample_batch.full_calls = 0.0
+    sample_batch.full_calls, sample_batch.sound = 0.0, None
     return sample_batch

@@ -269,3 +269,34 @@ def test_an_image_far_from_the_video_is_warned_about_or_refused_with_a_sampleabl
     assert height % 16 == 0 and width % 16 == 0
     assert abs(width / height - 2) <= 0.2 and 0.8 <= width * height / (480 * 832) <= 1.2
     images_for([wide], height, width)  # the suggested size is accepted
+
+
+def test_sound_is_written_beside_the_video_and_muxed_into_an_mp4(tmp_path):
+    """A video with sound (LTX-2's): .npy and .gif get <stem>.wav beside them, float32 samples that PyAV
+    (ffmpeg's WAV reader, code no one here wrote) reads back exactly; an .mp4 carries the sound as its AAC
+    track, whose decoded samples keep the tone's level; more than two channels are refused by name."""
+    import av
+
+    from data.media import write_video
+
+    t = np.arange(16000) / 16000
+    tones = np.stack([np.sin(2 * np.pi * 440 * t), 0.5 * np.sin(2 * np.pi * 660 * t)]).astype(np.float32)
+    video = np.random.default_rng(0).random((9, 16, 24, 3), dtype=np.float32)
+    for ext in (".npy", ".gif"):
+        written = write_video(tmp_path / f"v{ext}", video, fps=24, audio=(tones, 16000))
+        assert written == [tmp_path / f"v{ext}", tmp_path / "v.wav"]
+        with av.open(str(tmp_path / "v.wav")) as container:
+            assert container.streams.audio[0].codec_context.name == "pcm_f32le"
+            assert container.streams.audio[0].sample_rate == 16000
+            read = np.concatenate([f.to_ndarray() for f in container.decode(audio=0)], axis=1)
+        read = read.reshape(-1, 2).T  # packed: the channels interleaved
+        assert read.shape == tones.shape and np.array_equal(read, tones)
+    assert write_video(tmp_path / "v.mp4", video, fps=24, audio=(tones, 16000)) == [tmp_path / "v.mp4"]
+    with av.open(str(tmp_path / "v.mp4")) as container:
+        assert [s.type for s in container.streams] == ["video", "audio"]
+        sound = np.concatenate([f.to_ndarray() for f in container.decode(audio=0)], axis=1)
+    assert sound.shape[0] == 2 and sound.shape[1] >= 16000
+    # AAC's priming and padding frames are silent: the level compared away from the ends
+    assert np.allclose(sound[:, 2048:14000].std(axis=1), tones.std(axis=1), rtol=0.05)
+    with pytest.raises(ValueError, match="mono or stereo; this one has 3 channels"):
+        write_video(tmp_path / "w.mp4", video, audio=(np.zeros((3, 100), np.float32), 16000))
