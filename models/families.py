@@ -4,10 +4,11 @@ A new family adds its object to FAMILIES; nothing else here changes."""
 from models.dit_family import DiTFamily
 from models.family import Family
 from models.hunyuan_video15.family import HunyuanVideo15
+from models.ltx2.family import LTX2
 from models.qwen_image.family import QwenImage
 from models.sana.family import Sana
 
-FAMILIES = {family.name: family for family in (DiTFamily(), QwenImage(), Sana(), HunyuanVideo15())}
+FAMILIES = {family.name: family for family in (DiTFamily(), QwenImage(), Sana(), HunyuanVideo15(), LTX2())}
 
 
 def family_named(name: str) -> Family:

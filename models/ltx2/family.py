@@ -1,0 +1,357 @@
+"""LTX-2 (diffusers' LTX2Pipeline: text to video with sound) as a tessera family (models/family.py): the
+folder's Gemma 3 text encoder, text connectors, video and audio VAEs and vocoder through diffusers and
+transformers, the transformer tessera's (models/ltx2/transformer.py). The pipeline's schedule (its sigmas
+shifted by the video token count, one Euler step for both streams) and its guidance in x0 space: video and
+audio CFG, modality isolation and STG as deltas, then the guidance rescale. The generic loop carries one
+float32 tensor (B, D): each sample's packed video latents, then its packed audio latents (LTX2Layout).
+Sampling on one process (dp only); not built (refused by name): training, sequence and cfg parallelism,
+the step cache, image-to-video, the folder's prompt enhancer and duration head.
+"""
+
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+from models.family import Components, Family, Schedule, part_folder, read_json
+from models.loop import euler
+from models.ltx2.text import encode_prompts, prepare_tokenizer
+from models.ltx2.transformer import LTX2Cond
+from models.ltx2.weights import TRANSFORMER_CLASS, build_transformer
+
+# the diffusers parts besides Family.check_pretrained's, each with the file that says it is there
+PARTS = dict(connectors="config.json", audio_vae="config.json", vocoder="config.json")
+STG_BLOCKS = (28,)  # the pipeline's default spatio_temporal_guidance_blocks
+_UNSUPPORTED = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas",
+                "stochastic_sampling")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LTX2Guidance:
+    """The pipeline's guidance terms besides the video's CFG scale (sample.guidance), its defaults: audio
+    CFG (audio_guidance_scale), modality isolation (modality_scale), the rescale and STG (stg_scale), the
+    last three the same for both streams (the pipeline's audio_* default to the video's)."""
+
+    audio_guidance: float = 7.0
+    modality_guidance: float = 3.0
+    guidance_rescale: float = 0.7
+    stg: float = 1.0
+
+
+@dataclass(frozen=True)
+class LTX2Layout:
+    """Where a sampling's latents sit in the flat (B, D) tensor: the packed video (N = T H W tokens of C,
+    (t, h, w) order, channels fastest), then the packed audio (L frames of C_a M, channel-major), as the
+    pipeline packs them."""
+
+    grid: tuple  # (T, H, W) latents
+    channels: int
+    audio_frames: int  # L
+    audio_channels: int
+    mel_bins: int  # latent mel bins M
+
+    @property
+    def video_size(self) -> int:
+        return self.channels * math.prod(self.grid)
+
+    @property
+    def size(self) -> int:
+        return self.video_size + self.audio_frames * self.audio_channels * self.mel_bins
+
+    def split(self, x) -> tuple:
+        """(B, D) -> video (B, C, T, H, W), audio (B, C_a, L, M) (views)."""
+        video = x[:, : self.video_size].unflatten(1, (-1, self.channels)).transpose(1, 2)
+        audio = x[:, self.video_size :].unflatten(1, (self.audio_frames, self.audio_channels, self.mel_bins))
+        return video.unflatten(2, self.grid), audio.transpose(1, 2)
+
+    def join(self, video, audio):
+        """split's inverse: (B, C, T, H, W), (B, C_a, L, M) -> (B, D)."""
+        packed = video.flatten(2).transpose(1, 2).flatten(1), audio.transpose(1, 2).flatten(1)
+        return torch.cat(packed, dim=1)
+
+
+@dataclass
+class LTX2Parts(Components):
+    """Its parts: Components' (Gemma 3 as text_encoder, the video VAE as vae), the connectors, audio VAE
+    and vocoder; the recipe's guidance terms and frame rate; the layout of the sampling under way (noise()
+    records it: the generic loop carries one flat tensor, which only this says how to split)."""
+
+    connectors: torch.nn.Module = None
+    audio_vae: torch.nn.Module = None
+    vocoder: torch.nn.Module = None
+    terms: LTX2Guidance = LTX2Guidance()
+    fps: float = 24.0  # the pipeline's frame_rate (motion_speed 1: the positions' rate too)
+    layout: LTX2Layout | None = None
+
+
+def guidance_terms(cfg) -> LTX2Guidance:
+    """sample.audio_guidance, modality_guidance, guidance_rescale and stg (None: the pipeline's default);
+    audio CFG without the video's is refused (the pipeline would run the unconditional pass for the audio
+    alone, which tessera's loop, guided by sample.guidance, does not)."""
+    given = {f.name: cfg.sample[f.name] for f in fields(LTX2Guidance) if cfg.sample[f.name] is not None}
+    terms = LTX2Guidance(**{k: float(v) for k, v in given.items()})
+    if cfg.sample.guidance <= 1.0 and terms.audio_guidance > 1.0:
+        raise ValueError(
+            f"sample.audio_guidance={terms.audio_guidance} with sample.guidance={cfg.sample.guidance}: "
+            "LTX-2's audio CFG runs with the video's here; set sample.audio_guidance=1 (or sample.guidance "
+            "above 1)"
+        )
+    return terms
+
+
+def rescale(guided, pred, amount: float):
+    """diffusers' rescale_noise_cfg on (B, D) rows: the guided x0 scaled to the conditional one's std per
+    sample, mixed by `amount`."""
+    scaled = guided * (pred.std(dim=1, keepdim=True) / guided.std(dim=1, keepdim=True))
+    return amount * scaled + (1 - amount) * guided
+
+
+class LTX2(Family):
+    name, title = "ltx2", "LTX-2"
+    pipeline_classes, transformer_classes = ("LTX2Pipeline",), (TRANSFORMER_CLASS,)
+    parallel_degrees = ()  # dp only (prompts split between ranks)
+    vae_class, max_length = "AutoencoderKLLTX2Video", 1024
+    conditioning = LTX2Cond
+    trains = False
+    sample_keys = ("audio_guidance", "modality_guidance", "guidance_rescale", "stg")
+
+    def check_pretrained(self, cfg) -> None:
+        super().check_pretrained(cfg)
+        for part, wanted in PARTS.items():
+            folder = part_folder(cfg, part)
+            if not any(folder.glob(wanted)):
+                raise FileNotFoundError(
+                    f"model.pretrained: no {self.title} {part} in {folder} ({wanted} missing; part of the "
+                    "pipeline folder; tessera never downloads)"
+                )
+        guidance_terms(cfg)
+
+    def check_scheduler(self, config: dict) -> None:
+        kind = config.get("_class_name", "FlowMatchEulerDiscreteScheduler")
+        wrong = [key for key in _UNSUPPORTED if config.get(key)]
+        if config.get("num_train_timesteps", 1000) != 1000:  # the transformer is told 1000 sigma
+            wrong.append(f"num_train_timesteps={config['num_train_timesteps']}")
+        if config.get("time_shift_type", "exponential") not in ("exponential", "linear"):
+            wrong.append(f"time_shift_type={config['time_shift_type']}")
+        if kind != "FlowMatchEulerDiscreteScheduler" or wrong:
+            raise ValueError(
+                f"{self.title} samples with FlowMatchEulerDiscreteScheduler's Euler steps; the folder's "
+                f"scheduler is {kind}{' with ' + ', '.join(wrong) if wrong else ''}"
+            )
+
+    def _strides(self, cfg) -> tuple:
+        """(temporal, spatial) pixels per video latent, as AutoencoderKLLTX2Video derives them."""
+        c = read_json(part_folder(cfg, "vae") / "config.json")
+        scaled = 2 ** sum(c.get("spatio_temporal_scaling", (True,) * 4))
+        temporal = c.get("temporal_compression_ratio") or c.get("patch_size_t", 1) * scaled
+        return temporal, c.get("spatial_compression_ratio") or c.get("patch_size", 4) * scaled
+
+    def latent_space(self, cfg):
+        from models.vae import LatentSpace
+
+        space = LatentSpace()
+        space.latent_channels = read_json(part_folder(cfg, "vae") / "config.json").get("latent_channels", 128)
+        space.temporal_stride, space.spatial_stride = self._strides(cfg)
+        space.causal = True
+        return space
+
+    def vae_scale(self, cfg) -> int:
+        return self._strides(cfg)[1]
+
+    def check_size(self, cfg, frames: int, height: int, width: int) -> None:
+        temporal, _ = self._strides(cfg)
+        if height % 32 or width % 32:  # the pipeline's own check_inputs
+            raise ValueError(f"--height {height} --width {width}: {self.title} samples multiples of 32")
+        if (frames - 1) % temporal:  # the pipeline would decode another count than asked
+            raise ValueError(f"--frames {frames}: {self.title} samples 1 + a multiple of {temporal} frames")
+
+    def build(self, config: dict, cfg):
+        return build_transformer(config, cfg.model.attention_backend)
+
+    def load(self, cfg, device, dtype, transformer: bool = True, keep=None) -> LTX2Parts:
+        import transformers
+        from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video
+        from diffusers.pipelines.ltx2 import LTX2TextConnectors, vocoder
+
+        index = read_json(Path(part_folder(cfg, "connectors")).parent / "model_index.json")
+        encoder_class = getattr(
+            transformers, index.get("text_encoder", [0, "Gemma3ForConditionalGeneration"])[1]
+        )
+        vocoder_class = getattr(vocoder, index.get("vocoder", [0, "LTX2Vocoder"])[1])
+        model = self.load_transformer(cfg, dtype, keep) if transformer else None
+        loaded = [
+            encoder_class.from_pretrained(part_folder(cfg, "text_encoder"), dtype=dtype),
+            AutoencoderKLLTX2Video.from_pretrained(part_folder(cfg, "vae"), torch_dtype=dtype),
+            LTX2TextConnectors.from_pretrained(part_folder(cfg, "connectors"), torch_dtype=dtype),
+            AutoencoderKLLTX2Audio.from_pretrained(part_folder(cfg, "audio_vae"), torch_dtype=dtype),
+            vocoder_class.from_pretrained(part_folder(cfg, "vocoder"), torch_dtype=dtype),
+        ]
+        encoder, vae, connectors, audio_vae, voc = (m.eval().to(device).requires_grad_(False) for m in loaded)
+        if model is not None:
+            model = model.to(device).requires_grad_(False)
+        tokenizer = prepare_tokenizer(
+            transformers.AutoTokenizer.from_pretrained(part_folder(cfg, "tokenizer"))
+        )
+        return LTX2Parts(
+            model,
+            tokenizer,
+            encoder,
+            vae,
+            read_json(part_folder(cfg, "scheduler") / "scheduler_config.json"),
+            connectors=connectors,
+            audio_vae=audio_vae,
+            vocoder=voc,
+            terms=guidance_terms(cfg),
+            fps=float(cfg.sample.fps),
+        )
+
+    def encode(self, parts: LTX2Parts, prompts: list, max_length: int, negative: bool = False) -> LTX2Cond:
+        return encode_prompts(
+            prompts,
+            parts.tokenizer,
+            parts.text_encoder,
+            parts.connectors,
+            max_length or self.max_length,
+            parts.fps,
+        )
+
+    def noise(self, parts: LTX2Parts, seeds: list, frames: int, height: int, width: int) -> torch.Tensor:
+        """What the pipeline draws from a generator seeded with seed, one video each: the video latents,
+        then the audio latents (float32, both), packed; records the layout on parts."""
+        vae, audio_vae = parts.vae, parts.audio_vae
+        grid = ((frames - 1) // vae.temporal_compression_ratio + 1,)
+        grid += (height // vae.spatial_compression_ratio, width // vae.spatial_compression_ratio)
+        per_second = audio_vae.config.sample_rate / audio_vae.config.mel_hop_length
+        per_second /= float(audio_vae.temporal_compression_ratio)
+        layout = LTX2Layout(
+            grid=grid,
+            channels=vae.config.latent_channels,
+            audio_frames=round(frames / parts.fps * per_second),  # the pipeline's audio_num_frames
+            audio_channels=audio_vae.config.latent_channels,
+            mel_bins=audio_vae.config.mel_bins // audio_vae.mel_compression_ratio,
+        )
+        parts.layout = layout
+        rows = []
+        for seed in seeds:
+            generator = torch.Generator().manual_seed(seed)
+            video = torch.randn((1, layout.channels, *grid), generator=generator)
+            shape = (1, layout.audio_channels, layout.audio_frames, layout.mel_bins)
+            rows.append(layout.join(video, torch.randn(shape, generator=generator)))
+        return torch.cat(rows)
+
+    def schedule(self, parts: LTX2Parts, steps: int, latents: torch.Tensor) -> Schedule:
+        """The pipeline's sigmas (linspace(1, 1/steps), shifted by mu of the video token count, stretched to
+        shift_terminal), shared by both streams; the transformer is told sigma (it scales it by 1000, as
+        the scheduler's timesteps)."""
+        from models.qwen_image.sampling import sigmas
+
+        tokens = math.prod(self._layout(parts, latents).grid)
+        levels = sigmas(steps, tokens, parts.scheduler_config).to(latents.device)
+        return Schedule(levels, levels[:-1], euler(levels))
+
+    def _layout(self, parts: LTX2Parts, x) -> LTX2Layout:
+        """The layout noise() recorded, checked against the latents' size."""
+        if parts.layout is None or x.shape[1] != parts.layout.size:
+            raise ValueError(
+                f"{self.title}: latents of {tuple(x.shape)} are not the sampling's ({parts.layout})"
+            )
+        return parts.layout
+
+    def walk(self, parts: LTX2Parts, schedule: Schedule, noise, velocity, progress=None):
+        if parts.cache is not None:  # its velocity is several passes: the step cache's hooks do not fit
+            raise ValueError(f"sample.cache={parts.cache.method}: {self.title} samples without a step cache")
+        return super().walk(parts, schedule, noise, velocity, progress)
+
+    def _run(self, parts: LTX2Parts, x, t, cond: LTX2Cond, **options):
+        """One transformer pass on the flat latents -> the flat velocity in float32 (the pipeline's)."""
+        layout = self._layout(parts, x)
+        t = t.to(x.device).expand(x.shape[0])
+        video, audio = parts.transformer(*layout.split(x), t, cond, **options)
+        return layout.join(video.float(), audio.float())
+
+    def both(self, parts: LTX2Parts, x, t, cond, uncond) -> tuple:
+        """(parts, x, t, then the velocities of each pass: conditional, unconditional (None without CFG),
+        STG (None when it does not run) and modality-isolated (None when it does not run)); `guide` takes
+        them. The STG pass equals the conditional one unless the transformer's perturbed_attn (False in
+        LTX-2.0's release: diffusers then ignores the STG blocks) and it has the STG blocks: then the
+        conditional velocity stands for it, the same result with one pass fewer."""
+        terms, model = parts.terms, parts.transformer
+        v_cond = self._run(parts, x, t, cond)
+        v_uncond = None if uncond is None else self._run(parts, x, t, uncond)
+        v_stg = None
+        if terms.stg > 0:
+            blocks = [b for b in STG_BLOCKS if b < len(model.blocks)]
+            v_stg = (
+                self._run(parts, x, t, cond, stg_blocks=blocks) if model.perturbed_attn and blocks else v_cond
+            )
+        v_modality = None
+        if terms.modality_guidance > 1:
+            v_modality = self._run(parts, x, t, cond, isolate_modalities=True)
+        return parts, x, t, v_cond, v_uncond, v_stg, v_modality
+
+    def guide(self, parts: LTX2Parts, x, t, v_cond, v_uncond, v_stg, v_modality, scale: float):
+        """The pipeline's guidance, per stream in x0 = x - sigma v: the conditional x0 plus the CFG delta
+        (scale - 1)(cond - uncond) (the audio's at audio_guidance), the STG delta stg (cond - perturbed)
+        and the modality delta (modality - 1)(cond - isolated), in that order, then rescaled towards the
+        conditional x0's std (guidance_rescale > 0); back to a velocity."""
+        terms, size = parts.terms, self._layout(parts, x).video_size
+        x0 = lambda v: None if v is None else x - v * t  # noqa: E731  (t: the step's sigma)
+        passes = [x0(v) for v in (v_cond, v_uncond, v_stg, v_modality)]
+        # the pipeline's audio_guidance_scale `or` guidance_scale: 0 means the video's
+        scales = (scale, terms.audio_guidance or scale)
+        out = []
+        for rows, cfg_scale in zip((slice(0, size), slice(size, None)), scales):
+            pred, uncond, stg, isolated = (p if p is None else p[:, rows] for p in passes)
+            guided = pred
+            if uncond is not None:
+                guided = guided + (cfg_scale - 1) * (pred - uncond)
+            if stg is not None:
+                guided = guided + terms.stg * (pred - stg)
+            if isolated is not None:
+                guided = guided + (terms.modality_guidance - 1) * (pred - isolated)
+            if terms.guidance_rescale > 0:
+                guided = rescale(guided, pred, terms.guidance_rescale)
+            out.append((x[:, rows] - guided) / t)
+        return torch.cat(out, dim=1)
+
+    def guided(self, scale: float) -> bool:
+        return scale > 1.0  # the pipeline's CFG (its audio-only CFG is refused: guidance_terms)
+
+    def velocity(self, parts: LTX2Parts, x, t, cond):
+        """Without CFG: STG and modality guidance still apply, as in the pipeline."""
+        if parts.terms.audio_guidance > 1:
+            raise ValueError(
+                f"sample.audio_guidance={parts.terms.audio_guidance} without the video's CFG (guidance at "
+                "most 1): set sample.audio_guidance=1"
+            )
+        return self.guide(*self.both(parts, x, t, cond, None), 1.0)
+
+    def decode(self, parts: LTX2Parts, latents) -> torch.Tensor:
+        """The video (B, 3, T, H, W): the latents denormalised with the VAE's latents_mean, latents_std and
+        scaling_factor, decoded one sample at a time. A timestep-conditioned VAE is told the pipeline's
+        default decode_timestep 0, whose noise scale 0 leaves the latents as they are."""
+        vae = parts.vae
+        video, _ = self._layout(parts, latents).split(latents)
+        z = video.to(parts.text_encoder.dtype)  # the pipeline's cast to the text's dtype
+        view = (1, -1, 1, 1, 1)
+        mean, std = (b.view(view).to(z.device, z.dtype) for b in (vae.latents_mean, vae.latents_std))
+        z = (z * std / vae.config.scaling_factor + mean).to(vae.dtype)
+        timestep = (
+            torch.zeros(1, device=z.device, dtype=z.dtype) if vae.config.timestep_conditioning else None
+        )
+        return torch.cat([vae.decode(v[None], timestep, return_dict=False)[0] for v in z])
+
+    def decode_audio(self, parts: LTX2Parts, latents) -> tuple:
+        """(waveforms (B, channels, samples) float32, the vocoder's output_sampling_rate): the packed audio
+        latents denormalised with the audio VAE's latents_mean / latents_std, decoded to a mel spectrogram,
+        which the vocoder turns into sound; one sample at a time."""
+        layout, audio_vae = self._layout(parts, latents), parts.audio_vae
+        packed = latents[:, layout.video_size :].unflatten(1, (layout.audio_frames, -1))  # (B, L, C_a M)
+        mean, std = (
+            b.to(packed.device, packed.dtype) for b in (audio_vae.latents_mean, audio_vae.latents_std)
+        )
+        audio = (packed * std + mean).unflatten(2, (-1, layout.mel_bins)).transpose(1, 2).to(audio_vae.dtype)
+        mels = [audio_vae.decode(a[None], return_dict=False)[0] for a in audio]
+        waves = torch.cat([parts.vocoder(mel.to(parts.vocoder.dtype)) for mel in mels])
+        return waves.float(), int(parts.vocoder.config.output_sampling_rate)

@@ -1,0 +1,233 @@
+"""LTX-2 as a tessera family (models/ltx2/family.py) against diffusers' LTX2Pipeline, code no one here wrote:
+a tiny random pipeline (Gemma 3 text model with the byte-level tokenizer of tests/test_qwen_image.py,
+connectors, video and audio VAEs, vocoder, a dynamically shifted scheduler stretched to shift_terminal)
+saved and loaded through configs/ltx-2.yaml; the video frames and the sound's waveform of
+models/sampler.py generate_images against the pipeline's, per prompt, at a non-square size, with the
+pipeline's default guidance and with guidance off; the refusals by name."""
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from configs import load_config
+from models.families import family_of_folder, family_named
+from models.sampler import Sampling, generate_images
+from tests.conftest import ROOT
+
+TEXT_DIM = 32  # Gemma's width = the connectors' (4 heads x 8) = the transformer's caption_channels
+SIZE = (9, 32, 64)  # frames, height, width: 5 x 16 x 32 video latents, 9 audio latents
+STEPS, MAX_LENGTH = 3, 16
+PROMPTS, SEEDS = ["a red fox runs through snow", "waves on a beach"], [3, 11]
+NEGATIVE = "blurry"
+OFF = dict(guidance=1.0, audio_guidance=1.0, modality_guidance=1.0, stg=0.0)  # every term off
+
+
+def tiny_pipeline():
+    """A tiny random LTX2Pipeline, float32, LTX-2.0's options (perturbed_attn false, as released)."""
+    from diffusers import (
+        AutoencoderKLLTX2Audio,
+        AutoencoderKLLTX2Video,
+        FlowMatchEulerDiscreteScheduler,
+        LTX2Pipeline,
+        LTX2VideoTransformer3DModel,
+    )
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from tests.test_qwen_image import tiny_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = tiny_tokenizer()
+    text = dict(
+        hidden_size=TEXT_DIM,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=len(tokenizer),
+        sliding_window=4,
+        max_position_embeddings=256,
+    )
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+    encoder = Gemma3ForConditionalGeneration(
+        Gemma3Config(text_config=text, vision_config=dict(vision, image_size=16, patch_size=8))
+    )
+    transformer = LTX2VideoTransformer3DModel(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        cross_attention_dim=16,
+        audio_in_channels=4,  # 2 latent channels x 2 latent mel bins
+        audio_out_channels=4,
+        audio_num_attention_heads=2,
+        audio_attention_head_dim=4,
+        audio_cross_attention_dim=8,
+        num_layers=2,
+        caption_channels=TEXT_DIM,
+        rope_type="split",
+    )
+    connectors = LTX2TextConnectors(
+        caption_channels=TEXT_DIM,
+        text_proj_in_factor=3,  # Gemma's 2 layers + its embeddings
+        video_connector_num_attention_heads=4,
+        video_connector_attention_head_dim=8,
+        video_connector_num_layers=1,
+        video_connector_num_learnable_registers=None,
+        audio_connector_num_attention_heads=4,
+        audio_connector_attention_head_dim=8,
+        audio_connector_num_layers=1,
+        audio_connector_num_learnable_registers=None,
+        connector_rope_base_seq_len=32,
+        rope_type="split",
+    )
+    vae = AutoencoderKLLTX2Video(
+        latent_channels=4,
+        block_out_channels=(8,),
+        decoder_block_out_channels=(8,),
+        layers_per_block=(1,),
+        decoder_layers_per_block=(1, 1),
+        spatio_temporal_scaling=(True,),  # 2x in time and space
+        decoder_spatio_temporal_scaling=(True,),
+        decoder_inject_noise=(False, False),
+        downsample_type=("spatial",),
+        upsample_residual=(False,),
+        upsample_factor=(1,),
+        patch_size=1,
+        patch_size_t=1,
+        decoder_causal=False,
+    )
+    audio_vae = AutoencoderKLLTX2Audio(
+        base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, resolution=32, latent_channels=2,
+        mel_bins=8,
+    )  # fmt: skip
+    vocoder = LTX2Vocoder(
+        in_channels=16, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4], upsample_factors=[2, 2],
+        resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]], output_sampling_rate=16000,
+    )  # fmt: skip
+    with torch.no_grad():  # outputs of std ~1, and latents statistics that are not the identity
+        for p in transformer.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+        for stats, channels in ((vae, 4), (audio_vae, 4)):
+            stats.latents_mean.copy_(torch.randn(channels) * 0.3)
+            stats.latents_std.copy_(torch.rand(channels) + 0.5)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
+        max_image_seq_len=4096, shift_terminal=0.1, time_shift_type="exponential",
+    )  # fmt: skip
+    parts = dict(vae=vae, audio_vae=audio_vae, text_encoder=encoder, transformer=transformer)
+    parts.update(connectors=connectors, vocoder=vocoder)
+    parts = {name: module.eval() for name, module in parts.items()}
+    return LTX2Pipeline(scheduler=scheduler, tokenizer=tokenizer, **parts)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ltx2") / "pipeline"
+    with torch.random.fork_rng():
+        tiny_pipeline().save_pretrained(folder)
+    return folder
+
+
+def recipe(folder, **sample):
+    """configs/ltx-2.yaml on `folder`, with sample.KEY=VALUE overrides."""
+    overrides = [f"{key}.pretrained={folder}" for key in ("model", "vae", "text_encoder")]
+    overrides += [f"text_encoder.max_length={MAX_LENGTH}"]
+    return load_config(ROOT / "configs" / "ltx-2.yaml", overrides + [f"sample.{k}={v}" for k, v in sample.items()])
+
+
+def tessera(folder, **sample) -> tuple:
+    """(frames (B, T, H, W, 3) in [0, 1], waveforms (B, channels, samples), rate) of generate_images."""
+    cfg = recipe(folder, **sample)
+    family = family_named(cfg.model.family)
+    family.check_pretrained(cfg)
+    parts = family.load(cfg, torch.device("cpu"), torch.float32)
+    sampling = Sampling(PROMPTS, SEEDS, SIZE, STEPS, cfg.sample.guidance, NEGATIVE, MAX_LENGTH)
+    sound = []
+    frames = generate_images(family, parts, sampling, sound=sound)
+    return frames, *sound[0]
+
+
+def pipeline(folder, prompt, seed, **terms) -> tuple:
+    """(frames (T, H, W, 3), waveform (channels, samples)) of LTX2Pipeline at its defaults but `terms`."""
+    from diffusers import LTX2Pipeline
+
+    pipe = LTX2Pipeline.from_pretrained(folder, torch_dtype=torch.float32)
+    frames, height, width = SIZE
+    video, audio = pipe(
+        prompt=prompt,
+        negative_prompt=NEGATIVE,
+        num_frames=frames,
+        height=height,
+        width=width,
+        frame_rate=24.0,
+        num_inference_steps=STEPS,
+        generator=torch.Generator().manual_seed(seed),
+        output_type="np",
+        max_sequence_length=MAX_LENGTH,
+        return_dict=False,
+        **terms,
+    )
+    return video[0], audio[0].float().numpy()  # the video as numpy, the sound a tensor whatever output_type
+
+
+def compare(folder, got, terms, what):
+    frames, waves, rate = got
+    assert rate == 16000 and frames.shape == (2, *SIZE, 3) and waves.shape[:2] == (2, 2)
+    for i, (prompt, seed) in enumerate(zip(PROMPTS, SEEDS)):
+        video, audio = pipeline(folder, prompt, seed, **terms)
+        dv, da = float(np.abs(frames[i] - video).max()), float(np.abs(waves[i] - audio).max())
+        print(
+            f"{what} prompt {i}: video max abs {dv:.2e} (std {video.std():.3f}, {video.shape}), "
+            f"audio max abs {da:.2e} (std {audio.std():.3f}, {audio.shape})"
+        )
+        assert video.shape == frames[i].shape and audio.shape == waves[i].shape
+        assert video.std() > 0.05 and audio.std() > 0.01
+        assert dv <= 1e-5 and da <= 1e-5
+
+
+@torch.no_grad()
+def test_default_guidance_matches_the_pipeline(saved):
+    """The recipe's guidance (the pipeline's defaults: video CFG 3, audio CFG 7, modality 3, rescale 0.7,
+    STG 1 at block 28, a no-op under perturbed_attn false) against the pipeline called with its defaults."""
+    compare(saved, tessera(saved), {}, "default guidance")
+
+
+@torch.no_grad()
+def test_guidance_off_matches_the_pipeline(saved):
+    """Every term off: one conditional pass a step (the rescale of an unguided x0 changes nothing)."""
+    terms = dict(guidance_scale=1.0, audio_guidance_scale=1.0, modality_scale=1.0, stg_scale=0.0)
+    terms.update(audio_modality_scale=1.0, audio_stg_scale=0.0)
+    compare(saved, tessera(saved, **OFF), terms, "guidance off")
+
+
+@torch.no_grad()
+def test_modality_guidance_changes_the_video(saved):
+    """sample.modality_guidance is read: 1 (no isolated pass) gives another video and sound than 3."""
+    frames, waves, _ = tessera(saved, modality_guidance=1.0)
+    default_frames, default_waves, _ = tessera(saved)
+    assert np.abs(frames - default_frames).max() > 1e-3 and np.abs(waves - default_waves).max() > 1e-4
+
+
+def test_family_and_refusals(saved, tmp_path):
+    """The folder is LTX-2's; audio CFG without the video's, a missing vocoder, a Karras scheduler, a size
+    the pipeline refuses and the step cache are refused by name."""
+    family = family_of_folder(saved)
+    assert family is not None and family.name == "ltx2"
+    with pytest.raises(ValueError, match="sample.audio_guidance"):
+        family.check_pretrained(recipe(saved, guidance=1.0))
+    with pytest.raises(ValueError, match="use_karras_sigmas"):
+        family.check_scheduler({"use_karras_sigmas": True})
+    with pytest.raises(ValueError, match="--frames"):
+        family.check_size(recipe(saved), 8, 32, 64)
+    with pytest.raises(ValueError, match="--height"):
+        family.check_size(recipe(saved), 9, 48, 64)
+    broken = tmp_path / "broken"
+    shutil.copytree(saved, broken)
+    shutil.rmtree(broken / "vocoder")
+    with pytest.raises(FileNotFoundError, match="vocoder"):
+        family.check_pretrained(recipe(broken))
