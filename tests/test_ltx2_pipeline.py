@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from configs import load_config
-from models.families import family_of_folder, family_named
+from models.families import family_named, family_of_folder
 from models.sampler import Sampling, generate_images
 from tests.conftest import ROOT
 
@@ -24,8 +24,9 @@ NEGATIVE = "blurry"
 OFF = dict(guidance=1.0, audio_guidance=1.0, modality_guidance=1.0, stg=0.0)  # every term off
 
 
-def tiny_pipeline():
-    """A tiny random LTX2Pipeline, float32, LTX-2.0's options (perturbed_attn false, as released)."""
+def tiny_pipeline(stg: bool = False):
+    """A tiny random LTX2Pipeline, float32, LTX-2.0's options (perturbed_attn false, as released); `stg`:
+    perturbed_attn true and 29 blocks, so that the pipeline's STG pass perturbs its default block 28."""
     from diffusers import (
         AutoencoderKLLTX2Audio,
         AutoencoderKLLTX2Video,
@@ -67,9 +68,10 @@ def tiny_pipeline():
         audio_num_attention_heads=2,
         audio_attention_head_dim=4,
         audio_cross_attention_dim=8,
-        num_layers=2,
+        num_layers=29 if stg else 2,
         caption_channels=TEXT_DIM,
         rope_type="split",
+        perturbed_attn=stg,
     )
     connectors = LTX2TextConnectors(
         caption_channels=TEXT_DIM,
@@ -102,13 +104,24 @@ def tiny_pipeline():
         decoder_causal=False,
     )
     audio_vae = AutoencoderKLLTX2Audio(
-        base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, resolution=32, latent_channels=2,
+        base_channels=4,
+        output_channels=2,
+        ch_mult=(1,),
+        num_res_blocks=1,
+        resolution=32,
+        latent_channels=2,
         mel_bins=8,
-    )  # fmt: skip
+    )
     vocoder = LTX2Vocoder(
-        in_channels=16, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4], upsample_factors=[2, 2],
-        resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]], output_sampling_rate=16000,
-    )  # fmt: skip
+        in_channels=16,
+        hidden_channels=32,
+        out_channels=2,
+        upsample_kernel_sizes=[4, 4],
+        upsample_factors=[2, 2],
+        resnet_kernel_sizes=[3],
+        resnet_dilations=[[1, 3, 5]],
+        output_sampling_rate=16000,
+    )
     with torch.no_grad():  # outputs of std ~1, and latents statistics that are not the identity
         for p in transformer.parameters():
             p.copy_(torch.randn_like(p) * 0.2)
@@ -116,9 +129,14 @@ def tiny_pipeline():
             stats.latents_mean.copy_(torch.randn(channels) * 0.3)
             stats.latents_std.copy_(torch.rand(channels) + 0.5)
     scheduler = FlowMatchEulerDiscreteScheduler(
-        use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
-        max_image_seq_len=4096, shift_terminal=0.1, time_shift_type="exponential",
-    )  # fmt: skip
+        use_dynamic_shifting=True,
+        base_shift=0.95,
+        max_shift=2.05,
+        base_image_seq_len=1024,
+        max_image_seq_len=4096,
+        shift_terminal=0.1,
+        time_shift_type="exponential",
+    )
     parts = dict(vae=vae, audio_vae=audio_vae, text_encoder=encoder, transformer=transformer)
     parts.update(connectors=connectors, vocoder=vocoder)
     parts = {name: module.eval() for name, module in parts.items()}
@@ -133,20 +151,31 @@ def saved(tmp_path_factory):
     return folder
 
 
+@pytest.fixture(scope="module")
+def saved_stg(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ltx2_stg") / "pipeline"
+    with torch.random.fork_rng():
+        tiny_pipeline(stg=True).save_pretrained(folder)
+    return folder
+
+
 def recipe(folder, **sample):
     """configs/ltx-2.yaml on `folder`, with sample.KEY=VALUE overrides."""
     overrides = [f"{key}.pretrained={folder}" for key in ("model", "vae", "text_encoder")]
     overrides += [f"text_encoder.max_length={MAX_LENGTH}"]
-    return load_config(ROOT / "configs" / "ltx-2.yaml", overrides + [f"sample.{k}={v}" for k, v in sample.items()])
+    overrides += [f"sample.{key}={value}" for key, value in sample.items()]
+    return load_config(ROOT / "configs" / "ltx-2.yaml", overrides)
 
 
-def tessera(folder, **sample) -> tuple:
-    """(frames (B, T, H, W, 3) in [0, 1], waveforms (B, channels, samples), rate) of generate_images."""
+def tessera(folder, count: int = 2, **sample) -> tuple:
+    """(frames (B, T, H, W, 3) in [0, 1], waveforms (B, channels, samples), rate) of generate_images for
+    the first `count` prompts."""
     cfg = recipe(folder, **sample)
     family = family_named(cfg.model.family)
     family.check_pretrained(cfg)
     parts = family.load(cfg, torch.device("cpu"), torch.float32)
-    sampling = Sampling(PROMPTS, SEEDS, SIZE, STEPS, cfg.sample.guidance, NEGATIVE, MAX_LENGTH)
+    prompts, seeds = PROMPTS[:count], SEEDS[:count]
+    sampling = Sampling(prompts, seeds, SIZE, STEPS, cfg.sample.guidance, NEGATIVE, MAX_LENGTH)
     sound = []
     frames = generate_images(family, parts, sampling, sound=sound)
     return frames, *sound[0]
@@ -177,8 +206,9 @@ def pipeline(folder, prompt, seed, **terms) -> tuple:
 
 def compare(folder, got, terms, what):
     frames, waves, rate = got
-    assert rate == 16000 and frames.shape == (2, *SIZE, 3) and waves.shape[:2] == (2, 2)
-    for i, (prompt, seed) in enumerate(zip(PROMPTS, SEEDS)):
+    count = len(frames)
+    assert rate == 16000 and frames.shape == (count, *SIZE, 3) and waves.shape[:2] == (count, 2)
+    for i, (prompt, seed) in enumerate(zip(PROMPTS[:count], SEEDS[:count])):
         video, audio = pipeline(folder, prompt, seed, **terms)
         dv, da = float(np.abs(frames[i] - video).max()), float(np.abs(waves[i] - audio).max())
         print(
@@ -195,6 +225,17 @@ def test_default_guidance_matches_the_pipeline(saved):
     """The recipe's guidance (the pipeline's defaults: video CFG 3, audio CFG 7, modality 3, rescale 0.7,
     STG 1 at block 28, a no-op under perturbed_attn false) against the pipeline called with its defaults."""
     compare(saved, tessera(saved), {}, "default guidance")
+
+
+@torch.no_grad()
+def test_stg_pass_matches_the_pipeline(saved_stg):
+    """Under perturbed_attn true (29 blocks) STG's pass runs (block 28's self-attentions give their
+    values), and moves the video; one prompt."""
+    default = tessera(saved_stg, 1)
+    compare(saved_stg, default, {}, "default guidance, STG at block 28")
+    change = np.abs(tessera(saved_stg, 1, stg=0.0)[0] - default[0]).max()
+    print(f"STG 1 against 0: video max abs {change:.2e}")
+    assert change > 1e-3
 
 
 @torch.no_grad()
