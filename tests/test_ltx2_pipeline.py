@@ -185,7 +185,7 @@ def pipeline(folder, prompt, seed, **terms) -> tuple:
     """(frames (T, H, W, 3), waveform (channels, samples)) of LTX2Pipeline at its defaults but `terms`."""
     from diffusers import LTX2Pipeline
 
-    pipe = LTX2Pipeline.from_pretrained(folder, torch_dtype=torch.float32)
+    pipe = LTX2Pipeline.from_pretrained(folder, dtype=torch.float32)
     frames, height, width = SIZE
     video, audio = pipe(
         prompt=prompt,

@@ -174,6 +174,8 @@ class LTX2(Family):
         from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video
         from diffusers.pipelines.ltx2 import LTX2TextConnectors, vocoder
 
+        # the folder's model_index.json names the text encoder's and the vocoder's classes, as the pipeline
+        # loads them (LTX-2.0: Gemma3ForConditionalGeneration, LTX2Vocoder)
         index = read_json(Path(part_folder(cfg, "connectors")).parent / "model_index.json")
         encoder_class = getattr(
             transformers, index.get("text_encoder", [0, "Gemma3ForConditionalGeneration"])[1]
@@ -182,10 +184,10 @@ class LTX2(Family):
         model = self.load_transformer(cfg, dtype, keep) if transformer else None
         loaded = [
             encoder_class.from_pretrained(part_folder(cfg, "text_encoder"), dtype=dtype),
-            AutoencoderKLLTX2Video.from_pretrained(part_folder(cfg, "vae"), torch_dtype=dtype),
-            LTX2TextConnectors.from_pretrained(part_folder(cfg, "connectors"), torch_dtype=dtype),
-            AutoencoderKLLTX2Audio.from_pretrained(part_folder(cfg, "audio_vae"), torch_dtype=dtype),
-            vocoder_class.from_pretrained(part_folder(cfg, "vocoder"), torch_dtype=dtype),
+            AutoencoderKLLTX2Video.from_pretrained(part_folder(cfg, "vae"), dtype=dtype),
+            LTX2TextConnectors.from_pretrained(part_folder(cfg, "connectors"), dtype=dtype),
+            AutoencoderKLLTX2Audio.from_pretrained(part_folder(cfg, "audio_vae"), dtype=dtype),
+            vocoder_class.from_pretrained(part_folder(cfg, "vocoder"), dtype=dtype),
         ]
         encoder, vae, connectors, audio_vae, voc = (m.eval().to(device).requires_grad_(False) for m in loaded)
         if model is not None:
