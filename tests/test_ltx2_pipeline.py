@@ -204,11 +204,11 @@ def pipeline(folder, prompt, seed, **terms) -> tuple:
     return video[0], audio[0].float().numpy()  # the video as numpy, the sound a tensor whatever output_type
 
 
-def compare(folder, got, terms, what):
+def compare(folder, got, terms, what, seeds=SEEDS):
     frames, waves, rate = got
     count = len(frames)
     assert rate == 16000 and frames.shape == (count, *SIZE, 3) and waves.shape[:2] == (count, 2)
-    for i, (prompt, seed) in enumerate(zip(PROMPTS[:count], SEEDS[:count])):
+    for i, (prompt, seed) in enumerate(zip(PROMPTS[:count], seeds[:count])):
         video, audio = pipeline(folder, prompt, seed, **terms)
         dv, da = float(np.abs(frames[i] - video).max()), float(np.abs(waves[i] - audio).max())
         print(
@@ -221,10 +221,25 @@ def compare(folder, got, terms, what):
 
 
 @torch.no_grad()
-def test_default_guidance_matches_the_pipeline(saved):
-    """The recipe's guidance (the pipeline's defaults: video CFG 3, audio CFG 7, modality 3, rescale 0.7,
-    STG 1 at block 28, a no-op under perturbed_attn false) against the pipeline called with its defaults."""
-    compare(saved, tessera(saved), {}, "default guidance")
+def test_infer_matches_the_pipeline(saved, tmp_path):
+    """infer.py --config configs/ltx-2.yaml on the folder with the recipe's guidance (the pipeline's
+    defaults: video CFG 3, audio CFG 7, modality 3, rescale 0.7, STG 1 at block 28, a no-op under
+    perturbed_attn false), two prompts from --seed 3 (seeds 3 and 4), --output out.npy: out_00i.npy and
+    out_00i.wav beside it hold the video and the sound the pipeline gives with its defaults."""
+    import infer
+    from data.media import read_wav
+    from tests.conftest import run_main
+
+    frames, height, width = SIZE
+    argv = ["--config", str(ROOT / "configs" / "ltx-2.yaml"), f"text_encoder.max_length={MAX_LENGTH}"]
+    argv += [f"{key}.pretrained={saved}" for key in ("model", "vae", "text_encoder")]
+    argv += [f"run.output_dir={tmp_path / 'run'}", "--prompt", *PROMPTS, "--negative-prompt", NEGATIVE]
+    argv += ["--frames", str(frames), "--height", str(height), "--width", str(width), "--steps", str(STEPS)]
+    assert run_main(infer, [*argv, "--seed", "3", "--output", str(tmp_path / "out.npy")]) == 0
+    videos = np.stack([np.load(tmp_path / f"out_{i:03d}.npy") for i in range(2)])
+    sounds = [read_wav(tmp_path / f"out_{i:03d}.wav") for i in range(2)]
+    got = (videos, np.stack([wave for wave, _ in sounds]), sounds[0][1])
+    compare(saved, got, {}, "infer.py, default guidance", seeds=[3, 4])
 
 
 @torch.no_grad()
