@@ -9,14 +9,25 @@ one that stays exact with its tokens split:
   queries answered: exact under any ulysses x ring split, with no all-to-all;
 - grid_conv (Sana's 3 x 3 depthwise convolution): a rank's tokens need w + 1 neighbours on each side (one
   row and one token): they come from the adjacent ranks in one small all-gather;
-- cross (the context is whole on every rank): unchanged. Each collective is an autograd function (training).
+- self (LTX-2's video self-attention): the DiT's Ulysses and ring attention (parallel/sequence.py);
+- whole_queries (LTX-2's video-to-audio: audio queries whole on every rank, video keys and values split):
+  every rank's keys and values gathered, the padding masked;
+- cross (keys and values whole on every rank: a text, LTX-2's audio) and whole (a stream whole on every
+  rank): unchanged. Each collective is an autograd function (training).
 """
 
 import torch
 import torch.nn as nn
 
 from parallel import comm
-from parallel.sequence import SequenceGroups, SequenceState, ShardedSequence, _GatherTokens, all_to_all_dims
+from parallel.sequence import (
+    SequenceGroups,
+    SequenceParallelAttention,
+    SequenceState,
+    ShardedSequence,
+    _GatherTokens,
+    all_to_all_dims,
+)
 
 
 class SplitJointAttention(nn.Module):
@@ -147,7 +158,48 @@ class _AllReduce(torch.autograd.Function):
         return comm.all_reduce(grad.contiguous().clone(), group=ctx.group), None
 
 
-REPLACEMENTS = {"joint": SplitJointAttention, "linear": ShardedLinearAttention, "grid_conv": HaloGridConv}
+class ShardedSelfAttention(SequenceParallelAttention):
+    """Replaces a "self" operator (q, k, v (B, H, n, Dh) of this rank's tokens): the DiT's attention under
+    ulysses, ring or both, the padding masked."""
+
+    kind = "self"
+
+    def __init__(self, groups: SequenceGroups, sequence: ShardedSequence, local: nn.Module):
+        super().__init__(groups, sequence.state, local)
+
+
+class GatheredKeysAttention(nn.Module):
+    """Replaces a "whole_queries" operator: queries (B, H, L, Dh) whole on every rank, keys and values
+    (B, H, n, Dh) of this rank's tokens: every rank's gathered in rank order (the sequence's order), the
+    padding at the end masked; the output is whole, the same on every rank."""
+
+    kind = "whole_queries"
+
+    def __init__(self, groups: SequenceGroups, sequence: ShardedSequence, local: nn.Module):
+        super().__init__()
+        self.groups, self.sequence, self.kernel = groups, sequence, local.kernel
+
+    @torch.compiler.disable
+    def forward(self, q, k, v):
+        g, B = self.groups, q.shape[0]
+        H, n, Dh = k.shape[1:]
+        pair = torch.stack((k, v), dim=2).permute(0, 3, 1, 2, 4).flatten(2)  # (B, n, H 2 Dh)
+        every = _GatherTokens.apply(pair.contiguous(), g.sp_group)
+        k, v = every.view(B, g.sp_size * n, H, 2, Dh).permute(3, 0, 2, 1, 4).unbind(0)  # (B, H, N, Dh)
+        real, mask = self.sequence.state.tokens, None  # no mask when nothing is padded: the local kernel's
+        if k.shape[2] > real:
+            mask = (torch.arange(k.shape[2], device=q.device) < real).view(1, 1, 1, -1)
+        return self.kernel(q, k, v, mask)
+
+
+REPLACEMENTS = {
+    "joint": SplitJointAttention,
+    "linear": ShardedLinearAttention,
+    "grid_conv": HaloGridConv,
+    "self": ShardedSelfAttention,
+    "whole_queries": GatheredKeysAttention,
+}
+UNCHANGED = {"cross", "whole"}  # keys and values (or the whole stream) already on every rank
 
 
 def operator_kinds(model: nn.Module) -> set:
@@ -157,7 +209,7 @@ def operator_kinds(model: nn.Module) -> set:
 def check_sequence_layout(model: nn.Module, ulysses: int, ring: int, title: str) -> None:
     """Refuse by name a split the model's operators cannot stay exact under (before any collective)."""
     kinds = operator_kinds(model)
-    unknown = kinds - {*REPLACEMENTS, "cross"}
+    unknown = kinds - {*REPLACEMENTS, *UNCHANGED}
     if unknown and ulysses * ring > 1:
         raise ValueError(
             f"{title} has operators of kind {sorted(unknown)}, which no sequence split handles yet"

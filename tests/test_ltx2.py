@@ -188,16 +188,16 @@ def test_operators_are_swappable():
     }
     assert kinds == dict(
         attn1="self",
-        audio_attn1="self",
+        audio_attn1="whole",
         attn2="cross",
         audio_attn2="cross",
-        audio_to_video_attn="audio_to_video",
-        video_to_audio_attn="video_to_audio",
+        audio_to_video_attn="cross",
+        video_to_audio_attn="whole_queries",
     )
     seen = []
 
     class Spy(torch.nn.Module):
-        kind = "audio_to_video"
+        kind = "cross"
 
         def forward(self, q, k, v):
             seen.append((tuple(q.shape), tuple(k.shape)))

@@ -220,26 +220,73 @@ def compare(folder, got, terms, what, seeds=SEEDS):
         assert dv <= 1e-5 and da <= 1e-5
 
 
+def infer_args(folder, run) -> list:
+    """infer.py on `folder` with configs/ltx-2.yaml: PROMPTS, NEGATIVE, SIZE, STEPS, --seed 3."""
+    frames, height, width = SIZE
+    argv = ["--config", str(ROOT / "configs" / "ltx-2.yaml"), f"text_encoder.max_length={MAX_LENGTH}"]
+    argv += [f"{key}.pretrained={folder}" for key in ("model", "vae", "text_encoder")]
+    argv += [f"run.output_dir={run}", "--prompt", *PROMPTS, "--negative-prompt", NEGATIVE, "--seed", "3"]
+    return [
+        *argv,
+        "--frames",
+        str(frames),
+        "--height",
+        str(height),
+        "--width",
+        str(width),
+        "--steps",
+        str(STEPS),
+    ]
+
+
+def written(folder) -> tuple:
+    """(videos (B, T, H, W, 3), waveforms (B, channels, samples), rate) of infer.py's out_00i.npy / .wav."""
+    from data.media import read_wav
+
+    videos = np.stack([np.load(folder / f"out_{i:03d}.npy") for i in range(len(PROMPTS))])
+    sounds = [read_wav(folder / f"out_{i:03d}.wav") for i in range(len(PROMPTS))]
+    return videos, np.stack([wave for wave, _ in sounds]), sounds[0][1]
+
+
+@pytest.fixture(scope="module")
+def one_process(saved, tmp_path_factory):
+    """infer.py's outputs on one process (the reference of the split layouts)."""
+    import infer
+    from tests.conftest import run_main
+
+    out = tmp_path_factory.mktemp("ltx2_one")
+    assert run_main(infer, [*infer_args(saved, out / "run"), "--output", str(out / "out.npy")]) == 0
+    return written(out)
+
+
 @torch.no_grad()
-def test_infer_matches_the_pipeline(saved, tmp_path):
+def test_infer_matches_the_pipeline(saved, one_process):
     """infer.py --config configs/ltx-2.yaml on the folder with the recipe's guidance (the pipeline's
     defaults: video CFG 3, audio CFG 7, modality 3, rescale 0.7, STG 1 at block 28, a no-op under
     perturbed_attn false), two prompts from --seed 3 (seeds 3 and 4), --output out.npy: out_00i.npy and
     out_00i.wav beside it hold the video and the sound the pipeline gives with its defaults."""
-    import infer
-    from data.media import read_wav
-    from tests.conftest import run_main
+    compare(saved, one_process, {}, "infer.py, default guidance", seeds=[3, 4])
 
-    frames, height, width = SIZE
-    argv = ["--config", str(ROOT / "configs" / "ltx-2.yaml"), f"text_encoder.max_length={MAX_LENGTH}"]
-    argv += [f"{key}.pretrained={saved}" for key in ("model", "vae", "text_encoder")]
-    argv += [f"run.output_dir={tmp_path / 'run'}", "--prompt", *PROMPTS, "--negative-prompt", NEGATIVE]
-    argv += ["--frames", str(frames), "--height", str(height), "--width", str(width), "--steps", str(STEPS)]
-    assert run_main(infer, [*argv, "--seed", "3", "--output", str(tmp_path / "out.npy")]) == 0
-    videos = np.stack([np.load(tmp_path / f"out_{i:03d}.npy") for i in range(2)])
-    sounds = [read_wav(tmp_path / f"out_{i:03d}.wav") for i in range(2)]
-    got = (videos, np.stack([wave for wave, _ in sounds]), sounds[0][1])
-    compare(saved, got, {}, "infer.py, default guidance", seeds=[3, 4])
+
+LAYOUTS = {"ulysses2": (2, "parallel.ulysses=2"), "ring3": (3, "parallel.ring=3")}  # 2,560 tokens: 3 pads
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_split_video_is_one_process(saved, one_process, tmp_path, layout):
+    """The video tokens split over the ranks (the audio whole on each): under ulysses 2, and ring 3 (a
+    token count it does not divide: the padding masked in the video's self-attention and the
+    video-to-audio keys), infer.py writes one process's videos and sounds."""
+    from tests.conftest import ranks
+
+    processes, degree = LAYOUTS[layout]
+    argv = [*infer_args(saved, tmp_path / "run"), "--output", str(tmp_path / "out.npy"), degree]
+    done = ranks(processes, "infer.py", *argv, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = written(tmp_path)
+    dv, da = (float(np.abs(a - b).max()) for a, b in zip(got[:2], one_process[:2]))
+    print(f"LTX-2 {layout}: video max abs {dv:.2e}, sound {da:.2e} from one process")
+    assert got[2] == one_process[2] and dv <= 1e-5 and da <= 1e-5
 
 
 @torch.no_grad()

@@ -78,9 +78,9 @@ class PlainRMSNorm(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    """Self-attention over one stream, q, k, v (B, H, N, Dh) -> (B, H, N, Dh). The video's are this rank's
-    tokens under sequence parallelism (parallel/ replaces `attn1.inner_attention`); the audio stream is
-    whole on every rank, so `audio_attn1.inner_attention` needs no replacement."""
+    """Self-attention over the video stream, q, k, v (B, H, N, Dh) -> (B, H, N, Dh): this rank's tokens
+    under sequence parallelism (kind "self": parallel/ replaces `attn1.inner_attention` with Ulysses' or
+    ring attention)."""
 
     kind = "self"
 
@@ -90,6 +90,13 @@ class SelfAttention(nn.Module):
 
     def forward(self, q, k, v):
         return self.kernel(q, k, v)
+
+
+class AudioSelfAttention(SelfAttention):
+    """Self-attention over the audio stream, which is whole on every rank (its 126 tokens for 121 frames
+    cost less to repeat than to split): kind "whole", unchanged under sequence parallelism."""
+
+    kind = "whole"
 
 
 class TextCrossAttention(nn.Module):
@@ -108,17 +115,16 @@ class TextCrossAttention(nn.Module):
 
 class AudioToVideoAttention(TextCrossAttention):
     """Audio-to-video: queries from the video tokens (B, H, N, Dh; this rank's under sequence parallelism),
-    keys and values from the audio tokens (B, H, Na, Dh; whole on every rank); no mask."""
-
-    kind = "audio_to_video"
+    keys and values from the audio tokens (B, H, Na, Dh; whole on every rank); no mask. Kind "cross": as
+    the text's, unchanged under a split."""
 
 
 class VideoToAudioAttention(TextCrossAttention):
     """Video-to-audio: queries from the audio tokens (B, H, Na, Dh; whole on every rank), keys and values
-    from the video tokens (B, H, N, Dh; this rank's under sequence parallelism, so a split needs every
-    rank's); no mask."""
+    from the video tokens (B, H, N, Dh; this rank's under sequence parallelism); no mask. Kind
+    "whole_queries": a split gathers every rank's keys and values (parallel/operators.py)."""
 
-    kind = "video_to_audio"
+    kind = "whole_queries"
 
 
 def rotate(x, rope, heads: int, split: bool):
@@ -186,7 +192,7 @@ class LTX2Block(nn.Module):
         self.norm1, self.audio_norm1 = PlainRMSNorm(eps), PlainRMSNorm(eps)
         self.attn1 = attention(dim, heads, head_dim, dim, SelfAttention(backend))
         self.audio_attn1 = attention(
-            audio_dim, audio_heads, audio_head_dim, audio_dim, SelfAttention(backend)
+            audio_dim, audio_heads, audio_head_dim, audio_dim, AudioSelfAttention(backend)
         )
         self.norm2, self.audio_norm2 = PlainRMSNorm(eps), PlainRMSNorm(eps)
         self.attn2 = attention(dim, heads, head_dim, dim, TextCrossAttention(backend))
