@@ -1,19 +1,13 @@
 """Sequence parallelism for the families of models/family.py, by the kind of each operator (DESIGN.md,
 Model families): the model's `sequence` pads and slices the tokens after the embedding and gathers them
-before the head (parallel/sequence.py's ShardedSequence), and each operator with a `kind` is replaced by
-one that stays exact with its tokens split:
-
-- joint (Qwen-Image's MMDiT): Ulysses' all-to-all with the text's heads of this rank only, or under ring
-  every rank's image keys and values gathered: each text token counts once, padded image keys masked;
-- linear (Sana): each rank's key/value sums (padded tokens dropped) added over every rank, then its own
-  queries answered: exact under any ulysses x ring split, with no all-to-all;
-- grid_conv (Sana's 3 x 3 depthwise convolution): a rank's tokens need w + 1 neighbours on each side (one
-  row and one token): they come from the adjacent ranks in one small all-gather;
-- self (LTX-2's video self-attention): the DiT's Ulysses and ring attention (parallel/sequence.py);
-- whole_queries (LTX-2's video-to-audio: audio queries whole on every rank, video keys and values split):
-  every rank's keys and values gathered, the padding masked;
-- cross (keys and values whole on every rank: a text, LTX-2's audio) and whole (a stream whole on every
-  rank): unchanged. Each collective is an autograd function (training).
+before the head (parallel/sequence.py), and each operator with a `kind` is replaced by one that stays exact:
+- joint (MMDiT): Ulysses' all-to-all with the text's heads of this rank only, or under ring every rank's
+  image keys and values gathered; linear (Sana): key/value sums added over the ranks; grid_conv (Sana's
+  3 x 3 convolution): w + 1 neighbour tokens from the adjacent ranks;
+- self (LTX-2's video): the DiT's Ulysses / ring attention; whole_queries (LTX-2's video-to-audio: queries
+  whole on every rank, keys split): every rank's keys and values gathered;
+- cross (keys and values whole on every rank) and whole (a stream whole on every rank): unchanged.
+Padded tokens are masked everywhere; each collective is an autograd function (training).
 """
 
 import torch

@@ -250,3 +250,24 @@ def test_weight_names_and_config():
         build_transformer({**config, "rope_type": "split", "audio_num_attention_heads": 4})
     with pytest.raises(LTX2FormatError, match="LTXVideoTransformer3DModel"):
         build_transformer({**config, "_class_name": "LTXVideoTransformer3DModel"})
+
+
+def test_a_sequence_split_replaces_the_video_operators_only():
+    """parallel/operators.py apply_operators on LTX-2's transformer (a split of 2, no collective yet): the
+    video self-attention becomes the DiT's Ulysses / ring attention and video-to-audio gathers the video's
+    keys; the audio stream's self-attention, the text's and audio-to-video stay as they are."""
+    from types import SimpleNamespace
+
+    from parallel.operators import GatheredKeysAttention, ShardedSelfAttention, apply_operators
+    from parallel.sequence import ShardedSequence
+
+    _, ours = tiny_pair()
+    apply_operators(ours, SimpleNamespace(sp_size=2))
+    block = ours.blocks[0]
+    kinds = {
+        name: type(block.get_submodule(name).inner_attention) for name in ("attn1", "video_to_audio_attn")
+    }
+    assert kinds == {"attn1": ShardedSelfAttention, "video_to_audio_attn": GatheredKeysAttention}
+    assert isinstance(ours.sequence, ShardedSequence)
+    for name in ("audio_attn1", "attn2", "audio_attn2", "audio_to_video_attn"):
+        assert type(block.get_submodule(name).inner_attention).__module__ == "models.ltx2.transformer", name

@@ -334,3 +334,64 @@ def test_family_and_refusals(saved, tmp_path):
     shutil.rmtree(broken / "vocoder")
     with pytest.raises(FileNotFoundError, match="vocoder"):
         family.check_pretrained(recipe(broken))
+
+
+@torch.no_grad()
+def test_a_lora_on_both_streams_loads_as_diffusers_loads_it(saved, one_process, tmp_path):
+    """A LoRA made by PEFT on the pipeline's diffusers transformer (both streams' self- and text attention,
+    audio-to-video and video-to-audio, both feed-forwards; random B, alpha 2 r), saved in diffusers'
+    names with its config: infer.py --lora writes the video and the sound LTX2Pipeline gives after
+    load_lora_weights (and not the plain ones)."""
+    from diffusers import LTX2Pipeline
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    import infer
+    from tests.conftest import run_main
+
+    targets = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"]
+    with torch.random.fork_rng():
+        torch.manual_seed(5)
+        transformer = LTX2Pipeline.from_pretrained(saved, dtype=torch.float32).transformer
+        transformer.add_adapter(
+            LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+        )
+    state = {f"transformer.{k}": v.contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
+    assert any("audio_attn1" in k for k in state) and any("video_to_audio_attn" in k for k in state)
+    lora = tmp_path / "lora.safetensors"
+    save_file(state, str(lora))  # no config: both take alpha = r (diffusers' would need its targets)
+    out = tmp_path / "lora"
+    assert (
+        run_main(
+            infer, [*infer_args(saved, out / "run"), "--output", str(out / "out.npy"), "--lora", str(lora)]
+        )
+        == 0
+    )
+    got = written(out)
+    pipe = LTX2Pipeline.from_pretrained(saved, dtype=torch.float32)
+    pipe.load_lora_weights(str(lora))
+    frames, height, width = SIZE
+    video, audio = pipe(
+        prompt=PROMPTS[0],
+        negative_prompt=NEGATIVE,
+        num_frames=frames,
+        height=height,
+        width=width,
+        frame_rate=24.0,
+        num_inference_steps=STEPS,
+        generator=torch.Generator().manual_seed(3),
+        output_type="np",
+        max_sequence_length=MAX_LENGTH,
+        return_dict=False,
+    )
+    dv, da = (
+        float(np.abs(got[0][0] - video[0]).max()),
+        float(np.abs(got[1][0] - audio[0].float().numpy()).max()),
+    )
+    moved = (
+        float(np.abs(got[0][0] - one_process[0][0]).max()),
+        float(np.abs(got[1][0] - one_process[1][0]).max()),
+    )
+    print(f"LTX-2 LoRA: infer.py --lora vs load_lora_weights: video {dv:.2e}, sound {da:.2e}; moved {moved}")
+    assert dv <= 1e-4 and da <= 1e-5 and moved[0] > 1e-3 and moved[1] > 1e-5

@@ -226,7 +226,7 @@ def test_benchlib_measure_table_and_json(tmp_path):
 def test_family_memory_tiny_counts_every_part(tmp_path):
     """Each family's parts counted (the tiny pipelines' here): sampling the same per GPU on 1 and 8,
     training sharded (full: 20 bytes a transformer parameter over the GPUs), LoRA under full; HunyuanVideo
-    1.5's four parts in bf16, sampling only."""
+    1.5's four parts (two text encoders) in bf16 to sample, and its training rows."""
     out, results = run_tiny("family_memory.py", tmp_path)
     for family in ("Qwen-Image", "Sana"):
         found = results["families"][family]
@@ -237,8 +237,9 @@ def test_family_memory_tiny_counts_every_part(tmp_path):
         assert (one["full"] - eight["full"]) * 2**30 == pytest.approx(20 * transformer * (1 - 1 / 8))
         assert 0 < found["adapters"] < transformer and one["lora"] < one["full"]
     assert "| Qwen-Image | sampling | Qwen-Image transformer " in out
-    hunyuan = results["families"]["HunyuanVideo 1.5"]  # two text encoders; it samples, does not train yet
+    hunyuan = results["families"]["HunyuanVideo 1.5"]  # two text encoders
     assert len(hunyuan["parameters"]) == 4 and all(n > 0 for n in hunyuan["parameters"].values())
     one, eight = hunyuan["gib_per_gpu"]["1"], hunyuan["gib_per_gpu"]["8"]
-    assert set(one) == {"sample"} and one["sample"] == eight["sample"]
+    assert set(one) == {"sample", "full", "lora", "lora-latents"} and one["sample"] == eight["sample"]
+    assert one["full"] > eight["full"] > 0 and one["lora-latents"] < one["lora"] < one["full"]
     assert one["sample"] * 2**30 == pytest.approx(2 * sum(hunyuan["parameters"].values()))
