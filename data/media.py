@@ -7,6 +7,7 @@ and become [-1, 1] floats on the device (`to_model_range`).
 """
 
 import collections
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -396,6 +397,9 @@ def audio_track(container, waveform: np.ndarray, rate: int) -> tuple:
     stream = container.add_stream("aac", rate=int(rate), layout=layout)
     frame = av.AudioFrame.from_ndarray(waveform, format="fltp", layout=layout)
     frame.sample_rate = int(rate)
+    # A timestamp lets the encoder date its priming packet before 0 and the muxer hide it (an edit
+    # list); without one the sound starts 1024 samples late, out of step with the picture.
+    frame.pts, frame.time_base = 0, Fraction(1, int(rate))
     return stream, frame
 
 
