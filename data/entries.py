@@ -50,11 +50,21 @@ class _Numbers:
         return (self.data,)
 
 
+class _Flags(_Numbers):
+    """true/false (the manifest's "audio"): one int8 a sample, -1 where missing."""
+
+    def __init__(self, values: list):
+        self.data = np.array([-1 if v is None else int(v) for v in values], dtype=np.int8)
+
+    def __getitem__(self, i: int):
+        return None if self.data[i] < 0 else bool(self.data[i])
+
+
 class Entries:
     """Read-only, indexable like the list of dicts it was built from: `entries[i]` is a fresh dict (a
-    key missing from a line reads as None). Keys whose values are neither all text nor all numbers
-    (lists, mixed types: metadata tessera does not read) are not kept; data/manifest.py has already
-    checked the keys it reads."""
+    key missing from a line reads as None). Keys whose values are not all text, all numbers or all
+    true/false (lists, mixed types: metadata tessera does not read) are not kept; data/manifest.py has
+    already checked the keys it reads."""
 
     def __init__(self, dicts: list[dict]):
         keys = sorted({k for d in dicts for k in d})
@@ -64,6 +74,8 @@ class Entries:
             present = [v for v in values if v is not None]
             if present and all(isinstance(v, str) for v in present):
                 self.columns[key] = _Strings(values)
+            elif present and all(isinstance(v, bool) for v in present):
+                self.columns[key] = _Flags(values)
             elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in present):
                 try:  # all missing (images have no fps) is a number column of NaN
                     self.columns[key] = _Numbers(
@@ -87,7 +99,7 @@ class Entries:
 
     def numbers(self, key: str) -> np.ndarray:
         """A number column as one array (missing values: NaN for decimals, the int64 minimum for whole
-        numbers)."""
+        numbers; true/false columns are int8 1/0, -1 where missing)."""
         return self.columns[key].data
 
     def digest(self, exclude: tuple[str, ...] = ()) -> str:

@@ -1,9 +1,9 @@
 """Manifests: JSONL files with one sample per line, and plain folders of media with `.txt` captions.
 
 A line: {"path": "clips/0001.mp4", "caption": "...", "width": 640, "height": 360, "num_frames": 97,
-"fps": 24}. Paths are relative to the manifest's folder. The size keys let bucketing assign samples
-without opening a file; lines without them are probed at start-up (in parallel), and
-`scripts/index_folder.py` writes them once for a folder.
+"fps": 24, "audio": true, "audio_rate": 48000, "audio_channels": 2}. Paths are relative to the
+manifest's folder. The size keys let bucketing assign samples without opening a file; lines without
+them are probed at start-up (in parallel), and `scripts/index_folder.py` writes them once for a folder.
 """
 
 import json
@@ -16,6 +16,9 @@ from tqdm import tqdm
 from data.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, probe_media
 
 SIZE_KEYS = ("width", "height", "num_frames")
+# The sound track, from the headers (probe_media): "audio" true/false, its sample rate and channel count
+# (null without sound). Manifests indexed before these keys lack them; data.audio then asks for a re-index.
+AUDIO_KEYS = ("audio", "audio_rate", "audio_channels")
 
 
 # Image-to-video (model.task=i2v / flf2v): the first (last) frame a line may name instead of its clip's.
@@ -73,6 +76,12 @@ def _check_line(entry) -> str:
         if entry.get(key) is not None and not isinstance(entry[key], str):
             return f"'{key}' must be an image file's path, got {entry[key]!r}"
     for key in SIZE_KEYS:
+        value = entry.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            return f"'{key}' must be a positive whole number or null, got {value!r}"
+    if entry.get("audio") is not None and not isinstance(entry["audio"], bool):
+        return f"'audio' must be true, false or null, got {entry['audio']!r}"
+    for key in AUDIO_KEYS[1:]:
         value = entry.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             return f"'{key}' must be a positive whole number or null, got {value!r}"

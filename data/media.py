@@ -7,6 +7,7 @@ and become [-1, 1] floats on the device (`to_model_range`).
 """
 
 import collections
+import itertools
 from fractions import Fraction
 from pathlib import Path
 
@@ -187,8 +188,10 @@ def to_model_range(video: torch.Tensor) -> torch.Tensor:
 
 def probe_media(path) -> dict:
     """width and height as displayed (after EXIF orientation or a video's display rotation), num_frames
-    and fps (None for images). Videos: the headers, capped by the stream's duration; a container that
-    stores no count (mkv, webm) is counted by demuxing; only the first frame is decoded (its rotation)."""
+    and fps (None for images), and the sound track's presence, sample rate and channels (the audio,
+    audio_rate and audio_channels keys; images have none). Videos: the headers, capped by the stream's
+    duration; a container that stores no count (mkv, webm) is counted by demuxing; only the first frame
+    is decoded (its rotation)."""
     ext = Path(path).suffix.lower()
     if ext in IMAGE_EXTENSIONS:
         from PIL import Image
@@ -196,7 +199,7 @@ def probe_media(path) -> dict:
         with Image.open(path) as im:
             sideways = im.getexif().get(0x0112) in (5, 6, 7, 8)  # EXIF orientations that swap the axes
             width, height = (im.height, im.width) if sideways else (im.width, im.height)
-        return {"width": width, "height": height, "num_frames": 1, "fps": None}
+        return {"width": width, "height": height, "num_frames": 1, "fps": None, **_sound_of(None)}
     if ext not in VIDEO_EXTENSIONS:
         raise ValueError(f"unsupported file type '{ext}'")
     container, stream = _open_video(path)
@@ -212,7 +215,21 @@ def probe_media(path) -> dict:
         width, height = stream.codec_context.width, stream.codec_context.height
         if _sideways(first.rotation):
             width, height = height, width
-        return {"width": width, "height": height, "num_frames": int(frames), "fps": _native_rate(stream)}
+        return {
+            "width": width,
+            "height": height,
+            "num_frames": int(frames),
+            "fps": _native_rate(stream),
+            **_sound_of(container.streams.audio[0] if container.streams.audio else None),
+        }
+
+
+def _sound_of(stream) -> dict:
+    """The manifest's sound keys, from an audio stream's header (None: no sound track)."""
+    if stream is None:
+        return {"audio": False, "audio_rate": None, "audio_channels": None}
+    rate, channels = stream.sample_rate or None, stream.channels or None  # 0: the header does not say
+    return {"audio": True, "audio_rate": rate, "audio_channels": channels}
 
 
 def read_clip(
@@ -282,6 +299,40 @@ def read_clip(
     if len(out) < frames:
         raise ValueError(f"too short: {len(out)} of {frames} frames decoded")
     return np.stack(out)
+
+
+def read_audio(path, start: float, duration: float, rate: int) -> np.ndarray:
+    """The sound from `start` seconds for `duration` seconds, resampled to `rate`: (channels, samples)
+    float32, round(duration * rate) samples. `start` is on read_clip's clock (seconds after the video
+    stream's start), so a clip's picture and sound line up even where the tracks start apart; what
+    the track does not cover (before it starts, after it ends) is silence. No sound track: ValueError."""
+    import av
+
+    count = round(duration * rate)
+    with av.open(str(path)) as container:
+        if not container.streams.audio:
+            raise ValueError(f"{path} has no sound track (no audio stream), so it cannot give sound")
+        stream = container.streams.audio[0]
+        clock = container.streams.video[0] if container.streams.video else stream
+        base = _stream_start(clock)
+        if start > 0.1:  # a decoder starting cold garbles its first frame: start it 0.1 s early
+            container.seek(int((start - 0.1 + base) / stream.time_base), stream=stream, backward=True)
+        out = np.zeros((stream.channels, count), dtype=np.float32)
+        resampler = av.AudioResampler(format="fltp", layout=stream.layout, rate=rate)
+        position = None  # the next resampled sample's index in `out` (negative: before `start`)
+        for frame in itertools.chain(container.decode(stream), [None]):  # None: flush the resampler
+            for chunk in resampler.resample(frame):
+                if chunk.pts is not None:  # dated: the resampler keeps the input's timestamps
+                    position = round((float(chunk.pts * chunk.time_base) - base - start) * rate)
+                position = 0 if position is None else position
+                samples = chunk.to_ndarray()
+                lo, hi = max(position, 0), min(position + samples.shape[1], count)
+                if lo < hi:
+                    out[:, lo:hi] = samples[:, lo - position : hi - position]
+                position += samples.shape[1]
+            if position is not None and position >= count:
+                break
+    return out
 
 
 def _clip_start(rng, length: int | None, frames: int, rate: float, fps: float | None) -> float:
