@@ -119,9 +119,22 @@ class BucketedDataset:
                 f"\n  every file left out, and every file replaced during training, is listed in {listed_in}"
             )
         return (
-            f"{len(self)} samples in {len(counts)} of {len(self.table)} buckets{dropped}{named}\n"
-            + self.table.describe(counts)
+            f"{len(self)} samples in {len(counts)} of {len(self.table)} buckets{self.sound()}{dropped}"
+            f"{named}\n" + self.table.describe(counts)
         )
+
+    def sound(self) -> str:
+        """How many samples carry sound, from the manifest's "audio" key (scripts/index_folder.py writes
+        it): " (412 of 500 carry sound, 48 kHz)"; "" for a manifest indexed without it."""
+        if "audio" not in self.entries.columns:
+            return ""
+        flags = self.entries.numbers("audio")
+        indexed, with_sound = int((flags >= 0).sum()), int((flags == 1).sum())
+        rates = self.entries.numbers("audio_rate") if "audio_rate" in self.entries.columns else np.array([])
+        rates = sorted({int(r) for r in rates[flags == 1] if r > 0}) if len(rates) else []
+        khz = " / ".join(f"{r / 1000:g}" for r in rates[:4]) + (" / ..." if len(rates) > 4 else "")
+        unknown = f"; {len(self) - indexed} not indexed for sound" if indexed < len(self) else ""
+        return f" ({with_sound} of {indexed} carry sound{f', {khz} kHz' if rates else ''}{unknown})"
 
     def __getitem__(self, key) -> dict:
         index, epoch = key

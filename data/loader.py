@@ -37,6 +37,11 @@ def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
     """Latents (data.latents), media (data.manifest: a JSONL file or a captioned folder), or the
     synthetic demo generator. Every rank builds the same dataset from the same files."""
     dc = cfg.data
+    if dc.audio and (dc.latents or not dc.manifest):
+        raise ValueError(
+            "data.audio=true trains on clips with sound, read from data.manifest; "
+            f"{'data.latents' if dc.latents else 'the synthetic demo (no data.manifest)'} carries none"
+        )
     if dc.latents:
         from data.dataset import LatentDataset
         from data.latents import read_latent_index
@@ -62,6 +67,8 @@ def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
                 f"data.manifest='{dc.manifest}': none of its {len(unreadable)} files can be read "
                 f"({named} ...)"
             )
+        if dc.audio:
+            check_sound(dc.manifest, entries)
         dataset = MediaDataset(entries, table, dc.fps, cfg.train.seed)
         for path, why in unreadable.items():
             dataset.leave_out(path, left_out_category(why), why)
@@ -81,6 +88,32 @@ def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
         combos=train_combos(dc.synthetic_colors),
     )
     return SyntheticDataset(generator, table, cfg.train.seed)
+
+
+def check_sound(manifest, entries: list[dict], named: int = 3) -> None:
+    """data.audio=true: every clip must carry sound, as its manifest line says ("audio", written by
+    scripts/index_folder.py). Refused at start-up, before any process group, naming the first few: a
+    clip without sound would otherwise fail only when its batch comes, hours into the run."""
+    unknown = [e["path"] for e in entries if e.get("audio") is None]
+    silent = [e["path"] for e in entries if e.get("audio") is False]
+    for paths, why in (
+        (
+            unknown,
+            "do not say whether their clip carries sound: the manifest predates audio indexing; re-run "
+            "scripts/index_folder.py on its folder to record each clip's sound track",
+        ),
+        (
+            silent,
+            "name a clip without a sound track; LTX-2's audio training needs sound in every clip: "
+            "leave them out of the manifest, or set data.audio=false",
+        ),
+    ):
+        if paths:
+            listed = ", ".join(paths[:named]) + (", ..." if len(paths) > named else "")
+            raise ValueError(
+                f"data.audio=true, but {len(paths)} of the {len(entries)} lines of "
+                f"data.manifest='{manifest}' {why} ({listed})"
+            )
 
 
 def left_out_category(why: str) -> str:

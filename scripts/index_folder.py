@@ -4,7 +4,9 @@
     torchrun --nproc_per_node 8 train.py --config configs/video.yaml data.manifest=/data/clips/manifest.jsonl
 
 Sizes, frame counts and rates are probed from the headers in parallel, once, so that training assigns
-buckets without opening a file. Files without a caption or that cannot be read are left out and listed.
+buckets without opening a file; so is each clip's sound track ("audio": true/false, "audio_rate",
+"audio_channels"), which data.audio=true requires. Files without a caption or that cannot be read are
+left out and listed.
 """
 
 import argparse

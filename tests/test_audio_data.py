@@ -9,8 +9,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from configs import load_config
+from data.dataset import MediaDataset
+from data.loader import build_buckets, build_dataset
 from data.manifest import read_manifest, write_manifest
 from data.media import read_audio, write_video
+from tests.conftest import TINY
 
 RATE = 44100
 TONES = ((440.0, 0.5), (660.0, 0.25))  # (frequency, amplitude) of the left and right channels
@@ -119,3 +123,54 @@ def test_a_malformed_sound_key_is_refused_naming_the_line(tmp_path, key, value):
     )
     with pytest.raises(ValueError, match=f"m.jsonl:2: '{key}' must be"):
         read_manifest(tmp_path / "m.jsonl")
+
+
+def sized(path, **sound):
+    return {"path": path, "caption": path, "width": 16, "height": 16, "num_frames": 8, "fps": 8, **sound}
+
+
+def test_the_summary_counts_the_clips_with_sound_from_the_manifest(tmp_path):
+    """Never opens a file: the manifest's keys alone. Without them (an older manifest) it says nothing."""
+    table = build_buckets(load_config(TINY, ["data.frame_counts=[1,4]"]))
+    with_keys = [
+        sized("a.mp4", audio=True, audio_rate=48000, audio_channels=2),
+        sized("b.mp4", audio=True, audio_rate=44100, audio_channels=1),
+        sized("c.mp4", audio=False, audio_rate=None, audio_channels=None),
+        sized("d.mp4", audio=True, audio_rate=48000, audio_channels=2),
+        sized("e.mp4"),  # a line written before sound was indexed
+    ]
+    dataset = MediaDataset(with_keys, table)
+    assert dataset.entries[0]["audio"] is True and dataset.entries[2]["audio"] is False
+    assert dataset.entries[4]["audio"] is None
+    first = dataset.summary().splitlines()[0]
+    assert first == "5 samples in 1 of 2 buckets (3 of 4 carry sound, 44.1 / 48 kHz; 1 not indexed for sound)"
+    old = MediaDataset([sized(p) for p in ("a.mp4", "b.mp4")], table)
+    assert "sound" not in old.summary() and old.summary().splitlines()[0] == "2 samples in 1 of 2 buckets"
+
+
+def test_data_audio_refuses_clips_without_sound_at_start_up_naming_them(tmp_path):
+    """build_dataset runs in train.check_before_start, before any process group or model exists."""
+    lines = [sized(f"{i}.mp4", audio=i % 3 != 0) for i in range(10)]  # 0, 3, 6, 9 without sound
+    write_manifest(tmp_path / "m.jsonl", lines)
+    recipe = [f"data.manifest={tmp_path / 'm.jsonl'}", "data.frame_counts=[4]", f"run.output_dir={tmp_path}"]
+    for i in range(10):
+        (tmp_path / f"{i}.mp4").touch()  # present (stat'ed at start-up), never opened
+    cfg = load_config(TINY, recipe)
+    assert cfg.data.audio is False and len(build_dataset(cfg, build_buckets(cfg))) == 10  # the default
+    cfg = load_config(TINY, recipe + ["data.audio=true"])
+    with pytest.raises(ValueError) as refused:
+        build_dataset(cfg, build_buckets(cfg))
+    message = str(refused.value)
+    assert "data.audio=true, but 4 of the 10 lines" in message and "without a sound track" in message
+    assert f"({tmp_path}/0.mp4, {tmp_path}/3.mp4, {tmp_path}/6.mp4, ...)" in message, message
+    # A manifest indexed before sound was: re-index, it says.
+    write_manifest(tmp_path / "m.jsonl", [sized(f"{i}.mp4") for i in range(10)])
+    with pytest.raises(
+        ValueError, match="10 of the 10 lines .* predates audio indexing; re-run scripts/index_f"
+    ):
+        build_dataset(cfg, build_buckets(cfg))
+    write_manifest(tmp_path / "m.jsonl", [sized(f"{i}.mp4", audio=True) for i in range(10)])
+    assert len(build_dataset(cfg, build_buckets(cfg))) == 10
+    cfg = load_config(TINY, ["data.audio=true"])
+    with pytest.raises(ValueError, match="data.audio=true .* the synthetic demo"):
+        build_dataset(cfg, build_buckets(cfg))

@@ -58,6 +58,8 @@ def test_every_left_out_and_replaced_file_is_listed_with_its_reason(messy_folder
         in out
     )
     assert "... and 3 more" in out and f"is listed in {run_dir / 'data_report.jsonl'}" in out
+    # The clips probed at start-up say they carry no sound; the line listed with its sizes does not say.
+    assert "5 samples in 1 of 1 buckets (0 of 4 carry sound; 1 not indexed for sound); left out 13" in out
 
     report = read_data_report(run_dir)
     left_out = {r["path"].rsplit("/", 1)[1]: r for r in report if r["kind"] == "left_out"}
