@@ -41,7 +41,22 @@ CARD_BILLIONS = {
     "Sana 1600M transformer": 1.6,
     "Gemma-2-2B": 2.61,
     "HunyuanVideo 1.5 transformer": 8.3,
+    "LTX-2 transformer": 19.0,  # LTX-2's card: a 19B audio-video model
 }
+# google/gemma-3-12b-it's config.json (LTX-2's text encoder, loaded whole: Gemma3ForConditionalGeneration)
+GEMMA3_12B_TEXT = dict(
+    hidden_size=3840,
+    intermediate_size=15360,
+    num_hidden_layers=48,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=256,
+    vocab_size=262208,
+)
+GEMMA3_VISION = dict(  # its SigLIP so400m vision tower
+    hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16, image_size=896,
+    patch_size=14,
+)  # fmt: skip
 # google/byt5-small's encoder (HunyuanVideo 1.5's glyph encoder is a ByT5-small fine-tune: d_model 1472)
 BYT5_SMALL = dict(
     vocab_size=384,
@@ -61,14 +76,21 @@ def release_parts() -> dict:
     from diffusers import (
         AutoencoderDC,
         AutoencoderKLHunyuanVideo15,
+        AutoencoderKLLTX2Audio,
+        AutoencoderKLLTX2Video,
         AutoencoderKLQwenImage,
         HunyuanVideo15Transformer3DModel,
+        LTX2VideoTransformer3DModel,
         QwenImageTransformer2DModel,
         SanaTransformer2DModel,
     )
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
     from transformers import (
         Gemma2Config,
         Gemma2Model,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
         Qwen2_5_VLTextConfig,
@@ -96,6 +118,16 @@ def release_parts() -> dict:
                 "Gemma-2-2B": Gemma2Model(Gemma2Config()),  # its defaults are Gemma-2-2B's
                 "DC-AE (diffusers' defaults)": AutoencoderDC(),
             },
+            "LTX-2": {  # the video VAE last
+                "LTX-2 transformer": LTX2VideoTransformer3DModel(),
+                "Gemma-3-12B": Gemma3ForConditionalGeneration(
+                    Gemma3Config(text_config=GEMMA3_12B_TEXT, vision_config=GEMMA3_VISION)
+                ),
+                "connectors": LTX2TextConnectors(),
+                "AutoencoderKLLTX2Audio": AutoencoderKLLTX2Audio(),
+                "vocoder": LTX2Vocoder(),
+                "AutoencoderKLLTX2Video": AutoencoderKLLTX2Video(),
+            },
             "HunyuanVideo 1.5": {  # the transformer first, the VAE last (per_gpu)
                 "HunyuanVideo 1.5 transformer": HunyuanVideo15Transformer3DModel(),
                 "Qwen2.5-VL-7B text model": Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**QWEN_TEXT)),
@@ -108,6 +140,7 @@ def release_parts() -> dict:
 def tiny_parts() -> dict:
     """The tests' tiny pipelines' parts (tests/test_families.py), built here."""
     from tests.test_hunyuan_video15 import tiny_pipeline
+    from tests.test_ltx2_pipeline import tiny_pipeline as tiny_ltx2_pipeline
     from tests.test_qwen_image import tiny_qwen_pipeline
     from tests.test_sana import tiny_sana_pipeline
 
@@ -118,6 +151,9 @@ def tiny_parts() -> dict:
     }
     names = ("transformer", "text_encoder", "text_encoder_2", "vae")
     parts["HunyuanVideo 1.5"] = {f"HunyuanVideo 1.5 {part}": getattr(hunyuan, part) for part in names}
+    ltx2 = tiny_ltx2_pipeline()
+    names = ("transformer", "text_encoder", "connectors", "audio_vae", "vocoder", "vae")
+    parts["LTX-2"] = {f"LTX-2 {part}": getattr(ltx2, part) for part in names}
     return parts
 
 

@@ -242,4 +242,8 @@ def test_family_memory_tiny_counts_every_part(tmp_path):
     one, eight = hunyuan["gib_per_gpu"]["1"], hunyuan["gib_per_gpu"]["8"]
     assert set(one) == {"sample", "full", "lora", "lora-latents"} and one["sample"] == eight["sample"]
     assert one["full"] > eight["full"] > 0 and one["lora-latents"] < one["lora"] < one["full"]
+    ltx2 = results["families"]["LTX-2"]  # six parts (connectors, audio VAE, vocoder); it samples only
+    assert len(ltx2["parameters"]) == 6 and all(n > 0 for n in ltx2["parameters"].values())
+    assert set(ltx2["gib_per_gpu"]["1"]) == {"sample"}
+    assert ltx2["gib_per_gpu"]["1"]["sample"] * 2**30 == pytest.approx(2 * sum(ltx2["parameters"].values()))
     assert one["sample"] * 2**30 == pytest.approx(2 * sum(hunyuan["parameters"].values()))
