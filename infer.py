@@ -294,6 +294,7 @@ def main(argv=None, session=None):
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     family = family_named(cfg.model.family)
+    family.check_sample_keys(cfg)  # a guidance term it does not read: refused, never ignored
     if not family.native:  # loaded by family.load (tessera's DiT: load_sampler, below); one sampling loop
         return sample_family(cfg, args, family, session)
     # Every refusal comes before any model is built or any collective is issued.
@@ -370,7 +371,14 @@ def sample_family(cfg, args, family, session) -> None:
     loras = read_loras(cfg, args.lora)
     prompts, outputs, frames, height, width, steps, guidance, negative = read_sizes(cfg, args)
     images, height, width = family_images(cfg, args, family, len(prompts), height, width)
+    if images is not None and args.height is None and args.width is None:
+        _warn_on_main(
+            f"--image: sampling {width}x{height}, the size {family.title}'s image-to-video pipeline picks "
+            "for the image (sample.height and sample.width are not used with --image: give --height and "
+            "--width)"
+        )
     family.check_size(cfg, frames, height, width)
+    family.check_guidance(cfg, guidance)  # the scale this sampling uses, with the recipe's other terms
     cache = step_cache(cfg.sample, steps)
     sizes = (frames, height, width, steps, guidance, negative)
     request = Request(prompts, outputs, *sizes, [], (), cache, images)

@@ -75,6 +75,7 @@ from parallel.divergence import NonFiniteGuard
 from parallel.entrypoint import run_as_process
 from parallel.family_training import (
     FamilyVelocity,
+    check_family_inputs,
     check_family_sizes,
     check_family_training,
     family_batch,
@@ -157,6 +158,7 @@ def check_before_start(cfg) -> Plan:
     rank, world_size, _ = world_from_env()
     family = trained_family(cfg)  # None: tessera's DiT
     check_loggers(cfg)
+    check_family_inputs(cfg, family_named(cfg.model.family))
     if family is not None:  # its folder first: the layout reads its heads from it
         family.check_pretrained(cfg)
         if cfg.parallel.auto:

@@ -388,6 +388,8 @@ def write_video(path, video: np.ndarray, fps: int = 8, scale: int = 1, audio=Non
         raise ValueError(
             f"unsupported output extension '{ext}' for {path}; use one of {', '.join(OUTPUT_EXTENSIONS)}"
         )
+    if audio is not None and ext == ".mp4" and len(audio[0]) not in (1, 2):  # before any file is opened
+        raise ValueError(f"an .mp4's sound track is mono or stereo; this one has {len(audio[0])} channels")
     path.parent.mkdir(parents=True, exist_ok=True)
     if audio is not None and ext != ".mp4":
         return [*write_video(path, video, fps, scale), write_wav(path.with_suffix(".wav"), *audio)]
@@ -442,9 +444,7 @@ def audio_track(container, waveform: np.ndarray, rate: int) -> tuple:
     import av
 
     waveform = np.ascontiguousarray(np.clip(waveform, -1.0, 1.0), dtype=np.float32)
-    layout = {1: "mono", 2: "stereo"}.get(len(waveform))
-    if layout is None:
-        raise ValueError(f"an .mp4's sound track is mono or stereo; this one has {len(waveform)} channels")
+    layout = {1: "mono", 2: "stereo"}[len(waveform)]  # write_video refused any other count
     stream = container.add_stream("aac", rate=int(rate), layout=layout)
     frame = av.AudioFrame.from_ndarray(waveform, format="fltp", layout=layout)
     frame.sample_rate = int(rate)

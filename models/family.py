@@ -59,6 +59,7 @@ class Family:
     conditioning = None  # the dataclass of tensors `encode` returns (its fields shared between ranks)
     trains = True  # train.py and scripts/precompute_latents.py take it (else refused by name)
     image_to_video = False  # its image-to-video folders sample from infer.py --image (takes_images)
+    trains_audio = False  # its training reads the clips' sound (data.audio); none does yet
     # the sample.* guidance keys it reads (configs/schema.py: audio_guidance, modality_guidance,
     # guidance_rescale, stg); the others, when set, are refused by name
     sample_keys: tuple = ()
@@ -111,6 +112,20 @@ class Family:
 
     def check_scheduler(self, config: dict) -> None:
         """Refuse (ValueError) a scheduler_config.json the family's schedule does not reproduce ({}: none)."""
+
+    def check_sample_keys(self, cfg) -> None:
+        """Refuse by name a sample.* guidance term set in the recipe that the family does not read
+        (`sample_keys`), rather than ignore it (infer.py and train.py's previews, before anything starts)."""
+        for key in ("audio_guidance", "modality_guidance", "guidance_rescale", "stg"):
+            if cfg.sample[key] is not None and key not in self.sample_keys:
+                raise ValueError(
+                    f"sample.{key}={cfg.sample[key]}: tessera's {self.title} does not take this guidance "
+                    "term (configs/schema.py says which families do); unset it"
+                )
+
+    def check_guidance(self, cfg, guidance: float) -> None:
+        """Refuse (ValueError) a combination of the sampling's guidance scale (--guidance, else
+        sample.guidance) and the recipe's other terms that the family does not sample."""
 
     def heads(self, cfg) -> int | None:
         """The attention heads Ulysses splits (model.pretrained's transformer's), or None when no operator

@@ -33,11 +33,6 @@ def refuse_flags(cfg, args, family) -> None:
         )
     if not family.takes_images(cfg):
         given["--image"] = args.image
-    for key in ("audio_guidance", "modality_guidance", "guidance_rescale", "stg"):
-        if cfg.sample[key] is not None and key not in family.sample_keys:
-            raise ValueError(
-                f"sample.{key}={cfg.sample[key]}: {family.title}'s pipeline has no such guidance term"
-            )
     if cfg.sample.cache == "calibrated":
         raise ValueError(
             f"sample.cache=calibrated: scripts/calibrate_cache.py calibrates tessera's DiT only; "

@@ -41,6 +41,17 @@ def trained_family(cfg) -> Family | None:
     return None if family.native else family
 
 
+def check_family_inputs(cfg, family: Family) -> None:
+    """What any family's training (tessera's DiT's too) refuses by name before anything starts: a preview
+    guidance term it does not read, and data.audio for a family whose training reads no sound."""
+    family.check_sample_keys(cfg)
+    if cfg.data.audio and not family.trains_audio:
+        raise ValueError(
+            f"data.audio=true: tessera's {family.title} trains no sound (the clips' sound would go unused); "
+            "set data.audio=false"
+        )
+
+
 def check_family_training(cfg, family: Family, layout) -> None:
     """What a family's training refuses, by name, before any process group (after its pretrained parts
     are checked: Family.check_pretrained): image conditioning, and layouts other than dp x (ulysses or
@@ -49,6 +60,11 @@ def check_family_training(cfg, family: Family, layout) -> None:
         raise ValueError(f"{family.title} samples with infer.py; training it is not built yet")
     if cfg.model.task != "t2v":
         raise ValueError(f"model.task={cfg.model.task}: {family.title} trains from text (t2v) only")
+    if family.takes_images(cfg):
+        raise ValueError(
+            f"model.pretrained={cfg.model.pretrained} is {family.title}'s image-to-video pipeline; its "
+            "training is text-to-video only: use the text-to-video folder"
+        )
     if layout.pipefusion > 1 or layout.cfg > 1:
         raise ValueError(f"{family.title} trains under dp, parallel.ulysses and parallel.ring")
     check_sequence_layout(family.meta_transformer(cfg), layout.ulysses, layout.ring, family.title)

@@ -329,7 +329,7 @@ def test_infer_matches_the_pipeline(saved, saved_i2v, tmp_path, capsys, layout):
     assert_pipeline_videos(folder, tmp_path, image)
 
 
-def test_refusals(saved, tmp_path, capsys):
+def test_refusals(saved, saved_i2v, tmp_path, capsys):
     """What the family does not run yet: one error line naming it, before any process group."""
     import infer
     import train
@@ -343,6 +343,9 @@ def test_refusals(saved, tmp_path, capsys):
         (infer, ["parallel.pipefusion=2"], "does not sample under parallel.pipefusion=2"),
         (infer, ["--image", "x.png"], "--image: model.pretrained="),
         (train, ["model.task=i2v"], "trains from text (t2v) only"),
+        (train, [f"model.pretrained={saved_i2v}"], "training is text-to-video only"),
+        (train, ["data.audio=true"], "data.audio=true: tessera's HunyuanVideo 1.5 trains no sound"),
+        (infer, ["sample.modality_guidance=2"], "sample.modality_guidance=2.0: tessera's HunyuanVideo 1.5"),
     ]
     rescaled = tmp_path / "rescaled"  # the folder with a guider tessera does not reproduce
     shutil.copytree(saved, rescaled)

@@ -255,7 +255,8 @@ def one_process(saved, tmp_path_factory):
     from tests.conftest import run_main
 
     out = tmp_path_factory.mktemp("ltx2_one")
-    assert run_main(infer, [*infer_args(saved, out / "run"), "--output", str(out / "out.npy")]) == 0
+    argv = [*infer_args(saved, out / "run"), "--output", str(out / "out.npy"), "sample.batch_size=2"]
+    assert run_main(infer, argv) == 0  # both prompts in one batch: each video with its own sound
     return written(out)
 
 
@@ -317,13 +318,37 @@ def test_modality_guidance_changes_the_video(saved, one_process):
     assert np.abs(waves[0] - one_process[1][0]).max() > 1e-4
 
 
+def test_infer_refuses_before_loading(saved, tmp_path, capsys):
+    """infer.py refuses by name, one error line, nothing written: audio CFG without the video's
+    (--guidance 1 over the recipe's 3), and a guidance term tessera's DiT does not read."""
+    import infer
+    from tests.conftest import run_main
+
+    cases = [
+        (
+            [*infer_args(saved, tmp_path / "run"), "--guidance", "1"],
+            "sample.audio_guidance=7.0 with guidance 1",
+        ),
+        (
+            ["--config", str(ROOT / "configs" / "demo.yaml"), "--random-weights", "sample.stg=1.0"],
+            "sample.stg",
+        ),
+    ]
+    for argv, expected in cases:
+        assert run_main(infer, [*argv, "--output", str(tmp_path / "out.npy")]) != 0
+        err = capsys.readouterr().err
+        assert expected in err and err.count("error:") == 1, err
+    assert not list(tmp_path.iterdir())
+
+
 def test_family_and_refusals(saved, tmp_path):
     """The folder is LTX-2's; audio CFG without the video's, a missing vocoder, a Karras scheduler, a size
     the pipeline refuses and the step cache are refused by name."""
     family = family_of_folder(saved)
     assert family is not None and family.name == "ltx2"
-    with pytest.raises(ValueError, match="sample.audio_guidance"):
-        family.check_pretrained(recipe(saved, guidance=1.0))
+    with pytest.raises(ValueError, match="sample.audio_guidance"):  # the sampling's guidance is what counts
+        family.check_guidance(recipe(saved), 1.0)
+    family.check_guidance(recipe(saved, guidance=1.0), 3.0)  # --guidance 3 over sample.guidance=1: fine
     with pytest.raises(ValueError, match="use_karras_sigmas"):
         family.check_scheduler({"use_karras_sigmas": True})
     with pytest.raises(ValueError, match="--frames"):

@@ -9,6 +9,8 @@ import re
 
 import torch
 
+from models.family import padded
+
 # the pipeline's string carries its source's line continuations: nine spaces before each item
 SYSTEM_MESSAGE = "You are a helpful assistant. Describe the video by detailing the following aspects:"
 SYSTEM_MESSAGE += "".join(
@@ -84,9 +86,5 @@ def encode_glyphs(prompts: list, tokenizer, text_encoder, dtype) -> tuple:
         tokens = tokenizer(text, max_length=GLYPH_MAX_LENGTH, truncation=True, return_tensors="pt").to(device)
         hidden = text_encoder(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask.float())[0]
         encoded.append(hidden[0].to(dtype))
-    length = max(e.shape[0] for e in encoded)
-    glyphs = torch.zeros(len(encoded), length, text_encoder.config.d_model, device=device, dtype=dtype)
-    mask = torch.zeros(len(encoded), length, dtype=torch.bool, device=device)
-    for i, e in enumerate(encoded):
-        glyphs[i, : e.shape[0]], mask[i, : e.shape[0]] = e, True
-    return glyphs, (None if bool(mask.all()) else mask)
+    glyphs, mask = padded(encoded)
+    return glyphs, None if mask is None else mask.to(device)

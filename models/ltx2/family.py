@@ -4,8 +4,8 @@ transformers, the transformer tessera's (models/ltx2/transformer.py). The pipeli
 shifted by the video token count, one Euler step for both streams) and its guidance in x0 space: video and
 audio CFG, modality isolation and STG as deltas, then the guidance rescale. The generic loop carries one
 float32 tensor (B, D): each sample's packed video latents, then its packed audio latents (LTX2Layout).
-Sampling on one process (dp only); not built (refused by name): training, sequence and cfg parallelism,
-the step cache, image-to-video, the folder's prompt enhancer and duration head.
+Sampling under dp, ulysses or ring (the video split, the audio whole on every rank); not built (refused
+by name): training, cfg parallelism, PipeFusion, the step cache, image-to-video, the prompt enhancer.
 """
 
 import math
@@ -86,18 +86,9 @@ class LTX2Parts(Components):
 
 
 def guidance_terms(cfg) -> LTX2Guidance:
-    """sample.audio_guidance, modality_guidance, guidance_rescale and stg (None: the pipeline's default);
-    audio CFG without the video's is refused (the pipeline would run the unconditional pass for the audio
-    alone, which tessera's loop, guided by sample.guidance, does not)."""
+    """sample.audio_guidance, modality_guidance, guidance_rescale and stg (None: the pipeline's default)."""
     given = {f.name: cfg.sample[f.name] for f in fields(LTX2Guidance) if cfg.sample[f.name] is not None}
-    terms = LTX2Guidance(**{k: float(v) for k, v in given.items()})
-    if cfg.sample.guidance <= 1.0 and terms.audio_guidance > 1.0:
-        raise ValueError(
-            f"sample.audio_guidance={terms.audio_guidance} with sample.guidance={cfg.sample.guidance}: "
-            "LTX-2's audio CFG runs with the video's here; set sample.audio_guidance=1 (or sample.guidance "
-            "above 1)"
-        )
-    return terms
+    return LTX2Guidance(**{k: float(v) for k, v in given.items()})
 
 
 def rescale(guided, pred, amount: float):
@@ -125,7 +116,17 @@ class LTX2(Family):
                     f"model.pretrained: no {self.title} {part} in {folder} ({wanted} missing; part of the "
                     "pipeline folder; tessera never downloads)"
                 )
-        guidance_terms(cfg)
+
+    def check_guidance(self, cfg, guidance: float) -> None:
+        """Audio CFG without the video's (guidance at most 1) is refused: the pipeline would run the
+        unconditional pass for the audio alone, which tessera's loop (guided at the video's scale) lacks."""
+        terms = guidance_terms(cfg)
+        if guidance <= 1.0 and terms.audio_guidance > 1.0:
+            raise ValueError(
+                f"sample.audio_guidance={terms.audio_guidance} with guidance {guidance} (--guidance, else "
+                "sample.guidance): LTX-2's audio CFG runs with the video's here; set sample.audio_guidance=1 "
+                "(or the guidance above 1)"
+            )
 
     def check_scheduler(self, config: dict) -> None:
         kind = config.get("_class_name", "FlowMatchEulerDiscreteScheduler")

@@ -5,7 +5,6 @@ options) is refused by name. Its weights keep diffusers' names but `transformer_
 
 from models.ltx2.transformer import LTX2Positions, LTX2Transformer
 
-PIPELINE_CLASSES = ("LTX2Pipeline", "LTX2ImageToVideoPipeline")
 TRANSFORMER_CLASS = "LTX2VideoTransformer3DModel"
 # diffusers' defaults (LTX2VideoTransformer3DModel.__init__); the release's config.json gives them all
 DEFAULTS = dict(
