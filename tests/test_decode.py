@@ -75,7 +75,8 @@ def counter(tmp_path_factory):
 
 
 def test_probe_reads_size_frames_and_rate(counter):
-    assert probe_media(counter) == {"width": 48, "height": 32, "num_frames": 40, "fps": 8.0}
+    silent = {"audio": False, "audio_rate": None, "audio_channels": None}  # written without a sound track
+    assert probe_media(counter) == {"width": 48, "height": 32, "num_frames": 40, "fps": 8.0, **silent}
 
 
 def test_consecutive_frames_from_a_seeked_start(counter):
@@ -173,7 +174,14 @@ def test_display_rotation_and_exif_orientation(tmp_path):
     exif = Image.new("RGB", (1, 1)).getexif()
     exif[0x0112] = 6  # shown turned 90 degrees clockwise: the band comes out on top
     Image.fromarray(image).save(tmp_path / "phone.jpg", exif=exif, quality=95)
-    assert probe_media(tmp_path / "phone.jpg") == {"width": 32, "height": 64, "num_frames": 1, "fps": None}
+    silent = {"audio": False, "audio_rate": None, "audio_channels": None}  # an image has no sound
+    assert probe_media(tmp_path / "phone.jpg") == {
+        "width": 32,
+        "height": 64,
+        "num_frames": 1,
+        "fps": None,
+        **silent,
+    }
     shown = read_clip(tmp_path / "phone.jpg", 1, 64, 32)[0, ..., 0].astype(float)
     assert shown[:12].mean() > 230 and shown[20:].mean() < 25
 
