@@ -67,7 +67,7 @@ def theirs_as_pipeline(theirs, video, audio, t, cond: LTX2Cond, video_t=None, **
         encoder_hidden_states=cond.text,
         audio_encoder_hidden_states=cond.audio_text,
         timestep=timestep if video_t is None else video_t * 1000,
-        audio_timestep=None if video_t is None else timestep,
+        audio_timestep=kwargs.pop("audio_timestep", None if video_t is None else timestep),
         sigma=timestep,
         encoder_attention_mask=cond.text_mask,
         audio_encoder_attention_mask=cond.audio_text_mask,
@@ -146,6 +146,27 @@ def test_per_token_video_timestep(cross_timestep):
     cond.video_t, cond.cross_timestep = video_t, cross_timestep
     want = theirs_as_pipeline(theirs, video, audio, t, cond, video_t=video_t)
     compare(ours(video, audio, t, cond), want, f"per-token, cross_timestep={cross_timestep}")
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("cross_timestep", [True, False])
+def test_audio_sigma_of_its_own(cross_timestep):
+    """Training's draws (docs/ltx2_training.md): the audio at sigmas 0.4 and 0.9 while the video is at 0.75
+    and 0.25, told to diffusers as audio_timestep and audio_sigma; with use_cross_timestep each stream's
+    audio-video modulations read the other's sigma, without it their own."""
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        theirs, ours = tiny_pair("split")
+        video, audio, cond, t = inputs()
+    cond.audio_t, cond.cross_timestep = torch.tensor([0.4, 0.9]), cross_timestep
+    audio_sigma = cond.audio_t * 1000
+    want = theirs_as_pipeline(
+        theirs, video, audio, t, cond, audio_sigma=audio_sigma, audio_timestep=audio_sigma
+    )
+    got = ours(video, audio, t, cond)
+    compare(got, want, f"audio sigma, cross_timestep={cross_timestep}")
+    shared = ours(video, audio, t, LTX2Cond(**{**vars(cond), "audio_t": None}))
+    assert float((shared[1] - got[1]).abs().max()) > 1e-2  # the audio's sigma does reach the audio
 
 
 @torch.no_grad()

@@ -35,6 +35,9 @@ class LTX2Cond:
     # the pipeline's use_cross_timestep (its default True): the video's audio-video modulations read the
     # sample's sigma rather than its per-token video timestep (the same unless video_t is given)
     cross_timestep: bool = True
+    # (B,) the audio's own sigma, where it differs from the video's (training draws one per stream, as
+    # LTX-2's trainer does: docs/ltx2_training.md); None: t, as every pipeline samples
+    audio_t: torch.Tensor | None = None
 
 
 @dataclass
@@ -458,12 +461,14 @@ class LTX2Transformer(nn.Module):
         B = t.shape[0]
         sigma = t.float() * self.timestep_scale  # the pipeline's timestep: float32 at any model dtype
         video_t = sigma if cond.video_t is None else cond.video_t.float() * self.timestep_scale
+        audio_sigma = sigma if cond.audio_t is None else cond.audio_t.float() * self.timestep_scale
         rows = lambda x: x.view(B, -1, x.shape[-1])  # noqa: E731  (B * T, .) -> (B, T, .)
         video_temb, video_embedded = (rows(e) for e in self.time_embed(video_t.flatten(), dtype))
-        audio_temb, audio_embedded = (rows(e) for e in self.audio_time_embed(sigma, dtype))
-        # diffusers' use_cross_timestep: each stream's a2v / v2a modulations read the other stream's sigma,
-        # which the pipelines make the sample's; otherwise the video's read its (per-token) timestep
-        video_cross_t = sigma if cond.cross_timestep else video_t.flatten()
+        audio_temb, audio_embedded = (rows(e) for e in self.audio_time_embed(audio_sigma, dtype))
+        # diffusers' use_cross_timestep: each stream's a2v / v2a modulations read the other stream's sigma;
+        # otherwise each its own (the video's per token)
+        video_cross_t = audio_sigma if cond.cross_timestep else video_t.flatten()
+        audio_cross_t = sigma if cond.cross_timestep else audio_sigma
         gate_scale = self.cross_timestep_scale / self.timestep_scale
         return dict(
             video_temb=video_temb,
@@ -472,8 +477,8 @@ class LTX2Transformer(nn.Module):
             audio_embedded=audio_embedded,
             video_cross=rows(self.av_cross_attn_video_scale_shift(video_cross_t, dtype)[0]),
             video_cross_gate=rows(self.av_cross_attn_video_a2v_gate(video_cross_t * gate_scale, dtype)[0]),
-            audio_cross=rows(self.av_cross_attn_audio_scale_shift(sigma, dtype)[0]),
-            audio_cross_gate=rows(self.av_cross_attn_audio_v2a_gate(sigma * gate_scale, dtype)[0]),
+            audio_cross=rows(self.av_cross_attn_audio_scale_shift(audio_cross_t, dtype)[0]),
+            audio_cross_gate=rows(self.av_cross_attn_audio_v2a_gate(audio_cross_t * gate_scale, dtype)[0]),
         )
 
     def rotary(self, grid, audio_frames: int, fps: float, device) -> dict:
