@@ -370,8 +370,8 @@ def sample_family(cfg, args, family, session) -> None:
     checkpoint, record = family_checkpoint(cfg, args, family)
     loras = read_loras(cfg, args.lora)
     prompts, outputs, frames, height, width, steps, guidance, negative = read_sizes(cfg, args)
-    images, height, width = family_images(cfg, args, family, len(prompts), height, width)
-    if images is not None and args.height is None and args.width is None:
+    images, height, width, picked = family_images(cfg, args, family, len(prompts), height, width)
+    if picked:
         _warn_on_main(
             f"--image: sampling {width}x{height}, the size {family.title}'s image-to-video pipeline picks "
             "for the image (sample.height and sample.width are not used with --image: give --height and "

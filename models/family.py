@@ -269,9 +269,14 @@ class Family:
         """Whether model.pretrained's folder samples from a given first frame (infer.py --image)."""
         return False
 
-    def image_size(self, cfg, image) -> tuple:
-        """(height, width) its image-to-video pipeline samples for `image` (PIL) when no size is given."""
-        raise NotImplementedError
+    def needs_images(self, cfg) -> bool:
+        """Whether model.pretrained's folder samples only from a given first frame (--image required)."""
+        return self.takes_images(cfg)
+
+    def image_size(self, cfg, image) -> tuple | None:
+        """(height, width) its image-to-video pipeline samples for `image` (PIL) when no size is given;
+        None: the pipeline takes the size it is given (the recipe's)."""
+        return None
 
     def with_images(self, parts: Components, images: list, size: tuple, *conds) -> tuple:
         """`conds` (a conditioning, or None) given each sample's first frame (`images`, PIL) for a video of

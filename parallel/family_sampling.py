@@ -21,7 +21,7 @@ def refuse_flags(cfg, args, family) -> None:
     """What the family's sampling does not take yet, refused by name; an image-to-video folder without
     --image, or --image without one."""
     given = {"--last-image": args.last_image, "--random-weights": args.random_weights}
-    if family.takes_images(cfg) and not args.image:
+    if family.needs_images(cfg) and not args.image:
         raise ValueError(
             f"model.pretrained={cfg.model.pretrained} is {family.title}'s image-to-video pipeline: give the "
             "first frame with --image (a PNG or JPEG file)"
@@ -46,26 +46,27 @@ def refuse_flags(cfg, args, family) -> None:
         )
 
 
-def family_images(cfg, args, family, count: int, height: int | None, width: int | None) -> tuple:
-    """(each prompt's first frame (PIL) or None for text-to-video, height, width): --image, one for every
-    prompt or one each; without --height and --width, the size its pipeline picks for the image (all the
+def family_images(cfg, args, family, count: int, height: int, width: int) -> tuple:
+    """(each prompt's first frame (PIL) or None for text-to-video, height, width, whether the size is the
+    one its pipeline picks for the images): --image, one for every prompt or one each; without --height and
+    --width, a family whose pipeline sizes the video from the image (image_size) takes that size (all the
     images must pick the same one)."""
     from models.image_condition import load_image
 
     if not args.image:
-        return None, height, width
+        return None, height, width, False
     if len(args.image) not in (1, count):
         raise ValueError(f"--image: give one image for every prompt or one for each of the {count}")
     images = [load_image(path) for path in args.image] * (count if len(args.image) == 1 else 1)
-    if args.height is None and args.width is None:
-        sizes = {family.image_size(cfg, image) for image in images}
-        if len(sizes) > 1:
-            raise ValueError(
-                f"--image: the images' shapes pick different video sizes ({sorted(sizes)}): give --height "
-                "and --width (each image is cropped to them), or images of one shape"
-            )
-        height, width = sizes.pop()
-    return images, height, width
+    if args.height is not None or args.width is not None or family.image_size(cfg, images[0]) is None:
+        return images, height, width, False
+    sizes = {family.image_size(cfg, image) for image in images}
+    if len(sizes) > 1:
+        raise ValueError(
+            f"--image: the images' shapes pick different video sizes ({sorted(sizes)}): give --height "
+            "and --width (each image is cropped to them), or images of one shape"
+        )
+    return images, *sizes.pop(), True
 
 
 def family_checkpoint(cfg, args, family) -> tuple:

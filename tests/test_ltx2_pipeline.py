@@ -421,3 +421,46 @@ def test_a_lora_on_both_streams_loads_as_diffusers_loads_it(saved, one_process, 
     )
     print(f"LTX-2 LoRA: infer.py --lora vs load_lora_weights: video {dv:.2e}, sound {da:.2e}; moved {moved}")
     assert dv <= 1e-4 and da <= 1e-5 and moved[0] > 1e-3 and moved[1] > 1e-5
+
+
+@torch.no_grad()
+def test_image_to_video_matches_the_pipeline(saved, one_process, tmp_path):
+    """infer.py --image (the folder's one set of weights): the video and the sound LTX2ImageToVideoPipeline
+    gives from the same folder for a 64 x 40 image (re-compressed at the text encoder's CRF, resized to
+    the video, its latents on the first frame, at sigma 0 and not stepped), and not the text-to-video ones."""
+    from diffusers import LTX2ImageToVideoPipeline
+    from PIL import Image
+
+    import infer
+    from tests.conftest import run_main
+
+    pixels = np.random.default_rng(0).integers(0, 256, (40, 64, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(tmp_path / "first.png")
+    argv = [*infer_args(saved, tmp_path / "run"), "--output", str(tmp_path / "out.npy")]
+    argv += ["--image", str(tmp_path / "first.png")]
+    assert run_main(infer, argv) == 0
+    got = written(tmp_path)
+    pipe = LTX2ImageToVideoPipeline.from_pretrained(saved, dtype=torch.float32)
+    frames, height, width = SIZE
+    for i, prompt in enumerate(PROMPTS):
+        video, audio = pipe(
+            image=Image.open(tmp_path / "first.png"),
+            prompt=prompt,
+            negative_prompt=NEGATIVE,
+            num_frames=frames,
+            height=height,
+            width=width,
+            frame_rate=24.0,
+            num_inference_steps=STEPS,
+            generator=torch.Generator().manual_seed(3 + i),
+            output_type="np",
+            max_sequence_length=MAX_LENGTH,
+            return_dict=False,
+        )
+        dv = float(np.abs(got[0][i] - video[0]).max())
+        da = float(np.abs(got[1][i] - audio[0].float().numpy()).max())
+        moved = float(np.abs(got[0][i] - one_process[0][i]).max())
+        print(
+            f"LTX-2 image-to-video prompt {i}: video {dv:.2e}, sound {da:.2e}; from text-to-video {moved:.2e}"
+        )
+        assert dv <= 1e-5 and da <= 1e-5 and moved > 1e-3

@@ -4,14 +4,15 @@ transformers, the transformer tessera's (models/ltx2/transformer.py). The pipeli
 shifted by the video token count, one Euler step for both streams) and its guidance in x0 space: video and
 audio CFG, modality isolation and STG as deltas, then the guidance rescale. The generic loop carries one
 float32 tensor (B, D): each sample's packed video latents, then its packed audio latents (LTX2Layout).
-Sampling under dp, ulysses or ring (the video split, the audio whole on every rank); not built (refused
-by name): training, cfg parallelism, PipeFusion, the step cache, image-to-video, the prompt enhancer.
+Text- and image-to-video (--image: LTX2ImageToVideoPipeline's first frame) under dp, ulysses or ring; not
+built (refused by name): training, cfg parallelism, PipeFusion, the step cache, the prompt enhancer.
 """
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from models.family import Components, Family, Schedule, part_folder, read_json
@@ -50,6 +51,7 @@ class LTX2Layout:
     audio_frames: int  # L
     audio_channels: int
     mel_bins: int  # latent mel bins M
+    given: bool = False  # image-to-video: the first latent frame is the given image's, kept as it is
 
     @property
     def video_size(self) -> int:
@@ -83,6 +85,7 @@ class LTX2Parts(Components):
     terms: LTX2Guidance = LTX2Guidance()
     fps: float = 24.0  # the pipeline's frame_rate (motion_speed 1: the positions' rate too)
     layout: LTX2Layout | None = None
+    first_frames: torch.Tensor | None = None  # with_images' latents (B, C, 1, h, w), for the next noise()
 
 
 def guidance_terms(cfg) -> LTX2Guidance:
@@ -105,6 +108,7 @@ class LTX2(Family):
     vae_class, max_length = "AutoencoderKLLTX2Video", 1024
     conditioning = LTX2Cond
     trains = False
+    image_to_video = True  # --image: LTX2ImageToVideoPipeline's first frame (the same weights)
     sample_keys = ("audio_guidance", "modality_guidance", "guidance_rescale", "stg")
 
     def check_pretrained(self, cfg) -> None:
@@ -234,14 +238,48 @@ class LTX2(Family):
             audio_channels=audio_vae.config.latent_channels,
             mel_bins=audio_vae.config.mel_bins // audio_vae.mel_compression_ratio,
         )
-        parts.layout = layout
+        first, parts.first_frames = parts.first_frames, None  # image-to-video's, taken once
+        parts.layout = layout = replace(layout, given=first is not None)
         rows = []
-        for seed in seeds:
+        for i, seed in enumerate(seeds):
             generator = torch.Generator().manual_seed(seed)
             video = torch.randn((1, layout.channels, *grid), generator=generator)
+            if first is not None:  # the pipeline's init * mask + noise * (1 - mask): the image's frame
+                video[:, :, :1] = first[i : i + 1].to(video)
             shape = (1, layout.audio_channels, layout.audio_frames, layout.mel_bins)
             rows.append(layout.join(video, torch.randn(shape, generator=generator)))
         return torch.cat(rows)
+
+    def takes_images(self, cfg) -> bool:
+        return True  # one set of weights samples from text, or from a first frame and text
+
+    def needs_images(self, cfg) -> bool:
+        return False
+
+    def with_images(self, parts: LTX2Parts, images: list, size: tuple, *conds) -> tuple:
+        """LTX2ImageToVideoPipeline's first frames: each image re-compressed as its training's were (H.264 at
+        the text encoder generation's CRF), resized to the video, encoded (the posterior's mode) and
+        normalised; noise() puts them on the first latent frame. The conditionings are unchanged."""
+        from diffusers.pipelines.ltx2.utils import apply_image_conditioning_crf, resolve_default_image_crf
+        from diffusers.video_processor import VideoProcessor
+        from PIL import Image
+
+        _, height, width = size
+        vae, crf = parts.vae, resolve_default_image_crf(parts.text_encoder)
+        processor = VideoProcessor(vae_scale_factor=vae.spatial_compression_ratio, resample="bilinear")
+        first = []
+        for image in images:
+            if crf != 0:
+                image = Image.fromarray(apply_image_conditioning_crf(np.array(image.convert("RGB")), crf))
+            pixels = processor.preprocess(image, height=height, width=width)  # (1, 3, H, W) in [-1, 1]
+            pixels = pixels.to(vae.device, parts.text_encoder.dtype).to(vae.dtype)  # the pipeline's casts
+            with torch.no_grad():
+                first.append(vae.encode(pixels.unsqueeze(2)).latent_dist.mode())
+        z = torch.cat(first).float()
+        view = (1, -1, 1, 1, 1)
+        mean, std = (b.view(view).to(z) for b in (vae.latents_mean, vae.latents_std))
+        parts.first_frames = (z - mean) / std  # the pipeline normalises at scaling factor 1
+        return conds
 
     def schedule(self, parts: LTX2Parts, steps: int, latents: torch.Tensor) -> Schedule:
         """The pipeline's sigmas (linspace(1, 1/steps), shifted by mu of the video token count, stretched to
@@ -270,6 +308,10 @@ class LTX2(Family):
         """One transformer pass on the flat latents -> the flat velocity in float32 (the pipeline's)."""
         layout = self._layout(parts, x)
         t = t.to(x.device).expand(x.shape[0])
+        if layout.given:  # the given frame's tokens at sigma 0 (the pipeline's per-token video timestep)
+            given = torch.zeros(layout.grid, device=x.device)
+            given[0] = 1
+            cond = replace(cond, video_t=t.float()[:, None] * (1 - given.flatten())[None])
         video, audio = parts.transformer(*layout.split(x), t, cond, **options)
         return layout.join(video.float(), audio.float())
 
@@ -298,7 +340,8 @@ class LTX2(Family):
         (scale - 1)(cond - uncond) (the audio's at audio_guidance), the STG delta stg (cond - perturbed)
         and the modality delta (modality - 1)(cond - isolated), in that order, then rescaled towards the
         conditional x0's std (guidance_rescale > 0); back to a velocity."""
-        terms, size = parts.terms, self._layout(parts, x).video_size
+        terms, layout = parts.terms, self._layout(parts, x)
+        size = layout.video_size
         x0 = lambda v: None if v is None else x - v * t  # noqa: E731  (t: the step's sigma)
         passes = [x0(v) for v in (v_cond, v_uncond, v_stg, v_modality)]
         # the pipeline's audio_guidance_scale `or` guidance_scale: 0 means the video's
@@ -316,6 +359,8 @@ class LTX2(Family):
             if terms.guidance_rescale > 0:
                 guided = rescale(guided, pred, terms.guidance_rescale)
             out.append((x[:, rows] - guided) / t)
+        if layout.given:  # the pipeline steps the frames after the given one only
+            out[0][:, : math.prod(layout.grid[1:]) * layout.channels] = 0
         return torch.cat(out, dim=1)
 
     def guided(self, scale: float) -> bool:
