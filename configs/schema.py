@@ -136,8 +136,8 @@ class DataConfig:
     # a manifest whose missing files (probed, or stat'ed where its lines carry sizes) exceed this share of
     # its files is refused at start-up (a wrong path or an unmounted disk); below it, training goes on
     max_missing_fraction: float = 0.2
-    # clips must carry sound (LTX-2's audio training); a clip without it is refused when the data is
-    # indexed/loaded, naming it: at start-up, from the manifest's "audio" key (scripts/index_folder.py)
+    # clips must carry sound (for a family whose training reads it: none yet, so refused by name); a clip
+    # without it is refused at start-up, naming it, from the manifest's "audio" key (scripts/index_folder.py)
     audio: bool = False
     num_workers: int = 2
     synthetic_samples: int = 4096  # size of one epoch of the synthetic dataset

@@ -119,7 +119,7 @@ class Family:
         for key in ("audio_guidance", "modality_guidance", "guidance_rescale", "stg"):
             if cfg.sample[key] is not None and key not in self.sample_keys:
                 raise ValueError(
-                    f"sample.{key}={cfg.sample[key]}: tessera's {self.title} does not take this guidance "
+                    f"sample.{key}={cfg.sample[key]}: {self.title} takes no such guidance "
                     "term (configs/schema.py says which families do); unset it"
                 )
 
@@ -280,7 +280,8 @@ class Family:
 
     def with_images(self, parts: Components, images: list, size: tuple, *conds) -> tuple:
         """`conds` (a conditioning, or None) given each sample's first frame (`images`, PIL) for a video of
-        `size` (frames, height, width), as its image-to-video pipeline gives them."""
+        `size` (frames, height, width), as its image-to-video pipeline gives them. models/sampler.py calls it
+        before `noise`, which a family may have read what it keeps on `parts` (LTX-2's first latent frame)."""
         raise NotImplementedError
 
     def store_conditioning(self, cond) -> list[dict]:

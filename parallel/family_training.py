@@ -43,12 +43,15 @@ def trained_family(cfg) -> Family | None:
 
 def check_family_inputs(cfg, family: Family) -> None:
     """What any family's training (tessera's DiT's too) refuses by name before anything starts: a preview
-    guidance term it does not read, and data.audio for a family whose training reads no sound."""
+    guidance term it does not read, and data.audio for a family whose training reads no sound; a family
+    whose training is not built, first."""
+    if not family.trains:
+        raise ValueError(f"{family.title} samples with infer.py; training it is not built yet")
     family.check_sample_keys(cfg)
     if cfg.data.audio and not family.trains_audio:
         raise ValueError(
-            f"data.audio=true: tessera's {family.title} trains no sound (the clips' sound would go unused); "
-            "set data.audio=false"
+            f"data.audio=true: the training of {family.title} reads no sound (the clips' sound would go "
+            "unused); set data.audio=false"
         )
 
 
@@ -56,11 +59,9 @@ def check_family_training(cfg, family: Family, layout) -> None:
     """What a family's training refuses, by name, before any process group (after its pretrained parts
     are checked: Family.check_pretrained): image conditioning, and layouts other than dp x (ulysses or
     ring)."""
-    if not family.trains:
-        raise ValueError(f"{family.title} samples with infer.py; training it is not built yet")
     if cfg.model.task != "t2v":
         raise ValueError(f"model.task={cfg.model.task}: {family.title} trains from text (t2v) only")
-    if family.takes_images(cfg):
+    if family.needs_images(cfg):  # a folder that samples only from a first frame
         raise ValueError(
             f"model.pretrained={cfg.model.pretrained} is {family.title}'s image-to-video pipeline; its "
             "training is text-to-video only: use the text-to-video folder"

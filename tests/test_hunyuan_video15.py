@@ -344,8 +344,12 @@ def test_refusals(saved, saved_i2v, tmp_path, capsys):
         (infer, ["--image", "x.png"], "--image: model.pretrained="),
         (train, ["model.task=i2v"], "trains from text (t2v) only"),
         (train, [f"model.pretrained={saved_i2v}"], "training is text-to-video only"),
-        (train, ["data.audio=true"], "data.audio=true: tessera's HunyuanVideo 1.5 trains no sound"),
-        (infer, ["sample.modality_guidance=2"], "sample.modality_guidance=2.0: tessera's HunyuanVideo 1.5"),
+        (train, ["data.audio=true"], "data.audio=true: the training of HunyuanVideo 1.5 reads no sound"),
+        (
+            infer,
+            ["sample.modality_guidance=2"],
+            "sample.modality_guidance=2.0: HunyuanVideo 1.5 takes no such guidance",
+        ),
     ]
     rescaled = tmp_path / "rescaled"  # the folder with a guider tessera does not reproduce
     shutil.copytree(saved, rescaled)

@@ -103,7 +103,8 @@ def rescale(guided, pred, amount: float):
 
 class LTX2(Family):
     name, title = "ltx2", "LTX-2"
-    pipeline_classes, transformer_classes = ("LTX2Pipeline",), (TRANSFORMER_CLASS,)
+    pipeline_classes = ("LTX2Pipeline", "LTX2ImageToVideoPipeline")
+    transformer_classes = (TRANSFORMER_CLASS,)
     parallel_degrees = ("ulysses", "ring")  # the video split, the audio whole on every rank (not cfg yet)
     vae_class, max_length = "AutoencoderKLLTX2Video", 1024
     conditioning = LTX2Cond

@@ -32,8 +32,8 @@ class LTX2Cond:
     fps: float = 24.0  # the frame rate the video positions are in: the pipeline's frame_rate / motion_speed
     # (B, T*H*W) per video token sigma (image-to-video: 0 on the given frames); None: t on every token
     video_t: torch.Tensor | None = None
-    # the pipeline's use_cross_timestep (its default True): the video's audio-video modulations read the
-    # sample's sigma rather than its per-token video timestep (the same unless video_t is given)
+    # the pipeline's use_cross_timestep (its default True): each stream's audio-video modulations read the
+    # other stream's sigma (the audio's: audio_t, else t) rather than its own (the video's per token)
     cross_timestep: bool = True
     # (B,) the audio's own sigma, where it differs from the video's (training draws one per stream, as
     # LTX-2's trainer does: docs/ltx2_training.md); None: t, as every pipeline samples
@@ -411,7 +411,8 @@ class LTX2Transformer(nn.Module):
         self, video, audio, t, cond: LTX2Cond, stg_blocks=(), perturbation_mask=None, isolate_modalities=False
     ):
         """video (B, C, T, H, W), audio (B, C, L, M) latents; t (B,) sigma (diffusers' timestep / 1000, the
-        audio's, and the video's unless cond.video_t) -> velocities (video, audio) in the same layouts.
+        audio's unless cond.audio_t, the video's unless cond.video_t) -> velocities (video, audio) in the same
+        layouts.
         stg_blocks: the blocks whose self-attentions STG skips (diffusers' spatio_temporal_guidance_blocks),
         perturbation_mask (B,): 1 keeps a sample's attention, 0 perturbs it (None: every sample perturbed);
         isolate_modalities: no audio-video cross-attention (the pipeline's modality-guidance pass)."""
