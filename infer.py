@@ -111,6 +111,12 @@ def parse_args(argv):
         help="image-to-video (model.task=i2v or flf2v): the first frame, one for every prompt or one each",
     )
     p.add_argument("--last-image", nargs="+", default=None, help="FLF2V (model.task=flf2v): the last frame")
+    p.add_argument(
+        "--no-audio",
+        action="store_true",
+        help="a family that samples sound (LTX-2): write the video without it (the same video: its sound is "
+        "sampled beside it, but neither decoded nor written)",
+    )
     parsed = p.parse_args(args)
     parsed.overrides = overrides
     return parsed
@@ -295,6 +301,8 @@ def main(argv=None, session=None):
     cfg = load_config(args.config, args.overrides)
     family = family_named(cfg.model.family)
     family.check_sample_keys(cfg)  # a guidance term it does not read: refused, never ignored
+    if args.no_audio and not family.samples_audio:
+        raise ValueError(f"--no-audio: {family.title} samples no sound to leave out")
     if not family.native:  # loaded by family.load (tessera's DiT: load_sampler, below); one sampling loop
         return sample_family(cfg, args, family, session)
     # Every refusal comes before any model is built or any collective is issued.

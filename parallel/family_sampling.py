@@ -163,7 +163,7 @@ def family_batches(cfg, args, runtime, request, family, parts, denoise_with):
 
     def sample_batch(batch: list, progress) -> tuple:
         runtime.watchdog.sampling_progress(0, request.steps)  # each step has a deadline from here on
-        sound = []  # a family that samples sound: the batch's (waveforms, rate)
+        sound = None if args.no_audio else []  # a family that samples sound: the batch's (waveforms, rate)
         sampling = request.sampling(batch, args.seed, cfg)
         done = checked(generate_images, family, parts, sampling, progress, denoise_with, sound=sound)
         count_full_calls(sample_batch, request.cache, runtime.sampling, runtime.device, len(batch))

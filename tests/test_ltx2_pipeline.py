@@ -346,6 +346,23 @@ def test_modality_guidance_changes_the_video(saved, one_process):
     assert np.abs(waves[0] - one_process[1][0]).max() > 1e-4
 
 
+def test_no_audio_writes_the_same_video_alone(saved, one_process, tmp_path):
+    """--no-audio: the same videos (the sound is sampled beside them, as it must be, then neither decoded
+    nor written): no .wav."""
+    import infer
+    from tests.conftest import run_main
+
+    argv = [
+        *infer_args(saved, tmp_path / "run"),
+        "--output",
+        str(tmp_path / "out.npy"),
+        "sample.batch_size=2",
+    ]
+    assert run_main(infer, [*argv, "--no-audio"]) == 0
+    videos = np.stack([np.load(tmp_path / f"out_{i:03d}.npy") for i in range(len(PROMPTS))])
+    assert not list(tmp_path.glob("*.wav")) and np.array_equal(videos, one_process[0])
+
+
 def test_infer_refuses_before_loading(saved, tmp_path, capsys):
     """infer.py and train.py refuse by name, one error line, nothing written: audio CFG without the
     video's (--guidance 1 over the recipe's 3), a guidance term tessera's DiT does not read, and LTX-2's
@@ -365,7 +382,12 @@ def test_infer_refuses_before_loading(saved, tmp_path, capsys):
             infer,
             ["--config", str(ROOT / "configs" / "demo.yaml"), "--random-weights", "sample.stg=1.0", *out],
             "sample.stg=1.0: tessera's DiT (Wan 2.1 / 2.2) takes no such guidance",
-        ),  # fmt: skip
+        ),
+        (
+            infer,
+            ["--config", str(ROOT / "configs" / "demo.yaml"), "--random-weights", "--no-audio", *out],
+            "--no-audio: tessera's DiT (Wan 2.1 / 2.2) samples no sound",
+        ),
         (
             train,
             [*infer_args(saved, tmp_path / "run")[:7], "data.audio=true"],

@@ -110,6 +110,7 @@ class LTX2(Family):
     conditioning = LTX2Cond
     trains = False
     image_to_video = True  # --image: LTX2ImageToVideoPipeline's first frame (the same weights)
+    samples_audio = True
     sample_keys = ("audio_guidance", "modality_guidance", "guidance_rescale", "stg")
 
     def check_pretrained(self, cfg) -> None:
