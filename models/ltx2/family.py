@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from models.family import Components, Family, Schedule, part_folder, read_json
-from models.loop import euler
+from models.loop import UNSUPPORTED, euler, sigmas
 from models.ltx2.text import encode_prompts, prepare_tokenizer
 from models.ltx2.transformer import LTX2Cond
 from models.ltx2.weights import TRANSFORMER_CLASS, build_transformer
@@ -24,8 +24,6 @@ from models.ltx2.weights import TRANSFORMER_CLASS, build_transformer
 # the diffusers parts besides Family.check_pretrained's, each with the file that says it is there
 PARTS = dict(connectors="config.json", audio_vae="config.json", vocoder="config.json")
 STG_BLOCKS = (28,)  # the pipeline's default spatio_temporal_guidance_blocks
-_UNSUPPORTED = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas",
-                "stochastic_sampling")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -136,7 +134,7 @@ class LTX2(Family):
 
     def check_scheduler(self, config: dict) -> None:
         kind = config.get("_class_name", "FlowMatchEulerDiscreteScheduler")
-        wrong = [key for key in _UNSUPPORTED if config.get(key)]
+        wrong = [key for key in UNSUPPORTED if config.get(key)]
         if config.get("num_train_timesteps", 1000) != 1000:  # the transformer is told 1000 sigma
             wrong.append(f"num_train_timesteps={config['num_train_timesteps']}")
         if config.get("time_shift_type", "exponential") not in ("exponential", "linear"):
@@ -287,8 +285,6 @@ class LTX2(Family):
         """The pipeline's sigmas (linspace(1, 1/steps), shifted by mu of the video token count, stretched to
         shift_terminal), shared by both streams; the transformer is told sigma (it scales it by 1000, as
         the scheduler's timesteps)."""
-        from models.qwen_image.sampling import sigmas
-
         tokens = math.prod(self._layout(parts, latents).grid)
         levels = sigmas(steps, tokens, parts.scheduler_config).to(latents.device)
         return Schedule(levels, levels[:-1], euler(levels))

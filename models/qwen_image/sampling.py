@@ -1,66 +1,13 @@
 """Qwen-Image's sampling pieces, as diffusers' QwenImagePipeline does them: the noise, the schedule (its
 sigmas with the resolution-dependent shift, then plain Euler steps), true CFG with the per-token norm
-rescale, and the latent normalisation with the VAE config's latents_mean / latents_std.
+rescale, and the latent normalisation with the VAE config's latents_mean / latents_std. The schedule is
+FlowMatchEulerDiscreteScheduler's, shared in models/loop.py (LTX-2's too).
 """
 
-import math
-
-import numpy as np
 import torch
 
+from models.loop import calculate_shift, sigmas  # noqa: F401  (Qwen-Image's schedule)
 from models.qwen_image.transformer import pack_latents, unpack_latents
-
-# FlowMatchEulerDiscreteScheduler's defaults for the keys the schedule reads; a scheduler_config.json
-# overrides them (Qwen-Image's: dynamic shifting, max_image_seq_len 8192, max_shift 0.9, shift_terminal
-# 0.02 at release).
-SCHEDULER_DEFAULTS = dict(
-    num_train_timesteps=1000,
-    shift=1.0,
-    use_dynamic_shifting=False,
-    base_shift=0.5,
-    max_shift=1.15,
-    base_image_seq_len=256,
-    max_image_seq_len=4096,
-    shift_terminal=None,
-    time_shift_type="exponential",
-)
-_UNSUPPORTED = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas",
-                "stochastic_sampling")  # fmt: skip
-
-
-def calculate_shift(image_tokens: int, base_seq_len=256, max_seq_len=4096, base_shift=0.5, max_shift=1.15):
-    """mu, linear in the image token count between (base_seq_len, base_shift) and (max_seq_len, max_shift)."""
-    slope = (max_shift - base_shift) / (max_seq_len - base_seq_len)
-    return image_tokens * slope + (base_shift - slope * base_seq_len)
-
-
-def sigmas(steps: int, image_tokens: int, scheduler_config: dict | None = None) -> torch.Tensor:
-    """The noise levels of `steps` Euler steps, then 0: (steps + 1,) float32. The pipeline's
-    linspace(1, 1/steps, steps), shifted as the scheduler does (dynamic: exp(mu) / (exp(mu) + 1/s - 1)
-    with mu = calculate_shift(image_tokens); else the static shift), then stretched to end at
-    shift_terminal if set. In float32 numpy, in diffusers' order of operations."""
-    config = {**SCHEDULER_DEFAULTS, **(scheduler_config or {})}
-    wrong = [key for key in _UNSUPPORTED if config.get(key)]
-    if wrong or config["time_shift_type"] not in ("exponential", "linear"):
-        raise ValueError(f"Qwen-Image's schedule does not support {wrong or config['time_shift_type']}")
-    s = np.linspace(1.0, 1 / steps, steps).astype(np.float32)
-    if config["use_dynamic_shifting"]:
-        mu = calculate_shift(
-            image_tokens,
-            config["base_image_seq_len"],
-            config["max_image_seq_len"],
-            config["base_shift"],
-            config["max_shift"],
-        )
-        e = math.exp(mu) if config["time_shift_type"] == "exponential" else mu
-        s = e / (e + (1 / s - 1) ** 1.0)
-    else:
-        shift = config["shift"]
-        s = shift * s / (1 + (shift - 1) * s)
-    if config["shift_terminal"]:
-        one_minus = 1 - s
-        s = 1 - one_minus / (one_minus[-1] / (1 - config["shift_terminal"]))
-    return torch.cat([torch.from_numpy(s).to(torch.float32), torch.zeros(1)])
 
 
 def image_tokens(height: int, width: int, patch: int = 2) -> int:
