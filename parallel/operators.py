@@ -24,6 +24,16 @@ from parallel.sequence import (
 )
 
 
+def gather_keys_values(k, v, groups: SequenceGroups) -> tuple:
+    """Every rank's keys and values (B, H, n, Dh each) in rank order, the sequence's (B, H, sp n, Dh), in
+    one all-gather (its gradient a reduce-scatter)."""
+    B, H, n, Dh = k.shape
+    pair = torch.stack((k, v), dim=2).permute(0, 3, 1, 2, 4).flatten(2)  # (B, n, H 2 Dh)
+    every = _GatherTokens.apply(pair.contiguous(), groups.sp_group)  # (B, sp n, H 2 Dh)
+    k, v = every.view(B, groups.sp_size * n, H, 2, Dh).permute(3, 0, 2, 1, 4).unbind(0)
+    return k, v
+
+
 class SplitJointAttention(nn.Module):
     """Replaces a "joint" operator (image q, k, v (B, H, n, Dh) of this rank's tokens; text q, k, v
     (B, H, L, Dh) whole). Ulysses: heads for tokens on the image side, this rank's heads of the text.
@@ -43,11 +53,8 @@ class SplitJointAttention(nn.Module):
         return self._ulysses(q, k, v, text_q, text_k, text_v, text_mask)
 
     def _gathered(self, q, k, v, text_q, text_k, text_v, text_mask):
-        g, B, L = self.groups, q.shape[0], text_q.shape[2]
-        H, n, Dh = k.shape[1:]
-        pair = torch.stack((k, v), dim=2).permute(0, 3, 1, 2, 4).flatten(2)  # (B, n, H 2 Dh)
-        every = _GatherTokens.apply(pair.contiguous(), g.sp_group)  # (B, sp n, H 2 Dh), in rank order
-        k, v = every.view(B, g.sp_size * n, H, 2, Dh).permute(3, 0, 2, 1, 4).unbind(0)  # (B, H, sp n, Dh)
+        B, L = q.shape[0], text_q.shape[2]
+        k, v = gather_keys_values(k, v, self.groups)  # (B, H, sp n, Dh)
         real = self.sequence.state.tokens  # the padding sits at the end of the rank-ordered sequence
         text_keys = text_mask.bool() if text_mask is not None else q.new_ones(B, L, dtype=torch.bool)
         image_keys = (torch.arange(k.shape[2], device=q.device) < real).expand(B, -1)
@@ -175,11 +182,7 @@ class GatheredKeysAttention(nn.Module):
 
     @torch.compiler.disable
     def forward(self, q, k, v):
-        g, B = self.groups, q.shape[0]
-        H, n, Dh = k.shape[1:]
-        pair = torch.stack((k, v), dim=2).permute(0, 3, 1, 2, 4).flatten(2)  # (B, n, H 2 Dh)
-        every = _GatherTokens.apply(pair.contiguous(), g.sp_group)
-        k, v = every.view(B, g.sp_size * n, H, 2, Dh).permute(3, 0, 2, 1, 4).unbind(0)  # (B, H, N, Dh)
+        k, v = gather_keys_values(k, v, self.groups)  # (B, H, N, Dh)
         real, mask = self.sequence.state.tokens, None  # no mask when nothing is padded: the local kernel's
         if k.shape[2] > real:
             mask = (torch.arange(k.shape[2], device=q.device) < real).view(1, 1, 1, -1)
