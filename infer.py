@@ -454,7 +454,7 @@ def sample_and_write(cfg, args, runtime, request: Request, mine: list, sample_ba
             )
             videos, bad = sample_batch(batch, progress)
             bad = {batch[j]: where for j, where in bad.items()}
-            write_batch(cfg, args, runtime, request, batch, videos, bad, getattr(sample_batch, "sound", None))
+            write_batch(cfg, args, runtime, request, batch, videos, bad, sample_batch.sound)
             unwritten.update(bad)
     return (
         ValueError(nonfinite_message(cfg, runtime, request, unwritten, weights, vae)) if unwritten else None

@@ -211,7 +211,7 @@ def dit_batches(cfg, args, runtime, request, model, vae, text_encoder, sampler):
         count_full_calls(sample_batch, request.cache, replica, runtime.device, len(batch))
         return videos, bad
 
-    sample_batch.full_calls = 0.0
+    sample_batch.full_calls, sample_batch.sound = 0.0, None  # tessera's DiT samples no sound
     return sample_batch
 
 
