@@ -266,6 +266,11 @@ class Family:
         which some families format differently)."""
         raise NotImplementedError
 
+    def sound_format(self, cfg) -> tuple | None:
+        """(sample rate, channels) its training reads the clips' sound at (data.audio: the loader resamples
+        each clip's track to it), or None when its training reads no sound."""
+        return None
+
     def takes_images(self, cfg) -> bool:
         """Whether model.pretrained's folder samples from a given first frame (infer.py --image)."""
         return False
