@@ -74,7 +74,6 @@ from parallel.components import (
 from parallel.divergence import NonFiniteGuard
 from parallel.entrypoint import run_as_process
 from parallel.family_training import (
-    FamilyVelocity,
     check_family_inputs,
     check_family_sizes,
     check_family_training,
@@ -434,7 +433,7 @@ def load_family_batch(runtime, t: Trainer, samples: list, rngs: list, dropped: l
             raise RuntimeError(f"the loader gave samples {batch['index']}, the plan {samples}")
         encoded = encode_family_batch(t.family, batch, dropped, runtime.device)
     x0, cond = family_batch(t.family, runtime.sequence, encoded, runtime.device)
-    noise, timesteps = t.flow.draw(x0.shape[1:], rngs)
+    noise, timesteps = t.family.family.training_draw(t.family.parts, t.flow, x0, cond, rngs)
     return batch, (x0, cond, None, noise, timesteps), None
 
 
@@ -443,11 +442,14 @@ def train_step(cfg, runtime, t: Trainer, step: int, inputs, condition=None):
     Returns (loss, the whole model's gradient norm, skipped)."""
     tc, phase = cfg.train, runtime.watchdog.mark
     phase("forward")
-    model = t.model if condition is None else ConditionedModel(t.model, condition)
-    model = model if t.family is None else FamilyVelocity(t.model)  # (x_t, t, its conditioning)
-    # TI2V: the given frame has no loss
-    from_frame = 1 if condition is not None and condition.first_frame else 0
-    loss = t.flow.training_loss(model, *inputs, from_frame=from_frame)
+    if t.family is not None:  # its own loss (LTX-2: a sigma and a loss per stream)
+        x0, cond, _, noise, timesteps = inputs
+        loss = t.family.family.training_loss(t.family.parts, t.flow, t.model, x0, cond, noise, timesteps)
+    else:
+        model = t.model if condition is None else ConditionedModel(t.model, condition)
+        # TI2V: the given frame has no loss
+        from_frame = 1 if condition is not None and condition.first_frame else 0
+        loss = t.flow.training_loss(model, *inputs, from_frame=from_frame)
     loss = runtime.faults.nan_loss(loss, step + 1)  # tests only
     phase("backward")
     loss.backward()

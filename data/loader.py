@@ -4,7 +4,6 @@ import hashlib
 import json
 import os
 from collections import defaultdict
-from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -304,17 +303,24 @@ def encode_batch(batch, dropped: list[bool], text_encoder, vae, device, image=No
 
 def encode_family_batch(run, batch, dropped: list, device) -> list:
     """A family's loader batch encoded (`run`: parallel/family_training.py FamilyRun): [latents, the
-    conditioning's tensors (None where absent)]; a dropped caption becomes the empty prompt. Precomputed
-    (data.latents): the stored latents and conditioning, the empty prompt's from the folder."""
+    conditioning's tensors (parallel/family_training.py shared_fields; None where absent)]; a dropped
+    caption becomes the empty prompt. Precomputed (data.latents): the stored latents and conditioning, the
+    empty prompt's from the folder."""
+    from models.family import shared_fields
+
     if "stored" in batch:
-        stored = [run.empty if d else s for d, s in zip(dropped, batch["stored"])]
+        # a dropped caption's text is the empty prompt's; what else the sample stored (its sound) stays
+        stored = [{**s, **run.empty} if d else s for d, s in zip(dropped, batch["stored"])]
         cond = run.family.load_conditioning(stored, run.max_length)
         x0 = batch["latent"].to(device)
     else:
         prompts = ["" if d else c for d, c in zip(dropped, batch["caption"])]
         cond = run.family.encode(run.parts, prompts, run.max_length)
-        x0 = run.family.encode_images(run.parts, to_model_range(batch["video"].to(device)))
-    return [x0, *(None if t is None else t.to(device) for t in (getattr(cond, f.name) for f in fields(cond)))]
+        sound = batch["audio"].to(device) if "audio" in batch else None
+        videos = to_model_range(batch["video"].to(device))
+        x0, cond = run.family.encode_clips(run.parts, videos, sound, cond)
+    tensors = (getattr(cond, name) for name in shared_fields(run.family.conditioning))
+    return [x0, *(None if t is None else t.to(device) for t in tensors)]
 
 
 def batch_specs(n: int, latent: tuple, text_encoder, image) -> list:

@@ -12,7 +12,7 @@ import contextlib
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -290,6 +290,30 @@ class Family:
         before `noise`, which a family may have read what it keeps on `parts` (LTX-2's first latent frame)."""
         raise NotImplementedError
 
+    def encode_clips(self, parts: Components, videos: torch.Tensor, sound, cond) -> tuple:
+        """(x0, cond) of a training batch: `videos` (B, 3, T, H, W) in [-1, 1] encoded (encode_images), and
+        the prompts' `cond` given whatever else of the clips the family trains on (`sound`: (B, channels,
+        samples) at sound_format's rate with data.audio, else None)."""
+        return self.encode_images(parts, videos), cond
+
+    def training_draw(self, parts: Components, flow, x0, cond, generators: list) -> tuple:
+        """(noise, timesteps) of a training batch, sample i's from generators[i] alone (so that they do not
+        depend on the batch, the rank or the layout): models/flow.py's draw, one sigma per sample."""
+        return flow.draw(x0.shape[1:], generators)
+
+    def training_loss(self, parts: Components, flow, model, x0, cond, noise, t) -> torch.Tensor:
+        """The loss of a training batch on the training transformer `model`: the flow-matching loss of
+        models/flow.py on its velocity (training_draw's noise and sigmas)."""
+        return flow.training_loss(lambda x, s, c, _: model(x, s, c), x0, cond, None, noise, t)
+
+    def check_training(self, cfg) -> None:
+        """Refuse (ValueError) by name a recipe its training cannot take (before anything starts)."""
+
+    def trains_parameter(self, cfg, name: str) -> bool:
+        """Whether the recipe trains the transformer's parameter `name` (an adapter's: its module's name
+        first); the others stay frozen, out of the optimizer, bit for bit as loaded."""
+        return True
+
     def store_conditioning(self, cond) -> list[dict]:
         """Each sample's conditioning as scripts/precompute_latents.py keeps it ({name: tensor}): of a
         (text, text_mask) conditioning, the real tokens, which lead (the padding is on the right)."""
@@ -425,6 +449,12 @@ def padded(rows: list) -> tuple:
     for i, r in enumerate(rows):
         out[i, : len(r)], mask[i, : len(r)] = r, True
     return out, None if bool(mask.all()) else mask
+
+
+def shared_fields(conditioning) -> list:
+    """The fields of a family's conditioning class that travel between ranks: its tensors (LTX-2's frame
+    rate and flags are the recipe's, alike on every rank)."""
+    return [f.name for f in fields(conditioning) if "Tensor" in str(f.type)]
 
 
 def read_json(path) -> dict:

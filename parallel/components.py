@@ -193,6 +193,9 @@ def meta_model_builder(cfg, groups, text_encoder, vae, dtype):
             else family.meta_transformer(cfg)
         )
         names = insert_adapters(model, cfg.lora, dtype, cfg.model.base_dtype) if adapters else []  # unsharded
+        for name, p in model.named_parameters():  # LTX-2 with data.audio=false: its audio stays as loaded
+            if not family.trains_parameter(cfg, name):
+                p.requires_grad_(False)
         parallel = apply_sequence_parallel if family.native else apply_operators
         return parallel(model, groups), names
 

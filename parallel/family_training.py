@@ -5,7 +5,7 @@ weights read row by row: models/family.py FamilyWeights), each batch encoded by 
 the group, the flow-matching loss on its velocity, and previews sampled by models/sampler.py.
 """
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from models.families import family_named
-from models.family import Components, Family
+from models.family import Components, Family, shared_fields
 from models.sampler import Sampling, checked, generate_images
 from parallel import comm
 from parallel.operators import check_sequence_layout
@@ -61,6 +61,7 @@ def check_family_training(cfg, family: Family, layout) -> None:
     ring)."""
     if cfg.model.task != "t2v":
         raise ValueError(f"model.task={cfg.model.task}: {family.title} trains from text (t2v) only")
+    family.check_training(cfg)
     if family.needs_images(cfg):  # a folder that samples only from a first frame
         raise ValueError(
             f"model.pretrained={cfg.model.pretrained} is {family.title}'s image-to-video pipeline; its "
@@ -130,19 +131,9 @@ def share_family_batch(groups, tensors: list | None, count: int, device) -> list
 def family_batch(run: FamilyRun, groups, encoded: list | None, device) -> tuple:
     """(x0, the family's conditioning) on every rank of the group, from the group's first rank's
     encode_family_batch list (None on the other ranks)."""
-    tensors = share_family_batch(groups, encoded, 1 + len(fields(run.family.conditioning)), device)
-    return tensors[0].float(), run.family.conditioning(*tensors[1:])
-
-
-class FamilyVelocity:
-    """The transformer as models/flow.py's training_loss calls a model: (x_t, t, y, y_mask), where y is
-    the family's conditioning and y_mask unused; t is sigma in [0, 1], as both families' forward takes."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def __call__(self, x, t, cond, _unused=None):
-        return self.model(x, t, cond)
+    names = shared_fields(run.family.conditioning)
+    tensors = share_family_batch(groups, encoded, 1 + len(names), device)
+    return tensors[0].float(), run.family.conditioning(**dict(zip(names, tensors[1:])))
 
 
 def family_previews(cfg, run: FamilyRun, model, seeds: list, progress, device) -> tuple:

@@ -111,11 +111,13 @@ def family_encoder(cfg, family, runtime):
     length = cfg.text_encoder.max_length
 
     def encode(entry, item):
-        stored = family.store_conditioning(family.encode(parts, [entry["caption"] if entry else ""], length))
+        cond = family.encode(parts, [entry["caption"] if entry else ""], length)
         if item is None:
-            return stored[0]
-        latent = family.encode_images(parts, to_model_range(item["video"][None].to(runtime.device)))
-        return {"latent": latent[0], **stored[0]}
+            return family.store_conditioning(cond)[0]
+        sound = item["audio"][None].to(runtime.device) if "audio" in item else None  # data.audio
+        video = to_model_range(item["video"][None].to(runtime.device))
+        latent, cond = family.encode_clips(parts, video, sound, cond)
+        return {"latent": latent[0], **family.store_conditioning(cond)[0]}
 
     return encode
 

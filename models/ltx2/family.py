@@ -18,6 +18,7 @@ import torch
 from models.family import Components, Family, Schedule, part_folder, read_json
 from models.loop import UNSUPPORTED, euler, sigmas
 from models.ltx2.text import encode_prompts, prepare_tokenizer
+from models.ltx2.training import draw, is_audio_parameter, loss
 from models.ltx2.transformer import LTX2Cond
 from models.ltx2.weights import TRANSFORMER_CLASS, build_transformer
 
@@ -84,6 +85,7 @@ class LTX2Parts(Components):
     fps: float = 24.0  # the pipeline's frame_rate (motion_speed 1: the positions' rate too)
     layout: LTX2Layout | None = None
     first_frames: torch.Tensor | None = None  # with_images' latents (B, C, 1, h, w), for the next noise()
+    train_fps: float | None = None  # data.fps: the training clips' frame rate (their positions in time)
 
 
 def guidance_terms(cfg) -> LTX2Guidance:
@@ -106,7 +108,7 @@ class LTX2(Family):
     parallel_degrees = ("ulysses", "ring")  # the video split, the audio whole on every rank (not cfg yet)
     vae_class, max_length = "AutoencoderKLLTX2Video", 1024
     conditioning = LTX2Cond
-    trains = False
+    trains_audio = True  # data.audio=true: video and sound; false: the video alone, the audio frozen
     image_to_video = True  # --image: LTX2ImageToVideoPipeline's first frame (the same weights)
     samples_audio = True
     sample_keys = ("audio_guidance", "modality_guidance", "guidance_rescale", "stg")
@@ -211,7 +213,61 @@ class LTX2(Family):
             vocoder=voc,
             terms=guidance_terms(cfg),
             fps=float(cfg.sample.fps),
+            train_fps=cfg.data.fps,
         )
+
+    def check_training(self, cfg) -> None:
+        """Its positions in time are in seconds, and a bucket's sound must have one length: data.fps."""
+        if not cfg.data.fps:
+            raise ValueError(
+                f"data.fps is unset: {self.title} trains on clips at a known frame rate (its positions in "
+                "time are in seconds, and each bucket's sound one length); set data.fps (24 as released)"
+            )
+
+    def sound_format(self, cfg) -> tuple:
+        c = read_json(part_folder(cfg, "audio_vae") / "config.json")
+        return c.get("sample_rate", 16000), c.get("in_channels", 2)
+
+    def trains_parameter(self, cfg, name: str) -> bool:
+        return bool(cfg.data.audio) or not is_audio_parameter(name)
+
+    def encode_images(self, parts: LTX2Parts, images: torch.Tensor) -> torch.Tensor:
+        """Videos -> the video VAE's posterior mode, normalised as the pipeline's _normalize_latents (its
+        scaling_factor too), float32; one video at a time."""
+        vae = parts.vae
+        with torch.no_grad():
+            z = torch.cat([vae.encode(v[None].to(vae.dtype)).latent_dist.mode() for v in images]).float()
+        view = (1, -1, 1, 1, 1)
+        mean, std = (b.view(view).to(z) for b in (vae.latents_mean, vae.latents_std))
+        return (z - mean) * vae.config.scaling_factor / std
+
+    def encode_clips(self, parts: LTX2Parts, videos, sound, cond) -> tuple:
+        """The video latents; with the clips' sound, its normalised audio latents on cond.audio_x0."""
+        if sound is not None:
+            from models.ltx2.audio import encode_sound
+
+            cond = replace(cond, audio_x0=encode_sound(parts.audio_vae, sound))
+        return self.encode_images(parts, videos), cond
+
+    def store_conditioning(self, cond: LTX2Cond) -> list[dict]:
+        """Each sample's texts and mask whole (padded on the left to text_encoder.max_length, which Gemma's
+        positions count), and its audio latents with data.audio."""
+        kept = ("text", "audio_text", "text_mask", "audio_text_mask", "audio_x0")
+        rows = {name: getattr(cond, name) for name in kept if getattr(cond, name) is not None}
+        return [{name: value[i] for name, value in rows.items()} for i in range(len(cond.text))]
+
+    def load_conditioning(self, stored: list, max_length: int) -> LTX2Cond:
+        tensors = {name: torch.stack([s[name] for s in stored]) for name in stored[0]}
+        for name in ("text_mask", "audio_text_mask"):  # stored as float32: the connectors' 0/1 mask
+            tensors[name] = tensors[name].long()
+        return LTX2Cond(**tensors)
+
+    def training_draw(self, parts: LTX2Parts, flow, x0, cond: LTX2Cond, generators: list) -> tuple:
+        audio = None if cond.audio_x0 is None else tuple(cond.audio_x0.shape[1:])
+        return draw(tuple(x0.shape[1:]), audio, generators)
+
+    def training_loss(self, parts: LTX2Parts, flow, model, x0, cond: LTX2Cond, noise, t) -> torch.Tensor:
+        return loss(model, x0, cond.audio_x0, replace(cond, fps=float(parts.train_fps)), noise, t)
 
     def encode(self, parts: LTX2Parts, prompts: list, max_length: int, negative: bool = False) -> LTX2Cond:
         return encode_prompts(

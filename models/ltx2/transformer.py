@@ -38,6 +38,9 @@ class LTX2Cond:
     # (B,) the audio's own sigma, where it differs from the video's (training draws one per stream, as
     # LTX-2's trainer does: docs/ltx2_training.md); None: t, as every pipeline samples
     audio_t: torch.Tensor | None = None
+    # (B, C_a, L, M) training only: the clips' clean audio latents, which the loss reads (models/ltx2/
+    # training.py); None: the video trains alone (data.audio=false), or sampling
+    audio_x0: torch.Tensor | None = None
 
 
 @dataclass

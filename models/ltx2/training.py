@@ -1,0 +1,86 @@
+"""LTX-2's training as Lightricks' own trainer does it (docs/ltx2_training.md; read in Lightricks/LTX-2,
+packages/ltx-trainer): a sigma per stream, each from the shifted logit-normal of that stream's own token
+count (a shared sigma is what had voices come out as noise elsewhere), velocity targets, and the plain sum
+of the video's and the audio's mean squared errors. Without sound (data.audio=false) the video trains
+alone: the modality-isolated pass, no audio loss, and every audio parameter frozen (is_audio_parameter).
+"""
+
+import math
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+# what names an audio parameter: the audio stream's own, and both cross-modal attentions' with their
+# modulations (a2v, v2a, av_cross_attn_*): trained only with the sound
+AUDIO_PARTS = ("audio", "a2v", "v2a", "av_cross")
+# the logit-normal's shift: 0.95 at 1,024 tokens, 2.05 at 4,096 and above (the trainer caps it there, as
+# the percentiles would meet), its standard deviation 1, its stretch between the normal's 0.5th and 99.9th
+# percentiles, a uniform draw instead 10% of the time, and the reflection of draws below EPS
+SHIFT = (1024, 0.95, 4096, 2.05)
+LOW, HIGH, UNIFORM, EPS = -2.5758, 3.0902, 0.1, 1e-3
+
+
+def is_audio_parameter(name: str) -> bool:
+    return any(part in name for part in AUDIO_PARTS)
+
+
+def shift_for(tokens: int) -> float:
+    """mu of the logit-normal for a stream of `tokens` tokens (linear, capped at the top)."""
+    lo, lo_shift, hi, hi_shift = SHIFT
+    return lo_shift + (min(tokens, hi) - lo) * (hi_shift - lo_shift) / (hi - lo)
+
+
+def draw_sigma(tokens: int, generator: torch.Generator) -> float:
+    """One sigma in (0, 1] for a stream of `tokens` tokens, from `generator` alone: sigmoid(N(mu, 1))
+    stretched so that its 0.5th and 99.9th percentiles become 0 and 1, small values reflected about EPS,
+    clamped to [0, 1]; 10% of the time a uniform draw in [EPS, 1)."""
+    mu = shift_for(tokens)
+    normal, uniform, choice = torch.randn(1, generator=generator), *torch.rand(2, generator=generator)
+    lo, hi = torch.sigmoid(torch.tensor(mu + LOW)), torch.sigmoid(torch.tensor(mu + HIGH))
+    stretched = (torch.sigmoid(normal + mu) - lo) / (hi - lo)
+    stretched = torch.where(stretched >= EPS, stretched, 2 * EPS - stretched).clamp(0, 1)
+    return float(stretched) if float(choice) > UNIFORM else float((1 - EPS) * uniform + EPS)
+
+
+def draw(video_shape: tuple, audio_shape: tuple | None, generators: list) -> tuple:
+    """((video noise (B, *video_shape), audio noise (B, *audio_shape) or None), sigmas (B, 2): the video's,
+    the audio's), sample i's from generators[i] alone: its video noise, its audio noise, then a sigma for
+    each stream by its own token count (latents per token: 1, LTX-2's patch size; an audio token is a
+    latent frame). Without sound the audio's sigma is the video's (it trains nothing)."""
+    video_tokens = math.prod(video_shape[1:])
+    noises, audio_noises, sigmas = [], [], []
+    for g in generators:
+        noises.append(torch.randn(video_shape, generator=g))
+        if audio_shape is not None:
+            audio_noises.append(torch.randn(audio_shape, generator=g))
+        video_sigma = draw_sigma(video_tokens, g)
+        audio_sigma = draw_sigma(audio_shape[1], g) if audio_shape is not None else video_sigma
+        sigmas.append((video_sigma, audio_sigma))
+    audio = torch.stack(audio_noises) if audio_shape is not None else None
+    return (torch.stack(noises), audio), torch.tensor(sigmas)
+
+
+def loss(model, x0, audio_x0, cond, noise: tuple, sigmas) -> torch.Tensor:
+    """The video's mean squared velocity error plus the audio's (without `audio_x0`: the video's alone, on
+    the modality-isolated pass with a silent one-frame audio stream, which the video then never sees), each
+    stream noised at its own sigma: x_t = (1 - sigma) x0 + sigma noise, the target noise - x0."""
+    video_noise, audio_noise = (n.to(x0.device, x0.dtype) if n is not None else None for n in noise)
+    sigmas = sigmas.to(x0.device)
+    video_t, audio_t = sigmas[:, 0], sigmas[:, 1]
+    x_t = mix(x0, video_noise, video_t)
+    if audio_x0 is None:
+        # (B, C_a M, 1, 1): one latent audio frame of C_a x M values, as the transformer's embed reads it
+        silent = x0.new_zeros(x0.shape[0], model.audio_proj_in.in_features, 1, 1)
+        video, _ = model(x_t, silent, video_t, replace(cond, audio_t=None), isolate_modalities=True)
+        return F.mse_loss(video.float(), (video_noise - x0).float())
+    audio_x0 = audio_x0.to(x0.device, x0.dtype)
+    audio_t_x = mix(audio_x0, audio_noise, audio_t)
+    video, audio = model(x_t, audio_t_x, video_t, replace(cond, audio_t=audio_t))
+    video_loss = F.mse_loss(video.float(), (video_noise - x0).float())
+    return video_loss + F.mse_loss(audio.float(), (audio_noise - audio_x0).float())
+
+
+def mix(x0, noise, sigma):
+    s = sigma.view(-1, *([1] * (x0.dim() - 1))).to(x0.dtype)
+    return (1 - s) * x0 + s * noise

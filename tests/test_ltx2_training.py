@@ -1,0 +1,243 @@
+"""train.py on LTX-2 (models/ltx2/), against code no one here wrote: each step's loss is the sum of the
+video's and the audio's flow-matching losses on LTX2Pipeline's own prompt encoding, connectors, VAEs and
+transformer, each stream at its own sigma; the sigmas follow Lightricks' shifted logit-normal (its
+distribution, worked out by hand); with data.audio=false the video trains alone and every audio parameter
+ends a run bit for bit as loaded."""
+
+import json
+import math
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import train
+from data.loader import encode_family_batch
+from models.families import family_named
+from models.ltx2.training import draw, draw_sigma, is_audio_parameter, shift_for
+from parallel.family_training import FamilyRun, family_batch
+from tests.conftest import ROOT, run_main
+from tests.test_ltx2_pipeline import MAX_LENGTH, recipe, saved  # noqa: F401 (a fixture)
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import export  # noqa: E402
+
+CAPTIONS = ["a red fox runs through snow", "waves on a beach"]
+FRAMES, HEIGHT, WIDTH, FPS = 9, 32, 64, 24
+
+
+def training_recipe(folder, *extra):
+    """configs/ltx-2.yaml on the tiny pipeline, training 9 frames at 32 x 64 and 24 fps."""
+    from configs import load_config
+
+    overrides = [f"{key}.pretrained={folder}" for key in ("model", "vae", "text_encoder")]
+    overrides += [f"text_encoder.max_length={MAX_LENGTH}", f"data.fps={FPS}", *extra]
+    return load_config(ROOT / "configs" / "ltx-2.yaml", overrides)
+
+
+def pipeline_loss(pipe, captions, video, sound, noise, sigmas) -> torch.Tensor:
+    """The loss on LTX2Pipeline's parts: encode_prompt and its connectors, its video VAE's posterior mode
+    normalised by its _normalize_latents, its transformer (packed latents, its coords at 24 fps, the
+    streams' timesteps); `sound`: the normalised audio latents (B, C_a, L, M), or None (video alone: the
+    modality-isolated pass, any audio stream)."""
+    embeds, mask, _, _ = pipe.encode_prompt(
+        captions, do_classifier_free_guidance=False, max_sequence_length=MAX_LENGTH, device="cpu"
+    )
+    text, audio_text, text_mask = pipe.connectors(embeds, mask, padding_side="left")
+    vae = pipe.vae
+    z = torch.cat([vae.encode(v[None].float() / 127.5 - 1).latent_dist.mode() for v in video])
+    x0 = pipe._normalize_latents(z, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+    video_noise, audio_noise = noise
+    s = sigmas[:, 0].view(-1, 1, 1, 1, 1)
+    x_t = (1 - s) * x0 + s * video_noise
+    if sound is None:  # any audio (B, C_a M, 3 frames, 1): the isolated video never sees it
+        a_t, audio_sigma = torch.randn(len(captions), pipe.transformer.config.audio_in_channels, 3, 1), s
+    else:
+        audio_sigma = sigmas[:, 1].view(-1, 1, 1, 1)
+        a_t = (1 - audio_sigma) * sound + audio_sigma * audio_noise
+    B, _, T, H, W = x0.shape
+    out, audio_out = pipe.transformer(
+        hidden_states=x_t.flatten(2).transpose(1, 2),
+        audio_hidden_states=a_t.transpose(1, 2).flatten(2),
+        encoder_hidden_states=text,
+        audio_encoder_hidden_states=audio_text,
+        timestep=sigmas[:, 0] * 1000,
+        audio_timestep=audio_sigma.flatten() * 1000,
+        encoder_attention_mask=text_mask,
+        audio_encoder_attention_mask=text_mask,
+        num_frames=T,
+        height=H,
+        width=W,
+        fps=float(FPS),
+        audio_num_frames=a_t.shape[2],
+        video_coords=pipe.transformer.rope.prepare_video_coords(B, T, H, W, "cpu", fps=float(FPS)),
+        audio_coords=pipe.transformer.audio_rope.prepare_audio_coords(B, a_t.shape[2], "cpu"),
+        isolate_modalities=sound is None,
+        return_dict=False,
+    )
+    velocity = out.transpose(1, 2).unflatten(2, (T, H, W))
+    loss = torch.nn.functional.mse_loss(velocity, video_noise - x0)
+    if sound is None:
+        return loss
+    audio_velocity = audio_out.unflatten(2, (sound.shape[1], -1)).transpose(1, 2)
+    return loss + torch.nn.functional.mse_loss(audio_velocity, audio_noise - sound)
+
+
+@torch.no_grad()
+def test_the_video_loss_is_diffusers(saved):  # noqa: F811
+    """data.audio=false: two 9-frame clips, the second caption dropped (the empty prompt): train.py's
+    loss (encode_family_batch, family_batch, the family's draw and loss) is the video's loss on the
+    pipeline's parts, on the modality-isolated pass."""
+    from diffusers import LTX2Pipeline
+
+    family = family_named("ltx2")
+    cfg = training_recipe(saved)
+    parts = family.load(cfg, torch.device("cpu"), torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    video = torch.randint(0, 256, (2, 3, FRAMES, HEIGHT, WIDTH), generator=generator, dtype=torch.uint8)
+    run = FamilyRun(family, parts, cfg.text_encoder.max_length)
+    encoded = encode_family_batch(run, {"caption": CAPTIONS, "video": video}, [False, True], "cpu")
+    x0, cond = family_batch(run, SimpleNamespace(sp_size=1), encoded, "cpu")
+    assert cond.audio_x0 is None
+    gens = [torch.Generator().manual_seed(s) for s in (5, 6)]
+    noise, sigmas = family.training_draw(parts, None, x0, cond, gens)
+    ours = family.training_loss(parts, None, parts.transformer, x0, cond, noise, sigmas)
+    want = pipeline_loss(LTX2Pipeline.from_pretrained(saved), [CAPTIONS[0], ""], video, None, noise, sigmas)
+    print(f"train.py's loss {ours.item():.6f}, diffusers' {want.item():.6f}", file=sys.__stderr__)
+    assert want.item() > 0.1 and abs(ours.item() - want.item()) <= 1e-5 * want.item()
+
+
+def test_sigmas_follow_the_shifted_logit_normal():
+    """20,000 draws for 1,024 and for 8,000 tokens against the distribution worked out by hand: with
+    probability 0.9 sigmoid(N(mu, 1)) stretched between the normal's 0.5th and 99.9th percentiles (and
+    reflected about 1e-3), else uniform; Kolmogorov-Smirnov distance under 0.015. The shift is capped at
+    4,096 tokens; a batch's two streams draw independently."""
+    assert shift_for(1024) == pytest.approx(0.95) and shift_for(4096) == pytest.approx(2.05)
+    assert shift_for(100_000) == shift_for(4096) and shift_for(126) == pytest.approx(0.6284, abs=1e-4)
+    normal = torch.distributions.Normal(0.0, 1.0)
+    for tokens in (1024, 8000):
+        mu = shift_for(tokens)
+        g = torch.Generator().manual_seed(tokens)
+        got = torch.tensor(sorted(draw_sigma(tokens, g) for _ in range(20_000)), dtype=torch.float64)
+        lo, hi = (torch.sigmoid(torch.tensor(mu + q, dtype=torch.float64)) for q in (-2.5758, 3.0902))
+
+        def stretched_cdf(s, mu=mu, lo=lo, hi=hi):  # before the reflection, which moves mass below 2e-3
+            raw = (s * (hi - lo) + lo).clamp(1e-12, 1 - 1e-12)
+            return normal.cdf((torch.log(raw / (1 - raw)) - mu).float()).double()
+
+        grid = torch.linspace(0.01, 0.99, 99, dtype=torch.float64)
+        want = 0.9 * stretched_cdf(grid) + 0.1 * (grid - 1e-3) / (1 - 1e-3)
+        empirical = torch.searchsorted(got, grid, right=True).double() / len(got)
+        assert float((empirical - want).abs().max()) < 0.015, tokens
+    gens = [torch.Generator().manual_seed(i) for i in range(4000)]
+    _, sigmas = draw((4, 32, 8, 8), (2, 126, 8), gens)  # 2,048 video tokens, 126 audio frames
+    assert abs(float(torch.corrcoef(sigmas.T)[0, 1])) < 0.05
+    assert float(sigmas[:, 0].median()) > float(sigmas[:, 1].median()) + 0.1  # more tokens: noisier
+
+
+def test_audio_parameters_are_named():
+    """What data.audio=false freezes: the audio stream's parameters and both cross-modal attentions'
+    (with their modulations); not the video's own."""
+    ours = family_named("ltx2")
+    model = ours.build(json.loads(json.dumps(tiny_config())), SimpleNamespace(model=SimpleNamespace(attention_backend="sdpa")))
+    names = [n for n, _ in model.named_parameters()]
+    audio = {n for n in names if is_audio_parameter(n)}
+    for expected in ("audio_proj_in.weight", "blocks.0.audio_to_video_attn.to_q.weight"):
+        assert expected in audio
+    assert "blocks.0.video_a2v_cross_attn_scale_shift_table" in audio
+    assert "av_cross_attn_video_scale_shift.linear.weight" in audio
+    for video in ("proj_in.weight", "blocks.0.attn1.to_q.weight", "time_embed.linear.weight"):
+        assert video not in audio
+    assert 0 < len(audio) < len(names)
+
+
+def tiny_config() -> dict:
+    return dict(
+        _class_name="LTX2VideoTransformer3DModel",
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=8,
+        cross_attention_dim=16,
+        audio_in_channels=4,
+        audio_out_channels=4,
+        audio_num_attention_heads=2,
+        audio_attention_head_dim=4,
+        audio_cross_attention_dim=8,
+        num_layers=1,
+        caption_channels=32,
+        rope_type="split",
+    )
+
+
+def train_args(folder, run, *extra) -> list:
+    """Synthetic clips of 9 frames at 32 x 64, 2 per batch, 24 fps."""
+    overrides = [f"{key}.pretrained={folder}" for key in ("model", "vae", "text_encoder")]
+    return [
+        "--config",
+        "configs/ltx-2.yaml",
+        *overrides,
+        f"run.output_dir={run}",
+        f"text_encoder.max_length={MAX_LENGTH}",
+        "data.manifest=null",
+        "data.resolutions=[]",
+        "data.aspect_ratios=[]",
+        "data.frame_counts=[]",
+        f"data.frames={FRAMES}",
+        f"data.height={HEIGHT}",
+        f"data.width={WIDTH}",
+        f"data.fps={FPS}",
+        "data.synthetic_samples=8",
+        "data.num_workers=0",
+        "train.batch_size=2",
+        "train.warmup_steps=1",
+        "train.lr=1e-2",
+        "train.log_every=1",
+        "sample.steps=2",
+        f"sample.frames={FRAMES}",
+        f"sample.height={HEIGHT}",
+        f"sample.width={WIDTH}",
+        "sample.prompts=[a red door]",
+        "logging.wandb=false",
+        "parallel.timeout_s=60",
+        *extra,
+    ]
+
+
+def exported_transformer(run, folder, *flags) -> dict:
+    """The run's transformer as scripts/export.py writes it (diffusers' names), read back."""
+    from safetensors.torch import load_file
+
+    assert export.main(["--checkpoint", str(run), "--output", str(folder), *flags]) == 0
+    tensors = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def test_video_alone_leaves_the_audio_as_loaded(saved, tmp_path):  # noqa: F811
+    """data.audio=false, a full fine-tuning of 10 steps at a large learning rate, with weight decay: every
+    audio parameter of the exported run (its raw weights and its EMA) equals the pipeline's bit for bit,
+    while each of the video's own moved."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    extra = ("train.max_steps=10", "train.checkpoint_every=10", "train.sample_every=0", "train.ema_decay=0.5")
+    assert run_main(train, train_args(saved, run, *extra, "train.weight_decay=0.1")) == 0
+    losses = [m["loss"] for m in metrics(run)]
+    assert len(losses) == 10 and all(math.isfinite(x) and x > 0 for x in losses)
+    loaded = load_file(saved / "transformer" / "diffusion_pytorch_model.safetensors")
+    for flags in ((), ("--no-ema",)):
+        trained = exported_transformer(run, tmp_path / f"export{len(flags)}", *flags)
+        assert set(trained) == set(loaded)
+        audio = [n for n in loaded if is_audio_parameter(n)]
+        assert audio and all(torch.equal(trained[n], loaded[n]) for n in audio), flags
+        moved = [n for n in loaded if not is_audio_parameter(n) and not torch.equal(trained[n], loaded[n])]
+        video = [n for n in loaded if not is_audio_parameter(n)]
+        print(f"{flags}: {len(audio)} audio tensors unchanged; {len(moved)} of {len(video)} video ones moved")
+        assert len(moved) >= 0.9 * len(video)
+
+
+def metrics(run) -> list:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
