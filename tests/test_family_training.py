@@ -19,7 +19,7 @@ from configs import load_config
 from data.loader import encode_family_batch
 from models.families import family_named
 from models.flow import RectifiedFlow
-from parallel.family_training import FamilyRun, FamilyVelocity, family_batch
+from parallel.family_training import FamilyRun, family_batch
 from tests.conftest import ROOT, ranks, run_main
 from tests.test_families import FAMILIES, infer_args, pipeline_image, saved  # noqa: F401  (saved: a fixture)
 from tests.test_sana import MAX_LENGTH, NEGATIVE, PROMPTS
@@ -118,7 +118,7 @@ def diffusers_loss(name, pipe, pixels, prompts, noise, sigma) -> torch.Tensor:
 @torch.no_grad()
 def test_the_loss_is_diffusers(saved):  # noqa: F811
     """Two images, one caption dropped (the empty prompt), two noise levels: the loss train.py's step
-    computes (encode_family_batch, family_batch, RectifiedFlow.training_loss on the family's velocity) is
+    computes (encode_family_batch, family_batch, the family's training_loss on its velocity) is
     the loss of diffusers' training scripts on the pipeline's own parts."""
     from diffusers import DiffusionPipeline
 
@@ -135,7 +135,7 @@ def test_the_loss_is_diffusers(saved):  # noqa: F811
     noise = torch.randn(x0.shape, generator=generator)
     sigma = torch.tensor([0.3, 0.85])
     flow = RectifiedFlow(cfg.flow, (1, 1, 1))
-    ours = flow.training_loss(FamilyVelocity(parts.transformer), x0, cond, None, noise, sigma)
+    ours = family.training_loss(parts, flow, parts.transformer, x0, cond, noise, sigma)
     pipe = DiffusionPipeline.from_pretrained(folder)
     want = diffusers_loss(name, pipe, video.float() / 127.5 - 1, [CAPTIONS[0], ""], noise, sigma)
     diff = abs(ours - want).item()

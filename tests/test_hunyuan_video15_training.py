@@ -19,7 +19,7 @@ from configs import load_config
 from data.loader import encode_family_batch
 from models.families import family_named
 from models.flow import RectifiedFlow
-from parallel.family_training import FamilyRun, FamilyVelocity, family_batch
+from parallel.family_training import FamilyRun, family_batch
 from tests.conftest import ROOT, ranks, run_main
 from tests.test_hunyuan_video15 import NEGATIVE, PROMPTS, SIZE, infer_args, saved  # noqa: F401 (a fixture)
 
@@ -70,7 +70,7 @@ def metrics(run) -> list:
 @torch.no_grad()
 def test_the_loss_is_diffusers(saved):  # noqa: F811
     """Two 5-frame clips, the second caption dropped (the empty prompt), two noise levels: train.py's loss
-    (encode_family_batch, family_batch, RectifiedFlow.training_loss on the family's velocity) is the loss
+    (encode_family_batch, family_batch, the family's training_loss: the flow's on its velocity) is the loss
     on the pipeline's encode_prompt, its VAE (the posterior's mode, scaled) and its transformer told the
     zero condition of text-to-video."""
     from diffusers import DiffusionPipeline
@@ -86,9 +86,8 @@ def test_the_loss_is_diffusers(saved):  # noqa: F811
     x0, cond = family_batch(run, SimpleNamespace(sp_size=1), encoded, "cpu")
     noise = torch.randn(x0.shape, generator=generator)
     sigma = torch.tensor([0.3, 0.85])
-    ours = RectifiedFlow(cfg.flow, (1, 1, 1)).training_loss(
-        FamilyVelocity(parts.transformer), x0, cond, None, noise, sigma
-    )
+    flow = RectifiedFlow(cfg.flow, (1, 1, 1))
+    ours = family.training_loss(parts, flow, parts.transformer, x0, cond, noise, sigma)
 
     pipe = DiffusionPipeline.from_pretrained(saved)
     text, text_mask, glyph, glyph_mask = pipe.encode_prompt([CAPTIONS[0], ""], device="cpu", batch_size=2)

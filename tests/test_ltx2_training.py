@@ -140,7 +140,7 @@ def test_audio_parameters_are_named():
     """What data.audio=false freezes: the audio stream's parameters and both cross-modal attentions'
     (with their modulations); not the video's own."""
     ours = family_named("ltx2")
-    model = ours.build(json.loads(json.dumps(tiny_config())), SimpleNamespace(model=SimpleNamespace(attention_backend="sdpa")))
+    model = ours.build(tiny_config(), SimpleNamespace(model=SimpleNamespace(attention_backend="sdpa")))
     names = [n for n, _ in model.named_parameters()]
     audio = {n for n in names if is_audio_parameter(n)}
     for expected in ("audio_proj_in.weight", "blocks.0.audio_to_video_attn.to_q.weight"):
