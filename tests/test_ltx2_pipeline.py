@@ -366,7 +366,7 @@ def test_no_audio_writes_the_same_video_alone(saved, one_process, tmp_path):
 def test_infer_refuses_before_loading(saved, tmp_path, capsys):
     """infer.py and train.py refuse by name, one error line, nothing written: audio CFG without the
     video's (--guidance 1 over the recipe's 3), a guidance term tessera's DiT does not read, and LTX-2's
-    training (not built; said before what data.audio needs)."""
+    training without data.fps (its positions in time, and each bucket's sound length)."""
     import infer
     import train
     from tests.conftest import run_main
@@ -391,7 +391,7 @@ def test_infer_refuses_before_loading(saved, tmp_path, capsys):
         (
             train,
             [*infer_args(saved, tmp_path / "run")[:7], "data.audio=true"],
-            "LTX-2 samples with infer.py; training",
+            "data.fps",
         ),
     ]
     for program, argv, expected in cases:
