@@ -241,7 +241,21 @@ def read_clip(
     rng: np.random.Generator | None = None,
     num_frames: int | None = None,
 ) -> np.ndarray:
-    """One training clip as (frames, height, width, 3) uint8, resized to cover the size and centre-cropped.
+    """One training clip as (frames, height, width, 3) uint8: read_timed_clip's, without its time."""
+    return read_timed_clip(path, frames, height, width, fps, rng, num_frames)[0]
+
+
+def read_timed_clip(
+    path,
+    frames: int,
+    height: int,
+    width: int,
+    fps: float | None = None,
+    rng: np.random.Generator | None = None,
+    num_frames: int | None = None,
+) -> tuple[np.ndarray, float]:
+    """(one training clip as (frames, height, width, 3) uint8, resized to cover the size and centre-cropped,
+    the time of its first frame in seconds on read_audio's clock: 0.0 for an image).
 
     Videos: the clip starts at a point drawn from `rng` (at 0 without one) within the video's
     `num_frames` (the manifest's count; the headers' without it), converted to a time at the average
@@ -256,7 +270,7 @@ def read_clip(
     if ext in IMAGE_EXTENSIONS:
         if frames != 1:
             raise ValueError(f"an image cannot fill a {frames}-frame bucket")
-        return fit_to_bucket(read_image(path), 1, height, width)
+        return fit_to_bucket(read_image(path), 1, height, width), 0.0
     if ext not in VIDEO_EXTENSIONS:
         raise ValueError(f"unsupported file type '{ext}'")
     container, stream = _open_video(path)
@@ -267,38 +281,48 @@ def read_clip(
         start = _clip_start(rng, length, frames, rate, fps)
         if start > 0:
             _seek(container, stream, start)
-        source_h, source_w = stream.codec_context.height, stream.codec_context.width
-        cover, scaled = None, None
-
-        def take(frame):
-            nonlocal cover, scaled
-            if cover is None:  # the display rotation swaps the axes FFmpeg scales
-                sideways = _sideways(frame.rotation)
-                cover = cover_size(
-                    *((source_w, source_h) if sideways else (source_h, source_w)), height, width
-                )
-                scaled = cover[::-1] if sideways else cover
-            pixels = frame.to_ndarray(
-                format="rgb24",
-                width=scaled[1],
-                height=scaled[0],
-                interpolation="AREA" if scaled[0] < source_h else "BICUBIC",
-            )
-            return centre_crop(_upright(pixels, frame.rotation), height, width)
-
+        take = _frame_taker(stream, height, width)
         decoded = _timed_frames(container, stream, frame_dt)
         if fps is None:
-            first = (f for t, f in decoded if t >= start - frame_dt / 2)
-            out = [take(f) for _, f in zip(range(frames), first)]
+            first = (dated for dated in decoded if dated[0] >= start - frame_dt / 2)
+            out = [take(dated) for _, dated in zip(range(frames), first)]
         else:
-            out = _nearest_frames(decoded, start + np.arange(frames) / fps, frame_dt, take)
+            out = _nearest_frames(_dated(decoded), start + np.arange(frames) / fps, frame_dt, take)
         if len(out) < frames and start > 0:
             # The count or the average rate overstated where a variable-rate video ends: take the clip
             # that ends at its last frame (not the file's start, which would bias the starts).
             out = _clip_at_end(container, stream, frames, fps, frame_dt, start, take)
     if len(out) < frames:
         raise ValueError(f"too short: {len(out)} of {frames} frames decoded")
-    return np.stack(out)
+    return np.stack([pixels for _, pixels in out]), out[0][0]
+
+
+def _dated(decoded):
+    """_timed_frames' (time, frame) as (time, (time, frame)): _nearest_frames hands the pair to `take`."""
+    return ((t, (t, frame)) for t, frame in decoded)
+
+
+def _frame_taker(stream, height: int, width: int):
+    """take((time, frame)) -> (time, its pixels upright, scaled by FFmpeg to cover height x width and
+    centre-cropped)."""
+    source_h, source_w = stream.codec_context.height, stream.codec_context.width
+    scaled = []
+
+    def take(dated):
+        t, frame = dated
+        if not scaled:  # the display rotation swaps the axes FFmpeg scales
+            sideways = _sideways(frame.rotation)
+            cover = cover_size(*((source_w, source_h) if sideways else (source_h, source_w)), height, width)
+            scaled.extend(cover[::-1] if sideways else cover)
+        pixels = frame.to_ndarray(
+            format="rgb24",
+            width=scaled[1],
+            height=scaled[0],
+            interpolation="AREA" if scaled[0] < source_h else "BICUBIC",
+        )
+        return t, centre_crop(_upright(pixels, frame.rotation), height, width)
+
+    return take
 
 
 def read_audio(path, start: float, duration: float, rate: int) -> np.ndarray:
@@ -365,11 +389,10 @@ def _clip_at_end(
         if fps is not None and tail:  # the last frame's time is known now: the grid that ends there
             begin = max(0.0, tail[-1][0] - (frames - 1) / fps)
             _seek(container, stream, begin)
-            return _nearest_frames(
-                _timed_frames(container, stream, frame_dt), begin + np.arange(frames) / fps, frame_dt, take
-            )
+            grid = begin + np.arange(frames) / fps
+            return _nearest_frames(_dated(_timed_frames(container, stream, frame_dt)), grid, frame_dt, take)
         if len(tail) == frames or earlier == 0.0:
-            return [take(f) for _, f in tail]
+            return [take(dated) for dated in tail]
     return []
 
 
