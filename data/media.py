@@ -359,6 +359,26 @@ def read_audio(path, start: float, duration: float, rate: int) -> np.ndarray:
     return out
 
 
+# Lightricks' LTX-2 trainer's downmix of 5.1 and 7.1 to stereo (scripts/process_videos.py): the centre
+# and each side's surrounds at 0.707 of the front, each output's weights summing to 1, the LFE left out.
+_STEREO_DOWNMIX = {
+    6: np.array([[1, 0, 0.707, 0, 0.707, 0], [0, 1, 0.707, 0, 0, 0.707]], np.float32) / 2.414,
+    8: np.array([[1, 0, 0.707, 0, 0.707, 0, 0.707, 0], [0, 1, 0.707, 0, 0, 0.707, 0, 0.707]], np.float32)
+    / 3.121,
+}
+
+
+def mix_channels(waveform: np.ndarray, channels: int) -> np.ndarray:
+    """(c, samples) float32 -> (channels, samples): as it is with as many; 5.1 or 7.1 to stereo by
+    _STEREO_DOWNMIX (FFmpeg's channel order, L R C LFE then the surrounds); any other count becomes the
+    mean of its channels, repeated (mono becomes `channels` equal channels), as Lightricks' trainer does."""
+    if len(waveform) == channels:
+        return waveform
+    if channels == 2 and len(waveform) in _STEREO_DOWNMIX:
+        return _STEREO_DOWNMIX[len(waveform)] @ waveform
+    return np.repeat(waveform.mean(axis=0, keepdims=True, dtype=np.float32), channels, axis=0)
+
+
 def _clip_start(rng, length: int | None, frames: int, rate: float, fps: float | None) -> float:
     """The clip's start time, drawn from `rng` (0 without one) so that `frames` frames fit in `length`
     (None: unknown) at `rate`; at `fps` when given, else consecutive frames. Too short: ValueError."""
