@@ -137,7 +137,8 @@ class DataConfig:
     # its files is refused at start-up (a wrong path or an unmounted disk); below it, training goes on
     max_missing_fraction: float = 0.2
     # clips must carry sound (for a family whose training reads it: none yet, so refused by name); a clip
-    # without it is refused at start-up, naming it, from the manifest's "audio" key (scripts/index_folder.py)
+    # without it is refused at start-up, naming it, from the manifest's "audio" key (scripts/index_folder.py).
+    # Each sample then carries its frames' sound (frames / data.fps seconds): data.fps is required
     audio: bool = False
     num_workers: int = 2
     synthetic_samples: int = 4096  # size of one epoch of the synthetic dataset

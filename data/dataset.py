@@ -170,11 +170,23 @@ class BucketedDataset:
         return [i for i in np.flatnonzero(self.can_fill(bucket)).tolist() if i not in tried]
 
 
-class MediaDataset(BucketedDataset):
-    """Images and videos listed in a manifest (see data/manifest.py)."""
+# A bucket's sound must have one length: frames / data.fps seconds is the same for every clip of a bucket,
+# frames at each clip's own rate are not.
+AUDIO_NEEDS_FPS = (
+    "data.audio=true needs data.fps: a clip's sound spans its frames' time, and only at one frame rate "
+    "does every clip of a frame-count bucket carry the same number of sound samples (frames / data.fps "
+    "seconds); set data.fps, e.g. data.fps=24"
+)
 
-    def __init__(self, entries, table, fps: float | None = None, seed: int = 0):
-        self.fps = fps
+
+class MediaDataset(BucketedDataset):
+    """Images and videos listed in a manifest (see data/manifest.py). `audio`: (sample rate, channels) of
+    the sound each sample carries beside its frames (data.audio), which needs `fps`."""
+
+    def __init__(self, entries, table, fps: float | None = None, seed: int = 0, audio: tuple | None = None):
+        if audio is not None and not fps:
+            raise ValueError(AUDIO_NEEDS_FPS)
+        self.fps, self.audio = fps, audio
         super().__init__(entries, table, seed)
 
     def assign(self, entry):
@@ -188,12 +200,14 @@ class MediaDataset(BucketedDataset):
 
     def load(self, entry, bucket, rng):
         from data.manifest import IMAGE_KEYS
-        from data.media import fit_to_bucket, read_clip, read_image
+        from data.media import fit_to_bucket, read_image, read_timed_clip
 
-        clip = read_clip(
+        clip, start = read_timed_clip(
             entry["path"], bucket.frames, bucket.height, bucket.width, self.fps, rng, entry["num_frames"]
         )
         sample = {"video": torch.from_numpy(clip).permute(3, 0, 1, 2).contiguous()}  # (3, T, H, W) uint8
+        if self.audio is not None:
+            sample["audio"] = self.read_sound(entry["path"], start, bucket.frames)
         for key, frame in zip(IMAGE_KEYS, (0, -1)):
             if key in self.entries.columns:  # a manifest naming images: each sample carries its frame
                 path = entry[key]
@@ -204,6 +218,14 @@ class MediaDataset(BucketedDataset):
                 )
                 sample[key] = torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1).contiguous()
         return sample
+
+    def read_sound(self, path, start: float, frames: int) -> torch.Tensor:
+        """(channels, round(frames / fps * rate)) float32: the sound of the `frames` frames from `start`
+        (the first frame's time), at self.audio's rate and channels (data/media.py mix_channels)."""
+        from data.media import mix_channels, read_audio
+
+        rate, channels = self.audio
+        return torch.from_numpy(mix_channels(read_audio(path, start, frames / self.fps, rate), channels))
 
 
 class SyntheticDataset(BucketedDataset):

@@ -34,13 +34,18 @@ def build_buckets(cfg) -> BucketTable:
 
 def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
     """Latents (data.latents), media (data.manifest: a JSONL file or a captioned folder), or the
-    synthetic demo generator. Every rank builds the same dataset from the same files."""
+    synthetic demo generator. Every rank builds the same dataset from the same files. data.audio: each
+    sample carries its clip's sound too, at the family's sound_format (data.fps required)."""
     dc = cfg.data
     if dc.audio and (dc.latents or not dc.manifest):
         raise ValueError(
             "data.audio=true trains on clips with sound, read from data.manifest; "
             f"{'data.latents' if dc.latents else 'the synthetic demo (no data.manifest)'} carries none"
         )
+    if dc.audio and not dc.fps:  # before any file is read: a bucket's sound must have one length
+        from data.dataset import AUDIO_NEEDS_FPS
+
+        raise ValueError(AUDIO_NEEDS_FPS)
     if dc.latents:
         from data.dataset import LatentDataset
         from data.latents import read_latent_index
@@ -66,9 +71,14 @@ def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
                 f"data.manifest='{dc.manifest}': none of its {len(unreadable)} files can be read "
                 f"({named} ...)"
             )
+        sound = None
         if dc.audio:
+            from models.families import family_named
+
             check_sound(dc.manifest, entries)
-        dataset = MediaDataset(entries, table, dc.fps, cfg.train.seed)
+            # None for a family whose training reads no sound, refused by name in check_family_inputs
+            sound = family_named(cfg.model.family).sound_format(cfg)
+        dataset = MediaDataset(entries, table, dc.fps, cfg.train.seed, audio=sound)
         for path, why in unreadable.items():
             dataset.leave_out(path, left_out_category(why), why)
         dataset.gone = gone  # kept: each is replaced when loaded, as a file deleted during the run

@@ -157,7 +157,7 @@ def test_data_audio_refuses_clips_without_sound_at_start_up_naming_them(tmp_path
         (tmp_path / f"{i}.mp4").touch()  # present (stat'ed at start-up), never opened
     cfg = load_config(TINY, recipe)
     assert cfg.data.audio is False and len(build_dataset(cfg, build_buckets(cfg))) == 10  # the default
-    cfg = load_config(TINY, recipe + ["data.audio=true"])
+    cfg = load_config(TINY, recipe + ["data.audio=true", "data.fps=8"])  # fps: one sound length per bucket
     with pytest.raises(ValueError) as refused:
         build_dataset(cfg, build_buckets(cfg))
     message = str(refused.value)
