@@ -41,7 +41,7 @@ def resolve_family(cfg, error=ValueError) -> None:
         )
     mc.family = wanted
     if tuple(cfg.lora.targets) == DEFAULT_TARGETS:  # the DiT's layer names: the family's own instead
-        cfg.lora.targets = list(FAMILIES[wanted].lora_targets or DEFAULT_TARGETS)
+        cfg.lora.targets = list(FAMILIES[wanted].default_lora_targets(cfg) or DEFAULT_TARGETS)
 
 
 def resolve_auto_size(cfg, error=ValueError) -> None:

@@ -306,6 +306,10 @@ class Family:
         models/flow.py on its velocity (training_draw's noise and sigmas)."""
         return flow.training_loss(lambda x, s, c, _: model(x, s, c), x0, cond, None, noise, t)
 
+    def default_lora_targets(self, cfg) -> tuple:
+        """lora.targets when the recipe leaves them at tessera's DiT's (configs/auto.py): its own."""
+        return self.lora_targets
+
     def check_training(self, cfg) -> None:
         """Refuse (ValueError) by name a recipe its training cannot take (before anything starts)."""
 

@@ -2,41 +2,25 @@
 learns, as Lightricks' trainer makes them (ltx-trainer process_videos.py _encode_audio, ltx-core audio_vae
 AudioProcessor and AudioEncoder, commit 400fd31): stereo; log-mel of |STFT| (Hann, center, reflect), Slaney
 mel bins from 0 to sample_rate / 2; the audio VAE's posterior mode, normalised per packed C_a M entry.
-Checked against that code, docs/ltx2_training.md holds, with these differences (theirs -> here): the mel is
-computed in the VAE's dtype (their trainer's VAE is float32) -> always float32; 5.1 and 7.1 are downmixed
-and other layouts above 2 channels averaged: followed here; the clip is cut to int(seconds x source rate)
-samples, then resampled -> data/media.py read_audio's round(seconds x rate) (at most a sample apart).
+Differences from that code (theirs -> here): the mel in the VAE's dtype (float32 in their trainer) ->
+always float32; their 5.1 / 7.1 downmix and other layouts' mean -> the loader's (data/media.py
+mix_channels); the clip cut to int(seconds x source rate) samples, then resampled -> data/media.py
+read_audio's round(seconds x rate) (at most a sample apart).
 """
-
-import warnings
 
 import torch
 from diffusers.models.autoencoders.autoencoder_mmaudio import mel_filterbank
 
-# Lightricks' surround downmixes (channel order L R C LFE Ls Rs [Lb Rb]): each side keeps its own front
-# channel at 1 and takes the centre and its surrounds at 0.707 (-3 dB), the weights scaled to sum to 1.
-SURROUND = {6: ((0, 2, 4), (1, 2, 5)), 8: ((0, 2, 4, 6), (1, 2, 5, 7))}
-
 
 def stereo(waveform):
-    """(B, channels, samples) -> (B, 2, samples) as Lightricks' trainer makes it: mono duplicated, 5.1 and
-    7.1 downmixed, any other layout of more than 2 channels averaged to mono, then duplicated."""
-    if waveform.ndim != 3 or waveform.shape[1] == 0:
-        raise ValueError(f"a waveform is (batch, channels, samples); got {tuple(waveform.shape)}")
-    channels = waveform.shape[1]
-    if channels <= 2:
-        return waveform.expand(-1, 2, -1)  # mono: the same channel twice (a view; stereo: itself)
-    if channels in SURROUND:
-        sides = []
-        for picks in SURROUND[channels]:
-            weights = torch.tensor([1.0] + [0.707] * (len(picks) - 1), dtype=waveform.dtype)
-            weights = (weights / weights.sum()).to(waveform.device)
-            sides.append(torch.einsum("bcs,c->bs", waveform[:, list(picks)], weights))
-        return torch.stack(sides, dim=1)
-    warnings.warn(
-        f"{channels} sound channels: no known layout, averaged to mono (as Lightricks does)", stacklevel=2
-    )
-    return waveform.mean(dim=1, keepdim=True).expand(-1, 2, -1)
+    """(B, 1 or 2, samples) -> (B, 2, samples): mono duplicated. The loader mixes a clip's other layouts
+    down to the family's two channels first, as Lightricks' trainer does (data/media.py mix_channels)."""
+    if waveform.ndim != 3 or waveform.shape[1] not in (1, 2):
+        raise ValueError(
+            f"a waveform is (batch, 1 or 2 channels, samples); got {tuple(waveform.shape)} (data/media.py "
+            "mix_channels mixes other layouts down to stereo)"
+        )
+    return waveform.expand(-1, 2, -1)  # mono: the same channel twice (a view; stereo: itself)
 
 
 def log_mel(waveform, sample_rate: int, hop: int, mel_bins: int, n_fft: int = 1024):

@@ -25,6 +25,18 @@ from models.ltx2.weights import TRANSFORMER_CLASS, build_transformer
 # the diffusers parts besides Family.check_pretrained's, each with the file that says it is there
 PARTS = dict(connectors="config.json", audio_vae="config.json", vocoder="config.json")
 STG_BLOCKS = (28,)  # the pipeline's default spatio_temporal_guidance_blocks
+# diffusers' module names that the release (and ComfyUI, under diffusion_model.) spells otherwise, as
+# diffusers' own LTX-2 LoRA conversion renames them; every other module keeps its name
+ORIGINAL_NAMES = (
+    ("audio_proj_in", "audio_patchify_proj"),
+    ("proj_in", "patchify_proj"),
+    ("audio_time_embed.", "audio_adaln_single."),
+    ("time_embed.", "adaln_single."),
+    ("av_cross_attn_video_scale_shift", "av_ca_video_scale_shift_adaln_single"),
+    ("av_cross_attn_video_a2v_gate", "av_ca_a2v_gate_adaln_single"),
+    ("av_cross_attn_audio_scale_shift", "av_ca_audio_scale_shift_adaln_single"),
+    ("av_cross_attn_audio_v2a_gate", "av_ca_v2a_gate_adaln_single"),
+)
 
 
 @dataclass(frozen=True)
@@ -88,6 +100,14 @@ class LTX2Parts(Components):
     train_fps: float | None = None  # data.fps: the training clips' frame rate (their positions in time)
 
 
+def original_name(name: str) -> str:
+    """A module's name in the release's (ComfyUI's) spelling, from diffusers'."""
+    for theirs, original in ORIGINAL_NAMES:
+        if name.startswith(theirs):
+            return original + name[len(theirs) :]
+    return name
+
+
 def guidance_terms(cfg) -> LTX2Guidance:
     """sample.audio_guidance, modality_guidance, guidance_rescale and stg (None: the pipeline's default)."""
     given = {f.name: cfg.sample[f.name] for f in fields(LTX2Guidance) if cfg.sample[f.name] is not None}
@@ -112,6 +132,14 @@ class LTX2(Family):
     image_to_video = True  # --image: LTX2ImageToVideoPipeline's first frame (the same weights)
     samples_audio = True
     sample_keys = ("audio_guidance", "modality_guidance", "guidance_rescale", "stg")
+    # a LoRA's default layers: both streams' attentions (self, text, audio-to-video, video-to-audio) and
+    # feed-forwards; the video's alone with data.audio=false (default_lora_targets)
+    lora_targets = tuple(
+        f"blocks.*.{m}.*"
+        for m in ("attn1", "attn2", "ff", "audio_attn1", "audio_attn2", "audio_ff")
+        + ("audio_to_video_attn", "video_to_audio_attn")
+    )
+    lora_formats = ("diffusers", "comfyui")
 
     def check_pretrained(self, cfg) -> None:
         super().check_pretrained(cfg)
@@ -215,6 +243,22 @@ class LTX2(Family):
             fps=float(cfg.sample.fps),
             train_fps=cfg.data.fps,
         )
+
+    def projections(self, model) -> tuple[dict, dict]:
+        """Family.projections, with the release's names (ComfyUI's LoRA keys) beside diffusers'."""
+        from models.lora_formats import model_projections
+
+        projections, linears = model_projections(model, self.diffusers_name)
+        originals = {
+            module: [replace(p, original=original_name(p.diffusers)) for p in found]
+            for module, found in projections.items()
+        }
+        return originals, linears
+
+    def default_lora_targets(self, cfg) -> tuple:
+        if cfg.data.audio:
+            return self.lora_targets
+        return tuple(t for t in self.lora_targets if not is_audio_parameter(t))
 
     def check_training(self, cfg) -> None:
         """Its positions in time are in seconds, and a bucket's sound must have one length: data.fps."""
