@@ -31,14 +31,14 @@ META_KEYS = {
         "tile_overlap",
     ),
     "text_encoder": ("kind", "pretrained", "max_length", "seed", "tiny_d_model", "tiny_layers"),
-    "data": ("fps",),
+    "data": ("fps", "audio"),  # data.audio: a family's latents hold the clips' sound too (LTX-2)
     "model": ("task", "image_dim"),  # image-to-video stores the condition too
     "image_encoder": ("pretrained",),
 }
 
 
 # What a folder written before a key was recorded was made with.
-BEFORE = {"model": {"task": "t2v"}}
+BEFORE = {"model": {"task": "t2v"}, "data": {"audio": False}}
 
 
 def latent_meta(cfg) -> dict:
@@ -93,7 +93,7 @@ def read_latent_index(folder, cfg) -> list[dict]:
     differ = meta_differences(json.loads((folder / "meta.json").read_text()), now)
     if differ:
         raise ValueError(
-            f"data.latents='{folder}' was made with another VAE, text encoder, fps or task "
+            f"data.latents='{folder}' was made with another VAE, text encoder, fps, sound or task "
             f"({'; '.join(differ)}); "
             f"recompute it with this recipe or change the recipe back"
         )

@@ -37,10 +37,10 @@ def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
     synthetic demo generator. Every rank builds the same dataset from the same files. data.audio: each
     sample carries its clip's sound too, at the family's sound_format (data.fps required)."""
     dc = cfg.data
-    if dc.audio and (dc.latents or not dc.manifest):
+    if dc.audio and not (dc.latents or dc.manifest):
         raise ValueError(
-            "data.audio=true trains on clips with sound, read from data.manifest; "
-            f"{'data.latents' if dc.latents else 'the synthetic demo (no data.manifest)'} carries none"
+            "data.audio=true trains on clips with sound, read from data.manifest (or data.latents "
+            "precomputed with it); the synthetic demo (no data.manifest) carries none"
         )
     if dc.audio and not dc.fps:  # before any file is read: a bucket's sound must have one length
         from data.dataset import AUDIO_NEEDS_FPS

@@ -24,9 +24,11 @@ NEGATIVE = "blurry"
 OFF = dict(guidance=1.0, audio_guidance=1.0, modality_guidance=1.0, stg=0.0)  # every term off
 
 
-def tiny_pipeline(stg: bool = False):
+def tiny_pipeline(stg: bool = False, encodes: bool = False):
     """A tiny random LTX2Pipeline, float32, LTX-2.0's options (perturbed_attn false, as released); `stg`:
-    perturbed_attn true and 29 blocks, so that the pipeline's STG pass perturbs its default block 28."""
+    perturbed_attn true and 29 blocks, so that the pipeline's STG pass perturbs its default block 28;
+    `encodes`: an audio VAE that compresses as the release's does (4 x in time and mel bins), so that
+    training's encoded sound has the latents' shape."""
     from diffusers import (
         AutoencoderKLLTX2Audio,
         AutoencoderKLLTX2Video,
@@ -106,7 +108,7 @@ def tiny_pipeline(stg: bool = False):
     audio_vae = AutoencoderKLLTX2Audio(
         base_channels=4,
         output_channels=2,
-        ch_mult=(1,),
+        ch_mult=(1, 2, 4) if encodes else (1,),
         num_res_blocks=1,
         resolution=32,
         latent_channels=2,

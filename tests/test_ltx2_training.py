@@ -18,10 +18,20 @@ from models.families import family_named
 from models.ltx2.training import draw, draw_sigma, is_audio_parameter, shift_for
 from parallel.family_training import FamilyRun, family_batch
 from tests.conftest import ROOT, run_main
-from tests.test_ltx2_pipeline import MAX_LENGTH, recipe, saved  # noqa: F401 (a fixture)
+from tests.test_ltx2_pipeline import MAX_LENGTH, tiny_pipeline
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import export  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """The tiny LTX2Pipeline, with an audio VAE that compresses the sound as the release's does."""
+    folder = tmp_path_factory.mktemp("ltx2_training") / "pipeline"
+    with torch.random.fork_rng():
+        tiny_pipeline(encodes=True).save_pretrained(folder)
+    return folder
+
 
 CAPTIONS = ["a red fox runs through snow", "waves on a beach"]
 FRAMES, HEIGHT, WIDTH, FPS = 9, 32, 64, 24
@@ -36,11 +46,23 @@ def training_recipe(folder, *extra):
     return load_config(ROOT / "configs" / "ltx-2.yaml", overrides)
 
 
+def pipeline_audio(pipe, waveforms) -> torch.Tensor:
+    """The clips' audio latents as the pipeline's parts make them: the stereo log-mel (models/ltx2/audio.py,
+    checked against transformers' in tests/test_ltx2_audio.py), its audio VAE's posterior mode, packed
+    and normalised by its _pack_audio_latents and _normalize_audio_latents: (B, L, C_a M)."""
+    from models.ltx2.audio import log_mel
+
+    vae = pipe.audio_vae
+    mel = log_mel(waveforms, vae.config.sample_rate, vae.config.mel_hop_length, vae.config.mel_bins)
+    packed = pipe._pack_audio_latents(vae.encode(mel).latent_dist.mode())
+    return pipe._normalize_audio_latents(packed, vae.latents_mean, vae.latents_std)
+
+
 def pipeline_loss(pipe, captions, video, sound, noise, sigmas) -> torch.Tensor:
     """The loss on LTX2Pipeline's parts: encode_prompt and its connectors, its video VAE's posterior mode
     normalised by its _normalize_latents, its transformer (packed latents, its coords at 24 fps, the
-    streams' timesteps); `sound`: the normalised audio latents (B, C_a, L, M), or None (video alone: the
-    modality-isolated pass, any audio stream)."""
+    streams' timesteps, each told the other's as the pipeline's use_cross_timestep does); `sound`:
+    pipeline_audio's packed latents, or None (the video alone: the modality-isolated pass, any audio)"""
     embeds, mask, _, _ = pipe.encode_prompt(
         captions, do_classifier_free_guidance=False, max_sequence_length=MAX_LENGTH, device="cpu"
     )
@@ -48,44 +70,44 @@ def pipeline_loss(pipe, captions, video, sound, noise, sigmas) -> torch.Tensor:
     vae = pipe.vae
     z = torch.cat([vae.encode(v[None].float() / 127.5 - 1).latent_dist.mode() for v in video])
     x0 = pipe._normalize_latents(z, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
-    video_noise, audio_noise = noise
     s = sigmas[:, 0].view(-1, 1, 1, 1, 1)
-    x_t = (1 - s) * x0 + s * video_noise
-    if sound is None:  # any audio (B, C_a M, 3 frames, 1): the isolated video never sees it
-        a_t, audio_sigma = torch.randn(len(captions), pipe.transformer.config.audio_in_channels, 3, 1), s
+    x_t = (1 - s) * x0 + s * noise[0]
+    if sound is None:  # any audio (B, 3 frames, C_a M): the isolated video never sees it
+        a_t, audio_sigma = torch.randn(len(captions), 3, pipe.transformer.config.audio_in_channels), s
     else:
-        audio_sigma = sigmas[:, 1].view(-1, 1, 1, 1)
+        audio_noise, audio_sigma = pipe._pack_audio_latents(noise[1]), sigmas[:, 1].view(-1, 1, 1)
         a_t = (1 - audio_sigma) * sound + audio_sigma * audio_noise
     B, _, T, H, W = x0.shape
     out, audio_out = pipe.transformer(
-        hidden_states=x_t.flatten(2).transpose(1, 2),
-        audio_hidden_states=a_t.transpose(1, 2).flatten(2),
+        hidden_states=pipe._pack_latents(x_t),
+        audio_hidden_states=a_t,
         encoder_hidden_states=text,
         audio_encoder_hidden_states=audio_text,
         timestep=sigmas[:, 0] * 1000,
         audio_timestep=audio_sigma.flatten() * 1000,
+        sigma=sigmas[:, 0] * 1000,  # what each stream's audio-video modulations read of the other's
+        audio_sigma=audio_sigma.flatten() * 1000,
+        use_cross_timestep=True,  # the pipeline's default
         encoder_attention_mask=text_mask,
         audio_encoder_attention_mask=text_mask,
         num_frames=T,
         height=H,
         width=W,
         fps=float(FPS),
-        audio_num_frames=a_t.shape[2],
+        audio_num_frames=a_t.shape[1],
         video_coords=pipe.transformer.rope.prepare_video_coords(B, T, H, W, "cpu", fps=float(FPS)),
-        audio_coords=pipe.transformer.audio_rope.prepare_audio_coords(B, a_t.shape[2], "cpu"),
+        audio_coords=pipe.transformer.audio_rope.prepare_audio_coords(B, a_t.shape[1], "cpu"),
         isolate_modalities=sound is None,
         return_dict=False,
     )
-    velocity = out.transpose(1, 2).unflatten(2, (T, H, W))
-    loss = torch.nn.functional.mse_loss(velocity, video_noise - x0)
+    loss = torch.nn.functional.mse_loss(out, pipe._pack_latents(noise[0] - x0))
     if sound is None:
         return loss
-    audio_velocity = audio_out.unflatten(2, (sound.shape[1], -1)).transpose(1, 2)
-    return loss + torch.nn.functional.mse_loss(audio_velocity, audio_noise - sound)
+    return loss + torch.nn.functional.mse_loss(audio_out, audio_noise - sound)
 
 
 @torch.no_grad()
-def test_the_video_loss_is_diffusers(saved):  # noqa: F811
+def test_the_video_loss_is_diffusers(saved):
     """data.audio=false: two 9-frame clips, the second caption dropped (the empty prompt): train.py's
     loss (encode_family_batch, family_batch, the family's draw and loss) is the video's loss on the
     pipeline's parts, on the modality-isolated pass."""
@@ -104,8 +126,62 @@ def test_the_video_loss_is_diffusers(saved):  # noqa: F811
     noise, sigmas = family.training_draw(parts, None, x0, cond, gens)
     ours = family.training_loss(parts, None, parts.transformer, x0, cond, noise, sigmas)
     want = pipeline_loss(LTX2Pipeline.from_pretrained(saved), [CAPTIONS[0], ""], video, None, noise, sigmas)
-    print(f"train.py's loss {ours.item():.6f}, diffusers' {want.item():.6f}", file=sys.__stderr__)
+    print(
+        f"video alone: train.py's loss {ours.item():.6f}, diffusers' {want.item():.6f}", file=sys.__stderr__
+    )
     assert want.item() > 0.1 and abs(ours.item() - want.item()) <= 1e-5 * want.item()
+
+
+def tones(count: int, samples: int) -> torch.Tensor:
+    """`count` stereo clips' sound (count, 2, samples) at 16 kHz: a tone of its own per clip and channel
+    that rises through the clip (a spectrum that changes in time), with a little noise."""
+    t = torch.arange(samples) / 16000
+    g = torch.Generator().manual_seed(1)
+    waves = [
+        0.4 * torch.sin(2 * math.pi * (220 * (i + 1) + 300 * c) * t * (1 + t))
+        + 0.01 * torch.randn(samples, generator=g)
+        for i in range(count)
+        for c in range(2)
+    ]
+    return torch.stack(waves).view(count, 2, samples)
+
+
+@torch.no_grad()
+def test_the_audio_video_loss_is_diffusers(saved):
+    """data.audio=true: two 9-frame clips with their sound (6,000 samples at 16 kHz: 10 audio latents),
+    the second caption dropped: train.py's loss is the video's plus the audio's on the pipeline's parts,
+    each stream at its own sigma; told one sigma for both, it is not."""
+    from diffusers import LTX2Pipeline
+
+    family = family_named("ltx2")
+    cfg = training_recipe(saved, "data.audio=true")
+    parts = family.load(cfg, torch.device("cpu"), torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    video = torch.randint(0, 256, (2, 3, FRAMES, HEIGHT, WIDTH), generator=generator, dtype=torch.uint8)
+    sound = tones(2, round(FRAMES / FPS * 16000))
+    run = FamilyRun(family, parts, cfg.text_encoder.max_length)
+    batch = {"caption": CAPTIONS, "video": video, "audio": sound}
+    x0, cond = family_batch(
+        run, SimpleNamespace(sp_size=1), encode_family_batch(run, batch, [False, True], "cpu"), "cpu"
+    )
+    assert cond.audio_x0.shape == (2, 2, 10, 2)
+    gens = [torch.Generator().manual_seed(s) for s in (5, 6)]
+    noise, sigmas = family.training_draw(parts, None, x0, cond, gens)
+    assert float((sigmas[:, 0] - sigmas[:, 1]).abs().min()) > 1e-2  # two sigmas per clip
+    ours = family.training_loss(parts, None, parts.transformer, x0, cond, noise, sigmas)
+    pipe = LTX2Pipeline.from_pretrained(saved)
+    packed = pipeline_audio(pipe, sound)
+    assert float((pipe._pack_audio_latents(cond.audio_x0) - packed).abs().max()) <= 1e-5
+    want = pipeline_loss(pipe, [CAPTIONS[0], ""], video, packed, noise, sigmas)
+    shared = sigmas[:, :1].expand(-1, 2)
+    one_sigma = family.training_loss(parts, None, parts.transformer, x0, cond, noise, shared)
+    print(
+        f"video and audio: train.py's loss {ours.item():.6f}, diffusers' {want.item():.6f}; "
+        f"with the video's sigma for both {one_sigma.item():.6f}",
+        file=sys.__stderr__,
+    )
+    assert want.item() > 0.1 and abs(ours.item() - want.item()) <= 1e-5 * want.item()
+    assert abs(one_sigma.item() - want.item()) > 1e-3
 
 
 def test_sigmas_follow_the_shifted_logit_normal():
@@ -216,7 +292,7 @@ def exported_transformer(run, folder, *flags) -> dict:
     return tensors
 
 
-def test_video_alone_leaves_the_audio_as_loaded(saved, tmp_path):  # noqa: F811
+def test_video_alone_leaves_the_audio_as_loaded(saved, tmp_path):
     """data.audio=false, a full fine-tuning of 10 steps at a large learning rate, with weight decay: every
     audio parameter of the exported run (its raw weights and its EMA) equals the pipeline's bit for bit,
     while each of the video's own moved."""
