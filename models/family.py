@@ -56,6 +56,7 @@ class Family:
     max_length = 0  # its pipeline's max_sequence_length (text_encoder.max_length)
     lora_targets: tuple = ()  # lora.targets' default: its Linear layers a LoRA adapts (fnmatch patterns)
     lora_formats: tuple = ("diffusers",)  # the key formats scripts/export.py writes its LoRAs in
+    lora_alphas = True  # its ComfyUI LoRAs carry an alpha per module (else the scale is in B)
     conditioning = None  # the dataclass of tensors `encode` returns (its fields shared between ranks)
     trains = True  # train.py and scripts/precompute_latents.py take it (else refused by name)
     image_to_video = False  # its image-to-video folders sample from infer.py --image (takes_images)

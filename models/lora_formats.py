@@ -127,16 +127,20 @@ def is_wan_named(projections: dict) -> bool:
 # Writing
 
 
-def export_adapters(adapters: dict, projections: dict, fmt: str) -> dict[str, torch.Tensor]:
+def export_adapters(
+    adapters: dict, projections: dict, fmt: str, alphas: bool = True
+) -> dict[str, torch.Tensor]:
     """A LoRA state dict in `fmt` ("diffusers" or "comfyui") from tessera adapters {module: (A, B,
-    scale)}. A fused module becomes one adapter per projection (_file_adapters)."""
+    scale)}. A fused module becomes one adapter per projection (_file_adapters). `alphas` False: ComfyUI's
+    names without alphas, the scale in B (LTX-2's, as Lightricks' trainer writes them)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown LoRA format {fmt!r}; choose one of {', '.join(FORMATS)}")
     out = {}
     for module, (A, B, scale) in adapters.items():
         for p, a, b in _file_adapters(A, B, projections[module]):
-            if fmt == "diffusers":  # no alpha in this format: the scale goes into B
+            if fmt == "diffusers" or not alphas:  # no alpha: the scale goes into B
                 prefix = p.diffusers if p.diffusers.startswith("tessera.") else f"transformer.{p.diffusers}"
+                prefix = prefix if fmt == "diffusers" else f"diffusion_model.{p.original}"
                 out[f"{prefix}.lora_A.weight"] = a.float().clone()  # a shared A: one copy each
                 out[f"{prefix}.lora_B.weight"] = (b.float() * scale).contiguous()
             else:

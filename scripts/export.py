@@ -230,7 +230,7 @@ def export_lora(checkpoint: Path, output: Path, cfg, fmt: str, use_ema: bool = T
         meta = lambda: family.meta_transformer(cfg)  # noqa: E731
     adapters = checkpoint_adapters(checkpoint, record, meta(), use_ema)
     projections, _ = (family or family_named(cfg.model.family)).projections(meta())
-    tensors = export_adapters(adapters, projections, fmt)
+    tensors = export_adapters(adapters, projections, fmt, family is None or family.lora_alphas)
     output.parent.mkdir(parents=True, exist_ok=True)
     info = {"format": "pt", "tessera_rank": record["rank"], "tessera_base": record["base"]["fingerprint"]}
     save_file(tensors, str(output), metadata=safetensors_metadata(info))

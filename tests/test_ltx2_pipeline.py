@@ -27,8 +27,8 @@ OFF = dict(guidance=1.0, audio_guidance=1.0, modality_guidance=1.0, stg=0.0)  # 
 def tiny_pipeline(stg: bool = False, encodes: bool = False):
     """A tiny random LTX2Pipeline, float32, LTX-2.0's options (perturbed_attn false, as released); `stg`:
     perturbed_attn true and 29 blocks, so that the pipeline's STG pass perturbs its default block 28;
-    `encodes`: an audio VAE that compresses as the release's does (4 x in time and mel bins), so that
-    training's encoded sound has the latents' shape."""
+    `encodes`: VAEs that compress as the release's do (the video's 2 x in time too, the audio's 4 x in
+    time and mel bins), so that training's encoded clips have the latents' shapes."""
     from diffusers import (
         AutoencoderKLLTX2Audio,
         AutoencoderKLLTX2Video,
@@ -98,7 +98,7 @@ def tiny_pipeline(stg: bool = False, encodes: bool = False):
         spatio_temporal_scaling=(True,),  # 2x in time and space
         decoder_spatio_temporal_scaling=(True,),
         decoder_inject_noise=(False, False),
-        downsample_type=("spatial",),
+        downsample_type=("spatiotemporal",) if encodes else ("spatial",),
         upsample_residual=(False,),
         upsample_factor=(1,),
         patch_size=1,

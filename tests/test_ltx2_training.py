@@ -317,3 +317,144 @@ def test_video_alone_leaves_the_audio_as_loaded(saved, tmp_path):
 
 def metrics(run) -> list:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def sound_manifest(folder) -> str:
+    """Four 2 s clips at 24 fps with a mono tone from 1 s on (tests/test_loader_audio.py), captioned."""
+    from data.manifest import write_manifest
+    from tests.test_loader_audio import counter_with_tone, entry
+
+    folder.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for i, caption in enumerate(["a grey square", "a bell rings", "a light dims", "a tone sounds"]):
+        clip = counter_with_tone(folder / f"clip{i}.mp4", FPS)
+        entries.append({**entry(clip, FPS, 2 * FPS), "caption": caption})
+    write_manifest(folder / "manifest.jsonl", entries)
+    return str(folder / "manifest.jsonl")
+
+
+def sound_args(folder, run, manifest, *extra) -> list:
+    """train_args on `manifest`'s clips with their sound, 2 steps, checkpointed."""
+    media = [f"data.manifest={manifest}", "data.audio=true", "data.max_upscale=8", "train.max_steps=2"]
+    media.append("train.checkpoint_every=1")  # the 16 x 16 clips scaled up to the 32 x 64 bucket
+    return [*train_args(folder, run, *media, "train.ema_decay=0", *extra)]
+
+
+SOUND_KINDS = {"full": [], "lora": ["lora.rank=4", "train.lr=5e-2"]}
+
+
+@pytest.fixture(scope="module")
+def sound_runs(saved, tmp_path_factory):
+    """{"full", "lora"}: 2-step runs on clips with their sound (data.audio=true), and the manifest."""
+    root = tmp_path_factory.mktemp("ltx2-sound-runs")
+    manifest = sound_manifest(root / "clips")
+    for kind, extra in SOUND_KINDS.items():
+        assert run_main(train, sound_args(saved, root / kind, manifest, *extra)) == 0
+    return {kind: root / kind for kind in SOUND_KINDS} | {"manifest": manifest}
+
+
+def test_runs_on_clips_with_sound_train_both_streams(sound_runs):
+    """Both runs log two finite losses and checkpoint; the LoRA adapted both streams by default (the
+    video's and the audio's attentions, feed-forwards and the cross-modal attentions)."""
+    for kind in SOUND_KINDS:
+        losses = [m["loss"] for m in metrics(sound_runs[kind])]
+        assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses)
+    state = torch.load(sound_runs["lora"] / "checkpoints" / "step_2" / "trainer_rank0.pt", weights_only=False)
+    modules = set(state["lora"]["modules"])
+    for name in ("attn1.to_q", "audio_attn1.to_q", "audio_ff.net.2", "video_to_audio_attn.to_v", "ff.net.2"):
+        assert f"blocks.0.{name}" in modules, name
+
+
+def pipeline_outputs(pipe) -> tuple:
+    """LTX2Pipeline's video and sound for PROMPTS[0] at seed 3 (tests/test_ltx2_pipeline.py's size)."""
+    from tests.test_ltx2_pipeline import NEGATIVE, PROMPTS, SIZE, STEPS
+
+    frames, height, width = SIZE
+    video, audio = pipe(
+        prompt=PROMPTS[0],
+        negative_prompt=NEGATIVE,
+        num_frames=frames,
+        height=height,
+        width=width,
+        frame_rate=24.0,
+        num_inference_steps=STEPS,
+        generator=torch.Generator().manual_seed(3),
+        output_type="np",
+        max_sequence_length=MAX_LENGTH,
+        return_dict=False,
+    )
+    return video[0], audio[0].float().numpy()
+
+
+def infer_outputs(folder, out, *extra) -> tuple:
+    """infer.py's first video and sound (tests/test_ltx2_pipeline.py's prompts, size and seed)."""
+    import infer
+    from tests.test_ltx2_pipeline import infer_args, written
+
+    argv = [*infer_args(folder, out / "run"), "--output", str(out / "out.npy"), *extra]
+    assert run_main(infer, argv) == 0
+    videos, sounds, _ = written(out)
+    return videos[0], sounds[0]
+
+
+@torch.no_grad()
+def test_lora_exports_load_in_diffusers(saved, sound_runs, tmp_path):
+    """The LoRA run exported in diffusers' names and in ComfyUI's (the release's names under
+    diffusion_model., with alphas) loads with LTX2Pipeline.load_lora_weights and samples the video and the
+    sound infer.py --checkpoint samples from the run (and not the base's)."""
+    import numpy as np
+    from diffusers import LTX2Pipeline
+
+    want = infer_outputs(saved, tmp_path / "run", "--checkpoint", str(sound_runs["lora"]))
+    base = pipeline_outputs(LTX2Pipeline.from_pretrained(saved))
+    for fmt in ("diffusers", "comfyui"):
+        lora = tmp_path / f"{fmt}.safetensors"
+        argv = ["--checkpoint", str(sound_runs["lora"]), "--lora", "--format", fmt, "--output", str(lora)]
+        assert export.main(argv) == 0
+        pipe = LTX2Pipeline.from_pretrained(saved)
+        pipe.load_lora_weights(str(lora))
+        got = pipeline_outputs(pipe)
+        diffs = [float(np.abs(g - w).max()) for g, w in zip(got, want)]
+        moved = [float(np.abs(b - w).max()) for b, w in zip(base, want)]
+        print(f"LoRA in {fmt} names: diffusers vs infer.py --checkpoint {diffs}; the base's {moved}")
+        assert diffs[0] <= 1e-4 and diffs[1] <= 1e-5 and moved[0] > 1e-3 and moved[1] > 1e-5
+
+
+def test_precomputed_latents_with_sound_train_as_the_clips_do(saved, sound_runs, tmp_path):
+    """scripts/precompute_latents.py with data.audio stores each clip's video and audio latents; training
+    on them takes the full run's steps (losses and gradient norms)."""
+    import precompute_latents
+
+    latents = tmp_path / "latents"
+    argv = sound_args(saved, tmp_path / "unused", sound_runs["manifest"])
+    assert run_main(precompute_latents, [*argv, "--out", str(latents)]) == 0
+    stored = tmp_path / "stored"
+    assert run_main(train, sound_args(saved, stored, sound_runs["manifest"], f"data.latents={latents}")) == 0
+    pairs = [
+        (a[k], b[k])
+        for a, b in zip(metrics(sound_runs["full"]), metrics(stored), strict=True)
+        for k in ("loss", "grad_norm")
+    ]
+    worst = max(abs(b - a) / abs(a) for a, b in pairs)
+    print(f"on latents vs on clips with sound, largest relative difference {worst:.1e}", file=sys.__stderr__)
+    assert worst <= 1e-5, pairs
+
+
+@pytest.mark.slow
+def test_ulysses_training_with_sound_is_one_process(saved, sound_runs, tmp_path):
+    """Two processes splitting the video's tokens (parallel.ulysses=2; the sound whole on each): every
+    step's loss and gradient norm are the one-process run's."""
+    from tests.conftest import ranks
+
+    two = tmp_path / "two"
+    argv = sound_args(saved, two, sound_runs["manifest"], "parallel.ulysses=2")
+    done = ranks(2, "train.py", *argv, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    pairs = [
+        (a[k], b[k])
+        for a, b in zip(metrics(sound_runs["full"]), metrics(two), strict=True)
+        for k in ("loss", "grad_norm")
+    ]
+    worst = max(abs(b - a) / abs(a) for a, b in pairs)
+    print(f"ulysses 2 with sound: losses and gradient norms within {worst:.1e} (relative) of one process's")
+    assert worst <= 1e-5, pairs

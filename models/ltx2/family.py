@@ -140,6 +140,7 @@ class LTX2(Family):
         + ("audio_to_video_attn", "video_to_audio_attn")
     )
     lora_formats = ("diffusers", "comfyui")
+    lora_alphas = False  # as Lightricks' trainer writes them; diffusers' LTX-2 loader refuses alphas
 
     def check_pretrained(self, cfg) -> None:
         super().check_pretrained(cfg)
@@ -479,7 +480,10 @@ class LTX2(Family):
         default decode_timestep 0, whose noise scale 0 leaves the latents as they are."""
         vae = parts.vae
         video, _ = self._layout(parts, latents).split(latents)
-        z = video.to(parts.text_encoder.dtype)  # the pipeline's cast to the text's dtype
+        z = video.to(
+            parts.connectors.dtype
+        )  # the pipeline's cast to the text's dtype (the connectors': training
+        # on precomputed latents frees the text encoder)
         view = (1, -1, 1, 1, 1)
         mean, std = (b.view(view).to(z.device, z.dtype) for b in (vae.latents_mean, vae.latents_std))
         z = (z * std / vae.config.scaling_factor + mean).to(vae.dtype)
