@@ -3,7 +3,8 @@ not counted): sampling (every part in bf16 on every rank; under PipeFusion over 
 stage's share of the transformer), full fine-tuning (the transformer's float32 weights, gradients, AdamW's
 moments and EMA, 20 bytes a parameter, sharded by FSDP2; the text encoder and VAE in bf16 on every rank)
 and LoRA (the base in bf16, sharded; rank-LORA_RANK adapters on the family's lora.targets, 20 bytes a
-parameter; text encoder and VAE), also from precomputed latents (data.latents: no text encoder).
+parameter; text encoder and VAE), also from precomputed latents (data.latents: no text encoder; the other
+frozen parts stay: HunyuanVideo 1.5's ByT5, LTX-2's connectors, audio VAE and vocoder).
 
     python scripts/family_memory.py [--json out.json]  (--tiny: the tests' tiny configs, seconds)
 
@@ -191,7 +192,7 @@ def per_gpu(counts: dict, adapters: int, gpus: int) -> dict:
         "sample-pipefusion": (model * BF16 / gpus + frozen) / GiB,
         "full": (model * TRAINED / gpus + frozen) / GiB,
         "lora": (lora + frozen) / GiB,
-        "lora-latents": (lora + vae * BF16) / GiB,
+        "lora-latents": (lora + frozen - texts[0] * BF16) / GiB,  # data.latents frees the text encoder only
     }
 
 
