@@ -8,9 +8,8 @@ frozen parts stay: HunyuanVideo 1.5's ByT5, LTX-2's connectors, audio VAE and vo
 
     python scripts/family_memory.py [--json out.json]  (--tiny: the tests' tiny configs, seconds)
 
-Configs: diffusers' defaults for the transformers (the releases') and VAEs (Qwen-Image's is its release's;
-Sana's release DC-AE is ~0.3B, 0.1 GiB under diffusers' default one counted here), the released text
-encoders' written out here; transformers and text encoders are checked against their model cards.
+Configs: diffusers' defaults for the transformers and VAEs (the releases'; Sana's DC-AE is ~0.3B, 0.1 GiB
+under diffusers' default), the released text encoders' written out here, checked against their cards.
 """
 
 import sys

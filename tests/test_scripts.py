@@ -226,7 +226,8 @@ def test_benchlib_measure_table_and_json(tmp_path):
 def test_family_memory_tiny_counts_every_part(tmp_path):
     """Each family's parts counted (the tiny pipelines' here): sampling the same per GPU on 1 and 8,
     training sharded (full: 20 bytes a transformer parameter over the GPUs), LoRA under full; HunyuanVideo
-    1.5's four parts (two text encoders) in bf16 to sample, and its training rows."""
+    1.5's four parts (two text encoders) in bf16 to sample, and its training rows; LTX-2's six and its
+    training rows."""
     out, results = run_tiny("family_memory.py", tmp_path)
     for family in ("Qwen-Image", "Sana"):
         found = results["families"][family]
@@ -242,8 +243,12 @@ def test_family_memory_tiny_counts_every_part(tmp_path):
     one, eight = hunyuan["gib_per_gpu"]["1"], hunyuan["gib_per_gpu"]["8"]
     assert set(one) == {"sample", "full", "lora", "lora-latents"} and one["sample"] == eight["sample"]
     assert one["full"] > eight["full"] > 0 and one["lora-latents"] < one["lora"] < one["full"]
-    ltx2 = results["families"]["LTX-2"]  # six parts (connectors, audio VAE, vocoder); it samples only
+    ltx2 = results["families"]["LTX-2"]  # six parts (connectors, audio VAE, vocoder)
     assert len(ltx2["parameters"]) == 6 and all(n > 0 for n in ltx2["parameters"].values())
-    assert set(ltx2["gib_per_gpu"]["1"]) == {"sample"}
-    assert ltx2["gib_per_gpu"]["1"]["sample"] * 2**30 == pytest.approx(2 * sum(ltx2["parameters"].values()))
+    assert set(ltx2["gib_per_gpu"]["1"]) == {"sample", "full", "lora", "lora-latents"}
+    counts = ltx2["parameters"]
+    assert ltx2["gib_per_gpu"]["1"]["sample"] * 2**30 == pytest.approx(2 * sum(counts.values()))
+    # data.latents frees Gemma alone: the connectors, audio VAE and vocoder stay for the previews
+    freed = ltx2["gib_per_gpu"]["1"]["lora"] - ltx2["gib_per_gpu"]["1"]["lora-latents"]
+    assert freed * 2**30 == pytest.approx(2 * counts["LTX-2 text_encoder"])
     assert one["sample"] * 2**30 == pytest.approx(2 * sum(hunyuan["parameters"].values()))
