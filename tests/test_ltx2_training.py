@@ -441,20 +441,25 @@ def test_precomputed_latents_with_sound_train_as_the_clips_do(saved, sound_runs,
 
 
 @pytest.mark.slow
-def test_ulysses_training_with_sound_is_one_process(saved, sound_runs, tmp_path):
-    """Two processes splitting the video's tokens (parallel.ulysses=2; the sound whole on each): every
-    step's loss and gradient norm are the one-process run's."""
+@pytest.mark.parametrize("split, degree", [("ulysses", 2), ("ring", 3)])
+def test_split_training_with_sound_is_one_process(saved, sound_runs, tmp_path, split, degree):
+    """Processes splitting the video's tokens (parallel.ulysses=2, its 2 heads; parallel.ring=3, which
+    does not divide the 2,560 tokens: padded), the sound whole on each: every step's loss and gradient norm
+    are the one-process run's."""
     from tests.conftest import ranks
 
     two = tmp_path / "two"
-    argv = sound_args(saved, two, sound_runs["manifest"], "parallel.ulysses=2")
-    done = ranks(2, "train.py", *argv, timeout=240)
+    argv = sound_args(saved, two, sound_runs["manifest"], f"parallel.{split}={degree}")
+    done = ranks(degree, "train.py", *argv, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert f"{split}={degree}" in done.stdout + done.stderr  # the layout line: the split ran
     pairs = [
         (a[k], b[k])
         for a, b in zip(metrics(sound_runs["full"]), metrics(two), strict=True)
         for k in ("loss", "grad_norm")
     ]
     worst = max(abs(b - a) / abs(a) for a, b in pairs)
-    print(f"ulysses 2 with sound: losses and gradient norms within {worst:.1e} (relative) of one process's")
+    print(
+        f"{split} {degree} with sound: losses and gradient norms within {worst:.1e} (relative) of one process's"
+    )
     assert worst <= 1e-5, pairs
