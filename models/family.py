@@ -60,6 +60,7 @@ class Family:
     conditioning = None  # the dataclass of tensors `encode` returns (its fields shared between ranks)
     trains = True  # train.py and scripts/precompute_latents.py take it (else refused by name)
     image_to_video = False  # its image-to-video folders sample from infer.py --image (takes_images)
+    trains_images = False  # its image-to-video folders train (each clip's first frame given: encode_clips)
     trains_audio = False  # its training reads the clips' sound (data.audio); none does yet
     samples_audio = False  # it samples sound with the video (decode_audio; infer.py --no-audio leaves it out)
     # the sample.* guidance keys it reads (configs/schema.py: audio_guidance, modality_guidance,

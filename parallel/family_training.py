@@ -62,10 +62,15 @@ def check_family_training(cfg, family: Family, layout) -> None:
     if cfg.model.task != "t2v":
         raise ValueError(f"model.task={cfg.model.task}: {family.title} trains from text (t2v) only")
     family.check_training(cfg)
-    if family.needs_images(cfg):  # a folder that samples only from a first frame
+    if family.needs_images(cfg) and not family.trains_images:  # samples only from a first frame
         raise ValueError(
             f"model.pretrained={cfg.model.pretrained} is {family.title}'s image-to-video pipeline; its "
             "training is text-to-video only: use the text-to-video folder"
+        )
+    if family.needs_images(cfg) and not cfg.sample.images:
+        raise ValueError(
+            f"sample.images is empty: {family.title}'s image-to-video pipeline previews from a first frame; "
+            "name one image for every preview, or one per sample.prompts"
         )
     if layout.pipefusion > 1 or layout.cfg > 1:
         raise ValueError(f"{family.title} trains under dp, parallel.ulysses and parallel.ring")
@@ -145,6 +150,11 @@ def family_previews(cfg, run: FamilyRun, model, seeds: list, progress, device) -
     sampling = Sampling(
         list(sc.prompts), seeds, size, sc.steps, sc.guidance, sc.negative_prompt, run.max_length
     )
+    if run.family.needs_images(cfg):  # sample.images: one for all the prompts, or one each
+        from PIL import Image
+
+        images = [Image.open(path).convert("RGB") for path in sc.images]
+        sampling = replace(sampling, images=images * len(sampling.prompts) if len(images) == 1 else images)
     images, bad = checked(
         generate_images, run.family, parts, sampling, progress, device=device, conditioning=run.previews
     )

@@ -7,6 +7,7 @@ videos do; and under parallel.ulysses=2 each step's loss is one process's."""
 
 import json
 import sys
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -21,7 +22,14 @@ from models.families import family_named
 from models.flow import RectifiedFlow
 from parallel.family_training import FamilyRun, family_batch
 from tests.conftest import ROOT, ranks, run_main
-from tests.test_hunyuan_video15 import NEGATIVE, PROMPTS, SIZE, infer_args, saved  # noqa: F401 (a fixture)
+from tests.test_hunyuan_video15 import (  # noqa: F401 (fixtures)
+    NEGATIVE,
+    PROMPTS,
+    SIZE,
+    infer_args,
+    saved,
+    saved_i2v,
+)
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import export  # noqa: E402
@@ -114,6 +122,64 @@ def test_the_loss_is_diffusers(saved):  # noqa: F811
     assert want.item() > 0.1 and abs(ours.item() - want.item()) <= 1e-5 * want.item()
 
 
+@torch.no_grad()
+def test_the_image_to_video_loss_is_diffusers(saved_i2v):  # noqa: F811
+    """From the image-to-video folder, each clip's own first frame given: train.py's loss is the loss on
+    HunyuanVideo15ImageToVideoPipeline's parts, its prepare_cond_latents_and_mask (the frame's latents and
+    mask beside the noise) and encode_image (SigLIP) on the clip's first frame, every frame noised and in
+    the loss (as the release's trainer has it); without the frame it is not."""
+    from diffusers import DiffusionPipeline
+    from PIL import Image
+
+    family = family_named("hunyuan_video15")
+    argv = train_args(saved_i2v, saved_i2v.parent / "unused")
+    cfg = load_config(ROOT / "configs" / "hunyuanvideo-1.5-480p.yaml", argv[2:])
+    parts = family.load(cfg, torch.device("cpu"), torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    video = torch.randint(0, 256, (2, 3, 5, 24, 40), generator=generator, dtype=torch.uint8)
+    run = FamilyRun(family, parts, cfg.text_encoder.max_length)
+    encoded = encode_family_batch(run, {"caption": CAPTIONS, "video": video}, [False, True], "cpu")
+    x0, cond = family_batch(run, SimpleNamespace(sp_size=1), encoded, "cpu")
+    noise, sigma = torch.randn(x0.shape, generator=generator), torch.tensor([0.3, 0.85])
+    flow = RectifiedFlow(cfg.flow, (1, 1, 1))
+    ours = family.training_loss(parts, flow, parts.transformer, x0, cond, noise, sigma)
+    plain = family.training_loss(
+        parts, flow, parts.transformer, x0, replace(cond, image=None, image_latents=None), noise, sigma
+    )
+
+    pipe = DiffusionPipeline.from_pretrained(saved_i2v)
+    text, text_mask, glyph, glyph_mask = pipe.encode_prompt([CAPTIONS[0], ""], device="cpu", batch_size=2)
+    z = [pipe.vae.encode(v[None].float() / 127.5 - 1).latent_dist.mode() for v in video]
+    want_x0 = torch.cat(z) * pipe.vae.config.scaling_factor
+    x_t = (1 - sigma.view(-1, 1, 1, 1, 1)) * want_x0 + sigma.view(-1, 1, 1, 1, 1) * noise
+    given, embeds = [], []
+    for clip, latents in zip(video, x_t):
+        image = Image.fromarray(clip[:, 0].permute(1, 2, 0).numpy())
+        condition, mask = pipe.prepare_cond_latents_and_mask(
+            latents[None], image, 1, 24, 40, torch.float32, "cpu"
+        )
+        given.append(torch.cat([condition, mask], dim=1))
+        embeds.append(pipe.encode_image(image, 1, "cpu", torch.float32))
+    pred = pipe.transformer(
+        hidden_states=torch.cat([x_t, torch.cat(given)], dim=1),
+        timestep=sigma * 1000,
+        encoder_hidden_states=text,
+        encoder_attention_mask=text_mask,
+        encoder_hidden_states_2=glyph,
+        encoder_attention_mask_2=glyph_mask,
+        image_embeds=torch.cat(embeds),
+        return_dict=False,
+    )[0]
+    want = torch.nn.functional.mse_loss(pred, noise - want_x0)
+    print(
+        f"image-to-video: train.py's loss {ours.item():.6f}, diffusers' {want.item():.6f}; without the "
+        f"frame {plain.item():.6f}",
+        file=sys.__stderr__,
+    )
+    assert want.item() > 0.1 and abs(ours.item() - want.item()) <= 1e-5 * want.item()
+    assert abs(plain.item() - want.item()) > 1e-3
+
+
 KINDS = {"full": [], "lora": ["lora.rank=4", "train.lr=1e-2"]}
 
 
@@ -193,6 +259,57 @@ def test_exports_load_in_diffusers(saved, runs, tmp_path):  # noqa: F811
     diff, changed = float(np.abs(got - want).max()), float(np.abs(want - base).max())
     print(f"full: diffusers on the export vs infer.py --checkpoint {diff:.2e}; the base {changed:.2e}")
     assert diff <= 1e-5 and changed > 1e-3
+
+
+def test_image_to_video_lora_trains_and_loads_in_diffusers(saved_i2v, tmp_path):  # noqa: F811
+    """A 2-step LoRA run from the image-to-video folder (each clip's first frame given; sample.images
+    previews from an image): exported in diffusers' names, the i2v pipeline's transformer takes it with
+    load_lora_adapter and samples from an image what infer.py --checkpoint --image samples; without
+    sample.images the run is refused by name. Precomputed latents (the first frames' too) train alike."""
+    from diffusers import DiffusionPipeline
+    from diffusers.guiders import ClassifierFreeGuidance
+    from PIL import Image
+
+    from tests.test_hunyuan_video15 import first_frame
+
+    image, run = first_frame(tmp_path), tmp_path / "run"
+    argv = train_args(saved_i2v, run, *KINDS["lora"])
+    assert run_main(train, argv) != 0  # sample.images unset: refused before anything starts
+    assert not (run / "checkpoints").exists()
+    assert run_main(train, [*argv, f"sample.images=[{image}]"]) == 0
+    assert (run / "samples" / "step_2_0.mp4").stat().st_size > 0
+    lora = tmp_path / "lora.safetensors"
+    assert export.main(["--checkpoint", str(run), "--lora", "--output", str(lora)]) == 0
+
+    def sample(pipe) -> np.ndarray:
+        pipe.guider = ClassifierFreeGuidance(guidance_scale=4.0)
+        pipe.set_progress_bar_config(disable=True)
+        args = dict(prompt=PROMPTS[0], negative_prompt=NEGATIVE, num_inference_steps=2, num_frames=5)
+        out = pipe(
+            **args, image=Image.open(image), generator=torch.Generator().manual_seed(1), output_type="np"
+        )
+        return out.frames[0]
+
+    base = sample(DiffusionPipeline.from_pretrained(saved_i2v))
+    pipe = DiffusionPipeline.from_pretrained(saved_i2v)
+    pipe.transformer.load_lora_adapter(str(lora), prefix="transformer")
+    want = sample(pipe)
+    got = infer_video(saved_i2v, tmp_path, "i2v.npy", "--checkpoint", str(run), "--image", str(image))
+    diff, changed = float(np.abs(got - want).max()), float(np.abs(want - base).max())
+    print(
+        f"image-to-video LoRA: diffusers vs infer.py --checkpoint --image {diff:.1e}; the base {changed:.1e}"
+    )
+    assert got.shape == want.shape and diff <= 1e-4 and changed > 1e-3
+
+    import precompute_latents  # the first frames' latents, mask and SigLIP tokens stored with the texts
+
+    latents, stored = tmp_path / "latents", tmp_path / "stored"
+    given = [*argv, f"sample.images=[{image}]"]
+    assert run_main(precompute_latents, [*given, "--out", str(latents)]) == 0
+    assert run_main(train, [*given, f"data.latents={latents}", f"run.output_dir={stored}"]) == 0
+    keys = ("loss", "grad_norm")
+    pairs = [(a[k], b[k]) for a, b in zip(metrics(run), metrics(stored), strict=True) for k in keys]
+    assert max(abs(b - a) / abs(a) for a, b in pairs) <= 1e-6, pairs
 
 
 def test_precomputed_latents_train_as_the_videos_do(saved, runs, tmp_path):  # noqa: F811

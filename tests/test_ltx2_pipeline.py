@@ -392,7 +392,7 @@ def test_infer_refuses_before_loading(saved, tmp_path, capsys):
         ),
         (
             train,
-            [*infer_args(saved, tmp_path / "run")[:7], "data.audio=true"],
+            [*infer_args(saved, tmp_path / "run")[:7], "data.audio=true", "data.fps=null"],
             "data.fps",
         ),
     ]

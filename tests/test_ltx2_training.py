@@ -460,6 +460,7 @@ def test_split_training_with_sound_is_one_process(saved, sound_runs, tmp_path, s
     ]
     worst = max(abs(b - a) / abs(a) for a, b in pairs)
     print(
-        f"{split} {degree} with sound: losses and gradient norms within {worst:.1e} (relative) of one process's"
+        f"{split} {degree} with sound: losses and gradient norms within {worst:.1e} (relative) of one "
+        "process's"
     )
     assert worst <= 1e-5, pairs

@@ -60,6 +60,7 @@ class HunyuanVideo15(Family):
     vae_class, max_length = "AutoencoderKLHunyuanVideo15", MAX_LENGTH
     conditioning = HunyuanVideo15Cond
     image_to_video = True
+    trains_images = True  # its image-to-video folder trains from each clip's first frame
     # the joint attention's projections and both streams' feed-forwards, as Qwen-Image's
     lora_targets = ("blocks.*.attn.*", "blocks.*.ff.*", "blocks.*.ff_context.*")
 
@@ -199,13 +200,28 @@ class HunyuanVideo15(Family):
         z = torch.cat([parts.vae.encode(v[None].to(parts.vae.dtype)).latent_dist.mode() for v in images])
         return z.float() * parts.vae.config.scaling_factor
 
+    def encode_clips(self, parts: HunyuanVideo15Parts, videos, sound, cond) -> tuple:
+        """The videos' latents; from an image-to-video folder, each clip's own first frame given as the
+        pipeline gives an image (with_images: its latents and mask beside the noise, its SigLIP tokens), the
+        loss on every frame as the release's trainer has it."""
+        if parts.image_encoder is not None:
+            from PIL import Image
+
+            first = ((videos[:, :, 0] + 1) * 127.5).round().clamp(0, 255).byte().permute(0, 2, 3, 1).cpu()
+            images = [Image.fromarray(frame.numpy()) for frame in first]
+            (cond,) = self.with_images(parts, images, tuple(videos.shape[2:]), cond)
+        return self.encode_images(parts, videos), cond
+
     def store_conditioning(self, cond: HunyuanVideo15Cond) -> list[dict]:
-        """Each sample's real tokens of both texts (they lead; a prompt without quoted text has no glyph)."""
+        """Each sample's real tokens of both texts (they lead; a prompt without quoted text has no glyph);
+        image-to-video's first frame too (its SigLIP tokens, its latents and mask)."""
         real = lambda mask, i, n: n if mask is None else int(mask[i].sum())  # noqa: E731
+        given = {k: getattr(cond, k) for k in ("image", "image_latents") if getattr(cond, k) is not None}
         return [
             {
                 "text": cond.text[i, : real(cond.text_mask, i, cond.text.shape[1])],
                 "glyph": cond.glyph[i, : real(cond.glyph_mask, i, cond.glyph.shape[1])],
+                **{k: v[i] for k, v in given.items()},
             }
             for i in range(len(cond.text))
         ]
@@ -215,7 +231,8 @@ class HunyuanVideo15(Family):
         (None when nothing is padded)."""
         text, text_mask = padded([s["text"] for s in stored])
         glyph, glyph_mask = padded([s["glyph"] for s in stored])
-        return HunyuanVideo15Cond(text, text_mask, glyph, glyph_mask)
+        given = {k: torch.stack([s[k] for s in stored]) for k in ("image", "image_latents") if k in stored[0]}
+        return HunyuanVideo15Cond(text, text_mask, glyph, glyph_mask, **given)
 
     def noise(self, parts: HunyuanVideo15Parts, seeds: list, frames: int, height: int, width: int):
         """What the pipeline draws from a generator seeded with seed, one video each, in the model's dtype."""
