@@ -464,3 +464,20 @@ def test_split_training_with_sound_is_one_process(saved, sound_runs, tmp_path, s
         "process's"
     )
     assert worst <= 1e-5, pairs
+
+
+def test_unread_flow_keys_and_missing_fps_are_refused(saved):
+    """LTX-2 draws its own sigmas: flow.shift set is refused by name (FLOW_DEFAULTS are the schema's);
+    data.fps unset too."""
+    from dataclasses import asdict
+
+    from configs.schema import FlowConfig
+    from models.ltx2.family import FLOW_DEFAULTS
+
+    assert asdict(FlowConfig()) == FLOW_DEFAULTS
+    family = family_named("ltx2")
+    family.check_training(training_recipe(saved))
+    with pytest.raises(ValueError, match=r"flow.shift=3.0: LTX-2 draws each stream's sigma"):
+        family.check_training(training_recipe(saved, "flow.shift=3.0"))
+    with pytest.raises(ValueError, match="data.fps is unset"):
+        family.check_training(training_recipe(saved, "data.fps=null"))

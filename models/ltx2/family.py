@@ -24,6 +24,8 @@ from models.ltx2.weights import TRANSFORMER_CLASS, build_transformer
 
 # the diffusers parts besides Family.check_pretrained's, each with the file that says it is there
 PARTS = dict(connectors="config.json", audio_vae="config.json", vocoder="config.json")
+# configs/schema.py FlowConfig's defaults: the keys of the flow tessera's DiT draws from, which LTX-2 does not
+FLOW_DEFAULTS = dict(logit_mean=0.0, logit_std=1.0, shift=1.0, shift_reference_tokens=256)
 STG_BLOCKS = (28,)  # the pipeline's default spatio_temporal_guidance_blocks
 # diffusers' module names that the release (and ComfyUI, under diffusion_model.) spells otherwise, as
 # diffusers' own LTX-2 LoRA conversion renames them; every other module keeps its name
@@ -262,7 +264,14 @@ class LTX2(Family):
         return tuple(t for t in self.lora_targets if not is_audio_parameter(t))
 
     def check_training(self, cfg) -> None:
-        """Its positions in time are in seconds, and a bucket's sound must have one length: data.fps."""
+        """Its positions in time are in seconds, and a bucket's sound must have one length: data.fps. Its
+        sigmas are Lightricks' (models/ltx2/training.py): a flow.* key set otherwise is refused by name."""
+        changed = [f"flow.{k}={cfg.flow[k]}" for k, v in FLOW_DEFAULTS.items() if cfg.flow[k] != v]
+        if changed:
+            raise ValueError(
+                f"{', '.join(changed)}: {self.title} draws each stream's sigma from the shifted logit-normal "
+                "of its own trainer (docs/ltx2_training.md), which no flow.* key changes; unset it"
+            )
         if not cfg.data.fps:
             raise ValueError(
                 f"data.fps is unset: {self.title} trains on clips at a known frame rate (its positions in "
