@@ -58,11 +58,12 @@ def pipeline_audio(pipe, waveforms) -> torch.Tensor:
     return pipe._normalize_audio_latents(packed, vae.latents_mean, vae.latents_std)
 
 
-def pipeline_loss(pipe, captions, video, sound, noise, sigmas) -> torch.Tensor:
+def pipeline_loss(pipe, captions, video, sound, noise, sigmas, own_shifts: bool = True) -> torch.Tensor:
     """The loss on LTX2Pipeline's parts: encode_prompt and its connectors, its video VAE's posterior mode
     normalised by its _normalize_latents, its transformer (packed latents, its coords at 24 fps, the
-    streams' timesteps, each told the other's as the pipeline's use_cross_timestep does); `sound`:
-    pipeline_audio's packed latents, or None (the video alone: the modality-isolated pass, any audio)"""
+    streams' timesteps; the audio-video gates told the other stream's sigma, their scale and shift each
+    stream's own, as Lightricks' model has them; `own_shifts` False: diffusers' use_cross_timestep alone);
+    `sound`: pipeline_audio's packed latents, or None (the video alone: the modality-isolated pass)."""
     embeds, mask, _, _ = pipe.encode_prompt(
         captions, do_classifier_free_guidance=False, max_sequence_length=MAX_LENGTH, device="cpu"
     )
@@ -78,6 +79,20 @@ def pipeline_loss(pipe, captions, video, sound, noise, sigmas) -> torch.Tensor:
         audio_noise, audio_sigma = pipe._pack_audio_latents(noise[1]), sigmas[:, 1].view(-1, 1, 1)
         a_t = (1 - audio_sigma) * sound + audio_sigma * audio_noise
     B, _, T, H, W = x0.shape
+    # Lightricks' model: each stream's a2v / v2a scale and shift read its own timestep (diffusers'
+    # use_cross_timestep=True below gives the other stream's to the gates, and to these two, which the hooks
+    # give back their own)
+    own = {
+        "av_cross_attn_video_scale_shift": sigmas[:, 0] * 1000,
+        "av_cross_attn_audio_scale_shift": audio_sigma.flatten() * 1000,
+    }
+    hooks = [
+        getattr(pipe.transformer, name).register_forward_pre_hook(
+            lambda module, args, kwargs, t=t: ((t, *args[1:]), kwargs), with_kwargs=True
+        )
+        for name, t in own.items()
+        if own_shifts
+    ]
     out, audio_out = pipe.transformer(
         hidden_states=pipe._pack_latents(x_t),
         audio_hidden_states=a_t,
@@ -100,6 +115,8 @@ def pipeline_loss(pipe, captions, video, sound, noise, sigmas) -> torch.Tensor:
         isolate_modalities=sound is None,
         return_dict=False,
     )
+    for hook in hooks:
+        hook.remove()
     loss = torch.nn.functional.mse_loss(out, pipe._pack_latents(noise[0] - x0))
     if sound is None:
         return loss
@@ -175,13 +192,15 @@ def test_the_audio_video_loss_is_diffusers(saved):
     want = pipeline_loss(pipe, [CAPTIONS[0], ""], video, packed, noise, sigmas)
     shared = sigmas[:, :1].expand(-1, 2)
     one_sigma = family.training_loss(parts, None, parts.transformer, x0, cond, noise, shared)
+    cross = pipeline_loss(pipe, [CAPTIONS[0], ""], video, packed, noise, sigmas, own_shifts=False)
     print(
         f"video and audio: train.py's loss {ours.item():.6f}, diffusers' {want.item():.6f}; "
-        f"with the video's sigma for both {one_sigma.item():.6f}",
+        f"with the video's sigma for both {one_sigma.item():.6f}; diffusers' with every audio-video "
+        f"modulation told the other's sigma (use_cross_timestep alone) {cross.item():.6f}",
         file=sys.__stderr__,
     )
     assert want.item() > 0.1 and abs(ours.item() - want.item()) <= 1e-5 * want.item()
-    assert abs(one_sigma.item() - want.item()) > 1e-3
+    assert abs(one_sigma.item() - want.item()) > 1e-3 and abs(cross.item() - ours.item()) > 1e-4
 
 
 def test_sigmas_follow_the_shifted_logit_normal():

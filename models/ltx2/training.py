@@ -1,8 +1,10 @@
 """LTX-2's training as Lightricks' own trainer does it (docs/ltx2_training.md; read in Lightricks/LTX-2,
 packages/ltx-trainer): a sigma per stream, each from the shifted logit-normal of that stream's own token
 count (a shared sigma is what had voices come out as noise elsewhere), velocity targets, and the plain sum
-of the video's and the audio's mean squared errors. Without sound (data.audio=false) the video trains
-alone: the modality-isolated pass, no audio loss, and every audio parameter frozen (is_audio_parameter).
+of the video's and the audio's mean squared errors; the audio-video gates read the other stream's sigma,
+their scale and shift each stream's own, as in Lightricks' model (LTX2Cond.cross_gate_only). Without sound
+(data.audio=false) the video trains alone: the modality-isolated pass, no audio loss, and every audio
+parameter frozen (is_audio_parameter).
 """
 
 import math
@@ -76,7 +78,7 @@ def loss(model, x0, audio_x0, cond, noise: tuple, sigmas) -> torch.Tensor:
         return F.mse_loss(video.float(), (video_noise - x0).float())
     audio_x0 = audio_x0.to(x0.device, x0.dtype)
     audio_t_x = mix(audio_x0, audio_noise, audio_t)
-    video, audio = model(x_t, audio_t_x, video_t, replace(cond, audio_t=audio_t))
+    video, audio = model(x_t, audio_t_x, video_t, replace(cond, audio_t=audio_t, cross_gate_only=True))
     video_loss = F.mse_loss(video.float(), (video_noise - x0).float())
     return video_loss + F.mse_loss(audio.float(), (audio_noise - audio_x0).float())
 

@@ -38,6 +38,9 @@ class LTX2Cond:
     # (B,) the audio's own sigma, where it differs from the video's (training draws one per stream, as
     # LTX-2's trainer does: docs/ltx2_training.md); None: t, as every pipeline samples
     audio_t: torch.Tensor | None = None
+    # Lightricks' own model (its trainer's, ltx-core transformer_args.py): the audio-video scale and shift
+    # read each stream's own timesteps, the gates alone the other stream's sigma; over cross_timestep
+    cross_gate_only: bool = False
     # (B, C_a, L, M) training only: the clips' clean audio latents, which the loss reads (models/ltx2/
     # training.py); None: the video trains alone (data.audio=false), or sampling
     audio_x0: torch.Tensor | None = None
@@ -469,20 +472,21 @@ class LTX2Transformer(nn.Module):
         rows = lambda x: x.view(B, -1, x.shape[-1])  # noqa: E731  (B * T, .) -> (B, T, .)
         video_temb, video_embedded = (rows(e) for e in self.time_embed(video_t.flatten(), dtype))
         audio_temb, audio_embedded = (rows(e) for e in self.audio_time_embed(audio_sigma, dtype))
-        # diffusers' use_cross_timestep: each stream's a2v / v2a modulations read the other stream's sigma;
-        # otherwise each its own (the video's per token)
-        video_cross_t = audio_sigma if cond.cross_timestep else video_t.flatten()
-        audio_cross_t = sigma if cond.cross_timestep else audio_sigma
+        # what each stream's a2v / v2a scale, shift and gate read: diffusers' use_cross_timestep, the other
+        # stream's sigma; without it each its own (the video's per token); cross_gate_only, the gates alone
+        own, other = (video_t.flatten(), audio_sigma), (audio_sigma, sigma)
+        shifts = other if cond.cross_timestep and not cond.cross_gate_only else own
+        gates = other if cond.cross_timestep or cond.cross_gate_only else own
         gate_scale = self.cross_timestep_scale / self.timestep_scale
         return dict(
             video_temb=video_temb,
             audio_temb=audio_temb,
             video_embedded=video_embedded,
             audio_embedded=audio_embedded,
-            video_cross=rows(self.av_cross_attn_video_scale_shift(video_cross_t, dtype)[0]),
-            video_cross_gate=rows(self.av_cross_attn_video_a2v_gate(video_cross_t * gate_scale, dtype)[0]),
-            audio_cross=rows(self.av_cross_attn_audio_scale_shift(audio_cross_t, dtype)[0]),
-            audio_cross_gate=rows(self.av_cross_attn_audio_v2a_gate(audio_cross_t * gate_scale, dtype)[0]),
+            video_cross=rows(self.av_cross_attn_video_scale_shift(shifts[0], dtype)[0]),
+            video_cross_gate=rows(self.av_cross_attn_video_a2v_gate(gates[0] * gate_scale, dtype)[0]),
+            audio_cross=rows(self.av_cross_attn_audio_scale_shift(shifts[1], dtype)[0]),
+            audio_cross_gate=rows(self.av_cross_attn_audio_v2a_gate(gates[1] * gate_scale, dtype)[0]),
         )
 
     def rotary(self, grid, audio_frames: int, fps: float, device) -> dict:
