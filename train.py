@@ -50,6 +50,7 @@ from parallel import comm
 from parallel.checkpoint import (
     check_architecture,
     check_expert,
+    check_trained,
     expert_record,
     load_checkpoint,
     save_checkpoint,
@@ -149,6 +150,7 @@ class Plan:
     adapter_start: dict | None = None  # lora.init_from's adapters {name: whole tensor} on a fresh start
     preview_images: tuple = (None, None)  # image-to-video: the previews' first and last frames (PIL)
     expert: dict | None = None  # the timesteps this run trains (Wan 2.2's expert), kept in each checkpoint
+    trained: dict = field(default_factory=dict)  # the family's training_record, kept in each checkpoint
 
 
 def check_before_start(cfg) -> Plan:
@@ -185,17 +187,20 @@ def check_before_start(cfg) -> Plan:
     checkpoint = resolve_checkpoint(cfg.train.resume, cfg.run.output_dir)
     resume = read_trainer_state(checkpoint)["sampler"] if checkpoint else None
     expert = expert_record(cfg)
+    trained = family_named(cfg.model.family).training_record(cfg)  # kept in each checkpoint
     if checkpoint is not None:  # file sizes here; every crc32 below, the reading shared by the ranks
         check_checkpoint_files(checkpoint)
         check_expert(checkpoint, expert)  # an expert's weights stay on its timesteps
+        check_trained(checkpoint, trained)  # the same weights frozen, the same optimizer state
     # A full resume takes every weight from its checkpoint and never reads the folder; a LoRA's base is
     # read (and must be the one its adapters were trained on) either way.
     if cfg.model.pretrained and (checkpoint is None or cfg.lora.rank) and family is None:
         check_pretrained(cfg.model.pretrained)  # a family's: check_family_training
     base, adapter_start = check_lora_start(cfg, checkpoint)
     return Plan(
-        layout, buckets, dataset, sampler, checkpoint, resume, base, adapter_start, preview_images, expert
-    )
+        layout, buckets, dataset, sampler, checkpoint, resume, base, adapter_start, preview_images, expert,
+        trained,
+    )  # fmt: skip
 
 
 def agree_on_data(cfg, plan: Plan, runtime) -> tuple[int, str]:
@@ -547,6 +552,7 @@ def save(runtime, plan: Plan, t: Trainer, done: int, keep: int) -> None:
         "world_size": runtime.world_size,
         "architecture": t.architecture,
         "expert": plan.expert,
+        "trained": plan.trained,
     }
     if t.lora:
         trainer_state["lora"] = t.lora

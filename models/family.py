@@ -312,6 +312,11 @@ class Family:
         """lora.targets when the recipe leaves them at tessera's DiT's (configs/auto.py): its own."""
         return self.lora_targets
 
+    def training_record(self, cfg) -> dict:
+        """{recipe key: value} of the keys that decide which parameters its training trains, kept in each
+        checkpoint: a resume with other values is refused by name (parallel/checkpoint.py check_trained)."""
+        return {}
+
     def check_training(self, cfg) -> None:
         """Refuse (ValueError) by name a recipe its training cannot take (before anything starts)."""
 

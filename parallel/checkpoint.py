@@ -335,6 +335,23 @@ def check_expert(path, record: dict) -> None:
     )
 
 
+def check_trained(path, record: dict) -> None:
+    """Refuse to resume a checkpoint whose recipe trained other parameters (models/family.py
+    training_record: LTX-2's data.audio): its optimizer holds state for another set, and the weights it
+    froze would start training (or the reverse). Checkpoints without the record resume as they did."""
+    saved = read_trainer_state(path).get("trained", {})
+    differs = [
+        f"{key}={saved[key]} there, {value} here"
+        for key, value in record.items()
+        if saved.get(key, value) != value
+    ]
+    if differs:
+        raise CheckpointError(
+            f"checkpoint {path} trained other parameters ({'; '.join(differs)}): keep the checkpoint's "
+            "values, or train this recipe elsewhere (another run.output_dir, or train.resume=none)"
+        )
+
+
 def load_checkpoint(runtime, path, training: TrainingState, verified: bool = False) -> None:
     """Restore the training state in place (resharded by DCP to this run's layout), once every file of
     the checkpoint has been checked (by all ranks together; `verified`: done already)."""

@@ -500,3 +500,15 @@ def test_unread_flow_keys_and_missing_fps_are_refused(saved):
         family.check_training(training_recipe(saved, "flow.shift=3.0"))
     with pytest.raises(ValueError, match="data.fps is unset"):
         family.check_training(training_recipe(saved, "data.fps=null"))
+
+
+def test_a_resume_with_the_audio_switched_is_refused(saved, sound_runs, capsys):
+    """The full run trained its sound (data.audio=true): resuming it with data.audio=false would freeze
+    weights its optimizer holds state for; refused by name, nothing written."""
+    run = sound_runs["full"]
+    before = (run / "metrics.jsonl").read_text()
+    argv = sound_args(saved, run, sound_runs["manifest"], "data.audio=false", "train.max_steps=3")
+    assert run_main(train, argv) != 0
+    err = capsys.readouterr().err
+    assert "data.audio=True there, False here" in err and err.count("error:") == 1, err
+    assert (run / "metrics.jsonl").read_text() == before

@@ -282,6 +282,11 @@ class LTX2(Family):
         c = read_json(part_folder(cfg, "audio_vae") / "config.json")
         return c.get("sample_rate", 16000), c.get("in_channels", 2)
 
+    def training_record(self, cfg) -> dict:
+        return {
+            "data.audio": bool(cfg.data.audio)
+        }  # false: the audio parameters frozen, out of the optimizer
+
     def trains_parameter(self, cfg, name: str) -> bool:
         return bool(cfg.data.audio) or not is_audio_parameter(name)
 
