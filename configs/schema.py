@@ -136,7 +136,7 @@ class DataConfig:
     # a manifest whose missing files (probed, or stat'ed where its lines carry sizes) exceed this share of
     # its files is refused at start-up (a wrong path or an unmounted disk); below it, training goes on
     max_missing_fraction: float = 0.2
-    # clips must carry sound (for a family whose training reads it: none yet, so refused by name); a clip
+    # clips must carry sound (for a family whose training reads it: LTX-2; others refuse it by name); a clip
     # without it is refused at start-up, naming it, from the manifest's "audio" key (scripts/index_folder.py).
     # Each sample then carries its frames' sound (frames / data.fps seconds): data.fps is required
     audio: bool = False

@@ -38,7 +38,7 @@ META_KEYS = {
 
 
 # What a folder written before a key was recorded was made with.
-BEFORE = {"model": {"task": "t2v"}, "data": {"audio": False}}
+BEFORE = {"model": {"task": "t2v"}, "data": {"audio": False}, "family": {"images": False}}
 
 
 def latent_meta(cfg) -> dict:
@@ -55,6 +55,7 @@ def latent_meta(cfg) -> dict:
     if not family.native:  # its VAE and text encoder come from its pipeline folder, in the compute dtype
         folders = {part: str(part_folder(cfg, part)) for part in ("vae", "text_encoder")}
         meta["family"] = {"name": family.name, **folders, "dtype": compute_dtype(cfg)}
+        meta["family"]["images"] = family.needs_images(cfg)  # each clip's first frame stored (image-to-video)
     return meta
 
 
@@ -93,7 +94,7 @@ def read_latent_index(folder, cfg) -> list[dict]:
     differ = meta_differences(json.loads((folder / "meta.json").read_text()), now)
     if differ:
         raise ValueError(
-            f"data.latents='{folder}' was made with another VAE, text encoder, fps, sound or task "
+            f"data.latents='{folder}' was made with another VAE, text encoder, fps, sound, task or folder "
             f"({'; '.join(differ)}); "
             f"recompute it with this recipe or change the recipe back"
         )

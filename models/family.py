@@ -61,7 +61,7 @@ class Family:
     trains = True  # train.py and scripts/precompute_latents.py take it (else refused by name)
     image_to_video = False  # its image-to-video folders sample from infer.py --image (takes_images)
     trains_images = False  # its image-to-video folders train (each clip's first frame given: encode_clips)
-    trains_audio = False  # its training reads the clips' sound (data.audio); none does yet
+    trains_audio = False  # its training reads the clips' sound (data.audio): LTX-2's
     samples_audio = False  # it samples sound with the video (decode_audio; infer.py --no-audio leaves it out)
     # the sample.* guidance keys it reads (configs/schema.py: audio_guidance, modality_guidance,
     # guidance_rescale, stg); the others, when set, are refused by name
@@ -465,7 +465,8 @@ def padded(rows: list) -> tuple:
 def shared_fields(conditioning) -> list:
     """The fields of a family's conditioning class that travel between ranks: its tensors (LTX-2's frame
     rate and flags are the recipe's, alike on every rank)."""
-    return [f.name for f in fields(conditioning) if "Tensor" in str(f.type)]
+    tensor = re.compile(r"(<class ')?torch\.Tensor('>)?( \| None)?")  # the annotation, as a string or a type
+    return [f.name for f in fields(conditioning) if tensor.fullmatch(str(f.type))]
 
 
 def read_json(path) -> dict:

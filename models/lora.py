@@ -77,13 +77,27 @@ def projection_count(module: nn.Linear, per_projection: bool) -> int:
 
 
 def add_adapters(
-    model: nn.Module, rank: int, alpha: float, patterns, dropout: float = 0.0, per_projection: bool = True
+    model: nn.Module,
+    rank: int,
+    alpha: float,
+    patterns,
+    dropout: float = 0.0,
+    per_projection: bool = True,
+    keep=None,
 ) -> list[str]:
     """Turn the targeted Linear layers of `model` into LoRALinear in place (on whatever device the model
     is, the meta device included; parallel/init.materialize fills them) and freeze every other parameter.
     per_projection: a fused Linear gets one rank-`rank` adapter per projection (else one shared A).
-    Returns the names of the adapted modules."""
+    `keep(name)`: False for a targeted layer the recipe keeps frozen, which gets no adapter (LTX-2's audio
+    with data.audio=false). Returns the names of the adapted modules."""
     targets = target_modules(model, patterns)
+    if keep is not None:
+        targets = {name: m for name, m in targets.items() if keep(name)}
+        if not targets:
+            raise ValueError(
+                f"lora.targets={list(patterns)}: every layer they match is one this recipe keeps frozen "
+                "(the family's trains_parameter: LTX-2's audio with data.audio=false); target others"
+            )
     too_big = [
         f"{name} ({m.in_features} -> {m.out_features})"
         for name, m in targets.items()

@@ -140,7 +140,10 @@ def export_adapters(
         for p, a, b in _file_adapters(A, B, projections[module]):
             if fmt == "diffusers" or not alphas:  # no alpha: the scale goes into B
                 prefix = p.diffusers if p.diffusers.startswith("tessera.") else f"transformer.{p.diffusers}"
-                prefix = prefix if fmt == "diffusers" else f"diffusion_model.{p.original}"
+                if fmt != "diffusers":  # ComfyUI's names, without alphas
+                    prefix = (
+                        p.original if p.original.startswith("tessera.") else f"diffusion_model.{p.original}"
+                    )
                 out[f"{prefix}.lora_A.weight"] = a.float().clone()  # a shared A: one copy each
                 out[f"{prefix}.lora_B.weight"] = (b.float() * scale).contiguous()
             else:

@@ -72,7 +72,7 @@ def check_adapters(cfg, fresh: bool = True) -> dict | None:
     tensors {name: whole float32} from lora.init_from, or None (also when not `fresh`: a resume)."""
     family = family_named(cfg.model.family)
     model = meta_transformer(cfg)
-    insert_adapters(model, cfg.lora, torch.float32)
+    insert_adapters(model, cfg.lora, torch.float32, keep=lambda name: family.trains_parameter(cfg, name))
     if not (cfg.lora.init_from and fresh):
         return None
     projections, linears = family.projections(model)
@@ -192,9 +192,10 @@ def meta_model_builder(cfg, groups, text_encoder, vae, dtype):
             if family.native
             else family.meta_transformer(cfg)
         )
-        names = insert_adapters(model, cfg.lora, dtype, cfg.model.base_dtype) if adapters else []  # unsharded
+        trained = lambda name: family.trains_parameter(cfg, name)  # noqa: E731
+        names = insert_adapters(model, cfg.lora, dtype, cfg.model.base_dtype, trained) if adapters else []
         for name, p in model.named_parameters():  # LTX-2 with data.audio=false: its audio stays as loaded
-            if not family.trains_parameter(cfg, name):
+            if not trained(name):
                 p.requires_grad_(False)
         parallel = apply_sequence_parallel if family.native else apply_operators
         return parallel(model, groups), names

@@ -60,21 +60,42 @@ def check_family_training(cfg, family: Family, layout) -> None:
     are checked: Family.check_pretrained): image conditioning, and layouts other than dp x (ulysses or
     ring)."""
     if cfg.model.task != "t2v":
-        raise ValueError(f"model.task={cfg.model.task}: {family.title} trains from text (t2v) only")
+        raise ValueError(
+            f"model.task={cfg.model.task}: tessera's DiT's tasks; {family.title} leaves it at t2v (an "
+            "image-to-video training, where built, comes from its image-to-video pipeline folder)"
+        )
     family.check_training(cfg)
     if family.needs_images(cfg) and not family.trains_images:  # samples only from a first frame
         raise ValueError(
             f"model.pretrained={cfg.model.pretrained} is {family.title}'s image-to-video pipeline; its "
             "training is text-to-video only: use the text-to-video folder"
         )
-    if family.needs_images(cfg) and not cfg.sample.images:
-        raise ValueError(
-            f"sample.images is empty: {family.title}'s image-to-video pipeline previews from a first frame; "
-            "name one image for every preview, or one per sample.prompts"
-        )
+    if family.needs_images(cfg):
+        preview_images(cfg, family)  # read now: a wrong path is named before anything starts
     if layout.pipefusion > 1 or layout.cfg > 1:
         raise ValueError(f"{family.title} trains under dp, parallel.ulysses and parallel.ring")
     check_sequence_layout(family.meta_transformer(cfg), layout.ulysses, layout.ring, family.title)
+
+
+def preview_images(cfg, family: Family) -> list:
+    """The first frames (PIL) of an image-to-video folder's previews, one per sample.prompts: sample.images
+    holds one for all or one each; an empty list, another count or an unreadable file is a ValueError
+    naming sample.images."""
+    from PIL import Image
+
+    paths, count = list(cfg.sample.images), len(cfg.sample.prompts)
+    if len(paths) not in (1, count):
+        raise ValueError(
+            f"sample.images holds {len(paths)} images: {family.title}'s image-to-video pipeline previews "
+            f"from a first frame; name one for every preview, or one per sample.prompts ({count})"
+        )
+    images = []
+    for path in paths:
+        try:
+            images.append(Image.open(path).convert("RGB"))
+        except OSError as e:
+            raise ValueError(f"sample.images: {path} cannot be read as an image ({e})") from None
+    return images * count if len(images) == 1 else images
 
 
 def check_family_sizes(cfg, family: Family, layout, buckets) -> None:
@@ -150,11 +171,8 @@ def family_previews(cfg, run: FamilyRun, model, seeds: list, progress, device) -
     sampling = Sampling(
         list(sc.prompts), seeds, size, sc.steps, sc.guidance, sc.negative_prompt, run.max_length
     )
-    if run.family.needs_images(cfg):  # sample.images: one for all the prompts, or one each
-        from PIL import Image
-
-        images = [Image.open(path).convert("RGB") for path in sc.images]
-        sampling = replace(sampling, images=images * len(sampling.prompts) if len(images) == 1 else images)
+    if run.family.needs_images(cfg):
+        sampling = replace(sampling, images=preview_images(cfg, run.family))
     images, bad = checked(
         generate_images, run.family, parts, sampling, progress, device=device, conditioning=run.previews
     )

@@ -30,14 +30,17 @@ from parallel.init import canonical_name
 SAMPLED_BYTES = 64 << 10  # of each tensor's start and end, in a Wan folder's fingerprint
 
 
-def insert_adapters(model, lora_cfg, compute_dtype: torch.dtype, base_dtype: str = "auto") -> list[str]:
+def insert_adapters(
+    model, lora_cfg, compute_dtype: torch.dtype, base_dtype: str = "auto", keep=None
+) -> list[str]:
     """Adapters on the targeted Linear layers of a meta-device model, before it is sharded; the frozen base
     takes `compute_dtype` (bf16: no float32 copy of the base exists anywhere), the adapters float32; with
     base_dtype float8 (model.base_dtype) the blocks' Linear weights are float8 with a scale per row
-    (models/float8.py; parallel/init.py materialize quantizes the rows as it reads them)."""
+    (models/float8.py; parallel/init.py materialize quantizes the rows as it reads them). `keep`: as
+    models/lora.py add_adapters' (the layers the recipe trains)."""
     alpha = lora_cfg.alpha if lora_cfg.alpha is not None else lora_cfg.rank
     names = add_adapters(
-        model, lora_cfg.rank, alpha, list(lora_cfg.targets), lora_cfg.dropout, lora_cfg.per_projection
+        model, lora_cfg.rank, alpha, list(lora_cfg.targets), lora_cfg.dropout, lora_cfg.per_projection, keep
     )
     for name, p in model.named_parameters():
         p.data = p.data.to(torch.float32 if is_adapter(name) else compute_dtype)

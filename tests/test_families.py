@@ -230,7 +230,7 @@ def test_refusals(saved, tmp_path, capsys):
             "aspect_ratios): " + ("Qwen-Image" if name == "qwen_image" else "Sana"),
         ),
         (["data.latents=x"], "data.latents"),
-        (["model.task=i2v"], "trains from text (t2v) only"),
+        (["model.task=i2v"], "leaves it at t2v"),
     ]
     for extra, expected in train_cases:
         argv = [

@@ -283,6 +283,7 @@ def train_args(folder, run, *extra) -> list:
         f"data.height={HEIGHT}",
         f"data.width={WIDTH}",
         f"data.fps={FPS}",
+        "data.audio=false",  # the synthetic clips carry no sound (sound_args sets it true on real clips)
         "data.synthetic_samples=8",
         "data.num_workers=0",
         "train.batch_size=2",
@@ -512,3 +513,28 @@ def test_a_resume_with_the_audio_switched_is_refused(saved, sound_runs, capsys):
     err = capsys.readouterr().err
     assert "data.audio=True there, False here" in err and err.count("error:") == 1, err
     assert (run / "metrics.jsonl").read_text() == before
+
+
+def test_lora_targets_on_frozen_audio_get_no_adapters(saved):
+    """data.audio=false: a pattern that matches audio layers too adapts the video's alone; one that
+    matches audio layers only is refused by name (it would train nothing)."""
+    import torch.nn as nn
+
+    from parallel.components import meta_model_builder
+    from parallel.sequence import SequenceGroups
+
+    def adapted(*targets):
+        patterns = ",".join(repr(t) for t in targets)
+        cfg = training_recipe(saved, "data.audio=false", "lora.rank=4", f"lora.targets=[{patterns}]")
+        one = SequenceGroups(None, 1, 0, None, [0], 0, None, 1, 0)  # one process
+        model, names = meta_model_builder(cfg, one, None, None, torch.float32)(adapters=True)
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        return set(names), trainable, model
+
+    names, trainable, model = adapted("*.to_q")
+    assert "blocks.0.attn1.to_q" in names and "blocks.0.audio_attn1.to_q" not in names
+    assert not any(is_audio_parameter(n) for n in names) and trainable
+    assert all(".lora_" in n for n in trainable)
+    assert isinstance(model.get_submodule("blocks.0.audio_attn1.to_q"), nn.Linear)
+    with pytest.raises(ValueError, match="keeps frozen"):
+        adapted("blocks.*.audio_attn1.*")

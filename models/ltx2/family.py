@@ -494,10 +494,8 @@ class LTX2(Family):
         default decode_timestep 0, whose noise scale 0 leaves the latents as they are."""
         vae = parts.vae
         video, _ = self._layout(parts, latents).split(latents)
-        z = video.to(
-            parts.connectors.dtype
-        )  # the pipeline's cast to the text's dtype (the connectors': training
-        # on precomputed latents frees the text encoder)
+        # the pipeline's cast to the text's dtype: the connectors' (precomputed latents free the text encoder)
+        z = video.to(parts.connectors.dtype)
         view = (1, -1, 1, 1, 1)
         mean, std = (b.view(view).to(z.device, z.dtype) for b in (vae.latents_mean, vae.latents_std))
         z = (z * std / vae.config.scaling_factor + mean).to(vae.dtype)
