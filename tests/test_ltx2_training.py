@@ -440,6 +440,28 @@ def test_lora_exports_load_in_diffusers(saved, sound_runs, tmp_path):
         assert diffs[0] <= 1e-4 and diffs[1] <= 1e-5 and moved[0] > 1e-3 and moved[1] > 1e-5
 
 
+@torch.no_grad()
+def test_full_export_samples_in_diffusers(saved, sound_runs, tmp_path):
+    """The full run on clips with sound exported with --pipeline: LTX2Pipeline samples from the folder the
+    video and the sound infer.py --checkpoint samples from the run (and not the base's)."""
+    import numpy as np
+    from diffusers import LTX2Pipeline
+
+    exported = tmp_path / "pipeline"
+    assert (
+        export.main(["--checkpoint", str(sound_runs["full"]), "--pipeline", "--output", str(exported)]) == 0
+    )
+    got = pipeline_outputs(LTX2Pipeline.from_pretrained(exported))
+    want = infer_outputs(saved, tmp_path / "run", "--checkpoint", str(sound_runs["full"]))
+    base = pipeline_outputs(LTX2Pipeline.from_pretrained(saved))
+    diffs = [float(np.abs(g - w).max()) for g, w in zip(got, want)]
+    moved = [float(np.abs(b - w).max()) for b, w in zip(base, want)]
+    print(
+        f"full fine-tune exported with --pipeline: diffusers vs infer.py --checkpoint {diffs}; base {moved}"
+    )
+    assert diffs[0] <= 1e-4 and diffs[1] <= 1e-5 and moved[0] > 1e-3 and moved[1] > 1e-5
+
+
 def test_precomputed_latents_with_sound_train_as_the_clips_do(saved, sound_runs, tmp_path):
     """scripts/precompute_latents.py with data.audio stores each clip's video and audio latents; training
     on them takes the full run's steps (losses and gradient norms)."""
