@@ -8,6 +8,7 @@ videos do; and under parallel.ulysses=2 each step's loss is one process's."""
 import json
 import sys
 from dataclasses import replace
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -75,6 +76,25 @@ def metrics(run) -> list:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def train_py_loss(folder) -> tuple:
+    """(videos, their latents, noise, sigmas, train.py's loss, the loss without an image condition) of two
+    random 5-frame clips at 24 x 40 from `folder`, the second caption dropped: encode_family_batch,
+    family_batch and the family's training_loss (the flow's, on its velocity), at sigmas 0.3 and 0.85."""
+    family = family_named("hunyuan_video15")
+    argv = train_args(folder, folder.parent / "unused")
+    cfg = load_config(ROOT / "configs" / "hunyuanvideo-1.5-480p.yaml", argv[2:])
+    parts = family.load(cfg, torch.device("cpu"), torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    video = torch.randint(0, 256, (2, 3, 5, 24, 40), generator=generator, dtype=torch.uint8)
+    run = FamilyRun(family, parts, cfg.text_encoder.max_length)
+    encoded = encode_family_batch(run, {"caption": CAPTIONS, "video": video}, [False, True], "cpu")
+    x0, cond = family_batch(run, SimpleNamespace(sp_size=1), encoded, "cpu")
+    noise, sigma = torch.randn(x0.shape, generator=generator), torch.tensor([0.3, 0.85])
+    loss = partial(family.training_loss, parts, RectifiedFlow(cfg.flow, (1, 1, 1)), parts.transformer, x0)
+    plain = loss(replace(cond, image=None, image_latents=None), noise, sigma)
+    return video, x0, noise, sigma, loss(cond, noise, sigma), plain
+
+
 @torch.no_grad()
 def test_the_loss_is_diffusers(saved):  # noqa: F811
     """Two 5-frame clips, the second caption dropped (the empty prompt), two noise levels: train.py's loss
@@ -83,19 +103,7 @@ def test_the_loss_is_diffusers(saved):  # noqa: F811
     zero condition of text-to-video."""
     from diffusers import DiffusionPipeline
 
-    family = family_named("hunyuan_video15")
-    argv = train_args(saved, saved.parent / "unused")
-    cfg = load_config(ROOT / "configs" / "hunyuanvideo-1.5-480p.yaml", argv[2:])
-    parts = family.load(cfg, torch.device("cpu"), torch.float32)
-    generator = torch.Generator().manual_seed(0)
-    video = torch.randint(0, 256, (2, 3, 5, 24, 40), generator=generator, dtype=torch.uint8)
-    run = FamilyRun(family, parts, cfg.text_encoder.max_length)
-    encoded = encode_family_batch(run, {"caption": CAPTIONS, "video": video}, [False, True], "cpu")
-    x0, cond = family_batch(run, SimpleNamespace(sp_size=1), encoded, "cpu")
-    noise = torch.randn(x0.shape, generator=generator)
-    sigma = torch.tensor([0.3, 0.85])
-    flow = RectifiedFlow(cfg.flow, (1, 1, 1))
-    ours = family.training_loss(parts, flow, parts.transformer, x0, cond, noise, sigma)
+    video, x0, noise, sigma, ours, _ = train_py_loss(saved)
 
     pipe = DiffusionPipeline.from_pretrained(saved)
     text, text_mask, glyph, glyph_mask = pipe.encode_prompt([CAPTIONS[0], ""], device="cpu", batch_size=2)
@@ -131,21 +139,7 @@ def test_the_image_to_video_loss_is_diffusers(saved_i2v):  # noqa: F811
     from diffusers import DiffusionPipeline
     from PIL import Image
 
-    family = family_named("hunyuan_video15")
-    argv = train_args(saved_i2v, saved_i2v.parent / "unused")
-    cfg = load_config(ROOT / "configs" / "hunyuanvideo-1.5-480p.yaml", argv[2:])
-    parts = family.load(cfg, torch.device("cpu"), torch.float32)
-    generator = torch.Generator().manual_seed(0)
-    video = torch.randint(0, 256, (2, 3, 5, 24, 40), generator=generator, dtype=torch.uint8)
-    run = FamilyRun(family, parts, cfg.text_encoder.max_length)
-    encoded = encode_family_batch(run, {"caption": CAPTIONS, "video": video}, [False, True], "cpu")
-    x0, cond = family_batch(run, SimpleNamespace(sp_size=1), encoded, "cpu")
-    noise, sigma = torch.randn(x0.shape, generator=generator), torch.tensor([0.3, 0.85])
-    flow = RectifiedFlow(cfg.flow, (1, 1, 1))
-    ours = family.training_loss(parts, flow, parts.transformer, x0, cond, noise, sigma)
-    plain = family.training_loss(
-        parts, flow, parts.transformer, x0, replace(cond, image=None, image_latents=None), noise, sigma
-    )
+    video, _, noise, sigma, ours, plain = train_py_loss(saved_i2v)
 
     pipe = DiffusionPipeline.from_pretrained(saved_i2v)
     text, text_mask, glyph, glyph_mask = pipe.encode_prompt([CAPTIONS[0], ""], device="cpu", batch_size=2)

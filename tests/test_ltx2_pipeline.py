@@ -183,11 +183,16 @@ def tessera(folder, count: int = 2, **sample) -> tuple:
     return frames, *sound[0]
 
 
-def pipeline(folder, prompt, seed, **terms) -> tuple:
-    """(frames (T, H, W, 3), waveform (channels, samples)) of LTX2Pipeline at its defaults but `terms`."""
+def pipeline(source, prompt, seed, **terms) -> tuple:
+    """(frames (T, H, W, 3), waveform (channels, samples)) of LTX2Pipeline at its defaults but `terms`;
+    `source`: its folder, or the pipeline (a LoRA loaded in it)."""
     from diffusers import LTX2Pipeline
 
-    pipe = LTX2Pipeline.from_pretrained(folder, dtype=torch.float32)
+    pipe = (
+        source
+        if isinstance(source, LTX2Pipeline)
+        else LTX2Pipeline.from_pretrained(source, dtype=torch.float32)
+    )
     frames, height, width = SIZE
     video, audio = pipe(
         prompt=prompt,
@@ -459,24 +464,8 @@ def test_a_lora_on_both_streams_loads_as_diffusers_loads_it(saved, one_process, 
     got = written(out)
     pipe = LTX2Pipeline.from_pretrained(saved, dtype=torch.float32)
     pipe.load_lora_weights(str(lora))
-    frames, height, width = SIZE
-    video, audio = pipe(
-        prompt=PROMPTS[0],
-        negative_prompt=NEGATIVE,
-        num_frames=frames,
-        height=height,
-        width=width,
-        frame_rate=24.0,
-        num_inference_steps=STEPS,
-        generator=torch.Generator().manual_seed(3),
-        output_type="np",
-        max_sequence_length=MAX_LENGTH,
-        return_dict=False,
-    )
-    dv, da = (
-        float(np.abs(got[0][0] - video[0]).max()),
-        float(np.abs(got[1][0] - audio[0].float().numpy()).max()),
-    )
+    video, audio = pipeline(pipe, PROMPTS[0], 3)
+    dv, da = float(np.abs(got[0][0] - video).max()), float(np.abs(got[1][0] - audio).max())
     moved = (
         float(np.abs(got[0][0] - one_process[0][0]).max()),
         float(np.abs(got[1][0] - one_process[1][0]).max()),

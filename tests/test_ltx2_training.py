@@ -387,23 +387,9 @@ def test_runs_on_clips_with_sound_train_both_streams(sound_runs):
 
 def pipeline_outputs(pipe) -> tuple:
     """LTX2Pipeline's video and sound for PROMPTS[0] at seed 3 (tests/test_ltx2_pipeline.py's size)."""
-    from tests.test_ltx2_pipeline import NEGATIVE, PROMPTS, SIZE, STEPS
+    from tests.test_ltx2_pipeline import PROMPTS, pipeline
 
-    frames, height, width = SIZE
-    video, audio = pipe(
-        prompt=PROMPTS[0],
-        negative_prompt=NEGATIVE,
-        num_frames=frames,
-        height=height,
-        width=width,
-        frame_rate=24.0,
-        num_inference_steps=STEPS,
-        generator=torch.Generator().manual_seed(3),
-        output_type="np",
-        max_sequence_length=MAX_LENGTH,
-        return_dict=False,
-    )
-    return video[0], audio[0].float().numpy()
+    return pipeline(pipe, PROMPTS[0], 3)
 
 
 def infer_outputs(folder, out, *extra) -> tuple:
