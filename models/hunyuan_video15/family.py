@@ -2,7 +2,8 @@
 transformer, Qwen2.5-VL and ByT5 text encoders and causal video VAE (an image-to-video folder's SigLIP
 image encoder too); the schedule of its FlowMatchEulerDiscreteScheduler (a static shift, Euler steps);
 classifier-free guidance as its guider's. Text- and image-to-video under dp, cfg, ulysses or ring, with
-the first-block step cache; text-to-video training (full or LoRA); PipeFusion is not built yet.
+the first-block step cache; text-to-video training (full or LoRA); PipeFusion is not built yet. The
+transformer may also be one file in the original release's names (weights.py diffusers_from_original).
 """
 
 from dataclasses import dataclass, replace
@@ -18,6 +19,8 @@ from models.hunyuan_video15.weights import (
     PIPELINE_CLASSES,
     TRANSFORMER_CLASS,
     build_transformer,
+    diffusers_from_original,
+    shapes_config,
 )
 from models.loop import euler
 
@@ -95,6 +98,11 @@ class HunyuanVideo15(Family):
 
     def image_size(self, cfg, image) -> tuple:
         target = self.transformer_config(cfg).get("target_size", 640)  # the pipeline's base size in pixels
+        if target is None:  # a single file's shapes: the 480p and 720p releases differ in this alone
+            raise ValueError(
+                f"--image: model.pretrained={cfg.model.pretrained} comes with no transformer/config.json to "
+                "say the video size its pipeline picks for an image (target_size): give --height and --width"
+            )
         processor = _processor(self.vae_scale(cfg))
         return processor.calculate_default_height_width(image.height, image.width, target)
 
@@ -154,6 +162,18 @@ class HunyuanVideo15(Family):
 
     def build(self, config: dict, cfg):
         return build_transformer(config, cfg.model.attention_backend)
+
+    def from_original(self, state: dict) -> dict:
+        """The original release's names (its token refiner's fused qkv split, its final modulation's rows
+        swapped) or diffusers' already, ComfyUI's prefix dropped: weights.py diffusers_from_original."""
+        return diffusers_from_original(state)
+
+    def config_of_file(self, shapes: dict) -> dict:
+        """The release's layout read from the shapes: heads of 128 split 16 / 56 / 56 for the 3-axis rope."""
+        config = shapes_config(shapes)
+        if config["rope_axes_dim"] is None:
+            return super().config_of_file(shapes)  # the rope's split of another head size is not in the file
+        return config
 
     def load(self, cfg, device, dtype, transformer: bool = True, keep=None) -> HunyuanVideo15Parts:
         from diffusers import AutoencoderKLHunyuanVideo15
