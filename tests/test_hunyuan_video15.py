@@ -129,12 +129,13 @@ NEGATIVE = "blurry"
 SIZE = dict(num_frames=5, height=24, width=40)  # the pipeline's keywords; 3 x 6 x 10 latents: 180 tokens
 
 
-def tiny_pipeline(image_to_video: bool = False):
+def tiny_pipeline(image_to_video: bool = False, config: dict = TINY):
     """A tiny random HunyuanVideo15Pipeline, float32: Qwen2.5-VL text model with the byte-level tokenizer of
     tests/test_qwen_image.py and Qwen's chat template, ByT5 (tokenizer and a small T5 encoder), diffusers'
     tiny causal VAE (4x, 2x), the transformer, a shifted scheduler and a guider; `image_to_video`: the
     HunyuanVideo15ImageToVideoPipeline, with a small SigLIP image encoder and its processor, and the
-    transformer's target size 32 pixels (an 80 x 48 image picks 40 x 24)."""
+    transformer's target size 32 pixels (an 80 x 48 image picks 40 x 24). `config`: the transformer's (the
+    encoders' widths follow it)."""
     from diffusers import (
         AutoencoderKLHunyuanVideo15,
         FlowMatchEulerDiscreteScheduler,
@@ -171,7 +172,7 @@ def tiny_pipeline(image_to_video: bool = False):
     glyph_encoder = T5EncoderModel(
         T5Config(
             vocab_size=384,
-            d_model=20,
+            d_model=config["text_embed_2_dim"],
             d_kv=10,
             d_ff=32,
             num_layers=2,
@@ -179,7 +180,8 @@ def tiny_pipeline(image_to_video: bool = False):
             feed_forward_proj="gated-gelu",
         )
     )
-    transformer = HunyuanVideo15Transformer3DModel(**TINY, **(dict(target_size=32) if image_to_video else {}))
+    target = dict(target_size=32) if image_to_video else {}
+    transformer = HunyuanVideo15Transformer3DModel(**config, **target)
     vae = AutoencoderKLHunyuanVideo15(
         latent_channels=4,
         block_out_channels=(16, 16),
@@ -202,10 +204,16 @@ def tiny_pipeline(image_to_video: bool = False):
     if not image_to_video:
         return HunyuanVideo15Pipeline(**parts)
     from diffusers import HunyuanVideo15ImageToVideoPipeline
+
+    return HunyuanVideo15ImageToVideoPipeline(**parts, **tiny_siglip(config["image_embed_dim"]))
+
+
+def tiny_siglip(width: int) -> dict:
+    """A small SigLIP image encoder `width` wide and its processor (16 x 16 pixels, 8 x 8 patches)."""
     from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
 
     siglip = SiglipVisionConfig(
-        hidden_size=TINY["image_embed_dim"],
+        hidden_size=width,
         intermediate_size=16,
         num_hidden_layers=1,
         num_attention_heads=2,
@@ -213,9 +221,7 @@ def tiny_pipeline(image_to_video: bool = False):
         patch_size=8,
     )
     processor = SiglipImageProcessor(size={"height": 16, "width": 16})
-    return HunyuanVideo15ImageToVideoPipeline(
-        **parts, image_encoder=SiglipVisionModel(siglip).eval(), feature_extractor=processor
-    )
+    return dict(image_encoder=SiglipVisionModel(siglip).eval(), feature_extractor=processor)
 
 
 @pytest.fixture(scope="module")
