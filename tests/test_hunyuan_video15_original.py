@@ -123,8 +123,8 @@ def folder(weights, tmp_path_factory):
 def test_infer_samples_the_original_file(weights, folder, tmp_path):
     """infer.py with model.pretrained=the original file under ComfyUI's prefix (the VAE, text encoders and
     transformer config from the folder in vae.pretrained and text_encoder.pretrained) samples the video
-    it samples with the folder's own transformer, bit for bit: a prompt with glyph texts, a negative prompt,
-    2 steps, guidance 4."""
+    it samples with the folder's own transformer: a prompt with glyph texts, a negative prompt, 2 steps,
+    guidance 4."""
     import infer
     from tests.conftest import run_main
 
@@ -138,7 +138,9 @@ def test_infer_samples_the_original_file(weights, folder, tmp_path):
         videos.append(np.load(tmp_path / f"{pretrained.stem}.npy"))
     print(f"video std {videos[0].std():.3f}, max abs difference {np.abs(videos[0] - videos[1]).max():.1e}")
     assert videos[0].shape == (5, 24, 40, 3) and videos[0].std() > 0.01
-    assert np.array_equal(videos[0], videos[1])
+    # the same weights (bit for bit above); a tensor's byte offset can change a CPU kernel's summation order
+    # (tests/test_families.py test_single_file): 0.0 here, float32 rounding allowed
+    assert np.abs(videos[0] - videos[1]).max() <= 1e-5
 
 
 def test_refusals(weights, folder, tmp_path, capsys):
