@@ -182,8 +182,7 @@ def check_before_start(cfg) -> Plan:
     preview_images = check_image_to_video(cfg, buckets) if family is None else (None, None)
     check_cpu_offload(cfg.train.cpu_offload, world_size)
     check_fp8(cfg, "cuda" if torch.cuda.is_available() else "cpu", meta_transformer)
-    dataset = build_dataset(cfg, buckets)
-    sampler = build_sampler(cfg, dataset, buckets, layout.dp_rank(rank), layout.dp)
+    # the checkpoint's record before the data: a refused resume costs no manifest probe
     checkpoint = resolve_checkpoint(cfg.train.resume, cfg.run.output_dir)
     resume = read_trainer_state(checkpoint)["sampler"] if checkpoint else None
     expert = expert_record(cfg)
@@ -192,6 +191,8 @@ def check_before_start(cfg) -> Plan:
         check_checkpoint_files(checkpoint)
         check_expert(checkpoint, expert)  # an expert's weights stay on its timesteps
         check_trained(checkpoint, trained)  # the same weights frozen, the same optimizer state
+    dataset = build_dataset(cfg, buckets)
+    sampler = build_sampler(cfg, dataset, buckets, layout.dp_rank(rank), layout.dp)
     # A full resume takes every weight from its checkpoint and never reads the folder; a LoRA's base is
     # read (and must be the one its adapters were trained on) either way.
     if cfg.model.pretrained and (checkpoint is None or cfg.lora.rank) and family is None:

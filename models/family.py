@@ -94,6 +94,7 @@ class Family:
             check_safetensors(Path(cfg.model.pretrained))
             del wanted["transformer"]
             self.transformer_config(cfg)  # a config from the folder or the shapes, or refused by name
+            self.check_file_names(cfg)
         for part in wanted:
             key, folder = keys[part], part_folder(cfg, part)
             missing = [name for name in wanted[part] if not any(folder.glob(name))]
@@ -112,6 +113,15 @@ class Family:
             folder = part_folder(cfg, "vae")
             raise ValueError(f"vae.pretrained: {folder} holds a {vae}, not {self.title}'s {self.vae_class}")
         self.check_scheduler(read_json(part_folder(cfg, "scheduler") / "scheduler_config.json"))
+
+    def check_file_names(self, cfg) -> None:
+        """A single transformer file's names, mapped on meta tensors of its shapes (nothing is read), each
+        with a place in the model and every parameter with a weight: or refused by name now, not after
+        the whole file is read on every rank."""
+        shapes = tensor_shapes(cfg.model.pretrained)
+        state = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
+        names = self.to_tessera(self.from_original(state))
+        check_weight_names(cfg.model.pretrained, self.meta_transformer(cfg).state_dict(), names)
 
     def check_scheduler(self, config: dict) -> None:
         """Refuse (ValueError) a scheduler_config.json the family's schedule does not reproduce ({}: none)."""
@@ -466,7 +476,11 @@ def shared_fields(conditioning) -> list:
     """The fields of a family's conditioning class that travel between ranks: its tensors (LTX-2's frame
     rate and flags are the recipe's, alike on every rank)."""
     tensor = re.compile(r"(<class ')?torch\.Tensor('>)?( \| None)?")  # the annotation, as a string or a type
-    return [f.name for f in fields(conditioning) if tensor.fullmatch(str(f.type))]
+    kinds = {f.name: str(f.type) for f in fields(conditioning)}
+    odd = [name for name, kind in kinds.items() if "Tensor" in kind and not tensor.fullmatch(kind)]
+    if odd:  # a tensor spelled otherwise would stay behind on the first rank, silently
+        raise TypeError(f"{conditioning.__name__}: annotate {odd} as torch.Tensor or torch.Tensor | None")
+    return [name for name, kind in kinds.items() if tensor.fullmatch(kind)]
 
 
 def read_json(path) -> dict:

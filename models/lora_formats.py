@@ -138,19 +138,15 @@ def export_adapters(
     out = {}
     for module, (A, B, scale) in adapters.items():
         for p, a, b in _file_adapters(A, B, projections[module]):
+            name = p.diffusers if fmt == "diffusers" else p.original
+            prefix = "transformer" if fmt == "diffusers" else "diffusion_model"
+            key = name if name.startswith("tessera.") else f"{prefix}.{name}"
+            out[f"{key}.lora_A.weight"] = a.float().clone()  # a shared A: one copy each
             if fmt == "diffusers" or not alphas:  # no alpha: the scale goes into B
-                prefix = p.diffusers if p.diffusers.startswith("tessera.") else f"transformer.{p.diffusers}"
-                if fmt != "diffusers":  # ComfyUI's names, without alphas
-                    prefix = (
-                        p.original if p.original.startswith("tessera.") else f"diffusion_model.{p.original}"
-                    )
-                out[f"{prefix}.lora_A.weight"] = a.float().clone()  # a shared A: one copy each
-                out[f"{prefix}.lora_B.weight"] = (b.float() * scale).contiguous()
+                out[f"{key}.lora_B.weight"] = (b.float() * scale).contiguous()
             else:
-                prefix = p.original if p.original.startswith("tessera.") else f"diffusion_model.{p.original}"
-                out[f"{prefix}.lora_A.weight"] = a.float().clone()
-                out[f"{prefix}.lora_B.weight"] = b.float().contiguous()
-                out[f"{prefix}.alpha"] = torch.tensor(scale * a.shape[0], dtype=torch.float32)
+                out[f"{key}.lora_B.weight"] = b.float().contiguous()
+                out[f"{key}.alpha"] = torch.tensor(scale * a.shape[0], dtype=torch.float32)
     return out
 
 

@@ -46,18 +46,29 @@ def refuse_flags(cfg, args, family) -> None:
         )
 
 
+def first_frames(paths: list, count: int, name: str) -> list:
+    """Each of `count` prompts' first frame (PIL, read as training data is: models/image_condition.py
+    load_image) from `paths`, one for every prompt or one each; another count or an unreadable file is a
+    ValueError naming `name` (--image, sample.images)."""
+    from models.image_condition import load_image
+
+    if len(paths) not in (1, count):
+        raise ValueError(f"{name}: give one image for every prompt or one for each of the {count}")
+    try:
+        images = [load_image(path) for path in paths]
+    except FileNotFoundError as e:
+        raise ValueError(f"{name}: {e}") from None
+    return images * (count if len(paths) == 1 else 1)
+
+
 def family_images(cfg, args, family, count: int, height: int, width: int) -> tuple:
     """(each prompt's first frame (PIL) or None for text-to-video, height, width, whether the size is the
     one its pipeline picks for the images): --image, one for every prompt or one each; without --height and
     --width, a family whose pipeline sizes the video from the image (image_size) takes that size (all the
     images must pick the same one)."""
-    from models.image_condition import load_image
-
     if not args.image:
         return None, height, width, False
-    if len(args.image) not in (1, count):
-        raise ValueError(f"--image: give one image for every prompt or one for each of the {count}")
-    images = [load_image(path) for path in args.image] * (count if len(args.image) == 1 else 1)
+    images = first_frames(args.image, count, "--image")
     if args.height is not None or args.width is not None or family.image_size(cfg, images[0]) is None:
         return images, height, width, False
     sizes = {family.image_size(cfg, image) for image in images}

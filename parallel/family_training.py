@@ -16,6 +16,7 @@ from models.families import family_named
 from models.family import Components, Family, shared_fields
 from models.sampler import Sampling, checked, generate_images
 from parallel import comm
+from parallel.family_sampling import first_frames
 from parallel.operators import check_sequence_layout
 from parallel.sequence import share_batch
 
@@ -78,24 +79,14 @@ def check_family_training(cfg, family: Family, layout) -> None:
 
 
 def preview_images(cfg, family: Family) -> list:
-    """The first frames (PIL) of an image-to-video folder's previews, one per sample.prompts: sample.images
-    holds one for all or one each; an empty list, another count or an unreadable file is a ValueError
-    naming sample.images."""
-    from PIL import Image
-
-    paths, count = list(cfg.sample.images), len(cfg.sample.prompts)
-    if len(paths) not in (1, count):
+    """The first frames (PIL) of an image-to-video folder's previews, one per sample.prompts, from
+    sample.images (one for all, or one each): refused by name when empty, of another count or unreadable."""
+    if not cfg.sample.images:
         raise ValueError(
-            f"sample.images holds {len(paths)} images: {family.title}'s image-to-video pipeline previews "
-            f"from a first frame; name one for every preview, or one per sample.prompts ({count})"
+            f"sample.images is empty: {family.title}'s image-to-video pipeline previews from a first frame; "
+            "name one image for every preview, or one per sample.prompts"
         )
-    images = []
-    for path in paths:
-        try:
-            images.append(Image.open(path).convert("RGB"))
-        except OSError as e:
-            raise ValueError(f"sample.images: {path} cannot be read as an image ({e})") from None
-    return images * count if len(images) == 1 else images
+    return first_frames(list(cfg.sample.images), len(cfg.sample.prompts), "sample.images")
 
 
 def check_family_sizes(cfg, family: Family, layout, buckets) -> None:

@@ -248,9 +248,16 @@ def checkpoint_adapters(step, record: dict, model, use_ema: bool = True, verifie
     added to it here, so pass a throwaway one)."""
     from models.lora import adapted_modules
 
+    # the modules the run adapted: its targets may match layers it kept frozen, which have no adapter
+    adapted = set(record["modules"]).__contains__ if record.get("modules") else None
     with torch.device("meta"):
         add_adapters(
-            model, record["rank"], record["alpha"], record["targets"], per_projection=per_projection(record)
+            model,
+            record["rank"],
+            record["alpha"],
+            record["targets"],
+            per_projection=per_projection(record),
+            keep=adapted,
         )
     modules = adapted_modules(model)
     shapes = {}

@@ -349,7 +349,7 @@ def test_refusals(saved, saved_i2v, tmp_path, capsys):
         (infer, ["parallel.pipefusion=2"], "does not sample under parallel.pipefusion=2"),
         (infer, ["--image", "x.png"], "--image: model.pretrained="),
         (train, ["model.task=i2v"], "leaves it at t2v"),
-        (train, [f"model.pretrained={saved_i2v}"], "sample.images holds 0 images"),  # its previews' frames
+        (train, [f"model.pretrained={saved_i2v}"], "sample.images is empty"),  # its previews' frames
         (train, ["data.audio=true"], "data.audio=true: the training of HunyuanVideo 1.5 reads no sound"),
         (
             infer,

@@ -28,7 +28,8 @@ def tiny_pipeline(stg: bool = False, encodes: bool = False):
     """A tiny random LTX2Pipeline, float32, LTX-2.0's options (perturbed_attn false, as released); `stg`:
     perturbed_attn true and 29 blocks, so that the pipeline's STG pass perturbs its default block 28;
     `encodes`: VAEs that compress as the release's do (the video's 2 x in time too, the audio's 4 x in
-    time and mel bins), so that training's encoded clips have the latents' shapes."""
+    time and mel bins), so that training's encoded clips have the latents' shapes, and a gate timestep
+    scale of its own."""
     from diffusers import (
         AutoencoderKLLTX2Audio,
         AutoencoderKLLTX2Video,
@@ -74,6 +75,8 @@ def tiny_pipeline(stg: bool = False, encodes: bool = False):
         caption_channels=TEXT_DIM,
         rope_type="split",
         perturbed_attn=stg,
+        # training's gates read the other stream's sigma at this scale, the rest at 1000: told apart
+        cross_attn_timestep_scale_multiplier=500 if encodes else 1000,
     )
     connectors = LTX2TextConnectors(
         caption_channels=TEXT_DIM,

@@ -546,3 +546,25 @@ def test_lora_targets_on_frozen_audio_get_no_adapters(saved):
     assert isinstance(model.get_submodule("blocks.0.audio_attn1.to_q"), nn.Linear)
     with pytest.raises(ValueError, match="keeps frozen"):
         adapted("blocks.*.audio_attn1.*")
+
+
+@torch.no_grad()
+def test_a_video_lora_on_broad_targets_exports_and_samples(saved, tmp_path):
+    """data.audio=false with lora.targets=['*.to_q'] (audio layers matched, left without adapters): the
+    2-step run's export loads with LTX2Pipeline.load_lora_weights and samples what infer.py --checkpoint
+    samples from the run."""
+    import numpy as np
+    from diffusers import LTX2Pipeline
+
+    run = tmp_path / "run"
+    extra = ("lora.rank=4", "lora.targets=['*.to_q']", "train.lr=5e-2", "train.max_steps=2")
+    with torch.enable_grad():
+        assert run_main(train, train_args(saved, run, *extra, "train.sample_every=0")) == 0
+    lora = tmp_path / "lora.safetensors"
+    assert export.main(["--checkpoint", str(run), "--lora", "--output", str(lora)]) == 0
+    pipe = LTX2Pipeline.from_pretrained(saved)
+    pipe.load_lora_weights(str(lora))
+    got, want = pipeline_outputs(pipe), infer_outputs(saved, tmp_path / "infer", "--checkpoint", str(run))
+    diffs = [float(np.abs(g - w).max()) for g, w in zip(got, want)]
+    print(f"video LoRA on *.to_q: diffusers vs infer.py --checkpoint {diffs}")
+    assert diffs[0] <= 1e-4 and diffs[1] <= 1e-5
