@@ -406,8 +406,9 @@ def infer_outputs(folder, out, *extra) -> tuple:
 @torch.no_grad()
 def test_lora_exports_load_in_diffusers(saved, sound_runs, tmp_path):
     """The LoRA run exported in diffusers' names and in ComfyUI's (the release's names under
-    diffusion_model., with alphas) loads with LTX2Pipeline.load_lora_weights and samples the video and the
-    sound infer.py --checkpoint samples from the run (and not the base's)."""
+    diffusion_model., no alphas) loads with LTX2Pipeline.load_lora_weights and samples the video and the
+    sound infer.py --checkpoint samples from the run (and not the base's); infer.py --lora reads each file
+    back to the same."""
     import numpy as np
     from diffusers import LTX2Pipeline
 
@@ -422,8 +423,14 @@ def test_lora_exports_load_in_diffusers(saved, sound_runs, tmp_path):
         got = pipeline_outputs(pipe)
         diffs = [float(np.abs(g - w).max()) for g, w in zip(got, want)]
         moved = [float(np.abs(b - w).max()) for b, w in zip(base, want)]
-        print(f"LoRA in {fmt} names: diffusers vs infer.py --checkpoint {diffs}; the base's {moved}")
+        read = infer_outputs(saved, tmp_path / fmt, "--lora", str(lora))  # and read back by tessera
+        back = [float(np.abs(r - w).max()) for r, w in zip(read, want)]
+        print(
+            f"LoRA in {fmt} names: diffusers vs infer.py --checkpoint {diffs}; the base's {moved}; "
+            f"infer.py --lora {back}"
+        )
         assert diffs[0] <= 1e-4 and diffs[1] <= 1e-5 and moved[0] > 1e-3 and moved[1] > 1e-5
+        assert back[0] <= 1e-4 and back[1] <= 1e-5
 
 
 @torch.no_grad()
