@@ -472,6 +472,22 @@ def padded(rows: list) -> tuple:
     return out, None if bool(mask.all()) else mask
 
 
+# ComfyUI's checkpoint prefixes of a single transformer file (its UNETLoader's files carry none)
+COMFYUI_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+
+
+def unprefixed(state_dict: dict, error=ValueError) -> dict:
+    """A single file's state dict without ComfyUI's checkpoint prefix; two keys that then name one
+    tensor are an `error` naming them."""
+    out = {}
+    for key, value in state_dict.items():
+        name = next((key[len(p) :] for p in COMFYUI_PREFIXES if key.startswith(p)), key)
+        if name in out:
+            raise error(f"'{key}' and another key both name '{name}'")
+        out[name] = value
+    return out
+
+
 def shared_fields(conditioning) -> list:
     """The fields of a family's conditioning class that travel between ranks: its tensors (LTX-2's frame
     rate and flags are the recipe's, alike on every rank)."""

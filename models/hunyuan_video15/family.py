@@ -2,7 +2,7 @@
 transformer, Qwen2.5-VL and ByT5 text encoders and causal video VAE (an image-to-video folder's SigLIP
 image encoder too); the schedule of its FlowMatchEulerDiscreteScheduler (a static shift, Euler steps);
 classifier-free guidance as its guider's. Text- and image-to-video under dp, cfg, ulysses or ring, with
-the first-block step cache; text-to-video training (full or LoRA); PipeFusion is not built yet. The
+the first-block step cache; text- and image-to-video training (full or LoRA); PipeFusion is not built yet. The
 transformer may also be one file in the original release's names (weights.py diffusers_from_original).
 """
 

@@ -9,6 +9,7 @@ import re
 
 import torch
 
+from models.family import unprefixed
 from models.hunyuan_video15.transformer import HunyuanVideo15Transformer
 
 PIPELINE_CLASSES = ("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline")
@@ -76,7 +77,6 @@ def build_transformer(config: dict, attention_backend: str = "sdpa") -> HunyuanV
 # The original release's single file (tencent/HunyuanVideo-1.5's transformer/<variant>/, which ComfyUI loads
 # too, under model.diffusion_model. or diffusion_model.): its modules and diffusers' (as diffusers' script
 # scripts/convert_hunyuan_video1_5_to_diffusers.py maps them). Weights and biases follow their module.
-ORIGINAL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 _TOP = {
     "img_in.proj": "x_embedder.proj",
     "time_in.mlp.0": "time_embed.timestep_embedder.linear_1",
@@ -155,17 +155,6 @@ def diffusers_names(key: str) -> tuple:
     return (), False
 
 
-def unprefixed(state_dict: dict) -> dict:
-    """The state dict without ComfyUI's checkpoint prefix (model.diffusion_model. or diffusion_model.)."""
-    out = {}
-    for key, value in state_dict.items():
-        name = next((key[len(p) :] for p in ORIGINAL_PREFIXES if key.startswith(p)), key)
-        if name in out:
-            raise HunyuanVideo15FormatError(f"'{key}' and another key both name '{name}'")
-        out[name] = value
-    return out
-
-
 def is_diffusers(state_dict: dict) -> bool:
     """Whether an unprefixed single file holds diffusers' names (a diffusers transformer's weights)."""
     return any(key.startswith(_DIFFUSERS) for key in state_dict)
@@ -176,7 +165,7 @@ def diffusers_from_original(state_dict: dict) -> dict:
     diffusers': renamed, the token refiner's fused qkv split in three, the final layer's modulation rows
     swapped to (scale, shift). A file already in diffusers' names comes back unprefixed. A key the release
     does not have (another model's, scaled fp8's scales) is an error naming it."""
-    state_dict = unprefixed(state_dict)
+    state_dict = unprefixed(state_dict, HunyuanVideo15FormatError)
     quantized = sorted(k for k in state_dict if k.rpartition(".")[2] in _QUANTIZED)
     if quantized:
         raise HunyuanVideo15FormatError(
@@ -217,7 +206,7 @@ def shapes_config(shapes: dict) -> dict:
     """The diffusers config of a single file from its tensors' shapes ({name: shape}, the original release's
     names or diffusers'). No shape holds the rope's split of a head (rope_axes_dim: the release's (16, 56,
     56) for heads of 128, else None) nor the pipeline's target size (None)."""
-    shapes = unprefixed(shapes)
+    shapes = unprefixed(shapes, HunyuanVideo15FormatError)
     original = not is_diffusers(shapes)
     if original:  # renamed; a fused qkv's rows are three projections'
         renamed = {}

@@ -4,8 +4,9 @@ transformers, the transformer tessera's (models/ltx2/transformer.py). The pipeli
 shifted by the video token count, one Euler step for both streams) and its guidance in x0 space: video and
 audio CFG, modality isolation and STG as deltas, then the guidance rescale. The generic loop carries one
 float32 tensor (B, D): each sample's packed video latents, then its packed audio latents (LTX2Layout).
-Text- and image-to-video (--image: LTX2ImageToVideoPipeline's first frame) under dp, ulysses or ring; not
-built (refused by name): training, cfg parallelism, PipeFusion, the step cache, the prompt enhancer.
+Text- and image-to-video (--image: LTX2ImageToVideoPipeline's first frame) under dp, ulysses or ring;
+training video with its sound as Lightricks' trainer does (models/ltx2/training.py, audio.py). Not built
+(refused by name): image-to-video training, cfg parallelism, PipeFusion, the step cache, prompt enhancement.
 """
 
 import math
@@ -17,6 +18,7 @@ import torch
 
 from models.family import Components, Family, Schedule, part_folder, read_json
 from models.loop import UNSUPPORTED, euler, sigmas
+from models.ltx2.audio import encode_sound
 from models.ltx2.text import encode_prompts, prepare_tokenizer
 from models.ltx2.training import draw, is_audio_parameter, loss
 from models.ltx2.transformer import LTX2Cond
@@ -303,8 +305,6 @@ class LTX2(Family):
     def encode_clips(self, parts: LTX2Parts, videos, sound, cond) -> tuple:
         """The video latents; with the clips' sound, its normalised audio latents on cond.audio_x0."""
         if sound is not None:
-            from models.ltx2.audio import encode_sound
-
             cond = replace(cond, audio_x0=encode_sound(parts.audio_vae, sound))
         return self.encode_images(parts, videos), cond
 

@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+from models.family import unprefixed
 from models.qwen_image.transformer import QwenImageTransformer
 
 PIPELINE_CLASS = "QwenImagePipeline"
@@ -17,7 +18,6 @@ _UNSUPPORTED = dict(
     guidance_embeds=False, zero_cond_t=False, use_additional_t_cond=False, use_layer3d_rope=False
 )
 # ComfyUI's checkpoint saves prefix the transformer's keys; its split files and Qwen's release do not.
-ORIGINAL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 # scaled-fp8 single files carry per-layer scales: they need dequantising, not renaming
 _QUANTIZED = re.compile(r"(^|\.)(scaled_fp8|scale_weight|scale_input|weight_scale|input_scale|comfy_quant)$")
 
@@ -130,13 +130,7 @@ def diffusers_state_dict_from_original(state_dict: dict) -> dict:
         raise QwenImageFormatError(
             f"a scaled-fp8 single file ({quantized[0]}, ...): dequantise it first, or use the bf16 file"
         )
-    out = {}
-    for key, value in state_dict.items():
-        name = next((key[len(p) :] for p in ORIGINAL_PREFIXES if key.startswith(p)), key)
-        if name in out:
-            raise QwenImageFormatError(f"'{key}' and another key both name '{name}'")
-        out[name] = value
-    return out
+    return unprefixed(state_dict, QwenImageFormatError)
 
 
 def original_state_dict_from_diffusers(state_dict: dict, prefix: str = "") -> dict:
