@@ -1,14 +1,47 @@
 """The families tessera knows, by name (`model.family`), and which one a folder holds (model.size=auto).
-A new family adds its object to FAMILIES; nothing else here changes."""
+A new family adds its module and class to FAMILIES; nothing else here changes."""
 
-from models.dit_family import DiTFamily
+import importlib
+from collections.abc import Mapping
+
 from models.family import Family
-from models.hunyuan_video15.family import HunyuanVideo15
-from models.ltx2.family import LTX2
-from models.qwen_image.family import QwenImage
-from models.sana.family import Sana
 
-FAMILIES = {family.name: family for family in (DiTFamily(), QwenImage(), Sana(), HunyuanVideo15(), LTX2())}
+
+class Families(Mapping):
+    """name -> the family's object, its module imported when the family is first asked for: importing
+    every family cost each command about 4 s (LTX-2's brings diffusers' autoencoders, 3 s), a second of
+    every one of the demo's start-ups on two cores."""
+
+    def __init__(self, where: dict[str, str]):
+        self._where, self._loaded = where, {}
+
+    def __getitem__(self, name: str) -> Family:
+        if name not in self._loaded:
+            module, cls = self._where[name].split(":")
+            family = getattr(importlib.import_module(module), cls)()
+            assert family.name == name, f"{cls}.name is {family.name!r}, registered as {name!r}"
+            self._loaded[name] = family
+        return self._loaded[name]
+
+    def __contains__(self, name) -> bool:  # without importing it
+        return name in self._where
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+FAMILIES = Families(
+    {
+        "dit": "models.dit_family:DiTFamily",
+        "qwen_image": "models.qwen_image.family:QwenImage",
+        "sana": "models.sana.family:Sana",
+        "hunyuan_video15": "models.hunyuan_video15.family:HunyuanVideo15",
+        "ltx2": "models.ltx2.family:LTX2",
+    }
+)
 
 
 def family_named(name: str) -> Family:

@@ -4,6 +4,8 @@ touches torch.distributed; and no modules import each other in a circle. A lazy 
 import that points up is allowed only if ALLOWED_UP names it, with its reason."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,3 +134,17 @@ def test_functions_read_at_once():
                 if lines > 80:
                     long.append(f"{relative}:{node.lineno} {node.name}: {lines} lines")
     assert not long, "functions over 80 lines:\n" + "\n".join(long)
+
+
+def test_a_dit_command_imports_no_other_family():
+    """Every family is imported when first asked for: importing all of them cost each command about 4 s
+    (LTX-2's brings diffusers' autoencoders), paid by every start-up of the demo."""
+    code = (
+        "import sys; from models.families import FAMILIES, family_named; family_named('dit'); "
+        "assert 'ltx2' in FAMILIES and len(FAMILIES) == 5; "
+        "print(sorted(m for m in sys.modules if m.split('.')[1:2] in "
+        "(['ltx2'], ['qwen_image'], ['sana'], ['hunyuan_video15'])))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
