@@ -114,8 +114,13 @@ def parse_args(argv):
 
 
 def learning_rate(train_cfg, step: int) -> float:
-    """Linear warm-up, then constant or (train.lr_decay=cosine) down to 0 at train.max_steps."""
+    """Linear warm-up, then constant, or down to 0 at train.max_steps: cosine, or linear over the last
+    train.decay_fraction of the steps."""
     warmup = max(1, train_cfg.warmup_steps)
+    if train_cfg.lr_decay == "linear":
+        left = train_cfg.max_steps - step  # steps left, this one included
+        tail = max(1.0, train_cfg.decay_fraction * train_cfg.max_steps)
+        return train_cfg.lr * max(0.0, min(1.0, (step + 1) / warmup, left / tail))
     if step < warmup or train_cfg.lr_decay == "constant":
         return train_cfg.lr * min(1.0, (step + 1) / warmup)
     progress = min(1.0, (step - warmup) / max(1, train_cfg.max_steps - warmup))

@@ -137,7 +137,7 @@ CHOICES = {
     "vae.kind": ("identity", "kl", "wan"),
     "text_encoder.kind": ("t5", "umt5", "clip"),
     "train.precision": ("auto", "fp32", "bf16"),
-    "train.lr_decay": ("constant", "cosine"),
+    "train.lr_decay": ("constant", "cosine", "linear"),
     "train.on_nonfinite": ("stop", "skip"),
     "train.checkpoint_policy": ("all", "selective"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
@@ -171,6 +171,7 @@ NON_NEGATIVE = (
     "data.tokens_per_batch", "data.max_batch_size", "train.weight_decay", "parallel.pipefusion_warmup",
 )  # fmt: skip
 FRACTIONS = ("train.text_dropout", "train.ema_decay", "lora.dropout")  # in [0, 1)
+SHARES = ("train.decay_fraction",)  # in (0, 1]
 NULL_OR = {  # key: (its least value, what null means)
     "parallel.pipefusion_patches": (1, "one per stage"),
     "parallel.stall_timeout_s": (0, "the default for the device"),
@@ -218,6 +219,7 @@ def _check_values(cfg: DictConfig) -> None:
         (POSITIVE, lambda v: v <= 0, "greater than 0"),
         (NON_NEGATIVE, lambda v: v < 0, "0 or more"),
         (FRACTIONS, lambda v: not 0.0 <= v < 1.0, "in [0, 1)"),
+        (SHARES, lambda v: not 0.0 < v <= 1.0, "in (0, 1]"),
     ):
         for key in keys:
             if wrong(get(key)):

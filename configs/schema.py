@@ -166,7 +166,9 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 100
     # after warm-up: constant | cosine (down to 0 at max_steps; raising max_steps on a resume moves the curve)
+    # | linear (constant, then straight down to 0 over the last decay_fraction of max_steps)
     lr_decay: str = "constant"
+    decay_fraction: float = 0.2
     grad_clip: float = 1.0
     ema_decay: float = 0.999
     text_dropout: float = 0.1  # probability of training on the empty prompt (classifier-free guidance)

@@ -120,8 +120,27 @@ def test_learning_rate_warms_up_then_stays_or_follows_a_cosine_to_zero():
     assert train.learning_rate(constant.train, 109) == pytest.approx(1e-3)
     assert train.learning_rate(cosine.train, 60) == pytest.approx(5e-4)  # half way down
     assert train.learning_rate(cosine.train, 109) < 1e-6 and train.learning_rate(cosine.train, 500) == 0.0
-    with pytest.raises(ConfigError, match="'train.lr_decay' is 'linear'; choose one of constant, cosine"):
-        load_config(overrides=["train.lr_decay=linear"])
+    with pytest.raises(ConfigError, match="'train.lr_decay' is 'step'; choose one of constant, cosine, linear"):
+        load_config(overrides=["train.lr_decay=step"])
+
+
+def test_linear_decay_holds_the_rate_then_goes_straight_to_zero():
+    """train.lr_decay=linear (warm-up, constant, then down to 0 over the last decay_fraction of the steps:
+    the demo's 'cooldown')."""
+    import train
+
+    cfg = load_config(
+        overrides=["train.lr=1e-3", "train.warmup_steps=10", "train.max_steps=110", "train.lr_decay=linear",
+                   "train.decay_fraction=0.5"]
+    )  # fmt: skip
+    rates = [train.learning_rate(cfg.train, step) for step in range(120)]
+    assert rates[0] == pytest.approx(1e-4) and rates[10] == pytest.approx(1e-3)
+    assert rates[55] == pytest.approx(1e-3)  # 55 steps left: the last half starts here
+    assert rates[82] == pytest.approx(1e-3 * 28 / 55)  # straight down
+    assert rates[109] == pytest.approx(1e-3 / 55) and min(rates) == 0.0 == rates[119]
+    for bad in ("0", "1.5"):
+        with pytest.raises(ConfigError, match="train.decay_fraction"):
+            load_config(overrides=[f"train.decay_fraction={bad}"])
 
 
 def test_checkpoint_policy_is_refused_where_it_cannot_run():
