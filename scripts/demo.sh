@@ -12,6 +12,7 @@ RUN=${DEMO_RUN:-runs/demo}
   --prompt "a red square moving left" "a green circle moving right" "a blue triangle moving up" "a yellow square moving down"
 "$PY" infer.py --config configs/demo.yaml "run.output_dir=$RUN" "$@" --output "$RUN/demo.gif" --upscale 8 \
   --height 18 --width 33 --prompt "a magenta triangle moving left"   # the 16:9 bucket
-"$PY" scripts/eval_demo.py --config configs/demo.yaml "run.output_dir=$RUN" "$@"
+# 2 seeds of each held-out prompt (24 clips, half the judge's time); BENCHMARKS.md judges 4, and fresh seeds
+"$PY" scripts/eval_demo.py --config configs/demo.yaml "run.output_dir=$RUN" "$@" --seeds 2
 echo "[demo] videos in $RUN (demo_000.mp4 ... demo_003.mp4, demo.gif), contact sheet $RUN/contact_sheet.png," \
   "evaluation $RUN/eval_demo.json, training metrics $RUN/metrics.jsonl"
