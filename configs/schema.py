@@ -165,8 +165,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 100
-    # after warm-up: constant | cosine (down to 0 at max_steps; raising max_steps on a resume moves the curve)
-    # | linear (constant, then straight down to 0 over the last decay_fraction of max_steps)
+    # after warm-up: constant | cosine (down to 0 at max_steps)
+    # | linear (constant, then straight down to 0 over the last decay_fraction of max_steps; a tail longer
+    # than the steps after warm-up cuts the warm-up short); both move with max_steps on a resume
     lr_decay: str = "constant"
     decay_fraction: float = 0.2
     grad_clip: float = 1.0

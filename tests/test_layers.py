@@ -140,7 +140,9 @@ def test_a_dit_command_imports_no_other_family():
     """Every family is imported when first asked for: importing all of them cost each command about 4 s
     (LTX-2's brings diffusers' autoencoders), paid by every start-up of the demo."""
     code = (
-        "import sys; from models.families import FAMILIES, family_named; family_named('dit'); "
+        "import sys, tempfile; from models.families import FAMILIES, family_named; family_named('dit'); "
+        "from configs import load_config; "  # a tessera run as model.pretrained (demo_lora.sh) claims no family
+        "load_config('configs/demo.yaml', ['model.pretrained=' + tempfile.mkdtemp()]); "
         "assert 'ltx2' in FAMILIES and len(FAMILIES) == 5; "
         "print(sorted(m for m in sys.modules if m.split('.')[1:2] in "
         "(['ltx2'], ['qwen_image'], ['sana'], ['hunyuan_video15'])))"
