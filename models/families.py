@@ -10,8 +10,8 @@ from models.family import Family, folder_classes
 class Families(Mapping):
     """name -> the family's object, its module imported when the family is first asked for: importing
     every family cost each command about 4 s (LTX-2's brings diffusers' autoencoders, 3 s), a second of
-    every one of the demo's start-ups on two cores. The modules are named as strings, so tests/test_layers.py's
-    import checks do not see these edges (they point down into models/ anyway)."""
+    every one of the demo's start-ups on two cores. The modules are named as strings, so the import
+    checks of tests/test_layers.py do not see these edges (they point down into models/ anyway)."""
 
     def __init__(self, where: dict[str, str]):
         self._where, self._loaded = where, {}

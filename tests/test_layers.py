@@ -141,7 +141,8 @@ def test_a_dit_command_imports_no_other_family():
     (LTX-2's brings diffusers' autoencoders), paid by every start-up of the demo."""
     code = (
         "import sys, tempfile; from models.families import FAMILIES, family_named; family_named('dit'); "
-        "from configs import load_config; "  # a tessera run as model.pretrained (demo_lora.sh) claims no family
+        # a tessera run as model.pretrained (demo_lora.sh) claims no family
+        "from configs import load_config; "
         "load_config('configs/demo.yaml', ['model.pretrained=' + tempfile.mkdtemp()]); "
         "assert 'ltx2' in FAMILIES and len(FAMILIES) == 5; "
         "print(sorted(m for m in sys.modules if m.split('.')[1:2] in "
