@@ -110,7 +110,9 @@ def test_values_that_would_divide_by_zero_or_stall(override):
 def test_learning_rate_warms_up_then_stays_or_follows_a_cosine_to_zero():
     import train
 
-    constant = load_config(overrides=["train.lr=1e-3", "train.warmup_steps=10", "train.max_steps=110"])
+    constant = load_config(  # named: the default recipe (the demo's) cools down
+        overrides=["train.lr=1e-3", "train.warmup_steps=10", "train.max_steps=110", "train.lr_decay=constant"]
+    )
     cosine = load_config(
         overrides=["train.lr=1e-3", "train.warmup_steps=10", "train.max_steps=110", "train.lr_decay=cosine"]
     )
