@@ -127,9 +127,20 @@ def test_the_fp8_suite_runs_tiny_on_cpu(tmp_path):
     models = ["tessera, Wan options", "diffusers Wan", "tessera, Wan options, LoRA r32, float8 base"]
     models.append("tessera, Wan options, LoRA r32, float8 base, CPU offload")
     expected = {(f"tiny video (Wan-shaped) ({m})", "eager") for m in models}
-    expected |= {(f"tiny video (Wan-shaped) ({m})", "eager+fp8") for m in models[:2]}  # refused with a LoRA
+    # train.fp8 is tessera's option: not run on diffusers' model, refused with a LoRA
+    expected |= {(f"tiny video (Wan-shaped) ({models[0]})", "eager+fp8")}
     assert rows == expected, rows
-    assert len(results["fp8_ratio"]) == 2 and all(r["speedup"] > 0 for r in results["fp8_ratio"])
+    assert len(results["fp8_ratio"]) == 1 and results["fp8_ratio"][0]["speedup"] > 0
     pairs = {(w["model"], w["reference"]) for w in results["wan_ratio"]}
     assert (models[3], models[2]) in pairs
     assert "eager+fp8 against eager: speed ratio" in (tmp_path / "results.md").read_text()
+
+
+def test_cases_run_in_the_command_lines_order():
+    """A GPU session can be cut short: --cases' order is the order of measurement, and the denoising
+    step runs each variant once without its training-only tokens."""
+    cases = {"a 33x": 1, "b 81x": 2, "c 81x": 3, "d 17x": 4}
+    assert bench_gpu.in_order(cases, "81x,33x") == [("b 81x", 2), ("c 81x", 3), ("a 33x", 1)]
+    assert bench_gpu.in_order(cases, "") == list(cases.items())
+    variants = ["eager", "ac", "compile", "compile+ac", "compile+ac+fp8", "compile+sac"]
+    assert bench_gpu.denoise_variants(variants) == ["eager", "compile"]
