@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A LoRA you can see learn: teach the trained demo model a colour word it never saw ("orange"), then judge
 # the held-out orange prompts (shape/direction pairs never trained in orange) with the LoRA and without it,
-# and the demo's own held-out prompts with it (what the LoRA costs them). About 2-4 minutes on a 2-core CPU.
+# and the demo's own held-out prompts with it (what the LoRA costs them). About 1-2 minutes on a 2-core CPU.
 # Needs the demo's run (bash scripts/demo.sh; DEMO_RUN to use another); trains it first if it is missing.
 # Extra arguments are recipe overrides for the LoRA run, e.g. `bash scripts/demo_lora.sh train.max_steps=100`.
 set -euo pipefail
