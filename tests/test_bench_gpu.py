@@ -144,3 +144,11 @@ def test_cases_run_in_the_command_lines_order():
     assert bench_gpu.in_order(cases, "") == list(cases.items())
     variants = ["eager", "ac", "compile", "compile+ac", "compile+ac+fp8", "compile+sac"]
     assert bench_gpu.denoise_variants(variants) == ["eager", "compile"]
+    assert bench_gpu.denoise_variants(["ac+fp8"]) == ["eager"]
+
+
+def test_each_case_of_the_fp8_suite_names_a_case():
+    """A misspelt key in the suite would silently drop a case on the GPU, where nobody is watching."""
+    suite, names = bench_gpu.SUITES["fp8"], [*bench_gpu.FULL_CASES, *bench_gpu.TINY_CASES]
+    for key in [*suite["cases"].split(","), *suite["train_cases"].split(",")]:
+        assert any(key in name for name in names), key

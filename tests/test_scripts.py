@@ -48,7 +48,7 @@ COVERED = {  # script: the test that runs it (at tiny sizes)
     "slurm.sh": "tests/test_slurm.py (under a stand-in srun and scontrol)",
 }
 NOT_RUN = {  # the README's commands: what they run is tested piece by piece
-    "demo.sh": "trains the demo for 3-4 minutes; train.py, infer.py and eval_demo.py run in test_e2e.py",
+    "demo.sh": "trains the demo for about 3 minutes; train.py, infer.py and eval_demo.py run in test_e2e.py",
     "demo_lora.sh": "trains a LoRA on the trained demo for minutes; data.synthetic_colors runs in "
     "test_data.py, eval_demo.py --colors in test_e2e.py, LoRA training on a tessera run in test_lora.py",
     "install.sh": "installs packages with pip",
