@@ -169,7 +169,7 @@ class TrainConfig:
     # | linear (constant, then straight down to 0 over the last decay_fraction of max_steps; a tail longer
     # than the steps after warm-up cuts the warm-up short); both move with max_steps on a resume
     lr_decay: str = "constant"
-    decay_fraction: float = 0.2
+    decay_fraction: float = 0.2  # with lr_decay=linear only: refused by name where lr_decay is another
     grad_clip: float = 1.0
     ema_decay: float = 0.999
     text_dropout: float = 0.1  # probability of training on the empty prompt (classifier-free guidance)

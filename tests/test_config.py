@@ -145,6 +145,19 @@ def test_linear_decay_holds_the_rate_then_goes_straight_to_zero():
             load_config(overrides=[f"train.decay_fraction={bad}"])
 
 
+def test_decay_fraction_without_the_linear_decay_is_refused(tmp_path):
+    """train.decay_fraction set where lr_decay is not linear would do nothing: refused by name, from the
+    command line and from a recipe; a command line that changes a recipe's lr_decay chose so."""
+    with pytest.raises(ConfigError, match="train.decay_fraction in the command-line overrides.*'cosine'"):
+        load_config(overrides=["train.lr_decay=cosine", "train.decay_fraction=0.3"])
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train:\n  decay_fraction: 0.3\n")
+    with pytest.raises(ConfigError, match=f"train.decay_fraction in recipe '{recipe}'.*'constant'"):
+        load_config(recipe)
+    assert load_config(recipe, ["train.lr_decay=linear"]).train.decay_fraction == 0.3
+    assert load_config(overrides=["train.lr_decay=constant"]).train.lr_decay == "constant"  # the demo's pair
+
+
 def test_checkpoint_policy_is_refused_where_it_cannot_run():
     """train.checkpoint_policy=selective names its missing switch, and an attention backend whose outputs
     it cannot keep, before start-up."""
