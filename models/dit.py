@@ -20,7 +20,8 @@ from models.attention import make_attention
 # `python -m models.dit`.
 DiT_models = {
     "DiT-tiny": dict(depth=2, hidden_size=64, num_heads=4),  # tests
-    "DiT-demo": dict(depth=4, hidden_size=96, num_heads=4),  # the CPU demo (128 wide before 2026-11-28)
+    "DiT-demo": dict(depth=4, hidden_size=128, num_heads=4),  # the CPU demo until 2026-11-28 (its runs load)
+    "DiT-demo-96": dict(depth=4, hidden_size=96, num_heads=4),  # the CPU demo (configs/demo.yaml)
     "DiT-S": dict(depth=12, hidden_size=384, num_heads=6),
     "DiT-B": dict(depth=12, hidden_size=768, num_heads=12),
     "DiT-L": dict(depth=24, hidden_size=1024, num_heads=16),

@@ -31,7 +31,8 @@ from models.dit import DiT  # noqa: E402
 from parallel.checkpoint import _on_io_group  # noqa: E402
 from parallel.fsdp import parallelize_dit  # noqa: E402
 
-# (DiT dims, batch, clip (frames, height, width)): the demo's DiT on 8 x 32 x 32 pixels, or --tiny's
+# (DiT dims, batch, clip (frames, height, width)): the demo's DiT of 2026-11-23 (DiT-demo) on 8 x 32 x 32
+# pixels, or --tiny's
 DEMO = (dict(depth=4, hidden_size=128, num_heads=4), 8, (8, 32, 32))
 TINY = (dict(depth=2, hidden_size=32, num_heads=2), 2, (4, 16, 16))
 
