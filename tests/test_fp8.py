@@ -23,9 +23,9 @@ pytest.importorskip("torchao.float8")  # a dev dependency (pyproject.toml); the 
 # 20 demo steps below (fp32 compute, 2026-11-27), 2.2e-4 with bf16 compute: the bound leaves 7x for
 # other machines' arithmetic; a wrong scale or cast moves the loss by far more.
 TOLERANCE = 2e-3
-# the recipe of BENCHMARKS.md's figure (2.8e-4): its schedule and DiT-demo's 128 (the demo is 96 wide now)
+# the recipe of BENCHMARKS.md's figure (2.8e-4): its schedule and DiT-demo (the demo is DiT-demo-96 now)
 SCHEDULE = ["train.lr=2.5e-3", "train.lr_decay=constant"]
-WIDTH = ["model.hidden_size=128"]
+WIDTH = ["model.size=DiT-demo"]
 DEMO = ["--config", str(ROOT / "configs" / "demo.yaml"), "train.max_steps=20", "train.log_every=1"]
 DEMO += [*SCHEDULE, *WIDTH]
 DEMO += ["train.checkpoint_every=20", "train.sample_every=0", "sample.steps=2", "data.num_workers=0"]
