@@ -26,6 +26,7 @@ from tqdm import tqdm
 from configs import DEFAULT_RECIPE, load_config, split_overrides, to_yaml
 from configs.rundir import RunDirectory, check_loggers
 from data.buckets import describe_mix
+from data.latents import encoder_record
 from data.loader import (
     batch_specs,
     build_buckets,
@@ -49,6 +50,7 @@ from models.pipeline import generate_checked
 from parallel import comm
 from parallel.checkpoint import (
     check_architecture,
+    check_encoders,
     check_expert,
     check_trained,
     expert_record,
@@ -156,6 +158,7 @@ class Plan:
     preview_images: tuple = (None, None)  # image-to-video: the previews' first and last frames (PIL)
     expert: dict | None = None  # the timesteps this run trains (Wan 2.2's expert), kept in each checkpoint
     trained: dict = field(default_factory=dict)  # the family's training_record, kept in each checkpoint
+    encoders: dict = field(default_factory=dict)  # the frozen encoders (data/latents.py), kept in each one
 
 
 def check_before_start(cfg) -> Plan:
@@ -192,10 +195,12 @@ def check_before_start(cfg) -> Plan:
     resume = read_trainer_state(checkpoint)["sampler"] if checkpoint else None
     expert = expert_record(cfg)
     trained = family_named(cfg.model.family).training_record(cfg)  # kept in each checkpoint
+    encoders = encoder_record(cfg)  # kept in each checkpoint too
     if checkpoint is not None:  # file sizes here; every crc32 below, the reading shared by the ranks
         check_checkpoint_files(checkpoint)
         check_expert(checkpoint, expert)  # an expert's weights stay on its timesteps
         check_trained(checkpoint, trained)  # the same weights frozen, the same optimizer state
+        check_encoders(checkpoint, encoders)  # the latents and embeddings it learnt
     dataset = build_dataset(cfg, buckets)
     sampler = build_sampler(cfg, dataset, buckets, layout.dp_rank(rank), layout.dp)
     # A full resume takes every weight from its checkpoint and never reads the folder; a LoRA's base is
@@ -205,7 +210,7 @@ def check_before_start(cfg) -> Plan:
     base, adapter_start = check_lora_start(cfg, checkpoint)
     return Plan(
         layout, buckets, dataset, sampler, checkpoint, resume, base, adapter_start, preview_images, expert,
-        trained,
+        trained, encoders,
     )  # fmt: skip
 
 
@@ -275,7 +280,7 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     if checkpoint is not None:
         check_architecture(checkpoint, architecture)
     # Only a run that will go on replaces the run directory's config.yaml (the old one is kept beside it).
-    run = RunDirectory(cfg.run.output_dir, runtime.is_main)
+    run = RunDirectory(cfg.run.output_dir, runtime.is_main, runtime.ensure_directory)
     run.write_config(cfg)
     run.start_data_report(plan.dataset.left_out_files(), start_step)
     run.trim_metrics(start_step)  # a resume logs the steps after its checkpoint again
@@ -365,8 +370,6 @@ def train_loop(cfg, plan: Plan, runtime, t: Trainer, start_step: int) -> None:
             context["epoch"] = sampler.position(step)[0]
             metrics = window.summarize(runtime, plan, loss if batch is not None else None, done, context)
             t.guard.check(done, None if skipped else metrics["loss"])
-            if runtime.lock is not None and runtime.lock.lost:  # rank 0: the directory is another run's now
-                runtime.lock.ensure_held()
             extra = {"skipped_steps": t.guard.skipped} if tc.on_nonfinite == "skip" else {}
             t.run.log_metrics(metrics | extra)
             progress.set_postfix(
@@ -550,8 +553,6 @@ def report_replaced(runtime, run: RunDirectory, failures, reported: set, step: i
 def save(runtime, plan: Plan, t: Trainer, done: int, keep: int) -> None:
     runtime.watchdog.mark("checkpoint")
     t.guard.check(done)
-    if runtime.lock is not None:  # rank 0: another run took the directory over while this one was frozen
-        runtime.lock.ensure_held()
     trainer_state = {
         "step": done,
         "sampler": plan.sampler.state_dict(done),
@@ -559,6 +560,7 @@ def save(runtime, plan: Plan, t: Trainer, done: int, keep: int) -> None:
         "architecture": t.architecture,
         "expert": plan.expert,
         "trained": plan.trained,
+        "encoders": plan.encoders,
     }
     if t.lora:
         trainer_state["lora"] = t.lora

@@ -25,9 +25,13 @@ from configs import save_config, to_yaml
 
 
 class RunDirectory:
-    def __init__(self, path, is_main: bool):
+    """The run directory of a training run. `guard` (train.py: Runtime.ensure_directory) is called before
+    every write and raises once another run has taken the directory over (configs/runlock.py)."""
+
+    def __init__(self, path, is_main: bool, guard=None):
         self.path = Path(path)
         self.is_main = is_main
+        self.guard = guard or (lambda: None)
         self.samples = self.path / "samples"
         self.failures = self.path / "failures"
         self._wandb = None
@@ -38,6 +42,7 @@ class RunDirectory:
     def write_config(self, cfg) -> None:
         if not self.is_main:
             return
+        self.guard()
         target = self.path / "config.yaml"
         if target.is_file() and target.read_text() != to_yaml(cfg):
             target.rename(self.path / f"config.{time.strftime('%Y%m%d-%H%M%S')}.yaml")
@@ -80,6 +85,7 @@ class RunDirectory:
     def log_metrics(self, metrics: dict) -> None:
         if not self.is_main:
             return
+        self.guard()
         with open(self.path / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")  # json writes floats with full (round-trip) precision
         if self._wandb is not None:
@@ -92,7 +98,8 @@ class RunDirectory:
                         self._tensorboard.add_scalar(key, value, metrics["step"])
 
     def preview_path(self, step: int, i: int) -> Path:
-        """The preview of sample.prompts[i] at `step`."""
+        """The preview of sample.prompts[i] at `step` (asked just before it is written: guarded)."""
+        self.guard()
         return self.samples / f"step_{step}_{i}.mp4"
 
     def log_previews(self, step: int, previews: dict, fps: float) -> None:
@@ -101,6 +108,7 @@ class RunDirectory:
         GIF (add_video's record; it encodes with moviepy, this with PIL). report.png shows them too."""
         if not self.is_main:
             return
+        self.guard()
         if self._wandb is not None and previews:
             with self._quietly("wandb"):
                 import wandb
@@ -121,12 +129,14 @@ class RunDirectory:
         """After a checkpoint is safely written: TensorBoard's events reach the disk; report.png is drawn."""
         if not self.is_main:
             return
+        self.guard()
         if self._tensorboard is not None:
             with self._quietly("tensorboard"):
                 self._tensorboard.flush()
         self.write_report()
 
     def write_report(self) -> None:
+        self.guard()
         try:
             from configs.report import write_report
 
@@ -160,6 +170,7 @@ class RunDirectory:
         training step, whose collectives wait for this rank."""
         if not self.is_main:
             return
+        self.guard()
         kept = [
             r
             for r in read_data_report(self.path)
@@ -184,6 +195,7 @@ class RunDirectory:
         path = self.path / "metrics.jsonl"
         if not self.is_main or not path.is_file():
             return
+        self.guard()
         lines = path.read_text(errors="surrogateescape").splitlines(keepends=True)
         kept = [line for line in lines if _logged_step(line) <= start_step]
         if len(kept) != len(lines):
@@ -203,6 +215,7 @@ class RunDirectory:
         interleave their lines, also on network filesystems where appends from several hosts are not
         atomic."""
         name = "data_report.jsonl" if rank == 0 else f"data_report_rank{rank}.jsonl"
+        self.guard()
         self.path.mkdir(parents=True, exist_ok=True)
         with open(self.path / name, "a") as f:
             f.write(

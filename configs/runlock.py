@@ -9,12 +9,22 @@ holder is refused by name. A lock whose holder is gone is taken over, saying so:
 - on any: its heartbeat (the file, rewritten every LOCK_BEAT_S) stays unchanged while watched, for at least
   two beats and at most LOCK_STALE_S (clocks are not compared: another host's, or the file server's, differ).
 
+A run that loses its lock (it was silent, stopped by SIGSTOP or `scontrol suspend`, frozen on a hung
+network file system, and another run took the directory over) never writes there again: a missing lock is
+not a held lock, every write of the run directory asks first (RunLock.ensure_held; the other ranks,
+which hold no lock, ask `holds` with the token rank 0 shared at the rendezvous), and the heartbeat
+writes only through the file it created, never through the path (a frozen run waking up cannot put its
+lock back over the new holder's). What is left is the instant between a check and the write that
+follows it (one system call): a stop landing exactly there is the one order no file system without a
+compare-and-swap can close.
+
 infer.py and the scripts only read a run: they never take the lock.
 """
 
 import json
 import os
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -23,6 +33,16 @@ from pathlib import Path
 LOCK_NAME = "run.lock"
 LOCK_BEAT_S = 5.0  # the holder rewrites its lock this often
 LOCK_STALE_S = 30.0  # a lock silent this long has no live holder
+RECORD_BYTES = 1024  # the record is padded to a fixed length: a beat rewrites it in place, whole
+
+
+def _timing() -> tuple[float, float]:
+    """(beat, stale) seconds: the defaults, or TESSERA_LOCK_S="<beat>,<stale>" (the tests' short watch)."""
+    spec = os.environ.get("TESSERA_LOCK_S")
+    if not spec:
+        return LOCK_BEAT_S, LOCK_STALE_S
+    beat, stale = (float(x) for x in spec.split(","))
+    return beat, stale
 
 
 class RunDirectoryInUse(RuntimeError):
@@ -65,20 +85,53 @@ def _read(path: Path) -> tuple[dict | None, float | None]:
     mtime = None
     try:
         mtime = path.stat().st_mtime
-        return json.loads(path.read_text()), mtime
+        record = json.loads(path.read_text())
+        return (record if isinstance(record, dict) else None), mtime
     except FileNotFoundError:
         return None, None
-    except (OSError, ValueError):
+    except IsADirectoryError as e:
+        raise RunDirectoryInUse(_not_a_file(path)) from e
+    except (OSError, ValueError, UnicodeDecodeError):
         return None, mtime
+
+
+def _not_a_file(path: Path) -> str:
+    return (
+        f"{path} is a folder, not a lock file: tessera writes that name itself while a run trains. Move or "
+        "remove the folder (nothing of tessera's is in it), or give this run another run.output_dir"
+    )
+
+
+def _encode(record: dict) -> bytes:
+    """The record as JSON padded with spaces to a multiple of RECORD_BYTES: every beat is the same length,
+    so a reader sees the old record or the new one, never a shorter file."""
+    text = json.dumps(record).encode()
+    return text + b" " * (-len(text) % RECORD_BYTES or 0)
+
+
+def holds(run_dir, token: str) -> bool:
+    """Whether the lock of `run_dir` still names `token` (the other ranks of the run that rank 0's lock
+    stands for ask this before they write there). A lock being rewritten this instant (unreadable) counts
+    as held; a missing one does not."""
+    path = Path(run_dir) / LOCK_NAME
+    try:
+        holder, mtime = _read(path)
+    except RunDirectoryInUse:
+        return False
+    if mtime is None:
+        return False
+    return holder is None or holder.get("token") == token
 
 
 class RunLock:
     """The lock of the run directory `run_dir`, for this process. acquire() takes it (or refuses), a daemon
     thread keeps its heartbeat, release() gives it back; held() says whether it still names this process."""
 
-    def __init__(self, run_dir, beat_s: float = LOCK_BEAT_S, stale_s: float = LOCK_STALE_S):
+    def __init__(self, run_dir, beat_s: float | None = None, stale_s: float | None = None):
         self.path = Path(run_dir) / LOCK_NAME
-        self.beat_s, self.stale_s = beat_s, stale_s
+        default_beat, default_stale = _timing()
+        self.beat_s = default_beat if beat_s is None else beat_s
+        self.stale_s = default_stale if stale_s is None else stale_s
         pid = os.getpid()
         self.record = {
             "host": socket.gethostname(),
@@ -90,8 +143,14 @@ class RunLock:
             "beat": 0,
         }
         self.lost: dict | None = None  # the record that replaced ours, if another run took the lock over
+        self._fd: int | None = None  # the lock file this process created: its beats go through it alone
+        self._inode: tuple | None = None  # (device, inode) of that file
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @property
+    def token(self) -> str:
+        return self.record["token"]
 
     # ------------------------------------------------------------------------------------------
     # Taking and giving back.
@@ -119,31 +178,66 @@ class RunLock:
         raise RunDirectoryInUse(f"{self.path} changed hands too often to take it: is another run starting?")
 
     def release(self) -> None:
-        """Give the lock back (if it still names this process); the heartbeat stops."""
+        """Give the lock back (if it still names this process); the heartbeat stops. The lock is moved
+        aside before it is removed, and put back if it turns out to be another run's: a run frozen between
+        a check and an unlink would otherwise remove its successor's lock."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2)
-        if self.held():
-            try:
-                self.path.unlink()
-            except FileNotFoundError:
-                pass
+        if self.lost is None and self.held():
+            self._move_aside(self.record)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def held(self) -> bool:
-        holder, _ = _read(self.path)
-        return holder is not None and holder.get("token") == self.record["token"]
+        """Whether the lock file still names this process: it exists, and it is the file this process
+        created (or, read, it holds this process's token). A missing lock is not held."""
+        return self._holder()[0]
+
+    def _holder(self) -> tuple[bool, dict | None]:
+        """(held, the record found: None if the lock is missing or unreadable). Only a definite answer
+        counts as a loss: the lock is missing, is another file with another token, or is not a file; a file
+        system that does not answer (EIO, ESTALE on a network mount) or a record being rewritten this instant
+        in this process's own file shows no loss."""
+        try:
+            found = self.path.stat()
+        except FileNotFoundError:
+            return False, None
+        except OSError:
+            return True, None
+        if not stat.S_ISREG(found.st_mode):
+            return False, None
+        holder, mtime = _read(self.path)
+        if mtime is None:  # removed between the two calls
+            return False, None
+        if holder is not None:
+            return holder.get("token") == self.token, holder
+        return (found.st_dev, found.st_ino) == self._inode, None
 
     def ensure_held(self) -> None:
-        """Raise RunDirectoryInUse if another run took the lock over (this one was silent for LOCK_STALE_S:
-        stopped, or frozen): it must not write into the directory that run now uses."""
-        holder = _read(self.path)[0]
-        if self.lost is not None or (holder is not None and holder.get("token") != self.record["token"]):
-            holder = self.lost or holder
-            raise RunDirectoryInUse(
-                f"this run lost {self.path} to {_describe(holder)} while it was silent for over "
-                f"{self.stale_s:.0f} s (stopped or frozen); it stops without writing, so that the two runs' "
-                "files do not mix"
-            )
+        """Raise RunDirectoryInUse unless the lock still names this process: another run took it over (this
+        one was silent for LOCK_STALE_S: stopped, or frozen), or it is gone (taken over, then released by
+        a run that finished). Either way the directory is not this run's any more: it must not write there."""
+        held, holder = self._holder()
+        if held and self.lost is None:
+            return
+        self.lost = self.lost or holder or {"host": "(removed: released by the run that took it over)"}
+        raise RunDirectoryInUse(self.lost_message())
+
+    def lost_message(self) -> str:
+        holder = self.lost or {}
+        whom = (
+            f"to {_describe(holder)}"
+            if holder.get("token")
+            else "(its lock is gone: another run took it over and has finished, or it was removed)"
+        )
+        return (
+            f"this run lost {self.path} {whom} while it was silent for over {self.stale_s:.0f} s (stopped, "
+            "suspended or frozen); it stops without writing anything more there, so that the two runs' "
+            "files do not mix. The run that took it over owns the directory: see its checkpoints and "
+            "metrics.jsonl, and run the same command to go on from its latest checkpoint"
+        )
 
     # ------------------------------------------------------------------------------------------
     # Inside.
@@ -153,10 +247,12 @@ class RunLock:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.record, f)
-            f.flush()
-            os.fsync(f.fileno())
+        except IsADirectoryError as e:
+            raise RunDirectoryInUse(_not_a_file(self.path)) from e
+        os.write(fd, _encode(self.record))
+        os.fsync(fd)
+        stat = os.fstat(fd)
+        self._fd, self._inode = fd, (stat.st_dev, stat.st_ino)
         return True
 
     def _gone(self, holder: dict | None, mtime: float) -> str | None:
@@ -190,13 +286,15 @@ class RunLock:
         return f"its heartbeat did not change in {wait_s:.0f} s (the run is stopped, frozen or gone)"
 
     def _move_aside(self, holder: dict | None) -> bool:
-        """Remove the lock judged gone, unless another process replaced it meanwhile (it is then put back).
-        True: removed."""
+        """Remove the lock judged gone (or this process's own, at release), unless another process
+        replaced it meanwhile (it is then put back). True: removed."""
         aside = self.path.with_name(f"{LOCK_NAME}.{self.record['token']}.stale")
         try:
             os.rename(self.path, aside)
         except FileNotFoundError:
             return False
+        except IsADirectoryError as e:
+            raise RunDirectoryInUse(_not_a_file(self.path)) from e
         moved, _ = _read(aside)
         if holder is not None and (moved or {}).get("token") != holder.get("token"):
             try:  # a newer holder's lock: give it back (link: never over a lock made since)
@@ -209,21 +307,18 @@ class RunLock:
         return True
 
     def _beat(self) -> None:
-        misses = 0  # reads in a row that found no readable lock (a network file system's hiccup)
+        """Rewrite the record in place through the file this process created, every beat_s: never through
+        the path, so a beat cannot replace another run's lock. Stops at the first beat that finds the lock
+        not this process's (missing, or another token): ensure_held then refuses every write."""
         while not self._stop.wait(self.beat_s):
-            holder, _ = _read(self.path)
-            misses = misses + 1 if holder is None else 0
-            if misses >= 3 or (holder is not None and holder.get("token") != self.record["token"]):
-                self.lost = holder or {"host": "(removed, or unreadable for 3 beats)", "pid": "?"}
+            held, holder = self._holder()
+            if not held:
+                self.lost = holder or {"host": "(removed: released by the run that took it over)"}
                 return
-            if holder is None:
-                continue
             self.record["beat"] += 1
-            tmp = self.path.with_name(f"{LOCK_NAME}.{self.record['token']}.tmp")
             try:
-                tmp.write_text(json.dumps(self.record))
-                os.replace(tmp, self.path)
-            except OSError:  # a full disk must not stop training here; the checkpoint save names it
+                os.pwrite(self._fd, _encode(self.record), 0)
+            except (OSError, TypeError):  # a full disk must not stop training here; the checkpoint names it
                 pass
 
     def _refusal(self, holder: dict, mtime: float) -> str:

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from configs.runlock import RunDirectoryInUse
 from parallel import comm
 from parallel.checkpoint_files import (
     CheckpointError,
@@ -40,10 +41,12 @@ from parallel.checkpoint_files import (
     _seal,
     _step_of,
     _write_durably,
+    check_inside,
     checkpoint_dir,
     newest_in_range,
     read_metadata,
     read_trainer_state,
+    rotation_aware,
     untrusted,
     verify_checkpoint,
 )
@@ -130,11 +133,18 @@ def save_checkpoint(
     """Write step_<N> and move `latest` to it (see the module docstring). Refused before a byte is written,
     alike on every rank: weights that are not finite (NonFiniteWeights) and a checkpoint larger than the
     free space (StorageError). A file system that fails during the save (full, over quota, read-only) is a
-    StorageError naming it, the file and the previous checkpoint, which stays `latest`."""
+    StorageError naming it, the file and the previous checkpoint, which stays `latest`.
+
+    A run that another run took the directory over from (configs/runlock.py) abandons the save: its
+    temporary folder carries its lock's token (two runs never write into one), and the rename, `latest`
+    and the rotation each happen only after rank 0 found the lock still its own."""
     root = checkpoint_dir(run_dir)
-    final, tmp = root / f"step_{step}", root / f".step_{step}.tmp"
+    token = getattr(runtime, "lock_token", None)
+    final = root / f"step_{step}"
+    tmp = root / (f".step_{step}.{token[:12]}.tmp" if token else f".step_{step}.tmp")
     state = training.state_dict()
     if runtime.is_main:  # what killed or failed saves left: never named by `latest`, and it takes space
+        _ensure_directory(runtime)
         for pattern in (".step_*.tmp", ".step_*.deleted"):
             for leftover in root.glob(pattern):
                 shutil.rmtree(leftover, ignore_errors=True)
@@ -145,6 +155,9 @@ def save_checkpoint(
         needed = check_before_save(runtime, state, root, step, keep)
         _write(runtime, state, root, final, tmp, step, trainer_state, keep)
     except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if isinstance(e, RunDirectoryInUse) or not _holds_directory(runtime):
+            # taken over meanwhile: the folder is the other run's now; this one touches nothing more there
+            raise _lost(runtime, e) from None
         if runtime.is_main and isinstance(e, (CheckpointError, CheckpointException)):
             # a refusal or a DCP failure, which every rank shares: give the space back (`latest` still names
             # the previous checkpoint). A failure of one rank's own files leaves the folder to the next
@@ -155,6 +168,29 @@ def save_checkpoint(
             raise
         raise StorageError(storage_message(problem, root, needed, keep=keep)) from None
     return final
+
+
+def _ensure_directory(runtime) -> None:
+    """Raise RunDirectoryInUse if the run lost its directory (Runtime.ensure_directory; a runtime made by a
+    test without it never loses one)."""
+    ensure = getattr(runtime, "ensure_directory", None)
+    if ensure is not None:
+        ensure()
+
+
+def _holds_directory(runtime) -> bool:
+    holds = getattr(runtime, "holds_directory", None)
+    return holds is None or holds()
+
+
+def _lost(runtime, error: BaseException) -> RunDirectoryInUse:
+    if isinstance(error, RunDirectoryInUse):
+        return error
+    try:
+        _ensure_directory(runtime)
+    except RunDirectoryInUse as lost:
+        return lost
+    return RunDirectoryInUse("this run lost its run directory to another run during a save; it stops")
 
 
 def _write(
@@ -173,34 +209,42 @@ def _write(
     _seal(tmp, runtime.rank)
     runtime.fence()
     if runtime.is_main:
-        _merge_checksums(tmp, runtime.world_size)
+        _merge_checksums(tmp, runtime.world_size, getattr(runtime, "lock_token", None))
     runtime.faults.at_save("after_shards", step)
     if runtime.is_main:
-        replaced = (
-            root / f".step_{step}.old"
-        )  # re-saving a step: keep the old copy until the new one is in place
-        if (
-            final.exists()
-        ):  # (without step_<N>, `latest` may resolve to a .old left by a killed re-save: keep it)
-            shutil.rmtree(replaced, ignore_errors=True)
-            final.rename(replaced)
-        tmp.rename(final)
-        _fsync_dir(root)
-        runtime.faults.at_save("after_rename", step)
-        pointer_tmp = root / "latest.tmp"
-        _write_durably(pointer_tmp, final.name + "\n")
-        pointer_tmp.replace(root / "latest")
-        _fsync_dir(root)
-        # `latest` has moved: what killed saves left behind is no longer needed by anyone.
-        for pattern in (".step_*.tmp", ".step_*.old", ".step_*.deleted"):
-            for leftover in root.glob(pattern):
-                shutil.rmtree(leftover, ignore_errors=True)
-        complete = sorted((p for p in root.glob("step_*") if _is_complete(p)), key=_step_of)
-        kept = {final, newest_in_range(complete)}  # a divergence's advice must find a good one left
-        for old in complete[:-keep]:
-            if old not in kept:
-                _clear(old)
+        _put_in_place(runtime, root, final, tmp, step, keep)
     runtime.fence()
+
+
+def _put_in_place(runtime, root: Path, final: Path, tmp: Path, step: int, keep: int) -> None:
+    """Rank 0: rename the sealed folder to step_<N>, move `latest` to it, rotate the old ones; each only
+    while the run directory is still this run's (checked just before)."""
+    replaced = root / f".step_{step}.old"  # re-saving a step: keep the old copy until the new one is in place
+    _ensure_directory(runtime)
+    if final.exists():  # (without step_<N>, `latest` may resolve to a .old left by a killed re-save: keep it)
+        shutil.rmtree(replaced, ignore_errors=True)
+        final.rename(replaced)
+    tmp.rename(final)
+    _fsync_dir(root)
+    runtime.faults.at_save("after_rename", step)
+    token = getattr(runtime, "lock_token", None)
+    pointer_tmp = root / (f"latest.{token[:12]}.tmp" if token else "latest.tmp")  # one per run, too
+    _write_durably(pointer_tmp, final.name + "\n")
+    _ensure_directory(runtime)
+    pointer_tmp.replace(root / "latest")
+    _fsync_dir(root)
+    _ensure_directory(runtime)
+    # `latest` has moved: what killed saves left behind is no longer needed by anyone.
+    for pattern in (".step_*.tmp", ".step_*.old", ".step_*.deleted"):
+        for leftover in root.glob(pattern):
+            shutil.rmtree(leftover, ignore_errors=True)
+    for leftover in root.glob("latest.*.tmp"):
+        leftover.unlink(missing_ok=True)
+    complete = sorted((p for p in root.glob("step_*") if _is_complete(p)), key=_step_of)
+    kept = {final, newest_in_range(complete)}  # a divergence's advice must find a good one left
+    for old in complete[:-keep]:
+        if old not in kept:
+            _clear(old)
 
 
 class _SafeReader(FileSystemReader):
@@ -257,10 +301,12 @@ class _SafePlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = loaded
 
 
-def _load(state: dict, path: Path, group=None) -> None:
+@rotation_aware
+def _load(path: Path, state: dict, group=None) -> None:
     """Load `state` in place from a checkpoint; nothing in it is unpickled but DCP's metadata classes,
     tensors and plain values (_SafeReader, _SafePlanner). A file that names anything else is an
     UnsafeCheckpoint on every rank: its own refusal, or another rank's, which DCP gathers."""
+    check_inside(path)  # every file one run's, none a link out of the folder
     read_metadata(path)  # refused here, by name, before DCP starts (it reads it again, as safely)
     reader, planner = _SafeReader(path), _SafePlanner(path)
     try:
@@ -352,13 +398,45 @@ def check_trained(path, record: dict) -> None:
         )
 
 
+def check_encoders(path, record: dict) -> None:
+    """Refuse to resume a checkpoint trained with other frozen encoders (data/latents.py encoder_record: the
+    VAE, text encoder and image encoder, their settings and their weights' fingerprints): the transformer
+    learnt their latents and embeddings, and other weights of the same shapes would load silently, as
+    precomputed latents already refuse. Checkpoints without the record resume as they did."""
+    saved = read_trainer_state(path).get("encoders")
+    if saved is None:
+        return
+
+    def shown(value) -> str:
+        return f"{value['folder']} (weights {value['weights']})" if isinstance(value, dict) else repr(value)
+
+    def same(a, b) -> bool:  # a folder by its weights: moved elsewhere, it is the same
+        if isinstance(a, dict) and isinstance(b, dict):
+            return a["weights"] == b["weights"]
+        if isinstance(a, dict) or isinstance(b, dict):  # one side's folder is gone: judged by its path
+            return (a["folder"] if isinstance(a, dict) else a) == (b["folder"] if isinstance(b, dict) else b)
+        return a == b
+
+    differs = [
+        f"{key}: {shown(saved[key])} there, {shown(value)} here"
+        for key, value in record.items()
+        if key in saved and not same(saved[key], value)
+    ]
+    if differs:
+        raise CheckpointError(
+            f"checkpoint {path} was trained with other frozen encoders ({'; '.join(differs)}): its "
+            "transformer learnt their latents and text embeddings. Point these keys at the encoders it was "
+            "trained with, or train this recipe elsewhere (another run.output_dir, or train.resume=none)"
+        )
+
+
 def load_checkpoint(runtime, path, training: TrainingState, verified: bool = False) -> None:
     """Restore the training state in place (resharded by DCP to this run's layout), once every file of
     the checkpoint has been checked (by all ranks together; `verified`: done already)."""
     if not verified:
         verify_checkpoint(path, runtime.control_group)
     state = training.state_dict()
-    _on_io_group(runtime.control_group, lambda group: _load(state, Path(path), group))
+    _on_io_group(runtime.control_group, lambda group: _load(Path(path), state, group))
     training.load_state_dict(state)
 
 
@@ -369,7 +447,7 @@ def load_base_weights(runtime, path, model) -> None:
 
     weights = {k: v for k, v in get_model_state_dict(model).items() if not is_adapter(k)}
     state = {"ema": weights}
-    _on_io_group(runtime.control_group, lambda group: _load(state, Path(path), group))
+    _on_io_group(runtime.control_group, lambda group: _load(Path(path), state, group))
     set_model_state_dict(model, state["ema"], options=StateDictOptions(strict=False))
 
 
@@ -379,7 +457,7 @@ def read_tensors(path, key: str, shapes: dict, verified: bool = False) -> dict:
     if not verified:
         verify_checkpoint(path)
     state = {key: {name: torch.empty(shape, dtype=torch.float32) for name, shape in shapes.items()}}
-    _load(state, Path(path))
+    _load(Path(path), state)
     return state[key]
 
 
@@ -390,5 +468,5 @@ def load_weights(path, model, use_ema: bool = True, select=None, verified: bool 
         verify_checkpoint(path)  # every file, here: this process has no group to share the reading with
     key = "ema" if use_ema else "model"
     state = {key: {k: v for k, v in model.state_dict().items() if select is None or select(k)}}
-    _load(state, Path(path))
+    _load(Path(path), state)
     model.load_state_dict(state[key], strict=select is None)

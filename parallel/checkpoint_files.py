@@ -4,13 +4,13 @@ by name, with the previous one suggested, before anything is read from it.
 """
 
 import errno
+import functools
 import json
 import os
-import pickle
 import re
 import shutil
 import zlib
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,36 @@ def untrusted(path, file: str, what: str) -> str:
     )
 
 
+def rotation_aware(read):
+    """`read(path, ...)` of a checkpoint folder, whose failure, when the folder no longer exists meanwhile,
+    says so: the run that writes it rotated it away (train.keep_checkpoints) while it was read. Reading a
+    live run (infer.py on its `latest`, a LoRA on a base still training) meets this; bf7d40d called such a
+    checkpoint incomplete and advised train.resume=none."""
+
+    @functools.wraps(read)
+    def reading(path, *args, **kwargs):
+        try:
+            return read(path, *args, **kwargs)
+        except (CheckpointError, OSError) as e:
+            if not rotated_away(path) or getattr(e, "rotated", False):
+                raise
+            error = CheckpointError(
+                f"checkpoint {path} was removed while it was read: the run writing {Path(path).parent} keeps "
+                f"its newest train.keep_checkpoints and rotated this one away (a newer one is its `latest` "
+                f"now). Run the same command again to read the newest, or name a checkpoint that stays"
+            )
+            error.rotated = True
+            raise error from None
+
+    return reading
+
+
+def rotated_away(path) -> bool:
+    """Whether the step folder `path` is gone while its checkpoints/ folder is still there."""
+    path = Path(path)
+    return not path.exists() and path.parent.is_dir()
+
+
 def checkpoint_dir(run_dir) -> Path:
     return Path(run_dir) / "checkpoints"
 
@@ -50,7 +80,22 @@ def _step_of(path: Path) -> int | None:
 
 
 def _is_complete(path: Path) -> bool:
-    return (path / ".metadata").is_file()
+    """A step folder that DCP finished (.metadata) and whose checksums.json lists every file it holds (a
+    file it does not list was written by another run, or added since: such a folder is not one run's
+    checkpoint). A folder written before checksums.json existed counts by its .metadata alone."""
+    return (path / ".metadata").is_file() and not unlisted_files(path)
+
+
+def unlisted_files(path: Path) -> list[str]:
+    """The files of a step folder that its checksums.json does not list (none for a folder without a
+    readable one: verification names a damaged listing itself). NFS's .nfs* placeholders are not files of
+    the checkpoint."""
+    try:
+        listed = set(json.loads((path / CHECKSUMS).read_text())["files"])
+        present = [p.name for p in path.iterdir()]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return sorted(n for n in present if n not in listed and n != CHECKSUMS and not n.startswith(".nfs"))
 
 
 def previous_checkpoint(path) -> Path | None:
@@ -98,7 +143,19 @@ def _follow(pointer: Path) -> Path:
     replaced = pointer.parent / f".{name}.old"
     if _is_complete(replaced):
         return replaced
+    if (path / ".metadata").is_file():
+        raise CheckpointError(f"{pointer} names {name}: {_mixed(path)}")
     raise CheckpointError(f"{pointer} names {name}, which is missing or incomplete; {_fallback_hint(path)}")
+
+
+def _mixed(path: Path) -> str:
+    files = unlisted_files(path)
+    named = ", ".join(files[:4]) + (", ..." if len(files) > 4 else "")
+    return (
+        f"checkpoint {path} holds files its {CHECKSUMS} does not list ({named}): it is not one run's "
+        f"complete checkpoint (two runs wrote into it, or files were added since), so nothing is loaded "
+        f"from it; {_fallback_hint(path)}"
+    )
 
 
 def find_latest(run_dir) -> Path | None:
@@ -126,6 +183,8 @@ def resolve_checkpoint(spec: str, run_dir) -> Path | None:
         return _follow(path)
     if _is_complete(path):
         return path
+    if (path / ".metadata").is_file():  # DCP's metadata, with files the checkpoint's listing does not hold
+        raise CheckpointError(_mixed(path))
     for pointer in (path / "latest", checkpoint_dir(path) / "latest"):
         if pointer.is_file():
             return _follow(pointer)
@@ -176,8 +235,9 @@ def _seal(folder: Path, rank: int) -> None:
     _write_durably(folder / f".checksums_rank{rank}.json", json.dumps(files))
 
 
-def _merge_checksums(folder: Path, world_size: int) -> None:
-    """Rank 0: one checksums.json from every rank's part; a file no rank claimed is hashed here."""
+def _merge_checksums(folder: Path, world_size: int, run: str | None = None) -> None:
+    """Rank 0: one checksums.json from every rank's part; a file no rank claimed is hashed here. `run`:
+    the token of the run directory's lock (configs/runlock.py), which says which run wrote it."""
     files = {}
     for rank in range(world_size):
         part = folder / f".checksums_rank{rank}.json"
@@ -186,7 +246,8 @@ def _merge_checksums(folder: Path, world_size: int) -> None:
     for p in sorted(folder.iterdir()):
         if p.is_file() and p.name not in files:
             files[p.name] = dict(zip(("size", "crc32"), _size_and_crc(p, sync=True)))
-    _write_durably(folder / CHECKSUMS, json.dumps({"format": 1, "files": files}, indent=1, sort_keys=True))
+    listing = {"format": 1, "files": files} | ({"run": run} if run else {})
+    _write_durably(folder / CHECKSUMS, json.dumps(listing, indent=1, sort_keys=True))
     _fsync_dir(folder)
 
 
@@ -212,6 +273,7 @@ def _checksums(path: Path) -> dict | None:
         ) from None
 
 
+@rotation_aware
 def check_checkpoint_files(path) -> None:
     """Cheap checks from file sizes alone, made on every rank before any collective: every file that
     checksums.json lists (or, in a checkpoint written before it, that DCP's .metadata points into) is
@@ -219,6 +281,7 @@ def check_checkpoint_files(path) -> None:
     (read_metadata). The crc32s are read later, shared over the ranks (verify_checkpoint). A damaged
     checkpoint is a CheckpointError naming the file, one that names code an UnsafeCheckpoint."""
     path = Path(path)
+    check_inside(path)
     files = _checksums(path)
     if files is not None:
         needed = {name: entry["size"] for name, entry in files.items()}
@@ -242,6 +305,26 @@ def check_checkpoint_files(path) -> None:
         _check_metadata(path, files.get(".metadata"))
 
 
+def check_inside(path: Path) -> None:
+    """Every file of the checkpoint is one run's and lies inside its folder: none that checksums.json does
+    not list, no symbolic link leading out of it."""
+    if unlisted_files(path):
+        raise CheckpointError(_mixed(path))
+    try:
+        entries = list(path.iterdir())
+    except OSError:
+        return  # a missing folder: named where its files are looked for
+    for entry in entries:
+        if entry.is_symlink() and not _within(entry.resolve(), path.resolve()):
+            raise UnsafeCheckpoint(
+                untrusted(path, entry.name, f"a symbolic link to {entry.resolve()}, outside the checkpoint")
+            )
+
+
+def _within(target: Path, folder: Path) -> bool:
+    return target == folder or folder in target.parents
+
+
 def _check_metadata(path: Path, written: dict | None) -> None:
     """Read .metadata as read_metadata does, before DCP ever sees it (a file that names code is refused
     here, by name); its crc32 first (it is small), so that a damaged file is called damaged."""
@@ -253,55 +336,22 @@ def _check_metadata(path: Path, written: dict | None) -> None:
     read_metadata(path)
 
 
-# What DCP's .metadata is made of (torch/distributed/checkpoint/metadata.py and filesystem.py), by module:
-# the only classes and functions read_metadata lets it name. torch's dtypes are allowed besides.
-_METADATA_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata",
-        "MetadataIndex",
-        "StorageMeta",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},  # torch.strided (and the other layouts) by name
-    "torch": {"Size"},
-    "pathlib": {"PosixPath", "PurePosixPath"},  # StorageMeta.checkpoint_id
-}
-
-
-class _Forbidden(Exception):
-    pass
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """pickle.Unpickler that resolves only _METADATA_GLOBALS (as torch.load(weights_only=True) does for
-    tensors): a crafted file naming anything else (os.system, builtins.exec, ...) is stopped before it
-    is called."""
-
-    def find_class(self, module, name):
-        if name in _METADATA_GLOBALS.get(module, ()) or (
-            module == "torch" and isinstance(vars(torch).get(name), torch.dtype)  # no lazy import either
-        ):
-            return super().find_class(module, name)
-        raise _Forbidden(f"{module}.{name}")
-
-
+@rotation_aware
 def read_metadata(path, file=None):
-    """DCP's metadata of the checkpoint folder `path` (its .metadata, or `file`), read without running
-    code: DCP's own reader unpickles it with a plain pickle.load, which calls whatever a crafted file
-    names. Naming anything else than DCP's metadata classes is an UnsafeCheckpoint naming the file and
-    what it named; a file that cannot be read otherwise is a CheckpointError."""
+    """DCP's metadata of the checkpoint folder `path` (its .metadata, or `file`), read without running code
+    or changing anything in the process (parallel/dcp_metadata.py): a file that names anything but DCP's
+    metadata classes, or sets attributes on them, is an UnsafeCheckpoint naming the file and what it did;
+    one that is not DCP's metadata (another structure, a file it points into outside the folder) is
+    refused by name as well."""
     from torch.distributed.checkpoint.metadata import Metadata
+
+    from parallel import dcp_metadata
 
     file = Path(file) if file is not None else Path(path) / ".metadata"
     try:
         with open(file, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-    except _Forbidden as e:
+            metadata = dcp_metadata.load(f)
+    except dcp_metadata.Forbidden as e:
         raise UnsafeCheckpoint(untrusted(path, file.name, str(e))) from None
     except Exception as e:  # noqa: BLE001 - a truncated or foreign .metadata
         text = str(e).splitlines()[0][:200] if str(e) else ""
@@ -314,12 +364,51 @@ def read_metadata(path, file=None):
             f"checkpoint {path}: its {file.name} holds a {type(metadata).__name__}, not DCP's metadata; "
             f"it is not a tessera checkpoint: {_fallback_hint(path)}"
         )
-    for info in (metadata.storage_data or {}).values():  # the files it points into: inside the folder
-        relative = str(getattr(info, "relative_path", ""))
-        if Path(relative).is_absolute() or ".." in Path(relative).parts or not relative:
-            outside = f"a file outside the checkpoint ({relative!r})"
-            raise UnsafeCheckpoint(untrusted(path, file.name, outside))
+    _check_structure(path, file.name, metadata)
     return metadata
+
+
+def _check_structure(path, name: str, metadata) -> None:
+    """DCP's metadata as DCP writes it: a dict of tensors and byte items, and a dict of storage entries each
+    naming a file inside the folder (its path resolved there, symbolic links followed)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    storage, tensors = metadata.storage_data, metadata.state_dict_metadata
+    problem = None
+    if not isinstance(tensors, dict):
+        problem = f"its state_dict_metadata is a {type(tensors).__name__}, not a dict"
+    elif not isinstance(storage, dict):
+        problem = f"its storage_data is a {type(storage).__name__}, not a dict"
+    else:
+        for key, info in storage.items():
+            fields = (
+                getattr(info, "relative_path", None),
+                getattr(info, "offset", None),
+                getattr(info, "length", None),
+            )
+            if not (isinstance(key, MetadataIndex) and isinstance(info, _StorageInfo)):
+                problem = f"a storage entry is a {type(info).__name__} under a {type(key).__name__}"
+            elif not (isinstance(fields[0], str) and all(type(n) is int and n >= 0 for n in fields[1:])):
+                problem = f"the storage entry of {key.fqn} is not a file, offset and length"
+            if problem:
+                break
+    if problem:
+        raise CheckpointError(
+            f"checkpoint {path} is damaged, nothing was loaded from it: its {name} is not DCP's metadata "
+            f"({problem}); {_fallback_hint(path)}"
+        )
+    folder = Path(path).resolve()
+    for relative in {info.relative_path for info in storage.values()}:
+        target = (folder / relative).resolve()
+        if (
+            not relative
+            or PurePosixPath(relative).is_absolute()
+            or not _within(target, folder)
+            or target == folder
+        ):
+            outside = f"a file outside the checkpoint ({relative!r})"
+            raise UnsafeCheckpoint(untrusted(path, name, outside))
 
 
 def _sizes_from_metadata(path: Path) -> dict[str, int]:
@@ -331,6 +420,7 @@ def _sizes_from_metadata(path: Path) -> dict[str, int]:
     return sizes
 
 
+@rotation_aware
 def verify_checkpoint(path, group=None) -> None:
     """Check every file of a checkpoint against the sizes and crc32s recorded when it was written,
     before anything is loaded from it. With a process group, the files are split over its ranks (each
@@ -339,6 +429,7 @@ def verify_checkpoint(path, group=None) -> None:
     is a CheckpointError naming the files and the previous complete checkpoint. Checkpoints written
     before checksums.json existed are not checked."""
     path = Path(path)
+    check_inside(path)
     files = _checksums(path)
     if files is None:  # written before checksums.json: the sizes DCP's metadata implies, at least
         check_checkpoint_files(path)
@@ -381,6 +472,7 @@ def verify_checkpoint(path, group=None) -> None:
         )
 
 
+@rotation_aware
 def read_trainer_state(path) -> dict:
     """The step and data position of a checkpoint, read from files alone: every rank reads the same
     file, so a resume that cannot continue (another dp size, other data) fails on all ranks alike,

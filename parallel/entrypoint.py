@@ -32,9 +32,21 @@ class Session:
         # with them too: the run directory, the comm log (once a process group exists), the watchdog.
         self.run_dir = self.comm = self.watchdog = None
         self.lock = None  # rank 0 of a training run: the run directory's lock (configs/runlock.py)
+        self.lock_token = None  # every rank of a training run: that lock's token
 
     def failure_dir(self) -> Path | None:
-        return Path(self.run_dir) / "failures" if self.run_dir is not None else None
+        """Where this rank's failure records go: the run's failures/, unless another run took the
+        directory over while this one was frozen (it then writes nothing there)."""
+        if self.run_dir is None or not self.owns_directory():
+            return None
+        return Path(self.run_dir) / "failures"
+
+    def owns_directory(self) -> bool:
+        from configs.runlock import holds
+
+        if self.lock is not None:
+            return self.lock.lost is None and self.lock.held()
+        return self.lock_token is None or holds(self.run_dir, self.lock_token)
 
     def close(self) -> None:
         """Stop the watchdog (this rank leaves on purpose) and destroy the process groups."""

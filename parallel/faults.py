@@ -6,7 +6,8 @@
 Faults: at a training step `stop`, `kill`, `hang`, `raise`, `collective`, `term`, `nan`, `loader`; at a
 denoising step `sample_stop|kill|hang`; before the groups exist `prestart_kill`, `rendezvous_kill`,
 `pginit_kill`; once they exist `startup_stop|kill|hang|raise`; in a
-checkpoint save `save_before_shards|after_shards|after_rename` (SIGKILL) and `enospc` (a full disk);
+checkpoint save `save_before_shards|after_shards|after_rename` (SIGKILL; with `_stop` appended, SIGSTOP) and
+`enospc` (a full disk);
 in PipeFusion `pipefusion_count` and `pipefusion_extra_send`; in the step cache `cache_plan` and
 `cache_signal` (parallel/cache.py). docs/internals.md says what each does.
 """
@@ -92,10 +93,12 @@ class Faults:
             _act("kill", "start-up")
 
     def at_save(self, point: str, step: int) -> None:
-        """SIGKILL at `point` (before_shards, after_shards, after_rename) of the save of step `step`."""
-        if self.planned(f"save_{point}", step):
-            self._announce(f"save_{point}", step)
-            os.kill(os.getpid(), signal.SIGKILL)
+        """SIGKILL (save_<point>) or SIGSTOP (save_<point>_stop: a job suspended in the middle of a save) at
+        `point` (before_shards, after_shards, after_rename) of the save of step `step`."""
+        for suffix, signum in (("", signal.SIGKILL), ("_stop", signal.SIGSTOP)):
+            if self.planned(f"save_{point}{suffix}", step):
+                self._announce(f"save_{point}{suffix}", step)
+                os.kill(os.getpid(), signum)
 
     def loader_should_fail(self, step: int) -> bool:
         return self.planned("loader", step)

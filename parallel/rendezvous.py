@@ -38,19 +38,23 @@ class StartupError(RuntimeError):
     """A rank did not arrive at start-up in time."""
 
 
-def rendezvous(monitor: Watchdog, run_dir, timeout_s: float, injected, session) -> RunLock | None:
+def rendezvous(
+    monitor: Watchdog, run_dir, timeout_s: float, injected, session
+) -> tuple[RunLock | None, str | None]:
     """Before any process group: rank 0 of a training run takes the run directory's lock, then every rank
     waits (in Python, polling the store, so stop signals are heard and the watchdog names a rank that dies)
     until all have arrived, and raises rank 0's refusal if there was one: every rank fails alike, before
-    any collective. Returns the lock (rank 0 of a training run), else None."""
+    any collective. Returns (the lock (rank 0 of a training run) or None, the lock's token on every rank of
+    a training run: each asks configs.runlock.holds with it before writing in the run directory)."""
     rank, world_size = monitor.rank, monitor.world_size
-    lock, refusal = None, ""
+    lock, refusal, token = None, "", None
     if rank == 0 and monitor.task == "train" and run_dir is not None:
         lock = RunLock(run_dir)
         try:
             lock.acquire()
         except RunDirectoryInUse as e:
             lock, refusal = None, str(e)
+        token = lock.token if lock is not None else None
         if session is not None:
             session.lock = lock
     injected.before_start("rendezvous")  # tests only: a rank that dies with its heartbeat running
@@ -58,6 +62,7 @@ def rendezvous(monitor: Watchdog, run_dir, timeout_s: float, injected, session) 
         monitor.mark("rendezvous")
         store = connect_store(world_size, max(5.0, timeout_s))  # the main thread's own client
         if rank == 0:
+            store.set("rendezvous/token", token or "")
             store.set("rendezvous/refusal", refusal)
         store.set(f"rendezvous/arrived/{rank}", "1")  # who, for the message if some rank never comes
         store.add("rendezvous/arrived", 1)
@@ -69,11 +74,14 @@ def rendezvous(monitor: Watchdog, run_dir, timeout_s: float, injected, session) 
                 raise Terminated(session.stop.signum)  # say at once who is missing (torchrun: a rank died)
             time.sleep(0.05)
         refusal = store.get("rendezvous/refusal").decode()
+        token = store.get("rendezvous/token").decode() or None
         monitor.mark("process group")
         injected.before_start("pginit")  # tests only: a rank that dies while the process group forms
     if refusal:
         raise RunDirectoryInUse(refusal)
-    return lock
+    if session is not None:
+        session.lock_token = token
+    return lock, token
 
 
 def _missing_ranks(store, world_size: int, timeout_s: float) -> str:

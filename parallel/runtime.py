@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from configs.runlock import RunLock, live_holder
+from configs.runlock import RunDirectoryInUse, RunLock, holds, live_holder
 from parallel import comm, faults
 from parallel.cfg import SamplingGroups
 from parallel.exits import NCCL_HINT
@@ -46,10 +46,33 @@ class Runtime:
     faults: faults.Faults  # what tests asked to go wrong (TESSERA_FAULT), read once at start-up
     sampling: SamplingGroups | None = None  # cfg / PipeFusion groups and the replica (parallel/pipefusion.py)
     lock: RunLock | None = None  # rank 0 of a training run: the run directory's (configs/runlock.py)
+    run_dir: Path | None = None
+    lock_token: str | None = None  # every rank of a training run: the token of rank 0's lock
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def holds_directory(self) -> bool:
+        """Whether this run still owns its run directory (always, for a run that takes no lock): rank 0
+        asks its lock, the other ranks read it (configs/runlock.py)."""
+        if self.lock is not None:
+            return self.lock.lost is None and self.lock.held()
+        if self.lock_token is None or self.run_dir is None:
+            return True
+        return holds(self.run_dir, self.lock_token)
+
+    def ensure_directory(self) -> None:
+        """Raise RunDirectoryInUse if another run took the run directory over: called before each write
+        there (checkpoints, metrics, previews, reports), so a run that was frozen while it was taken over
+        writes nothing more."""
+        if self.lock is not None:
+            self.lock.ensure_held()
+        elif not self.holds_directory():
+            raise RunDirectoryInUse(
+                f"this run lost {Path(self.run_dir) / 'run.lock'} while it was silent (stopped, suspended "
+                "or frozen): another run took the directory over; this rank writes nothing more there"
+            )
 
     @property
     def dp_rank(self) -> int:
@@ -187,11 +210,11 @@ def init_runtime(
     early = world_size == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if early:
         monitor = _start_watchdog(*watch)
-        lock = rendezvous(monitor, run_dir, parallel_cfg.preflight_timeout_s, injected, session)
+        lock, token = rendezvous(monitor, run_dir, parallel_cfg.preflight_timeout_s, injected, session)
     _init_process_group(backend, init_method, rank, world_size, device, parallel_cfg.preflight_timeout_s)
     if not early:  # another launcher: rank 0 hosts the store, made with the process group
         monitor = _start_watchdog(*watch)
-        lock = rendezvous(monitor, run_dir, parallel_cfg.preflight_timeout_s, injected, session)
+        lock, token = rendezvous(monitor, run_dir, parallel_cfg.preflight_timeout_s, injected, session)
     monitor.mark("start-up")
     log.adopt(None)  # from the first collective on, the default group's ops are this runtime's
     _set_pg_timeout(datetime.timedelta(seconds=parallel_cfg.timeout_s))
@@ -218,7 +241,10 @@ def init_runtime(
         injected,
         sampling,
         lock,
+        Path(run_dir) if run_dir is not None else None,
+        token,
     )
+    monitor.may_write = runtime.holds_directory  # failure records only while the directory is this run's
     injected.at_startup()
     return runtime
 

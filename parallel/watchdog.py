@@ -30,6 +30,7 @@ PUBLISH_EVERY_S = 0.25  # a phase change is published at once, but no more often
 # Groups whose waits may last as long as other ranks' long work (their timeout is parallel.control_timeout_s):
 # a rank waiting there is judged against that, not against the step's deadline.
 FENCE_GROUPS = ("control", "replica-control")
+LOST_DIRECTORY = "nowhere: another run took the run directory over, and this one writes nothing there"
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,9 @@ class Watchdog(HeartbeatChannel):
         self._progress = time.monotonic()
         self._state = "running"
         self._beat = 0
+        # whether failure records may go to run_dir (parallel/runtime.py: not once another run took a
+        # training run's directory over)
+        self.may_write = lambda: True
         self._exit_lock = threading.Lock()
         self._exiting = (
             False  # set once: by the thread when it ends the process, or by the main thread's error path
@@ -340,6 +344,8 @@ class Watchdog(HeartbeatChannel):
     def dump(self, reason: str) -> str:
         """failures/comm_rank<R>.json: the recent ops, where this rank is, and every rank's heartbeat.
         Returns the path, or why nothing was written (it never raises: a full disk is a common cause)."""
+        if not self._may_write():
+            return LOST_DIRECTORY
         try:
             beats = self._read_all() if self.store is not None else {}
         except Exception:
@@ -359,6 +365,8 @@ class Watchdog(HeartbeatChannel):
         """Every thread's stack in failures/stacks_rank<R>.txt; returns the path, or why it could not be
         written (a full disk must not stop the report)."""
         path = self.run_dir / "failures" / f"stacks_rank{self.rank}.txt"
+        if not self._may_write():
+            return LOST_DIRECTORY
         frames = sys._current_frames()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -374,6 +382,12 @@ class Watchdog(HeartbeatChannel):
         except OSError as e:
             return f"nowhere: {path} could not be written ({e.strerror or e})"
         return str(path)
+
+    def _may_write(self) -> bool:
+        try:
+            return self.may_write()
+        except Exception:  # a failure report must never fail on this question
+            return True
 
     def _payload(self) -> dict:
         waiting = self.comm.blocked_in()

@@ -192,7 +192,7 @@ def test_real_checkpoints_load_every_item(trained):
         },
         "param_groups": [{k: None for k in g} for g in groups],
     }
-    checkpoint._load(state, step)
+    checkpoint._load(step, state)
     assert state["optimizer"]["param_groups"] == groups
     assert groups[0]["betas"] == (0.9, 0.999) and groups[0]["params"]
     for section in ("model", "ema"):
@@ -332,3 +332,78 @@ def test_a_resume_keeps_the_fused_adamw():
     step(new, resumed)
     for a, b in zip(old.parameters(), new.parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+
+
+def _class_state() -> dict:
+    """Every attribute of the classes a .metadata may name (and their bases), to compare before and after."""
+    import pathlib
+
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    classes = [pathlib.PosixPath, pathlib.PurePosixPath, pathlib.Path, pathlib.PurePath, torch.Size]
+    classes += [
+        getattr(metadata, n) for n in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties")
+    ]
+    classes += [filesystem._StorageInfo]
+    return {cls: dict(vars(cls)) for cls in classes}
+
+
+def test_a_metadata_cannot_change_a_class_of_the_process(trained, tmp_path):
+    """The probe of issue 50: a BUILD on the allowed class pathlib.PosixPath sets `is_absolute` for the
+    whole process, after which storage paths outside the checkpoint pass the check. bf7d40d read it and
+    the class was changed; now the file is refused by name and every class is as it was."""
+    step = tmp_path / "step_2"
+    shutil.copytree(trained / "checkpoints" / "step_2", step)
+    real = (step / ".metadata").read_bytes()
+    assert real[:2] == b"\x80\x04"
+    name = b"is_absolute"
+    evil = (
+        b"cpathlib\nPosixPath\n"  # GLOBAL: the real class, on the stack
+        + b"N}"  # (None, {...}): BUILD's slot state, which setattr()s on whatever is on the stack
+        + b"X" + len(name).to_bytes(4, "little") + name + b"ctorch\nSize\n" + b"s"
+        + b"\x86b0"  # TUPLE2, BUILD, POP: then the real metadata follows
+    )  # fmt: skip
+    (step / ".metadata").write_bytes(real[:2] + evil + real[2:])
+    before = _class_state()
+    try:
+        with pytest.raises(checkpoint_files.UnsafeCheckpoint, match="pathlib.PosixPath with attributes set"):
+            checkpoint_files.read_metadata(step)
+        assert _class_state() == before
+    finally:  # were it changed, the rest of this process must not inherit it
+        import pathlib
+
+        for cls, attributes in before.items():
+            for key in set(vars(cls)) - set(attributes):
+                delattr(cls, key)
+        assert "is_absolute" not in vars(pathlib.PosixPath)
+
+
+def test_a_shard_that_links_out_of_the_checkpoint_is_refused(trained, tmp_path):
+    """The same bytes behind a symbolic link to a file elsewhere: the checksums match, but the checkpoint
+    would read a file outside its folder (bf7d40d loaded it)."""
+    step = tmp_path / "run" / "step_2"
+    shutil.copytree(trained / "checkpoints" / "step_2", step)
+    elsewhere = tmp_path / "elsewhere.distcp"
+    (step / "__0_0.distcp").rename(elsewhere)
+    (step / "__0_0.distcp").symlink_to(elsewhere)
+    for check in (checkpoint_files.verify_checkpoint, checkpoint_files.check_checkpoint_files):
+        with pytest.raises(
+            checkpoint_files.UnsafeCheckpoint, match="a symbolic link to .*outside the checkpoint"
+        ):
+            check(step)
+    with pytest.raises(checkpoint_files.UnsafeCheckpoint, match="symbolic link"):
+        checkpoint.read_tensors(step, "ema", {"final_layer.linear.bias": (16,)}, verified=True)
+
+
+def test_files_a_checkpoint_does_not_list_make_it_incomplete(trained, tmp_path):
+    """A step folder holding a file its checksums.json does not list (a second run's shard written into
+    it) is no run's checkpoint: `latest` naming it is refused by name, not resumed from silently."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    step = run_dir / "checkpoints" / "step_2"
+    (step / "__1_0.distcp").write_bytes(b"another run's shard")
+    assert checkpoint_files.unlisted_files(step) == ["__1_0.distcp"]
+    with pytest.raises(checkpoint_files.CheckpointError, match=r"does not list \(__1_0.distcp\)"):
+        checkpoint_files.find_latest(run_dir)
+    with pytest.raises(checkpoint_files.CheckpointError, match="not one run's complete checkpoint"):
+        checkpoint_files.verify_checkpoint(step)

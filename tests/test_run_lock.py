@@ -207,3 +207,53 @@ def test_a_second_run_into_a_training_directory_is_refused_and_the_first_loses_n
     assert steps == list(range(1, steps[-1] + 1)), steps  # one run's steps, each once
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{steps[-1]}"
     assert not (run_dir / LOCK_NAME).exists()  # given back at the end
+
+
+def test_a_missing_lock_is_not_a_held_lock(tmp_path):
+    """Taken over while frozen, and released by the run that took it: no lock at all. bf7d40d counted a
+    missing lock as held for three missed beats, and ensure_held passed: the woken run trained on."""
+    lock = RunLock(tmp_path, beat_s=10)
+    lock.acquire()
+    (tmp_path / LOCK_NAME).unlink()
+    with pytest.raises(RunDirectoryInUse, match="lost .*its lock is gone"):
+        lock.ensure_held()
+    lock.release()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_a_beat_never_writes_over_the_lock_of_the_run_that_took_over(tmp_path, monkeypatch):
+    """The heartbeat rewrites the file this process created, through its descriptor: a run frozen between
+    reading its lock (still its own then) and beating cannot put its record back over its successor's.
+    The frozen read is played by a _read that answers with this run's record once. (bf7d40d's beat
+    replaced the path: the successor's lock was overwritten and it lost the directory to the stale run.)"""
+    import configs.runlock as runlock
+
+    lock = RunLock(tmp_path, beat_s=0.05)
+    lock.acquire()
+    path = tmp_path / LOCK_NAME
+    theirs = tmp_path / "theirs"
+    theirs.write_text(json.dumps({"host": "elsewhere", "pid": 7, "token": "theirs", "beat": 0}))
+    real_read, stale = runlock._read, [dict(lock.record)]
+
+    def read_before_the_freeze(p):
+        found, mtime = real_read(p)
+        return (stale.pop() if stale else found), mtime
+
+    monkeypatch.setattr(runlock, "_read", read_before_the_freeze)
+    os.replace(theirs, path)  # what a take-over leaves: another file under the name
+    time.sleep(0.3)
+    assert not stale  # the beat did read the frozen record
+    assert json.loads(path.read_text())["token"] == "theirs"
+    with pytest.raises(RunDirectoryInUse, match="to host elsewhere pid 7"):
+        lock.ensure_held()
+    lock.release()
+    assert json.loads(path.read_text())["token"] == "theirs"  # release leaves it too
+
+
+def test_a_lock_name_that_is_a_folder_is_refused_and_left_alone(tmp_path):
+    """bf7d40d renamed the folder aside and took the lock, or failed with a traceback."""
+    (tmp_path / LOCK_NAME).mkdir()
+    (tmp_path / LOCK_NAME / "keep.txt").write_text("mine")
+    with pytest.raises(RunDirectoryInUse, match="is a folder, not a lock file"):
+        RunLock(tmp_path, **FAST).acquire(say=lambda line: None)
+    assert (tmp_path / LOCK_NAME / "keep.txt").read_text() == "mine"

@@ -1,0 +1,133 @@
+"""A run that is suspended (SIGSTOP: `scontrol suspend`, a hung network file system, a debugger) while a
+requeue takes its directory over never writes there again when it wakes, whatever the order: stopped
+between saves or in the middle of one, the new holder finished or still training, the new holder killed.
+Afterwards metrics.jsonl holds each step once, every checkpoint is one run's (checksums.json names the
+run's lock token, and lists every file), and the legitimate run ends as it would alone.
+
+The lock's watch is shortened (TESSERA_LOCK_S: a beat of 1 s, silent for 3 s is gone) so that the requeue
+takes over in seconds instead of 30. (bf7d40d, with these timings and the stop faults added, failed every
+order: the woken run logged its steps again and moved `latest`, or died with a FileNotFoundError.)"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from configs.rundir import read_metrics
+from configs.runlock import LOCK_NAME
+from parallel.checkpoint_files import CHECKSUMS, unlisted_files
+from tests.conftest import ROOT, TINY
+
+LOCK_S = "1,3"
+STEPS, EVERY = 24, 4
+
+
+def _train(run_dir, *overrides, fault=""):
+    cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(TINY), f"run.output_dir={run_dir}",
+           f"train.max_steps={STEPS}", f"train.checkpoint_every={EVERY}", "train.keep_checkpoints=100",
+           "train.sample_every=0", *overrides]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TESSERA_LOCK_S": LOCK_S, "TESSERA_FAULT": fault}
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _token(run_dir, proc, timeout=120) -> str:
+    """The token of the lock `proc` holds in `run_dir`, once it holds it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            record = json.loads((run_dir / LOCK_NAME).read_text())
+            if record.get("pid") == proc.pid:
+                return record["token"]
+        except (OSError, ValueError):
+            pass
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.05)
+    raise AssertionError(f"pid {proc.pid} never took the lock")
+
+
+def _wait_stopped(proc, timeout=120) -> None:
+    """Until `proc` is stopped (state T in /proc: it stopped itself at its fault)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        if state in ("T", "t"):
+            return
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.05)
+    raise AssertionError("the run never stopped at its fault")
+
+
+def _check_one_run(run_dir, legit: str, stale: str) -> None:
+    """Each step logged once; every checkpoint whole and written by one run, the legitimate one's at the
+    end; `latest` the legitimate run's last step."""
+    steps = [m["step"] for m in read_metrics(run_dir)]
+    assert steps == list(range(1, STEPS + 1)), steps
+    root = run_dir / "checkpoints"
+    assert (root / "latest").read_text().strip() == f"step_{STEPS}"
+    for folder in sorted(root.glob("step_*")):
+        listing = json.loads((folder / CHECKSUMS).read_text())
+        assert not unlisted_files(folder), (folder, unlisted_files(folder))
+        assert listing.get("run") in (legit, stale), folder
+        if int(folder.name.split("_")[1]) > EVERY:  # after the take-over: the new holder's only
+            assert listing["run"] == legit, f"{folder} was written by the stopped run"
+    assert not list(root.glob(".step_*")), list(root.iterdir())
+    assert not (run_dir / LOCK_NAME).exists()
+
+
+def _lost(out: str) -> None:
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "this run lost" in errors[0] and "writing anything more" in errors[0], out[
+        -3000:
+    ]
+    assert "Traceback" not in out, out[-3000:]
+
+
+# (the fault that stops run A itself; whether B has finished before A is continued)
+ORDERS = [
+    pytest.param("stop:6", True, id="stopped-between-saves-new-holder-finished"),
+    pytest.param("save_before_shards_stop:8", False, id="stopped-as-a-save-starts-new-holder-running"),
+    pytest.param("save_after_shards_stop:8", True, id="stopped-with-its-shards-written-new-holder-finished"),
+    pytest.param("save_after_rename_stop:8", False, id="stopped-before-latest-moved-new-holder-running"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fault, finished", ORDERS)
+def test_a_suspended_run_writes_nothing_once_its_directory_is_taken_over(tmp_path, fault, finished):
+    run_dir = tmp_path / "run"
+    first = _train(run_dir, fault=fault)
+    stale = _token(run_dir, first)
+    _wait_stopped(first)
+    second = _train(run_dir)  # the requeue: the same command
+    try:
+        legit = _token(run_dir, second)
+        if finished:
+            out_b, _ = second.communicate(timeout=180)
+            assert second.returncode == 0, out_b[-3000:]
+        else:  # wake the stopped run while the new holder trains
+            while not (run_dir / "checkpoints" / f"step_{2 * EVERY + EVERY}").exists():
+                assert second.poll() is None, second.stdout.read()[-3000:]
+                time.sleep(0.05)
+        first.send_signal(signal.SIGCONT)
+        out_a, _ = first.communicate(timeout=120)
+        if not finished:
+            out_b, _ = second.communicate(timeout=180)
+            assert second.returncode == 0, out_b[-3000:]
+    finally:
+        for proc in (first, second):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+                proc.wait()
+    assert "took over" in out_b, out_b[-3000:]
+    _check_one_run(run_dir, legit, stale)
+    assert first.returncode == 2, out_a[-3000:]
+    _lost(out_a)
+    assert not (run_dir / "failures").exists() or not list((run_dir / "failures").glob("*rank0*"))
