@@ -34,6 +34,7 @@ from models.lora_formats import check_file, parse_lora_spec
 from models.sampler import Sampling
 from models.step_cache import step_cache
 from models.tiling import plan_tiles
+from models.util import reading_weights
 from models.vae import vae_latent_space
 from parallel import comm
 from parallel.cache import check_calibration, share_step_cache
@@ -406,7 +407,8 @@ def sample_family(cfg, args, family, session) -> None:
     groups, use_ema = runtime.sampling, cfg.sample.use_ema and not args.no_ema
     keep = (lambda model: keep_blocks(model, groups.stage, groups.stages)) if layout.pipefusion > 1 else None
     dtype = torch.bfloat16 if runtime.bf16(cfg.train.precision) else torch.float32
-    parts = family.load(cfg, runtime.device, dtype, keep=keep)  # under PipeFusion: this stage's blocks
+    with reading_weights(f"{family.title}'s parts (model.pretrained={cfg.model.pretrained})"):
+        parts = family.load(cfg, runtime.device, dtype, keep=keep)  # under PipeFusion: this stage's blocks
     parts.cache = cache
     if checkpoint is not None:  # a run's weights: a full fine-tuning's, or its LoRA on its base
         load_run_weights(cfg, runtime, family, parts.transformer, checkpoint, record, use_ema)

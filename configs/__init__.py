@@ -8,6 +8,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import typing
 from pathlib import Path
 
@@ -108,6 +109,8 @@ def load_config(recipe: str | os.PathLike | None = None, overrides: list[str] | 
     cli_cfg = _parse_overrides(list(overrides))
     _check_keys(recipe_cfg, "", f"recipe '{recipe}'")
     _check_keys(cli_cfg, "", "the command-line overrides")
+    _refuse_environment(recipe_cfg, f"recipe '{recipe}'")
+    _refuse_environment(cli_cfg, "the command-line overrides")
 
     cfg = OmegaConf.structured(TesseraConfig)
     for source, layer in ((f"recipe '{recipe}'", recipe_cfg), ("the command-line overrides", cli_cfg)):
@@ -130,6 +133,32 @@ def load_config(recipe: str | os.PathLike | None = None, overrides: list[str] | 
     validate(cfg)
     _check_decay_fraction(cli_cfg, cfg)
     return cfg
+
+
+_ENVIRONMENT = re.compile(r"\$\{\s*oc\.env\s*:")
+
+
+def _refuse_environment(layer, source: str) -> None:
+    """An `${oc.env:VAR}` interpolation is refused: the resolved recipe is what config.yaml and W&B record,
+    so a shared recipe would copy the user's environment (a token, a private path) into files they share."""
+
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                yield from walk(value, f"{prefix}{key}.")
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                yield from walk(value, f"{prefix}{i}.")
+        elif isinstance(node, str) and _ENVIRONMENT.search(node):
+            yield prefix[:-1], node
+
+    for key, value in walk(OmegaConf.to_container(layer, resolve=False), ""):
+        raise ConfigError(
+            f"'{key}: {value}' in {source} reads the environment (oc.env): the resolved value would be "
+            "written into the run's config.yaml and W&B, so a shared recipe would copy a user's variables "
+            "(tokens, private paths) into files they share. Write the value itself, or give it on the "
+            f"command line ({key}=...; the shell expands $VAR there, as the user chose)"
+        )
 
 
 def _check_decay_fraction(cli_cfg, cfg) -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from models.dit import ARCHITECTURE_OPTIONS, DIMENSIONS, DiT_models
 from models.families import FAMILIES, family_of_folder
-from models.family import read_json
+from models.family import folder_classes
 from models.lora import DEFAULT_TARGETS
 
 
@@ -20,9 +20,10 @@ def resolve_family(cfg, error=ValueError) -> None:
         raise error(f"'model.family' is {mc.family!r}; choose one of auto, {', '.join(FAMILIES)}")
     folder = mc.pretrained if mc.pretrained and Path(mc.pretrained).is_dir() else None
     found = family_of_folder(folder) if folder else None
-    index = read_json(Path(folder) / "model_index.json").get("_class_name") if folder else None
-    if found is None and mc.size == "auto" and index:  # a pipeline no family claims
-        classes = index
+    # what the folder declares (model_index.json, config.json, transformer/config.json): named when no
+    # family claims it, rather than met as the first config key another family reads differently
+    classes = " / ".join(sorted(folder_classes(folder))) if folder else ""
+    if found is None and mc.size == "auto" and classes:
         raise error(
             f"model.pretrained={folder} holds a {classes}, a family tessera does not know; it knows "
             + "; ".join(f"{name} ({family.title})" for name, family in FAMILIES.items())

@@ -84,6 +84,9 @@ class BucketTable:
         available = frames_at_rate(num_frames, source_fps, target_fps)
         frames = [f for f in self.frame_counts if f <= available]
         if not frames:
+            if target_fps and source_fps and abs(source_fps - target_fps) > 1e-6:  # resampled to data.fps
+                n = self.frame_counts[0]
+                return None, f"too short at data.fps={target_fps:g} (its span holds fewer than {n} frames)"
             return None, f"too short (fewer than {self.frame_counts[0]} frames)"
         ratio = width / height
         a = min(range(len(self.ratios)), key=lambda i: abs(math.log(self.ratios[i] / ratio)))

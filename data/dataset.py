@@ -30,6 +30,19 @@ def _reason(error: Exception) -> str:
     return text if len(text) < 300 else text[:297] + "..."
 
 
+def check_finite(item: dict, where: str = "") -> None:
+    """A ValueError naming the tensor of a loaded sample that holds NaN or inf (a precomputed latent or text
+    embedding written from a diverged encoder, a float image): such a sample is replaced like an unreadable
+    one and listed in the data report, where training on it would stop the run as a divergence at the same
+    step on every resume."""
+    for key, value in item.items():
+        if isinstance(value, dict):
+            check_finite(value, f"{where}{key}.")
+        elif torch.is_tensor(value) and value.is_floating_point() and not torch.isfinite(value).all():
+            bad = int((~torch.isfinite(value)).sum())
+            raise ValueError(f"{where}{key} holds {bad} NaN or inf values of {value.numel()}")
+
+
 class BucketedDataset:
     max_replacements = 8  # a bucket this broken is a data problem worth stopping for
     named_in_summary = 10  # left-out files named in the start-up summary; data_report.jsonl lists them all
@@ -145,6 +158,7 @@ class BucketedDataset:
             entry = self.entries[candidate]
             try:
                 item = self.load(entry, bucket, np.random.default_rng([self.seed, epoch, candidate]))
+                check_finite(item)
                 break
             except Exception as e:  # noqa: BLE001 - any unreadable sample is replaced, named and counted
                 failures.append((entry["path"], _reason(e)))

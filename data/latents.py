@@ -59,6 +59,44 @@ def latent_meta(cfg) -> dict:
     return meta
 
 
+# The keys of latent_meta that choose the frozen encoders' weights (tiling, max_length and fps change what
+# is encoded, not with what)
+ENCODER_KEYS = {
+    "vae": ("kind", "pretrained", "seed", "tiny_base_dim", "tiny_latent_channels"),
+    "text_encoder": ("kind", "pretrained", "seed", "tiny_d_model", "tiny_layers"),
+    "image_encoder": ("pretrained",),
+    "family": ("vae", "text_encoder"),
+}
+
+
+def encoder_record(cfg) -> dict:
+    """What a training checkpoint records of the frozen encoders (train.py; parallel/checkpoint.py
+    check_encoders refuses a resume with others): per part, the settings that choose its weights, and for a
+    folder a fingerprint of its weight files in place of its path (a folder moved elsewhere still resumes;
+    other weights of the same shapes, which would load silently, do not)."""
+    from parallel.cache import fingerprint_files
+
+    meta = latent_meta(cfg)
+    record = {}
+    for section, keys in ENCODER_KEYS.items():
+        for key in keys:
+            if key not in meta.get(section, {}):
+                continue
+            value, name = meta[section][key], f"{section}.{key}"
+            if key in ("pretrained", "vae", "text_encoder") and value and Path(value).exists():
+                record[name] = {"folder": str(value), "weights": fingerprint_files(_weight_files(value))}
+            else:
+                record[name] = value
+    return record
+
+
+def _weight_files(path) -> list:
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    return sorted(p for pattern in ("*.safetensors", "*.bin", "*.pth") for p in path.rglob(pattern))
+
+
 def compute_dtype(cfg) -> str:
     """The dtype a family's frozen parts encode in (train.precision on this machine's device)."""
     import torch

@@ -7,7 +7,9 @@ and become [-1, 1] floats on the device (`to_model_range`).
 """
 
 import collections
+import contextlib
 import itertools
+import os
 from fractions import Fraction
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 
 from models.image_condition import open_image
 
-IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
+IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff"}
 VIDEO_EXTENSIONS = {".mp4", ".mov", ".mkv", ".webm", ".avi", ".gif"}
 OUTPUT_EXTENSIONS = (".mp4", ".gif", ".png", ".npy")
 
@@ -424,7 +426,11 @@ def write_video(path, video: np.ndarray, fps: int = 8, scale: int = 1, audio=Non
     .mp4 (H.264 through PyAV), .gif, .png (one image, or one numbered file per frame), .npy (the
     float32 array itself, unquantised, for exact comparisons). `audio`: (waveform (channels, samples)
     float in [-1, 1], sample rate) of a video with sound: the .mp4's AAC track, else <stem>.wav beside
-    the file (float32 samples, exact)."""
+    the file (float32 samples, exact).
+
+    Every file is written under a hidden temporary name and renamed into place when whole: a write that
+    fails (a full disk) leaves no file of this video behind that looks like a result, and raises an
+    OSError that names the file it was writing."""
     path = Path(path)
     ext = path.suffix.lower()
     if ext not in OUTPUT_EXTENSIONS:
@@ -434,37 +440,89 @@ def write_video(path, video: np.ndarray, fps: int = 8, scale: int = 1, audio=Non
     if audio is not None and ext == ".mp4" and len(audio[0]) not in (1, 2):  # before any file is opened
         raise ValueError(f"an .mp4's sound track is mono or stereo; this one has {len(audio[0])} channels")
     path.parent.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    try:
+        _write_files(path, ext, np.asarray(video, dtype=np.float32), fps, scale, audio, written)
+    except BaseException as e:
+        for done in written:  # this video's files already in place: a part of it is no result either
+            done.unlink(missing_ok=True)
+        raise _named(e, path) from e
+    return written
+
+
+def _write_files(path: Path, ext: str, video, fps, scale: int, audio, written: list) -> None:
+    """write_video's files, each through _whole, appended to `written` as each is in place."""
     if audio is not None and ext != ".mp4":
-        return [*write_video(path, video, fps, scale), write_wav(path.with_suffix(".wav"), *audio)]
-    video = np.asarray(video, dtype=np.float32)
+        _write_files(path, ext, video, fps, scale, None, written)
+        with _whole(path.with_suffix(".wav"), written) as tmp:
+            write_wav(tmp, *audio)
+        return
     if ext == ".npy":
-        np.save(path, video)
-        return [path]
+        with _whole(path, written) as tmp, open(tmp, "wb") as f:
+            np.save(f, video)
+        return
     if scale > 1:
         video = video.repeat(scale, axis=1).repeat(scale, axis=2)
     frames8 = (np.clip(video, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
     if ext == ".png":
         from PIL import Image
 
-        if len(frames8) == 1:
-            Image.fromarray(frames8[0]).save(path)
-            return [path]
-        written = [path.with_name(f"{path.stem}_{i:04d}.png") for i in range(len(frames8))]
-        for frame, out in zip(frames8, written):
-            Image.fromarray(frame).save(out)
-        return written
+        names = (
+            [path]
+            if len(frames8) == 1
+            else [path.with_name(f"{path.stem}_{i:04d}.png") for i in range(len(frames8))]
+        )
+        for frame, out in zip(frames8, names):
+            with _whole(out, written) as tmp:
+                Image.fromarray(frame).save(tmp, format="PNG")
+        return
     if ext == ".gif":
         from PIL import Image
 
         images = [Image.fromarray(f) for f in frames8]
-        images[0].save(path, save_all=True, append_images=images[1:], duration=int(1000 / fps), loop=0)
-        return [path]
+        with _whole(path, written) as tmp:
+            images[0].save(
+                tmp, format="GIF", save_all=True, append_images=images[1:], duration=int(1000 / fps), loop=0
+            )
+        return
+    with _whole(path, written) as tmp:
+        _write_mp4(tmp, frames8, fps, audio)
+
+
+@contextlib.contextmanager
+def _whole(path: Path, written: list):
+    """A hidden temporary name beside `path` to write to; renamed to `path` (and added to `written`) once
+    the block is done, removed if it fails."""
+    tmp = path.with_name(f".{path.name}.partial")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    written.append(path)
+
+
+def _named(error: BaseException, path: Path) -> BaseException:
+    """`error`, or for a full, over-quota or read-only file system that did not say which file (PyAV's and
+    numpy's writes: numpy's says only "N requested and M written") an OSError naming `path`: the report
+    then names the right file system."""
+    from parallel.storage import storage_problem
+
+    if isinstance(error, OSError) and error.filename and not str(error.filename).endswith(".partial"):
+        return error
+    problem = storage_problem(error, path.parent)
+    if problem is None:
+        return error
+    return OSError(problem[0], os.strerror(problem[0]), str(path))
+
+
+def _write_mp4(path: Path, frames8: np.ndarray, fps, audio) -> None:
     import av
 
     # H.264 in yuv420p needs even sizes: pad by repeating the edge (the array itself is never cropped).
     h, w = frames8.shape[1:3]
     frames8 = np.pad(frames8, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
-    with av.open(str(path), mode="w") as container:
+    with av.open(str(path), mode="w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=fps)
         stream.height, stream.width = frames8.shape[1:3]
         stream.pix_fmt = "yuv420p"
@@ -478,7 +536,6 @@ def write_video(path, video: np.ndarray, fps: int = 8, scale: int = 1, audio=Non
         if sound is not None:
             for packet in [*sound[0].encode(sound[1]), *sound[0].encode()]:
                 container.mux(packet)
-    return [path]
 
 
 def audio_track(container, waveform: np.ndarray, rate: int) -> tuple:

@@ -194,7 +194,10 @@ def image_inputs(cfg, device):
     latent frame)."""
     if cfg.model.task not in ("i2v", "flf2v"):
         return None
-    encoder = ImageEncoder(image_encoder_folder(cfg)).to(device) if cfg.model.image_dim else None
+    from models.util import reading_weights
+
+    with reading_weights(f"the image encoder ({image_encoder_folder(cfg) if cfg.model.image_dim else ''})"):
+        encoder = ImageEncoder(image_encoder_folder(cfg)).to(device) if cfg.model.image_dim else None
     return (cfg.model.task == "flf2v", encoder)
 
 
@@ -224,13 +227,23 @@ def open_image(path):
 
 def rgb_image(image):
     """`image` as 8-bit RGB. 16-bit grayscale is scaled to 8 bits (value / 257, rounded: the inverse of
-    8 -> 16-bit's value x 257): Pillow's convert("RGB") clips every value above 255, a white frame."""
+    8 -> 16-bit's value x 257): Pillow's convert("RGB") clips every value above 255, a white frame. A float
+    image (mode F: a float TIFF) whose values lie in [0, 1] is read on that scale (Pillow's conversion
+    takes 0..255 and gives a black frame), one with larger values on 0..255; NaN or inf pixels are a
+    ValueError (Pillow would turn them into 0 and 255 without a word)."""
     import numpy as np
     from PIL import Image
 
     if image.mode in WIDE_GRAY_MODES:
         wide = np.asarray(image).astype(np.float64)
         image = Image.fromarray(np.clip(np.round(wide / 257.0), 0, 255).astype(np.uint8))
+    elif image.mode == "F":
+        values = np.asarray(image, dtype=np.float64)
+        bad = int((~np.isfinite(values)).sum())
+        if bad:
+            raise ValueError(f"{bad} of its {values.size} pixels are NaN or inf (a float image)")
+        scale = 255.0 if values.max(initial=0.0) <= 1.0 else 1.0
+        image = Image.fromarray(np.clip(np.round(values * scale), 0, 255).astype(np.uint8))
     return image.convert("RGB")
 
 
@@ -243,6 +256,8 @@ def load_image(path):
         return open_image(path)
     except (OSError, UnidentifiedImageError) as e:
         raise FileNotFoundError(f"{path} cannot be read as an image ({e})") from None
+    except ValueError as e:  # NaN or inf pixels
+        raise ValueError(f"{path} cannot be used as an image: {e}") from None
 
 
 @dataclass

@@ -13,6 +13,7 @@ adapter adds its update to its rows (infer.py --lora) or becomes that projection
 """
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -333,14 +334,26 @@ def match_lora(
     return LoRAUpdate(str(path), updates, max(ranks))
 
 
+MAX_LORA_SCALE = 100.0  # strengths are used between about -2 and 2: beyond this, a typo (1e39, nan)
+
+
 def parse_lora_spec(spec: str) -> tuple[str, float]:
-    """'FILE' or 'FILE:SCALE' -> (FILE, SCALE); a Windows drive letter is not a scale."""
+    """'FILE' or 'FILE:SCALE' -> (FILE, SCALE); a Windows drive letter is not a scale. A scale that is not a
+    finite number within +-MAX_LORA_SCALE (nan, inf, 1e39, which is inf in float32) is refused here, before
+    anything loads: it would make every output NaN, found only after all the sampling."""
     path, sep, scale = spec.rpartition(":")
     if sep and path:
         try:
-            return path, float(scale)
+            value = float(scale)
         except ValueError:
-            pass
+            return spec, 1.0
+        if not math.isfinite(value) or abs(value) > MAX_LORA_SCALE:
+            raise ValueError(
+                f"--lora {spec}: its strength {scale} is not a number between -{MAX_LORA_SCALE:g} and "
+                f"{MAX_LORA_SCALE:g} (LoRAs are used at about 0.5 to 1.5); give FILE:STRENGTH, e.g. "
+                f"{path}:0.8"
+            )
+        return path, value
     return spec, 1.0
 
 

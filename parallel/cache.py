@@ -117,7 +117,7 @@ def _weights(cfg, checkpoint, use_ema: bool, random_weights: bool) -> dict:
     if not (folder / "config.json").is_file() and (folder / "transformer" / "config.json").is_file():
         folder = folder / "transformer"
     files = sorted(folder.glob("*.safetensors")) + [folder / "config.json"]
-    return {"what": f"model.pretrained={pretrained}", "id": f"pretrained {_fingerprint(files)}"}
+    return {"what": f"model.pretrained={pretrained}", "id": f"pretrained {fingerprint_files(files)}"}
 
 
 def _loras(specs) -> dict:
@@ -127,10 +127,10 @@ def _loras(specs) -> dict:
         return {"what": "none", "id": "none"}
     parsed = [parse_lora_spec(spec) for spec in specs]
     what = ", ".join(f"{path}:{scale:g}" for path, scale in parsed)
-    return {"what": what, "id": " ".join(f"{_fingerprint([Path(p)])}:{s!r}" for p, s in parsed)}
+    return {"what": what, "id": " ".join(f"{fingerprint_files([Path(p)])}:{s!r}" for p, s in parsed)}
 
 
-def _fingerprint(files: list, window: int = 1 << 16) -> str:
+def fingerprint_files(files: list, window: int = 1 << 16) -> str:
     """crc32 of each file's name, size and its first and last 64 KiB (a safetensors header and the
     first and last weights): two exports of different weights differ, whatever their paths, at the cost
     of a few reads."""

@@ -15,6 +15,7 @@ from models.family import FamilyWeights
 from models.lora import adapted_modules, is_adapter
 from models.lora_formats import LoRAFormatError, match_lora, read_file, starting_adapters
 from models.text_encoder import TextEncoder, build_text_encoder
+from models.util import reading_weights
 from models.vae import LatentSpace, build_vae
 from models.wan import WanWeights, check_wan_folder, second_expert
 from parallel.checkpoint import TrainingState, check_architecture, load_base_weights, load_weights
@@ -36,9 +37,11 @@ from parallel.sequence import apply_sequence_parallel
 
 def build_frozen(cfg, device) -> tuple[TextEncoder, LatentSpace]:
     """The text encoder and the VAE (frozen, on `device`); the VAE carries the recipe's decode tiles."""
-    vae = build_vae(cfg.vae).to(device)
+    with reading_weights(f"vae.pretrained={cfg.vae.pretrained}"):
+        vae = build_vae(cfg.vae).to(device)
     vae.tile_latent, vae.tile_overlap = cfg.vae.tile_latent, cfg.vae.tile_overlap
-    return build_text_encoder(cfg.text_encoder).to(device), vae
+    with reading_weights(f"text_encoder.pretrained={cfg.text_encoder.pretrained}"):
+        return build_text_encoder(cfg.text_encoder).to(device), vae
 
 
 def build_model(cfg, text_encoder: TextEncoder, vae: LatentSpace, weights: bool = True) -> DiT:

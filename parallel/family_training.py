@@ -15,6 +15,7 @@ import torch.distributed as dist
 from models.families import family_named
 from models.family import Components, Family, shared_fields
 from models.sampler import Sampling, checked, generate_images
+from models.util import reading_weights
 from parallel import comm
 from parallel.family_sampling import first_frames
 from parallel.operators import check_sequence_layout
@@ -107,7 +108,9 @@ def check_family_sizes(cfg, family: Family, layout, buckets) -> None:
 def frozen_family(cfg, family: Family, device, dtype) -> FamilyRun:
     """Its text encoder and VAE; with data.latents, the VAE alone (for the previews), their prompts and the
     folder's empty prompt kept instead of the text encoder (Qwen-Image's: 15.7 GiB)."""
-    run = FamilyRun(family, family.load(cfg, device, dtype, transformer=False), cfg.text_encoder.max_length)
+    with reading_weights(f"{family.title}'s frozen parts (model.pretrained={cfg.model.pretrained})"):
+        parts = family.load(cfg, device, dtype, transformer=False)
+    run = FamilyRun(family, parts, cfg.text_encoder.max_length)
     if cfg.data.latents:
         from safetensors.torch import load_file
 

@@ -36,6 +36,7 @@ from data.loader import build_buckets, build_dataset, build_sampler, check_same_
 from data.media import to_model_range  # noqa: E402
 from models.families import family_named  # noqa: E402
 from models.image_condition import condition_of_clips, image_inputs  # noqa: E402
+from models.util import reading_weights  # noqa: E402
 from parallel import vae as parallel_vae  # noqa: E402
 from parallel.components import build_frozen  # noqa: E402
 from parallel.entrypoint import run_as_process  # noqa: E402
@@ -107,7 +108,8 @@ def family_encoder(cfg, family, runtime):
     caption's conditioning (Family.store_conditioning), in the compute dtype training uses; encode(None,
     None): the empty prompt's conditioning alone."""
     dtype = torch.bfloat16 if runtime.bf16(cfg.train.precision) else torch.float32
-    parts = family.load(cfg, runtime.device, dtype, transformer=False)
+    with reading_weights(f"{family.title}'s frozen parts (model.pretrained={cfg.model.pretrained})"):
+        parts = family.load(cfg, runtime.device, dtype, transformer=False)
     length = cfg.text_encoder.max_length
 
     def encode(entry, item):

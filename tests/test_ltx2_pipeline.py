@@ -511,3 +511,20 @@ def test_image_to_video_matches_the_pipeline(saved, one_process, image_to_video)
             f"LTX-2 image-to-video prompt {i}: video {dv:.2e}, sound {da:.2e}; from text-to-video {moved:.2e}"
         )
         assert dv <= 1e-5 and da <= 1e-5 and moved > 1e-3
+
+
+def test_odd_first_frames_are_resized_before_their_re_compression(saved, tmp_path):
+    """Issue 50's probe: --image of 1 x 1 gave IndexError and of 40000 x 2 a libx264 error, after the model
+    had loaded (LTX2ImageToVideoPipeline fails on both, in the H.264 re-compression that runs before its
+    resize). Images libx264 cannot take are resized to the video first; both sample."""
+    from PIL import Image
+
+    import infer
+    from tests.conftest import run_main
+
+    for name, size in (("dot", (1, 1)), ("strip", (20000, 2))):
+        Image.new("RGB", size, (200, 30, 30)).save(tmp_path / f"{name}.png")
+        out = tmp_path / f"{name}.npy"
+        argv = [*infer_args(saved, tmp_path / "run"), "--steps", "2", "--output", str(out)]
+        assert run_main(infer, [*argv, "--image", str(tmp_path / f"{name}.png")]) == 0, name
+        assert np.isfinite(np.load(tmp_path / f"{name}_000.npy")).all()

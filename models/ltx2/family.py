@@ -41,6 +41,7 @@ ORIGINAL_NAMES = (
     ("av_cross_attn_audio_scale_shift", "av_ca_audio_scale_shift_adaln_single"),
     ("av_cross_attn_audio_v2a_gate", "av_ca_v2a_gate_adaln_single"),
 )
+X264_LARGEST = 16384  # pixels a side that the H.264 re-compression of a first frame takes (measured)
 
 
 @dataclass(frozen=True)
@@ -385,6 +386,10 @@ class LTX2(Family):
         first = []
         for image in images:
             if crf != 0:
+                if not all(2 <= side <= X264_LARGEST for side in image.size):
+                    # what libx264 cannot encode (the pipeline fails on it: IndexError below 2 px, an
+                    # encoder error above 16,384): resized to the video first, as the processor would after
+                    image = image.convert("RGB").resize((width, height), Image.BILINEAR)
                 image = Image.fromarray(apply_image_conditioning_crf(np.array(image.convert("RGB")), crf))
             pixels = processor.preprocess(image, height=height, width=width)  # (1, 3, H, W) in [-1, 1]
             pixels = pixels.to(vae.device, parts.text_encoder.dtype).to(vae.dtype)  # the pipeline's casts
