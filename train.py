@@ -97,6 +97,7 @@ from parallel.fsdp import (
 )
 from parallel.layout import ParallelLayout
 from parallel.lora import lora_record
+from parallel.memory import check_training_memory
 from parallel.preemption import Stopped
 from parallel.runtime import init_runtime, local_world_size, world_from_env
 from parallel.sequence import share_batch
@@ -159,12 +160,13 @@ class Plan:
     expert: dict | None = None  # the timesteps this run trains (Wan 2.2's expert), kept in each checkpoint
     trained: dict = field(default_factory=dict)  # the family's training_record, kept in each checkpoint
     encoders: dict = field(default_factory=dict)  # the frozen encoders (data/latents.py), kept in each one
+    memory: str = ""  # the modelled peak, for the start-up line (parallel/memory.py)
 
 
 def check_before_start(cfg) -> Plan:
     """Everything that can be refused, checked before the first collective: the layout, the buckets and
     the preview size, the data, the checkpoint's files (or the pretrained folder), and a LoRA's base."""
-    rank, world_size, _ = world_from_env()
+    rank, world_size, local_rank = world_from_env()
     family = trained_family(cfg)  # None: tessera's DiT
     check_loggers(cfg)
     check_family_inputs(cfg, family_named(cfg.model.family))
@@ -179,6 +181,8 @@ def check_before_start(cfg) -> Plan:
     buckets = build_buckets(cfg)
     if family is not None:
         check_family_sizes(cfg, family, layout, buckets)
+    # before any weight or data file is read: a recipe that cannot fit is refused with what would
+    memory = check_training_memory(cfg, layout, buckets, world_size, local_world_size(), local_rank)
     sc, data = cfg.sample, cfg.data
     try:
         space, patch = family_named(cfg.model.family).geometry(cfg)
@@ -210,7 +214,7 @@ def check_before_start(cfg) -> Plan:
     base, adapter_start = check_lora_start(cfg, checkpoint)
     return Plan(
         layout, buckets, dataset, sampler, checkpoint, resume, base, adapter_start, preview_images, expert,
-        trained, encoders,
+        trained, encoders, memory,
     )  # fmt: skip
 
 
@@ -361,6 +365,8 @@ def train_loop(cfg, plan: Plan, runtime, t: Trainer, start_step: int) -> None:
         samples = [i for i, _ in sampler.batch_at(step)]  # from the plan: the same on every rank of a group
         batch, inputs, condition = load_batch(cfg, plan, runtime, t, step, samples)
         loss, grad_norm, skipped = train_step(cfg, runtime, t, step, inputs, condition)
+        if step == start_step and runtime.watchdog.memory is not None:  # its baseline: after a whole step
+            runtime.watchdog.memory.begin(done)
         if batch is not None:
             window.add(len(samples), plan.buckets, int(plan.dataset.bucket_of[samples[0]]), batch["failures"])
             report_replaced(runtime, t.run, batch["failures"], reported, done)
@@ -591,7 +597,8 @@ def _summary(cfg, plan: Plan, runtime, model, run: RunDirectory, bf16: bool, fp8
     return (
         f"[tessera] {described_model(cfg)}: {count_parameters(model) / 1e6:.2f}M parameters; layout "
         f"{plan.layout.describe()}{auto}; {device}\n"
-        f"[tessera] data: {plan.dataset.summary(run.data_report)}\n"
+        + (f"[tessera] memory: {plan.memory}\n" if plan.memory else "")
+        + f"[tessera] data: {plan.dataset.summary(run.data_report)}\n"
         f"[tessera] {sampler.steps_per_epoch} steps per epoch ({sampler.num_batches} batches"
         f"{sampler.padding_note()})"
     )

@@ -188,6 +188,10 @@ class TrainConfig:
     # FSDP2's CPU offload: sharded weights, gradients and AdamW in CPU memory, each block copied in for its
     # forward and backward. For a LoRA run whose frozen base does not fit the GPU (docs/lora.md).
     cpu_offload: bool = False
+    # At start-up the recipe's peak memory is modelled on the meta device (parallel/memory.py) and a run
+    # that cannot fit its GPU or host is refused, naming what would fit; false skips the check (the model
+    # is an estimate). The watch on host memory during the run stays.
+    memory_check: bool = True
     # torchao's float8 matmuls for the blocks' Linear layers whose smaller side is at least
     # fp8_min_features (smaller ones lose more to the casts than the matmul gains); weights, gradients and
     # AdamW as before. A GPU of compute capability 8.9+ (emulated on a CPU); pip install -e ".[fp8]"

@@ -246,9 +246,13 @@ def _worker_init(_):
         signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
+_KEPT: list = []  # what TESSERA_FAULT=leak keeps, in each worker
+
+
 class _FaultyCollate:
     """collate, raising a DataError in the worker at the step named by TESSERA_FAULT=loader@<rank>:<step>
-    (parallel/faults.py; the failure tests run one worker, so its batches are the steps in order)."""
+    (parallel/faults.py; the failure tests run one worker, so its batches are the steps in order); with
+    TESSERA_FAULT=leak, each batch also keeps 64 MiB of the worker's memory for good (a leaking dataset)."""
 
     def __init__(self, start_step: int, faults):
         self.step = start_step + 1  # counted from 1, as in metrics.jsonl
@@ -260,6 +264,8 @@ class _FaultyCollate:
         step, self.step = self.step, self.step + 1
         if self.faults.loader_should_fail(step):
             raise DataError(f"injected loader fault in step {step}")
+        if self.faults.named("leak"):
+            _KEPT.append(bytearray(b"\x01") * (64 << 20))  # every page written: resident
         return collate(samples)
 
 
@@ -267,7 +273,7 @@ def build_loader(
     dataset: BucketedDataset, sampler: BucketSampler, num_workers: int, faults=None
 ) -> DataLoader:
     """`faults` (parallel/faults.py, the failure tests): a loader fault planned there wraps the collate."""
-    faulty = faults is not None and faults.named("loader")
+    faulty = faults is not None and (faults.named("loader") or faults.named("leak"))
     return DataLoader(
         dataset,
         batch_sampler=sampler,

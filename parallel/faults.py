@@ -3,7 +3,8 @@
     TESSERA_FAULT="<fault>[@<rank>][:<step>]"   several comma-separated; no rank: every rank; no step: every
     step
 
-Faults: at a training step `stop`, `kill`, `hang`, `raise`, `collective`, `term`, `nan`, `loader`; at a
+Faults: at a training step `stop`, `kill`, `hang`, `raise`, `collective`, `term`, `nan`, `loader`; `leak`
+(each loader batch keeps 64 MiB of its worker's memory: a leaking dataset, data/loader.py); at a
 denoising step `sample_stop|kill|hang`; before the groups exist `prestart_kill`, `rendezvous_kill`,
 `pginit_kill`; once they exist `startup_stop|kill|hang|raise`; in a
 checkpoint save `save_before_shards|after_shards|after_rename` (SIGKILL; with `_stop` appended, SIGSTOP) and

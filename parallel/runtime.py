@@ -21,6 +21,7 @@ from parallel import comm, faults
 from parallel.cfg import SamplingGroups
 from parallel.exits import NCCL_HINT
 from parallel.layout import DEGREES, LayoutError, ParallelLayout
+from parallel.memory import HostMemoryWatch
 from parallel.preemption import StopRequest
 from parallel.rendezvous import connect_store, rendezvous
 from parallel.sequence import SequenceGroups
@@ -245,6 +246,8 @@ def init_runtime(
         token,
     )
     monitor.may_write = runtime.holds_directory  # failure records only while the directory is this run's
+    if task == "train":  # the host's memory, watched from the first step on (parallel/memory.py)
+        monitor.memory = HostMemoryWatch(rank)
     injected.at_startup()
     return runtime
 

@@ -88,6 +88,7 @@ class Watchdog(HeartbeatChannel):
         # whether failure records may go to run_dir (parallel/runtime.py: not once another run took a
         # training run's directory over)
         self.may_write = lambda: True
+        self.memory = None  # a training run's parallel/memory.py HostMemoryWatch, asked every tick
         self._exit_lock = threading.Lock()
         self._exiting = (
             False  # set once: by the thread when it ends the process, or by the main thread's error path
@@ -229,6 +230,9 @@ class Watchdog(HeartbeatChannel):
             reason = self.store_gone(e)
         if reason is None:
             reason = self._check_self()
+        if reason is None and self.memory is not None and not self._exiting:
+            found = self.memory.check(self.step)
+            reason = found and f"rank {self.rank} ({self.host}:{self.pid}) stopped: {found}"
         if reason is not None:
             self._conclude(reason)
 
