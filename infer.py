@@ -39,7 +39,8 @@ from models.vae import vae_latent_space
 from parallel import comm
 from parallel.cache import check_calibration, share_step_cache
 from parallel.cfg import family_denoiser
-from parallel.checkpoint_files import check_checkpoint_files, find_checkpoint
+from parallel.checkpoint_files import find_checkpoint
+from parallel.checkpoint_reading import check_checkpoint_files
 from parallel.components import (
     check_pretrained,
 )

@@ -48,20 +48,15 @@ from models.flow import RectifiedFlow, expert_timesteps
 from models.image_condition import ConditionedModel, ImageCondition, image_inputs, sampling_condition
 from models.pipeline import generate_checked
 from parallel import comm
-from parallel.checkpoint import (
+from parallel.checkpoint import load_checkpoint, save_checkpoint
+from parallel.checkpoint_files import resolve_checkpoint
+from parallel.checkpoint_reading import check_checkpoint_files, read_trainer_state, verify_checkpoint
+from parallel.checkpoint_records import (
     check_architecture,
     check_encoders,
     check_expert,
     check_trained,
     expert_record,
-    load_checkpoint,
-    save_checkpoint,
-)
-from parallel.checkpoint_files import (
-    check_checkpoint_files,
-    read_trainer_state,
-    resolve_checkpoint,
-    verify_checkpoint,
 )
 from parallel.components import (
     build_ema,
@@ -97,7 +92,7 @@ from parallel.fsdp import (
 )
 from parallel.layout import ParallelLayout
 from parallel.lora import lora_record
-from parallel.memory import check_training_memory
+from parallel.memory_plan import check_training_memory
 from parallel.preemption import Stopped
 from parallel.runtime import init_runtime, local_world_size, world_from_env
 from parallel.sequence import share_batch
@@ -160,7 +155,7 @@ class Plan:
     expert: dict | None = None  # the timesteps this run trains (Wan 2.2's expert), kept in each checkpoint
     trained: dict = field(default_factory=dict)  # the family's training_record, kept in each checkpoint
     encoders: dict = field(default_factory=dict)  # the frozen encoders (data/latents.py), kept in each one
-    memory: str = ""  # the modelled peak, for the start-up line (parallel/memory.py)
+    memory: str = ""  # the modelled peak, for the start-up line (parallel/memory_plan.py)
 
 
 def check_before_start(cfg) -> Plan:

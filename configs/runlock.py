@@ -1,24 +1,13 @@
 """One live training run per run directory: `run.lock` in run.output_dir names the process that trains there.
 
-A second train.py started into a directory that a live run holds (a SLURM requeue while the old job still
-runs, two users, one recipe) would delete the first run's temporary checkpoint folder, interleave
-metrics.jsonl and overwrite config.yaml. So rank 0 takes the lock before anything is written, and a live
-holder is refused by name. A lock whose holder is gone is taken over, saying so:
-
-- on this machine (hostname, boot and pid namespace: containers may share a hostname): its process is gone;
-- on any: its heartbeat (the file, rewritten every LOCK_BEAT_S) stays unchanged while watched, for at least
-  two beats and at most LOCK_STALE_S (clocks are not compared: another host's, or the file server's, differ).
-
-A run that loses its lock (it was silent, stopped by SIGSTOP or `scontrol suspend`, frozen on a hung
-network file system, and another run took the directory over) never writes there again: a missing lock is
-not a held lock, every write of the run directory asks first (RunLock.ensure_held; the other ranks,
-which hold no lock, ask `holds` with the token rank 0 shared at the rendezvous), and the heartbeat
-writes only through the file it created, never through the path (a frozen run waking up cannot put its
-lock back over the new holder's). What is left is the instant between a check and the write that
-follows it (one system call): a stop landing exactly there is the one order no file system without a
-compare-and-swap can close.
-
-infer.py and the scripts only read a run: they never take the lock.
+Rank 0 takes the lock before anything is written; a live holder is refused by name. A lock whose holder is
+gone is taken over, saying so: on this machine (hostname, boot and pid namespace) when its process is gone;
+on any when its heartbeat (rewritten every LOCK_BEAT_S) stays unchanged while watched, two beats at least,
+LOCK_STALE_S at most (clocks are never compared). A run that lost its lock while it was frozen never writes
+there again: a missing lock is not a held lock, every write asks first (RunLock.ensure_held; the other ranks
+ask `holds` with rank 0's token), and the heartbeat writes only through the file its process created, so a
+woken run cannot put its lock back over its successor's (docs/failures.md has the whole story and the one
+order left open). infer.py and the scripts only read a run: they never take the lock.
 """
 
 import json
@@ -112,15 +101,30 @@ def _encode(record: dict) -> bytes:
 def holds(run_dir, token: str) -> bool:
     """Whether the lock of `run_dir` still names `token` (the other ranks of the run that rank 0's lock
     stands for ask this before they write there). A lock being rewritten this instant (unreadable) counts
-    as held; a missing one does not."""
+    as held; a missing one does not, unless this run's rank 0 gave it back itself (its tombstone is there:
+    the other ranks may still be writing their failure records as the run ends)."""
     path = Path(run_dir) / LOCK_NAME
     try:
-        holder, mtime = _read(path)
+        holder, mtime = _read(path) if _present(path) else (None, None)
     except RunDirectoryInUse:
         return False
     if mtime is None:
-        return False
+        return _tombstone(path, token).exists()
     return holder is None or holder.get("token") == token
+
+
+def _present(path: Path) -> bool:
+    """Whether the lock file exists, asked twice a quarter second apart when it is missing: a take-over
+    racing another moves it aside for an instant (_move_aside), which is no loss."""
+    if path.exists():
+        return True
+    time.sleep(0.25)
+    return path.exists()
+
+
+def _tombstone(path: Path, token: str) -> Path:
+    """Where release() leaves the lock it gave back (removed by the next run's acquire)."""
+    return path.with_name(f"{LOCK_NAME}.{token}.released")
 
 
 class RunLock:
@@ -161,6 +165,8 @@ class RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(20):  # each round either creates the lock or removes one whose holder is gone
             if self._create():
+                for released in self.path.parent.glob(f"{LOCK_NAME}.*.released"):  # earlier runs' (holds)
+                    released.unlink(missing_ok=True)
                 self._thread = threading.Thread(target=self._beat, name="tessera-run-lock", daemon=True)
                 self._thread.start()
                 return
@@ -179,13 +185,13 @@ class RunLock:
 
     def release(self) -> None:
         """Give the lock back (if it still names this process); the heartbeat stops. The lock is moved
-        aside before it is removed, and put back if it turns out to be another run's: a run frozen between
-        a check and an unlink would otherwise remove its successor's lock."""
+        aside, to a tombstone the run's other ranks recognise (holds), and put back if it turns out to be
+        another run's: a run frozen between a check and an unlink would otherwise remove its successor's."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2)
         if self.lost is None and self.held():
-            self._move_aside(self.record)
+            self._move_aside(self.record, _tombstone(self.path, self.token))
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -201,11 +207,11 @@ class RunLock:
         system that does not answer (EIO, ESTALE on a network mount) or a record being rewritten this instant
         in this process's own file shows no loss."""
         try:
-            found = self.path.stat()
-        except FileNotFoundError:
-            return False, None
+            found = self.path.stat() if _present(self.path) else None
         except OSError:
             return True, None
+        if found is None:
+            return False, None
         if not stat.S_ISREG(found.st_mode):
             return False, None
         holder, mtime = _read(self.path)
@@ -285,10 +291,10 @@ class RunLock:
                 return None
         return f"its heartbeat did not change in {wait_s:.0f} s (the run is stopped, frozen or gone)"
 
-    def _move_aside(self, holder: dict | None) -> bool:
-        """Remove the lock judged gone (or this process's own, at release), unless another process
-        replaced it meanwhile (it is then put back). True: removed."""
-        aside = self.path.with_name(f"{LOCK_NAME}.{self.record['token']}.stale")
+    def _move_aside(self, holder: dict | None, keep: Path | None = None) -> bool:
+        """Remove the lock judged gone (or, to `keep`, this process's own at release), unless another
+        process replaced it meanwhile (it is then put back). True: removed."""
+        aside = keep or self.path.with_name(f"{LOCK_NAME}.{self.record['token']}.stale")
         try:
             os.rename(self.path, aside)
         except FileNotFoundError:
@@ -303,7 +309,8 @@ class RunLock:
                 pass
             aside.unlink()
             return False
-        aside.unlink()
+        if keep is None:
+            aside.unlink()
         return True
 
     def _beat(self) -> None:
@@ -316,8 +323,10 @@ class RunLock:
                 self.lost = holder or {"host": "(removed: released by the run that took it over)"}
                 return
             self.record["beat"] += 1
-            try:
+            try:  # fsync: a network file system's client would hold the write back for up to 30 s, and a
+                # start on another host watching the lock for 11 s would take a live run for a dead one
                 os.pwrite(self._fd, _encode(self.record), 0)
+                os.fsync(self._fd)
             except (OSError, TypeError):  # a full disk must not stop training here; the checkpoint names it
                 pass
 

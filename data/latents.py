@@ -70,31 +70,39 @@ ENCODER_KEYS = {
 
 
 def encoder_record(cfg) -> dict:
-    """What a training checkpoint records of the frozen encoders (train.py; parallel/checkpoint.py
+    """What a training checkpoint records of the frozen encoders (train.py; parallel/checkpoint_records.py
     check_encoders refuses a resume with others): per part, the settings that choose its weights, and for a
-    folder a fingerprint of its weight files in place of its path (a folder moved elsewhere still resumes;
-    other weights of the same shapes, which would load silently, do not)."""
+    folder a fingerprint of the weight files its loader reads (the part's own folder: a pipeline's vae/, not
+    the whole pipeline) in place of its path, so a folder moved elsewhere still resumes, and other weights
+    of the same shapes, which would load silently, do not."""
+    from models.family import component_folder
     from parallel.cache import fingerprint_files
 
     meta = latent_meta(cfg)
+    parts = {"vae.pretrained": "vae", "text_encoder.pretrained": "text_encoder"}
+    parts |= {
+        "image_encoder.pretrained": "image_encoder",
+        "family.vae": "vae",
+        "family.text_encoder": "text_encoder",
+    }
     record = {}
     for section, keys in ENCODER_KEYS.items():
         for key in keys:
             if key not in meta.get(section, {}):
                 continue
             value, name = meta[section][key], f"{section}.{key}"
-            if key in ("pretrained", "vae", "text_encoder") and value and Path(value).exists():
-                record[name] = {"folder": str(value), "weights": fingerprint_files(_weight_files(value))}
+            folder = component_folder(value, parts[name]) if name in parts and value else None
+            if folder is not None and folder.exists():
+                record[name] = {"folder": str(value), "weights": fingerprint_files(_weight_files(folder))}
             else:
                 record[name] = value
     return record
 
 
-def _weight_files(path) -> list:
-    path = Path(path)
+def _weight_files(path: Path) -> list:
     if path.is_file():
         return [path]
-    return sorted(p for pattern in ("*.safetensors", "*.bin", "*.pth") for p in path.rglob(pattern))
+    return sorted(p for pattern in ("*.safetensors", "*.bin", "*.pth") for p in path.glob(pattern))
 
 
 def compute_dtype(cfg) -> str:

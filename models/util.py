@@ -20,19 +20,18 @@ class WeightsUnreadable(ValueError):
 
 @contextlib.contextmanager
 def reading_weights(what: str):
-    """Load `what` (the frozen parts: text encoder, VAE, image encoder) inside this block: what the libraries
-    refuse (a .bin pickle that torch.load(weights_only=True) will not unpickle, a file they cannot open)
-    becomes one `error:` line naming it, not a traceback. A missing folder stays a FileNotFoundError."""
+    """Load `what` (the frozen parts: text encoder, VAE, image encoder) inside this block: a weights file the
+    libraries refuse to unpickle (a .bin pickle that torch.load(weights_only=True) will not read) becomes one
+    `error:` line naming it, not a traceback. Every other error passes as it is."""
     import pickle
 
     try:
         yield
-    except FileNotFoundError:
-        raise
-    except (OSError, pickle.UnpicklingError) as e:
+    except pickle.UnpicklingError as e:
         raise WeightsUnreadable(_unreadable(what, e)) from None
-    except RuntimeError as e:
-        if "weights_only" not in str(e) and "Weights only load failed" not in str(e):
+    except (OSError, RuntimeError) as e:  # the libraries wrap torch.load's refusal in these
+        refusal = ("weights_only", "Weights only load failed", "Unable to load weights from checkpoint")
+        if isinstance(e, FileNotFoundError) or not any(words in str(e) for words in refusal):
             raise
         raise WeightsUnreadable(_unreadable(what, e)) from None
 

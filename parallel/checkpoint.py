@@ -10,6 +10,7 @@ group (docs/internals.md: long-lived gloo threads slowed training by 30-70%).
 
 import contextlib
 import datetime
+import functools
 import pickle
 import re
 import shutil
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import (
@@ -41,13 +42,14 @@ from parallel.checkpoint_files import (
     _seal,
     _step_of,
     _write_durably,
-    check_inside,
     checkpoint_dir,
+    untrusted,
+)
+from parallel.checkpoint_reading import (
+    check_inside,
     newest_in_range,
     read_metadata,
-    read_trainer_state,
     rotation_aware,
-    untrusted,
     verify_checkpoint,
 )
 from parallel.storage import StorageError, check_before_save, storage_message, storage_problem
@@ -197,7 +199,7 @@ def _write(
     runtime, state, root: Path, final: Path, tmp: Path, step: int, trainer_state: dict, keep: int
 ) -> None:
     runtime.faults.at_save("before_shards", step)
-    writer = runtime.faults.full_disk_writer(tmp, step)  # tests only (TESSERA_FAULT=enospc); else None
+    writer = _guarded(runtime, runtime.faults.full_disk_writer(tmp, step) or FileSystemWriter(tmp))
     # gloo, long timeout (I/O is slow), on a group of its own (see the docstring); DCP's collectives run
     # inside
     with comm.recorded("checkpoint_save", runtime.control_group, None):
@@ -217,26 +219,29 @@ def _write(
 
 
 def _put_in_place(runtime, root: Path, final: Path, tmp: Path, step: int, keep: int) -> None:
-    """Rank 0: rename the sealed folder to step_<N>, move `latest` to it, rotate the old ones; each only
-    while the run directory is still this run's (checked just before)."""
+    """Rank 0: rename the sealed folder to step_<N>, move `latest` to it, rotate the old ones; each change
+    only while the run directory is still this run's (`held()`, checked just before it)."""
+    held = functools.partial(_ensure_directory, runtime)
     replaced = root / f".step_{step}.old"  # re-saving a step: keep the old copy until the new one is in place
-    _ensure_directory(runtime)
+    held()
     if final.exists():  # (without step_<N>, `latest` may resolve to a .old left by a killed re-save: keep it)
         shutil.rmtree(replaced, ignore_errors=True)
+        held()
         final.rename(replaced)
+    held()
     tmp.rename(final)
     _fsync_dir(root)
     runtime.faults.at_save("after_rename", step)
     token = getattr(runtime, "lock_token", None)
     pointer_tmp = root / (f"latest.{token[:12]}.tmp" if token else "latest.tmp")  # one per run, too
     _write_durably(pointer_tmp, final.name + "\n")
-    _ensure_directory(runtime)
+    held()
     pointer_tmp.replace(root / "latest")
     _fsync_dir(root)
-    _ensure_directory(runtime)
     # `latest` has moved: what killed saves left behind is no longer needed by anyone.
     for pattern in (".step_*.tmp", ".step_*.old", ".step_*.deleted"):
         for leftover in root.glob(pattern):
+            held()
             shutil.rmtree(leftover, ignore_errors=True)
     for leftover in root.glob("latest.*.tmp"):
         leftover.unlink(missing_ok=True)
@@ -244,11 +249,35 @@ def _put_in_place(runtime, root: Path, final: Path, tmp: Path, step: int, keep: 
     kept = {final, newest_in_range(complete)}  # a divergence's advice must find a good one left
     for old in complete[:-keep]:
         if old not in kept:
+            held()
             _clear(old)
 
 
+def _guarded(runtime, writer):
+    """`writer` (DCP's FileSystemWriter) asking Runtime.ensure_directory before it opens each file: a run
+    woken in the middle of writing its shards stops there, not after writing gigabytes into a directory
+    that is another run's now (whose free-space check did not count them)."""
+    ensure = getattr(runtime, "ensure_directory", None)
+    if ensure is not None:
+        writer.fs = _GuardedFileSystem(writer.fs, ensure)
+    return writer
+
+
+class _GuardedFileSystem:
+    def __init__(self, fs, ensure):
+        self._fs, self._ensure = fs, ensure
+
+    def create_stream(self, path, mode):
+        if "w" in mode:
+            self._ensure()
+        return self._fs.create_stream(path, mode)
+
+    def __getattr__(self, name):  # everything else is DCP's file system's
+        return getattr(self._fs, name)
+
+
 class _SafeReader(FileSystemReader):
-    """DCP's file reader, with .metadata read by checkpoint_files.read_metadata: DCP's own unpickles it with
+    """DCP's file reader, with .metadata read by checkpoint_reading.read_metadata: DCP's own unpickles it with
     a plain pickle.load, which calls whatever a crafted file names. `refused`: its refusal, which DCP
     reports only as text (and then tries __<rank>.metadata, refused too)."""
 
@@ -332,102 +361,6 @@ def _first_failure(error: CheckpointException) -> str:
         text = str(exc).strip().splitlines()
         return f"{type(exc).__name__}: {text[0][:300] if text else ''}"
     return str(error.args[0])[:300] if error.args else type(error).__name__
-
-
-def check_architecture(path, architecture: dict) -> None:
-    """Refuse a checkpoint trained with another DiT (DiT.architecture(), recorded at save). Loading catches
-    differences of shape; this also catches the options that hold no weight (model.absolute_positions,
-    model.text_mask, model.rope_theta), which would load silently and sample nonsense. Checkpoints from
-    before the architecture was recorded are not checked, nor entries added to it since."""
-    saved = read_trainer_state(path).get("architecture")
-    if saved is None:
-        return
-    from models.dit import architecture_differences, recipe_key
-
-    differs = [
-        f"{recipe_key(k)}: {k}={saved[k]!r} there, {architecture[k]!r} here"
-        for k in architecture_differences(architecture, saved)
-    ]
-    if differs:
-        raise CheckpointError(
-            f"checkpoint {path} was trained with another model: {'; '.join(differs)}. Use the recipe "
-            f"it was trained with (its run's config.yaml), or set these keys to match"
-        )
-
-
-def expert_record(cfg) -> dict:
-    """What trainer_state.pt says of the timesteps a run trains (Wan 2.2 A14B, model.expert=high|low: one
-    expert's side of sample.boundary; none: all of them, whatever the boundary)."""
-    expert = cfg.model.expert
-    return {"expert": expert, "boundary": cfg.sample.boundary if expert != "none" else None}
-
-
-def check_expert(path, record: dict) -> None:
-    """Refuse to resume an expert's checkpoint on other timesteps (another model.expert, or another
-    sample.boundary): it would train one expert's weights on the other's noise levels, silently.
-    Checkpoints from before the record was kept resume as they did."""
-    saved = read_trainer_state(path).get("expert")
-    if saved is None or saved == record:
-        return
-
-    def recipe(r: dict) -> str:
-        boundary = "" if r["boundary"] is None else f" sample.boundary={r['boundary']}"
-        return f"model.expert={r['expert']}{boundary}"
-
-    raise CheckpointError(
-        f"checkpoint {path} trained {recipe(saved)}, this run has {recipe(record)}: resuming would train "
-        f"its weights on other timesteps. Keep the checkpoint's values ({recipe(saved)}), or train "
-        f"this recipe elsewhere (another run.output_dir, or train.resume=none)"
-    )
-
-
-def check_trained(path, record: dict) -> None:
-    """Refuse to resume a checkpoint whose recipe trained other parameters (models/family.py
-    training_record: LTX-2's data.audio): its optimizer holds state for another set, and the weights it
-    froze would start training (or the reverse). Checkpoints without the record resume as they did."""
-    saved = read_trainer_state(path).get("trained", {})
-    differs = [
-        f"{key}={saved[key]} there, {value} here"
-        for key, value in record.items()
-        if saved.get(key, value) != value
-    ]
-    if differs:
-        raise CheckpointError(
-            f"checkpoint {path} trained other parameters ({'; '.join(differs)}): keep the checkpoint's "
-            "values, or train this recipe elsewhere (another run.output_dir, or train.resume=none)"
-        )
-
-
-def check_encoders(path, record: dict) -> None:
-    """Refuse to resume a checkpoint trained with other frozen encoders (data/latents.py encoder_record: the
-    VAE, text encoder and image encoder, their settings and their weights' fingerprints): the transformer
-    learnt their latents and embeddings, and other weights of the same shapes would load silently, as
-    precomputed latents already refuse. Checkpoints without the record resume as they did."""
-    saved = read_trainer_state(path).get("encoders")
-    if saved is None:
-        return
-
-    def shown(value) -> str:
-        return f"{value['folder']} (weights {value['weights']})" if isinstance(value, dict) else repr(value)
-
-    def same(a, b) -> bool:  # a folder by its weights: moved elsewhere, it is the same
-        if isinstance(a, dict) and isinstance(b, dict):
-            return a["weights"] == b["weights"]
-        if isinstance(a, dict) or isinstance(b, dict):  # one side's folder is gone: judged by its path
-            return (a["folder"] if isinstance(a, dict) else a) == (b["folder"] if isinstance(b, dict) else b)
-        return a == b
-
-    differs = [
-        f"{key}: {shown(saved[key])} there, {shown(value)} here"
-        for key, value in record.items()
-        if key in saved and not same(saved[key], value)
-    ]
-    if differs:
-        raise CheckpointError(
-            f"checkpoint {path} was trained with other frozen encoders ({'; '.join(differs)}): its "
-            "transformer learnt their latents and text embeddings. Point these keys at the encoders it was "
-            "trained with, or train this recipe elsewhere (another run.output_dir, or train.resume=none)"
-        )
 
 
 def load_checkpoint(runtime, path, training: TrainingState, verified: bool = False) -> None:

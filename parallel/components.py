@@ -18,8 +18,10 @@ from models.text_encoder import TextEncoder, build_text_encoder
 from models.util import reading_weights
 from models.vae import LatentSpace, build_vae
 from models.wan import WanWeights, check_wan_folder, second_expert
-from parallel.checkpoint import TrainingState, check_architecture, load_base_weights, load_weights
-from parallel.checkpoint_files import check_checkpoint_files, resolve_checkpoint
+from parallel.checkpoint import TrainingState, load_base_weights, load_weights
+from parallel.checkpoint_files import resolve_checkpoint
+from parallel.checkpoint_reading import check_checkpoint_files
+from parallel.checkpoint_records import check_architecture
 from parallel.finite import check_pretrained_finite
 from parallel.fsdp import parallelize_dit, param_device
 from parallel.init import copy_shards, materialize

@@ -11,7 +11,6 @@ reaches a class of the process. The records are then turned into DCP's metadata 
 lists, tuples and dicts of them), torch.Size of ints, dtypes, layouts and DCP's memory-format enum.
 """
 
-import dataclasses
 import pickle
 
 import torch
@@ -159,15 +158,16 @@ def _made(stand: _Stand, down):
 
 def _dataclass(cls, state):
     """An instance of DCP's dataclass `cls` with `state` as pickle's BUILD would give it: its fields (a dict,
-    every key a field), or the tuple its own __setstate__ reads (TensorProperties)."""
+    its keys plain names: a field this torch's class lacks, written by another torch version, is kept as
+    plain data, as pickle would), or the tuple its own __setstate__ reads (TensorProperties)."""
     made = cls.__new__(cls)
     if isinstance(state, tuple) and "__setstate__" in vars(cls):
-        if len(state) != len(dataclasses.fields(cls)):
-            raise Forbidden(f"{cls.__name__} with a state of {len(state)} values")
-        made.__setstate__(state)
+        made.__setstate__(state)  # the class's own code, on plain values
         return made
-    names = {f.name for f in dataclasses.fields(cls)}
-    if not isinstance(state, dict) or not all(isinstance(k, str) and k in names for k in state):
+    if not isinstance(state, dict) or not all(isinstance(k, str) and k.isidentifier() for k in state):
         raise Forbidden(f"{cls.__name__} with a state that is not its fields")
+    special = sorted(k for k in state if k.startswith("__"))
+    if special:
+        raise Forbidden(f"{cls.__name__} with the special attributes {special}")
     vars(made).update(state)
     return made

@@ -15,8 +15,9 @@ from models.pipeline import generate_checked
 from models.wan import second_expert
 from parallel import vae as parallel_vae
 from parallel.cache import count_full_calls
-from parallel.checkpoint import check_architecture, load_weights
+from parallel.checkpoint import load_weights
 from parallel.checkpoint_files import resolve_checkpoint
+from parallel.checkpoint_records import check_architecture
 from parallel.components import build_frozen, build_model, fill_unsharded, open_pretrained
 from parallel.finite import check_adapters_finite, check_checkpoint_finite
 from parallel.lora import checkpoint_adapters, is_tessera_run, lora_of

@@ -16,12 +16,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from parallel import comm
-from parallel.checkpoint_files import (
-    CheckpointError,
-    find_latest_quietly,
-    previous_checkpoint,
-    read_trainer_state,
-)
+from parallel.checkpoint_files import CheckpointError, find_latest_quietly, previous_checkpoint
+from parallel.checkpoint_reading import read_trainer_state
 
 
 class TrainingDiverged(ArithmeticError):

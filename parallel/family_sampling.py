@@ -6,8 +6,10 @@ models/sampler.py.
 from models.lora import deltas_of, merge_deltas
 from models.sampler import checked, generate_images
 from parallel.cache import count_full_calls
-from parallel.checkpoint import check_architecture, load_weights
-from parallel.checkpoint_files import check_checkpoint_files, find_checkpoint
+from parallel.checkpoint import load_weights
+from parallel.checkpoint_files import find_checkpoint
+from parallel.checkpoint_reading import check_checkpoint_files
+from parallel.checkpoint_records import check_architecture
 from parallel.finite import check_adapters_finite, check_checkpoint_finite
 from parallel.layout import ParallelLayout
 from parallel.lora import checkpoint_adapters, lora_base

@@ -1,16 +1,13 @@
 """Fault injection for the failure tests, off unless TESSERA_FAULT is set, and read once at start-up:
 
-    TESSERA_FAULT="<fault>[@<rank>][:<step>]"   several comma-separated; no rank: every rank; no step: every
-    step
+    TESSERA_FAULT="<fault>[@<rank>][:<step>]"   comma-separated; no rank: every rank; no step: every step
 
-Faults: at a training step `stop`, `kill`, `hang`, `raise`, `collective`, `term`, `nan`, `loader`; `leak`
-(each loader batch keeps 64 MiB of its worker's memory: a leaking dataset, data/loader.py); at a
-denoising step `sample_stop|kill|hang`; before the groups exist `prestart_kill`, `rendezvous_kill`,
-`pginit_kill`; once they exist `startup_stop|kill|hang|raise`; in a
-checkpoint save `save_before_shards|after_shards|after_rename` (SIGKILL; with `_stop` appended, SIGSTOP) and
-`enospc` (a full disk);
-in PipeFusion `pipefusion_count` and `pipefusion_extra_send`; in the step cache `cache_plan` and
-`cache_signal` (parallel/cache.py). docs/internals.md says what each does.
+At a training step `stop`, `kill`, `hang`, `raise`, `collective`, `term`, `nan`, `loader`, `leak` (each loader
+batch keeps 64 MiB: data/loader.py); at a denoising step `sample_stop|kill|hang`; before the groups exist
+`prestart_kill`, `rendezvous_kill`, `pginit_kill`; once they exist `startup_stop|kill|hang|raise`; in a
+checkpoint save `save_before_shards|after_shards|after_rename` (SIGKILL; `_stop` appended: SIGSTOP) and
+`enospc` (a full disk); in PipeFusion `pipefusion_count` and `pipefusion_extra_send`; in the step cache
+`cache_plan` and `cache_signal` (parallel/cache.py). docs/internals.md says what each does.
 """
 
 import os

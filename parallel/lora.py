@@ -24,7 +24,8 @@ from torch.distributed.tensor import DTensor
 from models.float8 import quantize_blocks
 from models.lora import add_adapters, is_adapter
 from parallel.checkpoint import optimizer_state_dict, read_tensors, set_optimizer_state
-from parallel.checkpoint_files import CHECKSUMS, CheckpointError, read_trainer_state, resolve_checkpoint
+from parallel.checkpoint_files import CHECKSUMS, CheckpointError, resolve_checkpoint
+from parallel.checkpoint_reading import read_trainer_state
 from parallel.init import canonical_name
 
 SAMPLED_BYTES = 64 << 10  # of each tensor's start and end, in a Wan folder's fingerprint

@@ -18,8 +18,8 @@ from parallel.checkpoint_files import (
     _is_complete,
     _step_of,
     find_latest_quietly,
-    newest_in_range,
 )
+from parallel.checkpoint_reading import newest_in_range
 
 
 class NonFiniteWeights(CheckpointError):

@@ -434,7 +434,8 @@ def latest_state(run_dir: Path) -> dict:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from parallel.checkpoint_files import CheckpointError, find_latest, verify_checkpoint
+    from parallel.checkpoint_files import CheckpointError, find_latest
+    from parallel.checkpoint_reading import verify_checkpoint
     from parallel.storage import local_tensors
 
     try:

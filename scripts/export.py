@@ -33,13 +33,10 @@ from models.lora_formats import (  # noqa: E402
     safetensors_metadata,
 )
 from models.wan import diffusers_config_from_dit, diffusers_state_dict_from_tessera  # noqa: E402
-from parallel.checkpoint import check_architecture, load_weights  # noqa: E402
-from parallel.checkpoint_files import (  # noqa: E402
-    CheckpointError,
-    read_metadata,
-    read_trainer_state,
-    resolve_checkpoint,
-)
+from parallel.checkpoint import load_weights  # noqa: E402
+from parallel.checkpoint_files import CheckpointError, resolve_checkpoint  # noqa: E402
+from parallel.checkpoint_reading import read_metadata, read_trainer_state  # noqa: E402
+from parallel.checkpoint_records import check_architecture  # noqa: E402
 from parallel.components import fill_unsharded, open_pretrained  # noqa: E402
 from parallel.lora import base_of_run, checkpoint_adapters, lora_of  # noqa: E402
 

@@ -10,7 +10,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from parallel import checkpoint_files  # noqa: E402
+from parallel import (
+    checkpoint_files,  # noqa: E402
+    checkpoint_reading,
+)
 
 
 def main(paths):
@@ -27,7 +30,7 @@ def main(paths):
     for path in paths:
         read.clear()
         try:
-            checkpoint_files.verify_checkpoint(path, dist.group.WORLD)
+            checkpoint_reading.verify_checkpoint(path, dist.group.WORLD)
             verdict = "ok"
         except checkpoint_files.CheckpointError as e:
             verdict = f"refused: {e}"

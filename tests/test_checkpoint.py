@@ -14,7 +14,7 @@ import pytest
 import infer
 import train
 from configs.rundir import read_metrics
-from parallel import checkpoint, checkpoint_files
+from parallel import checkpoint, checkpoint_files, checkpoint_reading
 from parallel.checkpoint import FAULT_POINTS
 from tests.conftest import ROOT, TINY, ranks, run_main
 
@@ -74,13 +74,13 @@ def test_a_kill_during_a_save_loses_nothing_beyond_the_previous_checkpoint(strai
     leftover = temporary[0] if point != "after_rename" and len(temporary) == 1 else root / "step_4"
     assert leftover.is_dir()  # what the kill interrupted is still there for the next save to handle
     assert checkpoint_files.find_latest(run_dir) == root / "step_2"
-    checkpoint_files.verify_checkpoint(root / "step_2")  # every file as it was written
+    checkpoint_reading.verify_checkpoint(root / "step_2")  # every file as it was written
 
     assert run_main(train, COMMON + [f"run.output_dir={run_dir}"]) == 0
     assert f"resumed from {root / 'step_2'} at step 2" in capfd.readouterr().out
     assert losses(run_dir) == losses(straight)  # bit for bit
     assert (root / "latest").read_text() == "step_4\n"
-    checkpoint_files.verify_checkpoint(root / "step_4")
+    checkpoint_reading.verify_checkpoint(root / "step_4")
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_2", "step_4"]  # no leftovers
 
 
@@ -93,8 +93,8 @@ def test_a_resave_killed_between_its_renames_keeps_the_old_copy(straight, tmp_pa
     (root / "step_4").rename(root / ".step_4.old")
     (root / ".step_4.tmp").mkdir()  # the new copy, unfinished
     assert checkpoint_files.find_latest(run_dir) == root / ".step_4.old"
-    checkpoint_files.verify_checkpoint(root / ".step_4.old")
-    assert checkpoint_files.read_trainer_state(root / ".step_4.old")["step"] == 4
+    checkpoint_reading.verify_checkpoint(root / ".step_4.old")
+    assert checkpoint_reading.read_trainer_state(root / ".step_4.old")["step"] == 4
 
 
 def damage(path, how: str) -> None:

@@ -12,7 +12,7 @@ import infer
 import train
 from configs.rundir import read_metrics
 from parallel import checkpoint as checkpoint_module
-from parallel import checkpoint_files
+from parallel import checkpoint_files, checkpoint_reading
 from parallel.init import canonical_name
 from tests.conftest import TINY, ranks, run_main
 from tests.test_guards import WAN_OPTIONS, first_error, wan_folder
@@ -178,7 +178,7 @@ def test_weights_above_the_limit_make_no_checkpoint_good(tmp_path, monkeypatch, 
         path = run_dir / "checkpoints" / f"step_{step}"
         state = _load_state_dict_from_keys(checkpoint_id=str(path))
         largest = max(t.abs().max().item() for k, t in state["model"].items())
-        recorded = checkpoint_files.read_trainer_state(path)["health"]
+        recorded = checkpoint_reading.read_trainer_state(path)["health"]
         assert recorded["largest_weight"] == pytest.approx(largest, rel=1e-6) and not recorded["in_range"]
         assert f"step_{step}: its largest trained weight was {largest:.4g}" in line, line
     assert "no checkpoint was saved in range (step_4: " in line and "train.resume=none starts afresh" in line

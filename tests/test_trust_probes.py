@@ -19,7 +19,7 @@ import pytest
 import infer
 import train
 from configs.rundir import read_data_report
-from parallel import checkpoint_files
+from parallel import checkpoint_files, checkpoint_reading
 from tests.conftest import ROOT, TINY, run_main
 
 COMMON = ["--config", str(TINY), "train.max_steps=2", "train.checkpoint_every=2"]
@@ -198,10 +198,10 @@ def test_a_checkpoint_rotated_away_while_read_is_named_as_such(trained, tmp_path
     step = checkpoint_files.find_latest(run_dir)
     shutil.rmtree(step)  # what the training run's rotation did between resolving `latest` and reading
     readers = {
-        "trainer state": checkpoint_files.read_trainer_state,
-        "files": checkpoint_files.check_checkpoint_files,
-        "checksums": checkpoint_files.verify_checkpoint,
-        "metadata": checkpoint_files.read_metadata,
+        "trainer state": checkpoint_reading.read_trainer_state,
+        "files": checkpoint_reading.check_checkpoint_files,
+        "checksums": checkpoint_reading.verify_checkpoint,
+        "metadata": checkpoint_reading.read_metadata,
     }
     for what, read in readers.items():
         with pytest.raises(checkpoint_files.CheckpointError, match="was removed while it was read") as e:
@@ -214,7 +214,8 @@ def test_a_checkpoint_rotated_away_while_read_is_named_as_such(trained, tmp_path
 @pytest.mark.timeout(300)
 def test_reading_a_run_that_rotates_each_step(tmp_path):
     """infer.py on a run training with checkpoint_every=1, keep_checkpoints=1: each read either samples or
-    names the rotation; never "not a complete tessera training checkpoint"."""
+    names the rotation (at least one meets it: bf7d40d's 8 reads of 8 did); never "not a complete tessera
+    training checkpoint"."""
     run_dir = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     trainer = subprocess.Popen(
@@ -239,7 +240,7 @@ def test_reading_a_run_that_rotates_each_step(tmp_path):
                 line = one_error(done.stderr)
                 assert "was removed while it was read" in line, line
             outcomes.append(done.returncode)
-        assert set(outcomes) <= {0, 2}, outcomes
+        assert set(outcomes) <= {0, 2} and 2 in outcomes, outcomes  # a read did meet the rotation
     finally:
         trainer.kill()
         trainer.wait()
@@ -328,7 +329,7 @@ def test_user_errors_are_one_line_with_exit_2(trained, tmp_path, capsys):
     run_dir = tmp_path / "listed"
     shutil.copytree(trained, run_dir)
     step = run_dir / "checkpoints" / "step_2"
-    metadata = checkpoint_files.read_metadata(step)
+    metadata = checkpoint_reading.read_metadata(step)
     metadata.storage_data = list(metadata.storage_data.values())
     (step / ".metadata").write_bytes(pickle.dumps(metadata))
     listing = json.loads((step / "checksums.json").read_text())
