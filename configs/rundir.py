@@ -9,8 +9,7 @@ report.png         the curves and the newest preview's frames, redrawn at each c
 failures/          per-rank records of recent collectives, written when a run fails
 wandb/             offline wandb logs (`wandb sync` later); tensorboard/: TensorBoard's (logging.tensorboard)
 data_report.jsonl  files left out at start-up or replaced, and why (rank R > 0: data_report_rank<R>.jsonl)
-run.lock           while a run trains: its host, pid and heartbeat (configs/runlock.py); the last run's,
-                   given back, as run.lock.<token>.released
+run.lock           while a run trains: its host, pid and heartbeat (given back: run.lock.<token>.released)
 """
 
 import contextlib

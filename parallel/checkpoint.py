@@ -283,13 +283,19 @@ class _SafeReader(FileSystemReader):
 
     refused: UnsafeCheckpoint | None = None
 
+    def __init__(self, path, metadata=None):
+        super().__init__(path)
+        self.known = metadata  # read (and checked) by _load already: not read a second time
+
     def read_metadata(self, *args, **kwargs):
         if self.refused is not None:
             raise self.refused
         rank = kwargs.get("rank")  # DCP's per-rank metadata, when it has no global one
         file = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
         try:
-            metadata = read_metadata(self.path, file)
+            metadata = (
+                self.known if rank is None and self.known is not None else read_metadata(self.path, file)
+            )
         except UnsafeCheckpoint as e:
             self.refused = e
             raise
@@ -336,8 +342,8 @@ def _load(path: Path, state: dict, group=None) -> None:
     tensors and plain values (_SafeReader, _SafePlanner). A file that names anything else is an
     UnsafeCheckpoint on every rank: its own refusal, or another rank's, which DCP gathers."""
     check_inside(path)  # every file one run's, none a link out of the folder
-    read_metadata(path)  # refused here, by name, before DCP starts (it reads it again, as safely)
-    reader, planner = _SafeReader(path), _SafePlanner(path)
+    metadata = read_metadata(path)  # refused here, by name, before DCP starts
+    reader, planner = _SafeReader(path, metadata), _SafePlanner(path)
     try:
         with comm.recorded("checkpoint_load", group, None):  # DCP's own collectives run inside
             dcp.load(state, checkpoint_id=path, storage_reader=reader, planner=planner, process_group=group)

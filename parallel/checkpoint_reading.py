@@ -5,7 +5,6 @@ it was read (a live run's rotation) named as such. parallel/checkpoint_files.py 
 """
 
 import functools
-import os
 from pathlib import Path, PurePosixPath
 
 import torch
@@ -99,9 +98,7 @@ def check_inside(path: Path) -> None:
         return  # a missing folder: named where its files are looked for
     for entry in entries:
         if entry.is_symlink() and not _within(entry.resolve(), path.resolve()):
-            raise UnsafeCheckpoint(
-                outside(path, entry.name, f"is a symbolic link to {entry.resolve()}")
-            )
+            raise UnsafeCheckpoint(outside(path, entry.name, f"is a symbolic link to {entry.resolve()}"))
 
 
 def _within(target: Path, folder: Path) -> bool:
@@ -133,7 +130,7 @@ def read_metadata(path, file=None):
     file = Path(file) if file is not None else Path(path) / ".metadata"
     try:
         with open(file, "rb") as f:
-            metadata = _read_once(f, dcp_metadata.load)
+            metadata = dcp_metadata.load(f)
     except dcp_metadata.Forbidden as e:
         raise UnsafeCheckpoint(untrusted(path, file.name, str(e))) from None
     except Exception as e:  # noqa: BLE001 - a truncated or foreign .metadata
@@ -149,21 +146,6 @@ def read_metadata(path, file=None):
         )
     _check_structure(path, file.name, metadata)
     return metadata
-
-
-_READ: dict = {}  # (file identity) -> the metadata read from it: a load reads it three times per rank
-
-
-def _read_once(f, load):
-    """load(f), or what it gave for this very file (device, inode, size, mtime) before: the reading walks
-    every chunk of a large checkpoint's metadata in Python (seconds at 14B over 64 ranks)."""
-    found = os.fstat(f.fileno())
-    key = (found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns)
-    if key not in _READ:
-        if len(_READ) >= 4:
-            _READ.pop(next(iter(_READ)))
-        _READ[key] = load(f)
-    return _READ[key]
 
 
 def _check_structure(path, name: str, metadata) -> None:

@@ -11,7 +11,10 @@ reaches a class of the process. The records are then turned into DCP's metadata 
 lists, tuples and dicts of them), torch.Size of ints, dtypes, layouts and DCP's memory-format enum.
 """
 
+import gc
+import importlib
 import pickle
+from pathlib import PurePosixPath
 
 import torch
 
@@ -43,12 +46,24 @@ class Forbidden(Exception):
     """What the file tried that no DCP metadata does: the text names it."""
 
 
-class _Stand:
+class _StandInClass(type):
+    """The stand-ins' type: BUILD on a stand-in class itself (what attacked the real classes: pickle then
+    setattr()s its state on the class) finds this `__setstate__` first, which refuses."""
+
+    @property
+    def __setstate__(cls):
+        def on_the_class(state):
+            raise Forbidden(f"{'.'.join(cls.target)} with attributes set on the class itself")
+
+        return on_the_class
+
+
+class _Stand(metaclass=_StandInClass):
     """The base of the stand-ins: an instance records the arguments it was made with (NEWOBJ, REDUCE) and
-    the state BUILD gives it; a BUILD on the stand-in class itself (what attacked the real classes) is
-    refused."""
+    the state BUILD gives it."""
 
     target: tuple = ("", "")
+    __slots__ = ("args", "state")
 
     def __new__(cls, *args, **kwargs):
         if kwargs:
@@ -60,38 +75,27 @@ class _Stand:
     def __init__(self, *args, **kwargs):
         pass
 
-    class _SetState:
-        def __get__(self, instance, owner):
-            if instance is None:
-
-                def on_the_class(state):
-                    raise Forbidden(f"{'.'.join(owner.target)} with attributes set on the class itself")
-
-                return on_the_class
-
-            def record(state):
-                if instance.state is not None:
-                    raise Forbidden(f"{'.'.join(owner.target)} built twice")
-                instance.state = state
-
-            return record
-
-    __setstate__ = _SetState()
+    def __setstate__(self, state):
+        if self.state is not None:
+            raise Forbidden(f"{'.'.join(self.target)} built twice")
+        self.state = state
 
 
 class _Unpickler(pickle.Unpickler):
     def __init__(self, file):
         super().__init__(file)
-        self.stand_ins: dict = {}
+        self.real: dict = {}  # stand-in class -> the real class or function it stands for
 
     def find_class(self, module, name):
         allowed = name in _DATACLASSES.get(module, ()) or (module, name) in _OTHERS
         if not allowed and not (module == "torch" and isinstance(vars(torch).get(name), torch.dtype)):
             raise Forbidden(f"{module}.{name}")
-        key = (module, name)
-        if key not in self.stand_ins:  # a class of its own per name and per read
-            self.stand_ins[key] = type(f"StandIn_{name}", (_Stand,), {"target": key})
-        return self.stand_ins[key]
+        for stand in self.real:
+            if stand.target == (module, name):
+                return stand
+        stand = _StandInClass(f"StandIn_{name}", (_Stand,), {"target": (module, name), "__slots__": ()})
+        self.real[stand] = getattr(importlib.import_module(module), name)
+        return stand
 
     def persistent_load(self, pid):
         raise Forbidden("a persistent id")
@@ -100,60 +104,77 @@ class _Unpickler(pickle.Unpickler):
 def load(file) -> object:
     """The object a .metadata file (an open binary file) describes, built from plain data; Forbidden if the
     file does what no DCP metadata does, any other exception if it is not a pickle."""
-    return _build(_Unpickler(file).load())
+    unpickler = _Unpickler(file)
+    collecting = gc.isenabled()
+    gc.disable()  # a large checkpoint's metadata is a million small objects: the collector's passes over
+    try:  # them (none is garbage) cost more than the reading
+        return _Builder(unpickler.real).build(unpickler.load())
+    finally:
+        if collecting:
+            gc.enable()
 
 
-def _real(target: tuple):
-    import importlib
-
-    return getattr(importlib.import_module(target[0]), target[1])
+_PLAIN = frozenset((str, int, float, bool, type(None), bytes))
+_DEPTH = 64  # DCP's metadata nests a few levels; a deeper file is no metadata
 
 
-def _build(value, depth: int = 0):
-    if depth > 64:
-        raise Forbidden("nesting deeper than DCP's metadata")
-    down = lambda v: _build(v, depth + 1)  # noqa: E731
-    if isinstance(value, _PLAIN):
-        return value
-    if isinstance(value, list):
-        return [down(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(down(v) for v in value)
-    if isinstance(value, dict):
-        return {down(k): down(v) for k, v in value.items()}
-    if isinstance(value, type) and issubclass(value, _Stand):  # a name used as a value: a dtype
-        real = _real(value.target)
-        if isinstance(real, torch.dtype):
-            return real
-        raise Forbidden(f"{'.'.join(value.target)} used as a value")
-    if isinstance(value, _Stand):
-        return _made(value, down)
-    raise Forbidden(f"a {type(value).__name__}")
+class _Builder:
+    """The real objects the stand-ins record, from validated plain data."""
+
+    def __init__(self, real: dict):
+        self.real = real
+
+    def build(self, value, depth: int = 0):
+        kind = type(value)
+        if kind in _PLAIN:
+            return value
+        if depth > _DEPTH:
+            raise Forbidden("nesting deeper than DCP's metadata")
+        depth += 1
+        if kind is tuple or kind is list:
+            if _PLAIN.issuperset(map(type, value)):  # most are: a chunk's offsets, a planner's names
+                return value if kind is tuple else list(value)
+            return kind(self.build(v, depth) for v in value)
+        if kind is dict:
+            return {self.build(k, depth): self.build(v, depth) for k, v in value.items()}
+        if kind is _StandInClass:  # a name used as a value: a dtype
+            real = self.real[value]
+            if isinstance(real, torch.dtype):
+                return real
+            raise Forbidden(f"{'.'.join(value.target)} used as a value")
+        if isinstance(value, _Stand):
+            return self.made(value, depth)
+        raise Forbidden(f"a {kind.__name__}")
+
+    def made(self, stand: _Stand, depth: int):
+        module, name = stand.target
+        real = self.real[type(stand)]
+        args = tuple(self.build(a, depth) for a in stand.args)
+        if name in _DATACLASSES.get(module, ()):
+            if args:
+                raise Forbidden(f"{module}.{name} called with arguments")
+            return _dataclass(real, self.build(stand.state, depth) if stand.state is not None else {})
+        if stand.state is not None:
+            raise Forbidden(f"{module}.{name} given a state")
+        if (
+            name == "Size"
+            and len(args) == 1
+            and type(args[0]) is tuple
+            and all(type(n) is int for n in args[0])
+        ):
+            return torch.Size(args[0])
+        if name == "_get_layout" and len(args) == 1 and isinstance(args[0], str):
+            layout = vars(torch).get(args[0].removeprefix("torch."))
+            if isinstance(layout, torch.layout):
+                return layout
+        if name == "_MEM_FORMAT_ENCODING" and len(args) == 1 and type(args[0]) is int:
+            return real(args[0])
+        if name in ("PosixPath", "PurePosixPath") and all(isinstance(a, str) for a in args):
+            return PurePosixPath(*args)
+        raise Forbidden(f"{module}.{name} made from {args!r:.80}")
 
 
-def _made(stand: _Stand, down):
-    """The real object a stand-in records, from validated plain data."""
-    module, name = stand.target
-    args = tuple(down(a) for a in stand.args)
-    if name in _DATACLASSES.get(module, ()):
-        if args:
-            raise Forbidden(f"{module}.{name} called with arguments")
-        return _dataclass(_real(stand.target), down(stand.state) if stand.state is not None else {})
-    if stand.state is not None:
-        raise Forbidden(f"{module}.{name} given a state")
-    if name == "Size" and len(args) == 1 and all(type(n) is int for n in args[0]):
-        return torch.Size(args[0])
-    if name == "_get_layout" and len(args) == 1 and isinstance(args[0], str):
-        layout = vars(torch).get(args[0].removeprefix("torch."))
-        if isinstance(layout, torch.layout):
-            return layout
-    if name == "_MEM_FORMAT_ENCODING" and len(args) == 1 and type(args[0]) is int:
-        return _real(stand.target)(args[0])
-    if name in ("PosixPath", "PurePosixPath") and all(isinstance(a, str) for a in args):
-        from pathlib import PurePosixPath
-
-        return PurePosixPath(*args)
-    raise Forbidden(f"{module}.{name} made from {type(args).__name__} {args!r:.80}")
+_FIELDS_SEEN: set = set()  # (class, field names) already checked: thousands of chunks share a few
 
 
 def _dataclass(cls, state):
@@ -164,10 +185,15 @@ def _dataclass(cls, state):
     if isinstance(state, tuple) and "__setstate__" in vars(cls):
         made.__setstate__(state)  # the class's own code, on plain values
         return made
-    if not isinstance(state, dict) or not all(isinstance(k, str) and k.isidentifier() for k in state):
+    if not isinstance(state, dict):
         raise Forbidden(f"{cls.__name__} with a state that is not its fields")
-    special = sorted(k for k in state if k.startswith("__"))
-    if special:
-        raise Forbidden(f"{cls.__name__} with the special attributes {special}")
+    names = (cls, frozenset(state))
+    if names not in _FIELDS_SEEN:
+        if not all(isinstance(k, str) and k.isidentifier() for k in state):
+            raise Forbidden(f"{cls.__name__} with a state that is not its fields")
+        special = sorted(k for k in state if k.startswith("__"))
+        if special:
+            raise Forbidden(f"{cls.__name__} with the special attributes {special}")
+        _FIELDS_SEEN.add(names)
     vars(made).update(state)
     return made

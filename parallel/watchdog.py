@@ -89,7 +89,6 @@ class Watchdog(HeartbeatChannel):
         # training run's directory over)
         self.may_write = lambda: True
         self.memory = None  # a training run's parallel/memory.py HostMemoryWatch, asked every tick
-        self._last_tick = time.monotonic()
         self._exit_lock = threading.Lock()
         self._exiting = (
             False  # set once: by the thread when it ends the process, or by the main thread's error path
@@ -208,23 +207,25 @@ class Watchdog(HeartbeatChannel):
                     time.sleep(max(0.0, self._published_at + PUBLISH_EVERY_S - time.monotonic()))
                     self._publish_quietly()
                     continue
+            if time.monotonic() - next_tick > max(3 * self.interval, self.deadlines.silence_s / 2):
+                self._resumed()
             next_tick = time.monotonic() + self.interval
             try:
                 self._tick()
             except Exception as e:  # the watchdog must never take a healthy run down
                 print(f"[rank {self.rank}] watchdog: {one_line(e)}", file=sys.stderr, flush=True)
 
+    def _resumed(self) -> None:
+        """This thread woke far later than it asked: the process did not run for a while (a job suspended
+        with SIGSTOP and resumed, a frozen host). Its clocks ran on, and so did its peers'. Silence and
+        stalls are judged afresh from now, or every rank of a resumed job would name another as dead
+        before their first beats arrive."""
+        self._peers.clear()
+        self._progress = time.monotonic()
+
     def _tick(self) -> None:
         if self._exiting and not self._held.is_set():
             return
-        now = time.monotonic()
-        slept, self._last_tick = now - self._last_tick, now
-        if slept > max(3 * self.interval, self.deadlines.silence_s / 2):
-            # This process did not run for a while (a job suspended with SIGSTOP and resumed, a frozen
-            # host): its clocks ran on, its peers' did too. Silence and stalls are judged afresh from now,
-            # or every rank of a resumed job would name another as dead before their first beat arrives.
-            self._peers.clear()
-            self._progress = now
         self._beat += 1
         try:
             self._publish()

@@ -78,6 +78,23 @@ SCENARIOS = {
     s.name: s
     for s in [
         Scenario(
+            "oom-14b-24gib",
+            "a full fine-tune of Wan2.1-14B on a 24 GiB host (simulated: TESSERA_HOST_MEMORY_MB), 1 process",
+            "train.py",
+            [
+                "--config",
+                str(ROOT / "configs" / "demo.yaml"),
+                "run.output_dir={run}",
+                "model.size=Wan2.1-14B",
+                "train.max_steps=1",
+            ],
+            nproc=1,
+            expect="this recipe does not fit: its modelled peak is",
+            code=2,
+            bound_s=10.0,
+            env={"TESSERA_HOST_MEMORY_MB": str(24 * 1024)},
+        ),
+        Scenario(
             "nan-lr-1proc",
             "the loss went NaN (train.lr=1e30), 1 process, a DataLoader worker",
             "train.py",

@@ -20,13 +20,13 @@ def main(paths):
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank = dist.get_rank()
     read = []
-    size_and_crc = checkpoint_files._size_and_crc
+    size_and_crc = checkpoint_reading._size_and_crc  # what verify_checkpoint calls
 
     def recorded(path, sync=False):
         read.append(Path(path).name)
         return size_and_crc(path, sync)
 
-    checkpoint_files._size_and_crc = recorded
+    checkpoint_reading._size_and_crc = recorded
     for path in paths:
         read.clear()
         try:

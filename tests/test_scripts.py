@@ -25,6 +25,7 @@ TINY = [  # run below
     "bench_checkpoint.py",
     "bench_data.py",
     "bench_lora.py",
+    "bench_metadata.py",
     "bench_sampling.py",
     "bench_sp.py",
     "bench_startup_memory.py",
@@ -137,6 +138,12 @@ def test_bench_vae_tiny_shares_the_tiles(tmp_path):
         assert serial["whole"] > 0 and serial["tiles_per_rank"] == [6] and shared["tiles_per_rank"] == [3, 3]
         assert len(shared["rank_times"]) == 2 and shared["sent_mb"] > 0
     assert "| kl | 1x4x1x8x12 | 1x32x48 | 6 | 2 | [3, 3] |" in out
+
+
+def test_bench_metadata_tiny_reads_the_same_metadata(tmp_path):
+    """The safe .metadata reader's cost against pickle's, on a synthetic metadata it checks both read alike."""
+    out, results = run_tiny("bench_metadata.py", tmp_path)
+    assert results["ratio"] > 0 and len(results["seconds"]) == 2 and "safe / plain" in out
 
 
 @pytest.mark.slow
