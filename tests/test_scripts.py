@@ -141,7 +141,7 @@ def test_bench_vae_tiny_shares_the_tiles(tmp_path):
 
 
 def test_bench_metadata_tiny_reads_the_same_metadata(tmp_path):
-    """The safe .metadata reader's cost against pickle's, on a synthetic metadata it checks both read alike."""
+    """The safe .metadata reader's cost against pickle's, on a synthetic metadata both read alike."""
     out, results = run_tiny("bench_metadata.py", tmp_path)
     assert results["ratio"] > 0 and len(results["seconds"]) == 2 and "safe / plain" in out
 
