@@ -64,6 +64,15 @@ def _wait_stopped(proc, timeout=120) -> None:
     raise AssertionError("the run never stopped at its fault")
 
 
+def _end(*procs) -> None:
+    """Whatever of `procs` still runs (a failed assertion's leftovers): woken and killed."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            proc.wait()
+
+
 def _check_one_run(run_dir, legit, stale: str) -> None:
     """Each step logged once; every checkpoint whole and written by one run, the legitimate one's (`legit`:
     a token, or the tokens of the runs that held the directory after the stale one) at the end; `latest`
@@ -129,11 +138,7 @@ def test_a_suspended_run_writes_nothing_once_its_directory_is_taken_over(tmp_pat
             out_b, _ = second.communicate(timeout=180)
             assert second.returncode == 0, out_b[-3000:]
     finally:
-        for proc in (first, second):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-                proc.kill()
-                proc.wait()
+        _end(first, second)
     assert "took over" in out_b, out_b[-3000:]
     _check_one_run(run_dir, legit, stale)
     assert first.returncode == 2, out_a[-3000:]
@@ -167,11 +172,7 @@ def test_a_suspended_run_wakes_after_its_successor_was_killed(tmp_path):
         out_c, _ = third.communicate(timeout=180)
         assert third.returncode == 0 and "no longer exists" in out_c, out_c[-3000:]
     finally:
-        for proc in (first, second):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-                proc.kill()
-                proc.wait()
+        _end(first, second)
     _check_one_run(run_dir, {killed, legit}, stale)
 
 
