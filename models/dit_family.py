@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from models import tiling
-from models.family import Components, Family, Schedule
+from models.family import Components, Family
 from models.image_condition import ConditionedModel
+from models.loop import Schedule
 from models.step_cache import FirstBlockModel
 
 

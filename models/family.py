@@ -11,22 +11,13 @@ models/sampler.py as the others do, and loads and trains through its own code (`
 import contextlib
 import json
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
 
-
-@dataclass
-class Schedule:
-    """The steps of one sampling: the solver goes from sigmas[i] to sigmas[i + 1] with the velocity the
-    transformer gives at timesteps[i]; `step(x, v, i, state) -> (x, state)` is the solver's step (state:
-    what a multistep solver keeps between steps, None at the first)."""
-
-    sigmas: torch.Tensor  # (N + 1,) float32, the last 0
-    timesteps: torch.Tensor  # (N,) what the transformer is told at each step
-    step: Callable
+from models.loop import Schedule
+from models.weight_files import check_safetensors, check_weight_names
 
 
 @dataclass
@@ -89,8 +80,6 @@ class Family:
             tokenizer=("tokenizer*.json",),
         )
         if is_single_file(cfg.model.pretrained):  # its header read: a truncated file is named now
-            from models.wan import check_safetensors
-
             check_safetensors(Path(cfg.model.pretrained))
             del wanted["transformer"]
             self.transformer_config(cfg)  # a config from the folder or the shapes, or refused by name
@@ -104,8 +93,6 @@ class Family:
                     f"pipeline folder holds {part}/; tessera never downloads)"
                 )
         if not is_single_file(cfg.model.pretrained):
-            from models.wan import check_safetensors
-
             for file in transformer_files(part_folder(cfg, "transformer")):
                 check_safetensors(file)  # its header: a truncated file is named now
         vae = read_json(part_folder(cfg, "vae") / "config.json").get("_class_name")
@@ -449,18 +436,6 @@ class FamilyWeights:
         return tensor[start:stop].float()
 
 
-def check_weight_names(folder, names, weights, partial: bool = False, error=ValueError) -> None:
-    """Every weight of `folder` (`weights`: its names) has a place among the model's parameter `names`,
-    and every parameter a weight; `partial` (a PipeFusion stage holds some blocks): the latter only."""
-    ours, theirs = set(names), set(weights)
-    if ours - theirs or (not partial and theirs - ours):
-        raise error(
-            f"model.pretrained={folder} does not fit the model: weights without a place "
-            f"{sorted(theirs - ours)[:5] if not partial else []}, parameters without a weight "
-            f"{sorted(ours - theirs)[:5]}"
-        )
-
-
 def padded(rows: list) -> tuple:
     """(tokens (B, L, D): each of `rows` (L_i, D) zero-padded to the longest, mask (B, L) bool, None when
     nothing is padded)."""
@@ -470,22 +445,6 @@ def padded(rows: list) -> tuple:
     for i, r in enumerate(rows):
         out[i, : len(r)], mask[i, : len(r)] = r, True
     return out, None if bool(mask.all()) else mask
-
-
-# ComfyUI's checkpoint prefixes of a single transformer file (its UNETLoader's files carry none)
-COMFYUI_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
-
-
-def unprefixed(state_dict: dict, error=ValueError) -> dict:
-    """A single file's state dict without ComfyUI's checkpoint prefix; two keys that then name one
-    tensor are an `error` naming them."""
-    out = {}
-    for key, value in state_dict.items():
-        name = next((key[len(p) :] for p in COMFYUI_PREFIXES if key.startswith(p)), key)
-        if name in out:
-            raise error(f"'{key}' and another key both name '{name}'")
-        out[name] = value
-    return out
 
 
 def shared_fields(conditioning) -> list:

@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from models.family import Schedule
+from models.loop import Schedule
 from models.step_cache import walk_cached
 from models.vae import num_tokens
 

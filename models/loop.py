@@ -9,11 +9,22 @@ levels (`sigmas`, Qwen-Image's and LTX-2's) and its Euler step.
 """
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from models.family import Schedule
+
+@dataclass
+class Schedule:
+    """The steps of one sampling: the solver goes from sigmas[i] to sigmas[i + 1] with the velocity the
+    transformer gives at timesteps[i]; `step(x, v, i, state) -> (x, state)` is the solver's step (state:
+    what a multistep solver keeps between steps, None at the first)."""
+
+    sigmas: torch.Tensor  # (N + 1,) float32, the last 0
+    timesteps: torch.Tensor  # (N,) what the transformer is told at each step
+    step: Callable
 
 
 def denoise(schedule: Schedule, x, velocity, progress=None):

@@ -187,7 +187,7 @@ def split_key(key: str) -> tuple[str, str] | None:
 
 def check_file(path) -> Path:
     """A LoRA file that exists, is a .safetensors file and is as long as its header says (a few KB read)."""
-    from models.wan import WanFormatError, check_safetensors
+    from models.weight_files import WeightFileError, check_safetensors
 
     path = Path(path)
     if not path.is_file():
@@ -196,7 +196,7 @@ def check_file(path) -> Path:
         raise LoRAFormatError(f"LoRA file {path}: tessera reads LoRAs as .safetensors files")
     try:
         check_safetensors(path, what="LoRA file")
-    except WanFormatError as e:
+    except WeightFileError as e:
         raise LoRAFormatError(str(e)) from None
     return path
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from models.dit import WAN_OPTIONS
+from models.weight_files import check_safetensors, check_weight_names
 
 _RENAMES = [  # (diffusers pattern, tessera name); \\1 is the block index
     (r"patch_embedding\.(weight|bias)", r"x_embedder.proj.\1"),
@@ -269,33 +270,6 @@ def _read_config(path: Path) -> dict:
     return config
 
 
-def check_safetensors(file: Path, what: str = "model.pretrained") -> None:
-    """A safetensors file holds an 8-byte header length, the JSON header, then the tensors' bytes: check
-    that the file is as long as its header says (a download or copy cut short is not), reading a few KB."""
-    size = file.stat().st_size
-    with open(file, "rb") as f:
-        head = f.read(8)
-        length = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if not 0 < length <= min(size - 8, 100 << 20):
-            raise WanFormatError(
-                f"{what}: {file} is not a safetensors file, or is truncated ({size} bytes, "
-                f"too short for the header it announces)"
-            )
-        try:
-            header = json.loads(f.read(length))
-            end = max(
-                (entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"),
-                default=0,
-            )
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-            raise WanFormatError(f"{what}: {file} has a damaged safetensors header") from None
-    if 8 + length + end > size:
-        raise WanFormatError(
-            f"{what}: {file} is truncated: {size} bytes, its header describes "
-            f"{8 + length + end} (an interrupted download or copy?)"
-        )
-
-
 class WanWeights:
     """A diffusers WanTransformer3DModel folder (config.json and one or more .safetensors files), read
     lazily: `read(name, start, stop)` returns rows start:stop (along dim 0) of one tessera parameter and
@@ -341,7 +315,7 @@ class WanWeights:
             {},
         )  # the diffusers name -> its file's handle, its key in the file
         for file in files:
-            check_safetensors(file)
+            check_safetensors(file, error=WanFormatError)
             try:
                 handle = safe_open(str(file), framework="pt")
             except Exception as e:  # noqa: BLE001 - safetensors' own error type
@@ -370,8 +344,6 @@ class WanWeights:
     def check_parameters(self, names, partial: bool = False) -> None:
         """Every weight of the folder has a place among the model's parameter `names` (state-dict names)
         and every parameter has a weight; `partial` (a PipeFusion stage): every parameter has a weight."""
-        from models.family import check_weight_names
-
         check_weight_names(self.folder, names, self.sources, partial, WanFormatError)
 
     def shape(self, name: str) -> tuple:

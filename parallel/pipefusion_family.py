@@ -98,7 +98,7 @@ class _FamilyRun(_Sampling):
     """One call of FamilyPipeFusion.denoise: _Sampling's, with run.x the latent (B, C, 1, H, W) float32."""
 
     family: object = None
-    schedule: object = None  # models.family.Schedule
+    schedule: object = None  # models.loop.Schedule
     branches: list = None  # the conditioning of each guidance branch this pipeline runs
     lengths: list = None  # the companion tokens of each branch (Qwen-Image's text)
     solver: torch.Tensor | None = None  # the solver's state for the whole latent (DPM-Solver++'s)

@@ -514,7 +514,7 @@ def test_first_block_decides_per_sample(name):
     are those it gets alone (whose rule test_first_block_cache_matches_diffusers checks); at some step the
     first and last samples run the other blocks and the middle one reuses; and each step runs the other
     blocks on as many rows as samples do not reuse."""
-    from models.family import Schedule
+    from models.loop import Schedule
     from models.qwen_image.transformer import QwenImageCond
     from models.sana.transformer import SanaConditioning
     from models.step_cache import FirstBlockCache, FirstBlockFamily, walk_cached

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.family import Components, Family, Schedule, padded, part_folder, read_json
+from models.family import Components, Family, padded, part_folder, read_json
 from models.hunyuan_video15.text import MAX_LENGTH, encode_glyphs, encode_text
 from models.hunyuan_video15.transformer import HunyuanVideo15Cond
 from models.hunyuan_video15.weights import (
@@ -22,7 +22,7 @@ from models.hunyuan_video15.weights import (
     diffusers_from_original,
     shapes_config,
 )
-from models.loop import euler
+from models.loop import Schedule, euler
 
 _UNSUPPORTED = ("use_dynamic_shifting", "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas",
                 "invert_sigmas", "stochastic_sampling", "shift_terminal")  # fmt: skip

@@ -9,8 +9,8 @@ import re
 
 import torch
 
-from models.family import unprefixed
 from models.hunyuan_video15.transformer import HunyuanVideo15Transformer
+from models.weight_files import unprefixed
 
 PIPELINE_CLASSES = ("HunyuanVideo15Pipeline", "HunyuanVideo15ImageToVideoPipeline")
 TRANSFORMER_CLASS = "HunyuanVideo15Transformer3DModel"

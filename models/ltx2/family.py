@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.family import Components, Family, Schedule, part_folder, read_json
-from models.loop import UNSUPPORTED, euler, sigmas
+from models.family import Components, Family, part_folder, read_json
+from models.loop import UNSUPPORTED, Schedule, euler, sigmas
 from models.ltx2.audio import encode_sound
 from models.ltx2.text import encode_prompts, prepare_tokenizer
 from models.ltx2.training import draw, is_audio_parameter, loss

@@ -5,8 +5,8 @@ resolution-dependent shift with Euler steps; true CFG with the per-token norm re
 
 import torch
 
-from models.family import Components, Family, Schedule, part_folder, read_json
-from models.loop import euler, sigmas
+from models.family import Components, Family, part_folder, read_json
+from models.loop import Schedule, euler, sigmas
 from models.qwen_image.sampling import denormalize_latents, image_tokens, normalize_latents, true_cfg
 from models.qwen_image.text import encode_prompt
 from models.qwen_image.transformer import QwenImageCond

@@ -8,8 +8,8 @@ import json
 import re
 from pathlib import Path
 
-from models.family import unprefixed
 from models.qwen_image.transformer import QwenImageTransformer
+from models.weight_files import unprefixed
 
 PIPELINE_CLASS = "QwenImagePipeline"
 TRANSFORMER_CLASS = "QwenImageTransformer2DModel"

@@ -6,7 +6,8 @@ classifier-free guidance.
 
 import torch
 
-from models.family import Components, Family, Schedule, part_folder, read_json
+from models.family import Components, Family, part_folder, read_json
+from models.loop import Schedule
 from models.sana.sampling import RELEASE_SCHEDULER, denormalize_latents, dpm_solver_step, flow_schedule
 from models.sana.text import COMPLEX_HUMAN_INSTRUCTION, encode_text
 from models.sana.transformer import SanaConditioning
