@@ -1,9 +1,9 @@
 """Attention operators with one contract: q, k, v of shape (batch, heads, tokens, head_dim) in,
 the output of the same shape out.
 
-Each DiT self-attention calls one of these through `inner_attention`; `parallel/` replaces that
-submodule with a sequence-parallel operator by plain assignment. Asking for a backend that is not
-installed is an error, never a silent fallback to another kernel.
+Each self-attention calls one of these through an operator with a `kind` (SelfAttentionOperator, its
+`inner_attention`); `parallel/` replaces the operator with a sequence-parallel one by plain assignment.
+Asking for a backend that is not installed is an error, never a silent fallback to another kernel.
 """
 
 import importlib.util
@@ -98,6 +98,21 @@ def make_attention(backend: str) -> nn.Module:
             f"unknown attention backend '{backend}'; choose one of {', '.join(ATTENTION_BACKENDS)}"
         )
     return ATTENTION_BACKENDS[backend]()
+
+
+class SelfAttentionOperator(nn.Module):
+    """Self-attention over the sharded tokens, q, k, v (B, H, N, Dh) -> (B, H, N, Dh), through the recipe's
+    kernel (kind "self": under sequence parallelism parallel/operators.py replaces it with Ulysses' or
+    ring attention). tessera's DiT's and LTX-2's video self-attention."""
+
+    kind = "self"
+
+    def __init__(self, backend: str = "sdpa"):
+        super().__init__()
+        self.kernel = make_attention(backend)
+
+    def forward(self, q, k, v):
+        return self.kernel(q, k, v)
 
 
 class JointAttention(nn.Module):

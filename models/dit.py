@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.attention import make_attention
+from models.attention import SelfAttentionOperator
 
 # Sizes: depth, width and heads. Parameter counts (with a 4096-wide text encoder) are printed by
 # `python -m models.dit`.
@@ -184,7 +184,7 @@ class SelfAttention(nn.Module):
         self.qkv.fused_projections = 3  # q, k, v in row thirds: a LoRA gives each its own adapter
         self.q_norm = qk_norm_layer(hidden_size, num_heads, qk_norm, qk_norm_across_heads)
         self.k_norm = qk_norm_layer(hidden_size, num_heads, qk_norm, qk_norm_across_heads)
-        self.inner_attention = make_attention(attention_backend)  # swappable: (B, H, N, Dh) contract
+        self.inner_attention = SelfAttentionOperator(attention_backend)  # kind "self": swappable
         self.proj = nn.Linear(hidden_size, hidden_size)
 
     def forward(self, x, rope):

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from models.loop import Schedule
-from models.weight_files import check_safetensors, check_weight_names
+from models.weight_files import LazyWeights, check_safetensors, check_weight_names
 
 
 @dataclass
@@ -399,7 +399,7 @@ class Family:
         return None
 
 
-class FamilyWeights:
+class FamilyWeights(LazyWeights):
     """model.pretrained's transformer weights under the model's own names, read lazily: `read(name, start,
     stop)` gives rows start:stop of one parameter (float32) and reads only those bytes from a diffusers
     folder's shards, so each rank of a sharded model reads its own rows (parallel/init.py `materialize`).

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from models.dit import WAN_OPTIONS
-from models.weight_files import check_safetensors, check_weight_names
+from models.weight_files import LazyWeights, check_safetensors, check_weight_names
 
 _RENAMES = [  # (diffusers pattern, tessera name); \\1 is the block index
     (r"patch_embedding\.(weight|bias)", r"x_embedder.proj.\1"),
@@ -270,7 +270,7 @@ def _read_config(path: Path) -> dict:
     return config
 
 
-class WanWeights:
+class WanWeights(LazyWeights):
     """A diffusers WanTransformer3DModel folder (config.json and one or more .safetensors files), read
     lazily: `read(name, start, stop)` returns rows start:stop (along dim 0) of one tessera parameter and
     reads only those bytes, so a rank of a sharded model reads only its own shard."""
@@ -366,6 +366,20 @@ class WanWeights:
         if not pieces:  # an empty shard
             return torch.empty((0, *self.shape(name)[1:]), dtype=torch.float32)
         return torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0]
+
+    def where(self, name: str) -> str:
+        """The safetensors file and key of the first of `name`'s tensors that holds NaN or inf (read again:
+        only on the way to an error), else of its first."""
+        from safetensors import safe_open
+
+        keys = self.sources[name]
+        read = lambda k: self._key_file[k].get_tensor(self._file_key[k])  # noqa: E731
+        key = self._file_key[next((k for k in keys if not torch.isfinite(read(k)).all()), keys[0])]
+        for file in sorted(self.folder.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                if key in f.keys():
+                    return f"model.pretrained={self.folder}: tensor '{key}' in {file}"
+        return f"model.pretrained={self.folder}: tensor '{key}'"
 
 
 def check_wan_folder(folder) -> None:

@@ -12,6 +12,35 @@ class WeightFileError(ValueError):
     """A weights file that is not what it says (a user error: the message names the file)."""
 
 
+class LazyWeights:
+    """What model.pretrained's weights are read through, whatever holds them: a diffusers folder (Wan's:
+    models/wan.py WanWeights; a family's: models/family.py FamilyWeights), read row by row so that each rank
+    of a sharded model reads only its shard (parallel/init.py materialize), or a tessera run's checkpoint
+    (parallel/components.py TesseraWeights), which DCP reads resharded. The code above models/ asks these
+    methods, never the kind."""
+
+    folder: Path  # what model.pretrained names, for messages
+    checkpoint: Path | None = None  # a tessera checkpoint's step folder: read through DCP, not row by row
+    use_ema: bool = True  # a checkpoint's: its EMA weights, or the raw ones
+
+    def check_parameters(self, names, partial: bool = False) -> None:
+        """Every weight has a place among the model's parameter `names` and every parameter a weight
+        (`partial`, a PipeFusion stage holding some blocks: the latter only); else an error naming them."""
+        raise NotImplementedError
+
+    def shape(self, name: str) -> tuple:
+        raise NotImplementedError
+
+    def read(self, name: str, start: int, stop: int):
+        """Rows start:stop (along dim 0) of tessera parameter `name`, float32, reading only those bytes."""
+        raise NotImplementedError
+
+    def where(self, name: str) -> str:
+        """Where parameter `name` (tessera's name) is read from, for a message: model.pretrained, the file
+        and its key where the kind knows them."""
+        return f"model.pretrained={self.folder}: tensor '{name}' (tessera's name)"
+
+
 def check_safetensors(file: Path, what: str = "model.pretrained", error=WeightFileError) -> None:
     """A safetensors file holds an 8-byte header length, the JSON header, then the tensors' bytes: check
     that the file is as long as its header says (a download or copy cut short is not), reading a few KB."""

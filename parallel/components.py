@@ -4,7 +4,6 @@ Shared by train.py, infer.py and the scripts; the weights are filled by parallel
 """
 
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,6 +17,7 @@ from models.text_encoder import TextEncoder, build_text_encoder
 from models.util import reading_weights
 from models.vae import LatentSpace, build_vae
 from models.wan import WanWeights, check_wan_folder, second_expert
+from models.weight_files import LazyWeights
 from parallel.checkpoint import TrainingState, load_base_weights, load_weights
 from parallel.checkpoint_files import resolve_checkpoint
 from parallel.checkpoint_reading import check_checkpoint_files
@@ -34,7 +34,6 @@ from parallel.lora import (
     is_tessera_run,
 )
 from parallel.operators import apply_operators
-from parallel.sequence import apply_sequence_parallel
 
 
 def build_frozen(cfg, device) -> tuple[TextEncoder, LatentSpace]:
@@ -116,10 +115,10 @@ def fill_unsharded(
     """Allocate an unsharded model on the host and fill it from `pretrained` (open_pretrained's answer)
     or from `seed`. Pretrained weights with NaN or inf are refused by file and tensor; `group`: the ranks
     that decide it together (every one calls this: PipeFusion stages hold different blocks)."""
-    if isinstance(pretrained, TesseraWeights):
+    if pretrained is not None and pretrained.checkpoint is not None:  # a tessera run's: DCP reads it
         model.to_empty(device="cpu")
         load_weights(
-            pretrained.step, model, use_ema=pretrained.use_ema, select=lambda key: not is_adapter(key)
+            pretrained.checkpoint, model, use_ema=pretrained.use_ema, select=lambda key: not is_adapter(key)
         )
     else:
         materialize(model, "cpu", seed, pretrained, zero_init=zero_init, partial=partial)
@@ -128,13 +127,17 @@ def fill_unsharded(
         check_pretrained_finite(model, pretrained, group, select, aligned=not partial)
 
 
-@dataclass
-class TesseraWeights:
+class TesseraWeights(LazyWeights):
     """model.pretrained naming a tessera run: the EMA weights of `step` (its latest checkpoint), or the raw
-    ones (infer.py --no-ema pairing a trained second expert)."""
+    ones (infer.py --no-ema pairing a trained second expert), read through DCP (`checkpoint`)."""
 
-    step: Path
-    use_ema: bool = True
+    def __init__(self, step: Path, use_ema: bool = True):
+        self.step, self.use_ema = Path(step), use_ema
+        self.folder = self.checkpoint = self.step
+
+    def where(self, name: str) -> str:
+        kind = "EMA" if self.use_ema else "raw"
+        return f"model.pretrained={self.step.parent.parent} ({self.step}, {kind} weights): tensor '{name}'"
 
 
 def check_pretrained(pretrained: str) -> None:
@@ -202,8 +205,7 @@ def meta_model_builder(cfg, groups, text_encoder, vae, dtype):
         for name, p in model.named_parameters():  # LTX-2 with data.audio=false: its audio stays as loaded
             if not trained(name):
                 p.requires_grad_(False)
-        parallel = apply_sequence_parallel if family.native else apply_operators
-        return parallel(model, groups), names
+        return apply_operators(model, groups), names
 
     return meta_model
 
@@ -232,11 +234,12 @@ def fill_sharded(
     from `pretrained` (Wan weights read row by row, or a tessera run's checkpoint resharded by DCP) or
     from `seed`; adapters from `adapter_start` (lora.init_from) where it has them, else `adapter_seed`.
     Pretrained weights with NaN or inf are refused by file and tensor, alike on every rank."""
-    wan = pretrained if not isinstance(pretrained, TesseraWeights) else None
+    checkpoint = pretrained.checkpoint if pretrained is not None else None
+    rows = pretrained if checkpoint is None else None  # read row by row, each rank its shard
     device = param_device(runtime.device, cpu_offload)
-    materialize(model, device, seed, wan, adapter_seed=adapter_seed, adapter_start=adapter_start)
-    if isinstance(pretrained, TesseraWeights):
-        load_base_weights(runtime, pretrained.step, model)
+    materialize(model, device, seed, rows, adapter_seed=adapter_seed, adapter_start=adapter_start)
+    if checkpoint is not None:  # a tessera run's: DCP reads it resharded
+        load_base_weights(runtime, checkpoint, model)
     if pretrained is not None:  # each rank its shards, one verdict for all (the adapters: read_file)
         select = lambda key: not is_adapter(key)  # noqa: E731
         check_pretrained_finite(model, pretrained, runtime.control_group, select)

@@ -21,9 +21,9 @@ from parallel.checkpoint_records import check_architecture
 from parallel.components import build_frozen, build_model, fill_unsharded, open_pretrained
 from parallel.finite import check_adapters_finite, check_checkpoint_finite
 from parallel.lora import checkpoint_adapters, is_tessera_run, lora_of
+from parallel.operators import apply_operators
 from parallel.pipefusion_plan import held_elsewhere, keep_stage
 from parallel.sampling import ParallelSampler
-from parallel.sequence import apply_sequence_parallel
 
 
 def load_sampler(
@@ -70,7 +70,7 @@ def load_sampler(
     for update in deltas:
         merge_deltas(model, update, elsewhere=held_elsewhere(model))  # a stage: its blocks' only
     if layout.pipefusion == 1:
-        model = apply_sequence_parallel(model, runtime.sequence)
+        model = apply_operators(model, runtime.sequence)
     model = model.to(runtime.device).eval()
     pair = None
     if experts is not None:  # Wan 2.2 A14B: the low-noise expert, built and filled as the first one
@@ -78,7 +78,7 @@ def load_sampler(
         low = build_model(cfg, text_encoder, vae, weights=False)
         fill_unsharded(low, cfg.train.seed, open_pretrained(cfg, low, folder, use_ema))
         # it waits on the host: the sampler keeps one expert on the device at a time (14B each)
-        pair = (apply_sequence_parallel(low, runtime.sequence).eval(), boundary, guidance_2)
+        pair = (apply_operators(low, runtime.sequence).eval(), boundary, guidance_2)
     sampler = None
     if layout.cfg * layout.pipefusion > 1 or pair is not None:
         sampler = ParallelSampler(

@@ -8,7 +8,6 @@ The cost is one isfinite pass per tensor, on the device it is loaded to, with no
 one host read per device. On a sharded model each rank checks its own shards and the ranks agree on the
 first bad tensor in one tiny all-reduce, so every rank raises the same error, or none does."""
 
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -76,44 +75,20 @@ def _weight_of(name: str) -> str:
 
 
 def check_pretrained_finite(model, pretrained, group=None, select=None, aligned: bool = True) -> None:
-    """After `model` was filled from model.pretrained (`pretrained`: a models.wan.WanWeights, a
-    models.family.FamilyWeights or a parallel.components.TesseraWeights): refuse weights with NaN or inf,
-    naming the file and the tensor."""
+    """After `model` was filled from model.pretrained (`pretrained`: its models/weight_files.py LazyWeights):
+    refuse weights with NaN or inf, naming where the first such tensor was read from."""
     name = first_bad_parameter(model, group, select, aligned)
     if name is None:
         return
     if name.startswith("a tensor another rank"):
-        where = f"model.pretrained={getattr(pretrained, 'folder', None) or pretrained.step}: {name}"
-    elif hasattr(pretrained, "sources"):  # a Wan folder: the file and its own key
-        file, key = wan_location(pretrained, name)
-        where = f"model.pretrained={pretrained.folder}: tensor '{key}' in {file}"
-    elif not hasattr(pretrained, "step"):  # a family's weights (models/family.py FamilyWeights)
-        where = f"model.pretrained={pretrained.folder}: tensor '{name}' (tessera's name)"
+        where = f"model.pretrained={pretrained.folder}: {name}"
     else:
-        kind = "EMA" if pretrained.use_ema else "raw"
-        run = pretrained.step.parent.parent
-        where = f"model.pretrained={run} ({pretrained.step}, {kind} weights): tensor '{name}'"
+        where = pretrained.where(name)
     raise NonFiniteWeightsError(
         f"{where} holds NaN or inf (the first such tensor), so every output would be NaN; nothing was "
         "run. The weights are damaged or were saved from a diverged run: download or export them again, "
         "or name other weights in model.pretrained"
     )
-
-
-def wan_location(pretrained, name: str) -> tuple[Path, str]:
-    """(file, key) of the first safetensors tensor behind tessera parameter `name` that holds NaN or inf
-    (read again: only on the way to an error)."""
-    from safetensors import safe_open
-
-    keys = pretrained.sources[name]
-    read = lambda k: pretrained._key_file[k].get_tensor(pretrained._file_key[k])  # noqa: E731
-    bad = next((k for k in keys if not torch.isfinite(read(k)).all()), keys[0])
-    key = pretrained._file_key[bad]
-    for file in sorted(Path(pretrained.folder).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            if key in f.keys():
-                return file, key
-    return Path(pretrained.folder), key
 
 
 def check_checkpoint_finite(model, path, use_ema: bool, group=None, aligned: bool = True) -> None:

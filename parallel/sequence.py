@@ -1,11 +1,12 @@
 """Sequence parallelism: one sample's tokens split over `ulysses x ring` processes.
 
-The DiT stays single-device code; `apply_sequence_parallel` changes it from the outside: the
-sequence is padded and sliced after the patch embedding and gathered before the final layer, and
-each attention becomes a SequenceParallelAttention: Ulysses (all-to-all, heads for tokens), Ring
-(parallel/ring.py) or both. Padded keys are masked, so the output equals the unpadded computation,
-and the gather's backward is a reduce-scatter, so FSDP's mean over dp x sp ranks is exactly the
-data-parallel mean. docs/internals.md has the rank order and the gradient argument.
+A model stays single-device code; parallel/operators.py `apply_operators` changes it from the outside:
+the sequence is padded and sliced after the patch embedding and gathered before the final layer
+(ShardedSequence), and each self-attention (kind "self") becomes a SequenceParallelAttention: Ulysses
+(all-to-all, heads for tokens), Ring (parallel/ring.py) or both. Padded keys are masked, so the output
+equals the unpadded computation, and the gather's backward is a reduce-scatter, so FSDP's mean over
+dp x sp ranks is exactly the data-parallel mean. docs/internals.md has the rank order and the gradient
+argument.
 """
 
 from dataclasses import dataclass
@@ -178,16 +179,3 @@ def share_batch(groups: SequenceGroups, tensors: list, specs: list, device) -> l
             )
         comm.broadcast(buffer, src, groups.sp_group)
     return [buffer.to(dtype) for buffer, (_, dtype) in zip(buffers, specs)]
-
-
-def apply_sequence_parallel(model: nn.Module, groups: SequenceGroups) -> nn.Module:
-    """Make a single-device DiT sequence parallel over `groups` (before FSDP, compile or AC wrap it)."""
-    if groups.sp_size == 1:
-        return model
-    if model.num_heads % groups.ulysses_size:
-        raise ValueError(f"{model.num_heads} heads do not divide by ulysses={groups.ulysses_size}")
-    state = SequenceState()
-    model.sequence = ShardedSequence(groups, state)
-    for block in model.blocks:
-        block.attn.inner_attention = SequenceParallelAttention(groups, state, block.attn.inner_attention)
-    return model

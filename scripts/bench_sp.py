@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parallel import comm  # noqa: E402
 from parallel.layout import ParallelLayout  # noqa: E402
+from parallel.operators import apply_operators
 from parallel.sequence import SequenceParallelAttention, SequenceState  # noqa: E402
 
 LAYOUTS = {
@@ -127,7 +128,6 @@ def measure_time(groups, layout, args, device, dtype):
 def measure_step(groups, args, device, dtype):
     """Forward + backward of a small DiT (no optimizer) on one video of args.time_tokens tokens."""
     from models.dit import DiT
-    from parallel.sequence import apply_sequence_parallel
 
     torch.manual_seed(0)
     model = DiT(
@@ -138,7 +138,7 @@ def measure_step(groups, args, device, dtype):
         num_heads=args.heads,
         patch_size=(1, 2, 2),
     ).to(device, dtype)
-    apply_sequence_parallel(model, groups)
+    apply_operators(model, groups)
     side = int((args.time_tokens // 4) ** 0.5) * 2  # 4 frames of side/2 x side/2 patches
     x = torch.randn(1, 4, 4, side, side, device=device, dtype=dtype)
     t, y, mask = (

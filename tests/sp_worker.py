@@ -105,9 +105,9 @@ def check_model(layout, groups, frames, height=8, width=8, wan=False, image=Fals
         in_channels=4, text_dim=16, depth=2, hidden_size=32, num_heads=4, patch_size=(1, 2, 2), **options
     )
     model.load_state_dict(reference_model.state_dict())
-    from parallel.sequence import apply_sequence_parallel
+    from parallel.operators import apply_operators
 
-    apply_sequence_parallel(model, groups)
+    apply_operators(model, groups)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 4, frames, height, width, generator=g)
     t = torch.rand(2, generator=g)

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.attention import make_attention
+from models.attention import SelfAttentionOperator, make_attention
 from models.dit import WholeSequence, apply_rope
 from models.layers import FeedForward, TimestepMLP, timestep_features
 
@@ -86,22 +86,7 @@ class PlainRMSNorm(nn.Module):
         return (x * torch.rsqrt(variance + self.eps)).to(x.dtype)
 
 
-class SelfAttention(nn.Module):
-    """Self-attention over the video stream, q, k, v (B, H, N, Dh) -> (B, H, N, Dh): this rank's tokens
-    under sequence parallelism (kind "self": parallel/ replaces `attn1.inner_attention` with Ulysses' or
-    ring attention)."""
-
-    kind = "self"
-
-    def __init__(self, backend: str = "sdpa"):
-        super().__init__()
-        self.kernel = make_attention(backend)
-
-    def forward(self, q, k, v):
-        return self.kernel(q, k, v)
-
-
-class AudioSelfAttention(SelfAttention):
+class AudioSelfAttention(SelfAttentionOperator):
     """Self-attention over the audio stream, which is whole on every rank (its 126 tokens for 121 frames
     cost less to repeat than to split): kind "whole", unchanged under sequence parallelism."""
 
@@ -199,7 +184,7 @@ class LTX2Block(nn.Module):
         super().__init__()
         attention = lambda *a: LTX2Attention(*a, eps=eps, **attn)
         self.norm1, self.audio_norm1 = PlainRMSNorm(eps), PlainRMSNorm(eps)
-        self.attn1 = attention(dim, heads, head_dim, dim, SelfAttention(backend))
+        self.attn1 = attention(dim, heads, head_dim, dim, SelfAttentionOperator(backend))
         self.audio_attn1 = attention(
             audio_dim, audio_heads, audio_head_dim, audio_dim, AudioSelfAttention(backend)
         )
