@@ -108,6 +108,8 @@ def holds(run_dir, token: str) -> bool:
         holder, mtime = _read(path) if _present(path) else (None, None)
     except RunDirectoryInUse:
         return False
+    except OSError:  # the file system did not answer (EIO, ESTALE): no sign of a loss, as for rank 0
+        return True
     if mtime is None:
         return _tombstone(path, token).exists()
     return holder is None or holder.get("token") == token
@@ -294,7 +296,7 @@ class RunLock:
     def _move_aside(self, holder: dict | None, keep: Path | None = None) -> bool:
         """Remove the lock judged gone (or, to `keep`, this process's own at release), unless another
         process replaced it meanwhile (it is then put back). True: removed."""
-        aside = keep or self.path.with_name(f"{LOCK_NAME}.{self.record['token']}.stale")
+        aside = self.path.with_name(f"{LOCK_NAME}.{self.record['token']}.stale")  # a neutral name first
         try:
             os.rename(self.path, aside)
         except FileNotFoundError:
@@ -311,6 +313,8 @@ class RunLock:
             return False
         if keep is None:
             aside.unlink()
+        else:  # now known to be this process's own: the tombstone the run's other ranks recognise
+            os.replace(aside, keep)
         return True
 
     def _beat(self) -> None:

@@ -96,6 +96,12 @@ def encoder_record(cfg) -> dict:
                 record[name] = {"folder": str(value), "weights": fingerprint_files(_weight_files(folder))}
             else:
                 record[name] = value
+    root = Path(cfg.model.pretrained) if cfg.model.pretrained else None
+    if root is not None and (root / "model_index.json").is_file():  # a pipeline's other frozen parts
+        for part in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("transformer")):
+            files = _weight_files(part)
+            if files and part.name not in ("vae", "text_encoder"):  # (those: above, from their own keys)
+                record[f"parts.{part.name}"] = {"folder": str(part), "weights": fingerprint_files(files)}
     return record
 
 

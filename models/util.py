@@ -1,6 +1,7 @@
 """Small helpers shared by the model code."""
 
 import contextlib
+import pickle
 
 import torch
 
@@ -23,17 +24,28 @@ def reading_weights(what: str):
     """Load `what` (the frozen parts: text encoder, VAE, image encoder) inside this block: a weights file the
     libraries refuse to unpickle (a .bin pickle that torch.load(weights_only=True) will not read) becomes one
     `error:` line naming it, not a traceback. Every other error passes as it is."""
-    import pickle
-
     try:
         yield
     except pickle.UnpicklingError as e:
         raise WeightsUnreadable(_unreadable(what, e)) from None
     except (OSError, RuntimeError) as e:  # the libraries wrap torch.load's refusal in these
-        refusal = ("weights_only", "Weights only load failed", "Unable to load weights from checkpoint")
-        if isinstance(e, FileNotFoundError) or not any(words in str(e) for words in refusal):
+        if isinstance(e, FileNotFoundError) or not _refused_pickle(e):
             raise
         raise WeightsUnreadable(_unreadable(what, e)) from None
+
+
+def _refused_pickle(error: BaseException) -> bool:
+    """Whether `error` is torch.load(weights_only=True) refusing a pickle: its own words, or diffusers'
+    "Unable to load weights from checkpoint file" about a .bin or .pth file (diffusers says the same of a
+    damaged .safetensors, which is no pickle)."""
+    text = str(error)
+    if "weights_only" in text or "Weights only load failed" in text:
+        return True
+    if isinstance(error.__cause__ or error.__context__, pickle.UnpicklingError):
+        return True
+    return "Unable to load weights from checkpoint" in text and any(
+        k in text for k in (".bin'", ".pth'", ".pt'")
+    )
 
 
 def _unreadable(what: str, error: BaseException) -> str:

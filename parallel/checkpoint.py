@@ -11,6 +11,7 @@ group (docs/internals.md: long-lived gloo threads slowed training by 30-70%).
 import contextlib
 import datetime
 import functools
+import io
 import pickle
 import re
 import shutil
@@ -207,7 +208,9 @@ def _write(
             runtime.control_group,
             lambda group: dcp.save(state, checkpoint_id=tmp, process_group=group, storage_writer=writer),
         )
+    _ensure_directory(runtime)  # the rest of the save, too, only while the directory is this run's
     torch.save(trainer_state, tmp / f"trainer_rank{runtime.rank}.pt")
+    _ensure_directory(runtime)
     _seal(tmp, runtime.rank)
     runtime.fence()
     if runtime.is_main:
@@ -267,13 +270,45 @@ class _GuardedFileSystem:
     def __init__(self, fs, ensure):
         self._fs, self._ensure = fs, ensure
 
+    @contextlib.contextmanager
     def create_stream(self, path, mode):
         if "w" in mode:
             self._ensure()
-        return self._fs.create_stream(path, mode)
+        with self._fs.create_stream(path, mode) as stream:
+            yield _GuardedStream(stream, self._ensure) if "w" in mode else stream
 
     def __getattr__(self, name):  # everything else is DCP's file system's
         return getattr(self._fs, name)
+
+
+class _GuardedStream(io.RawIOBase):
+    """A shard file being written, asking again every CHECK_BYTES: DCP writes one file per rank, gigabytes
+    of it, and a run woken in the middle of one stops within those bytes."""
+
+    CHECK_BYTES = 256 << 20
+
+    def __init__(self, stream, ensure):
+        super().__init__()
+        self.stream, self.ensure, self.since = stream, ensure, 0
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        self.since += len(data)
+        if self.since >= self.CHECK_BYTES:
+            self.ensure()
+            self.since = 0
+        return self.stream.write(data)
+
+    def tell(self):
+        return self.stream.tell()
+
+    def flush(self):
+        self.stream.flush()
+
+    def fileno(self):
+        return self.stream.fileno()
 
 
 class _SafeReader(FileSystemReader):

@@ -154,7 +154,8 @@ def _check_structure(path, name: str, metadata) -> None:
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    storage, tensors = metadata.storage_data, metadata.state_dict_metadata
+    storage = getattr(metadata, "storage_data", None)  # a Metadata built without them is no metadata
+    tensors = getattr(metadata, "state_dict_metadata", None)
     problem = None
     if not isinstance(tensors, dict):
         problem = f"its state_dict_metadata is a {type(tensors).__name__}, not a dict"

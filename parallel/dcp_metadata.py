@@ -123,17 +123,27 @@ class _Builder:
 
     def __init__(self, real: dict):
         self.real = real
+        # what each object of the file (by id: the file's objects stay alive while they are built) became:
+        # an object the pickle's memo shares is built once, as pickle would, and a crafted chain of
+        # shared lists ([x, x], N times over) costs N builds, not 2^N
+        self.built: dict[int, object] = {}
 
     def build(self, value, depth: int = 0):
         kind = type(value)
         if kind in _PLAIN:
             return value
+        if (kind is tuple or kind is list) and _PLAIN.issuperset(map(type, value)):
+            return value if kind is tuple else list(value)  # most are: a chunk's offsets, a planner's names
         if depth > _DEPTH:
             raise Forbidden("nesting deeper than DCP's metadata")
-        depth += 1
+        done = self.built.get(id(value), self)
+        if done is not self:
+            return done
+        self.built[id(value)] = made = self._build(value, kind, depth + 1)
+        return made
+
+    def _build(self, value, kind, depth: int):
         if kind is tuple or kind is list:
-            if _PLAIN.issuperset(map(type, value)):  # most are: a chunk's offsets, a planner's names
-                return value if kind is tuple else list(value)
             return kind(self.build(v, depth) for v in value)
         if kind is dict:
             return {self.build(k, depth): self.build(v, depth) for k, v in value.items()}

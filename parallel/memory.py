@@ -196,7 +196,7 @@ class HostMemoryWatch:
         low = f"host memory nearly exhausted ({where}: {gib(available)} available of {gib(total)})"
         held = f"its main process holds {gib(parts['main process'])}, its loader workers "
         held += gib(parts["data loader workers"])
-        if sum(grown.values()) < self.GROWTH:
+        if grown[part] < self.GROWTH:  # the part it would name: another shrinking hides no leak
             if not self._warned:
                 self._warned = True
                 since = f"rank {self.rank} did not grow since step {self.base_step}"

@@ -18,13 +18,16 @@ from parallel.memory import GiB, floor_of, gib, host_memory
 
 ACTIVATION_VALUES = 17  # values a block keeps per token and hidden unit for backward (no attention matrix)
 WORKER_BYTES = 3 * GiB // 10  # a data loader worker (forked: what it touches of its own)
+SIBLING_BYTES = GiB  # another local rank's process before its work: interpreter, libraries, CUDA's host side
+COLLECTIVE_BYTES = GiB // 2  # NCCL's buffers and the allocator's reserve on a GPU of several ranks
 
 
 @dataclass
 class Peak:
-    """What a recipe's run adds to its processes as they are before start-up (their interpreter, libraries
-    and CUDA context are in what the free figures leave out already): bytes per device and per host, and
-    what makes them up (for the message)."""
+    """What a recipe's run adds to this rank's process as it is at the check (its interpreter, libraries and
+    CUDA context are in what the free figures leave out already), and to the host the other local ranks'
+    processes (SIBLING_BYTES each: they may not have started yet): bytes per device and per host, and what
+    makes them up (for the message)."""
 
     device: int
     host: int
@@ -86,6 +89,8 @@ def modelled_peak(model, setting: Setting) -> Peak:
     if not setting.cpu_offload:
         on_device = sharded | on_device
     loader = setting.workers * (WORKER_BYTES + 2 * setting.batch_bytes)
+    if setting.on_gpu and setting.fsdp > 1:
+        on_device["collective buffers"] = COLLECTIVE_BYTES
     device, parts = sum(on_device.values()), dict(on_device)
     if setting.on_gpu:  # the host holds the offloaded states, and the loader's
         per_process = sum(sharded.values()) if setting.cpu_offload else 0
@@ -93,7 +98,9 @@ def modelled_peak(model, setting: Setting) -> Peak:
             parts["offloaded states (host)"] = per_process
     else:  # the device is the host
         per_process = device
-    return Peak(device, setting.local * (per_process + loader), parts | {"loader workers (host)": loader})
+    siblings = (setting.local - 1) * SIBLING_BYTES
+    host = setting.local * (per_process + loader) + siblings
+    return Peak(device, host, parts | {"loader workers (host)": loader, "other local ranks (host)": siblings})
 
 
 def _width(block) -> int:
@@ -125,13 +132,13 @@ def check_training_memory(cfg, layout, buckets, world_size: int, local_world: in
     setting = training_setting(cfg, layout, buckets, world_size, local_world)
     model = meta_model(cfg, cfg.lora.rank)
     peak = modelled_peak(model, setting)
+    free = device_free(local_rank)  # first: the CUDA context it makes is then in the host's figure too
     available, total, where = host_memory()
-    free = device_free(local_rank)
     unit = "GPU" if setting.on_gpu else "process"
     short = []
     if free is not None and peak.device > free:
         short.append(f"{gib(peak.device)} per GPU, and GPU {local_rank} has {gib(free)} free")
-    if peak.host + floor_of(total) > available:  # what the watch during the run keeps free, too
+    if total and peak.host + floor_of(total) > available:  # what the watch during the run keeps free, too
         processes = f"{setting.local} process{'es' * (setting.local > 1)}"
         short.append(
             f"{gib(peak.host)} on this host ({processes}), and {where} has {gib(available)} available"

@@ -201,14 +201,16 @@ class Watchdog(HeartbeatChannel):
     def _run(self) -> None:
         next_tick = time.monotonic() + self.interval
         while not self._stop.is_set():
-            if self._wake.wait(timeout=max(0.0, next_tick - time.monotonic())):
+            timeout = max(0.0, next_tick - time.monotonic())
+            asked = time.monotonic() + timeout  # when the wait should end: its oversleep alone is measured
+            if self._wake.wait(timeout=timeout):
                 self._wake.clear()
                 if self.store is not None and time.monotonic() < next_tick:
                     time.sleep(max(0.0, self._published_at + PUBLISH_EVERY_S - time.monotonic()))
                     self._publish_quietly()
                     continue
-            if time.monotonic() - next_tick > max(3 * self.interval, self.deadlines.silence_s / 2):
-                self._resumed()
+            if time.monotonic() - asked > max(3 * self.interval, self.deadlines.silence_s / 2):
+                self._resumed()  # (a slow tick, a slow store, is no suspension: not measured here)
             next_tick = time.monotonic() + self.interval
             try:
                 self._tick()

@@ -407,3 +407,29 @@ def test_files_a_checkpoint_does_not_list_make_it_incomplete(trained, tmp_path):
         checkpoint_files.find_latest(run_dir)
     with pytest.raises(checkpoint_files.CheckpointError, match="not one run's complete checkpoint"):
         checkpoint_reading.verify_checkpoint(step)
+
+
+def test_a_metadata_of_shared_lists_is_refused_at_once(tmp_path):
+    """A crafted .metadata whose memo shares one list inside the next, 40 times over ([x, x], [[x, x],
+    [x, x]], ...: 400 bytes): read by walking every reference, it would take 2^40 steps and as many bytes
+    (the second review built 1 GiB at 22 levels). Each shared object is built once, and the file is
+    refused as the no-metadata it is."""
+    step = tmp_path / "step_1"
+    step.mkdir()
+    ops = bytearray(b"\x80\x04]\x94")  # an empty list, memoised
+    for i in range(40):
+        ops += b"h" + bytes([i]) + b"h" + bytes([i]) + b"\x86\x94"  # (memo[i], memo[i]), memoised
+    (step / ".metadata").write_bytes(bytes(ops) + b".")
+    with pytest.raises(checkpoint_files.CheckpointError, match="holds a tuple, not DCP's metadata"):
+        checkpoint_reading.read_metadata(step)
+
+
+def test_a_metadata_without_its_fields_is_damaged_not_a_traceback(trained, tmp_path):
+    """DCP's Metadata built with no state at all: refused as damaged (exit 2), not an AttributeError."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    step = tmp_path / "step_2"
+    shutil.copytree(trained / "checkpoints" / "step_2", step)
+    (step / ".metadata").write_bytes(pickle.dumps(Metadata.__new__(Metadata)))
+    with pytest.raises(checkpoint_files.CheckpointError, match="its state_dict_metadata is a NoneType"):
+        checkpoint_reading.read_metadata(step)

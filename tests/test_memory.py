@@ -225,3 +225,23 @@ def test_a_lora_that_leaves_a_rank_empty_shards_trains_as_one_process(tmp_path):
     b = {m["step"]: m["loss"] for m in read_metrics(two)}
     assert a.keys() == b.keys() == {1, 2, 3}
     assert all(b[s] == pytest.approx(a[s], rel=1e-5) for s in a), (a, b)
+
+
+def test_the_watch_names_the_part_that_grew_even_when_another_shrank():
+    """The main process grows 3 GiB while the loader workers give 3 GiB back (respawned, copy-on-write
+    pages dropped): the leak is named, not taken for another process's (the second review's case); low
+    memory this rank did not take is one warning, no stop."""
+    from parallel.memory import HostMemoryWatch
+
+    said = []
+    watch = HostMemoryWatch(0, every_s=0.0, probe=lambda: (GiB // 2, 24 * GiB, "host h"), say=said.append)
+    sizes = iter([
+        {"main process": GiB, "data loader workers": 4 * GiB},  # the baseline
+        {"main process": GiB, "data loader workers": 4 * GiB},  # low, nothing grew: a warning
+        {"main process": 4 * GiB, "data loader workers": GiB},  # the main process grew
+    ])  # fmt: skip
+    watch.parts = lambda: next(sizes)
+    watch.begin(1)
+    assert watch.check(2) is None and len(said) == 1 and "did not grow" in said[0]
+    line = watch.check(3)
+    assert line and "rank 0's main process grew from 1.0 GiB to 4.0 GiB since step 1" in line, line

@@ -257,3 +257,27 @@ def test_a_lock_name_that_is_a_folder_is_refused_and_left_alone(tmp_path):
     with pytest.raises(RunDirectoryInUse, match="is a folder, not a lock file"):
         RunLock(tmp_path, **FAST).acquire(say=lambda line: None)
     assert (tmp_path / LOCK_NAME / "keep.txt").read_text() == "mine"
+
+
+def test_a_file_system_that_does_not_answer_is_no_loss(tmp_path, monkeypatch):
+    """ESTALE or EIO from a network mount while a rank asks: held, for the ranks that hold no lock too
+    (they raised the OSError itself, even while writing their failure records)."""
+    from pathlib import Path
+
+    from configs.runlock import holds
+
+    lock = RunLock(tmp_path, beat_s=10)
+    lock.acquire()
+    real = Path.exists
+
+    def stale(path, *args, **kwargs):
+        if path.name == LOCK_NAME:
+            raise OSError(116, "Stale file handle")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "exists", stale)
+    assert holds(tmp_path, lock.token) and lock.held()
+    monkeypatch.setattr(Path, "exists", real)
+    lock.release()
+    assert holds(tmp_path, lock.token)  # its tombstone: the run's other ranks still count as its
+    assert not holds(tmp_path, "another run's token")

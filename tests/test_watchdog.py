@@ -314,3 +314,35 @@ def test_a_broken_collective_is_a_stop_only_outside_the_loop(tmp_path, capsys, m
     assert entrypoint._report_failure(broken, 0, session) == 128 + signal.SIGTERM
     err = capsys.readouterr().err
     assert "[rank 0] stopped: received SIGTERM" in err and "error:" not in err, err
+
+
+class SlowStore:
+    """A store whose writes take `delay_s` (a loaded rendezvous host): the watchdog's ticks run long."""
+
+    def __init__(self, store, delay_s: float):
+        self.store, self.delay_s = store, delay_s
+
+    def set(self, key, value):
+        time.sleep(self.delay_s)
+        return self.store.set(key, value)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_a_slow_tick_is_no_suspension_and_a_dead_peer_is_still_named(tmp_path):
+    """The thread judges a suspended process (it woke far later than it asked: a job resumed after
+    SIGSTOP) by its wait alone: a tick made slow by the store must not count as one, or every slow tick
+    would wipe the peers' silence and a dead rank would never be named."""
+    store = dist.HashStore()
+    deadlines = Deadlines(long_s=5, stall_s=5, silence_s=1.0)
+    survivor = Watchdog(0, 2, SlowStore(store, 0.9), tmp_path, deadlines, interval_s=0.2)
+    dead = Watchdog(1, 2, store, tmp_path, deadlines, interval_s=0.2)
+    survivor._held.set()
+    dead._publish()  # its one heartbeat, then nothing
+    survivor.start()
+    try:
+        assert survivor._verdict_ready.wait(timeout=15), "the dead rank was never named"
+    finally:
+        survivor.finish()
+    assert "rank 1 (" in survivor.verdict and "stopped responding" in survivor.verdict, survivor.verdict
