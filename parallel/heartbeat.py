@@ -20,7 +20,7 @@ STORE_CLOSED_WORDS = (
 
 class HeartbeatChannel:
     """Reading and writing the store for a Watchdog, which provides store, rank, world_size, watched,
-    interval, deadlines, _peers and _payload()."""
+    interval, deadlines, _peers, _peers_checked and _payload()."""
 
     def _publish(self) -> None:
         if self.store is not None:
@@ -109,8 +109,14 @@ class HeartbeatChannel:
         )
 
     def _check_peers(self) -> str | None:
-        """A watched peer whose heartbeat has not changed for the silence deadline."""
+        """A watched peer whose heartbeat has not changed while this rank watched for the silence
+        deadline. Only the time this process ran counts: a gap between two checks longer than away_cap()
+        (this process suspended, or frozen, with its peers) counts nothing, or every rank of a job resumed
+        after SIGSTOP would name another dead before their first beats arrive."""
         now = time.monotonic()
+        gap = now - self._peers_checked if self._peers_checked is not None else 0.0
+        counted = gap if gap <= self.away_cap() else 0.0
+        self._peers_checked = now
         keys = [f"hb/{r}" for r in self.watched]
         present = [r for r, k in zip(self.watched, keys) if self.store.check([k])]
         if not present:
@@ -119,13 +125,21 @@ class HeartbeatChannel:
             beat = json.loads(raw)
             seen = self._peers.get(r)
             if seen is None or seen[0] != beat["beat"]:
-                self._peers[r] = (beat["beat"], now, beat)
-            elif beat["state"] == "running" and now - seen[1] > self.deadlines.silence_s:
+                self._peers[r] = (beat["beat"], 0.0, beat)
+                continue
+            silent = seen[1] + counted
+            self._peers[r] = (seen[0], silent, beat)
+            if beat["state"] == "running" and silent > self.deadlines.silence_s:
                 return (
                     f"rank {r} ({beat['host']}:{beat['pid']}) stopped responding {where(beat)}: its "
-                    f"heartbeat has been silent for {now - seen[1]:.0f} s (killed, stopped or its host lost)"
+                    f"heartbeat has been silent for {silent:.0f} s (killed, stopped or its host lost)"
                 )
         return None
+
+    def away_cap(self) -> float:
+        """A pause longer than this between two of this rank's checks means the process did not run: it is
+        not counted as a peer's silence (a slow store call is shorter: it counts)."""
+        return max(3 * self.interval, self.deadlines.silence_s / 2, 2.0)
 
 
 def where(beat: dict) -> str:

@@ -98,7 +98,9 @@ class Watchdog(HeartbeatChannel):
         self._verdict_ready = threading.Event()
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._peers: dict[int, tuple[int, float, dict]] = {}  # rank -> (beat, when it last changed, payload)
+        self._peers: dict[int, tuple[int, float, dict]] = {}  # rank -> (beat, seconds silent, payload)
+        self._peers_checked: float | None = None  # when _check_peers last ran
+        self._ticked: float | None = None  # when the last tick began
         self._store_failing_since: float | None = None
         self.watched = [(rank + i) % world_size for i in range(1, min(world_size, WATCHED_PEERS + 1))]
         self._thread = threading.Thread(target=self._run, name="tessera-watchdog", daemon=True)
@@ -201,36 +203,31 @@ class Watchdog(HeartbeatChannel):
     def _run(self) -> None:
         next_tick = time.monotonic() + self.interval
         while not self._stop.is_set():
-            timeout = max(0.0, next_tick - time.monotonic())
-            asked = time.monotonic() + timeout  # when the wait should end: its oversleep alone is measured
-            if self._wake.wait(timeout=timeout):
+            if self._wake.wait(timeout=max(0.0, next_tick - time.monotonic())):
                 self._wake.clear()
                 if self.store is not None and time.monotonic() < next_tick:
                     time.sleep(max(0.0, self._published_at + PUBLISH_EVERY_S - time.monotonic()))
                     self._publish_quietly()
                     continue
-            if time.monotonic() - asked > max(3 * self.interval, self.deadlines.silence_s / 2):
-                self._resumed()  # (a slow tick, a slow store, is no suspension: not measured here)
             next_tick = time.monotonic() + self.interval
             try:
                 self._tick()
             except Exception as e:  # the watchdog must never take a healthy run down
                 print(f"[rank {self.rank}] watchdog: {one_line(e)}", file=sys.stderr, flush=True)
 
-    def _resumed(self) -> None:
-        """This thread woke far later than it asked: the process did not run for a while (a job suspended
-        with SIGSTOP and resumed, a frozen host). Its clocks ran on, and so did its peers'. Silence and
-        stalls are judged afresh from now, or every rank of a resumed job would name another as dead
-        before their first beats arrive."""
-        self._peers.clear()
-        self._progress = time.monotonic()
-
     def _tick(self) -> None:
         if self._exiting and not self._held.is_set():
             return
+        started = time.monotonic()
+        away = self._ticked is not None and started - self._ticked > self.away_cap()
+        self._ticked = started
         self._beat += 1
         try:
             self._publish()
+            if away or time.monotonic() - started > self.away_cap():
+                # this process did not run for a while (suspended, frozen): its own stall starts afresh
+                # (its peers' silence is judged on the time it ran: heartbeat.py _check_peers)
+                self._progress = time.monotonic()
             reason = self._read_abort() or self._check_peers()
             self._store_failing_since = None
         except Exception as e:  # the store is gone with its host (rank 0 or the first node's agent), or slow
