@@ -176,7 +176,7 @@ def check_before_start(cfg) -> Plan:
     buckets = build_buckets(cfg)
     if family is not None:
         check_family_sizes(cfg, family, layout, buckets)
-    # before any weight or data file is read: a recipe that cannot fit is refused with what would
+    # before any weight or data file is read: a recipe that cannot fit is refused with what would fit
     memory = check_training_memory(cfg, layout, buckets, world_size, local_world_size(), local_rank)
     sc, data = cfg.sample, cfg.data
     try:

@@ -95,7 +95,7 @@ def _encode(record: dict) -> bytes:
     """The record as JSON padded with spaces to a multiple of RECORD_BYTES: every beat is the same length,
     so a reader sees the old record or the new one, never a shorter file."""
     text = json.dumps(record).encode()
-    return text + b" " * (-len(text) % RECORD_BYTES or 0)
+    return text + b" " * (-len(text) % RECORD_BYTES)
 
 
 def holds(run_dir, token: str) -> bool:
@@ -113,6 +113,14 @@ def holds(run_dir, token: str) -> bool:
     if mtime is None:
         return _tombstone(path, token).exists()
     return holder is None or holder.get("token") == token
+
+
+def owns(lock, run_dir, token: str | None) -> bool:
+    """Whether a run still owns its directory: rank 0 asks its `lock`; another rank reads the lock file with
+    rank 0's `token`; a run that takes no lock (sampling, the scripts) always does."""
+    if lock is not None:
+        return lock.lost is None and lock.held()
+    return token is None or run_dir is None or holds(run_dir, token)
 
 
 def _present(path: Path) -> bool:

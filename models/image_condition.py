@@ -196,8 +196,11 @@ def image_inputs(cfg, device):
         return None
     from models.util import reading_weights
 
-    with reading_weights(f"the image encoder ({image_encoder_folder(cfg) if cfg.model.image_dim else ''})"):
-        encoder = ImageEncoder(image_encoder_folder(cfg)).to(device) if cfg.model.image_dim else None
+    encoder = None
+    if cfg.model.image_dim:
+        folder = image_encoder_folder(cfg)
+        with reading_weights(f"the image encoder ({folder})"):
+            encoder = ImageEncoder(folder).to(device)
     return (cfg.model.task == "flf2v", encoder)
 
 

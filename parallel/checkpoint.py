@@ -11,7 +11,6 @@ group (docs/internals.md: long-lived gloo threads slowed training by 30-70%).
 import contextlib
 import datetime
 import functools
-import io
 import pickle
 import re
 import shutil
@@ -36,6 +35,7 @@ from parallel import comm
 from parallel.checkpoint_files import (
     CheckpointError,
     UnsafeCheckpoint,
+    WatchedFileSystem,
     _clear,
     _fsync_dir,
     _is_complete,
@@ -257,58 +257,26 @@ def _put_in_place(runtime, root: Path, final: Path, tmp: Path, step: int, keep: 
 
 
 def _guarded(runtime, writer):
-    """`writer` (DCP's FileSystemWriter) asking Runtime.ensure_directory before it opens each file: a run
-    woken in the middle of writing its shards stops there, not after writing gigabytes into a directory
-    that is another run's now (whose free-space check did not count them)."""
+    """`writer` (DCP's FileSystemWriter) asking Runtime.ensure_directory before it opens each file and every
+    CHECK_BYTES it writes: DCP writes one file per rank, gigabytes of it, and a run woken in the middle of
+    one stops there, not after filling a directory that is another run's now (whose free-space check did
+    not count it)."""
     ensure = getattr(runtime, "ensure_directory", None)
-    if ensure is not None:
-        writer.fs = _GuardedFileSystem(writer.fs, ensure)
+    if ensure is None:
+        return writer
+    since = [0]
+
+    def wrote(file, size: int) -> None:
+        since[0] += size
+        if since[0] >= CHECK_BYTES:
+            ensure()
+            since[0] = 0
+
+    writer.fs = WatchedFileSystem(writer.fs, lambda file: ensure(), wrote)
     return writer
 
 
-class _GuardedFileSystem:
-    def __init__(self, fs, ensure):
-        self._fs, self._ensure = fs, ensure
-
-    @contextlib.contextmanager
-    def create_stream(self, path, mode):
-        if "w" in mode:
-            self._ensure()
-        with self._fs.create_stream(path, mode) as stream:
-            yield _GuardedStream(stream, self._ensure) if "w" in mode else stream
-
-    def __getattr__(self, name):  # everything else is DCP's file system's
-        return getattr(self._fs, name)
-
-
-class _GuardedStream(io.RawIOBase):
-    """A shard file being written, asking again every CHECK_BYTES: DCP writes one file per rank, gigabytes
-    of it, and a run woken in the middle of one stops within those bytes."""
-
-    CHECK_BYTES = 256 << 20
-
-    def __init__(self, stream, ensure):
-        super().__init__()
-        self.stream, self.ensure, self.since = stream, ensure, 0
-
-    def writable(self):
-        return True
-
-    def write(self, data):
-        self.since += len(data)
-        if self.since >= self.CHECK_BYTES:
-            self.ensure()
-            self.since = 0
-        return self.stream.write(data)
-
-    def tell(self):
-        return self.stream.tell()
-
-    def flush(self):
-        self.stream.flush()
-
-    def fileno(self):
-        return self.stream.fileno()
+CHECK_BYTES = 256 << 20
 
 
 class _SafeReader(FileSystemReader):

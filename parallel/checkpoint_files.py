@@ -1,9 +1,12 @@
 """A checkpoint folder on disk: the step_<N> folders and the `latest` pointer, files written durably and
-sealed with their sizes and crc32s (checksums.json), and the checks that refuse a damaged checkpoint
-by name, with the previous one suggested, before anything is read from it.
+sealed with their sizes and crc32s (checksums.json), DCP's writes watched as they go (WatchedFileSystem),
+and the names and hints of the errors that refuse a damaged checkpoint (parallel/checkpoint_reading.py
+reads one).
 """
 
+import contextlib
 import errno
+import io
 import json
 import os
 import re
@@ -260,3 +263,44 @@ def find_checkpoint(cfg, checkpoint: str | None, random_weights: bool):
             f"(train.py with the same recipe), pass --checkpoint, or use --random-weights"
         )
     return found
+
+
+class WatchedFileSystem:
+    """DCP's file system with `opened(path)` called before a file is opened for writing and `wrote(path,
+    size)` before each write to it: the save's guard (_guarded) and the tests' full disk (parallel/faults.py).
+    Everything else is DCP's file system's."""
+
+    def __init__(self, fs, opened, wrote):
+        self._fs, self._opened, self._wrote = fs, opened, wrote
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        if "w" in mode:
+            self._opened(path)
+        with self._fs.create_stream(path, mode) as stream:
+            yield _WatchedStream(stream, lambda size: self._wrote(path, size)) if "w" in mode else stream
+
+    def __getattr__(self, name):
+        return getattr(self._fs, name)
+
+
+class _WatchedStream(io.RawIOBase):
+    def __init__(self, stream, wrote):
+        super().__init__()
+        self.stream, self.wrote = stream, wrote
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        self.wrote(len(data))
+        return self.stream.write(data)
+
+    def tell(self):
+        return self.stream.tell()
+
+    def flush(self):
+        self.stream.flush()
+
+    def fileno(self):
+        return self.stream.fileno()

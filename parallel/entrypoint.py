@@ -42,11 +42,9 @@ class Session:
         return Path(self.run_dir) / "failures"
 
     def owns_directory(self) -> bool:
-        from configs.runlock import holds
+        from configs.runlock import owns
 
-        if self.lock is not None:
-            return self.lock.lost is None and self.lock.held()
-        return self.lock_token is None or holds(self.run_dir, self.lock_token)
+        return owns(self.lock, self.run_dir, self.lock_token)
 
     def close(self) -> None:
         """Stop the watchdog (this rank leaves on purpose) and destroy the process groups."""

@@ -140,45 +140,20 @@ def _act(fault: str, where: str) -> None:
 
 
 def _full_disk_writer(path):
-    import contextlib
+    """DCP's writer into `path` whose files take 4 KiB between them, then fail as a full disk does."""
     import errno
-    import io
 
     from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.filesystem import FileSystem
 
-    class FillingStream(io.RawIOBase):
-        """A file that takes `budget` bytes, then fails as a full disk does."""
+    from parallel.checkpoint_files import WatchedFileSystem
 
-        budget = 4096  # shared by every file of the save
+    budget = [4096]  # shared by every file of the save
 
-        def __init__(self, stream, name):
-            self.stream, self.name = stream, name
-
-        def writable(self):
-            return True
-
-        def write(self, data):
-            if FillingStream.budget < len(data):
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.name))
-            FillingStream.budget -= len(data)
-            return self.stream.write(data)
-
-        def tell(self):
-            return self.stream.tell()
-
-        def flush(self):
-            self.stream.flush()
-
-        def fileno(self):
-            return self.stream.fileno()
-
-    class FullDisk(FileSystem):
-        @contextlib.contextmanager
-        def create_stream(self, path, mode):
-            with super().create_stream(path, mode) as stream:
-                yield FillingStream(stream, path) if "w" in mode else stream
+    def wrote(file, size: int) -> None:
+        if budget[0] < size:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(file))
+        budget[0] -= size
 
     writer = FileSystemWriter(path)
-    writer.fs = FullDisk()
+    writer.fs = WatchedFileSystem(writer.fs, lambda file: None, wrote)
     return writer

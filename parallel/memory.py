@@ -8,6 +8,7 @@ the run before the kernel's out-of-memory killer ends a process with no line at 
 a recipe's modelled peak is parallel/memory_plan.py.
 """
 
+import functools
 import os
 import socket
 import sys
@@ -36,9 +37,10 @@ def _meminfo() -> dict:
     return values
 
 
+@functools.lru_cache(maxsize=1)
 def _cgroup_dirs() -> list:
     """(version, folder) of this process's memory cgroups, and every ancestor up to the mount: a limit may
-    be set on any of them (a container's, a SLURM job's)."""
+    be set on any of them (a container's, a SLURM job's). Read once: the watch asks four times a second."""
     mounts = {}
     try:
         for line in Path("/proc/self/mountinfo").read_text().splitlines():

@@ -66,11 +66,13 @@ def modelled_peak(model, setting: Setting) -> Peak:
     params = list(model.parameters())
     trained = [p for p in params if p.requires_grad]
     n_trained = sum(p.numel() for p in trained)
+    lora = any("lora_" in name for name, _ in model.named_parameters())
     states = {
         "weights": _nbytes(params),
         "gradients": 4 * n_trained,
         "AdamW": 8 * n_trained,
-        "EMA": 4 * n_trained,
+        # a full fine-tune's EMA: a whole float32 copy of the model (frozen parts too); a LoRA's: its adapters
+        "EMA": 4 * (n_trained if lora else sum(p.numel() for p in params)),
     }
     blocks = list(model.blocks)
     block = max(blocks, key=lambda b: sum(p.numel() for p in b.parameters()))

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-from configs.runlock import RunDirectoryInUse, RunLock, holds, live_holder
+from configs.runlock import RunDirectoryInUse, RunLock, live_holder, owns
 from parallel import comm, faults
 from parallel.cfg import SamplingGroups
 from parallel.exits import NCCL_HINT
@@ -57,11 +57,7 @@ class Runtime:
     def holds_directory(self) -> bool:
         """Whether this run still owns its run directory (always, for a run that takes no lock): rank 0
         asks its lock, the other ranks read it (configs/runlock.py)."""
-        if self.lock is not None:
-            return self.lock.lost is None and self.lock.held()
-        if self.lock_token is None or self.run_dir is None:
-            return True
-        return holds(self.run_dir, self.lock_token)
+        return owns(self.lock, self.run_dir, self.lock_token)
 
     def ensure_directory(self) -> None:
         """Raise RunDirectoryInUse if another run took the run directory over: called before each write
