@@ -28,25 +28,19 @@ from configs.rundir import RunDirectory, check_loggers
 from data.buckets import describe_mix
 from data.latents import encoder_record
 from data.loader import (
-    batch_specs,
     build_buckets,
     build_dataset,
     build_loader,
     build_sampler,
-    check_image_to_video,
     check_same_plan,
-    encode_batch,
     encode_family_batch,
-    pack_batch,
-    unpack_batch,
+    warn_on_main,
 )
 from data.media import write_video
 from data.sampler import sample_seed
-from models.dit import count_parameters, size_of
+from models.dit import count_parameters
 from models.families import family_named
 from models.flow import RectifiedFlow, expert_timesteps
-from models.image_condition import ConditionedModel, ImageCondition, image_inputs, sampling_condition
-from models.pipeline import generate_checked
 from parallel import comm
 from parallel.checkpoint import load_checkpoint, save_checkpoint
 from parallel.checkpoint_files import resolve_checkpoint
@@ -60,9 +54,8 @@ from parallel.checkpoint_records import (
 )
 from parallel.components import (
     build_ema,
-    build_frozen,
     check_lora_start,
-    check_pretrained,
+    check_weights_source,
     expert_recipe,
     fill_sharded,
     meta_model_builder,
@@ -72,13 +65,13 @@ from parallel.components import (
 from parallel.divergence import NonFiniteGuard
 from parallel.entrypoint import run_as_process
 from parallel.family_training import (
+    FamilyRun,
     check_family_inputs,
     check_family_sizes,
     check_family_training,
     family_batch,
     family_previews,
     frozen_family,
-    trained_family,
 )
 from parallel.finite import check_resumed_finite
 from parallel.fp8 import after_optimizer_step, check_fp8, chosen_layers
@@ -95,7 +88,6 @@ from parallel.lora import lora_record
 from parallel.memory_plan import check_training_memory
 from parallel.preemption import Stopped
 from parallel.runtime import init_runtime, local_world_size, world_from_env
-from parallel.sequence import share_batch
 from parallel.storage import NonFiniteWeights
 
 
@@ -162,38 +154,38 @@ def check_before_start(cfg) -> Plan:
     """Everything that can be refused, checked before the first collective: the layout, the buckets and
     the preview size, the data, the checkpoint's files (or the pretrained folder), and a LoRA's base."""
     rank, world_size, local_rank = world_from_env()
-    family = trained_family(cfg)  # None: tessera's DiT
+    family = family_named(cfg.model.family)
     check_loggers(cfg)
-    check_family_inputs(cfg, family_named(cfg.model.family))
-    if family is not None:  # its folder first: the layout reads its heads from it
-        family.check_pretrained(cfg)
-        if cfg.parallel.auto:
-            raise ValueError(f"parallel.auto chooses layouts for tessera's DiT; set {family.title}'s degrees")
-    heads = size_of(cfg.model)["num_heads"] if family is None else family.heads(cfg) or cfg.parallel.ulysses
+    check_family_inputs(cfg, family)
+    # the checkpoint's record before the data: a refused resume costs no manifest probe
+    checkpoint = resolve_checkpoint(cfg.train.resume, cfg.run.output_dir)
+    resume = read_trainer_state(checkpoint)["sampler"] if checkpoint else None
+    # model.pretrained before the layout, which reads a family's heads from its folder. A full resume
+    # takes every weight from its checkpoint; a LoRA's base is read (and must be the one its adapters
+    # were trained on) either way.
+    check_weights_source(cfg, family, checkpoint)
+    if cfg.parallel.auto and not family.auto_layout:
+        raise ValueError(f"parallel.auto chooses layouts for tessera's DiT; set {family.title}'s degrees")
+    heads = family.heads(cfg) or cfg.parallel.ulysses
     layout = ParallelLayout.from_config(cfg.parallel, world_size, heads, "train", local_world_size())
-    if family is not None:
-        check_family_training(cfg, family, layout)
+    check_family_training(cfg, family, layout)
     buckets = build_buckets(cfg)
-    if family is not None:
-        check_family_sizes(cfg, family, layout, buckets)
+    check_family_sizes(cfg, family, layout, buckets)
     # before any weight or data file is read: a recipe that cannot fit is refused with what would fit
     memory = check_training_memory(cfg, layout, buckets, world_size, local_world_size(), local_rank)
     sc, data = cfg.sample, cfg.data
     try:
-        space, patch = family_named(cfg.model.family).geometry(cfg)
+        space, patch = family.geometry(cfg)
         space.latent_shape(sc.frames or data.frames, sc.height or data.height, sc.width or data.width, patch)
     except ValueError as e:
         raise ValueError(f"the preview size in sample.frames/height/width: {e}") from None
     if not sc.prompts:
         raise ValueError("sample.prompts is empty: training previews need at least one prompt")
-    preview_images = check_image_to_video(cfg, buckets) if family is None else (None, None)
+    preview_images = family.check_training_images(cfg, buckets.frame_counts, warn_on_main)
     check_cpu_offload(cfg.train.cpu_offload, world_size)
     check_fp8(cfg, "cuda" if torch.cuda.is_available() else "cpu", meta_transformer)
-    # the checkpoint's record before the data: a refused resume costs no manifest probe
-    checkpoint = resolve_checkpoint(cfg.train.resume, cfg.run.output_dir)
-    resume = read_trainer_state(checkpoint)["sampler"] if checkpoint else None
     expert = expert_record(cfg)
-    trained = family_named(cfg.model.family).training_record(cfg)  # kept in each checkpoint
+    trained = family.training_record(cfg)  # kept in each checkpoint
     encoders = encoder_record(cfg)  # kept in each checkpoint too
     if checkpoint is not None:  # file sizes here; every crc32 below, the reading shared by the ranks
         check_checkpoint_files(checkpoint)
@@ -202,10 +194,6 @@ def check_before_start(cfg) -> Plan:
         check_encoders(checkpoint, encoders)  # the latents and embeddings it learnt
     dataset = build_dataset(cfg, buckets)
     sampler = build_sampler(cfg, dataset, buckets, layout.dp_rank(rank), layout.dp)
-    # A full resume takes every weight from its checkpoint and never reads the folder; a LoRA's base is
-    # read (and must be the one its adapters were trained on) either way.
-    if cfg.model.pretrained and (checkpoint is None or cfg.lora.rank) and family is None:
-        check_pretrained(cfg.model.pretrained)  # a family's: check_family_training
     base, adapter_start = check_lora_start(cfg, checkpoint)
     return Plan(
         layout, buckets, dataset, sampler, checkpoint, resume, base, adapter_start, preview_images, expert,
@@ -236,8 +224,7 @@ class Trainer:
     ema: object  # a DiT sharded like the model, or parallel.lora.AdapterEMA
     optimizer: torch.optim.Optimizer
     flow: RectifiedFlow
-    text_encoder: object
-    vae: object
+    family: FamilyRun  # the family and its frozen parts (text encoder, VAE)
     run: RunDirectory
     architecture: dict  # recorded in every checkpoint, checked on resume and sampling
     guard: NonFiniteGuard
@@ -245,9 +232,6 @@ class Trainer:
     training: object  # what a checkpoint saves and loads: TrainingState, or LoRAState (adapters only)
     trainable: list  # the parameters AdamW updates: every one, or the adapters'
     lora: dict | None  # a LoRA run's record in trainer_state.pt (rank, targets, base); None: full
-    image: tuple | None = None  # image-to-video: (the last frame too?, the CLIP encoder or None); else None
-    preview_images: tuple = (None, None)  # image-to-video: the previews' first and last frames (PIL)
-    family: object = None  # parallel.family_training.FamilyRun for a family's recipe, else None
 
 
 def build_optimizer(tc, trainable: list) -> torch.optim.AdamW:
@@ -265,14 +249,9 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     tc, device, checkpoint = cfg.train, runtime.device, plan.checkpoint
     bf16 = runtime.bf16(tc.precision)
     dtype = torch.bfloat16 if bf16 else torch.float32
-    family = trained_family(cfg)
-    text_encoder, vae, run_of_family = None, None, None
-    if family is None:
-        text_encoder, vae = build_frozen(cfg, device)
-    else:  # its text encoder and VAE, in the compute dtype
-        run_of_family = frozen_family(cfg, family, device, dtype)
-    image = image_inputs(cfg, device)  # on every rank: previews need the CLIP too (0.6B, float32)
-    meta_model = meta_model_builder(cfg, runtime.sequence, text_encoder, vae, dtype)
+    # its text encoder and VAE, in the compute dtype where the family takes it
+    family = frozen_family(cfg, family_named(cfg.model.family), device, dtype, plan.preview_images)
+    meta_model = meta_model_builder(cfg, runtime.sequence, dtype)
     model, adapted = meta_model(adapters=bool(cfg.lora.rank))
     fp8 = chosen_layers(model, tc.fp8_min_features) if tc.fp8 else ""  # for the summary (check_fp8 ran)
     architecture = model.architecture()
@@ -315,7 +294,7 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     guard = NonFiniteGuard(tc, device, run.path, runtime.is_main, bf16)
     flow = RectifiedFlow(
         cfg.flow,
-        family_named(cfg.model.family).geometry(cfg)[1],
+        family.family.geometry(cfg)[1],
         timesteps=expert_timesteps(cfg.model.expert, cfg.sample.boundary),
     )
     lora = lora_record(cfg.lora, plan.base, adapted) if adapted else None
@@ -324,8 +303,7 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
         ema,
         optimizer,
         flow,
-        text_encoder,
-        vae,
+        family,
         run,
         architecture,
         guard,
@@ -333,9 +311,6 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
         training,
         trainable,
         lora,
-        image,
-        plan.preview_images,
-        run_of_family,
     )
 
 
@@ -358,8 +333,8 @@ def train_loop(cfg, plan: Plan, runtime, t: Trainer, start_step: int) -> None:
         runtime.watchdog.begin_step(done, long=step == start_step)  # the first step compiles: long deadline
         runtime.faults.at_step(done)  # tests only (TESSERA_FAULT)
         samples = [i for i, _ in sampler.batch_at(step)]  # from the plan: the same on every rank of a group
-        batch, inputs, condition = load_batch(cfg, plan, runtime, t, step, samples)
-        loss, grad_norm, skipped = train_step(cfg, runtime, t, step, inputs, condition)
+        batch, inputs = load_batch(cfg, runtime, t, step, samples)
+        loss, grad_norm, skipped = train_step(cfg, runtime, t, step, inputs)
         if step == start_step and runtime.watchdog.memory is not None:  # its baseline: after a whole step
             runtime.watchdog.memory.begin(done)
         if batch is not None:
@@ -411,60 +386,31 @@ def train_loop(cfg, plan: Plan, runtime, t: Trainer, start_step: int) -> None:
     t.run.finish()
 
 
-def load_batch(cfg, plan: Plan, runtime, t: Trainer, step: int, samples: list[int]):
-    """(the loader's batch or None, (x0, y, y_mask, noise, t), image condition or None) for `step`, on every
-    rank of the group. Text dropout, noise and timestep of each sample come from its own (seed, step,
-    sample) generator; the image condition from the group's reader, like the batch."""
+def load_batch(cfg, runtime, t: Trainer, step: int, samples: list[int]):
+    """(the loader's batch or None, (x0, the family's conditioning, noise, t)) for `step`, on every rank of
+    the group: encoded by the group's reader (a prompt's length is its own: shared with a header). Text
+    dropout, noise and timestep of each sample come from its own (seed, step, sample) generator."""
     tc = cfg.train
     rngs = [torch.Generator().manual_seed(sample_seed(tc.seed, step, i)) for i in samples]
     dropped = [torch.rand(1, generator=g).item() < tc.text_dropout for g in rngs]
-    if t.family is not None:
-        return load_family_batch(runtime, t, samples, rngs, dropped)
     batch, encoded = None, None
     if t.batches is not None:
         batch = next(t.batches)
         if batch["index"] != samples:
             raise RuntimeError(f"step {step}: the loader gave samples {batch['index']}, the plan {samples}")
-        x0, y, y_mask, condition = encode_batch(
-            batch, dropped, t.text_encoder, t.vae, runtime.device, t.image
-        )
-        encoded = pack_batch(x0, y, y_mask, condition)
-    latent = plan.buckets.latent_shapes[int(plan.dataset.bucket_of[samples[0]])]
-    specs = batch_specs(len(samples), latent, t.text_encoder, t.image)
-    x0, y, y_mask, condition = unpack_batch(share_batch(runtime.sequence, encoded, specs, runtime.device))
-    if cfg.model.task == "ti2v":  # Wan2.2 TI2V: the clip's own first latent frame is given, at t = 0
-        condition = ImageCondition(x0[:, :, :1], None, first_frame=True)
-    noise, timesteps = t.flow.draw(x0.shape[1:], rngs)
-    return batch, (x0, y, y_mask, noise, timesteps), condition
-
-
-def load_family_batch(runtime, t: Trainer, samples: list, rngs: list, dropped: list):
-    """load_batch for a family: its conditioning in place of (y, y_mask), shared with a header (a
-    prompt's length is its own)."""
-    batch, encoded = None, None
-    if t.batches is not None:
-        batch = next(t.batches)
-        if batch["index"] != samples:
-            raise RuntimeError(f"the loader gave samples {batch['index']}, the plan {samples}")
         encoded = encode_family_batch(t.family, batch, dropped, runtime.device)
     x0, cond = family_batch(t.family, runtime.sequence, encoded, runtime.device)
     noise, timesteps = t.family.family.training_draw(t.family.parts, t.flow, x0, cond, rngs)
-    return batch, (x0, cond, None, noise, timesteps), None
+    return batch, (x0, cond, noise, timesteps)
 
 
-def train_step(cfg, runtime, t: Trainer, step: int, inputs, condition=None):
+def train_step(cfg, runtime, t: Trainer, step: int, inputs):
     """Forward, backward, clip, and (unless the guard skips a non-finite step) AdamW and the EMA.
     Returns (loss, the whole model's gradient norm, skipped)."""
     tc, phase = cfg.train, runtime.watchdog.mark
     phase("forward")
-    if t.family is not None:  # its own loss (LTX-2: a sigma and a loss per stream)
-        x0, cond, _, noise, timesteps = inputs
-        loss = t.family.family.training_loss(t.family.parts, t.flow, t.model, x0, cond, noise, timesteps)
-    else:
-        model = t.model if condition is None else ConditionedModel(t.model, condition)
-        # TI2V: the given frame has no loss
-        from_frame = 1 if condition is not None and condition.first_frame else 0
-        loss = t.flow.training_loss(model, *inputs, from_frame=from_frame)
+    x0, cond, noise, timesteps = inputs  # the family's loss (LTX-2: a sigma and a loss per stream)
+    loss = t.family.family.training_loss(t.family.parts, t.flow, t.model, x0, cond, noise, timesteps)
     loss = runtime.faults.nan_loss(loss, step + 1)  # tests only
     phase("backward")
     loss.backward()
@@ -579,18 +525,13 @@ def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def described_model(cfg) -> str:
-    family = trained_family(cfg)
-    return cfg.model.size if family is None else f"{family.title} ({cfg.model.pretrained})"
-
-
 def _summary(cfg, plan: Plan, runtime, model, run: RunDirectory, bf16: bool, fp8: str) -> str:
     auto = " (parallel.auto)" if cfg.parallel.auto else ""
     precision = ", ".join(filter(None, ("bf16" if bf16 else "fp32", fp8)))
     device = f"{runtime.device.type} ({runtime.backend}, {precision})"
-    sampler = plan.sampler
+    sampler, described = plan.sampler, family_named(cfg.model.family).describe(cfg)
     return (
-        f"[tessera] {described_model(cfg)}: {count_parameters(model) / 1e6:.2f}M parameters; layout "
+        f"[tessera] {described}: {count_parameters(model) / 1e6:.2f}M parameters; layout "
         f"{plan.layout.describe()}{auto}; {device}\n"
         + (f"[tessera] memory: {plan.memory}\n" if plan.memory else "")
         + f"[tessera] data: {plan.dataset.summary(run.data_report)}\n"
@@ -611,40 +552,12 @@ def write_previews(cfg, runtime, run, t: Trainer, step):
 
 
 def sample_previews(cfg, runtime, run, model, t: Trainer, step):
-    sc = cfg.sample
     was_training = model.training
-    frames, height, width = (
-        sc.frames or cfg.data.frames,
-        sc.height or cfg.data.height,
-        sc.width or cfg.data.width,
-    )
-    runtime.watchdog.sampling_progress(0, sc.steps)  # a deadline per denoising step
-    seeds = [cfg.train.seed + i for i in range(len(sc.prompts))]
-    if t.family is not None:
-        progress, device = runtime.watchdog.sampling_progress, runtime.device
-        videos, bad = family_previews(cfg, t.family, model.eval(), seeds, progress, device)
-        model.train(was_training)
-        return write_preview_files(cfg, runtime, run, step, videos, bad)
-    encoder = t.image[1] if t.image is not None else None  # sample.images, encoded as infer.py does
-    condition = sampling_condition(
-        cfg.model.task, t.vae, encoder, *t.preview_images, frames, height, width, runtime.device
-    )
-    videos, bad = generate_checked(  # NaN or inf: found alike on every rank (each samples them all)
-        model.eval(),
-        t.vae,
-        t.text_encoder,
-        t.flow,
-        list(sc.prompts),
-        frames,
-        height,
-        width,
-        sc.steps,
-        sc.guidance,
-        sc.negative_prompt,
-        seeds=seeds,
-        progress=runtime.watchdog.sampling_progress,
-        device=runtime.device,
-        condition=condition,
+    runtime.watchdog.sampling_progress(0, cfg.sample.steps)  # a deadline per denoising step
+    seeds = [cfg.train.seed + i for i in range(len(cfg.sample.prompts))]
+    # NaN or inf: found alike on every rank (each samples them all)
+    videos, bad = family_previews(
+        cfg, t.family, model.eval(), seeds, runtime.watchdog.sampling_progress, runtime.device
     )
     model.train(was_training)
     write_preview_files(cfg, runtime, run, step, videos, bad)

@@ -123,13 +123,9 @@ def load_config(recipe: str | os.PathLike | None = None, overrides: list[str] | 
             if isinstance(value, (DictConfig, ListConfig)):
                 value = OmegaConf.to_container(value)
             raise ConfigError(f"'{key}' in {source} must be {expected}, got {value!r}") from None
-    from configs.auto import resolve_auto_size, resolve_family
+    from configs.auto import resolve_family
 
     resolve_family(cfg, ConfigError)
-    from models.families import family_named
-
-    if cfg.model.size == "auto" and family_named(cfg.model.family).native:
-        resolve_auto_size(cfg, ConfigError)
     validate(cfg)
     _check_decay_fraction(cli_cfg, cfg)
     return cfg
@@ -342,18 +338,7 @@ def _check_model(cfg: DictConfig) -> None:
         )
     from models.families import family_named
 
-    native = family_named(mc.family).native  # tessera's DiT: its sizes; another family reads its folder's
-    if mc.size not in DiT_models and native:
-        raise ConfigError(f"'model.size' is '{mc.size}'; choose one of {', '.join(DiT_models)}")
-    if native:
-        from models.dit import size_of
-
-        size = size_of(mc)
-        if size["hidden_size"] % size["num_heads"]:
-            raise ConfigError(
-                f"model.hidden_size {size['hidden_size']} is not divisible by model.num_heads "
-                f"{size['num_heads']} (model.size={mc.size} with model.hidden_size / model.num_heads)"
-            )
+    family_named(mc.family).check_size_keys(mc, ConfigError)  # tessera's DiT: its named sizes
 
 
 def _check_lora(cfg: DictConfig) -> None:

@@ -278,12 +278,8 @@ class SyntheticDataset(BucketedDataset):
 
 class LatentDataset(BucketedDataset):
     """Latents and prompt embeddings written by scripts/precompute_latents.py; each keeps the bucket
-    it was encoded in. text_length None (a model family's): the stored conditioning as it is, under
-    "stored" (the family pads a batch's: Family.load_conditioning)."""
-
-    def __init__(self, entries, table, text_length: int | None, seed: int = 0):
-        self.text_length = text_length
-        super().__init__(entries, table, seed)
+    it was encoded in. The stored conditioning comes as it is, under "stored" (the family pads a batch's:
+    Family.load_conditioning)."""
 
     def assign(self, entry):
         bucket = Bucket(entry["frames"], entry["height"], entry["width"])
@@ -300,19 +296,8 @@ class LatentDataset(BucketedDataset):
             raise ValueError(
                 f"latent of shape {tuple(tensors['latent'].shape)}, bucket {bucket.name} needs {expected}"
             )
-        if self.text_length is None:
-            stored = {k: v.float() for k, v in tensors.items() if k != "latent"}
-            return {"latent": tensors["latent"].float(), "stored": stored}
-        text = tensors["text"].float()
-        padded = torch.zeros(self.text_length, text.shape[1])
-        padded[: len(text)] = text[: self.text_length]
-        mask = torch.zeros(self.text_length, dtype=torch.bool)
-        mask[: len(text)] = True
-        sample = {"latent": tensors["latent"].float(), "text": padded, "text_mask": mask}
-        for name in ("condition", "image_features"):  # image-to-video's (data/latents.py)
-            if name in tensors:
-                sample[name] = tensors[name].float()
-        return sample
+        stored = {k: v.float() for k, v in tensors.items() if k != "latent"}
+        return {"latent": tensors["latent"].float(), "stored": stored}
 
 
 def collate(samples: list[dict]) -> dict:

@@ -6,8 +6,8 @@
                                        is a hash of what it holds (scripts/precompute_latents.py);
                                        image-to-video adds "condition" (4 + C, t, h, w) and, with a CLIP
                                        encoder, "image_features" (images, tokens, width)
-    <folder>/empty.safetensors  a model family's: the empty prompt's conditioning (dropped captions); its
-                                samples hold what Family.store_conditioning keeps (the real text tokens)
+    <folder>/empty.safetensors  a dropped caption's (Family.empty_conditioning; older DiT folders have none:
+                                training encodes it); samples hold Family.store_conditioning's tokens
 Latents encode one clip per sample (the clip the loader takes in epoch 0) in the bucket the recipe
 assigns; training reads them into the same buckets and the same sampler as media.
 """
@@ -52,7 +52,7 @@ def latent_meta(cfg) -> dict:
     if cfg.model.image_dim:  # the CLIP folder actually read (a pipeline folder's image_encoder/)
         meta["image_encoder"]["pretrained"] = cfg.image_encoder.pretrained or cfg.model.pretrained
     family = family_named(cfg.model.family)
-    if not family.native:  # its VAE and text encoder come from its pipeline folder, in the compute dtype
+    if family.parts_from_pretrained:  # its VAE and text encoder: its pipeline folder's, in the compute dtype
         folders = {part: str(part_folder(cfg, part)) for part in ("vae", "text_encoder")}
         meta["family"] = {"name": family.name, **folders, "dtype": compute_dtype(cfg)}
         meta["family"]["images"] = family.needs_images(cfg)  # each clip's first frame stored (image-to-video)

@@ -13,7 +13,6 @@ from data.buckets import BucketTable
 from data.dataset import BucketedDataset, collate
 from data.media import to_model_range
 from data.sampler import BucketSampler
-from models import tiling
 
 # How the start-up summary counts the files a manifest or folder lists but training cannot use
 # (anything else that failed to probe is 'unreadable').
@@ -49,10 +48,7 @@ def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
     if dc.latents:
         from data.dataset import LatentDataset
         from data.latents import read_latent_index
-        from models.families import family_named
-
-        length = cfg.text_encoder.max_length if family_named(cfg.model.family).native else None
-        return LatentDataset(read_latent_index(dc.latents, cfg), table, length, cfg.train.seed)
+        return LatentDataset(read_latent_index(dc.latents, cfg), table, cfg.train.seed)
     if dc.manifest:
         from data.dataset import MediaDataset
         from data.manifest import complete_metadata, missing_files, read_manifest
@@ -286,37 +282,6 @@ def build_loader(
     )
 
 
-def encode_batch(batch, dropped: list[bool], text_encoder, vae, device, image=None):
-    """(x0 latents, text embeddings, text mask, image condition) of a batch: encoded now from pixels and
-    captions, or read from precomputed latents (data.latents), where a dropped caption becomes the empty
-    prompt's embedding. `image`: image-to-video's (last frame too?, CLIP encoder or None), or None; the
-    condition (models/image_condition.py) comes from each clip's first (and last) frame; a dropped caption
-    keeps its image."""
-    from models.image_condition import ImageCondition, condition_of_clips
-
-    if "latent" in batch:
-        y, y_mask = batch["text"].to(device), batch["text_mask"].to(device)
-        if any(dropped):
-            empty, empty_mask = text_encoder([""], device)
-            y[torch.tensor(dropped)], y_mask[torch.tensor(dropped)] = empty, empty_mask
-        condition = None
-        if image is not None:
-            features = batch.get("image_features")  # (B, images, tokens, width)
-            features = None if features is None else features.flatten(0, 1).to(device)
-            condition = ImageCondition(batch["condition"].to(device), features)
-        return batch["latent"].to(device), y, y_mask, condition
-    y, y_mask = text_encoder(["" if d else c for d, c in zip(dropped, batch["caption"])], device)
-    video = to_model_range(batch["video"].to(device, non_blocking=True))
-
-    # in the tiles precompute_latents.py uses, so media and precomputed latents are the same latents
-    def encode(pixels):
-        return tiling.encode(vae, pixels, vae.tile_latent, vae.tile_overlap)
-
-    given = [to_model_range(batch[k].to(device)) if k in batch else None for k in ("image", "last_image")]
-    condition = None if image is None else condition_of_clips(vae, image[1], video, image[0], *given)
-    return encode(video), y, y_mask, condition
-
-
 def encode_family_batch(run, batch, dropped: list, device) -> list:
     """A family's loader batch encoded (`run`: parallel/family_training.py FamilyRun): [latents, the
     conditioning's tensors (parallel/family_training.py shared_fields; None where absent)]; a dropped
@@ -334,78 +299,13 @@ def encode_family_batch(run, batch, dropped: list, device) -> list:
         cond = run.family.encode(run.parts, prompts, run.max_length)
         sound = batch["audio"].to(device) if "audio" in batch else None
         videos = to_model_range(batch["video"].to(device))
-        x0, cond = run.family.encode_clips(run.parts, videos, sound, cond)
+        given = [to_model_range(batch[k].to(device)) if k in batch else None for k in ("image", "last_image")]
+        x0, cond = run.family.encode_clips(run.parts, videos, sound, cond, given)
     tensors = (getattr(cond, name) for name in shared_fields(run.family.conditioning))
     return [x0, *(None if t is None else t.to(device) for t in tensors)]
 
 
-def batch_specs(n: int, latent: tuple, text_encoder, image) -> list:
-    """(shape, dtype) of what pack_batch packs for `n` samples of latent shape `latent` (C, t, h, w): known
-    on every rank from the plan, so the group's other ranks can receive it (parallel.sequence.share_batch)."""
-    specs = [
-        ((n, *latent), torch.float32),
-        ((n, text_encoder.max_length, text_encoder.dim), torch.float32),
-        ((n, text_encoder.max_length), torch.bool),
-    ]
-    if image is not None:  # the mask's 4 channels and the given frames' latents; the CLIP features
-        specs.append(((n, 4 + latent[0], *latent[1:]), torch.float32))
-        last_frame, encoder = image
-        if encoder is not None:
-            specs.append(((n * (1 + last_frame), *encoder.features_shape), torch.float32))
-    return specs
-
-
-def pack_batch(x0, y, y_mask, condition) -> list:
-    """encode_batch's result as the tensor list batch_specs describes."""
-    if condition is None:
-        return [x0, y, y_mask]
-    return [x0, y, y_mask, condition.latent] + ([] if condition.features is None else [condition.features])
-
-
-def unpack_batch(tensors: list):
-    """(x0, y, y_mask, image condition or None) from pack_batch's list."""
-    from models.image_condition import ImageCondition
-
-    condition = None
-    if len(tensors) > 3:
-        condition = ImageCondition(tensors[3], tensors[4] if len(tensors) > 4 else None)
-    return (*tensors[:3], condition)
-
-
-def check_image_to_video(cfg, table: BucketTable):
-    """Image-to-video: the buckets' clip lengths, the CLIP folder (if the model reads features) and the
-    previews' (first, last) frames from sample.images / sample.last_images, which it returns; (None, None)
-    for text-to-video."""
-    from models.image_condition import image_encoder_folder, read_images
-    from models.vae import vae_latent_space
-
-    # the given frames and at least one to generate
-    fewest = {"i2v": 2, "flf2v": 5, "ti2v": 2}.get(cfg.model.task, 1)
-    if min(table.frame_counts) < fewest:
-        raise ValueError(
-            f"data.frame_counts: model.task={cfg.model.task} trains on clips of at least {fewest} frames, "
-            f"got {min(table.frame_counts)}"
-        )
-    sc, data = cfg.sample, cfg.data
-    vae = vae_latent_space(cfg.vae)
-    images = read_images(
-        cfg.model.task,
-        (list(sc.images), list(sc.last_images)),
-        ("sample.images", "sample.last_images", "sample.height", "sample.width"),
-        len(sc.prompts),
-        sc.frames or data.frames,
-        sc.height or data.height,
-        sc.width or data.width,
-        vae.temporal_stride,
-        multiple=tuple(vae.spatial_stride * p for p in cfg.model.patch_size[1:]),
-        say=_warn_on_main,
-    )
-    if cfg.model.task != "t2v" and cfg.model.image_dim:
-        image_encoder_folder(cfg)
-    return images
-
-
-def _warn_on_main(line: str) -> None:
+def warn_on_main(line: str) -> None:
     """A warning every rank would reach alike (before any process group), printed by rank 0 alone."""
     from parallel.runtime import world_from_env
 

@@ -3,27 +3,35 @@ models/wan.py) and samples through models/sampler.py as every family does. What 
 is its T5 encoder's (models/text_encoder.py), the schedule is models/flow.py's with the step cache
 behind it, the two guidance branches run as one batch, image-to-video's condition goes into each call
 (models/image_condition.py), Wan 2.2 A14B's two experts take turns, and it computes under autocast.
-Its weights, LoRA and training stay in tessera's DiT code (`native`).
+It trains through the family hooks too: its frozen parts (`load`), the image condition carried as
+tensor fields of its conditioning, each clip encoded in the tiles a decode uses, its loss, and its stored
+conditioning (the fixed-length text of its precomputed latents). It loads for sampling and exports its
+folders through tessera's DiT code (`native`).
 """
 
 import contextlib
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, replace
 
 import torch
 
 from models import tiling
 from models.family import Components, Family
-from models.image_condition import ConditionedModel
+from models.image_condition import ConditionedModel, ImageCondition
 from models.loop import Schedule
 from models.step_cache import FirstBlockModel
 
 
 @dataclass
 class DiTText:
-    """The DiT's conditioning: the encoded prompts (B, L, D) and their mask (B, L)."""
+    """The DiT's conditioning: the encoded prompts (B, L, D) and their mask (B, L); in training,
+    image-to-video's condition of each clip (models/image_condition.py ImageCondition's latent and CLIP
+    features), fields so that they travel between ranks with the text."""
 
     text: torch.Tensor
     text_mask: torch.Tensor
+    image: torch.Tensor | None = None  # (B, 4 + C, t, h, w): the mask's channels and the given frames'
+    image_features: torch.Tensor | None = None  # (B x images, tokens, width), or None
 
 
 @dataclass
@@ -57,6 +65,8 @@ class DiTParts(Components):
     autocast: object = None  # the dtype the model computes in under autocast, or None
     experts: Experts | None = None
     device: object = None  # where the sampling runs (under train.cpu_offload the weights stay on the CPU)
+    task: str = "t2v"  # model.task
+    image: tuple | None = None  # image-to-video's (last frame too?, CLIP encoder or None): image_inputs
 
 
 def meta_dit(cfg):
@@ -80,6 +90,7 @@ class DiTFamily(Family):
     transformer_classes = ("WanTransformer3DModel", "WanModel")  # diffusers', Wan-AI's own config.json
     parallel_degrees = ("cfg", "ulysses", "ring", "pipefusion")
     conditioning = DiTText
+    lora_formats = ("diffusers", "comfyui")  # Wan's names; a DiT without Wan's architecture: tessera's own
 
     def meta_transformer(self, cfg):
         return meta_dit(cfg)
@@ -150,3 +161,244 @@ class DiTFamily(Family):
     def decode(self, parts: DiTParts, latents) -> torch.Tensor:
         """In the recipe's tiles (vae.tile_latent, vae.tile_overlap), on this device."""
         return tiling.decode(parts.vae, latents.float(), parts.vae.tile_latent, parts.vae.tile_overlap)
+
+    # -- training (train.py through parallel/family_training.py, as every family) --------------------------
+
+    tasks = ("t2v", "i2v", "flf2v", "ti2v")
+    auto_layout = True  # parallel.auto picks its layout (configs/auto.py)
+    parts_from_pretrained = False  # its text encoder and VAE come from their own keys
+
+    def resolve_size(self, cfg, error=ValueError) -> None:
+        """model.size=auto: every architecture key from model.pretrained's Wan folder (models/wan.py)."""
+        from models.wan import resolve_auto_size
+
+        if cfg.model.size == "auto":
+            resolve_auto_size(cfg, error)
+
+    def check_size_keys(self, mc, error=ValueError) -> None:
+        """One of its named sizes (models/dit.py DiT_models), whose width the heads divide."""
+        from models.dit import DiT_models, size_of
+
+        if mc.size not in DiT_models:
+            raise error(f"'model.size' is '{mc.size}'; choose one of {', '.join(DiT_models)}")
+        size = size_of(mc)
+        if size["hidden_size"] % size["num_heads"]:
+            raise error(
+                f"model.hidden_size {size['hidden_size']} is not divisible by model.num_heads "
+                f"{size['num_heads']} (model.size={mc.size} with model.hidden_size / model.num_heads)"
+            )
+
+    def run_transformer(self, cfg, architecture: dict):
+        """The DiT of the recipe with the input channels and text width a checkpoint recorded (its encoders'
+        folders need not be at hand)."""
+        from models.dit import build_dit
+
+        in_channels = architecture["in_channels"]
+        if cfg.model.task not in ("t2v", "ti2v"):  # its input also takes the mask and the given frames
+            in_channels = (in_channels - 4) // 2
+        with torch.device("meta"):
+            return build_dit(cfg.model, in_channels=in_channels, text_dim=architecture["text_dim"])
+
+    def heads(self, cfg) -> int:
+        from models.dit import size_of
+
+        return size_of(cfg.model)["num_heads"]
+
+    def describe(self, cfg) -> str:
+        return cfg.model.size
+
+    def check_pretrained(self, cfg) -> None:
+        """A Wan folder's config.json and every safetensors header (a tessera run is checked by
+        parallel/components.py, which reads checkpoints); none: weights from train.seed."""
+        from models.wan import check_wan_folder
+
+        if cfg.model.pretrained:
+            check_wan_folder(cfg.model.pretrained)
+
+    def check_training(self, cfg) -> None:
+        if not meta_dit(cfg).text_mask and cfg.text_encoder.max_length != 512:
+            warnings.warn(
+                f"text_encoder.max_length={cfg.text_encoder.max_length} with unmasked text (model.text_mask "
+                "false, as Wan): padding is attended, so the model sees other inputs than Wan's 512-token "
+                "padding; set text_encoder.max_length=512 to match Wan",
+                stacklevel=2,
+            )
+
+    def check_training_images(self, cfg, frame_counts, say=None) -> tuple:
+        """Image-to-video: the buckets' clip lengths, the CLIP folder (if the model reads features) and the
+        previews' (first, last) frames (PIL) from sample.images / sample.last_images; (None, None) for
+        text-to-video."""
+        from models.image_condition import image_encoder_folder, read_images
+        from models.vae import vae_latent_space
+
+        fewest = {"i2v": 2, "flf2v": 5, "ti2v": 2}.get(cfg.model.task, 1)  # the given frames and one more
+        if min(frame_counts) < fewest:
+            raise ValueError(
+                f"data.frame_counts: model.task={cfg.model.task} trains on clips of at least {fewest} "
+                f"frames, got {min(frame_counts)}"
+            )
+        sc, data = cfg.sample, cfg.data
+        vae = vae_latent_space(cfg.vae)
+        images = read_images(
+            cfg.model.task,
+            (list(sc.images), list(sc.last_images)),
+            ("sample.images", "sample.last_images", "sample.height", "sample.width"),
+            len(sc.prompts),
+            sc.frames or data.frames,
+            sc.height or data.height,
+            sc.width or data.width,
+            vae.temporal_stride,
+            multiple=tuple(vae.spatial_stride * p for p in cfg.model.patch_size[1:]),
+            say=say,
+        )
+        if cfg.model.task != "t2v" and cfg.model.image_dim:
+            image_encoder_folder(cfg)
+        return images
+
+    def load(self, cfg, device, dtype, transformer: bool = True, keep=None) -> DiTParts:
+        """Its frozen parts for training (transformer=False: train.py builds and shards the DiT): the text
+        encoder and the VAE of their recipe keys (in their own dtypes), image-to-video's CLIP encoder, and
+        the flow on the trained expert's timesteps."""
+        if transformer:
+            raise NotImplementedError("tessera's DiT samples through parallel/dit_sampling.py load_sampler")
+        from models.flow import RectifiedFlow, expert_timesteps
+        from models.image_condition import image_inputs
+
+        text_encoder, vae = frozen_parts(cfg, device)
+        timesteps = expert_timesteps(cfg.model.expert, cfg.sample.boundary)
+        flow = RectifiedFlow(cfg.flow, tuple(cfg.model.patch_size), timesteps=timesteps)
+        image = image_inputs(cfg, device)  # on every rank: the previews need the CLIP too (0.6B, float32)
+        return DiTParts(
+            None, None, text_encoder, vae, flow=flow, device=device, task=cfg.model.task, image=image
+        )
+
+    def open_weights(self, cfg, model, folder=None):
+        """model.pretrained's (or `folder`'s: Wan 2.2's second expert) Wan weights, read lazily, once the
+        recipe is seen to build the folder's architecture (a disagreement names the keys and the fix)."""
+        from models.dit import ARCHITECTURE_OPTIONS, DiT_models, architecture_differences, recipe_key
+        from models.wan import WanWeights
+
+        pretrained = folder or cfg.model.pretrained
+        weights = WanWeights(pretrained)
+        theirs, ours = weights.dit_kwargs, model.architecture()
+        differs = architecture_differences(ours, theirs)
+        if not differs:
+            return weights
+        wrong = [f"{recipe_key(k)}: {k}={ours[k]!r}, the folder has {theirs[k]!r}" for k in differs]
+        dims = ("depth", "hidden_size", "num_heads")
+        value = lambda v: str(v).lower() if isinstance(v, bool) else list(v) if isinstance(v, tuple) else v  # noqa: E731
+        options = ("patch_size", "qk_norm", "rope_theta", *ARCHITECTURE_OPTIONS)
+        fixes = [f"model.{k}={value(theirs[k])}".replace(" ", "") for k in differs if k in options]
+        if any(k in differs for k in dims):
+            same = [
+                n
+                for n, size in DiT_models.items()
+                if all(size.get(k) == theirs[k] for k in (*dims, "ffn_dim"))
+            ]
+            fixes = ([f"model.size={same[0]}"] if same else ["model.size=auto"]) + [
+                f for f in fixes if not f.startswith("model.ffn_dim")
+            ]
+        hint = "; set " + " ".join(fixes) if fixes else ""
+        raise ValueError(
+            f"model.pretrained={pretrained} disagrees with the recipe: " + "; ".join(wrong) + hint
+        )
+
+    def with_preview_images(self, cfg, parts: DiTParts, images: tuple) -> DiTParts:
+        """The parts that sample training's previews from check_training_images' (first, last) frames."""
+        from models.image_condition import sampling_condition
+
+        sc, data = cfg.sample, cfg.data
+        size = (sc.frames or data.frames, sc.height or data.height, sc.width or data.width)
+        encoder = parts.image[1] if parts.image is not None else None
+        condition = sampling_condition(parts.task, parts.vae, encoder, *images, *size, parts.device)
+        return replace(parts, condition=condition)
+
+    def encode_clips(self, parts: DiTParts, videos, sound, cond: DiTText, given=(None, None)) -> tuple:
+        """The clips in the tiles precompute_latents.py uses (media and precomputed latents are the same
+        latents), and image-to-video's condition of each clip from its first (and last) frame, or the
+        frames its manifest line names (`given`); a dropped caption keeps its image."""
+        from models.image_condition import condition_of_clips
+
+        x0 = tiling.encode(parts.vae, videos, parts.vae.tile_latent, parts.vae.tile_overlap)
+        if parts.image is not None:
+            condition = condition_of_clips(parts.vae, parts.image[1], videos, parts.image[0], *given)
+            cond = replace(cond, image=condition.latent, image_features=condition.features)
+        return x0, cond
+
+    def training_condition(self, parts: DiTParts, x0, cond: DiTText) -> ImageCondition | None:
+        """TI2V: each clip's own first latent frame, given at t = 0; I2V / FLF2V: the clips' condition."""
+        if parts.task == "ti2v":
+            return ImageCondition(x0[:, :, :1], None, first_frame=True)
+        return None if cond.image is None else ImageCondition(cond.image, cond.image_features)
+
+    def training_loss(self, parts: DiTParts, flow, model, x0, cond: DiTText, noise, t) -> torch.Tensor:
+        condition = self.training_condition(parts, x0, cond)
+        if condition is not None:
+            model = ConditionedModel(model, condition)
+        from_frame = 1 if condition is not None and condition.first_frame else 0  # the given frame: no loss
+        return flow.training_loss(model, x0, cond.text, cond.text_mask, noise, t, from_frame=from_frame)
+
+    def empty_conditioning(self, parts: DiTParts, max_length: int) -> dict:
+        """The empty prompt whole, as its text encoder gives it (padding included: an unmasked DiT attends
+        it), for a latents folder, which stores its captions' real tokens only."""
+        cond = self.encode(parts, [""], max_length)
+        return {"text": cond.text[0].cpu(), "text_mask": cond.text_mask[0].cpu()}
+
+    def store_conditioning(self, cond: DiTText) -> list[dict]:
+        """Each sample's real tokens (as every family keeps them), and image-to-video's condition
+        ("condition": (4 + C, t, h, w)) and CLIP features ("image_features": (images, tokens, width))."""
+        stored = super().store_conditioning(DiTText(cond.text, cond.text_mask))
+        features = cond.image_features
+        if features is not None:  # (B x images, ...) -> per sample
+            features = features.view(len(stored), -1, *features.shape[1:])
+        for i, sample in enumerate(stored):
+            if cond.image is not None:
+                sample["condition"] = cond.image[i]
+            if features is not None:
+                sample["image_features"] = features[i]
+        return stored
+
+    def load_conditioning(self, stored: list, max_length: int) -> DiTText:
+        """Each sample's real tokens zero-padded to text_encoder.max_length (the empty prompt: whole), with
+        image-to-video's stored condition and CLIP features."""
+        text = torch.zeros(len(stored), max_length, stored[0]["text"].shape[-1])
+        mask = torch.zeros(len(stored), max_length, dtype=torch.bool)
+        for i, s in enumerate(stored):
+            tokens = s["text"][:max_length]
+            text[i, : len(tokens)] = tokens
+            mask[i, : len(tokens)] = s["text_mask"][:max_length] if "text_mask" in s else True
+        image = torch.stack([s["condition"] for s in stored]) if "condition" in stored[0] else None
+        features = None
+        if "image_features" in stored[0]:  # (images, tokens, width) each
+            features = torch.stack([s["image_features"] for s in stored]).flatten(0, 1)
+        return DiTText(text, mask, image, features)
+
+
+def frozen_parts(cfg, device) -> tuple:
+    """The text encoder and the VAE of the recipe (frozen, on `device`); the VAE carries its decode tiles."""
+    from models.text_encoder import build_text_encoder
+    from models.util import reading_weights
+    from models.vae import build_vae
+
+    with reading_weights(f"vae.pretrained={cfg.vae.pretrained}"):
+        vae = build_vae(cfg.vae).to(device)
+    vae.tile_latent, vae.tile_overlap = cfg.vae.tile_latent, cfg.vae.tile_overlap
+    with reading_weights(f"text_encoder.pretrained={cfg.text_encoder.pretrained}"):
+        return build_text_encoder(cfg.text_encoder).to(device), vae
+
+
+@torch.no_grad()
+def sample_dit(
+    flow, model, noise, y, y_mask, neg_y=None, neg_mask=None, steps=30, guidance=1.0, velocity=None
+):
+    """Euler integration from noise (t=1) to data (t=0) of the DiT `model` along `flow`'s schedule (with
+    guidance != 1, the conditional and the negative branches run as one batch of 2B): a convenience for
+    tests and benchmarks (sampling goes through models/sampler.py). `velocity(x, sigma)`, if given,
+    replaces the guided model call."""
+    from models.sampler import guided_velocity
+
+    if velocity is None:
+        parts = DiTParts(model, None, None, None, flow=flow, device=noise.device)
+        uncond = None if neg_y is None else DiTText(neg_y, neg_mask)
+        velocity = guided_velocity(DiTFamily(), parts, DiTText(y, y_mask), uncond, guidance)
+    return flow.walk(flow.schedule(flow.sigmas(noise, steps)), noise, velocity)

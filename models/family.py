@@ -5,7 +5,8 @@ transformer, text encoder and VAE, how it encodes a prompt, draws noise, schedul
 steps, guides, and decodes. models/sampler.py runs the one sampling loop over these pieces.
 
 `dit` is tessera's own DiT, which reads Wan 2.1 / 2.2 folders (models/dit_family.py): it samples through
-models/sampler.py as the others do, and loads and trains through its own code (`native`).
+models/sampler.py and trains through these hooks as the others do, and loads for sampling and exports
+its folders through its own code (`native`).
 """
 
 import contextlib
@@ -38,7 +39,7 @@ class Family:
 
     name = ""
     title = ""  # how messages name it
-    native = False  # loaded and trained by tessera's own DiT code (infer.py, train.py), not through `load`
+    native = False  # loaded for sampling (infer.py) and exported by tessera's DiT code, not through `load`
     pipeline_classes: tuple = ()  # model_index.json's _class_name of its diffusers pipelines
     transformer_classes: tuple = ()  # its transformer's config.json _class_name
     # the parallel degrees (besides dp, which splits prompts) its sampling runs under
@@ -57,6 +58,21 @@ class Family:
     # the sample.* guidance keys it reads (configs/schema.py: audio_guidance, modality_guidance,
     # guidance_rescale, stg); the others, when set, are refused by name
     sample_keys: tuple = ()
+    tasks: tuple = ("t2v",)  # the model.task values it trains (its image-to-video comes from its folder)
+    auto_layout = False  # parallel.auto chooses its layout (else its degrees are set by hand)
+    parts_from_pretrained = True  # its text encoder and VAE are model.pretrained's (read on every start)
+
+    def resolve_size(self, cfg, error=ValueError) -> None:
+        """model.size: the recipe's dimensions, filled from model.pretrained's folder under model.size=auto,
+        or a size the family does not take refused by name (`error`: the exception type)."""
+        if cfg.model.size != "auto":
+            raise error(
+                f"model.family={self.name} reads its dimensions from model.pretrained's folder: set "
+                f"model.size=auto (got model.size={cfg.model.size})"
+            )
+
+    def check_size_keys(self, mc, error=ValueError) -> None:
+        """Refuse (`error`) the recipe's model.* size keys where they do not build a model of the family."""
 
     def recognises(self, folder) -> bool:
         """Whether `folder` (a pipeline folder, or a transformer folder) holds this family."""
@@ -179,6 +195,11 @@ class Family:
                 return config
         return self.config_of_file(tensor_shapes(cfg.model.pretrained))
 
+    def run_transformer(self, cfg, architecture: dict) -> torch.nn.Module:
+        """The transformer a training run of the recipe trained, on the meta device, given the architecture
+        its checkpoints record (what an export reads its adapters into)."""
+        return self.meta_transformer(cfg)
+
     def meta_transformer(self, cfg) -> torch.nn.Module:
         """model.pretrained's transformer on the meta device: names and shapes, before anything loads."""
         with torch.device("meta"):
@@ -289,11 +310,36 @@ class Family:
         before `noise`, which a family may have read what it keeps on `parts` (LTX-2's first latent frame)."""
         raise NotImplementedError
 
-    def encode_clips(self, parts: Components, videos: torch.Tensor, sound, cond) -> tuple:
+    def encode_clips(self, parts: Components, videos: torch.Tensor, sound, cond, given=(None, None)) -> tuple:
         """(x0, cond) of a training batch: `videos` (B, 3, T, H, W) in [-1, 1] encoded (encode_images), and
         the prompts' `cond` given whatever else of the clips the family trains on (`sound`: (B, channels,
-        samples) at sound_format's rate with data.audio, else None)."""
+        samples) at sound_format's rate with data.audio, else None; `given`: the (first, last) frames
+        (B, 3, H, W) in [-1, 1] a manifest names, or None, for a family whose training reads them)."""
         return self.encode_images(parts, videos), cond
+
+    def open_weights(self, cfg, model, folder=None) -> LazyWeights:
+        """model.pretrained's transformer weights under `model`'s names, read lazily (row by row where the
+        files allow): what parallel/init.py fills a sharded model from."""
+        return FamilyWeights(self, cfg)
+
+    def describe(self, cfg) -> str:
+        """How the start-up line names the model."""
+        return f"{self.title} ({cfg.model.pretrained})"
+
+    def check_training_images(self, cfg, frame_counts, say=None) -> tuple:
+        """The previews' (first, last) frames (PIL lists, or None) of a family whose image-to-video training
+        takes them from sample.images / sample.last_images (tessera's DiT), checked with the clip lengths
+        `frame_counts` before anything starts; `say(line)`: a warning. (None, None): none."""
+        return None, None
+
+    def with_preview_images(self, cfg, parts: Components, images: tuple) -> Components:
+        """The parts that sample training's previews, given check_training_images' frames."""
+        return parts
+
+    def empty_conditioning(self, parts: Components, max_length: int) -> dict:
+        """The empty prompt's stored conditioning (a dropped caption's, with data.latents), for a latents
+        folder without empty.safetensors."""
+        return self.store_conditioning(self.encode(parts, [""], max_length))[0]
 
     def training_draw(self, parts: Components, flow, x0, cond, generators: list) -> tuple:
         """(noise, timesteps) of a training batch, sample i's from generators[i] alone (so that they do not

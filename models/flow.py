@@ -87,36 +87,6 @@ class RectifiedFlow:
         under autocast): the scheduler's Euler step, applied by PipeFusion patch by patch too."""
         return x.float() + (sigmas[i + 1] - sigmas[i]) * v.float()
 
-    @torch.no_grad()
-    def sample(
-        self,
-        model,
-        noise,
-        y,
-        y_mask,
-        neg_y=None,
-        neg_mask=None,
-        steps: int = 30,
-        guidance: float = 1.0,
-        progress=None,
-        velocity=None,
-    ):
-        """Euler integration from noise (t=1) to data (t=0) of the DiT `model` (models/dit_family.py's
-        velocity: with guidance != 1, the conditional and the negative branches run as one batch of 2B).
-        `velocity(x, sigma)`, if given, replaces the guided model call."""
-        # the DiT family's guided velocity: flow.sample is a convenience for tests and benchmarks (sampling
-        # goes through models/sampler.py, which calls walk below); imported here to keep this module, the
-        # objective and the schedule, off the family layer
-        from models.dit_family import DiTFamily, DiTParts, DiTText
-        from models.sampler import guided_velocity
-
-        sigmas = self.sigmas(noise, steps)
-        if velocity is None:
-            parts = DiTParts(model, None, None, None, flow=self, device=noise.device)
-            uncond = None if neg_y is None else DiTText(neg_y, neg_mask)
-            velocity = guided_velocity(DiTFamily(), parts, DiTText(y, y_mask), uncond, guidance)
-        return self.walk(self.schedule(sigmas), noise, velocity, progress)
-
     def walk(self, schedule: Schedule, noise, velocity, progress=None):
         """models/step_cache.py walk_cached over `schedule` with this flow's cache (every layout's velocity
         passes here, PipeFusion's plan reads the same cache); `model_calls` then counts the steps that ran

@@ -8,15 +8,14 @@ from pathlib import Path
 
 import torch
 
-from models.dit import ARCHITECTURE_OPTIONS, DiT, DiT_models, architecture_differences, build_dit, recipe_key
+from models.dit import DiT, build_dit
+from models.dit_family import frozen_parts
 from models.families import family_named
-from models.family import FamilyWeights
 from models.lora import adapted_modules, is_adapter
 from models.lora_formats import LoRAFormatError, match_lora, read_file, starting_adapters
-from models.text_encoder import TextEncoder, build_text_encoder
-from models.util import reading_weights
-from models.vae import LatentSpace, build_vae
-from models.wan import WanWeights, check_wan_folder, second_expert
+from models.text_encoder import TextEncoder
+from models.vae import LatentSpace
+from models.wan import check_wan_folder, second_expert
 from models.weight_files import LazyWeights
 from parallel.checkpoint import TrainingState, load_base_weights, load_weights
 from parallel.checkpoint_files import resolve_checkpoint
@@ -38,11 +37,7 @@ from parallel.operators import apply_operators
 
 def build_frozen(cfg, device) -> tuple[TextEncoder, LatentSpace]:
     """The text encoder and the VAE (frozen, on `device`); the VAE carries the recipe's decode tiles."""
-    with reading_weights(f"vae.pretrained={cfg.vae.pretrained}"):
-        vae = build_vae(cfg.vae).to(device)
-    vae.tile_latent, vae.tile_overlap = cfg.vae.tile_latent, cfg.vae.tile_overlap
-    with reading_weights(f"text_encoder.pretrained={cfg.text_encoder.pretrained}"):
-        return build_text_encoder(cfg.text_encoder).to(device), vae
+    return frozen_parts(cfg, device)
 
 
 def build_model(cfg, text_encoder: TextEncoder, vae: LatentSpace, weights: bool = True) -> DiT:
@@ -149,6 +144,20 @@ def check_pretrained(pretrained: str) -> None:
         check_wan_folder(pretrained)
 
 
+def check_weights_source(cfg, family, checkpoint) -> None:
+    """model.pretrained's files checked before any process group, where this start reads them: a tessera
+    run's checkpoint (a fresh start's weights, or a LoRA's base; a full resume reads its own checkpoint
+    alone), else the family's folder (Family.check_pretrained; read on every start where its frozen parts
+    come from it)."""
+    pretrained, reads_weights = cfg.model.pretrained, checkpoint is None or bool(cfg.lora.rank)
+    # a family whose frozen parts are model.pretrained's needs a pipeline folder: its check refuses a run
+    if pretrained and is_tessera_run(pretrained) and not family.parts_from_pretrained:
+        if reads_weights:
+            check_checkpoint_files(describe_base(pretrained).source)  # a LoRA run is refused by name
+    elif reads_weights or family.parts_from_pretrained:
+        family.check_pretrained(cfg)
+
+
 def open_pretrained(cfg, model: DiT, folder=None, use_ema: bool = True):
     """model.pretrained (or `folder`: Wan 2.2's second expert, a LoRA base's step) as a WanWeights (or
     TesseraWeights for a tessera run), after checking that the recipe builds the same architecture (a
@@ -160,46 +169,16 @@ def open_pretrained(cfg, model: DiT, folder=None, use_ema: bool = True):
         step = resolve_checkpoint(str(pretrained), Path(pretrained))
         check_architecture(step, model.architecture())
         return TesseraWeights(step, use_ema)
-    weights = WanWeights(pretrained)
-    folder = weights.dit_kwargs
-    ours = model.architecture()
-    differs = architecture_differences(ours, folder)
-    if differs:
-        wrong = [f"{recipe_key(k)}: {k}={ours[k]!r}, the folder has {folder[k]!r}" for k in differs]
-        dims = ("depth", "hidden_size", "num_heads")
-        value = lambda v: str(v).lower() if isinstance(v, bool) else list(v) if isinstance(v, tuple) else v  # noqa: E731
-        fixes = [
-            f"model.{k}={value(folder[k])}".replace(" ", "")
-            for k in differs
-            if k in ("patch_size", "qk_norm", "rope_theta", *ARCHITECTURE_OPTIONS)
-        ]
-        if any(k in differs for k in dims):
-            same = [
-                name
-                for name, size in DiT_models.items()
-                if all(size.get(k) == folder[k] for k in (*dims, "ffn_dim"))
-            ]
-            fixes = ([f"model.size={same[0]}"] if same else ["model.size=auto"]) + [
-                f for f in fixes if not f.startswith("model.ffn_dim")
-            ]
-        hint = "; set " + " ".join(fixes) if fixes else ""
-        raise ValueError(
-            f"model.pretrained={pretrained} disagrees with the recipe: " + "; ".join(wrong) + hint
-        )
-    return weights
+    return family_named(cfg.model.family).open_weights(cfg, model, pretrained)
 
 
-def meta_model_builder(cfg, groups, text_encoder, vae, dtype):
+def meta_model_builder(cfg, groups, dtype):
     """meta_model(adapters=False) -> (the recipe's model on the meta device, sequence parallel over
-    `groups`; the modules given adapters): tessera's DiT, or the family's transformer with its operators."""
+    `groups`; the modules given adapters): the family's transformer with its operators."""
     family = family_named(cfg.model.family)
 
     def meta_model(adapters: bool = False):
-        model = (
-            build_model(cfg, text_encoder, vae, weights=False)
-            if family.native
-            else family.meta_transformer(cfg)
-        )
+        model = family.meta_transformer(cfg)
         trained = lambda name: family.trains_parameter(cfg, name)  # noqa: E731
         names = insert_adapters(model, cfg.lora, dtype, cfg.model.base_dtype, trained) if adapters else []
         for name, p in model.named_parameters():  # LTX-2 with data.audio=false: its audio stays as loaded
@@ -211,14 +190,19 @@ def meta_model_builder(cfg, groups, text_encoder, vae, dtype):
 
 
 def open_weights(cfg, model, base=None):
-    """What fill_sharded reads model.pretrained's weights from: open_pretrained's answer for tessera's DiT,
-    a models.family.FamilyWeights for a family. `base`: a LoRA run's (parallel.lora.Base), whose step
-    of a tessera run was resolved once, at start-up (a base still training may have written another)."""
+    """What fill_sharded reads model.pretrained's weights from: a tessera run's checkpoint (TesseraWeights),
+    else the family's (Family.open_weights); None without model.pretrained. `base`: a LoRA run's
+    (parallel.lora.Base), whose step of a tessera run was resolved once, at start-up (a base still
+    training may have written another)."""
     family = family_named(cfg.model.family)
-    if not family.native:
-        return FamilyWeights(family, cfg)
-    folder = str(base.source) if base is not None and is_tessera_run(base.path) else None
-    return open_pretrained(cfg, model, folder)
+    if not cfg.model.pretrained:
+        return None
+    if is_tessera_run(cfg.model.pretrained):
+        pretrained = cfg.model.pretrained
+        step = base.source if base is not None else resolve_checkpoint(str(pretrained), Path(pretrained))
+        check_architecture(step, model.architecture())
+        return TesseraWeights(step)
+    return family.open_weights(cfg, model)
 
 
 def fill_sharded(

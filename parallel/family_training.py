@@ -1,8 +1,8 @@
-"""Training a model family of models/family.py (Qwen-Image, Sana) in train.py's loop. What differs from
-tessera's DiT is here, behind the calls train.py makes for both: the frozen parts (the family's text
-encoder and VAE), its transformer on the meta device (then adapters, the sequence operators, FSDP2, and the
-weights read row by row: models/family.py FamilyWeights), each batch encoded by the family and shared with
-the group, the flow-matching loss on its velocity, and previews sampled by models/sampler.py.
+"""Training a model family of models/family.py (tessera's DiT, Qwen-Image, Sana, ...) in train.py's loop,
+through the calls train.py makes for all of them: the frozen parts (the family's text encoder and VAE),
+each batch encoded by the family and shared with the group, the family's loss on the training
+transformer (built on the meta device by parallel/components.py, then adapters, the sequence operators,
+FSDP2 and the weights read row by row), and previews sampled by models/sampler.py.
 """
 
 from dataclasses import dataclass, replace
@@ -12,7 +12,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from models.families import family_named
 from models.family import Components, Family, shared_fields
 from models.sampler import Sampling, checked, generate_images
 from models.util import reading_weights
@@ -37,12 +36,6 @@ class FamilyRun:
     previews: tuple | None = None  # data.latents: (cond, uncond or None) of sample.prompts
 
 
-def trained_family(cfg) -> Family | None:
-    """The recipe's family when it is not tessera's DiT (train.py's own path), else None."""
-    family = family_named(cfg.model.family)
-    return None if family.native else family
-
-
 def check_family_inputs(cfg, family: Family) -> None:
     """What any family's training (tessera's DiT's too) refuses by name before anything starts: a preview
     guidance term it does not read, and data.audio for a family whose training reads no sound; a family
@@ -59,9 +52,9 @@ def check_family_inputs(cfg, family: Family) -> None:
 
 def check_family_training(cfg, family: Family, layout) -> None:
     """What a family's training refuses, by name, before any process group (after its pretrained parts
-    are checked: Family.check_pretrained): image conditioning, and layouts other than dp x (ulysses or
-    ring)."""
-    if cfg.model.task != "t2v":
+    are checked: Family.check_pretrained): a model.task or image conditioning it does not train, and
+    a sequence split its operators cannot take (the layout refuses cfg and pipefusion for training)."""
+    if cfg.model.task not in family.tasks:
         raise ValueError(
             f"model.task={cfg.model.task}: tessera's DiT's tasks; {family.title} leaves it at t2v (an "
             "image-to-video training, where built, comes from its image-to-video pipeline folder)"
@@ -74,8 +67,6 @@ def check_family_training(cfg, family: Family, layout) -> None:
         )
     if family.needs_images(cfg):
         preview_images(cfg, family)  # read now: a wrong path is named before anything starts
-    if layout.pipefusion > 1 or layout.cfg > 1:
-        raise ValueError(f"{family.title} trains under dp, parallel.ulysses and parallel.ring")
     check_sequence_layout(family.meta_transformer(cfg), layout.ulysses, layout.ring, family.title)
 
 
@@ -105,17 +96,18 @@ def check_family_sizes(cfg, family: Family, layout, buckets) -> None:
             raise ValueError(f"{where}: {e}".replace("--", "")) from None
 
 
-def frozen_family(cfg, family: Family, device, dtype) -> FamilyRun:
-    """Its text encoder and VAE; with data.latents, the VAE alone (for the previews), their prompts and the
-    folder's empty prompt kept instead of the text encoder (Qwen-Image's: 15.7 GiB)."""
+def frozen_family(cfg, family: Family, device, dtype, images: tuple = (None, None)) -> FamilyRun:
+    """Its text encoder and VAE (with the previews' `images`: Family.with_preview_images); with
+    data.latents, the VAE alone (for the previews), their prompts and the folder's empty prompt (its
+    empty.safetensors, else encoded now) kept instead of the text encoder (Qwen-Image's: 15.7 GiB)."""
     with reading_weights(f"{family.title}'s frozen parts (model.pretrained={cfg.model.pretrained})"):
         parts = family.load(cfg, device, dtype, transformer=False)
-    run = FamilyRun(family, parts, cfg.text_encoder.max_length)
+    run = FamilyRun(family, family.with_preview_images(cfg, parts, images), cfg.text_encoder.max_length)
     if cfg.data.latents:
         from safetensors.torch import load_file
 
-        sc, parts = cfg.sample, run.parts
-        run.empty = load_file(Path(cfg.data.latents) / "empty.safetensors")
+        sc, parts, empty = cfg.sample, run.parts, Path(cfg.data.latents) / "empty.safetensors"
+        run.empty = load_file(empty) if empty.is_file() else family.empty_conditioning(parts, run.max_length)
         prompts = list(sc.prompts)
         uncond = None
         if family.guided(sc.guidance):

@@ -512,6 +512,7 @@ def bench_profile(case, make_model, runtime, param_dtype, variant, args, top=12)
 
 def bench_sampler(case, runtime, param_dtype, args):
     from configs import load_config
+    from models.dit_family import sample_dit
     from models.flow import RectifiedFlow
 
     device = runtime.device
@@ -523,7 +524,9 @@ def bench_sampler(case, runtime, param_dtype, args):
     y, y_mask = torch.randn(1, L, text_dim, device=device), torch.ones(1, L, dtype=torch.bool, device=device)
     steps = args.sampler_steps
     seconds = timed(
-        lambda: flow.sample(model, noise, y, y_mask, torch.zeros_like(y), y_mask, steps=steps, guidance=5.0),
+        lambda: sample_dit(
+            flow, model, noise, y, y_mask, torch.zeros_like(y), y_mask, steps=steps, guidance=5.0
+        ),
         device,
         1,
         1,

@@ -22,7 +22,6 @@ import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from configs import load_config  # noqa: E402
-from models.dit import build_dit  # noqa: E402
 from models.families import family_named  # noqa: E402
 from models.family import FamilyWeights  # noqa: E402
 from models.lora import deltas_of, merge_deltas  # noqa: E402
@@ -145,13 +144,13 @@ def exported_transformer(checkpoint: Path, cfg, use_ema: bool, pipeline: bool):
     """(the checkpoint's DiT as a diffusers WanTransformer3DModel, its config)."""
     from diffusers import WanTransformer3DModel
 
-    record = lora_of(checkpoint)
+    record, family = lora_of(checkpoint), family_named(cfg.model.family)
     if record is not None:
         architecture = read_trainer_state(checkpoint)["architecture"]
-        in_channels, text_dim = architecture["in_channels"], architecture["text_dim"]
     else:
-        in_channels, text_dim = checkpoint_dims(checkpoint, "ema" if use_ema else "model")
-    model = _meta_dit(cfg, in_channels, text_dim)
+        dims = checkpoint_dims(checkpoint, "ema" if use_ema else "model")
+        architecture = dict(zip(("in_channels", "text_dim"), dims))
+    model = family.run_transformer(cfg, architecture)
     config = diffusers_config_from_dit(model.architecture())  # refuses a non-Wan DiT before reading weights
     if pipeline:
         check_pipeline_recipe(cfg)
@@ -164,7 +163,7 @@ def exported_transformer(checkpoint: Path, cfg, use_ema: bool, pipeline: bool):
         base = OmegaConf.create(OmegaConf.to_container(cfg))  # the recipe, on the base it was trained on
         base.model.pretrained = base_of_run(checkpoint, record, cfg.model.pretrained)
         fill_unsharded(model, cfg.train.seed, open_pretrained(base, model))
-        adapters = checkpoint_adapters(checkpoint, record, _meta_dit(cfg, in_channels, text_dim), use_ema)
+        adapters = checkpoint_adapters(checkpoint, record, family.run_transformer(cfg, architecture), use_ema)
         merge_deltas(model, deltas_of(adapters))
     else:
         model.to_empty(device="cpu")
@@ -190,44 +189,30 @@ def image_encoder_parts(cfg) -> dict:
     )
 
 
-def latent_channels(cfg, in_channels: int) -> int:
-    """The latent's channels of a DiT that reads `in_channels`: image-to-video's also take a 4-channel
-    mask and the given frames' latents (2C + 4)."""
-    return in_channels if cfg.model.task in ("t2v", "ti2v") else (in_channels - 4) // 2
-
-
-def _meta_dit(cfg, in_channels: int, text_dim: int):
-    with torch.device("meta"):
-        return build_dit(cfg.model, in_channels=latent_channels(cfg, in_channels), text_dim=text_dim)
-
-
-def export_lora(checkpoint: Path, output: Path, cfg, fmt: str, use_ema: bool = True, family=None) -> str:
-    """A LoRA run's adapters as one .safetensors file in `fmt` (diffusers or comfyui); `family`: a model
-    family's run (models/families.py), else tessera's DiT. Returns a note for the user: the format
-    written, or why tessera's own names were used."""
+def export_lora(checkpoint: Path, output: Path, cfg, fmt: str, use_ema: bool = True) -> str:
+    """A LoRA run's adapters as one .safetensors file in `fmt` (one of the family's lora_formats), on its
+    transformer of the checkpoint's architecture (Family.run_transformer). Returns a note for the user:
+    the format written, or why tessera's own names were used."""
     from safetensors.torch import save_file
 
+    family = family_named(cfg.model.family)
     record = lora_of(checkpoint)
     if record is None:
         raise CheckpointError(
             f"{checkpoint} is a full fine-tuning's checkpoint, not a LoRA's: export it without --lora "
             "(a transformer folder)"
         )
-    if family is not None and fmt not in family.lora_formats:
+    if fmt not in family.lora_formats:
         raise ValueError(
             f"--format {fmt}: {family.title}'s LoRAs are written in {', '.join(family.lora_formats)}"
         )
     if output.suffix != ".safetensors":
         raise ValueError(f"--output {output}: a LoRA is written as one .safetensors file")
-    if family is None:  # tessera's DiT, of the checkpoint's dimensions
-        architecture = read_trainer_state(checkpoint)["architecture"]
-        dims = architecture["in_channels"], architecture["text_dim"]
-        meta = lambda: _meta_dit(cfg, *dims)  # noqa: E731
-    else:
-        meta = lambda: family.meta_transformer(cfg)  # noqa: E731
+    architecture = read_trainer_state(checkpoint)["architecture"]
+    meta = lambda: family.run_transformer(cfg, architecture)  # noqa: E731
     adapters = checkpoint_adapters(checkpoint, record, meta(), use_ema)
-    projections, _ = (family or family_named(cfg.model.family)).projections(meta())
-    tensors = export_adapters(adapters, projections, fmt, family is None or family.lora_alphas)
+    projections, _ = family.projections(meta())
+    tensors = export_adapters(adapters, projections, fmt, family.lora_alphas)
     output.parent.mkdir(parents=True, exist_ok=True)
     info = {"format": "pt", "tessera_rank": record["rank"], "tessera_base": record["base"]["fingerprint"]}
     save_file(tensors, str(output), metadata=safetensors_metadata(info))
@@ -249,7 +234,7 @@ def export_family(checkpoint: Path, output: Path, cfg, family, args) -> str:
         raise ValueError(f"--low-noise-expert pairs Wan 2.2's experts; {family.title} has one transformer")
     check_architecture(checkpoint, family.meta_transformer(cfg).architecture())
     if args.lora and not args.merge:
-        return export_lora(checkpoint, output, cfg, args.format, use_ema, family)
+        return export_lora(checkpoint, output, cfg, args.format, use_ema)
     if args.merge and record is None:
         raise CheckpointError(f"--merge folds a LoRA into its base, and {checkpoint} is not a LoRA run's")
     if args.pipeline and not (Path(cfg.model.pretrained or "") / "model_index.json").is_file():

@@ -35,10 +35,7 @@ from data.latents import latent_meta, meta_differences  # noqa: E402
 from data.loader import build_buckets, build_dataset, build_sampler, check_same_plan  # noqa: E402
 from data.media import to_model_range  # noqa: E402
 from models.families import family_named  # noqa: E402
-from models.image_condition import condition_of_clips, image_inputs  # noqa: E402
 from models.util import reading_weights  # noqa: E402
-from parallel import vae as parallel_vae  # noqa: E402
-from parallel.components import build_frozen  # noqa: E402
 from parallel.entrypoint import run_as_process  # noqa: E402
 from parallel.family_training import check_family_sizes, check_family_training  # noqa: E402
 from parallel.layout import ParallelLayout  # noqa: E402
@@ -79,46 +76,25 @@ def content_key(entry: dict, bucket: str, seed: int) -> str:
     return hashlib.sha1(json.dumps(held).encode()).hexdigest()[:20]
 
 
-def dit_encoder(cfg, device):
-    """encode(entry, item) -> the tensors of one sample, for tessera's DiT: the clip in the tiles a decode
-    would use (a large clip's memory bounded by one tile; each rank encodes its own samples alone), the
-    caption's real tokens, and image-to-video's condition as training would build it (data/loader.py)."""
-    text_encoder, vae = build_frozen(cfg, device)
-    image = image_inputs(cfg, device)  # image-to-video: (last frame too?, CLIP encoder or None)
-
-    def encode(entry, item):
-        video = to_model_range(item["video"][None].to(device))
-        latent = parallel_vae.encode(vae, video, tile=cfg.vae.tile_latent, overlap=cfg.vae.tile_overlap)
-        y, mask = text_encoder([entry["caption"]], device)
-        tensors = {"latent": latent[0], "text": y[0, : int(mask[0].sum())]}
-        if image is not None:
-            given = [item.get(k) for k in ("image", "last_image")]  # frames the manifest names
-            given = [None if g is None else to_model_range(g[None].to(device)) for g in given]
-            condition = condition_of_clips(vae, image[1], video, image[0], *given)
-            tensors["condition"] = condition.latent[0]
-            if condition.features is not None:
-                tensors["image_features"] = condition.features
-        return tensors
-
-    return encode
-
-
 def family_encoder(cfg, family, runtime):
-    """encode(entry, item) for a model family: its VAE's normalised latent and what it keeps of the
-    caption's conditioning (Family.store_conditioning), in the compute dtype training uses; encode(None,
-    None): the empty prompt's conditioning alone."""
+    """encode(entry, item) for a model family: the clip's latent as training encodes it (Family.encode_clips:
+    the frames a manifest names too) and what it keeps of the caption's conditioning
+    (Family.store_conditioning), in the compute dtype training uses; encode(None, None): the empty prompt's
+    conditioning alone (Family.empty_conditioning). Each rank encodes its own samples alone."""
     dtype = torch.bfloat16 if runtime.bf16(cfg.train.precision) else torch.float32
     with reading_weights(f"{family.title}'s frozen parts (model.pretrained={cfg.model.pretrained})"):
         parts = family.load(cfg, runtime.device, dtype, transformer=False)
     length = cfg.text_encoder.max_length
 
     def encode(entry, item):
-        cond = family.encode(parts, [entry["caption"] if entry else ""], length)
         if item is None:
-            return family.store_conditioning(cond)[0]
+            return family.empty_conditioning(parts, length)
+        cond = family.encode(parts, [entry["caption"]], length)
         sound = item["audio"][None].to(runtime.device) if "audio" in item else None  # data.audio
         video = to_model_range(item["video"][None].to(runtime.device))
-        latent, cond = family.encode_clips(parts, video, sound, cond)
+        given = [item.get(k) for k in ("image", "last_image")]  # image-to-video's frames a manifest names
+        given = [None if g is None else to_model_range(g[None].to(runtime.device)) for g in given]
+        latent, cond = family.encode_clips(parts, video, sound, cond, given)
         return {"latent": latent[0], **family.store_conditioning(cond)[0]}
 
     return encode
@@ -143,7 +119,7 @@ def main(argv=None, session=None):
     args = parser.parse_args(args)
     cfg = load_config(args.config, overrides + ["data.latents=null"])  # this script reads the media
     family = family_named(cfg.model.family)
-    if not family.native:
+    if family.parts_from_pretrained:
         family.check_pretrained(cfg)  # its VAE and text encoder named now, before any process group
     rank, world_size, _ = world_from_env()
     out = Path(args.out)
@@ -159,9 +135,9 @@ def main(argv=None, session=None):
             f"({'; '.join(differ)}); write to another folder, or delete it to start over"
         )
     table = build_buckets(cfg)
-    if not family.native:  # what training would refuse (the task, a bucket's size), refused before encoding
-        check_family_training(cfg, family, ParallelLayout(dp=world_size))
-        check_family_sizes(cfg, family, ParallelLayout(dp=world_size), table)
+    # what training would refuse (the task, a bucket's size), refused before encoding
+    check_family_training(cfg, family, ParallelLayout(dp=world_size))
+    check_family_sizes(cfg, family, ParallelLayout(dp=world_size), table)
     dataset = build_dataset(cfg, table)
     if rank == 0:
         print(f"[precompute] {dataset.summary()}", flush=True)
@@ -170,12 +146,11 @@ def main(argv=None, session=None):
     check_same_plan(
         build_sampler(cfg, dataset, table, rank, world_size), dataset, None, runtime.control_group
     )
-    encode = dit_encoder(cfg, runtime.device) if family.native else family_encoder(cfg, family, runtime)
+    encode = family_encoder(cfg, family, runtime)
     if runtime.is_main:
         (out / "latents").mkdir(parents=True, exist_ok=True)
         (out / "meta.json").write_text(json.dumps(meta, indent=1))  # before any latent: a rerun checks it
-        if not family.native:  # what a dropped caption trains on
-            save_tensors(encode(None, None), out / "empty.safetensors")
+        save_tensors(encode(None, None), out / "empty.safetensors")  # what a dropped caption trains on
     runtime.fence()
 
     from torch.utils.data import DataLoader

@@ -210,10 +210,12 @@ def test_a_manifest_image_conditions_its_clip(tmp_path):
     from PIL import Image
 
     from data.dataset import collate
-    from data.loader import encode_batch
+    from data.loader import encode_family_batch
     from data.media import read_image
+    from models.families import family_named
+    from models.family import shared_fields
     from models.image_condition import condition_of_clips
-    from models.vae import build_vae
+    from parallel.family_training import FamilyRun
 
     data = SyntheticVideoDataset(2, 5, 32, 32)
     lines = []
@@ -232,17 +234,15 @@ def test_a_manifest_image_conditions_its_clip(tmp_path):
     fitted = fit_to_bucket(read_image(tmp_path / "first.png"), 1, 32, 32)[0]
     assert torch.equal(named["image"], torch.from_numpy(fitted).permute(2, 0, 1))
     assert torch.equal(own["image"], own["video"][:, 0])
-    vae, batch = build_vae(cfg.vae), collate([named])
-
-    class NoText:  # encode_batch's text encoder; the condition does not read it
-        def __call__(self, captions, device):
-            return torch.zeros(len(captions), 1, 1), torch.ones(len(captions), 1, dtype=torch.bool)
-
-    condition = encode_batch(batch, [False], NoText(), vae, "cpu", (False, None))[3]
+    family, batch = family_named(cfg.model.family), collate([named])
+    parts = family.load(cfg, torch.device("cpu"), torch.float32, transformer=False)
+    vae = parts.vae
+    encoded = encode_family_batch(FamilyRun(family, parts, 8), batch, [False], "cpu")
+    condition = encoded[1 + shared_fields(family.conditioning).index("image")]  # after x0: its fields
     video = batch["video"].float() / 127.5 - 1
     expected = condition_of_clips(vae, None, video, False, batch["image"].float() / 127.5 - 1)
-    assert torch.equal(condition.latent, expected.latent)
-    assert not torch.allclose(condition.latent, condition_of_clips(vae, None, video, False).latent)
+    assert torch.equal(condition, expected.latent)
+    assert not torch.allclose(condition, condition_of_clips(vae, None, video, False).latent)
 
 
 @pytest.mark.parametrize(
@@ -282,7 +282,7 @@ def test_a_latent_file_of_another_shape_is_replaced(tmp_path):
                 "width": 16,
             }
         )
-    dataset = LatentDataset(entries, table, text_length=8)
+    dataset = LatentDataset(entries, table)
     item = dataset[(2, 0)]
     assert item["latent"].shape == (3, 4, 16, 16) and item["latent"].unique().item() in (0.0, 1.0)
     assert "latent of shape (3, 2, 8, 8), bucket 4x16x16 needs (3, 4, 16, 16)" in item["failures"][0][1]
@@ -320,3 +320,24 @@ def test_a_manifest_of_mostly_missing_files_is_refused_alike_with_sizes_or_witho
         assert "9 listed with sizes but missing (replaced when loaded)" in dataset.summary()
     else:
         assert dataset.dropped["missing"] == 9
+
+
+def test_the_dits_stored_conditioning_is_its_text_encoders():
+    """tessera's DiT from data.latents: a sample's stored real tokens come back zero-padded to
+    text_encoder.max_length with their mask, and a dropped caption's empty prompt (no empty.safetensors in
+    its folders) exactly as its text encoder gives it, padding embeddings included (an unmasked DiT, as
+    Wan, attends them): what training from media sees."""
+    from models.families import family_named
+
+    cfg = load_config(TINY)
+    family = family_named(cfg.model.family)
+    parts = family.load(cfg, torch.device("cpu"), torch.float32, transformer=False)
+    length = cfg.text_encoder.max_length
+    text, mask = parts.text_encoder(["a red square", ""], "cpu")
+    real = int(mask[0].sum())
+    stored = [{"text": text[0, :real]}, family.empty_conditioning(parts, length)]
+    cond = family.load_conditioning(stored, length)
+    assert text[1, int(mask[1].sum()) :].any()  # its padding is not zeros: zero-padding would differ
+    assert torch.equal(cond.text[1], text[1]) and torch.equal(cond.text_mask[1], mask[1])
+    assert torch.equal(cond.text[0, :real], text[0, :real]) and not cond.text[0, real:].any()
+    assert torch.equal(cond.text_mask[0], mask[0]) and cond.image is None and cond.image_features is None

@@ -5,6 +5,7 @@ import torch
 from omegaconf import OmegaConf
 
 from configs.schema import FlowConfig
+from models.dit_family import sample_dit
 from models.flow import RectifiedFlow, expert_timesteps
 
 
@@ -78,7 +79,7 @@ def test_sampler_with_exact_velocity_reaches_the_data(guidance):
 
     y, neg = torch.ones(1, 1, 1), -torch.ones(1, 1, 1)
     mask = torch.ones(1, 1, dtype=torch.bool)
-    out = flow.sample(model, torch.randn(1, 3, 1, 4, 4), y, mask, neg, mask, steps=10, guidance=guidance)
+    out = sample_dit(flow, model, torch.randn(1, 3, 1, 4, 4), y, mask, neg, mask, steps=10, guidance=guidance)
     expected = (
         target["uncond"] + guidance * (target["cond"] - target["uncond"]) if guidance != 1 else target["cond"]
     )

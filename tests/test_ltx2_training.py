@@ -542,7 +542,7 @@ def test_lora_targets_on_frozen_audio_get_no_adapters(saved):
         patterns = ",".join(repr(t) for t in targets)
         cfg = training_recipe(saved, "data.audio=false", "lora.rank=4", f"lora.targets=[{patterns}]")
         one = SequenceGroups(None, 1, 0, None, [0], 0, None, 1, 0)  # one process
-        model, names = meta_model_builder(cfg, one, None, None, torch.float32)(adapters=True)
+        model, names = meta_model_builder(cfg, one, torch.float32)(adapters=True)
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         return set(names), trainable, model
 

@@ -67,6 +67,7 @@ def test_a_calibration_round_trips_and_a_damaged_one_is_refused(tmp_path):
 def test_the_cached_sampler_reuses_the_last_velocity_scaled():
     """Against the Euler loop written out by hand with the plan's reuse: a velocity that counts its calls."""
     from configs import load_config
+    from models.dit_family import sample_dit
     from models.flow import RectifiedFlow
 
     calls = []
@@ -78,7 +79,7 @@ def test_the_cached_sampler_reuses_the_last_velocity_scaled():
     noise = torch.randn(1, 4, 2, 4, 4, generator=torch.Generator().manual_seed(0))
     cache = StepCache(calibration(6, change=0.1, magnitude=0.8), threshold=0.15, max_skips=2)
     flow = RectifiedFlow(load_config(None).flow, (1, 2, 2), cache)
-    out = flow.sample(None, noise, None, None, steps=6, velocity=velocity)
+    out = sample_dit(flow, None, noise, None, None, steps=6, velocity=velocity)
     assert len(calls) == 4  # the model itself was called on the plan's 4 computed steps only
     sigmas, x, last = flow.sigmas(noise, 6), noise, None
     for i, step in enumerate(cache.plan(6)):

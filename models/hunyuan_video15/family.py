@@ -220,7 +220,7 @@ class HunyuanVideo15(Family):
         z = torch.cat([parts.vae.encode(v[None].to(parts.vae.dtype)).latent_dist.mode() for v in images])
         return z.float() * parts.vae.config.scaling_factor
 
-    def encode_clips(self, parts: HunyuanVideo15Parts, videos, sound, cond) -> tuple:
+    def encode_clips(self, parts: HunyuanVideo15Parts, videos, sound, cond, given=(None, None)) -> tuple:
         """The videos' latents; from an image-to-video folder, each clip's own first frame given as the
         pipeline gives an image (with_images: its latents and mask beside the noise, its SigLIP tokens), the
         loss on every frame as the release's trainer has it."""

@@ -303,7 +303,7 @@ class LTX2(Family):
         mean, std = (b.view(view).to(z) for b in (vae.latents_mean, vae.latents_std))
         return (z - mean) * vae.config.scaling_factor / std
 
-    def encode_clips(self, parts: LTX2Parts, videos, sound, cond) -> tuple:
+    def encode_clips(self, parts: LTX2Parts, videos, sound, cond, given=(None, None)) -> tuple:
         """The video latents; with the clips' sound, its normalised audio latents on cond.audio_x0."""
         if sound is not None:
             cond = replace(cond, audio_x0=encode_sound(parts.audio_vae, sound))
