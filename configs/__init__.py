@@ -124,8 +124,10 @@ def load_config(recipe: str | os.PathLike | None = None, overrides: list[str] | 
                 value = OmegaConf.to_container(value)
             raise ConfigError(f"'{key}' in {source} must be {expected}, got {value!r}") from None
     from configs.auto import resolve_family
+    from models.families import family_named
 
     resolve_family(cfg, ConfigError)
+    family_named(cfg.model.family).resolve_size(cfg, ConfigError)  # auto: the folder's; or refused by name
     validate(cfg)
     _check_decay_fraction(cli_cfg, cfg)
     return cfg

@@ -10,9 +10,9 @@ from models.lora import DEFAULT_TARGETS
 
 def resolve_family(cfg, error=ValueError) -> None:
     """Set cfg.model.family (auto: the family model.pretrained's folder declares under model.size=auto,
-    else dit), its dimensions (Family.resolve_size), and lora.targets' default to the family's layers. A
-    folder of another family than the one asked, a size the family does not take, and a folder of a family
-    tessera does not know are refused by name."""
+    else dit), and lora.targets' default to the family's layers. A folder of another family than the one
+    asked, and a folder of a family tessera does not know, are refused by name (its size: load_config,
+    through Family.resolve_size)."""
     mc = cfg.model
     if mc.family != "auto" and mc.family not in FAMILIES:
         raise error(f"'model.family' is {mc.family!r}; choose one of auto, {', '.join(FAMILIES)}")
@@ -34,6 +34,5 @@ def resolve_family(cfg, error=ValueError) -> None:
             f"{FAMILIES[wanted].title} (model.family={mc.family}, model.size={mc.size}): set {fix}"
         )
     mc.family = wanted
-    FAMILIES[wanted].resolve_size(cfg, error)  # model.size=auto from the folder, or a size it cannot take
     if tuple(cfg.lora.targets) == DEFAULT_TARGETS:  # the DiT's layer names: the family's own instead
         cfg.lora.targets = list(FAMILIES[wanted].default_lora_targets(cfg) or DEFAULT_TARGETS)
