@@ -144,7 +144,7 @@ class PipeFusionSampler:
         progress=None,
         condition=None,
     ):
-        """The latents (on every rank of the replica): the same contract as RectifiedFlow.sample.
+        """The latents (on every rank of the replica): the same contract as models/dit_family.py sample_dit.
         `condition`: image-to-video's (models/image_condition.py): stage 0 concatenates its latent to the
         embedded latent's channels (TI2V: puts the given frame in place), every stage gives its features to
         the DiT's conditioning."""

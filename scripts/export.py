@@ -208,7 +208,7 @@ def export_lora(checkpoint: Path, output: Path, cfg, fmt: str, use_ema: bool = T
         )
     if output.suffix != ".safetensors":
         raise ValueError(f"--output {output}: a LoRA is written as one .safetensors file")
-    architecture = read_trainer_state(checkpoint)["architecture"]
+    architecture = read_trainer_state(checkpoint).get("architecture", {})  # older runs: none recorded
     meta = lambda: family.run_transformer(cfg, architecture)  # noqa: E731
     adapters = checkpoint_adapters(checkpoint, record, meta(), use_ema)
     projections, _ = family.projections(meta())
