@@ -125,6 +125,7 @@ def main(argv=None, session=None):
         print(to_yaml(cfg))
         return
     plan = check_before_start(cfg)
+    cfg = plan.cfg  # train.memory=auto's choice in it
     runtime = init_runtime(cfg.parallel, plan.layout, cfg.run.output_dir, session=session)
     start_step, replanned = agree_on_data(cfg, plan, runtime)
     trainer = build_trainer(cfg, plan, runtime, start_step, replanned)
@@ -148,6 +149,7 @@ class Plan:
     trained: dict = field(default_factory=dict)  # the family's training_record, kept in each checkpoint
     encoders: dict = field(default_factory=dict)  # the frozen encoders (data/latents.py), kept in each one
     memory: str = ""  # the modelled peak, for the start-up line (parallel/memory_plan.py)
+    cfg: object = None  # the recipe as it runs (train.memory=auto's choice in it), what config.yaml records
 
 
 def check_before_start(cfg) -> Plan:
@@ -171,8 +173,9 @@ def check_before_start(cfg) -> Plan:
     check_family_training(cfg, family, layout)
     buckets = build_buckets(cfg)
     check_family_sizes(cfg, family, layout, buckets)
-    # before any weight or data file is read: a recipe that cannot fit is refused with what would fit
-    memory = check_training_memory(cfg, layout, buckets, world_size, local_world_size(), local_rank)
+    # before any weights or data are read (a folder's headers may have been): a misfit is refused with what fits
+    # train.memory=auto: the recipe from here on carries the checkpointing and offload it chose
+    cfg, memory = check_training_memory(cfg, layout, buckets, world_size, local_world_size(), local_rank)
     sc, data = cfg.sample, cfg.data
     try:
         space, patch = family.geometry(cfg)
@@ -197,7 +200,7 @@ def check_before_start(cfg) -> Plan:
     base, adapter_start = check_lora_start(cfg, checkpoint)
     return Plan(
         layout, buckets, dataset, sampler, checkpoint, resume, base, adapter_start, preview_images, expert,
-        trained, encoders, memory,
+        trained, encoders, memory, cfg,
     )  # fmt: skip
 
 

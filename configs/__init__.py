@@ -130,6 +130,7 @@ def load_config(recipe: str | os.PathLike | None = None, overrides: list[str] | 
     family_named(cfg.model.family).resolve_size(cfg, ConfigError)  # auto: the folder's; or refused by name
     validate(cfg)
     _check_decay_fraction(cli_cfg, cfg)
+    _check_memory_choice(cli_cfg, cfg)
     return cfg
 
 
@@ -170,6 +171,28 @@ def _check_decay_fraction(cli_cfg, cfg) -> None:
         )
 
 
+MEMORY_KEYS = ("activation_checkpointing", "checkpoint_policy", "cpu_offload")  # what train.memory=auto sets
+
+
+def _check_memory_choice(cli_cfg, cfg) -> None:
+    """train.memory=auto chooses MEMORY_KEYS from the start-up memory model: refused beside
+    train.memory_check=false (no model), and beside one of them on the command line (never silently
+    replaced)."""
+    if cfg.train.memory != "auto":
+        return
+    if not cfg.train.memory_check:
+        raise ConfigError(
+            "train.memory=auto chooses from the start-up memory model, which train.memory_check=false turns "
+            "off: set train.memory=manual, or train.memory_check=true"
+        )
+    given = [f"train.{k}" for k in MEMORY_KEYS if OmegaConf.select(cli_cfg, f"train.{k}") is not None]
+    if given:
+        raise ConfigError(
+            f"train.memory=auto chooses {', '.join(given)} itself: drop {' '.join(given)} from the command "
+            "line, or add train.memory=manual to use them"
+        )
+
+
 CHOICES = {
     "model.attention_backend": ("sdpa", "math", "xformers", "flash"),
     "model.base_dtype": ("auto", "float8"),
@@ -179,6 +202,7 @@ CHOICES = {
     "train.lr_decay": ("constant", "cosine", "linear"),
     "train.on_nonfinite": ("stop", "skip"),
     "train.checkpoint_policy": ("all", "selective"),
+    "train.memory": ("manual", "auto"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
     "data.epoch_remainder": ("pad", "drop"),
     "data.on_plan_change": ("error", "new_epoch"),

@@ -192,6 +192,11 @@ class TrainConfig:
     # that cannot fit its GPU or host is refused, naming what would fit; false skips the check (the model
     # is an estimate). The watch on host memory during the run stays.
     memory_check: bool = True
+    # manual: activation_checkpointing, checkpoint_policy and cpu_offload as the recipe sets them | auto: the
+    # fastest of them that the start-up memory model fits in the GPU (on a CPU: the host): no checkpointing,
+    # then selective, then all, then all with cpu_offload (one GPU); the start-up line and config.yaml say
+    # which was chosen
+    memory: str = "manual"
     # torchao's float8 matmuls for the blocks' Linear layers whose smaller side is at least
     # fp8_min_features (smaller ones lose more to the casts than the matmul gains); weights, gradients and
     # AdamW as before. A GPU of compute capability 8.9+ (emulated on a CPU); pip install -e ".[fp8]"

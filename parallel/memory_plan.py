@@ -6,6 +6,7 @@ the next prefetched, the activations kept for backward at the largest bucket (a 
 ACTIVATION_VALUES) and the frozen encoders; per host the processes, loader workers and offloaded states;
 compared with the GPU's free memory and the host's available memory (parallel/memory.py). A refusal names
 the figures and what would fit; train.memory_check=false skips the check (the model is an estimate).
+train.memory=auto picks the fastest activation checkpointing and offload that fit (memory_choices).
 """
 
 import math
@@ -126,25 +127,25 @@ class MemoryPlanError(ValueError):
     """A recipe whose modelled peak exceeds the free memory (a user error: the message says what fits)."""
 
 
-def check_training_memory(cfg, layout, buckets, world_size: int, local_world: int, local_rank: int) -> str:
-    """The start-up check (see the module docstring): raises MemoryPlanError naming the figures and what
-    would fit, or returns the start-up line's words on the modelled peak ("": train.memory_check=false)."""
+def check_training_memory(cfg, layout, buckets, world_size: int, local_world: int, local_rank: int):
+    """The start-up check (see the module docstring): (the recipe, with train.memory=auto's choice of
+    activation checkpointing and offload in it, the start-up line's words on the modelled peak; "" with
+    train.memory_check=false), or a MemoryPlanError naming the figures and what would fit."""
     if not cfg.train.memory_check:
-        return ""
+        return cfg, ""
     setting = training_setting(cfg, layout, buckets, world_size, local_world)
     model = meta_model(cfg, cfg.lora.rank)
-    peak = modelled_peak(model, setting)
     free = device_free(local_rank)  # first: the CUDA context it makes is then in the host's figure too
     available, total, where = host_memory()
-    unit = "GPU" if setting.on_gpu else "process"
-    short = []
-    if free is not None and peak.device > free:
-        short.append(f"{gib(peak.device)} per GPU, and GPU {local_rank} has {gib(free)} free")
-    if total and peak.host + floor_of(total) > available:  # what the watch during the run keeps free, too
-        processes = f"{setting.local} process{'es' * (setting.local > 1)}"
-        short.append(
-            f"{gib(peak.host)} on this host ({processes}), and {where} has {gib(available)} available"
-        )
+    room = Room(free, available, total, where, local_rank)
+    chosen, words = cfg, ""
+    if cfg.train.memory == "auto":  # the fastest that fits; none: refused with the most frugal's figures
+        tried = [(what, keys, _applied(setting, keys)) for what, keys in memory_choices(cfg, setting)]
+        fitting = [t for t in tried if not room.short(modelled_peak(model, t[2]), t[2])]
+        what, keys, setting = fitting[0] if fitting else tried[-1]
+        chosen, words = with_train_keys(cfg, keys), f"train.memory=auto chose {what}; "
+    peak = modelled_peak(model, setting)
+    short = room.short(peak, setting)
     if short:
         fits = _what_fits(cfg, model, setting, free, available - floor_of(total))
         raise MemoryPlanError(
@@ -153,8 +154,77 @@ def check_training_memory(cfg, layout, buckets, world_size: int, local_world: in
             f"out-of-memory killer. {fits} (the figures are modelled on the meta device: "
             "train.memory_check=false skips this check)"
         )
+    unit = "GPU" if setting.on_gpu else "process"
     host = f"{gib(peak.host)} on this host ({gib(available)} available)"
-    return f"modelled peak {gib(peak.device)} per {unit}, {host}"
+    return chosen, f"{words}modelled peak {gib(peak.device)} per {unit}, {host}"
+
+
+@dataclass
+class Room:
+    """The memory a run may take: the GPU's free bytes (None on a CPU) and the host's available ones."""
+
+    free: int | None
+    available: int
+    total: int
+    where: str
+    local_rank: int
+
+    def short(self, peak: Peak, setting: Setting | None = None) -> list:
+        """What `peak` exceeds, in words ([]: it fits)."""
+        short = []
+        if self.free is not None and peak.device > self.free:
+            short.append(f"{gib(peak.device)} per GPU, and GPU {self.local_rank} has {gib(self.free)} free")
+        if (
+            self.total and peak.host + floor_of(self.total) > self.available
+        ):  # what the run's watch keeps free
+            local = setting.local if setting is not None else 1
+            processes = f"{local} process{'es' * (local > 1)}"
+            short.append(
+                f"{gib(peak.host)} on this host ({processes}), and {self.where} has {gib(self.available)} "
+                "available"
+            )
+        return short
+
+
+def memory_choices(cfg, setting: Setting) -> list:
+    """train.memory=auto's candidates, fastest first: [(words, {train key: value})]. Selective checkpointing
+    keeps torch's attention outputs (sdpa or math only); checkpointing recomputes a LoRA's dropout with
+    other masks (lora.dropout > 0: none); train.cpu_offload runs on one GPU."""
+    off = {"activation_checkpointing": False, "checkpoint_policy": "all", "cpu_offload": False}
+    choices = [("no activation checkpointing", off)]
+    if cfg.lora.rank and cfg.lora.dropout > 0:
+        return choices
+    if cfg.model.attention_backend in ("sdpa", "math"):
+        selective = {**off, "activation_checkpointing": True, "checkpoint_policy": "selective"}
+        choices.append(("selective activation checkpointing", selective))
+    every = {**off, "activation_checkpointing": True}
+    choices.append(("full activation checkpointing", every))
+    if setting.on_gpu and setting.fsdp == 1:
+        choices.append(
+            ("full activation checkpointing with train.cpu_offload", {**every, "cpu_offload": True})
+        )
+    return choices
+
+
+def _applied(setting: Setting, keys: dict) -> Setting:
+    from dataclasses import replace
+
+    checkpointing = keys["checkpoint_policy"] if keys["activation_checkpointing"] else "none"
+    return replace(setting, checkpointing=checkpointing, cpu_offload=keys["cpu_offload"])
+
+
+def with_train_keys(cfg, keys: dict):
+    """A read-only copy of the recipe with `keys` set under train (what config.yaml then records)."""
+    import copy
+
+    from omegaconf import OmegaConf
+
+    chosen = copy.deepcopy(cfg)
+    OmegaConf.set_readonly(chosen, False)
+    for key, value in keys.items():
+        chosen.train[key] = value
+    OmegaConf.set_readonly(chosen, True)
+    return chosen
 
 
 def training_setting(cfg, layout, buckets, world_size: int, local_world: int) -> Setting:

@@ -245,3 +245,111 @@ def test_the_watch_names_the_part_that_grew_even_when_another_shrank():
     assert watch.check(2) is None and len(said) == 1 and "did not grow" in said[0]
     line = watch.check(3)
     assert line and "rank 0's main process grew from 1.0 GiB to 4.0 GiB since step 1" in line, line
+
+
+def _auto_case(extra=()):
+    """A DiT-S recipe whose activations dominate its modelled peak on a CPU, with its peaks under each of
+    train.memory=auto's choices: {choice words: Peak}."""
+    from data.loader import build_buckets
+    from parallel.memory_plan import _applied, memory_choices, training_setting
+
+    cfg = load_config(TINY, ["model.size=DiT-S", "data.height=64", "data.width=64", "data.frames=16", *extra])
+    layout = type("Layout", (), {"ulysses": 1, "ring": 1})()
+    setting = training_setting(cfg, layout, build_buckets(cfg), 1, 1)
+    model = meta_model(cfg, cfg.lora.rank)
+    return cfg, {
+        what: modelled_peak(model, _applied(setting, keys)) for what, keys in memory_choices(cfg, setting)
+    }
+
+
+def test_train_memory_auto_picks_the_fastest_setting_that_fits(monkeypatch, capsys):
+    """train.memory=auto on a host (simulated by its available figure) that holds the recipe's peak with
+    selective checkpointing and not without: selective is chosen, the recipe train.py goes on with carries
+    it (config.yaml records it), and the start-up line names it with its modelled peak. A host that holds
+    only full checkpointing gets full; one that holds none is refused, by name, before any process group,
+    with the most frugal setting's figure."""
+    import parallel.memory_plan as plan
+    from parallel.memory import floor_of
+
+    cfg, peaks = _auto_case()
+    none, selective, every = (peaks[k] for k in peaks)
+    assert none.host > selective.host > every.host  # the order memory_choices tries them in
+    total = 64 * GiB
+    for room, chosen in (
+        ((none.host + selective.host) // 2, "selective"),
+        ((selective.host + every.host) // 2, "full"),
+    ):
+        monkeypatch.setattr(
+            plan, "host_memory", lambda room=room: (room + floor_of(total), total, "test host")
+        )
+        argv = [
+            "--config",
+            str(TINY),
+            "model.size=DiT-S",
+            "data.height=64",
+            "data.width=64",
+            "data.frames=16",
+        ]
+        args = train.parse_args(argv + ["train.memory=auto"])
+        started = train.check_before_start(train.expert_recipe(load_config(args.config, args.overrides)))
+        tc = started.cfg.train
+        assert tc.activation_checkpointing and tc.checkpoint_policy == (
+            "selective" if chosen == "selective" else "all"
+        )
+        assert started.memory.startswith(
+            f"train.memory=auto chose {chosen} activation checkpointing; modelled peak"
+        )
+    monkeypatch.setattr(plan, "host_memory", lambda: (every.host // 2 + floor_of(total), total, "test host"))
+    with pytest.raises(
+        plan.MemoryPlanError, match=f"its modelled peak is {plan.gib(every.host)} on this host"
+    ):
+        train.check_before_start(load_config(TINY, argv[2:] + ["train.memory=auto"]))
+    assert not dist.is_initialized()
+
+
+def test_train_memory_auto_runs_the_fastest_bit_for_bit_and_refuses_what_it_would_replace(tmp_path, capsys):
+    """With room for everything it trains without checkpointing, as train.memory=manual does (the same
+    losses); it refuses to sit beside train.memory_check=false or a checkpointing key on the command line."""
+    from configs import ConfigError
+
+    losses = {}
+    for mode in ("manual", "auto"):
+        run = tmp_path / mode
+        argv = ["--config", str(TINY), "train.max_steps=2", f"train.memory={mode}", f"run.output_dir={run}"]
+        assert run_main(train, argv) == 0
+        losses[mode] = [
+            line.split('"loss": ')[1].split(",")[0]
+            for line in (run / "metrics.jsonl").read_text().splitlines()
+        ]
+        if mode == "auto":
+            assert "train.memory=auto chose no activation checkpointing" in capsys.readouterr().out
+            assert "activation_checkpointing: false" in (run / "config.yaml").read_text()
+    assert losses["auto"] == losses["manual"]
+    with pytest.raises(ConfigError, match="which train.memory_check=false turns off"):
+        load_config(TINY, ["train.memory=auto", "train.memory_check=false"])
+    with pytest.raises(ConfigError, match="chooses train.activation_checkpointing itself"):
+        load_config(TINY, ["train.memory=auto", "train.activation_checkpointing=true"])
+
+
+def test_train_memory_auto_offloads_on_one_gpu_and_leaves_checkpointing_alone_under_lora_dropout():
+    """On a GPU the last choice is full checkpointing with train.cpu_offload (one GPU only: several shard
+    instead); selective only where torch's attention outputs are kept (sdpa, math); a LoRA with dropout
+    never recomputes (its masks would differ)."""
+    from dataclasses import replace
+
+    from parallel.memory_plan import memory_choices
+
+    cfg, _ = _auto_case()
+    base = Setting(1, 1, 1, 64, 2, "none", False, True, 0, 0, 0)
+    words = [w for w, _ in memory_choices(cfg, base)]
+    assert words == [
+        "no activation checkpointing",
+        "selective activation checkpointing",
+        "full activation checkpointing",
+        "full activation checkpointing with train.cpu_offload",
+    ]
+    assert "train.cpu_offload" not in " ".join(w for w, _ in memory_choices(cfg, replace(base, fsdp=2)))
+    flash = load_config(TINY, ["model.attention_backend=flash"])
+    assert "selective activation checkpointing" not in [w for w, _ in memory_choices(flash, base)]
+    dropout = load_config(TINY, ["lora.rank=4", "lora.dropout=0.1", "model.pretrained=base"])
+    assert [w for w, _ in memory_choices(dropout, base)] == ["no activation checkpointing"]
