@@ -173,7 +173,7 @@ def check_before_start(cfg) -> Plan:
     check_family_training(cfg, family, layout)
     buckets = build_buckets(cfg)
     check_family_sizes(cfg, family, layout, buckets)
-    # before any weights or data are read (a folder's headers may have been): a misfit is refused with what fits
+    # before any weights or data are read (a folder's headers may be): a misfit is refused with what fits
     # train.memory=auto: the recipe from here on carries the checkpointing and offload it chose
     cfg, memory = check_training_memory(cfg, layout, buckets, world_size, local_world_size(), local_rank)
     sc, data = cfg.sample, cfg.data

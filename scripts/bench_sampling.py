@@ -283,7 +283,7 @@ def quality_table(results):
 # ---------------------------------------------------------------------------------------------------
 # The latency model.
 
-# The H100's measured forward throughput: sample_dit (models/dit_family.py) at Wan2.1-1.3B dims (tessera's DiT), 14,040
+# The H100's measured forward throughput: sample_dit (models/dit_family.py) at Wan2.1-1.3B dims, 14,040
 # tokens, guidance 5 (batch 2), 443 ms per Euler step (BENCHMARKS.md, issue 12, scripts/bench_gpu.py).
 H100_STEP_S, H100_STEP_CASE = 0.443, dict(depth=30, hidden=1536, ffn=8960, tokens=14_040, batch=2)
 PEAK = {"H100": 989e12, "L40": 181e12}  # dense bf16, vendor figures
