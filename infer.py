@@ -20,47 +20,29 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from configs import DEFAULT_RECIPE, load_config, split_overrides
 from data.media import OUTPUT_EXTENSIONS, write_video
-from models.dit import size_of
 from models.families import family_named
 from models.family import part_folder
-from models.image_condition import image_encoder_folder, read_images
-from models.lora import merge_deltas
 from models.lora_formats import check_file, parse_lora_spec
 from models.sampler import Sampling
 from models.step_cache import step_cache
 from models.tiling import plan_tiles
-from models.util import reading_weights
-from models.vae import vae_latent_space
 from parallel import comm
 from parallel.cache import check_calibration, share_step_cache
-from parallel.cfg import family_denoiser
-from parallel.checkpoint_files import find_checkpoint
-from parallel.checkpoint_reading import check_checkpoint_files
-from parallel.components import (
-    check_pretrained,
-)
-from parallel.dit_sampling import check_expert_pair, dit_batches, load_sampler, read_experts
 from parallel.entrypoint import run_as_process
 from parallel.family_sampling import (
+    Weights,
     family_batches,
-    family_checkpoint,
-    family_images,
-    family_layout,
-    load_run_weights,
+    load_sampling,
     refuse_flags,
+    sampled_weights,
+    sampling_layout,
 )
-from parallel.layout import ParallelLayout
-from parallel.lora import lora_base
-from parallel.operators import apply_operators
-from parallel.pipefusion_family import FamilyPipeFusion
-from parallel.pipefusion_plan import held_elsewhere, keep_blocks
 from parallel.rendezvous import finish_line
-from parallel.runtime import init_runtime, links_are_slow, local_world_size, world_from_env
+from parallel.runtime import init_runtime, world_from_env
 
 
 def parse_args(argv):
@@ -184,7 +166,7 @@ class Request:
     steps: int
     guidance: float
     negative_prompt: str
-    grid: list  # tokens along (t, h, w)
+    grid: list  # tokens along (t, h, w) (parallel/family_sampling.py sampling_layout fills it)
     latent: tuple  # (C, t, h, w)
     cache: object = None  # models.step_cache.StepCache (sample.cache), or None
     images: list | None = None  # image-to-video: each prompt's first frame (PIL), or None
@@ -192,11 +174,10 @@ class Request:
     experts: tuple | None = None  # Wan 2.2 A14B: (the low-noise expert's folder, boundary, guidance_2)
 
     def sampling(self, batch: list, seed: int, cfg) -> Sampling:
-        """models/sampler.py's Sampling of the prompts `batch` (prompt i from seed + i), for the families
-        (tessera's DiT takes the same values through models/pipeline.generate)."""
+        """models/sampler.py's Sampling of the prompts `batch` (prompt i from seed + i)."""
         size = (self.frames, self.height, self.width)
         prompts, seeds = [self.prompts[i] for i in batch], [seed + i for i in batch]
-        images = None if self.images is None else [self.images[i] for i in batch]
+        pick = lambda given: None if given is None else [given[i] for i in batch]  # noqa: E731
         return Sampling(
             prompts,
             seeds,
@@ -205,45 +186,23 @@ class Request:
             self.guidance,
             self.negative_prompt,
             cfg.text_encoder.max_length,
-            images,
+            pick(self.images),
+            pick(self.last_images),
         )
 
 
-def read_request(cfg, args) -> Request:
-    """The request, with every size checked (a ValueError naming the flag) before anything starts."""
-    prompts, outputs, frames, height, width, steps, guidance, negative = read_sizes(cfg, args)
-    latent = vae_latent_space(cfg.vae).latent_shape(frames, height, width, cfg.model.patch_size)
-    grid = [s // p for s, p in zip(latent[1:], cfg.model.patch_size)]
+def read_request(cfg, args, family, sizes: tuple, experts) -> Request:
+    """The request, with every size and image checked (a ValueError naming the flag) before anything
+    starts: `sizes`, read_sizes'; `experts`, Family.sampling_experts'."""
+    prompts, outputs, frames, height, width, steps, guidance, negative = sizes
+    sized = args.height is not None or args.width is not None
+    given, size = (args.image, args.last_image), (frames, height, width)
+    images, last, height, width = family.sampling_images(cfg, given, len(prompts), size, sized, _warn_on_main)
+    family.check_size(cfg, frames, height, width)
+    family.check_guidance(cfg, guidance)  # the scale this sampling uses, with the recipe's other terms
     cache = step_cache(cfg.sample, steps)
-    vae = vae_latent_space(cfg.vae)
-    images, last_images = read_images(
-        cfg.model.task,
-        (args.image, args.last_image),
-        ("--image", "--last-image", "--height", "--width"),
-        len(prompts),
-        frames,
-        height,
-        width,
-        vae.temporal_stride,
-        multiple=tuple(vae.spatial_stride * p for p in cfg.model.patch_size[1:]),
-        say=_warn_on_main,
-    )
-    return Request(
-        prompts,
-        outputs,
-        frames,
-        height,
-        width,
-        steps,
-        guidance,
-        negative,
-        grid,
-        latent,
-        cache,
-        images,
-        last_images,
-        read_experts(cfg, args, guidance),
-    )
+    sizes = (frames, height, width, steps, guidance, negative)
+    return Request(prompts, outputs, *sizes, [], (), cache, images, last, experts)
 
 
 def read_sizes(cfg, args) -> tuple:
@@ -273,80 +232,48 @@ def read_sizes(cfg, args) -> tuple:
     return prompts, outputs, frames, height, width, steps, guidance, negative
 
 
-def plan_layout(cfg, request: Request) -> tuple[ParallelLayout, int, str]:
-    """(the layout, PipeFusion's patch count, the links parallel.auto saw), refused by name if invalid."""
-    _, world_size, _ = world_from_env()
-    size, grid = size_of(cfg.model), request.grid
-    slow_links, links = links_are_slow() if cfg.parallel.auto else (False, "")
-    layout = ParallelLayout.from_config(
-        cfg.parallel,
-        world_size,
-        size["num_heads"],
-        "sample",
-        local_world_size(),
-        # first_block needs every block on one stage: a depth of 1 keeps parallel.auto from PipeFusion
-        depth=1 if cfg.sample.cache == "first_block" else size["depth"],
-        guided=request.guidance != 1.0,
-        slow_links=slow_links,
-        tokens=grid[0] * grid[1] * grid[2],
-    )
-    if request.experts is not None and layout.pipefusion > 1:
-        raise ValueError(
-            "Wan 2.2's two experts do not run under PipeFusion yet "
-            f"(parallel.pipefusion={layout.pipefusion}): use cfg, ulysses or ring"
-        )
-    return layout, layout.check_patches(cfg.parallel, grid), links
-
-
 def main(argv=None, session=None):
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     family = family_named(cfg.model.family)
+    # Every refusal comes before any model is built or any collective is issued.
     family.check_sample_keys(cfg)  # a guidance term it does not read: refused, never ignored
     if args.no_audio and not family.samples_audio:
         raise ValueError(f"--no-audio: {family.title} samples no sound to leave out")
-    if not family.native:  # loaded by family.load (tessera's DiT: load_sampler, below); one sampling loop
-        return sample_family(cfg, args, family, session)
-    # Every refusal comes before any model is built or any collective is issued.
-    request = read_request(cfg, args)
-    layout, patches, links = plan_layout(cfg, request)
-    checkpoint = find_checkpoint(cfg, args.checkpoint, args.random_weights)
-    record = None
-    if checkpoint is not None:
-        check_checkpoint_files(checkpoint)
-    if request.experts is not None:  # before lora_base: a LoRA expert's base is not the recipe's
-        check_expert_pair(checkpoint, request.experts[0])
-    if checkpoint is not None:
-        record = lora_base(cfg, checkpoint)
-    if cfg.model.pretrained and not args.random_weights and (checkpoint is None or record):
-        check_pretrained(cfg.model.pretrained)
-    if request.experts is not None:
-        check_pretrained(request.experts[0])
+    refuse_flags(cfg, args, family)
+    sizes = read_sizes(cfg, args)
+    experts = family.sampling_experts(cfg, sizes[6], args.random_weights, bool(args.lora))
+    if family.parts_from_pretrained:  # its folder says the sizes and images it takes: checked first
+        family.check_pretrained(cfg)
+    request = read_request(cfg, args, family, sizes, experts)
+    layout, patches, links = sampling_layout(cfg, family, request)
+    weights = sampled_weights(cfg, args, family, experts)  # a LoRA run's base: model.pretrained from here
     loras = read_loras(cfg, args.lora)
-    check_calibration(request.cache, cfg, args, checkpoint, request.guidance)  # made for these weights?
-    if request.images is not None and cfg.model.image_dim:
-        image_encoder_folder(cfg)  # a missing CLIP folder is named before any process group starts
+    check_calibration(request.cache, cfg, args, weights.checkpoint, request.guidance)  # for these weights?
     check_outputs(request.outputs)  # a folder or a read-only path, named now rather than after sampling
+    if family.max_length and cfg.text_encoder.max_length != family.max_length:  # not the family's recipe
+        _warn_on_main(
+            f"text_encoder.max_length={cfg.text_encoder.max_length}: {family.title}'s pipeline encodes "
+            f"{family.max_length} tokens (configs/ has its recipe)"
+        )
 
     runtime = init_runtime(cfg.parallel, layout, cfg.run.output_dir, task="sample", session=session)
     # the ranks of a replica compare their cache settings before any weight is loaded
     share_step_cache(request.cache, runtime.sampling, request.steps, runtime.device, runtime.faults)
     if runtime.is_main:
-        print(_layout_line(cfg, runtime, request, patches, links), flush=True)
+        print(_layout_line(cfg, family, runtime, request, weights, patches, links), flush=True)
         if request.cache is not None and request.cache.method == "calibrated":  # the same on every rank
             calls = sum(step.compute for step in request.cache.plan(request.steps))
             print(f"[tessera] step cache: {calls} of {request.steps} steps call the model", flush=True)
-    use_ema = cfg.sample.use_ema and not args.no_ema
-    components = load_sampler(
-        cfg, runtime, checkpoint, use_ema, args.random_weights, patches, loras, request.experts
-    )
+    parts, denoise_with, decode = load_sampling(cfg, runtime, family, request, weights, loras, patches)
     del loras  # merged into the weights: the files' tensors need not outlive the sampling
     mine = list(range(layout.dp_rank(runtime.rank), len(request.prompts), layout.dp))  # split over dp
     nonfinite = None
     if mine:
-        weights = describe_weights(cfg, args, checkpoint, record, use_ema)
-        sample_batch = dit_batches(cfg, args, runtime, request, *components)
-        nonfinite = sample_and_write(cfg, args, runtime, request, mine, sample_batch, weights)
+        described = describe_weights(cfg, args, weights)
+        sample_batch = family_batches(cfg, args, runtime, request, family, parts, denoise_with, decode)
+        vae = str(part_folder(cfg, "vae")) if family.parts_from_pretrained else None
+        nonfinite = sample_and_write(cfg, args, runtime, request, mine, sample_batch, described, vae)
         say_full_calls(runtime, request, sample_batch.full_calls / len(mine))
     finish(runtime, nonfinite)
 
@@ -370,67 +297,6 @@ def finish(runtime, nonfinite: Exception | None) -> None:
             "a video of another data-parallel replica held NaN or inf and was not written (its ranks' error "
             "line names it and the likely cause); this replica's videos were written"
         )
-
-
-def sample_family(cfg, args, family, session) -> None:
-    """infer.py for a family sampled by models/sampler.py (models/families.py: Qwen-Image, Sana): the same
-    flags, outputs and error lines, over model.pretrained's pipeline folder; every refusal comes before
-    any process group."""
-    refuse_flags(cfg, args, family)
-    checkpoint, record = family_checkpoint(cfg, args, family)
-    loras = read_loras(cfg, args.lora)
-    prompts, outputs, frames, height, width, steps, guidance, negative = read_sizes(cfg, args)
-    images, height, width, picked = family_images(cfg, args, family, len(prompts), height, width)
-    if picked:
-        _warn_on_main(
-            f"--image: sampling {width}x{height}, the size {family.title}'s image-to-video pipeline picks "
-            "for the image (sample.height and sample.width are not used with --image: give --height and "
-            "--width)"
-        )
-    family.check_size(cfg, frames, height, width)
-    family.check_guidance(cfg, guidance)  # the scale this sampling uses, with the recipe's other terms
-    cache = step_cache(cfg.sample, steps)
-    sizes = (frames, height, width, steps, guidance, negative)
-    request = Request(prompts, outputs, *sizes, [], (), cache, images)
-    layout, patches = family_layout(cfg, family, request)
-    check_outputs(outputs)
-    if cfg.text_encoder.max_length != family.max_length:  # a recipe without the family's own setting
-        _warn_on_main(
-            f"text_encoder.max_length={cfg.text_encoder.max_length}: {family.title}'s pipeline encodes "
-            f"{family.max_length} tokens (configs/ has its recipe)"
-        )
-    runtime = init_runtime(cfg.parallel, layout, cfg.run.output_dir, task="sample", session=session)
-    share_step_cache(cache, runtime.sampling, steps, runtime.device, runtime.faults)  # before any weight
-    if runtime.is_main:
-        run = f" with {checkpoint}" + (" (LoRA)" if record else "") if checkpoint is not None else ""
-        line = f"[tessera] {family.title} from {cfg.model.pretrained}{run}; layout {layout.describe()}"
-        print(line + _pipefusion_words(cfg, layout, patches), flush=True)
-    groups, use_ema = runtime.sampling, cfg.sample.use_ema and not args.no_ema
-    keep = (lambda model: keep_blocks(model, groups.stage, groups.stages)) if layout.pipefusion > 1 else None
-    dtype = torch.bfloat16 if runtime.bf16(cfg.train.precision) else torch.float32
-    with reading_weights(f"{family.title}'s parts (model.pretrained={cfg.model.pretrained})"):
-        parts = family.load(cfg, runtime.device, dtype, keep=keep)  # under PipeFusion: this stage's blocks
-    parts.cache = cache
-    if checkpoint is not None:  # a run's weights: a full fine-tuning's, or its LoRA on its base
-        load_run_weights(cfg, runtime, family, parts.transformer, checkpoint, record, use_ema)
-    for update, strength in loras:  # merged: every layout then runs the plain transformer
-        merge_deltas(parts.transformer, update.deltas(strength), elsewhere=held_elsewhere(parts.transformer))
-    del loras
-    if layout.pipefusion > 1:
-        warmup = cfg.parallel.pipefusion_warmup
-        denoise_with = FamilyPipeFusion(parts.transformer, groups, patches, warmup, runtime.faults).denoise
-    else:
-        parts.transformer = apply_operators(parts.transformer, runtime.sequence)
-        denoise_with = family_denoiser(groups)
-    mine = list(range(layout.dp_rank(runtime.rank), len(prompts), layout.dp))  # split over dp
-    nonfinite = None
-    if mine:
-        weights = describe_weights(cfg, args, checkpoint, record, use_ema)
-        sample_batch = family_batches(cfg, args, runtime, request, family, parts, denoise_with)
-        vae = str(part_folder(cfg, "vae"))
-        nonfinite = sample_and_write(cfg, args, runtime, request, mine, sample_batch, weights, vae)
-        say_full_calls(runtime, request, sample_batch.full_calls / len(mine))
-    finish(runtime, nonfinite)
 
 
 def sample_and_write(cfg, args, runtime, request: Request, mine: list, sample_batch, weights: str, vae=None):
@@ -485,19 +351,22 @@ def write_batch(cfg, args, runtime, request: Request, batch: list, videos, bad: 
         comm.barrier(replica.replica_control)
 
 
-def describe_weights(cfg, args, checkpoint, record, use_ema: bool) -> str:
+def describe_weights(cfg, args, weights: Weights) -> str:
     """Where the sampled weights came from, for the message about a video with NaN or inf."""
+    checkpoint = weights.checkpoint
     if args.random_weights:
-        weights = "--random-weights"
+        described = "--random-weights"
     elif checkpoint is None:
-        weights = f"model.pretrained={cfg.model.pretrained}"
-    elif record is not None:
-        weights = f"the LoRA checkpoint {checkpoint} on model.pretrained={cfg.model.pretrained}"
+        described = f"model.pretrained={cfg.model.pretrained}"
+    elif weights.record is not None:
+        described = f"the LoRA checkpoint {checkpoint} on model.pretrained={cfg.model.pretrained}"
     else:
-        weights = f"the checkpoint {checkpoint}" + (" (its EMA weights: try --no-ema)" if use_ema else "")
+        described = f"the checkpoint {checkpoint}" + (
+            " (its EMA weights: try --no-ema)" if weights.use_ema else ""
+        )
     if args.lora:
-        weights += f" with --lora {' '.join(args.lora)} (try without them, or at lower scales)"
-    return weights
+        described += f" with --lora {' '.join(args.lora)} (try without them, or at lower scales)"
+    return described
 
 
 def nonfinite_message(cfg, runtime, request: Request, bad: dict, weights: str, vae: str | None = None) -> str:
@@ -535,15 +404,24 @@ def _pipefusion_words(cfg, layout, patches: int) -> str:
     return f"; PipeFusion: {patches} patches, {cfg.parallel.pipefusion_warmup} warm-up step(s)"
 
 
-def _layout_line(cfg, runtime, request: Request, patches: int, links: str) -> str:
-    layout = runtime.layout
+def _layout_line(cfg, family, runtime, request: Request, weights: Weights, patches: int, links: str) -> str:
+    layout, checkpoint = runtime.layout, weights.checkpoint
+    if weights.random:
+        source = "random weights (train.seed)"
+    elif checkpoint is not None and weights.record is None:
+        source = str(checkpoint)
+    else:
+        lora = f" with {checkpoint} (LoRA)" if checkpoint is not None else ""
+        source = f"{cfg.model.pretrained or 'train.seed'}{lora}"
     chosen = f" (parallel.auto: {links})" if cfg.parallel.auto else ""
     pipeline = _pipefusion_words(cfg, layout, patches)
-    vae = vae_latent_space(cfg.vae)
-    tiles = len(plan_tiles(vae, request.latent[1:], cfg.vae.tile_latent, cfg.vae.tile_overlap))
+    tiles = ""
+    if family.tiled_vae:  # its replica's ranks share the decode's tiles
+        vae = family.geometry(cfg)[0]
+        count = len(plan_tiles(vae, request.latent[1:], cfg.vae.tile_latent, cfg.vae.tile_overlap))
+        tiles = f"; VAE decode: {count} tile(s) over {runtime.sampling.replica_size} rank(s)"
     return (
-        f"[tessera] layout {layout.describe()}{chosen}{pipeline}; VAE decode: {tiles} tile(s) over "
-        f"{runtime.sampling.replica_size} rank(s)"
+        f"[tessera] {family.describe(cfg)} from {source}; layout {layout.describe()}{chosen}{pipeline}{tiles}"
     )
 
 

@@ -5,8 +5,8 @@ behind it, the two guidance branches run as one batch, image-to-video's conditio
 (models/image_condition.py), Wan 2.2 A14B's two experts take turns, and it computes under autocast.
 It trains through the family hooks too: its frozen parts (`load`), the image condition carried as
 tensor fields of its conditioning, each clip encoded in the tiles a decode uses, its loss, and its stored
-conditioning (the fixed-length text of its precomputed latents). It loads for sampling and exports its
-folders through tessera's DiT code (`native`).
+conditioning (the fixed-length text of its precomputed latents). Its transformer is filled for sampling by
+parallel/family_sampling.py (a Wan folder, a tessera run or train.seed), as every family's.
 """
 
 import contextlib
@@ -117,10 +117,18 @@ class DiTFamily(Family):
     def schedule(self, parts: DiTParts, steps: int, latents: torch.Tensor) -> Schedule:
         return parts.flow.schedule(parts.flow.sigmas(latents, steps))
 
+    @contextlib.contextmanager
     def context(self, parts: DiTParts):
+        """A sampling's: the step cache on the flow (its walk and PipeFusion's plan read it there), Wan 2.2's
+        high-noise expert on the device (the experts swap at the boundary), and the autocast."""
+        parts.flow.cache = parts.cache
+        if parts.experts is not None:
+            Experts.on_device(parts.transformer, parts.experts.low, parts.device)
         if parts.autocast is None:
-            return contextlib.nullcontext()
-        return torch.autocast(parts.device.type, dtype=parts.autocast)
+            yield
+            return
+        with torch.autocast(parts.device.type, dtype=parts.autocast):
+            yield
 
     def walk(self, parts: DiTParts, schedule: Schedule, noise, velocity, progress=None):
         return parts.flow.walk(schedule, noise, velocity, progress)
@@ -135,7 +143,7 @@ class DiTFamily(Family):
     def model_at(self, parts: DiTParts, t):
         """The model that samples timestep `t` (one of Wan 2.2's experts, moved to the device), behind the
         first-block step cache when it is on, with the image condition when there is one."""
-        model, experts, cache = parts.transformer, parts.experts, parts.flow.cache
+        model, experts, cache = parts.transformer, parts.experts, parts.cache
         if experts is not None:
             pair = (model, experts.low) if experts.high_noise(t) else (experts.low, model)
             model = experts.on_device(*pair, parts.device)
@@ -152,6 +160,86 @@ class DiTFamily(Family):
         v = self.model_at(parts, t)(torch.cat([x, x]), t.expand(text.shape[0]), text, mask)
         return v.chunk(2)
 
+    def takes_images(self, cfg) -> bool:
+        return cfg.model.task != "t2v"
+
+    def needs_images(self, cfg) -> bool:
+        return cfg.model.task in ("i2v", "flf2v")
+
+    def sampling_images(self, cfg, given: tuple, count: int, size: tuple, sized: bool, say=None) -> tuple:
+        """model.task's frames (models/image_condition.py read_images: checked against the task, the VAE
+        and the video's shape), at the size asked."""
+        from models.image_condition import read_images
+        from models.vae import vae_latent_space
+
+        frames, height, width = size
+        vae = vae_latent_space(cfg.vae)
+        multiple = tuple(vae.spatial_stride * p for p in cfg.model.patch_size[1:])
+        names = ("--image", "--last-image", "--height", "--width")
+        first, last = read_images(
+            cfg.model.task, given, names, count, frames, height, width, vae.temporal_stride, multiple, say
+        )
+        if first is not None and cfg.model.image_dim:  # a missing CLIP folder, named before any process group
+            from models.image_condition import image_encoder_folder
+
+            image_encoder_folder(cfg)
+        return first, last, height, width
+
+    def with_images(self, parts: DiTParts, images: list, size: tuple, *conds, last_images=None) -> tuple:
+        """Image-to-video's condition of the batch on `parts` (each call of the model takes it; `finish`
+        puts TI2V's given frame back): the frames' latents, mask and CLIP features, as diffusers builds
+        them."""
+        from models.image_condition import sampling_condition
+
+        encoder = parts.image[1] if parts.image is not None else None
+        parts.condition = sampling_condition(
+            parts.task, parts.vae, encoder, images, last_images, *size, parts.device
+        )
+        return conds
+
+    def sampling_experts(self, cfg, guidance: float, random_weights: bool, loras: bool) -> tuple | None:
+        """Wan 2.2 A14B's second expert as (folder, boundary, guidance_2), or None for one model; refused by
+        name where the recipe cannot pair them."""
+        from models.wan import second_expert
+
+        sc = cfg.sample
+        folder, boundary = second_expert(cfg.model.pretrained, cfg.model.pretrained_2)
+        if random_weights:
+            if cfg.model.pretrained_2 or sc.guidance_2 is not None:
+                raise ValueError(
+                    "--random-weights samples one model: drop model.pretrained_2 and sample.guidance_2"
+                )
+            folder = None
+        if folder is None:
+            if sc.guidance_2 is not None or cfg.model.pretrained_2 or sc.boundary is not None:
+                raise ValueError(
+                    "sample.guidance_2, sample.boundary and model.pretrained_2 are for Wan 2.2's two "
+                    "experts: model.pretrained has no transformer_2/ (drop them, or name the low-noise "
+                    "expert in model.pretrained_2)"
+                )
+            return None
+        boundary = sc.boundary if sc.boundary is not None else boundary
+        if boundary is None or not 0 < boundary < 1:
+            raise ValueError(
+                f"two experts need the noise level where they switch: set sample.boundary (0.875 for Wan2.2 "
+                f"T2V-A14B, 0.9 for I2V-A14B), got {boundary}"
+            )
+        if loras:
+            raise ValueError("pairing LoRAs with Wan 2.2's two experts is not built yet: drop --lora")
+        if (
+            sc.cache != "none"
+        ):  # a calibration or a residual would span the switch from one expert to the other
+            raise ValueError(
+                f"sample.cache={sc.cache} does not pair with two experts yet: set sample.cache=none"
+            )
+        guidance_2 = guidance if sc.guidance_2 is None else sc.guidance_2
+        if guidance == 1.0:  # as diffusers: guidance_scale alone decides whether either expert is guided
+            guidance_2 = 1.0
+        return folder, boundary, guidance_2
+
+    def pair_experts(self, parts: DiTParts, low, boundary: float, guidance_2: float) -> None:
+        parts.experts = Experts(low, boundary, guidance_2)
+
     def finish(self, parts: DiTParts, latents):
         condition = parts.condition
         if condition is not None and condition.first_frame:  # TI2V: the given frame's latent, as diffusers
@@ -167,6 +255,8 @@ class DiTFamily(Family):
     tasks = ("t2v", "i2v", "flf2v", "ti2v")
     auto_layout = True  # parallel.auto picks its layout (configs/auto.py)
     parts_from_pretrained = False  # its text encoder and VAE come from their own keys
+    random_weights = float32_weights = tiled_vae = calibrated_cache = True
+    patch_pipeline = False  # its own PipeFusion stages (parallel/pipefusion.py) and first-block cache
 
     def resolve_size(self, cfg, error=ValueError) -> None:
         """model.size=auto: every architecture key from model.pretrained's Wan folder (models/wan.py)."""
@@ -259,8 +349,8 @@ class DiTFamily(Family):
         """Its frozen parts for training (transformer=False: train.py builds and shards the DiT): the text
         encoder and the VAE of their recipe keys (in their own dtypes), image-to-video's CLIP encoder, and
         the flow on the trained expert's timesteps."""
-        if transformer:
-            raise NotImplementedError("tessera's DiT samples through parallel/dit_sampling.py load_sampler")
+        if transformer:  # its weights come from a Wan folder, a tessera run or train.seed: parallel/ fills it
+            raise NotImplementedError("tessera's DiT: parallel/family_sampling.py sampling_transformer")
         from models.flow import RectifiedFlow, expert_timesteps
         from models.image_condition import image_inputs
 
@@ -268,8 +358,17 @@ class DiTFamily(Family):
         timesteps = expert_timesteps(cfg.model.expert, cfg.sample.boundary)
         flow = RectifiedFlow(cfg.flow, tuple(cfg.model.patch_size), timesteps=timesteps)
         image = image_inputs(cfg, device)  # on every rank: the previews need the CLIP too (0.6B, float32)
+        autocast = torch.bfloat16 if dtype == torch.bfloat16 else None  # float32 weights, bf16 compute
         return DiTParts(
-            None, None, text_encoder, vae, flow=flow, device=device, task=cfg.model.task, image=image
+            None,
+            None,
+            text_encoder,
+            vae,
+            flow=flow,
+            autocast=autocast,
+            device=device,
+            task=cfg.model.task,
+            image=image,
         )
 
     def open_weights(self, cfg, model, folder=None):
@@ -311,7 +410,8 @@ class DiTFamily(Family):
         size = (sc.frames or data.frames, sc.height or data.height, sc.width or data.width)
         encoder = parts.image[1] if parts.image is not None else None
         condition = sampling_condition(parts.task, parts.vae, encoder, *images, *size, parts.device)
-        return replace(parts, condition=condition)
+        # no autocast: the training model computes in FSDP2's mixed precision already
+        return replace(parts, condition=condition, autocast=None)
 
     def encode_clips(self, parts: DiTParts, videos, sound, cond: DiTText, given=(None, None)) -> tuple:
         """The clips in the tiles precompute_latents.py uses (media and precomputed latents are the same

@@ -4,9 +4,9 @@ family instead of branching on its name. A family says which folders it recognis
 transformer, text encoder and VAE, how it encodes a prompt, draws noise, schedules and solves the
 steps, guides, and decodes. models/sampler.py runs the one sampling loop over these pieces.
 
-`dit` is tessera's own DiT, which reads Wan 2.1 / 2.2 folders (models/dit_family.py): it samples through
-models/sampler.py and trains through these hooks as the others do, and loads for sampling and exports
-its folders through its own code (`native`).
+`dit` is tessera's own DiT, which reads Wan 2.1 / 2.2 folders (models/dit_family.py): it samples (infer.py)
+and trains through these hooks as the others do; its folders' export and three DiT-only scripts still
+ask `native`.
 """
 
 import contextlib
@@ -39,7 +39,7 @@ class Family:
 
     name = ""
     title = ""  # how messages name it
-    native = False  # loaded for sampling (infer.py) and exported by tessera's DiT code, not through `load`
+    native = False  # tessera's DiT: exported to Wan folders, calibrated and judged by its own scripts
     pipeline_classes: tuple = ()  # model_index.json's _class_name of its diffusers pipelines
     transformer_classes: tuple = ()  # its transformer's config.json _class_name
     # the parallel degrees (besides dp, which splits prompts) its sampling runs under
@@ -59,6 +59,18 @@ class Family:
     # guidance_rescale, stg); the others, when set, are refused by name
     sample_keys: tuple = ()
     tasks: tuple = ("t2v",)  # the model.task values it trains (its image-to-video comes from its folder)
+    random_weights = (
+        False  # infer.py --random-weights: its layers have a seeded initialisation (models/dit.py)
+    )
+    float32_weights = (
+        False  # its sampling keeps float32 weights and computes under autocast (else: the dtype)
+    )
+    tiled_vae = False  # its VAE decodes in tessera's tiles, which a replica's ranks share (parallel/vae.py)
+    # its PipeFusion and step cache run through its transformer's patch pieces (patch_context, companion,
+    # patch_blocks: parallel/pipefusion_family.py, models/step_cache.py FirstBlockFamily); False: tessera's
+    # DiT's own stages and caches, which also run under ulysses and ring
+    patch_pipeline = True
+    calibrated_cache = False  # sample.cache=calibrated (scripts/calibrate_cache.py calibrates its steps)
     auto_layout = False  # parallel.auto chooses its layout (else its degrees are set by hand)
     parts_from_pretrained = True  # its text encoder and VAE are model.pretrained's (read on every start)
 
@@ -299,15 +311,74 @@ class Family:
         """Whether model.pretrained's folder samples only from a given first frame (--image required)."""
         return self.takes_images(cfg)
 
+    def sampling_images(self, cfg, given: tuple, count: int, size: tuple, sized: bool, say=None) -> tuple:
+        """(each prompt's first frame (PIL) or None, its last frame or None, height, width) of a sampling of
+        `count` prompts at `size` (frames, height, width) from --image and --last-image (`given`: their
+        paths, None where not given), refused by name where the folder takes no image or needs one. Without
+        --height and --width (`sized` False), a pipeline that sizes the video from the image (image_size)
+        gives the size (every image must pick the same), and `say(line)` tells."""
+        from models.image_condition import first_frames
+
+        paths, last = given
+        if last:
+            raise ValueError(
+                f"{self.title} samples its pretrained or trained weights: --last-image is not supported for "
+                "it yet"
+            )
+        if self.needs_images(cfg) and not paths:
+            raise ValueError(
+                f"model.pretrained={cfg.model.pretrained} is {self.title}'s image-to-video pipeline: give "
+                "the first frame with --image (a PNG or JPEG file)"
+            )
+        if paths and self.image_to_video and not self.takes_images(cfg):
+            raise ValueError(
+                f"--image: model.pretrained={cfg.model.pretrained} is {self.title}'s text-to-video pipeline; "
+                "image-to-video samples its image-to-video pipeline's folder"
+            )
+        if paths and not self.takes_images(cfg):
+            raise ValueError(
+                f"{self.title} samples its pretrained or trained weights: --image is not supported for it yet"
+            )
+        _, height, width = size
+        if not paths:
+            return None, None, height, width
+        images = first_frames(paths, count, "--image")
+        if sized or self.image_size(cfg, images[0]) is None:
+            return images, None, height, width
+        sizes = {self.image_size(cfg, image) for image in images}
+        if len(sizes) > 1:
+            raise ValueError(
+                f"--image: the images' shapes pick different video sizes ({sorted(sizes)}): give --height "
+                "and --width (each image is cropped to them), or images of one shape"
+            )
+        height, width = sizes.pop()
+        if say is not None:
+            say(
+                f"--image: sampling {width}x{height}, the size {self.title}'s image-to-video pipeline picks "
+                "for the image (sample.height and sample.width are not used with --image: give --height and "
+                "--width)"
+            )
+        return images, None, height, width
+
+    def sampling_experts(self, cfg, guidance: float, random_weights: bool, loras: bool) -> tuple | None:
+        """A second transformer that samples some of the steps (Wan 2.2's low-noise expert) as (its folder,
+        the noise level where they switch, its guidance scale), or None."""
+        return None
+
+    def pair_experts(self, parts: Components, low, boundary: float, guidance_2: float) -> None:
+        """Give `parts` the second transformer sampling_experts named (`low`, loaded on the host)."""
+        raise NotImplementedError(f"{self.title} samples with one transformer")
+
     def image_size(self, cfg, image) -> tuple | None:
         """(height, width) its image-to-video pipeline samples for `image` (PIL) when no size is given;
         None: the pipeline takes the size it is given (the recipe's)."""
         return None
 
-    def with_images(self, parts: Components, images: list, size: tuple, *conds) -> tuple:
-        """`conds` (a conditioning, or None) given each sample's first frame (`images`, PIL) for a video of
-        `size` (frames, height, width), as its image-to-video pipeline gives them. models/sampler.py calls it
-        before `noise`, which a family may have read what it keeps on `parts` (LTX-2's first latent frame)."""
+    def with_images(self, parts: Components, images: list, size: tuple, *conds, last_images=None) -> tuple:
+        """`conds` (a conditioning, or None) given each sample's first frame (`images`, PIL; `last_images`:
+        each one's last, for a family that takes them) for a video of `size` (frames, height, width), as its
+        image-to-video pipeline gives them. models/sampler.py calls it before `noise`, which a family may
+        have read what it keeps on `parts` (LTX-2's first latent frame, the DiT's image condition)."""
         raise NotImplementedError
 
     def encode_clips(self, parts: Components, videos: torch.Tensor, sound, cond, given=(None, None)) -> tuple:

@@ -364,3 +364,16 @@ class ConditionedModel:
         if features is not None:
             features = features.repeat(repeats, 1, 1)
         return self.model(torch.cat([x, latent], dim=1), t, y, y_mask, features)
+
+
+def first_frames(paths: list, count: int, name: str) -> list:
+    """Each of `count` prompts' first frame (PIL, read as training data is: load_image) from `paths`, one
+    for every prompt or one each; another count or an unreadable file is a ValueError naming `name`
+    (--image, sample.images)."""
+    if len(paths) not in (1, count):
+        raise ValueError(f"{name}: give one image for every prompt or one for each of the {count}")
+    try:
+        images = [load_image(path) for path in paths]
+    except FileNotFoundError as e:
+        raise ValueError(f"{name}: {e}") from None
+    return images * (count if len(paths) == 1 else 1)

@@ -58,7 +58,15 @@ def generate(
     # `device`: where the sampling runs (a model under train.cpu_offload keeps its weights on the CPU)
     device = device or next(model.parameters()).device
     parts = DiTParts(
-        model, None, text_encoder, vae, flow=flow, condition=condition, autocast=autocast_dtype, device=device
+        model,
+        None,
+        text_encoder,
+        vae,
+        cache=flow.cache,
+        flow=flow,
+        condition=condition,
+        autocast=autocast_dtype,
+        device=device,
     )
     # max_length: its text encoder pads to text_encoder.max_length itself
     sampling = Sampling(prompts, seeds, (frames, height, width), steps, guidance, negative_prompt)

@@ -28,6 +28,7 @@ class Sampling:
     negative_prompt: str = ""
     max_length: int = 0
     images: list | None = None  # image-to-video: each prompt's first frame (PIL); None: text-to-video
+    last_images: list | None = None  # FLF2V: each prompt's last frame (PIL), or None
 
     def __post_init__(self):
         if len(self.seeds) != len(self.prompts):
@@ -79,7 +80,10 @@ def generate_images(
             negative = [sampling.negative_prompt] * len(prompts)
             uncond = family.encode(parts, negative, sampling.max_length, negative=True)
         if sampling.images is not None:  # both branches see the frame, as the pipelines give it
-            cond, uncond = family.with_images(parts, sampling.images, sampling.size, cond, uncond)
+            images, size = sampling.images, sampling.size
+            cond, uncond = family.with_images(
+                parts, images, size, cond, uncond, last_images=sampling.last_images
+            )
     device = device or next(parts.transformer.parameters()).device  # a host-held (offloaded) model: given
     noise = family.noise(parts, sampling.seeds, *sampling.size).to(device)
     schedule = family.schedule(parts, sampling.steps, noise)

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 
 from models.family import Components, Family, shared_fields
+from models.image_condition import first_frames
 from models.sampler import Sampling, checked, generate_images
 from models.util import reading_weights
 from parallel import comm
-from parallel.family_sampling import first_frames
 from parallel.operators import check_sequence_layout
 from parallel.sequence import share_batch
 
@@ -60,12 +60,13 @@ def check_family_training(cfg, family: Family, layout) -> None:
             "image-to-video training, where built, comes from its image-to-video pipeline folder)"
         )
     family.check_training(cfg)
-    if family.needs_images(cfg) and not family.trains_images:  # samples only from a first frame
+    folder_images = family.image_to_video and family.needs_images(cfg)  # its folder's first frame
+    if folder_images and not family.trains_images:  # samples only from a first frame
         raise ValueError(
             f"model.pretrained={cfg.model.pretrained} is {family.title}'s image-to-video pipeline; its "
             "training is text-to-video only: use the text-to-video folder"
         )
-    if family.needs_images(cfg):
+    if folder_images:
         preview_images(cfg, family)  # read now: a wrong path is named before anything starts
     check_sequence_layout(family.meta_transformer(cfg), layout.ulysses, layout.ring, family.title)
 
@@ -157,7 +158,7 @@ def family_previews(cfg, run: FamilyRun, model, seeds: list, progress, device) -
     sampling = Sampling(
         list(sc.prompts), seeds, size, sc.steps, sc.guidance, sc.negative_prompt, run.max_length
     )
-    if run.family.needs_images(cfg):
+    if run.family.image_to_video and run.family.needs_images(cfg):  # tessera's DiT: with_preview_images
         sampling = replace(sampling, images=preview_images(cfg, run.family))
     images, bad = checked(
         generate_images, run.family, parts, sampling, progress, device=device, conditioning=run.previews

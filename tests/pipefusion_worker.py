@@ -3,7 +3,8 @@ gloo, CPU).
 
 One launch runs every layout: the process group is made once, and each case builds its own cfg /
 PipeFusion / sequence groups from its layout (as parallel/runtime.py does) and samples through
-parallel.dit_sampling.load_sampler and models.pipeline.generate, the code infer.py runs. Every rank
+parallel.dit_sampling.load_sampler and models.pipeline.generate (the transformer infer.py loads, its
+ParallelSampler and models/sampler.py). Every rank
 computes the serial reference itself (models.pipeline.generate on the whole model, one process). Token grid
 3 x 5 x 3 = 45 tokens in 15 rows: 2 and 4 patches are 7/8 and 3/4/4/4 rows, which no sequence-parallel degree
 divides, so padded patches run too. Prints `ok <case> ...` per passed check; a mismatch raises.

@@ -261,7 +261,7 @@ def never_called(*args, **kwargs):
 )
 def test_infer_refuses_impossible_requests_before_building(tmp_path, monkeypatch, capsys, extra, message):
     monkeypatch.setattr(infer, "init_runtime", never_called)
-    monkeypatch.setattr(infer, "load_sampler", never_called)
+    monkeypatch.setattr(infer, "load_sampling", never_called)
     argv = ["--config", str(TINY), f"run.output_dir={tmp_path}"] + extra
     assert run_main(infer, argv) == 2
     assert message in capsys.readouterr().err

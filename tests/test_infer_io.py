@@ -42,7 +42,7 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_model_is_built(t
     def never(*args, **kwargs):
         raise AssertionError("the model was built before the output was checked")
 
-    monkeypatch.setattr(infer, "load_sampler", never)
+    monkeypatch.setattr(infer, "load_sampling", never)
     folder = tmp_path / "out.npy"
     folder.mkdir()  # a folder named like a file
     (tmp_path / "notes.txt").write_text("a file")
@@ -71,15 +71,16 @@ def test_batches_sample_what_one_batch_samples_and_are_written_as_they_finish(tm
     reference = np.stack([np.load(p) for p in outputs(one, 5)])
     assert np.abs(reference[0] - reference[1]).max() > 1e-2  # the prompts give different videos
 
-    import models.pipeline
+    import parallel.family_sampling
 
-    generate, calls = models.pipeline.generate, []
+    generate, calls = parallel.family_sampling.generate_images, []
 
-    def watched(model, vae, text_encoder, flow, batch, *args, **kwargs):
-        calls.append((batch, kwargs["seeds"], [p.exists() for p in outputs(tmp_path / "b.npy", 5)]))
-        return generate(model, vae, text_encoder, flow, batch, *args, **kwargs)
+    def watched(family, parts, sampling, *args, **kwargs):
+        written = [p.exists() for p in outputs(tmp_path / "b.npy", 5)]
+        calls.append((sampling.prompts, sampling.seeds, written))
+        return generate(family, parts, sampling, *args, **kwargs)
 
-    monkeypatch.setattr(models.pipeline, "generate", watched)
+    monkeypatch.setattr(parallel.family_sampling, "generate_images", watched)
     capsys.readouterr()
     args = sample_args(
         tmp_path, tmp_path / "b.npy", "sample.batch_size=2", "--seed", "0", "--prompt", *prompts

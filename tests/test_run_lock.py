@@ -150,7 +150,11 @@ def test_the_holder_beats_and_learns_when_it_lost_the_lock(tmp_path):
     (tmp_path / LOCK_NAME).write_text(ours)
     time.sleep(0.2)
     lock.ensure_held()  # still ours: one bad read is no loss
-    write_lock(tmp_path, host="elsewhere", pid=7)  # taken over while this one was frozen
+    # taken over while this one was frozen: a successor's lock is a new file (O_EXCL, once the stale one is
+    # moved aside), so this one's beats, through its own file, cannot write over it (in place they could,
+    # between a beat's read and its write: the test failed so under load)
+    (tmp_path / LOCK_NAME).unlink()
+    write_lock(tmp_path, host="elsewhere", pid=7)
     time.sleep(0.2)
     with pytest.raises(RunDirectoryInUse, match="lost .* to host elsewhere pid 7"):
         lock.ensure_held()

@@ -106,7 +106,9 @@ class HunyuanVideo15(Family):
         processor = _processor(self.vae_scale(cfg))
         return processor.calculate_default_height_width(image.height, image.width, target)
 
-    def with_images(self, parts: HunyuanVideo15Parts, images: list, size: tuple, *conds) -> tuple:
+    def with_images(
+        self, parts: HunyuanVideo15Parts, images: list, size: tuple, *conds, last_images=None
+    ) -> tuple:
         """Each image cropped to the video's (height, width), its SigLIP tokens in the context stream and its
         VAE latents (the posterior's mode, scaled) as the first latent frame beside the noise, masked 1
         there and 0 on the frames to come (the pipeline's prepare_cond_latents_and_mask)."""

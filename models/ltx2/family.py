@@ -372,7 +372,7 @@ class LTX2(Family):
     def needs_images(self, cfg) -> bool:
         return False
 
-    def with_images(self, parts: LTX2Parts, images: list, size: tuple, *conds) -> tuple:
+    def with_images(self, parts: LTX2Parts, images: list, size: tuple, *conds, last_images=None) -> tuple:
         """LTX2ImageToVideoPipeline's first frames: each image re-compressed as its training's were (H.264 at
         the text encoder generation's CRF), resized to the video, encoded (the posterior's mode) and
         normalised; noise() puts them on the first latent frame. The conditionings are unchanged."""
