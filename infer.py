@@ -301,7 +301,7 @@ def finish(runtime, nonfinite: Exception | None) -> None:
 
 def sample_and_write(cfg, args, runtime, request: Request, mine: list, sample_batch, weights: str, vae=None):
     """Sample this replica's prompts `mine` on every rank of the replica, sample.batch_size at a time
-    (`sample_batch(batch, progress)`: dit_batches' or family_batches'): the same batches in the same
+    (`sample_batch(batch, progress)`: family_batches'): the same batches in the same
     order on every rank (they share `mine`), and a video does not depend on its batch (seed + i,
     per-sample cache decisions). The replica's leader writes each batch as it finishes. A video with NaN
     or inf is never written: every rank of the replica finds it in the same latents and the sampling goes
@@ -405,14 +405,13 @@ def _pipefusion_words(cfg, layout, patches: int) -> str:
 
 
 def _layout_line(cfg, family, runtime, request: Request, weights: Weights, patches: int, links: str) -> str:
-    layout, checkpoint = runtime.layout, weights.checkpoint
+    layout, checkpoint, name = runtime.layout, weights.checkpoint, family.describe(cfg)
     if weights.random:
-        source = "random weights (train.seed)"
-    elif checkpoint is not None and weights.record is None:
-        source = str(checkpoint)
-    else:
-        lora = f" with {checkpoint} (LoRA)" if checkpoint is not None else ""
-        source = f"{cfg.model.pretrained or 'train.seed'}{lora}"
+        name += ", random weights (train.seed)"
+    elif checkpoint is not None:
+        name += f", {checkpoint}" + (" (LoRA)" if weights.record is not None else "")
+    elif cfg.model.pretrained and str(cfg.model.pretrained) not in name:
+        name += f", {cfg.model.pretrained}"
     chosen = f" (parallel.auto: {links})" if cfg.parallel.auto else ""
     pipeline = _pipefusion_words(cfg, layout, patches)
     tiles = ""
@@ -420,9 +419,7 @@ def _layout_line(cfg, family, runtime, request: Request, weights: Weights, patch
         vae = family.geometry(cfg)[0]
         count = len(plan_tiles(vae, request.latent[1:], cfg.vae.tile_latent, cfg.vae.tile_overlap))
         tiles = f"; VAE decode: {count} tile(s) over {runtime.sampling.replica_size} rank(s)"
-    return (
-        f"[tessera] {family.describe(cfg)} from {source}; layout {layout.describe()}{chosen}{pipeline}{tiles}"
-    )
+    return f"[tessera] {name}; layout {layout.describe()}{chosen}{pipeline}{tiles}"
 
 
 if __name__ == "__main__":

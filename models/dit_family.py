@@ -305,7 +305,10 @@ class DiTFamily(Family):
         if cfg.model.pretrained:
             check_wan_folder(cfg.model.pretrained)
 
-    def check_training(self, cfg) -> None:
+    def check_sample_keys(self, cfg) -> None:
+        """As every family's, and a warning where its text is padded otherwise than Wan's (train.py and
+        infer.py both ask this first)."""
+        super().check_sample_keys(cfg)
         if not meta_dit(cfg).text_mask and cfg.text_encoder.max_length != 512:
             warnings.warn(
                 f"text_encoder.max_length={cfg.text_encoder.max_length} with unmasked text (model.text_mask "

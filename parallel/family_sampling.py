@@ -58,9 +58,8 @@ def sampled_weights(cfg, args, family, experts) -> Weights:
     as it is; --random-weights: none), checked with the files this sampling reads (model.pretrained's, a
     LoRA run's base, Wan 2.2's second expert's) before any process group."""
     checkpoint = find_checkpoint(cfg, args.checkpoint, args.random_weights)
-    record, pretrained = None, cfg.model.pretrained
-    runs = [f for f in (pretrained, experts[0] if experts else None) if f and is_tessera_run(f)]
-    if args.no_ema and checkpoint is None and not runs:  # a run named as model.pretrained(_2) has raw weights
+    record = None
+    if args.no_ema and checkpoint is None and family.parts_from_pretrained:  # its folder has no raw weights
         raise ValueError(
             f"--no-ema picks a run's raw weights, and no run is named (none in run.output_dir="
             f"{cfg.run.output_dir}): name one with --checkpoint, or drop --no-ema"
@@ -162,31 +161,42 @@ def check_patch_pipeline(cfg, family, request) -> None:
 def sampling_transformer(cfg, runtime, family, weights: Weights, loras=(), folder=None, group=None):
     """The family's transformer on the host, frozen, with its weights for this rank (under PipeFusion only
     its stage's blocks are allocated and filled; not for a second expert, `folder`): a full run's
-    checkpoint, else model.pretrained's (`folder`'s) own, a tessera run's, or random ones from train.seed;
-    the --lora files (`loras`: infer.py read_loras') and a LoRA run's adapters merged in. NaN or inf is
-    refused alike on every rank of `group`."""
+    checkpoint; else model.pretrained's (`folder`'s) own, as its files hold them in the compute dtype
+    (Family.load_transformer: memory-mapped, no copy) or, for float32_weights, filled row by row from its
+    files, a tessera run's (EMA) weights or random ones from train.seed; a LoRA run's adapters, then the
+    --lora files (`loras`: infer.py read_loras') merged in. NaN or inf is refused alike on every rank of
+    `group`."""
     layout, groups = runtime.layout, runtime.sampling
-    model = family.meta_transformer(cfg)
-    if not family.float32_weights:  # filled in the compute dtype: no float32 copy of the weights on the host
-        model = model.to(torch.bfloat16 if runtime.bf16(cfg.train.precision) else torch.float32)
+    dtype = torch.bfloat16 if runtime.bf16(cfg.train.precision) else torch.float32
     stage = layout.pipefusion > 1 and folder is None
-    if stage:
-        model = (keep_blocks if family.patch_pipeline else keep_stage)(model, groups.stage, groups.stages)
+    keep = (keep_blocks if family.patch_pipeline else keep_stage) if stage else None
+    select = (lambda model: keep(model, groups.stage, groups.stages)) if stage else None  # noqa: E731
     checkpoint, record = (weights.checkpoint, weights.record) if folder is None else (None, None)
-    deltas = [update.deltas(strength) for update, strength in loras]
+    deltas = []
     if record is not None:  # matched against the whole architecture: a stage merges its blocks' own
         adapters = checkpoint_adapters(checkpoint, record, family.meta_transformer(cfg), weights.use_ema)
         check_adapters_finite(adapters, checkpoint, weights.use_ema)
         deltas.append(deltas_of(adapters))
-    if checkpoint is not None and record is None:
+    deltas += [update.deltas(strength) for update, strength in loras]
+    if checkpoint is not None and record is None:  # every weight from the run
+        model = family.meta_transformer(cfg)
+        model = select(model) if stage else model
+        model = model if family.float32_weights else model.to(dtype)
         model.to_empty(device="cpu")
         load_weights(checkpoint, model, use_ema=weights.use_ema)
         # NaN: refused by name (PipeFusion stages hold other blocks: their lists of tensors differ)
         check_checkpoint_finite(model, checkpoint, weights.use_ema, runtime.control_group, not stage)
+    elif not family.float32_weights:  # the folder's tensors as they are (a whole-model name check first)
+        model = family.load_transformer(cfg, dtype, select)
     else:  # random weights: adaLN-Zero's zeros would make the output 0 whatever the layout does
-        pretrained = None if weights.random else open_pretrained(cfg, model, folder, weights.use_ema)
+        model = family.meta_transformer(cfg)
+        model = select(model) if stage else model
+        # the main transformer's base run: its EMA weights, as training reads a base; --no-ema: the raw
+        # weights of a second expert's run
+        use_ema = weights.use_ema if folder is not None else True
+        pretrained = None if weights.random else open_pretrained(cfg, model, folder, use_ema)
         fill_unsharded(model, cfg.train.seed, pretrained, not weights.random, stage, group)
-    for update in deltas:
+    for update in deltas:  # the run's own adapters first, then the files, as the families always merged
         merge_deltas(model, update, elsewhere=held_elsewhere(model))  # a stage: its blocks' only
     return model.eval().requires_grad_(False)
 
