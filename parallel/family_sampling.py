@@ -167,7 +167,9 @@ def sampling_transformer(cfg, runtime, family, weights: Weights, loras=(), folde
     --lora files (`loras`: infer.py read_loras') merged in. NaN or inf is refused alike on every rank of
     `group`."""
     layout, groups = runtime.layout, runtime.sampling
-    dtype = torch.bfloat16 if runtime.bf16(cfg.train.precision) else torch.float32
+    dtype = None  # float32_weights: float32, whatever the compute dtype
+    if not family.float32_weights:
+        dtype = torch.bfloat16 if runtime.bf16(cfg.train.precision) else torch.float32
     stage = layout.pipefusion > 1 and folder is None
     keep = (keep_blocks if family.patch_pipeline else keep_stage) if stage else None
     select = (lambda model: keep(model, groups.stage, groups.stages)) if stage else None  # noqa: E731
@@ -181,7 +183,7 @@ def sampling_transformer(cfg, runtime, family, weights: Weights, loras=(), folde
     if checkpoint is not None and record is None:  # every weight from the run
         model = family.meta_transformer(cfg)
         model = select(model) if stage else model
-        model = model if family.float32_weights else model.to(dtype)
+        model = model if dtype is None else model.to(dtype)
         model.to_empty(device="cpu")
         load_weights(checkpoint, model, use_ema=weights.use_ema)
         # NaN: refused by name (PipeFusion stages hold other blocks: their lists of tensors differ)
