@@ -23,6 +23,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from configs import DEFAULT_RECIPE, load_config, split_overrides
+from data.loader import warn_on_main
 from data.media import OUTPUT_EXTENSIONS, write_video
 from models.families import family_named
 from models.family import part_folder
@@ -42,7 +43,7 @@ from parallel.family_sampling import (
     sampling_layout,
 )
 from parallel.rendezvous import finish_line
-from parallel.runtime import init_runtime, world_from_env
+from parallel.runtime import init_runtime
 
 
 def parse_args(argv):
@@ -197,7 +198,7 @@ def read_request(cfg, args, family, sizes: tuple, experts) -> Request:
     prompts, outputs, frames, height, width, steps, guidance, negative = sizes
     sized = args.height is not None or args.width is not None
     given, size = (args.image, args.last_image), (frames, height, width)
-    images, last, height, width = family.sampling_images(cfg, given, len(prompts), size, sized, _warn_on_main)
+    images, last, height, width = family.sampling_images(cfg, given, len(prompts), size, sized, warn_on_main)
     family.check_size(cfg, frames, height, width)
     family.check_guidance(cfg, guidance)  # the scale this sampling uses, with the recipe's other terms
     cache = step_cache(cfg.sample, steps)
@@ -252,7 +253,7 @@ def main(argv=None, session=None):
     check_calibration(request.cache, cfg, args, weights.checkpoint, request.guidance)  # for these weights?
     check_outputs(request.outputs)  # a folder or a read-only path, named now rather than after sampling
     if family.max_length and cfg.text_encoder.max_length != family.max_length:  # not the family's recipe
-        _warn_on_main(
+        warn_on_main(
             f"text_encoder.max_length={cfg.text_encoder.max_length}: {family.title}'s pipeline encodes "
             f"{family.max_length} tokens (configs/ has its recipe)"
         )
@@ -390,12 +391,6 @@ def nonfinite_message(cfg, runtime, request: Request, bad: dict, weights: str, v
         f"sampling gave NaN or inf values ({found}): nothing was written for {paths}. Likely causes: "
         + "; ".join(causes)
     )
-
-
-def _warn_on_main(line: str) -> None:
-    """A warning every rank reaches alike (before any process group), printed by rank 0 alone."""
-    if world_from_env()[0] == 0:
-        print(f"[tessera] warning: {line}", flush=True)
 
 
 def _pipefusion_words(cfg, layout, patches: int) -> str:

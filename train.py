@@ -165,7 +165,7 @@ def check_before_start(cfg) -> Plan:
     # model.pretrained before the layout, which reads a family's heads from its folder. A full resume
     # takes every weight from its checkpoint; a LoRA's base is read (and must be the one its adapters
     # were trained on) either way.
-    check_weights_source(cfg, family, checkpoint)
+    check_weights_source(cfg, family, checkpoint is None or bool(cfg.lora.rank))
     if cfg.parallel.auto and not family.auto_layout:
         raise ValueError(f"parallel.auto chooses layouts for tessera's DiT; set {family.title}'s degrees")
     heads = family.heads(cfg) or cfg.parallel.ulysses

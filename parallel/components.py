@@ -144,12 +144,12 @@ def check_pretrained(pretrained: str) -> None:
         check_wan_folder(pretrained)
 
 
-def check_weights_source(cfg, family, checkpoint) -> None:
-    """model.pretrained's files checked before any process group, where this start reads them: a tessera
-    run's checkpoint (a fresh start's weights, or a LoRA's base; a full resume reads its own checkpoint
-    alone), else the family's folder (Family.check_pretrained; read on every start where its frozen parts
-    come from it)."""
-    pretrained, reads_weights = cfg.model.pretrained, checkpoint is None or bool(cfg.lora.rank)
+def check_weights_source(cfg, family, reads_weights: bool) -> None:
+    """model.pretrained's files checked before any process group, where this start reads them
+    (`reads_weights`: a fresh start's or a LoRA's base; a full resume, or a full run sampled, reads its own
+    checkpoint alone): a tessera run's checkpoint, else the family's folder (Family.check_pretrained; read
+    on every start where its frozen parts come from it)."""
+    pretrained = cfg.model.pretrained
     # a family whose frozen parts are model.pretrained's needs a pipeline folder: its check refuses a run
     if pretrained and is_tessera_run(pretrained) and not family.parts_from_pretrained:
         if reads_weights:

@@ -18,10 +18,10 @@ from parallel.checkpoint import load_weights
 from parallel.checkpoint_files import find_checkpoint, resolve_checkpoint
 from parallel.checkpoint_reading import check_checkpoint_files
 from parallel.checkpoint_records import check_architecture
-from parallel.components import fill_unsharded, open_pretrained
+from parallel.components import check_pretrained, check_weights_source, fill_unsharded, open_pretrained
 from parallel.finite import check_adapters_finite, check_checkpoint_finite
 from parallel.layout import ParallelLayout
-from parallel.lora import checkpoint_adapters, describe_base, is_tessera_run, lora_base, lora_of
+from parallel.lora import checkpoint_adapters, is_tessera_run, lora_base, lora_of
 from parallel.operators import apply_operators, check_sequence_layout, operator_kinds
 from parallel.pipefusion_family import KINDS, FamilyPipeFusion
 from parallel.pipefusion_plan import held_elsewhere, keep_blocks, keep_stage
@@ -70,14 +70,8 @@ def sampled_weights(cfg, args, family, experts) -> Weights:
         check_expert_pair(checkpoint, experts[0])
     if checkpoint is not None:
         record = lora_base(cfg, checkpoint)  # a LoRA run samples on its base: model.pretrained
-    reads = cfg.model.pretrained and not args.random_weights and (checkpoint is None or record is not None)
-    if reads and is_tessera_run(cfg.model.pretrained) and not family.parts_from_pretrained:
-        check_checkpoint_files(describe_base(cfg.model.pretrained).source)  # a LoRA run is refused by name
-    elif reads or family.parts_from_pretrained:
-        family.check_pretrained(cfg)
+    check_weights_source(cfg, family, not args.random_weights and (checkpoint is None or record is not None))
     if experts is not None:
-        from parallel.components import check_pretrained
-
         check_pretrained(experts[0])
     if checkpoint is not None:
         check_architecture(checkpoint, family.meta_transformer(cfg).architecture())
@@ -171,8 +165,13 @@ def sampling_transformer(cfg, runtime, family, weights: Weights, loras=(), folde
     if not family.float32_weights:
         dtype = torch.bfloat16 if runtime.bf16(cfg.train.precision) else torch.float32
     stage = layout.pipefusion > 1 and folder is None
-    keep = (keep_blocks if family.patch_pipeline else keep_stage) if stage else None
+    keep = keep_blocks if family.patch_pipeline else keep_stage
     select = (lambda model: keep(model, groups.stage, groups.stages)) if stage else None  # noqa: E731
+
+    def meta():  # the transformer on the meta device: this stage's blocks under PipeFusion
+        model = family.meta_transformer(cfg)
+        return select(model) if stage else model
+
     checkpoint, record = (weights.checkpoint, weights.record) if folder is None else (None, None)
     deltas = []
     if record is not None:  # matched against the whole architecture: a stage merges its blocks' own
@@ -181,9 +180,7 @@ def sampling_transformer(cfg, runtime, family, weights: Weights, loras=(), folde
         deltas.append(deltas_of(adapters))
     deltas += [update.deltas(strength) for update, strength in loras]
     if checkpoint is not None and record is None:  # every weight from the run
-        model = family.meta_transformer(cfg)
-        model = select(model) if stage else model
-        model = model if dtype is None else model.to(dtype)
+        model = meta() if dtype is None else meta().to(dtype)
         model.to_empty(device="cpu")
         load_weights(checkpoint, model, use_ema=weights.use_ema)
         # NaN: refused by name (PipeFusion stages hold other blocks: their lists of tensors differ)
@@ -191,8 +188,7 @@ def sampling_transformer(cfg, runtime, family, weights: Weights, loras=(), folde
     elif not family.float32_weights:  # the folder's tensors as they are (a whole-model name check first)
         model = family.load_transformer(cfg, dtype, select)
     else:  # random weights: adaLN-Zero's zeros would make the output 0 whatever the layout does
-        model = family.meta_transformer(cfg)
-        model = select(model) if stage else model
+        model = meta()
         # the main transformer's base run: its EMA weights, as training reads a base; --no-ema: the raw
         # weights of a second expert's run
         use_ema = weights.use_ema if folder is not None else True
