@@ -2,14 +2,16 @@
 
     python scripts/bench_gpu.py [--out runs/bench_gpu] [--tiny] [--variants eager,ac,compile,compile+ac]
     python scripts/bench_gpu.py --suite fp8      # issue 35's command: FP8 training and the float8 base
+    python scripts/bench_gpu.py --suite lead     # issue 54's: attention kernels, checkpointing, auto's model
 
 A variant joins eager, ac, sac (train.checkpoint_policy=selective), compile and fp8 (train.fp8) by +.
 Parts (--parts): train (step time, tokens/s, MFU and peak memory of DiT-XL at 256 px and of a DiT at
 Wan2.1-1.3B's dims); wan (tessera's DiT with Wan's options and diffusers' WanTransformer3DModel); lora,
 lora8 (LoRA on a bf16 or float8 base, with and without train.cpu_offload); sp (the sequence-parallel
-operator at degree 1 against SDPA); lse (ring attention's log-sum-exp kernels); sampler (time per Euler
-step); init_runtime at world size 1 always. On CUDA the real sizes in bf16; with no CUDA device, or
---tiny, tiny sizes in float32 on CPU (the test). results.json and results.md go to --out.
+operator at degree 1 against SDPA); attn (SDPA's kernels, float8 inputs); lse (ring attention's log-sum-exp
+kernels); sampler (time per Euler step); init_runtime at world size 1 always. On CUDA the real sizes in
+bf16; with no CUDA device, or --tiny, tiny sizes in float32 on CPU (the test). results.json and
+results.md go to --out.
 """
 
 import datetime
@@ -362,10 +364,108 @@ def bench_train(name, case, make_model, runtime, param_dtype, variant, args, inf
         tflops=flops / seconds / 1e12 if flops else None,
         mfu=flops / seconds / 1e12 / info["peak_tflops"] if flops and info["peak_tflops"] else None,
         peak_gib=peak_memory(device),
+        modelled_gib=modelled_gib(make_model, case, variant, tokens, device),
         tokens=tokens,
         batch=B,
     )
     return row  # model and optimizer go with this frame: the next case starts from free memory
+
+
+def _checkpointing(variant: str) -> str:
+    parts = variant.split("+")
+    return "selective" if "sac" in parts else "all" if "ac" in parts else "none"
+
+
+def modelled_gib(make_model, case, variant, tokens, device):
+    """train.memory=auto's model of this step's peak (parallel/memory_plan.py, on the meta device), GiB:
+    set beside the measured peak, it says whether auto's choice on this GPU would fit. None for a model the
+    meta device cannot build (the LoRA builders' float8 base)."""
+    from parallel.memory_plan import Setting, modelled_peak
+
+    setting = Setting(
+        fsdp=1, local=1, sp=1, tokens=tokens, compute_bytes=2 if device.type == "cuda" else 4,
+        checkpointing=_checkpointing(variant), cpu_offload=getattr(make_model, "cpu_offload", False),
+        on_gpu=device.type == "cuda", workers=0, batch_bytes=0, frozen_bytes=0,
+    )  # fmt: skip
+    try:
+        with torch.device("meta"):
+            model = make_model(case)
+        return modelled_peak(model, setting).device / 2**30
+    except Exception:
+        return None
+
+
+def memory_auto(case, make_model, device) -> dict:
+    """What train.memory=auto would choose for `case` on this device: each setting's modelled peak against
+    the device's free memory, the fastest that fits (memory_plan.memory_choices' order)."""
+    free = torch.cuda.mem_get_info(device)[0] / 2**30 if device.type == "cuda" else None
+    C, T, H, W = case["latent"]
+    tokens = case["batch"] * T * H * W // math.prod(PATCH)
+    variants = ("compile", "compile+sac", "compile+ac")
+    peaks = {v: modelled_gib(make_model, case, v, tokens, device) for v in variants}
+    fits = [v for v, gib in peaks.items() if gib is not None and free is not None and gib <= free]
+    return dict(case=case["name"], free_gib=free, modelled_gib=peaks, chosen=fits[0] if fits else None)
+
+
+SDPA_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
+
+
+def _attention_call(kernel, q, k, v, dout):
+    """One call of SDPA through `kernel` (an SDPBackend name, or float8 inputs), and its forward + backward
+    (None for float8: sampling only)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if kernel == "float8 inputs":
+        q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+        return (lambda: F.scaled_dot_product_attention(q8, k8, v8).to(q.dtype)), None
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+
+    def forward():
+        with sdpa_kernel([getattr(SDPBackend, kernel)]), torch.no_grad():
+            return F.scaled_dot_product_attention(q, k, v)
+
+    def train():
+        with sdpa_kernel([getattr(SDPBackend, kernel)]):
+            torch.autograd.backward(F.scaled_dot_product_attention(qg, kg, vg), dout)
+
+    return forward, train
+
+
+def bench_attention(case, runtime, args) -> list:
+    """Each of SDPA's kernels at `case`'s self-attention shape: forward of a guided sampling step (batch 2,
+    no grad) and forward + backward of a training step (batch 1), ms and TFLOP/s, and the largest
+    difference from the first kernel's output as a fraction of its largest value; float8 inputs tried for
+    sampling. What model.attention_backend=auto would choose among. A kernel a device lacks is a row
+    with its error, not a failure."""
+    device, dtype = runtime.device, runtime_dtype(runtime)
+    heads, head_dim = case["heads"], case["hidden"] // case["heads"]
+    C, T, H, W = case["latent"]
+    tokens = T * H * W // math.prod(PATCH)
+    g = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for mode, batch in (("sampling forward", 2), ("training forward + backward", 1)):
+        shape = (batch, heads, tokens, head_dim)
+        q, k, v, dout = (torch.randn(shape, device=device, dtype=dtype, generator=g) for _ in range(4))
+        flops = 4 * batch * heads * tokens**2 * head_dim * (3.5 if "backward" in mode else 1)
+        reference = None
+        for kernel in (*SDPA_BACKENDS, "float8 inputs"):
+            row = dict(mode=mode, kernel=kernel, shape=list(shape), error=None)
+            try:
+                forward, train = _attention_call(kernel, q, k, v, dout)
+                run = forward if mode == "sampling forward" else train
+                if run is None:
+                    continue
+                with torch.no_grad():
+                    out = forward().float()
+                seconds = timed(run, device, args.steps, args.warmup)
+                reference = out if reference is None else reference
+                diff = ((out - reference).abs().max() / reference.abs().max()).item()
+                row.update(ms=1e3 * seconds, tflops=flops / seconds / 1e12, max_diff=diff)
+            except Exception as e:  # a kernel this device or dtype lacks
+                row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
+            rows.append(row)
+            print(row, flush=True)
+    return rows
 
 
 def bench_sp(runtime, shape, args):
@@ -610,19 +710,21 @@ def markdown(results) -> str:
     rows = []
     for r in results["train"]:
         if "error" in r:
-            rows.append([r["case"], r["variant"], "", _one_line(r["error"]), "", "", "", ""])
+            rows.append([r["case"], r["variant"], "", _one_line(r["error"]), "", "", "", "", ""])
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         rows.append(
             [r["case"], r["variant"], f"{r['tokens']:,}", f"{r['seconds']:.4f}", f"{r['tokens_per_s']:,.0f}"]
-            + [_fmt(r["tflops"], ".3g"), mfu, _fmt(r["peak_gib"], ".1f")]
+            + [_fmt(r["tflops"], ".3g"), mfu, _fmt(r["peak_gib"], ".1f"), _fmt(r.get("modelled_gib"), ".1f")]
         )
     lines = [
         f"Device: {info['device']}; torch {info['torch']}, CUDA {info['cuda']}; {info['date']}; "
         f"mode {results['mode']}; peak {_fmt(info['peak_tflops'], '.3g')} TFLOP/s ({info['peak_note']}).",
         "",
         benchlib.table(
-            ["model", "variant", "tokens/step", "s/step", "tokens/s", "TFLOP/s", "MFU", "peak GiB"], rows
+            ["model", "variant", "tokens/step", "s/step", "tokens/s", "TFLOP/s", "MFU", "peak GiB"]
+            + ["modelled GiB"],
+            rows,
         ),
     ]
     for w in results.get("wan_ratio", []):
@@ -654,6 +756,31 @@ def markdown(results) -> str:
             lines.append(
                 f"\nguided denoising step, {case}, {variant}: {r.get('error') or theirs.get('error')}"
             )
+    for m in results.get("memory_auto", []):
+        peaks = ", ".join(f"{v} {_fmt(g, '.1f')}" for v, g in m["modelled_gib"].items())
+        lines.append(
+            f"\ntrain.memory=auto's model, {m['case']} (tessera, Wan options): modelled peaks GiB {peaks}; "
+            f"{_fmt(m['free_gib'], '.1f')} GiB free: it would choose {m['chosen']}"
+        )
+    if results.get("attention"):
+        lines.append("\nSDPA's kernels at the case's self-attention shape:\n")
+        lines.append(
+            benchlib.table(
+                ["mode", "kernel", "shape", "ms", "TFLOP/s", "max diff / max", "error"],
+                [
+                    [
+                        r["mode"],
+                        r["kernel"],
+                        str(r["shape"]),
+                        _fmt(r.get("ms"), ".2f"),
+                        _fmt(r.get("tflops"), ".0f"),
+                        _fmt(r.get("max_diff"), ".1e"),
+                        _one_line(r["error"] or ""),
+                    ]
+                    for r in results["attention"]
+                ],
+            )  # fmt: skip
+        )
     if "sp" in results:
         s = results["sp"]
         lines.append(
@@ -711,6 +838,18 @@ def save(results, out):
 # LoRA at 81 frames on a float8 base, with and without train.cpu_offload. In that order, the most asked
 # first: on an H200 (2026-11-28) the earlier order was stopped at 450 s during its first FP8 case.
 SUITES = {
+    # Issue 54's first GPU command (its deliverables 1-2 as far as they are built): SDPA's attention kernels
+    # at 32,760 tokens, then each side's training step at 1.3B dims with selective and full checkpointing
+    # (the modelled peak of train.memory=auto beside each measured one), compiled.
+    "lead": dict(
+        parts="attn,train,wan",
+        cases="1.3B dims 81x",
+        train_cases="81x",
+        variants="compile+sac,compile+ac",
+        models="Wan options,diffusers",
+        steps=3,
+        warmup=1,
+    ),
     "fp8": dict(
         parts="train,wan,lora8,denoise",
         cases="1.3B dims 81x,(8 of 40 layers) 81x,1.3B dims 33x,14B dims 81x,tiny video",
@@ -719,7 +858,7 @@ SUITES = {
         models="Wan options,diffusers",
         steps=3,
         warmup=1,
-    )
+    ),
 }
 
 
@@ -756,7 +895,12 @@ def main(argv=None):
         "wan_ratio": [],
     }
     print(f"{info['device']}: init_runtime {init_seconds:.2f} s", flush=True)
-    for name, case in in_order(cases, args.cases):
+    ordered = in_order(cases, args.cases)
+    if "attn" in parts:  # seconds, first: the kernels model.attention_backend chooses among
+        name, case = next((n, c) for n, c in ordered + list(cases.items()) if c.get("wan"))
+        results["attention"] = bench_attention({**case, "name": name}, runtime, args)
+        save(results, args.out)
+    for name, case in ordered:
         case = {**case, "name": name}
         models = [] if case.get("equal_only") else [("tessera", make_tessera)]
         if "wan" in parts and case.get("wan"):
@@ -774,6 +918,8 @@ def main(argv=None):
         timed = "train" in parts and (
             not args.train_cases or any(c in name for c in args.train_cases.split(","))
         )
+        if timed and case.get("wan"):  # counted on the meta device: no GPU time
+            results.setdefault("memory_auto", []).append(memory_auto(case, make_tessera_wan, runtime.device))
         for variant in variants if timed else []:
             if case.get("ac_only") and not {"ac", "sac"} & set(variant.split("+")):
                 continue

@@ -147,9 +147,37 @@ def test_cases_run_in_the_command_lines_order():
     assert bench_gpu.denoise_variants(["ac+fp8"]) == ["eager"]
 
 
-def test_each_case_of_the_fp8_suite_names_a_case():
-    """A misspelt key in the suite would silently drop a case on the GPU, where nobody is watching."""
-    suite = bench_gpu.SUITES["fp8"]
+@pytest.mark.parametrize("suite", sorted(bench_gpu.SUITES))
+def test_each_case_of_a_suite_names_a_case(suite):
+    """A misspelt key in a suite would silently drop a case on the GPU, where nobody is watching."""
+    suite = bench_gpu.SUITES[suite]
     for key in [*suite["cases"].split(","), *suite["train_cases"].split(",")]:
         names = bench_gpu.TINY_CASES if key.startswith("tiny") else bench_gpu.FULL_CASES
         assert any(key in name for name in names), key
+
+
+def test_the_lead_suite_runs_tiny_on_cpu(tmp_path):
+    """--suite lead (issue 54's GPU command) at tiny sizes: SDPA's kernels at the case's attention shape
+    (those the CPU lacks are rows with their error, the others timed and compared with the first), each
+    model's step with selective and full checkpointing beside train.memory=auto's modelled peak, and what
+    auto would choose (no GPU: nothing)."""
+    results = bench_gpu.main(
+        ["--suite", "lead", "--tiny", "--out", str(tmp_path), "--cases", "tiny video",
+         "--train-cases", "tiny", "--variants", "sac,ac", "--steps", "1", "--warmup", "0"]
+    )  # fmt: skip
+    attention = results["attention"]
+    for mode in ("sampling forward", "training forward + backward"):
+        rows = [r for r in attention if r["mode"] == mode]
+        assert {r["kernel"] for r in rows} >= set(bench_gpu.SDPA_BACKENDS)
+        timed = [r for r in rows if r["error"] is None]
+        assert timed and timed[0]["max_diff"] == 0 and all(r["ms"] > 0 for r in timed), rows
+        assert all(r["max_diff"] < 1e-5 for r in timed), rows  # float32 on CPU: every kernel agrees
+    trained = {(r["case"], r["variant"]): r for r in results["train"]}
+    assert {v for _, v in trained} == {"sac", "ac"} and all("seconds" in r for r in trained.values())
+    for (case, variant), row in trained.items():
+        assert row["modelled_gib"] > 0, (case, variant)
+    (auto,) = results["memory_auto"]
+    peaks = list(auto["modelled_gib"].values())
+    assert peaks[0] > max(peaks[1:]) and auto["chosen"] is None  # no checkpointing keeps the most
+    text = (tmp_path / "results.md").read_text()
+    assert "SDPA's kernels" in text and "train.memory=auto's model" in text
