@@ -91,6 +91,7 @@ class DiTFamily(Family):
     parallel_degrees = ("cfg", "ulysses", "ring", "pipefusion")
     conditioning = DiTText
     lora_formats = ("diffusers", "comfyui")  # Wan's names; a DiT without Wan's architecture: tessera's own
+    expert_pair = True  # Wan 2.2 A14B's high- and low-noise experts (model.expert)
 
     def meta_transformer(self, cfg):
         return meta_dit(cfg)
@@ -288,6 +289,21 @@ class DiTFamily(Family):
             in_channels = (in_channels - 4) // 2
         with torch.device("meta"):
             return build_dit(cfg.model, in_channels=in_channels, text_dim=architecture["text_dim"])
+
+    def check_export(self, cfg, model, pipeline: bool) -> None:
+        from models.wan_export import check_wan_export
+
+        check_wan_export(cfg, model.architecture(), pipeline)
+
+    def export_transformer(self, cfg, model):
+        from models.wan_export import wan_transformer
+
+        return wan_transformer(model)
+
+    def export_pipeline(self, cfg, transformer, second=None):
+        from models.wan_export import wan_pipeline
+
+        return wan_pipeline(cfg, transformer, second)
 
     def heads(self, cfg) -> int:
         from models.dit import size_of

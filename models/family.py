@@ -73,6 +73,7 @@ class Family:
     calibrated_cache = False  # sample.cache=calibrated (scripts/calibrate_cache.py calibrates its steps)
     auto_layout = False  # parallel.auto chooses its layout (else its degrees are set by hand)
     parts_from_pretrained = True  # its text encoder and VAE are model.pretrained's (read on every start)
+    expert_pair = False  # a run trains one of two experts (model.expert), exported together as one pipeline
 
     def resolve_size(self, cfg, error=ValueError) -> None:
         """model.size: the recipe's dimensions, filled from model.pretrained's folder under model.size=auto,
@@ -211,6 +212,31 @@ class Family:
         """The transformer a training run of the recipe trained, on the meta device, given the architecture
         its checkpoints record (what an export reads its adapters into)."""
         return self.meta_transformer(cfg)
+
+    def check_export(self, cfg, model, pipeline: bool) -> None:
+        """What scripts/export.py's folder of `model` (the run's transformer, on the meta device) needs,
+        checked before any weight is read: for a pipeline, model.pretrained's folder with its other parts."""
+        if pipeline and not (Path(cfg.model.pretrained or "") / "model_index.json").is_file():
+            raise ValueError(
+                f"--pipeline copies model.pretrained's pipeline folder: {cfg.model.pretrained} is not one"
+            )
+
+    def export_transformer(self, cfg, model) -> torch.nn.Module:
+        """The filled `model` as the diffusers transformer model.pretrained's folder holds."""
+        import diffusers
+
+        config = self.transformer_config(cfg)
+        with torch.device("meta"):  # no second random copy of the weights on the host
+            transformer = getattr(diffusers, config["_class_name"]).from_config(config)
+        transformer.load_state_dict(self.to_diffusers(model.state_dict()), strict=True, assign=True)
+        return transformer
+
+    def export_pipeline(self, cfg, transformer, second=None):
+        """A diffusers pipeline with `transformer` in, its other parts model.pretrained's; `second`: (the
+        other expert's transformer, the boundary) of a family with expert_pair."""
+        import diffusers
+
+        return diffusers.DiffusionPipeline.from_pretrained(cfg.model.pretrained, transformer=transformer)
 
     def meta_transformer(self, cfg) -> torch.nn.Module:
         """model.pretrained's transformer on the meta device: names and shapes, before anything loads."""

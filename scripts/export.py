@@ -4,12 +4,14 @@
     python scripts/export.py --checkpoint LORA_RUN --lora --format diffusers|comfyui --output FILE.safetensors
     python scripts/export.py --checkpoint LORA_RUN --lora --merge --output FOLDER [--pipeline]
 
-A WanTransformer3DModel folder (or with --pipeline a WanPipeline folder: the recipe's Wan VAE, UMT5 and a
-FlowMatchEulerDiscreteScheduler with its fixed shift; model.task=i2v/flf2v: a WanImageToVideoPipeline with
-the recipe's CLIP image encoder, if it has one) that from_pretrained and model.pretrained read; the
-DiT must have Wan's options. A LoRA run writes its adapters (diffusers/PEFT names for load_lora_weights, or
-ComfyUI's with an alpha per module; fused q/k/v split exactly), or with --merge its base with them folded
-in. The recipe is the run's config.yaml unless --config. Options: --no-ema, --max-shard-size 5GB.
+The run's transformer as its family's diffusers folder (models/family.py export hooks): tessera's DiT a
+WanTransformer3DModel (it must have Wan's options), or with --pipeline a WanPipeline assembled from the
+recipe's Wan VAE, UMT5 and a FlowMatchEulerDiscreteScheduler with its fixed shift (i2v/flf2v: a
+WanImageToVideoPipeline with the recipe's CLIP, if it has one; --low-noise-expert: Wan 2.2's second expert);
+the other families their transformer class, or model.pretrained's pipeline folder with it in. A LoRA run
+writes its adapters (diffusers/PEFT names for load_lora_weights, or ComfyUI's with an alpha per module; fused
+q/k/v split exactly), or with --merge its base with them folded in. The recipe is the run's config.yaml
+unless --config. Options: --no-ema, --max-shard-size 5GB.
 """
 
 import argparse
@@ -18,12 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from configs import load_config  # noqa: E402
 from models.families import family_named  # noqa: E402
-from models.family import FamilyWeights  # noqa: E402
 from models.lora import deltas_of, merge_deltas  # noqa: E402
 from models.lora_formats import (  # noqa: E402
     FORMATS,
@@ -31,7 +31,6 @@ from models.lora_formats import (  # noqa: E402
     is_wan_named,
     safetensors_metadata,
 )
-from models.wan import diffusers_config_from_dit, diffusers_state_dict_from_tessera  # noqa: E402
 from parallel.checkpoint import load_weights  # noqa: E402
 from parallel.checkpoint_files import CheckpointError, resolve_checkpoint  # noqa: E402
 from parallel.checkpoint_reading import read_metadata, read_trainer_state  # noqa: E402
@@ -50,70 +49,6 @@ def checkpoint_dims(path: Path, prefix: str) -> tuple[int, int]:
     except KeyError as e:
         raise CheckpointError(f"{path} holds no tessera DiT weights ({e.args[0]} missing)") from None
     return patch[1], text[1]
-
-
-def check_pipeline_recipe(cfg) -> None:
-    """What a WanPipeline folder needs from the recipe, checked before any weight is read."""
-    wrong = []
-    if cfg.vae.kind != "wan" or not cfg.vae.pretrained:
-        wrong.append(
-            f"vae.kind=wan with vae.pretrained set (got kind {cfg.vae.kind}, pretrained {cfg.vae.pretrained})"
-        )
-    if cfg.text_encoder.kind != "umt5" or not cfg.text_encoder.pretrained:
-        wrong.append(
-            f"text_encoder.kind=umt5 with text_encoder.pretrained set (got kind {cfg.text_encoder.kind}, "
-            f"pretrained {cfg.text_encoder.pretrained})"
-        )
-    if cfg.flow.shift_reference_tokens != 0:
-        wrong.append(
-            "a fixed shift, flow.shift_reference_tokens=0 (WanPipeline's scheduler does not scale it with "
-            f"the token count; got {cfg.flow.shift_reference_tokens})"
-        )
-    if wrong:
-        raise ValueError("--pipeline needs " + "; ".join(wrong))
-
-
-def export(
-    checkpoint: Path,
-    output: Path,
-    cfg,
-    use_ema: bool = True,
-    max_shard_size: str = "5GB",
-    pipeline: bool = False,
-    low_noise: Path | None = None,
-) -> dict:
-    """The checkpoint's DiT as a WanTransformer3DModel (or WanPipeline) folder; a LoRA run's adapters are
-    folded into its base first (the --merge export). `low_noise`: Wan 2.2's low-noise expert's checkpoint
-    (its run trained with model.expert=low), written as the pipeline's transformer_2 with the boundary."""
-    if low_noise is not None:
-        low_cfg = check_expert_runs(checkpoint, low_noise, cfg, pipeline)
-    wan, config = exported_transformer(checkpoint, cfg, use_ema, pipeline)
-    output.mkdir(parents=True, exist_ok=True)
-    if not pipeline:
-        wan.save_pretrained(output, max_shard_size=max_shard_size)
-        return config
-    from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanPipeline
-
-    from models.text_encoder import load_pretrained_text_encoder
-    from models.vae import load_pretrained_vae
-
-    tokenizer, text_encoder = load_pretrained_text_encoder(cfg.text_encoder.kind, cfg.text_encoder.pretrained)
-    parts = dict(
-        tokenizer=tokenizer,
-        text_encoder=text_encoder,
-        transformer=wan,
-        vae=load_pretrained_vae(cfg.vae.kind, cfg.vae.pretrained),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=cfg.flow.shift),
-    )
-    if low_noise is not None:  # as diffusers' A14B folders: transformer_2 below boundary_ratio
-        parts.update(transformer_2=exported_transformer(low_noise, low_cfg, use_ema, pipeline)[0])
-        parts.update(boundary_ratio=cfg.sample.boundary)
-    if cfg.model.task in ("t2v", "ti2v"):  # TI2V as Wan-AI's release: a WanPipeline with expand_timesteps
-        pipe = WanPipeline(**parts, **({"expand_timesteps": True} if cfg.model.task == "ti2v" else {}))
-    else:  # Wan2.1 I2V / FLF2V with the CLIP encoder the recipe names; Wan2.2 I2V without one
-        pipe = WanImageToVideoPipeline(**parts, **image_encoder_parts(cfg))
-    pipe.save_pretrained(output, max_shard_size=max_shard_size)
-    return config
 
 
 def check_expert_runs(high: Path, low: Path, cfg, pipeline: bool):
@@ -140,24 +75,23 @@ def check_expert_runs(high: Path, low: Path, cfg, pipeline: bool):
     return low_cfg
 
 
-def exported_transformer(checkpoint: Path, cfg, use_ema: bool, pipeline: bool):
-    """(the checkpoint's DiT as a diffusers WanTransformer3DModel, its config)."""
-    from diffusers import WanTransformer3DModel
-
-    record, family = lora_of(checkpoint), family_named(cfg.model.family)
-    if record is not None:
-        architecture = read_trainer_state(checkpoint)["architecture"]
-    else:
+def checkpoint_architecture(checkpoint: Path, use_ema: bool) -> dict:
+    """What the run's transformer was built with (trainer_state.pt's record; a DiT's run from before it was
+    recorded: its input channels and text width from DCP's metadata)."""
+    architecture = read_trainer_state(checkpoint).get("architecture")
+    if architecture is None:
         dims = checkpoint_dims(checkpoint, "ema" if use_ema else "model")
         architecture = dict(zip(("in_channels", "text_dim"), dims))
+    return architecture
+
+
+def trained_transformer(checkpoint: Path, cfg, use_ema: bool, pipeline: bool):
+    """The run's transformer, filled on the host (a LoRA run's adapters folded into its base), after the
+    family's export checks and the recipe's architecture against the checkpoint's, before any weight."""
+    family, record = family_named(cfg.model.family), lora_of(checkpoint)
+    architecture = checkpoint_architecture(checkpoint, use_ema)
     model = family.run_transformer(cfg, architecture)
-    config = diffusers_config_from_dit(model.architecture())  # refuses a non-Wan DiT before reading weights
-    if pipeline:
-        check_pipeline_recipe(cfg)
-    if cfg.model.rope_theta != 10000.0:
-        raise ValueError(f"model.rope_theta={cfg.model.rope_theta}: Wan's rotary embedding uses 10000")
-    if not cfg.model.qk_norm:
-        raise ValueError("model.qk_norm=false: Wan normalises queries and keys")
+    family.check_export(cfg, model, pipeline)
     check_architecture(checkpoint, model.architecture())  # options without weights would export silently
     if record is not None:  # the base, then the adapters folded in
         base = OmegaConf.create(OmegaConf.to_container(cfg))  # the recipe, on the base it was trained on
@@ -168,25 +102,31 @@ def exported_transformer(checkpoint: Path, cfg, use_ema: bool, pipeline: bool):
     else:
         model.to_empty(device="cpu")
         load_weights(checkpoint, model, use_ema=use_ema)
-    wan = WanTransformer3DModel(**config)
-    state = diffusers_state_dict_from_tessera(model.state_dict(), wan.state_dict().keys())
-    wan.load_state_dict(state, strict=True)
-    return wan, config
+    return model
 
 
-def image_encoder_parts(cfg) -> dict:
-    """A WanImageToVideoPipeline's image_encoder and image_processor: the recipe's CLIP, or none."""
-    if not cfg.model.image_dim:
-        return {}
-    from transformers import CLIPImageProcessor, CLIPVisionModel
-
-    from models.image_condition import image_encoder_dirs, image_encoder_folder
-
-    model_dir, processor_dir = image_encoder_dirs(image_encoder_folder(cfg))
-    return dict(
-        image_encoder=CLIPVisionModel.from_pretrained(model_dir, dtype=torch.float32),
-        image_processor=CLIPImageProcessor.from_pretrained(processor_dir),
-    )
+def export(checkpoint: Path, output: Path, cfg, use_ema=True, max_shard_size="5GB", pipeline=False,
+           low_noise: Path | None = None) -> str:  # fmt: skip
+    """The checkpoint's transformer as the family's diffusers folder (a LoRA run's adapters folded into its
+    base: --merge), or with `pipeline` a whole pipeline folder. `low_noise`: Wan 2.2's low-noise expert's
+    checkpoint (its run trained with model.expert=low), the pipeline's second expert. Returns what was
+    written."""
+    family = family_named(cfg.model.family)
+    low_cfg = check_expert_runs(checkpoint, low_noise, cfg, pipeline) if low_noise is not None else None
+    transformer = family.export_transformer(cfg, trained_transformer(checkpoint, cfg, use_ema, pipeline))
+    output.mkdir(parents=True, exist_ok=True)
+    folder = transformer
+    if pipeline:
+        second = None
+        if low_noise is not None:
+            low = trained_transformer(low_noise, low_cfg, use_ema, pipeline)
+            second = family.export_transformer(low_cfg, low), cfg.sample.boundary
+        folder = family.export_pipeline(cfg, transformer, second)
+    folder.save_pretrained(output, max_shard_size=max_shard_size)
+    config = transformer.config
+    dims = [config.get(k) for k in ("num_layers", "num_attention_heads", "attention_head_dim")]
+    shape = f", {dims[0]} layers, {dims[1]} heads of {dims[2]}" if None not in dims else ""
+    return f"{type(folder).__name__} folder{shape}"
 
 
 def export_lora(checkpoint: Path, output: Path, cfg, fmt: str, use_ema: bool = True) -> str:
@@ -210,6 +150,7 @@ def export_lora(checkpoint: Path, output: Path, cfg, fmt: str, use_ema: bool = T
         raise ValueError(f"--output {output}: a LoRA is written as one .safetensors file")
     architecture = read_trainer_state(checkpoint).get("architecture", {})  # older runs: none recorded
     meta = lambda: family.run_transformer(cfg, architecture)  # noqa: E731
+    check_architecture(checkpoint, meta().architecture())  # the adapters' names follow the recipe's model
     adapters = checkpoint_adapters(checkpoint, record, meta(), use_ema)
     projections, _ = family.projections(meta())
     tensors = export_adapters(adapters, projections, fmt, family.lora_alphas)
@@ -223,47 +164,6 @@ def export_lora(checkpoint: Path, output: Path, cfg, fmt: str, use_ema: bool = T
         )
     count = f"{len(adapters)} adapted layers, {len(tensors)} tensors, rank {record['rank']}"
     return f"a LoRA in {fmt} names ({count})"
-
-
-def export_family(checkpoint: Path, output: Path, cfg, family, args) -> str:
-    """A family's run (models/families.py): its LoRA as one file (--lora), or its transformer (a LoRA
-    folded into its base with --merge) as a diffusers folder; --pipeline: model.pretrained's pipeline
-    folder with it in. Returns what was written."""
-    record, use_ema = lora_of(checkpoint), not args.no_ema
-    if args.low_noise_expert:
-        raise ValueError(f"--low-noise-expert pairs Wan 2.2's experts; {family.title} has one transformer")
-    check_architecture(checkpoint, family.meta_transformer(cfg).architecture())
-    if args.lora and not args.merge:
-        return export_lora(checkpoint, output, cfg, args.format, use_ema)
-    if args.merge and record is None:
-        raise CheckpointError(f"--merge folds a LoRA into its base, and {checkpoint} is not a LoRA run's")
-    if args.pipeline and not (Path(cfg.model.pretrained or "") / "model_index.json").is_file():
-        raise ValueError(
-            f"--pipeline copies model.pretrained's pipeline folder: {cfg.model.pretrained} is not one"
-        )
-    model = family.meta_transformer(cfg)
-    if record is not None:  # the base, then the adapters folded in
-        base = OmegaConf.create(OmegaConf.to_container(cfg))
-        base.model.pretrained = base_of_run(checkpoint, record, cfg.model.pretrained)
-        fill_unsharded(model, cfg.train.seed, FamilyWeights(family, base))
-        merge_deltas(
-            model, deltas_of(checkpoint_adapters(checkpoint, record, family.meta_transformer(cfg), use_ema))
-        )
-    else:
-        model.to_empty(device="cpu")
-        load_weights(checkpoint, model, use_ema=use_ema)
-    import diffusers
-
-    config = family.transformer_config(cfg)
-    with torch.device("meta"):  # no second random copy of the weights on the host
-        transformer = getattr(diffusers, config["_class_name"]).from_config(config)
-    transformer.load_state_dict(family.to_diffusers(model.state_dict()), strict=True, assign=True)
-    if not args.pipeline:
-        transformer.save_pretrained(output, max_shard_size=args.max_shard_size)
-        return f"{type(transformer).__name__} folder"
-    pipe = diffusers.DiffusionPipeline.from_pretrained(cfg.model.pretrained, transformer=transformer)
-    pipe.save_pretrained(output, max_shard_size=args.max_shard_size)
-    return f"{type(pipe).__name__} folder (its other parts from {cfg.model.pretrained})"
 
 
 def low_noise_checkpoint(spec):
@@ -313,10 +213,8 @@ def main(argv=None):
     cfg = load_config(recipe)
     weights = "raw" if args.no_ema else "EMA"
     family = family_named(cfg.model.family)
-    if not family.native:
-        note = export_family(checkpoint, Path(args.output), cfg, family, args)
-        print(f"[export] {checkpoint} ({weights} weights) -> {args.output}: {note}")
-        return 0
+    if args.low_noise_expert and not family.expert_pair:
+        raise ValueError(f"--low-noise-expert pairs Wan 2.2's experts; {family.title} has one transformer")
     if args.low_noise_expert and args.lora and not args.merge:
         raise ValueError(
             "--low-noise-expert pairs two experts in a pipeline folder: drop --lora (or add --merge)"
@@ -327,7 +225,7 @@ def main(argv=None):
         return 0
     if args.merge and not lora_of(checkpoint):
         raise CheckpointError(f"--merge folds a LoRA into its base, and {checkpoint} is not a LoRA run's")
-    config = export(
+    note = export(
         checkpoint,
         Path(args.output),
         cfg,
@@ -336,13 +234,8 @@ def main(argv=None):
         pipeline=args.pipeline,
         low_noise=low_noise_checkpoint(args.low_noise_expert),
     )
-    kind = "WanPipeline" if args.pipeline else "WanTransformer3DModel"
     merged = ", the LoRA folded into its base" if lora_of(checkpoint) else ""
-    print(
-        f"[export] {checkpoint} ({weights} weights{merged}) -> {args.output}: {kind}, "
-        f"{config['num_layers']} layers, {config['num_attention_heads']} heads "
-        f"of {config['attention_head_dim']}"
-    )
+    print(f"[export] {checkpoint} ({weights} weights{merged}) -> {args.output}: {note}")
     return 0
 
 
