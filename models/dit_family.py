@@ -85,7 +85,7 @@ def meta_dit(cfg):
 
 
 class DiTFamily(Family):
-    name, title, native = "dit", "tessera's DiT (Wan 2.1 / 2.2)", True
+    name, title = "dit", "tessera's DiT (Wan 2.1 / 2.2)"
     pipeline_classes = ("WanPipeline", "WanImageToVideoPipeline")
     transformer_classes = ("WanTransformer3DModel", "WanModel")  # diffusers', Wan-AI's own config.json
     parallel_degrees = ("cfg", "ulysses", "ring", "pipefusion")

@@ -51,12 +51,14 @@ def family_named(name: str) -> Family:
     return FAMILIES[name]
 
 
-def require_native(cfg, program: str) -> None:
-    """Refuse (ValueError) a recipe of a family that `program` does not handle: it works on tessera's DiT."""
+def require_calibrated_cache(cfg, program: str) -> None:
+    """Refuse (ValueError) a recipe whose family's sampling replays no calibration (sample.cache=calibrated):
+    `program` calibrates or measures it."""
     family = family_named(cfg.model.family)
-    if not family.native:
+    if not family.calibrated_cache:
         raise ValueError(
-            f"{program} works on tessera's DiT (Wan) recipes; {family.title} is sampled by infer.py"
+            f"{program} works on sample.cache=calibrated, which {family.title}'s sampling does not replay; "
+            "its step cache is sample.cache=first_block (no calibration needed)"
         )
 
 

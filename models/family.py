@@ -4,9 +4,8 @@ family instead of branching on its name. A family says which folders it recognis
 transformer, text encoder and VAE, how it encodes a prompt, draws noise, schedules and solves the
 steps, guides, and decodes. models/sampler.py runs the one sampling loop over these pieces.
 
-`dit` is tessera's own DiT, which reads Wan 2.1 / 2.2 folders (models/dit_family.py): it samples (infer.py)
-and trains through these hooks as the others do; its folders' export and three DiT-only scripts still
-ask `native`.
+`dit` is tessera's own DiT, which reads Wan 2.1 / 2.2 folders (models/dit_family.py): it samples, trains
+and exports through these hooks as the others do.
 """
 
 import contextlib
@@ -39,7 +38,6 @@ class Family:
 
     name = ""
     title = ""  # how messages name it
-    native = False  # tessera's DiT: exported to Wan folders, calibrated and judged by its own scripts
     pipeline_classes: tuple = ()  # model_index.json's _class_name of its diffusers pipelines
     transformer_classes: tuple = ()  # its transformer's config.json _class_name
     # the parallel degrees (besides dp, which splits prompts) its sampling runs under

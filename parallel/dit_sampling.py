@@ -1,5 +1,5 @@
 """tessera's DiT loaded for the scripts that sample it through models/pipeline.py (scripts/bench_sampling.py,
-calibrate_cache.py, eval_demo.py, the PipeFusion tests): its frozen parts, its transformer with its weights
+calibrate_cache.py, bench_cache.py, the PipeFusion tests): its frozen parts, its transformer with its weights
 for a layout (parallel/family_sampling.py sampling_transformer, as infer.py loads every family), Wan 2.2's
 second expert, and the sampler that walks the schedule across the layout.
 """

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import parallel.startup  # noqa: E402, F401  (before torch loads)
 from configs import DEFAULT_RECIPE, load_config, split_overrides  # noqa: E402
-from models.families import require_native
+from models.families import require_calibrated_cache  # noqa: E402
 from parallel.entrypoint import run_as_process  # noqa: E402
 
 
@@ -54,7 +54,7 @@ def main(argv=None, session=None):
         args.first_block_thresholds = [0.05]
         overrides = [*overrides, "sample.steps=6"]
     cfg = load_config(args.config, overrides)
-    require_native(cfg, "scripts/bench_cache.py")
+    require_calibrated_cache(cfg, "scripts/bench_cache.py")
 
     from calibrate_cache import load_model, record_velocities
     from eval_demo import CHECKS, judge, summarise

@@ -1,17 +1,15 @@
 """Everything GPU-specific, measured on one device in one command (BENCHMARKS.md, "Speed on one GPU").
 
     python scripts/bench_gpu.py [--out runs/bench_gpu] [--tiny] [--variants eager,ac,compile,compile+ac]
-    python scripts/bench_gpu.py --suite fp8      # issue 35's command: FP8 training and the float8 base
-    python scripts/bench_gpu.py --suite lead     # issue 54's: attention kernels, checkpointing, auto's model
+    python scripts/bench_gpu.py --suite fp8|lead  # issue 35's (FP8, float8 base) or 54's (kernels, memory)
 
 A variant joins eager, ac, sac (train.checkpoint_policy=selective), compile and fp8 (train.fp8) by +.
-Parts (--parts): train (step time, tokens/s, MFU and peak memory of DiT-XL at 256 px and of a DiT at
-Wan2.1-1.3B's dims); wan (tessera's DiT with Wan's options and diffusers' WanTransformer3DModel); lora,
+Parts (--parts): train (step time, tokens/s, MFU, peak and modelled memory of DiT-XL at 256 px and of a
+DiT at Wan2.1-1.3B's dims); wan (tessera's DiT with Wan's options, diffusers' WanTransformer3DModel); lora,
 lora8 (LoRA on a bf16 or float8 base, with and without train.cpu_offload); sp (the sequence-parallel
-operator at degree 1 against SDPA); attn (SDPA's kernels, float8 inputs); lse (ring attention's log-sum-exp
-kernels); sampler (time per Euler step); init_runtime at world size 1 always. On CUDA the real sizes in
-bf16; with no CUDA device, or --tiny, tiny sizes in float32 on CPU (the test). results.json and
-results.md go to --out.
+operator at degree 1 against SDPA); attn (SDPA's kernels, float8 inputs); lse (ring attention's kernels);
+sampler (time per Euler step); init_runtime at world size 1 always. On CUDA the real sizes in bf16; with no
+CUDA device, or --tiny, tiny sizes in float32 on CPU (the test). results.json and .md go to --out.
 """
 
 import datetime

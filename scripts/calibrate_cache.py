@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import parallel.startup  # noqa: E402, F401  (before torch loads)
 from configs import DEFAULT_RECIPE, load_config, split_overrides  # noqa: E402
 from models.dit import size_of  # noqa: E402
-from models.families import require_native
+from models.families import require_calibrated_cache  # noqa: E402
 from models.flow import RectifiedFlow  # noqa: E402
 from models.sampler import guided_velocity  # noqa: E402
 from models.step_cache import Calibration  # noqa: E402
@@ -91,7 +91,7 @@ def main(argv=None, session=None):
     )
     args = p.parse_args(args)
     cfg = load_config(args.config, overrides)
-    require_native(cfg, "scripts/calibrate_cache.py")
+    require_calibrated_cache(cfg, "scripts/calibrate_cache.py")
     steps = args.steps or cfg.sample.steps
     if steps < 3 or args.seeds < 1:
         raise ValueError(f"--steps must be at least 3 and --seeds at least 1, got {steps} and {args.seeds}")

@@ -2,17 +2,21 @@
 the asked way? Judged from the frames alone, on prompts it never saw.
 
 Samples every held-out prompt of the synthetic dataset (colour, shape and direction combinations never
-seen in training) with several seeds, reads each clip back with data.synthetic.read_clip (coherent:
-one steady object; colour; shape; direction; how each is judged: BENCHMARKS.md, "The demo") and
-reports each rate and the joint rate (all four right at once), with a contact sheet next to the
-videos (one row of frames per prompt, first seed, with the prompt and the verdict beside it).
+seen in training) with several seeds through infer.py (any family, at the recipe's data.* size,
+uncached), reads each clip back with data.synthetic.read_clip (coherent: one steady object; colour;
+shape; direction; how each is judged: BENCHMARKS.md, "The demo") and reports each rate and the joint
+rate (all four right at once), with a contact sheet next to the videos (one row of frames per prompt,
+first seed, with the prompt and the verdict beside it).
 
     python scripts/eval_demo.py --config configs/demo.yaml [--seeds 4] [--first-seed 0] [key=value ...]
 """
 
 import argparse
+import contextlib
+import io
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -34,12 +38,7 @@ from data.synthetic import (  # noqa: E402
     prompt_color,
     read_clip,
 )
-from models.dit import size_of  # noqa: E402
-from models.families import require_native
-from models.flow import RectifiedFlow  # noqa: E402
 from parallel.entrypoint import run_as_process  # noqa: E402
-from parallel.layout import ParallelLayout  # noqa: E402
-from parallel.runtime import init_runtime  # noqa: E402
 
 CHECKS = ("color", "coherent", "direction", "shape")
 
@@ -98,6 +97,28 @@ def contact_sheet(
     sheet.save(path, optimize=True)
 
 
+def sample(args, overrides, cfg, prompts: list, folder: Path, session):
+    """The clips of `prompts` at the training size (data.*), prompt i with seed first_seed + i, as infer.py
+    samples them (the family's own path and layout; uncached), read back from its unquantised .npy files;
+    and the checkpoint they came from."""
+    import infer
+    from parallel.checkpoint_files import find_checkpoint
+
+    checkpoint = find_checkpoint(cfg, args.checkpoint, random_weights=False)
+    size = ("--frames", cfg.data.frames, "--height", cfg.data.height, "--width", cfg.data.width)
+    argv = ["--config", args.config, "--prompt", *prompts, "--seed", args.first_seed, *size]
+    argv += ["--checkpoint", checkpoint] if checkpoint is not None else []
+    argv += ["--output", folder / "clip.npy", *overrides, "sample.cache=none"]
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(said):  # its "wrote <file>" lines name files about to go
+            infer.main([str(a) for a in argv], session)
+    finally:
+        print("".join(line for line in said.getvalue().splitlines(True) if " wrote " not in line), end="")
+    paths = infer.output_paths(str(folder / "clip.npy"), len(prompts))
+    return np.stack([np.load(path) for path in paths]), checkpoint
+
+
 def main(argv=None, session=None):
     args, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -123,32 +144,9 @@ def main(argv=None, session=None):
     args = p.parse_args(args)
     palette = {**COLORS, **{c: PALETTE[c] for c in check_colors(args.colors)}} if args.colors else COLORS
     cfg = load_config(args.config, overrides)
-    require_native(cfg, "scripts/eval_demo.py")
-
-    from models.pipeline import generate
-    from parallel.checkpoint_files import find_checkpoint
-    from parallel.dit_sampling import load_sampler
-
-    checkpoint = find_checkpoint(cfg, args.checkpoint, random_weights=False)
-    layout = ParallelLayout.from_config(cfg.parallel, 1, size_of(cfg.model)["num_heads"], "sample")
-    runtime = init_runtime(cfg.parallel, layout, task="sample", session=session)
-    model, vae, text_encoder, sampler = load_sampler(cfg, runtime, checkpoint, use_ema=cfg.sample.use_ema)
     prompts = [prompt for prompt in held_out_prompts(args.colors) for _ in range(args.seeds)]
-    videos = generate(
-        model,
-        vae,
-        text_encoder,
-        RectifiedFlow(cfg.flow, cfg.model.patch_size),
-        prompts,
-        cfg.data.frames,
-        cfg.data.height,
-        cfg.data.width,
-        cfg.sample.steps,
-        cfg.sample.guidance,
-        cfg.sample.negative_prompt,
-        seeds=list(range(args.first_seed, args.first_seed + len(prompts))),
-        sampler=sampler,
-    )
+    with tempfile.TemporaryDirectory(prefix="eval_demo_") as folder:
+        videos, checkpoint = sample(args, overrides, cfg, prompts, Path(folder), session)
     rows = [judge(prompt, video, palette) for prompt, video in zip(prompts, videos, strict=True)]
     report = {"checkpoint": str(checkpoint), "first_seed": args.first_seed, **summarise(rows), "rows": rows}
     run_dir = Path(cfg.run.output_dir)

@@ -4,14 +4,12 @@
     python scripts/export.py --checkpoint LORA_RUN --lora --format diffusers|comfyui --output FILE.safetensors
     python scripts/export.py --checkpoint LORA_RUN --lora --merge --output FOLDER [--pipeline]
 
-The run's transformer as its family's diffusers folder (models/family.py export hooks): tessera's DiT a
-WanTransformer3DModel (it must have Wan's options), or with --pipeline a WanPipeline assembled from the
-recipe's Wan VAE, UMT5 and a FlowMatchEulerDiscreteScheduler with its fixed shift (i2v/flf2v: a
-WanImageToVideoPipeline with the recipe's CLIP, if it has one; --low-noise-expert: Wan 2.2's second expert);
-the other families their transformer class, or model.pretrained's pipeline folder with it in. A LoRA run
-writes its adapters (diffusers/PEFT names for load_lora_weights, or ComfyUI's with an alpha per module; fused
-q/k/v split exactly), or with --merge its base with them folded in. The recipe is the run's config.yaml
-unless --config. Options: --no-ema, --max-shard-size 5GB.
+The run's transformer as its family's diffusers folder (models/family.py's export hooks): the DiT's a
+WanTransformer3DModel (with Wan's options), or with --pipeline a Wan pipeline of the recipe's VAE, UMT5,
+CLIP and a fixed-shift scheduler (--low-noise-expert: Wan 2.2's second expert); the others' their
+transformer class, or model.pretrained's pipeline folder with it in. A LoRA run writes its adapters
+(diffusers/PEFT names for load_lora_weights, or ComfyUI's with an alpha per module; fused q/k/v split
+exactly), or with --merge its base with them folded in. The recipe: the run's config.yaml, or --config.
 """
 
 import argparse

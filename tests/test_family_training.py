@@ -255,6 +255,31 @@ def test_buckets_by_aspect_ratio(saved, tmp_path):  # noqa: F811
         assert frames == 1 and height % multiple == 0 and width % multiple == 0, bucket
 
 
+def test_eval_demo_judges_what_infer_samples(runs, tmp_path):
+    """scripts/eval_demo.py takes a family's run as it takes the DiT's: the held-out prompts of a colour,
+    sampled by infer.py at the recipe's data.* size, judged; its report is the judge's reading of infer.py's
+    own videos of those prompts and seeds."""
+    import eval_demo
+
+    from data.synthetic import held_out_prompts
+
+    name, folder, made = runs
+    config, *overrides = train_args(name, folder, made["full"])[1:]
+    report = tmp_path / "r.json"
+    argv = ["--config", config, *overrides, "--seeds", "1", "--colors", "orange", "--first-seed", "3"]
+    assert run_main(eval_demo, [*argv, "--output", str(report), "--sheet", str(tmp_path / "s.png")]) == 0
+    rows = json.loads(report.read_text())["rows"]
+    prompts = held_out_prompts(["orange"])
+    assert [r["prompt"] for r in rows] == prompts and (tmp_path / "s.png").stat().st_size > 0
+    height, width = TRAIN_SIZE[name]
+    size = ["--frames", "1", "--height", str(height), "--width", str(width)]
+    out = tmp_path / "v.npy"
+    assert run_main(infer, ["--config", config, *overrides, "--prompt", *prompts, "--seed", "3", *size,
+                            "--output", str(out)]) == 0  # fmt: skip
+    videos = [np.load(tmp_path / f"v_{i:03d}.npy") for i in range(len(prompts))]
+    assert rows == [eval_demo.judge(p, v) for p, v in zip(prompts, videos, strict=True)]
+
+
 def infer_image(name, folder, tmp_path, out, *extra):
     argv = infer_args(name, folder, tmp_path, "--prompt", PROMPTS[0], "--negative-prompt", NEGATIVE)
     argv += ["--steps", "2", "--guidance", "4", "--seed", "1", "--output", str(tmp_path / out), *extra]
