@@ -9,7 +9,7 @@ The output format follows the extension: .mp4, .gif, .png (an image, or one file
 replica samples its prompts sample.batch_size at a time and writes each batch as it finishes.
 """
 
-import parallel.startup  # noqa: F401  (first: before torch loads)
+import parallel.lifecycle.startup  # noqa: F401  (first: before torch loads)
 
 # isort: split
 
@@ -31,10 +31,9 @@ from models.lora_formats import check_file, parse_lora_spec
 from models.sampler import Sampling
 from models.step_cache import step_cache
 from models.tiling import plan_tiles
-from parallel import comm
-from parallel.cache import check_calibration, share_step_cache
-from parallel.entrypoint import run_as_process
-from parallel.family_sampling import (
+from parallel.compute import comm
+from parallel.compute.cache import check_calibration, share_step_cache
+from parallel.drive.family_sampling import (
     Weights,
     family_batches,
     load_sampling,
@@ -42,8 +41,9 @@ from parallel.family_sampling import (
     sampled_weights,
     sampling_layout,
 )
-from parallel.rendezvous import finish_line
-from parallel.runtime import init_runtime
+from parallel.lifecycle.entrypoint import run_as_process
+from parallel.lifecycle.rendezvous import finish_line
+from parallel.lifecycle.runtime import init_runtime
 
 
 def parse_args(argv):
@@ -167,7 +167,7 @@ class Request:
     steps: int
     guidance: float
     negative_prompt: str
-    grid: list  # tokens along (t, h, w) (parallel/family_sampling.py sampling_layout fills it)
+    grid: list  # tokens along (t, h, w) (parallel/drive/family_sampling.py sampling_layout fills it)
     latent: tuple  # (C, t, h, w)
     cache: object = None  # models.step_cache.StepCache (sample.cache), or None
     images: list | None = None  # image-to-video: each prompt's first frame (PIL), or None

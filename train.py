@@ -8,7 +8,7 @@ check the recipe, start the process groups, build the model, EMA and optimizer (
 the loop: step, log, checkpoint, preview.
 """
 
-import parallel.startup  # noqa: F401  (first: before torch loads)
+import parallel.lifecycle.startup  # noqa: F401  (first: before torch loads)
 
 # isort: split
 
@@ -41,18 +41,7 @@ from data.sampler import sample_seed
 from models.dit import count_parameters
 from models.families import family_named
 from models.flow import RectifiedFlow, expert_timesteps
-from parallel import comm
-from parallel.checkpoint import load_checkpoint, save_checkpoint
-from parallel.checkpoint_files import resolve_checkpoint
-from parallel.checkpoint_reading import check_checkpoint_files, read_trainer_state, verify_checkpoint
-from parallel.checkpoint_records import (
-    check_architecture,
-    check_encoders,
-    check_expert,
-    check_trained,
-    expert_record,
-)
-from parallel.components import (
+from parallel.build.components import (
     build_ema,
     check_lora_start,
     check_weights_source,
@@ -62,9 +51,33 @@ from parallel.components import (
     meta_transformer,
     open_weights,
 )
-from parallel.divergence import NonFiniteGuard
-from parallel.entrypoint import run_as_process
-from parallel.family_training import (
+from parallel.build.lora import lora_record
+from parallel.checkpoints.checkpoint import load_checkpoint, save_checkpoint
+from parallel.checkpoints.checkpoint_files import resolve_checkpoint
+from parallel.checkpoints.checkpoint_reading import (
+    check_checkpoint_files,
+    read_trainer_state,
+    verify_checkpoint,
+)
+from parallel.checkpoints.checkpoint_records import (
+    check_architecture,
+    check_encoders,
+    check_expert,
+    check_trained,
+    expert_record,
+)
+from parallel.compute import comm
+from parallel.compute.fp8 import after_optimizer_step, check_fp8, chosen_layers
+from parallel.compute.fsdp import (
+    check_cpu_offload,
+    gathers_in_float8,
+    parallelize_dit,
+    param_device,
+    reshard_all,
+    update_ema,
+)
+from parallel.compute.layout import ParallelLayout
+from parallel.drive.family_training import (
     FamilyRun,
     check_family_inputs,
     check_family_sizes,
@@ -73,22 +86,13 @@ from parallel.family_training import (
     family_previews,
     frozen_family,
 )
-from parallel.finite import check_resumed_finite
-from parallel.fp8 import after_optimizer_step, check_fp8, chosen_layers
-from parallel.fsdp import (
-    check_cpu_offload,
-    gathers_in_float8,
-    parallelize_dit,
-    param_device,
-    reshard_all,
-    update_ema,
-)
-from parallel.layout import ParallelLayout
-from parallel.lora import lora_record
-from parallel.memory_plan import check_training_memory
-from parallel.preemption import Stopped
-from parallel.runtime import init_runtime, local_world_size, world_from_env
-from parallel.storage import NonFiniteWeights
+from parallel.lifecycle.divergence import NonFiniteGuard
+from parallel.lifecycle.entrypoint import run_as_process
+from parallel.lifecycle.finite import check_resumed_finite
+from parallel.lifecycle.memory_plan import check_training_memory
+from parallel.lifecycle.preemption import Stopped
+from parallel.lifecycle.runtime import init_runtime, local_world_size, world_from_env
+from parallel.lifecycle.storage import NonFiniteWeights
 
 
 def parse_args(argv):
@@ -142,13 +146,13 @@ class Plan:
     sampler: object  # data.sampler.BucketSampler
     checkpoint: object  # the step_<N> folder to resume from, or None
     resume: dict | None  # the checkpoint's sampler state
-    base: object  # parallel.lora.Base: the frozen base of a LoRA run (lora.rank > 0), else None
+    base: object  # parallel.build.lora.Base: the frozen base of a LoRA run (lora.rank > 0), else None
     adapter_start: dict | None = None  # lora.init_from's adapters {name: whole tensor} on a fresh start
     preview_images: tuple = (None, None)  # image-to-video: the previews' first and last frames (PIL)
     expert: dict | None = None  # the timesteps this run trains (Wan 2.2's expert), kept in each checkpoint
     trained: dict = field(default_factory=dict)  # the family's training_record, kept in each checkpoint
     encoders: dict = field(default_factory=dict)  # the frozen encoders (data/latents.py), kept in each one
-    memory: str = ""  # the modelled peak, for the start-up line (parallel/memory_plan.py)
+    memory: str = ""  # the modelled peak, for the start-up line (parallel/lifecycle/memory_plan.py)
     cfg: object = None  # the recipe as it runs (train.memory=auto's choice in it), what config.yaml records
 
 
@@ -224,7 +228,7 @@ class Trainer:
     """The model and everything that trains it, built once by build_trainer."""
 
     model: torch.nn.Module
-    ema: object  # a DiT sharded like the model, or parallel.lora.AdapterEMA
+    ema: object  # a DiT sharded like the model, or parallel.build.lora.AdapterEMA
     optimizer: torch.optim.Optimizer
     flow: RectifiedFlow
     family: FamilyRun  # the family and its frozen parts (text encoder, VAE)

@@ -77,8 +77,8 @@ class VAEConfig:
     seed: int = 0  # seed of the tiny random VAE, so training and sampling build the same one
     tiny_base_dim: int = 16  # width of the tiny random VAE
     tiny_latent_channels: int = 4
-    # Decode (and encode) in spatial tiles (models/tiling.py), dealt across ranks (parallel/vae.py): the
-    # largest tile side and the overlap blended between neighbours, in latent pixels. 32 / 8 is diffusers'
+    # Decode (and encode) in spatial tiles (models/tiling.py), dealt across ranks (parallel/compute/vae.py):
+    # the largest tile side and the overlap blended between neighbours, in latent pixels. 32 / 8 is diffusers'
     # AutoencoderKLWan tiling (256 px tiles, 192 px stride at stride 8): Wan's 480 x 832 latent becomes
     # 3 x 4 = 12 tiles, enough for 2, 3, 4, 6 or 12 ranks to share evenly. For the SD-family VAEs diffusers
     # tiles at 512 px with 25% overlap: tile_latent=64, tile_overlap=16 matches that. A latent no larger
@@ -188,8 +188,8 @@ class TrainConfig:
     # FSDP2's CPU offload: sharded weights, gradients and AdamW in CPU memory, each block copied in for its
     # forward and backward. For a LoRA run whose frozen base does not fit the GPU (docs/lora.md).
     cpu_offload: bool = False
-    # At start-up the recipe's peak memory is modelled on the meta device (parallel/memory.py) and a run
-    # that cannot fit its GPU or host is refused, naming what would fit; false skips the check (the model
+    # At start-up the recipe's peak memory is modelled on the meta device (parallel/lifecycle/memory.py) and a
+    # run that cannot fit its GPU or host is refused, naming what would fit; false skips the check (the model
     # is an estimate). The watch on host memory during the run stays.
     memory_check: bool = True
     # manual: activation_checkpointing, checkpoint_policy and cpu_offload as the recipe sets them | auto: the

@@ -70,13 +70,13 @@ ENCODER_KEYS = {
 
 
 def encoder_record(cfg) -> dict:
-    """What a training checkpoint records of the frozen encoders (train.py; parallel/checkpoint_records.py
-    check_encoders refuses a resume with others): per part, the settings that choose its weights, and for a
-    folder a fingerprint of the weight files its loader reads (the part's own folder: a pipeline's vae/, not
-    the whole pipeline) in place of its path, so a folder moved elsewhere still resumes, and other weights
-    of the same shapes, which would load silently, do not."""
+    """What a training checkpoint records of the frozen encoders (train.py;
+    parallel/checkpoints/checkpoint_records.py check_encoders refuses a resume with others): per part, the
+    settings that choose its weights, and for a folder a fingerprint of the weight files its loader reads (the
+    part's own folder: a pipeline's vae/, not the whole pipeline) in place of its path, so a folder moved
+    elsewhere still resumes, and other weights of the same shapes, which would load silently, do not."""
     from models.family import component_folder
-    from parallel.cache import fingerprint_files
+    from parallel.compute.cache import fingerprint_files
 
     meta = latent_meta(cfg)
     parts = {"vae.pretrained": "vae", "text_encoder.pretrained": "text_encoder"}
@@ -115,7 +115,7 @@ def compute_dtype(cfg) -> str:
     """The dtype a family's frozen parts encode in (train.precision on this machine's device)."""
     import torch
 
-    from parallel.runtime import computes_in_bf16
+    from parallel.lifecycle.runtime import computes_in_bf16
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     return "bf16" if computes_in_bf16(cfg.train.precision, device_type) else "fp32"

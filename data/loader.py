@@ -48,6 +48,7 @@ def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
     if dc.latents:
         from data.dataset import LatentDataset
         from data.latents import read_latent_index
+
         return LatentDataset(read_latent_index(dc.latents, cfg), table, cfg.train.seed)
     if dc.manifest:
         from data.dataset import MediaDataset
@@ -157,7 +158,7 @@ def write_refusal_report(output_dir, unreadable: dict, gone: list) -> Path | Non
     a live run holds the directory (this start has not taken its lock, and must not write there)."""
     from configs.rundir import read_data_report
     from configs.runlock import live_holder
-    from parallel.runtime import world_from_env
+    from parallel.lifecycle.runtime import world_from_env
 
     folder = Path(output_dir)
     report = folder / "data_report.jsonl"
@@ -197,7 +198,7 @@ def check_same_plan(
     on other samples or weights). A mismatch is an error on every rank that names the ranks."""
     import torch.distributed as dist
 
-    from parallel import comm
+    from parallel.compute import comm
 
     steps, plan_hash = sampler.fingerprint(resume_step or 0)
     world = dist.get_world_size(group)
@@ -247,8 +248,9 @@ _KEPT: list = []  # what TESSERA_FAULT=leak keeps, in each worker
 
 class _FaultyCollate:
     """collate, raising a DataError in the worker at the step named by TESSERA_FAULT=loader@<rank>:<step>
-    (parallel/faults.py; the failure tests run one worker, so its batches are the steps in order); with
-    TESSERA_FAULT=leak, each batch also keeps 64 MiB of the worker's memory for good (a leaking dataset)."""
+    (parallel/lifecycle/faults.py; the failure tests run one worker, so its batches are the steps in order);
+    with TESSERA_FAULT=leak, each batch also keeps 64 MiB of the worker's memory for good (a leaking
+    dataset)."""
 
     def __init__(self, start_step: int, faults):
         self.step = start_step + 1  # counted from 1, as in metrics.jsonl
@@ -268,7 +270,8 @@ class _FaultyCollate:
 def build_loader(
     dataset: BucketedDataset, sampler: BucketSampler, num_workers: int, faults=None
 ) -> DataLoader:
-    """`faults` (parallel/faults.py, the failure tests): a loader fault planned there wraps the collate."""
+    """`faults` (parallel/lifecycle/faults.py, the failure tests): a loader fault planned there wraps the
+    collate."""
     faulty = faults is not None and (faults.named("loader") or faults.named("leak"))
     return DataLoader(
         dataset,
@@ -283,8 +286,8 @@ def build_loader(
 
 
 def encode_family_batch(run, batch, dropped: list, device) -> list:
-    """A family's loader batch encoded (`run`: parallel/family_training.py FamilyRun): [latents, the
-    conditioning's tensors (parallel/family_training.py shared_fields; None where absent)]; a dropped
+    """A family's loader batch encoded (`run`: parallel/drive/family_training.py FamilyRun): [latents, the
+    conditioning's tensors (parallel/drive/family_training.py shared_fields; None where absent)]; a dropped
     caption becomes the empty prompt. Precomputed (data.latents): the stored latents and conditioning, the
     empty prompt's from the folder."""
     from models.family import shared_fields
@@ -307,7 +310,7 @@ def encode_family_batch(run, batch, dropped: list, device) -> list:
 
 def warn_on_main(line: str) -> None:
     """A warning every rank would reach alike (before any process group), printed by rank 0 alone."""
-    from parallel.runtime import world_from_env
+    from parallel.lifecycle.runtime import world_from_env
 
     if world_from_env()[0] == 0:
         print(f"[tessera] warning: {line}", flush=True)

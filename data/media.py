@@ -506,7 +506,7 @@ def _named(error: BaseException, path: Path) -> BaseException:
     """`error`, or for a full, over-quota or read-only file system that did not say which file (PyAV's and
     numpy's writes: numpy's says only "N requested and M written") an OSError naming `path`: the report
     then names the right file system."""
-    from parallel.storage import storage_problem
+    from parallel.lifecycle.storage import storage_problem
 
     if isinstance(error, OSError) and error.filename and not str(error.filename).endswith(".partial"):
         return error

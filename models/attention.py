@@ -102,7 +102,7 @@ def make_attention(backend: str) -> nn.Module:
 
 class SelfAttentionOperator(nn.Module):
     """Self-attention over the sharded tokens, q, k, v (B, H, N, Dh) -> (B, H, N, Dh), through the recipe's
-    kernel (kind "self": under sequence parallelism parallel/operators.py replaces it with Ulysses' or
+    kernel (kind "self": under sequence parallelism parallel/compute/operators.py replaces it with Ulysses' or
     ring attention). tessera's DiT's and LTX-2's video self-attention."""
 
     kind = "self"

@@ -498,8 +498,8 @@ class DiT(nn.Module):
         tokens = self.sequence.gather(tokens)  # (B, N, D)
         return self.unpatchify(self.final_layer(tokens, state.temb), state.grid)
 
-    # The pieces of `forward`, also run one by one by parallel/pipefusion.py, whose stages hold only some
-    # of the blocks and see one patch of tokens at a time.
+    # The pieces of `forward`, also run one by one by parallel/compute/pipefusion.py, whose stages hold only
+    # some of the blocks and see one patch of tokens at a time.
 
     def embed(self, x):
         """Latents (B, C, T, H, W) -> tokens (B, N, D) in (t, h, w) order, and the token grid (t, h, w)."""
@@ -567,7 +567,7 @@ class DiT(nn.Module):
         zero_init=False replaces adaLN-Zero's zeros with small random weights, so that an untrained
         model's output depends on every weight (tests and benchmarks of parallel sampling). With a seed,
         each parameter draws from its own generator, seeded by (seed, its name): the weights then do not
-        depend on how the model is split, and parallel/init.py makes the same ones shard by shard."""
+        depend on how the model is split, and parallel/build/init.py makes the same ones shard by shard."""
         for name, p in self.named_parameters():
             module = self.get_submodule(name.rpartition(".")[0])
             if seed is None:

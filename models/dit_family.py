@@ -6,7 +6,7 @@ behind it, the two guidance branches run as one batch, image-to-video's conditio
 It trains through the family hooks too: its frozen parts (`load`), the image condition carried as
 tensor fields of its conditioning, each clip encoded in the tiles a decode uses, its loss, and its stored
 conditioning (the fixed-length text of its precomputed latents). Its transformer is filled for sampling by
-parallel/family_sampling.py (a Wan folder, a tessera run or train.seed), as every family's.
+parallel/drive/family_sampling.py (a Wan folder, a tessera run or train.seed), as every family's.
 """
 
 import contextlib
@@ -38,7 +38,7 @@ class DiTText:
 class Experts:
     """Wan 2.2 A14B's second expert: `low` samples the steps below the boundary at guidance_2, the first
     one the others; only the sampling one is on the device (14B each): they swap at the boundary, and back
-    when the next sampling starts (parallel/sampling.py)."""
+    when the next sampling starts (parallel/compute/sampling.py)."""
 
     low: torch.nn.Module
     boundary: float
@@ -251,13 +251,14 @@ class DiTFamily(Family):
         """In the recipe's tiles (vae.tile_latent, vae.tile_overlap), on this device."""
         return tiling.decode(parts.vae, latents.float(), parts.vae.tile_latent, parts.vae.tile_overlap)
 
-    # -- training (train.py through parallel/family_training.py, as every family) --------------------------
+    # -- training (train.py through parallel/drive/family_training.py, as every family)
+    # --------------------------
 
     tasks = ("t2v", "i2v", "flf2v", "ti2v")
     auto_layout = True  # parallel.auto picks its layout (configs/auto.py)
     parts_from_pretrained = False  # its text encoder and VAE come from their own keys
     random_weights = float32_weights = tiled_vae = calibrated_cache = True
-    patch_pipeline = False  # its own PipeFusion stages (parallel/pipefusion.py) and first-block cache
+    patch_pipeline = False  # its own PipeFusion stages (parallel/compute/pipefusion.py) and first-block cache
 
     def resolve_size(self, cfg, error=ValueError) -> None:
         """model.size=auto: every architecture key from model.pretrained's Wan folder (models/wan.py)."""
@@ -315,7 +316,7 @@ class DiTFamily(Family):
 
     def check_pretrained(self, cfg) -> None:
         """A Wan folder's config.json and every safetensors header (a tessera run is checked by
-        parallel/components.py, which reads checkpoints); none: weights from train.seed."""
+        parallel/build/components.py, which reads checkpoints); none: weights from train.seed."""
         from models.wan import check_wan_folder
 
         if cfg.model.pretrained:
@@ -369,7 +370,7 @@ class DiTFamily(Family):
         encoder and the VAE of their recipe keys (in their own dtypes), image-to-video's CLIP encoder, and
         the flow on the trained expert's timesteps."""
         if transformer:  # its weights come from a Wan folder, a tessera run or train.seed: parallel/ fills it
-            raise NotImplementedError("tessera's DiT: parallel/family_sampling.py sampling_transformer")
+            raise NotImplementedError("tessera's DiT: parallel/drive/family_sampling.py sampling_transformer")
         from models.flow import RectifiedFlow, expert_timesteps
         from models.image_condition import image_inputs
 

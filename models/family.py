@@ -63,10 +63,12 @@ class Family:
     float32_weights = (
         False  # its sampling keeps float32 weights and computes under autocast (else: the dtype)
     )
-    tiled_vae = False  # its VAE decodes in tessera's tiles, which a replica's ranks share (parallel/vae.py)
+    tiled_vae = (
+        False  # its VAE decodes in tessera's tiles, which a replica's ranks share (parallel/compute/vae.py)
+    )
     # its PipeFusion and step cache run through its transformer's patch pieces (patch_context, companion,
-    # patch_blocks: parallel/pipefusion_family.py, models/step_cache.py FirstBlockFamily); False: tessera's
-    # DiT's own stages and caches, which also run under ulysses and ring
+    # patch_blocks: parallel/compute/pipefusion_family.py, models/step_cache.py FirstBlockFamily); False:
+    # tessera's DiT's own stages and caches, which also run under ulysses and ring
     patch_pipeline = True
     calibrated_cache = False  # sample.cache=calibrated (scripts/calibrate_cache.py calibrates its steps)
     auto_layout = False  # parallel.auto chooses its layout (else its degrees are set by hand)
@@ -414,7 +416,7 @@ class Family:
 
     def open_weights(self, cfg, model, folder=None) -> LazyWeights:
         """model.pretrained's transformer weights under `model`'s names, read lazily (row by row where the
-        files allow): what parallel/init.py fills a sharded model from."""
+        files allow): what parallel/build/init.py fills a sharded model from."""
         return FamilyWeights(self, cfg)
 
     def describe(self, cfg) -> str:
@@ -452,7 +454,8 @@ class Family:
 
     def training_record(self, cfg) -> dict:
         """{recipe key: value} of the keys that decide which parameters its training trains, kept in each
-        checkpoint: a resume with other values is refused by name (parallel/checkpoint.py check_trained)."""
+        checkpoint: a resume with other values is refused by name (parallel/checkpoints/checkpoint.py
+        check_trained)."""
         return {}
 
     def check_training(self, cfg) -> None:
@@ -543,8 +546,8 @@ class Family:
 class FamilyWeights(LazyWeights):
     """model.pretrained's transformer weights under the model's own names, read lazily: `read(name, start,
     stop)` gives rows start:stop of one parameter (float32) and reads only those bytes from a diffusers
-    folder's shards, so each rank of a sharded model reads its own rows (parallel/init.py `materialize`).
-    A single file (original names may fuse tensors) is read whole."""
+    folder's shards, so each rank of a sharded model reads its own rows (parallel/build/init.py
+    `materialize`). A single file (original names may fuse tensors) is read whole."""
 
     def __init__(self, family: Family, cfg):
         from safetensors import safe_open

@@ -86,8 +86,8 @@ def add_adapters(
     keep=None,
 ) -> list[str]:
     """Turn the targeted Linear layers of `model` into LoRALinear in place (on whatever device the model
-    is, the meta device included; parallel/init.materialize fills them) and freeze every other parameter.
-    per_projection: a fused Linear gets one rank-`rank` adapter per projection (else one shared A).
+    is, the meta device included; parallel/build/init.materialize fills them) and freeze every other
+    parameter. per_projection: a fused Linear gets one rank-`rank` adapter per projection (else one shared A).
     `keep(name)`: False for a targeted layer the recipe keeps frozen, which gets no adapter (LTX-2's audio
     with data.audio=false). Returns the names of the adapted modules."""
     targets = target_modules(model, patterns)
@@ -165,8 +165,8 @@ def merge_deltas(model: nn.Module, deltas: dict, elsewhere=()) -> None:
     """Add weight deltas {linear module name: (rows, delta (rows x in) float32)} into the model's Linear
     weights, in float32 then back to their dtype; rows is a slice of the output rows (a fused qkv takes
     its q, k and v updates in its thirds) or None for all. `elsewhere`: the module names another
-    PipeFusion stage holds (parallel/pipefusion_plan.held_elsewhere); a delta under one is that stage's
-    to merge and is skipped here. Any other name the model lacks is an error naming it: a delta that
+    PipeFusion stage holds (parallel/compute/pipefusion_plan.held_elsewhere); a delta under one is that
+    stage's to merge and is skipped here. Any other name the model lacks is an error naming it: a delta that
     silently goes nowhere would sample the base model."""
     modules = dict(model.named_modules())
     skipped = [name for name in deltas if name not in modules and is_under(name, elsewhere)]

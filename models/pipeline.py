@@ -1,7 +1,7 @@
 """Text- and image-to-video sampling with tessera's DiT on one device, as train.py (previews), infer.py
 and scripts/ call it: the DiT's parts (models/dit_family.py) sampled along the one path every family
 takes (models/sampler.py generate_images). Sampling across processes passes its own `sampler` (the
-schedule's walk: parallel/sampling.py) and `decode` (parallel/vae.py) in.
+schedule's walk: parallel/compute/sampling.py) and `decode` (parallel/compute/vae.py) in.
 """
 
 import numpy as np
@@ -49,9 +49,9 @@ def generate(
     """Videos (B, frames, height, width, 3) as float32 in [0, 1]. Prompt i starts from noise seeded by
     seeds[i] (default: i), so a video does not depend on which other prompts share its batch or rank.
     `sampler` walks the schedule in place of the serial loop (generate_images' `denoise_with`: e.g.
-    parallel/sampling.py's ParallelSampler), `decode(latents)` replaces the VAE decode in the recipe's
-    tiles (vae.tile_latent, vae.tile_overlap) on this device (e.g. parallel/vae.py's shared_decoder, which
-    shares the tiles among ranks). `condition`: image-to-video's (models/image_condition.py
+    parallel/compute/sampling.py's ParallelSampler), `decode(latents)` replaces the VAE decode in the recipe's
+    tiles (vae.tile_latent, vae.tile_overlap) on this device (e.g. parallel/compute/vae.py's shared_decoder,
+    which shares the tiles among ranks). `condition`: image-to-video's (models/image_condition.py
     encode_condition), or None. A sample with NaN or inf in its latents or its decoded video raises
     NonFiniteVideo (after decoding the others, which it carries)."""
     seeds = list(range(len(prompts))) if seeds is None else seeds

@@ -1,8 +1,8 @@
 """Sampling a family of models/family.py, the one path every family takes (tessera's DiT included,
 through models/pipeline.py): encode, draw each sample's noise from its own seed, walk the family's
 schedule with its solver, decode. How the schedule is walked is passed in: the family's loop with the
-velocity on one process (`serial_denoise`) or the guidance branches on two (parallel/cfg.py), or patch by
-patch through PipeFusion's stages (parallel/pipefusion_family.py, parallel/pipefusion.py).
+velocity on one process (`serial_denoise`) or the guidance branches on two (parallel/compute/cfg.py), or patch
+by patch through PipeFusion's stages (parallel/compute/pipefusion_family.py, parallel/compute/pipefusion.py).
 """
 
 from dataclasses import dataclass
@@ -67,7 +67,7 @@ def generate_images(
 ) -> np.ndarray:
     """Images (B, frames, height, width, 3) float32 in [0, 1] of `sampling`'s prompts.
     `denoise_with(family, parts, schedule, noise, cond, uncond, scale, progress)` walks the schedule
-    (serial_denoise's signature); `decode(latents)` replaces family.decode (parallel/vae.py's, which
+    (serial_denoise's signature); `decode(latents)` replaces family.decode (parallel/compute/vae.py's, which
     shares the tiles among ranks). `sound`: a list that receives (waveforms (B, channels, samples) float32
     numpy, sample rate) of a family that samples sound (Family.decode_audio). A sample with NaN or inf in
     its latents or its decoded images raises NonFiniteVideo (after decoding the others, which it carries)."""

@@ -44,8 +44,8 @@ class Calibration:
     change: list
     magnitude: list
     source: str = ""  # what it was measured on (recipe, checkpoint, prompts), for people
-    # what it is valid for (parallel/cache.py calibration_subject: model, weights, guidance, schedule),
-    # compared with the sampling that uses it
+    # what it is valid for (parallel/compute/cache.py calibration_subject: model, weights, guidance,
+    # schedule), compared with the sampling that uses it
     made_for: dict = field(default_factory=dict)
 
     @staticmethod

@@ -1,6 +1,6 @@
 """VAE decode and encode in overlapping spatial tiles, on one device: the pieces depend only on the
 shapes and the tile config, and neighbouring pieces are blended with linear ramps across their
-overlap. parallel/vae.py deals the same pieces across ranks; the blend here then gives the same video.
+overlap. parallel/compute/vae.py deals the same pieces across ranks; the blend here then gives the same video.
 """
 
 import math

@@ -15,9 +15,9 @@ class WeightFileError(ValueError):
 class LazyWeights:
     """What model.pretrained's weights are read through, whatever holds them: a diffusers folder (Wan's:
     models/wan.py WanWeights; a family's: models/family.py FamilyWeights), read row by row so that each rank
-    of a sharded model reads only its shard (parallel/init.py materialize), or a tessera run's checkpoint
-    (parallel/components.py TesseraWeights), which DCP reads resharded. The code above models/ asks these
-    methods, never the kind."""
+    of a sharded model reads only its shard (parallel/build/init.py materialize), or a tessera run's
+    checkpoint (parallel/build/components.py TesseraWeights), which DCP reads resharded. The code above
+    models/ asks these methods, never the kind."""
 
     folder: Path  # what model.pretrained names, for messages
     checkpoint: Path | None = None  # a tessera checkpoint's step folder: read through DCP, not row by row

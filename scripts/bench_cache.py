@@ -21,10 +21,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import parallel.startup  # noqa: E402, F401  (before torch loads)
+import parallel.lifecycle.startup  # noqa: E402, F401  (before torch loads)
 from configs import DEFAULT_RECIPE, load_config, split_overrides  # noqa: E402
 from models.families import require_calibrated_cache  # noqa: E402
-from parallel.entrypoint import run_as_process  # noqa: E402
+from parallel.lifecycle.entrypoint import run_as_process  # noqa: E402
 
 
 def psnr(video: np.ndarray, reference: np.ndarray) -> float:
@@ -63,7 +63,7 @@ def main(argv=None, session=None):
     from models.flow import RectifiedFlow
     from models.pipeline import generate
     from models.step_cache import Calibration, FirstBlockCache, StepCache
-    from parallel.checkpoint_files import find_checkpoint
+    from parallel.checkpoints.checkpoint_files import find_checkpoint
 
     checkpoint = None if args.tiny else find_checkpoint(cfg, None, random_weights=False)
     steps, max_skips = cfg.sample.steps, args.max_skips or cfg.sample.cache_max_skips

@@ -1,7 +1,7 @@
 """Does a distributed checkpoint slow the training steps after it? (BENCHMARKS.md, "Checkpoints")
 
 Times forward+backward and the optimizer step of the demo-sized DiT under FSDP2 (one process, gloo)
-before a checkpoint, after tessera's save (`parallel.checkpoint._on_io_group`: DCP on a gloo group
+before a checkpoint, after tessera's save (`parallel.checkpoints.checkpoint._on_io_group`: DCP on a gloo group
 destroyed after the save) and after a plain `dcp.save` on a group that stays alive, for comparison.
 Besides wall time it counts each step's voluntary context switches of every thread but the main one
 (OpenMP workers put to sleep), which shows the cause even where a shared machine makes wall times swing.
@@ -28,8 +28,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 from models.dit import DiT  # noqa: E402
-from parallel.checkpoint import _on_io_group  # noqa: E402
-from parallel.fsdp import parallelize_dit  # noqa: E402
+from parallel.checkpoints.checkpoint import _on_io_group  # noqa: E402
+from parallel.compute.fsdp import parallelize_dit  # noqa: E402
 
 # (DiT dims, batch, clip (frames, height, width)): the demo's DiT of 2026-11-23 (DiT-demo) on 8 x 32 x 32
 # pixels, or --tiny's
@@ -138,7 +138,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from parallel.exits import leave_finished
+    from parallel.lifecycle.exits import leave_finished
 
     main()
     leave_finished()  # gloo threads must not outlive the interpreter

@@ -5,7 +5,7 @@
     python scripts/bench_failures.py --tiny [--guard-cost]   # one quick scenario; a 12-step guard cost
 
 Each scenario starts train.py or infer.py (python, torchrun, or two torchrun agents), injects one fault
-with TESSERA_FAULT (parallel/faults.py) and records the first `error:` line and the seconds from the
+with TESSERA_FAULT (parallel/lifecycle/faults.py) and records the first `error:` line and the seconds from the
 fault to it and until every process was gone, each exit code, and whether `latest` is intact and
 finite. results.json and results.md (the table in BENCHMARKS.md, "Failures", which says how each is
 measured) go to --out; tests/test_failures.py runs the same scenarios (SCENARIOS) and asserts on them.
@@ -451,9 +451,9 @@ def latest_state(run_dir: Path) -> dict:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from parallel.checkpoint_files import CheckpointError, find_latest
-    from parallel.checkpoint_reading import verify_checkpoint
-    from parallel.storage import local_tensors
+    from parallel.checkpoints.checkpoint_files import CheckpointError, find_latest
+    from parallel.checkpoints.checkpoint_reading import verify_checkpoint
+    from parallel.lifecycle.storage import local_tensors
 
     try:
         latest = find_latest(run_dir)
@@ -548,8 +548,8 @@ def markdown(results: list[dict]) -> str:
 
 
 def guard_cost(out: Path, steps: int = 40) -> dict:
-    """What the per-step finiteness check (parallel/divergence.py, NonFiniteGuard.skip, stop mode) costs
-    against the demo's step time: the check timed alone over 20,000 calls, the step time from a short
+    """What the per-step finiteness check (parallel/lifecycle/divergence.py, NonFiniteGuard.skip, stop mode)
+    costs against the demo's step time: the check timed alone over 20,000 calls, the step time from a short
     demo run in this process (the demo recipe, `steps` steps, logged every 10; the first window, which
     holds start-up, is left out)."""
     import timeit
@@ -560,8 +560,8 @@ def guard_cost(out: Path, steps: int = 40) -> dict:
     import train
     from configs import load_config
     from configs.rundir import read_metrics
-    from parallel.divergence import NonFiniteGuard
-    from parallel.entrypoint import run_entrypoint
+    from parallel.lifecycle.divergence import NonFiniteGuard
+    from parallel.lifecycle.entrypoint import run_entrypoint
 
     guard = NonFiniteGuard(load_config(None).train, torch.device("cpu"), out, False, False)
     norm = torch.tensor(1.5)

@@ -173,7 +173,7 @@ def make_tessera_wan_lora(case):
     """The Wan-option DiT with rank-32 adapters on the default targets, as train.py builds a LoRA run:
     the frozen base in bf16 (the compute dtype on a GPU), the adapters float32."""
     from configs.schema import LoRAConfig
-    from parallel.lora import insert_adapters
+    from parallel.build.lora import insert_adapters
 
     device = torch.empty(0).device  # build()'s device context
     with torch.device("meta"):  # no float32 copy of the base, on the GPU either (Wan2.1-14B: 56 GB)
@@ -305,7 +305,7 @@ def build(make_model, case, runtime, param_dtype, ac, compile, policy="all", fp8
     """`make_model(case)` on the device, under FSDP2 (and activation checkpointing, whose
     train.checkpoint_policy is `policy`, compile, and train.fp8 with `fp8` as train.fp8_min_features) as
     train.py runs it."""
-    from parallel.fsdp import parallelize_dit
+    from parallel.compute.fsdp import parallelize_dit
 
     torch.manual_seed(0)
     with torch.device(runtime.device):
@@ -375,10 +375,10 @@ def _checkpointing(variant: str) -> str:
 
 
 def modelled_gib(make_model, case, variant, tokens, device):
-    """train.memory=auto's model of this step's peak (parallel/memory_plan.py, on the meta device), GiB:
-    set beside the measured peak, it says whether auto's choice on this GPU would fit. None for a model the
-    meta device cannot build (the LoRA builders' float8 base)."""
-    from parallel.memory_plan import Setting, modelled_peak
+    """train.memory=auto's model of this step's peak (parallel/lifecycle/memory_plan.py, on the meta device),
+    GiB: set beside the measured peak, it says whether auto's choice on this GPU would fit. None for a model
+    the meta device cannot build (the LoRA builders' float8 base)."""
+    from parallel.lifecycle.memory_plan import Setting, modelled_peak
 
     setting = Setting(
         fsdp=1, local=1, sp=1, tokens=tokens, compute_bytes=2 if device.type == "cuda" else 4,
@@ -469,7 +469,7 @@ def bench_attention(case, runtime, args) -> list:
 def bench_sp(runtime, shape, args):
     """SequenceParallelAttention with every degree 1 against F.scaled_dot_product_attention."""
     from models.attention import SDPAAttention
-    from parallel.sequence import SequenceGroups, SequenceParallelAttention, SequenceState
+    from parallel.compute.sequence import SequenceGroups, SequenceParallelAttention, SequenceState
 
     device, dtype = runtime.device, runtime_dtype(runtime)
     groups = SequenceGroups(None, 1, 0, None, [runtime.rank], 0, None, 1, 0)
@@ -488,7 +488,7 @@ def bench_sp(runtime, shape, args):
 
 
 def bench_lse(runtime, shape, args):
-    from parallel.ring import MathKernel, _kernel_agrees, kernel_candidates
+    from parallel.compute.ring import MathKernel, _kernel_agrees, kernel_candidates
 
     device, dtype = runtime.device, runtime_dtype(runtime)
     checks = {
@@ -654,8 +654,8 @@ def runtime_dtype(runtime):
 def init(args):
     """init_runtime at world size 1, timed: process group + preflight all-reduce (NCCL on CUDA)."""
     from configs import load_config
-    from parallel.layout import ParallelLayout
-    from parallel.runtime import init_runtime
+    from parallel.compute.layout import ParallelLayout
+    from parallel.lifecycle.runtime import init_runtime
 
     cfg = load_config()
     if torch.cuda.is_available() and not args.tiny:

@@ -1,8 +1,9 @@
 """What reading a checkpoint's .metadata safely costs (BENCHMARKS.md, "Checkpoints").
 
-parallel/dcp_metadata.py reads DCP's .metadata without handing the file a real class: stand-ins record it,
-and DCP's dataclasses are built afterwards from plain values, in Python. This times that read against a
-plain pickle.loads (what DCP's own reader does, running whatever the file names) on a synthetic metadata of
+parallel/checkpoints/dcp_metadata.py reads DCP's .metadata without handing the file a real class: stand-ins
+record it, and DCP's dataclasses are built afterwards from plain values, in Python. This times that read
+against a plain pickle.loads (what DCP's own reader does, running whatever the file names) on a synthetic
+metadata of
 --tensors tensors in --chunks chunks each (the default: about Wan2.1-14B's weights, EMA and AdamW moments
 saved by 64 ranks), checks both give equal metadata, and prints the two times and their ratio. A load
 reads the file twice per rank (the start-up check, then the load that DCP's reader shares).
@@ -60,10 +61,10 @@ def main(argv=None) -> int:
     p.add_argument("--chunks", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3)
     args = benchlib.parse_args(p, argv, tiny=dict(tensors=20, chunks=4, repeat=1))
-    from parallel import dcp_metadata
+    from parallel.checkpoints import dcp_metadata
 
     data = synthetic(args.tensors, args.chunks)
-    times = {"pickle.loads (DCP's own reader)": [], "parallel/dcp_metadata.py": []}
+    times = {"pickle.loads (DCP's own reader)": [], "parallel/checkpoints/dcp_metadata.py": []}
     for _ in range(args.repeat):
         for label, read in zip(times, (pickle.loads, lambda d: dcp_metadata.load(io.BytesIO(d)))):
             started = time.perf_counter()
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
         )
         del got
     medians = {label: statistics.median(t) for label, t in times.items()}
-    ratio = medians["parallel/dcp_metadata.py"] / medians["pickle.loads (DCP's own reader)"]
+    ratio = medians["parallel/checkpoints/dcp_metadata.py"] / medians["pickle.loads (DCP's own reader)"]
     megabytes = len(data) / 1e6
     print(f".metadata of {args.tensors} tensors x {args.chunks} chunks: {megabytes:.1f} MB")
     for label, seconds in medians.items():

@@ -4,7 +4,7 @@
     python scripts/bench_sampling.py --tiny     # bytes on 2 processes (the layouts that fit), the model
 
 - bytes: every sampling layout on the demo DiT pinned at 2 x 4 x 4 patches (256 tokens, random
-  weights): bytes each rank sends per step (parallel/comm.py) against theory; weights each rank holds;
+  weights): bytes each rank sends per step (parallel/compute/comm.py) against theory; weights each rank holds;
 - quality: PipeFusion against the serial sampler on a trained demo run (--checkpoint; the run's own
   config.yaml is the recipe): PSNR and relative error for warm-up 0-4 and M = 2, 4, 8;
 - model: time per denoising step of every layout on 8 GPUs (PCIe, NVLink; Wan2.1-14B's dims) and
@@ -60,8 +60,8 @@ def _runtime(layout):
     import torch
     import torch.distributed as dist
 
-    from parallel.faults import Faults
-    from parallel.runtime import sampling_groups, sequence_groups
+    from parallel.lifecycle.faults import Faults
+    from parallel.lifecycle.runtime import sampling_groups, sequence_groups
 
     rank, timeout = dist.get_rank(), dt.timedelta(seconds=120)
     sequence = sequence_groups(layout, rank, timeout)
@@ -80,7 +80,7 @@ def _sample(cfg, layout, patches, warmup, checkpoint, prompts, steps, guidance, 
 
     from models.flow import RectifiedFlow
     from models.pipeline import generate
-    from parallel.dit_sampling import load_sampler
+    from parallel.drive.dit_sampling import load_sampler
 
     cfg.parallel.pipefusion_warmup = warmup
     runtime = _runtime(layout)
@@ -107,8 +107,8 @@ def worker(args):
     import torch.distributed as dist
 
     from configs import load_config
-    from parallel import comm
-    from parallel.layout import ParallelLayout
+    from parallel.compute import comm
+    from parallel.compute.layout import ParallelLayout
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -140,7 +140,7 @@ def worker(args):
                     )
                 )
     if "quality" in args.parts and args.checkpoint:
-        from parallel.checkpoint_files import find_checkpoint
+        from parallel.checkpoints.checkpoint_files import find_checkpoint
 
         # the recipe the checkpoint was trained with (the run's own config.yaml), at its preview size
         recipe = Path(args.checkpoint) / "config.yaml"
@@ -185,7 +185,13 @@ def theory_sent(
     degrees, patches, stage, sp_rank, steps, warmup, tokens, grid, hidden, depth, cp, guided=True, element=4
 ):
     """Bytes one rank sends in a sampling run, per the formulas in BENCHMARKS.md ("Sampling across GPUs")."""
-    from parallel.pipefusion_plan import MessagePlan, local_share, patch_ranges, schedule, stage_blocks
+    from parallel.compute.pipefusion_plan import (
+        MessagePlan,
+        local_share,
+        patch_ranges,
+        schedule,
+        stage_blocks,
+    )
 
     cfg, pf = degrees.get("cfg", 1), degrees.get("pipefusion", 1)
     u, r = degrees.get("ulysses", 1), degrees.get("ring", 1)
@@ -378,7 +384,7 @@ def memory_per_gpu(degrees, tokens):
 
 
 def model_tables(world=8):
-    from parallel.layout import auto_layout, valid_layouts
+    from parallel.compute.layout import auto_layout, valid_layouts
 
     efficiency = measured_efficiency()
     lines = [
@@ -483,7 +489,7 @@ def weights_table(sizes=("Wan2.1-1.3B", "Wan2.1-14B"), stages=(2, 4, 8)):
 
     from configs.schema import ModelConfig
     from models.dit import build_dit
-    from parallel.pipefusion_plan import keep_stage
+    from parallel.compute.pipefusion_plan import keep_stage
 
     rows = []
     for size in sizes:
@@ -573,6 +579,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from parallel.exits import leave_finished
+    from parallel.lifecycle.exits import leave_finished
 
     leave_finished(main())

@@ -24,10 +24,10 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from parallel import comm  # noqa: E402
-from parallel.layout import ParallelLayout  # noqa: E402
-from parallel.operators import apply_operators
-from parallel.sequence import SequenceParallelAttention, SequenceState  # noqa: E402
+from parallel.compute import comm  # noqa: E402
+from parallel.compute.layout import ParallelLayout  # noqa: E402
+from parallel.compute.operators import apply_operators
+from parallel.compute.sequence import SequenceParallelAttention, SequenceState  # noqa: E402
 
 LAYOUTS = {
     1: [ParallelLayout()],
@@ -171,7 +171,7 @@ def measure_chunking(args, device):
 
 
 def worker(rank, world, port, args, out_path):
-    from parallel.runtime import sequence_groups
+    from parallel.lifecycle.runtime import sequence_groups
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // world)))
     cuda = torch.cuda.is_available()
@@ -295,7 +295,7 @@ def report(results, args):
 
 
 if __name__ == "__main__":
-    from parallel.exits import leave_finished
+    from parallel.lifecycle.exits import leave_finished
 
     main()
     leave_finished()  # gloo threads must not outlive the interpreter

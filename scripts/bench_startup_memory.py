@@ -7,7 +7,7 @@
 Each path runs in fresh processes (torchrun-like spawn, gloo, CPU) so that ru_maxrss measures it alone:
 - whole: the start-up before issue 11, every rank builds the whole model with its weights, then
   shards it with FSDP2; the EMA likewise, after;
-- meta: today's train.py: built on the meta device, sharded, then parallel/init.py fills each rank's
+- meta: today's train.py: built on the meta device, sharded, then parallel/build/init.py fills each rank's
   shard one parameter at a time.
 Prints a table: per path, the peak resident set size per rank (GiB); and the model's float32 size.
 """
@@ -42,8 +42,8 @@ def worker(rank, world, port, size, path, results, task="t2v"):
     from torch.distributed.device_mesh import init_device_mesh
 
     from models.dit import DiT
-    from parallel.fsdp import parallelize_dit
-    from parallel.init import materialize
+    from parallel.build.init import materialize
+    from parallel.compute.fsdp import parallelize_dit
 
     mesh = init_device_mesh("cpu", (world,))
     kwargs = dit_kwargs(size, task)
@@ -112,7 +112,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from parallel.exits import leave_finished
+    from parallel.lifecycle.exits import leave_finished
 
     main()
     leave_finished()  # gloo threads must not outlive the interpreter

@@ -1,4 +1,5 @@
-"""VAE decode benchmark: whole, tiled on one process, and tiled shared by P processes (parallel/vae.py).
+"""VAE decode benchmark: whole, tiled on one process, and tiled shared by P processes
+(parallel/compute/vae.py).
 
     python scripts/bench_vae.py                          # tiny Wan and KL VAEs, P = 1, 2, CPU (gloo)
     python scripts/bench_vae.py --rounds 3               # on a shared machine: best of 3 launches each
@@ -6,7 +7,7 @@
     python scripts/bench_vae.py --tiny                   # 8-wide VAEs, a 1 x 8 x 12 latent in 6 tiles
 
 P = 1 runs in this process with --threads threads; each larger P is a torchrun launch of this script
-(gloo on CPU, NCCL on GPU). Times each rank's `parallel.vae.decode` (median of --repeats after a
+(gloo on CPU, NCCL on GPU). Times each rank's `parallel.compute.vae.decode` (median of --repeats after a
 warm-up) and prints a markdown table for BENCHMARKS.md: wall and CPU seconds per rank against the
 serial tiled decode. How to read it: BENCHMARKS.md, "Parallel VAE decode".
 """
@@ -31,8 +32,8 @@ from omegaconf import OmegaConf  # noqa: E402
 from configs.schema import VAEConfig  # noqa: E402
 from models import tiling  # noqa: E402
 from models.vae import build_vae  # noqa: E402
-from parallel import comm  # noqa: E402
-from parallel import vae as parallel_vae  # noqa: E402
+from parallel.compute import comm  # noqa: E402
+from parallel.compute import vae as parallel_vae  # noqa: E402
 
 
 def median_time(fn, repeats) -> tuple[float, float]:
@@ -208,7 +209,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from parallel.exits import leave_finished
+    from parallel.lifecycle.exits import leave_finished
 
     main()
     leave_finished()  # gloo threads must not outlive the interpreter

@@ -1,4 +1,4 @@
-"""What the failure handling costs a training step (parallel/watchdog.py): the per-step stop-flag
+"""What the failure handling costs a training step (parallel/lifecycle/watchdog.py): the per-step stop-flag
 exchange on the gloo control group, and the watchdog thread's work each second (publish a heartbeat,
 read the abort key and the watched peers' heartbeats on the c10d store).
 
@@ -31,11 +31,11 @@ def worker(rank, world, port, calls, out):
         "127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=30)
     )
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    from parallel.faults import Faults
-    from parallel.preemption import StopRequest
-    from parallel.rendezvous import connect_store
-    from parallel.runtime import Runtime
-    from parallel.watchdog import Deadlines, Watchdog
+    from parallel.lifecycle.faults import Faults
+    from parallel.lifecycle.preemption import StopRequest
+    from parallel.lifecycle.rendezvous import connect_store
+    from parallel.lifecycle.runtime import Runtime
+    from parallel.lifecycle.watchdog import Deadlines, Watchdog
 
     control = dist.new_group(backend="gloo")
     client = connect_store(world, 5.0)
@@ -72,7 +72,7 @@ def main(argv=None):
     mp.spawn(worker, args=spawned, nprocs=args.ranks, join=True)
     result = json.loads(out.read_text())
     out.unlink()
-    from parallel.watchdog import PUBLISH_EVERY_S
+    from parallel.lifecycle.watchdog import PUBLISH_EVERY_S
 
     flag, tick, publish = result["flag_ms"], result["tick_ms"], result["publish_ms"]
     thread = tick + publish / PUBLISH_EVERY_S  # ms of the thread's work per second, at most
@@ -95,7 +95,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from parallel.exits import leave_finished
+    from parallel.lifecycle.exits import leave_finished
 
     main()
     leave_finished()  # gloo threads must not outlive the interpreter

@@ -17,22 +17,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import parallel.startup  # noqa: E402, F401  (before torch loads)
+import parallel.lifecycle.startup  # noqa: E402, F401  (before torch loads)
 from configs import DEFAULT_RECIPE, load_config, split_overrides  # noqa: E402
 from models.dit import size_of  # noqa: E402
 from models.families import require_calibrated_cache  # noqa: E402
 from models.flow import RectifiedFlow  # noqa: E402
 from models.sampler import guided_velocity  # noqa: E402
 from models.step_cache import Calibration  # noqa: E402
-from parallel.cache import calibration_subject  # noqa: E402
-from parallel.entrypoint import run_as_process  # noqa: E402
-from parallel.layout import ParallelLayout  # noqa: E402
-from parallel.runtime import init_runtime  # noqa: E402
+from parallel.compute.cache import calibration_subject  # noqa: E402
+from parallel.compute.layout import ParallelLayout  # noqa: E402
+from parallel.lifecycle.entrypoint import run_as_process  # noqa: E402
+from parallel.lifecycle.runtime import init_runtime  # noqa: E402
 
 
 def load_model(cfg, checkpoint, session=None, random_weights: bool = False, loras=()):
     """(model, vae, text_encoder) on one process, as infer.py loads them (`loras`: infer.read_loras')."""
-    from parallel.dit_sampling import load_sampler
+    from parallel.drive.dit_sampling import load_sampler
 
     layout = ParallelLayout.from_config(cfg.parallel, 1, size_of(cfg.model)["num_heads"], "sample")
     runtime = init_runtime(cfg.parallel, layout, task="sample", session=session)
@@ -96,7 +96,7 @@ def main(argv=None, session=None):
     if steps < 3 or args.seeds < 1:
         raise ValueError(f"--steps must be at least 3 and --seeds at least 1, got {steps} and {args.seeds}")
     from infer import read_loras
-    from parallel.checkpoint_files import find_checkpoint
+    from parallel.checkpoints.checkpoint_files import find_checkpoint
 
     checkpoint = find_checkpoint(cfg, args.checkpoint, args.random_weights)
     loras = read_loras(cfg, args.lora)  # a calibration of the weights infer.py --lora will sample

@@ -79,7 +79,7 @@ def heartbeats(dumps: dict[int, dict]) -> dict[int, dict]:
 
 
 def main_thread_stack(path: Path) -> str:
-    """The main thread's part of a stacks_rank<R>.txt (parallel/watchdog.py names each thread)."""
+    """The main thread's part of a stacks_rank<R>.txt (parallel/lifecycle/watchdog.py names each thread)."""
     text = path.read_text(errors="replace")
     for block in text.split("--- thread ")[1:]:
         if block.startswith("MainThread"):

@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import parallel.startup  # noqa: E402, F401  (before torch loads)
+import parallel.lifecycle.startup  # noqa: E402, F401  (before torch loads)
 
 # isort: split
 
@@ -38,7 +38,7 @@ from data.synthetic import (  # noqa: E402
     prompt_color,
     read_clip,
 )
-from parallel.entrypoint import run_as_process  # noqa: E402
+from parallel.lifecycle.entrypoint import run_as_process  # noqa: E402
 
 CHECKS = ("color", "coherent", "direction", "shape")
 
@@ -102,7 +102,7 @@ def sample(args, overrides, cfg, prompts: list, folder: Path, session):
     samples them (the family's own path and layout; uncached), read back from its unquantised .npy files;
     and the checkpoint they came from."""
     import infer
-    from parallel.checkpoint_files import find_checkpoint
+    from parallel.checkpoints.checkpoint_files import find_checkpoint
 
     checkpoint = find_checkpoint(cfg, args.checkpoint, random_weights=False)
     size = ("--frames", cfg.data.frames, "--height", cfg.data.height, "--width", cfg.data.width)

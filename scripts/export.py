@@ -29,12 +29,12 @@ from models.lora_formats import (  # noqa: E402
     is_wan_named,
     safetensors_metadata,
 )
-from parallel.checkpoint import load_weights  # noqa: E402
-from parallel.checkpoint_files import CheckpointError, resolve_checkpoint  # noqa: E402
-from parallel.checkpoint_reading import read_metadata, read_trainer_state  # noqa: E402
-from parallel.checkpoint_records import check_architecture  # noqa: E402
-from parallel.components import fill_unsharded, open_pretrained  # noqa: E402
-from parallel.lora import base_of_run, checkpoint_adapters, lora_of  # noqa: E402
+from parallel.build.components import fill_unsharded, open_pretrained  # noqa: E402
+from parallel.build.lora import base_of_run, checkpoint_adapters, lora_of  # noqa: E402
+from parallel.checkpoints.checkpoint import load_weights  # noqa: E402
+from parallel.checkpoints.checkpoint_files import CheckpointError, resolve_checkpoint  # noqa: E402
+from parallel.checkpoints.checkpoint_reading import read_metadata, read_trainer_state  # noqa: E402
+from parallel.checkpoints.checkpoint_records import check_architecture  # noqa: E402
 
 
 def checkpoint_dims(path: Path, prefix: str) -> tuple[int, int]:

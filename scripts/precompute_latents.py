@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import parallel.startup  # noqa: E402, F401  (before torch loads)
+import parallel.lifecycle.startup  # noqa: E402, F401  (before torch loads)
 
 # isort: split
 
@@ -36,10 +36,10 @@ from data.loader import build_buckets, build_dataset, build_sampler, check_same_
 from data.media import to_model_range  # noqa: E402
 from models.families import family_named  # noqa: E402
 from models.util import reading_weights  # noqa: E402
-from parallel.entrypoint import run_as_process  # noqa: E402
-from parallel.family_training import check_family_sizes, check_family_training  # noqa: E402
-from parallel.layout import ParallelLayout  # noqa: E402
-from parallel.runtime import init_runtime, world_from_env  # noqa: E402
+from parallel.compute.layout import ParallelLayout  # noqa: E402
+from parallel.drive.family_training import check_family_sizes, check_family_training  # noqa: E402
+from parallel.lifecycle.entrypoint import run_as_process  # noqa: E402
+from parallel.lifecycle.runtime import init_runtime, world_from_env  # noqa: E402
 
 
 class _Shard:

@@ -29,7 +29,7 @@ PORT=${TESSERA_RDZV_PORT:-29500}
 GPUS=${SLURM_GPUS_ON_NODE:-8}
 PY=${PYTHON:-python3}
 # PyTorch's C++ warnings carry stack frames; when a node is lost the agents would print dozens of them
-# around the ranks' `error:` line (the ranks set the same default themselves: parallel/startup.py).
+# around the ranks' `error:` line (the ranks set the same default themselves: parallel/lifecycle/startup.py).
 export TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR}
 
 STOPPING=0

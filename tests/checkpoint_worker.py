@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from parallel import (
+from parallel.checkpoints import (
     checkpoint_files,  # noqa: E402
     checkpoint_reading,
 )
@@ -43,7 +43,7 @@ def main(paths):
 
 
 if __name__ == "__main__":
-    from parallel.exits import leave_finished
+    from parallel.lifecycle.exits import leave_finished
 
     main(sys.argv[1:])
     leave_finished()  # gloo threads must not outlive the interpreter

@@ -42,7 +42,7 @@ def ranks(nproc: int, script: str, *args: str, timeout: float = 240, env: dict |
 
 def run_main(module, argv: list[str]) -> int:
     """Run an entry point in this process (saves seconds of imports per run) and return its exit code."""
-    from parallel.entrypoint import run_entrypoint
+    from parallel.lifecycle.entrypoint import run_entrypoint
 
     return run_entrypoint(module.main, argv)
 

@@ -73,7 +73,7 @@ def main():
 
 
 if __name__ == "__main__":
-    from parallel.exits import leave_finished
+    from parallel.lifecycle.exits import leave_finished
 
     main()
     leave_finished()  # gloo threads must not outlive the interpreter

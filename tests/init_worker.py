@@ -1,5 +1,5 @@
 """Run under torchrun (gloo, CPU) by tests/test_init.py: a DiT built on the meta device, sharded with
-FSDP2 and filled by parallel/init.py equals the one-process model, from a seed and from a pretrained
+FSDP2 and filled by parallel/build/init.py equals the one-process model, from a seed and from a pretrained
 diffusers Wan folder (argv[1]); each rank reads only its own rows of the pretrained weights."""
 
 import datetime
@@ -17,8 +17,8 @@ from safetensors.torch import load_file  # noqa: E402
 
 from models.dit import DiT  # noqa: E402
 from models.wan import WanWeights, tessera_state_dict_from_diffusers  # noqa: E402
-from parallel.fsdp import parallelize_dit  # noqa: E402
-from parallel.init import canonical_name, local_rows, materialize  # noqa: E402
+from parallel.build.init import canonical_name, local_rows, materialize  # noqa: E402
+from parallel.compute.fsdp import parallelize_dit  # noqa: E402
 
 TINY = dict(in_channels=4, text_dim=16, depth=2, hidden_size=32, num_heads=4, patch_size=(1, 2, 2))
 
@@ -88,7 +88,7 @@ def main():
 
 
 if __name__ == "__main__":
-    from parallel.exits import leave_finished
+    from parallel.lifecycle.exits import leave_finished
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()

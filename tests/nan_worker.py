@@ -9,13 +9,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import parallel.startup  # noqa: E402, F401  (first: before torch loads)
+import parallel.lifecycle.startup  # noqa: E402, F401  (first: before torch loads)
 
 # isort: split
 
 import infer  # noqa: E402
 from models.flow import RectifiedFlow  # noqa: E402
-from parallel.entrypoint import run_as_process  # noqa: E402
+from parallel.lifecycle.entrypoint import run_as_process  # noqa: E402
 
 POISONED = int(os.environ["TESSERA_TEST_NAN_BATCH"])
 ONLY_RANK = os.environ.get("TESSERA_TEST_NAN_RANK")  # set: only this rank's sampling turns NaN

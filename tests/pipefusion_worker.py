@@ -2,8 +2,8 @@
 gloo, CPU).
 
 One launch runs every layout: the process group is made once, and each case builds its own cfg /
-PipeFusion / sequence groups from its layout (as parallel/runtime.py does) and samples through
-parallel.dit_sampling.load_sampler and models.pipeline.generate (the transformer infer.py loads, its
+PipeFusion / sequence groups from its layout (as parallel/lifecycle/runtime.py does) and samples through
+parallel.drive.dit_sampling.load_sampler and models.pipeline.generate (the transformer infer.py loads, its
 ParallelSampler and models/sampler.py). Every rank
 computes the serial reference itself (models.pipeline.generate on the whole model, one process). Token grid
 3 x 5 x 3 = 45 tokens in 15 rows: 2 and 4 patches are 7/8 and 3/4/4/4 rows, which no sequence-parallel degree
@@ -25,12 +25,12 @@ from models.flow import RectifiedFlow  # noqa: E402
 from models.image_condition import ImageCondition  # noqa: E402
 from models.pipeline import generate  # noqa: E402
 from models.step_cache import Calibration, StepCache  # noqa: E402
-from parallel.components import build_frozen, build_model  # noqa: E402
-from parallel.dit_sampling import load_sampler  # noqa: E402
-from parallel.faults import Faults  # noqa: E402
-from parallel.init import materialize  # noqa: E402
-from parallel.layout import ParallelLayout  # noqa: E402
-from parallel.runtime import sampling_groups, sequence_groups  # noqa: E402
+from parallel.build.components import build_frozen, build_model  # noqa: E402
+from parallel.build.init import materialize  # noqa: E402
+from parallel.compute.layout import ParallelLayout  # noqa: E402
+from parallel.drive.dit_sampling import load_sampler  # noqa: E402
+from parallel.lifecycle.faults import Faults  # noqa: E402
+from parallel.lifecycle.runtime import sampling_groups, sequence_groups  # noqa: E402
 
 TINY = Path(__file__).resolve().parent / "tiny.yaml"
 STEPS, FRAMES, HEIGHT, WIDTH, GUIDANCE = 3, 3, 20, 12, 2.0
@@ -94,8 +94,8 @@ def step_cache():
 
 
 def stale_kv_reference(patches: int, warmup: int, cache=None):
-    """PipeFusion's result written out on one process, independently of parallel/pipefusion.py: after the
-    warm-up steps the patches run one after the other through the whole model, and every layer attends
+    """PipeFusion's result written out on one process, independently of parallel/compute/pipefusion.py: after
+    the warm-up steps the patches run one after the other through the whole model, and every layer attends
     to a full-sequence K/V buffer that holds this step's K/V for the patches done so far and the previous
     step's for the others (keys never written are masked)."""
     import torch.nn.functional as F
@@ -283,7 +283,7 @@ def main():
 
 
 if __name__ == "__main__":
-    from parallel.exits import leave_finished
+    from parallel.lifecycle.exits import leave_finished
 
     main()
     leave_finished()  # gloo threads must not outlive the interpreter

@@ -2,8 +2,8 @@
 one server process per pytest worker that has already imported torch, transformers and diffusers, instead
 of `torchrun` starting a fresh interpreter per rank (about 8 s of imports each, on 2 cores most of a tiny
 launch). As under torchrun, the launcher hosts the store (TORCHELASTIC_USE_AGENT_STORE: the ranks take
-parallel/runtime.py's torchrun path) and gives RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT; the first
-rank to fail gets the others a SIGTERM; a launch that outlives `timeout` is killed and raises
+parallel/lifecycle/runtime.py's torchrun path) and gives RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT;
+the first rank to fail gets the others a SIGTERM; a launch that outlives `timeout` is killed and raises
 subprocess.TimeoutExpired. The tests of torchrun's own behaviour (its agent, its signals, two nodes,
 requeues) keep `torchrun`.
 """
@@ -84,7 +84,7 @@ def launch(
     """`torchrun --standalone --nproc_per_node nproc script args`, forked: a CompletedProcess whose stdout
     and stderr are the ranks' in rank order, whose code is the first failing rank's (else 0), and whose
     `codes` are each rank's. agent_store=False: as another launcher (srun, mpirun), rank 0 hosts the store
-    (parallel/runtime.py's other path)."""
+    (parallel/lifecycle/runtime.py's other path)."""
     import torch.distributed as dist
 
     context = _server()

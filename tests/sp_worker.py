@@ -18,10 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.attention import SDPAAttention  # noqa: E402
 from models.dit import WAN_OPTIONS, DiT  # noqa: E402
-from parallel import comm  # noqa: E402
-from parallel.layout import ParallelLayout  # noqa: E402
-from parallel.runtime import sequence_groups  # noqa: E402
-from parallel.sequence import SequenceParallelAttention, SequenceState, ShardedSequence  # noqa: E402
+from parallel.compute import comm  # noqa: E402
+from parallel.compute.layout import ParallelLayout  # noqa: E402
+from parallel.compute.sequence import SequenceParallelAttention, SequenceState, ShardedSequence  # noqa: E402
+from parallel.lifecycle.runtime import sequence_groups  # noqa: E402
 
 TOLERANCE = 1e-5  # the attention operator: max abs error relative to the reference's scale
 MODEL_TOLERANCE = 5e-5  # a whole DiT in float32 (weights of std 0.2): summation order differs more
@@ -105,7 +105,7 @@ def check_model(layout, groups, frames, height=8, width=8, wan=False, image=Fals
         in_channels=4, text_dim=16, depth=2, hidden_size=32, num_heads=4, patch_size=(1, 2, 2), **options
     )
     model.load_state_dict(reference_model.state_dict())
-    from parallel.operators import apply_operators
+    from parallel.compute.operators import apply_operators
 
     apply_operators(model, groups)
     g = torch.Generator().manual_seed(1)
@@ -132,7 +132,7 @@ def check_model(layout, groups, frames, height=8, width=8, wan=False, image=Fals
 def check_ring_variants(layout, groups):
     """The float32 reference kernel (the fallback when a fast kernel disagrees), p2p messages cut into
     pieces, and bfloat16 inputs (gradients must come back in bfloat16)."""
-    from parallel import ring
+    from parallel.compute import ring
 
     saved = dict(ring._checked_kernels)
     ring._checked_kernels.update({("cpu", torch.float32, 8): ring.MathKernel})
@@ -219,7 +219,7 @@ def main():
 
 
 if __name__ == "__main__":
-    from parallel.exits import leave_finished
+    from parallel.lifecycle.exits import leave_finished
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()

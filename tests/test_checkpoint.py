@@ -14,8 +14,8 @@ import pytest
 import infer
 import train
 from configs.rundir import read_metrics
-from parallel import checkpoint, checkpoint_files, checkpoint_reading
-from parallel.checkpoint import FAULT_POINTS
+from parallel.checkpoints import checkpoint, checkpoint_files, checkpoint_reading
+from parallel.checkpoints.checkpoint import FAULT_POINTS
 from tests.conftest import ROOT, TINY, ranks, run_main
 
 pytestmark = pytest.mark.slow

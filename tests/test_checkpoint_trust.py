@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import infer
 import train
-from parallel import checkpoint, checkpoint_files, checkpoint_reading
+from parallel.checkpoints import checkpoint, checkpoint_files, checkpoint_reading
 from tests.conftest import TINY, ranks, run_main
 
 COMMON = ["--config", str(TINY), "train.max_steps=2", "train.checkpoint_every=2"]  # one checkpoint: step_2
@@ -277,7 +277,7 @@ def test_an_expert_checkpoint_resumes_only_as_that_expert(
 
 def test_an_expert_checkpoint_resumes_as_its_expert_and_older_ones_as_before(expert_run, tmp_path, capsys):
     from configs import load_config
-    from parallel.components import expert_recipe
+    from parallel.build.components import expert_recipe
 
     run_dir = tmp_path / "run"
     shutil.copytree(expert_run, run_dir)
@@ -308,7 +308,7 @@ def test_a_resume_keeps_the_fused_adamw():
 
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from parallel.checkpoint import set_optimizer_state
+    from parallel.checkpoints.checkpoint import set_optimizer_state
 
     torch.manual_seed(0)
     old = torch.nn.Linear(8, 8)

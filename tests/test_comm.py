@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel import comm
-from parallel.runtime import _free_port
+from parallel.compute import comm
+from parallel.lifecycle.runtime import _free_port
 
 
 @pytest.fixture

@@ -215,7 +215,7 @@ def test_a_manifest_image_conditions_its_clip(tmp_path):
     from models.families import family_named
     from models.family import shared_fields
     from models.image_condition import condition_of_clips
-    from parallel.family_training import FamilyRun
+    from parallel.drive.family_training import FamilyRun
 
     data = SyntheticVideoDataset(2, 5, 32, 32)
     lines = []

@@ -458,7 +458,7 @@ def test_failure_writes_the_recent_collectives(tmp_path, monkeypatch, capsys):
     ],
 )
 def test_activation_checkpointing_and_compile_keep_the_losses(trained, tmp_path, switches, monkeypatch):
-    import parallel.fsdp as fsdp
+    import parallel.compute.fsdp as fsdp
 
     policies, real = [], fsdp.recompute_context
     monkeypatch.setattr(fsdp, "recompute_context", lambda policy: policies.append(policy) or real(policy))

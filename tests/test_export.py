@@ -46,7 +46,7 @@ def test_export_loads_in_diffusers_and_computes_the_same(wan_run, tmp_path, use_
 
     from configs import load_config
     from models.dit import build_dit
-    from parallel.checkpoint import load_weights
+    from parallel.checkpoints.checkpoint import load_weights
 
     out = tmp_path / "transformer"
     assert (

@@ -1,7 +1,7 @@
-"""Failures in the middle of a run (parallel/watchdog.py): a stalled, dead, failing or desynchronised
-rank ends the run in seconds with an `error:` line that names it, and a stop signal ends it with a
-checkpoint. Faults are injected with TESSERA_FAULT (parallel/faults.py); each run is bounded by a
-timeout so a regression fails here instead of hanging the suite. The everyday failures (a NaN, a full
+"""Failures in the middle of a run (parallel/lifecycle/watchdog.py): a stalled, dead, failing or
+desynchronised rank ends the run in seconds with an `error:` line that names it, and a stop signal ends it
+with a checkpoint. Faults are injected with TESSERA_FAULT (parallel/lifecycle/faults.py); each run is bounded
+by a timeout so a regression fails here instead of hanging the suite. The everyday failures (a NaN, a full
 disk, a rank lost while sampling or at start-up, the store's host lost) are scripts/bench_failures.py's
 scenarios: the benchmark's table and these assertions come from the same runs' code."""
 

@@ -563,15 +563,15 @@ def test_first_block_decides_per_sample(name):
 @torch.no_grad()
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_pipefusion_patches_match_the_whole_forward(name):
-    """PipeFusion's operators (parallel/pipefusion_family.py) on one process: after a whole pass, each
+    """PipeFusion's operators (parallel/compute/pipefusion_family.py) on one process: after a whole pass, each
     patch of 2 (rows 0-1, 2-4 of a 5 x 3 grid) run through every block gives the whole forward's tokens
     and companion (Qwen-Image's text), and the final layer of the whole pass its velocity. Then the
     same with the held tensors from another input (stale): the patches differ, as they should."""
     from models.qwen_image.transformer import QwenImageCond
     from models.sana.transformer import SanaConditioning
-    from parallel.pipefusion import PatchState
-    from parallel.pipefusion_family import FamilyPipeFusion
-    from parallel.pipefusion_plan import keep_blocks, patch_ranges
+    from parallel.compute.pipefusion import PatchState
+    from parallel.compute.pipefusion_family import FamilyPipeFusion
+    from parallel.compute.pipefusion_plan import keep_blocks, patch_ranges
 
     reference = _tiny_transformer(name)
     model = keep_blocks(copy.deepcopy(reference), 0, 1)
@@ -619,9 +619,9 @@ def sequential_pipefusion(patches: int, warmup: int):
     (PipeFusion's operators: this step's values for the patches done, the last step's for the others),
     both guidance branches, the solver's step on the patch's rows. What a layer sees depends on the
     order of the items alone, not on the number of stages: the reference for PipeFusion's processes."""
-    from parallel.pipefusion import PatchState
-    from parallel.pipefusion_family import FamilyPipeFusion
-    from parallel.pipefusion_plan import keep_blocks, patch_ranges
+    from parallel.compute.pipefusion import PatchState
+    from parallel.compute.pipefusion_family import FamilyPipeFusion
+    from parallel.compute.pipefusion_plan import keep_blocks, patch_ranges
 
     def denoise_with(family, parts, schedule, noise, cond, uncond, scale, progress):
         model = keep_blocks(copy.deepcopy(parts.transformer), 0, 1)

@@ -15,7 +15,7 @@ from configs import ConfigError, load_config
 from configs.rundir import read_metrics
 from models.float8 import FLOAT8, base_bytes, quantize_blocks, row_scales
 from models.lora import DEFAULT_TARGETS, adapter_deltas, add_adapters, merge_deltas
-from parallel.finite import first_bad_parameter
+from parallel.lifecycle.finite import first_bad_parameter
 from tests.conftest import ROOT, ranks, run_main
 from tests.test_lora import LORA, forward, randomize_adapters, tiny_wan
 from tests.test_wan_pipeline import tiny_pipeline  # noqa: F401
@@ -135,7 +135,7 @@ def saved_adapters(step, kind: str) -> dict:
     """A checkpoint's `kind` (lora_A or lora_B) adapter weights {name: tensor}, read with DCP."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from parallel.checkpoint import read_tensors
+    from parallel.checkpoints.checkpoint import read_tensors
 
     saved = FileSystemReader(str(step)).read_metadata().state_dict_metadata
     shapes = {k.removeprefix("model."): saved[k].size for k in saved if k.startswith("model.") and kind in k}

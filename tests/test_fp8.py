@@ -1,4 +1,4 @@
-"""train.fp8 (parallel/fp8.py): torchao's float8 training, emulated on the CPU. Twenty demo-size steps
+"""train.fp8 (parallel/compute/fp8.py): torchao's float8 training, emulated on the CPU. Twenty demo-size steps
 against the same steps without it (the loss curves within the stated tolerance, and not identical: the
 float8 casts took effect); its checkpoint holds the plain model's names and samples in infer.py without
 torchao's layers; ulysses 2 against one process; the layers chosen by shape; refusals by name."""
@@ -13,8 +13,8 @@ import infer
 import train
 from configs import load_config
 from configs.rundir import read_metrics
-from parallel.components import meta_transformer
-from parallel.fp8 import check_fp8, convert_blocks, fp8_linears
+from parallel.build.components import meta_transformer
+from parallel.compute.fp8 import check_fp8, convert_blocks, fp8_linears
 from tests.conftest import ROOT, TINY, ranks, run_main
 
 pytest.importorskip("torchao.float8")  # a dev dependency (pyproject.toml); the fp8 extra for users

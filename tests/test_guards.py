@@ -17,8 +17,10 @@ import infer
 import train
 from configs import load_config
 from configs.rundir import read_metrics
-from parallel import checkpoint_files, comm, storage
-from parallel.components import build_frozen, build_model
+from parallel.build.components import build_frozen, build_model
+from parallel.checkpoints import checkpoint_files
+from parallel.compute import comm
+from parallel.lifecycle import storage
 from tests.conftest import TINY, run_main
 
 # checkpoint_every=3 and log_every=4 over 8 steps: saves at 3, 6, 8 (the end), logs at 4 and 8
@@ -206,7 +208,7 @@ def test_storage_errors_are_recognised_through_dcp_and_without_an_errno(tmp_path
 
 
 def test_failure_records_never_raise_on_a_full_or_unwritable_disk(tmp_path):
-    from parallel.watchdog import Deadlines, Watchdog
+    from parallel.lifecycle.watchdog import Deadlines, Watchdog
 
     blocked = tmp_path / "failures"
     blocked.write_text("a file where the folder should be")

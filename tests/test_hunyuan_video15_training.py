@@ -21,7 +21,7 @@ from configs import load_config
 from data.loader import encode_family_batch
 from models.families import family_named
 from models.flow import RectifiedFlow
-from parallel.family_training import FamilyRun, family_batch
+from parallel.drive.family_training import FamilyRun, family_batch
 from tests.conftest import ROOT, ranks, run_main
 from tests.test_hunyuan_video15 import (  # noqa: F401 (fixtures)
     NEGATIVE,

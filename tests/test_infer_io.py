@@ -71,16 +71,16 @@ def test_batches_sample_what_one_batch_samples_and_are_written_as_they_finish(tm
     reference = np.stack([np.load(p) for p in outputs(one, 5)])
     assert np.abs(reference[0] - reference[1]).max() > 1e-2  # the prompts give different videos
 
-    import parallel.family_sampling
+    import parallel.drive.family_sampling
 
-    generate, calls = parallel.family_sampling.generate_images, []
+    generate, calls = parallel.drive.family_sampling.generate_images, []
 
     def watched(family, parts, sampling, *args, **kwargs):
         written = [p.exists() for p in outputs(tmp_path / "b.npy", 5)]
         calls.append((sampling.prompts, sampling.seeds, written))
         return generate(family, parts, sampling, *args, **kwargs)
 
-    monkeypatch.setattr(parallel.family_sampling, "generate_images", watched)
+    monkeypatch.setattr(parallel.drive.family_sampling, "generate_images", watched)
     capsys.readouterr()
     args = sample_args(
         tmp_path, tmp_path / "b.npy", "sample.batch_size=2", "--seed", "0", "--prompt", *prompts

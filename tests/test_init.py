@@ -1,5 +1,5 @@
 """Start-up without a whole model on any rank: meta-device build, FSDP2 sharding, then each rank fills its
-own shard from train.seed or from a pretrained diffusers Wan folder (parallel/init.py)."""
+own shard from train.seed or from a pretrained diffusers Wan folder (parallel/build/init.py)."""
 
 import re
 import shutil
@@ -64,7 +64,7 @@ def test_train_starts_from_pretrained_weights(tmp_path):
 
     from models.dit import DiT
     from models.wan import WanWeights, tessera_state_dict_from_diffusers
-    from parallel.checkpoint import load_weights
+    from parallel.checkpoints.checkpoint import load_weights
 
     folder = tiny_wan_for_the_tiny_recipe(tmp_path / "wan")
     run = tmp_path / "run"
@@ -185,10 +185,10 @@ def test_a_recipe_that_disagrees_with_the_pretrained_folder_is_named(tmp_path, c
 
 
 def test_from_scratch_weights_do_not_depend_on_the_meta_path():
-    """build_model's one-process weights (infer.py's) equal what parallel/init.py makes shard by shard
+    """build_model's one-process weights (infer.py's) equal what parallel/build/init.py makes shard by shard
     (tests/init_worker.py checks the sharded side against init_weights(seed))."""
     from configs import load_config
-    from parallel.components import build_frozen, build_model
+    from parallel.build.components import build_frozen, build_model
 
     cfg = load_config(TINY)
     text_encoder, vae = build_frozen(cfg, torch.device("cpu"))

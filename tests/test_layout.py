@@ -3,7 +3,7 @@ from omegaconf import OmegaConf
 
 from configs import ConfigError, load_config
 from configs.schema import ParallelConfig
-from parallel.layout import LayoutError, ParallelLayout, auto_layout, valid_layouts
+from parallel.compute.layout import LayoutError, ParallelLayout, auto_layout, valid_layouts
 
 
 def parallel(**kw):

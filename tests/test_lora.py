@@ -467,7 +467,7 @@ def test_merged_deltas_skip_the_blocks_another_stage_holds():
     holds (held_elsewhere: here block 1 and the final layer); a layer no stage holds is an error naming
     it, on a stage and on the whole model, and so is another stage's layer when the caller does not say
     it lives elsewhere."""
-    from parallel.pipefusion_plan import held_elsewhere, keep_stage
+    from parallel.compute.pipefusion_plan import held_elsewhere, keep_stage
 
     model = tiny_wan()
     before = {k: v.clone() for k, v in model.state_dict().items()}

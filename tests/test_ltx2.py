@@ -274,13 +274,13 @@ def test_weight_names_and_config():
 
 
 def test_a_sequence_split_replaces_the_video_operators_only():
-    """parallel/operators.py apply_operators on LTX-2's transformer (a split of 2, no collective yet): the
-    video self-attention becomes the DiT's Ulysses / ring attention and video-to-audio gathers the video's
+    """parallel/compute/operators.py apply_operators on LTX-2's transformer (a split of 2, no collective yet):
+    the video self-attention becomes the DiT's Ulysses / ring attention and video-to-audio gathers the video's
     keys; the audio stream's self-attention, the text's and audio-to-video stay as they are."""
     from types import SimpleNamespace
 
-    from parallel.operators import GatheredKeysAttention, ShardedSelfAttention, apply_operators
-    from parallel.sequence import ShardedSequence
+    from parallel.compute.operators import GatheredKeysAttention, ShardedSelfAttention, apply_operators
+    from parallel.compute.sequence import ShardedSequence
 
     _, ours = tiny_pair()
     apply_operators(ours, SimpleNamespace(sp_size=2))

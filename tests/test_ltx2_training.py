@@ -16,7 +16,7 @@ import train
 from data.loader import encode_family_batch
 from models.families import family_named
 from models.ltx2.training import draw, draw_sigma, is_audio_parameter, shift_for
-from parallel.family_training import FamilyRun, family_batch
+from parallel.drive.family_training import FamilyRun, family_batch
 from tests.conftest import ROOT, run_main
 from tests.test_ltx2_pipeline import MAX_LENGTH, tiny_pipeline
 
@@ -535,8 +535,8 @@ def test_lora_targets_on_frozen_audio_get_no_adapters(saved):
     matches audio layers only is refused by name (it would train nothing)."""
     import torch.nn as nn
 
-    from parallel.components import meta_model_builder
-    from parallel.sequence import SequenceGroups
+    from parallel.build.components import meta_model_builder
+    from parallel.compute.sequence import SequenceGroups
 
     def adapted(*targets):
         patterns = ",".join(repr(t) for t in targets)

@@ -1,7 +1,7 @@
-"""Memory checked before it runs out (parallel/memory.py): a recipe that cannot fit is refused at start-up
-with its modelled peak and what would fit, before any weight is read; the states in the model are what
-training allocates; a loader that leaks host memory is named before the kernel's out-of-memory killer acts
-(under a simulated host size everywhere, and under a real cgroup limit where this machine lets the tests
+"""Memory checked before it runs out (parallel/lifecycle/memory.py): a recipe that cannot fit is refused at
+start-up with its modelled peak and what would fit, before any weight is read; the states in the model are
+what training allocates; a loader that leaks host memory is named before the kernel's out-of-memory killer
+acts (under a simulated host size everywhere, and under a real cgroup limit where this machine lets the tests
 make one); a LoRA whose adapters leave a rank with empty shards trains as one process does."""
 
 import os
@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 import train
 from configs import load_config
-from parallel.memory import GiB, host_memory
-from parallel.memory_plan import Setting, meta_model, modelled_peak
+from parallel.lifecycle.memory import GiB, host_memory
+from parallel.lifecycle.memory_plan import Setting, meta_model, modelled_peak
 from tests.conftest import ROOT, TINY, ranks, run_main
 
 
@@ -55,7 +55,7 @@ def test_what_would_fit_is_named():
     cfg = load_config(TINY, ["model.size=DiT-S", "data.height=64", "data.width=64", "data.frames=16"])
     layout = type("Layout", (), {"ulysses": 1, "ring": 1})()
     from data.loader import build_buckets
-    from parallel.memory_plan import _what_fits, training_setting
+    from parallel.lifecycle.memory_plan import _what_fits, training_setting
 
     setting = training_setting(cfg, layout, build_buckets(cfg), 1, 1)
     model = meta_model(cfg, 0)
@@ -106,7 +106,7 @@ def test_the_modelled_states_are_what_training_allocates(tmp_path, monkeypatch, 
 def test_the_host_is_read_from_meminfo_and_the_tightest_cgroup(tmp_path, monkeypatch):
     """MemAvailable, unless a cgroup (v1 or v2, its files written here as the kernel would) leaves less: its
     limit less what it uses, its file pages (reclaimed before the out-of-memory killer acts) not counted."""
-    import parallel.memory as memory
+    import parallel.lifecycle.memory as memory
 
     available, total, where = host_memory()
     assert 0 < available <= total and where.startswith("host ")
@@ -171,7 +171,7 @@ def test_a_leaking_loader_is_named_before_the_host_runs_out(tmp_path):
 def _cgroup(tmp_name: str, limit: int) -> Path | None:
     """A memory cgroup of its own under this process's, limited to `limit` bytes; None where none can be
     made (no permission, no v1 or v2 memory controller mounted here)."""
-    from parallel.memory import _cgroup_dirs
+    from parallel.lifecycle.memory import _cgroup_dirs
 
     for version, folder in _cgroup_dirs():
         child = folder / tmp_name
@@ -231,7 +231,7 @@ def test_the_watch_names_the_part_that_grew_even_when_another_shrank():
     """The main process grows 3 GiB while the loader workers give 3 GiB back (respawned, copy-on-write
     pages dropped): the leak is named, not taken for another process's (the second review's case); low
     memory this rank did not take is one warning, no stop."""
-    from parallel.memory import HostMemoryWatch
+    from parallel.lifecycle.memory import HostMemoryWatch
 
     said = []
     watch = HostMemoryWatch(0, every_s=0.0, probe=lambda: (GiB // 2, 24 * GiB, "host h"), say=said.append)
@@ -251,7 +251,7 @@ def _auto_case(extra=()):
     """A DiT-S recipe whose activations dominate its modelled peak on a CPU, with its peaks under each of
     train.memory=auto's choices: {choice words: Peak}."""
     from data.loader import build_buckets
-    from parallel.memory_plan import _applied, memory_choices, training_setting
+    from parallel.lifecycle.memory_plan import _applied, memory_choices, training_setting
 
     cfg = load_config(TINY, ["model.size=DiT-S", "data.height=64", "data.width=64", "data.frames=16", *extra])
     layout = type("Layout", (), {"ulysses": 1, "ring": 1})()
@@ -268,8 +268,8 @@ def test_train_memory_auto_picks_the_fastest_setting_that_fits(monkeypatch, caps
     it (config.yaml records it), and the start-up line names it with its modelled peak. A host that holds
     only full checkpointing gets full; one that holds none is refused, by name, before any process group,
     with the most frugal setting's figure."""
-    import parallel.memory_plan as plan
-    from parallel.memory import floor_of
+    import parallel.lifecycle.memory_plan as plan
+    from parallel.lifecycle.memory import floor_of
 
     cfg, peaks = _auto_case()
     none, selective, every = (peaks[k] for k in peaks)
@@ -337,7 +337,7 @@ def test_train_memory_auto_offloads_on_one_gpu_and_leaves_checkpointing_alone_un
     never recomputes (its masks would differ)."""
     from dataclasses import replace
 
-    from parallel.memory_plan import memory_choices
+    from parallel.lifecycle.memory_plan import memory_choices
 
     cfg, _ = _auto_case()
     base = Setting(1, 1, 1, 64, 2, "none", False, True, 0, 0, 0)

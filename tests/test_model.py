@@ -160,7 +160,7 @@ def assert_same_tensors(expected: dict, got: dict, every: bool = True) -> None:
 @pytest.mark.parametrize("overrides", [[], WAN_FLF2V], ids=["dit", "wan-flf2v"])
 @pytest.mark.parametrize("zero_init", [True, False], ids=["zero-init", "random-weights"])
 def test_meta_build_then_fill_equals_a_direct_build(overrides, zero_init):
-    """train.py and infer.py build the DiT on the meta device (parallel/components.build_model
+    """train.py and infer.py build the DiT on the meta device (parallel/build/components.build_model
     weights=False) and fill it (fill_sharded / fill_unsharded, one parameter at a time), a PipeFusion stage
     only its own blocks: every tensor equals the DiT built directly on the host and initialised with the
     same seed (DiT.init_weights(seed=...)), in name, dtype and value."""
@@ -168,8 +168,8 @@ def test_meta_build_then_fill_equals_a_direct_build(overrides, zero_init):
 
     from configs import load_config
     from models.dit import build_dit
-    from parallel.components import build_model, fill_sharded, fill_unsharded
-    from parallel.pipefusion_plan import keep_stage
+    from parallel.build.components import build_model, fill_sharded, fill_unsharded
+    from parallel.compute.pipefusion_plan import keep_stage
     from tests.conftest import TINY
 
     cfg = load_config(TINY, overrides)
@@ -248,17 +248,17 @@ def test_short_overfit_lowers_the_loss():
 
 
 def test_selective_checkpointing_keeps_the_matmuls_and_recomputes_the_rest():
-    """train.checkpoint_policy (parallel/fsdp.py recompute_context) on a DiT's blocks: the gradients are
-    those without checkpointing under every policy; in backward, "all" runs each block's matmuls again,
+    """train.checkpoint_policy (parallel/compute/fsdp.py recompute_context) on a DiT's blocks: the gradients
+    are those without checkpointing under every policy; in backward, "all" runs each block's matmuls again,
     "selective" runs none again (their outputs were kept) but still recomputes the norms."""
     import collections
 
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from parallel.fsdp import recompute_context
+    from parallel.compute.fsdp import recompute_context
 
-    def gemm(op):  # by name, not from parallel/fsdp.py's list: a GEMM missing from it would show
+    def gemm(op):  # by name, not from parallel/compute/fsdp.py's list: a GEMM missing from it would show
         name = op.__name__
         return ("mm" in name or "convolution" in name or "attention" in name) and "backward" not in name
 

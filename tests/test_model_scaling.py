@@ -17,8 +17,8 @@ MIB = 2**20
     [(2, 1, 2.0, 2.0), (1, 2, 2.0, 6.0), (4, 1, 1.5, 1.5), (1, 4, 3.0, 7.0), (2, 2, 2.0, 4.0)],
 )
 def test_sp_bytes_match_the_comm_counters(ulysses, ring, forward_mib, backward_mib):
-    """BENCHMARKS.md (issue 4): bytes each rank sent per attention layer, counted by parallel.comm.stats()
-    in scripts/bench_sp.py, N = 4096 tokens, h = 128, float32."""
+    """BENCHMARKS.md (issue 4): bytes each rank sent per attention layer, counted by
+    parallel.compute.comm.stats() in scripts/bench_sp.py, N = 4096 tokens, h = 128, float32."""
     recipe = ms.Recipe("bench_sp", 1, 128, 4, 512, 4096, 0, 1)
     b = ms.sp_bytes(recipe, ms.Layout(1, ulysses, ring, False), element=4)
     assert (b["ulysses_fwd"] + b["ring_fwd"]) / MIB == pytest.approx(forward_mib)

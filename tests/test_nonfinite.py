@@ -11,9 +11,9 @@ from safetensors.torch import save_file
 import infer
 import train
 from configs.rundir import read_metrics
-from parallel import checkpoint as checkpoint_module
-from parallel import checkpoint_files, checkpoint_reading
-from parallel.init import canonical_name
+from parallel.build.init import canonical_name
+from parallel.checkpoints import checkpoint as checkpoint_module
+from parallel.checkpoints import checkpoint_files, checkpoint_reading
 from tests.conftest import TINY, ranks, run_main
 from tests.test_guards import WAN_OPTIONS, first_error, wan_folder
 
@@ -189,7 +189,7 @@ def test_ranks_holding_other_tensors_agree_without_naming_the_wrong_one(monkeypa
     """PipeFusion stages hold other blocks, so an index into one stage's tensors names nothing on another:
     a stage with every tensor finite must not take another's 'none' (its own tensor count) for a bad index,
     and a stage that holds no bad tensor must not name one of its own."""
-    from parallel import finite
+    from parallel.lifecycle import finite
 
     theirs = finite.NONE if other_rank == "finite" else 0
     monkeypatch.setattr(finite.dist, "is_initialized", lambda: True)

@@ -1,4 +1,4 @@
-"""Tiled and parallel VAE decode/encode (parallel/vae.py).
+"""Tiled and parallel VAE decode/encode (parallel/compute/vae.py).
 
 The multi-process checks live in tests/vae_worker.py: one launch (tests/ranks.py) per process count runs
 every case for kl, wan and identity, because each launch costs seconds.
@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from configs.schema import VAEConfig
 from models import tiling
 from models.vae import LatentSpace, build_vae
-from parallel import vae as parallel_vae
+from parallel.compute import vae as parallel_vae
 from tests.conftest import ranks
 
 # Tiled vs untiled decode of the tiny random VAEs (seed 0), measured on the cases below (torch 2.13 CPU):

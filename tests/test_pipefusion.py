@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from models.dit import DiT
-from parallel.pipefusion import patchify
-from parallel.pipefusion_plan import (
+from parallel.compute.pipefusion import patchify
+from parallel.compute.pipefusion_plan import (
     DroppedBlock,
     Item,
     MessagePlan,

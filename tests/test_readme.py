@@ -244,7 +244,7 @@ def test_parallel_layouts_are_valid():
     from configs import load_config, split_overrides
     from models.dit import size_of
     from models.families import family_named
-    from parallel.layout import ParallelLayout
+    from parallel.compute.layout import ParallelLayout
 
     for cmd in COMMANDS:
         if cmd.program not in ("train.py", "infer.py"):
@@ -503,7 +503,7 @@ def test_doc_flags_exist(doc):
         assert not missing, f"{doc.name}, `{span}`: {sorted(missing)} not declared by {names}"
 
 
-# Backticked names that are not tessera's code: fault specs composed from parallel/checkpoint.py's
+# Backticked names that are not tessera's code: fault specs composed from parallel/checkpoints/checkpoint.py's
 # FAULT_POINTS, and diffusers' own API that a doc tells users to call
 NOT_OURS = {"save_before_shards", "save_after_shards", "save_after_rename", "fuse_lora", "save_lora_weights"}
 CODE_SUFFIXES = tuple(FILE_SUFFIXES) + ("safetensors", "distcp", "pth")

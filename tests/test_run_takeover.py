@@ -20,7 +20,7 @@ import pytest
 
 from configs.rundir import read_metrics
 from configs.runlock import LOCK_NAME
-from parallel.checkpoint_files import CHECKSUMS, unlisted_files
+from parallel.checkpoints.checkpoint_files import CHECKSUMS, unlisted_files
 from tests.conftest import ROOT, TINY
 
 LOCK_S = "1,3"
@@ -219,7 +219,7 @@ def test_two_suspended_ranks_write_nothing_once_their_directory_is_taken_over(tm
 def _signal_tree(pid: int, signum) -> None:
     """`signum` to torchrun's agent and every process below it (its ranks run in sessions of their own):
     what `scontrol suspend` does to a job."""
-    from parallel.memory import children
+    from parallel.lifecycle.memory import children
 
     tree, todo = [], [pid]
     while todo:

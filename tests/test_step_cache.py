@@ -32,7 +32,7 @@ def calibration(steps=8, change=0.1, magnitude=0.9) -> Calibration:
 def for_random_weights(table: Calibration) -> Calibration:
     """A hand-made table, recorded as made for infer.py --random-weights with the tiny recipe."""
     from configs import load_config
-    from parallel.cache import calibration_subject
+    from parallel.compute.cache import calibration_subject
 
     table.made_for = calibration_subject(load_config(TINY), None, True, True, [], 2.0)
     return table

@@ -19,7 +19,7 @@ import pytest
 import infer
 import train
 from configs.rundir import read_data_report
-from parallel import checkpoint_files, checkpoint_reading
+from parallel.checkpoints import checkpoint_files, checkpoint_reading
 from tests.conftest import ROOT, TINY, run_main
 
 COMMON = ["--config", str(TINY), "train.max_steps=2", "train.checkpoint_every=2"]

@@ -89,7 +89,7 @@ def test_model_size_auto_builds_dimensions_no_size_has(saved_wan):
     from configs import load_config
     from models.dit import build_dit
     from models.wan import WanWeights
-    from parallel.components import fill_unsharded
+    from parallel.build.components import fill_unsharded
 
     reference, folder = saved_wan
     cfg = load_config(

@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel import comm, entrypoint, exits
-from parallel.preemption import StopRequest, Terminated
-from parallel.watchdog import Deadlines, Watchdog
+from parallel.compute import comm
+from parallel.lifecycle import entrypoint, exits
+from parallel.lifecycle.preemption import StopRequest, Terminated
+from parallel.lifecycle.watchdog import Deadlines, Watchdog
 
 
 def pair(tmp_path, silence=0.3, stall=0.5):

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from configs.schema import VAEConfig  # noqa: E402
 from models import tiling  # noqa: E402
 from models.vae import build_vae  # noqa: E402
-from parallel import comm  # noqa: E402
-from parallel import vae as parallel_vae  # noqa: E402
+from parallel.compute import comm  # noqa: E402
+from parallel.compute import vae as parallel_vae  # noqa: E402
 
 TOLERANCE = 1e-5  # max abs difference to the serial tiled decode (the same tiles, blended in the same order)
 
@@ -98,7 +98,7 @@ def main():
 
 
 if __name__ == "__main__":
-    from parallel.exits import leave_finished
+    from parallel.lifecycle.exits import leave_finished
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()

@@ -116,7 +116,7 @@ class AudioToVideoAttention(TextCrossAttention):
 class VideoToAudioAttention(TextCrossAttention):
     """Video-to-audio: queries from the audio tokens (B, H, Na, Dh; whole on every rank), keys and values
     from the video tokens (B, H, N, Dh; this rank's under sequence parallelism); no mask. Kind
-    "whole_queries": a split gathers every rank's keys and values (parallel/operators.py)."""
+    "whole_queries": a split gathers every rank's keys and values (parallel/compute/operators.py)."""
 
     kind = "whole_queries"
 

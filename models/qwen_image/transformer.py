@@ -262,7 +262,7 @@ class QwenImageTransformer(nn.Module):
         mask = None if cond.text_mask is None else cond.text_mask.bool()
         return QwenImageContext(temb, text, mask)
 
-    # PipeFusion's (parallel/pipefusion_family.py): the blocks on one patch of whole token rows.
+    # PipeFusion's (parallel/compute/pipefusion_family.py): the blocks on one patch of whole token rows.
 
     def patch_context(self, t, cond: QwenImageCond, grid) -> QwenImageContext:
         """What the blocks read at timestep t, besides the tokens: `condition`'s and the rotary angles."""

@@ -347,7 +347,7 @@ class SanaTransformer(nn.Module):
             bias = ((1 - cond.text_mask.to(dtype)) * -10000.0)[:, None, None, :]
         return BlockInputs(modulation.unflatten(1, (6, -1)), temb, context, bias)
 
-    # PipeFusion's (parallel/pipefusion_family.py): the blocks on one patch of whole token rows.
+    # PipeFusion's (parallel/compute/pipefusion_family.py): the blocks on one patch of whole token rows.
 
     def patch_context(self, t, cond: SanaConditioning, grid) -> BlockInputs:
         return self.condition(t, cond)

@@ -1,0 +1,166 @@
+"""Training a model family of models/family.py (tessera's DiT, Qwen-Image, Sana, ...) in train.py's loop,
+through the calls train.py makes for all of them: the frozen parts (the family's text encoder and VAE),
+each batch encoded by the family and shared with the group, the family's loss on the training
+transformer (built on the meta device by parallel/build/components.py, then adapters, the sequence operators,
+FSDP2 and the weights read row by row), and previews sampled by models/sampler.py.
+"""
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from models.family import Components, Family, shared_fields
+from models.image_condition import first_frames
+from models.sampler import Sampling, checked, generate_images
+from models.util import reading_weights
+from parallel.compute import comm
+from parallel.compute.operators import check_sequence_layout
+from parallel.compute.sequence import share_batch
+
+_DTYPES = (torch.float32, torch.bool, torch.bfloat16, torch.float16, torch.int64)
+_HEADER = 8  # per tensor: present, dtype, ndim, and up to 5 sizes
+
+
+@dataclass
+class FamilyRun:
+    """A family's frozen parts for training (Components without its transformer) and the family. With
+    precomputed latents (data.latents) the text encoder is freed once the previews' prompts are encoded."""
+
+    family: Family
+    parts: Components
+    max_length: int
+    empty: dict | None = None  # data.latents: the empty prompt's stored conditioning (dropped captions)
+    previews: tuple | None = None  # data.latents: (cond, uncond or None) of sample.prompts
+
+
+def check_family_inputs(cfg, family: Family) -> None:
+    """What any family's training (tessera's DiT's too) refuses by name before anything starts: a preview
+    guidance term it does not read, and data.audio for a family whose training reads no sound; a family
+    whose training is not built, first."""
+    if not family.trains:
+        raise ValueError(f"{family.title} samples with infer.py; training it is not built yet")
+    family.check_sample_keys(cfg)
+    if cfg.data.audio and not family.trains_audio:
+        raise ValueError(
+            f"data.audio=true: the training of {family.title} reads no sound (the clips' sound would go "
+            "unused); set data.audio=false"
+        )
+
+
+def check_family_training(cfg, family: Family, layout) -> None:
+    """What a family's training refuses, by name, before any process group (after its pretrained parts
+    are checked: Family.check_pretrained): a model.task or image conditioning it does not train, and
+    a sequence split its operators cannot take (the layout refuses cfg and pipefusion for training)."""
+    if cfg.model.task not in family.tasks:
+        raise ValueError(
+            f"model.task={cfg.model.task}: tessera's DiT's tasks; {family.title} leaves it at t2v (an "
+            "image-to-video training, where built, comes from its image-to-video pipeline folder)"
+        )
+    family.check_training(cfg)
+    folder_images = family.image_to_video and family.needs_images(cfg)  # its folder's first frame
+    if folder_images and not family.trains_images:  # samples only from a first frame
+        raise ValueError(
+            f"model.pretrained={cfg.model.pretrained} is {family.title}'s image-to-video pipeline; its "
+            "training is text-to-video only: use the text-to-video folder"
+        )
+    if folder_images:
+        preview_images(cfg, family)  # read now: a wrong path is named before anything starts
+    check_sequence_layout(family.meta_transformer(cfg), layout.ulysses, layout.ring, family.title)
+
+
+def preview_images(cfg, family: Family) -> list:
+    """The first frames (PIL) of an image-to-video folder's previews, one per sample.prompts, from
+    sample.images (one for all, or one each): refused by name when empty, of another count or unreadable."""
+    if not cfg.sample.images:
+        raise ValueError(
+            f"sample.images is empty: {family.title}'s image-to-video pipeline previews from a first frame; "
+            "name one image for every preview, or one per sample.prompts"
+        )
+    return first_frames(list(cfg.sample.images), len(cfg.sample.prompts), "sample.images")
+
+
+def check_family_sizes(cfg, family: Family, layout, buckets) -> None:
+    """Every bucket's size and the previews' the family can take, under the layout's split (Sana's halo
+    needs a row and one per rank), or an error naming the bucket or sample.* key."""
+    sc, data = cfg.sample, cfg.data
+    keys = "data.frames/frame_counts, data.height/width/resolutions/aspect_ratios"
+    sizes = [(f"the bucket {b.name} ({keys})", b.frames, b.height, b.width) for b in buckets.buckets]
+    previews = (sc.frames or data.frames, sc.height or data.height, sc.width or data.width)
+    for where, frames, height, width in [*sizes, ("sample.frames/height/width", *previews)]:
+        try:
+            family.check_size(cfg, frames, height, width)
+            family.check_split(cfg, height, width, layout.ulysses, layout.ring)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}".replace("--", "")) from None
+
+
+def frozen_family(cfg, family: Family, device, dtype, images: tuple = (None, None)) -> FamilyRun:
+    """Its text encoder and VAE (with the previews' `images`: Family.with_preview_images); with
+    data.latents, the VAE alone (for the previews), their prompts and the folder's empty prompt (its
+    empty.safetensors, else encoded now) kept instead of the text encoder (Qwen-Image's: 15.7 GiB)."""
+    with reading_weights(f"{family.title}'s frozen parts (model.pretrained={cfg.model.pretrained})"):
+        parts = family.load(cfg, device, dtype, transformer=False)
+    run = FamilyRun(family, family.with_preview_images(cfg, parts, images), cfg.text_encoder.max_length)
+    if cfg.data.latents:
+        from safetensors.torch import load_file
+
+        sc, parts, empty = cfg.sample, run.parts, Path(cfg.data.latents) / "empty.safetensors"
+        run.empty = load_file(empty) if empty.is_file() else family.empty_conditioning(parts, run.max_length)
+        prompts = list(sc.prompts)
+        uncond = None
+        if family.guided(sc.guidance):
+            uncond = family.encode(parts, [sc.negative_prompt] * len(prompts), run.max_length, negative=True)
+        run.previews = (family.encode(parts, prompts, run.max_length), uncond)
+        run.parts = replace(parts, text_encoder=None)
+        del parts
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return run
+
+
+def share_family_batch(groups, tensors: list | None, count: int, device) -> list:
+    """encode_family_batch's list from the group's first rank on every rank of the group: their shapes are
+    not known from the plan (a prompt's length is its own), so a header travels first, then
+    parallel/compute/sequence.py's share_batch."""
+    if groups.sp_size == 1:
+        return tensors
+    header = torch.zeros(count, _HEADER, dtype=torch.int64)
+    if groups.sp_rank == 0:
+        for i, t in enumerate(tensors):
+            if t is not None:
+                header[i, :3] = torch.tensor([1, _DTYPES.index(t.dtype), t.dim()])
+                header[i, 3 : 3 + t.dim()] = torch.tensor(t.shape)
+    src = dist.get_global_rank(groups.sp_group, 0)
+    rows = comm.broadcast(header.to(device), src, groups.sp_group).tolist()
+    specs = [(tuple(sizes[:ndim]), _DTYPES[kind]) for present, kind, ndim, *sizes in rows if present]
+    present = [t for t in tensors if t is not None] if groups.sp_rank == 0 else None
+    shared = iter(share_batch(groups, present, specs, device))
+    return [next(shared) if row[0] else None for row in rows]
+
+
+def family_batch(run: FamilyRun, groups, encoded: list | None, device) -> tuple:
+    """(x0, the family's conditioning) on every rank of the group, from the group's first rank's
+    encode_family_batch list (None on the other ranks)."""
+    names = shared_fields(run.family.conditioning)
+    tensors = share_family_batch(groups, encoded, 1 + len(names), device)
+    return tensors[0].float(), run.family.conditioning(**dict(zip(names, tensors[1:])))
+
+
+def family_previews(cfg, run: FamilyRun, model, seeds: list, progress, device) -> tuple:
+    """(images (B, 1, H, W, 3) in [0, 1], {index: where NaN or inf was found}) of sample.prompts, from the
+    training transformer on every rank (it is sharded: each forward needs them all)."""
+    sc = cfg.sample
+    parts = replace(run.parts, transformer=model)
+    size = (sc.frames or cfg.data.frames, sc.height or cfg.data.height, sc.width or cfg.data.width)
+    sampling = Sampling(
+        list(sc.prompts), seeds, size, sc.steps, sc.guidance, sc.negative_prompt, run.max_length
+    )
+    if run.family.image_to_video and run.family.needs_images(cfg):  # tessera's DiT: with_preview_images
+        sampling = replace(sampling, images=preview_images(cfg, run.family))
+    images, bad = checked(
+        generate_images, run.family, parts, sampling, progress, device=device, conditioning=run.previews
+    )
+    return (images if images is not None else np.zeros(0)), bad
