@@ -195,12 +195,14 @@ AUDIO_NEEDS_FPS = (
 
 class MediaDataset(BucketedDataset):
     """Images and videos listed in a manifest (see data/manifest.py). `audio`: (sample rate, channels) of
-    the sound each sample carries beside its frames (data.audio), which needs `fps`."""
+    the sound each sample carries beside its frames (data.audio), which needs `fps`; `frames`: the
+    manifest's image keys (image, last_image) whose frames the training reads (Family.given_frames)."""
 
-    def __init__(self, entries, table, fps: float | None = None, seed: int = 0, audio: tuple | None = None):
+    def __init__(self, entries, table, fps=None, seed: int = 0, audio: tuple | None = None, frames=("image",
+                 "last_image")):  # fmt: skip
         if audio is not None and not fps:
             raise ValueError(AUDIO_NEEDS_FPS)
-        self.fps, self.audio = fps, audio
+        self.fps, self.audio, self.frames = fps, audio, tuple(frames)
         super().__init__(entries, table, seed)
 
     def assign(self, entry):
@@ -223,7 +225,7 @@ class MediaDataset(BucketedDataset):
         if self.audio is not None:
             sample["audio"] = self.read_sound(entry["path"], start, bucket.frames)
         for key, frame in zip(IMAGE_KEYS, (0, -1)):
-            if key in self.entries.columns:  # a manifest naming images: each sample carries its frame
+            if key in self.entries.columns and key in self.frames:  # each sample carries its named frame
                 path = entry[key]
                 pixels = (
                     fit_to_bucket(read_image(path), 1, bucket.height, bucket.width)[0]

@@ -68,14 +68,16 @@ def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
                 f"data.manifest='{dc.manifest}': none of its {len(unreadable)} files can be read "
                 f"({named} ...)"
             )
-        sound = None
-        if dc.audio:
-            from models.families import family_named
+        from models.families import family_named
 
+        family, sound = family_named(cfg.model.family), None
+        if dc.audio:
             check_sound(dc.manifest, entries)
             # None for a family whose training reads no sound, refused by name in check_family_inputs
-            sound = family_named(cfg.model.family).sound_format(cfg)
-        dataset = MediaDataset(entries, table, dc.fps, cfg.train.seed, audio=sound)
+            sound = family.sound_format(cfg)
+        frames = family.given_frames(cfg)
+        say_unread_frames(cfg, family, entries, frames)
+        dataset = MediaDataset(entries, table, dc.fps, cfg.train.seed, audio=sound, frames=frames)
         for path, why in unreadable.items():
             dataset.leave_out(path, left_out_category(why), why)
         dataset.gone = gone  # kept: each is replaced when loaded, as a file deleted during the run
@@ -94,6 +96,22 @@ def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
         combos=train_combos(dc.synthetic_colors),
     )
     return SyntheticDataset(generator, table, cfg.train.seed)
+
+
+def say_unread_frames(cfg, family, entries: list[dict], frames: tuple) -> None:
+    """A warning where the manifest names image-to-video frames (image, last_image) that this training does
+    not condition on (Family.given_frames: model.task, the folder): they are not read, never silently."""
+    from data.manifest import IMAGE_KEYS
+
+    for key in IMAGE_KEYS:
+        named = sum(1 for e in entries if e.get(key))
+        if named and key not in frames:
+            takes = f"conditions on {', '.join(frames)} only" if frames else "conditions on no frame"
+            warn_on_main(
+                f"data.manifest names `{key}` on {named} of its {len(entries)} lines, and {family.title} "
+                f"with model.task={cfg.model.task} (model.pretrained={cfg.model.pretrained}) {takes}: "
+                f"those frames are not read"
+            )
 
 
 def check_sound(manifest, entries: list[dict], named: int = 3) -> None:

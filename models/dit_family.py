@@ -433,6 +433,10 @@ class DiTFamily(Family):
         # no autocast: the training model computes in FSDP2's mixed precision already
         return replace(parts, condition=condition, autocast=None)
 
+    def given_frames(self, cfg) -> tuple:
+        """I2V's first frame, FLF2V's first and last (TI2V's given frame is its clip's own first latent)."""
+        return {"i2v": ("image",), "flf2v": ("image", "last_image")}.get(cfg.model.task, ())
+
     def encode_clips(self, parts: DiTParts, videos, sound, cond: DiTText, given=(None, None)) -> tuple:
         """The clips in the tiles precompute_latents.py uses (media and precomputed latents are the same
         latents), and image-to-video's condition of each clip from its first (and last) frame, or the

@@ -407,6 +407,11 @@ class Family:
         have read what it keeps on `parts` (LTX-2's first latent frame, the DiT's image condition)."""
         raise NotImplementedError
 
+    def given_frames(self, cfg) -> tuple:
+        """The manifest keys (data/manifest.py IMAGE_KEYS: image, last_image) whose frames its training
+        conditions on instead of the clip's own (encode_clips' `given`); the loader reads no others."""
+        return ()
+
     def encode_clips(self, parts: Components, videos: torch.Tensor, sound, cond, given=(None, None)) -> tuple:
         """(x0, cond) of a training batch: `videos` (B, 3, T, H, W) in [-1, 1] encoded (encode_images), and
         the prompts' `cond` given whatever else of the clips the family trains on (`sound`: (B, channels,

@@ -245,6 +245,39 @@ def test_a_manifest_image_conditions_its_clip(tmp_path):
     assert not torch.allclose(condition, condition_of_clips(vae, None, video, False).latent)
 
 
+def test_manifest_frames_the_training_does_not_read_are_named_and_left(tmp_path, capsys):
+    """A manifest naming first frames ("image") for a training that conditions on none (model.task=t2v):
+    one warning naming the key, the count and the task, and the samples carry no frame (none is read); i2v
+    reads them, without a word. (TI2V's given frame is its clip's own: Family.given_frames says none.)"""
+    from PIL import Image
+
+    from data.loader import build_dataset
+
+    lines = []
+    for i in range(2):
+        clip, caption = SyntheticVideoDataset(2, 5, 32, 32).render(i)
+        write_video(tmp_path / f"{i}.mp4", clip, fps=8)
+        lines.append({"path": f"{i}.mp4", "caption": caption})
+    Image.fromarray(np.zeros((32, 32, 3), dtype=np.uint8)).save(tmp_path / "first.png")
+    lines[0]["image"] = "first.png"
+    write_manifest(tmp_path / "m.jsonl", lines)
+    for task, read in (("t2v", False), ("i2v", True)):
+        cfg = load_config(TINY, ["vae.kind=wan", "data.frames=5", f"model.task={task}",
+                                 f"data.manifest={tmp_path / 'm.jsonl'}"])  # fmt: skip
+        dataset = build_dataset(cfg, build_buckets(cfg))
+        said = capsys.readouterr().out
+        assert ("image" in dataset[(0, 0)]) == read, task
+        warning = f"`image` on 1 of its 2 lines, and tessera's DiT (Wan 2.1 / 2.2) with model.task={task}"
+        assert (warning in said and "conditions on no frame: those frames are not read" in said) != read, said
+    from types import SimpleNamespace
+
+    from models.families import family_named
+
+    tasks = {t: family_named("dit").given_frames(SimpleNamespace(model=SimpleNamespace(task=t))) for t in
+             ("t2v", "i2v", "flf2v", "ti2v")}  # fmt: skip
+    assert tasks == {"t2v": (), "i2v": ("image",), "flf2v": ("image", "last_image"), "ti2v": ()}
+
+
 @pytest.mark.parametrize(
     "line, message",
     [

@@ -76,10 +76,11 @@ def metrics(run) -> list:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def train_py_loss(folder) -> tuple:
+def train_py_loss(folder, image=None) -> tuple:
     """(videos, their latents, noise, sigmas, train.py's loss, the loss without an image condition) of two
     random 5-frame clips at 24 x 40 from `folder`, the second caption dropped: encode_family_batch,
-    family_batch and the family's training_loss (the flow's, on its velocity), at sigmas 0.3 and 0.85."""
+    family_batch and the family's training_loss (the flow's, on its velocity), at sigmas 0.3 and 0.85.
+    `image`: (2, 3, 24, 40) uint8, the frames a manifest names (the batch's "image")."""
     family = family_named("hunyuan_video15")
     argv = train_args(folder, folder.parent / "unused")
     cfg = load_config(ROOT / "configs" / "hunyuanvideo-1.5-480p.yaml", argv[2:])
@@ -87,7 +88,8 @@ def train_py_loss(folder) -> tuple:
     generator = torch.Generator().manual_seed(0)
     video = torch.randint(0, 256, (2, 3, 5, 24, 40), generator=generator, dtype=torch.uint8)
     run = FamilyRun(family, parts, cfg.text_encoder.max_length)
-    encoded = encode_family_batch(run, {"caption": CAPTIONS, "video": video}, [False, True], "cpu")
+    batch = {"caption": CAPTIONS, "video": video, **({"image": image} if image is not None else {})}
+    encoded = encode_family_batch(run, batch, [False, True], "cpu")
     x0, cond = family_batch(run, SimpleNamespace(sp_size=1), encoded, "cpu")
     noise, sigma = torch.randn(x0.shape, generator=generator), torch.tensor([0.3, 0.85])
     loss = partial(family.training_loss, parts, RectifiedFlow(cfg.flow, (1, 1, 1)), parts.transformer, x0)
@@ -136,19 +138,44 @@ def test_the_image_to_video_loss_is_diffusers(saved_i2v):  # noqa: F811
     HunyuanVideo15ImageToVideoPipeline's parts, its prepare_cond_latents_and_mask (the frame's latents and
     mask beside the noise) and encode_image (SigLIP) on the clip's first frame, every frame noised and in
     the loss (as the release's trainer has it); without the frame it is not."""
+    video, _, noise, sigma, ours, plain = train_py_loss(saved_i2v)
+    want = diffusers_i2v_loss(saved_i2v, video, [clip[:, 0] for clip in video], noise, sigma)
+    print(
+        f"image-to-video: train.py's loss {ours.item():.6f}, diffusers' {want.item():.6f}; without the "
+        f"frame {plain.item():.6f}",
+        file=sys.__stderr__,
+    )
+    assert want.item() > 0.1 and abs(ours.item() - want.item()) <= 1e-5 * want.item()
+    assert abs(plain.item() - want.item()) > 1e-3
+
+
+@torch.no_grad()
+def test_a_manifest_frame_is_the_image_to_video_condition(saved_i2v):  # noqa: F811
+    """A manifest line's "image" replaces its clip's first frame as HunyuanVideo15ImageToVideoPipeline's
+    image (as tessera's DiT takes it): the loss is diffusers' with those frames, not the clips' own."""
+    image = torch.randint(
+        0, 256, (2, 3, 24, 40), generator=torch.Generator().manual_seed(7), dtype=torch.uint8
+    )
+    video, _, noise, sigma, ours, _ = train_py_loss(saved_i2v, image)
+    want = diffusers_i2v_loss(saved_i2v, video, list(image), noise, sigma)
+    own = diffusers_i2v_loss(saved_i2v, video, [clip[:, 0] for clip in video], noise, sigma)
+    assert abs(ours.item() - want.item()) <= 1e-5 * want.item() and abs(own.item() - want.item()) > 1e-4
+
+
+def diffusers_i2v_loss(folder, video, frames, noise, sigma):
+    """The loss on HunyuanVideo15ImageToVideoPipeline's parts of `video` (B, 3, T, H, W) uint8 at `sigma`,
+    each clip given its frame of `frames` ((3, H, W) uint8) as the pipeline's image."""
     from diffusers import DiffusionPipeline
     from PIL import Image
 
-    video, _, noise, sigma, ours, plain = train_py_loss(saved_i2v)
-
-    pipe = DiffusionPipeline.from_pretrained(saved_i2v)
+    pipe = DiffusionPipeline.from_pretrained(folder)
     text, text_mask, glyph, glyph_mask = pipe.encode_prompt([CAPTIONS[0], ""], device="cpu", batch_size=2)
     z = [pipe.vae.encode(v[None].float() / 127.5 - 1).latent_dist.mode() for v in video]
     want_x0 = torch.cat(z) * pipe.vae.config.scaling_factor
     x_t = (1 - sigma.view(-1, 1, 1, 1, 1)) * want_x0 + sigma.view(-1, 1, 1, 1, 1) * noise
     given, embeds = [], []
-    for clip, latents in zip(video, x_t):
-        image = Image.fromarray(clip[:, 0].permute(1, 2, 0).numpy())
+    for frame, latents in zip(frames, x_t):
+        image = Image.fromarray(frame.permute(1, 2, 0).numpy())
         condition, mask = pipe.prepare_cond_latents_and_mask(
             latents[None], image, 1, 24, 40, torch.float32, "cpu"
         )
@@ -164,14 +191,7 @@ def test_the_image_to_video_loss_is_diffusers(saved_i2v):  # noqa: F811
         image_embeds=torch.cat(embeds),
         return_dict=False,
     )[0]
-    want = torch.nn.functional.mse_loss(pred, noise - want_x0)
-    print(
-        f"image-to-video: train.py's loss {ours.item():.6f}, diffusers' {want.item():.6f}; without the "
-        f"frame {plain.item():.6f}",
-        file=sys.__stderr__,
-    )
-    assert want.item() > 0.1 and abs(ours.item() - want.item()) <= 1e-5 * want.item()
-    assert abs(plain.item() - want.item()) > 1e-3
+    return torch.nn.functional.mse_loss(pred, noise - want_x0)
 
 
 KINDS = {"full": [], "lora": ["lora.rank=4", "train.lr=1e-2"]}

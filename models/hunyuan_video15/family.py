@@ -222,14 +222,19 @@ class HunyuanVideo15(Family):
         z = torch.cat([parts.vae.encode(v[None].to(parts.vae.dtype)).latent_dist.mode() for v in images])
         return z.float() * parts.vae.config.scaling_factor
 
+    def given_frames(self, cfg) -> tuple:
+        """An image-to-video folder's first frame."""
+        return ("image",) if self.needs_images(cfg) else ()
+
     def encode_clips(self, parts: HunyuanVideo15Parts, videos, sound, cond, given=(None, None)) -> tuple:
-        """The videos' latents; from an image-to-video folder, each clip's own first frame given as the
-        pipeline gives an image (with_images: its latents and mask beside the noise, its SigLIP tokens), the
-        loss on every frame as the release's trainer has it."""
+        """The videos' latents; from an image-to-video folder, each clip's first frame (or the frame its
+        manifest line names: `given`) given as the pipeline gives an image (with_images: its latents and mask
+        beside the noise, its SigLIP tokens), the loss on every frame as the release's trainer has it."""
         if parts.image_encoder is not None:
             from PIL import Image
 
-            first = ((videos[:, :, 0] + 1) * 127.5).round().clamp(0, 255).byte().permute(0, 2, 3, 1).cpu()
+            frames = videos[:, :, 0] if given[0] is None else given[0]
+            first = ((frames + 1) * 127.5).round().clamp(0, 255).byte().permute(0, 2, 3, 1).cpu()
             images = [Image.fromarray(frame.numpy()) for frame in first]
             (cond,) = self.with_images(parts, images, tuple(videos.shape[2:]), cond)
         return self.encode_images(parts, videos), cond
