@@ -10,6 +10,7 @@ computes the serial reference itself (models.pipeline.generate on the whole mode
 divides, so padded patches run too. Prints `ok <case> ...` per passed check; a mismatch raises.
 """
 
+import contextlib
 import datetime
 import sys
 from pathlib import Path
@@ -184,6 +185,22 @@ def run_case(layout: ParallelLayout, patches=None, warmup=1, cache=None, image=F
     return torch.from_numpy(sample(cfg, model, vae, text_encoder, sampler, cache, condition))
 
 
+@contextlib.contextmanager
+def own_schedule():
+    """The DiT family's schedule (of the instance models.pipeline.generate samples with) made other than its
+    flow's sigmas (their square roots: still from 1 to 0)."""
+    from models.pipeline import DIT as family
+
+    def schedule(parts, steps, latents):
+        return parts.flow.schedule(parts.flow.sigmas(latents, steps).sqrt())
+
+    family.schedule = schedule
+    try:
+        yield
+    finally:
+        del family.schedule  # the class's again
+
+
 def report(name, error, bound=None):
     if bound is not None and not error <= bound:
         raise AssertionError(f"{name}: max abs difference {error:.2e} > {bound:.0e}")
@@ -266,6 +283,19 @@ def main():
         .item(),
         EXACT,
     )
+    # The schedule the family hands the walk (here one other than the flow's own sigmas) is the one PipeFusion
+    # walks: its noise levels and Euler steps are the serial loop's.
+    with own_schedule():
+        scheduled = serial_reference()
+        report("own schedule serial vs serial", (scheduled - reference).abs().max().item())
+        if (scheduled - reference).abs().max() < 1e-4:
+            raise AssertionError("the schedule of its own changed nothing")
+        result = run_case(ParallelLayout(pipefusion=2, ulysses=2), 2, warmup=full)
+        report(
+            "own schedule pf2xu2 warmup=all vs own schedule serial",
+            (result - scheduled).abs().max().item(),
+            EXACT,
+        )
     # Image-to-video: stage 0 concatenates the condition's latent, every stage reads its features.
     image_reference = serial_reference(image=True)
     for name, layout, patches in [

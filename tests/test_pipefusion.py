@@ -103,8 +103,9 @@ def test_message_plans_match_between_neighbours_and_a_disagreement_is_named():
 @pytest.mark.timeout(150)
 def test_every_sampling_layout_against_the_serial_sampler():
     """pipefusion 2 and 4 with M = N and 2N, pipefusion x ulysses / ring / cfg, cfg alone (with dp and with
-    ulysses): the serial result within 1e-5 with warm-up over every step; with warm-up 0-2 the result of
-    an independent one-process stale-K/V reference, whatever the stages and what runs inside them."""
+    ulysses): the serial result within 1e-5 with warm-up over every step, also on a schedule the family
+    hands that is not its flow's own; with warm-up 0-2 the result of an independent one-process stale-K/V
+    reference, whatever the stages and what runs inside them."""
     result = ranks(4, "tests/pipefusion_worker.py", timeout=130)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     passed = [line for line in result.stdout.splitlines() if line.startswith("ok ")]
@@ -127,6 +128,7 @@ def test_every_sampling_layout_against_the_serial_sampler():
         assert any(line.startswith(f"ok {case}") for line in passed), case  # sample.cache=calibrated
     for case in ("pf2xcfg2", "pf2xu2", "cfg2xu2"):  # image-to-video
         assert any(line.startswith(f"ok i2v {case} warmup=all vs i2v serial") for line in passed), case
+    assert any(line.startswith("ok own schedule pf2xu2 warmup=all vs own schedule serial") for line in passed)
     stale = next(line for line in passed if line.startswith("ok pf2 M=4 warmup=1 vs serial"))
     assert 1e-4 < float(stale.rpartition("=")[2]) < 0.1, stale  # stale K/V: close to serial, not equal
 

@@ -131,24 +131,14 @@ class PipeFusionSampler:
         self.sent = self.received = None
 
     @torch.no_grad()
-    def sample(
-        self,
-        flow,
-        noise,
-        y,
-        y_mask,
-        neg_y=None,
-        neg_mask=None,
-        steps: int = 30,
-        guidance=1.0,
-        progress=None,
-        condition=None,
-    ):
-        """The latents (on every rank of the replica): the same contract as models/dit_family.py sample_dit.
+    def sample(self, flow, sigmas, noise, y, y_mask, neg_y=None, neg_mask=None, guidance=1.0, progress=None,
+               condition=None):  # fmt: skip
+        """The latents (on every rank of the replica) at the end of the schedule `sigmas` ((steps + 1,), the
+        one the family handed: models/loop.py Schedule), as models/dit_family.py sample_dit walks it.
         `condition`: image-to-video's (models/image_condition.py): stage 0 concatenates its latent to the
         embedded latent's channels (TI2V: puts the given frame in place), every stage gives its features to
         the DiT's conditioning."""
-        run = self._begin(flow, noise, (y, y_mask, neg_y, neg_mask), steps, guidance, condition)
+        run = self._begin(flow, sigmas, noise, (y, y_mask, neg_y, neg_mask), guidance, condition)
         self._walk(run, progress)
         return self.model.unpatchify(run.x, run.grid)
 
@@ -223,9 +213,9 @@ class PipeFusionSampler:
         seq = self.groups.sequence
         return local_share(item, seq.sp_size, seq.sp_rank)[1]
 
-    def _begin(self, flow, noise, text, steps: int, guidance: float, condition=None) -> _Sampling:
+    def _begin(self, flow, sigmas, noise, text, guidance: float, condition=None) -> _Sampling:
         """Agree on the message plan with the pipeline, reset the K/V buffers, and post the first receive."""
-        g, model, device = self.groups, self.model, noise.device
+        g, model, device, steps = self.groups, self.model, noise.device, len(sigmas) - 1
         grid = tuple(s // p for s, p in zip(noise.shape[2:], model.patch_size))
         tokens = grid[0] * grid[1] * grid[2]
         patches = patch_ranges(grid, self.patches)
@@ -251,7 +241,7 @@ class PipeFusionSampler:
             steps=steps,
             guidance=guidance,
             x=patchify(noise.float(), model.patch_size),
-            sigmas=flow.sigmas(noise, steps).to(device),
+            sigmas=sigmas.to(device),
             grid=grid,
             rope=model.rope(grid, device),
             text=(*branch, features),

@@ -30,11 +30,11 @@ class ParallelSampler:
             neg = (None, None) if uncond is None else (uncond.text, uncond.text_mask)
             return self.pipefusion.sample(
                 parts.flow,
+                schedule.sigmas,  # the schedule it is handed, not one of its own
                 noise,
                 cond.text,
                 cond.text_mask,
                 *neg,
-                steps=len(schedule.timesteps),
                 guidance=scale,
                 progress=progress,
                 condition=parts.condition,
