@@ -12,12 +12,12 @@ def check_wan_export(cfg, architecture: dict, pipeline: bool) -> None:
     """What a Wan folder needs of the DiT (`architecture`: DiT.architecture()) and, for a pipeline folder,
     of the recipe: checked before any weight is read."""
     diffusers_config_from_dit(architecture)  # a DiT without Wan's options: refused by name
+    if pipeline:
+        check_pipeline_recipe(cfg)
     if cfg.model.rope_theta != 10000.0:
         raise WanFormatError(f"model.rope_theta={cfg.model.rope_theta}: Wan's rotary embedding uses 10000")
     if not cfg.model.qk_norm:
         raise WanFormatError("model.qk_norm=false: Wan normalises queries and keys")
-    if pipeline:
-        check_pipeline_recipe(cfg)
 
 
 def check_pipeline_recipe(cfg) -> None:

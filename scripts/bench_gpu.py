@@ -375,9 +375,11 @@ def _checkpointing(variant: str) -> str:
 
 
 def modelled_gib(make_model, case, variant, tokens, device):
-    """train.memory=auto's model of this step's peak (parallel/lifecycle/memory_plan.py, on the meta device),
-    GiB: set beside the measured peak, it says whether auto's choice on this GPU would fit. None for a model
-    the meta device cannot build (the LoRA builders' float8 base)."""
+    """train.memory=auto's model of this step's peak (parallel/lifecycle/memory_plan.py, on the meta
+    device), GiB: beside the measured peak it says how far the model is off. None for the LoRA rows (their
+    builders choose the base's dtype by the device they build on, which the meta device is not)."""
+    if make_model in dict(LORA_MODELS + LORA_FLOAT8_MODELS).values():
+        return None
     from parallel.lifecycle.memory_plan import Setting, modelled_peak
 
     setting = Setting(
@@ -394,8 +396,9 @@ def modelled_gib(make_model, case, variant, tokens, device):
 
 
 def memory_auto(case, make_model, device) -> dict:
-    """What train.memory=auto would choose for `case` on this device: each setting's modelled peak against
-    the device's free memory, the fastest that fits (memory_plan.memory_choices' order)."""
+    """Of the three checkpointing settings train.memory=auto weighs first (memory_plan.memory_choices'
+    order), the fastest whose modelled device peak fits this device's free memory (auto itself also weighs
+    train.cpu_offload, the frozen parts and the host, which this bench leaves out)."""
     free = torch.cuda.mem_get_info(device)[0] / 2**30 if device.type == "cuda" else None
     C, T, H, W = case["latent"]
     tokens = case["batch"] * T * H * W // math.prod(PATCH)
@@ -405,7 +408,7 @@ def memory_auto(case, make_model, device) -> dict:
     return dict(case=case["name"], free_gib=free, modelled_gib=peaks, chosen=fits[0] if fits else None)
 
 
-SDPA_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
+SDPA_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")  # MATH too, tiny only
 
 
 def _attention_call(kernel, q, k, v, dout):
@@ -446,7 +449,7 @@ def bench_attention(case, runtime, args) -> list:
         q, k, v, dout = (torch.randn(shape, device=device, dtype=dtype, generator=g) for _ in range(4))
         flops = 4 * batch * heads * tokens**2 * head_dim * (3.5 if "backward" in mode else 1)
         reference = None
-        for kernel in (*SDPA_BACKENDS, "float8 inputs"):
+        for kernel in (*SDPA_BACKENDS, *(("MATH",) if args.tiny else ()), "float8 inputs"):
             row = dict(mode=mode, kernel=kernel, shape=list(shape), error=None)
             try:
                 forward, train = _attention_call(kernel, q, k, v, dout)
@@ -758,7 +761,7 @@ def markdown(results) -> str:
         peaks = ", ".join(f"{v} {_fmt(g, '.1f')}" for v, g in m["modelled_gib"].items())
         lines.append(
             f"\ntrain.memory=auto's model, {m['case']} (tessera, Wan options): modelled peaks GiB {peaks}; "
-            f"{_fmt(m['free_gib'], '.1f')} GiB free: it would choose {m['chosen']}"
+            f"{_fmt(m['free_gib'], '.1f')} GiB free: the fastest that fits, {m['chosen']}"
         )
     if results.get("attention"):
         lines.append("\nSDPA's kernels at the case's self-attention shape:\n")

@@ -97,6 +97,21 @@ def contact_sheet(
     sheet.save(path, optimize=True)
 
 
+class Unwritten(io.TextIOBase):
+    """`stream` without its "[tessera] wrote <file>" lines, each other line passed on as it ends."""
+
+    def __init__(self, stream):
+        self.stream, self.line = stream, ""
+
+    def write(self, text: str) -> int:
+        *done, self.line = (self.line + text).split("\n")
+        for line in done:
+            if not line.startswith("[tessera] wrote "):
+                self.stream.write(line + "\n")
+        self.stream.flush()
+        return len(text)
+
+
 def sample(args, overrides, cfg, prompts: list, folder: Path, session):
     """The clips of `prompts` at the training size (data.*), prompt i with seed first_seed + i, as infer.py
     samples them (the family's own path and layout; uncached), read back from its unquantised .npy files;
@@ -109,12 +124,8 @@ def sample(args, overrides, cfg, prompts: list, folder: Path, session):
     argv = ["--config", args.config, "--prompt", *prompts, "--seed", args.first_seed, *size]
     argv += ["--checkpoint", checkpoint] if checkpoint is not None else []
     argv += ["--output", folder / "clip.npy", *overrides, "sample.cache=none"]
-    said = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(said):  # its "wrote <file>" lines name files about to go
-            infer.main([str(a) for a in argv], session)
-    finally:
-        print("".join(line for line in said.getvalue().splitlines(True) if " wrote " not in line), end="")
+    with contextlib.redirect_stdout(Unwritten(sys.stdout)):  # its "wrote <file>" lines name files to go
+        infer.main([str(a) for a in argv], session)
     paths = infer.output_paths(str(folder / "clip.npy"), len(prompts))
     return np.stack([np.load(path) for path in paths]), checkpoint
 

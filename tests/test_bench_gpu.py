@@ -169,9 +169,9 @@ def test_the_lead_suite_runs_tiny_on_cpu(tmp_path):
     for mode in ("sampling forward", "training forward + backward"):
         rows = [r for r in attention if r["mode"] == mode]
         assert {r["kernel"] for r in rows} >= set(bench_gpu.SDPA_BACKENDS)
-        timed = [r for r in rows if r["error"] is None]
-        assert timed and timed[0]["max_diff"] == 0 and all(r["ms"] > 0 for r in timed), rows
-        assert all(r["max_diff"] < 1e-5 for r in timed), rows  # float32 on CPU: every kernel agrees
+        timed = [r for r in rows if r["error"] is None]  # on CPU: flash and the math reference
+        assert len(timed) >= 2 and all(r["ms"] > 0 for r in timed), rows
+        assert all(r["max_diff"] < 1e-5 for r in timed), rows  # float32: every kernel agrees with the first
     trained = {(r["case"], r["variant"]): r for r in results["train"]}
     assert {v for _, v in trained} == {"sac", "ac"} and all("seconds" in r for r in trained.values())
     for (case, variant), row in trained.items():

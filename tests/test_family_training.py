@@ -277,7 +277,8 @@ def test_eval_demo_judges_what_infer_samples(runs, tmp_path):
     assert run_main(infer, ["--config", config, *overrides, "--prompt", *prompts, "--seed", "3", *size,
                             "--output", str(out)]) == 0  # fmt: skip
     videos = [np.load(tmp_path / f"v_{i:03d}.npy") for i in range(len(prompts))]
-    assert rows == [eval_demo.judge(p, v) for p, v in zip(prompts, videos, strict=True)]
+    palette = {**eval_demo.COLORS, "orange": eval_demo.PALETTE["orange"]}  # as --colors orange reads them
+    assert rows == [eval_demo.judge(p, v, palette) for p, v in zip(prompts, videos, strict=True)]
 
 
 def infer_image(name, folder, tmp_path, out, *extra):

@@ -383,6 +383,18 @@ def test_a_lora_trained_across_layouts_exports_to_diffusers_and_comfyui(tiny_pip
     merged = tmp_path / "merged"
     assert export.main(["--checkpoint", str(run), "--lora", "--merge", "--output", str(merged)]) == 0
     assert json.loads((merged / "config.json").read_text())["_class_name"] == "WanTransformer3DModel"
+    # a recipe building another DiT (an option without weights) is refused before any file is written
+    from omegaconf import OmegaConf
+
+    from parallel.checkpoints.checkpoint_files import CheckpointError
+
+    other = OmegaConf.load(run / "config.yaml")
+    other.model.text_mask = not other.model.text_mask
+    OmegaConf.save(other, tmp_path / "other.yaml")
+    argv = ["--checkpoint", str(run), "--config", str(tmp_path / "other.yaml"), "--lora", "--output"]
+    with pytest.raises(CheckpointError, match="was trained with another model: model.text_mask"):
+        export.main([*argv, str(tmp_path / "other.safetensors")])
+    assert not (tmp_path / "other.safetensors").exists()
 
 
 def test_training_starts_from_a_shared_lora_as_diffusers_merges_it(tiny_pipeline, tmp_path, capsys):  # noqa: F811

@@ -43,7 +43,7 @@ class Runtime:
     control_group: object  # gloo group with a long timeout, to fence long single-rank work
     sequence: SequenceGroups  # this rank's ulysses / ring / sequence-parallel groups
     watchdog: Watchdog  # heartbeats, stall detection and the shared abort (parallel/lifecycle/watchdog.py)
-    stop: StopRequest  # the process's stop signals, agreed at step boundaries (lifecycle/preemption.py)
+    stop: StopRequest  # stop signals, agreed at step boundaries (parallel/lifecycle/preemption.py)
     comm: comm.CommLog  # the record of this runtime's ops, read by the watchdog and failure dumps
     faults: faults.Faults  # what tests asked to go wrong (TESSERA_FAULT), read once at start-up
     sampling: SamplingGroups | None = (
