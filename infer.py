@@ -233,7 +233,9 @@ def read_sizes(cfg, args) -> tuple:
     return prompts, outputs, frames, height, width, steps, guidance, negative
 
 
-def main(argv=None, session=None):
+def main(argv=None, session=None, walk=None):
+    """`walk(denoise_with) -> denoise_with`: what a script puts in place of the walk of the schedule
+    (scripts/calibrate_cache.py records each step's velocity; bench_cache.py times the walks)."""
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     family = family_named(cfg.model.family)
@@ -272,6 +274,7 @@ def main(argv=None, session=None):
     nonfinite = None
     if mine:
         described = describe_weights(cfg, args, weights)
+        denoise_with = denoise_with if walk is None else walk(denoise_with)
         sample_batch = family_batches(cfg, args, runtime, request, family, parts, denoise_with, decode)
         vae = str(part_folder(cfg, "vae")) if family.parts_from_pretrained else None
         nonfinite = sample_and_write(cfg, args, runtime, request, mine, sample_batch, described, vae)

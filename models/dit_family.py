@@ -291,6 +291,15 @@ class DiTFamily(Family):
         with torch.device("meta"):
             return build_dit(cfg.model, in_channels=in_channels, text_dim=architecture["text_dim"])
 
+    def calibration_parts(self, cfg, fingerprint) -> dict:
+        """Its text encoder and VAE as the recipe names them, and its flow's shift."""
+        te, vae, flow = cfg.text_encoder, cfg.vae, cfg.flow
+        return {
+            "text_encoder": f"{te.kind} {te.pretrained or f'(tiny, seed {te.seed})'}",
+            "vae": f"{vae.kind} {vae.pretrained or f'(tiny, seed {vae.seed})'}",
+            "flow": f"shift {flow.shift:g} at {flow.shift_reference_tokens} reference tokens",
+        }
+
     def check_export(self, cfg, model, pipeline: bool) -> None:
         from models.wan_export import check_wan_export
 

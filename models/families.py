@@ -51,17 +51,6 @@ def family_named(name: str) -> Family:
     return FAMILIES[name]
 
 
-def require_calibrated_cache(cfg, program: str) -> None:
-    """Refuse (ValueError) a recipe whose family's sampling replays no calibration (sample.cache=calibrated):
-    `program` calibrates or measures it."""
-    family = family_named(cfg.model.family)
-    if not family.calibrated_cache:
-        raise ValueError(
-            f"{program} works on sample.cache=calibrated, which {family.title}'s sampling does not replay; "
-            "its step cache is sample.cache=first_block (no calibration needed)"
-        )
-
-
 def family_of_folder(folder) -> Family | None:
     """The family whose diffusers classes `folder` declares, or None (a Wan-AI original folder, a tessera
     run, or a family tessera does not know: folder_classes says which)."""

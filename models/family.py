@@ -70,7 +70,7 @@ class Family:
     # patch_blocks: parallel/compute/pipefusion_family.py, models/step_cache.py FirstBlockFamily); False:
     # tessera's DiT's own stages and caches, which also run under ulysses and ring
     patch_pipeline = True
-    calibrated_cache = False  # sample.cache=calibrated (scripts/calibrate_cache.py calibrates its steps)
+    calibrated_cache = True  # sample.cache=calibrated (scripts/calibrate_cache.py calibrates its steps)
     auto_layout = False  # parallel.auto chooses its layout (else its degrees are set by hand)
     parts_from_pretrained = True  # its text encoder and VAE are model.pretrained's (read on every start)
     expert_pair = False  # a run trains one of two experts (model.expert), exported together as one pipeline
@@ -212,6 +212,16 @@ class Family:
         """The transformer a training run of the recipe trained, on the meta device, given the architecture
         its checkpoints record (what an export reads its adapters into)."""
         return self.meta_transformer(cfg)
+
+    def calibration_parts(self, cfg, fingerprint) -> dict:
+        """What a step-cache calibration depends on besides the transformer's weights (parallel/compute/
+        cache.py calibration_subject): model.pretrained's frozen parts and its scheduler's config, known by
+        `fingerprint(files)` of their contents."""
+        scheduler = sorted(part_folder(cfg, "scheduler").glob("*.json"))
+        return {
+            "parts": f"model.pretrained={cfg.model.pretrained}",
+            "schedule": f"scheduler {fingerprint(scheduler) if scheduler else 'none'}",
+        }
 
     def check_export(self, cfg, model, pipeline: bool) -> None:
         """What scripts/export.py's folder of `model` (the run's transformer, on the meta device) needs,

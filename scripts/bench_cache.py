@@ -6,15 +6,18 @@ PSNR against the uncached videos, and the demo judge's scores (colour, coherent,
         [--first-block-thresholds 0.05 0.1 0.2] [--methods calibrated first_block] [--plot F.png]
     python scripts/bench_cache.py --tiny     # seconds: a tiny random model, checks that the script runs
 
-It calibrates first (scripts/calibrate_cache.py's measurement, on sample.prompts) unless
+Any family: it samples through infer.py, and times the walks of the schedule (encoding and decoding left
+out). It calibrates first (scripts/calibrate_cache.py's measurement, on sample.prompts) unless
 sample.cache_calibration names a file. The judged prompts are the demo's held-out ones (eval_demo.py).
 """
 
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -23,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import parallel.lifecycle.startup  # noqa: E402, F401  (before torch loads)
 from configs import DEFAULT_RECIPE, load_config, split_overrides  # noqa: E402
-from models.families import require_calibrated_cache  # noqa: E402
 from parallel.lifecycle.entrypoint import run_as_process  # noqa: E402
 
 
@@ -31,6 +33,80 @@ def psnr(video: np.ndarray, reference: np.ndarray) -> float:
     """Peak signal-to-noise ratio in dB of videos in [0, 1] (inf when identical)."""
     mse = float(np.mean((video.astype(np.float64) - reference.astype(np.float64)) ** 2))
     return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
+
+
+def calibrate(cfg, args, overrides, path: Path, session) -> Path:
+    """scripts/calibrate_cache.py's table of the recipe's weights on sample.prompts x 2 seeds, at `path`."""
+    from calibrate_cache import record_velocities
+
+    from models.step_cache import Calibration
+    from parallel.compute.cache import calibration_subject
+
+    made = SimpleNamespace(config=args.config, seeds=2, checkpoint=None, random_weights=args.tiny, lora=[])
+    velocities = record_velocities(cfg, made, overrides, list(cfg.sample.prompts), cfg.sample.steps, session)
+    subject = calibration_subject(cfg, None, cfg.sample.use_ema, args.tiny, [], cfg.sample.guidance)
+    Calibration.measure(velocities, f"{args.config}, sample.prompts x 2 seeds", subject).save(path)
+    return path
+
+
+def compare(cfg, args, overrides, calibration, max_skips: int, session) -> list:
+    """A row per method and threshold (uncached first): the held-out prompts sampled through infer.py, the
+    walks timed (encoding and decoding left out), the calls that ran every block, PSNR and the judge."""
+    from benchlib import infer_videos
+    from eval_demo import judge, summarise
+
+    from data.synthetic import held_out_prompts
+
+    prompts = [prompt for prompt in held_out_prompts() for _ in range(args.seeds)][: 2 if args.tiny else None]
+    steps, data = cfg.sample.steps, cfg.data
+    base = ["--config", args.config, "--prompt", *prompts, "--seed", "0", "--frames", data.frames]
+    base += ["--height", data.height, "--width", data.width, *(["--random-weights"] if args.tiny else [])]
+    caching = [f"sample.cache_max_skips={max_skips}", f"sample.cache_calibration={calibration or 'null'}"]
+    base += [*overrides, *caching]
+
+    def run(cache: list) -> tuple:
+        walked = dict(seconds=0.0, calls=0.0, samples=0, depth=0)
+
+        def timing(denoise_with):
+            def walk(family, parts, schedule, noise, *rest):
+                start = time.perf_counter()
+                x = denoise_with(family, parts, schedule, noise, *rest)
+                walked["seconds"] += time.perf_counter() - start
+                calls = steps if parts.cache is None else parts.cache.full_calls  # per sample: first_block
+                walked["calls"] += calls * noise.shape[0]
+                walked["samples"] += noise.shape[0]
+                walked["depth"] = len(parts.transformer.blocks)
+                return x
+
+            return walk
+
+        videos = infer_videos([*base, *cache], len(prompts), session, walk=timing)
+        calls = walked["calls"] / walked["samples"]
+        # blocks run: a calibrated skip runs none; a first_block reuse still runs the first block
+        first_block = "sample.cache=first_block" in cache
+        blocks = calls * walked["depth"] + (steps - calls) * first_block
+        scores = summarise([judge(prompt, video) for prompt, video in zip(prompts, videos, strict=True)])
+        return videos, dict(calls=calls, blocks=blocks, seconds=walked["seconds"], **scores)
+
+    reference, uncached = run(["sample.cache=none"])
+    none = dict(method="none", threshold=0.0, psnr=float("inf"), speedup=1.0, call_ratio=1.0, block_ratio=1.0)
+    rows = [dict(none, **uncached)]
+    caches = [("calibrated", t, f"sample.cache_threshold={t}") for t in args.thresholds]
+    caches += [
+        ("first_block", t, f"sample.cache_first_block_threshold={t}") for t in args.first_block_thresholds
+    ]
+    for method, threshold, key in [c for c in caches if c[0] in args.methods]:
+        videos, row = run([f"sample.cache={method}", key])
+        row.update(
+            method=method,
+            threshold=threshold,
+            psnr=psnr(videos, reference),
+            speedup=uncached["seconds"] / row["seconds"],
+            call_ratio=uncached["calls"] / row["calls"],
+            block_ratio=uncached["blocks"] / row["blocks"],
+        )
+        rows.append(row)
+    return rows
 
 
 def main(argv=None, session=None):
@@ -54,84 +130,14 @@ def main(argv=None, session=None):
         args.first_block_thresholds = [0.05]
         overrides = [*overrides, "sample.steps=6"]
     cfg = load_config(args.config, overrides)
-    require_calibrated_cache(cfg, "scripts/bench_cache.py")
+    from eval_demo import CHECKS
 
-    from calibrate_cache import load_model, record_velocities
-    from eval_demo import CHECKS, judge, summarise
-
-    from data.synthetic import held_out_prompts
-    from models.flow import RectifiedFlow
-    from models.pipeline import generate
-    from models.step_cache import Calibration, FirstBlockCache, StepCache
-    from parallel.checkpoints.checkpoint_files import find_checkpoint
-
-    checkpoint = None if args.tiny else find_checkpoint(cfg, None, random_weights=False)
     steps, max_skips = cfg.sample.steps, args.max_skips or cfg.sample.cache_max_skips
-    model, vae, text_encoder = components = load_model(cfg, checkpoint, session, random_weights=args.tiny)
-    calibration = None
-    if cfg.sample.cache_calibration and "calibrated" in args.methods:
-        calibration = Calibration.load(cfg.sample.cache_calibration)
-    elif "calibrated" in args.methods:
-        velocities = record_velocities(cfg, components, list(cfg.sample.prompts), 2, steps)
-        calibration = Calibration.measure(velocities, f"{args.config}, sample.prompts x 2 seeds")
-    prompts = [prompt for prompt in held_out_prompts() for _ in range(args.seeds)]
-    if args.tiny:
-        prompts = prompts[:2]
-
-    depth = len(model.blocks)
-
-    def run(cache):
-        flow = RectifiedFlow(cfg.flow, cfg.model.patch_size, cache)
-        start = time.perf_counter()
-        videos = generate(
-            model,
-            vae,
-            text_encoder,
-            flow,
-            prompts,
-            cfg.data.frames,
-            cfg.data.height,
-            cfg.data.width,
-            steps,
-            cfg.sample.guidance,
-            cfg.sample.negative_prompt,
-            seeds=list(range(len(prompts))),
-        )
-        seconds = time.perf_counter() - start
-        scores = summarise([judge(prompt, video) for prompt, video in zip(prompts, videos, strict=True)])
-        # blocks run: a calibrated skip runs none; a first_block reuse still runs the first block
-        blocks = flow.model_calls * depth + (steps - flow.model_calls) * (
-            cache is not None and cache.method == "first_block"
-        )
-        return videos, dict(calls=flow.model_calls, blocks=blocks, seconds=seconds, **scores)
-
-    reference, uncached = run(None)
-    rows = [
-        dict(
-            method="none",
-            threshold=0.0,
-            psnr=float("inf"),
-            speedup=1.0,
-            call_ratio=1.0,
-            block_ratio=1.0,
-            **uncached,
-        )
-    ]
-    caches = [("calibrated", t, lambda t: StepCache(calibration, t, max_skips)) for t in args.thresholds]
-    caches += [
-        ("first_block", t, lambda t: FirstBlockCache(t, max_skips)) for t in args.first_block_thresholds
-    ]
-    for method, threshold, make in [c for c in caches if c[0] in args.methods]:
-        videos, row = run(make(threshold))
-        row.update(
-            method=method,
-            threshold=threshold,
-            psnr=psnr(videos, reference),
-            speedup=uncached["seconds"] / row["seconds"],
-            call_ratio=uncached["calls"] / row["calls"],
-            block_ratio=uncached["blocks"] / row["blocks"],
-        )
-        rows.append(row)
+    with tempfile.TemporaryDirectory(prefix="bench_cache_") as folder:
+        calibration = cfg.sample.cache_calibration
+        if "calibrated" in args.methods and not calibration:
+            calibration = calibrate(cfg, args, overrides, Path(folder) / "calibration.json", session)
+        rows = compare(cfg, args, overrides, calibration, max_skips, session)
     print(
         f"| method | threshold | full calls of {steps} | fewer calls | fewer blocks | wall speedup "
         "| PSNR dB | " + " | ".join(CHECKS) + " | all |"

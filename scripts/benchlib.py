@@ -10,7 +10,9 @@ runs each one), never a figure to quote. An option given on the command line kee
 """
 
 import argparse
+import contextlib
 import datetime
+import io
 import json
 import os
 import platform
@@ -18,6 +20,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, is_dataclass
@@ -176,3 +179,38 @@ def torchrun(nproc: int, script, args: list[str], threads: int = 1, timeout: flo
         raise SystemExit(
             f"torchrun with {nproc} processes failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}"
         )
+
+
+class _Unwritten(io.TextIOBase):
+    """`stream` without its "[tessera] wrote <file>" lines, each other line passed on as it ends."""
+
+    def __init__(self, stream):
+        self.stream, self.line = stream, ""
+
+    def write(self, text: str) -> int:
+        *done, self.line = (self.line + text).split("\n")
+        for line in done:
+            if not line.startswith("[tessera] wrote "):
+                self.stream.write(line + "\n")
+        self.stream.flush()
+        return len(text)
+
+
+def infer_videos(argv: list, count: int, session=None, walk=None):
+    """The `count` videos ((count, T, H, W, 3) float32 in [0, 1]) infer.py samples for `argv` (its flags
+    and overrides, no --output), read back from its unquantised .npy files in a folder that goes with them;
+    its lines pass through as they come, but for those naming the files. `walk`: infer.main's. Its process
+    group, watchdog and lock are closed after it, so that a script may sample again."""
+    import numpy as np
+
+    import infer
+    from parallel.lifecycle.entrypoint import Session
+
+    session = session or Session()
+    with tempfile.TemporaryDirectory(prefix="tessera_infer_") as folder:
+        output = str(Path(folder) / "clip.npy")
+        with contextlib.redirect_stdout(_Unwritten(sys.stdout)):
+            infer.main([*map(str, argv), "--output", output], session, walk=walk)
+        session.close()  # a failure above keeps them: the entry point reports it with them
+        session.run_dir = session.comm = session.watchdog = None
+        return np.stack([np.load(path) for path in infer.output_paths(output, count)])

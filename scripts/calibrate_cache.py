@@ -5,10 +5,10 @@ guided velocity of every step, and write per step its mean relative change and n
     python infer.py --config configs/demo.yaml sample.cache=calibrated \\
         sample.cache_calibration=runs/demo/cache.json --prompt "a red square moving left"
 
-One process. Calibrate once per model and step count (sample.steps, or --steps); the prompts default to
-sample.prompts, each with --seeds seeds. The sampling size is the recipe's (sample.*, else data.*). The
-file records what it was made for (architecture, weights, --lora files, guidance, schedule, steps):
-infer.py refuses it for any other.
+One process, any family: it samples through infer.py. Calibrate once per model and step count
+(sample.steps, or --steps); the prompts default to sample.prompts, each with --seeds seeds. The sampling
+size is the recipe's (sample.*, else data.*). The file records what it was made for (architecture,
+weights, --lora files, frozen parts, schedule, guidance, steps): infer.py refuses it for any other.
 """
 
 import argparse
@@ -19,60 +19,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import parallel.lifecycle.startup  # noqa: E402, F401  (before torch loads)
 from configs import DEFAULT_RECIPE, load_config, split_overrides  # noqa: E402
-from models.dit import size_of  # noqa: E402
-from models.families import require_calibrated_cache  # noqa: E402
-from models.flow import RectifiedFlow  # noqa: E402
 from models.sampler import guided_velocity  # noqa: E402
 from models.step_cache import Calibration  # noqa: E402
 from parallel.compute.cache import calibration_subject  # noqa: E402
-from parallel.compute.layout import ParallelLayout  # noqa: E402
 from parallel.lifecycle.entrypoint import run_as_process  # noqa: E402
-from parallel.lifecycle.runtime import init_runtime  # noqa: E402
 
 
-def load_model(cfg, checkpoint, session=None, random_weights: bool = False, loras=()):
-    """(model, vae, text_encoder) on one process, as infer.py loads them (`loras`: infer.read_loras')."""
-    from parallel.drive.dit_sampling import load_sampler
+def record_velocities(cfg, args, overrides, prompts: list, steps: int, session=None) -> list:
+    """The guided velocity of each step, (len(prompts) * seeds, ...) per step, of an uncached sampling of
+    the prompts (prompt i, seed i) through infer.py on this process: the family's own parts, loop and
+    solver, with both guidance branches here."""
+    from benchlib import infer_videos
 
-    layout = ParallelLayout.from_config(cfg.parallel, 1, size_of(cfg.model)["num_heads"], "sample")
-    runtime = init_runtime(cfg.parallel, layout, task="sample", session=session)
-    return load_sampler(cfg, runtime, checkpoint, cfg.sample.use_ema, random_weights, loras=loras)[:3]
-
-
-def record_velocities(cfg, components, prompts, seeds: int, steps: int) -> list:
-    """The guided velocity of each step, (len(prompts) * seeds, ...) per step, sampling uncached."""
-    from models.pipeline import generate
-
-    model, vae, text_encoder = components
+    everything = [p for p in prompts for _ in range(args.seeds)]
     velocities = []
 
-    def recording_sampler(family, parts, schedule, noise, cond, uncond, scale, progress=None):
-        guided = guided_velocity(family, parts, cond, uncond, scale)
+    def recording(denoise_with):  # in place of the walk: the serial one, recording as it goes
+        def walk(family, parts, schedule, noise, cond, uncond, scale, progress=None):
+            guided = guided_velocity(family, parts, cond, uncond, scale)
 
-        def velocity(x, t):
-            v = guided(x, t)
-            velocities.append(v.float().cpu())
-            return v
+            def velocity(x, t):
+                v = guided(x, t)
+                velocities.append(v.float().cpu())
+                return v
 
-        return family.walk(parts, schedule, noise, velocity, progress)
+            return family.walk(parts, schedule, noise, velocity, progress)
 
-    sc, data = cfg.sample, cfg.data
-    everything = [p for p in prompts for _ in range(seeds)]
-    generate(
-        model,
-        vae,
-        text_encoder,
-        RectifiedFlow(cfg.flow, cfg.model.patch_size),
-        everything,
-        sc.frames or data.frames,
-        sc.height or data.height,
-        sc.width or data.width,
-        steps,
-        sc.guidance,
-        sc.negative_prompt,
-        seeds=list(range(len(everything))),
-        sampler=recording_sampler,
-    )
+        return walk
+
+    argv = ["--config", args.config, "--prompt", *everything, "--seed", "0", "--steps", steps]
+    argv += ["--checkpoint", args.checkpoint] if args.checkpoint else []
+    argv += ["--random-weights"] if args.random_weights else []
+    argv += ["--lora", *args.lora] if args.lora else []
+    infer_videos([*argv, *overrides, "sample.cache=none"], len(everything), session, walk=recording)
     return velocities
 
 
@@ -91,22 +70,18 @@ def main(argv=None, session=None):
     )
     args = p.parse_args(args)
     cfg = load_config(args.config, overrides)
-    require_calibrated_cache(cfg, "scripts/calibrate_cache.py")
     steps = args.steps or cfg.sample.steps
     if steps < 3 or args.seeds < 1:
         raise ValueError(f"--steps must be at least 3 and --seeds at least 1, got {steps} and {args.seeds}")
-    from infer import read_loras
     from parallel.checkpoints.checkpoint_files import find_checkpoint
 
     checkpoint = find_checkpoint(cfg, args.checkpoint, args.random_weights)
-    loras = read_loras(cfg, args.lora)  # a calibration of the weights infer.py --lora will sample
     prompts = args.prompts or list(cfg.sample.prompts)
     # what the table is valid for, as infer.py will describe its own sampling (read before the weights)
     subject = calibration_subject(
         cfg, checkpoint, cfg.sample.use_ema, args.random_weights, args.lora, cfg.sample.guidance
     )
-    components = load_model(cfg, checkpoint, session, args.random_weights, loras)
-    velocities = record_velocities(cfg, components, prompts, args.seeds, steps)
+    velocities = record_velocities(cfg, args, overrides, prompts, steps, session)
     source = f"{args.config}, checkpoint {checkpoint}, {len(prompts)} prompts x {args.seeds} seeds"
     calibration = Calibration.measure(velocities, source, subject)
     calibration.save(args.output)

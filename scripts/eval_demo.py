@@ -12,11 +12,8 @@ first seed, with the prompt and the verdict beside it).
 """
 
 import argparse
-import contextlib
-import io
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -97,37 +94,18 @@ def contact_sheet(
     sheet.save(path, optimize=True)
 
 
-class Unwritten(io.TextIOBase):
-    """`stream` without its "[tessera] wrote <file>" lines, each other line passed on as it ends."""
-
-    def __init__(self, stream):
-        self.stream, self.line = stream, ""
-
-    def write(self, text: str) -> int:
-        *done, self.line = (self.line + text).split("\n")
-        for line in done:
-            if not line.startswith("[tessera] wrote "):
-                self.stream.write(line + "\n")
-        self.stream.flush()
-        return len(text)
-
-
-def sample(args, overrides, cfg, prompts: list, folder: Path, session):
+def sample(args, overrides, cfg, prompts: list, session):
     """The clips of `prompts` at the training size (data.*), prompt i with seed first_seed + i, as infer.py
-    samples them (the family's own path and layout; uncached), read back from its unquantised .npy files;
-    and the checkpoint they came from."""
-    import infer
+    samples them (the family's own path and layout; uncached), and the checkpoint they came from."""
+    from benchlib import infer_videos
+
     from parallel.checkpoints.checkpoint_files import find_checkpoint
 
     checkpoint = find_checkpoint(cfg, args.checkpoint, random_weights=False)
     size = ("--frames", cfg.data.frames, "--height", cfg.data.height, "--width", cfg.data.width)
     argv = ["--config", args.config, "--prompt", *prompts, "--seed", args.first_seed, *size]
     argv += ["--checkpoint", checkpoint] if checkpoint is not None else []
-    argv += ["--output", folder / "clip.npy", *overrides, "sample.cache=none"]
-    with contextlib.redirect_stdout(Unwritten(sys.stdout)):  # its "wrote <file>" lines name files to go
-        infer.main([str(a) for a in argv], session)
-    paths = infer.output_paths(str(folder / "clip.npy"), len(prompts))
-    return np.stack([np.load(path) for path in paths]), checkpoint
+    return infer_videos([*argv, *overrides, "sample.cache=none"], len(prompts), session), checkpoint
 
 
 def main(argv=None, session=None):
@@ -156,8 +134,7 @@ def main(argv=None, session=None):
     palette = {**COLORS, **{c: PALETTE[c] for c in check_colors(args.colors)}} if args.colors else COLORS
     cfg = load_config(args.config, overrides)
     prompts = [prompt for prompt in held_out_prompts(args.colors) for _ in range(args.seeds)]
-    with tempfile.TemporaryDirectory(prefix="eval_demo_") as folder:
-        videos, checkpoint = sample(args, overrides, cfg, prompts, Path(folder), session)
+    videos, checkpoint = sample(args, overrides, cfg, prompts, session)
     rows = [judge(prompt, video, palette) for prompt, video in zip(prompts, videos, strict=True)]
     report = {"checkpoint": str(checkpoint), "first_seed": args.first_seed, **summarise(rows), "rows": rows}
     run_dir = Path(cfg.run.output_dir)

@@ -281,6 +281,31 @@ def test_eval_demo_judges_what_infer_samples(runs, tmp_path):
     assert rows == [eval_demo.judge(p, v, palette) for p, v in zip(prompts, videos, strict=True)]
 
 
+def test_a_calibrated_step_cache_for_a_family_run(runs, tmp_path, capsys):
+    """scripts/calibrate_cache.py calibrates a family's run through infer.py (its own loop and solver);
+    infer.py with sample.cache=calibrated then calls the model on the steps the table's budget leaves (2 of
+    4), the image other than the uncached one; the table is refused for the LoRA run's weights, by name."""
+    import calibrate_cache
+
+    name, folder, made = runs
+    config, *overrides = train_args(name, folder, made["full"])[1:]
+    table = tmp_path / "c.json"
+    assert run_main(calibrate_cache, ["--config", config, *overrides, "--steps", "4", "--seeds", "1",
+                                      "--output", str(table)]) == 0  # fmt: skip
+    assert json.loads(table.read_text())["steps"] == 4
+    cached = ["sample.cache=calibrated", f"sample.cache_calibration={table}", "sample.cache_threshold=100"]
+    argv = ["--config", config, *overrides, "--steps", "4", "--prompt", "a red square", "--seed", "3"]
+    capsys.readouterr()
+    assert run_main(infer, [*argv, *cached, "--output", str(tmp_path / "c.npy")]) == 0
+    assert "[tessera] step cache: 2 of 4 steps call the model" in capsys.readouterr().out
+    assert run_main(infer, [*argv, "--output", str(tmp_path / "u.npy")]) == 0
+    image, uncached = np.load(tmp_path / "c.npy"), np.load(tmp_path / "u.npy")
+    assert np.isfinite(image).all() and np.abs(image - uncached).max() > 1e-4
+    lora = [f"run.output_dir={made['lora']}" if o.startswith("run.output_dir=") else o for o in argv]
+    assert run_main(infer, [*lora, *cached, "--output", str(tmp_path / "l.npy")]) == 2
+    assert "weights" in capsys.readouterr().err and not (tmp_path / "l.npy").exists()
+
+
 def infer_image(name, folder, tmp_path, out, *extra):
     argv = infer_args(name, folder, tmp_path, "--prompt", PROMPTS[0], "--negative-prompt", NEGATIVE)
     argv += ["--steps", "2", "--guidance", "4", "--seed", "1", "--output", str(tmp_path / out), *extra]

@@ -77,22 +77,20 @@ def check_calibration(cache, cfg, args, checkpoint, guidance: float) -> None:
 
 
 def calibration_subject(cfg, checkpoint, use_ema: bool, random_weights: bool, loras, guidance: float) -> dict:
-    """What a step-cache calibration measures, and is valid for: the DiT's architecture, its weights (a
-    checkpoint, model.pretrained or random), the LoRAs merged, the text encoder and VAE, the guidance and
-    the noise schedule. Files are known by a fingerprint of their contents, not their path. Prompts,
-    seeds and the sampling size are left out: the table carries over to them. scripts/calibrate_cache.py
-    records it; infer.py compares (models.step_cache.Calibration.check_made_for)."""
-    from models.dit_family import meta_dit
+    """What a step-cache calibration measures, and is valid for: the transformer's architecture, its
+    weights (a checkpoint, model.pretrained or random), the LoRAs merged, the frozen parts and the noise
+    schedule (Family.calibration_parts), the guidance. Files are known by a fingerprint of their contents,
+    not their path. Prompts, seeds and the sampling size are left out: the table carries over to them.
+    scripts/calibrate_cache.py records it; infer.py compares (models/step_cache.py check_made_for)."""
+    from models.families import family_named
 
-    te, vae, flow = cfg.text_encoder, cfg.vae, cfg.flow
+    family = family_named(cfg.model.family)
     subject = {
-        "model": meta_dit(cfg).architecture(),
+        "model": family.meta_transformer(cfg).architecture(),
         "weights": _weights(cfg, checkpoint, use_ema, random_weights),
         "loras": _loras(loras),
-        "text_encoder": f"{te.kind} {te.pretrained or f'(tiny, seed {te.seed})'}",
-        "vae": f"{vae.kind} {vae.pretrained or f'(tiny, seed {vae.seed})'}",
+        **family.calibration_parts(cfg, fingerprint_files),
         "guidance": float(guidance),
-        "flow": f"shift {flow.shift:g} at {flow.shift_reference_tokens} reference tokens",
     }
     return json.loads(json.dumps(subject))  # as the file holds it (tuples become lists)
 

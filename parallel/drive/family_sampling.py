@@ -43,8 +43,8 @@ def refuse_flags(cfg, args, family) -> None:
     """What the family's sampling does not take, refused by name (its images: Family.sampling_images)."""
     if cfg.sample.cache == "calibrated" and not family.calibrated_cache:
         raise ValueError(
-            f"sample.cache=calibrated: scripts/calibrate_cache.py calibrates tessera's DiT only; "
-            f"{family.title} takes sample.cache=first_block (no calibration needed)"
+            f"sample.cache=calibrated: {family.title}'s sampling replays no calibration; it takes "
+            "sample.cache=first_block (no calibration needed)"
         )
     if args.random_weights and not family.random_weights:
         raise ValueError(
@@ -124,15 +124,21 @@ def sampling_layout(cfg, family, request) -> tuple[ParallelLayout, int, str]:
 
 
 def check_patch_pipeline(cfg, family, request) -> None:
-    """What PipeFusion and the step cache through a transformer's patch pieces refuse: the cache under a
-    split (each sample's whole sequence runs on one rank), PipeFusion with a sequence split, an attention
-    backend that cannot mask a split's padding, a transformer without the pieces or with an operator
-    PipeFusion does not run."""
+    """What PipeFusion and the step cache through a transformer's patch pieces refuse: first_block under a
+    split (each sample's whole sequence runs on one rank), any cache under PipeFusion (its stages walk every
+    step), PipeFusion with a sequence split, an attention backend that cannot mask a split's padding, a
+    transformer without the pieces or with an operator PipeFusion does not run."""
     ranks, pipefusion = cfg.parallel.ulysses * cfg.parallel.ring, cfg.parallel.pipefusion
-    if request.cache is not None and ranks * pipefusion > 1:  # models/step_cache.py FirstBlockFamily
+    first_block = request.cache is not None and request.cache.method == "first_block"
+    if first_block and ranks * pipefusion > 1:  # models/step_cache.py FirstBlockFamily
         raise ValueError(
             f"sample.cache={cfg.sample.cache}: {family.title}'s step cache runs each sample's whole token "
             "sequence on one rank: use dp or parallel.cfg with it, not parallel.ulysses, ring or pipefusion"
+        )
+    if request.cache is not None and pipefusion > 1:  # its stages walk every step of the schedule
+        raise ValueError(
+            f"sample.cache={cfg.sample.cache}: {family.title}'s PipeFusion runs every step; use dp, "
+            "parallel.cfg, ulysses or ring with it"
         )
     if ranks > 1 and pipefusion > 1:
         raise ValueError(
@@ -145,7 +151,7 @@ def check_patch_pipeline(cfg, family, request) -> None:
             "and PipeFusion's patches mask keys: use sdpa or math with parallel.ulysses, ring or pipefusion"
         )
     transformer = family.meta_transformer(cfg)
-    if request.cache is not None and not hasattr(transformer, "patch_blocks"):  # FirstBlockFamily's pieces
+    if first_block and not hasattr(transformer, "patch_blocks"):  # FirstBlockFamily's pieces
         raise ValueError(f"sample.cache={cfg.sample.cache}: {family.title} does not run the step cache yet")
     if pipefusion > 1 and operator_kinds(transformer) - KINDS:
         kinds = sorted(operator_kinds(transformer) - KINDS)
