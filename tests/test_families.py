@@ -17,6 +17,7 @@ import infer
 import train
 from configs import ConfigError, load_config
 from configs.auto import resolve_family
+from models.step_cache import Calibration
 from tests.conftest import ROOT, ranks, run_main
 from tests.test_qwen_image import tiny_qwen_pipeline
 from tests.test_sana import MAX_LENGTH, NEGATIVE, PROMPTS, tiny_sana_pipeline
@@ -207,8 +208,12 @@ def test_refusals(saved, tmp_path, capsys):
             "model.attention_backend=flash takes no mask",
         ),
     ]
+    table = tmp_path / "three.json"  # a calibration of 3 steps (what it was made for is checked later)
+    Calibration(3, [float("nan"), 0.1, 0.1], [float("nan"), 0.9, 0.9]).save(table)
+    calibrated = ["sample.cache=calibrated", f"sample.cache_calibration={table}", "--steps", "3"]
     cases += [
-        (["sample.cache=calibrated", "sample.cache_calibration=c.json"], "calibrates tessera's DiT only"),
+        (["sample.cache=calibrated", "sample.cache_calibration=c.json"], "c.json cannot be read as a"),
+        ([*calibrated, "parallel.pipefusion=2"], "PipeFusion runs every step"),
         (["sample.cache=first_block", "parallel.ulysses=2"], "not parallel.ulysses, ring or pipefusion"),
     ]
     if name == "qwen_image":  # its joint attention splits under one of the two at a time
