@@ -38,9 +38,9 @@ from data.loader import (
 )
 from data.media import write_video
 from data.sampler import sample_seed
-from models.dit import count_parameters
 from models.families import family_named
 from models.flow import RectifiedFlow, expert_timesteps
+from models.layers import count_parameters
 from parallel.build.components import (
     build_ema,
     check_lora_start,

@@ -341,7 +341,7 @@ def _check_sampling(cfg: DictConfig) -> None:
 
 def _check_model(cfg: DictConfig) -> None:
     """The DiT's size, task and patch."""
-    from models.dit import DiT_models  # light import: the model code needs only torch
+    from models.dit.transformer import DiT_models  # light import: the model code needs only torch
 
     mc = cfg.model
     if mc.task in ("t2v", "ti2v") and mc.image_dim:

@@ -1,5 +1,5 @@
 """model.family=auto and model.size=auto: the family model.pretrained's folder declares, and its
-dimensions (Family.resolve_size: a Wan folder's architecture keys for tessera's DiT, models/wan.py)."""
+dimensions (Family.resolve_size: a Wan folder's architecture keys for tessera's DiT, models/dit/wan.py)."""
 
 from pathlib import Path
 

@@ -19,7 +19,8 @@ class RunConfig:
 
 @dataclass
 class ModelConfig:
-    size: str = "DiT-S"  # a key of models.dit.DiT_models; auto: every architecture key from model.pretrained
+    # a key of models.dit.transformer.DiT_models; auto: every architecture key from model.pretrained
+    size: str = "DiT-S"
     # The size's depth, width and heads, replaced where set (model.size=auto sets them for a folder whose
     # dimensions no named size has: a pruned, distilled or community variant)
     depth: Optional[int] = None

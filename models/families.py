@@ -36,7 +36,7 @@ class Families(Mapping):
 
 FAMILIES = Families(
     {
-        "dit": "models.dit_family:DiTFamily",
+        "dit": "models.dit.family:DiTFamily",
         "qwen_image": "models.qwen_image.family:QwenImage",
         "sana": "models.sana.family:Sana",
         "hunyuan_video15": "models.hunyuan_video15.family:HunyuanVideo15",

@@ -4,7 +4,7 @@ family instead of branching on its name. A family says which folders it recognis
 transformer, text encoder and VAE, how it encodes a prompt, draws noise, schedules and solves the
 steps, guides, and decodes. models/sampler.py runs the one sampling loop over these pieces.
 
-`dit` is tessera's own DiT, which reads Wan 2.1 / 2.2 folders (models/dit_family.py): it samples, trains
+`dit` is tessera's own DiT, which reads Wan 2.1 / 2.2 folders (models/dit/family.py): it samples, trains
 and exports through these hooks as the others do.
 """
 
@@ -57,12 +57,8 @@ class Family:
     # guidance_rescale, stg); the others, when set, are refused by name
     sample_keys: tuple = ()
     tasks: tuple = ("t2v",)  # the model.task values it trains (its image-to-video comes from its folder)
-    random_weights = (
-        False  # infer.py --random-weights: its layers have a seeded initialisation (models/dit.py)
-    )
-    float32_weights = (
-        False  # its sampling keeps float32 weights and computes under autocast (else: the dtype)
-    )
+    random_weights = False  # infer.py --random-weights: its layers have a seeded initialisation (the DiT's)
+    float32_weights = False  # its sampling keeps float32 weights, computes under autocast (else: the dtype)
     tiled_vae = (
         False  # its VAE decodes in tessera's tiles, which a replica's ranks share (parallel/compute/vae.py)
     )

@@ -72,7 +72,8 @@ def target_modules(model: nn.Module, patterns) -> dict[str, nn.Linear]:
 
 
 def projection_count(module: nn.Linear, per_projection: bool) -> int:
-    """How many adapters a Linear gets: one per fused projection (models/dit.py marks qkv and kv), or 1."""
+    """How many adapters a Linear gets: one per fused projection (models/dit/transformer.py marks qkv and kv),
+    or 1."""
     return getattr(module, "fused_projections", 1) if per_projection else 1
 
 
@@ -139,7 +140,7 @@ def init_adapter(name: str, tensor: torch.Tensor, generator=None) -> None:
 
 def seeded_adapter(name: str, shape, seed: int) -> torch.Tensor:
     """An adapter parameter, whole, in float32, as lora.seed initialises it in every layout."""
-    from models.dit import parameter_generator
+    from models.layers import parameter_generator
 
     whole = torch.empty(shape, dtype=torch.float32)
     init_adapter(name, whole, parameter_generator(seed, name))

@@ -106,7 +106,7 @@ def model_projections(model, names=None) -> tuple[dict, dict]:
     whose modules are diffusers' Linears one for one (models/family.py). Works on a meta-device model."""
     from torch import nn
 
-    from models.dit import WAN_OPTIONS
+    from models.dit.transformer import WAN_OPTIONS
 
     linears = {
         name: (m.in_features, m.out_features)

@@ -1,5 +1,5 @@
 """Sampling a family of models/family.py, the one path every family takes (tessera's DiT included,
-through models/pipeline.py): encode, draw each sample's noise from its own seed, walk the family's
+through models/dit/pipeline.py): encode, draw each sample's noise from its own seed, walk the family's
 schedule with its solver, decode. How the schedule is walked is passed in: the family's loop with the
 velocity on one process (`serial_denoise`) or the guidance branches on two (parallel/compute/cfg.py), or patch
 by patch through PipeFusion's stages (parallel/compute/pipefusion_family.py, parallel/compute/pipefusion.py).

@@ -310,8 +310,8 @@ class FirstBlockCache:
 class FirstBlockModel:
     """The DiT `model` called as model(x, t, y, y_mask, image) with sample.cache=first_block: its first
     block on every row, the cache's decision, the other blocks on the rows that must run them
-    (models/dit.py begin and end around them). The decision's sums are agreed between the ranks here
-    (`agree`), never inside the model's forward. It needs the plain DiT (sequence parallelism and
+    (models/dit/transformer.py begin and end around them). The decision's sums are agreed between the ranks
+    here (`agree`), never inside the model's forward. It needs the plain DiT (sequence parallelism and
     per-block wrappers are fine; a whole-model FSDP2 or torch.compile wrapper would be bypassed)."""
 
     def __init__(self, model, cache: FirstBlockCache):
@@ -342,7 +342,7 @@ class FirstBlockFamily:
     this rank (no ulysses, ring or PipeFusion)."""
 
     def __init__(self, model, cache: FirstBlockCache):
-        from models.dit import WholeSequence
+        from models.layers import WholeSequence
 
         if not isinstance(model.sequence, WholeSequence):  # its pieces would run the shard as the whole
             raise ValueError(

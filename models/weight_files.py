@@ -1,7 +1,7 @@
 """Weight files checked without loading them: a safetensors file against the length its header gives, a
 folder's weight names against a model's parameters, and ComfyUI's checkpoint prefixes taken off a single
-file's names. The ground floor of models/: Wan's reader (models/wan.py), the families' (models/family.py and
-their weights.py) and the LoRA formats use it.
+file's names. The ground floor of models/: Wan's reader (models/dit/wan.py), the families' (models/family.py
+and their weights.py) and the LoRA formats use it.
 """
 
 import json
@@ -14,8 +14,8 @@ class WeightFileError(ValueError):
 
 class LazyWeights:
     """What model.pretrained's weights are read through, whatever holds them: a diffusers folder (Wan's:
-    models/wan.py WanWeights; a family's: models/family.py FamilyWeights), read row by row so that each rank
-    of a sharded model reads only its shard (parallel/build/init.py materialize), or a tessera run's
+    models/dit/wan.py WanWeights; a family's: models/family.py FamilyWeights), read row by row so that each
+    rank of a sharded model reads only its shard (parallel/build/init.py materialize), or a tessera run's
     checkpoint (parallel/build/components.py TesseraWeights), which DCP reads resharded. The code above
     models/ asks these methods, never the kind."""
 

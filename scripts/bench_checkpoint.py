@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
-from models.dit import DiT  # noqa: E402
+from models.dit.transformer import DiT  # noqa: E402
 from parallel.checkpoints.checkpoint import _on_io_group  # noqa: E402
 from parallel.compute.fsdp import parallelize_dit  # noqa: E402
 

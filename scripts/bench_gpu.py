@@ -146,7 +146,7 @@ def dit_flops(
 
 
 def make_tessera(case, options=None):
-    from models.dit import DiT
+    from models.dit.transformer import DiT
 
     return DiT(
         case["latent"][0],
@@ -161,7 +161,7 @@ def make_tessera(case, options=None):
 
 
 def make_tessera_wan(case):
-    from models.dit import WAN_OPTIONS
+    from models.dit.transformer import WAN_OPTIONS
 
     return make_tessera(case, WAN_OPTIONS)
 
@@ -613,7 +613,7 @@ def bench_profile(case, make_model, runtime, param_dtype, variant, args, top=12)
 
 def bench_sampler(case, runtime, param_dtype, args):
     from configs import load_config
-    from models.dit_family import sample_dit
+    from models.dit.family import sample_dit
     from models.flow import RectifiedFlow
 
     device = runtime.device

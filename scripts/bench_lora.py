@@ -34,7 +34,7 @@ def counts(size: str, rank: int) -> dict:
     """Parameter counts of a Wan-size DiT and of its default LoRA adapters, on the meta device."""
     import torch
 
-    from models.dit import DiT, DiT_models
+    from models.dit.transformer import DiT, DiT_models
     from models.float8 import base_bytes, quantize_blocks
     from models.lora import DEFAULT_TARGETS, add_adapters, is_adapter
 
@@ -101,7 +101,7 @@ def step_times(size: str, rank: int, repeats: int, tokens: tuple) -> dict:
     import torch
 
     from configs import load_config
-    from models.dit import DiT, DiT_models
+    from models.dit.transformer import DiT, DiT_models
     from models.flow import RectifiedFlow
     from models.lora import DEFAULT_TARGETS, adapter_parameters, add_adapters
 

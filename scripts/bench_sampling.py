@@ -78,8 +78,8 @@ def _runtime(layout):
 def _sample(cfg, layout, patches, warmup, checkpoint, prompts, steps, guidance, size=(FRAMES, SIZE, SIZE)):
     import torch
 
+    from models.dit.pipeline import generate
     from models.flow import RectifiedFlow
-    from models.pipeline import generate
     from parallel.drive.dit_sampling import load_sampler
 
     cfg.parallel.pipefusion_warmup = warmup
@@ -224,7 +224,7 @@ def theory_sent(
 
 def bytes_table(results):
     from configs import load_config
-    from models.dit import size_of
+    from models.dit.transformer import size_of
 
     cfg = load_config(ROOT / "configs" / "demo.yaml", BYTES_RECIPE)
     size = size_of(cfg.model)
@@ -289,7 +289,7 @@ def quality_table(results):
 # ---------------------------------------------------------------------------------------------------
 # The latency model.
 
-# The H100's measured forward throughput: sample_dit (models/dit_family.py) at Wan2.1-1.3B dims, 14,040
+# The H100's measured forward throughput: sample_dit (models/dit/family.py) at Wan2.1-1.3B dims, 14,040
 # tokens, guidance 5 (batch 2), 443 ms per Euler step (BENCHMARKS.md, issue 12, scripts/bench_gpu.py).
 H100_STEP_S, H100_STEP_CASE = 0.443, dict(depth=30, hidden=1536, ffn=8960, tokens=14_040, batch=2)
 PEAK = {"H100": 989e12, "L40": 181e12}  # dense bf16, vendor figures
@@ -373,7 +373,7 @@ def memory_per_gpu(degrees, tokens):
     """Bytes a rank holds that the layout decides: the bf16 weights of its blocks (1/N under PipeFusion) and
     PipeFusion's K/V buffers (every layer of the stage, the whole sequence, its heads: ring does not divide
     them). Activations of one layer at a time are left out (a few x tokens/sp x hidden)."""
-    from models.dit import DiT_models
+    from models.dit.transformer import DiT_models
 
     m = WAN14B
     cfg, pf, u = degrees.get("cfg", 1), degrees.get("pipefusion", 1), degrees.get("ulysses", 1)
@@ -488,7 +488,7 @@ def weights_table(sizes=("Wan2.1-1.3B", "Wan2.1-14B"), stages=(2, 4, 8)):
     from omegaconf import OmegaConf
 
     from configs.schema import ModelConfig
-    from models.dit import build_dit
+    from models.dit.transformer import build_dit
     from parallel.compute.pipefusion_plan import keep_stage
 
     rows = []

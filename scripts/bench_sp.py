@@ -127,7 +127,7 @@ def measure_time(groups, layout, args, device, dtype):
 
 def measure_step(groups, args, device, dtype):
     """Forward + backward of a small DiT (no optimizer) on one video of args.time_tokens tokens."""
-    from models.dit import DiT
+    from models.dit.transformer import DiT
 
     torch.manual_seed(0)
     model = DiT(

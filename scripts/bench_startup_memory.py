@@ -28,7 +28,7 @@ import torch.multiprocessing as mp  # noqa: E402
 def dit_kwargs(size: str, task: str) -> dict:
     """The DiT's arguments: text-to-video's 16 channels, or Wan2.1 I2V's layout (36 in, 16 out, CLIP
     features 1280 wide, 257 tokens, image keys and values in every block)."""
-    from models.dit import DiT_models
+    from models.dit.transformer import DiT_models
 
     kwargs = dict(in_channels=16, text_dim=4096, patch_size=(1, 2, 2), **DiT_models[size])
     if task == "i2v":
@@ -41,7 +41,7 @@ def worker(rank, world, port, size, path, results, task="t2v"):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
 
-    from models.dit import DiT
+    from models.dit.transformer import DiT
     from parallel.build.init import materialize
     from parallel.compute.fsdp import parallelize_dit
 
@@ -74,7 +74,8 @@ def main(argv=None):
     p.add_argument("--path", default="both", choices=["both", "whole", "meta"])
     p.add_argument("--task", default="t2v", choices=["t2v", "i2v"], help="i2v: Wan2.1 I2V's layout")
     args = benchlib.parse_args(p, argv, tiny=dict(size="DiT-tiny", task="i2v"))
-    from models.dit import DiT, count_parameters
+    from models.dit.transformer import DiT
+    from models.layers import count_parameters
 
     with torch.device("meta"):
         model = DiT(**dit_kwargs(args.size, args.task))

@@ -111,7 +111,7 @@ def measure_cpu_efficiency(hidden: int, heads: int, ffn: int, tokens: int = 256,
     import torch
     from bench_gpu import device_info
 
-    from models.dit import DiTBlock, RotaryEmbedding3D
+    from models.dit.transformer import DiTBlock, RotaryEmbedding3D
 
     torch.manual_seed(0)
     block = DiTBlock(hidden, heads, ffn, True, "sdpa")  # mlp_hidden is a width, not a ratio

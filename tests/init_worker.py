@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from safetensors.torch import load_file  # noqa: E402
 
-from models.dit import DiT  # noqa: E402
-from models.wan import WanWeights, tessera_state_dict_from_diffusers  # noqa: E402
+from models.dit.transformer import DiT  # noqa: E402
+from models.dit.wan import WanWeights, tessera_state_dict_from_diffusers  # noqa: E402
 from parallel.build.init import canonical_name, local_rows, materialize  # noqa: E402
 from parallel.compute.fsdp import parallelize_dit  # noqa: E402
 

@@ -3,11 +3,11 @@ gloo, CPU).
 
 One launch runs every layout: the process group is made once, and each case builds its own cfg /
 PipeFusion / sequence groups from its layout (as parallel/lifecycle/runtime.py does) and samples through
-parallel.drive.dit_sampling.load_sampler and models.pipeline.generate (the transformer infer.py loads, its
+parallel.drive.dit_sampling.load_sampler and models.dit.pipeline.generate (the transformer infer.py loads, its
 ParallelSampler and models/sampler.py). Every rank
-computes the serial reference itself (models.pipeline.generate on the whole model, one process). Token grid
-3 x 5 x 3 = 45 tokens in 15 rows: 2 and 4 patches are 7/8 and 3/4/4/4 rows, which no sequence-parallel degree
-divides, so padded patches run too. Prints `ok <case> ...` per passed check; a mismatch raises.
+computes the serial reference itself (models.dit.pipeline.generate on the whole model, one process). Token
+grid 3 x 5 x 3 = 45 tokens in 15 rows: 2 and 4 patches are 7/8 and 3/4/4/4 rows, which no sequence-parallel
+degree divides, so padded patches run too. Prints `ok <case> ...` per passed check; a mismatch raises.
 """
 
 import contextlib
@@ -22,9 +22,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs import load_config  # noqa: E402
+from models.dit.pipeline import generate  # noqa: E402
 from models.flow import RectifiedFlow  # noqa: E402
 from models.image_condition import ImageCondition  # noqa: E402
-from models.pipeline import generate  # noqa: E402
 from models.step_cache import Calibration, StepCache  # noqa: E402
 from parallel.build.components import build_frozen, build_model  # noqa: E402
 from parallel.build.init import materialize  # noqa: E402
@@ -187,9 +187,9 @@ def run_case(layout: ParallelLayout, patches=None, warmup=1, cache=None, image=F
 
 @contextlib.contextmanager
 def own_schedule():
-    """The DiT family's schedule (of the instance models.pipeline.generate samples with) made other than its
-    flow's sigmas (their square roots: still from 1 to 0)."""
-    from models.pipeline import DIT as family
+    """The DiT family's schedule (of the instance models.dit.pipeline.generate samples with) made other than
+    its flow's sigmas (their square roots: still from 1 to 0)."""
+    from models.dit.pipeline import DIT as family
 
     def schedule(parts, steps, latents):
         return parts.flow.schedule(parts.flow.sigmas(latents, steps).sqrt())

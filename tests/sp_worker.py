@@ -17,7 +17,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.attention import SDPAAttention  # noqa: E402
-from models.dit import WAN_OPTIONS, DiT  # noqa: E402
+from models.dit.transformer import WAN_OPTIONS, DiT  # noqa: E402
 from parallel.compute import comm  # noqa: E402
 from parallel.compute.layout import ParallelLayout  # noqa: E402
 from parallel.compute.sequence import SequenceParallelAttention, SequenceState, ShardedSequence  # noqa: E402

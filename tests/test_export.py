@@ -45,7 +45,7 @@ def test_export_loads_in_diffusers_and_computes_the_same(wan_run, tmp_path, use_
     from diffusers import WanTransformer3DModel
 
     from configs import load_config
-    from models.dit import build_dit
+    from models.dit.transformer import build_dit
     from parallel.checkpoints.checkpoint import load_weights
 
     out = tmp_path / "transformer"

@@ -5,7 +5,7 @@ import torch
 from omegaconf import OmegaConf
 
 from configs.schema import FlowConfig
-from models.dit_family import sample_dit
+from models.dit.family import sample_dit
 from models.flow import RectifiedFlow, expert_timesteps
 
 

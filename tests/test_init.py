@@ -62,8 +62,8 @@ def test_train_starts_from_pretrained_weights(tmp_path):
     the folder's weights (AdamW moves each by about the learning rate)."""
     from safetensors.torch import load_file
 
-    from models.dit import DiT
-    from models.wan import WanWeights, tessera_state_dict_from_diffusers
+    from models.dit.transformer import DiT
+    from models.dit.wan import WanWeights, tessera_state_dict_from_diffusers
     from parallel.checkpoints.checkpoint import load_weights
 
     folder = tiny_wan_for_the_tiny_recipe(tmp_path / "wan")

@@ -172,7 +172,7 @@ def test_valid_layouts_are_listed_quickly_for_large_worlds():
     ],
 )
 def test_auto_layout_for_wan_head_counts(size, world, expected):
-    from models.dit import DiT_models
+    from models.dit.transformer import DiT_models
 
     heads = DiT_models[size]["num_heads"]
     layout = auto_layout(world, heads, local_world_size=8)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 import infer
 import train
 from configs.rundir import read_metrics
-from models.dit import WAN_OPTIONS, DiT
+from models.dit.transformer import WAN_OPTIONS, DiT
 from models.lora import (
     DEFAULT_TARGETS,
     adapted_modules,
@@ -162,7 +162,7 @@ def test_an_image_to_video_lora_loads_in_diffusers_and_computes_the_same(tmp_pat
     its forward with the image equals tessera's with the adapters."""
     from diffusers import WanTransformer3DModel
 
-    from models.wan import dit_kwargs_from_diffusers_config, tessera_state_dict_from_diffusers
+    from models.dit.wan import dit_kwargs_from_diffusers_config, tessera_state_dict_from_diffusers
     from tests.test_wan import TINY_WAN
 
     config = dict(TINY_WAN, in_channels=12, out_channels=4, image_dim=20, added_kv_proj_dim=24)

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from models.attention import ATTENTION_BACKENDS, AttentionBackendUnavailable, MathAttention, make_attention
-from models.dit import DiT, DiT_models, RotaryEmbedding3D, absolute_position_embedding, apply_rope
+from models.dit.transformer import DiT, DiT_models, RotaryEmbedding3D, absolute_position_embedding
+from models.layers import apply_rope
 from models.util import seeded
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,7 +168,7 @@ def test_meta_build_then_fill_equals_a_direct_build(overrides, zero_init):
     from types import SimpleNamespace
 
     from configs import load_config
-    from models.dit import build_dit
+    from models.dit.transformer import build_dit
     from parallel.build.components import build_model, fill_sharded, fill_unsharded
     from parallel.compute.pipefusion_plan import keep_stage
     from tests.conftest import TINY

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.dit import DiT
+from models.dit.transformer import DiT
 from parallel.compute.pipefusion import patchify
 from parallel.compute.pipefusion_plan import (
     DroppedBlock,

@@ -67,7 +67,7 @@ def test_a_calibration_round_trips_and_a_damaged_one_is_refused(tmp_path):
 def test_the_cached_sampler_reuses_the_last_velocity_scaled():
     """Against the Euler loop written out by hand with the plan's reuse: a velocity that counts its calls."""
     from configs import load_config
-    from models.dit_family import sample_dit
+    from models.dit.family import sample_dit
     from models.flow import RectifiedFlow
 
     calls = []
@@ -93,7 +93,7 @@ def test_the_first_block_rule_written_out_by_hand():
     runs every block; in the second both first-block residuals barely changed, so both reuse the other
     blocks' residual; in the third one sample changed too much and runs every block alone, the other
     reuses again; in the fourth (the last step) both run every block."""
-    from models.dit import DiT
+    from models.dit.transformer import DiT
 
     torch.manual_seed(0)
     model = DiT(4, 16, depth=3, hidden_size=32, num_heads=4, patch_size=(1, 2, 2)).eval()
@@ -405,7 +405,7 @@ def test_a_calibration_of_a_lora_is_accepted_with_that_lora_only(tmp_path, capsy
     from safetensors.torch import save_file
 
     from configs import load_config
-    from models.dit_family import meta_dit
+    from models.dit.family import meta_dit
     from models.lora_formats import export_adapters, model_projections
 
     projections, linears = model_projections(meta_dit(load_config(TINY)))

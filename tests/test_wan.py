@@ -1,7 +1,7 @@
 """tessera's DiT with the Wan options against diffusers' WanTransformer3DModel: code no one here wrote.
 
 A tiny random diffusers model (every weight perturbed, so no zero-initialised layer hides a path) is
-saved with save_pretrained, its safetensors read back, its keys mapped by models/wan.py, and the two
+saved with save_pretrained, its safetensors read back, its keys mapped by models/dit/wan.py, and the two
 forwards compared in float32. The same model under ulysses 2 and ring 2 is checked against the
 one-process tessera forward in tests/sp_worker.py (WanDiT and WanI2V lines)."""
 
@@ -12,8 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from models.dit import DiT, DiT_models, build_dit, count_parameters
-from models.wan import WanFormatError, dit_kwargs_from_diffusers_config, tessera_state_dict_from_diffusers
+from models.dit.transformer import DiT, DiT_models, build_dit
+from models.dit.wan import WanFormatError, dit_kwargs_from_diffusers_config, tessera_state_dict_from_diffusers
+from models.layers import count_parameters
 
 TINY_WAN = dict(
     patch_size=(1, 2, 2),
@@ -87,8 +88,8 @@ def test_model_size_auto_builds_dimensions_no_size_has(saved_wan):
     2 heads of 12): model.size=auto builds its dimensions with Wan's options and reads its weights, and the
     forward is diffusers'."""
     from configs import load_config
-    from models.dit import build_dit
-    from models.wan import WanWeights
+    from models.dit.transformer import build_dit
+    from models.dit.wan import WanWeights
     from parallel.build.components import fill_unsharded
 
     reference, folder = saved_wan
@@ -180,7 +181,7 @@ def test_image_to_video_forward_equals_diffusers(tmp_path, flf2v):
     config and keys, and both forwards given the same CLIP features; then back to diffusers' keys."""
     from diffusers import WanTransformer3DModel
 
-    from models.wan import diffusers_config_from_dit, diffusers_state_dict_from_tessera
+    from models.dit.wan import diffusers_config_from_dit, diffusers_state_dict_from_tessera
 
     image_tokens = 5
     config = dict(TINY_WAN, in_channels=12, out_channels=4, image_dim=20, added_kv_proj_dim=24)
@@ -234,7 +235,7 @@ def test_unknown_or_unsupported_wan_weights_are_named():
 def test_a_pipeline_folder_is_read_through_its_transformer_subfolder(saved_wan, tmp_path):
     import shutil
 
-    from models.wan import WanWeights
+    from models.dit.wan import WanWeights
 
     _, folder = saved_wan
     shutil.copytree(folder, tmp_path / "pipeline" / "transformer")
@@ -288,7 +289,7 @@ def test_the_original_wan_layout_reads_as_the_diffusers_one(saved_wan, tmp_path,
     from diffusers import WanTransformer3DModel
     from safetensors.torch import save_file
 
-    from models.wan import WanWeights
+    from models.dit.wan import WanWeights
 
     _, folder = saved_wan
     in_dim = 4

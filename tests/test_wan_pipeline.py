@@ -349,7 +349,7 @@ def auto_recipe(recipe, tmp_path):
 
 
 def architecture(cfg):
-    from models.dit import build_dit
+    from models.dit.transformer import build_dit
 
     with torch.device("meta"):
         return build_dit(cfg.model, in_channels=4, text_dim=16).architecture()

@@ -15,8 +15,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.attention import JointAttention
-from models.dit import WholeSequence, apply_rope
-from models.layers import AdaNormOut, FeedForward, RMSNorm, TimestepMLP, timestep_features
+from models.layers import (
+    AdaNormOut,
+    FeedForward,
+    RMSNorm,
+    TimestepMLP,
+    WholeSequence,
+    apply_rope,
+    timestep_features,
+)
 
 
 @dataclass

@@ -17,8 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.attention import SelfAttentionOperator, make_attention
-from models.dit import WholeSequence, apply_rope
-from models.layers import FeedForward, TimestepMLP, timestep_features
+from models.layers import FeedForward, TimestepMLP, WholeSequence, apply_rope, timestep_features
 
 
 @dataclass

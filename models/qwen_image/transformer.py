@@ -12,8 +12,15 @@ import torch
 import torch.nn as nn
 
 from models.attention import JointAttention
-from models.dit import WholeSequence, apply_rope
-from models.layers import AdaNormOut, FeedForward, RMSNorm, TimestepMLP, timestep_features
+from models.layers import (
+    AdaNormOut,
+    FeedForward,
+    RMSNorm,
+    TimestepMLP,
+    WholeSequence,
+    apply_rope,
+    timestep_features,
+)
 
 
 @dataclass

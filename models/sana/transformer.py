@@ -14,8 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.dit import WholeSequence, split_heads
-from models.layers import RMSNorm, TimestepMLP, timestep_features
+from models.layers import RMSNorm, TimestepMLP, WholeSequence, split_heads, timestep_features
 
 
 @dataclass

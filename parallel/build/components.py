@@ -8,14 +8,14 @@ from pathlib import Path
 
 import torch
 
-from models.dit import DiT, build_dit
-from models.dit_family import frozen_parts
+from models.dit.transformer import DiT, build_dit
+from models.dit.family import frozen_parts
 from models.families import family_named
 from models.lora import adapted_modules, is_adapter
 from models.lora_formats import LoRAFormatError, match_lora, read_file, starting_adapters
 from models.text_encoder import TextEncoder
 from models.vae import LatentSpace
-from models.wan import check_wan_folder, second_expert
+from models.dit.wan import check_wan_folder, second_expert
 from models.weight_files import LazyWeights
 from parallel.checkpoints.checkpoint import TrainingState, load_base_weights, load_weights
 from parallel.checkpoints.checkpoint_files import resolve_checkpoint

@@ -1,17 +1,18 @@
 """Weights for a DiT that was built on the meta device and sharded with FSDP2, filled one parameter at
 a time so that no rank ever holds the whole model (a 14B model is 56 GB in float32):
 
-- from train.seed: each parameter is made whole on the host from its own generator (models.dit
+- from train.seed: each parameter is made whole on the host from its own generator (models.dit.transformer
   init_parameter and parameter_generator), then only this rank's rows are kept. The weights are those
   of `DiT.init_weights(seed=...)` on one process, whatever the layout;
-- from model.pretrained: each rank reads only its rows from the safetensors files (models.wan.WanWeights).
+- from model.pretrained: each rank reads only its rows from the safetensors files (models.dit.wan.WanWeights).
 """
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from models.dit import init_parameter, parameter_generator
+from models.dit.transformer import init_parameter
+from models.layers import parameter_generator
 from models.float8 import SCALE, is_float8, quantize_into
 from models.lora import is_adapter, seeded_adapter
 
@@ -68,7 +69,7 @@ def materialize(
     adapter_start: dict | None = None,
 ) -> None:
     """Allocate `model`'s (sharded) parameters on `device` and fill them: from `pretrained` (a
-    models.wan.WanWeights) if given, else from `seed`; LoRA adapters from `adapter_seed` (lora.seed), or
+    models.dit.wan.WanWeights) if given, else from `seed`; LoRA adapters from `adapter_seed` (lora.seed), or
     from `adapter_start` {name: whole tensor} where it has them (lora.init_from).
     `partial`: the model holds only some of the pretrained weights (a PipeFusion stage)."""
     model.to_empty(device=device)

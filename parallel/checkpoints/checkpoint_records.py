@@ -16,7 +16,7 @@ def check_architecture(path, architecture: dict) -> None:
     saved = read_trainer_state(path).get("architecture")
     if saved is None:
         return
-    from models.dit import architecture_differences, recipe_key
+    from models.dit.transformer import architecture_differences, recipe_key
 
     differs = [
         f"{recipe_key(k)}: {k}={saved[k]!r} there, {architecture[k]!r} here"

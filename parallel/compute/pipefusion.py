@@ -134,7 +134,7 @@ class PipeFusionSampler:
     def sample(self, flow, sigmas, noise, y, y_mask, neg_y=None, neg_mask=None, guidance=1.0, progress=None,
                condition=None):  # fmt: skip
         """The latents (on every rank of the replica) at the end of the schedule `sigmas` ((steps + 1,), the
-        one the family handed: models/loop.py Schedule), as models/dit_family.py sample_dit walks it.
+        one the family handed: models/loop.py Schedule), as models/dit/family.py sample_dit walks it.
         `condition`: image-to-video's (models/image_condition.py): stage 0 concatenates its latent to the
         embedded latent's channels (TI2V: puts the given frame in place), every stage gives its features to
         the DiT's conditioning."""

@@ -1,11 +1,11 @@
 """The walk of the schedule infer.py runs for tessera's DiT across a sampling layout (models/sampler.py's
-`denoise_with`, passed to models.pipeline.generate as `sampler`): PipeFusion when parallel.pipefusion > 1,
+`denoise_with`, passed to models.dit.pipeline.generate as `sampler`): PipeFusion when parallel.pipefusion > 1,
 else the family's loop with the guidance branches split under cfg=2 (parallel/compute/cfg.py, as every
 family), with Wan 2.2's two experts taking turns (ulysses/ring, if any, are inside the models already)."""
 
 from dataclasses import replace
 
-from models.dit_family import Experts
+from models.dit.family import Experts
 from parallel.compute.cfg import SamplingGroups, family_denoiser
 from parallel.compute.pipefusion import PipeFusionSampler
 

@@ -1,7 +1,7 @@
-"""tessera's DiT loaded for the scripts that sample it through models/pipeline.py (scripts/bench_sampling.py,
-calibrate_cache.py, bench_cache.py, the PipeFusion tests): its frozen parts, its transformer with its weights
-for a layout (parallel/drive/family_sampling.py sampling_transformer, as infer.py loads every family), Wan
-2.2's second expert, and the sampler that walks the schedule across the layout.
+"""tessera's DiT loaded for the scripts that sample it through models/dit/pipeline.py
+(scripts/bench_sampling.py, calibrate_cache.py, bench_cache.py, the PipeFusion tests): its frozen parts, its
+transformer with its weights for a layout (parallel/drive/family_sampling.py sampling_transformer, as infer.py
+loads every family), Wan 2.2's second expert, and the sampler that walks the schedule across the layout.
 """
 
 from models.families import family_named

@@ -1,8 +1,8 @@
-"""tessera's own DiT as a family (models/family.py): it reads Wan 2.1 / 2.2 folders (models/dit.py,
-models/wan.py) and samples through models/sampler.py as every family does. What is its own: the text
-is its T5 encoder's (models/text_encoder.py), the schedule is models/flow.py's with the step cache
-behind it, the two guidance branches run as one batch, image-to-video's condition goes into each call
-(models/image_condition.py), Wan 2.2 A14B's two experts take turns, and it computes under autocast.
+"""tessera's own DiT as a family (models/family.py): it reads Wan 2.1 / 2.2 folders
+(models/dit/transformer.py, models/dit/wan.py) and samples through models/sampler.py as every family does.
+What is its own: the text is its T5 encoder's (models/text_encoder.py), the schedule is models/flow.py's with
+the step cache behind it, the two guidance branches run as one batch, image-to-video's condition goes into
+each call (models/image_condition.py), Wan 2.2 A14B's two experts take turns, and it computes under autocast.
 It trains through the family hooks too: its frozen parts (`load`), the image condition carried as
 tensor fields of its conditioning, each clip encoded in the tiles a decode uses, its loss, and its stored
 conditioning (the fixed-length text of its precomputed latents). Its transformer is filled for sampling by
@@ -72,7 +72,7 @@ class DiTParts(Components):
 def meta_dit(cfg):
     """The recipe's DiT on the meta device, before any component is loaded (the encoder's width from its
     config.json): names and shapes, to check a recipe or a LoRA file before start-up."""
-    from models.dit import build_dit
+    from models.dit.transformer import build_dit
     from models.text_encoder import text_encoder_dim
     from models.vae import vae_latent_space
 
@@ -201,7 +201,7 @@ class DiTFamily(Family):
     def sampling_experts(self, cfg, guidance: float, random_weights: bool, loras: bool) -> tuple | None:
         """Wan 2.2 A14B's second expert as (folder, boundary, guidance_2), or None for one model; refused by
         name where the recipe cannot pair them."""
-        from models.wan import second_expert
+        from models.dit.wan import second_expert
 
         sc = cfg.sample
         folder, boundary = second_expert(cfg.model.pretrained, cfg.model.pretrained_2)
@@ -261,15 +261,15 @@ class DiTFamily(Family):
     patch_pipeline = False  # its own PipeFusion stages (parallel/compute/pipefusion.py) and first-block cache
 
     def resolve_size(self, cfg, error=ValueError) -> None:
-        """model.size=auto: every architecture key from model.pretrained's Wan folder (models/wan.py)."""
-        from models.wan import resolve_auto_size
+        """model.size=auto: every architecture key from model.pretrained's Wan folder (models/dit/wan.py)."""
+        from models.dit.wan import resolve_auto_size
 
         if cfg.model.size == "auto":
             resolve_auto_size(cfg, error)
 
     def check_size_keys(self, mc, error=ValueError) -> None:
-        """One of its named sizes (models/dit.py DiT_models), whose width the heads divide."""
-        from models.dit import DiT_models, size_of
+        """One of its named sizes (models/dit/transformer.py DiT_models), whose width the heads divide."""
+        from models.dit.transformer import DiT_models, size_of
 
         if mc.size not in DiT_models:
             raise error(f"'model.size' is '{mc.size}'; choose one of {', '.join(DiT_models)}")
@@ -283,7 +283,7 @@ class DiTFamily(Family):
     def run_transformer(self, cfg, architecture: dict):
         """The DiT of the recipe with the input channels and text width a checkpoint recorded (its encoders'
         folders need not be at hand)."""
-        from models.dit import build_dit
+        from models.dit.transformer import build_dit
 
         in_channels = architecture["in_channels"]
         if cfg.model.task not in ("t2v", "ti2v"):  # its input also takes the mask and the given frames
@@ -301,22 +301,22 @@ class DiTFamily(Family):
         }
 
     def check_export(self, cfg, model, pipeline: bool) -> None:
-        from models.wan_export import check_wan_export
+        from models.dit.wan_export import check_wan_export
 
         check_wan_export(cfg, model.architecture(), pipeline)
 
     def export_transformer(self, cfg, model):
-        from models.wan_export import wan_transformer
+        from models.dit.wan_export import wan_transformer
 
         return wan_transformer(model)
 
     def export_pipeline(self, cfg, transformer, second=None):
-        from models.wan_export import wan_pipeline
+        from models.dit.wan_export import wan_pipeline
 
         return wan_pipeline(cfg, transformer, second)
 
     def heads(self, cfg) -> int:
-        from models.dit import size_of
+        from models.dit.transformer import size_of
 
         return size_of(cfg.model)["num_heads"]
 
@@ -326,7 +326,7 @@ class DiTFamily(Family):
     def check_pretrained(self, cfg) -> None:
         """A Wan folder's config.json and every safetensors header (a tessera run is checked by
         parallel/build/components.py, which reads checkpoints); none: weights from train.seed."""
-        from models.wan import check_wan_folder
+        from models.dit.wan import check_wan_folder
 
         if cfg.model.pretrained:
             check_wan_folder(cfg.model.pretrained)
@@ -403,8 +403,13 @@ class DiTFamily(Family):
     def open_weights(self, cfg, model, folder=None):
         """model.pretrained's (or `folder`'s: Wan 2.2's second expert) Wan weights, read lazily, once the
         recipe is seen to build the folder's architecture (a disagreement names the keys and the fix)."""
-        from models.dit import ARCHITECTURE_OPTIONS, DiT_models, architecture_differences, recipe_key
-        from models.wan import WanWeights
+        from models.dit.transformer import (
+            ARCHITECTURE_OPTIONS,
+            DiT_models,
+            architecture_differences,
+            recipe_key,
+        )
+        from models.dit.wan import WanWeights
 
         pretrained = folder or cfg.model.pretrained
         weights = WanWeights(pretrained)

@@ -3,11 +3,10 @@
 DiT (Peebles & Xie) with adaLN-Zero timestep conditioning, plus 3D patches, 3D rotary positions,
 cross-attention to text tokens (PixArt-alpha) and QK-normalisation. Four options (adaln="single",
 qk_norm_across_heads, pooled_text=False, text_mask=False), set by the `Wan*` sizes, make it Wan 2.1/2.2
-exactly; models/wan.py maps the weights. docs/internals.md says what each option changes.
+exactly; models/dit/wan.py maps the weights. docs/internals.md says what each option changes.
 """
 
 import math
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -15,9 +14,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.attention import SelfAttentionOperator
+from models.layers import WholeSequence, apply_rope, count_parameters, parameter_generator, split_heads
 
 # Sizes: depth, width and heads. Parameter counts (with a 4096-wide text encoder) are printed by
-# `python -m models.dit`.
+# `python -m models.dit.transformer`.
 DiT_models = {
     "DiT-tiny": dict(depth=2, hidden_size=64, num_heads=4),  # tests
     "DiT-demo": dict(depth=4, hidden_size=128, num_heads=4),  # the CPU demo until 2026-11-28 (its runs load)
@@ -54,17 +54,6 @@ class FP32LayerNorm(nn.LayerNorm):
         weight = self.weight.float() if self.weight is not None else None
         bias = self.bias.float() if self.bias is not None else None
         return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps)
-
-
-def apply_rope(x, rope):
-    """Rotate channel pairs of x (B, H, N, Dh) by the angles in rope (N, Dh/2, 2) = (cos, sin); or of x
-    (B, N, H, Dh) by rope[:, None]."""
-    # As complex numbers, (x1 + i x2)(cos + i sin): one multiply over contiguous memory. The same
-    # arithmetic on the strided halves x[..., 0::2], x[..., 1::2] ran ~100 of 660 ms of kernel time in
-    # an eager training step at Wan2.1-1.3B dims on an H100. Compiled, inductor runs the complex multiply
-    # as an eager kernel inside the graph; the compiled step time did not change (BENCHMARKS.md).
-    pairs = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * torch.view_as_complex(rope.float())).flatten(-2).to(x.dtype)
 
 
 class RotaryEmbedding3D(nn.Module):
@@ -159,12 +148,6 @@ def qk_norm_layer(hidden_size, num_heads, enabled, across_heads):
     if not enabled:
         return nn.Identity()
     return nn.RMSNorm(hidden_size if across_heads else hidden_size // num_heads, eps=1e-6)
-
-
-def split_heads(x, num_heads):
-    """(B, N, D) -> (B, H, N, Dh)."""
-    B, N, D = x.shape
-    return x.view(B, N, num_heads, D // num_heads).transpose(1, 2)
 
 
 def norm_heads(x, norm, num_heads, across_heads):
@@ -345,21 +328,6 @@ class Pass:
     temb: torch.Tensor
     y: torch.Tensor
     y_mask: torch.Tensor | None
-
-
-class WholeSequence(nn.Module):
-    """Where the token sequence is split across processes and gathered again. On one device both are
-    the identity; `parallel/` assigns a sequence-parallel replacement to `DiT.sequence`."""
-
-    def shard(self, x, rope):
-        return x, rope
-
-    def gather(self, x):
-        return x
-
-    def valid_tokens(self, local: int) -> int:
-        """How many of this process's `local` tokens are real, not padding."""
-        return local
 
 
 class DiT(nn.Module):
@@ -578,11 +546,6 @@ class DiT(nn.Module):
                 p.copy_(whole)
 
 
-def parameter_generator(seed: int, name: str) -> torch.Generator:
-    """The CPU generator of one parameter: the same for a name and seed in every process and layout."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-
-
 @torch.no_grad()
 def init_parameter(
     name: str, tensor: torch.Tensor, module: nn.Module, zero_init: bool = True, generator=None
@@ -688,10 +651,6 @@ def build_dit(model_cfg, in_channels: int, text_dim: int) -> DiT:
         rope_theta=model_cfg.rope_theta,
         **arch,
     )
-
-
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from models.dit import ARCHITECTURE_OPTIONS, DIMENSIONS, WAN_OPTIONS, DiT_models
+from models.dit.transformer import ARCHITECTURE_OPTIONS, DIMENSIONS, WAN_OPTIONS, DiT_models
 from models.weight_files import LazyWeights, check_safetensors, check_weight_names
 
 _RENAMES = [  # (diffusers pattern, tessera name); \\1 is the block index

@@ -5,7 +5,7 @@ expert as the pipeline's transformer_2 below its boundary."""
 
 import torch
 
-from models.wan import WanFormatError, diffusers_config_from_dit, diffusers_state_dict_from_tessera
+from models.dit.wan import WanFormatError, diffusers_config_from_dit, diffusers_state_dict_from_tessera
 
 
 def check_wan_export(cfg, architecture: dict, pipeline: bool) -> None:

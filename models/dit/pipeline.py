@@ -1,5 +1,5 @@
 """Text- and image-to-video sampling with tessera's DiT on one device, as train.py (previews), infer.py
-and scripts/ call it: the DiT's parts (models/dit_family.py) sampled along the one path every family
+and scripts/ call it: the DiT's parts (models/dit/family.py) sampled along the one path every family
 takes (models/sampler.py generate_images). Sampling across processes passes its own `sampler` (the
 schedule's walk: parallel/compute/sampling.py) and `decode` (parallel/compute/vae.py) in.
 """
@@ -7,7 +7,7 @@ schedule's walk: parallel/compute/sampling.py) and `decode` (parallel/compute/va
 import numpy as np
 import torch
 
-from models.dit_family import DiTFamily, DiTParts
+from models.dit.family import DiTFamily, DiTParts
 from models.flow import RectifiedFlow
 from models.sampler import (
     NonFiniteVideo,
