@@ -214,8 +214,9 @@ class Family:
         cache.py calibration_subject): model.pretrained's frozen parts and its scheduler's config, known by
         `fingerprint(files)` of their contents."""
         scheduler = sorted(part_folder(cfg, "scheduler").glob("*.json"))
+        folders = (cfg.model.pretrained, part_folder(cfg, "text_encoder"), part_folder(cfg, "vae"))
         return {
-            "parts": f"model.pretrained={cfg.model.pretrained}",
+            "parts": "model.pretrained={}, text encoder {}, VAE {}".format(*folders),
             "schedule": f"scheduler {fingerprint(scheduler) if scheduler else 'none'}",
         }
 

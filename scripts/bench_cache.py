@@ -40,11 +40,13 @@ def calibrate(cfg, args, overrides, path: Path, session) -> Path:
     from calibrate_cache import record_velocities
 
     from models.step_cache import Calibration
+    from parallel.checkpoints.checkpoint_files import find_checkpoint
     from parallel.compute.cache import calibration_subject
 
+    checkpoint = find_checkpoint(cfg, None, args.tiny)  # what infer.py samples: the run's latest
     made = SimpleNamespace(config=args.config, seeds=2, checkpoint=None, random_weights=args.tiny, lora=[])
     velocities = record_velocities(cfg, made, overrides, list(cfg.sample.prompts), cfg.sample.steps, session)
-    subject = calibration_subject(cfg, None, cfg.sample.use_ema, args.tiny, [], cfg.sample.guidance)
+    subject = calibration_subject(cfg, checkpoint, cfg.sample.use_ema, args.tiny, [], cfg.sample.guidance)
     Calibration.measure(velocities, f"{args.config}, sample.prompts x 2 seeds", subject).save(path)
     return path
 
@@ -130,7 +132,13 @@ def main(argv=None, session=None):
         args.first_block_thresholds = [0.05]
         overrides = [*overrides, "sample.steps=6"]
     cfg = load_config(args.config, overrides)
+    from calibrate_cache import check_one_process
     from eval_demo import CHECKS
+
+    from models.families import family_named
+
+    if "calibrated" in args.methods:
+        check_one_process(family_named(cfg.model.family), "scripts/bench_cache.py --methods calibrated")
 
     steps, max_skips = cfg.sample.steps, args.max_skips or cfg.sample.cache_max_skips
     with tempfile.TemporaryDirectory(prefix="bench_cache_") as folder:

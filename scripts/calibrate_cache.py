@@ -18,6 +18,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import parallel.lifecycle.startup  # noqa: E402, F401  (before torch loads)
+
+# isort: split
+
+import torch  # noqa: E402
+
 from configs import DEFAULT_RECIPE, load_config, split_overrides  # noqa: E402
 from models.sampler import guided_velocity  # noqa: E402
 from models.step_cache import Calibration  # noqa: E402
@@ -32,15 +37,16 @@ def record_velocities(cfg, args, overrides, prompts: list, steps: int, session=N
     from benchlib import infer_videos
 
     everything = [p for p in prompts for _ in range(args.seeds)]
-    velocities = []
+    batches = []  # infer.py samples sample.batch_size at a time: each batch's velocities, step by step
 
     def recording(denoise_with):  # in place of the walk: the serial one, recording as it goes
         def walk(family, parts, schedule, noise, cond, uncond, scale, progress=None):
-            guided = guided_velocity(family, parts, cond, uncond, scale)
+            guided, steps = guided_velocity(family, parts, cond, uncond, scale), []
+            batches.append(steps)
 
             def velocity(x, t):
                 v = guided(x, t)
-                velocities.append(v.float().cpu())
+                steps.append(v.float().cpu())
                 return v
 
             return family.walk(parts, schedule, noise, velocity, progress)
@@ -52,7 +58,17 @@ def record_velocities(cfg, args, overrides, prompts: list, steps: int, session=N
     argv += ["--random-weights"] if args.random_weights else []
     argv += ["--lora", *args.lora] if args.lora else []
     infer_videos([*argv, *overrides, "sample.cache=none"], len(everything), session, walk=recording)
-    return velocities
+    return [torch.cat([batch[i] for batch in batches]) for i in range(len(batches[0]))]
+
+
+def check_one_process(family, program: str) -> None:
+    """What a calibration needs before anything loads: one process, and a family that replays one."""
+    from parallel.drive.family_sampling import refuse_calibration
+    from parallel.lifecycle.runtime import world_from_env
+
+    refuse_calibration(family, program)
+    if world_from_env()[1] > 1:
+        raise ValueError(f"{program} runs on one process: start it with python, not torchrun")
 
 
 def main(argv=None, session=None):
@@ -73,8 +89,10 @@ def main(argv=None, session=None):
     steps = args.steps or cfg.sample.steps
     if steps < 3 or args.seeds < 1:
         raise ValueError(f"--steps must be at least 3 and --seeds at least 1, got {steps} and {args.seeds}")
+    from models.families import family_named
     from parallel.checkpoints.checkpoint_files import find_checkpoint
 
+    check_one_process(family_named(cfg.model.family), "scripts/calibrate_cache.py")
     checkpoint = find_checkpoint(cfg, args.checkpoint, args.random_weights)
     prompts = args.prompts or list(cfg.sample.prompts)
     # what the table is valid for, as infer.py will describe its own sampling (read before the weights)

@@ -303,7 +303,7 @@ def test_a_calibrated_step_cache_for_a_family_run(runs, tmp_path, capsys):
     assert np.isfinite(image).all() and np.abs(image - uncached).max() > 1e-4
     lora = [f"run.output_dir={made['lora']}" if o.startswith("run.output_dir=") else o for o in argv]
     assert run_main(infer, [*lora, *cached, "--output", str(tmp_path / "l.npy")]) == 2
-    assert "weights" in capsys.readouterr().err and not (tmp_path / "l.npy").exists()
+    assert "weights: " in capsys.readouterr().err and not (tmp_path / "l.npy").exists()
 
 
 def infer_image(name, folder, tmp_path, out, *extra):

@@ -403,6 +403,15 @@ def test_infer_refuses_before_loading(saved, tmp_path, capsys):
             [*infer_args(saved, tmp_path / "run")[:7], "data.audio=true", "data.fps=null"],
             "data.fps",
         ),
+        (  # its velocity is several passes a step: no calibrated replay (calibrate_cache.py refuses too)
+            infer,
+            [
+                *infer_args(saved, tmp_path / "run"),
+                "sample.cache=calibrated",
+                "sample.cache_calibration=c.json",
+            ],
+            "LTX-2's sampling takes no calibrated step cache",
+        ),
     ]
     for program, argv, expected in cases:
         assert run_main(program, argv) != 0

@@ -287,6 +287,21 @@ def test_cache_settings_a_layout_cannot_honour_are_refused_at_start(tmp_path, ca
     )
 
 
+def test_a_calibration_does_not_depend_on_the_batches(tmp_path):
+    """calibrate_cache.py samples through infer.py, sample.batch_size prompts at a time: the table has the
+    steps asked for, and the same changes as one batch of them all."""
+    import calibrate_cache
+
+    args = ["--config", str(TINY), f"run.output_dir={tmp_path / 'run'}", "--random-weights", "--steps", "3"]
+    args += ["--seeds", "2", "--prompts", "a red square", "a blue circle"]
+    for size in (1, 4):
+        out = tmp_path / f"{size}.json"
+        assert run_main(calibrate_cache, [*args, "--output", str(out), f"sample.batch_size={size}"]) == 0
+    one, four = (Calibration.load(tmp_path / f"{n}.json") for n in (1, 4))
+    assert one.steps == four.steps == 3
+    assert np.allclose(one.change[1:], four.change[1:], rtol=1e-5) and one.change[1] > 0
+
+
 def test_calibrate_and_bench_cache_run(tmp_path):
     import bench_cache
     import calibrate_cache

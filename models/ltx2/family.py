@@ -134,6 +134,7 @@ class LTX2(Family):
     vae_class, max_length = "AutoencoderKLLTX2Video", 1024
     conditioning = LTX2Cond
     trains_audio = True  # data.audio=true: video and sound; false: the video alone, the audio frozen
+    calibrated_cache = False  # its velocity is several passes a step: the step cache's replay does not fit
     image_to_video = True  # --image: LTX2ImageToVideoPipeline's first frame (the same weights)
     samples_audio = True
     sample_keys = ("audio_guidance", "modality_guidance", "guidance_rescale", "stg")

@@ -112,6 +112,8 @@ def _weights(cfg, checkpoint, use_ema: bool, random_weights: bool) -> dict:
         crc = f"{zlib.crc32(sealed.read_bytes()):08x}"  # every file's crc32: the checkpoint's contents
         return {"what": f"checkpoint {step} ({kind} weights)", "id": f"checkpoint {crc} {kind}"}
     folder = Path(pretrained)
+    if folder.is_file():  # one transformer file in the release's names
+        return {"what": f"model.pretrained={pretrained}", "id": f"pretrained {fingerprint_files([folder])}"}
     if not (folder / "config.json").is_file() and (folder / "transformer" / "config.json").is_file():
         folder = folder / "transformer"
     files = sorted(folder.glob("*.safetensors")) + [folder / "config.json"]

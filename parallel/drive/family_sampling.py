@@ -41,15 +41,21 @@ class Weights:
 
 def refuse_flags(cfg, args, family) -> None:
     """What the family's sampling does not take, refused by name (its images: Family.sampling_images)."""
-    if cfg.sample.cache == "calibrated" and not family.calibrated_cache:
-        raise ValueError(
-            f"sample.cache=calibrated: {family.title}'s sampling replays no calibration; it takes "
-            "sample.cache=first_block (no calibration needed)"
-        )
+    if cfg.sample.cache == "calibrated":
+        refuse_calibration(family, "sample.cache=calibrated")
     if args.random_weights and not family.random_weights:
         raise ValueError(
             f"{family.title} samples its pretrained or trained weights: --random-weights is not supported "
             "for it yet"
+        )
+
+
+def refuse_calibration(family, what: str) -> None:
+    """`what` (sample.cache=calibrated, or a script that calibrates it) refused for a family whose sampling
+    replays no calibration (Family.calibrated_cache)."""
+    if not family.calibrated_cache:
+        raise ValueError(
+            f"{what}: {family.title}'s sampling takes no calibrated step cache (sample.cache=none)"
         )
 
 
