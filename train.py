@@ -85,6 +85,7 @@ from parallel.drive.family_training import (
     family_batch,
     family_previews,
     frozen_family,
+    training_layouts,
 )
 from parallel.lifecycle.divergence import NonFiniteGuard
 from parallel.lifecycle.entrypoint import run_as_process
@@ -170,10 +171,11 @@ def check_before_start(cfg) -> Plan:
     # takes every weight from its checkpoint; a LoRA's base is read (and must be the one its adapters
     # were trained on) either way.
     check_weights_source(cfg, family, checkpoint is None or bool(cfg.lora.rank))
-    if cfg.parallel.auto and not family.auto_layout:
-        raise ValueError(f"parallel.auto chooses layouts for tessera's DiT; set {family.title}'s degrees")
     heads = family.heads(cfg) or cfg.parallel.ulysses
-    layout = ParallelLayout.from_config(cfg.parallel, world_size, heads, "train", local_world_size())
+    takes = training_layouts(cfg, family)  # parallel.auto: among the splits its operators take
+    layout = ParallelLayout.from_config(
+        cfg.parallel, world_size, heads, "train", local_world_size(), takes=takes
+    )
     check_family_training(cfg, family, layout)
     buckets = build_buckets(cfg)
     check_family_sizes(cfg, family, layout, buckets)

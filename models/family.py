@@ -67,7 +67,6 @@ class Family:
     # tessera's DiT's own stages and caches, which also run under ulysses and ring
     patch_pipeline = True
     calibrated_cache = True  # sample.cache=calibrated (scripts/calibrate_cache.py calibrates its steps)
-    auto_layout = False  # parallel.auto chooses its layout (else its degrees are set by hand)
     parts_from_pretrained = True  # its text encoder and VAE are model.pretrained's (read on every start)
     expert_pair = False  # a run trains one of two experts (model.expert), exported together as one pipeline
 

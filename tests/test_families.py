@@ -192,6 +192,34 @@ def test_first_block_cache_matches_diffusers(saved, tmp_path, capsys, layout):
     assert diff <= 1e-5
 
 
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_parallel_auto_chooses_a_layout_the_family_samples_under(saved, tmp_path, monkeypatch, world):
+    """parallel.auto for a family (guidance 4, one node of `world` processes): a layout of every process,
+    cfg 2 first, that the same degrees given by hand sample under (Qwen-Image's joint attention never
+    under ulysses x ring; Sana's split never past its rows' halo)."""
+    from models.families import family_named
+    from parallel.drive import family_sampling
+
+    name, folder = saved
+    monkeypatch.setattr(family_sampling, "world_from_env", lambda: (0, world, 0))
+    monkeypatch.setattr(family_sampling, "local_world_size", lambda: world)
+    monkeypatch.setattr(family_sampling, "links_are_slow", lambda: (False, "NVLink (a test)"))
+
+    def layout_of(*extra):
+        args = infer.parse_args(infer_args(name, folder, tmp_path, "--guidance", "4", *extra))
+        cfg = load_config(args.config, args.overrides)
+        family = family_named(cfg.model.family)
+        request = infer.read_request(cfg, args, family, infer.read_sizes(cfg, args), None)
+        return family_sampling.sampling_layout(cfg, family, request)[0]
+
+    chosen = layout_of("parallel.auto=true")
+    assert chosen.world_size == world and chosen.cfg == 2, chosen
+    if name == "qwen_image":
+        assert not (chosen.ulysses > 1 and chosen.ring > 1), chosen
+    degrees = [f"parallel.{k}={getattr(chosen, k)}" for k in ("dp", "cfg", "ulysses", "ring", "pipefusion")]
+    assert layout_of(*degrees) == chosen  # refused by hand otherwise
+
+
 def test_refusals(saved, tmp_path, capsys):
     """Each bad request: one error line naming it, before any process group or model."""
     name, folder = saved

@@ -178,3 +178,21 @@ def test_auto_layout_for_wan_head_counts(size, world, expected):
     layout = auto_layout(world, heads, local_world_size=8)
     assert (layout.ulysses, layout.ring) == expected
     assert heads % layout.ulysses == 0 and layout.ulysses * layout.ring == world
+
+
+def test_auto_chooses_among_the_layouts_the_model_runs_under():
+    """parallel.auto for a model that splits under ulysses or ring but not both and takes no PipeFusion
+    (Qwen-Image's joint attention, a family's patch pipeline): the latency model's layout where the model
+    runs under it; else the next it runs under, one sample's work spread widest, ulysses inside a node;
+    the processes as replicas where it runs under none but dp."""
+    one = lambda o: not (o.ulysses > 1 and o.ring > 1) and o.pipefusion == 1  # noqa: E731
+    sample = dict(mode="sample", depth=20)
+    assert auto_layout(8, 4, 8, **sample) == ParallelLayout(cfg=2, ulysses=4)  # it runs under the choice
+    assert auto_layout(8, 4, 8, **sample, takes=one) == ParallelLayout(cfg=2, ulysses=4)
+    assert auto_layout(16, 4, 8, **sample) == ParallelLayout(cfg=2, ulysses=4, ring=2)
+    assert auto_layout(16, 4, 8, **sample, takes=one) == ParallelLayout(cfg=2, ring=8)
+    assert auto_layout(8, 16, 4) == ParallelLayout(ulysses=4, ring=2)  # training
+    assert auto_layout(8, 16, 4, takes=one) == ParallelLayout(ring=8)  # never ulysses 8 across two nodes
+    only_cfg = lambda o: o.ulysses == o.ring == o.pipefusion == 1  # noqa: E731
+    assert auto_layout(4, 4, 4, **sample, takes=only_cfg) == ParallelLayout(dp=2, cfg=2)
+    assert auto_layout(4, 4, 4, **sample, takes=lambda o: False) == ParallelLayout(dp=4)

@@ -255,7 +255,6 @@ class DiTFamily(Family):
     # --------------------------
 
     tasks = ("t2v", "i2v", "flf2v", "ti2v")
-    auto_layout = True  # parallel.auto picks its layout (configs/auto.py)
     parts_from_pretrained = False  # its text encoder and VAE come from their own keys
     random_weights = float32_weights = tiled_vae = calibrated_cache = True
     patch_pipeline = False  # its own PipeFusion stages (parallel/compute/pipefusion.py) and first-block cache

@@ -87,10 +87,12 @@ class ParallelLayout:
         guided: bool = True,
         slow_links: bool = False,
         tokens: int | None = None,
+        takes=None,
     ) -> "ParallelLayout":
         """Validate the recipe's `parallel` section against the world size; dp=-1 takes what is left.
-        With parallel.auto=true the degrees are chosen here (see `auto_layout`). For sampling, `depth`
-        (the model's blocks) bounds pipefusion and `guided` (guidance != 1) allows cfg=2."""
+        With parallel.auto=true the degrees are chosen here (see `auto_layout`; `takes(layout)`: whether
+        the model runs under a layout). For sampling, `depth` (the model's blocks) bounds pipefusion and
+        `guided` (guidance != 1) allows cfg=2."""
         limits = dict(depth=depth, guided=guided)
         if getattr(parallel_cfg, "auto", False):
             given = [
@@ -117,6 +119,7 @@ class ParallelLayout:
                 mode=mode,
                 slow_links=slow_links,
                 tokens=tokens,
+                takes=takes,
                 **limits,
             )
         degrees = {name: int(getattr(parallel_cfg, name)) for name in DEGREES}
@@ -211,6 +214,38 @@ PIPEFUSION_TOKENS_ON_PCIE = 6144
 
 
 def auto_layout(
+    world_size: int,
+    num_heads: int,
+    local_world_size: int,
+    dp: int = 1,
+    mode: str = "train",
+    depth: int | None = None,
+    guided: bool = True,
+    slow_links: bool = False,
+    tokens: int | None = None,
+    takes=None,
+) -> ParallelLayout:
+    """The latency model's layout (preferred_layout) if the model runs under it (`takes(layout)`, e.g. a
+    family that splits under ulysses or ring but not both; None: every layout), else the first it runs
+    under of the valid layouts with a multiple of `dp` (ulysses inside a node): the fewest replicas first
+    (one sample's work spread widest), then cfg, ulysses (not on slow links), ring and pipefusion, as the
+    latency model prefers them; the processes as replicas alone if none."""
+    preferred = preferred_layout(world_size, num_heads, local_world_size, dp, mode, depth, guided, slow_links,
+                                 tokens)  # fmt: skip
+    if takes is None or takes(preferred):
+        return preferred
+    ranked = sorted(  # a ulysses group inside a node, as the latency model keeps it
+        (
+            o
+            for o in valid_layouts(world_size, num_heads, mode, depth, guided)
+            if o.dp % dp == 0 and local_world_size % o.ulysses == 0
+        ),  # fmt: skip
+        key=lambda o: (o.dp, -o.cfg, -o.ulysses * (not slow_links), -o.ring, -o.pipefusion),
+    )
+    return next((o for o in ranked if takes(o)), ParallelLayout(dp=world_size))
+
+
+def preferred_layout(
     world_size: int,
     num_heads: int,
     local_world_size: int,

@@ -86,29 +86,24 @@ def sampled_weights(cfg, args, family, experts) -> Weights:
 
 def sampling_layout(cfg, family, request) -> tuple[ParallelLayout, int, str]:
     """(the sampling layout, PipeFusion's patch count, the links parallel.auto saw), with what the family's
-    sampling cannot run under refused by name; request.latent and request.grid filled in."""
-    wrong = [
-        f"parallel.{name}={cfg.parallel[name]}"
-        for name in ("cfg", "ulysses", "ring", "pipefusion")
-        if (cfg.parallel[name] or 1) > 1 and name not in family.parallel_degrees
-    ]
-    if wrong or (cfg.parallel.auto and not family.auto_layout):  # auto would choose layouts it may not run
-        runs = ", ".join(("dp", *family.parallel_degrees))
-        raise ValueError(
-            f"{family.title} does not sample under {' '.join(wrong) or 'parallel.auto'} yet: it runs under "
-            f"{runs}"
-        )
-    if family.patch_pipeline:
-        check_patch_pipeline(cfg, family, request)
-    family.check_split(cfg, request.height, request.width, cfg.parallel.ulysses, cfg.parallel.ring)
+    sampling cannot run under refused by name (parallel.auto: chosen among the layouts it runs under);
+    request.latent and request.grid filled in."""
     transformer = family.meta_transformer(cfg)
-    check_sequence_layout(transformer, cfg.parallel.ulysses, cfg.parallel.ring, family.title)  # its operators
+    check_family_layout(cfg, family, request, cfg.parallel, transformer)  # the recipe's (all 1 under auto)
     space, patch = family.geometry(cfg)
     request.latent = space.latent_shape(request.frames, request.height, request.width, patch)
     request.grid = [s // p for s, p in zip(request.latent[1:], patch)]
     _, world_size, _ = world_from_env()
     slow_links, links = links_are_slow() if cfg.parallel.auto else (False, "")
     grid = request.grid
+
+    def takes(layout) -> bool:
+        try:
+            check_family_layout(cfg, family, request, layout, transformer)
+        except ValueError:
+            return False
+        return True
+
     layout = ParallelLayout.from_config(
         cfg.parallel,
         world_size,
@@ -120,21 +115,38 @@ def sampling_layout(cfg, family, request) -> tuple[ParallelLayout, int, str]:
         guided=family.guided(request.guidance),
         slow_links=slow_links,
         tokens=grid[0] * grid[1] * grid[2],
+        takes=takes,
     )
-    if request.experts is not None and layout.pipefusion > 1:
-        raise ValueError(
-            "Wan 2.2's two experts do not run under PipeFusion yet "
-            f"(parallel.pipefusion={layout.pipefusion}): use cfg, ulysses or ring"
-        )
     return layout, layout.check_patches(cfg.parallel, grid), links
 
 
-def check_patch_pipeline(cfg, family, request) -> None:
+def check_family_layout(cfg, family, request, degrees, transformer) -> None:
+    """What the family's sampling refuses of the degrees `degrees` (the recipe's parallel section, or a
+    layout parallel.auto weighs), by name: a degree it does not take, its patch pipeline's and its split's
+    limits, its operators', Wan 2.2's experts under PipeFusion."""
+    names = ("cfg", "ulysses", "ring", "pipefusion")
+    wrong = [f"parallel.{n}={getattr(degrees, n)}" for n in names if (getattr(degrees, n) or 1) > 1
+             and n not in family.parallel_degrees]  # fmt: skip
+    if wrong:
+        runs = ", ".join(("dp", *family.parallel_degrees))
+        raise ValueError(f"{family.title} does not sample under {' '.join(wrong)} yet: it runs under {runs}")
+    if family.patch_pipeline:
+        check_patch_pipeline(cfg, family, request, degrees, transformer)
+    family.check_split(cfg, request.height, request.width, degrees.ulysses, degrees.ring)
+    check_sequence_layout(transformer, degrees.ulysses, degrees.ring, family.title)  # its operators
+    if request.experts is not None and (degrees.pipefusion or 1) > 1:
+        raise ValueError(
+            "Wan 2.2's two experts do not run under PipeFusion yet "
+            f"(parallel.pipefusion={degrees.pipefusion}): use cfg, ulysses or ring"
+        )
+
+
+def check_patch_pipeline(cfg, family, request, degrees, transformer) -> None:
     """What PipeFusion and the step cache through a transformer's patch pieces refuse: first_block under a
     split (each sample's whole sequence runs on one rank), any cache under PipeFusion (its stages walk every
     step), PipeFusion with a sequence split, an attention backend that cannot mask a split's padding, a
     transformer without the pieces or with an operator PipeFusion does not run."""
-    ranks, pipefusion = cfg.parallel.ulysses * cfg.parallel.ring, cfg.parallel.pipefusion
+    ranks, pipefusion = degrees.ulysses * degrees.ring, degrees.pipefusion or 1
     first_block = request.cache is not None and request.cache.method == "first_block"
     if first_block and ranks * pipefusion > 1:  # models/step_cache.py FirstBlockFamily
         raise ValueError(
@@ -156,7 +168,6 @@ def check_patch_pipeline(cfg, family, request) -> None:
             f"model.attention_backend={cfg.model.attention_backend} takes no mask, and a sequence split "
             "and PipeFusion's patches mask keys: use sdpa or math with parallel.ulysses, ring or pipefusion"
         )
-    transformer = family.meta_transformer(cfg)
     if first_block and not hasattr(transformer, "patch_blocks"):  # FirstBlockFamily's pieces
         raise ValueError(f"sample.cache={cfg.sample.cache}: {family.title} does not run the step cache yet")
     if pipefusion > 1 and operator_kinds(transformer) - KINDS:

@@ -71,6 +71,20 @@ def check_family_training(cfg, family: Family, layout) -> None:
     check_sequence_layout(family.meta_transformer(cfg), layout.ulysses, layout.ring, family.title)
 
 
+def training_layouts(cfg, family: Family):
+    """takes(layout) for parallel.auto: whether the family's operators train under its sequence split."""
+    transformer = family.meta_transformer(cfg)
+
+    def takes(layout) -> bool:
+        try:
+            check_sequence_layout(transformer, layout.ulysses, layout.ring, family.title)
+        except ValueError:
+            return False
+        return True
+
+    return takes
+
+
 def preview_images(cfg, family: Family) -> list:
     """The first frames (PIL) of an image-to-video folder's previews, one per sample.prompts, from
     sample.images (one for all, or one each): refused by name when empty, of another count or unreadable."""
