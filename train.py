@@ -172,12 +172,12 @@ def check_before_start(cfg) -> Plan:
     # were trained on) either way.
     check_weights_source(cfg, family, checkpoint is None or bool(cfg.lora.rank))
     heads = family.heads(cfg) or cfg.parallel.ulysses
-    takes = training_layouts(cfg, family)  # parallel.auto: among the splits its operators take
+    buckets = build_buckets(cfg)
+    takes = training_layouts(cfg, family, buckets)  # parallel.auto: among the splits it trains under
     layout = ParallelLayout.from_config(
         cfg.parallel, world_size, heads, "train", local_world_size(), takes=takes
     )
     check_family_training(cfg, family, layout)
-    buckets = build_buckets(cfg)
     check_family_sizes(cfg, family, layout, buckets)
     # before any weights or data are read (a folder's headers may be): a misfit is refused with what fits
     # train.memory=auto: the recipe from here on carries the checkpointing and offload it chose

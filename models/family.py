@@ -210,13 +210,14 @@ class Family:
 
     def calibration_parts(self, cfg, fingerprint) -> dict:
         """What a step-cache calibration depends on besides the transformer's weights (parallel/compute/
-        cache.py calibration_subject): model.pretrained's frozen parts and its scheduler's config, known by
-        `fingerprint(files)` of their contents."""
+        cache.py calibration_subject): its text encoder's, VAE's and scheduler's configs, known by
+        `fingerprint(files)` of their contents, not their paths."""
+        configs = {name: sorted(part_folder(cfg, name).glob("*.json")) for name in ("text_encoder", "vae")}
         scheduler = sorted(part_folder(cfg, "scheduler").glob("*.json"))
-        folders = (cfg.model.pretrained, part_folder(cfg, "text_encoder"), part_folder(cfg, "vae"))
+        known = lambda files: fingerprint(files) if files else "none"  # noqa: E731
         return {
-            "parts": "model.pretrained={}, text encoder {}, VAE {}".format(*folders),
-            "schedule": f"scheduler {fingerprint(scheduler) if scheduler else 'none'}",
+            "parts": f"text encoder {known(configs['text_encoder'])}, VAE {known(configs['vae'])}",
+            "schedule": f"scheduler {known(scheduler)}",
         }
 
     def check_export(self, cfg, model, pipeline: bool) -> None:

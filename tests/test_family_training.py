@@ -306,6 +306,25 @@ def test_a_calibrated_step_cache_for_a_family_run(runs, tmp_path, capsys):
     assert "weights: " in capsys.readouterr().err and not (tmp_path / "l.npy").exists()
 
 
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_parallel_auto_trains_under_a_split_the_family_takes(saved, tmp_path, monkeypatch, world):  # noqa: F811
+    """train.py with parallel.auto on `world` processes (one node): a layout of all of them whose split the
+    family trains every bucket under (Sana's halo: a row and one per rank of its 3 x 5 tokens, so dp takes
+    what ring cannot), the same degrees given by hand accepted; checked before any process group."""
+    name, folder = saved
+    monkeypatch.setattr(train, "world_from_env", lambda: (0, world, 0))
+    monkeypatch.setattr(train, "local_world_size", lambda: world)
+
+    def layout_of(*extra):
+        argv = train_args(name, folder, tmp_path / "run", *extra)
+        return train.check_before_start(load_config(argv[1], argv[2:])).layout
+
+    chosen = layout_of("parallel.auto=true")
+    assert chosen.world_size == world and chosen.sequence_parallel > 1, chosen
+    degrees = [f"parallel.{k}={getattr(chosen, k)}" for k in ("dp", "ulysses", "ring")]
+    assert layout_of(*degrees) == chosen
+
+
 def infer_image(name, folder, tmp_path, out, *extra):
     argv = infer_args(name, folder, tmp_path, "--prompt", PROMPTS[0], "--negative-prompt", NEGATIVE)
     argv += ["--steps", "2", "--guidance", "4", "--seed", "1", "--output", str(tmp_path / out), *extra]

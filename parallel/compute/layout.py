@@ -228,8 +228,8 @@ def auto_layout(
     """The latency model's layout (preferred_layout) if the model runs under it (`takes(layout)`, e.g. a
     family that splits under ulysses or ring but not both; None: every layout), else the first it runs
     under of the valid layouts with a multiple of `dp` (ulysses inside a node): the fewest replicas first
-    (one sample's work spread widest), then cfg, ulysses (not on slow links), ring and pipefusion, as the
-    latency model prefers them; the processes as replicas alone if none."""
+    (one sample's work spread widest; on slow links none with ulysses first), then cfg, ulysses, ring and
+    pipefusion, as the latency model prefers them; the processes as replicas alone if none."""
     preferred = preferred_layout(world_size, num_heads, local_world_size, dp, mode, depth, guided, slow_links,
                                  tokens)  # fmt: skip
     if takes is None or takes(preferred):
@@ -240,7 +240,7 @@ def auto_layout(
             for o in valid_layouts(world_size, num_heads, mode, depth, guided)
             if o.dp % dp == 0 and local_world_size % o.ulysses == 0
         ),  # fmt: skip
-        key=lambda o: (o.dp, -o.cfg, -o.ulysses * (not slow_links), -o.ring, -o.pipefusion),
+        key=lambda o: (slow_links and o.ulysses > 1, o.dp, -o.cfg, -o.ulysses, -o.ring, -o.pipefusion),
     )
     return next((o for o in ranked if takes(o)), ParallelLayout(dp=world_size))
 

@@ -4,6 +4,7 @@ weights for this rank (under PipeFusion: its stage's blocks), its parts and how 
 across the layout, and each batch sampled by models/sampler.py.
 """
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,8 +89,9 @@ def sampling_layout(cfg, family, request) -> tuple[ParallelLayout, int, str]:
     """(the sampling layout, PipeFusion's patch count, the links parallel.auto saw), with what the family's
     sampling cannot run under refused by name (parallel.auto: chosen among the layouts it runs under);
     request.latent and request.grid filled in."""
-    transformer = family.meta_transformer(cfg)
-    check_family_layout(cfg, family, request, cfg.parallel, transformer)  # the recipe's (all 1 under auto)
+    meta = functools.cache(lambda: family.meta_transformer(cfg))  # built once a check needs it
+    check_family_layout(cfg, family, request, cfg.parallel, meta)  # the recipe's (all 1 under auto)
+    transformer = meta()
     space, patch = family.geometry(cfg)
     request.latent = space.latent_shape(request.frames, request.height, request.width, patch)
     request.grid = [s // p for s, p in zip(request.latent[1:], patch)]
@@ -99,10 +101,11 @@ def sampling_layout(cfg, family, request) -> tuple[ParallelLayout, int, str]:
 
     def takes(layout) -> bool:
         try:
-            check_family_layout(cfg, family, request, layout, transformer)
+            check_family_layout(cfg, family, request, layout, meta)
+            layout.check_patches(cfg.parallel, grid)
         except ValueError:
             return False
-        return True
+        return request.experts is None or layout.pipefusion == 1
 
     layout = ParallelLayout.from_config(
         cfg.parallel,
@@ -117,13 +120,18 @@ def sampling_layout(cfg, family, request) -> tuple[ParallelLayout, int, str]:
         tokens=grid[0] * grid[1] * grid[2],
         takes=takes,
     )
+    if request.experts is not None and layout.pipefusion > 1:
+        raise ValueError(
+            "Wan 2.2's two experts do not run under PipeFusion yet "
+            f"(parallel.pipefusion={layout.pipefusion}): use cfg, ulysses or ring"
+        )
     return layout, layout.check_patches(cfg.parallel, grid), links
 
 
-def check_family_layout(cfg, family, request, degrees, transformer) -> None:
+def check_family_layout(cfg, family, request, degrees, meta) -> None:
     """What the family's sampling refuses of the degrees `degrees` (the recipe's parallel section, or a
     layout parallel.auto weighs), by name: a degree it does not take, its patch pipeline's and its split's
-    limits, its operators', Wan 2.2's experts under PipeFusion."""
+    limits, its operators' (`meta()`: its transformer on the meta device)."""
     names = ("cfg", "ulysses", "ring", "pipefusion")
     wrong = [f"parallel.{n}={getattr(degrees, n)}" for n in names if (getattr(degrees, n) or 1) > 1
              and n not in family.parallel_degrees]  # fmt: skip
@@ -131,17 +139,12 @@ def check_family_layout(cfg, family, request, degrees, transformer) -> None:
         runs = ", ".join(("dp", *family.parallel_degrees))
         raise ValueError(f"{family.title} does not sample under {' '.join(wrong)} yet: it runs under {runs}")
     if family.patch_pipeline:
-        check_patch_pipeline(cfg, family, request, degrees, transformer)
+        check_patch_pipeline(cfg, family, request, degrees, meta)
     family.check_split(cfg, request.height, request.width, degrees.ulysses, degrees.ring)
-    check_sequence_layout(transformer, degrees.ulysses, degrees.ring, family.title)  # its operators
-    if request.experts is not None and (degrees.pipefusion or 1) > 1:
-        raise ValueError(
-            "Wan 2.2's two experts do not run under PipeFusion yet "
-            f"(parallel.pipefusion={degrees.pipefusion}): use cfg, ulysses or ring"
-        )
+    check_sequence_layout(meta(), degrees.ulysses, degrees.ring, family.title)  # its operators
 
 
-def check_patch_pipeline(cfg, family, request, degrees, transformer) -> None:
+def check_patch_pipeline(cfg, family, request, degrees, meta) -> None:
     """What PipeFusion and the step cache through a transformer's patch pieces refuse: first_block under a
     split (each sample's whole sequence runs on one rank), any cache under PipeFusion (its stages walk every
     step), PipeFusion with a sequence split, an attention backend that cannot mask a split's padding, a
@@ -168,6 +171,7 @@ def check_patch_pipeline(cfg, family, request, degrees, transformer) -> None:
             f"model.attention_backend={cfg.model.attention_backend} takes no mask, and a sequence split "
             "and PipeFusion's patches mask keys: use sdpa or math with parallel.ulysses, ring or pipefusion"
         )
+    transformer = meta()
     if first_block and not hasattr(transformer, "patch_blocks"):  # FirstBlockFamily's pieces
         raise ValueError(f"sample.cache={cfg.sample.cache}: {family.title} does not run the step cache yet")
     if pipefusion > 1 and operator_kinds(transformer) - KINDS:

@@ -5,6 +5,7 @@ transformer (built on the meta device by parallel/build/components.py, then adap
 FSDP2 and the weights read row by row), and previews sampled by models/sampler.py.
 """
 
+import functools
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -71,13 +72,15 @@ def check_family_training(cfg, family: Family, layout) -> None:
     check_sequence_layout(family.meta_transformer(cfg), layout.ulysses, layout.ring, family.title)
 
 
-def training_layouts(cfg, family: Family):
-    """takes(layout) for parallel.auto: whether the family's operators train under its sequence split."""
-    transformer = family.meta_transformer(cfg)
+def training_layouts(cfg, family: Family, buckets):
+    """takes(layout) for parallel.auto: whether the family trains under its sequence split (its operators,
+    and every bucket's and the previews' size split so: check_family_sizes)."""
+    meta = functools.cache(lambda: family.meta_transformer(cfg))  # only parallel.auto asks
 
     def takes(layout) -> bool:
         try:
-            check_sequence_layout(transformer, layout.ulysses, layout.ring, family.title)
+            check_sequence_layout(meta(), layout.ulysses, layout.ring, family.title)
+            check_family_sizes(cfg, family, layout, buckets)
         except ValueError:
             return False
         return True
