@@ -156,6 +156,7 @@ def test_each_case_of_a_suite_names_a_case(suite):
         assert any(key in name for name in names), key
 
 
+@pytest.mark.slow  # a tiny GPU bench: the fp8 suite's tiny run covers its training path in the fast tier
 def test_the_lead_suite_runs_tiny_on_cpu(tmp_path):
     """--suite lead (issue 54's GPU command) at tiny sizes: SDPA's kernels at the case's attention shape
     (those the CPU lacks are rows with their error, the others timed and compared with the first), each

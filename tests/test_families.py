@@ -192,7 +192,9 @@ def test_first_block_cache_matches_diffusers(saved, tmp_path, capsys, layout):
     assert diff <= 1e-5
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize(
+    "world", [pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow), 8]
+)
 def test_parallel_auto_chooses_a_layout_the_family_samples_under(saved, tmp_path, monkeypatch, world):
     """parallel.auto for a family (guidance 4, one node of `world` processes): a layout of every process,
     cfg 2 first, that the same degrees given by hand sample under (Qwen-Image's joint attention never

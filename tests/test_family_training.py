@@ -255,6 +255,7 @@ def test_buckets_by_aspect_ratio(saved, tmp_path):  # noqa: F811
         assert frames == 1 and height % multiple == 0 and width % multiple == 0, bucket
 
 
+@pytest.mark.slow
 def test_eval_demo_judges_what_infer_samples(runs, tmp_path):
     """scripts/eval_demo.py takes a family's run as it takes the DiT's: the held-out prompts of a colour,
     sampled by infer.py at the recipe's data.* size, judged; its report is the judge's reading of infer.py's
@@ -281,6 +282,7 @@ def test_eval_demo_judges_what_infer_samples(runs, tmp_path):
     assert rows == [eval_demo.judge(p, v, palette) for p, v in zip(prompts, videos, strict=True)]
 
 
+@pytest.mark.slow
 def test_a_calibrated_step_cache_for_a_family_run(runs, tmp_path, capsys):
     """scripts/calibrate_cache.py calibrates a family's run through infer.py (its own loop and solver);
     infer.py with sample.cache=calibrated then calls the model on the steps the table's budget leaves (2 of
@@ -306,7 +308,9 @@ def test_a_calibrated_step_cache_for_a_family_run(runs, tmp_path, capsys):
     assert "weights: " in capsys.readouterr().err and not (tmp_path / "l.npy").exists()
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize(
+    "world", [pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow), 8]
+)
 def test_parallel_auto_trains_under_a_split_the_family_takes(saved, tmp_path, monkeypatch, world):  # noqa: F811
     """train.py with parallel.auto on `world` processes (one node): a layout of all of them whose split the
     family trains every bucket under (Sana's halo: a row and one per rank of its 3 x 5 tokens, so dp takes

@@ -149,6 +149,7 @@ def test_the_image_to_video_loss_is_diffusers(saved_i2v):  # noqa: F811
     assert abs(plain.item() - want.item()) > 1e-3
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_a_manifest_frame_is_the_image_to_video_condition(saved_i2v):  # noqa: F811
     """A manifest line's "image" replaces its clip's first frame as HunyuanVideo15ImageToVideoPipeline's

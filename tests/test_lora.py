@@ -348,6 +348,7 @@ def lora_losses(run):
     return {m["step"]: m["loss"] for m in read_metrics(run)}
 
 
+@pytest.mark.slow  # three launches of 2 processes
 def test_a_lora_trained_across_layouts_exports_to_diffusers_and_comfyui(tiny_pipeline, tmp_path):  # noqa: F811
     """One process trains steps 1-2, ulysses 2 resumes for step 3, ring 2 with the weights offloaded to
     the CPU (train.cpu_offload) for step 4: the losses are a straight one-process run's. The exported

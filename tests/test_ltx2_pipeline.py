@@ -328,6 +328,7 @@ def test_split_video_is_one_process(saved, one_process, image_to_video, tmp_path
     assert got[2] == reference[2] and dv <= 1e-5 and da <= 1e-5
 
 
+@pytest.mark.slow  # 29 blocks with the perturbed pass: 40 s, the fast tier's longest
 @torch.no_grad()
 def test_stg_pass_matches_the_pipeline(saved_stg):
     """Under perturbed_attn true (29 blocks) STG's pass runs (block 28's self-attentions give their

@@ -287,6 +287,7 @@ def test_cache_settings_a_layout_cannot_honour_are_refused_at_start(tmp_path, ca
     )
 
 
+@pytest.mark.slow
 def test_a_calibration_does_not_depend_on_the_batches(tmp_path):
     """calibrate_cache.py samples through infer.py, sample.batch_size prompts at a time: the table has the
     steps asked for, and the same changes as one batch of them all."""

@@ -272,6 +272,7 @@ def test_a_phase_change_is_published_at_once(tmp_path):
         dog.finish()
 
 
+@pytest.mark.slow  # the benchmark's tiny run starts processes
 @pytest.mark.timeout(120)
 def test_bench_watchdog_runs():
     import subprocess
