@@ -18,6 +18,7 @@ import torch
 
 from data.buckets import Bucket, BucketTable
 from data.entries import Entries
+from data.manifest import IMAGE_KEYS
 from data.media import frames_at_rate
 
 
@@ -198,8 +199,7 @@ class MediaDataset(BucketedDataset):
     the sound each sample carries beside its frames (data.audio), which needs `fps`; `frames`: the
     manifest's image keys (image, last_image) whose frames the training reads (Family.given_frames)."""
 
-    def __init__(self, entries, table, fps=None, seed: int = 0, audio: tuple | None = None, frames=("image",
-                 "last_image")):  # fmt: skip
+    def __init__(self, entries, table, fps=None, seed: int = 0, audio=None, frames: tuple = IMAGE_KEYS):
         if audio is not None and not fps:
             raise ValueError(AUDIO_NEEDS_FPS)
         self.fps, self.audio, self.frames = fps, audio, tuple(frames)
@@ -215,7 +215,6 @@ class MediaDataset(BucketedDataset):
         return frames_at_rate(self.entries.numbers("num_frames"), fps, self.fps) >= bucket.frames
 
     def load(self, entry, bucket, rng):
-        from data.manifest import IMAGE_KEYS
         from data.media import fit_to_bucket, read_image, read_timed_clip
 
         clip, start = read_timed_clip(
