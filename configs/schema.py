@@ -242,6 +242,11 @@ class SampleConfig:
     modality_guidance: Optional[float] = None
     guidance_rescale: Optional[float] = None
     stg: Optional[float] = None
+    # Z-Image: the pipeline's cfg_truncation (a step whose 1 - sigma exceeds it runs the prompt alone; 1 and
+    # above: never) and cfg_normalization as a factor (the guided velocity's norm capped at it times the
+    # prompt's; 0: off)
+    cfg_truncation: Optional[float] = None
+    cfg_normalization: Optional[float] = None
     # infer.py: prompts sampled at once per data-parallel replica, each batch written as it finishes. Memory
     # grows with it (DiT-S: 0.61 GB for 1 prompt, 1.12 GB for 16); 4 keeps it bounded, still batches small
     # models, and samples up to 4 prompts as one run always did. A large video DiT (Wan 14B at 720p), whose

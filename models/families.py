@@ -41,6 +41,7 @@ FAMILIES = Families(
         "sana": "models.sana.family:Sana",
         "hunyuan_video15": "models.hunyuan_video15.family:HunyuanVideo15",
         "ltx2": "models.ltx2.family:LTX2",
+        "z_image": "models.z_image.family:ZImage",
     }
 )
 

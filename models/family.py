@@ -19,6 +19,10 @@ import torch
 from models.loop import Schedule
 from models.weight_files import LazyWeights, check_safetensors, check_weight_names
 
+# the sample.* guidance terms of some families (configs/schema.py), each refused where a family reads none
+GUIDANCE_KEYS = ("audio_guidance", "modality_guidance", "guidance_rescale", "stg", "cfg_truncation",
+                 "cfg_normalization")  # fmt: skip
+
 
 @dataclass
 class Components:
@@ -53,8 +57,7 @@ class Family:
     trains_images = False  # its image-to-video folders train (each clip's first frame given: encode_clips)
     trains_audio = False  # its training reads the clips' sound (data.audio): LTX-2's
     samples_audio = False  # it samples sound with the video (decode_audio; infer.py --no-audio leaves it out)
-    # the sample.* guidance keys it reads (configs/schema.py: audio_guidance, modality_guidance,
-    # guidance_rescale, stg); the others, when set, are refused by name
+    # the sample.* guidance keys it reads (GUIDANCE_KEYS); the others, when set, are refused by name
     sample_keys: tuple = ()
     tasks: tuple = ("t2v",)  # the model.task values it trains (its image-to-video comes from its folder)
     random_weights = False  # infer.py --random-weights: its layers have a seeded initialisation (the DiT's)
@@ -140,7 +143,7 @@ class Family:
     def check_sample_keys(self, cfg) -> None:
         """Refuse by name a sample.* guidance term set in the recipe that the family does not read
         (`sample_keys`), rather than ignore it (infer.py and train.py's previews, before anything starts)."""
-        for key in ("audio_guidance", "modality_guidance", "guidance_rescale", "stg"):
+        for key in GUIDANCE_KEYS:
             if cfg.sample[key] is not None and key not in self.sample_keys:
                 raise ValueError(
                     f"sample.{key}={cfg.sample[key]}: {self.title} takes no such guidance "
@@ -539,7 +542,8 @@ class Family:
         """Whether `scale` asks for guidance (the pipelines guide above 1 only)."""
         return scale > 1.0
 
-    def guide(self, v_cond, v_uncond, scale: float):
+    def guide(self, v_cond, v_uncond, scale: float, parts: Components | None = None):
+        """The guided velocity at `scale` (`parts`: what else the sampling set, Z-Image's normalisation)."""
         return v_uncond + scale * (v_cond - v_uncond)
 
     def finish(self, parts: Components, latents):

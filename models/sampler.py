@@ -43,7 +43,7 @@ def guided_velocity(family: Family, parts: Components, cond, uncond, scale: floa
         step_scale = family.guidance_at(parts, t, scale)
         if uncond is None or not family.guided(step_scale):
             return family.velocity(parts, x, t, cond)
-        return family.guide(*family.both(parts, x, t, cond, uncond), step_scale)
+        return family.guide(*family.both(parts, x, t, cond, uncond), step_scale, parts)
 
     return velocity
 

@@ -42,7 +42,20 @@ CARD_BILLIONS = {
     "Gemma-2-2B": 2.61,
     "HunyuanVideo 1.5 transformer": 8.3,
     "LTX-2 transformer": 19.0,  # LTX-2's card: a 19B audio-video model
+    "Z-Image transformer": 6.15,  # Z-Image's card: 6B
+    "Qwen3-4B": 4.02,
 }
+# Qwen/Qwen3-4B's config.json (Z-Image's text encoder, loaded as Qwen3Model)
+QWEN3_4B = dict(
+    hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+)  # fmt: skip
+# black-forest-labs/FLUX.1-dev's vae/config.json (Z-Image's VAE)
+FLUX_VAE = dict(
+    block_out_channels=[128, 256, 512, 512], down_block_types=["DownEncoderBlock2D"] * 4,
+    up_block_types=["UpDecoderBlock2D"] * 4, layers_per_block=2, latent_channels=16, use_quant_conv=False,
+    use_post_quant_conv=False,
+)  # fmt: skip
 # google/gemma-3-12b-it's config.json (LTX-2's text encoder, loaded whole: Gemma3ForConditionalGeneration)
 GEMMA3_12B_TEXT = dict(
     hidden_size=3840,
@@ -75,6 +88,7 @@ def release_parts() -> dict:
     import torch
     from diffusers import (
         AutoencoderDC,
+        AutoencoderKL,
         AutoencoderKLHunyuanVideo15,
         AutoencoderKLLTX2Audio,
         AutoencoderKLLTX2Video,
@@ -83,6 +97,7 @@ def release_parts() -> dict:
         LTX2VideoTransformer3DModel,
         QwenImageTransformer2DModel,
         SanaTransformer2DModel,
+        ZImageTransformer2DModel,
     )
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
@@ -95,6 +110,8 @@ def release_parts() -> dict:
         Qwen2_5_VLForConditionalGeneration,
         Qwen2_5_VLTextConfig,
         Qwen2_5_VLTextModel,
+        Qwen3Config,
+        Qwen3Model,
         T5Config,
         T5EncoderModel,
     )
@@ -134,6 +151,11 @@ def release_parts() -> dict:
                 "ByT5-small encoder": T5EncoderModel(T5Config(**BYT5_SMALL)),
                 "AutoencoderKLHunyuanVideo15": AutoencoderKLHunyuanVideo15(),
             },
+            "Z-Image": {
+                "Z-Image transformer": ZImageTransformer2DModel(),
+                "Qwen3-4B": Qwen3Model(Qwen3Config(**QWEN3_4B)),
+                "FLUX's AutoencoderKL": AutoencoderKL(**FLUX_VAE),
+            },
         }
 
 
@@ -143,11 +165,12 @@ def tiny_parts() -> dict:
     from tests.test_ltx2_pipeline import tiny_pipeline as tiny_ltx2_pipeline
     from tests.test_qwen_image import tiny_qwen_pipeline
     from tests.test_sana import tiny_sana_pipeline
+    from tests.test_z_image import tiny_z_image_pipeline
 
     qwen, sana, hunyuan = tiny_qwen_pipeline(), tiny_sana_pipeline(), tiny_pipeline()
     parts = {
         name: {f"{name} {part}": getattr(pipe, part) for part in ("transformer", "text_encoder", "vae")}
-        for name, pipe in (("Qwen-Image", qwen), ("Sana", sana))
+        for name, pipe in (("Qwen-Image", qwen), ("Sana", sana), ("Z-Image", tiny_z_image_pipeline()))
     }
     names = ("transformer", "text_encoder", "text_encoder_2", "vae")
     parts["HunyuanVideo 1.5"] = {f"HunyuanVideo 1.5 {part}": getattr(hunyuan, part) for part in names}

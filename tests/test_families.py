@@ -1,13 +1,16 @@
 """infer.py on the image families (models/families.py) against their diffusers pipelines, code no one here
-wrote: tiny random QwenImagePipeline and SanaPipeline folders saved here (nothing downloaded), loaded back
-by diffusers' from_pretrained, and by infer.py from the same folder with model.size=auto: the same images
-at a non-square size, with a negative prompt, guidance and per-prompt seeds. And the refusals: a folder of
-another family, a family tessera does not know, flags and layouts the families do not take yet."""
+wrote: tiny random QwenImagePipeline, SanaPipeline and ZImagePipeline folders saved here (nothing
+downloaded), loaded back by diffusers' from_pretrained, and by infer.py from the same folder with
+model.size=auto: the same images at a non-square size, with a negative prompt, guidance and per-prompt
+seeds. And the refusals: a folder of another family, a family tessera does not know, flags and layouts the
+families do not take yet. A family is a row of ROWS."""
 
 import copy
 import json
 import shutil
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -17,55 +20,103 @@ import infer
 import train
 from configs import ConfigError, load_config
 from configs.auto import resolve_family
+from models.families import family_named
+from models.family import GUIDANCE_KEYS
 from models.step_cache import Calibration
 from tests.conftest import ROOT, ranks, run_main
 from tests.test_qwen_image import tiny_qwen_pipeline
 from tests.test_sana import MAX_LENGTH, NEGATIVE, PROMPTS, tiny_sana_pipeline
+from tests.test_z_image import tiny_z_image_pipeline
 
-# (the family's recipe, the pipeline builder, the pipeline's guidance keyword, pipeline-only keywords)
-FAMILIES = {
-    "qwen_image": (
-        "qwen-image.yaml",
-        lambda: tiny_qwen_pipeline(num_attention_heads=2),
-        "true_cfg_scale",
-        {},
+
+@dataclass
+class Row:
+    """One family of the suite: its recipe, its tiny pipeline's builder, the pipeline's guidance keyword and
+    pipeline-only keywords, the size (height, width: non-square, 5 x 3 tokens, which no degree divides), a
+    scheduler setting other than the release's (a folder whose scheduler/ goes unread samples otherwise),
+    the first-block cache's (guidance, threshold) and the attention of the second block that runs only
+    when every block runs (None: the family refuses the cache), the config key of its depth, its single
+    file in the original names, a LoRA key of another family, and whether its joint attention splits under
+    one of ulysses and ring at a time; and its own refusals (infer.py's arguments, the error's words)."""
+
+    recipe: str
+    build: Callable
+    guidance: str
+    keywords: dict
+    size: tuple
+    scheduler: dict
+    first_block: tuple | None
+    second_attention: str
+    depth_key: str
+    original: Callable
+    foreign_key: str
+    joint: bool
+    refusals: tuple = ()
+
+
+def _original_qwen(state):
+    from models.qwen_image import original_state_dict_from_diffusers
+
+    return original_state_dict_from_diffusers(state, "model.diffusion_model.")
+
+
+def _original_sana(state):
+    from models.sana import original_from_diffusers
+
+    return original_from_diffusers(state)
+
+
+def _original_z_image(state):
+    from models.z_image.weights import original_from_diffusers
+
+    return original_from_diffusers(state, "model.diffusion_model.")
+
+
+ROWS = {
+    "qwen_image": Row(
+        "qwen-image.yaml", lambda: tiny_qwen_pipeline(num_attention_heads=2), "true_cfg_scale", {}, (40, 24),
+        dict(shift_terminal=0.05), (1.0, 0.3), "attn", "num_layers", _original_qwen,
+        "transformer_blocks.0.attn1.to_q", True,
     ),
-    "sana": (
-        "sana-1600m-1024px.yaml",
-        lambda: tiny_sana_pipeline(stages=6),  # the release's 32x DC-AE: few tokens for the pipeline's sizes
-        "guidance_scale",
-        dict(max_sequence_length=MAX_LENGTH, use_resolution_binning=False),
+    "sana": Row(  # the release's 32x DC-AE: few tokens for the pipeline's sizes (multiples of 32)
+        "sana-1600m-1024px.yaml", lambda: tiny_sana_pipeline(stages=6), "guidance_scale",
+        dict(max_sequence_length=MAX_LENGTH, use_resolution_binning=False), (160, 96), dict(flow_shift=4.0),
+        (4.0, 0.2), "attn1", "num_layers", _original_sana, "transformer_blocks.0.attn.add_q_proj", False,
     ),
-}
-# height, width: non-square, 5 x 3 tokens (which no degree divides); Sana's pipeline takes multiples of 32
-SIZE = dict(qwen_image=(40, 24), sana=(160, 96))
-SCHEDULER = dict(qwen_image=dict(shift_terminal=0.05), sana=dict(flow_shift=4.0))  # the releases': 0.02, 3
+    "z_image": Row(
+        "z-image.yaml", tiny_z_image_pipeline, "guidance_scale", {}, (40, 24), dict(shift=2.0), None, "",
+        "n_layers", _original_z_image, "transformer_blocks.0.attn.add_q_proj", True,
+        ((["--guidance", "-1"], "give 0 or more"),),
+    ),
+}  # fmt: skip
+FAMILIES = list(ROWS)
+PIECES = [name for name in ROWS if ROWS[name].first_block is not None]  # PipeFusion's patch pieces
 LAYOUTS = {  # (processes, overrides, families): each launch checks its degrees together
-    "one-process": (1, [], ("qwen_image", "sana")),
+    "one-process": (1, [], ("qwen_image", "sana", "z_image")),
     # Sana's operators split the tokens alike under ulysses and ring (no head split): ring covers both
-    "cfg2-ulysses2": (4, ["parallel.cfg=2", "parallel.ulysses=2"], ("qwen_image",)),
-    "cfg2-ring2": (4, ["parallel.cfg=2", "parallel.ring=2"], ("qwen_image", "sana")),
+    "cfg2-ulysses2": (4, ["parallel.cfg=2", "parallel.ulysses=2"], ("qwen_image", "z_image")),
+    "cfg2-ring2": (4, ["parallel.cfg=2", "parallel.ring=2"], ("qwen_image", "sana", "z_image")),
     # warm-up over every step: exact, as the Wan test (stale K/V is approximate by design; a patch against
     # the whole forward: test_pipefusion_patches_match_the_whole_forward)
     "pipefusion2": (2, ["parallel.pipefusion=2", "parallel.pipefusion_warmup=3"], ("qwen_image", "sana")),
 }
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=FAMILIES)
 def saved(request, tmp_path_factory):
     """(family, its tiny pipeline saved as a diffusers folder)."""
     name = request.param
     folder = tmp_path_factory.mktemp(name) / "pipeline"
     with torch.random.fork_rng():
-        pipe = FAMILIES[name][1]()
+        pipe = ROWS[name].build()
     # a scheduler setting other than the release's: a folder whose scheduler/ goes unread samples otherwise
-    pipe.scheduler = type(pipe.scheduler).from_config({**pipe.scheduler.config, **SCHEDULER[name]})
+    pipe.scheduler = type(pipe.scheduler).from_config({**pipe.scheduler.config, **ROWS[name].scheduler})
     pipe.save_pretrained(folder)
     return name, folder
 
 
 def infer_args(name, folder, tmp_path, *extra):
-    recipe, height, width = FAMILIES[name][0], *SIZE[name]
+    recipe, (height, width) = ROWS[name].recipe, ROWS[name].size
     return [
         "--config",
         str(ROOT / "configs" / recipe),
@@ -113,7 +164,7 @@ def test_infer_matches_the_pipeline(saved, tmp_path, layout):
         shown += ["2 patches, 3 warm-up step(s)"] if "parallel.pipefusion=2" in overrides else []
         assert all(words in done.stdout for words in shown), done.stdout
     pipe = DiffusionPipeline.from_pretrained(folder)
-    height, width = SIZE[name]
+    height, width = ROWS[name].size
     for i, prompt in enumerate(PROMPTS):
         want = pipeline_image(pipe, name, prompt, steps=3, seed=5 + i)
         got = np.load(tmp_path / f"image_{i:03d}.npy")
@@ -127,8 +178,6 @@ def test_infer_matches_the_pipeline(saved, tmp_path, layout):
 # pipeline calls the branches in two cache contexts) and over both for Sana (one batch of the two), as
 # tessera always does: Qwen-Image is compared unguided. The thresholds skip some middle steps and not the
 # last (tessera runs the last step whole; diffusers' hooks may not)
-FIRST_BLOCK = dict(qwen_image=(1.0, 0.3), sana=(4.0, 0.2))
-
 
 @torch.no_grad()
 @pytest.mark.parametrize("layout", ["one-process", pytest.param("cfg2", marks=pytest.mark.slow)])
@@ -144,7 +193,9 @@ def test_first_block_cache_matches_diffusers(saved, tmp_path, capsys, layout):
     from diffusers.models.transformers.sana_transformer import SanaTransformerBlock
 
     name, folder = saved
-    guidance, threshold = FIRST_BLOCK[name]
+    if ROWS[name].first_block is None:
+        pytest.skip(f"{name} refuses the first-block cache (test_refusals)")
+    guidance, threshold = ROWS[name].first_block
     if layout == "cfg2" and name != "sana":
         pytest.skip("Qwen-Image is compared unguided: nothing for cfg=2 to split")
     out = tmp_path / "image.npy"
@@ -169,9 +220,8 @@ def test_first_block_cache_matches_diffusers(saved, tmp_path, capsys, layout):
     _set_cache_context(pipe.transformer, CacheContext("sana"))  # Qwen-Image's pipeline sets its own
     second = pipe.transformer.transformer_blocks[1]  # its attention runs only when every block runs
     calls = []
-    (second.attn if name == "qwen_image" else second.attn1).register_forward_hook(lambda *a: calls.append(1))
-    height, width = SIZE[name]
-    _, _, keyword, keywords = FAMILIES[name]
+    getattr(second, ROWS[name].second_attention).register_forward_hook(lambda *a: calls.append(1))
+    (height, width), keyword, keywords = ROWS[name].size, ROWS[name].guidance, ROWS[name].keywords
     pipe.set_progress_bar_config(disable=True)
     want = pipe(
         prompt=PROMPTS[0],
@@ -216,7 +266,7 @@ def test_parallel_auto_chooses_a_layout_the_family_samples_under(saved, tmp_path
 
     chosen = layout_of("parallel.auto=true")
     assert chosen.world_size == world and chosen.cfg == 2, chosen
-    if name == "qwen_image":
+    if ROWS[name].joint:
         assert not (chosen.ulysses > 1 and chosen.ring > 1), chosen
     degrees = [f"parallel.{k}={getattr(chosen, k)}" for k in ("dp", "cfg", "ulysses", "ring", "pipefusion")]
     assert layout_of(*degrees) == chosen  # refused by hand otherwise
@@ -231,8 +281,6 @@ def test_refusals(saved, tmp_path, capsys):
         (["--random-weights"], "--random-weights is not supported"),
         (["--frames", "5"], "--frames 1"),
         (["--height", "33"], "multiples of"),
-        (["parallel.pipefusion=2", "parallel.ring=2"], "not both"),
-        (["parallel.pipefusion=2", "model.attention_backend=flash"], "PipeFusion's patches mask keys"),
         (
             ["parallel.ulysses=2", "model.attention_backend=flash"],
             "model.attention_backend=flash takes no mask",
@@ -241,12 +289,22 @@ def test_refusals(saved, tmp_path, capsys):
     table = tmp_path / "three.json"  # a calibration of 3 steps (what it was made for is checked later)
     Calibration(3, [float("nan"), 0.1, 0.1], [float("nan"), 0.9, 0.9]).save(table)
     calibrated = ["sample.cache=calibrated", f"sample.cache_calibration={table}", "--steps", "3"]
-    cases += [
-        (["sample.cache=calibrated", "sample.cache_calibration=c.json"], "c.json cannot be read as a"),
-        ([*calibrated, "parallel.pipefusion=2"], "PipeFusion runs every step"),
-        (["sample.cache=first_block", "parallel.ulysses=2"], "not parallel.ulysses, ring or pipefusion"),
-    ]
-    if name == "qwen_image":  # its joint attention splits under one of the two at a time
+    cases += [(["sample.cache=calibrated", "sample.cache_calibration=c.json"], "c.json cannot be read as a")]
+    term = next(k for k in GUIDANCE_KEYS if k not in family_named(name).sample_keys)  # one it does not read
+    cases += [([f"sample.{term}=0.5"], "takes no such guidance term"), *ROWS[name].refusals]
+    if name in PIECES:  # PipeFusion and the first-block cache through its patch pieces
+        cases += [
+            (["parallel.pipefusion=2", "parallel.ring=2"], "not both"),
+            (["parallel.pipefusion=2", "model.attention_backend=flash"], "PipeFusion's patches mask keys"),
+            ([*calibrated, "parallel.pipefusion=2"], "PipeFusion runs every step"),
+            (["sample.cache=first_block", "parallel.ulysses=2"], "not parallel.ulysses, ring or pipefusion"),
+        ]
+    else:
+        cases += [
+            (["parallel.pipefusion=2"], "does not sample under parallel.pipefusion=2"),
+            (["sample.cache=first_block"], "does not run the step cache yet"),
+        ]
+    if ROWS[name].joint:  # its joint attention splits under one of the two at a time
         cases.append((["parallel.ulysses=2", "parallel.ring=2"], "not both"))
     else:  # 5 x 3 tokens over 8 ranks: fewer than a row and one each for the convolution's halo
         cases.append((["parallel.ring=8"], "fewer than a row and one (4)"))
@@ -262,7 +320,7 @@ def test_refusals(saved, tmp_path, capsys):
     train_cases = [  # train.py's own refusals for a family
         (
             ["data.frame_counts=[5]"],
-            "aspect_ratios): " + ("Qwen-Image" if name == "qwen_image" else "Sana"),
+            "aspect_ratios): " + family_named(name).title,
         ),
         (["data.latents=x"], "data.latents"),
         (["model.task=i2v"], "leaves it at t2v"),
@@ -270,7 +328,7 @@ def test_refusals(saved, tmp_path, capsys):
     for extra, expected in train_cases:
         argv = [
             "--config",
-            str(ROOT / "configs" / FAMILIES[name][0]),
+            str(ROOT / "configs" / ROWS[name].recipe),
             *infer_args(name, folder, tmp_path)[2:8],
         ]
         assert run_main(train, [*argv, *extra]) != 0
@@ -288,7 +346,7 @@ def test_weights_without_a_place_are_named(saved, tmp_path, capsys):
     shutil.copytree(folder, other)
     config = other / "transformer" / "config.json"
     values = json.loads(config.read_text())
-    values["num_layers"] -= 1
+    values[ROWS[name].depth_key] -= 1
     config.write_text(json.dumps(values))
     argv = infer_args(
         name, other, tmp_path, "--prompt", "x", "--steps", "1", "--output", str(tmp_path / "x.npy")
@@ -305,7 +363,7 @@ def test_family_of_a_folder(saved, tmp_path):
     assert load_config(None, ["model.size=auto", f"model.pretrained={folder}"]).model.family == name
     with pytest.raises(ConfigError, match="model.size=auto"):
         load_config(None, ["model.size=DiT-S", f"model.pretrained={folder}"])
-    other = "sana" if name == "qwen_image" else "qwen_image"
+    other = next(n for n in FAMILIES if n != name)
     with pytest.raises(ConfigError, match=f"model.family={other}"):
         load_config(None, ["model.size=auto", f"model.family={other}", f"model.pretrained={folder}"])
     wan = tmp_path / "wan"  # Wan-AI's own layout: its config.json names WanModel (tessera's DiT reads it)
@@ -323,9 +381,8 @@ def test_family_of_a_folder(saved, tmp_path):
 
 
 def pipeline_image(pipe, name, prompt=PROMPTS[0], steps: int = 2, seed: int = 1):
-    """The pipeline's image of `prompt` with NEGATIVE, guidance 4, at SIZE[name]."""
-    height, width = SIZE[name]
-    _, _, guidance, keywords = FAMILIES[name]
+    """The pipeline's image of `prompt` with NEGATIVE, guidance 4, at its row's size."""
+    (height, width), guidance, keywords = ROWS[name].size, ROWS[name].guidance, ROWS[name].keywords
     pipe.set_progress_bar_config(disable=True)
     return pipe(
         prompt=prompt,
@@ -389,7 +446,7 @@ def test_peft_lora_loads(saved, tmp_path, capsys):
     assert diff <= 1e-4 and np.abs(want - plain).max() > 1e-3  # the LoRA changes the image
 
     # the other family's layer names: Sana's attn1 in a Qwen-Image file, Qwen-Image's add_q_proj in Sana's
-    key = "transformer_blocks.0." + ("attn1.to_q" if name == "qwen_image" else "attn.add_q_proj")
+    key = ROWS[name].foreign_key
     wrong = tmp_path / "other.safetensors"
     save_file(
         {
@@ -434,14 +491,10 @@ def test_single_file(saved, tmp_path, names):
     from diffusers import DiffusionPipeline
     from safetensors.torch import save_file
 
-    from models.qwen_image import original_state_dict_from_diffusers
-    from models.sana import original_from_diffusers
-
     name, folder = saved
     state = DiffusionPipeline.from_pretrained(folder).transformer.state_dict()
     if names == "original":
-        convert = {"qwen_image": lambda s: original_state_dict_from_diffusers(s, "model.diffusion_model.")}
-        state = convert.get(name, original_from_diffusers)(state)
+        state = ROWS[name].original(state)
     single = tmp_path / "transformer.safetensors"
     save_file({k: v.contiguous() for k, v in state.items()}, single)
     parts = tmp_path / "parts"  # the pipeline folder less the transformer's weights
@@ -542,7 +595,7 @@ def _tiny_transformer(name):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", PIECES)
 def test_first_block_decides_per_sample(name):
     """models/step_cache.py FirstBlockFamily on a batch of three guided samples whose decisions differ (the
     middle one's noise 3x the others'; texts masked to 6, 3 and 4 tokens): each sample's steps and latents
@@ -596,7 +649,7 @@ def test_first_block_decides_per_sample(name):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", PIECES)
 def test_pipefusion_patches_match_the_whole_forward(name):
     """PipeFusion's operators (parallel/compute/pipefusion_family.py) on one process: after a whole pass, each
     patch of 2 (rows 0-1, 2-4 of a 5 x 3 grid) run through every block gives the whole forward's tokens
@@ -717,7 +770,7 @@ def test_pipefusion_patches_across_processes(saved, tmp_path):
     family = family_named(name)
     cfg = load_config(argv[1], argv[2:8])
     parts = family.load(cfg, torch.device("cpu"), torch.float32)
-    height, width = SIZE[name]
+    height, width = ROWS[name].size
     for i, prompt in enumerate(PROMPTS):
         sampling = Sampling([prompt], [5 + i], (1, height, width), 3, 4.0, NEGATIVE, MAX_LENGTH)
         want = generate_images(family, parts, sampling, denoise_with=sequential_pipefusion(2, 1))[0]

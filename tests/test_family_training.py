@@ -21,14 +21,14 @@ from models.families import family_named
 from models.flow import RectifiedFlow
 from parallel.drive.family_training import FamilyRun, family_batch
 from tests.conftest import ROOT, ranks, run_main
-from tests.test_families import FAMILIES, infer_args, pipeline_image, saved  # noqa: F401  (saved: a fixture)
+from tests.test_families import ROWS, infer_args, pipeline_image, saved  # noqa: F401  (saved: a fixture)
 from tests.test_sana import MAX_LENGTH, NEGATIVE, PROMPTS
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import export  # noqa: E402
 
-# height, width: 3 x 5 tokens, which neither degree 2 divides
-TRAIN_SIZE = dict(qwen_image=(48, 80), sana=(96, 160))
+# height, width: 3 x 5 tokens, which neither degree 2 divides (Z-Image pads them to 32)
+TRAIN_SIZE = dict(qwen_image=(48, 80), sana=(96, 160), z_image=(24, 40))
 CAPTIONS = ["a red square on a white wall", "a dog"]
 
 
@@ -46,7 +46,7 @@ def train_args(name, folder, run, *extra) -> list:
     height, width = TRAIN_SIZE[name]
     return [
         "--config",
-        str(ROOT / "configs" / FAMILIES[name][0]),
+        str(ROOT / "configs" / ROWS[name].recipe),
         *family_overrides(name, folder),
         "data.manifest=null",  # the synthetic images, one bucket
         "data.resolutions=[]",
@@ -80,9 +80,18 @@ def metrics(run) -> list:
 
 def diffusers_loss(name, pipe, pixels, prompts, noise, sigma) -> torch.Tensor:
     """The loss of diffusers' train_dreambooth_lora_{qwen_image,sana}.py for these pixels, prompts, noise and
-    noise levels: the pipeline's encode_prompt, its VAE with the scripts' normalisation, its transformer."""
+    noise levels: the pipeline's encode_prompt, its VAE with the scripts' normalisation, its transformer.
+    Z-Image, which diffusers has no script for: musubi-tuner's, the pipeline's pieces (its latents
+    (z - shift) x scale, the model told 1 - sigma, its output negated) on the velocity."""
     s = sigma.view(-1, 1, 1, 1, 1)
-    if name == "qwen_image":
+    if name == "z_image":
+        embeds = pipe.encode_prompt(list(prompts), do_classifier_free_guidance=False)[0]
+        vae = pipe.vae.config
+        x0 = ((pipe.vae.encode(pixels[:, :, 0]).latent_dist.mode() - vae.shift_factor) * vae.scaling_factor)
+        x0 = x0.unsqueeze(2)
+        x_t = (1 - s) * x0 + s * noise
+        pred = -torch.stack(pipe.transformer(list(x_t.unbind(0)), 1 - sigma, embeds, return_dict=False)[0])
+    elif name == "qwen_image":
         embeds, mask = pipe.encode_prompt(prompts, device="cpu", max_sequence_length=512)
         vae = pipe.vae.config
         z = pipe.vae.encode(pixels).latent_dist.mode()
@@ -124,7 +133,7 @@ def test_the_loss_is_diffusers(saved):  # noqa: F811
 
     name, folder = saved
     family = family_named(name)
-    cfg = load_config(ROOT / "configs" / FAMILIES[name][0], family_overrides(name, folder))
+    cfg = load_config(ROOT / "configs" / ROWS[name].recipe, family_overrides(name, folder))
     parts = family.load(cfg, torch.device("cpu"), torch.float32)
     height, width = TRAIN_SIZE[name]
     generator = torch.Generator().manual_seed(0)
@@ -187,7 +196,9 @@ def test_a_run_trains_and_resumes(runs, tmp_path, capsys, kind):
         state = torch.load(resumed / "checkpoints" / "step_3" / "trainer_rank0.pt", weights_only=False)
         record = state["lora"]  # the family's own layers, as resolve_family chose (lora.targets unset)
         assert record["rank"] == 4 and record["targets"] == list(family_named(name).lora_targets)
-        assert "blocks.0.attn" + ("1" if name == "sana" else "") + ".to_q" in record["modules"]
+        layers = dict(sana="blocks.0.attn1.to_q", z_image="blocks.0.attention.to_q")
+        layer = layers.get(name, "blocks.0.attn.to_q")
+        assert layer in record["modules"]
         assert got[-1]["loss"] != metrics(made["full"])[-1]["loss"]  # the adapters alone trained
 
 
@@ -233,7 +244,9 @@ def test_precomputed_latents_train_as_the_images_do(saved, tmp_path, monkeypatch
     assert [m["step"] for m in stored] == [1, 2] and (stored_run / "samples" / "step_2_0.mp4").is_file()
     worst = max(abs(b[k] - a[k]) / abs(a[k]) for a, b in zip(media, stored) for k in ("loss", "grad_norm"))
     print(f"{name}: on latents vs on images, largest relative difference {worst:.1e}", file=sys.__stderr__)
-    assert worst <= 1e-6
+    # the VAE encodes a batch on images, one image at a time for the latents: float32 rounding, which the
+    # tiny Z-Image's random modulations magnify more (4e-7 here alone, 2e-6 beside another test process)
+    assert worst <= (1e-5 if name == "z_image" else 1e-6)
 
 
 def test_buckets_by_aspect_ratio(saved, tmp_path):  # noqa: F811
@@ -249,7 +262,7 @@ def test_buckets_by_aspect_ratio(saved, tmp_path):  # noqa: F811
     assert run_main(train, [*argv, *buckets]) == 0
     trained = {bucket for m in metrics(run) for bucket in m["buckets"]}
     assert len(trained) >= 2, trained
-    multiple = {"sana": 32, "qwen_image": 8}[name]  # the tiny pipelines: Sana 32, Qwen-Image 4 x patch 2
+    multiple = {"sana": 32}.get(name, 8)  # the tiny pipelines: Sana 32, Qwen-Image and Z-Image 4 x patch 2
     for bucket in trained:
         frames, height, width = map(int, bucket.split("x"))
         assert frames == 1 and height % multiple == 0 and width % multiple == 0, bucket

@@ -454,11 +454,12 @@ class LTX2(Family):
             v_modality = self._run(parts, x, t, cond, isolate_modalities=True)
         return parts, x, t, v_cond, v_uncond, v_stg, v_modality
 
-    def guide(self, parts: LTX2Parts, x, t, v_cond, v_uncond, v_stg, v_modality, scale: float):
+    def guide(self, parts: LTX2Parts, x, t, v_cond, v_uncond, v_stg, v_modality, scale: float, _parts=None):
         """The pipeline's guidance, per stream in x0 = x - sigma v: the conditional x0 plus the CFG delta
         (scale - 1)(cond - uncond) (the audio's at audio_guidance), the STG delta stg (cond - perturbed)
         and the modality delta (modality - 1)(cond - isolated), in that order, then rescaled towards the
-        conditional x0's std (guidance_rescale > 0); back to a velocity."""
+        conditional x0's std (guidance_rescale > 0); back to a velocity. (`_parts`: what models/sampler.py
+        hands every family's guide last; LTX-2's `both` passes its parts first.)"""
         terms, layout = parts.terms, self._layout(parts, x)
         size = layout.video_size
         x0 = lambda v: None if v is None else x - v * t  # noqa: E731  (t: the step's sigma)

@@ -133,7 +133,7 @@ class QwenImage(Family):
         levels = sigmas(steps, image_tokens(*latents.shape[-2:]), parts.scheduler_config).to(latents.device)
         return Schedule(levels, levels[:-1], euler(levels))
 
-    def guide(self, v_cond, v_uncond, scale: float):
+    def guide(self, v_cond, v_uncond, scale: float, parts=None):
         return true_cfg(v_cond, v_uncond, scale)
 
     def decode(self, parts: Components, latents) -> torch.Tensor:

@@ -75,7 +75,7 @@ def family_denoiser(groups: SamplingGroups):
 
         def velocity(x, t):
             v = family.velocity(parts, x, t, mine)
-            return family.guide(*both_branches(v, groups), family.guidance_at(parts, t, scale))
+            return family.guide(*both_branches(v, groups), family.guidance_at(parts, t, scale), parts)
 
         return family.walk(parts, schedule, noise, velocity, progress)
 
