@@ -93,7 +93,8 @@ def parse_args(argv):
         "--image",
         nargs="+",
         default=None,
-        help="image-to-video (model.task=i2v or flf2v): the first frame, one for every prompt or one each",
+        help="image-to-video (model.task=i2v or flf2v): the first frame, one for every prompt or one each; "
+        "Qwen-Image-Edit: its 1 to 3 reference images, in order, for every prompt",
     )
     p.add_argument("--last-image", nargs="+", default=None, help="FLF2V (model.task=flf2v): the last frame")
     p.add_argument(

@@ -38,6 +38,7 @@ FAMILIES = Families(
     {
         "dit": "models.dit.family:DiTFamily",
         "qwen_image": "models.qwen_image.family:QwenImage",
+        "qwen_image_edit": "models.qwen_image.edit:QwenImageEdit",
         "sana": "models.sana.family:Sana",
         "hunyuan_video15": "models.hunyuan_video15.family:HunyuanVideo15",
         "ltx2": "models.ltx2.family:LTX2",

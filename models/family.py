@@ -86,7 +86,11 @@ class Family:
         """Refuse (`error`) the recipe's model.* size keys where they do not build a model of the family."""
 
     def recognises(self, folder) -> bool:
-        """Whether `folder` (a pipeline folder, or a transformer folder) holds this family."""
+        """Whether `folder` (a pipeline folder, or a transformer folder) holds this family: a pipeline
+        folder by its pipeline's class alone (Qwen-Image and Qwen-Image-Edit share a transformer class)."""
+        pipeline = read_json(Path(folder) / "model_index.json").get("_class_name")
+        if pipeline:
+            return pipeline in self.pipeline_classes
         found = folder_classes(folder)
         return bool(found & {*self.pipeline_classes, *self.transformer_classes})
 
@@ -333,6 +337,20 @@ class Family:
         """The conditioning object its transformer takes for `prompts` (`negative`: the negative prompts,
         which some families format differently)."""
         raise NotImplementedError
+
+    def conditionings(self, parts: Components, sampling) -> tuple:
+        """(cond, uncond) of a models/sampler.py Sampling (uncond None where it does not guide): its prompts
+        and negative prompt encoded, then both given each prompt's frames where it has them, as the
+        pipelines give them (Qwen-Image-Edit encodes its references with the text)."""
+        prompts, size = sampling.prompts, sampling.size
+        cond, uncond = self.encode(parts, prompts, sampling.max_length), None
+        if self.guided(sampling.guidance):
+            negative = [sampling.negative_prompt] * len(prompts)
+            uncond = self.encode(parts, negative, sampling.max_length, negative=True)
+        if sampling.images is not None:
+            last = sampling.last_images
+            cond, uncond = self.with_images(parts, sampling.images, size, cond, uncond, last_images=last)
+        return cond, uncond
 
     def sound_format(self, cfg) -> tuple | None:
         """(sample rate, channels) its training reads the clips' sound at (data.audio: the loader resamples

@@ -75,15 +75,7 @@ def generate_images(
     if conditioning is not None:  # (cond, uncond) of these prompts, encoded before (training's previews)
         cond, uncond = conditioning
     else:
-        cond, uncond = family.encode(parts, prompts, sampling.max_length), None
-        if family.guided(guidance):
-            negative = [sampling.negative_prompt] * len(prompts)
-            uncond = family.encode(parts, negative, sampling.max_length, negative=True)
-        if sampling.images is not None:  # both branches see the frame, as the pipelines give it
-            images, size = sampling.images, sampling.size
-            cond, uncond = family.with_images(
-                parts, images, size, cond, uncond, last_images=sampling.last_images
-            )
+        cond, uncond = family.conditionings(parts, sampling)
     device = device or next(parts.transformer.parameters()).device  # a host-held (offloaded) model: given
     noise = family.noise(parts, sampling.seeds, *sampling.size).to(device)
     schedule = family.schedule(parts, sampling.steps, noise)

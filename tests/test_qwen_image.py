@@ -333,8 +333,9 @@ def test_config_and_folder_detection(pipe, tmp_path):
     assert {k: back[k] for k in TINY_TRANSFORMER} == {**TINY_TRANSFORMER, "axes_dims_rope": [4, 6, 6]}
     deeper = build_transformer({**config, "num_layers": 3, "num_attention_heads": 2})
     assert len(deeper.blocks) == 3 and deeper.img_in.out_features == 32
-    with pytest.raises(QwenImageFormatError, match="zero_cond_t"):
-        build_transformer({**config, "zero_cond_t": True})
+    with pytest.raises(QwenImageFormatError, match="guidance_embeds"):
+        build_transformer({**config, "guidance_embeds": True})
+    assert build_transformer({**config, "zero_cond_t": True}).zero_cond_t  # Edit-2511's
 
     pipeline, transformer, other = tmp_path / "pipeline", tmp_path / "transformer", tmp_path / "wan"
     for folder in (pipeline / "transformer", transformer, other):

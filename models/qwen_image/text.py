@@ -44,3 +44,55 @@ def encode_prompt(prompts, tokenizer, text_encoder, max_sequence_length: int = M
     for i, k in enumerate(kept):
         embeddings[i, : k.shape[0]], mask[i, : k.shape[0]] = k, True
     return embeddings, (None if bool(mask.all()) else mask)
+
+
+# Qwen-Image-Edit-2509 / 2511 (QwenImageEditPlusPipeline): the template with the pictures before the
+# instruction; its first EDIT_DROP_TOKENS tokens dropped; no cut at a maximum length (the pipeline's)
+EDIT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a "
+    "new image that meets the user's requirements while maintaining consistency with the original input "
+    "where appropriate.<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+)
+EDIT_DROP_TOKENS = 64
+IMAGE_PAD = "<|image_pad|>"
+PICTURE = "Picture {}: <|vision_start|>" + IMAGE_PAD + "<|vision_end|>"
+
+
+def vision_inputs(text: str, images: list, image_processor, tokenizer) -> dict:
+    """What Qwen2VLProcessor gives for one text with `images`: the images' patches and grids, and the
+    text tokenised with each <|image_pad|> repeated once per merged patch of its image. Written out here:
+    transformers' processor class also wants a video processor, which needs torchvision."""
+    vision = image_processor(images=images, return_tensors="pt")
+    merged = (vision["image_grid_thw"].prod(-1) // image_processor.merge_size**2).tolist()
+    head, *rest = text.split(IMAGE_PAD)
+    text = head + "".join(IMAGE_PAD * n + tail for n, tail in zip(merged, rest, strict=True))
+    return dict(tokenizer([text], return_tensors="pt"), **vision)
+
+
+@torch.no_grad()
+def encode_edit_prompt(prompts, images: list, image_processor, tokenizer, text_encoder):
+    """prompts with the reference `images` (PIL, already sized for the text encoder) -> (embeddings
+    (B, L, D), mask (B, L) bool or None), as QwenImageEditPlusPipeline encodes one prompt: "Picture i:" and
+    each image's vision tokens before the instruction, Qwen2.5-VL's last hidden state of the real tokens,
+    the template's head dropped. One prompt at a time (the pipeline's batch), padded to the longest."""
+    pictures = "".join(PICTURE.format(i + 1) for i in range(len(images)))
+    device = next(text_encoder.parameters()).device
+    kept = []
+    for prompt in [prompts] if isinstance(prompts, str) else prompts:
+        text = EDIT_TEMPLATE.format(pictures + prompt)
+        inputs = {k: v.to(device) for k, v in vision_inputs(text, images, image_processor, tokenizer).items()}
+        hidden = text_encoder(
+            input_ids=inputs["input_ids"],
+            attention_mask=inputs["attention_mask"],
+            pixel_values=inputs.get("pixel_values"),
+            image_grid_thw=inputs.get("image_grid_thw"),
+            output_hidden_states=True,
+        ).hidden_states[-1]
+        kept.append(hidden[0][inputs["attention_mask"][0].bool()][EDIT_DROP_TOKENS:])
+    length = max(k.shape[0] for k in kept)
+    embeddings = kept[0].new_zeros(len(kept), length, kept[0].shape[-1])
+    mask = torch.zeros(len(kept), length, dtype=torch.bool, device=device)
+    for i, k in enumerate(kept):
+        embeddings[i, : k.shape[0]], mask[i, : k.shape[0]] = k, True
+    return embeddings, (None if bool(mask.all()) else mask)

@@ -25,10 +25,13 @@ from models.layers import (
 
 @dataclass
 class QwenImageCond:
-    """What Qwen-Image takes beside latents and timestep: Qwen2.5-VL's last hidden state (text.py)."""
+    """What Qwen-Image takes beside latents and timestep: Qwen2.5-VL's last hidden state (text.py); for
+    Qwen-Image-Edit also its reference images' latents, as tokens after the noisy ones (kept clean)."""
 
     text: torch.Tensor  # (B, L, text_dim), padded to the batch's longest prompt
     text_mask: torch.Tensor | None  # (B, L) bool, True on a real token; None: every token is real
+    references: torch.Tensor | None = None  # (B, M, C p p): every reference's packed latents, in order
+    reference_grids: torch.Tensor | None = None  # (B, k, 3) long: each reference's token grid (t, h, w)
 
 
 @dataclass
@@ -39,11 +42,20 @@ class QwenImageContext:
     text: torch.Tensor  # (B, L, D) the text stream entering the first block
     text_mask: torch.Tensor | None  # (B, L) bool, or None
     rope: tuple | None = None  # PipeFusion's: the image's and the text's rotary angles (patch_context)
+    reference_temb: torch.Tensor | None = None  # (B, D) Edit-2511 (zero_cond_t): the references' (t = 0)
 
     def rows(self, index):
         """The context of the samples `index` (the first-block step cache runs the others' blocks only)."""
         mask = None if self.text_mask is None else self.text_mask[index]
-        return QwenImageContext(self.temb[index], self.text[index], mask, self.rope)
+        zero = None if self.reference_temb is None else self.reference_temb[index]
+        return QwenImageContext(self.temb[index], self.text[index], mask, self.rope, zero)
+
+
+def reference_grids(cond: QwenImageCond) -> list:
+    """The references' token grids [(t, h, w), ...], alike for every sample (the pipeline's)."""
+    if cond.references is None:
+        return []
+    return [tuple(int(v) for v in grid) for grid in cond.reference_grids[0].tolist()]
 
 
 def pack_latents(x: torch.Tensor, patch: int = 2) -> torch.Tensor:
@@ -75,22 +87,29 @@ class QwenRope(nn.Module):
         inv_freq = 1.0 / torch.pow(self.theta, torch.arange(0, dim, 2, dtype=torch.float32).div(dim))
         return torch.outer(positions.float(), inv_freq)  # (n, dim/2), in diffusers' order of operations
 
-    def forward(self, grid: tuple[int, int, int], text_len: int, device):
+    def forward(self, grid: tuple[int, int, int], text_len: int, device, references=()):
         """-> image angles (t*h*w, Dh/2, 2) in (t, h, w) token order, text angles (L, Dh/2, 2); (cos, sin).
-        Computed on the CPU, as diffusers does, then moved."""
+        `references`: the grids of Qwen-Image-Edit's reference images, whose tokens follow, image i's
+        frames counting from i; the text then starts after the largest half-side of them all. Computed on
+        the CPU, as diffusers does, then moved."""
+        images = [self._grid(g, index) for index, g in enumerate([grid, *references])]
+        image = torch.cat(images)
+        text_pos = torch.arange(text_len) + max(max(h // 2, w // 2) for _, h, w in [grid, *references])
+        text = torch.cat([self._angles(text_pos, dim) for dim in self.axes_dims], dim=-1)
+        polar = lambda a: torch.view_as_real(torch.polar(torch.ones_like(a), a)).to(device)  # noqa: E731
+        return polar(image), polar(text)
+
+    def _grid(self, grid, first_frame: int = 0) -> torch.Tensor:
+        """The angles of one image's tokens (t*h*w, Dh/2), its frames from `first_frame`."""
         t, h, w = grid
-        starts = (0, -(h - h // 2), -(w - w // 2))
+        starts = (first_frame, -(h - h // 2), -(w - w // 2))
         parts = []
         for axis, (size, start, dim) in enumerate(zip(grid, starts, self.axes_dims)):
             angles = self._angles(torch.arange(start, start + size), dim)
             shape = [1, 1, 1, dim // 2]
             shape[axis] = size
             parts.append(angles.view(shape).expand(t, h, w, dim // 2))
-        image = torch.cat(parts, dim=-1).reshape(t * h * w, -1)
-        text_pos = torch.arange(text_len) + max(h // 2, w // 2)
-        text = torch.cat([self._angles(text_pos, dim) for dim in self.axes_dims], dim=-1)
-        polar = lambda a: torch.view_as_real(torch.polar(torch.ones_like(a), a)).to(device)  # noqa: E731
-        return polar(image), polar(text)
+        return torch.cat(parts, dim=-1).reshape(t * h * w, -1)
 
 
 class QwenAttention(nn.Module):
@@ -126,10 +145,16 @@ class QwenAttention(nn.Module):
         return self.to_out[0](x), self.to_add_out(text)  # (B, N, D), (B, L, D)
 
 
-def modulate(x, params):
-    """x * (1 + scale) + shift and the gate, from one stream's (B, 3D) slice (shift, scale, gate)."""
-    shift, scale, gate = params.chunk(3, dim=-1)
-    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1), gate.unsqueeze(1)
+def modulate(x, params, references=None):
+    """x * (1 + scale) + shift and the gate, from one stream's (B, 3D) slice (shift, scale, gate); with
+    `references` ((B, 3D) slice of the t = 0 embedding, and the (1, n, 1) flags of the reference tokens)
+    each token takes its own (diffusers' _modulate with a modulate_index)."""
+    shift, scale, gate = (p.unsqueeze(1) for p in params.chunk(3, dim=-1))
+    if references is not None:
+        zero, flags = references
+        pick = lambda ours, theirs: torch.where(flags == 0, ours, theirs.unsqueeze(1))  # noqa: E731
+        shift, scale, gate = (pick(a, b) for a, b in zip((shift, scale, gate), zero.chunk(3, dim=-1)))
+    return x * (1 + scale) + shift, gate
 
 
 class QwenImageBlock(nn.Module):
@@ -147,17 +172,24 @@ class QwenImageBlock(nn.Module):
         self.txt_norm1, self.txt_norm2 = norm(), norm()
         self.txt_mlp = FeedForward(dim)
 
-    def forward(self, x, text, text_mask, temb, rope, text_rope):
+    def forward(self, x, text, text_mask, temb, rope, text_rope, references=None):
         """x (B, N, D) image tokens (this rank's), text (B, L, D), text_mask (B, L) or None, temb (B, D),
-        rope (N, Dh/2, 2), text_rope (L, Dh/2, 2) -> (x, text), both updated."""
-        img_mod1, img_mod2 = self.img_mod(temb).chunk(2, dim=-1)  # (B, 3D) each
+        rope (N, Dh/2, 2), text_rope (L, Dh/2, 2) -> (x, text), both updated. `references`: Edit-2511's
+        (the t = 0 embedding (B, D), the image tokens' reference flags (1, N, 1))."""
+        zero1 = zero2 = None
+        if references is not None:  # one projection of both embeddings, as diffusers batches them
+            img_mod, zero = self.img_mod(torch.cat([temb, references[0]])).chunk(2)
+            img_mod1, img_mod2 = img_mod.chunk(2, dim=-1)
+            zero1, zero2 = ((z, references[1]) for z in zero.chunk(2, dim=-1))
+        else:
+            img_mod1, img_mod2 = self.img_mod(temb).chunk(2, dim=-1)  # (B, 3D) each
         txt_mod1, txt_mod2 = self.txt_mod(temb).chunk(2, dim=-1)
-        img_in, img_gate1 = modulate(self.img_norm1(x), img_mod1)
+        img_in, img_gate1 = modulate(self.img_norm1(x), img_mod1, zero1)
         txt_in, txt_gate1 = modulate(self.txt_norm1(text), txt_mod1)
         img_attn, txt_attn = self.attn(img_in, txt_in, text_mask, rope, text_rope)
         x = x + img_gate1 * img_attn
         text = text + txt_gate1 * txt_attn
-        img_in, img_gate2 = modulate(self.img_norm2(x), img_mod2)
+        img_in, img_gate2 = modulate(self.img_norm2(x), img_mod2, zero2)
         x = x + img_gate2 * self.img_mlp(img_in)
         txt_in, txt_gate2 = modulate(self.txt_norm2(text), txt_mod2)
         text = text + txt_gate2 * self.txt_mlp(txt_in)
@@ -194,6 +226,7 @@ class QwenImageTransformer(nn.Module):
         text_dim: int = 3584,
         patch_size: int = 2,
         axes_dims_rope=(16, 56, 56),
+        zero_cond_t: bool = False,
         attention_backend: str = "sdpa",
     ):
         super().__init__()
@@ -203,7 +236,7 @@ class QwenImageTransformer(nn.Module):
                 f"axes_dims_rope {list(axes_dims_rope)}"
             )
         self.in_channels, self.out_channels = in_channels, out_channels or in_channels
-        self.patch_size = patch_size
+        self.patch_size, self.zero_cond_t = patch_size, zero_cond_t
         self._architecture = dict(
             in_channels=in_channels,
             out_channels=self.out_channels,
@@ -213,6 +246,7 @@ class QwenImageTransformer(nn.Module):
             text_dim=text_dim,
             patch_size=patch_size,
             axes_dims_rope=tuple(axes_dims_rope),
+            zero_cond_t=zero_cond_t,
         )
         self.img_in = nn.Linear(in_channels * patch_size**2, hidden_size)
         self.txt_norm = RMSNorm(text_dim, eps=1e-6)
@@ -233,15 +267,21 @@ class QwenImageTransformer(nn.Module):
 
     def forward(self, x, t, cond: QwenImageCond):
         """x: (B, C, T, H, W) latents (normalised: sampling.py); t: (B,) sigma in [0, 1]; cond: the text
-        -> the velocity (B, C_out, T, H, W)."""
+        (and Qwen-Image-Edit's references) -> the velocity (B, C_out, T, H, W)."""
         tokens, grid = self.embed(x)  # (B, N, D)
-        ctx = self.condition(t, cond)
-        rope, text_rope = self.pos_embed(grid, ctx.text.shape[1], tokens.device)  # (N, Dh/2, 2), (L, Dh/2, 2)
+        ctx, n, grids = self.condition(t, cond), tokens.shape[1], reference_grids(cond)
+        rope, text_rope = self.pos_embed(grid, ctx.text.shape[1], tokens.device, grids)  # (N, ...), (L, ...)
+        references = None
+        if cond.references is not None:  # their tokens after the noisy ones, sharded with them
+            tokens = torch.cat([tokens, self.img_in(cond.references.to(tokens.dtype))], dim=1)
+            if ctx.reference_temb is not None:
+                flags = (torch.arange(tokens.shape[1], device=tokens.device) >= n).view(1, -1, 1)
+                references = (ctx.reference_temb, self.sequence.shard(flags.to(tokens.dtype), None)[0])
         tokens, rope = self.sequence.shard(tokens, rope)  # (B, N_local, D); the identity on one device
         text = ctx.text  # (B, L, D): whole on every rank
         for block in self.blocks:
-            tokens, text = block(tokens, text, ctx.text_mask, ctx.temb, rope, text_rope)
-        tokens = self.sequence.gather(tokens)  # (B, N, D)
+            tokens, text = block(tokens, text, ctx.text_mask, ctx.temb, rope, text_rope, references)
+        tokens = self.sequence.gather(tokens)[:, :n]  # (B, N, D): the noisy tokens' output alone
         return self.unpatchify(self.final_layer(tokens, ctx.temb), grid)  # (B, C_out, T, H, W)
 
     # The pieces of `forward`, for sequence parallelism and PipeFusion to call one by one.
@@ -267,12 +307,17 @@ class QwenImageTransformer(nn.Module):
         temb = self.time_text_embed(timestep, dtype)  # (B, D)
         text = self.txt_in(self.txt_norm(cond.text.to(dtype)))  # (B, L, D)
         mask = None if cond.text_mask is None else cond.text_mask.bool()
-        return QwenImageContext(temb, text, mask)
+        zero = None  # Edit-2511 modulates its references' tokens by the embedding of t = 0
+        if self.zero_cond_t and cond.references is not None:
+            zero = self.time_text_embed(timestep * 0, dtype)
+        return QwenImageContext(temb, text, mask, reference_temb=zero)
 
     # PipeFusion's (parallel/compute/pipefusion_family.py): the blocks on one patch of whole token rows.
 
     def patch_context(self, t, cond: QwenImageCond, grid) -> QwenImageContext:
         """What the blocks read at timestep t, besides the tokens: `condition`'s and the rotary angles."""
+        if cond.references is not None:  # refused by name before sampling (Qwen-Image-Edit's check)
+            raise ValueError("Qwen-Image-Edit's references run through neither PipeFusion nor first_block")
         ctx = self.condition(t, cond)
         ctx.rope = self.pos_embed(grid, ctx.text.shape[1], ctx.text.device)
         return ctx

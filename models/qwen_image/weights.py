@@ -14,9 +14,7 @@ from models.weight_files import unprefixed
 PIPELINE_CLASS = "QwenImagePipeline"
 TRANSFORMER_CLASS = "QwenImageTransformer2DModel"
 # diffusers options of later variants (Edit 2511, Layered, guidance-distilled) this transformer lacks
-_UNSUPPORTED = dict(
-    guidance_embeds=False, zero_cond_t=False, use_additional_t_cond=False, use_layer3d_rope=False
-)
+_UNSUPPORTED = dict(guidance_embeds=False, use_additional_t_cond=False, use_layer3d_rope=False)
 # ComfyUI's checkpoint saves prefix the transformer's keys; its split files and Qwen's release do not.
 # scaled-fp8 single files carry per-layer scales: they need dequantising, not renaming
 _QUANTIZED = re.compile(r"(^|\.)(scaled_fp8|scale_weight|scale_input|weight_scale|input_scale|comfy_quant)$")
@@ -70,6 +68,7 @@ def transformer_kwargs_from_diffusers_config(config: dict) -> dict:
         text_dim=config.get("joint_attention_dim", 3584),
         patch_size=patch,
         axes_dims_rope=tuple(config.get("axes_dims_rope", (16, 56, 56))),
+        zero_cond_t=bool(config.get("zero_cond_t", False)),  # Edit-2511: references modulated at t = 0
     )
 
 
@@ -86,6 +85,7 @@ def diffusers_config_from_kwargs(kwargs: dict) -> dict:
         num_attention_heads=heads,
         joint_attention_dim=kwargs["text_dim"],
         axes_dims_rope=list(kwargs["axes_dims_rope"]),
+        zero_cond_t=kwargs.get("zero_cond_t", False),
         **_UNSUPPORTED,
     )
 

@@ -1,0 +1,142 @@
+"""Qwen-Image-Edit-2509 and 2511 as a tessera family (diffusers' QwenImageEditPlusPipeline): Qwen-Image's
+transformer, text encoder, VAE, schedule and true CFG, conditioned on one to three reference images
+(infer.py --image a.png [b.png c.png], in order: Picture 1, 2, 3). Each reference is used twice, as the
+pipeline uses it: sized to about 384 x 384 for Qwen2.5-VL, which reads it with the instruction, and to
+about 1024 x 1024 for the VAE, whose latents join the image tokens after the noisy ones (clean, never
+noised; their RoPE frame is their index; 2511's are modulated at t = 0). The output's size, unless given,
+is the pipeline's: about 1024 x 1024 at the last reference's aspect ratio.
+"""
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from models.family import Components, part_folder
+from models.qwen_image.family import QwenImage
+from models.qwen_image.text import encode_edit_prompt
+from models.qwen_image.transformer import pack_latents
+
+CONDITION_AREA, VAE_AREA = 384 * 384, 1024 * 1024  # the pipeline's
+MAX_REFERENCES = 3  # the release's: "Picture 1" to "Picture 3"
+
+
+def pipeline_size(area: int, image) -> tuple:
+    """(height, width) of about `area` pixels at the image's aspect ratio, sides rounded to multiples of 32
+    (the pipeline's calculate_dimensions)."""
+    ratio = image.width / image.height
+    width = math.sqrt(area * ratio)
+    return round(width / ratio / 32) * 32, round(width / 32) * 32
+
+
+def reference_latents(z, config) -> torch.Tensor:
+    """(z - mean) / std, as the pipeline normalises its references (its text-to-image sibling multiplies by
+    1 / std: a rounding apart)."""
+    stats = lambda v: torch.tensor(v).view(1, -1, 1, 1, 1).to(z.device, z.dtype)  # noqa: E731
+    return (z - stats(config.latents_mean)) / stats(config.latents_std)
+
+
+@dataclass
+class QwenImageEditParts(Components):
+    image_processor: object = None  # Qwen2.5-VL's (the pipeline's processor/), and its tokenizer
+    vision_tokenizer: object = None
+
+
+class QwenImageEdit(QwenImage):
+    name, title = "qwen_image_edit", "Qwen-Image-Edit"
+    # its transformer's class is Qwen-Image's: a folder is told apart by its pipeline (Family.recognises)
+    pipeline_classes, transformer_classes = ("QwenImageEditPlusPipeline",), ()
+    # one of ulysses and ring, the references' tokens split with the others. Not PipeFusion nor the
+    # first-block cache: their patch pieces do not carry references yet
+    parallel_degrees = ("cfg", "ulysses", "ring")
+    trains = False  # training on (target, references) pairs is not built yet: refused by name
+
+    def check_pretrained(self, cfg) -> None:
+        super().check_pretrained(cfg)
+        folder = part_folder(cfg, "processor")
+        if not any(folder.glob("*.json")):
+            raise FileNotFoundError(
+                f"model.pretrained: no {self.title} processor in {folder} (Qwen2.5-VL's image processor, "
+                "part of the pipeline folder; tessera never downloads)"
+            )
+
+    def check_sample_keys(self, cfg) -> None:
+        super().check_sample_keys(cfg)
+        if cfg.sample.cache == "first_block":
+            raise ValueError(
+                f"sample.cache=first_block: {self.title}'s references do not run through the first-block "
+                "cache yet; use sample.cache=none or calibrated"
+            )
+
+    def takes_images(self, cfg) -> bool:
+        return True
+
+    def sampling_images(self, cfg, given: tuple, count: int, size: tuple, sized: bool, say=None) -> tuple:
+        """Every prompt's references (--image, in order; read as training data is), and the size: the
+        recipe's or the flags', else the pipeline's for the last reference."""
+        from models.image_condition import load_image
+
+        paths, last = given
+        if last:
+            raise ValueError(f"--last-image: {self.title} takes its references from --image alone")
+        if not paths:
+            raise ValueError(
+                f"{self.title} edits images: give 1 to {MAX_REFERENCES} with --image (PNG or JPEG files)"
+            )
+        if len(paths) > MAX_REFERENCES:
+            raise ValueError(
+                f"--image: {len(paths)} images; {self.title} takes 1 to {MAX_REFERENCES} (Picture 1 to "
+                f"{MAX_REFERENCES} of its template)"
+            )
+        try:
+            images = [load_image(path) for path in paths]
+        except FileNotFoundError as e:
+            raise ValueError(f"--image: {e}") from None
+        _, height, width = size
+        if not sized:
+            multiple = 2 * self.vae_scale(cfg)
+            height, width = (side // multiple * multiple for side in pipeline_size(VAE_AREA, images[-1]))
+            if say is not None:
+                say(f"--image: sampling {width}x{height}, the size {self.title}'s pipeline picks for the "
+                    "last image (give --height and --width for another)")  # fmt: skip
+        return [images] * count, None, height, width
+
+    def load(self, cfg, device, dtype, transformer: bool = True, keep=None) -> QwenImageEditParts:
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        parts, folder = super().load(cfg, device, dtype, transformer, keep), part_folder(cfg, "processor")
+        return QwenImageEditParts(
+            **vars(parts),
+            image_processor=AutoImageProcessor.from_pretrained(folder),
+            vision_tokenizer=AutoTokenizer.from_pretrained(folder),
+        )
+
+    def conditionings(self, parts: QwenImageEditParts, sampling) -> tuple:
+        """Both branches encoded with the references, as the pipeline encodes them (the negative prompt
+        too), and the references' latents (the mode, normalised) packed after the noisy tokens."""
+        from diffusers.image_processor import VaeImageProcessor
+
+        images = sampling.images[0]  # the same references for every prompt
+        scale = 2 ** len(parts.vae.temperal_downsample)
+        processor = VaeImageProcessor(vae_scale_factor=scale * 2)
+        small = [processor.resize(image, *pipeline_size(CONDITION_AREA, image)) for image in images]
+        vision = (parts.image_processor, parts.vision_tokenizer, parts.text_encoder)
+        count, encode = len(sampling.prompts), lambda p: encode_edit_prompt(p, small, *vision)  # noqa: E731
+        cond, uncond = encode(sampling.prompts), None
+        if self.guided(sampling.guidance):
+            uncond = encode([sampling.negative_prompt] * count)
+        tokens, grids = [], []
+        device = next(parts.vae.parameters()).device
+        for image in images:
+            pixels = processor.preprocess(image, *pipeline_size(VAE_AREA, image)).unsqueeze(2)
+            with torch.no_grad():
+                z = parts.vae.encode(pixels.to(device, parts.vae.dtype)).latent_dist.mode()
+            z = reference_latents(z, parts.vae.config)
+            tokens.append(pack_latents(z))
+            grids.append((1, z.shape[-2] // 2, z.shape[-1] // 2))
+        references = dict(
+            references=torch.cat(tokens, dim=1).expand(count, -1, -1),
+            reference_grids=torch.tensor([grids] * count, device=device),
+        )
+        given = lambda c: None if c is None else replace(self.conditioning(*c), **references)  # noqa: E731
+        return given(cond), given(uncond)

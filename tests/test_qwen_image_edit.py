@@ -1,0 +1,302 @@
+"""Qwen-Image-Edit-2509 / 2511 (diffusers' QwenImageEditPlusPipeline) against diffusers, code no one here
+wrote: the transformer with reference images (their packed latents after the noisy tokens, each image's
+RoPE frames from its index, the text after the largest half-side; 2511's references modulated at t = 0)
+gives diffusers' output on the noisy tokens, in float32 and bf16."""
+
+import pytest
+import torch
+
+from models.qwen_image import (
+    QwenImageCond,
+    build_transformer,
+    pack_latents,
+    tessera_state_dict_from_diffusers,
+)
+from tests.test_qwen_image import TEXT_DIM, TINY_TRANSFORMER
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("zero_cond_t", [False, True], ids=["2509", "2511"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_transformer_with_references_matches_diffusers(zero_cond_t, dtype):
+    """A 5 x 7 token output, references of 4 x 4 and 6 x 3 tokens (the second's half-side the largest),
+    two samples at different sigmas, the second's text padded."""
+    from diffusers import QwenImageTransformer2DModel
+
+    torch.manual_seed(0)
+    theirs = QwenImageTransformer2DModel(**TINY_TRANSFORMER, zero_cond_t=zero_cond_t).eval()
+    ours = build_transformer(dict(theirs.config)).eval()
+    ours.load_state_dict(tessera_state_dict_from_diffusers(theirs.state_dict()))
+    theirs, ours = theirs.to(dtype), ours.to(dtype)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 4, 1, 10, 14, generator=g).to(dtype)
+    refs = [torch.randn(2, 4, 1, h, w, generator=g).to(dtype) for h, w in ((8, 8), (12, 6))]
+    text = torch.randn(2, 7, TEXT_DIM, generator=g).to(dtype)
+    mask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
+    sigma = torch.tensor([0.7, 0.3])
+    grids = [(1, 5, 7), (1, 4, 4), (1, 6, 3)]
+    packed = torch.cat([pack_latents(r) for r in refs], dim=1)
+    out = theirs(
+        hidden_states=torch.cat([pack_latents(x), packed], dim=1),
+        encoder_hidden_states=text,
+        encoder_hidden_states_mask=mask.long(),
+        timestep=(sigma * 1000).to(dtype) / 1000,
+        img_shapes=[grids] * 2,
+        return_dict=False,
+    )[0][:, :35]
+    cond = QwenImageCond(text, mask, packed, torch.tensor([grids[1:]] * 2))
+    got = pack_latents(ours(x, sigma, cond))
+    plain = pack_latents(ours(x, sigma, QwenImageCond(text, mask)))
+    diff = float((got.float() - out.float()).abs().max())
+    print(f"{dtype} zero_cond_t={zero_cond_t}: max abs {diff:.2e}")
+    assert diff <= (1e-5 if dtype == torch.float32 else 1e-2 * float(out.float().abs().max()))
+    assert float((plain.float() - out.float()).abs().max()) > 1e-3  # the references matter
+
+
+VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+EDIT_VAE = dict(  # 8x spatial compression: the pipeline sizes each reference to about 1024 x 1024 pixels
+    base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True],
+    latents_mean=[0.1, -0.2, 0.3, 0.05], latents_std=[0.5, 1.5, 2.0, 0.8],
+)  # fmt: skip
+
+
+def edit_tokenizer():
+    from tokenizers import AddedToken
+
+    from tests.test_qwen_image import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_tokens([AddedToken(t, special=True) for t in VISION_TOKENS], special_tokens=True)
+    return tokenizer
+
+
+def edit_text_encoder(tokenizer):
+    """A tiny Qwen2.5-VL whose vision tower reads the images (its token ids the tokenizer's)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    ids = dict(
+        zip(
+            ("vision_start", "image", "vision_end", "video"),
+            map(tokenizer.convert_tokens_to_ids, VISION_TOKENS),
+        )
+    )
+    rope = {"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"}
+    text = dict(hidden_size=TEXT_DIM, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=2, rope_scaling=rope, rope_theta=1e6, vocab_size=len(tokenizer),
+                bos_token_id=None, eos_token_id=2, pad_token_id=0)  # fmt: skip
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=TEXT_DIM)
+    config = Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, vocab_size=len(tokenizer), hidden_size=16,
+        image_token_id=ids["image"], video_token_id=ids["video"], vision_start_token_id=ids["vision_start"],
+        vision_end_token_id=ids["vision_end"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def images_only_processor(tokenizer):
+    """transformers' Qwen2VLProcessor without its video processor, which needs torchvision (not installed
+    here): its class check for that one argument skipped; everything the pipeline calls is transformers'."""
+    from unittest import mock
+
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    check = ProcessorMixin.check_argument_for_proper_class
+    skip = lambda self, name, arg: None if arg is None else check(self, name, arg)  # noqa: E731
+    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", skip):
+        return Qwen2VLProcessor(
+            image_processor=Qwen2VLImageProcessor(), tokenizer=tokenizer, video_processor=None
+        )
+
+
+def tiny_edit_pipeline(zero_cond_t: bool = False):
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImageEditPlusPipeline,
+        QwenImageTransformer2DModel,
+    )
+
+    from tests.test_qwen_image import QWEN_SCHEDULER
+
+    tokenizer = edit_tokenizer()
+    encoder = edit_text_encoder(tokenizer)
+    torch.manual_seed(0)
+    transformer = QwenImageTransformer2DModel(
+        **{**TINY_TRANSFORMER, "num_attention_heads": 2}, zero_cond_t=zero_cond_t
+    )
+    torch.manual_seed(0)
+    vae = AutoencoderKLQwenImage(**EDIT_VAE).eval()
+    scheduler = FlowMatchEulerDiscreteScheduler(**{**QWEN_SCHEDULER, "shift_terminal": 0.05})
+    pipe = QwenImageEditPlusPipeline(
+        scheduler, vae, encoder, tokenizer, images_only_processor(tokenizer), transformer.eval()
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def save(pipe, folder):
+    """The pipeline folder as save_pretrained writes it, the processor as its image processor and
+    tokenizer (what a released processor/ holds besides the video processor's config)."""
+    from unittest import mock
+
+    from transformers import Qwen2VLProcessor
+
+    def parts(processor, where, **kwargs):
+        processor.image_processor.save_pretrained(where)
+        processor.tokenizer.save_pretrained(where)
+
+    with mock.patch.object(Qwen2VLProcessor, "save_pretrained", parts):
+        pipe.save_pretrained(folder)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["2509", "2511"])
+def edit(request, tmp_path_factory):
+    """(the pipeline, its folder, two reference images saved as PNG files)."""
+    import numpy as np
+    from PIL import Image
+
+    folder = tmp_path_factory.mktemp("edit")
+    with torch.random.fork_rng():
+        pipe = tiny_edit_pipeline(zero_cond_t=request.param)
+    save(pipe, folder / "pipeline")
+    rng = np.random.default_rng(0)
+    paths = []
+    for i, (h, w) in enumerate(((72, 88), (64, 40))):
+        paths.append(folder / f"ref{i}.png")
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(paths[-1])
+    return pipe, folder / "pipeline", paths
+
+
+@torch.no_grad()
+def test_prompt_encoding_matches_the_pipeline(edit):
+    """Two references sized for Qwen2.5-VL as the pipeline sizes them: the pipeline's encode_prompt
+    (transformers' processor) and tessera's, token for token."""
+    from models.image_condition import load_image
+    from models.qwen_image.edit import CONDITION_AREA, pipeline_size
+    from models.qwen_image.text import encode_edit_prompt
+
+    pipe, _, paths = edit
+    images = [load_image(p) for p in paths]
+    small = [pipe.image_processor.resize(image, *pipeline_size(CONDITION_AREA, image)) for image in images]
+    want, _ = pipe.encode_prompt("make it blue", image=small, device="cpu")
+    got, mask = encode_edit_prompt(
+        ["make it blue"], small, pipe.processor.image_processor, pipe.tokenizer, pipe.text_encoder
+    )
+    assert mask is None and torch.equal(got, want)
+
+
+def edit_args(folder, tmp_path, paths, *extra):
+    from tests.conftest import ROOT
+
+    parts = [f"{key}.pretrained={folder}" for key in ("model", "vae", "text_encoder")]
+    recipe = str(ROOT / "configs" / "qwen-image-edit.yaml")
+    return ["--config", recipe, "model.size=auto", *parts, f"run.output_dir={tmp_path / 'run'}",
+            "--image", *map(str, paths), "--frames", "1", *extra]  # fmt: skip
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("references", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2: a 1280 x 800 output
+def test_infer_matches_the_pipeline(edit, tmp_path, references):
+    """infer.py --image (one reference, then two) gives QwenImageEditPlusPipeline's image: the same
+    prompt, negative prompt, true CFG 4, 2 steps, seed; the output's size the pipeline's for the last
+    reference when none is given (two prompts: each its own seed)."""
+    import numpy as np
+
+    import infer
+    from models.image_condition import load_image
+    from tests.conftest import run_main
+
+    pipe, folder, paths = edit
+    paths = paths[:references]
+    prompts = ["make it blue", "add a hat"]
+    out = str(tmp_path / "out.npy")
+    argv = edit_args(folder, tmp_path, paths, "--prompt", *prompts, "--negative-prompt", "blurry",
+                     "--steps", "2", "--guidance", "4", "--seed", "5", "--output", out)  # fmt: skip
+    if references == 1:  # a given size
+        argv += ["--height", "48", "--width", "32"]
+    assert run_main(infer, argv) == 0
+    images = [load_image(p) for p in paths]
+    size = dict(height=48, width=32) if references == 1 else {}
+    for i, prompt in enumerate(prompts):
+        want = pipe(
+            image=images, prompt=prompt, negative_prompt="blurry", true_cfg_scale=4.0, num_inference_steps=2,
+            generator=torch.Generator().manual_seed(5 + i), output_type="np", **size,
+        ).images[0]  # fmt: skip
+        got = np.load(tmp_path / f"out_{i:03d}.npy")[0]
+        diff = float(np.abs(got - want).max())
+        print(f"{references} reference(s), prompt {i}: infer.py vs the pipeline {diff:.2e}, {got.shape}")
+        assert got.shape == want.shape and diff <= 1e-5 and want.std() > 0.01
+
+
+def test_refusals(edit, tmp_path, capsys):
+    """Each bad request: one error line naming it, before any model is built."""
+    import infer
+    from tests.conftest import run_main
+
+    _, folder, paths = edit
+    cases = [
+        (edit_args(folder, tmp_path, [paths[0]] * 4), "takes 1 to 3"),
+        (edit_args(folder, tmp_path, [tmp_path / "missing.png"]), "missing.png"),
+        (edit_args(folder, tmp_path, paths, "sample.cache=first_block"), "first-block cache"),
+        (
+            edit_args(folder, tmp_path, paths, "parallel.pipefusion=2"),
+            "does not sample under parallel.pipefusion",
+        ),
+        (edit_args(folder, tmp_path, paths, "--last-image", str(paths[0])), "--last-image"),
+        ([a for a in edit_args(folder, tmp_path, []) if a != "--image"], "edits images: give 1 to 3"),
+    ]
+    for argv, expected in cases:
+        assert run_main(infer, argv) != 0
+        err = capsys.readouterr().err
+        assert expected in err and err.count("error:") == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+@torch.no_grad()
+@pytest.mark.parametrize("split", ["parallel.ulysses=2", "parallel.ring=2"])
+def test_split_layouts_match_the_pipeline(edit, tmp_path, split):
+    """cfg 2 x ulysses 2 and cfg 2 x ring 2 (4 processes): the references' tokens are split with the
+    noisy ones, each attended once; the image is the pipeline's."""
+    import numpy as np
+
+    from models.image_condition import load_image
+    from tests.conftest import ranks
+
+    pipe, folder, paths = edit
+    out = tmp_path / "out.npy"
+    argv = edit_args(folder, tmp_path, paths[:1], "--prompt", "make it blue", "--negative-prompt", "blurry",
+                     "--steps", "2", "--guidance", "4", "--seed", "5", "--height", "48", "--width", "32",
+                     "--output", str(out), "parallel.cfg=2", split)  # fmt: skip
+    done = ranks(4, "infer.py", *argv, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    layout = done.stdout.split("layout ")[1].split(";")[0]  # the start-up line: the degrees it ran under
+    assert "cfg=2" in layout and split.replace("parallel.", "") in layout, layout
+    want = pipe(
+        image=[load_image(paths[0])], prompt="make it blue", negative_prompt="blurry", true_cfg_scale=4.0,
+        num_inference_steps=2, height=48, width=32, generator=torch.Generator().manual_seed(5),
+        output_type="np",
+    ).images[0]  # fmt: skip
+    diff = float(np.abs(np.load(out)[0] - want).max())
+    print(f"{split}: infer.py on 4 processes vs the pipeline {diff:.2e}")
+    assert diff <= 1e-5
+
+
+def test_the_folder_is_edit_not_qwen_image(edit):
+    """Its transformer's class is Qwen-Image's: model.size=auto tells the folder by its pipeline's class,
+    and a Qwen-Image folder stays Qwen-Image's."""
+    import json
+
+    from configs import load_config
+
+    _, folder, _ = edit
+    family = lambda: load_config(None, ["model.size=auto", f"model.pretrained={folder}"]).model.family  # noqa: E731
+    assert family() == "qwen_image_edit"
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": "QwenImagePipeline"}))
+    try:
+        assert family() == "qwen_image"
+    finally:
+        (folder / "model_index.json").write_text(json.dumps(index))
