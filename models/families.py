@@ -43,6 +43,7 @@ FAMILIES = Families(
         "hunyuan_video15": "models.hunyuan_video15.family:HunyuanVideo15",
         "ltx2": "models.ltx2.family:LTX2",
         "z_image": "models.z_image.family:ZImage",
+        "flux2": "models.flux2.family:Flux2",
     }
 )
 

@@ -72,12 +72,15 @@ def calculate_shift(image_tokens: int, base_seq_len=256, max_seq_len=4096, base_
     return image_tokens * slope + (base_shift - slope * base_seq_len)
 
 
-def sigmas(steps: int, image_tokens: int, scheduler_config: dict | None = None, start=None) -> torch.Tensor:
+def sigmas(
+    steps: int, image_tokens: int, scheduler_config: dict | None = None, start=None, mu: float | None = None
+) -> torch.Tensor:
     """The noise levels of `steps` Euler steps, then 0: (steps + 1,) float32. The pipeline's
     linspace(1, 1/steps, steps), shifted as the scheduler does (dynamic: exp(mu) / (exp(mu) + 1/s - 1)
     with mu = calculate_shift(image_tokens); else the static shift), then stretched to end at
     shift_terminal if set. In float32 numpy, in diffusers' order of operations. `start`: the unshifted
-    levels a pipeline passes instead (Z-Image's torch.linspace, which rounds otherwise)."""
+    levels a pipeline passes instead (Z-Image's torch.linspace, which rounds otherwise); `mu`: the shift a
+    pipeline computes its own way (FLUX.2's empirical one) instead of calculate_shift's."""
     config = {**SCHEDULER_DEFAULTS, **(scheduler_config or {})}
     wrong = [key for key in UNSUPPORTED if config.get(key)]
     if wrong or config["time_shift_type"] not in ("exponential", "linear"):
@@ -87,7 +90,7 @@ def sigmas(steps: int, image_tokens: int, scheduler_config: dict | None = None, 
         )
     s = np.linspace(1.0, 1 / steps, steps).astype(np.float32) if start is None else start
     if config["use_dynamic_shifting"]:
-        mu = calculate_shift(
+        mu = mu if mu is not None else calculate_shift(
             image_tokens,
             config["base_image_seq_len"],
             config["max_image_seq_len"],

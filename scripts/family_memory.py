@@ -89,10 +89,12 @@ def release_parts() -> dict:
     from diffusers import (
         AutoencoderDC,
         AutoencoderKL,
+        AutoencoderKLFlux2,
         AutoencoderKLHunyuanVideo15,
         AutoencoderKLLTX2Audio,
         AutoencoderKLLTX2Video,
         AutoencoderKLQwenImage,
+        Flux2Transformer2DModel,
         HunyuanVideo15Transformer3DModel,
         LTX2VideoTransformer3DModel,
         QwenImageTransformer2DModel,
@@ -151,6 +153,17 @@ def release_parts() -> dict:
                 "ByT5-small encoder": T5EncoderModel(T5Config(**BYT5_SMALL)),
                 "AutoencoderKLHunyuanVideo15": AutoencoderKLHunyuanVideo15(),
             },
+            "FLUX.2 klein 4B": {  # black-forest-labs/FLUX.2-klein-4B's transformer/config.json
+                "FLUX.2 klein 4B transformer": Flux2Transformer2DModel(
+                    num_layers=5,
+                    num_single_layers=20,
+                    num_attention_heads=24,
+                    joint_attention_dim=7680,
+                    guidance_embeds=False,
+                ),
+                "Qwen3-4B": Qwen3Model(Qwen3Config(**QWEN3_4B)),
+                "AutoencoderKLFlux2": AutoencoderKLFlux2(),
+            },
             "Z-Image": {
                 "Z-Image transformer": ZImageTransformer2DModel(),
                 "Qwen3-4B": Qwen3Model(Qwen3Config(**QWEN3_4B)),
@@ -161,6 +174,7 @@ def release_parts() -> dict:
 
 def tiny_parts() -> dict:
     """The tests' tiny pipelines' parts (tests/test_families.py), built here."""
+    from tests.test_flux2 import tiny_flux2_pipeline
     from tests.test_hunyuan_video15 import tiny_pipeline
     from tests.test_ltx2_pipeline import tiny_pipeline as tiny_ltx2_pipeline
     from tests.test_qwen_image import tiny_qwen_pipeline
@@ -170,7 +184,12 @@ def tiny_parts() -> dict:
     qwen, sana, hunyuan = tiny_qwen_pipeline(), tiny_sana_pipeline(), tiny_pipeline()
     parts = {
         name: {f"{name} {part}": getattr(pipe, part) for part in ("transformer", "text_encoder", "vae")}
-        for name, pipe in (("Qwen-Image", qwen), ("Sana", sana), ("Z-Image", tiny_z_image_pipeline()))
+        for name, pipe in (
+            ("Qwen-Image", qwen),
+            ("Sana", sana),
+            ("Z-Image", tiny_z_image_pipeline()),
+            ("FLUX.2", tiny_flux2_pipeline()),
+        )
     }
     names = ("transformer", "text_encoder", "text_encoder_2", "vae")
     parts["HunyuanVideo 1.5"] = {f"HunyuanVideo 1.5 {part}": getattr(hunyuan, part) for part in names}

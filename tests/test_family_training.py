@@ -21,14 +21,14 @@ from models.families import family_named
 from models.flow import RectifiedFlow
 from parallel.drive.family_training import FamilyRun, family_batch
 from tests.conftest import ROOT, ranks, run_main
-from tests.test_families import ROWS, infer_args, pipeline_image, saved  # noqa: F401  (saved: a fixture)
-from tests.test_sana import MAX_LENGTH, NEGATIVE, PROMPTS
+from tests.test_families import ROWS, infer_args, negative, pipeline_image, saved  # noqa: F401  (saved: a fixture)
+from tests.test_sana import MAX_LENGTH, PROMPTS
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import export  # noqa: E402
 
 # height, width: 3 x 5 tokens, which neither degree 2 divides (Z-Image pads them to 32)
-TRAIN_SIZE = dict(qwen_image=(48, 80), sana=(96, 160), z_image=(24, 40))
+TRAIN_SIZE = dict(qwen_image=(48, 80), sana=(96, 160), z_image=(24, 40), flux2=(24, 40))
 CAPTIONS = ["a red square on a white wall", "a dog"]
 
 
@@ -84,7 +84,18 @@ def diffusers_loss(name, pipe, pixels, prompts, noise, sigma) -> torch.Tensor:
     Z-Image, which diffusers has no script for: musubi-tuner's, the pipeline's pieces (its latents
     (z - shift) x scale, the model told 1 - sigma, its output negated) on the velocity."""
     s = sigma.view(-1, 1, 1, 1, 1)
-    if name == "z_image":
+    if name == "flux2":  # diffusers has no script for it: the pipeline's pieces on the velocity
+        embeds, text_ids = pipe.encode_prompt(list(prompts))
+        x0 = pipe._encode_vae_image(pixels[:, :, 0], None)  # packed 2 x 2, batch-norm normalised
+        x_t = (1 - s[:, :, 0]) * x0 + s[:, :, 0] * noise[:, :, 0]
+        B, C, h, w = x0.shape
+        pred = pipe.transformer(
+            hidden_states=pipe._pack_latents(x_t), encoder_hidden_states=embeds, timestep=sigma,
+            img_ids=pipe._prepare_latent_ids(x_t), txt_ids=text_ids, guidance=None, return_dict=False,
+        )[0]  # fmt: skip
+        pred = pred.transpose(1, 2).reshape(B, C, 1, h, w)
+        x0 = x0.unsqueeze(2)
+    elif name == "z_image":
         embeds = pipe.encode_prompt(list(prompts), do_classifier_free_guidance=False)[0]
         vae = pipe.vae.config
         x0 = ((pipe.vae.encode(pixels[:, :, 0]).latent_dist.mode() - vae.shift_factor) * vae.scaling_factor)
@@ -197,7 +208,7 @@ def test_a_run_trains_and_resumes(runs, tmp_path, capsys, kind):
         record = state["lora"]  # the family's own layers, as resolve_family chose (lora.targets unset)
         assert record["rank"] == 4 and record["targets"] == list(family_named(name).lora_targets)
         layers = dict(sana="blocks.0.attn1.to_q", z_image="blocks.0.attention.to_q")
-        layer = layers.get(name, "blocks.0.attn.to_q")
+        layer = layers.get(name, "blocks.0.attn.to_q")  # Qwen-Image's and FLUX.2's
         assert layer in record["modules"]
         assert got[-1]["loss"] != metrics(made["full"])[-1]["loss"]  # the adapters alone trained
 
@@ -262,7 +273,7 @@ def test_buckets_by_aspect_ratio(saved, tmp_path):  # noqa: F811
     assert run_main(train, [*argv, *buckets]) == 0
     trained = {bucket for m in metrics(run) for bucket in m["buckets"]}
     assert len(trained) >= 2, trained
-    multiple = {"sana": 32}.get(name, 8)  # the tiny pipelines: Sana 32, Qwen-Image and Z-Image 4 x patch 2
+    multiple = {"sana": 32}.get(name, 8)  # the tiny pipelines: Sana 32, the others' VAEs 4 x their 2 x 2
     for bucket in trained:
         frames, height, width = map(int, bucket.split("x"))
         assert frames == 1 and height % multiple == 0 and width % multiple == 0, bucket
@@ -343,7 +354,7 @@ def test_parallel_auto_trains_under_a_split_the_family_takes(saved, tmp_path, mo
 
 
 def infer_image(name, folder, tmp_path, out, *extra):
-    argv = infer_args(name, folder, tmp_path, "--prompt", PROMPTS[0], "--negative-prompt", NEGATIVE)
+    argv = infer_args(name, folder, tmp_path, "--prompt", PROMPTS[0], "--negative-prompt", negative(name))
     argv += ["--steps", "2", "--guidance", "4", "--seed", "1", "--output", str(tmp_path / out), *extra]
     assert run_main(infer, argv) == 0
     return np.load(tmp_path / out)[0]

@@ -1,0 +1,173 @@
+"""FLUX.2 klein as a tessera family (models/family.py): a diffusers Flux2KleinPipeline folder's transformer,
+Qwen3 text encoder (three layers' hidden states side by side) and AutoencoderKLFlux2, whose latents are packed
+2 x 2 into 128 channels and normalised by its batch norm's running statistics; the scheduler's shift at the
+pipeline's empirical mu; CFG against the negative prompt (the pipeline's: the empty one) above 1, none for a
+step-distilled folder (model_index.json's is_distilled: a guidance scale other than 1 is refused there).
+Text-to-image under dp, cfg, ulysses or ring. FLUX.2 dev (guidance embedded, Mistral) is refused by name.
+"""
+
+import re
+from pathlib import Path
+
+import torch
+
+from models.family import Components, Family, part_folder, read_json
+from models.flux2.text import MAX_SEQUENCE_LENGTH, encode_prompt
+from models.flux2.transformer import Flux2Cond
+from models.flux2.weights import (
+    PIPELINE_CLASSES,
+    TRANSFORMER_CLASS,
+    build_transformer,
+    to_diffusers,
+    to_tessera,
+)
+from models.loop import Schedule, euler, sigmas
+
+
+def empirical_mu(tokens: int, steps: int) -> float:
+    """The shift diffusers' Flux2 pipelines compute from the image's token count and the step count."""
+    a1, b1, a2, b2 = 8.73809524e-05, 1.89833333, 0.00016927, 0.45666666
+    if tokens > 4300:
+        return float(a2 * tokens + b2)
+    m_200, m_10 = a2 * tokens + b2, a1 * tokens + b1
+    a = (m_200 - m_10) / 190.0
+    return float(a * steps + (m_200 - 200.0 * a))
+
+
+def blocks_before(state: dict, pattern: str) -> int:
+    """1 + the largest block index of the keys matching `pattern` (0 when none does)."""
+    found = [int(m.group(1)) for m in map(lambda k: re.match(pattern, k), state) if m]
+    return 1 + max(found) if found else 0
+
+
+def batch_norm_stats(vae, like) -> tuple:
+    """(mean, std) (1, C, 1, 1) of the VAE's batch norm, the latents' normalisation."""
+    mean = vae.bn.running_mean.view(1, -1, 1, 1).to(like.device, like.dtype)
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(
+        like.device, like.dtype
+    )
+    return mean, std
+
+
+class Flux2(Family):
+    name, title = "flux2", "FLUX.2"
+    pipeline_classes, transformer_classes = PIPELINE_CLASSES, (TRANSFORMER_CLASS,)
+    parallel_degrees = ("cfg", "ulysses", "ring")  # one of ulysses and ring (joint attention); no PipeFusion
+    vae_class, max_length = "AutoencoderKLFlux2", MAX_SEQUENCE_LENGTH
+    conditioning = Flux2Cond
+    # both kinds of block: the double blocks' attention and feed-forwards, the single blocks' projections
+    lora_targets = ("blocks.*.attn.*", "blocks.*.ff.*", "blocks.*.ff_context.*")
+
+    def distilled(self, cfg) -> bool:
+        return bool(
+            read_json(Path(cfg.model.pretrained or "") / "model_index.json").get("is_distilled", False)
+        )
+
+    def check_guidance(self, cfg, guidance: float) -> None:
+        if self.distilled(cfg) and guidance != 1.0:
+            raise ValueError(
+                f"guidance {guidance}: model.pretrained={cfg.model.pretrained} is a step-distilled FLUX.2 "
+                "klein (is_distilled), which samples without guidance; give --guidance 1"
+            )
+
+    def heads(self, cfg) -> int | None:
+        return self.transformer_config(cfg).get("num_attention_heads", 48)
+
+    def vae_scale(self, cfg) -> int:
+        config = read_json(part_folder(cfg, "vae") / "config.json")
+        return 2 * 2 ** (len(config.get("block_out_channels", [0] * 4)) - 1)  # the VAE's stride, then 2 x 2
+
+    def patch(self, cfg) -> int:
+        return 1  # its tokens are the packed latents' own cells
+
+    def check_scheduler(self, config: dict) -> None:
+        kind = config.get("_class_name", "FlowMatchEulerDiscreteScheduler")
+        if kind != "FlowMatchEulerDiscreteScheduler" or config.get("use_flow_sigmas"):
+            raise ValueError(
+                f"{self.title} samples with FlowMatchEulerDiscreteScheduler; the folder has {kind}"
+            )
+        sigmas(2, 16, config)  # a setting the schedule does not reproduce is refused by name
+
+    def check_size(self, cfg, frames: int, height: int, width: int) -> None:
+        if frames != 1:
+            raise ValueError(f"{self.title} samples images: use --frames 1 (got {frames})")
+        multiple = self.vae_scale(cfg)
+        if height % multiple or width % multiple:
+            raise ValueError(
+                f"{self.title} samples sizes that are multiples of {multiple}: --height {height} --width "
+                f"{width} is not"
+            )
+
+    def build(self, config: dict, cfg):
+        return build_transformer(config, cfg.model.attention_backend)
+
+    def to_tessera(self, state: dict) -> dict:
+        """diffusers' names -> one list of blocks, the double ones first (their count from the state)."""
+        return to_tessera(state, blocks_before(state, r"^transformer_blocks\.(\d+)\."))
+
+    def to_diffusers(self, state: dict) -> dict:
+        """A whole state dict's names back (the double blocks: those with a text feed-forward)."""
+        return to_diffusers(state, blocks_before(state, r"^blocks\.(\d+)\.ff_context\."))
+
+    def projections(self, model) -> tuple[dict, dict]:
+        """Family.projections, each module's diffusers name from the model's own count of double blocks."""
+        from models.lora_formats import model_projections
+
+        return model_projections(model, lambda name: next(iter(to_diffusers({name: None}, model.depth))))
+
+    def load(self, cfg, device, dtype, transformer: bool = True, keep=None) -> Components:
+        import transformers
+        from diffusers import AutoencoderKLFlux2
+
+        model = self.load_transformer(cfg, dtype, keep) if transformer else None
+        index = read_json(Path(part_folder(cfg, "text_encoder")).parent / "model_index.json")
+        encoder_class = getattr(transformers, index.get("text_encoder", [0, "Qwen3ForCausalLM"])[1])
+        encoder = encoder_class.from_pretrained(part_folder(cfg, "text_encoder"), dtype=dtype)
+        vae = AutoencoderKLFlux2.from_pretrained(part_folder(cfg, "vae"), torch_dtype=dtype)
+        encoder, vae = (m.eval().to(device).requires_grad_(False) for m in (encoder, vae))
+        if model is not None:
+            model = model.to(device).requires_grad_(False)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(part_folder(cfg, "tokenizer"))
+        scheduler = read_json(part_folder(cfg, "scheduler") / "scheduler_config.json")
+        return Components(model, tokenizer, encoder, vae, scheduler)
+
+    def encode(self, parts: Components, prompts: list, max_length: int, negative: bool = False):
+        return Flux2Cond(encode_prompt(prompts, parts.tokenizer, parts.text_encoder, max_length))
+
+    def store_conditioning(self, cond: Flux2Cond) -> list[dict]:
+        return [{"text": text} for text in cond.text]  # every position: the transformer sees them all
+
+    def load_conditioning(self, stored: list, max_length: int) -> Flux2Cond:
+        return Flux2Cond(torch.stack([s["text"] for s in stored]))
+
+    def encode_images(self, parts: Components, images: torch.Tensor) -> torch.Tensor:
+        """The posterior's mode packed 2 x 2 and normalised by the batch norm's statistics, as the pipeline
+        encodes its reference images."""
+        z = parts.vae.encode(images[:, :, 0].to(parts.vae.dtype)).latent_dist.mode()
+        B, C, H, W = z.shape
+        z = z.view(B, C, H // 2, 2, W // 2, 2).permute(0, 1, 3, 5, 2, 4).reshape(B, C * 4, H // 2, W // 2)
+        mean, std = batch_norm_stats(parts.vae, z)
+        return ((z - mean) / std).float().unsqueeze(2)
+
+    def noise(self, parts: Components, seeds: list, frames: int, height: int, width: int) -> torch.Tensor:
+        """What the pipeline draws from a generator seeded with seed, in the model's dtype: (128, 1, h, w)."""
+        scale = 2 * 2 ** (len(parts.vae.config.block_out_channels) - 1)
+        shape = (parts.transformer.in_channels, 1, height // scale, width // scale)
+        dtype = parts.transformer.x_embedder.weight.dtype
+        draw = lambda s: torch.randn(shape, generator=torch.Generator().manual_seed(s), dtype=dtype)  # noqa: E731
+        return torch.stack([draw(s) for s in seeds])
+
+    def schedule(self, parts: Components, steps: int, latents: torch.Tensor) -> Schedule:
+        tokens = latents.shape[-2] * latents.shape[-1]
+        levels = sigmas(steps, tokens, parts.scheduler_config, mu=empirical_mu(tokens, steps)).to(
+            latents.device
+        )
+        return Schedule(levels, levels[:-1], euler(levels))
+
+    def decode(self, parts: Components, latents) -> torch.Tensor:
+        z = latents[:, :, 0].to(parts.vae.dtype)
+        mean, std = batch_norm_stats(parts.vae, z)
+        z = z * std + mean
+        B, C, h, w = z.shape
+        z = z.reshape(B, C // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(B, C // 4, h * 2, w * 2)
+        return parts.vae.decode(z, return_dict=False)[0].unsqueeze(2)

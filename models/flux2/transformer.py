@@ -1,0 +1,321 @@
+"""FLUX.2's transformer (diffusers' Flux2Transformer2DModel: klein and dev) in tessera's style; single-device
+code.
+
+Double-stream blocks (each stream its own weights, attending jointly) then single-stream blocks (one set
+of weights over text and image, the attention's projections fused with the feed-forward's), every block
+modulated by shared projections of the time embedding. RoPE has four axes (t, h, w, l): text token l at
+(0, 0, 0, l), image token (h, w) at (0, h, w, 0). `blocks` holds both kinds in order (diffusers'
+`transformer_blocks` then `single_transformer_blocks`: weights.py renames them), each taking and giving
+(image tokens, text), so that FSDP2, checkpointing and sequence parallelism see one list; the text is
+whole on every rank and joins the image tokens in each attention only ("joint": parallel/ splits it).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.attention import JointAttention
+from models.layers import WholeSequence, apply_rope, timestep_features
+
+
+@dataclass
+class Flux2Cond:
+    """What FLUX.2 takes beside latents and timestep: its text encoder's hidden states of several layers,
+    stacked per token (text.py); every position enters unmasked, as the pipelines give them."""
+
+    text: torch.Tensor  # (B, L, text_dim)
+    text_mask: torch.Tensor | None = None  # always None: the pipelines mask nothing
+
+
+def rope_angles(positions: torch.Tensor, axes_dims, theta: float) -> torch.Tensor:
+    """Positions (N, 4) -> (N, Dh/2, 2) (cos, sin), each axis its own share of channel pairs, computed as
+    diffusers' Flux2PosEmbed (float64 angles, then float32)."""
+    parts = []
+    for axis, dim in enumerate(axes_dims):
+        freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        angles = torch.outer(positions[:, axis].float().cpu(), freqs)
+        parts.append(torch.stack([angles.cos().float(), angles.sin().float()], dim=-1))
+    return torch.cat(parts, dim=1).to(positions.device)
+
+
+def split_modulation(mod: torch.Tensor, sets: int) -> tuple:
+    """(B, 3 sets D) -> sets x (shift, scale, gate), each (B, 1, D): diffusers' Flux2Modulation.split."""
+    chunks = mod.unsqueeze(1).chunk(3 * sets, dim=-1)
+    return tuple(chunks[3 * i : 3 * i + 3] for i in range(sets))
+
+
+class Modulation(nn.Module):
+    """SiLU, then one projection without bias: `sets` x (shift, scale, gate) for every block of a kind."""
+
+    def __init__(self, dim: int, sets: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, 3 * sets * dim, bias=False)
+
+    def forward(self, temb):
+        return self.linear(F.silu(temb))
+
+
+def swiglu(x):
+    half = x.shape[-1] // 2
+    return F.silu(x[..., :half]) * x[..., half:]
+
+
+class FeedForward(nn.Module):
+    """linear_in to twice the inner width, SwiGLU, linear_out; no biases."""
+
+    def __init__(self, dim: int, mult: float):
+        super().__init__()
+        inner = int(dim * mult)
+        self.linear_in, self.linear_out = (
+            nn.Linear(dim, 2 * inner, bias=False),
+            nn.Linear(inner, dim, bias=False),
+        )
+
+    def forward(self, x):
+        return self.linear_out(swiglu(self.linear_in(x)))
+
+
+def heads(x, norm, rope, head_dim):
+    """(B, N, D) -> (B, H, N, Dh), normalised per head and rotated (rope (N, Dh/2, 2) or None)."""
+    x = norm(x.unflatten(-1, (-1, head_dim)))
+    if rope is not None:
+        x = apply_rope(x, rope[:, None])
+    return x.transpose(1, 2)
+
+
+def modulated(norm, x, shift, scale):
+    return (1 + scale) * norm(x) + shift
+
+
+class DoubleAttention(nn.Module):
+    """Both streams' projections and per-head RMSNorms (torch's, as diffusers'), then the joint operator."""
+
+    def __init__(self, dim: int, head_dim: int, eps: float, backend: str):
+        super().__init__()
+        self.head_dim = head_dim
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.add_q_proj, self.add_k_proj, self.add_v_proj = (
+            nn.Linear(dim, dim, bias=False) for _ in range(3)
+        )
+        self.norm_q, self.norm_k = nn.RMSNorm(head_dim, eps=eps), nn.RMSNorm(head_dim, eps=eps)
+        self.norm_added_q, self.norm_added_k = nn.RMSNorm(head_dim, eps=eps), nn.RMSNorm(head_dim, eps=eps)
+        self.to_out = nn.ModuleList([nn.Linear(dim, dim, bias=False)])
+        self.to_add_out = nn.Linear(dim, dim, bias=False)
+        self.joint_attention = JointAttention(backend)
+
+    def forward(self, x, text, rope, text_rope):
+        d, plain = self.head_dim, lambda y: y.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # noqa: E731
+        q, k = heads(self.to_q(x), self.norm_q, rope, d), heads(self.to_k(x), self.norm_k, rope, d)
+        tq = heads(self.add_q_proj(text), self.norm_added_q, text_rope, d)
+        tk = heads(self.add_k_proj(text), self.norm_added_k, text_rope, d)
+        x, text = self.joint_attention(q, k, plain(self.to_v(x)), tq, tk, plain(self.add_v_proj(text)), None)
+        flat = lambda y: y.transpose(1, 2).flatten(2).to(q.dtype)  # noqa: E731
+        return self.to_out[0](flat(x)), self.to_add_out(flat(text))
+
+
+class DoubleBlock(nn.Module):
+    """A double-stream block: each stream normed, modulated, attending jointly, then its own feed-forward."""
+
+    kind_of_block = "double"
+
+    def __init__(self, dim: int, head_dim: int, mlp_ratio: float, eps: float, backend: str):
+        super().__init__()
+        norm = lambda: nn.LayerNorm(dim, elementwise_affine=False, eps=eps)  # noqa: E731
+        self.norm1, self.norm1_context, self.norm2, self.norm2_context = norm(), norm(), norm(), norm()
+        self.attn = DoubleAttention(dim, head_dim, eps, backend)
+        self.ff, self.ff_context = FeedForward(dim, mlp_ratio), FeedForward(dim, mlp_ratio)
+
+    def forward(self, x, text, mods, rope, text_rope):
+        """x (B, N, D) this rank's image tokens, text (B, L, D); mods: the modulations (ImageMods) -> both."""
+        (shift, scale, gate), (shift2, scale2, gate2) = mods.double_img
+        (c_shift, c_scale, c_gate), (c_shift2, c_scale2, c_gate2) = mods.double_txt
+        attn, text_attn = self.attn(
+            modulated(self.norm1, x, shift, scale), modulated(self.norm1_context, text, c_shift, c_scale),
+            rope, text_rope,
+        )  # fmt: skip
+        x = x + gate * attn
+        x = x + gate2 * self.ff(self.norm2(x) * (1 + scale2) + shift2)
+        text = text + c_gate * text_attn
+        text = text + c_gate2 * self.ff_context(self.norm2_context(text) * (1 + c_scale2) + c_shift2)
+        if text.dtype == torch.float16:  # diffusers clips the text stream in float16
+            text = text.clip(-65504, 65504)
+        return x, text
+
+
+class SingleAttention(nn.Module):
+    """The single-stream block's fused projection (queries, keys, values and the feed-forward's input), the
+    per-head RMSNorms, the joint operator over [text, image], and one output projection of the attention
+    and the feed-forward together."""
+
+    def __init__(self, dim: int, head_dim: int, mlp_ratio: float, eps: float, backend: str):
+        super().__init__()
+        self.head_dim, self.mlp_hidden = head_dim, int(dim * mlp_ratio)
+        self.to_qkv_mlp_proj = nn.Linear(dim, 3 * dim + 2 * self.mlp_hidden, bias=False)
+        self.norm_q, self.norm_k = nn.RMSNorm(head_dim, eps=eps), nn.RMSNorm(head_dim, eps=eps)
+        self.to_out = nn.Linear(dim + self.mlp_hidden, dim, bias=False)
+        self.joint_attention = JointAttention(backend)
+
+    def _split(self, x, rope):
+        projected = self.to_qkv_mlp_proj(x)
+        qkv, mlp = projected.split([projected.shape[-1] - 2 * self.mlp_hidden, 2 * self.mlp_hidden], dim=-1)
+        q, k, v = qkv.chunk(3, dim=-1)
+        d = self.head_dim
+        plain = v.unflatten(-1, (-1, d)).transpose(1, 2)
+        return heads(q, self.norm_q, rope, d), heads(k, self.norm_k, rope, d), plain, swiglu(mlp)
+
+    def forward(self, x, text, rope, text_rope):
+        q, k, v, mlp = self._split(x, rope)
+        tq, tk, tv, text_mlp = self._split(text, text_rope)
+        x_attn, text_attn = self.joint_attention(q, k, v, tq, tk, tv, None)
+        flat = lambda y: y.transpose(1, 2).flatten(2).to(q.dtype)  # noqa: E731
+        out = lambda a, m: self.to_out(torch.cat([flat(a), m], dim=-1))  # noqa: E731
+        return out(x_attn, mlp), out(text_attn, text_mlp)
+
+
+class SingleBlock(nn.Module):
+    """A single-stream block: text and image normed and modulated alike, one fused attention and
+    feed-forward, one gated residual."""
+
+    kind_of_block = "single"
+
+    def __init__(self, dim: int, head_dim: int, mlp_ratio: float, eps: float, backend: str):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
+        self.attn = SingleAttention(dim, head_dim, mlp_ratio, eps, backend)
+
+    def forward(self, x, text, mods, rope, text_rope):
+        ((shift, scale, gate),) = mods.single
+        out, text_out = self.attn(
+            modulated(self.norm, x, shift, scale), modulated(self.norm, text, shift, scale), rope, text_rope
+        )
+        x, text = x + gate * out, text + gate * text_out
+        if x.dtype == torch.float16:
+            x, text = x.clip(-65504, 65504), text.clip(-65504, 65504)
+        return x, text
+
+
+@dataclass
+class ImageMods:
+    """Every block's modulation at one timestep (`Flux2Transformer.condition`)."""
+
+    temb: torch.Tensor  # (B, D): the final norm's
+    double_img: tuple
+    double_txt: tuple
+    single: tuple
+
+
+class TimeEmbedding(nn.Module):
+    """diffusers' Flux2TimestepGuidanceEmbeddings without guidance (klein): 256 sinusoidal features (cos
+    first) of the timestep, then linear_1, SiLU, linear_2 without biases (`timestep_embedder`)."""
+
+    def __init__(self, dim: int, channels: int = 256):
+        super().__init__()
+        self.channels = channels
+        self.timestep_embedder = nn.Module()
+        self.timestep_embedder.linear_1 = nn.Linear(channels, dim, bias=False)
+        self.timestep_embedder.linear_2 = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, t):
+        e = self.timestep_embedder
+        return e.linear_2(F.silu(e.linear_1(timestep_features(t, self.channels).to(t.dtype))))
+
+
+class Flux2Transformer(nn.Module):
+    """FLUX.2's transformer (klein: no guidance embedding). in_channels counts the packed 2 x 2 patch of the
+    VAE's latents (128 released); the token grid is the latents' own (patch 1)."""
+
+    def __init__(
+        self,
+        in_channels: int = 128,
+        out_channels: int | None = None,
+        depth: int = 8,
+        single_depth: int = 48,
+        head_dim: int = 128,
+        num_heads: int = 48,
+        text_dim: int = 15360,
+        mlp_ratio: float = 3.0,
+        axes_dims_rope=(32, 32, 32, 32),
+        rope_theta: float = 2000.0,
+        eps: float = 1e-6,
+        attention_backend: str = "sdpa",
+    ):
+        super().__init__()
+        if sum(axes_dims_rope) != head_dim:
+            raise ValueError(f"axes_dims_rope {list(axes_dims_rope)} must add up to the head dim {head_dim}")
+        dim = head_dim * num_heads
+        self.in_channels, self.out_channels, self.patch_size = in_channels, out_channels or in_channels, 1
+        self.depth, self.axes_dims, self.rope_theta = depth, tuple(axes_dims_rope), rope_theta
+        self._architecture = dict(
+            in_channels=in_channels, out_channels=self.out_channels, depth=depth, single_depth=single_depth,
+            head_dim=head_dim, num_heads=num_heads, text_dim=text_dim, mlp_ratio=mlp_ratio,
+            axes_dims_rope=tuple(axes_dims_rope), rope_theta=rope_theta, eps=eps,
+        )  # fmt: skip
+        self.time_guidance_embed = TimeEmbedding(dim)
+        self.double_stream_modulation_img = Modulation(dim, 2)
+        self.double_stream_modulation_txt = Modulation(dim, 2)
+        self.single_stream_modulation = Modulation(dim, 1)
+        self.x_embedder = nn.Linear(in_channels, dim, bias=False)
+        self.context_embedder = nn.Linear(text_dim, dim, bias=False)
+        self.sequence = WholeSequence()  # parallel/ assigns a sequence-parallel replacement
+        blocks = [DoubleBlock(dim, head_dim, mlp_ratio, eps, attention_backend) for _ in range(depth)]
+        blocks += [SingleBlock(dim, head_dim, mlp_ratio, eps, attention_backend) for _ in range(single_depth)]
+        self.blocks = nn.ModuleList(blocks)
+        self.norm_out = nn.Module()  # diffusers' AdaLayerNormContinuous without bias
+        self.norm_out.linear = nn.Linear(dim, 2 * dim, bias=False)
+        self.norm_out.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
+        self.proj_out = nn.Linear(dim, self.out_channels, bias=False)
+
+    def architecture(self) -> dict:
+        return dict(self._architecture)
+
+    def forward(self, x, t, cond: Flux2Cond):
+        """x: (B, C, 1, h, w) packed latents; t: (B,) sigma in [0, 1]; cond: the text -> the velocity."""
+        tokens, grid = self.embed(x)
+        mods, text = self.condition(t, cond), self.context_embedder(cond.text.to(tokens.dtype))
+        rope, text_rope = self.ropes(grid, text.shape[1], tokens.device)
+        tokens, rope = self.sequence.shard(tokens, rope)
+        for block in self.blocks:
+            tokens, text = block(tokens, text, mods, rope, text_rope)
+        tokens = self.sequence.gather(tokens)
+        return self.unpatchify(self.final_layer(tokens, mods.temb), grid)
+
+    def embed(self, x):
+        """(B, C, T, h, w) -> tokens (B, T h w, D) in (t, h, w) order, and the grid."""
+        B, C, T, H, W = x.shape
+        if C != self.in_channels:
+            raise ValueError(f"FLUX.2 takes latents of {self.in_channels} channels; got {tuple(x.shape)}")
+        tokens = x.to(self.x_embedder.weight.dtype).reshape(B, C, T * H * W).transpose(1, 2)
+        return self.x_embedder(tokens), (T, H, W)
+
+    def condition(self, t, cond=None) -> ImageMods:
+        """The time embedding (the pipeline's 1000 sigma in the model's dtype, / 1000, * 1000) and every
+        block's modulation."""
+        dtype = self.x_embedder.weight.dtype
+        timestep = ((t.float() * 1000).to(dtype) / 1000).to(dtype) * 1000
+        temb = self.time_guidance_embed(timestep)
+        double_img = split_modulation(self.double_stream_modulation_img(temb), 2)
+        double_txt = split_modulation(self.double_stream_modulation_txt(temb), 2)
+        return ImageMods(
+            temb, double_img, double_txt, split_modulation(self.single_stream_modulation(temb), 1)
+        )
+
+    def ropes(self, grid, text_len: int, device) -> tuple:
+        """The image tokens' angles (t h w, Dh/2, 2) at (t, h, w, 0) and the text's at (0, 0, 0, l)."""
+        cells = torch.stack(torch.meshgrid(*(torch.arange(s) for s in grid), indexing="ij"), -1).reshape(
+            -1, 3
+        )
+        image = torch.cat([cells, torch.zeros(len(cells), 1, dtype=cells.dtype)], dim=1)
+        text = torch.zeros(text_len, 4, dtype=torch.long)
+        text[:, 3] = torch.arange(text_len)
+        angles = lambda p: rope_angles(p, self.axes_dims, self.rope_theta).to(device)  # noqa: E731
+        return angles(image), angles(text)
+
+    def final_layer(self, tokens, temb):
+        scale, shift = self.norm_out.linear(F.silu(temb).to(tokens.dtype)).chunk(2, dim=1)
+        return self.proj_out(self.norm_out.norm(tokens) * (1 + scale)[:, None, :] + shift[:, None, :])
+
+    def unpatchify(self, tokens, grid):
+        B, (t, h, w) = tokens.shape[0], grid
+        return tokens.transpose(1, 2).reshape(B, self.out_channels, t, h, w)

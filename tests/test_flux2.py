@@ -1,0 +1,156 @@
+"""models/flux2 against diffusers, code no one here wrote: a tiny random Flux2Transformer2DModel (klein:
+no guidance embedding) with diffusers' weights gives diffusers' output (float32 and bf16, a non-square
+grid, the 4-axis RoPE); the names map both ways."""
+
+import pytest
+import torch
+
+from models.flux2.transformer import Flux2Cond
+from models.flux2.weights import build_transformer, to_diffusers, to_tessera
+
+TEXT_DIM = 24  # 3 layers x the tiny Qwen3's 8
+TINY_TRANSFORMER = dict(
+    patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
+    num_attention_heads=2, joint_attention_dim=TEXT_DIM, timestep_guidance_channels=256, mlp_ratio=3.0,
+    axes_dims_rope=(4, 4, 4, 4), rope_theta=2000, eps=1e-6, guidance_embeds=False,
+)  # fmt: skip
+
+
+def tiny_transformer():
+    from diffusers import Flux2Transformer2DModel
+
+    torch.manual_seed(0)
+    theirs = Flux2Transformer2DModel(**TINY_TRANSFORMER).eval()
+    with torch.no_grad():  # zero-initialised by no one here, but small: give the modulations some weight
+        for p in theirs.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ours = build_transformer(dict(theirs.config)).eval()
+    ours.load_state_dict(to_tessera(theirs.state_dict(), 2), strict=True)
+    return theirs, ours
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_transformer_matches_diffusers(dtype):
+    """A 5 x 7 token grid, 9 text tokens, two samples at different sigmas: tessera's velocity is
+    diffusers' output as Flux2KleinPipeline calls the model."""
+    theirs, ours = (m.to(dtype) for m in tiny_transformer())
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 16, 1, 5, 7, generator=g).to(dtype)
+    text = torch.randn(2, 9, TEXT_DIM, generator=g).to(dtype)
+    sigma = torch.tensor([0.7, 0.3])
+    h, w = 5, 7
+    img_ids = torch.cartesian_prod(torch.arange(1), torch.arange(h), torch.arange(w), torch.arange(1))[None]
+    txt_ids = torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(9))[None]
+    out = theirs(
+        hidden_states=x.reshape(2, 16, h * w).transpose(1, 2),
+        encoder_hidden_states=text,
+        timestep=(sigma * 1000).to(dtype) / 1000,
+        img_ids=img_ids.expand(2, -1, -1),
+        txt_ids=txt_ids.expand(2, -1, -1),
+        guidance=None,
+        return_dict=False,
+    )[0]
+    want = out.transpose(1, 2).reshape(2, 16, 1, h, w)
+    got = ours(x, sigma, Flux2Cond(text))
+    diff = float((got.float() - want.float()).abs().max())
+    print(f"{dtype}: max abs {diff:.2e}")
+    assert got.shape == want.shape and float(want.float().std()) > 0.01
+    assert diff <= (1e-5 if dtype == torch.float32 else 1e-2 * float(want.float().abs().max()))
+
+
+def test_names_round_trip():
+    theirs, ours = tiny_transformer()
+    state = theirs.state_dict()
+    assert to_diffusers(to_tessera(state, 2), 2).keys() == state.keys()
+    assert to_tessera(state, 2).keys() == ours.state_dict().keys()
+
+
+FLUX2_VAE = dict(  # 4x spatial compression (the release's 8x), then 2 x 2 packing: 16 channels
+    in_channels=3, out_channels=3, latent_channels=4, block_out_channels=[8, 16, 16],
+    down_block_types=["DownEncoderBlock2D"] * 3, up_block_types=["UpDecoderBlock2D"] * 3, layers_per_block=1,
+    norm_num_groups=4,
+)  # fmt: skip
+SCHEDULER = dict(use_dynamic_shifting=True, time_shift_type="exponential")
+
+
+def tiny_text_encoder(vocab_size: int):
+    """A tiny Qwen3 causal LM with the 28 layers the pipeline reads three of (9, 18, 27), 8 wide."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        hidden_size=8, intermediate_size=16, num_hidden_layers=28, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=4, vocab_size=vocab_size, max_position_embeddings=1024,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(config).eval()
+
+
+def tiny_flux2_pipeline(is_distilled: bool = False):
+    """The tiny diffusers Flux2KleinPipeline, float32, seeded; its VAE's batch-norm statistics not the
+    identity."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+
+    from tests.test_z_image import z_tokenizer
+
+    tokenizer = z_tokenizer()
+    encoder = tiny_text_encoder(len(tokenizer))
+    transformer = tiny_transformer()[0]
+    torch.manual_seed(0)
+    vae = AutoencoderKLFlux2(**FLUX2_VAE).eval()
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(torch.randn(16) * 0.3)
+        vae.bn.running_var.copy_(torch.rand(16) + 0.5)
+    scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER)
+    pipe = Flux2KleinPipeline(scheduler, vae, encoder, tokenizer, transformer, is_distilled=is_distilled)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize("steps", [1, 4, 28])
+@pytest.mark.parametrize("tokens", [15, 4096, 5000])
+def test_schedule_matches_the_scheduler(steps, tokens):
+    """The levels Flux2KleinPipeline sets: its linspace at the empirical mu (both of its branches)."""
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+
+    from models.flux2.family import Flux2, empirical_mu
+
+    scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER)
+    mu = compute_empirical_mu(tokens, steps)
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+
+    class Parts:
+        scheduler_config = dict(scheduler.config)
+
+    latents = torch.zeros(1, 16, 1, 1, tokens)
+    assert empirical_mu(tokens, steps) == mu
+    assert torch.equal(Flux2().schedule(Parts, steps, latents).sigmas, scheduler.sigmas)
+
+
+@torch.no_grad()
+def test_a_distilled_folder_samples_without_guidance(tmp_path, capsys):
+    """A step-distilled folder (is_distilled): guidance 4 refused by name before anything loads; guidance 1
+    gives the pipeline's image (which ignores any scale)."""
+    import numpy as np
+
+    import infer
+    from tests.conftest import ROOT, run_main
+
+    with torch.random.fork_rng():
+        pipe = tiny_flux2_pipeline(is_distilled=True)
+    pipe.save_pretrained(tmp_path / "pipeline")
+    parts = [f"{key}.pretrained={tmp_path / 'pipeline'}" for key in ("model", "vae", "text_encoder")]
+    recipe = str(ROOT / "configs" / "flux2-klein.yaml")
+    argv = ["--config", recipe, "model.size=auto", *parts, "--frames", "1", "--height", "40", "--width", "24", "--prompt", "a red square", "--steps", "2", "--seed", "3",
+            "--output", str(tmp_path / "out.npy")]  # fmt: skip
+    assert run_main(infer, [*argv, "--guidance", "4"]) != 0
+    err = capsys.readouterr().err
+    assert "step-distilled" in err and err.count("error:") == 1 and not (tmp_path / "out.npy").exists()
+    assert run_main(infer, [*argv, "--guidance", "1"]) == 0
+    want = pipe(
+        prompt="a red square", height=40, width=24, num_inference_steps=2, guidance_scale=4.0,
+        generator=torch.Generator().manual_seed(3), output_type="np",
+    ).images[0]  # fmt: skip
+    assert float(np.abs(np.load(tmp_path / "out.npy")[0] - want).max()) <= 1e-5
