@@ -144,7 +144,8 @@ def test_a_distilled_folder_samples_without_guidance(tmp_path, capsys):
     parts = [f"{key}.pretrained={tmp_path / 'pipeline'}" for key in ("model", "vae", "text_encoder")]
     recipe = str(ROOT / "configs" / "flux2-klein.yaml")
     argv = ["--config", recipe, "model.size=auto", *parts, "--frames", "1", "--height", "40", "--width", "24",
-            "--prompt", "a red square", "--steps", "2", "--seed", "3", "--output", str(tmp_path / "out.npy")]  # fmt: skip
+            "--prompt", "a red square", "--steps", "2", "--seed", "3"]  # fmt: skip
+    argv += ["--output", str(tmp_path / "out.npy")]
     assert run_main(infer, [*argv, "--guidance", "4"]) != 0
     err = capsys.readouterr().err
     assert "step-distilled" in err and err.count("error:") == 1 and not (tmp_path / "out.npy").exists()
