@@ -166,8 +166,26 @@ class Family:
     def check_split(self, cfg, height: int, width: int, ulysses: int, ring: int) -> None:
         """Refuse (ValueError) a sequence split its operators cannot run, or a size too small for it."""
 
+    def check_image_size(self, frames: int, height: int, width: int, multiple: int, why: str = "") -> None:
+        """An image family's check_size: one frame, sides multiples of `multiple` (`why`: its reason)."""
+        if frames != 1:
+            raise ValueError(f"{self.title} samples images: use --frames 1 (got {frames})")
+        if height % multiple or width % multiple:
+            near = lambda n: n // multiple * multiple or multiple  # noqa: E731
+            raise ValueError(
+                f"{self.title} samples sizes that are multiples of {multiple}{why}: --height {height} "
+                f"--width {width} is not (try {near(height)} x {near(width)})"
+            )
+
     def check_size(self, cfg, frames: int, height: int, width: int) -> None:
         """Refuse a size the family cannot sample, naming the flag (ValueError)."""
+
+    def text_encoder_class(self, cfg, default: str):
+        """The transformers class of its text encoder as model_index.json names it (else `default`)."""
+        import transformers
+
+        index = read_json(Path(part_folder(cfg, "text_encoder")).parent / "model_index.json")
+        return getattr(transformers, index.get("text_encoder", [0, default])[1])
 
     def build(self, config: dict, cfg) -> torch.nn.Module:
         """The transformer of a diffusers config.json (on whatever device is current)."""

@@ -89,14 +89,7 @@ class Flux2(Family):
         sigmas(2, 16, config)  # a setting the schedule does not reproduce is refused by name
 
     def check_size(self, cfg, frames: int, height: int, width: int) -> None:
-        if frames != 1:
-            raise ValueError(f"{self.title} samples images: use --frames 1 (got {frames})")
-        multiple = self.vae_scale(cfg)
-        if height % multiple or width % multiple:
-            raise ValueError(
-                f"{self.title} samples sizes that are multiples of {multiple}: --height {height} --width "
-                f"{width} is not"
-            )
+        self.check_image_size(frames, height, width, self.vae_scale(cfg))  # the VAE's stride and its 2 x 2
 
     def build(self, config: dict, cfg):
         return build_transformer(config, cfg.model.attention_backend)
@@ -120,8 +113,7 @@ class Flux2(Family):
         from diffusers import AutoencoderKLFlux2
 
         model = self.load_transformer(cfg, dtype, keep) if transformer else None
-        index = read_json(Path(part_folder(cfg, "text_encoder")).parent / "model_index.json")
-        encoder_class = getattr(transformers, index.get("text_encoder", [0, "Qwen3ForCausalLM"])[1])
+        encoder_class = self.text_encoder_class(cfg, "Qwen3ForCausalLM")  # klein's
         encoder = encoder_class.from_pretrained(part_folder(cfg, "text_encoder"), dtype=dtype)
         vae = AutoencoderKLFlux2.from_pretrained(part_folder(cfg, "vae"), torch_dtype=dtype)
         encoder, vae = (m.eval().to(device).requires_grad_(False) for m in (encoder, vae))

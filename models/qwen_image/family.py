@@ -51,15 +51,7 @@ class QwenImage(Family):
         sigmas(2, 16, config)  # a setting the schedule does not reproduce is refused by name
 
     def check_size(self, cfg, frames: int, height: int, width: int) -> None:
-        if frames != 1:
-            raise ValueError(f"Qwen-Image samples images: use --frames 1 (got {frames})")
-        multiple = 2 * self.vae_scale(cfg)  # the VAE's stride, then 2x2 packing
-        if height % multiple or width % multiple:
-            raise ValueError(
-                f"Qwen-Image samples sizes that are multiples of {multiple}: --height {height} --width "
-                f"{width} is not (try {height // multiple * multiple or multiple} x "
-                f"{width // multiple * multiple or multiple})"
-            )
+        self.check_image_size(frames, height, width, 2 * self.vae_scale(cfg))  # the VAE's stride, then 2 x 2
 
     def build(self, config: dict, cfg):
         return build_transformer(config, cfg.model.attention_backend)

@@ -65,14 +65,7 @@ class Sana(Family):
             )
 
     def check_size(self, cfg, frames: int, height: int, width: int) -> None:
-        if frames != 1:
-            raise ValueError(f"Sana samples images: use --frames 1 (got {frames})")
-        multiple = self.vae_scale(cfg)
-        if height % multiple or width % multiple:
-            raise ValueError(
-                f"Sana samples sizes that are multiples of {multiple} (its DC-AE's stride): --height "
-                f"{height} --width {width} is not"
-            )
+        self.check_image_size(frames, height, width, self.vae_scale(cfg), " (its DC-AE's stride)")
 
     def build(self, config: dict, cfg):
         return build_sana(config)

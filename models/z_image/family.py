@@ -6,7 +6,6 @@ sample.cfg_truncation and its norm capped at sample.cfg_normalization times the 
 """
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -66,15 +65,7 @@ class ZImage(Family):
         sigmas(2, 16, config)  # a setting the schedule does not reproduce is refused by name
 
     def check_size(self, cfg, frames: int, height: int, width: int) -> None:
-        if frames != 1:
-            raise ValueError(f"{self.title} samples images: use --frames 1 (got {frames})")
-        multiple = 2 * self.vae_scale(cfg)  # the VAE's stride, then 2x2 patches
-        if height % multiple or width % multiple:
-            near = lambda n: n // multiple * multiple or multiple  # noqa: E731
-            raise ValueError(
-                f"{self.title} samples sizes that are multiples of {multiple}: --height {height} --width "
-                f"{width} is not (try {near(height)} x {near(width)})"
-            )
+        self.check_image_size(frames, height, width, 2 * self.vae_scale(cfg))  # the VAE's stride, then 2 x 2
 
     def check_guidance(self, cfg, guidance: float) -> None:
         if guidance < 0:
@@ -114,9 +105,7 @@ class ZImage(Family):
         from diffusers import AutoencoderKL
 
         model = self.load_transformer(cfg, dtype, keep) if transformer else None
-        # the text encoder's class as model_index.json names it (the release: Qwen3Model)
-        index = read_json(Path(part_folder(cfg, "text_encoder")).parent / "model_index.json")
-        encoder_class = getattr(transformers, index.get("text_encoder", [0, "Qwen3Model"])[1])
+        encoder_class = self.text_encoder_class(cfg, "Qwen3Model")  # the release's
         encoder = encoder_class.from_pretrained(part_folder(cfg, "text_encoder"), dtype=dtype)
         vae = AutoencoderKL.from_pretrained(part_folder(cfg, "vae"), torch_dtype=dtype)
         encoder, vae = (m.eval().to(device).requires_grad_(False) for m in (encoder, vae))
