@@ -155,3 +155,71 @@ def test_a_distilled_folder_samples_without_guidance(tmp_path, capsys):
         generator=torch.Generator().manual_seed(3), output_type="np",
     ).images[0]  # fmt: skip
     assert float(np.abs(np.load(tmp_path / "out.npy")[0] - want).max()) <= 1e-5
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("references", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_reference_images_match_the_pipeline(tmp_path, references):
+    """infer.py --image: the references' latents after the noisy tokens, each at its own size and time
+    offset (10, 20): Flux2KleinPipeline's image for image=[...], the output at the first one's size (one
+    reference) or a given size (two: under cfg 2 x ulysses 2 on 4 processes, their tokens split too)."""
+    import numpy as np
+    from PIL import Image
+
+    import infer
+    from models.image_condition import load_image
+    from tests.conftest import ROOT, ranks, run_main
+
+    rng = np.random.default_rng(0)
+    paths = []
+    for i, (h, w) in enumerate(((72, 88), (100, 64))[:references]):
+        paths.append(tmp_path / f"ref{i}.png")
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(paths[-1])
+    with torch.random.fork_rng():
+        pipe = tiny_flux2_pipeline()
+    pipe.save_pretrained(tmp_path / "pipeline")
+    parts = [f"{key}.pretrained={tmp_path / 'pipeline'}" for key in ("model", "vae", "text_encoder")]
+    recipe, out = str(ROOT / "configs" / "flux2-klein.yaml"), tmp_path / "out.npy"
+    argv = ["--config", recipe, "model.size=auto", *parts, "--frames", "1", "--prompt", "make it blue",
+            "--steps", "2", "--guidance", "4", "--seed", "3", "--output", str(out)]  # fmt: skip
+    argv += ["--image", *map(str, paths)]
+    size = {}
+    if references == 1:
+        assert run_main(infer, argv) == 0
+    else:
+        size = dict(height=40, width=24)
+        argv += ["--height", "40", "--width", "24", "parallel.cfg=2", "parallel.ulysses=2"]
+        done = ranks(4, "infer.py", *argv, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+    want = pipe(
+        image=[load_image(p) for p in paths], prompt="make it blue", num_inference_steps=2,
+        guidance_scale=4.0, generator=torch.Generator().manual_seed(3), output_type="np", **size,
+    ).images[0]  # fmt: skip
+    got = np.load(out)[0]
+    diff = float(np.abs(got - want).max())
+    print(f"{references} reference(s): infer.py vs Flux2KleinPipeline {diff:.2e}, {got.shape}")
+    assert got.shape == want.shape and diff <= 1e-5 and want.std() > 0.01
+
+
+def test_reference_refusals(tmp_path, capsys):
+    """A reference under 64 pixels a side, or with --last-image: one error line each, before any model."""
+    import numpy as np
+    from PIL import Image
+
+    import infer
+    from tests.conftest import ROOT, run_main
+
+    small = tmp_path / "small.png"
+    Image.fromarray(np.zeros((32, 80, 3), dtype=np.uint8)).save(small)
+    with torch.random.fork_rng():
+        tiny_flux2_pipeline().save_pretrained(tmp_path / "pipeline")
+    parts = [f"{key}.pretrained={tmp_path / 'pipeline'}" for key in ("model", "vae", "text_encoder")]
+    recipe = str(ROOT / "configs" / "flux2-klein.yaml")
+    argv = ["--config", recipe, "model.size=auto", *parts, "--frames", "1"]
+    for extra, expected in (
+        (["--image", str(small)], "at least 64 pixels a side"),
+        (["--image", str(small), "--last-image", str(small)], "from --image alone"),
+    ):
+        assert run_main(infer, [*argv, *extra]) != 0
+        err = capsys.readouterr().err
+        assert expected in err and err.count("error:") == 1, err

@@ -6,7 +6,9 @@ step-distilled folder (model_index.json's is_distilled: a guidance scale other t
 Text-to-image under dp, cfg, ulysses or ring. FLUX.2 dev (guidance embedded, Mistral) is refused by name.
 """
 
+import math
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -40,6 +42,16 @@ def blocks_before(state: dict, pattern: str) -> int:
     return 1 + max(found) if found else 0
 
 
+def reference_size(image, multiple: int) -> tuple:
+    """(height, width) the pipeline gives a reference: scaled to 1024 x 1024 pixels' area when larger
+    (diffusers' Flux2ImageProcessor._resize_to_target_area), floored to multiples of the stride."""
+    width, height = image.size
+    if width * height > 1024 * 1024:
+        scale = math.sqrt(1024 * 1024 / (width * height))
+        width, height = int(width * scale), int(height * scale)
+    return height // multiple * multiple, width // multiple * multiple
+
+
 def batch_norm_stats(vae, like) -> tuple:
     """(mean, std) (1, C, 1, 1) of the VAE's batch norm, the latents' normalisation."""
     mean = vae.bn.running_mean.view(1, -1, 1, 1).to(like.device, like.dtype)
@@ -57,6 +69,64 @@ class Flux2(Family):
     conditioning = Flux2Cond
     # both kinds of block: the double blocks' attention and feed-forwards, the single blocks' projections
     lora_targets = ("blocks.*.attn.*", "blocks.*.ff.*", "blocks.*.ff_context.*")
+
+    def takes_images(self, cfg) -> bool:
+        return True  # reference images, optional: --image
+
+    def needs_images(self, cfg) -> bool:
+        return False
+
+    def sampling_images(self, cfg, given: tuple, count: int, size: tuple, sized: bool, say=None) -> tuple:
+        """Every prompt's reference images (--image, in order), each checked as the pipeline checks it;
+        the size, unless given, the first one's as the pipeline prepares it."""
+        from models.image_condition import load_image
+
+        paths, last = given
+        if last:
+            raise ValueError(f"--last-image: {self.title} takes its reference images from --image alone")
+        _, height, width = size
+        if not paths:
+            return None, None, height, width
+        try:
+            images = [load_image(path) for path in paths]
+        except FileNotFoundError as e:
+            raise ValueError(f"--image: {e}") from None
+        for path, image in zip(paths, images):
+            w, h = image.size
+            if min(w, h) < 64 or max(w, h) > 8 * min(w, h):
+                raise ValueError(
+                    f"--image {path}: {w} x {h}; {self.title}'s pipeline takes references of at least 64 "
+                    "pixels a side and an aspect ratio of at most 8"
+                )
+        if not sized:
+            height, width = reference_size(images[0], self.vae_scale(cfg))
+            if say is not None:
+                say(f"--image: sampling {width}x{height}, the first reference's size (as the pipeline picks)")
+        return [images] * count, None, height, width
+
+    def with_images(self, parts: Components, images: list, size: tuple, *conds, last_images=None) -> tuple:
+        """The references' latents (the posterior's mode, packed and normalised as the pipeline does it,
+        each at its own size) after every sample's noisy tokens, in both branches."""
+        from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+
+        scale = 2 * 2 ** (len(parts.vae.config.block_out_channels) - 1)
+        processor, tokens, grids = Flux2ImageProcessor(vae_scale_factor=scale), [], []
+        device = next(parts.vae.parameters()).device
+        for image in images[0]:  # the same references for every prompt
+            height, width = reference_size(image, scale)
+            if image.width * image.height > 1024 * 1024:
+                image = processor._resize_to_target_area(image, 1024 * 1024)
+            pixels = processor.preprocess(image, height=height, width=width, resize_mode="crop")
+            with torch.no_grad():
+                z = self.encode_images(parts, pixels.to(device).unsqueeze(2))  # (1, C, 1, h, w)
+            tokens.append(z.flatten(2).transpose(1, 2))
+            grids.append(tuple(z.shape[2:]))
+        count = len(images)
+        references = dict(
+            references=torch.cat(tokens, dim=1).expand(count, -1, -1),
+            reference_grids=torch.tensor([grids] * count, device=device),
+        )
+        return tuple(None if c is None else replace(c, **references) for c in conds)
 
     def distilled(self, cfg) -> bool:
         return bool(

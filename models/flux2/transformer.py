@@ -27,6 +27,8 @@ class Flux2Cond:
 
     text: torch.Tensor  # (B, L, text_dim)
     text_mask: torch.Tensor | None = None  # always None: the pipelines mask nothing
+    references: torch.Tensor | None = None  # (B, M, C): reference images' packed latents, kept clean
+    reference_grids: torch.Tensor | None = None  # (B, k, 3) long: each reference's token grid (t, h, w)
 
 
 def rope_angles(positions: torch.Tensor, axes_dims, theta: float) -> torch.Tensor:
@@ -38,6 +40,13 @@ def rope_angles(positions: torch.Tensor, axes_dims, theta: float) -> torch.Tenso
         angles = torch.outer(positions[:, axis].float().cpu(), freqs)
         parts.append(torch.stack([angles.cos().float(), angles.sin().float()], dim=-1))
     return torch.cat(parts, dim=1).to(positions.device)
+
+
+def token_positions(grid, first_frame: int) -> torch.Tensor:
+    """(t h w, 4) positions (first_frame + t, h, w, 0) of a grid's tokens in (t, h, w) order."""
+    cells = torch.stack(torch.meshgrid(*(torch.arange(s) for s in grid), indexing="ij"), -1).reshape(-1, 3)
+    cells[:, 0] += first_frame
+    return torch.cat([cells, torch.zeros(len(cells), 1, dtype=cells.dtype)], dim=1)
 
 
 def split_modulation(mod: torch.Tensor, sets: int) -> tuple:
@@ -271,14 +280,19 @@ class Flux2Transformer(nn.Module):
         return dict(self._architecture)
 
     def forward(self, x, t, cond: Flux2Cond):
-        """x: (B, C, 1, h, w) packed latents; t: (B,) sigma in [0, 1]; cond: the text -> the velocity."""
+        """x: (B, C, 1, h, w) packed latents; t: (B,) sigma in [0, 1]; cond: the text (and reference
+        images, their tokens after the noisy ones, split with them) -> the velocity of the noisy tokens."""
         tokens, grid = self.embed(x)
         mods, text = self.condition(t, cond), self.context_embedder(cond.text.to(tokens.dtype))
-        rope, text_rope = self.ropes(grid, text.shape[1], tokens.device)
+        grids, n = [], tokens.shape[1]
+        if cond.references is not None:
+            tokens = torch.cat([tokens, self.x_embedder(cond.references.to(tokens.dtype))], dim=1)
+            grids = [tuple(int(v) for v in g) for g in cond.reference_grids[0].tolist()]  # alike per sample
+        rope, text_rope = self.ropes(grid, text.shape[1], tokens.device, grids)
         tokens, rope = self.sequence.shard(tokens, rope)
         for block in self.blocks:
             tokens, text = block(tokens, text, mods, rope, text_rope)
-        tokens = self.sequence.gather(tokens)
+        tokens = self.sequence.gather(tokens)[:, :n]
         return self.unpatchify(self.final_layer(tokens, mods.temb), grid)
 
     def embed(self, x):
@@ -301,12 +315,11 @@ class Flux2Transformer(nn.Module):
             temb, double_img, double_txt, split_modulation(self.single_stream_modulation(temb), 1)
         )
 
-    def ropes(self, grid, text_len: int, device) -> tuple:
-        """The image tokens' angles (t h w, Dh/2, 2) at (t, h, w, 0) and the text's at (0, 0, 0, l)."""
-        cells = torch.stack(torch.meshgrid(*(torch.arange(s) for s in grid), indexing="ij"), -1).reshape(
-            -1, 3
-        )
-        image = torch.cat([cells, torch.zeros(len(cells), 1, dtype=cells.dtype)], dim=1)
+    def ropes(self, grid, text_len: int, device, references=()) -> tuple:
+        """The image tokens' angles (t h w, Dh/2, 2) at (t, h, w, 0), then reference i's at (10 (i + 1) + t,
+        h, w, 0) (the pipelines' time offsets), and the text's at (0, 0, 0, l)."""
+        grids = [(grid, 0), *((g, 10 * (i + 1)) for i, g in enumerate(references))]
+        image = torch.cat([token_positions(g, first) for g, first in grids])
         text = torch.zeros(text_len, 4, dtype=torch.long)
         text[:, 3] = torch.arange(text_len)
         angles = lambda p: rope_angles(p, self.axes_dims, self.rope_theta).to(device)  # noqa: E731
