@@ -289,11 +289,9 @@ class Family:
             read = tensors.__getitem__
         else:  # names only first (a rename): a folder that does not fit is named before anything is read
             files = transformer_files(part_folder(cfg, "transformer"))
-            tensors = {}  # name -> (file handle, its key)
-            for handle in (safe_open(str(file), framework="pt") for file in files):
-                tensors.update(
-                    {n: (handle, k) for n, k in self.to_tessera({k: k for k in handle.keys()}).items()}
-                )
+            handles = [safe_open(str(file), framework="pt") for file in files]
+            # name -> (file handle, its key), renamed once over every file (FLUX.2's names count blocks)
+            tensors = self.to_tessera({k: (handle, k) for handle in handles for k in handle.keys()})
             read = lambda name: tensors[name][0].get_tensor(tensors[name][1])  # noqa: E731
         check_weight_names(cfg.model.pretrained, whole.state_dict(), tensors)  # a weight with no place: named
         state = {name: read(name).to(dtype) for name in model.state_dict()}
@@ -611,12 +609,10 @@ class FamilyWeights(LazyWeights):
             self._tensors = {name: (lambda t=t: t) for name, t in state.items()}
             return
         self.folder = part_folder(cfg, "transformer")
-        self._tensors = {}
-        for file in transformer_files(self.folder):
-            handle = safe_open(str(file), framework="pt")
-            names = family.to_tessera({key: key for key in handle.keys()})  # names only: a rename
-            for name, key in names.items():
-                self._tensors[name] = lambda h=handle, k=key: h.get_slice(k)
+        handles = [safe_open(str(file), framework="pt") for file in transformer_files(self.folder)]
+        # names only, renamed once over every file (FLUX.2's names count the blocks of the whole model)
+        names = family.to_tessera({key: (handle, key) for handle in handles for key in handle.keys()})
+        self._tensors = {name: (lambda h=h, k=k: h.get_slice(k)) for name, (h, k) in names.items()}
 
     def check_parameters(self, names, partial: bool = False) -> None:
         check_weight_names(self.folder, names, self._tensors, partial)

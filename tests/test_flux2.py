@@ -223,3 +223,58 @@ def test_reference_refusals(tmp_path, capsys):
         assert run_main(infer, [*argv, *extra]) != 0
         err = capsys.readouterr().err
         assert expected in err and err.count("error:") == 1, err
+
+
+@torch.no_grad()
+def test_a_folder_of_shards(tmp_path):
+    """The transformer's weights in several files (the double blocks' count is the whole model's, not a
+    file's): the one file's image; and a stored text of another length than the recipe's refused."""
+    import numpy as np
+
+    import infer
+    from models.flux2.family import Flux2
+    from tests.conftest import ROOT, run_main
+
+    with torch.random.fork_rng():
+        pipe = tiny_flux2_pipeline()
+    pipe.save_pretrained(tmp_path / "pipeline")
+    pipe.transformer.save_pretrained(tmp_path / "sharded" / "transformer", max_shard_size="60KB")
+    assert len(list((tmp_path / "sharded" / "transformer").glob("*.safetensors"))) > 3
+    for part in ("vae", "text_encoder", "tokenizer", "scheduler", "model_index.json"):
+        (tmp_path / "sharded" / part).symlink_to(tmp_path / "pipeline" / part)
+    recipe = str(ROOT / "configs" / "flux2-klein.yaml")
+
+    def sample(folder, *extra):
+        parts = [f"{key}.pretrained={folder}" for key in ("model", "vae", "text_encoder")]
+        out = tmp_path / f"{len(list(tmp_path.glob('*.npy')))}.npy"
+        argv = ["--config", recipe, "model.size=auto", *parts, "--frames", "1", "--height", "40",
+                "--width", "24", "--prompt", "a red square", "--steps", "2", "--seed", "3"]  # fmt: skip
+        argv += ["--output", str(out), *extra]
+        return run_main(infer, argv), out
+
+    (code, whole), (sharded_code, sharded) = sample(tmp_path / "pipeline"), sample(tmp_path / "sharded")
+    # the same weights at other byte offsets: float32 rounding, not 0.0 (test_families' single file's)
+    assert code == sharded_code == 0 and np.abs(np.load(whole) - np.load(sharded)).max() <= 1e-5
+    with pytest.raises(ValueError, match="precompute the latents again"):
+        Flux2().load_conditioning([{"text": torch.zeros(16, TEXT_DIM)}], 512)
+
+
+def test_a_distilled_single_file_is_still_distilled(tmp_path):
+    """A transformer file beside a step-distilled folder: is_distilled is the folder's, so a guidance scale
+    is refused as for the folder itself."""
+    from safetensors.torch import save_file
+
+    from configs import load_config
+    from models.flux2.family import Flux2
+
+    with torch.random.fork_rng():
+        pipe = tiny_flux2_pipeline(is_distilled=True)
+    pipe.save_pretrained(tmp_path / "pipeline")
+    single = tmp_path / "transformer.safetensors"
+    save_file({k: v.contiguous() for k, v in pipe.transformer.state_dict().items()}, single)
+    folder = tmp_path / "pipeline"
+    cfg = load_config(None, ["model.family=flux2", "model.size=auto", f"model.pretrained={single}",
+                             f"vae.pretrained={folder}", f"text_encoder.pretrained={folder}"])  # fmt: skip
+    with pytest.raises(ValueError, match="step-distilled"):
+        Flux2().check_guidance(cfg, 4.0)
+    Flux2().check_guidance(cfg, 1.0)

@@ -300,3 +300,21 @@ def test_the_folder_is_edit_not_qwen_image(edit):
         assert family() == "qwen_image"
     finally:
         (folder / "model_index.json").write_text(json.dumps(index))
+
+
+def test_a_single_file_takes_the_folders_config(edit, tmp_path):
+    """One transformer file beside the release's folder (vae.pretrained): its config is the folder's
+    transformer/config.json, 2511's zero_cond_t included (the file's shapes do not hold it)."""
+    from safetensors.torch import save_file
+
+    from configs import load_config
+    from models.families import family_named
+
+    pipe, folder, _ = edit
+    single = tmp_path / "transformer.safetensors"
+    save_file({k: v.contiguous() for k, v in pipe.transformer.state_dict().items()}, single)
+    overrides = ["model.family=qwen_image_edit", "model.size=auto", f"model.pretrained={single}",
+                 f"vae.pretrained={folder}", f"text_encoder.pretrained={folder}"]  # fmt: skip
+    cfg = load_config(None, overrides)
+    model = family_named("qwen_image_edit").meta_transformer(cfg)
+    assert model.zero_cond_t == pipe.transformer.config.zero_cond_t

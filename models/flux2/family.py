@@ -9,7 +9,6 @@ Text-to-image under dp, cfg, ulysses or ring. FLUX.2 dev (guidance embedded, Mis
 import math
 import re
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
@@ -130,7 +129,8 @@ class Flux2(Family):
 
     def distilled(self, cfg) -> bool:
         return bool(
-            read_json(Path(cfg.model.pretrained or "") / "model_index.json").get("is_distilled", False)
+            # the pipeline folder's (a single transformer file's: the folder its other parts come from)
+            read_json(part_folder(cfg, "scheduler").parent / "model_index.json").get("is_distilled", False)
         )
 
     def check_guidance(self, cfg, guidance: float) -> None:
@@ -200,6 +200,12 @@ class Flux2(Family):
         return [{"text": text} for text in cond.text]  # every position: the transformer sees them all
 
     def load_conditioning(self, stored: list, max_length: int) -> Flux2Cond:
+        lengths = {len(s["text"]) for s in stored}
+        if lengths != {max_length}:  # every position is the transformer's input: the length is the model's
+            raise ValueError(
+                f"data.latents: the stored texts have {sorted(lengths)} positions and "
+                f"text_encoder.max_length is {max_length}: precompute the latents again at this length"
+            )
         return Flux2Cond(torch.stack([s["text"] for s in stored]))
 
     def encode_images(self, parts: Components, images: torch.Tensor) -> torch.Tensor:

@@ -44,12 +44,15 @@ class QwenImageEditParts(Components):
 
 class QwenImageEdit(QwenImage):
     name, title = "qwen_image_edit", "Qwen-Image-Edit"
-    # its transformer's class is Qwen-Image's: a folder is told apart by its pipeline (Family.recognises)
-    pipeline_classes, transformer_classes = ("QwenImageEditPlusPipeline",), ()
+    # its transformer's class is Qwen-Image's: a pipeline folder is told apart by its pipeline's class
+    # (Family.recognises); a bare transformer folder is Qwen-Image's (the first of the two registered)
+    pipeline_classes = ("QwenImageEditPlusPipeline",)
     # one of ulysses and ring, the references' tokens split with the others. Not PipeFusion nor the
     # first-block cache: their patch pieces do not carry references yet
     parallel_degrees = ("cfg", "ulysses", "ring")
     trains = False  # training on (target, references) pairs is not built yet: refused by name
+    # a calibration would have to be tied to the references, and scripts/calibrate_cache.py passes none
+    calibrated_cache = False
 
     def check_pretrained(self, cfg) -> None:
         super().check_pretrained(cfg)
@@ -73,7 +76,8 @@ class QwenImageEdit(QwenImage):
 
     def sampling_images(self, cfg, given: tuple, count: int, size: tuple, sized: bool, say=None) -> tuple:
         """Every prompt's references (--image, in order; read as training data is), and the size: the
-        recipe's or the flags', else the pipeline's for the last reference."""
+        flags' (--height, --width), else the pipeline's for the last reference (the recipe's sample.height
+        and width are not read with --image, as for every family that sizes from its images)."""
         from models.image_condition import load_image
 
         paths, last = given

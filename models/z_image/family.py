@@ -2,7 +2,8 @@
 encoder and FLUX's 16-channel VAE; the scheduler's shift over the pipeline's linspace(1, 1/N, N); the model
 told 1 - sigma; guidance pos + g (pos - neg) (0: off), truncated to the steps where 1 - sigma is at most
 sample.cfg_truncation and its norm capped at sample.cfg_normalization times the prompt's. Base and Turbo
-(few steps, guidance 0) alike. Text-to-image under dp, cfg, ulysses or ring, with the first-block cache.
+(few steps, guidance 0) alike. Text-to-image under dp, cfg, ulysses or ring (not PipeFusion nor the
+first-block cache: its noise refiner runs before the first block over every image token).
 """
 
 from dataclasses import dataclass
