@@ -166,21 +166,23 @@ def test_single_file_names_round_trip(pipe):
 
 @torch.no_grad()
 @pytest.mark.parametrize(
-    "guidance, terms",
+    "guidance, terms, processes",
     [
-        (0.0, {}),  # Turbo's: the prompt alone, no negative branch
+        (0.0, {}, 1),  # Turbo's: the prompt alone, no negative branch
         # the last 2 of 4 steps (1 - sigma 0.25, 0.5 at shift 3) unguided, the norm capped
-        (3.0, dict(cfg_truncation=0.2, cfg_normalization=1.05)),
+        (3.0, dict(cfg_truncation=0.2, cfg_normalization=1.05), 1),
+        # the same with the branches on two processes (parallel.cfg=2)
+        pytest.param(3.0, dict(cfg_truncation=0.2, cfg_normalization=1.05), 2, marks=pytest.mark.slow),
     ],
 )
-def test_guidance_terms_match_the_pipeline(pipe, tmp_path, guidance, terms):
+def test_guidance_terms_match_the_pipeline(pipe, tmp_path, guidance, terms, processes):
     """infer.py with --guidance and sample.cfg_truncation / cfg_normalization gives ZImagePipeline's image
     for guidance_scale, cfg_truncation and cfg_normalization (a factor, as the pipeline reads it); each
     term changes the image."""
     import numpy as np
 
     import infer
-    from tests.conftest import ROOT, run_main
+    from tests.conftest import ROOT, ranks, run_main
 
     folder = tmp_path / "pipeline"
     pipe.save_pretrained(folder)
@@ -189,7 +191,12 @@ def test_guidance_terms_match_the_pipeline(pipe, tmp_path, guidance, terms):
             "--height", "40", "--width", "24", "--prompt", "a red square", "--negative-prompt", "blurry",
             "--steps", "4", "--seed", "3", "--guidance", str(guidance)]  # fmt: skip
     argv += [f"sample.{k}={v}" for k, v in terms.items()]
-    assert run_main(infer, [*argv, "--output", str(tmp_path / "got.npy")]) == 0
+    argv += ["--output", str(tmp_path / "got.npy")]
+    if processes == 1:
+        assert run_main(infer, argv) == 0
+    else:
+        done = ranks(processes, "infer.py", *argv, "parallel.cfg=2", timeout=240)
+        assert done.returncode == 0 and "cfg=2" in done.stdout, done.stderr[-3000:]
 
     def sample(**kwargs):
         keywords = dict(guidance_scale=guidance, cfg_truncation=1.0, cfg_normalization=0.0) | kwargs
