@@ -18,7 +18,7 @@ import torch
 
 from data.buckets import Bucket, BucketTable
 from data.entries import Entries
-from data.manifest import IMAGE_KEYS
+from data.manifest import IMAGE_KEYS, REFERENCES, reference_paths
 from data.media import frames_at_rate
 
 
@@ -223,6 +223,11 @@ class MediaDataset(BucketedDataset):
         sample = {"video": torch.from_numpy(clip).permute(3, 0, 1, 2).contiguous()}  # (3, T, H, W) uint8
         if self.audio is not None:
             sample["audio"] = self.read_sound(entry["path"], start, bucket.frames)
+        if REFERENCES in self.frames:  # editing: the line's input images as they are, (3, H, W) uint8 each
+            from models.image_condition import open_image
+
+            images = [np.asarray(open_image(path), dtype=np.uint8) for path in reference_paths(entry)]
+            sample[REFERENCES] = [torch.from_numpy(image.copy()).permute(2, 0, 1) for image in images]
         for key, frame in zip(IMAGE_KEYS, (0, -1)):
             if key in self.entries.columns and key in self.frames:  # each sample carries its named frame
                 path = entry[key]
@@ -306,8 +311,9 @@ def collate(samples: list[dict]) -> dict:
     batch = {
         key: torch.stack([s[key] for s in samples]) for key in samples[0] if torch.is_tensor(samples[0][key])
     }
-    if "stored" in samples[0]:  # a family's conditioning of its own length per sample
-        batch["stored"] = [s["stored"] for s in samples]
+    for key in ("stored", REFERENCES):  # a family's conditioning of its own length; images of their sizes
+        if key in samples[0]:
+            batch[key] = [s[key] for s in samples]
     batch.update(
         caption=[s["caption"] for s in samples],
         index=[s["index"] for s in samples],

@@ -317,7 +317,7 @@ def encode_family_batch(run, batch, dropped: list, device) -> list:
         x0 = batch["latent"].to(device)
     else:
         prompts = ["" if d else c for d, c in zip(dropped, batch["caption"])]
-        cond = run.family.encode(run.parts, prompts, run.max_length)
+        cond = run.family.encode_batch(run.parts, prompts, run.max_length, batch)
         sound = batch["audio"].to(device) if "audio" in batch else None
         videos = to_model_range(batch["video"].to(device))
         given = [to_model_range(batch[k].to(device)) if k in batch else None for k in ("image", "last_image")]

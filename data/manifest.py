@@ -23,6 +23,14 @@ AUDIO_KEYS = ("audio", "audio_rate", "audio_channels")
 
 # Image-to-video (model.task=i2v / flf2v): the first (last) frame a line may name instead of its clip's.
 IMAGE_KEYS = ("image", "last_image")
+# Editing (Qwen-Image-Edit): the input images a line's target is made from, a list; kept as one text of
+# paths joined by NUL (no path holds one), the entries' columns holding text and numbers only
+REFERENCES = "references"
+
+
+def reference_paths(entry: dict) -> list:
+    """The reference images' paths of an entry (read_manifest's), [] when it names none."""
+    return entry[REFERENCES].split("\0") if entry.get(REFERENCES) else []
 
 
 def read_manifest(path, left_out: dict | None = None) -> list[dict]:
@@ -56,6 +64,8 @@ def read_manifest(path, left_out: dict | None = None) -> list[dict]:
             for key in IMAGE_KEYS:  # image-to-video: a frame to condition on instead of the clip's own
                 if entry.get(key) is not None:
                     entry[key] = os.path.join(path.parent, entry[key])
+            if entry.get(REFERENCES) is not None:
+                entry[REFERENCES] = "\0".join(os.path.join(path.parent, r) for r in entry[REFERENCES])
             entries.append(entry)
     if not entries:
         raise ValueError(f"{path}: the manifest has no samples")
@@ -75,6 +85,11 @@ def _check_line(entry) -> str:
     for key in IMAGE_KEYS:
         if entry.get(key) is not None and not isinstance(entry[key], str):
             return f"'{key}' must be an image file's path, got {entry[key]!r}"
+    references = entry.get(REFERENCES)
+    if references is not None and (
+        not isinstance(references, list) or not references or not all(isinstance(r, str) for r in references)
+    ):
+        return f"'{REFERENCES}' must be a list of image files' paths, got {references!r}"
     for key in SIZE_KEYS:
         value = entry.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

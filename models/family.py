@@ -72,6 +72,7 @@ class Family:
     calibrated_cache = True  # sample.cache=calibrated (scripts/calibrate_cache.py calibrates its steps)
     parts_from_pretrained = True  # its text encoder and VAE are model.pretrained's (read on every start)
     expert_pair = False  # a run trains one of two experts (model.expert), exported together as one pipeline
+    precomputes = True  # scripts/precompute_latents.py stores its conditioning (else refused by name)
 
     def resolve_size(self, cfg, error=ValueError) -> None:
         """model.size: the recipe's dimensions, filled from model.pretrained's folder under model.size=auto,
@@ -353,6 +354,11 @@ class Family:
         """The conditioning object its transformer takes for `prompts` (`negative`: the negative prompts,
         which some families format differently)."""
         raise NotImplementedError
+
+    def encode_batch(self, parts: Components, prompts: list, max_length: int, batch: dict):
+        """A training batch's conditioning (`batch`: the loader's, for what else the text reads: Qwen-Image-
+        Edit's references): `encode`'s."""
+        return self.encode(parts, prompts, max_length)
 
     def conditionings(self, parts: Components, sampling) -> tuple:
         """(cond, uncond) of a models/sampler.py Sampling (uncond None where it does not guide): its prompts

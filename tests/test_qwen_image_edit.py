@@ -318,3 +318,169 @@ def test_a_single_file_takes_the_folders_config(edit, tmp_path):
     cfg = load_config(None, overrides)
     model = family_named("qwen_image_edit").meta_transformer(cfg)
     assert model.zero_cond_t == pipe.transformer.config.zero_cond_t
+
+
+def edit_train_args(folder, run, manifest, *extra):
+    from tests.conftest import ROOT
+
+    parts = [f"{key}.pretrained={folder}" for key in ("model", "vae", "text_encoder")]
+    data = ["data.resolutions=[]", "data.aspect_ratios=[]", "data.frame_counts=[]", "data.frames=1",
+            "data.height=48", "data.width=32", "data.num_workers=0", f"data.manifest={manifest}"]  # fmt: skip
+    steps = ["train.batch_size=1", "train.max_steps=2", "train.warmup_steps=1", "train.lr=1e-3",
+             "train.log_every=1", "train.checkpoint_every=2", "train.sample_every=2"]  # fmt: skip
+    previews = ["sample.steps=2", "sample.height=48", "sample.width=32", "sample.prompts=[make it blue]"]
+    rest = ["logging.wandb=false", "parallel.timeout_s=60", f"run.output_dir={run}"]
+    recipe = str(ROOT / "configs" / "qwen-image-edit.yaml")
+    return ["--config", recipe, "model.size=auto", *parts, *data, *steps, *previews, *rest, *extra]
+
+
+def edit_pairs(folder, paths) -> object:
+    """A manifest of two edit pairs: 48 x 32 targets, one reference each (then both for the second)."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    lines = []
+    for i, refs in enumerate(([paths[0]], paths)):
+        Image.fromarray(rng.integers(0, 256, (48, 32, 3), dtype=np.uint8)).save(folder / f"target{i}.png")
+        lines.append(dict(path=f"target{i}.png", caption=["make it blue", "swap them"][i],
+                          references=[str(p) for p in refs], width=32, height=48, num_frames=1))  # fmt: skip
+    manifest = folder / "pairs.jsonl"
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return manifest
+
+
+@torch.no_grad()
+def test_the_edit_loss_is_the_pipelines(edit, tmp_path):
+    """An edit pair's loss as train.py computes it (the loader's references, encode_family_batch,
+    family_batch, the loss on the noisy tokens) against the same loss from the pipeline's own pieces: its
+    prompt encoding with the images, its target and reference latents, its img_shapes."""
+    from types import SimpleNamespace
+
+    from configs import load_config
+    from data.loader import build_buckets, build_dataset, encode_family_batch
+    from models.families import family_named
+    from models.flow import RectifiedFlow
+    from models.qwen_image import pack_latents, unpack_latents
+    from parallel.drive.family_training import FamilyRun, family_batch
+
+    pipe, folder, paths = edit
+    manifest = edit_pairs(tmp_path, paths)
+    argv = edit_train_args(folder, tmp_path / "run", manifest)
+    cfg = load_config(argv[1], argv[2:])
+    family = family_named("qwen_image_edit")
+    parts = family.load(cfg, torch.device("cpu"), torch.float32)
+    dataset = build_dataset(cfg, build_buckets(cfg))
+    sample = dataset.load(dataset.entries[1], dataset.table.buckets[0], None)
+    batch = {"caption": ["swap them"], "video": sample["video"][None], "references": [sample["references"]]}
+    run = FamilyRun(family, parts, cfg.text_encoder.max_length)
+    x0, cond = family_batch(
+        run, SimpleNamespace(sp_size=1), encode_family_batch(run, batch, [False], "cpu"), "cpu"
+    )
+    g = torch.Generator().manual_seed(0)
+    noise, sigma = torch.randn(x0.shape, generator=g), torch.tensor([0.4])
+    ours = family.training_loss(
+        parts, RectifiedFlow(cfg.flow, (1, 1, 1)), parts.transformer, x0, cond, noise, sigma
+    )
+
+    from models.image_condition import load_image
+    from models.qwen_image.edit import CONDITION_AREA, VAE_AREA, pipeline_size
+
+    images = [load_image(p) for p in paths]
+    small = [pipe.image_processor.resize(im, *pipeline_size(CONDITION_AREA, im)) for im in images]
+    embeds, mask = pipe.encode_prompt("swap them", image=small, device="cpu")
+    vae_images = [
+        pipe.image_processor.preprocess(im, *pipeline_size(VAE_AREA, im)).unsqueeze(2) for im in images
+    ]
+    target = pipe._encode_vae_image(sample["video"][None].float() / 127.5 - 1, None)
+    _, refs = pipe.prepare_latents(vae_images, 1, 4, 48, 32, torch.float32, "cpu", None)
+    x_t = (1 - sigma) * target + sigma * noise
+    shapes = [[(1, 3, 2), *[(1, v.shape[-2] // 16, v.shape[-1] // 16) for v in vae_images]]]
+    pred = pipe.transformer(hidden_states=torch.cat([pack_latents(x_t), refs], dim=1), timestep=sigma,
+                            encoder_hidden_states=embeds, encoder_hidden_states_mask=mask, img_shapes=shapes,
+                            return_dict=False)[0][:, :6]  # fmt: skip
+    want = torch.nn.functional.mse_loss(unpack_latents(pred, (1, 3, 2)), noise - target)
+    print(f"edit loss: train.py {ours.item():.6f}, the pipeline's pieces {want.item():.6f}")
+    assert want.item() > 0.1 and abs(ours.item() - want.item()) <= 1e-5 * want.item()
+
+
+@pytest.mark.slow
+def test_a_lora_trained_on_edit_pairs_loads_in_the_pipeline(edit, tmp_path):
+    """Three steps of a rank-4 LoRA on two edit pairs (the previews editing sample.images), exported in
+    diffusers' names: QwenImageEditPlusPipeline.load_lora_weights gives infer.py --lora's image, and the
+    LoRA moves it."""
+    import numpy as np
+
+    import infer
+    import train
+    from models.image_condition import load_image
+    from tests.conftest import ROOT, run_main
+
+    sys_path = str(ROOT / "scripts")
+    import sys
+
+    sys.path.insert(0, sys_path)
+    import export
+
+    pipe, folder, paths = edit
+    manifest, run = edit_pairs(tmp_path, paths), tmp_path / "train"  # infer.py's run.output_dir is "run"
+    steps = ["train.max_steps=3", "train.checkpoint_every=3", "train.sample_every=3", "train.lr=2e-1"]
+    argv = edit_train_args(folder, run, manifest, "lora.rank=4", *steps, f"sample.images=[{paths[0]}]")
+    assert run_main(train, argv) == 0
+    assert (run / "samples" / "step_3_0.mp4").stat().st_size > 0
+    lora = tmp_path / "lora.safetensors"
+    assert export.main(["--checkpoint", str(run), "--lora", "--output", str(lora)]) == 0
+    out = tmp_path / "out.npy"
+    args = edit_args(folder, tmp_path, paths[:1], "--prompt", "make it blue", "--steps", "2", "--guidance",
+                     "1", "--seed", "5", "--height", "48", "--width", "32", "--output", str(out))  # fmt: skip
+    args += ["--lora", str(lora)]
+    assert run_main(infer, args) == 0
+
+    @torch.no_grad()
+    def sample():
+        image, generator = load_image(paths[0]), torch.Generator().manual_seed(5)
+        return pipe(image=[image], prompt="make it blue", num_inference_steps=2, height=48, width=32,
+                    generator=generator, output_type="np").images[0]  # fmt: skip
+
+    base = sample()
+    pipe.load_lora_weights(lora, adapter_name="edit")
+    try:
+        want = sample()
+    finally:
+        pipe.delete_adapters("edit")
+    diff, moved = float(np.abs(np.load(out)[0] - want).max()), float(np.abs(want - base).max())
+    print(f"edit LoRA: infer.py --lora vs the pipeline {diff:.2e}; the LoRA moves it {moved:.2e}")
+    # the tiny VAE's images move little (2e-4 here after 3 steps): the LoRA's effect against the agreement
+    assert diff <= 1e-5 and moved > 100 * diff
+
+
+def test_training_refusals(edit, tmp_path, capsys):
+    """Before anything starts, one error line each: two pairs a rank a step, no preview images, precomputed
+    latents (and precompute_latents.py itself), a manifest line whose references are not a list."""
+    import sys
+
+    import train
+    from tests.conftest import ROOT, run_main
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import precompute_latents
+
+    _, folder, paths = edit
+    manifest = edit_pairs(tmp_path, paths)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"path": "target0.png", "caption": "x", "references": "ref0.png"}' + chr(10))
+    images = f"sample.images=[{paths[0]}]"
+    cases = [
+        (train, [images, "train.batch_size=2"], "train.batch_size=2"),
+        (train, [], "sample.images is empty"),
+        (train, [images, "data.latents=x"], "data.latents"),
+        (precompute_latents, [images, "--out", str(tmp_path / "latents")], "does not store its conditioning"),
+        (train, [images, f"data.manifest={bad}"], "'references' must be a list"),
+    ]
+    for program, extra, expected in cases:
+        assert run_main(program, edit_train_args(folder, tmp_path / "run", manifest, *extra)) != 0
+        err = capsys.readouterr().err
+        assert expected in err and err.count("error:") == 1, err
+    assert not (tmp_path / "run").exists()

@@ -9,6 +9,7 @@ is the pipeline's: about 1024 x 1024 at the last reference's aspect ratio.
 
 import math
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 import torch
 
@@ -50,9 +51,9 @@ class QwenImageEdit(QwenImage):
     # one of ulysses and ring, the references' tokens split with the others. Not PipeFusion nor the
     # first-block cache: their patch pieces do not carry references yet
     parallel_degrees = ("cfg", "ulysses", "ring")
-    trains = False  # training on (target, references) pairs is not built yet: refused by name
     # a calibration would have to be tied to the references, and scripts/calibrate_cache.py passes none
     calibrated_cache = False
+    precomputes = False  # the stored conditioning would need the references' latents and text: not yet
 
     def check_pretrained(self, cfg) -> None:
         super().check_pretrained(cfg)
@@ -73,6 +74,49 @@ class QwenImageEdit(QwenImage):
 
     def takes_images(self, cfg) -> bool:
         return True
+
+    def given_frames(self, cfg) -> tuple:
+        """Its training reads each manifest line's references (data/manifest.py REFERENCES)."""
+        from data.manifest import REFERENCES
+
+        return (REFERENCES,)
+
+    def check_training(self, cfg) -> None:
+        """Edit pairs from a manifest, one a rank a step (each line's references have their own sizes), its
+        previews editing sample.images; precomputed latents not yet."""
+        if not cfg.data.manifest:
+            raise ValueError(
+                f"{self.title} trains on edit pairs: set data.manifest (each line's path the target, caption "
+                "the instruction, references its input images)"
+            )
+        if cfg.data.latents:
+            raise ValueError(f"data.latents: {self.title}'s training reads its references' pixels; unset it")
+        if cfg.train.batch_size != 1:
+            raise ValueError(
+                f"train.batch_size={cfg.train.batch_size}: {self.title} trains one edit pair a rank a step "
+                "(each line's references have their own sizes); set it to 1 and use more ranks"
+            )
+        if not cfg.sample.images:
+            raise ValueError(
+                f"sample.images is empty: {self.title}'s previews edit images; name 1 to {MAX_REFERENCES}"
+            )
+
+    def encode_batch(self, parts: QwenImageEditParts, prompts: list, max_length: int, batch: dict):
+        """The pair's instruction read with its references, and their latents, as the pipeline gives them."""
+        from PIL import Image
+
+        from data.manifest import REFERENCES
+
+        if not batch.get(REFERENCES) or not batch[REFERENCES][0]:
+            raise ValueError(f"{self.title} trains on edit pairs: the manifest line names no references")
+        images = [Image.fromarray(image.permute(1, 2, 0).numpy()) for image in batch[REFERENCES][0]]
+        sampling = SimpleNamespace(prompts=prompts, images=[images], guidance=1.0, negative_prompt="")
+        return self.conditionings(parts, sampling)[0]
+
+    def encode_images(self, parts: Components, images: torch.Tensor) -> torch.Tensor:
+        """The target's latents as the pipeline's own pieces make its references': (z - mean) / std."""
+        z = parts.vae.encode(images.to(parts.vae.dtype)).latent_dist.mode()
+        return reference_latents(z, parts.vae.config).float()
 
     def sampling_images(self, cfg, given: tuple, count: int, size: tuple, sized: bool, say=None) -> tuple:
         """Every prompt's references (--image, in order; read as training data is), and the size: the
