@@ -484,3 +484,29 @@ def test_training_refusals(edit, tmp_path, capsys):
         err = capsys.readouterr().err
         assert expected in err and err.count("error:") == 1, err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("degree", ["parallel.ulysses=2", "parallel.ring=2"])
+def test_edit_training_under_a_split_is_one_process(edit, tmp_path, degree):
+    """Two processes sharing each pair's tokens, the references' with the target's (2511: their flags
+    for the t = 0 modulation split alike): every step's loss and gradient norm are one process's."""
+    import json
+
+    import train
+    from tests.conftest import ranks, run_main
+
+    pipe, folder, paths = edit
+    if not pipe.transformer.config.zero_cond_t:
+        pytest.skip("2511's launch covers 2509's operators and its own flags")
+    manifest, images = edit_pairs(tmp_path, paths), f"sample.images=[{paths[0]}]"
+    read = lambda run: [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    assert run_main(train, edit_train_args(folder, tmp_path / "one", manifest, images)) == 0
+    argv = edit_train_args(folder, tmp_path / "two", manifest, images, degree)
+    done = ranks(2, "train.py", *argv, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    pairs = [(a[k], b[k]) for a, b in zip(read(tmp_path / "one"), read(tmp_path / "two"), strict=True)
+             for k in ("loss", "grad_norm")]  # fmt: skip
+    worst = max(abs(b - a) / abs(a) for a, b in pairs)
+    print(f"edit {degree}: losses and gradient norms within {worst:.1e} (relative) of one process's")
+    assert len(pairs) == 4 and worst <= 1e-5, pairs
