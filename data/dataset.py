@@ -18,8 +18,9 @@ import torch
 
 from data.buckets import Bucket, BucketTable
 from data.entries import Entries
-from data.manifest import IMAGE_KEYS, REFERENCES, reference_paths
+from data.manifest import IMAGE_KEYS, reference_paths
 from data.media import frames_at_rate
+from models.family import REFERENCES
 
 
 class DataError(ValueError):

@@ -14,6 +14,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from data.media import IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, probe_media
+from models.family import REFERENCES
 
 SIZE_KEYS = ("width", "height", "num_frames")
 # The sound track, from the headers (probe_media): "audio" true/false, its sample rate and channel count
@@ -23,9 +24,9 @@ AUDIO_KEYS = ("audio", "audio_rate", "audio_channels")
 
 # Image-to-video (model.task=i2v / flf2v): the first (last) frame a line may name instead of its clip's.
 IMAGE_KEYS = ("image", "last_image")
-# Editing (Qwen-Image-Edit): the input images a line's target is made from, a list; kept as one text of
-# paths joined by NUL (no path holds one), the entries' columns holding text and numbers only
-REFERENCES = "references"
+# Editing (Qwen-Image-Edit): the input images a line's target is made from (models/family.py REFERENCES), a
+# list; kept as one text of paths joined by NUL (no path holds one), the entries' columns holding text and
+# numbers only
 
 
 def reference_paths(entry: dict) -> list:

@@ -19,6 +19,8 @@ import torch
 from models.loop import Schedule
 from models.weight_files import LazyWeights, check_safetensors, check_weight_names
 
+# the manifest key of an edit pair's input images (Qwen-Image-Edit's training reads them: given_frames)
+REFERENCES = "references"
 # the sample.* guidance terms of some families (configs/schema.py), each refused where a family reads none
 GUIDANCE_KEYS = ("audio_guidance", "modality_guidance", "guidance_rescale", "stg", "cfg_truncation",
                  "cfg_normalization")  # fmt: skip
@@ -71,8 +73,11 @@ class Family:
     patch_pipeline = True
     calibrated_cache = True  # sample.cache=calibrated (scripts/calibrate_cache.py calibrates its steps)
     parts_from_pretrained = True  # its text encoder and VAE are model.pretrained's (read on every start)
+    references = False
     expert_pair = False  # a run trains one of two experts (model.expert), exported together as one pipeline
     precomputes = True  # scripts/precompute_latents.py stores its conditioning (else refused by name)
+    # --image (and sample.images, the previews') are reference images, the same for every prompt
+    # (Qwen-Image-Edit, FLUX.2 klein), not each prompt's first frame
 
     def resolve_size(self, cfg, error=ValueError) -> None:
         """model.size: the recipe's dimensions, filled from model.pretrained's folder under model.size=auto,

@@ -66,6 +66,7 @@ class Flux2(Family):
     parallel_degrees = ("cfg", "ulysses", "ring")  # one of ulysses and ring (joint attention); no PipeFusion
     vae_class, max_length = "AutoencoderKLFlux2", MAX_SEQUENCE_LENGTH
     conditioning = Flux2Cond
+    references = True  # --image: reference images beside the noisy tokens
     # both kinds of block: the double blocks' attention and feed-forwards, the single blocks' projections
     lora_targets = ("blocks.*.attn.*", "blocks.*.ff.*", "blocks.*.ff_context.*")
 

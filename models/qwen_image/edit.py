@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import torch
 
-from models.family import Components, part_folder
+from models.family import REFERENCES, Components, part_folder
 from models.qwen_image.family import QwenImage
 from models.qwen_image.text import encode_edit_prompt
 from models.qwen_image.transformer import pack_latents
@@ -54,6 +54,7 @@ class QwenImageEdit(QwenImage):
     # a calibration would have to be tied to the references, and scripts/calibrate_cache.py passes none
     calibrated_cache = False
     precomputes = False  # the stored conditioning would need the references' latents and text: not yet
+    references = True
 
     def check_pretrained(self, cfg) -> None:
         super().check_pretrained(cfg)
@@ -76,9 +77,7 @@ class QwenImageEdit(QwenImage):
         return True
 
     def given_frames(self, cfg) -> tuple:
-        """Its training reads each manifest line's references (data/manifest.py REFERENCES)."""
-        from data.manifest import REFERENCES
-
+        """Its training reads each manifest line's references (models/family.py REFERENCES)."""
         return (REFERENCES,)
 
     def check_training(self, cfg) -> None:
@@ -104,8 +103,6 @@ class QwenImageEdit(QwenImage):
     def encode_batch(self, parts: QwenImageEditParts, prompts: list, max_length: int, batch: dict):
         """The pair's instruction read with its references, and their latents, as the pipeline gives them."""
         from PIL import Image
-
-        from data.manifest import REFERENCES
 
         if not batch.get(REFERENCES) or not batch[REFERENCES][0]:
             raise ValueError(f"{self.title} trains on edit pairs: the manifest line names no references")

@@ -177,7 +177,7 @@ def family_previews(cfg, run: FamilyRun, model, seeds: list, progress, device) -
     )
     if run.family.image_to_video and run.family.needs_images(cfg):  # tessera's DiT: with_preview_images
         sampling = replace(sampling, images=preview_images(cfg, run.family))
-    elif run.family.takes_images(cfg) and cfg.sample.images:  # reference images (Qwen-Image-Edit's)
+    elif run.family.references and cfg.sample.images:  # every preview's reference images
         images = run.family.sampling_images(cfg, (list(sc.images), None), len(sc.prompts), size, True)[0]
         sampling = replace(sampling, images=images)
     images, bad = checked(
