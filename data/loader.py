@@ -13,6 +13,7 @@ from data.buckets import BucketTable
 from data.dataset import BucketedDataset, collate
 from data.media import to_model_range
 from data.sampler import BucketSampler
+from models.family import REFERENCES
 
 # How the start-up summary counts the files a manifest or folder lists but training cannot use
 # (anything else that failed to probe is 'unreadable').
@@ -59,6 +60,12 @@ def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
         count = len(listed) + len(skipped)
         entries, unreadable = complete_metadata(listed, need_fps=dc.fps is not None)
         unreadable.update(skipped)
+        from models.families import family_named
+
+        family = family_named(cfg.model.family)
+        frames = family.given_frames(cfg)
+        if REFERENCES in frames:  # each line's input images: named now, a missing one as a missing file
+            entries = check_references(family, dc.manifest, entries, unreadable)
         # listed with their sizes (never opened), deleted or moved since: a sample of them is checked
         gone, checked = missing_files(entries)
         check_missing(cfg, count, unreadable, gone, len(entries) / max(checked, 1))
@@ -68,14 +75,11 @@ def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
                 f"data.manifest='{dc.manifest}': none of its {len(unreadable)} files can be read "
                 f"({named} ...)"
             )
-        from models.families import family_named
-
-        family, sound = family_named(cfg.model.family), None
+        sound = None
         if dc.audio:
             check_sound(dc.manifest, entries)
             # None for a family whose training reads no sound, refused by name in check_family_inputs
             sound = family.sound_format(cfg)
-        frames = family.given_frames(cfg)
         say_unread_frames(cfg, family, entries, frames)
         dataset = MediaDataset(entries, table, dc.fps, cfg.train.seed, audio=sound, frames=frames)
         for path, why in unreadable.items():
@@ -98,12 +102,35 @@ def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
     return SyntheticDataset(generator, table, cfg.train.seed)
 
 
+def check_references(family, manifest, entries: list[dict], unreadable: dict) -> list[dict]:
+    """The lines of an edit family's manifest: each names 1 to family.max_references input images (else
+    refused, naming the line's file); a line whose reference does not exist is left out as a missing
+    file (check_missing's share then applies)."""
+    from data.manifest import reference_paths
+
+    kept = []
+    for entry in entries:
+        references = reference_paths(entry)
+        if not 1 <= len(references) <= family.max_references:
+            raise ValueError(
+                f"data.manifest={manifest}: the line of {entry['path']} names {len(references)} references; "
+                f"{family.title} trains on edit pairs of 1 to {family.max_references} input images"
+            )
+        missing = next((r for r in references if not os.path.isfile(r)), None)
+        if missing is None:
+            kept.append(entry)
+        else:
+            unreadable[entry["path"]] = f"FileNotFoundError: its reference {missing} does not exist"
+    return kept
+
+
 def say_unread_frames(cfg, family, entries: list[dict], frames: tuple) -> None:
-    """A warning where the manifest names image-to-video frames (image, last_image) that this training does
-    not condition on (Family.given_frames: model.task, the folder): they are not read, never silently."""
+    """A warning where the manifest names image-to-video frames (image, last_image) or an edit pair's
+    references that this training does not condition on (Family.given_frames: model.task, the folder):
+    they are not read, never silently."""
     from data.manifest import IMAGE_KEYS
 
-    for key in IMAGE_KEYS:
+    for key in (*IMAGE_KEYS, REFERENCES):
         named = sum(1 for e in entries if e.get(key))
         if named and key not in frames:
             takes = f"conditions on {', '.join(frames)} only" if frames else "conditions on no frame"

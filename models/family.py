@@ -73,11 +73,11 @@ class Family:
     patch_pipeline = True
     calibrated_cache = True  # sample.cache=calibrated (scripts/calibrate_cache.py calibrates its steps)
     parts_from_pretrained = True  # its text encoder and VAE are model.pretrained's (read on every start)
-    references = False
+    # --image (and sample.images, the previews') are reference images, the same for every prompt
+    # (Qwen-Image-Edit, FLUX.2 klein), not each prompt's first frame; its training's at most this many a line
+    references, max_references = False, 0
     expert_pair = False  # a run trains one of two experts (model.expert), exported together as one pipeline
     precomputes = True  # scripts/precompute_latents.py stores its conditioning (else refused by name)
-    # --image (and sample.images, the previews') are reference images, the same for every prompt
-    # (Qwen-Image-Edit, FLUX.2 klein), not each prompt's first frame
 
     def resolve_size(self, cfg, error=ValueError) -> None:
         """model.size: the recipe's dimensions, filled from model.pretrained's folder under model.size=auto,

@@ -35,9 +35,8 @@ def pytest_collection_modifyitems(items):
     for item in items:
         rows = WHOLE_SUITE_ROWS.get(item.nodeid.split("::")[0])
         callspec = getattr(item, "callspec", None)
-        row = callspec.params.get("saved") if callspec else None
-        row = row if row is not None or callspec is None else callspec.id.split("-")[0]
-        if rows and row in rows[0] and item.originalname.startswith(rows[1]):
+        ids = set(callspec.id.split("-")) if callspec else set()  # the rows' ids: a family, a release
+        if rows and ids & set(rows[0]) and item.originalname.startswith(rows[1]):
             item.add_marker(pytest.mark.slow)
 
 

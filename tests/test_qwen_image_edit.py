@@ -458,7 +458,10 @@ def test_a_lora_trained_on_edit_pairs_loads_in_the_pipeline(edit, tmp_path):
 
 def test_training_refusals(edit, tmp_path, capsys):
     """Before anything starts, one error line each: two pairs a rank a step, no preview images, precomputed
-    latents (and precompute_latents.py itself), a manifest line whose references are not a list."""
+    latents (and precompute_latents.py itself), a manifest line whose references are not a list, a line
+    without references or with more than 3, a line whose reference is missing (as a missing file: the
+    only line, so above data.max_missing_fraction), a preview image that is missing."""
+    import json
     import sys
 
     import train
@@ -469,21 +472,35 @@ def test_training_refusals(edit, tmp_path, capsys):
 
     _, folder, paths = edit
     manifest = edit_pairs(tmp_path, paths)
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"path": "target0.png", "caption": "x", "references": "ref0.png"}' + chr(10))
+
+    def lines(name, references):
+        path = tmp_path / name
+        line = {
+            "path": "target0.png",
+            "caption": "x",
+            **({} if references is None else {"references": references}),
+        }
+        path.write_text(json.dumps(line) + chr(10))
+        return f"data.manifest={path}"
+
     images = f"sample.images=[{paths[0]}]"
     cases = [
         (train, [images, "train.batch_size=2"], "train.batch_size=2"),
         (train, [], "sample.images is empty"),
         (train, [images, "data.latents=x"], "data.latents"),
         (precompute_latents, [images, "--out", str(tmp_path / "latents")], "does not store its conditioning"),
-        (train, [images, f"data.manifest={bad}"], "'references' must be a list"),
+        (train, [images, lines("text.jsonl", "ref0.png")], "'references' must be a list"),
+        (train, [images, lines("none.jsonl", None)], "names 0 references"),
+        (train, [images, lines("four.jsonl", [str(paths[0])] * 4)], "names 4 references"),
+        (train, [images, lines("gone.jsonl", [str(tmp_path / "gone.png")])], "missing"),
+        (train, [f"sample.images=[{tmp_path / 'gone.png'}]"], "sample.images: "),
     ]
-    for program, extra, expected in cases:
-        assert run_main(program, edit_train_args(folder, tmp_path / "run", manifest, *extra)) != 0
+    for i, (program, extra, expected) in enumerate(cases):
+        run = tmp_path / f"run{i}"
+        assert run_main(program, edit_train_args(folder, run, manifest, *extra)) != 0
         err = capsys.readouterr().err
         assert expected in err and err.count("error:") == 1, err
-    assert not (tmp_path / "run").exists()
+        assert not (run / "checkpoints").exists()  # a missing file's refusal leaves its data report alone
 
 
 @pytest.mark.slow

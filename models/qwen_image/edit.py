@@ -54,7 +54,7 @@ class QwenImageEdit(QwenImage):
     # a calibration would have to be tied to the references, and scripts/calibrate_cache.py passes none
     calibrated_cache = False
     precomputes = False  # the stored conditioning would need the references' latents and text: not yet
-    references = True
+    references, max_references = True, MAX_REFERENCES
 
     def check_pretrained(self, cfg) -> None:
         super().check_pretrained(cfg)

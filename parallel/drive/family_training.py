@@ -69,6 +69,7 @@ def check_family_training(cfg, family: Family, layout) -> None:
         )
     if folder_images:
         preview_images(cfg, family)  # read now: a wrong path is named before anything starts
+    preview_references(cfg, family)  # likewise
     check_sequence_layout(family.meta_transformer(cfg), layout.ulysses, layout.ring, family.title)
 
 
@@ -99,6 +100,19 @@ def preview_images(cfg, family: Family) -> list:
     return first_frames(list(cfg.sample.images), len(cfg.sample.prompts), "sample.images")
 
 
+def preview_references(cfg, family: Family) -> list | None:
+    """Every preview's reference images (PIL) from sample.images, for a family that takes references
+    (Family.references), read and checked as --image is; None without any."""
+    sc, data = cfg.sample, cfg.data
+    if not (family.references and sc.images):
+        return None
+    size = (sc.frames or data.frames, sc.height or data.height, sc.width or data.width)
+    try:
+        return family.sampling_images(cfg, (list(sc.images), None), len(sc.prompts), size, True)[0]
+    except ValueError as e:
+        raise ValueError(f"sample.images: {e}".replace("--image", "the image")) from None
+
+
 def check_family_sizes(cfg, family: Family, layout, buckets) -> None:
     """Every bucket's size and the previews' the family can take, under the layout's split (Sana's halo
     needs a row and one per rank), or an error naming the bucket or sample.* key."""
@@ -126,11 +140,10 @@ def frozen_family(cfg, family: Family, device, dtype, images: tuple = (None, Non
 
         sc, parts, empty = cfg.sample, run.parts, Path(cfg.data.latents) / "empty.safetensors"
         run.empty = load_file(empty) if empty.is_file() else family.empty_conditioning(parts, run.max_length)
-        prompts = list(sc.prompts)
-        uncond = None
-        if family.guided(sc.guidance):
-            uncond = family.encode(parts, [sc.negative_prompt] * len(prompts), run.max_length, negative=True)
-        run.previews = (family.encode(parts, prompts, run.max_length), uncond)
+        size = (sc.frames or cfg.data.frames, sc.height or cfg.data.height, sc.width or cfg.data.width)
+        sampling = Sampling(list(sc.prompts), [0] * len(sc.prompts), size, sc.steps, sc.guidance,
+                            sc.negative_prompt, run.max_length, preview_references(cfg, family))  # fmt: skip
+        run.previews = family.conditionings(parts, sampling)  # the references' latents too
         run.parts = replace(parts, text_encoder=None)
         del parts
         if torch.cuda.is_available():
@@ -177,9 +190,8 @@ def family_previews(cfg, run: FamilyRun, model, seeds: list, progress, device) -
     )
     if run.family.image_to_video and run.family.needs_images(cfg):  # tessera's DiT: with_preview_images
         sampling = replace(sampling, images=preview_images(cfg, run.family))
-    elif run.family.references and cfg.sample.images:  # every preview's reference images
-        images = run.family.sampling_images(cfg, (list(sc.images), None), len(sc.prompts), size, True)[0]
-        sampling = replace(sampling, images=images)
+    elif run.family.references:  # every preview's reference images, if any
+        sampling = replace(sampling, images=preview_references(cfg, run.family))
     images, bad = checked(
         generate_images, run.family, parts, sampling, progress, device=device, conditioning=run.previews
     )
