@@ -100,6 +100,7 @@ def test_the_14b_lora_base_is_halved_on_the_meta_device():
     assert 0.5 < ratio <= 0.51  # the blocks halved; embedders, head, norms and the scales stay
 
 
+@pytest.mark.slow  # every layout: the whole suite's (the fast tier keeps one layout a family)
 @pytest.mark.timeout(240)
 def test_lora_on_a_float8_base_trains_alike_in_every_layout(tiny_pipeline, tmp_path):  # noqa: F811
     """Three steps on the full-precision base, on the float8 base (one process), and on the float8 base

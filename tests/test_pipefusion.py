@@ -100,6 +100,7 @@ def test_message_plans_match_between_neighbours_and_a_disagreement_is_named():
         check_plans([*mine[:2], theirs], [4, 5, 6])
 
 
+@pytest.mark.slow  # every layout: the whole suite's (the fast tier keeps one layout a family)
 @pytest.mark.timeout(150)
 def test_every_sampling_layout_against_the_serial_sampler():
     """pipefusion 2 and 4 with M = N and 2N, pipefusion x ulysses / ring / cfg, cfg alone (with dp and with

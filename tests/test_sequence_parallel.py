@@ -19,6 +19,7 @@ def _passed(result):
     return [line for line in result.stdout.splitlines() if line.startswith("ok ")]
 
 
+@pytest.mark.slow  # four processes, every split: the whole suite's (training under ulysses and ring stays)
 @pytest.mark.timeout(180)
 def test_four_processes_ulysses_ring_and_hybrid():
     passed = _passed(ranks(4, "tests/sp_worker.py", timeout=150))
