@@ -41,6 +41,11 @@ def blocks_before(state: dict, pattern: str) -> int:
     return 1 + max(found) if found else 0
 
 
+def pixels_per_token(vae_config) -> int:
+    """Pixels per packed latent along a side: the VAE's stride (the pipeline's rule), then the 2 x 2 patch."""
+    return 2 * 2 ** (len(vae_config.get("block_out_channels", [0] * 4)) - 1)
+
+
 def reference_size(image, multiple: int) -> tuple:
     """(height, width) the pipeline gives a reference: scaled to 1024 x 1024 pixels' area when larger
     (diffusers' Flux2ImageProcessor._resize_to_target_area), floored to multiples of the stride."""
@@ -109,7 +114,7 @@ class Flux2(Family):
         each at its own size) after every sample's noisy tokens, in both branches."""
         from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
 
-        scale = 2 * 2 ** (len(parts.vae.config.block_out_channels) - 1)
+        scale = pixels_per_token(parts.vae.config)
         processor, tokens, grids = Flux2ImageProcessor(vae_scale_factor=scale), [], []
         device = next(parts.vae.parameters()).device
         for image in images[0]:  # the same references for every prompt
@@ -146,7 +151,7 @@ class Flux2(Family):
 
     def vae_scale(self, cfg) -> int:
         config = read_json(part_folder(cfg, "vae") / "config.json")
-        return 2 * 2 ** (len(config.get("block_out_channels", [0] * 4)) - 1)  # the VAE's stride, then 2 x 2
+        return pixels_per_token(config)
 
     def patch(self, cfg) -> int:
         return 1  # its tokens are the packed latents' own cells
@@ -220,7 +225,7 @@ class Flux2(Family):
 
     def noise(self, parts: Components, seeds: list, frames: int, height: int, width: int) -> torch.Tensor:
         """What the pipeline draws from a generator seeded with seed, in the model's dtype: (128, 1, h, w)."""
-        scale = 2 * 2 ** (len(parts.vae.config.block_out_channels) - 1)
+        scale = pixels_per_token(parts.vae.config)
         shape = (parts.transformer.in_channels, 1, height // scale, width // scale)
         dtype = parts.transformer.x_embedder.weight.dtype
         draw = lambda s: torch.randn(shape, generator=torch.Generator().manual_seed(s), dtype=dtype)  # noqa: E731

@@ -24,6 +24,11 @@ from models.z_image.weights import (
 )
 
 
+def vae_stride(vae_config) -> int:
+    """Pixels per latent along a side (the pipeline's rule, from the VAE's config)."""
+    return 2 ** (len(vae_config.get("block_out_channels", [0] * 4)) - 1)
+
+
 @dataclass
 class ZImageParts(Components):
     cfg_truncation: float = 1.0  # sample.cfg_truncation (the pipeline's default: never)
@@ -50,8 +55,7 @@ class ZImage(Family):
         return int(self.transformer_config(cfg).get("all_patch_size", [2])[0])
 
     def vae_scale(self, cfg) -> int:
-        config = read_json(part_folder(cfg, "vae") / "config.json")
-        return 2 ** (len(config.get("block_out_channels", [0] * 4)) - 1)  # the pipeline's rule
+        return vae_stride(read_json(part_folder(cfg, "vae") / "config.json"))
 
     def check_scheduler(self, config: dict) -> None:
         kind = config.get("_class_name", "FlowMatchEulerDiscreteScheduler")
@@ -134,7 +138,7 @@ class ZImage(Family):
     def noise(self, parts: Components, seeds: list, frames: int, height: int, width: int) -> torch.Tensor:
         """What the pipeline draws from a generator seeded with seed, one image each, in float32 (its
         latents stay float32 between steps)."""
-        scale = 2 ** (len(parts.vae.config.block_out_channels) - 1)
+        scale = vae_stride(parts.vae.config)
         shape = (parts.transformer.in_channels, 1, height // scale, width // scale)
         return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
 
