@@ -33,6 +33,7 @@ from models.step_cache import step_cache
 from models.tiling import plan_tiles
 from parallel.compute import comm
 from parallel.compute.cache import check_calibration, share_step_cache
+from parallel.drive.distill import student_sampling
 from parallel.drive.family_sampling import (
     Weights,
     family_batches,
@@ -245,6 +246,7 @@ def main(argv=None, session=None, walk=None):
     if args.no_audio and not family.samples_audio:
         raise ValueError(f"--no-audio: {family.title} samples no sound to leave out")
     refuse_flags(cfg, args, family)
+    student_sampling(cfg, args, warn_on_main)  # a distilled student's steps, without guidance
     sizes = read_sizes(cfg, args)
     experts = family.sampling_experts(cfg, sizes[6], args.random_weights, bool(args.lora))
     if family.parts_from_pretrained:  # its folder says the sizes and images it takes: checked first

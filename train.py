@@ -77,6 +77,16 @@ from parallel.compute.fsdp import (
     update_ema,
 )
 from parallel.compute.layout import ParallelLayout
+from parallel.drive.distill import (
+    Distiller,
+    build_distiller,
+    check_distillation,
+    check_objective,
+    check_student_sigmas,
+    distill_backward,
+    distill_record,
+    distilled_recipe,
+)
 from parallel.drive.family_training import (
     FamilyRun,
     check_family_inputs,
@@ -162,8 +172,10 @@ def check_before_start(cfg) -> Plan:
     the preview size, the data, the checkpoint's files (or the pretrained folder), and a LoRA's base."""
     rank, world_size, local_rank = world_from_env()
     family = family_named(cfg.model.family)
+    cfg = distilled_recipe(cfg, family)  # train.objective=dmd: the previews sample the student
     check_loggers(cfg)
     check_family_inputs(cfg, family)
+    check_distillation(cfg, family)
     # the checkpoint's record before the data: a refused resume costs no manifest probe
     checkpoint = resolve_checkpoint(cfg.train.resume, cfg.run.output_dir)
     resume = read_trainer_state(checkpoint)["sampler"] if checkpoint else None
@@ -201,6 +213,7 @@ def check_before_start(cfg) -> Plan:
         check_expert(checkpoint, expert)  # an expert's weights stay on its timesteps
         check_trained(checkpoint, trained)  # the same weights frozen, the same optimizer state
         check_encoders(checkpoint, encoders)  # the latents and embeddings it learnt
+        check_objective(checkpoint, cfg)  # a distillation resumes as one, and flow matching as itself
     dataset = build_dataset(cfg, buckets)
     sampler = build_sampler(cfg, dataset, buckets, layout.dp_rank(rank), layout.dp)
     base, adapter_start = check_lora_start(cfg, checkpoint)
@@ -239,8 +252,10 @@ class Trainer:
     guard: NonFiniteGuard
     batches: object  # this rank's loader iterator; None on ranks that get their batch from share_batch
     training: object  # what a checkpoint saves and loads: TrainingState, or LoRAState (adapters only)
-    trainable: list  # the parameters AdamW updates: every one, or the adapters'
+    trainable: list  # the parameters AdamW updates: every one, or the adapters' (a distillation's student's)
     lora: dict | None  # a LoRA run's record in trainer_state.pt (rank, targets, base); None: full
+    distiller: Distiller | None = None  # train.objective=dmd: the critic's optimizer and the student's steps
+    distill: dict | None = None  # its record in trainer_state.pt (parallel/drive/distill.py distill_record)
 
 
 def build_optimizer(tc, trainable: list) -> torch.optim.AdamW:
@@ -260,6 +275,7 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     dtype = torch.bfloat16 if bf16 else torch.float32
     # its text encoder and VAE, in the compute dtype where the family takes it
     family = frozen_family(cfg, family_named(cfg.model.family), device, dtype, plan.preview_images)
+    distill = student_record(cfg, family)  # a student step count its schedule cannot make: refused here
     meta_model = meta_model_builder(cfg, runtime.sequence, dtype)
     model, adapted = meta_model(adapters=bool(cfg.lora.rank))
     fp8 = chosen_layers(model, tc.fp8_min_features) if tc.fp8 else ""  # for the summary (check_fp8 ran)
@@ -285,9 +301,10 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     else:
         model.to_empty(device=param_device(device, tc.cpu_offload))  # load_checkpoint fills every weight
     del pretrained  # closes the safetensors files
-    trainable = [p for p in model.parameters() if p.requires_grad]  # every one, or the adapters
+    trainable, distiller = build_distiller(cfg, model, build_optimizer)  # every one, or the adapters
     optimizer = build_optimizer(tc, trainable)
-    ema, training = build_ema(cfg, runtime, model, optimizer, lambda: meta_model()[0], bool(adapted))
+    critic = distiller.critic if distiller is not None else None
+    ema, training = build_ema(cfg, runtime, model, optimizer, lambda: meta_model()[0], bool(adapted), critic)
     if checkpoint is not None:
         load_checkpoint(runtime, checkpoint, training, verified=True)
         check_resumed_finite(runtime, checkpoint, model, ema, optimizer)  # one verdict on every rank
@@ -320,7 +337,22 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
         training,
         trainable,
         lora,
+        distiller,
+        distill,
     )
+
+
+def student_record(cfg, run: FamilyRun) -> dict | None:
+    """A distillation's record, with the noise levels its student walks at the preview size (checked)."""
+    if cfg.train.objective != "dmd":
+        return None
+    sc, family = cfg.sample, run.family
+    space, patch = family.geometry(cfg)
+    size = (sc.frames or cfg.data.frames, sc.height or cfg.data.height, sc.width or cfg.data.width)
+    latents = torch.empty(1, *space.latent_shape(*size, patch))  # a schedule reads its size alone
+    sigmas = family.schedule(run.parts, cfg.distill.steps, latents).sigmas
+    check_student_sigmas(sigmas, cfg.distill.steps, family.title)
+    return distill_record(cfg, sigmas)
 
 
 def train_loop(cfg, plan: Plan, runtime, t: Trainer, start_step: int) -> None:
@@ -342,8 +374,8 @@ def train_loop(cfg, plan: Plan, runtime, t: Trainer, start_step: int) -> None:
         runtime.watchdog.begin_step(done, long=step == start_step)  # the first step compiles: long deadline
         runtime.faults.at_step(done)  # tests only (TESSERA_FAULT)
         samples = [i for i, _ in sampler.batch_at(step)]  # from the plan: the same on every rank of a group
-        batch, inputs = load_batch(cfg, runtime, t, step, samples)
-        loss, grad_norm, skipped = train_step(cfg, runtime, t, step, inputs)
+        batch, inputs, rngs = load_batch(cfg, runtime, t, step, samples)
+        loss, grad_norm, skipped = train_step(cfg, runtime, t, step, inputs, rngs)
         if step == start_step and runtime.watchdog.memory is not None:  # its baseline: after a whole step
             runtime.watchdog.memory.begin(done)
         if batch is not None:
@@ -353,8 +385,11 @@ def train_loop(cfg, plan: Plan, runtime, t: Trainer, start_step: int) -> None:
             runtime.watchdog.mark("log")
             context = {"lr": learning_rate(tc, step), "grad_norm": float(grad_norm)}
             context["epoch"] = sampler.position(step)[0]
-            metrics = window.summarize(runtime, plan, loss if batch is not None else None, done, context)
+            losses = [loss] + ([t.distiller.matching] if t.distiller is not None else [])
+            metrics = window.summarize(runtime, plan, losses if batch is not None else None, done, context)
             t.guard.check(done, None if skipped else metrics["loss"])
+            if t.distiller is not None:  # the student's loss too
+                t.guard.check(done, None if skipped else metrics["dmd_loss"])
             extra = {"skipped_steps": t.guard.skipped} if tc.on_nonfinite == "skip" else {}
             t.run.log_metrics(metrics | extra)
             progress.set_postfix(
@@ -396,50 +431,74 @@ def train_loop(cfg, plan: Plan, runtime, t: Trainer, start_step: int) -> None:
 
 
 def load_batch(cfg, runtime, t: Trainer, step: int, samples: list[int]):
-    """(the loader's batch or None, (x0, the family's conditioning, noise, t)) for `step`, on every rank of
-    the group: encoded by the group's reader (a prompt's length is its own: shared with a header). Text
-    dropout, noise and timestep of each sample come from its own (seed, step, sample) generator."""
+    """(the loader's batch or None, (x0, the family's conditioning, noise, t, the empty prompt's conditioning
+    or None), each sample's generator) for `step`, on every rank of the group: encoded by the group's reader
+    (a prompt's length is its own: shared with a header). Text dropout, noise and timestep of each sample
+    come from its own (seed, step, sample) generator. A distillation keeps every caption and adds the empty
+    prompt's conditioning (the teacher's guidance)."""
     tc = cfg.train
     rngs = [torch.Generator().manual_seed(sample_seed(tc.seed, step, i)) for i in samples]
     dropped = [torch.rand(1, generator=g).item() < tc.text_dropout for g in rngs]
-    batch, encoded = None, None
+    if t.distiller is not None:
+        dropped = [False] * len(samples)
+    batch, encoded, empty = None, None, None
     if t.batches is not None:
         batch = next(t.batches)
         if batch["index"] != samples:
             raise RuntimeError(f"step {step}: the loader gave samples {batch['index']}, the plan {samples}")
         encoded = encode_family_batch(t.family, batch, dropped, runtime.device)
+        if t.distiller is not None:
+            empty = encode_family_batch(t.family, batch, [True] * len(samples), runtime.device)
     x0, cond = family_batch(t.family, runtime.sequence, encoded, runtime.device)
+    uncond = family_batch(t.family, runtime.sequence, empty, runtime.device)[1] if t.distiller else None
     noise, timesteps = t.family.family.training_draw(t.family.parts, t.flow, x0, cond, rngs)
-    return batch, (x0, cond, noise, timesteps)
+    return batch, (x0, cond, noise, timesteps, uncond), rngs
 
 
-def train_step(cfg, runtime, t: Trainer, step: int, inputs):
-    """Forward, backward, clip, and (unless the guard skips a non-finite step) AdamW and the EMA.
-    Returns (loss, the whole model's gradient norm, skipped)."""
-    tc, phase = cfg.train, runtime.watchdog.mark
+def train_step(cfg, runtime, t: Trainer, step: int, inputs, rngs):
+    """Forward, backward, clip, and (unless the guard skips a non-finite step) AdamW and the EMA: of the
+    model, or of a distillation's critic every step and its student every distill.critic_updates steps.
+    Returns (loss (the critic's in a distillation), the gradient norm, skipped)."""
+    tc, phase, d = cfg.train, runtime.watchdog.mark, t.distiller
     phase("forward")
-    x0, cond, noise, timesteps = inputs  # the family's loss (LTX-2: a sigma and a loss per stream)
-    loss = t.family.family.training_loss(t.family.parts, t.flow, t.model, x0, cond, noise, timesteps)
-    loss = runtime.faults.nan_loss(loss, step + 1)  # tests only
-    phase("backward")
-    loss.backward()
+    if d is None:
+        x0, cond, noise, timesteps, _ = inputs  # the family's loss (LTX-2: a sigma and a loss per stream)
+        loss = t.family.family.training_loss(t.family.parts, t.flow, t.model, x0, cond, noise, timesteps)
+        loss = runtime.faults.nan_loss(loss, step + 1)  # tests only
+        phase("backward")
+        loss.backward()
+        student = True
+    else:  # the backwards run inside: each in its forward's adapter
+        loss, student = distill_backward(d, tc.seed, step, t.family, t.model, t.flow, inputs, rngs)
+        loss = runtime.faults.nan_loss(loss, step + 1)
     phase("optimizer")
-    grad_norm = torch.nn.utils.clip_grad_norm_(t.trainable, tc.grad_clip)
-    # the whole model's norm on every rank (no communication when it is already replicated, as on torch 2.13)
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    for group in t.optimizer.param_groups:
-        group["lr"] = learning_rate(tc, step)
-    skipped = t.guard.skip(step + 1, grad_norm)
+    updates = ([(t.optimizer, t.trainable, 1.0)] if student else []) + (
+        [(d.critic, d.params, d.lr_ratio)] if d else []
+    )
+    norms = [whole_norm(params, tc.grad_clip) for _, params, _ in updates]
+    grad_norm = norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
+    skipped = t.guard.skip(step + 1, grad_norm)  # a non-finite critic stops (or skips) the step too
     if not skipped:
-        t.optimizer.step()
+        for optimizer, _, scale in updates:
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(tc, step) * scale
+            optimizer.step()
         if tc.fp8:
             after_optimizer_step(t.model, gathers_in_float8(runtime.fsdp_mesh))
-        if t.lora:  # the adapters' EMA
+        if t.lora and student:  # the adapters' EMA
             t.ema.update(t.model, tc.ema_decay)
-        else:
+        elif student:
             update_ema(t.ema, t.model, tc.ema_decay)
-    t.optimizer.zero_grad(set_to_none=True)
+    for optimizer, _, _ in updates:
+        optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm, skipped
+
+
+def whole_norm(params: list, clip: float) -> torch.Tensor:
+    """The gradients of `params` clipped to `clip`; their whole norm on every rank (no communication when it
+    is already replicated, as on torch 2.13)."""
+    norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 @dataclass
@@ -464,18 +523,21 @@ class Window:
         self.replaced += len(failures)
         self.per_bucket[bucket] += 1
 
-    def summarize(self, runtime, plan: Plan, loss, done: int, context: dict) -> dict:
-        """The window's metrics, summed over every rank (each group's reader adds its step loss once),
-        with `context` (lr, grad_norm, epoch) in metrics.jsonl's order."""
-        own_loss = loss.detach().double().item() if loss is not None else 0.0
+    def summarize(self, runtime, plan: Plan, losses, done: int, context: dict) -> dict:
+        """The window's metrics, summed over every rank (each group's reader adds its step `losses` once:
+        [the loss] or, in a distillation, [the critic's, the student's last]; None on the other ranks), with
+        `context` (lr, grad_norm, epoch) in metrics.jsonl's order."""
+        n = 2 if plan.cfg.train.objective == "dmd" else 1
+        own = [x.detach().double().item() if x is not None else 0.0 for x in losses or [None] * n]
         packed = torch.tensor(
-            [own_loss, self.samples, self.tokens, self.replaced, *self.per_bucket], dtype=torch.float64
+            [*own, self.samples, self.tokens, self.replaced, *self.per_bucket], dtype=torch.float64
         )
         totals = comm.all_reduce(packed.to(runtime.device)).cpu()  # on the device: NCCL takes no CPU tensors
-        summed_loss, samples, tokens, replaced = totals[:4].tolist()
+        summed = totals[:n].tolist()
+        summed_loss, samples, tokens, replaced = summed[0], *totals[n : n + 3].tolist()
         elapsed = time.perf_counter() - self.started
         self.replaced_total += int(replaced)
-        mix = {plan.buckets.buckets[b].name: int(n) for b, n in enumerate(totals[4:].tolist()) if n}
+        mix = {plan.buckets.buckets[b].name: int(c) for b, c in enumerate(totals[n + 3 :].tolist()) if c}
         metrics = {
             "step": done,
             "loss": summed_loss / plan.layout.dp,
@@ -488,6 +550,8 @@ class Window:
             "buckets": mix,
             "replaced_samples": self.replaced_total,
         }
+        if n == 2:  # the student's matching loss, from its last turn (docs/distill.md)
+            metrics["dmd_loss"] = summed[1] / plan.layout.dp
         return metrics
 
     def restart(self, done: int) -> None:
@@ -520,6 +584,8 @@ def save(runtime, plan: Plan, t: Trainer, done: int, keep: int) -> None:
     }
     if t.lora:
         trainer_state["lora"] = t.lora
+    if t.distill:
+        trainer_state["distill"] = t.distill
     # whether its loss and weights were in range: a divergence recommends only a checkpoint that was
     trainer_state["health"] = t.guard.health(done, t.trainable, runtime.control_group)
     try:

@@ -201,6 +201,7 @@ CHOICES = {
     "train.precision": ("auto", "fp32", "bf16"),
     "train.lr_decay": ("constant", "cosine", "linear"),
     "train.on_nonfinite": ("stop", "skip"),
+    "train.objective": ("flow", "dmd"),
     "train.checkpoint_policy": ("all", "selective"),
     "train.memory": ("manual", "auto"),
     "logging.wandb_mode": ("offline", "online", "disabled"),
@@ -221,7 +222,7 @@ def _holds_floats(tp) -> bool:
 AT_LEAST_ONE = (
     "data.frames", "data.height", "data.width", "train.batch_size", "train.log_every",
     "train.checkpoint_every", "sample.steps", "text_encoder.max_length", "train.keep_checkpoints",
-    "train.fp8_min_features",
+    "train.fp8_min_features", "distill.steps", "distill.critic_updates",
 )  # fmt: skip
 POSITIVE = (
     "train.lr", "train.grad_clip", "train.loss_limit", "train.weight_limit", "flow.shift",
@@ -243,6 +244,9 @@ NULL_OR = {  # key: (its least value, what null means)
     "model.depth": (1, "the size's"),
     "model.hidden_size": (1, "the size's"),
     "model.num_heads": (1, "the size's"),
+    "distill.critic_lr": (0, "train.lr"),
+    "distill.shift": (0, "training's shift"),
+    "distill.guidance": (0, "sample.guidance"),
 }
 
 
@@ -251,6 +255,7 @@ def validate(cfg: DictConfig) -> None:
     _check_values(cfg)
     _check_sampling(cfg)
     _check_model(cfg)
+    _check_distill(cfg)
     _check_lora(cfg)
 
 
@@ -365,6 +370,29 @@ def _check_model(cfg: DictConfig) -> None:
     from models.families import family_named
 
     family_named(mc.family).check_size_keys(mc, ConfigError)  # tessera's DiT: its named sizes
+
+
+def _check_distill(cfg: DictConfig) -> None:
+    """train.objective=dmd: a teacher (model.pretrained), the adapters the student and critic are, and a
+    range of noise levels (docs/distill.md)."""
+    dc = cfg.distill
+    if not 0.0 <= dc.min_sigma < dc.max_sigma <= 1.0:
+        raise ConfigError(
+            f"distill.min_sigma={dc.min_sigma} and distill.max_sigma={dc.max_sigma}: the matching loss's "
+            "noise levels need 0 <= min_sigma < max_sigma <= 1"
+        )
+    if cfg.train.objective != "dmd":
+        return
+    if not cfg.model.pretrained:
+        raise ConfigError(
+            "train.objective=dmd distils model.pretrained (the teacher), which is not set: name the model to "
+            "distil (a diffusers folder, a single file or a tessera run)"
+        )
+    if not cfg.lora.rank:
+        raise ConfigError(
+            "train.objective=dmd trains the student and its critic as two LoRAs on the frozen teacher, and "
+            "lora.rank=0: set lora.rank (full copies of the student and the critic are not built)"
+        )
 
 
 def _check_lora(cfg: DictConfig) -> None:

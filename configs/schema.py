@@ -212,6 +212,10 @@ class TrainConfig:
     # |weight| of the trained parameters. Out of range is only recorded (and said), never a stop.
     loss_limit: float = 10.0
     weight_limit: float = 1.0e4
+    # flow: the flow-matching loss on the data | dmd: distil model.pretrained (the teacher) into a few-step
+    # student that samples without guidance (distribution matching, DMD2; the distill section;
+    # docs/distill.md)
+    objective: str = "flow"
 
 
 @dataclass
@@ -313,6 +317,22 @@ class LoRAConfig:
 
 
 @dataclass
+class DistillConfig:
+    """train.objective=dmd (docs/distill.md): the student (the generator) and the critic are two LoRAs
+    (lora.rank) on one frozen base, model.pretrained, which is the teacher with both switched off."""
+
+    steps: int = 4  # the student's sampling steps (the family's schedule at this count: its sigmas)
+    guidance: Optional[float] = None  # the teacher's guidance scale; None: sample.guidance of the recipe
+    critic_updates: int = 5  # critic updates per generator update (DMD2's two time-scale rule)
+    critic_lr: Optional[float] = None  # the critic's learning rate (same schedule); None: train.lr
+    # the noise levels of the matching loss and the critic's loss: u uniform in [min_sigma, max_sigma],
+    # shifted as training shifts (flow.shift at flow.shift_reference_tokens) unless shift is set
+    min_sigma: float = 0.02
+    max_sigma: float = 0.98
+    shift: Optional[float] = None
+
+
+@dataclass
 class LoggingConfig:
     wandb: bool = True
     wandb_mode: str = "offline"  # offline | online | disabled
@@ -334,4 +354,5 @@ class TesseraConfig:
     sample: SampleConfig = field(default_factory=SampleConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -78,6 +78,7 @@ class Family:
     references, max_references = False, 0
     expert_pair = False  # a run trains one of two experts (model.expert), exported together as one pipeline
     precomputes = True  # scripts/precompute_latents.py stores its conditioning (else refused by name)
+    unguided = 1.0  # the guidance scale that samples without guidance (its pipeline's: `guided` is False)
 
     def resolve_size(self, cfg, error=ValueError) -> None:
         """model.size: the recipe's dimensions, filled from model.pretrained's folder under model.size=auto,
@@ -506,7 +507,16 @@ class Family:
     def training_loss(self, parts: Components, flow, model, x0, cond, noise, t) -> torch.Tensor:
         """The loss of a training batch on the training transformer `model`: the flow-matching loss of
         models/flow.py on its velocity (training_draw's noise and sigmas)."""
-        return flow.training_loss(lambda x, s, c, _: model(x, s, c), x0, cond, None, noise, t)
+        velocity = lambda x, s, c, _: self.training_velocity(parts, model, x, s, c)  # noqa: E731
+        return flow.training_loss(velocity, x0, cond, None, noise, t)
+
+    def training_velocity(self, parts: Components, model, x, sigma, cond):
+        """The training transformer's velocity (noise - x0) at x = (1 - sigma) x0 + sigma noise, sigma (B,)
+        in [0, 1], as its loss takes it (distillation's predictions: models/distill.py)."""
+        return model(x, sigma, cond)
+
+    def check_distillation(self, cfg) -> None:
+        """Refuse (ValueError) by name a recipe whose distillation (train.objective=dmd) it cannot take."""
 
     def default_lora_targets(self, cfg) -> tuple:
         """lora.targets when the recipe leaves them at tessera's DiT's (configs/auto.py): its own."""

@@ -9,11 +9,14 @@ tessera's fused projections (qkv, kv) need exact splitting on export, which mode
 does. On a fused Linear (q, k, v in one weight) each projection gets its own rank-r adapter by default
 (lora.per_projection), as PEFT gives to_q, to_k and to_v: lora_A stacks their A's (n r x in), lora_B holds
 each projection's B in its rows (out x r). Each adapter draws its init from its own (seed, name)
-generator, so every layout gets the same adapters. Files: models/lora_formats.py.
+generator, so every layout gets the same adapters. Distillation (models/distill.py) gives each layer a second
+adapter, the critic's (`critic_A`, `critic_B`), beside the generator's `lora_*`; `active_adapter` picks which
+one a forward adds (or none: the frozen base, the teacher). Files: models/lora_formats.py.
 """
 
 import fnmatch
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -31,21 +34,29 @@ class LoRALinear(nn.Linear):
     lora_scale: float
     lora_dropout: nn.Module
     lora_groups: int  # n > 1: a fused Linear whose n projections (row blocks) have adapters of their own
+    # which adapter the forward adds: "lora" (the generator's, the only one outside distillation), "critic",
+    # or None (the base alone, bit for bit); set on every layer at once by active_adapter
+    lora_active: str | None = "lora"
     dequantizes = True  # its forward calls models/float8.py base_linear: a float8 base may be under it
 
     def forward(self, x):
         base = base_linear(self, x)  # F.linear, or of a float8 base (models/float8.py)
+        if self.lora_active is None:
+            return base
         return base + self.lora_update(x).to(base.dtype)
 
     def lora_update(self, x):
-        """The adapters' scaled update alone, in their dtype (a caller that runs the base Linear itself,
-        as the DiT's float32 time embedder does, adds it)."""
-        down = self.lora_A(self.lora_dropout(x).to(self.lora_A.weight.dtype))  # (..., n r)
+        """The active adapter's scaled update alone, in its dtype (a caller that runs the base Linear itself,
+        as the DiT's float32 time embedder does, adds it); zeros with none active."""
+        if self.lora_active is None:
+            return torch.zeros((*x.shape[:-1], self.out_features), dtype=x.dtype, device=x.device)
+        A, B = getattr(self, f"{self.lora_active}_A"), getattr(self, f"{self.lora_active}_B")
+        down = A(self.lora_dropout(x).to(A.weight.dtype))  # (..., n r)
         n = self.lora_groups
         if n == 1:
-            update = self.lora_B(down)
+            update = B(down)
         else:  # projection i: its rows of B times its r entries of A x
-            B = self.lora_B.weight
+            B = B.weight
             update = torch.einsum(
                 "...gr,gor->...go", down.unflatten(-1, (n, -1)), B.view(n, -1, B.shape[1])
             ).flatten(-2)
@@ -85,12 +96,14 @@ def add_adapters(
     dropout: float = 0.0,
     per_projection: bool = True,
     keep=None,
+    critic: bool = False,
 ) -> list[str]:
     """Turn the targeted Linear layers of `model` into LoRALinear in place (on whatever device the model
     is, the meta device included; parallel/build/init.materialize fills them) and freeze every other
     parameter. per_projection: a fused Linear gets one rank-`rank` adapter per projection (else one shared A).
     `keep(name)`: False for a targeted layer the recipe keeps frozen, which gets no adapter (LTX-2's audio
-    with data.audio=false). Returns the names of the adapted modules."""
+    with data.audio=false). `critic`: each layer gets the critic's adapter too (distillation), of the same
+    shape. Returns the names of the adapted modules."""
     targets = target_modules(model, patterns)
     if keep is not None:
         targets = {name: m for name, m in targets.items() if keep(name)}
@@ -112,15 +125,42 @@ def add_adapters(
         module.__class__ = LoRALinear
         module.lora_A = nn.Linear(module.in_features, n * rank, bias=False, device=device)
         module.lora_B = nn.Linear(rank, module.out_features, bias=False, device=device)
+        if critic:
+            module.critic_A = nn.Linear(module.in_features, n * rank, bias=False, device=device)
+            module.critic_B = nn.Linear(rank, module.out_features, bias=False, device=device)
         module.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         module.lora_scale = alpha / rank
         module.lora_groups = n
     return list(targets)
 
 
+ADAPTER_KEYS = (".lora_A.", ".lora_B.", ".critic_A.", ".critic_B.")
+
+
 def is_adapter(name: str) -> bool:
-    """Whether a parameter (or state-dict key) belongs to an adapter."""
-    return ".lora_A." in name or ".lora_B." in name
+    """Whether a parameter (or state-dict key) belongs to an adapter (the generator's or the critic's)."""
+    return any(key in name for key in ADAPTER_KEYS)
+
+
+def is_critic(name: str) -> bool:
+    """Whether a parameter belongs to a distillation's critic adapter."""
+    return ".critic_A." in name or ".critic_B." in name
+
+
+@contextmanager
+def active_adapter(model: nn.Module, which: str | None):
+    """Every adapted layer of `model` adds adapter `which` ("lora": the generator's, "critic", or None: the
+    base alone) in the forwards inside; the one before is put back after. A backward that recomputes a
+    forward (activation checkpointing) must run inside the same choice as its forward."""
+    layers = list(adapted_modules(model).values())
+    before = [m.lora_active for m in layers]
+    for m in layers:
+        m.lora_active = which
+    try:
+        yield model
+    finally:
+        for m, was in zip(layers, before):
+            m.lora_active = was
 
 
 def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -131,7 +171,7 @@ def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
 def init_adapter(name: str, tensor: torch.Tensor, generator=None) -> None:
     """An adapter's initialisation, in place: A as PEFT and the LoRA paper (Kaiming-uniform, bound
     1/sqrt(in)), B zeros, so that training starts from the base model exactly."""
-    if ".lora_B." in name:
+    if ".lora_B." in name or ".critic_B." in name:
         tensor.zero_()
     else:
         bound = 1.0 / math.sqrt(tensor.shape[1])
@@ -209,5 +249,8 @@ def fold_adapters(model: nn.Module) -> nn.Module:
     merge_deltas(model, adapter_deltas(model))
     for m in adapted_modules(model).values():
         del m.lora_A, m.lora_B, m.lora_dropout, m.lora_scale, m.lora_groups
+        for name in ("critic_A", "critic_B"):
+            if hasattr(m, name):
+                delattr(m, name)
         m.__class__ = nn.Linear
     return model

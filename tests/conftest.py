@@ -23,7 +23,7 @@ WHOLE_SUITE_ROWS = {
     "tests/test_family_training.py": (
         ("z_image", "flux2"),
         ("test_a_run_trains_and_resumes", "test_lora_on_a_float8_base", "test_precomputed_latents",
-         "test_buckets_by_aspect_ratio", "test_exports_load_in_diffusers"),
+         "test_buckets_by_aspect_ratio", "test_exports_load_in_diffusers", "test_a_distilled_student"),
     ),
     # 2511's sampling and loss through infer.py and train.py: 2509's cover the path, 2511's transformer test
     # its modulation

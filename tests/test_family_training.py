@@ -98,7 +98,7 @@ def diffusers_loss(name, pipe, pixels, prompts, noise, sigma) -> torch.Tensor:
     elif name == "z_image":
         embeds = pipe.encode_prompt(list(prompts), do_classifier_free_guidance=False)[0]
         vae = pipe.vae.config
-        x0 = ((pipe.vae.encode(pixels[:, :, 0]).latent_dist.mode() - vae.shift_factor) * vae.scaling_factor)
+        x0 = (pipe.vae.encode(pixels[:, :, 0]).latent_dist.mode() - vae.shift_factor) * vae.scaling_factor
         x0 = x0.unsqueeze(2)
         x_t = (1 - s) * x0 + s * noise
         pred = -torch.stack(pipe.transformer(list(x_t.unbind(0)), 1 - sigma, embeds, return_dict=False)[0])
@@ -419,3 +419,40 @@ def test_sequence_parallel_training_is_one_process(runs, tmp_path, degree):
     worst = max(abs(got - want) / abs(want) for want, got in pairs)
     print(f"{name} {degree}: losses and gradient norms within {worst:.1e} (relative) of one process's")
     assert worst <= 1e-5, pairs
+
+
+@torch.no_grad()
+def test_a_distilled_student_samples_in_diffusers_what_infer_samples(saved, tmp_path):  # noqa: F811
+    """train.objective=dmd, 2 steps of a 2-step student (its turn and the critic's at both): the
+    exported LoRA, in the pipeline at 2 steps and the family's no-guidance scale, samples what infer.py
+    samples from the run (which takes the student's steps and drops guidance by itself)."""
+    from diffusers import DiffusionPipeline
+
+    name, folder = saved
+    run = tmp_path / "student"
+    dmd = [
+        "train.objective=dmd",
+        "lora.rank=4",
+        "distill.steps=2",
+        "distill.critic_updates=1",
+        "train.lr=1e-2",
+        "train.ema_decay=0.0",  # the student itself, not its average (the recipes' 0.999)
+    ]
+    with torch.enable_grad():
+        assert run_main(train, train_args(name, folder, run, *dmd)) == 0
+    lora = tmp_path / "student.safetensors"
+    assert export.main(["--checkpoint", str(run), "--lora", "--output", str(lora)]) == 0
+    argv = infer_args(name, folder, tmp_path, "--prompt", PROMPTS[0], "--seed", "1", "--checkpoint", str(run))
+    assert run_main(infer, argv + ["--output", str(tmp_path / "ours.npy")]) == 0
+    ours = np.load(tmp_path / "ours.npy")[0]
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    (height, width), row = ROWS[name].size, ROWS[name]
+    kwargs = dict(prompt=PROMPTS[0], num_inference_steps=2, height=height, width=width, output_type="np",
+                  **{row.guidance: family_named(name).unguided}, **row.keywords)  # fmt: skip
+    pipe.set_progress_bar_config(disable=True)
+    base = pipe(generator=torch.Generator().manual_seed(1), **kwargs).images[0]
+    pipe.load_lora_weights(lora)
+    theirs = pipe(generator=torch.Generator().manual_seed(1), **kwargs).images[0]
+    diff, moved = float(np.abs(theirs - ours).max()), float(np.abs(base - ours).max())
+    print(f"{name} student: diffusers vs infer.py {diff:.1e}; the base at the same steps {moved:.1e}")
+    assert diff <= 1e-3 and moved > 100 * diff

@@ -468,6 +468,23 @@ class DiTFamily(Family):
             return ImageCondition(x0[:, :, :1], None, first_frame=True)
         return None if cond.image is None else ImageCondition(cond.image, cond.image_features)
 
+    def training_velocity(self, parts: DiTParts, model, x, sigma, cond: DiTText):
+        return model(x, sigma, cond.text, cond.text_mask)
+
+    def check_distillation(self, cfg) -> None:
+        """Text-to-video, one model: a given frame would have to stay given through the student's steps,
+        and one expert samples only part of the schedule the student walks."""
+        if cfg.model.task != "t2v":
+            raise ValueError(
+                f"train.objective=dmd distils text-to-video; model.task={cfg.model.task} (a given first "
+                "frame) is not built: set model.task=t2v"
+            )
+        if cfg.model.expert != "none":
+            raise ValueError(
+                f"train.objective=dmd with model.expert={cfg.model.expert}: one Wan 2.2 expert samples part "
+                "of the noise levels, and a few-step student walks all of them: distil a one-model recipe"
+            )
+
     def training_loss(self, parts: DiTParts, flow, model, x0, cond: DiTText, noise, t) -> torch.Tensor:
         condition = self.training_condition(parts, x0, cond)
         if condition is not None:

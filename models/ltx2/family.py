@@ -327,6 +327,14 @@ class LTX2(Family):
         audio = None if cond.audio_x0 is None else tuple(cond.audio_x0.shape[1:])
         return draw(tuple(x0.shape[1:]), audio, generators)
 
+    def check_distillation(self, cfg) -> None:
+        """Its video and sound are denoised at their own sigmas, which the student's one schedule does not
+        walk yet."""
+        raise ValueError(
+            "train.objective=dmd: LTX-2's distillation is not built (its video and sound streams take a "
+            "sigma each, and the student's one schedule walks one)"
+        )
+
     def training_loss(self, parts: LTX2Parts, flow, model, x0, cond: LTX2Cond, noise, t) -> torch.Tensor:
         return loss(model, x0, cond.audio_x0, replace(cond, fps=float(parts.train_fps)), noise, t)
 

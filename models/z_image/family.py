@@ -47,6 +47,7 @@ class ZImage(Family):
     # every attention's projections and every feed-forward (the refiners' too), as ai-toolkit's
     lora_targets = ("*.attention.to_*", "*.feed_forward.w*")
     lora_formats = ("diffusers", "comfyui")  # ComfyUI's keys: diffusers' under diffusion_model.
+    unguided = 0.0  # its pipeline guides at any scale above 0 (pos + g (pos - neg))
 
     def heads(self, cfg) -> int | None:
         return self.transformer_config(cfg).get("n_heads", 30)
@@ -150,9 +151,9 @@ class ZImage(Family):
         levels = sigmas(steps, tokens, parts.scheduler_config, start).to(latents.device)
         return Schedule(levels, (1000 - levels[:-1] * 1000) / 1000, euler(levels))
 
-    def training_loss(self, parts: Components, flow, model, x0, cond, noise, t) -> torch.Tensor:
-        """models/flow.py's loss on the velocity, the model told 1 - sigma as it samples."""
-        return flow.training_loss(lambda x, s, c, _: model(x, 1 - s, c), x0, cond, None, noise, t)
+    def training_velocity(self, parts: Components, model, x, sigma, cond):
+        """The model told 1 - sigma, as it samples."""
+        return model(x, 1 - sigma, cond)
 
     def guidance_at(self, parts: ZImageParts, t, scale: float) -> float:
         """0 (the prompt alone) at a step whose 1 - sigma (the model's t) exceeds sample.cfg_truncation."""

@@ -180,7 +180,10 @@ def meta_model_builder(cfg, groups, dtype):
     def meta_model(adapters: bool = False):
         model = family.meta_transformer(cfg)
         trained = lambda name: family.trains_parameter(cfg, name)  # noqa: E731
-        names = insert_adapters(model, cfg.lora, dtype, cfg.model.base_dtype, trained) if adapters else []
+        critic = cfg.train.objective == "dmd"  # a distillation's critic: a second adapter on each layer
+        names = (
+            insert_adapters(model, cfg.lora, dtype, cfg.model.base_dtype, trained, critic) if adapters else []
+        )
         for name, p in model.named_parameters():  # LTX-2 with data.audio=false: its audio stays as loaded
             if not trained(name):
                 p.requires_grad_(False)
@@ -229,13 +232,13 @@ def fill_sharded(
         check_pretrained_finite(model, pretrained, runtime.control_group, select)
 
 
-def build_ema(cfg, runtime, model, optimizer, meta_model, lora: bool):
+def build_ema(cfg, runtime, model, optimizer, meta_model, lora: bool, critic=None):
     """The EMA, starting as the model, and what a checkpoint saves: for a LoRA, the adapters' EMA and
-    LoRAState; else a second model (`meta_model()`: one on the meta device, sequence parallel) sharded
-    like the model, and TrainingState."""
+    LoRAState (with a distillation's critic optimizer, `critic`); else a second model (`meta_model()`: one on
+    the meta device, sequence parallel) sharded like the model, and TrainingState."""
     if lora:
         ema = AdapterEMA(model)
-        return ema, LoRAState(model, ema, optimizer)
+        return ema, LoRAState(model, ema, optimizer, critic)
     offload = cfg.train.cpu_offload
     ema = parallelize_dit(meta_model().requires_grad_(False), runtime.fsdp_mesh, cpu_offload=offload)
     copy_shards(ema, model, param_device(runtime.device, offload))

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from models.float8 import quantize_blocks
-from models.lora import add_adapters, is_adapter
+from models.lora import add_adapters, is_adapter, is_critic
 from parallel.checkpoints.checkpoint import optimizer_state_dict, read_tensors, set_optimizer_state
 from parallel.checkpoints.checkpoint_files import CHECKSUMS, CheckpointError, resolve_checkpoint
 from parallel.checkpoints.checkpoint_reading import read_trainer_state
@@ -32,17 +32,19 @@ SAMPLED_BYTES = 64 << 10  # of each tensor's start and end, in a Wan folder's fi
 
 
 def insert_adapters(
-    model, lora_cfg, compute_dtype: torch.dtype, base_dtype: str = "auto", keep=None
+    model, lora_cfg, compute_dtype: torch.dtype, base_dtype: str = "auto", keep=None, critic: bool = False
 ) -> list[str]:
     """Adapters on the targeted Linear layers of a meta-device model, before it is sharded; the frozen base
     takes `compute_dtype` (bf16: no float32 copy of the base exists anywhere), the adapters float32; with
     base_dtype float8 (model.base_dtype) the blocks' Linear weights are float8 with a scale per row
     (models/float8.py; parallel/build/init.py materialize quantizes the rows as it reads them). `keep`: as
-    models/lora.py add_adapters' (the layers the recipe trains)."""
+    models/lora.py add_adapters' (the layers the recipe trains); `critic`: a distillation's critic adapter
+    beside each (train.objective=dmd)."""
     alpha = lora_cfg.alpha if lora_cfg.alpha is not None else lora_cfg.rank
     names = add_adapters(
-        model, lora_cfg.rank, alpha, list(lora_cfg.targets), lora_cfg.dropout, lora_cfg.per_projection, keep
-    )
+        model, lora_cfg.rank, alpha, list(lora_cfg.targets), lora_cfg.dropout, lora_cfg.per_projection, keep,
+        critic,
+    )  # fmt: skip
     for name, p in model.named_parameters():
         p.data = p.data.to(torch.float32 if is_adapter(name) else compute_dtype)
     if base_dtype == "float8":
@@ -165,12 +167,18 @@ def local(p):
     return p.to_local() if isinstance(p, DTensor) else p
 
 
+def is_generator(name: str) -> bool:
+    """An adapter the run samples with: every adapter but a distillation's critic."""
+    return is_adapter(name) and not is_critic(name)
+
+
 class AdapterEMA:
-    """The exponential moving average of the adapters alone, sharded as they are."""
+    """The exponential moving average of the adapters alone (not a distillation's critic, which only ever
+    trains), sharded as they are."""
 
     def __init__(self, model):
-        self.names = [name for name, _ in model.named_parameters() if is_adapter(name)]
-        self.params = {name: p.detach().clone() for name, p in model.named_parameters() if is_adapter(name)}
+        self.names = [name for name, _ in model.named_parameters() if is_generator(name)]
+        self.params = {name: p.detach().clone() for name, p in model.named_parameters() if is_generator(name)}
 
     @torch.no_grad()
     def update(self, model, decay: float) -> None:
@@ -204,17 +212,21 @@ def adapter_state_dict(model) -> dict:
 
 class LoRAState:
     """What a LoRA checkpoint holds: the adapters, their EMA and AdamW's state (parallel/checkpoints/checkpoint.py's
-    TrainingState holds those of a full fine-tuning)."""
+    TrainingState holds those of a full fine-tuning); a distillation's critic adapters too, and its own AdamW
+    state (`critic`: that optimizer)."""
 
-    def __init__(self, model, ema: AdapterEMA, optimizer):
-        self.model, self.ema, self.optimizer = model, ema, optimizer
+    def __init__(self, model, ema: AdapterEMA, optimizer, critic=None):
+        self.model, self.ema, self.optimizer, self.critic = model, ema, optimizer, critic
 
     def state_dict(self) -> dict:
-        return {
+        state = {
             "model": adapter_state_dict(self.model),
             "ema": {canonical_name(n): self.ema.params[n] for n in self.ema.names},
             "optimizer": optimizer_state_dict(self.model, self.optimizer),
         }
+        if self.critic is not None:
+            state["critic_optimizer"] = optimizer_state_dict(self.model, self.critic)
+        return state
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
@@ -222,6 +234,8 @@ class LoRAState:
         for n in self.ema.names:
             local(self.ema.params[n]).copy_(local(state["ema"][canonical_name(n)]))
         set_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        if self.critic is not None:
+            set_optimizer_state(self.model, self.critic, state["critic_optimizer"])
 
 
 def per_projection(record: dict) -> bool:

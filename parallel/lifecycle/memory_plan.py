@@ -255,6 +255,7 @@ def meta_model(cfg, rank: int):
     """The recipe's transformer on the meta device, with rank-`rank` adapters on lora.targets (0: none, a
     full fine-tune: every parameter float32 and trained), as train.py builds it."""
     from models.families import family_named
+    from models.lora import is_adapter
     from parallel.build.components import meta_transformer
     from parallel.build.lora import insert_adapters
 
@@ -266,10 +267,11 @@ def meta_model(cfg, rank: int):
 
         dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
         insert_adapters(
-            model, SimpleNamespace(**lora), dtype, cfg.model.base_dtype, keep=_trains(family, cfg)
-        )
+            model, SimpleNamespace(**lora), dtype, cfg.model.base_dtype, keep=_trains(family, cfg),
+            critic=cfg.train.objective == "dmd",
+        )  # fmt: skip
     for name, p in model.named_parameters():
-        trained = (not rank or "lora_" in name) and family.trains_parameter(cfg, name)
+        trained = (not rank or is_adapter(name)) and family.trains_parameter(cfg, name)
         p.requires_grad_(trained)
     return model
 

@@ -1,0 +1,200 @@
+"""train.objective=dmd: distillation on the sharded model (models/distill.py's pieces), checked before
+anything starts, recorded in every checkpoint, and read back by infer.py.
+
+The generator (the `lora` adapters), the critic (the `critic` adapters) and the teacher (neither: the frozen
+base) are one sharded model, each forward picking its adapter (models/lora.py active_adapter). Every rank runs
+the same forwards in the same order, so FSDP2's gathers and the sequence-parallel exchanges pair up: how many
+student steps a step simulates comes from the step's seed alone; what differs per sample (its noise and noise
+levels) comes from the sample's own generator, so one process and every layout draw the same.
+"""
+
+import copy
+import random
+from dataclasses import dataclass
+
+import torch
+from omegaconf import OmegaConf
+
+from models.distill import clean, draw_noise, draw_sigmas, matching_loss, noised, simulate
+from models.lora import active_adapter, is_critic
+from parallel.checkpoints.checkpoint_files import CheckpointError, find_checkpoint
+from parallel.checkpoints.checkpoint_reading import read_trainer_state
+
+
+@dataclass
+class Distiller:
+    """What a distillation step needs besides the generator's optimizer (train.py's)."""
+
+    steps: int  # the student's
+    guidance: float  # the teacher's scale
+    low: float  # the noise levels of the matching and critic losses: u in [low, high], shifted
+    high: float
+    shift: float | None  # None: the flow's shift at the sample's token count (training's)
+    critic_updates: int  # critic updates per generator update
+    critic: torch.optim.Optimizer
+    params: list  # the critic's adapters
+    lr_ratio: float  # the critic's learning rate over train.lr
+    matching: torch.Tensor | None = None  # the last generator turn's loss, for the metrics
+
+
+def distilled_recipe(cfg, family):
+    """The recipe as a distillation runs it (what config.yaml records): the teacher's guidance kept in
+    distill.guidance, and sample.steps and sample.guidance the student's (its steps, no guidance), so that
+    the previews and `infer.py --config <run>/config.yaml` sample the student as it will be used."""
+    if cfg.train.objective != "dmd":
+        return cfg
+    out = copy.deepcopy(cfg)
+    OmegaConf.set_readonly(out, False)
+    if out.distill.guidance is None:
+        out.distill.guidance = out.sample.guidance
+    out.sample.steps, out.sample.guidance = out.distill.steps, family.unguided
+    OmegaConf.set_readonly(out, True)
+    return out
+
+
+def check_distillation(cfg, family) -> None:
+    """What a distillation refuses by name before anything starts (configs/ refused a recipe without a
+    teacher or adapters already): a family or task whose distillation is not built (given images: image-to-
+    video, edit references), and a teacher's scale the family refuses."""
+    if cfg.train.objective != "dmd":
+        return
+    family.check_distillation(cfg)
+    given = family.given_frames(cfg)
+    if given:
+        raise ValueError(
+            f"train.objective=dmd: {family.title}'s training here conditions on given images "
+            f"({', '.join(given)}), and a student conditioned on them is not built: distil a text-to-video "
+            "or text-to-image recipe"
+        )
+    family.check_guidance(cfg, cfg.distill.guidance)
+
+
+def check_student_sigmas(sigmas: torch.Tensor, steps: int, title: str) -> None:
+    """The family's schedule at the student's step count must walk down from noise: a schedule that cannot
+    make that many steps (Qwen-Image's shift_terminal stretches one step into 0/0) is refused by name."""
+    good = bool(torch.isfinite(sigmas).all()) and bool((sigmas[:-1] > sigmas[1:]).all()) and sigmas[0] > 0
+    if not good:
+        raise ValueError(
+            f"distill.steps={steps}: {title}'s schedule at {steps} steps gives the noise levels "
+            f"{[round(float(s), 4) for s in sigmas]}, which do not fall from noise to 0: choose more steps"
+        )
+
+
+def distill_record(cfg, sigmas: torch.Tensor | None = None) -> dict | None:
+    """What trainer_state.pt says of a distillation (None: flow matching): the student's steps, the noise
+    levels they walk at the preview size, the scale that samples it unguided and the teacher's."""
+    if cfg.train.objective != "dmd":
+        return None
+    record = {"steps": cfg.distill.steps, "guidance": cfg.sample.guidance, "teacher": cfg.model.pretrained}
+    record["teacher_guidance"] = cfg.distill.guidance
+    if sigmas is not None:
+        record["sigmas"] = [float(s) for s in sigmas]
+    return record
+
+
+def check_objective(checkpoint, cfg) -> None:
+    """Refuse to resume a distillation as flow-matching training or the reverse, or another student."""
+    saved = read_trainer_state(checkpoint).get("distill")
+    ours = distill_record(cfg)
+    if bool(saved) != bool(ours):
+        theirs = "a distillation (train.objective=dmd)" if saved else "flow matching (train.objective=flow)"
+        raise CheckpointError(
+            f"checkpoint {checkpoint} trained {theirs}; this recipe sets "
+            f"train.objective={cfg.train.objective}. Use the recipe it was trained with (its run's "
+            "config.yaml), or train.resume=none to start afresh"
+        )
+    if saved and saved["steps"] != ours["steps"]:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} distils a {saved['steps']}-step student; this recipe asks for "
+            f"distill.steps={ours['steps']}: set it back, or train.resume=none"
+        )
+
+
+def build_distiller(cfg, model, build_optimizer) -> tuple[list, Distiller | None]:
+    """(the generator's trainable parameters, the Distiller or None); `build_optimizer(tc, params)`:
+    train.py's AdamW."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if cfg.train.objective != "dmd":
+        return [p for _, p in named], None
+    dc, tc = cfg.distill, cfg.train
+    critic = [p for n, p in named if is_critic(n)]
+    lr = dc.critic_lr if dc.critic_lr is not None else tc.lr
+    distiller = Distiller(
+        dc.steps, dc.guidance, dc.min_sigma, dc.max_sigma, dc.shift, dc.critic_updates,
+        build_optimizer(tc, critic), critic, lr / tc.lr,
+    )  # fmt: skip
+    return [p for n, p in named if not is_critic(n)], distiller
+
+
+def distill_backward(d: Distiller, seed: int, step: int, run, model, flow, inputs, rngs) -> tuple:
+    """One step's forwards and backwards: (the critic's loss, whether the generator took its turn). On a
+    generator turn (every distill.critic_updates steps) the matching loss's gradient reaches the generator's
+    adapters; every step the critic learns the flow-matching loss on the student's (detached) samples.
+    `run`: the FamilyRun; `rngs`: each sample's generator (training_draw drew the student's noise)."""
+    x0, cond, noise, _, uncond = inputs
+    family, parts, batch = run.family, run.parts, x0.shape[0]
+    schedule = family.schedule(parts, d.steps, x0)  # the student's noise levels and solver
+    sigmas = schedule.sigmas.to(x0.device)
+    shift = d.shift if d.shift is not None else flow.shift_for(flow.num_tokens(x0))
+    k = random.Random(f"dmd {seed} {step}").randrange(d.steps)  # the same on every rank
+    generator_turn = step % d.critic_updates == 0
+    velocity = lambda x, s, c=cond: family.training_velocity(parts, model, x, s, c)  # noqa: E731
+    # the backward runs inside its forward's adapter: activation checkpointing recomputes that forward
+    with active_adapter(model, "lora"):
+        x = simulate(velocity, noise.to(x0.device, x0.dtype), schedule, k)
+        with torch.set_grad_enabled(generator_turn):
+            sample = clean(x, sigmas[k].expand(batch), velocity(x, sigmas[k].expand(batch)))
+        if generator_turn:
+            d.matching = generator_loss(d, run, model, sample, cond, uncond, rngs, shift)
+            d.matching.backward()
+    sigma = draw_sigmas(rngs, d.low, d.high, shift)
+    with active_adapter(model, "critic"):
+        loss = family.training_loss(
+            parts, flow, model, sample.detach(), cond, draw_noise(x0.shape[1:], rngs), sigma
+        )
+        loss.backward()
+    return loss, generator_turn
+
+
+def generator_loss(d: Distiller, run, model, sample, cond, uncond, rngs, shift: float) -> torch.Tensor:
+    """DMD's matching loss on the student's `sample`: noised to a drawn level, predicted clean by the guided
+    teacher (no adapter) and by the critic, both without gradients."""
+    family, parts = run.family, run.parts
+    sigma = draw_sigmas(rngs, d.low, d.high, shift).to(sample.device)
+    eps = draw_noise(sample.shape[1:], rngs).to(sample.device, sample.dtype)
+    velocity = lambda x, c: family.training_velocity(parts, model, x, sigma, c)  # noqa: E731
+    with torch.no_grad():
+        x = noised(sample.detach(), eps, sigma)
+        with active_adapter(model, None):
+            v_real = velocity(x, cond)
+            if family.guided(d.guidance):
+                v_real = family.guide(v_real, velocity(x, uncond), d.guidance, parts)
+        with active_adapter(model, "critic"):
+            v_fake = velocity(x, cond)
+    return matching_loss(sample, clean(x, sigma, v_real), clean(x, sigma, v_fake))
+
+
+def student_sampling(cfg, args, say) -> None:
+    """infer.py on a distilled student's checkpoint (in place on `cfg`): its step count unless --steps, and no
+    guidance; --guidance that guides is refused by name. `say`: a warning printer. A checkpoint that cannot
+    be found is left to the weights' own check, which names it."""
+    try:
+        checkpoint = find_checkpoint(cfg, args.checkpoint, args.random_weights)
+    except CheckpointError:
+        return
+    record = read_trainer_state(checkpoint).get("distill") if checkpoint is not None else None
+    if not record:
+        return
+    if args.guidance is not None and args.guidance != record["guidance"]:
+        raise ValueError(
+            f"--guidance {args.guidance:g}: checkpoint {checkpoint} is a {record['steps']}-step student "
+            f"distilled to sample without guidance (its teacher's {record['teacher_guidance']:g} is in it): "
+            "drop --guidance"
+        )
+    if args.steps is not None and args.steps != record["steps"]:
+        say(
+            f"--steps {args.steps}: checkpoint {checkpoint} was distilled to sample in {record['steps']} "
+            "steps"
+        )
+    OmegaConf.set_readonly(cfg, False)
+    cfg.sample.steps, cfg.sample.guidance = record["steps"], record["guidance"]
