@@ -79,6 +79,7 @@ from parallel.compute.fsdp import (
 from parallel.compute.layout import ParallelLayout
 from parallel.drive.distill import (
     Distiller,
+    averaged_teacher,
     build_distiller,
     check_distillation,
     check_objective,
@@ -92,6 +93,7 @@ from parallel.drive.family_training import (
     check_family_inputs,
     check_family_sizes,
     check_family_training,
+    empty_batch,
     family_batch,
     family_previews,
     frozen_family,
@@ -176,6 +178,8 @@ def check_before_start(cfg) -> Plan:
     check_loggers(cfg)
     check_family_inputs(cfg, family)
     check_distillation(cfg, family)
+    if averaged_teacher(cfg):
+        warn_on_main(averaged_teacher(cfg))
     # the checkpoint's record before the data: a refused resume costs no manifest probe
     checkpoint = resolve_checkpoint(cfg.train.resume, cfg.run.output_dir)
     resume = read_trainer_state(checkpoint)["sampler"] if checkpoint else None
@@ -387,9 +391,9 @@ def train_loop(cfg, plan: Plan, runtime, t: Trainer, start_step: int) -> None:
             context["epoch"] = sampler.position(step)[0]
             losses = [loss] + ([t.distiller.matching] if t.distiller is not None else [])
             metrics = window.summarize(runtime, plan, losses if batch is not None else None, done, context)
-            t.guard.check(done, None if skipped else metrics["loss"])
-            if t.distiller is not None:  # the student's loss too
+            if "dmd_loss" in metrics:  # the student's must be finite too; the critic's (last) is the health's
                 t.guard.check(done, None if skipped else metrics["dmd_loss"])
+            t.guard.check(done, None if skipped else metrics["loss"])
             extra = {"skipped_steps": t.guard.skipped} if tc.on_nonfinite == "skip" else {}
             t.run.log_metrics(metrics | extra)
             progress.set_postfix(
@@ -441,16 +445,14 @@ def load_batch(cfg, runtime, t: Trainer, step: int, samples: list[int]):
     dropped = [torch.rand(1, generator=g).item() < tc.text_dropout for g in rngs]
     if t.distiller is not None:
         dropped = [False] * len(samples)
-    batch, encoded, empty = None, None, None
+    batch, encoded = None, None
     if t.batches is not None:
         batch = next(t.batches)
         if batch["index"] != samples:
             raise RuntimeError(f"step {step}: the loader gave samples {batch['index']}, the plan {samples}")
         encoded = encode_family_batch(t.family, batch, dropped, runtime.device)
-        if t.distiller is not None:
-            empty = encode_family_batch(t.family, batch, [True] * len(samples), runtime.device)
     x0, cond = family_batch(t.family, runtime.sequence, encoded, runtime.device)
-    uncond = family_batch(t.family, runtime.sequence, empty, runtime.device)[1] if t.distiller else None
+    uncond = empty_batch(t.family, len(samples), runtime.device) if t.distiller is not None else None
     noise, timesteps = t.family.family.training_draw(t.family.parts, t.flow, x0, cond, rngs)
     return batch, (x0, cond, noise, timesteps, uncond), rngs
 
@@ -527,8 +529,14 @@ class Window:
         """The window's metrics, summed over every rank (each group's reader adds its step `losses` once:
         [the loss] or, in a distillation, [the critic's, the student's last]; None on the other ranks), with
         `context` (lr, grad_norm, epoch) in metrics.jsonl's order."""
-        n = 2 if plan.cfg.train.objective == "dmd" else 1
-        own = [x.detach().double().item() if x is not None else 0.0 for x in losses or [None] * n]
+        # a distillation: the critic's loss, the student's, and whether the student has had a turn since
+        # the start (a resume may begin on a critic's turn)
+        n = 3 if plan.cfg.train.objective == "dmd" else 1
+        own = [0.0] * n  # not a group's reader: adds nothing
+        if losses is not None:
+            own[0] = losses[0].detach().double().item()
+            if n == 3 and losses[1] is not None:
+                own[1:] = [losses[1].double().item(), 1.0]
         packed = torch.tensor(
             [*own, self.samples, self.tokens, self.replaced, *self.per_bucket], dtype=torch.float64
         )
@@ -550,7 +558,7 @@ class Window:
             "buckets": mix,
             "replaced_samples": self.replaced_total,
         }
-        if n == 2:  # the student's matching loss, from its last turn (docs/distill.md)
+        if n == 3 and summed[2] > 0:  # the student's matching loss, from its last turn
             metrics["dmd_loss"] = summed[1] / plan.layout.dp
         return metrics
 

@@ -393,6 +393,12 @@ def _check_distill(cfg: DictConfig) -> None:
             "train.objective=dmd trains the student and its critic as two LoRAs on the frozen teacher, and "
             "lora.rank=0: set lora.rank (full copies of the student and the critic are not built)"
         )
+    if cfg.lora.init_from:
+        raise ConfigError(
+            f"train.objective=dmd with lora.init_from={cfg.lora.init_from}: the student would start from "
+            "that LoRA while its critic and teacher are the bare base; distil the base with it merged (a "
+            "tessera LoRA run: scripts/export.py --lora --merge) as model.pretrained"
+        )
 
 
 def _check_lora(cfg: DictConfig) -> None:

@@ -1,17 +1,14 @@
 """Low-rank adapters (LoRA, Hu et al.) on a DiT's Linear layers; single-device code.
 
-A targeted nn.Linear becomes a LoRALinear in place: its own `weight` and `bias` keep their names (so
-model.pretrained, checkpoints and FSDP2 see the base exactly as before) and it gains `lora_A` (r x in)
-and `lora_B` (out x r); the output is W x + b + (alpha / r) B A x. Written here rather than with PEFT:
-PEFT wraps the base Linear (its weight becomes `...base_layer.weight`), which would rename every base
-weight that the pretrained reader, the seeded initialisation and the checkpoints know by name; and
-tessera's fused projections (qkv, kv) need exact splitting on export, which models/lora_formats.py
-does. On a fused Linear (q, k, v in one weight) each projection gets its own rank-r adapter by default
-(lora.per_projection), as PEFT gives to_q, to_k and to_v: lora_A stacks their A's (n r x in), lora_B holds
-each projection's B in its rows (out x r). Each adapter draws its init from its own (seed, name)
-generator, so every layout gets the same adapters. Distillation (models/distill.py) gives each layer a second
-adapter, the critic's (`critic_A`, `critic_B`), beside the generator's `lora_*`; `active_adapter` picks which
-one a forward adds (or none: the frozen base, the teacher). Files: models/lora_formats.py.
+A targeted nn.Linear becomes a LoRALinear in place: its `weight` and `bias` keep their names (so
+model.pretrained, checkpoints and FSDP2 see the base as before) and it gains `lora_A` (r x in) and `lora_B`
+(out x r): W x + b + (alpha / r) B A x. Not PEFT: its wrapper renames every base weight
+(`...base_layer.weight`) that the pretrained reader, the seeded initialisation and the checkpoints know, and
+fused projections (qkv, kv) need exact splitting on export (models/lora_formats.py). A fused Linear gets one
+rank-r adapter per projection (lora.per_projection), as PEFT's to_q/to_k/to_v: lora_A stacks their A's
+(n r x in), lora_B holds each one's B in its rows. Each adapter's init comes from its own (seed, name)
+generator, the same in every layout. Distillation (models/distill.py) adds the critic's adapter
+(`critic_A`, `critic_B`) beside each; `active_adapter` picks the one a forward adds (or none: the teacher).
 """
 
 import fnmatch

@@ -3,13 +3,13 @@
     python scripts/bench_lora.py [--rank 32] [--gpus 1 8] [--step-size DiT-demo] [--json out.json]
     python scripts/bench_lora.py --tiny      # seconds: DiT-tiny, rank 4
 
-- memory: bytes per GPU of weights + gradients + AdamW + EMA, counted exactly on the meta device, for
-  Wan2.1-1.3B and 14B (full: float32 master weights, gradients, AdamW's two moments and the EMA, 20 bytes
-  a parameter; LoRA: the frozen base in bf16, 2 bytes, or as model.base_dtype=float8 stores it, and 20
-  bytes an adapter parameter), sharded as FSDP2 does; activations at 480 x 832 x 81 modelled;
+- memory per GPU, counted on the meta device, sharded as FSDP2 does (Wan2.1-1.3B, 14B): full, 20 bytes a
+  parameter (float32 weight, gradient, AdamW's moments, EMA); LoRA, the frozen base in bf16 (or float8:
+  model.base_dtype) and 20 bytes an adapter parameter; activations at 480 x 832 x 81 modelled;
 - checkpoint: the bytes a checkpoint holds (model, EMA, AdamW: 16 bytes a trained parameter), counted;
-- step: one process on this machine, fp32, the same batch, forward + backward + clip + AdamW + EMA, full
-  and LoRA steps interleaved.
+- step: one process here, fp32, the same batch, full and LoRA steps interleaved;
+- distillation (train.objective=dmd): two LoRAs on one frozen base (the student's 20 bytes a parameter, the
+  critic's 16: no EMA), against a full student and critic beside the frozen teacher (20 + 16 + 2).
 """
 
 import sys
@@ -23,6 +23,7 @@ import benchlib  # noqa: E402
 GiB = 2**30
 FULL_BYTES, ADAPTER_BYTES, FROZEN_BF16 = 20, 20, 2  # per parameter, see the docstring
 CHECKPOINT_BYTES = 16  # model + EMA + AdamW's two moments, float32
+CRITIC_BYTES = 16  # a critic's parameter: float32 weight, gradient, AdamW's two moments (no EMA)
 # Activations with activation checkpointing: 12.3 GiB measured for Wan2.1-1.3B dims at 14,040 tokens on an
 # H100 (BENCHMARKS.md, "Memory per GPU fine-tuning Wan2.1-1.3B"), scaled by tokens per GPU and, for
 # other dims, by width x depth (the stored block inputs): a model, not a measurement.
@@ -96,6 +97,20 @@ def checkpoint_rows(sizes, rank: int) -> list[dict]:
     return rows
 
 
+def distill_rows(sizes, rank: int, gpus: list[int]) -> list[dict]:
+    """Distillation's state per GPU: two LoRAs (the student's and the critic's, each `rank`) on one frozen
+    bf16 base, against a full student, a full critic and the frozen teacher; sharded over `gpus`."""
+    rows = []
+    for size in sizes:
+        c = counts(size, rank)  # the critic's adapters have the student's shapes (add_adapters critic=True)
+        two_loras = c["base"] * FROZEN_BF16 + c["adapters"] * (ADAPTER_BYTES + CRITIC_BYTES)
+        copies = c["base"] * (FULL_BYTES + CRITIC_BYTES + FROZEN_BF16)
+        for n in gpus:
+            rows.append(dict(size=size, rank=rank, gpus=n, loras_gib=two_loras / n / GiB,
+                             full_gib=copies / n / GiB, ratio=two_loras / copies))  # fmt: skip
+    return rows
+
+
 def step_times(size: str, rank: int, repeats: int, tokens: tuple) -> dict:
     """Seconds per training step, full and LoRA, interleaved on one process (fp32, this machine)."""
     import torch
@@ -157,6 +172,7 @@ def main(argv=None):
         "--step-latent", type=int, nargs=3, default=[3, 16, 16], help="latent frames, height, width"
     )
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--distill-gpus", type=int, nargs="+", default=[8, 64])
     args = benchlib.parse_args(
         p, argv, tiny=dict(rank=4, sizes=["DiT-tiny"], step_size="DiT-tiny", step_latent=[1, 8, 8], repeats=2)
     )
@@ -205,6 +221,16 @@ def main(argv=None):
             ],
         )
     )
+    distill = distill_rows(args.sizes, args.rank, args.distill_gpus)
+    print()
+    print(
+        benchlib.table(
+            ["model", "GPUs", f"distillation, two LoRAs r{args.rank}", "full student + critic + teacher",
+             "LoRAs / full"],
+            [[r["size"], r["gpus"], f"{r['loras_gib']:.2f} GiB", f"{r['full_gib']:.2f} GiB",
+              f"{r['ratio']:.1%}"] for r in distill],
+        )
+    )  # fmt: skip
     step = step_times(args.step_size, args.rank, args.repeats, tuple(args.step_latent))
     print()
     print(
@@ -213,7 +239,8 @@ def main(argv=None):
         f"LoRA r{args.rank} {step['lora_s']:.3f} s ({step['ratio']:.2f} x)"
     )
     if args.json:
-        benchlib.write_json(args.json, {"memory": memory, "checkpoint": checkpoints, "step": step})
+        results = {"memory": memory, "checkpoint": checkpoints, "distill": distill, "step": step}
+        benchlib.write_json(args.json, results)
     return 0
 
 

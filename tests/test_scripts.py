@@ -52,6 +52,8 @@ NOT_RUN = {  # the README's commands: what they run is tested piece by piece
     "demo.sh": "trains the demo for about 3 minutes; train.py, infer.py and eval_demo.py run in test_e2e.py",
     "demo_lora.sh": "trains a LoRA on the trained demo for minutes; data.synthetic_colors runs in "
     "test_data.py, eval_demo.py --colors in test_e2e.py, LoRA training on a tessera run in test_lora.py",
+    "demo_distill.sh": "distils the trained demo for minutes; distillation (the demo's DiT as Wan) runs in "
+    "test_distill.py, eval_demo.py in test_e2e.py",
     "install.sh": "installs packages with pip",
     "test.sh": "runs install.sh, then this suite",
 }
@@ -192,6 +194,10 @@ def test_bench_lora_tiny_counts_the_adapters_and_times_both_steps(tmp_path):
     assert one["gpus"] == 1 and eight["gpus"] == 8 and one["lora_gib"] == pytest.approx(8 * eight["lora_gib"])
     assert 0 < one["adapters"] < one["base"] and one["lora_gib"] < one["full_gib"]
     assert results["checkpoint"][0]["lora_bytes"] == 16 * one["adapters"]
+    loras = results["distill"][0]  # the student's adapters with an EMA (20 bytes), the critic's without (16)
+    assert loras["gpus"] == 8 and loras["loras_gib"] * 8 * 2**30 == pytest.approx(
+        2 * one["base"] + 36 * one["adapters"]
+    )
     assert results["step"]["full_s"] > 0 and results["step"]["lora_s"] > 0
 
 

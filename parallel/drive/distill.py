@@ -69,6 +69,23 @@ def check_distillation(cfg, family) -> None:
     family.check_guidance(cfg, cfg.distill.guidance)
 
 
+def averaged_teacher(cfg) -> str:
+    """What is wrong (else "") with an EMA that would still be mostly the teacher at the end: it moves on
+    the student's turns alone (train.max_steps / distill.critic_updates of them), and sampling and export
+    read it."""
+    if cfg.train.objective != "dmd" or not cfg.sample.use_ema:
+        return ""
+    turns = cfg.train.max_steps // cfg.distill.critic_updates
+    left = cfg.train.ema_decay**turns
+    if left <= 0.5:
+        return ""
+    return (
+        f"train.ema_decay={cfg.train.ema_decay:g} over the student's {turns} turns (train.max_steps / "
+        f"distill.critic_updates) keeps {left:.0%} of the teacher in the EMA that infer.py, export and the "
+        "previews sample: set train.ema_decay lower (0.95 for a few hundred turns), or sample.use_ema=false"
+    )
+
+
 def check_student_sigmas(sigmas: torch.Tensor, steps: int, title: str) -> None:
     """The family's schedule at the student's step count must walk down from noise: a schedule that cannot
     make that many steps (Qwen-Image's shift_terminal stretches one step into 0/0) is refused by name."""
@@ -145,8 +162,9 @@ def distill_backward(d: Distiller, seed: int, step: int, run, model, flow, input
         with torch.set_grad_enabled(generator_turn):
             sample = clean(x, sigmas[k].expand(batch), velocity(x, sigmas[k].expand(batch)))
         if generator_turn:
-            d.matching = generator_loss(d, run, model, sample, cond, uncond, rngs, shift)
-            d.matching.backward()
+            matching = generator_loss(d, run, model, sample, cond, uncond, rngs, shift)
+            matching.backward()
+            d.matching = matching.detach()
     sigma = draw_sigmas(rngs, d.low, d.high, shift)
     with active_adapter(model, "critic"):
         loss = family.training_loss(

@@ -35,6 +35,7 @@ class FamilyRun:
     max_length: int
     empty: dict | None = None  # data.latents: the empty prompt's stored conditioning (dropped captions)
     previews: tuple | None = None  # data.latents: (cond, uncond or None) of sample.prompts
+    unconditional: object = None  # the empty prompt's conditioning of one sample, once encoded (empty_batch)
 
 
 def check_family_inputs(cfg, family: Family) -> None:
@@ -177,6 +178,21 @@ def family_batch(run: FamilyRun, groups, encoded: list | None, device) -> tuple:
     names = shared_fields(run.family.conditioning)
     tensors = share_family_batch(groups, encoded, 1 + len(names), device)
     return tensors[0].float(), run.family.conditioning(**dict(zip(names, tensors[1:])))
+
+
+def empty_batch(run: FamilyRun, count: int, device):
+    """The empty prompt's conditioning for `count` samples (a distillation teacher's unconditional branch):
+    encoded once on each rank (from the folder's stored one with data.latents), as a dropped caption is,
+    and repeated; no clip is encoded again and nothing travels between ranks."""
+    names = shared_fields(run.family.conditioning)
+    if run.unconditional is None:
+        if run.empty is not None:
+            one = run.family.load_conditioning([run.empty], run.max_length)
+        else:
+            one = run.family.encode_batch(run.parts, [""], run.max_length, {})
+        run.unconditional = {name: getattr(one, name) for name in names}
+    repeat = lambda t: None if t is None else t.expand(count, *t.shape[1:]).to(device).contiguous()  # noqa: E731
+    return run.family.conditioning(**{name: repeat(t) for name, t in run.unconditional.items()})
 
 
 def family_previews(cfg, run: FamilyRun, model, seeds: list, progress, device) -> tuple:
