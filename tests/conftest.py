@@ -19,25 +19,27 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # scripts/test.sh runs two workers on
 # The families' shared training rows the fast tier (-m "not slow") leaves to the whole suite: it keeps
 # every family's loss, sampling and refusal rows, and the two first families' runs (resume, float8, latents,
 # buckets, exports), which exercise the same code for the others
-WHOLE_SUITE_ROWS = {
-    "tests/test_family_training.py": (
-        ("z_image", "flux2"),
-        ("test_a_run_trains_and_resumes", "test_lora_on_a_float8_base", "test_precomputed_latents",
-         "test_buckets_by_aspect_ratio", "test_exports_load_in_diffusers", "test_a_distilled_student"),
-    ),
+WHOLE_SUITE_ROWS = {  # file: [(rows, tests), ...]
+    "tests/test_family_training.py": [
+        (("z_image", "flux2"),
+         ("test_a_run_trains_and_resumes", "test_lora_on_a_float8_base", "test_precomputed_latents",
+          "test_buckets_by_aspect_ratio", "test_exports_load_in_diffusers", "test_a_distilled_student")),
+        # a distilled student in diffusers: Qwen-Image's row (and Wan's, tests/test_distill.py) cover the path
+        (("sana",), ("test_a_distilled_student",)),
+    ],
     # 2511's sampling and loss through infer.py and train.py: 2509's cover the path, 2511's transformer test
     # its modulation
-    "tests/test_qwen_image_edit.py": (("2511",), ("test_infer_matches_the_pipeline", "test_the_edit_loss")),
+    "tests/test_qwen_image_edit.py": [(("2511",), ("test_infer_matches_the_pipeline", "test_the_edit_loss"))],
 }  # fmt: skip
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        rows = WHOLE_SUITE_ROWS.get(item.nodeid.split("::")[0])
         callspec = getattr(item, "callspec", None)
         ids = set(callspec.id.split("-")) if callspec else set()  # the rows' ids: a family, a release
-        if rows and ids & set(rows[0]) and item.originalname.startswith(rows[1]):
-            item.add_marker(pytest.mark.slow)
+        for rows, tests in WHOLE_SUITE_ROWS.get(item.nodeid.split("::")[0], []):
+            if ids & set(rows) and item.originalname.startswith(tests):
+                item.add_marker(pytest.mark.slow)
 
 
 def torchrun(nproc: int, script: str, *args: str, timeout: float = 240, env: dict | None = None):

@@ -211,9 +211,10 @@ def test_a_distillation_resumes_exactly_and_its_student_samples_unguided(
     base = student_video(pipe)
     pipe.load_lora_weights(str(out))
     theirs = student_video(pipe)
-    assert (
-        np.abs(theirs - ours).max() <= 1e-3 and np.abs(base - ours).max() > 100 * np.abs(theirs - ours).max()
-    )
+    diff, moved = float(np.abs(theirs - ours).max()), float(np.abs(base - ours).max())
+    with capsys.disabled():
+        print(f"Wan student: diffusers vs infer.py {diff:.1e}; the base at the same steps {moved:.1e}")
+    assert diff <= 1e-3 and moved > 100 * diff
     capsys.readouterr()
     assert run_main(infer, ["--config", str(recipe), f"run.output_dir={run}", "--guidance", "5"]) == 2
     assert "distilled to sample without guidance" in capsys.readouterr().err
@@ -245,8 +246,9 @@ def test_distillation_under_ulysses_and_ring_is_one_process(tiny_pipeline, strai
     for run in (resumed, ring):
         b = losses(run)
         assert b.keys() == {1, 2, 3}
-        for step in a:
-            assert b[step] == pytest.approx(a[step], rel=1e-5), (run.name, a, b)
+        worst = max(abs(x - y) / abs(x) for step in a for x, y in zip(a[step], b[step]))
+        print(f"distillation under {run.name}: largest relative difference {worst:.1e}")
+        assert worst <= 1e-5, (run.name, a, b)
 
 
 def test_distillation_refusals_name_the_cause(tiny_pipeline, tmp_path, capsys):  # noqa: F811
