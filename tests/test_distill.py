@@ -172,6 +172,7 @@ def straight(tiny_pipeline, tmp_path_factory):  # noqa: F811
     return run
 
 
+@pytest.mark.slow  # three runs, two samplings, an export: the fast tier's distillation is Qwen-Image's row
 def test_a_distillation_resumes_exactly_and_its_student_samples_unguided(
     tiny_pipeline,  # noqa: F811
     straight,
