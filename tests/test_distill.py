@@ -252,12 +252,18 @@ def test_distillation_under_ulysses_and_ring_is_one_process(tiny_pipeline, strai
         assert worst <= 1e-5, (run.name, a, b)
 
 
-def test_distillation_refusals_name_the_cause(tiny_pipeline, tmp_path, capsys):  # noqa: F811
+def test_distillation_refusals_name_the_cause(tmp_path, capsys):
+    """Each refused before anything is read (the teacher need not exist) or the run directory is made."""
     from parallel.drive.distill import check_student_sigmas
 
-    pipe_dir, recipe = tiny_pipeline
     run = tmp_path / "run"
-    common = ["--config", str(recipe), *DMD, f"run.output_dir={run}", "train.max_steps=1"]
+    common = [
+        "--config",
+        "configs/demo.yaml",
+        *DMD,
+        f"run.output_dir={run}",
+        f"model.pretrained={tmp_path / 'x'}",
+    ]
     for extra, said in (
         (["model.pretrained="], "distils model.pretrained (the teacher), which is not set"),
         (["lora.rank=0"], "two LoRAs on the frozen teacher, and lora.rank=0"),
