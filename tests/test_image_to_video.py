@@ -199,6 +199,7 @@ def train_args(recipe, run, images, task):
     return args + ([f"sample.last_images=[{images[1]}]"] if task == "flf2v" else [])
 
 
+@pytest.mark.slow  # 12 s a task: the fast tier keeps image-to-video's sampling, TI2V's training and refusals
 @pytest.mark.timeout(300)
 def test_fine_tuned_image_to_video_exports_what_infer_samples(i2v_pipeline, tmp_path):
     """Two steps of fine-tuning on the clips' first (FLF2V: and last) frames, from the pipeline folder.

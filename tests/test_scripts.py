@@ -236,6 +236,7 @@ def test_benchlib_measure_table_and_json(tmp_path):
     assert written["n"] == 1 and written["timing"]["wall"] == timing.wall and written["machine"]["device"]
 
 
+@pytest.mark.slow  # 12 s: the fast tier keeps every family's own rows; this count is the whole suite's
 def test_family_memory_tiny_counts_every_part(tmp_path):
     """Each family's parts counted (the tiny pipelines' here): sampling the same per GPU on 1 and 8,
     training sharded (full: 20 bytes a transformer parameter over the GPUs), LoRA under full; HunyuanVideo
