@@ -178,8 +178,9 @@ def check_before_start(cfg) -> Plan:
     check_loggers(cfg)
     check_family_inputs(cfg, family)
     check_distillation(cfg, family)
-    if averaged_teacher(cfg):
-        warn_on_main(averaged_teacher(cfg))
+    averaged = averaged_teacher(cfg)
+    if averaged:
+        warn_on_main(averaged)
     # the checkpoint's record before the data: a refused resume costs no manifest probe
     checkpoint = resolve_checkpoint(cfg.train.resume, cfg.run.output_dir)
     resume = read_trainer_state(checkpoint)["sampler"] if checkpoint else None

@@ -24,7 +24,7 @@ WHOLE_SUITE_ROWS = {  # file: [(rows, tests), ...]
         (("z_image", "flux2"),
          ("test_a_run_trains_and_resumes", "test_lora_on_a_float8_base", "test_precomputed_latents",
           "test_buckets_by_aspect_ratio", "test_exports_load_in_diffusers", "test_a_distilled_student")),
-        # a distilled student in diffusers: Qwen-Image's row (and Wan's, tests/test_distill.py) cover the path
+        # a distilled student in diffusers: Qwen-Image's row covers the path (Wan's is the whole suite's)
         (("sana",), ("test_a_distilled_student",)),
     ],
     # 2511's sampling and loss through infer.py and train.py: 2509's cover the path, 2511's transformer test

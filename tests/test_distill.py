@@ -284,11 +284,23 @@ def test_distillation_refusals_name_the_cause(tmp_path, capsys):
 
     with pytest.raises(ValueError, match="LTX-2's distillation is not built"):
         family_named("ltx2").check_distillation(None)
+    # a family whose training conditions on given images (Qwen-Image-Edit's references)
+    from types import SimpleNamespace
+
+    from parallel.drive.distill import check_distillation
+
+    edit = SimpleNamespace(title="Qwen-Image-Edit", check_distillation=lambda cfg: None,
+                           given_frames=lambda cfg: ("references",))  # fmt: skip
+    dmd = OmegaConf.create(dict(train=dict(objective="dmd"), distill=dict(guidance=4.0)))
+    with pytest.raises(ValueError, match=r"conditions on given images \(references\)"):
+        check_distillation(dmd, edit)
     # an EMA that would still be mostly the teacher when the run ends is said at start
     from parallel.drive.distill import averaged_teacher
 
     cfg = OmegaConf.create(dict(train=dict(objective="dmd", max_steps=1000, ema_decay=0.999),
                                 distill=dict(critic_updates=5), sample=dict(use_ema=True)))  # fmt: skip
     assert "keeps 82% of the teacher" in averaged_teacher(cfg)
+    cfg.sample.use_ema = False  # export still takes the EMA
+    assert "scripts/export.py --no-ema" in averaged_teacher(cfg)
     cfg.train.ema_decay = 0.95
     assert averaged_teacher(cfg) == ""

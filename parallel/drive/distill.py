@@ -71,18 +71,19 @@ def check_distillation(cfg, family) -> None:
 
 def averaged_teacher(cfg) -> str:
     """What is wrong (else "") with an EMA that would still be mostly the teacher at the end: it moves on
-    the student's turns alone (train.max_steps / distill.critic_updates of them), and sampling and export
-    read it."""
-    if cfg.train.objective != "dmd" or not cfg.sample.use_ema:
+    the student's turns alone (train.max_steps / distill.critic_updates of them), and scripts/export.py
+    exports it (infer.py and the previews sample it unless sample.use_ema=false)."""
+    if cfg.train.objective != "dmd":
         return ""
-    turns = cfg.train.max_steps // cfg.distill.critic_updates
+    turns = -(-cfg.train.max_steps // cfg.distill.critic_updates)  # steps 0, k, 2k, ... below max_steps
     left = cfg.train.ema_decay**turns
     if left <= 0.5:
         return ""
     return (
         f"train.ema_decay={cfg.train.ema_decay:g} over the student's {turns} turns (train.max_steps / "
-        f"distill.critic_updates) keeps {left:.0%} of the teacher in the EMA that infer.py, export and the "
-        "previews sample: set train.ema_decay lower (0.95 for a few hundred turns), or sample.use_ema=false"
+        f"distill.critic_updates) keeps {left:.0%} of the teacher in the EMA that export, infer.py and the "
+        "previews use: set train.ema_decay lower (0.95 for a few hundred turns), or take the student's own "
+        "adapters (sample.use_ema=false; scripts/export.py --no-ema)"
     )
 
 

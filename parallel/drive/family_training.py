@@ -190,8 +190,9 @@ def empty_batch(run: FamilyRun, count: int, device):
             one = run.family.load_conditioning([run.empty], run.max_length)
         else:
             one = run.family.encode_batch(run.parts, [""], run.max_length, {})
-        run.unconditional = {name: getattr(one, name) for name in names}
-    repeat = lambda t: None if t is None else t.expand(count, *t.shape[1:]).to(device).contiguous()  # noqa: E731
+        on = lambda t: None if t is None else t.to(device)  # noqa: E731
+        run.unconditional = {name: on(getattr(one, name)) for name in names}
+    repeat = lambda t: None if t is None else t.expand(count, *t.shape[1:]).clone()  # noqa: E731  (not the cache)
     return run.family.conditioning(**{name: repeat(t) for name, t in run.unconditional.items()})
 
 
