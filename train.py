@@ -83,10 +83,9 @@ from parallel.drive.distill import (
     build_distiller,
     check_distillation,
     check_objective,
-    check_student_sigmas,
     distill_backward,
-    distill_record,
     distilled_recipe,
+    student_record,
 )
 from parallel.drive.family_training import (
     FamilyRun,
@@ -347,19 +346,6 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     )
 
 
-def student_record(cfg, run: FamilyRun) -> dict | None:
-    """A distillation's record, with the noise levels its student walks at the preview size (checked)."""
-    if cfg.train.objective != "dmd":
-        return None
-    sc, family = cfg.sample, run.family
-    space, patch = family.geometry(cfg)
-    size = (sc.frames or cfg.data.frames, sc.height or cfg.data.height, sc.width or cfg.data.width)
-    latents = torch.empty(1, *space.latent_shape(*size, patch))  # a schedule reads its size alone
-    sigmas = family.schedule(run.parts, cfg.distill.steps, latents).sigmas
-    check_student_sigmas(sigmas, cfg.distill.steps, family.title)
-    return distill_record(cfg, sigmas)
-
-
 def train_loop(cfg, plan: Plan, runtime, t: Trainer, start_step: int) -> None:
     tc, sampler = cfg.train, plan.sampler
     window = Window(len(plan.buckets), start_step)
@@ -480,11 +466,12 @@ def train_step(cfg, runtime, t: Trainer, step: int, inputs, rngs):
     )
     norms = [whole_norm(params, tc.grad_clip) for _, params, _ in updates]
     grad_norm = norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
+    for optimizer, _, scale in updates:
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(tc, step) * scale
     skipped = t.guard.skip(step + 1, grad_norm)  # a non-finite critic stops (or skips) the step too
     if not skipped:
-        for optimizer, _, scale in updates:
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate(tc, step) * scale
+        for optimizer, _, _ in updates:
             optimizer.step()
         if tc.fp8:
             after_optimizer_step(t.model, gathers_in_float8(runtime.fsdp_mesh))

@@ -110,6 +110,20 @@ def distill_record(cfg, sigmas: torch.Tensor | None = None) -> dict | None:
     return record
 
 
+def student_record(cfg, run) -> dict | None:
+    """A distillation's record (None: flow matching), with the noise levels its student walks at the preview
+    size, checked (`run`: the FamilyRun, whose frozen parts hold the scheduler's config)."""
+    if cfg.train.objective != "dmd":
+        return None
+    sc, family = cfg.sample, run.family
+    space, patch = family.geometry(cfg)
+    size = (sc.frames or cfg.data.frames, sc.height or cfg.data.height, sc.width or cfg.data.width)
+    latents = torch.empty(1, *space.latent_shape(*size, patch))  # a schedule reads its size alone
+    sigmas = family.schedule(run.parts, cfg.distill.steps, latents).sigmas
+    check_student_sigmas(sigmas, cfg.distill.steps, family.title)
+    return distill_record(cfg, sigmas)
+
+
 def check_objective(checkpoint, cfg) -> None:
     """Refuse to resume a distillation as flow-matching training or the reverse, or another student."""
     saved = read_trainer_state(checkpoint).get("distill")
