@@ -67,10 +67,12 @@ class Family:
     tiled_vae = (
         False  # its VAE decodes in tessera's tiles, which a replica's ranks share (parallel/compute/vae.py)
     )
-    # its PipeFusion and step cache run through its transformer's patch pieces (patch_context, companion,
-    # patch_blocks: parallel/compute/pipefusion_family.py, models/step_cache.py FirstBlockFamily); False:
-    # tessera's DiT's own stages and caches, which also run under ulysses and ring
-    patch_pipeline = True
+    # sample.cache=first_block under ulysses or ring: False, its cache runs each sample's whole sequence
+    # through the patch pieces on one rank (models/step_cache.py FirstBlockFamily)
+    first_block_split = False
+    # its operators mask a split's or PipeFusion's padded keys through the recipe's kernel, so
+    # model.attention_backend must take a mask there (False: they pick SDPA themselves where keys are masked)
+    masks_through_kernel = True
     calibrated_cache = True  # sample.cache=calibrated (scripts/calibrate_cache.py calibrates its steps)
     parts_from_pretrained = True  # its text encoder and VAE are model.pretrained's (read on every start)
     # --image (and sample.images, the previews') are reference images, the same for every prompt
@@ -584,6 +586,11 @@ class Family:
         if cache is not None and cache.method == "first_block":
             return FirstBlockFamily(parts.transformer, cache)(x, t, *conds)
         return [parts.transformer(x, t, cond) for cond in conds]
+
+    def patch_pieces(self, parts: Components):
+        """The transformer's patch pieces (embed, patch_context, companion, patch_blocks, patch_final,
+        unpatchify) as this sampling calls them: PipeFusion's (parallel/compute/pipefusion.py)."""
+        return parts.transformer
 
     def guidance_at(self, parts: Components, t, scale: float) -> float:
         """The guidance scale of the step at timestep `t` (Wan 2.2's experts each have their own)."""

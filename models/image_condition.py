@@ -5,7 +5,7 @@ plus those latents, concatenated to the noisy latent's channels at every call. A
 model.image_dim also reads the frames' CLIP features (hidden_states[-2] of a CLIPVisionModel).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -364,6 +364,34 @@ class ConditionedModel:
         if features is not None:
             features = features.repeat(repeats, 1, 1)
         return self.model(torch.cat([x, latent], dim=1), t, y, y_mask, features)
+
+
+class ConditionedPieces:
+    """The DiT's patch pieces (PipeFusion's) with the image condition, as ConditionedModel gives it to a
+    whole call: embed reads the latent with the condition's channels (TI2V: the given frame in place),
+    patch_context the CLIP features (TI2V: t = 0 on the given frame's tokens); the rest is the model's."""
+
+    def __init__(self, model, condition: ImageCondition):
+        self.model, self.condition = model, condition
+
+    def __getattr__(self, name):  # only what the instance lacks (a copy's lookups before __init__: none)
+        if name in ("model", "condition"):
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    def embed(self, x):
+        latent = self.condition.latent.to(x.dtype)
+        if self.condition.first_frame:
+            return self.model.embed(torch.cat([latent, x[:, :, 1:]], dim=2))
+        return self.model.embed(torch.cat([x, latent], dim=1))
+
+    def patch_context(self, t, cond, grid):
+        if self.condition.first_frame:  # the first token frame's tokens (patch_size[0] = 1) at t = 0
+            t = t.view(-1, 1).expand(-1, grid[0] * grid[1] * grid[2]).clone()
+            t[:, : grid[1] * grid[2]] = 0
+        else:
+            cond = replace(cond, image_features=self.condition.features)
+        return self.model.patch_context(t, cond, grid)
 
 
 def first_frames(paths: list, count: int, name: str) -> list:

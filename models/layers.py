@@ -98,6 +98,18 @@ def apply_rope(x, rope):
     return torch.view_as_real(pairs * torch.view_as_complex(rope.float())).flatten(-2).to(x.dtype)
 
 
+def token_rows(per_token: torch.Tensor, start: int, end: int, dim: int = 1) -> torch.Tensor:
+    """Tokens start:end of a per-token tensor along `dim`, zero-padded past its end (a split's padding:
+    row 0's modulation)."""
+    n = per_token.shape[dim]
+    part = per_token.narrow(dim, min(start, n), min(end, n) - min(start, n))
+    if part.shape[dim] < end - start:
+        shape = list(part.shape)
+        shape[dim] = end - start - part.shape[dim]
+        part = torch.cat([part, part.new_zeros(shape)], dim=dim)
+    return part
+
+
 def split_heads(x, num_heads):
     """(B, N, D) -> (B, H, N, Dh)."""
     B, N, D = x.shape

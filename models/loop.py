@@ -1,10 +1,9 @@
 """The one sampling loop: a schedule (noise levels, the timesteps the model is told, the solver's step)
-walked with a velocity function. Every sampler in tessera runs it: tessera's DiT and Wan
-(models/flow.py, on one process or with the guidance branches and tokens split: parallel/compute/sampling.py)
-and the families of models/family.py (models/sampler.py). What differs is the velocity function: guided on one
-process or across ranks, behind a step cache (models/step_cache.py `CachedVelocity`), or one expert's.
-PipeFusion walks the same schedule patch by patch in its own (step, patch) loop, calling the same blocks
-(parallel/compute/pipefusion.py, parallel/compute/pipefusion_family.py). Here too:
+walked with a velocity function. Every family of models/family.py (tessera's DiT and Wan included) samples
+through it (models/sampler.py). What differs is the velocity function: guided on one process or across
+ranks (parallel/compute/cfg.py), behind a step cache (models/step_cache.py `CachedVelocity`), or one
+expert's. PipeFusion walks the same schedule patch by patch in its own (step, patch) loop, calling the same
+blocks and the same solver step (parallel/compute/pipefusion.py). Here too:
 FlowMatchEulerDiscreteScheduler's noise levels (`sigmas`, Qwen-Image's and LTX-2's) and its Euler step.
 """
 

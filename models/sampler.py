@@ -1,8 +1,8 @@
-"""Sampling a family of models/family.py, the one path every family takes (tessera's DiT included,
-through models/dit/pipeline.py): encode, draw each sample's noise from its own seed, walk the family's
-schedule with its solver, decode. How the schedule is walked is passed in: the family's loop with the
-velocity on one process (`serial_denoise`) or the guidance branches on two (parallel/compute/cfg.py), or patch
-by patch through PipeFusion's stages (parallel/compute/pipefusion_family.py, parallel/compute/pipefusion.py).
+"""Sampling a family of models/family.py, the one path every family takes (tessera's DiT included):
+encode, draw each sample's noise from its own seed, walk the family's schedule with its solver, decode. How
+the schedule is walked is passed in: the family's loop with the velocity on one process (`serial_denoise`)
+or the guidance branches on two (parallel/compute/cfg.py), or patch by patch through PipeFusion's stages
+(parallel/compute/pipefusion.py).
 """
 
 from dataclasses import dataclass
@@ -101,8 +101,8 @@ def generate_images(
 
 
 def checked(sample, *args, **kwargs) -> tuple:
-    """(sample(*args, **kwargs), {}) of a sampling function raising NonFiniteVideo (generate_images,
-    models/pipeline.generate), or, when it raised, (the videos it carries, {index in the batch: where
+    """(sample(*args, **kwargs), {}) of a sampling function raising NonFiniteVideo (generate_images),
+    or, when it raised, (the videos it carries, {index in the batch: where
     NaN or inf was found}): the videos of those indices are not to be used, and None when none is
     finite."""
     try:

@@ -72,35 +72,30 @@ def _runtime(layout):
         sampling=sampling_groups(layout, rank, timeout, sequence),
         faults=Faults(rank),
         control_group=None,  # the finiteness check's group: random weights are never checked
+        bf16=lambda precision: False,
     )
 
 
 def _sample(cfg, layout, patches, warmup, checkpoint, prompts, steps, guidance, size=(FRAMES, SIZE, SIZE)):
+    """infer.py's sampling of the DiT under `layout` (its transformer and walk), as videos and the
+    parameters this rank holds."""
     import torch
 
-    from models.dit.pipeline import generate
-    from models.flow import RectifiedFlow
-    from parallel.drive.dit_sampling import load_sampler
+    from models.families import family_named
+    from models.sampler import Sampling, generate_images
+    from parallel.build.lora import lora_of
+    from parallel.drive.family_sampling import Weights, load_sampling
 
     cfg.parallel.pipefusion_warmup = warmup
-    runtime = _runtime(layout)
-    model, vae, text_encoder, sampler = load_sampler(
-        cfg, runtime, checkpoint, random_weights=checkpoint is None, patches=patches or 1
-    )
-    weights = sum(p.numel() for p in model.parameters())
-    videos = generate(
-        model,
-        vae,
-        text_encoder,
-        RectifiedFlow(cfg.flow, cfg.model.patch_size),
-        prompts,
-        *size,
-        steps,
-        guidance,
-        seeds=list(range(len(prompts))),
-        sampler=sampler,
-    )
-    return torch.from_numpy(videos), weights
+    runtime, family = _runtime(layout), family_named(cfg.model.family)
+    record = None if checkpoint is None else lora_of(checkpoint)
+    weights = Weights(checkpoint, record, use_ema=True, random=checkpoint is None)
+    request = SimpleNamespace(cache=None, experts=None)
+    parts, denoise_with, _ = load_sampling(cfg, runtime, family, request, weights, (), patches or 1)
+    sampling = Sampling(prompts, list(range(len(prompts))), size, steps, guidance)
+    # each rank decodes the whole batch: the bytes counted are the walk's alone
+    videos = generate_images(family, parts, sampling, denoise_with=denoise_with, device=parts.device)
+    return torch.from_numpy(videos), sum(p.numel() for p in parts.transformer.parameters())
 
 
 def worker(args):
@@ -489,7 +484,7 @@ def weights_table(sizes=("Wan2.1-1.3B", "Wan2.1-14B"), stages=(2, 4, 8)):
 
     from configs.schema import ModelConfig
     from models.dit.transformer import build_dit
-    from parallel.compute.pipefusion_plan import keep_stage
+    from parallel.compute.pipefusion_plan import keep_blocks
 
     rows = []
     for size in sizes:
@@ -511,7 +506,7 @@ def weights_table(sizes=("Wan2.1-1.3B", "Wan2.1-14B"), stages=(2, 4, 8)):
             )
         whole = sum(p.numel() for p in model.parameters())
         for n in stages:
-            largest = max(sum(p.numel() for p in keep_stage(model, s, n).parameters()) for s in range(n))
+            largest = max(sum(p.numel() for p in keep_blocks(model, s, n).parameters()) for s in range(n))
             share = f"{largest / 1e9:.3f}B, {largest / whole:.3f} (1/N = {1 / n:.3f})"
             rows.append([f"{size} ({whole / 1e9:.2f}B)", n, share])
     return benchlib.table(["model", "pipefusion", "parameters per stage (largest), share of the whole"], rows)

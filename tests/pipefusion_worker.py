@@ -3,9 +3,9 @@ gloo, CPU).
 
 One launch runs every layout: the process group is made once, and each case builds its own cfg /
 PipeFusion / sequence groups from its layout (as parallel/lifecycle/runtime.py does) and samples through
-parallel.drive.dit_sampling.load_sampler and models.dit.pipeline.generate (the transformer infer.py loads, its
-ParallelSampler and models/sampler.py). Every rank
-computes the serial reference itself (models.dit.pipeline.generate on the whole model, one process). Token
+parallel.drive.family_sampling.load_sampling and models/sampler.py generate_images (the transformer, the walk
+and the decode infer.py runs). Every rank computes the serial reference itself (generate_images on the whole
+model, one process). Token
 grid 3 x 5 x 3 = 45 tokens in 15 rows: 2 and 4 patches are 7/8 and 3/4/4/4 rows, which no sequence-parallel
 degree divides, so padded patches run too. Prints `ok <case> ...` per passed check; a mismatch raises.
 """
@@ -22,14 +22,15 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configs import load_config  # noqa: E402
-from models.dit.pipeline import generate  # noqa: E402
+from models.dit.family import DiTFamily  # noqa: E402
 from models.flow import RectifiedFlow  # noqa: E402
 from models.image_condition import ImageCondition  # noqa: E402
+from models.sampler import Sampling, generate_images, serial_denoise  # noqa: E402
 from models.step_cache import Calibration, StepCache  # noqa: E402
 from parallel.build.components import build_frozen, build_model  # noqa: E402
 from parallel.build.init import materialize  # noqa: E402
 from parallel.compute.layout import ParallelLayout  # noqa: E402
-from parallel.drive.dit_sampling import load_sampler  # noqa: E402
+from parallel.drive.family_sampling import Weights, load_sampling  # noqa: E402
 from parallel.lifecycle.faults import Faults  # noqa: E402
 from parallel.lifecycle.runtime import sampling_groups, sequence_groups  # noqa: E402
 
@@ -37,6 +38,7 @@ TINY = Path(__file__).resolve().parent / "tiny.yaml"
 STEPS, FRAMES, HEIGHT, WIDTH, GUIDANCE = 3, 3, 20, 12, 2.0
 PROMPTS = ["a red square moving left", "a green circle moving up"]
 EXACT = 1e-5  # the issue's bound against the serial sampler, on pixels in [0, 1]
+FAMILY = DiTFamily()  # the serial and the parallel samplings' (own_schedule changes its schedule)
 
 
 def config(patches=None, warmup=1, image=False):
@@ -59,31 +61,22 @@ def image_condition(vae):
     return ImageCondition(torch.randn(2, 4 + C, T, h, w, generator=g), torch.randn(2, 3, 16, generator=g))
 
 
-def sample(cfg, model, vae, text_encoder, sampler=None, cache=None, condition=None):
-    return generate(
-        model,
-        vae,
-        text_encoder,
-        RectifiedFlow(cfg.flow, cfg.model.patch_size, cache),
-        PROMPTS,
-        FRAMES,
-        HEIGHT,
-        WIDTH,
-        STEPS,
-        GUIDANCE,
-        seeds=[0, 1],
-        sampler=sampler,
-        condition=condition,
+def sample(parts, denoise_with=serial_denoise, decode=None):
+    sampling = Sampling(PROMPTS, [0, 1], (FRAMES, HEIGHT, WIDTH), STEPS, GUIDANCE)
+    images = generate_images(
+        FAMILY, parts, sampling, denoise_with=denoise_with, device=parts.device, decode=decode
     )
+    return torch.from_numpy(images)
 
 
 def serial_reference(cache=None, image=False):
     cfg = config(image=image)
-    text_encoder, vae = build_frozen(cfg, "cpu")
-    model = build_model(cfg, text_encoder, vae, weights=False)
+    parts = FAMILY.load(cfg, torch.device("cpu"), torch.float32, transformer=False)
+    model = build_model(cfg, parts.text_encoder, parts.vae, weights=False)
     materialize(model, "cpu", cfg.train.seed, zero_init=False)  # as infer.py --random-weights
-    condition = image_condition(vae) if image else None
-    return torch.from_numpy(sample(cfg, model.eval(), vae, text_encoder, cache=cache, condition=condition))
+    parts.transformer, parts.cache = model.eval(), cache
+    parts.condition = image_condition(parts.vae) if image else None
+    return sample(parts)
 
 
 def step_cache():
@@ -173,23 +166,26 @@ def run_case(layout: ParallelLayout, patches=None, warmup=1, cache=None, image=F
         sampling=sampling_groups(layout, rank, timeout, sequence),
         faults=Faults.from_env(rank),
         control_group=None,  # the finiteness check's group: random weights are never checked
+        bf16=lambda precision: False,
     )
     cfg = config(patches, warmup, image)
-    model, vae, text_encoder, sampler = load_sampler(
-        cfg, runtime, None, random_weights=True, patches=patches or layout.pipefusion
+    request = SimpleNamespace(cache=cache, experts=None)
+    weights = Weights(None, None, use_ema=True, random=True)
+    parts, denoise_with, decode = load_sampling(
+        cfg, runtime, FAMILY, request, weights, (), patches=patches or layout.pipefusion
     )
     if layout.pipefusion > 1:  # a stage holds only its blocks
-        kept = sum(not hasattr(b, "stage") for b in model.blocks)
+        kept = sum(not hasattr(b, "stage") for b in parts.transformer.blocks)
         assert kept == 4 // layout.pipefusion, (kept, layout)
-    condition = image_condition(vae) if image else None
-    return torch.from_numpy(sample(cfg, model, vae, text_encoder, sampler, cache, condition))
+    parts.condition = image_condition(parts.vae) if image else None
+    return sample(parts, denoise_with, decode)
 
 
 @contextlib.contextmanager
 def own_schedule():
-    """The DiT family's schedule (of the instance models.dit.pipeline.generate samples with) made other than
-    its flow's sigmas (their square roots: still from 1 to 0)."""
-    from models.dit.pipeline import DIT as family
+    """The DiT family's schedule (of the instance both samplings take) made other than its flow's sigmas
+    (their square roots: still from 1 to 0)."""
+    family = FAMILY
 
     def schedule(parts, steps, latents):
         return parts.flow.schedule(parts.flow.sigmas(latents, steps).sqrt())
@@ -209,6 +205,10 @@ def report(name, error, bound=None):
 
 
 def main():
+    import models.image_condition
+
+    # image-to-video's condition is given as random tensors (image_condition): no CLIP encoder to load
+    models.image_condition.image_inputs = lambda cfg, device: None
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     reference = serial_reference()
     full = STEPS  # warm-up over every step: the whole sequence each step, which must equal serial exactly

@@ -476,22 +476,19 @@ def test_lora_refusals_name_the_cause_before_anything_starts(tiny_pipeline, tmp_
 
 
 def test_merged_deltas_skip_the_blocks_another_stage_holds():
-    """A PipeFusion stage (keep_stage) merges the deltas of its own layers and skips those another stage
-    holds (held_elsewhere: here block 1 and the final layer); a layer no stage holds is an error naming
+    """A PipeFusion stage (keep_blocks) merges the deltas of its own layers and skips those another stage
+    holds (held_elsewhere: here block 1); a layer no stage holds is an error naming
     it, on a stage and on the whole model, and so is another stage's layer when the caller does not say
     it lives elsewhere."""
-    from parallel.compute.pipefusion_plan import held_elsewhere, keep_stage
+    from parallel.compute.pipefusion_plan import held_elsewhere, keep_blocks
 
     model = tiny_wan()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    stage = keep_stage(model, 0, 2)
-    assert held_elsewhere(stage) == ("blocks.1", "final_layer") and held_elsewhere(model) == ()
+    stage = keep_blocks(model, 0, 2)
+    assert held_elsewhere(stage) == ("blocks.1",) and held_elsewhere(model) == ()
     g = torch.Generator().manual_seed(0)
     ours = torch.randn(64, 64, generator=g)  # the k third of the fused qkv
-    theirs = {
-        "blocks.1.attn.qkv": [(None, torch.randn(192, 64, generator=g))],
-        "final_layer.linear": [(None, torch.randn(64, 64, generator=g))],
-    }
+    theirs = {"blocks.1.attn.qkv": [(None, torch.randn(192, 64, generator=g))]}
     merge_deltas(stage, {"blocks.0.attn.qkv": [(slice(64, 128), ours)], **theirs}, held_elsewhere(stage))
     after = model.state_dict()
     expected = before["blocks.0.attn.qkv.weight"].clone()

@@ -170,7 +170,7 @@ def test_meta_build_then_fill_equals_a_direct_build(overrides, zero_init):
     from configs import load_config
     from models.dit.transformer import build_dit
     from parallel.build.components import build_model, fill_sharded, fill_unsharded
-    from parallel.compute.pipefusion_plan import keep_stage
+    from parallel.compute.pipefusion_plan import keep_blocks
     from tests.conftest import TINY
 
     cfg = load_config(TINY, overrides)
@@ -194,7 +194,7 @@ def test_meta_build_then_fill_equals_a_direct_build(overrides, zero_init):
         assert_same_tensors(expected, sharded.state_dict())
     held = set()
     for stage in range(2):
-        part = keep_stage(meta(), stage, 2)
+        part = keep_blocks(meta(), stage, 2)
         fill_unsharded(part, cfg.train.seed, None, zero_init=zero_init, partial=True)
         assert_same_tensors(expected, part.state_dict(), every=False)
         held |= part.state_dict().keys()

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from models.dit.transformer import DiT
-from parallel.compute.pipefusion import patchify
+from parallel.compute.pipefusion import from_strips, to_strips
 from parallel.compute.pipefusion_plan import (
     DroppedBlock,
     Item,
     MessagePlan,
     PipeFusionError,
     check_plans,
-    keep_stage,
+    keep_blocks,
     message_plan,
     patch_ranges,
     schedule,
@@ -42,11 +42,11 @@ def test_patches_are_whole_rows_in_token_order():
         patch_ranges((3, 5, 3), 16)
 
 
-def test_keep_stage_holds_only_its_blocks_under_their_own_names():
+def test_keep_blocks_holds_only_its_blocks_under_their_own_names():
     with torch.device("meta"):
         model = DiT(in_channels=4, text_dim=8, depth=5, hidden_size=32, num_heads=2)
     names = {n for n, _ in model.named_parameters()}
-    stages = [keep_stage(model, s, 2) for s in range(2)]
+    stages = [keep_blocks(model, s, 2) for s in range(2)]
     parts = [{n for n, _ in stage.named_parameters()} for stage in stages]
     assert not parts[0] & {n for n in parts[1] if n.startswith("blocks.")}
     assert {
@@ -55,7 +55,6 @@ def test_keep_stage_holds_only_its_blocks_under_their_own_names():
     assert any(n.startswith("blocks.2.") for n in parts[0]) and any(
         n.startswith("blocks.3.") for n in parts[1]
     )
-    assert stages[0].final_layer is None and stages[1].x_embedder is None
     assert len(model.blocks) == 5 and not isinstance(
         model.blocks[4], DroppedBlock
     )  # the original is untouched
@@ -63,12 +62,21 @@ def test_keep_stage_holds_only_its_blocks_under_their_own_names():
         stages[0].blocks[4]()
 
 
-def test_patchify_is_the_dit_token_order():
+@pytest.mark.parametrize("patch", [(1, 2, 2), (2, 1, 2)])
+def test_a_patch_of_token_rows_is_a_slice_of_the_latent_strips(patch):
+    """PipeFusion holds the latent as strips: a patch of whole token rows, unpatchified on its own, is a
+    slice of them, whatever the frames and the temporal patch; from_strips undoes to_strips."""
     with torch.device("cpu"):
-        model = DiT(in_channels=3, text_dim=8, depth=1, hidden_size=16, num_heads=2, patch_size=(1, 2, 2))
-    latent = torch.randn(2, 3, 3, 6, 4)
-    tokens = patchify(latent, model.patch_size)
-    assert torch.equal(model.unpatchify(tokens, (3, 3, 2)), latent)
+        model = DiT(in_channels=3, text_dim=8, depth=1, hidden_size=16, num_heads=2, patch_size=patch)
+    grid, w = (3, 3, 2), 2
+    tokens = torch.randn(2, 18, 3 * patch[0] * patch[1] * patch[2])
+    latent = model.unpatchify(tokens, grid)
+    strips = to_strips(latent, grid[0])
+    assert torch.equal(from_strips(strips, grid[0]), latent)
+    rows = strips.shape[3] // (grid[0] * grid[1])
+    for a, b in [(0, 4), (4, 10), (10, 18)]:  # across token frames
+        patch_latent = model.unpatchify(tokens[:, a:b], (1, (b - a) // w, w))
+        assert torch.equal(patch_latent, strips[:, :, :, a // w * rows : b // w * rows])
 
 
 def test_message_plans_match_between_neighbours_and_a_disagreement_is_named():

@@ -514,7 +514,7 @@ CODE_SUFFIXES = tuple(FILE_SUFFIXES) + ("safetensors", "distcp", "pth")
 )
 def test_doc_code_names_exist(doc):
     """Every code name a doc cites in backticks is in the code (its .py and .sh files, tests aside): each
-    part of a dotted name (`Family.read_lora`, `models.dit.pipeline.generate`), a CamelCase or UPPER_CASE
+    part of a dotted name (`Family.read_lora`, `models.sampler.generate_images`), a CamelCase or UPPER_CASE
     name, a snake_case one, a `call()`; `section.key` recipe keys and file names are other tests'. A renamed
     function leaves no stale name behind. benchmarks_history.md is a record of its day."""
     from configs import SCHEMA_KEYS

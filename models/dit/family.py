@@ -17,7 +17,7 @@ import torch
 
 from models import tiling
 from models.family import Components, Family
-from models.image_condition import ConditionedModel, ImageCondition
+from models.image_condition import ConditionedModel, ConditionedPieces, ImageCondition
 from models.loop import Schedule
 from models.step_cache import FirstBlockModel
 
@@ -38,7 +38,7 @@ class DiTText:
 class Experts:
     """Wan 2.2 A14B's second expert: `low` samples the steps below the boundary at guidance_2, the first
     one the others; only the sampling one is on the device (14B each): they swap at the boundary, and back
-    when the next sampling starts (parallel/compute/sampling.py)."""
+    when the next sampling starts (DiTFamily.context)."""
 
     low: torch.nn.Module
     boundary: float
@@ -152,6 +152,12 @@ class DiTFamily(Family):
             model = FirstBlockModel(model, cache)
         return model if parts.condition is None else ConditionedModel(model, parts.condition)
 
+    def patch_pieces(self, parts: DiTParts):
+        """Its transformer's, with the image condition when there is one."""
+        if parts.condition is None:
+            return parts.transformer
+        return ConditionedPieces(parts.transformer, parts.condition)
+
     def velocity(self, parts: DiTParts, x, t, cond: DiTText):
         return self.model_at(parts, t)(x, t.expand(x.shape[0]), cond.text, cond.text_mask)
 
@@ -257,7 +263,8 @@ class DiTFamily(Family):
     tasks = ("t2v", "i2v", "flf2v", "ti2v")
     parts_from_pretrained = False  # its text encoder and VAE come from their own keys
     random_weights = float32_weights = tiled_vae = calibrated_cache = True
-    patch_pipeline = False  # its own PipeFusion stages (parallel/compute/pipefusion.py) and first-block cache
+    first_block_split = True  # its first-block cache runs the sharded forward (step_cache.FirstBlockModel)
+    masks_through_kernel = False  # its self-attention takes SDPA with a mask where keys are padded
 
     def resolve_size(self, cfg, error=ValueError) -> None:
         """model.size=auto: every architecture key from model.pretrained's Wan folder (models/dit/wan.py)."""

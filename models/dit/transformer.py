@@ -14,7 +14,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.attention import SelfAttentionOperator
-from models.layers import WholeSequence, apply_rope, count_parameters, parameter_generator, split_heads
+from models.layers import (
+    WholeSequence,
+    apply_rope,
+    count_parameters,
+    parameter_generator,
+    split_heads,
+    token_rows,
+)
 
 # Sizes: depth, width and heads. Parameter counts (with a 4096-wide text encoder) are printed by
 # `python -m models.dit.transformer`.
@@ -314,6 +321,7 @@ class Conditioning:
     # A timestep per token (Wan2.2 TI2V): temb and c hold one row per distinct timestep, (U, D) and (U, D)
     # or (U, 6, D), and token_index (B, N) each token's row: gathered for the tokens a rank holds.
     token_index: torch.Tensor | None = None
+    rope: torch.Tensor | None = None  # the patch pieces': the whole grid's rotary angles (N, Dh/2, 2)
 
 
 @dataclass
@@ -521,6 +529,32 @@ class DiT(nn.Module):
             if block_mask is not None:
                 block_mask = torch.cat([block_mask.new_ones(image.shape[:2]), block_mask], dim=1)
         return Conditioning(temb, c, y, block_mask, token_index)
+
+    # PipeFusion's patch pieces (parallel/compute/pipefusion.py): the blocks on tokens start:end of the
+    # grid's sequence, whole rows; tokens past the sequence's end are a split's padding.
+
+    def patch_context(self, t, cond, grid) -> Conditioning:
+        """What the blocks read at timestep t ((B,), or (B, N) one per token), besides the tokens: a
+        DiTText's text and CLIP features through `condition`, and the rotary angles."""
+        ctx = self.condition(t, cond.text, cond.text_mask, cond.image_features)
+        ctx.rope = self.rope(grid, ctx.y.device)
+        return ctx
+
+    def companion(self, ctx: Conditioning):
+        """No stream passes beside the video tokens (the text is read, not updated)."""
+        return None
+
+    def patch_blocks(self, indices, tokens, companion, ctx: Conditioning, grid, start: int, end: int):
+        c = ctx.c if ctx.token_index is None else ctx.c[token_rows(ctx.token_index, start, end)]
+        rope = token_rows(ctx.rope, start, end, dim=0)
+        for index in indices:
+            tokens = self.blocks[index](tokens, c, ctx.y, ctx.block_mask, rope)
+        return tokens, companion
+
+    def patch_final(self, tokens, ctx: Conditioning, start: int, end: int):
+        """The final layer on the tokens start:end (B, n, D) -> (B, n, pt ph pw C)."""
+        temb = ctx.temb if ctx.token_index is None else ctx.temb[ctx.token_index[:, start:end]]
+        return self.final_layer(tokens, temb)
 
     def unpatchify(self, x, grid):
         B = x.shape[0]

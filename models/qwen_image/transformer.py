@@ -20,6 +20,7 @@ from models.layers import (
     WholeSequence,
     apply_rope,
     timestep_features,
+    token_rows,
 )
 
 
@@ -312,7 +313,7 @@ class QwenImageTransformer(nn.Module):
             zero = self.time_text_embed(timestep * 0, dtype)
         return QwenImageContext(temb, text, mask, reference_temb=zero)
 
-    # PipeFusion's (parallel/compute/pipefusion_family.py): the blocks on one patch of whole token rows.
+    # PipeFusion's (parallel/compute/pipefusion.py): the blocks on one patch of whole token rows.
 
     def patch_context(self, t, cond: QwenImageCond, grid) -> QwenImageContext:
         """What the blocks read at timestep t, besides the tokens: `condition`'s and the rotary angles."""
@@ -327,12 +328,18 @@ class QwenImageTransformer(nn.Module):
         return ctx.text
 
     def patch_blocks(self, indices, tokens, text, ctx: QwenImageContext, grid, start: int, end: int):
-        """Blocks `indices` on image tokens start:end (B, n, D) and the text stream (B, L, D) -> both."""
+        """Blocks `indices` on image tokens start:end (B, n, D) and the text stream (B, L, D) -> both;
+        tokens past the sequence's end are a split's padding."""
         rope, text_rope = ctx.rope
+        rope = token_rows(rope, start, end, dim=0)
         for index in indices:
             block = self.blocks[index]
-            tokens, text = block(tokens, text, ctx.text_mask, ctx.temb, rope[start:end], text_rope)
+            tokens, text = block(tokens, text, ctx.text_mask, ctx.temb, rope, text_rope)
         return tokens, text
+
+    def patch_final(self, tokens, ctx, start: int, end: int):
+        """The final layer on the tokens start:end."""
+        return self.final_layer(tokens, ctx.temb)
 
     def final_layer(self, tokens, temb):
         """(B, N, D) -> (B, N, p*p*C_out): the modulated norm, then the projection."""

@@ -346,7 +346,7 @@ class SanaTransformer(nn.Module):
             bias = ((1 - cond.text_mask.to(dtype)) * -10000.0)[:, None, None, :]
         return BlockInputs(modulation.unflatten(1, (6, -1)), temb, context, bias)
 
-    # PipeFusion's (parallel/compute/pipefusion_family.py): the blocks on one patch of whole token rows.
+    # PipeFusion's (parallel/compute/pipefusion.py): the blocks on one patch of whole token rows.
 
     def patch_context(self, t, cond: SanaConditioning, grid) -> BlockInputs:
         return self.condition(t, cond)
@@ -362,6 +362,10 @@ class SanaTransformer(nn.Module):
         for index in indices:
             tokens = self.blocks[index](tokens, inputs.modulation, inputs.context, inputs.context_bias, grid)
         return tokens, companion
+
+    def patch_final(self, tokens, ctx, start: int, end: int):
+        """The final layer on the tokens start:end."""
+        return self.final_layer(tokens, ctx.temb)
 
     def final_layer(self, tokens, temb):
         """(B, N, D) -> (B, N, p p C): LayerNorm, shift and scale (table + time embedding), projection."""

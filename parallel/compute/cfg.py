@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-from models.flow import guide
 from models.sampler import serial_denoise
 from parallel.compute import comm
 from parallel.compute.sequence import SequenceGroups
@@ -42,24 +41,6 @@ def both_branches(v, groups: SamplingGroups) -> tuple:
     both = torch.empty((2, *v.shape), dtype=v.dtype, device=v.device)
     comm.all_gather_into_tensor(both, v.contiguous(), groups.cfg_group)
     return both.unbind(0)
-
-
-def guided(v, guidance: float, groups: SamplingGroups):
-    """The guided velocity from this rank's prediction `v`: under cfg=2 `v` is one branch and the other
-    comes in one all-gather; otherwise `v` holds both branches as one batch (the serial order)."""
-    if groups.cfg_size > 1:  # every rank ends with the same velocity, whatever the scale
-        return guide(*both_branches(v, groups), guidance)
-    return v if guidance == 1.0 else guide(*v.chunk(2), guidance)
-
-
-def branch_text(groups: SamplingGroups, y, y_mask, neg_y, neg_mask, guidance: float):
-    """The text this rank conditions on: its branch under cfg=2 (cfg rank 0 the conditional one, 1 the
-    negative one: the serial batch order), both as one batch when guided on one rank, else `y`."""
-    if groups.cfg_size > 1:
-        return (y, y_mask) if groups.cfg_rank == 0 else (neg_y, neg_mask)
-    if guidance != 1.0:
-        return torch.cat([y, neg_y]), torch.cat([y_mask, neg_mask])
-    return y, y_mask
 
 
 def family_denoiser(groups: SamplingGroups):

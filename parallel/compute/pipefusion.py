@@ -1,15 +1,17 @@
-"""PipeFusion sampling (Fang et al., arXiv:2405.14430), `parallel.pipefusion=N`: the DiT's blocks in N
-stages, the tokens in patches; after `parallel.pipefusion_warmup` full steps each patch flows through
-the stages, attending to one-step-stale K/V for the other patches, and the last stage takes the
-patch's solver step and sends it back to stage 0. Only one activation per patch crosses a stage. The
-walk is every model's; the DiT's hooks are here, the image families' in parallel/compute/pipefusion_family.py.
+"""PipeFusion sampling (Fang et al., arXiv:2405.14430), `parallel.pipefusion=N`, for every family whose
+transformer offers the patch pieces (embed, patch_context, companion, patch_blocks, patch_final,
+unpatchify): its blocks in N stages, the tokens in patches of whole token rows; after
+`parallel.pipefusion_warmup` full steps each patch flows through the stages, its operators attending to
+one-step-stale values for the other patches (parallel/compute/pipefusion_operators.py), and the last stage
+takes the patch's guided velocity and the family's solver step, and sends the patch back to stage 0. Guided
+on one pipeline, both branches pass in turn in one message per patch; under cfg=2 each pipeline runs one.
+Under ulysses or ring inside a stage, each patch's tokens are split over the stage's ranks.
 
 No message can hang: every message's shape follows from the plan (parallel/compute/pipefusion_plan.py), which
 the ranks compare before the first message and check against what was sent at the end; the two
 directions use two process groups. docs/internals.md has the whole protocol.
 """
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -17,7 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from parallel.compute import comm
-from parallel.compute.cfg import SamplingGroups, branch_text, guided
+from parallel.compute.cfg import SamplingGroups, both_branches
+from parallel.compute.pipefusion_operators import PatchState, install
 from parallel.compute.pipefusion_plan import (
     MessagePlan,
     PipeFusionError,
@@ -27,97 +30,57 @@ from parallel.compute.pipefusion_plan import (
     patch_ranges,
     schedule,
 )
-from parallel.compute.sequence import SequenceGroups, all_to_all_dims, gather_tokens
+from parallel.compute.sequence import gather_tokens
 from parallel.lifecycle.faults import Faults
-
-# ---------------------------------------------------------------------------------------------------
-# Attention with a K/V buffer.
-
-
-class PatchState:
-    """The item being computed, shared by the stage's attention operators."""
-
-    def __init__(self, tokens: int):
-        self.tokens = tokens
-        self.start = self.end = 0
-        self.branch, self.grid = 0, None  # the families': the guidance branch passing, the token grid
-
-
-class PipeFusionAttention(nn.Module):
-    """Replaces SelfAttention.inner_attention on a stage: the queries of the current patch attend to the
-    whole sequence's keys and values, held in this layer's buffer: fresh for this patch (and for the
-    patches already computed this step), one step old for the others. Under ulysses the buffer holds this
-    rank's heads; under ring the patch's K/V are gathered over the ring first. Keys never written (no
-    warm-up: the first step's later patches) are masked."""
-
-    def __init__(self, groups: SequenceGroups, state: PatchState):
-        super().__init__()
-        self.groups, self.state = groups, state
-        self.reset()
-
-    def reset(self) -> None:
-        self.keys = self.values = self.written = None
-        self.complete = False
-
-    @torch.compiler.disable
-    def forward(self, q, k, v):
-        g, state = self.groups, self.state
-        if g.ulysses_size > 1:  # (B, H, n, Dh) -> (B, H/u, u*n, Dh): heads for tokens
-            q, k, v = all_to_all_dims(torch.stack((q, k, v)), 2, 3, g.ulysses_group).unbind(0)
-        if g.ring_size > 1:  # the ring's slices of the patch's K/V, in token order
-            k, v = gather_tokens(torch.stack((k, v)), g.ring_group, dim=-2).unbind(0)
-        real = state.end - state.start
-        if self.keys is None or self.keys.shape[0] != k.shape[0]:
-            shape = (k.shape[0], k.shape[1], state.tokens, k.shape[3])
-            self.keys, self.values = k.new_zeros(shape), v.new_zeros(shape)
-            self.written = torch.zeros(
-                state.tokens, dtype=torch.bool
-            )  # on the host: no device sync to read it
-            self.complete = False
-        self.keys[:, :, state.start : state.end] = k[:, :, :real]
-        self.values[:, :, state.start : state.end] = v[:, :, :real]
-        mask = None
-        if not self.complete:
-            self.written[state.start : state.end] = True
-            self.complete = bool(self.written.all())
-            mask = None if self.complete else self.written.to(k.device, non_blocking=True).view(1, 1, 1, -1)
-        # Plain SDPA whatever model.attention_backend says: the queries are a patch, the keys the sequence.
-        out = F.scaled_dot_product_attention(q, self.keys, self.values, attn_mask=mask)
-        if g.ulysses_size > 1:
-            out = all_to_all_dims(out, 2, 1, g.ulysses_group)
-        return out
-
-
-# ---------------------------------------------------------------------------------------------------
-# The sampler.
 
 
 @dataclass
-class _Sampling:
-    """One call of PipeFusionSampler.sample: its inputs and what is in flight."""
+class _Run:
+    """One call of PipeFusion.denoise: its inputs and what is in flight. The latent is held as strips:
+    (B, C, pt, rows x ph, W), every token row's latent rows one under the other, so that a patch of whole
+    token rows is a slice of dim 3 whatever the frames (`rows` latent rows per token row)."""
 
-    items: list  # the passes through the stages, in order (schedule)
+    items: list  # the passes through the stages, in order (pipefusion_plan.schedule)
     steps: int
-    guidance: float
-    x: torch.Tensor  # (B, N, C*pt*ph*pw): the latent in token order (the last stage's is current)
-    sigmas: torch.Tensor
-    grid: tuple
-    rope: torch.Tensor
-    text: tuple  # (y, y_mask) of this rank's branch(es), and the image features (or None) for them
+    x: torch.Tensor  # the latent as strips, float32 (the last stage's is current)
+    grid: tuple  # the token grid (t, h, w)
+    rows: int  # latent rows per token row
     hidden: tuple  # (batch, width, dtype) of the hidden states between stages
     extra_send: bool  # the failure tests: deviate from the agreed plan at the end
     skipped: dict  # computed step -> the (step, scale) the step cache skips after it (sample.cache)
-    condition: object = None  # image-to-video's models.image_condition.ImageCondition, or None
-    flow: object = None  # the DiT's models.flow.RectifiedFlow (its sigmas, Euler step and step cache)
+    family: object  # models/family.py Family
+    pieces: object  # the transformer's patch pieces as this sampling calls them (Family.patch_pieces)
+    schedule: object  # models/loop.py Schedule
+    branches: list  # the conditioning of each guidance branch this pipeline runs
+    lengths: list  # the companion tokens of each branch (Qwen-Image's text)
+    guidance: float
+    uncond: bool  # guided: both branches' velocities are needed
+    parts: object = None  # the family's parts (its guidance may read them)
+    solver: torch.Tensor | None = None  # the solver's state for the whole latent (DPM-Solver++'s)
     pending_sends: list = field(default_factory=list)
     returns: list = field(default_factory=list)  # (item, buffer, PendingOps) posted by stage 0
     incoming: tuple | None = None  # (buffer, PendingOps) of the next item's hidden states
 
 
-class PipeFusionSampler:
-    """Runs flow-matching sampling for this rank's stage. `stage_model` comes from `keep_stage` (DiT) or
-    `keep_blocks` (a family), changed in place (its operators hold the K/V buffers). `faults` (tests
-    only) can make this rank plan, or send, what the others do not."""
+def to_strips(latent: torch.Tensor, t: int) -> torch.Tensor:
+    """(B, C, T, H, W) of t token frames -> (B, C, T / t, t x H, W): the latent frames of one token frame
+    along dim 2, the token frames' rows one under the other (a copy, float32)."""
+    B, C, T, H, W = latent.shape
+    x = latent.float().reshape(B, C, t, T // t, H, W).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(B, C, T // t, t * H, W).clone(memory_format=torch.contiguous_format)  # never the input
+
+
+def from_strips(x: torch.Tensor, t: int) -> torch.Tensor:
+    """to_strips' inverse."""
+    B, C, pt, rows, W = x.shape
+    return x.reshape(B, C, pt, t, rows // t, W).permute(0, 1, 3, 2, 4, 5).reshape(B, C, t * pt, rows // t, W)
+
+
+class PipeFusion:
+    """PipeFusion for this rank's stage. `stage_model` is the family's transformer with this stage's blocks
+    (pipefusion_plan.keep_blocks), its operators replaced in place (they hold the whole sequence).
+    `faults` (tests only) can make this rank plan, or send, what the others do not. `denoise` is
+    models/sampler.py generate_images' `denoise_with`."""
 
     def __init__(
         self, stage_model: nn.Module, groups: SamplingGroups, patches: int, warmup: int, faults=None
@@ -126,26 +89,52 @@ class PipeFusionSampler:
         self.patches, self.warmup = patches, warmup
         self.faults = faults or Faults()
         self.state = PatchState(0)
-        self.attention = self._install(stage_model)  # the stage's operators that hold the whole sequence
+        self.attention = install(stage_model, self.state, groups.sequence)
         self.first, self.last = groups.stage == 0, groups.stage == groups.stages - 1
         self.sent = self.received = None
 
     @torch.no_grad()
-    def sample(self, flow, sigmas, noise, y, y_mask, neg_y=None, neg_mask=None, guidance=1.0, progress=None,
-               condition=None):  # fmt: skip
-        """The latents (on every rank of the replica) at the end of the schedule `sigmas` ((steps + 1,), the
-        one the family handed: models/loop.py Schedule), as models/dit/family.py sample_dit walks it.
-        `condition`: image-to-video's (models/image_condition.py): stage 0 concatenates its latent to the
-        embedded latent's channels (TI2V: puts the given frame in place), every stage gives its features to
-        the DiT's conditioning."""
-        run = self._begin(flow, sigmas, noise, (y, y_mask, neg_y, neg_mask), guidance, condition)
+    def denoise(self, family, parts, plan, noise, cond, uncond, scale: float, progress=None):
+        """The latents at the schedule `plan`'s end (on every rank of the pipeline), as models/loop.py
+        denoise walks it, behind the step cache (parts.cache: sample.cache=calibrated skips steps on
+        every stage; the last stage applies them)."""
+        g = self.groups
+        pieces = family.patch_pieces(parts)
+        branches = [cond] if uncond is None else [cond, uncond]
+        if uncond is not None and g.cfg_size > 1:
+            branches = [branches[g.cfg_rank]]
+        tokens, grid = pieces.embed(noise)  # every stage: the width and dtype of what passes between them
+        t0 = plan.timesteps[0].to(noise.device).expand(noise.shape[0])
+        companions = [pieces.companion(pieces.patch_context(t0, c, grid)) for c in branches]
+        steps, count = len(plan.timesteps), grid[0] * grid[1] * grid[2]
+        computed, skipped = cache_plan(parts.cache, steps, noise.shape[0])
+        x = to_strips(noise, grid[0])
+        run = _Run(
+            items=schedule(steps, self.warmup, patch_ranges(grid, self.patches), count, computed),
+            steps=steps,
+            x=x,
+            grid=grid,
+            rows=x.shape[3] // (grid[0] * grid[1]),
+            hidden=(noise.shape[0], tokens.shape[-1], tokens.dtype),
+            extra_send=self.faults.planned("pipefusion_extra_send"),
+            skipped=skipped,
+            family=family,
+            pieces=pieces,
+            schedule=plan,
+            branches=branches,
+            lengths=[0 if c is None else c.shape[1] for c in companions],
+            guidance=scale,
+            uncond=uncond is not None,
+            parts=parts,
+        )
+        self.state.grid = grid
+        self._start(run, patch_ranges(grid, self.patches), count, computed)
         self._walk(run, progress)
-        return self.model.unpatchify(run.x, run.grid)
+        return from_strips(run.x, grid[0])
 
     def _walk(self, run, progress) -> None:
         """Every pass of the schedule through this rank's stage, then the final latent on every stage
-        (run.x). What is the model's is in the hooks: _step_context, _stage_input, _stage, _velocity,
-        _finish_patch."""
+        (run.x)."""
         items = run.items
         for index, item in enumerate(items):
             following = items[index + 1] if index + 1 < len(items) else None
@@ -174,85 +163,93 @@ class PipeFusionSampler:
         if self.groups.stages > 1:
             comm.broadcast(run.x, self.groups.pipeline_ranks[-1], self.groups.forward_group)
 
-    # The DiT's hooks (parallel/compute/pipefusion_family.py has the families').
+    # What runs on a patch: the family's pieces.
 
-    def _install(self, stage_model) -> list:
-        attention = [PipeFusionAttention(self.groups.sequence, self.state) for _ in stage_model.stage_range]
-        for index, operator in zip(stage_model.stage_range, attention):
-            stage_model.blocks[index].attn.inner_attention = operator
-        return attention
+    def _share(self, item) -> tuple:
+        """(offset, local): this rank's share of `item`'s tokens (all of them without a split)."""
+        seq = self.groups.sequence
+        return local_share(item, seq.sp_size, seq.sp_rank)
 
     def _step_context(self, run, step: int):
-        return self.model.condition(timesteps(run, step, run.hidden[0]), *run.text)
+        t = run.schedule.timesteps[step].to(run.x.device).expand(run.x.shape[0])
+        return [run.pieces.patch_context(t, cond, run.grid) for cond in run.branches]
 
-    def _modulation(self, run, cond, item, offset: int, local: int):
-        """(c, temb) of this rank's tokens of `item`: a timestep per token (Wan2.2 TI2V) takes their rows."""
-        if cond.token_index is None:
-            return cond.c, cond.temb
-        rows = _share(cond.token_index, 1, item, offset, local)
-        return cond.c[rows], cond.temb[rows]
+    def _stage_input(self, run, item, context=None):
+        """Each branch's [companion, this rank's share of the patch's tokens] in one tensor (B, sum(L + n),
+        D): embedded from the whole latent on stage 0 (after the patches it needs came back), received
+        from the previous stage elsewhere."""
+        if not self.first:
+            return self._received(run)
+        self._take_returns(run, item)
+        # The embedding of the whole latent, then the item's tokens: exactly the serial embedding (a conv
+        # over a smaller input could round differently).
+        tokens = run.pieces.embed(from_strips(run.x, run.grid[0]))[0][:, item.start : item.end]
+        offset, local = self._share(item)
+        tokens = _pad_tokens(tokens, offset + local)[:, offset : offset + local]
+        streams = [run.pieces.companion(ctx) for ctx in context]
+        return torch.cat([part for c in streams for part in ([tokens] if c is None else [c, tokens])], dim=1)
 
-    def _stage(self, run, cond, item, h):
-        offset, local = local_share(item, self.groups.sequence.sp_size, self.groups.sequence.sp_rank)
-        rope = _share(run.rope, 0, item, offset, local)
-        c = self._modulation(run, cond, item, offset, local)[0]
-        for block_index in self.model.stage_range:
-            h = self.model.blocks[block_index](h, c, cond.y, cond.block_mask, rope)
-        return h
+    def _split(self, run, item, h) -> list:
+        """[(companion or None, tokens)] of each branch from one message."""
+        n, parts, at = self._share(item)[1], [], 0
+        for length in run.lengths:
+            companion = h[:, at : at + length] if length else None
+            parts.append((companion, h[:, at + length : at + length + n]))
+            at += length + n
+        return parts
 
-    def _velocity(self, run, cond, item, h):
-        offset, local = local_share(item, self.groups.sequence.sp_size, self.groups.sequence.sp_rank)
-        return self.model.final_layer(h, self._modulation(run, cond, item, offset, local)[1])
+    def _stage(self, run, context, item, h):
+        self.state.start, self.state.end = item.start, item.end
+        offset, local = self._share(item)
+        start = item.start + offset  # this rank's tokens; past item.end: the split's padding
+        out = []
+        for branch, (ctx, (companion, tokens)) in enumerate(zip(context, self._split(run, item, h))):
+            self.state.branch = branch
+            tokens, companion = run.pieces.patch_blocks(
+                self.model.stage_range, tokens, companion, ctx, run.grid, start, start + local
+            )
+            out += [tokens] if companion is None else [companion, tokens]
+        return torch.cat(out, dim=1)
 
-    def _patch(self, run, item):
-        """The view of run.x that `item` updates (tokens start:end)."""
-        return run.x[:, item.start : item.end]
+    def _velocity(self, run, context, item, h):
+        """The patch's guided velocity, as the latent strip rows it covers (B, C, pt, rows, W)."""
+        w, n, seq, pieces = run.grid[2], item.end - item.start, self.groups.sequence, run.pieces
+        v = []
+        for ctx, (_, tokens) in zip(context, self._split(run, item, h)):
+            if seq.sp_size > 1:  # the padded patch, in token order
+                tokens = gather_tokens(tokens, seq.sp_group)
+            out = pieces.patch_final(tokens[:, :n], ctx, item.start, item.end)
+            v.append(run.family.prediction(pieces.unpatchify(out, (1, n // w, w))))
+        if not run.uncond:
+            return v[0]
+        if len(v) == 1:  # cfg=2: the other branch from the other pipeline's last stage
+            v = both_branches(v[0], self.groups)
+        return run.family.guide(v[0], v[1], run.guidance, run.parts)
+
+    def _patch(self, run, item, latent=None):
+        """The strip rows of `item`'s tokens: of run.x, or of `latent` (shaped alike)."""
+        w, r = run.grid[2], run.rows
+        return (run.x if latent is None else latent)[:, :, :, item.start // w * r : item.end // w * r]
 
     def _message_tokens(self, run, item) -> int:
-        """The tokens of one hidden-state message of `item` (this rank's share)."""
-        seq = self.groups.sequence
-        return local_share(item, seq.sp_size, seq.sp_rank)[1]
+        return sum(run.lengths) + len(run.lengths) * self._share(item)[1]
 
-    def _begin(self, flow, sigmas, noise, text, guidance: float, condition=None) -> _Sampling:
-        """Agree on the message plan with the pipeline, reset the K/V buffers, and post the first receive."""
-        g, model, device, steps = self.groups, self.model, noise.device, len(sigmas) - 1
-        grid = tuple(s // p for s, p in zip(noise.shape[2:], model.patch_size))
-        tokens = grid[0] * grid[1] * grid[2]
-        patches = patch_ranges(grid, self.patches)
-        # sample.cache=calibrated: skipped steps run on no stage; the last stage applies them to each patch
-        cache_plan = flow.cache.plan(steps) if flow.cache is not None else None
-        computed = [i for i in range(steps) if cache_plan is None or cache_plan[i].compute]
-        skipped, last_computed = {i: [] for i in computed}, 0
-        for i in range(steps):
-            if i in skipped:
-                last_computed = i
-            else:
-                skipped[last_computed].append((i, cache_plan[i].scale))
-        if flow.cache is not None:
-            flow.cache.start(steps, noise.shape[0])
-        flow.model_calls = len(computed)
-        branch = branch_text(g, *text, guidance)
-        features = None if condition is None else condition.features
-        if features is not None and guidance != 1.0 and g.cfg_size == 1:  # both branches as one batch
-            features = torch.cat([features, features])
-        hidden = (branch[0].shape[0], model.architecture()["hidden_size"], _activation_dtype(model, device))
-        run = _Sampling(
-            items=schedule(steps, self.warmup, patches, tokens, computed),
-            steps=steps,
-            guidance=guidance,
-            x=patchify(noise.float(), model.patch_size),
-            sigmas=sigmas.to(device),
-            grid=grid,
-            rope=model.rope(grid, device),
-            text=(*branch, features),
-            hidden=hidden,
-            extra_send=self.faults.planned("pipefusion_extra_send"),
-            skipped=skipped,
-            condition=condition,
-            flow=flow,
-        )
-        self._start(run, patches, tokens, None if cache_plan is None else computed)
-        return run
+    def _finish_patch(self, run, item, v) -> None:
+        """The solver's steps on the patch's rows: the step computed, then the cache's skipped steps after it
+        with this velocity scaled (the solver's state, DPM-Solver++'s, kept for the whole latent)."""
+        patch = self._patch(run, item)
+        state = None if run.solver is None or item.step == 0 else self._patch(run, item, run.solver)
+        new = patch
+        for step, scale in [(item.step, 1.0), *run.skipped[item.step]]:
+            new, state = run.schedule.step(new, v if scale == 1.0 else v * scale, step, state)
+        if state is not None:
+            if run.solver is None:
+                run.solver = torch.zeros_like(run.x, dtype=state.dtype)
+            self._patch(run, item, run.solver).copy_(state)
+        patch.copy_(new)
+        self._return_patch(run, item)
+
+    # The messages.
 
     def _start(self, run, patches: list, tokens: int, planned) -> None:
         """Agree on the message plan with the pipeline (`planned`: the computed steps, None: every one),
@@ -269,11 +266,11 @@ class PipeFusionSampler:
         if not self.first:
             self._post_forward_recv(run, run.items[0])
 
-    def _hidden_buffer(self, run: _Sampling, item) -> torch.Tensor:
+    def _hidden_buffer(self, run: _Run, item) -> torch.Tensor:
         batch, width, dtype = run.hidden
         return torch.empty((batch, self._message_tokens(run, item), width), dtype=dtype, device=run.x.device)
 
-    def _post_forward_recv(self, run: _Sampling, item) -> None:
+    def _post_forward_recv(self, run: _Run, item) -> None:
         """Post the receive of `item`'s hidden states from the previous stage (none on stage 0)."""
         if self.first or item is None:
             return
@@ -282,7 +279,7 @@ class PipeFusionSampler:
         run.incoming = (buffer, comm.post(recvs=[(buffer, previous)], group=self.groups.forward_group))
         self.received["forward"] += 1
 
-    def _post_returns(self, run: _Sampling, step: int) -> None:
+    def _post_returns(self, run: _Run, step: int) -> None:
         """Stage 0: this step's returned patches, posted before the last stage can send any of them."""
         g = self.groups
         for returned in (it for it in run.items if it.step == step):
@@ -291,40 +288,19 @@ class PipeFusionSampler:
             run.returns.append((returned, buffer, ops))
             self.received["return"] += 1
 
-    def _stage_input(self, run: _Sampling, item, context=None) -> torch.Tensor:
-        """This rank's slice of `item`'s hidden states: embedded from the latent on stage 0 (after the
-        patches it needs came back), received from the previous stage elsewhere."""
-        if not self.first:
-            return self._received(run)
-        self._take_returns(run, item)
-        x = run.x
-        # The patch embedding of the whole latent, then the item's tokens: exactly the serial embedding
-        # (a conv over a smaller input could round differently); it costs about
-        # (C*pt*ph*pw) / (24 * hidden * blocks per stage) of the stage's work per patch.
-        latent = self.model.unpatchify(x, run.grid)
-        if run.condition is not None and run.condition.first_frame:  # TI2V: the given frame in place
-            latent = torch.cat([run.condition.latent.to(latent.dtype), latent[:, :, 1:]], dim=2)
-        elif run.condition is not None:  # image-to-video: the mask and the given frames' latents
-            latent = torch.cat([latent, run.condition.latent.to(latent.dtype)], dim=1)
-        if run.guidance != 1.0 and self.groups.cfg_size == 1:
-            latent = torch.cat([latent, latent])
-        h = self.model.embed(latent)[0][:, item.start : item.end]
-        offset, local = local_share(item, self.groups.sequence.sp_size, self.groups.sequence.sp_rank)
-        return _pad_tokens(h, offset + local, dim=1)[:, offset : offset + local]
-
-    def _received(self, run: _Sampling) -> torch.Tensor:
+    def _received(self, run: _Run) -> torch.Tensor:
         buffer, ops = run.incoming
         ops.wait()
         return buffer
 
-    def _take_returns(self, run: _Sampling, item) -> None:
+    def _take_returns(self, run: _Run, item) -> None:
         """Stage 0: the patches returned by the last stage up to `item`'s end, written into run.x."""
         while run.returns and run.returns[0][0].step < item.step and run.returns[0][0].start < item.end:
             returned, buffer, ops = run.returns.pop(0)
             ops.wait()
             self._patch(run, returned).copy_(buffer)
 
-    def _send_forward(self, run: _Sampling, h: torch.Tensor, following) -> None:
+    def _send_forward(self, run: _Run, h: torch.Tensor, following) -> None:
         """Send the hidden states to the next stage, batched with the receive of the next item's."""
         g = self.groups
         sends, recvs = [(h.to(run.hidden[2]).contiguous(), g.pipeline_ranks[g.stage + 1])], []
@@ -336,20 +312,7 @@ class PipeFusionSampler:
         run.pending_sends.append(ops)
         run.incoming = (recvs[0][0], ops) if recvs else None
 
-    def _finish_patch(self, run: _Sampling, item, v: torch.Tensor) -> None:
-        """The last stage: guide the patch's velocity, take its Euler step, send the patch back to stage 0
-        (the final step's latent stays here; xDiT #147: not so)."""
-        g = self.groups
-        v = guided(v, run.guidance, g)
-        v = v if g.sequence.sp_size == 1 else gather_tokens(v, g.sequence.sp_group)  # the padded item
-        v = v[:, : item.end - item.start]
-        patch = run.flow.euler_step(run.x[:, item.start : item.end], v, run.sigmas, item.step)
-        for step, scale in run.skipped[item.step]:  # the cache's skipped steps reuse this velocity, scaled
-            patch = run.flow.euler_step(patch, v * scale, run.sigmas, step)
-        run.x[:, item.start : item.end] = patch
-        self._return_patch(run, item)
-
-    def _return_patch(self, run: _Sampling, item) -> None:
+    def _return_patch(self, run: _Run, item) -> None:
         """The last stage: send the updated patch back to stage 0 (but the final step's)."""
         g = self.groups
         if item.step < run.steps - 1 or run.extra_send:
@@ -397,44 +360,27 @@ class PipeFusionSampler:
             )
 
 
-def _activation_dtype(model, device) -> torch.dtype:
-    """The dtype of the hidden states between blocks, as the serial forward has it: the autocast dtype
-    under autocast (the patch embedding's output), else the weights' dtype."""
-    if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return next(model.parameters()).dtype
+def cache_plan(cache, steps: int, batch: int) -> tuple:
+    """(the steps that run, {computed step: [(skipped step, scale), ...] after it}) of sample.cache's plan
+    (calibrated: skipped steps run on no stage; the last stage applies them with the last velocity scaled);
+    (None, every step alone) without a cache."""
+    if cache is None:
+        return None, {i: [] for i in range(steps)}
+    plan = cache.plan(steps)
+    computed = [i for i in range(steps) if plan[i].compute]
+    skipped, last = {i: [] for i in computed}, 0
+    for i in range(steps):
+        if i in skipped:
+            last = i
+        else:
+            skipped[last].append((i, plan[i].scale))
+    cache.start(steps, batch)
+    return computed, skipped
 
 
-def timesteps(run: _Sampling, step: int, batch: int) -> torch.Tensor:
-    """The model's t at `step`: (batch,), or with Wan2.2 TI2V's given first frame one per token, 0 on
-    that frame's tokens (models/image_condition.py ConditionedModel)."""
-    t = run.sigmas[step].expand(batch)
-    if run.condition is None or not run.condition.first_frame:
-        return t
-    t = t.view(-1, 1).expand(-1, math.prod(run.grid)).clone()
-    t[:, : run.grid[1] * run.grid[2]] = 0
-    return t
-
-
-def _share(per_token, dim: int, item, offset: int, local: int):
-    """This rank's share of `item`'s tokens of a per-token tensor (rope, or TI2V's modulation)."""
-    part = per_token.narrow(dim, item.start, item.end - item.start)
-    return _pad_tokens(part, offset + local, dim).narrow(dim, offset, local)
-
-
-def _pad_tokens(x, length, dim=0):
+def _pad_tokens(x, length, dim=1):
     missing = length - x.shape[dim]
     if missing <= 0:
         return x
     pad = [0, 0] * (x.dim() - dim - 1) + [0, missing]
     return F.pad(x, pad)
-
-
-def patchify(latent, patch_size):
-    """(B, C, T, H, W) -> (B, N, pt*ph*pw*C): token order (t, h, w), channels as DiT.unpatchify expects
-    (its inverse)."""
-    B, C, T, H, W = latent.shape
-    pt, ph, pw = patch_size
-    x = latent.view(B, C, T // pt, pt, H // ph, ph, W // pw, pw)
-    x = x.permute(0, 2, 4, 6, 3, 5, 7, 1)  # (B, t, h, w, pt, ph, pw, C)
-    return x.reshape(B, (T // pt) * (H // ph) * (W // pw), pt * ph * pw * C)

@@ -1,5 +1,5 @@
 """How PipeFusion cuts the work (parallel/compute/pipefusion.py runs it): the DiT's blocks into contiguous
-stages (`keep_stage`), the tokens into patches of whole rows (`patch_ranges`), the steps into passes
+stages (`keep_blocks`), the tokens into patches of whole rows (`patch_ranges`), the steps into passes
 (`schedule`), and what each rank sends and receives (`MessagePlan`), which the ranks of a pipeline
 compare before the first message, so that a rank that would send one message too many or too few is
 named instead of leaving its peer waiting.
@@ -71,23 +71,10 @@ def keep_blocks(model: nn.Module, stage: int, stages: int) -> nn.Module:
     return part
 
 
-def keep_stage(model: nn.Module, stage: int, stages: int) -> nn.Module:
-    """keep_blocks for tessera's DiT, whose patch embedding stays on stage 0 only and final layer on the
-    last stage only."""
-    part = keep_blocks(model, stage, stages)
-    if stage != 0:
-        part.x_embedder = None
-    if stage != stages - 1:
-        part.final_layer = None
-    return part
-
-
 def held_elsewhere(part: nn.Module) -> tuple[str, ...]:
-    """The module names of the whole model that another stage holds (keep_stage left them out of `part`):
+    """The module names of the whole model that another stage holds (keep_blocks left them out of `part`):
     a LoRA delta for one of them is that stage's to merge (models.lora.merge_deltas). () for a whole model."""
-    names = [f"blocks.{block.index}" for block in part.blocks if isinstance(block, DroppedBlock)]
-    dropped = [name for name in ("x_embedder", "final_layer") if getattr(part, name, "") is None]
-    return tuple(names + dropped)
+    return tuple(f"blocks.{block.index}" for block in part.blocks if isinstance(block, DroppedBlock))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -90,6 +90,6 @@ def encode(
 
 
 def shared_decoder(vae: LatentSpace, group, fence, tile: int, overlap: int):
-    """The decode `models.dit.pipeline.generate` calls, with the tiles shared across `group` (the replica)
-    and early finishers waiting on `fence` (its gloo control group)."""
+    """The decode models/sampler.py generate_images calls (infer.py's `decode`), with the tiles shared
+    across `group` (the replica) and early finishers waiting on `fence` (its gloo control group)."""
     return lambda z: decode(vae, z, group, tile, overlap, control_group=fence)

@@ -23,9 +23,9 @@ from parallel.compute.cache import count_full_calls
 from parallel.compute.cfg import family_denoiser
 from parallel.compute.layout import ParallelLayout
 from parallel.compute.operators import apply_operators, check_sequence_layout, operator_kinds
-from parallel.compute.pipefusion_family import KINDS, FamilyPipeFusion
-from parallel.compute.pipefusion_plan import held_elsewhere, keep_blocks, keep_stage
-from parallel.compute.sampling import ParallelSampler
+from parallel.compute.pipefusion import PipeFusion
+from parallel.compute.pipefusion_operators import KINDS, SPLIT_KINDS
+from parallel.compute.pipefusion_plan import held_elsewhere, keep_blocks
 from parallel.lifecycle.finite import check_adapters_finite, check_checkpoint_finite
 from parallel.lifecycle.runtime import links_are_slow, local_world_size, world_from_env
 
@@ -138,45 +138,44 @@ def check_family_layout(cfg, family, request, degrees, meta) -> None:
     if wrong:
         runs = ", ".join(("dp", *family.parallel_degrees))
         raise ValueError(f"{family.title} does not sample under {' '.join(wrong)} yet: it runs under {runs}")
-    if family.patch_pipeline:
-        check_patch_pipeline(cfg, family, request, degrees, meta)
+    check_patch_pipeline(cfg, family, request, degrees, meta)
     family.check_split(cfg, request.height, request.width, degrees.ulysses, degrees.ring)
     check_sequence_layout(meta(), degrees.ulysses, degrees.ring, family.title)  # its operators
 
 
 def check_patch_pipeline(cfg, family, request, degrees, meta) -> None:
     """What PipeFusion and the step cache through a transformer's patch pieces refuse: first_block under a
-    split (each sample's whole sequence runs on one rank), any cache under PipeFusion (its stages walk every
-    step), PipeFusion with a sequence split, an attention backend that cannot mask a split's padding, a
-    transformer without the pieces or with an operator PipeFusion does not run."""
+    split where the family's cache runs whole sequences (under PipeFusion: configs/ refuses it), an
+    operator PipeFusion does not run (with a split inside a stage: one it does not split), an attention
+    backend that cannot mask a split's or PipeFusion's padded keys, a transformer without the pieces."""
     ranks, pipefusion = degrees.ulysses * degrees.ring, degrees.pipefusion or 1
     first_block = request.cache is not None and request.cache.method == "first_block"
-    if first_block and ranks * pipefusion > 1:  # models/step_cache.py FirstBlockFamily
+    if first_block and ranks > 1 and not family.first_block_split:  # models/step_cache.py FirstBlockFamily
         raise ValueError(
             f"sample.cache={cfg.sample.cache}: {family.title}'s step cache runs each sample's whole token "
-            "sequence on one rank: use dp or parallel.cfg with it, not parallel.ulysses, ring or pipefusion"
+            "sequence on one rank: use dp or parallel.cfg with it, not parallel.ulysses or ring"
         )
-    if request.cache is not None and pipefusion > 1:  # its stages walk every step of the schedule
-        raise ValueError(
-            f"sample.cache={cfg.sample.cache}: {family.title}'s PipeFusion runs every step; use dp, "
-            "parallel.cfg, ulysses or ring with it"
-        )
-    if ranks > 1 and pipefusion > 1:
-        raise ValueError(
-            f"{family.title} samples under parallel.pipefusion or a sequence split (ulysses, ring), not both "
-            "yet: pick one"
-        )
-    if (ranks > 1 or pipefusion > 1) and cfg.model.attention_backend not in ("sdpa", "math"):
+    backend = cfg.model.attention_backend
+    if family.masks_through_kernel and (ranks > 1 or pipefusion > 1) and backend not in ("sdpa", "math"):
         raise ValueError(
             f"model.attention_backend={cfg.model.attention_backend} takes no mask, and a sequence split "
             "and PipeFusion's patches mask keys: use sdpa or math with parallel.ulysses, ring or pipefusion"
         )
     transformer = meta()
+    kinds = operator_kinds(transformer)
     if first_block and not hasattr(transformer, "patch_blocks"):  # FirstBlockFamily's pieces
         raise ValueError(f"sample.cache={cfg.sample.cache}: {family.title} does not run the step cache yet")
-    if pipefusion > 1 and operator_kinds(transformer) - KINDS:
-        kinds = sorted(operator_kinds(transformer) - KINDS)
-        raise ValueError(f"{family.title} has operators of kind {kinds}, which PipeFusion does not run yet")
+    if pipefusion == 1:
+        return
+    if kinds - KINDS:
+        unknown = sorted(kinds - KINDS)
+        raise ValueError(f"{family.title} has operators of kind {unknown}, which PipeFusion does not run yet")
+    if ranks > 1 and kinds - SPLIT_KINDS:
+        raise ValueError(
+            f"{family.title}'s operators of kind {sorted(kinds - SPLIT_KINDS)} do not run split inside a "
+            f"PipeFusion stage yet (parallel.pipefusion={pipefusion} with ulysses x ring = {ranks}): pick "
+            "parallel.pipefusion or a sequence split"
+        )
 
 
 def sampling_transformer(cfg, runtime, family, weights: Weights, loras=(), folder=None, group=None):
@@ -192,8 +191,7 @@ def sampling_transformer(cfg, runtime, family, weights: Weights, loras=(), folde
     if not family.float32_weights:
         dtype = torch.bfloat16 if runtime.bf16(cfg.train.precision) else torch.float32
     stage = layout.pipefusion > 1 and folder is None
-    keep = keep_blocks if family.patch_pipeline else keep_stage
-    select = (lambda model: keep(model, groups.stage, groups.stages)) if stage else None  # noqa: E731
+    select = (lambda model: keep_blocks(model, groups.stage, groups.stages)) if stage else None  # noqa: E731
 
     def meta():  # the transformer on the meta device: this stage's blocks under PipeFusion
         model = family.meta_transformer(cfg)
@@ -242,12 +240,9 @@ def load_sampling(cfg, runtime, family, request, weights: Weights, loras, patche
         folder, boundary, guidance_2 = request.experts
         low = sampling_transformer(cfg, runtime, family, weights, folder=folder)
         family.pair_experts(parts, apply_operators(low, runtime.sequence), boundary, guidance_2)
-    if layout.pipefusion > 1:
+    if layout.pipefusion > 1:  # ulysses and ring, if any, inside each stage
         warmup, faults = cfg.parallel.pipefusion_warmup, runtime.faults
-        if family.patch_pipeline:
-            denoise_with = FamilyPipeFusion(parts.transformer, groups, patches, warmup, faults).denoise
-        else:  # tessera's DiT's own stages, ulysses and ring inside them
-            denoise_with = ParallelSampler(parts.transformer, groups, patches, warmup, faults)
+        denoise_with = PipeFusion(parts.transformer, groups, patches, warmup, faults).denoise
     else:
         parts.transformer = apply_operators(parts.transformer, runtime.sequence)
         denoise_with = family_denoiser(groups)
