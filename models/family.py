@@ -67,9 +67,6 @@ class Family:
     tiled_vae = (
         False  # its VAE decodes in tessera's tiles, which a replica's ranks share (parallel/compute/vae.py)
     )
-    # sample.cache=first_block under ulysses or ring: False, its cache runs each sample's whole sequence
-    # through the patch pieces on one rank (models/step_cache.py FirstBlockFamily)
-    first_block_split = False
     # its operators mask a split's or PipeFusion's padded keys through the recipe's kernel, so
     # model.attention_backend must take a mask there (False: they pick SDPA themselves where keys are masked)
     masks_through_kernel = True

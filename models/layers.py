@@ -130,6 +130,10 @@ class WholeSequence(nn.Module):
         """How many of this process's `local` tokens are real, not padding."""
         return local
 
+    def start(self, local: int) -> int:
+        """Where this process's `local` tokens start in the (padded) sequence."""
+        return 0
+
 
 def parameter_generator(seed: int, name: str) -> torch.Generator:
     """The CPU generator of one parameter: the same for a name and seed in every process and layout."""

@@ -6,13 +6,12 @@ per model and step count by scripts/calibrate_cache.py: per step, the mean relat
 velocity and the ratio of its norms) and the recipe's budget. Its values are identical on every rank, so
 every layout skips the same steps with no communication. `first_block` (FBCache-like): every call runs
 the first block; when its residual barely changed since the last full call, the other blocks are skipped
-and their last residual reused (FirstBlockModel runs the DiT's blocks around that decision). The sums behind
-it are added up over every rank holding a part of the sample (`agree`, an all-reduce set by parallel/),
-so all take the same decision. A decision taken
-from a rank's own shard could differ between ranks and leave them in different collectives: a hang.
+and their last residual reused (FirstBlockFamily runs a transformer's blocks around that decision). The
+sums behind it are added up over every rank holding a part of the sample (`agree`, an all-reduce set by
+parallel/), so all take the same decision. A decision taken from a rank's own shard could differ between
+ranks and leave them in different collectives: a hang.
 """
 
-import itertools
 import json
 import math
 import zlib
@@ -307,74 +306,45 @@ class FirstBlockCache:
         return full
 
 
-class FirstBlockModel:
-    """The DiT `model` called as model(x, t, y, y_mask, image) with sample.cache=first_block: its first
-    block on every row, the cache's decision, the other blocks on the rows that must run them
-    (models/dit/transformer.py begin and end around them). The decision's sums are agreed between the ranks
-    here (`agree`), never inside the model's forward. It needs the plain DiT (sequence parallelism and
-    per-block wrappers are fine; a whole-model FSDP2 or torch.compile wrapper would be bypassed)."""
-
-    def __init__(self, model, cache: FirstBlockCache):
-        self.model, self.cache = model, cache
-        self.patch_size = model.patch_size
-
-    def __call__(self, x, t, y, y_mask, image=None):
-        model, cache = self.model, self.cache
-        state = model.begin(x, t, y, y_mask, image)
-        first = model.blocks[0](state.tokens, state.c, state.y, state.y_mask, state.rope)
-        rows = cache.decide(first - state.tokens, model.sequence.valid_tokens(first.shape[1]))
-        tokens, c, y, y_mask = first, state.c, state.y, state.y_mask
-        if rows is not None:  # the same rows on every rank of the sample
-            tokens, c, y = first[rows], c[rows], y[rows]
-            y_mask = None if y_mask is None else y_mask[rows]
-        if tokens.shape[0]:
-            for block in itertools.islice(model.blocks, 1, None):
-                tokens = block(tokens, c, y, y_mask, state.rope)
-        return model.end(state, cache.combine(first, tokens, rows))
-
-
 class FirstBlockFamily:
-    """A family's transformer (models/family.py) with sample.cache=first_block, called once per step with
-    every guidance branch's conditioning: each branch's first block, one decision per sample over all of
-    them (FirstBlockCache), then the other blocks on the samples that must run them. It calls the pieces
-    PipeFusion calls (embed, patch_context, companion, patch_blocks over the whole sequence, final_layer on
-    the context's `temb`, unpatchify) and the context's `rows`: each sample's whole token sequence is on
-    this rank (no ulysses, ring or PipeFusion)."""
+    """A family's transformer (models/family.py; tessera's DiT too) with sample.cache=first_block, called
+    once per step with every guidance branch's conditioning: each branch's first block, one decision per
+    sample over all of them (FirstBlockCache), then the other blocks on the samples that must run them. It
+    calls the pieces PipeFusion calls (embed, patch_context, companion, patch_blocks, patch_final,
+    unpatchify) and the context's `rows`, on this rank's share of the tokens (the model's `sequence`: the
+    whole sequence on one device, a shard under ulysses or ring, its operators made split by parallel/)."""
 
     def __init__(self, model, cache: FirstBlockCache):
-        from models.layers import WholeSequence
-
-        if not isinstance(model.sequence, WholeSequence):  # its pieces would run the shard as the whole
-            raise ValueError(
-                "sample.cache=first_block runs a family's whole token sequence on one rank: use dp or "
-                "parallel.cfg with it, not parallel.ulysses or ring"
-            )
         self.model, self.cache = model, cache
 
     def __call__(self, x, t, *conds) -> list:
         """The transformer's output for each conditioning in `conds` (the branches, in the cache's order)."""
         model, cache = self.model, self.cache
-        tokens, grid = model.embed(x)
-        n, passes = tokens.shape[1], []
+        whole, grid = model.embed(x)
+        tokens = model.sequence.shard(whole, None)[0]
+        local, n = tokens.shape[1], whole.shape[1]
+        span = (model.sequence.start(local), model.sequence.start(local) + local)  # past n: padding
+        passes = []
         for cond in conds:
             ctx = model.patch_context(t, cond, grid)
-            first, side = model.patch_blocks([0], tokens, model.companion(ctx), ctx, grid, 0, n)
+            first, side = model.patch_blocks([0], tokens, model.companion(ctx), ctx, grid, *span)
             passes.append((ctx, first, side))
         first = torch.cat([p[1] for p in passes])  # rows: branches x samples, as FirstBlockCache reads them
-        rows = cache.decide(first - tokens.repeat(len(conds), 1, 1), n)
+        rows = cache.decide(first - tokens.repeat(len(conds), 1, 1), model.sequence.valid_tokens(local))
         run = None if rows is None else rows[: len(rows) // len(conds)]  # the same samples in each branch
         out = first[:0]
         if run is None or len(run):
-            out = torch.cat([self._rest(ctx, f, side, grid, run) for ctx, f, side in passes])
+            out = torch.cat([self._rest(ctx, f, side, grid, run, span) for ctx, f, side in passes])
         tokens = cache.combine(first, out, rows).chunk(len(conds))
-        return [model.unpatchify(model.final_layer(b, p[0].temb), grid) for b, p in zip(tokens, passes)]
+        final = lambda b, ctx: model.patch_final(model.sequence.gather(b), ctx, 0, n)  # noqa: E731
+        return [model.unpatchify(final(b, p[0]), grid) for b, p in zip(tokens, passes)]
 
-    def _rest(self, ctx, first, side, grid, run):
+    def _rest(self, ctx, first, side, grid, run, span):
         """The blocks after the first on the samples `run` (None: all) of one branch."""
         if run is not None:
             ctx, first, side = ctx.rows(run), first[run], None if side is None else side[run]
         rest = range(1, len(self.model.blocks))
-        return self.model.patch_blocks(rest, first, side, ctx, grid, 0, first.shape[1])[0]
+        return self.model.patch_blocks(rest, first, side, ctx, grid, *span)[0]
 
 
 def walk_cached(cache, schedule, noise, velocity, progress=None) -> tuple:

@@ -371,10 +371,12 @@ def test_refusals(saved, saved_i2v, tmp_path, capsys):
 
 
 @torch.no_grad()
-def test_first_block_cache_matches_diffusers(saved, tmp_path, capsys):
+@pytest.mark.parametrize("layout", ["one-process", pytest.param("ring2", marks=pytest.mark.slow)])
+def test_first_block_cache_matches_diffusers(saved, tmp_path, capsys, layout):
     """sample.cache=first_block against diffusers' own first-block cache hooks on the pipeline's transformer
     (its block registered as a dual-stream one), unguided (diffusers decides each guidance branch apart),
-    8 steps, threshold 0.4: the same 4 of 8 steps run every block, and the same video."""
+    8 steps, threshold 0.4: the same 4 of 8 steps run every block, and the same video; on one process and
+    with each sample's tokens split over two (ring 2, the decision's sums agreed)."""
     from diffusers import DiffusionPipeline
     from diffusers.guiders import ClassifierFreeGuidance
     from diffusers.hooks import FirstBlockCacheConfig
@@ -382,15 +384,22 @@ def test_first_block_cache_matches_diffusers(saved, tmp_path, capsys):
     from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15TransformerBlock
 
     import infer
-    from tests.conftest import run_main
+    from tests.conftest import ranks, run_main
 
     out = tmp_path / "video.npy"
     argv = infer_args(
         saved, tmp_path, "--prompt", PROMPTS[0], "--steps", "8", "--guidance", "1", "--seed", "5"
     )
     argv += ["--output", str(out), "sample.cache=first_block", "sample.cache_first_block_threshold=0.4"]
-    assert run_main(infer, [*argv, "sample.cache_max_skips=8"]) == 0
-    full = float(capsys.readouterr().out.split("[tessera] step cache: ")[1].split(" of 8")[0])
+    argv += ["sample.cache_max_skips=8"]
+    if layout == "one-process":
+        assert run_main(infer, argv) == 0
+        said = capsys.readouterr().out
+    else:
+        done = ranks(2, "infer.py", *argv, "parallel.ring=2", timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        said = done.stdout
+    full = float(said.split("[tessera] step cache: ")[1].split(" of 8")[0])
     metadata = TransformerBlockMetadata(return_hidden_states_index=0, return_encoder_hidden_states_index=1)
     TransformerBlockRegistry.register(model_class=HunyuanVideo15TransformerBlock, metadata=metadata)
     pipe = DiffusionPipeline.from_pretrained(saved)

@@ -13,7 +13,14 @@ import pytest
 import torch
 
 import infer
-from models.step_cache import CacheError, Calibration, FirstBlockCache, FirstBlockModel, StepCache, plan_steps
+from models.step_cache import (
+    CacheError,
+    Calibration,
+    FirstBlockCache,
+    FirstBlockFamily,
+    StepCache,
+    plan_steps,
+)
 from tests.conftest import ROOT, TINY, ranks, run_main
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -93,6 +100,7 @@ def test_the_first_block_rule_written_out_by_hand():
     runs every block; in the second both first-block residuals barely changed, so both reuse the other
     blocks' residual; in the third one sample changed too much and runs every block alone, the other
     reuses again; in the fourth (the last step) both run every block."""
+    from models.dit.family import DiTText
     from models.dit.transformer import DiT
 
     torch.manual_seed(0)
@@ -115,7 +123,8 @@ def test_the_first_block_rule_written_out_by_hand():
         return (r - r_full).abs().flatten(1).sum(1) / r_full.abs().flatten(1).sum(1)
 
     cache = FirstBlockCache(threshold=0.05, max_skips=2)
-    cached = FirstBlockModel(model, cache)  # the DiT's blocks around the cache's decision
+    family = FirstBlockFamily(model, cache)  # the DiT's patch pieces around the cache's decision
+    cached = lambda x, t, y, mask: family(x, t, DiTText(y, mask))[0]  # noqa: E731
     cache.start(steps=4, samples=2)
     with torch.no_grad():
         full, r0, rest = by_hand(x)
@@ -140,7 +149,13 @@ def test_the_first_block_rule_written_out_by_hand():
     # decision per sample over both of its rows (0 and 2, 1 and 3).
     t, y, mask = torch.full((4,), 0.5), torch.randn(4, 5, 16), torch.ones(4, 5, dtype=torch.bool)
     cache = FirstBlockCache(threshold=0.05, max_skips=2)
-    cached = FirstBlockModel(model, cache)  # the DiT's blocks around the cache's decision
+    family = FirstBlockFamily(model, cache)  # each branch's first block, one decision over both
+
+    def cached(x, t, y, mask):  # the rows as the serial sampler batched them: conditional, then not
+        half = len(x) // 2
+        branches = DiTText(y[:half], mask[:half]), DiTText(y[half:], mask[half:])
+        return torch.cat(family(x[:half], t[:half], *branches))
+
     cache.start(steps=4, samples=2)
     with torch.no_grad():
         _, r0, rest = by_hand(torch.cat([x, x]))

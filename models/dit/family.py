@@ -19,7 +19,7 @@ from models import tiling
 from models.family import Components, Family
 from models.image_condition import ConditionedModel, ConditionedPieces, ImageCondition
 from models.loop import Schedule
-from models.step_cache import FirstBlockModel
+from models.step_cache import FirstBlockFamily
 
 
 @dataclass
@@ -142,15 +142,12 @@ class DiTFamily(Family):
         return scale if experts is None or experts.high_noise(t) else experts.guidance_2
 
     def model_at(self, parts: DiTParts, t):
-        """The model that samples timestep `t` (one of Wan 2.2's experts, moved to the device), behind the
-        first-block step cache when it is on, with the image condition when there is one."""
-        model, experts, cache = parts.transformer, parts.experts, parts.cache
+        """The transformer that samples timestep `t` (one of Wan 2.2's experts, moved to the device)."""
+        model, experts = parts.transformer, parts.experts
         if experts is not None:
             pair = (model, experts.low) if experts.high_noise(t) else (experts.low, model)
             model = experts.on_device(*pair, parts.device)
-        if cache is not None and cache.method == "first_block":  # its blocks run around the cache's choice
-            model = FirstBlockModel(model, cache)
-        return model if parts.condition is None else ConditionedModel(model, parts.condition)
+        return model
 
     def patch_pieces(self, parts: DiTParts):
         """Its transformer's, with the image condition when there is one."""
@@ -158,13 +155,33 @@ class DiTFamily(Family):
             return parts.transformer
         return ConditionedPieces(parts.transformer, parts.condition)
 
+    def first_block(self, parts: DiTParts, t):
+        """sample.cache=first_block's caller of the branches at `t` (FirstBlockFamily over the patch pieces
+        of the expert at t), or None without that cache."""
+        cache = parts.cache
+        if cache is None or cache.method != "first_block":
+            return None
+        return FirstBlockFamily(self.patch_pieces(replace(parts, transformer=self.model_at(parts, t))), cache)
+
+    def conditioned(self, parts: DiTParts, t):
+        """The transformer at `t` called as model(x, t, y, y_mask), with the image condition if any."""
+        model = self.model_at(parts, t)
+        return model if parts.condition is None else ConditionedModel(model, parts.condition)
+
     def velocity(self, parts: DiTParts, x, t, cond: DiTText):
-        return self.model_at(parts, t)(x, t.expand(x.shape[0]), cond.text, cond.text_mask)
+        cached = self.first_block(parts, t)
+        if cached is not None:
+            return cached(x, t.expand(x.shape[0]), cond)[0]
+        return self.conditioned(parts, t)(x, t.expand(x.shape[0]), cond.text, cond.text_mask)
 
     def both(self, parts: DiTParts, x, t, cond: DiTText, uncond: DiTText) -> tuple:
-        """Both branches as one batch of 2B (the conditional one first)."""
+        """Both branches as one batch of 2B (the conditional one first); under the first-block cache, each
+        branch in turn with one decision over both."""
+        cached = self.first_block(parts, t)
+        if cached is not None:
+            return tuple(cached(x, t.expand(x.shape[0]), cond, uncond))
         text, mask = torch.cat([cond.text, uncond.text]), torch.cat([cond.text_mask, uncond.text_mask])
-        v = self.model_at(parts, t)(torch.cat([x, x]), t.expand(text.shape[0]), text, mask)
+        v = self.conditioned(parts, t)(torch.cat([x, x]), t.expand(text.shape[0]), text, mask)
         return v.chunk(2)
 
     def takes_images(self, cfg) -> bool:
@@ -263,7 +280,6 @@ class DiTFamily(Family):
     tasks = ("t2v", "i2v", "flf2v", "ti2v")
     parts_from_pretrained = False  # its text encoder and VAE come from their own keys
     random_weights = float32_weights = tiled_vae = calibrated_cache = True
-    first_block_split = True  # its first-block cache runs the sharded forward (step_cache.FirstBlockModel)
     masks_through_kernel = False  # its self-attention takes SDPA with a mask where keys are padded
 
     def resolve_size(self, cfg, error=ValueError) -> None:

@@ -323,6 +323,14 @@ class Conditioning:
     token_index: torch.Tensor | None = None
     rope: torch.Tensor | None = None  # the patch pieces': the whole grid's rotary angles (N, Dh/2, 2)
 
+    def rows(self, index):
+        """The conditioning of the samples `index` (the first-block step cache runs the others' blocks
+        only); a timestep per token keeps its distinct rows and takes the samples' token_index."""
+        mask = None if self.block_mask is None else self.block_mask[index]
+        if self.token_index is not None:
+            return Conditioning(self.temb, self.c, self.y[index], mask, self.token_index[index], self.rope)
+        return Conditioning(self.temb[index], self.c[index], self.y[index], mask, None, self.rope)
+
 
 @dataclass
 class Pass:

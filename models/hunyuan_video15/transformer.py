@@ -23,6 +23,7 @@ from models.layers import (
     WholeSequence,
     apply_rope,
     timestep_features,
+    token_rows,
 )
 
 
@@ -368,12 +369,16 @@ class HunyuanVideo15Transformer(nn.Module):
         return ctx.context
 
     def patch_blocks(self, indices, tokens, context, ctx: HunyuanVideo15Context, grid, start, end):
-        """Blocks `indices` on video tokens start:end (B, n, D) and the context stream -> both."""
+        """Blocks `indices` on video tokens start:end (B, n, D) and the context stream -> both; under a
+        split, tokens past the shard's real ones are padding."""
+        rope = token_rows(ctx.rope, start, end, dim=0)
         for index in indices:
-            tokens, context = self.blocks[index](
-                tokens, context, ctx.temb, ctx.context_mask, ctx.rope[start:end]
-            )
+            tokens, context = self.blocks[index](tokens, context, ctx.temb, ctx.context_mask, rope)
         return tokens, context
+
+    def patch_final(self, tokens, ctx, start: int, end: int):
+        """The final layer on the tokens start:end."""
+        return self.final_layer(tokens, ctx.temb)
 
     def final_layer(self, tokens, temb):
         return self.proj_out(self.norm_out(tokens, temb))

@@ -329,7 +329,7 @@ class QwenImageTransformer(nn.Module):
 
     def patch_blocks(self, indices, tokens, text, ctx: QwenImageContext, grid, start: int, end: int):
         """Blocks `indices` on image tokens start:end (B, n, D) and the text stream (B, L, D) -> both;
-        tokens past the sequence's end are a split's padding."""
+        under a split, tokens past the patch's end are padding (past the sequence's end: zero angles)."""
         rope, text_rope = ctx.rope
         rope = token_rows(rope, start, end, dim=0)
         for index in indices:

@@ -6,7 +6,8 @@ patches done, the last step's for the others (zeros, masked, before any), per gu
 - joint (Qwen-Image): the image keys and values; the text stream travels with each patch and attends
   once per patch (only the image tokens reach the final layer); split inside a stage as self is;
 - linear (Sana): the keys and values, summed whole (a zero key adds nothing); grid_conv (Sana): the input
-  rows, so a patch's edge rows see their neighbours; cross: unchanged (the text is whole everywhere).
+  rows, so a patch's edge rows see their neighbours; under a split both gather the patch's share first;
+- cross: unchanged (the text is whole everywhere).
 """
 
 import torch
@@ -49,6 +50,14 @@ class _Whole(nn.Module):
             whole.narrow(dim, s.start, s.end - s.start).copy_(part)
         held[-1][s.start : s.end] = True
         return held
+
+    def whole_patch(self, x, dim: int):
+        """The patch's tokens of `x` along `dim`: this rank's share gathered over a split (in token order),
+        the padding dropped."""
+        g, real = self.groups, self.state.end - self.state.start
+        if g is not None and g.sp_size > 1:
+            x = gather_tokens(x, g.sp_group, dim=dim)
+        return x.narrow(dim, 0, real)
 
 
 class WholeSelfAttention(_Whole):
@@ -112,34 +121,48 @@ class WholeJointAttention(_Whole):
 
 
 class WholeLinearAttention(_Whole):
-    """Sana's linear attention: the patch's queries against the sums over every key and value held."""
+    """Sana's linear attention: the patch's queries against the sums over every key and value held (under
+    a split, the patch's keys and values gathered first)."""
 
     kind = "linear"
 
+    @torch.compiler.disable
     def forward(self, q, k, v):
-        keys, values, _ = self.hold(k, v, dim=2)
+        keys, values, _ = self.hold(self.whole_patch(k, 2), self.whole_patch(v, 2), dim=2)
         return self.local.attend(q, self.local.key_value_sums(keys, values)).to(q.dtype)
 
 
 class WholeGridConv(_Whole):
-    """Sana's 3 x 3 depthwise convolution: the patch's rows convolved with a neighbour row each side."""
+    """Sana's 3 x 3 depthwise convolution: the patch's rows convolved with a neighbour row each side (under
+    a split, the patch gathered first and this rank's share of the output kept)."""
 
     kind = "grid_conv"
 
+    @torch.compiler.disable
     def forward(self, tokens, grid):
-        s, (_, h, w) = self.state, self.state.grid
-        whole = self.hold(tokens, dim=1)[0]
+        s, (_, h, w), local = self.state, self.state.grid, tokens.shape[1]
+        whole = self.hold(self.whole_patch(tokens, 1), dim=1)[0]
         top, bottom = s.start // w, s.end // w
         low, high = max(top - 1, 0), min(bottom + 1, h)
-        out = self.local(whole[:, low * w : high * w], (1, high - low, w))
-        return out[:, (top - low) * w : (bottom - low) * w]
+        out = self.local(whole[:, low * w : high * w], (1, high - low, w))[
+            :, (top - low) * w : (bottom - low) * w
+        ]
+        g = self.groups
+        if g is None or g.sp_size == 1:
+            return out
+        out = torch.cat(
+            [out, out.new_zeros(out.shape[0], g.sp_size * local - out.shape[1], out.shape[2])], dim=1
+        )
+        return out[:, g.sp_rank * local : (g.sp_rank + 1) * local]
 
 
 REPLACEMENTS = {
     op.kind: op for op in (WholeSelfAttention, WholeJointAttention, WholeLinearAttention, WholeGridConv)
 }
-KINDS = {*REPLACEMENTS, "cross"}  # the operator kinds PipeFusion runs
-SPLIT_KINDS = {"self", "joint", "cross"}  # those it also runs with ulysses or ring inside a stage
+KINDS = {
+    *REPLACEMENTS,
+    "cross",
+}  # the operator kinds PipeFusion runs, with ulysses or ring inside a stage too
 
 
 def install(stage_model: nn.Module, state: PatchState, groups: SequenceGroups | None = None) -> list:

@@ -132,6 +132,10 @@ class ShardedSequence(nn.Module):
         """How many of this rank's `local` tokens are real: the padding sits at the sequence's end."""
         return max(0, min(local, self.state.tokens - self.groups.sp_rank * local))
 
+    def start(self, local: int) -> int:
+        """Where this rank's `local` tokens start in the padded sequence."""
+        return self.groups.sp_rank * local
+
 
 class SequenceParallelAttention(nn.Module):
     """Replaces SelfAttention.inner_attention: local (B, H, n, Dh) q, k, v in, local output out."""

@@ -24,7 +24,7 @@ from parallel.compute.cfg import family_denoiser
 from parallel.compute.layout import ParallelLayout
 from parallel.compute.operators import apply_operators, check_sequence_layout, operator_kinds
 from parallel.compute.pipefusion import PipeFusion
-from parallel.compute.pipefusion_operators import KINDS, SPLIT_KINDS
+from parallel.compute.pipefusion_operators import KINDS
 from parallel.compute.pipefusion_plan import held_elsewhere, keep_blocks
 from parallel.lifecycle.finite import check_adapters_finite, check_checkpoint_finite
 from parallel.lifecycle.runtime import links_are_slow, local_world_size, world_from_env
@@ -144,17 +144,11 @@ def check_family_layout(cfg, family, request, degrees, meta) -> None:
 
 
 def check_patch_pipeline(cfg, family, request, degrees, meta) -> None:
-    """What PipeFusion and the step cache through a transformer's patch pieces refuse: first_block under a
-    split where the family's cache runs whole sequences (under PipeFusion: configs/ refuses it), an
-    operator PipeFusion does not run (with a split inside a stage: one it does not split), an attention
-    backend that cannot mask a split's or PipeFusion's padded keys, a transformer without the pieces."""
+    """What PipeFusion and the first-block cache through a transformer's patch pieces refuse (first_block
+    under PipeFusion: configs/ refuses it): an operator PipeFusion does not run, an attention
+    backend that cannot mask a split's or PipeFusion's padded keys, a first-block cache without the pieces."""
     ranks, pipefusion = degrees.ulysses * degrees.ring, degrees.pipefusion or 1
     first_block = request.cache is not None and request.cache.method == "first_block"
-    if first_block and ranks > 1 and not family.first_block_split:  # models/step_cache.py FirstBlockFamily
-        raise ValueError(
-            f"sample.cache={cfg.sample.cache}: {family.title}'s step cache runs each sample's whole token "
-            "sequence on one rank: use dp or parallel.cfg with it, not parallel.ulysses or ring"
-        )
     backend = cfg.model.attention_backend
     if family.masks_through_kernel and (ranks > 1 or pipefusion > 1) and backend not in ("sdpa", "math"):
         raise ValueError(
@@ -170,12 +164,6 @@ def check_patch_pipeline(cfg, family, request, degrees, meta) -> None:
     if kinds - KINDS:
         unknown = sorted(kinds - KINDS)
         raise ValueError(f"{family.title} has operators of kind {unknown}, which PipeFusion does not run yet")
-    if ranks > 1 and kinds - SPLIT_KINDS:
-        raise ValueError(
-            f"{family.title}'s operators of kind {sorted(kinds - SPLIT_KINDS)} do not run split inside a "
-            f"PipeFusion stage yet (parallel.pipefusion={pipefusion} with ulysses x ring = {ranks}): pick "
-            "parallel.pipefusion or a sequence split"
-        )
 
 
 def sampling_transformer(cfg, runtime, family, weights: Weights, loras=(), folder=None, group=None):
