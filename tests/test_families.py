@@ -73,6 +73,13 @@ def _original_z_image(state):
     return original_from_diffusers(state, "model.diffusion_model.")
 
 
+def _original_flux2(state):
+    """BFL's names under ComfyUI's prefix; diffusers' own converter reads them back (test_flux2.py)."""
+    from models.flux2.weights import original_from_diffusers
+
+    return original_from_diffusers(state, "model.diffusion_model.")
+
+
 ROWS = {
     "qwen_image": Row(
         "qwen-image.yaml", lambda: tiny_qwen_pipeline(num_attention_heads=2), "true_cfg_scale", {}, (40, 24),
@@ -91,7 +98,8 @@ ROWS = {
     ),
     "flux2": Row(
         "flux2-klein.yaml", tiny_flux2_pipeline, "guidance_scale", {}, (40, 24),
-        dict(time_shift_type="linear"), None, "", "num_layers", None, "transformer_blocks.0.attn1.to_q", True,
+        dict(time_shift_type="linear"), None, "", "num_layers", _original_flux2,
+        "transformer_blocks.0.attn1.to_q", True,
         negative=False,
     ),
 }  # fmt: skip

@@ -66,6 +66,25 @@ def test_names_round_trip():
     assert to_tessera(state, 2).keys() == ours.state_dict().keys()
 
 
+def test_bfl_names_as_diffusers_converts_them():
+    """A single file in BFL's names (fused q/k/v, norms' `scale`, the final modulation as (shift, scale)):
+    diffusers' own converter reads it back to the model's state dict, and so does tessera's renaming, with
+    ComfyUI's `model.diffusion_model.` prefix too; the file's config comes from a folder beside it."""
+    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
+
+    from models.flux2.weights import diffusers_from_original, original_from_diffusers
+
+    state = tiny_transformer()[0].state_dict()
+    bfl = original_from_diffusers(state)
+    assert "double_blocks.0.img_attn.qkv.weight" in bfl and "single_blocks.0.linear1.weight" in bfl
+    assert "final_layer.adaLN_modulation.1.weight" in bfl and not any("transformer_" in k for k in bfl)
+    theirs = convert_flux2_transformer_checkpoint_to_diffusers(dict(bfl))
+    for names in (bfl, {f"model.diffusion_model.{k}": v for k, v in bfl.items()}):
+        ours = diffusers_from_original(names)
+        assert ours.keys() == theirs.keys() == state.keys()
+        assert all(torch.equal(ours[k], state[k]) and torch.equal(theirs[k], state[k]) for k in state)
+
+
 FLUX2_VAE = dict(  # 4x spatial compression (the release's 8x), then 2 x 2 packing: 16 channels
     in_channels=3, out_channels=3, latent_channels=4, block_out_channels=[8, 16, 16],
     down_block_types=["DownEncoderBlock2D"] * 3, up_block_types=["UpDecoderBlock2D"] * 3, layers_per_block=1,

@@ -19,6 +19,7 @@ from models.flux2.weights import (
     PIPELINE_CLASSES,
     TRANSFORMER_CLASS,
     build_transformer,
+    diffusers_from_original,
     to_diffusers,
     to_tessera,
 )
@@ -169,6 +170,9 @@ class Flux2(Family):
 
     def build(self, config: dict, cfg):
         return build_transformer(config, cfg.model.attention_backend)
+
+    def from_original(self, state: dict) -> dict:
+        return diffusers_from_original(state)  # BFL's names, ComfyUI's prefix dropped
 
     def to_tessera(self, state: dict) -> dict:
         """diffusers' names -> one list of blocks, the double ones first (their count from the state)."""
