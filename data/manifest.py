@@ -8,6 +8,7 @@ them are probed at start-up (in parallel), and `scripts/index_folder.py` writes 
 
 import json
 import os
+import re
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -195,19 +196,41 @@ def missing_files(entries: list[dict], sample: int = STAT_SAMPLE, workers: int =
 
 
 def index_folder(folder, workers: int | None = None) -> tuple[list[dict], dict[str, str]]:
-    """Every image or video under `folder` with a sidecar caption (a.mp4 + a.txt), probed in parallel.
-    Returns (entries with absolute paths, {path: why it was left out})."""
+    """Every image or video under `folder` with a sidecar caption (a.mp4 + a.txt), probed in parallel;
+    an edit pair's input images are the uncaptioned images beside its target named a_0.png, a_1.png, ...
+    (musubi-tuner's numbering; the manifest's `references`). Returns (entries with absolute paths, {path:
+    why it was left out})."""
     folder = Path(folder)
     media = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS)
+    captioned = {p for p in media if p.with_suffix(".txt").is_file()}
+    numbered = folder_references([p for p in media if p not in captioned])
+    inputs = {p: numbered.get((p.parent, p.stem), []) for p in captioned}
+    taken = {r for refs in inputs.values() for r in refs}
     entries, skipped = [], {}
     for p in media:
         caption = p.with_suffix(".txt")
-        if not caption.is_file():
-            skipped[str(p)] = f"no caption file {caption.name}"
+        if p not in captioned:
+            if p not in taken:
+                skipped[str(p)] = f"no caption file {caption.name}"
             continue
         try:
-            entries.append({"path": str(p), "caption": caption.read_text(encoding="utf-8").strip()})
+            entry = {"path": str(p), "caption": caption.read_text(encoding="utf-8").strip()}
         except UnicodeDecodeError as e:
             skipped[str(p)] = f"caption file {caption.name} is not UTF-8 text ({e.reason} at byte {e.start})"
+            continue
+        if inputs[p]:
+            entry[REFERENCES] = "\0".join(str(r) for r in inputs[p])
+        entries.append(entry)
     entries, failed = complete_metadata(entries, workers)
     return entries, {**skipped, **failed}
+
+
+def folder_references(uncaptioned: list) -> dict:
+    """{(folder, a target's stem): its input images}: the images named <stem>_<number>.<ext>, in their
+    numbers' order."""
+    found = {}
+    for p in uncaptioned:
+        match = re.match(r"^(.+)_(\d+)$", p.stem)
+        if match and p.suffix.lower() in IMAGE_EXTENSIONS:
+            found.setdefault((p.parent, match.group(1)), []).append((int(match.group(2)), p))
+    return {key: [p for _, p in sorted(pairs)] for key, pairs in found.items()}

@@ -3,9 +3,13 @@ wrote: the transformer with reference images (their packed latents after the noi
 RoPE frames from its index, the text after the largest half-side; 2511's references modulated at t = 0)
 gives diffusers' output on the noisy tokens, in float32 and bf16."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
+from data.manifest import reference_paths
 from models.qwen_image import (
     QwenImageCond,
     build_transformer,
@@ -350,6 +354,41 @@ def edit_pairs(folder, paths) -> object:
     manifest = folder / "pairs.jsonl"
     manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return manifest
+
+
+def test_a_folder_of_edit_pairs_is_the_manifest(tmp_path):
+    """The simple form: a target with its caption and its input images beside it, numbered a_0.png, a_1.png,
+    ... (in their numbers' order, 10 after 2), gives the lines a manifest with `references` gives; an
+    uncaptioned image that is no one's input is left out as before, a numbered captioned one is a target."""
+    import numpy as np
+    from PIL import Image
+
+    from data.manifest import read_manifest
+
+    rng = np.random.default_rng(0)
+
+    def image(name, size=(48, 32)):
+        Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(tmp_path / name)
+        return str(tmp_path / name)
+
+    pairs = {"sky.png": ["sky_0.png"], "cat.jpg": ["cat_0.png", "cat_2.png", "cat_10.png"], "dog_1.png": []}
+    for target, refs in pairs.items():
+        image(target)
+        (tmp_path / target).with_suffix(".txt").write_text(f"edit {target}")
+        for ref in refs:
+            image(ref, (40, 40))
+    stray = image("stray.png")
+    left_out = {}
+    entries = {Path(e["path"]).name: e for e in read_manifest(tmp_path, left_out)}
+    assert sorted(entries) == sorted(pairs) and list(left_out) == [stray]
+    for target, refs in pairs.items():
+        assert reference_paths(entries[target]) == [str(tmp_path / r) for r in refs]
+        assert entries[target]["caption"] == f"edit {target}" and entries[target]["height"] == 48
+    manifest = tmp_path / "pairs.jsonl"  # the same pairs as a manifest
+    lines = [dict(path=t, caption=f"edit {t}", **({"references": r} if r else {})) for t, r in pairs.items()]
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    listed = {Path(e["path"]).name: reference_paths(e) for e in read_manifest(manifest)}
+    assert listed == {t: reference_paths(e) for t, e in entries.items()}
 
 
 @torch.no_grad()
