@@ -337,12 +337,19 @@ def test_infer_matches_the_pipeline(saved, saved_i2v, tmp_path, capsys, layout):
 
 def test_refusals(saved, saved_i2v, tmp_path, capsys):
     """What the family does not run yet: one error line naming it, before any process group."""
+    from PIL import Image
+
     import infer
     import train
     from tests.conftest import run_main
 
     base = infer_args(saved, tmp_path)
+    image = tmp_path / "first.png"
+    Image.new("RGB", (32, 32), (200, 10, 10)).save(image)
+    i2v = [f"{part}.pretrained={saved_i2v}" for part in ("model", "vae", "text_encoder")]
+    cached = [*i2v, "--image", str(image), "sample.cache=first_block"]
     cases = [
+        (infer, cached, "image-to-video does not run the first-block cache"),
         (infer, ["--frames", "4"], "--frames"),  # a causal VAE: 1 + 2k frames
         (infer, ["--height", "26"], "height"),
         (infer, ["parallel.ulysses=2", "parallel.ring=2"], "not both"),

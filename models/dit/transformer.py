@@ -465,8 +465,7 @@ class DiT(nn.Module):
         return self.end(state, tokens)
 
     def begin(self, x, t, y, y_mask, image=None) -> "Pass":
-        """forward up to the blocks: this rank's tokens and what the blocks read besides them (the first-
-        block step cache runs the blocks itself between begin and end: models/step_cache.py)."""
+        """forward up to the blocks: this rank's tokens and what the blocks read besides them."""
         tokens, grid = self.embed(x)  # (B, N, D)
         rope = self.rope(grid, tokens.device)  # (N, Dh/2, 2)
         cond = self.condition(t, y, y_mask, image)

@@ -2,8 +2,9 @@
 transformer, Qwen2.5-VL and ByT5 text encoders and causal video VAE (an image-to-video folder's SigLIP
 image encoder too); the schedule of its FlowMatchEulerDiscreteScheduler (a static shift, Euler steps);
 classifier-free guidance as its guider's. Text- and image-to-video under dp, cfg, ulysses or ring, with
-the first-block step cache; text- and image-to-video training (full or LoRA); PipeFusion is not built yet. The
-transformer may also be one file in the original release's names (weights.py diffusers_from_original).
+the first-block step cache (text-to-video only); text- and image-to-video training (full or LoRA);
+PipeFusion is not built yet. The transformer may also be one file in the original release's names
+(weights.py diffusers_from_original).
 """
 
 from dataclasses import dataclass, replace
@@ -95,6 +96,14 @@ class HunyuanVideo15(Family):
         """An image-to-video folder: model_index.json's pipeline, or a SigLIP image encoder in it."""
         index = read_json(Path(cfg.model.pretrained or "") / "model_index.json").get("_class_name")
         return index == PIPELINE_CLASSES[1] or (part_folder(cfg, "image_encoder") / "config.json").is_file()
+
+    def sampling_images(self, cfg, given: tuple, count: int, size: tuple, sized: bool, say=None) -> tuple:
+        if given[0] and cfg.sample.cache == "first_block":  # FirstBlockFamily embeds without the condition
+            raise ValueError(
+                f"sample.cache=first_block: {self.title}'s image-to-video does not run the first-block cache "
+                "yet (its embedding reads the image's latents): use sample.cache=none or calibrated"
+            )
+        return super().sampling_images(cfg, given, count, size, sized, say)
 
     def image_size(self, cfg, image) -> tuple:
         target = self.transformer_config(cfg).get("target_size", 640)  # the pipeline's base size in pixels
