@@ -338,8 +338,9 @@ def encode_family_batch(run, batch, dropped: list, device) -> list:
     from models.family import shared_fields
 
     if "stored" in batch:
-        # a dropped caption's text is the empty prompt's; what else the sample stored (its sound) stays
-        stored = [{**s, **run.empty} if d else s for d, s in zip(dropped, batch["stored"])]
+        # a dropped caption's text is the empty prompt's (or what the sample stored as dropped_<name>: an
+        # edit pair's empty instruction read with its images); what else the sample stored stays
+        stored = [dropped_stored(s, run.empty) if d else s for d, s in zip(dropped, batch["stored"])]
         cond = run.family.load_conditioning(stored, run.max_length)
         x0 = batch["latent"].to(device)
     else:
@@ -351,6 +352,13 @@ def encode_family_batch(run, batch, dropped: list, device) -> list:
         x0, cond = run.family.encode_clips(run.parts, videos, sound, cond, given)
     tensors = (getattr(cond, name) for name in shared_fields(run.family.conditioning))
     return [x0, *(None if t is None else t.to(device) for t in tensors)]
+
+
+def dropped_stored(sample: dict, empty: dict) -> dict:
+    """A stored sample with its caption dropped: the empty prompt's conditioning over it, then the sample's
+    own dropped_<name> tensors (Family.dropped_conditioning) as <name>."""
+    own = {name[len("dropped_") :]: t for name, t in sample.items() if name.startswith("dropped_")}
+    return {**sample, **empty, **own}
 
 
 def warn_on_main(line: str) -> None:

@@ -546,6 +546,11 @@ class Family:
             stored.append({"text": text[:real]})
         return stored
 
+    def dropped_conditioning(self, parts: Components, max_length: int, batch: dict) -> dict:
+        """What a sample's stored conditioning takes for its caption dropped, where that is not the empty
+        prompt's (scripts/precompute_latents.py stores it as dropped_<name>): {} for most families."""
+        return {}
+
     def load_conditioning(self, stored: list, max_length: int):
         """A batch's conditioning from stored samples, as `encode` gives it for their prompts: the text
         zero-padded to the longest, masked (None when nothing is padded)."""

@@ -33,8 +33,10 @@ from tqdm import tqdm  # noqa: E402
 from configs import load_config, split_overrides  # noqa: E402
 from data.latents import latent_meta, meta_differences  # noqa: E402
 from data.loader import build_buckets, build_dataset, build_sampler, check_same_plan  # noqa: E402
+from data.manifest import reference_paths  # noqa: E402
 from data.media import to_model_range  # noqa: E402
 from models.families import family_named  # noqa: E402
+from models.family import REFERENCES  # noqa: E402
 from models.util import reading_weights  # noqa: E402
 from parallel.compute.layout import ParallelLayout  # noqa: E402
 from parallel.drive.family_training import check_family_sizes, check_family_training  # noqa: E402
@@ -64,16 +66,22 @@ class _Shard:
 def content_key(entry: dict, bucket: str, seed: int) -> str:
     """What a latent file holds: the source file as it is now (path, size, modification time), the
     caption, the bucket and the seed that picks epoch 0's clip. A rerun reuses a file only if all match."""
-    try:
-        stat = os.stat(entry["path"])
-        version = (stat.st_size, stat.st_mtime_ns)
-    except OSError:  # the synthetic generator's samples are not files
-        version = None
-    held = [entry["path"], version, entry["caption"], bucket, seed]
+    held = [entry["path"], _version(entry["path"]), entry["caption"], bucket, seed]
     images = [entry.get(k) for k in ("image", "last_image")]
     if any(images):  # image-to-video's frames a manifest names (keys without them stay as they were)
         held.append(images)
+    if entry.get(REFERENCES):  # an edit pair's input images, as they are now
+        held.append([[path, *_version(path)] for path in reference_paths(entry)])
     return hashlib.sha1(json.dumps(held).encode()).hexdigest()[:20]
+
+
+def _version(path) -> tuple | None:
+    """(size, modification time) of a file; None for what is not one (the synthetic generator's)."""
+    try:
+        stat = os.stat(path)
+        return stat.st_size, stat.st_mtime_ns
+    except OSError:
+        return None
 
 
 def family_encoder(cfg, family, runtime):
@@ -89,13 +97,16 @@ def family_encoder(cfg, family, runtime):
     def encode(entry, item):
         if item is None:
             return family.empty_conditioning(parts, length)
-        cond = family.encode(parts, [entry["caption"]], length)
+        batch = {REFERENCES: [item[REFERENCES]]} if REFERENCES in item else {}  # an edit pair's input images
+        cond = family.encode_batch(parts, [entry["caption"]], length, batch)
         sound = item["audio"][None].to(runtime.device) if "audio" in item else None  # data.audio
         video = to_model_range(item["video"][None].to(runtime.device))
         given = [item.get(k) for k in ("image", "last_image")]  # image-to-video's frames a manifest names
         given = [None if g is None else to_model_range(g[None].to(runtime.device)) for g in given]
         latent, cond = family.encode_clips(parts, video, sound, cond, given)
-        return {"latent": latent[0], **family.store_conditioning(cond)[0]}
+        dropped = family.dropped_conditioning(parts, length, batch)  # its caption dropped, if not the empty's
+        dropped = {f"dropped_{name}": tensor for name, tensor in dropped.items()}
+        return {"latent": latent[0], **family.store_conditioning(cond)[0], **dropped}
 
     return encode
 

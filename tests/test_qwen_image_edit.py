@@ -446,6 +446,57 @@ def test_the_edit_loss_is_the_pipelines(edit, tmp_path):
 
 
 @pytest.mark.slow
+def test_precomputed_edit_pairs_train_as_the_pairs_do(edit, tmp_path, monkeypatch):
+    """scripts/precompute_latents.py stores each pair's target latent, its instruction read with its images,
+    its references' latents and grids, and its instruction dropped (the empty one read with its images);
+    training on them takes the steps training on the pairs takes: the same losses and gradient norms, some
+    instructions dropped. A reference changed since is encoded again."""
+    import shutil
+    import sys
+
+    from PIL import Image
+
+    import train
+    from tests.conftest import ROOT, run_main
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import precompute_latents
+
+    pipe, folder, shared = edit
+    if not pipe.transformer.config.zero_cond_t:
+        pytest.skip("2511's stored conditioning is 2509's (its flags are the transformer's, not stored)")
+    paths = [Path(shutil.copy(p, tmp_path / f"input{i}.png")) for i, p in enumerate(shared)]  # changed below
+    manifest, images = edit_pairs(tmp_path, paths), f"sample.images=[{paths[0]}]"
+    extra = [images, "train.text_dropout=0.5", "train.max_steps=4", "train.checkpoint_every=4"]
+    latents = tmp_path / "latents"
+    argv = edit_train_args(folder, tmp_path / "media", manifest, *extra)
+    assert run_main(precompute_latents, [*argv, "--out", str(latents)]) == 0
+    assert run_main(train, argv) == 0
+    seen, encode = [], train.encode_family_batch
+
+    def spy(run, batch, dropped, device):  # what each step on latents read, and dropped
+        seen.append(("stored" in batch, sum(dropped)))
+        return encode(run, batch, dropped, device)
+
+    monkeypatch.setattr(train, "encode_family_batch", spy)
+    stored_run = tmp_path / "stored"
+    argv_stored = edit_train_args(folder, stored_run, manifest, *extra, f"data.latents={latents}")
+    assert run_main(train, argv_stored) == 0
+    assert len(seen) == 4 and all(s[0] for s in seen) and sum(s[1] for s in seen) >= 1, seen
+    read = lambda run: [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
+    media, stored = read(tmp_path / "media"), read(stored_run)
+    worst = max(abs(b[k] - a[k]) / abs(a[k]) for a, b in zip(media, stored) for k in ("loss", "grad_norm"))
+    print(f"edit pairs on latents vs on images: largest relative difference {worst:.1e}")
+    assert len(stored) == len(media) == 4 and worst <= 1e-5
+    index = lambda: [json.loads(line)["path"] for line in (latents / "index.jsonl").read_text().splitlines()]  # noqa: E731
+    before = index()
+    Image.open(paths[1]).transpose(Image.FLIP_LEFT_RIGHT).save(paths[1])  # the second pair's own reference
+    assert run_main(precompute_latents, [*argv, "--out", str(latents)]) == 0
+    after = index()
+    assert after[0] == before[0] and after[1] != before[1]  # the first pair's file kept, the second's new
+
+
+@pytest.mark.slow
 def test_a_lora_trained_on_edit_pairs_loads_in_the_pipeline(edit, tmp_path):
     """Three steps of a rank-4 LoRA on two edit pairs (the previews editing sample.images), exported in
     diffusers' names: QwenImageEditPlusPipeline.load_lora_weights gives infer.py --lora's image, and the
@@ -496,18 +547,14 @@ def test_a_lora_trained_on_edit_pairs_loads_in_the_pipeline(edit, tmp_path):
 
 
 def test_training_refusals(edit, tmp_path, capsys):
-    """Before anything starts, one error line each: two pairs a rank a step, no preview images, precomputed
-    latents (and precompute_latents.py itself), a manifest line whose references are not a list, a line
-    without references or with more than 3, a line whose reference is missing (as a missing file: the
-    only line, so above data.max_missing_fraction), a preview image that is missing."""
+    """Before anything starts, one error line each: two pairs a rank a step, no preview images, a manifest
+    line whose references are not a list, a line without references or with more than 3, a line whose
+    reference is missing (as a missing file: the only line, so above data.max_missing_fraction), a preview
+    image that is missing."""
     import json
-    import sys
 
     import train
-    from tests.conftest import ROOT, run_main
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import precompute_latents
+    from tests.conftest import run_main
 
     _, folder, paths = edit
     manifest = edit_pairs(tmp_path, paths)
@@ -526,8 +573,6 @@ def test_training_refusals(edit, tmp_path, capsys):
     cases = [
         (train, [images, "train.batch_size=2"], "train.batch_size=2"),
         (train, [], "sample.images is empty"),
-        (train, [images, "data.latents=x"], "data.latents"),
-        (precompute_latents, [images, "--out", str(tmp_path / "latents")], "does not store its conditioning"),
         (train, [images, lines("text.jsonl", "ref0.png")], "'references' must be a list"),
         (train, [images, lines("none.jsonl", None)], "names 0 references"),
         (train, [images, lines("four.jsonl", [str(paths[0])] * 4)], "names 4 references"),

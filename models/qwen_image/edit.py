@@ -16,7 +16,7 @@ import torch
 from models.family import REFERENCES, Components, part_folder
 from models.qwen_image.family import QwenImage
 from models.qwen_image.text import encode_edit_prompt
-from models.qwen_image.transformer import pack_latents
+from models.qwen_image.transformer import QwenImageCond, pack_latents
 
 CONDITION_AREA, VAE_AREA = 384 * 384, 1024 * 1024  # the pipeline's
 MAX_REFERENCES = 3  # the release's: "Picture 1" to "Picture 3"
@@ -53,7 +53,6 @@ class QwenImageEdit(QwenImage):
     parallel_degrees = ("cfg", "ulysses", "ring")
     # a calibration would have to be tied to the references, and scripts/calibrate_cache.py passes none
     calibrated_cache = False
-    precomputes = False  # the stored conditioning would need the references' latents and text: not yet
     references, max_references = True, MAX_REFERENCES
 
     def check_pretrained(self, cfg) -> None:
@@ -81,15 +80,13 @@ class QwenImageEdit(QwenImage):
         return (REFERENCES,)
 
     def check_training(self, cfg) -> None:
-        """Edit pairs from a manifest, one a rank a step (each line's references have their own sizes), its
-        previews editing sample.images; precomputed latents not yet."""
-        if not cfg.data.manifest:
+        """Edit pairs from a manifest or a folder (or their precomputed latents), one a rank a step (each
+        line's references have their own sizes), its previews editing sample.images."""
+        if not (cfg.data.manifest or cfg.data.latents):
             raise ValueError(
                 f"{self.title} trains on edit pairs: set data.manifest (each line's path the target, caption "
-                "the instruction, references its input images)"
+                "the instruction, references its input images), or data.latents precomputed from one"
             )
-        if cfg.data.latents:
-            raise ValueError(f"data.latents: {self.title}'s training reads its references' pixels; unset it")
         if cfg.train.batch_size != 1:
             raise ValueError(
                 f"train.batch_size={cfg.train.batch_size}: {self.title} trains one edit pair a rank a step "
@@ -109,6 +106,25 @@ class QwenImageEdit(QwenImage):
         images = [Image.fromarray(image.permute(1, 2, 0).numpy()) for image in batch[REFERENCES][0]]
         sampling = SimpleNamespace(prompts=prompts, images=[images], guidance=1.0, negative_prompt="")
         return self.conditionings(parts, sampling)[0]
+
+    def store_conditioning(self, cond) -> list[dict]:
+        """Each pair's instruction as read with its images (its real tokens), its references' packed
+        latents and their token grids."""
+        stored = super().store_conditioning(QwenImageCond(cond.text, cond.text_mask))
+        for i, sample in enumerate(stored):
+            if cond.references is not None:  # (the empty prompt's, for a latents folder, has none)
+                sample.update(references=cond.references[i], reference_grids=cond.reference_grids[i])
+        return stored
+
+    def load_conditioning(self, stored: list, max_length: int):
+        """A batch's (one pair's) stored conditioning, as encode_batch gives it."""
+        cond = super().load_conditioning(stored, max_length)
+        grids = torch.stack([s["reference_grids"] for s in stored]).round().long()  # stored as float32
+        return replace(cond, references=torch.stack([s["references"] for s in stored]), reference_grids=grids)
+
+    def dropped_conditioning(self, parts: Components, max_length: int, batch: dict) -> dict:
+        """A dropped instruction is the empty one read with the pair's images, not the empty prompt."""
+        return {"text": self.store_conditioning(self.encode_batch(parts, [""], max_length, batch))[0]["text"]}
 
     def encode_images(self, parts: Components, images: torch.Tensor) -> torch.Tensor:
         """The target's latents as the pipeline's own pieces make its references': (z - mean) / std."""
