@@ -54,16 +54,15 @@ def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
     if dc.manifest:
         from data.dataset import MediaDataset
         from data.manifest import complete_metadata, missing_files, read_manifest
-
-        skipped = {}  # a folder's files without a caption or that could not be probed
-        listed = read_manifest(dc.manifest, skipped)
-        count = len(listed) + len(skipped)
-        entries, unreadable = complete_metadata(listed, need_fps=dc.fps is not None)
-        unreadable.update(skipped)
         from models.families import family_named
 
         family = family_named(cfg.model.family)
         frames = family.given_frames(cfg)
+        skipped = {}  # a folder's files without a caption or that could not be probed
+        listed = read_manifest(dc.manifest, skipped, references=REFERENCES in frames)
+        count = len(listed) + len(skipped)
+        entries, unreadable = complete_metadata(listed, need_fps=dc.fps is not None)
+        unreadable.update(skipped)
         if REFERENCES in frames:  # each line's input images: named now, a missing one as a missing file
             entries = check_references(family, dc.manifest, entries, unreadable)
         # listed with their sizes (never opened), deleted or moved since: a sample of them is checked

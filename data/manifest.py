@@ -35,12 +35,13 @@ def reference_paths(entry: dict) -> list:
     return entry[REFERENCES].split("\0") if entry.get(REFERENCES) else []
 
 
-def read_manifest(path, left_out: dict | None = None) -> list[dict]:
+def read_manifest(path, left_out: dict | None = None, references: bool = False) -> list[dict]:
     """The entries of a JSONL manifest, or of a folder of captioned media (what a folder's indexing
-    leaves out goes into `left_out`, {path: why}, when given)."""
+    leaves out goes into `left_out`, {path: why}, when given; `references`: an edit family's folder, whose
+    numbered images beside a target are its input images: index_folder)."""
     path = Path(path)
     if path.is_dir():
-        entries, skipped = index_folder(path)
+        entries, skipped = index_folder(path, references=references)
         if not entries:
             raise ValueError(
                 f"data.manifest='{path}' is a folder without captioned media (a .txt beside each file)"
@@ -114,6 +115,8 @@ def write_manifest(path, entries: list[dict]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         for entry in entries:
+            if entry.get(REFERENCES):  # held joined in memory; a list in the file, as read_manifest reads it
+                entry = {**entry, REFERENCES: reference_paths(entry)}
             f.write(json.dumps(entry) + "\n")
     os.replace(tmp, path)  # a manifest is complete or absent
 
@@ -195,15 +198,17 @@ def missing_files(entries: list[dict], sample: int = STAT_SAMPLE, workers: int =
         return [p for chunk in absent for p in chunk], len(paths)
 
 
-def index_folder(folder, workers: int | None = None) -> tuple[list[dict], dict[str, str]]:
+def index_folder(
+    folder, workers: int | None = None, references: bool = False
+) -> tuple[list[dict], dict[str, str]]:
     """Every image or video under `folder` with a sidecar caption (a.mp4 + a.txt), probed in parallel;
-    an edit pair's input images are the uncaptioned images beside its target named a_0.png, a_1.png, ...
-    (musubi-tuner's numbering; the manifest's `references`). Returns (entries with absolute paths, {path:
-    why it was left out})."""
+    with `references` (an edit family's folder), an edit pair's input images are the uncaptioned images
+    beside its target named a_0.png, a_1.png, ... (musubi-tuner's numbering; the manifest's `references`).
+    Returns (entries with absolute paths, {path: why it was left out})."""
     folder = Path(folder)
     media = sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_EXTENSIONS | VIDEO_EXTENSIONS)
     captioned = {p for p in media if p.with_suffix(".txt").is_file()}
-    numbered = folder_references([p for p in media if p not in captioned])
+    numbered = folder_references([p for p in media if p not in captioned]) if references else {}
     inputs = {p: numbered.get((p.parent, p.stem), []) for p in captioned}
     taken = {r for refs in inputs.values() for r in refs}
     entries, skipped = [], {}

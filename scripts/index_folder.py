@@ -16,7 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data.manifest import index_folder, write_manifest  # noqa: E402
+from data.manifest import index_folder, reference_paths, write_manifest  # noqa: E402
+from models.family import REFERENCES  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -24,21 +25,29 @@ def main(argv=None) -> int:
     p.add_argument("folder")
     p.add_argument("--out", default=None, help="manifest to write (default: <folder>/manifest.jsonl)")
     p.add_argument("--workers", type=int, default=None, help="probing processes (default: up to 16)")
+    p.add_argument(
+        "--references",
+        action="store_true",
+        help="edit pairs: the uncaptioned images beside a target named <stem>_0.png, ... are its inputs",
+    )
     args = p.parse_args(argv)
     folder = Path(args.folder)
     if not folder.is_dir():
         print(f"error: {folder} is not a folder", file=sys.stderr)
         return 2
     out = Path(args.out) if args.out else folder / "manifest.jsonl"
-    entries, skipped = index_folder(folder, args.workers)
+    entries, skipped = index_folder(folder, args.workers, references=args.references)
     for path, why in sorted(skipped.items()):
         print(f"left out {path}: {why}", file=sys.stderr)
     if not entries:
         print(f"error: no captioned media under {folder}", file=sys.stderr)
         return 2
     base = out.resolve().parent
+    relative = lambda p: os.path.relpath(Path(p).resolve(), base)  # noqa: E731
     for e in entries:  # relative to the manifest, so the data folder can move with it
-        e["path"] = os.path.relpath(Path(e["path"]).resolve(), base)
+        e["path"] = relative(e["path"])
+        if e.get(REFERENCES):
+            e[REFERENCES] = "\0".join(relative(r) for r in reference_paths(e))
     write_manifest(out, entries)
     print(f"wrote {out}: {len(entries)} samples ({len(skipped)} left out)")
     return 0

@@ -71,7 +71,7 @@ def content_key(entry: dict, bucket: str, seed: int) -> str:
     if any(images):  # image-to-video's frames a manifest names (keys without them stay as they were)
         held.append(images)
     if entry.get(REFERENCES):  # an edit pair's input images, as they are now
-        held.append([[path, *_version(path)] for path in reference_paths(entry)])
+        held.append([[path, _version(path)] for path in reference_paths(entry)])
     return hashlib.sha1(json.dumps(held).encode()).hexdigest()[:20]
 
 

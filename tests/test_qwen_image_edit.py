@@ -4,6 +4,7 @@ RoPE frames from its index, the text after the largest half-side; 2511's referen
 gives diffusers' output on the noisy tokens, in float32 and bf16."""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -364,7 +365,9 @@ def test_a_folder_of_edit_pairs_is_the_manifest(tmp_path):
     from PIL import Image
 
     from data.manifest import read_manifest
+    from tests.conftest import ROOT
 
+    sys.path.insert(0, str(ROOT / "scripts"))
     rng = np.random.default_rng(0)
 
     def image(name, size=(48, 32)):
@@ -378,8 +381,10 @@ def test_a_folder_of_edit_pairs_is_the_manifest(tmp_path):
         for ref in refs:
             image(ref, (40, 40))
     stray = image("stray.png")
+    plain = read_manifest(tmp_path, {})  # a family that reads no references: numbered images are not inputs
+    assert not any(e.get("references") for e in plain)
     left_out = {}
-    entries = {Path(e["path"]).name: e for e in read_manifest(tmp_path, left_out)}
+    entries = {Path(e["path"]).name: e for e in read_manifest(tmp_path, left_out, references=True)}
     assert sorted(entries) == sorted(pairs) and list(left_out) == [stray]
     for target, refs in pairs.items():
         assert reference_paths(entries[target]) == [str(tmp_path / r) for r in refs]
@@ -389,6 +394,11 @@ def test_a_folder_of_edit_pairs_is_the_manifest(tmp_path):
     manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
     listed = {Path(e["path"]).name: reference_paths(e) for e in read_manifest(manifest)}
     assert listed == {t: reference_paths(e) for t, e in entries.items()}
+    import index_folder  # scripts/index_folder.py --references writes the manifest read back the same
+
+    written = tmp_path / "indexed.jsonl"
+    assert index_folder.main([str(tmp_path), "--references", "--out", str(written)]) == 0
+    assert {Path(e["path"]).name: reference_paths(e) for e in read_manifest(written)} == listed
 
 
 @torch.no_grad()

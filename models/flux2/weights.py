@@ -8,6 +8,7 @@ import re
 import torch
 
 from models.flux2.transformer import Flux2Transformer
+from models.weight_files import unprefixed
 
 PIPELINE_CLASSES = ("Flux2KleinPipeline",)
 TRANSFORMER_CLASS = "Flux2Transformer2DModel"
@@ -120,11 +121,14 @@ def _thirds(value):
 
 def diffusers_from_original(state: dict) -> dict:
     """A single file's state dict (BFL's names, or diffusers' already) under diffusers' names: the prefix
-    dropped, the blocks' fused q/k/v split in three, the final modulation's halves swapped."""
+    dropped (two keys naming one tensor refused), the blocks' fused q/k/v split in three, the final
+    modulation's halves swapped. A name it does not map keeps its own (the load's check names it)."""
     out = {}
-    for key, value in state.items():
-        key = re.sub(r"^(model\.)?diffusion_model\.", "", key)
+    for key, value in unprefixed(state).items():
         stem, _, kind = key.rpartition(".")
+        if isinstance(value, torch.Tensor) and value.dim() == 0:  # a quantized file's scalar scales
+            out[key] = value
+            continue
         kind = "weight" if kind == "scale" else kind
         block = re.match(r"^(double|single)_blocks\.(\d+)\.(.+)$", stem)
         if block is None and stem in _TOP:
