@@ -215,6 +215,20 @@ class MediaDataset(BucketedDataset):
         fps = self.entries.numbers("fps") if "fps" in self.entries.columns else None
         return frames_at_rate(self.entries.numbers("num_frames"), fps, self.fps) >= bucket.frames
 
+    def read_references(self, entry, bucket) -> list:
+        """An edit pair's input images as they are; one of the target's own size (a pixel-aligned before
+        and after) cropped and resized as the target is, so that the pair stays aligned in its bucket."""
+        from data.media import fit_to_bucket
+        from models.image_condition import open_image
+
+        out = []
+        for path in reference_paths(entry):
+            image = np.asarray(open_image(path), dtype=np.uint8)
+            if image.shape[:2] == (entry["height"], entry["width"]):
+                image = fit_to_bucket(image[None], 1, bucket.height, bucket.width)[0]
+            out.append(torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).contiguous())
+        return out
+
     def load(self, entry, bucket, rng):
         from data.media import fit_to_bucket, read_image, read_timed_clip
 
@@ -224,11 +238,8 @@ class MediaDataset(BucketedDataset):
         sample = {"video": torch.from_numpy(clip).permute(3, 0, 1, 2).contiguous()}  # (3, T, H, W) uint8
         if self.audio is not None:
             sample["audio"] = self.read_sound(entry["path"], start, bucket.frames)
-        if REFERENCES in self.frames:  # editing: the line's input images as they are, (3, H, W) uint8 each
-            from models.image_condition import open_image
-
-            images = [np.asarray(open_image(path), dtype=np.uint8) for path in reference_paths(entry)]
-            sample[REFERENCES] = [torch.from_numpy(image.copy()).permute(2, 0, 1) for image in images]
+        if REFERENCES in self.frames:  # editing: the line's input images, (3, H, W) uint8 each
+            sample[REFERENCES] = self.read_references(entry, bucket)
         for key, frame in zip(IMAGE_KEYS, (0, -1)):
             if key in self.entries.columns and key in self.frames:  # each sample carries its named frame
                 path = entry[key]

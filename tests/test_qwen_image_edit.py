@@ -401,6 +401,36 @@ def test_a_folder_of_edit_pairs_is_the_manifest(tmp_path):
     assert {Path(e["path"]).name: reference_paths(e) for e in read_manifest(written)} == listed
 
 
+def test_a_pixel_aligned_reference_is_cropped_as_its_target(edit, tmp_path):
+    """A before/after pair of one size, cropped to a bucket of another aspect ratio: the reference of the
+    target's own size is cropped and resized as the target is (a copy of the target loads as the target's
+    pixels), one of another size comes as it is."""
+    import numpy as np
+    from PIL import Image
+
+    from configs import load_config
+    from data.loader import build_buckets, build_dataset
+
+    pipe, folder, _ = edit
+    if not pipe.transformer.config.zero_cond_t:
+        pytest.skip("the data path is the same for 2509 and 2511")
+    rng = np.random.default_rng(2)
+    pixels = rng.integers(0, 256, (60, 32, 3), dtype=np.uint8)  # taller than the 48 x 32 bucket
+    Image.fromarray(pixels).save(tmp_path / "after.png")
+    Image.fromarray(pixels).save(tmp_path / "before.png")  # aligned: the target's own size
+    Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)).save(tmp_path / "other.png")
+    line = dict(path="after.png", caption="x", references=["before.png", "other.png"])
+    manifest = tmp_path / "pair.jsonl"
+    manifest.write_text(json.dumps(line) + "\n")
+    argv = edit_train_args(folder, tmp_path / "run", manifest)
+    cfg = load_config(argv[1], argv[2:])
+    dataset = build_dataset(cfg, build_buckets(cfg))
+    sample = dataset.load(dataset.entries[0], dataset.table.buckets[0], None)
+    aligned, other = sample["references"]
+    assert tuple(sample["video"].shape) == (3, 1, 48, 32) and torch.equal(aligned, sample["video"][:, 0])
+    assert tuple(other.shape) == (3, 40, 40)
+
+
 @torch.no_grad()
 def test_the_edit_loss_is_the_pipelines(edit, tmp_path):
     """An edit pair's loss as train.py computes it (the loader's references, encode_family_batch,
