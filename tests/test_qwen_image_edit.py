@@ -508,6 +508,7 @@ def test_precomputed_edit_pairs_train_as_the_pairs_do(edit, tmp_path, monkeypatc
     paths = [Path(shutil.copy(p, tmp_path / f"input{i}.png")) for i, p in enumerate(shared)]  # changed below
     manifest, images = edit_pairs(tmp_path, paths), f"sample.images=[{paths[0]}]"
     extra = [images, "train.text_dropout=0.5", "train.max_steps=4", "train.checkpoint_every=4"]
+    extra += ["train.sample_every=0"]  # no previews: what is compared is the steps
     latents = tmp_path / "latents"
     argv = edit_train_args(folder, tmp_path / "media", manifest, *extra)
     assert run_main(precompute_latents, [*argv, "--out", str(latents)]) == 0
