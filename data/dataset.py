@@ -218,13 +218,16 @@ class MediaDataset(BucketedDataset):
     def read_references(self, entry, bucket) -> list:
         """An edit pair's input images as they are; one of the target's own size (a pixel-aligned before
         and after) cropped and resized as the target is, so that the pair stays aligned in its bucket."""
-        from data.media import fit_to_bucket
+        from data.media import fit_to_bucket, probe_media
         from models.image_condition import open_image
 
-        out = []
+        out, target = [], None
         for path in reference_paths(entry):
             image = np.asarray(open_image(path), dtype=np.uint8)
-            if image.shape[:2] == (entry["height"], entry["width"]):
+            if target is None:  # the target file's displayed size (its header), not what a line states
+                probed = probe_media(entry["path"])
+                target = (probed["height"], probed["width"])
+            if image.shape[:2] == target:
                 image = fit_to_bucket(image[None], 1, bucket.height, bucket.width)[0]
             out.append(torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).contiguous())
         return out
