@@ -106,17 +106,9 @@ _SINGLE = {
 
 
 def _swap_halves(value):
-    """(shift, scale) rows <-> (scale, shift); a shape (config_of_file's) stays."""
-    if not isinstance(value, torch.Tensor):
-        return value
+    """(shift, scale) rows <-> (scale, shift)."""
     first, second = value.chunk(2, dim=0)
     return torch.cat([second, first], dim=0)
-
-
-def _thirds(value):
-    if not isinstance(value, torch.Tensor):
-        return (value[0] // 3, *value[1:]), (value[0] // 3, *value[1:]), (value[0] // 3, *value[1:])
-    return value.chunk(3, dim=0)
 
 
 def diffusers_from_original(state: dict) -> dict:
@@ -126,7 +118,7 @@ def diffusers_from_original(state: dict) -> dict:
     out = {}
     for key, value in unprefixed(state).items():
         stem, _, kind = key.rpartition(".")
-        if isinstance(value, torch.Tensor) and value.dim() == 0:  # a quantized file's scalar scales
+        if value.dim() == 0:  # a quantized file's scalar scales
             out[key] = value
             continue
         kind = "weight" if kind == "scale" else kind
@@ -135,7 +127,7 @@ def diffusers_from_original(state: dict) -> dict:
             value = _swap_halves(value) if stem == "final_layer.adaLN_modulation.1" else value
             out[f"{_TOP[stem]}.{kind}"] = value
         elif block is not None and block.group(1) == "double" and block.group(3) in _FUSED:
-            for name, part in zip(_FUSED[block.group(3)], _thirds(value)):
+            for name, part in zip(_FUSED[block.group(3)], value.chunk(3, dim=0)):
                 out[f"transformer_blocks.{block.group(2)}.{name}.{kind}"] = part
         elif block is not None and block.group(1) == "double" and block.group(3) in _DOUBLE:
             out[f"transformer_blocks.{block.group(2)}.{_DOUBLE[block.group(3)]}.{kind}"] = value

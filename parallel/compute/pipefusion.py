@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from models.layers import token_rows
 from parallel.compute import comm
 from parallel.compute.cfg import SamplingGroups, both_branches
 from parallel.compute.pipefusion_operators import PatchState, install
@@ -108,9 +108,9 @@ class PipeFusion:
         companions = [pieces.companion(pieces.patch_context(t0, c, grid)) for c in branches]
         steps, count = len(plan.timesteps), grid[0] * grid[1] * grid[2]
         computed, skipped = cache_plan(parts.cache, steps, noise.shape[0])
-        x = to_strips(noise, grid[0])
+        x, patches = to_strips(noise, grid[0]), patch_ranges(grid, self.patches)
         run = _Run(
-            items=schedule(steps, self.warmup, patch_ranges(grid, self.patches), count, computed),
+            items=schedule(steps, self.warmup, patches, count, computed),
             steps=steps,
             x=x,
             grid=grid,
@@ -128,7 +128,7 @@ class PipeFusion:
             parts=parts,
         )
         self.state.grid = grid
-        self._start(run, patch_ranges(grid, self.patches), count, computed)
+        self._start(run, patches, count, computed)
         self._walk(run, progress)
         return from_strips(run.x, grid[0])
 
@@ -185,7 +185,7 @@ class PipeFusion:
         # over a smaller input could round differently).
         tokens = run.pieces.embed(from_strips(run.x, run.grid[0]))[0][:, item.start : item.end]
         offset, local = self._share(item)
-        tokens = _pad_tokens(tokens, offset + local)[:, offset : offset + local]
+        tokens = token_rows(tokens, offset, offset + local)  # zero-padded past the patch's end
         streams = [run.pieces.companion(ctx) for ctx in context]
         return torch.cat([part for c in streams for part in ([tokens] if c is None else [c, tokens])], dim=1)
 
@@ -376,11 +376,3 @@ def cache_plan(cache, steps: int, batch: int) -> tuple:
             skipped[last].append((i, plan[i].scale))
     cache.start(steps, batch)
     return computed, skipped
-
-
-def _pad_tokens(x, length, dim=1):
-    missing = length - x.shape[dim]
-    if missing <= 0:
-        return x
-    pad = [0, 0] * (x.dim() - dim - 1) + [0, missing]
-    return F.pad(x, pad)

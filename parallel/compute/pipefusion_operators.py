@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.layers import token_rows
 from parallel.compute.sequence import SequenceGroups, all_to_all_dims, gather_tokens
 
 
@@ -51,6 +52,23 @@ class _Whole(nn.Module):
         held[-1][s.start : s.end] = True
         return held
 
+    def heads_for_tokens(self, q, k, v) -> tuple:
+        """The patch's (q, k, v) of this rank's heads for its whole sequence, the padding cut from k and v:
+        ulysses exchanges heads for tokens, ring gathers the ring's slices of k and v (token order)."""
+        g, real = self.groups, self.state.end - self.state.start
+        if g is not None and g.ulysses_size > 1:  # (B, H, n, Dh) -> (B, H/u, u n, Dh)
+            q, k, v = all_to_all_dims(torch.stack((q, k, v)), 2, 3, g.ulysses_group).unbind(0)
+        if g is not None and g.ring_size > 1:
+            k, v = gather_tokens(torch.stack((k, v)), g.ring_group, dim=-2).unbind(0)
+        return q, k[:, :, :real], v[:, :, :real]
+
+    def tokens_for_heads(self, out):
+        """heads_for_tokens' inverse for the queries' output: this rank's tokens, every head."""
+        g = self.groups
+        if g is not None and g.ulysses_size > 1:
+            out = all_to_all_dims(out.contiguous(), 2, 1, g.ulysses_group)
+        return out
+
     def whole_patch(self, x, dim: int):
         """The patch's tokens of `x` along `dim`: this rank's share gathered over a split (in token order),
         the padding dropped."""
@@ -69,18 +87,11 @@ class WholeSelfAttention(_Whole):
 
     @torch.compiler.disable
     def forward(self, q, k, v):
-        g, real = self.groups, self.state.end - self.state.start
-        if g is not None and g.ulysses_size > 1:  # (B, H, n, Dh) -> (B, H/u, u n, Dh): heads for tokens
-            q, k, v = all_to_all_dims(torch.stack((q, k, v)), 2, 3, g.ulysses_group).unbind(0)
-        if g is not None and g.ring_size > 1:  # the ring's slices of the patch's K/V, in token order
-            k, v = gather_tokens(torch.stack((k, v)), g.ring_group, dim=-2).unbind(0)
-        keys, values, written = self.hold(k[:, :, :real], v[:, :, :real], dim=2)
+        q, k, v = self.heads_for_tokens(q, k, v)
+        keys, values, written = self.hold(k, v, dim=2)
         mask = None if bool(written.all()) else written.to(q.device, non_blocking=True).view(1, 1, 1, -1)
         # Plain SDPA whatever model.attention_backend says: the queries are a patch, the keys the sequence.
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        if g is not None and g.ulysses_size > 1:
-            out = all_to_all_dims(out, 2, 1, g.ulysses_group)
-        return out
+        return self.tokens_for_heads(F.scaled_dot_product_attention(q, keys, values, attn_mask=mask))
 
 
 class WholeJointAttention(_Whole):
@@ -93,19 +104,16 @@ class WholeJointAttention(_Whole):
 
     @torch.compiler.disable
     def forward(self, q, k, v, text_q, text_k, text_v, text_mask):
-        g, real = self.groups, self.state.end - self.state.start
+        g = self.groups
         ulysses = g is not None and g.ulysses_size > 1
-        if ulysses:  # (B, H, n, Dh) -> (B, H/u, u n, Dh); the text: this rank's heads
-            q, k, v = all_to_all_dims(torch.stack((q, k, v)), 2, 3, g.ulysses_group).unbind(0)
+        q, k, v = self.heads_for_tokens(q, k, v)
+        if ulysses:  # the text (whole on every rank): this rank's heads
             heads = slice(g.ulysses_rank * q.shape[1], (g.ulysses_rank + 1) * q.shape[1])
             text_q, text_k, text_v = text_q[:, heads], text_k[:, heads], text_v[:, heads]
-        if g is not None and g.ring_size > 1:
-            k, v = gather_tokens(torch.stack((k, v)), g.ring_group, dim=-2).unbind(0)
-        image, text = self._attend(q, k[:, :, :real], v[:, :, :real], text_q, text_k, text_v, text_mask)
+        image, text = self._attend(q, k, v, text_q, text_k, text_v, text_mask)
         if ulysses:
-            image = all_to_all_dims(image.contiguous(), 2, 1, g.ulysses_group)
             text = gather_tokens(text.contiguous(), g.ulysses_group, dim=1)  # every head
-        return image, text
+        return self.tokens_for_heads(image), text
 
     def _attend(self, q, k, v, text_q, text_k, text_v, text_mask):
         keys, values, written = self.hold(k, v, dim=2)
@@ -150,19 +158,14 @@ class WholeGridConv(_Whole):
         g = self.groups
         if g is None or g.sp_size == 1:
             return out
-        out = torch.cat(
-            [out, out.new_zeros(out.shape[0], g.sp_size * local - out.shape[1], out.shape[2])], dim=1
-        )
-        return out[:, g.sp_rank * local : (g.sp_rank + 1) * local]
+        return token_rows(out, g.sp_rank * local, (g.sp_rank + 1) * local)  # this rank's share, padded
 
 
 REPLACEMENTS = {
     op.kind: op for op in (WholeSelfAttention, WholeJointAttention, WholeLinearAttention, WholeGridConv)
 }
-KINDS = {
-    *REPLACEMENTS,
-    "cross",
-}  # the operator kinds PipeFusion runs, with ulysses or ring inside a stage too
+# the operator kinds PipeFusion runs, with ulysses or ring inside a stage too
+KINDS = {*REPLACEMENTS, "cross"}
 
 
 def install(stage_model: nn.Module, state: PatchState, groups: SequenceGroups | None = None) -> list:
