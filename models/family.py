@@ -586,7 +586,7 @@ class Family:
 
         t, cache = t.to(x.device).expand(x.shape[0]), parts.cache
         if cache is not None and cache.method == "first_block":
-            return FirstBlockFamily(parts.transformer, cache)(x, t, *conds)
+            return FirstBlockFamily(self.patch_pieces(parts), cache)(x, t, *conds)
         return [parts.transformer(x, t, cond) for cond in conds]
 
     def patch_pieces(self, parts: Components):
