@@ -53,6 +53,7 @@ class Family:
     lora_targets: tuple = ()  # lora.targets' default: its Linear layers a LoRA adapts (fnmatch patterns)
     lora_formats: tuple = ("diffusers",)  # the key formats scripts/export.py writes its LoRAs in
     lora_alphas = True  # its ComfyUI LoRAs carry an alpha per module (else the scale is in B)
+    lora_release_names = False  # its ComfyUI LoRAs are in the release's names (else diffusers' there)
     conditioning = None  # the dataclass of tensors `encode` returns (its fields shared between ranks)
     trains = True  # train.py and scripts/precompute_latents.py take it (else refused by name)
     image_to_video = False  # its image-to-video folders sample from infer.py --image (takes_images)
@@ -214,6 +215,11 @@ class Family:
         """A single file's state dict (the original release's names, ComfyUI's prefix) under diffusers'."""
         return state
 
+    def to_original(self, state: dict) -> dict:
+        """diffusers' names -> the original release's (from_original's inverse): with it, LoRA files in the
+        release's names are read (models/lora_formats.py with_release_names)."""
+        return state
+
     def config_of_file(self, shapes: dict) -> dict:
         """The diffusers config of a single file from its tensors' shapes ({name as in the file: shape}),
         when no transformer/config.json comes with it."""
@@ -317,10 +323,11 @@ class Family:
 
     def projections(self, model) -> tuple[dict, dict]:
         """(the projections of each Linear, {module: (in, out)}) of `model` under the names its LoRA files
-        use (models/lora_formats.py model_projections): diffusers', one for one."""
-        from models.lora_formats import model_projections
+        use (models/lora_formats.py): diffusers', one for one, and the original release's."""
+        from models.lora_formats import model_projections, with_release_names
 
-        return model_projections(model, self.diffusers_name)
+        projections, linears = model_projections(model, self.diffusers_name)
+        return with_release_names(projections, linears, self.to_original, self.from_original), linears
 
     def geometry(self, cfg) -> tuple:
         """(its latent space, latents per token along (t, h, w)): for the bucket table and the training

@@ -15,7 +15,7 @@ adapter adds its update to its rows (infer.py --lora) or becomes that projection
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -69,6 +69,12 @@ class Projection:
     rows: slice | None  # None: every row
     diffusers: str
     original: str
+    # the original release's name where its code fuses, renames or reorders this Linear (files trained on
+    # that code name it so: ai-toolkit's, musubi-tuner's), and the rows of the release's weight that are
+    # this Linear's, of its `release_size`; None: as `original`
+    release: str | None = None
+    release_rows: torch.Tensor | None = None
+    release_size: int = 0
 
 
 def wan_projections(module: str, out_features: int) -> list[Projection] | None:
@@ -120,6 +126,29 @@ def model_projections(model, names=None) -> tuple[dict, dict]:
     return projections_of({k: v[1] for k, v in linears.items()}, wan), linears
 
 
+def with_release_names(projections: dict, linears: dict, to_original, from_original) -> dict:
+    """`projections` (one per Linear, in diffusers' names) with the release's name of each Linear whose
+    name or rows the original release changes, and the rows of the release's weight that are its own. The
+    family's two weight renamings define them (a meta state dict of the Linears to the release's names,
+    then each release weight's row numbers back), so no second table of names is kept."""
+    named = {p.diffusers: p for found in projections.values() for p in found}
+    meta = {f"{n}.weight": torch.empty(linears[p.module][::-1], device="meta") for n, p in named.items()}
+    release = {}
+    for key, weight in to_original(meta).items():
+        if not key.endswith(".weight") or weight.dim() != 2:
+            continue
+        numbers = torch.arange(weight.shape[0], dtype=torch.float64).unsqueeze(1)
+        for back, rows in from_original({key: numbers}).items():
+            p, rows = named.get(back.removesuffix(".weight")), rows[:, 0].long()
+            if p is not None and (back != key or not torch.equal(rows, torch.arange(len(numbers)))):
+                release[p.diffusers] = dict(release=key.removesuffix(".weight"), release_rows=rows,
+                                            release_size=len(numbers))  # fmt: skip
+    return {
+        module: [replace(p, **release[p.diffusers]) if p.diffusers in release else p for p in found]
+        for module, found in projections.items()
+    }
+
+
 def is_wan_named(projections: dict) -> bool:
     return not any(p.diffusers.startswith("tessera.") for projs in projections.values() for p in projs)
 
@@ -129,25 +158,52 @@ def is_wan_named(projections: dict) -> bool:
 
 
 def export_adapters(
-    adapters: dict, projections: dict, fmt: str, alphas: bool = True
+    adapters: dict, projections: dict, fmt: str, alphas: bool = True, release: bool = False
 ) -> dict[str, torch.Tensor]:
     """A LoRA state dict in `fmt` ("diffusers" or "comfyui") from tessera adapters {module: (A, B,
     scale)}. A fused module becomes one adapter per projection (_file_adapters). `alphas` False: ComfyUI's
-    names without alphas, the scale in B (LTX-2's, as Lightricks' trainer writes them)."""
+    names without alphas, the scale in B (LTX-2's, as Lightricks' trainer writes them). `release`: ComfyUI's
+    names are the original release's, whose fused weights take one adapter (_fused_adapters)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown LoRA format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    out = {}
+    written = []  # (name, A, B, scale, (rows, size) in a release weight)
     for module, (A, B, scale) in adapters.items():
         for p, a, b in _file_adapters(A, B, projections[module]):
-            name = p.diffusers if fmt == "diffusers" else p.original
+            name, rows = p.diffusers if fmt == "diffusers" else p.original, None
+            if fmt == "comfyui" and release and p.release is not None:
+                name, rows = p.release, (p.release_rows, p.release_size)
             prefix = "transformer" if fmt == "diffusers" else "diffusion_model"
-            key = name if name.startswith("tessera.") else f"{prefix}.{name}"
-            out[f"{key}.lora_A.weight"] = a.float().clone()  # a shared A: one copy each
-            if fmt == "diffusers" or not alphas:  # no alpha: the scale goes into B
-                out[f"{key}.lora_B.weight"] = (b.float() * scale).contiguous()
-            else:
-                out[f"{key}.lora_B.weight"] = b.float().contiguous()
-                out[f"{key}.alpha"] = torch.tensor(scale * a.shape[0], dtype=torch.float32)
+            written.append((name if name.startswith("tessera.") else f"{prefix}.{name}", a, b, scale, rows))
+    out = {}
+    for key, a, b, scale in _fused_adapters(written):
+        out[f"{key}.lora_A.weight"] = a.float().clone()  # a shared A: one copy each
+        if fmt == "diffusers" or not alphas:  # no alpha: the scale goes into B
+            out[f"{key}.lora_B.weight"] = (b.float() * scale).contiguous()
+        else:
+            out[f"{key}.lora_B.weight"] = b.float().contiguous()
+            out[f"{key}.alpha"] = torch.tensor(scale * a.shape[0], dtype=torch.float32)
+    return out
+
+
+def _fused_adapters(written: list) -> list:
+    """[(key, A, B, scale)]: the adapters of the Linears one release weight holds (its fused q, k, v) as one
+    adapter of that weight, exact: their A stacked, their B block-diagonal on the weight's rows, each scale
+    in its B."""
+    groups = {}
+    for key, *rest in written:
+        groups.setdefault(key, []).append(rest)
+    out = []
+    for key, parts in groups.items():
+        if len(parts) == 1 and parts[0][3] is None:
+            out.append((key, *parts[0][:3]))
+            continue
+        A = torch.cat([a.float() for a, *_ in parts])
+        B = A.new_zeros(parts[0][3][1], A.shape[0])
+        start = 0
+        for a, b, scale, (rows, _) in parts:
+            B[rows, start : start + a.shape[0]] = b.float() * scale
+            start += a.shape[0]
+        out.append((key, A, B, 1.0))
     return out
 
 
@@ -246,18 +302,26 @@ def peft_scale(config: dict | None, module: str, rank: int) -> float:
     return alpha / (rank**0.5 if config.get("use_rslora") else rank)
 
 
-def _lookup(projections: dict) -> dict[str, Projection]:
-    """Every name under which a file may address a projection -> the projection."""
+def _written(name: str) -> list:
+    """The keys under which files write a module's name."""
+    if name.startswith("tessera."):
+        return [name, name.removeprefix("tessera.")]
+    kohya = "lora_unet_" + name.replace(".", "_")  # kohya / musubi-tuner
+    return [name, f"transformer.{name}", f"diffusion_model.{name}", f"model.diffusion_model.{name}", kohya]
+
+
+def _lookup(projections: dict) -> dict[str, list]:
+    """Every name under which a file may address a Linear -> [(projection, the rows of the file's B that
+    are its own, None: all)]: several for a release weight that holds several Linears (fused q, k, v)."""
     table = {}
     for projs in projections.values():
         for p in projs:
-            for name in {p.diffusers, p.original}:
-                if name.startswith("tessera."):
-                    table[name] = table[name.removeprefix("tessera.")] = p
-                    continue
-                table[f"transformer.{name}"] = table[name] = p  # diffusers/PEFT, with or without prefix
-                table[f"diffusion_model.{name}"] = table[f"model.diffusion_model.{name}"] = p
-                table["lora_unet_" + name.replace(".", "_")] = p  # kohya / musubi-tuner
+            release = [(p.release, p.release_rows)] if p.release else []
+            for name, rows in [(p.diffusers, None), (p.original, None), *release]:
+                for key in _written(name):
+                    entries = table.setdefault(key, [])
+                    if not entries or rows is not None and all(q is not p for q, _ in entries):
+                        entries.append((p, rows))  # kohya's underscores may make one key of two names
     return table
 
 
@@ -301,37 +365,53 @@ def match_lora(
         )
     updates, wrong, ranks = [], [], set()
     for name, parts in sorted(groups.items()):
-        p = table[name]
         if "A" not in parts or "B" not in parts:
             wrong.append(f"{name} has no {'lora_B (lora_up)' if 'A' in parts else 'lora_A (lora_down)'}")
             continue
-        A, B = parts["A"], parts["B"]
-        rows = linears_in[p.module][1] if p.rows is None else p.rows.stop - p.rows.start
-        if (
-            A.dim() != 2
-            or B.dim() != 2
-            or A.shape[0] != B.shape[1]
-            or A.shape[1] != linears_in[p.module][0]
-            or B.shape[0] != rows
-        ):
-            wrong.append(
-                f"{name}: A {tuple(A.shape)}, B {tuple(B.shape)}; this model's layer takes "
-                f"{linears_in[p.module][0]} -> {rows}"
-            )
-            continue
-        rank = A.shape[0]
-        bare = name.removeprefix("transformer.")
-        scale = float(parts["alpha"]) / rank if "alpha" in parts else peft_scale(config, bare, rank)
-        ranks.add(rank)
-        updates.append((p, A, B, scale))
+        A, B, entries = parts["A"], parts["B"], table[name]
+        total = entries[0][0].release_size if entries[0][1] is not None else None
+        start = len(updates)
+        for p, rows in entries:
+            expected = linears_in[p.module][1] if p.rows is None else p.rows.stop - p.rows.start
+            part = B[rows] if rows is not None and B.dim() == 2 and B.shape[0] == total else B
+            if (
+                A.dim() != 2
+                or part.dim() != 2
+                or A.shape[0] != part.shape[1]
+                or A.shape[1] != linears_in[p.module][0]
+                or part.shape[0] != expected
+            ):
+                wrong.append(
+                    f"{name}: A {tuple(A.shape)}, B {tuple(B.shape)}; this model's layer takes "
+                    f"{linears_in[p.module][0]} -> {expected if total is None else total}"
+                )
+                break
+            rank = A.shape[0]
+            bare = name.removeprefix("transformer.")
+            scale = float(parts["alpha"]) / rank if "alpha" in parts else peft_scale(config, bare, rank)
+            a, part = _own_block(A, part, len(entries), len(updates) - start) if total else (A, part)
+            ranks.add(a.shape[0])
+            updates.append((p, a, part, scale))
     if wrong:
         raise LoRAFormatError(
-            f"{path} was made for another model size or architecture: {len(updates)} of {len(groups)} "
-            f"adapters fit; "
+            f"{path} was made for another model size or architecture: {len(groups) - len(wrong)} of "
+            f"{len(groups)} adapters fit; "
             + "; ".join(wrong[:4])
             + (f"; and {len(wrong) - 4} more" if len(wrong) > 4 else "")
         )
     return LoRAUpdate(str(path), updates, max(ranks))
+
+
+def _own_block(A, B, count: int, index: int) -> tuple:
+    """(A, B) of one of `count` Linears a fused release weight holds, cut to its own block of the rank when
+    the file's adapter is block-diagonal (as trainers and export_adapters write fused q/k/v): exact, since
+    B's other columns are zero, and lora.init_from gets the rank the run trained."""
+    if count == 1 or A.shape[0] % count:
+        return A, B
+    block = slice(index * A.shape[0] // count, (index + 1) * A.shape[0] // count)
+    outside = torch.ones(A.shape[0], dtype=torch.bool)
+    outside[block] = False
+    return (A[block], B[:, block]) if not B[:, outside].any() else (A, B)
 
 
 MAX_LORA_SCALE = 100.0  # strengths are used between about -2 and 2: beyond this, a typo (1e39, nan)

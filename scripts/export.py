@@ -151,7 +151,7 @@ def export_lora(checkpoint: Path, output: Path, cfg, fmt: str, use_ema: bool = T
     check_architecture(checkpoint, meta().architecture())  # the adapters' names follow the recipe's model
     adapters = checkpoint_adapters(checkpoint, record, meta(), use_ema)
     projections, _ = family.projections(meta())
-    tensors = export_adapters(adapters, projections, fmt, family.lora_alphas)
+    tensors = export_adapters(adapters, projections, fmt, family.lora_alphas, family.lora_release_names)
     output.parent.mkdir(parents=True, exist_ok=True)
     info = {"format": "pt", "tessera_rank": record["rank"], "tessera_base": record["base"]["fingerprint"]}
     save_file(tensors, str(output), metadata=safetensors_metadata(info))

@@ -419,15 +419,13 @@ def pipeline_image(pipe, name, prompt=PROMPTS[0], steps: int = 2, seed: int = 1)
     ).images[0]
 
 
-def peft_lora(pipe, folder):
+def peft_lora(pipe, folder, targets=("to_q", "to_v", "to_out.0")):
     """A LoRA made by PEFT on the pipeline's diffusers transformer (random B, alpha 2 r: a scale that
     matters), saved as diffusers saves a pipeline's LoRA (its PEFT config in the header)."""
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
 
-    config = LoraConfig(
-        r=4, lora_alpha=8, target_modules=["to_q", "to_v", "to_out.0"], init_lora_weights=False
-    )
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), init_lora_weights=False)
     with torch.random.fork_rng():
         torch.manual_seed(3)
         pipe.transformer.add_adapter(config)
@@ -481,6 +479,73 @@ def test_peft_lora_loads(saved, tmp_path, capsys):
     assert run_main(infer, [*infer_args(name, folder, tmp_path), "--lora", str(wrong)]) != 0
     err = capsys.readouterr().err
     assert f"no layer for transformer.{key}.lora_A.weight" in err and err.count("error:") == 1, err
+
+
+def release_layouts(name, folder, lora, tmp_path) -> dict:
+    """The PEFT LoRA file `lora` as trainers on the original release's code write it, each fused q/k/v
+    one block-diagonal adapter: kohya's (musubi-tuner's: lora_unet_ and underscores, lora_down/up, an alpha
+    twice the rank) and, for FLUX.2, ai-toolkit's (BFL's names under diffusion_model., the scale in B).
+    Whether a file holds that LoRA is for diffusers' load_lora_weights to say (the test)."""
+    from safetensors.torch import save_file
+
+    from models.lora_formats import export_adapters, read_file
+
+    family = family_named(name)
+    cfg = load_config(None, ["model.size=auto", f"model.pretrained={folder}"])
+    projections, _ = family.projections(family.meta_transformer(cfg))
+    module = {p.diffusers: p.module for found in projections.values() for p in found}
+    tensors, config = read_file(lora)
+    adapters = {
+        module[key.removeprefix("transformer.").removesuffix(".lora_A.weight")]: (
+            A, tensors[key.replace("lora_A", "lora_B")], config["lora_alpha"] / config["r"]
+        )
+        for key, A in tensors.items()
+        if key.endswith(".lora_A.weight")
+    }  # fmt: skip
+    toolkit = export_adapters(adapters, projections, "comfyui", alphas=False, release=True)
+    kohya = {}
+    for key, tensor in toolkit.items():
+        stem, role = key.removeprefix("diffusion_model.").rsplit(".lora_", 1)
+        stem = "lora_unet_" + stem.replace(".", "_")
+        if role == "A.weight":
+            kohya[f"{stem}.lora_down.weight"] = tensor
+            kohya[f"{stem}.alpha"] = torch.tensor(2.0 * tensor.shape[0])
+        else:
+            kohya[f"{stem}.lora_up.weight"] = tensor / 2
+    layouts = {"kohya": kohya} | ({"ai-toolkit": toolkit} if name == "flux2" else {})
+    for kind, state in layouts.items():
+        save_file(state, tmp_path / f"{kind}.safetensors")
+    return {kind: tmp_path / f"{kind}.safetensors" for kind in layouts}
+
+
+@pytest.mark.parametrize("saved", ["flux2", "z_image"], indirect=True)
+@torch.no_grad()
+def test_loras_in_the_release_names_load_as_diffusers_loads_them(saved, tmp_path):
+    """A LoRA in the original release's names, its q, k and v one fused adapter (musubi-tuner's kohya keys;
+    ai-toolkit's for FLUX.2): diffusers' load_lora_weights reads it as the PEFT LoRA it was made from, and
+    infer.py --lora gives that image too."""
+    from diffusers import DiffusionPipeline
+
+    name, folder = saved
+    targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj")
+    lora = peft_lora(DiffusionPipeline.from_pretrained(folder), tmp_path, targets)
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    plain = pipeline_image(pipe, name)
+    pipe.load_lora_weights(lora)
+    want = pipeline_image(pipe, name)
+    found = {}
+    for kind, file in release_layouts(name, folder, lora, tmp_path).items():
+        pipe = DiffusionPipeline.from_pretrained(folder)
+        pipe.load_lora_weights(file)
+        theirs = pipeline_image(pipe, name)
+        out = tmp_path / f"{kind}.npy"
+        argv = infer_args(name, folder, tmp_path, "--prompt", PROMPTS[0], "--negative-prompt", negative(name))
+        argv += ["--steps", "2", "--guidance", "4", "--seed", "1", "--output", str(out), "--lora", str(file)]
+        assert run_main(infer, argv) == 0
+        found[kind] = (float(np.abs(theirs - want).max()), float(np.abs(np.load(out)[0] - want).max()))
+    print(f"{name} release-named LoRAs (diffusers, infer.py) vs the PEFT LoRA: {found}", file=sys.__stderr__)
+    assert np.abs(want - plain).max() > 1e-3  # the LoRA changes the image
+    assert all(theirs <= 1e-4 and ours <= 1e-4 for theirs, ours in found.values()), found
 
 
 @torch.no_grad()

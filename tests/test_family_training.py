@@ -363,8 +363,9 @@ def infer_image(name, folder, tmp_path, out, *extra):
 @torch.no_grad()
 def test_exports_load_in_diffusers(runs, tmp_path):
     """A LoRA trained here, exported (diffusers' names), loads with load_lora_weights and gives the image
-    infer.py --lora gives with the file, and infer.py --checkpoint with the run; a full fine-tuning exported
-    with --pipeline samples in diffusers what infer.py --checkpoint samples from the run."""
+    infer.py --lora gives with the file, and infer.py --checkpoint with the run (and the export in
+    ComfyUI's names, read by infer.py --lora; FLUX.2's, in BFL's, by diffusers too); a full fine-tuning
+    exported with --pipeline samples in diffusers what infer.py --checkpoint samples from the run."""
     from diffusers import DiffusionPipeline
 
     name, folder, made = runs
@@ -382,6 +383,10 @@ def test_exports_load_in_diffusers(runs, tmp_path):
         argv = ["--checkpoint", str(made["lora"]), "--lora", "--format", "comfyui", "--output", str(comfy)]
         assert export.main(argv) == 0
         images.append(infer_image(name, folder, tmp_path, "comfy.npy", "--lora", str(comfy)))
+        if family_named(name).lora_release_names:  # BFL's names, ai-toolkit's layout: diffusers reads it
+            pipe = DiffusionPipeline.from_pretrained(folder)
+            pipe.load_lora_weights(comfy)
+            images.append(pipeline_image(pipe, name))
     diffs = [float(np.abs(got - want).max()) for got in images]
     changed = float(np.abs(want - base).max())
     found = ", ".join(f"{d:.1e}" for d in diffs)

@@ -297,3 +297,31 @@ def test_a_distilled_single_file_is_still_distilled(tmp_path):
     with pytest.raises(ValueError, match="step-distilled"):
         Flux2().check_guidance(cfg, 4.0)
     Flux2().check_guidance(cfg, 1.0)
+
+
+def test_bfl_named_adapters_start_a_run_at_their_rank():
+    """lora.init_from with a LoRA in BFL's names (ComfyUI's export: each fused q/k/v one block-diagonal
+    adapter of three times the rank) starts a run of the rank that wrote it exactly: each projection's own
+    block of the fused adapter, the same weight updates."""
+    from models.families import family_named
+    from models.lora import adapted_modules, adapter_deltas, add_adapters
+    from models.lora_formats import export_adapters, match_lora, starting_adapters
+    from tests.test_lora import adapters_of, randomize_adapters
+
+    family, config = family_named("flux2"), dict(tiny_transformer()[0].config)
+    source, run = build_transformer(config), build_transformer(config)
+    add_adapters(source, rank=2, alpha=3.0, patterns=family.lora_targets)
+    add_adapters(run, rank=2, alpha=8.0, patterns=family.lora_targets)
+    randomize_adapters(source)
+    projections, linears = family.projections(build_transformer(config))
+    tensors = export_adapters(adapters_of(source), projections, "comfyui", alphas=False, release=True)
+    assert tensors["diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight"].shape[0] == 6
+    start = starting_adapters(match_lora(tensors, projections, linears), adapted_modules(run), seed=0)
+    with torch.no_grad():
+        for name, p in run.named_parameters():
+            if name in start:
+                p.copy_(start[name])
+    assert len(start) == 2 * len(adapted_modules(run))
+    ours, theirs = adapter_deltas(run), adapter_deltas(source)
+    for name in theirs:
+        assert torch.allclose(ours[name][0][1], theirs[name][0][1], atol=1e-6), name

@@ -20,6 +20,7 @@ from models.flux2.weights import (
     TRANSFORMER_CLASS,
     build_transformer,
     diffusers_from_original,
+    original_from_diffusers,
     to_diffusers,
     to_tessera,
 )
@@ -75,6 +76,9 @@ class Flux2(Family):
     references = True  # --image: reference images beside the noisy tokens
     # both kinds of block: the double blocks' attention and feed-forwards, the single blocks' projections
     lora_targets = ("blocks.*.attn.*", "blocks.*.ff.*", "blocks.*.ff_context.*")
+    # ComfyUI's: BFL's names under diffusion_model., the scale in B (ai-toolkit's layout, which diffusers'
+    # Flux2 loader reads; it refuses alpha keys there)
+    lora_formats, lora_alphas, lora_release_names = ("diffusers", "comfyui"), False, True
 
     def takes_images(self, cfg) -> bool:
         return True  # reference images, optional: --image
@@ -182,11 +186,16 @@ class Flux2(Family):
         """A whole state dict's names back (the double blocks: those with a text feed-forward)."""
         return to_diffusers(state, blocks_before(state, r"^blocks\.(\d+)\.ff_context\."))
 
+    def to_original(self, state: dict) -> dict:
+        return original_from_diffusers(state)
+
     def projections(self, model) -> tuple[dict, dict]:
         """Family.projections, each module's diffusers name from the model's own count of double blocks."""
-        from models.lora_formats import model_projections
+        from models.lora_formats import model_projections, with_release_names
 
-        return model_projections(model, lambda name: next(iter(to_diffusers({name: None}, model.depth))))
+        names = lambda name: next(iter(to_diffusers({name: None}, model.depth)))  # noqa: E731
+        projections, linears = model_projections(model, names)
+        return with_release_names(projections, linears, self.to_original, self.from_original), linears
 
     def load(self, cfg, device, dtype, transformer: bool = True, keep=None) -> Components:
         import transformers

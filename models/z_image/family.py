@@ -21,6 +21,7 @@ from models.z_image.weights import (
     build_transformer,
     config_of_shapes,
     diffusers_from_original,
+    original_from_diffusers,
 )
 
 
@@ -94,6 +95,9 @@ class ZImage(Family):
 
     def from_original(self, state: dict) -> dict:
         return diffusers_from_original(state)  # Tongyi-MAI's names, ComfyUI's prefix dropped
+
+    def to_original(self, state: dict) -> dict:
+        return original_from_diffusers(state)
 
     def config_of_file(self, shapes: dict) -> dict:
         """The release's layout read from a single file's shapes: heads of 128 split 32 / 48 / 48."""
