@@ -44,6 +44,7 @@ FAMILIES = Families(
         "ltx2": "models.ltx2.family:LTX2",
         "z_image": "models.z_image.family:ZImage",
         "flux2": "models.flux2.family:Flux2",
+        "flux2_dev": "models.flux2.family:Flux2Dev",
     }
 )
 

@@ -11,7 +11,7 @@ and exports through these hooks as the others do.
 import contextlib
 import json
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -36,6 +36,7 @@ class Components:
     vae: torch.nn.Module
     scheduler_config: dict = field(default_factory=dict)  # the folder's scheduler/scheduler_config.json
     cache: object = None  # sample.cache (models/step_cache.py step_cache), or None; the DiT's is its flow's
+    texts: dict = field(default_factory=dict)  # {prompt: its conditioning}: Family.encode_first
 
 
 class Family:
@@ -79,6 +80,9 @@ class Family:
     expert_pair = False  # a run trains one of two experts (model.expert), exported together as one pipeline
     precomputes = True  # scripts/precompute_latents.py stores its conditioning (else refused by name)
     unguided = 1.0  # the guidance scale that samples without guidance (its pipeline's: `guided` is False)
+    # sampling encodes every prompt, then frees its text encoder before the transformer loads (FLUX.2 dev's
+    # 24B Mistral beside its 32B transformer: one 80 GB GPU holds either, not both): encode_first
+    texts_first = False
 
     def resolve_size(self, cfg, error=ValueError) -> None:
         """model.size: the recipe's dimensions, filled from model.pretrained's folder under model.size=auto,
@@ -377,14 +381,32 @@ class Family:
         and negative prompt encoded, then both given each prompt's frames where it has them, as the
         pipelines give them (Qwen-Image-Edit encodes its references with the text)."""
         prompts, size = sampling.prompts, sampling.size
-        cond, uncond = self.encode(parts, prompts, sampling.max_length), None
-        if self.guided(sampling.guidance):
-            negative = [sampling.negative_prompt] * len(prompts)
-            uncond = self.encode(parts, negative, sampling.max_length, negative=True)
+        guided, negative = self.guided(sampling.guidance), [sampling.negative_prompt] * len(prompts)
+        if parts.texts:  # encode_first's
+            cond = joined([parts.texts[p] for p in prompts])
+            uncond = joined([parts.texts[(n,)] for n in negative]) if guided else None
+        else:
+            cond, uncond = self.encode(parts, prompts, sampling.max_length), None
+            if guided:
+                uncond = self.encode(parts, negative, sampling.max_length, negative=True)
         if sampling.images is not None:
             last = sampling.last_images
             cond, uncond = self.with_images(parts, sampling.images, size, cond, uncond, last_images=last)
         return cond, uncond
+
+    def encode_first(self, parts: Components, prompts: list, negative: str | None, max_length: int) -> None:
+        """texts_first: every prompt encoded alone (parts.texts; the negative prompt, where the sampling
+        guides, under (negative,)), then the text encoder freed."""
+        import gc
+
+        for prompt in dict.fromkeys(prompts):
+            parts.texts[prompt] = self.encode(parts, [prompt], max_length)
+        if negative is not None:
+            parts.texts[(negative,)] = self.encode(parts, [negative], max_length, negative=True)
+        parts.text_encoder = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def sound_format(self, cfg) -> tuple | None:
         """(sample rate, channels) its training reads the clips' sound at (data.audio: the loader resamples
@@ -674,6 +696,16 @@ def padded(rows: list) -> tuple:
     for i, r in enumerate(rows):
         out[i, : len(r)], mask[i, : len(r)] = r, True
     return out, None if bool(mask.all()) else mask
+
+
+def joined(conds: list):
+    """Conditionings of one prompt each as one batch: their tensor fields side by side (of one shape: the
+    families whose texts have a fixed length)."""
+    fields_ = {
+        name: torch.cat([getattr(c, name) for c in conds]) if getattr(conds[0], name) is not None else None
+        for name in shared_fields(type(conds[0]))
+    }
+    return replace(conds[0], **fields_)
 
 
 def shared_fields(conditioning) -> list:

@@ -135,12 +135,12 @@ def with_release_names(projections: dict, linears: dict, to_original, from_origi
     meta = {f"{n}.weight": torch.empty(linears[p.module][::-1], device="meta") for n, p in named.items()}
     release = {}
     for key, weight in to_original(meta).items():
-        if not key.endswith(".weight") or weight.dim() != 2:
-            continue
+        if key in meta or not key.endswith(".weight") or weight.dim() != 2:
+            continue  # a name the release keeps, rows and all (from_original may refuse a lone one)
         numbers = torch.arange(weight.shape[0], dtype=torch.float64).unsqueeze(1)
         for back, rows in from_original({key: numbers}).items():
             p, rows = named.get(back.removesuffix(".weight")), rows[:, 0].long()
-            if p is not None and (back != key or not torch.equal(rows, torch.arange(len(numbers)))):
+            if p is not None:
                 release[p.diffusers] = dict(release=key.removesuffix(".weight"), release_rows=rows,
                                             release_size=len(numbers))  # fmt: skip
     return {

@@ -50,6 +50,11 @@ QWEN3_4B = dict(
     hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
 )  # fmt: skip
+# mistralai/Mistral-Small-3.1-24B's text model (FLUX.2 dev's text encoder; its 0.4B vision tower not counted)
+MISTRAL_SMALL_TEXT = dict(
+    hidden_size=5120, intermediate_size=32768, num_hidden_layers=40, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, vocab_size=131072,
+)  # fmt: skip
 # black-forest-labs/FLUX.1-dev's vae/config.json (Z-Image's VAE)
 FLUX_VAE = dict(
     block_out_channels=[128, 256, 512, 512], down_block_types=["DownEncoderBlock2D"] * 4,
@@ -108,6 +113,8 @@ def release_parts() -> dict:
         Gemma2Model,
         Gemma3Config,
         Gemma3ForConditionalGeneration,
+        MistralConfig,
+        MistralModel,
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
         Qwen2_5_VLTextConfig,
@@ -164,6 +171,11 @@ def release_parts() -> dict:
                 "Qwen3-4B": Qwen3Model(Qwen3Config(**QWEN3_4B)),
                 "AutoencoderKLFlux2": AutoencoderKLFlux2(),
             },
+            "FLUX.2 dev": {  # diffusers' Flux2Transformer2DModel defaults: the dev release's 32B
+                "FLUX.2 dev transformer": Flux2Transformer2DModel(),
+                "Mistral-Small-3.1-24B text model": MistralModel(MistralConfig(**MISTRAL_SMALL_TEXT)),
+                "AutoencoderKLFlux2": AutoencoderKLFlux2(),
+            },
             "Z-Image": {
                 "Z-Image transformer": ZImageTransformer2DModel(),
                 "Qwen3-4B": Qwen3Model(Qwen3Config(**QWEN3_4B)),
@@ -203,7 +215,7 @@ def family_of(name: str):
     """The family (models/families.py) a row of this table is about."""
     from models.families import FAMILIES
 
-    return next(f for f in FAMILIES.values() if name.startswith(f.title))
+    return max((f for f in FAMILIES.values() if name.startswith(f.title)), key=lambda f: len(f.title))
 
 
 def adapter_count(family_name: str, transformer, rank: int) -> int:
@@ -221,15 +233,17 @@ def adapter_count(family_name: str, transformer, rank: int) -> int:
     return sum(p.numel() for name, p in model.named_parameters() if is_adapter(name))
 
 
-def per_gpu(counts: dict, adapters: int, gpus: int) -> dict:
+def per_gpu(counts: dict, adapters: int, gpus: int, texts_first: bool = False) -> dict:
     """GiB per GPU of each recipe on `gpus` GPUs (`counts`: the transformer first, the text encoders, the
     VAE last). PipeFusion: the mean over its stages of the transformer (the blocks hold all but a few of
-    its weights; a stage holds one block more than another where the depth does not divide)."""
+    its weights; a stage holds one block more than another where the depth does not divide). `texts_first`
+    (Family.texts_first): sampling holds the text encoders or the transformer, never both."""
     model, *texts, vae = counts.values()
     frozen = (sum(texts) + vae) * BF16
     lora = (model * BF16 + adapters * TRAINED) / gpus
+    sample = (max(model, sum(texts)) + vae) * BF16 if texts_first else model * BF16 + frozen
     return {
-        "sample": (model * BF16 + frozen) / GiB,
+        "sample": sample / GiB,
         "sample-pipefusion": (model * BF16 / gpus + frozen) / GiB,
         "full": (model * TRAINED / gpus + frozen) / GiB,
         "lora": (lora + frozen) / GiB,
@@ -250,7 +264,7 @@ def main(argv=None) -> None:
                 assert abs(count / 1e9 - card) <= 0.02 * card, f"{part}: {count / 1e9:.2f}B, its card {card}B"
         transformer, known = next(iter(counts)), family_of(family)
         adapters = adapter_count(family, modules[transformer], rank) if known.trains else 0
-        gib = {str(n): per_gpu(counts, adapters, n) for n in (1, 8)}
+        gib = {str(n): per_gpu(counts, adapters, n, known.texts_first) for n in (1, 8)}
         runs = [r for r in gib["1"] if known.trains or r.startswith("sample")]  # what the family runs
         runs = [r for r in runs if r != "sample-pipefusion" or "pipefusion" in known.parallel_degrees]
         gib = {n: {r: gib[n][r] for r in runs} for n in gib}

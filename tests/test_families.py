@@ -23,7 +23,7 @@ from configs.auto import resolve_family
 from models.families import family_named
 from models.family import GUIDANCE_KEYS
 from tests.conftest import ROOT, ranks, run_main
-from tests.test_flux2 import tiny_flux2_pipeline
+from tests.test_flux2 import tiny_flux2_dev_pipeline, tiny_flux2_pipeline
 from tests.test_qwen_image import tiny_qwen_pipeline
 from tests.test_sana import MAX_LENGTH, NEGATIVE, PROMPTS, tiny_sana_pipeline
 from tests.test_z_image import tiny_z_image_pipeline
@@ -102,11 +102,18 @@ ROWS = {
         "transformer_blocks.0.attn1.to_q", True,
         negative=False,
     ),
+    "flux2_dev": Row(  # the guidance scale the transformer's input: no negative prompt, no CFG batch
+        "flux2-dev.yaml", tiny_flux2_dev_pipeline, "guidance_scale", {}, (40, 24),
+        dict(time_shift_type="linear"), None, "", "num_layers", _original_flux2,
+        "transformer_blocks.0.attn1.to_q", True,
+        ((["--guidance", "-1"], "embeds a guidance scale of 0 or more"),), negative=False,
+    ),
 }  # fmt: skip
 FAMILIES = list(ROWS)
 PIECES = [name for name in ROWS if ROWS[name].first_block is not None]  # PipeFusion's patch pieces
 LAYOUTS = {  # (processes, overrides, families): each launch checks its degrees together
-    "one-process": (1, [], ("qwen_image", "sana", "z_image", "flux2")),
+    "one-process": (1, [], ("qwen_image", "sana", "z_image", "flux2", "flux2_dev")),
+    "ulysses2": (2, ["parallel.ulysses=2"], ("flux2_dev",)),  # no CFG batch to split
     # Sana's operators split the tokens alike under ulysses and ring (no head split): ring covers both
     "cfg2-ulysses2": (4, ["parallel.cfg=2", "parallel.ulysses=2"], ("qwen_image", "z_image", "flux2")),
     "cfg2-ring2": (4, ["parallel.cfg=2", "parallel.ring=2"], ("qwen_image", "sana", "z_image", "flux2")),
@@ -275,8 +282,8 @@ def test_first_block_cache_matches_diffusers(saved, tmp_path, capsys, layout):
 )
 def test_parallel_auto_chooses_a_layout_the_family_samples_under(saved, tmp_path, monkeypatch, world):
     """parallel.auto for a family (guidance 4, one node of `world` processes): a layout of every process,
-    cfg 2 first, that the same degrees given by hand sample under (Qwen-Image's joint attention never
-    under ulysses x ring; Sana's split never past its rows' halo)."""
+    cfg 2 first (where a family has a CFG batch), that the same degrees given by hand sample under
+    (Qwen-Image's joint attention never under ulysses x ring; Sana's split never past its rows' halo)."""
     from models.families import family_named
     from parallel.drive import family_sampling
 
@@ -293,7 +300,8 @@ def test_parallel_auto_chooses_a_layout_the_family_samples_under(saved, tmp_path
         return family_sampling.sampling_layout(cfg, family, request)[0]
 
     chosen = layout_of("parallel.auto=true")
-    assert chosen.world_size == world and chosen.cfg == 2, chosen
+    cfg = 2 if "cfg" in family_named(name).parallel_degrees else 1  # FLUX.2 dev: no CFG batch to split
+    assert chosen.world_size == world and chosen.cfg == cfg, chosen
     if ROWS[name].joint:
         assert not (chosen.ulysses > 1 and chosen.ring > 1), chosen
     degrees = [f"parallel.{k}={getattr(chosen, k)}" for k in ("dp", "cfg", "ulysses", "ring", "pipefusion")]
@@ -347,6 +355,8 @@ def test_refusals(saved, tmp_path, capsys):
         (["data.latents=x"], "data.latents"),
         (["model.task=i2v"], "leaves it at t2v"),
     ]
+    if not family_named(name).trains:  # FLUX.2 dev, which samples only
+        train_cases = [([], "training it is not built yet")]
     for extra, expected in train_cases:
         argv = [
             "--config",

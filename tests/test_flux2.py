@@ -16,11 +16,11 @@ TINY_TRANSFORMER = dict(
 )  # fmt: skip
 
 
-def tiny_transformer():
+def tiny_transformer(guidance: bool = False):
     from diffusers import Flux2Transformer2DModel
 
     torch.manual_seed(0)
-    theirs = Flux2Transformer2DModel(**TINY_TRANSFORMER).eval()
+    theirs = Flux2Transformer2DModel(**{**TINY_TRANSFORMER, "guidance_embeds": guidance}).eval()
     with torch.no_grad():  # zero-initialised by no one here, but small: give the modulations some weight
         for p in theirs.parameters():
             p.add_(torch.randn_like(p) * 0.05)
@@ -31,10 +31,12 @@ def tiny_transformer():
 
 @torch.no_grad()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
-def test_transformer_matches_diffusers(dtype):
+@pytest.mark.parametrize("guidance", [None, 3.5], ids=["klein", "dev"])
+def test_transformer_matches_diffusers(dtype, guidance):
     """A 5 x 7 token grid, 9 text tokens, two samples at different sigmas: tessera's velocity is
-    diffusers' output as Flux2KleinPipeline calls the model."""
-    theirs, ours = (m.to(dtype) for m in tiny_transformer())
+    diffusers' output as Flux2KleinPipeline calls the model, and (dev) as Flux2Pipeline calls its
+    guidance-embedding model with a scale, which moves the output."""
+    theirs, ours = (m.to(dtype) for m in tiny_transformer(guidance is not None))
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 16, 1, 5, 7, generator=g).to(dtype)
     text = torch.randn(2, 9, TEXT_DIM, generator=g).to(dtype)
@@ -48,11 +50,14 @@ def test_transformer_matches_diffusers(dtype):
         timestep=(sigma * 1000).to(dtype) / 1000,
         img_ids=img_ids.expand(2, -1, -1),
         txt_ids=txt_ids.expand(2, -1, -1),
-        guidance=None,
+        guidance=None if guidance is None else torch.full([2], guidance),
         return_dict=False,
     )[0]
     want = out.transpose(1, 2).reshape(2, 16, 1, h, w)
-    got = ours(x, sigma, Flux2Cond(text))
+    scale = None if guidance is None else torch.full([2], guidance)
+    got = ours(x, sigma, Flux2Cond(text, guidance=scale))
+    if guidance is not None:  # the scale is an input that matters
+        assert float((ours(x, sigma, Flux2Cond(text, guidance=scale * 2)) - got).abs().max()) > 1e-3
     diff = float((got.float() - want.float()).abs().max())
     print(f"{dtype}: max abs {diff:.2e}")
     assert got.shape == want.shape and float(want.float().std()) > 0.01
@@ -126,6 +131,74 @@ def tiny_flux2_pipeline(is_distilled: bool = False):
     return pipe
 
 
+# Mistral's chat template in miniature: the turns' text parts with their roles (the processor's format)
+DEV_CHAT = (
+    "{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'text' %}"
+    "[{{ m['role'] }}]{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}"
+)
+PIXTRAL_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+
+
+def dev_processor():
+    """The tiny byte-level tokenizer as Mistral 3's processor is called (chat turns of typed parts,
+    padding on the left, as Mistral's). transformers' PixtralProcessor itself needs torchvision, which is
+    not installed here; for text alone it renders the same template and tokenizes with its tokenizer, and
+    tessera and the pipeline call the folder's one object alike (AutoProcessor)."""
+    from tokenizers import AddedToken
+
+    from tests.test_z_image import z_tokenizer
+
+    tokenizer = z_tokenizer()
+    tokenizer.add_tokens([AddedToken(t, special=True) for t in PIXTRAL_TOKENS], special_tokens=True)
+    tokenizer.padding_side, tokenizer.chat_template = "left", DEV_CHAT
+    tokenizer.init_kwargs["padding_side"] = "left"  # saved with the folder, as Mistral's
+    return tokenizer
+
+
+def dev_text_encoder(tokenizer):
+    """A tiny Mistral 3 with the 30 layers the pipeline reads three of (10, 20, 30), 8 wide."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    text = dict(model_type="mistral", hidden_size=8, intermediate_size=16, num_hidden_layers=30,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=4, vocab_size=len(tokenizer),
+                max_position_embeddings=1024)  # fmt: skip
+    vision = dict(model_type="pixtral", hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                  num_attention_heads=2, head_dim=4, image_size=16, patch_size=4)  # fmt: skip
+    config = Mistral3Config(
+        text_config=text, vision_config=vision, image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
+        spatial_merge_size=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return Mistral3ForConditionalGeneration(config).eval()
+
+
+def tiny_flux2_dev_pipeline():
+    """The tiny diffusers Flux2Pipeline (FLUX.2 dev: the guidance embedded, Mistral 3), float32, seeded."""
+    from diffusers import (
+        AutoencoderKLFlux2,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2Pipeline,
+        Flux2Transformer2DModel,
+    )
+
+    processor = dev_processor()
+    encoder = dev_text_encoder(processor)
+    torch.manual_seed(0)
+    transformer = Flux2Transformer2DModel(**{**TINY_TRANSFORMER, "guidance_embeds": True}).eval()
+    with torch.no_grad():  # as tiny_transformer: the modulations some weight
+        for p in transformer.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    torch.manual_seed(0)
+    vae = AutoencoderKLFlux2(**FLUX2_VAE).eval()
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(torch.randn(16) * 0.3)
+        vae.bn.running_var.copy_(torch.rand(16) + 0.5)
+    scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER)
+    pipe = Flux2Pipeline(scheduler, vae, encoder, processor, transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 @pytest.mark.parametrize("steps", [1, 4, 28])
 @pytest.mark.parametrize("tokens", [15, 4096, 5000])
 def test_schedule_matches_the_scheduler(steps, tokens):
@@ -177,11 +250,14 @@ def test_a_distilled_folder_samples_without_guidance(tmp_path, capsys):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("references", [1, pytest.param(2, marks=pytest.mark.slow)])
-def test_reference_images_match_the_pipeline(tmp_path, references):
+@pytest.mark.parametrize(
+    "model, references", [("klein", 1), ("dev", 1), pytest.param("klein", 2, marks=pytest.mark.slow)]
+)
+def test_reference_images_match_the_pipeline(tmp_path, monkeypatch, model, references):
     """infer.py --image: the references' latents after the noisy tokens, each at its own size and time
-    offset (10, 20): Flux2KleinPipeline's image for image=[...], the output at the first one's size (one
-    reference) or a given size (two: under cfg 2 x ulysses 2 on 4 processes, their tokens split too)."""
+    offset (10, 20): Flux2KleinPipeline's (dev: Flux2Pipeline's) image for image=[...], the output at the
+    first one's size (one reference) or a given size (two: under cfg 2 x ulysses 2 on 4 processes, their
+    tokens split too). dev's text encoder is gone before its transformer loads (Family.texts_first)."""
     import numpy as np
     from PIL import Image
 
@@ -195,16 +271,33 @@ def test_reference_images_match_the_pipeline(tmp_path, references):
         paths.append(tmp_path / f"ref{i}.png")
         Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(paths[-1])
     with torch.random.fork_rng():
-        pipe = tiny_flux2_pipeline()
+        pipe = tiny_flux2_pipeline() if model == "klein" else tiny_flux2_dev_pipeline()
     pipe.save_pretrained(tmp_path / "pipeline")
     parts = [f"{key}.pretrained={tmp_path / 'pipeline'}" for key in ("model", "vae", "text_encoder")]
-    recipe, out = str(ROOT / "configs" / "flux2-klein.yaml"), tmp_path / "out.npy"
+    recipe, out = str(ROOT / "configs" / f"flux2-{model}.yaml"), tmp_path / "out.npy"
     argv = ["--config", recipe, "model.size=auto", *parts, "--frames", "1", "--prompt", "make it blue",
             "--steps", "2", "--guidance", "4", "--seed", "3", "--output", str(out)]  # fmt: skip
     argv += ["--image", *map(str, paths)]
-    size = {}
+    size, order = {}, []
+    if model == "dev":  # the order of its parts' lifecycle
+        from models.family import Family
+        from models.flux2.family import Flux2Dev
+
+        def encode_first(self, parts, *rest):
+            order.append("texts")
+            first(self, parts, *rest)
+            order.append("freed" if parts.text_encoder is None else "kept")
+
+        def load_transformer(self, *rest):
+            order.append("transformer")
+            return load(self, *rest)
+
+        first, load = Flux2Dev.encode_first, Family.load_transformer
+        monkeypatch.setattr(Flux2Dev, "encode_first", encode_first)
+        monkeypatch.setattr(Family, "load_transformer", load_transformer)
     if references == 1:
         assert run_main(infer, argv) == 0
+        assert order == (["texts", "freed", "transformer"] if model == "dev" else []), order
     else:
         size = dict(height=40, width=24)
         argv += ["--height", "40", "--width", "24", "parallel.cfg=2", "parallel.ulysses=2"]
@@ -216,7 +309,7 @@ def test_reference_images_match_the_pipeline(tmp_path, references):
     ).images[0]  # fmt: skip
     got = np.load(out)[0]
     diff = float(np.abs(got - want).max())
-    print(f"{references} reference(s): infer.py vs Flux2KleinPipeline {diff:.2e}, {got.shape}")
+    print(f"{model}, {references} reference(s): infer.py vs {type(pipe).__name__} {diff:.2e}, {got.shape}")
     assert got.shape == want.shape and diff <= 1e-5 and want.std() > 0.01
 
 

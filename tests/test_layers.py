@@ -147,7 +147,7 @@ def test_a_dit_command_imports_no_other_family():
         # a tessera run as model.pretrained (demo_lora.sh) claims no family
         "from configs import load_config; "
         "load_config('configs/demo.yaml', ['model.pretrained=' + tempfile.mkdtemp()]); "
-        "assert 'ltx2' in FAMILIES and len(FAMILIES) == 8; "
+        "assert 'ltx2' in FAMILIES and len(FAMILIES) == 9; "
         "print(sorted(m for m in sys.modules if m.split('.')[1:2] in "
         "(['ltx2'], ['qwen_image'], ['sana'], ['hunyuan_video15'], ['z_image'], ['flux2'])))"
     )

@@ -3,7 +3,7 @@ Qwen3 text encoder (three layers' hidden states side by side) and AutoencoderKLF
 2 x 2 into 128 channels and normalised by its batch norm's running statistics; the scheduler's shift at the
 pipeline's empirical mu; CFG against the negative prompt (the pipeline's: the empty one) above 1, none for a
 step-distilled folder (model_index.json's is_distilled: a guidance scale other than 1 is refused there).
-Text-to-image under dp, cfg, ulysses or ring. FLUX.2 dev (guidance embedded, Mistral) is refused by name.
+Text-to-image under dp, cfg, ulysses or ring. FLUX.2 dev (Flux2Dev): the guidance scale embedded, Mistral.
 """
 
 import math
@@ -13,9 +13,10 @@ from dataclasses import replace
 import torch
 
 from models.family import Components, Family, part_folder, read_json
-from models.flux2.text import MAX_SEQUENCE_LENGTH, encode_prompt
+from models.flux2.text import MAX_SEQUENCE_LENGTH, encode_prompt, encode_prompt_dev
 from models.flux2.transformer import Flux2Cond
 from models.flux2.weights import (
+    DEV_PIPELINE_CLASSES,
     PIPELINE_CLASSES,
     TRANSFORMER_CLASS,
     build_transformer,
@@ -79,6 +80,7 @@ class Flux2(Family):
     # ComfyUI's: BFL's names under diffusion_model., the scale in B (ai-toolkit's layout, which diffusers'
     # Flux2 loader reads; it refuses alpha keys there)
     lora_formats, lora_alphas, lora_release_names = ("diffusers", "comfyui"), False, True
+    text_encoder_default = "Qwen3ForCausalLM"  # a folder whose model_index.json does not name it
 
     def takes_images(self, cfg) -> bool:
         return True  # reference images, optional: --image
@@ -202,15 +204,18 @@ class Flux2(Family):
         from diffusers import AutoencoderKLFlux2
 
         model = self.load_transformer(cfg, dtype, keep) if transformer else None
-        encoder_class = self.text_encoder_class(cfg, "Qwen3ForCausalLM")  # klein's
+        encoder_class = self.text_encoder_class(cfg, self.text_encoder_default)
         encoder = encoder_class.from_pretrained(part_folder(cfg, "text_encoder"), dtype=dtype)
         vae = AutoencoderKLFlux2.from_pretrained(part_folder(cfg, "vae"), torch_dtype=dtype)
         encoder, vae = (m.eval().to(device).requires_grad_(False) for m in (encoder, vae))
         if model is not None:
             model = model.to(device).requires_grad_(False)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(part_folder(cfg, "tokenizer"))
+        tokenizer = self.load_tokenizer(transformers, part_folder(cfg, "tokenizer"))
         scheduler = read_json(part_folder(cfg, "scheduler") / "scheduler_config.json")
         return Components(model, tokenizer, encoder, vae, scheduler)
+
+    def load_tokenizer(self, transformers, folder):
+        return transformers.AutoTokenizer.from_pretrained(folder)
 
     def encode(self, parts: Components, prompts: list, max_length: int, negative: bool = False):
         return Flux2Cond(encode_prompt(prompts, parts.tokenizer, parts.text_encoder, max_length))
@@ -258,3 +263,37 @@ class Flux2(Family):
         B, C, h, w = z.shape
         z = z.reshape(B, C // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(B, C // 4, h * 2, w * 2)
         return parts.vae.decode(z, return_dict=False)[0].unsqueeze(2)
+
+
+class Flux2Dev(Flux2):
+    """FLUX.2 dev (Flux2Pipeline folders): klein's transformer with the guidance scale as its input (1000
+    times it through the guidance embedder; no CFG batch, so no cfg degree), a Mistral 3 text encoder read
+    through its processor with BFL's system message (text.py encode_prompt_dev). It samples; its training
+    is refused by name (Family.trains)."""
+
+    name, title = "flux2_dev", "FLUX.2 dev"
+    pipeline_classes = DEV_PIPELINE_CLASSES
+    parallel_degrees = ("ulysses", "ring")  # one of them (joint attention)
+    trains = precomputes = False
+    text_encoder_default = "Mistral3ForConditionalGeneration"
+    texts_first = True  # its 24B Mistral freed before its 32B transformer loads (never guided: no negative)
+
+    def load_tokenizer(self, transformers, folder):
+        return transformers.AutoProcessor.from_pretrained(folder)  # its chat template is the processor's
+
+    def encode(self, parts: Components, prompts: list, max_length: int, negative: bool = False):
+        return Flux2Cond(encode_prompt_dev(prompts, parts.tokenizer, parts.text_encoder, max_length))
+
+    def guided(self, scale: float) -> bool:
+        return False  # the scale is the transformer's input: never a second branch
+
+    def check_guidance(self, cfg, guidance: float) -> None:
+        if guidance < 0:
+            raise ValueError(f"guidance {guidance}: {self.title} embeds a guidance scale of 0 or more")
+
+    def conditionings(self, parts: Components, sampling) -> tuple:
+        """Family.conditionings, the sampling's guidance scale in every prompt's conditioning, as the
+        pipeline hands it to the transformer (float32)."""
+        cond, uncond = super().conditionings(parts, sampling)
+        scale = torch.full((cond.text.shape[0],), float(sampling.guidance), device=cond.text.device)
+        return replace(cond, guidance=scale), uncond

@@ -29,6 +29,7 @@ class Flux2Cond:
     text_mask: torch.Tensor | None = None  # always None: the pipelines mask nothing
     references: torch.Tensor | None = None  # (B, M, C): reference images' packed latents, kept clean
     reference_grids: torch.Tensor | None = None  # (B, k, 3) long: each reference's token grid (t, h, w)
+    guidance: torch.Tensor | None = None  # (B,) dev's guidance scale, its transformer's input (klein: None)
 
 
 def rope_angles(positions: torch.Tensor, axes_dims, theta: float) -> torch.Tensor:
@@ -215,25 +216,36 @@ class ImageMods:
     single: tuple
 
 
-class TimeEmbedding(nn.Module):
-    """diffusers' Flux2TimestepGuidanceEmbeddings without guidance (klein): 256 sinusoidal features (cos
-    first) of the timestep, then linear_1, SiLU, linear_2 without biases (`timestep_embedder`)."""
+def _embedder(channels: int, dim: int) -> nn.Module:
+    """diffusers' TimestepEmbedding without biases: linear_1, SiLU, linear_2."""
+    embedder = nn.Module()
+    embedder.linear_1 = nn.Linear(channels, dim, bias=False)
+    embedder.linear_2 = nn.Linear(dim, dim, bias=False)
+    return embedder
 
-    def __init__(self, dim: int, channels: int = 256):
+
+class TimeEmbedding(nn.Module):
+    """diffusers' Flux2TimestepGuidanceEmbeddings: 256 sinusoidal features (cos first) of the timestep
+    through `timestep_embedder`, plus (dev: `guidance`) those of the guidance scale through its own
+    `guidance_embedder`, when a guidance is given."""
+
+    def __init__(self, dim: int, channels: int = 256, guidance: bool = False):
         super().__init__()
         self.channels = channels
-        self.timestep_embedder = nn.Module()
-        self.timestep_embedder.linear_1 = nn.Linear(channels, dim, bias=False)
-        self.timestep_embedder.linear_2 = nn.Linear(dim, dim, bias=False)
+        self.timestep_embedder = _embedder(channels, dim)
+        self.guidance_embedder = _embedder(channels, dim) if guidance else None
 
-    def forward(self, t):
-        e = self.timestep_embedder
-        return e.linear_2(F.silu(e.linear_1(timestep_features(t, self.channels).to(t.dtype))))
+    def forward(self, t, guidance=None):
+        embed = lambda e, v: e.linear_2(F.silu(e.linear_1(timestep_features(v, self.channels).to(v.dtype))))  # noqa: E731
+        temb = embed(self.timestep_embedder, t)
+        if guidance is not None and self.guidance_embedder is not None:
+            temb = temb + embed(self.guidance_embedder, guidance)
+        return temb
 
 
 class Flux2Transformer(nn.Module):
-    """FLUX.2's transformer (klein: no guidance embedding). in_channels counts the packed 2 x 2 patch of the
-    VAE's latents (128 released); the token grid is the latents' own (patch 1)."""
+    """FLUX.2's transformer (klein: no guidance embedding; dev: `guidance`). in_channels counts the packed
+    2 x 2 patch of the VAE's latents (128 released); the token grid is the latents' own (patch 1)."""
 
     def __init__(
         self,
@@ -248,6 +260,7 @@ class Flux2Transformer(nn.Module):
         axes_dims_rope=(32, 32, 32, 32),
         rope_theta: float = 2000.0,
         eps: float = 1e-6,
+        guidance: bool = False,
         attention_backend: str = "sdpa",
     ):
         super().__init__()
@@ -259,9 +272,9 @@ class Flux2Transformer(nn.Module):
         self._architecture = dict(
             in_channels=in_channels, out_channels=self.out_channels, depth=depth, single_depth=single_depth,
             head_dim=head_dim, num_heads=num_heads, text_dim=text_dim, mlp_ratio=mlp_ratio,
-            axes_dims_rope=tuple(axes_dims_rope), rope_theta=rope_theta, eps=eps,
+            axes_dims_rope=tuple(axes_dims_rope), rope_theta=rope_theta, eps=eps, guidance=guidance,
         )  # fmt: skip
-        self.time_guidance_embed = TimeEmbedding(dim)
+        self.time_guidance_embed = TimeEmbedding(dim, guidance=guidance)
         self.double_stream_modulation_img = Modulation(dim, 2)
         self.double_stream_modulation_txt = Modulation(dim, 2)
         self.single_stream_modulation = Modulation(dim, 1)
@@ -304,11 +317,12 @@ class Flux2Transformer(nn.Module):
         return self.x_embedder(tokens), (T, H, W)
 
     def condition(self, t, cond=None) -> ImageMods:
-        """The time embedding (the pipeline's 1000 sigma in the model's dtype, / 1000, * 1000) and every
-        block's modulation."""
+        """The time embedding (the pipeline's 1000 sigma in the model's dtype, / 1000, * 1000; dev: plus
+        its guidance scale's, 1000 times the scale in the model's dtype) and every block's modulation."""
         dtype = self.x_embedder.weight.dtype
         timestep = ((t.float() * 1000).to(dtype) / 1000).to(dtype) * 1000
-        temb = self.time_guidance_embed(timestep)
+        guidance = getattr(cond, "guidance", None)
+        temb = self.time_guidance_embed(timestep, None if guidance is None else guidance.to(dtype) * 1000)
         double_img = split_modulation(self.double_stream_modulation_img(temb), 2)
         double_txt = split_modulation(self.double_stream_modulation_txt(temb), 2)
         return ImageMods(

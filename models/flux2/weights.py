@@ -11,17 +11,13 @@ from models.flux2.transformer import Flux2Transformer
 from models.weight_files import unprefixed
 
 PIPELINE_CLASSES = ("Flux2KleinPipeline",)
+DEV_PIPELINE_CLASSES = ("Flux2Pipeline",)
 TRANSFORMER_CLASS = "Flux2Transformer2DModel"
 
 
 def transformer_kwargs(config: dict) -> dict:
     """Flux2Transformer(...) keyword arguments from a diffusers config.json; what it does not build is
     refused by name."""
-    if config.get("guidance_embeds", True):
-        raise ValueError(
-            "FLUX.2 with guidance_embeds (dev, guidance-distilled) is not supported yet: tessera samples "
-            "FLUX.2 klein (Flux2KleinPipeline folders)"
-        )
     if config.get("patch_size", 1) != 1:
         raise ValueError(f"FLUX.2 with patch_size {config['patch_size']} is not supported (the release's: 1)")
     return dict(
@@ -36,6 +32,7 @@ def transformer_kwargs(config: dict) -> dict:
         axes_dims_rope=tuple(config.get("axes_dims_rope", (32, 32, 32, 32))),
         rope_theta=config.get("rope_theta", 2000),
         eps=config.get("eps", 1e-6),
+        guidance=bool(config.get("guidance_embeds", True)),  # dev's (diffusers' default); klein's is off
     )
 
 

@@ -221,6 +221,9 @@ def load_sampling(cfg, runtime, family, request, weights: Weights, loras, patche
     dtype = torch.bfloat16 if runtime.bf16(cfg.train.precision) else torch.float32
     with reading_weights(f"{family.title}'s parts (model.pretrained={cfg.model.pretrained})"):
         parts = family.load(cfg, runtime.device, dtype, transformer=False)
+    if family.texts_first:  # its text encoder gone before the transformer comes
+        negative = request.negative_prompt if family.guided(request.guidance) else None
+        family.encode_first(parts, request.prompts, negative, cfg.text_encoder.max_length)
     model = sampling_transformer(cfg, runtime, family, weights, loras, group=runtime.control_group)
     parts.transformer = model.to(runtime.device)
     parts.cache = request.cache
