@@ -30,10 +30,24 @@ WHOLE_SUITE_ROWS = {  # file: [(rows, tests), ...]
     # 2511's sampling and loss through infer.py and train.py: 2509's cover the path, 2511's transformer test
     # its modulation
     "tests/test_qwen_image_edit.py": [(("2511",), ("test_infer_matches_the_pipeline", "test_the_edit_loss"))],
+    # FLUX.2 dev's transformer, weights and LoRAs are klein's code: its sampling and refusals stay fast
+    "tests/test_families.py": [
+        (("flux2_dev",),
+         ("test_bf16", "test_single_file", "test_peft_lora", "test_weights_without", "test_parallel_auto",
+          "test_family_of")),
+        (("z_image",), ("test_loras_in_the_release_names",)),  # FLUX.2's row covers the path
+    ],
 }  # fmt: skip
+# the files that take longest, first: xdist's --dist loadfile hands files to the workers in collection order,
+# so a long file started last would keep one worker busy after the other has finished (test_failures.py
+# waits out timeouts: about 11 minutes of one worker on 2 cores)
+LONGEST_FIRST = ("test_failures.py", "test_qwen_image_edit.py", "test_run_takeover.py", "test_families.py",
+                 "test_family_training.py", "test_scripts.py", "test_trust_probes.py")  # fmt: skip
 
 
 def pytest_collection_modifyitems(items):
+    order = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(Path(str(item.fspath)).name, len(order)))  # stable: files whole
     for item in items:
         callspec = getattr(item, "callspec", None)
         ids = set(callspec.id.split("-")) if callspec else set()  # the rows' ids: a family, a release

@@ -214,6 +214,8 @@ def test_infer_matches_the_pipeline(edit, tmp_path, references):
     from tests.conftest import run_main
 
     pipe, folder, paths = edit
+    if references == 2 and not pipe.transformer.config.zero_cond_t:
+        pytest.skip("2511's two references cover 2509's path (its flags: one reference and the transformer)")
     paths = paths[:references]
     prompts = ["make it blue", "add a hat"]
     out = str(tmp_path / "out.npy")
@@ -556,6 +558,8 @@ def test_a_lora_trained_on_edit_pairs_loads_in_the_pipeline(edit, tmp_path):
     import export
 
     pipe, folder, paths = edit
+    if not pipe.transformer.config.zero_cond_t:
+        pytest.skip("a LoRA's training, export and loading are one path for 2509 and 2511: 2511's covers it")
     manifest, run = edit_pairs(tmp_path, paths), tmp_path / "train"  # infer.py's run.output_dir is "run"
     steps = ["train.max_steps=3", "train.checkpoint_every=3", "train.sample_every=3", "train.lr=2e-1"]
     argv = edit_train_args(folder, run, manifest, "lora.rank=4", *steps, f"sample.images=[{paths[0]}]")
