@@ -133,7 +133,10 @@ LAYOUTS = {  # (processes, overrides, families): each launch checks its degrees 
 @pytest.fixture(scope="module", params=FAMILIES)
 def saved(request, tmp_path_factory):
     """(family, its tiny pipeline saved as a diffusers folder)."""
-    name = request.param
+    return saved_folder(request.param, tmp_path_factory)
+
+
+def saved_folder(name, tmp_path_factory) -> tuple:
     folder = tmp_path_factory.mktemp(name) / "pipeline"
     with torch.random.fork_rng():
         pipe = ROWS[name].build()

@@ -21,11 +21,20 @@ from models.families import family_named
 from models.flow import RectifiedFlow
 from parallel.drive.family_training import FamilyRun, family_batch
 from tests.conftest import ROOT, ranks, run_main
-from tests.test_families import ROWS, infer_args, negative, pipeline_image, saved  # noqa: F401  (saved: a fixture)
+from tests.test_families import ROWS, infer_args, negative, pipeline_image, saved_folder
 from tests.test_sana import MAX_LENGTH, PROMPTS
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import export  # noqa: E402
+
+TRAINED = [name for name in ROWS if family_named(name).trains]  # FLUX.2 dev samples only (test_refusals)
+
+
+@pytest.fixture(scope="module", params=TRAINED)
+def saved(request, tmp_path_factory):
+    """(family, its tiny pipeline saved as a diffusers folder), for the families that train."""
+    return saved_folder(request.param, tmp_path_factory)
+
 
 # height, width: 3 x 5 tokens, which neither degree 2 divides (Z-Image pads them to 32)
 TRAIN_SIZE = dict(qwen_image=(48, 80), sana=(96, 160), z_image=(24, 40), flux2=(24, 40))
@@ -136,7 +145,7 @@ def diffusers_loss(name, pipe, pixels, prompts, noise, sigma) -> torch.Tensor:
 
 
 @torch.no_grad()
-def test_the_loss_is_diffusers(saved):  # noqa: F811
+def test_the_loss_is_diffusers(saved):
     """Two images, one caption dropped (the empty prompt), two noise levels: the loss train.py's step
     computes (encode_family_batch, family_batch, the family's training_loss on its velocity) is
     the loss of diffusers' training scripts on the pipeline's own parts."""
@@ -167,7 +176,7 @@ def test_the_loss_is_diffusers(saved):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def runs(saved, tmp_path_factory):  # noqa: F811
+def runs(saved, tmp_path_factory):
     """(family, folder, {"full": a 3-step full fine-tuning's run, "lora": a 3-step LoRA run}), the EMA the
     raw weights (train.ema_decay=0), so that exports and samples show what the steps changed."""
     name, folder = saved
@@ -228,7 +237,7 @@ def test_lora_on_a_float8_base_trains_within_the_tolerance(runs, tmp_path):
     print(f"{name}: float8 base {ours}, full {full}", file=sys.__stderr__)
 
 
-def test_precomputed_latents_train_as_the_images_do(saved, tmp_path, monkeypatch):  # noqa: F811
+def test_precomputed_latents_train_as_the_images_do(saved, tmp_path, monkeypatch):
     """scripts/precompute_latents.py encodes the images and captions (and the empty prompt) once; training
     on them (the text encoder freed once the previews' prompts are encoded) takes the steps training on
     the images takes: the same losses and gradient norms, half the captions dropped."""
@@ -260,7 +269,7 @@ def test_precomputed_latents_train_as_the_images_do(saved, tmp_path, monkeypatch
     assert worst <= (1e-5 if name == "z_image" else 1e-6)
 
 
-def test_buckets_by_aspect_ratio(saved, tmp_path):  # noqa: F811
+def test_buckets_by_aspect_ratio(saved, tmp_path):
     """Image buckets of two sizes and three aspect ratios, each side a multiple of the family's VAE stride
     times its patch: the run trains on more than one of them, each a latent the transformer takes."""
     name, folder = saved
@@ -335,7 +344,7 @@ def test_a_calibrated_step_cache_for_a_family_run(runs, tmp_path, capsys):
 @pytest.mark.parametrize(
     "world", [pytest.param(2, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow), 8]
 )
-def test_parallel_auto_trains_under_a_split_the_family_takes(saved, tmp_path, monkeypatch, world):  # noqa: F811
+def test_parallel_auto_trains_under_a_split_the_family_takes(saved, tmp_path, monkeypatch, world):
     """train.py with parallel.auto on `world` processes (one node): a layout of all of them whose split the
     family trains every bucket under (Sana's halo: a row and one per rank of its 3 x 5 tokens, so dp takes
     what ring cannot), the same degrees given by hand accepted; checked before any process group."""
@@ -427,7 +436,7 @@ def test_sequence_parallel_training_is_one_process(runs, tmp_path, degree):
 
 
 @torch.no_grad()
-def test_a_distilled_student_samples_in_diffusers_what_infer_samples(saved, tmp_path):  # noqa: F811
+def test_a_distilled_student_samples_in_diffusers_what_infer_samples(saved, tmp_path):
     """train.objective=dmd, 2 steps of a 2-step student (its turn and the critic's at both): the
     exported LoRA, in the pipeline at 2 steps and the family's no-guidance scale, samples what infer.py
     samples from the run (which takes the student's steps and drops guidance by itself)."""
