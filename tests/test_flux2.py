@@ -110,22 +110,29 @@ def tiny_text_encoder(vocab_size: int):
     return Qwen3ForCausalLM(config).eval()
 
 
+def tiny_vae_and_scheduler() -> tuple:
+    """The tiny AutoencoderKLFlux2, seeded, its batch-norm statistics not the identity; the scheduler."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLFlux2(**FLUX2_VAE).eval()
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(torch.randn(16) * 0.3)
+        vae.bn.running_var.copy_(torch.rand(16) + 0.5)
+    return vae, FlowMatchEulerDiscreteScheduler(**SCHEDULER)
+
+
 def tiny_flux2_pipeline(is_distilled: bool = False):
     """The tiny diffusers Flux2KleinPipeline, float32, seeded; its VAE's batch-norm statistics not the
     identity."""
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+    from diffusers import Flux2KleinPipeline
 
     from tests.test_z_image import z_tokenizer
 
     tokenizer = z_tokenizer()
     encoder = tiny_text_encoder(len(tokenizer))
     transformer = tiny_transformer()[0]
-    torch.manual_seed(0)
-    vae = AutoencoderKLFlux2(**FLUX2_VAE).eval()
-    with torch.no_grad():
-        vae.bn.running_mean.copy_(torch.randn(16) * 0.3)
-        vae.bn.running_var.copy_(torch.rand(16) + 0.5)
-    scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER)
+    vae, scheduler = tiny_vae_and_scheduler()
     pipe = Flux2KleinPipeline(scheduler, vae, encoder, tokenizer, transformer, is_distilled=is_distilled)
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -174,12 +181,7 @@ def dev_text_encoder(tokenizer):
 
 def tiny_flux2_dev_pipeline():
     """The tiny diffusers Flux2Pipeline (FLUX.2 dev: the guidance embedded, Mistral 3), float32, seeded."""
-    from diffusers import (
-        AutoencoderKLFlux2,
-        FlowMatchEulerDiscreteScheduler,
-        Flux2Pipeline,
-        Flux2Transformer2DModel,
-    )
+    from diffusers import Flux2Pipeline, Flux2Transformer2DModel
 
     processor = dev_processor()
     encoder = dev_text_encoder(processor)
@@ -188,12 +190,7 @@ def tiny_flux2_dev_pipeline():
     with torch.no_grad():  # as tiny_transformer: the modulations some weight
         for p in transformer.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    torch.manual_seed(0)
-    vae = AutoencoderKLFlux2(**FLUX2_VAE).eval()
-    with torch.no_grad():
-        vae.bn.running_mean.copy_(torch.randn(16) * 0.3)
-        vae.bn.running_var.copy_(torch.rand(16) + 0.5)
-    scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER)
+    vae, scheduler = tiny_vae_and_scheduler()
     pipe = Flux2Pipeline(scheduler, vae, encoder, processor, transformer)
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -397,9 +394,9 @@ def test_bfl_named_adapters_start_a_run_at_their_rank():
     adapter of three times the rank) starts a run of the rank that wrote it exactly: each projection's own
     block of the fused adapter, the same weight updates."""
     from models.families import family_named
-    from models.lora import adapted_modules, adapter_deltas, add_adapters
-    from models.lora_formats import export_adapters, match_lora, starting_adapters
-    from tests.test_lora import adapters_of, randomize_adapters
+    from models.lora import add_adapters
+    from models.lora_formats import export_adapters, match_lora
+    from tests.test_lora import adapters_of, assert_starts_alike, randomize_adapters
 
     family, config = family_named("flux2"), dict(tiny_transformer()[0].config)
     source, run = build_transformer(config), build_transformer(config)
@@ -409,12 +406,4 @@ def test_bfl_named_adapters_start_a_run_at_their_rank():
     projections, linears = family.projections(build_transformer(config))
     tensors = export_adapters(adapters_of(source), projections, "comfyui", alphas=False, release=True)
     assert tensors["diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight"].shape[0] == 6
-    start = starting_adapters(match_lora(tensors, projections, linears), adapted_modules(run), seed=0)
-    with torch.no_grad():
-        for name, p in run.named_parameters():
-            if name in start:
-                p.copy_(start[name])
-    assert len(start) == 2 * len(adapted_modules(run))
-    ours, theirs = adapter_deltas(run), adapter_deltas(source)
-    for name in theirs:
-        assert torch.allclose(ours[name][0][1], theirs[name][0][1], atol=1e-6), name
+    assert_starts_alike(run, source, match_lora(tensors, projections, linears))

@@ -226,6 +226,19 @@ def adapters_of(model) -> dict:
     }
 
 
+def assert_starts_alike(run, source, update) -> None:
+    """lora.init_from's adapters of `update` in `run`: every adapter started, each update `source`'s."""
+    start = starting_adapters(update, adapted_modules(run), seed=0)
+    with torch.no_grad():
+        for name, p in run.named_parameters():
+            if name in start:
+                p.copy_(start[name])
+    assert len(start) == 2 * len(adapted_modules(run))
+    ours, theirs = adapter_deltas(run), adapter_deltas(source)
+    for name in theirs:
+        assert torch.allclose(ours[name][0][1], theirs[name][0][1], atol=1e-6), name
+
+
 @pytest.mark.parametrize("wan", [True, False])
 def test_a_file_starts_the_adapters_exactly(wan):
     """lora.init_from: a file's adapters (rank 2, another alpha) become the run's rank-4 adapters, padded,
@@ -241,15 +254,7 @@ def test_a_file_starts_the_adapters_exactly(wan):
     update = match_lora(tensors, projections, linears)
     run = make()
     add_adapters(run, rank=4, alpha=8.0, patterns=DEFAULT_TARGETS)
-    start = starting_adapters(update, adapted_modules(run), seed=0)
-    with torch.no_grad():
-        for name, p in run.named_parameters():
-            if name in start:
-                p.copy_(start[name])
-    assert len(start) == 2 * len(adapted_modules(run))
-    ours, theirs = adapter_deltas(run), adapter_deltas(source)
-    for name in theirs:
-        assert torch.allclose(ours[name][0][1], theirs[name][0][1], atol=1e-6), name
+    assert_starts_alike(run, source, update)
     small = make()
     add_adapters(small, rank=1, alpha=1.0, patterns=DEFAULT_TARGETS)
     with pytest.raises(LoRAFormatError, match="has rank 2 in the file, more than lora.rank=1"):
