@@ -382,9 +382,10 @@ class Family:
         pipelines give them (Qwen-Image-Edit encodes its references with the text)."""
         prompts, size = sampling.prompts, sampling.size
         guided, negative = self.guided(sampling.guidance), [sampling.negative_prompt] * len(prompts)
-        if parts.texts:  # encode_first's
-            cond = joined([parts.texts[p] for p in prompts])
-            uncond = joined([parts.texts[(n,)] for n in negative]) if guided else None
+        if parts.texts:  # encode_first's, on the host until their batch comes
+            device = next(parts.vae.parameters()).device
+            cond = joined([parts.texts[p] for p in prompts], device)
+            uncond = joined([parts.texts[(n,)] for n in negative], device) if guided else None
         else:
             cond, uncond = self.encode(parts, prompts, sampling.max_length), None
             if guided:
@@ -399,10 +400,12 @@ class Family:
         guides, under (negative,)), then the text encoder freed."""
         import gc
 
+        host = torch.device("cpu")  # 15.7 MB a prompt for FLUX.2 dev: many prompts would crowd the GPU
         for prompt in dict.fromkeys(prompts):
-            parts.texts[prompt] = self.encode(parts, [prompt], max_length)
+            parts.texts[prompt] = joined([self.encode(parts, [prompt], max_length)], host)
         if negative is not None:
-            parts.texts[(negative,)] = self.encode(parts, [negative], max_length, negative=True)
+            uncond = self.encode(parts, [negative], max_length, negative=True)
+            parts.texts[(negative,)] = joined([uncond], host)
         parts.text_encoder = None
         gc.collect()
         if torch.cuda.is_available():
@@ -698,14 +701,12 @@ def padded(rows: list) -> tuple:
     return out, None if bool(mask.all()) else mask
 
 
-def joined(conds: list):
-    """Conditionings of one prompt each as one batch: their tensor fields side by side (of one shape: the
-    families whose texts have a fixed length)."""
-    fields_ = {
-        name: torch.cat([getattr(c, name) for c in conds]) if getattr(conds[0], name) is not None else None
-        for name in shared_fields(type(conds[0]))
-    }
-    return replace(conds[0], **fields_)
+def joined(conds: list, device):
+    """Conditionings of one prompt each as one batch on `device`: their tensor fields side by side (of one
+    shape: the families whose texts have a fixed length)."""
+    cat = lambda name: torch.cat([getattr(c, name) for c in conds]).to(device)  # noqa: E731
+    names = [n for n in shared_fields(type(conds[0])) if getattr(conds[0], n) is not None]
+    return replace(conds[0], **{name: cat(name) for name in names})
 
 
 def shared_fields(conditioning) -> list:

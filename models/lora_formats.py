@@ -363,22 +363,24 @@ def match_lora(
             " (tessera reads diffusers/PEFT, ComfyUI/original and kohya/musubi names of this model's "
             "transformer; a LoRA for another model family does not apply)"
         )
-    updates, wrong, ranks = [], [], set()
+    updates, wrong, ranks, applied = [], [], set(), {}
     for name, parts in sorted(groups.items()):
         if "A" not in parts or "B" not in parts:
             wrong.append(f"{name} has no {'lora_B (lora_up)' if 'A' in parts else 'lora_A (lora_down)'}")
             continue
         A, B, entries = parts["A"], parts["B"], table[name]
         total = entries[0][0].release_size if entries[0][1] is not None else None
-        start = len(updates)
-        for p, rows in entries:
+        if total is not None and (A.dim() != 2 or B.dim() != 2 or B.shape[0] != total):
+            wrong.append(f"{name}: A {tuple(A.shape)}, B {tuple(B.shape)}; this model's has {total} rows")
+            continue
+        found = [(p, B if rows is None else B[rows]) for p, rows in entries]
+        for p, (a, part) in _own_blocks(A, found) if total is not None else [(p, (A, b)) for p, b in found]:
             expected = linears_in[p.module][1] if p.rows is None else p.rows.stop - p.rows.start
-            part = B[rows] if rows is not None and B.dim() == 2 and B.shape[0] == total else B
             if (
-                A.dim() != 2
+                a.dim() != 2
                 or part.dim() != 2
-                or A.shape[0] != part.shape[1]
-                or A.shape[1] != linears_in[p.module][0]
+                or a.shape[0] != part.shape[1]
+                or a.shape[1] != linears_in[p.module][0]
                 or part.shape[0] != expected
             ):
                 wrong.append(
@@ -386,10 +388,13 @@ def match_lora(
                     f"{linears_in[p.module][0]} -> {expected if total is None else total}"
                 )
                 break
-            rank = A.shape[0]
+            if (p.module, str(p.rows)) in applied:  # two keys, one layer: its update would count twice
+                wrong.append(f"{name} and {applied[p.module, str(p.rows)]} adapt the same layer {p.module}")
+                break
+            applied[p.module, str(p.rows)] = name
+            rank = A.shape[0]  # the file's: its alpha / rank scales the whole adapter
             bare = name.removeprefix("transformer.")
             scale = float(parts["alpha"]) / rank if "alpha" in parts else peft_scale(config, bare, rank)
-            a, part = _own_block(A, part, len(entries), len(updates) - start) if total else (A, part)
             ranks.add(a.shape[0])
             updates.append((p, a, part, scale))
     if wrong:
@@ -402,16 +407,19 @@ def match_lora(
     return LoRAUpdate(str(path), updates, max(ranks))
 
 
-def _own_block(A, B, count: int, index: int) -> tuple:
-    """(A, B) of one of `count` Linears a fused release weight holds, cut to its own block of the rank when
-    the file's adapter is block-diagonal (as trainers and export_adapters write fused q/k/v): exact, since
-    B's other columns are zero, and lora.init_from gets the rank the run trained."""
-    if count == 1 or A.shape[0] % count:
-        return A, B
-    block = slice(index * A.shape[0] // count, (index + 1) * A.shape[0] // count)
-    outside = torch.ones(A.shape[0], dtype=torch.bool)
-    outside[block] = False
-    return (A[block], B[:, block]) if not B[:, outside].any() else (A, B)
+def _own_blocks(A, found: list) -> list:
+    """[(projection, (A, B))] of the Linears one release weight holds (`found`: each with its rows of the
+    file's B), each cut to the columns of the rank its B uses: exact (the others add zero), so a
+    block-diagonal file (trainers' and export_adapters' fused q, k, v) gives each its own rank, whatever
+    their order or ranks, and lora.init_from the rank the run trained. A Linear whose rows are all zero is
+    left out while another's are not (a file that adapts q and v of a fused q, k, v)."""
+    used = [b.abs().sum(0) != 0 for _, b in found]
+    if not any(u.any() for u in used):  # nothing trained yet: each its share of the rank when it divides
+        count, rank = len(found), A.shape[0]
+        if rank % count:
+            return [(p, (A, b)) for p, b in found]
+        used = [torch.arange(rank) // (rank // count) == i for i in range(count)]
+    return [(p, (A[u], b[:, u])) for (p, b), u in zip(found, used, strict=True) if u.any()]
 
 
 MAX_LORA_SCALE = 100.0  # strengths are used between about -2 and 2: beyond this, a typo (1e39, nan)

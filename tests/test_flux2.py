@@ -389,21 +389,102 @@ def test_a_distilled_single_file_is_still_distilled(tmp_path):
     Flux2().check_guidance(cfg, 1.0)
 
 
-def test_bfl_named_adapters_start_a_run_at_their_rank():
+@pytest.mark.parametrize("targets", ["family", "q and v"])
+def test_bfl_named_adapters_start_a_run_at_their_rank(targets):
     """lora.init_from with a LoRA in BFL's names (ComfyUI's export: each fused q/k/v one block-diagonal
-    adapter of three times the rank) starts a run of the rank that wrote it exactly: each projection's own
-    block of the fused adapter, the same weight updates."""
+    adapter of three times the rank; of two, where the run adapted q and v alone) starts a run of the rank
+    that wrote it exactly: each projection's own block of the fused adapter, the same weight updates."""
     from models.families import family_named
     from models.lora import add_adapters
     from models.lora_formats import export_adapters, match_lora
     from tests.test_lora import adapters_of, assert_starts_alike, randomize_adapters
 
     family, config = family_named("flux2"), dict(tiny_transformer()[0].config)
+    patterns = family.lora_targets if targets == "family" else ["blocks.*.attn.to_q", "blocks.*.attn.to_v"]
     source, run = build_transformer(config), build_transformer(config)
-    add_adapters(source, rank=2, alpha=3.0, patterns=family.lora_targets)
-    add_adapters(run, rank=2, alpha=8.0, patterns=family.lora_targets)
+    add_adapters(source, rank=2, alpha=3.0, patterns=patterns)
+    add_adapters(run, rank=2, alpha=8.0, patterns=patterns)
     randomize_adapters(source)
     projections, linears = family.projections(build_transformer(config))
     tensors = export_adapters(adapters_of(source), projections, "comfyui", alphas=False, release=True)
-    assert tensors["diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight"].shape[0] == 6
+    fused = 6 if targets == "family" else 4
+    assert tensors["diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight"].shape[0] == fused
     assert_starts_alike(run, source, match_lora(tensors, projections, linears))
+
+
+def test_shared_a_release_files_read_as_diffusers_converts_them():
+    """musubi-tuner's and ai-toolkit's fused q/k/v as they write it: one A for the three (not block-diagonal),
+    B on the weight's rows. Each projection's update is the one diffusers' converters make of the same file
+    (kohya's keys with an alpha; ai-toolkit's without); a fused B of another height, and two keys naming
+    one layer, are refused by name."""
+    from diffusers.loaders.lora_conversion_utils import (
+        _convert_kohya_flux2_lora_to_diffusers,
+        _convert_non_diffusers_flux2_lora_to_diffusers,
+    )
+
+    from models.families import family_named
+    from models.lora_formats import LoRAFormatError, match_lora
+
+    family = family_named("flux2")
+    projections, linears = family.projections(build_transformer(dict(tiny_transformer()[0].config)))
+    module = {p.module: p.diffusers for found in projections.values() for p in found}
+    g = torch.Generator().manual_seed(0)
+    A, B, A2, B2 = (torch.randn(*shape, generator=g) for shape in ((4, 32), (96, 4), (4, 32), (32, 4)))
+    kohya = {"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": A,
+             "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": B,
+             "lora_unet_double_blocks_0_img_attn_qkv.alpha": torch.tensor(8.0),
+             "lora_unet_double_blocks_1_img_attn_proj.lora_down.weight": A2,
+             "lora_unet_double_blocks_1_img_attn_proj.lora_up.weight": B2}  # fmt: skip
+    toolkit = {"diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight": A,
+               "diffusion_model.double_blocks.0.img_attn.qkv.lora_B.weight": B,
+               "diffusion_model.double_blocks.1.img_attn.proj.lora_A.weight": A2,
+               "diffusion_model.double_blocks.1.img_attn.proj.lora_B.weight": B2}  # fmt: skip
+    for tensors, convert in ((kohya, _convert_kohya_flux2_lora_to_diffusers),
+                             (toolkit, _convert_non_diffusers_flux2_lora_to_diffusers)):  # fmt: skip
+        theirs = convert(dict(tensors))
+        want = {
+            key.removeprefix("transformer.").removesuffix(".lora_A.weight"): theirs[
+                key.replace("lora_A", "lora_B")
+            ] @ a
+            for key, a in theirs.items()
+            if key.endswith(".lora_A.weight")
+        }
+        ours = {module[m]: d for m, found in match_lora(tensors, projections, linears).deltas().items()
+                for _, d in found}  # fmt: skip
+        assert ours.keys() == want.keys() and len(want) == 4, (ours.keys(), want.keys())
+        assert all(torch.allclose(ours[k], want[k], atol=1e-5) for k in want)
+    with pytest.raises(LoRAFormatError, match="has 96 rows"):
+        short = {"diffusion_model.double_blocks.0.img_attn.qkv.lora_B.weight": B[:32]}
+        match_lora({**toolkit, **short}, projections, linears)
+    twice = {"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": A,
+             "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": B[:32]}  # fmt: skip
+    with pytest.raises(LoRAFormatError, match="adapt the same layer blocks.0.attn.to_q"):
+        match_lora({**toolkit, **twice}, projections, linears)
+
+
+def test_a_transformer_of_the_other_flux2_is_refused(tmp_path, capsys):
+    """klein's recipe with dev's transformer (a single file beside dev's folder), and the reverse: each
+    would sample without error and wrongly (the guidance embedding unused, or missing); one error line
+    naming the family the transformer is, before any model loads."""
+    from safetensors.torch import save_file
+
+    import infer
+    from tests.conftest import ROOT, run_main
+
+    cases = (("klein", "dev", tiny_flux2_dev_pipeline), ("dev", "klein", tiny_flux2_pipeline))
+    for model, other, build in cases:
+        folder = tmp_path / other
+        with torch.random.fork_rng():
+            pipe = build()
+        pipe.save_pretrained(folder)
+        save_file(pipe.transformer.state_dict(), folder / "transformer.safetensors")
+        parts = [f"model.pretrained={folder / 'transformer.safetensors'}", f"vae.pretrained={folder}",
+                 f"text_encoder.pretrained={folder}"]  # fmt: skip
+        argv = ["--config", str(ROOT / "configs" / f"flux2-{model}.yaml"), "model.size=auto", *parts,
+                "--frames", "1", "--height", "40", "--width", "24", "--prompt", "a red square",
+                "--steps", "2", "--output", str(tmp_path / "out.npy")]  # fmt: skip
+        assert run_main(infer, argv) != 0
+        err = capsys.readouterr().err
+        embeds = "True" if other == "dev" else "False"
+        assert f"guidance_embeds={embeds}" in err and err.count("error:") == 1, err
+        assert f"configs/flux2-{other}.yaml" in err and not (tmp_path / "out.npy").exists()

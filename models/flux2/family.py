@@ -6,6 +6,7 @@ step-distilled folder (model_index.json's is_distilled: a guidance scale other t
 Text-to-image under dp, cfg, ulysses or ring. FLUX.2 dev (Flux2Dev): the guidance scale embedded, Mistral.
 """
 
+import importlib.util
 import math
 import re
 from dataclasses import replace
@@ -81,6 +82,7 @@ class Flux2(Family):
     # Flux2 loader reads; it refuses alpha keys there)
     lora_formats, lora_alphas, lora_release_names = ("diffusers", "comfyui"), False, True
     text_encoder_default = "Qwen3ForCausalLM"  # a folder whose model_index.json does not name it
+    guidance_embedded = False  # its transformer takes the guidance scale (dev's guidance_embeds)
 
     def takes_images(self, cfg) -> bool:
         return True  # reference images, optional: --image
@@ -176,6 +178,18 @@ class Flux2(Family):
 
     def build(self, config: dict, cfg):
         return build_transformer(config, cfg.model.attention_backend)
+
+    def check_pretrained(self, cfg) -> None:
+        """Family.check_pretrained, and a transformer of this FLUX.2 (dev embeds the guidance scale, klein
+        does not: the other's weights would sample without error, and wrongly)."""
+        super().check_pretrained(cfg)
+        embeds = bool(self.transformer_config(cfg).get("guidance_embeds", True))  # diffusers' default
+        if embeds != self.guidance_embedded:
+            family, recipe = ("flux2_dev", "flux2-dev") if embeds else ("flux2", "flux2-klein")
+            raise ValueError(
+                f"model.pretrained={cfg.model.pretrained}: its transformer has guidance_embeds={embeds}, "
+                f"not {self.title}'s: it is model.family={family}'s (configs/{recipe}.yaml)"
+            )
 
     def from_original(self, state: dict) -> dict:
         return diffusers_from_original(state)  # BFL's names, ComfyUI's prefix dropped
@@ -277,6 +291,18 @@ class Flux2Dev(Flux2):
     trains = precomputes = False
     text_encoder_default = "Mistral3ForConditionalGeneration"
     texts_first = True  # its 24B Mistral freed before its 32B transformer loads (never guided: no negative)
+    guidance_embedded = True
+
+    def check_pretrained(self, cfg) -> None:
+        """Flux2.check_pretrained, and transformers able to build the folder's processor (the release's
+        PixtralProcessor needs torchvision), named before anything loads."""
+        super().check_pretrained(cfg)
+        processor = read_json(part_folder(cfg, "tokenizer") / "processor_config.json").get("processor_class")
+        if processor and importlib.util.find_spec("torchvision") is None:
+            raise ValueError(
+                f"text_encoder.pretrained: {self.title}'s tokenizer is a {processor}, which transformers "
+                "builds only with torchvision: pip install torchvision, the build that matches your torch"
+            )
 
     def load_tokenizer(self, transformers, folder):
         return transformers.AutoProcessor.from_pretrained(folder)  # its chat template is the processor's
