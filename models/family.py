@@ -330,8 +330,13 @@ class Family:
         use (models/lora_formats.py): diffusers', one for one, and the original release's."""
         from models.lora_formats import model_projections, with_release_names
 
-        projections, linears = model_projections(model, self.diffusers_name)
+        projections, linears = model_projections(model, self.lora_names(model))
         return with_release_names(projections, linears, self.to_original, self.from_original), linears
+
+    def lora_names(self, model):
+        """name -> its diffusers name, for `model`'s Linears (a family whose names depend on the model's
+        own dimensions overrides it)."""
+        return self.diffusers_name
 
     def geometry(self, cfg) -> tuple:
         """(its latent space, latents per token along (t, h, w)): for the bucket table and the training

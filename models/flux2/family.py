@@ -205,13 +205,9 @@ class Flux2(Family):
     def to_original(self, state: dict) -> dict:
         return original_from_diffusers(state)
 
-    def projections(self, model) -> tuple[dict, dict]:
-        """Family.projections, each module's diffusers name from the model's own count of double blocks."""
-        from models.lora_formats import model_projections, with_release_names
-
-        names = lambda name: next(iter(to_diffusers({name: None}, model.depth)))  # noqa: E731
-        projections, linears = model_projections(model, names)
-        return with_release_names(projections, linears, self.to_original, self.from_original), linears
+    def lora_names(self, model):
+        """Each module's diffusers name from the model's own count of double blocks."""
+        return lambda name: next(iter(to_diffusers({name: None}, model.depth)))
 
     def load(self, cfg, device, dtype, transformer: bool = True, keep=None) -> Components:
         import transformers
