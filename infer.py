@@ -203,6 +203,8 @@ def read_request(cfg, args, family, sizes: tuple, experts) -> Request:
     images, last, height, width = family.sampling_images(cfg, given, len(prompts), size, sized, warn_on_main)
     family.check_size(cfg, frames, height, width)
     family.check_guidance(cfg, guidance)  # the scale this sampling uses, with the recipe's other terms
+    flag = "sample.negative_prompt" if args.negative_prompt is None else "--negative-prompt"
+    family.check_negative(negative, flag)  # a family without a negative branch would ignore it
     cache = step_cache(cfg.sample, steps)
     sizes = (frames, height, width, steps, guidance, negative)
     return Request(prompts, outputs, *sizes, [], (), cache, images, last, experts)
@@ -413,6 +415,7 @@ def _layout_line(cfg, family, runtime, request: Request, weights: Weights, patch
         name += f", {checkpoint}" + (" (LoRA)" if weights.record is not None else "")
     elif cfg.model.pretrained and str(cfg.model.pretrained) not in name:
         name += f", {cfg.model.pretrained}"
+    name += ", float8 base" if cfg.model.base_dtype == "float8" else ""
     chosen = f" (parallel.auto: {links})" if cfg.parallel.auto else ""
     pipeline = _pipefusion_words(cfg, layout, patches)
     tiles = ""

@@ -62,8 +62,8 @@ class ModelConfig:
     # transformer_2/ when it is a pipeline folder with one (sampling only)
     pretrained_2: Optional[str] = None
     # A LoRA run's frozen base: auto (the compute dtype: bf16 on a GPU) | float8 (the blocks' Linear weights
-    # in float8 with a scale per row, computed in the compute dtype: half the base's bytes; training only,
-    # infer.py loads the base in its compute dtype; models/float8.py)
+    # in float8 with a scale per row, computed in the compute dtype: half the base's bytes; infer.py too
+    # samples on it, the adapters and --lora files merged before the blocks are quantized; models/float8.py)
     base_dtype: str = "auto"
     # Wan 2.2 A14B expert training: none | high (trains on noise levels >= sample.boundary, from
     # model.pretrained) | low (below it, from model.pretrained_2 or model.pretrained's transformer_2/)
@@ -174,6 +174,10 @@ class TrainConfig:
     grad_clip: float = 1.0
     ema_decay: float = 0.999
     text_dropout: float = 0.1  # probability of training on the empty prompt (classifier-free guidance)
+    # the guidance scale a guidance-distilled transformer (FLUX.2 dev: its input, no CFG batch) is given in
+    # training; None: its family's (FLUX.2 dev: 3.5, diffusers' train_dreambooth_lora_flux2.py's); refused
+    # by name for the others
+    guidance: Optional[float] = None
     log_every: int = 10
     checkpoint_every: int = 500
     keep_checkpoints: int = 3  # older step_<N> folders are deleted once a newer one is complete

@@ -83,6 +83,9 @@ class Family:
     # sampling encodes every prompt, then frees its text encoder before the transformer loads (FLUX.2 dev's
     # 24B Mistral beside its 32B transformer: one 80 GB GPU holds either, not both): encode_first
     texts_first = False
+    # its transformer takes the guidance scale as an input (FLUX.2 dev, guidance-distilled): no CFG batch and
+    # no negative prompt; its training gives it train.guidance (None: `training_guidance`)
+    guidance_embedded, training_guidance = False, None
 
     def resolve_size(self, cfg, error=ValueError) -> None:
         """model.size: the recipe's dimensions, filled from model.pretrained's folder under model.size=auto,
@@ -164,6 +167,15 @@ class Family:
                     f"sample.{key}={cfg.sample[key]}: {self.title} takes no such guidance "
                     "term (configs/schema.py says which families do); unset it"
                 )
+
+    def check_negative(self, negative: str, where: str) -> None:
+        """Refuse by name a negative prompt (`where`: the flag or key) a family without a negative branch
+        would ignore (its pipeline takes none)."""
+        if negative and self.guidance_embedded:
+            raise ValueError(
+                f"{where}={negative!r}: {self.title} embeds its guidance scale and has no negative branch "
+                "(its pipeline takes no negative prompt); leave it empty"
+            )
 
     def check_guidance(self, cfg, guidance: float) -> None:
         """Refuse (ValueError) a combination of the sampling's guidance scale (--guidance, else

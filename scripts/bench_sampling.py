@@ -90,7 +90,10 @@ def _sample(cfg, layout, patches, warmup, checkpoint, prompts, steps, guidance, 
     runtime, family = _runtime(layout), family_named(cfg.model.family)
     record = None if checkpoint is None else lora_of(checkpoint)
     weights = Weights(checkpoint, record, use_ema=True, random=checkpoint is None)
-    request = SimpleNamespace(cache=None, experts=None)
+    # what load_sampling reads of infer.py's Request (a texts_first family encodes the prompts from it)
+    request = SimpleNamespace(
+        cache=None, experts=None, prompts=prompts, negative_prompt="", guidance=guidance
+    )
     parts, denoise_with, _ = load_sampling(cfg, runtime, family, request, weights, (), patches or 1)
     sampling = Sampling(prompts, list(range(len(prompts))), size, steps, guidance)
     # each rank decodes the whole batch: the bytes counted are the walk's alone

@@ -1,10 +1,10 @@
 """Memory per GPU of the model families' recipes on 1 and 8 GPUs, counted on the meta device (activations
-not counted): sampling (every part in bf16 on every rank; under PipeFusion over the GPUs each holds its
-stage's share of the transformer), full fine-tuning (the transformer's float32 weights, gradients, AdamW's
-moments and EMA, 20 bytes a parameter, sharded by FSDP2; the text encoder and VAE in bf16 on every rank)
-and LoRA (the base in bf16, sharded; rank-LORA_RANK adapters on the family's lora.targets, 20 bytes a
-parameter; text encoder and VAE), also from precomputed latents (data.latents: no text encoder; the other
-frozen parts stay: HunyuanVideo 1.5's ByT5, LTX-2's connectors, audio VAE and vocoder).
+not counted): sampling (every part in bf16 on every rank; under PipeFusion each GPU holds its stage's share
+of the transformer), full fine-tuning (20 bytes a transformer parameter: float32 weights, gradients, AdamW's
+moments, EMA, sharded by FSDP2; text encoder and VAE in bf16 on every rank) and LoRA (the base in bf16,
+sharded; rank-LORA_RANK adapters on the family's lora.targets, 20 bytes a parameter), also from precomputed
+latents (data.latents frees the text encoder alone) and on a float8 base (model.base_dtype=float8: the
+blocks' Linear weights a byte each, a scale per row), which sampling takes too.
 
     python scripts/family_memory.py [--json out.json]  (--tiny: the tests' tiny configs, seconds)
 
@@ -218,11 +218,13 @@ def family_of(name: str):
     return max((f for f in FAMILIES.values() if name.startswith(f.title)), key=lambda f: len(f.title))
 
 
-def adapter_count(family_name: str, transformer, rank: int) -> int:
-    """Parameters of rank-`rank` adapters on the family's lora.targets of tessera's transformer of
-    `transformer`'s config (meta device)."""
+def lora_counts(family_name: str, transformer, rank: int) -> tuple:
+    """(parameters of rank-`rank` adapters on the family's lora.targets, bytes of the frozen base under
+    model.base_dtype=float8: the blocks' Linear weights in float8 with a float32 scale per row, the rest
+    in bf16) of tessera's transformer of `transformer`'s config (meta device)."""
     import torch
 
+    from models.float8 import quantize_blocks
     from models.lora import add_adapters, is_adapter
 
     family = family_of(family_name)
@@ -230,24 +232,35 @@ def adapter_count(family_name: str, transformer, rank: int) -> int:
     with torch.device("meta"):
         model = family.build(dict(transformer.config), recipe)
         add_adapters(model, rank, rank, list(family.lora_targets))
-    return sum(p.numel() for name, p in model.named_parameters() if is_adapter(name))
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter(name))
+    quantize_blocks(model)
+    named = list(model.named_parameters())
+    base = sum(p.numel() * (p.element_size() if p.element_size() < 4 else BF16) for n, p in named
+               if not is_adapter(n) and not n.endswith("weight_scale"))  # fmt: skip
+    scales = sum(p.numel() * 4 for n, p in named if n.endswith("weight_scale"))
+    return sum(p.numel() for n, p in named if is_adapter(n)), base + scales
 
 
-def per_gpu(counts: dict, adapters: int, gpus: int, texts_first: bool = False) -> dict:
+def per_gpu(counts: dict, adapters: int, gpus: int, texts_first: bool = False, float8: int = 0) -> dict:
     """GiB per GPU of each recipe on `gpus` GPUs (`counts`: the transformer first, the text encoders, the
     VAE last). PipeFusion: the mean over its stages of the transformer (the blocks hold all but a few of
     its weights; a stage holds one block more than another where the depth does not divide). `texts_first`
-    (Family.texts_first): sampling holds the text encoders or the transformer, never both."""
+    (Family.texts_first): sampling holds the text encoders or the transformer, never both. `float8`: the
+    base's bytes under model.base_dtype=float8 (lora_counts)."""
     model, *texts, vae = counts.values()
     frozen = (sum(texts) + vae) * BF16
     lora = (model * BF16 + adapters * TRAINED) / gpus
     sample = (max(model, sum(texts)) + vae) * BF16 if texts_first else model * BF16 + frozen
+    sample8 = max(float8, sum(texts) * BF16) + vae * BF16 if texts_first else float8 + frozen
     return {
         "sample": sample / GiB,
+        "sample-float8": sample8 / GiB,
         "sample-pipefusion": (model * BF16 / gpus + frozen) / GiB,
         "full": (model * TRAINED / gpus + frozen) / GiB,
         "lora": (lora + frozen) / GiB,
         "lora-latents": (lora + frozen - texts[0] * BF16) / GiB,  # data.latents frees the text encoder only
+        "lora-float8-latents": ((float8 + adapters * TRAINED) / gpus + frozen - texts[0] * BF16) / GiB,
     }
 
 
@@ -263,9 +276,9 @@ def main(argv=None) -> None:
             if card is not None and not args.tiny:  # the config written out here is the release's
                 assert abs(count / 1e9 - card) <= 0.02 * card, f"{part}: {count / 1e9:.2f}B, its card {card}B"
         transformer, known = next(iter(counts)), family_of(family)
-        adapters = adapter_count(family, modules[transformer], rank) if known.trains else 0
-        gib = {str(n): per_gpu(counts, adapters, n, known.texts_first) for n in (1, 8)}
-        runs = [r for r in gib["1"] if known.trains or r.startswith("sample")]  # what the family runs
+        adapters, float8 = lora_counts(family, modules[transformer], rank) if known.trains else (0, 0)
+        gib = {str(n): per_gpu(counts, adapters, n, known.texts_first, float8) for n in (1, 8)}
+        runs = [r for r in gib["1"] if known.trains or r == "sample"]  # what the family runs
         runs = [r for r in runs if r != "sample-pipefusion" or "pipefusion" in known.parallel_degrees]
         gib = {n: {r: gib[n][r] for r in runs} for n in gib}
         results[family] = dict(parameters=counts, adapters=adapters, gib_per_gpu=gib)
@@ -273,9 +286,11 @@ def main(argv=None) -> None:
         labels = {
             "sample": "sampling",
             "sample-pipefusion": "sampling, PipeFusion over the GPUs",
+            "sample-float8": "sampling, model.base_dtype=float8",
             "full": "full fine-tuning",
             "lora": f"LoRA rank {rank}",
             "lora-latents": f"LoRA rank {rank}, data.latents",
+            "lora-float8-latents": f"LoRA rank {rank}, data.latents, model.base_dtype=float8",
         }
         for recipe, label in ((r, labels[r]) for r in runs):
             figures = [f"{gib[n][recipe]:.1f} GiB" for n in ("1", "8")]

@@ -106,14 +106,17 @@ ROWS = {
         "flux2-dev.yaml", tiny_flux2_dev_pipeline, "guidance_scale", {}, (40, 24),
         dict(time_shift_type="linear"), None, "", "num_layers", _original_flux2,
         "transformer_blocks.0.attn1.to_q", True,
-        ((["--guidance", "-1"], "embeds a guidance scale of 0 or more"),), negative=False,
+        ((["--guidance", "-1"], "embeds a guidance scale of 0 or more"),
+         (["--negative-prompt", "blurry"], "--negative-prompt='blurry': FLUX.2 dev embeds its guidance")),
+        negative=False,
     ),
 }  # fmt: skip
 FAMILIES = list(ROWS)
 PIECES = [name for name in ROWS if ROWS[name].first_block is not None]  # PipeFusion's patch pieces
 LAYOUTS = {  # (processes, overrides, families): each launch checks its degrees together
     "one-process": (1, [], ("qwen_image", "sana", "z_image", "flux2", "flux2_dev")),
-    "ulysses2": (2, ["parallel.ulysses=2"], ("flux2_dev",)),  # no CFG batch to split
+    # no CFG batch to split; each replica encodes its own prompt alone (texts_first) before the transformer
+    "dp2-ulysses2": (4, ["parallel.dp=2", "parallel.ulysses=2"], ("flux2_dev",)),
     # Sana's operators split the tokens alike under ulysses and ring (no head split): ring covers both
     "cfg2-ulysses2": (4, ["parallel.cfg=2", "parallel.ulysses=2"], ("qwen_image", "z_image", "flux2")),
     "cfg2-ring2": (4, ["parallel.cfg=2", "parallel.ring=2"], ("qwen_image", "sana", "z_image", "flux2")),
@@ -358,8 +361,14 @@ def test_refusals(saved, tmp_path, capsys):
         (["data.latents=x"], "data.latents"),
         (["model.task=i2v"], "leaves it at t2v"),
     ]
-    if not family_named(name).trains:  # FLUX.2 dev, which samples only
-        train_cases = [([], "training it is not built yet")]
+    if family_named(name).guidance_embedded:  # FLUX.2 dev
+        train_cases += [
+            (["sample.negative_prompt=blurry"], "sample.negative_prompt='blurry': FLUX.2 dev embeds"),
+            (["train.guidance=-1"], "train.guidance=-1.0: a guidance scale is 0 or more"),
+            (["train.objective=dmd", "lora.rank=4"], "guided through its transformer's input"),
+        ]
+    else:
+        train_cases.append((["train.guidance=3.5"], f"{family_named(name).title}'s transformer takes none"))
     for extra, expected in train_cases:
         argv = [
             "--config",

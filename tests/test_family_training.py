@@ -27,7 +27,7 @@ from tests.test_sana import MAX_LENGTH, PROMPTS
 sys.path.insert(0, str(ROOT / "scripts"))
 import export  # noqa: E402
 
-TRAINED = [name for name in ROWS if family_named(name).trains]  # FLUX.2 dev samples only (test_refusals)
+TRAINED = [name for name in ROWS if family_named(name).trains]
 
 
 @pytest.fixture(scope="module", params=TRAINED)
@@ -37,7 +37,7 @@ def saved(request, tmp_path_factory):
 
 
 # height, width: 3 x 5 tokens, which neither degree 2 divides (Z-Image pads them to 32)
-TRAIN_SIZE = dict(qwen_image=(48, 80), sana=(96, 160), z_image=(24, 40), flux2=(24, 40))
+TRAIN_SIZE = dict(qwen_image=(48, 80), sana=(96, 160), z_image=(24, 40), flux2=(24, 40), flux2_dev=(24, 40))
 CAPTIONS = ["a red square on a white wall", "a dog"]
 
 
@@ -93,14 +93,16 @@ def diffusers_loss(name, pipe, pixels, prompts, noise, sigma) -> torch.Tensor:
     Z-Image, which diffusers has no script for: musubi-tuner's, the pipeline's pieces (its latents
     (z - shift) x scale, the model told 1 - sigma, its output negated) on the velocity."""
     s = sigma.view(-1, 1, 1, 1, 1)
-    if name == "flux2":  # diffusers has no script for it: the pipeline's pieces on the velocity
+    if name.startswith("flux2"):  # klein: the pipeline's pieces on the velocity (diffusers has no script);
+        # dev: train_dreambooth_lora_flux2.py's, the transformer given its --guidance_scale's default, 3.5
         embeds, text_ids = pipe.encode_prompt(list(prompts))
+        guidance = torch.full((len(prompts),), 3.5) if name == "flux2_dev" else None
         x0 = pipe._encode_vae_image(pixels[:, :, 0], None)  # packed 2 x 2, batch-norm normalised
         x_t = (1 - s[:, :, 0]) * x0 + s[:, :, 0] * noise[:, :, 0]
         B, C, h, w = x0.shape
         pred = pipe.transformer(
             hidden_states=pipe._pack_latents(x_t), encoder_hidden_states=embeds, timestep=sigma,
-            img_ids=pipe._prepare_latent_ids(x_t), txt_ids=text_ids, guidance=None, return_dict=False,
+            img_ids=pipe._prepare_latent_ids(x_t), txt_ids=text_ids, guidance=guidance, return_dict=False,
         )[0]  # fmt: skip
         pred = pred.transpose(1, 2).reshape(B, C, 1, h, w)
         x0 = x0.unsqueeze(2)

@@ -132,6 +132,37 @@ def test_lora_on_a_float8_base_trains_alike_in_every_layout(tiny_pipeline, tmp_p
     assert trained and all(b.abs().max() > 0 for b in trained.values())  # B starts at zero
 
 
+@torch.no_grad()
+def test_infer_samples_on_a_float8_base(tiny_pipeline, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """infer.py with model.base_dtype=float8 (the LoRA recipe's base, --checkpoint none): the transformer it
+    samples holds its blocks' Linear weights in float8 (the start-up line says so), and the video is within
+    the tolerance of the compute dtype's base and not equal to it."""
+    import numpy as np
+
+    from parallel.drive import family_sampling
+    from tests.test_wan_pipeline import infer_sample
+
+    _, recipe = tiny_pipeline
+    sampled = {}
+    made = family_sampling.sampling_transformer
+
+    def spy(*args, **kwargs):
+        model = made(*args, **kwargs)
+        sampled["dtypes"] = {p.dtype for p in model.blocks.parameters()}
+        return model
+
+    monkeypatch.setattr(family_sampling, "sampling_transformer", spy)
+    base = infer_sample(recipe, tmp_path / "none", tmp_path / "base.npy", *LORA, "--checkpoint", "none")
+    assert FLOAT8 not in sampled["dtypes"]
+    ours = infer_sample(
+        recipe, tmp_path / "none", tmp_path / "f8.npy", *LORA, "model.base_dtype=float8", "--checkpoint", "none"
+    )
+    assert FLOAT8 in sampled["dtypes"] and ", float8 base;" in capsys.readouterr().out
+    error = float(np.linalg.norm(ours - base) / np.linalg.norm(base))
+    print(f"float8 base sampling: the video {error:.2%} from the full-precision base's", file=sys.__stderr__)
+    assert 0 < error <= TOLERANCE
+
+
 def saved_adapters(step, kind: str) -> dict:
     """A checkpoint's `kind` (lora_A or lora_B) adapter weights {name: tensor}, read with DCP."""
     from torch.distributed.checkpoint import FileSystemReader

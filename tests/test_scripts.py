@@ -236,6 +236,9 @@ def test_benchlib_measure_table_and_json(tmp_path):
     assert written["n"] == 1 and written["timing"]["wall"] == timing.wall and written["machine"]["device"]
 
 
+TRAINING_ROWS = ("full", "lora", "lora-latents", "lora-float8-latents", "sample-float8")
+
+
 @pytest.mark.slow  # 12 s: the fast tier keeps every family's own rows; this count is the whole suite's
 def test_family_memory_tiny_counts_every_part(tmp_path):
     """Each family's parts counted (the tiny pipelines' here): sampling the same per GPU on 1 and 8,
@@ -255,11 +258,12 @@ def test_family_memory_tiny_counts_every_part(tmp_path):
     hunyuan = results["families"]["HunyuanVideo 1.5"]  # two text encoders
     assert len(hunyuan["parameters"]) == 4 and all(n > 0 for n in hunyuan["parameters"].values())
     one, eight = hunyuan["gib_per_gpu"]["1"], hunyuan["gib_per_gpu"]["8"]
-    assert set(one) == {"sample", "full", "lora", "lora-latents"} and one["sample"] == eight["sample"]
+    assert set(one) == {*TRAINING_ROWS, "sample"} and one["sample"] == eight["sample"]
     assert one["full"] > eight["full"] > 0 and one["lora-latents"] < one["lora"] < one["full"]
+    assert 0 < one["lora-float8-latents"] < one["lora-latents"]  # a byte a base weight, not two
     ltx2 = results["families"]["LTX-2"]  # six parts (connectors, audio VAE, vocoder)
     assert len(ltx2["parameters"]) == 6 and all(n > 0 for n in ltx2["parameters"].values())
-    assert set(ltx2["gib_per_gpu"]["1"]) == {"sample", "full", "lora", "lora-latents"}
+    assert set(ltx2["gib_per_gpu"]["1"]) == {*TRAINING_ROWS, "sample"}
     counts = ltx2["parameters"]
     assert ltx2["gib_per_gpu"]["1"]["sample"] * 2**30 == pytest.approx(2 * sum(counts.values()))
     # data.latents frees Gemma alone: the connectors, audio VAE and vocoder stay for the previews

@@ -9,7 +9,7 @@ Text-to-image under dp, cfg, ulysses or ring. FLUX.2 dev (Flux2Dev): the guidanc
 import importlib.util
 import math
 import re
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -82,7 +82,6 @@ class Flux2(Family):
     # Flux2 loader reads; it refuses alpha keys there)
     lora_formats, lora_alphas, lora_release_names = ("diffusers", "comfyui"), False, True
     text_encoder_default = "Qwen3ForCausalLM"  # a folder whose model_index.json does not name it
-    guidance_embedded = False  # its transformer takes the guidance scale (dev's guidance_embeds)
 
     def takes_images(self, cfg) -> bool:
         return True  # reference images, optional: --image
@@ -275,19 +274,24 @@ class Flux2(Family):
         return parts.vae.decode(z, return_dict=False)[0].unsqueeze(2)
 
 
+@dataclass
+class Flux2DevParts(Components):
+    guidance: float = 3.5  # the scale its training gives the transformer (train.guidance)
+
+
 class Flux2Dev(Flux2):
     """FLUX.2 dev (Flux2Pipeline folders): klein's transformer with the guidance scale as its input (1000
-    times it through the guidance embedder; no CFG batch, so no cfg degree), a Mistral 3 text encoder read
-    through its processor with BFL's system message (text.py encode_prompt_dev). It samples; its training
-    is refused by name (Family.trains)."""
+    times it through the guidance embedder; no CFG batch, so no cfg degree and no negative prompt), a
+    Mistral 3 text encoder read through its processor with BFL's system message (text.py encode_prompt_dev).
+    Its training gives the transformer one fixed scale, train.guidance, as diffusers'
+    train_dreambooth_lora_flux2.py gives its --guidance_scale (default 3.5)."""
 
     name, title = "flux2_dev", "FLUX.2 dev"
     pipeline_classes = DEV_PIPELINE_CLASSES
     parallel_degrees = ("ulysses", "ring")  # one of them (joint attention)
-    trains = precomputes = False
     text_encoder_default = "Mistral3ForConditionalGeneration"
     texts_first = True  # its 24B Mistral freed before its 32B transformer loads (never guided: no negative)
-    guidance_embedded = True
+    guidance_embedded, training_guidance = True, 3.5
 
     def check_pretrained(self, cfg) -> None:
         """Flux2.check_pretrained, and transformers able to build the folder's processor (the release's
@@ -299,6 +303,11 @@ class Flux2Dev(Flux2):
                 f"text_encoder.pretrained: {self.title}'s tokenizer is a {processor}, which transformers "
                 "builds only with torchvision: pip install torchvision, the build that matches your torch"
             )
+
+    def load(self, cfg, device, dtype, transformer: bool = True, keep=None) -> Flux2DevParts:
+        parts = super().load(cfg, device, dtype, transformer, keep)
+        guidance = self.training_guidance if cfg.train.guidance is None else float(cfg.train.guidance)
+        return Flux2DevParts(**{f.name: getattr(parts, f.name) for f in fields(parts)}, guidance=guidance)
 
     def load_tokenizer(self, transformers, folder):
         return transformers.AutoProcessor.from_pretrained(folder)  # its chat template is the processor's
@@ -312,6 +321,18 @@ class Flux2Dev(Flux2):
     def check_guidance(self, cfg, guidance: float) -> None:
         if guidance < 0:
             raise ValueError(f"guidance {guidance}: {self.title} embeds a guidance scale of 0 or more")
+
+    def check_distillation(self, cfg) -> None:
+        raise ValueError(
+            f"train.objective=dmd: {self.title}'s teacher would be guided through its transformer's input, "
+            "which the distillation does not give yet; train it with train.objective=flow"
+        )
+
+    def training_velocity(self, parts: Flux2DevParts, model, x, sigma, cond):
+        """Family.training_velocity with the training's guidance scale (float32, as the pipeline's) the
+        transformer's input."""
+        scale = torch.full((x.shape[0],), parts.guidance, device=x.device)
+        return model(x, sigma, replace(cond, guidance=scale))
 
     def conditionings(self, parts: Components, sampling) -> tuple:
         """Family.conditionings, the sampling's guidance scale in every prompt's conditioning, as the

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from models.float8 import quantize_blocks
 from models.lora import deltas_of, merge_deltas
 from models.sampler import checked, generate_images
 from parallel.build.components import check_pretrained, check_weights_source, fill_unsharded, open_pretrained
@@ -172,7 +173,8 @@ def sampling_transformer(cfg, runtime, family, weights: Weights, loras=(), folde
     checkpoint; else model.pretrained's (`folder`'s) own, as its files hold them in the compute dtype
     (Family.load_transformer: memory-mapped, no copy) or, for float32_weights, filled row by row from its
     files, a tessera run's (EMA) weights or random ones from train.seed; a LoRA run's adapters, then the
-    --lora files (`loras`: infer.py read_loras') merged in. NaN or inf is refused alike on every rank of
+    --lora files (`loras`: infer.py read_loras') merged in; then, under model.base_dtype=float8, its
+    blocks' Linear weights quantized (models/float8.py). NaN or inf is refused alike on every rank of
     `group`."""
     layout, groups = runtime.layout, runtime.sampling
     dtype = None  # float32_weights: float32, whatever the compute dtype
@@ -209,7 +211,10 @@ def sampling_transformer(cfg, runtime, family, weights: Weights, loras=(), folde
         fill_unsharded(model, cfg.train.seed, pretrained, not weights.random, stage, group)
     for update in deltas:  # the run's own adapters first, then the files, as the families always merged
         merge_deltas(model, update, elsewhere=held_elsewhere(model))  # a stage: its blocks' only
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if cfg.model.base_dtype == "float8":  # on the host, the adapters merged first: the GPU holds a byte each
+        quantize_blocks(model)
+    return model
 
 
 def load_sampling(cfg, runtime, family, request, weights: Weights, loras, patches: int) -> tuple:
@@ -223,7 +228,8 @@ def load_sampling(cfg, runtime, family, request, weights: Weights, loras, patche
         parts = family.load(cfg, runtime.device, dtype, transformer=False)
     if family.texts_first:  # its text encoder gone before the transformer comes
         negative = request.negative_prompt if family.guided(request.guidance) else None
-        family.encode_first(parts, request.prompts, negative, cfg.text_encoder.max_length)
+        mine = request.prompts[layout.dp_rank(runtime.rank) :: layout.dp]  # this replica's (infer.py's split)
+        family.encode_first(parts, mine, negative, cfg.text_encoder.max_length)
     model = sampling_transformer(cfg, runtime, family, weights, loras, group=runtime.control_group)
     parts.transformer = model.to(runtime.device)
     parts.cache = request.cache

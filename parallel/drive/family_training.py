@@ -40,11 +40,20 @@ class FamilyRun:
 
 def check_family_inputs(cfg, family: Family) -> None:
     """What any family's training (tessera's DiT's too) refuses by name before anything starts: a preview
-    guidance term it does not read, and data.audio for a family whose training reads no sound; a family
-    whose training is not built, first."""
+    guidance term or negative prompt it does not read, train.guidance for a transformer without it, and
+    data.audio for a family whose training reads no sound; a family whose training is not built, first."""
     if not family.trains:
         raise ValueError(f"{family.title} samples with infer.py; training it is not built yet")
     family.check_sample_keys(cfg)
+    family.check_negative(cfg.sample.negative_prompt, "sample.negative_prompt")  # the previews'
+    if cfg.train.guidance is not None and not family.guidance_embedded:
+        raise ValueError(
+            f"train.guidance={cfg.train.guidance}: the scale a guidance-distilled transformer (FLUX.2 dev) "
+            f"is given in training; {family.title}'s transformer takes none (it learns guidance from "
+            "train.text_dropout's empty prompts): unset it"
+        )
+    if cfg.train.guidance is not None and cfg.train.guidance < 0:
+        raise ValueError(f"train.guidance={cfg.train.guidance}: a guidance scale is 0 or more")
     if cfg.data.audio and not family.trains_audio:
         raise ValueError(
             f"data.audio=true: the training of {family.title} reads no sound (the clips' sound would go "
