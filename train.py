@@ -71,6 +71,7 @@ from parallel.compute.fp8 import after_optimizer_step, check_fp8, chosen_layers
 from parallel.compute.fsdp import (
     check_cpu_offload,
     gathers_in_float8,
+    offloaded_activations,
     parallelize_dit,
     param_device,
     reshard_all,
@@ -452,13 +453,15 @@ def train_step(cfg, runtime, t: Trainer, step: int, inputs, rngs):
     phase("forward")
     if d is None:
         x0, cond, noise, timesteps, _ = inputs  # the family's loss (LTX-2: a sigma and a loss per stream)
-        loss = t.family.family.training_loss(t.family.parts, t.flow, t.model, x0, cond, noise, timesteps)
+        with offloaded_activations(tc.activation_offload, runtime.device):
+            loss = t.family.family.training_loss(t.family.parts, t.flow, t.model, x0, cond, noise, timesteps)
         loss = runtime.faults.nan_loss(loss, step + 1)  # tests only
         phase("backward")
         loss.backward()
         student = True
     else:  # the backwards run inside: each in its forward's adapter
-        loss, student = distill_backward(d, tc.seed, step, t.family, t.model, t.flow, inputs, rngs)
+        with offloaded_activations(tc.activation_offload, runtime.device):
+            loss, student = distill_backward(d, tc.seed, step, t.family, t.model, t.flow, inputs, rngs)
         loss = runtime.faults.nan_loss(loss, step + 1)
     phase("optimizer")
     updates = ([(t.optimizer, t.trainable, 1.0)] if student else []) + (

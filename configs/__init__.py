@@ -171,7 +171,8 @@ def _check_decay_fraction(cli_cfg, cfg) -> None:
         )
 
 
-MEMORY_KEYS = ("activation_checkpointing", "checkpoint_policy", "cpu_offload")  # what train.memory=auto sets
+# what train.memory=auto sets
+MEMORY_KEYS = ("activation_checkpointing", "checkpoint_policy", "cpu_offload", "activation_offload")
 
 
 def _check_memory_choice(cli_cfg, cfg) -> None:
@@ -275,6 +276,14 @@ def _check_values(cfg: DictConfig) -> None:
         raise ConfigError(
             f"train.checkpoint_policy={cfg.train.checkpoint_policy} says what checkpointed blocks recompute: "
             "set train.activation_checkpointing=true too"
+        )
+    if cfg.train.activation_offload and (
+        not cfg.train.activation_checkpointing or cfg.train.checkpoint_policy != "all"
+    ):
+        raise ConfigError(
+            "train.activation_offload moves the checkpointed blocks' inputs to host memory: it takes "
+            "train.activation_checkpointing=true with train.checkpoint_policy=all (unchecked blocks, or "
+            "selective's kept outputs, would all be copied out and back)"
         )
     if cfg.train.checkpoint_policy == "selective" and cfg.model.attention_backend not in ("sdpa", "math"):
         raise ConfigError(

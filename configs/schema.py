@@ -193,14 +193,19 @@ class TrainConfig:
     # FSDP2's CPU offload: sharded weights, gradients and AdamW in CPU memory, each block copied in for its
     # forward and backward. For a LoRA run whose frozen base does not fit the GPU (docs/lora.md).
     cpu_offload: bool = False
+    # with activation_checkpointing (checkpoint_policy all): the checkpointed blocks' inputs, and what else
+    # the forward keeps for backward outside them, in host memory (pinned), copied back in backward
+    # (parallel/compute/fsdp.py offloaded_activations): the blocks' inputs leave the GPU (Wan2.1-14B at
+    # 32,760 tokens: 12.5 GiB), for a copy each way per step
+    activation_offload: bool = False
     # At start-up the recipe's peak memory is modelled on the meta device (parallel/lifecycle/memory.py) and a
     # run that cannot fit its GPU or host is refused, naming what would fit; false skips the check (the model
     # is an estimate). The watch on host memory during the run stays.
     memory_check: bool = True
     # manual: activation_checkpointing, checkpoint_policy and cpu_offload as the recipe sets them | auto: the
     # fastest of them that the start-up memory model fits in the GPU (on a CPU: the host): no checkpointing,
-    # then selective, then all, then all with cpu_offload (one GPU); the start-up line and config.yaml say
-    # which was chosen
+    # then selective, then all, then all with activation_offload, then all with cpu_offload (one GPU), with
+    # both; the start-up line and config.yaml say which was chosen
     memory: str = "manual"
     # torchao's float8 matmuls for the blocks' Linear layers whose smaller side is at least
     # fp8_min_features (smaller ones lose more to the casts than the matmul gains); weights, gradients and

@@ -1,9 +1,10 @@
 """Everything GPU-specific, measured on one device in one command (BENCHMARKS.md, "Speed on one GPU").
 
     python scripts/bench_gpu.py [--out runs/bench_gpu] [--tiny] [--variants eager,ac,compile,compile+ac]
-    python scripts/bench_gpu.py --suite fp8|lead  # issue 35's (FP8, float8 base) or 54's (kernels, memory)
+    python scripts/bench_gpu.py --suite fp8|lead|offload  # issue 35's (FP8), 54's (kernels; the 14B LoRA)
 
-A variant joins eager, ac, sac (train.checkpoint_policy=selective), compile and fp8 (train.fp8) by +.
+A variant joins eager, ac, sac (train.checkpoint_policy=selective), aco (train.activation_offload),
+compile and fp8 (train.fp8) by +.
 Parts (--parts): train (step time, tokens/s, MFU, peak and modelled memory of DiT-XL at 256 px and of a
 DiT at Wan2.1-1.3B's dims); wan (tessera's DiT with Wan's options, diffusers' WanTransformer3DModel); lora,
 lora8 (LoRA on a bf16 or float8 base, with and without train.cpu_offload); sp (the sequence-parallel
@@ -320,10 +321,12 @@ _FLOPS: dict = {}  # (model, case) -> train_flops: counted once per pair
 def bench_train(name, case, make_model, runtime, param_dtype, variant, args, info):
     device = runtime.device
     from configs.schema import TrainConfig
+    from parallel.compute.fsdp import offloaded_activations
     from train import build_optimizer  # train.py's AdamW (fused), so the step is the one it runs
 
     parts = variant.split("+")  # sac: selective activation checkpointing (train.checkpoint_policy)
     ac, compile = bool({"ac", "sac"} & set(parts)), "compile" in parts
+    offloaded = "aco" in parts  # train.activation_offload: the checkpointed blocks' inputs on the host
     policy = "selective" if "sac" in parts else "all"
     fp8 = (FP8_MIN_TINY if args.tiny else FP8_MIN) if "fp8" in parts else None  # train.fp8
     reset_memory(device)
@@ -342,7 +345,8 @@ def bench_train(name, case, make_model, runtime, param_dtype, variant, args, inf
 
     def step():
         t_ = t.view(-1, 1, 1, 1, 1)
-        v = model((1 - t_) * x0 + t_ * noise, t, y, y_mask)
+        with offloaded_activations(offloaded, device):
+            v = model((1 - t_) * x0 + t_ * noise, t, y, y_mask)
         F.mse_loss(v.float(), noise - x0).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -848,6 +852,17 @@ SUITES = {
         train_cases="81x",
         variants="compile+sac,compile+ac",
         models="Wan options,diffusers",
+        steps=3,
+        warmup=1,
+    ),
+    # Issue 54's 14B LoRA on a 24 GB card: Wan2.1-14B (40 layers) at 480 x 832 x 81 on a float8 base with
+    # train.cpu_offload, the checkpointed blocks' inputs on the GPU, then on the host (activation_offload)
+    "offload": dict(
+        parts="train,lora8",
+        cases="14B dims 81x",
+        train_cases="81x",
+        variants="compile+ac,compile+ac+aco",
+        models="CPU offload",  # of lora8's two: the float8 base with train.cpu_offload
         steps=3,
         warmup=1,
     ),

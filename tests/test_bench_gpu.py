@@ -182,3 +182,17 @@ def test_the_lead_suite_runs_tiny_on_cpu(tmp_path):
     assert peaks[0] > max(peaks[1:]) and auto["chosen"] is None  # no checkpointing keeps the most
     text = (tmp_path / "results.md").read_text()
     assert "SDPA's kernels" in text and "train.memory=auto's model" in text
+
+
+def test_the_offload_suite_runs_tiny_on_cpu(tmp_path):
+    """--suite offload (issue 54's 14B LoRA on a 24 GB card) at tiny sizes: the LoRA on a float8 base with
+    train.cpu_offload, its checkpointed blocks' inputs kept and on the host (the aco variant: the training
+    forward inside train.activation_offload's hooks), each step timed."""
+    results = bench_gpu.main(
+        ["--suite", "offload", "--tiny", "--out", str(tmp_path), "--cases", "tiny video", "--train-cases",
+         "tiny", "--variants", "ac,ac+aco", "--steps", "1", "--warmup", "0"]
+    )  # fmt: skip
+    rows = {(r["case"], r["variant"]): r for r in results["train"]}
+    model = "tiny video (Wan-shaped) (tessera, Wan options, LoRA r32, float8 base, CPU offload)"
+    assert set(rows) == {(model, "ac"), (model, "ac+aco")}, set(rows)
+    assert all(r["seconds"] > 0 for r in rows.values())

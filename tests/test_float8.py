@@ -154,9 +154,8 @@ def test_infer_samples_on_a_float8_base(tiny_pipeline, tmp_path, monkeypatch, ca
     monkeypatch.setattr(family_sampling, "sampling_transformer", spy)
     base = infer_sample(recipe, tmp_path / "none", tmp_path / "base.npy", *LORA, "--checkpoint", "none")
     assert FLOAT8 not in sampled["dtypes"]
-    ours = infer_sample(
-        recipe, tmp_path / "none", tmp_path / "f8.npy", *LORA, "model.base_dtype=float8", "--checkpoint", "none"
-    )
+    float8 = ["model.base_dtype=float8", "--checkpoint", "none"]
+    ours = infer_sample(recipe, tmp_path / "none", tmp_path / "f8.npy", *LORA, *float8)
     assert FLOAT8 in sampled["dtypes"] and ", float8 base;" in capsys.readouterr().out
     error = float(np.linalg.norm(ours - base) / np.linalg.norm(base))
     print(f"float8 base sampling: the video {error:.2%} from the full-precision base's", file=sys.__stderr__)

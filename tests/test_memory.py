@@ -4,6 +4,7 @@ what training allocates; a loader that leaks host memory is named before the ker
 acts (under a simulated host size everywhere, and under a real cgroup limit where this machine lets the tests
 make one); a LoRA whose adapters leave a rank with empty shards trains as one process does."""
 
+import json
 import os
 import signal
 import subprocess
@@ -346,10 +347,64 @@ def test_train_memory_auto_offloads_on_one_gpu_and_leaves_checkpointing_alone_un
         "no activation checkpointing",
         "selective activation checkpointing",
         "full activation checkpointing",
+        "full activation checkpointing with train.activation_offload",
         "full activation checkpointing with train.cpu_offload",
+        "full activation checkpointing with train.cpu_offload and train.activation_offload",
     ]
-    assert "train.cpu_offload" not in " ".join(w for w, _ in memory_choices(cfg, replace(base, fsdp=2)))
+    sharded = " ".join(w for w, _ in memory_choices(cfg, replace(base, fsdp=2)))
+    assert "train.cpu_offload" not in sharded and "train.activation_offload" in sharded
+    assert "offload" not in " ".join(w for w, _ in memory_choices(cfg, replace(base, on_gpu=False)))
     flash = load_config(TINY, ["model.attention_backend=flash"])
     assert "selective activation checkpointing" not in [w for w, _ in memory_choices(flash, base)]
     dropout = load_config(TINY, ["lora.rank=4", "lora.dropout=0.1", "model.pretrained=base"])
     assert [w for w, _ in memory_choices(dropout, base)] == ["no activation checkpointing"]
+
+
+def test_activation_offload_moves_the_block_inputs_to_the_host_and_trains_bit_for_bit(tmp_path):
+    """train.activation_offload: on a GPU the modelled device peak drops by the checkpointed blocks'
+    inputs (tokens x width x bytes x depth), which the host then holds; the same two steps as without it,
+    loss and gradient norm bit for bit (save_on_cpu copies the saved tensors out and back); refused without
+    full activation checkpointing."""
+    from dataclasses import replace
+
+    from configs import ConfigError
+
+    cfg, _ = _auto_case()
+    model = meta_model(cfg, 0)
+    kept = Setting(1, 1, 1, 4096, 2, "all", False, True, 0, 0, 0)
+    moved = replace(kept, activation_offload=True)
+    inputs = 4096 * 384 * 2 * len(model.blocks)  # DiT-S: width 384, bf16
+    assert modelled_peak(model, kept).device - modelled_peak(model, moved).device == inputs
+    assert modelled_peak(model, moved).host - modelled_peak(model, kept).host == inputs
+    assert modelled_peak(model, moved).parts["offloaded block inputs (host)"] == inputs
+    metrics = {}
+    for offload in (False, True):
+        run = tmp_path / f"offload-{offload}"
+        argv = ["--config", str(TINY), "train.max_steps=2", "train.activation_checkpointing=true",
+                f"train.activation_offload={str(offload).lower()}", f"run.output_dir={run}"]  # fmt: skip
+        assert run_main(train, argv) == 0
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        metrics[offload] = [(m["loss"], m["grad_norm"]) for m in map(json.loads, lines)]
+    assert len(metrics[True]) == 2 and metrics[True] == metrics[False]
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from parallel.compute.fsdp import OffloadedActivations
+    from tests.test_lora import tiny_wan
+
+    def packed(depth: int) -> int:  # bytes copied out in one forward of `depth` checkpointed blocks
+        dit = tiny_wan()  # width 64, each block checkpointed as train.py wraps them
+        wrapped = [checkpoint_wrapper(b, preserve_rng_state=False) for b in dit.blocks[:depth]]
+        dit.blocks = torch.nn.ModuleList(wrapped)
+        x, y, mask = torch.randn(1, 4, 2, 8, 8), torch.randn(1, 7, 16), torch.ones(1, 7, dtype=torch.bool)
+        hooks = OffloadedActivations(torch.device("cpu"))
+        with hooks:
+            out = dit(x, torch.tensor([0.5]), y, mask)
+        out.square().mean().backward()  # the copies come back for the recompute
+        assert all(p.grad is not None for p in dit.parameters())
+        return hooks.packed
+
+    tokens = 2 * 4 * 4  # 2 x 8 x 8 latents in 1 x 2 x 2 patches
+    assert packed(2) - packed(1) >= tokens * 64 * 4  # the second block's input (float32) went out
+    for extra in ([], ["train.activation_checkpointing=true", "train.checkpoint_policy=selective"]):
+        with pytest.raises(ConfigError, match="train.activation_offload moves the checkpointed blocks'"):
+            load_config(TINY, ["train.activation_offload=true", *extra])

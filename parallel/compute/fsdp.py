@@ -57,6 +57,40 @@ def recompute_context(policy: str) -> dict:
     return {"context_fn": functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)}
 
 
+class OffloadedActivations(torch.autograd.graph.saved_tensors_hooks):
+    """train.activation_offload: the context a training forward runs in. What autograd keeps for backward
+    outside the checkpointed blocks is copied to host memory (pinned on a GPU, so that backward's copies back
+    are asynchronous), the blocks' inputs among it: non-reentrant checkpointing saves them through an
+    autograd function, which these hooks pack. Parameters stay (they are not the forward's to free). The
+    forward's copies out are synchronous: not overlapped with compute. `packed`: bytes copied out."""
+
+    def __init__(self, device: torch.device):
+        pin, self.packed = device.type == "cuda", 0
+
+        def pack(tensor):
+            if isinstance(tensor, nn.Parameter):
+                return tensor
+            host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pin)
+            host.copy_(tensor)  # a copy on a CPU too: the host's tensor is its own
+            self.packed += host.numel() * host.element_size()
+            return tensor.device, host
+
+        def unpack(packed):
+            if isinstance(packed, torch.Tensor):
+                return packed
+            device, host = packed
+            return host.to(device, non_blocking=pin)
+
+        super().__init__(pack, unpack)
+
+
+def offloaded_activations(enabled: bool, device: torch.device):
+    """OffloadedActivations under train.activation_offload, else a context that does nothing."""
+    import contextlib
+
+    return OffloadedActivations(device) if enabled else contextlib.nullcontext()
+
+
 def check_cpu_offload(cpu_offload: bool, world_size: int) -> None:
     """train.cpu_offload, before start-up: one GPU only. The gradient norm of CPU-held shards is reduced
     over the FSDP group on the CPU: NCCL takes no CPU tensors, and a second (gloo) backend beside it is not

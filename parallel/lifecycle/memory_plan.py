@@ -53,6 +53,7 @@ class Setting:
     workers: int  # data loader workers per process
     batch_bytes: int  # one batch as the loader hands it over
     frozen_bytes: int  # the text encoder, VAE and image encoder on every rank
+    activation_offload: bool = False  # train.activation_offload: the blocks' inputs on the host
 
 
 def _nbytes(tensors) -> int:
@@ -84,9 +85,9 @@ def modelled_peak(model, setting: Setting) -> Peak:
     tokens = math.ceil(setting.tokens / setting.sp)
     one_block = tokens * hidden * setting.compute_bytes * ACTIVATION_VALUES
     kept = {"none": one_block * len(blocks), "selective": one_block * len(blocks) // 2}
-    activations = kept.get(
-        setting.checkpointing, tokens * hidden * setting.compute_bytes * len(blocks) + one_block
-    )
+    inputs = tokens * hidden * setting.compute_bytes * len(blocks)  # what full checkpointing keeps
+    offloaded = inputs if setting.activation_offload and setting.checkpointing == "all" else 0
+    activations = kept.get(setting.checkpointing, inputs - offloaded + one_block)
     sharded = {name: math.ceil(n / setting.fsdp) for name, n in states.items()}
     on_device = {"working block": working, "activations": activations, "frozen parts": setting.frozen_bytes}
     if not setting.cpu_offload:
@@ -101,6 +102,9 @@ def modelled_peak(model, setting: Setting) -> Peak:
             parts["offloaded states (host)"] = per_process
     else:  # the device is the host
         per_process = device
+    if setting.on_gpu and offloaded:
+        per_process += offloaded
+        parts["offloaded block inputs (host)"] = offloaded
     siblings = (setting.local - 1) * SIBLING_BYTES
     host = setting.local * (per_process + loader) + siblings
     return Peak(device, host, parts | {"loader workers (host)": loader, "other local ranks (host)": siblings})
@@ -189,8 +193,11 @@ class Room:
 def memory_choices(cfg, setting: Setting) -> list:
     """train.memory=auto's candidates, fastest first: [(words, {train key: value})]. Selective checkpointing
     keeps torch's attention outputs (sdpa or math only); checkpointing recomputes a LoRA's dropout with
-    other masks (lora.dropout > 0: none); train.cpu_offload runs on one GPU."""
-    off = {"activation_checkpointing": False, "checkpoint_policy": "all", "cpu_offload": False}
+    other masks (lora.dropout > 0: none); train.activation_offload moves the blocks' inputs from a GPU to
+    its host (slower than keeping them: a copy each way per step, not overlapped on the way out, faster
+    than train.cpu_offload's copies of every block's weights); train.cpu_offload runs on one GPU."""
+    off = {"activation_checkpointing": False, "checkpoint_policy": "all", "cpu_offload": False,
+           "activation_offload": False}  # fmt: skip
     choices = [("no activation checkpointing", off)]
     if cfg.lora.rank and cfg.lora.dropout > 0:
         return choices
@@ -199,10 +206,17 @@ def memory_choices(cfg, setting: Setting) -> list:
         choices.append(("selective activation checkpointing", selective))
     every = {**off, "activation_checkpointing": True}
     choices.append(("full activation checkpointing", every))
+    inputs = {**every, "activation_offload": True}
+    if setting.on_gpu:  # on a CPU the host is the device: nothing to move
+        choices.append(("full activation checkpointing with train.activation_offload", inputs))
     if setting.on_gpu and setting.fsdp == 1:
         choices.append(
             ("full activation checkpointing with train.cpu_offload", {**every, "cpu_offload": True})
         )
+        choices.append(
+            ("full activation checkpointing with train.cpu_offload and train.activation_offload",
+             {**inputs, "cpu_offload": True})
+        )  # fmt: skip
     return choices
 
 
@@ -210,7 +224,8 @@ def _applied(setting: Setting, keys: dict) -> Setting:
     from dataclasses import replace
 
     checkpointing = keys["checkpoint_policy"] if keys["activation_checkpointing"] else "none"
-    return replace(setting, checkpointing=checkpointing, cpu_offload=keys["cpu_offload"])
+    offloads = dict(cpu_offload=keys["cpu_offload"], activation_offload=keys["activation_offload"])
+    return replace(setting, checkpointing=checkpointing, **offloads)
 
 
 def with_train_keys(cfg, keys: dict):
@@ -242,6 +257,7 @@ def training_setting(cfg, layout, buckets, world_size: int, local_world: int) ->
         compute_bytes=2 if computes_in_bf16(tc.precision, "cuda" if on_gpu else "cpu") else 4,
         checkpointing=tc.checkpoint_policy if tc.activation_checkpointing else "none",
         cpu_offload=tc.cpu_offload,
+        activation_offload=tc.activation_offload,
         on_gpu=on_gpu,
         workers=cfg.data.num_workers,
         batch_bytes=buckets.batch_sizes[largest] * 3 * bucket.frames * bucket.height * bucket.width,
