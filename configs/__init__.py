@@ -195,7 +195,7 @@ def _check_memory_choice(cli_cfg, cfg) -> None:
 
 
 CHOICES = {
-    "model.attention_backend": ("sdpa", "math", "xformers", "flash"),
+    "model.attention_backend": ("sdpa", "math", "xformers", "flash", "auto"),
     "model.base_dtype": ("auto", "float8"),
     "vae.kind": ("identity", "kl", "wan"),
     "text_encoder.kind": ("t5", "umt5", "clip"),

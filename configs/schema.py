@@ -32,7 +32,10 @@ class ModelConfig:
     patch_size: list[int] = field(default_factory=lambda: [1, 2, 2])  # (time, height, width)
     mlp_ratio: float = 4.0
     qk_norm: bool = True
-    attention_backend: str = "sdpa"  # sdpa | math | xformers | flash
+    # sdpa | math | xformers | flash | auto (the fastest kernel that runs each call's shapes, measured once:
+    # SDPA's cuDNN, flash, memory-efficient and math kernels, flash-attn and xformers where installed;
+    # docs/internals.md)
+    attention_backend: str = "sdpa"
     rope_theta: float = 10000.0
     # Architecture options; None takes the size's choice (the Wan* sizes set the Wan ones), else the
     # tessera default shown after the colon.

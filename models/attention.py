@@ -6,7 +6,9 @@ Each self-attention calls one of these through an operator with a `kind` (SelfAt
 Asking for a backend that is not installed is an error, never a silent fallback to another kernel.
 """
 
+import functools
 import importlib.util
+import os
 
 import torch
 import torch.nn as nn
@@ -84,12 +86,113 @@ class FlashAttention(nn.Module):
         return out.transpose(1, 2)
 
 
+def _sdpa_with(backend: str):
+    """SDPA restricted to one of its kernels (torch.nn.attention.SDPBackend's name)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def call(q, k, v, attn_mask=None):
+        with sdpa_kernel([getattr(SDPBackend, backend)]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+
+    return call
+
+
+@functools.cache
+def auto_candidates() -> dict:
+    """{name: (q, k, v, attn_mask) -> out} of every kernel `auto` weighs: SDPA's four (which raise where
+    they do not run), flash-attn's and xformers' where installed (maskless, so never for a masked call)."""
+    found = {f"sdpa:{b.lower()}": _sdpa_with(b) for b in SDPA_KERNELS}
+    for name, kind in (("flash", FlashAttention), ("xformers", XFormersAttention)):
+        try:
+            found[name] = kind()
+        except AttentionBackendUnavailable:
+            pass
+    return found
+
+
+SDPA_KERNELS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+CHOSEN: dict = {}  # (shapes, dtype, device, mask, grad) -> the kernel `auto` measured fastest there
+AUTO_REPEATS = 3
+
+
+def _time(call, args, backward: bool) -> float:
+    import time
+
+    def once():
+        out = call(*args)
+        if backward:
+            out.float().sum().backward()
+        if args[0].is_cuda:
+            torch.cuda.synchronize(args[0].device)
+
+    once()  # warm-up: kernels load, caches fill
+    start = time.perf_counter()
+    for _ in range(AUTO_REPEATS):
+        once()
+    return (time.perf_counter() - start) / AUTO_REPEATS
+
+
+def _key(q, k, attn_mask) -> tuple:
+    """What a choice depends on: the shapes, dtype, device, mask and whether the call takes gradients."""
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k))
+    mask = None if attn_mask is None else (tuple(attn_mask.shape), attn_mask.dtype)
+    return tuple(q.shape), tuple(k.shape), q.dtype, str(q.device), mask, backward
+
+
+def choose_kernel(q, k, v, attn_mask=None) -> str:
+    """The fastest of auto_candidates() that runs these inputs and agrees with MathAttention, measured once
+    per _key (forward and backward where the call takes gradients) on detached copies. The measurement's
+    own saved tensors bypass any hooks around the call (a checkpointed block's recompute must see only
+    the block's)."""
+    key = _key(q, k, attn_mask)
+    if key in CHOSEN:
+        return CHOSEN[key]
+    backward, timed = key[-1], {}
+    tolerance = 1e-4 if q.dtype == torch.float32 else 3e-2
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        with torch.no_grad():
+            reference = MathAttention()(q, k, v, attn_mask).float()
+        for name, call in auto_candidates().items():
+            args = [t.detach().requires_grad_(backward) for t in (q, k, v)] + [attn_mask]
+            try:
+                with torch.no_grad():
+                    agrees = (call(*args).float() - reference).abs().max().item() <= tolerance
+                if agrees:
+                    with torch.enable_grad() if backward else torch.no_grad():
+                        timed[name] = _time(call, args, backward)
+            except (RuntimeError, NotImplementedError):
+                continue  # not for these inputs (device, dtype, mask, head size)
+    CHOSEN[key] = min(timed, key=timed.get) if timed else "sdpa:math"
+    if os.environ.get("RANK", "0") == "0":  # models/ knows no ranks: torchrun's variable
+        mode = "forward and backward" if backward else "forward"
+        ms = ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in sorted(timed.items(), key=lambda x: x[1]))
+        print(f"[tessera] model.attention_backend=auto: q {tuple(q.shape)} {q.dtype} on {q.device} ({mode}): "
+              f"{CHOSEN[key]} ({ms})", flush=True)  # fmt: skip
+    return CHOSEN[key]
+
+
+class AutoAttention(nn.Module):
+    """model.attention_backend=auto: the kernel choose_kernel measured fastest for the call (once, eagerly;
+    a compiled call whose inputs no eager call measured runs SDPA, which picks its own kernel)."""
+
+    def forward(self, q, k, v, attn_mask=None):
+        compiling = torch.compiler.is_compiling()
+        name = CHOSEN.get(_key(q, k, attn_mask)) if compiling else choose_kernel(q, k, v, attn_mask)
+        if name is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        return auto_candidates()[name](q, k, v, attn_mask)
+
+
 ATTENTION_BACKENDS = {
     "sdpa": SDPAAttention,
     "math": MathAttention,
     "xformers": XFormersAttention,
     "flash": FlashAttention,
+    "auto": AutoAttention,
 }
+# the backends that mask keys (a split's or PipeFusion's padding) and whose outputs selective
+# checkpointing keeps (torch's own attention ops); auto weighs only masking kernels for a masked call
+MASKING_BACKENDS = ("sdpa", "math", "auto")
 
 
 def make_attention(backend: str) -> nn.Module:

@@ -424,6 +424,16 @@ def _attention_call(kernel, q, k, v, dout):
         q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
         return (lambda: F.scaled_dot_product_attention(q8, k8, v8).to(q.dtype)), None
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    if kernel == "auto":  # model.attention_backend=auto: its first call measures, the timed ones run its pick
+        from models.attention import AutoAttention
+
+        auto = AutoAttention()
+
+        def forward():
+            with torch.no_grad():
+                return auto(q, k, v)
+
+        return forward, lambda: torch.autograd.backward(auto(qg, kg, vg), dout)
 
     def forward():
         with sdpa_kernel([getattr(SDPBackend, kernel)]), torch.no_grad():
@@ -440,8 +450,8 @@ def bench_attention(case, runtime, args) -> list:
     """Each of SDPA's kernels at `case`'s self-attention shape: forward of a guided sampling step (batch 2,
     no grad) and forward + backward of a training step (batch 1), ms and TFLOP/s, and the largest
     difference from the first kernel's output as a fraction of its largest value; float8 inputs tried for
-    sampling. What model.attention_backend=auto would choose among. A kernel a device lacks is a row
-    with its error, not a failure."""
+    sampling; model.attention_backend=auto (its choice among them, measured on its first call, and its
+    time). A kernel a device lacks is a row with its error, not a failure."""
     device, dtype = runtime.device, runtime_dtype(runtime)
     heads, head_dim = case["heads"], case["hidden"] // case["heads"]
     C, T, H, W = case["latent"]
@@ -453,7 +463,7 @@ def bench_attention(case, runtime, args) -> list:
         q, k, v, dout = (torch.randn(shape, device=device, dtype=dtype, generator=g) for _ in range(4))
         flops = 4 * batch * heads * tokens**2 * head_dim * (3.5 if "backward" in mode else 1)
         reference = None
-        for kernel in (*SDPA_BACKENDS, *(("MATH",) if args.tiny else ()), "float8 inputs"):
+        for kernel in (*SDPA_BACKENDS, *(("MATH",) if args.tiny else ()), "auto", "float8 inputs"):
             row = dict(mode=mode, kernel=kernel, shape=list(shape), error=None)
             try:
                 forward, train = _attention_call(kernel, q, k, v, dout)
@@ -466,6 +476,12 @@ def bench_attention(case, runtime, args) -> list:
                 reference = out if reference is None else reference
                 diff = ((out - reference).abs().max() / reference.abs().max()).item()
                 row.update(ms=1e3 * seconds, tflops=flops / seconds / 1e12, max_diff=diff)
+                if kernel == "auto":  # what it chose for these calls (models/attention.py CHOSEN)
+                    from models.attention import CHOSEN
+
+                    trains = mode != "sampling forward"
+                    picks = [c for key, c in CHOSEN.items() if key[0] == shape and key[-1] == trains]
+                    row["chosen"] = picks[0] if picks else None
             except Exception as e:  # a kernel this device or dtype lacks
                 row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
             rows.append(row)
@@ -775,7 +791,7 @@ def markdown(results) -> str:
                 [
                     [
                         r["mode"],
-                        r["kernel"],
+                        r["kernel"] + (f" ({r['chosen']})" if r.get("chosen") else ""),
                         str(r["shape"]),
                         _fmt(r.get("ms"), ".2f"),
                         _fmt(r.get("tflops"), ".0f"),

@@ -173,6 +173,8 @@ def test_the_lead_suite_runs_tiny_on_cpu(tmp_path):
         timed = [r for r in rows if r["error"] is None]  # on CPU: flash and the math reference
         assert len(timed) >= 2 and all(r["ms"] > 0 for r in timed), rows
         assert all(r["max_diff"] < 1e-5 for r in timed), rows  # float32: every kernel agrees with the first
+        (auto,) = [r for r in timed if r["kernel"] == "auto"]  # model.attention_backend=auto's pick
+        assert auto["chosen"] in ("sdpa:flash_attention", "sdpa:math"), auto  # what runs on a CPU
     trained = {(r["case"], r["variant"]): r for r in results["train"]}
     assert {v for _, v in trained} == {"sac", "ac"} and all("seconds" in r for r in trained.values())
     for (case, variant), row in trained.items():

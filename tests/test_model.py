@@ -113,6 +113,53 @@ def test_attention_backends_agree_with_the_reference(backend):
     assert torch.allclose(op(q, k, v).float(), expected, atol=tolerance)
 
 
+def test_auto_attention_measures_once_per_shape_and_runs_what_it_chose(monkeypatch, capsys):
+    """model.attention_backend=auto: the first call of a shape times every candidate that runs it and
+    agrees with the math kernel, and runs the fastest; later calls of that shape measure nothing and give
+    that kernel's output exactly; a masked call weighs only kernels that take a mask; the choice is said
+    once. In a checkpointed block the measurement leaves the recompute alone: gradients as SDPA's."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    import models.attention as attention
+
+    monkeypatch.setattr(attention, "CHOSEN", {})
+    timed, measure = [], attention._time
+
+    def counted(call, args, backward):
+        timed.append(call)
+        return measure(call, args, backward)
+
+    monkeypatch.setattr(attention, "_time", counted)
+    auto = make_attention("auto")
+    q, k, v = (torch.randn(2, 4, 37, 16) for _ in range(3))
+    first = auto(q, k, v)
+    (chosen,) = attention.CHOSEN.values()
+    assert len(timed) >= 2 and chosen in attention.auto_candidates()  # CPU: SDPA's flash and math at least
+    assert torch.equal(auto(q, k, v), first) and len(timed) >= 2 and len(attention.CHOSEN) == 1
+    assert torch.equal(first, attention.auto_candidates()[chosen](q, k, v))
+    assert f"model.attention_backend=auto: q (2, 4, 37, 16) torch.float32 on cpu (forward): {chosen}" in (
+        capsys.readouterr().out
+    )
+    mask = torch.ones(2, 1, 1, 37, dtype=torch.bool)
+    mask[..., 30:] = False
+    masked = auto(q, k, v, mask)
+    assert torch.allclose(masked, MathAttention()(q, k, v, mask), atol=1e-5)
+    assert attention.CHOSEN[attention._key(q, k, mask)] not in ("flash", "xformers")
+    grads = {}
+    for backend in ("sdpa", "auto"):
+        model = tiny_dit(attention_backend=backend)
+        torch.manual_seed(1)  # the same weights and inputs for both
+        with torch.no_grad():
+            for param in model.parameters():
+                param.normal_(0, 0.2)
+        wrapped = [checkpoint_wrapper(b, preserve_rng_state=False) for b in model.blocks]
+        model.blocks = torch.nn.ModuleList(wrapped)
+        x, t, (y, m) = torch.randn(2, 3, 2, 8, 8), torch.rand(2), text()
+        model(x, t, y, m).square().mean().backward()
+        grads[backend] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert torch.allclose(grads["auto"], grads["sdpa"], rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("backend, package", [("xformers", "xformers"), ("flash", "flash_attn")])
 def test_missing_backend_is_an_error_not_a_fallback(backend, package):
     if importlib.util.find_spec(package) is not None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from models.attention import MASKING_BACKENDS
 from models.float8 import quantize_blocks
 from models.lora import deltas_of, merge_deltas
 from models.sampler import checked, generate_images
@@ -151,10 +152,11 @@ def check_patch_pipeline(cfg, family, request, degrees, meta) -> None:
     ranks, pipefusion = degrees.ulysses * degrees.ring, degrees.pipefusion or 1
     first_block = request.cache is not None and request.cache.method == "first_block"
     backend = cfg.model.attention_backend
-    if family.masks_through_kernel and (ranks > 1 or pipefusion > 1) and backend not in ("sdpa", "math"):
+    if family.masks_through_kernel and (ranks > 1 or pipefusion > 1) and backend not in MASKING_BACKENDS:
         raise ValueError(
             f"model.attention_backend={cfg.model.attention_backend} takes no mask, and a sequence split "
-            "and PipeFusion's patches mask keys: use sdpa or math with parallel.ulysses, ring or pipefusion"
+            "and PipeFusion's patches mask keys: use sdpa, math or auto with parallel.ulysses, ring or "
+            "pipefusion"
         )
     transformer = meta()
     kinds = operator_kinds(transformer)
