@@ -423,7 +423,8 @@ def _layout_line(cfg, family, runtime, request: Request, weights: Weights, patch
         vae = family.geometry(cfg)[0]
         count = len(plan_tiles(vae, request.latent[1:], cfg.vae.tile_latent, cfg.vae.tile_overlap))
         tiles = f"; VAE decode: {count} tile(s) over {runtime.sampling.replica_size} rank(s)"
-    return f"[tessera] {name}; layout {layout.describe()}{chosen}{pipeline}{tiles}"
+    threads = f"; {runtime.threads}" if runtime.threads else ""  # a CPU run's
+    return f"[tessera] {name}; layout {layout.describe()}{chosen}{pipeline}{tiles}{threads}"
 
 
 if __name__ == "__main__":

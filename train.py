@@ -602,7 +602,8 @@ def say(line: str) -> None:
 def _summary(cfg, plan: Plan, runtime, model, run: RunDirectory, bf16: bool, fp8: str) -> str:
     auto = " (parallel.auto)" if cfg.parallel.auto else ""
     precision = ", ".join(filter(None, ("bf16" if bf16 else "fp32", fp8)))
-    device = f"{runtime.device.type} ({runtime.backend}, {precision})"
+    threads = f", {runtime.threads}" if runtime.threads else ""  # a CPU run's
+    device = f"{runtime.device.type} ({runtime.backend}, {precision}{threads})"
     sampler, described = plan.sampler, family_named(cfg.model.family).describe(cfg)
     return (
         f"[tessera] {described}: {count_parameters(model) / 1e6:.2f}M parameters; layout "

@@ -3,8 +3,7 @@
     python scripts/bench_gpu.py [--out runs/bench_gpu] [--tiny] [--variants eager,ac,compile,compile+ac]
     python scripts/bench_gpu.py --suite fp8|lead|offload  # issue 35's (FP8), 54's (kernels; the 14B LoRA)
 
-A variant joins eager, ac, sac (train.checkpoint_policy=selective), aco (train.activation_offload),
-compile and fp8 (train.fp8) by +.
+Variants join eager, ac, sac (checkpoint_policy=selective), aco (activation_offload), compile, fp8 by +.
 Parts (--parts): train (step time, tokens/s, MFU, peak and modelled memory of DiT-XL at 256 px and of a
 DiT at Wan2.1-1.3B's dims); wan (tessera's DiT with Wan's options, diffusers' WanTransformer3DModel); lora,
 lora8 (LoRA on a bf16 or float8 base, with and without train.cpu_offload); sp (the sequence-parallel

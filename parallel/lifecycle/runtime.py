@@ -26,6 +26,7 @@ from parallel.lifecycle.exits import NCCL_HINT
 from parallel.lifecycle.memory import HostMemoryWatch
 from parallel.lifecycle.preemption import StopRequest
 from parallel.lifecycle.rendezvous import connect_store, rendezvous
+from parallel.lifecycle.threads import pick_cpu_threads
 from parallel.lifecycle.watchdog import Deadlines, Watchdog
 
 
@@ -52,6 +53,7 @@ class Runtime:
     lock: RunLock | None = None  # rank 0 of a training run: the run directory's (configs/runlock.py)
     run_dir: Path | None = None
     lock_token: str | None = None  # every rank of a training run: the token of rank 0's lock
+    threads: str = ""  # a CPU run's compute threads, in the start-up line's words (threads.py)
 
     @property
     def is_main(self) -> bool:
@@ -247,6 +249,8 @@ def init_runtime(
     monitor.may_write = runtime.holds_directory  # failure records only while the directory is this run's
     if task == "train":  # the host's memory, watched from the first step on (parallel/lifecycle/memory.py)
         monitor.memory = HostMemoryWatch(rank)
+    if device.type == "cpu":
+        runtime.threads = pick_cpu_threads()
     injected.at_startup()
     return runtime
 
