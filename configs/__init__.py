@@ -424,11 +424,6 @@ def _check_lora(cfg: DictConfig) -> None:
             f"lora.init_from={lora.init_from} starts adapters from a LoRA file, but lora.rank=0 trains every "
             "weight: set lora.rank (at least the file's rank)"
         )
-    if cfg.model.base_dtype != "auto" and not lora.rank:
-        raise ConfigError(
-            f"model.base_dtype={cfg.model.base_dtype} stores a frozen base, and lora.rank=0 trains "
-            "every weight: set lora.rank for a LoRA run, or model.base_dtype=auto"
-        )
     if lora.rank and not lora.targets:
         raise ConfigError("'lora.targets' is empty: name the Linear layers that get adapters")
     if lora.rank and not cfg.model.pretrained:

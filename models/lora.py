@@ -200,12 +200,16 @@ def adapted_modules(model: nn.Module) -> dict[str, LoRALinear]:
 
 @torch.no_grad()
 def merge_deltas(model: nn.Module, deltas: dict, elsewhere=()) -> None:
-    """Add weight deltas {linear module name: (rows, delta (rows x in) float32)} into the model's Linear
+    """Add weight deltas {linear module name: [(rows, delta (rows x in) float32)]} into the model's Linear
     weights, in float32 then back to their dtype; rows is a slice of the output rows (a fused qkv takes
-    its q, k and v updates in its thirds) or None for all. `elsewhere`: the module names another
-    PipeFusion stage holds (parallel/compute/pipefusion_plan.held_elsewhere); a delta under one is that
-    stage's to merge and is skipped here. Any other name the model lacks is an error naming it: a delta that
-    silently goes nowhere would sample the base model."""
+    its q, k and v updates in its thirds) or None for all. An entry (rows, A, B, scale) (factors_of's,
+    LoRAUpdate.factors') is the delta scale B A, made as its module's turn comes (all of them at once would
+    take the transformer's size in float32), and on a float8 layer (model.base_dtype=float8) it stays a
+    frozen adapter beside the quantized weight, as training computed it: e4m3's rounding would swallow an
+    update smaller than its step. `elsewhere`: the module names another PipeFusion stage holds
+    (parallel/compute/pipefusion_plan.held_elsewhere); a delta under one is that stage's to merge and is
+    skipped here. Any other name the model lacks is an error naming it: a delta that silently goes nowhere
+    would sample the base model."""
     modules = dict(model.named_modules())
     skipped = [name for name in deltas if name not in modules and is_under(name, elsewhere)]
     unknown = [name for name in deltas if name not in modules and name not in skipped]
@@ -216,11 +220,39 @@ def merge_deltas(model: nn.Module, deltas: dict, elsewhere=()) -> None:
             continue
         module = modules[name]
         if getattr(module, SCALE, None) is not None:  # its rows' scales would have to change with them
-            raise ValueError(f"{name}: a float8 base (model.base_dtype=float8) takes no merged LoRA deltas")
+            if any(len(update) == 2 for update in updates):
+                raise ValueError(f"{name}: a float8 base (model.base_dtype=float8) takes no merged deltas")
+            _keep_beside(module, updates)
+            continue
         weight = module.weight.float()
-        for rows, delta in updates:
+        for update in updates:
+            rows, delta = (update[0], update[3] * lora_delta(*update[1:3])) if len(update) == 4 else update
             weight[rows if rows is not None else slice(None)] += delta.to(weight.device)
         module.weight.copy_(weight.to(module.weight.dtype))
+
+
+def _keep_beside(module: nn.Linear, updates: list) -> None:
+    """Factored updates [(rows, A, B, scale)] as one frozen adapter of `module` (a LoRALinear from here on):
+    A stacked, B block-diagonal (a per-projection adapter's blocks, each update in its rows), scale in B."""
+    As, Bs = [], []
+    for rows, A, B, scale in updates:
+        n, r = A.shape[0] // B.shape[1], B.shape[1]
+        rows = rows if rows is not None else slice(None)
+        full = torch.zeros(module.out_features, n * r)
+        block = torch.zeros(full[rows].shape)
+        for i, b in enumerate(B.float().chunk(n)):  # projection i: its rows of B, its r entries of A x
+            block[i * b.shape[0] : (i + 1) * b.shape[0], i * r : (i + 1) * r] = scale * b
+        full[rows] = block
+        As.append(A.float())
+        Bs.append(full)
+    A, B = torch.cat(As), torch.cat(Bs, dim=1)
+    device = module.weight.device
+    module.__class__ = LoRALinear
+    module.lora_A = nn.Linear(A.shape[1], A.shape[0], bias=False, device=device).requires_grad_(False)
+    module.lora_B = nn.Linear(B.shape[1], B.shape[0], bias=False, device=device).requires_grad_(False)
+    module.lora_A.weight.copy_(A)
+    module.lora_B.weight.copy_(B)
+    module.lora_dropout, module.lora_scale, module.lora_groups = nn.Identity(), 1.0, 1
 
 
 def is_under(name: str, prefixes) -> bool:
@@ -231,6 +263,11 @@ def is_under(name: str, prefixes) -> bool:
 def deltas_of(adapters: dict) -> dict:
     """{module name: [(None, scale B A)]} in float32 (for merge_deltas) of adapters {name: (A, B, scale)}."""
     return {name: [(None, scale * lora_delta(A, B))] for name, (A, B, scale) in adapters.items()}
+
+
+def factors_of(adapters: dict) -> dict:
+    """deltas_of's, factored: {module name: [(None, A, B, scale)]} (merge_deltas makes each as it merges)."""
+    return {name: [(None, A, B, scale)] for name, (A, B, scale) in adapters.items()}
 
 
 def adapter_deltas(model: nn.Module) -> dict:

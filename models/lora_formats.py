@@ -340,6 +340,13 @@ class LoRAUpdate:
             out.setdefault(p.module, []).append((p.rows, strength * scale * (B.float() @ A.float())))
         return out
 
+    def factors(self, strength: float = 1.0) -> dict:
+        """deltas', factored: {tessera module: [(rows, A, B, strength * scale)]} (merge_deltas makes each)."""
+        out = {}
+        for p, A, B, scale in self.updates:
+            out.setdefault(p.module, []).append((p.rows, A, B, strength * scale))
+        return out
+
 
 def match_lora(
     tensors: dict, projections: dict, linears_in: dict, path: str = "LoRA", config: dict | None = None

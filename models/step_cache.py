@@ -128,13 +128,17 @@ class Calibration:
             )
 
 
+# what a calibration written before a key was recorded was made for
+ADDED_LATER = {"base_dtype": "auto"}
+
+
 def _differences(theirs: dict, ours: dict) -> list[str]:
     """'key: X there, Y here' for each entry of `ours` that `theirs` (a calibration's record) does not
     share. An identity {"what", "id"} compares by id (a file moved elsewhere is still the same) and shows
     what; another dict (the architecture) compares entry by entry."""
     out = []
     for key, mine in ours.items():
-        other = theirs.get(key)
+        other = theirs.get(key, ADDED_LATER.get(key))
         if isinstance(mine, dict) and "id" in mine:
             if not isinstance(other, dict) or other.get("id") != mine["id"]:
                 shown = other.get("what") if isinstance(other, dict) else other

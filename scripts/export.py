@@ -22,7 +22,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from configs import load_config  # noqa: E402
 from models.families import family_named  # noqa: E402
-from models.lora import deltas_of, merge_deltas  # noqa: E402
+from models.lora import factors_of, merge_deltas  # noqa: E402
 from models.lora_formats import (  # noqa: E402
     FORMATS,
     export_adapters,
@@ -96,7 +96,7 @@ def trained_transformer(checkpoint: Path, cfg, use_ema: bool, pipeline: bool):
         base.model.pretrained = base_of_run(checkpoint, record, cfg.model.pretrained)
         fill_unsharded(model, cfg.train.seed, open_pretrained(base, model))
         adapters = checkpoint_adapters(checkpoint, record, family.run_transformer(cfg, architecture), use_ema)
-        merge_deltas(model, deltas_of(adapters))
+        merge_deltas(model, factors_of(adapters))  # one layer's delta at a time
     else:
         model.to_empty(device="cpu")
         load_weights(checkpoint, model, use_ema=use_ema)

@@ -42,9 +42,8 @@ WHOLE_SUITE_ROWS = {  # file: [(rows, tests), ...]
 SKIPPED_ROWS = {  # file: [(rows, tests, reason)]
     "tests/test_family_training.py": [
         (("flux2_dev",),
-         ("test_a_run_trains_and_resumes", "test_lora_on_a_float8_base", "test_precomputed_latents",
-          "test_buckets_by_aspect_ratio", "test_eval_demo", "test_a_calibrated_step_cache",
-          "test_parallel_auto", "test_sequence_parallel_training"),
+         ("test_a_run_trains_and_resumes", "test_buckets_by_aspect_ratio", "test_eval_demo",
+          "test_a_calibrated_step_cache", "test_parallel_auto", "test_sequence_parallel_training"),
          "klein's training code (the flux2 row): dev's differs by the guidance input, which its loss and "
          "exports test"),
         (("flux2_dev",), ("test_a_distilled_student",), "dev's distillation is refused (test_refusals)"),

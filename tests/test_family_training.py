@@ -48,6 +48,7 @@ def family_overrides(name, folder) -> list:
         f"vae.pretrained={folder}",
         f"text_encoder.pretrained={folder}",
         f"text_encoder.max_length={MAX_LENGTH if name == 'sana' else 512}",
+        *(["train.guidance=null"] if name == "flux2_dev" else []),  # its family's default, diffusers' 3.5
     ]
 
 

@@ -72,7 +72,7 @@ def test_a_float8_base_computes_within_the_tolerance_and_trains_its_adapters():
     values = sum(ours.get_submodule(n).weight.numel() for n in names)
     rows = sum(ours.get_submodule(n).out_features for n in names)
     assert base_bytes(ours) == base_bytes(full) - 3 * values + 4 * rows
-    with pytest.raises(ValueError, match="float8 base .* takes no merged LoRA deltas"):
+    with pytest.raises(ValueError, match="float8 base .* takes no merged deltas"):
         merge_deltas(ours, adapter_deltas(ours))
 
 
@@ -134,9 +134,12 @@ def test_lora_on_a_float8_base_trains_alike_in_every_layout(tiny_pipeline, tmp_p
 
 @torch.no_grad()
 def test_infer_samples_on_a_float8_base(tiny_pipeline, tmp_path, monkeypatch, capsys):  # noqa: F811
-    """infer.py with model.base_dtype=float8 (the LoRA recipe's base, --checkpoint none): the transformer it
-    samples holds its blocks' Linear weights in float8 (the start-up line says so), and the video is within
-    the tolerance of the compute dtype's base and not equal to it."""
+    """infer.py with model.base_dtype=float8 (a recipe without a LoRA too): the transformer it samples holds
+    its blocks' Linear weights in float8 (the start-up line says so), the video within the tolerance of
+    the compute dtype's base and not equal to it. A LoRA run sampled on it keeps its adapters beside the
+    float8 layers, as its training computed them: the LoRA's effect on the video is the one it has on the
+    full-precision base (a LoRA merged into the weights before quantizing would lose or inflate an effect
+    below e4m3's step)."""
     import numpy as np
 
     from parallel.drive import family_sampling
@@ -152,14 +155,27 @@ def test_infer_samples_on_a_float8_base(tiny_pipeline, tmp_path, monkeypatch, ca
         return model
 
     monkeypatch.setattr(family_sampling, "sampling_transformer", spy)
-    base = infer_sample(recipe, tmp_path / "none", tmp_path / "base.npy", *LORA, "--checkpoint", "none")
-    assert FLOAT8 not in sampled["dtypes"]
-    float8 = ["model.base_dtype=float8", "--checkpoint", "none"]
-    ours = infer_sample(recipe, tmp_path / "none", tmp_path / "f8.npy", *LORA, *float8)
-    assert FLOAT8 in sampled["dtypes"] and ", float8 base;" in capsys.readouterr().out
-    error = float(np.linalg.norm(ours - base) / np.linalg.norm(base))
-    print(f"float8 base sampling: the video {error:.2%} from the full-precision base's", file=sys.__stderr__)
-    assert 0 < error <= TOLERANCE
+    run = tmp_path / "lora"
+    with torch.enable_grad():
+        assert run_main(train, ["--config", str(recipe), *LORA, "train.max_steps=2", "train.lr=1e-4",
+                                f"run.output_dir={run}"]) == 0  # fmt: skip
+    videos = {}
+    for base in ("auto", "float8"):
+        for weights in ("none", str(run)):
+            # no lora.* keys: the base alone in float8 too; the run's record brings its adapters
+            extra = ("sample.steps=3", f"model.base_dtype={base}", "--checkpoint", weights)
+            videos[base, weights] = infer_sample(recipe, tmp_path / "none", tmp_path / "v.npy", *extra)
+            assert (FLOAT8 in sampled["dtypes"]) == (base == "float8")
+    assert ", float8 base;" in capsys.readouterr().out
+    base = videos["auto", "none"]
+    error = float(np.linalg.norm(videos["float8", "none"] - base) / np.linalg.norm(base))
+    full = videos["auto", str(run)] - videos["auto", "none"]  # the LoRA's effect, full precision
+    ours = videos["float8", str(run)] - videos["float8", "none"]
+    ratio = float((ours * full).sum() / (full * full).sum())
+    print(f"float8 base sampling: the video {error:.2%} from the full-precision base's; the LoRA's effect "
+          f"({np.abs(full).max():.1e}) at {ratio:.3f} of its full-precision size", file=sys.__stderr__)
+    assert 0 < error <= TOLERANCE and np.abs(full).max() > 0
+    assert abs(ratio - 1) <= 0.05
 
 
 def saved_adapters(step, kind: str) -> dict:
@@ -175,8 +191,9 @@ def saved_adapters(step, kind: str) -> dict:
 
 def test_what_a_float8_base_cannot_do_is_refused_by_name(tiny_pipeline, tmp_path, capsys):  # noqa: F811
     _, recipe = tiny_pipeline
-    with pytest.raises(ConfigError, match="model.base_dtype=float8 stores a frozen base, and lora.rank=0"):
-        load_config(recipe, ["model.base_dtype=float8"])
+    argv = ["--config", str(recipe), "model.base_dtype=float8", f"run.output_dir={tmp_path / 'full'}"]
+    assert run_main(train, argv) == 2  # training's: sampling takes a float8 base without a LoRA
+    assert "model.base_dtype=float8 stores a frozen base, and lora.rank=0" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="'model.base_dtype' is 'fp8'; choose one of auto, float8"):
         load_config(recipe, [*LORA, "model.base_dtype=fp8"])
     base = tmp_path / "base"

@@ -363,6 +363,7 @@ def test_a_calibration_made_for_another_sampling_is_refused_by_what_differs(tmp_
     capsys.readouterr()
     for file, extra, differs in (
         (random_file, ["--random-weights", "--guidance", "3"], "guidance: 2.0 there, 3.0 here"),
+        (random_file, ["--random-weights", "model.base_dtype=float8"], "base_dtype: 'auto' there, 'float8'"),
         (
             random_file,
             ["--random-weights", "model.patch_size=[1,2,2]"],

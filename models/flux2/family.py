@@ -276,7 +276,7 @@ class Flux2(Family):
 
 @dataclass
 class Flux2DevParts(Components):
-    guidance: float = 3.5  # the scale its training gives the transformer (train.guidance)
+    guidance: float | None = None  # the scale its training gives the transformer (train.guidance; load's)
 
 
 class Flux2Dev(Flux2):

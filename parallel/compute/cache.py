@@ -78,10 +78,10 @@ def check_calibration(cache, cfg, args, checkpoint, guidance: float) -> None:
 
 def calibration_subject(cfg, checkpoint, use_ema: bool, random_weights: bool, loras, guidance: float) -> dict:
     """What a step-cache calibration measures, and is valid for: the transformer's architecture, its
-    weights (a checkpoint, model.pretrained or random), the LoRAs merged, the frozen parts and the noise
-    schedule (Family.calibration_parts), the guidance. Files are known by a fingerprint of their contents,
-    not their path. Prompts, seeds and the sampling size are left out: the table carries over to them.
-    scripts/calibrate_cache.py records it; infer.py compares (models/step_cache.py check_made_for)."""
+    weights (a checkpoint, model.pretrained or random; a float8 base), the LoRAs merged, the frozen parts
+    and the noise schedule (Family.calibration_parts), the guidance. Files are known by a fingerprint of their
+    contents, not their path. Prompts, seeds and the sampling size are left out: the table carries over to
+    them. scripts/calibrate_cache.py records it; infer.py compares (models/step_cache.py check_made_for)."""
     from models.families import family_named
 
     family = family_named(cfg.model.family)
@@ -91,6 +91,7 @@ def calibration_subject(cfg, checkpoint, use_ema: bool, random_weights: bool, lo
         "loras": _loras(loras),
         **family.calibration_parts(cfg, fingerprint_files),
         "guidance": float(guidance),
+        "base_dtype": cfg.model.base_dtype,  # a float8 base samples other velocities
     }
     return json.loads(json.dumps(subject))  # as the file holds it (tuples become lists)
 

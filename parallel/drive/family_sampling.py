@@ -12,7 +12,7 @@ import torch
 
 from models.attention import MASKING_BACKENDS
 from models.float8 import quantize_blocks
-from models.lora import deltas_of, merge_deltas
+from models.lora import factors_of, merge_deltas
 from models.sampler import checked, generate_images
 from parallel.build.components import check_pretrained, check_weights_source, fill_unsharded, open_pretrained
 from parallel.build.lora import checkpoint_adapters, is_tessera_run, lora_base, lora_of
@@ -175,9 +175,9 @@ def sampling_transformer(cfg, runtime, family, weights: Weights, loras=(), folde
     checkpoint; else model.pretrained's (`folder`'s) own, as its files hold them in the compute dtype
     (Family.load_transformer: memory-mapped, no copy) or, for float32_weights, filled row by row from its
     files, a tessera run's (EMA) weights or random ones from train.seed; a LoRA run's adapters, then the
-    --lora files (`loras`: infer.py read_loras') merged in; then, under model.base_dtype=float8, its
-    blocks' Linear weights quantized (models/float8.py). NaN or inf is refused alike on every rank of
-    `group`."""
+    --lora files (`loras`: infer.py read_loras') merged in; under model.base_dtype=float8 the blocks' Linear
+    weights quantized first and the adapters kept beside them, as training computes them (models/lora.py
+    merge_deltas). NaN or inf is refused alike on every rank of `group`."""
     layout, groups = runtime.layout, runtime.sampling
     dtype = None  # float32_weights: float32, whatever the compute dtype
     if not family.float32_weights:
@@ -194,8 +194,8 @@ def sampling_transformer(cfg, runtime, family, weights: Weights, loras=(), folde
     if record is not None:  # matched against the whole architecture: a stage merges its blocks' own
         adapters = checkpoint_adapters(checkpoint, record, family.meta_transformer(cfg), weights.use_ema)
         check_adapters_finite(adapters, checkpoint, weights.use_ema)
-        deltas.append(deltas_of(adapters))
-    deltas += [update.deltas(strength) for update, strength in loras]
+        deltas.append(factors_of(adapters))
+    deltas += [update.factors(strength) for update, strength in loras]
     if checkpoint is not None and record is None:  # every weight from the run
         model = meta() if dtype is None else meta().to(dtype)
         model.to_empty(device="cpu")
@@ -211,11 +211,11 @@ def sampling_transformer(cfg, runtime, family, weights: Weights, loras=(), folde
         use_ema = weights.use_ema if folder is not None else True
         pretrained = None if weights.random else open_pretrained(cfg, model, folder, use_ema)
         fill_unsharded(model, cfg.train.seed, pretrained, not weights.random, stage, group)
+    model = model.eval().requires_grad_(False)
+    if cfg.model.base_dtype == "float8":  # on the host: the GPU holds a byte a block weight
+        quantize_blocks(model)
     for update in deltas:  # the run's own adapters first, then the files, as the families always merged
         merge_deltas(model, update, elsewhere=held_elsewhere(model))  # a stage: its blocks' only
-    model = model.eval().requires_grad_(False)
-    if cfg.model.base_dtype == "float8":  # on the host, the adapters merged first: the GPU holds a byte each
-        quantize_blocks(model)
     return model
 
 

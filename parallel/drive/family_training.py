@@ -46,6 +46,11 @@ def check_family_inputs(cfg, family: Family) -> None:
         raise ValueError(f"{family.title} samples with infer.py; training it is not built yet")
     family.check_sample_keys(cfg)
     family.check_negative(cfg.sample.negative_prompt, "sample.negative_prompt")  # the previews'
+    if cfg.model.base_dtype != "auto" and not cfg.lora.rank:  # sampling takes it with no LoRA at all
+        raise ValueError(
+            f"model.base_dtype={cfg.model.base_dtype} stores a frozen base, and lora.rank=0 trains every "
+            "weight: set lora.rank for a LoRA run, or model.base_dtype=auto"
+        )
     if cfg.train.guidance is not None and not family.guidance_embedded:
         raise ValueError(
             f"train.guidance={cfg.train.guidance}: the scale a guidance-distilled transformer (FLUX.2 dev) "
