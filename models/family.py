@@ -355,9 +355,10 @@ class Family:
         shift. An image family: one latent frame per frame, its transformer's patch across."""
         return self.latent_space(cfg), (1, self.patch(cfg), self.patch(cfg))
 
-    def load(self, cfg, device, dtype, transformer: bool = True, keep=None) -> Components:
+    def load(self, cfg, device, dtype, transformer: bool = True, keep=None, texts: bool = True) -> Components:
         """Its parts on `device` in `dtype`, frozen; transformer=False: all but the transformer (training
-        builds and shards its own), Components.transformer None; `keep`: as load_transformer's."""
+        builds and shards its own), Components.transformer None; `keep`: as load_transformer's; texts=False:
+        no text encoder (Components.text_encoder None: training on stored conditionings)."""
         raise NotImplementedError
 
     def vae_scale(self, cfg) -> int:

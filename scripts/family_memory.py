@@ -3,9 +3,8 @@ not counted): sampling (every part in bf16 on every rank; under PipeFusion each 
 of the transformer), full fine-tuning (20 bytes a transformer parameter: float32 weights, gradients, AdamW's
 moments, EMA, sharded by FSDP2; text encoder and VAE in bf16 on every rank) and LoRA (the base in bf16,
 sharded; rank-LORA_RANK adapters on the family's lora.targets, 20 bytes a parameter), also from precomputed
-latents (data.latents frees the text encoder alone, after it has encoded the previews' prompts: the larger
-of the two is the figure) and on a float8 base (model.base_dtype=float8: the
-blocks' Linear weights a byte each, a scale per row), which sampling takes too.
+latents (data.latents: no text encoder; the other frozen parts stay) and on a float8 base
+(model.base_dtype=float8: the blocks' Linear weights a byte each, a scale per row), which sampling takes too.
 
     python scripts/family_memory.py [--json out.json]  (--tiny: the tests' tiny configs, seconds)
 
@@ -260,11 +259,10 @@ def per_gpu(counts: dict, adapters: int, gpus: int, texts_first: bool = False, f
         "sample-pipefusion": (model * BF16 / gpus + frozen) / GiB,
         "full": (model * TRAINED / gpus + frozen) / GiB,
         "lora": (lora + frozen) / GiB,
-        # data.latents frees the text encoder once it has encoded the previews' prompts, before the
-        # transformer is read: the start-up holds it with the other frozen parts
-        "lora-latents": max(lora + frozen - texts[0] * BF16, frozen) / GiB,
-        "lora-float8-latents": max((float8 + adapters * TRAINED) / gpus + frozen - texts[0] * BF16, frozen)
-        / GiB,
+        # data.latents from precompute_latents.py, which stores the previews' conditionings too: the text
+        # encoder is never read (other preview prompts than the folder's would load it first, for a while)
+        "lora-latents": (lora + frozen - texts[0] * BF16) / GiB,
+        "lora-float8-latents": ((float8 + adapters * TRAINED) / gpus + frozen - texts[0] * BF16) / GiB,
     }
 
 

@@ -1,5 +1,5 @@
 """Encode a dataset once, sharded over ranks: videos/images with the VAE, prompts with the text encoder (a
-model family's own; and the empty prompt's conditioning).
+model family's own; the empty prompt's and the training previews' conditionings too).
 
     torchrun --nproc_per_node 8 scripts/precompute_latents.py --config configs/video.yaml \
         --out latents/video480
@@ -39,7 +39,12 @@ from models.families import family_named  # noqa: E402
 from models.family import REFERENCES  # noqa: E402
 from models.util import reading_weights  # noqa: E402
 from parallel.compute.layout import ParallelLayout  # noqa: E402
-from parallel.drive.family_training import check_family_sizes, check_family_training  # noqa: E402
+from parallel.drive.family_training import (  # noqa: E402
+    check_family_sizes,
+    check_family_training,
+    preview_references,
+)
+from parallel.drive.stored_previews import PREVIEWS, preview_identity, preview_sampling, store_previews  # noqa: E402
 from parallel.lifecycle.entrypoint import run_as_process  # noqa: E402
 from parallel.lifecycle.runtime import init_runtime, world_from_env  # noqa: E402
 
@@ -108,7 +113,20 @@ def family_encoder(cfg, family, runtime):
         dropped = {f"dropped_{name}": tensor for name, tensor in dropped.items()}
         return {"latent": latent[0], **family.store_conditioning(cond)[0], **dropped}
 
+    encode.parts, encode.dtype = parts, dtype  # the previews' (store_training_previews)
     return encode
+
+
+def store_training_previews(cfg, family, encode, out: Path) -> None:
+    """The training previews' conditionings (sample.prompts) beside the latents: training on them then
+    never loads the text encoder (parallel/drive/stored_previews.py). Not for previews sampled from
+    first frames (image-to-video), whose conditioning training makes from its own parts."""
+    if family.image_to_video and family.needs_images(cfg):
+        return
+    sampling = preview_sampling(cfg, family, preview_references(cfg, family))
+    identity = preview_identity(cfg, family, sampling, encode.dtype)
+    if not store_previews(out / PREVIEWS, family.conditionings(encode.parts, sampling), identity, family):
+        print("[precompute] the previews' conditionings hold values no file keeps: training encodes them")
 
 
 def save_tensors(tensors: dict, path: Path) -> None:
@@ -164,6 +182,7 @@ def main(argv=None, session=None):
         (out / "latents").mkdir(parents=True, exist_ok=True)
         (out / "meta.json").write_text(json.dumps(meta, indent=1))  # before any latent: a rerun checks it
         save_tensors(encode(None, None), out / "empty.safetensors")  # what a dropped caption trains on
+        store_training_previews(cfg, family, encode, out)
     runtime.fence()
 
     from torch.utils.data import DataLoader

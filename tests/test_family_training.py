@@ -260,9 +260,16 @@ def test_precomputed_latents_train_as_the_images_do(saved, tmp_path, monkeypatch
         return encode(run, batch, dropped, device)
 
     monkeypatch.setattr(train, "encode_family_batch", spy)
+    family, loaded = family_named(name), []
+    load = type(family).load
+    monkeypatch.setattr(
+        type(family), "load", lambda self, *a, **k: loaded.append(k.get("texts", True)) or load(self, *a, **k)
+    )
     stored_run = tmp_path / "stored"
     assert run_main(train, train_args(name, folder, stored_run, *extra, f"data.latents={latents}")) == 0
     assert len(seen) == 2 and all(s[0] and s[1] for s in seen) and sum(s[2] for s in seen) >= 1, seen
+    assert loaded == [False], loaded  # the previews' conditionings stored too: no text encoder read at all
+    check_stored_previews(name, argv, latents)
     media, stored = metrics(tmp_path / "media"), metrics(stored_run)
     assert [m["step"] for m in stored] == [1, 2] and (stored_run / "samples" / "step_2_0.mp4").is_file()
     worst = max(abs(b[k] - a[k]) / abs(a[k]) for a, b in zip(media, stored) for k in ("loss", "grad_norm"))
@@ -270,6 +277,30 @@ def test_precomputed_latents_train_as_the_images_do(saved, tmp_path, monkeypatch
     # the VAE encodes a batch on images, one image at a time for the latents: float32 rounding, which the
     # tiny Z-Image's random modulations magnify more (4e-7 here alone, 2e-6 beside another test process)
     assert worst <= (1e-5 if name == "z_image" else 1e-6)
+
+
+@torch.no_grad()
+def check_stored_previews(name, argv, latents):
+    """The previews' conditionings precompute_latents.py stored (for the recipe `argv`) are those training
+    would encode itself; a recipe with other previews finds none."""
+    from dataclasses import fields
+
+    from parallel.drive.family_training import preview_references
+    from parallel.drive.stored_previews import PREVIEWS, preview_identity, preview_sampling, read_previews
+
+    family, cfg = family_named(name), load_config(argv[1], argv[2:])
+    sampling = preview_sampling(cfg, family, preview_references(cfg, family))
+    identity = preview_identity(cfg, family, sampling, torch.float32)
+    stored = read_previews(latents / PREVIEWS, family, identity, "cpu")
+    parts = family.load(cfg, torch.device("cpu"), torch.float32, transformer=False)
+    fresh = family.conditionings(parts, sampling)
+    assert stored is not None and (stored[1] is None) == (fresh[1] is None)
+    for ours, theirs in zip(stored, fresh):
+        for f in fields(theirs) if theirs is not None else ():
+            a, b = getattr(ours, f.name), getattr(theirs, f.name)
+            assert torch.equal(a, b) if isinstance(b, torch.Tensor) else a == b, f.name
+    other = {**identity, "prompts": ["another prompt"]}
+    assert read_previews(latents / PREVIEWS, family, other, "cpu") is None
 
 
 def test_buckets_by_aspect_ratio(saved, tmp_path):

@@ -396,7 +396,7 @@ class DiTFamily(Family):
             image_encoder_folder(cfg)
         return images
 
-    def load(self, cfg, device, dtype, transformer: bool = True, keep=None) -> DiTParts:
+    def load(self, cfg, device, dtype, transformer: bool = True, keep=None, texts: bool = True) -> DiTParts:
         """Its frozen parts for training (transformer=False: train.py builds and shards the DiT): the text
         encoder and the VAE of their recipe keys (in their own dtypes), image-to-video's CLIP encoder, and
         the flow on the trained expert's timesteps."""
@@ -405,7 +405,7 @@ class DiTFamily(Family):
         from models.flow import RectifiedFlow, expert_timesteps
         from models.image_condition import image_inputs
 
-        text_encoder, vae = frozen_parts(cfg, device)
+        text_encoder, vae = frozen_parts(cfg, device, texts)
         timesteps = expert_timesteps(cfg.model.expert, cfg.sample.boundary)
         flow = RectifiedFlow(cfg.flow, tuple(cfg.model.patch_size), timesteps=timesteps)
         image = image_inputs(cfg, device)  # on every rank: the previews need the CLIP too (0.6B, float32)
@@ -551,8 +551,9 @@ class DiTFamily(Family):
         return DiTText(text, mask, image, features)
 
 
-def frozen_parts(cfg, device) -> tuple:
-    """The text encoder and the VAE of the recipe (frozen, on `device`); the VAE carries its decode tiles."""
+def frozen_parts(cfg, device, texts: bool = True) -> tuple:
+    """The text encoder (texts=False: None) and the VAE of the recipe (frozen, on `device`); the VAE carries
+    its decode tiles."""
     from models.text_encoder import build_text_encoder
     from models.util import reading_weights
     from models.vae import build_vae
@@ -560,6 +561,8 @@ def frozen_parts(cfg, device) -> tuple:
     with reading_weights(f"vae.pretrained={cfg.vae.pretrained}"):
         vae = build_vae(cfg.vae).to(device)
     vae.tile_latent, vae.tile_overlap = cfg.vae.tile_latent, cfg.vae.tile_overlap
+    if not texts:
+        return None, vae
     with reading_weights(f"text_encoder.pretrained={cfg.text_encoder.pretrained}"):
         return build_text_encoder(cfg.text_encoder).to(device), vae
 

@@ -208,15 +208,17 @@ class Flux2(Family):
         """Each module's diffusers name from the model's own count of double blocks."""
         return lambda name: next(iter(to_diffusers({name: None}, model.depth)))
 
-    def load(self, cfg, device, dtype, transformer: bool = True, keep=None) -> Components:
+    def load(self, cfg, device, dtype, transformer: bool = True, keep=None, texts: bool = True) -> Components:
         import transformers
         from diffusers import AutoencoderKLFlux2
 
         model = self.load_transformer(cfg, dtype, keep) if transformer else None
         encoder_class = self.text_encoder_class(cfg, self.text_encoder_default)
-        encoder = encoder_class.from_pretrained(part_folder(cfg, "text_encoder"), dtype=dtype)
+        encoder = (
+            encoder_class.from_pretrained(part_folder(cfg, "text_encoder"), dtype=dtype) if texts else None
+        )
         vae = AutoencoderKLFlux2.from_pretrained(part_folder(cfg, "vae"), torch_dtype=dtype)
-        encoder, vae = (m.eval().to(device).requires_grad_(False) for m in (encoder, vae))
+        encoder, vae = (m and m.eval().to(device).requires_grad_(False) for m in (encoder, vae))
         if model is not None:
             model = model.to(device).requires_grad_(False)
         tokenizer = self.load_tokenizer(transformers, part_folder(cfg, "tokenizer"))
@@ -304,8 +306,10 @@ class Flux2Dev(Flux2):
                 "builds only with torchvision: pip install torchvision, the build that matches your torch"
             )
 
-    def load(self, cfg, device, dtype, transformer: bool = True, keep=None) -> Flux2DevParts:
-        parts = super().load(cfg, device, dtype, transformer, keep)
+    def load(
+        self, cfg, device, dtype, transformer: bool = True, keep=None, texts: bool = True
+    ) -> Flux2DevParts:
+        parts = super().load(cfg, device, dtype, transformer, keep, texts)
         guidance = self.training_guidance if cfg.train.guidance is None else float(cfg.train.guidance)
         return Flux2DevParts(**{f.name: getattr(parts, f.name) for f in fields(parts)}, guidance=guidance)
 

@@ -186,13 +186,19 @@ class HunyuanVideo15(Family):
             return super().config_of_file(shapes)  # the rope's split of another head size is not in the file
         return config
 
-    def load(self, cfg, device, dtype, transformer: bool = True, keep=None) -> HunyuanVideo15Parts:
+    def load(
+        self, cfg, device, dtype, transformer: bool = True, keep=None, texts: bool = True
+    ) -> HunyuanVideo15Parts:
         from diffusers import AutoencoderKLHunyuanVideo15
         from transformers import AutoTokenizer, ByT5Tokenizer, Qwen2_5_VLTextModel, T5EncoderModel
 
         model = self.load_transformer(cfg, dtype, keep) if transformer else None
-        encoder = Qwen2_5_VLTextModel.from_pretrained(part_folder(cfg, "text_encoder"), torch_dtype=dtype)
-        glyph_encoder = T5EncoderModel.from_pretrained(part_folder(cfg, "text_encoder_2"), torch_dtype=dtype)
+        encoder = glyph_encoder = None
+        if texts:  # the prompt's and its quoted glyphs'
+            encoder = Qwen2_5_VLTextModel.from_pretrained(part_folder(cfg, "text_encoder"), torch_dtype=dtype)
+            glyph_encoder = T5EncoderModel.from_pretrained(
+                part_folder(cfg, "text_encoder_2"), torch_dtype=dtype
+            )
         vae = AutoencoderKLHunyuanVideo15.from_pretrained(part_folder(cfg, "vae"), torch_dtype=dtype)
         image_encoder = feature_extractor = None
         if self.takes_images(cfg):

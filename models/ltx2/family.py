@@ -211,7 +211,7 @@ class LTX2(Family):
     def build(self, config: dict, cfg):
         return build_transformer(config, cfg.model.attention_backend)
 
-    def load(self, cfg, device, dtype, transformer: bool = True, keep=None) -> LTX2Parts:
+    def load(self, cfg, device, dtype, transformer: bool = True, keep=None, texts: bool = True) -> LTX2Parts:
         import transformers
         from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video
         from diffusers.pipelines.ltx2 import LTX2TextConnectors, vocoder
@@ -225,13 +225,15 @@ class LTX2(Family):
         vocoder_class = getattr(vocoder, index.get("vocoder", [0, "LTX2Vocoder"])[1])
         model = self.load_transformer(cfg, dtype, keep) if transformer else None
         loaded = [
-            encoder_class.from_pretrained(part_folder(cfg, "text_encoder"), dtype=dtype),
+            encoder_class.from_pretrained(part_folder(cfg, "text_encoder"), dtype=dtype) if texts else None,
             AutoencoderKLLTX2Video.from_pretrained(part_folder(cfg, "vae"), dtype=dtype),
             LTX2TextConnectors.from_pretrained(part_folder(cfg, "connectors"), dtype=dtype),
             AutoencoderKLLTX2Audio.from_pretrained(part_folder(cfg, "audio_vae"), dtype=dtype),
             vocoder_class.from_pretrained(part_folder(cfg, "vocoder"), dtype=dtype),
         ]
-        encoder, vae, connectors, audio_vae, voc = (m.eval().to(device).requires_grad_(False) for m in loaded)
+        encoder, vae, connectors, audio_vae, voc = (
+            m and m.eval().to(device).requires_grad_(False) for m in loaded
+        )
         if model is not None:
             model = model.to(device).requires_grad_(False)
         tokenizer = prepare_tokenizer(

@@ -162,10 +162,15 @@ class QwenImageEdit(QwenImage):
                     "last image (give --height and --width for another)")  # fmt: skip
         return [images] * count, None, height, width
 
-    def load(self, cfg, device, dtype, transformer: bool = True, keep=None) -> QwenImageEditParts:
+    def load(
+        self, cfg, device, dtype, transformer: bool = True, keep=None, texts: bool = True
+    ) -> QwenImageEditParts:
         from transformers import AutoImageProcessor, AutoTokenizer
 
-        parts, folder = super().load(cfg, device, dtype, transformer, keep), part_folder(cfg, "processor")
+        parts, folder = (
+            super().load(cfg, device, dtype, transformer, keep, texts),
+            part_folder(cfg, "processor"),
+        )
         return QwenImageEditParts(
             **vars(parts),
             image_processor=AutoImageProcessor.from_pretrained(folder),

@@ -88,19 +88,20 @@ class QwenImage(Family):
             axes_dims_rope=(16, 56, 56),
         )
 
-    def load(self, cfg, device, dtype, transformer: bool = True, keep=None) -> Components:
+    def load(self, cfg, device, dtype, transformer: bool = True, keep=None, texts: bool = True) -> Components:
         from diffusers import AutoencoderKLQwenImage
         from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
         transformer = self.load_transformer(cfg, dtype, keep) if transformer else torch.nn.Identity()
-        encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            part_folder(cfg, "text_encoder"), torch_dtype=dtype
-        )
+        encoder = None
+        if texts:
+            folder = part_folder(cfg, "text_encoder")
+            encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, torch_dtype=dtype)
         vae = AutoencoderKLQwenImage.from_pretrained(part_folder(cfg, "vae"), torch_dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(part_folder(cfg, "tokenizer"))
         scheduler = read_json(part_folder(cfg, "scheduler") / "scheduler_config.json")
-        parts = (transformer, encoder.eval(), vae.eval())
-        transformer, encoder, vae = (p.to(device).requires_grad_(False) for p in parts)
+        parts = (transformer, encoder, vae)
+        transformer, encoder, vae = (p and p.eval().to(device).requires_grad_(False) for p in parts)
         transformer = transformer if not isinstance(transformer, torch.nn.Identity) else None
         return Components(transformer, tokenizer, encoder, vae, scheduler or RELEASE_SCHEDULER)
 

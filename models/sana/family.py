@@ -87,18 +87,20 @@ class Sana(Family):
             return bare
         return diffusers_from_original(state)
 
-    def load(self, cfg, device, dtype, transformer: bool = True, keep=None) -> Components:
+    def load(self, cfg, device, dtype, transformer: bool = True, keep=None, texts: bool = True) -> Components:
         from diffusers import AutoencoderDC
         from transformers import AutoModel, AutoTokenizer
 
         transformer = self.load_transformer(cfg, dtype, keep) if transformer else torch.nn.Identity()
-        encoder = AutoModel.from_pretrained(part_folder(cfg, "text_encoder"), torch_dtype=dtype)
+        encoder = (
+            AutoModel.from_pretrained(part_folder(cfg, "text_encoder"), torch_dtype=dtype) if texts else None
+        )
         vae = AutoencoderDC.from_pretrained(part_folder(cfg, "vae"), torch_dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(part_folder(cfg, "tokenizer"))
         scheduler = read_json(part_folder(cfg, "scheduler") / "scheduler_config.json")
         scheduler = {**RELEASE_SCHEDULER, **scheduler}  # checked in check_pretrained
-        parts = (transformer, encoder.eval(), vae.eval())
-        transformer, encoder, vae = (p.to(device).requires_grad_(False) for p in parts)
+        parts = (transformer, encoder, vae)
+        transformer, encoder, vae = (p and p.eval().to(device).requires_grad_(False) for p in parts)
         transformer = transformer if not isinstance(transformer, torch.nn.Identity) else None
         return Components(transformer, tokenizer, encoder, vae, scheduler)
 

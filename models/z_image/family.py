@@ -110,15 +110,19 @@ class ZImage(Family):
             )
         return config_of_shapes(shapes) or super().config_of_file(shapes)
 
-    def load(self, cfg, device, dtype, transformer: bool = True, keep=None) -> ZImageParts:
+    def load(
+        self, cfg, device, dtype, transformer: bool = True, keep=None, texts: bool = True
+    ) -> ZImageParts:
         import transformers
         from diffusers import AutoencoderKL
 
         model = self.load_transformer(cfg, dtype, keep) if transformer else None
         encoder_class = self.text_encoder_class(cfg, "Qwen3Model")  # the release's
-        encoder = encoder_class.from_pretrained(part_folder(cfg, "text_encoder"), dtype=dtype)
+        encoder = (
+            encoder_class.from_pretrained(part_folder(cfg, "text_encoder"), dtype=dtype) if texts else None
+        )
         vae = AutoencoderKL.from_pretrained(part_folder(cfg, "vae"), torch_dtype=dtype)
-        encoder, vae = (m.eval().to(device).requires_grad_(False) for m in (encoder, vae))
+        encoder, vae = (m and m.eval().to(device).requires_grad_(False) for m in (encoder, vae))
         if model is not None:
             model = model.to(device).requires_grad_(False)
         given = {k: cfg.sample[k] for k in self.sample_keys if cfg.sample[k] is not None}

@@ -20,6 +20,7 @@ from models.util import reading_weights
 from parallel.compute import comm
 from parallel.compute.operators import check_sequence_layout
 from parallel.compute.sequence import share_batch
+from parallel.drive.stored_previews import PREVIEWS, preview_identity, preview_sampling, read_previews
 
 _DTYPES = (torch.float32, torch.bool, torch.bfloat16, torch.float16, torch.int64)
 _HEADER = 8  # per tensor: present, dtype, ndim, and up to 5 sizes
@@ -145,20 +146,24 @@ def check_family_sizes(cfg, family: Family, layout, buckets) -> None:
 
 def frozen_family(cfg, family: Family, device, dtype, images: tuple = (None, None)) -> FamilyRun:
     """Its text encoder and VAE (with the previews' `images`: Family.with_preview_images); with
-    data.latents, the VAE alone (for the previews), their prompts and the folder's empty prompt (its
-    empty.safetensors, else encoded now) kept instead of the text encoder (Qwen-Image's: 15.7 GiB)."""
+    data.latents, the VAE alone (for the previews) and the folder's empty prompt (its empty.safetensors,
+    else encoded now) instead of the text encoder (Qwen-Image's: 15.7 GiB), with the previews'
+    conditionings: the folder's (stored_previews.py: the text encoder is never read), else encoded now."""
+    stored, latents = None, Path(cfg.data.latents) if cfg.data.latents else None
+    if latents is not None:
+        sampling = preview_sampling(cfg, family, preview_references(cfg, family))
+        if (latents / "empty.safetensors").is_file():  # a dropped caption's too: no encoder at all
+            identity = preview_identity(cfg, family, sampling, dtype)
+            stored = read_previews(latents / PREVIEWS, family, identity, device)
     with reading_weights(f"{family.title}'s frozen parts (model.pretrained={cfg.model.pretrained})"):
-        parts = family.load(cfg, device, dtype, transformer=False)
+        parts = family.load(cfg, device, dtype, transformer=False, texts=stored is None)
     run = FamilyRun(family, family.with_preview_images(cfg, parts, images), cfg.text_encoder.max_length)
-    if cfg.data.latents:
+    if latents is not None:
         from safetensors.torch import load_file
 
-        sc, parts, empty = cfg.sample, run.parts, Path(cfg.data.latents) / "empty.safetensors"
+        parts, empty = run.parts, latents / "empty.safetensors"
         run.empty = load_file(empty) if empty.is_file() else family.empty_conditioning(parts, run.max_length)
-        size = (sc.frames or cfg.data.frames, sc.height or cfg.data.height, sc.width or cfg.data.width)
-        sampling = Sampling(list(sc.prompts), [0] * len(sc.prompts), size, sc.steps, sc.guidance,
-                            sc.negative_prompt, run.max_length, preview_references(cfg, family))  # fmt: skip
-        run.previews = family.conditionings(parts, sampling)  # the references' latents too
+        run.previews = stored or family.conditionings(parts, sampling)  # the references' latents too
         run.parts = replace(parts, text_encoder=None)
         del parts
         if torch.cuda.is_available():

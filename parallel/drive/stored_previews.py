@@ -1,0 +1,93 @@
+"""The training previews' conditionings stored beside precomputed latents (previews.safetensors), so that
+training on data.latents never loads the text encoder (FLUX.2 dev's: 22.9B parameters beside a 32B
+transformer). scripts/precompute_latents.py writes them with the recipe's sample.* prompts; train.py reads
+them back when the recipe asks for the same previews (`preview_identity`), else encodes them as before.
+"""
+
+import json
+import os
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+
+from models.family import Family, part_folder
+from models.sampler import Sampling
+
+PREVIEWS = "previews.safetensors"
+
+
+def preview_sampling(cfg, family: Family, references) -> Sampling:
+    """The previews' request: sample.prompts at the previews' size (data.*'s unless sample.* sets it),
+    `references`: their reference images (parallel/drive/family_training.py preview_references)."""
+    sc, data = cfg.sample, cfg.data
+    size = (sc.frames or data.frames, sc.height or data.height, sc.width or data.width)
+    return Sampling(list(sc.prompts), [0] * len(sc.prompts), size, sc.steps, sc.guidance,
+                    sc.negative_prompt, cfg.text_encoder.max_length, references)  # fmt: skip
+
+
+def preview_identity(cfg, family: Family, sampling: Sampling, dtype: torch.dtype) -> dict:
+    """What the previews' conditionings depend on: the family, its text encoder, the prompts, the negative
+    prompt where the scale guides, the scale, the size, the reference images and the dtype."""
+    guided = family.guided(sampling.guidance)
+    identity = {
+        "family": family.name,
+        "text_encoder": str(part_folder(cfg, "text_encoder")),
+        "prompts": sampling.prompts,
+        "negative_prompt": sampling.negative_prompt if guided else None,
+        "guidance": float(sampling.guidance),
+        "size": sampling.size,
+        "images": list(cfg.sample.images or []),
+        "max_length": sampling.max_length,
+        "dtype": str(dtype),
+    }
+    return json.loads(json.dumps(identity))  # as the file holds it (tuples become lists)
+
+
+def store_previews(path: Path, previews: tuple, identity: dict, family: Family) -> bool:
+    """Write (cond, uncond or None) to `path` (through a temporary file); False where a conditioning holds
+    something a file cannot (then nothing is written and training encodes the previews itself)."""
+    from safetensors.torch import save_file
+
+    tensors, values = {}, {}
+    for tag, cond in zip(("cond", "uncond"), previews, strict=True):
+        if cond is None:
+            continue
+        if type(cond) is not family.conditioning:
+            return False
+        for f in fields(cond):
+            value = getattr(cond, f.name)
+            if isinstance(value, torch.Tensor):
+                tensors[f"{tag}.{f.name}"] = value.detach().cpu().clone()  # shared ones apart
+            else:  # None too: a field may have no default
+                values[f"{tag}.{f.name}"] = value
+    try:
+        meta = {"identity": json.dumps(identity), "values": json.dumps(values)}
+    except TypeError:
+        return False
+    meta["uncond"] = json.dumps(previews[1] is not None)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, path)
+    return True
+
+
+def read_previews(path: Path, family: Family, identity: dict, device) -> tuple | None:
+    """(cond, uncond or None) stored at `path` for exactly these previews, on `device`; None where there is
+    no such file or it was made for others."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as stored:
+        meta = stored.metadata() or {}
+        if json.loads(meta.get("identity", "null")) != identity:
+            return None
+        tensors = {key: stored.get_tensor(key).to(device) for key in stored.keys()}
+    values = json.loads(meta["values"])
+
+    def build(tag: str):
+        mine = {key: t for key, t in {**tensors, **values}.items() if key.startswith(tag + ".")}
+        return family.conditioning(**{key[len(tag) + 1 :]: t for key, t in mine.items()})
+
+    return build("cond"), build("uncond") if json.loads(meta["uncond"]) else None
