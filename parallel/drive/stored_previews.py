@@ -10,8 +10,9 @@ from dataclasses import fields
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
-from models.family import Family, part_folder
+from models.family import Family
 from models.sampler import Sampling
 
 PREVIEWS = "previews.safetensors"
@@ -27,12 +28,14 @@ def preview_sampling(cfg, family: Family, references) -> Sampling:
 
 
 def preview_identity(cfg, family: Family, sampling: Sampling, dtype: torch.dtype) -> dict:
-    """What the previews' conditionings depend on: the family, its text encoder, the prompts, the negative
-    prompt where the scale guides, the scale, the size, the reference images and the dtype."""
+    """What the previews' conditionings depend on: the family, its text encoder (text_encoder.*, or
+    model.pretrained's), the prompts, the negative prompt where the scale guides, the scale, the size, the
+    reference images and the dtype."""
     guided = family.guided(sampling.guidance)
     identity = {
         "family": family.name,
-        "text_encoder": str(part_folder(cfg, "text_encoder")),
+        "text_encoder": OmegaConf.to_container(cfg.text_encoder, resolve=True),  # its folder, kind, length
+        "pretrained": str(cfg.model.pretrained),  # where a family's encoder is, unless text_encoder says
         "prompts": sampling.prompts,
         "negative_prompt": sampling.negative_prompt if guided else None,
         "guidance": float(sampling.guidance),
