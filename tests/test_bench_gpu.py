@@ -186,6 +186,7 @@ def test_the_lead_suite_runs_tiny_on_cpu(tmp_path):
     assert "SDPA's kernels" in text and "train.memory=auto's model" in text
 
 
+@pytest.mark.slow  # a tiny GPU bench: test_memory.py checks the offload's hooks in the fast tier
 def test_the_offload_suite_runs_tiny_on_cpu(tmp_path):
     """--suite offload (issue 54's 14B LoRA on a 24 GB card) at tiny sizes: the LoRA on a float8 base with
     train.cpu_offload, its checkpointed blocks' inputs kept and on the host (the aco variant: the training

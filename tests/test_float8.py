@@ -132,6 +132,7 @@ def test_lora_on_a_float8_base_trains_alike_in_every_layout(tiny_pipeline, tmp_p
     assert trained and all(b.abs().max() > 0 for b in trained.values())  # B starts at zero
 
 
+@pytest.mark.slow  # a run and four samplings: the whole suite's
 @torch.no_grad()
 def test_infer_samples_on_a_float8_base(tiny_pipeline, tmp_path, monkeypatch, capsys):  # noqa: F811
     """infer.py with model.base_dtype=float8 (a recipe without a LoRA too): the transformer it samples holds
