@@ -232,9 +232,13 @@ def merge_deltas(model: nn.Module, deltas: dict, elsewhere=()) -> None:
 
 
 def _keep_beside(module: nn.Linear, updates: list) -> None:
-    """Factored updates [(rows, A, B, scale)] as one frozen adapter of `module` (a LoRALinear from here on):
-    A stacked, B block-diagonal (a per-projection adapter's blocks, each update in its rows), scale in B."""
+    """Factored updates [(rows, A, B, scale)] as one frozen adapter of `module` (a LoRALinear from here on,
+    with what an earlier source kept beside it): A stacked, B block-diagonal (a per-projection adapter's
+    blocks, each update in its rows), scale in B. float32: the layer's input is cast up for it."""
     As, Bs = [], []
+    if isinstance(module, LoRALinear):  # another source's, kept beside already: this one joins it
+        As.append(module.lora_A.weight.float())
+        Bs.append(module.lora_scale * module.lora_B.weight.float())
     for rows, A, B, scale in updates:
         n, r = A.shape[0] // B.shape[1], B.shape[1]
         rows = rows if rows is not None else slice(None)

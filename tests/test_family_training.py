@@ -294,6 +294,8 @@ def check_stored_previews(name, argv, latents):
     stored = read_previews(latents / PREVIEWS, family, identity, "cpu")
     parts = family.load(cfg, torch.device("cpu"), torch.float32, transformer=False)
     fresh = family.conditionings(parts, sampling)
+    bare = family.load(cfg, torch.device("cpu"), torch.float32, transformer=False, texts=False)
+    assert bare.text_encoder is None  # what training on the latents loads
     assert stored is not None and (stored[1] is None) == (fresh[1] is None)
     for ours, theirs in zip(stored, fresh):
         for f in fields(theirs) if theirs is not None else ():

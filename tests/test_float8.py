@@ -132,6 +132,32 @@ def test_lora_on_a_float8_base_trains_alike_in_every_layout(tiny_pipeline, tmp_p
     assert trained and all(b.abs().max() > 0 for b in trained.values())  # B starts at zero
 
 
+@torch.no_grad()
+def test_loras_kept_beside_a_float8_layer_add_up():
+    """Factored LoRA updates on a float8 layer (models/lora.py merge_deltas; sampling's run adapters, then
+    each --lora file): each source joins the adapters kept beside it, a per-projection adapter's blocks
+    and a file's rows where they belong: the layer computes its float8 base plus every update."""
+    from models.float8 import base_linear
+    from models.lora import lora_delta
+
+    layer = torch.nn.Linear(16, 12, bias=False)
+    base = copy.deepcopy(layer)
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([layer])
+    assert quantize_blocks(model.requires_grad_(False)) == ["blocks.0"]
+    x, g = torch.randn(5, 16), torch.Generator().manual_seed(0)
+    quantized = base_linear(model.blocks[0], x)
+    run = (None, torch.randn(3 * 2, 16, generator=g), torch.randn(12, 2, generator=g), 0.5)  # 3 projections
+    file = (slice(4, 8), torch.randn(3, 16, generator=g), torch.randn(4, 3, generator=g), 2.0)  # k's rows
+    merge_deltas(model, {"blocks.0": [run]})
+    merge_deltas(model, {"blocks.0": [file]})
+
+    want = quantized + x @ (0.5 * lora_delta(run[1], run[2])).T
+    want[:, 4:8] += x @ (2.0 * file[2] @ file[1]).T
+    assert torch.allclose(model.blocks[0](x), want, atol=1e-5)
+    assert not torch.allclose(base(x), want, atol=1e-3)  # the updates move it
+
+
 @pytest.mark.slow  # a run and four samplings: the whole suite's
 @torch.no_grad()
 def test_infer_samples_on_a_float8_base(tiny_pipeline, tmp_path, monkeypatch, capsys):  # noqa: F811

@@ -360,7 +360,7 @@ def test_train_memory_auto_offloads_on_one_gpu_and_leaves_checkpointing_alone_un
     assert [w for w, _ in memory_choices(dropout, base)] == ["no activation checkpointing"]
 
 
-def test_activation_offload_moves_the_block_inputs_to_the_host_and_trains_bit_for_bit(tmp_path):
+def test_activation_offload_moves_the_block_inputs_to_the_host_and_trains_bit_for_bit(tmp_path, monkeypatch):
     """train.activation_offload: on a GPU the modelled device peak drops by the checkpointed blocks'
     inputs (tokens x width x bytes x depth), which the host then holds; the same two steps as without it,
     loss and gradient norm bit for bit (save_on_cpu copies the saved tensors out and back); refused without
@@ -374,9 +374,22 @@ def test_activation_offload_moves_the_block_inputs_to_the_host_and_trains_bit_fo
     kept = Setting(1, 1, 1, 4096, 2, "all", False, True, 0, 0, 0)
     moved = replace(kept, activation_offload=True)
     inputs = 4096 * 384 * 2 * len(model.blocks)  # DiT-S: width 384, bf16
+    pinned = 2**22 * len(model.blocks)  # each in pinned memory of the next power of two (3 MiB: 4 MiB)
     assert modelled_peak(model, kept).device - modelled_peak(model, moved).device == inputs
-    assert modelled_peak(model, moved).host - modelled_peak(model, kept).host == inputs
-    assert modelled_peak(model, moved).parts["offloaded block inputs (host)"] == inputs
+    assert modelled_peak(model, moved).host - modelled_peak(model, kept).host == pinned
+    assert modelled_peak(model, moved).parts["offloaded block inputs (host)"] == pinned
+    on_cpu = replace(kept, on_gpu=False)  # the host is the device: nothing moves
+    assert modelled_peak(model, replace(on_cpu, activation_offload=True)) == modelled_peak(model, on_cpu)
+    import parallel.compute.fsdp as fsdp
+
+    copied, made = [], fsdp.OffloadedActivations
+
+    class Counted(made):  # what train.py's forwards copied out
+        def __exit__(self, *exc):
+            copied.append(self.packed)
+            return super().__exit__(*exc)
+
+    monkeypatch.setattr(fsdp, "OffloadedActivations", Counted)
     metrics = {}
     for offload in (False, True):
         run = tmp_path / f"offload-{offload}"
@@ -386,6 +399,7 @@ def test_activation_offload_moves_the_block_inputs_to_the_host_and_trains_bit_fo
         lines = (run / "metrics.jsonl").read_text().splitlines()
         metrics[offload] = [(m["loss"], m["grad_norm"]) for m in map(json.loads, lines)]
     assert len(metrics[True]) == 2 and metrics[True] == metrics[False]
+    assert len(copied) == 2 and min(copied) > 0, copied  # both steps' forwards went through the hooks
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     from parallel.compute.fsdp import OffloadedActivations

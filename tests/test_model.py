@@ -144,7 +144,7 @@ def test_auto_attention_measures_once_per_shape_and_runs_what_it_chose(monkeypat
     mask[..., 30:] = False
     masked = auto(q, k, v, mask)
     assert torch.allclose(masked, MathAttention()(q, k, v, mask), atol=1e-5)
-    assert attention.CHOSEN[attention._key(q, k, mask)] not in ("flash", "xformers")
+    assert attention.CHOSEN[attention._key(q, k, v, mask)] not in ("flash", "xformers")
     grads = {}
     for backend in ("sdpa", "auto"):
         model = tiny_dit(attention_backend=backend)

@@ -29,6 +29,10 @@ def test_one_thread_per_idle_core_and_never_more_than_it_had(monkeypatch, restor
     monkeypatch.setattr(threads, "idle_cores", lambda cpus: 3.9)  # quiet: as many as it had
     torch.set_num_threads(4)
     assert threads.pick_cpu_threads() == "4 threads" and torch.get_num_threads() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks on this host share its idle cores
+    torch.set_num_threads(4)
+    assert threads.pick_cpu_threads() == "2 threads" and torch.get_num_threads() == 2
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
     torch.set_num_threads(1)  # the tests' workers: never raised, and no cores watched
     monkeypatch.setattr(threads, "idle_cores", lambda cpus: pytest.fail("watched with one thread"))
     assert threads.pick_cpu_threads() == "1 thread"

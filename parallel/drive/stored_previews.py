@@ -30,7 +30,7 @@ def preview_sampling(cfg, family: Family, references) -> Sampling:
 def preview_identity(cfg, family: Family, sampling: Sampling, dtype: torch.dtype) -> dict:
     """What the previews' conditionings depend on: the family, its text encoder (text_encoder.*, or
     model.pretrained's), the prompts, the negative prompt where the scale guides, the scale, the size, the
-    reference images and the dtype."""
+    reference images, the frame rates and the dtype."""
     guided = family.guided(sampling.guidance)
     identity = {
         "family": family.name,
@@ -42,6 +42,7 @@ def preview_identity(cfg, family: Family, sampling: Sampling, dtype: torch.dtype
         "size": sampling.size,
         "images": list(cfg.sample.images or []),
         "max_length": sampling.max_length,
+        "fps": [cfg.sample.fps, cfg.data.fps],  # LTX-2's conditioning carries its frame rates
         "dtype": str(dtype),
     }
     return json.loads(json.dumps(identity))  # as the file holds it (tuples become lists)
@@ -61,7 +62,7 @@ def store_previews(path: Path, previews: tuple, identity: dict, family: Family) 
         for f in fields(cond):
             value = getattr(cond, f.name)
             if isinstance(value, torch.Tensor):
-                tensors[f"{tag}.{f.name}"] = value.detach().cpu().clone()  # shared ones apart
+                tensors[f"{tag}.{f.name}"] = value.detach().cpu().contiguous().clone()  # shared ones apart
             else:  # None too: a field may have no default
                 values[f"{tag}.{f.name}"] = value
     try:
@@ -93,4 +94,7 @@ def read_previews(path: Path, family: Family, identity: dict, device) -> tuple |
         mine = {key: t for key, t in {**tensors, **values}.items() if key.startswith(tag + ".")}
         return family.conditioning(**{key[len(tag) + 1 :]: t for key, t in mine.items()})
 
-    return build("cond"), build("uncond") if json.loads(meta["uncond"]) else None
+    try:
+        return build("cond"), build("uncond") if json.loads(meta["uncond"]) else None
+    except TypeError:  # written when the conditioning had other fields: encoded again
+        return None

@@ -85,9 +85,12 @@ def modelled_peak(model, setting: Setting) -> Peak:
     tokens = math.ceil(setting.tokens / setting.sp)
     one_block = tokens * hidden * setting.compute_bytes * ACTIVATION_VALUES
     kept = {"none": one_block * len(blocks), "selective": one_block * len(blocks) // 2}
-    inputs = tokens * hidden * setting.compute_bytes * len(blocks)  # what full checkpointing keeps
-    offloaded = inputs if setting.activation_offload and setting.checkpointing == "all" else 0
-    activations = kept.get(setting.checkpointing, inputs - offloaded + one_block)
+    block_input = tokens * hidden * setting.compute_bytes
+    inputs = block_input * len(blocks)  # what full checkpointing keeps
+    moved = setting.activation_offload and setting.checkpointing == "all" and setting.on_gpu
+    activations = kept.get(setting.checkpointing, (0 if moved else inputs) + one_block)
+    # torch's pinned host memory comes in powers of two (its caching host allocator), kept for the run
+    offloaded = len(blocks) * 2 ** math.ceil(math.log2(block_input)) if moved else 0
     sharded = {name: math.ceil(n / setting.fsdp) for name, n in states.items()}
     on_device = {"working block": working, "activations": activations, "frozen parts": setting.frozen_bytes}
     if not setting.cpu_offload:

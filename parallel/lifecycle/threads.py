@@ -46,7 +46,9 @@ def pick_cpu_threads() -> str:
     if os.environ.get("OMP_NUM_THREADS"):
         return f"{had} thread{'s' * (had > 1)} (OMP_NUM_THREADS)"
     idle = idle_cores(cpus) if had > 1 else None
-    threads = had if idle is None else max(1, min(had, round(idle)))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # this host's ranks share its idle cores
+    threads = had if idle is None else max(1, min(had, round(idle / local)))
     torch.set_num_threads(threads)
-    busy = f", as {len(cpus) - round(idle)} of {len(cpus)} cores are busy" if threads < had else ""
+    busy = idle is not None and round(idle) < len(cpus)
+    busy = f", as {len(cpus) - round(idle)} of {len(cpus)} cores are busy" if busy else ""
     return f"{threads} thread{'s' * (threads > 1)}{busy}"
