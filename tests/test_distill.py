@@ -232,17 +232,6 @@ def student_video(pipe) -> np.ndarray:
     ).frames[0]  # fmt: skip
 
 
-@pytest.mark.slow  # one more run beside the straight one (the whole suite's)
-def test_a_distillation_with_its_activations_offloaded_is_the_straight_one(tiny_pipeline, straight, tmp_path):  # noqa: F811
-    """train.activation_offload (with full checkpointing) around the student's, teacher's and critic's
-    forwards: their three steps' losses are the straight run's, bit for bit."""
-    run = tmp_path / "offloaded"
-    offload = ["train.activation_checkpointing=true", "train.activation_offload=true"]
-    argv = ["--config", str(tiny_pipeline[1]), *DMD, *offload, f"run.output_dir={run}", "train.max_steps=3"]
-    assert run_main(train, argv) == 0
-    assert losses(run) == losses(straight)
-
-
 @pytest.mark.slow  # two launches of 2 processes
 def test_distillation_under_ulysses_and_ring_is_one_process(tiny_pipeline, straight, tmp_path):  # noqa: F811
     """Three steps under ulysses 2 (resumed from a one-process step 2, FSDP2 sharding the adapters over both
