@@ -518,6 +518,24 @@ def test_unread_flow_keys_and_missing_fps_are_refused(saved):
         family.check_training(training_recipe(saved, "data.fps=null"))
 
 
+def test_an_audio_vae_that_compresses_otherwise_is_named(saved, tmp_path):
+    """An audio VAE whose encoder compresses the sound other than 4x (one level: 1x) would encode clips to
+    latents of another length than the loss's (a size mismatch deep in a step): refused by name, before
+    anything loads, where training reads sound; data.audio=false does not read it."""
+    import json
+    import shutil
+
+    other = tmp_path / "pipeline"
+    shutil.copytree(saved, other)
+    config = other / "audio_vae" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "ch_mult": [1]}))
+    family = family_named("ltx2")
+    with pytest.raises(ValueError, match=r"compresses the sound 1x in time .* LTX-2's audio latents are 4x"):
+        family.check_training(training_recipe(other, "data.audio=true"))
+    family.check_training(training_recipe(other, "data.audio=false"))
+    family.check_training(training_recipe(saved, "data.audio=true"))  # the release's 4x
+
+
 def test_a_resume_with_the_audio_switched_is_refused(saved, sound_runs, capsys):
     """The full run trained its sound (data.audio=true): resuming it with data.audio=false would freeze
     weights its optimizer holds state for; refused by name, nothing written."""

@@ -283,6 +283,25 @@ class LTX2(Family):
                 f"data.fps is unset: {self.title} trains on clips at a known frame rate (its positions in "
                 "time are in seconds, and each bucket's sound one length); set data.fps (24 as released)"
             )
+        if cfg.data.audio:
+            self.check_audio_vae(cfg)
+
+    def check_audio_vae(self, cfg) -> None:
+        """The audio VAE's encoder halves time and mel bins at each level but its last (ch_mult); its
+        class, the pipeline and the loss take 4x (diffusers' LATENT_DOWNSAMPLE_FACTOR), so a folder whose
+        encoder compresses otherwise would train on latents of another length: refused, naming both."""
+        from diffusers.models.autoencoders.autoencoder_kl_ltx2_audio import LATENT_DOWNSAMPLE_FACTOR
+
+        config = read_json(part_folder(cfg, "audio_vae") / "config.json")
+        levels = len(config.get("ch_mult", (1, 2, 4)))  # diffusers' default
+        encoded, assumed = 2 ** (levels - 1), LATENT_DOWNSAMPLE_FACTOR
+        if encoded != assumed:
+            raise ValueError(
+                f"{part_folder(cfg, 'audio_vae')}: its encoder compresses the sound {encoded}x in time (its "
+                f"ch_mult has {levels} level{'s' * (levels > 1)}), and {self.title}'s audio latents are "
+                f"{assumed}x (the release's): this audio VAE is not LTX-2's; use the release's folder, or "
+                "data.audio=false"
+            )
 
     def sound_format(self, cfg) -> tuple:
         c = read_json(part_folder(cfg, "audio_vae") / "config.json")
