@@ -145,6 +145,18 @@ class Family:
             folder = part_folder(cfg, "vae")
             raise ValueError(f"vae.pretrained: {folder} holds a {vae}, not {self.title}'s {self.vae_class}")
         self.check_scheduler(read_json(part_folder(cfg, "scheduler") / "scheduler_config.json"))
+        for takes, want, part, found in self.widths(cfg):
+            if None not in (want, found) and want != found:  # a key absent: not checked
+                raise ValueError(
+                    f"the transformer's {takes} is {want}, and {part} gives {found}: {self.title}'s parts "
+                    "are of different models (a VAE or text encoder of another release); use one release's "
+                    "folder (model.pretrained, vae.pretrained, text_encoder.pretrained)"
+                )
+
+    def widths(self, cfg) -> list:
+        """[(the transformer's config key, its value, which part's width it must equal, that width)] of its
+        parts' shared widths, checked before anything loads (none by default)."""
+        return []
 
     def check_file_names(self, cfg) -> None:
         """A single transformer file's names, mapped on meta tensors of its shapes (nothing is read), each
@@ -736,6 +748,12 @@ def shared_fields(conditioning) -> list:
     if odd:  # a tensor spelled otherwise would stay behind on the first rank, silently
         raise TypeError(f"{conditioning.__name__}: annotate {odd} as torch.Tensor or torch.Tensor | None")
     return [name for name, kind in kinds.items() if tensor.fullmatch(kind)]
+
+
+def config_of(cfg, part: str) -> dict:
+    """A part's config.json (a text encoder's text_config where it has one: a vision-language model's)."""
+    config = read_json(part_folder(cfg, part) / "config.json")
+    return config.get("text_config") or config
 
 
 def read_json(path) -> dict:

@@ -349,6 +349,16 @@ def test_refusals(saved, tmp_path, capsys):
     config = other / "scheduler" / "scheduler_config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "_class_name": "EulerDiscreteScheduler"}))
     cases.append(([f"model.pretrained={other}"], "EulerDiscreteScheduler"))
+    for part, keys in (("vae", ("z_dim", "latent_channels")), ("text_encoder", ("hidden_size",))):
+        mixed = tmp_path / f"other-{part}"  # a part of another width (another release's): named before loading
+        shutil.copytree(folder, mixed)
+        config = mixed / part / "config.json"
+        values = json.loads(config.read_text())
+        inner = values.get("text_config") or values  # a vision-language encoder's text model
+        key = next(k for k in keys if k in inner)
+        inner[key] += 8
+        config.write_text(json.dumps(values))
+        cases.append(([f"{part}.pretrained={mixed}"], "parts are of different models"))
     for extra, expected in cases:
         assert run_main(infer, [*infer_args(name, folder, tmp_path), *extra]) != 0
         err = capsys.readouterr().err

@@ -13,8 +13,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from models.family import Components, Family, part_folder, read_json
-from models.flux2.text import MAX_SEQUENCE_LENGTH, encode_prompt, encode_prompt_dev
+from models.family import Components, Family, config_of, part_folder, read_json
+from models.flux2.text import LAYERS, MAX_SEQUENCE_LENGTH, encode_prompt, encode_prompt_dev
 from models.flux2.transformer import Flux2Cond
 from models.flux2.weights import (
     DEV_PIPELINE_CLASSES,
@@ -156,6 +156,15 @@ class Flux2(Family):
 
     def heads(self, cfg) -> int | None:
         return self.transformer_config(cfg).get("num_attention_heads", 48)
+
+    def widths(self, cfg) -> list:
+        """Its latents packed 2 x 2; its text, three layers' hidden states side by side (text.py)."""
+        t, vae, text = self.transformer_config(cfg), config_of(cfg, "vae"), config_of(cfg, "text_encoder")
+        latent = vae.get("latent_channels") and vae["latent_channels"] * 4
+        hidden = text.get("hidden_size") and text["hidden_size"] * len(LAYERS)
+        return [("in_channels", t.get("in_channels"), "the VAE's latent_channels x 4 (packed 2 x 2)", latent),
+                ("joint_attention_dim", t.get("joint_attention_dim"), "3 x the text encoder's hidden_size",
+                 hidden)]  # fmt: skip
 
     def vae_scale(self, cfg) -> int:
         config = read_json(part_folder(cfg, "vae") / "config.json")

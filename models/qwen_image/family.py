@@ -5,7 +5,7 @@ resolution-dependent shift with Euler steps; true CFG with the per-token norm re
 
 import torch
 
-from models.family import Components, Family, part_folder, read_json
+from models.family import Components, Family, config_of, part_folder, read_json
 from models.loop import Schedule, euler, sigmas
 from models.qwen_image.sampling import denormalize_latents, image_tokens, normalize_latents, true_cfg
 from models.qwen_image.text import encode_prompt
@@ -37,6 +37,13 @@ class QwenImage(Family):
     lora_targets = ("blocks.*.attn.*", "blocks.*.img_mlp.*", "blocks.*.txt_mlp.*")
     conditioning = QwenImageCond
     lora_formats = ("diffusers", "comfyui")  # ComfyUI's keys: diffusers' under diffusion_model.
+
+    def widths(self, cfg) -> list:
+        t, vae, text = self.transformer_config(cfg), config_of(cfg, "vae"), config_of(cfg, "text_encoder")
+        latent = vae.get("z_dim") and vae["z_dim"] * 4
+        return [("in_channels", t.get("in_channels"), "the VAE's z_dim x 4 (packed 2 x 2)", latent),
+                ("joint_attention_dim", t.get("joint_attention_dim"), "the text encoder's hidden_size",
+                 text.get("hidden_size"))]  # fmt: skip
 
     def vae_scale(self, cfg) -> int:
         config = read_json(part_folder(cfg, "vae") / "config.json")

@@ -6,7 +6,7 @@ classifier-free guidance.
 
 import torch
 
-from models.family import Components, Family, part_folder, read_json
+from models.family import Components, Family, config_of, part_folder, read_json
 from models.loop import Schedule
 from models.sana.sampling import RELEASE_SCHEDULER, denormalize_latents, dpm_solver_step, flow_schedule
 from models.sana.text import COMPLEX_HUMAN_INSTRUCTION, encode_text
@@ -34,6 +34,12 @@ class Sana(Family):
     vae_class, max_length = "AutoencoderDC", 300
     lora_targets = ("blocks.*.attn1.*", "blocks.*.attn2.*")  # its feed-forward is convolutions
     conditioning = SanaConditioning
+
+    def widths(self, cfg) -> list:
+        t, vae, text = self.transformer_config(cfg), config_of(cfg, "vae"), config_of(cfg, "text_encoder")
+        latent, hidden = vae.get("latent_channels"), text.get("hidden_size")
+        return [("in_channels", t.get("in_channels"), "the DC-AE's latent_channels", latent),
+                ("caption_channels", t.get("caption_channels"), "the text encoder's hidden_size", hidden)]
 
     def vae_scale(self, cfg) -> int:
         config = read_json(part_folder(cfg, "vae") / "config.json")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from models.family import Components, Family, part_folder, read_json
+from models.family import Components, Family, config_of, part_folder, read_json
 from models.loop import Schedule, euler, sigmas
 from models.z_image.text import MAX_SEQUENCE_LENGTH, encode_prompt
 from models.z_image.transformer import ZImageCond
@@ -55,6 +55,12 @@ class ZImage(Family):
 
     def patch(self, cfg) -> int:
         return int(self.transformer_config(cfg).get("all_patch_size", [2])[0])
+
+    def widths(self, cfg) -> list:
+        t, vae, text = self.transformer_config(cfg), config_of(cfg, "vae"), config_of(cfg, "text_encoder")
+        latent, hidden = vae.get("latent_channels"), text.get("hidden_size")
+        return [("in_channels", t.get("in_channels"), "the VAE's latent_channels", latent),
+                ("cap_feat_dim", t.get("cap_feat_dim"), "the text encoder's hidden_size", hidden)]
 
     def vae_scale(self, cfg) -> int:
         return vae_stride(read_json(part_folder(cfg, "vae") / "config.json"))
