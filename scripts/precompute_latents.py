@@ -39,6 +39,7 @@ from models.families import family_named  # noqa: E402
 from models.family import REFERENCES  # noqa: E402
 from models.util import reading_weights  # noqa: E402
 from parallel.compute.layout import ParallelLayout  # noqa: E402
+from parallel.drive.distill import distilled_recipe  # noqa: E402
 from parallel.drive.family_training import (  # noqa: E402
     check_family_sizes,
     check_family_training,
@@ -148,6 +149,7 @@ def main(argv=None, session=None):
     args = parser.parse_args(args)
     cfg = load_config(args.config, overrides + ["data.latents=null"])  # this script reads the media
     family = family_named(cfg.model.family)
+    cfg = distilled_recipe(cfg, family)  # train.objective=dmd: the previews the student's, as train.py's
     if family.parts_from_pretrained:
         family.check_pretrained(cfg)  # its VAE and text encoder named now, before any process group
     rank, world_size, _ = world_from_env()

@@ -232,6 +232,32 @@ def student_video(pipe) -> np.ndarray:
     ).frames[0]  # fmt: skip
 
 
+@pytest.mark.slow  # a precompute and a run: the whole suite's
+def test_a_distillation_on_precomputed_latents_reads_no_text_encoder(tiny_pipeline, tmp_path, monkeypatch):  # noqa: F811
+    """precompute_latents.py with the distillation's recipe stores the student's previews (its no-guidance
+    scale), so that the distillation on the latents never loads the text encoder."""
+    import precompute_latents
+
+    from models.families import family_named
+
+    argv = [
+        "--config",
+        str(tiny_pipeline[1]),
+        *DMD,
+        "train.max_steps=1",
+        f"run.output_dir={tmp_path / 'run'}",
+    ]
+    latents = tmp_path / "latents"
+    assert run_main(precompute_latents, [*argv, "--out", str(latents)]) == 0
+    family, loaded = family_named("dit"), []
+    load = type(family).load
+    monkeypatch.setattr(
+        type(family), "load", lambda self, *a, **k: loaded.append(k.get("texts", True)) or load(self, *a, **k)
+    )
+    assert run_main(train, [*argv, f"data.latents={latents}"]) == 0
+    assert loaded == [False], loaded
+
+
 @pytest.mark.slow  # two launches of 2 processes
 def test_distillation_under_ulysses_and_ring_is_one_process(tiny_pipeline, straight, tmp_path):  # noqa: F811
     """Three steps under ulysses 2 (resumed from a one-process step 2, FSDP2 sharding the adapters over both

@@ -350,7 +350,7 @@ def test_refusals(saved, tmp_path, capsys):
     config.write_text(json.dumps({**json.loads(config.read_text()), "_class_name": "EulerDiscreteScheduler"}))
     cases.append(([f"model.pretrained={other}"], "EulerDiscreteScheduler"))
     for part, keys in (("vae", ("z_dim", "latent_channels")), ("text_encoder", ("hidden_size",))):
-        mixed = tmp_path / f"other-{part}"  # a part of another width (another release's): named before loading
+        mixed = tmp_path / f"other-{part}"  # a part of another width (another release's): named at once
         shutil.copytree(folder, mixed)
         config = mixed / part / "config.json"
         values = json.loads(config.read_text())
