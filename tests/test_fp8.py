@@ -60,6 +60,7 @@ def test_twenty_demo_steps_train_alike_and_the_checkpoint_samples_as_a_plain_mod
     assert np.isfinite(np.load(out)).all()
 
 
+@pytest.mark.slow  # a 2-process launch: test_sequence_parallel.py keeps one in the fast tier
 @pytest.mark.timeout(180)
 def test_under_ulysses_each_rank_scales_its_tokens_and_trains_alike(tmp_path):
     """Tensorwise scaling: each rank's float8 scale of its activations is its own tokens' (not the whole

@@ -514,6 +514,7 @@ def test_merged_deltas_skip_the_blocks_another_stage_holds():
     assert all(torch.equal(after[k], v) for k, v in model.state_dict().items())  # refused before any merge
 
 
+@pytest.mark.slow  # a 2-process launch: the whole suite's
 def test_previews_leave_the_training_unchanged(tmp_path):
     """A preview samples with the EMA adapters swapped in; the steps after it train the raw ones again.
     Two processes, a sharded model: FSDP2 keeps its last block gathered after a forward, so the previews

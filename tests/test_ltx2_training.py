@@ -312,6 +312,7 @@ def exported_transformer(run, folder, *flags) -> dict:
     return tensors
 
 
+@pytest.mark.slow  # a round trip of LTX-2's training: the fast tier keeps its losses, runs and refusals
 def test_video_alone_leaves_the_audio_as_loaded(saved, tmp_path):
     """data.audio=false, a full fine-tuning of 10 steps at a large learning rate, with weight decay: every
     audio parameter of the exported run (its raw weights and its EMA) equals the pipeline's bit for bit,
@@ -403,6 +404,7 @@ def infer_outputs(folder, out, *extra) -> tuple:
     return videos[0], sounds[0]
 
 
+@pytest.mark.slow  # a round trip of LTX-2's training: the fast tier keeps its losses, runs and refusals
 @torch.no_grad()
 def test_lora_exports_load_in_diffusers(saved, sound_runs, tmp_path):
     """The LoRA run exported in diffusers' names and in ComfyUI's (the release's names under
@@ -433,6 +435,7 @@ def test_lora_exports_load_in_diffusers(saved, sound_runs, tmp_path):
         assert back[0] <= 1e-4 and back[1] <= 1e-5
 
 
+@pytest.mark.slow  # a round trip of LTX-2's training: the fast tier keeps its losses, runs and refusals
 @torch.no_grad()
 def test_full_export_samples_in_diffusers(saved, sound_runs, tmp_path):
     """The full run on clips with sound exported with --pipeline: LTX2Pipeline samples from the folder the
@@ -455,6 +458,7 @@ def test_full_export_samples_in_diffusers(saved, sound_runs, tmp_path):
     assert diffs[0] <= 1e-4 and diffs[1] <= 1e-5 and moved[0] > 1e-3 and moved[1] > 1e-5
 
 
+@pytest.mark.slow  # a round trip of LTX-2's training: the fast tier keeps its losses, runs and refusals
 def test_precomputed_latents_with_sound_train_as_the_clips_do(saved, sound_runs, tmp_path):
     """scripts/precompute_latents.py with data.audio stores each clip's video and audio latents; training
     on them takes the full run's steps (losses and gradient norms)."""
@@ -573,6 +577,7 @@ def test_lora_targets_on_frozen_audio_get_no_adapters(saved):
         adapted("blocks.*.audio_attn1.*")
 
 
+@pytest.mark.slow  # a round trip of LTX-2's training: the fast tier keeps its losses, runs and refusals
 @torch.no_grad()
 def test_a_video_lora_on_broad_targets_exports_and_samples(saved, tmp_path):
     """data.audio=false with lora.targets=['*.to_q'] (audio layers matched, left without adapters): the
