@@ -275,7 +275,7 @@ def main(argv=None, session=None, walk=None):
             print(f"[tessera] step cache: {calls} of {request.steps} steps call the model", flush=True)
     parts, denoise_with, decode = load_sampling(cfg, runtime, family, request, weights, loras, patches)
     del loras  # merged into the weights: the files' tensors need not outlive the sampling
-    mine = list(range(layout.dp_rank(runtime.rank), len(request.prompts), layout.dp))  # split over dp
+    mine = list(layout.replica_share(runtime.rank, len(request.prompts)))  # split over dp
     nonfinite = None
     if mine:
         described = describe_weights(cfg, args, weights)

@@ -66,7 +66,7 @@ class ModelConfig:
     pretrained_2: Optional[str] = None
     # A LoRA run's frozen base: auto (the compute dtype: bf16 on a GPU) | float8 (the blocks' Linear weights
     # in float8 with a scale per row, computed in the compute dtype: half the base's bytes; infer.py too
-    # samples on it, the adapters and --lora files merged before the blocks are quantized; models/float8.py)
+    # samples on it, the run's adapters and --lora files kept beside the quantized layers; models/float8.py)
     base_dtype: str = "auto"
     # Wan 2.2 A14B expert training: none | high (trains on noise levels >= sample.boundary, from
     # model.pretrained) | low (below it, from model.pretrained_2 or model.pretrained's transformer_2/)

@@ -35,6 +35,10 @@ class ParallelLayout:
         """dp is the outermost axis: consecutive blocks of world_size / dp ranks share a dp rank."""
         return rank // (self.world_size // self.dp)
 
+    def replica_share(self, rank: int, count: int) -> range:
+        """The indices of `count` prompts that `rank`'s data-parallel replica samples (one in dp)."""
+        return range(self.dp_rank(rank), count, self.dp)
+
     def replica_leader(self, rank: int) -> int:
         """The first rank of `rank`'s data-parallel replica (the ranks that work on the same samples)."""
         return self.dp_rank(rank) * (self.world_size // self.dp)

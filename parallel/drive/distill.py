@@ -19,6 +19,7 @@ from models.distill import clean, draw_noise, draw_sigmas, matching_loss, noised
 from models.lora import active_adapter, is_critic
 from parallel.checkpoints.checkpoint_files import CheckpointError, find_checkpoint
 from parallel.checkpoints.checkpoint_reading import read_trainer_state
+from parallel.drive.stored_previews import preview_size
 
 
 @dataclass
@@ -115,10 +116,10 @@ def student_record(cfg, run) -> dict | None:
     size, checked (`run`: the FamilyRun, whose frozen parts hold the scheduler's config)."""
     if cfg.train.objective != "dmd":
         return None
-    sc, family = cfg.sample, run.family
+    family = run.family
     space, patch = family.geometry(cfg)
-    size = (sc.frames or cfg.data.frames, sc.height or cfg.data.height, sc.width or cfg.data.width)
-    latents = torch.empty(1, *space.latent_shape(*size, patch))  # a schedule reads its size alone
+    # a schedule reads its size alone
+    latents = torch.empty(1, *space.latent_shape(*preview_size(cfg), patch))
     sigmas = family.schedule(run.parts, cfg.distill.steps, latents).sigmas
     check_student_sigmas(sigmas, cfg.distill.steps, family.title)
     return distill_record(cfg, sigmas)

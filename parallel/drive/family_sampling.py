@@ -230,7 +230,7 @@ def load_sampling(cfg, runtime, family, request, weights: Weights, loras, patche
         parts = family.load(cfg, runtime.device, dtype, transformer=False)
     if family.texts_first:  # its text encoder gone before the transformer comes
         negative = request.negative_prompt if family.guided(request.guidance) else None
-        mine = request.prompts[layout.dp_rank(runtime.rank) :: layout.dp]  # this replica's (infer.py's split)
+        mine = [request.prompts[i] for i in layout.replica_share(runtime.rank, len(request.prompts))]
         family.encode_first(parts, mine, negative, cfg.text_encoder.max_length)
     model = sampling_transformer(cfg, runtime, family, weights, loras, group=runtime.control_group)
     parts.transformer = model.to(runtime.device)

@@ -15,12 +15,18 @@ import torch.distributed as dist
 
 from models.family import Components, Family, shared_fields
 from models.image_condition import first_frames
-from models.sampler import Sampling, checked, generate_images
+from models.sampler import checked, generate_images
 from models.util import reading_weights
 from parallel.compute import comm
 from parallel.compute.operators import check_sequence_layout
 from parallel.compute.sequence import share_batch
-from parallel.drive.stored_previews import PREVIEWS, preview_identity, preview_sampling, read_previews
+from parallel.drive.stored_previews import (
+    PREVIEWS,
+    preview_identity,
+    preview_sampling,
+    preview_size,
+    read_previews,
+)
 
 _DTYPES = (torch.float32, torch.bool, torch.bfloat16, torch.float16, torch.int64)
 _HEADER = 8  # per tensor: present, dtype, ndim, and up to 5 sizes
@@ -119,12 +125,12 @@ def preview_images(cfg, family: Family) -> list:
 def preview_references(cfg, family: Family) -> list | None:
     """Every preview's reference images (PIL) from sample.images, for a family that takes references
     (Family.references), read and checked as --image is; None without any."""
-    sc, data = cfg.sample, cfg.data
+    sc = cfg.sample
     if not (family.references and sc.images):
         return None
-    size = (sc.frames or data.frames, sc.height or data.height, sc.width or data.width)
     try:
-        return family.sampling_images(cfg, (list(sc.images), None), len(sc.prompts), size, True)[0]
+        given, count = (list(sc.images), None), len(sc.prompts)
+        return family.sampling_images(cfg, given, count, preview_size(cfg), True)[0]
     except ValueError as e:
         raise ValueError(f"sample.images: {e}".replace("--image", "the image")) from None
 
@@ -132,11 +138,9 @@ def preview_references(cfg, family: Family) -> list | None:
 def check_family_sizes(cfg, family: Family, layout, buckets) -> None:
     """Every bucket's size and the previews' the family can take, under the layout's split (Sana's halo
     needs a row and one per rank), or an error naming the bucket or sample.* key."""
-    sc, data = cfg.sample, cfg.data
     keys = "data.frames/frame_counts, data.height/width/resolutions/aspect_ratios"
     sizes = [(f"the bucket {b.name} ({keys})", b.frames, b.height, b.width) for b in buckets.buckets]
-    previews = (sc.frames or data.frames, sc.height or data.height, sc.width or data.width)
-    for where, frames, height, width in [*sizes, ("sample.frames/height/width", *previews)]:
+    for where, frames, height, width in [*sizes, ("sample.frames/height/width", *preview_size(cfg))]:
         try:
             family.check_size(cfg, frames, height, width)
             family.check_split(cfg, height, width, layout.ulysses, layout.ring)
@@ -218,12 +222,8 @@ def empty_batch(run: FamilyRun, count: int, device):
 def family_previews(cfg, run: FamilyRun, model, seeds: list, progress, device) -> tuple:
     """(images (B, 1, H, W, 3) in [0, 1], {index: where NaN or inf was found}) of sample.prompts, from the
     training transformer on every rank (it is sharded: each forward needs them all)."""
-    sc = cfg.sample
     parts = replace(run.parts, transformer=model)
-    size = (sc.frames or cfg.data.frames, sc.height or cfg.data.height, sc.width or cfg.data.width)
-    sampling = Sampling(
-        list(sc.prompts), seeds, size, sc.steps, sc.guidance, sc.negative_prompt, run.max_length
-    )
+    sampling = preview_sampling(cfg, run.family, None, seeds)
     if run.family.image_to_video and run.family.needs_images(cfg):  # tessera's DiT: with_preview_images
         sampling = replace(sampling, images=preview_images(cfg, run.family))
     elif run.family.references:  # every preview's reference images, if any

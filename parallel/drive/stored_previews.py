@@ -18,13 +18,19 @@ from models.sampler import Sampling
 PREVIEWS = "previews.safetensors"
 
 
-def preview_sampling(cfg, family: Family, references) -> Sampling:
-    """The previews' request: sample.prompts at the previews' size (data.*'s unless sample.* sets it),
-    `references`: their reference images (parallel/drive/family_training.py preview_references)."""
+def preview_size(cfg) -> tuple:
+    """(frames, height, width) of the training previews: sample.*'s, else data.*'s."""
     sc, data = cfg.sample, cfg.data
-    size = (sc.frames or data.frames, sc.height or data.height, sc.width or data.width)
-    return Sampling(list(sc.prompts), [0] * len(sc.prompts), size, sc.steps, sc.guidance,
-                    sc.negative_prompt, cfg.text_encoder.max_length, references)  # fmt: skip
+    return sc.frames or data.frames, sc.height or data.height, sc.width or data.width
+
+
+def preview_sampling(cfg, family: Family, references, seeds: list | None = None) -> Sampling:
+    """The previews' request: sample.prompts at preview_size, from `seeds` (zeros: a request whose noise
+    nobody draws), `references`: their reference images (family_training.py preview_references)."""
+    sc = cfg.sample
+    seeds = [0] * len(sc.prompts) if seeds is None else seeds
+    return Sampling(list(sc.prompts), seeds, preview_size(cfg), sc.steps, sc.guidance, sc.negative_prompt,
+                    cfg.text_encoder.max_length, references)  # fmt: skip
 
 
 def preview_identity(cfg, family: Family, sampling: Sampling, dtype: torch.dtype) -> dict:
