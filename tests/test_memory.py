@@ -67,6 +67,22 @@ def test_what_would_fit_is_named():
     assert advice.startswith("What would fit: a LoRA (lora.rank=32): "), advice
 
 
+def test_a_loras_activations_are_counted_at_the_blocks_width():
+    """The activations kept for backward are counted at a block's hidden width with adapters too: their
+    B layers' in_features is the rank, and in a block of Linears of several widths (LTX-2's video and
+    audio streams) the rank once outnumbered the width, so a LoRA's activations were counted at rank 32."""
+    from models.lora import add_adapters
+    from parallel.lifecycle.memory_plan import _width
+
+    block = torch.nn.ModuleDict(
+        {"a": torch.nn.Linear(64, 64), "b": torch.nn.Linear(64, 32), "c": torch.nn.Linear(32, 16),
+         "d": torch.nn.Linear(16, 64), "e": torch.nn.Linear(48, 64)}
+    )  # fmt: skip
+    assert _width(block) == 64
+    add_adapters(block, 8, 8, ["*"])
+    assert _width(block) == 64
+
+
 @pytest.mark.parametrize("rank", [0, 4])
 def test_the_modelled_states_are_what_training_allocates(tmp_path, monkeypatch, rank):
     """Weights, AdamW's moments and the EMA counted on the meta device equal the bytes train.py's own model,

@@ -114,10 +114,14 @@ def modelled_peak(model, setting: Setting) -> Peak:
 
 
 def _width(block) -> int:
-    """The hidden width of a block: the in_features most of its Linear layers share."""
+    """The hidden width of a block: the in_features most of its Linear layers share (an adapter's own
+    Linear layers left out: their B's in_features is the rank, which would outnumber the width)."""
     from collections import Counter
 
-    widths = Counter(m.in_features for m in block.modules() if isinstance(m, torch.nn.Linear))
+    from models.lora import is_adapter
+
+    own = [m for n, m in block.named_modules() if not is_adapter(n + ".")]
+    widths = Counter(m.in_features for m in own if isinstance(m, torch.nn.Linear))
     return widths.most_common(1)[0][0] if widths else 1
 
 
@@ -144,7 +148,12 @@ def check_training_memory(cfg, layout, buckets, world_size: int, local_world: in
     model = meta_model(cfg, cfg.lora.rank)
     free = device_free(local_rank)  # first: the CUDA context it makes is then in the host's figure too
     available, total, where = host_memory()
-    room = Room(free, available, total, where, local_rank)
+    return plan_memory(cfg, setting, model, Room(free, available, total, where, local_rank))
+
+
+def plan_memory(cfg, setting, model, room) -> tuple:
+    """check_training_memory's verdict for `model` under `setting` in `room` (scripts/card_memory.py asks
+    it for a card it simulates): (the recipe with train.memory=auto's choice, the words), or refused."""
     chosen, words = cfg, ""
     if cfg.train.memory == "auto":  # the fastest that fits; none: refused with the most frugal's figures
         tried = [(what, keys, _applied(setting, keys)) for what, keys in memory_choices(cfg, setting)]
@@ -154,7 +163,7 @@ def check_training_memory(cfg, layout, buckets, world_size: int, local_world: in
     peak = modelled_peak(model, setting)
     short = room.short(peak, setting)
     if short:
-        fits = _what_fits(cfg, model, setting, free, available - floor_of(total))
+        fits = _what_fits(cfg, model, setting, room.free, room.available - floor_of(room.total))
         raise MemoryPlanError(
             f"this recipe does not fit: its modelled peak is {'; '.join(short)} ({peak.describe()}; the "
             f"model: {_count(model)} parameters). It would end in an out-of-memory failure, or the kernel's "
@@ -162,7 +171,7 @@ def check_training_memory(cfg, layout, buckets, world_size: int, local_world: in
             "train.memory_check=false skips this check)"
         )
     unit = "GPU" if setting.on_gpu else "process"
-    host = f"{gib(peak.host)} on this host ({gib(available)} available)"
+    host = f"{gib(peak.host)} on this host ({gib(room.available)} available)"
     return chosen, f"{words}modelled peak {gib(peak.device)} per {unit}, {host}"
 
 
@@ -245,10 +254,11 @@ def with_train_keys(cfg, keys: dict):
     return chosen
 
 
-def training_setting(cfg, layout, buckets, world_size: int, local_world: int) -> Setting:
+def training_setting(cfg, layout, buckets, world_size: int, local_world: int, on_gpu=None) -> Setting:
+    """The setting of this recipe's run (`on_gpu`: this machine's unless given)."""
     from parallel.lifecycle.runtime import computes_in_bf16
 
-    on_gpu = torch.cuda.is_available()
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     largest = max(range(len(buckets)), key=lambda i: buckets.tokens[i] * buckets.batch_sizes[i])
     bucket = buckets.buckets[largest]
     tc = cfg.train
@@ -270,9 +280,10 @@ def training_setting(cfg, layout, buckets, world_size: int, local_world: int) ->
     )
 
 
-def meta_model(cfg, rank: int):
+def meta_model(cfg, rank: int, on_gpu=None):
     """The recipe's transformer on the meta device, with rank-`rank` adapters on lora.targets (0: none, a
-    full fine-tune: every parameter float32 and trained), as train.py builds it."""
+    full fine-tune: every parameter float32 and trained), as train.py builds it (`on_gpu`: its adapters
+    in bf16; this machine's unless given)."""
     from models.families import family_named
     from models.lora import is_adapter
     from parallel.build.components import meta_transformer
@@ -284,7 +295,8 @@ def meta_model(cfg, rank: int):
         lora = {**{k: cfg.lora[k] for k in cfg.lora}, "rank": rank}
         from types import SimpleNamespace
 
-        dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+        dtype = torch.bfloat16 if on_gpu else torch.float32
         insert_adapters(
             model, SimpleNamespace(**lora), dtype, cfg.model.base_dtype, keep=_trains(family, cfg),
             critic=cfg.train.objective == "dmd",
@@ -313,7 +325,7 @@ def _what_fits(cfg, model, setting: Setting, free: int | None, available: int) -
 
     tried = []
     if not cfg.lora.rank:
-        tried.append(("a LoRA (lora.rank=32)", meta_model(cfg, 32), setting))
+        tried.append(("a LoRA (lora.rank=32)", meta_model(cfg, 32, setting.on_gpu), setting))
     if setting.checkpointing == "none":
         tried.append(("train.activation_checkpointing=true", model, replace(setting, checkpointing="all")))
     if setting.on_gpu and not setting.cpu_offload and setting.fsdp == 1:
