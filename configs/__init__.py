@@ -98,22 +98,13 @@ def _parse_overrides(overrides: list[str]) -> DictConfig:
 def load_config(recipe: str | os.PathLike | None = None, overrides: list[str] | tuple = ()) -> DictConfig:
     """Merge schema defaults, the recipe (default: configs/demo.yaml) and dot-list overrides."""
     recipe = Path(recipe) if recipe is not None else DEFAULT_RECIPE
-    if not recipe.is_file():
-        raise ConfigError(f"recipe '{recipe}' does not exist (recipes live in {CONFIG_DIR})")
-    try:
-        recipe_cfg = OmegaConf.load(recipe)
-    except Exception as e:  # YAML syntax errors
-        raise ConfigError(f"could not read recipe '{recipe}': {e}") from None
-    if not isinstance(recipe_cfg, DictConfig):
-        raise ConfigError(f"recipe '{recipe}' must be a mapping of sections, not {type(recipe_cfg).__name__}")
+    layers = _recipe_layers(recipe, [])
     cli_cfg = _parse_overrides(list(overrides))
-    _check_keys(recipe_cfg, "", f"recipe '{recipe}'")
     _check_keys(cli_cfg, "", "the command-line overrides")
-    _refuse_environment(recipe_cfg, f"recipe '{recipe}'")
     _refuse_environment(cli_cfg, "the command-line overrides")
 
     cfg = OmegaConf.structured(TesseraConfig)
-    for source, layer in ((f"recipe '{recipe}'", recipe_cfg), ("the command-line overrides", cli_cfg)):
+    for source, layer in (*layers, ("the command-line overrides", cli_cfg)):
         try:
             cfg = OmegaConf.merge(cfg, layer)
         except OmegaConfBaseException as e:
@@ -132,6 +123,30 @@ def load_config(recipe: str | os.PathLike | None = None, overrides: list[str] | 
     _check_decay_fraction(cli_cfg, cfg)
     _check_memory_choice(cli_cfg, cfg)
     return cfg
+
+
+def _recipe_layers(recipe: Path, seen: list) -> list[tuple[str, DictConfig]]:
+    """[(source, layer)] of a recipe, its `base:` recipes first (a path relative to the recipe's folder:
+    the card recipes are a few keys on top of a family's), each checked against the schema."""
+    if not recipe.is_file():
+        raise ConfigError(f"recipe '{recipe}' does not exist (recipes live in {CONFIG_DIR})")
+    if recipe.resolve() in seen:
+        chain = " -> ".join(str(p) for p in [*seen, recipe.resolve()])
+        raise ConfigError(f"recipe '{recipe}' is its own base ({chain}): remove a `base:` line")
+    try:
+        layer = OmegaConf.load(recipe)
+    except Exception as e:  # YAML syntax errors
+        raise ConfigError(f"could not read recipe '{recipe}': {e}") from None
+    if not isinstance(layer, DictConfig):
+        raise ConfigError(f"recipe '{recipe}' must be a mapping of sections, not {type(layer).__name__}")
+    base = layer.pop("base", None)
+    if base is not None and not isinstance(base, str):
+        raise ConfigError(f"'base' in recipe '{recipe}' must be the path of another recipe, got {base!r}")
+    source = f"recipe '{recipe}'"
+    _check_keys(layer, "", source)
+    _refuse_environment(layer, source)
+    under = _recipe_layers(recipe.parent / base, [*seen, recipe.resolve()]) if base else []
+    return [*under, (source, layer)]
 
 
 _ENVIRONMENT = re.compile(r"\$\{\s*oc\.env\s*:")

@@ -152,7 +152,10 @@ def release_parts() -> dict:
                 "connectors": LTX2TextConnectors(),
                 "AutoencoderKLLTX2Audio": AutoencoderKLLTX2Audio(),
                 "vocoder": LTX2Vocoder(),
-                "AutoencoderKLLTX2Video": AutoencoderKLLTX2Video(),
+                # the release's 32 x 32 x 8 pixels a latent (diffusers' defaults derive 64 x 64 x 16)
+                "AutoencoderKLLTX2Video": AutoencoderKLLTX2Video(
+                    spatial_compression_ratio=32, temporal_compression_ratio=8
+                ),
             },
             "HunyuanVideo 1.5": {  # the transformer first, the VAE last (per_gpu)
                 "HunyuanVideo 1.5 transformer": HunyuanVideo15Transformer3DModel(),

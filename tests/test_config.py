@@ -10,6 +10,27 @@ def test_every_shipped_recipe_loads(recipe):
     assert cfg.train.max_steps >= 1
 
 
+def test_a_recipe_on_a_base_takes_the_bases_keys_and_overrides_them(tmp_path):
+    """`base:` (relative to the recipe's folder) is merged first, the recipe's keys and then the command
+    line's on top; a base's misspelt key names the base's file; a circle of bases is named."""
+    (tmp_path / "cards").mkdir()
+    (tmp_path / "base.yaml").write_text("train:\n  max_steps: 3\n  lr: 0.5\ndata:\n  frame_counts: [1, 5]\n")
+    card = tmp_path / "cards" / "card.yaml"
+    card.write_text("base: ../base.yaml\ntrain:\n  lr: 0.25\ndata:\n  frame_counts: [1]\n")
+    cfg = load_config(card, ["train.max_steps=4"])
+    assert (cfg.train.max_steps, cfg.train.lr, list(cfg.data.frame_counts)) == (4, 0.25, [1])
+    assert load_config(card).train.max_steps == 3
+    (tmp_path / "base.yaml").write_text("train:\n  max_step: 3\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'train.max_step' in recipe '.*base.yaml'"):
+        load_config(card)
+    (tmp_path / "base.yaml").write_text("base: cards/card.yaml\n")
+    with pytest.raises(ConfigError, match="is its own base"):
+        load_config(card)
+    card.write_text("base: ../missing.yaml\n")
+    with pytest.raises(ConfigError, match="missing.yaml' does not exist"):
+        load_config(card)
+
+
 def test_overrides_come_last_and_keep_types():
     cfg = load_config(
         None, ["train.max_steps=7", "train.lr=0.5", "model.patch_size=[1,2,2]", "data.manifest=x.jsonl"]

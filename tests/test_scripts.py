@@ -31,6 +31,7 @@ TINY = [  # run below
     "bench_startup_memory.py",
     "bench_vae.py",
     "family_memory.py",
+    "card_memory.py",
     "model_scaling.py",  # its functions: tests/test_model_scaling.py
     "make_demo_data.py",  # a user tool: its command line on a few small clips
     "benchlib.py",  # the benchmarks' shared helper: test_benchlib_*
@@ -237,6 +238,50 @@ def test_benchlib_measure_table_and_json(tmp_path):
 
 
 TRAINING_ROWS = ("full", "lora", "lora-latents", "lora-float8-latents", "sample-float8")
+
+
+def test_card_memory_tiny_accepts_two_card_recipes_at_their_stated_peaks(tmp_path):
+    """Two card recipes (a LoRA on one 24 GB card, full fine-tuning on 8 x 80 GB) at the releases' sizes:
+    the start-up check accepts each on its simulated card, and its header states the peak counted."""
+    out, results = run_tiny("card_memory.py", tmp_path, "--check")
+    found = results["recipes"]
+    assert set(found) == {"sana-lora-24gb.yaml", "flux2-klein-full-8x80gb.yaml"}
+    lora, full = found["sana-lora-24gb.yaml"], found["flux2-klein-full-8x80gb.yaml"]
+    assert (lora["gpus"], full["gpus"]) == (1, 8) and not lora["refused"] and not full["refused"]
+    assert 0 < lora["peak_gib"] < 0.75 * lora["free_gib"] < 23 and "AdamW" in full["parts"]
+    assert "| sana-lora-24gb.yaml | 1 x 24.0 GiB |" in out
+
+
+@pytest.mark.slow  # 35 s on the meta device: every card recipe at the releases' sizes
+def test_every_card_recipe_fits_its_card_at_its_stated_peak(tmp_path):
+    """Each configs/cards/*.yaml (a LoRA on one 24 or 48 GB card, full fine-tuning on 8 x 80 GB) is
+    accepted by the start-up memory check on its card, leaves a quarter of it free, and its header
+    states the peak counted; and a recipe that cannot fit (FLUX.2 dev's full fine-tune) is refused."""
+    done = run("card_memory.py", "--check", "--json", str(tmp_path / "all.json"), timeout=300)
+    found = json.loads((tmp_path / "all.json").read_text())["recipes"]
+    recipes = sorted(p.name for p in (ROOT / "configs" / "cards").glob("*.yaml"))
+    assert sorted(found) == recipes and len(recipes) >= 26 and "start-up check" in done
+    for name, result in found.items():
+        card = {"24gb": 24.0, "48gb": 48.0, "8x80gb": 79.6}[name.rsplit("-", 1)[1].removesuffix(".yaml")]
+        assert not result["refused"] and result["peak_gib"] < 0.75 * result["free_gib"] < card, name
+    import card_memory
+
+    from configs import load_config
+
+    dev = tmp_path / "dev-full-8x80gb.yaml"
+    dev.write_text(f"base: {ROOT / 'configs' / 'flux2-dev.yaml'}\ndata:\n  latents: x\n")
+    stand_in = tmp_path / "flux2_dev"
+    card_memory.write_stand_in(stand_in, *card_memory.release_parts("flux2_dev", family_release))
+    folders = ("model.pretrained", "vae.pretrained", "text_encoder.pretrained")
+    cfg = load_config(dev, [f"{k}={stand_in}" for k in folders])
+    refused = card_memory.peak_on_card(cfg, "8x80gb")
+    assert refused["peak_gib"] > 80 and "does not fit" in refused["refused"]
+
+
+def family_release(entry):
+    import family_memory
+
+    return family_memory.release_parts()[entry]
 
 
 @pytest.mark.slow  # 12 s: the fast tier keeps every family's own rows; this count is the whole suite's
