@@ -93,7 +93,7 @@ def apply_rope(x, rope):
     # As complex numbers, (x1 + i x2)(cos + i sin): one multiply over contiguous memory. The same
     # arithmetic on the strided halves x[..., 0::2], x[..., 1::2] ran ~100 of 660 ms of kernel time in
     # an eager training step at Wan2.1-1.3B dims on an H100. Compiled, inductor runs the complex multiply
-    # as an eager kernel inside the graph; the compiled step time did not change (BENCHMARKS.md).
+    # as an eager kernel inside the graph; the compiled step time did not change (docs/benchmarks_history.md).
     pairs = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * torch.view_as_complex(rope.float())).flatten(-2).to(x.dtype)
 

@@ -8,7 +8,7 @@
   DataLoader with 1 and 2 workers, against what a training step consumes (--step-time, --batch);
 - memory: resident memory of each loader worker and of the main process over --batches batches;
 - resume: time to the first batch when resuming at step 0 and at step 1,000,000 (target ratio <= 1.1).
-How each is measured: BENCHMARKS.md, "Data pipeline".
+How each is measured: docs/benchmarks_history.md, "Data pipeline".
 """
 
 import os

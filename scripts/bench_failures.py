@@ -7,8 +7,9 @@
 Each scenario starts train.py or infer.py (python, torchrun, or two torchrun agents), injects one fault
 with TESSERA_FAULT (parallel/lifecycle/faults.py) and records the first `error:` line and the seconds from the
 fault to it and until every process was gone, each exit code, and whether `latest` is intact and
-finite. results.json and results.md (the table in BENCHMARKS.md, "Failures", which says how each is
-measured) go to --out; tests/test_failures.py runs the same scenarios (SCENARIOS) and asserts on them.
+finite. results.json and results.md (the table in BENCHMARKS.md, "Failures";
+docs/benchmarks_history.md says how each is measured) go to --out; tests/test_failures.py runs the same
+scenarios (SCENARIOS) and asserts on them.
 """
 
 import json

@@ -25,8 +25,8 @@ FULL_BYTES, ADAPTER_BYTES, FROZEN_BF16 = 20, 20, 2  # per parameter, see the doc
 CHECKPOINT_BYTES = 16  # model + EMA + AdamW's two moments, float32
 CRITIC_BYTES = 16  # a critic's parameter: float32 weight, gradient, AdamW's two moments (no EMA)
 # Activations with activation checkpointing: 12.3 GiB measured for Wan2.1-1.3B dims at 14,040 tokens on an
-# H100 (BENCHMARKS.md, "Memory per GPU fine-tuning Wan2.1-1.3B"), scaled by tokens per GPU and, for
-# other dims, by width x depth (the stored block inputs): a model, not a measurement.
+# H100 (docs/benchmarks_history.md, "Memory per GPU fine-tuning Wan2.1-1.3B"), scaled by tokens per GPU
+# and, for other dims, by width x depth (the stored block inputs): a model, not a measurement.
 ACTIVATIONS_GIB, ACTIVATION_TOKENS, ACTIVATION_DIMS = 12.3, 14_040, 1536 * 30
 TOKENS_480P_81 = 21 * 30 * 52  # 81 frames -> 21 latent frames, 480 x 832 -> 60 x 104 latent, 1 x 2 x 2
 

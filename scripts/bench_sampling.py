@@ -9,7 +9,7 @@
   config.yaml is the recipe): PSNR and relative error for warm-up 0-4 and M = 2, 4, 8;
 - model: time per denoising step of every layout on 8 GPUs (PCIe, NVLink; Wan2.1-14B's dims) and
   what parallel.auto picks. Bytes and quality run in one torchrun group of --processes (4), gloo.
-Theory, inputs and method: BENCHMARKS.md, "Sampling across GPUs".
+Theory, inputs and method: docs/benchmarks_history.md, "Sampling across GPUs".
 """
 
 import argparse
@@ -182,7 +182,8 @@ def worker(args):
 def theory_sent(
     degrees, patches, stage, sp_rank, steps, warmup, tokens, grid, hidden, depth, cp, guided=True, element=4
 ):
-    """Bytes one rank sends in a sampling run, per the formulas in BENCHMARKS.md ("Sampling across GPUs")."""
+    """Bytes one rank sends in a sampling run, per the formulas in docs/benchmarks_history.md
+    ("Sampling across GPUs")."""
     from parallel.compute.pipefusion_plan import (
         MessagePlan,
         local_share,

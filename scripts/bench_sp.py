@@ -5,8 +5,8 @@
     python scripts/bench_sp.py --tiny                # 1 and 2 processes, 256 tokens, a 1 MB all-to-all
 
 One process runs in this one; more are spawned (torch.multiprocessing, gloo on CPU, NCCL on GPU).
-Prints one markdown table per part for BENCHMARKS.md, "Sequence parallelism", which also gives the
-theory the measured bytes are compared with (`theory_bytes` below).
+Prints one markdown table per part for BENCHMARKS.md, "Sequence parallelism"; docs/benchmarks_history.md
+gives the theory the measured bytes are compared with (`theory_bytes` below).
 """
 
 import datetime

@@ -9,7 +9,7 @@
 P = 1 runs in this process with --threads threads; each larger P is a torchrun launch of this script
 (gloo on CPU, NCCL on GPU). Times each rank's `parallel.compute.vae.decode` (median of --repeats after a
 warm-up) and prints a markdown table for BENCHMARKS.md: wall and CPU seconds per rank against the
-serial tiled decode. How to read it: BENCHMARKS.md, "Parallel VAE decode".
+serial tiled decode. How to read it: docs/benchmarks_history.md, "Parallel VAE decode".
 """
 
 import argparse

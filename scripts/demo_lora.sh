@@ -16,7 +16,7 @@ fi
 # The LoRA: rank 8 on every Linear of the blocks, over the frozen demo; half of its clips orange (the
 # colour list repeats it), the rest the demo's colours, so "orange" is learnt as one more colour word.
 # 200 steps at lr 2e-3, the last 40% cooled down, learn it as 400 at a constant 1e-3 did (orange read 100% of
-# the time; BENCHMARKS.md, "LoRA"). The schedule is pinned here, not taken from the demo's recipe.
+# the time; docs/benchmarks_history.md, "LoRA"). The schedule is pinned here, not taken from the demo's recipe.
 LORA=(--config configs/demo.yaml "model.pretrained=$BASE" "run.output_dir=$RUN" lora.rank=8
   "data.synthetic_colors=[orange,orange,orange,orange,orange,orange,red,green,blue,yellow,magenta,cyan]"
   train.lr=2.0e-3 train.lr_decay=linear train.decay_fraction=0.4 train.max_steps=200 train.warmup_steps=20

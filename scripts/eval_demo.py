@@ -4,9 +4,9 @@ the asked way? Judged from the frames alone, on prompts it never saw.
 Samples every held-out prompt of the synthetic dataset (colour, shape and direction combinations never
 seen in training) with several seeds through infer.py (any family, at the recipe's data.* size,
 uncached), reads each clip back with data.synthetic.read_clip (coherent: one steady object; colour;
-shape; direction; how each is judged: BENCHMARKS.md, "The demo") and reports each rate and the joint
-rate (all four right at once), with a contact sheet next to the videos (one row of frames per prompt,
-first seed, with the prompt and the verdict beside it).
+shape; direction; how each is judged: docs/benchmarks_history.md, "The demo") and reports each rate and
+the joint rate (all four right at once), with a contact sheet next to the videos (one row of frames per
+prompt, first seed, with the prompt and the verdict beside it).
 
     python scripts/eval_demo.py --config configs/demo.yaml [--seeds 4] [--first-seed 0] [key=value ...]
 """

@@ -7,8 +7,8 @@ It models compute (a block's FLOPs at the GPU's bf16 peak times an efficiency: -
 unset, one block timed on this CPU and scaled by the peak ratio, labelled [CPU-scaled]), the bytes of
 Ulysses, Ring and FSDP2 (the formulas bench_sp.py checked), stated link speeds, overlap and memory (80
 GB per GPU). It prints the best layout per recipe and GPU count (shortest time per sample) and published
-anchors beside its own prediction for a comparable case. Inputs and limits: BENCHMARKS.md, "Training
-across GPUs (a model)".
+anchors beside its own prediction for a comparable case. Inputs and limits: docs/benchmarks_history.md,
+"Training across GPUs (a model)".
 """
 
 import itertools

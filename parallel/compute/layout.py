@@ -213,7 +213,7 @@ def _rule_violations(
 
 # Below this many tokens ring's transfers on PCIe (25 GB/s) outlast the attention they overlap, and
 # pipefusion x ring beats ring in the latency model (Wan2.1-14B dims on 8 GPUs: best at 4k tokens, 3%
-# behind ring at 8k; BENCHMARKS.md, "Sampling across GPUs").
+# behind ring at 8k; docs/benchmarks_history.md, "Sampling across GPUs").
 PIPEFUSION_TOKENS_ON_PCIE = 6144
 
 
@@ -261,7 +261,7 @@ def preferred_layout(
     tokens: int | None = None,
 ) -> ParallelLayout:
     """The processes left after `dp`, as the sampling latency model (scripts/bench_sampling.py,
-    BENCHMARKS.md) ranks them:
+    docs/benchmarks_history.md) ranks them:
     - sampling with guidance: cfg=2 first (one small all-gather per step; every fastest layout has it);
     - ulysses inside a node, as large as the heads and the node allow, on fast links (NVLink); none on
       PCIe (`slow_links`), where its all-to-alls are the slowest choice;
