@@ -55,7 +55,8 @@ def parse_args(argv):
         "--checkpoint",
         default=None,
         help="a step_<N> folder, a `latest` pointer file, a checkpoints/ folder or a "
-        "run directory (default: the recipe run's latest)",
+        "run directory (default: the recipe run's latest); none: model.pretrained as it is, e.g. the base "
+        "with --lora files",
     )
     p.add_argument("--prompt", nargs="+", default=None, help="one or more prompts (default: sample.prompts)")
     p.add_argument("--negative-prompt", default=None, help="default: sample.negative_prompt")

@@ -311,7 +311,7 @@ class ParallelConfig:
 
 @dataclass
 class LoRAConfig:
-    """Low-rank adapters on a frozen base (model.pretrained); README "LoRA fine-tuning"."""
+    """Low-rank adapters on a frozen base (model.pretrained); docs/lora.md."""
 
     rank: int = 0  # 0: full fine-tuning; r > 0: train rank-r adapters only
     alpha: Optional[float] = None  # the update is scaled by alpha / rank; None: alpha = rank (scale 1)

@@ -4,7 +4,7 @@ from configs import CONFIG_DIR, ConfigError, load_config, split_overrides
 from configs.schema import TesseraConfig
 
 
-@pytest.mark.parametrize("recipe", sorted(p.name for p in CONFIG_DIR.glob("*.yaml")))
+@pytest.mark.parametrize("recipe", sorted(str(p.relative_to(CONFIG_DIR)) for p in CONFIG_DIR.glob("**/*.yaml")))
 def test_every_shipped_recipe_loads(recipe):
     cfg = load_config(CONFIG_DIR / recipe)
     assert cfg.train.max_steps >= 1

@@ -495,6 +495,9 @@ def test_doc_flags_exist(doc):
     declared = {p: argparse_flags(p) for p in PROGRAMS}
     for span, para in doc_spans(doc.read_text()):
         given = set(re.findall(r"(?<![\w-])--[a-z][\w-]*", span))
+        if span.lstrip().startswith(TORCHRUN):  # the launcher's own flags, before its program
+            launcher = re.split(r"\S+\.(?:py|sh)\b", span, maxsplit=1)[0]
+            given -= set(re.findall(r"(?<![\w-])--[a-z][\w-]*", launcher))
         if not given:
             continue
         programs = programs_named(span) or programs_named(para) or PROGRAMS
