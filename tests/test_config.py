@@ -3,8 +3,10 @@ import pytest
 from configs import CONFIG_DIR, ConfigError, load_config, split_overrides
 from configs.schema import TesseraConfig
 
+RECIPES = sorted(str(p.relative_to(CONFIG_DIR)) for p in CONFIG_DIR.glob("**/*.yaml"))  # configs/cards/ too
 
-@pytest.mark.parametrize("recipe", sorted(str(p.relative_to(CONFIG_DIR)) for p in CONFIG_DIR.glob("**/*.yaml")))
+
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_every_shipped_recipe_loads(recipe):
     cfg = load_config(CONFIG_DIR / recipe)
     assert cfg.train.max_steps >= 1

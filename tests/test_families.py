@@ -149,6 +149,25 @@ def saved_folder(name, tmp_path_factory) -> tuple:
     return name, folder
 
 
+def parts_of_another_width(folder, tmp_path, parts=("vae", "text_encoder")) -> list:
+    """[(the overrides naming a copy of `folder` whose part is 8 wider, the words of its refusal)]: a VAE
+    or text encoder of another release, named before anything loads (Family.widths)."""
+    keys = dict(vae=("z_dim", "latent_channels"), text_encoder=("hidden_size",), text_encoder_2=("d_model",))
+    cases = []
+    for part in parts:
+        mixed = tmp_path / f"other-{part}"
+        shutil.copytree(folder, mixed)
+        config = mixed / part / "config.json"
+        values = json.loads(config.read_text())
+        inner = values.get("text_config") or values  # a vision-language encoder's text model
+        key = next(k for k in keys[part] if k in inner)
+        inner[key] += 8
+        config.write_text(json.dumps(values))
+        where = "model" if part == "text_encoder_2" else part  # no key of its own: the pipeline folder's
+        cases.append(([f"{where}.pretrained={mixed}"], "parts are of different models"))
+    return cases
+
+
 def negative(name) -> str:
     """The negative prompt of a family's comparisons: NEGATIVE, or the empty one its pipeline uses."""
     return NEGATIVE if ROWS[name].negative else ""
@@ -349,16 +368,7 @@ def test_refusals(saved, tmp_path, capsys):
     config = other / "scheduler" / "scheduler_config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "_class_name": "EulerDiscreteScheduler"}))
     cases.append(([f"model.pretrained={other}"], "EulerDiscreteScheduler"))
-    for part, keys in (("vae", ("z_dim", "latent_channels")), ("text_encoder", ("hidden_size",))):
-        mixed = tmp_path / f"other-{part}"  # a part of another width (another release's): named at once
-        shutil.copytree(folder, mixed)
-        config = mixed / part / "config.json"
-        values = json.loads(config.read_text())
-        inner = values.get("text_config") or values  # a vision-language encoder's text model
-        key = next(k for k in keys if k in inner)
-        inner[key] += 8
-        config.write_text(json.dumps(values))
-        cases.append(([f"{part}.pretrained={mixed}"], "parts are of different models"))
+    cases += parts_of_another_width(folder, tmp_path)
     for extra, expected in cases:
         assert run_main(infer, [*infer_args(name, folder, tmp_path), *extra]) != 0
         err = capsys.readouterr().err

@@ -364,6 +364,10 @@ def test_refusals(saved, saved_i2v, tmp_path, capsys):
             "sample.modality_guidance=2.0: HunyuanVideo 1.5 takes no such guidance",
         ),
     ]
+    from tests.test_families import parts_of_another_width
+
+    parts = ("vae", "text_encoder", "text_encoder_2")  # the VAE's, the text's and the glyphs' widths
+    cases += [(infer, extra, expected) for extra, expected in parts_of_another_width(saved, tmp_path, parts)]
     rescaled = tmp_path / "rescaled"  # the folder with a guider tessera does not reproduce
     shutil.copytree(saved, rescaled)
     config = rescaled / "guider" / "guider_config.json"

@@ -414,11 +414,15 @@ def test_infer_refuses_before_loading(saved, tmp_path, capsys):
             "LTX-2's sampling takes no calibrated step cache",
         ),
     ]
+    from tests.test_families import parts_of_another_width
+
+    widths = parts_of_another_width(saved, tmp_path / "parts")  # a VAE or text encoder of another width
+    cases += [(infer, [*infer_args(saved, tmp_path / "run"), *extra, *out], said) for extra, said in widths]
     for program, argv, expected in cases:
         assert run_main(program, argv) != 0
         err = capsys.readouterr().err
         assert expected in err and err.count("error:") == 1, err
-    assert not list(tmp_path.iterdir())
+    assert not (tmp_path / "run").exists() and not (tmp_path / "out.npy").exists()
 
 
 def test_family_and_refusals(saved, tmp_path):

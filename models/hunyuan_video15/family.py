@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.family import Components, Family, padded, part_folder, read_json
+from models.family import Components, Family, config_of, padded, part_folder, read_json
 from models.hunyuan_video15.text import MAX_LENGTH, encode_glyphs, encode_text
 from models.hunyuan_video15.transformer import HunyuanVideo15Cond
 from models.hunyuan_video15.weights import (
@@ -166,6 +166,19 @@ class HunyuanVideo15(Family):
 
     def vae_scale(self, cfg) -> int:
         return self._space(cfg).spatial_stride
+
+    def widths(self, cfg) -> list:
+        """Its input: the noisy latents, the condition's latents and their mask, side by side; its two
+        texts: the Qwen2.5-VL text model's and ByT5's (the glyphs')."""
+        t, vae = self.transformer_config(cfg), config_of(cfg, "vae")
+        text, glyphs = config_of(cfg, "text_encoder"), config_of(cfg, "text_encoder_2")
+        latent = vae.get("latent_channels") and 2 * vae["latent_channels"] + 1
+        return [("in_channels", t.get("in_channels"), "2 x the VAE's latent_channels + 1 (with a mask)",
+                 latent),
+                ("text_embed_dim", t.get("text_embed_dim"), "the text encoder's hidden_size",
+                 text.get("hidden_size")),
+                ("text_embed_2_dim", t.get("text_embed_2_dim"), "text_encoder_2's (ByT5's) d_model",
+                 glyphs.get("d_model"))]  # fmt: skip
 
     def check_size(self, cfg, frames: int, height: int, width: int) -> None:
         patch = self.patch(cfg)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from models.family import Components, Family, part_folder, read_json
+from models.family import Components, Family, config_of, part_folder, read_json
 from models.loop import UNSUPPORTED, Schedule, euler, sigmas
 from models.ltx2.audio import encode_sound
 from models.ltx2.text import encode_prompts, prepare_tokenizer
@@ -188,6 +188,15 @@ class LTX2(Family):
         scaled = 2 ** sum(c.get("spatio_temporal_scaling", (True,) * 4))
         temporal = c.get("temporal_compression_ratio") or c.get("patch_size_t", 1) * scaled
         return temporal, c.get("spatial_compression_ratio") or c.get("patch_size", 4) * scaled
+
+    def widths(self, cfg) -> list:
+        """The video VAE's latents and Gemma's hidden states, as its transformer takes them (the sound's
+        latents are checked against the audio VAE where training encodes them: check_audio_vae)."""
+        t, vae, text = self.transformer_config(cfg), config_of(cfg, "vae"), config_of(cfg, "text_encoder")
+        return [("in_channels", t.get("in_channels"), "the video VAE's latent_channels",
+                 vae.get("latent_channels")),
+                ("caption_channels", t.get("caption_channels"), "the text encoder's hidden_size",
+                 text.get("hidden_size"))]  # fmt: skip
 
     def latent_space(self, cfg):
         from models.vae import LatentSpace
