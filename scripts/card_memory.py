@@ -157,9 +157,9 @@ def main(argv=None) -> None:
         recipes = [r for r in recipes if r.stem in ("sana-lora-24gb", "flux2-klein-full-8x80gb")]
     cache = {}
 
-    def parts_of(entry):  # the releases are built once (tens of seconds for all of them)
-        if not cache:
-            cache.update(releases())
+    def parts_of(entry):  # each release built once, when a recipe needs it (seconds each)
+        if entry not in cache:
+            cache.update(releases({entry}))
         return cache[entry]
 
     rows, results, wrong = [], {}, []

@@ -87,9 +87,9 @@ BYT5_SMALL = dict(
 )
 
 
-def release_parts() -> dict:
+def release_parts(only=None) -> dict:
     """{family: {part: module on the meta device}} at the releases' configs (transformer, text encoder,
-    VAE)."""
+    VAE); `only`: those families alone (each takes seconds to build)."""
     import torch
     from diffusers import (
         AutoencoderDC,
@@ -132,59 +132,60 @@ def release_parts() -> dict:
         hidden_size=3584,
         tie_word_embeddings=False,
     )
+    builders = {
+        "Qwen-Image": lambda: {
+            "Qwen-Image transformer": QwenImageTransformer2DModel(),
+            "Qwen2.5-VL-7B": Qwen2_5_VLForConditionalGeneration(qwen_text),
+            "AutoencoderKLQwenImage": AutoencoderKLQwenImage(),
+        },
+        "Sana 1600M": lambda: {
+            "Sana 1600M transformer": SanaTransformer2DModel(),
+            "Gemma-2-2B": Gemma2Model(Gemma2Config()),  # its defaults are Gemma-2-2B's
+            "DC-AE (diffusers' defaults)": AutoencoderDC(),
+        },
+        "LTX-2": lambda: {  # the video VAE last
+            "LTX-2 transformer": LTX2VideoTransformer3DModel(),
+            "Gemma-3-12B": Gemma3ForConditionalGeneration(
+                Gemma3Config(text_config=GEMMA3_12B_TEXT, vision_config=GEMMA3_VISION)
+            ),
+            "connectors": LTX2TextConnectors(),
+            "AutoencoderKLLTX2Audio": AutoencoderKLLTX2Audio(),
+            "vocoder": LTX2Vocoder(),
+            # the release's 32 x 32 x 8 pixels a latent (diffusers' defaults derive 64 x 64 x 16)
+            "AutoencoderKLLTX2Video": AutoencoderKLLTX2Video(
+                spatial_compression_ratio=32, temporal_compression_ratio=8
+            ),
+        },
+        "HunyuanVideo 1.5": lambda: {  # the transformer first, the VAE last (per_gpu)
+            "HunyuanVideo 1.5 transformer": HunyuanVideo15Transformer3DModel(),
+            "Qwen2.5-VL-7B text model": Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**QWEN_TEXT)),
+            "ByT5-small encoder": T5EncoderModel(T5Config(**BYT5_SMALL)),
+            "AutoencoderKLHunyuanVideo15": AutoencoderKLHunyuanVideo15(),
+        },
+        "FLUX.2 klein 4B": lambda: {  # black-forest-labs/FLUX.2-klein-4B's transformer/config.json
+            "FLUX.2 klein 4B transformer": Flux2Transformer2DModel(
+                num_layers=5,
+                num_single_layers=20,
+                num_attention_heads=24,
+                joint_attention_dim=7680,
+                guidance_embeds=False,
+            ),
+            "Qwen3-4B": Qwen3Model(Qwen3Config(**QWEN3_4B)),
+            "AutoencoderKLFlux2": AutoencoderKLFlux2(),
+        },
+        "FLUX.2 dev": lambda: {  # diffusers' Flux2Transformer2DModel defaults: the dev release's 32B
+            "FLUX.2 dev transformer": Flux2Transformer2DModel(),
+            "Mistral-Small-3.1-24B text model": MistralModel(MistralConfig(**MISTRAL_SMALL_TEXT)),
+            "AutoencoderKLFlux2": AutoencoderKLFlux2(),
+        },
+        "Z-Image": lambda: {
+            "Z-Image transformer": ZImageTransformer2DModel(),
+            "Qwen3-4B": Qwen3Model(Qwen3Config(**QWEN3_4B)),
+            "FLUX's AutoencoderKL": AutoencoderKL(**FLUX_VAE),
+        },
+    }
     with torch.device("meta"):
-        return {
-            "Qwen-Image": {
-                "Qwen-Image transformer": QwenImageTransformer2DModel(),
-                "Qwen2.5-VL-7B": Qwen2_5_VLForConditionalGeneration(qwen_text),
-                "AutoencoderKLQwenImage": AutoencoderKLQwenImage(),
-            },
-            "Sana 1600M": {
-                "Sana 1600M transformer": SanaTransformer2DModel(),
-                "Gemma-2-2B": Gemma2Model(Gemma2Config()),  # its defaults are Gemma-2-2B's
-                "DC-AE (diffusers' defaults)": AutoencoderDC(),
-            },
-            "LTX-2": {  # the video VAE last
-                "LTX-2 transformer": LTX2VideoTransformer3DModel(),
-                "Gemma-3-12B": Gemma3ForConditionalGeneration(
-                    Gemma3Config(text_config=GEMMA3_12B_TEXT, vision_config=GEMMA3_VISION)
-                ),
-                "connectors": LTX2TextConnectors(),
-                "AutoencoderKLLTX2Audio": AutoencoderKLLTX2Audio(),
-                "vocoder": LTX2Vocoder(),
-                # the release's 32 x 32 x 8 pixels a latent (diffusers' defaults derive 64 x 64 x 16)
-                "AutoencoderKLLTX2Video": AutoencoderKLLTX2Video(
-                    spatial_compression_ratio=32, temporal_compression_ratio=8
-                ),
-            },
-            "HunyuanVideo 1.5": {  # the transformer first, the VAE last (per_gpu)
-                "HunyuanVideo 1.5 transformer": HunyuanVideo15Transformer3DModel(),
-                "Qwen2.5-VL-7B text model": Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(**QWEN_TEXT)),
-                "ByT5-small encoder": T5EncoderModel(T5Config(**BYT5_SMALL)),
-                "AutoencoderKLHunyuanVideo15": AutoencoderKLHunyuanVideo15(),
-            },
-            "FLUX.2 klein 4B": {  # black-forest-labs/FLUX.2-klein-4B's transformer/config.json
-                "FLUX.2 klein 4B transformer": Flux2Transformer2DModel(
-                    num_layers=5,
-                    num_single_layers=20,
-                    num_attention_heads=24,
-                    joint_attention_dim=7680,
-                    guidance_embeds=False,
-                ),
-                "Qwen3-4B": Qwen3Model(Qwen3Config(**QWEN3_4B)),
-                "AutoencoderKLFlux2": AutoencoderKLFlux2(),
-            },
-            "FLUX.2 dev": {  # diffusers' Flux2Transformer2DModel defaults: the dev release's 32B
-                "FLUX.2 dev transformer": Flux2Transformer2DModel(),
-                "Mistral-Small-3.1-24B text model": MistralModel(MistralConfig(**MISTRAL_SMALL_TEXT)),
-                "AutoencoderKLFlux2": AutoencoderKLFlux2(),
-            },
-            "Z-Image": {
-                "Z-Image transformer": ZImageTransformer2DModel(),
-                "Qwen3-4B": Qwen3Model(Qwen3Config(**QWEN3_4B)),
-                "FLUX's AutoencoderKL": AutoencoderKL(**FLUX_VAE),
-            },
-        }
+        return {name: build() for name, build in builders.items() if only is None or name in only}
 
 
 def tiny_parts() -> dict:

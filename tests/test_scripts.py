@@ -281,7 +281,7 @@ def test_every_card_recipe_fits_its_card_at_its_stated_peak(tmp_path):
 def family_release(entry):
     import family_memory
 
-    return family_memory.release_parts()[entry]
+    return family_memory.release_parts({entry})[entry]
 
 
 @pytest.mark.slow  # 12 s: the fast tier keeps every family's own rows; this count is the whole suite's
