@@ -140,7 +140,8 @@ def read_latent_index(folder, cfg) -> list[dict]:
     if not (folder / "index.jsonl").is_file() or not (folder / "meta.json").is_file():
         raise FileNotFoundError(
             f"data.latents='{folder}' has no index.jsonl and meta.json; write it with "
-            f"torchrun scripts/precompute_latents.py --config <recipe> --out {folder}"
+            f"python scripts/precompute_latents.py --config <recipe> data.manifest=<your folder or manifest> "
+            f"--out {folder} (torchrun to encode on several GPUs)"
         )
     now = latent_meta(cfg)
     differ = meta_differences(json.loads((folder / "meta.json").read_text()), now)

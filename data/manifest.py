@@ -50,7 +50,10 @@ def read_manifest(path, left_out: dict | None = None, references: bool = False) 
             left_out.update(skipped)
         return entries
     if not path.is_file():
-        raise FileNotFoundError(f"data.manifest='{path}' does not exist")
+        raise FileNotFoundError(
+            f"data.manifest='{path}' does not exist: name your folder of captioned files, or a manifest, "
+            "with data.manifest=..."
+        )
     entries = []
     with open(path, encoding="utf-8", errors="surrogateescape") as f:  # file names need not be UTF-8
         for line_number, line in enumerate(f, start=1):

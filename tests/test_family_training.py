@@ -511,9 +511,9 @@ def test_a_distilled_student_samples_in_diffusers_what_infer_samples(saved, tmp_
 @pytest.mark.slow  # 4 commands on a tiny Qwen-Image: the README's path, end to end
 def test_the_readmes_lora_commands_run_on_a_folder_of_images(tmp_path_factory, tmp_path):
     """The README's "Your own LoRA" commands, as a user runs them on a folder of captioned images with a
-    card recipe (configs/cards/qwen-image-lora-24gb.yaml: precomputed latents, train.cpu_offload): the
-    latents, a LoRA trained on them, the run sampled, its LoRA exported for ComfyUI and sampled on the base
-    with --checkpoint none: the same image as the run's (at strength 1), and not the base's."""
+    card recipe (configs/cards/qwen-image-lora-48gb.yaml: precomputed latents, a float8 base): the latents,
+    a LoRA trained on them, the run sampled, its LoRA exported for ComfyUI and sampled on the base with
+    --checkpoint none: the same image as the run's (at strength 1), and not the base's."""
     import precompute_latents
     from PIL import Image
 
@@ -524,7 +524,7 @@ def test_the_readmes_lora_commands_run_on_a_folder_of_images(tmp_path_factory, t
     for i, caption in enumerate(["a red square", "a blue circle", "a green wall", "a dog"]):
         Image.fromarray(rng.integers(0, 255, (48, 80, 3), dtype=np.uint8)).save(images / f"{i}.png")
         (images / f"{i}.txt").write_text(caption)
-    recipe = ROOT / "configs" / "cards" / "qwen-image-lora-24gb.yaml"
+    recipe = ROOT / "configs" / "cards" / "qwen-image-lora-48gb.yaml"
     card = ["--config", str(recipe), *family_overrides(name, folder)]
     tiny = ["data.resolutions=[]", "data.aspect_ratios=[]", "data.frame_counts=[]", "data.height=48",
             "data.width=80", "data.num_workers=0", "train.batch_size=2", "train.max_steps=2", "train.lr=1e-2",
@@ -538,8 +538,7 @@ def test_the_readmes_lora_commands_run_on_a_folder_of_images(tmp_path_factory, t
     lora = tmp_path / "my_lora.safetensors"
     assert export.main(["--checkpoint", str(tmp_path / "run"), "--lora", "--format", "comfyui",
                         "--output", str(lora)]) == 0  # fmt: skip
-    base = ["--config", str(ROOT / "configs" / "qwen-image.yaml"), *family_overrides(name, folder),
-            "--checkpoint", "none", *sample]  # fmt: skip
+    base = [*card, "--checkpoint", "none", *sample]
     assert run_main(infer, [*base, "--lora", f"{lora}:1", "--output", str(tmp_path / "lora.npy")]) == 0
     assert run_main(infer, [*base, "--output", str(tmp_path / "base.npy")]) == 0
     run, with_lora, bare = (np.load(tmp_path / f"{n}.npy") for n in ("run", "lora", "base"))

@@ -61,6 +61,23 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_model_is_built(t
     assert not (tmp_path / "run").exists()  # nothing started
 
 
+def test_a_lora_recipe_whose_run_is_not_found_is_refused_not_sampled_as_its_base(tmp_path, capsys):
+    """A LoRA recipe with no checkpoint in its run.output_dir (not trained yet, or started from another
+    folder) is refused by name: the bare base would pass for the LoRA. --checkpoint none samples the base."""
+    base = tmp_path / "base"
+    argv = ["--config", str(TINY), f"run.output_dir={base}", "train.max_steps=1", "train.sample_every=0"]
+    assert run_main(train, argv) == 0
+    lora = ["--config", str(TINY), "lora.rank=4", f"model.pretrained={base}"]
+    lora.append(f"run.output_dir={tmp_path / 'lora'}")
+    small, out = ["--steps", "2"], tmp_path / "out.npy"
+    assert run_main(infer, [*lora, *small, "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "the run of this LoRA recipe: train first" in err and err.count("error:") == 1
+    assert not out.exists()
+    assert run_main(infer, [*lora, *small, "--checkpoint", "none", "--output", str(out)]) == 0
+    assert out.exists()
+
+
 def test_batches_sample_what_one_batch_samples_and_are_written_as_they_finish(tmp_path, capsys, monkeypatch):
     """Today's sampling is one batch of every prompt (sample.batch_size at least the prompt count); batches
     of 2 give the same videos, prompt i from seed + i, and batch k's videos exist before batch k + 1

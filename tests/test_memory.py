@@ -81,6 +81,9 @@ def test_a_loras_activations_are_counted_at_the_blocks_width():
     assert _width(block) == 64
     add_adapters(block, 8, 8, ["*"])
     assert _width(block) == 64
+    # two streams (LTX-2's video, 4096 wide, and its audio's more numerous 2048-wide Linears): the wider
+    streams = torch.nn.ModuleList([torch.nn.Linear(n, n) for n in (64, 64, 64, 32, 32, 32, 32)])
+    assert _width(streams) == 64
 
 
 @pytest.mark.parametrize("rank", [0, 4])
@@ -438,3 +441,33 @@ def test_activation_offload_moves_the_block_inputs_to_the_host_and_trains_bit_fo
     for extra in ([], ["train.activation_checkpointing=true", "train.checkpoint_policy=selective"]):
         with pytest.raises(ConfigError, match="train.activation_offload moves the checkpointed blocks'"):
             load_config(TINY, ["train.activation_offload=true", *extra])
+
+
+def test_offloaded_activations_keep_a_saved_tensors_strides():
+    """train.activation_offload gives backward a saved tensor in its own strides where it is dense (a
+    transposed matmul input: a compiled backward asserts them, and train.compile with the offload failed
+    in its first backward) and with its values where it has gaps."""
+    from parallel.compute.fsdp import OffloadedActivations
+
+    seen = []
+
+    class Keep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *xs):
+            ctx.save_for_backward(*xs)
+            return sum(x.sum() for x in xs)
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.extend((x.stride(), x.clone()) for x in ctx.saved_tensors)
+            return tuple(torch.ones_like(x) * g for x in ctx.saved_tensors)
+
+    x = torch.randn(4, 6, requires_grad=True)
+    y = x * 1
+    dense, gaps = y.t(), y[:, ::2]  # strides (1, 6), and (6, 2) over every other column
+    hooks = OffloadedActivations(torch.device("cpu"))
+    with hooks:
+        out = Keep.apply(dense, gaps)
+    out.backward()
+    assert hooks.packed == 4 * (24 + 12) and seen[0][0] == (1, 6) and seen[1][0] == (3, 1)
+    assert torch.equal(seen[0][1], x.t()) and torch.equal(seen[1][1], x[:, ::2])

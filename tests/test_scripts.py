@@ -248,24 +248,25 @@ def test_card_memory_tiny_accepts_two_card_recipes_at_their_stated_peaks(tmp_pat
     assert set(found) == {"sana-lora-24gb.yaml", "flux2-klein-full-8x80gb.yaml"}
     lora, full = found["sana-lora-24gb.yaml"], found["flux2-klein-full-8x80gb.yaml"]
     assert (lora["gpus"], full["gpus"]) == (1, 8) and not lora["refused"] and not full["refused"]
-    assert 0 < lora["peak_gib"] < 0.75 * lora["free_gib"] < 23 and "AdamW" in full["parts"]
+    assert 0 < lora["peak_gib"] * 1.4 < lora["free_gib"] < 23 and "AdamW" in full["parts"]
     assert "| sana-lora-24gb.yaml | 1 x 24.0 GiB |" in out
 
 
 @pytest.mark.slow  # 35 s on the meta device: every card recipe at the releases' sizes
 def test_every_card_recipe_fits_its_card_at_its_stated_peak(tmp_path):
     """Each configs/cards/*.yaml (a LoRA on one 24 or 48 GB card, full fine-tuning on 8 x 80 GB) is
-    accepted by the start-up memory check on its card, leaves a quarter of it free, and its header
-    states the peak counted; and a recipe that cannot fit (FLUX.2 dev's full fine-tune) is refused."""
+    accepted by the start-up memory check on its card, leaves room for what the model leaves out, and
+    its header states the peaks counted; and a recipe that cannot fit (FLUX.2 dev's full fine-tune) is
+    refused."""
     done = run("card_memory.py", "--check", "--json", str(tmp_path / "all.json"), timeout=300)
     found = json.loads((tmp_path / "all.json").read_text())["recipes"]
     recipes = sorted(p.name for p in (ROOT / "configs" / "cards").glob("*.yaml"))
     assert sorted(found) == recipes and len(recipes) >= 26 and "start-up check" in done
-    for name, result in found.items():
-        card = {"24gb": 24.0, "48gb": 48.0, "8x80gb": 79.6}[name.rsplit("-", 1)[1].removesuffix(".yaml")]
-        assert not result["refused"] and result["peak_gib"] < 0.75 * result["free_gib"] < card, name
     import card_memory
 
+    for name, result in found.items():
+        card = {"24gb": 24.0, "48gb": 48.0, "8x80gb": 79.6}[name.rsplit("-", 1)[1].removesuffix(".yaml")]
+        assert not result["refused"] and card_memory.leaves_room(result) and result["free_gib"] < card, name
     from configs import load_config
 
     dev = tmp_path / "dev-full-8x80gb.yaml"

@@ -255,6 +255,12 @@ def find_checkpoint(cfg, checkpoint: str | None, random_weights: bool):
     if random_weights:
         return None
     found = resolve_checkpoint(checkpoint or "auto", cfg.run.output_dir)
+    if found is None and checkpoint is None and cfg.model.pretrained and cfg.lora.rank:
+        raise CheckpointError(  # a LoRA recipe's run not found: the bare base would pass for it
+            f"no checkpoint found in {Path(cfg.run.output_dir) / 'checkpoints'}, the run of this LoRA "
+            "recipe: train first (train.py with the same recipe, from the same folder), name the run with "
+            "--checkpoint, or sample model.pretrained as it is with --checkpoint none"
+        )
     if found is None and checkpoint in (None, "none") and cfg.model.pretrained:
         return None  # sample from the pretrained weights themselves
     if found is None:

@@ -114,14 +114,17 @@ def modelled_peak(model, setting: Setting) -> Peak:
 
 
 def _width(block) -> int:
-    """The hidden width of a block: the in_features most of its Linear layers share (an adapter's own
-    Linear layers left out: their B's in_features is the rank, which would outnumber the width)."""
+    """The hidden width of a block: the in_features most of its Linear layers' outputs share (weighed by
+    out_features: LTX-2's video stream, 4096 wide, over its more numerous 2048-wide audio Linears; an
+    adapter's own Linear layers left out: their B's in_features is the rank)."""
     from collections import Counter
 
     from models.lora import is_adapter
 
-    own = [m for n, m in block.named_modules() if not is_adapter(n + ".")]
-    widths = Counter(m.in_features for m in own if isinstance(m, torch.nn.Linear))
+    own = [m for n, m in block.named_modules() if not is_adapter(n + ".") and isinstance(m, torch.nn.Linear)]
+    widths = Counter()
+    for m in own:
+        widths[m.in_features] += m.out_features
     return widths.most_common(1)[0][0] if widths else 1
 
 
