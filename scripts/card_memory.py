@@ -35,6 +35,7 @@ CARDS = {
 }
 # the release stand-ins: family_memory.release_parts' entry, its pipeline class, its parts' subfolders
 RELEASES = {
+    "dit": (None, "WanPipeline", ("text_encoder", "vae")),  # Wan2.1's: wan_parts
     "qwen_image": ("Qwen-Image", "QwenImagePipeline", ("transformer", "text_encoder", "vae")),
     "qwen_image_edit": ("Qwen-Image", "QwenImageEditPlusPipeline", ("transformer", "text_encoder", "vae")),
     "sana": ("Sana 1600M", "SanaPipeline", ("transformer", "text_encoder", "vae")),
@@ -60,22 +61,25 @@ HEADER = re.compile(r"[Mm]odelled peak ([0-9.]+) GiB per GPU and ([0-9]+) GiB of
 def card_of(recipe: Path) -> str:
     card = next((c for c in CARDS if recipe.stem.endswith(f"-{c}")), None)
     if card is None:
-        raise SystemExit(f"{recipe}: a card recipe's name ends in -{', -'.join(CARDS)}")
+        raise SystemExit(f"error: {recipe}: a card recipe's name ends in -{', -'.join(CARDS)}")
     return card
+
+
+def wan_parts() -> dict:
+    """Wan2.1's UMT5 encoder and VAE on the meta device (its transformer is built from model.size)."""
+    import torch
+    from diffusers import AutoencoderKLWan
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    with torch.device("meta"):
+        return {"UMT5-XXL": UMT5EncoderModel(UMT5Config(**UMT5_XXL)), "AutoencoderKLWan": AutoencoderKLWan()}
 
 
 def release_parts(family: str, parts_of) -> tuple[str, dict]:
     """(pipeline class, {subfolder: module on the meta device}) of the family's release."""
-    if family == "dit":  # Wan: the transformer is built from model.size; its VAE and UMT5 encoder
-        import torch
-        from diffusers import AutoencoderKLWan
-        from transformers import UMT5Config, UMT5EncoderModel
-
-        with torch.device("meta"):
-            return "WanPipeline", {"text_encoder": UMT5EncoderModel(UMT5Config(**UMT5_XXL)),
-                                   "vae": AutoencoderKLWan()}  # fmt: skip
     entry, pipeline, folders = RELEASES[family]
-    return pipeline, dict(zip(folders, parts_of(entry).values()))
+    built = wan_parts() if entry is None else parts_of(entry)
+    return pipeline, dict(zip(folders, built.values()))
 
 
 def write_stand_in(folder: Path, pipeline: str, parts: dict) -> None:
@@ -136,8 +140,9 @@ def peak_on_card(cfg, card: str) -> dict:
         refused = ""
     except plan.MemoryPlanError as e:
         refused = str(e)
-    return dict(card=card, gpus=gpus, free_gib=free / GiB, peak_gib=peak.device / GiB,
-                host_gib=peak.host / GiB, parts=peak.describe(), refused=refused)  # fmt: skip
+    return dict(card=card, gpus=gpus, total_gib=total_mib * MiB / GiB, free_gib=free / GiB,
+                peak_gib=peak.device / GiB, host_gib=peak.host / GiB, parts=peak.describe(),
+                refused=refused)  # fmt: skip
 
 
 def stated_peaks(recipe: Path) -> tuple:
@@ -180,13 +185,13 @@ def main(argv=None) -> None:
             except (ValueError, OSError) as e:  # a recipe that does not load or build: named
                 raise SystemExit(f"error: {recipe}: {e}") from None
             results[recipe.name] = result
-            counted = (round(result["peak_gib"], 1), round(result["host_gib"]))
-            if args.check and stated_peaks(recipe) != counted:
-                wrong.append(f"{recipe.name}: its header says {stated_peaks(recipe)} GiB, counted {counted}")
+            counted, stated = (round(result["peak_gib"], 1), round(result["host_gib"])), stated_peaks(recipe)
+            if args.check and stated != counted:
+                wrong.append(f"{recipe.name}: its header says {stated} GiB, counted {counted}")
             if args.check and not leaves_room(result):
                 short = f"{result['peak_gib']:.1f} GiB leaves no room for what the model leaves out"
                 wrong.append(f"{recipe.name}: {short}")
-            card = f"{result['gpus']} x {(result['free_gib'] * GiB + CUDA_CONTEXT) / GiB:.1f} GiB"
+            card = f"{result['gpus']} x {result['total_gib']:.1f} GiB"
             verdict = "accepted" if not result["refused"] else "REFUSED"
             rows.append([recipe.name, card, f"{result['peak_gib']:.1f} GiB", f"{result['host_gib']:.1f} GiB",
                          verdict, result["parts"]])  # fmt: skip

@@ -73,8 +73,10 @@ class OffloadedActivations(torch.autograd.graph.saved_tensors_hooks):
             # the tensor's own strides where it is dense (a transposed matmul input): a compiled backward
             # asserts them; a tensor with gaps or overlaps comes back contiguous
             span = 1 + sum((n - 1) * s for n, s in zip(tensor.size(), tensor.stride()) if n)
-            stride = tensor.stride() if span == tensor.numel() else torch.empty(tensor.size()).stride()
-            host = torch.empty_strided(tensor.size(), stride, dtype=tensor.dtype, pin_memory=pin)
+            if span == tensor.numel():
+                host = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, pin_memory=pin)
+            else:
+                host = torch.empty(tensor.size(), dtype=tensor.dtype, pin_memory=pin)
             host.copy_(tensor)  # a copy on a CPU too: the host's tensor is its own
             self.packed += host.numel() * host.element_size()
             return tensor.device, host
