@@ -42,6 +42,7 @@ from models.families import family_named
 from models.flow import RectifiedFlow, expert_timesteps
 from models.layers import count_parameters
 from parallel.build.components import (
+    build_copies,
     build_ema,
     check_lora_start,
     check_weights_source,
@@ -84,6 +85,7 @@ from parallel.drive.distill import (
     build_distiller,
     check_distillation,
     check_objective,
+    describe_distillation,
     distill_backward,
     distilled_recipe,
     student_record,
@@ -306,10 +308,13 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     else:
         model.to_empty(device=param_device(device, tc.cpu_offload))  # load_checkpoint fills every weight
     del pretrained  # closes the safetensors files
-    trainable, distiller = build_distiller(cfg, model, build_optimizer)  # every one, or the adapters
+    one_model = lambda: meta_model()[0]  # noqa: E731
+    copies = None
+    if tc.objective == "dmd" and not adapted:  # full copies of the critic and the teacher
+        copies = build_copies(cfg, runtime, model, one_model, dtype, checkpoint is not None, plan.base)
+    trainable, distiller = build_distiller(cfg, model, build_optimizer, copies)  # every one, or the adapters
     optimizer = build_optimizer(tc, trainable)
-    critic = distiller.critic if distiller is not None else None
-    ema, training = build_ema(cfg, runtime, model, optimizer, lambda: meta_model()[0], bool(adapted), critic)
+    ema, training = build_ema(cfg, runtime, model, optimizer, one_model, bool(adapted), distiller)
     if checkpoint is not None:
         load_checkpoint(runtime, checkpoint, training, verified=True)
         check_resumed_finite(runtime, checkpoint, model, ema, optimizer)  # one verdict on every rank
@@ -609,6 +614,7 @@ def _summary(cfg, plan: Plan, runtime, model, run: RunDirectory, bf16: bool, fp8
         f"[tessera] {described}: {count_parameters(model) / 1e6:.2f}M parameters; layout "
         f"{plan.layout.describe()}{auto}; {device}\n"
         + (f"[tessera] memory: {plan.memory}\n" if plan.memory else "")
+        + (f"[tessera] {describe_distillation(cfg)}\n" if cfg.train.objective == "dmd" else "")
         + f"[tessera] data: {plan.dataset.summary(run.data_report)}\n"
         f"[tessera] {sampler.steps_per_epoch} steps per epoch ({sampler.num_batches} batches"
         f"{sampler.padding_note()})"

@@ -5,11 +5,13 @@ the sampler's own walk; runs against each other (a resume, ulysses and ring agai
 student sampled by diffusers' WanPipeline from the exported LoRA against infer.py, and the refusals."""
 
 import copy
+import shutil
 
 import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
+from safetensors.torch import load_file, save_file
 
 import infer
 import train
@@ -21,7 +23,7 @@ from models.loop import denoise, sigmas
 from models.lora import active_adapter, adapted_modules, add_adapters, deltas_of, merge_deltas
 from tests.conftest import ranks, run_main
 from tests.test_lora import tiny_wan
-from tests.test_wan_pipeline import PROMPT, infer_sample, tiny_pipeline  # noqa: F401
+from tests.test_wan_pipeline import PROMPT, export, infer_sample, tiny_pipeline  # noqa: F401
 
 
 def wan_with_both_adapters(seed=0):
@@ -278,6 +280,55 @@ def test_distillation_under_ulysses_and_ring_is_one_process(tiny_pipeline, strai
         assert worst <= 1e-5, (run.name, a, b)
 
 
+FULL = [*[a for a in DMD if not a.startswith("lora.")], "lora.rank=0"]
+
+
+@pytest.mark.slow  # four runs (one of 2 processes), two samplings, an export
+def test_full_copies_resume_split_and_export(tiny_pipeline, tmp_path, capsys):  # noqa: F811
+    """lora.rank=0: a full student and a full critic, each its own sharded model beside the frozen teacher.
+    Three steps straight; one step, then two resumed (the critic's weights and both AdamW states come back
+    from the checkpoint, the teacher from model.pretrained); and the last step under ring 2, resumed from a
+    one-process step 2 with FSDP2 resharding all three models over both ranks: the same critic's and
+    student's losses (relative 1e-5). The student, exported as a whole WanPipeline, samples at its 2 steps
+    without guidance what infer.py samples from the run, and not what the teacher samples there."""
+    from diffusers import WanPipeline
+
+    pipe_dir, recipe = tiny_pipeline
+    common = ["--config", str(recipe), *FULL]
+    straight, resumed, ring = tmp_path / "straight", tmp_path / "resumed", tmp_path / "ring"
+    assert run_main(train, common + [f"run.output_dir={straight}", "train.max_steps=3"]) == 0
+    assert "a full copy each" in capsys.readouterr().out
+    for run, steps in ((resumed, 1), (resumed, 3), (ring, 2)):
+        assert run_main(train, common + [f"run.output_dir={run}", f"train.max_steps={steps}"]) == 0
+    result = ranks(2, "train.py", *common, f"run.output_dir={ring}", "train.max_steps=3", "parallel.ring=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    a, b, c = losses(straight), losses(resumed), losses(ring)
+    assert a.keys() == b.keys() == c.keys() == {1, 2, 3} and None not in a[2]
+    assert b[1] == a[1] and b[2] == (a[2][0], None) and b[3] == a[3], (a, b)
+    assert a[1][1] != a[3][1] and a[1][0] != a[2][0]  # the losses move
+    worst = max(abs(x - y) / abs(x) for x, y in zip(a[3], c[3]))
+    print(f"full-copy distillation under ring 2: largest relative difference {worst:.1e}")
+    assert worst <= 1e-5, (a, c)
+    ours = infer_sample(straight / "config.yaml", straight, tmp_path / "ours.npy")
+    out = tmp_path / "exported"
+    assert export.main(["--checkpoint", str(straight), "--pipeline", "--output", str(out)]) == 0
+    theirs = student_video(WanPipeline.from_pretrained(out))
+    teacher = student_video(WanPipeline.from_pretrained(pipe_dir))
+    diff, moved = float(np.abs(theirs - ours).max()), float(np.abs(teacher - ours).max())
+    with capsys.disabled():
+        print(f"full Wan student: diffusers vs infer.py {diff:.1e}; the teacher at its steps {moved:.1e}")
+    assert diff <= 1e-3 and moved > 100 * diff
+    other = tmp_path / "other"  # the teacher's weights changed under the run: refused on a resume
+    shutil.copytree(pipe_dir / "transformer", other)
+    weights = next(other.glob("*.safetensors"))
+    state = load_file(weights)
+    save_file({k: v + 1e-3 for k, v in state.items()}, weights)
+    capsys.readouterr()
+    argv = [f"run.output_dir={straight}", "train.max_steps=4", f"model.pretrained={other}"]
+    assert run_main(train, common + argv) == 2
+    assert "now holds other weights" in capsys.readouterr().err
+
+
 def test_distillation_refusals_name_the_cause(tmp_path, capsys):
     """Each refused before anything is read (the teacher need not exist) or the run directory is made."""
     from parallel.drive.distill import check_student_sigmas
@@ -292,7 +343,8 @@ def test_distillation_refusals_name_the_cause(tmp_path, capsys):
     ]
     for extra, said in (
         (["model.pretrained="], "distils model.pretrained (the teacher), which is not set"),
-        (["lora.rank=0"], "two LoRAs on the frozen teacher, and lora.rank=0"),
+        (["lora.rank=0", "model.base_dtype=float8"], "full copies of the student and the critic, and "
+         "model.base_dtype=float8"),
         (["distill.min_sigma=0.9", "distill.max_sigma=0.5"], "0 <= min_sigma < max_sigma <= 1"),
         (["model.task=i2v"], "model.task=i2v"),
         (["train.objective=other"], "'train.objective' is 'other'"),

@@ -86,37 +86,47 @@ def test_a_loras_activations_are_counted_at_the_blocks_width():
     assert _width(streams) == 64
 
 
-@pytest.mark.parametrize("rank", [0, 4])
-def test_the_modelled_states_are_what_training_allocates(tmp_path, monkeypatch, rank):
+@pytest.mark.parametrize("rank, objective", [(0, "flow"), (4, "flow"), (0, "dmd")])
+def test_the_modelled_states_are_what_training_allocates(tmp_path, monkeypatch, rank, objective):
     """Weights, AdamW's moments and the EMA counted on the meta device equal the bytes train.py's own model,
     optimizer and EMA hold after a step (full fine-tune: every weight float32 and trained, the EMA a whole
-    copy; a LoRA: the base in the compute dtype, its adapters trained, their EMA alone); the gradients, freed
-    after each step, are float32 of every trained parameter."""
+    copy; a LoRA: the base in the compute dtype, its adapters trained, their EMA alone; a distillation's
+    full copies: besides, a critic with its AdamW, and the teacher in the compute dtype); the gradients,
+    freed after each step, are float32 of every trained parameter."""
     argv = ["--config", str(TINY), "train.max_steps=1", "train.checkpoint_every=1"]
-    if rank:
+    if rank or objective == "dmd":
         base = tmp_path / "base"
         assert run_main(train, argv + [f"run.output_dir={base}"]) == 0
-        argv += [f"model.pretrained={base}", f"lora.rank={rank}"]
+        argv += [f"model.pretrained={base}", f"lora.rank={rank}", f"train.objective={objective}"]
     seen = {}
     real_loop = train.train_loop
 
     def local(p):
         return p.to_local() if hasattr(p, "to_local") else p
 
+    def moments(optimizer):
+        return sum(local(v).nbytes for s in optimizer.state.values() for k, v in s.items() if k != "step")
+
     def loop(cfg, plan, runtime, t, start_step):
         real_loop(cfg, plan, runtime, t, start_step)
         seen["weights"] = sum(local(p).nbytes for p in t.model.parameters())
         seen["trained"] = sum(local(p).numel() for p in t.trainable)
-        moments = [v for s in t.optimizer.state.values() for k, v in s.items() if k != "step"]
-        seen["AdamW"] = sum(local(v).nbytes for v in moments)
+        seen["AdamW"] = moments(t.optimizer)
         ema = t.ema.params.values() if rank else t.ema.parameters()
         seen["EMA"] = sum(local(p).nbytes for p in ema)
+        d = t.distiller
+        if d is not None and d.critic_model is not None:
+            critic = sum(local(p).nbytes for p in d.critic_model.parameters())
+            seen["critic"] = critic + moments(d.critic) + 4 * sum(local(p).numel() for p in d.params)
+            seen["teacher"] = sum(local(p).nbytes for p in d.teacher.parameters())
 
     monkeypatch.setattr(train, "train_loop", loop)
     assert run_main(train, argv + [f"run.output_dir={tmp_path / 'run'}"]) == 0
     cfg = load_config(TINY, argv[2:] + [f"run.output_dir={tmp_path / 'run'}"])
-    peak = modelled_peak(meta_model(cfg, rank), Setting(1, 1, 1, 64, 4, "none", False, False, 0, 0, 0))
-    for part in ("weights", "AdamW", "EMA"):
+    full = objective == "dmd" and not rank
+    setting = Setting(1, 1, 1, 64, 4, "none", False, False, 0, 0, 0, full_copies=full)
+    peak = modelled_peak(meta_model(cfg, rank), setting)
+    for part in ("weights", "AdamW", "EMA", *(("critic", "teacher") if full else ())):
         assert peak.parts[part] == seen[part], part
     assert peak.parts["gradients"] == 4 * seen["trained"]
     if rank:

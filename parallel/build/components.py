@@ -232,17 +232,46 @@ def fill_sharded(
         check_pretrained_finite(model, pretrained, runtime.control_group, select)
 
 
-def build_ema(cfg, runtime, model, optimizer, meta_model, lora: bool, critic=None):
+def build_ema(cfg, runtime, model, optimizer, meta_model, lora: bool, distiller=None):
     """The EMA, starting as the model, and what a checkpoint saves: for a LoRA, the adapters' EMA and
-    LoRAState (with a distillation's critic optimizer, `critic`); else a second model (`meta_model()`: one on
-    the meta device, sequence parallel) sharded like the model, and TrainingState."""
+    LoRAState (with a distillation's critic optimizer); else a second model (`meta_model()`: one on the meta
+    device, sequence parallel) sharded like the model, and TrainingState (with a distillation's full critic).
+    `distiller`: parallel/drive/distill.py's Distiller, or None."""
     if lora:
         ema = AdapterEMA(model)
-        return ema, LoRAState(model, ema, optimizer, critic)
+        return ema, LoRAState(model, ema, optimizer, distiller.critic if distiller is not None else None)
     offload = cfg.train.cpu_offload
     ema = parallelize_dit(meta_model().requires_grad_(False), runtime.fsdp_mesh, cpu_offload=offload)
     copy_shards(ema, model, param_device(runtime.device, offload))
-    return ema, TrainingState(model, ema, optimizer)
+    critic = None
+    if distiller is not None:
+        critic = (distiller.critic_model, distiller.critic)
+    return ema, TrainingState(model, ema, optimizer, critic)
+
+
+def build_copies(cfg, runtime, model, meta_model, dtype, resuming: bool, base=None) -> tuple:
+    """A distillation's full copies (lora.rank=0): (the critic, trained, and the teacher, frozen), each a
+    model sharded as the generator `model` and computed as it is (`dtype`). Both start as model.pretrained: copied
+    from the generator's fresh shards, shard by shard; on a resume the teacher is read from model.pretrained
+    again (`base`: a tessera run's resolved step) and the critic comes from the checkpoint."""
+    tc = cfg.train
+    device = param_device(runtime.device, tc.cpu_offload)
+    fp8 = tc.fp8_min_features if tc.fp8 else None
+    critic = parallelize_dit(
+        meta_model(), runtime.fsdp_mesh, dtype, tc.activation_checkpointing, tc.compile, tc.cpu_offload,
+        tc.checkpoint_policy, fp8,
+    )  # fmt: skip
+    # stored in the compute dtype: FSDP2 gathers it so anyway, and it never steps (half its bytes in bf16);
+    # no backward runs through it, so nothing to checkpoint
+    teacher = meta_model().requires_grad_(False).to(dtype)
+    teacher = parallelize_dit(teacher, runtime.fsdp_mesh, dtype, False, tc.compile, tc.cpu_offload, "all", fp8)
+    if resuming:
+        critic.to_empty(device=device)  # load_checkpoint fills it
+        fill_sharded(runtime, teacher, tc.seed, open_weights(cfg, teacher, base), cpu_offload=tc.cpu_offload)
+    else:
+        copy_shards(critic, model, device)
+        copy_shards(teacher, model, device)
+    return critic, teacher
 
 
 def expert_recipe(cfg):

@@ -81,22 +81,31 @@ def _on_io_group(control_group, call):
 class TrainingState:
     """What a checkpoint holds of a full fine-tuning: the model, its EMA and AdamW's state (sharded DTensors;
     DCP reshards them to the layout that loads them). parallel/build/lora.py's LoRAState holds the adapters
-    only."""
+    only. `critic`: a distillation's full critic (its model, its AdamW), kept beside the student."""
 
-    def __init__(self, model, ema, optimizer):
-        self.model, self.ema, self.optimizer = model, ema, optimizer
+    def __init__(self, model, ema, optimizer, critic: tuple | None = None):
+        self.model, self.ema, self.optimizer, self.critic = model, ema, optimizer, critic
 
     def state_dict(self) -> dict:
-        return {
+        state = {
             "model": get_model_state_dict(self.model),
             "ema": get_model_state_dict(self.ema),
             "optimizer": optimizer_state_dict(self.model, self.optimizer),
         }
+        if self.critic is not None:
+            critic, optimizer = self.critic
+            state["critic"] = get_model_state_dict(critic)
+            state["critic_optimizer"] = optimizer_state_dict(critic, optimizer)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         set_model_state_dict(self.model, state["model"])
         set_model_state_dict(self.ema, state["ema"])
         set_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        if self.critic is not None:
+            critic, optimizer = self.critic
+            set_model_state_dict(critic, state["critic"])
+            set_optimizer_state(critic, optimizer, state["critic_optimizer"])
 
 
 def set_optimizer_state(model, optimizer, state: dict) -> None:

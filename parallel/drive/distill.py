@@ -2,7 +2,8 @@
 anything starts, recorded in every checkpoint, and read back by infer.py.
 
 The generator (the `lora` adapters), the critic (the `critic` adapters) and the teacher (neither: the frozen
-base) are one sharded model, each forward picking its adapter (models/lora.py active_adapter). Every rank runs
+base) are one sharded model, each forward picking its adapter (models/lora.py active_adapter); or, with
+lora.rank=0, three sharded models: the generator (train.py's), the critic and the teacher. Every rank runs
 the same forwards in the same order, so FSDP2's gathers and the sequence-parallel exchanges pair up: how many
 student steps a step simulates comes from the step's seed alone; what differs per sample (its noise and noise
 levels) comes from the sample's own generator, so one process and every layout draw the same.
@@ -10,6 +11,7 @@ levels) comes from the sample's own generator, so one process and every layout d
 
 import copy
 import random
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +19,7 @@ from omegaconf import OmegaConf
 
 from models.distill import clean, draw_noise, draw_sigmas, matching_loss, noised, simulate
 from models.lora import active_adapter, is_critic
+from parallel.build.lora import describe_base
 from parallel.checkpoints.checkpoint_files import CheckpointError, find_checkpoint
 from parallel.checkpoints.checkpoint_reading import read_trainer_state
 from parallel.drive.stored_previews import preview_size
@@ -33,9 +36,23 @@ class Distiller:
     shift: float | None  # None: the flow's shift at the sample's token count (training's)
     critic_updates: int  # critic updates per generator update
     critic: torch.optim.Optimizer
-    params: list  # the critic's adapters
+    params: list  # the critic's adapters, or its model's parameters
     lr_ratio: float  # the critic's learning rate over train.lr
     matching: torch.Tensor | None = None  # the last generator turn's loss, for the metrics
+    # full copies (lora.rank=0): the critic's and the teacher's own sharded models; None: adapters
+    critic_model: torch.nn.Module | None = None
+    teacher: torch.nn.Module | None = None
+
+    @contextmanager
+    def net(self, model, role: str):
+        """The module that plays `role` (generator, critic, teacher) in the forwards inside: `model` with
+        that role's adapter (or none: the teacher), or its own model. A backward that recomputes a forward
+        (activation checkpointing) must run inside the same choice."""
+        if self.critic_model is None:
+            with active_adapter(model, {"generator": "lora", "critic": "critic", "teacher": None}[role]):
+                yield model
+        else:
+            yield {"generator": model, "critic": self.critic_model, "teacher": self.teacher}[role]
 
 
 def distilled_recipe(cfg, family):
@@ -51,6 +68,20 @@ def distilled_recipe(cfg, family):
     out.sample.steps, out.sample.guidance = out.distill.steps, family.unguided
     OmegaConf.set_readonly(out, True)
     return out
+
+
+def describe_distillation(cfg) -> str:
+    """The start-up line's words for a distillation ("" for flow matching)."""
+    if cfg.train.objective != "dmd":
+        return ""
+    dc = cfg.distill
+    how = "a full copy each, beside the frozen teacher"
+    if cfg.lora.rank:
+        how = "two LoRAs on the frozen teacher"
+    return (
+        f"distillation (DMD2): a {dc.steps}-step student and its critic, {how}; the teacher guided at "
+        f"{dc.guidance:g}; {dc.critic_updates} critic update(s) per student update"
+    )
 
 
 def check_distillation(cfg, family) -> None:
@@ -122,7 +153,10 @@ def student_record(cfg, run) -> dict | None:
     latents = torch.empty(1, *space.latent_shape(*preview_size(cfg), patch))
     sigmas = family.schedule(run.parts, cfg.distill.steps, latents).sigmas
     check_student_sigmas(sigmas, cfg.distill.steps, family.title)
-    return distill_record(cfg, sigmas)
+    record = distill_record(cfg, sigmas)
+    if not cfg.lora.rank:  # full copies: the teacher is read again on a resume (a LoRA's base is checked)
+        record["teacher_fingerprint"] = describe_base(cfg.model.pretrained).fingerprint
+    return record
 
 
 def check_objective(checkpoint, cfg) -> None:
@@ -141,20 +175,31 @@ def check_objective(checkpoint, cfg) -> None:
             f"checkpoint {checkpoint} distils a {saved['steps']}-step student; this recipe asks for "
             f"distill.steps={ours['steps']}: set it back, or train.resume=none"
         )
+    fingerprint = (saved or {}).get("teacher_fingerprint")
+    if fingerprint and describe_base(cfg.model.pretrained).fingerprint != fingerprint:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} distils the teacher {saved['teacher']} as it was when the run began, "
+            f"and model.pretrained={cfg.model.pretrained} now holds other weights: name that teacher, or "
+            "train.resume=none to start afresh"
+        )
 
 
-def build_distiller(cfg, model, build_optimizer) -> tuple[list, Distiller | None]:
+def build_distiller(cfg, model, build_optimizer, copies=None) -> tuple[list, Distiller | None]:
     """(the generator's trainable parameters, the Distiller or None); `build_optimizer(tc, params)`:
-    train.py's AdamW."""
+    train.py's AdamW; `copies`: (the critic's model, the teacher's) of full copies (lora.rank=0)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if cfg.train.objective != "dmd":
         return [p for _, p in named], None
     dc, tc = cfg.distill, cfg.train
-    critic = [p for n, p in named if is_critic(n)]
+    critic_model, teacher = copies if copies is not None else (None, None)
+    if critic_model is None:
+        critic = [p for n, p in named if is_critic(n)]
+    else:
+        critic = [p for p in critic_model.parameters() if p.requires_grad]
     lr = dc.critic_lr if dc.critic_lr is not None else tc.lr
     distiller = Distiller(
         dc.steps, dc.guidance, dc.min_sigma, dc.max_sigma, dc.shift, dc.critic_updates,
-        build_optimizer(tc, critic), critic, lr / tc.lr,
+        build_optimizer(tc, critic), critic, lr / tc.lr, critic_model=critic_model, teacher=teacher,
     )  # fmt: skip
     return [p for n, p in named if not is_critic(n)], distiller
 
@@ -171,9 +216,9 @@ def distill_backward(d: Distiller, seed: int, step: int, run, model, flow, input
     shift = d.shift if d.shift is not None else flow.shift_for(flow.num_tokens(x0))
     k = random.Random(f"dmd {seed} {step}").randrange(d.steps)  # the same on every rank
     generator_turn = step % d.critic_updates == 0
-    velocity = lambda x, s, c=cond: family.training_velocity(parts, model, x, s, c)  # noqa: E731
     # the backward runs inside its forward's adapter: activation checkpointing recomputes that forward
-    with active_adapter(model, "lora"):
+    with d.net(model, "generator") as generator:
+        velocity = lambda x, s, c=cond: family.training_velocity(parts, generator, x, s, c)  # noqa: E731
         x = simulate(velocity, noise.to(x0.device, x0.dtype), schedule, k)
         with torch.set_grad_enabled(generator_turn):
             sample = clean(x, sigmas[k].expand(batch), velocity(x, sigmas[k].expand(batch)))
@@ -182,9 +227,9 @@ def distill_backward(d: Distiller, seed: int, step: int, run, model, flow, input
             matching.backward()
             d.matching = matching.detach()
     sigma = draw_sigmas(rngs, d.low, d.high, shift)
-    with active_adapter(model, "critic"):
+    with d.net(model, "critic") as critic:
         loss = family.training_loss(
-            parts, flow, model, sample.detach(), cond, draw_noise(x0.shape[1:], rngs), sigma
+            parts, flow, critic, sample.detach(), cond, draw_noise(x0.shape[1:], rngs), sigma
         )
         loss.backward()
     return loss, generator_turn
@@ -196,15 +241,15 @@ def generator_loss(d: Distiller, run, model, sample, cond, uncond, rngs, shift: 
     family, parts = run.family, run.parts
     sigma = draw_sigmas(rngs, d.low, d.high, shift).to(sample.device)
     eps = draw_noise(sample.shape[1:], rngs).to(sample.device, sample.dtype)
-    velocity = lambda x, c: family.training_velocity(parts, model, x, sigma, c)  # noqa: E731
+    velocity = lambda net, x, c: family.training_velocity(parts, net, x, sigma, c)  # noqa: E731
     with torch.no_grad():
         x = noised(sample.detach(), eps, sigma)
-        with active_adapter(model, None):
-            v_real = velocity(x, cond)
+        with d.net(model, "teacher") as teacher:
+            v_real = velocity(teacher, x, cond)
             if family.guided(d.guidance):
-                v_real = family.guide(v_real, velocity(x, uncond), d.guidance, parts)
-        with active_adapter(model, "critic"):
-            v_fake = velocity(x, cond)
+                v_real = family.guide(v_real, velocity(teacher, x, uncond), d.guidance, parts)
+        with d.net(model, "critic") as critic:
+            v_fake = velocity(critic, x, cond)
     return matching_loss(sample, clean(x, sigma, v_real), clean(x, sigma, v_fake))
 
 

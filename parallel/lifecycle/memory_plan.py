@@ -54,6 +54,9 @@ class Setting:
     batch_bytes: int  # one batch as the loader hands it over
     frozen_bytes: int  # the text encoder, VAE and image encoder on every rank
     activation_offload: bool = False  # train.activation_offload: the blocks' inputs on the host
+    # a distillation's full copies (lora.rank=0): a critic trained as the model is, and the frozen teacher
+    # stored in the compute dtype
+    full_copies: bool = False
 
 
 def _nbytes(tensors) -> int:
@@ -76,6 +79,9 @@ def modelled_peak(model, setting: Setting) -> Peak:
         # a full fine-tune's EMA: a whole float32 copy of the model (frozen parts too); a LoRA's: its adapters
         "EMA": 4 * (n_trained if lora else sum(p.numel() for p in params)),
     }
+    if setting.full_copies:
+        states["critic"] = _nbytes(params) + 12 * n_trained
+        states["teacher"] = setting.compute_bytes * sum(p.numel() for p in params)
     blocks = list(model.blocks)
     block = max(blocks, key=lambda b: sum(p.numel() for p in b.parameters()))
     block_elements = sum(p.numel() for p in block.parameters())
@@ -274,6 +280,7 @@ def training_setting(cfg, layout, buckets, world_size: int, local_world: int, on
         checkpointing=tc.checkpoint_policy if tc.activation_checkpointing else "none",
         cpu_offload=tc.cpu_offload,
         activation_offload=tc.activation_offload,
+        full_copies=tc.objective == "dmd" and not cfg.lora.rank,
         on_gpu=on_gpu,
         workers=cfg.data.num_workers,
         batch_bytes=buckets.batch_sizes[largest] * 3 * bucket.frames * bucket.height * bucket.width,
