@@ -15,7 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from configs.schema import TesseraConfig
+from configs.schema import FAMILY_KEYS, TesseraConfig
 from models.tiling import check_tiling
 
 CONFIG_DIR = Path(__file__).resolve().parent
@@ -118,11 +118,35 @@ def load_config(recipe: str | os.PathLike | None = None, overrides: list[str] | 
     from models.families import family_named
 
     resolve_family(cfg, ConfigError)
-    family_named(cfg.model.family).resolve_size(cfg, ConfigError)  # auto: the folder's; or refused by name
+    family = family_named(cfg.model.family)
+    # the default recipe's keys (the demo's DiT's) are not the user's: model.size=auto on a folder drops them
+    given = [layer for _, layer in layers] if recipe != DEFAULT_RECIPE else []
+    _refuse_other_families_keys(cfg, family, [*given, cli_cfg])
+    family.resolve_size(cfg, ConfigError)  # auto: the folder's; or refused by name
     validate(cfg)
     _check_decay_fraction(cli_cfg, cfg)
     _check_memory_choice(cli_cfg, cfg)
     return cfg
+
+
+def _refuse_other_families_keys(cfg, family, given: list) -> None:
+    """A family's own key (models/<family>/keys.py) that the user set (in one of the `given` layers) to
+    other than its default under a family that does not read it is refused by name, rather than ignored."""
+    from models.families import FAMILIES
+
+    for k in FAMILY_KEYS:
+        value = OmegaConf.select(cfg, k.key)
+        if family.name in k.families or value == k.default:
+            continue
+        if all(OmegaConf.select(layer, k.key, default=None) is None for layer in given):
+            continue
+        if isinstance(value, ListConfig):
+            value = OmegaConf.to_container(value)
+        owners = " and ".join(FAMILIES[name].title for name in k.families)
+        raise ConfigError(
+            f"{k.key}={value}: {family.title} takes no such {k.what}; it belongs to {owners} "
+            f"(models/{FAMILIES.module(k.families[0]).split('.')[1]}/keys.py): unset it"
+        )
 
 
 def _recipe_layers(recipe: Path, seen: list) -> list[tuple[str, DictConfig]]:
@@ -225,7 +249,7 @@ CHOICES = {
     "data.on_plan_change": ("error", "new_epoch"),
     "sample.cache": ("none", "calibrated", "first_block"),
     "model.task": ("t2v", "i2v", "flf2v", "ti2v"),
-    "model.expert": ("none", "high", "low"),
+    **{k.key: k.choices for k in FAMILY_KEYS if k.choices},  # a family's own (models/<family>/keys.py)
 }
 
 
@@ -257,12 +281,10 @@ NULL_OR = {  # key: (its least value, what null means)
     "parallel.stall_timeout_s": (0, "the default for the device"),
     "data.fps": (0, "keep the file's rate"),
     "lora.alpha": (0, "alpha = rank"),
-    "model.depth": (1, "the size's"),
-    "model.hidden_size": (1, "the size's"),
-    "model.num_heads": (1, "the size's"),
     "distill.critic_lr": (0, "train.lr"),
     "distill.shift": (0, "training's shift"),
     "distill.guidance": (0, "sample.guidance"),
+    **{k.key: (k.at_least, "the default") for k in FAMILY_KEYS if k.at_least is not None},
 }
 
 
@@ -397,8 +419,8 @@ def _check_model(cfg: DictConfig) -> None:
 
 
 def _check_distill(cfg: DictConfig) -> None:
-    """train.objective=dmd: a teacher (model.pretrained), the adapters the student and critic are, and a
-    range of noise levels (docs/distill.md)."""
+    """train.objective=dmd: a teacher (model.pretrained), a float8 teacher only under adapters (full copies,
+    lora.rank=0, are trained in the compute dtype), and a range of noise levels (docs/distill.md)."""
     dc = cfg.distill
     if not 0.0 <= dc.min_sigma < dc.max_sigma <= 1.0:
         raise ConfigError(
@@ -412,10 +434,11 @@ def _check_distill(cfg: DictConfig) -> None:
             "train.objective=dmd distils model.pretrained (the teacher), which is not set: name the model to "
             "distil (a diffusers folder, a single file or a tessera run)"
         )
-    if not cfg.lora.rank:
+    if not cfg.lora.rank and cfg.model.base_dtype != "auto":
         raise ConfigError(
-            "train.objective=dmd trains the student and its critic as two LoRAs on the frozen teacher, and "
-            "lora.rank=0: set lora.rank (full copies of the student and the critic are not built)"
+            f"train.objective=dmd with lora.rank=0 trains full copies of the student and the critic, and "
+            f"model.base_dtype={cfg.model.base_dtype} stores a frozen base: set lora.rank for two LoRAs on a "
+            "float8 teacher, or model.base_dtype=auto"
         )
     if cfg.lora.init_from:
         raise ConfigError(

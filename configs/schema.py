@@ -1,13 +1,15 @@
-"""The typed schema: every recipe key and its default.
+"""The typed schema: every recipe key and its default; a family's own keys (its dimensions, its guidance
+terms) are declared in models/<family>/keys.py and added to their sections here (_with_family_keys).
 
 Recipes (`configs/*.yaml`) hold only what differs from these defaults; command-line dot-list
 overrides (`train.max_steps=10`) come last. `configs.load_config` merges the three and turns
 unknown keys and wrong types into errors that name the key.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Optional
 
+from models.families import family_keys
 from models.lora import DEFAULT_TARGETS
 from models.vae import DEFAULT_OVERLAP, DEFAULT_TILE
 
@@ -21,56 +23,26 @@ class RunConfig:
 class ModelConfig:
     # a key of models.dit.transformer.DiT_models; auto: every architecture key from model.pretrained
     size: str = "DiT-S"
-    # The size's depth, width and heads, replaced where set (model.size=auto sets them for a folder whose
-    # dimensions no named size has: a pruned, distilled or community variant)
-    depth: Optional[int] = None
-    hidden_size: Optional[int] = None
-    num_heads: Optional[int] = None
     # dit (tessera's DiT, which reads Wan folders) | qwen_image | sana (models/families.py); auto: the
     # family model.pretrained's folder declares under model.size=auto, else dit. Resolved when loaded.
     family: str = "auto"
-    patch_size: list[int] = field(default_factory=lambda: [1, 2, 2])  # (time, height, width)
-    mlp_ratio: float = 4.0
-    qk_norm: bool = True
     # sdpa | math | xformers | flash | auto (the fastest kernel that runs each call's shapes, measured once:
     # SDPA's cuDNN, flash, memory-efficient and math kernels, flash-attn and xformers where installed;
     # docs/internals.md)
     attention_backend: str = "sdpa"
-    rope_theta: float = 10000.0
-    # Architecture options; None takes the size's choice (the Wan* sizes set the Wan ones), else the
-    # tessera default shown after the colon.
-    ffn_dim: Optional[int] = None  # MLP width: hidden_size x mlp_ratio
-    adaln: Optional[str] = (
-        None  # zero (a Linear(D, 6D) per block) | single (shared projection + per-block table): zero
-    )
-    qk_norm_across_heads: Optional[bool] = None  # QK RMSNorm over all heads at once (Wan): false
-    pooled_text: Optional[bool] = None  # the mean text token joins the time embedding: true
-    text_mask: Optional[bool] = None  # mask padded text tokens (false: zero them and attend, as Wan): true
-    # add fixed sin-cos absolute positions to the tokens (the original DiT's), besides RoPE: false
-    absolute_positions: Optional[bool] = None
     # t2v | i2v: conditioned on a first frame (the input also takes a 4-channel mask and the frame's
     # latent, Wan I2V's 36 channels) | flf2v: on a first and a last frame | ti2v: Wan2.2 TI2V-5B, text-
     # to-video, or with an image its clean latent replaces the first latent frame, whose tokens get t = 0
     # (diffusers' expand_timesteps; training gives each clip its own first frame) (docs/image_to_video.md)
     task: str = "t2v"
-    # image-to-video: the width of the CLIP image features (Wan2.1 I2V/FLF2V: 1280; Wan2.2 I2V: none)
-    image_dim: Optional[int] = None
-    image_tokens: Optional[int] = None  # CLIP tokens per image (ViT-H/14: 257): 257
-    image_positions: Optional[bool] = None  # FLF2V's learnt position embedding of its two images
     # A diffusers WanTransformer3DModel folder (config.json + safetensors): its weights, read shard by shard;
     # the recipe must build the same architecture (e.g. model.size=Wan2.1-1.3B). Or a tessera run (its
     # directory, checkpoints/, `latest` or a step_<N>): the EMA weights of that checkpoint.
     pretrained: Optional[str] = None
-    # Wan 2.2 A14B: the low-noise expert's folder (a WanTransformer3DModel); None: model.pretrained's
-    # transformer_2/ when it is a pipeline folder with one (sampling only)
-    pretrained_2: Optional[str] = None
     # A LoRA run's frozen base: auto (the compute dtype: bf16 on a GPU) | float8 (the blocks' Linear weights
     # in float8 with a scale per row, computed in the compute dtype: half the base's bytes; infer.py too
     # samples on it, the run's adapters and --lora files kept beside the quantized layers; models/float8.py)
     base_dtype: str = "auto"
-    # Wan 2.2 A14B expert training: none | high (trains on noise levels >= sample.boundary, from
-    # model.pretrained) | low (below it, from model.pretrained_2 or model.pretrained's transformer_2/)
-    expert: str = "none"
 
 
 @dataclass
@@ -177,10 +149,6 @@ class TrainConfig:
     grad_clip: float = 1.0
     ema_decay: float = 0.999
     text_dropout: float = 0.1  # probability of training on the empty prompt (classifier-free guidance)
-    # the guidance scale a guidance-distilled transformer (FLUX.2 dev: its input, no CFG batch) is given in
-    # training; None: its family's (FLUX.2 dev: 3.5, diffusers' train_dreambooth_lora_flux2.py's); refused
-    # by name for the others
-    guidance: Optional[float] = None
     log_every: int = 10
     checkpoint_every: int = 500
     keep_checkpoints: int = 3  # older step_<N> folders are deleted once a newer one is complete
@@ -234,11 +202,6 @@ class TrainConfig:
 class SampleConfig:
     steps: int = 30
     guidance: float = 5.0
-    # Wan 2.2 A14B's two experts (docs/internals.md): the low-noise expert samples below `boundary` (a
-    # fraction of the noise, as diffusers' boundary_ratio; None: model.pretrained's model_index.json), at
-    # `guidance_2` (None: sample.guidance)
-    guidance_2: Optional[float] = None
-    boundary: Optional[float] = None
     negative_prompt: str = ""
     use_ema: bool = True
     prompts: list[str] = field(
@@ -251,18 +214,6 @@ class SampleConfig:
     height: Optional[int] = None  # None: data.height
     width: Optional[int] = None  # None: data.width
     fps: int = 8  # frame rate of written videos (LTX-2: its frame_rate too, for positions and audio length)
-    # the guidance terms some families' pipelines add (None: the pipeline's default; a family that has no such
-    # term refuses it by name). LTX-2: audio_guidance_scale, modality_scale, guidance_rescale (both streams),
-    # stg_scale (0: no spatio-temporal guidance pass)
-    audio_guidance: Optional[float] = None
-    modality_guidance: Optional[float] = None
-    guidance_rescale: Optional[float] = None
-    stg: Optional[float] = None
-    # Z-Image: the pipeline's cfg_truncation (a step whose 1 - sigma exceeds it runs the prompt alone; 1 and
-    # above: never) and cfg_normalization as a factor (the guided velocity's norm capped at it times the
-    # prompt's; 0: off)
-    cfg_truncation: Optional[float] = None
-    cfg_normalization: Optional[float] = None
     # infer.py: prompts sampled at once per data-parallel replica, each batch written as it finishes. Memory
     # grows with it (DiT-S: 0.61 GB for 1 prompt, 1.12 GB for 16); 4 keeps it bounded, still batches small
     # models, and samples up to 4 prompts as one run always did. A large video DiT (Wan 14B at 720p), whose
@@ -331,7 +282,8 @@ class LoRAConfig:
 @dataclass
 class DistillConfig:
     """train.objective=dmd (docs/distill.md): the student (the generator) and the critic are two LoRAs
-    (lora.rank) on one frozen base, model.pretrained, which is the teacher with both switched off."""
+    (lora.rank) on one frozen base, model.pretrained, which is the teacher with both switched off; with
+    lora.rank=0, full copies of it beside the frozen teacher."""
 
     steps: int = 4  # the student's sampling steps (the family's schedule at this count: its sigmas)
     guidance: Optional[float] = None  # the teacher's guidance scale; None: sample.guidance of the recipe
@@ -351,6 +303,26 @@ class LoggingConfig:
     wandb_project: str = "tessera"
     # TensorBoard event files in <run>/tensorboard (metrics and previews); pip install -e ".[tensorboard]"
     tensorboard: bool = False
+
+
+def _with_family_keys(cls):
+    """`cls` with the families' own keys of its section (models/<family>/keys.py) as fields after its own."""
+    section = SECTIONS[cls.__name__]
+    added = [
+        (k.name, k.type, field(default_factory=lambda v=k.default: list(v)))
+        if isinstance(k.default, list)
+        else (k.name, k.type, field(default=k.default))
+        for k in FAMILY_KEYS
+        if k.section == section
+    ]
+    return make_dataclass(cls.__name__, added, bases=(cls,)) if added else cls
+
+
+SECTIONS = {"ModelConfig": "model", "TrainConfig": "train", "SampleConfig": "sample"}
+FAMILY_KEYS = family_keys()
+ModelConfig, TrainConfig, SampleConfig = (
+    _with_family_keys(c) for c in (ModelConfig, TrainConfig, SampleConfig)
+)
 
 
 @dataclass

@@ -3,6 +3,7 @@ A new family adds its module and class to FAMILIES; nothing else here changes.""
 
 import importlib
 from collections.abc import Mapping
+from pathlib import Path
 
 from models.family import Family, folder_classes
 
@@ -23,6 +24,10 @@ class Families(Mapping):
             assert family.name == name, f"{cls}.name is {family.name!r}, registered as {name!r}"
             self._loaded[name] = family
         return self._loaded[name]
+
+    def module(self, name: str) -> str:
+        """The module that holds the family (without importing it)."""
+        return self._where[name].split(":")[0]
 
     def __contains__(self, name) -> bool:  # without importing it
         return name in self._where
@@ -47,6 +52,19 @@ FAMILIES = Families(
         "flux2_dev": "models.flux2.family:Flux2Dev",
     }
 )
+
+
+def family_keys() -> tuple:
+    """Every family's own recipe keys (models/recipe_keys.py): the KEYS of the keys.py beside each
+    registered family's module, where there is one (imported alone: such a package keeps its __init__
+    light)."""
+    root = Path(__file__).resolve().parent.parent
+    packages = dict.fromkeys(FAMILIES.module(name).rsplit(".", 1)[0] for name in FAMILIES)
+    keys = ()
+    for package in packages:
+        if (root / package.replace(".", "/") / "keys.py").is_file():
+            keys += importlib.import_module(f"{package}.keys").KEYS
+    return keys
 
 
 def family_named(name: str) -> Family:

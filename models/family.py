@@ -21,9 +21,6 @@ from models.weight_files import LazyWeights, check_safetensors, check_weight_nam
 
 # the manifest key of an edit pair's input images (Qwen-Image-Edit's training reads them: given_frames)
 REFERENCES = "references"
-# the sample.* guidance terms of some families (configs/schema.py), each refused where a family reads none
-GUIDANCE_KEYS = ("audio_guidance", "modality_guidance", "guidance_rescale", "stg", "cfg_truncation",
-                 "cfg_normalization")  # fmt: skip
 
 
 @dataclass
@@ -61,8 +58,6 @@ class Family:
     trains_images = False  # its image-to-video folders train (each clip's first frame given: encode_clips)
     trains_audio = False  # its training reads the clips' sound (data.audio): LTX-2's
     samples_audio = False  # it samples sound with the video (decode_audio; infer.py --no-audio leaves it out)
-    # the sample.* guidance keys it reads (GUIDANCE_KEYS); the others, when set, are refused by name
-    sample_keys: tuple = ()
     tasks: tuple = ("t2v",)  # the model.task values it trains (its image-to-video comes from its folder)
     random_weights = False  # infer.py --random-weights: its layers have a seeded initialisation (the DiT's)
     float32_weights = False  # its sampling keeps float32 weights, computes under autocast (else: the dtype)
@@ -171,14 +166,9 @@ class Family:
         """Refuse (ValueError) a scheduler_config.json the family's schedule does not reproduce ({}: none)."""
 
     def check_sample_keys(self, cfg) -> None:
-        """Refuse by name a sample.* guidance term set in the recipe that the family does not read
-        (`sample_keys`), rather than ignore it (infer.py and train.py's previews, before anything starts)."""
-        for key in GUIDANCE_KEYS:
-            if cfg.sample[key] is not None and key not in self.sample_keys:
-                raise ValueError(
-                    f"sample.{key}={cfg.sample[key]}: {self.title} takes no such guidance "
-                    "term (configs/schema.py says which families do); unset it"
-                )
+        """Refuse by name (ValueError) a sampling setting the family cannot take, before anything starts
+        (infer.py and train.py's previews). Another family's own keys were refused when the recipe loaded
+        (models/recipe_keys.py)."""
 
     def check_negative(self, negative: str, where: str) -> None:
         """Refuse by name a negative prompt (`where`: the flag or key) a family without a negative branch

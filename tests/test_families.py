@@ -20,8 +20,7 @@ import infer
 import train
 from configs import ConfigError, load_config
 from configs.auto import resolve_family
-from models.families import family_named
-from models.family import GUIDANCE_KEYS
+from models.families import family_keys, family_named
 from tests.conftest import ROOT, ranks, run_main
 from tests.test_flux2 import tiny_flux2_dev_pipeline, tiny_flux2_pipeline
 from tests.test_qwen_image import tiny_qwen_pipeline
@@ -348,8 +347,9 @@ def test_refusals(saved, tmp_path, capsys):
         ),
     ]
     cases += [(["sample.cache=calibrated", "sample.cache_calibration=c.json"], "c.json cannot be read as a")]
-    term = next(k for k in GUIDANCE_KEYS if k not in family_named(name).sample_keys)  # one it does not read
-    cases += [([f"sample.{term}=0.5"], "takes no such guidance term"), *ROWS[name].refusals]
+    terms = [k.key for k in family_keys() if k.what == "guidance term" and name not in k.families]
+    cases += [([f"{terms[0]}=0.5"], "takes no such guidance term"), *ROWS[name].refusals]  # one not its own
+    cases += [(["model.image_dim=16"], "model.image_dim=16: " + family_named(name).title)]  # the DiT's
     if name in PIECES:  # PipeFusion and the first-block cache through its patch pieces
         cases += [
             (["parallel.pipefusion=2", "model.attention_backend=flash"], "PipeFusion's patches mask keys"),
@@ -388,7 +388,8 @@ def test_refusals(saved, tmp_path, capsys):
             (["train.objective=dmd", "lora.rank=4"], "guided through its transformer's input"),
         ]
     else:
-        train_cases.append((["train.guidance=3.5"], f"{family_named(name).title}'s transformer takes none"))
+        title = family_named(name).title
+        train_cases.append((["train.guidance=3.5"], f"{title} takes no such guidance scale"))
     for extra, expected in train_cases:
         argv = [
             "--config",

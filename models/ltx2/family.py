@@ -137,7 +137,6 @@ class LTX2(Family):
     calibrated_cache = False  # its velocity is several passes a step: the step cache's replay does not fit
     image_to_video = True  # --image: LTX2ImageToVideoPipeline's first frame (the same weights)
     samples_audio = True
-    sample_keys = ("audio_guidance", "modality_guidance", "guidance_rescale", "stg")
     # a LoRA's default layers: both streams' attentions (self, text, audio-to-video, video-to-audio) and
     # feed-forwards; the video's alone with data.audio=false (default_lora_targets)
     lora_targets = tuple(

@@ -13,6 +13,7 @@ import torch
 
 from models.family import Components, Family, config_of, part_folder, read_json
 from models.loop import Schedule, euler, sigmas
+from models.z_image.keys import KEYS
 from models.z_image.text import MAX_SEQUENCE_LENGTH, encode_prompt
 from models.z_image.transformer import ZImageCond
 from models.z_image.weights import (
@@ -44,7 +45,6 @@ class ZImage(Family):
     parallel_degrees = ("cfg", "ulysses", "ring")
     vae_class, max_length = "AutoencoderKL", MAX_SEQUENCE_LENGTH
     conditioning = ZImageCond
-    sample_keys = ("cfg_truncation", "cfg_normalization")
     # every attention's projections and every feed-forward (the refiners' too), as ai-toolkit's
     lora_targets = ("*.attention.to_*", "*.feed_forward.w*")
     lora_formats = ("diffusers", "comfyui")  # ComfyUI's keys: diffusers' under diffusion_model.
@@ -131,7 +131,7 @@ class ZImage(Family):
         encoder, vae = (m and m.eval().to(device).requires_grad_(False) for m in (encoder, vae))
         if model is not None:
             model = model.to(device).requires_grad_(False)
-        given = {k: cfg.sample[k] for k in self.sample_keys if cfg.sample[k] is not None}
+        given = {k.name: cfg.sample[k.name] for k in KEYS if cfg.sample[k.name] is not None}
         return ZImageParts(
             model,
             transformers.AutoTokenizer.from_pretrained(part_folder(cfg, "tokenizer")),

@@ -47,8 +47,8 @@ class FamilyRun:
 
 def check_family_inputs(cfg, family: Family) -> None:
     """What any family's training (tessera's DiT's too) refuses by name before anything starts: a preview
-    guidance term or negative prompt it does not read, train.guidance for a transformer without it, and
-    data.audio for a family whose training reads no sound; a family whose training is not built, first."""
+    setting or negative prompt it does not read, a negative train.guidance, and data.audio for a family
+    whose training reads no sound; a family whose training is not built, first."""
     if not family.trains:
         raise ValueError(f"{family.title} samples with infer.py; training it is not built yet")
     family.check_sample_keys(cfg)
@@ -57,12 +57,6 @@ def check_family_inputs(cfg, family: Family) -> None:
         raise ValueError(
             f"model.base_dtype={cfg.model.base_dtype} stores a frozen base, and lora.rank=0 trains every "
             "weight: set lora.rank for a LoRA run, or model.base_dtype=auto"
-        )
-    if cfg.train.guidance is not None and not family.guidance_embedded:
-        raise ValueError(
-            f"train.guidance={cfg.train.guidance}: the scale a guidance-distilled transformer (FLUX.2 dev) "
-            f"is given in training; {family.title}'s transformer takes none (it learns guidance from "
-            "train.text_dropout's empty prompts): unset it"
         )
     if cfg.train.guidance is not None and cfg.train.guidance < 0:
         raise ValueError(f"train.guidance={cfg.train.guidance}: a guidance scale is 0 or more")
