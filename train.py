@@ -187,9 +187,10 @@ def check_before_start(cfg) -> Plan:
     checkpoint = resolve_checkpoint(cfg.train.resume, cfg.run.output_dir)
     resume = read_trainer_state(checkpoint)["sampler"] if checkpoint else None
     # model.pretrained before the layout, which reads a family's heads from its folder. A full resume
-    # takes every weight from its checkpoint; a LoRA's base is read (and must be the one its adapters
-    # were trained on) either way.
-    check_weights_source(cfg, family, checkpoint is None or bool(cfg.lora.rank))
+    # takes every weight from its checkpoint; a LoRA's base, and a distillation's teacher, are read (and
+    # must be the ones it was trained with) either way.
+    reads = checkpoint is None or bool(cfg.lora.rank) or cfg.train.objective == "dmd"
+    check_weights_source(cfg, family, reads)
     heads = family.heads(cfg) or cfg.parallel.ulysses
     buckets = build_buckets(cfg)
     takes = training_layouts(cfg, family, buckets)  # parallel.auto: among the splits it trains under
@@ -317,7 +318,7 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     ema, training = build_ema(cfg, runtime, model, optimizer, one_model, bool(adapted), distiller)
     if checkpoint is not None:
         load_checkpoint(runtime, checkpoint, training, verified=True)
-        check_resumed_finite(runtime, checkpoint, model, ema, optimizer)  # one verdict on every rank
+        check_resumed_finite(runtime, checkpoint, model, ema, optimizer, distiller)  # one verdict, every rank
         if runtime.is_main:
             why = f"; the data plan changed: {replanned}" if replanned else ""
             print(f"[tessera] resumed from {checkpoint} at step {start_step}{why}", flush=True)

@@ -120,8 +120,8 @@ def load_config(recipe: str | os.PathLike | None = None, overrides: list[str] | 
     resolve_family(cfg, ConfigError)
     family = family_named(cfg.model.family)
     # the default recipe's keys (the demo's DiT's) are not the user's: model.size=auto on a folder drops them
-    given = [layer for _, layer in layers] if recipe != DEFAULT_RECIPE else []
-    _refuse_other_families_keys(cfg, family, [*given, cli_cfg])
+    given = [layer for _, layer in layers] if recipe.resolve() != DEFAULT_RECIPE.resolve() else []
+    _other_families_keys(cfg, family, [*given, cli_cfg])
     family.resolve_size(cfg, ConfigError)  # auto: the folder's; or refused by name
     validate(cfg)
     _check_decay_fraction(cli_cfg, cfg)
@@ -129,9 +129,10 @@ def load_config(recipe: str | os.PathLike | None = None, overrides: list[str] | 
     return cfg
 
 
-def _refuse_other_families_keys(cfg, family, given: list) -> None:
-    """A family's own key (models/<family>/keys.py) that the user set (in one of the `given` layers) to
-    other than its default under a family that does not read it is refused by name, rather than ignored."""
+def _other_families_keys(cfg, family, given: list) -> None:
+    """A family's own key (models/<family>/keys.py) set to other than its default under a family that does
+    not read it: refused by name where the user set it (in one of the `given` layers), rather than ignored;
+    else (the default recipe's) put back to its default, so that the run's config.yaml holds none."""
     from models.families import FAMILIES
 
     for k in FAMILY_KEYS:
@@ -139,6 +140,7 @@ def _refuse_other_families_keys(cfg, family, given: list) -> None:
         if family.name in k.families or value == k.default:
             continue
         if all(OmegaConf.select(layer, k.key, default=None) is None for layer in given):
+            OmegaConf.update(cfg, k.key, list(k.default) if isinstance(k.default, list) else k.default)
             continue
         if isinstance(value, ListConfig):
             value = OmegaConf.to_container(value)
@@ -284,7 +286,7 @@ NULL_OR = {  # key: (its least value, what null means)
     "distill.critic_lr": (0, "train.lr"),
     "distill.shift": (0, "training's shift"),
     "distill.guidance": (0, "sample.guidance"),
-    **{k.key: (k.at_least, "the default") for k in FAMILY_KEYS if k.at_least is not None},
+    **{k.key: (k.at_least, k.null) for k in FAMILY_KEYS if k.at_least is not None},
 }
 
 

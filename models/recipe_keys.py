@@ -15,6 +15,7 @@ class RecipeKey:
     what: str = "key"  # how a refusal names it, e.g. "guidance term"
     choices: tuple = ()  # its allowed values (configs/ CHOICES), if a choice
     at_least: int | None = None  # its least value, else null (configs/ NULL_OR), if a bounded count
+    null: str = "its default"  # what null means, for that bound's message
 
     @property
     def section(self) -> str:

@@ -18,7 +18,7 @@ import torch
 
 import infer
 import train
-from configs import ConfigError, load_config
+from configs import ConfigError, load_config, to_yaml
 from configs.auto import resolve_family
 from models.families import family_keys, family_named
 from tests.conftest import ROOT, ranks, run_main
@@ -425,7 +425,15 @@ def test_family_of_a_folder(saved, tmp_path):
     """model.size=auto takes the family from the folder; a folder of another family or of one tessera
     does not know is refused by name."""
     name, folder = saved
-    assert load_config(None, ["model.size=auto", f"model.pretrained={folder}"]).model.family == name
+    cfg = load_config(None, ["model.size=auto", f"model.pretrained={folder}"])
+    assert cfg.model.family == name
+    # the default (demo) recipe's DiT keys are dropped, not kept in the run's config.yaml, which loads back
+    assert cfg.model.patch_size == [1, 2, 2] and cfg.model.absolute_positions is None
+    (tmp_path / "config.yaml").write_text(to_yaml(cfg))
+    assert load_config(tmp_path / "config.yaml").model.family == name
+    refused = f"model.patch_size=\\[2, 4, 4\\]: {family_named(name).title} takes no such key"
+    with pytest.raises(ConfigError, match=refused):
+        load_config(None, ["model.size=auto", f"model.pretrained={folder}", "model.patch_size=[2,4,4]"])
     with pytest.raises(ConfigError, match="model.size=auto"):
         load_config(None, ["model.size=DiT-S", f"model.pretrained={folder}"])
     other = next(n for n in FAMILIES if n != name)

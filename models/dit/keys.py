@@ -9,9 +9,9 @@ DIT = ("dit",)
 KEYS = (
     # The size's depth, width and heads, replaced where set (model.size=auto sets them for a folder whose
     # dimensions no named size has: a pruned, distilled or community variant); null: the size's
-    RecipeKey("model.depth", Optional[int], None, DIT, at_least=1),
-    RecipeKey("model.hidden_size", Optional[int], None, DIT, at_least=1),
-    RecipeKey("model.num_heads", Optional[int], None, DIT, at_least=1),
+    RecipeKey("model.depth", Optional[int], None, DIT, at_least=1, null="the size's"),
+    RecipeKey("model.hidden_size", Optional[int], None, DIT, at_least=1, null="the size's"),
+    RecipeKey("model.num_heads", Optional[int], None, DIT, at_least=1, null="the size's"),
     RecipeKey("model.patch_size", list[int], [1, 2, 2], DIT),  # (time, height, width)
     RecipeKey("model.mlp_ratio", float, 4.0, DIT),
     RecipeKey("model.qk_norm", bool, True, DIT),

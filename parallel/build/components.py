@@ -146,8 +146,8 @@ def check_pretrained(pretrained: str) -> None:
 
 def check_weights_source(cfg, family, reads_weights: bool) -> None:
     """model.pretrained's files checked before any process group, where this start reads them
-    (`reads_weights`: a fresh start's or a LoRA's base; a full resume, or a full run sampled, reads its own
-    checkpoint alone): a tessera run's checkpoint, else the family's folder (Family.check_pretrained; read
+    (`reads_weights`: a fresh start's, a LoRA's base or a distillation's teacher; a full resume, or a full
+    run sampled, reads its own checkpoint alone): a tessera run's checkpoint, else the family's folder (Family.check_pretrained; read
     on every start where its frozen parts come from it)."""
     pretrained = cfg.model.pretrained
     # a family whose frozen parts are model.pretrained's needs a pipeline folder: its check refuses a run

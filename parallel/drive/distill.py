@@ -22,6 +22,7 @@ from models.lora import active_adapter, is_critic
 from parallel.build.lora import describe_base
 from parallel.checkpoints.checkpoint_files import CheckpointError, find_checkpoint
 from parallel.checkpoints.checkpoint_reading import read_trainer_state
+from parallel.compute.fsdp import reshard_all
 from parallel.drive.stored_previews import preview_size
 
 
@@ -248,6 +249,8 @@ def generator_loss(d: Distiller, run, model, sample, cond, uncond, rngs, shift: 
             v_real = velocity(teacher, x, cond)
             if family.guided(d.guidance):
                 v_real = family.guide(v_real, velocity(teacher, x, uncond), d.guidance, parts)
+        if d.teacher is not None:  # no backward reshards a frozen copy: FSDP2 keeps its last block gathered
+            reshard_all(d.teacher)
         with d.net(model, "critic") as critic:
             v_fake = velocity(critic, x, cond)
     return matching_loss(sample, clean(x, sigma, v_real), clean(x, sigma, v_fake))

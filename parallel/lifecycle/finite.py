@@ -118,21 +118,30 @@ def _refuse_sampling(path, tensor: str):
     )
 
 
-def check_resumed_finite(runtime, path, model, ema, optimizer) -> None:
+def check_resumed_finite(runtime, path, model, ema, optimizer, distiller=None) -> None:
     """After a training run resumed from checkpoint `path`: its trained weights (the model's trainable
-    parameters, their EMA, AdamW's moments) hold no NaN or inf, the same verdict on every rank. A LoRA's
-    frozen base was checked when it was read (parallel/build/components.py fill_sharded)."""
+    parameters, their EMA, AdamW's moments; a distillation's critic and its AdamW's, `distiller`) hold no
+    NaN or inf, the same verdict on every rank. A LoRA's frozen base was checked when it was read
+    (parallel/build/components.py fill_sharded)."""
     names = {p: canonical_name(n) for n, p in model.named_parameters()}
     named = [(f"model.{names[p]}", p) for p in names if p.requires_grad]
     if hasattr(ema, "params"):  # parallel.build.lora.AdapterEMA: the adapters' EMA
         named += [(f"ema.{n}", t) for n, t in ema.params.items()]
     else:
         named += [(f"ema.{canonical_name(n)}", p) for n, p in ema.named_parameters()]
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            for key, value in optimizer.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor):
-                    named.append((f"optimizer.{names.get(p, '?')}.{key}", value))
+    optimizers = [("optimizer", optimizer, names)]
+    if distiller is not None:  # its critic: adapters of the model, or a model of its own
+        critic_names = names
+        if distiller.critic_model is not None:
+            critic_names = {p: canonical_name(n) for n, p in distiller.critic_model.named_parameters()}
+            named += [(f"critic.{critic_names[p]}", p) for p in critic_names if p.requires_grad]
+        optimizers.append(("critic_optimizer", distiller.critic, critic_names))
+    for label, opt, where in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                for key, value in opt.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        named.append((f"{label}.{where.get(p, '?')}.{key}", value))
     index = first_non_finite([t for _, t in named], runtime.control_group)
     if index is not None:
         raise NonFiniteWeightsError(

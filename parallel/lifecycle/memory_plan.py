@@ -335,7 +335,8 @@ def _what_fits(cfg, model, setting: Setting, free: int | None, available: int) -
 
     tried = []
     if not cfg.lora.rank:
-        tried.append(("a LoRA (lora.rank=32)", meta_model(cfg, 32, setting.on_gpu), setting))
+        lora = replace(setting, full_copies=False)  # a distillation's critic and teacher become adapters
+        tried.append(("a LoRA (lora.rank=32)", meta_model(cfg, 32, setting.on_gpu), lora))
     if setting.checkpointing == "none":
         tried.append(("train.activation_checkpointing=true", model, replace(setting, checkpointing="all")))
     if setting.on_gpu and not setting.cpu_offload and setting.fsdp == 1:

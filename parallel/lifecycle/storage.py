@@ -54,10 +54,11 @@ def _count_non_finite(tensors) -> int:
 
 def check_before_save(runtime, state: dict, root: Path, step: int, keep: int) -> int:
     """One small all-gather on the control group before anything is written: each rank's count of
-    non-finite tensors (model, EMA, optimizer), the bytes it will write and the space free where it
-    writes. Every rank reaches the same verdict from the same numbers. Returns the checkpoint's bytes.
-    The space check assumes, as DCP's resume does, that every rank writes to one shared folder."""
-    sections = ("model", "ema", "optimizer")
+    non-finite tensors (model, EMA, optimizer; a distillation's critic and its optimizer), the bytes it will
+    write and the space free where it writes. Every rank reaches the same verdict from the same numbers.
+    Returns the checkpoint's bytes. The space check assumes, as DCP's resume does, that every rank writes
+    to one shared folder."""
+    sections = tuple(state)  # model, ema, optimizer (a distillation's critic, critic_optimizer too)
     counts, written = [], 0
     for section in sections:
         tensors = list(local_tensors(state[section]))
@@ -68,11 +69,12 @@ def check_before_save(runtime, state: dict, root: Path, step: int, keep: int) ->
     if runtime.world_size > 1:
         everyone = torch.empty((runtime.world_size, len(mine)), dtype=torch.int64)
         comm.all_gather_into_tensor(everyone, mine, runtime.control_group)
-    bad = everyone[:, :3].sum(0).tolist()
-    needed, free = int(everyone[:, 3].sum()), int(everyone[:, 4].min())
+    n = len(sections)
+    bad = everyone[:, :n].sum(0).tolist()
+    needed, free = int(everyone[:, n].sum()), int(everyone[:, n + 1].min())
     latest = find_latest_quietly(root)
     if any(bad):
-        which = ", ".join(f"{n} {name} tensor{'s' * (n > 1)}" for n, name in zip(bad, sections) if n)
+        which = ", ".join(f"{k} {name} tensor{'s' * (k > 1)}" for k, name in zip(bad, sections) if k)
         what = f"refusing to save step {step}: NaN or inf in {which}; nothing was written"
         complete = sorted((p for p in root.glob("step_*") if _is_complete(p)), key=_step_of)
         good = newest_in_range(
