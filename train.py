@@ -312,7 +312,7 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     one_model = lambda: meta_model()[0]  # noqa: E731
     copies = None
     if tc.objective == "dmd" and not adapted:  # full copies of the critic and the teacher
-        copies = build_copies(cfg, runtime, model, one_model, dtype, checkpoint is not None, plan.base)
+        copies = build_copies(cfg, runtime, model, one_model, dtype, checkpoint is not None)
     trainable, distiller = build_distiller(cfg, model, build_optimizer, copies)  # every one, or the adapters
     optimizer = build_optimizer(tc, trainable)
     ema, training = build_ema(cfg, runtime, model, optimizer, one_model, bool(adapted), distiller)

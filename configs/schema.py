@@ -305,9 +305,8 @@ class LoggingConfig:
     tensorboard: bool = False
 
 
-def _with_family_keys(cls):
+def _with_family_keys(cls, section: str):
     """`cls` with the families' own keys of its section (models/<family>/keys.py) as fields after its own."""
-    section = SECTIONS[cls.__name__]
     added = [
         (k.name, k.type, field(default_factory=lambda v=k.default: list(v)))
         if isinstance(k.default, list)
@@ -318,11 +317,10 @@ def _with_family_keys(cls):
     return make_dataclass(cls.__name__, added, bases=(cls,)) if added else cls
 
 
-SECTIONS = {"ModelConfig": "model", "TrainConfig": "train", "SampleConfig": "sample"}
 FAMILY_KEYS = family_keys()
-ModelConfig, TrainConfig, SampleConfig = (
-    _with_family_keys(c) for c in (ModelConfig, TrainConfig, SampleConfig)
-)
+ModelConfig = _with_family_keys(ModelConfig, "model")
+TrainConfig = _with_family_keys(TrainConfig, "train")
+SampleConfig = _with_family_keys(SampleConfig, "sample")
 
 
 @dataclass

@@ -8,21 +8,15 @@ from pathlib import Path
 
 import torch
 
-from models.dit.transformer import DiT, build_dit
 from models.dit.family import frozen_parts
+from models.dit.transformer import DiT, build_dit
+from models.dit.wan import check_wan_folder, second_expert
 from models.families import family_named
 from models.lora import adapted_modules, is_adapter
 from models.lora_formats import LoRAFormatError, match_lora, read_file, starting_adapters
 from models.text_encoder import TextEncoder
 from models.vae import LatentSpace
-from models.dit.wan import check_wan_folder, second_expert
 from models.weight_files import LazyWeights
-from parallel.checkpoints.checkpoint import TrainingState, load_base_weights, load_weights
-from parallel.checkpoints.checkpoint_files import resolve_checkpoint
-from parallel.checkpoints.checkpoint_reading import check_checkpoint_files
-from parallel.checkpoints.checkpoint_records import check_architecture
-from parallel.lifecycle.finite import check_pretrained_finite
-from parallel.compute.fsdp import parallelize_dit, param_device
 from parallel.build.init import copy_shards, materialize
 from parallel.build.lora import (
     AdapterEMA,
@@ -32,7 +26,13 @@ from parallel.build.lora import (
     insert_adapters,
     is_tessera_run,
 )
+from parallel.checkpoints.checkpoint import TrainingState, load_base_weights, load_weights
+from parallel.checkpoints.checkpoint_files import resolve_checkpoint
+from parallel.checkpoints.checkpoint_reading import check_checkpoint_files
+from parallel.checkpoints.checkpoint_records import check_architecture
+from parallel.compute.fsdp import parallelize_dit, param_device
 from parallel.compute.operators import apply_operators
+from parallel.lifecycle.finite import check_pretrained_finite
 
 
 def build_frozen(cfg, device) -> tuple[TextEncoder, LatentSpace]:
@@ -85,8 +85,8 @@ def check_adapters(cfg, fresh: bool = True) -> dict | None:
 
 def check_lora_start(cfg, checkpoint) -> tuple:
     """(the LoRA base, lora.init_from's starting adapters) of a run, checked before init_runtime: a
-    checkpoint of another kind, rank or base is refused (parallel.build.lora.check_resume_base, full runs too),
-    a tessera base's `latest` is read once (Base.source, the step open_weights reads: a base still
+    checkpoint of another kind, rank or base is refused (parallel.build.lora.check_resume_base, full runs
+    too), a tessera base's `latest` is read once (Base.source, the step open_weights reads: a base still
     training may write another first), and the recipe's adapters are tried on a meta model (check_adapters;
     a resume takes its adapters from the checkpoint and never reads lora.init_from). (None, None) for a
     full run."""
@@ -147,8 +147,8 @@ def check_pretrained(pretrained: str) -> None:
 def check_weights_source(cfg, family, reads_weights: bool) -> None:
     """model.pretrained's files checked before any process group, where this start reads them
     (`reads_weights`: a fresh start's, a LoRA's base or a distillation's teacher; a full resume, or a full
-    run sampled, reads its own checkpoint alone): a tessera run's checkpoint, else the family's folder (Family.check_pretrained; read
-    on every start where its frozen parts come from it)."""
+    run sampled, reads its own checkpoint alone): a tessera run's checkpoint, else the family's folder
+    (Family.check_pretrained; read on every start where its frozen parts come from it)."""
     pretrained = cfg.model.pretrained
     # a family whose frozen parts are model.pretrained's needs a pipeline folder: its check refuses a run
     if pretrained and is_tessera_run(pretrained) and not family.parts_from_pretrained:
@@ -249,11 +249,12 @@ def build_ema(cfg, runtime, model, optimizer, meta_model, lora: bool, distiller=
     return ema, TrainingState(model, ema, optimizer, critic)
 
 
-def build_copies(cfg, runtime, model, meta_model, dtype, resuming: bool, base=None) -> tuple:
+def build_copies(cfg, runtime, model, meta_model, dtype, resuming: bool) -> tuple:
     """A distillation's full copies (lora.rank=0): (the critic, trained, and the teacher, frozen), each a
-    model sharded as the generator `model` and computed as it is (`dtype`). Both start as model.pretrained: copied
-    from the generator's fresh shards, shard by shard; on a resume the teacher is read from model.pretrained
-    again (`base`: a tessera run's resolved step) and the critic comes from the checkpoint."""
+    model sharded as the generator `model` and computed as it is (`dtype`). Both start as model.pretrained:
+    copied from the generator's fresh shards, shard by shard; on a resume the teacher is read from
+    model.pretrained again (its fingerprint checked against the run's: parallel/drive/distill.py) and the
+    critic comes from the checkpoint."""
     tc = cfg.train
     device = param_device(runtime.device, tc.cpu_offload)
     fp8 = tc.fp8_min_features if tc.fp8 else None
@@ -264,10 +265,12 @@ def build_copies(cfg, runtime, model, meta_model, dtype, resuming: bool, base=No
     # stored in the compute dtype: FSDP2 gathers it so anyway, and it never steps (half its bytes in bf16);
     # no backward runs through it, so nothing to checkpoint
     teacher = meta_model().requires_grad_(False).to(dtype)
-    teacher = parallelize_dit(teacher, runtime.fsdp_mesh, dtype, False, tc.compile, tc.cpu_offload, "all", fp8)
+    teacher = parallelize_dit(
+        teacher, runtime.fsdp_mesh, dtype, False, tc.compile, tc.cpu_offload, "all", fp8
+    )
     if resuming:
         critic.to_empty(device=device)  # load_checkpoint fills it
-        fill_sharded(runtime, teacher, tc.seed, open_weights(cfg, teacher, base), cpu_offload=tc.cpu_offload)
+        fill_sharded(runtime, teacher, tc.seed, open_weights(cfg, teacher), cpu_offload=tc.cpu_offload)
     else:
         copy_shards(critic, model, device)
         copy_shards(teacher, model, device)

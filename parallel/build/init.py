@@ -12,8 +12,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from models.dit.transformer import init_parameter
-from models.layers import parameter_generator
 from models.float8 import SCALE, is_float8, quantize_into
+from models.layers import parameter_generator
 from models.lora import is_adapter, seeded_adapter
 
 # Wrappers that parallel/compute/fsdp.py may put around a block; state-dict names leave them out.

@@ -23,10 +23,10 @@ from torch.distributed.tensor import DTensor
 
 from models.float8 import quantize_blocks
 from models.lora import add_adapters, is_adapter, is_critic
+from parallel.build.init import canonical_name
 from parallel.checkpoints.checkpoint import optimizer_state_dict, read_tensors, set_optimizer_state
 from parallel.checkpoints.checkpoint_files import CHECKSUMS, CheckpointError, resolve_checkpoint
 from parallel.checkpoints.checkpoint_reading import read_trainer_state
-from parallel.build.init import canonical_name
 
 SAMPLED_BYTES = 64 << 10  # of each tensor's start and end, in a Wan folder's fingerprint
 
@@ -189,7 +189,8 @@ class AdapterEMA:
     @contextmanager
     def swapped_in(self, model, before_restore=None):
         """The model with the EMA adapters in place of its own, for previews; its own are put back (after
-        before_restore(model): parallel.compute.fsdp.reshard_all, so that no gathered EMA copy outlives the swap)."""
+        before_restore(model): parallel.compute.fsdp.reshard_all, so that no gathered EMA copy outlives
+        the swap)."""
         params = dict(model.named_parameters())
         with torch.no_grad():
             kept = {n: local(params[n]).clone() for n in self.names}
@@ -211,9 +212,9 @@ def adapter_state_dict(model) -> dict:
 
 
 class LoRAState:
-    """What a LoRA checkpoint holds: the adapters, their EMA and AdamW's state (parallel/checkpoints/checkpoint.py's
-    TrainingState holds those of a full fine-tuning); a distillation's critic adapters too, and its own AdamW
-    state (`critic`: that optimizer)."""
+    """What a LoRA checkpoint holds: the adapters, their EMA and AdamW's state
+    (parallel/checkpoints/checkpoint.py's TrainingState holds those of a full fine-tuning); a distillation's
+    critic adapters too, and its own AdamW state (`critic`: that optimizer)."""
 
     def __init__(self, model, ema: AdapterEMA, optimizer, critic=None):
         self.model, self.ema, self.optimizer, self.critic = model, ema, optimizer, critic
