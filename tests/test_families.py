@@ -79,6 +79,10 @@ def _original_flux2(state):
     return original_from_diffusers(state, "model.diffusion_model.")
 
 
+# FLUX.2's first-block thresholds: some of 8 steps reuse, some run every block (klein compared unguided:
+# its pipeline runs each branch in a cache context of its own, and tessera decides once for both; the
+# reference is diffusers' rule by hand, first_block_by_hand)
+KLEIN_THRESHOLD, DEV_THRESHOLD = 1.2, 0.85
 ROWS = {
     "qwen_image": Row(
         "qwen-image.yaml", lambda: tiny_qwen_pipeline(num_attention_heads=2), "true_cfg_scale", {}, (40, 24),
@@ -97,15 +101,17 @@ ROWS = {
     ),
     "flux2": Row(
         "flux2-klein.yaml", tiny_flux2_pipeline, "guidance_scale", {}, (40, 24),
-        dict(time_shift_type="linear"), None, "", "num_layers", _original_flux2,
+        dict(time_shift_type="linear"), (1.0, KLEIN_THRESHOLD), "attn", "num_layers", _original_flux2,
         "transformer_blocks.0.attn1.to_q", True,
+        ((["--image", "ref.png", "sample.cache=first_block"], "reference images are tokens beside"),),
         negative=False,
     ),
     "flux2_dev": Row(  # the guidance scale the transformer's input: no negative prompt, no CFG batch
         "flux2-dev.yaml", tiny_flux2_dev_pipeline, "guidance_scale", {}, (40, 24),
-        dict(time_shift_type="linear"), None, "", "num_layers", _original_flux2,
+        dict(time_shift_type="linear"), (4.0, DEV_THRESHOLD), "attn", "num_layers", _original_flux2,
         "transformer_blocks.0.attn1.to_q", True,
         ((["--guidance", "-1"], "embeds a guidance scale of 0 or more"),
+         (["--image", "ref.png", "parallel.pipefusion=2"], "reference images are tokens beside"),
          (["--negative-prompt", "blurry"], "--negative-prompt='blurry': FLUX.2 dev embeds its guidance")),
         negative=False,
     ),
@@ -121,13 +127,13 @@ LAYOUTS = {  # (processes, overrides, families): each launch checks its degrees 
     "cfg2-ring2": (4, ["parallel.cfg=2", "parallel.ring=2"], ("qwen_image", "sana", "z_image", "flux2")),
     # warm-up over every step: exact, as the Wan test (stale K/V is approximate by design; a patch against
     # the whole forward: test_pipefusion_patches_match_the_whole_forward)
-    "pipefusion2": (2, ["parallel.pipefusion=2", "parallel.pipefusion_warmup=3"], ("sana",)),
+    "pipefusion2": (2, ["parallel.pipefusion=2", "parallel.pipefusion_warmup=3"], ("sana", "flux2_dev")),
     # a patch's tokens split inside each stage (Qwen-Image's text whole on both ranks): ring gathers the
     # image keys and values (ulysses, with patches: test_pipefusion_patches_across_processes)
     "pipefusion2-ring2": (
         4,
         ["parallel.pipefusion=2", "parallel.ring=2", "parallel.pipefusion_warmup=3"],
-        ("qwen_image",),
+        ("qwen_image", "flux2"),
     ),
 }
 
@@ -275,8 +281,11 @@ def test_first_block_cache_matches_diffusers(saved, tmp_path, capsys, layout):
         model_class=SanaTransformerBlock, metadata=TransformerBlockMetadata(return_hidden_states_index=None)
     )
     pipe = DiffusionPipeline.from_pretrained(folder)
-    apply_first_block_cache(pipe.transformer, FirstBlockCacheConfig(threshold=threshold))
-    _set_cache_context(pipe.transformer, CacheContext("sana"))  # Qwen-Image's pipeline sets its own
+    if name.startswith("flux2"):  # diffusers' tail hook fails on its single stream: the same rule by hand
+        first_block_by_hand(pipe.transformer, threshold, steps=8)
+    else:
+        apply_first_block_cache(pipe.transformer, FirstBlockCacheConfig(threshold=threshold))
+        _set_cache_context(pipe.transformer, CacheContext("sana"))  # Qwen-Image's pipeline sets its own
     second = pipe.transformer.transformer_blocks[1]  # its attention runs only when every block runs
     calls = []
     getattr(second, ROWS[name].second_attention).register_forward_hook(lambda *a: calls.append(1))
@@ -284,7 +293,7 @@ def test_first_block_cache_matches_diffusers(saved, tmp_path, capsys, layout):
     pipe.set_progress_bar_config(disable=True)
     want = pipe(
         prompt=PROMPTS[0],
-        negative_prompt=NEGATIVE,
+        **({"negative_prompt": NEGATIVE} if ROWS[name].negative else {}),
         num_inference_steps=8,
         height=height,
         width=width,
@@ -299,6 +308,52 @@ def test_first_block_cache_matches_diffusers(saved, tmp_path, capsys, layout):
     )
     assert 1 < full < 8 and full == len(calls) and want.std() > 0.01
     assert diff <= 1e-5
+
+
+def first_block_by_hand(transformer, threshold: float, steps: int) -> None:
+    """diffusers' first-block cache (hooks/first_block_cache.py: its head hook's rule and residuals) on
+    diffusers' FLUX.2 transformer, whose single blocks take text and image as one stream, which that
+    file's tail hook cannot subtract the head's two outputs from (a TypeError in diffusers 0.42): the first
+    block's image residual against the last computed step's, relative L1 above `threshold` runs every block;
+    else the head adds the last tail's residuals (text, image) and the other blocks pass their input on.
+    And tessera's rule (docs/step_cache.md): the last of `steps` (one call each: no CFG batch) runs all."""
+    head, doubles = transformer.transformer_blocks[0], transformer.transformer_blocks[1:]
+    singles = list(transformer.single_transformer_blocks)
+    state = dict(residual=None, head=None, tail=None, skip=False, calls=0)
+
+    def head_forward(forward):
+        def run(*args, **kwargs):
+            text, image = forward(*args, **kwargs)  # diffusers' double block: (text, image)
+            residual, before = image - kwargs["hidden_states"], state["residual"]
+            mean = lambda x: x.abs().mean().item()  # noqa: E731
+            state["calls"] += 1
+            state["skip"] = before is not None and not mean(residual - before) / mean(before) > threshold
+            state["skip"] &= state["calls"] < steps
+            if state["skip"]:
+                return text + state["tail"][0], image + state["tail"][1]
+            state["residual"], state["head"] = residual, (text, image)
+            return text, image
+
+        return run
+
+    def passing(forward, last=False):
+        def run(*args, **kwargs):
+            if state["skip"]:  # double blocks: (text, image); single blocks: the joined stream
+                given, text = kwargs["hidden_states"], kwargs["encoder_hidden_states"]
+                return given if text is None else (text, given)
+            out = forward(*args, **kwargs)
+            if last:  # the joined stream: the text's tokens first
+                text, image = state["head"]
+                state["tail"] = (out[:, : text.shape[1]] - text, out[:, text.shape[1] :] - image)
+            return out
+
+        return run
+
+    head.forward = head_forward(head.forward)
+    for block in doubles:
+        block.forward = passing(block.forward)
+    for i, block in enumerate(singles):
+        block.forward = passing(block.forward, last=i == len(singles) - 1)
 
 
 @pytest.mark.parametrize(
@@ -723,6 +778,12 @@ def _tiny_transformer(name):
         from tests.test_qwen_image import TINY_TRANSFORMER
 
         model = build_transformer(dict(QwenImageTransformer2DModel(**TINY_TRANSFORMER).config))
+    elif name.startswith("flux2"):
+        from models.flux2.weights import build_transformer
+        from tests.test_flux2 import TINY_TRANSFORMER
+
+        config = {**TINY_TRANSFORMER, "guidance_embeds": name == "flux2_dev"}
+        model = build_transformer(config)
     else:
         from models.sana.weights import build_sana
         from tests.test_sana import TINY_VARIANT
@@ -734,8 +795,21 @@ def _tiny_transformer(name):
     return model.eval()
 
 
+def _piece_inputs(name) -> tuple:
+    """(its conditioning's class, taking (text, mask); its text width; a first-block threshold the middle
+    sample of test_first_block_decides_per_sample reuses under and the others do not, where its masks
+    make the samples differ: FLUX.2 masks no text, and its conditioning keeps the mask unread)."""
+    from models.flux2.transformer import Flux2Cond
+    from models.qwen_image.transformer import QwenImageCond
+    from models.sana.transformer import SanaConditioning
+
+    flux2 = (Flux2Cond, 24, None)
+    return {"qwen_image": (QwenImageCond, 16, 2.3), "sana": (SanaConditioning, 12, 0.9), "flux2": flux2,
+            "flux2_dev": flux2}[name]  # fmt: skip
+
+
 @torch.no_grad()
-@pytest.mark.parametrize("name", PIECES)
+@pytest.mark.parametrize("name", ["qwen_image", "sana"])  # their masks make the samples' changes differ
 def test_first_block_decides_per_sample(name):
     """models/step_cache.py FirstBlockFamily on a batch of three guided samples whose decisions differ (the
     middle one's noise 3x the others'; texts masked to 6, 3 and 4 tokens): each sample's steps and latents
@@ -743,8 +817,6 @@ def test_first_block_decides_per_sample(name):
     first and last samples run the other blocks and the middle one reuses; and each step runs the other
     blocks on as many rows as samples do not reuse."""
     from models.loop import Schedule
-    from models.qwen_image.transformer import QwenImageCond
-    from models.sana.transformer import SanaConditioning
     from models.step_cache import FirstBlockCache, FirstBlockFamily, walk_cached
 
     with torch.random.fork_rng():
@@ -754,14 +826,12 @@ def test_first_block_decides_per_sample(name):
     C, p = model.in_channels, model.patch_size
     scale = torch.tensor([1.0, 3.0, 1.0]).view(3, 1, 1, 1, 1)
     noise = torch.randn(3, C, 1, 5 * p, 3 * p, generator=gen) * scale
-    make = QwenImageCond if name == "qwen_image" else SanaConditioning
-    dim = 16 if name == "qwen_image" else 12
+    make, dim, threshold = _piece_inputs(name)  # threshold: the middle sample's first change is below it
     mask = torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0]]).bool()
     cond, uncond = (make(torch.randn(3, 6, dim, generator=gen), mask) for _ in range(2))
     sigmas = torch.linspace(1.0, 0.0, 9, dtype=torch.float64)
     euler = lambda x, v, i, state: (x + (sigmas[i + 1] - sigmas[i]).float() * v, None)  # noqa: E731
     schedule = Schedule(sigmas, sigmas[:-1], euler)
-    threshold = 2.3 if name == "qwen_image" else 0.9  # the middle sample's first change is below it
     ran = []  # the rows of each call of the last block
     model.blocks[-1].register_forward_hook(lambda module, args, out: ran.append(args[0].shape[0]))
 
@@ -795,8 +865,6 @@ def test_pipefusion_patches_match_the_whole_forward(name):
     each patch of 2 (rows 0-1, 2-4 of a 5 x 3 grid) run through every block gives the whole forward's tokens
     and companion (Qwen-Image's text), and the final layer of the whole pass its velocity. Then the
     same with the held tensors from another input (stale): the patches differ, as they should."""
-    from models.qwen_image.transformer import QwenImageCond
-    from models.sana.transformer import SanaConditioning
     from parallel.compute.pipefusion_operators import PatchState, install
     from parallel.compute.pipefusion_plan import keep_blocks, patch_ranges
 
@@ -805,12 +873,12 @@ def test_pipefusion_patches_match_the_whole_forward(name):
     gen = torch.Generator().manual_seed(3)
     C, p = reference.in_channels, reference.patch_size
     x, other = (torch.randn(2, C, 1, 5 * p, 3 * p, generator=gen) for _ in range(2))
-    text_dim = 16 if name == "qwen_image" else 12
+    make, text_dim, _ = _piece_inputs(name)
     text, mask = (
         torch.randn(2, 6, text_dim, generator=gen),
         torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0]]).bool(),
     )
-    cond = (QwenImageCond if name == "qwen_image" else SanaConditioning)(text, mask)
+    cond = make(text, mask)
     t = torch.tensor([0.7, 0.7], dtype=torch.float64)
     state = PatchState(15)  # its operators only: no process group
     install(model, state)
@@ -951,9 +1019,10 @@ def test_pipefusion_patches_across_processes(saved, tmp_path):
     from models.sampler import Sampling, generate_images
 
     name, folder = saved
-    layouts = {"sana": "parallel.ring=2", "qwen_image": "parallel.cfg=2"}
+    # FLUX.2 klein: its single blocks' text beside each patch, its image heads exchanged under ulysses
+    layouts = {"sana": "parallel.ring=2", "qwen_image": "parallel.cfg=2", "flux2": "parallel.ulysses=2"}
     if name not in layouts:
-        pytest.skip("Sana's and Qwen-Image's launches cover the operator kinds PipeFusion runs")
+        pytest.skip("the other families' launches cover the operator kinds PipeFusion runs")
     out = tmp_path / "image.npy"
     argv = infer_args(name, folder, tmp_path, "--prompt", *PROMPTS, "--negative-prompt", negative(name))
     argv += ["--steps", "3", "--guidance", "4", "--seed", "5", "--output", str(out)]
@@ -967,7 +1036,7 @@ def test_pipefusion_patches_across_processes(saved, tmp_path):
     height, width = ROWS[name].size
     length = cfg.text_encoder.max_length  # as infer.py encodes
     for i, prompt in enumerate(PROMPTS):
-        sampling = Sampling([prompt], [5 + i], (1, height, width), 3, 4.0, NEGATIVE, length)
+        sampling = Sampling([prompt], [5 + i], (1, height, width), 3, 4.0, negative(name), length)
         want = generate_images(family, parts, sampling, denoise_with=sequential_pipefusion(2, 1))[0]
         whole = generate_images(family, parts, sampling)[0]
         got = np.load(tmp_path / f"image_{i:03d}.npy")

@@ -3,7 +3,8 @@ Qwen3 text encoder (three layers' hidden states side by side) and AutoencoderKLF
 2 x 2 into 128 channels and normalised by its batch norm's running statistics; the scheduler's shift at the
 pipeline's empirical mu; CFG against the negative prompt (the pipeline's: the empty one) above 1, none for a
 step-distilled folder (model_index.json's is_distilled: a guidance scale other than 1 is refused there).
-Text-to-image under dp, cfg, ulysses or ring. FLUX.2 dev (Flux2Dev): the guidance scale embedded, Mistral.
+Text-to-image under dp, cfg, ulysses, ring or PipeFusion (without --image). FLUX.2 dev (Flux2Dev): the
+guidance scale embedded, Mistral.
 """
 
 import importlib.util
@@ -72,7 +73,9 @@ def batch_norm_stats(vae, like) -> tuple:
 class Flux2(Family):
     name, title = "flux2", "FLUX.2"
     pipeline_classes, transformer_classes = PIPELINE_CLASSES, (TRANSFORMER_CLASS,)
-    parallel_degrees = ("cfg", "ulysses", "ring")  # one of ulysses and ring (joint attention); no PipeFusion
+    # one of ulysses and ring (joint attention); PipeFusion and the first-block cache through the
+    # transformer's patch pieces, without reference images (their tokens join no patch: sampling_images)
+    parallel_degrees = ("cfg", "ulysses", "ring", "pipefusion")
     vae_class, max_length = "AutoencoderKLFlux2", MAX_SEQUENCE_LENGTH
     conditioning = Flux2Cond
     references = True  # --image: reference images beside the noisy tokens
@@ -100,6 +103,15 @@ class Flux2(Family):
         _, height, width = size
         if not paths:
             return None, None, height, width
+        patched = [w for w, on in (("sample.cache=first_block", cfg.sample.cache == "first_block"),
+                                   (f"parallel.pipefusion={cfg.parallel.pipefusion}",
+                                    (cfg.parallel.pipefusion or 1) > 1)) if on]  # fmt: skip
+        if patched:  # the pieces run the noisy tokens alone, and the references are tokens beside them
+            raise ValueError(
+                f"--image with {' and '.join(patched)}: {self.title}'s reference images are tokens beside "
+                "the noisy ones, which PipeFusion's patches and the first-block cache leave out: sample with "
+                "references under dp, cfg, ulysses or ring, without sample.cache=first_block"
+            )
         try:
             images = [load_image(path) for path in paths]
         except FileNotFoundError as e:
@@ -299,7 +311,7 @@ class Flux2Dev(Flux2):
 
     name, title = "flux2_dev", "FLUX.2 dev"
     pipeline_classes = DEV_PIPELINE_CLASSES
-    parallel_degrees = ("ulysses", "ring")  # one of them (joint attention)
+    parallel_degrees = ("ulysses", "ring", "pipefusion")  # one of ulysses and ring (joint attention)
     text_encoder_default = "Mistral3ForConditionalGeneration"
     texts_first = True  # its 24B Mistral freed before its 32B transformer loads (never guided: no negative)
     guidance_embedded, training_guidance = True, 3.5

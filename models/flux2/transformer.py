@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.attention import JointAttention
-from models.layers import WholeSequence, apply_rope, timestep_features
+from models.layers import WholeSequence, apply_rope, timestep_features, token_rows
 
 
 @dataclass
@@ -216,6 +216,27 @@ class ImageMods:
     single: tuple
 
 
+@dataclass
+class Flux2Context:
+    """What the blocks read at one timestep besides the image tokens (`patch_context`): PipeFusion's and the
+    first-block step cache's."""
+
+    mods: ImageMods
+    text: torch.Tensor  # (B, L, D) the text stream entering the first block
+    rope: tuple  # the image tokens' angles (N, Dh/2, 2) and the text's (L, Dh/2, 2)
+
+    @property
+    def temb(self) -> torch.Tensor:
+        return self.mods.temb
+
+    def rows(self, index):
+        """The context of the samples `index` (the first-block step cache runs the others' blocks only)."""
+        pick = lambda sets: tuple(tuple(m[index] for m in s) for s in sets)  # noqa: E731
+        m = self.mods
+        mods = ImageMods(m.temb[index], pick(m.double_img), pick(m.double_txt), pick(m.single))
+        return Flux2Context(mods, self.text[index], self.rope)
+
+
 def _embedder(channels: int, dim: int) -> nn.Module:
     """diffusers' TimestepEmbedding without biases: linear_1, SiLU, linear_2."""
     embedder = nn.Module()
@@ -338,6 +359,33 @@ class Flux2Transformer(nn.Module):
         text[:, 3] = torch.arange(text_len)
         angles = lambda p: rope_angles(p, self.axes_dims, self.rope_theta).to(device)  # noqa: E731
         return angles(image), angles(text)
+
+    # PipeFusion's (parallel/compute/pipefusion.py) and the first-block cache's (models/step_cache.py): the
+    # blocks on one patch of whole token rows; the reference images' tokens are refused by the family
+
+    def patch_context(self, t, cond: Flux2Cond, grid) -> Flux2Context:
+        """`condition`'s modulations, the text stream's input and the rotary angles at timestep t."""
+        if cond.references is not None:
+            raise ValueError("FLUX.2's reference images run through neither PipeFusion nor first_block")
+        mods = self.condition(t, cond)
+        text = self.context_embedder(cond.text.to(self.x_embedder.weight.dtype))
+        return Flux2Context(mods, text, self.ropes(grid, text.shape[1], text.device))
+
+    def companion(self, ctx: Flux2Context):
+        """The stream that passes through the blocks beside a patch's image tokens: the text."""
+        return ctx.text
+
+    def patch_blocks(self, indices, tokens, text, ctx: Flux2Context, grid, start: int, end: int):
+        """Blocks `indices` on image tokens start:end (B, n, D) and the text (B, L, D) -> both; under a
+        split, tokens past the sequence's end are padding (zero angles)."""
+        rope, text_rope = ctx.rope
+        rope = token_rows(rope, start, end, dim=0)
+        for index in indices:
+            tokens, text = self.blocks[index](tokens, text, ctx.mods, rope, text_rope)
+        return tokens, text
+
+    def patch_final(self, tokens, ctx: Flux2Context, start: int, end: int):
+        return self.final_layer(tokens, ctx.temb)
 
     def final_layer(self, tokens, temb):
         scale, shift = self.norm_out.linear(F.silu(temb).to(tokens.dtype)).chunk(2, dim=1)
