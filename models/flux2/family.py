@@ -74,7 +74,7 @@ class Flux2(Family):
     name, title = "flux2", "FLUX.2"
     pipeline_classes, transformer_classes = PIPELINE_CLASSES, (TRANSFORMER_CLASS,)
     # one of ulysses and ring (joint attention); PipeFusion and the first-block cache through the
-    # transformer's patch pieces, without reference images (their tokens join no patch: sampling_images)
+    # transformer's patch pieces, without reference images (their tokens join no patch: refused by name)
     parallel_degrees = ("cfg", "ulysses", "ring", "pipefusion")
     vae_class, max_length = "AutoencoderKLFlux2", MAX_SEQUENCE_LENGTH
     conditioning = Flux2Cond
@@ -103,15 +103,6 @@ class Flux2(Family):
         _, height, width = size
         if not paths:
             return None, None, height, width
-        patched = [w for w, on in (("sample.cache=first_block", cfg.sample.cache == "first_block"),
-                                   (f"parallel.pipefusion={cfg.parallel.pipefusion}",
-                                    (cfg.parallel.pipefusion or 1) > 1)) if on]  # fmt: skip
-        if patched:  # the pieces run the noisy tokens alone, and the references are tokens beside them
-            raise ValueError(
-                f"--image with {' and '.join(patched)}: {self.title}'s reference images are tokens beside "
-                "the noisy ones, which PipeFusion's patches and the first-block cache leave out: sample with "
-                "references under dp, cfg, ulysses or ring, without sample.cache=first_block"
-            )
         try:
             images = [load_image(path) for path in paths]
         except FileNotFoundError as e:
