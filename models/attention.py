@@ -259,3 +259,20 @@ class JointAttention(nn.Module):
             torch.cat([text_q, q], dim=2), torch.cat([text_k, k], dim=2), torch.cat([text_v, v], dim=2), mask
         )
         return out[:, :, n_text:], out[:, :, :n_text]
+
+
+def joint_beside(operator, q, k, v, text_q, text_k, text_v, text_mask, beside: int = 0):
+    """`operator` (a joint attention) with the image stream's last `beside` tokens on the text's side: the
+    reference images' tokens under PipeFusion and the first-block cache, which pass whole beside each
+    patch and each rank's shard, as the text does (the patch pieces of Qwen-Image-Edit and FLUX.2). The
+    same attention, its keys in another order; `beside` 0: the operator's own call."""
+    if not beside:
+        return operator(q, k, v, text_q, text_k, text_v, text_mask)
+    n, length = q.shape[2] - beside, text_q.shape[2]
+    side = lambda text, image: torch.cat([text, image[:, :, n:]], dim=2)  # noqa: E731
+    if text_mask is not None:
+        text_mask = torch.cat([text_mask.bool(), text_mask.new_ones(q.shape[0], beside, dtype=torch.bool)], 1)
+    image, text = operator(
+        q[:, :, :n], k[:, :, :n], v[:, :, :n], side(text_q, q), side(text_k, k), side(text_v, v), text_mask
+    )
+    return torch.cat([image, text[:, :, length:]], dim=2), text[:, :, :length]

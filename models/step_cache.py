@@ -328,13 +328,16 @@ class FirstBlockFamily:
         tokens = model.sequence.shard(whole, None)[0]
         local, n = tokens.shape[1], whole.shape[1]
         span = (model.sequence.start(local), model.sequence.start(local) + local)  # past n: padding
-        passes = []
+        passes, residuals, valid = [], [], model.sequence.valid_tokens(local)
         for cond in conds:
             ctx = model.patch_context(t, cond, grid)
-            first, side = model.patch_blocks([0], tokens, model.companion(ctx), ctx, grid, *span)
+            companion = model.companion(ctx)
+            first, side = model.patch_blocks([0], tokens, companion, ctx, grid, *span)
             passes.append((ctx, first, side))
+            residuals.append(self._residual(ctx, first - tokens, companion, side, valid, span[0]))
         first = torch.cat([p[1] for p in passes])  # rows: branches x samples, as FirstBlockCache reads them
-        rows = cache.decide(first - tokens.repeat(len(conds), 1, 1), model.sequence.valid_tokens(local))
+        residual = torch.cat(residuals)
+        rows = cache.decide(residual, residual.shape[1])
         run = None if rows is None else rows[: len(rows) // len(conds)]  # the same samples in each branch
         out = first[:0]
         if run is None or len(run):
@@ -342,6 +345,17 @@ class FirstBlockFamily:
         tokens = cache.combine(first, out, rows).chunk(len(conds))
         final = lambda b, ctx: model.patch_final(model.sequence.gather(b), ctx, 0, n)  # noqa: E731
         return [model.unpatchify(final(b, p[0]), grid) for b, p in zip(tokens, passes)]
+
+    @staticmethod
+    def _residual(ctx, residual, companion, side, valid: int, start: int):
+        """The first block's residual the rule compares: of this rank's real image tokens, then of the
+        reference tokens that passed beside them (`ctx.beside`, whole on every rank: counted on the
+        first shard's), the image stream's last tokens in diffusers' transformers."""
+        beside = getattr(ctx, "beside", 0)  # the families with reference images
+        residual = residual[:, :valid]
+        if not beside or start != 0:
+            return residual
+        return torch.cat([residual, side[:, -beside:] - companion[:, -beside:]], dim=1)
 
     def _rest(self, ctx, first, side, grid, run, span):
         """The blocks after the first on the samples `run` (None: all) of one branch."""

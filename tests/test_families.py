@@ -103,16 +103,13 @@ ROWS = {
     "flux2": Row(
         "flux2-klein.yaml", tiny_flux2_pipeline, "guidance_scale", {}, (40, 24),
         dict(time_shift_type="linear"), (1.0, KLEIN_THRESHOLD), "attn", "num_layers", _original_flux2,
-        "transformer_blocks.0.attn1.to_q", True,
-        ((["--image", REFERENCE, "sample.cache=first_block"], "and the first-block cache runs the noisy"),),
-        negative=False,
+        "transformer_blocks.0.attn1.to_q", True, negative=False,
     ),
     "flux2_dev": Row(  # the guidance scale the transformer's input: no negative prompt, no CFG batch
         "flux2-dev.yaml", tiny_flux2_dev_pipeline, "guidance_scale", {}, (40, 24),
         dict(time_shift_type="linear"), (4.0, DEV_THRESHOLD), "attn", "num_layers", _original_flux2,
         "transformer_blocks.0.attn1.to_q", True,
         ((["--guidance", "-1"], "embeds a guidance scale of 0 or more"),
-         (["--image", REFERENCE, "parallel.pipefusion=2"], "and PipeFusion runs the noisy tokens alone"),
          (["--negative-prompt", "blurry"], "--negative-prompt='blurry': FLUX.2 dev embeds its guidance")),
         negative=False,
     ),
@@ -365,7 +362,7 @@ def test_parallel_auto_chooses_a_layout_the_family_samples_under(saved, tmp_path
     """parallel.auto for a family (guidance 4, one node of `world` processes): a layout of every process,
     cfg 2 first (where a family has a CFG batch), that the same degrees given by hand sample under
     (Qwen-Image's joint attention never under ulysses x ring; Sana's split never past its rows' halo); over
-    PCIe, PipeFusion for FLUX.2, but never with reference images."""
+    PCIe, PipeFusion for FLUX.2, with reference images too (their tokens pass beside each patch)."""
     from models.families import family_named
     from parallel.drive import family_sampling
 
@@ -388,11 +385,10 @@ def test_parallel_auto_chooses_a_layout_the_family_samples_under(saved, tmp_path
         assert not (chosen.ulysses > 1 and chosen.ring > 1), chosen
     degrees = [f"parallel.{k}={getattr(chosen, k)}" for k in ("dp", "cfg", "ulysses", "ring", "pipefusion")]
     assert layout_of(*degrees) == chosen  # refused by hand otherwise
-    if family_named(name).references:  # PCIe: PipeFusion, but not with reference images (no patch has them)
+    if family_named(name).references and world == 8:  # PCIe: PipeFusion, with reference images or not
         monkeypatch.setattr(family_sampling, "links_are_slow", lambda: (True, "PCIe (a test)"))
-        assert layout_of("parallel.auto=true", "--image", REFERENCE).pipefusion == 1
-        if world == 8:
-            assert layout_of("parallel.auto=true").pipefusion == 2
+        assert layout_of("parallel.auto=true", "--image", REFERENCE).pipefusion == 2
+        assert layout_of("parallel.auto=true").pipefusion == 2
 
 
 def test_refusals(saved, tmp_path, capsys):
@@ -867,17 +863,32 @@ def test_first_block_decides_per_sample(name):
     assert calls == [n for n in running for _ in range(2)]
 
 
+def _with_references(model, cond, gen):
+    """`cond` with two reference images of 4 x 4 and 2 x 3 tokens, their tokens after the noisy ones in the
+    transformer's forward (Qwen-Image-Edit's, FLUX.2's)."""
+    grids = [(1, 4, 4), (1, 2, 3)]
+    cond.reference_grids = torch.tensor([grids] * len(cond.text))
+    channels = model.in_channels * model.patch_size**2
+    cond.references = torch.randn(len(cond.text), 16 + 6, channels, generator=gen)
+    return cond
+
+
 @torch.no_grad()
-@pytest.mark.parametrize("name", PIECES)
-def test_pipefusion_patches_match_the_whole_forward(name):
+@pytest.mark.parametrize(
+    "name, references", [(name, False) for name in PIECES] + [("qwen_image", True), ("flux2", True)]
+)
+def test_pipefusion_patches_match_the_whole_forward(name, references):
     """PipeFusion's operators (parallel/compute/pipefusion_operators.py) on one process: after a whole pass,
     each patch of 2 (rows 0-1, 2-4 of a 5 x 3 grid) run through every block gives the whole forward's tokens
-    and companion (Qwen-Image's text), and the final layer of the whole pass its velocity. Then the
-    same with the held tensors from another input (stale): the patches differ, as they should."""
+    and companion (Qwen-Image's text; with reference images (Qwen-Image-Edit 2511's, FLUX.2's) the text and
+    their tokens, which pass beside each patch), and the final layer of the whole pass its velocity. Then
+    the same with the held tensors from another input (stale): the patches differ, as they should."""
     from parallel.compute.pipefusion_operators import PatchState, install
     from parallel.compute.pipefusion_plan import keep_blocks, patch_ranges
 
     reference = _tiny_transformer(name)
+    if references and name == "qwen_image":  # 2511's: the references' tokens modulated at t = 0
+        reference.zero_cond_t = True
     model = keep_blocks(copy.deepcopy(reference), 0, 1)
     gen = torch.Generator().manual_seed(3)
     C, p = reference.in_channels, reference.patch_size
@@ -888,6 +899,8 @@ def test_pipefusion_patches_match_the_whole_forward(name):
         torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0]]).bool(),
     )
     cond = make(text, mask)
+    if references:
+        cond = _with_references(reference, cond, gen)
     t = torch.tensor([0.7, 0.7], dtype=torch.float64)
     state = PatchState(15)  # its operators only: no process group
     install(model, state)

@@ -2,6 +2,9 @@
 no guidance embedding) with diffusers' weights gives diffusers' output (float32 and bf16, a non-square
 grid, the 4-axis RoPE); the names map both ways."""
 
+import contextlib
+import io
+
 import pytest
 import torch
 
@@ -308,6 +311,67 @@ def test_reference_images_match_the_pipeline(tmp_path, monkeypatch, model, refer
     diff = float(np.abs(got - want).max())
     print(f"{model}, {references} reference(s): infer.py vs {type(pipe).__name__} {diff:.2e}, {got.shape}")
     assert got.shape == want.shape and diff <= 1e-5 and want.std() > 0.01
+
+
+# of 8 unguided steps, some middle ones reuse (klein's pipeline runs each branch in a cache context of
+# its own, tessera decides once for both: compared unguided, as in tests/test_families.py)
+REFERENCE_THRESHOLD = 1.2
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("case", ["first_block", pytest.param("pipefusion", marks=pytest.mark.slow)])
+def test_reference_images_through_the_patch_pieces(tmp_path, case):
+    """klein with a reference image, its tokens beside the noisy ones through the patch pieces: under
+    sample.cache=first_block (8 steps, unguided), the steps that run every block and the image of
+    diffusers' rule by hand on the pipeline (tests/test_families.py first_block_by_hand, which reads the
+    image stream, the reference's tokens included); under PipeFusion 2 x ulysses 2 (4 processes, warm-up
+    over every step, guidance 4), Flux2KleinPipeline's image (its stale patches: test_families.py and
+    test_qwen_image_edit.py)."""
+    import numpy as np
+    from PIL import Image
+
+    import infer
+    from models.image_condition import load_image
+    from tests.conftest import ROOT, ranks, run_main
+    from tests.test_families import first_block_by_hand
+
+    path = tmp_path / "ref.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (72, 88, 3), dtype=np.uint8)).save(path)
+    with torch.random.fork_rng():
+        pipe = tiny_flux2_pipeline()
+    pipe.save_pretrained(tmp_path / "pipeline")
+    parts = [f"{key}.pretrained={tmp_path / 'pipeline'}" for key in ("model", "vae", "text_encoder")]
+    recipe, out = str(ROOT / "configs" / "flux2-klein.yaml"), tmp_path / "out.npy"
+    argv = ["--config", recipe, "model.size=auto", *parts, "--frames", "1", "--prompt", "make it blue",
+            "--seed", "3", "--height", "40", "--width", "24", "--output", str(out),
+            "--image", str(path)]  # fmt: skip
+    steps, guidance = (8, 1.0) if case == "first_block" else (3, 4.0)
+    argv += ["--steps", str(steps), "--guidance", str(guidance)]
+    calls = []  # the second block's attention runs only when every block runs
+    if case == "first_block":
+        argv += ["sample.cache=first_block", f"sample.cache_first_block_threshold={REFERENCE_THRESHOLD}",
+                 "sample.cache_max_skips=8"]  # fmt: skip
+        said = io.StringIO()
+        with contextlib.redirect_stdout(said):
+            assert run_main(infer, argv) == 0
+        full = float(said.getvalue().split("[tessera] step cache: ")[1].split(" of 8")[0])
+        first_block_by_hand(pipe.transformer, REFERENCE_THRESHOLD, steps=8)
+        pipe.transformer.transformer_blocks[1].attn.register_forward_hook(lambda *a: calls.append(1))
+    else:
+        argv += ["parallel.pipefusion=2", "parallel.ulysses=2", "parallel.pipefusion_warmup=3"]
+        done = ranks(4, "infer.py", *argv, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "PipeFusion: 2 patches, 3 warm-up step(s)" in done.stdout, done.stdout
+    want = pipe(
+        image=[load_image(path)], prompt="make it blue", num_inference_steps=steps, guidance_scale=guidance,
+        height=40, width=24, generator=torch.Generator().manual_seed(3), output_type="np",
+    ).images[0]  # fmt: skip
+    diff = float(np.abs(np.load(out)[0] - want).max())
+    if case == "first_block":
+        print(f"first_block with a reference: {full:g} of 8 steps ran every block (the rule: {len(calls)})")
+        assert 1 < full < 8 and full == len(calls)
+    print(f"{case} with a reference: infer.py vs {type(pipe).__name__} {diff:.2e}")
+    assert diff <= 1e-5 and want.std() > 0.01
 
 
 def test_reference_refusals(tmp_path, capsys):

@@ -246,11 +246,6 @@ def test_refusals(edit, tmp_path, capsys):
     cases = [
         (edit_args(folder, tmp_path, [paths[0]] * 4), "takes 1 to 3"),
         (edit_args(folder, tmp_path, [tmp_path / "missing.png"]), "missing.png"),
-        (edit_args(folder, tmp_path, paths, "sample.cache=first_block"), "first-block cache"),
-        (
-            edit_args(folder, tmp_path, paths, "parallel.pipefusion=2"),
-            "does not sample under parallel.pipefusion",
-        ),
         (edit_args(folder, tmp_path, paths, "--last-image", str(paths[0])), "--last-image"),
         ([a for a in edit_args(folder, tmp_path, []) if a != "--image"], "edits images: give 1 to 3"),
     ]
@@ -288,6 +283,93 @@ def test_split_layouts_match_the_pipeline(edit, tmp_path, split):
     ).images[0]  # fmt: skip
     diff = float(np.abs(np.load(out)[0] - want).max())
     print(f"{split}: infer.py on 4 processes vs the pipeline {diff:.2e}")
+    assert diff <= 1e-5
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_pipefusion_with_references_matches_one_process(edit, tmp_path):
+    """PipeFusion 2 x ulysses 2 (4 processes), one warm-up step of 3, true CFG 4 (both branches in turn on
+    one pipeline): the references' tokens pass beside each patch after the text, whole on every rank
+    (this rank's heads under ulysses), 2511's modulated at t = 0. The image is that of the same schedule
+    run item by item on one process (tests/test_families.py sequential_pipefusion), and the patches ran
+    (whole steps differ)."""
+    import numpy as np
+
+    from configs import load_config
+    from models.families import family_named
+    from models.image_condition import load_image
+    from models.sampler import Sampling, generate_images
+    from tests.conftest import ranks
+    from tests.test_families import sequential_pipefusion
+
+    pipe, folder, paths = edit
+    if not pipe.transformer.config.zero_cond_t:
+        pytest.skip("2511's launch covers 2509's path (its references' flags besides)")
+    out = tmp_path / "out.npy"
+    argv = edit_args(folder, tmp_path, paths[:1], "--prompt", "make it blue", "--negative-prompt", "blurry",
+                     "--steps", "3", "--guidance", "4", "--seed", "5", "--height", "128", "--width", "64",
+                     "--output", str(out), "parallel.pipefusion=2", "parallel.ulysses=2",
+                     "parallel.pipefusion_warmup=1")  # fmt: skip
+    done = ranks(4, "infer.py", *argv, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "PipeFusion: 2 patches, 1 warm-up step(s)" in done.stdout, done.stdout
+    family, cfg = family_named("qwen_image_edit"), load_config(argv[1], argv[2:7])
+    parts = family.load(cfg, torch.device("cpu"), torch.float32)
+    sampling = Sampling(["make it blue"], [5], (1, 128, 64), 3, 4.0, "blurry", cfg.text_encoder.max_length,
+                        [[load_image(paths[0])]])  # fmt: skip
+    want = generate_images(family, parts, sampling, denoise_with=sequential_pipefusion(2, 1))[0]
+    whole = generate_images(family, parts, sampling)[0]
+    got = np.load(out)
+    diff, stale = float(np.abs(got - want).max()), float(np.abs(want - whole).max())
+    print(f"PipeFusion with a reference vs one process item by item {diff:.2e} (vs whole steps {stale:.2e})")
+    # the references' 4096 tokens (the pipeline sizes them to 1024 x 1024 pixels) outweigh the 32 noisy
+    # ones in each attention: the stale patches move the image by little, still 10 times the difference
+    assert diff <= 1e-5 and stale > 10 * diff
+
+
+# the first-block cache's thresholds (2509, 2511): of 8 steps, some middle ones reuse (compared unguided:
+# diffusers decides per branch, as for Qwen-Image in tests/test_families.py). 2511's rule reads mostly its
+# references' residual, which moves little (their tokens modulated at t = 0 and 700 times the noisy ones
+# here): a threshold 40 times lower
+FIRST_BLOCK_THRESHOLDS = {False: 0.3, True: 0.007}
+
+
+@torch.no_grad()
+def test_first_block_cache_matches_diffusers(edit, tmp_path, capsys):
+    """sample.cache=first_block with a reference image against diffusers' own first-block cache hooks on
+    the pipeline (diffusers.hooks.apply_first_block_cache, code no one here wrote), 8 steps, unguided:
+    the same steps run every block (fewer than 8) and the same image. Its rule reads the image stream's
+    residual, the references' tokens included, which pass beside the noisy ones in tessera's pieces."""
+    import numpy as np
+    from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
+
+    import infer
+    from models.image_condition import load_image
+    from tests.conftest import run_main
+
+    pipe, folder, paths = edit
+    out, threshold = tmp_path / "out.npy", FIRST_BLOCK_THRESHOLDS[pipe.transformer.config.zero_cond_t]
+    argv = edit_args(folder, tmp_path, paths[:1], "--prompt", "make it blue", "--steps", "8", "--guidance",
+                     "1", "--seed", "5", "--height", "48", "--width", "32", "--output", str(out),
+                     "sample.cache=first_block",
+                     f"sample.cache_first_block_threshold={threshold}",
+                     "sample.cache_max_skips=8")  # fmt: skip
+    assert run_main(infer, argv) == 0
+    full = float(capsys.readouterr().out.split("[tessera] step cache: ")[1].split(" of 8")[0])
+    transformer = type(pipe.transformer).from_pretrained(folder / "transformer")  # the module's stays bare
+    apply_first_block_cache(transformer, FirstBlockCacheConfig(threshold=threshold))
+    calls = []  # the second block's attention runs only when every block runs
+    transformer.transformer_blocks[1].attn.register_forward_hook(lambda *a: calls.append(1))
+    cached = type(pipe)(**{**pipe.components, "transformer": transformer})
+    cached.set_progress_bar_config(disable=True)
+    want = cached(
+        image=[load_image(paths[0])], prompt="make it blue", true_cfg_scale=1.0, num_inference_steps=8,
+        height=48, width=32, generator=torch.Generator().manual_seed(5), output_type="np",
+    ).images[0]  # fmt: skip
+    diff = float(np.abs(np.load(out)[0] - want).max())
+    print(f"{full:g} of 8 steps ran every block (diffusers: {len(calls)}), max abs {diff:.2e}")
+    assert 1 < full < 8 and full == len(calls) and want.std() > 0.01
     assert diff <= 1e-5
 
 

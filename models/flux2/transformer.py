@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.attention import JointAttention
+from models.attention import JointAttention, joint_beside
 from models.layers import WholeSequence, apply_rope, timestep_features, token_rows
 
 
@@ -115,12 +115,13 @@ class DoubleAttention(nn.Module):
         self.to_add_out = nn.Linear(dim, dim, bias=False)
         self.joint_attention = JointAttention(backend)
 
-    def forward(self, x, text, rope, text_rope):
+    def forward(self, x, text, rope, text_rope, beside: int = 0):
         d, plain = self.head_dim, lambda y: y.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)  # noqa: E731
         q, k = heads(self.to_q(x), self.norm_q, rope, d), heads(self.to_k(x), self.norm_k, rope, d)
         tq = heads(self.add_q_proj(text), self.norm_added_q, text_rope, d)
         tk = heads(self.add_k_proj(text), self.norm_added_k, text_rope, d)
-        x, text = self.joint_attention(q, k, plain(self.to_v(x)), tq, tk, plain(self.add_v_proj(text)), None)
+        tv = plain(self.add_v_proj(text))
+        x, text = joint_beside(self.joint_attention, q, k, plain(self.to_v(x)), tq, tk, tv, None, beside)
         flat = lambda y: y.transpose(1, 2).flatten(2).to(q.dtype)  # noqa: E731
         return self.to_out[0](flat(x)), self.to_add_out(flat(text))
 
@@ -137,13 +138,14 @@ class DoubleBlock(nn.Module):
         self.attn = DoubleAttention(dim, head_dim, eps, backend)
         self.ff, self.ff_context = FeedForward(dim, mlp_ratio), FeedForward(dim, mlp_ratio)
 
-    def forward(self, x, text, mods, rope, text_rope):
-        """x (B, N, D) this rank's image tokens, text (B, L, D); mods: the modulations (ImageMods) -> both."""
+    def forward(self, x, text, mods, rope, text_rope, beside: int = 0):
+        """x (B, N, D) this rank's image tokens, text (B, L, D); mods: the modulations (ImageMods) -> both.
+        `beside`: the patch pieces' reference tokens, the last of x (models/attention.py joint_beside)."""
         (shift, scale, gate), (shift2, scale2, gate2) = mods.double_img
         (c_shift, c_scale, c_gate), (c_shift2, c_scale2, c_gate2) = mods.double_txt
         attn, text_attn = self.attn(
             modulated(self.norm1, x, shift, scale), modulated(self.norm1_context, text, c_shift, c_scale),
-            rope, text_rope,
+            rope, text_rope, beside,
         )  # fmt: skip
         x = x + gate * attn
         x = x + gate2 * self.ff(self.norm2(x) * (1 + scale2) + shift2)
@@ -175,10 +177,10 @@ class SingleAttention(nn.Module):
         plain = v.unflatten(-1, (-1, d)).transpose(1, 2)
         return heads(q, self.norm_q, rope, d), heads(k, self.norm_k, rope, d), plain, swiglu(mlp)
 
-    def forward(self, x, text, rope, text_rope):
+    def forward(self, x, text, rope, text_rope, beside: int = 0):
         q, k, v, mlp = self._split(x, rope)
         tq, tk, tv, text_mlp = self._split(text, text_rope)
-        x_attn, text_attn = self.joint_attention(q, k, v, tq, tk, tv, None)
+        x_attn, text_attn = joint_beside(self.joint_attention, q, k, v, tq, tk, tv, None, beside)
         flat = lambda y: y.transpose(1, 2).flatten(2).to(q.dtype)  # noqa: E731
         out = lambda a, m: self.to_out(torch.cat([flat(a), m], dim=-1))  # noqa: E731
         return out(x_attn, mlp), out(text_attn, text_mlp)
@@ -195,11 +197,12 @@ class SingleBlock(nn.Module):
         self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
         self.attn = SingleAttention(dim, head_dim, mlp_ratio, eps, backend)
 
-    def forward(self, x, text, mods, rope, text_rope):
+    def forward(self, x, text, mods, rope, text_rope, beside: int = 0):
         ((shift, scale, gate),) = mods.single
         out, text_out = self.attn(
-            modulated(self.norm, x, shift, scale), modulated(self.norm, text, shift, scale), rope, text_rope
-        )
+            modulated(self.norm, x, shift, scale), modulated(self.norm, text, shift, scale), rope, text_rope,
+            beside,
+        )  # fmt: skip
         x, text = x + gate * out, text + gate * text_out
         if x.dtype == torch.float16:
             x, text = x.clip(-65504, 65504), text.clip(-65504, 65504)
@@ -223,18 +226,25 @@ class Flux2Context:
 
     mods: ImageMods
     text: torch.Tensor  # (B, L, D) the text stream entering the first block
-    rope: tuple  # the image tokens' angles (N, Dh/2, 2) and the text's (L, Dh/2, 2)
+    rope: tuple  # the image tokens' angles (N + M, Dh/2, 2), its references' after, and the text's (L, ...)
+    references: torch.Tensor | None = None  # (B, M, D) the reference images' tokens, embedded
 
     @property
     def temb(self) -> torch.Tensor:
         return self.mods.temb
+
+    @property
+    def beside(self) -> int:
+        """The reference tokens that pass beside each patch, after the text (the patch pieces' companion)."""
+        return 0 if self.references is None else self.references.shape[1]
 
     def rows(self, index):
         """The context of the samples `index` (the first-block step cache runs the others' blocks only)."""
         pick = lambda sets: tuple(tuple(m[index] for m in s) for s in sets)  # noqa: E731
         m = self.mods
         mods = ImageMods(m.temb[index], pick(m.double_img), pick(m.double_txt), pick(m.single))
-        return Flux2Context(mods, self.text[index], self.rope)
+        references = None if self.references is None else self.references[index]
+        return Flux2Context(mods, self.text[index], self.rope, references)
 
 
 def _embedder(channels: int, dim: int) -> nn.Module:
@@ -317,12 +327,10 @@ class Flux2Transformer(nn.Module):
         """x: (B, C, 1, h, w) packed latents; t: (B,) sigma in [0, 1]; cond: the text (and reference
         images, their tokens after the noisy ones, split with them) -> the velocity of the noisy tokens."""
         tokens, grid = self.embed(x)
-        mods, text = self.condition(t, cond), self.context_embedder(cond.text.to(tokens.dtype))
-        grids, n = [], tokens.shape[1]
-        if cond.references is not None:
-            tokens = torch.cat([tokens, self.x_embedder(cond.references.to(tokens.dtype))], dim=1)
-            grids = [tuple(int(v) for v in g) for g in cond.reference_grids[0].tolist()]  # alike per sample
-        rope, text_rope = self.ropes(grid, text.shape[1], tokens.device, grids)
+        ctx, n = self.patch_context(t, cond, grid), tokens.shape[1]
+        if ctx.references is not None:
+            tokens = torch.cat([tokens, ctx.references], dim=1)
+        (rope, text_rope), text, mods = ctx.rope, ctx.text, ctx.mods
         tokens, rope = self.sequence.shard(tokens, rope)
         for block in self.blocks:
             tokens, text = block(tokens, text, mods, rope, text_rope)
@@ -361,28 +369,36 @@ class Flux2Transformer(nn.Module):
         return angles(image), angles(text)
 
     # PipeFusion's (parallel/compute/pipefusion.py) and the first-block cache's (models/step_cache.py): the
-    # blocks on one patch of whole token rows; the reference images' tokens are refused by the family
+    # blocks on one patch of whole token rows; the reference images' tokens pass beside it, after the text
 
     def patch_context(self, t, cond: Flux2Cond, grid) -> Flux2Context:
-        """`condition`'s modulations, the text stream's input and the rotary angles at timestep t."""
-        if cond.references is not None:
-            raise ValueError("FLUX.2's reference images run through neither PipeFusion nor first_block")
+        """`condition`'s modulations, the text stream's input, the rotary angles and the references' tokens at
+        timestep t."""
         mods = self.condition(t, cond)
         text = self.context_embedder(cond.text.to(self.x_embedder.weight.dtype))
-        return Flux2Context(mods, text, self.ropes(grid, text.shape[1], text.device))
+        references, grids = None, []
+        if cond.references is not None:
+            references = self.x_embedder(cond.references.to(text.dtype))
+            grids = [tuple(int(v) for v in g) for g in cond.reference_grids[0].tolist()]  # alike per sample
+        return Flux2Context(mods, text, self.ropes(grid, text.shape[1], text.device, grids), references)
 
     def companion(self, ctx: Flux2Context):
-        """The stream that passes through the blocks beside a patch's image tokens: the text."""
-        return ctx.text
+        """The stream that passes through the blocks beside a patch's image tokens: the text, then the
+        references' tokens."""
+        return ctx.text if ctx.references is None else torch.cat([ctx.text, ctx.references], dim=1)
 
-    def patch_blocks(self, indices, tokens, text, ctx: Flux2Context, grid, start: int, end: int):
-        """Blocks `indices` on image tokens start:end (B, n, D) and the text (B, L, D) -> both; under a
-        split, tokens past the sequence's end are padding (zero angles)."""
-        rope, text_rope = ctx.rope
-        rope = token_rows(rope, start, end, dim=0)
+    def patch_blocks(self, indices, tokens, companion, ctx: Flux2Context, grid, start: int, end: int):
+        """Blocks `indices` on image tokens start:end (B, n, D) and the companion (B, L + M, D) -> both;
+        under a split, tokens past the sequence's end are padding (zero angles)."""
+        (rope, text_rope), beside, count = ctx.rope, ctx.beside, grid[0] * grid[1] * grid[2]
+        text, n = companion[:, : companion.shape[1] - beside], tokens.shape[1]
+        rope = token_rows(rope[:count], start, end, dim=0)
+        if beside:  # the references' tokens after the patch's, their angles after the image's
+            tokens = torch.cat([tokens, companion[:, -beside:]], dim=1)
+            rope = torch.cat([rope, ctx.rope[0][count:]])
         for index in indices:
-            tokens, text = self.blocks[index](tokens, text, ctx.mods, rope, text_rope)
-        return tokens, text
+            tokens, text = self.blocks[index](tokens, text, ctx.mods, rope, text_rope, beside)
+        return (tokens[:, :n], torch.cat([text, tokens[:, n:]], dim=1)) if beside else (tokens, text)
 
     def patch_final(self, tokens, ctx: Flux2Context, start: int, end: int):
         return self.final_layer(tokens, ctx.temb)

@@ -48,9 +48,9 @@ class QwenImageEdit(QwenImage):
     # its transformer's class is Qwen-Image's: a pipeline folder is told apart by its pipeline's class
     # (Family.recognises); a bare transformer folder is Qwen-Image's (the first of the two registered)
     pipeline_classes = ("QwenImageEditPlusPipeline",)
-    # one of ulysses and ring, the references' tokens split with the others. Not PipeFusion nor the
-    # first-block cache: their patch pieces do not carry references yet
-    parallel_degrees = ("cfg", "ulysses", "ring")
+    # Qwen-Image's layouts: under ulysses or ring the references' tokens split with the noisy ones; through
+    # PipeFusion's and the first-block cache's patch pieces they pass beside each patch, as the text
+
     # a calibration would have to be tied to the references, and scripts/calibrate_cache.py passes none
     calibrated_cache = False
     references, max_references = True, MAX_REFERENCES
@@ -62,14 +62,6 @@ class QwenImageEdit(QwenImage):
             raise FileNotFoundError(
                 f"model.pretrained: no {self.title} processor in {folder} (Qwen2.5-VL's image processor, "
                 "part of the pipeline folder; tessera never downloads)"
-            )
-
-    def check_sample_keys(self, cfg) -> None:
-        super().check_sample_keys(cfg)
-        if cfg.sample.cache == "first_block":
-            raise ValueError(
-                f"sample.cache=first_block: {self.title}'s references do not run through the first-block "
-                "cache yet; use sample.cache=none or calibrated"
             )
 
     def takes_images(self, cfg) -> bool:

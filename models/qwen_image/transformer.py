@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from models.attention import JointAttention
+from models.attention import JointAttention, joint_beside
 from models.layers import (
     AdaNormOut,
     FeedForward,
@@ -42,14 +42,22 @@ class QwenImageContext:
     temb: torch.Tensor  # (B, D) the time embedding: both streams' and the final layer's modulation input
     text: torch.Tensor  # (B, L, D) the text stream entering the first block
     text_mask: torch.Tensor | None  # (B, L) bool, or None
-    rope: tuple | None = None  # PipeFusion's: the image's and the text's rotary angles (patch_context)
+    rope: tuple | None = None  # the patch pieces': the image's (its references' after) and the text's angles
     reference_temb: torch.Tensor | None = None  # (B, D) Edit-2511 (zero_cond_t): the references' (t = 0)
+    references: torch.Tensor | None = None  # the patch pieces': (B, M, D) the references' tokens, embedded
+
+    @property
+    def beside(self) -> int:
+        """The reference tokens that pass beside each patch, after the text (the patch pieces' companion)."""
+        return 0 if self.references is None else self.references.shape[1]
 
     def rows(self, index):
         """The context of the samples `index` (the first-block step cache runs the others' blocks only)."""
-        mask = None if self.text_mask is None else self.text_mask[index]
-        zero = None if self.reference_temb is None else self.reference_temb[index]
-        return QwenImageContext(self.temb[index], self.text[index], mask, self.rope, zero)
+        pick = lambda x: None if x is None else x[index]  # noqa: E731
+        return QwenImageContext(
+            self.temb[index], self.text[index], pick(self.text_mask), self.rope, pick(self.reference_temb),
+            pick(self.references),
+        )  # fmt: skip
 
 
 def reference_grids(cond: QwenImageCond) -> list:
@@ -134,14 +142,16 @@ class QwenAttention(nn.Module):
             x = apply_rope(norm(x), rope[:, None])  # rope (N, 1, Dh/2, 2): the same angle for every head
         return x.transpose(1, 2)
 
-    def forward(self, x, text, text_mask, rope, text_rope):
+    def forward(self, x, text, text_mask, rope, text_rope, beside: int = 0):
+        """`beside`: the last image tokens that attend from the text's side (models/attention.py)."""
         q = self._heads(self.to_q(x), self.norm_q, rope)  # (B, H, N, Dh)
         k = self._heads(self.to_k(x), self.norm_k, rope)
         text_q = self._heads(self.add_q_proj(text), self.norm_added_q, text_rope)  # (B, H, L, Dh)
         text_k = self._heads(self.add_k_proj(text), self.norm_added_k, text_rope)
-        x, text = self.joint_attention(
-            q, k, self._heads(self.to_v(x)), text_q, text_k, self._heads(self.add_v_proj(text)), text_mask
-        )
+        x, text = joint_beside(
+            self.joint_attention, q, k, self._heads(self.to_v(x)), text_q, text_k,
+            self._heads(self.add_v_proj(text)), text_mask, beside,
+        )  # fmt: skip
         x, text = x.transpose(1, 2).flatten(2).to(q.dtype), text.transpose(1, 2).flatten(2).to(q.dtype)
         return self.to_out[0](x), self.to_add_out(text)  # (B, N, D), (B, L, D)
 
@@ -173,10 +183,11 @@ class QwenImageBlock(nn.Module):
         self.txt_norm1, self.txt_norm2 = norm(), norm()
         self.txt_mlp = FeedForward(dim)
 
-    def forward(self, x, text, text_mask, temb, rope, text_rope, references=None):
+    def forward(self, x, text, text_mask, temb, rope, text_rope, references=None, beside: int = 0):
         """x (B, N, D) image tokens (this rank's), text (B, L, D), text_mask (B, L) or None, temb (B, D),
         rope (N, Dh/2, 2), text_rope (L, Dh/2, 2) -> (x, text), both updated. `references`: Edit-2511's
-        (the t = 0 embedding (B, D), the image tokens' reference flags (1, N, 1))."""
+        (the t = 0 embedding (B, D), the image tokens' reference flags (1, N, 1)); `beside`: the patch
+        pieces' reference tokens, the last of x."""
         zero1 = zero2 = None
         if references is not None:  # one projection of both embeddings, as diffusers batches them
             img_mod, zero = self.img_mod(torch.cat([temb, references[0]])).chunk(2)
@@ -187,7 +198,7 @@ class QwenImageBlock(nn.Module):
         txt_mod1, txt_mod2 = self.txt_mod(temb).chunk(2, dim=-1)
         img_in, img_gate1 = modulate(self.img_norm1(x), img_mod1, zero1)
         txt_in, txt_gate1 = modulate(self.txt_norm1(text), txt_mod1)
-        img_attn, txt_attn = self.attn(img_in, txt_in, text_mask, rope, text_rope)
+        img_attn, txt_attn = self.attn(img_in, txt_in, text_mask, rope, text_rope, beside)
         x = x + img_gate1 * img_attn
         text = text + txt_gate1 * txt_attn
         img_in, img_gate2 = modulate(self.img_norm2(x), img_mod2, zero2)
@@ -270,11 +281,10 @@ class QwenImageTransformer(nn.Module):
         """x: (B, C, T, H, W) latents (normalised: sampling.py); t: (B,) sigma in [0, 1]; cond: the text
         (and Qwen-Image-Edit's references) -> the velocity (B, C_out, T, H, W)."""
         tokens, grid = self.embed(x)  # (B, N, D)
-        ctx, n, grids = self.condition(t, cond), tokens.shape[1], reference_grids(cond)
-        rope, text_rope = self.pos_embed(grid, ctx.text.shape[1], tokens.device, grids)  # (N, ...), (L, ...)
-        references = None
+        ctx, n = self.patch_context(t, cond, grid), tokens.shape[1]
+        (rope, text_rope), references = ctx.rope, None  # (N + M, ...), (L, ...)
         if cond.references is not None:  # their tokens after the noisy ones, sharded with them
-            tokens = torch.cat([tokens, self.img_in(cond.references.to(tokens.dtype))], dim=1)
+            tokens = torch.cat([tokens, ctx.references], dim=1)
             if ctx.reference_temb is not None:
                 flags = (torch.arange(tokens.shape[1], device=tokens.device) >= n).view(1, -1, 1)
                 references = (ctx.reference_temb, self.sequence.shard(flags.to(tokens.dtype), None)[0])
@@ -313,29 +323,39 @@ class QwenImageTransformer(nn.Module):
             zero = self.time_text_embed(timestep * 0, dtype)
         return QwenImageContext(temb, text, mask, reference_temb=zero)
 
-    # PipeFusion's (parallel/compute/pipefusion.py): the blocks on one patch of whole token rows.
+    # PipeFusion's (parallel/compute/pipefusion.py) and the first-block cache's (models/step_cache.py): the
+    # blocks on one patch of whole token rows; Qwen-Image-Edit's references pass beside it, after the text
 
     def patch_context(self, t, cond: QwenImageCond, grid) -> QwenImageContext:
-        """What the blocks read at timestep t, besides the tokens: `condition`'s and the rotary angles."""
-        if cond.references is not None:  # refused by name before sampling (Qwen-Image-Edit's check)
-            raise ValueError("Qwen-Image-Edit's references run through neither PipeFusion nor first_block")
+        """What the blocks read at timestep t, besides the tokens: `condition`'s, the rotary angles and the
+        references' tokens."""
         ctx = self.condition(t, cond)
-        ctx.rope = self.pos_embed(grid, ctx.text.shape[1], ctx.text.device)
+        ctx.rope = self.pos_embed(grid, ctx.text.shape[1], ctx.text.device, reference_grids(cond))
+        if cond.references is not None:
+            ctx.references = self.img_in(cond.references.to(ctx.text.dtype))
         return ctx
 
     def companion(self, ctx: QwenImageContext):
-        """The stream that passes through the blocks beside a patch's image tokens: the text."""
-        return ctx.text
+        """The stream that passes through the blocks beside a patch's image tokens: the text, then the
+        references' tokens."""
+        return ctx.text if ctx.references is None else torch.cat([ctx.text, ctx.references], dim=1)
 
-    def patch_blocks(self, indices, tokens, text, ctx: QwenImageContext, grid, start: int, end: int):
-        """Blocks `indices` on image tokens start:end (B, n, D) and the text stream (B, L, D) -> both;
+    def patch_blocks(self, indices, tokens, companion, ctx: QwenImageContext, grid, start: int, end: int):
+        """Blocks `indices` on image tokens start:end (B, n, D) and the companion (B, L + M, D) -> both;
         under a split, tokens past the patch's end are padding (past the sequence's end: zero angles)."""
-        rope, text_rope = ctx.rope
-        rope = token_rows(rope, start, end, dim=0)
+        (rope, text_rope), beside, count = ctx.rope, ctx.beside, grid[0] * grid[1] * grid[2]
+        text, n = companion[:, : companion.shape[1] - beside], tokens.shape[1]
+        rope, references = token_rows(rope[:count], start, end, dim=0), None
+        if beside:  # the references' tokens after the patch's, their angles after the image's
+            tokens = torch.cat([tokens, companion[:, -beside:]], dim=1)
+            rope = torch.cat([rope, ctx.rope[0][count:]])
+            if ctx.reference_temb is not None:
+                flags = (torch.arange(tokens.shape[1], device=tokens.device) >= n).view(1, -1, 1)
+                references = (ctx.reference_temb, flags.to(tokens.dtype))
         for index in indices:
             block = self.blocks[index]
-            tokens, text = block(tokens, text, ctx.text_mask, ctx.temb, rope, text_rope)
-        return tokens, text
+            tokens, text = block(tokens, text, ctx.text_mask, ctx.temb, rope, text_rope, references, beside)
+        return (tokens[:, :n], torch.cat([text, tokens[:, n:]], dim=1)) if beside else (tokens, text)
 
     def patch_final(self, tokens, ctx, start: int, end: int):
         """The final layer on the tokens start:end."""

@@ -148,8 +148,8 @@ def check_family_layout(cfg, family, request, degrees, meta) -> None:
 def check_patch_pipeline(cfg, family, request, degrees, meta) -> None:
     """What PipeFusion and the first-block cache through a transformer's patch pieces refuse (first_block
     under PipeFusion: configs/ refuses it): an operator PipeFusion does not run, an attention
-    backend that cannot mask a split's or PipeFusion's padded keys, a first-block cache without the pieces,
-    reference images (tokens beside the noisy ones, which the pieces leave out)."""
+    backend that cannot mask a split's or PipeFusion's padded keys, a first-block cache without the pieces.
+    Reference images pass beside each patch, as the text (models/attention.py joint_beside)."""
     ranks, pipefusion = degrees.ulysses * degrees.ring, degrees.pipefusion or 1
     first_block = request.cache is not None and request.cache.method == "first_block"
     backend = cfg.model.attention_backend
@@ -158,13 +158,6 @@ def check_patch_pipeline(cfg, family, request, degrees, meta) -> None:
             f"model.attention_backend={cfg.model.attention_backend} takes no mask, and a sequence split "
             "and PipeFusion's patches mask keys: use sdpa, math or auto with parallel.ulysses, ring or "
             "pipefusion"
-        )
-    if (first_block or pipefusion > 1) and family.references and request.images:  # pieces: noisy tokens
-        patched, what = ("sample.cache=first_block", "the first-block cache") if first_block else (
-            f"parallel.pipefusion={pipefusion}", "PipeFusion")  # fmt: skip
-        raise ValueError(
-            f"--image with {patched}: {family.title}'s reference images are tokens beside the noisy ones, "
-            f"and {what} runs the noisy tokens alone: drop {patched} to sample with references"
         )
     transformer = meta()
     kinds = operator_kinds(transformer)
