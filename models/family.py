@@ -638,12 +638,13 @@ class Family:
 
         t, cache = t.to(x.device).expand(x.shape[0]), parts.cache
         if cache is not None and cache.method == "first_block":
-            return FirstBlockFamily(self.patch_pieces(parts), cache)(x, t, *conds)
+            return FirstBlockFamily(self.patch_pieces(parts, conds[0]), cache)(x, t, *conds)
         return [parts.transformer(x, t, cond) for cond in conds]
 
-    def patch_pieces(self, parts: Components):
+    def patch_pieces(self, parts: Components, cond=None):
         """The transformer's patch pieces (embed, patch_context, companion, patch_blocks, patch_final,
-        unpatchify) as this sampling calls them: PipeFusion's (parallel/compute/pipefusion.py)."""
+        unpatchify) as this sampling of `cond` (any branch's conditioning: what the embedding reads is
+        alike in each) calls them: PipeFusion's (parallel/compute/pipefusion.py), the first-block cache's."""
         return parts.transformer
 
     def guidance_at(self, parts: Components, t, scale: float) -> float:

@@ -262,6 +262,8 @@ LAYOUTS = {  # (processes, overrides, task): 180 tokens, split in 2 x 90 under u
     "one-process": (1, [], "t2v"),
     "one-process-i2v": (1, [], "i2v"),
     "cfg2-ulysses2-i2v": (4, ["parallel.cfg=2", "parallel.ulysses=2"], "i2v"),
+    # warm-up over every step: exact (stale patches over frames: tests/test_pipefusion.py, the DiT's video)
+    "pipefusion2-i2v": (2, ["parallel.pipefusion=2", "parallel.pipefusion_warmup=3"], "i2v"),
 }
 
 
@@ -337,23 +339,16 @@ def test_infer_matches_the_pipeline(saved, saved_i2v, tmp_path, capsys, layout):
 
 def test_refusals(saved, saved_i2v, tmp_path, capsys):
     """What the family does not run yet: one error line naming it, before any process group."""
-    from PIL import Image
-
     import infer
     import train
     from tests.conftest import run_main
 
     base = infer_args(saved, tmp_path)
-    image = tmp_path / "first.png"
-    Image.new("RGB", (32, 32), (200, 10, 10)).save(image)
-    i2v = [f"{part}.pretrained={saved_i2v}" for part in ("model", "vae", "text_encoder")]
-    cached = [*i2v, "--image", str(image), "sample.cache=first_block"]
     cases = [
-        (infer, cached, "image-to-video does not run the first-block cache"),
         (infer, ["--frames", "4"], "--frames"),  # a causal VAE: 1 + 2k frames
         (infer, ["--height", "26"], "height"),
         (infer, ["parallel.ulysses=2", "parallel.ring=2"], "not both"),
-        (infer, ["parallel.pipefusion=2"], "does not sample under parallel.pipefusion=2"),
+        (infer, ["parallel.pipefusion=2", "sample.cache=first_block"], "PipeFusion"),
         (infer, ["--image", "x.png"], "--image: model.pretrained="),
         (train, ["model.task=i2v"], "leaves it at t2v"),
         (train, [f"model.pretrained={saved_i2v}"], "sample.images is empty"),  # its previews' frames
@@ -382,28 +377,34 @@ def test_refusals(saved, saved_i2v, tmp_path, capsys):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("layout", ["one-process", pytest.param("ring2", marks=pytest.mark.slow)])
-def test_first_block_cache_matches_diffusers(saved, tmp_path, capsys, layout):
+@pytest.mark.parametrize(
+    "layout", ["one-process", "one-process-i2v", pytest.param("ring2", marks=pytest.mark.slow)]
+)
+def test_first_block_cache_matches_diffusers(saved, saved_i2v, tmp_path, capsys, layout):
     """sample.cache=first_block against diffusers' own first-block cache hooks on the pipeline's transformer
     (its block registered as a dual-stream one), unguided (diffusers decides each guidance branch apart),
-    8 steps, threshold 0.4: the same 4 of 8 steps run every block, and the same video; on one process and
-    with each sample's tokens split over two (ring 2, the decision's sums agreed)."""
+    8 steps, threshold 0.4: the same steps run every block (fewer than 8), and the same video; on one
+    process, text- and image-to-video (the embedding reads the given frame's latents), and with each
+    sample's tokens split over two (ring 2, the decision's sums agreed)."""
     from diffusers import DiffusionPipeline
     from diffusers.guiders import ClassifierFreeGuidance
     from diffusers.hooks import FirstBlockCacheConfig
     from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
     from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15TransformerBlock
+    from PIL import Image
 
     import infer
     from tests.conftest import ranks, run_main
 
-    out = tmp_path / "video.npy"
+    out, folder = tmp_path / "video.npy", saved_i2v if layout.endswith("i2v") else saved
     argv = infer_args(
-        saved, tmp_path, "--prompt", PROMPTS[0], "--steps", "8", "--guidance", "1", "--seed", "5"
+        folder, tmp_path, "--prompt", PROMPTS[0], "--steps", "8", "--guidance", "1", "--seed", "5"
     )
     argv += ["--output", str(out), "sample.cache=first_block", "sample.cache_first_block_threshold=0.4"]
     argv += ["sample.cache_max_skips=8"]
-    if layout == "one-process":
+    image = first_frame(tmp_path) if layout.endswith("i2v") else None
+    argv += ["--image", str(image)] if image else []
+    if layout.startswith("one-process"):
         assert run_main(infer, argv) == 0
         said = capsys.readouterr().out
     else:
@@ -413,15 +414,16 @@ def test_first_block_cache_matches_diffusers(saved, tmp_path, capsys, layout):
     full = float(said.split("[tessera] step cache: ")[1].split(" of 8")[0])
     metadata = TransformerBlockMetadata(return_hidden_states_index=0, return_encoder_hidden_states_index=1)
     TransformerBlockRegistry.register(model_class=HunyuanVideo15TransformerBlock, metadata=metadata)
-    pipe = DiffusionPipeline.from_pretrained(saved)
+    pipe = DiffusionPipeline.from_pretrained(folder)
     pipe.guider = ClassifierFreeGuidance(guidance_scale=1.0)
     pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.4))
     calls = []  # the last block's attention runs only when every block runs
     pipe.transformer.transformer_blocks[-1].attn.register_forward_hook(lambda *a: calls.append(1))
     pipe.set_progress_bar_config(disable=True)
     generator = torch.Generator().manual_seed(5)
+    given = dict(image=Image.open(image), num_frames=SIZE["num_frames"]) if image else SIZE
     want = pipe(
-        prompt=PROMPTS[0], num_inference_steps=8, **SIZE, generator=generator, output_type="np"
+        prompt=PROMPTS[0], num_inference_steps=8, **given, generator=generator, output_type="np"
     ).frames[0]
     diff = float(np.abs(np.load(out) - want).max())
     print(f"first_block: {full:g} of 8 steps ran every block (diffusers {len(calls)}), max abs {diff:.2e}")

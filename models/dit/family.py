@@ -149,7 +149,7 @@ class DiTFamily(Family):
             model = experts.on_device(*pair, parts.device)
         return model
 
-    def patch_pieces(self, parts: DiTParts):
+    def patch_pieces(self, parts: DiTParts, cond=None):
         """Its transformer's, with the image condition when there is one."""
         if parts.condition is None:
             return parts.transformer

@@ -1,10 +1,9 @@
 """HunyuanVideo 1.5 as a tessera family (models/family.py): a diffusers HunyuanVideo15Pipeline folder's
 transformer, Qwen2.5-VL and ByT5 text encoders and causal video VAE (an image-to-video folder's SigLIP
 image encoder too); the schedule of its FlowMatchEulerDiscreteScheduler (a static shift, Euler steps);
-classifier-free guidance as its guider's. Text- and image-to-video under dp, cfg, ulysses or ring, with
-the first-block step cache (text-to-video only); text- and image-to-video training (full or LoRA);
-PipeFusion is not built yet. The transformer may also be one file in the original release's names
-(weights.py diffusers_from_original).
+classifier-free guidance as its guider's. Text- and image-to-video under dp, cfg, ulysses, ring or
+PipeFusion, with the first-block step cache; text- and image-to-video training (full or LoRA). The
+transformer may also be one file in the original release's names (weights.py diffusers_from_original).
 """
 
 from dataclasses import dataclass, replace
@@ -56,11 +55,27 @@ def sigmas(steps: int, scheduler_config: dict) -> torch.Tensor:
     return torch.cat([torch.from_numpy(s).to(torch.float32), torch.zeros(1)])
 
 
+class GivenFramePieces:
+    """The transformer's patch pieces with image-to-video's given frame: `embed(x)` is the transformer's
+    `embed(x, given)`; the rest is the transformer's own."""
+
+    def __init__(self, model, given: torch.Tensor):
+        self.model, self.given = model, given
+
+    def __getattr__(self, name):  # only what the instance lacks (a copy's lookups before __init__: none)
+        if name in ("model", "given"):
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    def embed(self, x):
+        return self.model.embed(x, self.given)
+
+
 class HunyuanVideo15(Family):
     name, title = "hunyuan_video15", "HunyuanVideo 1.5"
     pipeline_classes, transformer_classes = PIPELINE_CLASSES, (TRANSFORMER_CLASS,)
-    # one of ulysses and ring (joint attention); PipeFusion's family walk cuts image rows, not frames
-    parallel_degrees = ("cfg", "ulysses", "ring")
+    # one of ulysses and ring (joint attention)
+    parallel_degrees = ("cfg", "ulysses", "ring", "pipefusion")
     vae_class, max_length = "AutoencoderKLHunyuanVideo15", MAX_LENGTH
     conditioning = HunyuanVideo15Cond
     image_to_video = True
@@ -97,13 +112,12 @@ class HunyuanVideo15(Family):
         index = read_json(Path(cfg.model.pretrained or "") / "model_index.json").get("_class_name")
         return index == PIPELINE_CLASSES[1] or (part_folder(cfg, "image_encoder") / "config.json").is_file()
 
-    def sampling_images(self, cfg, given: tuple, count: int, size: tuple, sized: bool, say=None) -> tuple:
-        if given[0] and cfg.sample.cache == "first_block":  # FirstBlockFamily embeds without the condition
-            raise ValueError(
-                f"sample.cache=first_block: {self.title}'s image-to-video does not run the first-block cache "
-                "yet (its embedding reads the image's latents): use sample.cache=none or calibrated"
-            )
-        return super().sampling_images(cfg, given, count, size, sized, say)
+    def patch_pieces(self, parts: HunyuanVideo15Parts, cond=None):
+        """Its transformer's; image-to-video: the embedding reads the given frame's latents and mask beside
+        the noisy latents, as its forward does."""
+        if cond is None or cond.image_latents is None:
+            return parts.transformer
+        return GivenFramePieces(parts.transformer, cond.image_latents)
 
     def image_size(self, cfg, image) -> tuple:
         target = self.transformer_config(cfg).get("target_size", 640)  # the pipeline's base size in pixels

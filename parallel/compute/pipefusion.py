@@ -99,7 +99,7 @@ class PipeFusion:
         denoise walks it, behind the step cache (parts.cache: sample.cache=calibrated skips steps on
         every stage; the last stage applies them)."""
         g = self.groups
-        pieces = family.patch_pieces(parts)
+        pieces = family.patch_pieces(parts, cond)
         branches = [cond] if uncond is None else [cond, uncond]
         if uncond is not None and g.cfg_size > 1:
             branches = [branches[g.cfg_rank]]
