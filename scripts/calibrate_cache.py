@@ -7,7 +7,8 @@ guided velocity of every step, and write per step its mean relative change and n
 
 One process, any family: it samples through infer.py. Calibrate once per model and step count
 (sample.steps, or --steps); the prompts default to sample.prompts, each with --seeds seeds. The sampling
-size is the recipe's (sample.*, else data.*). The file records what it was made for (architecture,
+size is the recipe's (sample.*, else data.*); --image (and --last-image) give an image-conditioned model its
+images, as infer.py's (a first frame, Qwen-Image-Edit's references). The file records what it was made for (architecture,
 weights, --lora files, frozen parts, schedule, guidance, steps): infer.py refuses it for any other.
 """
 
@@ -57,6 +58,8 @@ def record_velocities(cfg, args, overrides, prompts: list, steps: int, session=N
     argv += ["--checkpoint", args.checkpoint] if args.checkpoint else []
     argv += ["--random-weights"] if args.random_weights else []
     argv += ["--lora", *args.lora] if args.lora else []
+    argv += ["--image", *args.image] if args.image else []
+    argv += ["--last-image", *args.last_image] if args.last_image else []
     infer_videos([*argv, *overrides, "sample.cache=none"], len(everything), session, walk=recording)
     return [torch.cat([batch[i] for batch in batches]) for i in range(len(batches[0]))]
 
@@ -84,6 +87,9 @@ def main(argv=None, session=None):
     p.add_argument(
         "--lora", nargs="+", default=[], metavar="FILE[:SCALE]", help="LoRAs merged, as infer.py --lora"
     )
+    # what the table measures carries over to other images, as to other prompts
+    p.add_argument("--image", nargs="+", default=[], help="the sampling's images, as infer.py --image")
+    p.add_argument("--last-image", nargs="+", default=[], help="as infer.py --last-image")
     args = p.parse_args(args)
     cfg = load_config(args.config, overrides)
     steps = args.steps or cfg.sample.steps

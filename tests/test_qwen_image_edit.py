@@ -328,6 +328,38 @@ def test_pipefusion_with_references_matches_one_process(edit, tmp_path):
     assert diff <= 1e-5 and stale > 10 * diff
 
 
+@pytest.mark.slow
+def test_a_calibrated_step_cache_with_references(edit, tmp_path, capsys):
+    """scripts/calibrate_cache.py --image: the references given to the sampling it records, through
+    infer.py; infer.py with sample.cache=calibrated then calls the model on the steps the table's budget
+    leaves (2 of 4), for other references too (the table carries over to them, as to other prompts), the
+    image other than the uncached one."""
+    import numpy as np
+
+    import infer
+    from tests.conftest import ROOT, run_main
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import calibrate_cache
+
+    pipe, folder, paths = edit
+    if not pipe.transformer.config.zero_cond_t:
+        pytest.skip("2511's run covers 2509's path")
+    argv = edit_args(folder, tmp_path, [])[:-3]  # the recipe and its parts, no --image
+    table = tmp_path / "c.json"
+    assert run_main(calibrate_cache, [*argv, "--image", str(paths[0]), "--steps", "4", "--seeds", "1",
+                                      "--prompts", "make it blue", "--output", str(table)]) == 0  # fmt: skip
+    cached = ["sample.cache=calibrated", f"sample.cache_calibration={table}", "sample.cache_threshold=100"]
+    argv += ["--image", str(paths[1]), "--frames", "1", "--steps", "4", "--prompt", "add a hat",
+             "--seed", "3", "--height", "48", "--width", "32"]  # fmt: skip
+    capsys.readouterr()
+    assert run_main(infer, [*argv, *cached, "--output", str(tmp_path / "c.npy")]) == 0
+    assert "[tessera] step cache: 2 of 4 steps call the model" in capsys.readouterr().out
+    assert run_main(infer, [*argv, "--output", str(tmp_path / "u.npy")]) == 0
+    image, uncached = np.load(tmp_path / "c.npy"), np.load(tmp_path / "u.npy")
+    assert np.isfinite(image).all() and np.abs(image - uncached).max() > 1e-4
+
+
 # the first-block cache's thresholds (2509, 2511): of 8 steps, some middle ones reuse (compared unguided:
 # diffusers decides per branch, as for Qwen-Image in tests/test_families.py). 2511's rule reads mostly its
 # references' residual, which moves little (their tokens modulated at t = 0 and 700 times the noisy ones

@@ -50,9 +50,6 @@ class QwenImageEdit(QwenImage):
     pipeline_classes = ("QwenImageEditPlusPipeline",)
     # Qwen-Image's layouts: under ulysses or ring the references' tokens split with the noisy ones; through
     # PipeFusion's and the first-block cache's patch pieces they pass beside each patch, as the text
-
-    # a calibration would have to be tied to the references, and scripts/calibrate_cache.py passes none
-    calibrated_cache = False
     references, max_references = True, MAX_REFERENCES
 
     def check_pretrained(self, cfg) -> None:
