@@ -5,11 +5,11 @@ guided velocity of every step, and write per step its mean relative change and n
     python infer.py --config configs/demo.yaml sample.cache=calibrated \\
         sample.cache_calibration=runs/demo/cache.json --prompt "a red square moving left"
 
-One process, any family: it samples through infer.py. Calibrate once per model and step count
-(sample.steps, or --steps); the prompts default to sample.prompts, each with --seeds seeds. The sampling
-size is the recipe's (sample.*, else data.*); --image (and --last-image) give an image-conditioned model its
-images, as infer.py's (a first frame, Qwen-Image-Edit's references). The file records what it was made for (architecture,
-weights, --lora files, frozen parts, schedule, guidance, steps): infer.py refuses it for any other.
+One process, any family, through infer.py, once per model and step count (sample.steps, or --steps):
+sample.prompts (or --prompts), --seeds each, at the recipe's size (sample.*, else data.*); --image and
+--last-image as infer.py's (one for every sample, or one each of prompts x seeds). The file records what
+it was made for (architecture, weights, --lora files, frozen parts, schedule, guidance, steps): infer.py
+refuses it for any other.
 """
 
 import argparse

@@ -362,7 +362,8 @@ def test_parallel_auto_chooses_a_layout_the_family_samples_under(saved, tmp_path
     """parallel.auto for a family (guidance 4, one node of `world` processes): a layout of every process,
     cfg 2 first (where a family has a CFG batch), that the same degrees given by hand sample under
     (Qwen-Image's joint attention never under ulysses x ring; Sana's split never past its rows' halo); over
-    PCIe, PipeFusion for FLUX.2, with reference images too (their tokens pass beside each patch)."""
+    PCIe, PipeFusion for FLUX.2, but not with reference images (recomputed beside every patch: PipeFusion
+    stays theirs to ask for)."""
     from models.families import family_named
     from parallel.drive import family_sampling
 
@@ -385,10 +386,11 @@ def test_parallel_auto_chooses_a_layout_the_family_samples_under(saved, tmp_path
         assert not (chosen.ulysses > 1 and chosen.ring > 1), chosen
     degrees = [f"parallel.{k}={getattr(chosen, k)}" for k in ("dp", "cfg", "ulysses", "ring", "pipefusion")]
     assert layout_of(*degrees) == chosen  # refused by hand otherwise
-    if family_named(name).references and world == 8:  # PCIe: PipeFusion, with reference images or not
+    if family_named(name).references and world == 8:  # PCIe: PipeFusion, but not with reference images
         monkeypatch.setattr(family_sampling, "links_are_slow", lambda: (True, "PCIe (a test)"))
-        assert layout_of("parallel.auto=true", "--image", REFERENCE).pipefusion == 2
+        assert layout_of("parallel.auto=true", "--image", REFERENCE).pipefusion == 1
         assert layout_of("parallel.auto=true").pipefusion == 2
+        assert layout_of("parallel.pipefusion=2", "--image", REFERENCE).pipefusion == 2  # asked for
 
 
 def test_refusals(saved, tmp_path, capsys):
@@ -977,22 +979,29 @@ def test_calibrated_cache_under_pipefusion_equals_one_process(saved, tmp_path):
 
 def sequential_pipefusion(patches: int, warmup: int, cache=None):
     """models/sampler.py's denoise_with running PipeFusion's schedule on one process, item by item: the
-    whole latent for `warmup` steps, then `patches` patches of rows in order, each through every block
-    (PipeFusion's operators: this step's values for the patches done, the last step's for the others),
-    both guidance branches, the solver's step on the patch's rows. What a layer sees depends on the
-    order of the items alone, not on the number of stages: the reference for PipeFusion's processes.
-    `cache`: sample.cache=calibrated's, whose skipped steps reuse the patch's velocity, scaled."""
+    whole latent for `warmup` steps, then `patches` patches of token rows in order (every frame's rows
+    one under the other, as PipeFusion's strips), each through every block (PipeFusion's operators: this
+    step's values for the patches done, the last step's for the others), both guidance branches, the
+    solver's step on the patch's rows. What a layer sees depends on the order of the items alone, not on
+    the number of stages: the reference for PipeFusion's processes. The transformer's pieces are the
+    family's (Family.patch_pieces: an image condition's embedding). `cache`: sample.cache=calibrated's,
+    whose skipped steps reuse the patch's velocity, scaled."""
+    from dataclasses import replace
+
+    from parallel.compute.pipefusion import from_strips, to_strips
     from parallel.compute.pipefusion_operators import PatchState, install
     from parallel.compute.pipefusion_plan import keep_blocks, patch_ranges
 
     def denoise_with(family, parts, schedule, noise, cond, uncond, scale, progress):
         model = keep_blocks(copy.deepcopy(parts.transformer), 0, 1)
-        grid = model.embed(noise)[1]
-        (_, h, w), p = grid, model.patch_size
-        state = PatchState(h * w)  # PipeFusion's operators only
+        pieces = family.patch_pieces(replace(parts, transformer=model), cond)
+        grid = pieces.embed(noise)[1]
+        (frames, h, w) = grid
+        state = PatchState(frames * h * w)  # PipeFusion's operators only
         state.grid = grid
         install(model, state)
-        x, solver = noise.float().clone(), None
+        x, solver = to_strips(noise, frames), None
+        r = x.shape[3] // (frames * h)  # latent rows per token row
         branches = [cond] if uncond is None else [cond, uncond]
         steps = len(schedule.timesteps)
         plan = [(True, 1.0)] * steps if cache is None else [(s.compute, s.scale) for s in cache.plan(steps)]
@@ -1001,19 +1010,19 @@ def sequential_pipefusion(patches: int, warmup: int, cache=None):
             following = computed[index + 1] if index + 1 < len(computed) else steps
             walked = [(step, 1.0)] + [(j, plan[j][1]) for j in range(step + 1, following)]
             t = schedule.timesteps[step].expand(noise.shape[0])
-            contexts = [model.patch_context(t, c, grid) for c in branches]
-            for a, b in [(0, h * w)] if index < warmup else patch_ranges(grid, patches):
+            contexts = [pieces.patch_context(t, c, grid) for c in branches]
+            for a, b in [(0, frames * h * w)] if index < warmup else patch_ranges(grid, patches):
                 state.start, state.end = a, b
                 v = []
                 for state.branch, ctx in enumerate(contexts):
-                    tokens = model.embed(x)[0][:, a:b]
-                    tokens, _ = model.patch_blocks(
-                        model.stage_range, tokens, model.companion(ctx), ctx, grid, a, b
+                    tokens = pieces.embed(from_strips(x, frames))[0][:, a:b]
+                    tokens, _ = pieces.patch_blocks(
+                        model.stage_range, tokens, pieces.companion(ctx), ctx, grid, a, b
                     )
-                    out = model.unpatchify(model.final_layer(tokens, ctx.temb), (1, (b - a) // w, w))
+                    out = pieces.unpatchify(pieces.patch_final(tokens, ctx, a, b), (1, (b - a) // w, w))
                     v.append(family.prediction(out))
-                v = v[0] if len(v) == 1 else family.guide(v[0], v[1], scale)
-                rows = slice(a // w * p, b // w * p)
+                v = v[0] if len(v) == 1 else family.guide(v[0], v[1], scale, parts)
+                rows = slice(a // w * r, b // w * r)
                 new = x[:, :, :, rows]
                 kept = None if step == 0 or solver is None else solver[:, :, :, rows]
                 for j, scale_j in walked:
@@ -1022,7 +1031,7 @@ def sequential_pipefusion(patches: int, warmup: int, cache=None):
                     solver = torch.zeros_like(x) if solver is None else solver
                     solver[:, :, :, rows] = kept
                 x[:, :, :, rows] = new
-        return x
+        return from_strips(x, frames)
 
     return denoise_with
 

@@ -313,8 +313,9 @@ def test_infer_matches_the_pipeline(saved, saved_i2v, tmp_path, capsys, layout):
     pipeline: two prompts (one with quoted glyph texts), a negative prompt, 3 steps, guidance 4, seeds 5
     and 6, 5 frames at 24 x 40: the same videos, prompt by prompt. Text-to-video on one process;
     image-to-video (--image, an 80 x 48 PNG cropped to 40 x 24) on one process without --height and
-    --width (the size the image picks; the folder without --image refused), and with the guidance
-    branches and the heads split over 4 processes (tests/ranks.py)."""
+    --width (the size the image picks; the folder without --image refused), with the guidance
+    branches and the heads split over 4 processes (tests/ranks.py), and under PipeFusion 2 (warm-up
+    over every step; its patches: test_pipefusion_patches_over_frames_match_one_process)."""
     import infer
     from tests.conftest import ranks, run_main
 
@@ -337,6 +338,40 @@ def test_infer_matches_the_pipeline(saved, saved_i2v, tmp_path, capsys, layout):
     assert_pipeline_videos(folder, tmp_path, image)
 
 
+@pytest.mark.slow
+@torch.no_grad()
+def test_pipefusion_patches_over_frames_match_one_process(saved_i2v, tmp_path):
+    """PipeFusion 2 (2 processes) with one warm-up step, image-to-video, guidance 4: the later steps run as
+    two patches of whole token rows across the 3 latent frames (every frame's rows one under the other),
+    the embedding reading the given frame's latents beside each; the video is that of the same schedule
+    run item by item on one process (tests/test_families.py sequential_pipefusion), and the patches ran
+    (whole steps differ)."""
+    from PIL import Image
+
+    from configs import load_config
+    from models.families import family_named
+    from models.sampler import Sampling, generate_images
+    from tests.conftest import ranks
+    from tests.test_families import sequential_pipefusion
+
+    image, out = first_frame(tmp_path), tmp_path / "video.npy"
+    argv = infer_args(saved_i2v, tmp_path, "--prompt", PROMPTS[0], "--negative-prompt", NEGATIVE)
+    argv += ["--steps", "3", "--guidance", "4", "--seed", "5", "--output", str(out), "--image", str(image)]
+    done = ranks(2, "infer.py", *argv, "parallel.pipefusion=2", "parallel.pipefusion_warmup=1", timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "PipeFusion: 2 patches, 1 warm-up step(s)" in done.stdout, done.stdout
+    family, cfg = family_named("hunyuan_video15"), load_config(argv[1], argv[2:7])
+    parts = family.load(cfg, torch.device("cpu"), torch.float32)
+    sampling = Sampling([PROMPTS[0]], [5], (5, 24, 40), 3, 4.0, NEGATIVE, cfg.text_encoder.max_length,
+                        [Image.open(image)])  # fmt: skip
+    want = generate_images(family, parts, sampling, denoise_with=sequential_pipefusion(2, 1))[0]
+    whole = generate_images(family, parts, sampling)[0]
+    got = np.load(out)
+    diff, stale = float(np.abs(got - want).max()), float(np.abs(want - whole).max())
+    print(f"PipeFusion over frames vs one process item by item {diff:.2e} (vs whole steps {stale:.2e})")
+    assert diff <= 1e-5 and stale > 10 * diff
+
+
 def test_refusals(saved, saved_i2v, tmp_path, capsys):
     """What the family does not run yet: one error line naming it, before any process group."""
     import infer
@@ -348,7 +383,7 @@ def test_refusals(saved, saved_i2v, tmp_path, capsys):
         (infer, ["--frames", "4"], "--frames"),  # a causal VAE: 1 + 2k frames
         (infer, ["--height", "26"], "height"),
         (infer, ["parallel.ulysses=2", "parallel.ring=2"], "not both"),
-        (infer, ["parallel.pipefusion=2", "sample.cache=first_block"], "PipeFusion"),
+        (infer, ["parallel.pipefusion=2", "sample.cache=first_block"], "cannot run under PipeFusion"),
         (infer, ["--image", "x.png"], "--image: model.pretrained="),
         (train, ["model.task=i2v"], "leaves it at t2v"),
         (train, [f"model.pretrained={saved_i2v}"], "sample.images is empty"),  # its previews' frames

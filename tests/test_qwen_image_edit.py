@@ -331,9 +331,9 @@ def test_pipefusion_with_references_matches_one_process(edit, tmp_path):
 @pytest.mark.slow
 def test_a_calibrated_step_cache_with_references(edit, tmp_path, capsys):
     """scripts/calibrate_cache.py --image: the references given to the sampling it records, through
-    infer.py; infer.py with sample.cache=calibrated then calls the model on the steps the table's budget
-    leaves (2 of 4), for other references too (the table carries over to them, as to other prompts), the
-    image other than the uncached one."""
+    infer.py (another reference, another table); infer.py with sample.cache=calibrated then calls the
+    model on the steps the table's budget leaves (2 of 4), for other references too (the table carries
+    over to them, as to other prompts), the image other than the uncached one."""
     import numpy as np
 
     import infer
@@ -346,9 +346,13 @@ def test_a_calibrated_step_cache_with_references(edit, tmp_path, capsys):
     if not pipe.transformer.config.zero_cond_t:
         pytest.skip("2511's run covers 2509's path")
     argv = edit_args(folder, tmp_path, [])[:-3]  # the recipe and its parts, no --image
-    table = tmp_path / "c.json"
-    assert run_main(calibrate_cache, [*argv, "--image", str(paths[0]), "--steps", "4", "--seeds", "1",
-                                      "--prompts", "make it blue", "--output", str(table)]) == 0  # fmt: skip
+    tables = [tmp_path / "c.json", tmp_path / "other.json"]
+    for path, table in zip(paths, tables):
+        calibrate = ["--image", str(path), "--steps", "4", "--seeds", "1", "--prompts", "make it blue"]
+        assert run_main(calibrate_cache, [*argv, *calibrate, "--output", str(table)]) == 0
+    change = [json.loads(table.read_text())["change"] for table in tables]
+    assert change[0] != change[1], change  # the references reached the sampling it recorded
+    table = tables[0]
     cached = ["sample.cache=calibrated", f"sample.cache_calibration={table}", "sample.cache_threshold=100"]
     argv += ["--image", str(paths[1]), "--frames", "1", "--steps", "4", "--prompt", "add a hat",
              "--seed", "3", "--height", "48", "--width", "32"]  # fmt: skip
@@ -368,17 +372,19 @@ FIRST_BLOCK_THRESHOLDS = {False: 0.3, True: 0.007}
 
 
 @torch.no_grad()
-def test_first_block_cache_matches_diffusers(edit, tmp_path, capsys):
+@pytest.mark.parametrize("layout", ["one-process", pytest.param("ulysses2", marks=pytest.mark.slow)])
+def test_first_block_cache_matches_diffusers(edit, tmp_path, capsys, layout):
     """sample.cache=first_block with a reference image against diffusers' own first-block cache hooks on
     the pipeline (diffusers.hooks.apply_first_block_cache, code no one here wrote), 8 steps, unguided:
     the same steps run every block (fewer than 8) and the same image. Its rule reads the image stream's
-    residual, the references' tokens included, which pass beside the noisy ones in tessera's pieces."""
+    residual, the references' tokens included, which pass beside the noisy ones in tessera's pieces;
+    under ulysses 2 (2511) they pass whole on both ranks and their residual counts once."""
     import numpy as np
     from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
 
     import infer
     from models.image_condition import load_image
-    from tests.conftest import run_main
+    from tests.conftest import ranks, run_main
 
     pipe, folder, paths = edit
     out, threshold = tmp_path / "out.npy", FIRST_BLOCK_THRESHOLDS[pipe.transformer.config.zero_cond_t]
@@ -387,8 +393,16 @@ def test_first_block_cache_matches_diffusers(edit, tmp_path, capsys):
                      "sample.cache=first_block",
                      f"sample.cache_first_block_threshold={threshold}",
                      "sample.cache_max_skips=8")  # fmt: skip
-    assert run_main(infer, argv) == 0
-    full = float(capsys.readouterr().out.split("[tessera] step cache: ")[1].split(" of 8")[0])
+    if layout == "one-process":
+        assert run_main(infer, argv) == 0
+        said = capsys.readouterr().out
+    else:
+        if not pipe.transformer.config.zero_cond_t:
+            pytest.skip("2511's launch: its references' residual decides its steps (2509's do not)")
+        done = ranks(2, "infer.py", *argv, "parallel.ulysses=2", timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        said = done.stdout
+    full = float(said.split("[tessera] step cache: ")[1].split(" of 8")[0])
     transformer = type(pipe.transformer).from_pretrained(folder / "transformer")  # the module's stays bare
     apply_first_block_cache(transformer, FirstBlockCacheConfig(threshold=threshold))
     calls = []  # the second block's attention runs only when every block runs

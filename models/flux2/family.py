@@ -74,7 +74,7 @@ class Flux2(Family):
     name, title = "flux2", "FLUX.2"
     pipeline_classes, transformer_classes = PIPELINE_CLASSES, (TRANSFORMER_CLASS,)
     # one of ulysses and ring (joint attention); PipeFusion and the first-block cache through the
-    # transformer's patch pieces, without reference images (their tokens join no patch: refused by name)
+    # transformer's patch pieces, the reference images' tokens beside each patch (as the text)
     parallel_degrees = ("cfg", "ulysses", "ring", "pipefusion")
     vae_class, max_length = "AutoencoderKLFlux2", MAX_SEQUENCE_LENGTH
     conditioning = Flux2Cond

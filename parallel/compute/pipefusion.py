@@ -52,7 +52,7 @@ class _Run:
     pieces: object  # the transformer's patch pieces as this sampling calls them (Family.patch_pieces)
     schedule: object  # models/loop.py Schedule
     branches: list  # the conditioning of each guidance branch this pipeline runs
-    lengths: list  # the companion tokens of each branch (Qwen-Image's text)
+    lengths: list  # the companion tokens of each branch (Qwen-Image's text, then any references')
     guidance: float
     uncond: bool  # guided: both branches' velocities are needed
     parts: object = None  # the family's parts (its guidance may read them)

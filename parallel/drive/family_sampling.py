@@ -101,13 +101,18 @@ def sampling_layout(cfg, family, request) -> tuple[ParallelLayout, int, str]:
     slow_links, links = links_are_slow() if cfg.parallel.auto else (False, "")
     grid = request.grid
 
+    # reference images pass whole beside every patch, recomputed by each: PipeFusion's gain shrinks with
+    # them (about 1.3x at 2 stages for one reference as large as the output), which the latency model
+    # does not count, so auto leaves it to be asked for
+    references = bool(family.references and request.images)
+
     def takes(layout) -> bool:
         try:
             check_family_layout(cfg, family, request, layout, meta)
             layout.check_patches(cfg.parallel, grid)
         except ValueError:
             return False
-        return request.experts is None or layout.pipefusion == 1
+        return (request.experts is None and not references) or layout.pipefusion == 1
 
     layout = ParallelLayout.from_config(
         cfg.parallel,
