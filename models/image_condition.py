@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from models.layers import PiecesOf
+
 
 def image_encoder_dirs(folder) -> tuple[Path, Path]:
     """(the CLIPVisionModel's folder, its CLIPImageProcessor's) in `folder`, a CLIP folder or a
@@ -366,18 +368,14 @@ class ConditionedModel:
         return self.model(torch.cat([x, latent], dim=1), t, y, y_mask, features)
 
 
-class ConditionedPieces:
+class ConditionedPieces(PiecesOf):
     """The DiT's patch pieces (PipeFusion's) with the image condition, as ConditionedModel gives it to a
     whole call: embed reads the latent with the condition's channels (TI2V: the given frame in place),
     patch_context the CLIP features (TI2V: t = 0 on the given frame's tokens); the rest is the model's."""
 
     def __init__(self, model, condition: ImageCondition):
-        self.model, self.condition = model, condition
-
-    def __getattr__(self, name):  # only what the instance lacks (a copy's lookups before __init__: none)
-        if name in ("model", "condition"):
-            raise AttributeError(name)
-        return getattr(self.model, name)
+        super().__init__(model)
+        self.condition = condition
 
     def embed(self, x):
         latent = self.condition.latent.to(x.dtype)

@@ -142,3 +142,18 @@ def parameter_generator(seed: int, name: str) -> torch.Generator:
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+class PiecesOf:
+    """A transformer's patch pieces (PipeFusion's, the first-block cache's) with some of them replaced by a
+    subclass (an embedding that reads a condition beside the latents): what the instance lacks is the
+    model's."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __getattr__(self, name):  # only what the instance lacks (a copy's lookups before __init__: none)
+        if name == "model":
+            raise AttributeError(name)
+        return getattr(self.model, name)
+

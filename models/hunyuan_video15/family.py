@@ -22,6 +22,7 @@ from models.hunyuan_video15.weights import (
     diffusers_from_original,
     shapes_config,
 )
+from models.layers import PiecesOf
 from models.loop import Schedule, euler
 
 _UNSUPPORTED = ("use_dynamic_shifting", "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas",
@@ -55,17 +56,13 @@ def sigmas(steps: int, scheduler_config: dict) -> torch.Tensor:
     return torch.cat([torch.from_numpy(s).to(torch.float32), torch.zeros(1)])
 
 
-class GivenFramePieces:
+class GivenFramePieces(PiecesOf):
     """The transformer's patch pieces with image-to-video's given frame: `embed(x)` is the transformer's
     `embed(x, given)`; the rest is the transformer's own."""
 
     def __init__(self, model, given: torch.Tensor):
-        self.model, self.given = model, given
-
-    def __getattr__(self, name):  # only what the instance lacks (a copy's lookups before __init__: none)
-        if name in ("model", "given"):
-            raise AttributeError(name)
-        return getattr(self.model, name)
+        super().__init__(model)
+        self.given = given
 
     def embed(self, x):
         return self.model.embed(x, self.given)
