@@ -45,6 +45,7 @@ def calibrate(cfg, args, overrides, path: Path, session) -> Path:
 
     checkpoint = find_checkpoint(cfg, None, args.tiny)  # what infer.py samples: the run's latest
     made = SimpleNamespace(config=args.config, seeds=2, checkpoint=None, random_weights=args.tiny, lora=[])
+    made.image = made.last_image = []  # calibrate_cache.py's flags: a text-conditioned demo
     velocities = record_velocities(cfg, made, overrides, list(cfg.sample.prompts), cfg.sample.steps, session)
     subject = calibration_subject(cfg, checkpoint, cfg.sample.use_ema, args.tiny, [], cfg.sample.guidance)
     Calibration.measure(velocities, f"{args.config}, sample.prompts x 2 seeds", subject).save(path)

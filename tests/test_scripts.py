@@ -304,7 +304,8 @@ def test_family_memory_tiny_counts_every_part(tmp_path):
     hunyuan = results["families"]["HunyuanVideo 1.5"]  # two text encoders
     assert len(hunyuan["parameters"]) == 4 and all(n > 0 for n in hunyuan["parameters"].values())
     one, eight = hunyuan["gib_per_gpu"]["1"], hunyuan["gib_per_gpu"]["8"]
-    assert set(one) == {*TRAINING_ROWS, "sample"} and one["sample"] == eight["sample"]
+    assert set(one) == {*TRAINING_ROWS, "sample", "sample-pipefusion"} and one["sample"] == eight["sample"]
+    assert eight["sample-pipefusion"] < one["sample-pipefusion"] == one["sample"]  # its blocks over the GPUs
     assert one["full"] > eight["full"] > 0 and one["lora-latents"] < one["lora"] < one["full"]
     assert 0 < one["lora-float8-latents"] < one["lora-latents"]  # a byte a base weight, not two
     ltx2 = results["families"]["LTX-2"]  # six parts (connectors, audio VAE, vocoder)
