@@ -631,6 +631,15 @@ class Family:
         """(conditional, unconditional) velocities on one process (a family may run them as one batch)."""
         return tuple(self.prediction(v) for v in self.outputs(parts, x, t, cond, uncond))
 
+    def branch_passes(self, parts: Components, x, t, cond, conditional: bool) -> torch.Tensor:
+        """CFG parallelism's share of a step (parallel/compute/cfg.py): the passes of one guidance branch,
+        stacked (P, ...), P alike on both branches; `guide_passes` takes both back. Its velocity."""
+        return self.velocity(parts, x, t, cond)[None]
+
+    def guide_passes(self, parts: Components, x, t, conditional, unconditional, scale: float):
+        """The guided velocity from both branches' `branch_passes`."""
+        return self.guide(conditional[0], unconditional[0], scale, parts)
+
     def outputs(self, parts: Components, x, t, *conds) -> list:
         """The transformer's output for each conditioning, one call each; with sample.cache=first_block
         through models/step_cache.py FirstBlockFamily, which decides for all of them at once."""

@@ -304,8 +304,10 @@ def image_to_video(saved, tmp_path_factory):
     return images, written(out)
 
 
-# (processes, degree, image-to-video?): 2,560 video tokens, which 3 does not divide (the padding masked)
-LAYOUTS = {"ulysses2": (2, "parallel.ulysses=2", False), "ring3-i2v": (3, "parallel.ring=3", True)}
+# (processes, degree, image-to-video?): 2,560 video tokens, which 3 does not divide (the padding masked);
+# cfg 2: the conditional and modality-isolated passes on one rank, the negative one on the other
+LAYOUTS = {"ulysses2": (2, "parallel.ulysses=2", False), "ring3-i2v": (3, "parallel.ring=3", True),
+           "cfg2": (2, "parallel.cfg=2", False)}  # fmt: skip
 
 
 @pytest.mark.slow
@@ -313,8 +315,8 @@ LAYOUTS = {"ulysses2": (2, "parallel.ulysses=2", False), "ring3-i2v": (3, "paral
 def test_split_video_is_one_process(saved, one_process, image_to_video, tmp_path, layout):
     """The video tokens split over the ranks (the audio whole on each): under ulysses 2, and ring 3 (a
     token count it does not divide: the padding masked in the video's self-attention and the
-    video-to-audio keys) from first frames (the per-token timesteps split with the tokens), infer.py
-    writes one process's videos and sounds."""
+    video-to-audio keys) from first frames (the per-token timesteps split with the tokens); and the
+    guidance passes split under cfg 2: infer.py writes one process's videos and sounds."""
     from tests.conftest import ranks
 
     processes, degree, from_images = LAYOUTS[layout]

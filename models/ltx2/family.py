@@ -4,9 +4,9 @@ transformers, the transformer tessera's (models/ltx2/transformer.py). The pipeli
 shifted by the video token count, one Euler step for both streams) and its guidance in x0 space: video and
 audio CFG, modality isolation and STG as deltas, then the guidance rescale. The generic loop carries one
 float32 tensor (B, D): each sample's packed video latents, then its packed audio latents (LTX2Layout).
-Text- and image-to-video (--image: LTX2ImageToVideoPipeline's first frame) under dp, ulysses or ring;
+Text- and image-to-video (--image: LTX2ImageToVideoPipeline's first frame) under dp, cfg, ulysses or ring;
 training video with its sound as Lightricks' trainer does (models/ltx2/training.py, audio.py). Not built
-(refused by name): image-to-video training, cfg parallelism, PipeFusion, the step cache, prompt enhancement.
+(refused by name): image-to-video training, PipeFusion, the step cache, prompt enhancement.
 """
 
 import math
@@ -130,7 +130,9 @@ class LTX2(Family):
     name, title = "ltx2", "LTX-2"
     pipeline_classes = ("LTX2Pipeline", "LTX2ImageToVideoPipeline")
     transformer_classes = (TRANSFORMER_CLASS,)
-    parallel_degrees = ("ulysses", "ring")  # the video split, the audio whole on every rank (not cfg yet)
+    # the video split, the audio whole on every rank; cfg=2: the conditional branch's passes (conditional,
+    # STG, modality-isolated) on one half, the negative one on the other
+    parallel_degrees = ("cfg", "ulysses", "ring")
     vae_class, max_length = "AutoencoderKLLTX2Video", 1024
     conditioning = LTX2Cond
     trains_audio = True  # data.audio=true: video and sound; false: the video alone, the audio frozen
@@ -474,22 +476,44 @@ class LTX2(Family):
     def both(self, parts: LTX2Parts, x, t, cond, uncond) -> tuple:
         """(parts, x, t, then the velocities of each pass: conditional, unconditional (None without CFG),
         STG (None when it does not run) and modality-isolated (None when it does not run)); `guide` takes
-        them. The STG pass equals the conditional one unless the transformer's perturbed_attn (False in
-        LTX-2.0's release: diffusers then ignores the STG blocks) and it has the STG blocks: then the
-        conditional velocity stands for it, the same result with one pass fewer."""
-        terms, model = parts.terms, parts.transformer
-        v_cond = self._run(parts, x, t, cond)
+        them."""
+        passes = dict(zip(self._conditional_passes(parts), self._conditional(parts, x, t, cond)))
         v_uncond = None if uncond is None else self._run(parts, x, t, uncond)
-        v_stg = None
-        if terms.stg > 0:
-            blocks = [b for b in STG_BLOCKS if b < len(model.blocks)]
-            v_stg = (
-                self._run(parts, x, t, cond, stg_blocks=blocks) if model.perturbed_attn and blocks else v_cond
-            )
-        v_modality = None
-        if terms.modality_guidance > 1:
-            v_modality = self._run(parts, x, t, cond, isolate_modalities=True)
-        return parts, x, t, v_cond, v_uncond, v_stg, v_modality
+        return parts, x, t, passes["cond"], v_uncond, *self._stg_and_modality(parts, passes)
+
+    def _conditional_passes(self, parts: LTX2Parts) -> list:
+        """The passes on the conditioning a step runs: the conditional one, the STG one where the
+        transformer's perturbed_attn (False in LTX-2.0's release: diffusers then ignores the STG blocks)
+        and STG blocks make it differ (else the conditional velocity stands for it, the same result with
+        one pass fewer), the modality-isolated one."""
+        terms, model = parts.terms, parts.transformer
+        blocks = [b for b in STG_BLOCKS if b < len(model.blocks)]
+        stg = terms.stg > 0 and model.perturbed_attn and blocks
+        return ["cond", *(["stg"] if stg else []), *(["modality"] if terms.modality_guidance > 1 else [])]
+
+    def _conditional(self, parts: LTX2Parts, x, t, cond) -> list:
+        """The velocities of `_conditional_passes`, in order."""
+        blocks = [b for b in STG_BLOCKS if b < len(parts.transformer.blocks)]
+        options = dict(cond={}, stg=dict(stg_blocks=blocks), modality=dict(isolate_modalities=True))
+        return [self._run(parts, x, t, cond, **options[name]) for name in self._conditional_passes(parts)]
+
+    def _stg_and_modality(self, parts: LTX2Parts, passes: dict) -> tuple:
+        """(STG's velocity, the modality-isolated one), each None where the step does not use it."""
+        stg = passes.get("stg", passes["cond"]) if parts.terms.stg > 0 else None
+        return stg, passes.get("modality")
+
+    def branch_passes(self, parts: LTX2Parts, x, t, cond, conditional: bool) -> torch.Tensor:
+        """Under cfg=2: the conditional branch runs its passes on the conditioning (the conditional, STG,
+        modality-isolated ones), the negative branch its one pass, padded with zeros to as many."""
+        if conditional:
+            return torch.stack(self._conditional(parts, x, t, cond))
+        v = self._run(parts, x, t, cond)
+        return torch.cat([v[None], v.new_zeros(len(self._conditional_passes(parts)) - 1, *v.shape)])
+
+    def guide_passes(self, parts: LTX2Parts, x, t, conditional, unconditional, scale: float):
+        passes = dict(zip(self._conditional_passes(parts), conditional))
+        others = self._stg_and_modality(parts, passes)
+        return self.guide(parts, x, t, passes["cond"], unconditional[0], *others, scale)
 
     def guide(self, parts: LTX2Parts, x, t, v_cond, v_uncond, v_stg, v_modality, scale: float, _parts=None):
         """The pipeline's guidance, per stream in x0 = x - sigma v: the conditional x0 plus the CFG delta

@@ -52,11 +52,12 @@ def family_denoiser(groups: SamplingGroups):
     def denoise_with(family, parts, schedule, noise, cond, uncond, scale: float, progress):
         if groups.cfg_size == 1 or uncond is None:
             return serial_denoise(family, parts, schedule, noise, cond, uncond, scale, progress)
-        mine = cond if groups.cfg_rank == 0 else uncond
+        mine, conditional = (cond, True) if groups.cfg_rank == 0 else (uncond, False)
 
         def velocity(x, t):
-            v = family.velocity(parts, x, t, mine)
-            return family.guide(*both_branches(v, groups), family.guidance_at(parts, t, scale), parts)
+            passes = family.branch_passes(parts, x, t, mine, conditional)
+            both = both_branches(passes, groups)
+            return family.guide_passes(parts, x, t, *both, family.guidance_at(parts, t, scale))
 
         return family.walk(parts, schedule, noise, velocity, progress)
 
