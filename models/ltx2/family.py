@@ -513,6 +513,8 @@ class LTX2(Family):
     def guide_passes(self, parts: LTX2Parts, x, t, conditional, unconditional, scale: float):
         passes = dict(zip(self._conditional_passes(parts), conditional))
         others = self._stg_and_modality(parts, passes)
+        if not self.guided(scale):  # a step that does not guide: as `velocity` (never, at one scale a walk)
+            return self.guide(parts, x, t, passes["cond"], None, *others, 1.0)
         return self.guide(parts, x, t, passes["cond"], unconditional[0], *others, scale)
 
     def guide(self, parts: LTX2Parts, x, t, v_cond, v_uncond, v_stg, v_modality, scale: float, _parts=None):

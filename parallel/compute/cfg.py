@@ -36,8 +36,9 @@ class SamplingGroups:
 
 
 def both_branches(v, groups: SamplingGroups) -> tuple:
-    """(conditional, unconditional) under cfg=2, from this rank's branch `v` and one all-gather with the
-    other half of the ranks (cfg rank 0 holds the conditional one)."""
+    """(conditional, unconditional) under cfg=2, from this rank's branch `v` (a velocity, or its passes
+    stacked: Family.branch_passes) and one all-gather with the other half of the ranks (cfg rank 0 holds
+    the conditional one)."""
     both = torch.empty((2, *v.shape), dtype=v.dtype, device=v.device)
     comm.all_gather_into_tensor(both, v.contiguous(), groups.cfg_group)
     return both.unbind(0)
