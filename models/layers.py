@@ -144,6 +144,23 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def beside_patch(tokens, companion, image_rope, count: int, beside: int, start: int, end: int) -> tuple:
+    """A patch's image-stream input when `beside` reference tokens end the companion (Qwen-Image-Edit's,
+    FLUX.2's patch pieces): (the patch's tokens then the references', the text, their angles: rows
+    start:end of the image's first `count`, zeros past them, then the references')."""
+    text = companion[:, : companion.shape[1] - beside]
+    rope = token_rows(image_rope[:count], start, end, dim=0)
+    if beside:
+        tokens = torch.cat([tokens, companion[:, -beside:]], dim=1)
+        rope = torch.cat([rope, image_rope[count:]])
+    return tokens, text, rope
+
+
+def beside_split(tokens, text, n: int, beside: int) -> tuple:
+    """beside_patch's inverse on the blocks' output: (the patch's n tokens, the companion)."""
+    return (tokens[:, :n], torch.cat([text, tokens[:, n:]], dim=1)) if beside else (tokens, text)
+
+
 class PiecesOf:
     """A transformer's patch pieces (PipeFusion's, the first-block cache's) with some of them replaced by a
     subclass (an embedding that reads a condition beside the latents): what the instance lacks is the
@@ -156,4 +173,3 @@ class PiecesOf:
         if name == "model":
             raise AttributeError(name)
         return getattr(self.model, name)
-

@@ -3,8 +3,8 @@ Qwen3 text encoder (three layers' hidden states side by side) and AutoencoderKLF
 2 x 2 into 128 channels and normalised by its batch norm's running statistics; the scheduler's shift at the
 pipeline's empirical mu; CFG against the negative prompt (the pipeline's: the empty one) above 1, none for a
 step-distilled folder (model_index.json's is_distilled: a guidance scale other than 1 is refused there).
-Text-to-image under dp, cfg, ulysses, ring or PipeFusion (without --image). FLUX.2 dev (Flux2Dev): the
-guidance scale embedded, Mistral.
+Text-to-image (and with --image references) under dp, cfg, ulysses, ring or PipeFusion. FLUX.2 dev
+(Flux2Dev): the guidance scale embedded, Mistral.
 """
 
 import importlib.util

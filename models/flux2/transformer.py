@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.attention import JointAttention, joint_beside
-from models.layers import WholeSequence, apply_rope, timestep_features, token_rows
+from models.layers import WholeSequence, apply_rope, beside_patch, beside_split, timestep_features
 
 
 @dataclass
@@ -390,15 +390,12 @@ class Flux2Transformer(nn.Module):
     def patch_blocks(self, indices, tokens, companion, ctx: Flux2Context, grid, start: int, end: int):
         """Blocks `indices` on image tokens start:end (B, n, D) and the companion (B, L + M, D) -> both;
         under a split, tokens past the sequence's end are padding (zero angles)."""
-        (rope, text_rope), beside, count = ctx.rope, ctx.beside, grid[0] * grid[1] * grid[2]
-        text, n = companion[:, : companion.shape[1] - beside], tokens.shape[1]
-        rope = token_rows(rope[:count], start, end, dim=0)
-        if beside:  # the references' tokens after the patch's, their angles after the image's
-            tokens = torch.cat([tokens, companion[:, -beside:]], dim=1)
-            rope = torch.cat([rope, ctx.rope[0][count:]])
+        (image_rope, text_rope), beside, n = ctx.rope, ctx.beside, tokens.shape[1]
+        count = grid[0] * grid[1] * grid[2]
+        tokens, text, rope = beside_patch(tokens, companion, image_rope, count, beside, start, end)
         for index in indices:
             tokens, text = self.blocks[index](tokens, text, ctx.mods, rope, text_rope, beside)
-        return (tokens[:, :n], torch.cat([text, tokens[:, n:]], dim=1)) if beside else (tokens, text)
+        return beside_split(tokens, text, n, beside)
 
     def patch_final(self, tokens, ctx: Flux2Context, start: int, end: int):
         return self.final_layer(tokens, ctx.temb)

@@ -113,6 +113,11 @@ def original_name(name: str) -> str:
     return name
 
 
+def _stg_blocks(parts) -> list:
+    """The pipeline's STG blocks the transformer has."""
+    return [b for b in STG_BLOCKS if b < len(parts.transformer.blocks)]
+
+
 def guidance_terms(cfg) -> LTX2Guidance:
     """sample.audio_guidance, modality_guidance, guidance_rescale and stg (None: the pipeline's default)."""
     given = {f.name: cfg.sample[f.name] for f in fields(LTX2Guidance) if cfg.sample[f.name] is not None}
@@ -486,15 +491,14 @@ class LTX2(Family):
         transformer's perturbed_attn (False in LTX-2.0's release: diffusers then ignores the STG blocks)
         and STG blocks make it differ (else the conditional velocity stands for it, the same result with
         one pass fewer), the modality-isolated one."""
-        terms, model = parts.terms, parts.transformer
-        blocks = [b for b in STG_BLOCKS if b < len(model.blocks)]
-        stg = terms.stg > 0 and model.perturbed_attn and blocks
+        terms = parts.terms
+        stg = terms.stg > 0 and parts.transformer.perturbed_attn and _stg_blocks(parts)
         return ["cond", *(["stg"] if stg else []), *(["modality"] if terms.modality_guidance > 1 else [])]
 
     def _conditional(self, parts: LTX2Parts, x, t, cond) -> list:
         """The velocities of `_conditional_passes`, in order."""
-        blocks = [b for b in STG_BLOCKS if b < len(parts.transformer.blocks)]
-        options = dict(cond={}, stg=dict(stg_blocks=blocks), modality=dict(isolate_modalities=True))
+        stg, modality = dict(stg_blocks=_stg_blocks(parts)), dict(isolate_modalities=True)
+        options = dict(cond={}, stg=stg, modality=modality)
         return [self._run(parts, x, t, cond, **options[name]) for name in self._conditional_passes(parts)]
 
     def _stg_and_modality(self, parts: LTX2Parts, passes: dict) -> tuple:

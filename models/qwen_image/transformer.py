@@ -19,8 +19,9 @@ from models.layers import (
     TimestepMLP,
     WholeSequence,
     apply_rope,
+    beside_patch,
+    beside_split,
     timestep_features,
-    token_rows,
 )
 
 
@@ -65,6 +66,11 @@ def reference_grids(cond: QwenImageCond) -> list:
     if cond.references is None:
         return []
     return [tuple(int(v) for v in grid) for grid in cond.reference_grids[0].tolist()]
+
+
+def reference_flags(tokens: torch.Tensor, n: int) -> torch.Tensor:
+    """(1, N, 1) in the tokens' dtype: 1 on the image stream's tokens after its first n (the references')."""
+    return (torch.arange(tokens.shape[1], device=tokens.device) >= n).view(1, -1, 1).to(tokens.dtype)
 
 
 def pack_latents(x: torch.Tensor, patch: int = 2) -> torch.Tensor:
@@ -286,8 +292,7 @@ class QwenImageTransformer(nn.Module):
         if cond.references is not None:  # their tokens after the noisy ones, sharded with them
             tokens = torch.cat([tokens, ctx.references], dim=1)
             if ctx.reference_temb is not None:
-                flags = (torch.arange(tokens.shape[1], device=tokens.device) >= n).view(1, -1, 1)
-                references = (ctx.reference_temb, self.sequence.shard(flags.to(tokens.dtype), None)[0])
+                references = (ctx.reference_temb, self.sequence.shard(reference_flags(tokens, n), None)[0])
         tokens, rope = self.sequence.shard(tokens, rope)  # (B, N_local, D); the identity on one device
         text = ctx.text  # (B, L, D): whole on every rank
         for block in self.blocks:
@@ -343,19 +348,16 @@ class QwenImageTransformer(nn.Module):
     def patch_blocks(self, indices, tokens, companion, ctx: QwenImageContext, grid, start: int, end: int):
         """Blocks `indices` on image tokens start:end (B, n, D) and the companion (B, L + M, D) -> both;
         under a split, tokens past the patch's end are padding (past the sequence's end: zero angles)."""
-        (rope, text_rope), beside, count = ctx.rope, ctx.beside, grid[0] * grid[1] * grid[2]
-        text, n = companion[:, : companion.shape[1] - beside], tokens.shape[1]
-        rope, references = token_rows(rope[:count], start, end, dim=0), None
-        if beside:  # the references' tokens after the patch's, their angles after the image's
-            tokens = torch.cat([tokens, companion[:, -beside:]], dim=1)
-            rope = torch.cat([rope, ctx.rope[0][count:]])
-            if ctx.reference_temb is not None:
-                flags = (torch.arange(tokens.shape[1], device=tokens.device) >= n).view(1, -1, 1)
-                references = (ctx.reference_temb, flags.to(tokens.dtype))
+        (image_rope, text_rope), beside, n = ctx.rope, ctx.beside, tokens.shape[1]
+        count = grid[0] * grid[1] * grid[2]
+        tokens, text, rope = beside_patch(tokens, companion, image_rope, count, beside, start, end)
+        references = None  # Edit-2511's: the references' tokens modulated at t = 0
+        if beside and ctx.reference_temb is not None:
+            references = (ctx.reference_temb, reference_flags(tokens, n))
         for index in indices:
             block = self.blocks[index]
             tokens, text = block(tokens, text, ctx.text_mask, ctx.temb, rope, text_rope, references, beside)
-        return (tokens[:, :n], torch.cat([text, tokens[:, n:]], dim=1)) if beside else (tokens, text)
+        return beside_split(tokens, text, n, beside)
 
     def patch_final(self, tokens, ctx, start: int, end: int):
         """The final layer on the tokens start:end."""
