@@ -6,8 +6,10 @@ tests. Prompts repeat a lot in training (captions, the empty prompt for guidance
 encoded once and kept in a small LRU cache.
 """
 
+import html
 import json
 import os
+import re
 from collections import OrderedDict
 from pathlib import Path
 
@@ -17,9 +19,23 @@ import torch.nn as nn
 from models.util import seeded
 
 
+def wan_prompt(prompt: str) -> str:
+    """A prompt as Wan's pipelines clean it before UMT5 (diffusers' prompt_clean): ftfy's fix where it is
+    installed, as there; HTML entities undone twice; each run of whitespace one space, stripped. Without
+    it a prompt with a doubled or trailing space is cut to other tokens than Wan's."""
+    try:
+        import ftfy
+
+        prompt = ftfy.fix_text(prompt)
+    except ImportError:
+        pass
+    return re.sub(r"\s+", " ", html.unescape(html.unescape(prompt))).strip()
+
+
 class TextEncoder(nn.Module):
-    def __init__(self, tokenizer, model: nn.Module, max_length: int, cache_size: int = 4096):
+    def __init__(self, tokenizer, model: nn.Module, max_length: int, cache_size: int = 4096, clean=None):
         super().__init__()
+        self.clean = clean  # the prompt as the model's pipeline cleans it (wan_prompt), or None
         self.tokenizer = tokenizer
         self.model = model.eval().requires_grad_(False)
         self.max_length = max_length
@@ -33,6 +49,7 @@ class TextEncoder(nn.Module):
 
     @torch.no_grad()
     def _encode_uncached(self, prompts: list[str]):
+        prompts = [self.clean(p) for p in prompts] if self.clean else prompts
         tokens = self.tokenizer(
             prompts, padding="max_length", truncation=True, max_length=self.max_length, return_tensors="pt"
         )
@@ -134,4 +151,5 @@ def build_text_encoder(text_cfg) -> TextEncoder:
             )
         with seeded(text_cfg.seed):
             tokenizer, model = tiny_t5(text_cfg.tiny_d_model, text_cfg.tiny_layers)
-    return TextEncoder(tokenizer, model, text_cfg.max_length, text_cfg.cache_size)
+    clean = wan_prompt if text_cfg.kind == "umt5" else None  # UMT5 is Wan's encoder
+    return TextEncoder(tokenizer, model, text_cfg.max_length, text_cfg.cache_size, clean)

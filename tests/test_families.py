@@ -1,9 +1,10 @@
-"""infer.py on the image families (models/families.py) against their diffusers pipelines, code no one here
-wrote: tiny random QwenImagePipeline, SanaPipeline and ZImagePipeline folders saved here (nothing
-downloaded), loaded back by diffusers' from_pretrained, and by infer.py from the same folder with
-model.size=auto: the same images at a non-square size, with a negative prompt, guidance and per-prompt
-seeds. And the refusals: a folder of another family, a family tessera does not know, flags and layouts the
-families do not take yet. A family is a row of ROWS."""
+"""infer.py on every family (models/families.py) against its diffusers pipeline, code no one here wrote:
+tiny random pipeline folders saved here (nothing downloaded; Wan's read by tessera's DiT), loaded back by
+diffusers' from_pretrained, and by infer.py from the same folder with model.size=auto: the same images,
+videos and sound at a non-square size, with a negative prompt, guidance and per-prompt seeds; on one
+process and under the layouts each family takes. And the refusals: a folder of another family, a family
+tessera does not know, flags and layouts a family does not take. A family is a row of ROWS; its own file
+holds what no other family has (image-to-video, sound alone, its releases' single files)."""
 
 import copy
 import json
@@ -23,8 +24,11 @@ from configs.auto import resolve_family
 from models.families import family_keys, family_named
 from tests.conftest import ROOT, ranks, run_main
 from tests.test_flux2 import tiny_flux2_dev_pipeline, tiny_flux2_pipeline
+from tests.test_hunyuan_video15 import tiny_pipeline as tiny_hunyuan_video15_pipeline
+from tests.test_ltx2_pipeline import tiny_pipeline as tiny_ltx2_pipeline
 from tests.test_qwen_image import tiny_qwen_pipeline
 from tests.test_sana import MAX_LENGTH, NEGATIVE, PROMPTS, tiny_sana_pipeline
+from tests.test_wan_pipeline import tiny_wan_pipeline
 from tests.test_z_image import tiny_z_image_pipeline
 
 
@@ -36,7 +40,9 @@ class Row:
     the first-block cache's (guidance, threshold) and the attention of the second block that runs only
     when every block runs (None: the family refuses the cache), the config key of its depth, its single
     file in the original names, a LoRA key of another family, and whether its joint attention splits under
-    one of ulysses and ring at a time; and its own refusals (infer.py's arguments, the error's words)."""
+    one of ulysses and ring at a time; and its own refusals (infer.py's arguments, the error's words).
+    A video family: its frame count and text length; the guidance through its pipeline's guider, the
+    sound beside the video (LTX-2's)."""
 
     recipe: str
     build: Callable
@@ -52,6 +58,10 @@ class Row:
     joint: bool
     refusals: tuple = ()
     negative: bool = True  # its pipeline takes a negative prompt (FLUX.2 klein's guides against "")
+    frames: int = 1
+    max_length: int = 512  # text_encoder.max_length (and the pipeline's max_sequence_length, in keywords)
+    guider: bool = False  # its pipeline's guidance is its guider's (HunyuanVideo 1.5), not a keyword
+    sound: bool = False  # infer.py writes the sound beside the video, as its pipeline gives it (LTX-2)
 
 
 def _original_qwen(state):
@@ -94,6 +104,8 @@ ROWS = {
         "sana-1600m-1024px.yaml", lambda: tiny_sana_pipeline(stages=6), "guidance_scale",
         dict(max_sequence_length=MAX_LENGTH, use_resolution_binning=False), (160, 96), dict(flow_shift=4.0),
         (4.0, 0.2), "attn1", "num_layers", _original_sana, "transformer_blocks.0.attn.add_q_proj", False,
+        # 5 x 3 tokens over 8 ranks: fewer than a row and one each for the convolution's halo
+        ((["parallel.ring=8"], "fewer than a row and one (4)"),), max_length=MAX_LENGTH,
     ),
     "z_image": Row(
         "z-image.yaml", tiny_z_image_pipeline, "guidance_scale", {}, (40, 24), dict(shift=2.0), None, "",
@@ -113,11 +125,30 @@ ROWS = {
          (["--negative-prompt", "blurry"], "--negative-prompt='blurry': FLUX.2 dev embeds its guidance")),
         negative=False,
     ),
+    "dit": Row(  # Wan 2.1's pipeline, read by tessera's DiT; its schedule is the recipe's flow.shift (Wan's
+        # releases ship UniPC, which tessera does not run): no scheduler setting to read
+        "wan2.1-t2v-1.3b.yaml", tiny_wan_pipeline, "guidance_scale", dict(max_sequence_length=40), (48, 80),
+        {}, (1.0, 0.2), "attn1", "num_layers", None, "transformer_blocks.0.attn1.to_q", False,
+        frames=5, max_length=40,
+    ),
+    "hunyuan_video15": Row(
+        "hunyuanvideo-1.5-480p.yaml", tiny_hunyuan_video15_pipeline, "", {}, (24, 40), dict(shift=7.0),
+        (1.0, 0.4), "attn", "num_layers", None, "transformer_blocks.0.attn1.to_q", True,
+        ((["--frames", "4"], "--frames"), (["--height", "26"], "height")), frames=5, max_length=1000,
+        guider=True,
+    ),
+    "ltx2": Row(  # the recipe's other terms the pipeline's defaults (audio CFG 7, modality 3, rescale 0.7)
+        "ltx-2.yaml", tiny_ltx2_pipeline, "guidance_scale", dict(frame_rate=24.0, max_sequence_length=16),
+        (32, 64), dict(shift_terminal=0.2), None, "", "num_layers", None,
+        "transformer_blocks.0.attn.add_q_proj", False, frames=9, max_length=16, sound=True,
+    ),
 }  # fmt: skip
 FAMILIES = list(ROWS)
-PIECES = [name for name in ROWS if ROWS[name].first_block is not None]  # PipeFusion's patch pieces
+# PipeFusion's patch pieces against the whole forward (the video families': tests/test_pipefusion.py, the
+# DiT's; tests/test_hunyuan_video15.py)
+PIECES = [name for name in ROWS if ROWS[name].first_block is not None and ROWS[name].frames == 1]
 LAYOUTS = {  # (processes, overrides, families): each launch checks its degrees together
-    "one-process": (1, [], ("qwen_image", "sana", "z_image", "flux2", "flux2_dev")),
+    "one-process": (1, [], tuple(ROWS)),
     # no CFG batch to split; each replica encodes its own prompt alone (texts_first) before the transformer
     "dp2-ulysses2": (4, ["parallel.dp=2", "parallel.ulysses=2"], ("flux2_dev",)),
     # Sana's operators split the tokens alike under ulysses and ring (no head split): ring covers both
@@ -125,7 +156,10 @@ LAYOUTS = {  # (processes, overrides, families): each launch checks its degrees 
     "cfg2-ring2": (4, ["parallel.cfg=2", "parallel.ring=2"], ("qwen_image", "sana", "z_image", "flux2")),
     # warm-up over every step: exact, as the Wan test (stale K/V is approximate by design; a patch against
     # the whole forward: test_pipefusion_patches_match_the_whole_forward)
-    "pipefusion2": (2, ["parallel.pipefusion=2", "parallel.pipefusion_warmup=3"], ("sana", "flux2_dev")),
+    "pipefusion2": (2, ["parallel.pipefusion=2", "parallel.pipefusion_warmup=3"], ("sana", "flux2_dev", "dit")),
+    # LTX-2's video tokens split, its sound whole on each rank; its guidance's passes split over two halves
+    "ulysses2": (2, ["parallel.ulysses=2"], ("ltx2",)),
+    "cfg2": (2, ["parallel.cfg=2"], ("ltx2",)),
     # a patch's tokens split inside each stage (Qwen-Image's text whole on both ranks): ring gathers the
     # image keys and values (ulysses, with patches: test_pipefusion_patches_across_processes)
     "pipefusion2-ring2": (
@@ -176,6 +210,67 @@ def negative(name) -> str:
     return NEGATIVE if ROWS[name].negative else ""
 
 
+def pipeline_output(pipe, name, prompt=PROMPTS[0], steps: int = 2, seed: int = 1, guidance=4.0, **given):
+    """(frames (T, H, W, 3), its sound (channels, samples) or None) of the pipeline for `prompt` with its
+    row's negative prompt and `guidance`, at its row's size; `given`: more keywords (an image-to-video
+    pipeline's image: one that picks the size from it takes no height and width)."""
+    import inspect
+
+    row = ROWS[name]
+    takes = inspect.signature(pipe.__call__).parameters
+    size = dict(height=row.size[0], width=row.size[1], num_frames=row.frames)
+    size = {key: value for key, value in size.items() if key in takes and (row.frames > 1 or key != "num_frames")}
+    if row.guider:
+        from diffusers.guiders import ClassifierFreeGuidance
+
+        pipe.guider = ClassifierFreeGuidance(guidance_scale=guidance)
+    pipe.set_progress_bar_config(disable=True)
+    out = pipe(
+        prompt=prompt,
+        num_inference_steps=steps,
+        **size,
+        generator=torch.Generator().manual_seed(seed),
+        output_type="np",
+        **({} if row.guider else {row.guidance: guidance}),
+        **row.keywords,
+        **({"negative_prompt": NEGATIVE} if row.negative else {}),
+        **given,
+    )
+    if row.frames == 1:
+        return out.images[0][None], None
+    return out.frames[0], (out.audio[0].float().numpy() if row.sound else None)
+
+
+def pipeline_image(pipe, name, prompt=PROMPTS[0], steps: int = 2, seed: int = 1, guidance=4.0, **given):
+    """The pipeline's frames (T, H, W, 3) of `prompt` (pipeline_output)."""
+    return pipeline_output(pipe, name, prompt, steps, seed, guidance, **given)[0]
+
+
+def assert_written(name, folder, out, prompts=PROMPTS, steps: int = 3, seed: int = 5, guidance=4.0, **given):
+    """infer.py's outputs of `prompts` from --output `out` (its .npy per prompt; the .wav beside it, for a
+    family with sound) against the folder's pipeline, prompt by prompt from `seed` on: within 1e-5."""
+    from diffusers import DiffusionPipeline
+
+    from data.media import read_wav
+
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    height, width = ROWS[name].size
+    for i, prompt in enumerate(prompts):
+        want, sound = pipeline_output(pipe, name, prompt, steps, seed + i, guidance, **given)
+        got = np.load(out.with_name(f"{out.stem}_{i:03d}.npy"))
+        diff = float(np.abs(got - want).max())
+        print(f"{name} prompt {i}: infer.py vs {type(pipe).__name__} max abs diff {diff:.2e}")
+        assert got.shape == want.shape and got.dtype == np.float32 and want.std() > 0.01, got.shape
+        assert diff <= 1e-5
+        if "image" not in given:
+            assert got.shape == (ROWS[name].frames, height, width, 3)
+        if sound is not None:
+            wave, rate = read_wav(out.with_name(f"{out.stem}_{i:03d}.wav"))
+            heard = float(np.abs(wave - sound).max())
+            print(f"{name} prompt {i}: its sound max abs diff {heard:.2e} (std {sound.std():.3f})")
+            assert wave.shape == sound.shape and sound.std() > 0.01 and heard <= 1e-5
+
+
 def infer_args(name, folder, tmp_path, *extra):
     recipe, (height, width) = ROWS[name].recipe, ROWS[name].size
     return [
@@ -185,10 +280,10 @@ def infer_args(name, folder, tmp_path, *extra):
         f"model.pretrained={folder}",
         f"vae.pretrained={folder}",
         f"text_encoder.pretrained={folder}",
-        f"text_encoder.max_length={MAX_LENGTH if name == 'sana' else 512}",
+        f"text_encoder.max_length={ROWS[name].max_length}",
         f"run.output_dir={tmp_path / 'run'}",
         "--frames",
-        "1",
+        str(ROWS[name].frames),
         "--height",
         str(height),
         "--width",
@@ -203,10 +298,8 @@ def infer_args(name, folder, tmp_path, *extra):
 )
 def test_infer_matches_the_pipeline(saved, tmp_path, layout):
     """Two prompts (one cut or padded), a negative prompt, 3 steps, guidance 4, seeds 5 and 6: infer.py's
-    .npy images are the pipeline's, prompt by prompt; on one process, and with the guidance branches and
-    the tokens split over processes (tests/ranks.py)."""
-    from diffusers import DiffusionPipeline
-
+    .npy images or videos (and sound) are the pipeline's, prompt by prompt; on one process, and with the
+    guidance branches and the tokens split over processes (tests/ranks.py)."""
     name, folder = saved
     processes, overrides, families = LAYOUTS[layout]
     if name not in families:
@@ -224,15 +317,7 @@ def test_infer_matches_the_pipeline(saved, tmp_path, layout):
         shown = [o.split(".")[1] for o in overrides if "warmup" not in o]  # the layout line
         shown += ["2 patches, 3 warm-up step(s)"] if "parallel.pipefusion=2" in overrides else []
         assert all(words in done.stdout for words in shown), done.stdout
-    pipe = DiffusionPipeline.from_pretrained(folder)
-    height, width = ROWS[name].size
-    for i, prompt in enumerate(PROMPTS):
-        want = pipeline_image(pipe, name, prompt, steps=3, seed=5 + i)
-        got = np.load(tmp_path / f"image_{i:03d}.npy")
-        diff = float(np.abs(got[0] - want).max())
-        print(f"{name} prompt {i}: infer.py vs {type(pipe).__name__} max abs diff {diff:.2e}")
-        assert got.shape == (1, height, width, 3) and got.dtype == np.float32 and want.std() > 0.01
-        assert diff <= 1e-5
+    assert_written(name, folder, out)
 
 
 # (guidance, threshold) of the first-block cache test: diffusers decides per branch for Qwen-Image (its
@@ -512,23 +597,6 @@ def test_family_of_a_folder(saved, tmp_path):
     (flux / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
     with pytest.raises(ConfigError, match="FluxPipeline, a family tessera does not know"):
         load_config(None, ["model.size=auto", f"model.pretrained={flux}"])
-
-
-def pipeline_image(pipe, name, prompt=PROMPTS[0], steps: int = 2, seed: int = 1):
-    """The pipeline's image of `prompt` with its negative prompt, guidance 4, at its row's size."""
-    (height, width), guidance, keywords = ROWS[name].size, ROWS[name].guidance, ROWS[name].keywords
-    pipe.set_progress_bar_config(disable=True)
-    return pipe(
-        prompt=prompt,
-        num_inference_steps=steps,
-        height=height,
-        width=width,
-        generator=torch.Generator().manual_seed(seed),
-        output_type="np",
-        **{guidance: 4.0},
-        **keywords,
-        **({"negative_prompt": NEGATIVE} if ROWS[name].negative else {}),
-    ).images[0]
 
 
 def peft_lora(pipe, folder, targets=("to_q", "to_v", "to_out.0")):

@@ -151,8 +151,8 @@ def tiny_vae_and_text_encoder():
     return vae, text_encoder
 
 
-@pytest.fixture(scope="module")
-def tiny_pipeline(tmp_path_factory):
+def tiny_wan_pipeline():
+    """A tiny random WanPipeline (the scheduler's shift the recipe's flow.shift, 3)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
     from transformers import ByT5Tokenizer
 
@@ -160,14 +160,19 @@ def tiny_pipeline(tmp_path_factory):
     transformer = WanTransformer3DModel(**TINY_TRANSFORMER)
     perturb(transformer)
     vae, text_encoder = tiny_vae_and_text_encoder()
-    root = tmp_path_factory.mktemp("wanpipe")
-    WanPipeline(
+    return WanPipeline(
         tokenizer=ByT5Tokenizer(),
         text_encoder=text_encoder,
         vae=vae,
         transformer=transformer,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-    ).save_pretrained(root / "pipe")
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_pipeline(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wanpipe")
+    tiny_wan_pipeline().save_pretrained(root / "pipe")
     recipe = root / "wan.yaml"
     recipe.write_text(RECIPE.format(pipe=root / "pipe"))
     return root / "pipe", recipe
