@@ -121,6 +121,11 @@ def load_config(recipe: str | os.PathLike | None = None, overrides: list[str] | 
     family = family_named(cfg.model.family)
     # the default recipe's keys (the demo's DiT's) are not the user's: model.size=auto on a folder drops them
     given = [layer for _, layer in layers] if recipe.resolve() != DEFAULT_RECIPE.resolve() else []
+    if not given and cfg.model.size == "auto":  # the DiT's own too: a Wan folder's are its config's
+        schema = OmegaConf.structured(TesseraConfig).model
+        for key in layers[-1][1].get("model", {}):
+            if OmegaConf.select(cli_cfg, f"model.{key}", default=None) is None:
+                cfg.model[key] = schema[key]
     _other_families_keys(cfg, family, [*given, cli_cfg])
     family.resolve_size(cfg, ConfigError)  # auto: the folder's; or refused by name
     validate(cfg)

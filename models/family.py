@@ -140,6 +140,10 @@ class Family:
             folder = part_folder(cfg, "vae")
             raise ValueError(f"vae.pretrained: {folder} holds a {vae}, not {self.title}'s {self.vae_class}")
         self.check_scheduler(read_json(part_folder(cfg, "scheduler") / "scheduler_config.json"))
+        self.check_widths(cfg)
+
+    def check_widths(self, cfg) -> None:
+        """The parts' shared widths (`widths`) equal, or the pair named before anything loads."""
         for takes, want, part, found in self.widths(cfg):
             if None not in (want, found) and want != found:  # a key absent: not checked
                 raise ValueError(

@@ -241,29 +241,18 @@ def saved_i2v(tmp_path_factory):
 
 
 def infer_args(saved, tmp_path, *extra) -> list:
-    from tests.conftest import ROOT
+    """infer.py's arguments on the folder `saved` (tests/test_families.py's, its row)."""
+    from tests.test_families import infer_args
 
-    argv = ["--config", str(ROOT / "configs" / "hunyuanvideo-1.5-480p.yaml"), "model.size=auto"]
-    argv += [f"{key}.pretrained={saved}" for key in ("model", "vae", "text_encoder")]
-    return [
-        *argv,
-        f"run.output_dir={tmp_path / 'run'}",
-        "--frames",
-        "5",
-        "--height",
-        "24",
-        "--width",
-        "40",
-        *extra,
-    ]
+    return infer_args("hunyuan_video15", saved, tmp_path, *extra)
 
 
-LAYOUTS = {  # (processes, overrides, task): 180 tokens, split in 2 x 90 under ulysses (ring: Qwen-Image's)
-    "one-process": (1, [], "t2v"),
-    "one-process-i2v": (1, [], "i2v"),
-    "cfg2-ulysses2-i2v": (4, ["parallel.cfg=2", "parallel.ulysses=2"], "i2v"),
-    # warm-up over every step: exact (stale patches over frames: tests/test_pipefusion.py, the DiT's video)
-    "pipefusion2-i2v": (2, ["parallel.pipefusion=2", "parallel.pipefusion_warmup=3"], "i2v"),
+# (processes, overrides) of image-to-video (text-to-video: the row of tests/test_families.py): 180 tokens,
+# split in 2 x 90 under ulysses; warm-up over every step: exact (its stale patches over frames below)
+LAYOUTS = {
+    "one-process": (1, []),
+    "cfg2-ulysses2": (4, ["parallel.cfg=2", "parallel.ulysses=2"]),
+    "pipefusion2": (2, ["parallel.pipefusion=2", "parallel.pipefusion_warmup=3"]),
 }
 
 
@@ -276,66 +265,40 @@ def first_frame(tmp_path):
     return tmp_path / "first.png"
 
 
-def assert_pipeline_videos(folder, tmp_path, image=None):
-    """infer.py's video_00i.npy in tmp_path against the folder's pipeline (with `image`: the image-to-video
-    one, which picks the size from it) for PROMPTS, NEGATIVE, 3 steps, guidance 4, seeds 5 and 6."""
-    from diffusers import DiffusionPipeline
-    from diffusers.guiders import ClassifierFreeGuidance
-    from PIL import Image
-
-    pipe = DiffusionPipeline.from_pretrained(folder)
-    pipe.guider = ClassifierFreeGuidance(guidance_scale=4.0)
-    pipe.set_progress_bar_config(disable=True)
-    size = dict(image=Image.open(image)) if image else dict(height=24, width=40)
-    for i, prompt in enumerate(PROMPTS):
-        want = pipe(
-            prompt=prompt,
-            negative_prompt=NEGATIVE,
-            num_inference_steps=3,
-            num_frames=5,
-            **size,
-            generator=torch.Generator().manual_seed(5 + i),
-            output_type="np",
-        ).frames[0]
-        got = np.load(tmp_path / f"video_{i:03d}.npy")
-        diff = float(np.abs(got - want).max())
-        print(f"prompt {i}: infer.py vs {type(pipe).__name__} max abs {diff:.2e}")
-        assert got.shape == want.shape == (5, 24, 40, 3) and want.std() > 0.01
-        assert diff <= 1e-5
-
-
 @torch.no_grad()
 @pytest.mark.parametrize(
     "layout", [pytest.param(name, marks=[pytest.mark.slow] * (LAYOUTS[name][0] > 1)) for name in LAYOUTS]
 )
-def test_infer_matches_the_pipeline(saved, saved_i2v, tmp_path, capsys, layout):
-    """infer.py --config configs/hunyuanvideo-1.5-480p.yaml on the folder (model.size=auto) against its
-    pipeline: two prompts (one with quoted glyph texts), a negative prompt, 3 steps, guidance 4, seeds 5
-    and 6, 5 frames at 24 x 40: the same videos, prompt by prompt. Text-to-video on one process;
-    image-to-video (--image, an 80 x 48 PNG cropped to 40 x 24) on one process without --height and
-    --width (the size the image picks; the folder without --image refused), with the guidance
-    branches and the heads split over 4 processes (tests/ranks.py), and under PipeFusion 2 (warm-up
-    over every step; its patches: test_pipefusion_patches_over_frames_match_one_process)."""
+def test_image_to_video_matches_the_pipeline(saved_i2v, tmp_path, capsys, layout):
+    """infer.py --image (an 80 x 48 PNG cropped to 40 x 24, without --height and --width: the size the
+    image picks) on the image-to-video folder against HunyuanVideo15ImageToVideoPipeline: two prompts (one
+    with quoted glyph texts), a negative prompt, 3 steps, guidance 4, seeds 5 and 6, 5 frames: the same
+    videos; on one process (the folder without --image refused), with the guidance branches and the heads
+    split over 4 processes (tests/ranks.py), and under PipeFusion 2."""
+    from PIL import Image
+
     import infer
     from tests.conftest import ranks, run_main
+    from tests.test_families import assert_written, negative
 
-    processes, overrides, task = LAYOUTS[layout]
-    folder = saved_i2v if task == "i2v" else saved
-    argv = infer_args(folder, tmp_path, "--prompt", *PROMPTS, "--negative-prompt", NEGATIVE, "--steps", "3")
-    argv += ["--guidance", "4", "--seed", "5", "--output", str(tmp_path / "video.npy"), *overrides]
-    image = first_frame(tmp_path) if task == "i2v" else None
-    if processes == 1 and image is not None:
-        at = argv.index("--height")
-        del argv[at : at + 4]  # no --height or --width: the size the image picks
+    processes, overrides = LAYOUTS[layout]
+    out = tmp_path / "video.npy"
+    given = ["--prompt", *PROMPTS, "--negative-prompt", negative("hunyuan_video15")]
+    argv = infer_args(saved_i2v, tmp_path, *given)
+    argv += ["--steps", "3", "--guidance", "4", "--seed", "5", "--output", str(out), *overrides]
+    at = argv.index("--height")
+    del argv[at : at + 4]  # no --height or --width: the size the image picks
+    if processes == 1:
         assert run_main(infer, argv) != 0
         assert "give the first frame with --image" in capsys.readouterr().err
-    argv += ["--image", str(image)] if image else []
+    image = first_frame(tmp_path)
+    argv += ["--image", str(image)]
     if processes == 1:
         assert run_main(infer, argv) == 0
     else:
         done = ranks(processes, "infer.py", *argv, timeout=240)
         assert done.returncode == 0, done.stderr[-3000:]
-    assert_pipeline_videos(folder, tmp_path, image)
+    assert_written("hunyuan_video15", saved_i2v, out, PROMPTS, image=Image.open(image))
 
 
 @pytest.mark.slow
@@ -373,16 +336,13 @@ def test_pipefusion_patches_over_frames_match_one_process(saved_i2v, tmp_path):
 
 
 def test_refusals(saved, saved_i2v, tmp_path, capsys):
-    """What the family does not run yet: one error line naming it, before any process group."""
+    """What is its own to refuse: one error line naming it, before any process group."""
     import infer
     import train
     from tests.conftest import run_main
 
     base = infer_args(saved, tmp_path)
     cases = [
-        (infer, ["--frames", "4"], "--frames"),  # a causal VAE: 1 + 2k frames
-        (infer, ["--height", "26"], "height"),
-        (infer, ["parallel.ulysses=2", "parallel.ring=2"], "not both"),
         (infer, ["parallel.pipefusion=2", "sample.cache=first_block"], "cannot run under PipeFusion"),
         (infer, ["--image", "x.png"], "--image: model.pretrained="),
         (train, ["model.task=i2v"], "leaves it at t2v"),
@@ -396,8 +356,10 @@ def test_refusals(saved, saved_i2v, tmp_path, capsys):
     ]
     from tests.test_families import parts_of_another_width
 
-    parts = ("vae", "text_encoder", "text_encoder_2")  # the VAE's, the text's and the glyphs' widths
-    cases += [(infer, extra, expected) for extra, expected in parts_of_another_width(saved, tmp_path, parts)]
+    # the glyphs' encoder's width (the VAE's and the text's, and its sizes and layouts: its row of
+    # tests/test_families.py)
+    glyphs = parts_of_another_width(saved, tmp_path, ("text_encoder_2",))
+    cases += [(infer, extra, words) for extra, words in glyphs]
     rescaled = tmp_path / "rescaled"  # the folder with a guider tessera does not reproduce
     shutil.copytree(saved, rescaled)
     config = rescaled / "guider" / "guider_config.json"
@@ -412,100 +374,37 @@ def test_refusals(saved, saved_i2v, tmp_path, capsys):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize(
-    "layout", ["one-process", "one-process-i2v", pytest.param("ring2", marks=pytest.mark.slow)]
-)
-def test_first_block_cache_matches_diffusers(saved, saved_i2v, tmp_path, capsys, layout):
-    """sample.cache=first_block against diffusers' own first-block cache hooks on the pipeline's transformer
-    (its block registered as a dual-stream one), unguided (diffusers decides each guidance branch apart),
-    8 steps, threshold 0.4: the same steps run every block (fewer than 8), and the same video; on one
-    process, text- and image-to-video (the embedding reads the given frame's latents), and with each
-    sample's tokens split over two (ring 2, the decision's sums agreed)."""
+def test_first_block_cache_matches_diffusers_from_a_first_frame(saved_i2v, tmp_path, capsys):
+    """sample.cache=first_block from a first frame (the embedding reads the given frame's latents) against
+    diffusers' own first-block cache hooks on the image-to-video pipeline's transformer, unguided, 8 steps,
+    threshold 0.4: the same steps run every block (fewer than 8) and the same video (text-to-video, and
+    ring 2: the row of tests/test_families.py)."""
     from diffusers import DiffusionPipeline
-    from diffusers.guiders import ClassifierFreeGuidance
     from diffusers.hooks import FirstBlockCacheConfig
     from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
     from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15TransformerBlock
     from PIL import Image
 
     import infer
-    from tests.conftest import ranks, run_main
+    from tests.conftest import run_main
+    from tests.test_families import pipeline_image
 
-    out, folder = tmp_path / "video.npy", saved_i2v if layout.endswith("i2v") else saved
-    argv = infer_args(
-        folder, tmp_path, "--prompt", PROMPTS[0], "--steps", "8", "--guidance", "1", "--seed", "5"
-    )
-    argv += ["--output", str(out), "sample.cache=first_block", "sample.cache_first_block_threshold=0.4"]
-    argv += ["sample.cache_max_skips=8"]
-    image = first_frame(tmp_path) if layout.endswith("i2v") else None
-    argv += ["--image", str(image)] if image else []
-    if layout.startswith("one-process"):
-        assert run_main(infer, argv) == 0
-        said = capsys.readouterr().out
-    else:
-        done = ranks(2, "infer.py", *argv, "parallel.ring=2", timeout=240)
-        assert done.returncode == 0, done.stderr[-3000:]
-        said = done.stdout
-    full = float(said.split("[tessera] step cache: ")[1].split(" of 8")[0])
+    out, image = tmp_path / "video.npy", first_frame(tmp_path)
+    argv = infer_args(saved_i2v, tmp_path, "--prompt", PROMPTS[0], "--steps", "8", "--guidance", "1")
+    argv += ["--seed", "5", "--output", str(out), "sample.cache=first_block", "--image", str(image)]
+    argv += ["sample.cache_first_block_threshold=0.4", "sample.cache_max_skips=8"]
+    at = argv.index("--height")
+    del argv[at : at + 4]  # the size the image picks
+    assert run_main(infer, argv) == 0
+    full = float(capsys.readouterr().out.split("[tessera] step cache: ")[1].split(" of 8")[0])
     metadata = TransformerBlockMetadata(return_hidden_states_index=0, return_encoder_hidden_states_index=1)
     TransformerBlockRegistry.register(model_class=HunyuanVideo15TransformerBlock, metadata=metadata)
-    pipe = DiffusionPipeline.from_pretrained(folder)
-    pipe.guider = ClassifierFreeGuidance(guidance_scale=1.0)
+    pipe = DiffusionPipeline.from_pretrained(saved_i2v)
     pipe.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.4))
     calls = []  # the last block's attention runs only when every block runs
     pipe.transformer.transformer_blocks[-1].attn.register_forward_hook(lambda *a: calls.append(1))
-    pipe.set_progress_bar_config(disable=True)
-    generator = torch.Generator().manual_seed(5)
-    given = dict(image=Image.open(image), num_frames=SIZE["num_frames"]) if image else SIZE
-    want = pipe(
-        prompt=PROMPTS[0], num_inference_steps=8, **given, generator=generator, output_type="np"
-    ).frames[0]
+    want = pipeline_image(pipe, "hunyuan_video15", PROMPTS[0], 8, 5, 1.0, image=Image.open(image))
     diff = float(np.abs(np.load(out) - want).max())
     print(f"first_block: {full:g} of 8 steps ran every block (diffusers {len(calls)}), max abs {diff:.2e}")
     assert 1 < full < 8 and full == len(calls) and want.std() > 0.01
     assert diff <= 1e-5
-
-
-@torch.no_grad()
-def test_peft_lora_loads(saved, tmp_path):
-    """A LoRA made by PEFT on the pipeline's diffusers transformer (the joint attention, the refiner's and the
-    blocks' MLPs; random B, alpha 2 r), saved with its config in the header as diffusers saves one:
-    infer.py --lora gives the video the pipeline gives with the adapted transformer (and not the plain one).
-    The pipeline has no load_lora_weights: the adapter is PEFT's own on its transformer."""
-    from diffusers import DiffusionPipeline
-    from diffusers.guiders import ClassifierFreeGuidance
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
-    from safetensors.torch import save_file
-
-    import infer
-    from tests.conftest import run_main
-
-    pipe = DiffusionPipeline.from_pretrained(saved)
-    pipe.guider = ClassifierFreeGuidance(guidance_scale=4.0)
-    pipe.set_progress_bar_config(disable=True)
-    video = lambda: pipe(  # noqa: E731
-        prompt=PROMPTS[0], negative_prompt=NEGATIVE, num_inference_steps=2, **SIZE,
-        generator=torch.Generator().manual_seed(1), output_type="np",
-    ).frames[0]  # fmt: skip
-    plain = video()
-    targets = ["to_q", "to_v", "to_out.0", "add_q_proj", "to_add_out", "ff.net.2", "proj_in"]
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
-    with torch.random.fork_rng():
-        torch.manual_seed(3)
-        pipe.transformer.add_adapter(config)
-    want = video()
-    lora = tmp_path / "lora.safetensors"
-    state = {
-        f"transformer.{k}": v.contiguous() for k, v in get_peft_model_state_dict(pipe.transformer).items()
-    }
-    save_file(state, str(lora), metadata={"lora_adapter_metadata": json.dumps({"r": 4, "lora_alpha": 8})})
-    out = tmp_path / "lora.npy"
-    argv = infer_args(saved, tmp_path, "--prompt", PROMPTS[0], "--negative-prompt", NEGATIVE, "--steps", "2")
-    assert (
-        run_main(infer, [*argv, "--guidance", "4", "--seed", "1", "--output", str(out), "--lora", str(lora)])
-        == 0
-    )
-    diff = float(np.abs(np.load(out) - want).max())
-    print(f"PEFT LoRA: infer.py --lora vs the adapted pipeline max abs {diff:.2e}")
-    assert diff <= 1e-4 and np.abs(want - plain).max() > 1e-3  # the LoRA changes the video

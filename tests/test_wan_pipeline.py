@@ -1,8 +1,8 @@
-"""infer.py against diffusers' WanPipeline, code no one here wrote: the same tiny random pipeline folder
+"""tessera's DiT on diffusers' WanPipeline, code no one here wrote: a tiny random pipeline folder
 (transformer, AutoencoderKLWan, UMT5 with the ByT5 tokenizer, FlowMatchEulerDiscreteScheduler with
-shift 3), the same prompt, negative prompt, seed, steps and guidance give the same video. This holds
-tessera's noise draw, Wan's fixed shift, the trimmed and zero-padded text, the guidance and the VAE's
-latent normalisation to diffusers'."""
+shift 3) and a recipe of its dimensions. infer.py against the pipeline is the Wan row of
+tests/test_families.py; here what is Wan's own: a fine-tuned run exported back into diffusers, Wan 2.2's
+two experts (sampling, and training as two runs), model.size=auto against the explicit recipe."""
 
 import sys
 
@@ -176,15 +176,6 @@ def tiny_pipeline(tmp_path_factory):
     recipe = root / "wan.yaml"
     recipe.write_text(RECIPE.format(pipe=root / "pipe"))
     return root / "pipe", recipe
-
-
-def test_infer_equals_wan_pipeline(tiny_pipeline, tmp_path):
-    pipe_dir, recipe = tiny_pipeline
-    expected = pipeline_sample(pipe_dir)
-    video = infer_sample(recipe, tmp_path / "run", tmp_path / "tessera.npy")
-    assert video.shape == expected.shape == (5, 32, 32, 3)
-    assert expected.std() > 0.05  # not a flat video that anything would match
-    assert np.abs(video - expected).max() <= 1e-4  # measured 2.4e-7; the issue's bound is 1e-3
 
 
 def test_fine_tuned_and_exported_pipeline_samples_what_infer_samples(tiny_pipeline, tmp_path):

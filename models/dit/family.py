@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from models import tiling
-from models.family import Components, Family
+from models.family import Components, Family, config_of
 from models.image_condition import ConditionedModel, ConditionedPieces, ImageCondition
 from models.loop import Schedule
 from models.step_cache import FirstBlockFamily
@@ -352,6 +352,19 @@ class DiTFamily(Family):
 
         if cfg.model.pretrained:
             check_wan_folder(cfg.model.pretrained)
+            self.check_widths(cfg)
+
+    def widths(self, cfg) -> list:
+        """A Wan folder's latents and text as its transformer takes them: the VAE's z_dim (its output; its
+        input holds an image condition's channels too) and UMT5's d_model, where those keys name them."""
+        from models.dit.wan import WanWeights
+
+        t = WanWeights(cfg.model.pretrained).config
+        vae = config_of(cfg, "vae") if cfg.vae.pretrained else {}
+        text = config_of(cfg, "text_encoder") if cfg.text_encoder.pretrained else {}
+        return [("out_channels", t.get("out_channels"), "the VAE's z_dim", vae.get("z_dim")),
+                ("text_dim", t.get("text_dim"), "the text encoder's d_model",
+                 text.get("d_model"))]  # fmt: skip
 
     def check_sample_keys(self, cfg) -> None:
         """As every family's, and a warning where its text is padded otherwise than Wan's (train.py and

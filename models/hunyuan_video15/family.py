@@ -105,9 +105,11 @@ class HunyuanVideo15(Family):
                 )
 
     def takes_images(self, cfg) -> bool:
-        """An image-to-video folder: model_index.json's pipeline, or a SigLIP image encoder in it."""
+        """An image-to-video folder: model_index.json's pipeline, or a SigLIP image encoder in it (its own
+        image_encoder/: a VAE-only folder beside a single file is not one)."""
         index = read_json(Path(cfg.model.pretrained or "") / "model_index.json").get("_class_name")
-        return index == PIPELINE_CLASSES[1] or (part_folder(cfg, "image_encoder") / "config.json").is_file()
+        encoder = part_folder(cfg, "image_encoder")
+        return index == PIPELINE_CLASSES[1] or (encoder.name == "image_encoder" and encoder.is_dir())
 
     def patch_pieces(self, parts: HunyuanVideo15Parts, cond=None):
         """Its transformer's; image-to-video: the embedding reads the given frame's latents and mask beside
