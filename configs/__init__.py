@@ -121,13 +121,16 @@ def load_config(recipe: str | os.PathLike | None = None, overrides: list[str] | 
     family = family_named(cfg.model.family)
     # the default recipe's keys (the demo's DiT's) are not the user's: model.size=auto on a folder drops them
     given = [layer for _, layer in layers] if recipe.resolve() != DEFAULT_RECIPE.resolve() else []
-    if not given and cfg.model.size == "auto":  # the DiT's own too: a Wan folder's are its config's
-        schema = OmegaConf.structured(TesseraConfig).model
-        for key in layers[-1][1].get("model", {}):
-            if OmegaConf.select(cli_cfg, f"model.{key}", default=None) is None:
-                cfg.model[key] = schema[key]
     _other_families_keys(cfg, family, [*given, cli_cfg])
-    family.resolve_size(cfg, ConfigError)  # auto: the folder's; or refused by name
+    try:
+        family.resolve_size(cfg, ConfigError)  # auto: the folder's; or refused by name
+    except ConfigError as e:
+        if given:
+            raise
+        raise ConfigError(  # the demo's keys contradict a folder of the family they belong to (Wan's)
+            f"{e} (set by the default recipe, configs/demo.yaml: name a recipe of {family.title} with "
+            "--config)"
+        ) from None
     validate(cfg)
     _check_decay_fraction(cli_cfg, cfg)
     _check_memory_choice(cli_cfg, cfg)

@@ -29,7 +29,8 @@ def wan_prompt(prompt: str) -> str:
         prompt = ftfy.fix_text(prompt)
     except ImportError:
         pass
-    return re.sub(r"\s+", " ", html.unescape(html.unescape(prompt))).strip()
+    # \s as the `regex` module diffusers uses reads it (Python's re also takes \x1c-\x1f for spaces)
+    return re.sub(r"[^\S\x1c-\x1f]+", " ", html.unescape(html.unescape(prompt))).strip()
 
 
 class TextEncoder(nn.Module):

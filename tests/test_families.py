@@ -37,7 +37,8 @@ from tests.test_z_image import tiny_z_image_pipeline
 @dataclass
 class Row:
     """One family of the suite: its recipe, its tiny pipeline's builder, the pipeline's guidance keyword and
-    pipeline-only keywords, the size (height, width: non-square, 5 x 3 tokens, which no degree divides), a
+    pipeline-only keywords, the size (height, width: non-square; an image row's 5 x 3 tokens no degree
+    divides), a
     scheduler setting other than the release's (a folder whose scheduler/ goes unread samples otherwise),
     the first-block cache's (guidance, threshold) and the attention of the second block that runs only
     when every block runs (None: the family refuses the cache), the config key of its depth, its single
@@ -172,7 +173,7 @@ LAYOUTS = {  # (processes, overrides, families): each launch checks its degrees 
     # Sana's operators split the tokens alike under ulysses and ring (no head split): ring covers both
     "cfg2-ulysses2": (4, ["parallel.cfg=2", "parallel.ulysses=2"], ("qwen_image", "z_image", "flux2")),
     "cfg2-ring2": (4, ["parallel.cfg=2", "parallel.ring=2"], ("qwen_image", "sana", "z_image", "flux2")),
-    # warm-up over every step: exact, as the Wan test (stale K/V is approximate by design; a patch against
+    # warm-up over every step: exact (stale K/V is approximate by design; a patch against
     # the whole forward: test_pipefusion_patches_match_the_whole_forward)
     "pipefusion2": (
         2, ["parallel.pipefusion=2", "parallel.pipefusion_warmup=3"], ("sana", "flux2_dev", "dit")
@@ -282,14 +283,14 @@ def assert_written(name, folder, out, prompts=PROMPTS, steps: int = 3, seed: int
         diff = float(np.abs(got - want).max())
         print(f"{name} prompt {i}: infer.py vs {type(pipe).__name__} max abs diff {diff:.2e}")
         assert got.shape == want.shape and got.dtype == np.float32 and want.std() > 0.01, got.shape
-        assert diff <= 1e-5
-        if "image" not in given:
-            assert got.shape == (ROWS[name].frames, height, width, 3)
+        # an image-to-video pipeline's size is its image's: the row's here
+        assert diff <= 1e-5 and got.shape == (ROWS[name].frames, height, width, 3)
         if sound is not None:
             wave, rate = read_wav(out.with_name(f"{out.stem}_{i:03d}.wav"))
             heard = float(np.abs(wave - sound).max())
             print(f"{name} prompt {i}: its sound max abs diff {heard:.2e} (std {sound.std():.3f})")
             assert wave.shape == sound.shape and sound.std() > 0.01 and heard <= 1e-5
+            assert rate == pipe.vocoder.config.output_sampling_rate
 
 
 def infer_args(name, folder, tmp_path, *extra):
@@ -318,9 +319,9 @@ def infer_args(name, folder, tmp_path, *extra):
     "layout", [pytest.param(name, marks=[pytest.mark.slow] * (LAYOUTS[name][0] > 1)) for name in LAYOUTS]
 )
 def test_infer_matches_the_pipeline(saved, tmp_path, layout):
-    """Two prompts (one cut or padded), a negative prompt, 3 steps, guidance 4, seeds 5 and 6: infer.py's
-    .npy images or videos (and sound) are the pipeline's, prompt by prompt; on one process, and with the
-    guidance branches and the tokens split over processes (tests/ranks.py)."""
+    """Two prompts (the row's; Sana's are cut or padded), a negative prompt, 3 steps, guidance 4, seeds 5
+    and 6: infer.py's .npy images or videos (and sound) are the pipeline's, prompt by prompt; on one
+    process, and with the guidance branches and the tokens split over processes (tests/ranks.py)."""
     name, folder = saved
     processes, overrides, families = LAYOUTS[layout]
     if name not in families:
@@ -589,18 +590,23 @@ def test_family_of_a_folder(saved, tmp_path):
     """model.size=auto takes the family from the folder; a folder of another family or of one tessera
     does not know is refused by name."""
     name, folder = saved
-    cfg = load_config(None, ["model.size=auto", f"model.pretrained={folder}"])
+    reads = any(k.key == "model.patch_size" and name in k.families for k in family_keys())  # the DiT
+    given = ["model.size=auto", f"model.pretrained={folder}"]
+    if reads:  # the demo recipe's DiT keys contradict a Wan folder: the refusal names the way
+        with pytest.raises(ConfigError, match=r"configs/demo.yaml: name a recipe of .* with --config"):
+            load_config(None, given)
+    recipe = ROOT / "configs" / ROWS[name].recipe if reads else None
+    cfg = load_config(recipe, given)
     assert cfg.model.family == name
-    # the default (demo) recipe's DiT keys are dropped (the DiT's: the folder's), not kept in the run's
+    # the default (demo) recipe's DiT keys are dropped (the DiT's: its folder's), not kept in the run's
     # config.yaml, which loads back
-    assert cfg.model.patch_size == [1, 2, 2] and cfg.model.absolute_positions is not True
+    assert cfg.model.patch_size == [1, 2, 2] and cfg.model.absolute_positions is (False if reads else None)
     (tmp_path / "config.yaml").write_text(to_yaml(cfg))
     assert load_config(tmp_path / "config.yaml").model.family == name
-    reads = any(k.key == "model.patch_size" and name in k.families for k in family_keys())
     title = family_named(name).title
     refused = "model.patch_size=\\[2, 4, 4\\]" + (" contradicts" if reads else f": {title}")
     with pytest.raises(ConfigError, match=refused):
-        load_config(None, ["model.size=auto", f"model.pretrained={folder}", "model.patch_size=[2,4,4]"])
+        load_config(recipe, [*given, "model.patch_size=[2,4,4]"])
     if not reads:  # a named size is the DiT's own (a tessera run's or a Wan folder's weights)
         with pytest.raises(ConfigError, match="model.size=auto"):
             load_config(None, ["model.size=DiT-S", f"model.pretrained={folder}"])
@@ -650,6 +656,7 @@ def peft_lora(pipe, folder, targets=("to_q", "to_v", "to_out.0"), adapter="defau
 @torch.no_grad()
 def test_peft_lora_loads(saved, tmp_path, capsys):
     """infer.py --lora FILE:0.5 with a PEFT LoRA gives the image the pipeline gives after load_lora_weights
+    (HunyuanVideo 1.5's, without a loader: the same adapter on its transformer)
     at adapter weight 0.5 (and not the image without it); a LoRA of the other family is refused by name."""
     from diffusers import DiffusionPipeline
     from safetensors.torch import save_file
@@ -766,9 +773,9 @@ def test_loras_in_the_release_names_load_as_diffusers_loads_them(saved, tmp_path
 @torch.no_grad()
 def test_bf16_matches_the_pipeline(saved, tmp_path):
     """train.precision=bf16: the pipeline loaded in bf16 samples the same image (Qwen-Image's latents stay
-    in the model's dtype between steps, Sana's in float32; tessera's loop does the same). Both give 0.0:
-    even a tensor's memory layout is diffusers' where a bf16 matmul's rounding depends on it (Sana's
-    cross-attention residual)."""
+    in the model's dtype between steps, Sana's in float32; tessera's loop does the same). The image rows
+    give 0.0: even a tensor's memory layout is diffusers' where a bf16 matmul's rounding depends on it
+    (Sana's cross-attention residual); the video rows within their row's bound."""
     from diffusers import DiffusionPipeline
 
     name, folder = saved

@@ -366,3 +366,16 @@ def test_model_size_auto_takes_every_architecture_key_from_the_folder(tiny_pipel
         load_config(auto, ["model.ffn_dim=64"])
     with pytest.raises(ConfigError, match=r"model.depth=7 contradicts"):  # a named size's folder too
         load_config(auto, ["model.depth=7"])
+
+
+@pytest.mark.parametrize(
+    "prompt", ["  a  red\tsquare\n moving  ", "cats &amp;amp; dogs", "a\u3000wide\u00a0space", "a\x1c\x1fb"]
+)
+def test_prompts_are_cleaned_as_wan_pipelines_clean_them(prompt):
+    """models/text_encoder.py wan_prompt against diffusers' prompt_clean (code no one here wrote): runs of
+    whitespace, HTML entities twice, the separators regex does not take for spaces."""
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+    from models.text_encoder import wan_prompt
+
+    assert wan_prompt(prompt) == prompt_clean(prompt)
