@@ -36,6 +36,11 @@ WHOLE_SUITE_ROWS = {  # file: [(rows, tests), ...]
          ("test_bf16", "test_single_file", "test_peft_lora", "test_weights_without", "test_parallel_auto",
           "test_family_of")),
         (("z_image",), ("test_loras_in_the_release_names",)),  # FLUX.2's row covers the path
+        # the video rows' folder reading, LoRAs and bf16 are their image siblings' code paths: their sampling
+        # against the pipeline, first_block and refusals stay fast
+        (("dit", "hunyuan_video15", "ltx2"),
+         ("test_bf16", "test_single_file", "test_peft_lora", "test_weights_without", "test_parallel_auto",
+          "test_family_of")),
     ],
 }  # fmt: skip
 # rows a test does not apply to, skipped in every tier with the reason
