@@ -18,17 +18,17 @@ import torch.nn as nn
 
 from models.util import seeded
 
+try:  # diffusers' Wan pipelines fix the prompt's text with ftfy where it is installed: so does wan_prompt
+    import ftfy
+except ImportError:
+    ftfy = None
+
 
 def wan_prompt(prompt: str) -> str:
     """A prompt as Wan's pipelines clean it before UMT5 (diffusers' prompt_clean): ftfy's fix where it is
     installed, as there; HTML entities undone twice; each run of whitespace one space, stripped. Without
     it a prompt with a doubled or trailing space is cut to other tokens than Wan's."""
-    try:
-        import ftfy
-
-        prompt = ftfy.fix_text(prompt)
-    except ImportError:
-        pass
+    prompt = ftfy.fix_text(prompt) if ftfy is not None else prompt
     # \s as the `regex` module diffusers uses reads it (Python's re also takes \x1c-\x1f for spaces)
     return re.sub(r"[^\S\x1c-\x1f]+", " ", html.unescape(html.unescape(prompt))).strip()
 

@@ -23,6 +23,7 @@ import train
 from configs import ConfigError, load_config, to_yaml
 from configs.auto import resolve_family
 from models.families import family_keys, family_named
+from models.sampler import generate_images
 from tests.conftest import ROOT, ranks, run_main
 from tests.test_flux2 import tiny_flux2_dev_pipeline, tiny_flux2_pipeline
 from tests.test_hunyuan_video15 import PROMPTS as GLYPH_PROMPTS
@@ -1150,6 +1151,24 @@ def sequential_pipefusion(patches: int, warmup: int, cache=None):
     return denoise_with
 
 
+def stale_patches(family, parts, sampling, got) -> tuple:
+    """(max abs of `got`, PipeFusion's output of `sampling`, from the same schedule run item by item on one
+    process: 2 patches after one warm-up step; max abs of that from whole steps: the patches ran)."""
+    want = generate_images(family, parts, sampling, denoise_with=sequential_pipefusion(2, 1))[0]
+    whole = generate_images(family, parts, sampling)[0]
+    return float(np.abs(got - want).max()), float(np.abs(want - whole).max())
+
+
+def cached_and_uncached(argv, cached, tmp_path, capsys) -> tuple:
+    """infer.py's outputs of `argv` (4 steps) with the calibrated table `cached` names, which calls the model
+    on 2 of the 4, and without it (c.npy, u.npy in tmp_path)."""
+    capsys.readouterr()
+    assert run_main(infer, [*argv, *cached, "--output", str(tmp_path / "c.npy")]) == 0
+    assert "[tessera] step cache: 2 of 4 steps call the model" in capsys.readouterr().out
+    assert run_main(infer, [*argv, "--output", str(tmp_path / "u.npy")]) == 0
+    return np.load(tmp_path / "c.npy"), np.load(tmp_path / "u.npy")
+
+
 @pytest.mark.slow
 @torch.no_grad()
 def test_pipefusion_patches_across_processes(saved, tmp_path):
@@ -1160,8 +1179,7 @@ def test_pipefusion_patches_across_processes(saved, tmp_path):
     gathered from the split. Qwen-Image under ulysses: its text passes with each patch, its image heads are
     exchanged (unwritten and stale keys, each patch's rotary rows). The images are those of the same
     schedule run item by item on one process."""
-    from models.families import family_named
-    from models.sampler import Sampling, generate_images
+    from models.sampler import Sampling
 
     name, folder = saved
     # FLUX.2 klein: its single blocks' text beside each patch, its image heads exchanged under ulysses
@@ -1182,10 +1200,7 @@ def test_pipefusion_patches_across_processes(saved, tmp_path):
     length = cfg.text_encoder.max_length  # as infer.py encodes
     for i, prompt in enumerate(PROMPTS):
         sampling = Sampling([prompt], [5 + i], (1, height, width), 3, 4.0, negative(name), length)
-        want = generate_images(family, parts, sampling, denoise_with=sequential_pipefusion(2, 1))[0]
-        whole = generate_images(family, parts, sampling)[0]
-        got = np.load(tmp_path / f"image_{i:03d}.npy")
-        diff, stale = float(np.abs(got - want).max()), float(np.abs(want - whole).max())
+        diff, stale = stale_patches(family, parts, sampling, np.load(tmp_path / f"image_{i:03d}.npy"))
         print(f"{name} prompt {i}: PipeFusion's patches vs one process item by item {diff:.2e} (vs the whole "
               f"steps {stale:.2e})", file=sys.__stderr__)  # fmt: skip
         assert diff <= 1e-5 and stale > 2e-5  # the patches ran: whole steps are 2x the bound off

@@ -21,7 +21,7 @@ from models.families import family_named
 from models.flow import RectifiedFlow
 from parallel.drive.family_training import FamilyRun, family_batch
 from tests.conftest import ROOT, ranks, run_main
-from tests.test_families import ROWS, infer_args, negative, pipeline_image, saved_folder
+from tests.test_families import ROWS, cached_and_uncached, infer_args, negative, pipeline_image, saved_folder
 from tests.test_sana import MAX_LENGTH, PROMPTS
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -368,11 +368,7 @@ def test_a_calibrated_step_cache_for_a_family_run(runs, tmp_path, capsys):
     assert json.loads(table.read_text())["steps"] == 4
     cached = ["sample.cache=calibrated", f"sample.cache_calibration={table}", "sample.cache_threshold=100"]
     argv = ["--config", config, *overrides, "--steps", "4", "--prompt", "a red square", "--seed", "3"]
-    capsys.readouterr()
-    assert run_main(infer, [*argv, *cached, "--output", str(tmp_path / "c.npy")]) == 0
-    assert "[tessera] step cache: 2 of 4 steps call the model" in capsys.readouterr().out
-    assert run_main(infer, [*argv, "--output", str(tmp_path / "u.npy")]) == 0
-    image, uncached = np.load(tmp_path / "c.npy"), np.load(tmp_path / "u.npy")
+    image, uncached = cached_and_uncached(argv, cached, tmp_path, capsys)
     assert np.isfinite(image).all() and np.abs(image - uncached).max() > 1e-4
     lora = [f"run.output_dir={made['lora']}" if o.startswith("run.output_dir=") else o for o in argv]
     assert run_main(infer, [*lora, *cached, "--output", str(tmp_path / "l.npy")]) == 2

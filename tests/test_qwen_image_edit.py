@@ -299,9 +299,9 @@ def test_pipefusion_with_references_matches_one_process(edit, tmp_path):
     from configs import load_config
     from models.families import family_named
     from models.image_condition import load_image
-    from models.sampler import Sampling, generate_images
+    from models.sampler import Sampling
     from tests.conftest import ranks
-    from tests.test_families import sequential_pipefusion
+    from tests.test_families import stale_patches
 
     pipe, folder, paths = edit
     if not pipe.transformer.config.zero_cond_t:
@@ -318,10 +318,7 @@ def test_pipefusion_with_references_matches_one_process(edit, tmp_path):
     parts = family.load(cfg, torch.device("cpu"), torch.float32)
     sampling = Sampling(["make it blue"], [5], (1, 128, 64), 3, 4.0, "blurry", cfg.text_encoder.max_length,
                         [[load_image(paths[0])]])  # fmt: skip
-    want = generate_images(family, parts, sampling, denoise_with=sequential_pipefusion(2, 1))[0]
-    whole = generate_images(family, parts, sampling)[0]
-    got = np.load(out)
-    diff, stale = float(np.abs(got - want).max()), float(np.abs(want - whole).max())
+    diff, stale = stale_patches(family, parts, sampling, np.load(out))
     print(f"PipeFusion with a reference vs one process item by item {diff:.2e} (vs whole steps {stale:.2e})")
     # the references' 4096 tokens (the pipeline sizes them to 1024 x 1024 pixels) outweigh the 32 noisy
     # ones in each attention: the stale patches move the image by little, still 10 times the difference
@@ -336,8 +333,8 @@ def test_a_calibrated_step_cache_with_references(edit, tmp_path, capsys):
     over to them, as to other prompts), the image other than the uncached one."""
     import numpy as np
 
-    import infer
     from tests.conftest import ROOT, run_main
+    from tests.test_families import cached_and_uncached
 
     sys.path.insert(0, str(ROOT / "scripts"))
     import calibrate_cache
@@ -356,11 +353,7 @@ def test_a_calibrated_step_cache_with_references(edit, tmp_path, capsys):
     cached = ["sample.cache=calibrated", f"sample.cache_calibration={table}", "sample.cache_threshold=100"]
     argv += ["--image", str(paths[1]), "--frames", "1", "--steps", "4", "--prompt", "add a hat",
              "--seed", "3", "--height", "48", "--width", "32"]  # fmt: skip
-    capsys.readouterr()
-    assert run_main(infer, [*argv, *cached, "--output", str(tmp_path / "c.npy")]) == 0
-    assert "[tessera] step cache: 2 of 4 steps call the model" in capsys.readouterr().out
-    assert run_main(infer, [*argv, "--output", str(tmp_path / "u.npy")]) == 0
-    image, uncached = np.load(tmp_path / "c.npy"), np.load(tmp_path / "u.npy")
+    image, uncached = cached_and_uncached(argv, cached, tmp_path, capsys)
     assert np.isfinite(image).all() and np.abs(image - uncached).max() > 1e-4
 
 

@@ -348,15 +348,14 @@ class DiTFamily(Family):
     def check_pretrained(self, cfg) -> None:
         """A Wan folder's config.json and every safetensors header (a tessera run is checked by
         parallel/build/components.py, which reads checkpoints); none: weights from train.seed."""
-        from models.dit.wan import check_wan_folder
-
-        if cfg.model.pretrained:
-            check_wan_folder(cfg.model.pretrained)
+        if cfg.model.pretrained:  # widths reads the folder as check_wan_folder does: once
             self.check_widths(cfg)
 
     def widths(self, cfg) -> list:
         """A Wan folder's latents and text as its transformer takes them: the VAE's z_dim (its output; its
-        input holds an image condition's channels too) and UMT5's d_model, where those keys name them."""
+        input holds an image condition's channels too) and UMT5's d_model, where those keys name them. The
+        folder read through WanWeights: its config.json and every safetensors header, or a WanFormatError
+        naming the file."""
         from models.dit.wan import WanWeights
 
         t = WanWeights(cfg.model.pretrained).config
