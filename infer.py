@@ -246,7 +246,7 @@ def main(argv=None, session=None, walk=None):
     family = family_named(cfg.model.family)
     # Every refusal comes before any model is built or any collective is issued.
     family.check_sample_keys(cfg)  # a guidance term it does not read: refused, never ignored
-    if args.no_audio and not family.samples_audio:
+    if args.no_audio and not family.capabilities.samples_audio:
         raise ValueError(f"--no-audio: {family.title} samples no sound to leave out")
     refuse_flags(cfg, args, family)
     student_sampling(cfg, args, warn_on_main)  # a distilled student's steps, without guidance

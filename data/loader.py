@@ -102,7 +102,7 @@ def build_dataset(cfg, table: BucketTable) -> BucketedDataset:
 
 
 def check_references(family, manifest, entries: list[dict], unreadable: dict) -> list[dict]:
-    """The lines of an edit family's manifest: each names 1 to family.max_references input images (else
+    """The lines of an edit family's manifest: each names 1 to its max_references input images (else
     refused, naming the line's file); a line whose reference does not exist is left out as a missing
     file (check_missing's share then applies)."""
     from data.manifest import reference_paths
@@ -110,10 +110,11 @@ def check_references(family, manifest, entries: list[dict], unreadable: dict) ->
     kept = []
     for entry in entries:
         references = reference_paths(entry)
-        if not 1 <= len(references) <= family.max_references:
+        most = family.capabilities.max_references
+        if not 1 <= len(references) <= most:
             raise ValueError(
                 f"data.manifest={manifest}: the line of {entry['path']} names {len(references)} references; "
-                f"{family.title} trains on edit pairs of 1 to {family.max_references} input images"
+                f"{family.title} trains on edit pairs of 1 to {most} input images"
             )
         missing = next((r for r in references if not os.path.isfile(r)), None)
         if missing is None:

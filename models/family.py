@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from models.capabilities import Capabilities
 from models.loop import Schedule
 from models.weight_files import LazyWeights, check_safetensors, check_weight_names
 
@@ -44,8 +45,7 @@ class Family:
     title = ""  # how messages name it
     pipeline_classes: tuple = ()  # model_index.json's _class_name of its diffusers pipelines
     transformer_classes: tuple = ()  # its transformer's config.json _class_name
-    # the parallel degrees (besides dp, which splits prompts) its sampling runs under
-    parallel_degrees: tuple = ()
+    capabilities = Capabilities()  # what it takes, and why not where it does not (models/capabilities.py)
     vae_class = ""  # its VAE's diffusers class
     max_length = 0  # its pipeline's max_sequence_length (text_encoder.max_length)
     lora_targets: tuple = ()  # lora.targets' default: its Linear layers a LoRA adapts (fnmatch patterns)
@@ -53,13 +53,6 @@ class Family:
     lora_alphas = True  # its ComfyUI LoRAs carry an alpha per module (else the scale is in B)
     lora_release_names = False  # its ComfyUI LoRAs are in the release's names (else diffusers' there)
     conditioning = None  # the dataclass of tensors `encode` returns (its fields shared between ranks)
-    trains = True  # train.py and scripts/precompute_latents.py take it (else refused by name)
-    image_to_video = False  # its image-to-video folders sample from infer.py --image (takes_images)
-    trains_images = False  # its image-to-video folders train (each clip's first frame given: encode_clips)
-    trains_audio = False  # its training reads the clips' sound (data.audio): LTX-2's
-    samples_audio = False  # it samples sound with the video (decode_audio; infer.py --no-audio leaves it out)
-    tasks: tuple = ("t2v",)  # the model.task values it trains (its image-to-video comes from its folder)
-    random_weights = False  # infer.py --random-weights: its layers have a seeded initialisation (the DiT's)
     float32_weights = False  # its sampling keeps float32 weights, computes under autocast (else: the dtype)
     tiled_vae = (
         False  # its VAE decodes in tessera's tiles, which a replica's ranks share (parallel/compute/vae.py)
@@ -67,13 +60,7 @@ class Family:
     # its operators mask a split's or PipeFusion's padded keys through the recipe's kernel, so
     # model.attention_backend must take a mask there (False: they pick SDPA themselves where keys are masked)
     masks_through_kernel = True
-    calibrated_cache = True  # sample.cache=calibrated (scripts/calibrate_cache.py calibrates its steps)
     parts_from_pretrained = True  # its text encoder and VAE are model.pretrained's (read on every start)
-    # --image (and sample.images, the previews') are reference images, the same for every prompt
-    # (Qwen-Image-Edit, FLUX.2 klein), not each prompt's first frame; its training's at most this many a line
-    references, max_references = False, 0
-    expert_pair = False  # a run trains one of two experts (model.expert), exported together as one pipeline
-    precomputes = True  # scripts/precompute_latents.py stores its conditioning (else refused by name)
     unguided = 1.0  # the guidance scale that samples without guidance (its pipeline's: `guided` is False)
     # sampling encodes every prompt, then frees its text encoder before the transformer loads (FLUX.2 dev's
     # 24B Mistral beside its 32B transformer: one 80 GB GPU holds either, not both): encode_first
@@ -467,7 +454,7 @@ class Family:
                 f"model.pretrained={cfg.model.pretrained} is {self.title}'s image-to-video pipeline: give "
                 "the first frame with --image (a PNG or JPEG file)"
             )
-        if paths and self.image_to_video and not self.takes_images(cfg):
+        if paths and self.capabilities.image_to_video and not self.takes_images(cfg):
             raise ValueError(
                 f"--image: model.pretrained={cfg.model.pretrained} is {self.title}'s text-to-video pipeline; "
                 "image-to-video samples its image-to-video pipeline's folder"

@@ -211,7 +211,7 @@ def main(argv=None):
     cfg = load_config(recipe)
     weights = "raw" if args.no_ema else "EMA"
     family = family_named(cfg.model.family)
-    if args.low_noise_expert and not family.expert_pair:
+    if args.low_noise_expert and not family.capabilities.expert_pair:
         raise ValueError(f"--low-noise-expert pairs Wan 2.2's experts; {family.title} has one transformer")
     if args.low_noise_expert and args.lora and not args.merge:
         raise ValueError(

@@ -122,7 +122,7 @@ def store_training_previews(cfg, family, encode, out: Path) -> None:
     """The training previews' conditionings (sample.prompts) beside the latents: training on them then
     never loads the text encoder (parallel/drive/stored_previews.py). Not for previews sampled from
     first frames (image-to-video), whose conditioning training makes from its own parts."""
-    if family.image_to_video and family.needs_images(cfg):
+    if family.capabilities.image_to_video and family.needs_images(cfg):
         return
     sampling = preview_sampling(cfg, family, preview_references(cfg, family))
     identity = preview_identity(cfg, family, sampling, encode.dtype)
@@ -165,7 +165,7 @@ def main(argv=None, session=None):
             f"--out {out} holds latents made with another VAE, text encoder, fps or task "
             f"({'; '.join(differ)}); write to another folder, or delete it to start over"
         )
-    if not family.precomputes:
+    if not family.capabilities.precomputes:
         raise ValueError(f"{family.title}: precompute_latents.py does not store its conditioning yet")
     table = build_buckets(cfg)
     # what training would refuse (the task, a bucket's size), refused before encoding

@@ -36,6 +36,9 @@ WHOLE_SUITE_ROWS = {  # file: [(rows, tests), ...]
          ("test_bf16", "test_single_file", "test_peft_lora", "test_weights_without", "test_parallel_auto",
           "test_family_of")),
         (("z_image",), ("test_loras_in_the_release_names",)),  # FLUX.2's row covers the path
+        # every family's random weights take one path: Qwen-Image's row in the fast tier
+        (("sana", "z_image", "flux2", "flux2_dev", "dit", "hunyuan_video15", "ltx2"),
+         ("test_random_weights",)),
         # the video rows' folder reading, LoRAs and bf16 are their image siblings' code paths: their sampling
         # against the pipeline, first_block and refusals stay fast
         (("dit", "hunyuan_video15", "ltx2"),

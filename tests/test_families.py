@@ -177,7 +177,9 @@ LAYOUTS = {  # (processes, overrides, families): each launch checks its degrees 
     # warm-up over every step: exact (stale K/V is approximate by design; a patch against
     # the whole forward: test_pipefusion_patches_match_the_whole_forward)
     "pipefusion2": (
-        2, ["parallel.pipefusion=2", "parallel.pipefusion_warmup=3"], ("sana", "flux2_dev", "dit")
+        2,
+        ["parallel.pipefusion=2", "parallel.pipefusion_warmup=3"],
+        ("sana", "flux2_dev", "dit"),
     ),
     # LTX-2's video tokens split, its sound whole on each rank; its guidance's passes split over two halves
     "ulysses2": (2, ["parallel.ulysses=2"], ("ltx2",)),
@@ -350,6 +352,7 @@ def test_infer_matches_the_pipeline(saved, tmp_path, layout):
 # tessera always does: Qwen-Image is compared unguided. The thresholds skip some middle steps and not the
 # last (tessera runs the last step whole; diffusers' hooks may not)
 
+
 @torch.no_grad()
 @pytest.mark.parametrize(
     "layout", ["one-process", *(pytest.param(layout, marks=pytest.mark.slow) for layout in ("cfg2", "ring2"))]
@@ -478,13 +481,15 @@ def test_parallel_auto_chooses_a_layout_the_family_samples_under(saved, tmp_path
         return family_sampling.sampling_layout(cfg, family, request)[0]
 
     chosen = layout_of("parallel.auto=true")
-    cfg = 2 if "cfg" in family_named(name).parallel_degrees else 1  # FLUX.2 dev: no CFG batch to split
+    cfg = 2 if "cfg" in family_named(name).capabilities.parallel else 1  # FLUX.2 dev: no CFG batch to split
     assert chosen.world_size == world and chosen.cfg == cfg, chosen
     if ROWS[name].joint:
         assert not (chosen.ulysses > 1 and chosen.ring > 1), chosen
     degrees = [f"parallel.{k}={getattr(chosen, k)}" for k in ("dp", "cfg", "ulysses", "ring", "pipefusion")]
     assert layout_of("parallel.auto=false", *degrees) == chosen  # refused by hand otherwise
-    if family_named(name).references and world == 8:  # PCIe: PipeFusion, but not with reference images
+    if (
+        family_named(name).capabilities.references and world == 8
+    ):  # PCIe: PipeFusion, but not with reference images
         monkeypatch.setattr(family_sampling, "links_are_slow", lambda: (True, "PCIe (a test)"))
         assert layout_of("parallel.auto=true", "--image", REFERENCE).pipefusion == 1
         assert layout_of("parallel.auto=true").pipefusion == 2
@@ -502,23 +507,22 @@ def test_refusals(saved, tmp_path, capsys):
     ]
     if family.masks_through_kernel:  # else it picks SDPA itself where keys are masked (the DiT)
         cases += [(["parallel.ulysses=2", "model.attention_backend=flash"], "flash takes no mask")]
-    if family.calibrated_cache:
+    if family.capabilities.calibrated_cache:
         cases += [(["sample.cache=calibrated", "sample.cache_calibration=c.json"], "c.json cannot be read")]
     terms = [k.key for k in family_keys() if k.what == "guidance term" and name not in k.families]
     cases += [([f"{terms[0]}=0.5"], "takes no such guidance term")]  # one not its own
     if row.frames == 1:  # an image family: one frame, the DiT's keys and initialisation not its own
         cases += [(["--frames", "5"], "--frames 1"), (["--height", "33"], "multiples of")]
         cases += [(["model.image_dim=16"], "model.image_dim=16: " + family.title)]
-    if not family.random_weights:
-        cases += [(["--random-weights"], "--random-weights is not supported")]
     if row.first_block is not None:  # PipeFusion and the first-block cache through its patch pieces
         if family.masks_through_kernel:
             cases += [(["parallel.pipefusion=2", "model.attention_backend=flash"], "patches mask keys")]
-    else:
-        cases += [
-            (["parallel.pipefusion=2"], "does not sample under parallel.pipefusion=2"),
-            (["sample.cache=first_block"], "does not run the step cache yet"),
-        ]
+    calibrated = ["sample.cache=calibrated", "sample.cache_calibration=c.json"]
+    caches = dict(first_block=["sample.cache=first_block"], calibrated_cache=calibrated)
+    for lacks in family.capabilities.lacking():  # each named with the model's reason
+        asked = caches.get(lacks, [f"parallel.{lacks}=2"])
+        why = family.capabilities.reasons[lacks]
+        cases += [(asked, f"{asked[0]}: {family.title} does not take it ({why})")]
     if row.joint:  # its joint attention splits under one of the two at a time
         cases.append((["parallel.ulysses=2", "parallel.ring=2"], "not both"))
     if row.scheduler:  # it reads the folder's scheduler: one its schedule does not run is named
@@ -537,6 +541,8 @@ def test_refusals(saved, tmp_path, capsys):
             failed.append((extra, expected, err[-300:]))
     assert not failed, "\n".join(map(str, failed))
     assert not (tmp_path / "run").exists()
+    args = infer.parse_args(infer_args(name, folder, tmp_path))
+    assert_capabilities(family, family.meta_transformer(load_config(args.config, args.overrides)))
     if row.frames > 1:
         return  # a video family's training refusals: its own file's (it reads clips and their sound)
     train_cases = [  # train.py's own refusals for a family
@@ -566,6 +572,39 @@ def test_refusals(saved, tmp_path, capsys):
         err = capsys.readouterr().err
         assert expected in err and err.count("error:") == 1, err
     assert not (tmp_path / "run").exists()
+
+
+@torch.no_grad()
+def test_random_weights_are_the_pipelines_with_them(saved, tmp_path):
+    """infer.py --random-weights (every layer from train.seed, by name) against the pipeline whose
+    transformer holds the same seeded weights: a copy of the folder with them exported in its place."""
+    from parallel.build.init import materialize
+
+    name, folder = saved
+    out, prompts = tmp_path / "image.npy", ROWS[name].prompts
+    argv = infer_args(name, folder, tmp_path, "--prompt", *prompts, "--negative-prompt", negative(name))
+    argv += ["--steps", "3", "--guidance", "4", "--seed", "5", "--output", str(out), "train.seed=7"]
+    assert run_main(infer, [*argv, "--random-weights"]) == 0
+    family, args = family_named(name), infer.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    model = family.meta_transformer(cfg)
+    materialize(model, "cpu", 7, zero_init=False)
+    seeded = tmp_path / "seeded"
+    weights = lambda where, names: [n for n in names if ".safetensors" in n and where.endswith("transformer")]  # noqa: E731
+    shutil.copytree(folder, seeded, ignore=weights)
+    family.export_transformer(cfg, model).save_pretrained(seeded / "transformer")
+    assert_written(name, seeded, out, prompts)
+
+
+def assert_capabilities(family, transformer) -> None:
+    """A family's declared capabilities against its transformer: PipeFusion and the first-block cache
+    where it has the patch pieces; for each sampling capability it lacks, a reason in the model's terms
+    (issue 51, item 3: never "not built")."""
+    can, pieces = family.capabilities, hasattr(transformer, "patch_blocks")
+    assert can.first_block == pieces and ("pipefusion" in can.parallel) == pieces, (can, pieces)
+    for lacks in can.lacking():
+        reason = can.reasons.get(lacks, "")
+        assert len(reason) > 20 and "not built" not in reason and "yet" not in reason, (lacks, reason)
 
 
 def test_weights_without_a_place_are_named(saved, tmp_path, capsys):
@@ -1061,6 +1100,7 @@ def test_calibrated_cache_under_pipefusion_equals_one_process(saved, tmp_path):
         pytest.skip("Sana's solver keeps a state across the skipped steps: the case that can differ")
     sys.path.insert(0, str(ROOT / "scripts"))
     import calibrate_cache
+
     argv = infer_args(name, folder, tmp_path, "--prompt", *PROMPTS, "--negative-prompt", negative(name))
     argv += ["--steps", "5", "--guidance", "4", "--seed", "5"]
     table = tmp_path / "five.json"

@@ -407,7 +407,7 @@ def test_infer_refuses_before_loading(saved, tmp_path, capsys):
                 "sample.cache=calibrated",
                 "sample.cache_calibration=c.json",
             ],
-            "LTX-2's sampling takes no calibrated step cache",
+            "sample.cache=calibrated: LTX-2 does not take it (its velocity is up to four passes",
         ),
     ]
     for program, argv, expected in cases:

@@ -256,7 +256,9 @@ def test_parallel_layouts_are_valid():
         family = family_named(cfg.model.family)
         if family.parts_from_pretrained:  # its heads are its folder's (absent here): its degrees, the world
             given = {name for name in ("cfg", "ulysses", "ring", "pipefusion") if cfg.parallel[name] > 1}
-            assert given <= set(family.parallel_degrees), f"`{cmd.text}`: {family.title} takes no {given}"
+            assert given <= set(family.capabilities.parallel), (
+                f"`{cmd.text}`: {family.title} takes no {given}"
+            )
             ParallelLayout.from_config(cfg.parallel, world, cfg.parallel.ulysses, "sample", nproc)
             continue
         size = size_of(cfg.model)

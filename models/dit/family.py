@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from models import tiling
+from models.capabilities import Capabilities
 from models.family import Components, Family, config_of
 from models.image_condition import ConditionedModel, ConditionedPieces, ImageCondition
 from models.loop import Schedule
@@ -88,10 +89,10 @@ class DiTFamily(Family):
     name, title = "dit", "tessera's DiT (Wan 2.1 / 2.2)"
     pipeline_classes = ("WanPipeline", "WanImageToVideoPipeline")
     transformer_classes = ("WanTransformer3DModel", "WanModel")  # diffusers', Wan-AI's own config.json
-    parallel_degrees = ("cfg", "ulysses", "ring", "pipefusion")
     conditioning = DiTText
     lora_formats = ("diffusers", "comfyui")  # Wan's names; a DiT without Wan's architecture: tessera's own
-    expert_pair = True  # Wan 2.2 A14B's high- and low-noise experts (model.expert)
+    # Wan 2.2 A14B's high- and low-noise experts (model.expert); the tasks of Wan's releases
+    capabilities = Capabilities(tasks=("t2v", "i2v", "flf2v", "ti2v"), expert_pair=True)
 
     def meta_transformer(self, cfg):
         return meta_dit(cfg)
@@ -277,9 +278,8 @@ class DiTFamily(Family):
     # -- training (train.py through parallel/drive/family_training.py, as every family)
     # --------------------------
 
-    tasks = ("t2v", "i2v", "flf2v", "ti2v")
     parts_from_pretrained = False  # its text encoder and VAE come from their own keys
-    random_weights = float32_weights = tiled_vae = calibrated_cache = True
+    float32_weights = tiled_vae = True
     masks_through_kernel = False  # its self-attention takes SDPA with a mask where keys are padded
 
     def resolve_size(self, cfg, error=ValueError) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from models.capabilities import Capabilities
 from models.family import Components, Family, config_of, part_folder, read_json
 from models.flux2.text import LAYERS, MAX_SEQUENCE_LENGTH, encode_prompt, encode_prompt_dev
 from models.flux2.transformer import Flux2Cond
@@ -75,10 +76,9 @@ class Flux2(Family):
     pipeline_classes, transformer_classes = PIPELINE_CLASSES, (TRANSFORMER_CLASS,)
     # one of ulysses and ring (joint attention); PipeFusion and the first-block cache through the
     # transformer's patch pieces, the reference images' tokens beside each patch (as the text)
-    parallel_degrees = ("cfg", "ulysses", "ring", "pipefusion")
     vae_class, max_length = "AutoencoderKLFlux2", MAX_SEQUENCE_LENGTH
     conditioning = Flux2Cond
-    references = True  # --image: reference images beside the noisy tokens
+    capabilities = Capabilities(references=True)  # --image: reference images beside the noisy tokens
     # both kinds of block: the double blocks' attention and feed-forwards, the single blocks' projections
     lora_targets = ("blocks.*.attn.*", "blocks.*.ff.*", "blocks.*.ff_context.*")
     # ComfyUI's: BFL's names under diffusion_model., the scale in B (ai-toolkit's layout, which diffusers'
@@ -302,7 +302,12 @@ class Flux2Dev(Flux2):
 
     name, title = "flux2_dev", "FLUX.2 dev"
     pipeline_classes = DEV_PIPELINE_CLASSES
-    parallel_degrees = ("ulysses", "ring", "pipefusion")  # one of ulysses and ring (joint attention)
+    capabilities = replace(
+        Flux2.capabilities,
+        parallel=("ulysses", "ring", "pipefusion"),  # one of ulysses and ring (joint attention)
+        reasons=dict(cfg="it is guidance-distilled: the scale is its transformer's input, with no negative "
+                 "branch to split"),
+    )  # fmt: skip
     text_encoder_default = "Mistral3ForConditionalGeneration"
     texts_first = True  # its 24B Mistral freed before its 32B transformer loads (never guided: no negative)
     guidance_embedded, training_guidance = True, 3.5

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from models.capabilities import Capabilities
 from models.family import Components, Family, config_of, padded, part_folder, read_json
 from models.hunyuan_video15.text import MAX_LENGTH, encode_glyphs, encode_text
 from models.hunyuan_video15.transformer import HunyuanVideo15Cond
@@ -72,11 +73,10 @@ class HunyuanVideo15(Family):
     name, title = "hunyuan_video15", "HunyuanVideo 1.5"
     pipeline_classes, transformer_classes = PIPELINE_CLASSES, (TRANSFORMER_CLASS,)
     # one of ulysses and ring (joint attention)
-    parallel_degrees = ("cfg", "ulysses", "ring", "pipefusion")
     vae_class, max_length = "AutoencoderKLHunyuanVideo15", MAX_LENGTH
     conditioning = HunyuanVideo15Cond
-    image_to_video = True
-    trains_images = True  # its image-to-video folder trains from each clip's first frame
+    # its image-to-video folder trains from each clip's first frame
+    capabilities = Capabilities(image_to_video=True, trains_images=True)
     # the joint attention's projections and both streams' feed-forwards, as Qwen-Image's
     lora_targets = ("blocks.*.attn.*", "blocks.*.ff.*", "blocks.*.ff_context.*")
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from models.capabilities import Capabilities
 from models.family import Components, Family, config_of, part_folder, read_json
 from models.loop import UNSUPPORTED, Schedule, euler, sigmas
 from models.ltx2.audio import encode_sound
@@ -131,19 +132,35 @@ def rescale(guided, pred, amount: float):
     return amount * scaled + (1 - amount) * guided
 
 
+# why it takes neither PipeFusion nor either step cache
+BOTH_STREAMS = (
+    "each block's sound attends every video token and the video every sound token, which patches of the "
+    "video do not hold"
+)
+FIRST_BLOCK = (
+    "its blocks carry two streams, and the first block's video residual does not tell if the sound's moved"
+)
+PASSES = "its velocity is up to four passes a step (STG, modality isolation), which the replay does not fit"
+
+
 class LTX2(Family):
     name, title = "ltx2", "LTX-2"
     pipeline_classes = ("LTX2Pipeline", "LTX2ImageToVideoPipeline")
     transformer_classes = (TRANSFORMER_CLASS,)
-    # the video split, the audio whole on every rank; cfg=2: the conditional branch's passes (conditional,
-    # STG, modality-isolated) on one half, the negative one on the other
-    parallel_degrees = ("cfg", "ulysses", "ring")
     vae_class, max_length = "AutoencoderKLLTX2Video", 1024
     conditioning = LTX2Cond
-    trains_audio = True  # data.audio=true: video and sound; false: the video alone, the audio frozen
-    calibrated_cache = False  # its velocity is several passes a step: the step cache's replay does not fit
-    image_to_video = True  # --image: LTX2ImageToVideoPipeline's first frame (the same weights)
-    samples_audio = True
+    # the video split, the audio whole on every rank; cfg=2: the conditional branch's passes (conditional,
+    # STG, modality-isolated) on one half, the negative one on the other. data.audio=true trains video and
+    # sound; false: the video alone, the audio frozen. --image: LTX2ImageToVideoPipeline's first frame
+    capabilities = Capabilities(
+        parallel=("cfg", "ulysses", "ring"),
+        first_block=False,
+        calibrated_cache=False,
+        image_to_video=True,
+        trains_audio=True,
+        samples_audio=True,
+        reasons=dict(pipefusion=BOTH_STREAMS, first_block=FIRST_BLOCK, calibrated_cache=PASSES),
+    )
     # a LoRA's default layers: both streams' attentions (self, text, audio-to-video, video-to-audio) and
     # feed-forwards; the video's alone with data.audio=false (default_lora_targets)
     lora_targets = tuple(

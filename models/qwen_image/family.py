@@ -32,7 +32,7 @@ RELEASE_SCHEDULER = dict(
 class QwenImage(Family):
     name, title = "qwen_image", "Qwen-Image"
     pipeline_classes, transformer_classes = (PIPELINE_CLASS,), (TRANSFORMER_CLASS,)
-    parallel_degrees = ("cfg", "ulysses", "ring", "pipefusion")  # one of ulysses and ring (joint attention)
+    # every degree: one of ulysses and ring (joint attention)
     vae_class, max_length = "AutoencoderKLQwenImage", 512
     lora_targets = ("blocks.*.attn.*", "blocks.*.img_mlp.*", "blocks.*.txt_mlp.*")
     conditioning = QwenImageCond

@@ -30,7 +30,7 @@ def dpm_solver(sigmas):
 class Sana(Family):
     name, title = "sana", "Sana"
     pipeline_classes, transformer_classes = ("SanaPipeline",), ("SanaTransformer2DModel",)
-    parallel_degrees = ("cfg", "ulysses", "ring", "pipefusion")  # exact under any sequence split
+    # every degree: exact under any sequence split
     vae_class, max_length = "AutoencoderDC", 300
     lora_targets = ("blocks.*.attn1.*", "blocks.*.attn2.*")  # its feed-forward is convolutions
     conditioning = SanaConditioning
@@ -38,8 +38,10 @@ class Sana(Family):
     def widths(self, cfg) -> list:
         t, vae, text = self.transformer_config(cfg), config_of(cfg, "vae"), config_of(cfg, "text_encoder")
         latent, hidden = vae.get("latent_channels"), text.get("hidden_size")
-        return [("in_channels", t.get("in_channels"), "the DC-AE's latent_channels", latent),
-                ("caption_channels", t.get("caption_channels"), "the text encoder's hidden_size", hidden)]
+        return [
+            ("in_channels", t.get("in_channels"), "the DC-AE's latent_channels", latent),
+            ("caption_channels", t.get("caption_channels"), "the text encoder's hidden_size", hidden),
+        ]
 
     def vae_scale(self, cfg) -> int:
         config = read_json(part_folder(cfg, "vae") / "config.json")

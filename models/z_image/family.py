@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from models.capabilities import Capabilities
 from models.family import Components, Family, config_of, part_folder, read_json
 from models.loop import Schedule, euler, sigmas
 from models.z_image.keys import KEYS
@@ -37,12 +38,21 @@ class ZImageParts(Components):
     cfg_normalization: float = 0.0  # sample.cfg_normalization (0: off)
 
 
+# why it takes neither PipeFusion nor the first-block cache
+REFINED = (
+    "its noise refiner attends over every image token before the first block, which patches cannot split"
+)
+
+
 class ZImage(Family):
     name, title = "z_image", "Z-Image"
     pipeline_classes, transformer_classes = (PIPELINE_CLASS,), (TRANSFORMER_CLASS,)
-    # one of ulysses and ring (joint attention). No PipeFusion: its noise refiner attends over every image
-    # token before the first block, which a patch pipeline cannot split
-    parallel_degrees = ("cfg", "ulysses", "ring")
+    # one of ulysses and ring (joint attention)
+    capabilities = Capabilities(
+        parallel=("cfg", "ulysses", "ring"),
+        first_block=False,
+        reasons=dict(pipefusion=REFINED, first_block=REFINED),
+    )
     vae_class, max_length = "AutoencoderKL", MAX_SEQUENCE_LENGTH
     conditioning = ZImageCond
     # every attention's projections and every feed-forward (the refiners' too), as ai-toolkit's
@@ -59,8 +69,10 @@ class ZImage(Family):
     def widths(self, cfg) -> list:
         t, vae, text = self.transformer_config(cfg), config_of(cfg, "vae"), config_of(cfg, "text_encoder")
         latent, hidden = vae.get("latent_channels"), text.get("hidden_size")
-        return [("in_channels", t.get("in_channels"), "the VAE's latent_channels", latent),
-                ("cap_feat_dim", t.get("cap_feat_dim"), "the text encoder's hidden_size", hidden)]
+        return [
+            ("in_channels", t.get("in_channels"), "the VAE's latent_channels", latent),
+            ("cap_feat_dim", t.get("cap_feat_dim"), "the text encoder's hidden_size", hidden),
+        ]
 
     def vae_scale(self, cfg) -> int:
         return vae_stride(read_json(part_folder(cfg, "vae") / "config.json"))

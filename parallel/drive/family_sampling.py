@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from models.attention import MASKING_BACKENDS
+from models.capabilities import DEGREES
 from models.float8 import quantize_blocks
 from models.lora import factors_of, merge_deltas
 from models.sampler import checked, generate_images
@@ -46,19 +47,14 @@ def refuse_flags(cfg, args, family) -> None:
     """What the family's sampling does not take, refused by name (its images: Family.sampling_images)."""
     if cfg.sample.cache == "calibrated":
         refuse_calibration(family, "sample.cache=calibrated")
-    if args.random_weights and not family.random_weights:
-        raise ValueError(
-            f"{family.title} samples its pretrained or trained weights: --random-weights is not supported "
-            "for it yet"
-        )
 
 
 def refuse_calibration(family, what: str) -> None:
     """`what` (sample.cache=calibrated, or a script that calibrates it) refused for a family whose sampling
     replays no calibration (Family.calibrated_cache)."""
-    if not family.calibrated_cache:
+    if not family.capabilities.calibrated_cache:
         raise ValueError(
-            f"{what}: {family.title}'s sampling takes no calibrated step cache (sample.cache=none)"
+            family.capabilities.refusal("calibrated_cache", what, family.title, "sample.cache=none")
         )
 
 
@@ -104,7 +100,7 @@ def sampling_layout(cfg, family, request) -> tuple[ParallelLayout, int, str]:
     # reference images pass whole beside every patch, recomputed by each: PipeFusion's gain shrinks with
     # them (about 1.3x at 2 stages for one reference as large as the output), which the latency model
     # does not count, so auto leaves it to be asked for
-    references = bool(family.references and request.images)
+    references = bool(family.capabilities.references and request.images)
 
     def takes(layout) -> bool:
         try:
@@ -139,12 +135,12 @@ def check_family_layout(cfg, family, request, degrees, meta) -> None:
     """What the family's sampling refuses of the degrees `degrees` (the recipe's parallel section, or a
     layout parallel.auto weighs), by name: a degree it does not take, its patch pipeline's and its split's
     limits, its operators' (`meta()`: its transformer on the meta device)."""
-    names = ("cfg", "ulysses", "ring", "pipefusion")
-    wrong = [f"parallel.{n}={getattr(degrees, n)}" for n in names if (getattr(degrees, n) or 1) > 1
-             and n not in family.parallel_degrees]  # fmt: skip
+    can = family.capabilities
+    wrong = [n for n in DEGREES if (getattr(degrees, n) or 1) > 1 and n not in can.parallel]
     if wrong:
-        runs = ", ".join(("dp", *family.parallel_degrees))
-        raise ValueError(f"{family.title} does not sample under {' '.join(wrong)} yet: it runs under {runs}")
+        runs = ", ".join(("dp", *can.parallel))
+        raise ValueError(can.refusal(wrong[0], f"parallel.{wrong[0]}={getattr(degrees, wrong[0])}",
+                                     family.title, f"it samples under {runs}"))  # fmt: skip
     check_patch_pipeline(cfg, family, request, degrees, meta)
     family.check_split(cfg, request.height, request.width, degrees.ulysses, degrees.ring)
     check_sequence_layout(meta(), degrees.ulysses, degrees.ring, family.title)  # its operators
@@ -166,8 +162,8 @@ def check_patch_pipeline(cfg, family, request, degrees, meta) -> None:
         )
     transformer = meta()
     kinds = operator_kinds(transformer)
-    if first_block and not hasattr(transformer, "patch_blocks"):  # FirstBlockFamily's pieces
-        raise ValueError(f"sample.cache={cfg.sample.cache}: {family.title} does not run the step cache yet")
+    if first_block and not family.capabilities.first_block:
+        raise ValueError(family.capabilities.refusal("first_block", "sample.cache=first_block", family.title))
     if pipefusion == 1:
         return
     if kinds - KINDS:
@@ -208,15 +204,19 @@ def sampling_transformer(cfg, runtime, family, weights: Weights, loras=(), folde
         load_weights(checkpoint, model, use_ema=weights.use_ema)
         # NaN: refused by name (PipeFusion stages hold other blocks: their lists of tensors differ)
         check_checkpoint_finite(model, checkpoint, weights.use_ema, runtime.control_group, not stage)
+    elif weights.random:  # every layer from train.seed, by name (alike on any stage); none zero (adaLN-Zero's
+        model = meta()  # zeros would make the output 0 whatever the layout does)
+        fill_unsharded(model, cfg.train.seed, None, False, stage, group)
+        model = model if dtype is None else model.to(dtype)
     elif not family.float32_weights:  # the folder's tensors as they are (a whole-model name check first)
         model = family.load_transformer(cfg, dtype, select)
-    else:  # random weights: adaLN-Zero's zeros would make the output 0 whatever the layout does
+    else:
         model = meta()
         # the main transformer's base run: its EMA weights, as training reads a base; --no-ema: the raw
         # weights of a second expert's run
         use_ema = weights.use_ema if folder is not None else True
-        pretrained = None if weights.random else open_pretrained(cfg, model, folder, use_ema)
-        fill_unsharded(model, cfg.train.seed, pretrained, not weights.random, stage, group)
+        pretrained = open_pretrained(cfg, model, folder, use_ema)
+        fill_unsharded(model, cfg.train.seed, pretrained, True, stage, group)
     model = model.eval().requires_grad_(False)
     if cfg.model.base_dtype == "float8":  # on the host: the GPU holds a byte a block weight
         quantize_blocks(model)

@@ -49,7 +49,7 @@ def check_family_inputs(cfg, family: Family) -> None:
     """What any family's training (tessera's DiT's too) refuses by name before anything starts: a preview
     setting or negative prompt it does not read, a negative train.guidance, and data.audio for a family
     whose training reads no sound; a family whose training is not built, first."""
-    if not family.trains:
+    if not family.capabilities.trains:
         raise ValueError(f"{family.title} samples with infer.py; training it is not built yet")
     family.check_sample_keys(cfg)
     family.check_negative(cfg.sample.negative_prompt, "sample.negative_prompt")  # the previews'
@@ -60,7 +60,7 @@ def check_family_inputs(cfg, family: Family) -> None:
         )
     if cfg.train.guidance is not None and cfg.train.guidance < 0:
         raise ValueError(f"train.guidance={cfg.train.guidance}: a guidance scale is 0 or more")
-    if cfg.data.audio and not family.trains_audio:
+    if cfg.data.audio and not family.capabilities.trains_audio:
         raise ValueError(
             f"data.audio=true: the training of {family.title} reads no sound (the clips' sound would go "
             "unused); set data.audio=false"
@@ -71,14 +71,16 @@ def check_family_training(cfg, family: Family, layout) -> None:
     """What a family's training refuses, by name, before any process group (after its pretrained parts
     are checked: Family.check_pretrained): a model.task or image conditioning it does not train, and
     a sequence split its operators cannot take (the layout refuses cfg and pipefusion for training)."""
-    if cfg.model.task not in family.tasks:
+    if cfg.model.task not in family.capabilities.tasks:
         raise ValueError(
             f"model.task={cfg.model.task}: tessera's DiT's tasks; {family.title} leaves it at t2v (an "
             "image-to-video training, where built, comes from its image-to-video pipeline folder)"
         )
     family.check_training(cfg)
-    folder_images = family.image_to_video and family.needs_images(cfg)  # its folder's first frame
-    if folder_images and not family.trains_images:  # samples only from a first frame
+    folder_images = family.capabilities.image_to_video and family.needs_images(
+        cfg
+    )  # its folder's first frame
+    if folder_images and not family.capabilities.trains_images:  # samples only from a first frame
         raise ValueError(
             f"model.pretrained={cfg.model.pretrained} is {family.title}'s image-to-video pipeline; its "
             "training is text-to-video only: use the text-to-video folder"
@@ -120,7 +122,7 @@ def preview_references(cfg, family: Family) -> list | None:
     """Every preview's reference images (PIL) from sample.images, for a family that takes references
     (Family.references), read and checked as --image is; None without any."""
     sc = cfg.sample
-    if not (family.references and sc.images):
+    if not (family.capabilities.references and sc.images):
         return None
     try:
         given, count = (list(sc.images), None), len(sc.prompts)
@@ -218,9 +220,11 @@ def family_previews(cfg, run: FamilyRun, model, seeds: list, progress, device) -
     training transformer on every rank (it is sharded: each forward needs them all)."""
     parts = replace(run.parts, transformer=model)
     sampling = preview_sampling(cfg, run.family, None, seeds)
-    if run.family.image_to_video and run.family.needs_images(cfg):  # tessera's DiT: with_preview_images
+    if run.family.capabilities.image_to_video and run.family.needs_images(
+        cfg
+    ):  # tessera's DiT: with_preview_images
         sampling = replace(sampling, images=preview_images(cfg, run.family))
-    elif run.family.references:  # every preview's reference images, if any
+    elif run.family.capabilities.references:  # every preview's reference images, if any
         sampling = replace(sampling, images=preview_references(cfg, run.family))
     images, bad = checked(
         generate_images, run.family, parts, sampling, progress, device=device, conditioning=run.previews
