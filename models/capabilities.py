@@ -33,7 +33,9 @@ class Capabilities:
         flags = ("first_block", "calibrated_cache")
         return [d for d in DEGREES if d not in self.parallel] + [f for f in flags if not getattr(self, f)]
 
-    def refusal(self, name: str, what: str, title: str, instead: str = "") -> str:
-        """The error for `what` (the user's words) asking `title` for the capability `name` it lacks."""
-        reason = self.reasons.get(name, "it is not built for it yet")
-        return f"{what}: {title} does not take it ({reason})" + (f": {instead}" if instead else "")
+    def refusal(self, names, what: str, title: str, instead: str = "") -> str:
+        """The error for `what` (the user's words) asking `title` for the capabilities `names` (one, or a
+        list) it lacks, each with its reason."""
+        names = [names] if isinstance(names, str) else names
+        reasons = "; ".join(dict.fromkeys(self.reasons.get(n, "it is not built for it yet") for n in names))
+        return f"{what}: {title} does not take it ({reasons})" + (f": {instead}" if instead else "")

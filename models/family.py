@@ -18,6 +18,7 @@ import torch
 
 from models.capabilities import Capabilities
 from models.loop import Schedule
+from models.names import Names
 from models.weight_files import LazyWeights, check_safetensors, check_weight_names
 
 # the manifest key of an edit pair's input images (Qwen-Image-Edit's training reads them: given_frames)
@@ -49,9 +50,7 @@ class Family:
     vae_class = ""  # its VAE's diffusers class
     max_length = 0  # its pipeline's max_sequence_length (text_encoder.max_length)
     lora_targets: tuple = ()  # lora.targets' default: its Linear layers a LoRA adapts (fnmatch patterns)
-    lora_formats: tuple = ("diffusers",)  # the key formats scripts/export.py writes its LoRAs in
-    lora_alphas = True  # its ComfyUI LoRAs carry an alpha per module (else the scale is in B)
-    lora_release_names = False  # its ComfyUI LoRAs are in the release's names (else diffusers' there)
+    names = Names()  # its weights' and LoRAs' names (models/names.py): diffusers', the release's, tessera's
     conditioning = None  # the dataclass of tensors `encode` returns (its fields shared between ranks)
     float32_weights = False  # its sampling keeps float32 weights, computes under autocast (else: the dtype)
     tiled_vae = (
@@ -150,7 +149,7 @@ class Family:
         the whole file is read on every rank."""
         shapes = tensor_shapes(cfg.model.pretrained)
         state = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
-        names = self.to_tessera(self.from_original(state))
+        names = self.names.to_tessera(self.names.from_original(state))
         check_weight_names(cfg.model.pretrained, self.meta_transformer(cfg).state_dict(), names)
 
     def check_scheduler(self, config: dict) -> None:
@@ -207,28 +206,6 @@ class Family:
         """The transformer of a diffusers config.json (on whatever device is current)."""
         raise NotImplementedError
 
-    def to_tessera(self, state: dict) -> dict:
-        """A diffusers state dict under the transformer's own names: diffusers' `transformer_blocks.` is
-        `blocks.`, every other name the same (a family whose names differ more overrides it)."""
-        return {re.sub(r"^transformer_blocks\.", "blocks.", key): value for key, value in state.items()}
-
-    def to_diffusers(self, state: dict) -> dict:
-        """The transformer's state dict under diffusers' names (to_tessera's inverse)."""
-        return {re.sub(r"^blocks\.", "transformer_blocks.", key): value for key, value in state.items()}
-
-    def diffusers_name(self, name: str) -> str:
-        """A module's diffusers name (what LoRA files say)."""
-        return next(iter(self.to_diffusers({name: None})))
-
-    def from_original(self, state: dict) -> dict:
-        """A single file's state dict (the original release's names, ComfyUI's prefix) under diffusers'."""
-        return state
-
-    def to_original(self, state: dict) -> dict:
-        """diffusers' names -> the original release's (from_original's inverse): with it, LoRA files in the
-        release's names are read (models/lora_formats.py with_release_names)."""
-        return state
-
     def config_of_file(self, shapes: dict) -> dict:
         """The diffusers config of a single file from its tensors' shapes ({name as in the file: shape}),
         when no transformer/config.json comes with it."""
@@ -281,7 +258,7 @@ class Family:
         config = self.transformer_config(cfg)
         with torch.device("meta"):  # no second random copy of the weights on the host
             transformer = getattr(diffusers, config["_class_name"]).from_config(config)
-        transformer.load_state_dict(self.to_diffusers(model.state_dict()), strict=True, assign=True)
+        transformer.load_state_dict(self.names.to_diffusers(model.state_dict()), strict=True, assign=True)
         return transformer
 
     def export_pipeline(self, cfg, transformer, second=None):
@@ -306,13 +283,13 @@ class Family:
         whole = self.meta_transformer(cfg)
         model = keep(whole) if keep is not None else whole
         if is_single_file(cfg.model.pretrained):  # the original names may fuse tensors: read whole
-            tensors = self.to_tessera(self.from_original(load_file(cfg.model.pretrained)))
+            tensors = self.names.to_tessera(self.names.from_original(load_file(cfg.model.pretrained)))
             read = tensors.__getitem__
         else:  # names only first (a rename): a folder that does not fit is named before anything is read
             files = transformer_files(part_folder(cfg, "transformer"))
             handles = [safe_open(str(file), framework="pt") for file in files]
             # name -> (file handle, its key), renamed once over every file (FLUX.2's names count blocks)
-            tensors = self.to_tessera({k: (handle, k) for handle in handles for k in handle.keys()})
+            tensors = self.names.to_tessera({k: (handle, k) for handle in handles for k in handle.keys()})
             read = lambda name: tensors[name][0].get_tensor(tensors[name][1])  # noqa: E731
         check_weight_names(cfg.model.pretrained, whole.state_dict(), tensors)  # a weight with no place: named
         state = {name: read(name).to(dtype) for name in model.state_dict()}
@@ -336,12 +313,13 @@ class Family:
         from models.lora_formats import model_projections, with_release_names
 
         projections, linears = model_projections(model, self.lora_names(model))
-        return with_release_names(projections, linears, self.to_original, self.from_original), linears
+        names = self.names
+        return with_release_names(projections, linears, names.to_original, names.from_original), linears
 
     def lora_names(self, model):
         """name -> its diffusers name, for `model`'s Linears (a family whose names depend on the model's
         own dimensions overrides it)."""
-        return self.diffusers_name
+        return self.names.diffusers_name
 
     def geometry(self, cfg) -> tuple:
         """(its latent space, latents per token along (t, h, w)): for the bucket table and the training
@@ -688,13 +666,13 @@ class FamilyWeights(LazyWeights):
 
         self.folder = Path(cfg.model.pretrained)
         if is_single_file(cfg.model.pretrained):
-            state = family.to_tessera(family.from_original(load_file(cfg.model.pretrained)))
+            state = family.names.to_tessera(family.names.from_original(load_file(cfg.model.pretrained)))
             self._tensors = {name: (lambda t=t: t) for name, t in state.items()}
             return
         self.folder = part_folder(cfg, "transformer")
         handles = [safe_open(str(file), framework="pt") for file in transformer_files(self.folder)]
         # names only, renamed once over every file (FLUX.2's names count the blocks of the whole model)
-        names = family.to_tessera({key: (handle, key) for handle in handles for key in handle.keys()})
+        names = family.names.to_tessera({key: (handle, key) for handle in handles for key in handle.keys()})
         self._tensors = {name: (lambda h=h, k=k: h.get_slice(k)) for name, (h, k) in names.items()}
 
     def check_parameters(self, names, partial: bool = False) -> None:

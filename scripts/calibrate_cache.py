@@ -69,7 +69,7 @@ def check_one_process(family, program: str) -> None:
     from parallel.drive.family_sampling import refuse_calibration
     from parallel.lifecycle.runtime import world_from_env
 
-    refuse_calibration(family, program)
+    refuse_calibration(family, program, "sample with sample.cache=none or first_block")
     if world_from_env()[1] > 1:
         raise ValueError(f"{program} runs on one process: start it with python, not torchrun")
 

@@ -140,9 +140,9 @@ def export_lora(checkpoint: Path, output: Path, cfg, fmt: str, use_ema: bool = T
             f"{checkpoint} is a full fine-tuning's checkpoint, not a LoRA's: export it without --lora "
             "(a transformer folder)"
         )
-    if fmt not in family.lora_formats:
+    if fmt not in family.names.lora_formats:
         raise ValueError(
-            f"--format {fmt}: {family.title}'s LoRAs are written in {', '.join(family.lora_formats)}"
+            f"--format {fmt}: {family.title}'s LoRAs are written in {', '.join(family.names.lora_formats)}"
         )
     if output.suffix != ".safetensors":
         raise ValueError(f"--output {output}: a LoRA is written as one .safetensors file")
@@ -151,7 +151,8 @@ def export_lora(checkpoint: Path, output: Path, cfg, fmt: str, use_ema: bool = T
     check_architecture(checkpoint, meta().architecture())  # the adapters' names follow the recipe's model
     adapters = checkpoint_adapters(checkpoint, record, meta(), use_ema)
     projections, _ = family.projections(meta())
-    tensors = export_adapters(adapters, projections, fmt, family.lora_alphas, family.lora_release_names)
+    names = family.names
+    tensors = export_adapters(adapters, projections, fmt, names.lora_alphas, names.lora_release_names)
     output.parent.mkdir(parents=True, exist_ok=True)
     info = {"format": "pt", "tessera_rank": record["rank"], "tessera_base": record["base"]["fingerprint"]}
     save_file(tensors, str(output), metadata=safetensors_metadata(info))

@@ -487,9 +487,8 @@ def test_parallel_auto_chooses_a_layout_the_family_samples_under(saved, tmp_path
         assert not (chosen.ulysses > 1 and chosen.ring > 1), chosen
     degrees = [f"parallel.{k}={getattr(chosen, k)}" for k in ("dp", "cfg", "ulysses", "ring", "pipefusion")]
     assert layout_of("parallel.auto=false", *degrees) == chosen  # refused by hand otherwise
-    if (
-        family_named(name).capabilities.references and world == 8
-    ):  # PCIe: PipeFusion, but not with reference images
+    can = family_named(name).capabilities
+    if can.references and world == 8:  # PCIe: PipeFusion, but not with reference images
         monkeypatch.setattr(family_sampling, "links_are_slow", lambda: (True, "PCIe (a test)"))
         assert layout_of("parallel.auto=true", "--image", REFERENCE).pipefusion == 1
         assert layout_of("parallel.auto=true").pipefusion == 2

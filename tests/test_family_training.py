@@ -421,12 +421,12 @@ def test_exports_load_in_diffusers(runs, tmp_path):
     with_file = infer_image(name, folder, tmp_path, "file.npy", "--lora", str(lora))
     with_run = infer_image(name, folder, tmp_path, "run.npy", "--checkpoint", str(made["lora"]))
     images = [with_file, with_run]
-    if "comfyui" in family_named(name).lora_formats:  # ComfyUI's names, read back by infer.py --lora
+    if "comfyui" in family_named(name).names.lora_formats:  # ComfyUI's names, read back by infer.py --lora
         comfy = tmp_path / "comfy.safetensors"
         argv = ["--checkpoint", str(made["lora"]), "--lora", "--format", "comfyui", "--output", str(comfy)]
         assert export.main(argv) == 0
         images.append(infer_image(name, folder, tmp_path, "comfy.npy", "--lora", str(comfy)))
-        if family_named(name).lora_release_names:  # BFL's names, ai-toolkit's layout: diffusers reads it
+        if family_named(name).names.lora_release_names:  # BFL's names, ai-toolkit's: diffusers reads it
             pipe = DiffusionPipeline.from_pretrained(folder)
             pipe.load_lora_weights(comfy)
             images.append(pipeline_image(pipe, name))

@@ -40,7 +40,7 @@ def tiny_pair():
         for p in theirs.parameters():
             p.copy_(torch.randn_like(p) * 0.2)
     ours = build_transformer(dict(theirs.config)).eval()
-    ours.load_state_dict(HunyuanVideo15().to_tessera(theirs.state_dict()), strict=True)
+    ours.load_state_dict(HunyuanVideo15().names.to_tessera(theirs.state_dict()), strict=True)
     return theirs, ours
 
 
@@ -111,8 +111,8 @@ def test_weight_names_and_config():
     theirs = HunyuanVideo15Transformer3DModel(**TINY)
     ours = build_transformer(dict(theirs.config))
     family = HunyuanVideo15()
-    assert set(family.to_diffusers(ours.state_dict())) == set(theirs.state_dict())
-    assert family.diffusers_name("blocks.1.attn.to_q") == "transformer_blocks.1.attn.to_q"
+    assert set(family.names.to_diffusers(ours.state_dict())) == set(theirs.state_dict())
+    assert family.names.diffusers_name("blocks.1.attn.to_q") == "transformer_blocks.1.attn.to_q"
     assert any(k.startswith("blocks.1.") for k in ours.state_dict())
     for wrong, words in [(dict(use_meanflow=True), "use_meanflow"), (dict(qk_norm="layer_norm"), "qk_norm")]:
         with pytest.raises(HunyuanVideo15FormatError, match=words):

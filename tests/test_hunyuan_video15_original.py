@@ -81,10 +81,10 @@ def test_from_original_matches_the_script(weights):
     bit; so with ComfyUI's prefixes, and a file already in diffusers' names comes back as it is."""
     original, theirs = weights
     family = HunyuanVideo15()
-    assert_same(family.from_original(dict(original)), theirs)
+    assert_same(family.names.from_original(dict(original)), theirs)
     for prefix in ("model.diffusion_model.", "diffusion_model."):
-        assert_same(family.from_original({prefix + k: v for k, v in original.items()}), theirs)
-        assert_same(family.from_original({prefix + k: v for k, v in theirs.items()}), theirs)
+        assert_same(family.names.from_original({prefix + k: v for k, v in original.items()}), theirs)
+        assert_same(family.names.from_original({prefix + k: v for k, v in theirs.items()}), theirs)
 
 
 def test_config_of_file(weights):
@@ -208,6 +208,6 @@ def test_training_reads_the_original_file(weights, tmp_path):
     save_file({f"diffusion_model.{k}": v.contiguous() for k, v in weights[0].items()}, str(file))
     family = HunyuanVideo15()
     read = FamilyWeights(family, SimpleNamespace(model=SimpleNamespace(pretrained=str(file))))
-    want = family.to_tessera(weights[1])
+    want = family.names.to_tessera(weights[1])
     read.check_parameters(want)
     assert all(torch.equal(read.read(name, 0, len(w)), w.float()) for name, w in want.items())

@@ -89,7 +89,7 @@ def pipe():
 
 def tessera_model(pipe, dtype=torch.float32):
     model = build_transformer(dict(pipe.transformer.config))
-    model.load_state_dict(ZImage().to_tessera(pipe.transformer.state_dict()), strict=True)
+    model.load_state_dict(ZImage().names.to_tessera(pipe.transformer.state_dict()), strict=True)
     return model.to(dtype).eval()
 
 

@@ -20,6 +20,7 @@ from models.capabilities import Capabilities
 from models.family import Components, Family, config_of
 from models.image_condition import ConditionedModel, ConditionedPieces, ImageCondition
 from models.loop import Schedule
+from models.names import Names
 from models.step_cache import FirstBlockFamily
 
 
@@ -90,7 +91,8 @@ class DiTFamily(Family):
     pipeline_classes = ("WanPipeline", "WanImageToVideoPipeline")
     transformer_classes = ("WanTransformer3DModel", "WanModel")  # diffusers', Wan-AI's own config.json
     conditioning = DiTText
-    lora_formats = ("diffusers", "comfyui")  # Wan's names; a DiT without Wan's architecture: tessera's own
+    # Wan's names; a DiT without Wan's architecture: tessera's own (projections)
+    names = Names(lora_formats=("diffusers", "comfyui"))
     # Wan 2.2 A14B's high- and low-noise experts (model.expert); the tasks of Wan's releases
     capabilities = Capabilities(tasks=("t2v", "i2v", "flf2v", "ti2v"), expert_pair=True)
 

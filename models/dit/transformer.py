@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from models.attention import SelfAttentionOperator
 from models.layers import (
+    RMSNorm,
     WholeSequence,
     apply_rope,
     count_parameters,
@@ -598,7 +599,7 @@ def init_parameter(
         nn.init.zeros_(tensor)
     elif kind == "scale_shift_table":  # adaLN-single (PixArt-alpha, Wan): random tables of scale 1/sqrt(D)
         nn.init.normal_(tensor, std=tensor.shape[-1] ** -0.5, generator=generator)
-    elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+    elif isinstance(module, (nn.LayerNorm, nn.RMSNorm, RMSNorm)):  # the families' own RMSNorm too
         nn.init.ones_(tensor) if kind == "weight" else nn.init.zeros_(tensor)
     elif (
         ".adaLN_modulation." in f".{name}"

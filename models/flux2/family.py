@@ -29,6 +29,7 @@ from models.flux2.weights import (
     to_tessera,
 )
 from models.loop import Schedule, euler, sigmas
+from models.names import Names
 
 
 def empirical_mu(tokens: int, steps: int) -> float:
@@ -71,6 +72,16 @@ def batch_norm_stats(vae, like) -> tuple:
     return mean, std
 
 
+def flux2_to_tessera(state: dict) -> dict:
+    """diffusers' names -> one list of blocks, the double ones first (their count from the state)."""
+    return to_tessera(state, blocks_before(state, r"^transformer_blocks\.(\d+)\."))
+
+
+def flux2_to_diffusers(state: dict) -> dict:
+    """A whole state dict's names back (the double blocks: those with a text feed-forward)."""
+    return to_diffusers(state, blocks_before(state, r"^blocks\.(\d+)\.ff_context\."))
+
+
 class Flux2(Family):
     name, title = "flux2", "FLUX.2"
     pipeline_classes, transformer_classes = PIPELINE_CLASSES, (TRANSFORMER_CLASS,)
@@ -83,7 +94,15 @@ class Flux2(Family):
     lora_targets = ("blocks.*.attn.*", "blocks.*.ff.*", "blocks.*.ff_context.*")
     # ComfyUI's: BFL's names under diffusion_model., the scale in B (ai-toolkit's layout, which diffusers'
     # Flux2 loader reads; it refuses alpha keys there)
-    lora_formats, lora_alphas, lora_release_names = ("diffusers", "comfyui"), False, True
+    names = Names(
+        flux2_to_tessera,
+        flux2_to_diffusers,
+        diffusers_from_original,  # BFL's names, ComfyUI's prefix dropped
+        original_from_diffusers,
+        lora_formats=("diffusers", "comfyui"),
+        lora_alphas=False,
+        lora_release_names=True,
+    )
     text_encoder_default = "Qwen3ForCausalLM"  # a folder whose model_index.json does not name it
 
     def takes_images(self, cfg) -> bool:
@@ -201,20 +220,6 @@ class Flux2(Family):
                 f"model.pretrained={cfg.model.pretrained}: its transformer has guidance_embeds={embeds}, "
                 f"not {self.title}'s: it is model.family={family}'s (configs/{recipe}.yaml)"
             )
-
-    def from_original(self, state: dict) -> dict:
-        return diffusers_from_original(state)  # BFL's names, ComfyUI's prefix dropped
-
-    def to_tessera(self, state: dict) -> dict:
-        """diffusers' names -> one list of blocks, the double ones first (their count from the state)."""
-        return to_tessera(state, blocks_before(state, r"^transformer_blocks\.(\d+)\."))
-
-    def to_diffusers(self, state: dict) -> dict:
-        """A whole state dict's names back (the double blocks: those with a text feed-forward)."""
-        return to_diffusers(state, blocks_before(state, r"^blocks\.(\d+)\.ff_context\."))
-
-    def to_original(self, state: dict) -> dict:
-        return original_from_diffusers(state)
 
     def lora_names(self, model):
         """Each module's diffusers name from the model's own count of double blocks."""

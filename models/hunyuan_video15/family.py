@@ -25,6 +25,7 @@ from models.hunyuan_video15.weights import (
 )
 from models.layers import PiecesOf
 from models.loop import Schedule, euler
+from models.names import Names
 
 _UNSUPPORTED = ("use_dynamic_shifting", "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas",
                 "invert_sigmas", "stochastic_sampling", "shift_terminal")  # fmt: skip
@@ -77,6 +78,9 @@ class HunyuanVideo15(Family):
     conditioning = HunyuanVideo15Cond
     # its image-to-video folder trains from each clip's first frame
     capabilities = Capabilities(image_to_video=True, trains_images=True)
+    # the original release's names (its token refiner's fused qkv split, its final modulation's rows
+    # swapped) or diffusers' already, ComfyUI's prefix dropped
+    names = Names(from_original=diffusers_from_original)
     # the joint attention's projections and both streams' feed-forwards, as Qwen-Image's
     lora_targets = ("blocks.*.attn.*", "blocks.*.ff.*", "blocks.*.ff_context.*")
 
@@ -199,11 +203,6 @@ class HunyuanVideo15(Family):
 
     def build(self, config: dict, cfg):
         return build_transformer(config, cfg.model.attention_backend)
-
-    def from_original(self, state: dict) -> dict:
-        """The original release's names (its token refiner's fused qkv split, its final modulation's rows
-        swapped) or diffusers' already, ComfyUI's prefix dropped: weights.py diffusers_from_original."""
-        return diffusers_from_original(state)
 
     def config_of_file(self, shapes: dict) -> dict:
         """The release's layout read from the shapes: heads of 128 split 16 / 56 / 56 for the 3-axis rope."""

@@ -5,8 +5,9 @@ shifted by the video token count, one Euler step for both streams) and its guida
 audio CFG, modality isolation and STG as deltas, then the guidance rescale. The generic loop carries one
 float32 tensor (B, D): each sample's packed video latents, then its packed audio latents (LTX2Layout).
 Text- and image-to-video (--image: LTX2ImageToVideoPipeline's first frame) under dp, cfg, ulysses or ring;
-training video with its sound as Lightricks' trainer does (models/ltx2/training.py, audio.py). Not built
-(refused by name): image-to-video training, PipeFusion, the step cache, prompt enhancement.
+training video with its sound as Lightricks' trainer does (models/ltx2/training.py, audio.py). Refused by
+name: image-to-video training and prompt enhancement (not built); PipeFusion and the step caches (for the
+model's reasons in its capabilities)
 """
 
 import math
@@ -24,6 +25,7 @@ from models.ltx2.text import encode_prompts, prepare_tokenizer
 from models.ltx2.training import draw, is_audio_parameter, loss
 from models.ltx2.transformer import LTX2Cond
 from models.ltx2.weights import TRANSFORMER_CLASS, build_transformer
+from models.names import Names
 
 # the diffusers parts besides Family.check_pretrained's, each with the file that says it is there
 PARTS = dict(connectors="config.json", audio_vae="config.json", vocoder="config.json")
@@ -133,10 +135,7 @@ def rescale(guided, pred, amount: float):
 
 
 # why it takes neither PipeFusion nor either step cache
-BOTH_STREAMS = (
-    "each block's sound attends every video token and the video every sound token, which patches of the "
-    "video do not hold"
-)
+BOTH_STREAMS = "each block's sound attends every video token, which patches of the video do not hold"
 FIRST_BLOCK = (
     "its blocks carry two streams, and the first block's video residual does not tell if the sound's moved"
 )
@@ -168,8 +167,8 @@ class LTX2(Family):
         for m in ("attn1", "attn2", "ff", "audio_attn1", "audio_attn2", "audio_ff")
         + ("audio_to_video_attn", "video_to_audio_attn")
     )
-    lora_formats = ("diffusers", "comfyui")
-    lora_alphas = False  # as Lightricks' trainer writes them; diffusers' LTX-2 loader refuses alphas
+    # no alphas, as Lightricks' trainer writes them (diffusers' LTX-2 loader refuses them)
+    names = Names(lora_formats=("diffusers", "comfyui"), lora_alphas=False)
 
     def check_pretrained(self, cfg) -> None:
         super().check_pretrained(cfg)
@@ -289,7 +288,7 @@ class LTX2(Family):
         """Family.projections, with the release's names (ComfyUI's LoRA keys) beside diffusers'."""
         from models.lora_formats import model_projections
 
-        projections, linears = model_projections(model, self.diffusers_name)
+        projections, linears = model_projections(model, self.names.diffusers_name)
         originals = {
             module: [replace(p, original=original_name(p.diffusers)) for p in found]
             for module, found in projections.items()

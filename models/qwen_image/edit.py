@@ -13,7 +13,6 @@ from types import SimpleNamespace
 
 import torch
 
-from models.capabilities import Capabilities
 from models.family import REFERENCES, Components, part_folder
 from models.qwen_image.family import QwenImage
 from models.qwen_image.text import encode_edit_prompt
@@ -51,7 +50,7 @@ class QwenImageEdit(QwenImage):
     pipeline_classes = ("QwenImageEditPlusPipeline",)
     # Qwen-Image's layouts: under ulysses or ring the references' tokens split with the noisy ones; through
     # PipeFusion's and the first-block cache's patch pieces they pass beside each patch, as the text
-    capabilities = Capabilities(references=True, max_references=MAX_REFERENCES)
+    capabilities = replace(QwenImage.capabilities, references=True, max_references=MAX_REFERENCES)
 
     def check_pretrained(self, cfg) -> None:
         super().check_pretrained(cfg)

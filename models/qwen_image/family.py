@@ -7,6 +7,7 @@ import torch
 
 from models.family import Components, Family, config_of, part_folder, read_json
 from models.loop import Schedule, euler, sigmas
+from models.names import Names
 from models.qwen_image.sampling import denormalize_latents, image_tokens, normalize_latents, true_cfg
 from models.qwen_image.text import encode_prompt
 from models.qwen_image.transformer import QwenImageCond
@@ -36,7 +37,9 @@ class QwenImage(Family):
     vae_class, max_length = "AutoencoderKLQwenImage", 512
     lora_targets = ("blocks.*.attn.*", "blocks.*.img_mlp.*", "blocks.*.txt_mlp.*")
     conditioning = QwenImageCond
-    lora_formats = ("diffusers", "comfyui")  # ComfyUI's keys: diffusers' under diffusion_model.
+    # ComfyUI's LoRA keys: diffusers' under diffusion_model.; its single files: that prefix dropped, fp8
+    # files refused
+    names = Names(from_original=diffusers_state_dict_from_original, lora_formats=("diffusers", "comfyui"))
 
     def widths(self, cfg) -> list:
         t, vae, text = self.transformer_config(cfg), config_of(cfg, "vae"), config_of(cfg, "text_encoder")
@@ -63,12 +66,9 @@ class QwenImage(Family):
     def build(self, config: dict, cfg):
         return build_transformer(config, cfg.model.attention_backend)
 
-    def from_original(self, state: dict) -> dict:
-        return diffusers_state_dict_from_original(state)  # ComfyUI's prefix dropped; fp8 files refused
-
     def config_of_file(self, shapes: dict) -> dict:
         """The release's layout read from the shapes: heads of 128 split 16 / 56 / 56 for the 3-axis rope."""
-        shapes = self.from_original(shapes)
+        shapes = self.names.from_original(shapes)
         needed = (
             "transformer_blocks.0.attn.norm_q.weight",
             "img_in.weight",

@@ -8,6 +8,7 @@ import torch
 
 from models.family import Components, Family, config_of, part_folder, read_json
 from models.loop import Schedule
+from models.names import Names
 from models.sana.sampling import RELEASE_SCHEDULER, denormalize_latents, dpm_solver_step, flow_schedule
 from models.sana.text import COMPLEX_HUMAN_INSTRUCTION, encode_text
 from models.sana.transformer import SanaConditioning
@@ -18,6 +19,15 @@ from models.sana.weights import (
     diffusers_from_tessera,
     tessera_from_diffusers,
 )
+
+
+def from_original(state: dict) -> dict:
+    """NVlabs' names (fused qkv and kv, split as diffusers' are), or diffusers' already (any prefix of
+    ComfyUI's dropped)."""
+    bare = {key.removeprefix("model.diffusion_model."): value for key, value in state.items()}
+    if any(key.startswith(("transformer_blocks.", "caption_projection.")) for key in bare):
+        return bare
+    return diffusers_from_original(state)
 
 
 def dpm_solver(sigmas):
@@ -34,6 +44,7 @@ class Sana(Family):
     vae_class, max_length = "AutoencoderDC", 300
     lora_targets = ("blocks.*.attn1.*", "blocks.*.attn2.*")  # its feed-forward is convolutions
     conditioning = SanaConditioning
+    names = Names(tessera_from_diffusers, diffusers_from_tessera, from_original)
 
     def widths(self, cfg) -> list:
         t, vae, text = self.transformer_config(cfg), config_of(cfg, "vae"), config_of(cfg, "text_encoder")
@@ -77,23 +88,6 @@ class Sana(Family):
 
     def build(self, config: dict, cfg):
         return build_sana(config)
-
-    def to_tessera(self, state: dict) -> dict:
-        return tessera_from_diffusers(state)
-
-    def to_diffusers(self, state: dict) -> dict:
-        return diffusers_from_tessera(state)
-
-    def diffusers_name(self, name: str) -> str:
-        return next(iter(diffusers_from_tessera({name: None})))
-
-    def from_original(self, state: dict) -> dict:
-        """NVlabs' names (fused qkv and kv, split as diffusers' are), or diffusers' already (any prefix of
-        ComfyUI's dropped)."""
-        bare = {key.removeprefix("model.diffusion_model."): value for key, value in state.items()}
-        if any(key.startswith(("transformer_blocks.", "caption_projection.")) for key in bare):
-            return bare
-        return diffusers_from_original(state)
 
     def load(self, cfg, device, dtype, transformer: bool = True, keep=None, texts: bool = True) -> Components:
         from diffusers import AutoencoderDC

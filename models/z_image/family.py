@@ -6,6 +6,7 @@ sample.cfg_truncation and its norm capped at sample.cfg_normalization times the 
 first-block cache: its noise refiner runs before the first block over every image token).
 """
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,6 +15,7 @@ import torch
 from models.capabilities import Capabilities
 from models.family import Components, Family, config_of, part_folder, read_json
 from models.loop import Schedule, euler, sigmas
+from models.names import Names
 from models.z_image.keys import KEYS
 from models.z_image.text import MAX_SEQUENCE_LENGTH, encode_prompt
 from models.z_image.transformer import ZImageCond
@@ -42,6 +44,9 @@ class ZImageParts(Components):
 REFINED = (
     "its noise refiner attends over every image token before the first block, which patches cannot split"
 )
+REFINED_FIRST = (
+    "its refiners run over every image token before the first block, outside the pieces the cache calls"
+)
 
 
 class ZImage(Family):
@@ -51,13 +56,21 @@ class ZImage(Family):
     capabilities = Capabilities(
         parallel=("cfg", "ulysses", "ring"),
         first_block=False,
-        reasons=dict(pipefusion=REFINED, first_block=REFINED),
+        reasons=dict(pipefusion=REFINED, first_block=REFINED_FIRST),
     )
     vae_class, max_length = "AutoencoderKL", MAX_SEQUENCE_LENGTH
     conditioning = ZImageCond
     # every attention's projections and every feed-forward (the refiners' too), as ai-toolkit's
     lora_targets = ("*.attention.to_*", "*.feed_forward.w*")
-    lora_formats = ("diffusers", "comfyui")  # ComfyUI's keys: diffusers' under diffusion_model.
+    # diffusers' `layers.` are tessera's `blocks.`; Tongyi-MAI's names, ComfyUI's prefix dropped; ComfyUI's
+    # LoRA keys: diffusers' under diffusion_model.
+    names = Names(
+        lambda state: {re.sub(r"^layers\.", "blocks.", k): v for k, v in state.items()},
+        lambda state: {re.sub(r"^blocks\.", "layers.", k): v for k, v in state.items()},
+        diffusers_from_original,
+        original_from_diffusers,
+        lora_formats=("diffusers", "comfyui"),
+    )
     unguided = 0.0  # its pipeline guides at any scale above 0 (pos + g (pos - neg))
 
     def heads(self, cfg) -> int | None:
@@ -101,25 +114,9 @@ class ZImage(Family):
     def build(self, config: dict, cfg):
         return build_transformer(config, cfg.model.attention_backend)
 
-    def to_tessera(self, state: dict) -> dict:
-        return {
-            k.replace("layers.", "blocks.", 1) if k.startswith("layers.") else k: v for k, v in state.items()
-        }
-
-    def to_diffusers(self, state: dict) -> dict:
-        return {
-            k.replace("blocks.", "layers.", 1) if k.startswith("blocks.") else k: v for k, v in state.items()
-        }
-
-    def from_original(self, state: dict) -> dict:
-        return diffusers_from_original(state)  # Tongyi-MAI's names, ComfyUI's prefix dropped
-
-    def to_original(self, state: dict) -> dict:
-        return original_from_diffusers(state)
-
     def config_of_file(self, shapes: dict) -> dict:
         """The release's layout read from a single file's shapes: heads of 128 split 32 / 48 / 48."""
-        shapes = self.from_original(shapes)
+        shapes = self.names.from_original(shapes)
         needed = ("layers.0.attention.norm_q.weight", "all_x_embedder.2-1.weight", "cap_embedder.1.weight")
         missing = [key for key in needed if key not in shapes]
         if missing:

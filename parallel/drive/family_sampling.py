@@ -49,13 +49,11 @@ def refuse_flags(cfg, args, family) -> None:
         refuse_calibration(family, "sample.cache=calibrated")
 
 
-def refuse_calibration(family, what: str) -> None:
+def refuse_calibration(family, what: str, instead: str = "sample.cache=none") -> None:
     """`what` (sample.cache=calibrated, or a script that calibrates it) refused for a family whose sampling
-    replays no calibration (Family.calibrated_cache)."""
+    replays no calibration (its capabilities' calibrated_cache), naming `instead`."""
     if not family.capabilities.calibrated_cache:
-        raise ValueError(
-            family.capabilities.refusal("calibrated_cache", what, family.title, "sample.cache=none")
-        )
+        raise ValueError(family.capabilities.refusal("calibrated_cache", what, family.title, instead))
 
 
 def sampled_weights(cfg, args, family, experts) -> Weights:
@@ -138,9 +136,9 @@ def check_family_layout(cfg, family, request, degrees, meta) -> None:
     can = family.capabilities
     wrong = [n for n in DEGREES if (getattr(degrees, n) or 1) > 1 and n not in can.parallel]
     if wrong:
+        asked = " ".join(f"parallel.{n}={getattr(degrees, n)}" for n in wrong)
         runs = ", ".join(("dp", *can.parallel))
-        raise ValueError(can.refusal(wrong[0], f"parallel.{wrong[0]}={getattr(degrees, wrong[0])}",
-                                     family.title, f"it samples under {runs}"))  # fmt: skip
+        raise ValueError(can.refusal(wrong, asked, family.title, f"it samples under {runs}"))
     check_patch_pipeline(cfg, family, request, degrees, meta)
     family.check_split(cfg, request.height, request.width, degrees.ulysses, degrees.ring)
     check_sequence_layout(meta(), degrees.ulysses, degrees.ring, family.title)  # its operators
@@ -162,7 +160,8 @@ def check_patch_pipeline(cfg, family, request, degrees, meta) -> None:
         )
     transformer = meta()
     kinds = operator_kinds(transformer)
-    if first_block and not family.capabilities.first_block:
+    # (its patch pieces too: a family that declares the cache without them is refused, not crashed)
+    if first_block and not (family.capabilities.first_block and hasattr(transformer, "patch_blocks")):
         raise ValueError(family.capabilities.refusal("first_block", "sample.cache=first_block", family.title))
     if pipefusion == 1:
         return
@@ -176,10 +175,11 @@ def sampling_transformer(cfg, runtime, family, weights: Weights, loras=(), folde
     its stage's blocks are allocated and filled; not for a second expert, `folder`): a full run's
     checkpoint; else model.pretrained's (`folder`'s) own, as its files hold them in the compute dtype
     (Family.load_transformer: memory-mapped, no copy) or, for float32_weights, filled row by row from its
-    files, a tessera run's (EMA) weights or random ones from train.seed; a LoRA run's adapters, then the
-    --lora files (`loras`: infer.py read_loras') merged in; under model.base_dtype=float8 the blocks' Linear
-    weights quantized first and the adapters kept beside them, as training computes them (models/lora.py
-    merge_deltas). NaN or inf is refused alike on every rank of `group`."""
+    files or a tessera run's (EMA) weights; or random ones from train.seed (--random-weights, any family);
+    a LoRA run's adapters, then the --lora files (`loras`: infer.py read_loras') merged in; under
+    model.base_dtype=float8 the blocks' Linear weights quantized first and the adapters kept beside them,
+    as training computes them (models/lora.py merge_deltas). NaN or inf is refused alike on every rank of
+    `group`."""
     layout, groups = runtime.layout, runtime.sampling
     dtype = None  # float32_weights: float32, whatever the compute dtype
     if not family.float32_weights:
@@ -205,9 +205,8 @@ def sampling_transformer(cfg, runtime, family, weights: Weights, loras=(), folde
         # NaN: refused by name (PipeFusion stages hold other blocks: their lists of tensors differ)
         check_checkpoint_finite(model, checkpoint, weights.use_ema, runtime.control_group, not stage)
     elif weights.random:  # every layer from train.seed, by name (alike on any stage); none zero (adaLN-Zero's
-        model = meta()  # zeros would make the output 0 whatever the layout does)
-        fill_unsharded(model, cfg.train.seed, None, False, stage, group)
-        model = model if dtype is None else model.to(dtype)
+        model = meta() if dtype is None else meta().to(dtype)  # zeros would make the output 0 whatever the
+        fill_unsharded(model, cfg.train.seed, None, False, stage, group)  # layout does), cast as filled
     elif not family.float32_weights:  # the folder's tensors as they are (a whole-model name check first)
         model = family.load_transformer(cfg, dtype, select)
     else:

@@ -77,10 +77,9 @@ def check_family_training(cfg, family: Family, layout) -> None:
             "image-to-video training, where built, comes from its image-to-video pipeline folder)"
         )
     family.check_training(cfg)
-    folder_images = family.capabilities.image_to_video and family.needs_images(
-        cfg
-    )  # its folder's first frame
-    if folder_images and not family.capabilities.trains_images:  # samples only from a first frame
+    can = family.capabilities
+    folder_images = can.image_to_video and family.needs_images(cfg)  # its folder's first frame
+    if folder_images and not can.trains_images:  # samples only from a first frame
         raise ValueError(
             f"model.pretrained={cfg.model.pretrained} is {family.title}'s image-to-video pipeline; its "
             "training is text-to-video only: use the text-to-video folder"
@@ -120,7 +119,7 @@ def preview_images(cfg, family: Family) -> list:
 
 def preview_references(cfg, family: Family) -> list | None:
     """Every preview's reference images (PIL) from sample.images, for a family that takes references
-    (Family.references), read and checked as --image is; None without any."""
+    (its capabilities' references), read and checked as --image is; None without any."""
     sc = cfg.sample
     if not (family.capabilities.references and sc.images):
         return None
@@ -220,9 +219,8 @@ def family_previews(cfg, run: FamilyRun, model, seeds: list, progress, device) -
     training transformer on every rank (it is sharded: each forward needs them all)."""
     parts = replace(run.parts, transformer=model)
     sampling = preview_sampling(cfg, run.family, None, seeds)
-    if run.family.capabilities.image_to_video and run.family.needs_images(
-        cfg
-    ):  # tessera's DiT: with_preview_images
+    can = run.family.capabilities
+    if can.image_to_video and run.family.needs_images(cfg):  # its folder's first frame
         sampling = replace(sampling, images=preview_images(cfg, run.family))
     elif run.family.capabilities.references:  # every preview's reference images, if any
         sampling = replace(sampling, images=preview_references(cfg, run.family))
