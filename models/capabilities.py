@@ -13,8 +13,6 @@ class Capabilities:
     parallel: tuple = DEGREES  # the degrees its sampling runs under besides dp
     first_block: bool = True  # sample.cache=first_block, through its transformer's patch pieces
     calibrated_cache: bool = True  # sample.cache=calibrated (scripts/calibrate_cache.py calibrates its steps)
-    trains: bool = True  # train.py and scripts/precompute_latents.py take it
-    precomputes: bool = True  # scripts/precompute_latents.py stores its conditioning
     tasks: tuple = ("t2v",)  # the model.task values it trains (its image-to-video comes from its folder)
     image_to_video: bool = False  # its image-to-video folders sample from infer.py --image (takes_images)
     trains_images: bool = False  # its image-to-video folders train (each clip's first frame given)

@@ -8,13 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 
-def blocks_to_tessera(state: dict) -> dict:
-    """diffusers' `transformer_blocks.` is tessera's `blocks.`; every other name the same."""
-    return {re.sub(r"^transformer_blocks\.", "blocks.", key): value for key, value in state.items()}
-
-
-def blocks_to_diffusers(state: dict) -> dict:
-    return {re.sub(r"^blocks\.", "transformer_blocks.", key): value for key, value in state.items()}
+def renamed(prefix: str, to: str) -> Callable:
+    """A state dict's names with the leading `prefix` as `to`; every other name the same."""
+    pattern = re.compile("^" + re.escape(prefix))
+    return lambda state: {pattern.sub(to, key): value for key, value in state.items()}
 
 
 def same(state: dict) -> dict:
@@ -26,8 +23,8 @@ def same(state: dict) -> dict:
 class Names:
     # a diffusers state dict under the transformer's own names, and back (each a whole state dict: some
     # families count blocks in it)
-    to_tessera: Callable = blocks_to_tessera
-    to_diffusers: Callable = blocks_to_diffusers
+    to_tessera: Callable = renamed("transformer_blocks.", "blocks.")  # diffusers' blocks are tessera's
+    to_diffusers: Callable = renamed("blocks.", "transformer_blocks.")
     # a single file's state dict (the original release's names, ComfyUI's prefix) under diffusers', and
     # back: with it LoRA files in the release's names are read (models/lora_formats.py with_release_names)
     from_original: Callable = same

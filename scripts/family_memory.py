@@ -282,12 +282,10 @@ def main(argv=None) -> None:
             if card is not None and not args.tiny:  # the config written out here is the release's
                 assert abs(count / 1e9 - card) <= 0.02 * card, f"{part}: {count / 1e9:.2f}B, its card {card}B"
         transformer, known = next(iter(counts)), family_of(family)
-        adapters, float8 = (
-            lora_counts(family, modules[transformer], rank) if known.capabilities.trains else (0, 0)
-        )
+        adapters, float8 = lora_counts(family, modules[transformer], rank)
         gib = {str(n): per_gpu(counts, adapters, n, known.texts_first, float8) for n in (1, 8)}
-        runs = [r for r in gib["1"] if known.capabilities.trains or r == "sample"]  # what the family runs
-        runs = [r for r in runs if r != "sample-pipefusion" or "pipefusion" in known.capabilities.parallel]
+        pipefusion = "pipefusion" in known.capabilities.parallel
+        runs = [r for r in gib["1"] if r != "sample-pipefusion" or pipefusion]  # what the family runs
         gib = {n: {r: gib[n][r] for r in runs} for n in gib}
         results[family] = dict(parameters=counts, adapters=adapters, gib_per_gpu=gib)
         parts_text = ", ".join(f"{part} {count / 1e9:.2f}B" for part, count in counts.items())

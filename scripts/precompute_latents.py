@@ -165,8 +165,6 @@ def main(argv=None, session=None):
             f"--out {out} holds latents made with another VAE, text encoder, fps or task "
             f"({'; '.join(differ)}); write to another folder, or delete it to start over"
         )
-    if not family.capabilities.precomputes:
-        raise ValueError(f"{family.title}: precompute_latents.py does not store its conditioning yet")
     table = build_buckets(cfg)
     # what training would refuse (the task, a bucket's size), refused before encoding
     check_family_training(cfg, family, ParallelLayout(dp=world_size))

@@ -41,7 +41,7 @@ def tiny_pair(rope_type="interleaved"):
             p.copy_(torch.randn_like(p) * 0.2)
     ours = build_transformer(dict(theirs.config)).eval()
     state = {re.sub(r"^transformer_blocks\.", "blocks.", k): v for k, v in theirs.state_dict().items()}
-    ours.load_state_dict(state, strict=True)  # models/family.py models/names.py blocks_to_tessera
+    ours.load_state_dict(state, strict=True)  # models/names.py's default rename
     return theirs, ours
 
 

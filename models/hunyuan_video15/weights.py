@@ -1,6 +1,6 @@
 """HunyuanVideo 1.5's transformer config and weight names. The transformer is built from a diffusers
 HunyuanVideo15Transformer3DModel config.json at any depth and width; its weights keep diffusers' names but
-`transformer_blocks.` <-> `blocks.` (models/names.py blocks_to_tessera, the default). A single file in the
+`transformer_blocks.` <-> `blocks.` (models/names.py Names, the default). A single file in the
 original release's names (tencent/HunyuanVideo-1.5's, ComfyUI's) is mapped to diffusers' names, and its
 config read from its shapes when no transformer/config.json comes with it.
 """

@@ -6,7 +6,6 @@ sample.cfg_truncation and its norm capped at sample.cfg_normalization times the 
 first-block cache: its noise refiner runs before the first block over every image token).
 """
 
-import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,7 +14,7 @@ import torch
 from models.capabilities import Capabilities
 from models.family import Components, Family, config_of, part_folder, read_json
 from models.loop import Schedule, euler, sigmas
-from models.names import Names
+from models.names import Names, renamed
 from models.z_image.keys import KEYS
 from models.z_image.text import MAX_SEQUENCE_LENGTH, encode_prompt
 from models.z_image.transformer import ZImageCond
@@ -65,8 +64,8 @@ class ZImage(Family):
     # diffusers' `layers.` are tessera's `blocks.`; Tongyi-MAI's names, ComfyUI's prefix dropped; ComfyUI's
     # LoRA keys: diffusers' under diffusion_model.
     names = Names(
-        lambda state: {re.sub(r"^layers\.", "blocks.", k): v for k, v in state.items()},
-        lambda state: {re.sub(r"^blocks\.", "layers.", k): v for k, v in state.items()},
+        renamed("layers.", "blocks."),
+        renamed("blocks.", "layers."),
         diffusers_from_original,
         original_from_diffusers,
         lora_formats=("diffusers", "comfyui"),

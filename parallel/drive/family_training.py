@@ -48,9 +48,7 @@ class FamilyRun:
 def check_family_inputs(cfg, family: Family) -> None:
     """What any family's training (tessera's DiT's too) refuses by name before anything starts: a preview
     setting or negative prompt it does not read, a negative train.guidance, and data.audio for a family
-    whose training reads no sound; a family whose training is not built, first."""
-    if not family.capabilities.trains:
-        raise ValueError(f"{family.title} samples with infer.py; training it is not built yet")
+    whose training reads no sound."""
     family.check_sample_keys(cfg)
     family.check_negative(cfg.sample.negative_prompt, "sample.negative_prompt")  # the previews'
     if cfg.model.base_dtype != "auto" and not cfg.lora.rank:  # sampling takes it with no LoRA at all
@@ -222,7 +220,7 @@ def family_previews(cfg, run: FamilyRun, model, seeds: list, progress, device) -
     can = run.family.capabilities
     if can.image_to_video and run.family.needs_images(cfg):  # its folder's first frame
         sampling = replace(sampling, images=preview_images(cfg, run.family))
-    elif run.family.capabilities.references:  # every preview's reference images, if any
+    elif can.references:  # every preview's reference images, if any
         sampling = replace(sampling, images=preview_references(cfg, run.family))
     images, bad = checked(
         generate_images, run.family, parts, sampling, progress, device=device, conditioning=run.previews
