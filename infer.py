@@ -252,7 +252,7 @@ def main(argv=None, session=None, walk=None):
     student_sampling(cfg, args, warn_on_main)  # a distilled student's steps, without guidance
     sizes = read_sizes(cfg, args)
     experts = family.sampling_experts(cfg, sizes[6], args.random_weights, bool(args.lora))
-    if family.parts_from_pretrained:  # its folder says the sizes and images it takes: checked first
+    if family.loading.from_pretrained:  # its folder says the sizes and images it takes: checked first
         family.check_pretrained(cfg)
     request = read_request(cfg, args, family, sizes, experts)
     layout, patches, links = sampling_layout(cfg, family, request)
@@ -282,7 +282,7 @@ def main(argv=None, session=None, walk=None):
         described = describe_weights(cfg, args, weights)
         denoise_with = denoise_with if walk is None else walk(denoise_with)
         sample_batch = family_batches(cfg, args, runtime, request, family, parts, denoise_with, decode)
-        vae = str(part_folder(cfg, "vae")) if family.parts_from_pretrained else None
+        vae = str(part_folder(cfg, "vae")) if family.loading.from_pretrained else None
         nonfinite = sample_and_write(cfg, args, runtime, request, mine, sample_batch, described, vae)
         say_full_calls(runtime, request, sample_batch.full_calls / len(mine))
     finish(runtime, nonfinite)
@@ -420,7 +420,7 @@ def _layout_line(cfg, family, runtime, request: Request, weights: Weights, patch
     chosen = f" (parallel.auto: {links})" if cfg.parallel.auto else ""
     pipeline = _pipefusion_words(cfg, layout, patches)
     tiles = ""
-    if family.tiled_vae:  # its replica's ranks share the decode's tiles
+    if family.loading.tiled_vae:  # its replica's ranks share the decode's tiles
         vae = family.geometry(cfg)[0]
         count = len(plan_tiles(vae, request.latent[1:], cfg.vae.tile_latent, cfg.vae.tile_overlap))
         tiles = f"; VAE decode: {count} tile(s) over {runtime.sampling.replica_size} rank(s)"

@@ -52,7 +52,7 @@ def latent_meta(cfg) -> dict:
     if cfg.model.image_dim:  # the CLIP folder actually read (a pipeline folder's image_encoder/)
         meta["image_encoder"]["pretrained"] = cfg.image_encoder.pretrained or cfg.model.pretrained
     family = family_named(cfg.model.family)
-    if family.parts_from_pretrained:  # its VAE and text encoder: its pipeline folder's, in the compute dtype
+    if family.loading.from_pretrained:  # its VAE and text encoder: its folder's, in the compute dtype
         folders = {part: str(part_folder(cfg, part)) for part in ("vae", "text_encoder")}
         meta["family"] = {"name": family.name, **folders, "dtype": compute_dtype(cfg)}
         meta["family"]["images"] = family.needs_images(cfg)  # each clip's first frame stored (image-to-video)

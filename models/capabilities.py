@@ -23,6 +23,9 @@ class Capabilities:
     references: bool = False
     max_references: int = 0
     expert_pair: bool = False  # a run trains one of two experts (model.expert), exported as one pipeline
+    # its operators mask a split's or PipeFusion's padded keys through the recipe's kernel, so
+    # model.attention_backend must take a mask there (False: they pick SDPA themselves where keys are masked)
+    masks_through_kernel: bool = True
     # {capability (a field's name, or a degree of `parallel`): why the model does not take it}
     reasons: dict = field(default_factory=dict)
 

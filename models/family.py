@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from models.capabilities import Capabilities
+from models.loading import Loading
 from models.loop import Schedule
 from models.names import Names
 from models.weight_files import LazyWeights, check_safetensors, check_weight_names
@@ -52,18 +53,8 @@ class Family:
     lora_targets: tuple = ()  # lora.targets' default: its Linear layers a LoRA adapts (fnmatch patterns)
     names = Names()  # its weights' and LoRAs' names (models/names.py): diffusers', the release's, tessera's
     conditioning = None  # the dataclass of tensors `encode` returns (its fields shared between ranks)
-    float32_weights = False  # its sampling keeps float32 weights, computes under autocast (else: the dtype)
-    tiled_vae = (
-        False  # its VAE decodes in tessera's tiles, which a replica's ranks share (parallel/compute/vae.py)
-    )
-    # its operators mask a split's or PipeFusion's padded keys through the recipe's kernel, so
-    # model.attention_backend must take a mask there (False: they pick SDPA themselves where keys are masked)
-    masks_through_kernel = True
-    parts_from_pretrained = True  # its text encoder and VAE are model.pretrained's (read on every start)
+    loading = Loading()  # where its parts come from and the order they load in (models/loading.py)
     unguided = 1.0  # the guidance scale that samples without guidance (its pipeline's: `guided` is False)
-    # sampling encodes every prompt, then frees its text encoder before the transformer loads (FLUX.2 dev's
-    # 24B Mistral beside its 32B transformer: one 80 GB GPU holds either, not both): encode_first
-    texts_first = False
     # its transformer takes the guidance scale as an input (FLUX.2 dev, guidance-distilled): no CFG batch and
     # no negative prompt; its training gives it train.guidance (None: `training_guidance`)
     guidance_embedded, training_guidance = False, None

@@ -250,7 +250,7 @@ def per_gpu(counts: dict, adapters: int, gpus: int, texts_first: bool = False, f
     """GiB per GPU of each recipe on `gpus` GPUs (`counts`: the transformer first, the text encoders, the
     VAE last). PipeFusion: the mean over its stages of the transformer (the blocks hold all but a few of
     its weights; a stage holds one block more than another where the depth does not divide). `texts_first`
-    (Family.texts_first): sampling holds the text encoders or the transformer, never both. `float8`: the
+    (Family.loading): sampling holds the text encoders or the transformer, never both. `float8`: the
     base's bytes under model.base_dtype=float8 (lora_counts)."""
     model, *texts, vae = counts.values()
     frozen = (sum(texts) + vae) * BF16
@@ -283,7 +283,7 @@ def main(argv=None) -> None:
                 assert abs(count / 1e9 - card) <= 0.02 * card, f"{part}: {count / 1e9:.2f}B, its card {card}B"
         transformer, known = next(iter(counts)), family_of(family)
         adapters, float8 = lora_counts(family, modules[transformer], rank)
-        gib = {str(n): per_gpu(counts, adapters, n, known.texts_first, float8) for n in (1, 8)}
+        gib = {str(n): per_gpu(counts, adapters, n, known.loading.texts_first, float8) for n in (1, 8)}
         pipefusion = "pipefusion" in known.capabilities.parallel
         runs = [r for r in gib["1"] if r != "sample-pipefusion" or pipefusion]  # what the family runs
         gib = {n: {r: gib[n][r] for r in runs} for n in gib}

@@ -150,7 +150,7 @@ def main(argv=None, session=None):
     cfg = load_config(args.config, overrides + ["data.latents=null"])  # this script reads the media
     family = family_named(cfg.model.family)
     cfg = distilled_recipe(cfg, family)  # train.objective=dmd: the previews the student's, as train.py's
-    if family.parts_from_pretrained:
+    if family.loading.from_pretrained:
         family.check_pretrained(cfg)  # its VAE and text encoder named now, before any process group
     rank, world_size, _ = world_from_env()
     out = Path(args.out)

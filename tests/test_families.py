@@ -504,7 +504,7 @@ def test_refusals(saved, tmp_path, capsys):
         (["--checkpoint", "runs/x"], "'runs/x' is not a complete tessera checkpoint folder"),
         *row.refusals,
     ]
-    if family.masks_through_kernel:  # else it picks SDPA itself where keys are masked (the DiT)
+    if family.capabilities.masks_through_kernel:  # else it picks SDPA itself where keys are masked (the DiT)
         cases += [(["parallel.ulysses=2", "model.attention_backend=flash"], "flash takes no mask")]
     if family.capabilities.calibrated_cache:
         cases += [(["sample.cache=calibrated", "sample.cache_calibration=c.json"], "c.json cannot be read")]
@@ -514,7 +514,7 @@ def test_refusals(saved, tmp_path, capsys):
         cases += [(["--frames", "5"], "--frames 1"), (["--height", "33"], "multiples of")]
         cases += [(["model.image_dim=16"], "model.image_dim=16: " + family.title)]
     if row.first_block is not None:  # PipeFusion and the first-block cache through its patch pieces
-        if family.masks_through_kernel:
+        if family.capabilities.masks_through_kernel:
             cases += [(["parallel.pipefusion=2", "model.attention_backend=flash"], "patches mask keys")]
     calibrated = ["sample.cache=calibrated", "sample.cache_calibration=c.json"]
     caches = dict(first_block=["sample.cache=first_block"], calibrated_cache=calibrated)

@@ -257,7 +257,7 @@ def test_reference_images_match_the_pipeline(tmp_path, monkeypatch, model, refer
     """infer.py --image: the references' latents after the noisy tokens, each at its own size and time
     offset (10, 20): Flux2KleinPipeline's (dev: Flux2Pipeline's) image for image=[...], the output at the
     first one's size (one reference) or a given size (two: under cfg 2 x ulysses 2 on 4 processes, their
-    tokens split too). dev's text encoder is gone before its transformer loads (Family.texts_first)."""
+    tokens split too). dev's text encoder is gone before its transformer loads (Loading.texts_first)."""
     import numpy as np
     from PIL import Image
 

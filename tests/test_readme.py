@@ -254,7 +254,7 @@ def test_parallel_layouts_are_valid():
         others, overrides = split_overrides(cmd.args)
         cfg = load_config(ROOT / option(others, "--config", default="configs/demo.yaml"), overrides)
         family = family_named(cfg.model.family)
-        if family.parts_from_pretrained:  # its heads are its folder's (absent here): its degrees, the world
+        if family.loading.from_pretrained:  # its heads are its folder's (absent here): its degrees, the world
             given = {name for name in ("cfg", "ulysses", "ring", "pipefusion") if cfg.parallel[name] > 1}
             assert given <= set(family.capabilities.parallel), (
                 f"`{cmd.text}`: {family.title} takes no {given}"

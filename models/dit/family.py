@@ -19,6 +19,7 @@ from models import tiling
 from models.capabilities import Capabilities
 from models.family import Components, Family, config_of
 from models.image_condition import ConditionedModel, ConditionedPieces, ImageCondition
+from models.loading import Loading
 from models.loop import Schedule
 from models.names import Names
 from models.step_cache import FirstBlockFamily
@@ -94,7 +95,10 @@ class DiTFamily(Family):
     # Wan's names; a DiT without Wan's architecture: tessera's own (projections)
     names = Names(lora_formats=("diffusers", "comfyui"))
     # Wan 2.2 A14B's high- and low-noise experts (model.expert); the tasks of Wan's releases
-    capabilities = Capabilities(tasks=("t2v", "i2v", "flf2v", "ti2v"), expert_pair=True)
+    # masks_through_kernel: its self-attention takes SDPA with a mask where keys are padded
+    capabilities = Capabilities(
+        tasks=("t2v", "i2v", "flf2v", "ti2v"), expert_pair=True, masks_through_kernel=False
+    )
 
     def meta_transformer(self, cfg):
         return meta_dit(cfg)
@@ -280,9 +284,8 @@ class DiTFamily(Family):
     # -- training (train.py through parallel/drive/family_training.py, as every family)
     # --------------------------
 
-    parts_from_pretrained = False  # its text encoder and VAE come from their own keys
-    float32_weights = tiled_vae = True
-    masks_through_kernel = False  # its self-attention takes SDPA with a mask where keys are padded
+    # its text encoder and VAE come from their own keys; float32 weights under autocast; its VAE in tiles
+    loading = Loading(from_pretrained=False, float32_weights=True, tiled_vae=True)
 
     def resolve_size(self, cfg, error=ValueError) -> None:
         """model.size=auto: every architecture key from model.pretrained's Wan folder (models/dit/wan.py)."""

@@ -28,6 +28,7 @@ from models.flux2.weights import (
     to_diffusers,
     to_tessera,
 )
+from models.loading import Loading
 from models.loop import Schedule, euler, sigmas
 from models.names import Names
 
@@ -314,7 +315,7 @@ class Flux2Dev(Flux2):
                  "branch to split"),
     )  # fmt: skip
     text_encoder_default = "Mistral3ForConditionalGeneration"
-    texts_first = True  # its 24B Mistral freed before its 32B transformer loads (never guided: no negative)
+    loading = Loading(texts_first=True)  # its 24B Mistral freed before its 32B transformer loads
     guidance_embedded, training_guidance = True, 3.5
 
     def check_pretrained(self, cfg) -> None:

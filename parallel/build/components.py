@@ -151,10 +151,10 @@ def check_weights_source(cfg, family, reads_weights: bool) -> None:
     (Family.check_pretrained; read on every start where its frozen parts come from it)."""
     pretrained = cfg.model.pretrained
     # a family whose frozen parts are model.pretrained's needs a pipeline folder: its check refuses a run
-    if pretrained and is_tessera_run(pretrained) and not family.parts_from_pretrained:
+    if pretrained and is_tessera_run(pretrained) and not family.loading.from_pretrained:
         if reads_weights:
             check_checkpoint_files(describe_base(pretrained).source)  # a LoRA run is refused by name
-    elif reads_weights or family.parts_from_pretrained:
+    elif reads_weights or family.loading.from_pretrained:
         family.check_pretrained(cfg)
 
 

@@ -62,7 +62,7 @@ def sampled_weights(cfg, args, family, experts) -> Weights:
     LoRA run's base, Wan 2.2's second expert's) before any process group."""
     checkpoint = find_checkpoint(cfg, args.checkpoint, args.random_weights)
     record = None
-    if args.no_ema and checkpoint is None and family.parts_from_pretrained:  # its folder has no raw weights
+    if args.no_ema and checkpoint is None and family.loading.from_pretrained:  # its folder has no raw weights
         raise ValueError(
             f"--no-ema picks a run's raw weights, and no run is named (none in run.output_dir="
             f"{cfg.run.output_dir}): name one with --checkpoint, or drop --no-ema"
@@ -152,7 +152,8 @@ def check_patch_pipeline(cfg, family, request, degrees, meta) -> None:
     ranks, pipefusion = degrees.ulysses * degrees.ring, degrees.pipefusion or 1
     first_block = request.cache is not None and request.cache.method == "first_block"
     backend = cfg.model.attention_backend
-    if family.masks_through_kernel and (ranks > 1 or pipefusion > 1) and backend not in MASKING_BACKENDS:
+    masks = family.capabilities.masks_through_kernel
+    if masks and (ranks > 1 or pipefusion > 1) and backend not in MASKING_BACKENDS:
         raise ValueError(
             f"model.attention_backend={cfg.model.attention_backend} takes no mask, and a sequence split "
             "and PipeFusion's patches mask keys: use sdpa, math or auto with parallel.ulysses, ring or "
@@ -182,7 +183,7 @@ def sampling_transformer(cfg, runtime, family, weights: Weights, loras=(), folde
     `group`."""
     layout, groups = runtime.layout, runtime.sampling
     dtype = None  # float32_weights: float32, whatever the compute dtype
-    if not family.float32_weights:
+    if not family.loading.float32_weights:
         dtype = torch.bfloat16 if runtime.bf16(cfg.train.precision) else torch.float32
     stage = layout.pipefusion > 1 and folder is None
     select = (lambda model: keep_blocks(model, groups.stage, groups.stages)) if stage else None  # noqa: E731
@@ -207,7 +208,7 @@ def sampling_transformer(cfg, runtime, family, weights: Weights, loras=(), folde
     elif weights.random:  # every layer from train.seed, by name (alike on any stage); none zero (adaLN-Zero's
         model = meta() if dtype is None else meta().to(dtype)  # zeros would make the output 0 whatever the
         fill_unsharded(model, cfg.train.seed, None, False, stage, group)  # layout does), cast as filled
-    elif not family.float32_weights:  # the folder's tensors as they are (a whole-model name check first)
+    elif not family.loading.float32_weights:  # the folder's tensors as they are (a whole-model name check)
         model = family.load_transformer(cfg, dtype, select)
     else:
         model = meta()
@@ -233,7 +234,7 @@ def load_sampling(cfg, runtime, family, request, weights: Weights, loras, patche
     dtype = torch.bfloat16 if runtime.bf16(cfg.train.precision) else torch.float32
     with reading_weights(f"{family.title}'s parts (model.pretrained={cfg.model.pretrained})"):
         parts = family.load(cfg, runtime.device, dtype, transformer=False)
-    if family.texts_first:  # its text encoder gone before the transformer comes
+    if family.loading.texts_first:  # its text encoder gone before the transformer comes
         negative = request.negative_prompt if family.guided(request.guidance) else None
         mine = [request.prompts[i] for i in layout.replica_share(runtime.rank, len(request.prompts))]
         family.encode_first(parts, mine, negative, cfg.text_encoder.max_length)
@@ -251,7 +252,7 @@ def load_sampling(cfg, runtime, family, request, weights: Weights, loras, patche
         parts.transformer = apply_operators(parts.transformer, runtime.sequence)
         denoise_with = family_denoiser(groups)
     decode = None
-    if family.tiled_vae:  # the replica's ranks share the tiles
+    if family.loading.tiled_vae:  # the replica's ranks share the tiles
         vae, replica = parts.vae, runtime.sampling
         shared = parallel_vae.shared_decoder(
             vae, replica.replica_group, replica.replica_control, vae.tile_latent, vae.tile_overlap
