@@ -447,7 +447,7 @@ def load_batch(cfg, runtime, t: Trainer, step: int, samples: list[int]):
         encoded = encode_family_batch(t.family, batch, dropped, runtime.device)
     x0, cond = family_batch(t.family, runtime.sequence, encoded, runtime.device)
     uncond = empty_batch(t.family, len(samples), runtime.device) if t.distiller is not None else None
-    noise, timesteps = t.family.family.training_draw(t.family.parts, t.flow, x0, cond, rngs)
+    noise, timesteps = t.family.family.objective.draw(t.family.parts, t.flow, x0, cond, rngs)
     return batch, (x0, cond, noise, timesteps, uncond), rngs
 
 
@@ -460,7 +460,7 @@ def train_step(cfg, runtime, t: Trainer, step: int, inputs, rngs):
     if d is None:
         x0, cond, noise, timesteps, _ = inputs  # the family's loss (LTX-2: a sigma and a loss per stream)
         with offloaded_activations(tc.activation_offload, runtime.device):
-            loss = t.family.family.training_loss(t.family.parts, t.flow, t.model, x0, cond, noise, timesteps)
+            loss = t.family.family.objective.loss(t.family.parts, t.flow, t.model, x0, cond, noise, timesteps)
         loss = runtime.faults.nan_loss(loss, step + 1)  # tests only
         phase("backward")
         loss.backward()

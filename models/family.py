@@ -20,6 +20,7 @@ from models.capabilities import Capabilities
 from models.loading import Loading
 from models.loop import Schedule
 from models.names import Names
+from models.objective import Objective
 from models.weight_files import LazyWeights, check_safetensors, check_weight_names
 
 # the manifest key of an edit pair's input images (Qwen-Image-Edit's training reads them: given_frames)
@@ -54,6 +55,7 @@ class Family:
     names = Names()  # its weights' and LoRAs' names (models/names.py): diffusers', the release's, tessera's
     conditioning = None  # the dataclass of tensors `encode` returns (its fields shared between ranks)
     loading = Loading()  # where its parts come from and the order they load in (models/loading.py)
+    objective = Objective()  # how it trains: noise, loss, velocity, distillation (models/objective.py)
     unguided = 1.0  # the guidance scale that samples without guidance (its pipeline's: `guided` is False)
     # its transformer takes the guidance scale as an input (FLUX.2 dev, guidance-distilled): no CFG batch and
     # no negative prompt; its training gives it train.guidance (None: `training_guidance`)
@@ -509,25 +511,6 @@ class Family:
         """The empty prompt's stored conditioning (a dropped caption's, with data.latents), for a latents
         folder without empty.safetensors."""
         return self.store_conditioning(self.encode(parts, [""], max_length))[0]
-
-    def training_draw(self, parts: Components, flow, x0, cond, generators: list) -> tuple:
-        """(noise, timesteps) of a training batch, sample i's from generators[i] alone (so that they do not
-        depend on the batch, the rank or the layout): models/flow.py's draw, one sigma per sample."""
-        return flow.draw(x0.shape[1:], generators)
-
-    def training_loss(self, parts: Components, flow, model, x0, cond, noise, t) -> torch.Tensor:
-        """The loss of a training batch on the training transformer `model`: the flow-matching loss of
-        models/flow.py on its velocity (training_draw's noise and sigmas)."""
-        velocity = lambda x, s, c, _: self.training_velocity(parts, model, x, s, c)  # noqa: E731
-        return flow.training_loss(velocity, x0, cond, None, noise, t)
-
-    def training_velocity(self, parts: Components, model, x, sigma, cond):
-        """The training transformer's velocity (noise - x0) at x = (1 - sigma) x0 + sigma noise, sigma (B,)
-        in [0, 1], as its loss takes it (distillation's predictions: models/distill.py)."""
-        return model(x, sigma, cond)
-
-    def check_distillation(self, cfg) -> None:
-        """Refuse (ValueError) by name a recipe whose distillation (train.objective=dmd) it cannot take."""
 
     def default_lora_targets(self, cfg) -> tuple:
         """lora.targets when the recipe leaves them at tessera's DiT's (configs/auto.py): its own."""

@@ -123,7 +123,7 @@ def test_the_critics_loss_is_the_flow_matching_loss_of_the_same_samples():
         OmegaConf.create(dict(logit_mean=0, logit_std=1, shift=1, shift_reference_tokens=0)), (1, 2, 2)
     )
     with active_adapter(model, "critic"), torch.no_grad():
-        ours = DiTFamily().training_loss(
+        ours = DiTFamily().objective.loss(
             DiTParts(None, None, None, None), flow, model, sample, cond, noise, sigma
         )
     folded = copy.deepcopy(base)
@@ -361,14 +361,15 @@ def test_distillation_refusals_name_the_cause(tmp_path, capsys):
     from models.families import family_named
 
     with pytest.raises(ValueError, match="LTX-2's distillation is not built"):
-        family_named("ltx2").check_distillation(None)
+        family_named("ltx2").objective.check_distillation(None)
     # a family whose training conditions on given images (Qwen-Image-Edit's references)
     from types import SimpleNamespace
 
     from parallel.drive.distill import check_distillation
 
-    edit = SimpleNamespace(title="Qwen-Image-Edit", check_distillation=lambda cfg: None,
-                           given_frames=lambda cfg: ("references",))  # fmt: skip
+    objective = SimpleNamespace(check_distillation=lambda cfg: None)
+    given = lambda cfg: ("references",)  # noqa: E731
+    edit = SimpleNamespace(title="Qwen-Image-Edit", objective=objective, given_frames=given)
     dmd = OmegaConf.create(dict(train=dict(objective="dmd"), distill=dict(guidance=4.0)))
     with pytest.raises(ValueError, match=r"conditions on given images \(references\)"):
         check_distillation(dmd, edit)

@@ -169,7 +169,7 @@ def test_the_loss_is_diffusers(saved):
     noise = torch.randn(x0.shape, generator=generator)
     sigma = torch.tensor([0.3, 0.85])
     flow = RectifiedFlow(cfg.flow, (1, 1, 1))
-    ours = family.training_loss(parts, flow, parts.transformer, x0, cond, noise, sigma)
+    ours = family.objective.loss(parts, flow, parts.transformer, x0, cond, noise, sigma)
     pipe = DiffusionPipeline.from_pretrained(folder)
     want = diffusers_loss(name, pipe, video.float() / 127.5 - 1, [CAPTIONS[0], ""], noise, sigma)
     diff = abs(ours - want).item()

@@ -92,7 +92,7 @@ def train_py_loss(folder, image=None) -> tuple:
     encoded = encode_family_batch(run, batch, [False, True], "cpu")
     x0, cond = family_batch(run, SimpleNamespace(sp_size=1), encoded, "cpu")
     noise, sigma = torch.randn(x0.shape, generator=generator), torch.tensor([0.3, 0.85])
-    loss = partial(family.training_loss, parts, RectifiedFlow(cfg.flow, (1, 1, 1)), parts.transformer, x0)
+    loss = partial(family.objective.loss, parts, RectifiedFlow(cfg.flow, (1, 1, 1)), parts.transformer, x0)
     plain = loss(replace(cond, image=None, image_latents=None), noise, sigma)
     return video, x0, noise, sigma, loss(cond, noise, sigma), plain
 

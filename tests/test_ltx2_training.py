@@ -140,8 +140,8 @@ def test_the_video_loss_is_diffusers(saved):
     x0, cond = family_batch(run, SimpleNamespace(sp_size=1), encoded, "cpu")
     assert cond.audio_x0 is None
     gens = [torch.Generator().manual_seed(s) for s in (5, 6)]
-    noise, sigmas = family.training_draw(parts, None, x0, cond, gens)
-    ours = family.training_loss(parts, None, parts.transformer, x0, cond, noise, sigmas)
+    noise, sigmas = family.objective.draw(parts, None, x0, cond, gens)
+    ours = family.objective.loss(parts, None, parts.transformer, x0, cond, noise, sigmas)
     want = pipeline_loss(LTX2Pipeline.from_pretrained(saved), [CAPTIONS[0], ""], video, None, noise, sigmas)
     print(
         f"video alone: train.py's loss {ours.item():.6f}, diffusers' {want.item():.6f}", file=sys.__stderr__
@@ -183,15 +183,15 @@ def test_the_audio_video_loss_is_diffusers(saved):
     )
     assert cond.audio_x0.shape == (2, 2, 10, 2)
     gens = [torch.Generator().manual_seed(s) for s in (5, 6)]
-    noise, sigmas = family.training_draw(parts, None, x0, cond, gens)
+    noise, sigmas = family.objective.draw(parts, None, x0, cond, gens)
     assert float((sigmas[:, 0] - sigmas[:, 1]).abs().min()) > 1e-2  # two sigmas per clip
-    ours = family.training_loss(parts, None, parts.transformer, x0, cond, noise, sigmas)
+    ours = family.objective.loss(parts, None, parts.transformer, x0, cond, noise, sigmas)
     pipe = LTX2Pipeline.from_pretrained(saved)
     packed = pipeline_audio(pipe, sound)
     assert float((pipe._pack_audio_latents(cond.audio_x0) - packed).abs().max()) <= 1e-5
     want = pipeline_loss(pipe, [CAPTIONS[0], ""], video, packed, noise, sigmas)
     shared = sigmas[:, :1].expand(-1, 2)
-    one_sigma = family.training_loss(parts, None, parts.transformer, x0, cond, noise, shared)
+    one_sigma = family.objective.loss(parts, None, parts.transformer, x0, cond, noise, shared)
     cross = pipeline_loss(pipe, [CAPTIONS[0], ""], video, packed, noise, sigmas, own_shifts=False)
     print(
         f"video and audio: train.py's loss {ours.item():.6f}, diffusers' {want.item():.6f}; "

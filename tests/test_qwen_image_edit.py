@@ -583,7 +583,7 @@ def test_the_edit_loss_is_the_pipelines(edit, tmp_path):
     )
     g = torch.Generator().manual_seed(0)
     noise, sigma = torch.randn(x0.shape, generator=g), torch.tensor([0.4])
-    ours = family.training_loss(
+    ours = family.objective.loss(
         parts, RectifiedFlow(cfg.flow, (1, 1, 1)), parts.transformer, x0, cond, noise, sigma
     )
 

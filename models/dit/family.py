@@ -22,6 +22,7 @@ from models.image_condition import ConditionedModel, ConditionedPieces, ImageCon
 from models.loading import Loading
 from models.loop import Schedule
 from models.names import Names
+from models.objective import Objective
 from models.step_cache import FirstBlockFamily
 
 
@@ -87,11 +88,47 @@ def meta_dit(cfg):
         )
 
 
+class DiTObjective(Objective):
+    """The flow's loss on the DiT's velocity, under image-to-video's condition (TI2V's given frame kept
+    out of the loss)."""
+
+    def loss(self, parts, flow, model, x0, cond, noise, t) -> torch.Tensor:
+        condition = self.condition(parts, x0, cond)
+        if condition is not None:
+            model = ConditionedModel(model, condition)
+        from_frame = 1 if condition is not None and condition.first_frame else 0  # the given frame: no loss
+        return flow.training_loss(model, x0, cond.text, cond.text_mask, noise, t, from_frame=from_frame)
+
+    def condition(self, parts, x0, cond) -> ImageCondition | None:
+        """TI2V: each clip's own first latent frame, given at t = 0; I2V / FLF2V: the clips' condition."""
+        if parts.task == "ti2v":
+            return ImageCondition(x0[:, :, :1], None, first_frame=True)
+        return None if cond.image is None else ImageCondition(cond.image, cond.image_features)
+
+    def velocity(self, parts, model, x, sigma, cond):
+        return model(x, sigma, cond.text, cond.text_mask)
+
+    def check_distillation(self, cfg) -> None:
+        """Text-to-video, one model: a given frame would have to stay given through the student's steps,
+        and one expert samples only part of the schedule the student walks."""
+        if cfg.model.task != "t2v":
+            raise ValueError(
+                f"train.objective=dmd distils text-to-video; model.task={cfg.model.task} (a given first "
+                "frame) is not built: set model.task=t2v"
+            )
+        if cfg.model.expert != "none":
+            raise ValueError(
+                f"train.objective=dmd with model.expert={cfg.model.expert}: one Wan 2.2 expert samples part "
+                "of the noise levels, and a few-step student walks all of them: distil a one-model recipe"
+            )
+
+
 class DiTFamily(Family):
     name, title = "dit", "tessera's DiT (Wan 2.1 / 2.2)"
     pipeline_classes = ("WanPipeline", "WanImageToVideoPipeline")
     transformer_classes = ("WanTransformer3DModel", "WanModel")  # diffusers', Wan-AI's own config.json
     conditioning = DiTText
+    objective = DiTObjective()  # under image-to-video's condition
     # Wan's names; a DiT without Wan's architecture: tessera's own (projections)
     names = Names(lora_formats=("diffusers", "comfyui"))
     # Wan 2.2 A14B's high- and low-noise experts (model.expert); the tasks of Wan's releases
@@ -501,36 +538,6 @@ class DiTFamily(Family):
             condition = condition_of_clips(parts.vae, parts.image[1], videos, parts.image[0], *given)
             cond = replace(cond, image=condition.latent, image_features=condition.features)
         return x0, cond
-
-    def training_condition(self, parts: DiTParts, x0, cond: DiTText) -> ImageCondition | None:
-        """TI2V: each clip's own first latent frame, given at t = 0; I2V / FLF2V: the clips' condition."""
-        if parts.task == "ti2v":
-            return ImageCondition(x0[:, :, :1], None, first_frame=True)
-        return None if cond.image is None else ImageCondition(cond.image, cond.image_features)
-
-    def training_velocity(self, parts: DiTParts, model, x, sigma, cond: DiTText):
-        return model(x, sigma, cond.text, cond.text_mask)
-
-    def check_distillation(self, cfg) -> None:
-        """Text-to-video, one model: a given frame would have to stay given through the student's steps,
-        and one expert samples only part of the schedule the student walks."""
-        if cfg.model.task != "t2v":
-            raise ValueError(
-                f"train.objective=dmd distils text-to-video; model.task={cfg.model.task} (a given first "
-                "frame) is not built: set model.task=t2v"
-            )
-        if cfg.model.expert != "none":
-            raise ValueError(
-                f"train.objective=dmd with model.expert={cfg.model.expert}: one Wan 2.2 expert samples part "
-                "of the noise levels, and a few-step student walks all of them: distil a one-model recipe"
-            )
-
-    def training_loss(self, parts: DiTParts, flow, model, x0, cond: DiTText, noise, t) -> torch.Tensor:
-        condition = self.training_condition(parts, x0, cond)
-        if condition is not None:
-            model = ConditionedModel(model, condition)
-        from_frame = 1 if condition is not None and condition.first_frame else 0  # the given frame: no loss
-        return flow.training_loss(model, x0, cond.text, cond.text_mask, noise, t, from_frame=from_frame)
 
     def empty_conditioning(self, parts: DiTParts, max_length: int) -> dict:
         """The empty prompt whole, as its text encoder gives it (padding included: an unmasked DiT attends

@@ -31,6 +31,7 @@ from models.flux2.weights import (
 from models.loading import Loading
 from models.loop import Schedule, euler, sigmas
 from models.names import Names
+from models.objective import Objective
 
 
 def empirical_mu(tokens: int, steps: int) -> float:
@@ -299,6 +300,21 @@ class Flux2DevParts(Components):
     guidance: float | None = None  # the scale its training gives the transformer (train.guidance; load's)
 
 
+
+class Flux2DevObjective(Objective):
+    def velocity(self, parts, model, x, sigma, cond):
+        """Objective.velocity with the training's guidance scale (float32, as the pipeline's) the
+        transformer's input."""
+        scale = torch.full((x.shape[0],), parts.guidance, device=x.device)
+        return model(x, sigma, replace(cond, guidance=scale))
+
+    def check_distillation(self, cfg) -> None:
+        raise ValueError(
+            "train.objective=dmd: FLUX.2 dev's teacher would be guided through its transformer's input, "
+            "which the distillation does not give yet; train it with train.objective=flow"
+        )
+
+
 class Flux2Dev(Flux2):
     """FLUX.2 dev (Flux2Pipeline folders): klein's transformer with the guidance scale as its input (1000
     times it through the guidance embedder; no CFG batch, so no cfg degree and no negative prompt), a
@@ -317,6 +333,7 @@ class Flux2Dev(Flux2):
     text_encoder_default = "Mistral3ForConditionalGeneration"
     loading = Loading(texts_first=True)  # its 24B Mistral freed before its 32B transformer loads
     guidance_embedded, training_guidance = True, 3.5
+    objective = Flux2DevObjective()  # the training's guidance scale its transformer's input
 
     def check_pretrained(self, cfg) -> None:
         """Flux2.check_pretrained, and transformers able to build the folder's processor (the release's
@@ -348,18 +365,6 @@ class Flux2Dev(Flux2):
     def check_guidance(self, cfg, guidance: float) -> None:
         if guidance < 0:
             raise ValueError(f"guidance {guidance}: {self.title} embeds a guidance scale of 0 or more")
-
-    def check_distillation(self, cfg) -> None:
-        raise ValueError(
-            f"train.objective=dmd: {self.title}'s teacher would be guided through its transformer's input, "
-            "which the distillation does not give yet; train it with train.objective=flow"
-        )
-
-    def training_velocity(self, parts: Flux2DevParts, model, x, sigma, cond):
-        """Family.training_velocity with the training's guidance scale (float32, as the pipeline's) the
-        transformer's input."""
-        scale = torch.full((x.shape[0],), parts.guidance, device=x.device)
-        return model(x, sigma, replace(cond, guidance=scale))
 
     def conditionings(self, parts: Components, sampling) -> tuple:
         """Family.conditionings, the sampling's guidance scale in every prompt's conditioning, as the

@@ -22,7 +22,7 @@ from models.family import Components, Family, config_of, part_folder, read_json
 from models.loop import UNSUPPORTED, Schedule, euler, sigmas
 from models.ltx2.audio import encode_sound
 from models.ltx2.text import encode_prompts, prepare_tokenizer
-from models.ltx2.training import draw, is_audio_parameter, loss
+from models.ltx2.training import LTX2Objective, is_audio_parameter
 from models.ltx2.transformer import LTX2Cond
 from models.ltx2.weights import TRANSFORMER_CLASS, build_transformer
 from models.names import Names
@@ -169,6 +169,7 @@ class LTX2(Family):
     )
     # no alphas, as Lightricks' trainer writes them (diffusers' LTX-2 loader refuses them)
     names = Names(lora_formats=("diffusers", "comfyui"), lora_alphas=False)
+    objective = LTX2Objective()  # a sigma per stream, the sum of their losses (models/ltx2/training.py)
 
     def check_pretrained(self, cfg) -> None:
         super().check_pretrained(cfg)
@@ -374,21 +375,6 @@ class LTX2(Family):
         for name in ("text_mask", "audio_text_mask"):  # stored as float32: the connectors' 0/1 mask
             tensors[name] = tensors[name].long()
         return LTX2Cond(**tensors)
-
-    def training_draw(self, parts: LTX2Parts, flow, x0, cond: LTX2Cond, generators: list) -> tuple:
-        audio = None if cond.audio_x0 is None else tuple(cond.audio_x0.shape[1:])
-        return draw(tuple(x0.shape[1:]), audio, generators)
-
-    def check_distillation(self, cfg) -> None:
-        """Its video and sound are denoised at their own sigmas, which the student's one schedule does not
-        walk yet."""
-        raise ValueError(
-            "train.objective=dmd: LTX-2's distillation is not built (its video and sound streams take a "
-            "sigma each, and the student's one schedule walks one)"
-        )
-
-    def training_loss(self, parts: LTX2Parts, flow, model, x0, cond: LTX2Cond, noise, t) -> torch.Tensor:
-        return loss(model, x0, cond.audio_x0, replace(cond, fps=float(parts.train_fps)), noise, t)
 
     def encode(self, parts: LTX2Parts, prompts: list, max_length: int, negative: bool = False) -> LTX2Cond:
         return encode_prompts(

@@ -13,6 +13,8 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from models.objective import Objective
+
 # what names an audio parameter: the audio stream's own, and both cross-modal attentions' with their
 # modulations (a2v, v2a, av_cross_attn_*): trained only with the sound
 AUDIO_PARTS = ("audio", "a2v", "v2a", "av_cross")
@@ -86,3 +88,22 @@ def loss(model, x0, audio_x0, cond, noise: tuple, sigmas) -> torch.Tensor:
 def mix(x0, noise, sigma):
     s = sigma.view(-1, *([1] * (x0.dim() - 1))).to(x0.dtype)
     return (1 - s) * x0 + s * noise
+
+
+class LTX2Objective(Objective):
+    """Its two streams' sigmas (draw) and the sum of their losses, at the training's frame rate."""
+
+    def draw(self, parts, flow, x0, cond, generators: list) -> tuple:
+        audio = None if cond.audio_x0 is None else tuple(cond.audio_x0.shape[1:])
+        return draw(tuple(x0.shape[1:]), audio, generators)
+
+    def loss(self, parts, flow, model, x0, cond, noise, t) -> torch.Tensor:
+        return loss(model, x0, cond.audio_x0, replace(cond, fps=float(parts.train_fps)), noise, t)
+
+    def check_distillation(self, cfg) -> None:
+        """Its video and sound are denoised at their own sigmas, which the student's one schedule does not
+        walk yet."""
+        raise ValueError(
+            "train.objective=dmd: LTX-2's distillation is not built (its video and sound streams take a "
+            "sigma each, and the student's one schedule walks one)"
+        )

@@ -15,6 +15,7 @@ from models.capabilities import Capabilities
 from models.family import Components, Family, config_of, part_folder, read_json
 from models.loop import Schedule, euler, sigmas
 from models.names import Names, renamed
+from models.objective import Objective
 from models.z_image.keys import KEYS
 from models.z_image.text import MAX_SEQUENCE_LENGTH, encode_prompt
 from models.z_image.transformer import ZImageCond
@@ -48,6 +49,13 @@ REFINED_FIRST = (
 )
 
 
+
+class ZImageObjective(Objective):
+    def velocity(self, parts, model, x, sigma, cond):
+        """The model told 1 - sigma, as it samples."""
+        return model(x, 1 - sigma, cond)
+
+
 class ZImage(Family):
     name, title = "z_image", "Z-Image"
     pipeline_classes, transformer_classes = (PIPELINE_CLASS,), (TRANSFORMER_CLASS,)
@@ -59,6 +67,7 @@ class ZImage(Family):
     )
     vae_class, max_length = "AutoencoderKL", MAX_SEQUENCE_LENGTH
     conditioning = ZImageCond
+    objective = ZImageObjective()  # its transformer's t is 1 - sigma
     # every attention's projections and every feed-forward (the refiners' too), as ai-toolkit's
     lora_targets = ("*.attention.to_*", "*.feed_forward.w*")
     # diffusers' `layers.` are tessera's `blocks.`; Tongyi-MAI's names, ComfyUI's prefix dropped; ComfyUI's
@@ -172,10 +181,6 @@ class ZImage(Family):
         tokens = (latents.shape[-2] // 2) * (latents.shape[-1] // 2)
         levels = sigmas(steps, tokens, parts.scheduler_config, start).to(latents.device)
         return Schedule(levels, (1000 - levels[:-1] * 1000) / 1000, euler(levels))
-
-    def training_velocity(self, parts: Components, model, x, sigma, cond):
-        """The model told 1 - sigma, as it samples."""
-        return model(x, 1 - sigma, cond)
 
     def guidance_at(self, parts: ZImageParts, t, scale: float) -> float:
         """0 (the prompt alone) at a step whose 1 - sigma (the model's t) exceeds sample.cfg_truncation."""

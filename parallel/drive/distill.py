@@ -91,7 +91,7 @@ def check_distillation(cfg, family) -> None:
     video, edit references), and a teacher's scale the family refuses."""
     if cfg.train.objective != "dmd":
         return
-    family.check_distillation(cfg)
+    family.objective.check_distillation(cfg)
     given = family.given_frames(cfg)
     if given:
         raise ValueError(
@@ -209,7 +209,7 @@ def distill_backward(d: Distiller, seed: int, step: int, run, model, flow, input
     """One step's forwards and backwards: (the critic's loss, whether the generator took its turn). On a
     generator turn (every distill.critic_updates steps) the matching loss's gradient reaches the generator's
     adapters; every step the critic learns the flow-matching loss on the student's (detached) samples.
-    `run`: the FamilyRun; `rngs`: each sample's generator (training_draw drew the student's noise)."""
+    `run`: the FamilyRun; `rngs`: each sample's generator (objective.draw drew the student's noise)."""
     x0, cond, noise, _, uncond = inputs
     family, parts, batch = run.family, run.parts, x0.shape[0]
     schedule = family.schedule(parts, d.steps, x0)  # the student's noise levels and solver
@@ -219,7 +219,7 @@ def distill_backward(d: Distiller, seed: int, step: int, run, model, flow, input
     generator_turn = step % d.critic_updates == 0
     # the backward runs inside its forward's adapter: activation checkpointing recomputes that forward
     with d.net(model, "generator") as generator:
-        velocity = lambda x, s, c=cond: family.training_velocity(parts, generator, x, s, c)  # noqa: E731
+        velocity = lambda x, s, c=cond: family.objective.velocity(parts, generator, x, s, c)  # noqa: E731
         x = simulate(velocity, noise.to(x0.device, x0.dtype), schedule, k)
         with torch.set_grad_enabled(generator_turn):
             sample = clean(x, sigmas[k].expand(batch), velocity(x, sigmas[k].expand(batch)))
@@ -229,7 +229,7 @@ def distill_backward(d: Distiller, seed: int, step: int, run, model, flow, input
             d.matching = matching.detach()
     sigma = draw_sigmas(rngs, d.low, d.high, shift)
     with d.net(model, "critic") as critic:
-        loss = family.training_loss(
+        loss = family.objective.loss(
             parts, flow, critic, sample.detach(), cond, draw_noise(x0.shape[1:], rngs), sigma
         )
         loss.backward()
@@ -242,7 +242,7 @@ def generator_loss(d: Distiller, run, model, sample, cond, uncond, rngs, shift: 
     family, parts = run.family, run.parts
     sigma = draw_sigmas(rngs, d.low, d.high, shift).to(sample.device)
     eps = draw_noise(sample.shape[1:], rngs).to(sample.device, sample.dtype)
-    velocity = lambda net, x, c: family.training_velocity(parts, net, x, sigma, c)  # noqa: E731
+    velocity = lambda net, x, c: family.objective.velocity(parts, net, x, sigma, c)  # noqa: E731
     with torch.no_grad():
         x = noised(sample.detach(), eps, sigma)
         with d.net(model, "teacher") as teacher:
