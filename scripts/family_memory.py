@@ -250,7 +250,7 @@ def per_gpu(counts: dict, adapters: int, gpus: int, texts_first: bool = False, f
     """GiB per GPU of each recipe on `gpus` GPUs (`counts`: the transformer first, the text encoders, the
     VAE last). PipeFusion: the mean over its stages of the transformer (the blocks hold all but a few of
     its weights; a stage holds one block more than another where the depth does not divide). `texts_first`
-    (Family.loading): sampling holds the text encoders or the transformer, never both. `float8`: the
+    (Loading.texts_first): sampling holds the text encoders or the transformer, never both. `float8`: the
     base's bytes under model.base_dtype=float8 (lora_counts)."""
     model, *texts, vae = counts.values()
     frozen = (sum(texts) + vae) * BF16

@@ -152,7 +152,7 @@ def diffusers_loss(name, pipe, pixels, prompts, noise, sigma) -> torch.Tensor:
 @torch.no_grad()
 def test_the_loss_is_diffusers(saved):
     """Two images, one caption dropped (the empty prompt), two noise levels: the loss train.py's step
-    computes (encode_family_batch, family_batch, the family's training_loss on its velocity) is
+    computes (encode_family_batch, family_batch, the family's objective.loss on its velocity) is
     the loss of diffusers' training scripts on the pipeline's own parts."""
     from diffusers import DiffusionPipeline
 

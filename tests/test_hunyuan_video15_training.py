@@ -79,7 +79,7 @@ def metrics(run) -> list:
 def train_py_loss(folder, image=None) -> tuple:
     """(videos, their latents, noise, sigmas, train.py's loss, the loss without an image condition) of two
     random 5-frame clips at 24 x 40 from `folder`, the second caption dropped: encode_family_batch,
-    family_batch and the family's training_loss (the flow's, on its velocity), at sigmas 0.3 and 0.85.
+    family_batch and the family's objective.loss (the flow's, on its velocity), at sigmas 0.3 and 0.85.
     `image`: (2, 3, 24, 40) uint8, the frames a manifest names (the batch's "image")."""
     family = family_named("hunyuan_video15")
     argv = train_args(folder, folder.parent / "unused")
@@ -100,7 +100,7 @@ def train_py_loss(folder, image=None) -> tuple:
 @torch.no_grad()
 def test_the_loss_is_diffusers(saved):  # noqa: F811
     """Two 5-frame clips, the second caption dropped (the empty prompt), two noise levels: train.py's loss
-    (encode_family_batch, family_batch, the family's training_loss: the flow's on its velocity) is the loss
+    (encode_family_batch, family_batch, the family's objective.loss: the flow's on its velocity) is the loss
     on the pipeline's encode_prompt, its VAE (the posterior's mode, scaled) and its transformer told the
     zero condition of text-to-video."""
     from diffusers import DiffusionPipeline

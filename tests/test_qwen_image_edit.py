@@ -215,8 +215,10 @@ def test_infer_matches_the_pipeline(edit, tmp_path, references):
 
     pipe, folder, paths = edit
     if not pipe.transformer.config.zero_cond_t:  # its flags: the transformer's, tested with diffusers'
-        pytest.skip("2511's references cover 2509's path (2509's image against its pipeline: "
-                    "test_first_block_cache_matches_diffusers[2509-one-process])")
+        pytest.skip(
+            "2511's references cover 2509's path (2509's image against its pipeline: "
+            "test_first_block_cache_matches_diffusers[2509-one-process])"
+        )
     paths = paths[:references]
     prompts = ["make it blue", "add a hat"]
     out = str(tmp_path / "out.npy")

@@ -300,7 +300,6 @@ class Flux2DevParts(Components):
     guidance: float | None = None  # the scale its training gives the transformer (train.guidance; load's)
 
 
-
 class Flux2DevObjective(Objective):
     def velocity(self, parts, model, x, sigma, cond):
         """Objective.velocity with the training's guidance scale (float32, as the pipeline's) the

@@ -49,7 +49,6 @@ REFINED_FIRST = (
 )
 
 
-
 class ZImageObjective(Objective):
     def velocity(self, parts, model, x, sigma, cond):
         """The model told 1 - sigma, as it samples."""
