@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from models.capabilities import Capabilities
+from models.guidance import Guidance
 from models.loading import Loading
 from models.loop import Schedule
 from models.names import Names
@@ -56,7 +57,7 @@ class Family:
     conditioning = None  # the dataclass of tensors `encode` returns (its fields shared between ranks)
     loading = Loading()  # where its parts come from and the order they load in (models/loading.py)
     objective = Objective()  # how it trains: noise, loss, velocity, distillation (models/objective.py)
-    unguided = 1.0  # the guidance scale that samples without guidance (its pipeline's: `guided` is False)
+    guidance = Guidance()  # whether a scale guides, a step's scale, the rule (models/guidance.py)
     # its transformer takes the guidance scale as an input (FLUX.2 dev, guidance-distilled): no CFG batch and
     # no negative prompt; its training gives it train.guidance (None: `training_guidance`)
     guidance_embedded, training_guidance = False, None
@@ -363,7 +364,7 @@ class Family:
         and negative prompt encoded, then both given each prompt's frames where it has them, as the
         pipelines give them (Qwen-Image-Edit encodes its references with the text)."""
         prompts, size = sampling.prompts, sampling.size
-        guided, negative = self.guided(sampling.guidance), [sampling.negative_prompt] * len(prompts)
+        guided, negative = self.guidance.guided(sampling.guidance), [sampling.negative_prompt] * len(prompts)
         if parts.texts:  # encode_first's, on the host until their batch comes
             device = next(parts.vae.parameters()).device
             cond = joined([parts.texts[p] for p in prompts], device)
@@ -581,7 +582,7 @@ class Family:
 
     def guide_passes(self, parts: Components, x, t, conditional, unconditional, scale: float):
         """The guided velocity from both branches' `branch_passes`."""
-        return self.guide(conditional[0], unconditional[0], scale, parts)
+        return self.guidance.guide(conditional[0], unconditional[0], scale, parts)
 
     def outputs(self, parts: Components, x, t, *conds) -> list:
         """The transformer's output for each conditioning, one call each; with sample.cache=first_block
@@ -599,21 +600,9 @@ class Family:
         alike in each) calls them: PipeFusion's (parallel/compute/pipefusion.py), the first-block cache's."""
         return parts.transformer
 
-    def guidance_at(self, parts: Components, t, scale: float) -> float:
-        """The guidance scale of the step at timestep `t` (Wan 2.2's experts each have their own)."""
-        return scale
-
     def prediction(self, v):
         """The transformer's output as the family's solver and guidance take it (its pipeline's dtype)."""
         return v
-
-    def guided(self, scale: float) -> bool:
-        """Whether `scale` asks for guidance (the pipelines guide above 1 only)."""
-        return scale > 1.0
-
-    def guide(self, v_cond, v_uncond, scale: float, parts: Components | None = None):
-        """The guided velocity at `scale` (`parts`: what else the sampling set, Z-Image's normalisation)."""
-        return v_uncond + scale * (v_cond - v_uncond)
 
     def finish(self, parts: Components, latents):
         """The denoised latents as they are decoded (Wan2.2 TI2V puts its given first frame back)."""

@@ -40,10 +40,10 @@ def guided_velocity(family: Family, parts: Components, cond, uncond, scale: floa
     whose scale does not guide: the conditional branch alone)."""
 
     def velocity(x, t):
-        step_scale = family.guidance_at(parts, t, scale)
-        if uncond is None or not family.guided(step_scale):
+        step_scale = family.guidance.at(parts, t, scale)
+        if uncond is None or not family.guidance.guided(step_scale):
             return family.velocity(parts, x, t, cond)
-        return family.guide(*family.both(parts, x, t, cond, uncond), step_scale, parts)
+        return family.guidance.guide(*family.both(parts, x, t, cond, uncond), step_scale, parts)
 
     return velocity
 

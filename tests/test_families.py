@@ -1175,7 +1175,7 @@ def sequential_pipefusion(patches: int, warmup: int, cache=None):
                     )
                     out = pieces.unpatchify(pieces.patch_final(tokens, ctx, a, b), (1, (b - a) // w, w))
                     v.append(family.prediction(out))
-                v = v[0] if len(v) == 1 else family.guide(v[0], v[1], scale, parts)
+                v = v[0] if len(v) == 1 else family.guidance.guide(v[0], v[1], scale, parts)
                 rows = slice(a // w * r, b // w * r)
                 new = x[:, :, :, rows]
                 kept = None if step == 0 or solver is None else solver[:, :, :, rows]

@@ -496,7 +496,7 @@ def test_a_distilled_student_samples_in_diffusers_what_infer_samples(saved, tmp_
     pipe = DiffusionPipeline.from_pretrained(folder)
     (height, width), row = ROWS[name].size, ROWS[name]
     kwargs = dict(prompt=PROMPTS[0], num_inference_steps=2, height=height, width=width, output_type="np",
-                  **{row.guidance: family_named(name).unguided}, **row.keywords)  # fmt: skip
+                  **{row.guidance: family_named(name).guidance.unguided}, **row.keywords)  # fmt: skip
     pipe.set_progress_bar_config(disable=True)
     base = pipe(generator=torch.Generator().manual_seed(1), **kwargs).images[0]
     pipe.load_lora_weights(lora)

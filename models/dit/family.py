@@ -18,6 +18,7 @@ import torch
 from models import tiling
 from models.capabilities import Capabilities
 from models.family import Components, Family, config_of
+from models.guidance import Guidance
 from models.image_condition import ConditionedModel, ConditionedPieces, ImageCondition
 from models.loading import Loading
 from models.loop import Schedule
@@ -123,12 +124,24 @@ class DiTObjective(Objective):
             )
 
 
+class DiTGuidance(Guidance):
+    """Diffusers' Wan pipelines guide at any scale but 1; Wan 2.2's low-noise expert at its own scale."""
+
+    def guided(self, scale: float) -> bool:
+        return scale != 1.0
+
+    def at(self, parts, t, scale: float) -> float:
+        experts = parts.experts
+        return scale if experts is None or experts.high_noise(t) else experts.guidance_2
+
+
 class DiTFamily(Family):
     name, title = "dit", "tessera's DiT (Wan 2.1 / 2.2)"
     pipeline_classes = ("WanPipeline", "WanImageToVideoPipeline")
     transformer_classes = ("WanTransformer3DModel", "WanModel")  # diffusers', Wan-AI's own config.json
     conditioning = DiTText
     objective = DiTObjective()  # under image-to-video's condition
+    guidance = DiTGuidance()
     # Wan's names; a DiT without Wan's architecture: tessera's own (projections)
     names = Names(lora_formats=("diffusers", "comfyui"))
     # Wan 2.2 A14B's high- and low-noise experts (model.expert); the tasks of Wan's releases
@@ -177,13 +190,6 @@ class DiTFamily(Family):
 
     def walk(self, parts: DiTParts, schedule: Schedule, noise, velocity, progress=None):
         return parts.flow.walk(schedule, noise, velocity, progress)
-
-    def guided(self, scale: float) -> bool:
-        return scale != 1.0
-
-    def guidance_at(self, parts: DiTParts, t, scale: float) -> float:
-        experts = parts.experts
-        return scale if experts is None or experts.high_noise(t) else experts.guidance_2
 
     def model_at(self, parts: DiTParts, t):
         """The transformer that samples timestep `t` (one of Wan 2.2's experts, moved to the device)."""

@@ -28,6 +28,7 @@ from models.flux2.weights import (
     to_diffusers,
     to_tessera,
 )
+from models.guidance import Unguided
 from models.loading import Loading
 from models.loop import Schedule, euler, sigmas
 from models.names import Names
@@ -333,6 +334,7 @@ class Flux2Dev(Flux2):
     loading = Loading(texts_first=True)  # its 24B Mistral freed before its 32B transformer loads
     guidance_embedded, training_guidance = True, 3.5
     objective = Flux2DevObjective()  # the training's guidance scale its transformer's input
+    guidance = Unguided()  # the scale is the transformer's input: never a second branch
 
     def check_pretrained(self, cfg) -> None:
         """Flux2.check_pretrained, and transformers able to build the folder's processor (the release's
@@ -357,9 +359,6 @@ class Flux2Dev(Flux2):
 
     def encode(self, parts: Components, prompts: list, max_length: int, negative: bool = False):
         return Flux2Cond(encode_prompt_dev(prompts, parts.tokenizer, parts.text_encoder, max_length))
-
-    def guided(self, scale: float) -> bool:
-        return False  # the scale is the transformer's input: never a second branch
 
     def check_guidance(self, cfg, guidance: float) -> None:
         if guidance < 0:

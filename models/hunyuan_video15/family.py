@@ -14,6 +14,7 @@ import torch
 
 from models.capabilities import Capabilities
 from models.family import Components, Family, config_of, padded, part_folder, read_json
+from models.guidance import Guidance
 from models.hunyuan_video15.text import MAX_LENGTH, encode_glyphs, encode_text
 from models.hunyuan_video15.transformer import HunyuanVideo15Cond
 from models.hunyuan_video15.weights import (
@@ -70,12 +71,18 @@ class GivenFramePieces(PiecesOf):
         return self.model.embed(x, self.given)
 
 
+class HunyuanVideo15Guidance(Guidance):
+    def guided(self, scale: float) -> bool:
+        return abs(scale - 1.0) > 1e-9  # its guider guides at any scale but 1 (math.isclose)
+
+
 class HunyuanVideo15(Family):
     name, title = "hunyuan_video15", "HunyuanVideo 1.5"
     pipeline_classes, transformer_classes = PIPELINE_CLASSES, (TRANSFORMER_CLASS,)
     # one of ulysses and ring (joint attention)
     vae_class, max_length = "AutoencoderKLHunyuanVideo15", MAX_LENGTH
     conditioning = HunyuanVideo15Cond
+    guidance = HunyuanVideo15Guidance()
     # its image-to-video folder trains from each clip's first frame
     capabilities = Capabilities(image_to_video=True, trains_images=True)
     # the original release's names (its token refiner's fused qkv split, its final modulation's rows
@@ -313,9 +320,6 @@ class HunyuanVideo15(Family):
     def schedule(self, parts: HunyuanVideo15Parts, steps: int, latents: torch.Tensor) -> Schedule:
         levels = sigmas(steps, parts.scheduler_config).to(latents.device)
         return Schedule(levels, levels[:-1], euler(levels))
-
-    def guided(self, scale: float) -> bool:
-        return abs(scale - 1.0) > 1e-9  # its guider guides at any scale but 1 (math.isclose)
 
     def decode(self, parts: HunyuanVideo15Parts, latents) -> torch.Tensor:
         z = latents.to(parts.vae.dtype) / parts.vae.config.scaling_factor

@@ -19,6 +19,7 @@ import torch
 
 from models.capabilities import Capabilities
 from models.family import Components, Family, config_of, part_folder, read_json
+from models.guidance import Guidance
 from models.loop import UNSUPPORTED, Schedule, euler, sigmas
 from models.ltx2.audio import encode_sound
 from models.ltx2.text import encode_prompts, prepare_tokenizer
@@ -142,6 +143,48 @@ FIRST_BLOCK = (
 PASSES = "its velocity is up to four passes a step (STG, modality isolation), which the replay does not fit"
 
 
+def sampling_layout(parts, x) -> LTX2Layout:
+    """The layout noise() recorded, checked against the latents' size."""
+    if parts.layout is None or x.shape[1] != parts.layout.size:
+        raise ValueError(f"LTX-2: latents of {tuple(x.shape)} are not the sampling's ({parts.layout})")
+    return parts.layout
+
+
+class PassGuidance(Guidance):
+    """Its passes (conditional, unconditional, STG, modality-isolated) guided per stream in x0, as its
+    pipeline; `guide` takes what LTX2.both returns. Its CFG guides above 1 (its audio-only CFG is refused:
+    guidance_terms)."""
+
+    def guide(self, parts, x, t, v_cond, v_uncond, v_stg, v_modality, scale: float, _parts=None):
+        """The pipeline's guidance, per stream in x0 = x - sigma v: the conditional x0 plus the CFG delta
+        (scale - 1)(cond - uncond) (the audio's at audio_guidance), the STG delta stg (cond - perturbed)
+        and the modality delta (modality - 1)(cond - isolated), in that order, then rescaled towards the
+        conditional x0's std (guidance_rescale > 0); back to a velocity. (`_parts`: what models/sampler.py
+        hands every family's guide last; LTX-2's `both` passes its parts first.)"""
+        terms, layout = parts.terms, sampling_layout(parts, x)
+        size = layout.video_size
+        x0 = lambda v: None if v is None else x - v * t  # noqa: E731  (t: the step's sigma)
+        passes = [x0(v) for v in (v_cond, v_uncond, v_stg, v_modality)]
+        # the pipeline's audio_guidance_scale `or` guidance_scale: 0 means the video's
+        scales = (scale, terms.audio_guidance or scale)
+        out = []
+        for rows, cfg_scale in zip((slice(0, size), slice(size, None)), scales):
+            pred, uncond, stg, isolated = (p if p is None else p[:, rows] for p in passes)
+            guided = pred
+            if uncond is not None:
+                guided = guided + (cfg_scale - 1) * (pred - uncond)
+            if stg is not None:
+                guided = guided + terms.stg * (pred - stg)
+            if isolated is not None:
+                guided = guided + (terms.modality_guidance - 1) * (pred - isolated)
+            if terms.guidance_rescale > 0:
+                guided = rescale(guided, pred, terms.guidance_rescale)
+            out.append((x[:, rows] - guided) / t)
+        if layout.given:  # the pipeline steps the frames after the given one only
+            out[0][:, : math.prod(layout.grid[1:]) * layout.channels] = 0
+        return torch.cat(out, dim=1)
+
+
 class LTX2(Family):
     name, title = "ltx2", "LTX-2"
     pipeline_classes = ("LTX2Pipeline", "LTX2ImageToVideoPipeline")
@@ -169,6 +212,7 @@ class LTX2(Family):
     )
     # no alphas, as Lightricks' trainer writes them (diffusers' LTX-2 loader refuses them)
     names = Names(lora_formats=("diffusers", "comfyui"), lora_alphas=False)
+    guidance = PassGuidance()  # its passes, per stream in x0
     objective = LTX2Objective()  # a sigma per stream, the sum of their losses (models/ltx2/training.py)
 
     def check_pretrained(self, cfg) -> None:
@@ -452,17 +496,10 @@ class LTX2(Family):
         """The pipeline's sigmas (linspace(1, 1/steps), shifted by mu of the video token count, stretched to
         shift_terminal), shared by both streams; the transformer is told sigma (it scales it by 1000, as
         the scheduler's timesteps)."""
-        tokens = math.prod(self._layout(parts, latents).grid)
+        tokens = math.prod(sampling_layout(parts, latents).grid)
         levels = sigmas(steps, tokens, parts.scheduler_config).to(latents.device)
         return Schedule(levels, levels[:-1], euler(levels))
 
-    def _layout(self, parts: LTX2Parts, x) -> LTX2Layout:
-        """The layout noise() recorded, checked against the latents' size."""
-        if parts.layout is None or x.shape[1] != parts.layout.size:
-            raise ValueError(
-                f"{self.title}: latents of {tuple(x.shape)} are not the sampling's ({parts.layout})"
-            )
-        return parts.layout
 
     def walk(self, parts: LTX2Parts, schedule: Schedule, noise, velocity, progress=None):
         if parts.cache is not None:  # its velocity is several passes: the step cache's hooks do not fit
@@ -471,7 +508,7 @@ class LTX2(Family):
 
     def _run(self, parts: LTX2Parts, x, t, cond: LTX2Cond, **options):
         """One transformer pass on the flat latents -> the flat velocity in float32 (the pipeline's)."""
-        layout = self._layout(parts, x)
+        layout = sampling_layout(parts, x)
         t = t.to(x.device).expand(x.shape[0])
         if layout.given:  # the given frame's tokens at sigma 0 (the pipeline's per-token video timestep)
             given = torch.zeros(layout.grid, device=x.device)
@@ -519,41 +556,9 @@ class LTX2(Family):
     def guide_passes(self, parts: LTX2Parts, x, t, conditional, unconditional, scale: float):
         passes = dict(zip(self._conditional_passes(parts), conditional))
         others = self._stg_and_modality(parts, passes)
-        if not self.guided(scale):  # a step that does not guide: as `velocity` (never, at one scale a walk)
-            return self.guide(parts, x, t, passes["cond"], None, *others, 1.0)
-        return self.guide(parts, x, t, passes["cond"], unconditional[0], *others, scale)
-
-    def guide(self, parts: LTX2Parts, x, t, v_cond, v_uncond, v_stg, v_modality, scale: float, _parts=None):
-        """The pipeline's guidance, per stream in x0 = x - sigma v: the conditional x0 plus the CFG delta
-        (scale - 1)(cond - uncond) (the audio's at audio_guidance), the STG delta stg (cond - perturbed)
-        and the modality delta (modality - 1)(cond - isolated), in that order, then rescaled towards the
-        conditional x0's std (guidance_rescale > 0); back to a velocity. (`_parts`: what models/sampler.py
-        hands every family's guide last; LTX-2's `both` passes its parts first.)"""
-        terms, layout = parts.terms, self._layout(parts, x)
-        size = layout.video_size
-        x0 = lambda v: None if v is None else x - v * t  # noqa: E731  (t: the step's sigma)
-        passes = [x0(v) for v in (v_cond, v_uncond, v_stg, v_modality)]
-        # the pipeline's audio_guidance_scale `or` guidance_scale: 0 means the video's
-        scales = (scale, terms.audio_guidance or scale)
-        out = []
-        for rows, cfg_scale in zip((slice(0, size), slice(size, None)), scales):
-            pred, uncond, stg, isolated = (p if p is None else p[:, rows] for p in passes)
-            guided = pred
-            if uncond is not None:
-                guided = guided + (cfg_scale - 1) * (pred - uncond)
-            if stg is not None:
-                guided = guided + terms.stg * (pred - stg)
-            if isolated is not None:
-                guided = guided + (terms.modality_guidance - 1) * (pred - isolated)
-            if terms.guidance_rescale > 0:
-                guided = rescale(guided, pred, terms.guidance_rescale)
-            out.append((x[:, rows] - guided) / t)
-        if layout.given:  # the pipeline steps the frames after the given one only
-            out[0][:, : math.prod(layout.grid[1:]) * layout.channels] = 0
-        return torch.cat(out, dim=1)
-
-    def guided(self, scale: float) -> bool:
-        return scale > 1.0  # the pipeline's CFG (its audio-only CFG is refused: guidance_terms)
+        if not self.guidance.guided(scale):  # a step that does not guide: as `velocity` (never at one scale)
+            return self.guidance.guide(parts, x, t, passes["cond"], None, *others, 1.0)
+        return self.guidance.guide(parts, x, t, passes["cond"], unconditional[0], *others, scale)
 
     def velocity(self, parts: LTX2Parts, x, t, cond):
         """Without CFG: STG and modality guidance still apply, as in the pipeline."""
@@ -562,14 +567,14 @@ class LTX2(Family):
                 f"sample.audio_guidance={parts.terms.audio_guidance} without the video's CFG (guidance at "
                 "most 1): set sample.audio_guidance=1"
             )
-        return self.guide(*self.both(parts, x, t, cond, None), 1.0)
+        return self.guidance.guide(*self.both(parts, x, t, cond, None), 1.0)
 
     def decode(self, parts: LTX2Parts, latents) -> torch.Tensor:
         """The video (B, 3, T, H, W): the latents denormalised with the VAE's latents_mean, latents_std and
         scaling_factor, decoded one sample at a time. A timestep-conditioned VAE is told the pipeline's
         default decode_timestep 0, whose noise scale 0 leaves the latents as they are."""
         vae = parts.vae
-        video, _ = self._layout(parts, latents).split(latents)
+        video, _ = sampling_layout(parts, latents).split(latents)
         # the pipeline's cast to the text's dtype: the connectors' (precomputed latents free the text encoder)
         z = video.to(parts.connectors.dtype)
         view = (1, -1, 1, 1, 1)
@@ -584,7 +589,7 @@ class LTX2(Family):
         """(waveforms (B, channels, samples) float32, the vocoder's output_sampling_rate): the packed audio
         latents denormalised with the audio VAE's latents_mean / latents_std, decoded to a mel spectrogram,
         which the vocoder turns into sound; one sample at a time."""
-        layout, audio_vae = self._layout(parts, latents), parts.audio_vae
+        layout, audio_vae = sampling_layout(parts, latents), parts.audio_vae
         packed = latents[:, layout.video_size :].unflatten(1, (layout.audio_frames, -1))  # (B, L, C_a M)
         mean, std = (
             b.to(packed.device, packed.dtype) for b in (audio_vae.latents_mean, audio_vae.latents_std)

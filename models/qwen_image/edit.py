@@ -178,7 +178,7 @@ class QwenImageEdit(QwenImage):
         vision = (parts.image_processor, parts.vision_tokenizer, parts.text_encoder)
         count, encode = len(sampling.prompts), lambda p: encode_edit_prompt(p, small, *vision)  # noqa: E731
         cond, uncond = encode(sampling.prompts), None
-        if self.guided(sampling.guidance):
+        if self.guidance.guided(sampling.guidance):
             uncond = encode([sampling.negative_prompt] * count)
         tokens, grids = [], []
         device = next(parts.vae.parameters()).device

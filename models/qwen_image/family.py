@@ -6,6 +6,7 @@ resolution-dependent shift with Euler steps; true CFG with the per-token norm re
 import torch
 
 from models.family import Components, Family, config_of, part_folder, read_json
+from models.guidance import Guidance
 from models.loop import Schedule, euler, sigmas
 from models.names import Names
 from models.qwen_image.sampling import denormalize_latents, image_tokens, normalize_latents, true_cfg
@@ -30,6 +31,11 @@ RELEASE_SCHEDULER = dict(
 )
 
 
+class TrueCFG(Guidance):
+    def guide(self, v_cond, v_uncond, scale: float, parts=None):
+        return true_cfg(v_cond, v_uncond, scale)  # rescaled to the conditional velocity's norm
+
+
 class QwenImage(Family):
     name, title = "qwen_image", "Qwen-Image"
     pipeline_classes, transformer_classes = (PIPELINE_CLASS,), (TRANSFORMER_CLASS,)
@@ -37,6 +43,7 @@ class QwenImage(Family):
     vae_class, max_length = "AutoencoderKLQwenImage", 512
     lora_targets = ("blocks.*.attn.*", "blocks.*.img_mlp.*", "blocks.*.txt_mlp.*")
     conditioning = QwenImageCond
+    guidance = TrueCFG()
     # ComfyUI's LoRA keys: diffusers' under diffusion_model.; its single files: that prefix dropped, fp8
     # files refused
     names = Names(from_original=diffusers_state_dict_from_original, lora_formats=("diffusers", "comfyui"))
@@ -132,9 +139,6 @@ class QwenImage(Family):
     def schedule(self, parts: Components, steps: int, latents: torch.Tensor) -> Schedule:
         levels = sigmas(steps, image_tokens(*latents.shape[-2:]), parts.scheduler_config).to(latents.device)
         return Schedule(levels, levels[:-1], euler(levels))
-
-    def guide(self, v_cond, v_uncond, scale: float, parts=None):
-        return true_cfg(v_cond, v_uncond, scale)
 
     def decode(self, parts: Components, latents) -> torch.Tensor:
         z = denormalize_latents(latents.to(parts.vae.dtype), parts.vae.config)

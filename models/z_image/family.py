@@ -13,6 +13,7 @@ import torch
 
 from models.capabilities import Capabilities
 from models.family import Components, Family, config_of, part_folder, read_json
+from models.guidance import Guidance
 from models.loop import Schedule, euler, sigmas
 from models.names import Names, renamed
 from models.objective import Objective
@@ -55,6 +56,33 @@ class ZImageObjective(Objective):
         return model(x, 1 - sigma, cond)
 
 
+class ZImageGuidance(Guidance):
+    unguided = 0.0  # its pipeline guides at any scale above 0 (pos + g (pos - neg))
+
+    def at(self, parts, t, scale: float) -> float:
+        """0 (the prompt alone) at a step whose 1 - sigma (the model's t) exceeds sample.cfg_truncation."""
+        return 0.0 if float(t) > parts.cfg_truncation else scale
+
+    def guided(self, scale: float) -> bool:
+        return scale > 0.0
+
+    def guide(self, v_cond, v_uncond, scale: float, parts=None):
+        """Per sample, as the pipeline: pos + g (pos - neg), its norm capped at cfg_normalization times
+        pos's (0: not capped); the prompt alone where the step does not guide."""
+        if not self.guided(scale):
+            return v_cond
+        factor = parts.cfg_normalization if parts is not None else 0.0
+        out = []
+        for pos, neg in zip(v_cond.float(), v_uncond.float()):
+            pred = pos + scale * (pos - neg)
+            if factor > 0.0:
+                cap = torch.linalg.vector_norm(pos) * factor
+                norm = torch.linalg.vector_norm(pred)
+                pred = pred * (cap / norm) if norm > cap else pred
+            out.append(pred)
+        return torch.stack(out)
+
+
 class ZImage(Family):
     name, title = "z_image", "Z-Image"
     pipeline_classes, transformer_classes = (PIPELINE_CLASS,), (TRANSFORMER_CLASS,)
@@ -78,7 +106,7 @@ class ZImage(Family):
         original_from_diffusers,
         lora_formats=("diffusers", "comfyui"),
     )
-    unguided = 0.0  # its pipeline guides at any scale above 0 (pos + g (pos - neg))
+    guidance = ZImageGuidance()  # above 0, normalised, truncated
 
     def heads(self, cfg) -> int | None:
         return self.transformer_config(cfg).get("n_heads", 30)
@@ -180,29 +208,6 @@ class ZImage(Family):
         tokens = (latents.shape[-2] // 2) * (latents.shape[-1] // 2)
         levels = sigmas(steps, tokens, parts.scheduler_config, start).to(latents.device)
         return Schedule(levels, (1000 - levels[:-1] * 1000) / 1000, euler(levels))
-
-    def guidance_at(self, parts: ZImageParts, t, scale: float) -> float:
-        """0 (the prompt alone) at a step whose 1 - sigma (the model's t) exceeds sample.cfg_truncation."""
-        return 0.0 if float(t) > parts.cfg_truncation else scale
-
-    def guided(self, scale: float) -> bool:
-        return scale > 0.0
-
-    def guide(self, v_cond, v_uncond, scale: float, parts: ZImageParts | None = None):
-        """Per sample, as the pipeline: pos + g (pos - neg), its norm capped at cfg_normalization times
-        pos's (0: not capped); the prompt alone where the step does not guide."""
-        if not self.guided(scale):
-            return v_cond
-        factor = parts.cfg_normalization if parts is not None else 0.0
-        out = []
-        for pos, neg in zip(v_cond.float(), v_uncond.float()):
-            pred = pos + scale * (pos - neg)
-            if factor > 0.0:
-                cap = torch.linalg.vector_norm(pos) * factor
-                norm = torch.linalg.vector_norm(pred)
-                pred = pred * (cap / norm) if norm > cap else pred
-            out.append(pred)
-        return torch.stack(out)
 
     def decode(self, parts: Components, latents) -> torch.Tensor:
         config = parts.vae.config

@@ -58,7 +58,7 @@ def family_denoiser(groups: SamplingGroups):
         def velocity(x, t):
             passes = family.branch_passes(parts, x, t, mine, conditional)
             both = both_branches(passes, groups)
-            return family.guide_passes(parts, x, t, *both, family.guidance_at(parts, t, scale))
+            return family.guide_passes(parts, x, t, *both, family.guidance.at(parts, t, scale))
 
         return family.walk(parts, schedule, noise, velocity, progress)
 

@@ -224,7 +224,7 @@ class PipeFusion:
             return v[0]
         if len(v) == 1:  # cfg=2: the other branch from the other pipeline's last stage
             v = both_branches(v[0], self.groups)
-        return run.family.guide(v[0], v[1], run.guidance, run.parts)
+        return run.family.guidance.guide(v[0], v[1], run.guidance, run.parts)
 
     def _patch(self, run, item, latent=None):
         """The strip rows of `item`'s tokens: of run.x, or of `latent` (shaped alike)."""

@@ -66,7 +66,7 @@ def distilled_recipe(cfg, family):
     OmegaConf.set_readonly(out, False)
     if out.distill.guidance is None:
         out.distill.guidance = out.sample.guidance
-    out.sample.steps, out.sample.guidance = out.distill.steps, family.unguided
+    out.sample.steps, out.sample.guidance = out.distill.steps, family.guidance.unguided
     OmegaConf.set_readonly(out, True)
     return out
 
@@ -247,8 +247,8 @@ def generator_loss(d: Distiller, run, model, sample, cond, uncond, rngs, shift: 
         x = noised(sample.detach(), eps, sigma)
         with d.net(model, "teacher") as teacher:
             v_real = velocity(teacher, x, cond)
-            if family.guided(d.guidance):
-                v_real = family.guide(v_real, velocity(teacher, x, uncond), d.guidance, parts)
+            if family.guidance.guided(d.guidance):
+                v_real = family.guidance.guide(v_real, velocity(teacher, x, uncond), d.guidance, parts)
         if d.teacher is not None:  # no backward reshards a frozen copy: FSDP2 keeps its last block gathered
             reshard_all(d.teacher)
         with d.net(model, "critic") as critic:

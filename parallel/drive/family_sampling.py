@@ -116,7 +116,7 @@ def sampling_layout(cfg, family, request) -> tuple[ParallelLayout, int, str]:
         local_world_size(),
         # first_block needs every block on one stage: a depth of 1 keeps parallel.auto from PipeFusion
         depth=1 if cfg.sample.cache == "first_block" else len(transformer.blocks),
-        guided=family.guided(request.guidance),
+        guided=family.guidance.guided(request.guidance),
         slow_links=slow_links,
         tokens=grid[0] * grid[1] * grid[2],
         takes=takes,
@@ -235,7 +235,7 @@ def load_sampling(cfg, runtime, family, request, weights: Weights, loras, patche
     with reading_weights(f"{family.title}'s parts (model.pretrained={cfg.model.pretrained})"):
         parts = family.load(cfg, runtime.device, dtype, transformer=False)
     if family.loading.texts_first:  # its text encoder gone before the transformer comes
-        negative = request.negative_prompt if family.guided(request.guidance) else None
+        negative = request.negative_prompt if family.guidance.guided(request.guidance) else None
         mine = [request.prompts[i] for i in layout.replica_share(runtime.rank, len(request.prompts))]
         family.encode_first(parts, mine, negative, cfg.text_encoder.max_length)
     model = sampling_transformer(cfg, runtime, family, weights, loras, group=runtime.control_group)

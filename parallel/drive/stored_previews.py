@@ -37,7 +37,7 @@ def preview_identity(cfg, family: Family, sampling: Sampling, dtype: torch.dtype
     """What the previews' conditionings depend on: the family, its text encoder (text_encoder.*, or
     model.pretrained's), the prompts, the negative prompt where the scale guides, the scale, the size, the
     reference images, the frame rates and the dtype."""
-    guided = family.guided(sampling.guidance)
+    guided = family.guidance.guided(sampling.guidance)
     identity = {
         "family": family.name,
         "text_encoder": OmegaConf.to_container(cfg.text_encoder, resolve=True),  # its folder, kind, length
