@@ -143,7 +143,7 @@ FIRST_BLOCK = (
 PASSES = "its velocity is up to four passes a step (STG, modality isolation), which the replay does not fit"
 
 
-def sampling_layout(parts, x) -> LTX2Layout:
+def recorded_layout(parts, x) -> LTX2Layout:
     """The layout noise() recorded, checked against the latents' size."""
     if parts.layout is None or x.shape[1] != parts.layout.size:
         raise ValueError(f"LTX-2: latents of {tuple(x.shape)} are not the sampling's ({parts.layout})")
@@ -161,7 +161,7 @@ class PassGuidance(Guidance):
         and the modality delta (modality - 1)(cond - isolated), in that order, then rescaled towards the
         conditional x0's std (guidance_rescale > 0); back to a velocity. (`_parts`: what models/sampler.py
         hands every family's guide last; LTX-2's `both` passes its parts first.)"""
-        terms, layout = parts.terms, sampling_layout(parts, x)
+        terms, layout = parts.terms, recorded_layout(parts, x)
         size = layout.video_size
         x0 = lambda v: None if v is None else x - v * t  # noqa: E731  (t: the step's sigma)
         passes = [x0(v) for v in (v_cond, v_uncond, v_stg, v_modality)]
@@ -496,10 +496,9 @@ class LTX2(Family):
         """The pipeline's sigmas (linspace(1, 1/steps), shifted by mu of the video token count, stretched to
         shift_terminal), shared by both streams; the transformer is told sigma (it scales it by 1000, as
         the scheduler's timesteps)."""
-        tokens = math.prod(sampling_layout(parts, latents).grid)
+        tokens = math.prod(recorded_layout(parts, latents).grid)
         levels = sigmas(steps, tokens, parts.scheduler_config).to(latents.device)
         return Schedule(levels, levels[:-1], euler(levels))
-
 
     def walk(self, parts: LTX2Parts, schedule: Schedule, noise, velocity, progress=None):
         if parts.cache is not None:  # its velocity is several passes: the step cache's hooks do not fit
@@ -508,7 +507,7 @@ class LTX2(Family):
 
     def _run(self, parts: LTX2Parts, x, t, cond: LTX2Cond, **options):
         """One transformer pass on the flat latents -> the flat velocity in float32 (the pipeline's)."""
-        layout = sampling_layout(parts, x)
+        layout = recorded_layout(parts, x)
         t = t.to(x.device).expand(x.shape[0])
         if layout.given:  # the given frame's tokens at sigma 0 (the pipeline's per-token video timestep)
             given = torch.zeros(layout.grid, device=x.device)
@@ -556,7 +555,8 @@ class LTX2(Family):
     def guide_passes(self, parts: LTX2Parts, x, t, conditional, unconditional, scale: float):
         passes = dict(zip(self._conditional_passes(parts), conditional))
         others = self._stg_and_modality(parts, passes)
-        if not self.guidance.guided(scale):  # a step that does not guide: as `velocity` (never at one scale)
+        # a step that does not guide: as `velocity` (never, at one scale a walk)
+        if not self.guidance.guided(scale):
             return self.guidance.guide(parts, x, t, passes["cond"], None, *others, 1.0)
         return self.guidance.guide(parts, x, t, passes["cond"], unconditional[0], *others, scale)
 
@@ -574,7 +574,7 @@ class LTX2(Family):
         scaling_factor, decoded one sample at a time. A timestep-conditioned VAE is told the pipeline's
         default decode_timestep 0, whose noise scale 0 leaves the latents as they are."""
         vae = parts.vae
-        video, _ = sampling_layout(parts, latents).split(latents)
+        video, _ = recorded_layout(parts, latents).split(latents)
         # the pipeline's cast to the text's dtype: the connectors' (precomputed latents free the text encoder)
         z = video.to(parts.connectors.dtype)
         view = (1, -1, 1, 1, 1)
@@ -589,7 +589,7 @@ class LTX2(Family):
         """(waveforms (B, channels, samples) float32, the vocoder's output_sampling_rate): the packed audio
         latents denormalised with the audio VAE's latents_mean / latents_std, decoded to a mel spectrogram,
         which the vocoder turns into sound; one sample at a time."""
-        layout, audio_vae = sampling_layout(parts, latents), parts.audio_vae
+        layout, audio_vae = recorded_layout(parts, latents), parts.audio_vae
         packed = latents[:, layout.video_size :].unflatten(1, (layout.audio_frames, -1))  # (B, L, C_a M)
         mean, std = (
             b.to(packed.device, packed.dtype) for b in (audio_vae.latents_mean, audio_vae.latents_std)
