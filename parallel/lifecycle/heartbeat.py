@@ -52,6 +52,22 @@ class HeartbeatChannel:
         except Exception:
             return reason
 
+    def outlast_peers(self, wait_s: float) -> None:
+        """Where rank 0 hosts the store (no torchrun agent runs it: srun), it leaves last: it waits, at most
+        `wait_s`, until every other rank has published that it leaves, so that none finds the store gone
+        while it ends (its next beat would name a lost store, and fail a run that succeeded)."""
+        if self.store is None or self.rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            return
+        deadline = time.monotonic() + wait_s
+        try:
+            while time.monotonic() < deadline:
+                states = [b.get("state") for r, b in self._read_all().items() if r != self.rank]
+                if len(states) == self.world_size - 1 and "running" not in states:
+                    return
+                time.sleep(0.02)
+        except Exception:  # the store answers no more: nothing to outlast
+            return
+
     def peers_stopped(self) -> bool:
         """Whether another rank left on a stop signal (its state `stopped`): a collective that fails then is
         a user's stop reaching the ranks at different moments, not a failure."""

@@ -165,6 +165,8 @@ class Watchdog(HeartbeatChannel):
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.interval + 1)
         self._publish_quietly()  # the store may be gone (its host lost): leaving must not raise
+        if state == "finished" and not self._exiting:  # a run that ended well: its store stays for the others
+            self.outlast_peers(min(self.deadlines.silence_s, 10.0))
 
     def leave(self, state: str) -> None:
         """This rank is about to exit on a verdict: publish it, so no other rank takes its silence for a
