@@ -103,8 +103,3 @@ def expert_timesteps(expert: str, boundary) -> tuple[float, float]:
     """The timesteps a Wan 2.2 expert samples, as diffusers switches them: the high-noise expert at
     t >= boundary, the low-noise one below; every one without an expert (model.expert=none)."""
     return {"none": (0.0, 1.0), "high": (boundary, 1.0), "low": (0.0, boundary)}[expert]
-
-
-def guide(v_cond, v_uncond, guidance: float):
-    """Classifier-free guidance: the unconditional velocity moved `guidance` times towards the conditional."""
-    return v_uncond + guidance * (v_cond - v_uncond)
