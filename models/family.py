@@ -1,14 +1,14 @@
 """Model families (DESIGN.md, Model families): what differs between models is declared by one object
 per family, in models/<family>/, and read through this interface, so that code above models/ asks the
 family instead of branching on its name. A family says which folders it recognises, how it loads its
-transformer, text encoder and VAE, how it encodes a prompt, draws noise, schedules and solves the
-steps, guides, and decodes. models/sampler.py runs the one sampling loop over these pieces.
+transformer, text encoder and VAE, how it encodes a prompt; its declared parts say how it loads
+(models/loading.py), trains (objective.py), guides (guidance.py) and samples: noise, schedule, steps and
+decoding (steps.py). models/sampler.py runs the one sampling loop over these pieces.
 
 `dit` is tessera's own DiT, which reads Wan 2.1 / 2.2 folders (models/dit/family.py): it samples, trains
 and exports through these hooks as the others do.
 """
 
-import contextlib
 import json
 import re
 from dataclasses import dataclass, field, fields, replace
@@ -19,9 +19,9 @@ import torch
 from models.capabilities import Capabilities
 from models.guidance import Guidance
 from models.loading import Loading
-from models.loop import Schedule
 from models.names import Names
 from models.objective import Objective
+from models.steps import Steps
 from models.weight_files import LazyWeights, check_safetensors, check_weight_names
 
 # the manifest key of an edit pair's input images (Qwen-Image-Edit's training reads them: given_frames)
@@ -58,6 +58,7 @@ class Family:
     loading = Loading()  # where its parts come from and the order they load in (models/loading.py)
     objective = Objective()  # how it trains: noise, loss, velocity, distillation (models/objective.py)
     guidance = Guidance()  # whether a scale guides, a step's scale, the rule (models/guidance.py)
+    steps = Steps()  # noise, schedule, walk, a step's velocity, patch pieces, decoding (models/steps.py)
     # its transformer takes the guidance scale as an input (FLUX.2 dev, guidance-distilled): no CFG batch and
     # no negative prompt; its training gives it train.guidance (None: `training_guidance`)
     guidance_embedded, training_guidance = False, None
@@ -551,70 +552,6 @@ class Family:
         """A batch's conditioning from stored samples, as `encode` gives it for their prompts: the text
         zero-padded to the longest, masked (None when nothing is padded)."""
         return self.conditioning(*padded([s["text"] for s in stored]))
-
-    def noise(self, parts: Components, seeds: list, frames: int, height: int, width: int) -> torch.Tensor:
-        raise NotImplementedError
-
-    def schedule(self, parts: Components, steps: int, latents: torch.Tensor) -> Schedule:
-        raise NotImplementedError
-
-    def context(self, parts: Components):
-        """The context the schedule is walked in (tessera's DiT: its autocast)."""
-        return contextlib.nullcontext()
-
-    def walk(self, parts: Components, schedule: Schedule, noise, velocity, progress=None):
-        """The latents at the schedule's end: models/loop.py's loop behind the step cache (parts.cache)."""
-        from models.step_cache import walk_cached
-
-        return walk_cached(parts.cache, schedule, noise, velocity, progress)[0]
-
-    def velocity(self, parts: Components, x, t, cond):
-        return self.prediction(self.outputs(parts, x, t, cond)[0])
-
-    def both(self, parts: Components, x, t, cond, uncond) -> tuple:
-        """(conditional, unconditional) velocities on one process (a family may run them as one batch)."""
-        return tuple(self.prediction(v) for v in self.outputs(parts, x, t, cond, uncond))
-
-    def branch_passes(self, parts: Components, x, t, cond, conditional: bool) -> torch.Tensor:
-        """CFG parallelism's share of a step (parallel/compute/cfg.py): the passes of one guidance branch,
-        stacked (P, ...), P alike on both branches; `guide_passes` takes both back. Its velocity."""
-        return self.velocity(parts, x, t, cond)[None]
-
-    def guide_passes(self, parts: Components, x, t, conditional, unconditional, scale: float):
-        """The guided velocity from both branches' `branch_passes`."""
-        return self.guidance.guide(conditional[0], unconditional[0], scale, parts)
-
-    def outputs(self, parts: Components, x, t, *conds) -> list:
-        """The transformer's output for each conditioning, one call each; with sample.cache=first_block
-        through models/step_cache.py FirstBlockFamily, which decides for all of them at once."""
-        from models.step_cache import FirstBlockFamily
-
-        t, cache = t.to(x.device).expand(x.shape[0]), parts.cache
-        if cache is not None and cache.method == "first_block":
-            return FirstBlockFamily(self.patch_pieces(parts, conds[0]), cache)(x, t, *conds)
-        return [parts.transformer(x, t, cond) for cond in conds]
-
-    def patch_pieces(self, parts: Components, cond=None):
-        """The transformer's patch pieces (embed, patch_context, companion, patch_blocks, patch_final,
-        unpatchify) as this sampling of `cond` (any branch's conditioning: what the embedding reads is
-        alike in each) calls them: PipeFusion's (parallel/compute/pipefusion.py), the first-block cache's."""
-        return parts.transformer
-
-    def prediction(self, v):
-        """The transformer's output as the family's solver and guidance take it (its pipeline's dtype)."""
-        return v
-
-    def finish(self, parts: Components, latents):
-        """The denoised latents as they are decoded (Wan2.2 TI2V puts its given first frame back)."""
-        return latents
-
-    def decode(self, parts: Components, latents) -> torch.Tensor:
-        raise NotImplementedError
-
-    def decode_audio(self, parts: Components, latents) -> tuple | None:
-        """(waveforms (B, channels, samples) float32 in [-1, 1], sample rate) of a family that samples sound
-        with its video (LTX-2), else None."""
-        return None
 
 
 class FamilyWeights(LazyWeights):

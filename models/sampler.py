@@ -42,15 +42,16 @@ def guided_velocity(family: Family, parts: Components, cond, uncond, scale: floa
     def velocity(x, t):
         step_scale = family.guidance.at(parts, t, scale)
         if uncond is None or not family.guidance.guided(step_scale):
-            return family.velocity(parts, x, t, cond)
-        return family.guidance.guide(*family.both(parts, x, t, cond, uncond), step_scale, parts)
+            return family.steps.velocity(parts, x, t, cond)
+        return family.steps.guided(family.guidance, parts, x, t, cond, uncond, step_scale)
 
     return velocity
 
 
 def serial_denoise(family: Family, parts: Components, schedule, noise, cond, uncond, scale: float, progress):
     """The latents at the schedule's end, on this process: the family's loop, both branches here."""
-    return family.walk(parts, schedule, noise, guided_velocity(family, parts, cond, uncond, scale), progress)
+    velocity = guided_velocity(family, parts, cond, uncond, scale)
+    return family.steps.walk(parts, schedule, noise, velocity, progress)
 
 
 @torch.no_grad()
@@ -67,29 +68,31 @@ def generate_images(
 ) -> np.ndarray:
     """Images (B, frames, height, width, 3) float32 in [0, 1] of `sampling`'s prompts.
     `denoise_with(family, parts, schedule, noise, cond, uncond, scale, progress)` walks the schedule
-    (serial_denoise's signature); `decode(latents)` replaces family.decode (parallel/compute/vae.py's, which
-    shares the tiles among ranks). `sound`: a list that receives (waveforms (B, channels, samples) float32
-    numpy, sample rate) of a family that samples sound (Family.decode_audio). A sample with NaN or inf in
-    its latents or its decoded images raises NonFiniteVideo (after decoding the others, which it carries)."""
+    (serial_denoise's signature); `decode(latents)` replaces family.steps.decode (parallel/compute/vae.py's,
+    which shares the tiles among ranks). `sound`: a list that receives (waveforms (B, channels, samples)
+    float32 numpy, sample rate) of a family that samples sound (Steps.decode_audio). A sample with NaN or
+    inf in its latents or its decoded images raises NonFiniteVideo (after decoding the others, which it
+    carries)."""
     prompts, guidance = sampling.prompts, sampling.guidance
     if conditioning is not None:  # (cond, uncond) of these prompts, encoded before (training's previews)
         cond, uncond = conditioning
     else:
         cond, uncond = family.conditionings(parts, sampling)
     device = device or next(parts.transformer.parameters()).device  # a host-held (offloaded) model: given
-    noise = family.noise(parts, sampling.seeds, *sampling.size).to(device)
-    schedule = family.schedule(parts, sampling.steps, noise)
-    with family.context(parts):
+    noise = family.steps.noise(parts, sampling.seeds, *sampling.size).to(device)
+    schedule = family.steps.schedule(parts, sampling.steps, noise)
+    with family.steps.context(parts):
         latents = denoise_with(family, parts, schedule, noise, cond, uncond, guidance, progress)
-    latents = family.finish(parts, latents)
+    latents = family.steps.finish(parts, latents)
     # Checked before the clamp, which would turn inf into a plausible white. The latents (and so the
     # decoded images) are the same on every rank that shares them: each reaches the same verdict.
     bad = {i: "the denoised latents" for i in nonfinite_samples(latents)}
     if len(bad) == len(prompts):  # nothing worth decoding
         raise NonFiniteVideo(bad, None)
-    images = family.decode(parts, latents) if decode is None else decode(latents)  # (B, 3, T, H, W), [-1, 1]
+    # (B, 3, T, H, W) in [-1, 1]
+    images = family.steps.decode(parts, latents) if decode is None else decode(latents)
     bad.update({i: "the decoded video" for i in nonfinite_samples(images) if i not in bad})
-    audio = family.decode_audio(parts, latents) if sound is not None else None
+    audio = family.steps.decode_audio(parts, latents) if sound is not None else None
     if audio is not None:
         bad.update({i: "the decoded sound" for i in nonfinite_samples(audio[0]) if i not in bad})
         sound.append((audio[0].float().cpu().numpy(), audio[1]))

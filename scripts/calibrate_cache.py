@@ -50,7 +50,7 @@ def record_velocities(cfg, args, overrides, prompts: list, steps: int, session=N
                 steps.append(v.float().cpu())
                 return v
 
-            return family.walk(parts, schedule, noise, velocity, progress)
+            return family.steps.walk(parts, schedule, noise, velocity, progress)
 
         return walk
 

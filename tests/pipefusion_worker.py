@@ -190,11 +190,11 @@ def own_schedule():
     def schedule(parts, steps, latents):
         return parts.flow.schedule(parts.flow.sigmas(latents, steps).sqrt())
 
-    family.schedule = schedule
+    family.steps.schedule = schedule
     try:
         yield
     finally:
-        del family.schedule  # the class's again
+        del family.steps.schedule  # the class's again
 
 
 def report(name, error, bound=None):

@@ -1138,7 +1138,7 @@ def sequential_pipefusion(patches: int, warmup: int, cache=None):
     step's values for the patches done, the last step's for the others), both guidance branches, the
     solver's step on the patch's rows. What a layer sees depends on the order of the items alone, not on
     the number of stages: the reference for PipeFusion's processes. The transformer's pieces are the
-    family's (Family.patch_pieces: an image condition's embedding). `cache`: sample.cache=calibrated's,
+    family's (Steps.patch_pieces: an image condition's embedding). `cache`: sample.cache=calibrated's,
     whose skipped steps reuse the patch's velocity, scaled."""
     from dataclasses import replace
 
@@ -1148,7 +1148,7 @@ def sequential_pipefusion(patches: int, warmup: int, cache=None):
 
     def denoise_with(family, parts, schedule, noise, cond, uncond, scale, progress):
         model = keep_blocks(copy.deepcopy(parts.transformer), 0, 1)
-        pieces = family.patch_pieces(replace(parts, transformer=model), cond)
+        pieces = family.steps.patch_pieces(replace(parts, transformer=model), cond)
         grid = pieces.embed(noise)[1]
         (frames, h, w) = grid
         state = PatchState(frames * h * w)  # PipeFusion's operators only
@@ -1174,7 +1174,7 @@ def sequential_pipefusion(patches: int, warmup: int, cache=None):
                         model.stage_range, tokens, pieces.companion(ctx), ctx, grid, a, b
                     )
                     out = pieces.unpatchify(pieces.patch_final(tokens, ctx, a, b), (1, (b - a) // w, w))
-                    v.append(family.prediction(out))
+                    v.append(family.steps.prediction(out))
                 v = v[0] if len(v) == 1 else family.guidance.guide(v[0], v[1], scale, parts)
                 rows = slice(a // w * r, b // w * r)
                 new = x[:, :, :, rows]

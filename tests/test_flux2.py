@@ -218,7 +218,7 @@ def test_schedule_matches_the_scheduler(steps, tokens):
 
     latents = torch.zeros(1, 16, 1, 1, tokens)
     assert empirical_mu(tokens, steps) == mu
-    assert torch.equal(Flux2().schedule(Parts, steps, latents).sigmas, scheduler.sigmas)
+    assert torch.equal(Flux2().steps.schedule(Parts, steps, latents).sigmas, scheduler.sigmas)
 
 
 @torch.no_grad()

@@ -129,7 +129,7 @@ def test_encode_sound_matches_the_vae_and_decode_audio_inverts_it(audio_vae):
     )
     parts = LTX2Parts(None, None, None, None, audio_vae=spy, vocoder=Vocoder(), layout=layout)
     flat = layout.join(torch.zeros(batch, 1, 1, 1, 1), ours)
-    LTX2().decode_audio(parts, flat)
+    LTX2().steps.decode_audio(parts, flat)
     back = torch.cat(seen)
     inverse = (back - own_mode).abs().max().item()  # the mode of log_mel's mel: the round trip alone
     print(

@@ -143,7 +143,7 @@ def test_schedule_matches_the_scheduler(config, steps):
     class Parts:
         scheduler_config = dict(scheduler.config)
 
-    schedule = ZImage().schedule(Parts, steps, latents)
+    schedule = ZImage().steps.schedule(Parts, steps, latents)
     assert torch.equal(schedule.sigmas, scheduler.sigmas)
     assert torch.equal(schedule.timesteps, (1000 - scheduler.timesteps) / 1000)
 

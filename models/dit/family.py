@@ -25,6 +25,7 @@ from models.loop import Schedule
 from models.names import Names
 from models.objective import Objective
 from models.step_cache import FirstBlockFamily
+from models.steps import Steps
 
 
 @dataclass
@@ -43,7 +44,7 @@ class DiTText:
 class Experts:
     """Wan 2.2 A14B's second expert: `low` samples the steps below the boundary at guidance_2, the first
     one the others; only the sampling one is on the device (14B each): they swap at the boundary, and back
-    when the next sampling starts (DiTFamily.context)."""
+    when the next sampling starts (DiTSteps.context)."""
 
     low: torch.nn.Module
     boundary: float
@@ -135,38 +136,9 @@ class DiTGuidance(Guidance):
         return scale if experts is None or experts.high_noise(t) else experts.guidance_2
 
 
-class DiTFamily(Family):
-    name, title = "dit", "tessera's DiT (Wan 2.1 / 2.2)"
-    pipeline_classes = ("WanPipeline", "WanImageToVideoPipeline")
-    transformer_classes = ("WanTransformer3DModel", "WanModel")  # diffusers', Wan-AI's own config.json
-    conditioning = DiTText
-    objective = DiTObjective()  # under image-to-video's condition
-    guidance = DiTGuidance()
-    # Wan's names; a DiT without Wan's architecture: tessera's own (projections)
-    names = Names(lora_formats=("diffusers", "comfyui"))
-    # Wan 2.2 A14B's high- and low-noise experts (model.expert); the tasks of Wan's releases
-    # masks_through_kernel: its self-attention takes SDPA with a mask where keys are padded
-    capabilities = Capabilities(
-        tasks=("t2v", "i2v", "flf2v", "ti2v"), expert_pair=True, masks_through_kernel=False
-    )
-
-    def meta_transformer(self, cfg):
-        return meta_dit(cfg)
-
-    def projections(self, model) -> tuple[dict, dict]:
-        """Wan's names when the DiT has Wan's architecture options, tessera's own otherwise."""
-        from models.lora_formats import model_projections
-
-        return model_projections(model)
-
-    def geometry(self, cfg) -> tuple:
-        """Its VAE's latent space (recipe's vae.*) and model.patch_size."""
-        from models.vae import vae_latent_space
-
-        return vae_latent_space(cfg.vae), tuple(cfg.model.patch_size)
-
-    def encode(self, parts: DiTParts, prompts: list, max_length: int, negative: bool = False) -> DiTText:
-        return DiTText(*parts.text_encoder(prompts, parts.device))
+class DiTSteps(Steps):
+    """tessera's DiT's: its flow's schedule and walk, Wan 2.2's experts, the image condition on every call,
+    both branches as one batch, the decoding in tiles."""
 
     def noise(self, parts: DiTParts, seeds: list, frames: int, height: int, width: int) -> torch.Tensor:
         shape = parts.vae.latent_shape(frames, height, width, parts.flow.patch_size)
@@ -233,6 +205,51 @@ class DiTFamily(Family):
         text, mask = torch.cat([cond.text, uncond.text]), torch.cat([cond.text_mask, uncond.text_mask])
         v = self.conditioned(parts, t)(torch.cat([x, x]), t.expand(text.shape[0]), text, mask)
         return v.chunk(2)
+
+    def finish(self, parts: DiTParts, latents):
+        condition = parts.condition
+        if condition is not None and condition.first_frame:  # TI2V: the given frame's latent, as diffusers
+            latents = torch.cat([condition.latent.to(latents.dtype), latents[:, :, 1:]], dim=2)
+        return latents
+
+    def decode(self, parts: DiTParts, latents) -> torch.Tensor:
+        """In the recipe's tiles (vae.tile_latent, vae.tile_overlap), on this device."""
+        return tiling.decode(parts.vae, latents.float(), parts.vae.tile_latent, parts.vae.tile_overlap)
+
+
+class DiTFamily(Family):
+    name, title = "dit", "tessera's DiT (Wan 2.1 / 2.2)"
+    steps = DiTSteps()
+    pipeline_classes = ("WanPipeline", "WanImageToVideoPipeline")
+    transformer_classes = ("WanTransformer3DModel", "WanModel")  # diffusers', Wan-AI's own config.json
+    conditioning = DiTText
+    objective = DiTObjective()  # under image-to-video's condition
+    guidance = DiTGuidance()
+    # Wan's names; a DiT without Wan's architecture: tessera's own (projections)
+    names = Names(lora_formats=("diffusers", "comfyui"))
+    # Wan 2.2 A14B's high- and low-noise experts (model.expert); the tasks of Wan's releases
+    # masks_through_kernel: its self-attention takes SDPA with a mask where keys are padded
+    capabilities = Capabilities(
+        tasks=("t2v", "i2v", "flf2v", "ti2v"), expert_pair=True, masks_through_kernel=False
+    )
+
+    def meta_transformer(self, cfg):
+        return meta_dit(cfg)
+
+    def projections(self, model) -> tuple[dict, dict]:
+        """Wan's names when the DiT has Wan's architecture options, tessera's own otherwise."""
+        from models.lora_formats import model_projections
+
+        return model_projections(model)
+
+    def geometry(self, cfg) -> tuple:
+        """Its VAE's latent space (recipe's vae.*) and model.patch_size."""
+        from models.vae import vae_latent_space
+
+        return vae_latent_space(cfg.vae), tuple(cfg.model.patch_size)
+
+    def encode(self, parts: DiTParts, prompts: list, max_length: int, negative: bool = False) -> DiTText:
+        return DiTText(*parts.text_encoder(prompts, parts.device))
 
     def takes_images(self, cfg) -> bool:
         return cfg.model.task != "t2v"
@@ -313,16 +330,6 @@ class DiTFamily(Family):
 
     def pair_experts(self, parts: DiTParts, low, boundary: float, guidance_2: float) -> None:
         parts.experts = Experts(low, boundary, guidance_2)
-
-    def finish(self, parts: DiTParts, latents):
-        condition = parts.condition
-        if condition is not None and condition.first_frame:  # TI2V: the given frame's latent, as diffusers
-            latents = torch.cat([condition.latent.to(latents.dtype), latents[:, :, 1:]], dim=2)
-        return latents
-
-    def decode(self, parts: DiTParts, latents) -> torch.Tensor:
-        """In the recipe's tiles (vae.tile_latent, vae.tile_overlap), on this device."""
-        return tiling.decode(parts.vae, latents.float(), parts.vae.tile_latent, parts.vae.tile_overlap)
 
     # -- training (train.py through parallel/drive/family_training.py, as every family)
     # --------------------------

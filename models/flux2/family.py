@@ -33,6 +33,7 @@ from models.loading import Loading
 from models.loop import Schedule, euler, sigmas
 from models.names import Names
 from models.objective import Objective
+from models.steps import Steps
 
 
 def empirical_mu(tokens: int, steps: int) -> float:
@@ -85,8 +86,36 @@ def flux2_to_diffusers(state: dict) -> dict:
     return to_diffusers(state, blocks_before(state, r"^blocks\.(\d+)\.ff_context\."))
 
 
+class Flux2Steps(Steps):
+    """Its pipeline's packed noise, schedule and decoding (dev and klein alike)."""
+
+    def noise(self, parts: Components, seeds: list, frames: int, height: int, width: int) -> torch.Tensor:
+        """What the pipeline draws from a generator seeded with seed, in the model's dtype: (128, 1, h, w)."""
+        scale = pixels_per_token(parts.vae.config)
+        shape = (parts.transformer.in_channels, 1, height // scale, width // scale)
+        dtype = parts.transformer.x_embedder.weight.dtype
+        draw = lambda s: torch.randn(shape, generator=torch.Generator().manual_seed(s), dtype=dtype)  # noqa: E731
+        return torch.stack([draw(s) for s in seeds])
+
+    def schedule(self, parts: Components, steps: int, latents: torch.Tensor) -> Schedule:
+        tokens = latents.shape[-2] * latents.shape[-1]
+        levels = sigmas(steps, tokens, parts.scheduler_config, mu=empirical_mu(tokens, steps)).to(
+            latents.device
+        )
+        return Schedule(levels, levels[:-1], euler(levels))
+
+    def decode(self, parts: Components, latents) -> torch.Tensor:
+        z = latents[:, :, 0].to(parts.vae.dtype)
+        mean, std = batch_norm_stats(parts.vae, z)
+        z = z * std + mean
+        B, C, h, w = z.shape
+        z = z.reshape(B, C // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(B, C // 4, h * 2, w * 2)
+        return parts.vae.decode(z, return_dict=False)[0].unsqueeze(2)
+
+
 class Flux2(Family):
     name, title = "flux2", "FLUX.2"
+    steps = Flux2Steps()
     pipeline_classes, transformer_classes = PIPELINE_CLASSES, (TRANSFORMER_CLASS,)
     # one of ulysses and ring (joint attention); PipeFusion and the first-block cache through the
     # transformer's patch pieces, the reference images' tokens beside each patch (as the text)
@@ -271,29 +300,6 @@ class Flux2(Family):
         z = z.view(B, C, H // 2, 2, W // 2, 2).permute(0, 1, 3, 5, 2, 4).reshape(B, C * 4, H // 2, W // 2)
         mean, std = batch_norm_stats(parts.vae, z)
         return ((z - mean) / std).float().unsqueeze(2)
-
-    def noise(self, parts: Components, seeds: list, frames: int, height: int, width: int) -> torch.Tensor:
-        """What the pipeline draws from a generator seeded with seed, in the model's dtype: (128, 1, h, w)."""
-        scale = pixels_per_token(parts.vae.config)
-        shape = (parts.transformer.in_channels, 1, height // scale, width // scale)
-        dtype = parts.transformer.x_embedder.weight.dtype
-        draw = lambda s: torch.randn(shape, generator=torch.Generator().manual_seed(s), dtype=dtype)  # noqa: E731
-        return torch.stack([draw(s) for s in seeds])
-
-    def schedule(self, parts: Components, steps: int, latents: torch.Tensor) -> Schedule:
-        tokens = latents.shape[-2] * latents.shape[-1]
-        levels = sigmas(steps, tokens, parts.scheduler_config, mu=empirical_mu(tokens, steps)).to(
-            latents.device
-        )
-        return Schedule(levels, levels[:-1], euler(levels))
-
-    def decode(self, parts: Components, latents) -> torch.Tensor:
-        z = latents[:, :, 0].to(parts.vae.dtype)
-        mean, std = batch_norm_stats(parts.vae, z)
-        z = z * std + mean
-        B, C, h, w = z.shape
-        z = z.reshape(B, C // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(B, C // 4, h * 2, w * 2)
-        return parts.vae.decode(z, return_dict=False)[0].unsqueeze(2)
 
 
 @dataclass

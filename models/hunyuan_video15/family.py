@@ -27,6 +27,7 @@ from models.hunyuan_video15.weights import (
 from models.layers import PiecesOf
 from models.loop import Schedule, euler
 from models.names import Names
+from models.steps import Steps
 
 _UNSUPPORTED = ("use_dynamic_shifting", "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas",
                 "invert_sigmas", "stochastic_sampling", "shift_terminal")  # fmt: skip
@@ -76,8 +77,37 @@ class HunyuanVideo15Guidance(Guidance):
         return abs(scale - 1.0) > 1e-9  # its guider guides at any scale but 1 (math.isclose)
 
 
+class HunyuanVideo15Steps(Steps):
+    """Its pipeline's noise, schedule, decoding, and the patch pieces with the given frame."""
+
+    def patch_pieces(self, parts: HunyuanVideo15Parts, cond=None):
+        """Its transformer's; image-to-video: the embedding reads the given frame's latents and mask beside
+        the noisy latents, as its forward does."""
+        if cond is None or cond.image_latents is None:
+            return parts.transformer
+        return GivenFramePieces(parts.transformer, cond.image_latents)
+
+    def noise(self, parts: HunyuanVideo15Parts, seeds: list, frames: int, height: int, width: int):
+        """What the pipeline draws from a generator seeded with seed, one video each, in the model's dtype."""
+        config = parts.vae.config
+        scale, stride = config.spatial_compression_ratio, config.temporal_compression_ratio
+        shape = (config.latent_channels, (frames - 1) // stride + 1, height // scale, width // scale)
+        dtype = next(parts.transformer.parameters()).dtype
+        draw = lambda s: torch.randn(shape, generator=torch.Generator().manual_seed(s), dtype=dtype)  # noqa: E731
+        return torch.stack([draw(s) for s in seeds])
+
+    def schedule(self, parts: HunyuanVideo15Parts, steps: int, latents: torch.Tensor) -> Schedule:
+        levels = sigmas(steps, parts.scheduler_config).to(latents.device)
+        return Schedule(levels, levels[:-1], euler(levels))
+
+    def decode(self, parts: HunyuanVideo15Parts, latents) -> torch.Tensor:
+        z = latents.to(parts.vae.dtype) / parts.vae.config.scaling_factor
+        return torch.cat([parts.vae.decode(v[None], return_dict=False)[0] for v in z])  # (B, 3, T, H, W)
+
+
 class HunyuanVideo15(Family):
     name, title = "hunyuan_video15", "HunyuanVideo 1.5"
+    steps = HunyuanVideo15Steps()
     pipeline_classes, transformer_classes = PIPELINE_CLASSES, (TRANSFORMER_CLASS,)
     # one of ulysses and ring (joint attention)
     vae_class, max_length = "AutoencoderKLHunyuanVideo15", MAX_LENGTH
@@ -121,13 +151,6 @@ class HunyuanVideo15(Family):
         index = read_json(Path(cfg.model.pretrained or "") / "model_index.json").get("_class_name")
         encoder = part_folder(cfg, "image_encoder")
         return index == PIPELINE_CLASSES[1] or (encoder.name == "image_encoder" and encoder.is_dir())
-
-    def patch_pieces(self, parts: HunyuanVideo15Parts, cond=None):
-        """Its transformer's; image-to-video: the embedding reads the given frame's latents and mask beside
-        the noisy latents, as its forward does."""
-        if cond is None or cond.image_latents is None:
-            return parts.transformer
-        return GivenFramePieces(parts.transformer, cond.image_latents)
 
     def image_size(self, cfg, image) -> tuple:
         target = self.transformer_config(cfg).get("target_size", 640)  # the pipeline's base size in pixels
@@ -307,20 +330,3 @@ class HunyuanVideo15(Family):
         glyph, glyph_mask = padded([s["glyph"] for s in stored])
         given = {k: torch.stack([s[k] for s in stored]) for k in ("image", "image_latents") if k in stored[0]}
         return HunyuanVideo15Cond(text, text_mask, glyph, glyph_mask, **given)
-
-    def noise(self, parts: HunyuanVideo15Parts, seeds: list, frames: int, height: int, width: int):
-        """What the pipeline draws from a generator seeded with seed, one video each, in the model's dtype."""
-        config = parts.vae.config
-        scale, stride = config.spatial_compression_ratio, config.temporal_compression_ratio
-        shape = (config.latent_channels, (frames - 1) // stride + 1, height // scale, width // scale)
-        dtype = next(parts.transformer.parameters()).dtype
-        draw = lambda s: torch.randn(shape, generator=torch.Generator().manual_seed(s), dtype=dtype)  # noqa: E731
-        return torch.stack([draw(s) for s in seeds])
-
-    def schedule(self, parts: HunyuanVideo15Parts, steps: int, latents: torch.Tensor) -> Schedule:
-        levels = sigmas(steps, parts.scheduler_config).to(latents.device)
-        return Schedule(levels, levels[:-1], euler(levels))
-
-    def decode(self, parts: HunyuanVideo15Parts, latents) -> torch.Tensor:
-        z = latents.to(parts.vae.dtype) / parts.vae.config.scaling_factor
-        return torch.cat([parts.vae.decode(v[None], return_dict=False)[0] for v in z])  # (B, 3, T, H, W)

@@ -19,7 +19,6 @@ import torch
 
 from models.capabilities import Capabilities
 from models.family import Components, Family, config_of, part_folder, read_json
-from models.guidance import Guidance
 from models.loop import UNSUPPORTED, Schedule, euler, sigmas
 from models.ltx2.audio import encode_sound
 from models.ltx2.text import encode_prompts, prepare_tokenizer
@@ -27,6 +26,7 @@ from models.ltx2.training import LTX2Objective, is_audio_parameter
 from models.ltx2.transformer import LTX2Cond
 from models.ltx2.weights import TRANSFORMER_CLASS, build_transformer
 from models.names import Names
+from models.steps import Steps
 
 # the diffusers parts besides Family.check_pretrained's, each with the file that says it is there
 PARTS = dict(connectors="config.json", audio_vae="config.json", vocoder="config.json")
@@ -150,39 +150,174 @@ def recorded_layout(parts, x) -> LTX2Layout:
     return parts.layout
 
 
-class PassGuidance(Guidance):
-    """Its passes (conditional, unconditional, STG, modality-isolated) guided per stream in x0, as its
-    pipeline; `guide` takes what LTX2.both returns. Its CFG guides above 1 (its audio-only CFG is refused:
-    guidance_terms)."""
+def guide_in_x0(parts: LTX2Parts, x, t, v_cond, v_uncond, v_stg, v_modality, scale: float):
+    """The pipeline's guidance of its passes (conditional, unconditional, STG, modality-isolated; None
+    where a pass does not run), per stream in x0 = x - sigma v: the conditional x0 plus the CFG delta
+    (scale - 1)(cond - uncond) (the audio's at audio_guidance), the STG delta stg (cond - perturbed) and
+    the modality delta (modality - 1)(cond - isolated), in that order, then rescaled towards the
+    conditional x0's std (guidance_rescale > 0); back to a velocity."""
+    terms, layout = parts.terms, recorded_layout(parts, x)
+    size = layout.video_size
+    x0 = lambda v: None if v is None else x - v * t  # noqa: E731  (t: the step's sigma)
+    passes = [x0(v) for v in (v_cond, v_uncond, v_stg, v_modality)]
+    # the pipeline's audio_guidance_scale `or` guidance_scale: 0 means the video's
+    scales = (scale, terms.audio_guidance or scale)
+    out = []
+    for rows, cfg_scale in zip((slice(0, size), slice(size, None)), scales):
+        pred, uncond, stg, isolated = (p if p is None else p[:, rows] for p in passes)
+        guided = pred
+        if uncond is not None:
+            guided = guided + (cfg_scale - 1) * (pred - uncond)
+        if stg is not None:
+            guided = guided + terms.stg * (pred - stg)
+        if isolated is not None:
+            guided = guided + (terms.modality_guidance - 1) * (pred - isolated)
+        if terms.guidance_rescale > 0:
+            guided = rescale(guided, pred, terms.guidance_rescale)
+        out.append((x[:, rows] - guided) / t)
+    if layout.given:  # the pipeline steps the frames after the given one only
+        out[0][:, : math.prod(layout.grid[1:]) * layout.channels] = 0
+    return torch.cat(out, dim=1)
 
-    def guide(self, parts, x, t, v_cond, v_uncond, v_stg, v_modality, scale: float, _parts=None):
-        """The pipeline's guidance, per stream in x0 = x - sigma v: the conditional x0 plus the CFG delta
-        (scale - 1)(cond - uncond) (the audio's at audio_guidance), the STG delta stg (cond - perturbed)
-        and the modality delta (modality - 1)(cond - isolated), in that order, then rescaled towards the
-        conditional x0's std (guidance_rescale > 0); back to a velocity. (`_parts`: what models/sampler.py
-        hands every family's guide last; LTX-2's `both` passes its parts first.)"""
-        terms, layout = parts.terms, recorded_layout(parts, x)
-        size = layout.video_size
-        x0 = lambda v: None if v is None else x - v * t  # noqa: E731  (t: the step's sigma)
-        passes = [x0(v) for v in (v_cond, v_uncond, v_stg, v_modality)]
-        # the pipeline's audio_guidance_scale `or` guidance_scale: 0 means the video's
-        scales = (scale, terms.audio_guidance or scale)
-        out = []
-        for rows, cfg_scale in zip((slice(0, size), slice(size, None)), scales):
-            pred, uncond, stg, isolated = (p if p is None else p[:, rows] for p in passes)
-            guided = pred
-            if uncond is not None:
-                guided = guided + (cfg_scale - 1) * (pred - uncond)
-            if stg is not None:
-                guided = guided + terms.stg * (pred - stg)
-            if isolated is not None:
-                guided = guided + (terms.modality_guidance - 1) * (pred - isolated)
-            if terms.guidance_rescale > 0:
-                guided = rescale(guided, pred, terms.guidance_rescale)
-            out.append((x[:, rows] - guided) / t)
-        if layout.given:  # the pipeline steps the frames after the given one only
-            out[0][:, : math.prod(layout.grid[1:]) * layout.channels] = 0
-        return torch.cat(out, dim=1)
+
+class LTX2Steps(Steps):
+    """Both streams' noise, one schedule, its passes (conditional, unconditional, STG, modality-isolated)
+    guided per stream in x0 (guide_in_x0), and the video's and sound's decoding."""
+
+    def noise(self, parts: LTX2Parts, seeds: list, frames: int, height: int, width: int) -> torch.Tensor:
+        """What the pipeline draws from a generator seeded with seed, one video each: the video latents,
+        then the audio latents (float32, both), packed; records the layout on parts."""
+        vae, audio_vae = parts.vae, parts.audio_vae
+        grid = ((frames - 1) // vae.temporal_compression_ratio + 1,)
+        grid += (height // vae.spatial_compression_ratio, width // vae.spatial_compression_ratio)
+        per_second = audio_vae.config.sample_rate / audio_vae.config.mel_hop_length
+        per_second /= float(audio_vae.temporal_compression_ratio)
+        layout = LTX2Layout(
+            grid=grid,
+            channels=vae.config.latent_channels,
+            audio_frames=round(frames / parts.fps * per_second),  # the pipeline's audio_num_frames
+            audio_channels=audio_vae.config.latent_channels,
+            mel_bins=audio_vae.config.mel_bins // audio_vae.mel_compression_ratio,
+        )
+        first, parts.first_frames = parts.first_frames, None  # image-to-video's, taken once
+        parts.layout = layout = replace(layout, given=first is not None)
+        rows = []
+        for i, seed in enumerate(seeds):
+            generator = torch.Generator().manual_seed(seed)
+            video = torch.randn((1, layout.channels, *grid), generator=generator)
+            if first is not None:  # the pipeline's init * mask + noise * (1 - mask): the image's frame
+                video[:, :, :1] = first[i : i + 1].to(video)
+            shape = (1, layout.audio_channels, layout.audio_frames, layout.mel_bins)
+            rows.append(layout.join(video, torch.randn(shape, generator=generator)))
+        return torch.cat(rows)
+
+    def schedule(self, parts: LTX2Parts, steps: int, latents: torch.Tensor) -> Schedule:
+        """The pipeline's sigmas (linspace(1, 1/steps), shifted by mu of the video token count, stretched to
+        shift_terminal), shared by both streams; the transformer is told sigma (it scales it by 1000, as
+        the scheduler's timesteps)."""
+        tokens = math.prod(recorded_layout(parts, latents).grid)
+        levels = sigmas(steps, tokens, parts.scheduler_config).to(latents.device)
+        return Schedule(levels, levels[:-1], euler(levels))
+
+    def walk(self, parts: LTX2Parts, schedule: Schedule, noise, velocity, progress=None):
+        if parts.cache is not None:  # its velocity is several passes: the step cache's hooks do not fit
+            raise ValueError(f"sample.cache={parts.cache.method}: LTX-2 samples without a step cache")
+        return super().walk(parts, schedule, noise, velocity, progress)
+
+    def _run(self, parts: LTX2Parts, x, t, cond: LTX2Cond, **options):
+        """One transformer pass on the flat latents -> the flat velocity in float32 (the pipeline's)."""
+        layout = recorded_layout(parts, x)
+        t = t.to(x.device).expand(x.shape[0])
+        if layout.given:  # the given frame's tokens at sigma 0 (the pipeline's per-token video timestep)
+            given = torch.zeros(layout.grid, device=x.device)
+            given[0] = 1
+            cond = replace(cond, video_t=t.float()[:, None] * (1 - given.flatten())[None])
+        video, audio = parts.transformer(*layout.split(x), t, cond, **options)
+        return layout.join(video.float(), audio.float())
+
+    def guided(self, guidance, parts: LTX2Parts, x, t, cond, uncond, scale: float):
+        """Its passes on the conditioning and the unconditional one, guided in x0 (guide_in_x0)."""
+        v_uncond = self._run(parts, x, t, uncond)
+        return self._guide(parts, x, t, self._conditional(parts, x, t, cond), v_uncond, scale)
+
+    def _guide(self, parts: LTX2Parts, x, t, conditional: list, v_uncond, scale: float):
+        """guide_in_x0 of `_conditional`'s velocities and the unconditional one (None: no CFG)."""
+        passes = dict(zip(self._conditional_passes(parts), conditional))
+        others = self._stg_and_modality(parts, passes)
+        return guide_in_x0(parts, x, t, passes["cond"], v_uncond, *others, scale)
+
+    def _conditional_passes(self, parts: LTX2Parts) -> list:
+        """The passes on the conditioning a step runs: the conditional one, the STG one where the
+        transformer's perturbed_attn (False in LTX-2.0's release: diffusers then ignores the STG blocks)
+        and STG blocks make it differ (else the conditional velocity stands for it, the same result with
+        one pass fewer), the modality-isolated one."""
+        terms = parts.terms
+        stg = terms.stg > 0 and parts.transformer.perturbed_attn and _stg_blocks(parts)
+        return ["cond", *(["stg"] if stg else []), *(["modality"] if terms.modality_guidance > 1 else [])]
+
+    def _conditional(self, parts: LTX2Parts, x, t, cond) -> list:
+        """The velocities of `_conditional_passes`, in order."""
+        stg, modality = dict(stg_blocks=_stg_blocks(parts)), dict(isolate_modalities=True)
+        options = dict(cond={}, stg=stg, modality=modality)
+        return [self._run(parts, x, t, cond, **options[name]) for name in self._conditional_passes(parts)]
+
+    def _stg_and_modality(self, parts: LTX2Parts, passes: dict) -> tuple:
+        """(STG's velocity, the modality-isolated one), each None where the step does not use it."""
+        stg = passes.get("stg", passes["cond"]) if parts.terms.stg > 0 else None
+        return stg, passes.get("modality")
+
+    def branch_passes(self, parts: LTX2Parts, x, t, cond, conditional: bool) -> torch.Tensor:
+        """Under cfg=2: the conditional branch runs its passes on the conditioning (the conditional, STG,
+        modality-isolated ones), the negative branch its one pass, padded with zeros to as many."""
+        if conditional:
+            return torch.stack(self._conditional(parts, x, t, cond))
+        v = self._run(parts, x, t, cond)
+        return torch.cat([v[None], v.new_zeros(len(self._conditional_passes(parts)) - 1, *v.shape)])
+
+    def guide_passes(self, guidance, parts: LTX2Parts, x, t, conditional, unconditional, scale: float):
+        # a step that does not guide: as `velocity` (never, at one scale a walk)
+        if not guidance.guided(scale):
+            return self._guide(parts, x, t, list(conditional), None, 1.0)
+        return self._guide(parts, x, t, list(conditional), unconditional[0], scale)
+
+    def velocity(self, parts: LTX2Parts, x, t, cond):
+        """Without CFG: STG and modality guidance still apply, as in the pipeline."""
+        if parts.terms.audio_guidance > 1:
+            raise ValueError(
+                f"sample.audio_guidance={parts.terms.audio_guidance} without the video's CFG (guidance at "
+                "most 1): set sample.audio_guidance=1"
+            )
+        return self._guide(parts, x, t, self._conditional(parts, x, t, cond), None, 1.0)
+
+    def decode(self, parts: LTX2Parts, latents) -> torch.Tensor:
+        """The video (B, 3, T, H, W): the latents denormalised with the VAE's latents_mean, latents_std and
+        scaling_factor, decoded one sample at a time. A timestep-conditioned VAE is told the pipeline's
+        default decode_timestep 0, whose noise scale 0 leaves the latents as they are."""
+        vae = parts.vae
+        video, _ = recorded_layout(parts, latents).split(latents)
+        # the pipeline's cast to the text's dtype: the connectors' (precomputed latents free the text encoder)
+        z = video.to(parts.connectors.dtype)
+        view = (1, -1, 1, 1, 1)
+        mean, std = (b.view(view).to(z.device, z.dtype) for b in (vae.latents_mean, vae.latents_std))
+        z = (z * std / vae.config.scaling_factor + mean).to(vae.dtype)
+        timestep = (
+            torch.zeros(1, device=z.device, dtype=z.dtype) if vae.config.timestep_conditioning else None
+        )
+        return torch.cat([vae.decode(v[None], timestep, return_dict=False)[0] for v in z])
+
+    def decode_audio(self, parts: LTX2Parts, latents) -> tuple:
+        """(waveforms (B, channels, samples) float32, the vocoder's output_sampling_rate): the packed audio
+        latents denormalised with the audio VAE's latents_mean / latents_std, decoded to a mel spectrogram,
+        which the vocoder turns into sound; one sample at a time."""
+        layout, audio_vae = recorded_layout(parts, latents), parts.audio_vae
+        packed = latents[:, layout.video_size :].unflatten(1, (layout.audio_frames, -1))  # (B, L, C_a M)
+        mean, std = (
+            b.to(packed.device, packed.dtype) for b in (audio_vae.latents_mean, audio_vae.latents_std)
+        )
+        audio = (packed * std + mean).unflatten(2, (-1, layout.mel_bins)).transpose(1, 2).to(audio_vae.dtype)
+        mels = [audio_vae.decode(a[None], return_dict=False)[0] for a in audio]
+        waves = torch.cat([parts.vocoder(mel.to(parts.vocoder.dtype)) for mel in mels])
+        return waves.float(), int(parts.vocoder.config.output_sampling_rate)
 
 
 class LTX2(Family):
@@ -212,7 +347,7 @@ class LTX2(Family):
     )
     # no alphas, as Lightricks' trainer writes them (diffusers' LTX-2 loader refuses them)
     names = Names(lora_formats=("diffusers", "comfyui"), lora_alphas=False)
-    guidance = PassGuidance()  # its passes, per stream in x0
+    steps = LTX2Steps()  # its passes, guided per stream in x0 (guide_in_x0)
     objective = LTX2Objective()  # a sigma per stream, the sum of their losses (models/ltx2/training.py)
 
     def check_pretrained(self, cfg) -> None:
@@ -430,33 +565,6 @@ class LTX2(Family):
             parts.fps,
         )
 
-    def noise(self, parts: LTX2Parts, seeds: list, frames: int, height: int, width: int) -> torch.Tensor:
-        """What the pipeline draws from a generator seeded with seed, one video each: the video latents,
-        then the audio latents (float32, both), packed; records the layout on parts."""
-        vae, audio_vae = parts.vae, parts.audio_vae
-        grid = ((frames - 1) // vae.temporal_compression_ratio + 1,)
-        grid += (height // vae.spatial_compression_ratio, width // vae.spatial_compression_ratio)
-        per_second = audio_vae.config.sample_rate / audio_vae.config.mel_hop_length
-        per_second /= float(audio_vae.temporal_compression_ratio)
-        layout = LTX2Layout(
-            grid=grid,
-            channels=vae.config.latent_channels,
-            audio_frames=round(frames / parts.fps * per_second),  # the pipeline's audio_num_frames
-            audio_channels=audio_vae.config.latent_channels,
-            mel_bins=audio_vae.config.mel_bins // audio_vae.mel_compression_ratio,
-        )
-        first, parts.first_frames = parts.first_frames, None  # image-to-video's, taken once
-        parts.layout = layout = replace(layout, given=first is not None)
-        rows = []
-        for i, seed in enumerate(seeds):
-            generator = torch.Generator().manual_seed(seed)
-            video = torch.randn((1, layout.channels, *grid), generator=generator)
-            if first is not None:  # the pipeline's init * mask + noise * (1 - mask): the image's frame
-                video[:, :, :1] = first[i : i + 1].to(video)
-            shape = (1, layout.audio_channels, layout.audio_frames, layout.mel_bins)
-            rows.append(layout.join(video, torch.randn(shape, generator=generator)))
-        return torch.cat(rows)
-
     def takes_images(self, cfg) -> bool:
         return True  # one set of weights samples from text, or from a first frame and text
 
@@ -491,110 +599,3 @@ class LTX2(Family):
         mean, std = (b.view(view).to(z) for b in (vae.latents_mean, vae.latents_std))
         parts.first_frames = (z - mean) / std  # the pipeline normalises at scaling factor 1
         return conds
-
-    def schedule(self, parts: LTX2Parts, steps: int, latents: torch.Tensor) -> Schedule:
-        """The pipeline's sigmas (linspace(1, 1/steps), shifted by mu of the video token count, stretched to
-        shift_terminal), shared by both streams; the transformer is told sigma (it scales it by 1000, as
-        the scheduler's timesteps)."""
-        tokens = math.prod(recorded_layout(parts, latents).grid)
-        levels = sigmas(steps, tokens, parts.scheduler_config).to(latents.device)
-        return Schedule(levels, levels[:-1], euler(levels))
-
-    def walk(self, parts: LTX2Parts, schedule: Schedule, noise, velocity, progress=None):
-        if parts.cache is not None:  # its velocity is several passes: the step cache's hooks do not fit
-            raise ValueError(f"sample.cache={parts.cache.method}: {self.title} samples without a step cache")
-        return super().walk(parts, schedule, noise, velocity, progress)
-
-    def _run(self, parts: LTX2Parts, x, t, cond: LTX2Cond, **options):
-        """One transformer pass on the flat latents -> the flat velocity in float32 (the pipeline's)."""
-        layout = recorded_layout(parts, x)
-        t = t.to(x.device).expand(x.shape[0])
-        if layout.given:  # the given frame's tokens at sigma 0 (the pipeline's per-token video timestep)
-            given = torch.zeros(layout.grid, device=x.device)
-            given[0] = 1
-            cond = replace(cond, video_t=t.float()[:, None] * (1 - given.flatten())[None])
-        video, audio = parts.transformer(*layout.split(x), t, cond, **options)
-        return layout.join(video.float(), audio.float())
-
-    def both(self, parts: LTX2Parts, x, t, cond, uncond) -> tuple:
-        """(parts, x, t, then the velocities of each pass: conditional, unconditional (None without CFG),
-        STG (None when it does not run) and modality-isolated (None when it does not run)); `guide` takes
-        them."""
-        passes = dict(zip(self._conditional_passes(parts), self._conditional(parts, x, t, cond)))
-        v_uncond = None if uncond is None else self._run(parts, x, t, uncond)
-        return parts, x, t, passes["cond"], v_uncond, *self._stg_and_modality(parts, passes)
-
-    def _conditional_passes(self, parts: LTX2Parts) -> list:
-        """The passes on the conditioning a step runs: the conditional one, the STG one where the
-        transformer's perturbed_attn (False in LTX-2.0's release: diffusers then ignores the STG blocks)
-        and STG blocks make it differ (else the conditional velocity stands for it, the same result with
-        one pass fewer), the modality-isolated one."""
-        terms = parts.terms
-        stg = terms.stg > 0 and parts.transformer.perturbed_attn and _stg_blocks(parts)
-        return ["cond", *(["stg"] if stg else []), *(["modality"] if terms.modality_guidance > 1 else [])]
-
-    def _conditional(self, parts: LTX2Parts, x, t, cond) -> list:
-        """The velocities of `_conditional_passes`, in order."""
-        stg, modality = dict(stg_blocks=_stg_blocks(parts)), dict(isolate_modalities=True)
-        options = dict(cond={}, stg=stg, modality=modality)
-        return [self._run(parts, x, t, cond, **options[name]) for name in self._conditional_passes(parts)]
-
-    def _stg_and_modality(self, parts: LTX2Parts, passes: dict) -> tuple:
-        """(STG's velocity, the modality-isolated one), each None where the step does not use it."""
-        stg = passes.get("stg", passes["cond"]) if parts.terms.stg > 0 else None
-        return stg, passes.get("modality")
-
-    def branch_passes(self, parts: LTX2Parts, x, t, cond, conditional: bool) -> torch.Tensor:
-        """Under cfg=2: the conditional branch runs its passes on the conditioning (the conditional, STG,
-        modality-isolated ones), the negative branch its one pass, padded with zeros to as many."""
-        if conditional:
-            return torch.stack(self._conditional(parts, x, t, cond))
-        v = self._run(parts, x, t, cond)
-        return torch.cat([v[None], v.new_zeros(len(self._conditional_passes(parts)) - 1, *v.shape)])
-
-    def guide_passes(self, parts: LTX2Parts, x, t, conditional, unconditional, scale: float):
-        passes = dict(zip(self._conditional_passes(parts), conditional))
-        others = self._stg_and_modality(parts, passes)
-        # a step that does not guide: as `velocity` (never, at one scale a walk)
-        if not self.guidance.guided(scale):
-            return self.guidance.guide(parts, x, t, passes["cond"], None, *others, 1.0)
-        return self.guidance.guide(parts, x, t, passes["cond"], unconditional[0], *others, scale)
-
-    def velocity(self, parts: LTX2Parts, x, t, cond):
-        """Without CFG: STG and modality guidance still apply, as in the pipeline."""
-        if parts.terms.audio_guidance > 1:
-            raise ValueError(
-                f"sample.audio_guidance={parts.terms.audio_guidance} without the video's CFG (guidance at "
-                "most 1): set sample.audio_guidance=1"
-            )
-        return self.guidance.guide(*self.both(parts, x, t, cond, None), 1.0)
-
-    def decode(self, parts: LTX2Parts, latents) -> torch.Tensor:
-        """The video (B, 3, T, H, W): the latents denormalised with the VAE's latents_mean, latents_std and
-        scaling_factor, decoded one sample at a time. A timestep-conditioned VAE is told the pipeline's
-        default decode_timestep 0, whose noise scale 0 leaves the latents as they are."""
-        vae = parts.vae
-        video, _ = recorded_layout(parts, latents).split(latents)
-        # the pipeline's cast to the text's dtype: the connectors' (precomputed latents free the text encoder)
-        z = video.to(parts.connectors.dtype)
-        view = (1, -1, 1, 1, 1)
-        mean, std = (b.view(view).to(z.device, z.dtype) for b in (vae.latents_mean, vae.latents_std))
-        z = (z * std / vae.config.scaling_factor + mean).to(vae.dtype)
-        timestep = (
-            torch.zeros(1, device=z.device, dtype=z.dtype) if vae.config.timestep_conditioning else None
-        )
-        return torch.cat([vae.decode(v[None], timestep, return_dict=False)[0] for v in z])
-
-    def decode_audio(self, parts: LTX2Parts, latents) -> tuple:
-        """(waveforms (B, channels, samples) float32, the vocoder's output_sampling_rate): the packed audio
-        latents denormalised with the audio VAE's latents_mean / latents_std, decoded to a mel spectrogram,
-        which the vocoder turns into sound; one sample at a time."""
-        layout, audio_vae = recorded_layout(parts, latents), parts.audio_vae
-        packed = latents[:, layout.video_size :].unflatten(1, (layout.audio_frames, -1))  # (B, L, C_a M)
-        mean, std = (
-            b.to(packed.device, packed.dtype) for b in (audio_vae.latents_mean, audio_vae.latents_std)
-        )
-        audio = (packed * std + mean).unflatten(2, (-1, layout.mel_bins)).transpose(1, 2).to(audio_vae.dtype)
-        mels = [audio_vae.decode(a[None], return_dict=False)[0] for a in audio]
-        waves = torch.cat([parts.vocoder(mel.to(parts.vocoder.dtype)) for mel in mels])
-        return waves.float(), int(parts.vocoder.config.output_sampling_rate)

@@ -18,6 +18,7 @@ from models.qwen_image.weights import (
     build_transformer,
     diffusers_state_dict_from_original,
 )
+from models.steps import Steps
 
 # Qwen/Qwen-Image's scheduler/scheduler_config.json, for a transformer folder without one beside it
 RELEASE_SCHEDULER = dict(
@@ -36,8 +37,30 @@ class TrueCFG(Guidance):
         return true_cfg(v_cond, v_uncond, scale)  # rescaled to the conditional velocity's norm
 
 
+class QwenImageSteps(Steps):
+    """Its pipeline's packed noise, shifted schedule and decoding."""
+
+    def noise(self, parts: Components, seeds: list, frames: int, height: int, width: int) -> torch.Tensor:
+        """What the pipeline draws from a generator seeded with seed, one image each, in the model's dtype:
+        (C, 1, h, w) holds the numbers of its (1, 1, C, h, w) in the same order."""
+        scale = 2 ** len(parts.vae.temperal_downsample)
+        shape = (parts.transformer.in_channels, 1, height // scale, width // scale)
+        dtype = parts.transformer.img_in.weight.dtype
+        draw = lambda s: torch.randn(shape, generator=torch.Generator().manual_seed(s), dtype=dtype)  # noqa: E731
+        return torch.stack([draw(s) for s in seeds])
+
+    def schedule(self, parts: Components, steps: int, latents: torch.Tensor) -> Schedule:
+        levels = sigmas(steps, image_tokens(*latents.shape[-2:]), parts.scheduler_config).to(latents.device)
+        return Schedule(levels, levels[:-1], euler(levels))
+
+    def decode(self, parts: Components, latents) -> torch.Tensor:
+        z = denormalize_latents(latents.to(parts.vae.dtype), parts.vae.config)
+        return parts.vae.decode(z, return_dict=False)[0]  # (B, 3, 1, H, W)
+
+
 class QwenImage(Family):
     name, title = "qwen_image", "Qwen-Image"
+    steps = QwenImageSteps()
     pipeline_classes, transformer_classes = (PIPELINE_CLASS,), (TRANSFORMER_CLASS,)
     # every degree: one of ulysses and ring (joint attention)
     vae_class, max_length = "AutoencoderKLQwenImage", 512
@@ -126,20 +149,3 @@ class QwenImage(Family):
 
     def encode(self, parts: Components, prompts: list, max_length: int, negative: bool = False):
         return QwenImageCond(*encode_prompt(prompts, parts.tokenizer, parts.text_encoder, max_length))
-
-    def noise(self, parts: Components, seeds: list, frames: int, height: int, width: int) -> torch.Tensor:
-        """What the pipeline draws from a generator seeded with seed, one image each, in the model's dtype:
-        (C, 1, h, w) holds the numbers of its (1, 1, C, h, w) in the same order."""
-        scale = 2 ** len(parts.vae.temperal_downsample)
-        shape = (parts.transformer.in_channels, 1, height // scale, width // scale)
-        dtype = parts.transformer.img_in.weight.dtype
-        draw = lambda s: torch.randn(shape, generator=torch.Generator().manual_seed(s), dtype=dtype)  # noqa: E731
-        return torch.stack([draw(s) for s in seeds])
-
-    def schedule(self, parts: Components, steps: int, latents: torch.Tensor) -> Schedule:
-        levels = sigmas(steps, image_tokens(*latents.shape[-2:]), parts.scheduler_config).to(latents.device)
-        return Schedule(levels, levels[:-1], euler(levels))
-
-    def decode(self, parts: Components, latents) -> torch.Tensor:
-        z = denormalize_latents(latents.to(parts.vae.dtype), parts.vae.config)
-        return parts.vae.decode(z, return_dict=False)[0]  # (B, 3, 1, H, W)

@@ -19,6 +19,7 @@ from models.sana.weights import (
     diffusers_from_tessera,
     tessera_from_diffusers,
 )
+from models.steps import Steps
 
 
 def from_original(state: dict) -> dict:
@@ -37,8 +38,32 @@ def dpm_solver(sigmas):
     return step
 
 
+class SanaSteps(Steps):
+    """Its pipeline's noise, DPM-Solver schedule, float32 guidance and decoding."""
+
+    def noise(self, parts: Components, seeds: list, frames: int, height: int, width: int) -> torch.Tensor:
+        """What the pipeline draws from a generator seeded with seed, one image each (C, 1, h, w)."""
+        scale = 2 ** (len(parts.vae.config.encoder_block_out_channels) - 1)
+        shape = (parts.transformer.in_channels, 1, height // scale, width // scale)
+        return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
+
+    def schedule(self, parts: Components, steps: int, latents: torch.Tensor) -> Schedule:
+        config = parts.scheduler_config
+        found = flow_schedule(steps, config["flow_shift"], config["num_train_timesteps"])
+        levels = found.sigmas.to(latents.device)
+        return Schedule(levels, found.timesteps.to(latents.device), dpm_solver(levels))
+
+    def prediction(self, v):
+        return v.float()  # the pipeline guides in float32
+
+    def decode(self, parts: Components, latents) -> torch.Tensor:
+        z = denormalize_latents(latents[:, :, 0].to(parts.vae.dtype), parts.vae.config.scaling_factor)
+        return parts.vae.decode(z).sample.unsqueeze(2)  # (B, 3, 1, H, W)
+
+
 class Sana(Family):
     name, title = "sana", "Sana"
+    steps = SanaSteps()
     pipeline_classes, transformer_classes = ("SanaPipeline",), ("SanaTransformer2DModel",)
     # every degree: exact under any sequence split
     vae_class, max_length = "AutoencoderDC", 300
@@ -125,22 +150,3 @@ class Sana(Family):
         for i, s in enumerate(stored):
             text[i, : len(s["text"])], mask[i, : len(s["text"])] = s["text"], 1
         return SanaConditioning(text, mask)
-
-    def noise(self, parts: Components, seeds: list, frames: int, height: int, width: int) -> torch.Tensor:
-        """What the pipeline draws from a generator seeded with seed, one image each (C, 1, h, w)."""
-        scale = 2 ** (len(parts.vae.config.encoder_block_out_channels) - 1)
-        shape = (parts.transformer.in_channels, 1, height // scale, width // scale)
-        return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
-
-    def schedule(self, parts: Components, steps: int, latents: torch.Tensor) -> Schedule:
-        config = parts.scheduler_config
-        found = flow_schedule(steps, config["flow_shift"], config["num_train_timesteps"])
-        levels = found.sigmas.to(latents.device)
-        return Schedule(levels, found.timesteps.to(latents.device), dpm_solver(levels))
-
-    def prediction(self, v):
-        return v.float()  # the pipeline guides in float32
-
-    def decode(self, parts: Components, latents) -> torch.Tensor:
-        z = denormalize_latents(latents[:, :, 0].to(parts.vae.dtype), parts.vae.config.scaling_factor)
-        return parts.vae.decode(z).sample.unsqueeze(2)  # (B, 3, 1, H, W)

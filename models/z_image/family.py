@@ -17,6 +17,7 @@ from models.guidance import Guidance
 from models.loop import Schedule, euler, sigmas
 from models.names import Names, renamed
 from models.objective import Objective
+from models.steps import Steps
 from models.z_image.keys import KEYS
 from models.z_image.text import MAX_SEQUENCE_LENGTH, encode_prompt
 from models.z_image.transformer import ZImageCond
@@ -83,8 +84,33 @@ class ZImageGuidance(Guidance):
         return torch.stack(out)
 
 
+class ZImageSteps(Steps):
+    """Its pipeline's noise, shifted schedule and decoding."""
+
+    def noise(self, parts: Components, seeds: list, frames: int, height: int, width: int) -> torch.Tensor:
+        """What the pipeline draws from a generator seeded with seed, one image each, in float32 (its
+        latents stay float32 between steps)."""
+        scale = vae_stride(parts.vae.config)
+        shape = (parts.transformer.in_channels, 1, height // scale, width // scale)
+        return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
+
+    def schedule(self, parts: Components, steps: int, latents: torch.Tensor) -> Schedule:
+        """The pipeline's torch.linspace(1, 1/N, N) through the scheduler's shift (mu from the image's 2 x 2
+        tokens); the model told (1000 - 1000 sigma) / 1000, computed as the pipeline does."""
+        start = torch.linspace(1.0, 1 / steps, steps).numpy().astype(np.float32)
+        tokens = (latents.shape[-2] // 2) * (latents.shape[-1] // 2)
+        levels = sigmas(steps, tokens, parts.scheduler_config, start).to(latents.device)
+        return Schedule(levels, (1000 - levels[:-1] * 1000) / 1000, euler(levels))
+
+    def decode(self, parts: Components, latents) -> torch.Tensor:
+        config = parts.vae.config
+        z = latents[:, :, 0].to(parts.vae.dtype) / config.scaling_factor + config.shift_factor
+        return parts.vae.decode(z, return_dict=False)[0].unsqueeze(2)  # (B, 3, 1, H, W)
+
+
 class ZImage(Family):
     name, title = "z_image", "Z-Image"
+    steps = ZImageSteps()
     pipeline_classes, transformer_classes = (PIPELINE_CLASS,), (TRANSFORMER_CLASS,)
     # one of ulysses and ring (joint attention)
     capabilities = Capabilities(
@@ -193,23 +219,3 @@ class ZImage(Family):
 
     def encode(self, parts: Components, prompts: list, max_length: int, negative: bool = False):
         return ZImageCond(*encode_prompt(prompts, parts.tokenizer, parts.text_encoder, max_length))
-
-    def noise(self, parts: Components, seeds: list, frames: int, height: int, width: int) -> torch.Tensor:
-        """What the pipeline draws from a generator seeded with seed, one image each, in float32 (its
-        latents stay float32 between steps)."""
-        scale = vae_stride(parts.vae.config)
-        shape = (parts.transformer.in_channels, 1, height // scale, width // scale)
-        return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
-
-    def schedule(self, parts: Components, steps: int, latents: torch.Tensor) -> Schedule:
-        """The pipeline's torch.linspace(1, 1/N, N) through the scheduler's shift (mu from the image's 2 x 2
-        tokens); the model told (1000 - 1000 sigma) / 1000, computed as the pipeline does."""
-        start = torch.linspace(1.0, 1 / steps, steps).numpy().astype(np.float32)
-        tokens = (latents.shape[-2] // 2) * (latents.shape[-1] // 2)
-        levels = sigmas(steps, tokens, parts.scheduler_config, start).to(latents.device)
-        return Schedule(levels, (1000 - levels[:-1] * 1000) / 1000, euler(levels))
-
-    def decode(self, parts: Components, latents) -> torch.Tensor:
-        config = parts.vae.config
-        z = latents[:, :, 0].to(parts.vae.dtype) / config.scaling_factor + config.shift_factor
-        return parts.vae.decode(z, return_dict=False)[0].unsqueeze(2)  # (B, 3, 1, H, W)

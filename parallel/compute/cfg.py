@@ -37,7 +37,7 @@ class SamplingGroups:
 
 def both_branches(v, groups: SamplingGroups) -> tuple:
     """(conditional, unconditional) under cfg=2, from this rank's branch `v` (a velocity, or its passes
-    stacked: Family.branch_passes) and one all-gather with the other half of the ranks (cfg rank 0 holds
+    stacked: Steps.branch_passes) and one all-gather with the other half of the ranks (cfg rank 0 holds
     the conditional one)."""
     both = torch.empty((2, *v.shape), dtype=v.dtype, device=v.device)
     comm.all_gather_into_tensor(both, v.contiguous(), groups.cfg_group)
@@ -56,10 +56,11 @@ def family_denoiser(groups: SamplingGroups):
         mine, conditional = (cond, True) if groups.cfg_rank == 0 else (uncond, False)
 
         def velocity(x, t):
-            passes = family.branch_passes(parts, x, t, mine, conditional)
+            passes = family.steps.branch_passes(parts, x, t, mine, conditional)
             both = both_branches(passes, groups)
-            return family.guide_passes(parts, x, t, *both, family.guidance.at(parts, t, scale))
+            step_scale = family.guidance.at(parts, t, scale)
+            return family.steps.guide_passes(family.guidance, parts, x, t, *both, step_scale)
 
-        return family.walk(parts, schedule, noise, velocity, progress)
+        return family.steps.walk(parts, schedule, noise, velocity, progress)
 
     return denoise_with

@@ -49,7 +49,7 @@ class _Run:
     extra_send: bool  # the failure tests: deviate from the agreed plan at the end
     skipped: dict  # computed step -> the (step, scale) the step cache skips after it (sample.cache)
     family: object  # models/family.py Family
-    pieces: object  # the transformer's patch pieces as this sampling calls them (Family.patch_pieces)
+    pieces: object  # the transformer's patch pieces as this sampling calls them (Steps.patch_pieces)
     schedule: object  # models/loop.py Schedule
     branches: list  # the conditioning of each guidance branch this pipeline runs
     lengths: list  # the companion tokens of each branch (Qwen-Image's text, then any references')
@@ -99,7 +99,7 @@ class PipeFusion:
         denoise walks it, behind the step cache (parts.cache: sample.cache=calibrated skips steps on
         every stage; the last stage applies them)."""
         g = self.groups
-        pieces = family.patch_pieces(parts, cond)
+        pieces = family.steps.patch_pieces(parts, cond)
         branches = [cond] if uncond is None else [cond, uncond]
         if uncond is not None and g.cfg_size > 1:
             branches = [branches[g.cfg_rank]]
@@ -219,7 +219,7 @@ class PipeFusion:
             if seq.sp_size > 1:  # the padded patch, in token order
                 tokens = gather_tokens(tokens, seq.sp_group)
             out = pieces.patch_final(tokens[:, :n], ctx, item.start, item.end)
-            v.append(run.family.prediction(pieces.unpatchify(out, (1, n // w, w))))
+            v.append(run.family.steps.prediction(pieces.unpatchify(out, (1, n // w, w))))
         if not run.uncond:
             return v[0]
         if len(v) == 1:  # cfg=2: the other branch from the other pipeline's last stage

@@ -152,7 +152,7 @@ def student_record(cfg, run) -> dict | None:
     space, patch = family.geometry(cfg)
     # a schedule reads its size alone
     latents = torch.empty(1, *space.latent_shape(*preview_size(cfg), patch))
-    sigmas = family.schedule(run.parts, cfg.distill.steps, latents).sigmas
+    sigmas = family.steps.schedule(run.parts, cfg.distill.steps, latents).sigmas
     check_student_sigmas(sigmas, cfg.distill.steps, family.title)
     record = distill_record(cfg, sigmas)
     if not cfg.lora.rank:  # full copies: the teacher is read again on a resume (a LoRA's base is checked)
@@ -212,7 +212,7 @@ def distill_backward(d: Distiller, seed: int, step: int, run, model, flow, input
     `run`: the FamilyRun; `rngs`: each sample's generator (objective.draw drew the student's noise)."""
     x0, cond, noise, _, uncond = inputs
     family, parts, batch = run.family, run.parts, x0.shape[0]
-    schedule = family.schedule(parts, d.steps, x0)  # the student's noise levels and solver
+    schedule = family.steps.schedule(parts, d.steps, x0)  # the student's noise levels and solver
     sigmas = schedule.sigmas.to(x0.device)
     shift = d.shift if d.shift is not None else flow.shift_for(flow.num_tokens(x0))
     k = random.Random(f"dmd {seed} {step}").randrange(d.steps)  # the same on every rank
