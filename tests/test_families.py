@@ -71,7 +71,7 @@ class Row:
     # in another order (measured: HunyuanVideo 1.5 1.2e-2, LTX-2 3.1e-2; their transformers' bf16 against
     # diffusers': their own files)
     bf16: float | None = 1e-3
-    single_file: bool = True  # model.pretrained may name one transformer file (Wan's releases are folders)
+    file_args: tuple = ()  # what model.pretrained naming one transformer file also needs (test_single_file)
     lora_targets: tuple = ("to_q", "to_v", "to_out.0")  # a PEFT LoRA's target modules
     prompts: tuple = tuple(PROMPTS)  # infer.py's against the pipeline's
     # (diffusers' module, its block class, the indices of the block's outputs) where diffusers' first-block
@@ -95,6 +95,13 @@ def _original_z_image(state):
     from models.z_image.weights import original_from_diffusers
 
     return original_from_diffusers(state, "model.diffusion_model.")
+
+
+def _original_wan(state):
+    """Wan-AI's names under ComfyUI's prefix (tests/test_wan.py; diffusers' from_single_file reads them)."""
+    from tests.test_wan import original_name
+
+    return {original_name(k): v for k, v in state.items()}
 
 
 def _original_flux2(state):
@@ -144,8 +151,8 @@ ROWS = {
     "dit": Row(  # Wan 2.1's pipeline, read by tessera's DiT; its schedule is the recipe's flow.shift (Wan's
         # releases ship UniPC, which tessera does not run): no scheduler setting to read
         "wan2.1-t2v-1.3b.yaml", tiny_wan_pipeline, "guidance_scale", dict(max_sequence_length=40), (48, 80),
-        {}, (1.0, 0.8), "attn1", "num_layers", None, "transformer_blocks.0.attn1.to_q", False,
-        frames=5, max_length=40, bf16=None, single_file=False,
+        {}, (1.0, 0.8), "attn1", "num_layers", _original_wan, "transformer_blocks.0.attn1.to_q", False,
+        frames=5, max_length=40, bf16=None, file_args=("model.num_heads=4",),  # a file's width, not its heads
     ),
     "hunyuan_video15": Row(
         "hunyuanvideo-1.5-480p.yaml", tiny_hunyuan_video15_pipeline, "", {}, (24, 40), dict(shift=7.0),
@@ -835,15 +842,13 @@ def test_bf16_matches_the_pipeline(saved, tmp_path):
 @pytest.mark.parametrize("names", ["original", "diffusers"])
 def test_single_file(saved, tmp_path, names):
     """model.pretrained naming one transformer file (the original release's names: ComfyUI's prefix for
-    Qwen-Image, NVlabs' fused projections for Sana; or diffusers'), the other parts from a copy of the
+    Qwen-Image and Wan, NVlabs' fused projections for Sana; or diffusers'), the other parts from a copy of the
     pipeline folder without the transformer's weights (the VAE from its VAE-only vae/ folder, the
     transformer's config from text_encoder.pretrained's transformer/): the image of the folder's weights."""
     from diffusers import DiffusionPipeline
     from safetensors.torch import save_file
 
     name, folder = saved
-    if not ROWS[name].single_file:
-        pytest.skip(f"{name}: its releases are folders (their original layout: tests/test_wan.py)")
     state = DiffusionPipeline.from_pretrained(folder).transformer.state_dict()
     if names == "original":
         if ROWS[name].original is None:  # HunyuanVideo 1.5's: tests/test_hunyuan_video15_original.py
@@ -864,6 +869,7 @@ def test_single_file(saved, tmp_path, names):
         f"model.pretrained={single}",
         f"vae.pretrained={parts / 'vae'}",
         f"text_encoder.pretrained={parts}",
+        *ROWS[name].file_args,
     ]
     assert run_main(infer, [*argv, *parts_args, f"--output={tmp_path / 'file.npy'}"]) == 0
     want, got = np.load(out), np.load(tmp_path / "file.npy")

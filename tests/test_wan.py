@@ -331,3 +331,33 @@ def test_the_original_wan_layout_reads_as_the_diffusers_one(saved_wan, tmp_path,
     for name in diffusers.sources:
         rows = diffusers.shape(name)[0]
         assert torch.equal(original.read(name, 0, rows), diffusers.read(name, 0, rows)), name
+
+
+def test_a_single_file_reads_as_its_folder(saved_wan, tmp_path):
+    """One .safetensors file in Wan-AI's names under ComfyUI's prefix (diffusers' from_single_file reads it
+    as the model it was written from) or in diffusers' names: the folder's weights and architecture, the
+    config from the shapes; the heads, which no shape says, from the caller, else Wan's width of 128 a
+    head; a file that is not Wan's is named."""
+    from diffusers import WanTransformer3DModel
+    from safetensors.torch import save_file
+
+    from models.dit.wan import WanWeights
+
+    model, folder = saved_wan
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file({original_name(k): v for k, v in state.items()}, tmp_path / "original.safetensors")
+    save_file(state, tmp_path / "diffusers.safetensors")
+    theirs = WanTransformer3DModel.from_single_file(tmp_path / "original.safetensors", config=str(folder))
+    assert all(torch.equal(theirs.state_dict()[k], v) for k, v in state.items())
+    want = WanWeights(folder)
+    for kind, original in (("original", True), ("diffusers", False)):
+        found = WanWeights(tmp_path / f"{kind}.safetensors", heads=TINY_WAN["num_attention_heads"])
+        assert found.original is original and found.dit_kwargs == want.dit_kwargs, kind
+        for name in want.sources:
+            rows = want.shape(name)[0]
+            assert torch.equal(found.read(name, 0, rows), want.read(name, 0, rows)), (kind, name)
+    with pytest.raises(WanFormatError, match="width 24 is not Wan's heads of 128.*set model.num_heads"):
+        WanWeights(tmp_path / "original.safetensors")
+    save_file({"x.weight": torch.zeros(2)}, tmp_path / "other.safetensors")
+    with pytest.raises(WanFormatError, match="not a Wan transformer file: it has no patch_embedding.weight"):
+        WanWeights(tmp_path / "other.safetensors")

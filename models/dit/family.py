@@ -413,7 +413,8 @@ class DiTFamily(Family):
         naming the file."""
         from models.dit.wan import WanWeights
 
-        t = WanWeights(cfg.model.pretrained).config
+        heads = self.heads(cfg) if cfg.model.size != "auto" else cfg.model.num_heads  # a single file's
+        t = WanWeights(cfg.model.pretrained, heads).config
         vae = config_of(cfg, "vae") if cfg.vae.pretrained else {}
         text = config_of(cfg, "text_encoder") if cfg.text_encoder.pretrained else {}
         return [("out_channels", t.get("out_channels"), "the VAE's z_dim", vae.get("z_dim")),
@@ -501,8 +502,9 @@ class DiTFamily(Family):
         from models.dit.wan import WanWeights
 
         pretrained = folder or cfg.model.pretrained
-        weights = WanWeights(pretrained)
-        theirs, ours = weights.dit_kwargs, model.architecture()
+        ours = model.architecture()
+        weights = WanWeights(pretrained, ours["num_heads"])  # a single file's heads: the recipe's
+        theirs = weights.dit_kwargs
         differs = architecture_differences(ours, theirs)
         if not differs:
             return weights

@@ -4,6 +4,7 @@ whole key map is in docs/internals.md). Single-device code.
 """
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -106,6 +107,47 @@ def diffusers_config_from_original(config: dict) -> dict:
         qk_norm="rms_norm_across_heads",
         cross_attn_norm=True,
     )
+
+
+# every Wan release's attention head width (1.3B: 1536 / 12; 5B: 3072 / 24; 14B: 5120 / 40)
+WAN_HEAD_DIM = 128
+
+
+def diffusers_config_from_shapes(shapes: dict, file, heads: int | None = None) -> dict:
+    """A WanTransformer3DModel config from a single file's tensor shapes ({diffusers name: shape}). No shape
+    says the heads: `heads` (the recipe's model.num_heads), else the width at Wan's head width."""
+
+    def shape(name):
+        if name not in shapes:
+            raise WanFormatError(f"model.pretrained={file} is not a Wan transformer file: it has no {name}")
+        return shapes[name]
+
+    dim, in_channels, *patch = shape("patch_embedding.weight")
+    heads = heads or dim // WAN_HEAD_DIM
+    if not heads or dim % heads:
+        raise WanFormatError(
+            f"model.pretrained={file}: its width {dim} is not Wan's heads of {WAN_HEAD_DIM}, and a single "
+            "file does not say its heads: set model.num_heads"
+        )
+    config = dict(
+        patch_size=patch,
+        num_attention_heads=heads,
+        attention_head_dim=dim // heads,
+        in_channels=in_channels,
+        out_channels=shape("proj_out.weight")[0] // math.prod(patch),
+        text_dim=shape("condition_embedder.text_embedder.linear_1.weight")[1],
+        freq_dim=shape("condition_embedder.time_embedder.linear_1.weight")[1],
+        ffn_dim=shape("blocks.0.ffn.net.0.proj.weight")[0],
+        num_layers=1 + max(int(n.split(".")[1]) for n in shapes if n.startswith("blocks.")),
+        cross_attn_norm="blocks.0.norm2.weight" in shapes,
+        qk_norm="rms_norm_across_heads" if "blocks.0.attn1.norm_q.weight" in shapes else None,
+    )
+    image = "condition_embedder.image_embedder."
+    if image + "norm1.weight" in shapes:  # CLIP features (Wan2.1 I2V / FLF2V)
+        config.update(image_dim=shapes[image + "norm1.weight"][0], added_kv_proj_dim=dim)
+        if image + "pos_embed" in shapes:
+            config["pos_embed_seq_len"] = shapes[image + "pos_embed"][1]
+    return config
 
 
 class WanFormatError(ValueError):
@@ -275,10 +317,11 @@ class WanWeights(LazyWeights):
     lazily: `read(name, start, stop)` returns rows start:stop (along dim 0) of one tessera parameter and
     reads only those bytes, so a rank of a sharded model reads only its own shard."""
 
-    def __init__(self, folder):
-        from safetensors import safe_open
-
+    def __init__(self, folder, heads: int | None = None):
         self.folder = Path(folder)
+        if self.folder.suffix == ".safetensors" and not self.folder.is_dir():  # `heads`: its, if known
+            self._open_file(heads)
+            return
         if (
             not (self.folder / "config.json").is_file()
             and (self.folder / "transformer" / "config.json").is_file()
@@ -288,7 +331,8 @@ class WanWeights(LazyWeights):
         if not config.is_file():
             raise WanFormatError(
                 f"model.pretrained={folder}: no config.json there (expected a diffusers "
-                "WanTransformer3DModel folder, or a WanPipeline folder with transformer/ in it)"
+                "WanTransformer3DModel folder, a WanPipeline folder with transformer/ in it, or one "
+                ".safetensors file)"
             )
         self.config = _read_config(config)
         self.original = "num_heads" in self.config and "num_attention_heads" not in self.config
@@ -307,25 +351,10 @@ class WanWeights(LazyWeights):
                 f"lists {', '.join(CONFIG_KEYS)} (or, in Wan-AI's layout, dim, num_heads, "
                 f"in_dim, ffn_dim and num_layers)"
             ) from None
-        files = sorted(self.folder.glob("*.safetensors"))
-        if not files:
+        self.files = sorted(self.folder.glob("*.safetensors"))
+        if not self.files:
             raise WanFormatError(f"model.pretrained={folder}: no .safetensors files there")
-        self._key_file, self._file_key = (
-            {},
-            {},
-        )  # the diffusers name -> its file's handle, its key in the file
-        for file in files:
-            check_safetensors(file, error=WanFormatError)
-            try:
-                handle = safe_open(str(file), framework="pt")
-            except Exception as e:  # noqa: BLE001 - safetensors' own error type
-                raise WanFormatError(
-                    f"model.pretrained: {file} cannot be read as safetensors ({e})"
-                ) from None
-            for key in handle.keys():
-                name = diffusers_name_from_original(key) if self.original else key
-                self._key_file[name] = handle
-                self._file_key[name] = key
+        self._index(self.files)
         self.sources = tessera_sources(self._key_file)
         if self.original:  # its config.json does not say the text width (4096 for UMT5-XXL): the weights do
             self.config["text_dim"] = self.shape("y_embedder.0.weight")[1]
@@ -340,6 +369,41 @@ class WanWeights(LazyWeights):
                 if "image_embedder.pos_embed" in self.sources:
                     self.config["pos_embed_seq_len"] = self.shape("image_embedder.pos_embed")[1]
             self.dit_kwargs = dit_kwargs_from_diffusers_config(self.config)
+
+    def _open_file(self, heads):
+        """One .safetensors file (ComfyUI's and Wan-AI's single files, in the original names, or a file in
+        diffusers' names): no config.json, so the architecture comes from the tensors' shapes."""
+        self.files = [self.folder]
+        check_safetensors(self.folder, error=WanFormatError)
+        keys = self._handle(self.folder).keys()
+        # diffusers' names have a condition_embedder; the original's time_embedding, text_embedding, ...
+        self.original = not any(k.removeprefix("model.diffusion_model.").startswith("condition_embedder.")
+                                for k in keys)  # fmt: skip
+        self._index(self.files)
+        shapes = {n: tuple(h.get_slice(self._file_key[n]).get_shape()) for n, h in self._key_file.items()}
+        self.config = diffusers_config_from_shapes(shapes, self.folder, heads)  # before the names: not Wan's
+        self.sources = tessera_sources(self._key_file)
+        self.dit_kwargs = dit_kwargs_from_diffusers_config(self.config)
+
+    @staticmethod
+    def _handle(file):
+        from safetensors import safe_open
+
+        try:
+            return safe_open(str(file), framework="pt")
+        except Exception as e:  # noqa: BLE001 - safetensors' own error type
+            raise WanFormatError(f"model.pretrained: {file} cannot be read as safetensors ({e})") from None
+
+    def _index(self, files):
+        """Every tensor of `files` by its diffusers name: the file's handle, its key in the file."""
+        self._key_file, self._file_key = {}, {}
+        for file in files:
+            check_safetensors(file, error=WanFormatError)
+            handle = self._handle(file)
+            for key in handle.keys():
+                name = diffusers_name_from_original(key) if self.original else key
+                self._key_file[name] = handle
+                self._file_key[name] = key
 
     def check_parameters(self, names, partial: bool = False) -> None:
         """Every weight of the folder has a place among the model's parameter `names` (state-dict names)
@@ -375,7 +439,7 @@ class WanWeights(LazyWeights):
         keys = self.sources[name]
         read = lambda k: self._key_file[k].get_tensor(self._file_key[k])  # noqa: E731
         key = self._file_key[next((k for k in keys if not torch.isfinite(read(k)).all()), keys[0])]
-        for file in sorted(self.folder.glob("*.safetensors")):
+        for file in self.files:
             with safe_open(str(file), framework="pt") as f:
                 if key in f.keys():
                     return f"model.pretrained={self.folder}: tensor '{key}' in {file}"
@@ -402,19 +466,25 @@ def second_expert(pretrained, pretrained_2=None) -> tuple[str | None, float | No
 
 
 def resolve_auto_size(cfg, error=ValueError) -> None:
-    """Fill cfg.model from the Wan folder in model.pretrained: model.size (the named size with its depth,
-    width and heads), the options, patch_size and task. `error`: the exception type to raise."""
+    """Fill cfg.model from the Wan folder (or single file) in model.pretrained: model.size (the named size
+    with its depth, width and heads), the options, patch_size and task. `error`: the exception type to
+    raise."""
     mc = cfg.model
     folder = mc.pretrained
-    if not folder or not Path(folder).is_dir():
-        raise error(f"model.size=auto reads the architecture from model.pretrained's folder: got {folder!r}")
-    if not (Path(folder) / "config.json").is_file() and not (Path(folder) / "transformer").is_dir():
+    single = bool(folder) and Path(folder).is_file() and folder.endswith(".safetensors")
+    if not folder or not (Path(folder).is_dir() or single):
+        raise error(
+            "model.size=auto reads the architecture from model.pretrained's folder or .safetensors file: "
+            f"got {folder!r}"
+        )
+    configured = (Path(folder) / "config.json").is_file() or (Path(folder) / "transformer").is_dir()
+    if not single and not configured:
         raise error(
             f"model.size=auto reads a Wan folder's config.json; {folder} has none (a tessera run keeps "
             "its own recipe: name its model.size)"
         )
     try:
-        found = WanWeights(folder).dit_kwargs
+        found = WanWeights(folder, mc.num_heads).dit_kwargs
     except WanFormatError as e:
         raise error(f"model.size=auto: {e}") from None
     for key in DIMENSIONS:
