@@ -104,6 +104,13 @@ def _original_wan(state):
     return {original_name(k): v for k, v in state.items()}
 
 
+def _original_ltx2(state):
+    """The release's whole-model file (tests/test_ltx2.py; diffusers' converter reads its transformer)."""
+    from tests.test_ltx2 import release_state
+
+    return release_state(state)
+
+
 def _original_flux2(state):
     """BFL's names under ComfyUI's prefix; diffusers' own converter reads them back (test_flux2.py)."""
     from models.flux2.weights import original_from_diffusers
@@ -166,7 +173,7 @@ ROWS = {
     ),
     "ltx2": Row(  # the recipe's other terms the pipeline's defaults (audio CFG 7, modality 3, rescale 0.7)
         "ltx-2.yaml", tiny_ltx2_pipeline, "guidance_scale", dict(frame_rate=24.0, max_sequence_length=16),
-        (32, 64), dict(shift_terminal=0.2), None, "", "num_layers", None,
+        (32, 64), dict(shift_terminal=0.2), None, "", "num_layers", _original_ltx2,
         "transformer_blocks.0.attn.add_q_proj", False, frames=9, max_length=16, sound=True, bf16=6e-2,
     ),
 }  # fmt: skip
@@ -842,9 +849,10 @@ def test_bf16_matches_the_pipeline(saved, tmp_path):
 @pytest.mark.parametrize("names", ["original", "diffusers"])
 def test_single_file(saved, tmp_path, names):
     """model.pretrained naming one transformer file (the original release's names: ComfyUI's prefix for
-    Qwen-Image and Wan, NVlabs' fused projections for Sana; or diffusers'), the other parts from a copy of the
-    pipeline folder without the transformer's weights (the VAE from its VAE-only vae/ folder, the
-    transformer's config from text_encoder.pretrained's transformer/): the image of the folder's weights."""
+    Qwen-Image and Wan, NVlabs' fused projections for Sana, LTX-2's whole-model file; or diffusers'), the
+    other parts from a copy of the pipeline folder without the transformer's weights (the VAE from its
+    VAE-only vae/ folder, the transformer's config from text_encoder.pretrained's transformer/): the image
+    of the folder's weights."""
     from diffusers import DiffusionPipeline
     from safetensors.torch import save_file
 

@@ -292,3 +292,50 @@ def test_a_sequence_split_replaces_the_video_operators_only():
     assert isinstance(ours.sequence, ShardedSequence)
     for name in ("audio_attn1", "attn2", "audio_attn2", "audio_to_video_attn"):
         assert type(block.get_submodule(name).inner_attention).__module__ == "models.ltx2.transformer", name
+
+
+def release_state(state: dict) -> dict:
+    """diffusers' names -> the release's whole-model file (ltx-2-19b-dev.safetensors), written out here from
+    Lightricks' module names: the transformer under model.diffusion_model., beside a text connector and the
+    VAEs' and vocoder's tensors (which the transformer's reading leaves out)."""
+    modules = [  # top-level modules the release names otherwise
+        ("audio_proj_in", "audio_patchify_proj"), ("proj_in", "patchify_proj"),
+        ("audio_time_embed.", "audio_adaln_single."), ("time_embed.", "adaln_single."),
+        ("av_cross_attn_video_scale_shift", "av_ca_video_scale_shift_adaln_single"),
+        ("av_cross_attn_video_a2v_gate", "av_ca_a2v_gate_adaln_single"),
+        ("av_cross_attn_audio_scale_shift", "av_ca_audio_scale_shift_adaln_single"),
+        ("av_cross_attn_audio_v2a_gate", "av_ca_v2a_gate_adaln_single"),
+    ]  # fmt: skip
+    inside = [  # in each block
+        ("video_a2v_cross_attn_scale_shift_table", "scale_shift_table_a2v_ca_video"),
+        ("audio_a2v_cross_attn_scale_shift_table", "scale_shift_table_a2v_ca_audio"),
+        ("norm_q", "q_norm"), ("norm_k", "k_norm"),
+    ]  # fmt: skip
+    out = {}
+    for key, value in state.items():
+        key = next((theirs + key[len(ours) :] for ours, theirs in modules if key.startswith(ours)), key)
+        for ours, theirs in inside:
+            key = key.replace(ours, theirs)
+        out["model.diffusion_model." + key] = value
+    others = ("model.diffusion_model.video_embeddings_connector.learnable_registers",
+              "vae.per_channel_statistics.mean-of-means", "audio_vae.decoder.conv_in.weight",
+              "vocoder.conv_pre.weight")
+    return out | {key: torch.zeros(2) for key in others}
+
+
+def test_the_release_file_reads_as_diffusers_reads_it():
+    """The transformer of the release's whole-model file: diffusers' converter
+    (convert_ltx2_transformer_to_diffusers, on its transformer's keys) and tessera's reading give the
+    diffusers state dict it was written from; the other parts' tensors are left out."""
+    from diffusers.loaders.single_file_utils import convert_ltx2_transformer_to_diffusers
+
+    from models.ltx2.weights import diffusers_from_release
+
+    theirs, _ = tiny_pair()
+    state = theirs.state_dict()
+    release = release_state(state)
+    assert set(release) - {"model.diffusion_model." + k for k in state}  # the other parts are there
+    transformer = {k: v for k, v in release.items() if k.startswith("model.diffusion_model.")}
+    assert convert_ltx2_transformer_to_diffusers(transformer).keys() == state.keys()
+    assert diffusers_from_release(release) == state
+    assert diffusers_from_release(state) == state  # diffusers' names stay

@@ -24,7 +24,7 @@ from models.ltx2.audio import encode_sound
 from models.ltx2.text import encode_prompts, prepare_tokenizer
 from models.ltx2.training import LTX2Objective, is_audio_parameter
 from models.ltx2.transformer import LTX2Cond
-from models.ltx2.weights import TRANSFORMER_CLASS, build_transformer
+from models.ltx2.weights import TRANSFORMER_CLASS, build_transformer, diffusers_from_release
 from models.names import Names
 from models.steps import Steps
 
@@ -345,8 +345,11 @@ class LTX2(Family):
         for m in ("attn1", "attn2", "ff", "audio_attn1", "audio_attn2", "audio_ff")
         + ("audio_to_video_attn", "video_to_audio_attn")
     )
-    # no alphas, as Lightricks' trainer writes them (diffusers' LTX-2 loader refuses them)
-    names = Names(lora_formats=("diffusers", "comfyui"), lora_alphas=False)
+    # the release's single file read; LoRAs without alphas, as Lightricks' trainer writes them (diffusers'
+    # LTX-2 loader refuses them)
+    names = Names(
+        from_original=diffusers_from_release, lora_formats=("diffusers", "comfyui"), lora_alphas=False
+    )
     steps = LTX2Steps()  # its passes, guided per stream in x0 (guide_in_x0)
     objective = LTX2Objective()  # a sigma per stream, the sum of their losses (models/ltx2/training.py)
 

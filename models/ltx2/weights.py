@@ -3,6 +3,8 @@ config.json at any depth and width in LTX-2.0's configuration; what it does not 
 options) is refused by name. Its weights keep diffusers' names but `transformer_blocks.` <-> `blocks.`.
 """
 
+import re
+
 from models.ltx2.transformer import LTX2Positions, LTX2Transformer
 
 TRANSFORMER_CLASS = "LTX2VideoTransformer3DModel"
@@ -150,3 +152,36 @@ def build_transformer(config: dict, attention_backend: str = "sdpa") -> LTX2Tran
     if config.get("_class_name", TRANSFORMER_CLASS) != TRANSFORMER_CLASS:
         raise LTX2FormatError(f"config describes a {config['_class_name']}, not a {TRANSFORMER_CLASS}")
     return LTX2Transformer(**transformer_kwargs(config), attention_backend=attention_backend)
+
+
+# The release's single file (ltx-2-19b-dev.safetensors, the whole model): its transformer's names under
+# model.diffusion_model., renamed to diffusers' in this order, as diffusers' own converter does
+# (convert_ltx2_transformer_to_diffusers); audio_patchify_proj becomes audio_proj_in with the first
+RELEASE_RENAMES = (
+    ("patchify_proj", "proj_in"),
+    ("av_ca_video_scale_shift_adaln_single", "av_cross_attn_video_scale_shift"),
+    ("av_ca_a2v_gate_adaln_single", "av_cross_attn_video_a2v_gate"),
+    ("av_ca_audio_scale_shift_adaln_single", "av_cross_attn_audio_scale_shift"),
+    ("av_ca_v2a_gate_adaln_single", "av_cross_attn_audio_v2a_gate"),
+    ("scale_shift_table_a2v_ca_video", "video_a2v_cross_attn_scale_shift_table"),
+    ("scale_shift_table_a2v_ca_audio", "audio_a2v_cross_attn_scale_shift_table"),
+    ("q_norm", "norm_q"),
+    ("k_norm", "norm_k"),
+)
+# the whole model's other parts in that file (diffusers' own folders: vae/, audio_vae/, vocoder/, the
+# text connectors/), which tessera reads from the pipeline folder in vae.pretrained or text_encoder.pretrained
+OTHER_PARTS = ("vae.", "audio_vae.", "vocoder.", "text_embedding_projection.")
+
+
+def diffusers_from_release(state: dict) -> dict:
+    """A single file's transformer (the release's names under model.diffusion_model., or diffusers' names)
+    under diffusers' names; the file's other parts (OTHER_PARTS, the text connectors) left out."""
+    out = {}
+    for key, value in state.items():
+        key = re.sub(r"^(model\.)?diffusion_model\.", "", key)
+        if key.startswith(OTHER_PARTS) or "embeddings_connector." in key:
+            continue
+        for theirs, ours in RELEASE_RENAMES:
+            key = key.replace(theirs, ours)
+        out[re.sub(r"^(audio_)?adaln_single\.", r"\1time_embed.", key)] = value
+    return out
