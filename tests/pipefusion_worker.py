@@ -38,7 +38,7 @@ TINY = Path(__file__).resolve().parent / "tiny.yaml"
 STEPS, FRAMES, HEIGHT, WIDTH, GUIDANCE = 3, 3, 20, 12, 2.0
 PROMPTS = ["a red square moving left", "a green circle moving up"]
 EXACT = 1e-5  # the issue's bound against the serial sampler, on pixels in [0, 1]
-FAMILY = DiTFamily()  # the serial and the parallel samplings' (own_schedule changes its schedule)
+FAMILY = DiTFamily()  # the serial and the parallel samplings' (own_schedule changes its steps' schedule)
 
 
 def config(patches=None, warmup=1, image=False):
@@ -183,8 +183,8 @@ def run_case(layout: ParallelLayout, patches=None, warmup=1, cache=None, image=F
 
 @contextlib.contextmanager
 def own_schedule():
-    """The DiT family's schedule (of the instance both samplings take) made other than its flow's sigmas
-    (their square roots: still from 1 to 0)."""
+    """The DiT family's schedule (of its steps, which both samplings take: every DiTFamily's in this
+    process) made other than its flow's sigmas (their square roots: still from 1 to 0)."""
     family = FAMILY
 
     def schedule(parts, steps, latents):

@@ -317,9 +317,12 @@ def release_state(state: dict) -> dict:
         for ours, theirs in inside:
             key = key.replace(ours, theirs)
         out["model.diffusion_model." + key] = value
-    others = ("model.diffusion_model.video_embeddings_connector.learnable_registers",
-              "vae.per_channel_statistics.mean-of-means", "audio_vae.decoder.conv_in.weight",
-              "vocoder.conv_pre.weight")
+    others = (
+        "model.diffusion_model.video_embeddings_connector.learnable_registers",
+        "vae.per_channel_statistics.mean-of-means",
+        "audio_vae.decoder.conv_in.weight",
+        "vocoder.conv_pre.weight",
+    )
     return out | {key: torch.zeros(2) for key in others}
 
 

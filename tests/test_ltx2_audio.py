@@ -1,5 +1,5 @@
 """models/ltx2/audio.py against code no one here wrote: transformers' numpy audio_utils for the log-mel,
-diffusers' AutoencoderKLLTX2Audio called directly for the latents, tessera's LTX2.decode_audio for the
+diffusers' AutoencoderKLLTX2Audio called directly for the latents, tessera's LTX2Steps.decode_audio for the
 inverse of their normalisation."""
 
 from types import SimpleNamespace

@@ -358,6 +358,39 @@ def test_a_single_file_reads_as_its_folder(saved_wan, tmp_path):
             assert torch.equal(found.read(name, 0, rows), want.read(name, 0, rows)), (kind, name)
     with pytest.raises(WanFormatError, match="width 24 is not Wan's heads of 128.*set model.num_heads"):
         WanWeights(tmp_path / "original.safetensors")
+    with pytest.raises(WanFormatError, match="missing.safetensors: no such file"):
+        WanWeights(tmp_path / "missing.safetensors")
+    save_file(state | {"scaled_fp8": torch.zeros(1)}, tmp_path / "scaled.safetensors")
+    with pytest.raises(WanFormatError, match="scaled float8 file.*use the release's fp16 or bf16 file"):
+        WanWeights(tmp_path / "scaled.safetensors")
     save_file({"x.weight": torch.zeros(2)}, tmp_path / "other.safetensors")
     with pytest.raises(WanFormatError, match="not a Wan transformer file: it has no patch_embedding.weight"):
         WanWeights(tmp_path / "other.safetensors")
+
+
+@pytest.mark.parametrize("release", ["t2v-1.3b", "i2v-14b", "flf2v-14b", "ti2v-5b"])
+def test_the_releases_configs_from_their_shapes(release):
+    """Each release's architecture (diffusers' configs of Wan-AI's folders), built on the meta device and
+    named as its single file is: the config read off the shapes, the heads at Wan's width of 128 a head,
+    CLIP's features and FLF2V's positions included."""
+    from diffusers import WanTransformer3DModel
+
+    from models.dit.wan import diffusers_config_from_shapes, diffusers_name_from_original
+
+    base = dict(patch_size=(1, 2, 2), attention_head_dim=128, text_dim=4096, freq_dim=256,
+                qk_norm="rms_norm_across_heads", cross_attn_norm=True)  # fmt: skip
+    wide = dict(num_attention_heads=40, in_channels=36, out_channels=16, ffn_dim=13824, num_layers=40)
+    clip = dict(image_dim=1280, added_kv_proj_dim=5120)
+    config = base | {
+        "t2v-1.3b": dict(num_attention_heads=12, in_channels=16, out_channels=16, ffn_dim=8960,
+                         num_layers=30),
+        "i2v-14b": wide | clip,
+        "flf2v-14b": wide | clip | dict(pos_embed_seq_len=514),
+        "ti2v-5b": dict(num_attention_heads=24, in_channels=48, out_channels=48, ffn_dim=14336,
+                        num_layers=30),
+    }[release]  # fmt: skip
+    with torch.device("meta"):
+        state = WanTransformer3DModel(**config).state_dict()
+    shapes = {diffusers_name_from_original(original_name(k)): tuple(v.shape) for k, v in state.items()}
+    found = diffusers_config_from_shapes(shapes, release)
+    assert found | {"patch_size": tuple(found["patch_size"])} == config

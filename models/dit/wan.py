@@ -122,13 +122,17 @@ def diffusers_config_from_shapes(shapes: dict, file, heads: int | None = None) -
             raise WanFormatError(f"model.pretrained={file} is not a Wan transformer file: it has no {name}")
         return shapes[name]
 
+    if len(shape("patch_embedding.weight")) != 5:  # (width, channels, and a patch's frames, height, width)
+        raise WanFormatError(f"model.pretrained={file}: its patch_embedding is not a Wan transformer's")
     dim, in_channels, *patch = shape("patch_embedding.weight")
-    heads = heads or dim // WAN_HEAD_DIM
-    if not heads or dim % heads:
+    # the recipe's heads where they divide the width (else its model.size is another model's: named later)
+    heads = heads if heads and dim % heads == 0 else None
+    if heads is None and dim % WAN_HEAD_DIM:
         raise WanFormatError(
             f"model.pretrained={file}: its width {dim} is not Wan's heads of {WAN_HEAD_DIM}, and a single "
             "file does not say its heads: set model.num_heads"
         )
+    heads = heads or dim // WAN_HEAD_DIM
     config = dict(
         patch_size=patch,
         num_attention_heads=heads,
@@ -374,8 +378,15 @@ class WanWeights(LazyWeights):
         """One .safetensors file (ComfyUI's and Wan-AI's single files, in the original names, or a file in
         diffusers' names): no config.json, so the architecture comes from the tensors' shapes."""
         self.files = [self.folder]
+        if not self.folder.is_file():
+            raise WanFormatError(f"model.pretrained={self.folder}: no such file")
         check_safetensors(self.folder, error=WanFormatError)
         keys = self._handle(self.folder).keys()
+        if any(k == "scaled_fp8" or k.endswith(".scale_weight") for k in keys):  # ComfyUI's fp8_scaled files
+            raise WanFormatError(
+                f"model.pretrained={self.folder} is ComfyUI's scaled float8 file, whose weights need their "
+                "scales: use the release's fp16 or bf16 file"
+            )
         # diffusers' names have a condition_embedder; the original's time_embedding, text_embedding, ...
         self.original = not any(k.removeprefix("model.diffusion_model.").startswith("condition_embedder.")
                                 for k in keys)  # fmt: skip

@@ -49,7 +49,7 @@ def log_mel(waveform, sample_rate: int, hop: int, mel_bins: int, n_fft: int = 10
 def encode_sound(audio_vae, waveform):
     """(B, channels, samples) float at the VAE's sample rate -> the normalised latents (B, C_a, L, M)
     float32, in LTX2Layout.split's audio layout: the posterior's mode, normalised per entry of the packed
-    (L, C_a M) channel-major row, (x - latents_mean) / latents_std, which LTX2.decode_audio inverts."""
+    (L, C_a M) channel-major row, (x - latents_mean) / latents_std, which LTX2Steps.decode_audio inverts."""
     config = audio_vae.config
     device = audio_vae.latents_mean.device
     # n_fft: the diffusers config does not carry it; every LTX-2 release uses Lightricks' default 1024

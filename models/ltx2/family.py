@@ -19,6 +19,7 @@ import torch
 
 from models.capabilities import Capabilities
 from models.family import Components, Family, config_of, part_folder, read_json
+from models.guidance import Guidance
 from models.loop import UNSUPPORTED, Schedule, euler, sigmas
 from models.ltx2.audio import encode_sound
 from models.ltx2.text import encode_prompts, prepare_tokenizer
@@ -148,6 +149,15 @@ def recorded_layout(parts, x) -> LTX2Layout:
     if parts.layout is None or x.shape[1] != parts.layout.size:
         raise ValueError(f"LTX-2: latents of {tuple(x.shape)} are not the sampling's ({parts.layout})")
     return parts.layout
+
+
+class PassGuidance(Guidance):
+    """Its CFG guides above 1, as the default; its passes are guided in LTX2Steps (guide_in_x0), never by a
+    formula on two velocities: a sampler that calls `guide` (PipeFusion's, a distillation's teacher) fails
+    here rather than guiding LTX-2 otherwise than its pipeline."""
+
+    def guide(self, v_cond, v_uncond, scale: float, parts=None):
+        raise NotImplementedError("LTX-2 guides its passes in x0: LTX2Steps.guided (guide_in_x0)")
 
 
 def guide_in_x0(parts: LTX2Parts, x, t, v_cond, v_uncond, v_stg, v_modality, scale: float):
@@ -351,6 +361,7 @@ class LTX2(Family):
         from_original=diffusers_from_release, lora_formats=("diffusers", "comfyui"), lora_alphas=False
     )
     steps = LTX2Steps()  # its passes, guided per stream in x0 (guide_in_x0)
+    guidance = PassGuidance()
     objective = LTX2Objective()  # a sigma per stream, the sum of their losses (models/ltx2/training.py)
 
     def check_pretrained(self, cfg) -> None:

@@ -156,7 +156,8 @@ def build_transformer(config: dict, attention_backend: str = "sdpa") -> LTX2Tran
 
 # The release's single file (ltx-2-19b-dev.safetensors, the whole model): its transformer's names under
 # model.diffusion_model., renamed to diffusers' in this order, as diffusers' own converter does
-# (convert_ltx2_transformer_to_diffusers); audio_patchify_proj becomes audio_proj_in with the first
+# (convert_ltx2_transformer_to_diffusers); audio_patchify_proj becomes audio_proj_in with the first. Its
+# LoRAs' module names (family.py ORIGINAL_NAMES, the other way) are the top-level ones of these
 RELEASE_RENAMES = (
     ("patchify_proj", "proj_in"),
     ("av_ca_video_scale_shift_adaln_single", "av_cross_attn_video_scale_shift"),
