@@ -358,7 +358,7 @@ class WanWeights(LazyWeights):
         self.files = sorted(self.folder.glob("*.safetensors"))
         if not self.files:
             raise WanFormatError(f"model.pretrained={folder}: no .safetensors files there")
-        self._index(self.files)
+        self._index(self._handles(self.files))
         self.sources = tessera_sources(self._key_file)
         if self.original:  # its config.json does not say the text width (4096 for UMT5-XXL): the weights do
             self.config["text_dim"] = self.shape("y_embedder.0.weight")[1]
@@ -380,8 +380,8 @@ class WanWeights(LazyWeights):
         self.files = [self.folder]
         if not self.folder.is_file():
             raise WanFormatError(f"model.pretrained={self.folder}: no such file")
-        check_safetensors(self.folder, error=WanFormatError)
-        keys = self._handle(self.folder).keys()
+        handles = self._handles(self.files)
+        keys = handles[0].keys()
         if any(k == "scaled_fp8" or k.endswith(".scale_weight") for k in keys):  # ComfyUI's fp8_scaled files
             raise WanFormatError(
                 f"model.pretrained={self.folder} is ComfyUI's scaled float8 file, whose weights need their "
@@ -390,27 +390,32 @@ class WanWeights(LazyWeights):
         # diffusers' names have a condition_embedder; the original's time_embedding, text_embedding, ...
         self.original = not any(k.removeprefix("model.diffusion_model.").startswith("condition_embedder.")
                                 for k in keys)  # fmt: skip
-        self._index(self.files)
+        self._index(handles)
         shapes = {n: tuple(h.get_slice(self._file_key[n]).get_shape()) for n, h in self._key_file.items()}
         self.config = diffusers_config_from_shapes(shapes, self.folder, heads)  # before the names: not Wan's
         self.sources = tessera_sources(self._key_file)
         self.dit_kwargs = dit_kwargs_from_diffusers_config(self.config)
 
     @staticmethod
-    def _handle(file):
+    def _handles(files) -> list:
+        """Each file checked (its header: a truncated file named) and opened."""
         from safetensors import safe_open
 
-        try:
-            return safe_open(str(file), framework="pt")
-        except Exception as e:  # noqa: BLE001 - safetensors' own error type
-            raise WanFormatError(f"model.pretrained: {file} cannot be read as safetensors ({e})") from None
-
-    def _index(self, files):
-        """Every tensor of `files` by its diffusers name: the file's handle, its key in the file."""
-        self._key_file, self._file_key = {}, {}
+        handles = []
         for file in files:
             check_safetensors(file, error=WanFormatError)
-            handle = self._handle(file)
+            try:
+                handles.append(safe_open(str(file), framework="pt"))
+            except Exception as e:  # noqa: BLE001 - safetensors' own error type
+                raise WanFormatError(
+                    f"model.pretrained: {file} cannot be read as safetensors ({e})"
+                ) from None
+        return handles
+
+    def _index(self, handles):
+        """Every tensor of the files by its diffusers name: the file's handle, its key in the file."""
+        self._key_file, self._file_key = {}, {}
+        for handle in handles:
             for key in handle.keys():
                 name = diffusers_name_from_original(key) if self.original else key
                 self._key_file[name] = handle

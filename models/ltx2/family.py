@@ -286,9 +286,8 @@ class LTX2Steps(Steps):
 
     def guide_passes(self, guidance, parts: LTX2Parts, x, t, conditional, unconditional, scale: float):
         # a step that does not guide: as `velocity` (never, at one scale a walk)
-        if not guidance.guided(scale):
-            return self._guide(parts, x, t, list(conditional), None, 1.0)
-        return self._guide(parts, x, t, list(conditional), unconditional[0], scale)
+        v_uncond, scale = (unconditional[0], scale) if guidance.guided(scale) else (None, 1.0)
+        return self._guide(parts, x, t, list(conditional), v_uncond, scale)
 
     def velocity(self, parts: LTX2Parts, x, t, cond):
         """Without CFG: STG and modality guidance still apply, as in the pipeline."""
