@@ -26,7 +26,8 @@ class Capabilities:
     # its operators mask a split's or PipeFusion's padded keys through the recipe's kernel, so
     # model.attention_backend must take a mask there (False: they pick SDPA themselves where keys are masked)
     masks_through_kernel: bool = True
-    # {capability (a field's name, or a degree of `parallel`): why the model does not take it}
+    # {capability (a field's name, or a degree of `parallel`): why the model does not take it; "tasks":
+    # where its image-to-video training comes from instead of model.task}
     reasons: dict = field(default_factory=dict)
 
     def lacking(self) -> list:

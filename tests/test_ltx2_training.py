@@ -58,12 +58,15 @@ def pipeline_audio(pipe, waveforms) -> torch.Tensor:
     return pipe._normalize_audio_latents(packed, vae.latents_mean, vae.latents_std)
 
 
-def pipeline_loss(pipe, captions, video, sound, noise, sigmas, own_shifts: bool = True) -> torch.Tensor:
+def pipeline_loss(pipe, captions, video, sound, noise, sigmas, own_shifts=True, given=None) -> torch.Tensor:
     """The loss on LTX2Pipeline's parts: encode_prompt and its connectors, its video VAE's posterior mode
     normalised by its _normalize_latents, its transformer (packed latents, its coords at 24 fps, the
     streams' timesteps; the audio-video gates told the other stream's sigma, their scale and shift each
     stream's own, as Lightricks' model has them; `own_shifts` False: diffusers' use_cross_timestep alone);
-    `sound`: pipeline_audio's packed latents, or None (the video alone: the modality-isolated pass)."""
+    `sound`: pipeline_audio's packed latents, or None (the video alone: the modality-isolated pass);
+    `given` (B,) bool: the clips given their first latent frame as Lightricks' trainer gives it (clean,
+    its tokens at timestep 0 as LTX2ImageToVideoPipeline's per-token timestep, out of the trainer's masked
+    loss: the squared errors times the mask over the mask's mean)."""
     embeds, mask, _, _ = pipe.encode_prompt(
         captions, do_classifier_free_guidance=False, max_sequence_length=MAX_LENGTH, device="cpu"
     )
@@ -79,11 +82,18 @@ def pipeline_loss(pipe, captions, video, sound, noise, sigmas, own_shifts: bool 
         audio_noise, audio_sigma = pipe._pack_audio_latents(noise[1]), sigmas[:, 1].view(-1, 1, 1)
         a_t = (1 - audio_sigma) * sound + audio_sigma * audio_noise
     B, _, T, H, W = x0.shape
+    video_timestep, keep = sigmas[:, 0] * 1000, None
+    if given is not None:
+        first = torch.zeros(B, 1, T, 1, 1, dtype=torch.bool)
+        first[given, :, 0] = True
+        x_t = torch.where(first, x0, x_t)
+        keep = pipe._pack_latents((~first).float().expand(B, 1, T, H, W))  # (B, N, 1)
+        video_timestep = video_timestep[:, None] * keep[..., 0]
     # Lightricks' model: each stream's a2v / v2a scale and shift read its own timestep (diffusers'
     # use_cross_timestep=True below gives the other stream's to the gates, and to these two, which the hooks
     # give back their own)
     own = {
-        "av_cross_attn_video_scale_shift": sigmas[:, 0] * 1000,
+        "av_cross_attn_video_scale_shift": video_timestep.flatten(),
         "av_cross_attn_audio_scale_shift": audio_sigma.flatten() * 1000,
     }
     hooks = [
@@ -98,7 +108,7 @@ def pipeline_loss(pipe, captions, video, sound, noise, sigmas, own_shifts: bool 
         audio_hidden_states=a_t,
         encoder_hidden_states=text,
         audio_encoder_hidden_states=audio_text,
-        timestep=sigmas[:, 0] * 1000,
+        timestep=video_timestep,
         audio_timestep=audio_sigma.flatten() * 1000,
         sigma=sigmas[:, 0] * 1000,  # what each stream's audio-video modulations read of the other's
         audio_sigma=audio_sigma.flatten() * 1000,
@@ -118,6 +128,9 @@ def pipeline_loss(pipe, captions, video, sound, noise, sigmas, own_shifts: bool 
     for hook in hooks:
         hook.remove()
     loss = torch.nn.functional.mse_loss(out, pipe._pack_latents(noise[0] - x0))
+    if keep is not None:
+        squares, keep = (out - pipe._pack_latents(noise[0] - x0)).square(), keep.expand_as(out)
+        loss = squares.mul(keep).div(keep.mean()).mean()
     if sound is None:
         return loss
     return loss + torch.nn.functional.mse_loss(audio_out, audio_noise - sound)
@@ -201,6 +214,47 @@ def test_the_audio_video_loss_is_diffusers(saved):
     )
     assert want.item() > 0.1 and abs(ours.item() - want.item()) <= 1e-5 * want.item()
     assert abs(one_sigma.item() - want.item()) > 1e-3 and abs(cross.item() - ours.item()) > 1e-4
+
+
+@torch.no_grad()
+def test_first_frame_conditioning_is_lightricks(saved):
+    """train.first_frame_conditioning_p=0.5, two clips with their sound, the first given its first frame:
+    train.py's loss is the pipeline's parts' with that frame clean at timestep 0 and out of the masked loss
+    (pipeline_loss's `given`); told that nothing is given, it is not. The chance is drawn after everything
+    else, so a recipe without it draws the same noise and sigmas."""
+    from diffusers import LTX2Pipeline
+
+    family = family_named("ltx2")
+    cfg = training_recipe(saved, "data.audio=true", "train.first_frame_conditioning_p=0.5")
+    parts = family.load(cfg, torch.device("cpu"), torch.float32)
+    video = torch.randint(0, 256, (2, 3, FRAMES, HEIGHT, WIDTH), generator=torch.Generator().manual_seed(0))
+    sound = tones(2, round(FRAMES / FPS * 16000))
+    run = FamilyRun(family, parts, cfg.text_encoder.max_length)
+    batch = {"caption": CAPTIONS, "video": video.to(torch.uint8), "audio": sound}
+    encoded = encode_family_batch(run, batch, [False, False], "cpu")
+    x0, cond = family_batch(run, SimpleNamespace(sp_size=1), encoded, "cpu")
+    draws = {}
+    for chance in (0.0, 0.5):
+        parts.first_frame_p = chance
+        gens = [torch.Generator().manual_seed(seed) for seed in (5, 6)]
+        draws[chance] = family.objective.draw(parts, None, x0, cond, gens)
+    (plain, plain_sigmas), (noise, sigmas) = draws[0.0], draws[0.5]
+    assert plain[2] is None and all(torch.equal(a, b) for a, b in zip(plain[:2], noise[:2], strict=True))
+    assert torch.equal(plain_sigmas, sigmas) and noise[2].dtype == torch.bool and noise[2].shape == (2,)
+    noise = (*noise[:2], torch.tensor([True, False]))
+    ours = family.objective.loss(parts, None, parts.transformer, x0, cond, noise, sigmas)
+    pipe = LTX2Pipeline.from_pretrained(saved)
+    packed = pipeline_audio(pipe, sound)
+    want = pipeline_loss(pipe, CAPTIONS, video, packed, noise, sigmas, given=torch.tensor([True, False]))
+    text_only = pipeline_loss(pipe, CAPTIONS, video, packed, noise, sigmas)
+    print(
+        f"first frame given to clip 0: train.py's loss {ours.item():.6f}, diffusers' parts' "
+        f"{want.item():.6f}; "
+        f"with no frame given {text_only.item():.6f}",
+        file=sys.__stderr__,
+    )
+    assert want.item() > 0.1 and abs(ours.item() - want.item()) <= 1e-5 * want.item()
+    assert abs(text_only.item() - ours.item()) > 1e-4
 
 
 def test_sigmas_follow_the_shifted_logit_normal():
@@ -355,8 +409,11 @@ def sound_manifest(folder) -> str:
 
 
 def sound_args(folder, run, manifest, *extra) -> list:
-    """train_args on `manifest`'s clips with their sound, 2 steps, checkpointed."""
+    """train_args on `manifest`'s clips with their sound, 2 steps, checkpointed; half the clips drawn to
+    train image-to-video (each step's first clip, at the test's seeds: the runs, their splits, exports and
+    precomputed latents cover both kinds of clip)."""
     media = [f"data.manifest={manifest}", "data.audio=true", "data.max_upscale=8", "train.max_steps=2"]
+    media.append("train.first_frame_conditioning_p=0.5")
     media.append("train.checkpoint_every=1")  # the 16 x 16 clips scaled up to the 32 x 64 bucket
     return [*train_args(folder, run, *media, "train.ema_decay=0", *extra)]
 
@@ -507,7 +564,8 @@ def test_split_training_with_sound_is_one_process(saved, sound_runs, tmp_path, s
 
 def test_unread_flow_keys_and_missing_fps_are_refused(saved):
     """LTX-2 draws its own sigmas: flow.shift set is refused by name (FLOW_DEFAULTS are the schema's);
-    data.fps unset too."""
+    data.fps unset too, a first-frame chance outside [0, 1], and model.task=i2v (naming the key that
+    trains its image-to-video); another family's recipe refuses the key."""
     from dataclasses import asdict
 
     from configs.schema import FlowConfig
@@ -520,6 +578,20 @@ def test_unread_flow_keys_and_missing_fps_are_refused(saved):
         family.check_training(training_recipe(saved, "flow.shift=3.0"))
     with pytest.raises(ValueError, match="data.fps is unset"):
         family.check_training(training_recipe(saved, "data.fps=null"))
+    with pytest.raises(ValueError, match=r"conditioning_p=1.5: a clip.s chance .* between 0 and 1"):
+        family.check_training(training_recipe(saved, "train.first_frame_conditioning_p=1.5"))
+    from parallel.drive.family_training import check_family_training
+
+    asked = training_recipe(saved, "model.task=i2v")  # its image-to-video training is named instead
+    with pytest.raises(ValueError, match=r"model.task=i2v: .* LTX-2 leaves it at t2v \(its image-to-video "):
+        check_family_training(asked, family, SimpleNamespace(ulysses=1, ring=1))
+    with pytest.raises(ValueError, match=r"training is train.first_frame_conditioning_p: each clip's chance"):
+        check_family_training(asked, family, SimpleNamespace(ulysses=1, ring=1))
+    from configs import load_config
+
+    other = ["train.first_frame_conditioning_p=0.1"]  # another family's recipe: the key is LTX-2's
+    with pytest.raises(ValueError, match=r"conditioning_p=0.1: Qwen-Image takes no such image-to"):
+        load_config(ROOT / "configs" / "qwen-image.yaml", other)
 
 
 def test_an_audio_vae_that_compresses_otherwise_is_named(saved, tmp_path):

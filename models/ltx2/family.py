@@ -5,9 +5,9 @@ shifted by the video token count, one Euler step for both streams) and its guida
 audio CFG, modality isolation and STG as deltas, then the guidance rescale. The generic loop carries one
 float32 tensor (B, D): each sample's packed video latents, then its packed audio latents (LTX2Layout).
 Text- and image-to-video (--image: LTX2ImageToVideoPipeline's first frame) under dp, cfg, ulysses or ring;
-training video with its sound as Lightricks' trainer does (models/ltx2/training.py, audio.py). Refused by
-name: image-to-video training and prompt enhancement (not built); PipeFusion and the step caches (for the
-model's reasons in its capabilities)
+training video with its sound, and image-to-video (train.first_frame_conditioning_p), as Lightricks' trainer
+does (models/ltx2/training.py, audio.py). Refused by name: prompt enhancement and the distillation (not
+built); PipeFusion and the step caches (for the model's reasons in its capabilities)
 """
 
 import math
@@ -108,6 +108,7 @@ class LTX2Parts(Components):
     layout: LTX2Layout | None = None
     first_frames: torch.Tensor | None = None  # with_images' latents (B, C, 1, h, w), for the next noise()
     train_fps: float | None = None  # data.fps: the training clips' frame rate (their positions in time)
+    first_frame_p: float = 0.0  # train.first_frame_conditioning_p: a clip's chance to train image-to-video
 
 
 def original_name(name: str) -> str:
@@ -345,7 +346,12 @@ class LTX2(Family):
         image_to_video=True,
         trains_audio=True,
         samples_audio=True,
-        reasons=dict(pipefusion=BOTH_STREAMS, first_block=FIRST_BLOCK, calibrated_cache=PASSES),
+        reasons=dict(
+            pipefusion=BOTH_STREAMS,
+            first_block=FIRST_BLOCK,
+            calibrated_cache=PASSES,
+            tasks="is train.first_frame_conditioning_p: each clip's chance to be given its first frame",
+        ),
     )
     # a LoRA's default layers: both streams' attentions (self, text, audio-to-video, video-to-audio) and
     # feed-forwards; the video's alone with data.audio=false (default_lora_targets)
@@ -475,6 +481,7 @@ class LTX2(Family):
             terms=guidance_terms(cfg),
             fps=float(cfg.sample.fps),
             train_fps=cfg.data.fps,
+            first_frame_p=cfg.train.first_frame_conditioning_p,
         )
 
     def projections(self, model) -> tuple[dict, dict]:
@@ -495,12 +502,19 @@ class LTX2(Family):
 
     def check_training(self, cfg) -> None:
         """Its positions in time are in seconds, and a bucket's sound must have one length: data.fps. Its
-        sigmas are Lightricks' (models/ltx2/training.py): a flow.* key set otherwise is refused by name."""
+        sigmas are Lightricks' (models/ltx2/training.py): a flow.* key set otherwise is refused by name; a
+        first-frame chance outside [0, 1] too."""
         changed = [f"flow.{k}={cfg.flow[k]}" for k, v in FLOW_DEFAULTS.items() if cfg.flow[k] != v]
         if changed:
             raise ValueError(
                 f"{', '.join(changed)}: {self.title} draws each stream's sigma from the shifted logit-normal "
                 "of its own trainer (docs/ltx2_training.md), which no flow.* key changes; unset it"
+            )
+        chance = cfg.train.first_frame_conditioning_p
+        if not 0 <= chance <= 1:
+            raise ValueError(
+                f"train.first_frame_conditioning_p={chance}: a clip's chance to be given its first frame is "
+                "between 0 and 1 (Lightricks' trainer's default 0.1)"
             )
         if not cfg.data.fps:
             raise ValueError(

@@ -4,7 +4,9 @@ count (a shared sigma is what had voices come out as noise elsewhere), velocity 
 of the video's and the audio's mean squared errors; the audio-video gates read the other stream's sigma,
 their scale and shift each stream's own, as in Lightricks' model (LTX2Cond.cross_gate_only). Without sound
 (data.audio=false) the video trains alone: the modality-isolated pass, no audio loss, and every audio
-parameter frozen (is_audio_parameter).
+parameter frozen (is_audio_parameter). Image-to-video trains as the trainer's first-frame conditioning does
+(train.first_frame_conditioning_p): a clip drawn to be given its first latent frame keeps it clean, at sigma
+0 on its tokens, and out of the video's loss.
 """
 
 import math
@@ -47,13 +49,16 @@ def draw_sigma(tokens: int, generator: torch.Generator) -> float:
     return float(stretched) if float(choice) > UNIFORM else float((1 - EPS) * uniform + EPS)
 
 
-def draw(video_shape: tuple, audio_shape: tuple | None, generators: list) -> tuple:
-    """((video noise (B, *video_shape), audio noise (B, *audio_shape) or None), sigmas (B, 2): the video's,
-    the audio's), sample i's from generators[i] alone: its video noise, its audio noise, then a sigma for
-    each stream by its own token count (latents per token: 1, LTX-2's patch size; an audio token is a
-    latent frame). Without sound the audio's sigma is the video's (it trains nothing)."""
+def draw(video_shape: tuple, audio_shape: tuple | None, generators: list, first_frame: float = 0.0) -> tuple:
+    """((video noise (B, *video_shape), audio noise (B, *audio_shape) or None, given (B,) bool or None),
+    sigmas (B, 2): the video's, the audio's), sample i's from generators[i] alone: its video noise, its
+    audio noise, a sigma for each stream by its own token count (latents per token: 1, LTX-2's patch size;
+    an audio token is a latent frame), then, at the chance `first_frame`, whether its first latent frame
+    is given (never to a clip of one latent frame: nothing would be left to train). Without sound the
+    audio's sigma is the video's (it trains nothing)."""
     video_tokens = math.prod(video_shape[1:])
-    noises, audio_noises, sigmas = [], [], []
+    gives = first_frame > 0 and video_shape[1] > 1
+    noises, audio_noises, sigmas, given = [], [], [], []
     for g in generators:
         noises.append(torch.randn(video_shape, generator=g))
         if audio_shape is not None:
@@ -61,28 +66,57 @@ def draw(video_shape: tuple, audio_shape: tuple | None, generators: list) -> tup
         video_sigma = draw_sigma(video_tokens, g)
         audio_sigma = draw_sigma(audio_shape[1], g) if audio_shape is not None else video_sigma
         sigmas.append((video_sigma, audio_sigma))
+        if gives:  # drawn last: a recipe without it draws what it drew before
+            given.append(float(torch.rand(1, generator=g)) < first_frame)
     audio = torch.stack(audio_noises) if audio_shape is not None else None
-    return (torch.stack(noises), audio), torch.tensor(sigmas)
+    return (torch.stack(noises), audio, torch.tensor(given) if gives else None), torch.tensor(sigmas)
 
 
 def loss(model, x0, audio_x0, cond, noise: tuple, sigmas) -> torch.Tensor:
     """The video's mean squared velocity error plus the audio's (without `audio_x0`: the video's alone, on
     the modality-isolated pass with a silent one-frame audio stream, which the video then never sees), each
-    stream noised at its own sigma: x_t = (1 - sigma) x0 + sigma noise, the target noise - x0."""
-    video_noise, audio_noise = (n.to(x0.device, x0.dtype) if n is not None else None for n in noise)
+    stream noised at its own sigma: x_t = (1 - sigma) x0 + sigma noise, the target noise - x0. A clip
+    `given` its first frame (draw) keeps that frame's latents clean at sigma 0, its tokens out of the
+    video's mean (given_frames)."""
+    video_noise, audio_noise = (n.to(x0.device, x0.dtype) if n is not None else None for n in noise[:2])
     sigmas = sigmas.to(x0.device)
     video_t, audio_t = sigmas[:, 0], sigmas[:, 1]
     x_t = mix(x0, video_noise, video_t)
+    x_t, cond, weight = given_frames(x0, x_t, cond, video_t, noise[2])
+    video_error = lambda video: masked_mse(video.float(), (video_noise - x0).float(), weight)  # noqa: E731
     if audio_x0 is None:
         # (B, C_a M, 1, 1): one latent audio frame of C_a x M values, as the transformer's embed reads it
         silent = x0.new_zeros(x0.shape[0], model.audio_proj_in.in_features, 1, 1)
         video, _ = model(x_t, silent, video_t, replace(cond, audio_t=None), isolate_modalities=True)
-        return F.mse_loss(video.float(), (video_noise - x0).float())
+        return video_error(video)
     audio_x0 = audio_x0.to(x0.device, x0.dtype)
     audio_t_x = mix(audio_x0, audio_noise, audio_t)
     video, audio = model(x_t, audio_t_x, video_t, replace(cond, audio_t=audio_t, cross_gate_only=True))
-    video_loss = F.mse_loss(video.float(), (video_noise - x0).float())
-    return video_loss + F.mse_loss(audio.float(), (audio_noise - audio_x0).float())
+    return video_error(video) + F.mse_loss(audio.float(), (audio_noise - audio_x0).float())
+
+
+def given_frames(x0, x_t, cond, video_t, given) -> tuple:
+    """(x_t, cond, the loss's weight (B, 1, T, 1, 1): 0 on a given frame, or None) for the clips `given`
+    their first latent frame: its latents x0's, its tokens' sigma 0 (cond.video_t per token, the image-to-
+    video pipeline's), the other streams' modulations still reading the clip's sigma. Unchanged when none
+    is given."""
+    if given is None or not bool(given.any()):
+        return x_t, cond, None
+    B, _, T, H, W = x0.shape
+    first = torch.zeros(B, 1, T, 1, 1, dtype=torch.bool, device=x0.device)
+    first[given.to(x0.device), :, 0] = True
+    weight = (~first).float()
+    per_token = weight.expand(B, 1, T, H, W).flatten(1) * video_t.float()[:, None]
+    return torch.where(first, x0, x_t), replace(cond, video_t=per_token), weight
+
+
+def masked_mse(prediction, target, weight) -> torch.Tensor:
+    """The mean squared error over the elements `weight` keeps (Lightricks' masked loss: the squared
+    errors times the mask over the mask's mean); the plain mean without a weight."""
+    if weight is None:
+        return F.mse_loss(prediction, target)
+    weight = weight.expand_as(prediction)
+    return (prediction - target).square().mul(weight).mean() / weight.mean()
 
 
 def mix(x0, noise, sigma):
@@ -91,11 +125,12 @@ def mix(x0, noise, sigma):
 
 
 class LTX2Objective(Objective):
-    """Its two streams' sigmas (draw) and the sum of their losses, at the training's frame rate."""
+    """Its two streams' sigmas (draw) and the sum of their losses, at the training's frame rate; the clips
+    given their first frame (train.first_frame_conditioning_p) train image-to-video."""
 
     def draw(self, parts, flow, x0, cond, generators: list) -> tuple:
         audio = None if cond.audio_x0 is None else tuple(cond.audio_x0.shape[1:])
-        return draw(tuple(x0.shape[1:]), audio, generators)
+        return draw(tuple(x0.shape[1:]), audio, generators, parts.first_frame_p)
 
     def loss(self, parts, flow, model, x0, cond, noise, t) -> torch.Tensor:
         return loss(model, x0, cond.audio_x0, replace(cond, fps=float(parts.train_fps)), noise, t)

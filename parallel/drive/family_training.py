@@ -70,9 +70,10 @@ def check_family_training(cfg, family: Family, layout) -> None:
     are checked: Family.check_pretrained): a model.task or image conditioning it does not train, and
     a sequence split its operators cannot take (the layout refuses cfg and pipefusion for training)."""
     if cfg.model.task not in family.capabilities.tasks:
+        where = "comes from its image-to-video pipeline folder, where built"
         raise ValueError(
-            f"model.task={cfg.model.task}: tessera's DiT's tasks; {family.title} leaves it at t2v (an "
-            "image-to-video training, where built, comes from its image-to-video pipeline folder)"
+            f"model.task={cfg.model.task}: tessera's DiT's tasks; {family.title} leaves it at t2v (its "
+            f"image-to-video training {family.capabilities.reasons.get('tasks', where)})"
         )
     family.check_training(cfg)
     can = family.capabilities
