@@ -272,19 +272,15 @@ class Family:
         """model.pretrained's transformer (a diffusers folder's shards, or a single file in the original or
         diffusers names) in `dtype`, frozen, built on the meta device and filled in place. `keep(model)`:
         the part of it to fill (a PipeFusion stage's blocks), whose weights alone a folder's files give."""
-        from safetensors import safe_open
         from safetensors.torch import load_file
 
         whole = self.meta_transformer(cfg)
         model = keep(whole) if keep is not None else whole
-        if is_single_file(cfg.model.pretrained):  # the original names may fuse tensors: read whole
+        if is_single_file(cfg.model.pretrained) and not self.names.lazy_files:  # fused tensors: read whole
             tensors = self.names.to_tessera(self.names.from_original(load_file(cfg.model.pretrained)))
             read = tensors.__getitem__
-        else:  # names only first (a rename): a folder that does not fit is named before anything is read
-            files = transformer_files(part_folder(cfg, "transformer"))
-            handles = [safe_open(str(file), framework="pt") for file in files]
-            # name -> (file handle, its key), renamed once over every file (FLUX.2's names count blocks)
-            tensors = self.names.to_tessera({k: (handle, k) for handle in handles for k in handle.keys()})
+        else:  # names only first (a rename): a file that does not fit is named before anything is read
+            tensors = named_handles(self.names, cfg)
             read = lambda name: tensors[name][0].get_tensor(tensors[name][1])  # noqa: E731
         check_weight_names(cfg.model.pretrained, whole.state_dict(), tensors)  # a weight with no place: named
         state = {name: read(name).to(dtype) for name in model.state_dict()}
@@ -557,22 +553,19 @@ class Family:
 class FamilyWeights(LazyWeights):
     """model.pretrained's transformer weights under the model's own names, read lazily: `read(name, start,
     stop)` gives rows start:stop of one parameter (float32) and reads only those bytes from a diffusers
-    folder's shards, so each rank of a sharded model reads its own rows (parallel/build/init.py
-    `materialize`). A single file (original names may fuse tensors) is read whole."""
+    folder's shards or a single file (Names.lazy_files), so each rank of a sharded model reads its own rows
+    (parallel/build/init.py `materialize`). A single file whose original names fuse tensors is read whole."""
 
     def __init__(self, family: Family, cfg):
-        from safetensors import safe_open
         from safetensors.torch import load_file
 
-        self.folder = Path(cfg.model.pretrained)
-        if is_single_file(cfg.model.pretrained):
+        single = is_single_file(cfg.model.pretrained)
+        self.folder = Path(cfg.model.pretrained) if single else part_folder(cfg, "transformer")
+        if single and not family.names.lazy_files:
             state = family.names.to_tessera(family.names.from_original(load_file(cfg.model.pretrained)))
             self._tensors = {name: (lambda t=t: t) for name, t in state.items()}
             return
-        self.folder = part_folder(cfg, "transformer")
-        handles = [safe_open(str(file), framework="pt") for file in transformer_files(self.folder)]
-        # names only, renamed once over every file (FLUX.2's names count the blocks of the whole model)
-        names = family.names.to_tessera({key: (handle, key) for handle in handles for key in handle.keys()})
+        names = named_handles(family.names, cfg)
         self._tensors = {name: (lambda h=h, k=k: h.get_slice(k)) for name, (h, k) in names.items()}
 
     def check_parameters(self, names, partial: bool = False) -> None:
@@ -587,6 +580,19 @@ class FamilyWeights(LazyWeights):
         if not isinstance(tensor, torch.Tensor) and not tensor.get_shape():  # a scalar
             return tensor[:].float().reshape(1)[start:stop]
         return tensor[start:stop].float()
+
+
+def named_handles(names, cfg) -> dict:
+    """model.pretrained's transformer tensors by name, none read: name -> (file handle, its key), renamed
+    once over every file of a folder (FLUX.2's names count the blocks of the whole model), or over a single
+    file whose from_original only renames (Names.lazy_files: LTX-2's release file, VAEs and all)."""
+    from safetensors import safe_open
+
+    single = is_single_file(cfg.model.pretrained)
+    files = [cfg.model.pretrained] if single else transformer_files(part_folder(cfg, "transformer"))
+    handles = [safe_open(str(file), framework="pt") for file in files]
+    state = {key: (handle, key) for handle in handles for key in handle.keys()}
+    return names.to_tessera(names.from_original(state) if single else state)
 
 
 def padded(rows: list) -> tuple:

@@ -32,6 +32,14 @@ class Names:
     lora_formats: tuple = ("diffusers",)  # the key formats scripts/export.py writes its LoRAs in
     lora_alphas: bool = True  # its ComfyUI LoRAs carry an alpha per module (else the scale is in B)
     lora_release_names: bool = False  # its ComfyUI LoRAs are in the release's names (else diffusers' there)
+    # from_original only renames (and drops) keys, each value passed through as it is: a single file is
+    # then read lazily, each rank its own rows (else whole: a conversion that fuses or splits tensors)
+    renames_only: bool = False
+
+    @property
+    def lazy_files(self) -> bool:
+        """Whether a single file's tensors can be read by name (from_original renames them, or is `same`)."""
+        return self.renames_only or self.from_original is same
 
     def diffusers_name(self, name: str) -> str:
         """A module's diffusers name (what LoRA files say)."""

@@ -342,3 +342,35 @@ def test_the_release_file_reads_as_diffusers_reads_it():
     assert convert_ltx2_transformer_to_diffusers(transformer).keys() == state.keys()
     assert diffusers_from_release(release) == state
     assert diffusers_from_release(state) == state  # diffusers' names stay
+
+
+def test_the_release_file_is_read_by_name(tmp_path, monkeypatch):
+    """Training's and sampling's readers take the release's file by name, not whole (it holds the VAEs and
+    vocoder too: 43 GB on every rank): with safetensors' whole-file reading made to fail, FamilyWeights gives
+    each rank's rows and load_transformer the model, both the diffusers state dict the file was written
+    from."""
+    from types import SimpleNamespace
+
+    import safetensors.torch
+    from safetensors.torch import save_file
+
+    from models.families import family_named
+    from models.family import FamilyWeights
+
+    theirs, _ = tiny_pair()
+    state = {k: v.contiguous() for k, v in theirs.state_dict().items()}
+    file = tmp_path / "ltx-2-19b-dev.safetensors"
+    save_file({k: v.contiguous() for k, v in release_state(state).items()}, str(file))
+    monkeypatch.setattr(safetensors.torch, "load_file", lambda *a, **k: pytest.fail("read whole"))
+    family = family_named("ltx2")
+    want = family.names.to_tessera(state)
+    cfg = SimpleNamespace(model=SimpleNamespace(pretrained=str(file)))
+    read = FamilyWeights(family, cfg)
+    read.check_parameters(want)
+    assert all(torch.equal(read.read(n, 1, 2), w[1:2].float()) for n, w in want.items() if w.dim())
+    with torch.device("meta"):
+        meta = build_transformer(dict(theirs.config))
+    monkeypatch.setattr(family, "meta_transformer", lambda cfg: meta)
+    loaded = family.load_transformer(cfg, torch.float32)
+    assert loaded.state_dict().keys() == want.keys()
+    assert all(torch.equal(loaded.state_dict()[n], w) for n, w in want.items())

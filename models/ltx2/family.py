@@ -363,7 +363,10 @@ class LTX2(Family):
     # the release's single file read; LoRAs without alphas, as Lightricks' trainer writes them (diffusers'
     # LTX-2 loader refuses them)
     names = Names(
-        from_original=diffusers_from_release, lora_formats=("diffusers", "comfyui"), lora_alphas=False
+        from_original=diffusers_from_release,
+        renames_only=True,  # its release file (43 GB, VAEs and vocoder too) read by name, each rank its rows
+        lora_formats=("diffusers", "comfyui"),
+        lora_alphas=False,
     )
     steps = LTX2Steps()  # its passes, guided per stream in x0 (guide_in_x0)
     guidance = PassGuidance()
