@@ -202,11 +202,12 @@ def edit_args(folder, tmp_path, paths, *extra):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("references", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2: a 1280 x 800 output
+@pytest.mark.parametrize("references", [1, 2])
 def test_infer_matches_the_pipeline(edit, tmp_path, references):
     """infer.py --image (one reference, then two) gives QwenImageEditPlusPipeline's image: the same
-    prompt, negative prompt, true CFG 4, 2 steps, seed; the output's size the pipeline's for the last
-    reference when none is given (two prompts: each its own seed)."""
+    prompt, negative prompt, true CFG 4, 2 steps, seed, at a given size (two prompts: each its own seed).
+    Without a size it samples the pipeline's for the last reference (diffusers' calculate_dimensions: a
+    1280 x 800 image for the second, which the sampling itself then need not spend a minute on)."""
     import numpy as np
 
     import infer
@@ -224,11 +225,22 @@ def test_infer_matches_the_pipeline(edit, tmp_path, references):
     out = str(tmp_path / "out.npy")
     argv = edit_args(folder, tmp_path, paths, "--prompt", *prompts, "--negative-prompt", "blurry",
                      "--steps", "2", "--guidance", "4", "--seed", "5", "--output", out)  # fmt: skip
-    if references == 1:  # a given size
-        argv += ["--height", "48", "--width", "32"]
+    size = dict(height=48, width=32) if references == 1 else dict(height=32, width=64)
+    argv += ["--height", str(size["height"]), "--width", str(size["width"])]
     assert run_main(infer, argv) == 0
     images = [load_image(p) for p in paths]
-    size = dict(height=48, width=32) if references == 1 else {}
+    if references == 2:  # the size picked without one: the pipeline's, for the last reference
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
+
+        from configs import load_config
+        from models.families import family_named
+
+        cfg = load_config(argv[1], [a for a in argv[2:] if "=" in a and not a.startswith("-")])
+        family = family_named("qwen_image_edit")
+        picked = family.sampling_images(cfg, (paths, None), 1, (1, 0, 0), False)[2:]
+        width, height = calculate_dimensions(1024 * 1024, images[-1].width / images[-1].height)
+        multiple = pipe.vae_scale_factor * 2
+        assert picked == (height // multiple * multiple, width // multiple * multiple) == (1280, 800)
     for i, prompt in enumerate(prompts):
         want = pipe(
             image=images, prompt=prompt, negative_prompt="blurry", true_cfg_scale=4.0, num_inference_steps=2,
