@@ -564,8 +564,9 @@ def test_split_training_with_sound_is_one_process(saved, sound_runs, tmp_path, s
 
 def test_unread_flow_keys_and_missing_fps_are_refused(saved):
     """LTX-2 draws its own sigmas: flow.shift set is refused by name (FLOW_DEFAULTS are the schema's);
-    data.fps unset too, a first-frame chance outside [0, 1], and model.task=i2v (naming the key that
-    trains its image-to-video); another family's recipe refuses the key."""
+    data.fps unset too, a first-frame chance outside [0, 1], previews' first frames it would not read
+    (sample.images), and model.task=i2v (naming the key that trains its image-to-video); another family's
+    recipe refuses the key."""
     from dataclasses import asdict
 
     from configs.schema import FlowConfig
@@ -580,6 +581,8 @@ def test_unread_flow_keys_and_missing_fps_are_refused(saved):
         family.check_training(training_recipe(saved, "data.fps=null"))
     with pytest.raises(ValueError, match=r"conditioning_p=1.5: a clip.s chance .* between 0 and 1"):
         family.check_training(training_recipe(saved, "train.first_frame_conditioning_p=1.5"))
+    with pytest.raises(ValueError, match=r"sample.images=\['a.png'\]: LTX-2's training previews sample from"):
+        family.check_training(training_recipe(saved, "sample.images=[a.png]"))
     from parallel.drive.family_training import check_family_training
 
     asked = training_recipe(saved, "model.task=i2v")  # its image-to-video training is named instead

@@ -506,12 +506,18 @@ class LTX2(Family):
     def check_training(self, cfg) -> None:
         """Its positions in time are in seconds, and a bucket's sound must have one length: data.fps. Its
         sigmas are Lightricks' (models/ltx2/training.py): a flow.* key set otherwise is refused by name; a
-        first-frame chance outside [0, 1] too."""
+        first-frame chance outside [0, 1] and previews' first frames (sample.images) too."""
         changed = [f"flow.{k}={cfg.flow[k]}" for k, v in FLOW_DEFAULTS.items() if cfg.flow[k] != v]
         if changed:
             raise ValueError(
                 f"{', '.join(changed)}: {self.title} draws each stream's sigma from the shifted logit-normal "
                 "of its own trainer (docs/ltx2_training.md), which no flow.* key changes; unset it"
+            )
+        if cfg.sample.images:  # read by no preview: refused rather than left unread
+            raise ValueError(
+                f"sample.images={list(cfg.sample.images)}: {self.title}'s training previews sample from text "
+                "alone (first-frame previews are not built); sample from a first frame with infer.py "
+                "--checkpoint RUN --image FILE, and unset sample.images"
             )
         chance = cfg.train.first_frame_conditioning_p
         if not 0 <= chance <= 1:
