@@ -577,8 +577,8 @@ class FamilyWeights(LazyWeights):
 
     def read(self, name: str, start: int, stop: int) -> torch.Tensor:
         tensor = self._tensors[name]()
-        if not isinstance(tensor, torch.Tensor) and not tensor.get_shape():  # a scalar
-            return tensor[:].float().reshape(1)[start:stop]
+        if not isinstance(tensor, torch.Tensor) and not tensor.get_shape():  # a scalar: no rows to slice
+            return tensor[()].float().reshape(1)[start:stop]
         return tensor[start:stop].float()
 
 

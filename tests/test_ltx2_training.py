@@ -66,7 +66,7 @@ def pipeline_loss(pipe, captions, video, sound, noise, sigmas, own_shifts=True, 
     `sound`: pipeline_audio's packed latents, or None (the video alone: the modality-isolated pass);
     `given` (B,) bool: the clips given their first latent frame as Lightricks' trainer gives it (clean,
     its tokens at timestep 0 as LTX2ImageToVideoPipeline's per-token timestep, out of the trainer's masked
-    loss: the squared errors times the mask over the mask's mean)."""
+    loss: the squared errors times the mask over the mask's mean, here each clip's, then over clips)."""
     embeds, mask, _, _ = pipe.encode_prompt(
         captions, do_classifier_free_guidance=False, max_sequence_length=MAX_LENGTH, device="cpu"
     )
@@ -128,9 +128,9 @@ def pipeline_loss(pipe, captions, video, sound, noise, sigmas, own_shifts=True, 
     for hook in hooks:
         hook.remove()
     loss = torch.nn.functional.mse_loss(out, pipe._pack_latents(noise[0] - x0))
-    if keep is not None:
+    if keep is not None:  # each clip's (a batch of one is Lightricks'), then over clips
         squares, keep = (out - pipe._pack_latents(noise[0] - x0)).square(), keep.expand_as(out)
-        loss = squares.mul(keep).div(keep.mean()).mean()
+        loss = torch.stack([q.mul(k).div(k.mean()).mean() for q, k in zip(squares, keep, strict=True)]).mean()
     if sound is None:
         return loss
     return loss + torch.nn.functional.mse_loss(audio_out, audio_noise - sound)

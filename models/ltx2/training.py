@@ -111,12 +111,15 @@ def given_frames(x0, x_t, cond, video_t, given) -> tuple:
 
 
 def masked_mse(prediction, target, weight) -> torch.Tensor:
-    """The mean squared error over the elements `weight` keeps (Lightricks' masked loss: the squared
-    errors times the mask over the mask's mean); the plain mean without a weight."""
+    """Each clip's mean squared error over the elements `weight` keeps, then the mean over clips (the plain
+    mean without a weight). Per clip, so that a clip's loss does not depend on which clips share its batch
+    or its rank; Lightricks' trainer divides by the batch's kept share, the same where a batch's clips are
+    all given their frame or none is (its draw was once per batch)."""
     if weight is None:
         return F.mse_loss(prediction, target)
     weight = weight.expand_as(prediction)
-    return (prediction - target).square().mul(weight).mean() / weight.mean()
+    squares = (prediction - target).square().mul(weight).flatten(1).sum(1)
+    return (squares / weight.flatten(1).sum(1)).mean()
 
 
 def mix(x0, noise, sigma):

@@ -69,7 +69,12 @@ class QwenImage(Family):
     guidance = TrueCFG()
     # ComfyUI's LoRA keys: diffusers' under diffusion_model.; its single files: that prefix dropped, fp8
     # files refused
-    names = Names(from_original=diffusers_state_dict_from_original, lora_formats=("diffusers", "comfyui"))
+    # its single file (ComfyUI's prefix dropped, nothing fused) read by name, each rank its own rows
+    names = Names(
+        from_original=diffusers_state_dict_from_original,
+        renames_only=True,
+        lora_formats=("diffusers", "comfyui"),
+    )
 
     def widths(self, cfg) -> list:
         t, vae, text = self.transformer_config(cfg), config_of(cfg, "vae"), config_of(cfg, "text_encoder")
