@@ -321,6 +321,7 @@ FAMILY_KEYS = family_keys()
 ModelConfig = _with_family_keys(ModelConfig, "model")
 TrainConfig = _with_family_keys(TrainConfig, "train")
 SampleConfig = _with_family_keys(SampleConfig, "sample")
+DistillConfig = _with_family_keys(DistillConfig, "distill")
 
 
 @dataclass

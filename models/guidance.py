@@ -6,6 +6,10 @@ as most pipelines write it, above a scale of 1; a family subclasses it where its
 
 class Guidance:
     unguided = 1.0  # the guidance scale that samples without guidance (its pipeline's: `guided` is False)
+    # ((sample.<key>, value), ...): the family's other guidance terms at which a step is one pass, as a
+    # distilled student samples (parallel/drive/distill.py distilled_recipe keeps the recipe's values in
+    # distill.<key> for the teacher)
+    student_terms: tuple = ()
 
     def guided(self, scale: float) -> bool:
         """Whether `scale` asks for guidance (the pipelines guide above 1 only)."""

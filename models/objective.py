@@ -24,5 +24,28 @@ class Objective:
         in [0, 1], as its loss takes it (distillation's predictions: parallel/drive/distill.py)."""
         return model(x, sigma, cond)
 
+    # a distillation's pieces (parallel/drive/distill.py): the student walks the noise in the form that
+    # sampling walks (`student_noise`), with one pass a step; the teacher guides as the family's pipeline; the
+    # critic learns the student's samples with the training's loss. The default: the training's velocity, on
+    # the latents as they train, guided by the family's formula.
+    def student_noise(self, parts, x0, cond, noise):
+        """The noise (from draw) the student's sampling starts from."""
+        return noise.to(x0.device, x0.dtype)
+
+    def student_velocity(self, family, parts, model, x, sigma, cond):
+        """The student's (or the critic's) velocity at x, sigma (B,): one pass of `model`."""
+        return self.velocity(parts, model, x, sigma, cond)
+
+    def teacher_velocity(self, family, parts, model, x, sigma, cond, uncond, scale: float):
+        """The frozen teacher's velocity at x, sigma (B,), guided at `scale` as the family samples."""
+        v = self.velocity(parts, model, x, sigma, cond)
+        if family.guidance.guided(scale):
+            v = family.guidance.guide(v, self.velocity(parts, model, x, sigma, uncond), scale, parts)
+        return v
+
+    def sample_loss(self, parts, flow, model, sample, cond, noise, sigma) -> torch.Tensor:
+        """The training's loss on the student's `sample` (the critic's), at `noise` and sigma (B,)."""
+        return self.loss(parts, flow, model, sample, cond, noise, sigma)
+
     def check_distillation(self, cfg) -> None:
         """Refuse (ValueError) by name a recipe whose distillation (train.objective=dmd) it cannot take."""

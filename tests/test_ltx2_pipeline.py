@@ -206,12 +206,11 @@ def pipeline(source, prompt, seed, **terms) -> tuple:
         height=height,
         width=width,
         frame_rate=24.0,
-        num_inference_steps=STEPS,
         generator=torch.Generator().manual_seed(seed),
         output_type="np",
         max_sequence_length=MAX_LENGTH,
         return_dict=False,
-        **terms,
+        **({"num_inference_steps": STEPS} | terms),
     )
     return video[0], audio[0].float().numpy()  # the video as numpy, the sound a tensor whatever output_type
 

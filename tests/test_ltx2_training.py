@@ -257,6 +257,57 @@ def test_first_frame_conditioning_is_lightricks(saved):
     assert abs(text_only.item() - ours.item()) > 1e-4
 
 
+@torch.no_grad()
+def test_the_distillations_teacher_and_student_are_the_samplers_steps(saved):
+    """train.objective=dmd with the recipe's guidance terms: the student starts from the clips' video and
+    audio noise packed as a sampling's latents; at each sample's own sigma its velocity is the sampler's one-
+    pass step (sample.* as distilled_recipe leaves them), the teacher's the sampler's guided step at
+    distill.guidance and the recipe's terms (audio CFG 7, modality 3, rescale 0.7), each row as a batch
+    sampled at that row's sigma gives it (the sampler's steps: tests/test_ltx2_pipeline.py)."""
+    from dataclasses import replace
+
+    from models.ltx2.family import LTX2Guidance
+    from parallel.drive.distill import distilled_recipe
+    from parallel.drive.family_training import empty_batch
+
+    family = family_named("ltx2")
+    recipe = training_recipe(
+        saved, "data.audio=true", "train.objective=dmd", "lora.rank=4", "distill.guidance=4"
+    )
+    cfg = distilled_recipe(recipe, family)
+    parts = family.load(cfg, torch.device("cpu"), torch.float32)
+    assert parts.teacher_terms == LTX2Guidance(7.0, 3.0, 0.7, 1.0)  # the recipe's (configs/ltx-2.yaml)
+    assert parts.terms == LTX2Guidance(1.0, 1.0, 0.0, 0.0)  # one pass
+    video = torch.randint(0, 256, (2, 3, FRAMES, HEIGHT, WIDTH), generator=torch.Generator().manual_seed(0))
+    run = FamilyRun(family, parts, cfg.text_encoder.max_length)
+    batch = {
+        "caption": CAPTIONS,
+        "video": video.to(torch.uint8),
+        "audio": tones(2, round(FRAMES / FPS * 16000)),
+    }
+    x0, cond = family_batch(
+        run, SimpleNamespace(sp_size=1), encode_family_batch(run, batch, [False] * 2, "cpu"), "cpu"
+    )
+    uncond = empty_batch(run, 2, "cpu")
+    gens = [torch.Generator().manual_seed(seed) for seed in (5, 6)]
+    noise, _ = family.objective.draw(parts, None, x0, cond, gens)
+    start = family.objective.student_noise(parts, x0, cond, noise)
+    assert all(torch.equal(a, b) for a, b in zip(parts.layout.split(start), noise[:2], strict=True))
+    x, sigma = 0.7 * start, torch.tensor([0.3, 0.8])
+    student = family.objective.student_velocity(family, parts, parts.transformer, x, sigma, cond)
+    teacher = family.objective.teacher_velocity(family, parts, parts.transformer, x, sigma, cond, uncond, 4.0)
+    cond, uncond = (replace(c, fps=float(FPS)) for c in (cond, uncond))
+    guided_parts = replace(parts, terms=parts.teacher_terms)
+    for i, t in enumerate(sigma):
+        one = family.steps.velocity(parts, x, t, cond)[i]
+        guided = family.steps.guided(family.guidance, guided_parts, x, t, cond, uncond, 4.0)[i]
+        gaps = [float((a[i] - b).abs().max()) for a, b in ((student, one), (teacher, guided))]
+        print(
+            f"sample {i} at sigma {float(t)}: student vs the sampler's step, teacher vs its guided one {gaps}"
+        )
+        assert gaps[0] <= 1e-5 and gaps[1] <= 1e-5 and float((guided - one).abs().max()) > 1e-2
+
+
 def test_sigmas_follow_the_shifted_logit_normal():
     """20,000 draws for 1,024 and for 8,000 tokens against the distribution worked out by hand: with
     probability 0.9 sigmoid(N(mu, 1)) stretched between the normal's 0.5th and 99.9th percentiles (and
@@ -562,6 +613,70 @@ def test_split_training_with_sound_is_one_process(saved, sound_runs, tmp_path, s
     assert worst <= 1e-5, pairs
 
 
+# a 2-step student and its critic as LoRAs, each step its turn and the critic's; the teacher guided at 3
+DMD = ["train.objective=dmd", "distill.steps=2", "distill.critic_updates=1", "distill.guidance=3"]
+DMD += ["train.first_frame_conditioning_p=0", "lora.rank=4", "train.lr=5e-2"]
+
+
+@pytest.fixture(scope="module")
+def student(saved, sound_runs, tmp_path_factory):
+    """A distillation on the clips with their sound (2 steps, LoRA) on one process."""
+    run = tmp_path_factory.mktemp("ltx2-student") / "one"
+    assert run_main(train, sound_args(saved, run, sound_runs["manifest"], *DMD)) == 0
+    return run
+
+
+@pytest.mark.slow  # a distillation, an export, a sampling by each: the image rows' is in the fast tier
+@torch.no_grad()
+def test_a_distilled_student_samples_in_diffusers_what_infer_samples(saved, student, tmp_path):
+    """The student's LoRA in LTX2Pipeline at its 2 steps, one pass a step (guidance 1, audio guidance 1, no
+    STG, modality guidance 1, no rescale: the terms infer.py takes from the checkpoint by itself), samples
+    the video and the sound infer.py --checkpoint samples; the base at the same steps samples otherwise."""
+    import numpy as np
+    from diffusers import LTX2Pipeline
+
+    import infer
+    from tests.test_ltx2_pipeline import PROMPTS, SIZE, infer_args, pipeline, written
+
+    losses = metrics(student)
+    assert len(losses) == 2 and all(math.isfinite(m["loss"]) and m["loss"] > 0 for m in losses)
+    lora = tmp_path / "student.safetensors"
+    assert export.main(["--checkpoint", str(student), "--lora", "--output", str(lora)]) == 0
+    argv = infer_args(saved, tmp_path / "run")
+    argv = argv[: argv.index("--steps")]  # the student's own steps
+    argv += ["--checkpoint", str(student), "--output", str(tmp_path / "out.npy")]
+    assert run_main(infer, argv) == 0
+    videos, sounds, _ = written(tmp_path)
+    terms = dict(guidance_scale=1.0, stg_scale=0.0, modality_scale=1.0, guidance_rescale=0.0)
+    # the pipeline's audio terms do not follow the video's unless None: each said
+    terms |= {f"audio_{k}": v for k, v in terms.items()} | dict(num_inference_steps=2)
+    pipe = LTX2Pipeline.from_pretrained(saved)
+    base = pipeline(pipe, PROMPTS[0], 3, **terms)
+    pipe.load_lora_weights(str(lora))
+    got = pipeline(pipe, PROMPTS[0], 3, **terms)
+    diffs = [float(np.abs(g - w).max()) for g, w in zip(got, (videos[0], sounds[0]))]
+    moved = [float(np.abs(b - w).max()) for b, w in zip(base, (videos[0], sounds[0]))]
+    print(f"LTX-2 student {SIZE}: diffusers vs infer.py {diffs}; the base at the same steps {moved}")
+    assert diffs[0] <= 1e-4 and diffs[1] <= 1e-5 and moved[0] > 1e-3 and moved[1] > 1e-5
+
+
+@pytest.mark.slow  # a launch of 2 processes
+def test_a_split_distillation_is_one_process(saved, sound_runs, student, tmp_path):
+    """The distillation on 2 processes splitting the video's tokens (parallel.ulysses=2), the sound whole on
+    each: every step's critic loss, student loss and gradient norm are the one-process run's."""
+    from tests.conftest import ranks
+
+    argv = sound_args(saved, tmp_path / "two", sound_runs["manifest"], *DMD, "parallel.ulysses=2")
+    done = ranks(2, "train.py", *argv, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ulysses=2" in done.stdout + done.stderr
+    runs = zip(metrics(student), metrics(tmp_path / "two"), strict=True)
+    pairs = [(a[k], b[k]) for a, b in runs for k in ("loss", "dmd_loss", "grad_norm")]
+    worst = max(abs(b - a) / abs(a) for a, b in pairs)
+    print(f"LTX-2 distillation on ulysses=2: within {worst:.1e} (relative) of one process's")
+    assert worst <= 1e-5, pairs
+
+
 def test_unread_flow_keys_and_missing_fps_are_refused(saved):
     """LTX-2 draws its own sigmas: flow.shift set is refused by name (FLOW_DEFAULTS are the schema's);
     data.fps unset too, a first-frame chance outside [0, 1], previews' first frames it would not read
@@ -595,6 +710,28 @@ def test_unread_flow_keys_and_missing_fps_are_refused(saved):
     other = ["train.first_frame_conditioning_p=0.1"]  # another family's recipe: the key is LTX-2's
     with pytest.raises(ValueError, match=r"conditioning_p=0.1: Qwen-Image takes no such image-to"):
         load_config(ROOT / "configs" / "qwen-image.yaml", other)
+
+
+def test_distillations_it_cannot_take_are_refused(saved):
+    """train.objective=dmd is refused by name, as the recipe runs (distilled_recipe), on clips without their
+    sound, with first frames given, and with a teacher whose audio CFG would guide without the video's;
+    distill.stg set on another family's recipe is refused as its guidance term."""
+    from configs import load_config
+    from parallel.drive.distill import check_distillation, distilled_recipe
+
+    family = family_named("ltx2")
+    dmd = ["train.objective=dmd", "lora.rank=4", "data.audio=true"]
+    check_distillation(distilled_recipe(training_recipe(saved, *dmd), family), family)
+    refused = {
+        "data.audio=false": r"data.audio=false: LTX-2's student samples the sound with the video",
+        "train.first_frame_conditioning_p=0.1": r"conditioning_p=0.1: a student conditioned on a given first",
+        "distill.guidance=1": r"distill.audio_guidance=7.0 with distill.guidance=1.0: LTX-2's audio CFG",
+    }
+    for extra, match in refused.items():
+        with pytest.raises(ValueError, match=match):
+            check_distillation(distilled_recipe(training_recipe(saved, *dmd, extra), family), family)
+    with pytest.raises(ValueError, match=r"distill.stg=0.5: .*LTX-2"):
+        load_config(ROOT / "configs" / "qwen-image.yaml", ["distill.stg=0.5"])
 
 
 def test_an_audio_vae_that_compresses_otherwise_is_named(saved, tmp_path):

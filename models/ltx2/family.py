@@ -6,8 +6,8 @@ audio CFG, modality isolation and STG as deltas, then the guidance rescale. The 
 float32 tensor (B, D): each sample's packed video latents, then its packed audio latents (LTX2Layout).
 Text- and image-to-video (--image: LTX2ImageToVideoPipeline's first frame) under dp, cfg, ulysses or ring;
 training video with its sound, and image-to-video (train.first_frame_conditioning_p), as Lightricks' trainer
-does (models/ltx2/training.py, audio.py). Refused by name: prompt enhancement and the distillation (not
-built); PipeFusion and the step caches (for the model's reasons in its capabilities)
+does (models/ltx2/training.py, audio.py); distilling both streams into a one-pass student. Refused by name:
+prompt enhancement; PipeFusion and the step caches (for the model's reasons in its capabilities)
 """
 
 import math
@@ -22,6 +22,7 @@ from models.family import Components, Family, config_of, part_folder, read_json
 from models.guidance import Guidance
 from models.loop import UNSUPPORTED, Schedule, euler, sigmas
 from models.ltx2.audio import encode_sound
+from models.ltx2.layout import LTX2Layout
 from models.ltx2.text import encode_prompts, prepare_tokenizer
 from models.ltx2.training import LTX2Objective, is_audio_parameter
 from models.ltx2.transformer import LTX2Cond
@@ -61,39 +62,6 @@ class LTX2Guidance:
     stg: float = 1.0
 
 
-@dataclass(frozen=True)
-class LTX2Layout:
-    """Where a sampling's latents sit in the flat (B, D) tensor: the packed video (N = T H W tokens of C,
-    (t, h, w) order, channels fastest), then the packed audio (L frames of C_a M, channel-major), as the
-    pipeline packs them."""
-
-    grid: tuple  # (T, H, W) latents
-    channels: int
-    audio_frames: int  # L
-    audio_channels: int
-    mel_bins: int  # latent mel bins M
-    given: bool = False  # image-to-video: the first latent frame is the given image's, kept as it is
-
-    @property
-    def video_size(self) -> int:
-        return self.channels * math.prod(self.grid)
-
-    @property
-    def size(self) -> int:
-        return self.video_size + self.audio_frames * self.audio_channels * self.mel_bins
-
-    def split(self, x) -> tuple:
-        """(B, D) -> video (B, C, T, H, W), audio (B, C_a, L, M) (views)."""
-        video = x[:, : self.video_size].unflatten(1, (-1, self.channels)).transpose(1, 2)
-        audio = x[:, self.video_size :].unflatten(1, (self.audio_frames, self.audio_channels, self.mel_bins))
-        return video.unflatten(2, self.grid), audio.transpose(1, 2)
-
-    def join(self, video, audio):
-        """split's inverse: (B, C, T, H, W), (B, C_a, L, M) -> (B, D)."""
-        packed = video.flatten(2).transpose(1, 2).flatten(1), audio.transpose(1, 2).flatten(1)
-        return torch.cat(packed, dim=1)
-
-
 @dataclass
 class LTX2Parts(Components):
     """Its parts: Components' (Gemma 3 as text_encoder, the video VAE as vae), the connectors, audio VAE
@@ -109,6 +77,7 @@ class LTX2Parts(Components):
     first_frames: torch.Tensor | None = None  # with_images' latents (B, C, 1, h, w), for the next noise()
     train_fps: float | None = None  # data.fps: the training clips' frame rate (their positions in time)
     first_frame_p: float = 0.0  # train.first_frame_conditioning_p: a clip's chance to train image-to-video
+    teacher_terms: LTX2Guidance = LTX2Guidance()  # a distillation's teacher's (cfg.distill's)
 
 
 def original_name(name: str) -> str:
@@ -124,9 +93,10 @@ def _stg_blocks(parts) -> list:
     return [b for b in STG_BLOCKS if b < len(parts.transformer.blocks)]
 
 
-def guidance_terms(cfg) -> LTX2Guidance:
-    """sample.audio_guidance, modality_guidance, guidance_rescale and stg (None: the pipeline's default)."""
-    given = {f.name: cfg.sample[f.name] for f in fields(LTX2Guidance) if cfg.sample[f.name] is not None}
+def guidance_terms(section) -> LTX2Guidance:
+    """A recipe section's audio_guidance, modality_guidance, guidance_rescale and stg (None: the pipeline's
+    default): cfg.sample's, or a distillation's teacher's, cfg.distill's."""
+    given = {f.name: section[f.name] for f in fields(LTX2Guidance) if section[f.name] is not None}
     return LTX2Guidance(**{k: float(v) for k, v in given.items()})
 
 
@@ -154,8 +124,13 @@ def recorded_layout(parts, x) -> LTX2Layout:
 
 class PassGuidance(Guidance):
     """Its CFG guides above 1, as the default; its passes are guided in LTX2Steps (guide_in_x0), never by a
-    formula on two velocities: a sampler that calls `guide` (PipeFusion's, a distillation's teacher) fails
-    here rather than guiding LTX-2 otherwise than its pipeline."""
+    formula on two velocities: a sampler that calls `guide` (PipeFusion's) fails here rather than guiding
+    LTX-2 otherwise than its pipeline. A step is one pass without its audio CFG, STG, modality guidance
+    and rescale (a distilled student's, as Lightricks' distilled model samples)."""
+
+    student_terms = (
+        ("audio_guidance", 1.0), ("modality_guidance", 1.0), ("guidance_rescale", 0.0), ("stg", 0.0)
+    )  # fmt: skip
 
     def guide(self, v_cond, v_uncond, scale: float, parts=None):
         raise NotImplementedError("LTX-2 guides its passes in x0: LTX2Steps.guided (guide_in_x0)")
@@ -168,8 +143,8 @@ def guide_in_x0(parts: LTX2Parts, x, t, v_cond, v_uncond, v_stg, v_modality, sca
     the modality delta (modality - 1)(cond - isolated), in that order, then rescaled towards the
     conditional x0's std (guidance_rescale > 0); back to a velocity."""
     terms, layout = parts.terms, recorded_layout(parts, x)
-    size = layout.video_size
-    x0 = lambda v: None if v is None else x - v * t  # noqa: E731  (t: the step's sigma)
+    size, t = layout.video_size, t.reshape(-1, 1)  # the step's sigma, or each sample's (a distillation's)
+    x0 = lambda v: None if v is None else x - v * t  # noqa: E731
     passes = [x0(v) for v in (v_cond, v_uncond, v_stg, v_modality)]
     # the pipeline's audio_guidance_scale `or` guidance_scale: 0 means the video's
     scales = (scale, terms.audio_guidance or scale)
@@ -223,10 +198,12 @@ class LTX2Steps(Steps):
         return torch.cat(rows)
 
     def schedule(self, parts: LTX2Parts, steps: int, latents: torch.Tensor) -> Schedule:
-        """The pipeline's sigmas (linspace(1, 1/steps), shifted by mu of the video token count, stretched to
-        shift_terminal), shared by both streams; the transformer is told sigma (it scales it by 1000, as
+        """The pipeline's sigmas (linspace(1, 1/steps), shifted by mu of the video's token count, stretched
+        to shift_terminal), shared by both streams; the transformer is told sigma (it scales it by 1000, as
         the scheduler's timesteps)."""
-        tokens = math.prod(recorded_layout(parts, latents).grid)
+        # the video's tokens: the sampling's flat latents, or a video's (B, C, T, h, w) (a student's size)
+        grid = latents.shape[2:] if latents.dim() == 5 else recorded_layout(parts, latents).grid
+        tokens = math.prod(grid)
         levels = sigmas(steps, tokens, parts.scheduler_config).to(latents.device)
         return Schedule(levels, levels[:-1], euler(levels))
 
@@ -235,7 +212,7 @@ class LTX2Steps(Steps):
             raise ValueError(f"sample.cache={parts.cache.method}: LTX-2 samples without a step cache")
         return super().walk(parts, schedule, noise, velocity, progress)
 
-    def _run(self, parts: LTX2Parts, x, t, cond: LTX2Cond, **options):
+    def one_pass(self, parts: LTX2Parts, x, t, cond: LTX2Cond, **options):
         """One transformer pass on the flat latents -> the flat velocity in float32 (the pipeline's)."""
         layout = recorded_layout(parts, x)
         t = t.to(x.device).expand(x.shape[0])
@@ -248,7 +225,7 @@ class LTX2Steps(Steps):
 
     def guided(self, guidance, parts: LTX2Parts, x, t, cond, uncond, scale: float):
         """Its passes on the conditioning and the unconditional one, guided in x0 (guide_in_x0)."""
-        v_uncond = self._run(parts, x, t, uncond)
+        v_uncond = self.one_pass(parts, x, t, uncond)
         return self._guide(parts, x, t, self._conditional(parts, x, t, cond), v_uncond, scale)
 
     def _guide(self, parts: LTX2Parts, x, t, conditional: list, v_uncond, scale: float):
@@ -270,7 +247,7 @@ class LTX2Steps(Steps):
         """The velocities of `_conditional_passes`, in order."""
         stg, modality = dict(stg_blocks=_stg_blocks(parts)), dict(isolate_modalities=True)
         options = dict(cond={}, stg=stg, modality=modality)
-        return [self._run(parts, x, t, cond, **options[name]) for name in self._conditional_passes(parts)]
+        return [self.one_pass(parts, x, t, cond, **options[name]) for name in self._conditional_passes(parts)]
 
     def _stg_and_modality(self, parts: LTX2Parts, passes: dict) -> tuple:
         """(STG's velocity, the modality-isolated one), each None where the step does not use it."""
@@ -282,7 +259,7 @@ class LTX2Steps(Steps):
         modality-isolated ones), the negative branch its one pass, padded with zeros to as many."""
         if conditional:
             return torch.stack(self._conditional(parts, x, t, cond))
-        v = self._run(parts, x, t, cond)
+        v = self.one_pass(parts, x, t, cond)
         return torch.cat([v[None], v.new_zeros(len(self._conditional_passes(parts)) - 1, *v.shape)])
 
     def guide_passes(self, guidance, parts: LTX2Parts, x, t, conditional, unconditional, scale: float):
@@ -385,7 +362,7 @@ class LTX2(Family):
     def check_guidance(self, cfg, guidance: float) -> None:
         """Audio CFG without the video's (guidance at most 1) is refused: the pipeline would run the
         unconditional pass for the audio alone, which tessera's loop (guided at the video's scale) lacks."""
-        terms = guidance_terms(cfg)
+        terms = guidance_terms(cfg.sample)
         if guidance <= 1.0 and terms.audio_guidance > 1.0:
             raise ValueError(
                 f"sample.audio_guidance={terms.audio_guidance} with guidance {guidance} (--guidance, else "
@@ -481,7 +458,8 @@ class LTX2(Family):
             connectors=connectors,
             audio_vae=audio_vae,
             vocoder=voc,
-            terms=guidance_terms(cfg),
+            terms=guidance_terms(cfg.sample),
+            teacher_terms=guidance_terms(cfg.distill),
             fps=float(cfg.sample.fps),
             train_fps=cfg.data.fps,
             first_frame_p=cfg.train.first_frame_conditioning_p,

@@ -1,5 +1,6 @@
 """LTX-2's recipe keys (models/recipe_keys.py): the guidance terms its pipeline adds (None: the pipeline's
-default), and the share of training clips given their first frame (Lightricks' trainer's spelling)."""
+default), a distillation's teacher's (None: the recipe's sample.<key>), and the share of training clips
+given their first frame (Lightricks' trainer's spelling)."""
 
 from typing import Optional
 
@@ -12,6 +13,8 @@ KEYS = (
     RecipeKey("sample.guidance_rescale", **_TERM),  # guidance_rescale, on both streams
     RecipeKey("sample.stg", **_TERM),  # stg_scale (0: no spatio-temporal guidance pass)
 )
+# train.objective=dmd: the teacher's terms (its student samples in one pass: models/ltx2/family.py)
+KEYS += tuple(RecipeKey(f"distill.{k.name}", **_TERM) for k in KEYS)
 # each training clip's chance to train image-to-video: its first latent frame given clean, at sigma 0 and out
 # of the loss, as Lightricks' trainer does (its default 0.1; 0 here: a recipe trains as before it existed)
 KEYS += (RecipeKey("train.first_frame_conditioning_p", float, 0.0, ("ltx2",), "image-to-video training key"),)

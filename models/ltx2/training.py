@@ -15,6 +15,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from models.ltx2.layout import LTX2Layout
 from models.objective import Objective
 
 # what names an audio parameter: the audio stream's own, and both cross-modal attentions' with their
@@ -138,10 +139,52 @@ class LTX2Objective(Objective):
     def loss(self, parts, flow, model, x0, cond, noise, t) -> torch.Tensor:
         return loss(model, x0, cond.audio_x0, replace(cond, fps=float(parts.train_fps)), noise, t)
 
+    # a distillation walks both streams as sampling does: one flat tensor (models/ltx2/layout.py), one
+    # schedule, the teacher's passes guided in x0 at the distill section's terms, the student one pass
+    def student_noise(self, parts, x0, cond, noise):
+        """The video's and the audio's noise packed as a sampling's latents; records their layout."""
+        (_, channels, *grid), (_, audio_channels, frames, mel_bins) = x0.shape, cond.audio_x0.shape
+        parts.layout = LTX2Layout(tuple(grid), channels, frames, audio_channels, mel_bins)
+        return parts.layout.join(noise[0], noise[1]).to(x0.device, x0.dtype)
+
+    def student_velocity(self, family, parts, model, x, sigma, cond):
+        """One pass of `model` on both streams at the training's frame rate, as the student samples."""
+        cond = replace(cond, fps=float(parts.train_fps))
+        return family.steps.one_pass(replace(parts, transformer=model), x, sigma, cond).to(x.dtype)
+
+    def teacher_velocity(self, family, parts, model, x, sigma, cond, uncond, scale: float):
+        """Its sampling's passes on `model`, guided at `scale` and the teacher's terms (cfg.distill's)."""
+        teacher = replace(parts, transformer=model, terms=parts.teacher_terms)
+        cond, uncond = (replace(c, fps=float(parts.train_fps)) for c in (cond, uncond))
+        if family.guidance.guided(scale):
+            return family.steps.guided(family.guidance, teacher, x, sigma, cond, uncond, scale).to(x.dtype)
+        return family.steps.velocity(teacher, x, sigma, cond).to(x.dtype)
+
+    def sample_loss(self, parts, flow, model, sample, cond, noise, sigma) -> torch.Tensor:
+        """Its loss on the student's sample, both streams at sigma (the sum of their mean squared errors)."""
+        (video, audio), (video_noise, audio_noise) = parts.layout.split(sample), parts.layout.split(noise)
+        noise, sigmas = (video_noise, audio_noise, None), torch.stack([sigma, sigma], dim=1)
+        return self.loss(parts, flow, model, video, replace(cond, audio_x0=audio), noise, sigmas)
+
     def check_distillation(self, cfg) -> None:
-        """Its video and sound are denoised at their own sigmas, which the student's one schedule does not
-        walk yet."""
-        raise ValueError(
-            "train.objective=dmd: LTX-2's distillation is not built (its video and sound streams take a "
-            "sigma each, and the student's one schedule walks one)"
-        )
+        """Its student samples the sound with the video from text: it distils clips with their sound
+        (data.audio=true) and no given first frame; its teacher's audio CFG guides with the video's."""
+        if not cfg.data.audio:
+            raise ValueError(
+                "train.objective=dmd with data.audio=false: LTX-2's student samples the sound with the "
+                "video, and clips without their sound would leave the sound undistilled; set data.audio=true "
+                "(clips with sound, data.fps set)"
+            )
+        if cfg.train.first_frame_conditioning_p:
+            raise ValueError(
+                f"train.objective=dmd with train.first_frame_conditioning_p="
+                f"{cfg.train.first_frame_conditioning_p}: a student conditioned on a given first frame is "
+                "not built; distil text-to-video (set it to 0)"
+            )
+        audio = cfg.distill.audio_guidance
+        if cfg.distill.guidance <= 1 and audio is not None and audio > 1:
+            raise ValueError(
+                f"distill.audio_guidance={audio} with distill.guidance={cfg.distill.guidance}: LTX-2's "
+                "audio CFG runs with the video's here; set the teacher's distill.guidance above 1, or "
+                "distill.audio_guidance=1"
+            )

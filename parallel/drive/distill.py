@@ -58,15 +58,18 @@ class Distiller:
 
 def distilled_recipe(cfg, family):
     """The recipe as a distillation runs it (what config.yaml records): the teacher's guidance kept in
-    distill.guidance, and sample.steps and sample.guidance the student's (its steps, no guidance), so that
-    the previews and `infer.py --config <run>/config.yaml` sample the student as it will be used."""
+    distill.guidance (and the family's other terms in distill.<key>: LTX-2's), and sample.steps,
+    sample.guidance and those terms the student's (its steps, one pass a step), so that the previews and
+    `infer.py --config <run>/config.yaml` sample the student as it will be used."""
     if cfg.train.objective != "dmd":
         return cfg
     out = copy.deepcopy(cfg)
     OmegaConf.set_readonly(out, False)
-    if out.distill.guidance is None:
-        out.distill.guidance = out.sample.guidance
-    out.sample.steps, out.sample.guidance = out.distill.steps, family.guidance.unguided
+    for key, student in (("guidance", family.guidance.unguided), *family.guidance.student_terms):
+        if out.distill[key] is None:
+            out.distill[key] = out.sample[key]
+        out.sample[key] = student
+    out.sample.steps = out.distill.steps
     OmegaConf.set_readonly(out, True)
     return out
 
@@ -155,6 +158,7 @@ def student_record(cfg, run) -> dict | None:
     sigmas = family.steps.schedule(run.parts, cfg.distill.steps, latents).sigmas
     check_student_sigmas(sigmas, cfg.distill.steps, family.title)
     record = distill_record(cfg, sigmas)
+    record["terms"] = {key: cfg.sample[key] for key, _ in family.guidance.student_terms}
     if not cfg.lora.rank:  # full copies: the teacher is read again on a resume (a LoRA's base is checked)
         record["teacher_fingerprint"] = describe_base(cfg.model.pretrained).fingerprint
     return record
@@ -211,16 +215,17 @@ def distill_backward(d: Distiller, seed: int, step: int, run, model, flow, input
     adapters; every step the critic learns the flow-matching loss on the student's (detached) samples.
     `run`: the FamilyRun; `rngs`: each sample's generator (objective.draw drew the student's noise)."""
     x0, cond, noise, _, uncond = inputs
-    family, parts, batch = run.family, run.parts, x0.shape[0]
-    schedule = family.steps.schedule(parts, d.steps, x0)  # the student's noise levels and solver
+    family, parts, batch, objective = run.family, run.parts, x0.shape[0], run.family.objective
+    start = objective.student_noise(parts, x0, cond, noise)
+    schedule = family.steps.schedule(parts, d.steps, start)  # the student's noise levels and solver
     sigmas = schedule.sigmas.to(x0.device)
     shift = d.shift if d.shift is not None else flow.shift_for(flow.num_tokens(x0))
     k = random.Random(f"dmd {seed} {step}").randrange(d.steps)  # the same on every rank
     generator_turn = step % d.critic_updates == 0
     # the backward runs inside its forward's adapter: activation checkpointing recomputes that forward
     with d.net(model, "generator") as generator:
-        velocity = lambda x, s, c=cond: family.objective.velocity(parts, generator, x, s, c)  # noqa: E731
-        x = simulate(velocity, noise.to(x0.device, x0.dtype), schedule, k)
+        velocity = lambda x, s: objective.student_velocity(family, parts, generator, x, s, cond)  # noqa: E731
+        x = simulate(velocity, start, schedule, k)
         with torch.set_grad_enabled(generator_turn):
             sample = clean(x, sigmas[k].expand(batch), velocity(x, sigmas[k].expand(batch)))
         if generator_turn:
@@ -229,9 +234,8 @@ def distill_backward(d: Distiller, seed: int, step: int, run, model, flow, input
             d.matching = matching.detach()
     sigma = draw_sigmas(rngs, d.low, d.high, shift)
     with d.net(model, "critic") as critic:
-        loss = family.objective.loss(
-            parts, flow, critic, sample.detach(), cond, draw_noise(x0.shape[1:], rngs), sigma
-        )
+        noise = draw_noise(sample.shape[1:], rngs)
+        loss = objective.sample_loss(parts, flow, critic, sample.detach(), cond, noise, sigma)
         loss.backward()
     return loss, generator_turn
 
@@ -239,27 +243,24 @@ def distill_backward(d: Distiller, seed: int, step: int, run, model, flow, input
 def generator_loss(d: Distiller, run, model, sample, cond, uncond, rngs, shift: float) -> torch.Tensor:
     """DMD's matching loss on the student's `sample`: noised to a drawn level, predicted clean by the guided
     teacher (no adapter) and by the critic, both without gradients."""
-    family, parts = run.family, run.parts
+    family, parts, objective = run.family, run.parts, run.family.objective
     sigma = draw_sigmas(rngs, d.low, d.high, shift).to(sample.device)
     eps = draw_noise(sample.shape[1:], rngs).to(sample.device, sample.dtype)
-    velocity = lambda net, x, c: family.objective.velocity(parts, net, x, sigma, c)  # noqa: E731
     with torch.no_grad():
         x = noised(sample.detach(), eps, sigma)
         with d.net(model, "teacher") as teacher:
-            v_real = velocity(teacher, x, cond)
-            if family.guidance.guided(d.guidance):
-                v_real = family.guidance.guide(v_real, velocity(teacher, x, uncond), d.guidance, parts)
+            v_real = objective.teacher_velocity(family, parts, teacher, x, sigma, cond, uncond, d.guidance)
         if d.teacher is not None:  # no backward reshards a frozen copy: FSDP2 keeps its last block gathered
             reshard_all(d.teacher)
         with d.net(model, "critic") as critic:
-            v_fake = velocity(critic, x, cond)
+            v_fake = objective.student_velocity(family, parts, critic, x, sigma, cond)
     return matching_loss(sample, clean(x, sigma, v_real), clean(x, sigma, v_fake))
 
 
 def student_sampling(cfg, args, say) -> None:
-    """infer.py on a distilled student's checkpoint (in place on `cfg`): its step count unless --steps, and no
-    guidance; --guidance that guides is refused by name. `say`: a warning printer. A checkpoint that cannot
-    be found is left to the weights' own check, which names it."""
+    """infer.py on a distilled student's checkpoint (in place on `cfg`): its step count unless --steps, no
+    guidance and the family's one-pass terms; --guidance that guides is refused by name. `say`: a warning
+    printer. A checkpoint that cannot be found is left to the weights' own check, which names it."""
     try:
         checkpoint = find_checkpoint(cfg, args.checkpoint, args.random_weights)
     except CheckpointError:
@@ -280,3 +281,5 @@ def student_sampling(cfg, args, say) -> None:
         )
     OmegaConf.set_readonly(cfg, False)
     cfg.sample.steps, cfg.sample.guidance = record["steps"], record["guidance"]
+    for key, value in record.get("terms", {}).items():  # the family's other terms, one pass a step
+        cfg.sample[key] = value
