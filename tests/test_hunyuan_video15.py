@@ -344,6 +344,7 @@ def test_refusals(saved, saved_i2v, tmp_path, capsys):
         (infer, ["--image", "x.png"], "--image: model.pretrained="),
         (train, ["model.task=i2v"], "leaves it at t2v"),
         (train, [f"model.pretrained={saved_i2v}"], "sample.images is empty"),  # its previews' frames
+        (train, ["sample.images=[x.png]"], "sample.images=['x.png']: HunyuanVideo 1.5's previews from"),
         (train, ["data.audio=true"], "data.audio=true: the training of HunyuanVideo 1.5 reads no sound"),
         (
             infer,

@@ -85,6 +85,11 @@ def check_family_training(cfg, family: Family, layout) -> None:
         )
     if folder_images:
         preview_images(cfg, family)  # read now: a wrong path is named before anything starts
+    elif cfg.sample.images and not (family.takes_images(cfg) or can.references):  # else left unread
+        raise ValueError(
+            f"sample.images={list(cfg.sample.images)}: {family.title}'s previews from model.pretrained="
+            f"{cfg.model.pretrained} sample from text alone; unset sample.images"
+        )
     preview_references(cfg, family)  # likewise
     check_sequence_layout(family.meta_transformer(cfg), layout.ulysses, layout.ring, family.title)
 
