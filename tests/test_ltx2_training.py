@@ -263,17 +263,18 @@ def test_the_distillations_teacher_and_student_are_the_samplers_steps(saved):
     audio noise packed as a sampling's latents; at each sample's own sigma its velocity is the sampler's one-
     pass step (sample.* as distilled_recipe leaves them), the teacher's the sampler's guided step at
     distill.guidance and the recipe's terms (audio CFG 7, modality 3, rescale 0.7), each row as a batch
-    sampled at that row's sigma gives it (the sampler's steps: tests/test_ltx2_pipeline.py)."""
+    sampled at that row's sigma gives it (the sampler's steps: tests/test_ltx2_pipeline.py), both at the
+    clips' frame rate (data.fps 25, the previews' 24). The critic's loss on the clean clips packed so is the
+    training's loss on them (tests/test_ltx2_training.py's reference) with both streams at one sigma."""
     from dataclasses import replace
 
-    from models.ltx2.family import LTX2Guidance
+    from models.ltx2.keys import LTX2Guidance
     from parallel.drive.distill import distilled_recipe
     from parallel.drive.family_training import empty_batch
 
     family = family_named("ltx2")
-    recipe = training_recipe(
-        saved, "data.audio=true", "train.objective=dmd", "lora.rank=4", "distill.guidance=4"
-    )
+    dmd, rate = ["train.objective=dmd", "lora.rank=4", "distill.guidance=4"], 25
+    recipe = training_recipe(saved, "data.audio=true", f"data.fps={rate}", *dmd)
     cfg = distilled_recipe(recipe, family)
     parts = family.load(cfg, torch.device("cpu"), torch.float32)
     assert parts.teacher_terms == LTX2Guidance(7.0, 3.0, 0.7, 1.0)  # the recipe's (configs/ltx-2.yaml)
@@ -283,7 +284,7 @@ def test_the_distillations_teacher_and_student_are_the_samplers_steps(saved):
     batch = {
         "caption": CAPTIONS,
         "video": video.to(torch.uint8),
-        "audio": tones(2, round(FRAMES / FPS * 16000)),
+        "audio": tones(2, round(FRAMES / rate * 16000)),
     }
     x0, cond = family_batch(
         run, SimpleNamespace(sp_size=1), encode_family_batch(run, batch, [False] * 2, "cpu"), "cpu"
@@ -293,10 +294,14 @@ def test_the_distillations_teacher_and_student_are_the_samplers_steps(saved):
     noise, _ = family.objective.draw(parts, None, x0, cond, gens)
     start = family.objective.student_noise(parts, x0, cond, noise)
     assert all(torch.equal(a, b) for a, b in zip(parts.layout.split(start), noise[:2], strict=True))
+    sigmas, packed = torch.tensor([[0.4, 0.4], [0.6, 0.6]]), parts.layout.join(x0, cond.audio_x0)
+    critic = family.objective.sample_loss(parts, None, parts.transformer, packed, cond, start, sigmas[:, 0])
+    want = family.objective.loss(parts, None, parts.transformer, x0, cond, noise, sigmas)
+    assert abs(critic.item() - want.item()) <= 1e-6 * want.item(), (critic, want)
     x, sigma = 0.7 * start, torch.tensor([0.3, 0.8])
     student = family.objective.student_velocity(family, parts, parts.transformer, x, sigma, cond)
     teacher = family.objective.teacher_velocity(family, parts, parts.transformer, x, sigma, cond, uncond, 4.0)
-    cond, uncond = (replace(c, fps=float(FPS)) for c in (cond, uncond))
+    cond, uncond = (replace(c, fps=float(rate)) for c in (cond, uncond))
     guided_parts = replace(parts, terms=parts.teacher_terms)
     for i, t in enumerate(sigma):
         one = family.steps.velocity(parts, x, t, cond)[i]
@@ -306,6 +311,8 @@ def test_the_distillations_teacher_and_student_are_the_samplers_steps(saved):
             f"sample {i} at sigma {float(t)}: student vs the sampler's step, teacher vs its guided one {gaps}"
         )
         assert gaps[0] <= 1e-5 and gaps[1] <= 1e-5 and float((guided - one).abs().max()) > 1e-2
+        at_24 = family.steps.velocity(parts, x, t, replace(cond, fps=24.0))[i]  # the rate tells
+        assert float((at_24 - one).abs().max()) > 1e-4
 
 
 def test_sigmas_follow_the_shifted_logit_normal():
@@ -714,8 +721,8 @@ def test_unread_flow_keys_and_missing_fps_are_refused(saved):
 
 def test_distillations_it_cannot_take_are_refused(saved):
     """train.objective=dmd is refused by name, as the recipe runs (distilled_recipe), on clips without their
-    sound, with first frames given, and with a teacher whose audio CFG would guide without the video's;
-    distill.stg set on another family's recipe is refused as its guidance term."""
+    sound, with first frames given, and with a teacher whose audio CFG would guide without the video's (set,
+    or null: the pipeline's 7); distill.stg set on another family's recipe is refused as its guidance term."""
     from configs import load_config
     from parallel.drive.distill import check_distillation, distilled_recipe
 
@@ -726,10 +733,12 @@ def test_distillations_it_cannot_take_are_refused(saved):
         "data.audio=false": r"data.audio=false: LTX-2's student samples the sound with the video",
         "train.first_frame_conditioning_p=0.1": r"conditioning_p=0.1: a student conditioned on a given first",
         "distill.guidance=1": r"distill.audio_guidance=7.0 with distill.guidance=1.0: LTX-2's audio CFG",
+        "sample.audio_guidance=null distill.guidance=1": r"audio_guidance=7.0 with distill.guidance=1",
     }
     for extra, match in refused.items():
         with pytest.raises(ValueError, match=match):
-            check_distillation(distilled_recipe(training_recipe(saved, *dmd, extra), family), family)
+            recipe = training_recipe(saved, *dmd, *extra.split())
+            check_distillation(distilled_recipe(recipe, family), family)
     with pytest.raises(ValueError, match=r"distill.stg=0.5: .*LTX-2"):
         load_config(ROOT / "configs" / "qwen-image.yaml", ["distill.stg=0.5"])
 

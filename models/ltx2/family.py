@@ -11,7 +11,7 @@ prompt enhancement; PipeFusion and the step caches (for the model's reasons in i
 """
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +22,7 @@ from models.family import Components, Family, config_of, part_folder, read_json
 from models.guidance import Guidance
 from models.loop import UNSUPPORTED, Schedule, euler, sigmas
 from models.ltx2.audio import encode_sound
+from models.ltx2.keys import LTX2Guidance, guidance_terms
 from models.ltx2.layout import LTX2Layout
 from models.ltx2.text import encode_prompts, prepare_tokenizer
 from models.ltx2.training import LTX2Objective, is_audio_parameter
@@ -48,18 +49,6 @@ ORIGINAL_NAMES = (
     ("av_cross_attn_audio_v2a_gate", "av_ca_v2a_gate_adaln_single"),
 )
 X264_LARGEST = 16384  # pixels a side that the H.264 re-compression of a first frame takes (measured)
-
-
-@dataclass(frozen=True)
-class LTX2Guidance:
-    """The pipeline's guidance terms besides the video's CFG scale (sample.guidance), its defaults: audio
-    CFG (audio_guidance_scale), modality isolation (modality_scale), the rescale and STG (stg_scale), the
-    last three the same for both streams (the pipeline's audio_* default to the video's)."""
-
-    audio_guidance: float = 7.0
-    modality_guidance: float = 3.0
-    guidance_rescale: float = 0.7
-    stg: float = 1.0
 
 
 @dataclass
@@ -91,13 +80,6 @@ def original_name(name: str) -> str:
 def _stg_blocks(parts) -> list:
     """The pipeline's STG blocks the transformer has."""
     return [b for b in STG_BLOCKS if b < len(parts.transformer.blocks)]
-
-
-def guidance_terms(section) -> LTX2Guidance:
-    """A recipe section's audio_guidance, modality_guidance, guidance_rescale and stg (None: the pipeline's
-    default): cfg.sample's, or a distillation's teacher's, cfg.distill's."""
-    given = {f.name: section[f.name] for f in fields(LTX2Guidance) if section[f.name] is not None}
-    return LTX2Guidance(**{k: float(v) for k, v in given.items()})
 
 
 def rescale(guided, pred, amount: float):

@@ -15,6 +15,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from models.ltx2.keys import guidance_terms
 from models.ltx2.layout import LTX2Layout
 from models.objective import Objective
 
@@ -181,8 +182,8 @@ class LTX2Objective(Objective):
                 f"{cfg.train.first_frame_conditioning_p}: a student conditioned on a given first frame is "
                 "not built; distil text-to-video (set it to 0)"
             )
-        audio = cfg.distill.audio_guidance
-        if cfg.distill.guidance <= 1 and audio is not None and audio > 1:
+        audio = guidance_terms(cfg.distill).audio_guidance  # None: the pipeline's 7
+        if cfg.distill.guidance <= 1 and audio > 1:
             raise ValueError(
                 f"distill.audio_guidance={audio} with distill.guidance={cfg.distill.guidance}: LTX-2's "
                 "audio CFG runs with the video's here; set the teacher's distill.guidance above 1, or "
