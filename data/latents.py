@@ -56,6 +56,7 @@ def latent_meta(cfg) -> dict:
         folders = {part: str(part_folder(cfg, part)) for part in ("vae", "text_encoder")}
         meta["family"] = {"name": family.name, **folders, "dtype": compute_dtype(cfg)}
         meta["family"]["images"] = family.needs_images(cfg)  # each clip's first frame stored (image-to-video)
+        meta["family"].update(family.latent_record(cfg))
     return meta
 
 
@@ -128,10 +129,10 @@ def meta_differences(made_with: dict, now: dict) -> list[str]:
         return made_with.get(s, {}).get(k, BEFORE.get(s, {}).get(k))
 
     return [
-        f"{s}.{k}: {there(s, k)!r} there, {now[s][k]!r} here"
+        f"{s}.{k}: {there(s, k)!r} there, {now[s].get(k)!r} here"
         for s in now
-        for k in now[s]
-        if there(s, k) != now[s][k]
+        for k in {**made_with.get(s, {}), **now[s]}  # a key recorded on one side only: set there, not here
+        if there(s, k) != now[s].get(k)
     ]
 
 

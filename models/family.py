@@ -520,6 +520,12 @@ class Family:
         check_trained)."""
         return {}
 
+    def latent_record(self, cfg) -> dict:
+        """{recipe key: value} of its own keys that change its stored conditioning, kept in a latents
+        folder's meta.json (data/latents.py): training with other values is refused by name. {} at their
+        defaults, so folders written before a key existed still read."""
+        return {}
+
     def check_training(self, cfg) -> None:
         """Refuse (ValueError) by name a recipe its training cannot take (before anything starts)."""
 

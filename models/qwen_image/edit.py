@@ -18,7 +18,8 @@ from models.qwen_image.family import QwenImage
 from models.qwen_image.text import encode_edit_prompt
 from models.qwen_image.transformer import QwenImageCond, pack_latents
 
-CONDITION_AREA, VAE_AREA = 384 * 384, 1024 * 1024  # the pipeline's
+# the pipeline's: Qwen2.5-VL's reading of a reference, the VAE's (model.reference_area), the output's default
+CONDITION_AREA, VAE_AREA, OUTPUT_AREA = 384 * 384, 1024 * 1024, 1024 * 1024
 MAX_REFERENCES = 3  # the release's: "Picture 1" to "Picture 3"
 
 
@@ -41,6 +42,7 @@ def reference_latents(z, config) -> torch.Tensor:
 class QwenImageEditParts(Components):
     image_processor: object = None  # Qwen2.5-VL's (the pipeline's processor/), and its tokenizer
     vision_tokenizer: object = None
+    reference_area: int = VAE_AREA  # the pixels a reference is sized to for the VAE
 
 
 class QwenImageEdit(QwenImage):
@@ -145,7 +147,7 @@ class QwenImageEdit(QwenImage):
         _, height, width = size
         if not sized:
             multiple = 2 * self.vae_scale(cfg)
-            height, width = (side // multiple * multiple for side in pipeline_size(VAE_AREA, images[-1]))
+            height, width = (side // multiple * multiple for side in pipeline_size(OUTPUT_AREA, images[-1]))
             if say is not None:
                 say(f"--image: sampling {width}x{height}, the size {self.title}'s pipeline picks for the "
                     "last image (give --height and --width for another)")  # fmt: skip
@@ -164,7 +166,12 @@ class QwenImageEdit(QwenImage):
             **vars(parts),
             image_processor=AutoImageProcessor.from_pretrained(folder),
             vision_tokenizer=AutoTokenizer.from_pretrained(folder),
+            reference_area=cfg.model.reference_area or VAE_AREA,
         )
+
+    def latent_record(self, cfg) -> dict:
+        """The references' size, where not the pipeline's: their stored latents are that size."""
+        return {} if cfg.model.reference_area is None else {"model.reference_area": cfg.model.reference_area}
 
     def conditionings(self, parts: QwenImageEditParts, sampling) -> tuple:
         """Both branches encoded with the references, as the pipeline encodes them (the negative prompt
@@ -183,7 +190,7 @@ class QwenImageEdit(QwenImage):
         tokens, grids = [], []
         device = next(parts.vae.parameters()).device
         for image in images:
-            pixels = processor.preprocess(image, *pipeline_size(VAE_AREA, image)).unsqueeze(2)
+            pixels = processor.preprocess(image, *pipeline_size(parts.reference_area, image)).unsqueeze(2)
             with torch.no_grad():
                 z = parts.vae.encode(pixels.to(device, parts.vae.dtype)).latent_dist.mode()
             z = reference_latents(z, parts.vae.config)
