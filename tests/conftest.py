@@ -27,9 +27,6 @@ WHOLE_SUITE_ROWS = {  # file: [(rows, tests), ...]
         # a distilled student in diffusers: Qwen-Image's row covers the path (Wan's is the whole suite's)
         (("sana",), ("test_a_distilled_student",)),
     ],
-    # 2511's sampling and loss through infer.py and train.py: 2509's cover the path, 2511's transformer test
-    # its modulation
-    "tests/test_qwen_image_edit.py": [(("2511",), ("test_infer_matches_the_pipeline", "test_the_edit_loss"))],
     # FLUX.2 dev's transformer, weights and LoRAs are klein's code: its sampling and refusals stay fast
     "tests/test_families.py": [
         (("flux2_dev",),
@@ -60,8 +57,9 @@ SKIPPED_ROWS = {  # file: [(rows, tests, reason)]
 # the files that take longest, first: xdist's --dist loadfile hands files to the workers in collection order,
 # so a long file started last would keep one worker busy after the other has finished (test_failures.py
 # waits out timeouts: about 11 minutes of one worker on 2 cores)
-LONGEST_FIRST = ("test_failures.py", "test_qwen_image_edit.py", "test_run_takeover.py", "test_families.py",
-                 "test_family_training.py", "test_scripts.py", "test_trust_probes.py")  # fmt: skip
+LONGEST_FIRST = ("test_failures.py", "test_family_training.py", "test_run_takeover.py", "test_families.py",
+                 "test_scripts.py", "test_ltx2_training.py", "test_ltx2_pipeline.py", "test_trust_probes.py",
+                 "test_e2e.py", "test_qwen_image_edit.py")  # fmt: skip
 
 
 def pytest_collection_modifyitems(items):
