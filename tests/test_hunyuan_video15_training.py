@@ -3,7 +3,8 @@ wrote): each step's loss is the flow-matching loss on the pipeline's own text en
 a full and a LoRA run train, preview and checkpoint; the LoRA exported in diffusers' names loads with the
 transformer's load_lora_adapter (the pipeline has no load_lora_weights) and the full fine-tuning exported
 with --pipeline samples in diffusers what infer.py samples from the run; precomputed latents train as the
-videos do; and under parallel.ulysses=2 each step's loss is one process's."""
+videos do; under parallel.ulysses=2 each step's loss is one process's; a distilled student exported
+samples in diffusers what infer.py samples."""
 
 import json
 import sys
@@ -363,3 +364,36 @@ def test_ulysses_training_is_one_process(saved, runs, tmp_path):  # noqa: F811
     worst = max(abs(b - a) / abs(a) for a, b in pairs)
     print(f"ulysses 2: losses and gradient norms within {worst:.1e} (relative) of one process's")
     assert worst <= 1e-5, pairs
+
+
+@pytest.mark.slow  # a run, an export and three samplings
+def test_a_distilled_student_samples_in_diffusers_what_infer_samples(saved, tmp_path):  # noqa: F811
+    """train.objective=dmd, 2 steps of a 2-step student (its turn and the critic's at both): the exported
+    LoRA, on the transformer in the pipeline at 2 steps with its guider at scale 1 (no guidance), samples
+    what infer.py --checkpoint samples from the run (which takes the student's steps and drops guidance by
+    itself)."""
+    from diffusers import DiffusionPipeline
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    run, lora = tmp_path / "student", tmp_path / "student.safetensors"
+    dmd = ["train.objective=dmd", "lora.rank=4", "distill.steps=2", "distill.critic_updates=1"]
+    dmd += ["train.lr=1e-2"]
+    assert run_main(train, train_args(saved, run, *dmd)) == 0
+    assert export.main(["--checkpoint", str(run), "--lora", "--output", str(lora)]) == 0
+    argv = infer_args(saved, tmp_path, "--prompt", PROMPTS[0], "--seed", "1", "--checkpoint", str(run))
+    assert run_main(infer, [*argv, "--output", str(tmp_path / "ours.npy")]) == 0
+    ours = np.load(tmp_path / "ours.npy")  # one video: (frames, height, width, 3)
+    pipe = DiffusionPipeline.from_pretrained(saved)
+    pipe.guider = ClassifierFreeGuidance(guidance_scale=1.0)
+    pipe.set_progress_bar_config(disable=True)
+    sample = lambda: pipe(  # noqa: E731
+        prompt=PROMPTS[0], num_inference_steps=2, **SIZE, generator=torch.Generator().manual_seed(1),
+        output_type="np",
+    ).frames[0]  # fmt: skip
+    with torch.no_grad():
+        base = sample()
+        pipe.transformer.load_lora_adapter(str(lora), prefix="transformer")
+        theirs = sample()
+    diff, moved = float(np.abs(theirs - ours).max()), float(np.abs(base - ours).max())
+    print(f"HunyuanVideo 1.5 student: diffusers vs infer.py {diff:.1e}; the base at its steps {moved:.1e}")
+    assert diff <= 1e-4 and moved > 100 * diff
