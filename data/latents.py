@@ -148,7 +148,8 @@ def read_latent_index(folder, cfg) -> list[dict]:
     differ = meta_differences(json.loads((folder / "meta.json").read_text()), now)
     if differ:
         raise ValueError(
-            f"data.latents='{folder}' was made with another VAE, text encoder, fps, sound, task or folder "
+            f"data.latents='{folder}' was made with another VAE, text encoder, fps, sound, task, folder or "
+            f"family setting "
             f"({'; '.join(differ)}); "
             f"recompute it with this recipe or change the recipe back"
         )

@@ -521,9 +521,9 @@ class Family:
         return {}
 
     def latent_record(self, cfg) -> dict:
-        """{recipe key: value} of its own keys that change its stored conditioning, kept in a latents
-        folder's meta.json (data/latents.py): training with other values is refused by name. {} at their
-        defaults, so folders written before a key existed still read."""
+        """{name: value} of its own settings that change its stored conditioning, kept in a latents
+        folder's meta.json (data/latents.py) and the stored previews' identity: training with other values
+        is refused by name. {} at their defaults, so folders written before a key existed still read."""
         return {}
 
     def check_training(self, cfg) -> None:

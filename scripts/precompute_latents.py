@@ -162,7 +162,7 @@ def main(argv=None, session=None):
     )
     if differ:
         raise ValueError(
-            f"--out {out} holds latents made with another VAE, text encoder, fps or task "
+            f"--out {out} holds latents made with another VAE, text encoder, fps, task or family setting "
             f"({'; '.join(differ)}); write to another folder, or delete it to start over"
         )
     table = build_buckets(cfg)

@@ -161,14 +161,26 @@ def save(pipe, folder):
 AREA = 256 * 256
 
 
-def test_the_reference_area_is_the_pipelines_by_default(monkeypatch):
+def test_the_reference_area_is_the_pipelines_by_default(edit, tmp_path, monkeypatch):
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as theirs
 
-    from models.qwen_image.edit import CONDITION_AREA, OUTPUT_AREA, VAE_AREA
+    from models.qwen_image.edit import CONDITION_AREA, VAE_AREA
 
     monkeypatch.undo()  # small_references' patch: the pipeline's own constants
     assert (CONDITION_AREA, VAE_AREA) == (theirs.CONDITION_IMAGE_SIZE, theirs.VAE_IMAGE_SIZE)
-    assert OUTPUT_AREA == 1024 * 1024  # the pipeline's default size: calculate_dimensions(1024 * 1024, ..)
+    # unset, or set to the pipeline's: its area, and latents recorded as before the key existed
+    from configs import load_config
+    from models.families import family_named
+
+    pipe, folder, paths = edit
+    argv = [a for a in edit_args(folder, tmp_path, paths[:1]) if not a.startswith("model.reference_area")]
+    family = family_named("qwen_image_edit")
+    for given in ([], [f"model.reference_area={VAE_AREA}"]):
+        cfg = load_config(argv[1], [*argv[2:7], *given])
+        assert family.load(cfg, torch.device("cpu"), torch.float32).reference_area == VAE_AREA
+        assert family.latent_record(cfg) == {}
+    cfg = load_config(argv[1], [*argv[2:7], f"model.reference_area={AREA}"])
+    assert family.latent_record(cfg) == {"reference_area": AREA}
 
 
 @pytest.fixture(autouse=True)
@@ -360,7 +372,7 @@ def test_pipefusion_with_references_matches_one_process(edit, tmp_path):
                         [[load_image(paths[0])]])  # fmt: skip
     diff, stale = stale_patches(family, parts, sampling, np.load(out))
     print(f"PipeFusion with a reference vs one process item by item {diff:.2e} (vs whole steps {stale:.2e})")
-    # the references. 256 tokens (model.reference_area 256 x 256 pixels) outweigh the 32 noisy
+    # the references' 252 tokens (model.reference_area: 256 x 256 pixels) outweigh the 32 noisy
     # ones in each attention: the stale patches move the image by little, still 10 times the difference
     assert diff <= 1e-5 and stale > 10 * diff
 
@@ -399,8 +411,8 @@ def test_a_calibrated_step_cache_with_references(edit, tmp_path, capsys):
 
 # the first-block cache's thresholds (2509, 2511): of 8 steps, some middle ones reuse (compared unguided:
 # diffusers decides per branch, as for Qwen-Image in tests/test_families.py). 2511's rule reads mostly its
-# references' residual, which moves little (their tokens modulated at t = 0 and 700 times the noisy ones
-# here): a threshold 40 times lower
+# references' residual, which moves little (their tokens modulated at t = 0 and 42 times the noisy ones
+# here): a threshold 8 times lower, amid the gap where 4 steps run every block (0.0375 to 0.04 here)
 FIRST_BLOCK_THRESHOLDS = {False: 0.3, True: 0.039}
 
 
@@ -699,7 +711,7 @@ def test_precomputed_edit_pairs_train_as_the_pairs_do(edit, tmp_path, monkeypatc
     from data.latents import read_latent_index
 
     at_default = [a for a in argv_stored[2:] if not a.startswith("model.reference_area")]
-    with pytest.raises(ValueError, match=f"model.reference_area: {AREA} there, None here"):
+    with pytest.raises(ValueError, match=f"family.reference_area: {AREA} there, None here"):
         read_latent_index(latents, load_config(argv_stored[1], at_default))  # references of another size
     index = lambda: [json.loads(line)["path"] for line in (latents / "index.jsonl").read_text().splitlines()]  # noqa: E731
     before = index()

@@ -213,9 +213,9 @@ def test_a_checkpoint_rotated_away_while_read_is_named_as_such(trained, tmp_path
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_reading_a_run_that_rotates_each_step(tmp_path):
-    """infer.py on a run training with checkpoint_every=1, keep_checkpoints=1: each read (up to 4, at least
-    2) either samples or names the rotation (at least one meets it: bf7d40d's 8 reads of 8 did); never "not
-    a complete tessera training checkpoint"."""
+    """infer.py on a run training with checkpoint_every=1, keep_checkpoints=1: each read either samples or
+    names the rotation (at least one meets it: bf7d40d's 8 reads of 8 did); never "not a complete tessera
+    training checkpoint"."""
     run_dir = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     trainer = subprocess.Popen(
@@ -240,8 +240,6 @@ def test_reading_a_run_that_rotates_each_step(tmp_path):
                 line = one_error(done.stderr)
                 assert "was removed while it was read" in line, line
             outcomes.append(done.returncode)
-            if 2 in outcomes and len(outcomes) >= 2:  # a read met the rotation: the rest would read alike
-                break
         assert set(outcomes) <= {0, 2} and 2 in outcomes, outcomes  # a read did meet the rotation
     finally:
         trainer.kill()

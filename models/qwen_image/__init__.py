@@ -25,4 +25,9 @@ _MODULE = {name: module for module, names in _HOME.items() for name in names}
 def __getattr__(name: str):
     if name not in _MODULE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_MODULE[name]}"), name)
+    value = globals()[name] = getattr(importlib.import_module(f"{__name__}.{_MODULE[name]}"), name)
+    return value
+
+
+def __dir__() -> list:
+    return sorted([*globals(), *__all__])

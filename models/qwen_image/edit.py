@@ -171,7 +171,8 @@ class QwenImageEdit(QwenImage):
 
     def latent_record(self, cfg) -> dict:
         """The references' size, where not the pipeline's: their stored latents are that size."""
-        return {} if cfg.model.reference_area is None else {"model.reference_area": cfg.model.reference_area}
+        area = cfg.model.reference_area or VAE_AREA
+        return {} if area == VAE_AREA else {"reference_area": area}
 
     def conditionings(self, parts: QwenImageEditParts, sampling) -> tuple:
         """Both branches encoded with the references, as the pipeline encodes them (the negative prompt

@@ -36,7 +36,7 @@ def preview_sampling(cfg, family: Family, references, seeds: list | None = None)
 def preview_identity(cfg, family: Family, sampling: Sampling, dtype: torch.dtype) -> dict:
     """What the previews' conditionings depend on: the family, its text encoder (text_encoder.*, or
     model.pretrained's), the prompts, the negative prompt where the scale guides, the scale, the size, the
-    reference images, the frame rates and the dtype."""
+    reference images, the frame rates, the dtype and the family's latent_record."""
     guided = family.guidance.guided(sampling.guidance)
     identity = {
         "family": family.name,
@@ -50,6 +50,7 @@ def preview_identity(cfg, family: Family, sampling: Sampling, dtype: torch.dtype
         "max_length": sampling.max_length,
         "fps": [cfg.sample.fps, cfg.data.fps],  # LTX-2's conditioning carries its frame rates
         "dtype": str(dtype),
+        **family.latent_record(cfg),  # what else of the family's the conditioning depends on
     }
     return json.loads(json.dumps(identity))  # as the file holds it (tuples become lists)
 
