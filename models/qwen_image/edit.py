@@ -31,6 +31,11 @@ def pipeline_size(area: int, image) -> tuple:
     return round(width / ratio / 32) * 32, round(width / 32) * 32
 
 
+def reference_area(cfg) -> int:
+    """The pixels a reference reaches the VAE at: model.reference_area, else the pipeline's."""
+    return cfg.model.reference_area or VAE_AREA
+
+
 def reference_latents(z, config) -> torch.Tensor:
     """(z - mean) / std, as the pipeline normalises its references (its text-to-image sibling multiplies by
     1 / std: a rounding apart)."""
@@ -166,12 +171,12 @@ class QwenImageEdit(QwenImage):
             **vars(parts),
             image_processor=AutoImageProcessor.from_pretrained(folder),
             vision_tokenizer=AutoTokenizer.from_pretrained(folder),
-            reference_area=cfg.model.reference_area or VAE_AREA,
+            reference_area=reference_area(cfg),
         )
 
     def latent_record(self, cfg) -> dict:
         """The references' size, where not the pipeline's: their stored latents are that size."""
-        area = cfg.model.reference_area or VAE_AREA
+        area = reference_area(cfg)
         return {} if area == VAE_AREA else {"reference_area": area}
 
     def conditionings(self, parts: QwenImageEditParts, sampling) -> tuple:
