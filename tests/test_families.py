@@ -249,10 +249,12 @@ def negative(name) -> str:
     return NEGATIVE if ROWS[name].negative else ""
 
 
-def pipeline_output(pipe, name, prompt=PROMPTS[0], steps: int = 2, seed: int = 1, guidance=4.0, **given):
+def pipeline_output(
+    pipe, name, prompt=PROMPTS[0], steps: int = 2, seed: int = 1, guidance=4.0, negative=True, **given
+):
     """(frames (T, H, W, 3), its sound (channels, samples) or None) of the pipeline for `prompt` with its
-    row's negative prompt and `guidance`, at its row's size; `given`: more keywords (an image-to-video
-    pipeline's image: one that picks the size from it takes no height and width)."""
+    row's negative prompt (`negative`) and `guidance`, at its row's size; `given`: more keywords (an
+    image-to-video pipeline's image: one that picks the size from it takes no height and width)."""
     import inspect
 
     row = ROWS[name]
@@ -272,7 +274,7 @@ def pipeline_output(pipe, name, prompt=PROMPTS[0], steps: int = 2, seed: int = 1
         output_type="np",
         **({} if row.guider else {row.guidance: guidance}),
         **row.keywords,
-        **({"negative_prompt": NEGATIVE} if row.negative else {}),
+        **({"negative_prompt": NEGATIVE} if row.negative and negative else {}),
         **given,
     )
     if row.frames == 1:

@@ -1,8 +1,8 @@
-"""train.py on the image families (models/families.py): the loss each step computes is the flow-matching
-loss diffusers' training scripts compute with the pipeline's own text encoding, VAE and transformer
-(code no one here wrote); a run trains, previews, checkpoints and resumes (full and LoRA); and under
-parallel.ulysses=2 and parallel.ring=2 (a token count no degree divides) each step's loss and gradient
-norm are one process's."""
+"""train.py on every family that trains from its pipeline's folder alone (a row of tests/test_families.py's
+ROWS): the loss each step computes is the flow-matching loss diffusers' training scripts compute with the
+pipeline's own text encoding, VAE and transformer (code no one here wrote); a run trains, previews,
+checkpoints and resumes (full and LoRA); and under parallel.ulysses=2 and parallel.ring=2 (an image's token
+count no degree divides) each step's loss and gradient norm are one process's."""
 
 import inspect
 import json
@@ -19,6 +19,7 @@ from configs import load_config
 from data.loader import encode_family_batch
 from models.families import family_named
 from models.flow import RectifiedFlow
+from models.lora import DEFAULT_TARGETS
 from parallel.drive.family_training import FamilyRun, family_batch
 from tests.conftest import ROOT, ranks, run_main
 from tests.test_families import ROWS, cached_and_uncached, infer_args, negative, pipeline_image, saved_folder
@@ -27,9 +28,10 @@ from tests.test_sana import MAX_LENGTH, PROMPTS
 sys.path.insert(0, str(ROOT / "scripts"))
 import export  # noqa: E402
 
-# the image families' rows (the video families' training against diffusers: tests/test_e2e.py and
-# test_wan_pipeline.py for the DiT, test_hunyuan_video15_training.py, test_ltx2_training.py)
-TRAINED = [name for name in ROWS if ROWS[name].frames == 1]
+# every row but LTX-2's, whose clips carry sound the rows' synthetic clips do not: its training against
+# diffusers, sound and video, is tests/test_ltx2_training.py's (the image-to-video folders': the DiT's
+# tests/test_image_to_video.py, HunyuanVideo 1.5's tests/test_hunyuan_video15_training.py)
+TRAINED = [name for name in ROWS if not ROWS[name].sound]
 
 
 @pytest.fixture(scope="module", params=TRAINED)
@@ -38,8 +40,10 @@ def saved(request, tmp_path_factory):
     return saved_folder(request.param, tmp_path_factory)
 
 
-# height, width: 3 x 5 tokens, which neither degree 2 divides (Z-Image pads them to 32)
-TRAIN_SIZE = dict(qwen_image=(48, 80), sana=(96, 160), z_image=(24, 40), flux2=(24, 40), flux2_dev=(24, 40))
+# height, width: an image's 3 x 5 tokens, which neither degree 2 divides (Z-Image pads them to 32); the
+# video rows' clips are their rows' frames (the DiT's 2 x 3 x 5 tokens, HunyuanVideo 1.5's 3 x 6 x 10)
+TRAIN_SIZE = dict(qwen_image=(48, 80), sana=(96, 160), z_image=(24, 40), flux2=(24, 40), flux2_dev=(24, 40),
+                  dit=(48, 80), hunyuan_video15=(24, 40))  # fmt: skip
 CAPTIONS = ["a red square on a white wall", "a dog"]
 
 
@@ -49,7 +53,7 @@ def family_overrides(name, folder) -> list:
         f"model.pretrained={folder}",
         f"vae.pretrained={folder}",
         f"text_encoder.pretrained={folder}",
-        f"text_encoder.max_length={MAX_LENGTH if name == 'sana' else 512}",
+        f"text_encoder.max_length={ROWS[name].max_length}",
         *(["train.guidance=null"] if name == "flux2_dev" else []),  # its family's default, diffusers' 3.5
     ]
 
@@ -64,7 +68,7 @@ def train_args(name, folder, run, *extra) -> list:
         "data.resolutions=[]",
         "data.aspect_ratios=[]",
         "data.frame_counts=[]",
-        "data.frames=1",
+        f"data.frames={ROWS[name].frames}",
         f"data.height={height}",
         f"data.width={width}",
         "data.synthetic_samples=8",
@@ -79,6 +83,8 @@ def train_args(name, folder, run, *extra) -> list:
         "sample.height=null",
         "sample.width=null",
         "sample.prompts=[a red square]",
+        "train.compile=false",  # the DiT's recipes compile (a minute cold here): the steps are compared
+        "parallel.auto=false",  # the degrees each test gives (the DiT's recipes choose them)
         "logging.wandb=false",
         "parallel.timeout_s=60",
         f"run.output_dir={run}",
@@ -96,6 +102,8 @@ def diffusers_loss(name, pipe, pixels, prompts, noise, sigma) -> torch.Tensor:
     Z-Image, which diffusers has no script for: musubi-tuner's, the pipeline's pieces (its latents
     (z - shift) x scale, the model told 1 - sigma, its output negated) on the velocity."""
     s = sigma.view(-1, 1, 1, 1, 1)
+    if name in VIDEO_LOSSES:
+        return VIDEO_LOSSES[name](pipe, pixels, prompts, noise, s)
     if name.startswith("flux2"):  # klein: the pipeline's pieces on the velocity (diffusers has no script);
         # dev: train_dreambooth_lora_flux2.py's, the transformer given its --guidance_scale's default, 3.5
         embeds, text_ids = pipe.encode_prompt(list(prompts))
@@ -149,9 +157,62 @@ def diffusers_loss(name, pipe, pixels, prompts, noise, sigma) -> torch.Tensor:
     return torch.nn.functional.mse_loss(pred.float(), (noise - x0).float())
 
 
+def wan_loss(pipe, pixels, prompts, noise, s) -> torch.Tensor:
+    """Wan's (diffusers has no training script): the pipeline's pieces (its T5 encoding, its VAE's posterior
+    mode normalised by latents_mean and latents_std, its transformer told 1000 sigma) on the velocity."""
+    embeds = pipe.encode_prompt(list(prompts), do_classifier_free_guidance=False, max_sequence_length=40)[0]
+    vae = pipe.vae.config
+    mean, std = (torch.tensor(v).view(1, -1, 1, 1, 1) for v in (vae.latents_mean, vae.latents_std))
+    x0 = (pipe.vae.encode(pixels).latent_dist.mode() - mean) / std
+    x_t = (1 - s) * x0 + s * noise
+    pred = pipe.transformer(x_t, s.flatten() * 1000, embeds, return_dict=False)[0]
+    return torch.nn.functional.mse_loss(pred.float(), (noise - x0).float())
+
+
+def hunyuan_video15_loss(pipe, pixels, prompts, noise, s) -> torch.Tensor:
+    """HunyuanVideo 1.5's (diffusers has no training script): the pipeline's encode_prompt (both texts), its
+    VAE (the posterior's mode, scaled), its transformer told text-to-video's zero condition; the velocity."""
+    text, text_mask, glyph, glyph_mask = pipe.encode_prompt(list(prompts), device="cpu", batch_size=len(s))
+    # one clip at a time: diffusers' VAE attention mask does not broadcast over a batch (0.42)
+    z = torch.cat([pipe.vae.encode(v[None]).latent_dist.mode() for v in pixels])
+    x0 = z * pipe.vae.config.scaling_factor
+    x_t = (1 - s) * x0 + s * noise
+    given = torch.zeros(len(x0), x_t.shape[1] + 1, *x_t.shape[2:])  # the condition latents and their mask
+    pred = pipe.transformer(
+        hidden_states=torch.cat([x_t, given], dim=1),
+        timestep=s.flatten() * 1000,
+        encoder_hidden_states=text,
+        encoder_attention_mask=text_mask,
+        encoder_hidden_states_2=glyph,
+        encoder_attention_mask_2=glyph_mask,
+        image_embeds=torch.zeros(len(x0), 3, pipe.transformer.config.image_embed_dim),
+        return_dict=False,
+    )[0]
+    return torch.nn.functional.mse_loss(pred, noise - x0)
+
+
+VIDEO_LOSSES = dict(dit=wan_loss, hunyuan_video15=hunyuan_video15_loss)
+
+
+def trained_parts(family, cfg):
+    """The family's parts in float32 with model.pretrained's transformer, as train.py starts from them: a
+    family whose weights are not a folder's tensors as they are (the DiT's, from a Wan folder's) filled as
+    parallel/build fills it."""
+    from dataclasses import replace
+
+    from parallel.build.components import fill_unsharded, open_pretrained
+
+    if family.loading.from_pretrained:
+        return family.load(cfg, torch.device("cpu"), torch.float32)
+    model = family.meta_transformer(cfg)
+    fill_unsharded(model, cfg.train.seed, open_pretrained(cfg, model))
+    parts = family.load(cfg, torch.device("cpu"), torch.float32, transformer=False)
+    return replace(parts, transformer=model.eval())
+
+
 @torch.no_grad()
 def test_the_loss_is_diffusers(saved):
-    """Two images, one caption dropped (the empty prompt), two noise levels: the loss train.py's step
+    """Two images (clips), one caption dropped (the empty prompt), two noise levels: the loss train.py's step
     computes (encode_family_batch, family_batch, the family's objective.loss on its velocity) is
     the loss of diffusers' training scripts on the pipeline's own parts."""
     from diffusers import DiffusionPipeline
@@ -159,10 +220,11 @@ def test_the_loss_is_diffusers(saved):
     name, folder = saved
     family = family_named(name)
     cfg = load_config(ROOT / "configs" / ROWS[name].recipe, family_overrides(name, folder))
-    parts = family.load(cfg, torch.device("cpu"), torch.float32)
+    parts = trained_parts(family, cfg)
     height, width = TRAIN_SIZE[name]
     generator = torch.Generator().manual_seed(0)
-    video = torch.randint(0, 256, (2, 3, 1, height, width), generator=generator, dtype=torch.uint8)
+    shape = (2, 3, ROWS[name].frames, height, width)
+    video = torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)
     run = FamilyRun(family, parts, cfg.text_encoder.max_length)
     encoded = encode_family_batch(run, {"caption": CAPTIONS, "video": video}, [False, True], "cpu")
     x0, cond = family_batch(run, SimpleNamespace(sp_size=1), encoded, "cpu")
@@ -220,8 +282,9 @@ def test_a_run_trains_and_resumes(runs, tmp_path, capsys, kind):
     if kind == "lora":
         state = torch.load(resumed / "checkpoints" / "step_3" / "trainer_rank0.pt", weights_only=False)
         record = state["lora"]  # the family's own layers, as resolve_family chose (lora.targets unset)
-        assert record["rank"] == 4 and record["targets"] == list(family_named(name).lora_targets)
-        layers = dict(sana="blocks.0.attn1.to_q", z_image="blocks.0.attention.to_q")
+        targets = list(family_named(name).lora_targets or DEFAULT_TARGETS)  # the DiT's: the schema's
+        assert record["rank"] == 4 and record["targets"] == targets
+        layers = dict(sana="blocks.0.attn1.to_q", z_image="blocks.0.attention.to_q", dit="blocks.0.attn.qkv")
         layer = layers.get(name, "blocks.0.attn.to_q")  # Qwen-Image's and FLUX.2's
         assert layer in record["modules"]
         assert got[-1]["loss"] != metrics(made["full"])[-1]["loss"]  # the adapters alone trained
@@ -308,22 +371,25 @@ def check_stored_previews(name, argv, latents):
 
 
 def test_buckets_by_aspect_ratio(saved, tmp_path):
-    """Image buckets of two sizes and three aspect ratios, each side a multiple of the family's VAE stride
-    times its patch: the run trains on more than one of them, each a latent the transformer takes."""
+    """Buckets of two sizes and three aspect ratios (a video row's at its frame count), each side a multiple
+    of the family's VAE stride times its patch: the run trains on more than one of them, each a latent the
+    transformer takes."""
     name, folder = saved
     side = TRAIN_SIZE[name][0]
     buckets = [f"data.resolutions=[{side},{2 * side}]", "data.aspect_ratios=['1:1','16:9','9:16']"]
     run = tmp_path / "run"
+    frames = ROWS[name].frames
     argv = train_args(
-        name, folder, run, "data.synthetic_samples=16", "train.max_steps=6", "data.frame_counts=[1]"
+        name, folder, run, "data.synthetic_samples=16", "train.max_steps=6", f"data.frame_counts=[{frames}]"
     )
     assert run_main(train, [*argv, *buckets]) == 0
     trained = {bucket for m in metrics(run) for bucket in m["buckets"]}
     assert len(trained) >= 2, trained
-    multiple = {"sana": 32}.get(name, 8)  # the tiny pipelines: Sana 32, the others' VAEs 4 x their 2 x 2
+    # the tiny pipelines: Sana 32, HunyuanVideo 1.5's VAE 4 x its 1 x 1 patch, the others' 4 x their 2 x 2
+    multiple = {"sana": 32, "hunyuan_video15": 4}.get(name, 8)
     for bucket in trained:
-        frames, height, width = map(int, bucket.split("x"))
-        assert frames == 1 and height % multiple == 0 and width % multiple == 0, bucket
+        count, height, width = map(int, bucket.split("x"))
+        assert count == frames and height % multiple == 0 and width % multiple == 0, bucket
 
 
 @pytest.mark.slow
@@ -344,7 +410,7 @@ def test_eval_demo_judges_what_infer_samples(runs, tmp_path):
     prompts = held_out_prompts(["orange"])
     assert [r["prompt"] for r in rows] == prompts and (tmp_path / "s.png").stat().st_size > 0
     height, width = TRAIN_SIZE[name]
-    size = ["--frames", "1", "--height", str(height), "--width", str(width)]
+    size = ["--frames", str(ROWS[name].frames), "--height", str(height), "--width", str(width)]
     out = tmp_path / "v.npy"
     assert run_main(infer, ["--config", config, *overrides, "--prompt", *prompts, "--seed", "3", *size,
                             "--output", str(out)]) == 0  # fmt: skip
@@ -403,6 +469,15 @@ def infer_image(name, folder, tmp_path, out, *extra):
     return np.load(tmp_path / out)
 
 
+def load_lora(pipe, lora) -> None:
+    """`lora` (diffusers' names) into the pipeline as its users load it: load_lora_weights, or for one that
+    has none (HunyuanVideo 1.5's) its transformer's load_lora_adapter."""
+    if hasattr(pipe, "load_lora_weights"):
+        pipe.load_lora_weights(lora)
+    else:
+        pipe.transformer.load_lora_adapter(str(lora), prefix="transformer")
+
+
 @torch.no_grad()
 def test_exports_load_in_diffusers(runs, tmp_path):
     """A LoRA trained here, exported (diffusers' names), loads with load_lora_weights and gives the image
@@ -416,7 +491,7 @@ def test_exports_load_in_diffusers(runs, tmp_path):
     lora = tmp_path / "lora.safetensors"
     assert export.main(["--checkpoint", str(made["lora"]), "--lora", "--output", str(lora)]) == 0
     pipe = DiffusionPipeline.from_pretrained(folder)
-    pipe.load_lora_weights(lora)
+    load_lora(pipe, lora)
     want = pipeline_image(pipe, name)
     with_file = infer_image(name, folder, tmp_path, "file.npy", "--lora", str(lora))
     with_run = infer_image(name, folder, tmp_path, "run.npy", "--checkpoint", str(made["lora"]))
@@ -492,15 +567,12 @@ def test_a_distilled_student_samples_in_diffusers_what_infer_samples(saved, tmp_
     assert export.main(["--checkpoint", str(run), "--lora", "--output", str(lora)]) == 0
     argv = infer_args(name, folder, tmp_path, "--prompt", PROMPTS[0], "--seed", "1", "--checkpoint", str(run))
     assert run_main(infer, argv + ["--output", str(tmp_path / "ours.npy")]) == 0
-    ours = np.load(tmp_path / "ours.npy")[0]
+    ours = np.load(tmp_path / "ours.npy")  # (frames, height, width, 3)
     pipe = DiffusionPipeline.from_pretrained(folder)
-    (height, width), row = ROWS[name].size, ROWS[name]
-    kwargs = dict(prompt=PROMPTS[0], num_inference_steps=2, height=height, width=width, output_type="np",
-                  **{row.guidance: family_named(name).guidance.unguided}, **row.keywords)  # fmt: skip
-    pipe.set_progress_bar_config(disable=True)
-    base = pipe(generator=torch.Generator().manual_seed(1), **kwargs).images[0]
-    pipe.load_lora_weights(lora)
-    theirs = pipe(generator=torch.Generator().manual_seed(1), **kwargs).images[0]
+    unguided = dict(guidance=family_named(name).guidance.unguided, negative=False)
+    base = pipeline_image(pipe, name, **unguided)
+    load_lora(pipe, lora)
+    theirs = pipeline_image(pipe, name, **unguided)
     diff, moved = float(np.abs(theirs - ours).max()), float(np.abs(base - ours).max())
     print(f"{name} student: diffusers vs infer.py {diff:.1e}; the base at the same steps {moved:.1e}")
     assert diff <= 1e-3 and moved > 100 * diff
