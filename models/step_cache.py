@@ -129,7 +129,7 @@ class Calibration:
 
 
 # what a calibration written before a key was recorded was made for
-ADDED_LATER = {"base_dtype": "auto"}
+ADDED_LATER = {"base_dtype": "auto", "conditioning": {"what": "the family's defaults", "id": "{}"}}
 
 
 def _differences(theirs: dict, ours: dict) -> list[str]:

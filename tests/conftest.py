@@ -18,7 +18,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # scripts/test.sh runs two workers on
 
 # The families' shared training rows the fast tier (-m "not slow") leaves to the whole suite: it keeps
 # every family's loss, sampling and refusal rows, and the two first families' runs (resume, float8, latents,
-# buckets, exports), which exercise the same code for the others
+# buckets, exports), which exercise the same code for the others (the video rows': resume and exports)
 WHOLE_SUITE_ROWS = {  # file: [(rows, tests), ...]
     "tests/test_family_training.py": [
         (("z_image", "flux2", "flux2_dev"),
@@ -26,6 +26,10 @@ WHOLE_SUITE_ROWS = {  # file: [(rows, tests), ...]
           "test_buckets_by_aspect_ratio", "test_exports_load_in_diffusers", "test_a_distilled_student")),
         # a distilled student in diffusers: Qwen-Image's row covers the path (Wan's is the whole suite's)
         (("sana",), ("test_a_distilled_student",)),
+        # the video rows: their loss, a run that resumes and its exports stay fast
+        (("dit", "hunyuan_video15"),
+         ("test_lora_on_a_float8_base", "test_precomputed_latents", "test_buckets_by_aspect_ratio",
+          "test_a_distilled_student")),
     ],
     # FLUX.2 dev's transformer, weights and LoRAs are klein's code: its sampling and refusals stay fast
     "tests/test_families.py": [

@@ -405,6 +405,31 @@ def test_a_calibration_made_for_another_sampling_is_refused_by_what_differs(tmp_
     assert "does not record what it was made for" in capsys.readouterr().err
 
 
+def test_a_calibration_records_the_familys_conditioning_settings(monkeypatch):
+    """A table is measured on the velocities of one conditioning: calibrated where the family's own settings
+    change it (Family.latent_record: Qwen-Image-Edit's model.reference_area), it is refused at another
+    value, by name, both ways; at the defaults nothing is recorded that a table written before lacks."""
+    from configs import load_config
+    from models.families import family_named
+    from parallel.compute.cache import calibration_subject
+
+    cfg = load_config(TINY)
+    family = type(family_named(cfg.model.family))
+    table = for_random_weights(calibration())
+    del table.made_for["conditioning"]  # a table written before the record
+    table.check_made_for(calibration_subject(cfg, None, True, True, [], 2.0), "old.json")
+    monkeypatch.setattr(family, "latent_record", lambda self, cfg: {"reference_area": 65536})
+    smaller = calibration_subject(cfg, None, True, True, [], 2.0)
+    differs = "conditioning: the family's defaults there, reference_area=65536 here"
+    with pytest.raises(CacheError, match=differs):
+        table.check_made_for(smaller, "old.json")
+    table.made_for = smaller
+    monkeypatch.undo()
+    differs = "conditioning: reference_area=65536 there, the family's defaults here"
+    with pytest.raises(CacheError, match=differs):
+        table.check_made_for(calibration_subject(cfg, None, True, True, [], 2.0), "c.json")
+
+
 @pytest.mark.parametrize(
     "entry, value, message",
     [

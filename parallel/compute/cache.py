@@ -79,9 +79,10 @@ def check_calibration(cache, cfg, args, checkpoint, guidance: float) -> None:
 def calibration_subject(cfg, checkpoint, use_ema: bool, random_weights: bool, loras, guidance: float) -> dict:
     """What a step-cache calibration measures, and is valid for: the transformer's architecture, its
     weights (a checkpoint, model.pretrained or random; a float8 base), the LoRAs merged, the frozen parts
-    and the noise schedule (Family.calibration_parts), the guidance. Files are known by a fingerprint of their
-    contents, not their path. Prompts, seeds and the sampling size are left out: the table carries over to
-    them. scripts/calibrate_cache.py records it; infer.py compares (models/step_cache.py check_made_for)."""
+    and the noise schedule (Family.calibration_parts), the guidance, the family's conditioning settings.
+    Files are known by a fingerprint of their contents, not their path. Prompts, seeds and the sampling
+    size are left out: the table carries over to them. scripts/calibrate_cache.py records it; infer.py
+    compares (models/step_cache.py check_made_for)."""
     from models.families import family_named
 
     family = family_named(cfg.model.family)
@@ -92,8 +93,16 @@ def calibration_subject(cfg, checkpoint, use_ema: bool, random_weights: bool, lo
         **family.calibration_parts(cfg, fingerprint_files),
         "guidance": float(guidance),
         "base_dtype": cfg.model.base_dtype,  # a float8 base samples other velocities
+        "conditioning": _conditioning(family.latent_record(cfg)),  # e.g. its references' size
     }
     return json.loads(json.dumps(subject))  # as the file holds it (tuples become lists)
+
+
+def _conditioning(record: dict) -> dict:
+    """{"what", "id"} of the family's settings that change its conditioning (Family.latent_record: {} at
+    their defaults, as models/step_cache.py ADDED_LATER takes a table written before they were recorded)."""
+    what = ", ".join(f"{key}={value}" for key, value in sorted(record.items())) or "the family's defaults"
+    return {"what": what, "id": json.dumps(record, sort_keys=True)}
 
 
 def _weights(cfg, checkpoint, use_ema: bool, random_weights: bool) -> dict:
