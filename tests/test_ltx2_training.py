@@ -635,10 +635,11 @@ def student(saved, sound_runs, tmp_path_factory):
 
 @pytest.mark.slow  # a distillation, an export, a sampling by each: the image rows' is in the fast tier
 @torch.no_grad()
-def test_a_distilled_student_samples_in_diffusers_what_infer_samples(saved, student, tmp_path):
+def test_a_distilled_student_samples_in_diffusers_what_infer_samples(saved, student, tmp_path, capsys):
     """The student's LoRA in LTX2Pipeline at its 2 steps, one pass a step (guidance 1, audio guidance 1, no
     STG, modality guidance 1, no rescale: the terms infer.py takes from the checkpoint by itself), samples
-    the video and the sound infer.py --checkpoint samples; the base at the same steps samples otherwise."""
+    the video and the sound infer.py --checkpoint samples; the base at the same steps samples otherwise. A
+    command that sets one of those terms otherwise is refused by name."""
     import numpy as np
     from diffusers import LTX2Pipeline
 
@@ -652,7 +653,9 @@ def test_a_distilled_student_samples_in_diffusers_what_infer_samples(saved, stud
     argv = infer_args(saved, tmp_path / "run")
     argv = argv[: argv.index("--steps")]  # the student's own steps
     argv += ["--checkpoint", str(student), "--output", str(tmp_path / "out.npy")]
-    assert run_main(infer, argv) == 0
+    assert run_main(infer, [*argv, "sample.stg=1.0"]) == 2  # a term the student does without: refused
+    assert "drop sample.stg" in capsys.readouterr().err
+    assert run_main(infer, [*argv, "sample.stg=0.0"]) == 0  # the student's own: taken
     videos, sounds, _ = written(tmp_path)
     terms = dict(guidance_scale=1.0, stg_scale=0.0, modality_scale=1.0, guidance_rescale=0.0)
     # the pipeline's audio terms do not follow the video's unless None: each said

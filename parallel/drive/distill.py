@@ -259,7 +259,8 @@ def generator_loss(d: Distiller, run, model, sample, cond, uncond, rngs, shift: 
 
 def student_sampling(cfg, args, say) -> None:
     """infer.py on a distilled student's checkpoint (in place on `cfg`): its step count unless --steps, no
-    guidance and the family's one-pass terms; --guidance that guides is refused by name. `say`: a warning
+    guidance and the family's one-pass terms; --guidance that guides, or another value of a term the
+    command line sets, is refused by name. `say`: a warning
     printer. A checkpoint that cannot be found is left to the weights' own check, which names it."""
     try:
         checkpoint = find_checkpoint(cfg, args.checkpoint, args.random_weights)
@@ -279,6 +280,13 @@ def student_sampling(cfg, args, say) -> None:
             f"--steps {args.steps}: checkpoint {checkpoint} was distilled to sample in {record['steps']} "
             "steps"
         )
+    named = {override.split("=", 1)[0].lstrip("+") for override in args.overrides}
+    for key, value in record.get("terms", {}).items():  # a term the command sets, as --guidance: refused
+        if f"sample.{key}" in named and cfg.sample[key] != value:
+            raise ValueError(
+                f"sample.{key}={cfg.sample[key]}: checkpoint {checkpoint} is a {record['steps']}-step "
+                f"student distilled to sample one pass a step, with {key} {value}: drop sample.{key}"
+            )
     OmegaConf.set_readonly(cfg, False)
     cfg.sample.steps, cfg.sample.guidance = record["steps"], record["guidance"]
     for key, value in record.get("terms", {}).items():  # the family's other terms, one pass a step
