@@ -575,7 +575,7 @@ def test_a_distilled_student_samples_in_diffusers_what_infer_samples(saved, tmp_
     theirs = pipeline_image(pipe, name, **unguided)
     diff, moved = float(np.abs(theirs - ours).max()), float(np.abs(base - ours).max())
     print(f"{name} student: diffusers vs infer.py {diff:.1e}; the base at the same steps {moved:.1e}")
-    assert diff <= 1e-3 and moved > 100 * diff
+    assert diff <= 1e-5 and moved > 100 * diff  # measured: 2.4e-7 (the DiT) to 1.1e-6 (FLUX.2 klein)
 
 
 @pytest.mark.slow  # 4 commands on a tiny Qwen-Image: the README's path, end to end
