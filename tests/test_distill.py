@@ -21,7 +21,7 @@ from models.dit.family import DiTFamily, DiTParts, DiTText
 from models.flow import RectifiedFlow
 from models.loop import denoise, sigmas
 from models.lora import active_adapter, adapted_modules, add_adapters, deltas_of, merge_deltas
-from tests.conftest import ranks, run_main
+from tests.conftest import ROOT, ranks, run_main
 from tests.test_lora import tiny_wan
 from tests.test_wan_pipeline import PROMPT, export, infer_sample, tiny_pipeline  # noqa: F401
 
@@ -224,6 +224,50 @@ def test_a_distillation_resumes_exactly_and_its_student_samples_unguided(
     assert run_main(train, ["--config", str(recipe), "lora.rank=4", "lora.alpha=8", f"run.output_dir={run}",
                             "train.max_steps=4"]) == 2  # fmt: skip
     assert "trained a distillation (train.objective=dmd)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, overrides, refused",
+    [
+        (dict(guidance=5.0), [], "--guidance 5: checkpoint ck is a 2-step student distilled to sample "
+         "without guidance (its teacher's 4 is in it): drop --guidance"),
+        ({}, ["sample.guidance=5"], "sample.guidance=5.0: checkpoint ck is a 2-step student distilled to "
+         "sample without guidance (its teacher's 4 is in it): drop sample.guidance"),
+        ({}, ["sample.stg=1"], "sample.stg=1.0: checkpoint ck is a 2-step student distilled to sample one "
+         "pass a step, with stg 0.0: drop sample.stg"),
+        ({}, ["sample.stg=0", "sample.guidance=1"], None),  # the student's own values: taken
+        (dict(steps=4), [], None),
+        ({}, ["sample.steps=4"], None),
+    ],
+)  # fmt: skip
+def test_a_students_sampling_is_its_own_and_a_command_that_says_otherwise_is_named(
+    monkeypatch, flags, overrides, refused
+):
+    """infer.py on a distilled student (parallel/drive/distill.py student_sampling): its steps, guidance 1
+    and its one-pass terms (LTX-2's STG off) replace the recipe's; a guidance or term the command line sets
+    otherwise (a flag or a recipe key) is refused naming it; another step count is taken and warned about."""
+    from types import SimpleNamespace
+
+    from configs import load_config
+    from parallel.drive import distill
+
+    record = dict(steps=2, guidance=1.0, teacher_guidance=4.0, terms=dict(stg=0.0))
+    monkeypatch.setattr(distill, "find_checkpoint", lambda *a: "ck")
+    monkeypatch.setattr(distill, "read_trainer_state", lambda checkpoint: {"distill": record})
+    cfg = load_config(ROOT / "configs" / "ltx-2.yaml", overrides)  # sample.stg 1 and guidance 3 there
+    args = SimpleNamespace(checkpoint=None, random_weights=False, overrides=overrides,
+                           **{"guidance": None, "steps": None, **flags})  # fmt: skip
+    said = []
+    if refused:
+        with pytest.raises(ValueError) as error:
+            distill.student_sampling(cfg, args, said.append)
+        assert str(error.value) == refused
+        return
+    distill.student_sampling(cfg, args, said.append)
+    steps = flags.get("steps", 4 if "sample.steps=4" in overrides else 2)
+    assert (cfg.sample.steps, cfg.sample.guidance, cfg.sample.stg) == (steps, 1.0, 0.0)
+    told = {4: ["--steps 4" if flags else "sample.steps=4"], 2: []}[steps]
+    assert said == [f"{t}: checkpoint ck was distilled to sample in 2 steps" for t in told], said
 
 
 def student_video(pipe) -> np.ndarray:

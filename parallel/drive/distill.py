@@ -258,10 +258,10 @@ def generator_loss(d: Distiller, run, model, sample, cond, uncond, rngs, shift: 
 
 
 def student_sampling(cfg, args, say) -> None:
-    """infer.py on a distilled student's checkpoint (in place on `cfg`): its step count unless --steps, no
-    guidance and the family's one-pass terms; --guidance that guides, or another value of a term the
-    command line sets, is refused by name. `say`: a warning
-    printer. A checkpoint that cannot be found is left to the weights' own check, which names it."""
+    """infer.py on a distilled student's checkpoint (in place on `cfg`): its step count unless the command
+    gives one (--steps or sample.steps: warned about), no guidance and the family's one-pass terms; a
+    guidance (--guidance or sample.guidance) or another term the command sets otherwise is refused by name.
+    `say`: a warning printer. A checkpoint that cannot be found is left to the weights' own check."""
     try:
         checkpoint = find_checkpoint(cfg, args.checkpoint, args.random_weights)
     except CheckpointError:
@@ -269,25 +269,31 @@ def student_sampling(cfg, args, say) -> None:
     record = read_trainer_state(checkpoint).get("distill") if checkpoint is not None else None
     if not record:
         return
-    if args.guidance is not None and args.guidance != record["guidance"]:
+    named = {override.split("=", 1)[0] for override in args.overrides}  # what the command line sets
+
+    def given(flag, key):  # (how the command says it, its value), or None where it leaves it unset
+        if flag is not None:
+            return f"--{key} {flag:g}", flag
+        return (f"sample.{key}={cfg.sample[key]}", cfg.sample[key]) if f"sample.{key}" in named else None
+
+    student = f"checkpoint {checkpoint} is a {record['steps']}-step student"
+    guidance = given(args.guidance, "guidance")
+    if guidance and guidance[1] != record["guidance"]:
         raise ValueError(
-            f"--guidance {args.guidance:g}: checkpoint {checkpoint} is a {record['steps']}-step student "
-            f"distilled to sample without guidance (its teacher's {record['teacher_guidance']:g} is in it): "
-            "drop --guidance"
+            f"{guidance[0]}: {student} distilled to sample without guidance (its teacher's "
+            f"{record['teacher_guidance']:g} is in it): drop {guidance[0].split()[0].split('=')[0]}"
         )
-    if args.steps is not None and args.steps != record["steps"]:
-        say(
-            f"--steps {args.steps}: checkpoint {checkpoint} was distilled to sample in {record['steps']} "
-            "steps"
-        )
-    named = {override.split("=", 1)[0].lstrip("+") for override in args.overrides}
-    for key, value in record.get("terms", {}).items():  # a term the command sets, as --guidance: refused
+    steps = given(args.steps, "steps")
+    if steps and steps[1] != record["steps"]:
+        say(f"{steps[0]}: checkpoint {checkpoint} was distilled to sample in {record['steps']} steps")
+    for key, value in record.get("terms", {}).items():  # a term the command sets, as the guidance: refused
         if f"sample.{key}" in named and cfg.sample[key] != value:
             raise ValueError(
-                f"sample.{key}={cfg.sample[key]}: checkpoint {checkpoint} is a {record['steps']}-step "
-                f"student distilled to sample one pass a step, with {key} {value}: drop sample.{key}"
+                f"sample.{key}={cfg.sample[key]}: {student} distilled to sample one pass a step, with {key} "
+                f"{value}: drop sample.{key}"
             )
     OmegaConf.set_readonly(cfg, False)
-    cfg.sample.steps, cfg.sample.guidance = record["steps"], record["guidance"]
+    cfg.sample.steps = steps[1] if steps else record["steps"]
+    cfg.sample.guidance = record["guidance"]
     for key, value in record.get("terms", {}).items():  # the family's other terms, one pass a step
         cfg.sample[key] = value
