@@ -271,21 +271,22 @@ def student_sampling(cfg, args, say) -> None:
         return
     named = {override.split("=", 1)[0] for override in args.overrides}  # what the command line sets
 
-    def given(flag, key):  # (how the command says it, its value), or None where it leaves it unset
+    def given(flag, key):  # (the setting's name, how the command says it, its value), or None where unset
         if flag is not None:
-            return f"--{key} {flag:g}", flag
-        return (f"sample.{key}={cfg.sample[key]}", cfg.sample[key]) if f"sample.{key}" in named else None
+            return f"--{key}", f"--{key} {flag:g}", flag
+        value = cfg.sample[key]
+        return (f"sample.{key}", f"sample.{key}={value}", value) if f"sample.{key}" in named else None
 
     student = f"checkpoint {checkpoint} is a {record['steps']}-step student"
     guidance = given(args.guidance, "guidance")
-    if guidance and guidance[1] != record["guidance"]:
+    if guidance and guidance[2] != record["guidance"]:
         raise ValueError(
-            f"{guidance[0]}: {student} distilled to sample without guidance (its teacher's "
-            f"{record['teacher_guidance']:g} is in it): drop {guidance[0].split()[0].split('=')[0]}"
+            f"{guidance[1]}: {student} distilled to sample without guidance (its teacher's "
+            f"{record['teacher_guidance']:g} is in it): drop {guidance[0]}"
         )
     steps = given(args.steps, "steps")
-    if steps and steps[1] != record["steps"]:
-        say(f"{steps[0]}: checkpoint {checkpoint} was distilled to sample in {record['steps']} steps")
+    if steps and steps[2] != record["steps"]:
+        say(f"{steps[1]}: checkpoint {checkpoint} was distilled to sample in {record['steps']} steps")
     for key, value in record.get("terms", {}).items():  # a term the command sets, as the guidance: refused
         if f"sample.{key}" in named and cfg.sample[key] != value:
             raise ValueError(
@@ -293,7 +294,7 @@ def student_sampling(cfg, args, say) -> None:
                 f"{value}: drop sample.{key}"
             )
     OmegaConf.set_readonly(cfg, False)
-    cfg.sample.steps = steps[1] if steps else record["steps"]
+    cfg.sample.steps = steps[2] if steps else record["steps"]
     cfg.sample.guidance = record["guidance"]
     for key, value in record.get("terms", {}).items():  # the family's other terms, one pass a step
         cfg.sample[key] = value
