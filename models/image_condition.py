@@ -54,9 +54,6 @@ class ImageEncoder(nn.Module):
             CLIPVisionModel.from_pretrained(model_dir, dtype=torch.float32).eval().requires_grad_(False)
         )
         self.processor = CLIPImageProcessor.from_pretrained(processor_dir)
-        config = self.model.config
-        # (tokens, width) of one image's features: the patches and the class token
-        self.features_shape = ((config.image_size // config.patch_size) ** 2 + 1, config.hidden_size)
 
     @torch.no_grad()
     def forward(self, images: list, device) -> torch.Tensor:
@@ -211,9 +208,16 @@ def sampling_condition(task, vae, image_encoder, images, last_images, frames, he
     TI2V's first-frame latent, or I2V / FLF2V's mask, latents and CLIP features; None without images."""
     if images is None:
         return None
-    if task == "ti2v":
-        return encode_first_frame(vae, images, height, width, device)
-    return encode_condition(vae, image_encoder, images, last_images, frames, height, width, device)
+    from diffusers.video_processor import VideoProcessor
+
+    processor = VideoProcessor(vae_scale_factor=vae.spatial_stride)
+    pixels = lambda given: processor.preprocess(given, height=height, width=width).to(device, torch.float32)  # noqa: E731
+    first = pixels(images)  # [-1, 1]
+    if task == "ti2v":  # each first frame VAE-encoded alone, as diffusers does with expand_timesteps
+        latent = torch.cat([vae.encode(one[:, :, None]) for one in first.split(1)])
+        return ImageCondition(latent.float(), None, first_frame=True)
+    last = None if last_images is None else pixels(last_images)
+    return _condition(vae, image_encoder, first, last, frames, images, last_images)
 
 
 # Pillow's modes of 16-bit (and 32-bit integer) grayscale: a 16-bit PNG opens as I;16 (older Pillows: I)
@@ -272,33 +276,6 @@ class ImageCondition:
     # Wan2.2 TI2V (expand_timesteps): `latent` is the first frame's alone, (B, C, 1, h, w); it replaces the
     # first latent frame of every model input and of the result, and that frame's tokens get t = 0
     first_frame: bool = False
-
-
-def encode_first_frame(vae, images, height, width, device) -> ImageCondition:
-    """Wan2.2 TI2V's condition of B videos from their first frames `images` (PIL): each resized to the
-    video and VAE-encoded alone, as diffusers' WanImageToVideoPipeline does with expand_timesteps."""
-    from diffusers.video_processor import VideoProcessor
-
-    processor = VideoProcessor(vae_scale_factor=vae.spatial_stride)
-    first = processor.preprocess(images, height=height, width=width).to(device, torch.float32)
-    latent = torch.cat([vae.encode(one[:, :, None]) for one in first.split(1)])
-    return ImageCondition(latent.float(), None, first_frame=True)
-
-
-def encode_condition(
-    vae, image_encoder, images, last_images, frames, height, width, device
-) -> ImageCondition:
-    """The condition of B videos of `frames` x `height` x `width` from their first frames `images` (PIL)
-    and, for FLF2V, their last frames `last_images` (else None): sampling's, as diffusers builds it."""
-    from diffusers.video_processor import VideoProcessor
-
-    processor = VideoProcessor(vae_scale_factor=vae.spatial_stride)
-    first = processor.preprocess(images, height=height, width=width).to(device, torch.float32)  # [-1, 1]
-    last = None
-    if last_images is not None:
-        last = processor.preprocess(last_images, height=height, width=width).to(device, torch.float32)
-
-    return _condition(vae, image_encoder, first, last, frames, images, last_images)
 
 
 def condition_of_clips(vae, image_encoder, video, last_frame: bool, first=None, last=None) -> ImageCondition:

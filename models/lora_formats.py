@@ -96,19 +96,10 @@ def wan_projections(module: str, out_features: int) -> list[Projection] | None:
     return None
 
 
-def projections_of(linears: dict, wan: bool) -> dict[str, list[Projection]]:
-    """{tessera module: its projections} for every Linear (`linears`: {name: out_features}); without Wan's
-    architecture (wan False) each Linear is one projection under its tessera name."""
-    out = {}
-    for module, out_features in linears.items():
-        found = wan_projections(module, out_features) if wan else None
-        out[module] = found or [Projection(module, None, f"tessera.{module}", f"tessera.{module}")]
-    return out
-
-
 def model_projections(model, names=None) -> tuple[dict, dict]:
-    """(projections_of every Linear of `model`, {module: (in_features, out_features)}); Wan names when the
-    DiT has Wan's architecture options, tessera's otherwise; `names(module) -> diffusers name` for a family
+    """({tessera module: its projections} for every Linear of `model`, {module: (in_features,
+    out_features)}); Wan names when the DiT has Wan's architecture options, else each Linear is one
+    projection under its tessera name; `names(module) -> diffusers name` for a family
     whose modules are diffusers' Linears one for one (models/family.py). Works on a meta-device model."""
     from torch import nn
 
@@ -123,7 +114,8 @@ def model_projections(model, names=None) -> tuple[dict, dict]:
         return {m: [Projection(m, None, names(m), names(m))] for m in linears}, linears
     architecture = model.architecture()
     wan = all(architecture.get(k) == v for k, v in WAN_OPTIONS.items())
-    return projections_of({k: v[1] for k, v in linears.items()}, wan), linears
+    own = lambda m: [Projection(m, None, f"tessera.{m}", f"tessera.{m}")]  # noqa: E731
+    return {m: (wan and wan_projections(m, out)) or own(m) for m, (_, out) in linears.items()}, linears
 
 
 def with_release_names(projections: dict, linears: dict, to_original, from_original) -> dict:

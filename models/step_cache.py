@@ -15,7 +15,7 @@ ranks and leave them in different collectives: a hang.
 import json
 import math
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -59,14 +59,7 @@ class Calibration:
 
     def save(self, path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        body = {
-            "steps": self.steps,
-            "change": self.change,
-            "magnitude": self.magnitude,
-            "source": self.source,
-            "made_for": self.made_for,
-        }
-        Path(path).write_text(json.dumps(body, indent=1))
+        Path(path).write_text(json.dumps(asdict(self), indent=1))
 
     @staticmethod
     def load(path) -> "Calibration":

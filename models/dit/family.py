@@ -258,23 +258,23 @@ class DiTFamily(Family):
         return cfg.model.task in ("i2v", "flf2v")
 
     def sampling_images(self, cfg, given: tuple, count: int, size: tuple, sized: bool, say=None) -> tuple:
-        """model.task's frames (models/image_condition.py read_images: checked against the task, the VAE
-        and the video's shape), at the size asked."""
-        from models.image_condition import read_images
+        """model.task's frames, at the size asked (read_images' checks and the CLIP folder's)."""
+        names = ("--image", "--last-image", "--height", "--width")
+        first, last = self._images(cfg, given, names, count, size, say, clip=bool(given[0]))
+        return first, last, size[1], size[2]
+
+    def _images(self, cfg, given, names, count, size, say, clip) -> tuple:
+        """models/image_condition.py read_images on the task, the VAE and the video's size; with `clip`, a
+        missing CLIP folder is named here, before any process group."""
+        from models.image_condition import image_encoder_folder, read_images
         from models.vae import vae_latent_space
 
-        frames, height, width = size
         vae = vae_latent_space(cfg.vae)
         multiple = tuple(vae.spatial_stride * p for p in cfg.model.patch_size[1:])
-        names = ("--image", "--last-image", "--height", "--width")
-        first, last = read_images(
-            cfg.model.task, given, names, count, frames, height, width, vae.temporal_stride, multiple, say
-        )
-        if first is not None and cfg.model.image_dim:  # a missing CLIP folder, named before any process group
-            from models.image_condition import image_encoder_folder
-
+        images = read_images(cfg.model.task, given, names, count, *size, vae.temporal_stride, multiple, say)
+        if clip and cfg.model.image_dim:
             image_encoder_folder(cfg)
-        return first, last, height, width
+        return images
 
     def with_images(self, parts: DiTParts, images: list, size: tuple, *conds, last_images=None) -> tuple:
         """Image-to-video's condition of the batch on `parts` (each call of the model takes it; `finish`
@@ -437,9 +437,6 @@ class DiTFamily(Family):
         """Image-to-video: the buckets' clip lengths, the CLIP folder (if the model reads features) and the
         previews' (first, last) frames (PIL) from sample.images / sample.last_images; (None, None) for
         text-to-video."""
-        from models.image_condition import image_encoder_folder, read_images
-        from models.vae import vae_latent_space
-
         fewest = {"i2v": 2, "flf2v": 5, "ti2v": 2}.get(cfg.model.task, 1)  # the given frames and one more
         if min(frame_counts) < fewest:
             raise ValueError(
@@ -447,22 +444,10 @@ class DiTFamily(Family):
                 f"frames, got {min(frame_counts)}"
             )
         sc, data = cfg.sample, cfg.data
-        vae = vae_latent_space(cfg.vae)
-        images = read_images(
-            cfg.model.task,
-            (list(sc.images), list(sc.last_images)),
-            ("sample.images", "sample.last_images", "sample.height", "sample.width"),
-            len(sc.prompts),
-            sc.frames or data.frames,
-            sc.height or data.height,
-            sc.width or data.width,
-            vae.temporal_stride,
-            multiple=tuple(vae.spatial_stride * p for p in cfg.model.patch_size[1:]),
-            say=say,
-        )
-        if cfg.model.task != "t2v" and cfg.model.image_dim:
-            image_encoder_folder(cfg)
-        return images
+        size = (sc.frames or data.frames, sc.height or data.height, sc.width or data.width)
+        given, names = (list(sc.images), list(sc.last_images)), ("sample.images", "sample.last_images")
+        names += ("sample.height", "sample.width")
+        return self._images(cfg, given, names, len(sc.prompts), size, say, clip=cfg.model.task != "t2v")
 
     def load(self, cfg, device, dtype, transformer: bool = True, keep=None, texts: bool = True) -> DiTParts:
         """Its frozen parts for training (transformer=False: train.py builds and shards the DiT): the text
@@ -529,14 +514,12 @@ class DiTFamily(Family):
 
     def with_preview_images(self, cfg, parts: DiTParts, images: tuple) -> DiTParts:
         """The parts that sample training's previews from check_training_images' (first, last) frames."""
-        from models.image_condition import sampling_condition
-
         sc, data = cfg.sample, cfg.data
         size = (sc.frames or data.frames, sc.height or data.height, sc.width or data.width)
-        encoder = parts.image[1] if parts.image is not None else None
-        condition = sampling_condition(parts.task, parts.vae, encoder, *images, *size, parts.device)
         # no autocast: the training model computes in FSDP2's mixed precision already
-        return replace(parts, condition=condition, autocast=None)
+        parts = replace(parts, autocast=None)
+        self.with_images(parts, images[0], size, last_images=images[1])
+        return parts
 
     def given_frames(self, cfg) -> tuple:
         """I2V's first frame, FLF2V's first and last (TI2V's given frame is its clip's own first latent)."""

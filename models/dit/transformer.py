@@ -280,8 +280,7 @@ class DiTBlock(nn.Module):
         if hasattr(self, "adaLN_modulation"):
             m = self.adaLN_modulation(c).float().unflatten(-1, (6, -1))
         else:
-            table = self.scale_shift_table.float()
-            m = (table if c.dim() == 3 else table.unsqueeze(1)) + c.float()
+            m = self.scale_shift_table.float() + c.float()  # (1, 6, D) broadcasts over a token axis too
         return m.chunk(6, dim=1) if m.dim() == 3 else m.unbind(2)
 
     def forward(self, x, c, y, y_mask, rope):
@@ -509,16 +508,13 @@ class DiT(nn.Module):
                 raise ValueError("a timestep per token needs model.pooled_text=false (Wan's)")
             values, index = torch.unique(t, return_inverse=True)
             temb = self.t_embedder(values).to(dtype)  # (U, D)
-            c = temb if self.time_proj is None else self.time_proj(temb).unflatten(1, (6, -1))
             token_index = index  # (B, N): forward and PipeFusion gather the rows of their tokens
         else:
             token_index = None
             temb = self.t_embedder(t).to(dtype)  # (B, D), computed in float32
             if self.pooled_embedder is not None:
                 temb = temb + self.pooled_embedder(masked_mean(y, y_mask))
-            c = (
-                temb if self.time_proj is None else self.time_proj(temb).unflatten(1, (6, -1))
-            )  # (B, D) or (B, 6, D)
+        c = temb if self.time_proj is None else self.time_proj(temb).unflatten(1, (6, -1))  # (B or U, [6,] D)
         block_mask = y_mask if self.text_mask else None
         if (image is None) != (self.image_embedder is None):
             raise ValueError(

@@ -290,18 +290,6 @@ def diffusers_state_dict_from_tessera(state_dict: dict, diffusers_keys) -> dict:
     return out
 
 
-# What dit_kwargs_from_diffusers_config reads from a diffusers config.json.
-CONFIG_KEYS = (
-    "in_channels",
-    "num_attention_heads",
-    "attention_head_dim",
-    "text_dim",
-    "ffn_dim",
-    "num_layers",
-    "patch_size",
-)
-
-
 def _read_config(path: Path) -> dict:
     try:
         config = json.loads(path.read_text())
@@ -352,8 +340,8 @@ class WanWeights(LazyWeights):
         except KeyError as e:
             raise WanFormatError(
                 f"model.pretrained: {config} has no '{e.args[0]}'; a WanTransformer3DModel config.json "
-                f"lists {', '.join(CONFIG_KEYS)} (or, in Wan-AI's layout, dim, num_heads, "
-                f"in_dim, ffn_dim and num_layers)"
+                "lists in_channels, num_attention_heads, attention_head_dim, text_dim, ffn_dim, num_layers, "
+                "patch_size (or, in Wan-AI's layout, dim, num_heads, in_dim, ffn_dim and num_layers)"
             ) from None
         self.files = sorted(self.folder.glob("*.safetensors"))
         if not self.files:
@@ -544,8 +532,6 @@ def folder_task(folder, found: dict, asked: str) -> str:
     """The task of the folder's transformer: the recipe's if the weights allow it (t2v weights serve
     ti2v; I2V weights without CLIP positions serve flf2v), else (and for t2v, the default, which a recipe
     cannot tell from unset) what the weights and model_index.json say."""
-    import json
-
     if found["in_channels"] == found["out_channels"]:
         allowed = ["t2v", "ti2v"]
         index, config = Path(folder) / "model_index.json", Path(folder) / "config.json"
