@@ -31,11 +31,9 @@ def _schema_keys(cls, prefix="") -> dict[str, type]:
     keys = {}
     for f in dataclasses.fields(cls):
         name = prefix + f.name
+        keys[name] = f.type
         if dataclasses.is_dataclass(f.type):
-            keys[name] = f.type
             keys.update(_schema_keys(f.type, name + "."))
-        else:
-            keys[name] = f.type
     return keys
 
 

@@ -52,8 +52,6 @@ class RunDirectory:
         if not (self.is_main and cfg.logging.wandb) or cfg.logging.wandb_mode == "disabled":
             return
         try:
-            import os
-
             import wandb
 
             os.environ.setdefault("WANDB_SILENT", "true")

@@ -234,17 +234,9 @@ def _sound_of(stream) -> dict:
     return {"audio": True, "audio_rate": rate, "audio_channels": channels}
 
 
-def read_clip(
-    path,
-    frames: int,
-    height: int,
-    width: int,
-    fps: float | None = None,
-    rng: np.random.Generator | None = None,
-    num_frames: int | None = None,
-) -> np.ndarray:
+def read_clip(path, *args, **kwargs) -> np.ndarray:
     """One training clip as (frames, height, width, 3) uint8: read_timed_clip's, without its time."""
-    return read_timed_clip(path, frames, height, width, fps, rng, num_frames)[0]
+    return read_timed_clip(path, *args, **kwargs)[0]
 
 
 def read_timed_clip(
