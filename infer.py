@@ -38,7 +38,7 @@ from parallel.drive.family_sampling import (
     Weights,
     family_batches,
     load_sampling,
-    refuse_flags,
+    refuse_calibration,
     sampled_weights,
     sampling_layout,
 )
@@ -248,7 +248,8 @@ def main(argv=None, session=None, walk=None):
     family.check_sample_keys(cfg)  # a guidance term it does not read: refused, never ignored
     if args.no_audio and not family.capabilities.samples_audio:
         raise ValueError(f"--no-audio: {family.title} samples no sound to leave out")
-    refuse_flags(cfg, args, family)
+    if cfg.sample.cache == "calibrated":
+        refuse_calibration(family, "sample.cache=calibrated")
     student_sampling(cfg, args, warn_on_main)  # a distilled student's steps, without guidance
     sizes = read_sizes(cfg, args)
     experts = family.sampling_experts(cfg, sizes[6], args.random_weights, bool(args.lora))

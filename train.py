@@ -50,7 +50,7 @@ from parallel.build.components import (
     fill_sharded,
     meta_model_builder,
     meta_transformer,
-    open_weights,
+    open_pretrained,
 )
 from parallel.build.lora import lora_record
 from parallel.checkpoints.checkpoint import load_checkpoint, save_checkpoint
@@ -296,7 +296,7 @@ def build_trainer(cfg, plan: Plan, runtime, start_step: int, replanned: str = ""
     run.start_data_report(plan.dataset.left_out_files(), start_step)
     run.trim_metrics(start_step)  # a resume logs the steps after its checkpoint again
     # a LoRA checkpoint holds the adapters only: its base is read on every start
-    pretrained = open_weights(cfg, model, plan.base) if checkpoint is None or adapted else None
+    pretrained = open_pretrained(cfg, model, base=plan.base) if checkpoint is None or adapted else None
     if runtime.is_main:
         print(_summary(cfg, plan, runtime, model, run, bf16, fp8), flush=True)
     model = parallelize_dit(

@@ -86,7 +86,7 @@ def check_adapters(cfg, fresh: bool = True) -> dict | None:
 def check_lora_start(cfg, checkpoint) -> tuple:
     """(the LoRA base, lora.init_from's starting adapters) of a run, checked before init_runtime: a
     checkpoint of another kind, rank or base is refused (parallel.build.lora.check_resume_base, full runs
-    too), a tessera base's `latest` is read once (Base.source, the step open_weights reads: a base still
+    too), a tessera base's `latest` is read once (Base.source, the step open_pretrained reads: a base still
     training may write another first), and the recipe's adapters are tried on a meta model (check_adapters;
     a resume takes its adapters from the checkpoint and never reads lora.init_from). (None, None) for a
     full run."""
@@ -158,15 +158,17 @@ def check_weights_source(cfg, family, reads_weights: bool) -> None:
         family.check_pretrained(cfg)
 
 
-def open_pretrained(cfg, model: DiT, folder=None, use_ema: bool = True):
-    """model.pretrained (or `folder`: Wan 2.2's second expert, a LoRA base's step) as a WanWeights (or
-    TesseraWeights for a tessera run), after checking that the recipe builds the same architecture (a
-    disagreement is an error naming the keys and the fix); None without model.pretrained."""
+def open_pretrained(cfg, model: DiT, folder=None, use_ema: bool = True, base=None):
+    """model.pretrained (or `folder`: Wan 2.2's second expert, a LoRA base's step) as the family's weights
+    (Family.open_weights) or a tessera run's (TesseraWeights; `base`: a LoRA run's parallel.build.lora.Base,
+    whose step was resolved once, at start-up: a base still training may write another), after checking
+    that the recipe builds the same architecture (a disagreement names the keys and the fix); None without
+    model.pretrained."""
     pretrained = cfg.model.pretrained if folder is None else folder
     if not pretrained:
         return None
     if is_tessera_run(pretrained):
-        step = resolve_checkpoint(str(pretrained), Path(pretrained))
+        step = base.source if base is not None else resolve_checkpoint(str(pretrained), Path(pretrained))
         check_architecture(step, model.architecture())
         return TesseraWeights(step, use_ema)
     return family_named(cfg.model.family).open_weights(cfg, model, pretrained)
@@ -190,22 +192,6 @@ def meta_model_builder(cfg, groups, dtype):
         return apply_operators(model, groups), names
 
     return meta_model
-
-
-def open_weights(cfg, model, base=None):
-    """What fill_sharded reads model.pretrained's weights from: a tessera run's checkpoint (TesseraWeights),
-    else the family's (Family.open_weights); None without model.pretrained. `base`: a LoRA run's
-    (parallel.build.lora.Base), whose step of a tessera run was resolved once, at start-up (a base still
-    training may have written another)."""
-    family = family_named(cfg.model.family)
-    if not cfg.model.pretrained:
-        return None
-    if is_tessera_run(cfg.model.pretrained):
-        pretrained = cfg.model.pretrained
-        step = base.source if base is not None else resolve_checkpoint(str(pretrained), Path(pretrained))
-        check_architecture(step, model.architecture())
-        return TesseraWeights(step)
-    return family.open_weights(cfg, model)
 
 
 def fill_sharded(
@@ -270,7 +256,7 @@ def build_copies(cfg, runtime, model, meta_model, dtype, resuming: bool) -> tupl
     )
     if resuming:
         critic.to_empty(device=device)  # load_checkpoint fills it
-        fill_sharded(runtime, teacher, tc.seed, open_weights(cfg, teacher), cpu_offload=tc.cpu_offload)
+        fill_sharded(runtime, teacher, tc.seed, open_pretrained(cfg, teacher), cpu_offload=tc.cpu_offload)
     else:
         copy_shards(critic, model, device)
         copy_shards(teacher, model, device)

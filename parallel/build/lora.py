@@ -167,18 +167,15 @@ def local(p):
     return p.to_local() if isinstance(p, DTensor) else p
 
 
-def is_generator(name: str) -> bool:
-    """An adapter the run samples with: every adapter but a distillation's critic."""
-    return is_adapter(name) and not is_critic(name)
-
-
 class AdapterEMA:
     """The exponential moving average of the adapters alone (not a distillation's critic, which only ever
     trains), sharded as they are."""
 
     def __init__(self, model):
-        self.names = [name for name, _ in model.named_parameters() if is_generator(name)]
-        self.params = {name: p.detach().clone() for name, p in model.named_parameters() if is_generator(name)}
+        self.params = {  # the adapters the run samples with: every one but a distillation's critic
+            n: p.detach().clone() for n, p in model.named_parameters() if is_adapter(n) and not is_critic(n)
+        }
+        self.names = list(self.params)
 
     @torch.no_grad()
     def update(self, model, decay: float) -> None:
@@ -206,11 +203,6 @@ class AdapterEMA:
                     local(params[n]).copy_(kept[n])
 
 
-def adapter_state_dict(model) -> dict:
-    """The model's state dict reduced to its adapters (sharded DTensors, names without wrappers)."""
-    return {k: v for k, v in get_model_state_dict(model).items() if is_adapter(k)}
-
-
 class LoRAState:
     """What a LoRA checkpoint holds: the adapters, their EMA and AdamW's state
     (parallel/checkpoints/checkpoint.py's TrainingState holds those of a full fine-tuning); a distillation's
@@ -221,7 +213,7 @@ class LoRAState:
 
     def state_dict(self) -> dict:
         state = {
-            "model": adapter_state_dict(self.model),
+            "model": {k: v for k, v in get_model_state_dict(self.model).items() if is_adapter(k)},
             "ema": {canonical_name(n): self.ema.params[n] for n in self.ema.names},
             "optimizer": optimizer_state_dict(self.model, self.optimizer),
         }

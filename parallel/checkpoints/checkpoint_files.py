@@ -98,6 +98,12 @@ def _fallback_hint(path, which: str = "previous") -> str:
     )
 
 
+def _damaged(path, what: str) -> CheckpointError:
+    """The error refusing the damaged checkpoint `path`, `what` naming the damage."""
+    hint = _fallback_hint(path)
+    return CheckpointError(f"checkpoint {path} is damaged, nothing was loaded from it: {what}; {hint}")
+
+
 def _follow(pointer: Path) -> Path:
     """The step folder a `latest` pointer file names. A pointer that cannot be read or holds something
     else is refused with the newest complete step_<N> beside it (a pointer is not a step: every one is

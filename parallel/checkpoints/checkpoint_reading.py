@@ -15,6 +15,7 @@ from parallel.checkpoints.checkpoint_files import (
     CheckpointError,
     UnsafeCheckpoint,
     _checksums,
+    _damaged,
     _fallback_hint,
     _mixed,
     _size_and_crc,
@@ -80,10 +81,7 @@ def check_checkpoint_files(path) -> None:
         elif files is not None and file.stat().st_size != size:
             problems.append(f"{name} has {file.stat().st_size} bytes, {size} were written")
     if problems:
-        raise CheckpointError(
-            f"checkpoint {path} is damaged, nothing was loaded from it: {'; '.join(problems)}; "
-            f"{_fallback_hint(path)}"
-        )
+        raise _damaged(path, "; ".join(problems))
     if files is not None:  # (without checksums.json, _sizes_from_metadata has read it)
         _check_metadata(path, files.get(".metadata"))
 
@@ -110,10 +108,7 @@ def _check_metadata(path: Path, written: dict | None) -> None:
     """Read .metadata as read_metadata does, before DCP ever sees it (a file that names code is refused
     here, by name); its crc32 first (it is small), so that a damaged file is called damaged."""
     if written is not None and _size_and_crc(path / ".metadata") != (written["size"], written["crc32"]):
-        raise CheckpointError(
-            f"checkpoint {path} is damaged, nothing was loaded from it: .metadata is corrupt (its crc32 "
-            f"is not the one written); {_fallback_hint(path)}"
-        )
+        raise _damaged(path, ".metadata is corrupt (its crc32 is not the one written)")
     read_metadata(path)
 
 
@@ -136,10 +131,7 @@ def read_metadata(path, file=None):
         raise UnsafeCheckpoint(untrusted(path, file.name, str(e))) from None
     except Exception as e:  # noqa: BLE001 - a truncated or foreign .metadata
         text = str(e).splitlines()[0][:200] if str(e) else ""
-        raise CheckpointError(
-            f"checkpoint {path} is damaged, nothing was loaded from it: its {file.name} cannot be read "
-            f"({type(e).__name__}: {text}); {_fallback_hint(path)}"
-        ) from None
+        raise _damaged(path, f"its {file.name} cannot be read ({type(e).__name__}: {text})") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(
             f"checkpoint {path}: its {file.name} holds a {type(metadata).__name__}, not DCP's metadata; "
@@ -176,10 +168,7 @@ def _check_structure(path, name: str, metadata) -> None:
             if problem:
                 break
     if problem:
-        raise CheckpointError(
-            f"checkpoint {path} is damaged, nothing was loaded from it: its {name} is not DCP's metadata "
-            f"({problem}); {_fallback_hint(path)}"
-        )
+        raise _damaged(path, f"its {name} is not DCP's metadata ({problem})")
     folder = Path(path).resolve()
     for relative in {info.relative_path for info in storage.values()}:
         target = (folder / relative).resolve()
@@ -247,10 +236,7 @@ def verify_checkpoint(path, group=None) -> None:
         elif crc != written["crc32"]:
             problems.append(f"{name} is corrupt (crc32 {crc:08x}, {written['crc32']:08x} when written)")
     if problems:
-        raise CheckpointError(
-            f"checkpoint {path} is damaged, nothing was loaded from it: {'; '.join(problems)}; "
-            f"{_fallback_hint(path)}"
-        )
+        raise _damaged(path, "; ".join(problems))
 
 
 @rotation_aware
@@ -266,10 +252,7 @@ def read_trainer_state(path) -> dict:
         )
     written = (_checksums(Path(path)) or {}).get(trainer_file.name)
     if written is not None and _size_and_crc(trainer_file) != (written["size"], written["crc32"]):
-        raise CheckpointError(
-            f"checkpoint {path} is damaged, nothing was loaded from it: {trainer_file.name} is not "
-            f"the file written at save (its size or crc32 differ); {_fallback_hint(path)}"
-        )
+        raise _damaged(path, "trainer_rank0.pt is not the file written at save (its size or crc32 differ)")
     try:
         return torch.load(trainer_file, weights_only=True)
     except Exception as e:  # noqa: BLE001 - a checkpoint from before checksums.json, damaged

@@ -50,39 +50,28 @@ class SplitJointAttention(nn.Module):
     @torch.compiler.disable
     def forward(self, q, k, v, text_q, text_k, text_v, text_mask):
         if self.groups.ring_size > 1:
-            return self._gathered(q, k, v, text_q, text_k, text_v, text_mask)
-        return self._ulysses(q, k, v, text_q, text_k, text_v, text_mask)
-
-    def _gathered(self, q, k, v, text_q, text_k, text_v, text_mask):
-        B, L = q.shape[0], text_q.shape[2]
-        k, v = gather_keys_values(k, v, self.groups)  # (B, H, sp n, Dh)
-        real = self.sequence.state.tokens  # the padding sits at the end of the rank-ordered sequence
-        text_keys = text_mask.bool() if text_mask is not None else q.new_ones(B, L, dtype=torch.bool)
-        image_keys = (torch.arange(k.shape[2], device=q.device) < real).expand(B, -1)
-        mask = torch.cat([text_keys, image_keys], dim=1)[:, None, None, :]
-        if text_mask is None and k.shape[2] == real:
-            mask = None  # nothing masked: the kernel the single-device path runs
-        out = self.kernel(
-            torch.cat([text_q, q], dim=2), torch.cat([text_k, k], dim=2), torch.cat([text_v, v], dim=2), mask
-        )
-        return out[:, :, L:], out[:, :, :L]
-
-    def _ulysses(self, q, k, v, text_q, text_k, text_v, text_mask):
+            k, v = gather_keys_values(k, v, self.groups)  # (B, H, sp n, Dh)
+            return self._joint(q, k, v, text_q, text_k, text_v, text_mask)
         g = self.groups
         q, k, v = all_to_all_dims(torch.stack((q, k, v)), 2, 3, g.ulysses_group).unbind(0)  # (B, H/u, N, Dh)
         heads = slice(g.ulysses_rank * q.shape[1], (g.ulysses_rank + 1) * q.shape[1])
-        text_q, text_k, text_v = text_q[:, heads], text_k[:, heads], text_v[:, heads]
-        B, L, N = q.shape[0], text_q.shape[2], q.shape[2]
+        image, text = self._joint(q, k, v, text_q[:, heads], text_k[:, heads], text_v[:, heads], text_mask)
+        image = all_to_all_dims(image.contiguous(), 2, 1, g.ulysses_group)  # (B, H, n, Dh)
+        return image, _GatherTokens.apply(text.contiguous(), g.ulysses_group)  # text: every head
+
+    def _joint(self, q, k, v, text_q, text_k, text_v, text_mask):
+        """(image, text) outputs of the kernel over the text's keys then the whole padded sequence's (N),
+        whose padding sits at its end (the rank-ordered sequence's)."""
+        B, L, N, real = q.shape[0], text_q.shape[2], k.shape[2], self.sequence.state.tokens
         mask = None  # none at all when nothing is padded: the kernel the single-device path runs
-        if text_mask is not None or N > self.sequence.state.tokens:
+        if text_mask is not None or N > real:
             text_keys = text_mask.bool() if text_mask is not None else q.new_ones(B, L, dtype=torch.bool)
-            image_keys = (torch.arange(N, device=q.device) < self.sequence.state.tokens).expand(B, N)
+            image_keys = (torch.arange(N, device=q.device) < real).expand(B, N)
             mask = torch.cat([text_keys, image_keys], dim=1)[:, None, None, :]
         out = self.kernel(
             torch.cat([text_q, q], dim=2), torch.cat([text_k, k], dim=2), torch.cat([text_v, v], dim=2), mask
         )
-        image = all_to_all_dims(out[:, :, L:].contiguous(), 2, 1, g.ulysses_group)  # (B, H, n, Dh)
-        return image, _GatherTokens.apply(out[:, :, :L].contiguous(), g.ulysses_group)  # text: every head
+        return out[:, :, L:], out[:, :, :L]
 
 
 class ShardedLinearAttention(nn.Module):

@@ -88,8 +88,3 @@ def encode(
         return vae.encode(x).float()
     return _shared(plan, x, group, control_group)
 
-
-def shared_decoder(vae: LatentSpace, group, fence, tile: int, overlap: int):
-    """The decode models/sampler.py generate_images calls (infer.py's `decode`), with the tiles shared
-    across `group` (the replica) and early finishers waiting on `fence` (its gloo control group)."""
-    return lambda z: decode(vae, z, group, tile, overlap, control_group=fence)

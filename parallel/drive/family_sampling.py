@@ -43,12 +43,6 @@ class Weights:
     random: bool = False  # --random-weights: every layer from train.seed, none zero
 
 
-def refuse_flags(cfg, args, family) -> None:
-    """What the family's sampling does not take, refused by name (its images: Family.sampling_images)."""
-    if cfg.sample.cache == "calibrated":
-        refuse_calibration(family, "sample.cache=calibrated")
-
-
 def refuse_calibration(family, what: str, instead: str = "sample.cache=none") -> None:
     """`what` (sample.cache=calibrated, or a script that calibrates it) refused for a family whose sampling
     replays no calibration (its capabilities' calibrated_cache), naming `instead`."""
@@ -252,12 +246,10 @@ def load_sampling(cfg, runtime, family, request, weights: Weights, loras, patche
         parts.transformer = apply_operators(parts.transformer, runtime.sequence)
         denoise_with = family_denoiser(groups)
     decode = None
-    if family.loading.tiled_vae:  # the replica's ranks share the tiles
+    if family.loading.tiled_vae:  # the replica's ranks share the tiles (early finishers wait on its gloo)
         vae, replica = parts.vae, runtime.sampling
-        shared = parallel_vae.shared_decoder(
-            vae, replica.replica_group, replica.replica_control, vae.tile_latent, vae.tile_overlap
-        )
-        decode = lambda latents: shared(latents.float())  # noqa: E731
+        fence, tiles = replica.replica_control, (replica.replica_group, vae.tile_latent, vae.tile_overlap)
+        decode = lambda z: parallel_vae.decode(vae, z.float(), *tiles, control_group=fence)  # noqa: E731
     return parts, denoise_with, decode
 
 
