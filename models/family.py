@@ -150,6 +150,16 @@ class Family:
     def check_scheduler(self, config: dict) -> None:
         """Refuse (ValueError) a scheduler_config.json the family's schedule does not reproduce ({}: none)."""
 
+    def refuse_scheduler(self, config: dict, wrong: list, how: str = "") -> None:
+        """check_scheduler's refusal (ValueError) of a scheduler other than FlowMatchEulerDiscreteScheduler
+        or with the `wrong` settings ("key=value"); `how`: the rest of what the family samples with."""
+        kind = config.get("_class_name", "FlowMatchEulerDiscreteScheduler")
+        if kind != "FlowMatchEulerDiscreteScheduler" or wrong:
+            raise ValueError(
+                f"{self.title} samples with FlowMatchEulerDiscreteScheduler{how}; the folder's scheduler is "
+                f"{kind}{' with ' + ', '.join(wrong) if wrong else ''}"
+            )
+
     def check_sample_keys(self, cfg) -> None:
         """Refuse by name (ValueError) a sampling setting the family cannot take, before anything starts
         (infer.py and train.py's previews). Another family's own keys were refused when the recipe loaded

@@ -8,6 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.attention import JointAttention
+
 
 class RMSNorm(nn.Module):
     """diffusers' RMSNorm: the mean square in float32, the weight applied in the weight's dtype (torch's
@@ -96,6 +98,32 @@ def apply_rope(x, rope):
     # as an eager kernel inside the graph; the compiled step time did not change (docs/benchmarks_history.md).
     pairs = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * torch.view_as_complex(rope.float())).flatten(-2).to(x.dtype)
+
+
+class DualStreamAttention(nn.Module):
+    """diffusers' joint attention projections (its names): both streams' q, k, v and outputs, per-head RMSNorm
+    on queries and keys, and the joint operator (models/attention.py: parallel/ swaps it). A family's own
+    forward runs them."""
+
+    def __init__(self, dim: int, num_heads: int, backend: str = "sdpa"):
+        super().__init__()
+        self.num_heads, head_dim = num_heads, dim // num_heads
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim) for _ in range(3))
+        self.add_q_proj, self.add_k_proj, self.add_v_proj = (nn.Linear(dim, dim) for _ in range(3))
+        self.norm_q, self.norm_k = RMSNorm(head_dim), RMSNorm(head_dim)
+        self.norm_added_q, self.norm_added_k = RMSNorm(head_dim), RMSNorm(head_dim)
+        self.to_out = nn.ModuleList([nn.Linear(dim, dim)])  # diffusers' to_out.0 (to_out.1 is a dropout)
+        self.to_add_out = nn.Linear(dim, dim)
+        self.joint_attention = JointAttention(backend)
+
+    def _heads(self, x, norm=None, rope=None):
+        """(B, S, D) -> (B, H, S, Dh), normalised and rotated in the (B, S, H, Dh) layout as diffusers."""
+        x = x.unflatten(-1, (self.num_heads, -1))
+        if norm is not None:
+            x = norm(x)
+        if rope is not None:
+            x = apply_rope(x, rope[:, None])  # rope (S, 1, Dh/2, 2): the same angle for every head
+        return x.transpose(1, 2)
 
 
 def token_rows(per_token: torch.Tensor, start: int, end: int, dim: int = 1) -> torch.Tensor:

@@ -11,6 +11,12 @@ import torch
 from models.loop import Schedule
 
 
+def seeded_noise(seeds: list, shape: tuple, dtype=None) -> torch.Tensor:
+    """(B, *shape): sample i's noise from a CPU generator seeded with seeds[i] alone, as pipelines draw it."""
+    draw = lambda s: torch.randn(shape, generator=torch.Generator().manual_seed(s), dtype=dtype)  # noqa: E731
+    return torch.stack([draw(s) for s in seeds])
+
+
 class Steps:
     def noise(self, parts, seeds: list, frames: int, height: int, width: int) -> torch.Tensor:
         """The noise of each sample (B, C, T, h, w), sample i's drawn from seeds[i] alone, as its pipeline."""

@@ -5,11 +5,13 @@ non-square latent, a padded text mask); the prompt encoding is the pipeline's en
 are the scheduler's; and a short loop of the family's pieces gives QwenImagePipeline's image."""
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from models.families import family_named
 from models.qwen_image import (
     JointAttention,
     QwenImageCond,
@@ -23,7 +25,6 @@ from models.qwen_image import (
     encode_prompt,
     image_tokens,
     initial_noise,
-    is_qwen_image,
     normalize_latents,
     original_state_dict_from_diffusers,
     pack_latents,
@@ -344,5 +345,10 @@ def test_config_and_folder_detection(pipe, tmp_path):
     (pipeline / "transformer" / "config.json").write_text(json.dumps(config))
     pipe.transformer.save_pretrained(transformer)
     (other / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
-    assert is_qwen_image(pipeline) and is_qwen_image(transformer) and not is_qwen_image(other)
-    assert len(build_transformer(pipeline).blocks) == 2
+    family = family_named("qwen_image")
+    assert family.recognises(pipeline) and family.recognises(transformer) and not family.recognises(other)
+    none = SimpleNamespace(pretrained=None)
+    cfg = SimpleNamespace(
+        model=SimpleNamespace(pretrained=str(pipeline), attention_backend="sdpa"), vae=none, text_encoder=none
+    )
+    assert len(family.meta_transformer(cfg).blocks) == 2  # built from the pipeline's transformer/config.json

@@ -6,11 +6,13 @@ the whole tiny SanaPipeline. Every model is tiny, random and float32; the tokeni
 
 import inspect
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from models.families import family_named
 from models.sana import (
     COMPLEX_HUMAN_INSTRUCTION,
     ORIGINAL_ONLY,
@@ -25,9 +27,7 @@ from models.sana import (
     dpm_solver_step,
     encode_text,
     flow_schedule,
-    is_sana_folder,
     latent_shape,
-    load_sana_transformer,
     original_from_diffusers,
     tessera_from_diffusers,
 )
@@ -200,9 +200,13 @@ def test_folder_detection_and_loading(tmp_path):
     (tmp_path / "sana" / "model_index.json").write_text(json.dumps({"_class_name": "SanaPipeline"}))
     (tmp_path / "wan").mkdir()
     (tmp_path / "wan" / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
-    assert is_sana_folder(tmp_path / "sana") and is_sana_folder(tmp_path / "sana" / "transformer")
-    assert not is_sana_folder(tmp_path / "wan") and not is_sana_folder(tmp_path)
-    model = load_sana_transformer(tmp_path / "sana" / "transformer")
+    family = family_named("sana")
+    assert family.recognises(tmp_path / "sana") and family.recognises(tmp_path / "sana" / "transformer")
+    assert not family.recognises(tmp_path / "wan") and not family.recognises(tmp_path)
+    none = SimpleNamespace(pretrained=None)
+    folder = SimpleNamespace(pretrained=str(tmp_path / "sana" / "transformer"))
+    cfg = SimpleNamespace(model=folder, vae=none, text_encoder=none)
+    model = family.load_transformer(cfg, torch.float32)
     assert_same_tensors(diffusers_from_tessera(model.state_dict()), reference.state_dict())
 
 

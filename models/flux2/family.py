@@ -33,7 +33,7 @@ from models.loading import Loading
 from models.loop import Schedule, euler, sigmas
 from models.names import Names
 from models.objective import Objective
-from models.steps import Steps
+from models.steps import Steps, seeded_noise
 
 
 def empirical_mu(tokens: int, steps: int) -> float:
@@ -93,9 +93,7 @@ class Flux2Steps(Steps):
         """What the pipeline draws from a generator seeded with seed, in the model's dtype: (128, 1, h, w)."""
         scale = pixels_per_token(parts.vae.config)
         shape = (parts.transformer.in_channels, 1, height // scale, width // scale)
-        dtype = parts.transformer.x_embedder.weight.dtype
-        draw = lambda s: torch.randn(shape, generator=torch.Generator().manual_seed(s), dtype=dtype)  # noqa: E731
-        return torch.stack([draw(s) for s in seeds])
+        return seeded_noise(seeds, shape, parts.transformer.x_embedder.weight.dtype)
 
     def schedule(self, parts: Components, steps: int, latents: torch.Tensor) -> Schedule:
         tokens = latents.shape[-2] * latents.shape[-1]
@@ -228,11 +226,7 @@ class Flux2(Family):
         return 1  # its tokens are the packed latents' own cells
 
     def check_scheduler(self, config: dict) -> None:
-        kind = config.get("_class_name", "FlowMatchEulerDiscreteScheduler")
-        if kind != "FlowMatchEulerDiscreteScheduler" or config.get("use_flow_sigmas"):
-            raise ValueError(
-                f"{self.title} samples with FlowMatchEulerDiscreteScheduler; the folder has {kind}"
-            )
+        self.refuse_scheduler(config, ["use_flow_sigmas"] * bool(config.get("use_flow_sigmas")))
         sigmas(2, 16, config)  # a setting the schedule does not reproduce is refused by name
 
     def check_size(self, cfg, frames: int, height: int, width: int) -> None:
@@ -268,8 +262,7 @@ class Flux2(Family):
         )
         vae = AutoencoderKLFlux2.from_pretrained(part_folder(cfg, "vae"), torch_dtype=dtype)
         encoder, vae = (m and m.eval().to(device).requires_grad_(False) for m in (encoder, vae))
-        if model is not None:
-            model = model.to(device).requires_grad_(False)
+        model = model and model.to(device)  # load_transformer's: frozen already
         tokenizer = self.load_tokenizer(transformers, part_folder(cfg, "tokenizer"))
         scheduler = read_json(part_folder(cfg, "scheduler") / "scheduler_config.json")
         return Components(model, tokenizer, encoder, vae, scheduler)

@@ -27,7 +27,7 @@ from models.hunyuan_video15.weights import (
 from models.layers import PiecesOf
 from models.loop import Schedule, euler
 from models.names import Names
-from models.steps import Steps
+from models.steps import Steps, seeded_noise
 
 _UNSUPPORTED = ("use_dynamic_shifting", "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas",
                 "invert_sigmas", "stochastic_sampling", "shift_terminal")  # fmt: skip
@@ -92,9 +92,7 @@ class HunyuanVideo15Steps(Steps):
         config = parts.vae.config
         scale, stride = config.spatial_compression_ratio, config.temporal_compression_ratio
         shape = (config.latent_channels, (frames - 1) // stride + 1, height // scale, width // scale)
-        dtype = next(parts.transformer.parameters()).dtype
-        draw = lambda s: torch.randn(shape, generator=torch.Generator().manual_seed(s), dtype=dtype)  # noqa: E731
-        return torch.stack([draw(s) for s in seeds])
+        return seeded_noise(seeds, shape, next(parts.transformer.parameters()).dtype)
 
     def schedule(self, parts: HunyuanVideo15Parts, steps: int, latents: torch.Tensor) -> Schedule:
         levels = sigmas(steps, parts.scheduler_config).to(latents.device)
@@ -188,15 +186,10 @@ class HunyuanVideo15(Family):
         return tuple(None if cond is None else replace(cond, **image) for cond in conds)
 
     def check_scheduler(self, config: dict) -> None:
-        kind = config.get("_class_name", "FlowMatchEulerDiscreteScheduler")
         wrong = [key for key in _UNSUPPORTED if config.get(key)]
         if config.get("num_train_timesteps", 1000) != 1000:  # the transformer is told 1000 sigma
             wrong.append(f"num_train_timesteps={config['num_train_timesteps']}")
-        if kind != "FlowMatchEulerDiscreteScheduler" or wrong:
-            raise ValueError(
-                f"{self.title} samples with FlowMatchEulerDiscreteScheduler and a static shift; the folder's "
-                f"scheduler is {kind}{' with ' + ', '.join(wrong) if wrong else ''}"
-            )
+        self.refuse_scheduler(config, wrong, " and a static shift")
 
     def _space(self, cfg):
         from models.vae import LatentSpace
@@ -265,8 +258,7 @@ class HunyuanVideo15(Family):
             m if m is None else m.eval().to(device).requires_grad_(False)
             for m in (encoder, glyph_encoder, vae, image_encoder)
         ]
-        if model is not None:
-            model = model.to(device).requires_grad_(False)
+        model = model and model.to(device)  # load_transformer's: frozen already
         return HunyuanVideo15Parts(
             model,
             AutoTokenizer.from_pretrained(part_folder(cfg, "tokenizer")),

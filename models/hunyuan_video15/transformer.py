@@ -14,14 +14,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.attention import JointAttention
 from models.layers import (
     AdaNormOut,
+    DualStreamAttention,
     FeedForward,
-    RMSNorm,
     TimestepMLP,
     WholeSequence,
-    apply_rope,
     timestep_features,
     token_rows,
 )
@@ -142,31 +140,11 @@ class ImageProjection(nn.Module):
         return self.norm_out(self.linear_2(F.gelu(self.linear_1(self.norm_in(x)))))
 
 
-class HunyuanVideo15Attention(nn.Module):
+class HunyuanVideo15Attention(DualStreamAttention):
     """Both streams' projections, per-head RMSNorm on queries and keys, RoPE on the video's, then the joint
     operator (models/attention.py, kind "joint": parallel/ swaps it). diffusers also masks the padded
     context tokens as queries; their outputs are never read (they are keys nowhere), so the video tokens'
     are the same."""
-
-    def __init__(self, dim: int, num_heads: int, backend: str = "sdpa"):
-        super().__init__()
-        self.num_heads, head_dim = num_heads, dim // num_heads
-        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim) for _ in range(3))
-        self.add_q_proj, self.add_k_proj, self.add_v_proj = (nn.Linear(dim, dim) for _ in range(3))
-        self.norm_q, self.norm_k = RMSNorm(head_dim), RMSNorm(head_dim)
-        self.norm_added_q, self.norm_added_k = RMSNorm(head_dim), RMSNorm(head_dim)
-        self.to_out = nn.ModuleList([nn.Linear(dim, dim)])
-        self.to_add_out = nn.Linear(dim, dim)
-        self.joint_attention = JointAttention(backend)
-
-    def _heads(self, x, norm=None, rope=None):
-        """(B, S, D) -> (B, H, S, Dh), normalised and rotated in the (B, S, H, Dh) layout as diffusers."""
-        x = x.unflatten(-1, (self.num_heads, -1))
-        if norm is not None:
-            x = norm(x)
-        if rope is not None:
-            x = apply_rope(x, rope[:, None])
-        return x.transpose(1, 2)
 
     def forward(self, x, context, context_mask, rope):
         """x (B, N, D) video tokens (this rank's), context (B, L, D), context_mask (B, L) bool or None, rope

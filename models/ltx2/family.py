@@ -353,17 +353,12 @@ class LTX2(Family):
             )
 
     def check_scheduler(self, config: dict) -> None:
-        kind = config.get("_class_name", "FlowMatchEulerDiscreteScheduler")
         wrong = [key for key in UNSUPPORTED if config.get(key)]
         if config.get("num_train_timesteps", 1000) != 1000:  # the transformer is told 1000 sigma
             wrong.append(f"num_train_timesteps={config['num_train_timesteps']}")
         if config.get("time_shift_type", "exponential") not in ("exponential", "linear"):
             wrong.append(f"time_shift_type={config['time_shift_type']}")
-        if kind != "FlowMatchEulerDiscreteScheduler" or wrong:
-            raise ValueError(
-                f"{self.title} samples with FlowMatchEulerDiscreteScheduler's Euler steps; the folder's "
-                f"scheduler is {kind}{' with ' + ', '.join(wrong) if wrong else ''}"
-            )
+        self.refuse_scheduler(config, wrong, "'s Euler steps")
 
     def _strides(self, cfg) -> tuple:
         """(temporal, spatial) pixels per video latent, as AutoencoderKLLTX2Video derives them."""
@@ -426,8 +421,7 @@ class LTX2(Family):
         encoder, vae, connectors, audio_vae, voc = (
             m and m.eval().to(device).requires_grad_(False) for m in loaded
         )
-        if model is not None:
-            model = model.to(device).requires_grad_(False)
+        model = model and model.to(device)  # load_transformer's: frozen already
         tokenizer = prepare_tokenizer(
             transformers.AutoTokenizer.from_pretrained(part_folder(cfg, "tokenizer"))
         )

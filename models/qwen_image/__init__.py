@@ -1,6 +1,6 @@
 """The Qwen-Image family (text-to-image MMDiT; diffusers' QwenImagePipeline): transformer.py the model,
 text.py the prompt encoding, sampling.py noise, schedule, guidance and latent normalisation, weights.py
-folder detection, config reading and key maps. Each piece is tested against diffusers in
+config reading and key maps. Each piece is tested against diffusers in
 tests/test_qwen_image.py. Its names load on first use (PEP 562): keys.py, read by the schema, imports
 the package alone.
 """
@@ -14,7 +14,7 @@ _HOME = {
     "transformer": ("JointAttention", "QwenImageCond", "QwenImageContext", "QwenImageTransformer",
                     "pack_latents", "unpack_latents"),
     "weights": ("QwenImageFormatError", "build_transformer", "diffusers_config_from_kwargs",
-                "diffusers_state_dict_from_original", "diffusers_state_dict_from_tessera", "is_qwen_image",
+                "diffusers_state_dict_from_original", "diffusers_state_dict_from_tessera",
                 "original_state_dict_from_diffusers", "tessera_state_dict_from_diffusers",
                 "transformer_kwargs_from_diffusers_config"),
 }  # fmt: skip

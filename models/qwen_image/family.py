@@ -18,7 +18,7 @@ from models.qwen_image.weights import (
     build_transformer,
     diffusers_state_dict_from_original,
 )
-from models.steps import Steps
+from models.steps import Steps, seeded_noise
 
 # Qwen/Qwen-Image's scheduler/scheduler_config.json, for a transformer folder without one beside it
 RELEASE_SCHEDULER = dict(
@@ -45,9 +45,7 @@ class QwenImageSteps(Steps):
         (C, 1, h, w) holds the numbers of its (1, 1, C, h, w) in the same order."""
         scale = 2 ** len(parts.vae.temperal_downsample)
         shape = (parts.transformer.in_channels, 1, height // scale, width // scale)
-        dtype = parts.transformer.img_in.weight.dtype
-        draw = lambda s: torch.randn(shape, generator=torch.Generator().manual_seed(s), dtype=dtype)  # noqa: E731
-        return torch.stack([draw(s) for s in seeds])
+        return seeded_noise(seeds, shape, parts.transformer.img_in.weight.dtype)
 
     def schedule(self, parts: Components, steps: int, latents: torch.Tensor) -> Schedule:
         levels = sigmas(steps, image_tokens(*latents.shape[-2:]), parts.scheduler_config).to(latents.device)
@@ -88,11 +86,7 @@ class QwenImage(Family):
         return 2 ** len(config.get("temperal_downsample", [False, True, True]))  # the pipeline's rule
 
     def check_scheduler(self, config: dict) -> None:
-        kind = config.get("_class_name", "FlowMatchEulerDiscreteScheduler")
-        if kind != "FlowMatchEulerDiscreteScheduler":
-            raise ValueError(
-                f"Qwen-Image samples with FlowMatchEulerDiscreteScheduler; the folder has {kind}"
-            )
+        self.refuse_scheduler(config, [])
         sigmas(2, 16, config)  # a setting the schedule does not reproduce is refused by name
 
     def check_size(self, cfg, frames: int, height: int, width: int) -> None:
@@ -110,9 +104,9 @@ class QwenImage(Family):
             "txt_in.weight",
             "proj_out.weight",
         )
-        if any(key not in shapes for key in needed):
-            missing = next(key for key in needed if key not in shapes)
-            raise ValueError(f"model.pretrained is not a Qwen-Image transformer file: it has no {missing}")
+        missing = [key for key in needed if key not in shapes]
+        if missing:
+            raise ValueError(f"model.pretrained is not a Qwen-Image transformer file: it has no {missing[0]}")
         head = shapes["transformer_blocks.0.attn.norm_q.weight"][0]
         if head != 128:
             return super().config_of_file(shapes)  # the rope's split of another head size is not in the file
@@ -134,7 +128,7 @@ class QwenImage(Family):
         from diffusers import AutoencoderKLQwenImage
         from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
-        transformer = self.load_transformer(cfg, dtype, keep) if transformer else torch.nn.Identity()
+        transformer = self.load_transformer(cfg, dtype, keep) if transformer else None
         encoder = None
         if texts:
             folder = part_folder(cfg, "text_encoder")
@@ -142,9 +136,8 @@ class QwenImage(Family):
         vae = AutoencoderKLQwenImage.from_pretrained(part_folder(cfg, "vae"), torch_dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(part_folder(cfg, "tokenizer"))
         scheduler = read_json(part_folder(cfg, "scheduler") / "scheduler_config.json")
-        parts = (transformer, encoder, vae)
-        transformer, encoder, vae = (p and p.eval().to(device).requires_grad_(False) for p in parts)
-        transformer = transformer if not isinstance(transformer, torch.nn.Identity) else None
+        encoder, vae = (m and m.eval().to(device).requires_grad_(False) for m in (encoder, vae))
+        transformer = transformer and transformer.to(device)  # load_transformer's: frozen already
         return Components(transformer, tokenizer, encoder, vae, scheduler or RELEASE_SCHEDULER)
 
     def encode_images(self, parts: Components, images: torch.Tensor) -> torch.Tensor:

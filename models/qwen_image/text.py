@@ -5,6 +5,8 @@ length), exactly as diffusers' QwenImagePipeline.encode_prompt gives it.
 
 import torch
 
+from models.family import padded
+
 # The pipeline's template; its first DROP_TOKENS tokens (the system turn, with Qwen's own tokenizer) are
 # dropped from the hidden states, whatever tokenizer is used (diffusers does the same).
 PROMPT_TEMPLATE = (
@@ -38,12 +40,8 @@ def encode_prompt(prompts, tokenizer, text_encoder, max_sequence_length: int = M
     ]
     # each prompt's real tokens, wherever the tokenizer put the padding, less the template's head
     kept = [h[m.bool()][DROP_TOKENS:][:max_sequence_length] for h, m in zip(hidden, attention)]
-    length = max(k.shape[0] for k in kept)
-    embeddings = hidden.new_zeros(len(kept), length, hidden.shape[-1])
-    mask = torch.zeros(len(kept), length, dtype=torch.bool, device=device)
-    for i, k in enumerate(kept):
-        embeddings[i, : k.shape[0]], mask[i, : k.shape[0]] = k, True
-    return embeddings, (None if bool(mask.all()) else mask)
+    embeddings, mask = padded(kept)
+    return embeddings, None if mask is None else mask.to(device)
 
 
 # Qwen-Image-Edit-2509 / 2511 (QwenImageEditPlusPipeline): the template with the pictures before the
@@ -90,9 +88,5 @@ def encode_edit_prompt(prompts, images: list, image_processor, tokenizer, text_e
             output_hidden_states=True,
         ).hidden_states[-1]
         kept.append(hidden[0][inputs["attention_mask"][0].bool()][EDIT_DROP_TOKENS:])
-    length = max(k.shape[0] for k in kept)
-    embeddings = kept[0].new_zeros(len(kept), length, kept[0].shape[-1])
-    mask = torch.zeros(len(kept), length, dtype=torch.bool, device=device)
-    for i, k in enumerate(kept):
-        embeddings[i, : k.shape[0]], mask[i, : k.shape[0]] = k, True
-    return embeddings, (None if bool(mask.all()) else mask)
+    embeddings, mask = padded(kept)
+    return embeddings, None if mask is None else mask.to(device)

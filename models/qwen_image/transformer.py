@@ -11,14 +11,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from models.attention import JointAttention, joint_beside
+from models.attention import JointAttention, joint_beside  # noqa: F401  (the package exports JointAttention)
 from models.layers import (
     AdaNormOut,
+    DualStreamAttention,
     FeedForward,
     RMSNorm,
     TimestepMLP,
     WholeSequence,
-    apply_rope,
     beside_patch,
     beside_split,
     timestep_features,
@@ -127,26 +127,8 @@ class QwenRope(nn.Module):
         return torch.cat(parts, dim=-1).reshape(t * h * w, -1)
 
 
-class QwenAttention(nn.Module):
+class QwenAttention(DualStreamAttention):
     """Both streams' projections, per-head RMSNorm on queries and keys, RoPE, then the joint operator."""
-
-    def __init__(self, dim: int, num_heads: int, backend: str = "sdpa"):
-        super().__init__()
-        self.num_heads, head_dim = num_heads, dim // num_heads
-        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim) for _ in range(3))
-        self.add_q_proj, self.add_k_proj, self.add_v_proj = (nn.Linear(dim, dim) for _ in range(3))
-        self.norm_q, self.norm_k = RMSNorm(head_dim), RMSNorm(head_dim)
-        self.norm_added_q, self.norm_added_k = RMSNorm(head_dim), RMSNorm(head_dim)
-        self.to_out = nn.ModuleList([nn.Linear(dim, dim)])  # diffusers' to_out.0 (to_out.1 is a dropout)
-        self.to_add_out = nn.Linear(dim, dim)
-        self.joint_attention = JointAttention(backend)
-
-    def _heads(self, x, norm=None, rope=None):
-        """(B, N, D) -> (B, H, N, Dh), normalised and rotated in the (B, N, H, Dh) layout as diffusers."""
-        x = x.unflatten(-1, (self.num_heads, -1))
-        if norm is not None:
-            x = apply_rope(norm(x), rope[:, None])  # rope (N, 1, Dh/2, 2): the same angle for every head
-        return x.transpose(1, 2)
 
     def forward(self, x, text, text_mask, rope, text_rope, beside: int = 0):
         """`beside`: the last image tokens that attend from the text's side (models/attention.py)."""

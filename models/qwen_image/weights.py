@@ -1,13 +1,12 @@
-"""Qwen-Image's folders and weight names. A diffusers folder is recognised by its `_class_name`s; the
-transformer is built from its config.json at any depth and width. Key maps: diffusers <-> tessera
+"""Qwen-Image's weight names and config (the family recognises its folders). The transformer is built from
+its config.json at any depth and width. Key maps: diffusers <-> tessera
 (`transformer_blocks.` <-> `blocks.`, everything else identical) and the original single-file release
 <-> diffusers (the same names, maybe prefixed with `model.diffusion_model.`).
 """
 
-import json
 import re
-from pathlib import Path
 
+from models.names import renamed
 from models.qwen_image.transformer import QwenImageTransformer
 from models.weight_files import unprefixed
 
@@ -22,27 +21,6 @@ _QUANTIZED = re.compile(r"(^|\.)(scaled_fp8|scale_weight|scale_input|weight_scal
 
 class QwenImageFormatError(ValueError):
     """A folder, config or state dict that is not a Qwen-Image transformer this module can read."""
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def is_qwen_image(folder) -> bool:
-    """Whether `folder` is a diffusers Qwen-Image folder: a pipeline (model_index.json names
-    QwenImagePipeline), or a transformer folder, or a pipeline's transformer/ (config.json names
-    QwenImageTransformer2DModel)."""
-    folder = Path(folder)
-    index = _read_json(folder / "model_index.json") or {}
-    if index.get("_class_name") == PIPELINE_CLASS:
-        return True
-    for config in (folder / "config.json", folder / "transformer" / "config.json"):
-        if (_read_json(config) or {}).get("_class_name") == TRANSFORMER_CLASS:
-            return True
-    return False
 
 
 def transformer_kwargs_from_diffusers_config(config: dict) -> dict:
@@ -91,13 +69,7 @@ def diffusers_config_from_kwargs(kwargs: dict) -> dict:
 
 
 def build_transformer(config: dict, attention_backend: str = "sdpa") -> QwenImageTransformer:
-    """The tessera module for a diffusers transformer config dict (or a folder holding config.json)."""
-    if not isinstance(config, dict):
-        folder = Path(config)
-        folder = folder / "transformer" if (folder / "transformer" / "config.json").is_file() else folder
-        config = _read_json(folder / "config.json")
-        if config is None:
-            raise QwenImageFormatError(f"{folder}: no readable config.json")
+    """The tessera module for a diffusers transformer config dict."""
     if config.get("_class_name", TRANSFORMER_CLASS) != TRANSFORMER_CLASS:
         raise QwenImageFormatError(f"config describes a {config['_class_name']}, not a {TRANSFORMER_CLASS}")
     return QwenImageTransformer(
@@ -105,21 +77,9 @@ def build_transformer(config: dict, attention_backend: str = "sdpa") -> QwenImag
     )
 
 
-def tessera_key(diffusers_key: str) -> str:
-    return re.sub(r"^transformer_blocks\.", "blocks.", diffusers_key)
-
-
-def diffusers_key(tessera_key: str) -> str:
-    return re.sub(r"^blocks\.", "transformer_blocks.", tessera_key)
-
-
-def tessera_state_dict_from_diffusers(state_dict: dict) -> dict:
-    """A QwenImageTransformer2DModel state dict under tessera's names (tensors are not copied)."""
-    return {tessera_key(k): v for k, v in state_dict.items()}
-
-
-def diffusers_state_dict_from_tessera(state_dict: dict) -> dict:
-    return {diffusers_key(k): v for k, v in state_dict.items()}
+# a QwenImageTransformer2DModel state dict under tessera's names (tensors are not copied), and back
+tessera_state_dict_from_diffusers = renamed("transformer_blocks.", "blocks.")
+diffusers_state_dict_from_tessera = renamed("blocks.", "transformer_blocks.")
 
 
 def diffusers_state_dict_from_original(state_dict: dict) -> dict:

@@ -12,14 +12,8 @@ from models.names import Names
 from models.sana.sampling import RELEASE_SCHEDULER, denormalize_latents, dpm_solver_step, flow_schedule
 from models.sana.text import COMPLEX_HUMAN_INSTRUCTION, encode_text
 from models.sana.transformer import SanaConditioning
-from models.sana.weights import (
-    SanaFormatError,
-    build_sana,
-    diffusers_from_original,
-    diffusers_from_tessera,
-    tessera_from_diffusers,
-)
-from models.steps import Steps
+from models.sana.weights import SanaFormatError, build_sana, diffusers_from_original
+from models.steps import Steps, seeded_noise
 
 
 def from_original(state: dict) -> dict:
@@ -45,7 +39,7 @@ class SanaSteps(Steps):
         """What the pipeline draws from a generator seeded with seed, one image each (C, 1, h, w)."""
         scale = 2 ** (len(parts.vae.config.encoder_block_out_channels) - 1)
         shape = (parts.transformer.in_channels, 1, height // scale, width // scale)
-        return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
+        return seeded_noise(seeds, shape)
 
     def schedule(self, parts: Components, steps: int, latents: torch.Tensor) -> Schedule:
         config = parts.scheduler_config
@@ -69,7 +63,7 @@ class Sana(Family):
     vae_class, max_length = "AutoencoderDC", 300
     lora_targets = ("blocks.*.attn1.*", "blocks.*.attn2.*")  # its feed-forward is convolutions
     conditioning = SanaConditioning
-    names = Names(tessera_from_diffusers, diffusers_from_tessera, from_original)
+    names = Names(from_original=from_original)
 
     def widths(self, cfg) -> list:
         t, vae, text = self.transformer_config(cfg), config_of(cfg, "vae"), config_of(cfg, "text_encoder")
@@ -118,7 +112,7 @@ class Sana(Family):
         from diffusers import AutoencoderDC
         from transformers import AutoModel, AutoTokenizer
 
-        transformer = self.load_transformer(cfg, dtype, keep) if transformer else torch.nn.Identity()
+        transformer = self.load_transformer(cfg, dtype, keep) if transformer else None
         encoder = (
             AutoModel.from_pretrained(part_folder(cfg, "text_encoder"), torch_dtype=dtype) if texts else None
         )
@@ -126,9 +120,8 @@ class Sana(Family):
         tokenizer = AutoTokenizer.from_pretrained(part_folder(cfg, "tokenizer"))
         scheduler = read_json(part_folder(cfg, "scheduler") / "scheduler_config.json")
         scheduler = {**RELEASE_SCHEDULER, **scheduler}  # checked in check_pretrained
-        parts = (transformer, encoder, vae)
-        transformer, encoder, vae = (p and p.eval().to(device).requires_grad_(False) for p in parts)
-        transformer = transformer if not isinstance(transformer, torch.nn.Identity) else None
+        encoder, vae = (m and m.eval().to(device).requires_grad_(False) for m in (encoder, vae))
+        transformer = transformer and transformer.to(device)  # load_transformer's: frozen already
         return Components(transformer, tokenizer, encoder, vae, scheduler)
 
     def encode_images(self, parts: Components, images: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Sana's weights in and out, and its architecture from a diffusers folder; single-device code.
+"""Sana's weights in and out, and its architecture from a diffusers config; single-device code.
 
 Three namings: diffusers' `SanaTransformer2DModel`; tessera's, the same but for `blocks.N.` in place of
 `transformer_blocks.N.`; and the original release's (NVlabs/Sana `.pth` checkpoints, whose keys ComfyUI
@@ -8,12 +8,11 @@ diffusers' scripts/convert_sana_to_diffusers.py, which also maps Sana 1.5's q/k 
 """
 
 import inspect
-import json
 import re
-from pathlib import Path
 
 import torch
 
+from models.names import renamed
 from models.sana.transformer import SanaTransformer
 
 ORIGINAL_ONLY = ("pos_embed", "y_embedder.y_embedding")  # a fixed buffer; the training-time null caption
@@ -51,12 +50,8 @@ class SanaFormatError(ValueError):
     """A folder, config or state dict that is not a Sana transformer tessera can load."""
 
 
-def tessera_from_diffusers(state_dict: dict) -> dict:
-    return {re.sub(r"^transformer_blocks\.", "blocks.", k): v for k, v in state_dict.items()}
-
-
-def diffusers_from_tessera(state_dict: dict) -> dict:
-    return {re.sub(r"^blocks\.", "transformer_blocks.", k): v for k, v in state_dict.items()}
+tessera_from_diffusers = renamed("transformer_blocks.", "blocks.")
+diffusers_from_tessera = renamed("blocks.", "transformer_blocks.")
 
 
 def _split(key: str, blocks: str):
@@ -143,33 +138,4 @@ def build_sana(config: dict) -> SanaTransformer:
     kwargs = sana_kwargs_from_diffusers_config(config)
     model = SanaTransformer(**kwargs)
     model._architecture = kwargs
-    return model
-
-
-def is_sana_folder(path) -> bool:
-    """Whether `path` holds Sana: a pipeline folder whose model_index.json names SanaPipeline, or (without
-    one) a transformer folder, or a folder's transformer/, whose config.json names SanaTransformer2DModel."""
-    path = Path(path)
-    index = path / "model_index.json"
-    if index.is_file():
-        return json.loads(index.read_text()).get("_class_name") == "SanaPipeline"
-    for config in (path / "config.json", path / "transformer" / "config.json"):
-        if config.is_file():
-            return json.loads(config.read_text()).get("_class_name") == "SanaTransformer2DModel"
-    return False
-
-
-def load_sana_transformer(folder, dtype=torch.float32) -> SanaTransformer:
-    """A diffusers transformer folder (config.json and diffusion_pytorch_model*.safetensors) -> the tessera
-    module with its weights, built on the meta device and filled in place."""
-    from safetensors.torch import load_file
-
-    folder = Path(folder)
-    with torch.device("meta"):
-        model = build_sana(json.loads((folder / "config.json").read_text()))
-    files = sorted(folder.glob("diffusion_pytorch_model*.safetensors"))
-    if not files:
-        raise SanaFormatError(f"{folder} has no diffusion_pytorch_model*.safetensors")
-    state = {k: v.to(dtype) for f in files for k, v in load_file(f).items()}
-    model.load_state_dict(tessera_from_diffusers(state), strict=True, assign=True)
     return model

@@ -17,7 +17,7 @@ from models.guidance import Guidance
 from models.loop import Schedule, euler, sigmas
 from models.names import Names, renamed
 from models.objective import Objective
-from models.steps import Steps
+from models.steps import Steps, seeded_noise
 from models.z_image.keys import KEYS
 from models.z_image.text import MAX_SEQUENCE_LENGTH, encode_prompt
 from models.z_image.transformer import ZImageCond
@@ -92,7 +92,7 @@ class ZImageSteps(Steps):
         latents stay float32 between steps)."""
         scale = vae_stride(parts.vae.config)
         shape = (parts.transformer.in_channels, 1, height // scale, width // scale)
-        return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
+        return seeded_noise(seeds, shape)
 
     def schedule(self, parts: Components, steps: int, latents: torch.Tensor) -> Schedule:
         """The pipeline's torch.linspace(1, 1/N, N) through the scheduler's shift (mu from the image's 2 x 2
@@ -152,15 +152,8 @@ class ZImage(Family):
         return vae_stride(read_json(part_folder(cfg, "vae") / "config.json"))
 
     def check_scheduler(self, config: dict) -> None:
-        kind = config.get("_class_name", "FlowMatchEulerDiscreteScheduler")
-        wrong = [f"num_train_timesteps={config['num_train_timesteps']}"] * (
-            config.get("num_train_timesteps", 1000) != 1000  # the pipeline tells the model (1000 - t) / 1000
-        )
-        if kind != "FlowMatchEulerDiscreteScheduler" or wrong:
-            raise ValueError(
-                f"{self.title} samples with FlowMatchEulerDiscreteScheduler; the folder's scheduler is {kind}"
-                f"{' with ' + ', '.join(wrong) if wrong else ''}"
-            )
+        steps = config.get("num_train_timesteps", 1000)  # the pipeline tells the model (1000 - t) / 1000
+        self.refuse_scheduler(config, [f"num_train_timesteps={steps}"] * (steps != 1000))
         sigmas(2, 16, config)  # a setting the schedule does not reproduce is refused by name
 
     def check_size(self, cfg, frames: int, height: int, width: int) -> None:
@@ -199,8 +192,7 @@ class ZImage(Family):
         )
         vae = AutoencoderKL.from_pretrained(part_folder(cfg, "vae"), torch_dtype=dtype)
         encoder, vae = (m and m.eval().to(device).requires_grad_(False) for m in (encoder, vae))
-        if model is not None:
-            model = model.to(device).requires_grad_(False)
+        model = model and model.to(device)  # load_transformer's: frozen already
         given = {k.name: cfg.sample[k.name] for k in KEYS if cfg.sample[k.name] is not None}
         return ZImageParts(
             model,

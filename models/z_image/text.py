@@ -6,6 +6,8 @@ mask (None when every prompt has as many tokens), which the transformer turns ba
 
 import torch
 
+from models.family import padded
+
 MAX_SEQUENCE_LENGTH = 512  # the pipeline's default
 
 
@@ -26,10 +28,5 @@ def encode_prompt(prompts, tokenizer, text_encoder, max_sequence_length: int = M
     device = next(text_encoder.parameters()).device
     ids, mask = tokens.input_ids.to(device), tokens.attention_mask.to(device).bool()
     hidden = text_encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[-2]
-    kept = [h[m] for h, m in zip(hidden, mask)]
-    length = max(len(k) for k in kept)
-    embeddings = hidden.new_zeros(len(kept), length, hidden.shape[-1])
-    real = torch.zeros(len(kept), length, dtype=torch.bool, device=device)
-    for i, k in enumerate(kept):
-        embeddings[i, : len(k)], real[i, : len(k)] = k, True
-    return embeddings, (None if bool(real.all()) else real)
+    embeddings, real = padded([h[m] for h, m in zip(hidden, mask)])
+    return embeddings, None if real is None else real.to(device)
