@@ -211,3 +211,11 @@ def test_guidance_terms_match_the_pipeline(pipe, tmp_path, guidance, terms, proc
     assert diff <= 1e-5 and want.std() > 0.01
     for key in terms:  # each term alone left at its default gives another image
         assert float(np.abs(sample(**{k: v for k, v in terms.items() if k != key}) - want).max()) > 1e-3, key
+
+
+def test_a_scheduler_config_without_its_step_count_reads_as_the_pipelines():
+    """A scheduler_config.json without num_train_timesteps is diffusers' 1000 (it raised KeyError); another
+    count is refused by name."""
+    ZImage().check_scheduler({"_class_name": "FlowMatchEulerDiscreteScheduler"})
+    with pytest.raises(ValueError, match="num_train_timesteps=500"):
+        ZImage().check_scheduler({"num_train_timesteps": 500})
