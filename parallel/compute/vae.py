@@ -87,4 +87,3 @@ def encode(
     if plan is None:
         return vae.encode(x).float()
     return _shared(plan, x, group, control_group)
-
